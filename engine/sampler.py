@@ -1,0 +1,42 @@
+"""Turns one sequence's logits into its next token: greedy, temperature, top-k, top-p, seeded."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+
+class Sampler:
+    def __init__(self) -> None:
+        self._generators: dict[str, torch.Generator] = {}
+
+    def sample(self, request_id: str, logits: torch.Tensor, params: SamplingParams) -> int:
+        # logits: [V] float32
+        if params.greedy:
+            return int(torch.argmax(logits))
+        logits = logits / params.temperature
+        if params.top_k > 0 and params.top_k < logits.numel():
+            kth = torch.topk(logits, params.top_k).values[-1]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        if params.top_p < 1.0:
+            sorted_probs, sorted_idx = torch.sort(probs, descending=True)
+            cumulative = torch.cumsum(sorted_probs, dim=-1)
+            # keep the smallest prefix whose mass reaches top_p (always at least one token)
+            drop = cumulative - sorted_probs >= params.top_p
+            sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+            probs = torch.zeros_like(probs).scatter_(0, sorted_idx, sorted_probs)
+        return int(torch.multinomial(probs, 1, generator=self._generator(request_id, params)))
+
+    def release(self, request_id: str) -> None:
+        self._generators.pop(request_id, None)
+
+    def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator | None:
+        if params.seed is None:
+            return None
+        gen = self._generators.get(request_id)
+        if gen is None:
+            gen = torch.Generator().manual_seed(params.seed)
+            self._generators[request_id] = gen
+        return gen

@@ -1,0 +1,50 @@
+"""Who is asking: the bearer key → a principal. Provided to handlers as dependencies."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from litestar import Request
+from litestar.connection import ASGIConnection
+from litestar.handlers import BaseRouteHandler
+
+from gateway.errors import Forbidden, Unauthenticated
+from gateway.tenants.store import Principal
+
+
+def presented_key(request: ASGIConnection[Any, Any, Any, Any]) -> str | None:
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() == "bearer" and token.strip():
+        return token.strip()
+    return request.headers.get("x-api-key") or None
+
+
+def authenticate(request: ASGIConnection[Any, Any, Any, Any]) -> Principal:
+    key = presented_key(request)
+    if key is None:
+        raise Unauthenticated("no API key: send `Authorization: Bearer tg-…`", code="missing_api_key")
+    principal = request.app.state.services.store.authenticate(key)
+    if principal is None:
+        raise Unauthenticated("the API key is unknown, revoked or expired")
+    request.state.key_id = principal.key.key_id
+    return principal
+
+
+async def provide_principal(request: Request[Any, Any, Any]) -> Principal:
+    """Any valid key: a tenant's or an admin's."""
+    return authenticate(request)
+
+
+async def provide_tenant(request: Request[Any, Any, Any]) -> Principal:
+    """A tenant's key; admin keys manage the gateway but do not call models."""
+    principal = authenticate(request)
+    if principal.tenant is None:
+        raise Forbidden("admin keys cannot call models; use a tenant key", code="tenant_key_required")
+    return principal
+
+
+def require_admin(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
+    """Guard for admin routes: every handler under it runs only for an admin key."""
+    if not authenticate(connection).key.is_admin:
+        raise Forbidden("this route needs an admin key", code="admin_key_required")

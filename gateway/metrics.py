@@ -1,0 +1,73 @@
+"""Prometheus metrics the gateway exports (all named `tiergate_*`), in a registry per app."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+from quotas.ledger import LedgerRow
+from tiers.fleet import Fleet
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
+
+
+class _FleetCollector:
+    def __init__(self, fleet: Fleet) -> None:
+        self.fleet = fleet
+
+    def collect(self) -> Any:
+        g = GaugeMetricFamily("tiergate_tier_replicas_ready", "Healthy replicas per tier.", labels=["tier"])
+        for tier, reps in self.fleet.replicas.items():
+            g.add_metric([tier], sum(r.healthy for r in reps))
+        yield g
+        r = GaugeMetricFamily("tiergate_tier_engine_restarts", "Engine restarts per tier.", labels=["tier"])
+        for tier, reps in self.fleet.replicas.items():
+            r.add_metric([tier], sum(rep.restarts for rep in reps))
+        yield r
+
+
+class GatewayMetrics:
+    def __init__(self, fleet: Fleet | None = None) -> None:
+        self.registry = CollectorRegistry()
+        reg = self.registry
+        self.requests = Counter("tiergate_requests", "Finished requests (after admission).",
+                                ["tenant", "tier", "status"], registry=reg)
+        self.tokens = Counter("tiergate_tokens", "Tokens by kind (input, output).",
+                              ["tenant", "tier", "kind"], registry=reg)
+        self.price = Counter("tiergate_price_usd", "What tenants were charged, USD.", ["tenant", "tier"],
+                             registry=reg)
+        self.compute_cost = Counter("tiergate_compute_cost_usd", "What the compute cost us, USD.",
+                                    ["tenant", "tier"], registry=reg)
+        self.refusals = Counter("tiergate_refusals", "Requests refused before admission, by reason.",
+                                ["reason"], registry=reg)
+        self.ttft = Histogram("tiergate_time_to_first_token_seconds", "Arrival to first output token.",
+                              ["tier"], buckets=LATENCY_BUCKETS, registry=reg)
+        self.total = Histogram("tiergate_request_duration_seconds", "Arrival to last byte.", ["tier"],
+                               buckets=LATENCY_BUCKETS, registry=reg)
+        self.overhead = Histogram("tiergate_gateway_overhead_seconds",
+                                  "Time spent in the gateway itself (total minus upstream time).",
+                                  buckets=OVERHEAD_BUCKETS, registry=reg)
+        if fleet is not None:
+            reg.register(_FleetCollector(fleet))
+
+    def finished(self, row: LedgerRow, overhead_s: float | None) -> None:
+        tier = row.tier or "none"
+        self.requests.labels(row.tenant, tier, row.status).inc()
+        self.tokens.labels(row.tenant, tier, "input").inc(row.input_tokens)
+        self.tokens.labels(row.tenant, tier, "output").inc(row.output_tokens)
+        self.price.labels(row.tenant, tier).inc(float(row.price_usd))
+        self.compute_cost.labels(row.tenant, tier).inc(float(row.compute_cost_usd))
+        if row.ttft_s is not None:
+            self.ttft.labels(tier).observe(row.ttft_s)
+        self.total.labels(tier).observe(row.total_s)
+        if overhead_s is not None:
+            self.overhead.observe(max(0.0, overhead_s))
+
+    def refused(self, reason: str) -> None:
+        self.refusals.labels(reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,33 @@
+"""Stamps every response with `x-tiergate-request-id` and `x-tiergate-tier` (`none` before routing)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from litestar.types import ASGIApp, Message, Receive, Scope, Send
+
+
+def request_id_middleware(app: ASGIApp) -> ASGIApp:
+    async def middleware(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await app(scope, receive, send)
+            return
+        state: dict[str, Any] = scope.setdefault("state", {})  # type: ignore[typeddict-item]
+        state["request_id"] = uuid.uuid4().hex
+        state["t0"] = time.perf_counter()
+
+        async def send_with_ids(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers") or [])
+                names = {k.lower() for k, _ in headers}
+                headers.append((b"x-tiergate-request-id", state["request_id"].encode()))
+                if b"x-tiergate-tier" not in names:
+                    headers.append((b"x-tiergate-tier", str(state.get("tier") or "none").encode()))
+                message["headers"] = headers
+            await send(message)
+
+        await app(scope, receive, send_with_ids)
+
+    return middleware

@@ -1,0 +1,87 @@
+"""POST /v1/chat/completions: OpenAI's chat API, streaming and not."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from litestar import Request, Response, post
+from litestar.di import Provide
+from litestar.response import Stream
+
+from engine.protocol import ChatCompletionRequest
+from gateway.auth import provide_tenant
+from gateway.chat_service import Call, ChatService, sse
+from gateway.errors import TiergateError, map_tier_error
+from gateway.tenants.store import Principal
+from gateway.validation import parse_body
+from tiers.errors import TierError
+
+
+@post("/v1/chat/completions", dependencies={"principal": Provide(provide_tenant)}, status_code=200)
+async def chat_completions(request: Request[Any, Any, Any], principal: Principal) -> Response[Any]:
+    req = parse_body(await request.body(), ChatCompletionRequest)
+    services = request.app.state.services
+    call = Call(request.state.request_id, principal, req, arrived=time.time(), t0=request.state.t0)
+    call.route = services.chat.route(principal, req)
+    request.state.tier = call.route.tier.name
+    return await respond(services.chat, call)
+
+
+async def respond(chat: ChatService, call: Call) -> Response[Any]:
+    stream, first = await chat.start(call)
+    headers = {"x-tiergate-tier": call.tier.name, "x-tiergate-route-reason": call.route.reason}  # type: ignore[union-attr]
+    if call.req.stream:
+        return Stream(_sse_body(chat, call, stream, first), media_type="text/event-stream",
+                      headers=headers | {"cache-control": "no-cache"})
+    parts: list[str] = []
+    try:
+        chunk = first
+        while chunk is not None:
+            for choice in chunk.get("choices") or []:
+                parts.append((choice.get("delta") or {}).get("content") or "")
+            chunk = await anext(stream, None)
+    except TierError as exc:
+        err = map_tier_error(exc)
+        await chat.settle(call, "error", err.status_code, error_code=err.code)
+        raise err from exc
+    except asyncio.CancelledError:
+        await stream.aclose()
+        await chat.settle(call, "cancelled", 499, wait=False)
+        raise
+    await chat.settle(call, "ok", 200)
+    return Response(chat.completion(call, "".join(parts)), headers=headers)
+
+
+async def _sse_body(chat: ChatService, call: Call, stream: AsyncIterator[dict[str, Any]],
+                    first: dict[str, Any] | None) -> AsyncIterator[bytes]:
+    """Relay upstream chunks; the ledger row is durable before the client reads `[DONE]`."""
+    usage_chunk: dict[str, Any] | None = None
+    try:
+        chunk = first
+        while chunk is not None:
+            out = chat.client_chunk(call, chunk)
+            if out is not None:
+                if out.get("choices"):
+                    yield sse(out)
+                else:
+                    usage_chunk = out  # held until the row is written
+            chunk = await anext(stream, None)
+    except TierError as exc:
+        err: TiergateError = map_tier_error(exc)
+        await chat.settle(call, "error", err.status_code, error_code=err.code)
+        yield sse(err.body())
+        return
+    except (asyncio.CancelledError, GeneratorExit):
+        await stream.aclose()
+        await chat.settle(call, "cancelled", 499, wait=False)
+        raise
+    finally:
+        if not call.settled:  # closed by the client between chunks
+            await chat.settle(call, "cancelled", 499, wait=False)
+    await chat.settle(call, "ok", 200)
+    if usage_chunk is not None:
+        yield sse(usage_chunk)
+    yield sse("[DONE]")

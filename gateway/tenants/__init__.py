@@ -1,0 +1,1 @@
+"""Tenants, their plans and their API keys."""

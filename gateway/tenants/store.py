@@ -1,0 +1,221 @@
+"""Tenants and API keys in SQLite (WAL), shared by the running gateway and the CLI.
+
+The gateway keeps a read cache of keys; SQLite's `PRAGMA data_version` changes whenever another
+connection (the CLI, another gateway process) commits, so a revocation takes effect on the next request
+without a query per request.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sqlite3
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from gateway.errors import Conflict, InvalidRequest, NotFound
+from gateway.tenants.keys import hash_secret, new_key, parse_key, verify
+
+NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
+ADMIN = "admin"
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS tenants (
+    name TEXT PRIMARY KEY,
+    plan TEXT NOT NULL,
+    created_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS api_keys (
+    key_id TEXT PRIMARY KEY,
+    tenant TEXT REFERENCES tenants(name),
+    name TEXT NOT NULL DEFAULT '',
+    key_sha256 TEXT NOT NULL,
+    roles TEXT NOT NULL DEFAULT '[]',
+    created_at REAL NOT NULL,
+    expires_at REAL,
+    revoked_at REAL,
+    replaced_by TEXT
+);
+CREATE INDEX IF NOT EXISTS api_keys_tenant ON api_keys(tenant);
+"""
+
+
+@dataclass(frozen=True)
+class Tenant:
+    name: str
+    plan: str
+    created_at: float
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    key_id: str
+    tenant: str | None  # None for admin keys
+    name: str
+    roles: tuple[str, ...]
+    created_at: float
+    expires_at: float | None
+    revoked_at: float | None
+    replaced_by: str | None
+
+    @property
+    def is_admin(self) -> bool:
+        return ADMIN in self.roles
+
+    def active(self, now: float) -> bool:
+        return self.revoked_at is None and (self.expires_at is None or now < self.expires_at)
+
+    def public(self) -> dict[str, object]:
+        """What the admin API and the CLI may show: never the secret or its hash."""
+        return {"key_id": self.key_id, "tenant": self.tenant, "name": self.name, "roles": list(self.roles),
+                "created_at": self.created_at, "expires_at": self.expires_at, "revoked_at": self.revoked_at,
+                "replaced_by": self.replaced_by}
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who is asking: the key, and the tenant it belongs to (None for an admin key)."""
+
+    key: ApiKey
+    tenant: Tenant | None
+
+
+def connect(path: Path) -> sqlite3.Connection:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    conn = sqlite3.connect(path, isolation_level=None, timeout=5.0)
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=FULL")
+    conn.execute("PRAGMA foreign_keys=ON")
+    return conn
+
+
+class TenantStore:
+    def __init__(self, path: Path) -> None:
+        self._conn = connect(path)
+        self._conn.executescript(SCHEMA)
+        self._cache: dict[str, tuple[str, ApiKey, Tenant | None]] = {}
+        self._version = self._data_version()
+
+    def close(self) -> None:
+        self._conn.close()
+
+    # ---- tenants ----
+
+    def create_tenant(self, name: str, plan: str) -> Tenant:
+        if not NAME_RE.match(name):
+            raise InvalidRequest("tenant names are 1-64 characters of a-z, 0-9, '.', '_' and '-'",
+                                 param="name")
+        tenant = Tenant(name, plan, time.time())
+        try:
+            self._conn.execute("INSERT INTO tenants(name, plan, created_at) VALUES (?, ?, ?)",
+                               (tenant.name, tenant.plan, tenant.created_at))
+        except sqlite3.IntegrityError as exc:
+            raise Conflict(f"tenant {name!r} already exists", param="name", code="tenant_exists") from exc
+        return tenant
+
+    def get_tenant(self, name: str) -> Tenant:
+        row = self._conn.execute("SELECT name, plan, created_at FROM tenants WHERE name = ?", (name,)).fetchone()
+        if row is None:
+            raise NotFound(f"no tenant {name!r}", param="tenant", code="tenant_not_found")
+        return Tenant(*row)
+
+    def list_tenants(self) -> list[Tenant]:
+        return [Tenant(*r) for r in self._conn.execute("SELECT name, plan, created_at FROM tenants ORDER BY name")]
+
+    # ---- keys ----
+
+    def issue_key(self, tenant: str | None, *, name: str = "", roles: tuple[str, ...] = (),
+                  expires_at: float | None = None) -> tuple[ApiKey, str]:
+        """Create a key; returns it and its plaintext, which is never stored or shown again."""
+        if tenant is None and ADMIN not in roles:
+            raise InvalidRequest("a key without a tenant must be an admin key", param="tenant")
+        if tenant is not None:
+            self.get_tenant(tenant)
+        key_id, plaintext = new_key()
+        key = ApiKey(key_id, tenant, name, tuple(roles), time.time(), expires_at, None, None)
+        self._conn.execute(
+            "INSERT INTO api_keys(key_id, tenant, name, key_sha256, roles, created_at, expires_at) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (key.key_id, key.tenant, key.name, hash_secret(plaintext), json.dumps(list(key.roles)),
+             key.created_at, key.expires_at))
+        self._invalidate()
+        return key, plaintext
+
+    def get_key(self, key_id: str) -> ApiKey:
+        row = self._conn.execute(f"SELECT {_KEY_COLUMNS} FROM api_keys WHERE key_id = ?", (key_id,)).fetchone()
+        if row is None:
+            raise NotFound(f"no key {key_id!r}", param="key_id", code="key_not_found")
+        return _key(row)
+
+    def list_keys(self, tenant: str | None = None) -> list[ApiKey]:
+        if tenant is None:
+            rows = self._conn.execute(f"SELECT {_KEY_COLUMNS} FROM api_keys ORDER BY created_at")
+        else:
+            rows = self._conn.execute(f"SELECT {_KEY_COLUMNS} FROM api_keys WHERE tenant = ? ORDER BY created_at",
+                                      (tenant,))
+        return [_key(r) for r in rows]
+
+    def revoke_key(self, key_id: str) -> ApiKey:
+        key = self.get_key(key_id)
+        if key.revoked_at is None:
+            self._conn.execute("UPDATE api_keys SET revoked_at = ? WHERE key_id = ?", (time.time(), key_id))
+            self._invalidate()
+        return self.get_key(key_id)
+
+    def rotate_key(self, key_id: str, *, grace_s: float = 0.0) -> tuple[ApiKey, str]:
+        """Issue a replacement with the same tenant and roles; the old key ends after `grace_s`."""
+        old = self.get_key(key_id)
+        if not old.active(time.time()):
+            raise Conflict(f"key {key_id!r} is revoked or expired; issue a new one", code="key_inactive")
+        new, plaintext = self.issue_key(old.tenant, name=old.name, roles=old.roles, expires_at=old.expires_at)
+        now = time.time()
+        if grace_s > 0:
+            self._conn.execute("UPDATE api_keys SET expires_at = ?, replaced_by = ? WHERE key_id = ?",
+                               (now + grace_s, new.key_id, key_id))
+        else:
+            self._conn.execute("UPDATE api_keys SET revoked_at = ?, replaced_by = ? WHERE key_id = ?",
+                               (now, new.key_id, key_id))
+        self._invalidate()
+        return new, plaintext
+
+    def authenticate(self, presented: str) -> Principal | None:
+        """The principal for a presented key, or None (unknown, wrong secret, revoked, expired)."""
+        parsed = parse_key(presented)
+        key_id = parsed[0] if parsed else ""
+        if self._data_version() != self._version:
+            self._invalidate()
+        entry = self._cache.get(key_id) if parsed else None
+        if entry is None and parsed:
+            entry = self._load(key_id)
+        if not verify(presented, entry[0] if entry else None) or entry is None:
+            return None
+        _, key, tenant = entry
+        if not key.active(time.time()):
+            return None
+        return Principal(key, tenant)
+
+    def _load(self, key_id: str) -> tuple[str, ApiKey, Tenant | None] | None:
+        row = self._conn.execute(f"SELECT key_sha256, {_KEY_COLUMNS} FROM api_keys WHERE key_id = ?",
+                                 (key_id,)).fetchone()
+        if row is None:
+            return None
+        key = _key(row[1:])
+        tenant = self.get_tenant(key.tenant) if key.tenant else None
+        self._cache[key_id] = (row[0], key, tenant)
+        return self._cache[key_id]
+
+    def _data_version(self) -> int:
+        return int(self._conn.execute("PRAGMA data_version").fetchone()[0])
+
+    def _invalidate(self) -> None:
+        self._cache.clear()
+        self._version = self._data_version()
+
+
+_KEY_COLUMNS = "key_id, tenant, name, roles, created_at, expires_at, revoked_at, replaced_by"
+
+
+def _key(row: tuple) -> ApiKey:  # type: ignore[type-arg]
+    key_id, tenant, name, roles, created_at, expires_at, revoked_at, replaced_by = row
+    return ApiKey(key_id, tenant, name, tuple(json.loads(roles)), created_at, expires_at, revoked_at, replaced_by)

@@ -1,0 +1,196 @@
+"""The usage ledger: one durable row per finished request, in SQLite (WAL) under the data directory.
+
+Rows are written by one thread in grouped transactions: many requests share one commit (one fsync), and
+each request's `record` returns only once its row is on disk, so a response the client has received is
+never missing from the ledger, even if the gateway is killed right after.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import sqlite3
+import threading
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, fields
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS requests (
+    request_id TEXT PRIMARY KEY,
+    ts REAL NOT NULL,
+    tenant TEXT NOT NULL,
+    key_id TEXT NOT NULL,
+    tier TEXT,
+    model TEXT,
+    status TEXT NOT NULL,
+    http_status INTEGER NOT NULL,
+    input_tokens INTEGER NOT NULL,
+    output_tokens INTEGER NOT NULL,
+    price_usd TEXT NOT NULL,
+    compute_cost_usd TEXT NOT NULL,
+    cost_basis TEXT NOT NULL,
+    ttft_s REAL,
+    total_s REAL NOT NULL,
+    finish_reason TEXT,
+    error_code TEXT,
+    route_reason TEXT
+);
+CREATE INDEX IF NOT EXISTS requests_tenant_ts ON requests(tenant, ts);
+CREATE INDEX IF NOT EXISTS requests_ts ON requests(ts);
+"""
+GROUP_MAX = 512  # rows per commit at most
+
+
+@dataclass
+class LedgerRow:
+    request_id: str
+    ts: float  # arrival, seconds since the epoch
+    tenant: str
+    key_id: str
+    tier: str | None
+    model: str | None
+    status: str  # ok | error | cancelled
+    http_status: int
+    input_tokens: int
+    output_tokens: int
+    price_usd: Decimal
+    compute_cost_usd: Decimal
+    cost_basis: str  # engine: busy time the engine reported; wall: upstream time; none: no compute
+    ttft_s: float | None
+    total_s: float
+    finish_reason: str | None = None
+    error_code: str | None = None
+    route_reason: str | None = None
+
+
+_COLUMNS = [f.name for f in fields(LedgerRow)]
+_INSERT = f"INSERT INTO requests({', '.join(_COLUMNS)}) VALUES ({', '.join('?' for _ in _COLUMNS)})"
+
+
+def _to_db(row: LedgerRow) -> tuple[Any, ...]:
+    return tuple(str(v) if isinstance(v, Decimal) else v for v in asdict(row).values())
+
+
+def _from_db(values: Iterable[Any]) -> LedgerRow:
+    row = LedgerRow(*values)
+    row.price_usd = Decimal(row.price_usd)
+    row.compute_cost_usd = Decimal(row.compute_cost_usd)
+    return row
+
+
+class Ledger:
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._read = sqlite3.connect(path, isolation_level=None, timeout=5.0, check_same_thread=False)
+        self._read.execute("PRAGMA journal_mode=WAL")
+        self._read.executescript(SCHEMA)
+        self._queue: queue.Queue[tuple[LedgerRow, asyncio.Future[None] | None] | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._writer, name="ledger-writer", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(timeout=30)
+            self._thread = None
+        self._read.close()
+
+    async def record(self, row: LedgerRow) -> None:
+        """Write `row`; returns once it is durable."""
+        await asyncio.shield(self.submit(row))
+
+    def submit(self, row: LedgerRow) -> asyncio.Future[None]:
+        """Queue `row` for the next group commit; the future resolves once it is durable.
+
+        Queuing is synchronous, so a row submitted by a task that is being cancelled is still written.
+        """
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._queue.put((row, fut))
+        return fut
+
+    def record_now(self, rows: list[LedgerRow]) -> None:
+        """Synchronous write, for tools and tests that run without an event loop."""
+        with self._read:
+            self._read.executemany(_INSERT, [_to_db(r) for r in rows])
+
+    def _writer(self) -> None:
+        conn = sqlite3.connect(self.path, isolation_level=None, timeout=30.0)
+        conn.execute("PRAGMA synchronous=FULL")
+        stop = False
+        while not stop:
+            item = self._queue.get()
+            batch = []
+            while item is not None:
+                batch.append(item)
+                if len(batch) >= GROUP_MAX:
+                    break
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+            stop = item is None
+            if batch:
+                self._commit(conn, batch)
+        conn.close()
+
+    def _commit(self, conn: sqlite3.Connection, batch: list[tuple[LedgerRow, asyncio.Future[None] | None]]) -> None:
+        error: Exception | None = None
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            conn.executemany(_INSERT, [_to_db(row) for row, _ in batch])
+            conn.execute("COMMIT")
+        except sqlite3.Error as exc:
+            conn.execute("ROLLBACK") if conn.in_transaction else None
+            error = exc
+        for _, fut in batch:
+            if fut is not None and self._loop is not None and not self._loop.is_closed():
+                self._loop.call_soon_threadsafe(_settle, fut, error)
+
+    # ---- reads ----
+
+    def rows(self, *, tenant: str | None = None, since: float | None = None,
+             until: float | None = None) -> list[LedgerRow]:
+        sql, args = f"SELECT {', '.join(_COLUMNS)} FROM requests WHERE 1=1", []
+        for clause, value in (("tenant = ?", tenant), ("ts >= ?", since), ("ts < ?", until)):
+            if value is not None:
+                sql += f" AND {clause}"
+                args.append(value)
+        return [_from_db(r) for r in self._read.execute(sql + " ORDER BY ts", args)]
+
+    def get(self, request_id: str) -> LedgerRow | None:
+        r = self._read.execute(f"SELECT {', '.join(_COLUMNS)} FROM requests WHERE request_id = ?",
+                               (request_id,)).fetchone()
+        return _from_db(r) if r else None
+
+    def totals(self, by: tuple[str, ...] = ("tenant", "tier"), **filters: Any) -> list[dict[str, Any]]:
+        """Requests, tokens, price and compute cost summed per group, money in exact decimals."""
+        groups: dict[tuple[Any, ...], dict[str, Any]] = defaultdict(lambda: {
+            "requests": 0, "input_tokens": 0, "output_tokens": 0,
+            "price_usd": Decimal(0), "compute_cost_usd": Decimal(0)})
+        for row in self.rows(**filters):
+            g = groups[tuple(getattr(row, k) for k in by)]
+            g["requests"] += 1
+            g["input_tokens"] += row.input_tokens
+            g["output_tokens"] += row.output_tokens
+            g["price_usd"] += row.price_usd
+            g["compute_cost_usd"] += row.compute_cost_usd
+        return [dict(zip(by, key, strict=True)) | vals for key, vals in sorted(groups.items(), key=lambda kv: str(kv[0]))]
+
+
+def _settle(fut: asyncio.Future[None], error: Exception | None) -> None:
+    if fut.done():
+        return
+    if error is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(error)

@@ -1,0 +1,65 @@
+"""Plans (`quotas/plans.yaml`): what a tenant may use and how much. Tenants reference a plan by name."""
+
+from __future__ import annotations
+
+from decimal import Decimal
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+PriorityClass = Literal["interactive", "standard", "batch"]
+PRIORITY_ORDER: dict[str, int] = {"interactive": 0, "standard": 1, "batch": 2}  # lower is served first
+
+
+class Limits(BaseModel):
+    """Per-tenant limits (a key may override them); None means unlimited."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rpm: Annotated[int, Field(ge=0)] | None = None
+    tpm: Annotated[int, Field(ge=0)] | None = None
+    max_concurrent: Annotated[int, Field(ge=0)] | None = None
+    budget_day_usd: Annotated[Decimal, Field(ge=0)] | None = None
+    budget_month_usd: Annotated[Decimal, Field(ge=0)] | None = None
+
+    @field_validator("budget_day_usd", "budget_month_usd", mode="before")
+    @classmethod
+    def _exact(cls, value: object) -> object:
+        return repr(value) if isinstance(value, float) else value
+
+
+class Plan(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = ""  # filled from the mapping key
+    priority: PriorityClass = "standard"
+    weight: Annotated[float, Field(gt=0)] = 1.0  # fair-share weight inside the priority class
+    allowed_tiers: Annotated[list[str], Field(min_length=1)]
+    default_tier: str  # what `auto` means until the router decides per request
+    allow_upgrade: bool = False  # may an unavailable tier fall back to a dearer one?
+    limits: Limits = Field(default_factory=Limits)
+
+    @model_validator(mode="after")
+    def _default_allowed(self) -> Plan:
+        if self.default_tier not in self.allowed_tiers:
+            raise ValueError(f"default_tier {self.default_tier!r} is not in allowed_tiers")
+        return self
+
+
+class PlanBook(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    plans: Annotated[dict[str, Plan], Field(min_length=1)]
+    default_plan: str
+
+    @model_validator(mode="after")
+    def _check(self, info: ValidationInfo) -> PlanBook:
+        known = (info.context or {}).get("tiers")
+        for name, plan in self.plans.items():
+            plan.name = name
+            unknown = [t for t in plan.allowed_tiers if known is not None and t not in known]
+            if unknown:
+                raise ValueError(f"plan {name!r} allows unknown tiers {unknown}; the tiers file has {sorted(known)}")
+        if self.default_plan not in self.plans:
+            raise ValueError(f"default_plan {self.default_plan!r} is not a plan")
+        return self

@@ -1,0 +1,1 @@
+"""tiers package."""

@@ -1,0 +1,76 @@
+"""One HTTP client for every tier backend: local engines and remote OpenAI-compatible servers alike.
+
+What crosses this boundary: an OpenAI chat-completions body goes in; parsed stream chunks (dicts) come
+out, in order, ending after the upstream's `[DONE]`. httpx errors become `tiers.errors` exceptions here
+and nowhere else. Closing the iterator early closes the upstream connection, which tells the engine to
+abort the request.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+
+from tiers.errors import UpstreamProtocolError, UpstreamRejected, UpstreamTimedOut, UpstreamUnreachable
+
+
+class TierClient:
+    def __init__(self, *, connect_timeout_s: float = 5.0, read_timeout_s: float = 600.0,
+                 max_connections: int = 1024) -> None:
+        self._client = httpx.AsyncClient(
+            timeout=httpx.Timeout(read_timeout_s, connect=connect_timeout_s),
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+        )
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    async def get_json(self, url: str, *, timeout_s: float = 2.0, api_key: str | None = None) -> dict[str, Any]:
+        headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        try:
+            resp = await self._client.get(url, timeout=timeout_s, headers=headers)
+        except httpx.TimeoutException as exc:
+            raise UpstreamTimedOut(f"{url}: no answer in {timeout_s}s") from exc
+        except httpx.HTTPError as exc:
+            raise UpstreamUnreachable(f"{url}: {exc!r}") from exc
+        if resp.status_code != 200:
+            raise UpstreamRejected(resp.status_code, _json_or_text(resp.content))
+        return resp.json()
+
+    async def stream_chat(self, base_url: str, body: dict[str, Any], *,
+                          api_key: str | None = None) -> AsyncIterator[dict[str, Any]]:
+        """POST a streaming chat completion; yield each `data:` chunk as a dict."""
+        headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        url = base_url.rstrip("/") + "/v1/chat/completions"
+        try:
+            async with self._client.stream("POST", url, json=body, headers=headers) as resp:
+                if resp.status_code != 200:
+                    raise UpstreamRejected(resp.status_code, _json_or_text(await resp.aread()))
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        return
+                    try:
+                        yield json.loads(data)
+                    except json.JSONDecodeError as exc:
+                        raise UpstreamProtocolError(f"{url}: a stream chunk is not JSON: {data[:200]!r}") from exc
+                raise UpstreamProtocolError(f"{url}: the stream ended without [DONE]")
+        except httpx.TimeoutException as exc:
+            raise UpstreamTimedOut(f"{url}: {type(exc).__name__}") from exc
+        except httpx.HTTPError as exc:
+            raise UpstreamUnreachable(f"{url}: {exc!r}") from exc
+
+
+def _json_or_text(content: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(content)
+        if isinstance(body, dict):
+            return body
+    except ValueError:
+        pass
+    return {"error": {"message": content.decode(errors="replace")[:500], "type": "api_error"}}

@@ -1,0 +1,41 @@
+"""What can go wrong below the gateway when choosing or calling a tier."""
+
+from __future__ import annotations
+
+
+class TierError(Exception):
+    """Base for tier errors; the gateway maps each to an HTTP status in one place."""
+
+
+class UnknownModel(TierError):
+    """The request names no tier, model or `auto`."""
+
+
+class TierNotAllowed(TierError):
+    """The tenant's plan does not allow the tier it asked for."""
+
+
+class NoTierAvailable(TierError):
+    """No tier the plan allows is ready to serve."""
+
+
+class UpstreamUnreachable(TierError):
+    """The replica could not be reached (connection refused, reset before any answer)."""
+
+
+class UpstreamTimedOut(TierError):
+    """The replica did not answer in time."""
+
+
+class UpstreamRejected(TierError):
+    """The replica answered with an HTTP error; its status and OpenAI-shaped body are kept."""
+
+    def __init__(self, status: int, body: dict[str, object]) -> None:
+        err = body.get("error") if isinstance(body.get("error"), dict) else {}
+        super().__init__(str(err.get("message") if err else body))  # type: ignore[union-attr]
+        self.status = status
+        self.body = body
+
+
+class UpstreamProtocolError(TierError):
+    """The replica answered with something that is not the OpenAI streaming format."""

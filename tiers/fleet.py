@@ -1,0 +1,93 @@
+"""The running fleet: every tier's replicas, their health, and which one takes the next request."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from tiers.catalogue import TierCatalogue, TierSpec
+from tiers.client import TierClient
+from tiers.errors import NoTierAvailable, TierError
+from tiers.replica import Replica
+from tiers.supervisor import EngineProcess
+
+log = logging.getLogger("tiergate.fleet")
+REMOTE_HEALTH_EVERY_S = 5.0
+
+
+class Fleet:
+    def __init__(self, catalogue: TierCatalogue, client: TierClient, *, models_dir: Path, log_dir: Path,
+                 start_timeout_s: float = 600.0) -> None:
+        self.catalogue = catalogue
+        self.client = client
+        self.replicas: dict[str, list[Replica]] = {}
+        self._engines: list[EngineProcess] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        for spec in catalogue.tiers.values():
+            if spec.backend == "local":
+                reps = [Replica(spec.name, i) for i in range(spec.replicas)]
+                self._engines += [EngineProcess(spec, r, models_dir=models_dir, log_dir=log_dir, client=client,
+                                                start_timeout_s=start_timeout_s) for r in reps]
+            else:
+                reps = [Replica(spec.name, i, url=u) for i, u in enumerate(spec.urls)]
+            self.replicas[spec.name] = reps
+
+    async def start(self) -> None:
+        self._tasks = [asyncio.create_task(e.run(), name=f"engine-{e.spec.name}-{e.replica.index}")
+                       for e in self._engines]
+        for spec in self.catalogue.tiers.values():
+            if spec.backend == "openai":
+                self._tasks.append(asyncio.create_task(self._watch_remote(spec), name=f"remote-{spec.name}"))
+
+    async def stop(self) -> None:
+        await asyncio.gather(*(e.stop() for e in self._engines), return_exceptions=True)
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+    def api_key(self, spec: TierSpec) -> str | None:
+        return os.environ.get(spec.api_key_env) if spec.api_key_env else None
+
+    def unavailable(self) -> dict[str, str]:
+        """Tiers with no healthy replica, and why."""
+        out = {}
+        for name, reps in self.replicas.items():
+            if not any(r.healthy for r in reps):
+                out[name] = "; ".join(sorted({r.reason for r in reps if r.reason})) or "no healthy replica"
+        return out
+
+    def pick(self, tier: str) -> Replica:
+        """The healthy replica with the fewest requests in flight."""
+        healthy = [r for r in self.replicas[tier] if r.healthy]
+        if not healthy:
+            raise NoTierAvailable(f"tier {tier!r} has no healthy replica")
+        return min(healthy, key=lambda r: r.inflight)
+
+    def status(self) -> dict[str, Any]:
+        out = {}
+        for name, reps in self.replicas.items():
+            ready = sum(r.healthy for r in reps)
+            out[name] = {"ready": ready > 0, "replicas_ready": ready, "replicas": [r.public() for r in reps]}
+        return out
+
+    async def _watch_remote(self, spec: TierSpec) -> None:
+        key = self.api_key(spec)
+        while True:
+            for rep in self.replicas[spec.name]:
+                try:
+                    await self.client.get_json(f"{(rep.url or '').rstrip('/')}/v1/models", timeout_s=3.0,
+                                               api_key=key)
+                    if not rep.healthy:
+                        log.info("remote tier %s replica %d is up at %s", spec.name, rep.index, rep.url)
+                    rep.mark("ready", "")
+                except TierError as exc:
+                    if rep.healthy or rep.status == "starting":
+                        log.warning("remote tier %s replica %d is down: %s", spec.name, rep.index, exc)
+                    rep.mark("down", f"health check failed: {exc}")
+            await asyncio.sleep(REMOTE_HEALTH_EVERY_S)
