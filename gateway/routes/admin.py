@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from litestar import Request, Router, get, post
+from litestar.params import FromPath, FromQuery
 from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.auth import require_admin
@@ -52,7 +53,7 @@ async def create_tenant(request: Request[Any, Any, Any]) -> dict[str, Any]:
 
 
 @get("/keys")
-async def list_keys(request: Request[Any, Any, Any], tenant: str | None = None) -> dict[str, Any]:
+async def list_keys(request: Request[Any, Any, Any], tenant: FromQuery[str | None] = None) -> dict[str, Any]:
     return {"data": [k.public() for k in _services(request).store.list_keys(tenant)]}
 
 
@@ -68,12 +69,12 @@ async def issue_key(request: Request[Any, Any, Any]) -> dict[str, Any]:
 
 
 @post("/keys/{key_id:str}/revoke", status_code=200)
-async def revoke_key(request: Request[Any, Any, Any], key_id: str) -> dict[str, Any]:
+async def revoke_key(request: Request[Any, Any, Any], key_id: FromPath[str]) -> dict[str, Any]:
     return _services(request).store.revoke_key(key_id).public()
 
 
 @post("/keys/{key_id:str}/rotate", status_code=201)
-async def rotate_key(request: Request[Any, Any, Any], key_id: str) -> dict[str, Any]:
+async def rotate_key(request: Request[Any, Any, Any], key_id: FromPath[str]) -> dict[str, Any]:
     raw = await request.body()
     body = parse_body(raw, RotateKey) if raw.strip() else RotateKey()
     key, plaintext = _services(request).store.rotate_key(key_id, grace_s=body.grace_s)
@@ -81,7 +82,7 @@ async def rotate_key(request: Request[Any, Any, Any], key_id: str) -> dict[str, 
 
 
 @get("/usage")
-async def usage(request: Request[Any, Any, Any], tenant: str | None = None) -> dict[str, Any]:
+async def usage(request: Request[Any, Any, Any], tenant: FromQuery[str | None] = None) -> dict[str, Any]:
     rows = _services(request).ledger.totals(("tenant", "tier"), tenant=tenant)
     return {"data": [{k: str(v) if k.endswith("_usd") else v for k, v in r.items()} for r in rows]}
 

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from litestar import Request, Response, post
-from litestar.di import Provide
+from litestar.di import NamedDependency, Provide
 from litestar.response import Stream
 
 from engine.protocol import ChatCompletionRequest
@@ -21,7 +21,7 @@ from tiers.errors import TierError
 
 
 @post("/v1/chat/completions", dependencies={"principal": Provide(provide_tenant)}, status_code=200)
-async def chat_completions(request: Request[Any, Any, Any], principal: Principal) -> Response[Any]:
+async def chat_completions(request: Request[Any, Any, Any], principal: NamedDependency[Principal]) -> Response[Any]:
     req = parse_body(await request.body(), ChatCompletionRequest)
     services = request.app.state.services
     call = Call(request.state.request_id, principal, req, arrived=time.time(), t0=request.state.t0)
@@ -78,9 +78,6 @@ async def _sse_body(chat: ChatService, call: Call, stream: AsyncIterator[dict[st
         await stream.aclose()
         await chat.settle(call, "cancelled", 499, wait=False)
         raise
-    finally:
-        if not call.settled:  # closed by the client between chunks
-            await chat.settle(call, "cancelled", 499, wait=False)
     await chat.settle(call, "ok", 200)
     if usage_chunk is not None:
         yield sse(usage_chunk)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from litestar import Request, get
-from litestar.di import Provide
+from litestar.di import NamedDependency, Provide
 
 from gateway.auth import provide_principal
 from gateway.tenants.store import Principal
@@ -13,7 +13,7 @@ from tiers.routing import AUTO
 
 
 @get("/v1/models", dependencies={"principal": Provide(provide_principal)})
-async def list_models(request: Request[Any, Any, Any], principal: Principal) -> dict[str, Any]:
+async def list_models(request: Request[Any, Any, Any], principal: NamedDependency[Principal]) -> dict[str, Any]:
     services = request.app.state.services
     unavailable = services.fleet.unavailable()
     if principal.tenant is not None:

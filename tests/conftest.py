@@ -1,0 +1,124 @@
+"""Shared fixtures: a stub upstream, and a real gateway (uvicorn on loopback) in front of it."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from gateway.app import create_app
+from gateway.settings import Settings
+from gateway.tenants.store import ADMIN, TenantStore
+from quotas.ledger import Ledger
+from tests.stubs import ServerThread, StubState, free_port, stub_app
+
+PLANS_YAML = """
+default_plan: standard
+plans:
+  standard:
+    priority: standard
+    allowed_tiers: [small, mid, full]
+    default_tier: mid
+    allow_upgrade: true
+  smallonly:
+    priority: batch
+    allowed_tiers: [small]
+    default_tier: small
+"""
+
+
+def tiers_yaml(stub_url: str, dead_url: str) -> str:
+    return f"""
+tiers:
+  small:
+    backend: openai
+    model: stub-small
+    urls: ["{dead_url}"]
+    price_per_1k_input: "0.0001"
+    price_per_1k_output: "0.0002"
+    hardware_cost_per_hour: "0.01"
+    context_limit: 4096
+  mid:
+    backend: openai
+    model: stub-mid
+    urls: ["{stub_url}"]
+    price_per_1k_input: "0.0010"
+    price_per_1k_output: "0.0020"
+    hardware_cost_per_hour: "3.60"
+    context_limit: 4096
+  full:
+    backend: openai
+    model: stub-full
+    urls: ["{stub_url}"]
+    price_per_1k_input: "0.0030"
+    price_per_1k_output: "0.0060"
+    hardware_cost_per_hour: "7.20"
+    context_limit: 4096
+"""
+
+
+@dataclass
+class Gateway:
+    url: str
+    settings: Settings
+    stub: StubState
+    store: TenantStore  # a second connection, as the CLI has
+    tenant_key: str
+    admin_key: str
+
+    def client(self, key: str | None = None) -> httpx.Client:
+        headers = {"authorization": f"Bearer {key}"} if key else {}
+        return httpx.Client(base_url=self.url, headers=headers, timeout=30)
+
+    def ledger_rows(self) -> list:
+        ledger = Ledger(self.settings.ledger_db)
+        try:
+            return ledger.rows()
+        finally:
+            ledger.close()
+
+
+@pytest.fixture
+def stub() -> Iterator[tuple[ServerThread, StubState]]:
+    state = StubState()
+    server = ServerThread(stub_app(state)).start()
+    yield server, state
+    server.stop()
+
+
+@pytest.fixture
+def gateway_settings(tmp_path: Path, stub: tuple[ServerThread, StubState]) -> Settings:
+    tiers = tmp_path / "tiers.yaml"
+    tiers.write_text(tiers_yaml(stub[0].url, f"http://127.0.0.1:{free_port()}"))
+    plans = tmp_path / "plans.yaml"
+    plans.write_text(PLANS_YAML)
+    return Settings(data_dir=tmp_path / "data", tiers_file=tiers, plans_file=plans, max_body_bytes=64 * 1024)
+
+
+@pytest.fixture
+def gateway(gateway_settings: Settings, stub: tuple[ServerThread, StubState]) -> Iterator[Gateway]:
+    store = TenantStore(gateway_settings.state_db)
+    store.create_tenant("acme", "standard")
+    _, tenant_key = store.issue_key("acme", name="test")
+    _, admin_key = store.issue_key(None, roles=(ADMIN,))
+    server = ServerThread(create_app(gateway_settings)).start()
+    gw = Gateway(server.url, gateway_settings, stub[1], store, tenant_key, admin_key)
+    _wait_for_tiers(gw, {"mid", "full"})
+    yield gw
+    server.stop()
+    store.close()
+
+
+def _wait_for_tiers(gw: Gateway, names: set[str], timeout_s: float = 20.0) -> None:
+    deadline = time.time() + timeout_s
+    with gw.client() as c:
+        while time.time() < deadline:
+            tiers = c.get("/health").json()["tiers"]
+            if all(tiers[n]["ready"] for n in names):
+                return
+            time.sleep(0.1)
+    raise AssertionError(f"tiers {names} not ready: {tiers}")

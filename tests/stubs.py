@@ -1,0 +1,111 @@
+"""Test doubles that speak real HTTP: an OpenAI-compatible stub upstream, run by uvicorn in a thread.
+
+The stub answers with a fixed sentence, one word per chunk, and reports usage and busy time the way our
+engine does. Message content can steer it: `STUB:400` answers 400, `STUB:slow` streams slowly (for
+cancellation), `STUB:die` drops the connection mid-stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import uvicorn
+from litestar import Litestar, Request, Response, get, post
+from litestar.response import Stream
+
+REPLY = "Hello from the stub upstream ."
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class StubState:
+    def __init__(self) -> None:
+        self.requests: list[dict[str, Any]] = []
+        self.finished: list[str] = []  # "done" or "disconnected", in order
+
+
+def stub_app(state: StubState) -> Litestar:
+    @get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": "stub", "object": "model"}]}
+
+    @post("/v1/chat/completions", status_code=200)
+    async def chat(request: Request[Any, Any, Any]) -> Response[Any]:
+        body = json.loads(await request.body())
+        state.requests.append(body)
+        text = " ".join(m.get("content") or "" for m in body["messages"])
+        if "STUB:400" in text:
+            return Response({"error": {"message": "stub says the prompt is too long", "type": "invalid_request_error",
+                                       "param": "messages", "code": "context_length_exceeded"}}, status_code=400)
+        prompt_tokens = len(text.split())
+        words = REPLY.split()[: body.get("max_tokens") or body.get("max_completion_tokens") or 99]
+        delay = 0.2 if "STUB:slow" in text else 0.0
+        return Stream(_sse(state, body, words, prompt_tokens, delay, die="STUB:die" in text),
+                      media_type="text/event-stream")
+
+    return Litestar([health, models, chat])
+
+
+async def _sse(state: StubState, body: dict[str, Any], words: list[str], prompt_tokens: int, delay: float,
+               die: bool) -> AsyncIterator[bytes]:
+    def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> bytes:
+        data = {"id": "stub", "object": "chat.completion.chunk", "created": 0, "model": body["model"],
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **extra}
+        return f"data: {json.dumps(data)}\n\n".encode()
+
+    try:
+        yield chunk({"role": "assistant", "content": ""})
+        for i, word in enumerate(words):
+            await asyncio.sleep(delay)
+            if die and i == 2:
+                raise RuntimeError("stub dies mid-stream")
+            usage = {"prompt_tokens": prompt_tokens, "completion_tokens": i + 1, "total_tokens": prompt_tokens + i + 1}
+            yield chunk({"content": (" " if i else "") + word}, usage=usage, x_tiergate={"busy_s": 0.001 * (i + 1)})
+        n = len(words)
+        finish = "length" if n < len(REPLY.split()) else "stop"
+        yield chunk({}, finish, x_tiergate={"busy_s": 0.001 * n})
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}
+        yield f"data: {json.dumps({'id': 'stub', 'choices': [], 'usage': usage, 'x_tiergate': {'busy_s': 0.001 * n}})}\n\n".encode()
+        yield b"data: [DONE]\n\n"
+        state.finished.append("done")
+    except (asyncio.CancelledError, GeneratorExit):
+        state.finished.append("disconnected")
+        raise
+
+
+class ServerThread:
+    """Runs an ASGI app with uvicorn on a free loopback port until `stop`."""
+
+    def __init__(self, app: Any) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
+                                                    lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def start(self) -> ServerThread:
+        self.thread.start()
+        deadline = time.time() + 20
+        while not self.server.started:
+            if time.time() > deadline or not self.thread.is_alive():
+                raise RuntimeError("server did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
