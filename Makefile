@@ -22,6 +22,7 @@ run: $(STAMP)
 	$(BIN)/tiergate serve
 
 test: $(STAMP)
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)

@@ -137,10 +137,7 @@ class LLMEngine:
                 continue
             for seq in seqs:
                 t0 = time.perf_counter()
-                if seq.kv_state is None:
-                    logits = self.runner.prefill(seq)
-                else:
-                    logits = self.runner.decode(seq)
+                logits = self.runner.prefill(seq) if seq.kv_state is None else self.runner.decode(seq)
                 token_id = self._sampler.sample(seq.request_id, logits, seq.params)
                 step_s = time.perf_counter() - t0
                 seq.busy_s += step_s  # one sequence per forward: the whole step is its own

@@ -60,14 +60,13 @@ def is_model_dir(path: Path) -> bool:
 def resolve_model(source: str, models_dir: Path) -> Path:
     """Return the loadable directory for `source` without preparing anything.
 
-    `source` is a built-in name (prepared under `models_dir`) or a path to a local HF model directory.
+    `source` is a built-in name (prepared under `models_dir`) or a path to a local HF model directory;
+    a relative path is taken under `models_dir` (the CLI makes paths the user typed absolute first).
     """
     if source in BUILTIN_MODELS:
         return models_dir / source
     path = Path(source).expanduser()
-    if not path.is_absolute():
-        path = path.resolve()
-    return path
+    return path if path.is_absolute() else models_dir / path
 
 
 def is_prepared(source: str, models_dir: Path) -> bool:

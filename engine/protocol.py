@@ -73,9 +73,9 @@ class ChatCompletionRequest(BaseModel):
 
     @model_validator(mode="after")
     def _one_token_cap(self) -> ChatCompletionRequest:
-        if self.max_tokens is not None and self.max_completion_tokens is not None:
-            if self.max_tokens != self.max_completion_tokens:
-                raise ValueError("max_tokens and max_completion_tokens disagree; send one of them")
+        both = self.max_tokens is not None and self.max_completion_tokens is not None
+        if both and self.max_tokens != self.max_completion_tokens:
+            raise ValueError("max_tokens and max_completion_tokens disagree; send one of them")
         return self
 
     @property

@@ -24,15 +24,16 @@ from engine.llm_engine import EngineInputError, LLMEngine, RequestOutput
 from engine.protocol import ChatCompletionRequest, error_body
 from engine.sampling_params import SamplingParams
 
-DEFAULT_MAX_TOKENS = 256
+DEFAULT_MAX_TOKENS = 1024  # without max_tokens: up to this, or what the context has left
 
 
-def sampling_params_for(req: ChatCompletionRequest) -> SamplingParams:
+def sampling_params_for(req: ChatCompletionRequest, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
+    default_cap = max(1, min(DEFAULT_MAX_TOKENS, max_model_len - num_prompt_tokens))
     return SamplingParams(
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
         top_k=-1 if req.top_k is None else req.top_k,
-        max_tokens=req.output_cap or DEFAULT_MAX_TOKENS,
+        max_tokens=req.output_cap or default_cap,
         seed=req.seed,
         stop=req.stop_list,
     )
@@ -100,8 +101,8 @@ def create_engine_app(engine: LLMEngine, *, model_name: str, model_version: str)
             param = ".".join(str(p) for p in err["loc"]) or None
             return Response(error_body(f"{param}: {err['msg']}" if param else err["msg"], param=param),
                             status_code=400)
-        params = sampling_params_for(req)
         ids = prompt_ids(req)
+        params = sampling_params_for(req, len(ids), engine.max_model_len)
         try:
             engine.validate(ids, params)
         except EngineInputError as exc:

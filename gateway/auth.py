@@ -44,7 +44,7 @@ async def provide_tenant(request: Request[Any, Any, Any]) -> Principal:
     return principal
 
 
-def require_admin(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
-    """Guard for admin routes: every handler under it runs only for an admin key."""
+async def require_admin(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
+    """Guard for admin routes (async, so it runs on the event loop that owns the store)."""
     if not authenticate(connection).key.is_admin:
         raise Forbidden("this route needs an admin key", code="admin_key_required")

@@ -184,7 +184,8 @@ class Ledger:
             g["output_tokens"] += row.output_tokens
             g["price_usd"] += row.price_usd
             g["compute_cost_usd"] += row.compute_cost_usd
-        return [dict(zip(by, key, strict=True)) | vals for key, vals in sorted(groups.items(), key=lambda kv: str(kv[0]))]
+        ordered = sorted(groups.items(), key=lambda kv: str(kv[0]))
+        return [dict(zip(by, key, strict=True)) | vals for key, vals in ordered]
 
 
 def _settle(fut: asyncio.Future[None], error: Exception | None) -> None:

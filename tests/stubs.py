@@ -79,7 +79,8 @@ async def _sse(state: StubState, body: dict[str, Any], words: list[str], prompt_
         finish = "length" if n < len(REPLY.split()) else "stop"
         yield chunk({}, finish, x_tiergate={"busy_s": 0.001 * n})
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}
-        yield f"data: {json.dumps({'id': 'stub', 'choices': [], 'usage': usage, 'x_tiergate': {'busy_s': 0.001 * n}})}\n\n".encode()
+        last = {"id": "stub", "choices": [], "usage": usage, "x_tiergate": {"busy_s": 0.001 * n}}
+        yield f"data: {json.dumps(last)}\n\n".encode()
         yield b"data: [DONE]\n\n"
         state.finished.append("done")
     except (asyncio.CancelledError, GeneratorExit):

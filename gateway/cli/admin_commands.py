@@ -140,7 +140,8 @@ def usage(tenant: str | None, fmt: str, data_dir: Path | None) -> None:
         click.echo(json.dumps([{k: str(v) if k.endswith("_usd") else v for k, v in r.items()} for r in rows],
                               indent=2))
         return
-    header = f"{'tenant':<16}{'tier':<10}{'requests':>10}{'input':>10}{'output':>10}{'price USD':>16}{'compute USD':>16}"
+    header = (f"{'tenant':<16}{'tier':<10}{'requests':>10}{'input':>10}{'output':>10}"
+              f"{'price USD':>16}{'compute USD':>16}")
     click.echo(header)
     for r in rows:
         click.echo(f"{r['tenant']:<16}{r['tier'] or '-':<10}{r['requests']:>10}{r['input_tokens']:>10}"

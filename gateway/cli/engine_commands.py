@@ -28,6 +28,8 @@ def fetch(source: str, models_dir: Path | None, data_dir: Path | None) -> None:
     Later starts load the prepared safetensors in seconds. A local model directory is only checked.
     """
     settings = settings_from(data_dir=data_dir, models_dir=models_dir)
+    if source not in BUILTIN_MODELS and Path(source).exists():
+        source = str(Path(source).resolve())
     try:
         path = prepare_model(source, settings.resolved_models_dir, progress=True)
     except ModelSourceError as exc:

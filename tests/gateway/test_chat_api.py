@@ -6,7 +6,6 @@ import json
 import time
 from decimal import Decimal
 
-import httpx
 import openai
 import pytest
 
@@ -122,7 +121,7 @@ def test_huge_body_is_413(gateway: Gateway) -> None:
 
 
 def test_keys_missing_unknown_revoked_expired_are_401(gateway: Gateway) -> None:
-    key, plaintext = gateway.store.issue_key("acme", expires_at=time.time() + 0.3)
+    _, plaintext = gateway.store.issue_key("acme", expires_at=time.time() + 0.3)
     with gateway.client() as c:
         assert c.post("/v1/chat/completions", json={"model": "auto", "messages": MSG}).status_code == 401
     with gateway.client("tg-000000000000-nope") as c:
@@ -205,4 +204,3 @@ def test_openai_client_error_types(gateway: Gateway) -> None:
     bad = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="tg-000000000000-x", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.chat.completions.create(model="auto", messages=MSG)
-    _ = httpx

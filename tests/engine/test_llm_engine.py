@@ -1,0 +1,76 @@
+"""The engine loop with a scripted runner: stop, length, stop strings, abort, priority, usage."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine.llm_engine import EngineInputError, LLMEngine
+from engine.sampling_params import SamplingParams
+from tests.engine.fakes import CharTokenizer, ScriptedRunner, collect
+
+GREEDY = SamplingParams(temperature=0, max_tokens=64)
+
+
+@pytest.fixture
+def engine():  # type: ignore[no-untyped-def]
+    eng = LLMEngine(ScriptedRunner(), CharTokenizer(), max_num_seqs=2)
+    eng.start()
+    yield eng
+    eng.shutdown()
+
+
+async def test_generates_until_eos_and_counts_tokens(engine: LLMEngine) -> None:
+    text, last = await collect(engine.generate([1, 2, 3], GREEDY))
+    assert text == "Paris is the capital." and last.finish_reason == "stop"
+    assert last.num_prompt_tokens == 3 and last.num_output_tokens == len(text) + 1  # the EOS counts
+    assert last.busy_s > 0
+    stats = engine.stats()
+    assert (stats.num_running, stats.num_waiting, stats.num_generation_tokens_total) == (0, 0, len(text) + 1)
+
+
+async def test_max_tokens_and_stop_strings(engine: LLMEngine) -> None:
+    text, last = await collect(engine.generate([1], SamplingParams(temperature=0, max_tokens=5)))
+    assert (text, last.finish_reason, last.num_output_tokens) == ("Paris", "length", 5)
+    text, last = await collect(engine.generate([1], SamplingParams(temperature=0, max_tokens=64, stop=[" the"])))
+    assert (text, last.finish_reason) == ("Paris is", "stop")
+
+
+async def test_too_long_requests_are_refused_up_front(engine: LLMEngine) -> None:
+    with pytest.raises(EngineInputError, match="maximum context length is 256"):
+        await collect(engine.generate(list(range(1, 200)), SamplingParams(max_tokens=100)))
+    with pytest.raises(EngineInputError):
+        await collect(engine.generate([], GREEDY))
+
+
+async def test_leaving_the_stream_aborts_and_frees_the_sequence() -> None:
+    runner = ScriptedRunner(step_s=0.01)
+    eng = LLMEngine(runner, CharTokenizer())
+    eng.start()
+    try:
+        gen = eng.generate([1], GREEDY, request_id="cancel-me")
+        await anext(gen)
+        await gen.aclose()
+        for _ in range(100):
+            if "cancel-me" in runner.freed:
+                break
+            await asyncio.sleep(0.01)
+        assert runner.freed == ["cancel-me"] and eng.stats().num_running == 0
+    finally:
+        eng.shutdown()
+
+
+async def test_waiting_requests_are_admitted_by_priority() -> None:
+    runner = ScriptedRunner(reply="ab", step_s=0.01)
+    eng = LLMEngine(runner, CharTokenizer(), max_num_seqs=1)
+    eng.start()
+    try:
+        first = asyncio.ensure_future(collect(eng.generate([1], GREEDY, request_id="first")))
+        await asyncio.sleep(0.005)
+        low = asyncio.ensure_future(collect(eng.generate([1], GREEDY, request_id="low", priority=5)))
+        high = asyncio.ensure_future(collect(eng.generate([1], GREEDY, request_id="high", priority=0)))
+        await asyncio.gather(first, low, high)
+        assert runner.order == ["first", "high", "low"]
+    finally:
+        eng.shutdown()

@@ -1,0 +1,79 @@
+"""The engine's OpenAI-compatible server over real HTTP, with a scripted runner."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from engine.llm_engine import LLMEngine
+from engine.server import create_engine_app
+from tests.engine.fakes import CharTokenizer, ScriptedRunner
+from tests.stubs import ServerThread
+
+MSG = [{"role": "user", "content": "capital of France?"}]
+
+
+@pytest.fixture
+def served() -> Iterator[tuple[str, LLMEngine, ScriptedRunner]]:
+    runner = ScriptedRunner(step_s=0.002, max_model_len=512)
+    eng = LLMEngine(runner, CharTokenizer())
+    eng.start()
+    server = ServerThread(create_engine_app(eng, model_name="tiny", model_version="v1")).start()
+    yield server.url, eng, runner
+    server.stop()
+    eng.shutdown()
+
+
+def test_non_stream_and_stream_with_the_openai_client(served: tuple[str, LLMEngine, ScriptedRunner]) -> None:
+    url, _, _ = served
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+    out = client.chat.completions.create(model="tiny", messages=MSG, temperature=0)
+    assert out.choices[0].message.content == "Paris is the capital." and out.choices[0].finish_reason == "stop"
+    assert out.usage.prompt_tokens == len("<user>capital of France?>")
+    stream = client.chat.completions.create(model="tiny", messages=MSG, stream=True, max_tokens=5,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Paris"
+    assert chunks[-1].usage.completion_tokens == 5
+    assert [m.id for m in client.models.list()] == ["tiny"]
+
+
+def test_continuous_usage_and_busy_time(served: tuple[str, LLMEngine, ScriptedRunner]) -> None:
+    url, _, _ = served
+    body = {"model": "tiny", "messages": MSG, "stream": True, "max_tokens": 3,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    counted = [e["usage"]["completion_tokens"] for e in events if e.get("usage") and e["choices"]]
+    assert counted == [1, 2]  # the third token arrives with the finish chunk
+    assert events[-1]["usage"]["completion_tokens"] == 3 and events[-1]["x_tiergate"]["busy_s"] > 0
+
+
+def test_errors(served: tuple[str, LLMEngine, ScriptedRunner]) -> None:
+    url, _, _ = served
+    r = httpx.post(f"{url}/v1/chat/completions", json={"model": "tiny", "messages": MSG, "max_tokens": 10_000})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    r = httpx.post(f"{url}/v1/chat/completions", content=b"{")
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    assert httpx.get(f"{url}/health").json()["model_version"] == "v1"
+    assert "tiergate_engine_generation_tokens_total" in httpx.get(f"{url}/metrics").text
+
+
+def test_disconnect_aborts_within_a_step_and_frees_the_sequence(served: tuple[str, LLMEngine, ScriptedRunner]) -> None:
+    url, eng, runner = served
+    runner.step_s = 0.05
+    body = {"model": "tiny", "messages": MSG, "stream": True, "max_tokens": 400}
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+        lines = r.iter_lines()
+        next(lines)
+        stats = eng.stats()
+        assert stats.num_running + stats.num_waiting == 1
+    deadline = time.time() + 5
+    while time.time() < deadline and eng.stats().num_running:
+        time.sleep(0.01)
+    assert eng.stats().num_running == 0 and len(runner.freed) == 1

@@ -1,0 +1,54 @@
+"""The CLI acts on the same state as a running gateway, at once."""
+
+from __future__ import annotations
+
+import json
+
+from click.testing import CliRunner
+
+from gateway.cli.main import cli
+from tests.conftest import Gateway
+
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def test_cli_tenants_keys_and_usage_against_a_running_gateway(gateway: Gateway) -> None:
+    runner = CliRunner()
+    env = {"TIERGATE_DATA_DIR": str(gateway.settings.data_dir),
+           "TIERGATE_PLANS_FILE": str(gateway.settings.plans_file)}
+    r = runner.invoke(cli, ["tenants", "create", "initech"], env=env)
+    assert r.exit_code == 0 and "plan standard" in r.output
+    assert runner.invoke(cli, ["tenants", "create", "initech"], env=env).exit_code == 1
+    assert "initech" in runner.invoke(cli, ["tenants", "list"], env=env).output
+    r = runner.invoke(cli, ["keys", "issue", "--tenant", "initech"], env=env)
+    assert r.exit_code == 0
+    key = next(line.split()[-1] for line in r.output.splitlines() if line.startswith("key    :"))
+    key_id = next(line.split()[-1] for line in r.output.splitlines() if line.startswith("key id"))
+    with gateway.client(key) as c:
+        assert c.post("/v1/chat/completions", json={"model": "auto", "messages": MSG}).status_code == 200
+        r = runner.invoke(cli, ["keys", "rotate", key_id], env=env)
+        assert r.exit_code == 0
+        assert c.post("/v1/chat/completions", json={"model": "auto", "messages": MSG}).status_code == 401
+    new_key = next(line.split()[-1] for line in r.output.splitlines() if line.startswith("key    :"))
+    with gateway.client(new_key) as c:
+        assert c.post("/v1/chat/completions", json={"model": "auto", "messages": MSG}).status_code == 200
+        new_id = new_key[3:15]
+        assert runner.invoke(cli, ["keys", "revoke", new_id], env=env).exit_code == 0
+        assert c.post("/v1/chat/completions", json={"model": "auto", "messages": MSG}).status_code == 401
+    listed = runner.invoke(cli, ["keys", "list", "--tenant", "initech"], env=env).output
+    assert "revoked" in listed and key not in listed
+    usage = json.loads(runner.invoke(cli, ["usage", "--format", "json"], env=env).output)
+    assert usage[0]["tenant"] == "initech" and usage[0]["requests"] == 2
+    table = runner.invoke(cli, ["usage"], env=env).output
+    assert "initech" in table and "price USD" in table
+
+
+def test_cli_usage_errors_are_clear(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    runner = CliRunner()
+    env = {"TIERGATE_DATA_DIR": str(tmp_path)}
+    r = runner.invoke(cli, ["keys", "issue"], env=env)
+    assert r.exit_code == 2 and "--tenant" in r.output
+    r = runner.invoke(cli, ["keys", "issue", "--tenant", "ghost"], env=env)
+    assert r.exit_code == 1 and "no tenant 'ghost'" in r.output
+    r = runner.invoke(cli, ["tenants", "create", "x", "--plan", "gold"], env=env)
+    assert r.exit_code == 1 and "no plan 'gold'" in r.output

@@ -1,0 +1,58 @@
+"""Bad configuration files stop start-up with the file, the line and the reason."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gateway.app import create_app, load_config
+from gateway.config_files import ConfigFileError, load_yaml
+from gateway.settings import REPO_ROOT, Settings
+from quotas.plans import PlanBook
+from tiers.catalogue import TierCatalogue
+
+
+def test_shipped_files_are_valid() -> None:
+    catalogue, plans = load_config(Settings())
+    assert set(catalogue.tiers) == {"small", "mid", "full"}
+    assert catalogue.tiers["mid"].quantize == "int8" and catalogue.tiers["full"].quantize is None
+    assert plans.plans["standard"].default_tier in catalogue.tiers
+    assert str(catalogue.tiers["full"].price_per_1k_output) == "0.0006"
+
+
+def test_broken_yaml_names_the_line(tmp_path: Path) -> None:
+    f = tmp_path / "tiers.yaml"
+    f.write_text("tiers:\n  mid:\n    backend: local\n   model: [oops\n")
+    with pytest.raises(ConfigFileError) as exc:
+        load_yaml(f, TierCatalogue)
+    assert exc.value.path == f and exc.value.line == 4 and "YAML" in exc.value.reason
+
+
+def test_schema_error_names_the_line_of_the_field(tmp_path: Path) -> None:
+    text = (REPO_ROOT / "tiers" / "tiers.yaml").read_text().replace('price_per_1k_output: "0.0002"',
+                                                                    'price_per_1k_output: "cheap"')
+    f = tmp_path / "tiers.yaml"
+    f.write_text(text)
+    with pytest.raises(ConfigFileError) as exc:
+        load_yaml(f, TierCatalogue)
+    line = next(i for i, s in enumerate(text.splitlines(), 1) if '"cheap"' in s)
+    assert exc.value.line == line and "tiers.mid.price_per_1k_output" in exc.value.reason
+    assert f"{f}:{line}" in str(exc.value)
+
+
+def test_plans_must_name_known_tiers_and_app_refuses_to_start(tmp_path: Path) -> None:
+    f = tmp_path / "plans.yaml"
+    f.write_text("default_plan: p\nplans:\n  p:\n    allowed_tiers: [mid, huge]\n    default_tier: mid\n")
+    with pytest.raises(ConfigFileError) as exc:
+        load_yaml(f, PlanBook, context={"tiers": {"small", "mid", "full"}})
+    assert "huge" in exc.value.reason
+    with pytest.raises(ConfigFileError):
+        create_app(Settings(data_dir=tmp_path / "d", plans_file=f))
+    assert not (tmp_path / "d").exists()  # nothing was created
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigFileError) as exc:
+        load_yaml(tmp_path / "nope.yaml", TierCatalogue)
+    assert "cannot read" in exc.value.reason

