@@ -10,6 +10,7 @@ from typing import Any
 from litestar import Litestar, Request, Response
 from litestar.exceptions import HTTPException, ValidationException
 
+from gateway.admission import AdmissionService
 from gateway.chat_service import ChatService
 from gateway.config_files import load_yaml
 from gateway.errors import TiergateError
@@ -22,9 +23,16 @@ from gateway.routes.models import list_models
 from gateway.services import Services
 from gateway.settings import Settings
 from gateway.tenants.store import TenantStore
+from quotas.admission import QuotaService
+from quotas.backends.base import QuotaBackend
+from quotas.backends.failover import FailoverBackend
+from quotas.backends.memory import MemoryBackend
+from quotas.backends.redis import RedisBackend
+from quotas.dispatch import TierQueue
 from quotas.ledger import Ledger
 from quotas.plans import PlanBook
-from tiers.catalogue import TierCatalogue
+from quotas.seed import seed_from_ledger
+from tiers.catalogue import TierCatalogue, TierSpec
 from tiers.client import TierClient
 from tiers.fleet import Fleet
 
@@ -49,8 +57,33 @@ def build_services(settings: Settings) -> Services:
     metrics_ = GatewayMetrics(fleet)
     ledger = Ledger(settings.ledger_db)
     store = TenantStore(settings.state_db)
-    chat = ChatService(fleet=fleet, client=client, ledger=ledger, metrics=metrics_, plans=plans)
-    return Services(settings, catalogue, plans, store, ledger, client, fleet, metrics_, chat)
+    backend = build_quota_backend(settings, ledger, metrics_)
+    queues = {name: TierQueue(name, tier_capacity(spec, settings)) for name, spec in catalogue.tiers.items()}
+    metrics_.queues = queues
+    admission = AdmissionService(fleet=fleet, plans=plans, quotas=QuotaService(backend), queues=queues,
+                                 metrics=metrics_, models_dir=str(settings.resolved_models_dir),
+                                 default_max_tokens=settings.default_max_tokens)
+    chat = ChatService(fleet=fleet, client=client, ledger=ledger, metrics=metrics_, admission=admission,
+                       queues=queues)
+    return Services(settings, catalogue, plans, store, ledger, client, fleet, metrics_, chat, backend)
+
+
+def build_quota_backend(settings: Settings, ledger: Ledger, metrics_: GatewayMetrics) -> QuotaBackend:
+    """Redis (shared, with the configured failure mode) when TIERGATE_REDIS_URL is set; else memory, seeded
+    from the ledger so budgets and windows survive a restart."""
+    if settings.redis_url:
+        redis = RedisBackend(settings.redis_url, timeout_s=settings.redis_timeout_s)
+        return FailoverBackend(redis, mode=settings.redis_failure_mode, on_state=metrics_.redis_state)
+    memory = MemoryBackend()
+    seed_from_ledger(memory, ledger)
+    return memory
+
+
+def tier_capacity(spec: TierSpec, settings: Settings) -> int:
+    """Dispatch slots: per replica, the tier's max_concurrency, else what its engines batch at once."""
+    if spec.backend == "local":
+        return spec.replicas * (spec.max_concurrency or spec.max_num_seqs)
+    return len(spec.urls) * (spec.max_concurrency or settings.remote_max_concurrency)
 
 
 def create_app(settings: Settings | None = None) -> Litestar:
@@ -69,6 +102,7 @@ def create_app(settings: Settings | None = None) -> Litestar:
         finally:
             await services.fleet.stop()
             await services.client.aclose()
+            await services.quota_backend.close()
             services.ledger.close()
             services.store.close()
 

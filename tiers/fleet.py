@@ -62,9 +62,9 @@ class Fleet:
                 out[name] = "; ".join(sorted({r.reason for r in reps if r.reason})) or "no healthy replica"
         return out
 
-    def pick(self, tier: str) -> Replica:
-        """The healthy replica with the fewest requests in flight."""
-        healthy = [r for r in self.replicas[tier] if r.healthy]
+    def pick(self, tier: str, exclude: set[int] | None = None) -> Replica:
+        """The healthy replica with the fewest requests in flight (skipping `exclude`d indexes)."""
+        healthy = [r for r in self.replicas[tier] if r.healthy and r.index not in (exclude or set())]
         if not healthy:
             raise NoTierAvailable(f"tier {tier!r} has no healthy replica")
         return min(healthy, key=lambda r: r.inflight)

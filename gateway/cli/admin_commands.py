@@ -9,13 +9,14 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import click
+from pydantic import ValidationError
 
 from gateway.cli.options import data_dir_option, settings_from
 from gateway.config_files import ConfigFileError, load_yaml
 from gateway.errors import TiergateError
 from gateway.tenants.store import ADMIN, TenantStore
 from quotas.ledger import Ledger
-from quotas.plans import PlanBook
+from quotas.plans import Limits, PlanBook
 
 
 @contextmanager
@@ -81,14 +82,27 @@ def keys() -> None:
 @click.option("--admin", is_flag=True, help="An admin key (no tenant): manages the gateway.")
 @click.option("--name", default="", help="A label for the key.")
 @click.option("--ttl", "ttl_s", type=float, default=None, help="Seconds until the key expires.")
+@click.option("--rpm", type=int, default=None, help="This key's own requests per minute.")
+@click.option("--tpm", type=int, default=None, help="This key's own tokens per minute.")
+@click.option("--max-concurrent", type=int, default=None, help="This key's own concurrent requests.")
+@click.option("--budget-day", type=str, default=None, help="This key's own daily budget, USD.")
+@click.option("--budget-month", type=str, default=None, help="This key's own monthly budget, USD.")
 @data_dir_option
-def keys_issue(tenant: str | None, admin: bool, name: str, ttl_s: float | None, data_dir: Path | None) -> None:
-    """Issue a key for --tenant, or an --admin key."""
+def keys_issue(tenant: str | None, admin: bool, name: str, ttl_s: float | None, rpm: int | None, tpm: int | None,
+               max_concurrent: int | None, budget_day: str | None, budget_month: str | None,
+               data_dir: Path | None) -> None:
+    """Issue a key for --tenant, or an --admin key; limits given here apply to this key on top of the plan's."""
     if bool(tenant) == admin:
         raise click.UsageError("give exactly one of --tenant NAME or --admin")
+    try:
+        limits = Limits(rpm=rpm, tpm=tpm, max_concurrent=max_concurrent, budget_day_usd=budget_day,
+                        budget_month_usd=budget_month)
+    except ValidationError as exc:
+        raise click.UsageError(str(exc.errors()[0]["msg"])) from exc
     with _store(data_dir) as store:
         key, plaintext = store.issue_key(tenant, name=name, roles=(ADMIN,) if admin else (),
-                                         expires_at=time.time() + ttl_s if ttl_s else None)
+                                         expires_at=time.time() + ttl_s if ttl_s else None,
+                                         limits=None if limits == Limits() else limits)
     _echo_key(key.public(), plaintext)
 
 

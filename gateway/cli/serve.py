@@ -13,6 +13,7 @@ import click
 import httpx
 
 from engine.model_source import BUILTIN_MODELS, is_prepared
+from gateway.admission import tokenizer_source
 from gateway.app import create_app, load_config
 from gateway.bootstrap import banner, ensure_bootstrap
 from gateway.cli.options import data_dir_option, settings_from
@@ -48,7 +49,9 @@ def serve(host: str | None, port: int | None, tiers_file: Path | None, plans_fil
         catalogue, plans = load_config(settings)
     except ConfigFileError as exc:
         raise click.ClickException(str(exc)) from exc
-    for source in sorted({t.model for t in catalogue.tiers.values() if t.backend == "local"}):
+    sources = {t.model for t in catalogue.tiers.values() if t.backend == "local"}
+    sources |= {tokenizer_source(t) for t in catalogue.tiers.values()}
+    for source in sorted(sources):
         if source in BUILTIN_MODELS and not is_prepared(source, settings.resolved_models_dir):
             # a child process, so the gateway itself never imports torch
             subprocess.run([sys.executable, "-m", "gateway.cli.main", "models", "fetch", "--model", source,

@@ -12,6 +12,7 @@ from gateway.auth import require_admin
 from gateway.errors import InvalidRequest
 from gateway.tenants.store import ADMIN
 from gateway.validation import parse_body
+from quotas.plans import Limits
 
 
 class CreateTenant(BaseModel):
@@ -26,6 +27,7 @@ class IssueKey(BaseModel):
     name: Annotated[str, Field(max_length=128)] = ""
     admin: bool = False
     ttl_s: Annotated[float, Field(gt=0)] | None = None
+    limits: Limits | None = None  # this key's own limits, on top of the tenant's plan
 
 
 class RotateKey(BaseModel):
@@ -64,7 +66,7 @@ async def issue_key(request: Request[Any, Any, Any]) -> dict[str, Any]:
     body = parse_body(await request.body(), IssueKey)
     expires = time.time() + body.ttl_s if body.ttl_s else None
     key, plaintext = _services(request).store.issue_key(
-        body.tenant, name=body.name, roles=(ADMIN,) if body.admin else (), expires_at=expires)
+        body.tenant, name=body.name, roles=(ADMIN,) if body.admin else (), expires_at=expires, limits=body.limits)
     return key.public() | {"key": plaintext, "note": "shown once; store it now"}
 
 

@@ -25,14 +25,15 @@ async def chat_completions(request: Request[Any, Any, Any], principal: NamedDepe
     req = parse_body(await request.body(), ChatCompletionRequest)
     services = request.app.state.services
     call = Call(request.state.request_id, principal, req, arrived=time.time(), t0=request.state.t0)
-    call.route = services.chat.route(principal, req)
-    request.state.tier = call.route.tier.name
+    await services.chat.admit(call)
+    request.state.tier = call.tier.name
     return await respond(services.chat, call)
 
 
 async def respond(chat: ChatService, call: Call) -> Response[Any]:
     stream, first = await chat.start(call)
-    headers = {"x-tiergate-tier": call.tier.name, "x-tiergate-route-reason": call.route.reason}  # type: ignore[union-attr]
+    headers = {"x-tiergate-tier": call.tier.name, "x-tiergate-route-reason": call.route.reason,  # type: ignore[union-attr]
+               **call.admitted.headers}  # type: ignore[union-attr]
     if call.req.stream:
         return Stream(_sse_body(chat, call, stream, first), media_type="text/event-stream",
                       headers=headers | {"cache-control": "no-cache"})

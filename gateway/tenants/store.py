@@ -16,6 +16,7 @@ from pathlib import Path
 
 from gateway.errors import Conflict, InvalidRequest, NotFound
 from gateway.tenants.keys import hash_secret, new_key, parse_key, verify
+from quotas.plans import Limits
 
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
 ADMIN = "admin"
@@ -35,7 +36,8 @@ CREATE TABLE IF NOT EXISTS api_keys (
     created_at REAL NOT NULL,
     expires_at REAL,
     revoked_at REAL,
-    replaced_by TEXT
+    replaced_by TEXT,
+    limits TEXT
 );
 CREATE INDEX IF NOT EXISTS api_keys_tenant ON api_keys(tenant);
 """
@@ -58,6 +60,7 @@ class ApiKey:
     expires_at: float | None
     revoked_at: float | None
     replaced_by: str | None
+    limits: Limits | None = None  # this key's own limits, on top of its tenant's plan
 
     @property
     def is_admin(self) -> bool:
@@ -70,7 +73,8 @@ class ApiKey:
         """What the admin API and the CLI may show: never the secret or its hash."""
         return {"key_id": self.key_id, "tenant": self.tenant, "name": self.name, "roles": list(self.roles),
                 "created_at": self.created_at, "expires_at": self.expires_at, "revoked_at": self.revoked_at,
-                "replaced_by": self.replaced_by}
+                "replaced_by": self.replaced_by,
+                "limits": self.limits.model_dump(mode="json", exclude_none=True) if self.limits else None}
 
 
 @dataclass(frozen=True)
@@ -94,6 +98,9 @@ class TenantStore:
     def __init__(self, path: Path) -> None:
         self._conn = connect(path)
         self._conn.executescript(SCHEMA)
+        columns = {r[1] for r in self._conn.execute("PRAGMA table_info(api_keys)")}
+        if "limits" not in columns:  # a data directory from before per-key limits
+            self._conn.execute("ALTER TABLE api_keys ADD COLUMN limits TEXT")
         self._cache: dict[str, tuple[str, ApiKey, Tenant | None]] = {}
         self._version = self._data_version()
 
@@ -126,19 +133,19 @@ class TenantStore:
     # ---- keys ----
 
     def issue_key(self, tenant: str | None, *, name: str = "", roles: tuple[str, ...] = (),
-                  expires_at: float | None = None) -> tuple[ApiKey, str]:
+                  expires_at: float | None = None, limits: Limits | None = None) -> tuple[ApiKey, str]:
         """Create a key; returns it and its plaintext, which is never stored or shown again."""
         if tenant is None and ADMIN not in roles:
             raise InvalidRequest("a key without a tenant must be an admin key", param="tenant")
         if tenant is not None:
             self.get_tenant(tenant)
         key_id, plaintext = new_key()
-        key = ApiKey(key_id, tenant, name, tuple(roles), time.time(), expires_at, None, None)
+        key = ApiKey(key_id, tenant, name, tuple(roles), time.time(), expires_at, None, None, limits)
         self._conn.execute(
-            "INSERT INTO api_keys(key_id, tenant, name, key_sha256, roles, created_at, expires_at) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?)",
+            "INSERT INTO api_keys(key_id, tenant, name, key_sha256, roles, created_at, expires_at, limits) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
             (key.key_id, key.tenant, key.name, hash_secret(plaintext), json.dumps(list(key.roles)),
-             key.created_at, key.expires_at))
+             key.created_at, key.expires_at, limits.model_dump_json(exclude_none=True) if limits else None))
         self._invalidate()
         return key, plaintext
 
@@ -168,7 +175,8 @@ class TenantStore:
         old = self.get_key(key_id)
         if not old.active(time.time()):
             raise Conflict(f"key {key_id!r} is revoked or expired; issue a new one", code="key_inactive")
-        new, plaintext = self.issue_key(old.tenant, name=old.name, roles=old.roles, expires_at=old.expires_at)
+        new, plaintext = self.issue_key(old.tenant, name=old.name, roles=old.roles, expires_at=old.expires_at,
+                                        limits=old.limits)
         now = time.time()
         if grace_s > 0:
             self._conn.execute("UPDATE api_keys SET expires_at = ?, replaced_by = ? WHERE key_id = ?",
@@ -213,9 +221,10 @@ class TenantStore:
         self._version = self._data_version()
 
 
-_KEY_COLUMNS = "key_id, tenant, name, roles, created_at, expires_at, revoked_at, replaced_by"
+_KEY_COLUMNS = "key_id, tenant, name, roles, created_at, expires_at, revoked_at, replaced_by, limits"
 
 
 def _key(row: tuple) -> ApiKey:  # type: ignore[type-arg]
-    key_id, tenant, name, roles, created_at, expires_at, revoked_at, replaced_by = row
-    return ApiKey(key_id, tenant, name, tuple(json.loads(roles)), created_at, expires_at, revoked_at, replaced_by)
+    key_id, tenant, name, roles, created_at, expires_at, revoked_at, replaced_by, limits = row
+    return ApiKey(key_id, tenant, name, tuple(json.loads(roles)), created_at, expires_at, revoked_at, replaced_by,
+                  Limits.model_validate_json(limits) if limits else None)

@@ -46,9 +46,14 @@ def test_upstream_gets_the_tier_model_and_sampling_fields(gateway: Gateway) -> N
     assert r.status_code == 200
     sent = gateway.stub.requests[-1]
     assert sent["model"] == "stub-full" and sent["stream"] is True
-    assert (sent["max_completion_tokens"], sent["temperature"], sent["top_p"], sent["seed"], sent["stop"]) == (
+    assert (sent["max_tokens"], sent["temperature"], sent["top_p"], sent["seed"], sent["stop"]) == (
         3, 0.5, 0.9, 7, ["x"])
+    assert "max_completion_tokens" not in sent
     assert r.json()["choices"][0]["finish_reason"] == "length"
+    with gateway.client(gateway.tenant_key) as c:
+        assert c.post("/v1/chat/completions", json={"model": "full", "messages": MSG}).status_code == 200
+    # no cap asked: the gateway reserves, and forwards, its default cap
+    assert gateway.stub.requests[-1]["max_tokens"] == gateway.settings.default_max_tokens
 
 
 def test_stream_with_usage_is_valid_sse_and_ledger_is_written_before_done(gateway: Gateway) -> None:

@@ -1,0 +1,178 @@
+"""Admission: route, count the prompt, check the predicted wait, reserve quotas. Nothing is spent on refusal.
+
+Order matters: every check that can refuse without state (route, context length, predicted wait) runs
+before the one that charges (the quota reservation), and a reservation is the last step, so a refused
+request has charged nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from engine.model_source import DEFAULT_MODEL, resolve_model
+from gateway.errors import InvalidRequest, QuotaExceeded, RateLimited, Unavailable, map_tier_error
+from gateway.metrics import GatewayMetrics
+from gateway.token_counter import token_counter
+from quotas.admission import Admission, QuotaService
+from quotas.backends.base import QuotaBackendError
+from quotas.dispatch import TierQueue
+from quotas.limits import Decision
+from quotas.plans import PRIORITY_ORDER, Plan, PlanBook
+from tiers.catalogue import TierSpec
+from tiers.errors import TierError
+from tiers.fleet import Fleet
+from tiers.routing import Route, choose_tier
+
+if TYPE_CHECKING:
+    from gateway.chat_service import Call
+
+
+@dataclass
+class Admitted:
+    """What admission decided for one request."""
+
+    route: Route
+    plan: Plan
+    prompt_tokens: int
+    output_cap: int
+    admission: Admission
+    headers: dict[str, str] = field(default_factory=dict)  # x-ratelimit-*
+
+
+class AdmissionService:
+    def __init__(self, *, fleet: Fleet, plans: PlanBook, quotas: QuotaService, queues: dict[str, TierQueue],
+                 metrics: GatewayMetrics, models_dir: str, default_max_tokens: int) -> None:
+        self.fleet = fleet
+        self.plans = plans
+        self.quotas = quotas
+        self.queues = queues
+        self.metrics = metrics
+        self.models_dir = models_dir
+        self.default_max_tokens = default_max_tokens
+
+    def refuse(self, reason: str, err: Exception) -> Exception:
+        self.metrics.refused(reason)
+        return err
+
+    async def admit(self, call: Call) -> Admitted:
+        principal, req = call.principal, call.req
+        assert principal.tenant is not None
+        plan = self.plans.plans[principal.tenant.plan]
+        route = self._route(plan, req.model)
+        prompt = self._prompt_tokens(route.tier, call)
+        cap = req.output_cap or max(1, min(self.default_max_tokens, route.tier.context_limit - prompt))
+        if prompt + cap > route.tier.context_limit:
+            raise self.refuse("context_length", InvalidRequest(
+                f"tier {route.tier.name!r} has a context of {route.tier.context_limit} tokens; the request needs "
+                f"{prompt} prompt tokens + {cap} output tokens", param="messages", code="context_length_exceeded"))
+        route = self._check_wait(plan, route, prompt + cap)
+        tier = route.tier
+        try:
+            decision, admission = await self.quotas.reserve(
+                request_id=call.request_id, tenant=principal.tenant.name, plan=plan, key_id=principal.key.key_id,
+                key_limits=principal.key.limits, tokens=prompt + cap, price=tier.price(prompt, cap))
+        except QuotaBackendError as exc:
+            raise self.refuse("quota_backend", Unavailable(
+                "the quota service is unavailable; retry shortly", code="quota_backend_unavailable",
+                retry_after=1)) from exc
+        if admission is None:
+            raise self.refuse(decision.reason or "quota", self._refusal(plan, decision))
+        return Admitted(route, plan, prompt, cap, admission, _ratelimit_headers(plan, decision))
+
+    def _route(self, plan: Plan, model: str) -> Route:
+        try:
+            return choose_tier(model, catalogue=self.fleet.catalogue, allowed=plan.allowed_tiers,
+                               default=plan.default_tier, allow_upgrade=plan.allow_upgrade,
+                               unavailable=self.fleet.unavailable())
+        except TierError as exc:
+            err = map_tier_error(exc)
+            raise self.refuse(err.code or "route", err) from exc
+
+    def _prompt_tokens(self, tier: TierSpec, call: Call) -> int:
+        source = tokenizer_source(tier)
+        try:
+            counter = token_counter(resolve_model(source, Path(self.models_dir)))
+        except (OSError, ValueError) as exc:
+            raise self.refuse("tokenizer", Unavailable(
+                f"the tokenizer of tier {tier.name!r} ({source}) is not prepared: {exc}; run "
+                f"`tiergate models fetch --model {source}`", code="tokenizer_unavailable", retry_after=30)) from exc
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                    for m in call.req.messages]
+        return counter.prompt_tokens(messages)
+
+    def _check_wait(self, plan: Plan, route: Route, tokens: int) -> Route:
+        """Refuse (503) when the predicted queue wait breaks the plan's limit, or shed to a cheaper tier."""
+        if plan.max_queue_wait_s is None:
+            return route
+        priority = PRIORITY_ORDER[plan.priority]
+        wait = self.queues[route.tier.name].predicted_wait_s(priority)
+        if wait <= plan.max_queue_wait_s:
+            return route
+        if plan.shed_to_cheaper:
+            unavailable = self.fleet.unavailable()
+            cheaper = [t for t in self.fleet.catalogue.by_price() if t.name in plan.allowed_tiers
+                       and t.name not in unavailable and t.price(1000, 1000) < route.tier.price(1000, 1000)]
+            for tier in reversed(cheaper):
+                other = self.queues[tier.name].predicted_wait_s(priority)
+                if other <= plan.max_queue_wait_s:
+                    return Route(tier, f"{route.tier.name} predicted wait {wait:.1f}s > {plan.max_queue_wait_s}s; "
+                                       f"shed to {tier.name}")
+        raise self.refuse("queue_wait", Unavailable(
+            f"tier {route.tier.name!r} is overloaded: predicted wait {wait:.1f}s exceeds your plan's "
+            f"{plan.max_queue_wait_s}s", code="overloaded", retry_after=max(1, math.ceil(wait))))
+
+    @staticmethod
+    def _refusal(plan: Plan, decision: Decision) -> Exception:
+        scope = "your key" if decision.scope and decision.scope.startswith("k:") else "your tenant"
+        retry = max(1, math.ceil(decision.retry_after_s))
+        if decision.reason in ("budget_day", "budget_month"):
+            period = "daily" if decision.reason == "budget_day" else "monthly"
+            return QuotaExceeded(f"the {period} budget of {scope} is spent; it renews in {retry}s", retry_after=retry)
+        what = {"rpm": "requests per minute", "tpm": "tokens per minute",
+                "concurrency": "concurrent requests"}.get(decision.reason or "", decision.reason or "limit")
+        headers = {}
+        if decision.scope == "t":
+            limits = plan.limits
+            if limits.rpm is not None:
+                headers["x-ratelimit-limit-requests"] = str(limits.rpm)
+            if limits.tpm is not None:
+                headers["x-ratelimit-limit-tokens"] = str(limits.tpm)
+            if decision.reason == "rpm":
+                headers |= {"x-ratelimit-remaining-requests": "0", "x-ratelimit-reset-requests": _dur(retry)}
+            if decision.reason == "tpm":
+                headers |= {"x-ratelimit-remaining-tokens": "0", "x-ratelimit-reset-tokens": _dur(retry)}
+        return RateLimited(f"rate limit of {scope} reached: {what}; retry in {retry}s",
+                           code=f"rate_limit_{decision.reason}", retry_after=retry, headers=headers)
+
+
+def tokenizer_source(tier: TierSpec) -> str:
+    """The model whose tokenizer counts this tier's prompts: its own for local tiers, else the default's."""
+    return tier.tokenizer or (tier.model if tier.backend == "local" else DEFAULT_MODEL)
+
+
+def _ratelimit_headers(plan: Plan, decision: Decision) -> dict[str, str]:
+    usage = decision.usage.get("t")
+    limits = plan.limits
+    if usage is None:
+        return {}
+    headers = {}
+    if limits.rpm is not None:
+        headers |= {"x-ratelimit-limit-requests": str(limits.rpm),
+                    "x-ratelimit-remaining-requests": str(max(0, limits.rpm - usage.requests)),
+                    "x-ratelimit-reset-requests": _dur(usage.reset_requests_s)}
+    if limits.tpm is not None:
+        headers |= {"x-ratelimit-limit-tokens": str(limits.tpm),
+                    "x-ratelimit-remaining-tokens": str(max(0, limits.tpm - usage.tokens)),
+                    "x-ratelimit-reset-tokens": _dur(usage.reset_tokens_s)}
+    return headers
+
+
+def _dur(seconds: float) -> str:
+    """OpenAI's reset format: `1s`, `6m0s`, `1h2m3s`."""
+    s = max(0, math.ceil(seconds))
+    h, rest = divmod(s, 3600)
+    m, sec = divmod(rest, 60)
+    return (f"{h}h" if h else "") + (f"{m}m" if h or m else "") + f"{sec}s"

@@ -1,0 +1,54 @@
+"""Admission by quotas: turn a plan (and a key's overrides) into scope limits, reserve, settle."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from decimal import Decimal
+
+from quotas.backends.base import QuotaBackend
+from quotas.limits import Decision, ReservationRequest, ScopeLimits
+from quotas.money import to_pico
+from quotas.plans import Limits, Plan
+
+
+def scope_limits(scope: str, limits: Limits) -> ScopeLimits:
+    return ScopeLimits(
+        scope=scope, rpm=limits.rpm, tpm=limits.tpm, max_concurrent=limits.max_concurrent,
+        budget_day_pico=None if limits.budget_day_usd is None else to_pico(limits.budget_day_usd),
+        budget_month_pico=None if limits.budget_month_usd is None else to_pico(limits.budget_month_usd))
+
+
+@dataclass
+class Admission:
+    """A granted reservation, to be settled exactly once."""
+
+    request: ReservationRequest
+    decision: Decision
+    settled: bool = False
+
+
+class QuotaService:
+    def __init__(self, backend: QuotaBackend) -> None:
+        self.backend = backend
+
+    @staticmethod
+    def scopes(plan: Plan, key_id: str, key_limits: Limits | None) -> tuple[ScopeLimits, ...]:
+        """The tenant's scope (plan limits) and, where the key has its own limits, the key's scope."""
+        out = [scope_limits("t", plan.limits)]
+        if key_limits is not None:
+            key_scope = scope_limits(f"k:{key_id}", key_limits)
+            if not key_scope.is_empty():
+                out.append(key_scope)
+        return tuple(out)
+
+    async def reserve(self, *, request_id: str, tenant: str, plan: Plan, key_id: str, key_limits: Limits | None,
+                      tokens: int, price: Decimal) -> tuple[Decision, Admission | None]:
+        req = ReservationRequest(request_id, tenant, self.scopes(plan, key_id, key_limits), tokens, to_pico(price))
+        decision = await self.backend.reserve(req)
+        return decision, (Admission(req, decision) if decision.admitted else None)
+
+    async def settle(self, admission: Admission, *, tokens: int, price: Decimal) -> None:
+        if admission.settled:
+            return
+        admission.settled = True
+        await self.backend.settle(admission.request, tokens=tokens, money_pico=to_pico(price))

@@ -1,0 +1,1 @@
+"""Quota state backends: memory (one process, embedded) and Redis (shared by replicas)."""

@@ -1,0 +1,32 @@
+"""The quota backend boundary.
+
+What crosses it: a `ReservationRequest` (who, which scopes with which limits, how many tokens and
+picodollars to reserve) goes in; a `Decision` comes out. `settle` later replaces the reservation by the
+real usage. Every implementation is atomic per request: all scopes' limits are checked and charged
+together, or nothing is charged at all.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from quotas.limits import Decision, ReservationRequest
+
+
+class QuotaBackendError(Exception):
+    """The backend could not be reached or answered in time (Redis down, timeout)."""
+
+
+class QuotaBackend(ABC):
+    name = "base"
+
+    @abstractmethod
+    async def reserve(self, req: ReservationRequest) -> Decision:
+        """Check every scope's limits and, if all pass, charge them all."""
+
+    @abstractmethod
+    async def settle(self, req: ReservationRequest, *, tokens: int, money_pico: int) -> None:
+        """Replace the reservation's tokens and money by what was really used; free its concurrency slot."""
+
+    async def close(self) -> None:  # noqa: B027 (optional to override)
+        """Release connections."""

@@ -1,0 +1,135 @@
+"""Per-tier dispatch: a bounded queue in front of each tier, priority classes first, then fair share.
+
+Inside a priority class the next request comes from the tenant that has been served the fewest weighted
+tokens (the Virtual Token Counter of Sheng et al., OSDI'24): a flooding tenant waits behind itself. A
+tenant that becomes backlogged again is lifted to the smallest counter among backlogged tenants, so
+idle time is not banked as credit. Dispatch never exceeds the tier's capacity (its replicas' slots).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+
+class QueueFull(Exception):
+    """The tier's dispatch queue is at its bound."""
+
+
+@dataclass
+class Ticket:
+    tenant: str
+    priority: int  # 0 is served first
+    weight: float
+    tokens: int  # the reserved estimate: prompt + output cap
+    seq: int
+    arrival: float = field(default_factory=time.monotonic)
+    dispatched_at: float | None = None
+    future: asyncio.Future[None] | None = None
+
+
+class TierQueue:
+    def __init__(self, tier: str, capacity: int, *, max_waiting: int | None = None) -> None:
+        self.tier = tier
+        self.capacity = capacity
+        self.max_waiting = max_waiting if max_waiting is not None else 8 * capacity
+        self.in_flight = 0
+        self.waiting: dict[int, list[Ticket]] = defaultdict(list)  # priority -> FIFO
+        self.counters: dict[int, dict[str, float]] = defaultdict(dict)  # priority -> tenant -> VTC
+        self.active: dict[tuple[int, str], int] = defaultdict(int)  # (priority, tenant) -> queued + in flight
+        self.tokens_per_s: float | None = None  # measured: EWMA of the tier's aggregate token rate
+        self._seq = itertools.count()
+
+    # ---- admission ----
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(len(q) for q in self.waiting.values())
+
+    def tokens_ahead(self, priority: int) -> int:
+        """Tokens queued that would be served before a new request of this priority."""
+        return sum(t.tokens for p, q in self.waiting.items() if p <= priority for t in q)
+
+    def predicted_wait_s(self, priority: int) -> float:
+        """Queued tokens ahead over the measured throughput; 0 while a slot is free or nothing is measured."""
+        if self.in_flight < self.capacity and not self.num_waiting:
+            return 0.0
+        if not self.tokens_per_s:
+            return 0.0
+        return self.tokens_ahead(priority) / self.tokens_per_s
+
+    # ---- dispatch ----
+
+    async def acquire(self, tenant: str, *, priority: int, weight: float, tokens: int) -> Ticket:
+        """Wait for a slot; leaving early (cancellation) gives the place up."""
+        ticket = Ticket(tenant, priority, weight, tokens, next(self._seq))
+        if self.active[priority, tenant] == 0:
+            self._lift(ticket)
+        if self.in_flight < self.capacity and not self.num_waiting:
+            self.active[priority, tenant] += 1
+            self._dispatch(ticket)
+            return ticket
+        if self.num_waiting >= self.max_waiting:
+            raise QueueFull(f"tier {self.tier!r} has {self.num_waiting} requests waiting (its bound)")
+        ticket.future = asyncio.get_running_loop().create_future()
+        self.active[priority, tenant] += 1
+        self.waiting[priority].append(ticket)
+        try:
+            await ticket.future
+        except asyncio.CancelledError:
+            if ticket.dispatched_at is None:
+                self.waiting[priority].remove(ticket)
+                self.active[priority, tenant] -= 1
+            else:
+                self.release(ticket, 0)
+            raise
+        return ticket
+
+    def release(self, ticket: Ticket, served_tokens: int) -> None:
+        """The request finished: correct its counter to the tokens really served, free its slot."""
+        if ticket.dispatched_at is None:
+            return
+        counters = self.counters[ticket.priority]
+        counters[ticket.tenant] = counters.get(ticket.tenant, 0.0) + (served_tokens - ticket.tokens) / ticket.weight
+        elapsed = time.monotonic() - ticket.dispatched_at
+        if served_tokens > 0 and elapsed > 0:
+            rate = served_tokens / elapsed * max(1, self.in_flight)
+            self.tokens_per_s = rate if self.tokens_per_s is None else 0.8 * self.tokens_per_s + 0.2 * rate
+        ticket.dispatched_at = None
+        self.in_flight -= 1
+        self.active[ticket.priority, ticket.tenant] -= 1
+        self._next()
+
+    def _dispatch(self, ticket: Ticket) -> None:
+        counters = self.counters[ticket.priority]
+        counters[ticket.tenant] = counters.get(ticket.tenant, 0.0) + ticket.tokens / ticket.weight
+        ticket.dispatched_at = time.monotonic()
+        self.in_flight += 1
+        if ticket.future is not None and not ticket.future.done():
+            ticket.future.set_result(None)
+
+    def _next(self) -> None:
+        while self.in_flight < self.capacity:
+            ticket = self._pick()
+            if ticket is None:
+                return
+            self._dispatch(ticket)
+
+    def _pick(self) -> Ticket | None:
+        for priority in sorted(p for p, q in self.waiting.items() if q):
+            queue = self.waiting[priority]
+            counters = self.counters[priority]
+            best = min(queue, key=lambda t: (counters.get(t.tenant, 0.0), t.seq))
+            queue.remove(best)
+            return best
+        return None
+
+    def _lift(self, ticket: Ticket) -> None:
+        counters = self.counters[ticket.priority]
+        backlogged = [counters.get(t, 0.0) for (p, t), n in self.active.items()
+                      if p == ticket.priority and n > 0 and t in counters]
+        if backlogged:
+            counters[ticket.tenant] = max(counters.get(ticket.tenant, 0.0), min(backlogged))

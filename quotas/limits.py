@@ -1,0 +1,74 @@
+"""What one admission asks of the quota backend, and what the backend answers."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+WINDOW_S = 60.0  # RPM and TPM are counted over any sliding 60 s
+
+
+@dataclass(frozen=True)
+class ScopeLimits:
+    """The limits of one scope (a tenant, or one key), as integers; None means unlimited."""
+
+    scope: str  # "t" for the tenant, "k:<key id>" for a key
+    rpm: int | None = None
+    tpm: int | None = None
+    max_concurrent: int | None = None
+    budget_day_pico: int | None = None
+    budget_month_pico: int | None = None
+
+    def is_empty(self) -> bool:
+        return all(v is None for v in (self.rpm, self.tpm, self.max_concurrent, self.budget_day_pico,
+                                       self.budget_month_pico))
+
+
+@dataclass(frozen=True)
+class ReservationRequest:
+    request_id: str
+    tenant: str
+    scopes: tuple[ScopeLimits, ...]
+    tokens: int  # prompt tokens + the output cap
+    money_pico: int  # those tokens at the tier's prices
+    lease_s: float = 900.0  # a concurrency slot held longer than this is reclaimed (a crashed replica)
+    now: float = field(default_factory=time.time)
+
+    @property
+    def day(self) -> str:
+        return time.strftime("%Y%m%d", time.gmtime(self.now))
+
+    @property
+    def month(self) -> str:
+        return time.strftime("%Y%m", time.gmtime(self.now))
+
+
+@dataclass(frozen=True)
+class Usage:
+    """What a scope has used inside the window, after this decision (for x-ratelimit-* headers)."""
+
+    requests: int
+    tokens: int
+    reset_requests_s: float
+    reset_tokens_s: float
+
+
+@dataclass(frozen=True)
+class Decision:
+    admitted: bool
+    reason: str | None = None  # rpm | tpm | concurrency | budget_day | budget_month
+    scope: str | None = None
+    retry_after_s: float = 0.0
+    usage: dict[str, Usage] = field(default_factory=dict)  # scope -> usage
+
+
+def seconds_to_next_day(now: float) -> float:
+    return 86400 - (now % 86400)
+
+
+def seconds_to_next_month(now: float) -> float:
+    t = time.gmtime(now)
+    year, month = (t.tm_year + 1, 1) if t.tm_mon == 12 else (t.tm_year, t.tm_mon + 1)
+    import calendar
+
+    return calendar.timegm((year, month, 1, 0, 0, 0)) - now
