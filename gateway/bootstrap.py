@@ -11,6 +11,7 @@ import json
 import os
 from pathlib import Path
 
+from gateway.errors import Conflict
 from gateway.tenants.store import ADMIN, TenantStore
 from quotas.plans import PlanBook
 
@@ -27,7 +28,10 @@ def ensure_bootstrap(store: TenantStore, plans: PlanBook, data_dir: Path) -> dic
         _, saved["admin_key"] = store.issue_key(None, name="bootstrap admin", roles=(ADMIN,))
         created = True
     if DEMO_TENANT not in {t.name for t in store.list_tenants()}:
-        store.create_tenant(DEMO_TENANT, plans.default_plan)
+        try:
+            store.create_tenant(DEMO_TENANT, plans.default_plan)
+        except Conflict:  # another replica sharing this data directory got there first
+            return saved or None
         _, saved["demo_key"] = store.issue_key(DEMO_TENANT, name="demo")
         created = True
     if created:

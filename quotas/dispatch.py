@@ -35,7 +35,7 @@ class TierQueue:
     def __init__(self, tier: str, capacity: int, *, max_waiting: int | None = None) -> None:
         self.tier = tier
         self.capacity = capacity
-        self.max_waiting = max_waiting if max_waiting is not None else 8 * capacity
+        self.max_waiting = max_waiting if max_waiting is not None else 64 * capacity
         self.in_flight = 0
         self.waiting: dict[int, list[Ticket]] = defaultdict(list)  # priority -> FIFO
         self.counters: dict[int, dict[str, float]] = defaultdict(dict)  # priority -> tenant -> VTC

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import os
+import shutil
+import socket
+import subprocess
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -33,6 +38,16 @@ plans:
     priority: batch
     allowed_tiers: [small]
     default_tier: small
+  metered:
+    priority: standard
+    allowed_tiers: [mid, full]
+    default_tier: mid
+    limits: {rpm: 3, tpm: 100000, budget_day_usd: "0.005"}
+  queued:
+    priority: batch
+    allowed_tiers: [mid, full]
+    default_tier: full
+    max_queue_wait_s: 1
 """
 
 
@@ -74,6 +89,7 @@ class Gateway:
     store: TenantStore  # a second connection, as the CLI has
     tenant_key: str
     admin_key: str
+    app: Any = None  # the Litestar app; app.state.services is live while the gateway runs
 
     def client(self, key: str | None = None) -> httpx.Client:
         headers = {"authorization": f"Bearer {key}"} if key else {}
@@ -114,16 +130,27 @@ def gateway_settings(tmp_path: Path, stub: tuple[ServerThread, StubState], prepa
 
 @pytest.fixture
 def gateway(gateway_settings: Settings, stub: tuple[ServerThread, StubState]) -> Iterator[Gateway]:
-    store = TenantStore(gateway_settings.state_db)
-    store.create_tenant("acme", "standard")
+    with running_gateway(gateway_settings, stub[1]) as gw:
+        yield gw
+
+
+@contextmanager
+def running_gateway(settings: Settings, stub: StubState, plan: str = "standard") -> Iterator[Gateway]:
+    """A gateway on uvicorn with tenant `acme` on `plan` (created unless the state already has it)."""
+    store = TenantStore(settings.state_db)
+    if "acme" not in {t.name for t in store.list_tenants()}:
+        store.create_tenant("acme", plan)
     _, tenant_key = store.issue_key("acme", name="test")
     _, admin_key = store.issue_key(None, roles=(ADMIN,))
-    server = ServerThread(create_app(gateway_settings)).start()
-    gw = Gateway(server.url, gateway_settings, stub[1], store, tenant_key, admin_key)
-    _wait_for_tiers(gw, {"mid", "full"})
-    yield gw
-    server.stop()
-    store.close()
+    app = create_app(settings)
+    server = ServerThread(app).start()
+    gw = Gateway(server.url, settings, stub, store, tenant_key, admin_key, app)
+    try:
+        _wait_for_tiers(gw, {"mid", "full"})
+        yield gw
+    finally:
+        server.stop()
+        store.close()
 
 
 def _wait_for_tiers(gw: Gateway, names: set[str], timeout_s: float = 20.0) -> None:
@@ -135,3 +162,52 @@ def _wait_for_tiers(gw: Gateway, names: set[str], timeout_s: float = 20.0) -> No
                 return
             time.sleep(0.1)
     raise AssertionError(f"tiers {names} not ready: {tiers}")
+
+
+class RedisServer:
+    """A real redis-server on a free loopback port, for the Redis backend's tests."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> RedisServer:
+        self.proc = subprocess.Popen(["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                                      "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.time() + 10
+        while time.time() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(16).startswith(b"+PONG"):
+                        return self
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError("redis-server did not start")
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+    def flush(self) -> None:
+        with socket.create_connection(("127.0.0.1", self.port), timeout=1) as s:
+            s.sendall(b"FLUSHALL\r\n")
+            s.recv(16)
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    if shutil.which("redis-server") is None:
+        pytest.fail("redis-server is not installed (apt-get install redis-server; .ci/run does it)")
+    server = RedisServer().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisServer) -> str:
+    redis_server.flush()
+    return redis_server.url
