@@ -110,3 +110,9 @@ class ServerThread:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=10)
+
+
+if __name__ == "__main__":  # a stub upstream in its own process: python -m tests.stubs PORT
+    import sys
+
+    uvicorn.run(stub_app(StubState()), host="127.0.0.1", port=int(sys.argv[1]), log_level="warning")

@@ -16,6 +16,10 @@ from quotas.limits import Decision, ReservationRequest
 class QuotaBackendError(Exception):
     """The backend could not be reached or answered in time (Redis down, timeout)."""
 
+    def __init__(self, message: str, *, transient: bool = False) -> None:
+        super().__init__(message)
+        self.transient = transient  # a timeout, which a busy event loop alone can cause; not proof of an outage
+
 
 class QuotaBackend(ABC):
     name = "base"

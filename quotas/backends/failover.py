@@ -4,6 +4,10 @@
 exceed them on its own) until Redis answers again. `closed`: reservations raise, and the gateway answers
 503. Each change of state is logged once and counted; Redis is tried again at most once a second, so a
 dead Redis does not add its timeout to every request.
+
+A refused connection means Redis is down at once. A timeout alone does not (a busy event loop can cause
+one): the request gets a retryable 503, and only timeouts that go on for `DOWN_AFTER_S` without a success
+in between switch the mode, so a burst of load never quietly turns shared limits into per-replica ones.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from quotas.limits import Decision, ReservationRequest
 
 log = logging.getLogger("tiergate.quotas")
 RETRY_EVERY_S = 1.0
+DOWN_AFTER_S = 1.0  # timeouts with no success in between for this long mean Redis is down
 
 
 class FailoverBackend(QuotaBackend):
@@ -33,6 +38,7 @@ class FailoverBackend(QuotaBackend):
         self._retry_at = 0.0
         self._on_state = on_state
         self._local_ids: set[str] = set()  # reservations made while the primary was down
+        self._failing_since: float | None = None
 
     def _mark(self, up: bool, why: str = "") -> None:
         if up == self.up:
@@ -49,9 +55,15 @@ class FailoverBackend(QuotaBackend):
         if self.up or time.monotonic() >= self._retry_at:
             try:
                 decision = await self.primary.reserve(req)
+                self._failing_since = None
                 self._mark(True)
                 return decision
             except QuotaBackendError as exc:
+                now = time.monotonic()
+                if self._failing_since is None:
+                    self._failing_since = now
+                if self.up and exc.transient and now - self._failing_since < DOWN_AFTER_S:
+                    raise
                 self._retry_at = time.monotonic() + RETRY_EVERY_S
                 self._mark(False, str(exc))
         if self.mode == "closed":

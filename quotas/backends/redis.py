@@ -12,10 +12,12 @@ from pathlib import Path
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeout
 
 from quotas.backends.base import QuotaBackend, QuotaBackendError
 from quotas.limits import WINDOW_S, Decision, ReservationRequest, Usage, seconds_to_next_day, seconds_to_next_month
 
+RESERVE_ATTEMPTS = 3  # each bounded by the call timeout; the script is idempotent per request id
 _HERE = Path(__file__).parent
 RESERVE = (_HERE / "reserve.lua").read_text()
 SETTLE = (_HERE / "settle.lua").read_text()
@@ -28,9 +30,14 @@ def _limit(v: int | None) -> int:
 class RedisBackend(QuotaBackend):
     name = "redis"
 
-    def __init__(self, url: str, *, timeout_s: float = 0.05, prefix: str = "tg") -> None:
-        self.redis = aioredis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                                       retry_on_timeout=False, health_check_interval=0)
+    def __init__(self, url: str, *, timeout_s: float = 0.05, prefix: str = "tg", max_connections: int = 64,
+                 pool_wait_s: float = 5.0) -> None:
+        # a bounded pool that makes callers wait for a connection: a burst of requests queues here instead
+        # of opening thousands of sockets, and is not mistaken for Redis being down
+        pool = aioredis.BlockingConnectionPool.from_url(
+            url, max_connections=max_connections, timeout=pool_wait_s, socket_timeout=timeout_s,
+            socket_connect_timeout=max(timeout_s, 1.0), retry_on_timeout=False, health_check_interval=0)
+        self.redis = aioredis.Redis(connection_pool=pool)
         self.prefix = prefix
         self._reserve = self.redis.register_script(RESERVE)
         self._settle = self.redis.register_script(SETTLE)
@@ -51,10 +58,16 @@ class RedisBackend(QuotaBackend):
             args += [_limit(lim.rpm), _limit(lim.tpm), _limit(lim.max_concurrent), _limit(lim.budget_day_pico),
                      _limit(lim.budget_month_pico)]
         args += [int(seconds_to_next_day(req.now)) + 1, int(seconds_to_next_month(req.now)) + 1]
-        try:
-            out = await self._reserve(keys=self.keys(req), args=args)
-        except RedisError as exc:
-            raise QuotaBackendError(f"redis: {exc}") from exc
+        keys = self.keys(req)
+        for attempt in range(RESERVE_ATTEMPTS):
+            try:
+                out = await self._reserve(keys=keys, args=args)
+                break
+            except RedisTimeout as exc:  # the script may have run: retrying with the same id is safe
+                if attempt == RESERVE_ATTEMPTS - 1:
+                    raise QuotaBackendError(f"redis: {exc}", transient=True) from exc
+            except RedisError as exc:
+                raise QuotaBackendError(f"redis: {exc}") from exc
         if int(out[0]) == 0:
             reason = out[1].decode() if isinstance(out[1], bytes) else str(out[1])
             return Decision(False, reason, req.scopes[int(out[2])].scope, max(0.0, int(out[3]) / 1000))
@@ -68,7 +81,7 @@ class RedisBackend(QuotaBackend):
         try:
             await self._settle(keys=self.keys(req), args=[req.request_id, tokens, money_pico - req.money_pico])
         except RedisError as exc:
-            raise QuotaBackendError(f"redis: {exc}") from exc
+            raise QuotaBackendError(f"redis: {exc}", transient=isinstance(exc, RedisTimeout)) from exc
 
     async def ping(self) -> bool:
         try:

@@ -24,7 +24,19 @@ local function expire(k)
   redis.call('ZREMRANGEBYSCORE', KEYS[k + 5], '-inf', now)
 end
 
-local usage = {}
+-- the same request retried after a timeout (the first attempt may have run): answer, do not charge twice
+if n > 0 and redis.call('ZSCORE', KEYS[5], rid) then
+  local out = {1}
+  for i = 0, n - 1 do
+    local k = 7 * i
+    local oldest_req = redis.call('ZRANGE', KEYS[k + 1], 0, 0, 'WITHSCORES')
+    table.insert(out, redis.call('ZCARD', KEYS[k + 1]))
+    table.insert(out, tonumber(redis.call('GET', KEYS[k + 4]) or '0'))
+    table.insert(out, tonumber(oldest_req[2] or now) + window - now)
+  end
+  return out
+end
+
 for i = 0, n - 1 do
   local k = 7 * i
   local a = 7 + 5 * i
