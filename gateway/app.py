@@ -58,7 +58,8 @@ def build_services(settings: Settings) -> Services:
     ledger = Ledger(settings.ledger_db)
     store = TenantStore(settings.state_db)
     backend = build_quota_backend(settings, ledger, metrics_)
-    queues = {name: TierQueue(name, tier_capacity(spec, settings)) for name, spec in catalogue.tiers.items()}
+    queues = {name: TierQueue(name, tier_capacity(spec, settings), policy=settings.dispatch_policy)
+              for name, spec in catalogue.tiers.items()}
     metrics_.queues = queues
     admission = AdmissionService(fleet=fleet, plans=plans, quotas=QuotaService(backend), queues=queues,
                                  metrics=metrics_, models_dir=str(settings.resolved_models_dir),

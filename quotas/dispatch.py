@@ -4,6 +4,10 @@ Inside a priority class the next request comes from the tenant that has been ser
 tokens (the Virtual Token Counter of Sheng et al., OSDI'24): a flooding tenant waits behind itself. A
 tenant that becomes backlogged again is lifted to the smallest counter among backlogged tenants, so
 idle time is not banked as credit. Dispatch never exceeds the tier's capacity (its replicas' slots).
+
+VTC orders the queue, but a newcomer still waits for a slot to free, which is a whole request of the
+flooder's. So one slot (where capacity allows) is kept for tenants with nothing in flight: a flood can
+hold all slots but one, and another tenant's request starts at once. `fifo` is the plain baseline.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import itertools
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Literal
 
 
 class QueueFull(Exception):
@@ -32,9 +37,16 @@ class Ticket:
 
 
 class TierQueue:
-    def __init__(self, tier: str, capacity: int, *, max_waiting: int | None = None) -> None:
+    def __init__(self, tier: str, capacity: int, *, max_waiting: int | None = None,
+                 policy: Literal["vtc", "fifo"] = "vtc", reserved_slots: int | None = None) -> None:
         self.tier = tier
         self.capacity = capacity
+        self.policy = policy
+        # slots only a tenant with nothing in flight may take
+        self.reserved_slots = (1 if capacity >= 4 else 0) if reserved_slots is None else reserved_slots
+        if policy == "fifo":
+            self.reserved_slots = 0
+        self.in_flight_by: dict[str, int] = defaultdict(int)  # tenant -> dispatched
         self.max_waiting = max_waiting if max_waiting is not None else 64 * capacity
         self.in_flight = 0
         self.waiting: dict[int, list[Ticket]] = defaultdict(list)  # priority -> FIFO
@@ -68,15 +80,12 @@ class TierQueue:
         ticket = Ticket(tenant, priority, weight, tokens, next(self._seq))
         if self.active[priority, tenant] == 0:
             self._lift(ticket)
-        if self.in_flight < self.capacity and not self.num_waiting:
-            self.active[priority, tenant] += 1
-            self._dispatch(ticket)
-            return ticket
         if self.num_waiting >= self.max_waiting:
             raise QueueFull(f"tier {self.tier!r} has {self.num_waiting} requests waiting (its bound)")
         ticket.future = asyncio.get_running_loop().create_future()
         self.active[priority, tenant] += 1
         self.waiting[priority].append(ticket)
+        self._next()  # dispatches it at once when a slot fits it
         try:
             await ticket.future
         except asyncio.CancelledError:
@@ -100,6 +109,7 @@ class TierQueue:
             self.tokens_per_s = rate if self.tokens_per_s is None else 0.8 * self.tokens_per_s + 0.2 * rate
         ticket.dispatched_at = None
         self.in_flight -= 1
+        self.in_flight_by[ticket.tenant] -= 1
         self.active[ticket.priority, ticket.tenant] -= 1
         self._next()
 
@@ -108,8 +118,15 @@ class TierQueue:
         counters[ticket.tenant] = counters.get(ticket.tenant, 0.0) + ticket.tokens / ticket.weight
         ticket.dispatched_at = time.monotonic()
         self.in_flight += 1
+        self.in_flight_by[ticket.tenant] += 1
         if ticket.future is not None and not ticket.future.done():
             ticket.future.set_result(None)
+
+    def _fits(self, tenant: str) -> bool:
+        """A slot is free for this tenant: any slot if it has nothing in flight, else an unreserved one."""
+        if self.in_flight >= self.capacity:
+            return False
+        return self.in_flight_by[tenant] == 0 or self.in_flight < self.capacity - self.reserved_slots
 
     def _next(self) -> None:
         while self.in_flight < self.capacity:
@@ -120,10 +137,15 @@ class TierQueue:
 
     def _pick(self) -> Ticket | None:
         for priority in sorted(p for p, q in self.waiting.items() if q):
-            queue = self.waiting[priority]
-            counters = self.counters[priority]
-            best = min(queue, key=lambda t: (counters.get(t.tenant, 0.0), t.seq))
-            queue.remove(best)
+            queue = [t for t in self.waiting[priority] if self._fits(t.tenant)]
+            if not queue:
+                continue
+            if self.policy == "fifo":
+                best = min(queue, key=lambda t: t.seq)
+            else:
+                counters = self.counters[priority]
+                best = min(queue, key=lambda t: (counters.get(t.tenant, 0.0), t.seq))
+            self.waiting[priority].remove(best)
             return best
         return None
 

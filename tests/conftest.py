@@ -48,6 +48,12 @@ plans:
     allowed_tiers: [mid, full]
     default_tier: full
     max_queue_wait_s: 1
+  shedding:
+    priority: batch
+    allowed_tiers: [mid, full]
+    default_tier: full
+    max_queue_wait_s: 1
+    shed_to_cheaper: true
 """
 
 

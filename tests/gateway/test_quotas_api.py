@@ -97,6 +97,22 @@ def test_predicted_wait_over_the_plan_is_503_before_any_work(gateway_settings: S
         assert chat(gw).status_code == 200
 
 
+def test_an_overloaded_tier_sheds_to_a_cheaper_one_where_the_plan_allows(
+        gateway_settings: Settings, stub: tuple[ServerThread, StubState]) -> None:
+    with running_gateway(gateway_settings, stub[1], plan="shedding") as gw:
+        q = gw.app.state.services.chat.queues["full"]
+        q.in_flight, q.tokens_per_s = q.capacity, 100.0
+        q.waiting[0].append(Ticket("other", 0, 1.0, 10_000, seq=-1))
+        try:
+            r = chat(gw)
+        finally:
+            q.waiting[0].clear()
+            q.in_flight = 0
+        assert r.status_code == 200 and r.headers["x-tiergate-tier"] == "mid"
+        assert "shed to mid" in r.headers["x-tiergate-route-reason"]
+        assert gw.ledger_rows()[0].route_reason.endswith("shed to mid")
+
+
 @pytest.mark.parametrize("mode", ["open", "closed"])
 def test_redis_kill_and_restart(mode: str, gateway_settings: Settings, stub: tuple[ServerThread, StubState]) -> None:
     redis = RedisServer().start()

@@ -112,3 +112,18 @@ def test_backlogged_tenants_never_drift_apart_by_more_than_the_bound(costs: list
         for x in backlogged:
             for y in backlogged:
                 assert served[x] - served[y] <= 2 * capacity * max_cost
+
+
+async def test_a_newcomer_starts_at_once_while_a_flood_holds_the_other_slots() -> None:
+    for policy, expect_immediate in (("vtc", True), ("fifo", False)):
+        q = TierQueue("mid", capacity=4, max_waiting=1000, policy=policy)  # type: ignore[arg-type]
+        flood = [asyncio.ensure_future(q.acquire("a", priority=1, weight=1, tokens=10)) for _ in range(10)]
+        await asyncio.sleep(0)
+        assert q.in_flight == (3 if policy == "vtc" else 4)
+        b = asyncio.ensure_future(q.acquire("b", priority=1, weight=1, tokens=10))
+        await asyncio.sleep(0)
+        assert b.done() is expect_immediate
+        for t in flood:
+            t.cancel()
+        b.cancel()
+        await asyncio.sleep(0)

@@ -1,0 +1,1 @@
+"""Benchmarks (not tests): each compares side by side in one run; results go to BENCHMARKS.md."""
