@@ -117,11 +117,12 @@ def run(seconds: float) -> list[dict[str, object]]:
     results = []
     with Server(fixed_latency_app(0.05, 0.02), 18601) as upstream:
         for policy in ("vtc", "fifo"):
-            with tempfile.TemporaryDirectory() as tmp:
-                (Path(tmp) / "tiers.yaml").write_text(TIERS.replace("{url}", upstream.url).replace("{slots}", str(SLOTS)))
-                (Path(tmp) / "plans.yaml").write_text(PLANS)
-                settings = Settings(data_dir=Path(tmp) / "data", models_dir=models, tiers_file=Path(tmp) / "tiers.yaml",
-                                    plans_file=Path(tmp) / "plans.yaml", dispatch_policy=policy)
+            with tempfile.TemporaryDirectory() as name:
+                tmp = Path(name)
+                (tmp / "tiers.yaml").write_text(TIERS.replace("{url}", upstream.url).replace("{slots}", str(SLOTS)))
+                (tmp / "plans.yaml").write_text(PLANS)
+                settings = Settings(data_dir=tmp / "data", models_dir=models, tiers_file=tmp / "tiers.yaml",
+                                    plans_file=tmp / "plans.yaml", dispatch_policy=policy)
                 store = TenantStore(settings.state_db)
                 keys = {}
                 for t in ("a", "b"):
