@@ -13,9 +13,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from engine.model_source import DEFAULT_MODEL, resolve_model
+from engine.protocol import ChatMessage
 from gateway.errors import InvalidRequest, QuotaExceeded, RateLimited, Unavailable, map_tier_error
+from gateway.ladder.apply import Degradation
+from gateway.ladder.controller import LadderController
 from gateway.metrics import GatewayMetrics
-from gateway.token_counter import token_counter
+from gateway.token_counter import TokenCounter, token_counter
 from quotas.admission import Admission, QuotaService
 from quotas.backends.base import QuotaBackendError
 from quotas.dispatch import TierQueue
@@ -39,12 +42,15 @@ class Admitted:
     prompt_tokens: int
     output_cap: int
     admission: Admission
+    degradation: Degradation
     headers: dict[str, str] = field(default_factory=dict)  # x-ratelimit-*
 
 
 class AdmissionService:
     def __init__(self, *, fleet: Fleet, plans: PlanBook, quotas: QuotaService, queues: dict[str, TierQueue],
-                 metrics: GatewayMetrics, models_dir: str, default_max_tokens: int) -> None:
+                 metrics: GatewayMetrics, models_dir: str, default_max_tokens: int,
+                 ladder: LadderController | None = None) -> None:
+        self.ladder = ladder
         self.fleet = fleet
         self.plans = plans
         self.quotas = quotas
@@ -61,9 +67,16 @@ class AdmissionService:
         principal, req = call.principal, call.req
         assert principal.tenant is not None
         plan = self.plans.plans[principal.tenant.plan]
-        route = self._route(plan, req.model)
-        prompt = self._prompt_tokens(route.tier, call)
+        degr = call.degradation = self._degradation()
+        self._degraded_refusals(degr, plan)
+        route = self._remap(degr, self._route(plan, req.model))
+        counter = self._counter(route.tier)
+        messages = degr.cap_input(req.messages, lambda ms: counter.prompt_tokens(_as_dicts(ms)))
+        if messages is not req.messages:
+            call.req = req = req.model_copy(update={"messages": messages})
+        prompt = counter.prompt_tokens(_as_dicts(req.messages))
         cap = req.output_cap or max(1, min(self.default_max_tokens, route.tier.context_limit - prompt))
+        cap = degr.cap_output(cap)
         if prompt + cap > route.tier.context_limit:
             raise self.refuse("context_length", InvalidRequest(
                 f"tier {route.tier.name!r} has a context of {route.tier.context_limit} tokens; the request needs "
@@ -80,7 +93,36 @@ class AdmissionService:
                 retry_after=1)) from exc
         if admission is None:
             raise self.refuse(decision.reason or "quota", self._refusal(plan, decision))
-        return Admitted(route, plan, prompt, cap, admission, _ratelimit_headers(plan, decision))
+        return Admitted(route, plan, prompt, cap, admission, degr, _ratelimit_headers(plan, decision))
+
+    def _degradation(self) -> Degradation:
+        if self.ladder is None:
+            return Degradation(0, [])
+        return Degradation(self.ladder.level, list(self.ladder.actions()))
+
+    def _degraded_refusals(self, degr: Degradation, plan: Plan) -> None:
+        """Shed classes get 503 at once; cache-only classes get 503 when there is no cached answer (the
+        cache is looked up before admission, so reaching here means none)."""
+        shed = degr.shed(plan.priority)
+        if shed is not None:
+            raise self.refuse("degraded_shed", Unavailable(
+                f"degradation level {degr.level}: {plan.priority} traffic is shed; retry later",
+                code="degraded_shed", retry_after=shed.retry_after_s,
+                headers={"x-tiergate-degrade-actions": ",".join(degr.applied)}))
+        if degr.cache_only(plan.priority):
+            degr.applied.append(f"cache_only({plan.priority})")
+            raise self.refuse("degraded_cache_only", Unavailable(
+                f"degradation level {degr.level}: {plan.priority} traffic is answered from cache only, and "
+                "there is no cached answer for this request", code="degraded_cache_only", retry_after=30,
+                headers={"x-tiergate-degrade-actions": ",".join(degr.applied)}))
+
+    def _remap(self, degr: Degradation, route: Route) -> Route:
+        unavailable = self.fleet.unavailable()
+        tiers = self.fleet.catalogue.tiers
+        target = degr.remap(route.tier.name, lambda t: t in tiers and t not in unavailable)
+        if target == route.tier.name:
+            return route
+        return Route(tiers[target], f"{route.reason}; degrade level {degr.level}: {route.tier.name} -> {target}")
 
     def _route(self, plan: Plan, model: str) -> Route:
         try:
@@ -91,17 +133,14 @@ class AdmissionService:
             err = map_tier_error(exc)
             raise self.refuse(err.code or "route", err) from exc
 
-    def _prompt_tokens(self, tier: TierSpec, call: Call) -> int:
+    def _counter(self, tier: TierSpec) -> TokenCounter:
         source = tokenizer_source(tier)
         try:
-            counter = token_counter(resolve_model(source, Path(self.models_dir)))
+            return token_counter(resolve_model(source, Path(self.models_dir)))
         except (OSError, ValueError) as exc:
             raise self.refuse("tokenizer", Unavailable(
                 f"the tokenizer of tier {tier.name!r} ({source}) is not prepared: {exc}; run "
                 f"`tiergate models fetch --model {source}`", code="tokenizer_unavailable", retry_after=30)) from exc
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                    for m in call.req.messages]
-        return counter.prompt_tokens(messages)
 
     def _check_wait(self, plan: Plan, route: Route, tokens: int) -> Route:
         """Refuse (503) when the predicted queue wait breaks the plan's limit, or shed to a cheaper tier."""
@@ -146,6 +185,10 @@ class AdmissionService:
                 headers |= {"x-ratelimit-remaining-tokens": "0", "x-ratelimit-reset-tokens": _dur(retry)}
         return RateLimited(f"rate limit of {scope} reached: {what}; retry in {retry}s",
                            code=f"rate_limit_{decision.reason}", retry_after=retry, headers=headers)
+
+
+def _as_dicts(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
 
 
 def tokenizer_source(tier: TierSpec) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -14,10 +15,15 @@ from gateway.admission import AdmissionService
 from gateway.chat_service import ChatService
 from gateway.config_files import load_yaml
 from gateway.errors import TiergateError
+from gateway.ladder.config import Ladder
+from gateway.ladder.controller import LadderController
+from gateway.ladder.signals import Signals
+from gateway.ladder.state import open_store
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import request_id_middleware
 from gateway.routes.admin import admin_router
 from gateway.routes.chat import chat_completions
+from gateway.routes.degrade import degrade_router
 from gateway.routes.health import health, metrics
 from gateway.routes.models import list_models
 from gateway.services import Services
@@ -42,9 +48,10 @@ _HTTP_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
 
 
 def load_config(settings: Settings) -> tuple[TierCatalogue, PlanBook]:
-    """Parse and cross-check the tiers and plans files; raises ConfigFileError with file and line."""
+    """Parse and cross-check the tiers, plans and ladder files; raises ConfigFileError with file and line."""
     catalogue = load_yaml(settings.tiers_file, TierCatalogue)
     plans = load_yaml(settings.plans_file, PlanBook, context={"tiers": set(catalogue.tiers)})
+    load_yaml(settings.ladder_file, Ladder)
     return catalogue, plans
 
 
@@ -61,12 +68,18 @@ def build_services(settings: Settings) -> Services:
     queues = {name: TierQueue(name, tier_capacity(spec, settings), policy=settings.dispatch_policy)
               for name, spec in catalogue.tiers.items()}
     metrics_.queues = queues
+    signals = Signals(tiers_down=fleet.num_tiers_down,
+                      redis_down=lambda: isinstance(backend, FailoverBackend) and not backend.up)
+    ladder = LadderController(load_yaml(settings.ladder_file, Ladder),
+                              open_store(settings.data_dir, settings.redis_url), signals,
+                              on_change=metrics_.degrade_changed)
+    metrics_.ladder = ladder
     admission = AdmissionService(fleet=fleet, plans=plans, quotas=QuotaService(backend), queues=queues,
                                  metrics=metrics_, models_dir=str(settings.resolved_models_dir),
-                                 default_max_tokens=settings.default_max_tokens)
+                                 default_max_tokens=settings.default_max_tokens, ladder=ladder)
     chat = ChatService(fleet=fleet, client=client, ledger=ledger, metrics=metrics_, admission=admission,
-                       queues=queues)
-    return Services(settings, catalogue, plans, store, ledger, client, fleet, metrics_, chat, backend)
+                       queues=queues, signals=signals)
+    return Services(settings, catalogue, plans, store, ledger, client, fleet, metrics_, chat, backend, ladder)
 
 
 def build_quota_backend(settings: Settings, ledger: Ledger, metrics_: GatewayMetrics) -> QuotaBackend:
@@ -98,9 +111,11 @@ def create_app(settings: Settings | None = None) -> Litestar:
         app.state.services = services
         services.ledger.start()
         await services.fleet.start()
+        ticker = asyncio.create_task(_tick_ladder(services.ladder, settings.ladder_tick_s))
         try:
             yield
         finally:
+            ticker.cancel()
             await services.fleet.stop()
             await services.client.aclose()
             await services.quota_backend.close()
@@ -108,7 +123,7 @@ def create_app(settings: Settings | None = None) -> Litestar:
             services.store.close()
 
     return Litestar(
-        route_handlers=[chat_completions, list_models, health, metrics, admin_router],
+        route_handlers=[chat_completions, list_models, health, metrics, admin_router, degrade_router],
         lifespan=[lifespan],
         middleware=[request_id_middleware],
         exception_handlers={TiergateError: _tiergate_error, HTTPException: _http_error,
@@ -116,6 +131,16 @@ def create_app(settings: Settings | None = None) -> Litestar:
         request_max_body_size=settings.max_body_bytes,
         openapi_config=None,
     )
+
+
+async def _tick_ladder(ladder: LadderController, every_s: float) -> None:
+    """Follow shared changes and evaluate triggers; a failing store is logged, never fatal."""
+    while True:
+        await asyncio.sleep(every_s)
+        try:
+            await asyncio.to_thread(ladder.tick)
+        except Exception:  # the ladder keeps its last level; the next tick tries again
+            log.exception("degradation ladder tick failed")
 
 
 def _tiergate_error(request: Request[Any, Any, Any], exc: TiergateError) -> Response[Any]:

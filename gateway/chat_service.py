@@ -17,6 +17,8 @@ from typing import Any
 from engine.protocol import ChatCompletionRequest
 from gateway.admission import AdmissionService, Admitted
 from gateway.errors import TiergateError, Unavailable, map_tier_error
+from gateway.ladder.apply import Degradation
+from gateway.ladder.signals import Signals
 from gateway.metrics import GatewayMetrics
 from gateway.tenants.store import Principal
 from quotas.dispatch import QueueFull, Ticket, TierQueue
@@ -43,6 +45,7 @@ class Call:
     t0: float  # time.perf_counter() at arrival
     route: Route | None = None
     admitted: Admitted | None = None
+    degradation: Degradation | None = None
     ticket: Ticket | None = None
     replica: Replica | None = None
     upstream_t0: float | None = None
@@ -63,7 +66,8 @@ class Call:
 
 class ChatService:
     def __init__(self, *, fleet: Fleet, client: TierClient, ledger: Ledger, metrics: GatewayMetrics,
-                 admission: AdmissionService, queues: dict[str, TierQueue]) -> None:
+                 admission: AdmissionService, queues: dict[str, TierQueue], signals: Signals | None = None) -> None:
+        self.signals = signals or Signals()
         self.fleet = fleet
         self.client = client
         self.ledger = ledger
@@ -99,7 +103,9 @@ class ChatService:
         except asyncio.CancelledError:
             await self.settle(call, "cancelled", 499, wait=False)
             raise
-        self.metrics.queue_wait.labels(call.tier.name).observe(time.perf_counter() - t_queue)
+        waited = time.perf_counter() - t_queue
+        self.metrics.queue_wait.labels(call.tier.name).observe(waited)
+        self.signals.queue_wait(waited)
         last: TiergateError | None = None
         tried: set[int] = set()
         for _ in range(MAX_ATTEMPTS):
@@ -188,7 +194,11 @@ class ChatService:
             input_tokens=call.input_tokens, output_tokens=call.output_tokens, price_usd=price,
             compute_cost_usd=compute, cost_basis=basis, ttft_s=call.ttft_s, total_s=total_s,
             finish_reason=call.finish_reason, error_code=error_code,
-            route_reason=call.route.reason if call.route else None)
+            route_reason=call.route.reason if call.route else None,
+            degrade_level=call.degradation.level if call.degradation else 0,
+            degrade_actions=",".join(call.degradation.applied) if call.degradation and call.degradation.applied
+            else None)
+        self.signals.outcome(http_status)
         overhead = total_s - call.upstream_s if call.upstream_t0 is not None else None
         self.metrics.finished(row, overhead)
         if call.ticket is not None:

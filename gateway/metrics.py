@@ -41,6 +41,10 @@ class _QueueCollector:
             busy.add_metric([tier], q.in_flight)
         yield waiting
         yield busy
+        if self.metrics.ladder is not None:
+            level = GaugeMetricFamily("tiergate_degrade_level", "The degradation level in force.")
+            level.add_metric([], self.metrics.ladder.level)
+            yield level
 
 
 class GatewayMetrics:
@@ -74,7 +78,10 @@ class GatewayMetrics:
         if fleet is not None:
             reg.register(_FleetCollector(fleet))
         self.queues: dict[str, Any] = {}
+        self.ladder: Any = None
         reg.register(_QueueCollector(self))
+        self.degrade_changes = Counter("tiergate_degrade_changes", "Degradation level changes.", ["to", "by"],
+                                       registry=reg)
 
     def finished(self, row: LedgerRow, overhead_s: float | None) -> None:
         tier = row.tier or "none"
@@ -91,6 +98,9 @@ class GatewayMetrics:
 
     def refused(self, reason: str) -> None:
         self.refusals.labels(reason).inc()
+
+    def degrade_changed(self, event: Any) -> None:
+        self.degrade_changes.labels(str(event.to_level), "auto" if event.who == "auto" else "manual").inc()
 
     def redis_state(self, up: bool) -> None:
         self.redis_up.set(1 if up else 0)

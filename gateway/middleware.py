@@ -25,6 +25,9 @@ def request_id_middleware(app: ASGIApp) -> ASGIApp:
                 headers.append((b"x-tiergate-request-id", state["request_id"].encode()))
                 if b"x-tiergate-tier" not in names:
                     headers.append((b"x-tiergate-tier", str(state.get("tier") or "none").encode()))
+                ladder = getattr(getattr(scope["app"].state, "services", None), "ladder", None)  # type: ignore[index]
+                if ladder is not None:
+                    headers.append((b"x-tiergate-degrade-level", str(ladder.level).encode()))
                 message["headers"] = headers
             await send(message)
 

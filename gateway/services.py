@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gateway.chat_service import ChatService
+from gateway.ladder.controller import LadderController
 from gateway.metrics import GatewayMetrics
 from gateway.settings import Settings
 from gateway.tenants.store import TenantStore
@@ -28,3 +29,4 @@ class Services:
     metrics: GatewayMetrics
     chat: ChatService
     quota_backend: QuotaBackend
+    ladder: LadderController

@@ -37,7 +37,9 @@ CREATE TABLE IF NOT EXISTS requests (
     total_s REAL NOT NULL,
     finish_reason TEXT,
     error_code TEXT,
-    route_reason TEXT
+    route_reason TEXT,
+    degrade_level INTEGER NOT NULL DEFAULT 0,
+    degrade_actions TEXT
 );
 CREATE INDEX IF NOT EXISTS requests_tenant_ts ON requests(tenant, ts);
 CREATE INDEX IF NOT EXISTS requests_ts ON requests(ts);
@@ -65,6 +67,8 @@ class LedgerRow:
     finish_reason: str | None = None
     error_code: str | None = None
     route_reason: str | None = None
+    degrade_level: int = 0  # the degradation level in force when it was admitted
+    degrade_actions: str | None = None  # what that level changed about it
 
 
 _COLUMNS = [f.name for f in fields(LedgerRow)]
@@ -89,6 +93,10 @@ class Ledger:
         self._read = sqlite3.connect(path, isolation_level=None, timeout=5.0, check_same_thread=False)
         self._read.execute("PRAGMA journal_mode=WAL")
         self._read.executescript(SCHEMA)
+        columns = {r[1] for r in self._read.execute("PRAGMA table_info(requests)")}
+        for name, decl in (("degrade_level", "INTEGER NOT NULL DEFAULT 0"), ("degrade_actions", "TEXT")):
+            if name not in columns:  # a ledger from before the degradation ladder
+                self._read.execute(f"ALTER TABLE requests ADD COLUMN {name} {decl}")
         self._queue: queue.Queue[tuple[LedgerRow, asyncio.Future[None] | None] | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None

@@ -62,6 +62,11 @@ class Fleet:
                 out[name] = "; ".join(sorted({r.reason for r in reps if r.reason})) or "no healthy replica"
         return out
 
+    def num_tiers_down(self) -> int:
+        """Tiers with no healthy replica, not counting those whose model is not built yet."""
+        return sum(1 for reps in self.replicas.values()
+                   if not any(r.healthy for r in reps) and any(r.status != "unavailable" for r in reps))
+
     def pick(self, tier: str, exclude: set[int] | None = None) -> Replica:
         """The healthy replica with the fewest requests in flight (skipping `exclude`d indexes)."""
         healthy = [r for r in self.replicas[tier] if r.healthy and r.index not in (exclude or set())]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from gateway.cli.admin_commands import keys, tenants, usage
+from gateway.cli.degrade_commands import degrade
 from gateway.cli.engine_commands import engine, models
 from gateway.cli.serve import serve
 
@@ -25,6 +26,7 @@ cli.add_command(engine)
 cli.add_command(tenants)
 cli.add_command(keys)
 cli.add_command(usage)
+cli.add_command(degrade)
 
 if __name__ == "__main__":
     cli()

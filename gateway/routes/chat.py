@@ -34,6 +34,8 @@ async def respond(chat: ChatService, call: Call) -> Response[Any]:
     stream, first = await chat.start(call)
     headers = {"x-tiergate-tier": call.tier.name, "x-tiergate-route-reason": call.route.reason,  # type: ignore[union-attr]
                **call.admitted.headers}  # type: ignore[union-attr]
+    if call.degradation is not None and call.degradation.applied:
+        headers["x-tiergate-degrade-actions"] = ",".join(call.degradation.applied)
     if call.req.stream:
         return Stream(_sse_body(chat, call, stream, first), media_type="text/event-stream",
                       headers=headers | {"cache-control": "no-cache"})

@@ -1,0 +1,104 @@
+"""`tiergate degrade …`: read and set the degradation level, on the state a running gateway follows."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+import click
+
+from gateway.cli.options import data_dir_option, settings_from
+from gateway.config_files import ConfigFileError, load_yaml
+from gateway.ladder.config import Ladder
+from gateway.ladder.controller import LadderController
+from gateway.ladder.signals import Signals
+from gateway.ladder.state import open_store
+
+
+def _controller(data_dir: Path | None, ladder_file: Path | None) -> LadderController:
+    settings = settings_from(data_dir=data_dir, ladder_file=ladder_file)
+    try:
+        ladder = load_yaml(settings.ladder_file, Ladder)
+    except ConfigFileError as exc:
+        raise click.ClickException(str(exc)) from exc
+    return LadderController(ladder, open_store(settings.data_dir, settings.redis_url), Signals())
+
+
+def parse_ttl(text: str | None) -> float | None:
+    """`90s`, `30m`, `2h`, `1h30m` or plain seconds."""
+    if text is None:
+        return None
+    if re.fullmatch(r"\d+(\.\d+)?", text):
+        return float(text)
+    parts = re.fullmatch(r"(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?", text)
+    if not parts or not any(parts.groups()):
+        raise click.BadParameter(f"{text!r}: use 90s, 30m, 2h or 1h30m")
+    h, m, s = (int(x or 0) for x in parts.groups())
+    return float(h * 3600 + m * 60 + s)
+
+
+ladder_option = click.option("--ladder", "ladder_file", type=click.Path(path_type=Path), default=None,
+                             help="Ladder file [env TIERGATE_LADDER_FILE; default degrade_ladder.yaml].")
+
+
+@click.group()
+def degrade() -> None:
+    """The degradation ladder: status, set LEVEL, auto, history."""
+
+
+@degrade.command("status")
+@ladder_option
+@data_dir_option
+def degrade_status(ladder_file: Path | None, data_dir: Path | None) -> None:
+    """The level in force, who set it, and what it does."""
+    c = _controller(data_dir, ladder_file)
+    s = c.status()
+    click.echo(f"level {s['level']} ({s['name']}), set by {s['source']}")
+    if s["manual"]:
+        m = s["manual"]
+        until = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(m["until"])) if m["until"] else "until `auto`"
+        click.echo(f"  manual: level {m['level']} by {m['by']} ({m['reason']}), {until}")
+    click.echo(f"  triggers alone would choose level {s['auto_level']}")
+    for action in s["actions"]:
+        click.echo(f"  action: {json.dumps(action)}")
+
+
+@degrade.command("set")
+@click.argument("level", type=int)
+@click.option("--reason", required=True, help="Why (kept in the audit trail).")
+@click.option("--ttl", default=None, help="How long the override lasts (90s, 30m, 2h); default: until `auto`.")
+@ladder_option
+@data_dir_option
+def degrade_set(level: int, reason: str, ttl: str | None, ladder_file: Path | None, data_dir: Path | None) -> None:
+    """Hold the ladder at LEVEL; it outranks the triggers until the TTL ends or `auto` is set."""
+    c = _controller(data_dir, ladder_file)
+    try:
+        c.set_manual(level, reason=reason, who="cli", ttl_s=parse_ttl(ttl))
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(f"level {c.level} set")
+
+
+@degrade.command("auto")
+@ladder_option
+@data_dir_option
+def degrade_auto(ladder_file: Path | None, data_dir: Path | None) -> None:
+    """Hand the ladder back to its triggers."""
+    c = _controller(data_dir, ladder_file)
+    c.set_auto(who="cli")
+    click.echo(f"automatic; level {c.level}")
+
+
+@degrade.command("history")
+@click.option("--limit", default=20, show_default=True)
+@ladder_option
+@data_dir_option
+def degrade_history(limit: int, ladder_file: Path | None, data_dir: Path | None) -> None:
+    """Every change: when, from, to, who, why, and the metrics that triggered it."""
+    c = _controller(data_dir, ladder_file)
+    for e in c.store.history(limit):
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(e.ts))
+        metrics = f" {json.dumps(e.metrics)}" if e.metrics else ""
+        click.echo(f"{when}  {e.from_level} -> {e.to_level}  by {e.who}: {e.reason}{metrics}")

@@ -1,0 +1,1 @@
+"""The degradation ladder: declared levels, automatic triggers, on-call overrides, an audit trail."""

@@ -1,0 +1,152 @@
+"""Moves the ladder: triggers raise and lower the automatic level; on-call overrides it for a while.
+
+Rising: the highest level whose `enter` trigger has held for its duration. Falling: one level at a
+time, once the current level's `exit` trigger has held for its duration and the level has been in force
+for `min_dwell_s`. Separate enter and exit thresholds are the hysteresis: a metric hovering near one
+threshold cannot make the level flap. A manual level outranks the triggers until its TTL ends or `auto`
+is set; the triggers keep tracking underneath, so handing back is immediate and correct.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from gateway.config_files import load_yaml
+from gateway.ladder.config import Action, Ladder, Trigger
+from gateway.ladder.signals import Signals
+from gateway.ladder.state import DegradeEvent, LadderState, LadderStore
+
+log = logging.getLogger("tiergate.ladder")
+
+
+class LadderController:
+    def __init__(self, ladder: Ladder, store: LadderStore, signals: Signals, *,
+                 clock: Callable[[], float] = time.time,
+                 on_change: Callable[[DegradeEvent], None] | None = None) -> None:
+        self.ladder = ladder
+        self.store = store
+        self.signals = signals
+        self.clock = clock
+        self.on_change = on_change
+        self.state: LadderState = store.load()
+        self._held_since: dict[tuple[int, str], float] = {}
+        self.level, self.source = self.state.effective(clock())
+
+    # ---- reading ----
+
+    def actions(self) -> list[Action]:
+        return self.ladder.levels[min(self.level, self.ladder.top)].actions
+
+    def status(self) -> dict[str, object]:
+        lv = self.ladder.levels[min(self.level, self.ladder.top)]
+        s = self.state
+        return {"level": self.level, "name": lv.name, "source": self.source, "auto_level": s.auto_level,
+                "manual": None if s.manual_level is None else {
+                    "level": s.manual_level, "until": s.manual_until, "by": s.manual_by, "reason": s.manual_reason},
+                "actions": [a.model_dump() for a in lv.actions], "metrics": self.signals.read(),
+                "levels": [{"level": x.level, "name": x.name, "description": x.description}
+                           for x in self.ladder.levels]}
+
+    # ---- on-call ----
+
+    def set_manual(self, level: int, *, reason: str, who: str, ttl_s: float | None = None) -> None:
+        if not 0 <= level <= self.ladder.top:
+            raise ValueError(f"level must be between 0 and {self.ladder.top}")
+        if not reason.strip():
+            raise ValueError("a reason is required")
+        now = self.clock()
+        self.state = self.store.load()
+        self.state.manual_level, self.state.manual_by, self.state.manual_reason = level, who, reason
+        self.state.manual_until = now + ttl_s if ttl_s else None
+        ttl = f" for {ttl_s:.0f}s" if ttl_s else ""
+        self._commit(who, f"manual{ttl}: {reason}", {})
+
+    def set_auto(self, *, who: str, reason: str = "handed back to the triggers") -> None:
+        self.state = self.store.load()
+        self.state.manual_level = self.state.manual_until = self.state.manual_by = self.state.manual_reason = None
+        self._commit(who, reason, {})
+
+    def reload(self, path: Path) -> None:
+        """Swap in a new ladder file; a bad one raises ConfigFileError and changes nothing."""
+        ladder = load_yaml(path, Ladder)
+        self.ladder = ladder
+        self._held_since.clear()
+        if self.level > ladder.top:
+            self.state = self.store.load()
+            self.state.auto_level = min(self.state.auto_level, ladder.top)
+            if self.state.manual_level is not None:
+                self.state.manual_level = min(self.state.manual_level, ladder.top)
+            self._commit("reload", f"{path} has {ladder.top + 1} levels", {})
+
+    # ---- the loop ----
+
+    def tick(self) -> None:
+        """Re-read the shared state, expire an override, evaluate the triggers (called about once a second)."""
+        now = self.clock()
+        self.state = self.store.load()
+        s = self.state
+        if s.manual_level is not None and s.manual_until is not None and now >= s.manual_until:
+            self.state.manual_level = self.state.manual_until = self.state.manual_by = self.state.manual_reason = None
+            self._commit("auto", "manual override expired", {})
+        metrics = self.signals.read()
+        target = self._target(now, metrics)
+        if target is not None and target != self.state.auto_level:
+            why = self._why(target, metrics)
+            self.state.auto_level, self.state.auto_since = target, now
+            self._commit("auto", why, metrics)
+        else:
+            self._refresh(now)
+
+    def _target(self, now: float, metrics: dict[str, float]) -> int | None:
+        current = self.state.auto_level
+        for lv in self.ladder.levels:
+            for kind, trig in (("enter", lv.enter), ("exit", lv.exit)):
+                key = (lv.level, kind)
+                if trig is not None and self._holds(trig, metrics):
+                    self._held_since.setdefault(key, now)
+                else:
+                    self._held_since.pop(key, None)
+        up = [lv.level for lv in self.ladder.levels if lv.level > current and lv.enter is not None
+              and self._held_for(lv.level, "enter", lv.enter, now)]
+        if up:
+            return max(up)
+        lv = self.ladder.levels[min(current, self.ladder.top)]
+        if current > 0 and lv.exit is not None and self._held_for(current, "exit", lv.exit, now) \
+                and now - self.state.auto_since >= lv.min_dwell_s:
+            return current - 1
+        return None
+
+    def _holds(self, trig: Trigger, metrics: dict[str, float]) -> bool:
+        return any(c.holds(metrics[c.metric]) for c in trig.any)
+
+    def _held_for(self, level: int, kind: str, trig: Trigger, now: float) -> bool:
+        since = self._held_since.get((level, kind))
+        return since is not None and now - since >= trig.for_s
+
+    def _why(self, target: int, metrics: dict[str, float]) -> str:
+        lv = self.ladder.levels[target if target > self.state.auto_level else self.state.auto_level]
+        trig = lv.enter if target > self.state.auto_level else lv.exit
+        assert trig is not None
+        held = [f"{c.metric} {'>' if c.above is not None else '<'} {c.above if c.above is not None else c.below}"
+                for c in trig.any if c.holds(metrics[c.metric])]
+        return f"{' or '.join(held)} for {trig.for_s:.0f}s"
+
+    def _commit(self, who: str, reason: str, metrics: dict[str, float]) -> None:
+        now = self.clock()
+        before = self.level
+        after, source = self.state.effective(now)
+        event = DegradeEvent(now, before, after, who, reason, metrics)
+        self.store.save(self.state, event)
+        self.level, self.source = after, source
+        log.warning("degrade level %d -> %d by %s: %s", before, after, who, reason)
+        if self.on_change is not None:
+            self.on_change(event)
+
+    def _refresh(self, now: float) -> None:
+        """Follow changes made elsewhere (the CLI, another replica) without recording them twice."""
+        level, source = self.state.effective(now)
+        if (level, source) != (self.level, self.source):
+            self.level, self.source = level, source

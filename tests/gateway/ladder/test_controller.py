@@ -1,0 +1,161 @@
+"""The ladder's triggers, hysteresis, dwell, on-call overrides, persistence and sharing through Redis."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gateway.config_files import ConfigFileError, load_yaml
+from gateway.ladder.config import Ladder
+from gateway.ladder.controller import LadderController
+from gateway.ladder.signals import Signals
+from gateway.ladder.state import RedisLadderStore, SqliteLadderStore
+from gateway.settings import REPO_ROOT
+
+LADDER = """
+levels:
+  - {level: 0, name: normal}
+  - level: 1
+    name: conserve
+    actions: [{cap_output_tokens: 100}]
+    enter: {any: [{metric: queue_wait_p95_s, above: 2.0}], for_s: 10}
+    exit: {any: [{metric: queue_wait_p95_s, below: 0.5}], for_s: 20}
+    min_dwell_s: 60
+  - level: 2
+    name: protect
+    actions: [{shed: [batch]}]
+    enter: {any: [{metric: queue_wait_p95_s, above: 5.0}], for_s: 10}
+    exit: {any: [{metric: queue_wait_p95_s, below: 1.0}], for_s: 20}
+    min_dwell_s: 60
+"""
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def make(tmp_path: Path, store=None):  # type: ignore[no-untyped-def]
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    f = tmp_path / "ladder.yaml"
+    f.write_text(LADDER)
+    clock = Clock()
+    signals = Signals(clock=clock)
+    events = []
+    c = LadderController(load_yaml(f, Ladder), store or SqliteLadderStore(tmp_path / "state.db"), signals,
+                         clock=clock, on_change=events.append)
+    return c, clock, signals, events
+
+
+def run(c: LadderController, clock: Clock, signals: Signals, seconds: int, wait_s: float) -> None:
+    """`seconds` of one-second ticks with every queue wait at `wait_s`."""
+    for _ in range(seconds):
+        clock.t += 1
+        signals.queue_wait(wait_s)
+        c.tick()
+
+
+def test_rises_after_the_duration_and_falls_only_after_hysteresis_and_dwell(tmp_path: Path) -> None:
+    c, clock, signals, events = make(tmp_path)
+    run(c, clock, signals, 9, 3.0)
+    assert c.level == 0  # above the threshold, but not yet for 10 s
+    run(c, clock, signals, 2, 3.0)
+    assert c.level == 1 and events[-1].who == "auto" and "queue_wait_p95_s > 2.0 for 10s" in events[-1].reason
+    assert events[-1].metrics["queue_wait_p95_s"] == 3.0
+    # relaxed to 1.0 s: below the enter threshold, not below the exit one (0.5): no change (hysteresis)
+    clock.t += 61  # let the window forget the 3 s waits
+    run(c, clock, signals, 120, 1.0)
+    assert c.level == 1
+    # below the exit threshold for 20 s, after the 60 s dwell: one level down
+    clock.t += 61
+    run(c, clock, signals, 19, 0.1)
+    assert c.level == 1
+    run(c, clock, signals, 2, 0.1)
+    assert c.level == 0 and len(events) == 2
+
+
+def test_dwell_holds_a_level_even_when_the_exit_holds(tmp_path: Path) -> None:
+    c, clock, signals, _ = make(tmp_path)
+    signals.queue_wait(3.0)
+    for _ in range(11):  # one long wait, seen for 11 s: enter holds
+        clock.t += 1
+        c.tick()
+    assert c.level == 1
+    entered = c.state.auto_since
+    clock.t += 1
+    fresh = Signals(clock=clock)  # the slow request leaves the window at once
+    c.signals = fresh
+    for _ in range(50):  # the exit holds for 50 s: more than its 20 s, less than the 60 s dwell
+        clock.t += 1
+        fresh.queue_wait(0.1)
+        c.tick()
+    assert c.level == 1 and clock.t - entered < 60
+    for _ in range(12):
+        clock.t += 1
+        fresh.queue_wait(0.1)
+        c.tick()
+    assert c.level == 0
+
+
+def test_jumps_straight_to_the_highest_level_whose_trigger_holds(tmp_path: Path) -> None:
+    c, clock, signals, events = make(tmp_path)
+    run(c, clock, signals, 11, 9.0)
+    assert c.level == 2 and [e.to_level for e in events] == [2]
+
+
+def test_manual_outranks_triggers_until_ttl_or_auto_and_survives_restart(tmp_path: Path) -> None:
+    c, clock, signals, events = make(tmp_path)
+    c.set_manual(2, reason="incident 42", who="k123", ttl_s=30)
+    assert c.level == 2 and c.source == "manual" and events[-1].who == "k123"
+    run(c, clock, signals, 11, 3.0)  # the triggers move the automatic level underneath
+    assert c.level == 2 and c.state.auto_level == 1
+    reopened, _, _, _ = make(tmp_path)  # same state file: the override is still there
+    assert reopened.level == 2 and reopened.state.manual_reason == "incident 42"
+    run(c, clock, signals, 20, 3.0)  # TTL ends: back to what the triggers chose
+    assert c.level == 1 and events[-1].reason == "manual override expired"
+    c.set_manual(0, reason="false alarm", who="k123")
+    assert c.level == 0
+    c.set_auto(who="k123")
+    assert c.level == 1 and c.source == "auto"
+    history = c.store.history()
+    assert [e.to_level for e in reversed(history)] == [2, 2, 1, 0, 1]
+    with pytest.raises(ValueError):
+        c.set_manual(7, reason="x", who="k")
+    with pytest.raises(ValueError):
+        c.set_manual(1, reason=" ", who="k")
+
+
+def test_bad_reload_keeps_the_running_ladder(tmp_path: Path) -> None:
+    c, _, _, _ = make(tmp_path)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(LADDER.replace("cap_output_tokens: 100", "cap_output_tokens: -5"))
+    with pytest.raises(ConfigFileError) as exc:
+        c.reload(bad)
+    assert exc.value.line == 6 and c.ladder.top == 2 and c.actions() == []
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("levels:\n  - {level: 0, name: normal\n")
+    with pytest.raises(ConfigFileError) as exc:
+        c.reload(broken)
+    assert exc.value.line is not None
+
+
+def test_file_rules() -> None:
+    load_yaml(REPO_ROOT / "degrade_ladder.yaml", Ladder)  # the shipped ladder is valid
+    with pytest.raises(ValueError, match="numbered"):
+        Ladder.model_validate({"levels": [{"level": 0, "name": "a"}, {"level": 2, "name": "b"}]})
+    with pytest.raises(ValueError):  # the semantic threshold may only drop a little
+        Ladder.model_validate({"levels": [{"level": 0, "name": "a"},
+                                          {"level": 1, "name": "b", "actions": [{"semantic_threshold_delta": -0.3}]}]})
+
+
+def test_two_replicas_share_the_level_through_redis(tmp_path: Path, redis_url: str) -> None:
+    a, _, _, _ = make(tmp_path / "a", RedisLadderStore(redis_url, SqliteLadderStore(tmp_path / "a.db")))
+    b, _, _, _ = make(tmp_path / "b", RedisLadderStore(redis_url, SqliteLadderStore(tmp_path / "b.db")))
+    a.set_manual(2, reason="drill", who="k1")
+    b.tick()
+    assert b.level == 2 and b.source == "manual"
+    assert [e.reason for e in b.store.history()] == ["manual: drill"]

@@ -1,0 +1,201 @@
+"""The ladder through the HTTP API: one test per action type, on-call routes, headers, ledger, replicas."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from gateway.app import create_app
+from gateway.cli.main import cli
+from gateway.config_files import ConfigFileError
+from gateway.settings import Settings
+from tests.conftest import Gateway, RedisServer, running_gateway
+from tests.stubs import ServerThread, StubState
+
+LADDER = """
+levels:
+  - {level: 0, name: normal}
+  - {level: 1, name: remap, actions: [{remap_tiers: {full: mid}}]}
+  - {level: 2, name: short, actions: [{cap_output_tokens: 3}]}
+  - {level: 3, name: trim, actions: [{cap_input_tokens: 60}]}
+  - {level: 4, name: shed, actions: [{shed: [standard], retry_after_s: 42}]}
+  - {level: 5, name: cacheonly, actions: [{cache_only: [standard]}]}
+  - level: 6
+    name: cache-and-cascade
+    actions: [{disable_cascade: true}, {semantic_threshold_delta: -0.03}]
+"""
+MSG = [{"role": "user", "content": "hello there"}]
+
+
+@pytest.fixture
+def laddered(gateway_settings: Settings, stub: tuple[ServerThread, StubState], tmp_path: Path) -> Iterator[Gateway]:
+    f = tmp_path / "ladder.yaml"
+    f.write_text(LADDER)
+    with running_gateway(gateway_settings.model_copy(update={"ladder_file": f, "ladder_tick_s": 0.05}),
+                         stub[1]) as gw:
+        yield gw
+
+
+def set_level(gw: Gateway, level: int, **extra: object) -> dict:  # type: ignore[type-arg]
+    with gw.client(gw.admin_key) as c:
+        r = c.post("/admin/degrade/", json={"level": level, "reason": "test"} | extra)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def chat(gw: Gateway, **body: object):  # type: ignore[no-untyped-def]
+    with gw.client(gw.tenant_key) as c:
+        return c.post("/v1/chat/completions", json={"model": "full", "messages": MSG} | body)
+
+
+def test_every_response_says_the_level(laddered: Gateway) -> None:
+    with laddered.client() as c:
+        assert c.get("/health").headers["x-tiergate-degrade-level"] == "0"
+    r = chat(laddered)
+    assert r.headers["x-tiergate-degrade-level"] == "0" and "x-tiergate-degrade-actions" not in r.headers
+    set_level(laddered, 2)
+    with laddered.client() as c:
+        assert c.get("/v1/models").headers["x-tiergate-degrade-level"] == "2"  # even a 401
+
+
+def test_remap_tiers(laddered: Gateway) -> None:
+    set_level(laddered, 1)
+    r = chat(laddered)
+    assert r.status_code == 200 and r.headers["x-tiergate-tier"] == "mid"
+    assert r.headers["x-tiergate-degrade-actions"] == "remap_tiers(full->mid)"
+    assert "degrade level 1: full -> mid" in r.headers["x-tiergate-route-reason"]
+    row = laddered.ledger_rows()[0]
+    assert (row.tier, row.degrade_level, row.degrade_actions) == ("mid", 1, "remap_tiers(full->mid)")
+
+
+def test_cap_output_tokens(laddered: Gateway) -> None:
+    set_level(laddered, 2)
+    r = chat(laddered, max_tokens=100)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    assert laddered.stub.requests[-1]["max_tokens"] == 3
+    assert r.headers["x-tiergate-degrade-actions"] == "cap_output_tokens(3)"
+    r = chat(laddered, max_tokens=2)  # already under the cap: untouched, nothing said
+    assert laddered.stub.requests[-1]["max_tokens"] == 2 and "x-tiergate-degrade-actions" not in r.headers
+
+
+def test_cap_input_tokens_drops_the_oldest_turns_keeping_the_system_prompt(laddered: Gateway) -> None:
+    set_level(laddered, 3)
+    long_history = [{"role": "system", "content": "Be brief."}]
+    for i in range(6):
+        long_history += [{"role": "user", "content": f"question number {i} about the weather"},
+                         {"role": "assistant", "content": f"answer number {i}: it is sunny"}]
+    long_history.append({"role": "user", "content": "and tomorrow?"})
+    r = chat(laddered, messages=long_history)
+    assert r.status_code == 200
+    sent = laddered.stub.requests[-1]["messages"]
+    assert sent[0]["content"] == "Be brief." and sent[-1]["content"] == "and tomorrow?"
+    assert len(sent) < len(long_history)
+    dropped = len(long_history) - len(sent)
+    assert r.headers["x-tiergate-degrade-actions"] == f"cap_input_tokens(60,dropped={dropped})"
+    assert all(m["content"] != "question number 0 about the weather" for m in sent)  # the oldest went first
+
+
+def test_shed_is_503_with_retry_after_and_charges_nothing(laddered: Gateway) -> None:
+    set_level(laddered, 4)
+    r = chat(laddered)
+    assert r.status_code == 503 and r.headers["retry-after"] == "42"
+    assert r.json()["error"]["code"] == "degraded_shed" and r.headers["x-tiergate-degrade-actions"] == "shed(standard)"
+    assert laddered.ledger_rows() == [] and laddered.stub.requests == []
+
+
+def test_cache_only_without_a_cached_answer_is_503(laddered: Gateway) -> None:
+    set_level(laddered, 5)
+    r = chat(laddered, temperature=0)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "degraded_cache_only"
+    assert r.headers["x-tiergate-degrade-actions"] == "cache_only(standard)" and laddered.stub.requests == []
+
+
+def test_cascade_and_threshold_actions_are_declared_and_reported(laddered: Gateway) -> None:
+    status = set_level(laddered, 6)
+    assert {"disable_cascade": True} in status["actions"]
+    assert {"semantic_threshold_delta": -0.03} in status["actions"]
+    assert laddered.app.state.services.ladder.level == 6
+
+
+def test_on_call_routes_ttl_auto_history_and_metrics(laddered: Gateway) -> None:
+    status = set_level(laddered, 4, ttl_s=0.5)
+    assert status["source"] == "manual" and status["manual"]["by"] == laddered.admin_key[3:15]
+    time.sleep(0.8)
+    with laddered.client(laddered.admin_key) as c:
+        assert c.get("/admin/degrade/").json()["level"] == 0  # the TTL ended
+        set_level(laddered, 1)
+        assert c.post("/admin/degrade/auto").json()["level"] == 0
+        history = c.get("/admin/degrade/history").json()["data"]
+        assert [(e["from_level"], e["to_level"]) for e in history][:4] == [(1, 0), (0, 1), (4, 0), (0, 4)]
+        assert history[2]["reason"] == "manual override expired"
+        assert c.post("/admin/degrade/", json={"level": 99, "reason": "x"}).status_code == 400
+        assert c.post("/admin/degrade/", json={"level": 1}).status_code == 400  # a reason is required
+        metrics = c.get("/metrics").text
+    assert "tiergate_degrade_level 0.0" in metrics
+    assert 'tiergate_degrade_changes_total{by="manual",to="4"} 1.0' in metrics
+    with laddered.client(laddered.tenant_key) as c:
+        assert c.get("/admin/degrade/").status_code == 403
+
+
+def test_reload_refuses_a_bad_file_and_keeps_the_ladder(laddered: Gateway) -> None:
+    f = laddered.settings.ladder_file
+    f.write_text(LADDER.replace("cap_output_tokens: 3", "cap_output_tokens: zero"))
+    with laddered.client(laddered.admin_key) as c:
+        r = c.post("/admin/degrade/reload")
+        assert r.status_code == 400 and f"{f}:5" in r.json()["error"]["message"]
+        assert len(c.get("/admin/degrade/").json()["levels"]) == 7
+        f.write_text(LADDER.replace("cap_output_tokens: 3", "cap_output_tokens: 4"))
+        assert c.post("/admin/degrade/reload").status_code == 200
+    set_level(laddered, 2)
+    assert chat(laddered, max_tokens=100).json()["usage"]["completion_tokens"] == 4
+
+
+def test_bad_ladder_file_stops_start_up_with_its_line(gateway_settings: Settings, tmp_path: Path) -> None:
+    f = tmp_path / "ladder.yaml"
+    f.write_text("levels:\n  - {level: 0, name: normal}\n  - {level: 1, name: x, actions: [{explode: true}]}\n")
+    with pytest.raises(ConfigFileError) as exc:
+        create_app(gateway_settings.model_copy(update={"ladder_file": f}))
+    assert exc.value.line == 3
+
+
+def test_cli_sets_the_level_a_running_gateway_follows(laddered: Gateway) -> None:
+    env = {"TIERGATE_DATA_DIR": str(laddered.settings.data_dir),
+           "TIERGATE_LADDER_FILE": str(laddered.settings.ladder_file)}
+    runner = CliRunner()
+    r = runner.invoke(cli, ["degrade", "set", "1", "--reason", "drill", "--ttl", "30m"], env=env)
+    assert r.exit_code == 0, r.output
+    deadline = time.time() + 2
+    while chat(laddered).headers["x-tiergate-tier"] != "mid":
+        assert time.time() < deadline
+        time.sleep(0.05)
+    status = runner.invoke(cli, ["degrade", "status"], env=env).output
+    assert "level 1 (remap), set by manual" in status and "drill" in status
+    assert "0 -> 1  by cli: manual for 1800s: drill" in runner.invoke(cli, ["degrade", "history"], env=env).output
+    assert runner.invoke(cli, ["degrade", "auto"], env=env).exit_code == 0
+    assert runner.invoke(cli, ["degrade", "set", "1", "--reason", "x", "--ttl", "soon"], env=env).exit_code == 2
+
+
+def test_two_gateway_replicas_follow_one_level_through_redis(gateway_settings: Settings,
+                                                            stub: tuple[ServerThread, StubState],
+                                                            tmp_path: Path) -> None:
+    redis = RedisServer().start()
+    f = tmp_path / "ladder.yaml"
+    f.write_text(LADDER)
+    try:
+        base = gateway_settings.model_copy(update={"ladder_file": f, "redis_url": redis.url})
+        one = base.model_copy(update={"data_dir": tmp_path / "one"})
+        two = base.model_copy(update={"data_dir": tmp_path / "two"})
+        with running_gateway(one, stub[1]) as a, running_gateway(two, stub[1]) as b:
+            set_level(a, 4)
+            t0 = time.time()
+            while chat(b).status_code != 503:
+                assert time.time() - t0 < 1.0, "replica two did not follow within a second"
+                time.sleep(0.02)
+            with b.client(b.admin_key) as c:
+                assert c.get("/admin/degrade/").json()["level"] == 4
+    finally:
+        redis.stop()
