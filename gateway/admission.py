@@ -43,6 +43,7 @@ class Admitted:
     output_cap: int
     admission: Admission
     degradation: Degradation
+    requested_tier: str  # what the request named, or the plan's default for `auto`
     headers: dict[str, str] = field(default_factory=dict)  # x-ratelimit-*
 
 
@@ -93,7 +94,8 @@ class AdmissionService:
                 retry_after=1)) from exc
         if admission is None:
             raise self.refuse(decision.reason or "quota", self._refusal(plan, decision))
-        return Admitted(route, plan, prompt, cap, admission, degr, _ratelimit_headers(plan, decision))
+        requested = plan.default_tier if req.model == "auto" else req.model
+        return Admitted(route, plan, prompt, cap, admission, degr, requested, _ratelimit_headers(plan, decision))
 
     def _degradation(self) -> Degradation:
         if self.ladder is None:

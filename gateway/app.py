@@ -26,6 +26,7 @@ from gateway.routes.chat import chat_completions
 from gateway.routes.degrade import degrade_router
 from gateway.routes.health import health, metrics
 from gateway.routes.models import list_models
+from gateway.routes.usage import admin_report, tenant_report
 from gateway.services import Services
 from gateway.settings import Settings
 from gateway.tenants.store import TenantStore
@@ -123,7 +124,8 @@ def create_app(settings: Settings | None = None) -> Litestar:
             services.store.close()
 
     return Litestar(
-        route_handlers=[chat_completions, list_models, health, metrics, admin_router, degrade_router],
+        route_handlers=[chat_completions, list_models, health, metrics, admin_router, degrade_router, admin_report,
+                        tenant_report],
         lifespan=[lifespan],
         middleware=[request_id_middleware],
         exception_handlers={TiergateError: _tiergate_error, HTTPException: _http_error,

@@ -22,7 +22,7 @@ from gateway.ladder.signals import Signals
 from gateway.metrics import GatewayMetrics
 from gateway.tenants.store import Principal
 from quotas.dispatch import QueueFull, Ticket, TierQueue
-from quotas.ledger import Ledger, LedgerRow
+from quotas.ledger import Ledger, LedgerRow, Refusal
 from quotas.plans import PRIORITY_ORDER
 from tiers.catalogue import TierSpec
 from tiers.client import TierClient
@@ -77,8 +77,14 @@ class ChatService:
         self._background: set[asyncio.Task[None]] = set()
 
     async def admit(self, call: Call) -> None:
-        """Route and reserve (raises a refusal that charged nothing)."""
-        call.admitted = await self.admission.admit(call)
+        """Route and reserve (raises a refusal that charged nothing, and is counted in the ledger)."""
+        try:
+            call.admitted = await self.admission.admit(call)
+        except TiergateError as err:
+            self.ledger.submit_refusal(Refusal(call.request_id, call.arrived, call.principal.tenant.name,  # type: ignore[union-attr]
+                                               call.principal.key.key_id, err.code or type(err).__name__,
+                                               err.status_code))
+            raise
         call.route = call.admitted.route
 
     async def start(self, call: Call) -> tuple[AsyncIterator[dict[str, Any]], dict[str, Any] | None]:
@@ -187,6 +193,11 @@ class ChatService:
         else:
             compute, basis = tier.compute_cost(call.upstream_s or total_s), "wall"
         principal = call.principal
+        requested = call.admitted.requested_tier if call.admitted else None
+        route_saving = Decimal(0)
+        catalogue = self.fleet.catalogue.tiers
+        if tier is not None and requested in catalogue and requested != tier.name:
+            route_saving = max(Decimal(0), catalogue[requested].price(call.input_tokens, call.output_tokens) - price)
         row = LedgerRow(
             request_id=call.request_id, ts=call.arrived, tenant=principal.tenant.name,  # type: ignore[union-attr]
             key_id=principal.key.key_id, tier=tier.name if tier else None,
@@ -197,7 +208,7 @@ class ChatService:
             route_reason=call.route.reason if call.route else None,
             degrade_level=call.degradation.level if call.degradation else 0,
             degrade_actions=",".join(call.degradation.applied) if call.degradation and call.degradation.applied
-            else None)
+            else None, requested_tier=requested, route_saving_usd=route_saving)
         self.signals.outcome(http_status)
         overhead = total_s - call.upstream_s if call.upstream_t0 is not None else None
         self.metrics.finished(row, overhead)

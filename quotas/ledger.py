@@ -11,7 +11,6 @@ import asyncio
 import queue
 import sqlite3
 import threading
-from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, fields
 from decimal import Decimal
@@ -39,8 +38,21 @@ CREATE TABLE IF NOT EXISTS requests (
     error_code TEXT,
     route_reason TEXT,
     degrade_level INTEGER NOT NULL DEFAULT 0,
-    degrade_actions TEXT
+    degrade_actions TEXT,
+    requested_tier TEXT,
+    route_saving_usd TEXT NOT NULL DEFAULT '0',
+    cache_status TEXT,
+    cache_saving_usd TEXT NOT NULL DEFAULT '0'
 );
+CREATE TABLE IF NOT EXISTS refusals (
+    request_id TEXT PRIMARY KEY,
+    ts REAL NOT NULL,
+    tenant TEXT NOT NULL,
+    key_id TEXT NOT NULL,
+    reason TEXT NOT NULL,
+    http_status INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS refusals_ts ON refusals(ts);
 CREATE INDEX IF NOT EXISTS requests_tenant_ts ON requests(tenant, ts);
 CREATE INDEX IF NOT EXISTS requests_ts ON requests(ts);
 """
@@ -69,6 +81,22 @@ class LedgerRow:
     route_reason: str | None = None
     degrade_level: int = 0  # the degradation level in force when it was admitted
     degrade_actions: str | None = None  # what that level changed about it
+    requested_tier: str | None = None  # what the request named (the plan default for `auto`)
+    route_saving_usd: Decimal = Decimal(0)  # the requested tier's price minus what was charged, when cheaper
+    cache_status: str | None = None  # hit | miss | bypass
+    cache_saving_usd: Decimal = Decimal(0)  # for a hit: what the tier would have charged minus the hit price
+
+
+@dataclass
+class Refusal:
+    """A request refused at admission (rate limit, budget, overload, shed): nothing spent, but counted."""
+
+    request_id: str
+    ts: float
+    tenant: str
+    key_id: str
+    reason: str
+    http_status: int
 
 
 _COLUMNS = [f.name for f in fields(LedgerRow)]
@@ -81,9 +109,13 @@ def _to_db(row: LedgerRow) -> tuple[Any, ...]:
 
 def _from_db(values: Iterable[Any]) -> LedgerRow:
     row = LedgerRow(*values)
-    row.price_usd = Decimal(row.price_usd)
-    row.compute_cost_usd = Decimal(row.compute_cost_usd)
+    for name in ("price_usd", "compute_cost_usd", "route_saving_usd", "cache_saving_usd"):
+        setattr(row, name, Decimal(getattr(row, name)))
     return row
+
+
+_REFUSAL_COLUMNS = [f.name for f in fields(Refusal)]
+_INSERT_REFUSAL = f"INSERT OR IGNORE INTO refusals VALUES ({', '.join('?' for _ in _REFUSAL_COLUMNS)})"
 
 
 class Ledger:
@@ -94,10 +126,12 @@ class Ledger:
         self._read.execute("PRAGMA journal_mode=WAL")
         self._read.executescript(SCHEMA)
         columns = {r[1] for r in self._read.execute("PRAGMA table_info(requests)")}
-        for name, decl in (("degrade_level", "INTEGER NOT NULL DEFAULT 0"), ("degrade_actions", "TEXT")):
+        for name, decl in (("degrade_level", "INTEGER NOT NULL DEFAULT 0"), ("degrade_actions", "TEXT"),
+                           ("requested_tier", "TEXT"), ("route_saving_usd", "TEXT NOT NULL DEFAULT '0'"),
+                           ("cache_status", "TEXT"), ("cache_saving_usd", "TEXT NOT NULL DEFAULT '0'")):
             if name not in columns:  # a ledger from before the degradation ladder
                 self._read.execute(f"ALTER TABLE requests ADD COLUMN {name} {decl}")
-        self._queue: queue.Queue[tuple[LedgerRow, asyncio.Future[None] | None] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[str, tuple[Any, ...], asyncio.Future[None] | None] | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -123,8 +157,12 @@ class Ledger:
         Queuing is synchronous, so a row submitted by a task that is being cancelled is still written.
         """
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._queue.put((row, fut))
+        self._queue.put((_INSERT, _to_db(row), fut))
         return fut
+
+    def submit_refusal(self, refusal: Refusal) -> None:
+        """Queue a refusal for the next group commit (nothing waits on it)."""
+        self._queue.put((_INSERT_REFUSAL, tuple(asdict(refusal).values()), None))
 
     def record_now(self, rows: list[LedgerRow]) -> None:
         """Synchronous write, for tools and tests that run without an event loop."""
@@ -151,16 +189,18 @@ class Ledger:
                 self._commit(conn, batch)
         conn.close()
 
-    def _commit(self, conn: sqlite3.Connection, batch: list[tuple[LedgerRow, asyncio.Future[None] | None]]) -> None:
+    def _commit(self, conn: sqlite3.Connection,
+                batch: list[tuple[str, tuple[Any, ...], asyncio.Future[None] | None]]) -> None:
         error: Exception | None = None
         try:
             conn.execute("BEGIN IMMEDIATE")
-            conn.executemany(_INSERT, [_to_db(row) for row, _ in batch])
+            for sql, params, _ in batch:
+                conn.execute(sql, params)
             conn.execute("COMMIT")
         except sqlite3.Error as exc:
             conn.execute("ROLLBACK") if conn.in_transaction else None
             error = exc
-        for _, fut in batch:
+        for _, _, fut in batch:
             if fut is not None and self._loop is not None and not self._loop.is_closed():
                 self._loop.call_soon_threadsafe(_settle, fut, error)
 
@@ -175,25 +215,19 @@ class Ledger:
                 args.append(value)
         return [_from_db(r) for r in self._read.execute(sql + " ORDER BY ts", args)]
 
+    def refusals(self, *, tenant: str | None = None, since: float | None = None,
+                 until: float | None = None) -> list[Refusal]:
+        sql, args = f"SELECT {', '.join(_REFUSAL_COLUMNS)} FROM refusals WHERE 1=1", []
+        for clause, value in (("tenant = ?", tenant), ("ts >= ?", since), ("ts < ?", until)):
+            if value is not None:
+                sql += f" AND {clause}"
+                args.append(value)
+        return [Refusal(*r) for r in self._read.execute(sql + " ORDER BY ts", args)]
+
     def get(self, request_id: str) -> LedgerRow | None:
         r = self._read.execute(f"SELECT {', '.join(_COLUMNS)} FROM requests WHERE request_id = ?",
                                (request_id,)).fetchone()
         return _from_db(r) if r else None
-
-    def totals(self, by: tuple[str, ...] = ("tenant", "tier"), **filters: Any) -> list[dict[str, Any]]:
-        """Requests, tokens, price and compute cost summed per group, money in exact decimals."""
-        groups: dict[tuple[Any, ...], dict[str, Any]] = defaultdict(lambda: {
-            "requests": 0, "input_tokens": 0, "output_tokens": 0,
-            "price_usd": Decimal(0), "compute_cost_usd": Decimal(0)})
-        for row in self.rows(**filters):
-            g = groups[tuple(getattr(row, k) for k in by)]
-            g["requests"] += 1
-            g["input_tokens"] += row.input_tokens
-            g["output_tokens"] += row.output_tokens
-            g["price_usd"] += row.price_usd
-            g["compute_cost_usd"] += row.compute_cost_usd
-        ordered = sorted(groups.items(), key=lambda kv: str(kv[0]))
-        return [dict(zip(by, key, strict=True)) | vals for key, vals in ordered]
 
 
 def _settle(fut: asyncio.Future[None], error: Exception | None) -> None:

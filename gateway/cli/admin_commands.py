@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -14,9 +13,12 @@ from pydantic import ValidationError
 from gateway.cli.options import data_dir_option, settings_from
 from gateway.config_files import ConfigFileError, load_yaml
 from gateway.errors import TiergateError
+from gateway.report_format import to_csv, to_json, to_table
+from gateway.report_params import parse_by, parse_day
 from gateway.tenants.store import ADMIN, TenantStore
 from quotas.ledger import Ledger
 from quotas.plans import Limits, PlanBook
+from quotas.report import usage_report
 
 
 @contextmanager
@@ -139,24 +141,38 @@ def keys_rotate(key_id: str, grace_s: float, data_dir: Path | None) -> None:
     _echo_key(key.public(), plaintext)
 
 
-@click.command()
+@click.group(invoke_without_command=True)
 @click.option("--tenant", default=None, help="Only this tenant.")
-@click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True)
 @data_dir_option
-def usage(tenant: str | None, fmt: str, data_dir: Path | None) -> None:
-    """Totals per tenant and tier from the ledger: requests, tokens, price, compute cost."""
+@click.pass_context
+def usage(ctx: click.Context, tenant: str | None, data_dir: Path | None) -> None:
+    """Usage and cost from the ledger; alone: totals per tenant and tier (see `usage report`)."""
+    if ctx.invoked_subcommand is None:
+        _print_report(data_dir, tenant=tenant, since=None, until=None, by="tenant,tier", fmt="table")
+
+
+@usage.command("report")
+@click.option("--from", "since", default=None, help="First day (YYYY-MM-DD, UTC), included.")
+@click.option("--to", "until", default=None, help="Last day (YYYY-MM-DD, UTC), included.")
+@click.option("--by", default="tenant,tier", show_default=True, help="Comma list of tenant, tier, day, key_id.")
+@click.option("--tenant", default=None, help="Only this tenant.")
+@click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]), default="table", show_default=True)
+@data_dir_option
+def usage_report_cmd(since: str | None, until: str | None, by: str, tenant: str | None, fmt: str,
+                     data_dir: Path | None) -> None:
+    """Requests, tokens, price, compute cost, margin, per-1K price and cost, savings and refusals."""
+    _print_report(data_dir, tenant=tenant, since=since, until=until, by=by, fmt=fmt)
+
+
+def _print_report(data_dir: Path | None, *, tenant: str | None, since: str | None, until: str | None, by: str,
+                  fmt: str) -> None:
+    try:
+        groups, start, end = parse_by(by), parse_day(since), parse_day(until, end=True)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
     ledger = Ledger(settings_from(data_dir=data_dir).ledger_db)
     try:
-        rows = ledger.totals(("tenant", "tier"), tenant=tenant)
+        rows = usage_report(ledger, by=groups, since=start, until=end, tenant=tenant)
     finally:
         ledger.close()
-    if fmt == "json":
-        click.echo(json.dumps([{k: str(v) if k.endswith("_usd") else v for k, v in r.items()} for r in rows],
-                              indent=2))
-        return
-    header = (f"{'tenant':<16}{'tier':<10}{'requests':>10}{'input':>10}{'output':>10}"
-              f"{'price USD':>16}{'compute USD':>16}")
-    click.echo(header)
-    for r in rows:
-        click.echo(f"{r['tenant']:<16}{r['tier'] or '-':<10}{r['requests']:>10}{r['input_tokens']:>10}"
-                   f"{r['output_tokens']:>10}{r['price_usd']:>16.8f}{r['compute_cost_usd']:>16.8f}")
+    click.echo({"table": to_table, "csv": to_csv, "json": to_json}[fmt](rows))

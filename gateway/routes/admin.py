@@ -83,13 +83,7 @@ async def rotate_key(request: Request[Any, Any, Any], key_id: FromPath[str]) -> 
     return key.public() | {"key": plaintext, "replaces": key_id, "note": "shown once; store it now"}
 
 
-@get("/usage")
-async def usage(request: Request[Any, Any, Any], tenant: FromQuery[str | None] = None) -> dict[str, Any]:
-    rows = _services(request).ledger.totals(("tenant", "tier"), tenant=tenant)
-    return {"data": [{k: str(v) if k.endswith("_usd") else v for k, v in r.items()} for r in rows]}
-
-
 admin_router = Router(
     path="/admin", guards=[require_admin],
-    route_handlers=[list_tenants, create_tenant, list_keys, issue_key, revoke_key, rotate_key, usage],
+    route_handlers=[list_tenants, create_tenant, list_keys, issue_key, revoke_key, rotate_key],
 )

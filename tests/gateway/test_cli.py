@@ -37,10 +37,10 @@ def test_cli_tenants_keys_and_usage_against_a_running_gateway(gateway: Gateway) 
         assert c.post("/v1/chat/completions", json={"model": "auto", "messages": MSG}).status_code == 401
     listed = runner.invoke(cli, ["keys", "list", "--tenant", "initech"], env=env).output
     assert "revoked" in listed and key not in listed
-    usage = json.loads(runner.invoke(cli, ["usage", "--format", "json"], env=env).output)
+    usage = json.loads(runner.invoke(cli, ["usage", "report", "--format", "json"], env=env).output)
     assert usage[0]["tenant"] == "initech" and usage[0]["requests"] == 2
     table = runner.invoke(cli, ["usage"], env=env).output
-    assert "initech" in table and "price USD" in table
+    assert "initech" in table and "price_per_1k_usd" in table
 
 
 def test_cli_usage_errors_are_clear(tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -12,6 +12,7 @@ from decimal import Decimal
 from pathlib import Path
 
 from quotas.ledger import Ledger, LedgerRow
+from quotas.report import usage_report
 
 
 def row(i: int, tenant: str = "acme", tier: str = "mid", price: str = "0.000001") -> LedgerRow:
@@ -31,7 +32,7 @@ def test_concurrent_records_are_grouped_and_all_durable(tmp_path: Path) -> None:
     ledger = Ledger(tmp_path / "ledger.db")
     rows = ledger.rows()
     assert len(rows) == 500 and len({r.request_id for r in rows}) == 500
-    totals = {t["tier"]: t for t in ledger.totals(("tier",))}
+    totals = {t["tier"]: t for t in usage_report(ledger, by=("tier",))}
     # 250 × 0.000001 exactly: no float drift
     assert totals["mid"]["price_usd"] == Decimal("0.000250") and totals["full"]["requests"] == 250
     assert ledger.get("r7").price_usd == Decimal("0.000001")

@@ -1,0 +1,48 @@
+"""Usage reports over HTTP: admins see every tenant (`/admin/usage/report`), a tenant its own (`/v1/usage`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from litestar import Request, Response, get
+from litestar.di import NamedDependency, Provide
+from litestar.params import FromQuery
+
+from gateway.auth import provide_tenant, require_admin
+from gateway.errors import InvalidRequest
+from gateway.report_format import to_csv
+from gateway.report_params import parse_by, parse_day
+from gateway.tenants.store import Principal
+from quotas.report import jsonable, usage_report
+
+
+def _report(request: Request[Any, Any, Any], *, tenant: str | None, since: str | None, until: str | None,
+            by: str | None, fmt: str) -> Response[Any]:
+    try:
+        groups = parse_by(by)
+        rows = usage_report(request.app.state.services.ledger, by=groups, since=parse_day(since),
+                            until=parse_day(until, end=True), tenant=tenant)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from exc
+    if fmt == "csv":
+        return Response(to_csv(rows), media_type="text/csv")
+    if fmt != "json":
+        raise InvalidRequest("format is json or csv", param="format")
+    return Response({"object": "list", "by": list(groups), "data": jsonable(rows)})
+
+
+@get("/admin/usage/report", guards=[require_admin])
+async def admin_report(request: Request[Any, Any, Any], tenant: FromQuery[str | None] = None,
+                       to: FromQuery[str | None] = None, by: FromQuery[str | None] = None,
+                       format: FromQuery[str] = "json") -> Response[Any]:
+    """Query: from, to (YYYY-MM-DD, UTC, inclusive), by (tenant,tier,day,key_id), tenant, format (json|csv)."""
+    return _report(request, tenant=tenant, since=request.query_params.get("from"), until=to, by=by, fmt=format)
+
+
+@get("/v1/usage", dependencies={"principal": Provide(provide_tenant)})
+async def tenant_report(request: Request[Any, Any, Any], principal: NamedDependency[Principal],
+                        to: FromQuery[str | None] = None, by: FromQuery[str | None] = None,
+                        format: FromQuery[str] = "json") -> Response[Any]:
+    """The caller's own tenant only; same query as the admin report."""
+    tenant = principal.tenant.name  # type: ignore[union-attr]
+    return _report(request, tenant=tenant, since=request.query_params.get("from"), until=to, by=by, fmt=format)

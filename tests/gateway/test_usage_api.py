@@ -1,0 +1,76 @@
+"""Reports reconcile: after a mixed load (ok, routed down, errors, cancellations, refusals), the report's
+totals equal the sum of the ledger rows and the Prometheus counters; tenants see only their own usage."""
+
+from __future__ import annotations
+
+import re
+import time
+from decimal import Decimal
+
+from quotas.plans import Limits
+from tests.conftest import Gateway
+
+MSG = [{"role": "user", "content": "hello there"}]
+
+
+def metric_sum(text: str, name: str) -> float:
+    return sum(float(v) for v in re.findall(rf"^{name}{{[^}}]*}} (\S+)$", text, re.M))
+
+
+def test_report_reconciles_with_ledger_and_metrics(gateway: Gateway) -> None:
+    _, limited = gateway.store.issue_key("acme", limits=Limits(rpm=1))
+    with gateway.client(gateway.tenant_key) as c:
+        assert c.post("/v1/chat/completions", json={"model": "full", "messages": MSG}).status_code == 200
+        assert c.post("/v1/chat/completions", json={"model": "mid", "messages": MSG}).status_code == 200
+        r = c.post("/v1/chat/completions", json={"model": "mid", "messages": [{"role": "user", "content": "STUB:400"}]})
+        assert r.status_code == 400
+        with c.stream("POST", "/v1/chat/completions", json={
+                "model": "mid", "stream": True, "messages": [{"role": "user", "content": "STUB:slow"}]}) as s:
+            next(s.iter_lines())
+    with gateway.client(gateway.admin_key) as admin:
+        admin.post("/admin/degrade/", json={"level": 1, "reason": "test: full -> mid"})
+    with gateway.client(gateway.tenant_key) as c:
+        r = c.post("/v1/chat/completions", json={"model": "full", "messages": MSG})
+        assert r.headers["x-tiergate-tier"] == "mid"  # routed down by the ladder
+    with gateway.client(limited) as c:
+        assert c.post("/v1/chat/completions", json={"model": "mid", "messages": MSG}).status_code == 200
+        assert c.post("/v1/chat/completions", json={"model": "mid", "messages": MSG}).status_code == 429
+    deadline = time.time() + 5
+    while len(gateway.ledger_rows()) < 6 and time.time() < deadline:
+        time.sleep(0.05)
+    rows = gateway.ledger_rows()
+    assert sorted(r.status for r in rows) == ["cancelled", "error", "ok", "ok", "ok", "ok"]
+    with gateway.client(gateway.admin_key) as admin:
+        report = admin.get("/admin/usage/report", params={"by": "tenant"}).json()["data"]
+        metrics = admin.get("/metrics").text
+        by_tier = admin.get("/admin/usage/report", params={"by": "tier"}).json()["data"]
+        csv = admin.get("/admin/usage/report", params={"by": "tenant,day", "format": "csv"})
+    (acme,) = report
+    price = sum((r.price_usd for r in rows), Decimal(0))
+    assert Decimal(acme["price_usd"]) == price and acme["requests"] == len(rows) == 6
+    assert Decimal(acme["compute_cost_usd"]) == sum((r.compute_cost_usd for r in rows), Decimal(0))
+    assert acme["input_tokens"] == sum(r.input_tokens for r in rows)
+    assert abs(metric_sum(metrics, "tiergate_price_usd_total") - float(price)) < 1e-12
+    assert metric_sum(metrics, "tiergate_requests_total") == 6
+    assert metric_sum(metrics, "tiergate_tokens_total") == sum(r.input_tokens + r.output_tokens for r in rows)
+    assert acme["refusals"] == {"rate_limit_rpm": 1} and metric_sum(metrics, "tiergate_refusals_total") == 1
+    assert acme["routed_down"] == 1 and Decimal(acme["routing_savings_usd"]) > 0
+    mid = next(r for r in by_tier if r["tier"] == "mid")
+    assert Decimal(mid["price_per_1k_usd"]) == (Decimal(mid["price_usd"]) * 1000 /
+                                              (mid["input_tokens"] + mid["output_tokens"])).quantize(Decimal("1e-9"))
+    assert csv.headers["content-type"].startswith("text/csv") and csv.text.startswith("tenant,day,requests")
+
+
+def test_tenants_see_only_their_own_usage(gateway: Gateway) -> None:
+    gateway.store.create_tenant("globex", "standard")
+    _, other = gateway.store.issue_key("globex")
+    with gateway.client(gateway.tenant_key) as c:
+        assert c.post("/v1/chat/completions", json={"model": "mid", "messages": MSG}).status_code == 200
+    with gateway.client(other) as c:
+        assert c.post("/v1/chat/completions", json={"model": "mid", "messages": MSG}).status_code == 200
+        mine = c.get("/v1/usage", params={"by": "tenant,tier"}).json()["data"]
+        assert [r["tenant"] for r in mine] == ["globex"]
+        assert c.get("/v1/usage", params={"tenant": "acme"}).json()["data"][0]["tenant"] == "globex"
+        assert c.get("/admin/usage/report").status_code == 403
+        assert c.get("/v1/usage", params={"by": "planet"}).status_code == 400
+        assert c.get("/v1/usage", params={"from": "yesterday"}).status_code == 400
