@@ -63,9 +63,9 @@ class Fleet:
         return out
 
     def num_tiers_down(self) -> int:
-        """Tiers with no healthy replica, not counting those whose model is not built yet."""
+        """Tiers with no healthy replica and one failing (not first starting, not waiting for its model)."""
         return sum(1 for reps in self.replicas.values()
-                   if not any(r.healthy for r in reps) and any(r.status != "unavailable" for r in reps))
+                   if not any(r.healthy for r in reps) and any(r.is_down for r in reps))
 
     def pick(self, tier: str, exclude: set[int] | None = None) -> Replica:
         """The healthy replica with the fewest requests in flight (skipping `exclude`d indexes)."""

@@ -15,11 +15,18 @@ class Replica:
     healthy: bool = False
     inflight: int = 0
     restarts: int = 0
+    ever_ready: bool = False  # a first start (loading the model) is not an outage; a later one is
 
     def mark(self, status: str, reason: str) -> None:
         self.status = status
         self.reason = reason
         self.healthy = status == "ready"
+        self.ever_ready = self.ever_ready or self.healthy
+
+    @property
+    def is_down(self) -> bool:
+        """Failing, as opposed to starting for the first time or waiting for its model to be built."""
+        return not self.healthy and (self.status == "down" or (self.status == "starting" and self.ever_ready))
 
     def public(self) -> dict[str, object]:
         return {"index": self.index, "status": self.status, "reason": self.reason or None,

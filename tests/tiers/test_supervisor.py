@@ -72,3 +72,16 @@ async def test_tier_without_its_model_waits_as_unavailable(tmp_path: Path) -> No
         await proc.stop()
         task.cancel()
         await client.aclose()
+
+
+def test_a_first_start_is_not_an_outage_but_a_restart_is() -> None:
+    r = Replica("mid", 0)
+    r.mark("starting", "loading")
+    assert not r.is_down
+    r.mark("ready", "")
+    r.mark("down", "exited")
+    assert r.is_down
+    r.mark("starting", "loading again")
+    assert r.is_down
+    r.mark("unavailable", "not built")
+    assert not r.is_down
