@@ -23,9 +23,11 @@ from gateway.metrics import GatewayMetrics
 from gateway.middleware import request_id_middleware
 from gateway.routes.admin import admin_router
 from gateway.routes.chat import chat_completions
+from gateway.routes.dashboard import dashboard
 from gateway.routes.degrade import degrade_router
 from gateway.routes.health import health, metrics
 from gateway.routes.models import list_models
+from gateway.routes.ops import ops
 from gateway.routes.usage import admin_report, tenant_report
 from gateway.services import Services
 from gateway.settings import Settings
@@ -125,7 +127,7 @@ def create_app(settings: Settings | None = None) -> Litestar:
 
     return Litestar(
         route_handlers=[chat_completions, list_models, health, metrics, admin_router, degrade_router, admin_report,
-                        tenant_report],
+                        tenant_report, ops, dashboard],
         lifespan=[lifespan],
         middleware=[request_id_middleware],
         exception_handlers={TiergateError: _tiergate_error, HTTPException: _http_error,

@@ -10,6 +10,12 @@ from prometheus_client.core import GaugeMetricFamily
 from quotas.ledger import LedgerRow
 from tiers.fleet import Fleet
 
+ENGINE_STATS = (
+    ("kv_utilisation", "tiergate_engine_kv_utilisation", "Share of the engine's KV cache blocks in use (0-1)."),
+    ("tokens_per_s", "tiergate_engine_tokens_per_second", "Tokens the engine generated per second, recently."),
+    ("num_running", "tiergate_engine_running", "Sequences the engine is generating."),
+    ("num_waiting", "tiergate_engine_waiting", "Sequences waiting inside the engine."),
+)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 
@@ -27,6 +33,14 @@ class _FleetCollector:
         for tier, reps in self.fleet.replicas.items():
             r.add_metric([tier], sum(rep.restarts for rep in reps))
         yield r
+        # what local engines report on /health, per replica (absent until an engine reports it)
+        for stat, name, doc in ENGINE_STATS:
+            g = GaugeMetricFamily(name, doc, labels=["tier", "replica"])
+            for tier, reps in self.fleet.replicas.items():
+                for rep in reps:
+                    if stat in rep.stats:
+                        g.add_metric([tier, str(rep.index)], rep.stats[stat])
+            yield g
 
 
 class _QueueCollector:
@@ -65,6 +79,16 @@ class GatewayMetrics:
                               ["tier"], buckets=LATENCY_BUCKETS, registry=reg)
         self.total = Histogram("tiergate_request_duration_seconds", "Arrival to last byte.", ["tier"],
                                buckets=LATENCY_BUCKETS, registry=reg)
+        self.tpot = Histogram("tiergate_time_per_output_token_seconds",
+                              "Time per output token after the first (total minus TTFT over output tokens - 1).",
+                              ["tier"], buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2), registry=reg)
+        self.cache = Counter("tiergate_cache_requests", "Cache lookups by result (hit, miss, bypass).",
+                             ["tenant", "result"], registry=reg)
+        self.cache_savings = Counter("tiergate_cache_savings_usd", "What cache hits saved tenants, USD.", ["tenant"],
+                                     registry=reg)
+        self.route_savings = Counter("tiergate_routing_savings_usd",
+                                     "What routing to a cheaper tier than requested saved, USD.", ["tenant"],
+                                     registry=reg)
         self.overhead = Histogram("tiergate_gateway_overhead_seconds",
                                   "Time spent in the gateway itself (total minus upstream time).",
                                   buckets=OVERHEAD_BUCKETS, registry=reg)
@@ -92,6 +116,10 @@ class GatewayMetrics:
         self.compute_cost.labels(row.tenant, tier).inc(float(row.compute_cost_usd))
         if row.ttft_s is not None:
             self.ttft.labels(tier).observe(row.ttft_s)
+            if row.output_tokens > 1:
+                self.tpot.labels(tier).observe((row.total_s - row.ttft_s) / (row.output_tokens - 1))
+        if row.route_saving_usd > 0:
+            self.route_savings.labels(row.tenant).inc(float(row.route_saving_usd))
         self.total.labels(tier).observe(row.total_s)
         if overhead_s is not None:
             self.overhead.observe(max(0.0, overhead_s))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -16,6 +16,7 @@ class Replica:
     inflight: int = 0
     restarts: int = 0
     ever_ready: bool = False  # a first start (loading the model) is not an outage; a later one is
+    stats: dict[str, float] = field(default_factory=dict)  # what the engine's /health last reported
 
     def mark(self, status: str, reason: str) -> None:
         self.status = status

@@ -111,10 +111,13 @@ class EngineProcess:
 
     async def _probe(self) -> bool:
         try:
-            await self.client.get_json(f"{self.replica.url}/health", timeout_s=2.0)
-            return True
+            health = await self.client.get_json(f"{self.replica.url}/health", timeout_s=2.0)
         except TierError:
             return False
+        stats = health.get("stats")
+        if isinstance(stats, dict):
+            self.replica.stats = {k: float(v) for k, v in stats.items() if isinstance(v, int | float)}
+        return True
 
     async def stop(self) -> None:
         self._stopping = True

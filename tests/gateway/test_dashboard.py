@@ -1,0 +1,92 @@
+"""The built-in dashboard in headless Chromium (Debian's chromium + chromium-driver, driven by Selenium):
+charts drawn from real ledger data, and changing the level through the page changes the level.
+A screenshot of each view is kept in test-artifacts/."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from selenium import webdriver
+from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.by import By
+from selenium.webdriver.support.select import Select
+from selenium.webdriver.support.ui import WebDriverWait
+
+from tests.conftest import Gateway
+
+ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
+MSG = [{"role": "user", "content": "hello there"}]
+
+
+@pytest.fixture
+def browser() -> Iterator[webdriver.Chrome]:
+    chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
+    if not chromium or not driver:
+        pytest.fail("Debian's chromium and chromium-driver are needed (.ci/run installs them)")
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--window-size=1280,1400"):
+        options.add_argument(flag)
+    b = webdriver.Chrome(service=Service(driver), options=options)
+    yield b
+    b.quit()
+
+
+def test_dashboard_renders_ledger_data_and_changes_the_level(gateway: Gateway, browser: webdriver.Chrome) -> None:
+    with gateway.client(gateway.tenant_key) as c:
+        for model in ("full", "full", "mid"):
+            assert c.post("/v1/chat/completions", json={"model": model, "messages": MSG}).status_code == 200
+    ARTIFACTS.mkdir(exist_ok=True)
+    wait = WebDriverWait(browser, 20)
+    browser.get(f"{gateway.url}/dashboard")
+    browser.find_element(By.ID, "key").send_keys("tg-000000000000-wrong")
+    browser.find_element(By.ID, "login-button").click()
+    wait.until(lambda b: b.find_element(By.ID, "login-error").text)
+    assert "unknown" in browser.find_element(By.ID, "login-error").text
+    key_box = browser.find_element(By.ID, "key")
+    key_box.clear()
+    key_box.send_keys(gateway.admin_key)
+    browser.find_element(By.ID, "login-button").click()
+    # finance: one solid (price) and one dashed (cost) line per tenant/tier, and the table from the ledger
+    wait.until(lambda b: len(b.find_elements(By.CSS_SELECTOR, "#cost-chart path.series")) == 4)
+    legend = browser.find_element(By.ID, "cost-legend").text
+    assert "acme / full" in legend and "acme / mid" in legend
+    rows = browser.find_elements(By.CSS_SELECTOR, "#finance-table tbody tr")
+    cells = {r.find_elements(By.TAG_NAME, "td")[1].text: [td.text for td in r.find_elements(By.TAG_NAME, "td")]
+             for r in rows}
+    assert cells["full"][2] == "2" and cells["mid"][2] == "1"
+    ledger_price = sum(r.price_usd for r in gateway.ledger_rows() if r.tier == "full")
+    assert cells["full"][5] == str(ledger_price)
+    assert browser.find_elements(By.CSS_SELECTOR, "#spend-chart rect.bar")
+    browser.save_screenshot(str(ARTIFACTS / "dashboard-finance.png"))
+    # on-call: health, queues, the level; change it through the page, with a reason
+    browser.find_element(By.CSS_SELECTOR, "nav button[data-view=oncall]").click()
+    wait.until(lambda b: b.find_element(By.ID, "level").text.startswith("0"))
+    tiers = browser.find_element(By.ID, "tiers-table").text
+    assert "mid ready" in tiers and "small not ready" in tiers
+    browser.find_element(By.ID, "apply-level").click()
+    assert browser.find_element(By.ID, "level-message").text == "a reason is required"
+    Select(browser.find_element(By.ID, "level-select")).select_by_value("2")
+    browser.find_element(By.ID, "level-reason").send_keys("dashboard drill")
+    browser.find_element(By.ID, "apply-level").click()
+    wait.until(lambda b: b.find_element(By.ID, "level").text.startswith("2"))
+    assert "dashboard drill" in browser.find_element(By.ID, "level-detail").text
+    with gateway.client(gateway.admin_key) as c:
+        status = c.get("/admin/degrade/").json()
+    assert status["level"] == 2 and status["manual"]["reason"] == "dashboard drill"
+    assert status["manual"]["by"] == gateway.admin_key[3:15]
+    browser.save_screenshot(str(ARTIFACTS / "dashboard-oncall.png"))
+
+
+def test_the_page_holds_no_data_and_the_apis_need_an_admin_key(gateway: Gateway) -> None:
+    with gateway.client() as c:
+        page = c.get("/dashboard")
+        assert page.status_code == 200 and "Admin key" in page.text and "acme" not in page.text
+        assert c.get("/admin/ops").status_code == 401
+    with gateway.client(gateway.tenant_key) as c:
+        assert c.get("/admin/ops").status_code == 403
