@@ -28,6 +28,24 @@ class Limits(BaseModel):
         return repr(value) if isinstance(value, float) else value
 
 
+class CachePlan(BaseModel):
+    """How the answer cache treats a plan's tenants."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = True  # False: the tenant opts out (nothing looked up or stored)
+    semantic: bool = True  # False: exact hits only
+    similarity_threshold: Annotated[float, Field(ge=0.5, le=1.0)] = 0.8
+    ttl_s: Annotated[float, Field(gt=0)] | None = 86_400.0
+    isolate_users: bool = False  # entries are per end user (the request's `user`), not shared in the tenant
+    hit_price_per_1k: Annotated[Decimal, Field(ge=0)] = Decimal("0")  # a hit's price per 1K tokens
+
+    @field_validator("hit_price_per_1k", mode="before")
+    @classmethod
+    def _exact(cls, value: object) -> object:
+        return repr(value) if isinstance(value, float) else value
+
+
 class Plan(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -40,6 +58,7 @@ class Plan(BaseModel):
     max_queue_wait_s: Annotated[float, Field(gt=0)] | None = None  # predicted wait above this: refuse (503)
     shed_to_cheaper: bool = False  # ...or, instead, offer the router a cheaper allowed tier
     limits: Limits = Field(default_factory=Limits)
+    cache: CachePlan = Field(default_factory=CachePlan)
 
     @model_validator(mode="after")
     def _default_allowed(self) -> Plan:

@@ -40,6 +40,10 @@ CREATE TABLE IF NOT EXISTS api_keys (
     limits TEXT
 );
 CREATE INDEX IF NOT EXISTS api_keys_tenant ON api_keys(tenant);
+CREATE TABLE IF NOT EXISTS tenant_data_versions (
+    tenant TEXT PRIMARY KEY REFERENCES tenants(name),
+    version INTEGER NOT NULL
+);
 """
 
 
@@ -102,6 +106,7 @@ class TenantStore:
         if "limits" not in columns:  # a data directory from before per-key limits
             self._conn.execute("ALTER TABLE api_keys ADD COLUMN limits TEXT")
         self._cache: dict[str, tuple[str, ApiKey, Tenant | None]] = {}
+        self._versions: dict[str, int] = {}
         self._version = self._data_version()
 
     def close(self) -> None:
@@ -129,6 +134,21 @@ class TenantStore:
 
     def list_tenants(self) -> list[Tenant]:
         return [Tenant(*r) for r in self._conn.execute("SELECT name, plan, created_at FROM tenants ORDER BY name")]
+
+    def data_version(self, tenant: str) -> int:
+        """The tenant's data version: cached answers from an older one are never served."""
+        if tenant not in self._versions:  # cleared with the key cache whenever anyone writes
+            row = self._conn.execute("SELECT version FROM tenant_data_versions WHERE tenant = ?", (tenant,)).fetchone()
+            self._versions[tenant] = int(row[0]) if row else 0
+        return self._versions[tenant]
+
+    def bump_data_version(self, tenant: str) -> int:
+        """The tenant's data changed: a new version, which makes every cached answer of theirs unreachable."""
+        self.get_tenant(tenant)
+        self._conn.execute("INSERT INTO tenant_data_versions(tenant, version) VALUES (?, 1) "
+                           "ON CONFLICT(tenant) DO UPDATE SET version = version + 1", (tenant,))
+        self._invalidate()
+        return self.data_version(tenant)
 
     # ---- keys ----
 
@@ -218,6 +238,7 @@ class TenantStore:
 
     def _invalidate(self) -> None:
         self._cache.clear()
+        self._versions.clear()
         self._version = self._data_version()
 
 

@@ -76,3 +76,16 @@ def test_admin_keys_and_validation(store: TenantStore) -> None:
     with pytest.raises(InvalidRequest):
         store.create_tenant("Bad Name!", "standard")
     assert [t.name for t in store.list_tenants()] == ["acme"]
+
+
+def test_data_versions_bump_and_are_seen_by_other_connections(store: TenantStore, tmp_path: Path) -> None:
+    _, plaintext = store.issue_key("acme")
+    assert store.data_version("acme") == 0  # now cached
+    cli = TenantStore(tmp_path / "state.db")
+    assert cli.bump_data_version("acme") == 1 and cli.bump_data_version("acme") == 2
+    assert store.data_version("acme") == 0  # still the cached value...
+    store.authenticate(plaintext)  # ...until a request notices the other connection's write
+    assert store.data_version("acme") == 2
+    with pytest.raises(NotFound):
+        cli.bump_data_version("nobody")
+    cli.close()
