@@ -74,6 +74,16 @@ def tenants_list(data_dir: Path | None) -> None:
             click.echo(f"{t.name}\t{t.plan}\t{time.strftime('%Y-%m-%d %H:%M', time.gmtime(t.created_at))}")
 
 
+@tenants.command("bump-data-version")
+@click.argument("name")
+@data_dir_option
+def tenants_bump(name: str, data_dir: Path | None) -> None:
+    """NAME's data changed: cached answers made from the old data are never served again."""
+    with _store(data_dir) as store:
+        version = store.bump_data_version(name)
+    click.echo(f"tenant {name} is at data version {version}")
+
+
 @click.group()
 def keys() -> None:
     """Issue, list, revoke and rotate API keys."""

@@ -54,6 +54,12 @@ async def create_tenant(request: Request[Any, Any, Any]) -> dict[str, Any]:
     return vars(services.store.create_tenant(body.name, plan))
 
 
+@post("/tenants/{name:str}/data-version", status_code=200)
+async def bump_data_version(request: Request[Any, Any, Any], name: FromPath[str]) -> dict[str, Any]:
+    """The tenant's data changed: cached answers made from the old data become unreachable at once."""
+    return {"tenant": name, "data_version": _services(request).store.bump_data_version(name)}
+
+
 @get("/keys")
 async def list_keys(request: Request[Any, Any, Any], tenant: FromQuery[str | None] = None) -> dict[str, Any]:
     return {"data": [k.public() for k in _services(request).store.list_keys(tenant)]}
@@ -85,5 +91,5 @@ async def rotate_key(request: Request[Any, Any, Any], key_id: FromPath[str]) -> 
 
 admin_router = Router(
     path="/admin", guards=[require_admin],
-    route_handlers=[list_tenants, create_tenant, list_keys, issue_key, revoke_key, rotate_key],
+    route_handlers=[list_tenants, create_tenant, bump_data_version, list_keys, issue_key, revoke_key, rotate_key],
 )

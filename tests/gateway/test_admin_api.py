@@ -69,3 +69,12 @@ def test_health_reports_tiers(gateway: Gateway) -> None:
     # small points at a dead URL: it is down (not merely unbuilt), so the gateway is not fully ready
     assert r.status_code == 503 and body["tiers"]["mid"]["ready"] and not body["tiers"]["small"]["ready"]
     assert "small" in body["not_ready"] and body["not_ready"]["small"]
+
+
+def test_data_version_bump_route(gateway: Gateway) -> None:
+    with gateway.client(gateway.admin_key) as admin:
+        assert admin.post("/admin/tenants/acme/data-version").json() == {"tenant": "acme", "data_version": 1}
+        assert admin.post("/admin/tenants/acme/data-version").json()["data_version"] == 2
+        assert admin.post("/admin/tenants/nobody/data-version").status_code == 404
+    with gateway.client(gateway.tenant_key) as c:
+        assert c.post("/admin/tenants/acme/data-version").status_code == 403
