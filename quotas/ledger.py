@@ -208,21 +208,20 @@ class Ledger:
 
     def rows(self, *, tenant: str | None = None, since: float | None = None,
              until: float | None = None) -> list[LedgerRow]:
-        sql, args = f"SELECT {', '.join(_COLUMNS)} FROM requests WHERE 1=1", []
-        for clause, value in (("tenant = ?", tenant), ("ts >= ?", since), ("ts < ?", until)):
-            if value is not None:
-                sql += f" AND {clause}"
-                args.append(value)
-        return [_from_db(r) for r in self._read.execute(sql + " ORDER BY ts", args)]
+        return [_from_db(r) for r in self._select("requests", _COLUMNS, tenant, since, until)]
 
     def refusals(self, *, tenant: str | None = None, since: float | None = None,
                  until: float | None = None) -> list[Refusal]:
-        sql, args = f"SELECT {', '.join(_REFUSAL_COLUMNS)} FROM refusals WHERE 1=1", []
+        return [Refusal(*r) for r in self._select("refusals", _REFUSAL_COLUMNS, tenant, since, until)]
+
+    def _select(self, table: str, columns: list[str], tenant: str | None, since: float | None,
+                until: float | None) -> list[tuple[Any, ...]]:
+        sql, args = f"SELECT {', '.join(columns)} FROM {table} WHERE 1=1", []
         for clause, value in (("tenant = ?", tenant), ("ts >= ?", since), ("ts < ?", until)):
             if value is not None:
                 sql += f" AND {clause}"
                 args.append(value)
-        return [Refusal(*r) for r in self._read.execute(sql + " ORDER BY ts", args)]
+        return self._read.execute(sql + " ORDER BY ts", args).fetchall()
 
     def get(self, request_id: str) -> LedgerRow | None:
         r = self._read.execute(f"SELECT {', '.join(_COLUMNS)} FROM requests WHERE request_id = ?",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from decimal import Decimal
 
 import pytest
@@ -79,35 +80,35 @@ def test_embedded_budgets_survive_a_restart(gateway_settings: Settings, stub: tu
         assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limit_rpm"
 
 
+@contextmanager
+def full_tier_backed_up(gw: Gateway) -> Iterator[None]:
+    """The full tier is busy and 10,000 tokens wait ahead, served at a measured 100 tokens/s."""
+    q = gw.app.state.services.chat.queues["full"]
+    q.in_flight, q.tokens_per_s = q.capacity, 100.0
+    q.waiting[0].append(Ticket("other", 0, 1.0, 10_000, seq=-1))
+    try:
+        yield
+    finally:
+        q.waiting[0].clear()
+        q.in_flight = 0
+
+
 def test_predicted_wait_over_the_plan_is_503_before_any_work(gateway_settings: Settings,
                                                               stub: tuple[ServerThread, StubState]) -> None:
     with running_gateway(gateway_settings, stub[1], plan="queued") as gw:
-        q = gw.app.state.services.chat.queues["full"]
-        # the full tier is busy and 10,000 tokens wait ahead, served at a measured 100 tokens/s
-        q.in_flight, q.tokens_per_s = q.capacity, 100.0
-        q.waiting[0].append(Ticket("other", 0, 1.0, 10_000, seq=-1))
-        try:
+        with full_tier_backed_up(gw):
             r = chat(gw)
             assert r.status_code == 503 and r.json()["error"]["code"] == "overloaded"
             assert int(r.headers["retry-after"]) >= 100
             assert gw.ledger_rows() == [] and gw.stub.requests == []
-        finally:
-            q.waiting[0].clear()
-            q.in_flight = 0
         assert chat(gw).status_code == 200
 
 
 def test_an_overloaded_tier_sheds_to_a_cheaper_one_where_the_plan_allows(
         gateway_settings: Settings, stub: tuple[ServerThread, StubState]) -> None:
     with running_gateway(gateway_settings, stub[1], plan="shedding") as gw:
-        q = gw.app.state.services.chat.queues["full"]
-        q.in_flight, q.tokens_per_s = q.capacity, 100.0
-        q.waiting[0].append(Ticket("other", 0, 1.0, 10_000, seq=-1))
-        try:
+        with full_tier_backed_up(gw):
             r = chat(gw)
-        finally:
-            q.waiting[0].clear()
-            q.in_flight = 0
         assert r.status_code == 200 and r.headers["x-tiergate-tier"] == "mid"
         assert "shed to mid" in r.headers["x-tiergate-route-reason"]
         assert gw.ledger_rows()[0].route_reason.endswith("shed to mid")
