@@ -1,1 +1,51 @@
-"""cache package."""
+"""cache: a versioned exact + semantic answer cache that never serves an answer across its scope.
+
+The gateway's calls, in request order::
+
+    from cache import CacheScope, SemanticCache, SQLiteStore, TenantPolicy, default_embedder
+
+    cache = SemanticCache(SQLiteStore(data_dir / "cache.sqlite3", max_entries=100_000), default_embedder())
+    scope = CacheScope.for_request(body, tenant=t.id, roles=key.roles, end_user=body.get("user") if t.isolate_users
+                                   else None, data_version=t.data_version, model_version=tier.fingerprint)
+    result = await cache.alookup(scope, body, headers=request.headers, policy=t.cache_policy)
+    # result.status is "hit" | "miss" | "bypass"; result.headers() gives x-tiergate-cache (and the similarity)
+    if result.status == "hit":
+        ...answer result.response (stream it as SSE if asked), bill as a cache hit, saving = result.usage...
+    else:
+        ...call the tier, then:
+        await cache.astore(scope, body, answer_text, usage, headers=request.headers, policy=t.cache_policy)
+
+    cache.bump_data_version(tenant, new_version)   # after the admin bump; older entries reclaimed lazily
+    cache.retire_model_version(old_fingerprint)    # when a tier's weights or engine change
+    cache.purge(tenant)                            # admin purge (None: everything)
+
+What the caller decides: `data_version` is the tenant's counter, combined with an `X-Tiergate-Data-Version`
+header when present (e.g. f"{counter}:{header}"); `model_version` is the fingerprint of the tier that will answer
+(with `model: auto`, of the tier the router picks; entries of different tiers never mix); `end_user` only for
+tenants that isolate users. `CacheStoreError` (store unreachable) and `EmbedderError` should be treated as a
+miss, never as a failed request. Misses and bypasses carry a `reason` (e.g. "refused near miss: numbers differ
+(0.941)", "bypass: temperature>0 without seed") for logs and metrics; `cache.stats` counts them.
+
+Modules, one job each: `scope` (what an answer depends on), `request_key` (exact key, history, last user
+turn, cacheability rules), `guards` (near-miss refusal), `embedder` (MiniLM), `index` (faiss partitions),
+`store` (the store boundary and SQLite entries: TTL, LRU bound, persistence), `redis_store` (the same in Redis,
+shared by replicas, with a change log every replica's index follows), `semantic_cache` (the facade).
+
+With `TIERGATE_REDIS_URL` set, build the cache on `RedisStore(url, max_entries=...)` instead; each replica's
+faiss index applies the others' writes within `sync_interval_s` (0.5 s) of its next lookup.
+"""
+
+from __future__ import annotations
+
+from cache.embedder import Embedder, EmbedderError, default_embedder
+from cache.redis_store import RedisStore
+from cache.request_key import Cacheability, RequestKey, decide, request_key
+from cache.scope import CacheScope, identity_snapshot
+from cache.semantic_cache import Bypass, CacheStats, Hit, LookupResult, Miss, SemanticCache, TenantPolicy
+from cache.store import CacheStore, CacheStoreError, Entry, SQLiteStore
+
+__all__ = [
+    "Bypass", "CacheScope", "CacheStats", "CacheStore", "CacheStoreError", "Cacheability", "Embedder",
+    "EmbedderError", "Entry", "Hit", "LookupResult", "Miss", "RedisStore", "RequestKey", "SQLiteStore", "SemanticCache",
+    "TenantPolicy", "decide", "default_embedder", "identity_snapshot", "request_key",
+]

@@ -1,0 +1,253 @@
+"""Near-miss guards: refuse a semantic hit whose last user turn differs in a detail embeddings blur.
+
+Sentence embeddings put "convert 5 km to miles" and "convert 7 km to miles" at cosine 0.95+, and treat
+"why is X" and "why is X not" as near twins. A semantic hit must mean the same question, so before one is
+served the query and the candidate must agree on:
+
+- numbers (digits, decimals, thousands separators, and number words: "five" == "5"),
+- units (a canonical name per unit: "km" == "kilometres"),
+- negations (how many: not, no, never, n't, without...),
+- comparatives and superlatives (more/less, bigger/smaller, best/worst, any "<word>er than"),
+- named entities (capitalized or mixed-case tokens not at a sentence start, acronyms, and a gazetteer of
+  lower-case names such as programming languages); every entity of either side must occur in both,
+- and, where a directional word is present (than, vs, from, into, convert...), the order of those anchors,
+  so "is Paris bigger than London" never answers "is London bigger than Paris".
+
+All of this is cheap regex and set work on the two texts (tens of microseconds); it is a heuristic that
+errs on refusing: a refused paraphrase costs one model call, a wrong hit costs a wrong answer.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+
+_NUMBER_WORDS = {
+    "zero": "0", "two": "2", "three": "3", "four": "4", "five": "5", "six": "6", "seven": "7",
+    "eight": "8", "nine": "9", "ten": "10", "eleven": "11", "twelve": "12", "thirteen": "13", "fourteen": "14",
+    "fifteen": "15", "sixteen": "16", "seventeen": "17", "eighteen": "18", "nineteen": "19", "twenty": "20",
+    "thirty": "30", "forty": "40", "fifty": "50", "sixty": "60", "seventy": "70", "eighty": "80", "ninety": "90",
+    "hundred": "100", "hundreds": "100", "thousand": "1000", "thousands": "1000",
+    "million": "1000000", "millions": "1000000", "billion": "1000000000", "dozen": "12",
+    "half": "0.5", "twice": "2", "double": "2", "triple": "3", "third": "3", "fourth": "4",
+    "fifth": "5", "sixth": "6", "seventh": "7", "eighth": "8", "ninth": "9", "tenth": "10",
+}
+
+# canonical unit -> spellings. Long names count anywhere; short symbols only right after a number.
+_UNITS_LONG = {
+    "km": "km kilometer kilometers kilometre kilometres", "m": "meter meters metre metres",
+    "cm": "centimeter centimeters centimetre centimetres", "mm": "millimeter millimeters millimetre millimetres",
+    "mile": "mile miles", "ft": "foot feet", "inch": "inch inches", "yard": "yard yards",
+    "kg": "kilogram kilograms kilo kilos", "g": "gram grams", "mg": "milligram milligrams",
+    "lb": "pound pounds lbs", "oz": "ounce ounces", "ton": "ton tons tonne tonnes",
+    "l": "liter liters litre litres", "ml": "milliliter milliliters millilitre millilitres",
+    "gal": "gallon gallons", "cup": "cup cups", "tsp": "teaspoon teaspoons", "tbsp": "tablespoon tablespoons",
+    "c": "celsius centigrade", "f": "fahrenheit", "k": "kelvin", "s": "second seconds sec secs",
+    "min": "minute minutes mins", "h": "hour hours hrs", "day": "day days", "week": "week weeks",
+    "month": "month months", "year": "year years", "byte": "byte bytes", "kb": "kilobyte kilobytes",
+    "mb": "megabyte megabytes", "gb": "gigabyte gigabytes", "tb": "terabyte terabytes", "bit": "bit bits",
+    "%": "percent percentage", "usd": "dollar dollars usd", "eur": "euro euros eur", "gbp": "gbp sterling",
+    "jpy": "yen jpy", "w": "watt watts", "kw": "kilowatt kilowatts", "kwh": "kwh", "v": "volt volts",
+    "hz": "hertz hz", "ghz": "ghz gigahertz", "mph": "mph", "kmh": "kmh kph", "px": "pixel pixels px",
+}
+_UNITS_SHORT = {
+    "km": "km", "m": "m", "cm": "cm", "mm": "mm", "mi": "mile", "ft": "ft", "in": "inch", "yd": "yard",
+    "kg": "kg", "g": "g", "mg": "mg", "lb": "lb", "lbs": "lb", "oz": "oz", "t": "ton", "l": "l", "ml": "ml",
+    "gal": "gal", "c": "c", "°c": "c", "f": "f", "°f": "f", "k": "k", "s": "s", "ms": "ms", "min": "min",
+    "h": "h", "hr": "h", "kb": "kb", "mb": "mb", "gb": "gb", "tb": "tb", "%": "%", "w": "w", "kw": "kw",
+    "v": "v", "hz": "hz", "ghz": "ghz", "x": "x",
+}
+_UNIT_WORD = {w: canon for canon, words in _UNITS_LONG.items() for w in words.split()}
+_CURRENCY_SYMBOL = {"$": "usd", "€": "eur", "£": "gbp", "¥": "jpy"}
+
+_NEGATIONS = {"not", "no", "never", "none", "nobody", "nothing", "neither", "nor", "without", "cannot",
+              "nowhere", "dont", "doesnt", "didnt", "isnt", "arent", "wasnt", "werent", "cant", "wont",
+              "shouldnt", "wouldnt", "couldnt", "hasnt", "havent", "hadnt", "mustnt", "neednt", "aint"}
+
+# Comparatives and superlatives as (dimension, direction): "faster" and "slower" are one dimension, opposite.
+_COMPARATIVE_PAIRS = [
+    ("more", "less"), ("more", "fewer"), ("most", "least"), ("most", "fewest"), ("better", "worse"), ("best", "worst"),
+    ("bigger", "smaller"), ("larger", "smaller"), ("greater", "smaller"), ("greater", "lesser"),
+    ("biggest", "smallest"), ("largest", "smallest"), ("greatest", "smallest"), ("higher", "lower"),
+    ("highest", "lowest"), ("faster", "slower"), ("fastest", "slowest"), ("cheaper", "costlier"),
+    ("cheaper", "pricier"), ("cheapest", "priciest"), ("longer", "shorter"), ("longest", "shortest"),
+    ("taller", "shorter"), ("tallest", "shortest"), ("older", "newer"), ("older", "younger"), ("oldest", "newest"),
+    ("oldest", "youngest"), ("latest", "earliest"), ("later", "earlier"), ("hotter", "colder"), ("warmer", "cooler"),
+    ("hottest", "coldest"), ("easier", "harder"), ("easiest", "hardest"), ("heavier", "lighter"),
+    ("heaviest", "lightest"), ("stronger", "weaker"), ("strongest", "weakest"), ("closer", "farther"),
+    ("closest", "farthest"), ("safer", "riskier"), ("safest", "riskiest"), ("richer", "poorer"), ("top", "bottom"),
+    ("above", "below"), ("maximum", "minimum"), ("max", "min"), ("increase", "decrease"), ("before", "after"),
+]
+_COMPARATIVES: dict[str, set[tuple[str, int]]] = {}
+for _up, _down in _COMPARATIVE_PAIRS:
+    _COMPARATIVES.setdefault(_up, set()).add((_up, 1))
+    _COMPARATIVES.setdefault(_down, set()).add((_up, -1))
+
+_DIRECTIONAL = {"than", "vs", "versus", "compared", "compare", "convert", "converting", "into", "before", "after",
+                "beat", "beats"}  # and "from ... to"
+
+# Lower-case names people type without capitals; sentence-initial capitals are not entities otherwise.
+_GAZETTEER_TEXT = """
+python java javascript typescript rust golang kotlin ruby php perl scala haskell elixir erlang clojure
+c++ c# lua matlab fortran cobol sql mysql postgres postgresql sqlite mongodb redis kafka docker kubernetes
+linux macos ios android ubuntu debian angular django nodejs numpy pandas pytorch tensorflow aws azure gcp
+google microsoft facebook netflix tesla usa uk
+china india japan germany france italy spain canada mexico brazil russia australia korea
+london paris berlin tokyo beijing moscow rome madrid delhi mumbai sydney toronto chicago boston
+"""
+_GAZETTEER = frozenset(_GAZETTEER_TEXT.split())
+
+_STOP_CAPS = {"i", "i'm", "i've", "i'd", "i'll", "ok", "okay", "hi", "hello", "please", "thanks", "the", "a", "an"}
+
+_WORD = re.compile(r"[A-Za-z0-9][\w+#]*(?:['’.\-][\w+#]+)*|[$€£¥%°]")
+_NUMBER = re.compile(r"(?<![A-Za-z0-9_.])\d+(?:,\d{3})*(?:\.\d+)?|(?<![A-Za-z0-9_.])\.\d+")  # 是6m: a number
+_NUMBER_UNIT = re.compile(r"(?<![A-Za-z_])\d+(?:[.,]\d+)*\s?(°?[A-Za-z]{1,4})\b|\d\s?(%)")
+_SENTENCE_START = re.compile(r"(?:^|[.!?:;\n]\s*|[\"“(]\s*)$")
+
+
+@dataclass(frozen=True, slots=True)
+class Features:
+    """The guard-relevant details of one text."""
+
+    numbers: tuple[str, ...]  # sorted, with repeats: "5 km and 5 miles" has two 5s
+    units: tuple[str, ...]  # sorted canonical units, with repeats
+    negations: int
+    comparatives: frozenset[tuple[str, int]]  # (dimension, +1 or -1)
+    entities: frozenset[str]  # lower-cased
+    words: frozenset[str]  # every lower-cased word, to check that the other side's entities occur here
+    compact: str  # lower-cased text without spaces: "Hugging Face" still contains "huggingface"
+    acronyms: frozenset[str]  # all-capital words of 2-5 letters: ML, TS, NASA
+    expansions: frozenset[tuple[str, str]]  # (initials, word) of capitalized runs: ("ML", "machine")
+    anchors: tuple[str, ...]  # numbers, units and entities in order of appearance
+    directional: bool
+
+
+def _canon_number(raw: str) -> str:
+    value = raw.replace(",", "")
+    if "." in value:
+        value = value.rstrip("0").rstrip(".") or "0"
+    return value.lstrip("0") or "0"
+
+
+@lru_cache(maxsize=8192)
+def extract(text: str) -> Features:
+    """The numbers, units, negations, comparatives, entities and anchors of `text` (memoized)."""
+    numbers: list[str] = []
+    units: list[str] = []
+    entities: set[str] = set()
+    comparatives: set[tuple[str, int]] = set()
+    words: set[str] = set()
+    anchors: dict[int, str] = {}  # start offset -> anchor; a unit seen as symbol and as word counts once
+    negations = 0
+    for m in _NUMBER.finditer(text):
+        numbers.append(_canon_number(m.group()))
+        anchors[m.start()] = numbers[-1]
+    for m in _NUMBER_UNIT.finditer(text):
+        sym = (m.group(1) or m.group(2)).lower()
+        if sym in _UNITS_SHORT and not (sym in _UNIT_WORD and m.group(1)):  # "5 km": counted once, as a word
+            units.append(_UNITS_SHORT[sym])
+            anchors[m.start(1) if m.group(1) else m.start(2)] = units[-1]
+    for i, m in enumerate(_WORD.finditer(text)):
+        token = m.group()
+        low = token.lower().replace("’", "'")
+        words.update((low, low.replace("'", "")))
+        if i == 0 and low in ("no", "yes") and text[m.end():m.end() + 1] in (",", "."):
+            continue  # "No, it doesn't exist" answers; the negation is in the rest
+        if token in _CURRENCY_SYMBOL:
+            units.append(_CURRENCY_SYMBOL[token])
+            anchors[m.start()] = units[-1]
+        for part in low.split("-") if "-" in low else (low,):  # "14-year-old", "2-minute"
+            where = m.start() + low.find(part)
+            if part in _NUMBER_WORDS:
+                numbers.append(_NUMBER_WORDS[part])
+                anchors[where] = numbers[-1]
+            elif part in _UNIT_WORD:
+                units.append(_UNIT_WORD[part])
+                anchors[where] = units[-1]
+            comparatives.update(_COMPARATIVES.get(part, ()))
+        if low.replace("'", "") in _NEGATIONS or low.endswith("n't"):
+            negations += 1
+        if _is_entity(token, low, text, m.start()):
+            entities.add(low)
+            anchors[m.start()] = low
+    for m in re.finditer(r"\b(\w+er)\s+than\b", text, re.IGNORECASE):
+        if m.group(1).lower() not in _COMPARATIVES:
+            comparatives.add((m.group(1).lower(), 1))
+    lowered = text.lower()
+    directional = bool(words & _DIRECTIONAL) or re.search(r"\bfrom\s+\S+(?:\s+\S+){0,3}?\s+to\b", lowered) is not None
+    return Features(tuple(sorted(numbers)), tuple(sorted(units)), negations, frozenset(comparatives),
+                    frozenset(entities), frozenset(words), re.sub(r"\s+", "", lowered),
+                    frozenset(re.findall(r"\b[A-Z]{2,5}\b", text)), _expansions(text),
+                    tuple(anchors[k] for k in sorted(anchors)), directional)
+
+
+def _expansions(text: str) -> frozenset[tuple[str, str]]:
+    """(initials, word) for each run of capitalized words whose capitals spell 2-5 letters."""
+    out: set[tuple[str, str]] = set()
+    for m in re.finditer(r"[A-Z][a-zA-Z]*(?:[ \t]+[A-Z][a-zA-Z]*)*", text):
+        initials = "".join(c for c in m.group() if c.isupper())
+        if 2 <= len(initials) <= 5 and initials != m.group():
+            out.update((initials, w.lower()) for w in m.group().split())
+    return frozenset(out)
+
+
+def _is_entity(token: str, low: str, text: str, start: int) -> bool:
+    if low in _GAZETTEER:
+        return True
+    if low in _STOP_CAPS or token.isdigit() or len(token) < 2:
+        return False
+    if any(c.isdigit() for c in token) and any(c.isalpha() for c in token):  # ec2, win32, GPT-4, python3
+        return True
+    if any(c.isupper() for c in token[1:]) and any(c.isalpha() for c in token):  # PyTorch, NASA, iPhone
+        return True
+    if not token[0].isupper():
+        return False
+    return not _SENTENCE_START.search(text[max(0, start - 3):start])
+
+
+def _mentions(f: Features, entity: str, other: Features) -> bool:
+    """Whether text `f` mentions `entity` (an entity of `other`): as a word, inside its spaceless form, as the
+    initials of its names ("ML" for "Machine Learning"), or as part of a name it abbreviates."""
+    if entity in f.words or entity.replace(" ", "") in f.compact:
+        return True
+    if any(initials == entity.upper() for initials, _ in f.expansions):
+        return True
+    return any((a, entity) in other.expansions for a in f.acronyms)
+
+
+def _comparatives_disagree(a: frozenset[tuple[str, int]], b: frozenset[tuple[str, int]]) -> bool:
+    """One side compares and the other does not, or both compare along one dimension in opposite directions.
+
+    Paraphrases often swap one comparative for another ("latest" / "most recent"), so equal sets are
+    not required; what changes the meaning is a comparison appearing, vanishing or turning round.
+    """
+    if bool(a) != bool(b):
+        return True
+    return any((dim, -sign) in b and (dim, sign) not in b for dim, sign in a) or \
+        any((dim, -sign) in a and (dim, sign) not in a for dim, sign in b)
+
+
+def check(query: str, candidate: str) -> str | None:
+    """None when `candidate` may answer `query`; otherwise the reason for refusing, e.g. 'numbers differ'."""
+    q, c = extract(query), extract(candidate)
+    if q.numbers != c.numbers:
+        return "numbers differ"
+    if q.units != c.units:
+        return "units differ"
+    if q.negations != c.negations:
+        return "negation differs"
+    if _comparatives_disagree(q.comparatives, c.comparatives):
+        return "comparatives differ"
+    for entity in q.entities | c.entities:
+        if not (_mentions(q, entity, c) and _mentions(c, entity, q)):
+            return "entities differ"
+    if (q.directional or c.directional) and _shared_order(q.anchors, c.anchors):
+        return "order of entities differs"
+    return None
+
+
+def _shared_order(a: tuple[str, ...], b: tuple[str, ...]) -> bool:
+    """True when the anchors that occur once on both sides come in a different order."""
+    shared = {x for x in set(a) & set(b) if a.count(x) == 1 and b.count(x) == 1}
+    return [x for x in a if x in shared] != [x for x in b if x in shared]

@@ -1,0 +1,195 @@
+"""Cache entries in Redis, shared by every gateway replica (selected by `TIERGATE_REDIS_URL`).
+
+Keys, under `prefix` (default `tg:cache`):
+- `e:<id>`            hash: the entry's fields, its vector as float32 bytes
+- `x:<scope>:<exact>` the id of the entry with that scope and exact key
+- `lru`, `exp`        sorted sets: id by last use (eviction order), id by expiry time
+- `t:<tenant>`        set: the tenant's entry ids (purge, version reclaim)
+- `log`               stream of `put` / `del` events: how every replica's faiss index follows the others
+
+Writes and deletes are Lua scripts, so the keys of one entry never disagree and the size bound holds under
+any number of replicas. The scripts build keys from their arguments, which a single Redis (or a replicated
+primary) allows; Redis Cluster would need all keys under one hash tag. Redis errors surface as
+`CacheStoreError`; the caller treats them as a miss.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import numpy as np
+import redis
+from redis.exceptions import RedisError
+
+from cache.store import CacheStore, CacheStoreError, Entry
+
+_DEL = """
+local function del(prefix, eid)
+  local f = redis.call('HMGET', prefix .. 'e:' .. eid, 'scope_id', 'exact_key', 'tenant', 'partition')
+  if not f[1] then return 0 end
+  redis.call('DEL', prefix .. 'e:' .. eid)
+  local xk = prefix .. 'x:' .. f[1] .. ':' .. f[2]
+  if redis.call('GET', xk) == eid then redis.call('DEL', xk) end
+  redis.call('ZREM', prefix .. 'lru', eid)
+  redis.call('ZREM', prefix .. 'exp', eid)
+  redis.call('SREM', prefix .. 't:' .. f[3], eid)
+  redis.call('XADD', prefix .. 'log', 'MAXLEN', '~', '100000', '*', 'op', 'del', 'id', eid, 'partition', f[4])
+  return 1
+end
+"""
+
+# ARGV: prefix, id, scope_id, exact_key, tenant, partition, last_used, expires_at ('' = none), max_entries,
+#       then field/value pairs of the entry hash
+_PUT = _DEL + """
+local prefix, id = ARGV[1], ARGV[2]
+local xk = prefix .. 'x:' .. ARGV[3] .. ':' .. ARGV[4]
+local displaced = {}
+local old = redis.call('GET', xk)
+if old and del(prefix, old) == 1 then table.insert(displaced, old) end
+local fields = {}
+for i = 10, #ARGV do table.insert(fields, ARGV[i]) end
+redis.call('HSET', prefix .. 'e:' .. id, unpack(fields))
+redis.call('SET', xk, id)
+redis.call('ZADD', prefix .. 'lru', ARGV[7], id)
+if ARGV[8] ~= '' then redis.call('ZADD', prefix .. 'exp', ARGV[8], id) end
+redis.call('SADD', prefix .. 't:' .. ARGV[5], id)
+redis.call('XADD', prefix .. 'log', 'MAXLEN', '~', '100000', '*', 'op', 'put', 'id', id, 'partition', ARGV[6])
+local over = redis.call('ZCARD', prefix .. 'lru') - tonumber(ARGV[9])
+if over > 0 then
+  for _, eid in ipairs(redis.call('ZRANGE', prefix .. 'lru', 0, over)) do
+    if over > 0 and eid ~= id and del(prefix, eid) == 1 then
+      table.insert(displaced, eid)
+      over = over - 1
+    end
+  end
+end
+return displaced
+"""
+
+_DELETE = _DEL + """
+local gone = {}
+for i = 2, #ARGV do
+  if del(ARGV[1], ARGV[i]) == 1 then table.insert(gone, ARGV[i]) end
+end
+return gone
+"""
+
+_FIELDS = ("scope_id", "tenant", "data_version", "model_version", "exact_key", "partition", "semantic_text",
+           "response", "usage", "metadata", "created_at", "expires_at", "last_used", "embedding")
+
+
+class RedisStore(CacheStore):
+    """Entries in one Redis, at most `max_entries` of them across all replicas, LRU-evicted."""
+
+    def __init__(self, url: str, *, max_entries: int = 100_000, prefix: str = "tg:cache", timeout_s: float = 1.0):
+        self.max_entries = max_entries
+        self.prefix = prefix + ":"
+        self.redis = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self._put = self.redis.register_script(_PUT)
+        self._delete = self.redis.register_script(_DELETE)
+
+    def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except RedisError as exc:
+            raise CacheStoreError(f"redis: {exc}") from exc
+
+    def __len__(self) -> int:
+        return int(self._call(self.redis.zcard, self.prefix + "lru"))
+
+    def put(self, entry: Entry) -> list[str]:
+        blob = b"" if entry.embedding is None else np.asarray(entry.embedding, dtype=np.float32).tobytes()
+        expires = "" if entry.expires_at is None else repr(entry.expires_at)
+        values = {"scope_id": entry.scope_id, "tenant": entry.tenant, "data_version": entry.data_version,
+                  "model_version": entry.model_version, "exact_key": entry.exact_key, "partition": entry.partition,
+                  "semantic_text": entry.semantic_text, "response": entry.response, "usage": json.dumps(entry.usage),
+                  "metadata": json.dumps(entry.metadata), "created_at": repr(entry.created_at),
+                  "expires_at": expires, "last_used": repr(entry.last_used), "embedding": blob}
+        flat: list[Any] = [x for kv in values.items() for x in kv]
+        args = [self.prefix, entry.entry_id, entry.scope_id, entry.exact_key, entry.tenant, entry.partition,
+                repr(entry.last_used), expires, self.max_entries, *flat]
+        return [d.decode() for d in self._call(self._put, keys=[], args=args)]
+
+    def get(self, entry_id: str) -> Entry | None:
+        raw = self._call(self.redis.hgetall, self.prefix + "e:" + entry_id)
+        return _entry(entry_id, raw) if raw else None
+
+    def find_exact(self, scope_id: str, exact_key: str) -> Entry | None:
+        entry_id = self._call(self.redis.get, f"{self.prefix}x:{scope_id}:{exact_key}")
+        return self.get(entry_id.decode()) if entry_id else None
+
+    def touch(self, entry_id: str, now: float) -> None:
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.zadd(self.prefix + "lru", {entry_id: now}, xx=True)
+        self._call(pipe.execute)
+
+    def delete(self, entry_ids: Iterable[str]) -> list[str]:
+        ids = list(entry_ids)
+        gone: list[str] = []
+        for start in range(0, len(ids), 500):
+            gone += [d.decode() for d in self._call(self._delete, keys=[], args=[self.prefix, *ids[start:start + 500]])]
+        return gone
+
+    def _all_ids(self) -> list[str]:
+        return [i.decode() for i in self._call(self.redis.zrange, self.prefix + "lru", 0, -1)]
+
+    def _field(self, ids: list[str], field: str) -> list[str | None]:
+        pipe = self.redis.pipeline(transaction=False)
+        for i in ids:
+            pipe.hget(self.prefix + "e:" + i, field)
+        return [None if v is None else v.decode() for v in self._call(pipe.execute)]
+
+    def ids_of_tenant(self, tenant: str | None, limit: int | None = None) -> list[str]:
+        ids = self._all_ids() if tenant is None else \
+            sorted(i.decode() for i in self._call(self.redis.smembers, self.prefix + "t:" + tenant))
+        return ids[:limit] if limit else ids
+
+    def ids_not_at_data_version(self, tenant: str, data_version: str, created_before: float, limit: int) -> list[str]:
+        ids = self.ids_of_tenant(tenant)
+        versions, created = self._field(ids, "data_version"), self._field(ids, "created_at")
+        return [i for i, v, c in zip(ids, versions, created, strict=True)
+                if v is not None and c is not None and v != data_version and float(c) < created_before][:limit]
+
+    def ids_of_model_version(self, model_version: str, limit: int) -> list[str]:
+        ids = self._all_ids()  # O(entries): reclaim of a retired model is rare and runs in batches
+        return [i for i, v in zip(ids, self._field(ids, "model_version"), strict=True) if v == model_version][:limit]
+
+    def expired(self, now: float, limit: int = 1000) -> list[str]:
+        return [i.decode() for i in self._call(self.redis.zrangebyscore, self.prefix + "exp", "-inf", now,
+                                               start=0, num=limit)]
+
+    def vectors(self) -> Iterator[tuple[str, str, np.ndarray]]:
+        ids = self._all_ids()
+        pipe = self.redis.pipeline(transaction=False)
+        for i in ids:
+            pipe.hmget(self.prefix + "e:" + i, "partition", "embedding")
+        for entry_id, (partition, blob) in zip(ids, self._call(pipe.execute), strict=True):
+            if partition is not None and blob:
+                yield entry_id, partition.decode(), np.frombuffer(blob, dtype=np.float32)
+
+    def change_cursor(self) -> str:
+        last = self._call(self.redis.xrevrange, self.prefix + "log", count=1)
+        return last[0][0].decode() if last else "0-0"
+
+    def changes_since(self, cursor: str, limit: int = 1000) -> tuple[str, list[tuple[str, str, str]]]:
+        rows = self._call(self.redis.xrange, self.prefix + "log", "(" + cursor, "+", count=limit)
+        changes = [(f[b"op"].decode(), f[b"id"].decode(), f[b"partition"].decode()) for _, f in rows]
+        return (rows[-1][0].decode() if rows else cursor), changes
+
+    def close(self) -> None:
+        self.redis.close()
+
+
+def _entry(entry_id: str, raw: dict[bytes, bytes]) -> Entry:
+    f = {k.decode(): v for k, v in raw.items()}
+    text = {k: v.decode() for k, v in f.items() if k != "embedding"}
+    blob = f.get("embedding", b"")
+    return Entry(entry_id=entry_id, scope_id=text["scope_id"], tenant=text["tenant"],
+                 data_version=text["data_version"], model_version=text["model_version"],
+                 exact_key=text["exact_key"], partition=text["partition"], semantic_text=text["semantic_text"],
+                 response=text["response"], usage=json.loads(text["usage"]), metadata=json.loads(text["metadata"]),
+                 created_at=float(text["created_at"]),
+                 expires_at=float(text["expires_at"]) if text["expires_at"] else None,
+                 last_used=float(text["last_used"]), embedding=np.frombuffer(blob, dtype=np.float32) if blob else None)

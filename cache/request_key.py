@@ -1,0 +1,157 @@
+"""From an OpenAI chat request to cache keys, and whether the request may use the cache at all.
+
+Three things come out of a request body:
+- `context_hash`: the system prompt(s), tools and every parameter that shapes the output (max_tokens,
+  stop, response_format...). It is part of the scope, so neither layer ever matches across it.
+- `exact_key`: a hash of the whole normalized conversation (every turn, not only the last). Two requests
+  with the same exact key in the same scope are the same question.
+- `semantic_key`: what the semantic layer compares. The earlier turns (the history) must match exactly,
+  through `history_hash`, which selects the faiss partition; the last user turn is embedded and compared
+  by meaning. A follow-up such as "and in Celsius?" means something only in its history, and embeddings
+  do not see small edits in long histories, so the history is never matched approximately.
+
+`decide()` says whether a request may be looked up and stored, with the reason, e.g. `bypass: temperature>0`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import unicodedata
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+# Request fields that change what the model answers (besides messages and sampling); part of the scope.
+OUTPUT_PARAMS = ("max_tokens", "max_completion_tokens", "stop", "response_format", "logit_bias", "logprobs",
+                 "top_logprobs", "n", "presence_penalty", "frequency_penalty", "tool_choice",
+                 "parallel_tool_calls", "reasoning_effort", "seed_offset")
+
+_WS = re.compile(r"\s+")
+
+
+def normalize_text(text: str) -> str:
+    """Unicode NFKC and collapsed whitespace. Case and punctuation are kept: they can change the meaning."""
+    return _WS.sub(" ", unicodedata.normalize("NFKC", text)).strip()
+
+
+def content_text(content: Any) -> str:
+    """The text of a message's content: a string, or OpenAI content parts (text parts; others by reference)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return normalize_text(content)
+    if isinstance(content, list):
+        parts: list[str] = []
+        for part in content:
+            if isinstance(part, Mapping) and part.get("type") == "text":
+                parts.append(normalize_text(str(part.get("text", ""))))
+            else:  # images, audio, files: their exact reference is part of the question
+                parts.append("\x00" + json.dumps(part, sort_keys=True, separators=(",", ":")))
+        return "\n".join(parts)
+    return normalize_text(str(content))
+
+
+def _digest(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str).encode()).hexdigest()
+
+
+def _turn(message: Mapping[str, Any]) -> list[Any]:
+    return [message.get("role"), message.get("name"), content_text(message.get("content")),
+            message.get("tool_calls"), message.get("tool_call_id")]
+
+
+def _split(request: Mapping[str, Any]) -> tuple[list[Mapping[str, Any]], list[Mapping[str, Any]]]:
+    """(system/developer messages, the conversation) in order."""
+    messages = request.get("messages") or []
+    system = [m for m in messages if m.get("role") in ("system", "developer")]
+    conversation = [m for m in messages if m.get("role") not in ("system", "developer")]
+    return system, conversation
+
+
+def context_hash(request: Mapping[str, Any]) -> str:
+    """Hash of the system prompt(s), tools and output-shaping parameters: what besides the turns shapes the answer."""
+    system, _ = _split(request)
+    params = {k: request[k] for k in OUTPUT_PARAMS if request.get(k) is not None}
+    return _digest([[_turn(m) for m in system], request.get("tools") or [], params])[:32]
+
+
+def sampling_class(request: Mapping[str, Any]) -> str:
+    """'greedy' for temperature 0, else the seed with the parameters a seeded sample depends on."""
+    temperature = request.get("temperature", 1.0)
+    if temperature is not None and float(temperature) == 0.0:
+        return "greedy"
+    seed = request.get("seed")
+    top_p = request.get("top_p", 1.0)
+    return f"seed:{seed}:t={temperature}:p={top_p}" if seed is not None else "sampled"
+
+
+@dataclass(frozen=True, slots=True)
+class RequestKey:
+    """The scope-independent keys of one request."""
+
+    exact_key: str  # hash of every normalized turn
+    history_hash: str  # hash of every turn before the last user turn (and after it, if any)
+    last_user_text: str  # the normalized last user turn: embedded, and checked by the guards
+
+
+def request_key(request: Mapping[str, Any]) -> RequestKey:
+    """The exact key, the history hash and the last user turn of a chat request."""
+    _, conversation = _split(request)
+    turns = [_turn(m) for m in conversation]
+    last_user = max((i for i, m in enumerate(conversation) if m.get("role") == "user"), default=None)
+    if last_user is None:
+        return RequestKey(_digest(turns)[:32], _digest(["history", turns])[:32], "")
+    history = [*turns[:last_user], ["<last-user>"], *turns[last_user + 1:]]
+    return RequestKey(_digest(turns)[:32], _digest(["history", history])[:32], turns[last_user][2])
+
+
+@dataclass(frozen=True, slots=True)
+class Cacheability:
+    """Whether a request may be served from the cache (`lookup`) and whether its answer may be kept (`store`)."""
+
+    lookup: bool
+    store: bool
+    reason: str  # "cacheable", or why not, e.g. "bypass: temperature>0"
+
+    @property
+    def bypass(self) -> bool:
+        return not (self.lookup or self.store)
+
+
+def cache_control(headers: Mapping[str, str] | None) -> set[str]:
+    """The request's Cache-Control directives, lower-cased (header names are matched case-insensitively)."""
+    if not headers:
+        return set()
+    value = next((v for k, v in headers.items() if k.lower() == "cache-control"), "")
+    return {d.strip().split("=", 1)[0].lower() for d in value.split(",") if d.strip()}
+
+
+def decide(request: Mapping[str, Any], headers: Mapping[str, str] | None = None, *,
+           pure_tools: Collection[str] = ()) -> Cacheability:
+    """Apply the cacheability rules: deterministic sampling, no side-effecting tools, Cache-Control.
+
+    `pure_tools` names the tools the tenant declared free of side effects; a request offering any other
+    tool is never cached, because answering it from the cache would skip an action the client expects.
+    """
+    if sampling_class(request) == "sampled":
+        return Cacheability(False, False, "bypass: temperature>0 without seed")
+    if int(request.get("n") or 1) > 1:
+        return Cacheability(False, False, "bypass: n>1")
+    tools = request.get("tools") or []
+    impure = sorted({str((t.get("function") or {}).get("name", t.get("type"))) for t in tools} - set(pure_tools))
+    if impure and request.get("tool_choice") != "none":
+        return Cacheability(False, False, f"bypass: tools with side effects ({', '.join(impure)})")
+    _, conversation = _split(request)
+    if not any(m.get("role") == "user" for m in conversation):
+        return Cacheability(False, False, "bypass: no user turn")
+    directives = cache_control(headers)
+    lookup, store = "no-cache" not in directives, "no-store" not in directives
+    if not (lookup or store):
+        return Cacheability(False, False, "bypass: cache-control no-cache, no-store")
+    if not lookup:
+        return Cacheability(False, True, "bypass lookup: cache-control no-cache")
+    if not store:
+        return Cacheability(True, False, "no store: cache-control no-store")
+    return Cacheability(True, True, "cacheable")

@@ -1,0 +1,57 @@
+"""Cache scopes: the boundary no cache hit may ever cross.
+
+An entry is reusable only by a request that would have produced it: the same tenant, the same identity
+snapshot (key roles, and the end user where the tenant isolates users), the same data version, the same
+model version, the same system prompt, tools and output-shaping parameters, and the same sampling class.
+All of these are fields of `CacheScope`; its `scope_id` names the partition an entry lives in, so a lookup
+can only ever see entries of its own scope. Bumping a version yields a new `scope_id`, which makes the
+older entries unreachable at once (they are reclaimed later, see `SemanticCache.bump_data_version`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from cache.request_key import context_hash, sampling_class
+
+_SEP = "\x1f"  # a separator no field value contains after strip(); keeps ("a", "bc") apart from ("ab", "c")
+
+
+def identity_snapshot(roles: Iterable[str] = (), end_user: str | None = None) -> str:
+    """A canonical string for who is asking: the key's roles/scopes (order-free) and, optionally, the end user.
+
+    Pass `end_user` only when the tenant isolates its users; otherwise users of one tenant share answers.
+    """
+    parts = ",".join(sorted({r.strip() for r in roles if r.strip()}))
+    return f"roles={parts};user={end_user}" if end_user is not None else f"roles={parts}"
+
+
+@dataclass(frozen=True, slots=True)
+class CacheScope:
+    """Everything besides the conversation that an answer depends on; entries never cross scopes."""
+
+    tenant: str
+    identity: str  # from identity_snapshot()
+    data_version: int | str  # the tenant's data version (admin bump, or X-Tiergate-Data-Version)
+    model_version: str  # fingerprint of the tier's weights, quantization and engine version
+    context_hash: str  # system prompt, tools and output-shaping parameters (request_key.context_hash)
+    sampling_class: str  # "greedy" or "seed:<n>:t=<temperature>:p=<top_p>" (request_key.sampling_class)
+
+    @property
+    def scope_id(self) -> str:
+        """A stable 32-hex-digit id: equal for equal scopes, across processes and restarts."""
+        fields = (self.tenant, self.identity, f"{type(self.data_version).__name__}:{self.data_version}",
+                  self.model_version, self.context_hash, self.sampling_class)
+        return hashlib.sha256(_SEP.join(fields).encode()).hexdigest()[:32]
+
+    @classmethod
+    def for_request(cls, request: Mapping[str, Any], *, tenant: str, roles: Iterable[str] = (),
+                    end_user: str | None = None, data_version: int | str = 0,
+                    model_version: str) -> CacheScope:
+        """The scope of an OpenAI chat request: derives the context hash and sampling class from its body."""
+        return cls(tenant=tenant, identity=identity_snapshot(roles, end_user), data_version=data_version,
+                   model_version=model_version, context_hash=context_hash(request),
+                   sampling_class=sampling_class(request))

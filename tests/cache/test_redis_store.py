@@ -1,0 +1,62 @@
+"""Replicas sharing one real redis-server: a write on one is servable by another, deletes follow too."""
+
+from __future__ import annotations
+
+from cache import Embedder, Hit, RedisStore, SemanticCache, TenantPolicy
+from tests.cache.conftest import FakeClock, chat, scope
+
+Q = "How do I convert 5 km to miles?"
+PARAPHRASE = "How can I convert 5 kilometers into miles?"
+
+
+def _replica(url: str, embedder: Embedder, clock: FakeClock, **kwargs: object) -> SemanticCache:
+    return SemanticCache(RedisStore(url, max_entries=kwargs.pop("max_entries", 100)), embedder, clock=clock,
+                         sync_interval_s=0.0, **kwargs)
+
+
+def test_a_write_on_one_replica_is_served_by_another(redis_url: str, embedder: Embedder, clock: FakeClock) -> None:
+    a, b = _replica(redis_url, embedder, clock), _replica(redis_url, embedder, clock)
+    body = chat(Q)
+    a.store(scope(body), body, "3.1 miles", {"total_tokens": 12})
+    exact = b.lookup(scope(body), body)
+    assert isinstance(exact, Hit) and exact.kind == "exact" and exact.usage == {"total_tokens": 12}
+    para = b.lookup(scope(chat(PARAPHRASE)), chat(PARAPHRASE))  # needs b's faiss index to have followed a
+    assert isinstance(para, Hit) and para.kind == "semantic" and para.response == "3.1 miles"
+    near = chat("How do I convert 7 km to miles?")
+    assert b.lookup(scope(near), near).status == "miss"
+    assert a.purge("acme") == 1
+    assert b.lookup(scope(chat(PARAPHRASE)), chat(PARAPHRASE)).status == "miss"
+    assert len(b.index) == 0  # the delete reached b's index through the change log
+    a.close()
+    b.close()
+
+
+def test_a_new_replica_loads_existing_entries(redis_url: str, embedder: Embedder, clock: FakeClock) -> None:
+    a = _replica(redis_url, embedder, clock)
+    a.store(scope(chat(Q)), chat(Q), "3.1 miles")
+    late = _replica(redis_url, embedder, clock)
+    assert len(late.index) == 1
+    assert late.lookup(scope(chat(PARAPHRASE)), chat(PARAPHRASE)).status == "hit"
+    assert late.lookup(scope(chat(Q), tenant="globex"), chat(Q)).status == "miss"
+
+
+def test_the_size_bound_holds_across_replicas(redis_url: str, embedder: Embedder, clock: FakeClock) -> None:
+    a = _replica(redis_url, embedder, clock, max_entries=2)
+    b = _replica(redis_url, embedder, clock, max_entries=2)
+    questions = ["What is the capital of France?", "What is the boiling point of water?", "Who wrote Hamlet?"]
+    for i, (replica, q) in enumerate(zip((a, b, a), questions, strict=True)):
+        clock.now += 1
+        replica.store(scope(chat(q)), chat(q), f"a{i}")
+    assert len(a.entries) == 2
+    b.sync()
+    a.sync()
+    assert len(a.index) == len(b.index) == 2
+    assert b.lookup(scope(chat(questions[0])), chat(questions[0])).status == "miss"  # the oldest went
+
+
+def test_ttl_in_redis(redis_url: str, embedder: Embedder, clock: FakeClock) -> None:
+    a = _replica(redis_url, embedder, clock)
+    a.store(scope(chat(Q)), chat(Q), "x", policy=TenantPolicy(ttl_s=10))
+    clock.now += 11
+    assert a.lookup(scope(chat(Q)), chat(Q)).status == "miss"
+    assert len(a.entries) == 0 and len(a.index) == 0

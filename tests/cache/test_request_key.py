@@ -1,0 +1,66 @@
+"""Exact keys, history, cacheability rules."""
+
+from __future__ import annotations
+
+from cache import decide, request_key
+from cache.request_key import context_hash, sampling_class
+from tests.cache.conftest import chat
+
+
+def test_exact_key_ignores_whitespace_but_not_case_or_words() -> None:
+    a = request_key(chat("What is  2+2?\n"))
+    assert a.exact_key == request_key(chat("What is 2+2?")).exact_key
+    assert a.exact_key != request_key(chat("what is 2+2?")).exact_key
+    assert a.exact_key != request_key(chat("What is 2+3?")).exact_key
+
+
+def test_exact_key_covers_every_turn_not_only_the_last() -> None:
+    h1 = [{"role": "user", "content": "Temperatures in Paris"}, {"role": "assistant", "content": "20 C"}]
+    h2 = [{"role": "user", "content": "Temperatures in Rome"}, {"role": "assistant", "content": "20 C"}]
+    a, b = request_key(chat("And in Fahrenheit?", history=h1)), request_key(chat("And in Fahrenheit?", history=h2))
+    assert a.last_user_text == b.last_user_text == "And in Fahrenheit?"
+    assert a.exact_key != b.exact_key
+    assert a.history_hash != b.history_hash
+
+
+def test_text_parts_equal_plain_content() -> None:
+    parts = chat("x")
+    parts["messages"][-1]["content"] = [{"type": "text", "text": "Hello there"}]
+    assert request_key(parts).exact_key == request_key(chat("Hello there")).exact_key
+
+
+def test_system_prompt_and_output_params_go_to_context_not_exact_key() -> None:
+    assert request_key(chat("q", system="A")).exact_key == request_key(chat("q", system="B")).exact_key
+    assert context_hash(chat("q", system="A")) != context_hash(chat("q", system="B"))
+    assert context_hash(chat("q")) != context_hash(chat("q", max_tokens=3))
+
+
+def test_sampling_class() -> None:
+    assert sampling_class(chat("q")) == "greedy"
+    assert sampling_class(chat("q", temperature=0.7, seed=3)) == "seed:3:t=0.7:p=1.0"
+    assert sampling_class({"messages": []}) == "sampled"  # OpenAI's default temperature is 1
+
+
+def test_only_deterministic_requests_are_cacheable() -> None:
+    assert decide(chat("q")).reason == "cacheable"
+    d = decide(chat("q", temperature=0.7))
+    assert d.bypass and d.reason == "bypass: temperature>0 without seed"
+    assert decide(chat("q", temperature=0.7, seed=1)).store
+    assert decide(chat("q", n=2)).reason == "bypass: n>1"
+
+
+def test_tools_with_side_effects_bypass_unless_declared_pure() -> None:
+    tools = [{"type": "function", "function": {"name": "send_email", "parameters": {}}}]
+    d = decide(chat("q", tools=tools))
+    assert d.bypass and "send_email" in d.reason
+    assert decide(chat("q", tools=tools), pure_tools={"send_email"}).lookup
+    assert decide(chat("q", tools=tools, tool_choice="none")).lookup
+
+
+def test_cache_control_headers() -> None:
+    d = decide(chat("q"), {"Cache-Control": "no-cache"})
+    assert (d.lookup, d.store) == (False, True)
+    d = decide(chat("q"), {"cache-control": "no-store"})
+    assert (d.lookup, d.store) == (True, False)
+    d = decide(chat("q"), {"cache-control": "no-store, no-cache"})
+    assert d.bypass

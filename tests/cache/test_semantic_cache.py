@@ -1,0 +1,275 @@
+"""The facade with the real MiniLM embedder: scopes never cross, near misses miss, paraphrases hit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cache import Embedder, Hit, SemanticCache, SQLiteStore, TenantPolicy
+from tests.cache.conftest import FakeClock, chat, scope
+
+Q = "How do I convert 5 km to miles?"
+PARAPHRASE = "How can I convert 5 kilometers into miles?"
+
+
+def _stored(cache: SemanticCache, body: dict | None = None, **scope_args: object) -> None:
+    body = body or chat(Q)
+    assert cache.store(scope(body, **scope_args), body, "3.1 miles", {"total_tokens": 12}) is not None
+
+
+def test_exact_then_semantic_hit(cache: SemanticCache) -> None:
+    _stored(cache)
+    exact = cache.lookup(scope(chat(Q)), chat(Q))
+    assert isinstance(exact, Hit) and exact.kind == "exact" and exact.response == "3.1 miles"
+    assert exact.usage == {"total_tokens": 12}
+    assert exact.headers() == {"x-tiergate-cache": "hit", "x-tiergate-cache-kind": "exact"}
+    para = cache.lookup(scope(chat(PARAPHRASE)), chat(PARAPHRASE))
+    assert isinstance(para, Hit) and para.kind == "semantic"
+    assert TenantPolicy().similarity_threshold <= para.similarity < 1.0
+    assert para.headers()["x-tiergate-cache-similarity"].startswith("0.")
+
+
+@pytest.mark.parametrize("other", [
+    {"tenant": "globex"},
+    {"roles": ["admin"]},
+    {"end_user": "alice"},
+    {"data_version": 2},
+    {"model_version": "m2"},
+], ids=["tenant", "identity-roles", "identity-end-user", "data-version", "model-version"])
+def test_a_hit_never_crosses_scope(cache: SemanticCache, other: dict) -> None:
+    _stored(cache)
+    for question in (Q, PARAPHRASE):
+        result = cache.lookup(scope(chat(question), **other), chat(question))
+        assert result.status == "miss", (other, question)
+    assert cache.lookup(scope(chat(Q)), chat(Q)).status == "hit"  # the original scope still hits
+
+
+def test_a_hit_never_crosses_system_prompt(cache: SemanticCache) -> None:
+    _stored(cache)
+    pirate = chat(Q, system="Answer like a pirate.")
+    assert cache.lookup(scope(pirate), pirate).status == "miss"
+    assert cache.lookup(scope(chat(PARAPHRASE, system="Answer like a pirate.")),
+                        chat(PARAPHRASE, system="Answer like a pirate.")).status == "miss"
+
+
+def test_end_user_isolation_keeps_users_apart(cache: SemanticCache) -> None:
+    _stored(cache, end_user="alice")
+    assert cache.lookup(scope(chat(Q), end_user="alice"), chat(Q)).status == "hit"
+    assert cache.lookup(scope(chat(Q), end_user="bob"), chat(Q)).status == "miss"
+
+
+@pytest.mark.parametrize(("stored", "query"), [
+    ("How do I convert 5 km to miles?", "How do I convert 7 km to miles?"),
+    ("How do I convert 5 km to miles?", "How do I convert 5.5 km to miles?"),
+    ("How do I convert 5 km to miles?", "How do I convert 5 miles to km?"),
+    ("Why is my Python code slow?", "Why is my Python code not slow?"),
+    ("Can I take ibuprofen with alcohol?", "Can I take ibuprofen without alcohol?"),
+    ("Is Paris bigger than London?", "Is London bigger than Paris?"),
+    ("What is the population of France?", "What is the population of Germany?"),
+    ("Which is faster, Python or Java?", "Which is slower, Python or Java?"),
+])
+def test_near_misses_miss(cache: SemanticCache, stored: str, query: str) -> None:
+    _stored(cache, chat(stored))
+    result = cache.lookup(scope(chat(query)), chat(query))
+    assert result.status == "miss", result
+    if result.best_similarity is not None and result.best_similarity >= TenantPolicy().similarity_threshold:
+        assert result.reason.startswith("refused near miss"), result.reason  # the guards, not the threshold
+
+
+def test_guards_refuse_what_plain_cosine_would_serve(cache: SemanticCache) -> None:
+    _stored(cache)
+    result = cache.lookup(scope(chat("How do I convert 7 km to miles?")), chat("How do I convert 7 km to miles?"))
+    assert result.status == "miss" and result.best_similarity > 0.85
+    assert result.reason.startswith("refused near miss: numbers differ")
+    assert cache.stats.refused == {"numbers differ": 1}
+
+
+@pytest.mark.parametrize(("stored", "query"), [
+    ("What is the capital of France?", "Tell me the capital city of France."),
+    ("How do I reverse a list in Python?", "how do i reverse a list in python"),
+    ("What are the health benefits of green tea?", "What health benefits does green tea have?"),
+])
+def test_paraphrases_hit(cache: SemanticCache, stored: str, query: str) -> None:
+    _stored(cache, chat(stored))
+    result = cache.lookup(scope(chat(query)), chat(query))
+    assert isinstance(result, Hit) and result.kind == "semantic", result
+
+
+def test_follow_ups_only_hit_with_the_same_history(cache: SemanticCache) -> None:
+    paris = [{"role": "user", "content": "What is the weather in Paris?"}, {"role": "assistant", "content": "20 C"}]
+    rome = [{"role": "user", "content": "What is the weather in Rome?"}, {"role": "assistant", "content": "20 C"}]
+    _stored(cache, chat("And tomorrow?", history=paris))
+    assert cache.lookup(scope(chat("And tomorrow?", history=rome)), chat("And tomorrow?", history=rome)).status \
+        == "miss"
+    what_about = chat("and tomorrow?", history=paris)
+    assert cache.lookup(scope(what_about), what_about).status == "hit"
+
+
+def test_no_cache_skips_lookup_and_no_store_skips_storing(cache: SemanticCache) -> None:
+    body = chat(Q)
+    assert cache.store(scope(body), body, "a", headers={"Cache-Control": "no-store"}) is None
+    assert cache.lookup(scope(body), body).status == "miss"
+    _stored(cache)
+    skipped = cache.lookup(scope(body), body, headers={"Cache-Control": "no-cache"})
+    assert skipped.status == "bypass" and "no-cache" in skipped.reason
+    assert skipped.headers() == {"x-tiergate-cache": "bypass"}
+    assert cache.lookup(scope(body), body, headers={"Cache-Control": "no-store"}).status == "hit"
+
+
+def test_nondeterministic_requests_bypass(cache: SemanticCache) -> None:
+    hot = chat(Q, temperature=0.8)
+    assert cache.store(scope(hot), hot, "a") is None
+    assert cache.lookup(scope(hot), hot).reason == "bypass: temperature>0 without seed"
+    seeded = chat(Q, temperature=0.8, seed=42)
+    cache.store(scope(seeded), seeded, "seeded answer")
+    assert cache.lookup(scope(seeded), seeded).status == "hit"
+    other_seed = chat(Q, temperature=0.8, seed=43)
+    assert cache.lookup(scope(other_seed), other_seed).status == "miss"
+
+
+def test_tenant_policy_opt_out_threshold_and_exact_only(cache: SemanticCache) -> None:
+    _stored(cache)
+    para = chat(PARAPHRASE)
+    assert cache.lookup(scope(para), para, policy=TenantPolicy(enabled=False)).reason == "bypass: tenant opted out"
+    assert cache.lookup(scope(para), para, policy=TenantPolicy(semantic=False)).status == "miss"
+    strict = cache.lookup(scope(para), para, policy=TenantPolicy(similarity_threshold=0.999))
+    assert strict.status == "miss" and strict.reason.startswith("below threshold")
+    assert cache.store(scope(para), para, "x", policy=TenantPolicy(enabled=False)) is None
+
+
+def test_ttl_expires_entries(cache: SemanticCache, clock: FakeClock) -> None:
+    body = chat(Q)
+    cache.store(scope(body), body, "a", policy=TenantPolicy(ttl_s=60))
+    clock.now += 59
+    assert cache.lookup(scope(body), body).status == "hit"
+    clock.now += 2
+    assert cache.lookup(scope(body), body).status == "miss"
+    assert cache.lookup(scope(chat(PARAPHRASE)), chat(PARAPHRASE)).status == "miss"
+    assert len(cache.entries) == 0  # the expired entry was deleted on sight
+
+
+def test_lru_eviction_keeps_recently_used(embedder: Embedder, clock: FakeClock) -> None:
+    cache = SemanticCache(SQLiteStore(max_entries=2), embedder, clock=clock)
+    questions = ["What is the capital of France?", "What is the boiling point of water?", "Who wrote Hamlet?"]
+    for i, q in enumerate(questions[:2]):
+        clock.now += 1
+        cache.store(scope(chat(q)), chat(q), f"a{i}")
+    clock.now += 1
+    assert cache.lookup(scope(chat(questions[0])), chat(questions[0])).status == "hit"  # now most recent
+    clock.now += 1
+    cache.store(scope(chat(questions[2])), chat(questions[2]), "a2")
+    assert cache.lookup(scope(chat(questions[1])), chat(questions[1])).status == "miss"  # evicted
+    assert len(cache.index) == 2  # the evicted vector left the index too
+    for q in (questions[0], questions[2]):
+        assert cache.lookup(scope(chat(q)), chat(q)).status == "hit"
+
+
+def test_bump_makes_old_entries_unreachable_and_reclaims_them(cache: SemanticCache, clock: FakeClock) -> None:
+    _stored(cache, data_version=1)
+    _stored(cache, chat("Who wrote Hamlet?"), tenant="globex")
+    clock.now += 1
+    cache.bump_data_version("acme", 2)
+    assert cache.lookup(scope(chat(Q), data_version=2), chat(Q)).status == "miss"
+    assert cache.reclaim() == 1
+    assert len(cache.entries) == 1 and len(cache.index) == 1  # globex untouched
+    _stored(cache, data_version=2)
+    _stored(cache, chat("Who wrote Hamlet?"), data_version="2:pinned-by-header")  # stored after the bump: kept
+    cache.reclaim()
+    assert cache.lookup(scope(chat(Q), data_version=2), chat(Q)).status == "hit"
+    hamlet = chat("Who wrote Hamlet?")
+    assert cache.lookup(scope(hamlet, data_version="2:pinned-by-header"), hamlet).status == "hit"
+
+
+def test_retired_model_version_is_reclaimed(cache: SemanticCache) -> None:
+    _stored(cache, model_version="m1")
+    _stored(cache, model_version="m2")
+    cache.retire_model_version("m1")
+    assert cache.reclaim() == 1
+    assert cache.lookup(scope(chat(Q), model_version="m2"), chat(Q)).status == "hit"
+
+
+def test_purge_by_tenant_and_all(cache: SemanticCache) -> None:
+    _stored(cache)
+    _stored(cache, tenant="globex")
+    assert cache.purge("acme") == 1
+    assert cache.lookup(scope(chat(PARAPHRASE)), chat(PARAPHRASE)).status == "miss"
+    assert cache.lookup(scope(chat(Q), tenant="globex"), chat(Q)).status == "hit"
+    assert cache.purge() == 1 and len(cache.entries) == 0 and len(cache.index) == 0
+
+
+def test_entries_and_semantic_hits_survive_restart(tmp_path: Path, embedder: Embedder) -> None:
+    path = tmp_path / "cache.sqlite3"
+    first = SemanticCache(SQLiteStore(path), embedder)
+    _stored(first)
+    first.close()
+    second = SemanticCache(SQLiteStore(path), embedder)
+    assert second.lookup(scope(chat(Q)), chat(Q)).status == "hit"
+    para = second.lookup(scope(chat(PARAPHRASE)), chat(PARAPHRASE))
+    assert isinstance(para, Hit) and para.kind == "semantic"
+    second.close()
+
+
+def test_long_last_turns_are_exact_only(cache: SemanticCache) -> None:
+    long_q = "Please review this text. " + "The quick brown fox jumps over the lazy dog. " * 40
+    cache.store(scope(chat(long_q)), chat(long_q), "ok")
+    changed = long_q + " Also check grammar."
+    assert cache.lookup(scope(chat(long_q)), chat(long_q)).status == "hit"
+    assert cache.lookup(scope(chat(changed)), chat(changed)).reason == "no entry"
+
+
+async def test_async_wrappers(cache: SemanticCache) -> None:
+    body = chat(Q)
+    assert await cache.astore(scope(body), body, "a") is not None
+    result = await cache.alookup(scope(body), body)
+    assert result.status == "hit"
+
+
+def test_concurrent_lookups_and_stores_stay_consistent(cache: SemanticCache) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    questions = [f"What is {n} plus {n}?" for n in range(12)]
+
+    def work(q: str) -> tuple[str, str]:
+        body = chat(q)
+        cache.store(scope(body), body, f"answer to {q}")
+        result = cache.lookup(scope(body), body)
+        return q, result.response if isinstance(result, Hit) else ""
+
+    with ThreadPoolExecutor(max_workers=6) as pool:
+        results = list(pool.map(work, questions))
+    assert all(answer == f"answer to {q}" for q, answer in results)
+    assert len(cache.entries) == len(cache.index) == len(questions)
+    other = chat("What is 5 plus 7?")  # numbers differ from every stored question
+    assert cache.lookup(scope(other), other).status == "miss"
+
+
+class _TableEmbedder(Embedder):
+    """Fixed vectors per text, so similarities in a test are exact and chosen by hand."""
+
+    def __init__(self, table: dict[str, list[float]]):
+        super().__init__(num_threads=None)
+        self.dim = 3
+        self.table = {k: np.asarray(v, dtype=np.float32) / np.linalg.norm(v) for k, v in table.items()}
+
+    @property
+    def max_tokens(self) -> int:
+        return 256
+
+    def encode(self, texts, *, batch_size: int = 64) -> np.ndarray:  # type: ignore[no-untyped-def]
+        return np.stack([self.table[t] for t in texts])
+
+
+def test_farther_candidates_are_tried_only_within_the_margin(clock: FakeClock) -> None:
+    query, refused, close, far = ("Convert 5 km to miles", "Convert 7 km to miles", "Turn 5 km into miles",
+                                  "Convert 5 km into miles please")
+    table = {query: [1, 0, 0], refused: [1, 0.05, 0], close: [1, 0.12, 0], far: [1, 0.5, 0]}
+    cache = SemanticCache(SQLiteStore(), _TableEmbedder(table), clock=clock, fallback_margin=0.02)
+    for text in (refused, far):
+        cache.store(scope(chat(text)), chat(text), text)
+    result = cache.lookup(scope(chat(query)), chat(query), policy=TenantPolicy(similarity_threshold=0.8))
+    assert result.status == "miss" and "numbers differ" in result.reason  # far (0.89) is beyond the margin
+    cache.store(scope(chat(close)), chat(close), close)
+    result = cache.lookup(scope(chat(query)), chat(query), policy=TenantPolicy(similarity_threshold=0.8))
+    assert isinstance(result, Hit) and result.response == close  # 0.993, within 0.02 of the refused 0.999

@@ -1,0 +1,110 @@
+"""Both stores (SQLite and a real redis-server): LRU bound, exact lookup, selections; SQLite across reopen."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cache import CacheStore, Entry, RedisStore, SQLiteStore
+
+MakeStore = Callable[..., CacheStore]
+
+
+@pytest.fixture(params=["sqlite", "redis"])
+def make_store(request: pytest.FixtureRequest) -> Iterator[MakeStore]:
+    made: list[CacheStore] = []
+
+    def make(max_entries: int = 100) -> CacheStore:
+        if request.param == "sqlite":
+            store: CacheStore = SQLiteStore(max_entries=max_entries)
+        else:
+            store = RedisStore(request.getfixturevalue("redis_url"), max_entries=max_entries)
+        made.append(store)
+        return store
+
+    yield make
+    for store in made:
+        store.close()
+
+
+def entry(i: int, *, tenant: str = "acme", last_used: float = 0.0, vector: bool = True) -> Entry:
+    return Entry(entry_id=f"e{i}", scope_id="s", tenant=tenant, data_version="1", model_version="m",
+                 exact_key=f"k{i}", partition="s:h", semantic_text=f"question {i}", response=f"answer {i}",
+                 usage={"total_tokens": i}, created_at=1.0, expires_at=None, last_used=last_used,
+                 embedding=np.full(4, i, dtype=np.float32) if vector else None)
+
+
+def test_put_get_and_find_exact(make_store: MakeStore) -> None:
+    store = make_store()
+    assert store.put(entry(1)) == []
+    got = store.find_exact("s", "k1")
+    assert got is not None and got.response == "answer 1" and got.usage == {"total_tokens": 1}
+    assert np.array_equal(got.embedding, np.full(4, 1, dtype=np.float32))
+    assert store.find_exact("other-scope", "k1") is None
+    assert store.get("e1").metadata == {} and store.get("missing") is None
+
+
+def test_same_exact_key_replaces(make_store: MakeStore) -> None:
+    store = make_store()
+    store.put(entry(1))
+    newer = entry(2)
+    newer.exact_key = "k1"
+    assert store.put(newer) == ["e1"]
+    assert len(store) == 1 and store.find_exact("s", "k1").entry_id == "e2"
+
+
+def test_least_recently_used_is_evicted_at_the_bound(make_store: MakeStore) -> None:
+    store = make_store(max_entries=3)
+    for i in range(3):
+        store.put(entry(i, last_used=float(i)))
+    store.touch("e0", 10.0)  # e0 is now the most recently used
+    assert store.put(entry(3, last_used=11.0)) == ["e1"]
+    assert len(store) == 3
+    assert store.get("e1") is None and store.get("e0") is not None
+
+
+def test_entries_survive_reopen(tmp_path: Path) -> None:
+    path = tmp_path / "cache" / "cache.sqlite3"
+    store = SQLiteStore(path)
+    store.put(entry(1))
+    store.put(entry(2, vector=False))
+    store.close()
+    reopened = SQLiteStore(path)
+    assert len(reopened) == 2
+    assert reopened.get("e2").response == "answer 2"
+    assert [(e, p) for e, p, _ in reopened.vectors()] == [("e1", "s:h")]
+
+
+def test_select_and_delete_by_tenant(make_store: MakeStore) -> None:
+    store = make_store()
+    store.put(entry(1, tenant="acme"))
+    store.put(entry(2, tenant="globex"))
+    ids = store.ids_of_tenant("acme")
+    assert ids == ["e1"]
+    assert store.delete([*ids, "nope"]) == ["e1"]
+    assert len(store) == 1
+
+
+def test_version_selections(make_store: MakeStore) -> None:
+    store = make_store()
+    old, new, other_model = entry(1), entry(2), entry(3)
+    new.data_version = "2"
+    other_model.model_version = "m-old"
+    for e in (old, new, other_model):
+        store.put(e)
+    assert sorted(store.ids_not_at_data_version("acme", "2", 5.0, 10)) == ["e1", "e3"]  # created at 1.0
+    assert store.ids_not_at_data_version("acme", "2", 1.0, 10) == []  # created at the bump or after: kept
+    assert store.ids_of_model_version("m-old", 10) == ["e3"]
+    assert sorted(store.ids_of_tenant(None)) == ["e1", "e2", "e3"]
+
+
+def test_expired_selection(make_store: MakeStore) -> None:
+    store = make_store()
+    short, forever = entry(1), entry(2)
+    short.expires_at = 100.0
+    store.put(short)
+    store.put(forever)
+    assert store.expired(99.0) == [] and store.expired(100.0) == ["e1"]
