@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from decimal import Decimal
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from cache import Hit
 from engine.model_source import DEFAULT_MODEL, resolve_model
 from engine.protocol import ChatMessage
+from gateway.cache_service import CacheService
 from gateway.errors import InvalidRequest, QuotaExceeded, RateLimited, Unavailable, map_tier_error
 from gateway.ladder.apply import Degradation
 from gateway.ladder.controller import LadderController
@@ -44,14 +47,16 @@ class Admitted:
     admission: Admission
     degradation: Degradation
     requested_tier: str  # what the request named, or the plan's default for `auto`
-    headers: dict[str, str] = field(default_factory=dict)  # x-ratelimit-*
+    headers: dict[str, str] = field(default_factory=dict)  # x-ratelimit-*, x-tiergate-cache
+    hit_price: Decimal | None = None  # set when the answer comes from the cache
 
 
 class AdmissionService:
     def __init__(self, *, fleet: Fleet, plans: PlanBook, quotas: QuotaService, queues: dict[str, TierQueue],
                  metrics: GatewayMetrics, models_dir: str, default_max_tokens: int,
-                 ladder: LadderController | None = None) -> None:
+                 ladder: LadderController | None = None, cache: CacheService | None = None) -> None:
         self.ladder = ladder
+        self.cache = cache
         self.fleet = fleet
         self.plans = plans
         self.quotas = quotas
@@ -69,8 +74,14 @@ class AdmissionService:
         assert principal.tenant is not None
         plan = self.plans.plans[principal.tenant.plan]
         degr = call.degradation = self._degradation()
-        self._degraded_refusals(degr, plan)
+        self._shed(degr, plan)
         route = self._remap(degr, self._route(plan, req.model))
+        requested = plan.default_tier if req.model == "auto" else req.model
+        if self.cache is not None:
+            call.cache_result = await self.cache.lookup(call, plan, route.tier, degr, call.headers)
+        if isinstance(call.cache_result, Hit):
+            return await self._admit_hit(call, plan, route, degr, requested, call.cache_result)
+        self._cache_only(degr, plan)
         counter = self._counter(route.tier)
         messages = degr.cap_input(req.messages, lambda ms: counter.prompt_tokens(_as_dicts(ms)))
         if messages is not req.messages:
@@ -94,23 +105,50 @@ class AdmissionService:
                 retry_after=1)) from exc
         if admission is None:
             raise self.refuse(decision.reason or "quota", self._refusal(plan, decision))
-        requested = plan.default_tier if req.model == "auto" else req.model
-        return Admitted(route, plan, prompt, cap, admission, degr, requested, _ratelimit_headers(plan, decision))
+        return Admitted(route, plan, prompt, cap, admission, degr, requested,
+                        _ratelimit_headers(plan, decision) | self._cache_headers(call))
+
+    async def _admit_hit(self, call: Call, plan: Plan, route: Route, degr: Degradation, requested: str,
+                         hit: Hit) -> Admitted:
+        """A cached answer: it consumes what the plan says a hit costs (a request, and the hit price; no
+        tokens of the tokens-per-minute limit, as no model runs)."""
+        usage = hit.usage
+        tokens = int(usage.get("prompt_tokens", 0)) + int(usage.get("completion_tokens", 0))
+        price = plan.cache.hit_price_per_1k * tokens / 1000
+        principal = call.principal
+        try:
+            decision, admission = await self.quotas.reserve(
+                request_id=call.request_id, tenant=principal.tenant.name, plan=plan,  # type: ignore[union-attr]
+                key_id=principal.key.key_id, key_limits=principal.key.limits, tokens=0, price=price)
+        except QuotaBackendError as exc:
+            raise self.refuse("quota_backend", Unavailable(
+                "the quota service is unavailable; retry shortly", code="quota_backend_unavailable",
+                retry_after=1)) from exc
+        if admission is None:
+            raise self.refuse(decision.reason or "quota", self._refusal(plan, decision))
+        return Admitted(route, plan, int(usage.get("prompt_tokens", 0)), 0, admission, degr, requested,
+                        _ratelimit_headers(plan, decision) | self._cache_headers(call), hit_price=price)
+
+    @staticmethod
+    def _cache_headers(call: Call) -> dict[str, str]:
+        return call.cache_result.headers() if call.cache_result is not None else {}
 
     def _degradation(self) -> Degradation:
         if self.ladder is None:
             return Degradation(0, [])
         return Degradation(self.ladder.level, list(self.ladder.actions()))
 
-    def _degraded_refusals(self, degr: Degradation, plan: Plan) -> None:
-        """Shed classes get 503 at once; cache-only classes get 503 when there is no cached answer (the
-        cache is looked up before admission, so reaching here means none)."""
+    def _shed(self, degr: Degradation, plan: Plan) -> None:
+        """Shed classes get 503 at once, before any work."""
         shed = degr.shed(plan.priority)
         if shed is not None:
             raise self.refuse("degraded_shed", Unavailable(
                 f"degradation level {degr.level}: {plan.priority} traffic is shed; retry later",
                 code="degraded_shed", retry_after=shed.retry_after_s,
                 headers={"x-tiergate-degrade-actions": ",".join(degr.applied)}))
+
+    def _cache_only(self, degr: Degradation, plan: Plan) -> None:
+        """Cache-only classes get 503 when the cache had no answer for them."""
         if degr.cache_only(plan.priority):
             degr.applied.append(f"cache_only({plan.priority})")
             raise self.refuse("degraded_cache_only", Unavailable(

@@ -11,7 +11,9 @@ from typing import Any
 from litestar import Litestar, Request, Response
 from litestar.exceptions import HTTPException, ValidationException
 
+from cache import RedisStore, SemanticCache, SQLiteStore, default_embedder
 from gateway.admission import AdmissionService
+from gateway.cache_service import CacheService
 from gateway.chat_service import ChatService
 from gateway.config_files import load_yaml
 from gateway.errors import TiergateError
@@ -77,12 +79,25 @@ def build_services(settings: Settings) -> Services:
                               open_store(settings.data_dir, settings.redis_url), signals,
                               on_change=metrics_.degrade_changed)
     metrics_.ladder = ladder
+    cache = CacheService(build_cache(settings), store, fleet)
     admission = AdmissionService(fleet=fleet, plans=plans, quotas=QuotaService(backend), queues=queues,
                                  metrics=metrics_, models_dir=str(settings.resolved_models_dir),
-                                 default_max_tokens=settings.default_max_tokens, ladder=ladder)
+                                 default_max_tokens=settings.default_max_tokens, ladder=ladder, cache=cache)
     chat = ChatService(fleet=fleet, client=client, ledger=ledger, metrics=metrics_, admission=admission,
-                       queues=queues, signals=signals)
-    return Services(settings, catalogue, plans, store, ledger, client, fleet, metrics_, chat, backend, ladder)
+                       queues=queues, signals=signals, cache=cache)
+    return Services(settings, catalogue, plans, store, ledger, client, fleet, metrics_, chat, backend, ladder, cache)
+
+
+def build_cache(settings: Settings) -> SemanticCache | None:
+    """Entries in Redis (every replica's index follows) when TIERGATE_REDIS_URL is set, else in SQLite."""
+    if not settings.cache_enabled:
+        return None
+    if settings.redis_url:
+        entries = RedisStore(settings.redis_url, max_entries=settings.cache_max_entries)
+    else:
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
+        entries = SQLiteStore(settings.data_dir / "cache.sqlite3", max_entries=settings.cache_max_entries)
+    return SemanticCache(entries, default_embedder())
 
 
 def build_quota_backend(settings: Settings, ledger: Ledger, metrics_: GatewayMetrics) -> QuotaBackend:
@@ -114,6 +129,8 @@ def create_app(settings: Settings | None = None) -> Litestar:
         app.state.services = services
         services.ledger.start()
         await services.fleet.start()
+        if services.cache.cache is not None:  # load the embedder before the first request needs it
+            await asyncio.to_thread(services.cache.cache.embedder.encode_one, "warm up")
         ticker = asyncio.create_task(_tick_ladder(services.ladder, settings.ladder_tick_s))
         try:
             yield
@@ -122,6 +139,9 @@ def create_app(settings: Settings | None = None) -> Litestar:
             await services.fleet.stop()
             await services.client.aclose()
             await services.quota_backend.close()
+            await services.cache.drain()
+            if services.cache.cache is not None:
+                services.cache.cache.close()
             services.ledger.close()
             services.store.close()
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from engine.protocol import ChatCompletionRequest
 from gateway.admission import AdmissionService, Admitted
+from gateway.cache_service import CacheService
 from gateway.errors import TiergateError, Unavailable, map_tier_error
 from gateway.ladder.apply import Degradation
 from gateway.ladder.signals import Signals
@@ -56,7 +57,21 @@ class Call:
     busy_s: float | None = None
     finish_reason: str | None = None
     settled: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
+    headers: dict[str, str] = field(default_factory=dict)  # the client's request headers (lower-case names)
+    text_parts: list[str] = field(default_factory=list)  # the answer as it streams, for the cache
+    cache_result: Any = None  # Hit | Miss | Bypass
+    cache_scope: Any = None
+    cache_policy: Any = None
+    cache_headers: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def body(self) -> dict[str, Any]:
+        """The request as the cache reads it: the OpenAI body, normalized by our schema."""
+        return self.req.model_dump(mode="json", exclude_none=True)
+
+    @property
+    def is_cache_hit(self) -> bool:
+        return self.admitted is not None and self.admitted.hit_price is not None
 
     @property
     def tier(self) -> TierSpec:
@@ -66,7 +81,9 @@ class Call:
 
 class ChatService:
     def __init__(self, *, fleet: Fleet, client: TierClient, ledger: Ledger, metrics: GatewayMetrics,
-                 admission: AdmissionService, queues: dict[str, TierQueue], signals: Signals | None = None) -> None:
+                 admission: AdmissionService, queues: dict[str, TierQueue], signals: Signals | None = None,
+                 cache: CacheService | None = None) -> None:
+        self.cache = cache
         self.signals = signals or Signals()
         self.fleet = fleet
         self.client = client
@@ -172,8 +189,10 @@ class ChatService:
             call.busy_s = float(ext["busy_s"])
         for choice in chunk.get("choices") or []:
             delta = choice.get("delta") or {}
-            if call.ttft_s is None and delta.get("content"):
-                call.ttft_s = time.perf_counter() - call.t0
+            if delta.get("content"):
+                call.text_parts.append(delta["content"])
+                if call.ttft_s is None:
+                    call.ttft_s = time.perf_counter() - call.t0
             if choice.get("finish_reason"):
                 call.finish_reason = choice["finish_reason"]
 
@@ -186,7 +205,12 @@ class ChatService:
         total_s = time.perf_counter() - call.t0
         tier = call.route.tier if call.route else None
         price = tier.price(call.input_tokens, call.output_tokens) if tier else Decimal(0)
-        if tier is None or call.upstream_t0 is None:
+        cache_saving = Decimal(0)
+        if call.is_cache_hit:  # no model ran: the plan's hit price, and what the tier would have charged saved
+            cache_saving = max(Decimal(0), price - call.admitted.hit_price)  # type: ignore[union-attr,operator]
+            price = call.admitted.hit_price  # type: ignore[union-attr,assignment]
+            compute, basis = Decimal(0), "cache"
+        elif tier is None or call.upstream_t0 is None:
             compute, basis = Decimal(0), "none"
         elif call.busy_s is not None:
             compute, basis = tier.compute_cost(call.busy_s), "engine"
@@ -196,7 +220,7 @@ class ChatService:
         requested = call.admitted.requested_tier if call.admitted else None
         route_saving = Decimal(0)
         catalogue = self.fleet.catalogue.tiers
-        if tier is not None and requested in catalogue and requested != tier.name:
+        if tier is not None and requested in catalogue and requested != tier.name and not call.is_cache_hit:
             route_saving = max(Decimal(0), catalogue[requested].price(call.input_tokens, call.output_tokens) - price)
         row = LedgerRow(
             request_id=call.request_id, ts=call.arrived, tenant=principal.tenant.name,  # type: ignore[union-attr]
@@ -208,7 +232,15 @@ class ChatService:
             route_reason=call.route.reason if call.route else None,
             degrade_level=call.degradation.level if call.degradation else 0,
             degrade_actions=",".join(call.degradation.applied) if call.degradation and call.degradation.applied
-            else None, requested_tier=requested, route_saving_usd=route_saving)
+            else None, requested_tier=requested, route_saving_usd=route_saving,
+            cache_status=call.cache_result.status if call.cache_result is not None else None,
+            cache_saving_usd=cache_saving)
+        if row.cache_status is not None:
+            self.metrics.cache.labels(row.tenant, row.cache_status).inc()
+        if cache_saving > 0:
+            self.metrics.cache_savings.labels(row.tenant).inc(float(cache_saving))
+        if status == "ok" and self.cache is not None and not call.is_cache_hit:
+            self.cache.save(call, "".join(call.text_parts))
         self.signals.outcome(http_status)
         overhead = total_s - call.upstream_s if call.upstream_t0 is not None else None
         self.metrics.finished(row, overhead)
@@ -216,8 +248,8 @@ class ChatService:
             self.queues[tier.name].release(call.ticket, call.input_tokens + call.output_tokens)  # type: ignore[union-attr]
         quota = None
         if call.admitted is not None:
-            quota = self.admission.quotas.settle(call.admitted.admission, tokens=call.input_tokens + call.output_tokens,
-                                                 price=price)
+            used = 0 if call.is_cache_hit else call.input_tokens + call.output_tokens  # a hit runs no model
+            quota = self.admission.quotas.settle(call.admitted.admission, tokens=used, price=price)
         if wait:
             if quota is not None:
                 await quota

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gateway.cache_service import CacheService
 from gateway.chat_service import ChatService
 from gateway.ladder.controller import LadderController
 from gateway.metrics import GatewayMetrics
@@ -30,3 +31,4 @@ class Services:
     chat: ChatService
     quota_backend: QuotaBackend
     ladder: LadderController
+    cache: CacheService

@@ -31,6 +31,8 @@ class Settings(BaseSettings):
     default_max_tokens: int = 1024  # the output cap reserved when a request sets none
     remote_max_concurrency: int = 64  # dispatch slots per replica of an `openai` tier
     dispatch_policy: Literal["vtc", "fifo"] = "vtc"  # fifo: no fairness between tenants (a baseline)
+    cache_enabled: bool = True  # the answer cache (plans and headers decide per request)
+    cache_max_entries: int = 100_000
     ladder_tick_s: float = 0.5  # how often the ladder follows shared changes and evaluates its triggers
     max_body_bytes: int = 4 * 1024 * 1024  # larger bodies get 413 before anything is parsed
     engine_start_timeout_s: float = 600.0

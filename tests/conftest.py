@@ -48,6 +48,14 @@ plans:
     allowed_tiers: [mid, full]
     default_tier: full
     max_queue_wait_s: 1
+  private:
+    allowed_tiers: [mid, full]
+    default_tier: mid
+    cache: {isolate_users: true, hit_price_per_1k: "0.0001"}
+  nocache:
+    allowed_tiers: [mid, full]
+    default_tier: mid
+    cache: {enabled: false}
   shedding:
     priority: batch
     allowed_tiers: [mid, full]

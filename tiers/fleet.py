@@ -62,6 +62,13 @@ class Fleet:
                 out[name] = "; ".join(sorted({r.reason for r in reps if r.reason})) or "no healthy replica"
         return out
 
+    def model_version(self, tier: TierSpec) -> str:
+        """What the tier's answers depend on: its engines' fingerprint, or its declared model for remote ones."""
+        versions = sorted({r.model_version for r in self.replicas[tier.name] if r.model_version})
+        if versions:
+            return "|".join(versions)
+        return f"{tier.backend}:{tier.model}:{tier.quantize or 'none'}:{tier.dtype}"
+
     def num_tiers_down(self) -> int:
         """Tiers with no healthy replica and one failing (not first starting, not waiting for its model)."""
         return sum(1 for reps in self.replicas.values()

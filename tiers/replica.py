@@ -17,6 +17,7 @@ class Replica:
     restarts: int = 0
     ever_ready: bool = False  # a first start (loading the model) is not an outage; a later one is
     stats: dict[str, float] = field(default_factory=dict)  # what the engine's /health last reported
+    model_version: str | None = None  # the engine's fingerprint of weights, quantization, engine version
 
     def mark(self, status: str, reason: str) -> None:
         self.status = status

@@ -114,6 +114,8 @@ class EngineProcess:
             health = await self.client.get_json(f"{self.replica.url}/health", timeout_s=2.0)
         except TierError:
             return False
+        if isinstance(health.get("model_version"), str):
+            self.replica.model_version = health["model_version"]
         stats = health.get("stats")
         if isinstance(stats, dict):
             self.replica.stats = {k: float(v) for k, v in stats.items() if isinstance(v, int | float)}

@@ -24,18 +24,18 @@ from tiers.errors import TierError
 async def chat_completions(request: Request[Any, Any, Any], principal: NamedDependency[Principal]) -> Response[Any]:
     req = parse_body(await request.body(), ChatCompletionRequest)
     services = request.app.state.services
-    call = Call(request.state.request_id, principal, req, arrived=time.time(), t0=request.state.t0)
+    call = Call(request.state.request_id, principal, req, arrived=time.time(), t0=request.state.t0,
+                headers={k.lower(): v for k, v in request.headers.items()})
     await services.chat.admit(call)
     request.state.tier = call.tier.name
     return await respond(services.chat, call)
 
 
 async def respond(chat: ChatService, call: Call) -> Response[Any]:
+    if call.is_cache_hit:
+        return await respond_from_cache(chat, call)
     stream, first = await chat.start(call)
-    headers = {"x-tiergate-tier": call.tier.name, "x-tiergate-route-reason": call.route.reason,  # type: ignore[union-attr]
-               **call.admitted.headers}  # type: ignore[union-attr]
-    if call.degradation is not None and call.degradation.applied:
-        headers["x-tiergate-degrade-actions"] = ",".join(call.degradation.applied)
+    headers = _headers(call)
     if call.req.stream:
         return Stream(_sse_body(chat, call, stream, first), media_type="text/event-stream",
                       headers=headers | {"cache-control": "no-cache"})
@@ -56,6 +56,47 @@ async def respond(chat: ChatService, call: Call) -> Response[Any]:
         raise
     await chat.settle(call, "ok", 200)
     return Response(chat.completion(call, "".join(parts)), headers=headers)
+
+
+def _headers(call: Call) -> dict[str, str]:
+    headers = {"x-tiergate-tier": call.tier.name, "x-tiergate-route-reason": call.route.reason,  # type: ignore[union-attr]
+               **call.admitted.headers}  # type: ignore[union-attr]
+    if call.degradation is not None and call.degradation.applied:
+        headers["x-tiergate-degrade-actions"] = ",".join(call.degradation.applied)
+    return headers
+
+
+async def respond_from_cache(chat: ChatService, call: Call) -> Response[Any]:
+    """A cached answer: the same shapes a fresh one has, JSON or SSE, settled (durably) before it ends."""
+    hit = call.cache_result
+    usage = hit.usage
+    call.input_tokens = int(usage.get("prompt_tokens", 0))
+    call.output_tokens = int(usage.get("completion_tokens", 0))
+    call.finish_reason = usage.get("finish_reason") or "stop"
+    call.ttft_s = time.perf_counter() - call.t0
+    headers = _headers(call)
+    if not call.req.stream:
+        await chat.settle(call, "ok", 200)
+        return Response(chat.completion(call, hit.response), headers=headers)
+    return Stream(_cached_sse(chat, call, hit.response), media_type="text/event-stream",
+                  headers=headers | {"cache-control": "no-cache"})
+
+
+async def _cached_sse(chat: ChatService, call: Call, text: str) -> AsyncIterator[bytes]:
+    base = {"id": f"chatcmpl-{call.request_id}", "object": "chat.completion.chunk", "created": int(call.arrived),
+            "model": call.tier.name}
+    for delta, finish in (({"role": "assistant", "content": ""}, None), ({"content": text}, None),
+                          ({}, call.finish_reason)):
+        chunk = base | {"choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
+        if call.req.include_usage:
+            chunk["usage"] = None  # as OpenAI: null on every chunk but the last
+        yield sse(chunk)
+    await chat.settle(call, "ok", 200)
+    if call.req.include_usage:
+        yield sse(base | {"choices": [], "usage": {
+            "prompt_tokens": call.input_tokens, "completion_tokens": call.output_tokens,
+            "total_tokens": call.input_tokens + call.output_tokens}})
+    yield sse("[DONE]")
 
 
 async def _sse_body(chat: ChatService, call: Call, stream: AsyncIterator[dict[str, Any]],

@@ -1,0 +1,169 @@
+"""The answer cache through the HTTP API: hits are visible, billed and streamed like fresh answers, and a
+hit never crosses tenant, identity, data version, model version or system prompt; near misses miss."""
+
+from __future__ import annotations
+
+import json
+import time
+from decimal import Decimal
+
+import httpx
+import pytest
+
+from gateway.settings import Settings
+from tests.conftest import Gateway, running_gateway
+from tests.stubs import REPLY, ServerThread, StubState
+
+Q = "What is the capital of France?"
+
+
+def ask(gw: Gateway, content: str = Q, *, key: str | None = None, model: str = "mid", headers: dict | None = None,
+        system: str | None = None, **extra: object) -> httpx.Response:
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": content}]
+    body = {"model": model, "messages": messages, "temperature": 0} | extra
+    with gw.client(key or gw.tenant_key) as c:
+        r = c.post("/v1/chat/completions", json=body, headers=headers or {})
+    wait_for_stores(gw)
+    return r
+
+
+def wait_for_stores(gw: Gateway) -> None:
+    """Fresh answers are stored in the background; wait until the gateway has written them."""
+    deadline = time.time() + 10
+    while gw.app.state.services.cache._background and time.time() < deadline:
+        time.sleep(0.01)
+
+
+def upstream_calls(gw: Gateway) -> int:
+    return len(gw.stub.requests)
+
+
+def test_a_repeat_is_an_exact_hit_billed_as_a_hit(gateway: Gateway) -> None:
+    first = ask(gateway)
+    assert first.headers["x-tiergate-cache"] == "miss"
+    second = ask(gateway)
+    assert second.status_code == 200 and second.headers["x-tiergate-cache"] == "hit"
+    assert second.headers["x-tiergate-cache-kind"] == "exact" and upstream_calls(gateway) == 1
+    assert second.json()["choices"][0]["message"]["content"] == REPLY
+    assert second.json()["usage"] == first.json()["usage"]
+    miss_row, hit_row = gateway.ledger_rows()
+    assert (miss_row.cache_status, hit_row.cache_status) == ("miss", "hit")
+    # the standard plan's hit price is 0: the whole tier price is the saving, no compute was used
+    assert hit_row.price_usd == 0 and hit_row.cache_saving_usd == miss_row.price_usd > 0
+    assert hit_row.compute_cost_usd == 0 and hit_row.cost_basis == "cache"
+
+
+def test_a_paraphrase_is_a_semantic_hit(gateway: Gateway) -> None:
+    ask(gateway)
+    r = ask(gateway, "What's the capital of France?")
+    assert r.headers["x-tiergate-cache"] == "hit" and r.headers["x-tiergate-cache-kind"] == "semantic"
+    assert float(r.headers["x-tiergate-cache-similarity"]) > 0.9 and upstream_calls(gateway) == 1
+
+
+@pytest.mark.parametrize(("stored", "asked"), [
+    ("Convert 5 km to miles", "Convert 7 km to miles"),
+    ("Convert 5 km to miles", "Convert 5 kg to pounds"),
+    ("Is Python a compiled language?", "Is Python not a compiled language?"),
+    ("Is Python faster than Java?", "Is Python slower than Java?"),
+    ("Did Microsoft buy GitHub from Google?", "Did Google buy GitHub from Microsoft?"),
+])
+def test_near_misses_miss(gateway: Gateway, stored: str, asked: str) -> None:
+    ask(gateway, stored)
+    r = ask(gateway, asked)
+    assert r.headers["x-tiergate-cache"] == "miss" and upstream_calls(gateway) == 2
+
+
+def test_never_across_tenants(gateway: Gateway) -> None:
+    ask(gateway)
+    gateway.store.create_tenant("globex", "standard")
+    _, other = gateway.store.issue_key("globex")
+    assert ask(gateway, key=other).headers["x-tiergate-cache"] == "miss"
+
+
+def test_never_across_end_users_where_the_plan_isolates_them(gateway: Gateway) -> None:
+    gateway.store.create_tenant("clinic", "private")
+    _, key = gateway.store.issue_key("clinic")
+    ask(gateway, key=key, user="alice")
+    assert ask(gateway, key=key, user="bob").headers["x-tiergate-cache"] == "miss"
+    hit = ask(gateway, key=key, user="alice")
+    assert hit.headers["x-tiergate-cache"] == "hit"
+    row = gateway.ledger_rows()[-1]
+    assert row.price_usd == Decimal("0.0001") * (row.input_tokens + row.output_tokens) / 1000  # the hit price
+
+
+def test_never_across_identities(gateway: Gateway) -> None:
+    ask(gateway)
+    _, reader = gateway.store.issue_key("acme", roles=("reader",))
+    assert ask(gateway, key=reader).headers["x-tiergate-cache"] == "miss"
+
+
+def test_never_across_data_versions(gateway: Gateway) -> None:
+    ask(gateway)
+    with gateway.client(gateway.admin_key) as admin:
+        admin.post("/admin/tenants/acme/data-version")
+    assert ask(gateway).headers["x-tiergate-cache"] == "miss"
+    assert ask(gateway).headers["x-tiergate-cache"] == "hit"
+    assert ask(gateway, headers={"x-tiergate-data-version": "report-7"}).headers["x-tiergate-cache"] == "miss"
+
+
+def test_never_across_model_versions_or_system_prompts(gateway: Gateway) -> None:
+    ask(gateway)
+    assert ask(gateway, model="full").headers["x-tiergate-cache"] == "miss"
+    assert ask(gateway, system="Answer in French.").headers["x-tiergate-cache"] == "miss"
+    assert ask(gateway).headers["x-tiergate-cache"] == "hit"
+
+
+def test_cacheability_is_explicit(gateway: Gateway) -> None:
+    assert ask(gateway, temperature=0.7).headers["x-tiergate-cache"] == "bypass"
+    assert ask(gateway, headers={"cache-control": "no-store"}).headers["x-tiergate-cache"] == "miss"
+    assert ask(gateway).headers["x-tiergate-cache"] == "miss"  # the no-store answer was not kept
+    assert ask(gateway, headers={"cache-control": "no-cache"}).headers["x-tiergate-cache"] == "bypass"
+    assert ask(gateway).headers["x-tiergate-cache"] == "hit"
+    assert ask(gateway, temperature=0.7, seed=3).headers["x-tiergate-cache"] == "miss"  # seeded: cacheable
+
+
+def test_a_tenant_can_opt_out(gateway: Gateway) -> None:
+    gateway.store.create_tenant("secretive", "nocache")
+    _, key = gateway.store.issue_key("secretive")
+    ask(gateway, key=key)
+    assert ask(gateway, key=key).headers["x-tiergate-cache"] == "bypass" and upstream_calls(gateway) == 2
+
+
+def test_a_streamed_hit_is_valid_sse(gateway: Gateway) -> None:
+    ask(gateway)
+    body = {"model": "mid", "messages": [{"role": "user", "content": Q}], "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with gateway.client(gateway.tenant_key) as c, c.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.headers["x-tiergate-cache"] == "hit" and r.headers["content-type"].startswith("text/event-stream")
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert "".join(ch["choices"][0]["delta"].get("content") or "" for ch in chunks if ch["choices"]) == REPLY
+    assert chunks[-1]["usage"]["completion_tokens"] == len(REPLY.split()) and upstream_calls(gateway) == 1
+
+
+def test_cache_only_level_serves_hits_and_refuses_misses(gateway_settings: Settings,
+                                                         stub: tuple[ServerThread, StubState], tmp_path) -> None:  # type: ignore[no-untyped-def]
+    ladder = tmp_path / "ladder.yaml"
+    ladder.write_text("levels:\n  - {level: 0, name: normal}\n"
+                      "  - {level: 1, name: cached, actions: [{cache_only: [standard]}]}\n")
+    with running_gateway(gateway_settings.model_copy(update={"ladder_file": ladder}), stub[1]) as gw:
+        ask(gw)
+        with gw.client(gw.admin_key) as admin:
+            admin.post("/admin/degrade/", json={"level": 1, "reason": "test"})
+        hit = ask(gw)
+        assert hit.status_code == 200 and hit.headers["x-tiergate-cache"] == "hit"
+        miss = ask(gw, "Something never asked before")
+        assert miss.status_code == 503 and miss.json()["error"]["code"] == "degraded_cache_only"
+
+
+def test_cache_metrics(gateway: Gateway) -> None:
+    ask(gateway)
+    ask(gateway)
+    ask(gateway, temperature=1.0)
+    with gateway.client(gateway.admin_key) as c:
+        text = c.get("/metrics").text
+    for result in ("hit", "miss", "bypass"):
+        assert f'tiergate_cache_requests_total{{result="{result}",tenant="acme"}} 1.0' in text
+    assert 'tiergate_cache_savings_usd_total{tenant="acme"}' in text
+
