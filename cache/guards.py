@@ -85,8 +85,8 @@ for _up, _down in _COMPARATIVE_PAIRS:
     _COMPARATIVES.setdefault(_down, set()).add((_up, -1))
 
 _DIRECTIONAL = {"than", "vs", "versus", "compared", "compare", "convert", "converting", "into", "before", "after",
-                "beat", "beats", "from", "by", "against", "buy", "bought", "acquire", "acquired", "sell", "sold",
-                "defeat", "defeated"}  # and "from ... to"; who did what to whom: the roles follow the order
+                "beat", "beats", "buy", "bought", "acquire", "acquired", "sell", "sold", "defeat",
+                "defeated"}  # and "from ... to"; who did what to whom: the roles follow the order
 
 # Lower-case names people type without capitals; sentence-initial capitals are not entities otherwise.
 _GAZETTEER_TEXT = """

@@ -10,7 +10,7 @@ from pathlib import Path
 from engine.llm_engine import LLMEngine
 from engine.model_source import prepare_model
 
-ENGINE_VERSION = "tiergate-engine/0.1"
+ENGINE_VERSION = "tiergate-engine/0.2"
 log = logging.getLogger("tiergate.engine")
 
 
@@ -25,36 +25,41 @@ def model_version(model_dir: Path, *, dtype: str, quantize: str | None) -> str:
 
 
 def build_engine(model: str, models_dir: Path, *, dtype: str = "auto", quantize: str | None = None,
-                 device: str = "cpu", max_num_seqs: int = 8, threads: int | None = None
-                 ) -> tuple[LLMEngine, str]:
-    """Load `model` (a built-in name or a local directory); returns the engine and its model version."""
+                 device: str = "cpu", max_num_seqs: int = 8, threads: int | None = None,
+                 kv_cache_bytes: int | None = None, max_num_batched_tokens: int = 512) -> tuple[LLMEngine, str]:
+    """Load `model` (a built-in name or a local directory); returns the engine and its model version.
+
+    `kv_cache_bytes` is the KV cache's fixed budget (default: the runner's, 512 MiB), allocated once.
+    """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
     from transformers import AutoTokenizer
 
-    from engine.model_runner import ModelRunner
+    from engine.model_runner import DEFAULT_KV_CACHE_BYTES, ModelRunner
 
     if threads:
         torch.set_num_threads(threads)
     model_dir = prepare_model(model, models_dir)
-    runner = ModelRunner(model_dir, dtype=dtype, device=device, quantize=quantize)
+    runner = ModelRunner(model_dir, dtype=dtype, device=device, quantize=quantize,
+                         kv_cache_bytes=kv_cache_bytes or DEFAULT_KV_CACHE_BYTES)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    engine = LLMEngine(runner, tokenizer, max_num_seqs=max_num_seqs)
+    engine = LLMEngine(runner, tokenizer, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
     version = model_version(model_dir, dtype=str(runner.dtype).removeprefix("torch."), quantize=quantize)
-    log.info("engine loaded %s (%s, %s) version %s", model_dir, runner.dtype, quantize or "no quantization",
-             version)
+    log.info("engine loaded %s (%s, %s, %d KV blocks of %d tokens) version %s", model_dir, runner.dtype,
+             quantize or "no quantization", runner.num_kv_blocks, runner.block_size, version)
     return engine, version
 
 
 def serve(model: str, models_dir: Path, *, host: str, port: int, served_name: str | None = None,
           dtype: str = "auto", quantize: str | None = None, device: str = "cpu", max_num_seqs: int = 8,
-          threads: int | None = None) -> None:
+          threads: int | None = None, kv_cache_bytes: int | None = None, max_num_batched_tokens: int = 512) -> None:
     import uvicorn
 
     from engine.server import create_engine_app
 
     engine, version = build_engine(model, models_dir, dtype=dtype, quantize=quantize, device=device,
-                                   max_num_seqs=max_num_seqs, threads=threads)
+                                   max_num_seqs=max_num_seqs, threads=threads, kv_cache_bytes=kv_cache_bytes,
+                                   max_num_batched_tokens=max_num_batched_tokens)
     name = served_name or Path(model).name
     app = create_engine_app(engine, model_name=name, model_version=version)
     engine.start()

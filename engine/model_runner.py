@@ -1,20 +1,29 @@
-"""The only torch code of the engine's request path: load a causal LM and run one forward at a time.
+"""Runs one scheduled step on the model: builds the flat batch, runs our Llama forward, samples.
 
-This is the correct-but-simple runner: one sequence per forward, a Hugging Face cache per sequence.
-The engine calls only `prefill`, `decode` and `free`, so a paged, batched runner can replace it.
+With the sampler and the model, this is the engine's torch code. The KV cache is allocated here once,
+to a byte budget, as [layers, 2, num_blocks, block_size, KV heads, head_dim]; the block manager hands
+out indices into it. Each step the runner puts single-token sequences (decodes) first so attention can
+batch them, flattens all new tokens into one [N] batch for the linear layers, and computes logits only
+for the sequences that sample.
 """
 
 from __future__ import annotations
 
-import os
+import json
 from pathlib import Path
 
 import torch
 
+from engine.attention import AttentionMetadata
+from engine.models.llama import LlamaConfig, LlamaForCausalLM
 from engine.quantize import quantize_int8_
+from engine.sampler import Sampler
+from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DEFAULT_KV_CACHE_BYTES = 512 << 20  # SmolLM2 in fp32: 11,800 tokens, more than its 8,192-token context
+DEFAULT_BLOCK_SIZE = 16
 
 
 def cpu_has_fast_bf16() -> bool:
@@ -39,49 +48,107 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
 
 
 class ModelRunner:
-    def __init__(self, model_dir: Path, *, dtype: str = "auto", device: str = "cpu",
-                 quantize: str | None = None) -> None:
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        from transformers import AutoModelForCausalLM
-
+    def __init__(self, model_dir: Path, *, dtype: str = "auto", device: str = "cpu", quantize: str | None = None,
+                 kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, device)
-        model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=self.dtype)
+        self.config = cfg = LlamaConfig.from_dir(model_dir)
+        model = LlamaForCausalLM.empty(cfg, self.dtype)
+        model.load_weights(model_dir)
         if quantize == "int8":
             quantize_int8_(model)
         elif quantize is not None:
             raise ValueError(f"unknown quantization {quantize!r}; expected int8")
         self.model = model.to(self.device).eval()
-        self.max_model_len = int(getattr(model.config, "max_position_embeddings", 2048))
-        self.eos_token_ids = _eos_ids(model)
+        self.block_size = block_size
+        bytes_per_block = 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * \
+            self.dtype.itemsize
+        self.num_kv_blocks = kv_cache_bytes // bytes_per_block
+        if self.num_kv_blocks < 1:
+            raise ValueError(f"a KV cache of {kv_cache_bytes} bytes holds no block of {bytes_per_block} bytes")
+        # allocated once and zeroed (a masked slot must never hold NaN): admission never grows it
+        self.kv_cache = torch.zeros(cfg.num_hidden_layers, 2, self.num_kv_blocks, block_size,
+                                    cfg.num_key_value_heads, cfg.head_dim, dtype=self.dtype, device=self.device)
+        self.max_model_len = min(cfg.max_position_embeddings, self.num_kv_blocks * block_size)
+        self.eos_token_ids = _eos_ids(model_dir)
+        self.sampler = Sampler()
 
     @torch.inference_mode()
-    def prefill(self, seq: Sequence) -> torch.Tensor:
-        """Run the prompt; keep its cache on the sequence; return next-token logits [V] (fp32)."""
-        from transformers import DynamicCache
+    def run(self, out: SchedulerOutput) -> list[int]:
+        """Compute the scheduled tokens; return one sampled token per sequence with `do_sample`, in order."""
+        order = sorted(range(len(out.seqs)), key=lambda i: out.num_scheduled_tokens[i] != 1)  # decodes first
+        seqs = [out.seqs[i] for i in order]
+        counts = [out.num_scheduled_tokens[i] for i in order]
+        input_ids, positions, meta, last_index = self._prepare(seqs, counts)
+        hidden = self.model(input_ids, positions, self.kv_cache, meta)  # [N, hidden]
+        samplers = [i for i in order if out.do_sample[i]]  # original indices, in batch order
+        if not samplers:
+            return []
+        batch_pos = {i: k for k, i in enumerate(order)}
+        rows = torch.tensor([last_index[batch_pos[i]] for i in samplers], device=self.device)
+        logits = self.model.compute_logits(hidden[rows]).float().cpu()  # [S, V]
+        greedy = logits.argmax(dim=-1).tolist()
+        token_of = {}
+        for row, i in enumerate(samplers):
+            seq = out.seqs[i]
+            token_of[i] = greedy[row] if seq.params.greedy else \
+                self.sampler.sample(seq.request_id, logits[row], seq.params)
+        return [token_of[i] for i in sorted(samplers)]
 
-        ids = torch.tensor([seq.prompt_token_ids], device=self.device)  # [1, T]
-        seq.kv_state = DynamicCache()
-        out = self.model(input_ids=ids, past_key_values=seq.kv_state, use_cache=True)
-        return out.logits[0, -1].float()
+    def release(self, request_id: str) -> None:
+        self.sampler.release(request_id)
 
-    @torch.inference_mode()
-    def decode(self, seq: Sequence) -> torch.Tensor:
-        """Feed the last sampled token; return the next-token logits [V] (fp32)."""
-        ids = torch.tensor([[seq.last_token_id]], device=self.device)  # [1, 1]
-        out = self.model(input_ids=ids, past_key_values=seq.kv_state, use_cache=True)
-        return out.logits[0, -1].float()
+    def _prepare(self, seqs: list[Sequence], counts: list[int]
+                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        last_index: list[int] = []
+        num_decodes = sum(1 for n in counts if n == 1)
+        starts, lens, tables, ctxs = [], [], [], []
+        for seq, n in zip(seqs, counts, strict=True):
+            start = seq.num_computed_tokens
+            tokens = seq.token_ids[start:start + n]
+            if n > 1:
+                starts.append(len(input_ids))
+                lens.append(n)
+                tables.append(torch.tensor(seq.block_table[:-(-(start + n) // bs)], device=self.device))
+                ctxs.append(start + n)
+            input_ids += tokens
+            positions += range(start, start + n)
+            slots += [seq.block_table[p // bs] * bs + p % bs for p in range(start, start + n)]
+            last_index.append(len(input_ids) - 1)
+        decodes = seqs[:num_decodes]
+        context_lens = [s.num_computed_tokens + 1 for s in decodes]
+        max_ctx = max(context_lens, default=0)
+        max_blocks = -(-max_ctx // bs)
+        table = torch.zeros(num_decodes, max_blocks, dtype=torch.long)
+        for row, seq in enumerate(decodes):
+            used = -(-context_lens[row] // bs)
+            table[row, :used] = torch.tensor(seq.block_table[:used])
+        mask = None
+        if any(n != max_ctx for n in context_lens):  # no mask at all when every context is as long
+            mask = torch.arange(max_ctx)[None, :] < torch.tensor(context_lens)[:, None]  # [B, ctx]
+            mask = mask[:, None, None, :].to(self.device)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, device=self.device), num_decode_seqs=num_decodes,
+            decode_block_tables=table.to(self.device), decode_mask=mask, decode_context_len=max_ctx,
+            prefill_query_starts=starts, prefill_query_lens=lens, prefill_block_tables=tables,
+            prefill_context_lens=ctxs,
+        )
+        return (torch.tensor(input_ids, device=self.device), torch.tensor(positions, device=self.device), meta,
+                last_index)
 
-    def free(self, seq: Sequence) -> None:
-        seq.kv_state = None
 
-
-def _eos_ids(model: torch.nn.Module) -> set[int]:
+def _eos_ids(model_dir: Path) -> set[int]:
     ids: set[int] = set()
-    for cfg in (model.config, getattr(model, "generation_config", None)):
-        eos = getattr(cfg, "eos_token_id", None) if cfg is not None else None
+    for name in ("config.json", "generation_config.json"):
+        path = model_dir / name
+        eos = json.loads(path.read_text()).get("eos_token_id") if path.exists() else None
         if isinstance(eos, int):
             ids.add(eos)
-        elif isinstance(eos, list | tuple):
+        elif isinstance(eos, list):
             ids.update(int(e) for e in eos)
     return ids
+

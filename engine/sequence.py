@@ -1,11 +1,10 @@
-"""A request inside the engine: its tokens, its sampling parameters, where it stands."""
+"""A request inside the engine: its tokens, its sampling parameters, its KV blocks, where it stands."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
 from enum import Enum, auto
-from typing import Any
 
 from engine.sampling_params import SamplingParams
 
@@ -13,6 +12,7 @@ from engine.sampling_params import SamplingParams
 class SequenceStatus(Enum):
     WAITING = auto()
     RUNNING = auto()
+    PREEMPTED = auto()  # blocks taken back; recomputed from its tokens when readmitted
     FINISHED = auto()
 
 
@@ -27,7 +27,20 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     busy_s: float = 0.0  # engine compute time attributed to this sequence
-    kv_state: Any = None  # the runner's per-sequence cache; opaque outside the runner
+    # the paged KV cache: block ids in position order, and the prefix hash of each full block
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    num_cached_tokens: int = 0  # of those, tokens found in the prefix cache at admission
+    num_preemptions: int = 0
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -44,3 +57,8 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    @property
+    def is_prefill(self) -> bool:
+        """True until every token but the one being sampled next has its K/V in the cache."""
+        return self.num_tokens - self.num_computed_tokens > 1

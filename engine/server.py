@@ -51,6 +51,14 @@ class EngineMetrics:
         for name, doc, value in (
             ("tiergate_engine_running_seqs", "Sequences being generated.", s.num_running),
             ("tiergate_engine_waiting_seqs", "Sequences waiting for a slot.", s.num_waiting),
+            ("tiergate_engine_kv_blocks_used", "KV cache blocks held by sequences.", s.num_kv_blocks_used),
+            ("tiergate_engine_kv_blocks_free", "KV cache blocks free (some keep a reusable prefix).",
+             s.num_kv_blocks_free),
+            ("tiergate_engine_kv_blocks_total", "KV cache blocks allocated.", s.num_kv_blocks_total),
+            ("tiergate_engine_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache, as a fraction.",
+             s.prefix_cache_hit_rate),
+            ("tiergate_engine_generation_tokens_per_second", "Tokens generated per second, last 10 s.",
+             s.generation_tokens_per_s),
         ):
             g = GaugeMetricFamily(name, doc, labels=["model"])
             g.add_metric([self.model], value)
@@ -60,6 +68,11 @@ class EngineMetrics:
             ("tiergate_engine_generation_tokens", "Tokens generated.", s.num_generation_tokens_total),
             ("tiergate_engine_busy_seconds", "Seconds the engine spent computing.", s.busy_s_total),
             ("tiergate_engine_requests_finished", "Requests finished.", s.num_requests_finished),
+            ("tiergate_engine_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+             s.num_prefix_query_tokens_total),
+            ("tiergate_engine_prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+             s.num_prefix_hit_tokens_total),
+            ("tiergate_engine_preemptions", "Sequences preempted for lack of KV blocks.", s.num_preemptions_total),
         ):
             c = CounterMetricFamily(name, doc, labels=["model"])
             c.add_metric([self.model], value)
@@ -79,7 +92,12 @@ def create_engine_app(engine: LLMEngine, *, model_name: str, model_version: str)
 
     @get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "model": model_name, "model_version": model_version}
+        # `stats` is what the gateway's supervisor reads into its per-replica engine gauges
+        s = engine.stats()
+        stats = {"kv_utilisation": s.num_kv_blocks_used / s.num_kv_blocks_total if s.num_kv_blocks_total else 0.0,
+                 "tokens_per_s": s.generation_tokens_per_s, "num_running": s.num_running,
+                 "num_waiting": s.num_waiting, "prefix_cache_hit_rate": s.prefix_cache_hit_rate}
+        return {"status": "ok", "model": model_name, "model_version": model_version, "stats": stats}
 
     @get("/v1/models")
     async def models() -> dict[str, Any]:

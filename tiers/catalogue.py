@@ -26,6 +26,7 @@ class TierSpec(BaseModel):
     urls: list[str] = Field(default_factory=list)  # openai backend: one URL per replica
     api_key_env: str | None = None  # openai backend: env var that holds the upstream's key
     max_num_seqs: Annotated[int, Field(ge=1)] = 8
+    kv_cache_bytes: Annotated[int, Field(ge=1 << 20)] | None = None  # the engine's KV cache budget [engine default]
     threads: Annotated[int, Field(ge=1)] | None = None
     prepared_by: str | None = None  # the command that builds this tier's model when it is missing
     tokenizer: str | None = None  # model source whose tokenizer counts prompt tokens [default: `model` if local]

@@ -57,6 +57,8 @@ class EngineProcess:
             cmd += ["--quantize", spec.quantize]
         if spec.threads:
             cmd += ["--threads", str(spec.threads)]
+        if spec.kv_cache_bytes:
+            cmd += ["--kv-cache-bytes", str(spec.kv_cache_bytes)]
         return cmd
 
     async def run(self) -> None:

@@ -1,12 +1,11 @@
-"""Model-free stand-ins for engine tests: a character tokenizer and a runner with scripted logits."""
+"""Model-free stand-ins for engine tests: a character tokenizer and a runner with scripted tokens."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
-import torch
-
-from engine.sequence import Sequence
+from engine.scheduler import SchedulerOutput
 
 EOS = 0
 VOCAB = 128
@@ -32,37 +31,38 @@ class CharTokenizer:
 
 
 class ScriptedRunner:
-    """Answers every prompt with `reply`, then EOS; counts prefill, decode and free calls."""
+    """Answers every prompt with `reply`, then EOS; records which requests started, in order.
 
-    def __init__(self, reply: str = "Paris is the capital.", max_model_len: int = 256, step_s: float = 0.0) -> None:
+    It speaks the model runner's interface (`run(scheduler_output) -> sampled token ids`) over a small
+    paged cache, so the real scheduler and block manager run under it.
+    """
+
+    def __init__(self, reply: str = "Paris is the capital.", max_model_len: int = 256, step_s: float = 0.0,
+                 num_kv_blocks: int = 64, block_size: int = 16) -> None:
         self.reply = [ord(c) for c in reply] + [EOS]
         self.max_model_len = max_model_len
         self.eos_token_ids = {EOS}
+        self.num_kv_blocks = num_kv_blocks
+        self.block_size = block_size
         self.step_s = step_s
-        self.freed: list[str] = []
-        self.order: list[str] = []
+        self.order: list[str] = []  # request ids in the order their first step ran
+        self.released: list[str] = []
+        self.steps: list[SchedulerOutput] = []
 
-    def _logits(self, seq: Sequence) -> torch.Tensor:
-        import time
-
+    def run(self, out: SchedulerOutput) -> list[int]:
         if self.step_s:
             time.sleep(self.step_s)
-        n = seq.num_output_tokens
-        logits = torch.zeros(VOCAB)
-        logits[self.reply[min(n, len(self.reply) - 1)]] = 10.0
-        return logits
+        self.steps.append(out)
+        made = []
+        for seq, do_sample in zip(out.seqs, out.do_sample, strict=True):
+            if seq.request_id not in self.order:
+                self.order.append(seq.request_id)
+            if do_sample:
+                made.append(self.reply[min(seq.num_output_tokens, len(self.reply) - 1)])
+        return made
 
-    def prefill(self, seq: Sequence) -> torch.Tensor:
-        seq.kv_state = object()
-        self.order.append(seq.request_id)
-        return self._logits(seq)
-
-    def decode(self, seq: Sequence) -> torch.Tensor:
-        return self._logits(seq)
-
-    def free(self, seq: Sequence) -> None:
-        seq.kv_state = None
-        self.freed.append(seq.request_id)
+    def release(self, request_id: str) -> None:
+        self.released.append(request_id)
 
 
 def collect(outputs: Any) -> Any:

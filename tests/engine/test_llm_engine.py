@@ -52,11 +52,14 @@ async def test_leaving_the_stream_aborts_and_frees_the_sequence() -> None:
         gen = eng.generate([1], GREEDY, request_id="cancel-me")
         await anext(gen)
         await gen.aclose()
+        assert eng.stats().num_kv_blocks_used == 1
         for _ in range(100):
-            if "cancel-me" in runner.freed:
+            if "cancel-me" in runner.released:
                 break
             await asyncio.sleep(0.01)
-        assert runner.freed == ["cancel-me"] and eng.stats().num_running == 0
+        stats = eng.stats()
+        assert runner.released == ["cancel-me"] and stats.num_running == 0
+        assert stats.num_kv_blocks_used == 0 and stats.num_kv_blocks_free == stats.num_kv_blocks_total
     finally:
         eng.shutdown()
 
@@ -74,3 +77,17 @@ async def test_waiting_requests_are_admitted_by_priority() -> None:
         assert runner.order == ["first", "high", "low"]
     finally:
         eng.shutdown()
+
+
+async def test_a_follow_up_turn_reuses_the_cached_prefix(engine: LLMEngine) -> None:
+    history = [ord(c) for c in "<system>You are terse.<user>What is the capital of France?>"]
+    _, first = await collect(engine.generate(history, GREEDY))
+    assert first.num_cached_tokens == 0
+    turn_2 = history + [ord(c) for c in "Paris is the capital.<user>And of Italy?>"]
+    _, second = await collect(engine.generate(turn_2, GREEDY))
+    # every full block of the first turn, its answer included: 59 prompt + 21 answer tokens = 5 blocks of 16
+    assert second.num_cached_tokens == (len(history) + len("Paris is the capital.")) // 16 * 16 == 80
+    stats = engine.stats()
+    assert stats.num_prefix_hit_tokens_total == second.num_cached_tokens
+    assert stats.prefix_cache_hit_rate == second.num_cached_tokens / (len(history) + len(turn_2))
+    assert stats.num_kv_blocks_used == 0 and stats.generation_tokens_per_s > 0

@@ -60,8 +60,29 @@ def test_errors(served: tuple[str, LLMEngine, ScriptedRunner]) -> None:
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
     r = httpx.post(f"{url}/v1/chat/completions", content=b"{")
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
-    assert httpx.get(f"{url}/health").json()["model_version"] == "v1"
-    assert "tiergate_engine_generation_tokens_total" in httpx.get(f"{url}/metrics").text
+    health = httpx.get(f"{url}/health").json()
+    assert health["model_version"] == "v1"
+    assert health["stats"]["kv_utilisation"] == 0.0 and health["stats"]["num_running"] == 0
+    metrics = httpx.get(f"{url}/metrics").text
+    for name in ("tiergate_engine_generation_tokens_total", "tiergate_engine_kv_blocks_used",
+                 "tiergate_engine_kv_blocks_free", "tiergate_engine_prefix_cache_hit_rate",
+                 "tiergate_engine_generation_tokens_per_second", "tiergate_engine_running_seqs"):
+        assert name in metrics
+
+
+def test_a_request_larger_than_the_kv_cache_is_a_400_not_a_crash() -> None:
+    runner = ScriptedRunner(max_model_len=4096, num_kv_blocks=4, block_size=16)  # 64 tokens of KV in all
+    eng = LLMEngine(runner, CharTokenizer())
+    eng.start()
+    server = ServerThread(create_engine_app(eng, model_name="tiny", model_version="v1")).start()
+    try:
+        r = httpx.post(f"{server.url}/v1/chat/completions", json={"model": "tiny", "messages": MSG, "max_tokens": 100})
+        assert r.status_code == 400 and "KV cache holds 64 tokens" in r.json()["error"]["message"]
+        r = httpx.post(f"{server.url}/v1/chat/completions", json={"model": "tiny", "messages": MSG, "max_tokens": 5})
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "Paris"
+    finally:
+        server.stop()
+        eng.shutdown()
 
 
 def test_disconnect_aborts_within_a_step_and_frees_the_sequence(served: tuple[str, LLMEngine, ScriptedRunner]) -> None:
@@ -74,6 +95,7 @@ def test_disconnect_aborts_within_a_step_and_frees_the_sequence(served: tuple[st
         stats = eng.stats()
         assert stats.num_running + stats.num_waiting == 1
     deadline = time.time() + 5
-    while time.time() < deadline and eng.stats().num_running:
+    while time.time() < deadline and (eng.stats().num_running or eng.stats().num_waiting):
         time.sleep(0.01)
-    assert eng.stats().num_running == 0 and len(runner.freed) == 1
+    stats = eng.stats()
+    assert stats.num_running == 0 and len(runner.released) == 1 and stats.num_kv_blocks_used == 0

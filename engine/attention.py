@@ -1,0 +1,70 @@
+"""Attention over the paged KV cache, for a step that mixes prompt chunks and decodes.
+
+The runner orders a step's tokens with single-token sequences (decodes) first, then prompt chunks. The
+decodes are attended in one batched call over their gathered, padded contexts; each prompt chunk is
+attended on its own (its causal mask is offset by the tokens already cached). K/V of every new token are
+written to their slots first, so a chunk sees its own tokens and its cached prefix the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """Where a step's tokens live in the paged cache; built once per step, shared by every layer."""
+
+    slot_mapping: torch.Tensor  # [N] cache slot (block_id * block_size + offset) of each new token
+    num_decode_seqs: int  # the first this-many sequences (and tokens) have one new token each
+    decode_block_tables: torch.Tensor  # [B, max_blocks] block ids of the decodes, padded with 0 (cut by ctx)
+    decode_mask: torch.Tensor | None  # [B, 1, 1, max_blocks * block_size] True where a slot is in the context
+    decode_context_len: int  # the longest decode context; slots past it are cut before attention
+    prefill_query_starts: list[int]  # per prompt chunk: index of its first token in the step
+    prefill_query_lens: list[int]  # per prompt chunk: its number of new tokens
+    prefill_block_tables: list[torch.Tensor]  # per prompt chunk: [num_blocks] its block ids
+    prefill_context_lens: list[int]  # per prompt chunk: cached + new tokens
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    # k_cache: [num_blocks, block_size, KV, D]; k: [N, KV, D]
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: [N, H, D] for the step's new tokens (their K/V already written); returns [N, H, D]."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    rep = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+    b = meta.num_decode_seqs
+    if b:
+        # gather each decode's context: [B * max_blocks, block_size, KV, D] -> [B, KV, ctx, D]
+        ctx = meta.decode_context_len
+        blocks = meta.decode_block_tables.flatten()  # index_select: about 1.7x faster than fancy indexing on CPU
+        k = k_cache.index_select(0, blocks).view(b, -1, num_kv_heads, head_dim)[:, :ctx].transpose(1, 2)
+        v = v_cache.index_select(0, blocks).view(b, -1, num_kv_heads, head_dim)[:, :ctx].transpose(1, 2)
+        qd = q[:b].view(b, num_kv_heads, rep, head_dim)  # [B, KV, rep, D]: the heads sharing one K/V
+        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=meta.decode_mask, scale=scale)
+        out[:b] = o.reshape(b, num_heads, head_dim)
+    for start, qlen, table, ctx in zip(meta.prefill_query_starts, meta.prefill_query_lens,
+                                       meta.prefill_block_tables, meta.prefill_context_lens, strict=True):
+        # k: [ctx, KV, D] -> [H, ctx, D], each K/V head repeated for the query heads that share it
+        k = k_cache.index_select(0, table).flatten(0, 1)[:ctx].transpose(0, 1).repeat_interleave(rep, dim=0)
+        v = v_cache.index_select(0, table).flatten(0, 1)[:ctx].transpose(0, 1).repeat_interleave(rep, dim=0)
+        qp = q[start:start + qlen].transpose(0, 1)  # [H, T, D]
+        if ctx == qlen:
+            o = F.scaled_dot_product_attention(qp, k, v, is_causal=True, scale=scale)
+        else:  # a later chunk: query i sits at position ctx - qlen + i and sees everything up to it
+            pos_q = torch.arange(ctx - qlen, ctx, device=q.device)
+            mask = torch.arange(ctx, device=q.device)[None, :] <= pos_q[:, None]  # [T, ctx]
+            o = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=scale)
+        out[start:start + qlen] = o.transpose(0, 1)
+    return out

@@ -1,0 +1,91 @@
+"""The paged KV cache's bookkeeping, with no model: allocation, sharing by prefix hash, freeing, reuse."""
+
+from __future__ import annotations
+
+from engine.block_manager import BlockManager
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
+
+
+def seq(tokens: list[int], rid: str = "r") -> Sequence:
+    return Sequence(rid, tokens, SamplingParams(temperature=0, max_tokens=8))
+
+
+def run_prefill(bm: BlockManager, s: Sequence) -> None:
+    """Admit `s` with its prefix hits and compute the rest of its prompt, as one step would."""
+    hits = bm.get_computed_blocks(s)
+    assert bm.allocate_slots(s, s.num_tokens - len(hits) * bm.block_size, hits)
+    s.num_computed_tokens = s.num_tokens
+    bm.cache_full_blocks(s)
+
+
+def test_allocate_append_and_free_return_every_block() -> None:
+    bm = BlockManager(num_blocks=8, block_size=4)
+    s = seq(list(range(10)))
+    assert bm.allocate_slots(s, 10) and len(s.block_table) == 3 and bm.num_free_blocks == 5
+    s.num_computed_tokens = 10
+    s.output_token_ids += [99, 98]
+    assert bm.allocate_slots(s, 1) and len(s.block_table) == 3  # token 11 still fits block 2
+    s.num_computed_tokens = 11
+    assert bm.allocate_slots(s, 1) and len(s.block_table) == 3
+    s.num_computed_tokens, s.output_token_ids = 12, [*s.output_token_ids, 97]
+    assert bm.allocate_slots(s, 1) and len(s.block_table) == 4  # token 13 opens a new block
+    bm.free(s)
+    assert bm.num_free_blocks == 8 and s.block_table == [] and s.num_computed_tokens == 0
+
+
+def test_allocation_that_does_not_fit_changes_nothing() -> None:
+    bm = BlockManager(num_blocks=2, block_size=4)
+    s = seq(list(range(12)))
+    assert not bm.allocate_slots(s, 12)
+    assert bm.num_free_blocks == 2 and s.block_table == []
+
+
+def test_shared_prefix_blocks_are_reused_with_reference_counts() -> None:
+    bm = BlockManager(num_blocks=16, block_size=4)
+    a = seq(list(range(10)), "a")
+    run_prefill(bm, a)
+    b = seq([*range(8), 50, 51, 52], "b")  # shares two full blocks with a
+    hits = bm.get_computed_blocks(b)
+    assert hits == a.block_table[:2]
+    assert bm.allocate_slots(b, b.num_tokens - 8, hits)
+    assert b.num_computed_tokens == b.num_cached_tokens == 8
+    assert [bm.blocks[i].ref_count for i in a.block_table] == [2, 2, 1]
+    bm.free(a)
+    assert [bm.blocks[i].ref_count for i in b.block_table[:2]] == [1, 1]
+    assert bm.prefix_hit_rate == 8 / (10 + 11)
+
+
+def test_freed_blocks_keep_their_hash_until_reallocated() -> None:
+    bm = BlockManager(num_blocks=4, block_size=4)
+    a = seq(list(range(9)), "a")
+    run_prefill(bm, a)
+    bm.free(a)
+    assert bm.num_free_blocks == 4
+    follow_up = seq([*range(9), 7, 7, 7], "b")  # the next turn of the same chat
+    hits = bm.get_computed_blocks(follow_up)
+    assert len(hits) == 2
+    assert bm.allocate_slots(follow_up, follow_up.num_tokens - 8, hits)
+    bm.free(follow_up)
+    other = seq([100 + i for i in range(16)], "c")  # needs every block: the cached ones are evicted
+    assert bm.allocate_slots(other, 16)
+    bm.free(other)
+    assert bm.get_computed_blocks(seq(list(range(9)))) == []
+
+
+def test_the_last_token_is_never_served_from_the_cache() -> None:
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = seq(list(range(8)), "a")
+    run_prefill(bm, a)
+    again = seq(list(range(8)), "b")
+    assert len(bm.get_computed_blocks(again)) == 1  # block 2 holds the last token: it must run for logits
+
+
+def test_a_block_is_shared_only_once_computed() -> None:
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = seq(list(range(12)), "a")
+    assert bm.allocate_slots(a, 4)  # the first chunk is scheduled but not computed yet
+    assert bm.get_computed_blocks(seq(list(range(12)), "b")) == []
+    a.num_computed_tokens = 4
+    bm.cache_full_blocks(a)
+    assert bm.get_computed_blocks(seq(list(range(12)), "b")) == a.block_table[:1]

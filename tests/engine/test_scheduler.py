@@ -1,0 +1,123 @@
+"""The scheduler with no model: token budget, chunked prefill, priority, preemption, finishing."""
+
+from __future__ import annotations
+
+from engine.block_manager import BlockManager
+from engine.request_queue import SchedulingPolicy
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerOutput
+from engine.sequence import Sequence, SequenceStatus
+
+EOS = 0
+
+
+def make(num_blocks: int = 64, block_size: int = 4, budget: int = 16, max_num_seqs: int = 8,
+         policy: SchedulingPolicy = SchedulingPolicy.PRIORITY) -> Scheduler:
+    return Scheduler(BlockManager(num_blocks, block_size), max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                     max_model_len=1024, eos_token_ids={EOS}, policy=policy)
+
+
+def seq(rid: str, n: int, *, max_tokens: int = 4, priority: int = 0, t: float = 0.0) -> Sequence:
+    return Sequence(rid, list(range(1, n + 1)), SamplingParams(temperature=0, max_tokens=max_tokens),
+                    priority=priority, arrival_time=t)
+
+
+def step(sched: Scheduler, token: int = 7) -> SchedulerOutput:
+    out = sched.schedule()
+    sched.postprocess(out, [token] * sum(out.do_sample))
+    return out
+
+
+def scheduled(out: SchedulerOutput) -> dict[str, int]:
+    return {s.request_id: n for s, n in zip(out.seqs, out.num_scheduled_tokens, strict=True)}
+
+
+def test_a_long_prompt_is_chunked_and_decodes_keep_running() -> None:
+    sched = make(budget=16)
+    sched.add_request(seq("short", 3, max_tokens=10, t=0))
+    assert scheduled(step(sched)) == {"short": 3}
+    sched.add_request(seq("long", 40, t=1))
+    outs = [step(sched) for _ in range(3)]
+    assert [scheduled(o) for o in outs] == [{"short": 1, "long": 15}, {"short": 1, "long": 15},
+                                            {"short": 1, "long": 10}]
+    assert outs[2].do_sample == [True, True] and not outs[0].do_sample[1]  # "long" samples only at its end
+    assert sched.running[1].num_output_tokens == 1
+
+
+def test_finishing_by_eos_and_by_max_tokens_frees_blocks() -> None:
+    sched = make()
+    sched.add_request(seq("a", 5, max_tokens=2))
+    sched.add_request(seq("b", 5, max_tokens=9))
+    step(sched)
+    out = sched.schedule()
+    by_id = {s.request_id: s for s in out.seqs}
+    sched.postprocess(out, [7, EOS])
+    assert by_id["a"].finish_reason == "length" and by_id["b"].finish_reason == "stop"
+    assert by_id["a"].output_token_ids == [7, 7] and by_id["b"].output_token_ids == [7, EOS]
+    assert not sched.has_unfinished_requests() and sched.block_manager.num_free_blocks == 64
+
+
+def test_waiting_sequences_are_admitted_by_priority_then_arrival() -> None:
+    sched = make(max_num_seqs=1)
+    for rid, prio, t in (("late-low", 5, 1.0), ("early-low", 5, 0.5), ("high", 0, 2.0)):
+        sched.add_request(seq(rid, 2, max_tokens=1, priority=prio, t=t))
+    order = [next(iter(scheduled(step(sched)))) for _ in range(3)]
+    assert order == ["high", "early-low", "late-low"]
+
+
+def test_fcfs_policy_ignores_priority() -> None:
+    sched = make(max_num_seqs=1, policy=SchedulingPolicy.FCFS)
+    sched.add_request(seq("first", 2, max_tokens=1, priority=9))
+    sched.add_request(seq("second", 2, max_tokens=1, priority=0))
+    assert [next(iter(scheduled(step(sched)))) for _ in range(2)] == ["first", "second"]
+
+
+def test_running_out_of_blocks_preempts_the_lowest_ranked_and_it_resumes() -> None:
+    sched = make(num_blocks=4, block_size=4, budget=64)
+    a, b = seq("a", 7, max_tokens=6, t=0), seq("b", 7, max_tokens=6, t=1)
+    sched.add_request(a)
+    sched.add_request(b)
+    step(sched)
+    step(sched)  # each holds 2 blocks (8 tokens computed); the cache is full
+    step(sched)  # token 9 of each needs a third block: b, the later arrival, is preempted
+    assert b.status is SequenceStatus.PREEMPTED and b.block_table == [] and sched.num_preemptions_total == 1
+    assert a.output_token_ids == [7, 7, 7] and b.output_token_ids == [7, 7]
+    while sched.has_unfinished_requests():
+        step(sched)
+    # b was readmitted, found its own 8 computed tokens still cached, recomputed the rest and went on
+    assert b.num_cached_tokens == 8 and b.output_token_ids == [7] * 6 and a.output_token_ids == [7] * 6
+    assert sched.block_manager.num_free_blocks == 4
+
+
+def test_a_higher_priority_arrival_preempts_a_lower_priority_runner() -> None:
+    sched = make(num_blocks=3, block_size=4, budget=64)
+    low = seq("low", 9, max_tokens=3, priority=5)
+    sched.add_request(low)
+    step(sched)
+    sched.add_request(seq("urgent", 5, max_tokens=2, priority=0, t=1))
+    out = step(sched)
+    assert list(scheduled(out)) == ["urgent"] and low.status is SequenceStatus.PREEMPTED
+
+
+def test_abort_while_waiting_or_running_frees_everything() -> None:
+    sched = make(max_num_seqs=1)
+    a, b = seq("a", 9, max_tokens=50), seq("b", 9, max_tokens=50, t=1)
+    sched.add_request(a)
+    sched.add_request(b)
+    step(sched)
+    sched.finish(b, "abort")
+    sched.finish(a, "abort")
+    assert not sched.has_unfinished_requests() and sched.block_manager.num_free_blocks == 64
+    assert (a.finish_reason, b.finish_reason) == ("abort", "abort")
+
+
+def test_a_follow_up_turn_is_admitted_with_its_cached_prefix() -> None:
+    sched = make(budget=64)
+    first = seq("turn-1", 20, max_tokens=3)
+    sched.add_request(first)
+    while sched.has_unfinished_requests():
+        step(sched)
+    follow = Sequence("turn-2", [*first.token_ids, 40, 41, 42], SamplingParams(temperature=0, max_tokens=2))
+    sched.add_request(follow)
+    out = step(sched)
+    assert follow.num_cached_tokens == 20 and scheduled(out) == {"turn-2": follow.num_prompt_tokens - 20}
