@@ -94,17 +94,7 @@ class AdmissionService:
                 f"tier {route.tier.name!r} has a context of {route.tier.context_limit} tokens; the request needs "
                 f"{prompt} prompt tokens + {cap} output tokens", param="messages", code="context_length_exceeded"))
         route = self._check_wait(plan, route, prompt + cap)
-        tier = route.tier
-        try:
-            decision, admission = await self.quotas.reserve(
-                request_id=call.request_id, tenant=principal.tenant.name, plan=plan, key_id=principal.key.key_id,
-                key_limits=principal.key.limits, tokens=prompt + cap, price=tier.price(prompt, cap))
-        except QuotaBackendError as exc:
-            raise self.refuse("quota_backend", Unavailable(
-                "the quota service is unavailable; retry shortly", code="quota_backend_unavailable",
-                retry_after=1)) from exc
-        if admission is None:
-            raise self.refuse(decision.reason or "quota", self._refusal(plan, decision))
+        decision, admission = await self._reserve(call, plan, prompt + cap, route.tier.price(prompt, cap))
         return Admitted(route, plan, prompt, cap, admission, degr, requested,
                         _ratelimit_headers(plan, decision) | self._cache_headers(call))
 
@@ -115,19 +105,24 @@ class AdmissionService:
         usage = hit.usage
         tokens = int(usage.get("prompt_tokens", 0)) + int(usage.get("completion_tokens", 0))
         price = plan.cache.hit_price_per_1k * tokens / 1000
+        decision, admission = await self._reserve(call, plan, 0, price)
+        return Admitted(route, plan, int(usage.get("prompt_tokens", 0)), 0, admission, degr, requested,
+                        _ratelimit_headers(plan, decision) | self._cache_headers(call), hit_price=price)
+
+    async def _reserve(self, call: Call, plan: Plan, tokens: int, price: Decimal) -> tuple[Decision, Admission]:
+        """Charge the request's scopes, or raise the refusal a client can act on (nothing charged)."""
         principal = call.principal
         try:
             decision, admission = await self.quotas.reserve(
                 request_id=call.request_id, tenant=principal.tenant.name, plan=plan,  # type: ignore[union-attr]
-                key_id=principal.key.key_id, key_limits=principal.key.limits, tokens=0, price=price)
+                key_id=principal.key.key_id, key_limits=principal.key.limits, tokens=tokens, price=price)
         except QuotaBackendError as exc:
             raise self.refuse("quota_backend", Unavailable(
                 "the quota service is unavailable; retry shortly", code="quota_backend_unavailable",
                 retry_after=1)) from exc
         if admission is None:
             raise self.refuse(decision.reason or "quota", self._refusal(plan, decision))
-        return Admitted(route, plan, int(usage.get("prompt_tokens", 0)), 0, admission, degr, requested,
-                        _ratelimit_headers(plan, decision) | self._cache_headers(call), hit_price=price)
+        return decision, admission
 
     @staticmethod
     def _cache_headers(call: Call) -> dict[str, str]:
