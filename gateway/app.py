@@ -73,7 +73,7 @@ def build_services(settings: Settings) -> Services:
     queues = {name: TierQueue(name, tier_capacity(spec, settings), policy=settings.dispatch_policy)
               for name, spec in catalogue.tiers.items()}
     metrics_.queues = queues
-    signals = Signals(tiers_down=fleet.num_tiers_down,
+    signals = Signals(tiers_down=fleet.num_tiers_down, kv_utilisation=fleet.max_kv_utilisation,
                       redis_down=lambda: isinstance(backend, FailoverBackend) and not backend.up)
     ladder = LadderController(load_yaml(settings.ladder_file, Ladder),
                               open_store(settings.data_dir, settings.redis_url), signals,

@@ -69,6 +69,11 @@ class Fleet:
             return "|".join(versions)
         return f"{tier.backend}:{tier.model}:{tier.quantize or 'none'}:{tier.dtype}"
 
+    def max_kv_utilisation(self) -> float:
+        """The fullest engine KV cache among healthy local replicas (0 to 1), as their /health reports it."""
+        return max((r.stats.get("kv_utilisation", 0.0) for reps in self.replicas.values() for r in reps
+                    if r.healthy), default=0.0)
+
     def num_tiers_down(self) -> int:
         """Tiers with no healthy replica and one failing (not first starting, not waiting for its model)."""
         return sum(1 for reps in self.replicas.values()

@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 PriorityClass = Literal["interactive", "standard", "batch"]
-Metric = Literal["queue_wait_p95_s", "error_rate", "tiers_down", "redis_down"]
+Metric = Literal["queue_wait_p95_s", "error_rate", "tiers_down", "redis_down", "kv_utilisation"]
 MAX_THRESHOLD_DROP = 0.05  # the semantic cache's threshold may be lowered at most this much
 
 

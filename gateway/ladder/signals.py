@@ -11,7 +11,9 @@ WINDOW_S = 60.0
 
 class Signals:
     def __init__(self, *, tiers_down: Callable[[], int] = lambda: 0, redis_down: Callable[[], bool] = lambda: False,
+                 kv_utilisation: Callable[[], float] = lambda: 0.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
+        self._kv_utilisation = kv_utilisation
         self._waits: deque[tuple[float, float]] = deque()
         self._outcomes: deque[tuple[float, bool]] = deque()  # (time, was a 5xx)
         self._tiers_down = tiers_down
@@ -33,4 +35,5 @@ class Signals:
         p95 = waits[min(len(waits) - 1, int(0.95 * len(waits)))] if waits else 0.0
         errors = sum(bad for _, bad in self._outcomes)
         return {"queue_wait_p95_s": p95, "error_rate": errors / len(self._outcomes) if self._outcomes else 0.0,
-                "tiers_down": float(self._tiers_down()), "redis_down": 1.0 if self._redis_down() else 0.0}
+                "tiers_down": float(self._tiers_down()), "redis_down": 1.0 if self._redis_down() else 0.0,
+                "kv_utilisation": float(self._kv_utilisation())}

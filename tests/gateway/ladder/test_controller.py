@@ -159,3 +159,22 @@ def test_two_replicas_share_the_level_through_redis(tmp_path: Path, redis_url: s
     b.tick()
     assert b.level == 2 and b.source == "manual"
     assert [e.reason for e in b.store.history()] == ["manual: drill"]
+
+
+def test_engine_kv_pressure_can_raise_the_level(tmp_path: Path) -> None:
+    f = tmp_path / "ladder.yaml"
+    f.write_text("levels:\n  - {level: 0, name: normal}\n  - level: 1\n    name: kv\n"
+                 "    enter: {any: [{metric: kv_utilisation, above: 0.9}], for_s: 5}\n"
+                 "    exit: {any: [{metric: kv_utilisation, below: 0.5}], for_s: 5}\n    min_dwell_s: 0\n")
+    clock, kv = Clock(), [0.95]
+    c = LadderController(load_yaml(f, Ladder), SqliteLadderStore(tmp_path / "s.db"),
+                         Signals(clock=clock, kv_utilisation=lambda: kv[0]), clock=clock)
+    for _ in range(6):
+        clock.t += 1
+        c.tick()
+    assert c.level == 1 and c.store.history()[0].metrics["kv_utilisation"] == 0.95
+    kv[0] = 0.2
+    for _ in range(6):
+        clock.t += 1
+        c.tick()
+    assert c.level == 0
