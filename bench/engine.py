@@ -28,7 +28,7 @@ MODEL_DIR = Path.home() / ".local/share/tiergate/models/smollm2-135m-instruct"
 
 
 def load_prompts(tok: Any, n: int, prompt_len: int) -> list[list[int]]:
-    from bench.near_misses import sharegpt_first_turns
+    from engine.datasets import sharegpt_first_turns
 
     out = []
     for text in sharegpt_first_turns(limit=4 * n):
@@ -117,7 +117,7 @@ def hf_static_batch(model: Any, prompts: list[list[int]], output_len: int) -> fl
 
 def follow_up_ttft(engine: Any, tok: Any, history_len: int) -> tuple[float, float, int]:
     """TTFT of a follow-up turn sharing a history_len-token history: cold, then warm (history cached)."""
-    from bench.near_misses import sharegpt_first_turns
+    from engine.datasets import sharegpt_first_turns
     from engine.sampling_params import SamplingParams
 
     text = " ".join(sharegpt_first_turns(limit=200))
@@ -144,7 +144,7 @@ def agreement(tok: Any, num_tokens: int, threads: int) -> list[str]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from bench.near_misses import sharegpt_first_turns
+    from engine.datasets import sharegpt_first_turns
     from engine.quantize import quantize_int8_
 
     text = "\n\n".join(sharegpt_first_turns(limit=3000)[-300:])  # the tail: away from what tests and tuning saw

