@@ -19,7 +19,6 @@ from cache import (
     CacheScope,
     CacheStoreError,
     EmbedderError,
-    Hit,
     LookupResult,
     Miss,
     SemanticCache,
@@ -60,26 +59,33 @@ class CacheService:
         if headers.get(DATA_VERSION_HEADER):
             version = f"{version}:{headers[DATA_VERSION_HEADER]}"
         end_user = call.req.user if plan.cache.isolate_users else None
-        return CacheScope.for_request(call.body, tenant=tenant, roles=principal.key.roles, end_user=end_user,
+        return CacheScope.for_request(call.cache_body, tenant=tenant, roles=principal.key.roles, end_user=end_user,
                                       data_version=version, model_version=self.fleet.model_version(tier))
 
     async def lookup(self, call: Call, plan: Plan, tier: TierSpec, degr: Degradation,
                      headers: Mapping[str, str]) -> LookupResult:
         if self.cache is None:
             return Bypass("bypass: the cache is off")
+        call.cache_body = call.req.model_dump(mode="json", exclude_none=True)  # as looked up, so as stored
         call.cache_policy = self.policy(plan, degr)
         call.cache_scope = self.scope(call, plan, tier, headers)
         call.cache_headers = dict(headers)
         try:
-            return await self.cache.alookup(call.cache_scope, call.body, headers=call.cache_headers,
+            return await self.cache.alookup(call.cache_scope, call.cache_body, headers=call.cache_headers,
                                             policy=call.cache_policy)
         except (CacheStoreError, EmbedderError) as exc:
             log.warning("cache lookup failed, served as a miss: %s", exc)
             return Miss(f"cache unavailable: {exc}")
 
     def save(self, call: Call, text: str) -> None:
-        """Keep a fresh answer (in the background: the client is not kept waiting for it)."""
+        """Keep a fresh answer (in the background: the client is not kept waiting for it).
+
+        An answer the ladder shaped (a trimmed context, a capped output) is not what the request asked for,
+        so it is never stored: a later request at normal service must not get it.
+        """
         if self.cache is None or call.cache_scope is None or not isinstance(call.cache_result, Miss):
+            return
+        if call.degradation is not None and call.degradation.shaped_answer:
             return
         usage = {"prompt_tokens": call.input_tokens, "completion_tokens": call.output_tokens,
                  "finish_reason": call.finish_reason}
@@ -89,7 +95,7 @@ class CacheService:
 
     async def _save(self, call: Call, text: str, usage: dict[str, Any]) -> None:
         try:
-            await self.cache.astore(call.cache_scope, call.body, text, usage,  # type: ignore[union-attr]
+            await self.cache.astore(call.cache_scope, call.cache_body, text, usage,  # type: ignore[union-attr]
                                     headers=call.cache_headers, policy=call.cache_policy)
         except (CacheStoreError, EmbedderError) as exc:
             log.warning("cache store failed: %s", exc)
@@ -99,6 +105,3 @@ class CacheService:
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
 
-
-def is_hit(result: LookupResult | None) -> bool:
-    return isinstance(result, Hit)

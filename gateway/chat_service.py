@@ -63,11 +63,7 @@ class Call:
     cache_scope: Any = None
     cache_policy: Any = None
     cache_headers: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def body(self) -> dict[str, Any]:
-        """The request as the cache reads it: the OpenAI body, normalized by our schema."""
-        return self.req.model_dump(mode="json", exclude_none=True)
+    cache_body: dict[str, Any] = field(default_factory=dict)  # the OpenAI body as the cache keyed it
 
     @property
     def is_cache_hit(self) -> bool:

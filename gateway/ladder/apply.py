@@ -73,6 +73,11 @@ class Degradation:
         return kept
 
     @property
+    def shaped_answer(self) -> bool:
+        """A cap changed what the model saw or could say: the answer is not the one the request asked for."""
+        return any(a.startswith(("cap_input_tokens", "cap_output_tokens")) for a in self.applied)
+
+    @property
     def cascade_disabled(self) -> bool:
         return isinstance(self._first(DisableCascade), DisableCascade)
 

@@ -167,3 +167,19 @@ def test_cache_metrics(gateway: Gateway) -> None:
         assert f'tiergate_cache_requests_total{{result="{result}",tenant="acme"}} 1.0' in text
     assert 'tiergate_cache_savings_usd_total{tenant="acme"}' in text
 
+
+
+def test_answers_shaped_by_the_ladder_are_not_cached(gateway_settings: Settings,
+                                                     stub: tuple[ServerThread, StubState], tmp_path) -> None:  # type: ignore[no-untyped-def]
+    ladder = tmp_path / "ladder.yaml"
+    ladder.write_text("levels:\n  - {level: 0, name: normal}\n"
+                      "  - {level: 1, name: short, actions: [{cap_output_tokens: 2}]}\n")
+    with running_gateway(gateway_settings.model_copy(update={"ladder_file": ladder}), stub[1]) as gw:
+        with gw.client(gw.admin_key) as admin:
+            admin.post("/admin/degrade/", json={"level": 1, "reason": "test"})
+        short = ask(gw, max_tokens=50)
+        assert short.json()["usage"]["completion_tokens"] == 2
+        with gw.client(gw.admin_key) as admin:
+            admin.post("/admin/degrade/auto")
+        full = ask(gw, max_tokens=50)  # back at normal service: the capped answer must not come back
+        assert full.headers["x-tiergate-cache"] == "miss" and full.json()["choices"][0]["message"]["content"] == REPLY
