@@ -1,0 +1,213 @@
+"""The training pipeline end to end on tiny random Llamas, the prompt split, first-use builds, and the
+benchmark's curve arithmetic (APGR, saving at 95%, above random mixing)."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from bench.router import apgr, cost_at_quality, evaluate, random_quality, router_curve
+from gateway.cli.main import cli
+from tests.tiers.test_difficulty import HashEmbedder
+from tiers.catalogue import TierCatalogue
+from tiers.difficulty import default_artifact_path, load_difficulty_model
+from tiers.router_training import (
+    RouterTrainingError,
+    ensure_difficulty_model,
+    is_heldout,
+    runnable_tiers,
+    sharegpt_prompts,
+    train,
+)
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+PROMPTS = ["How do I reverse a list in Python?", "Write a haiku about the sea.",
+           "def f(x):\n    return x +\nwhy does this fail?", "Translate 'good morning' into French."]
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<pad>", "<s>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(PROMPTS * 4, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="<|im_end|>", pad_token="<pad>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def tiny_llama(path: Path, tok: PreTrainedTokenizerFast, seed: int) -> Path:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      tie_word_embeddings=False, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def catalogue(tmp_path_factory: pytest.TempPathFactory) -> TierCatalogue:
+    tok = tiny_tokenizer()
+    root = tmp_path_factory.mktemp("tiny-tiers")
+    big = tiny_llama(root / "big", tok, seed=0)
+    student = tiny_llama(root / "student", tok, seed=1)
+
+    def tier(model: Path, price: str, **extra: str) -> dict:
+        return {"backend": "local", "model": str(model), "dtype": "fp32", "kv_cache_bytes": 1 << 22,
+                "price_per_1k_input": price, "price_per_1k_output": price, "hardware_cost_per_hour": "0",
+                "context_limit": 512, **extra}
+
+    return TierCatalogue.model_validate({"tiers": {
+        "small": tier(student, "0.0001"), "mid": tier(big, "0.0002", quantize="int8"), "full": tier(big, "0.0006"),
+        "unbuilt": tier(root / "missing", "0.00005"),
+    }})
+
+
+def test_training_end_to_end_on_tiny_models(catalogue: TierCatalogue, tmp_path: Path) -> None:
+    out = tmp_path / "difficulty.json"
+    messages: list[str] = []
+    model = train(catalogue, tmp_path / "models", out, max_tokens=4, prompts=PROMPTS, work_dir=tmp_path / "work",
+                  embedder=HashEmbedder(), threads=1, max_num_seqs=4, progress=False, echo=messages.append)
+    assert any("skipping tier unbuilt" in m and "not built" in m for m in messages)
+    loaded = load_difficulty_model(out, embedder=HashEmbedder())
+    assert loaded.version == model.version and loaded.version.startswith("difficulty-v1:")
+    assert loaded.tiers == ["small", "mid", "full"] and loaded.reference == "full"
+    assert set(loaded.tier_versions) == {"small", "mid", "full"}
+    assert loaded.tier_versions["mid"] != loaded.tier_versions["full"]  # int8 is another model version
+    assert loaded.heads["small"].num_train == 4 and loaded.training["max_tokens"] == 4
+    pred = loaded.predict([{"role": "user", "content": "What is 2 + 2?"}])
+    assert pred["full"] == 1.0 and all(0.0 <= pred[t] <= 1.0 for t in ("small", "mid"))
+    # answers and scores are cached: a second run generates nothing and gives the same model
+    gen = sorted((tmp_path / "work" / "generations").glob("*.jsonl"))
+    assert len(gen) == 3 and all(len(p.read_text().splitlines()) == 4 for p in gen)
+    again = train(catalogue, tmp_path / "models", None, max_tokens=4, prompts=PROMPTS, work_dir=tmp_path / "work",
+                  embedder=HashEmbedder(), progress=False)
+    assert again.version == model.version
+    assert all(len(p.read_text().splitlines()) == 4 for p in gen)
+
+
+def test_the_int8_tier_is_more_faithful_than_another_model(catalogue: TierCatalogue, tmp_path: Path) -> None:
+    model = train(catalogue, tmp_path / "models", None, max_tokens=4, prompts=PROMPTS, tiers=["small", "mid"],
+                  work_dir=tmp_path / "work", embedder=HashEmbedder(), threads=1, progress=False)
+    # the same weights in int8 agree with full far more than an unrelated random model does
+    assert model.heads["mid"].mean_fidelity > model.heads["small"].mean_fidelity
+
+
+def test_nothing_to_train_without_a_cheaper_tier(catalogue: TierCatalogue, tmp_path: Path) -> None:
+    with pytest.raises(RouterTrainingError, match="nothing to predict"):
+        train(catalogue, tmp_path, None, prompts=PROMPTS, tiers=["unbuilt", "full"], work_dir=tmp_path,
+              embedder=HashEmbedder(), progress=False)
+    ready, skipped = runnable_tiers(catalogue, tmp_path)
+    assert [s.name for s in ready] == ["small", "mid", "full"] and "unbuilt" in skipped
+
+
+def test_ensure_builds_once_and_under_a_lock(catalogue: TierCatalogue, tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    import tiers.router_training as rt
+
+    calls = []
+    real_train = rt.train
+
+    def counting_train(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        return real_train(*args, prompts=PROMPTS, embedder=HashEmbedder(), **kwargs)
+
+    monkeypatch.setattr(rt, "train", counting_train)
+    paths: list[Path] = []
+    threads = [threading.Thread(target=lambda: paths.append(ensure_difficulty_model(
+        tmp_path, tmp_path / "models", catalogue, max_tokens=2, progress=False, tiers=["mid", "full"])))
+        for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert calls == [1] and paths == [default_artifact_path(tmp_path)] * 2
+    assert load_difficulty_model(paths[0]).tiers == ["mid", "full"]
+    # a tier built since (small) has no prediction: the artifact is stale and rebuilt once
+    messages: list[str] = []
+    ensure_difficulty_model(tmp_path, tmp_path / "models", catalogue, max_tokens=2, progress=False,
+                            echo=messages.append)
+    assert len(calls) == 2 and any("stale" in m for m in messages)
+    ensure_difficulty_model(tmp_path, tmp_path / "models", catalogue, max_tokens=2, progress=False)
+    assert len(calls) == 2
+    # a broken artifact is replaced
+    default_artifact_path(tmp_path).write_text("{")
+    ensure_difficulty_model(tmp_path, tmp_path / "models", catalogue, max_tokens=2, progress=False)
+    assert len(calls) == 3 and load_difficulty_model(default_artifact_path(tmp_path)).tiers == ["small", "mid", "full"]
+
+
+def test_prompt_split_is_fixed_and_disjoint() -> None:
+    pool = [f"prompt number {i}: tell me about topic {i * 7}" for i in range(2000)] + ["", "hi", PROMPTS[0]] * 3
+    heldout = sharegpt_prompts(50, split="heldout", seed=0, pool=pool)
+    train_a = sharegpt_prompts(300, split="train", seed=0, pool=pool)
+    train_b = sharegpt_prompts(300, split="train", seed=1, pool=pool)
+    assert not set(heldout) & (set(train_a) | set(train_b))
+    assert all(is_heldout(p) for p in heldout) and not any(is_heldout(p) for p in train_a)
+    assert len(set(train_a)) == 300 and train_a != train_b and "hi" not in train_a
+    assert sharegpt_prompts(300, split="train", seed=0, pool=pool) == train_a
+    held_share = sum(is_heldout(p) for p in pool[:2000]) / 2000
+    assert 0.07 < held_share < 0.13
+    with pytest.raises(RouterTrainingError):
+        sharegpt_prompts(5000, split="heldout", pool=pool)
+
+
+def test_router_train_help() -> None:
+    result = CliRunner().invoke(cli, ["router", "train", "--help"])
+    assert result.exit_code == 0
+    for flag in ("--prompts", "--max-tokens", "--tiers", "--out", "--seed", "agreement"):
+        assert flag in result.output
+
+
+# ---- the benchmark's arithmetic ----
+
+def test_apgr_on_synthetic_curves() -> None:
+    x = np.linspace(0, 1, 101)
+    assert apgr(x, 0.6 + 0.4 * x, 0.6, 1.0) == pytest.approx(0.5)  # random mixing
+    assert apgr(np.array([0, 1e-3, 1]), np.array([0.6, 1.0, 1.0]), 0.6, 1.0) == pytest.approx(1.0, abs=1e-3)
+    assert apgr(x, np.full_like(x, 0.6), 0.6, 1.0) == 0.0  # a router that never recovers anything
+    assert apgr(x, np.ones_like(x), 1.0, 1.0) == 1.0  # no gap to recover
+
+
+def test_router_curves_perfect_random_and_reversed() -> None:
+    rng = np.random.default_rng(0)
+    n = 2000
+    fid = np.where(rng.uniform(size=n) < 0.2, 0.1, 1.0)  # 20% of requests the cheap tier fails at
+    cw, cs = np.full(n, 1.0), np.full(n, 6.0)
+    perfect = evaluate(fid, fid, cw, cs)
+    assert perfect.apgr_router == pytest.approx(perfect.apgr_oracle)
+    assert perfect.apgr_router == pytest.approx(0.9, abs=0.01)  # gap closed after 20% of calls: 1 - 0.2 / 2
+    # always-cheap quality 0.82; 95% needs 0.13 / 0.9 of the calls on full, at cost 1 + 5 x that (vs 6)
+    assert perfect.points_below_random == 0
+    assert perfect.saving_router == pytest.approx(1 - (1 + 0.13 / 0.9 * 5) / 6, abs=0.01)
+    assert perfect.pct_strong_at_target == pytest.approx(0.2 - 0.05 / 0.9, abs=0.01)
+    coin = evaluate(rng.uniform(size=n), fid, cw, cs)
+    assert coin.apgr_router == pytest.approx(0.5, abs=0.05)
+    assert coin.apgr_oracle == perfect.apgr_oracle
+    backwards = evaluate(-fid, fid, cw, cs)
+    assert backwards.apgr_router < 0.2 and backwards.points_below_random > 0 and backwards.min_margin_vs_random < 0
+
+
+def test_saving_at_95_percent_and_equal_cost_random_line() -> None:
+    fid = np.array([0.0, 1.0, 1.0, 1.0])  # one hard request out of four: always-cheap quality 0.75
+    cw, cs = np.ones(4), np.full(4, 5.0)
+    ev = evaluate(np.array([0.1, 0.9, 0.8, 0.7]), fid, cw, cs)
+    # the router sends the hard one first: full quality at cost (5 + 3) / 4 = 2.0; 95% is reached 80% of the way
+    curve = router_curve(np.array([0.1, 0.9, 0.8, 0.7]), fid, cw, cs)
+    assert curve.quality[1] == 1.0 and curve.cost[1] == 2.0
+    assert cost_at_quality(curve, 0.95) == pytest.approx(1.0 + 0.8 * 1.0)
+    assert ev.saving_router == pytest.approx(1 - 1.8 / 5.0)
+    # random mixing reaches 0.95 at p = 0.8: cost 1 + 0.8 * 4 = 4.2
+    assert ev.saving_random == pytest.approx(1 - 4.2 / 5.0)
+    assert random_quality(np.array([1.0, 3.0, 5.0]), 1.0, 5.0, 0.75, 1.0) == pytest.approx([0.75, 0.875, 1.0])
+    assert ev.points_below_random == 0

@@ -1,0 +1,154 @@
+"""What the difficulty predictor sees of a request: an embedding of what is asked, and a few simple signals.
+
+- The all-MiniLM-L6-v2 embedding (384 numbers) of the last user turn: what the request is about and what
+  kind of task it is (the model reads its first 256 word pieces, where the task is usually stated). Topic
+  matters: a small model copes with chit-chat and fails at code, maths and rare languages.
+- Simple features (`SIMPLE_FEATURES`), cheap to compute and hard for an embedding to encode: how long the
+  request is (a long context is harder to follow), how many turns it has, whether it has code, how much of
+  it is outside ASCII and outside the Latin script (small models are mostly English-trained), digits
+  (arithmetic), and what kind of request it opens with (a question word, an imperative like "write",
+  "explain", "translate", "fix").
+
+Lengths use log1p so a 20,000-character paste does not swamp the rest; counts of tokens come from the
+embedding model's tokenizer (no tier's tokenizer is needed, and it is loaded anyway). `FEATURE_VERSION`
+and the feature names are stored in the artifact; a model trained on other features does not load.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import unicodedata
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+FEATURE_VERSION = "router-features-v1"
+EMBEDDING = "all-MiniLM-L6-v2:last-user-turn"
+EMBEDDING_DIM = 384
+
+QUESTION_TYPES = ("wh", "how", "why", "yesno", "write", "explain", "translate", "fix", "list")
+SIMPLE_FEATURES = (
+    "log_chars_last_user", "log_tokens_last_user", "log_chars_conversation", "num_user_turns",
+    "has_system", "has_code", "code_fence", "non_ascii_frac", "non_latin_frac", "digit_frac", "num_lines_log",
+    "ends_with_question", "has_url",
+    *(f"qtype_{q}" for q in QUESTION_TYPES),
+)
+
+_CODE_PATTERNS = re.compile(  # case-sensitive: "Let me know" and "Select the best" are prose
+    r"^\s*(def|class|import|from\s+\S+\s+import|function|const|let|var|public|private|return|#include|package|"
+    r"SELECT|INSERT|UPDATE|CREATE\s+TABLE)\s|[{};]\s*$|=>|\w+\([^()\n]*\)\s*[{:;]|</?[a-z]+[^>]*>|\$[A-Za-z_]\w*|"
+    r"[^=!<>]==[^=]|!=|\+\+|&&|\|\|",
+    re.MULTILINE,
+)
+_URL = re.compile(r"https?://|www\.", re.IGNORECASE)
+_QTYPE_WORDS: dict[str, tuple[str, ...]] = {
+    "wh": ("what", "who", "whom", "whose", "when", "where", "which"),
+    "how": ("how",),
+    "why": ("why",),
+    "yesno": ("is", "are", "can", "could", "do", "does", "did", "should", "would", "will", "was", "were", "may"),
+    "write": ("write", "create", "generate", "compose", "draft", "make", "design", "build", "implement"),
+    "explain": ("explain", "describe", "summarize", "summarise", "tell", "define", "compare", "discuss"),
+    "translate": ("translate", "rewrite", "paraphrase", "rephrase", "correct", "proofread"),
+    "fix": ("fix", "debug", "solve", "calculate", "compute", "optimize", "refactor", "convert"),
+    "list": ("list", "give", "suggest", "name", "provide", "recommend"),
+}
+_FIRST_WORDS = {w: q for q, words in _QTYPE_WORDS.items() for w in words}
+
+
+def message_text(message: dict[str, Any]) -> str:
+    """The text of one chat message: a string, or OpenAI content parts ({"type": "text", "text": …})."""
+    content = message.get("content")
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "\n".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+    return str(content)
+
+
+def last_user_turn(messages: Sequence[dict[str, Any]]) -> str:
+    for message in reversed(messages):
+        if message.get("role") == "user":
+            return message_text(message)
+    return message_text(messages[-1]) if messages else ""
+
+
+def has_code(text: str) -> bool:
+    """Two or more code-looking lines (or one code fence): keywords at a line start, braces or semicolons
+    at a line end, calls, tags, comparison operators. Prose rarely trips two of them."""
+    if "```" in text:
+        return True
+    return len(_CODE_PATTERNS.findall(text)) >= 2
+
+
+def script_fractions(text: str) -> tuple[float, float]:
+    """(fraction of letters outside ASCII, fraction of letters outside the Latin script)."""
+    letters = [c for c in text if c.isalpha()]
+    if not letters:
+        return 0.0, 0.0
+    non_ascii = sum(1 for c in letters if ord(c) > 127)
+    non_latin = sum(1 for c in letters if ord(c) > 127 and not unicodedata.name(c, "").startswith("LATIN"))
+    return non_ascii / len(letters), non_latin / len(letters)
+
+
+def question_type(text: str) -> str | None:
+    """The kind of request, from its first word (one of QUESTION_TYPES), or None."""
+    match = re.search(r"[A-Za-z]+", text[:200])
+    if not match:
+        return None
+    return _FIRST_WORDS.get(match.group(0).lower())
+
+
+def simple_features(messages: Sequence[dict[str, Any]], num_tokens_last_user: int) -> np.ndarray:
+    """The SIMPLE_FEATURES vector of a conversation (float64)."""
+    last = last_user_turn(messages)
+    everything = "\n".join(message_text(m) for m in messages)
+    non_ascii, non_latin = script_fractions(last)
+    qtype = question_type(last)
+    stripped = last.strip()
+    values = [
+        math.log1p(len(last)), math.log1p(num_tokens_last_user), math.log1p(len(everything)),
+        float(sum(1 for m in messages if m.get("role") == "user")),
+        float(any(m.get("role") in ("system", "developer") for m in messages)),
+        float(has_code(last)), float("```" in last), non_ascii, non_latin,
+        sum(c.isdigit() for c in last) / max(len(last), 1), math.log1p(last.count("\n")),
+        float(stripped.endswith("?")), float(bool(_URL.search(last))),
+        *(float(qtype == q) for q in QUESTION_TYPES),
+    ]
+    return np.asarray(values, dtype=np.float64)
+
+
+class FeatureExtractor:
+    """[embedding | simple features] rows for conversations. The embedder (cache/embedder.py's Embedder, or
+    anything with `encode(texts)` and `num_tokens(text)`) is the process-wide one unless given, and is
+    loaded on first use, not at construction."""
+
+    def __init__(self, embedder: Any = None) -> None:
+        self._embedder = embedder
+
+    @property
+    def embedder(self) -> Any:
+        if self._embedder is None:
+            from cache.embedder import default_embedder
+
+            self._embedder = default_embedder()
+        return self._embedder
+
+    @property
+    def dim(self) -> int:
+        return EMBEDDING_DIM + len(SIMPLE_FEATURES)
+
+    def features(self, conversations: Sequence[Sequence[dict[str, Any]]]) -> np.ndarray:
+        """[N, 384 + len(SIMPLE_FEATURES)] float64."""
+        if not conversations:
+            return np.zeros((0, self.dim))
+        lasts = [last_user_turn(c) for c in conversations]
+        emb = np.asarray(self.embedder.encode(lasts), dtype=np.float64)
+        if emb.shape != (len(lasts), EMBEDDING_DIM):
+            raise ValueError(f"the embedder returned {emb.shape}, expected ({len(lasts)}, {EMBEDDING_DIM})")
+        simple = np.stack([simple_features(c, self.embedder.num_tokens(last))
+                           for c, last in zip(conversations, lasts, strict=True)])
+        return np.concatenate([emb, simple], axis=1)
