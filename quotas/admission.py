@@ -47,6 +47,25 @@ class QuotaService:
         decision = await self.backend.reserve(req)
         return decision, (Admission(req, decision) if decision.admitted else None)
 
+    async def budget_left(self, *, tenant: str, plan: Plan, key_id: str, key_limits: Limits | None,
+                          now: float) -> float | None:
+        """The smallest share (0-1) left of any daily or monthly budget over the tenant and key scopes; None
+        when no scope has a budget or the backend cannot tell. One backend read (a round trip on Redis)."""
+        scopes = [s for s in self.scopes(plan, key_id, key_limits)
+                  if s.budget_day_pico is not None or s.budget_month_pico is not None]
+        if not scopes:
+            return None
+        spent = await self.backend.spent(tenant, [s.scope for s in scopes], now)
+        if spent is None:
+            return None
+        left = 1.0
+        for s in scopes:
+            day, month = spent.get(s.scope, (0, 0))
+            for limit, used in ((s.budget_day_pico, day), (s.budget_month_pico, month)):
+                if limit is not None:
+                    left = min(left, max(0.0, (limit - used) / limit) if limit else 0.0)
+        return left
+
     async def settle(self, admission: Admission, *, tokens: int, price: Decimal) -> None:
         if admission.settled:
             return

@@ -46,6 +46,58 @@ class CachePlan(BaseModel):
         return repr(value) if isinstance(value, float) else value
 
 
+class BudgetThreshold(BaseModel):
+    """Below this share of budget left, `auto` accepts answers of lower predicted quality."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    below_fraction: Annotated[float, Field(gt=0, lt=1)]  # of the daily or monthly budget, whichever is less
+    quality_floor: Annotated[float, Field(ge=0, le=1)]
+
+
+class RoutingPlan(BaseModel):
+    """How `auto` trades quality for cost, load and budget for a plan's tenants (see tiers/routing.py).
+
+    `quality_floor` is the predicted fidelity (0-1, the full tier's answer being 1) a tier must reach for
+    `auto` to choose it; the cheapest tier that reaches it wins. As the tenant's remaining budget falls
+    below each threshold's `below_fraction`, that threshold's (lower) floor applies instead, so a tenant
+    near the end of its budget is moved toward cheaper tiers rather than cut off at once.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    quality_floor: Annotated[float, Field(ge=0, le=1)] = 0.8
+    budget_thresholds: list[BudgetThreshold] = Field(default_factory=list)
+    allow_dearer_on_load: bool = False  # may an overloaded tier's request go to a dearer tier (at its price)?
+    cascade: bool = False  # retry a failed cheap answer once on the next dearer tier (both billed)
+    cascade_min_mean_logprob: Annotated[float, Field(le=0)] | None = None  # ...or one less sure than this
+
+    @model_validator(mode="after")
+    def _relaxing(self) -> RoutingPlan:
+        self.budget_thresholds = sorted(self.budget_thresholds, key=lambda t: -t.below_fraction)
+        fractions = [t.below_fraction for t in self.budget_thresholds]
+        if len(set(fractions)) != len(fractions):
+            raise ValueError(f"budget_thresholds repeat a below_fraction: {fractions}")
+        floor = self.quality_floor
+        for t in self.budget_thresholds:
+            if t.quality_floor > floor:
+                raise ValueError(f"budget threshold below_fraction={t.below_fraction} raises the quality floor to "
+                                 f"{t.quality_floor} (above {floor}); thresholds may only relax it")
+            floor = t.quality_floor
+        return self
+
+    def floor_for(self, budget_left: float | None) -> tuple[float, str]:
+        """The floor for a tenant with `budget_left` (0-1, None: unknown or unlimited), and why."""
+        floor, why = self.quality_floor, f"floor {self.quality_floor:g}"
+        if budget_left is None:
+            return floor, why
+        for t in self.budget_thresholds:
+            if budget_left < t.below_fraction:
+                floor = t.quality_floor
+                why = f"floor {floor:g} (budget {budget_left:.0%} left < {t.below_fraction:.0%})"
+        return floor, why
+
+
 class Plan(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -53,10 +105,11 @@ class Plan(BaseModel):
     priority: PriorityClass = "standard"
     weight: Annotated[float, Field(gt=0)] = 1.0  # fair-share weight inside the priority class
     allowed_tiers: Annotated[list[str], Field(min_length=1)]
-    default_tier: str  # what `auto` means until the router decides per request
-    allow_upgrade: bool = False  # may an unavailable tier fall back to a dearer one?
+    default_tier: str  # what `auto` means while there is no difficulty model
+    allow_upgrade: bool = False  # may an unavailable tier (down, circuit open) fall back to a dearer one?
     max_queue_wait_s: Annotated[float, Field(gt=0)] | None = None  # predicted wait above this: refuse (503)
-    shed_to_cheaper: bool = False  # ...or, instead, offer the router a cheaper allowed tier
+    shed_to_cheaper: bool = False  # ...or, instead, skip to the closest cheaper allowed tier within the wait
+    routing: RoutingPlan = Field(default_factory=RoutingPlan)
     limits: Limits = Field(default_factory=Limits)
     cache: CachePlan = Field(default_factory=CachePlan)
 

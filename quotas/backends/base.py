@@ -9,6 +9,7 @@ together, or nothing is charged at all.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 
 from quotas.limits import Decision, ReservationRequest
 
@@ -31,6 +32,11 @@ class QuotaBackend(ABC):
     @abstractmethod
     async def settle(self, req: ReservationRequest, *, tokens: int, money_pico: int) -> None:
         """Replace the reservation's tokens and money by what was really used; free its concurrency slot."""
+
+    async def spent(self, tenant: str, scopes: Sequence[str], now: float) -> dict[str, tuple[int, int]] | None:
+        """Picodollars each scope has spent (reservations included) on `now`'s day and month, in one read;
+        None where this backend cannot tell. The router reads it to relax quality as budgets run low."""
+        return None
 
     async def close(self) -> None:  # noqa: B027 (optional to override)
         """Release connections."""

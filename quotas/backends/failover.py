@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 from quotas.backends.base import QuotaBackend, QuotaBackendError
@@ -81,6 +81,12 @@ class FailoverBackend(QuotaBackend):
         except QuotaBackendError as exc:
             # the reservation stays charged at its upper bound: budgets err on the safe side
             self._mark(False, str(exc))
+
+    async def spent(self, tenant: str, scopes: Sequence[str], now: float) -> dict[str, tuple[int, int]] | None:
+        """The primary's figures while it answers; while it is down, the local ones (what this replica saw)."""
+        if self.up:
+            return await self.primary.spent(tenant, scopes, now)
+        return await self.local.spent(tenant, scopes, now)
 
     async def close(self) -> None:
         await self.primary.close()

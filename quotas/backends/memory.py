@@ -6,7 +6,9 @@ Budgets survive restarts because the gateway seeds them from the durable ledger 
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from quotas.backends.base import QuotaBackend
@@ -94,6 +96,14 @@ class MemoryBackend(QuotaBackend):
             st.spent_day[req.day] = st.spent_day.get(req.day, 0) + delta
             st.spent_month[req.month] = st.spent_month.get(req.month, 0) + delta
 
+    async def spent(self, tenant: str, scopes: Sequence[str], now: float) -> dict[str, tuple[int, int]] | None:
+        day, month = _day_month(now)
+        out = {}
+        for scope in scopes:
+            st = self._state.get((tenant, scope))
+            out[scope] = (st.spent_day.get(day, 0), st.spent_month.get(month, 0)) if st else (0, 0)
+        return out
+
     def seed(self, tenant: str, scope: str, *, day: str, month: str, spent_day_pico: int,
              spent_month_pico: int, recent: list[tuple[float, str, int]]) -> None:
         """Restore budgets and the last minute's requests and tokens from the ledger."""
@@ -122,3 +132,8 @@ def _check(lim: ScopeLimits, st: _ScopeState, req: ReservationRequest) -> Decisi
             and st.spent_month.get(req.month, 0) + req.money_pico > lim.budget_month_pico):
         return Decision(False, "budget_month", lim.scope, seconds_to_next_month(now))
     return None
+
+
+def _day_month(now: float) -> tuple[str, str]:
+    t = time.gmtime(now)
+    return time.strftime("%Y%m%d", t), time.strftime("%Y%m", t)

@@ -8,6 +8,8 @@ matter. Calls time out quickly (50 ms by default); failures surface as `QuotaBac
 
 from __future__ import annotations
 
+import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import redis.asyncio as aioredis
@@ -82,6 +84,17 @@ class RedisBackend(QuotaBackend):
             await self._settle(keys=self.keys(req), args=[req.request_id, tokens, money_pico - req.money_pico])
         except RedisError as exc:
             raise QuotaBackendError(f"redis: {exc}", transient=isinstance(exc, RedisTimeout)) from exc
+
+    async def spent(self, tenant: str, scopes: Sequence[str], now: float) -> dict[str, tuple[int, int]] | None:
+        t = time.gmtime(now)
+        day, month = time.strftime("%Y%m%d", t), time.strftime("%Y%m", t)
+        tag = f"{{{self.prefix}:{tenant}}}"
+        keys = [k for scope in scopes for k in (f"{tag}:{scope}:day:{day}", f"{tag}:{scope}:month:{month}")]
+        try:
+            values = await self.redis.mget(keys)
+        except RedisError as exc:
+            raise QuotaBackendError(f"redis: {exc}", transient=isinstance(exc, RedisTimeout)) from exc
+        return {scope: (int(values[2 * i] or 0), int(values[2 * i + 1] or 0)) for i, scope in enumerate(scopes)}
 
     async def ping(self) -> bool:
         try:
