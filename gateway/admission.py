@@ -1,14 +1,16 @@
 """Admission: route, count the prompt, check the predicted wait, reserve quotas. Nothing is spent on refusal.
 
-Order matters: every check that can refuse without state (route, context length, predicted wait) runs
+Order matters: every check that can refuse without state (route, predicted wait, context length) runs
 before the one that charges (the quota reservation), and a reservation is the last step, so a refused
-request has charged nothing.
+request has charged nothing. Routing reads the difficulty model (for `auto`) and, where the plan relaxes
+its quality floor as budgets run low, the tenant's spend: one quota-backend read, only then.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass, field, replace
 from decimal import Decimal
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -28,9 +30,10 @@ from quotas.dispatch import TierQueue
 from quotas.limits import Decision
 from quotas.plans import PRIORITY_ORDER, Plan, PlanBook
 from tiers.catalogue import TierSpec
-from tiers.errors import TierError
+from tiers.errors import TierError, TierOverloaded
 from tiers.fleet import Fleet
-from tiers.routing import Route, choose_tier
+from tiers.predictor import PredictorSource
+from tiers.routing import AUTO, Prediction, Route, RouteRules, TierConditions, choose_tier
 
 if TYPE_CHECKING:
     from gateway.chat_service import Call
@@ -49,12 +52,15 @@ class Admitted:
     requested_tier: str  # what the request named, or the plan's default for `auto`
     headers: dict[str, str] = field(default_factory=dict)  # x-ratelimit-*, x-tiergate-cache
     hit_price: Decimal | None = None  # set when the answer comes from the cache
+    cap_by_context: bool = False  # the output cap is what the tier's context had left (not the client's)
 
 
 class AdmissionService:
     def __init__(self, *, fleet: Fleet, plans: PlanBook, quotas: QuotaService, queues: dict[str, TierQueue],
                  metrics: GatewayMetrics, models_dir: str, default_max_tokens: int,
-                 ladder: LadderController | None = None, cache: CacheService | None = None) -> None:
+                 ladder: LadderController | None = None, cache: CacheService | None = None,
+                 predictor: PredictorSource | None = None) -> None:
+        self.predictor = predictor
         self.ladder = ladder
         self.cache = cache
         self.fleet = fleet
@@ -75,28 +81,40 @@ class AdmissionService:
         plan = self.plans.plans[principal.tenant.plan]
         degr = call.degradation = self._degradation()
         self._shed(degr, plan)
-        route = self._remap(degr, self._route(plan, req.model))
-        requested = plan.default_tier if req.model == "auto" else req.model
+        route, overloaded = await self._route(call, plan)
+        route = self._remap(degr, route)
+        requested = plan.default_tier if req.model == AUTO else req.model
         if self.cache is not None:
             call.cache_result = await self.cache.lookup(call, plan, route.tier, degr, call.headers)
-        if isinstance(call.cache_result, Hit):
+        if isinstance(call.cache_result, Hit):  # a cached answer needs no tier, however busy
             return await self._admit_hit(call, plan, route, degr, requested, call.cache_result)
         self._cache_only(degr, plan)
+        if overloaded is not None:
+            raise self.refuse("queue_wait", Unavailable(str(overloaded), code="overloaded",
+                                                        retry_after=max(1, math.ceil(overloaded.wait_s))))
+        return await self.admit_on(call, plan, route, degr, requested)
+
+    async def admit_on(self, call: Call, plan: Plan, route: Route, degr: Degradation, requested: str) -> Admitted:
+        """Count the prompt for `route`'s tier, cap the output, check the context, reserve. A cascade's
+        second attempt enters here with the dearer tier."""
+        req = call.req
         counter = self._counter(route.tier)
         messages = degr.cap_input(req.messages, lambda ms: counter.prompt_tokens(_as_dicts(ms)))
         if messages is not req.messages:
             call.req = req = req.model_copy(update={"messages": messages})
         prompt = counter.prompt_tokens(_as_dicts(req.messages))
-        cap = req.output_cap or max(1, min(self.default_max_tokens, route.tier.context_limit - prompt))
-        cap = degr.cap_output(cap)
-        if prompt + cap > route.tier.context_limit:
+        room = route.tier.context_limit - prompt
+        cap = req.output_cap or max(1, min(self.default_max_tokens, room))
+        by_context = req.output_cap is None and cap == room
+        capped = degr.cap_output(cap)
+        if prompt + capped > route.tier.context_limit:
             raise self.refuse("context_length", InvalidRequest(
                 f"tier {route.tier.name!r} has a context of {route.tier.context_limit} tokens; the request needs "
-                f"{prompt} prompt tokens + {cap} output tokens", param="messages", code="context_length_exceeded"))
-        route = self._check_wait(plan, route, prompt + cap)
-        decision, admission = await self._reserve(call, plan, prompt + cap, route.tier.price(prompt, cap))
-        return Admitted(route, plan, prompt, cap, admission, degr, requested,
-                        _ratelimit_headers(plan, decision) | self._cache_headers(call))
+                f"{prompt} prompt tokens + {capped} output tokens", param="messages", code="context_length_exceeded"))
+        decision, admission = await self._reserve(call, plan, prompt + capped, route.tier.price(prompt, capped))
+        return Admitted(route, plan, prompt, capped, admission, degr, requested,
+                        _ratelimit_headers(plan, decision) | self._cache_headers(call),
+                        cap_by_context=by_context and capped == cap)
 
     async def _admit_hit(self, call: Call, plan: Plan, route: Route, degr: Degradation, requested: str,
                          hit: Hit) -> Admitted:
@@ -157,16 +175,52 @@ class AdmissionService:
         target = degr.remap(route.tier.name, lambda t: t in tiers and t not in unavailable)
         if target == route.tier.name:
             return route
-        return Route(tiers[target], f"{route.reason}; degrade level {degr.level}: {route.tier.name} -> {target}")
+        return replace(route, tier=tiers[target],
+                       reason=f"{route.reason}; degrade level {degr.level}: {route.tier.name} -> {target}")
 
-    def _route(self, plan: Plan, model: str) -> Route:
+    async def _route(self, call: Call, plan: Plan) -> tuple[Route, TierOverloaded | None]:
+        """The tier by the routing policy (tiers/routing.py). When every tier the plan allows is over its
+        wait limit, the route without load is returned with the overload: a cached answer may still serve."""
+        req, routing = call.req, plan.routing
+        prediction: Prediction | None = None
+        unpredicted = "no difficulty model yet"
+        floor, floor_reason = routing.floor_for(None)
+        if req.model == AUTO and self.predictor is not None:
+            got = await self.predictor.predict(_as_dicts(req.messages))
+            if isinstance(got, Prediction):
+                prediction = got
+                if routing.budget_thresholds:
+                    floor, floor_reason = routing.floor_for(await self._budget_left(call, plan))
+            else:
+                unpredicted = got
+        rules = RouteRules(allowed=plan.allowed_tiers, default=plan.default_tier, allow_upgrade=plan.allow_upgrade,
+                           shed_to_cheaper=plan.shed_to_cheaper, dearer_on_load=routing.allow_dearer_on_load,
+                           max_wait_s=plan.max_queue_wait_s, quality_floor=floor, floor_reason=floor_reason)
+        unavailable = self.fleet.unavailable()
+        waits: dict[str, float] = {}
+        if plan.max_queue_wait_s is not None:
+            priority = PRIORITY_ORDER[plan.priority]
+            waits = {t: self.queues[t].predicted_wait_s(priority) for t in plan.allowed_tiers if t in self.queues}
         try:
-            return choose_tier(model, catalogue=self.fleet.catalogue, allowed=plan.allowed_tiers,
-                               default=plan.default_tier, allow_upgrade=plan.allow_upgrade,
-                               unavailable=self.fleet.unavailable())
+            try:
+                return choose_tier(req.model, catalogue=self.fleet.catalogue, rules=rules, prediction=prediction,
+                                   conditions=TierConditions(unavailable, waits), unpredicted=unpredicted), None
+            except TierOverloaded as exc:
+                return choose_tier(req.model, catalogue=self.fleet.catalogue, rules=rules, prediction=prediction,
+                                   conditions=TierConditions(unavailable), unpredicted=unpredicted), exc
         except TierError as exc:
             err = map_tier_error(exc)
             raise self.refuse(err.code or "route", err) from exc
+
+    async def _budget_left(self, call: Call, plan: Plan) -> float | None:
+        """The smallest share left of the tenant's (and key's) budgets; None if unknown (the floor stays)."""
+        principal = call.principal
+        try:
+            return await self.quotas.budget_left(tenant=principal.tenant.name, plan=plan,  # type: ignore[union-attr]
+                                                 key_id=principal.key.key_id, key_limits=principal.key.limits,
+                                                 now=time.time())
+        except QuotaBackendError:
+            return None  # the reservation that follows reports the backend's state
 
     def _counter(self, tier: TierSpec) -> TokenCounter:
         source = tokenizer_source(tier)
@@ -176,27 +230,6 @@ class AdmissionService:
             raise self.refuse("tokenizer", Unavailable(
                 f"the tokenizer of tier {tier.name!r} ({source}) is not prepared: {exc}; run "
                 f"`tiergate models fetch --model {source}`", code="tokenizer_unavailable", retry_after=30)) from exc
-
-    def _check_wait(self, plan: Plan, route: Route, tokens: int) -> Route:
-        """Refuse (503) when the predicted queue wait breaks the plan's limit, or shed to a cheaper tier."""
-        if plan.max_queue_wait_s is None:
-            return route
-        priority = PRIORITY_ORDER[plan.priority]
-        wait = self.queues[route.tier.name].predicted_wait_s(priority)
-        if wait <= plan.max_queue_wait_s:
-            return route
-        if plan.shed_to_cheaper:
-            unavailable = self.fleet.unavailable()
-            cheaper = [t for t in self.fleet.catalogue.by_price() if t.name in plan.allowed_tiers
-                       and t.name not in unavailable and t.price(1000, 1000) < route.tier.price(1000, 1000)]
-            for tier in reversed(cheaper):
-                other = self.queues[tier.name].predicted_wait_s(priority)
-                if other <= plan.max_queue_wait_s:
-                    return Route(tier, f"{route.tier.name} predicted wait {wait:.1f}s > {plan.max_queue_wait_s}s; "
-                                       f"shed to {tier.name}")
-        raise self.refuse("queue_wait", Unavailable(
-            f"tier {route.tier.name!r} is overloaded: predicted wait {wait:.1f}s exceeds your plan's "
-            f"{plan.max_queue_wait_s}s", code="overloaded", retry_after=max(1, math.ceil(wait))))
 
     @staticmethod
     def _refusal(plan: Plan, decision: Decision) -> Exception:

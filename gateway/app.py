@@ -46,6 +46,7 @@ from quotas.seed import seed_from_ledger
 from tiers.catalogue import TierCatalogue, TierSpec
 from tiers.client import TierClient
 from tiers.fleet import Fleet
+from tiers.predictor import PredictorSource
 
 log = logging.getLogger("tiergate.gateway")
 _HTTP_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -82,7 +83,8 @@ def build_services(settings: Settings) -> Services:
     cache = CacheService(build_cache(settings), store, fleet)
     admission = AdmissionService(fleet=fleet, plans=plans, quotas=QuotaService(backend), queues=queues,
                                  metrics=metrics_, models_dir=str(settings.resolved_models_dir),
-                                 default_max_tokens=settings.default_max_tokens, ladder=ladder, cache=cache)
+                                 default_max_tokens=settings.default_max_tokens, ladder=ladder, cache=cache,
+                                 predictor=PredictorSource.for_data_dir(settings.data_dir))
     chat = ChatService(fleet=fleet, client=client, ledger=ledger, metrics=metrics_, admission=admission,
                        queues=queues, signals=signals, cache=cache)
     return Services(settings, catalogue, plans, store, ledger, client, fleet, metrics_, chat, backend, ladder, cache)

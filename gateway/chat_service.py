@@ -1,7 +1,12 @@
 """The request path after validation: route to a tier, call it, stream back, settle in the ledger.
 
-Every request that got past admission ends in exactly one ledger row (ok, error or cancelled), written
-durably before the client sees the end of its response.
+Every attempt that got past admission ends in exactly one ledger row (ok, error or cancelled), written
+durably before the client sees the end of its response. A request has one attempt, or two when its plan
+cascades: a cheap non-streaming answer that fails its check (tiers/cascade.py) is retried once on the next
+dearer tier, and both attempts are billed, the second row naming the first in `cascade_of`.
+
+Replica choice (tiers/replica_choice.py) keeps a conversation on the replica that served its earlier
+turns; each attempt's outcome feeds that replica's circuit breaker and latency average.
 """
 
 from __future__ import annotations
@@ -10,7 +15,7 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from decimal import Decimal
 from typing import Any
 
@@ -25,11 +30,13 @@ from gateway.tenants.store import Principal
 from quotas.dispatch import QueueFull, Ticket, TierQueue
 from quotas.ledger import Ledger, LedgerRow, Refusal
 from quotas.plans import PRIORITY_ORDER
+from tiers.cascade import check_answer, next_dearer, sum_logprobs
 from tiers.catalogue import TierSpec
 from tiers.client import TierClient
-from tiers.errors import NoTierAvailable, TierError, UpstreamUnreachable
+from tiers.errors import NoTierAvailable, TierError, UpstreamRejected, UpstreamUnreachable
 from tiers.fleet import Fleet
 from tiers.replica import Replica
+from tiers.replica_choice import SESSION_HEADER, affinity_key
 from tiers.routing import Route
 
 MAX_ATTEMPTS = 2  # a replica that cannot be reached gets one retry on another replica of its tier
@@ -64,6 +71,12 @@ class Call:
     cache_policy: Any = None
     cache_headers: dict[str, str] = field(default_factory=dict)
     cache_body: dict[str, Any] = field(default_factory=dict)  # the OpenAI body as the cache keyed it
+    affinity: str | None = None  # the conversation's key for replica affinity
+    want_logprobs: bool = False  # ask the upstream for token log-probabilities (the cascade's check)
+    logprob_sum: float = 0.0
+    logprob_n: int = 0
+    cascade: str | None = None  # `small->mid`: the answer came from a cascade (x-tiergate-cascade)
+    cascade_of: str | None = None  # the first attempt's request id, on a cascade's second attempt
 
     @property
     def is_cache_hit(self) -> bool:
@@ -127,9 +140,13 @@ class ChatService:
         self.signals.queue_wait(waited)
         last: TiergateError | None = None
         tried: set[int] = set()
+        if call.affinity is None:
+            call.affinity = affinity_key(call.principal.tenant.name,  # type: ignore[union-attr]
+                                         [{"role": m.role, "content": m.text()} for m in call.req.messages],
+                                         call.headers.get(SESSION_HEADER))
         for _ in range(MAX_ATTEMPTS):
             try:
-                call.replica = self.fleet.pick(call.tier.name, exclude=tried)
+                call.replica, _why = self.fleet.pick(call.tier.name, exclude=tried, affinity=call.affinity)
             except NoTierAvailable as exc:
                 last = last or map_tier_error(exc)
                 break
@@ -149,18 +166,121 @@ class ChatService:
         raise last
 
     async def _stream(self, call: Call) -> AsyncIterator[dict[str, Any]]:
+        """The upstream's chunks; the outcome goes to the replica's breaker, latency average and affinity."""
         replica = call.replica
         assert replica is not None and replica.url is not None
         body = self._upstream_body(call)
         replica.inflight += 1
         call.upstream_t0 = time.perf_counter()
+        verdict: bool | None = None  # True: the replica answered; False: it failed; None: nobody knows
         try:
             async for chunk in self.client.stream_chat(replica.url, body, api_key=self.fleet.api_key(call.tier)):
                 self._account(call, chunk)
                 yield chunk
+            verdict = True
+        except UpstreamRejected as exc:
+            verdict = exc.status < 500  # a client error is a healthy replica's answer
+            if not verdict:
+                replica.breaker.failure(f"answered {exc.status}")
+            raise
+        except TierError as exc:
+            verdict = False
+            replica.breaker.failure(f"{type(exc).__name__}: {exc}")
+            raise
         finally:
             replica.inflight -= 1
             call.upstream_s = time.perf_counter() - call.upstream_t0
+            if verdict:
+                replica.breaker.success()
+            if verdict is None:  # cancelled: no verdict, but a half-open probe must not stay claimed
+                replica.breaker.abandon()
+            elif verdict and call.finish_reason is not None:
+                replica.observe_latency(call.upstream_s)
+                self.fleet.served(call.affinity, replica)
+
+    async def answer(self, call: Call) -> tuple[Call, str]:
+        """A non-streaming answer, settled; cascaded once to the next dearer tier when the plan says so and
+        the answer fails its check. Returns the attempt whose answer the client gets, and its text.
+
+        Streaming requests are not cascaded: their first tokens are with the client before the answer can
+        be judged, and a second answer cannot be taken back into the same stream.
+        """
+        stream, first = await self.start(call)
+        text = await self.collect(call, stream, first)
+        admitted = call.admitted
+        assert admitted is not None and call.route is not None
+        routing = admitted.plan.routing
+        if not (routing.cascade and call.route.auto):
+            await self.settle(call, "ok", 200)
+            return call, text
+        verdict = check_answer(text, finish_reason=call.finish_reason, cap_by_context=admitted.cap_by_context,
+                               mean_logprob=call.logprob_sum / call.logprob_n if call.logprob_n else None,
+                               min_mean_logprob=routing.cascade_min_mean_logprob)
+        target = None if verdict is None else next_dearer(
+            self.fleet.catalogue, call.tier, admitted.plan.allowed_tiers, self.fleet.unavailable(), verdict)
+        if verdict is None or target is None or admitted.degradation.cascade_disabled:
+            if verdict is not None:
+                call.cache_scope = None  # an answer that failed its check is not worth keeping
+                if admitted.degradation.cascade_disabled:
+                    admitted.degradation.applied.append("disable_cascade")
+                    call.route = replace(call.route, reason=f"{call.route.reason}; {verdict.why}, not cascaded "
+                                                            f"(degrade level {admitted.degradation.level})")
+                else:
+                    call.route = replace(call.route, reason=f"{call.route.reason}; {verdict.why}, no dearer "
+                                                            "tier to cascade to")
+            await self.settle(call, "ok", 200)
+            return call, text
+        return await self._cascade(call, text, target, verdict.why, verdict.code)
+
+    async def _cascade(self, call: Call, text: str, target: TierSpec, why: str, code: str) -> tuple[Call, str]:
+        admitted = call.admitted
+        assert admitted is not None and call.route is not None
+        label = f"{call.tier.name}->{target.name}"
+        second = Call(f"{call.request_id}-cascade", call.principal, call.req, call.arrived, time.perf_counter(),
+                      degradation=call.degradation, headers=call.headers, affinity=call.affinity,
+                      cascade=label, cascade_of=call.request_id)
+        route = Route(target, f"cascade from {call.tier.name} ({why})", auto=True)
+        call.cache_scope = None  # the failed answer is not cached; nor is the second (keyed for the first tier)
+        try:
+            second.admitted = await self.admission.admit_on(second, admitted.plan, route, admitted.degradation,
+                                                            admitted.requested_tier)
+        except TiergateError as err:  # over budget or limits for a second attempt: the first answer stands
+            call.route = replace(call.route, reason=f"{call.route.reason}; {why}, cascade to {target.name} "
+                                                    f"refused ({err.code})")
+            await self.settle(call, "ok", 200)
+            return call, text
+        second.route = route
+        call.route = replace(call.route, reason=f"{call.route.reason}; {why}: cascaded to {target.name} "
+                                                f"as {second.request_id}")
+        await self.settle(call, "ok", 200)
+        self.metrics.cascades.labels(call.tier.name, target.name, code).inc()
+        try:
+            stream, first = await self.start(second)
+            better = await self.collect(second, stream, first)
+        except TiergateError as err:  # the retry failed (and is settled as such): the first answer stands
+            call.cascade = f"{label} failed ({err.code})"
+            return call, text
+        await self.settle(second, "ok", 200)
+        return second, better
+
+    async def collect(self, call: Call, stream: AsyncIterator[dict[str, Any]], first: dict[str, Any] | None) -> str:
+        """Read the whole answer; a failure or cancellation settles the call and propagates."""
+        parts: list[str] = []
+        try:
+            chunk = first
+            while chunk is not None:
+                for choice in chunk.get("choices") or []:
+                    parts.append((choice.get("delta") or {}).get("content") or "")
+                chunk = await anext(stream, None)
+        except TierError as exc:
+            err = map_tier_error(exc)
+            await self.settle(call, "error", err.status_code, error_code=err.code)
+            raise err from exc
+        except asyncio.CancelledError:
+            await stream.aclose()
+            await self.settle(call, "cancelled", 499, wait=False)
+            raise
+        return "".join(parts)
 
     def _upstream_body(self, call: Call) -> dict[str, Any]:
         admitted = call.admitted
@@ -173,6 +293,10 @@ class ChatService:
         body["stream"] = True
         body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
         body["priority"] = PRIORITY_ORDER[admitted.plan.priority]
+        routing = admitted.plan.routing
+        if (routing.cascade and routing.cascade_min_mean_logprob is not None and not call.req.stream
+                and tier.backend == "openai"):  # our engine returns no logprobs yet (tiers/cascade.py)
+            body["logprobs"] = call.want_logprobs = True
         return body
 
     def _account(self, call: Call, chunk: dict[str, Any]) -> None:
@@ -191,6 +315,10 @@ class ChatService:
                     call.ttft_s = time.perf_counter() - call.t0
             if choice.get("finish_reason"):
                 call.finish_reason = choice["finish_reason"]
+            if call.want_logprobs and choice.get("logprobs"):
+                total, n = sum_logprobs([choice["logprobs"]])
+                call.logprob_sum += total
+                call.logprob_n += n
 
     async def settle(self, call: Call, status: str, http_status: int, *, error_code: str | None = None,
                      wait: bool = True) -> LedgerRow | None:
@@ -230,7 +358,7 @@ class ChatService:
             degrade_actions=",".join(call.degradation.applied) if call.degradation and call.degradation.applied
             else None, requested_tier=requested, route_saving_usd=route_saving,
             cache_status=call.cache_result.status if call.cache_result is not None else None,
-            cache_saving_usd=cache_saving)
+            cache_saving_usd=cache_saving, cascade_of=call.cascade_of)
         if row.cache_status is not None:
             self.metrics.cache.labels(row.tenant, row.cache_status).inc()
         if cache_saving > 0:
@@ -279,7 +407,8 @@ class ChatService:
 
     def completion(self, call: Call, text: str) -> dict[str, Any]:
         return {
-            "id": f"chatcmpl-{call.request_id}", "object": "chat.completion", "created": int(call.arrived),
+            "id": f"chatcmpl-{call.cascade_of or call.request_id}",  # the client's request id, after a cascade too
+            "object": "chat.completion", "created": int(call.arrived),
             "model": call.tier.name,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
                          "finish_reason": call.finish_reason, "logprobs": None}],

@@ -8,6 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import GaugeMetricFamily
 
 from quotas.ledger import LedgerRow
+from tiers.breaker import STATE_VALUE
 from tiers.fleet import Fleet
 
 ENGINE_STATS = (
@@ -33,6 +34,13 @@ class _FleetCollector:
         for tier, reps in self.fleet.replicas.items():
             r.add_metric([tier], sum(rep.restarts for rep in reps))
         yield r
+        b = GaugeMetricFamily("tiergate_replica_breaker_state",
+                              "Circuit breaker per replica: 0 closed, 1 half-open (probing), 2 open.",
+                              labels=["tier", "replica"])
+        for tier, reps in self.fleet.replicas.items():
+            for rep in reps:
+                b.add_metric([tier, str(rep.index)], STATE_VALUE[rep.breaker.state])
+        yield b
         # what local engines report on /health, per replica (absent until an engine reports it)
         for stat, name, doc in ENGINE_STATS:
             g = GaugeMetricFamily(name, doc, labels=["tier", "replica"])
@@ -89,6 +97,8 @@ class GatewayMetrics:
         self.route_savings = Counter("tiergate_routing_savings_usd",
                                      "What routing to a cheaper tier than requested saved, USD.", ["tenant"],
                                      registry=reg)
+        self.cascades = Counter("tiergate_cascades", "Cheap answers retried on a dearer tier, by why they failed.",
+                                ["from_tier", "to_tier", "reason"], registry=reg)
         self.overhead = Histogram("tiergate_gateway_overhead_seconds",
                                   "Time spent in the gateway itself (total minus upstream time).",
                                   buckets=OVERHEAD_BUCKETS, registry=reg)

@@ -42,7 +42,8 @@ CREATE TABLE IF NOT EXISTS requests (
     requested_tier TEXT,
     route_saving_usd TEXT NOT NULL DEFAULT '0',
     cache_status TEXT,
-    cache_saving_usd TEXT NOT NULL DEFAULT '0'
+    cache_saving_usd TEXT NOT NULL DEFAULT '0',
+    cascade_of TEXT
 );
 CREATE TABLE IF NOT EXISTS refusals (
     request_id TEXT PRIMARY KEY,
@@ -85,6 +86,7 @@ class LedgerRow:
     route_saving_usd: Decimal = Decimal(0)  # the requested tier's price minus what was charged, when cheaper
     cache_status: str | None = None  # hit | miss | bypass
     cache_saving_usd: Decimal = Decimal(0)  # for a hit: what the tier would have charged minus the hit price
+    cascade_of: str | None = None  # a cascade's second attempt: the request id of the cheaper first attempt
 
 
 @dataclass
@@ -128,7 +130,8 @@ class Ledger:
         columns = {r[1] for r in self._read.execute("PRAGMA table_info(requests)")}
         for name, decl in (("degrade_level", "INTEGER NOT NULL DEFAULT 0"), ("degrade_actions", "TEXT"),
                            ("requested_tier", "TEXT"), ("route_saving_usd", "TEXT NOT NULL DEFAULT '0'"),
-                           ("cache_status", "TEXT"), ("cache_saving_usd", "TEXT NOT NULL DEFAULT '0'")):
+                           ("cache_status", "TEXT"), ("cache_saving_usd", "TEXT NOT NULL DEFAULT '0'"),
+                           ("cascade_of", "TEXT")):
             if name not in columns:  # a ledger from before the degradation ladder
                 self._read.execute(f"ALTER TABLE requests ADD COLUMN {name} {decl}")
         self._queue: queue.Queue[tuple[str, tuple[Any, ...], asyncio.Future[None] | None] | None] = queue.Queue()

@@ -39,3 +39,12 @@ class UpstreamRejected(TierError):
 
 class UpstreamProtocolError(TierError):
     """The replica answered with something that is not the OpenAI streaming format."""
+
+
+class TierOverloaded(NoTierAvailable):
+    """Every tier the request may use would wait longer than the plan allows; `wait_s` is the shortest wait."""
+
+    def __init__(self, message: str, *, tier: str, wait_s: float) -> None:
+        super().__init__(message)
+        self.tier = tier
+        self.wait_s = wait_s

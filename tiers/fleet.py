@@ -6,13 +6,16 @@ import asyncio
 import contextlib
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tiers.breaker import State
 from tiers.catalogue import TierCatalogue, TierSpec
 from tiers.client import TierClient
 from tiers.errors import NoTierAvailable, TierError
 from tiers.replica import Replica
+from tiers.replica_choice import AffinityMap, choose_replica
 from tiers.supervisor import EngineProcess
 
 log = logging.getLogger("tiergate.fleet")
@@ -35,6 +38,9 @@ class Fleet:
             else:
                 reps = [Replica(spec.name, i, url=u) for i, u in enumerate(spec.urls)]
             self.replicas[spec.name] = reps
+            for rep in reps:
+                rep.breaker.on_change = _log_breaker(rep)
+        self.affinity = AffinityMap()
 
     async def start(self) -> None:
         self._tasks = [asyncio.create_task(e.run(), name=f"engine-{e.spec.name}-{e.replica.index}")
@@ -55,11 +61,14 @@ class Fleet:
         return os.environ.get(spec.api_key_env) if spec.api_key_env else None
 
     def unavailable(self) -> dict[str, str]:
-        """Tiers with no healthy replica, and why."""
+        """Tiers with no replica that can take a request now (none healthy, or every healthy one's circuit
+        breaker open), and why."""
         out = {}
         for name, reps in self.replicas.items():
             if not any(r.healthy for r in reps):
                 out[name] = "; ".join(sorted({r.reason for r in reps if r.reason})) or "no healthy replica"
+            elif not any(r.can_take for r in reps):
+                out[name] = "circuit breaker open on every healthy replica"
         return out
 
     def model_version(self, tier: TierSpec) -> str:
@@ -79,12 +88,20 @@ class Fleet:
         return sum(1 for reps in self.replicas.values()
                    if not any(r.healthy for r in reps) and any(r.is_down for r in reps))
 
-    def pick(self, tier: str, exclude: set[int] | None = None) -> Replica:
-        """The healthy replica with the fewest requests in flight (skipping `exclude`d indexes)."""
-        healthy = [r for r in self.replicas[tier] if r.healthy and r.index not in (exclude or set())]
-        if not healthy:
-            raise NoTierAvailable(f"tier {tier!r} has no healthy replica")
-        return min(healthy, key=lambda r: r.inflight)
+    def pick(self, tier: str, exclude: set[int] | None = None, affinity: str | None = None) -> tuple[Replica, str]:
+        """The replica for a request, and why: its conversation's replica (`affinity` key) when that one can
+        take it, else the least predicted wait; `exclude`d indexes were tried already."""
+        preferred = self.affinity.get(affinity, tier) if affinity is not None else None
+        replica, why = choose_replica(self.replicas[tier], exclude=exclude, preferred=preferred)
+        if replica is None:
+            raise NoTierAvailable(f"tier {tier!r} has no replica that can take a request: {why}")
+        replica.breaker.begin()
+        return replica, why
+
+    def served(self, affinity: str | None, replica: Replica) -> None:
+        """The replica answered this conversation: its next turn should go there too."""
+        if affinity is not None:
+            self.affinity.remember(affinity, replica.tier, replica.index)
 
     def status(self) -> dict[str, Any]:
         out = {}
@@ -108,3 +125,10 @@ class Fleet:
                         log.warning("remote tier %s replica %d is down: %s", spec.name, rep.index, exc)
                     rep.mark("down", f"health check failed: {exc}")
             await asyncio.sleep(REMOTE_HEALTH_EVERY_S)
+
+
+def _log_breaker(rep: Replica) -> Callable[[State, State, str], None]:
+    def on_change(old: State, new: State, why: str) -> None:
+        level = logging.WARNING if new == "open" else logging.INFO
+        log.log(level, "tier %s replica %d: circuit %s -> %s (%s)", rep.tier, rep.index, old, new, why)
+    return on_change

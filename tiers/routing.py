@@ -1,16 +1,31 @@
 """Which tier answers a request, and why (said in `x-tiergate-route-reason` and the ledger).
 
-For now: an explicit tier is honoured when the plan allows it; `auto` means the plan's default tier.
-An unavailable tier falls back to the closest cheaper allowed tier, and to a dearer one only where
-the plan allows upgrades. The cost-aware router replaces `auto`'s rule, not this function's callers.
+The rules, in the order they apply:
+
+1. An explicit tier is honoured when the plan allows it (`TierNotAllowed`, a 403, otherwise).
+2. `auto` takes the cheapest allowed tier whose predicted fidelity for this request (from the difficulty
+   model: 1.0 is the full tier's answer) reaches the plan's quality floor; the caller has already relaxed
+   that floor for a tenant low on budget. With no difficulty model yet, `auto` is the plan's default tier.
+3. Load and health: a tier that cannot take a request (no healthy replica, or every replica's circuit
+   breaker open) or whose predicted queue wait breaks the plan's limit is skipped for the closest cheaper
+   allowed tier. A dearer tier is used only where the plan says so (`allow_upgrade` for an unavailable
+   tier, `allow_dearer_on_load` for an overloaded one), because the tenant would pay more than `auto` or
+   its request chose. An overloaded tier is skipped to a cheaper one only with `shed_to_cheaper`;
+   otherwise the request is refused (503 with the wait), as the plan's SLO prefers a refusal to a quietly
+   worse answer.
+4. The degradation ladder's remaps apply after this function, in admission: the ladder has the last word.
+
+This module knows tiers and numbers only; admission turns the plan, the quota backend and the fleet into
+its arguments.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from tiers.catalogue import TierCatalogue, TierSpec
-from tiers.errors import NoTierAvailable, TierNotAllowed, UnknownModel
+from tiers.errors import NoTierAvailable, TierNotAllowed, TierOverloaded, UnknownModel
 
 AUTO = "auto"
 
@@ -19,30 +34,111 @@ AUTO = "auto"
 class Route:
     tier: TierSpec
     reason: str
+    auto: bool = False  # chosen by `auto` (only such routes may cascade to a dearer tier)
 
 
-def choose_tier(requested: str, *, catalogue: TierCatalogue, allowed: list[str], default: str,
-                allow_upgrade: bool, unavailable: dict[str, str]) -> Route:
-    """`unavailable` maps tier name → why it cannot serve now (not built, no healthy replica)."""
+@dataclass(frozen=True)
+class RouteRules:
+    """What a tenant's plan says about routing, as plain values."""
+
+    allowed: list[str]
+    default: str
+    allow_upgrade: bool = False  # an unavailable tier may fall back to a dearer one
+    shed_to_cheaper: bool = False  # an overloaded tier may fall back to a cheaper one
+    dearer_on_load: bool = False  # an overloaded tier may fall back to a dearer one
+    max_wait_s: float | None = None  # the plan's queue-wait limit
+    quality_floor: float = 0.8
+    floor_reason: str = "floor 0.8"  # how the floor came about (budget thresholds), for the reason
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """The difficulty model's answer for one request."""
+
+    fidelity: Mapping[str, float]  # tier name -> predicted fidelity, 0-1
+    version: str
+
+
+@dataclass(frozen=True)
+class TierConditions:
+    """What the fleet and the dispatch queues say now."""
+
+    unavailable: Mapping[str, str] = field(default_factory=dict)  # tier -> why it cannot take a request
+    waits: Mapping[str, float] = field(default_factory=dict)  # tier -> predicted queue wait, seconds
+
+
+def choose_tier(requested: str, *, catalogue: TierCatalogue, rules: RouteRules,
+                conditions: TierConditions | None = None, prediction: Prediction | None = None,
+                unpredicted: str = "no difficulty model yet") -> Route:
+    """`unpredicted` says why `prediction` is None (no model yet, a failing one), for the reason."""
+    conditions = conditions or TierConditions()
+    ordered = [t for t in catalogue.by_price() if t.name in rules.allowed]
     if requested == AUTO:
-        target, reason = default, "auto: the plan's default tier"
+        target, reason = _auto(ordered, rules, prediction, unpredicted)
     elif requested in catalogue.tiers:
-        if requested not in allowed:
-            raise TierNotAllowed(f"your plan does not allow tier {requested!r}; it allows {', '.join(allowed)}")
+        if requested not in rules.allowed:
+            raise TierNotAllowed(f"your plan does not allow tier {requested!r}; "
+                                 f"it allows {', '.join(rules.allowed)}")
         target, reason = requested, "requested"
     else:
         names = ", ".join([AUTO, *catalogue.tiers])
         raise UnknownModel(f"the model {requested!r} does not exist; this gateway serves: {names}")
-    if target not in unavailable:
-        return Route(catalogue.tiers[target], reason)
+    is_auto = requested == AUTO
+    problem = _problem(target, rules, conditions)
+    if problem is None:
+        return Route(catalogue.tiers[target], reason, is_auto)
 
-    ordered = [t for t in catalogue.by_price() if t.name in allowed]
+    unavailable = target in conditions.unavailable
     at = next(i for i, t in enumerate(ordered) if t.name == target)
-    candidates = list(reversed(ordered[:at]))  # cheaper, closest first
-    if allow_upgrade:
+    candidates: list[TierSpec] = []
+    if unavailable or rules.shed_to_cheaper:
+        candidates += reversed(ordered[:at])  # cheaper, closest first
+    if rules.allow_upgrade if unavailable else rules.dearer_on_load:
         candidates += ordered[at + 1:]  # dearer, cheapest first
+    prefix = f"{reason}; " if is_auto else ""
     for tier in candidates:
-        if tier.name not in unavailable:
-            return Route(tier, f"{target} unavailable ({unavailable[target]}); fell back to {tier.name}")
-    why = "; ".join(f"{name}: {unavailable[name]}" for name in [target, *(t.name for t in candidates)])
+        if _problem(tier.name, rules, conditions) is None:
+            if unavailable:
+                return Route(tier, f"{prefix}{target} unavailable ({problem}); fell back to {tier.name}", is_auto)
+            return Route(tier, f"{prefix}{target} {problem}; shed to {tier.name}", is_auto)
+
+    tried = [target, *(t.name for t in candidates)]
+    why = "; ".join(f"{name}: {_problem(name, rules, conditions)}" for name in tried)
+    waits = {name: conditions.waits.get(name, 0.0) for name in tried
+             if name not in conditions.unavailable and _overloaded(name, rules, conditions)}
+    if waits:
+        shortest = min(waits, key=waits.__getitem__)
+        head = (f"tier {target!r} is overloaded: predicted wait {waits[target]:.1f}s exceeds your plan's "
+                f"{rules.max_wait_s}s" if target in waits else
+                f"no tier can serve this request within your plan's {rules.max_wait_s}s wait")
+        raise TierOverloaded(f"{head} ({why})", tier=shortest, wait_s=waits[shortest])
     raise NoTierAvailable(f"no tier can serve this request now ({why})")
+
+
+def _auto(ordered: list[TierSpec], rules: RouteRules, prediction: Prediction | None,
+          unpredicted: str) -> tuple[str, str]:
+    """The cheapest allowed tier predicted to reach the floor, and why."""
+    if prediction is None:
+        return rules.default, f"auto: {unpredicted}; the plan's default tier"
+    scored = [(t.name, prediction.fidelity[t.name]) for t in ordered if t.name in prediction.fidelity]
+    model = f"difficulty model {prediction.version}"
+    if not scored:
+        return rules.default, f"auto: {model} predicts none of the plan's tiers; the plan's default tier"
+    for name, fidelity in scored:
+        if fidelity >= rules.quality_floor:
+            return name, f"auto: {name} predicted fidelity {fidelity:.2f} >= {rules.floor_reason} ({model})"
+    best, fidelity = max(reversed(scored), key=lambda s: s[1])  # ties: the dearer one
+    return best, f"auto: no tier reaches {rules.floor_reason}; {best} predicts the most ({fidelity:.2f}, {model})"
+
+
+def _overloaded(tier: str, rules: RouteRules, conditions: TierConditions) -> bool:
+    return rules.max_wait_s is not None and conditions.waits.get(tier, 0.0) > rules.max_wait_s
+
+
+def _problem(tier: str, rules: RouteRules, conditions: TierConditions) -> str | None:
+    """Why `tier` cannot take this request now, or None."""
+    if tier in conditions.unavailable:
+        return conditions.unavailable[tier]
+    if _overloaded(tier, rules, conditions):
+        return f"predicted wait {conditions.waits[tier]:.1f}s > {rules.max_wait_s}s"
+    return None

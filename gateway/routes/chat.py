@@ -34,28 +34,12 @@ async def chat_completions(request: Request[Any, Any, Any], principal: NamedDepe
 async def respond(chat: ChatService, call: Call) -> Response[Any]:
     if call.is_cache_hit:
         return await respond_from_cache(chat, call)
+    if not call.req.stream:
+        call, text = await chat.answer(call)
+        return Response(chat.completion(call, text), headers=_headers(call))
     stream, first = await chat.start(call)
-    headers = _headers(call)
-    if call.req.stream:
-        return Stream(_sse_body(chat, call, stream, first), media_type="text/event-stream",
-                      headers=headers | {"cache-control": "no-cache"})
-    parts: list[str] = []
-    try:
-        chunk = first
-        while chunk is not None:
-            for choice in chunk.get("choices") or []:
-                parts.append((choice.get("delta") or {}).get("content") or "")
-            chunk = await anext(stream, None)
-    except TierError as exc:
-        err = map_tier_error(exc)
-        await chat.settle(call, "error", err.status_code, error_code=err.code)
-        raise err from exc
-    except asyncio.CancelledError:
-        await stream.aclose()
-        await chat.settle(call, "cancelled", 499, wait=False)
-        raise
-    await chat.settle(call, "ok", 200)
-    return Response(chat.completion(call, "".join(parts)), headers=headers)
+    return Stream(_sse_body(chat, call, stream, first), media_type="text/event-stream",
+                  headers=_headers(call) | {"cache-control": "no-cache"})
 
 
 def _headers(call: Call) -> dict[str, str]:
@@ -63,6 +47,8 @@ def _headers(call: Call) -> dict[str, str]:
                **call.admitted.headers}  # type: ignore[union-attr]
     if call.degradation is not None and call.degradation.applied:
         headers["x-tiergate-degrade-actions"] = ",".join(call.degradation.applied)
+    if call.cascade is not None:
+        headers["x-tiergate-cascade"] = call.cascade
     return headers
 
 

@@ -1,0 +1,100 @@
+"""The circuit breaker's state machine, on a fake clock."""
+
+from __future__ import annotations
+
+from tiers.breaker import BreakerConfig, CircuitBreaker
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def breaker(**config: float) -> tuple[CircuitBreaker, Clock, list[tuple[str, str]]]:
+    clock, changes = Clock(), []
+    b = CircuitBreaker(BreakerConfig(**config), clock=clock,  # type: ignore[arg-type]
+                       on_change=lambda old, new, why: changes.append((old, new)))
+    return b, clock, changes
+
+
+def test_opens_after_consecutive_failures_and_a_success_resets_the_count() -> None:
+    b, _, changes = breaker(failures_to_open=3)
+    b.failure("x")
+    b.failure("x")
+    b.success()
+    b.failure("x")
+    b.failure("x")
+    assert b.state == "closed" and b.can_take()
+    b.failure("refused")
+    assert b.state == "open" and not b.can_take()
+    assert changes == [("closed", "open")]
+
+
+def test_opens_on_a_failure_rate_without_consecutive_failures() -> None:
+    b, _, _ = breaker(failures_to_open=5, failure_rate_to_open=0.5, min_requests=10)
+    for _ in range(4):
+        b.success()
+        b.failure("x")
+    assert b.state == "closed"  # 8 outcomes: too few to judge a rate
+    b.success()
+    b.failure("x")
+    assert b.state == "open"
+
+
+def test_old_outcomes_leave_the_window() -> None:
+    b, clock, _ = breaker(failures_to_open=100, failure_rate_to_open=0.5, min_requests=4, window_s=30)
+    for _ in range(3):
+        b.failure("x")
+    clock.t += 31
+    b.success()
+    b.success()
+    b.success()
+    b.failure("x")
+    assert b.state == "closed"  # 1 of 4 in the window
+
+
+def test_half_open_lets_one_probe_through_and_closes_on_its_success() -> None:
+    b, clock, changes = breaker(failures_to_open=1, cooldown_s=10)
+    b.failure("x")
+    clock.t += 9
+    assert not b.can_take()
+    clock.t += 1
+    assert b.state == "half_open" and b.can_take()
+    b.begin()  # the probe goes out
+    assert not b.can_take()  # and nothing else until it is back
+    b.success()
+    assert b.state == "closed" and b.can_take()
+    assert changes == [("closed", "open"), ("open", "half_open"), ("half_open", "closed")]
+
+
+def test_a_failed_probe_opens_it_for_another_cool_down() -> None:
+    b, clock, changes = breaker(failures_to_open=1, cooldown_s=10)
+    b.failure("x")
+    clock.t += 10
+    b.begin()
+    b.failure("still down")
+    assert b.state == "open"
+    clock.t += 5
+    assert not b.can_take()
+    clock.t += 5
+    assert b.can_take()
+    assert changes[-2:] == [("half_open", "open"), ("open", "half_open")]
+
+
+def test_an_abandoned_probe_frees_the_slot() -> None:
+    b, clock, _ = breaker(failures_to_open=1, cooldown_s=1)
+    b.failure("x")
+    clock.t += 1
+    b.begin()
+    b.abandon()  # the client went away: no verdict
+    assert b.state == "half_open" and b.can_take()
+
+
+def test_each_state_change_is_reported_once() -> None:
+    b, _, changes = breaker(failures_to_open=2)
+    for _ in range(10):
+        b.failure("x")
+    assert changes == [("closed", "open")]

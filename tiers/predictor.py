@@ -1,0 +1,120 @@
+"""The difficulty model as the router sees it, followed on disk: loaded when its artifact appears or changes.
+
+The model itself (`tiers/difficulty.py`, trained by `tiergate router train`) is imported only when an
+artifact is there to load, so a gateway without it, or without its dependencies, routes `auto` by the
+plan's default tier and says so. `tiergate run` builds the artifact after the gateway has started, so the
+file is looked at again every `check_every_s`; a changed file (a retrained model) replaces the loaded one
+without a restart. Loading and predicting run in a worker thread: both can embed text, which must not
+stall the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+from tiers.routing import Prediction
+
+log = logging.getLogger("tiergate.router")
+DIFFICULTY_MODULE = "tiers.difficulty"
+CHECK_EVERY_S = 5.0
+
+
+class DifficultyPredictor(Protocol):
+    """What the router needs of a difficulty model."""
+
+    version: str  # the artifact's version, written into route reasons and the ledger
+
+    def predict(self, messages: list[dict[str, Any]]) -> dict[str, float]:
+        """Predicted fidelity (0-1) per tier name for this conversation; the reference tier is 1.0."""
+        ...
+
+
+Loader = Callable[[Path], DifficultyPredictor]
+
+
+def default_artifact(data_dir: Path) -> Path:
+    """Where `tiergate router train` (and the run command) write the artifact: the difficulty module's
+    `default_artifact_path`, which is this path; it is not imported here, so nothing heavy loads unasked."""
+    return data_dir / "router" / "difficulty.json"
+
+
+def load_from_module(path: Path) -> DifficultyPredictor:
+    """Import the difficulty module on first use and load `path` with it (ValueError: unusable artifact)."""
+    try:
+        module = importlib.import_module(DIFFICULTY_MODULE)
+    except ImportError as exc:
+        raise ValueError(f"the difficulty model cannot be loaded: {DIFFICULTY_MODULE} is missing ({exc})") from exc
+    return module.load_difficulty_model(path)  # type: ignore[no-any-return]
+
+
+class PredictorSource:
+    """The current difficulty model, reloaded when its file changes; None until a valid one exists."""
+
+    def __init__(self, path: Path, loader: Loader = load_from_module, *, check_every_s: float = CHECK_EVERY_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.path = path
+        self.loader = loader
+        self.check_every_s = check_every_s
+        self._clock = clock
+        self.model: DifficultyPredictor | None = None
+        self.error: str | None = None  # why the last artifact could not be loaded
+        self._seen: tuple[int, int] | None = None  # (mtime_ns, size) of the file last loaded or rejected
+        self._checked_at: float | None = None
+        self._lock = asyncio.Lock()
+
+    @classmethod
+    def for_data_dir(cls, data_dir: Path) -> PredictorSource:
+        return cls(default_artifact(data_dir))
+
+    async def current(self) -> DifficultyPredictor | None:
+        """The model to use now, looking at the file at most every `check_every_s`."""
+        now = self._clock()
+        if self._checked_at is not None and now - self._checked_at < self.check_every_s:
+            return self.model
+        async with self._lock:
+            if self._checked_at is None or self._clock() - self._checked_at >= self.check_every_s:
+                await self._refresh()
+                self._checked_at = self._clock()
+        return self.model
+
+    async def predict(self, messages: list[dict[str, Any]]) -> Prediction | str:
+        """The model's prediction, or why there is none (said in the route reason)."""
+        model = await self.current()
+        if model is None:
+            return f"difficulty model unusable: {self.error}" if self.error else "no difficulty model yet"
+        try:
+            fidelity = await asyncio.to_thread(model.predict, messages)
+        except Exception as exc:  # a faulty model must not fail requests: route by the plan's default, loudly
+            log.exception("difficulty model %s failed to predict", model.version)
+            return f"difficulty model {model.version} failed: {type(exc).__name__}"
+        return Prediction({k: float(v) for k, v in fidelity.items()}, str(model.version))
+
+    async def _refresh(self) -> None:
+        try:
+            st = self.path.stat()
+        except FileNotFoundError:
+            return  # not built yet: keep what is loaded (nothing, usually)
+        except OSError as exc:
+            log.warning("cannot read the difficulty model at %s: %s", self.path, exc)
+            return
+        seen = (st.st_mtime_ns, st.st_size)
+        if seen == self._seen:
+            return
+        self._seen = seen
+        try:
+            model = await asyncio.to_thread(self.loader, self.path)
+        except (ValueError, OSError) as exc:
+            self.error = f"{self.path}: {exc}"
+            log.error("difficulty model at %s not loaded (%s); keeping %s", self.path, exc,
+                      self.model.version if self.model else "the plans' default tiers")
+            return
+        old = self.model.version if self.model else None
+        self.model, self.error = model, None
+        log.info("difficulty model %s loaded from %s%s", model.version, self.path,
+                 f" (replaces {old})" if old else "")
