@@ -10,6 +10,31 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 Money = Annotated[Decimal, Field(ge=0, max_digits=18, decimal_places=12)]
 
 
+class DistillSpec(BaseModel):
+    """How a tier's model is built when missing: a student distilled from another tier's model."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    teacher: str  # the tier whose model it learns to imitate
+    layers: Annotated[int, Field(ge=1)] = 8
+    budget: str = "10m"  # training time (10m, 1h) or steps (500steps)
+    seed: int = 0
+
+    @field_validator("budget")
+    @classmethod
+    def _budget(cls, value: str) -> str:
+        from engine.distill import DistillError, parse_budget
+
+        try:
+            parse_budget(value)
+        except DistillError as exc:
+            raise ValueError(str(exc)) from exc
+        return value
+
+    def command(self) -> str:
+        return f"tiergate models distill --teacher {self.teacher} --layers {self.layers} --budget {self.budget}"
+
+
 class TierSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -29,6 +54,7 @@ class TierSpec(BaseModel):
     kv_cache_bytes: Annotated[int, Field(ge=1 << 20)] | None = None  # the engine's KV cache budget [engine default]
     threads: Annotated[int, Field(ge=1)] | None = None
     prepared_by: str | None = None  # the command that builds this tier's model when it is missing
+    distill: DistillSpec | None = None  # built by distilling another tier's model (serve does it when missing)
     tokenizer: str | None = None  # model source whose tokenizer counts prompt tokens [default: `model` if local]
     max_concurrency: Annotated[int, Field(ge=1)] | None = None  # dispatch slots per replica [default: max_num_seqs]
     price_per_1k_input: Money
@@ -48,6 +74,10 @@ class TierSpec(BaseModel):
             raise ValueError("an openai backend needs `urls` (one OpenAI-compatible base URL per replica)")
         if self.backend == "local" and self.urls:
             raise ValueError("a local backend spawns its own engines; remove `urls`")
+        if self.distill and self.backend != "local":
+            raise ValueError("only a local tier can be distilled")
+        if self.distill and not self.prepared_by:
+            self.prepared_by = self.distill.command()
         return self
 
     def price(self, input_tokens: int, output_tokens: int) -> Decimal:
@@ -70,7 +100,16 @@ class TierCatalogue(BaseModel):
             if name == "auto":
                 raise ValueError("`auto` is reserved for routing; name the tier otherwise")
             spec.name = name
+        for spec in self.tiers.values():
+            teacher = spec.distill.teacher if spec.distill else None
+            if teacher is not None and (teacher not in self.tiers or self.tiers[teacher].backend != "local"
+                                        or teacher == spec.name):
+                raise ValueError(f"tier {spec.name!r} is distilled from {teacher!r}, which is not another local tier")
         return self
+
+    def student_of(self, teacher: str) -> TierSpec | None:
+        """The tier whose model is distilled from tier `teacher`, if any."""
+        return next((t for t in self.tiers.values() if t.distill and t.distill.teacher == teacher), None)
 
     def by_price(self) -> list[TierSpec]:
         """Tiers from cheapest to dearest (output price, then input price)."""

@@ -37,6 +37,68 @@ def fetch(source: str, models_dir: Path | None, data_dir: Path | None) -> None:
     click.echo(f"ready: {path}")
 
 
+@models.command("distill")
+@click.option("--teacher", default="full", show_default=True,
+              help="The tier (from the tier catalogue) or model directory whose model the student imitates.")
+@click.option("--layers", type=int, default=None,
+              help="Student layers, started from a subset of the teacher's [default: the student tier's, else 8].")
+@click.option("--budget", default=None,
+              help="Training time (10m, 90s, 1h) or steps (500steps), summed over resumes "
+              "[default: the tier's, else 10m].")
+@click.option("--out", type=click.Path(path_type=Path), default=None,
+              help="Model directory to write [default: the model of the tier distilled from --teacher].")
+@click.option("--keep", default=None, help="Teacher layers to start from, e.g. 0,1,6,10,15,20,24,29 [default: the "
+              "first two, then spread evenly to the last].")
+@click.option("--frozen-prefix", default=2, show_default=True, type=int,
+              help="The student's first layers stay the teacher's, frozen (their forward is shared: cheaper steps).")
+@click.option("--batch-size", default=4, show_default=True, type=int)
+@click.option("--seq-len", default=128, show_default=True, type=int, help="Tokens per training window.")
+@click.option("--lr", default=2e-3, show_default=True, type=float, help="Peak learning rate (AdamW, cosine decay).")
+@click.option("--temperature", default=1.0, show_default=True, type=float, help="KL temperature.")
+@click.option("--greedy-weight", default=0.5, show_default=True, type=float,
+              help="Mix in cross-entropy toward the teacher's greedy next token (0: KL only, 1: greedy only).")
+@click.option("--seed", default=None, type=int, help="Data order and initialisation [default: the tier's, else 0].")
+@click.option("--device", default="cpu", show_default=True, help="cpu or cuda[:N] (bf16 autocast on CUDA).")
+@click.option("--threads", default=None, type=int, help="torch threads [default: torch's choice].")
+@click.option("--restart", is_flag=True, help="Discard an earlier run's checkpoint instead of resuming it.")
+@click.option("--tiers", "tiers_file", type=click.Path(path_type=Path), default=None,
+              help="Tier catalogue [env TIERGATE_TIERS_FILE; default tiers/tiers.yaml].")
+@click.option("--models-dir", type=click.Path(path_type=Path), default=None,
+              help="Where prepared models live [default <data dir>/models].")
+@data_dir_option
+def distill_command(teacher: str, layers: int | None, budget: str | None, out: Path | None, keep: str | None,
+                    frozen_prefix: int, batch_size: int, seq_len: int, lr: float, temperature: float,
+                    greedy_weight: float, seed: int | None, device: str, threads: int | None, restart: bool,
+                    tiers_file: Path | None, models_dir: Path | None, data_dir: Path | None) -> None:
+    """Distil a small student from a teacher tier on ShareGPT conversations, then measure it.
+
+    The student starts from a subset of the teacher's layers (embeddings and head shared) and learns the
+    teacher's next-token distribution (KL). A progress bar shows loss, agreement and ETA; a checkpoint is
+    saved every minute, and running the same command again resumes it. The result is a normal model
+    directory (safetensors, config, tokenizer, chat template) with a model card (README.md) holding its
+    measured agreement with the teacher and perplexity on held-out ShareGPT text.
+    """
+    from gateway.config_files import ConfigFileError, load_yaml
+    from tiers.catalogue import TierCatalogue
+    from tiers.students import BuildInProgress, StudentRequest, build_student
+
+    settings = settings_from(data_dir=data_dir, models_dir=models_dir, tiers_file=tiers_file)
+    try:
+        catalogue = load_yaml(settings.tiers_file, TierCatalogue)
+    except ConfigFileError as exc:
+        raise click.ClickException(str(exc)) from exc
+    request = StudentRequest(teacher=teacher, layers=layers, budget=budget, out=out, keep=keep,
+                             frozen_prefix=frozen_prefix, batch_size=batch_size, seq_len=seq_len, lr=lr,
+                             temperature=temperature, greedy_weight=greedy_weight, seed=seed, device=device,
+                             threads=threads, restart=restart)
+    try:
+        path, card = build_student(request, catalogue=catalogue, models_dir=settings.resolved_models_dir)
+    except (ModelSourceError, ValueError, BuildInProgress) as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(card)
+    click.echo(f"ready: {path}")
+
+
 @click.group()
 def engine() -> None:
     """Run Tiergate's inference engine on its own (tiergate serve does this per local tier)."""
