@@ -36,6 +36,8 @@ class Settings(BaseSettings):
     ladder_tick_s: float = 0.5  # how often the ladder follows shared changes and evaluates its triggers
     max_body_bytes: int = 4 * 1024 * 1024  # larger bodies get 413 before anything is parsed
     engine_start_timeout_s: float = 600.0
+    build_missing_models: bool = True  # serve distils missing students and the router's model in the background
+    build_router_model: bool = True  # ...and the router's difficulty model, once the tiers it reads are built
     upstream_connect_timeout_s: float = 5.0
     upstream_read_timeout_s: float = 600.0
 

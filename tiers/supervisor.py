@@ -20,6 +20,7 @@ from tiers.catalogue import TierSpec
 from tiers.client import TierClient
 from tiers.errors import TierError
 from tiers.replica import Replica
+from tiers.students import build_progress
 
 log = logging.getLogger("tiergate.supervisor")
 BACKOFF_START_S = 1.0
@@ -65,8 +66,7 @@ class EngineProcess:
         backoff = BACKOFF_START_S
         while not self._stopping:
             if not is_prepared(self.spec.model, self.models_dir):
-                how = f"; build it with `{self.spec.prepared_by}`" if self.spec.prepared_by else ""
-                self.replica.mark("unavailable", f"model {self.spec.model!r} is not built yet{how}")
+                self._mark_unbuilt()
                 await asyncio.sleep(MODEL_POLL_S)
                 continue
             started = time.monotonic()
@@ -81,6 +81,22 @@ class EngineProcess:
                         self.spec.name, self.replica.index, rc, self.replica.restarts, backoff, self.log_path)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, BACKOFF_MAX_S)
+
+    def _mark_unbuilt(self) -> None:
+        """Preparing (a build is running: say how far) or unavailable (say which command builds it)."""
+        progress = build_progress(resolve_model(self.spec.model, self.models_dir))
+        if progress is None:
+            how = f"; build it with `{self.spec.prepared_by}`" if self.spec.prepared_by else ""
+            self.replica.mark("unavailable", f"model {self.spec.model!r} is not built yet{how}")
+            return
+        done = ""
+        if progress.get("budget_s"):
+            share = min(1.0, progress["train_s"] / progress["budget_s"])
+            done = f" {share:.0%} of its {progress['budget_s']:.0f}s budget"
+        elif progress.get("steps"):
+            done = f" step {progress['step']} of {progress['steps']}"
+        agree = f", top-1 agreement {progress['agree']:.0%} on its last batch" if "agree" in progress else ""
+        self.replica.mark("preparing", f"model {self.spec.model!r} is being distilled:{done or ' starting'}{agree}")
 
     async def _run_once(self) -> int | None:
         port = free_port()

@@ -38,9 +38,13 @@ def router() -> None:
               help="Tier catalogue [env TIERGATE_TIERS_FILE; default tiers/tiers.yaml].")
 @click.option("--models-dir", type=click.Path(path_type=Path), default=None,
               help="Prepared models [env TIERGATE_MODELS_DIR; default <data dir>/models].")
+@click.option("--if-missing", is_flag=True,
+              help="Build the default artifact only if it is absent or stale (what `tiergate serve` runs on first "
+                   "use, with its own prompt count); a second process waits for the first instead of repeating it.")
 @data_dir_option
-def train(num_prompts: int, max_tokens: int, max_prompt_tokens: int, tier_names: str | None, reference: str | None,
-          out: Path | None, seed: int, work_dir: Path | None, threads: int | None, max_num_seqs: int,
+def train(if_missing: bool, num_prompts: int, max_tokens: int, max_prompt_tokens: int, tier_names: str | None,
+          reference: str | None, out: Path | None, seed: int, work_dir: Path | None, threads: int | None,
+          max_num_seqs: int,
           tiers_file: Path | None, models_dir: Path | None, data_dir: Path | None) -> None:
     """Train the difficulty predictor `auto` routing uses.
 
@@ -59,7 +63,7 @@ def train(num_prompts: int, max_tokens: int, max_prompt_tokens: int, tier_names:
     from gateway.config_files import ConfigFileError, load_yaml
     from tiers.catalogue import TierCatalogue
     from tiers.difficulty import default_artifact_path
-    from tiers.router_training import RouterTrainingError
+    from tiers.router_training import RouterTrainingError, ensure_difficulty_model
     from tiers.router_training import train as train_model
 
     settings = settings_from(data_dir=data_dir, models_dir=models_dir, tiers_file=tiers_file)
@@ -70,6 +74,11 @@ def train(num_prompts: int, max_tokens: int, max_prompt_tokens: int, tier_names:
     names = [t.strip() for t in tier_names.split(",") if t.strip()] if tier_names else None
     out = out or default_artifact_path(settings.data_dir)
     try:
+        if if_missing:
+            out = ensure_difficulty_model(settings.data_dir, settings.resolved_models_dir, catalogue, threads=threads,
+                                          echo=lambda msg: click.echo(msg, err=True))
+            click.echo(f"ready: {out}")
+            return
         train_model(catalogue, settings.resolved_models_dir, out, num_prompts=num_prompts, max_tokens=max_tokens,
                     max_prompt_tokens=max_prompt_tokens, seed=seed, tiers=names, reference=reference,
                     work_dir=work_dir or settings.data_dir / "router" / "work", threads=threads,

@@ -16,6 +16,7 @@ from engine.model_source import BUILTIN_MODELS, is_prepared
 from gateway.admission import tokenizer_source
 from gateway.app import create_app, load_config
 from gateway.bootstrap import banner, ensure_bootstrap
+from gateway.cli.first_use import start_background_builds
 from gateway.cli.options import data_dir_option, settings_from
 from gateway.config_files import ConfigFileError
 from gateway.settings import Settings
@@ -40,6 +41,9 @@ def serve(host: str | None, port: int | None, tiers_file: Path | None, plans_fil
 
     On first use this downloads and prepares the default model (progress bars), creates an admin key
     and a `demo` tenant key, and prints an example request once every tier that can run is ready.
+    While serving, it distils the `small` tier's student (10 minutes by default, once; the tier is reported
+    as preparing and routed around until then) and then builds the router's difficulty model
+    (TIERGATE_BUILD_MISSING_MODELS=0 turns both off).
     """
     settings = settings_from(host=host, port=port, tiers_file=tiers_file, plans_file=plans_file,
                              ladder_file=ladder_file, models_dir=models_dir, data_dir=data_dir)
@@ -62,6 +66,7 @@ def serve(host: str | None, port: int | None, tiers_file: Path | None, plans_fil
     finally:
         store.close()
     threading.Thread(target=_announce_when_ready, args=(settings, keys), daemon=True).start()
+    start_background_builds(settings, catalogue)
 
     import uvicorn
 

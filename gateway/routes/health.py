@@ -13,13 +13,13 @@ from gateway.auth import require_admin
 async def health(request: Request[Any, Any, Any]) -> Response[dict[str, Any]]:
     """200 when every tier that can run is ready; 503 with the reasons while any is starting or down.
 
-    A tier whose model is not built yet is reported but does not hold readiness back: the gateway
+    A tier whose model is not built yet (or is being built) is reported but does not hold readiness back: the gateway
     routes around it.
     """
     fleet = request.app.state.services.fleet
     tiers = fleet.status()
     waiting = {name: s for name, s in tiers.items()
-               if not s["ready"] and any(r["status"] != "unavailable" for r in s["replicas"])}
+               if not s["ready"] and any(r["status"] not in ("unavailable", "preparing") for r in s["replicas"])}
     ready = not waiting
     body = {"status": "ok" if ready else "starting", "tiers": tiers,
             "not_ready": {name: fleet.unavailable().get(name) for name in tiers if not tiers[name]["ready"]}}

@@ -85,3 +85,28 @@ def test_a_first_start_is_not_an_outage_but_a_restart_is() -> None:
     assert r.is_down
     r.mark("unavailable", "not built")
     assert not r.is_down
+
+
+async def test_an_unbuilt_model_is_preparing_while_its_build_runs(tmp_path: Path) -> None:
+    import json
+
+    from tiers.students import build_lock, work_dir_for
+
+    out = tmp_path / "students" / "small"
+    client = TierClient()
+    replica = Replica("small", 0)
+    proc = StubEngineProcess(spec("students/small"), replica, models_dir=tmp_path, log_dir=tmp_path / "logs",
+                             client=client, start_timeout_s=30)
+    proc.spec.prepared_by = "tiergate models distill --teacher full"
+    proc._mark_unbuilt()
+    assert replica.status == "unavailable" and "tiergate models distill --teacher full" in replica.reason
+    with build_lock(out):
+        work_dir_for(out).mkdir(parents=True)
+        (work_dir_for(out) / "progress.json").write_text(json.dumps({"step": 5, "train_s": 150.0, "budget_s": 600.0,
+                                                                     "agree": 0.21}))
+        proc._mark_unbuilt()
+        assert replica.status == "preparing" and not replica.healthy and not replica.is_down
+        assert "25% of its 600s budget" in replica.reason and "21%" in replica.reason
+    proc._mark_unbuilt()  # the build ended without a model (killed): back to unavailable
+    assert replica.status == "unavailable"
+    await client.aclose()
