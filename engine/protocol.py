@@ -60,6 +60,8 @@ class ChatCompletionRequest(BaseModel):
     user: Annotated[str, Field(max_length=256)] | None = None
     n: Annotated[int, Field(ge=1, le=1)] = 1
     priority: int = 0
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     presence_penalty: Annotated[float, Field(ge=0.0, le=0.0)] | None = None
     frequency_penalty: Annotated[float, Field(ge=0.0, le=0.0)] | None = None
 
@@ -70,6 +72,12 @@ class ChatCompletionRequest(BaseModel):
         if isinstance(value, int) and not isinstance(value, bool):
             return float(value)
         return value
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
 
     @model_validator(mode="after")
     def _one_token_cap(self) -> ChatCompletionRequest:

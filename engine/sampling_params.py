@@ -14,6 +14,7 @@ class SamplingParams:
     seed: int | None = None  # a seeded request samples the same tokens every time
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: int | None = None  # None: off; N: each made token's log-probability and the N most likely others
 
     @property
     def greedy(self) -> bool:

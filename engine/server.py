@@ -36,6 +36,7 @@ def sampling_params_for(req: ChatCompletionRequest, num_prompt_tokens: int, max_
         max_tokens=req.output_cap or default_cap,
         seed=req.seed,
         stop=req.stop_list,
+        logprobs=(req.top_logprobs or 0) if req.logprobs else None,
     )
 
 
@@ -129,10 +130,10 @@ def create_engine_app(engine: LLMEngine, *, model_name: str, model_version: str)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         outputs = engine.generate(ids, params, request_id=rid, priority=req.priority)
         if req.stream:
-            return Stream(_sse(outputs, rid, model_name, req.include_usage, req.continuous_usage),
+            return Stream(_sse(outputs, rid, model_name, req.include_usage, req.continuous_usage, tokenizer),
                           media_type="text/event-stream",
                           headers={"cache-control": "no-cache"})
-        return Response(await _collect(outputs, rid, model_name))
+        return Response(await _collect(outputs, rid, model_name, tokenizer))
 
     return Litestar(route_handlers=[health, models, metrics, chat],
                     exception_handlers={HTTPException: _http_error})
@@ -147,40 +148,60 @@ def _usage(out: RequestOutput) -> dict[str, int]:
             "total_tokens": out.num_prompt_tokens + out.num_output_tokens}
 
 
-async def _collect(outputs: AsyncIterator[RequestOutput], rid: str, model: str) -> dict[str, Any]:
+def _logprobs(tokenizer: Any, out: RequestOutput) -> list[dict[str, Any]] | None:
+    """OpenAI's `logprobs.content` entries for the tokens of `out`, when the request asked for them."""
+    if out.logprobs is None:
+        return None
+
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        text = tokenizer.decode([token_id])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return [entry(t, lp) | {"top_logprobs": [entry(i, v) for i, v in top]}
+            for t, (lp, top) in zip(out.token_ids, out.logprobs, strict=True)]
+
+
+async def _collect(outputs: AsyncIterator[RequestOutput], rid: str, model: str, tokenizer: Any) -> dict[str, Any]:
     parts: list[str] = []
     last: RequestOutput | None = None
+    content: list[dict[str, Any]] | None = None
     async for out in outputs:
         parts.append(out.text)
         last = out
+        if (lps := _logprobs(tokenizer, out)) is not None:
+            content = (content or []) + lps
     assert last is not None
     return {
         "id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
         "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(parts)},
-                     "finish_reason": last.finish_reason, "logprobs": None}],
+                     "finish_reason": last.finish_reason,
+                     "logprobs": {"content": content} if content is not None else None}],
         "usage": _usage(last), "x_tiergate": {"busy_s": last.busy_s},
     }
 
 
 async def _sse(outputs: AsyncIterator[RequestOutput], rid: str, model: str,
-               include_usage: bool, continuous_usage: bool) -> AsyncIterator[bytes]:
+               include_usage: bool, continuous_usage: bool, tokenizer: Any) -> AsyncIterator[bytes]:
     created = int(time.time())
 
-    def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> bytes:
+    def chunk(delta: dict[str, Any], finish: str | None = None, lps: list[dict[str, Any]] | None = None,
+              **extra: Any) -> bytes:
         body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}], **extra}
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish,
+                             "logprobs": {"content": lps} if lps is not None else None}], **extra}
         return b"data: " + json.dumps(body).encode() + b"\n\n"
 
     yield chunk({"role": "assistant", "content": ""})
     async for out in outputs:
+        lps = _logprobs(tokenizer, out)
         if not out.finished:
             if continuous_usage:
-                yield chunk({"content": out.text}, usage=_usage(out), x_tiergate={"busy_s": out.busy_s})
-            elif out.text:
-                yield chunk({"content": out.text})
+                yield chunk({"content": out.text}, None, lps, usage=_usage(out), x_tiergate={"busy_s": out.busy_s})
+            elif out.text or lps:
+                yield chunk({"content": out.text}, None, lps)
             continue
-        if out.text:
-            yield chunk({"content": out.text})
+        if out.text or lps:
+            yield chunk({"content": out.text}, None, lps)
         yield chunk({}, out.finish_reason, x_tiergate={"busy_s": out.busy_s})
         if include_usage:
             body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,

@@ -294,9 +294,8 @@ class ChatService:
         body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
         body["priority"] = PRIORITY_ORDER[admitted.plan.priority]
         routing = admitted.plan.routing
-        if (routing.cascade and routing.cascade_min_mean_logprob is not None and not call.req.stream
-                and tier.backend == "openai"):  # our engine returns no logprobs yet (tiers/cascade.py)
-            body["logprobs"] = call.want_logprobs = True
+        if routing.cascade and routing.cascade_min_mean_logprob is not None and not call.req.stream:
+            body["logprobs"] = call.want_logprobs = True  # our engine and vLLM both return them
         return body
 
     def _account(self, call: Call, chunk: dict[str, Any]) -> None:

@@ -45,7 +45,9 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     data_dir = tmp_path_factory.mktemp("tiergate-data")
     port = free_port()
     env = os.environ | {"TIERGATE_MODELS_DIR": str(MODELS_DIR), "TIERGATE_DATA_DIR": str(data_dir),
-                        "TIERGATE_PORT": str(port)}
+                        "TIERGATE_PORT": str(port),
+                        # first-use builds (student, router model) are tested in tests/gateway/test_first_use.py
+                        "TIERGATE_BUILD_MISSING_MODELS": "0"}
     proc = subprocess.Popen([sys.executable, "-m", "gateway.cli.main", "serve"], env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
                             cwd=Path(__file__).resolve().parents[1])

@@ -4,9 +4,9 @@ An answer fails when it is empty, when it stopped at the output cap that the tie
 model ran out of room, not out of things to say: a tier with a larger context may finish it), or when
 its mean token log-probability is below the plan's threshold (the model was unsure).
 
-Log-probabilities are read where the upstream returns them (OpenAI's `choices[].logprobs.content[]`, as
-vLLM sends when asked). TODO: our own engine (engine/server.py) does not return logprobs yet; until it
-does, local tiers are checked for empty and truncated answers only, and the threshold is not applied.
+Log-probabilities are asked for (`logprobs: true`) only where the plan sets a threshold, and read from
+OpenAI's `choices[].logprobs.content[]`, which our engine (engine/server.py) and vLLM both return. An
+upstream that returns none is checked for empty and truncated answers only.
 """
 
 from __future__ import annotations

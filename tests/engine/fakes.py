@@ -48,17 +48,22 @@ class ScriptedRunner:
         self.order: list[str] = []  # request ids in the order their first step ran
         self.released: list[str] = []
         self.steps: list[SchedulerOutput] = []
+        self.last_logprobs: dict[str, tuple[float, list[tuple[int, float]]]] = {}
 
     def run(self, out: SchedulerOutput) -> list[int]:
         if self.step_s:
             time.sleep(self.step_s)
         self.steps.append(out)
         made = []
+        self.last_logprobs = {}
         for seq, do_sample in zip(out.seqs, out.do_sample, strict=True):
             if seq.request_id not in self.order:
                 self.order.append(seq.request_id)
             if do_sample:
                 made.append(self.reply[min(seq.num_output_tokens, len(self.reply) - 1)])
+                if seq.params.logprobs is not None:  # the scripted token is sure; its neighbour less so
+                    top = [(made[-1], -0.25), (made[-1] + 1, -1.5)][: seq.params.logprobs]
+                    self.last_logprobs[seq.request_id] = (-0.25, top)
         return made
 
     def release(self, request_id: str) -> None:

@@ -122,3 +122,34 @@ def test_the_near_tie_detector_reports_ties_and_fails_real_divergence() -> None:
         assert_same_or_near_tie(Ref(2.0, 2.0 - 1e-5), [1], [3, 5], [3, 3])
     with pytest.raises(AssertionError, match="diverged at output token 1"):
         assert_same_or_near_tie(Ref(2.0, 1.0), [1], [3, 5], [3, 3])
+
+
+def test_logprobs_are_the_models_own_log_softmax(tiny_llama: Path, reference: LlamaForCausalLM) -> None:
+    from engine.block_manager import BlockManager
+    from engine.sampling_params import SamplingParams
+    from engine.scheduler import Scheduler
+    from engine.sequence import Sequence
+
+    runner = ModelRunner(tiny_llama, dtype="fp32", kv_cache_bytes=1 << 22)
+    sched = Scheduler(BlockManager(runner.num_kv_blocks, runner.block_size), max_num_seqs=4,
+                      max_num_batched_tokens=256, max_model_len=runner.max_model_len, eos_token_ids=set())
+    prompt = prompts(1)[0]
+    seq = Sequence("lp", prompt, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=2))
+    plain = Sequence("plain", prompt, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    sched.add_request(seq)
+    sched.add_request(plain)
+    got = []
+    while sched.has_unfinished_requests():
+        out = sched.schedule()
+        made = runner.run(out)
+        assert "plain" not in runner.last_logprobs  # only where asked: no cost for the others
+        if "lp" in runner.last_logprobs:
+            got.append(runner.last_logprobs["lp"])
+        sched.postprocess(out, made)
+    tokens = seq.output_token_ids
+    with torch.no_grad():
+        logp = torch.log_softmax(reference(torch.tensor([prompt + tokens])).logits[0].float(), dim=-1)
+    for i, (lp, top) in enumerate(got):
+        row = logp[len(prompt) - 1 + i]
+        assert abs(lp - float(row[tokens[i]])) < 1e-4
+        assert [t for t, _ in top] == torch.topk(row, 2).indices.tolist() and top[0][0] == tokens[i]

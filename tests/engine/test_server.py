@@ -54,6 +54,24 @@ def test_continuous_usage_and_busy_time(served: tuple[str, LLMEngine, ScriptedRu
     assert events[-1]["usage"]["completion_tokens"] == 3 and events[-1]["x_tiergate"]["busy_s"] > 0
 
 
+def test_logprobs_in_openai_shape_streamed_and_not(served: tuple[str, LLMEngine, ScriptedRunner]) -> None:
+    url, _, runner = served
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+    resp = client.chat.completions.create(model="tiny", messages=MSG, max_tokens=3, logprobs=True, top_logprobs=2)
+    content = resp.choices[0].logprobs.content
+    assert [c.token for c in content] == list(runner.reply and "Par")
+    assert all(c.logprob == -0.25 and len(c.top_logprobs) == 2 for c in content)
+    assert content[0].bytes == list(b"P")
+    plain = client.chat.completions.create(model="tiny", messages=MSG, max_tokens=3)
+    assert plain.choices[0].logprobs is None
+    streamed = [lp.token for ch in client.chat.completions.create(model="tiny", messages=MSG, max_tokens=3,
+                                                                 logprobs=True, stream=True)
+                for c in ch.choices if c.logprobs and c.logprobs.content for lp in c.logprobs.content]
+    assert streamed == ["P", "a", "r"]
+    bad = httpx.post(f"{url}/v1/chat/completions", json={"model": "tiny", "messages": MSG, "top_logprobs": 2})
+    assert bad.status_code == 400 and "top_logprobs needs logprobs" in bad.text
+
+
 def test_errors(served: tuple[str, LLMEngine, ScriptedRunner]) -> None:
     url, _, _ = served
     r = httpx.post(f"{url}/v1/chat/completions", json={"model": "tiny", "messages": MSG, "max_tokens": 10_000})

@@ -77,7 +77,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory,
                             "TIERGATE_TIERS_FILE": str(settings.tiers_file),
                             "TIERGATE_PLANS_FILE": str(settings.plans_file),
                             "TIERGATE_REDIS_URL": redis.url, "TIERGATE_PORT": str(port),
-                            "TIERGATE_REDIS_FAILURE_MODE": "closed"}
+                            "TIERGATE_REDIS_FAILURE_MODE": "closed", "TIERGATE_BUILD_MISSING_MODELS": "0"}
         log = open(tmp / f"gateway-{port}.log", "w")  # noqa: SIM115 (kept open for the process's life)
         procs.append(subprocess.Popen([sys.executable, "-m", "gateway.cli.main", "serve"], cwd=ROOT, env=env,
                                       stdout=log, stderr=log, start_new_session=True))
