@@ -91,7 +91,7 @@ def prepare_model(source: str, models_dir: Path, *, progress: bool = True) -> Pa
     if (target / MARKER).is_file():
         return target
     models_dir.mkdir(parents=True, exist_ok=True)
-    with _locked(models_dir / f".{spec.name}.lock"):
+    with file_lock(models_dir / f".{spec.name}.lock"):
         if (target / MARKER).is_file():  # another process finished while we waited
             return target
         _prepare_packaged(spec, target, progress=progress)
@@ -99,7 +99,9 @@ def prepare_model(source: str, models_dir: Path, *, progress: bool = True) -> Pa
 
 
 @contextmanager
-def _locked(path: Path) -> Iterator[None]:
+def file_lock(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on `path` (created, with its folder), waiting for another holder to finish."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
         try:

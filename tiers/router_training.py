@@ -24,20 +24,19 @@ The pipeline, and why each step is the way it is:
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import hashlib
 import json
 import logging
 import os
 import sys
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from engine.model_source import file_lock
 from tiers.catalogue import TierCatalogue, TierSpec
 from tiers.difficulty import DifficultyModel, RidgeHead, default_artifact_path, load_difficulty_model
 from tiers.router_features import FeatureExtractor
@@ -472,17 +471,6 @@ def stale_reasons(model: DifficultyModel, catalogue: TierCatalogue, models_dir: 
     return reasons
 
 
-@contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
 def ensure_difficulty_model(data_dir: Path, models_dir: Path, catalogue: TierCatalogue, *,
                             num_prompts: int = FIRST_USE_PROMPTS, max_tokens: int = DEFAULT_MAX_TOKENS,
                             rebuild_stale: bool = True, progress: bool = True, threads: int | None = None,
@@ -508,7 +496,7 @@ def ensure_difficulty_model(data_dir: Path, models_dir: Path, catalogue: TierCat
 
     if path.exists() and current():
         return path
-    with _locked(path.parent / ".difficulty.lock"):
+    with file_lock(path.parent / ".difficulty.lock"):
         if path.exists() and current():  # another process built it while we waited
             return path
         echo(f"building the difficulty model ({num_prompts} ShareGPT prompts through each tier, once)")

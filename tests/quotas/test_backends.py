@@ -3,25 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
 import pytest
 
 from quotas.backends.base import QuotaBackend
 from quotas.backends.memory import MemoryBackend
-from quotas.backends.redis import RedisBackend
 from quotas.limits import ReservationRequest, ScopeLimits
-
-
-@pytest.fixture(params=["memory", "redis"])
-async def backend(request: pytest.FixtureRequest) -> AsyncIterator[QuotaBackend]:
-    if request.param == "memory":
-        yield MemoryBackend()
-        return
-    b = RedisBackend(request.getfixturevalue("redis_url"), timeout_s=0.5)
-    yield b
-    await b.close()
-
 
 _n = iter(range(10**9))
 

@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
 from decimal import Decimal
-
-import pytest
 
 from quotas.admission import QuotaService
 from quotas.backends.base import QuotaBackend
@@ -15,16 +12,6 @@ from quotas.backends.memory import MemoryBackend
 from quotas.backends.redis import RedisBackend
 from quotas.limits import ReservationRequest, ScopeLimits
 from quotas.plans import Limits, Plan
-
-
-@pytest.fixture(params=["memory", "redis"])
-async def backend(request: pytest.FixtureRequest) -> AsyncIterator[QuotaBackend]:
-    if request.param == "memory":
-        yield MemoryBackend()
-        return
-    b = RedisBackend(request.getfixturevalue("redis_url"), timeout_s=0.5)
-    yield b
-    await b.close()
 
 
 async def test_spend_counts_reservations_and_settlements_per_scope(backend: QuotaBackend) -> None:
