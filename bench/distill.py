@@ -26,13 +26,15 @@ MODELS = Path.home() / ".local/share/tiergate/models"
 COMMAND = "python -m bench.distill"
 
 
-def speed(model_dir: Path, tok: Any, prompts: list[list[int]], streams: int, output_len: int) -> dict[str, float]:
+def speed(model_dir: Path, tok: Any, prompts: list[list[int]], streams: int, output_len: int,
+          device: str = "cpu") -> dict[str, float]:
     """Decode tokens/s at 1 and `streams` concurrent streams (the best of two passes each)."""
     from bench.engine import run_engine
     from engine.llm_engine import LLMEngine
     from engine.model_runner import ModelRunner
 
-    runner = ModelRunner(model_dir, dtype="fp32", kv_cache_bytes=256 << 20)
+    runner = ModelRunner(model_dir, dtype="fp32" if device == "cpu" else "bf16", device=device,
+                         kv_cache_bytes=256 << 20)
     engine = LLMEngine(runner, tok, max_num_seqs=streams, max_num_batched_tokens=512)
     engine.start()
     try:
@@ -53,6 +55,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=48)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu", help="cpu (fp32) or cuda (bf16 for the speed runs)")
     ap.add_argument("--no-card", action="store_true", help="do not rewrite the student's model card")
     args = ap.parse_args()
 
@@ -69,8 +72,8 @@ def main() -> None:
     info = json.loads((args.student / PROVENANCE).read_text())
     teacher_dir = Path(info["teacher"])
     tok = AutoTokenizer.from_pretrained(teacher_dir)
-    teacher = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=torch.float32).eval()
-    student = AutoModelForCausalLM.from_pretrained(args.student, dtype=torch.float32).eval()
+    teacher = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=torch.float32).to(args.device).eval()
+    student = AutoModelForCausalLM.from_pretrained(args.student, dtype=torch.float32).to(args.device).eval()
     untrained = make_student(teacher, info["keep"]).eval()
 
     windows = heldout_windows(tok, seq_len=256, n_tokens=args.heldout_tokens)
@@ -85,9 +88,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         untrained_dir = Path(tmp) / "untrained"
         untrained.save_pretrained(untrained_dir)
-        speeds = {"this student": speed(args.student, tok, prompts, args.streams, args.output_len),
-                  "same layers before training": speed(untrained_dir, tok, prompts, args.streams, args.output_len),
-                  "teacher (full tier, fp32)": speed(teacher_dir, tok, prompts, args.streams, args.output_len)}
+        run = {"streams": args.streams, "output_len": args.output_len, "device": args.device}
+        speeds = {"this student": speed(args.student, tok, prompts, **run),
+                  "same layers before training": speed(untrained_dir, tok, prompts, **run),
+                  "teacher (full tier, fp32)": speed(teacher_dir, tok, prompts, **run)}
     s, t = speeds["this student"], speeds["teacher (full tier, fp32)"]
     cfg = info.get("config", {})
     lines = [

@@ -36,7 +36,7 @@ TEACHER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja
 class DistillConfig:
     layers: int = 8
     keep: tuple[int, ...] | None = None  # teacher layers to start from [default: layer_subset]
-    frozen_prefix: int = 2  # the student's first layers stay the teacher's (shared compute)
+    frozen_prefix: int = 3  # the student's first layers stay the teacher's (shared compute)
     budget_s: float | None = 600.0
     steps: int | None = None
     batch_size: int = 4
@@ -44,7 +44,7 @@ class DistillConfig:
     lr: float = 2e-3
     warmup_steps: int = 4
     temperature: float = 1.0
-    greedy_weight: float = 0.5
+    greedy_weight: float = 0.8
     seed: int = 0
     device: str = "cpu"
     threads: int | None = None

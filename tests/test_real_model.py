@@ -26,6 +26,8 @@ from quotas.ledger import Ledger
 from tests.conftest import MODELS_DIR
 from tests.stubs import free_port
 
+ROOT = Path(__file__).resolve().parents[1]
+
 pytestmark = pytest.mark.model
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -44,13 +46,17 @@ class Served:
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     data_dir = tmp_path_factory.mktemp("tiergate-data")
     port = free_port()
+    # `small` as on a fresh machine (its student not built), whether or not this machine has built it
+    tiers = data_dir.parent / "tiers.yaml"
+    tiers.write_text((ROOT / "tiers" / "tiers.yaml").read_text().replace(
+        "model: students/smollm2-small", "model: students/not-built-in-this-test"))
     env = os.environ | {"TIERGATE_MODELS_DIR": str(MODELS_DIR), "TIERGATE_DATA_DIR": str(data_dir),
-                        "TIERGATE_PORT": str(port),
+                        "TIERGATE_PORT": str(port), "TIERGATE_TIERS_FILE": str(tiers),
                         # first-use builds (student, router model) are tested in tests/gateway/test_first_use.py
                         "TIERGATE_BUILD_MISSING_MODELS": "0"}
     proc = subprocess.Popen([sys.executable, "-m", "gateway.cli.main", "serve"], env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-                            cwd=Path(__file__).resolve().parents[1])
+                            cwd=ROOT)
     output: list[str] = []
     threading.Thread(target=lambda: output.extend(iter(proc.stdout.readline, "")), daemon=True).start()  # type: ignore[union-attr]
     deadline = time.time() + 500  # a fresh machine downloads and converts the model first (under pytest's 600 s)

@@ -32,12 +32,12 @@ class StudentRequest:
     budget: str | None = None
     out: Path | None = None
     keep: str | None = None
-    frozen_prefix: int = 2
+    frozen_prefix: int = 3
     batch_size: int = 4
     seq_len: int = 128
     lr: float = 2e-3
     temperature: float = 1.0
-    greedy_weight: float = 0.5
+    greedy_weight: float = 0.8
     seed: int | None = None
     device: str = "cpu"
     threads: int | None = None

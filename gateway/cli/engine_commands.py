@@ -47,15 +47,15 @@ def fetch(source: str, models_dir: Path | None, data_dir: Path | None) -> None:
               "[default: the tier's, else 10m].")
 @click.option("--out", type=click.Path(path_type=Path), default=None,
               help="Model directory to write [default: the model of the tier distilled from --teacher].")
-@click.option("--keep", default=None, help="Teacher layers to start from, e.g. 0,1,6,10,15,20,24,29 [default: the "
-              "first two, then spread evenly to the last].")
-@click.option("--frozen-prefix", default=2, show_default=True, type=int,
+@click.option("--keep", default=None, help="Teacher layers to start from, e.g. 0,1,2,7,13,18,24,29 [default: the "
+              "frozen prefix, then spread evenly to the last].")
+@click.option("--frozen-prefix", default=3, show_default=True, type=int,
               help="The student's first layers stay the teacher's, frozen (their forward is shared: cheaper steps).")
 @click.option("--batch-size", default=4, show_default=True, type=int)
 @click.option("--seq-len", default=128, show_default=True, type=int, help="Tokens per training window.")
 @click.option("--lr", default=2e-3, show_default=True, type=float, help="Peak learning rate (AdamW, cosine decay).")
 @click.option("--temperature", default=1.0, show_default=True, type=float, help="KL temperature.")
-@click.option("--greedy-weight", default=0.5, show_default=True, type=float,
+@click.option("--greedy-weight", default=0.8, show_default=True, type=float,
               help="Mix in cross-entropy toward the teacher's greedy next token (0: KL only, 1: greedy only).")
 @click.option("--seed", default=None, type=int, help="Data order and initialisation [default: the tier's, else 0].")
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda[:N] (bf16 autocast on CUDA).")
