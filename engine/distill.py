@@ -14,6 +14,7 @@ is a pure function of the seed; with a time budget the number of steps depends o
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -149,7 +150,7 @@ def distill(teacher_dir: Path, out_dir: Path, config: DistillConfig, *, work_dir
                     "history": history, "windows": windows.used, "rng": torch.get_rng_state()}, tmp)
         tmp.replace(ckpt_path)
 
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else _null()
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
     T = config.temperature
     bar = tqdm(total=config.steps if config.steps else int(config.budget_s or 0), initial=0, disable=not progress,
                desc="distilling", unit="step" if config.steps else "s", dynamic_ncols=True)
@@ -232,14 +233,6 @@ def _lr(config: DistillConfig, step: int, total_steps: int | None) -> float:
         return config.lr
     frac = min(1.0, (step - config.warmup_steps) / max(1, total_steps - config.warmup_steps))
     return config.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
-
-
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def _save_student(student: Any, teacher_dir: Path, out_dir: Path, provenance: dict[str, Any]) -> None:

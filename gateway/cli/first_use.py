@@ -15,7 +15,6 @@ import logging
 import subprocess
 import sys
 import threading
-from pathlib import Path
 
 from engine.model_source import is_prepared, resolve_model
 from gateway.settings import Settings
@@ -63,7 +62,7 @@ def start_background_builds(settings: Settings, catalogue: TierCatalogue) -> thr
 
     def run() -> None:
         for cmd in commands:
-            log.info("first use: %s", " ".join(Path(cmd[0]).name if i == 0 else a for i, a in enumerate(cmd)))
+            log.info("first use: tiergate %s", " ".join(cmd[3:]))
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
             running.append(proc)
             if proc.wait() != 0:
