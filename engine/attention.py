@@ -1,7 +1,8 @@
 """Attention over the paged KV cache, for a step that mixes prompt chunks and decodes.
 
 The runner orders a step's tokens with single-token sequences (decodes) first, then prompt chunks. The
-decodes are attended in one batched call over their gathered, padded contexts; each prompt chunk is
+decodes are attended in one call: on CPU by the native kernel that reads their blocks in place
+(engine/kernels), otherwise by SDPA over their gathered, padded contexts; each prompt chunk is
 attended on its own (its causal mask is offset by the tokens already cached). K/V of every new token are
 written to their slots first, so a chunk sees its own tokens and its cached prefix the same way.
 """
@@ -9,6 +10,7 @@ written to their slots first, so a chunk sees its own tokens and its cached pref
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -23,10 +25,12 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor  # [B, max_blocks] block ids of the decodes, padded with 0 (cut by ctx)
     decode_mask: torch.Tensor | None  # [B, 1, 1, max_blocks * block_size] True where a slot is in the context
     decode_context_len: int  # the longest decode context; slots past it are cut before attention
+    decode_context_lens: torch.Tensor  # [B] int64: each decode's context, its new token included
     prefill_query_starts: list[int]  # per prompt chunk: index of its first token in the step
     prefill_query_lens: list[int]  # per prompt chunk: its number of new tokens
     prefill_block_tables: list[torch.Tensor]  # per prompt chunk: [num_blocks] its block ids
     prefill_context_lens: list[int]  # per prompt chunk: cached + new tokens
+    decode_kernel: Any | None = None  # engine.kernels' compiled module: decodes read the cache in place
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -45,7 +49,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     rep = num_heads // num_kv_heads
     out = torch.empty_like(q)
     b = meta.num_decode_seqs
-    if b:
+    if b and meta.decode_kernel is not None:
+        out[:b] = meta.decode_kernel.paged_decode_attention(q[:b], k_cache, v_cache, meta.decode_block_tables,
+                                                            meta.decode_context_lens, scale)
+    elif b:
         # gather each decode's context: [B * max_blocks, block_size, KV, D] -> [B, KV, ctx, D]
         ctx = meta.decode_context_len
         blocks = meta.decode_block_tables.flatten()  # index_select: about 1.7x faster than fancy indexing on CPU

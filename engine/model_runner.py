@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from engine.attention import AttentionMetadata
+from engine.kernels import paged_attention as paged_attention_kernel
 from engine.models.llama import LlamaConfig, LlamaForCausalLM
 from engine.quantize import quantize_int8_
 from engine.sampler import Sampler
@@ -72,6 +73,9 @@ class ModelRunner:
         self.max_model_len = min(cfg.max_position_embeddings, self.num_kv_blocks * block_size)
         self.eos_token_ids = _eos_ids(model_dir)
         self.sampler = Sampler()
+        # decodes read the paged cache in place through the native kernel on CPU (compiled once per machine);
+        # CUDA, and a CPU without a compiler, gather the contexts for torch's SDPA
+        self.decode_kernel = paged_attention_kernel.load() if self.device.type == "cpu" else None
         # request id -> (made token's log-probability, [(token id, log-probability)] top alternatives), for the
         # sequences of the last `run` that asked for logprobs
         self.last_logprobs: dict[str, tuple[float, list[tuple[int, float]]]] = {}
@@ -135,12 +139,15 @@ class ModelRunner:
             used = -(-context_lens[row] // bs)
             table[row, :used] = torch.tensor(seq.block_table[:used])
         mask = None
-        if any(n != max_ctx for n in context_lens):  # no mask at all when every context is as long
+        # SDPA's padding mask; none when every context is as long, or when the kernel reads each context's own length
+        if self.decode_kernel is None and any(n != max_ctx for n in context_lens):
             mask = torch.arange(max_ctx)[None, :] < torch.tensor(context_lens)[:, None]  # [B, ctx]
             mask = mask[:, None, None, :].to(self.device)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, device=self.device), num_decode_seqs=num_decodes,
             decode_block_tables=table.to(self.device), decode_mask=mask, decode_context_len=max_ctx,
+            decode_context_lens=torch.tensor(context_lens, dtype=torch.long, device=self.device),
+            decode_kernel=self.decode_kernel,
             prefill_query_starts=starts, prefill_query_lens=lens, prefill_block_tables=tables,
             prefill_context_lens=ctxs,
         )

@@ -117,6 +117,14 @@ class Gateway:
             ledger.close()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def native_kernels() -> None:
+    """Compile the engine's C++ kernel before any test starts an engine with a deadline (once per machine)."""
+    from engine.kernels import paged_attention
+
+    paged_attention.load()
+
+
 @pytest.fixture(scope="session")
 def prepared_models() -> Path:
     """The shared models directory with the default model prepared (its tokenizer counts prompt tokens)."""
