@@ -10,7 +10,7 @@ from pathlib import Path
 from engine.llm_engine import LLMEngine
 from engine.model_source import prepare_model
 
-ENGINE_VERSION = "tiergate-engine/0.2"
+ENGINE_VERSION = "tiergate-engine/0.3"  # 0.3: int8 on CPU runs fbgemm with per-token activations
 log = logging.getLogger("tiergate.engine")
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from engine import int8_dynamic
 from engine.attention import AttentionMetadata
 from engine.kernels import paged_attention as paged_attention_kernel
 from engine.models.llama import LlamaConfig, LlamaForCausalLM
@@ -56,8 +57,11 @@ class ModelRunner:
         self.config = cfg = LlamaConfig.from_dir(model_dir)
         model = LlamaForCausalLM.empty(cfg, self.dtype)
         model.load_weights(model_dir)
-        if quantize == "int8":
-            quantize_int8_(model)
+        if quantize == "int8" and int8_dynamic.available(self.device, self.dtype):
+            # fbgemm with per-token activations (x86 CPUs), calibrated on ShareGPT text
+            int8_dynamic.quantize_int8_dynamic_(model, int8_dynamic.calibration_chunks(model_dir))
+        elif quantize == "int8":
+            quantize_int8_(model)  # weight-only, dequantized into the matmul (CUDA, other CPUs)
         elif quantize is not None:
             raise ValueError(f"unknown quantization {quantize!r}; expected int8")
         self.model = model.to(self.device).eval()

@@ -14,6 +14,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from engine import int8_dynamic
 from engine.model_runner import ModelRunner, resolve_dtype
 from engine.quantize import Int8Linear, quantize_int8_
 from tests.engine.driver import assert_same_or_near_tie, generate_greedy
@@ -75,7 +76,9 @@ def test_greedy_survives_preemption_and_recompute(tiny_llama: Path, reference: L
         assert_same_or_near_tie(reference, prompt, ours, hf_greedy(reference, prompt, 16))
 
 
-def test_int8_linear_is_close_and_the_model_still_agrees(tiny_llama: Path) -> None:
+def test_int8_linear_is_close_and_the_model_still_agrees(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The weight-only int8 path (CUDA, and CPUs without fbgemm; x86 CPUs: tests/engine/test_int8_dynamic.py)."""
+    monkeypatch.setattr(int8_dynamic, "available", lambda _device, _dtype: False)
     torch.manual_seed(1)
     lin = torch.nn.Linear(64, 96, bias=False)
     q = Int8Linear(lin)

@@ -1,0 +1,173 @@
+"""The int8 `mid` tier's fast CPU path: fbgemm's u8 x s8 kernels with per-token activation scales.
+
+Each choice below was measured on SmolLM2-135M (teacher-forced top-1 agreement with fp32 on held-out
+ShareGPT text; numbers in BENCHMARKS.md):
+- fbgemm multiplies u8 activations by s8 weights in pairs summed into int16 (AVX2 `vpmaddubsw`), which
+  saturates unless activations or weights give up a bit. torch's default (7-bit activations) keeps 82%;
+  8-bit activations with 7-bit weights (|q| <= 63, per output channel) lose less.
+- fbgemm quantizes a whole activation tensor with one scale. Each row is divided by its own absolute
+  maximum first and multiplied back after, which makes the scale per token (one scale per tensor: 44%).
+- SmoothQuant (alpha 0.5): part of each input channel's activation range moves into the weights, folded
+  into the RMSNorm weights before q/k/v and gate/up, and into up_proj's rows before down_proj.
+- The input channels with the largest calibrated activations (32; 64 for down_proj) stay in fp32 in a
+  small side matmul, so they do not set the other channels' scale.
+- The LM head keeps fp16 weights (fbgemm's fp16 kernel): in int8 it costs the most agreement.
+Calibration reads ShareGPT first turns (not the held-out tail the benchmark measures on).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from engine.attention import AttentionMetadata
+
+SMOOTH_ALPHA = 0.5
+OUTLIERS = {"down_proj": 64}  # fp32 input channels per projection; the others keep DEFAULT_OUTLIERS
+DEFAULT_OUTLIERS = 32
+WEIGHT_QMAX = 63  # 7-bit weights: u8 x s8 pair sums stay inside int16 with 8-bit activations
+CALIBRATION_TOKENS = 2048
+CHUNK = 512
+
+
+def available(device: torch.device, dtype: torch.dtype) -> bool:
+    """fbgemm's kernels exist on x86 CPUs and take fp32 activations."""
+    return device.type == "cpu" and dtype == torch.float32 and "fbgemm" in torch.backends.quantized.supported_engines
+
+
+class Int8DynamicLinear(nn.Module):
+    """y = W x with W in 7-bit per output channel, x quantized to 8 bits per token, outlier channels in fp32."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, outliers: torch.Tensor) -> None:
+        super().__init__()
+        w = weight.detach().float()
+        self.out_features, self.in_features = w.shape
+        keep = torch.ones(self.in_features, dtype=torch.bool)
+        keep[outliers] = False
+        self.register_buffer("outliers", outliers.clone())
+        self.register_buffer("keep", keep.float())  # multiplies the activations: 0 at the fp32 channels
+        self.register_buffer("w_outliers", w[:, outliers].t().contiguous())  # [k, out]
+        w_int = w * keep
+        scale = w_int.abs().amax(dim=1).clamp(min=1e-8) / WEIGHT_QMAX
+        qweight = torch.quantize_per_channel(w_int, scale.double(), torch.zeros(self.out_features, dtype=torch.long),
+                                             0, torch.qint8)
+        self.packed = torch.ops.quantized.linear_prepack(qweight, None)
+        self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, self.in_features)
+        xm = x * self.keep
+        a = xm.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12)  # per token: fbgemm's one scale now spans a row
+        y = torch.ops.quantized.linear_dynamic(xm / a, self.packed, False) * a  # 8-bit activations
+        y.addmm_(x.index_select(1, self.outliers), self.w_outliers)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*shape[:-1], self.out_features)
+
+
+class Fp16Linear(nn.Module):
+    """fp16 weights, fp32 activations and accumulation (fbgemm): half the head's memory traffic."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        bias = None if linear.bias is None else linear.bias.detach().float()
+        self.packed = torch.ops.quantized.linear_prepack_fp16(linear.weight.detach().float(), bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = torch.ops.quantized.linear_dynamic_fp16(x.reshape(-1, self.in_features), self.packed)
+        return y.reshape(*shape[:-1], self.out_features)
+
+
+def calibration_chunks(model_dir: Path) -> list[torch.Tensor]:
+    """Token chunks of ShareGPT first turns (the file's first 400; the benchmark measures on its tail)."""
+    from transformers import AutoTokenizer
+
+    from engine.datasets import sharegpt_first_turns
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    ids = tok("\n\n".join(sharegpt_first_turns(limit=400)), add_special_tokens=False)["input_ids"][:CALIBRATION_TOKENS]
+    return [torch.tensor(ids[i:i + CHUNK]) for i in range(0, len(ids), CHUNK)]
+
+
+@torch.inference_mode()
+def activation_ranges(model: nn.Module, chunks: list[torch.Tensor], block_size: int = 16) -> dict[str, torch.Tensor]:
+    """Per input channel, the largest |activation| every nn.Linear of our Llama sees over the chunks."""
+    cfg = model.config
+    ranges: dict[str, torch.Tensor] = {}
+
+    def record(name: str) -> Callable[..., None]:
+        def hook(_module: nn.Module, inputs: tuple[torch.Tensor, ...], _output: torch.Tensor) -> None:
+            a = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).abs().amax(dim=0).float()
+            ranges[name] = a if name not in ranges else torch.maximum(ranges[name], a)
+        return hook
+
+    hooks = [m.register_forward_hook(record(n)) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    try:
+        for ids in chunks:
+            n = len(ids)
+            blocks = -(-n // block_size)
+            kv = torch.zeros(cfg.num_hidden_layers, 2, blocks, block_size, cfg.num_key_value_heads, cfg.head_dim,
+                             dtype=model.embed_tokens.weight.dtype)
+            meta = AttentionMetadata(
+                slot_mapping=torch.arange(n), num_decode_seqs=0,
+                decode_block_tables=torch.zeros(0, 0, dtype=torch.long), decode_mask=None, decode_context_len=0,
+                decode_context_lens=torch.zeros(0, dtype=torch.long),
+                prefill_query_starts=[0], prefill_query_lens=[n], prefill_block_tables=[torch.arange(blocks)],
+                prefill_context_lens=[n])
+            model.compute_logits(model(ids, torch.arange(n), kv, meta))
+    finally:
+        for h in hooks:
+            h.remove()
+    return ranges
+
+
+def _smoothing(act: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
+    w = torch.stack([x.abs().amax(dim=0) for x in weights]).amax(dim=0)
+    return (act.clamp(min=1e-5) ** SMOOTH_ALPHA / w.clamp(min=1e-5) ** (1 - SMOOTH_ALPHA)).clamp(min=1e-5)
+
+
+@torch.inference_mode()
+def smooth_(model: nn.Module, ranges: dict[str, torch.Tensor]) -> None:
+    """SmoothQuant, in place: the model computes the same function; `ranges` become the smoothed inputs' ranges."""
+    for i, layer in enumerate(model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        p = f"layers.{i}."
+        s = _smoothing(ranges[p + "self_attn.qkv_proj"], [attn.qkv_proj.weight])
+        layer.input_layernorm.weight.div_(s)
+        attn.qkv_proj.weight.mul_(s)
+        ranges[p + "self_attn.qkv_proj"] = ranges[p + "self_attn.qkv_proj"] / s
+        s = _smoothing(ranges[p + "mlp.gate_up_proj"], [mlp.gate_up_proj.weight])
+        layer.post_attention_layernorm.weight.div_(s)
+        mlp.gate_up_proj.weight.mul_(s)
+        ranges[p + "mlp.gate_up_proj"] = ranges[p + "mlp.gate_up_proj"] / s
+        s = _smoothing(ranges[p + "mlp.down_proj"], [mlp.down_proj.weight])
+        mlp.gate_up_proj.weight[mlp.intermediate_size:].div_(s[:, None])  # up_proj's rows: down's input channels
+        if mlp.gate_up_proj.bias is not None:
+            mlp.gate_up_proj.bias[mlp.intermediate_size:].div_(s)
+        mlp.down_proj.weight.mul_(s)
+        ranges[p + "mlp.down_proj"] = ranges[p + "mlp.down_proj"] / s
+
+
+@torch.inference_mode()
+def quantize_int8_dynamic_(model: nn.Module, chunks: list[torch.Tensor]) -> int:
+    """Calibrate on `chunks`, smooth, then swap every decoder projection for Int8DynamicLinear and the head for
+    Fp16Linear, in place; returns how many int8 projections there are."""
+    ranges = activation_ranges(model, chunks)
+    smooth_(model, ranges)
+    model.lm_head = Fp16Linear(model.lm_head)  # the embeddings stay fp32 (a tied head is unaffected)
+    count = 0
+    for i, layer in enumerate(model.layers):
+        for parent, prefix in ((layer.self_attn, "self_attn."), (layer.mlp, "mlp.")):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, nn.Linear):
+                    k = min(OUTLIERS.get(name, DEFAULT_OUTLIERS), child.in_features // 4)
+                    outliers = torch.topk(ranges[f"layers.{i}.{prefix}{name}"], k).indices.sort().values
+                    setattr(parent, name, Int8DynamicLinear(child.weight, child.bias, outliers))
+                    count += 1
+    return count

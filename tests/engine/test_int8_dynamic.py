@@ -1,0 +1,111 @@
+"""The int8 tier's fbgemm path: no int16 saturation, per-token scales, fp32 outlier channels, and smoothing that
+leaves the model's function unchanged. Its agreement with fp32 on SmolLM2 is measured by bench/engine.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from engine import int8_dynamic
+from engine.int8_dynamic import Fp16Linear, Int8DynamicLinear, activation_ranges, smooth_
+from engine.model_runner import ModelRunner
+from engine.models.llama import LlamaConfig as OurConfig
+from engine.models.llama import LlamaForCausalLM as OurLlama
+from tests.engine.driver import generate_greedy
+
+pytestmark = pytest.mark.skipif(not int8_dynamic.available(torch.device("cpu"), torch.float32),
+                                reason="fbgemm's kernels are x86-only; other machines use the weight-only path")
+NO_OUTLIERS = torch.zeros(0, dtype=torch.long)
+
+
+def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).norm() / want.norm())
+
+
+def test_largest_activations_times_largest_weights_do_not_saturate() -> None:
+    # every u8 activation at 255 against every weight at its largest: 8-bit weights would overflow int16 pair sums
+    w = torch.ones(8, 256)
+    y = Int8DynamicLinear(w, None, NO_OUTLIERS)(torch.ones(3, 256))
+    torch.testing.assert_close(y, torch.full((3, 8), 256.0), rtol=1e-3, atol=0)
+
+
+def test_each_token_gets_its_own_scale() -> None:
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(128, 64, bias=True).requires_grad_(False)
+    q = Int8DynamicLinear(lin.weight, lin.bias, NO_OUTLIERS)
+    x = torch.randn(2, 128) * torch.tensor([[1000.0], [0.001]])  # one scale for both would flatten the second
+    want = x @ lin.weight.t()
+    got = q(x) - lin.bias
+    assert rel_error(got[0], want[0]) < 0.02 and rel_error(got[1], want[1]) < 0.02
+
+
+def test_outlier_channels_stay_exact_and_do_not_coarsen_the_rest() -> None:
+    torch.manual_seed(1)
+    w = torch.randn(64, 128)
+    x = torch.randn(16, 128)
+    x[:, 5] *= 500.0  # one huge channel, as the RMSNorm weights make in real models
+    want = x @ w.t()
+    plain = Int8DynamicLinear(w, None, NO_OUTLIERS)(x) - want
+    kept = Int8DynamicLinear(w, None, torch.tensor([5]))(x) - want
+    # the residual error is what the other 127 channels contribute; with channel 5 in fp32 it is much smaller
+    assert kept.norm() < plain.norm() / 10
+
+
+def test_fp16_head_is_close() -> None:
+    torch.manual_seed(2)
+    lin = torch.nn.Linear(64, 1000, bias=False)
+    x = torch.randn(4, 64)
+    with torch.no_grad():
+        assert rel_error(Fp16Linear(lin)(x), lin(x)) < 1e-3
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      tie_word_embeddings=True, eos_token_id=255, bos_token_id=1)
+    path = tmp_path_factory.mktemp("tiny-llama-int8")
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+def chunks(seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, 250, (48,), generator=g) for _ in range(3)]
+
+
+def logits(model: OurLlama, ids: torch.Tensor) -> torch.Tensor:
+    out = []
+    h = model.lm_head.register_forward_hook(lambda _m, _i, o: out.append(o))
+    activation_ranges(model, [ids])
+    h.remove()
+    return out[0]
+
+
+def test_smoothing_leaves_the_model_unchanged(tiny_llama: Path) -> None:
+    model = OurLlama.empty(OurConfig.from_dir(tiny_llama), torch.float32)
+    model.load_weights(tiny_llama)
+    ids = chunks(7)[0]
+    before = logits(model, ids)
+    norm_before = model.layers[0].input_layernorm.weight.clone()
+    ranges = activation_ranges(model, chunks(3))
+    smooth_(model, ranges)
+    assert not torch.equal(model.layers[0].input_layernorm.weight, norm_before)  # something moved
+    torch.testing.assert_close(logits(model, ids), before, rtol=1e-4, atol=1e-4)
+
+
+def test_the_int8_runner_uses_fbgemm_and_still_agrees(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(int8_dynamic, "calibration_chunks", lambda _model_dir: chunks(3))  # no tokenizer here
+    int8 = ModelRunner(tiny_llama, dtype="fp32", quantize="int8", kv_cache_bytes=1 << 22)
+    layer = int8.model.layers[0]
+    assert isinstance(layer.self_attn.qkv_proj, Int8DynamicLinear) and isinstance(layer.mlp.down_proj,
+                                                                                  Int8DynamicLinear)
+    assert isinstance(int8.model.lm_head, Fp16Linear)
+    full = ModelRunner(tiny_llama, dtype="fp32", kv_cache_bytes=1 << 22)
+    prompt = [1, *range(20, 40)]
+    ([a], _), ([b], _) = generate_greedy(int8, [prompt], 8), generate_greedy(full, [prompt], 8)
+    assert sum(x == y for x, y in zip(a, b, strict=True)) >= 6
