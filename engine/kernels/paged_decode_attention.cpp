@@ -1,8 +1,9 @@
 // Decode attention that reads K/V straight out of the paged cache: no gather, no padding, no mask.
 //
-// One query token per sequence. Every query head is scored against the sequence's cached tokens block
+// One query token per sequence; sequences run in parallel on torch's intra-op thread pool. Every query head is scored against the sequence's cached tokens block
 // by block (a query head reads the K/V head it shares), softmaxed in fp32, and the values summed in fp32. Loops are plain C++ for the compiler to vectorize (built with -O3 -march=native on
-// the machine that runs it).
+// the machine that runs it, and OpenMP: the libgomp torch itself loads).
+#include <ATen/Parallel.h>
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -91,16 +92,20 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
     max_ctx = std::max(max_ctx, lens[b]);
   }
   auto out = torch::empty_like(q);
-  std::vector<float> scores(heads * max_ctx), acc(heads * dim), qf(heads * dim);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
     const scalar_t* qp = q.data_ptr<scalar_t>();
     const scalar_t* kp = k_cache.data_ptr<scalar_t>();
     const scalar_t* vp = v_cache.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     const int64_t* tables = block_tables.data_ptr<int64_t>();
-    for (int64_t b = 0; b < batch; ++b)
-      attend_one<scalar_t>(qp + b * heads * dim, kp, vp, tables + b * max_blocks, lens[b], block_size, kv_heads, rep,
-                           dim, static_cast<float>(scale), op + b * heads * dim, scores.data(), acc.data(), qf.data());
+    // sequences are independent: torch's intra-op threads (torch.set_num_threads) share them
+    at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores(heads * max_ctx), acc(heads * dim), qf(heads * dim);
+      for (int64_t b = begin; b < end; ++b)
+        attend_one<scalar_t>(qp + b * heads * dim, kp, vp, tables + b * max_blocks, lens[b], block_size, kv_heads,
+                             rep, dim, static_cast<float>(scale), op + b * heads * dim, scores.data(), acc.data(),
+                             qf.data());
+    });
   });
   return out;
 }
