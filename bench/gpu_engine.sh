@@ -13,7 +13,5 @@ PY
 # a quick correctness check first: greedy equals transformers on the tiny Llama, on the GPU
 TIERGATE_TEST_DEVICE=cuda "$python" -m pytest -q tests/engine/test_model_runner.py -k "alone or staggered" \
   | tee "$out_dir/bench-gpu-engine-tests.txt"
-"$python" -m bench.engine --device cuda --dtype bf16 --streams 16 --prompt-len 512 --output-len 128 \
+"$python" -m bench.engine --device cuda --dtype bf16 --concurrency 1,4,16,64 --prompt-len 512 --output-len 128 \
   --hf-requests 4 --threads 8 | tee "$out_dir/bench-gpu-engine.md"
-"$python" -m bench.engine --device cuda --dtype bf16 --streams 64 --prompt-len 512 --output-len 128 \
-  --hf-requests 1 --threads 8 --skip ttft,int8 | tee -a "$out_dir/bench-gpu-engine.md"
