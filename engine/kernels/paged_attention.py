@@ -42,7 +42,8 @@ def load() -> Any | None:
         with file_lock(build_dir.parent / f"{NAME}.build-lock"):
             (build_dir / "lock").unlink(missing_ok=True)  # only an interrupted build can have left it
             return load_inline(name=NAME, cpp_sources=SOURCE.read_text(), functions=["paged_decode_attention"],
-                               extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
+                               extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], build_directory=str(build_dir),
+                               verbose=False)
     except Exception as exc:  # a broken toolchain must not take the engine down: the torch path is correct
         log.warning("could not build the paged attention kernel (%s): using the gather + SDPA path", exc)
         return None
