@@ -8,6 +8,8 @@ matter. Calls time out quickly (50 ms by default); failures surface as `QuotaBac
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,10 +21,14 @@ from redis.exceptions import TimeoutError as RedisTimeout
 from quotas.backends.base import QuotaBackend, QuotaBackendError
 from quotas.limits import WINDOW_S, Decision, ReservationRequest, Usage, seconds_to_next_day, seconds_to_next_month
 
+log = logging.getLogger("tiergate.quotas")
+
 RESERVE_ATTEMPTS = 3  # each bounded by the call timeout; the script is idempotent per request id
+CANCEL_ATTEMPTS = 20  # undoing a reservation whose answer was lost, once a second until Redis answers
 _HERE = Path(__file__).parent
 RESERVE = (_HERE / "reserve.lua").read_text()
 SETTLE = (_HERE / "settle.lua").read_text()
+CANCEL = (_HERE / "cancel.lua").read_text()
 
 
 def _limit(v: int | None) -> int:
@@ -43,6 +49,8 @@ class RedisBackend(QuotaBackend):
         self.prefix = prefix
         self._reserve = self.redis.register_script(RESERVE)
         self._settle = self.redis.register_script(SETTLE)
+        self._cancel = self.redis.register_script(CANCEL)
+        self._cancels: set[asyncio.Task[None]] = set()  # held so they are not collected before they finish
 
     def keys(self, req: ReservationRequest) -> list[str]:
         tag = f"{{{self.prefix}:{req.tenant}}}"
@@ -67,6 +75,10 @@ class RedisBackend(QuotaBackend):
                 break
             except RedisTimeout as exc:  # the script may have run: retrying with the same id is safe
                 if attempt == RESERVE_ATTEMPTS - 1:
+                    # the caller answers 503, so a reservation that did happen must not stay charged
+                    task = asyncio.create_task(self._cancel_lost(keys, req))
+                    self._cancels.add(task)
+                    task.add_done_callback(self._cancels.discard)
                     raise QuotaBackendError(f"redis: {exc}", transient=True) from exc
             except RedisError as exc:
                 raise QuotaBackendError(f"redis: {exc}") from exc
@@ -78,6 +90,22 @@ class RedisBackend(QuotaBackend):
             nreq, tokens, reset_ms = (int(x) for x in out[1 + 3 * i: 4 + 3 * i])
             usage[lim.scope] = Usage(nreq, tokens, reset_ms / 1000, reset_ms / 1000)
         return Decision(True, usage=usage)
+
+    async def cancel(self, req: ReservationRequest) -> None:
+        """Undo `req`'s reservation (request, tokens, money, lease) if it was made; harmless if it was not."""
+        try:
+            await self._cancel(keys=self.keys(req), args=[req.request_id, req.money_pico])
+        except RedisError as exc:
+            raise QuotaBackendError(f"redis: {exc}", transient=isinstance(exc, RedisTimeout)) from exc
+
+    async def _cancel_lost(self, keys: list[str], req: ReservationRequest) -> None:
+        for _ in range(CANCEL_ATTEMPTS):
+            try:
+                await self._cancel(keys=keys, args=[req.request_id, req.money_pico])
+                return
+            except RedisError:
+                await asyncio.sleep(1.0)
+        log.warning("could not undo reservation %s after a timeout: it expires with its window", req.request_id)
 
     async def settle(self, req: ReservationRequest, *, tokens: int, money_pico: int) -> None:
         try:
@@ -103,4 +131,6 @@ class RedisBackend(QuotaBackend):
             return False
 
     async def close(self) -> None:
+        if self._cancels:
+            await asyncio.wait(self._cancels, timeout=2.0)
         await self.redis.aclose()

@@ -1,6 +1,6 @@
 """Greedy equality with transformers on 50 real ShareGPT prompts of mixed length, alone and 16 at a time
-with staggered arrivals, on a tiny random Llama with SmolLM2's vocabulary (fp32). A divergence is allowed
-only at a near-tie in the reference, which the check reports rather than hides."""
+with staggered arrivals, in fp32: on a tiny random Llama with SmolLM2's vocabulary, and on SmolLM2 itself.
+A divergence is allowed only at a near-tie in the reference, which the check reports rather than hides."""
 
 from __future__ import annotations
 
@@ -46,17 +46,26 @@ def reference_greedy(ref: LlamaForCausalLM, prompt: list[int]) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-def test_50_sharegpt_prompts_alone_and_staggered(model_dir: Path, sharegpt_prompts: list[list[int]]) -> None:
-    assert len(sharegpt_prompts) == N_PROMPTS and len({len(p) for p in sharegpt_prompts}) > 20
+def check_50_prompts(model_dir: Path, prompts: list[list[int]]) -> None:
+    assert len(prompts) == N_PROMPTS and len({len(p) for p in prompts}) > 20
     ref = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    expected = [reference_greedy(ref, p) for p in sharegpt_prompts]
-    runner = ModelRunner(model_dir, dtype="fp32", kv_cache_bytes=1 << 24)
-    for prompt, want in zip(sharegpt_prompts, expected, strict=True):
+    expected = [reference_greedy(ref, p) for p in prompts]
+    runner = ModelRunner(model_dir, dtype="fp32", kv_cache_bytes=1 << 26)
+    for prompt, want in zip(prompts, expected, strict=True):
         [ours], _ = generate_greedy(runner, [prompt], NEW_TOKENS)
         assert_same_or_near_tie(ref, prompt, ours, want)
     for start in range(0, N_PROMPTS, 16):  # batches of 16 (the last one of 2)
-        batch = sharegpt_prompts[start:start + 16]
+        batch = prompts[start:start + 16]
         outs, _ = generate_greedy(runner, batch, NEW_TOKENS, arrivals=[i * 3 for i in range(len(batch))],
                                   max_num_batched_tokens=128)
         for prompt, ours, want in zip(batch, outs, expected[start:start + 16], strict=True):
             assert_same_or_near_tie(ref, prompt, ours, want)
+
+
+def test_50_sharegpt_prompts_alone_and_staggered(model_dir: Path, sharegpt_prompts: list[list[int]]) -> None:
+    check_50_prompts(model_dir, sharegpt_prompts)
+
+
+@pytest.mark.model
+def test_50_sharegpt_prompts_on_smollm2(prepared_models: Path, sharegpt_prompts: list[list[int]]) -> None:
+    check_50_prompts(prepared_models / "smollm2-135m-instruct", sharegpt_prompts)

@@ -1,0 +1,70 @@
+"""A reserve call whose answer is lost (the gateway timed out, the script ran) leaves nothing charged.
+
+The gateway answers such a request with a retryable 503, so the tenant must not pay a request, tokens,
+money or a concurrency slot for it; before this, a burst on a loaded machine admitted fewer requests than
+the limit (the lost reservations used up the window). Real redis-server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from redis.exceptions import TimeoutError as RedisTimeout
+
+from quotas.backends.base import QuotaBackendError
+from quotas.backends.redis import RedisBackend
+from quotas.limits import ReservationRequest, ScopeLimits
+
+NOW = 1_800_000_000.0
+LIMITS = ScopeLimits("t", rpm=3, tpm=1000, max_concurrent=1, budget_day_pico=1000)
+
+
+def req(rid: str) -> ReservationRequest:
+    return ReservationRequest(rid, "acme", (LIMITS,), 400, 400, now=NOW)
+
+
+async def spent(b: RedisBackend) -> tuple[int, int, int, int]:
+    keys = b.keys(req("probe"))
+    rpm, _tpm, _values, tpm_sum, inflight, day, _month = keys
+    return (await b.redis.zcard(rpm), int(await b.redis.get(tpm_sum) or 0), await b.redis.zcard(inflight),
+            int(await b.redis.get(day) or 0))
+
+
+async def test_cancel_undoes_a_reservation_once_and_nothing_else(redis_url: str) -> None:
+    b = RedisBackend(redis_url, timeout_s=0.5, prefix="tg-cancel")
+    try:
+        kept, undone = req("kept"), req("undone")
+        assert (await b.reserve(kept)).admitted
+        await b.settle(kept, tokens=400, money_pico=400)  # frees its concurrency slot, keeps its charge
+        assert (await b.reserve(undone)).admitted
+        assert await spent(b) == (2, 800, 1, 800)
+        await b.cancel(undone)
+        await b.cancel(undone)  # idempotent
+        await b.cancel(req("never-reserved"))  # harmless
+        assert await spent(b) == (1, 400, 0, 400)
+    finally:
+        await b.close()
+
+
+async def test_a_reservation_whose_answer_was_lost_is_undone(redis_url: str,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    b = RedisBackend(redis_url, timeout_s=0.5, prefix="tg-lost")
+    real = b._reserve
+
+    async def ran_then_timed_out(*, keys: list[str], args: list) -> object:  # type: ignore[type-arg]
+        await real(keys=keys, args=args)  # Redis did the work ...
+        raise RedisTimeout("Timeout reading from socket")  # ... but the answer never arrived
+
+    try:
+        monkeypatch.setattr(b, "_reserve", ran_then_timed_out)
+        with pytest.raises(QuotaBackendError) as err:
+            await b.reserve(req("lost"))
+        assert err.value.transient
+        await asyncio.wait(b._cancels, timeout=5)
+        assert await spent(b) == (0, 0, 0, 0)
+        monkeypatch.setattr(b, "_reserve", real)
+        # the client's retry gets the one concurrency slot the lost reservation would otherwise hold
+        assert (await b.reserve(req("retry"))).admitted
+    finally:
+        await b.close()
