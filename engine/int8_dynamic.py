@@ -1,15 +1,15 @@
 """The int8 `mid` tier's fast CPU path: fbgemm's u8 x s8 kernels with per-token activation scales.
 
 Each choice below was measured on SmolLM2-135M (teacher-forced top-1 agreement with fp32 on held-out
-ShareGPT text; numbers in BENCHMARKS.md):
+ShareGPT text; `python -m bench.int8_variants`):
 - fbgemm quantizes a whole activation tensor with one scale (torch's defaults: 44%). Each row is divided by
   its own absolute maximum first and multiplied back after, which makes the scale per token (79%).
 - The LM head keeps fp16 weights (fbgemm's fp16 kernel): it is the projection int8 hurts most (82%).
 - fbgemm multiplies u8 activations by s8 weights in pairs summed into int16 (AVX2 `vpmaddubsw`), which
   saturates unless activations or weights give up a bit; torch's default gives up an activation bit.
-  8-bit activations with 7-bit weights (|q| <= 63, per output channel) lose less (87%).
+  8-bit activations with 7-bit weights (|q| <= 63, per output channel) lose less (88%).
 - SmoothQuant (alpha 0.5): part of each input channel's activation range moves into the weights, folded
-  into the RMSNorm weights before q/k/v and gate/up, and into up_proj's rows before down_proj (91%).
+  into the RMSNorm weights before q/k/v and gate/up, and into up_proj's rows before down_proj (93%).
 - The input channels with the largest calibrated activations (32; 64 for down_proj) stay in fp32 in a
   small side matmul, so they do not set the other channels' scale (95%).
 Calibration reads ShareGPT first turns (not the held-out tail the benchmark measures on).
@@ -41,8 +41,12 @@ def available(device: torch.device, dtype: torch.dtype) -> bool:
 class Int8DynamicLinear(nn.Module):
     """y = W x with W in 7-bit per output channel, x quantized to 8 bits per token, outlier channels in fp32."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, outliers: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, outliers: torch.Tensor, *,
+                 per_token: bool = True, weight_qmax: int = WEIGHT_QMAX) -> None:
+        """`per_token=False` and `weight_qmax=127` (7-bit activations then) are the weaker schemes that
+        bench/int8_variants.py measures; the tier uses the defaults."""
         super().__init__()
+        self.per_token, self.reduce_range = per_token, weight_qmax > WEIGHT_QMAX  # 8-bit weights: 7-bit activations
         w = weight.detach().float()
         self.out_features, self.in_features = w.shape
         keep = torch.ones(self.in_features, dtype=torch.bool)
@@ -51,7 +55,7 @@ class Int8DynamicLinear(nn.Module):
         self.register_buffer("keep", keep.float())  # multiplies the activations: 0 at the fp32 channels
         self.register_buffer("w_outliers", w[:, outliers].t().contiguous())  # [k, out]
         w_int = w * keep
-        scale = w_int.abs().amax(dim=1).clamp(min=1e-8) / WEIGHT_QMAX
+        scale = w_int.abs().amax(dim=1).clamp(min=1e-8) / weight_qmax
         qweight = torch.quantize_per_channel(w_int, scale.double(), torch.zeros(self.out_features, dtype=torch.long),
                                              0, torch.qint8)
         self.packed = torch.ops.quantized.linear_prepack(qweight, None)
@@ -61,8 +65,11 @@ class Int8DynamicLinear(nn.Module):
         shape = x.shape
         x = x.reshape(-1, self.in_features)
         xm = x * self.keep
-        a = xm.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12)  # per token: fbgemm's one scale now spans a row
-        y = torch.ops.quantized.linear_dynamic(xm / a, self.packed, False) * a  # 8-bit activations
+        if self.per_token:
+            a = xm.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12)  # fbgemm's one scale now spans one row
+            y = torch.ops.quantized.linear_dynamic(xm / a, self.packed, self.reduce_range) * a
+        else:
+            y = torch.ops.quantized.linear_dynamic(xm, self.packed, self.reduce_range)
         y.addmm_(x.index_select(1, self.outliers), self.w_outliers)
         if self.bias is not None:
             y = y + self.bias
