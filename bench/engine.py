@@ -147,36 +147,43 @@ def follow_up_ttft(engine: Any, tok: Any, history_len: int) -> tuple[float, floa
     return cold, warm, len(history + question)
 
 
-def agreement(tok: Any, num_tokens: int) -> list[str]:
-    """Teacher-forced top-1 agreement with our fp32 model on held-out ShareGPT text (chunks of 512), for the
-    int8 paths and bf16, each through our own engine model (prefill over the chunk, every position's logits)."""
+def held_out_chunks(tok: Any, num_tokens: int) -> list[Any]:
+    """ShareGPT first turns 2,700-3,000 (away from calibration, tests and tuning) in token chunks of 512."""
     import torch
 
     from engine.datasets import sharegpt_first_turns
-    from engine.int8_dynamic import activation_ranges
+
+    ids = tok("\n\n".join(sharegpt_first_turns(limit=3000)[-300:]), add_special_tokens=False)["input_ids"]
+    ids = ids[:num_tokens]
+    return [torch.tensor(ids[i:i + 512]) for i in range(0, len(ids), 512)]
+
+
+def top1(model: Any, chunks: list[Any]) -> Any:
+    """Teacher-forced greedy token at every position of every chunk, through our own engine model."""
+    import torch
+
+    from engine.int8_dynamic import prefill_logits
+
+    return torch.cat([prefill_logits(model, c).argmax(-1) for c in chunks])
+
+
+def agreement(tok: Any, num_tokens: int) -> list[str]:
+    """Teacher-forced top-1 agreement with our fp32 model on held-out ShareGPT text, for the int8 paths and
+    bf16, each through our own engine model."""
     from engine.model_runner import ModelRunner
     from engine.quantize import quantize_int8_
 
-    text = "\n\n".join(sharegpt_first_turns(limit=3000)[-300:])  # the tail: away from calibration, tests, tuning
-    ids = tok(text, add_special_tokens=False)["input_ids"][:num_tokens]
-    chunks = [torch.tensor(ids[i:i + 512]) for i in range(0, len(ids), 512)]
-
-    def top1(model: Any) -> torch.Tensor:
-        made: list[torch.Tensor] = []
-        hook = model.lm_head.register_forward_hook(lambda _m, _i, out: made.append(out.float().argmax(-1)))
-        activation_ranges(model, chunks)  # runs every chunk through the model (and records ranges, unused here)
-        hook.remove()
-        return torch.cat(made)
-
+    chunks = held_out_chunks(tok, num_tokens)
     small_kv = 1 << 24
-    ref = top1(ModelRunner(MODEL_DIR, dtype="fp32", kv_cache_bytes=small_kv).model)
+    ref = top1(ModelRunner(MODEL_DIR, dtype="fp32", kv_cache_bytes=small_kv).model, chunks)
     weight_only = ModelRunner(MODEL_DIR, dtype="fp32", kv_cache_bytes=small_kv).model
     quantize_int8_(weight_only)
     rows = [("int8, fbgemm per-token activations (the mid tier on x86 CPUs)",
              ModelRunner(MODEL_DIR, dtype="fp32", quantize="int8", kv_cache_bytes=small_kv).model),
             ("int8 weights only, fp32 activations (the mid tier on CUDA)", weight_only),
             ("bf16", ModelRunner(MODEL_DIR, dtype="bf16", kv_cache_bytes=small_kv).model)]
-    return [f"| {label} | {len(ids)} | {float((top1(model) == ref).float().mean()):.1%} |" for label, model in rows]
+    return [f"| {label} | {len(ref)} | {float((top1(model, chunks) == ref).float().mean()):.1%} |"
+            for label, model in rows]
 
 
 def main() -> None:

@@ -2,7 +2,8 @@
 
 `.venv/bin/python -m bench.int8_variants` (see --help). Teacher-forced top-1 agreement with our fp32
 model on held-out ShareGPT text (the same tail as bench/engine.py), for a chain of schemes, each adding
-one step to the one before; the last is what the `mid` tier runs. All on fbgemm's u8 x s8 kernels.
+one step to the one before, up to what the `mid` tier runs; then one alternative that was turned down.
+All on fbgemm's u8 x s8 kernels.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ CHAIN = [
     ("+ 8-bit activations, 7-bit weights", True, 63, True, False, False),
     ("+ SmoothQuant (alpha 0.5)", True, 63, True, True, False),
     ("+ 32 / 64 outlier channels in fp32 (the mid tier)", True, 63, True, True, True),
+    ("the mid tier, but an int8 head (with 32 outlier channels) instead of fp16", True, 63, False, True, True),
 ]
 
 
@@ -62,27 +64,15 @@ def main() -> None:
     import torch
     from transformers import AutoTokenizer
 
-    from bench.engine import MODEL_DIR
-    from engine.datasets import sharegpt_first_turns
-    from engine.int8_dynamic import activation_ranges
+    from bench.engine import MODEL_DIR, held_out_chunks, top1
     from engine.model_runner import ModelRunner
 
     torch.set_num_threads(args.threads)
-    tok = AutoTokenizer.from_pretrained(MODEL_DIR)
-    ids = tok("\n\n".join(sharegpt_first_turns(limit=3000)[-300:]), add_special_tokens=False)["input_ids"]
-    chunks = [torch.tensor(ids[i:i + 512]) for i in range(0, min(len(ids), args.tokens), 512)]
-
-    def top1(model: Any) -> torch.Tensor:
-        made: list[torch.Tensor] = []
-        hook = model.lm_head.register_forward_hook(lambda _m, _i, out: made.append(out.argmax(-1)))
-        activation_ranges(model, chunks)
-        hook.remove()
-        return torch.cat(made)
-
-    ref = top1(ModelRunner(MODEL_DIR, dtype="fp32", kv_cache_bytes=1 << 24).model)
+    chunks = held_out_chunks(AutoTokenizer.from_pretrained(MODEL_DIR), args.tokens)
+    ref = top1(ModelRunner(MODEL_DIR, dtype="fp32", kv_cache_bytes=1 << 24).model, chunks)
     print("\n| scheme | tokens | top-1 agreement with fp32 |\n|---|---|---|", flush=True)
     for label, *spec in CHAIN:
-        agree = float((top1(build(*spec)) == ref).float().mean())
+        agree = float((top1(build(*spec), chunks) == ref).float().mean())
         print(f"| {label} | {len(ref)} | {agree:.1%} |", flush=True)
 
 

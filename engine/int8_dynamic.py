@@ -103,9 +103,24 @@ def calibration_chunks(model_dir: Path) -> list[torch.Tensor]:
 
 
 @torch.inference_mode()
-def activation_ranges(model: nn.Module, chunks: list[torch.Tensor], block_size: int = 16) -> dict[str, torch.Tensor]:
-    """Per input channel, the largest |activation| every nn.Linear of our Llama sees over the chunks."""
+def prefill_logits(model: nn.Module, ids: torch.Tensor, block_size: int = 16) -> torch.Tensor:
+    """Every position's logits [n, vocab] for one token sequence [n], through a scratch paged cache."""
     cfg = model.config
+    n = len(ids)
+    blocks = -(-n // block_size)
+    kv = torch.zeros(cfg.num_hidden_layers, 2, blocks, block_size, cfg.num_key_value_heads, cfg.head_dim,
+                     dtype=model.embed_tokens.weight.dtype)
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(n), num_decode_seqs=0, decode_block_tables=torch.zeros(0, 0, dtype=torch.long),
+        decode_mask=None, decode_context_len=0, decode_context_lens=torch.zeros(0, dtype=torch.long),
+        prefill_query_starts=[0], prefill_query_lens=[n], prefill_block_tables=[torch.arange(blocks)],
+        prefill_context_lens=[n])
+    return model.compute_logits(model(ids, torch.arange(n), kv, meta))
+
+
+@torch.inference_mode()
+def activation_ranges(model: nn.Module, chunks: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per input channel, the largest |activation| every nn.Linear of our Llama sees over the chunks."""
     ranges: dict[str, torch.Tensor] = {}
 
     def record(name: str) -> Callable[..., None]:
@@ -117,17 +132,7 @@ def activation_ranges(model: nn.Module, chunks: list[torch.Tensor], block_size: 
     hooks = [m.register_forward_hook(record(n)) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     try:
         for ids in chunks:
-            n = len(ids)
-            blocks = -(-n // block_size)
-            kv = torch.zeros(cfg.num_hidden_layers, 2, blocks, block_size, cfg.num_key_value_heads, cfg.head_dim,
-                             dtype=model.embed_tokens.weight.dtype)
-            meta = AttentionMetadata(
-                slot_mapping=torch.arange(n), num_decode_seqs=0,
-                decode_block_tables=torch.zeros(0, 0, dtype=torch.long), decode_mask=None, decode_context_len=0,
-                decode_context_lens=torch.zeros(0, dtype=torch.long),
-                prefill_query_starts=[0], prefill_query_lens=[n], prefill_block_tables=[torch.arange(blocks)],
-                prefill_context_lens=[n])
-            model.compute_logits(model(ids, torch.arange(n), kv, meta))
+            prefill_logits(model, ids)
     finally:
         for h in hooks:
             h.remove()

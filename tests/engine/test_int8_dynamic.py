@@ -7,10 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from engine import int8_dynamic
-from engine.int8_dynamic import Fp16Linear, Int8DynamicLinear, activation_ranges, smooth_
+from engine.int8_dynamic import Fp16Linear, Int8DynamicLinear, activation_ranges, prefill_logits, smooth_
 from engine.model_runner import ModelRunner
 from engine.models.llama import LlamaConfig as OurConfig
 from engine.models.llama import LlamaForCausalLM as OurLlama
@@ -62,40 +61,21 @@ def test_fp16_head_is_close() -> None:
         assert rel_error(Fp16Linear(lin)(x), lin(x)) < 1e-3
 
 
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      tie_word_embeddings=True, eos_token_id=255, bos_token_id=1)
-    path = tmp_path_factory.mktemp("tiny-llama-int8")
-    LlamaForCausalLM(cfg).save_pretrained(path)
-    return path
-
-
 def chunks(seed: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(2, 250, (48,), generator=g) for _ in range(3)]
-
-
-def logits(model: OurLlama, ids: torch.Tensor) -> torch.Tensor:
-    out = []
-    h = model.lm_head.register_forward_hook(lambda _m, _i, o: out.append(o))
-    activation_ranges(model, [ids])
-    h.remove()
-    return out[0]
 
 
 def test_smoothing_leaves_the_model_unchanged(tiny_llama: Path) -> None:
     model = OurLlama.empty(OurConfig.from_dir(tiny_llama), torch.float32)
     model.load_weights(tiny_llama)
     ids = chunks(7)[0]
-    before = logits(model, ids)
+    before = prefill_logits(model, ids)
     norm_before = model.layers[0].input_layernorm.weight.clone()
     ranges = activation_ranges(model, chunks(3))
     smooth_(model, ranges)
     assert not torch.equal(model.layers[0].input_layernorm.weight, norm_before)  # something moved
-    torch.testing.assert_close(logits(model, ids), before, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(prefill_logits(model, ids), before, rtol=1e-4, atol=1e-4)
 
 
 def test_the_int8_runner_uses_fbgemm_and_still_agrees(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from engine import int8_dynamic
 from engine.model_runner import ModelRunner, resolve_dtype
@@ -20,17 +20,6 @@ from engine.quantize import Int8Linear, quantize_int8_
 from tests.engine.driver import assert_same_or_near_tie, generate_greedy
 
 DEVICE = os.environ.get("TIERGATE_TEST_DEVICE", "cpu")  # bench/gpu_engine.sh runs these on cuda too
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      tie_word_embeddings=True, eos_token_id=255, bos_token_id=1)
-    path = tmp_path_factory.mktemp("tiny-llama")
-    LlamaForCausalLM(cfg).save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="module")
