@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from engine import int8_dynamic
+from engine import int8_dynamic, onednn_linear
 from engine.attention import AttentionMetadata
 from engine.kernels import paged_attention as paged_attention_kernel
 from engine.models.llama import LlamaConfig, LlamaForCausalLM
@@ -65,6 +65,8 @@ class ModelRunner:
         elif quantize is not None:
             raise ValueError(f"unknown quantization {quantize!r}; expected int8")
         self.model = model.to(self.device).eval()
+        if onednn_linear.available(self.device, self.dtype):
+            onednn_linear.pack_linears_(self.model)  # the fp32 layers and head: about 2x MKL's at few rows
         self.block_size = block_size
         bytes_per_block = 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * \
             self.dtype.itemsize
