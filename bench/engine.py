@@ -284,7 +284,8 @@ def main() -> None:
     if rows:
         print(f"\nthreads={args.threads} prompt_len<={args.prompt_len} output_len={args.output_len}\n")
         print("| what | streams | tok/s (whole run) | decode tok/s | decode, of ceiling | of the issue's ceiling | "
-              "TTFT p50 (ms) | TTFT p99 (ms) | TPOT p50 (ms) | TPOT p99 (ms) |\n|---|---|---|---|---|---|---|---|---|---|")
+              "TTFT p50 (ms) | TTFT p99 (ms) | TPOT p50 (ms) | TPOT p99 (ms) |")
+        print("|---" * 10 + "|")
         print("\n".join(rows))
     if ttft_line:
         print("\n" + ttft_line)

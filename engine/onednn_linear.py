@@ -22,7 +22,9 @@ PACK_ROWS_HINT = 16  # oneDNN picks its blocking for this many rows; any row cou
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
     """oneDNN serves CPU fp32 linears, and bf16 ones on CPUs with AVX-512; TIERGATE_ONEDNN=0 turns it off."""
-    if os.environ.get("TIERGATE_ONEDNN", "1") == "0" or device.type != "cpu" or not torch.backends.mkldnn.is_available():
+    if os.environ.get("TIERGATE_ONEDNN", "1") == "0" or device.type != "cpu":
+        return False
+    if not torch.backends.mkldnn.is_available():
         return False
     return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 

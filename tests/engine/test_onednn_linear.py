@@ -1,0 +1,68 @@
+"""The fp32 linear layers on oneDNN's prepacked weights: the same function as nn.Linear, used by the runner.
+Greedy equality with transformers through them is checked by test_model_runner.py and test_sharegpt_equality.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from engine import onednn_linear
+from engine.model_runner import ModelRunner
+from engine.onednn_linear import OneDnnLinear, pack_linears_
+
+pytestmark = pytest.mark.skipif(not onednn_linear.available(torch.device("cpu"), torch.float32),
+                                reason="torch was built without oneDNN")
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_nn_linear_at_any_row_count(rows: int, bias: bool) -> None:
+    torch.manual_seed(rows)
+    lin = nn.Linear(96, 200, bias=bias)
+    packed = OneDnnLinear(lin)
+    x = torch.randn(rows, 96)
+    with torch.inference_mode():
+        torch.testing.assert_close(packed(x), lin(x), rtol=1e-5, atol=1e-5)
+        # any leading shape, as nn.Linear takes
+        torch.testing.assert_close(packed(x.view(1, rows, 96)), lin(x).view(1, rows, 200), rtol=1e-5, atol=1e-5)
+        # a non-contiguous input (a slice of a wider tensor)
+        wide = torch.randn(rows, 192)
+        torch.testing.assert_close(packed(wide[:, ::2]), lin(wide[:, ::2]), rtol=1e-5, atol=1e-5)
+
+
+def test_pack_replaces_every_linear_and_keeps_the_tied_embedding(tiny_llama: Path) -> None:
+    runner = ModelRunner(tiny_llama, dtype="fp32")
+    model = runner.model
+    assert not any(type(m) is nn.Linear for m in model.modules())
+    assert sum(isinstance(m, OneDnnLinear) for m in model.modules()) == 2 * 4 + 1  # 2 layers x 4, and the head
+    # the head got its own packed copy; the embedding it was tied to still looks tokens up
+    ids = torch.tensor([3, 7, 255])
+    with torch.inference_mode():
+        hidden = torch.randn(3, model.config.hidden_size)
+        torch.testing.assert_close(model.lm_head(hidden), hidden @ model.embed_tokens.weight.t(), rtol=1e-5, atol=1e-5)
+        assert model.embed_tokens(ids).shape == (3, model.config.hidden_size)
+
+
+def test_switch_keeps_nn_linear(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TIERGATE_ONEDNN", "0")
+    runner = ModelRunner(tiny_llama, dtype="fp32")
+    assert type(runner.model.lm_head) is nn.Linear
+    assert type(runner.model.layers[0].mlp.down_proj) is nn.Linear
+
+
+def test_not_used_for_bf16_where_onednn_cannot_run_it() -> None:
+    # bf16 needs AVX-512 (or AVX-NE-CONVERT) in oneDNN; elsewhere the runner keeps nn.Linear
+    assert onednn_linear.available(torch.device("cpu"), torch.bfloat16) == \
+        torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert not onednn_linear.available(torch.device("cpu"), torch.float16)
+
+
+def test_pack_counts_what_it_replaced() -> None:
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Sequential(nn.Linear(8, 2)))
+    assert pack_linears_(model) == 2
+    assert isinstance(model[0], OneDnnLinear) and isinstance(model[2][0], OneDnnLinear)
+    with torch.inference_mode():
+        assert model(torch.randn(5, 4)).shape == (5, 2)
