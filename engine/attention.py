@@ -4,7 +4,8 @@ The runner orders a step's tokens with single-token sequences (decodes) first, t
 decodes are attended in one call: on CPU by the native kernel that reads their blocks in place
 (engine/kernels), otherwise by SDPA over their gathered, padded contexts; each prompt chunk is
 attended on its own (its causal mask is offset by the tokens already cached). K/V of every new token are
-written to their slots first, so a chunk sees its own tokens and its cached prefix the same way.
+written to their slots first (by the layer's rope step, engine/layer_ops.py), so a chunk sees its own tokens
+and its cached prefix the same way.
 """
 
 from __future__ import annotations
@@ -33,22 +34,17 @@ class AttentionMetadata:
     decode_kernel: Any | None = None  # engine.kernels' compiled module: decodes read the cache in place
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    # k_cache: [num_blocks, block_size, KV, D]; k: [N, KV, D]
-    num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
-
-
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [N, H, D] for the step's new tokens (their K/V already written); returns [N, H, D]."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
     rep = num_heads // num_kv_heads
-    out = torch.empty_like(q)
     b = meta.num_decode_seqs
+    if b == q.shape[0] and meta.decode_kernel is not None:  # a step of decodes only
+        return meta.decode_kernel.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables,
+                                                         meta.decode_context_lens, scale)
+    out = torch.empty_like(q)
     if b and meta.decode_kernel is not None:
         out[:b] = meta.decode_kernel.paged_decode_attention(q[:b], k_cache, v_cache, meta.decode_block_tables,
                                                             meta.decode_context_lens, scale)

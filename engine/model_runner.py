@@ -16,7 +16,8 @@ import torch
 
 from engine import int8_dynamic, onednn_linear
 from engine.attention import AttentionMetadata
-from engine.kernels import paged_attention as paged_attention_kernel
+from engine.kernels import native as native_kernels
+from engine.layer_ops import NativeLayerOps
 from engine.models.llama import LlamaConfig, LlamaForCausalLM
 from engine.quantize import quantize_int8_
 from engine.sampler import Sampler
@@ -79,9 +80,11 @@ class ModelRunner:
         self.max_model_len = min(cfg.max_position_embeddings, self.num_kv_blocks * block_size)
         self.eos_token_ids = _eos_ids(model_dir)
         self.sampler = Sampler()
-        # decodes read the paged cache in place through the native kernel on CPU (compiled once per machine);
-        # CUDA, and a CPU without a compiler, gather the contexts for torch's SDPA
-        self.decode_kernel = paged_attention_kernel.load() if self.device.type == "cpu" else None
+        # on CPU the native kernels (compiled once per machine) read the paged cache in place for decodes and
+        # fuse the steps between a layer's matmuls; CUDA, and a CPU without a compiler, use torch's ops
+        self.decode_kernel = native_kernels.load() if self.device.type == "cpu" else None
+        if self.decode_kernel is not None:
+            self.model.ops = NativeLayerOps(self.decode_kernel)
         # request id -> (made token's log-probability, [(token id, log-probability)] top alternatives), for the
         # sequences of the last `run` that asked for logprobs
         self.last_logprobs: dict[str, tuple[float, list[tuple[int, float]]]] = {}

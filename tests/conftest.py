@@ -119,10 +119,10 @@ class Gateway:
 
 @pytest.fixture(scope="session", autouse=True)
 def native_kernels() -> None:
-    """Compile the engine's C++ kernel before any test starts an engine with a deadline (once per machine)."""
-    from engine.kernels import paged_attention
+    """Compile the engine's C++ kernels before any test starts an engine with a deadline (once per machine)."""
+    from engine.kernels import native
 
-    paged_attention.load()
+    native.load()
 
 
 @pytest.fixture(scope="session")

@@ -1,1 +1,1 @@
-"""Native CPU kernels, compiled on first use with torch's C++ extension loader (see paged_attention.py)."""
+"""Native CPU kernels, compiled on first use with torch's C++ extension loader (see native.py)."""

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionMetadata, paged_attention, write_kv
+from engine.attention import AttentionMetadata, paged_attention
+from engine.layer_ops import TorchLayerOps
 
 
 @dataclass
@@ -58,16 +58,15 @@ class LlamaConfig:
 
 
 class RMSNorm(nn.Module):
+    """Holds the weight; the layers apply it through their layer ops (fused with the residual add)."""
+
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # in fp32 whatever the model's dtype, as transformers does
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return TorchLayerOps.rms_norm(x, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -91,15 +90,8 @@ class RotaryEmbedding(nn.Module):
         self.cos, self.sin = emb.cos(), emb.sin()
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin: [N, 1, D] for the step's positions [N], looked up once per step for every layer."""
-        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [N, heads, D]; cos, sin: [N, 1, D]
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+        """cos, sin: [N, D] for the step's positions [N], looked up once per step for every layer."""
+        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
 
 
 class LlamaAttention(nn.Module):
@@ -113,14 +105,12 @@ class LlamaAttention(nn.Module):
         self.scale = self.head_dim ** -0.5
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, ops: TorchLayerOps) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)  # [N, *]
-        q = apply_rotary(q.view(n, self.num_heads, self.head_dim), *rope)  # [N, H, D]
-        k = apply_rotary(k.view(n, self.num_kv_heads, self.head_dim), *rope)  # [N, KV, D]
-        v = v.reshape(n, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, KV, D] each
-        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        # rotated q [N, H, D]; rotated K and V go to their cache slots first, so attention sees them
+        q = ops.rope_write_kv(self.qkv_proj(x), *rope, k_cache, v_cache, meta.slot_mapping, self.num_heads,
+                              self.num_kv_heads, self.head_dim)
         o = paged_attention(q, k_cache, v_cache, meta, self.scale)  # [N, H, D]
         return self.o_proj(o.reshape(n, self.q_size))
 
@@ -132,9 +122,8 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # [N, I] each
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, ops: TorchLayerOps) -> torch.Tensor:
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))  # gate_up: [N, 2 I]
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -145,10 +134,18 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
+                kv_cache: torch.Tensor, meta: AttentionMetadata, ops: TorchLayerOps
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's MLP output (the embeddings for the first layer, with residual None);
+        returns this layer's MLP output and the running residual sum, which the next layer adds first."""
+        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        if residual is None:
+            h, residual = ops.rms_norm(x, norm1.weight, norm1.eps), x
+        else:
+            h, residual = ops.add_rms_norm(residual, x, norm1.weight, norm1.eps)
+        h, residual = ops.add_rms_norm(residual, self.self_attn(h, rope, kv_cache, meta, ops), norm2.weight, norm2.eps)
+        return self.mlp(h, ops), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -160,6 +157,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.ops: TorchLayerOps = TorchLayerOps()  # the runner swaps in the fused native ops where they exist
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -181,9 +179,10 @@ class LlamaForCausalLM(nn.Module):
         # input_ids, positions: [N]; kv_caches: [layers, 2, num_blocks, block_size, KV, D] -> hidden [N, hidden]
         x = self.embed_tokens(input_ids)
         rope = self.rotary(positions, x.dtype)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, rope, kv_cache, meta)
-        return x
+            x, residual = layer(x, residual, rope, kv_cache, meta, self.ops)
+        return residual + x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [S, hidden] (only the rows that sample) -> [S, vocab]

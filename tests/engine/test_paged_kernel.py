@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.attention import AttentionMetadata, paged_attention
-from engine.kernels import paged_attention as kernel_loader
+from engine.kernels import native as kernel_loader
 
 KERNEL = kernel_loader.load()
 pytestmark = pytest.mark.skipif(KERNEL is None, reason="no C++ toolchain: the torch path is tested everywhere else")

@@ -1,11 +1,13 @@
-"""Loads the paged decode-attention kernel (paged_decode_attention.cpp), compiling it once per machine.
+"""Loads the engine's native CPU kernels, compiling them once per machine: decode attention over the paged
+cache (paged_decode_attention.cpp) and the fused steps between a layer's matmuls (layer_ops.cpp).
 
 torch.utils.cpp_extension builds it with the machine's C++ compiler and ninja into torch's extension
 cache (~/.cache/torch_extensions, or TORCH_EXTENSIONS_DIR); about a minute on two cores, once. Builds
 are serialized by our own lock (released by the OS if a build is killed), so torch's lock file, which
 an interrupted build leaves behind and later builds would wait on forever, can be cleared safely.
-Where no compiler is available, the build fails, or TIERGATE_NATIVE_KERNELS=0, `load` returns None and
-decode attention gathers each context and calls torch's SDPA instead (same results, slower).
+Where no compiler is available, the build fails, or TIERGATE_NATIVE_KERNELS=0, `load` returns None: decode
+attention gathers each context and calls torch's SDPA, and the layer steps run as torch ops (engine/layer_ops.py),
+with the same results, slower.
 """
 
 from __future__ import annotations
@@ -19,31 +21,32 @@ from typing import Any
 
 log = logging.getLogger("tiergate.engine")
 
-NAME = "tiergate_paged_attention"
-SOURCE = Path(__file__).with_name("paged_decode_attention.cpp")
+NAME = "tiergate_cpu_kernels"
+SOURCES = [Path(__file__).with_name(name) for name in ("paged_decode_attention.cpp", "layer_ops.cpp")]
+FUNCTIONS = ["paged_decode_attention", "rms_norm", "add_rms_norm", "rope_write_kv", "silu_mul"]
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]  # built where it runs, so native is safe
 
 
 @cache
 def load() -> Any | None:
-    """The compiled module (with `paged_decode_attention`), or None where it cannot be built."""
+    """The compiled module (with FUNCTIONS), or None where it cannot be built."""
     if os.environ.get("TIERGATE_NATIVE_KERNELS", "1") == "0":
         return None
     if shutil.which(os.environ.get("CXX", "c++")) is None:
-        log.warning("no C++ compiler found: decode attention uses the slower gather + SDPA path")
+        log.warning("no C++ compiler found: the engine uses torch's slower attention and layer ops")
         return None
     from torch.utils.cpp_extension import _get_build_directory, load_inline
 
     from engine.model_source import file_lock
 
-    log.info("loading the native paged-attention kernel (its first use on a machine compiles it: about a minute)")
+    log.info("loading the native CPU kernels (their first use on a machine compiles them: a minute or two)")
     try:
         build_dir = Path(_get_build_directory(NAME, verbose=False))
         with file_lock(build_dir.parent / f"{NAME}.build-lock"):
             (build_dir / "lock").unlink(missing_ok=True)  # only an interrupted build can have left it
-            return load_inline(name=NAME, cpp_sources=SOURCE.read_text(), functions=["paged_decode_attention"],
+            return load_inline(name=NAME, cpp_sources=[p.read_text() for p in SOURCES], functions=FUNCTIONS,
                                extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], build_directory=str(build_dir),
                                verbose=False)
     except Exception as exc:  # a broken toolchain must not take the engine down: the torch path is correct
-        log.warning("could not build the paged attention kernel (%s): using the gather + SDPA path", exc)
+        log.warning("could not build the native CPU kernels (%s): using torch's attention and layer ops", exc)
         return None
