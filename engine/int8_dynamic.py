@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from engine.attention import AttentionMetadata
+from engine.kernels import native as native_kernels
 
 SMOOTH_ALPHA = 0.5
 OUTLIERS = {"down_proj": 64}  # fp32 input channels per projection; the others keep DEFAULT_OUTLIERS
@@ -54,6 +55,8 @@ class Int8DynamicLinear(nn.Module):
         self.register_buffer("outliers", outliers.clone())
         self.register_buffer("keep", keep.float())  # multiplies the activations: 0 at the fp32 channels
         self.register_buffer("w_outliers", w[:, outliers].t().contiguous())  # [k, out]
+        # the per-token steps and the outlier side matmul fused in C++ (engine/kernels/int8_rows.cpp) where it exists
+        self.kernels = native_kernels.load() if per_token and w.device.type == "cpu" else None
         w_int = w * keep
         scale = w_int.abs().amax(dim=1).clamp(min=1e-8) / weight_qmax
         qweight = torch.quantize_per_channel(w_int, scale.double(), torch.zeros(self.out_features, dtype=torch.long),
@@ -64,6 +67,13 @@ class Int8DynamicLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, self.in_features)
+        if self.kernels is not None and x.dtype == torch.float32:
+            normed, scales, kept = self.kernels.int8_rows_prepare(x.contiguous(), self.outliers)
+            y = torch.ops.quantized.linear_dynamic(normed, self.packed, self.reduce_range)
+            y = self.kernels.int8_rows_finish_(y, scales, kept, self.w_outliers)
+            if self.bias is not None:
+                y = y + self.bias
+            return y.reshape(*shape[:-1], self.out_features)
         xm = x * self.keep
         if self.per_token:
             a = xm.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12)  # fbgemm's one scale now spans one row

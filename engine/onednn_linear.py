@@ -32,12 +32,16 @@ def available(device: torch.device, dtype: torch.dtype) -> bool:
 class OneDnnLinear(nn.Module):
     """y = x W^T + b on a weight reordered once into oneDNN's layout."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        """weight: [out, in] as nn.Linear holds it."""
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        weight = linear.weight.detach()
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_ROWS_HINT)
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+        self.out_features, self.in_features = weight.shape
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_ROWS_HINT)
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+
+    @classmethod
+    def of(cls, linear: nn.Linear) -> OneDnnLinear:
+        return cls(linear.weight, linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -51,5 +55,5 @@ def pack_linears_(model: nn.Module) -> int:
     targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
                if type(child) is nn.Linear]
     for parent, name, child in targets:
-        setattr(parent, name, OneDnnLinear(child))
+        setattr(parent, name, OneDnnLinear.of(child))
     return len(targets)

@@ -1,5 +1,6 @@
 """Loads the engine's native CPU kernels, compiling them once per machine: decode attention over the paged
-cache (paged_decode_attention.cpp) and the fused steps between a layer's matmuls (layer_ops.cpp).
+cache (paged_decode_attention.cpp), the fused steps between a layer's matmuls (layer_ops.cpp) and the
+per-token steps around the int8 tier's matmuls (int8_rows.cpp).
 
 torch.utils.cpp_extension builds it with the machine's C++ compiler and ninja into torch's extension
 cache (~/.cache/torch_extensions, or TORCH_EXTENSIONS_DIR); about a minute on two cores, once. Builds
@@ -22,8 +23,9 @@ from typing import Any
 log = logging.getLogger("tiergate.engine")
 
 NAME = "tiergate_cpu_kernels"
-SOURCES = [Path(__file__).with_name(name) for name in ("paged_decode_attention.cpp", "layer_ops.cpp")]
-FUNCTIONS = ["paged_decode_attention", "rms_norm", "add_rms_norm", "rope_write_kv", "silu_mul"]
+SOURCES = [Path(__file__).with_name(name) for name in ("paged_decode_attention.cpp", "layer_ops.cpp", "int8_rows.cpp")]
+FUNCTIONS = ["paged_decode_attention", "rms_norm", "add_rms_norm", "rope_write_kv", "silu_mul", "int8_rows_prepare",
+             "int8_rows_finish_"]
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]  # built where it runs, so native is safe
 
 

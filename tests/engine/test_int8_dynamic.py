@@ -89,3 +89,20 @@ def test_the_int8_runner_uses_fbgemm_and_still_agrees(tiny_llama: Path, monkeypa
     prompt = [1, *range(20, 40)]
     ([a], _), ([b], _) = generate_greedy(int8, [prompt], 8), generate_greedy(full, [prompt], 8)
     assert sum(x == y for x, y in zip(a, b, strict=True)) >= 6
+
+
+@pytest.mark.parametrize("outliers", [[], [1, 5, 9], list(range(0, 128, 9))])  # none, fewer than 4, not a multiple
+def test_fused_per_token_steps_match_the_torch_ops(outliers: list[int]) -> None:
+    from engine.kernels import native
+
+    if native.load() is None:
+        pytest.skip("no C++ toolchain: the torch ops are the only path")
+    torch.manual_seed(3)
+    w, bias = torch.randn(300, 128), torch.randn(300)
+    x = torch.randn(17, 128)
+    x[:, 5] *= 200.0
+    q = Int8DynamicLinear(w, bias, torch.tensor(outliers, dtype=torch.long))
+    assert q.kernels is not None
+    fused = q(x)
+    q.kernels = None  # the torch ops the fused steps replace
+    torch.testing.assert_close(fused, q(x), rtol=1e-5, atol=1e-4)

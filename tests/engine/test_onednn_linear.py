@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(not onednn_linear.available(torch.device("cpu"),
 def test_matches_nn_linear_at_any_row_count(rows: int, bias: bool) -> None:
     torch.manual_seed(rows)
     lin = nn.Linear(96, 200, bias=bias)
-    packed = OneDnnLinear(lin)
+    packed = OneDnnLinear.of(lin)
     x = torch.randn(rows, 96)
     with torch.inference_mode():
         torch.testing.assert_close(packed(x), lin(x), rtol=1e-5, atol=1e-5)
