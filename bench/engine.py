@@ -8,7 +8,7 @@ tokens (EOS ignored). Measured, side by side, on SmolLM2-135M-Instruct:
   each concurrency, twice: as the engine runs them (oneDNN-packed fp32, or the int8 tier's kernels), and
   as torch's defaults run them (nn.Linear on MKL, or torch's dynamic int8 linear), which is how the issue
   measured its ceilings; every throughput below is also given as a fraction of both;
-- our engine (fp32, and the int8 tier) at 1 and 16 concurrent streams, through LLMEngine.generate;
+- our engine (fp32; fp32 with a bf16 KV cache; the int8 tier) at each concurrency, through LLMEngine.generate;
 - transformers `generate`, one request at a time, and a static left-padded batch of 16;
 - time to first token of a follow-up turn that shares a --history-len token history, cold (prefix
   cache emptied) and warm (the history's blocks cached by the previous turn).
@@ -177,13 +177,14 @@ def held_out_chunks(tok: Any, num_tokens: int) -> list[Any]:
     return [torch.tensor(ids[i:i + 512]) for i in range(0, len(ids), 512)]
 
 
-def top1(model: Any, chunks: list[Any]) -> Any:
-    """Teacher-forced greedy token at every position of every chunk, through our own engine model."""
+def top1(model: Any, chunks: list[Any], kv_dtype: Any = None) -> Any:
+    """Teacher-forced greedy token at every position of every chunk, through our own engine model (its K/V
+    cached in the model's dtype, or `kv_dtype`)."""
     import torch
 
     from engine.int8_dynamic import prefill_logits
 
-    return torch.cat([prefill_logits(model, c).argmax(-1) for c in chunks])
+    return torch.cat([prefill_logits(model, c, kv_dtype=kv_dtype).argmax(-1) for c in chunks])
 
 
 def agreement(tok: Any, num_tokens: int) -> list[str]:
@@ -207,11 +208,12 @@ def agreement(tok: Any, num_tokens: int) -> list[str]:
         raise RuntimeError("weight-only int8 quantized no layer")
     weight_only.ops = reference.ops
     rows = [("int8, fbgemm per-token activations (the mid tier on x86 CPUs)",
-             ModelRunner(MODEL_DIR, dtype="fp32", quantize="int8", kv_cache_bytes=small_kv).model),
-            ("int8 weights only, fp32 activations (the mid tier on CUDA)", weight_only),
-            ("bf16", ModelRunner(MODEL_DIR, dtype="bf16", kv_cache_bytes=small_kv).model)]
-    return [f"| {label} | {len(ref)} | {float((top1(model, chunks) == ref).float().mean()):.1%} |"
-            for label, model in rows]
+             ModelRunner(MODEL_DIR, dtype="fp32", quantize="int8", kv_cache_bytes=small_kv).model, None),
+            ("int8 weights only, fp32 activations (the mid tier on CUDA)", weight_only, None),
+            ("bf16", ModelRunner(MODEL_DIR, dtype="bf16", kv_cache_bytes=small_kv).model, None),
+            ("fp32 with a bf16 KV cache", reference, torch.bfloat16)]
+    return [f"| {label} | {len(ref)} | {float((top1(model, chunks, kv) == ref).float().mean()):.1%} |"
+            for label, model, kv in rows]
 
 
 def main() -> None:
@@ -226,7 +228,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="fp32")
     ap.add_argument("--agreement-tokens", type=int, default=4096)
-    ap.add_argument("--skip", default="", help="comma list of: engine, hf, int8, ttft, agreement")
+    ap.add_argument("--skip", default="", help="comma list of: engine, kv-bf16, hf, int8, ttft, agreement")
     args = ap.parse_args()
     skip = set(args.skip.split(","))
     levels = [int(n) for n in args.concurrency.split(",")]
@@ -244,12 +246,12 @@ def main() -> None:
     prompts = load_prompts(tok, max([*levels, args.hf_batch]), args.prompt_len)
     rows: list[str] = []
 
-    def engine_rows(label: str, quantize: str | None) -> LLMEngine:
+    def engine_rows(label: str, quantize: str | None, kv_cache_dtype: str = "auto") -> LLMEngine:
         cfg = LlamaConfig.from_dir(MODEL_DIR)
         per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4  # K and V, fp32 at most
         need = max(levels) * (args.prompt_len + args.output_len + 32) * per_token
         runner = ModelRunner(MODEL_DIR, dtype=args.dtype, device=args.device, quantize=quantize,
-                             kv_cache_bytes=max(DEFAULT_KV_CACHE_BYTES, need))
+                             kv_cache_bytes=max(DEFAULT_KV_CACHE_BYTES, need), kv_cache_dtype=kv_cache_dtype)
         ours, default = engine_linears(runner), torch_default_linears(runner, quantize)
         ceil = {n: ceiling(ours, runner, n, 10) for n in levels}
         ceil_default = {n: ceiling(default, runner, n, 10) for n in levels}
@@ -282,6 +284,8 @@ def main() -> None:
                          f"{cold * 1e3:.0f} ms, warm (prefix cached) {warm * 1e3:.0f} ms, {cold / warm:.1f}x faster.")
             print(ttft_line, flush=True)
         engine.shutdown()
+    if "kv-bf16" not in skip:
+        engine_rows(f"{args.dtype}, bf16 KV cache", None, "bf16").shutdown()
     if "int8" not in skip:
         engine_rows("int8", "int8").shutdown()
     if "hf" not in skip:

@@ -1,5 +1,8 @@
 """Attention over the paged KV cache, for a step that mixes prompt chunks and decodes.
 
+The cache holds K/V in the model's dtype, or in bf16 under an fp32 model (half the bytes each decode reads);
+attention itself computes in the model's dtype either way.
+
 The runner orders a step's tokens with single-token sequences (decodes) first, then prompt chunks. The
 decodes are attended in one call: on CPU by the native kernel that reads their blocks in place
 (engine/kernels), otherwise by SDPA over their gathered, padded contexts; each prompt chunk is
@@ -52,16 +55,16 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         # gather each decode's context: [B * max_blocks, block_size, KV, D] -> [B, KV, ctx, D]
         ctx = meta.decode_context_len
         blocks = meta.decode_block_tables.flatten()  # index_select: about 1.7x faster than fancy indexing on CPU
-        k = k_cache.index_select(0, blocks).view(b, -1, num_kv_heads, head_dim)[:, :ctx].transpose(1, 2)
-        v = v_cache.index_select(0, blocks).view(b, -1, num_kv_heads, head_dim)[:, :ctx].transpose(1, 2)
+        k = k_cache.index_select(0, blocks).view(b, -1, num_kv_heads, head_dim)[:, :ctx].transpose(1, 2).to(q.dtype)
+        v = v_cache.index_select(0, blocks).view(b, -1, num_kv_heads, head_dim)[:, :ctx].transpose(1, 2).to(q.dtype)
         qd = q[:b].view(b, num_kv_heads, rep, head_dim)  # [B, KV, rep, D]: the heads sharing one K/V
         o = F.scaled_dot_product_attention(qd, k, v, attn_mask=meta.decode_mask, scale=scale)
         out[:b] = o.reshape(b, num_heads, head_dim)
     for start, qlen, table, ctx in zip(meta.prefill_query_starts, meta.prefill_query_lens,
                                        meta.prefill_block_tables, meta.prefill_context_lens, strict=True):
         # k: [ctx, KV, D] -> [H, ctx, D], each K/V head repeated for the query heads that share it
-        k = k_cache.index_select(0, table).flatten(0, 1)[:ctx].transpose(0, 1).repeat_interleave(rep, dim=0)
-        v = v_cache.index_select(0, table).flatten(0, 1)[:ctx].transpose(0, 1).repeat_interleave(rep, dim=0)
+        k = k_cache.index_select(0, table).flatten(0, 1)[:ctx].transpose(0, 1).repeat_interleave(rep, dim=0).to(q.dtype)
+        v = v_cache.index_select(0, table).flatten(0, 1)[:ctx].transpose(0, 1).repeat_interleave(rep, dim=0).to(q.dtype)
         qp = q[start:start + qlen].transpose(0, 1)  # [H, T, D]
         if ctx == qlen:
             o = F.scaled_dot_product_attention(qp, k, v, is_causal=True, scale=scale)

@@ -113,13 +113,15 @@ def calibration_chunks(model_dir: Path) -> list[torch.Tensor]:
 
 
 @torch.inference_mode()
-def prefill_logits(model: nn.Module, ids: torch.Tensor, block_size: int = 16) -> torch.Tensor:
-    """Every position's logits [n, vocab] for one token sequence [n], through a scratch paged cache."""
+def prefill_logits(model: nn.Module, ids: torch.Tensor, block_size: int = 16,
+                   kv_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Every position's logits [n, vocab] for one token sequence [n], through a scratch paged cache (in the
+    model's dtype, or `kv_dtype`)."""
     cfg = model.config
     n = len(ids)
     blocks = -(-n // block_size)
     kv = torch.zeros(cfg.num_hidden_layers, 2, blocks, block_size, cfg.num_key_value_heads, cfg.head_dim,
-                     dtype=model.embed_tokens.weight.dtype)
+                     dtype=kv_dtype or model.embed_tokens.weight.dtype)
     meta = AttentionMetadata(
         slot_mapping=torch.arange(n), num_decode_seqs=0, decode_block_tables=torch.zeros(0, 0, dtype=torch.long),
         decode_mask=None, decode_context_len=0, decode_context_lens=torch.zeros(0, dtype=torch.long),

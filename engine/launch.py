@@ -14,19 +14,22 @@ ENGINE_VERSION = "tiergate-engine/0.3"  # 0.3: int8 on CPU runs fbgemm with per-
 log = logging.getLogger("tiergate.engine")
 
 
-def model_version(model_dir: Path, *, dtype: str, quantize: str | None) -> str:
+def model_version(model_dir: Path, *, dtype: str, quantize: str | None, kv_cache_dtype: str = "auto") -> str:
     """A fingerprint of the weights (config and weight files' names and sizes), precision and engine."""
     h = hashlib.sha256()
     h.update((model_dir / "config.json").read_bytes())
     for f in sorted(model_dir.glob("*.safetensors")):
         h.update(f"{f.name}:{f.stat().st_size}".encode())
     h.update(f"{dtype}|{quantize}|{ENGINE_VERSION}".encode())
+    if kv_cache_dtype != "auto":  # a narrower KV cache changes answers (auto keeps the versions it always had)
+        h.update(f"|kv={kv_cache_dtype}".encode())
     return h.hexdigest()[:16]
 
 
 def build_engine(model: str, models_dir: Path, *, dtype: str = "auto", quantize: str | None = None,
                  device: str = "cpu", max_num_seqs: int = 8, threads: int | None = None,
-                 kv_cache_bytes: int | None = None, max_num_batched_tokens: int = 512) -> tuple[LLMEngine, str]:
+                 kv_cache_bytes: int | None = None, max_num_batched_tokens: int = 512,
+                 kv_cache_dtype: str = "auto") -> tuple[LLMEngine, str]:
     """Load `model` (a built-in name or a local directory); returns the engine and its model version.
 
     `kv_cache_bytes` is the KV cache's fixed budget (default: the runner's, 512 MiB), allocated once.
@@ -41,10 +44,11 @@ def build_engine(model: str, models_dir: Path, *, dtype: str = "auto", quantize:
         torch.set_num_threads(threads)
     model_dir = prepare_model(model, models_dir)
     runner = ModelRunner(model_dir, dtype=dtype, device=device, quantize=quantize,
-                         kv_cache_bytes=kv_cache_bytes or DEFAULT_KV_CACHE_BYTES)
+                         kv_cache_bytes=kv_cache_bytes or DEFAULT_KV_CACHE_BYTES, kv_cache_dtype=kv_cache_dtype)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     engine = LLMEngine(runner, tokenizer, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
-    version = model_version(model_dir, dtype=str(runner.dtype).removeprefix("torch."), quantize=quantize)
+    version = model_version(model_dir, dtype=str(runner.dtype).removeprefix("torch."), quantize=quantize,
+                            kv_cache_dtype=kv_cache_dtype)
     log.info("engine loaded %s (%s, %s, %d KV blocks of %d tokens) version %s", model_dir, runner.dtype,
              quantize or "no quantization", runner.num_kv_blocks, runner.block_size, version)
     return engine, version
@@ -52,14 +56,15 @@ def build_engine(model: str, models_dir: Path, *, dtype: str = "auto", quantize:
 
 def serve(model: str, models_dir: Path, *, host: str, port: int, served_name: str | None = None,
           dtype: str = "auto", quantize: str | None = None, device: str = "cpu", max_num_seqs: int = 8,
-          threads: int | None = None, kv_cache_bytes: int | None = None, max_num_batched_tokens: int = 512) -> None:
+          threads: int | None = None, kv_cache_bytes: int | None = None, max_num_batched_tokens: int = 512,
+          kv_cache_dtype: str = "auto") -> None:
     import uvicorn
 
     from engine.server import create_engine_app
 
     engine, version = build_engine(model, models_dir, dtype=dtype, quantize=quantize, device=device,
                                    max_num_seqs=max_num_seqs, threads=threads, kv_cache_bytes=kv_cache_bytes,
-                                   max_num_batched_tokens=max_num_batched_tokens)
+                                   max_num_batched_tokens=max_num_batched_tokens, kv_cache_dtype=kv_cache_dtype)
     name = served_name or Path(model).name
     app = create_engine_app(engine, model_name=name, model_version=version)
     engine.start()

@@ -39,8 +39,8 @@ class TorchLayerOps:
         cos, sin = cos[:, None, :], sin[:, None, :]
         q = apply_rotary(q.view(n, heads, dim), cos, sin)
         k = apply_rotary(k.view(n, kv_heads, dim), cos, sin)
-        k_cache.view(-1, kv_heads, dim).index_copy_(0, slots, k)
-        v_cache.view(-1, kv_heads, dim).index_copy_(0, slots, v.reshape(n, kv_heads, dim))
+        k_cache.view(-1, kv_heads, dim).index_copy_(0, slots, k.to(k_cache.dtype))  # the cache may be narrower
+        v_cache.view(-1, kv_heads, dim).index_copy_(0, slots, v.reshape(n, kv_heads, dim).to(v_cache.dtype))
         return q
 
     @staticmethod
@@ -81,7 +81,9 @@ class NativeLayerOps(TorchLayerOps):
 
     def rope_write_kv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, slots: torch.Tensor, heads: int, kv_heads: int, dim: int) -> torch.Tensor:
-        if self._native(qkv, cos, sin, k_cache, v_cache):
+        caches_ok = k_cache.dtype in (torch.float32, torch.bfloat16) and k_cache.dtype == v_cache.dtype and \
+            k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.device.type == "cpu"
+        if self._native(qkv, cos, sin) and caches_ok:
             return self.kernels.rope_write_kv(qkv, cos, sin, k_cache, v_cache, slots, heads, kv_heads, dim)
         return TorchLayerOps.rope_write_kv(qkv, cos, sin, k_cache, v_cache, slots, heads, kv_heads, dim)
 

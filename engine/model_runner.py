@@ -50,11 +50,24 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
         raise ValueError(f"unknown dtype {name!r}; expected auto, {', '.join(DTYPES)}") from exc
 
 
+def resolve_kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's dtype: the model's (auto), or bf16 under an fp32 model."""
+    kv = model_dtype if name == "auto" else DTYPES.get(name)
+    if kv == model_dtype or (kv == torch.bfloat16 and model_dtype == torch.float32):
+        return kv
+    raise ValueError(f"KV cache dtype {name!r} is not supported for a {model_dtype} model; expected auto, "
+                     "or bf16 under an fp32 model")
+
+
 class ModelRunner:
     def __init__(self, model_dir: Path, *, dtype: str = "auto", device: str = "cpu", quantize: str | None = None,
-                 kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
+                 kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES, block_size: int = DEFAULT_BLOCK_SIZE,
+                 kv_cache_dtype: str = "auto") -> None:
+        """`kv_cache_dtype`: auto keeps K/V in the model's dtype (fp32 greedy output then equals transformers');
+        bf16 under an fp32 model halves the bytes every decode step reads (and doubles the tokens a budget holds)."""
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, device)
+        self.kv_dtype = resolve_kv_dtype(kv_cache_dtype, self.dtype)
         self.config = cfg = LlamaConfig.from_dir(model_dir)
         model = LlamaForCausalLM.empty(cfg, self.dtype)
         model.load_weights(model_dir)
@@ -70,13 +83,13 @@ class ModelRunner:
             onednn_linear.pack_linears_(self.model)  # the fp32 layers and head: about 2x MKL's at few rows
         self.block_size = block_size
         bytes_per_block = 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * \
-            self.dtype.itemsize
+            self.kv_dtype.itemsize
         self.num_kv_blocks = kv_cache_bytes // bytes_per_block
         if self.num_kv_blocks < 1:
             raise ValueError(f"a KV cache of {kv_cache_bytes} bytes holds no block of {bytes_per_block} bytes")
         # allocated once and zeroed (a masked slot must never hold NaN): admission never grows it
         self.kv_cache = torch.zeros(cfg.num_hidden_layers, 2, self.num_kv_blocks, block_size,
-                                    cfg.num_key_value_heads, cfg.head_dim, dtype=self.dtype, device=self.device)
+                                    cfg.num_key_value_heads, cfg.head_dim, dtype=self.kv_dtype, device=self.device)
         self.max_model_len = min(cfg.max_position_embeddings, self.num_kv_blocks * block_size)
         self.eos_token_ids = _eos_ids(model_dir)
         self.sampler = Sampler()

@@ -52,6 +52,7 @@ class TierSpec(BaseModel):
     api_key_env: str | None = None  # openai backend: env var that holds the upstream's key
     max_num_seqs: Annotated[int, Field(ge=1)] = 8
     kv_cache_bytes: Annotated[int, Field(ge=1 << 20)] | None = None  # the engine's KV cache budget [engine default]
+    kv_cache_dtype: Literal["auto", "bf16"] = "auto"  # bf16: half the KV bytes under an fp32 model
     threads: Annotated[int, Field(ge=1)] | None = None
     prepared_by: str | None = None  # the command that builds this tier's model when it is missing
     distill: DistillSpec | None = None  # built by distilling another tier's model (serve does it when missing)

@@ -156,7 +156,8 @@ def tier_version(spec: TierSpec, models_dir: Path) -> str:
     from engine.model_runner import resolve_dtype
 
     dtype = str(resolve_dtype(spec.dtype, spec.device)).removeprefix("torch.")
-    return model_version(tier_model_dir(spec, models_dir), dtype=dtype, quantize=spec.quantize)
+    return model_version(tier_model_dir(spec, models_dir), dtype=dtype, quantize=spec.quantize,
+                         kv_cache_dtype=spec.kv_cache_dtype)
 
 
 def tier_fingerprint(spec: TierSpec, models_dir: Path) -> str:
@@ -223,7 +224,7 @@ def generate_answers(spec: TierSpec, models_dir: Path, prompts: Sequence[str], *
 
         engine, _ = build_engine(spec.model, models_dir, dtype=spec.dtype, quantize=spec.quantize,
                                  device=spec.device, max_num_seqs=max_num_seqs, threads=threads or spec.threads,
-                                 kv_cache_bytes=spec.kv_cache_bytes)
+                                 kv_cache_bytes=spec.kv_cache_bytes, kv_cache_dtype=spec.kv_cache_dtype)
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
         bar = _bar(len(missing), f"generate {spec.name}", progress)
 

@@ -60,6 +60,8 @@ class EngineProcess:
             cmd += ["--threads", str(spec.threads)]
         if spec.kv_cache_bytes:
             cmd += ["--kv-cache-bytes", str(spec.kv_cache_bytes)]
+        if spec.kv_cache_dtype != "auto":
+            cmd += ["--kv-cache-dtype", spec.kv_cache_dtype]
         return cmd
 
     async def run(self) -> None:

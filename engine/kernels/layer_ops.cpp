@@ -9,6 +9,7 @@
 #include <torch/extension.h>
 
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -31,11 +32,12 @@ inline void norm_row(const float* x, const float* w, float eps, int64_t d, float
   for (int64_t i = 0; i < d; ++i) out[i] = w[i] * (x[i] * r);
 }
 
-// rotate-half rope of one head: out = x * cos + rotate_half(x) * sin
-inline void rope_head(const float* x, const float* c, const float* s, int64_t d, float* out) {
+// rotate-half rope of one head: out = x * cos + rotate_half(x) * sin (O: float, or bf16 for a bf16 KV cache)
+template <typename O>
+inline void rope_head(const float* x, const float* c, const float* s, int64_t d, O* out) {
   const int64_t half = d / 2;
-  for (int64_t i = 0; i < half; ++i) out[i] = x[i] * c[i] - x[i + half] * s[i];
-  for (int64_t i = half; i < d; ++i) out[i] = x[i] * c[i] + x[i - half] * s[i];
+  for (int64_t i = 0; i < half; ++i) out[i] = static_cast<O>(x[i] * c[i] - x[i + half] * s[i]);
+  for (int64_t i = half; i < d; ++i) out[i] = static_cast<O>(x[i] * c[i] + x[i - half] * s[i]);
 }
 
 }  // namespace
@@ -80,15 +82,18 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor residual, torch::Tensor de
 }
 
 // qkv: [N, (H + 2 KV) * D] (q, k, v side by side); cos, sin: [N, D]; k_cache, v_cache: [num_blocks, block_size,
-// KV, D]; slots: [N] int64. Writes each token's rotated K and its V to its slot; returns rotated q [N, H, D].
+// KV, D], fp32 or bf16; slots: [N] int64. Writes each token's rotated K and its V to its slot (rounded to the
+// cache's dtype); returns rotated q [N, H, D].
 torch::Tensor rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
                             torch::Tensor v_cache, torch::Tensor slots, int64_t heads, int64_t kv_heads,
                             int64_t dim) {
   check_fp32(qkv, "qkv");
   check_fp32(cos, "cos");
   check_fp32(sin, "sin");
-  check_fp32(k_cache, "k_cache");
-  check_fp32(v_cache, "v_cache");
+  TORCH_CHECK(k_cache.device().is_cpu() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.scalar_type() == v_cache.scalar_type() &&
+                  (k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kBFloat16),
+              "k_cache and v_cache must be contiguous CPU tensors, both fp32 or both bf16");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous(), "slots must be contiguous int64");
   const int64_t n = qkv.size(0), width = (heads + 2 * kv_heads) * dim;
   TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == width, "rope_write_kv: qkv must be [N, (H + 2 KV) * D]");
@@ -102,20 +107,27 @@ torch::Tensor rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor 
   for (int64_t t = 0; t < n; ++t) TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "slot out of range");
   auto q = torch::empty({n, heads, dim}, qkv.options());
   const float *xp = qkv.data_ptr<float>(), *cp = cos.data_ptr<float>(), *snp = sin.data_ptr<float>();
-  float *qp = q.data_ptr<float>(), *kp = k_cache.data_ptr<float>(), *vp = v_cache.data_ptr<float>();
-  at::parallel_for(0, n, grain(width), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float* row = xp + t * width;
-      const float *c = cp + t * dim, *s = snp + t * dim;
-      for (int64_t h = 0; h < heads; ++h) rope_head(row + h * dim, c, s, dim, qp + (t * heads + h) * dim);
-      float* k_slot = kp + sp[t] * kv_heads * dim;
-      float* v_slot = vp + sp[t] * kv_heads * dim;
-      const float* k_row = row + heads * dim;
-      const float* v_row = k_row + kv_heads * dim;
-      for (int64_t h = 0; h < kv_heads; ++h) rope_head(k_row + h * dim, c, s, dim, k_slot + h * dim);
-      std::copy(v_row, v_row + kv_heads * dim, v_slot);
-    }
-  });
+  float* qp = q.data_ptr<float>();
+  auto run = [&](auto* kp, auto* vp) {
+    using C = std::remove_pointer_t<decltype(kp)>;
+    at::parallel_for(0, n, grain(width), [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const float* row = xp + t * width;
+        const float *c = cp + t * dim, *s = snp + t * dim;
+        for (int64_t h = 0; h < heads; ++h) rope_head(row + h * dim, c, s, dim, qp + (t * heads + h) * dim);
+        C* k_slot = kp + sp[t] * kv_heads * dim;
+        C* v_slot = vp + sp[t] * kv_heads * dim;
+        const float* k_row = row + heads * dim;
+        const float* v_row = k_row + kv_heads * dim;
+        for (int64_t h = 0; h < kv_heads; ++h) rope_head(k_row + h * dim, c, s, dim, k_slot + h * dim);
+        for (int64_t i = 0; i < kv_heads * dim; ++i) v_slot[i] = static_cast<C>(v_row[i]);
+      }
+    });
+  };
+  if (k_cache.scalar_type() == at::kBFloat16)
+    run(k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>());
+  else
+    run(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
   return q;
 }
 

@@ -1,6 +1,6 @@
 // Decode attention that reads K/V straight out of the paged cache: no gather, no padding, no mask.
 //
-// One query token per sequence; sequences run in parallel on torch's intra-op thread pool. Every query head is scored against the sequence's cached tokens block
+// One query token per sequence (the cache in the model's dtype, or bf16 under an fp32 model); sequences run in parallel on torch's intra-op thread pool. Every query head is scored against the sequence's cached tokens block
 // by block (a query head reads the K/V head it shares), softmaxed in fp32, and the values summed in fp32. Loops are plain C++ for the compiler to vectorize (built with -O3 -march=native on
 // the machine that runs it, and OpenMP: the libgomp torch itself loads).
 #include <ATen/Parallel.h>
@@ -11,8 +11,8 @@
 #include <limits>
 #include <vector>
 
-template <typename T>
-static void attend_one(const T* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t ctx,
+template <typename T, typename C>
+static void attend_one(const T* q, const C* k_cache, const C* v_cache, const int64_t* table, int64_t ctx,
                        int64_t block_size, int64_t kv_heads, int64_t rep, int64_t dim, float scale, T* out,
                        float* scores, float* acc, float* qf) {
   // one sequence, every head; the cache is read in its own order (block, token, KV head), so each block's
@@ -23,10 +23,10 @@ static void attend_one(const T* q, const T* k_cache, const T* v_cache, const int
   for (int64_t blk = 0; blk < num_blocks; ++blk) {
     const int64_t first = blk * block_size;
     const int64_t n = std::min(block_size, ctx - first);
-    const T* kb = k_cache + table[blk] * block_size * kv_heads * dim;
+    const C* kb = k_cache + table[blk] * block_size * kv_heads * dim;
     for (int64_t j = 0; j < n; ++j) {
       for (int64_t h = 0; h < heads; ++h) {
-        const T* kp = kb + (j * kv_heads + h / rep) * dim;
+        const C* kp = kb + (j * kv_heads + h / rep) * dim;
         const float* qp = qf + h * dim;
         float s = 0.f;
 #pragma omp simd reduction(+ : s)
@@ -52,10 +52,10 @@ static void attend_one(const T* q, const T* k_cache, const T* v_cache, const int
   for (int64_t blk = 0; blk < num_blocks; ++blk) {
     const int64_t first = blk * block_size;
     const int64_t n = std::min(block_size, ctx - first);
-    const T* vb = v_cache + table[blk] * block_size * kv_heads * dim;
+    const C* vb = v_cache + table[blk] * block_size * kv_heads * dim;
     for (int64_t j = 0; j < n; ++j) {
       for (int64_t h = 0; h < heads; ++h) {
-        const T* vp = vb + (j * kv_heads + h / rep) * dim;
+        const C* vp = vb + (j * kv_heads + h / rep) * dim;
         const float p = scores[h * ctx + first + j];
         float* ar = acc + h * dim;
 #pragma omp simd
@@ -73,7 +73,10 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
                                      torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
   TORCH_CHECK(q.device().is_cpu(), "paged_decode_attention runs on CPU tensors");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "unexpected shapes");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(), "dtype mismatch");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() &&
+                  (q.scalar_type() == k_cache.scalar_type() ||
+                   (q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kBFloat16)),
+              "dtype mismatch: the cache must have q's dtype, or be bf16 under fp32 queries");
   TORCH_CHECK(block_tables.scalar_type() == torch::kLong && context_lens.scalar_type() == torch::kLong,
               "block tables and context lengths must be int64");
   q = q.contiguous();
@@ -92,20 +95,23 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
     max_ctx = std::max(max_ctx, lens[b]);
   }
   auto out = torch::empty_like(q);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
-    const scalar_t* qp = q.data_ptr<scalar_t>();
-    const scalar_t* kp = k_cache.data_ptr<scalar_t>();
-    const scalar_t* vp = v_cache.data_ptr<scalar_t>();
-    scalar_t* op = out.data_ptr<scalar_t>();
-    const int64_t* tables = block_tables.data_ptr<int64_t>();
-    // sequences are independent: torch's intra-op threads (torch.set_num_threads) share them
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  // sequences are independent: torch's intra-op threads (torch.set_num_threads) share them
+  auto run = [&](auto* qp, auto* kp, auto* vp, auto* op) {
     at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> scores(heads * max_ctx), acc(heads * dim), qf(heads * dim);
       for (int64_t b = begin; b < end; ++b)
-        attend_one<scalar_t>(qp + b * heads * dim, kp, vp, tables + b * max_blocks, lens[b], block_size, kv_heads,
-                             rep, dim, static_cast<float>(scale), op + b * heads * dim, scores.data(), acc.data(),
-                             qf.data());
+        attend_one(qp + b * heads * dim, kp, vp, tables + b * max_blocks, lens[b], block_size, kv_heads, rep, dim,
+                   static_cast<float>(scale), op + b * heads * dim, scores.data(), acc.data(), qf.data());
     });
+  };
+  if (q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kBFloat16) {  // fp32 model, bf16 KV cache
+    run(q.data_ptr<float>(), k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(),
+        out.data_ptr<float>());
+    return out;
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
+    run(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), out.data_ptr<scalar_t>());
   });
   return out;
 }

@@ -117,13 +117,17 @@ def engine() -> None:
 @click.option("--threads", default=None, type=int, help="torch threads [default: torch's choice].")
 @click.option("--kv-cache-bytes", default=None, type=int,
               help="KV cache budget, allocated once [default: 512 MiB]; a request that cannot fit gets a 400.")
+@click.option("--kv-cache-dtype", type=click.Choice(["auto", "bf16"]), default="auto", show_default=True,
+              help="auto: the model's dtype (fp32 output then equals transformers'); bf16 under an fp32 model "
+                   "halves what each decode step reads and doubles the tokens the budget holds.")
 @click.option("--max-num-batched-tokens", default=512, show_default=True, type=int,
               help="Tokens per engine step (chunked prefill keeps long prompts from stalling decodes).")
 @click.option("--models-dir", type=click.Path(path_type=Path), default=None)
 @data_dir_option
 def engine_serve(model: str, served_name: str | None, host: str, port: int, quantize: str | None, dtype: str,
                  device: str, max_num_seqs: int, threads: int | None, kv_cache_bytes: int | None,
-                 max_num_batched_tokens: int, models_dir: Path | None, data_dir: Path | None) -> None:
+                 kv_cache_dtype: str, max_num_batched_tokens: int, models_dir: Path | None,
+                 data_dir: Path | None) -> None:
     """Serve one model over an OpenAI-compatible API (/v1/chat/completions, /v1/models, /health, /metrics)."""
     from engine.launch import serve as serve_engine
 
@@ -133,7 +137,8 @@ def engine_serve(model: str, served_name: str | None, host: str, port: int, quan
     try:
         serve_engine(model, settings.resolved_models_dir, host=host, port=port, served_name=served_name,
                      dtype=dtype, quantize=quantize, device=device, max_num_seqs=max_num_seqs, threads=threads,
-                     kv_cache_bytes=kv_cache_bytes, max_num_batched_tokens=max_num_batched_tokens)
+                     kv_cache_bytes=kv_cache_bytes, max_num_batched_tokens=max_num_batched_tokens,
+                     kv_cache_dtype=kv_cache_dtype)
     except ModelSourceError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)

@@ -32,15 +32,17 @@ def test_rms_norm_and_residual_add(rows: int) -> None:
     assert got_sum.data_ptr() == residual.data_ptr()  # the running sum is updated in place, no copy
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 5, 300])
-def test_rope_writes_rotated_k_and_v_to_their_slots(rows: int) -> None:
+def test_rope_writes_rotated_k_and_v_to_their_slots(rows: int, cache_dtype: torch.dtype) -> None:
     torch.manual_seed(rows)
     heads, kv_heads, dim, blocks, block_size = 9, 3, 64, 40, 16
     qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim)
     angles = torch.rand(rows, dim // 2) * 100
     cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
     slots = torch.randperm(blocks * block_size)[:rows]
-    caches = [torch.randn(blocks, block_size, kv_heads, dim) for _ in range(4)]  # k, v for torch; k, v for fused
+    # k, v for torch; k, v for fused
+    caches = [torch.randn(blocks, block_size, kv_heads, dim).to(cache_dtype) for _ in range(4)]
     caches[2].copy_(caches[0])
     caches[3].copy_(caches[1])
     want = TORCH.rope_write_kv(qkv, cos, sin, caches[0], caches[1], slots, heads, kv_heads, dim)

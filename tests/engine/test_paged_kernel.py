@@ -21,14 +21,17 @@ def decode_meta(tables: torch.Tensor, lens: list[int], kernel: object | None) ->
         prefill_query_lens=[], prefill_block_tables=[], prefill_context_lens=[], decode_kernel=kernel)
 
 
-@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize(("dtype", "cache_dtype", "tol"), [(torch.float32, torch.float32, 1e-5),
+                                                           (torch.bfloat16, torch.bfloat16, 2e-2),
+                                                           (torch.float32, torch.bfloat16, 1e-5)])  # bf16 KV cache
 @pytest.mark.parametrize(("heads", "kv_heads"), [(9, 3), (4, 4), (8, 1)])
-def test_kernel_matches_gather_and_sdpa(dtype: torch.dtype, tol: float, heads: int, kv_heads: int) -> None:
+def test_kernel_matches_gather_and_sdpa(dtype: torch.dtype, cache_dtype: torch.dtype, tol: float, heads: int,
+                                        kv_heads: int) -> None:
     gen = torch.Generator().manual_seed(heads * 10 + kv_heads)
     block_size, dim, num_blocks = 16, 64, 128
     lens = [1, 15, 16, 17, 100, 257]  # inside a block, on a boundary, just past it, several blocks
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(dtype)
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(dtype)
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(cache_dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(cache_dtype)
     max_blocks = -(-max(lens) // block_size)
     tables = torch.randperm(num_blocks, generator=gen)[:len(lens) * max_blocks].view(len(lens), max_blocks)
     q = torch.randn(len(lens), heads, dim, generator=gen).to(dtype)

@@ -110,3 +110,16 @@ async def test_an_unbuilt_model_is_preparing_while_its_build_runs(tmp_path: Path
     proc._mark_unbuilt()  # the build ended without a model (killed): back to unavailable
     assert replica.status == "unavailable"
     await client.aclose()
+
+
+def test_the_engine_command_carries_the_kv_cache_dtype(tmp_path: Path) -> None:
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    replica = Replica("mid", 0)
+    plain = EngineProcess(spec(str(model_dir)), replica, models_dir=tmp_path, log_dir=tmp_path,
+                          client=TierClient(), start_timeout_s=1)
+    assert "--kv-cache-dtype" not in plain.command(9000)  # auto: the engine's default
+    narrow = EngineProcess(spec(str(model_dir)).model_copy(update={"kv_cache_dtype": "bf16"}), replica,
+                           models_dir=tmp_path, log_dir=tmp_path, client=TierClient(), start_timeout_s=1)
+    cmd = narrow.command(9000)
+    assert cmd[cmd.index("--kv-cache-dtype") + 1] == "bf16"
