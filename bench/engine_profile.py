@@ -1,9 +1,10 @@
 """Where a decode step's time goes: torch's profiler over steady decode steps of our engine.
 
 `.venv/bin/python -m bench.engine_profile [--streams 16] [--prompt-len 256] [--quantize int8]`; with
-TIERGATE_NATIVE_KERNELS=0 it profiles the gather + SDPA attention path the native kernel replaced.
+TIERGATE_NATIVE_KERNELS=0 it profiles torch's attention (gather + SDPA) and layer ops that the native kernels
+replace, with TIERGATE_ONEDNN=0 torch's nn.Linear instead of the oneDNN-packed layers.
 Every stream's prompt is prefilled first; then --steps decode steps are timed and 5 more profiled
-(the C++ kernel is not a torch op: its time is what the table's total leaves of the step).
+(the C++ kernels are not torch ops: their time is what the table's total leaves of the step).
 """
 
 from __future__ import annotations

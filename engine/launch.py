@@ -10,7 +10,9 @@ from pathlib import Path
 from engine.llm_engine import LLMEngine
 from engine.model_source import prepare_model
 
-ENGINE_VERSION = "tiergate-engine/0.3"  # 0.3: int8 on CPU runs fbgemm with per-token activations
+# 0.3: int8 on CPU runs fbgemm with per-token activations; 0.4: oneDNN linear layers and fused layer steps
+# (the same sums in another order: a near-tie can now pick the other token)
+ENGINE_VERSION = "tiergate-engine/0.4"
 log = logging.getLogger("tiergate.engine")
 
 
