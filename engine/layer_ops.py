@@ -56,6 +56,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotated * sin
 
 
+CACHE_DTYPES = (torch.float32, torch.bfloat16)  # what the native rope step writes
+
+
 class NativeLayerOps(TorchLayerOps):
     """The fused C++ steps for contiguous fp32 CPU tensors; the torch reference for anything else."""
 
@@ -63,8 +66,8 @@ class NativeLayerOps(TorchLayerOps):
         self.kernels = kernels
 
     @staticmethod
-    def _native(*tensors: torch.Tensor) -> bool:
-        return all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+    def _native(*tensors: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> bool:
+        return all(t.dtype in dtypes and t.device.type == "cpu" and t.is_contiguous() for t in tensors)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if self._native(x, weight) and x.dim() == 2:
@@ -81,9 +84,9 @@ class NativeLayerOps(TorchLayerOps):
 
     def rope_write_kv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, slots: torch.Tensor, heads: int, kv_heads: int, dim: int) -> torch.Tensor:
-        caches_ok = k_cache.dtype in (torch.float32, torch.bfloat16) and k_cache.dtype == v_cache.dtype and \
-            k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.device.type == "cpu"
-        if self._native(qkv, cos, sin) and caches_ok:
+        # the cache may be bf16 under an fp32 model
+        caches = k_cache.dtype == v_cache.dtype and self._native(k_cache, v_cache, dtypes=CACHE_DTYPES)
+        if self._native(qkv, cos, sin) and caches:
             return self.kernels.rope_write_kv(qkv, cos, sin, k_cache, v_cache, slots, heads, kv_heads, dim)
         return TorchLayerOps.rope_write_kv(qkv, cos, sin, k_cache, v_cache, slots, heads, kv_heads, dim)
 

@@ -14,36 +14,36 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from functools import cache
 from pathlib import Path
 
 log = logging.getLogger("tiergate.engine")
 OMP_PAUSE_SOFT = 1
 
 
-@cache
-def _libgomp() -> ctypes.CDLL | None:
+def _libgomps() -> tuple[ctypes.CDLL, ...]:
+    """Every libgomp loaded in this process: torch's, and the copies other wheels bundle (faiss's), each with
+    its own pools."""
     try:
         maps = Path("/proc/self/maps").read_text()
     except OSError:
-        return None
+        return ()
     paths = {line.split()[-1] for line in maps.splitlines() if "libgomp" in line and line.split()[-1].startswith("/")}
+    libs = []
     for path in sorted(paths):
         try:
             lib = ctypes.CDLL(path)
             lib.omp_pause_resource_all  # noqa: B018 (OpenMP 5.0; older libgomp lacks it)
-            return lib
+            libs.append(lib)
         except (OSError, AttributeError):
             continue
-    return None
+    return tuple(libs)
 
 
 def release_thread_pool() -> bool:
-    """Free the calling thread's idle OpenMP workers (they come back if it runs parallel work again)."""
-    lib = _libgomp()
-    if lib is None:
-        return False
-    rc = lib.omp_pause_resource_all(OMP_PAUSE_SOFT)
-    if rc != 0:
-        log.debug("omp_pause_resource_all returned %s", rc)
-    return rc == 0
+    """Free the calling thread's idle OpenMP workers in every libgomp (they come back if it runs parallel work
+    again); False where there is no libgomp to ask."""
+    libs = _libgomps()
+    codes = [lib.omp_pause_resource_all(OMP_PAUSE_SOFT) for lib in libs]
+    if any(codes):
+        log.debug("omp_pause_resource_all returned %s", codes)
+    return bool(libs) and not any(codes)

@@ -39,12 +39,13 @@ def test_logits_through_a_bf16_cache_are_close_but_not_equal(tiny_llama: Path) -
     assert 0 < error < 1e-2  # rounded K/V (not exact), and only by bf16's precision
 
 
-def test_greedy_decoding_runs_on_a_bf16_cache(tiny_llama: Path) -> None:
-    runner = ModelRunner(tiny_llama, dtype="fp32", kv_cache_bytes=BUDGET, kv_cache_dtype="bf16")
+def test_greedy_decoding_on_a_bf16_cache_follows_the_fp32_one(tiny_llama: Path) -> None:
     prompts = [[1, 5, 9, 200][: n] * 5 for n in (1, 2, 3, 4)]
-    outputs, _ = generate_greedy(runner, prompts, 12, arrivals=[0, 1, 2, 5])
-    assert [len(o) for o in outputs] == [12] * 4
-    assert all(0 <= t < 256 for o in outputs for t in o)
+    outputs = {kv: generate_greedy(ModelRunner(tiny_llama, dtype="fp32", kv_cache_bytes=BUDGET, kv_cache_dtype=kv),
+                                   prompts, 12, arrivals=[0, 1, 2, 5])[0] for kv in ("auto", "bf16")}
+    same = sum(a == b for exact, rounded in zip(outputs["auto"], outputs["bf16"], strict=True)
+               for a, b in zip(exact, rounded, strict=True))
+    assert same >= 0.9 * 48  # rounding may flip a near-tie; a broken bf16 decode path would agree by chance only
 
 
 def test_a_bf16_cache_is_part_of_the_model_version(tiny_llama: Path) -> None:
