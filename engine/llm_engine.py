@@ -102,7 +102,7 @@ class LLMEngine:
 
     def start(self) -> None:
         # the thread that built the model frees its OpenMP workers, so the loop thread's own keep busy-waiting
-        # between parallel regions (engine/openmp.py: about 20% of a one-stream decode step on 2 cores)
+        # between parallel regions (engine/openmp.py: 8-9% of a decode step on 2 cores)
         release_thread_pool()
         self._thread.start()
 

@@ -1,10 +1,11 @@
 """Linear layers on oneDNN's prepacked weights: the engine's CPU matmuls for fp32 and bf16.
 
 torch's `nn.Linear` on CPU calls MKL's sgemm on the weight as stored. At the few rows a decode step has,
-oneDNN with the weight reordered once, at load, into its blocked layout is about 2x faster (the same
-kernel torch's inductor uses after freezing): SmolLM2's 49,152-row head at 16 rows takes 15 ms instead
-of 34, gate/up 0.6 ms instead of 1.6 (two threads, this Zen 3 CPU; `python -m bench.engine` measures
-both as ceilings). Results are the same fp32 sums in another order (differences near 1e-6 relative).
+oneDNN with the weight reordered once, at load, into its blocked layout is faster (the same kernel torch's
+inductor uses after freezing): SmolLM2's linear layers alone run 1.5-2x nn.Linear's speed at 4-64 rows
+(`python -m bench.engine` measures both ceilings), and a 16-stream decode step takes half the time
+(`python -m bench.engine_ablations`). Results are the same fp32 sums in another order (differences near 1e-6
+relative).
 
 Used for inference only (the runner packs its model once; training keeps nn.Linear). The packed weight
 is an opaque oneDNN tensor, so a packed model is not saved. TIERGATE_ONEDNN=0 keeps nn.Linear.

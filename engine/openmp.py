@@ -4,10 +4,10 @@ torch runs its CPU ops on OpenMP (GNU libgomp here). Each thread that starts par
 pool of worker threads, kept for the thread's lifetime. When the model is loaded on the main thread and then
 stepped on the engine's loop thread, the process holds two pools; libgomp then counts more threads than CPUs
 and stops busy-waiting between parallel regions, so every one of the hundreds of regions in a decode step
-wakes its workers through the kernel. Measured on this 2-core machine, one decode stream: 83 ms a step on
-the loop thread against 68 ms on the main thread; freeing the main thread's pool first gives 68 ms on the loop
-thread too. `release_thread_pool` does that (OpenMP 5's omp_pause_resource_all, soft); where libgomp is not
-the OpenMP in use (another platform, Intel's runtime) it does nothing.
+wakes its workers through the kernel. Freeing the main thread's pool first makes a decode step on a second
+thread 8-9% faster on this 2-core machine (`python -m bench.engine_ablations`). `release_thread_pool` does that
+(OpenMP 5's omp_pause_resource_all, soft); where libgomp is not the OpenMP in use (another platform, Intel's
+runtime) it does nothing.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 // The small per-layer steps between a Llama layer's matmuls, each fused into one pass over the step's rows.
 //
 // Unfused, torch runs about 40 tiny ops per layer (casts, pow, mean, rsqrt, rope's cat/neg/mul/add, two
-// index_copy calls, silu, mul, residual adds), each with its own dispatch and allocation; at the few rows of a
-// decode step that costs as much as a third of the layer's matmuls. These do the same arithmetic as
+// index_copy calls, silu, mul, residual adds), each with its own dispatch and allocation, which at the few rows
+// of a decode step is a visible share of the step (bench/engine_ablations.py). These do the same arithmetic as
 // engine/layer_ops.py's torch versions (transformers' Llama numerics, fp32), row by row. Rows are split over
 // torch's intra-op threads only when there are enough of them to pay for waking a thread (prompt chunks).
 #include <ATen/Parallel.h>
