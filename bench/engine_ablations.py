@@ -1,8 +1,9 @@
 """What each of the engine's CPU speed-ups is worth: one decode step with each of them undone, side by side.
 
 `.venv/bin/python -m bench.engine_ablations [--streams 16] [--prompt-len 512] [--quantize int8]`
-In one process, on the same prompts, the median time of a decode step for: the engine as built; its layer
-steps run as torch ops instead of the fused C++ ones; (int8) the int8 tier's per-token steps as torch ops;
+In one process, on the same prompts, the median time of a decode step for: the engine as built; (fp32) its
+decode steps through the model's Python layers instead of one native call; its layer steps run as torch ops
+instead of the fused C++ ones (through the Python layers); (int8) the int8 tier's per-token steps as torch ops;
 (fp32) torch's nn.Linear (MKL) instead of the oneDNN-packed layers; and the engine's steps on a second thread
 (as the engine loop runs them) with the main thread's OpenMP pool kept, then released. Each variant prefills
 its prompts, then times --steps decode steps; the variants run in --rounds rounds, and the table gives the
@@ -75,15 +76,22 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(MODEL_DIR)
     prompts = load_prompts(tok, args.streams, args.prompt_len)
     runner = ModelRunner(MODEL_DIR, dtype="fp32", quantize=args.quantize)
-    native_ops = runner.model.ops
+    native_ops, native_decode = runner.model.ops, runner.native_decode
 
     def measure(r: Any = runner) -> float:
         return decode_ms(r, prompts, args.steps)
 
+    def python_layers() -> float:
+        runner.native_decode = None
+        try:
+            return measure()
+        finally:
+            runner.native_decode = native_decode
+
     def torch_layer_ops() -> float:
         runner.model.ops = TorchLayerOps()
         try:
-            return measure()
+            return python_layers()
         finally:
             runner.model.ops = native_ops
 
@@ -102,8 +110,10 @@ def main() -> None:
         release_thread_pool()
         return on_second_thread(measure)
 
-    variants: dict[str, Callable[[], float]] = {"the engine, main thread": measure,
-                                                 "layer steps as torch ops": torch_layer_ops}
+    variants: dict[str, Callable[[], float]] = {"the engine, main thread": measure}
+    if native_decode is not None:
+        variants["decode steps through the Python layers"] = python_layers
+    variants["layer steps as torch ops (Python layers)"] = torch_layer_ops
     if args.quantize == "int8":
         variants["int8 per-token steps as torch ops"] = int8_steps_in_torch
     else:

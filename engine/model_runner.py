@@ -4,7 +4,8 @@ With the sampler and the model, this is the engine's torch code. The KV cache is
 to a byte budget, as [layers, 2, num_blocks, block_size, KV heads, head_dim]; the block manager hands
 out indices into it. Each step the runner puts single-token sequences (decodes) first so attention can
 batch them, flattens all new tokens into one [N] batch for the linear layers, and computes logits only
-for the sequences that sample.
+for the sequences that sample. A step of decodes only, on an fp32 CPU model, runs every layer in one native
+call (engine/decode_step.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 
 from engine import int8_dynamic, onednn_linear
 from engine.attention import AttentionMetadata
+from engine.decode_step import NativeDecodeStep
 from engine.kernels import native as native_kernels
 from engine.layer_ops import NativeLayerOps
 from engine.models.llama import LlamaConfig, LlamaForCausalLM
@@ -98,6 +100,8 @@ class ModelRunner:
         self.decode_kernel = native_kernels.load() if self.device.type == "cpu" else None
         if self.decode_kernel is not None:
             self.model.ops = NativeLayerOps(self.decode_kernel)
+        # a step of decodes only, on an fp32 model with oneDNN-packed layers: every layer in one native call
+        self.native_decode = NativeDecodeStep.of(self.model, self.decode_kernel)
         # request id -> (made token's log-probability, [(token id, log-probability)] top alternatives), for the
         # sequences of the last `run` that asked for logprobs
         self.last_logprobs: dict[str, tuple[float, list[tuple[int, float]]]] = {}
@@ -109,7 +113,10 @@ class ModelRunner:
         seqs = [out.seqs[i] for i in order]
         counts = [out.num_scheduled_tokens[i] for i in order]
         input_ids, positions, meta, last_index = self._prepare(seqs, counts)
-        hidden = self.model(input_ids, positions, self.kv_cache, meta)  # [N, hidden]
+        if self.native_decode is not None and meta.num_decode_seqs == len(seqs):
+            hidden = self.native_decode(input_ids, positions, self.kv_cache, meta)  # [N, hidden]
+        else:
+            hidden = self.model(input_ids, positions, self.kv_cache, meta)
         samplers = [i for i in order if out.do_sample[i]]  # original indices, in batch order
         if not samplers:
             return []

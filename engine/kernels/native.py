@@ -1,6 +1,7 @@
 """Loads the engine's native CPU kernels, compiling them once per machine: decode attention over the paged
 cache (paged_decode_attention.cpp), the fused steps between a layer's matmuls (layer_ops.cpp) and the
-per-token steps around the int8 tier's matmuls (int8_rows.cpp).
+per-token steps around the int8 tier's matmuls (int8_rows.cpp), and a whole decode step of an fp32 model on
+oneDNN-packed layers (decode_layers.cpp, which calls the others: the sources are one translation unit).
 
 torch.utils.cpp_extension builds it with the machine's C++ compiler and ninja into torch's extension
 cache (~/.cache/torch_extensions, or TORCH_EXTENSIONS_DIR); about a minute on two cores, once. Builds
@@ -23,9 +24,10 @@ from typing import Any
 log = logging.getLogger("tiergate.engine")
 
 NAME = "tiergate_cpu_kernels"
-SOURCES = [Path(__file__).with_name(name) for name in ("paged_decode_attention.cpp", "layer_ops.cpp", "int8_rows.cpp")]
+SOURCES = [Path(__file__).with_name(name)  # decode_layers.cpp calls the others, so it comes last
+           for name in ("paged_decode_attention.cpp", "layer_ops.cpp", "int8_rows.cpp", "decode_layers.cpp")]
 FUNCTIONS = ["paged_decode_attention", "rms_norm", "add_rms_norm", "rope_write_kv", "silu_mul", "int8_rows_prepare",
-             "int8_rows_finish_"]
+             "int8_rows_finish_", "decode_layers"]
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]  # built where it runs, so native is safe
 
 

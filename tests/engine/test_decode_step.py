@@ -1,0 +1,88 @@
+"""The whole decode step in one native call (engine/decode_step.py) against the model's Python forward: the
+same hidden states and the same K/V written, bit for bit; used only where it applies. (The greedy equality
+tests against transformers also go through it: their decode steps take this path.)"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import int8_dynamic
+from engine.block_manager import BlockManager
+from engine.decode_step import NativeDecodeStep
+from engine.kernels import native
+from engine.model_runner import ModelRunner
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+
+pytestmark = pytest.mark.skipif(native.load() is None or not torch.backends.mkldnn.is_available(),
+                                reason="no C++ toolchain or no oneDNN: the Python forward is the only path")
+
+
+def decode_batch(runner: ModelRunner, prompt_lens: list[int]) -> tuple[list[Sequence], list[int]]:
+    """Sequences of these prompt lengths, prefilled and past one decode, ready for a decode-only step."""
+    sched = Scheduler(BlockManager(runner.num_kv_blocks, runner.block_size), max_num_seqs=16,
+                      max_num_batched_tokens=256, max_model_len=runner.max_model_len, eos_token_ids=set())
+    gen = torch.Generator().manual_seed(len(prompt_lens))
+    for i, n in enumerate(prompt_lens):
+        ids = torch.randint(0, 256, (n,), generator=gen).tolist()
+        sched.add_request(Sequence(f"r{i}", ids, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)))
+    while True:
+        out = sched.schedule()
+        if all(n == 1 for n in out.num_scheduled_tokens) and len(out.seqs) == len(prompt_lens):
+            return out.seqs, out.num_scheduled_tokens
+        sched.postprocess(out, runner.run(out))
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "bf16"])
+@pytest.mark.parametrize("prompt_lens", [[5], [3, 40, 17, 33, 1]])
+def test_the_native_step_equals_the_python_layers(tiny_llama: Path, prompt_lens: list[int], kv_cache_dtype: str
+                                                  ) -> None:
+    runner = ModelRunner(tiny_llama, dtype="fp32", kv_cache_bytes=1 << 20, kv_cache_dtype=kv_cache_dtype)
+    assert isinstance(runner.native_decode, NativeDecodeStep)
+    seqs, counts = decode_batch(runner, prompt_lens)
+    input_ids, positions, meta, _ = runner._prepare(seqs, counts)
+    before = runner.kv_cache.clone()
+    with torch.inference_mode():
+        native_hidden = runner.native_decode(input_ids, positions, runner.kv_cache, meta)
+        native_cache = runner.kv_cache.clone()
+        runner.kv_cache.copy_(before)
+        python_hidden = runner.model(input_ids, positions, runner.kv_cache, meta)
+    assert native_hidden.shape == (len(prompt_lens), 64)
+    assert torch.equal(native_hidden, python_hidden)
+    assert torch.equal(native_cache, runner.kv_cache)  # the new tokens' K/V, written to the same slots
+    assert not torch.equal(native_cache, before)
+
+
+def test_the_runner_takes_it_for_decode_only_steps(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    runner = ModelRunner(tiny_llama, dtype="fp32", kv_cache_bytes=1 << 20)
+    calls = []
+    step = runner.native_decode
+    monkeypatch.setattr(runner, "native_decode", lambda *a: calls.append(len(a[0])) or step(*a))
+    sched = Scheduler(BlockManager(runner.num_kv_blocks, runner.block_size), max_num_seqs=4,
+                      max_num_batched_tokens=64, max_model_len=runner.max_model_len, eos_token_ids=set())
+    sched.add_request(Sequence("a", list(range(1, 30)), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)))
+    out = sched.schedule()
+    sched.postprocess(out, runner.run(out))  # the prompt: the Python forward
+    assert calls == []
+    sched.add_request(Sequence("b", list(range(1, 9)), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)))
+    out = sched.schedule()  # a's decode with b's prompt: the Python forward
+    sched.postprocess(out, runner.run(out))
+    assert calls == []
+    out = sched.schedule()  # two decodes
+    sched.postprocess(out, runner.run(out))
+    assert calls == [2]
+
+
+@pytest.mark.parametrize("kind", ["int8", "bf16", "nn.Linear"])
+def test_other_models_keep_the_python_forward(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
+    if kind == "nn.Linear":
+        monkeypatch.setenv("TIERGATE_ONEDNN", "0")
+    gen = torch.Generator().manual_seed(0)  # calibration text for int8 (no tokenizer here)
+    monkeypatch.setattr(int8_dynamic, "calibration_chunks", lambda _dir: [torch.randint(0, 256, (64,), generator=gen)])
+    runner = ModelRunner(tiny_llama, dtype="bf16" if kind == "bf16" else "fp32",
+                         quantize="int8" if kind == "int8" else None, kv_cache_bytes=1 << 20)
+    assert runner.native_decode is None
