@@ -1,13 +1,14 @@
 """What each of the engine's CPU speed-ups is worth: one decode step with each of them undone, side by side.
 
 `.venv/bin/python -m bench.engine_ablations [--streams 16] [--prompt-len 512] [--quantize int8]`
-In one process, on the same prompts, the median time of a decode step for: the engine as built; (fp32) its
-decode steps through the model's Python layers instead of one native call; its layer steps run as torch ops
-instead of the fused C++ ones (through the Python layers); (int8) the int8 tier's per-token steps as torch ops;
-(fp32) torch's nn.Linear (MKL) instead of the oneDNN-packed layers; and the engine's steps on a second thread
-(as the engine loop runs them) with the main thread's OpenMP pool kept, then released. Each variant prefills
-its prompts, then times --steps decode steps; the variants run in --rounds rounds, and the table gives the
-median over rounds, next to the linear layers alone (the ceiling bench/engine.py uses).
+In one process, on the same prompts, the median time of a decode step for: the engine as built; its decode
+steps through the model's Python layers instead of one native call (engine/decode_step.py); then, through the
+Python layers, its layer steps as torch ops instead of the fused C++ ones, and (int8) the int8 tier's
+per-token steps as torch ops; (fp32) torch's nn.Linear (MKL) instead of the oneDNN-packed layers; and the
+engine's steps on a second thread (as the engine loop runs them) with the main thread's OpenMP pool kept, then
+released. Each variant prefills its prompts, then times --steps decode steps; the variants run in --rounds
+rounds, and the table gives the median over rounds, next to the linear layers alone (the ceiling
+bench/engine.py uses).
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ def main() -> None:
         for m in int8:
             m.kernels = None
         try:
-            return measure()
+            return python_layers()  # the native decode step calls the fused steps itself
         finally:
             for m, k in zip(int8, kernels, strict=True):
                 m.kernels = k
@@ -115,7 +116,7 @@ def main() -> None:
         variants["decode steps through the Python layers"] = python_layers
     variants["layer steps as torch ops (Python layers)"] = torch_layer_ops
     if args.quantize == "int8":
-        variants["int8 per-token steps as torch ops"] = int8_steps_in_torch
+        variants["int8 per-token steps as torch ops (Python layers)"] = int8_steps_in_torch
     else:
         os.environ["TIERGATE_ONEDNN"] = "0"
         mkl = ModelRunner(MODEL_DIR, dtype="fp32")

@@ -1,12 +1,13 @@
-// A decode-only step through every layer of an fp32 Llama in one call, for CPU models whose linear layers are
-// oneDNN-packed (engine/onednn_linear.py).
+// A decode-only step through every layer of a Llama in one call, for fp32 CPU models whose linear layers are
+// oneDNN-packed (engine/onednn_linear.py) or the int8 tier's (engine/int8_dynamic.py).
 //
 // The same calls, in the same order, as the Python layers (engine/models/llama.py with NativeLayerOps), so the
-// result is bit for bit the same: add_rms_norm, the packed q/k/v matmul, rope_write_kv, paged_decode_attention,
-// o_proj, add_rms_norm, gate_up, silu_mul, down_proj. What it removes is Python: about 25 interpreter-level
-// calls, module lookups and tensor wrappers per layer, which at a decode step's few rows is a few ms a step.
-// Built after layer_ops.cpp and paged_decode_attention.cpp in one translation unit (engine/kernels/native.py).
+// result is bit for bit the same: add_rms_norm, the q/k/v matmul, rope_write_kv, paged_decode_attention, o_proj,
+// add_rms_norm, gate_up, silu_mul, down_proj. What it removes is Python: about 25 interpreter-level calls, module
+// lookups and tensor wrappers per layer, which at a decode step's few rows is a few ms a step.
+// Built after the other sources in one translation unit (engine/kernels/native.py), so it calls them directly.
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/extension.h>
 
 #include <optional>
@@ -15,56 +16,103 @@
 
 namespace {
 
-constexpr int64_t kTensorsPerLayer = 9;  // norm1, qkv, qkv bias, o, norm2, gate_up, gate_up bias, down, down bias
-
 // mkldnn::_linear_pointwise on a weight from torch.ops.mkldnn._reorder_linear_weight, as OneDnnLinear calls it
-torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& bias) {
+torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed,
+                            const std::optional<torch::Tensor>& bias) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
                        .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
                                          std::string_view, c10::List<std::optional<at::Scalar>>,
                                          std::optional<std::string_view>)>();
-  std::optional<at::Tensor> b;
-  if (bias.defined() && bias.numel() > 0) b = bias;
-  return op.call(x, packed, b, "none", c10::List<std::optional<at::Scalar>>(), std::nullopt);
+  return op.call(x, packed, bias, "none", c10::List<std::optional<at::Scalar>>(), std::nullopt);
 }
+
+// quantized::linear_dynamic on fbgemm's packed weight, called as torch.ops.quantized.linear_dynamic calls it
+torch::Tensor fbgemm_linear(const torch::Tensor& x, const c10::IValue& packed, bool reduce_range) {
+  static const auto& op = c10::Dispatcher::singleton().findSchemaOrThrow("quantized::linear_dynamic", "");
+  torch::jit::Stack stack{x, packed, reduce_range};
+  op.callBoxed(stack);
+  return stack.back().toTensor();
+}
+
+// One linear layer as the engine runs it: oneDNN fp32, or the int8 tier's (Int8DynamicLinear.forward).
+struct Linear {
+  torch::Tensor onednn;  // the oneDNN-packed weight, or undefined for int8
+  c10::IValue int8;  // fbgemm's packed int8 weight
+  bool reduce_range = false;
+  torch::Tensor outliers, w_outliers;  // the int8 tier's fp32 input channels and their weights
+  std::optional<torch::Tensor> bias;
+
+  torch::Tensor operator()(const torch::Tensor& x) const {
+    if (onednn.defined()) return onednn_linear(x, onednn, bias);
+    auto rows = int8_rows_prepare(x, outliers);  // [scaled rows, per-row scales, the kept channels]
+    auto y = int8_rows_finish_(fbgemm_linear(rows[0], int8, reduce_range), rows[1], rows[2], w_outliers);
+    return bias ? y + *bias : y;
+  }
+};
 
 }  // namespace
 
-// x: [N, hidden] fp32 embeddings of the step's tokens, one per decoding sequence; weights: kTensorsPerLayer per
-// layer (an empty tensor for a missing bias); cos, sin: [N, D]; kv_caches: [layers, 2, blocks, block_size, KV, D]
-// (fp32, or bf16); slots [N], block_tables [N, max_blocks], context_lens [N]: int64, as the runner builds them.
-// Returns the last layer's hidden state [N, hidden] (before the final norm).
-torch::Tensor decode_layers(torch::Tensor x, std::vector<torch::Tensor> weights, torch::Tensor cos, torch::Tensor sin,
-                            torch::Tensor kv_caches, torch::Tensor slots, torch::Tensor block_tables,
-                            torch::Tensor context_lens, double eps, int64_t heads, int64_t kv_heads, int64_t dim,
-                            double scale) {
-  const int64_t layers = kv_caches.size(0);
-  TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kTensorsPerLayer,
-              "decode_layers: expected ", kTensorsPerLayer, " tensors per layer");
-  TORCH_CHECK(kv_caches.dim() == 6 && kv_caches.size(1) == 2 && kv_caches.is_contiguous(),
-              "decode_layers: kv_caches must be a contiguous [layers, 2, blocks, block_size, KV, D] tensor");
-  TORCH_CHECK(x.dim() == 2 && block_tables.size(0) == x.size(0), "decode_layers: one decode per row of x");
-  const int64_t n = x.size(0);
-  torch::Tensor residual;
-  for (int64_t l = 0; l < layers; ++l) {
-    const torch::Tensor* w = weights.data() + l * kTensorsPerLayer;
-    torch::Tensor h;
-    if (l == 0) {
-      h = rms_norm(x, w[0], eps);
-      residual = x;
-    } else {
-      auto normed = add_rms_norm(residual, x, w[0], eps);
-      h = normed[0];
-      residual = normed[1];
-    }
-    torch::Tensor kv = kv_caches[l];
-    torch::Tensor k_cache = kv[0], v_cache = kv[1];
-    auto q = rope_write_kv(packed_linear(h, w[1], w[2]), cos, sin, k_cache, v_cache, slots, heads, kv_heads, dim);
-    auto o = paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale);
-    auto normed = add_rms_norm(residual, packed_linear(o.reshape({n, heads * dim}), w[3], torch::Tensor()), w[4], eps);
-    residual = normed[1];
-    x = packed_linear(silu_mul(packed_linear(normed[0], w[5], w[6])), w[7], w[8]);
+class DecodeLayers {
+ public:
+  DecodeLayers(double eps, int64_t heads, int64_t kv_heads, int64_t dim, double scale)
+      : eps_(eps), heads_(heads), kv_heads_(kv_heads), dim_(dim), scale_(scale) {}
+
+  // a layer's two RMSNorm weights; its four linears (qkv, o, gate_up, down) follow
+  void add_layer(torch::Tensor input_norm, torch::Tensor post_attention_norm) {
+    TORCH_CHECK(linears_.size() == 2 * norms_.size(), "add four linear layers to each layer first");
+    norms_.push_back(input_norm);
+    norms_.push_back(post_attention_norm);
   }
-  return residual + x;
-}
+
+  void add_onednn_linear(torch::Tensor packed, std::optional<torch::Tensor> bias) {
+    linears_.push_back(Linear{packed, {}, false, {}, {}, bias});
+  }
+
+  void add_int8_linear(py::object packed, bool reduce_range, torch::Tensor outliers, torch::Tensor w_outliers,
+                       std::optional<torch::Tensor> bias) {
+    linears_.push_back(Linear{{}, torch::jit::toIValue(packed, c10::AnyType::get()), reduce_range, outliers,
+                              w_outliers, bias});
+  }
+
+  // x: [N, hidden] fp32 embeddings, one token per decoding sequence; cos, sin: [N, D]; kv_caches: [layers, 2,
+  // blocks, block_size, KV, D] (fp32 or bf16); slots [N], block_tables [N, max_blocks], context_lens [N]: int64,
+  // as the runner builds them. Returns the last layer's hidden state [N, hidden] (before the final norm).
+  torch::Tensor run(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor kv_caches,
+                    torch::Tensor slots, torch::Tensor block_tables, torch::Tensor context_lens) const {
+    const int64_t layers = static_cast<int64_t>(norms_.size()) / 2;
+    TORCH_CHECK(static_cast<int64_t>(linears_.size()) == 4 * layers, "every layer needs its four linear layers");
+    TORCH_CHECK(kv_caches.dim() == 6 && kv_caches.size(0) == layers && kv_caches.size(1) == 2 &&
+                    kv_caches.is_contiguous(),
+                "kv_caches must be a contiguous [layers, 2, blocks, block_size, KV, D] tensor");
+    TORCH_CHECK(x.dim() == 2 && block_tables.size(0) == x.size(0), "one decode per row of x");
+    const int64_t n = x.size(0);
+    torch::Tensor residual;
+    for (int64_t l = 0; l < layers; ++l) {
+      const Linear* lin = linears_.data() + 4 * l;
+      torch::Tensor h;
+      if (l == 0) {
+        h = rms_norm(x, norms_[0], eps_);
+        residual = x;
+      } else {
+        auto normed = add_rms_norm(residual, x, norms_[2 * l], eps_);
+        h = normed[0];
+        residual = normed[1];
+      }
+      torch::Tensor k_cache = kv_caches[l][0], v_cache = kv_caches[l][1];
+      auto q = rope_write_kv(lin[0](h), cos, sin, k_cache, v_cache, slots, heads_, kv_heads_, dim_);
+      auto o = paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale_);
+      auto normed = add_rms_norm(residual, lin[1](o.reshape({n, heads_ * dim_})), norms_[2 * l + 1], eps_);
+      residual = normed[1];
+      x = lin[3](silu_mul(lin[2](normed[0])));
+    }
+    return residual + x;
+  }
+
+ private:
+  double eps_;
+  int64_t heads_, kv_heads_, dim_;
+  double scale_;
+  std::vector<torch::Tensor> norms_;  // two per layer
+  std::vector<Linear> linears_;  // four per layer
+};

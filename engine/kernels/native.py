@@ -1,7 +1,7 @@
 """Loads the engine's native CPU kernels, compiling them once per machine: decode attention over the paged
 cache (paged_decode_attention.cpp), the fused steps between a layer's matmuls (layer_ops.cpp) and the
-per-token steps around the int8 tier's matmuls (int8_rows.cpp), and a whole decode step of an fp32 model on
-oneDNN-packed layers (decode_layers.cpp, which calls the others: the sources are one translation unit).
+per-token steps around the int8 tier's matmuls (int8_rows.cpp), and every layer of a decode-only step in one call
+(decode_layers.cpp, which calls the others: the sources are one translation unit, bound in bindings.cpp).
 
 torch.utils.cpp_extension builds it with the machine's C++ compiler and ninja into torch's extension
 cache (~/.cache/torch_extensions, or TORCH_EXTENSIONS_DIR); about a minute on two cores, once. Builds
@@ -24,10 +24,11 @@ from typing import Any
 log = logging.getLogger("tiergate.engine")
 
 NAME = "tiergate_cpu_kernels"
-SOURCES = [Path(__file__).with_name(name)  # decode_layers.cpp calls the others, so it comes last
-           for name in ("paged_decode_attention.cpp", "layer_ops.cpp", "int8_rows.cpp", "decode_layers.cpp")]
+SOURCES = [Path(__file__).with_name(name)  # decode_layers.cpp calls the others; bindings.cpp names them all
+           for name in ("paged_decode_attention.cpp", "layer_ops.cpp", "int8_rows.cpp", "decode_layers.cpp",
+                        "bindings.cpp")]
 FUNCTIONS = ["paged_decode_attention", "rms_norm", "add_rms_norm", "rope_write_kv", "silu_mul", "int8_rows_prepare",
-             "int8_rows_finish_", "decode_layers"]
+             "int8_rows_finish_", "DecodeLayers"]  # bound in bindings.cpp
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]  # built where it runs, so native is safe
 
 
@@ -48,7 +49,7 @@ def load() -> Any | None:
         build_dir = Path(_get_build_directory(NAME, verbose=False))
         with file_lock(build_dir.parent / f"{NAME}.build-lock"):
             (build_dir / "lock").unlink(missing_ok=True)  # only an interrupted build can have left it
-            return load_inline(name=NAME, cpp_sources=[p.read_text() for p in SOURCES], functions=FUNCTIONS,
+            return load_inline(name=NAME, cpp_sources=[p.read_text() for p in SOURCES],
                                extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], build_directory=str(build_dir),
                                verbose=False)
     except Exception as exc:  # a broken toolchain must not take the engine down: the torch path is correct

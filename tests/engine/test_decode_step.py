@@ -37,11 +37,19 @@ def decode_batch(runner: ModelRunner, prompt_lens: list[int]) -> tuple[list[Sequ
         sched.postprocess(out, runner.run(out))
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "bf16"])
+@pytest.fixture
+def int8_calibration(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Calibration text for the int8 tier without a tokenizer (the tiny model has none)."""
+    gen = torch.Generator().manual_seed(0)
+    monkeypatch.setattr(int8_dynamic, "calibration_chunks", lambda _dir: [torch.randint(0, 256, (64,), generator=gen)])
+
+
+@pytest.mark.parametrize(("quantize", "kv_cache_dtype"), [(None, "auto"), (None, "bf16"), ("int8", "auto")])
 @pytest.mark.parametrize("prompt_lens", [[5], [3, 40, 17, 33, 1]])
-def test_the_native_step_equals_the_python_layers(tiny_llama: Path, prompt_lens: list[int], kv_cache_dtype: str
-                                                  ) -> None:
-    runner = ModelRunner(tiny_llama, dtype="fp32", kv_cache_bytes=1 << 20, kv_cache_dtype=kv_cache_dtype)
+def test_the_native_step_equals_the_python_layers(tiny_llama: Path, int8_calibration: None, prompt_lens: list[int],
+                                                  quantize: str | None, kv_cache_dtype: str) -> None:
+    runner = ModelRunner(tiny_llama, dtype="fp32", quantize=quantize, kv_cache_bytes=1 << 20,
+                         kv_cache_dtype=kv_cache_dtype)
     assert isinstance(runner.native_decode, NativeDecodeStep)
     seqs, counts = decode_batch(runner, prompt_lens)
     input_ids, positions, meta, _ = runner._prepare(seqs, counts)
@@ -77,12 +85,27 @@ def test_the_runner_takes_it_for_decode_only_steps(tiny_llama: Path, monkeypatch
     assert calls == [2]
 
 
-@pytest.mark.parametrize("kind", ["int8", "bf16", "nn.Linear"])
-def test_other_models_keep_the_python_forward(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
+@pytest.mark.parametrize("kind", ["bf16", "nn.Linear", "int8 without fused rows"])
+def test_other_models_keep_the_python_forward(tiny_llama: Path, int8_calibration: None,
+                                              monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
     if kind == "nn.Linear":
         monkeypatch.setenv("TIERGATE_ONEDNN", "0")
-    gen = torch.Generator().manual_seed(0)  # calibration text for int8 (no tokenizer here)
-    monkeypatch.setattr(int8_dynamic, "calibration_chunks", lambda _dir: [torch.randint(0, 256, (64,), generator=gen)])
     runner = ModelRunner(tiny_llama, dtype="bf16" if kind == "bf16" else "fp32",
-                         quantize="int8" if kind == "int8" else None, kv_cache_bytes=1 << 20)
-    assert runner.native_decode is None
+                         quantize="int8" if kind.startswith("int8") else None, kv_cache_bytes=1 << 20)
+    if kind.startswith("int8"):
+        assert runner.native_decode is not None
+        runner.model.layers[1].mlp.down_proj.kernels = None  # one layer on the torch ops: not callable natively
+        assert NativeDecodeStep.of(runner.model, runner.decode_kernel) is None
+    else:
+        assert runner.native_decode is None
+
+
+def test_a_layer_missing_its_linears_is_refused() -> None:
+    layers = native.load().DecodeLayers(eps=1e-5, heads=1, kv_heads=1, dim=8, scale=1.0)
+    layers.add_layer(torch.ones(8), torch.ones(8))
+    with pytest.raises(RuntimeError, match="four linear layers"):
+        layers.add_layer(torch.ones(8), torch.ones(8))
+    with pytest.raises(RuntimeError, match="four linear layers"):
+        one = torch.ones(1, dtype=torch.long)
+        layers.run(torch.zeros(1, 8), torch.ones(1, 8), torch.zeros(1, 8), torch.zeros(1, 2, 1, 16, 1, 8), one - 1,
+                   torch.zeros(1, 1, dtype=torch.long), one)
