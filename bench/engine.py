@@ -5,7 +5,8 @@ the model's chat template, truncated to --prompt-len tokens; every request makes
 tokens (EOS ignored). Measured, side by side, on SmolLM2-135M-Instruct:
 
 - ceilings: the model's linear layers alone (30 layers + head, no attention, no Python around them) at
-  each concurrency, twice: as the engine runs them (oneDNN-packed fp32, or the int8 tier's kernels), and
+  each concurrency, twice: as the engine runs them (oneDNN-packed fp32, or the int8 tier's kernels, called
+  from C++ as the engine's decode step calls them), and
   as torch's defaults run them (nn.Linear on MKL, or torch's dynamic int8 linear), which is how the issue
   measured its ceilings; every throughput below is also given as a fraction of both;
 - our engine (fp32; fp32 with a bf16 KV cache; the int8 tier) at each concurrency, through LLMEngine.generate;
@@ -64,21 +65,30 @@ def torch_default_linears(runner: Any, quantize: str | None) -> list[Any]:
         return [torch.nn.Linear(i, o, bias=False, dtype=runner.dtype) for i, o in shapes]
 
 
-def ceiling(linears: list[Any], runner: Any, rows: int, repeats: int) -> float:
-    """Tokens/s of these linear layers alone for `rows` tokens per forward."""
+def ceiling(linears: list[Any], runner: Any, rows: int, repeats: int, native: Any = None) -> float:
+    """Tokens/s of these linear layers alone for `rows` tokens per forward. With `native` (the runner's
+    NativeDecodeStep, for the engine's own layers) the layers' linears run from C++, with no Python between
+    them, as the engine's decode steps run them; the head (the last) is called from Python either way."""
     import torch
 
     inputs = [torch.randn(rows, m.in_features, dtype=runner.dtype, device=runner.device) for m in linears]
     sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
-    with torch.inference_mode():
+
+    def one_pass() -> None:
+        if native is not None:
+            native.layers.run_linears(inputs[:-1])
+            linears[-1](inputs[-1])
+            return
         for m, x in zip(linears, inputs, strict=True):
             m(x)
+
+    with torch.inference_mode():
+        one_pass()
         best = float("inf")
         for _ in range(repeats):  # the best pass: the machine is shared, and the ceiling is what it can do
             sync()
             t0 = time.perf_counter()
-            for m, x in zip(linears, inputs, strict=True):
-                m(x)
+            one_pass()
             sync()
             best = min(best, time.perf_counter() - t0)
     return rows / best
@@ -253,7 +263,7 @@ def main() -> None:
         runner = ModelRunner(MODEL_DIR, dtype=args.dtype, device=args.device, quantize=quantize,
                              kv_cache_bytes=max(DEFAULT_KV_CACHE_BYTES, need), kv_cache_dtype=kv_cache_dtype)
         ours, default = engine_linears(runner), torch_default_linears(runner, quantize)
-        ceil = {n: ceiling(ours, runner, n, 10) for n in levels}
+        ceil = {n: ceiling(ours, runner, n, 10, runner.native_decode) for n in levels}
         ceil_default = {n: ceiling(default, runner, n, 10) for n in levels}
         engine = LLMEngine(runner, tok, max_num_seqs=max(levels), max_num_batched_tokens=512)  # start() releases
         engine.start()
@@ -261,7 +271,7 @@ def main() -> None:
         for n in levels:
             r = run_engine(engine, prompts[:n], args.output_len)
             # the best pass: a slow one on a shared machine is not it
-            ceil[n] = max(ceil[n], ceiling(ours, runner, n, 10))
+            ceil[n] = max(ceil[n], ceiling(ours, runner, n, 10, runner.native_decode))
             ceil_default[n] = max(ceil_default[n], ceiling(default, runner, n, 10))
             release_thread_pool()  # this thread's workers would slow the engine's loop thread (engine/openmp.py)
             rows.append(f"| {label}: torch's default linear layers alone (the issue's ceiling) | {n} | | "

@@ -131,7 +131,7 @@ def main() -> None:
         for name, fn in variants.items():
             results[name].append(fn())
             print(f"round {r + 1}: {name}: {results[name][-1]:.1f} ms", flush=True)
-        ceilings.append(args.streams / ceiling(engine_linears(runner), runner, args.streams, 10) * 1e3)
+        ceilings.append(args.streams / ceiling(engine_linears(runner), runner, args.streams, 10, native_decode) * 1e3)
 
     print(f"\nthreads={args.threads} streams={args.streams} prompt_len<={args.prompt_len} "
           f"quantize={args.quantize} median of {args.rounds} rounds\n")

@@ -13,5 +13,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_layer", &DecodeLayers::add_layer)
       .def("add_onednn_linear", &DecodeLayers::add_onednn_linear)
       .def("add_int8_linear", &DecodeLayers::add_int8_linear)
-      .def("run", &DecodeLayers::run);
+      .def("run", &DecodeLayers::run)
+      .def("run_linears", &DecodeLayers::run_linears);
 }

@@ -109,6 +109,13 @@ class DecodeLayers {
     return residual + x;
   }
 
+  // the layers' linear layers alone, each on its own input, with no Python between them: the ceiling that
+  // bench/engine.py compares a step with
+  void run_linears(const std::vector<torch::Tensor>& inputs) const {
+    TORCH_CHECK(inputs.size() == linears_.size(), "one input per linear layer");
+    for (size_t i = 0; i < inputs.size(); ++i) linears_[i](inputs[i]);
+  }
+
  private:
   double eps_;
   int64_t heads_, kv_heads_, dim_;
