@@ -216,7 +216,9 @@ def main(argv: list[str] | None = None) -> None:
     from gateway.settings import Settings
     from tiers.catalogue import TierCatalogue
     from tiers.difficulty import load_difficulty_model
-    from tiers.router_training import collect, conversation, runnable_tiers, sharegpt_prompts, train
+    from tiers.router_prompts import conversation, sharegpt_prompts
+    from tiers.router_training import collect, train
+    from tiers.tier_answers import runnable_tiers
 
     settings = Settings(**{k: v for k, v in {"data_dir": args.data_dir, "models_dir": args.models_dir,
                                               "tiers_file": args.catalogue}.items() if v is not None})

@@ -19,16 +19,17 @@ The pipeline, and why each step is the way it is:
    router_features.py), standardized, the penalty chosen by 5-fold cross-validation over a log grid
    (closed form, numpy only). The artifact (tiers/difficulty.py) records the CV error next to the error of
    always predicting the mean, so anyone can see whether the features help.
+
+Step 1 lives in tiers/router_prompts.py, steps 2-3 in tiers/tier_answers.py (with the answer caches), the ridge
+fit in tiers/ridge.py; this module collects, fits, versions and saves, and builds the default on first use.
 """
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import logging
 import os
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,266 +38,39 @@ from typing import Any
 import numpy as np
 
 from engine.model_source import file_lock
-from tiers.catalogue import TierCatalogue, TierSpec
-from tiers.difficulty import DifficultyModel, RidgeHead, default_artifact_path, load_difficulty_model
+from tiers.catalogue import TierCatalogue
+from tiers.difficulty import DifficultyModel, default_artifact_path, load_difficulty_model
+from tiers.ridge import fit_head
 from tiers.router_features import FeatureExtractor
+from tiers.router_prompts import (
+    HELDOUT_PERCENT,
+    SPLIT_SALT,
+    RouterTrainingError,
+    conversation,
+    prompt_key,
+    sharegpt_prompts,
+    truncate_prompts,
+)
+from tiers.tier_answers import (
+    Answer,
+    agreement_scores,
+    generate_answers,
+    reference_tier,
+    runnable_tiers,
+    tier_fingerprint,
+    tier_model_dir,
+    tier_version,
+)
 
 log = logging.getLogger("tiergate.router")
 
 MODEL_VERSION_PREFIX = "difficulty-v1"
-SPLIT_SALT = "tiergate-router-split-v1"
-HELDOUT_PERCENT = 10  # of ShareGPT's first turns, never trained on; bench/router.py evaluates on them
 DEFAULT_PROMPTS = 400
 DEFAULT_MAX_TOKENS = 48
 DEFAULT_MAX_PROMPT_TOKENS = 256
 FIRST_USE_PROMPTS = 160  # what `ensure_difficulty_model` builds when no artifact exists
-DEFAULT_ALPHAS = tuple(float(a) for a in np.logspace(-1, 5, 13))
-MIN_PROMPT_CHARS = 4
 
-
-class RouterTrainingError(Exception):
-    """The difficulty model cannot be trained (no reference tier, no cheaper tier, too few prompts)."""
-
-
-# ---- prompts ----
-
-def is_heldout(text: str) -> bool:
-    """Whether a prompt belongs to the held-out split: a fixed hash, so it never depends on a seed."""
-    digest = hashlib.sha256(f"{SPLIT_SALT}\n{text}".encode()).digest()
-    return int.from_bytes(digest[:4], "big") % 100 < HELDOUT_PERCENT
-
-
-def sharegpt_prompts(n: int, *, split: str = "train", seed: int = 0, pool: Sequence[str] | None = None) -> list[str]:
-    """`n` distinct ShareGPT first turns from `split` ("train" or "heldout"), in an order set by `seed`."""
-    if split not in ("train", "heldout"):
-        raise ValueError(f"split must be train or heldout, not {split!r}")
-    if pool is None:
-        from engine.datasets import sharegpt_first_turns
-
-        pool = sharegpt_first_turns()
-    seen: set[str] = set()
-    candidates = []
-    for text in pool:
-        if len(text.strip()) >= MIN_PROMPT_CHARS and text not in seen and is_heldout(text) == (split == "heldout"):
-            seen.add(text)
-            candidates.append(text)
-    order = np.random.default_rng(seed).permutation(len(candidates))
-    picked = [candidates[i] for i in order[:n]]
-    if len(picked) < n:
-        raise RouterTrainingError(f"only {len(picked)} {split} prompts are available, {n} were asked for")
-    return picked
-
-
-def conversation(prompt: str) -> list[dict[str, str]]:
-    return [{"role": "user", "content": prompt}]
-
-
-def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    """Token ids of a conversation with the generation prompt, exactly as the engine's server builds them."""
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def truncate_prompts(tokenizer: Any, prompts: Sequence[str], max_tokens: int) -> list[str]:
-    out = []
-    for text in prompts:
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        out.append(text if len(ids) <= max_tokens else tokenizer.decode(ids[:max_tokens]))
-    return out
-
-
-def _key(prompt: str) -> str:
-    return hashlib.sha256(prompt.encode()).hexdigest()[:20]
-
-
-# ---- tiers ----
-
-def reference_tier(catalogue: TierCatalogue, reference: str | None = None) -> str:
-    """`full` when the catalogue has it, else its dearest tier."""
-    if reference:
-        if reference not in catalogue.tiers:
-            raise RouterTrainingError(f"no tier {reference!r} in the catalogue")
-        return reference
-    return "full" if "full" in catalogue.tiers else catalogue.by_price()[-1].name
-
-
-def runnable_tiers(catalogue: TierCatalogue, models_dir: Path, wanted: Sequence[str] | None = None
-                   ) -> tuple[list[TierSpec], dict[str, str]]:
-    """The local tiers whose models are built, cheapest first, and why each other wanted tier is skipped."""
-    from engine.model_source import is_prepared
-
-    names = list(wanted) if wanted else list(catalogue.tiers)
-    unknown = [n for n in names if n not in catalogue.tiers]
-    if unknown:
-        raise RouterTrainingError(f"unknown tier(s) {', '.join(unknown)}; "
-                                  f"the catalogue has {', '.join(catalogue.tiers)}")
-    ready, skipped = [], {}
-    for spec in catalogue.by_price():
-        if spec.name not in names:
-            continue
-        if spec.backend != "local":
-            skipped[spec.name] = "a remote tier: training runs local engines only"
-        elif not is_prepared(spec.model, models_dir):
-            how = spec.prepared_by or f"tiergate models fetch --model {spec.model}"
-            skipped[spec.name] = f"its model {spec.model!r} is not built yet (build it with `{how}`)"
-        else:
-            ready.append(spec)
-    return ready, skipped
-
-
-def tier_model_dir(spec: TierSpec, models_dir: Path) -> Path:
-    from engine.model_source import resolve_model
-
-    return resolve_model(spec.model, models_dir)
-
-
-def tier_version(spec: TierSpec, models_dir: Path) -> str:
-    """The model version the tier's engine reports (weights, precision, quantization, engine)."""
-    from engine.launch import model_version
-    from engine.model_runner import resolve_dtype
-
-    dtype = str(resolve_dtype(spec.dtype, spec.device)).removeprefix("torch.")
-    return model_version(tier_model_dir(spec, models_dir), dtype=dtype, quantize=spec.quantize,
-                         kv_cache_dtype=spec.kv_cache_dtype)
-
-
-def tier_fingerprint(spec: TierSpec, models_dir: Path) -> str:
-    """What caches and staleness checks key on: the engine's model version plus the model directory and its
-    weight files' modification times. The model version alone hashes the config and the weight files' names
-    and sizes, which a student distilled into the teacher's architecture shares with its teacher."""
-    model_dir = tier_model_dir(spec, models_dir).resolve()
-    h = hashlib.sha256(f"{tier_version(spec, models_dir)}|{model_dir}".encode())
-    for f in sorted(model_dir.glob("*.safetensors")):
-        h.update(f"{f.name}:{f.stat().st_mtime_ns}".encode())
-    return h.hexdigest()[:16]
-
-
-# ---- answers, cached ----
-
-@dataclass
-class Answer:
-    num_prompt_tokens: int
-    text: str
-    token_ids: list[int]  # what the tier produced, its end-of-sequence token included when it stopped
-    finish_reason: str | None
-
-
-class JsonlCache:
-    """Records by key in an append-only JSON-lines file: an interrupted run keeps what it finished."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.records: dict[str, dict[str, Any]] = {}
-        if path.exists():
-            for line in path.read_text().splitlines():
-                try:
-                    rec = json.loads(line)
-                    self.records[rec["key"]] = rec
-                except (json.JSONDecodeError, KeyError, TypeError):
-                    continue  # a line cut by a crash
-        path.parent.mkdir(parents=True, exist_ok=True)
-
-    def add(self, key: str, record: dict[str, Any]) -> None:
-        record = {"key": key, **record}
-        self.records[key] = record
-        with open(self.path, "a") as fh:
-            fh.write(json.dumps(record) + "\n")
-
-
-def _bar(total: int, desc: str, progress: bool) -> Any:
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, unit="prompt", disable=not progress, file=sys.stderr, dynamic_ncols=True)
-
-
-def generate_answers(spec: TierSpec, models_dir: Path, prompts: Sequence[str], *, max_tokens: int, work_dir: Path,
-                     fingerprint: str | None = None, threads: int | None = None, max_num_seqs: int = 32,
-                     progress: bool = True) -> list[Answer]:
-    """Greedy answers of `spec`'s tier to each prompt (a one-turn conversation), from the cache or from an
-    in-process engine that runs up to `max_num_seqs` of them at once."""
-    fingerprint = fingerprint or tier_fingerprint(spec, models_dir)
-    cache = JsonlCache(work_dir / "generations" / f"{spec.name}-{fingerprint}-t{max_tokens}.jsonl")
-    missing = [p for p in dict.fromkeys(prompts) if _key(p) not in cache.records]
-    if missing:
-        from engine.launch import build_engine
-        from engine.llm_engine import EngineInputError
-        from engine.sampling_params import SamplingParams
-
-        engine, _ = build_engine(spec.model, models_dir, dtype=spec.dtype, quantize=spec.quantize,
-                                 device=spec.device, max_num_seqs=max_num_seqs, threads=threads or spec.threads,
-                                 kv_cache_bytes=spec.kv_cache_bytes, kv_cache_dtype=spec.kv_cache_dtype)
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-        bar = _bar(len(missing), f"generate {spec.name}", progress)
-
-        async def one(prompt: str) -> None:
-            ids = chat_prompt_ids(engine.tokenizer, conversation(prompt))
-            text, tokens, last = [], [], None
-            try:
-                async for out in engine.generate(ids, params):
-                    text.append(out.text)
-                    tokens += out.token_ids
-                    last = out
-            except EngineInputError as exc:  # cannot happen with truncated prompts; keep the run going
-                log.warning("tier %s refused a prompt: %s", spec.name, exc)
-            cache.add(_key(prompt), {"num_prompt_tokens": len(ids), "text": "".join(text), "token_ids": tokens,
-                                     "finish_reason": last.finish_reason if last else "error"})
-            bar.update(1)
-
-        async def run_all() -> None:
-            await asyncio.gather(*(one(p) for p in missing))
-
-        engine.start()
-        try:
-            asyncio.run(run_all())
-        finally:
-            engine.shutdown()
-            bar.close()
-    answers = []
-    for p in prompts:
-        rec = cache.records[_key(p)]
-        answers.append(Answer(rec["num_prompt_tokens"], rec["text"], list(rec["token_ids"]), rec["finish_reason"]))
-    return answers
-
-
-def agreement_scores(spec: TierSpec, models_dir: Path, prompts: Sequence[str], reference_answers: Sequence[Answer],
-                     *, reference_spec: TierSpec, reference_fingerprint: str, max_tokens: int, work_dir: Path,
-                     fingerprint: str | None = None, progress: bool = True) -> list[float]:
-    """Teacher-forced top-1 agreement of `spec`'s model on the reference tier's answers (cached)."""
-    fingerprint = fingerprint or tier_fingerprint(spec, models_dir)
-    name = f"{spec.name}-{fingerprint}-vs-{reference_fingerprint}-t{max_tokens}.jsonl"
-    cache = JsonlCache(work_dir / "agreement" / name)
-    missing = [i for i, p in enumerate(prompts) if _key(p) not in cache.records]
-    if missing:
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        from transformers import AutoTokenizer
-
-        from tiers.fidelity import load_scoring_model, teacher_forced_agreement
-
-        model_dir = tier_model_dir(spec, models_dir)
-        tok = AutoTokenizer.from_pretrained(model_dir)
-        ref_tok = AutoTokenizer.from_pretrained(tier_model_dir(reference_spec, models_dir))
-        same_vocab = tok.get_vocab() == ref_tok.get_vocab()
-        prompt_ids, answer_ids = [], []
-        for i in missing:
-            ans = reference_answers[i]
-            prompt_ids.append(chat_prompt_ids(tok, conversation(prompts[i])))
-            if same_vocab:
-                answer_ids.append(ans.token_ids)  # the very tokens the reference produced
-            else:  # another vocabulary: its tokens for the same text, and its own end of sequence
-                ids = list(tok(ans.text, add_special_tokens=False)["input_ids"])
-                if ans.finish_reason == "stop" and tok.eos_token_id is not None:
-                    ids.append(tok.eos_token_id)
-                answer_ids.append(ids)
-        model = load_scoring_model(model_dir, dtype=spec.dtype, quantize=spec.quantize, device=spec.device)
-        bar = _bar(len(missing), f"score {spec.name}", progress)
-        try:
-            scores = teacher_forced_agreement(model, prompt_ids, answer_ids, progress=bar)
-        finally:
-            bar.close()
-        for i, score in zip(missing, scores, strict=True):
-            cache.add(_key(prompts[i]), {"agreement": score})
-        del model
-    return [float(cache.records[_key(p)]["agreement"]) for p in prompts]
+__all__ = ["RouterTrainingError", "collect", "ensure_difficulty_model", "stale_reasons", "train"]
 
 
 @dataclass
@@ -358,63 +132,13 @@ def collect(catalogue: TierCatalogue, models_dir: Path, prompts: Sequence[str], 
     return Collected(texts, ref, answers, fidelity, agreement, versions, fingerprints, skipped)
 
 
-# ---- ridge regression ----
-
-def ridge_fit(x: np.ndarray, y: np.ndarray, alpha: float) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
-    """Ridge on standardized columns, closed form; returns (mean, scale, coef, intercept).
-
-    Solved in whichever of the primal (D×D) or dual (N×N) forms is smaller; they give the same weights."""
-    x = np.asarray(x, dtype=np.float64)
-    y = np.asarray(y, dtype=np.float64)
-    mean = x.mean(axis=0)
-    scale = x.std(axis=0)
-    scale[scale < 1e-12] = 1.0  # a constant column: left at 0 after centring
-    xs = (x - mean) / scale
-    intercept = float(y.mean())
-    yc = y - intercept
-    n, d = xs.shape
-    if n >= d:
-        coef = np.linalg.solve(xs.T @ xs + alpha * np.eye(d), xs.T @ yc)
-    else:
-        coef = xs.T @ np.linalg.solve(xs @ xs.T + alpha * np.eye(n), yc)
-    return mean, scale, coef, intercept
-
-
-def _folds(n: int, k: int, seed: int) -> list[np.ndarray]:
-    return np.array_split(np.random.default_rng(seed).permutation(n), k)
-
-
-def fit_head(x: np.ndarray, y: np.ndarray, *, alphas: Sequence[float] = DEFAULT_ALPHAS, k: int = 5,
-             seed: int = 0) -> RidgeHead:
-    """Pick the penalty by k-fold CV (RMSE of clipped predictions), then fit on everything."""
-    x = np.asarray(x, dtype=np.float64)
-    y = np.asarray(y, dtype=np.float64)
-    n = len(y)
-    if n < 2:
-        raise RouterTrainingError("at least 2 labelled prompts are needed to fit the difficulty model")
-    folds = _folds(n, min(k, n), seed)
-    sq_err = np.zeros(len(alphas))
-    baseline = 0.0
-    for fold in folds:
-        train = np.setdiff1d(np.arange(n), fold)
-        baseline += float(np.sum((y[fold] - y[train].mean()) ** 2))
-        for j, alpha in enumerate(alphas):
-            mean, scale, coef, b = ridge_fit(x[train], y[train], alpha)
-            pred = np.clip(b + ((x[fold] - mean) / scale) @ coef, 0.0, 1.0)
-            sq_err[j] += float(np.sum((y[fold] - pred) ** 2))
-    best = int(np.argmin(sq_err))
-    mean, scale, coef, b = ridge_fit(x, y, alphas[best])
-    return RidgeHead(mean, scale, coef, b, float(alphas[best]), float(np.sqrt(sq_err[best] / n)),
-                     float(np.sqrt(baseline / n)), n, float(y.mean()))
-
-
 # ---- the whole pipeline ----
 
 def model_version_string(config: dict[str, Any], collected: Collected) -> str:
     h = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
     h.update(json.dumps(collected.fingerprints, sort_keys=True).encode())
     for i, p in enumerate(collected.prompts):
-        h.update(_key(p).encode())
+        h.update(prompt_key(p).encode())
         for tier in sorted(collected.fidelity):
             h.update(f"{tier}:{collected.fidelity[tier][i]:.6f}".encode())
     return f"{MODEL_VERSION_PREFIX}:{h.hexdigest()[:12]}"

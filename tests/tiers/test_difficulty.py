@@ -12,6 +12,7 @@ import pytest
 
 from tiers.difficulty import DifficultyModel, RidgeHead, default_artifact_path, load_difficulty_model
 from tiers.fidelity import EMBED_FLOOR, answer_fidelity, combine, semantic_similarity
+from tiers.ridge import fit_head, ridge_fit
 from tiers.router_features import (
     EMBEDDING_DIM,
     SIMPLE_FEATURES,
@@ -21,7 +22,6 @@ from tiers.router_features import (
     script_fractions,
     simple_features,
 )
-from tiers.router_training import fit_head, ridge_fit
 
 
 class HashEmbedder:

@@ -17,14 +17,9 @@ from gateway.cli.main import cli
 from tests.tiers.test_difficulty import HashEmbedder
 from tiers.catalogue import TierCatalogue
 from tiers.difficulty import default_artifact_path, load_difficulty_model
-from tiers.router_training import (
-    RouterTrainingError,
-    ensure_difficulty_model,
-    is_heldout,
-    runnable_tiers,
-    sharegpt_prompts,
-    train,
-)
+from tiers.router_prompts import is_heldout, sharegpt_prompts
+from tiers.router_training import RouterTrainingError, ensure_difficulty_model, train
+from tiers.tier_answers import runnable_tiers
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
