@@ -13,6 +13,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_layer", &DecodeLayers::add_layer)
       .def("add_onednn_linear", &DecodeLayers::add_onednn_linear)
       .def("add_int8_linear", &DecodeLayers::add_int8_linear)
-      .def("run", &DecodeLayers::run)
-      .def("run_linears", &DecodeLayers::run_linears);
+      // a step takes tens of ms: other Python threads (the server's event loop) run meanwhile
+      .def("run", &DecodeLayers::run, py::call_guard<py::gil_scoped_release>())
+      .def("run_linears", &DecodeLayers::run_linears, py::call_guard<py::gil_scoped_release>());
 }

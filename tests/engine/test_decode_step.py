@@ -4,6 +4,9 @@ tests against transformers also go through it: their decode steps take this path
 
 from __future__ import annotations
 
+import itertools
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -109,3 +112,21 @@ def test_a_layer_missing_its_linears_is_refused() -> None:
         one = torch.ones(1, dtype=torch.long)
         layers.run(torch.zeros(1, 8), torch.ones(1, 8), torch.zeros(1, 8), torch.zeros(1, 2, 1, 16, 1, 8), one - 1,
                    torch.zeros(1, 1, dtype=torch.long), one)
+
+
+def test_other_python_threads_run_during_a_step(tiny_llama: Path) -> None:
+    """A step holds no GIL: the server's event loop keeps serving while the engine thread computes."""
+    runner = ModelRunner(tiny_llama, dtype="fp32", kv_cache_bytes=1 << 20)
+    rows = 60_000
+    inputs = [torch.randn(rows, 64), torch.randn(rows, 64), torch.randn(rows, 64), torch.randn(rows, 128)] * 2
+    t0 = time.perf_counter()  # the tiny model's 2 layers' qkv, o, gate_up and down, on many rows: one long call
+    runner.native_decode.layers.run_linears(inputs)
+    call_s = time.perf_counter() - t0
+    worker = threading.Thread(target=lambda: [runner.native_decode.layers.run_linears(inputs) for _ in range(3)])
+    ticks = []
+    worker.start()
+    while worker.is_alive():
+        ticks.append(time.perf_counter())
+    worker.join()
+    gaps = [b - a for a, b in itertools.pairwise(ticks)]
+    assert len(ticks) > 100 and max(gaps) < 0.5 * call_s  # holding it, a call would stop this loop for all of it
