@@ -4,8 +4,8 @@ With the sampler and the model, this is the engine's torch code. The KV cache is
 to a byte budget, as [layers, 2, num_blocks, block_size, KV heads, head_dim]; the block manager hands
 out indices into it. Each step the runner puts single-token sequences (decodes) first so attention can
 batch them, flattens all new tokens into one [N] batch for the linear layers, and computes logits only
-for the sequences that sample. A step of decodes only, on an fp32 CPU model, runs every layer in one native
-call (engine/decode_step.py).
+for the sequences that sample. A step of decodes only, on a CPU model with oneDNN-packed fp32 layers or the
+int8 tier's, runs every layer in one native call (engine/decode_step.py).
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ class ModelRunner:
         self.decode_kernel = native_kernels.load() if self.device.type == "cpu" else None
         if self.decode_kernel is not None:
             self.model.ops = NativeLayerOps(self.decode_kernel)
-        # a step of decodes only, on an fp32 model with oneDNN-packed layers: every layer in one native call
+        # a step of decodes only, with oneDNN-packed fp32 layers or the int8 tier's: every layer in one native call
         self.native_decode = NativeDecodeStep.of(self.model, self.decode_kernel)
         # request id -> (made token's log-probability, [(token id, log-probability)] top alternatives), for the
         # sequences of the last `run` that asked for logprobs

@@ -49,9 +49,13 @@ def load() -> Any | None:
         build_dir = Path(_get_build_directory(NAME, verbose=False))
         with file_lock(build_dir.parent / f"{NAME}.build-lock"):
             (build_dir / "lock").unlink(missing_ok=True)  # only an interrupted build can have left it
-            return load_inline(name=NAME, cpp_sources=[p.read_text() for p in SOURCES],
-                               extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], build_directory=str(build_dir),
-                               verbose=False)
+            module = load_inline(name=NAME, cpp_sources=[p.read_text() for p in SOURCES],
+                                 extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], build_directory=str(build_dir),
+                                 verbose=False)
+        missing = [f for f in FUNCTIONS if not hasattr(module, f)]
+        if missing:
+            raise RuntimeError(f"the built module lacks {', '.join(missing)}")
+        return module
     except Exception as exc:  # a broken toolchain must not take the engine down: the torch path is correct
         log.warning("could not build the native CPU kernels (%s): using torch's attention and layer ops", exc)
         return None
