@@ -47,9 +47,7 @@ def load_prompts(tok: Any, n: int, prompt_len: int) -> list[list[int]]:
 def engine_linears(runner: Any) -> list[Any]:
     """The engine's own linear modules, as it runs them (oneDNN-packed fp32, or the int8 tier's)."""
     model = runner.model
-    linears = [m for layer in model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                                    layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-    return [*linears, model.lm_head]
+    return [*(m for layer in model.layers for m in layer.linears()), model.lm_head]  # the native plan's order
 
 
 def torch_default_linears(runner: Any, quantize: str | None) -> list[Any]:

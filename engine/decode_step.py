@@ -22,9 +22,8 @@ from engine.onednn_linear import OneDnnLinear
 
 
 def _supported(linear: nn.Module) -> bool:
-    if isinstance(linear, OneDnnLinear):
-        return True
-    return isinstance(linear, Int8DynamicLinear) and linear.kernels is not None and linear.per_token
+    """oneDNN-packed fp32, or an int8 layer with its fused per-token steps (the tier's, not a weaker scheme)."""
+    return isinstance(linear, OneDnnLinear) or (isinstance(linear, Int8DynamicLinear) and linear.kernels is not None)
 
 
 class NativeDecodeStep:
@@ -36,7 +35,7 @@ class NativeDecodeStep:
                                            scale=cfg.head_dim ** -0.5)
         for layer in model.layers:  # the order decode_layers.cpp reads them in
             self.layers.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-            for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            for m in layer.linears():
                 if isinstance(m, OneDnnLinear):
                     self.layers.add_onednn_linear(m.packed, m.bias)
                 else:
@@ -49,9 +48,8 @@ class NativeDecodeStep:
         weight = model.embed_tokens.weight
         if kernels is None or weight.dtype != torch.float32 or weight.device.type != "cpu":
             return None
-        linears = [m for layer in model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                                        layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-        return cls(model, kernels) if all(_supported(m) for m in linears) else None
+        supported = all(_supported(m) for layer in model.layers for m in layer.linears())
+        return cls(model, kernels) if supported else None
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:

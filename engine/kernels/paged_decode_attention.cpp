@@ -195,30 +195,43 @@ void values_avx2(const float* p, const C* v_cache, const int64_t* table, int64_t
 }
 #endif
 
+// The AVX2 kernels where they apply (an fp32 or bf16 cache, a head size that is a multiple of 32), the plain
+// loops elsewhere
+template <typename C>
+constexpr bool kAvx2Cache = std::is_same_v<C, float> || std::is_same_v<C, at::BFloat16>;
+
+template <typename C>
+void scores(const float* qf, const C* k_cache, const int64_t* table, int64_t ctx, int64_t block_size,
+            int64_t kv_heads, int64_t rep, int64_t dim, float* out) {
+#ifdef TIERGATE_AVX2
+  if constexpr (kAvx2Cache<C>)
+    if (dim % 32 == 0) return scores_avx2(qf, k_cache, table, ctx, block_size, kv_heads, rep, dim, out);
+#endif
+  scores_plain(qf, k_cache, table, ctx, block_size, kv_heads, rep, dim, out);
+}
+
+template <typename C>
+void values(const float* p, const C* v_cache, const int64_t* table, int64_t ctx, int64_t block_size,
+            int64_t kv_heads, int64_t rep, int64_t dim, float* acc) {
+#ifdef TIERGATE_AVX2
+  if constexpr (kAvx2Cache<C>)
+    if (dim % 32 == 0) return values_avx2(p, v_cache, table, ctx, block_size, kv_heads, rep, dim, acc);
+#endif
+  values_plain(p, v_cache, table, ctx, block_size, kv_heads, rep, dim, acc);
+}
+
 template <typename T, typename C>
 void attend_one(const T* q, const C* k_cache, const C* v_cache, const int64_t* table, int64_t ctx,
-                int64_t block_size, int64_t kv_heads, int64_t rep, int64_t dim, float scale, T* out, float* scores,
+                int64_t block_size, int64_t kv_heads, int64_t rep, int64_t dim, float scale, T* out, float* probs,
                 float* acc, float* qf) {
   // one sequence, every head: scores [H, ctx], softmax in fp32, then the values summed into acc [H, D] in fp32;
   // the cache is read block by block in its own order, so each block's K (then V) streams in once
   const int64_t heads = kv_heads * rep;
   for (int64_t i = 0; i < heads * dim; ++i) qf[i] = static_cast<float>(q[i]) * scale;
-#ifdef TIERGATE_AVX2
-  constexpr bool fast_cache = std::is_same_v<C, float> || std::is_same_v<C, at::BFloat16>;
-  const bool avx2 = fast_cache && dim % 32 == 0;
-#else
-  const bool avx2 = false;
-#endif
-  if (avx2) {
-#ifdef TIERGATE_AVX2
-    if constexpr (fast_cache) scores_avx2(qf, k_cache, table, ctx, block_size, kv_heads, rep, dim, scores);
-#endif
-  } else {
-    scores_plain(qf, k_cache, table, ctx, block_size, kv_heads, rep, dim, scores);
-  }
+  scores(qf, k_cache, table, ctx, block_size, kv_heads, rep, dim, probs);
   std::vector<float> total(heads);
   for (int64_t h = 0; h < heads; ++h) {
-    float* sr = scores + h * ctx;
+    float* sr = probs + h * ctx;
     float mx = -std::numeric_limits<float>::infinity();
     for (int64_t t = 0; t < ctx; ++t) mx = std::max(mx, sr[t]);
     float sum = 0.f;
@@ -229,13 +242,7 @@ void attend_one(const T* q, const C* k_cache, const C* v_cache, const int64_t* t
     }
     total[h] = sum;
   }
-  if (avx2) {
-#ifdef TIERGATE_AVX2
-    if constexpr (fast_cache) values_avx2(scores, v_cache, table, ctx, block_size, kv_heads, rep, dim, acc);
-#endif
-  } else {
-    values_plain(scores, v_cache, table, ctx, block_size, kv_heads, rep, dim, acc);
-  }
+  values(probs, v_cache, table, ctx, block_size, kv_heads, rep, dim, acc);
   for (int64_t h = 0; h < heads; ++h)
     for (int64_t i = 0; i < dim; ++i) out[h * dim + i] = static_cast<T>(acc[h * dim + i] / total[h]);
 }

@@ -134,6 +134,10 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg)
 
+    def linears(self) -> tuple[nn.Module, nn.Module, nn.Module, nn.Module]:
+        """The layer's four matmuls in the order they run: q/k/v, o, gate/up, down."""
+        return self.self_attn.qkv_proj, self.self_attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: torch.Tensor, meta: AttentionMetadata, ops: TorchLayerOps
                 ) -> tuple[torch.Tensor, torch.Tensor]:
