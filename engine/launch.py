@@ -9,6 +9,7 @@ from pathlib import Path
 
 from engine.llm_engine import LLMEngine
 from engine.model_source import prepare_model
+from engine.parent_watch import ENGINE_INSTANCE_ENV, exit_when_orphaned
 
 # 0.3: int8 on CPU runs fbgemm with per-token activations; 0.4: oneDNN linear layers and fused layer steps
 # (the same sums in another order: a near-tie can now pick the other token)
@@ -64,6 +65,8 @@ def serve(model: str, models_dir: Path, *, host: str, port: int, served_name: st
 
     from engine.server import create_engine_app
 
+    if os.environ.get(ENGINE_INSTANCE_ENV):  # started by the gateway's supervisor: never outlive it
+        exit_when_orphaned()
     engine, version = build_engine(model, models_dir, dtype=dtype, quantize=quantize, device=device,
                                    max_num_seqs=max_num_seqs, threads=threads, kv_cache_bytes=kv_cache_bytes,
                                    max_num_batched_tokens=max_num_batched_tokens, kv_cache_dtype=kv_cache_dtype)

@@ -3,6 +3,21 @@
 An engine crash is a tier outage (its replica turns unhealthy and the router goes around it), never a
 gateway crash. A tier whose model is not built yet (the distilled student) waits, marked unavailable,
 and starts by itself once its model directory appears.
+
+Health policy. Until its first ready an engine has `start_timeout_s` to answer /health (loading a model
+takes a while); after that the deadline no longer applies and only the probes decide. A probe fails on a
+connection error, on no answer within PROBE_TIMEOUT_S, on any status but 200 (an engine whose loop died
+answers 503 {"status": "dead"}), or on a body that is not this start's instance. An engine is killed and
+restarted after HEALTH_FAILURES_TO_KILL (3) failed probes in a row, at one probe every HEALTH_EVERY_S (1 s):
+about 3 s for an engine that refuses or answers 503, about 9 s for one that hangs. Fewer failures mark
+nothing down: the replica stays ready, and routed to, with the failures counted in its reason, because one
+slow probe (a long prefill, a pause) is not an outage, and requests that do fail trip the replica's circuit
+breaker on their own. The replica is marked down when the engine is killed.
+
+Trust. Each start gets a random nonce, passed in ENGINE_INSTANCE_ENV; a /health counts only when its JSON
+says `"instance"` is that nonce, so a stranger that took the port in the race between `free_port` and the
+engine's bind is never taken for the engine. Engines die with the gateway, even a SIGKILLed one
+(engine.parent_watch); they are spawned from the event loop's thread, which lives until `stop()` has ended them.
 """
 
 from __future__ import annotations
@@ -10,15 +25,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import secrets
 import socket
 import sys
 import time
 from pathlib import Path
 
 from engine.model_source import is_prepared, resolve_model
+from engine.parent_watch import ENGINE_INSTANCE_ENV, die_with_parent
 from tiers.catalogue import TierSpec
 from tiers.client import TierClient
-from tiers.errors import TierError
+from tiers.errors import TierError, UpstreamRejected
 from tiers.replica import Replica
 from tiers.students import build_progress
 
@@ -27,6 +45,8 @@ BACKOFF_START_S = 1.0
 BACKOFF_MAX_S = 30.0
 STABLE_AFTER_S = 60.0  # an engine up this long resets the backoff
 HEALTH_EVERY_S = 1.0
+PROBE_TIMEOUT_S = 2.0
+HEALTH_FAILURES_TO_KILL = 3  # failed probes in a row, after the first ready, before a restart
 MODEL_POLL_S = 5.0
 
 
@@ -38,14 +58,20 @@ def free_port() -> int:
 
 class EngineProcess:
     def __init__(self, spec: TierSpec, replica: Replica, *, models_dir: Path, log_dir: Path,
-                 client: TierClient, start_timeout_s: float) -> None:
+                 client: TierClient, start_timeout_s: float, health_every_s: float = HEALTH_EVERY_S,
+                 probe_timeout_s: float = PROBE_TIMEOUT_S, failures_to_kill: int = HEALTH_FAILURES_TO_KILL) -> None:
         self.spec = spec
         self.replica = replica
         self.models_dir = models_dir
         self.log_path = log_dir / f"engine-{spec.name}-{replica.index}.log"
         self.client = client
         self.start_timeout_s = start_timeout_s
+        self.health_every_s = health_every_s
+        self.probe_timeout_s = probe_timeout_s
+        self.failures_to_kill = failures_to_kill
         self.proc: asyncio.subprocess.Process | None = None
+        self.instance = ""  # this start's nonce, which the engine's /health must report
+        self._kill_reason: str | None = None
         self._stopping = False
 
     def command(self, port: int) -> list[str]:
@@ -78,9 +104,10 @@ class EngineProcess:
             if time.monotonic() - started > STABLE_AFTER_S:
                 backoff = BACKOFF_START_S
             self.replica.restarts += 1
-            self.replica.mark("down", f"engine exited with code {rc}; restarting in {backoff:.0f}s")
-            log.warning("tier %s replica %d: engine exited with code %s; restart %d in %.0fs (log: %s)",
-                        self.spec.name, self.replica.index, rc, self.replica.restarts, backoff, self.log_path)
+            why = self._kill_reason or f"engine exited with code {rc}"
+            self.replica.mark("down", f"{why}; restarting in {backoff:.0f}s")
+            log.warning("tier %s replica %d: %s; restart %d in %.0fs (log: %s)", self.spec.name,
+                        self.replica.index, why, self.replica.restarts, backoff, self.log_path)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, BACKOFF_MAX_S)
 
@@ -103,43 +130,82 @@ class EngineProcess:
     async def _run_once(self) -> int | None:
         port = free_port()
         self.replica.url = f"http://127.0.0.1:{port}"
+        self.instance = secrets.token_hex(16)
+        self._kill_reason = None
         self.replica.mark("starting", "engine is loading its model")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as logf:
             self.proc = await asyncio.create_subprocess_exec(
-                *self.command(port), stdin=asyncio.subprocess.DEVNULL, stdout=logf, stderr=logf)
+                *self.command(port), stdin=asyncio.subprocess.DEVNULL, stdout=logf, stderr=logf,
+                env=os.environ | {ENGINE_INSTANCE_ENV: self.instance}, preexec_fn=die_with_parent())
+        if self._stopping:  # stop() came while it was being spawned
+            self.proc.terminate()
         waiter = asyncio.ensure_future(self.proc.wait())
-        deadline = time.monotonic() + self.start_timeout_s
         try:
-            while not waiter.done():
-                healthy = await self._probe()
-                if healthy and not self.replica.healthy:
-                    log.info("tier %s replica %d ready at %s", self.spec.name, self.replica.index, self.replica.url)
-                    self.replica.mark("ready", "")
-                elif not healthy and self.replica.healthy:
-                    self.replica.mark("down", "engine stopped answering /health")
-                if not self.replica.healthy and time.monotonic() > deadline:
-                    log.error("tier %s replica %d not healthy after %.0fs; killing it",
-                              self.spec.name, self.replica.index, self.start_timeout_s)
-                    self.proc.kill()
-                await asyncio.wait([waiter], timeout=HEALTH_EVERY_S)
+            await self._watch(self.proc, waiter)
             return waiter.result()
         finally:
             self.replica.healthy = False
             if not waiter.done():
                 waiter.cancel()
 
-    async def _probe(self) -> bool:
+    async def _watch(self, proc: asyncio.subprocess.Process, waiter: asyncio.Future[int]) -> None:
+        """Probe until the process exits, killing it past the start-up deadline or after too many failed probes."""
+        deadline = time.monotonic() + self.start_timeout_s
+        ready_once = False
+        failures = 0
+        while not waiter.done() and self._kill_reason is None:
+            problem = await self._probe()
+            if waiter.done():  # it exited while being probed: run() reports its exit code
+                break
+            if problem is None:
+                failures = 0
+                if not self.replica.healthy or self.replica.reason:
+                    if not ready_once:
+                        log.info("tier %s replica %d ready at %s", self.spec.name, self.replica.index,
+                                 self.replica.url)
+                    self.replica.mark("ready", "")
+                ready_once = True
+            elif not ready_once:
+                if time.monotonic() > deadline:
+                    self._kill(proc, f"engine not ready after {self.start_timeout_s:.0f}s (last probe: {problem})")
+            else:
+                failures += 1
+                if failures >= self.failures_to_kill:
+                    self._kill(proc, f"{failures} health probes failed in a row (last: {problem})")
+                else:
+                    log.warning("tier %s replica %d: health probe failed (%d of %d before a restart): %s",
+                                self.spec.name, self.replica.index, failures, self.failures_to_kill, problem)
+                    self.replica.mark("ready", f"health probe failed ({failures} of {self.failures_to_kill} "
+                                               f"before a restart): {problem}")
+            await asyncio.wait([waiter], timeout=self.health_every_s)
+        await waiter
+
+    def _kill(self, proc: asyncio.subprocess.Process, reason: str) -> None:
+        log.error("tier %s replica %d: %s; killing it", self.spec.name, self.replica.index, reason)
+        self._kill_reason = f"engine killed: {reason}"
+        self.replica.mark("down", self._kill_reason)
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+
+    async def _probe(self) -> str | None:
+        """None when this start's engine answered /health; otherwise what was wrong."""
         try:
-            health = await self.client.get_json(f"{self.replica.url}/health", timeout_s=2.0)
-        except TierError:
-            return False
+            health = await self.client.get_json(f"{self.replica.url}/health", timeout_s=self.probe_timeout_s)
+        except UpstreamRejected as exc:
+            return f"/health answered {exc.status}: {exc}"
+        except TierError as exc:
+            return str(exc)
+        except ValueError:
+            return "/health answered 200 with a body that is not JSON"
+        if not isinstance(health, dict) or health.get("instance") != self.instance:
+            return "/health answered for another instance (not the engine this supervisor started)"
         if isinstance(health.get("model_version"), str):
             self.replica.model_version = health["model_version"]
         stats = health.get("stats")
         if isinstance(stats, dict):
             self.replica.stats = {k: float(v) for k, v in stats.items() if isinstance(v, int | float)}
-        return True
+        return None
 
     async def stop(self) -> None:
         self._stopping = True

@@ -17,6 +17,7 @@ import sys
 import threading
 
 from engine.model_source import is_prepared, resolve_model
+from engine.parent_watch import die_with_parent
 from gateway.settings import Settings
 from tiers.catalogue import TierCatalogue
 from tiers.students import is_building
@@ -47,7 +48,10 @@ def build_commands(settings: Settings, catalogue: TierCatalogue) -> list[list[st
 
 
 def start_background_builds(settings: Settings, catalogue: TierCatalogue) -> threading.Thread | None:
-    """Run the missing builds one after another in a daemon thread; children end with the gateway."""
+    """Run the missing builds one after another in a daemon thread; children end with the gateway.
+
+    They end with it even when it is SIGKILLed: each child gets the parent-death signal (engine.parent_watch).
+    """
     if not settings.build_missing_models:
         return None
     commands = build_commands(settings, catalogue)
@@ -63,7 +67,8 @@ def start_background_builds(settings: Settings, catalogue: TierCatalogue) -> thr
     def run() -> None:
         for cmd in commands:
             log.info("first use: tiergate %s", " ".join(cmd[3:]))
-            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+            # spawned and waited for from this thread, which outlives the child as die_with_parent requires
+            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent())
             running.append(proc)
             if proc.wait() != 0:
                 log.error("first-use build failed (exit %s): %s", proc.returncode, " ".join(cmd[3:]))
