@@ -177,7 +177,7 @@ def running_gateway(settings: Settings, stub: StubState, plan: str = "standard")
 
 def _wait_for_tiers(gw: Gateway, names: set[str], timeout_s: float = 20.0) -> None:
     deadline = time.time() + timeout_s
-    with gw.client() as c:
+    with gw.client(gw.admin_key) as c:  # the tier details of /health are for admin keys
         while time.time() < deadline:
             tiers = c.get("/health").json()["tiers"]
             if all(tiers[n]["ready"] for n in names):

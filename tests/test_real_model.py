@@ -141,7 +141,7 @@ def test_a_crashed_engine_is_restarted_and_routed_around_meanwhile(served: Serve
     assert len(pids) == 1
     os.kill(pids[0], signal.SIGKILL)
     client = openai.OpenAI(base_url=f"{served.url}/v1", api_key=served.demo_key, max_retries=0)
-    with httpx.Client(base_url=served.url) as c:
+    with httpx.Client(base_url=served.url, headers={"authorization": f"Bearer {served.admin_key}"}) as c:
         deadline = time.time() + 10
         while c.get("/health").json()["tiers"]["full"]["ready"]:
             assert time.time() < deadline

@@ -15,6 +15,7 @@ from gateway.config_files import ConfigFileError, load_yaml
 from gateway.errors import TiergateError
 from gateway.report_format import to_csv, to_json, to_table
 from gateway.report_params import parse_by, parse_day
+from gateway.tenants.keys import MAX_GRACE_S, MAX_TTL_S, check_seconds, parse_duration
 from gateway.tenants.store import ADMIN, TenantStore
 from quotas.ledger import Ledger
 from quotas.plans import Limits, PlanBook
@@ -35,8 +36,32 @@ def _store(data_dir: Path | None) -> Iterator[TenantStore]:
 def _echo_key(public: dict[str, object], plaintext: str) -> None:
     click.echo(f"key id : {public['key_id']}")
     click.echo(f"tenant : {public['tenant'] or '(admin)'}")
+    expires = public["expires_at"]
+    click.echo(f"expires: {_utc(expires) if isinstance(expires, float) else 'never'}")
     click.echo(f"key    : {plaintext}")
     click.echo("This key is shown once; only its hash is stored.", err=True)
+
+
+class Duration(click.ParamType):
+    """Seconds, or a number with s, m, h or d (`30d`): finite, positive (or zero where allowed) and bounded."""
+
+    name = "duration"
+
+    def __init__(self, maximum: float, *, allow_zero: bool = False) -> None:
+        self.maximum = maximum
+        self.allow_zero = allow_zero
+
+    def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        if isinstance(value, float):  # a default
+            return value
+        try:
+            return check_seconds(parse_duration(str(value)), maximum=self.maximum, allow_zero=self.allow_zero)
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+def _utc(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t))
 
 
 @click.group()
@@ -93,7 +118,8 @@ def keys() -> None:
 @click.option("--tenant", default=None, help="The tenant the key belongs to.")
 @click.option("--admin", is_flag=True, help="An admin key (no tenant): manages the gateway.")
 @click.option("--name", default="", help="A label for the key.")
-@click.option("--ttl", "ttl_s", type=float, default=None, help="Seconds until the key expires.")
+@click.option("--ttl", "ttl_s", type=Duration(MAX_TTL_S), default=None,
+              help="Time until the key expires: seconds or 90m, 12h, 30d (at most 10 years).")
 @click.option("--rpm", type=int, default=None, help="This key's own requests per minute.")
 @click.option("--tpm", type=int, default=None, help="This key's own tokens per minute.")
 @click.option("--max-concurrent", type=int, default=None, help="This key's own concurrent requests.")
@@ -104,7 +130,9 @@ def keys_issue(tenant: str | None, admin: bool, name: str, ttl_s: float | None, 
                max_concurrent: int | None, budget_day: str | None, budget_month: str | None,
                data_dir: Path | None) -> None:
     """Issue a key for --tenant, or an --admin key; limits given here apply to this key on top of the plan's."""
-    if bool(tenant) == admin:
+    if tenant is not None and admin:
+        raise click.UsageError("an admin key cannot belong to a tenant: give --tenant NAME or --admin, not both")
+    if tenant is None and not admin:
         raise click.UsageError("give exactly one of --tenant NAME or --admin")
     try:
         limits = Limits(rpm=rpm, tpm=tpm, max_concurrent=max_concurrent, budget_day_usd=budget_day,
@@ -112,8 +140,7 @@ def keys_issue(tenant: str | None, admin: bool, name: str, ttl_s: float | None, 
     except ValidationError as exc:
         raise click.UsageError(str(exc.errors()[0]["msg"])) from exc
     with _store(data_dir) as store:
-        key, plaintext = store.issue_key(tenant, name=name, roles=(ADMIN,) if admin else (),
-                                         expires_at=time.time() + ttl_s if ttl_s else None,
+        key, plaintext = store.issue_key(tenant, name=name, roles=(ADMIN,) if admin else (), ttl_s=ttl_s,
                                          limits=None if limits == Limits() else limits)
     _echo_key(key.public(), plaintext)
 
@@ -141,13 +168,15 @@ def keys_revoke(key_id: str, data_dir: Path | None) -> None:
 
 @keys.command("rotate")
 @click.argument("key_id")
-@click.option("--grace", "grace_s", type=float, default=0.0, show_default=True,
-              help="Seconds the old key keeps working.")
+@click.option("--grace", "grace_s", type=Duration(MAX_GRACE_S, allow_zero=True), default=0.0, show_default=True,
+              help="How long the old key keeps working (never past its own expiry; at most 7 days).")
+@click.option("--ttl", "ttl_s", type=Duration(MAX_TTL_S), default=None,
+              help="The new key's time to live; it never expires later than the old key would have.")
 @data_dir_option
-def keys_rotate(key_id: str, grace_s: float, data_dir: Path | None) -> None:
-    """Replace KEY_ID by a new key with the same tenant and roles."""
+def keys_rotate(key_id: str, grace_s: float, ttl_s: float | None, data_dir: Path | None) -> None:
+    """Replace KEY_ID by a new key with the same tenant, roles and limits, expiring no later than KEY_ID."""
     with _store(data_dir) as store:
-        key, plaintext = store.rotate_key(key_id, grace_s=grace_s)
+        key, plaintext = store.rotate_key(key_id, grace_s=grace_s, ttl_s=ttl_s)
     _echo_key(key.public(), plaintext)
 
 

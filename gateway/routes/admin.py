@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.auth import require_admin
 from gateway.errors import InvalidRequest
+from gateway.tenants.keys import MAX_GRACE_S, MAX_TTL_S
 from gateway.tenants.store import ADMIN
 from gateway.validation import parse_body
 from quotas.plans import Limits
@@ -21,18 +22,23 @@ class CreateTenant(BaseModel):
     plan: str | None = None
 
 
+# seconds a key lives: finite (JSON's NaN, Infinity and 1e400 are refused), positive, at most ten years
+TtlSeconds = Annotated[float, Field(gt=0, le=MAX_TTL_S, allow_inf_nan=False)]
+
+
 class IssueKey(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
-    tenant: str | None = None
+    tenant: str | None = None  # exactly one of a tenant or `admin`: an admin key belongs to no tenant
     name: Annotated[str, Field(max_length=128)] = ""
     admin: bool = False
-    ttl_s: Annotated[float, Field(gt=0)] | None = None
+    ttl_s: TtlSeconds | None = None
     limits: Limits | None = None  # this key's own limits, on top of the tenant's plan
 
 
 class RotateKey(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
-    grace_s: Annotated[float, Field(ge=0)] = 0.0
+    grace_s: Annotated[float, Field(ge=0, le=MAX_GRACE_S, allow_inf_nan=False)] = 0.0
+    ttl_s: TtlSeconds | None = None  # the new key's; it never outlives the old key's expiry
 
 
 def _services(request: Request[Any, Any, Any]) -> Any:
@@ -67,12 +73,9 @@ async def list_keys(request: Request[Any, Any, Any], tenant: FromQuery[str | Non
 
 @post("/keys", status_code=201)
 async def issue_key(request: Request[Any, Any, Any]) -> dict[str, Any]:
-    import time
-
     body = parse_body(await request.body(), IssueKey)
-    expires = time.time() + body.ttl_s if body.ttl_s else None
     key, plaintext = _services(request).store.issue_key(
-        body.tenant, name=body.name, roles=(ADMIN,) if body.admin else (), expires_at=expires, limits=body.limits)
+        body.tenant, name=body.name, roles=(ADMIN,) if body.admin else (), ttl_s=body.ttl_s, limits=body.limits)
     return key.public() | {"key": plaintext, "note": "shown once; store it now"}
 
 
@@ -85,7 +88,7 @@ async def revoke_key(request: Request[Any, Any, Any], key_id: FromPath[str]) -> 
 async def rotate_key(request: Request[Any, Any, Any], key_id: FromPath[str]) -> dict[str, Any]:
     raw = await request.body()
     body = parse_body(raw, RotateKey) if raw.strip() else RotateKey()
-    key, plaintext = _services(request).store.rotate_key(key_id, grace_s=body.grace_s)
+    key, plaintext = _services(request).store.rotate_key(key_id, grace_s=body.grace_s, ttl_s=body.ttl_s)
     return key.public() | {"key": plaintext, "replaces": key_id, "note": "shown once; store it now"}
 
 

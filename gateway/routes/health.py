@@ -6,23 +6,33 @@ from typing import Any
 
 from litestar import Request, Response, get
 
-from gateway.auth import require_admin
+from gateway.auth import presented_key, require_admin
 
 
 @get("/health")
 async def health(request: Request[Any, Any, Any]) -> Response[dict[str, Any]]:
-    """200 when every tier that can run is ready; 503 with the reasons while any is starting or down.
+    """200 {"status": "ok"} when every tier that can run is ready; 503 {"status": "starting"} while any is starting
+    or down.
+
+    Anyone may ask whether the gateway is ready; only an admin key sees why not (tiers, replicas, reasons, model
+    versions), which would otherwise tell a stranger what runs here and what is failing. A missing, wrong or tenant
+    key gets the short answer, never a 401, so a load balancer's probe needs no key.
 
     A tier whose model is not built yet (or is being built) is reported but does not hold readiness back: the gateway
     routes around it.
     """
-    fleet = request.app.state.services.fleet
-    tiers = fleet.status()
+    services = request.app.state.services
+    tiers = services.fleet.status()
     waiting = {name: s for name, s in tiers.items()
                if not s["ready"] and any(r["status"] not in ("unavailable", "preparing") for r in s["replicas"])}
     ready = not waiting
-    body = {"status": "ok" if ready else "starting", "tiers": tiers,
-            "not_ready": {name: fleet.unavailable().get(name) for name in tiers if not tiers[name]["ready"]}}
+    body: dict[str, Any] = {"status": "ok" if ready else "starting"}
+    key = presented_key(request)
+    principal = services.store.authenticate(key) if key else None
+    if principal is not None and principal.key.is_admin:
+        body |= {"tiers": tiers,
+                 "not_ready": {name: services.fleet.unavailable().get(name) for name in tiers
+                               if not tiers[name]["ready"]}}
     return Response(body, status_code=200 if ready else 503)
 
 

@@ -3,6 +3,10 @@
 The gateway keeps a read cache of keys; SQLite's `PRAGMA data_version` changes whenever another
 connection (the CLI, another gateway process) commits, so a revocation takes effect on the next request
 without a query per request.
+
+Key rules the store enforces, whichever door a key comes through (admin API, CLI, bootstrap): an admin key
+belongs to no tenant (one key never both calls models and administers); every expiry is finite and at most
+`MAX_TTL_S` ahead; a rotation never lets either key outlive the one it replaces.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gateway.errors import Conflict, InvalidRequest, NotFound
-from gateway.tenants.keys import hash_secret, new_key, parse_key, verify
+from gateway.tenants.keys import MAX_GRACE_S, MAX_TTL_S, check_seconds, hash_secret, new_key, parse_key, verify
 from quotas.plans import Limits
 
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
@@ -68,7 +72,8 @@ class ApiKey:
 
     @property
     def is_admin(self) -> bool:
-        return ADMIN in self.roles
+        """Only a tenantless key administers (a row bound to a tenant from before that rule does not)."""
+        return ADMIN in self.roles and self.tenant is None
 
     def active(self, now: float) -> bool:
         return self.revoked_at is None and (self.expires_at is None or now < self.expires_at)
@@ -152,15 +157,30 @@ class TenantStore:
 
     # ---- keys ----
 
-    def issue_key(self, tenant: str | None, *, name: str = "", roles: tuple[str, ...] = (),
-                  expires_at: float | None = None, limits: Limits | None = None) -> tuple[ApiKey, str]:
-        """Create a key; returns it and its plaintext, which is never stored or shown again."""
+    def issue_key(self, tenant: str | None, *, name: str = "", roles: tuple[str, ...] | str = (),
+                  ttl_s: float | None = None, expires_at: float | None = None,
+                  limits: Limits | None = None) -> tuple[ApiKey, str]:
+        """Create a key that expires after `ttl_s` (or at `expires_at`, or never); returns it and its plaintext,
+        which is never stored or shown again."""
+        roles = (roles,) if isinstance(roles, str) else tuple(roles)
+        if tenant is not None and any(r.strip().casefold() == ADMIN for r in roles):
+            raise InvalidRequest("an admin key cannot belong to a tenant: issue a tenant key and a separate admin "
+                                 "key", param="tenant", code="admin_key_with_tenant")
         if tenant is None and ADMIN not in roles:
             raise InvalidRequest("a key without a tenant must be an admin key", param="tenant")
+        now = time.time()
+        if ttl_s is not None:
+            if expires_at is not None:
+                raise InvalidRequest("give a time to live or an expiry time, not both", param="ttl_s")
+            expires_at = now + _seconds(ttl_s, "ttl_s", MAX_TTL_S)
+        elif expires_at is not None and not (isinstance(expires_at, int | float)
+                                             and now < expires_at <= now + MAX_TTL_S):  # NaN fails both
+            raise InvalidRequest(f"expires_at: must be a time in the future, at most {MAX_TTL_S / 86400:.0f} days "
+                                 "ahead", param="expires_at", code="invalid_duration")
         if tenant is not None:
             self.get_tenant(tenant)
         key_id, plaintext = new_key()
-        key = ApiKey(key_id, tenant, name, tuple(roles), time.time(), expires_at, None, None, limits)
+        key = ApiKey(key_id, tenant, name, roles, now, expires_at, None, None, limits)
         self._conn.execute(
             "INSERT INTO api_keys(key_id, tenant, name, key_sha256, roles, created_at, expires_at, limits) "
             "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
@@ -190,20 +210,37 @@ class TenantStore:
             self._invalidate()
         return self.get_key(key_id)
 
-    def rotate_key(self, key_id: str, *, grace_s: float = 0.0) -> tuple[ApiKey, str]:
-        """Issue a replacement with the same tenant and roles; the old key ends after `grace_s`."""
-        old = self.get_key(key_id)
-        if not old.active(time.time()):
-            raise Conflict(f"key {key_id!r} is revoked or expired; issue a new one", code="key_inactive")
-        new, plaintext = self.issue_key(old.tenant, name=old.name, roles=old.roles, expires_at=old.expires_at,
-                                        limits=old.limits)
-        now = time.time()
-        if grace_s > 0:
-            self._conn.execute("UPDATE api_keys SET expires_at = ?, replaced_by = ? WHERE key_id = ?",
-                               (now + grace_s, new.key_id, key_id))
-        else:
-            self._conn.execute("UPDATE api_keys SET revoked_at = ?, replaced_by = ? WHERE key_id = ?",
-                               (now, new.key_id, key_id))
+    def rotate_key(self, key_id: str, *, grace_s: float = 0.0, ttl_s: float | None = None) -> tuple[ApiKey, str]:
+        """Issue a replacement with the same tenant, roles and limits; the old key ends after `grace_s`.
+
+        Rotation replaces a secret, it does not renew a lease: the new key expires after `ttl_s` or when the old
+        one would have, whichever is first (a key without expiry may be given one), and the grace period never
+        outlives the old key's own expiry.
+        """
+        grace_s = _seconds(grace_s, "grace_s", MAX_GRACE_S, allow_zero=True)
+        if ttl_s is not None:
+            ttl_s = _seconds(ttl_s, "ttl_s", MAX_TTL_S)
+        self._conn.execute("BEGIN IMMEDIATE")  # two rotations of one key: the second sees the first's result
+        try:
+            old = self.get_key(key_id)
+            now = time.time()
+            if not old.active(now):
+                raise Conflict(f"key {key_id!r} is revoked or expired; issue a new one", code="key_inactive")
+            # a key from before expiries were bounded is brought within the bound, never past its own end
+            cap = now + MAX_TTL_S if old.expires_at is not None else None
+            expires_at = _earliest(old.expires_at, cap, now + ttl_s if ttl_s is not None else None)
+            new, plaintext = self.issue_key(old.tenant, name=old.name, roles=old.roles, expires_at=expires_at,
+                                            limits=old.limits)
+            if grace_s > 0:
+                self._conn.execute("UPDATE api_keys SET expires_at = ?, replaced_by = ? WHERE key_id = ?",
+                                   (_earliest(old.expires_at, now + grace_s), new.key_id, key_id))
+            else:
+                self._conn.execute("UPDATE api_keys SET revoked_at = ?, replaced_by = ? WHERE key_id = ?",
+                                   (now, new.key_id, key_id))
+            self._conn.execute("COMMIT")
+        except BaseException:
+            self._conn.execute("ROLLBACK")
+            raise
         self._invalidate()
         return new, plaintext
 
@@ -240,6 +277,19 @@ class TenantStore:
         self._cache.clear()
         self._versions.clear()
         self._version = self._data_version()
+
+
+def _seconds(value: object, param: str, maximum: float, *, allow_zero: bool = False) -> float:
+    """`value` checked as a finite span of seconds, or a 400 naming `param`."""
+    try:
+        return check_seconds(value, maximum=maximum, allow_zero=allow_zero)
+    except ValueError as exc:
+        raise InvalidRequest(f"{param}: {exc}", param=param, code="invalid_duration") from exc
+
+
+def _earliest(*times: float | None) -> float | None:
+    """The first of the given instants; None (never) only when all are None."""
+    return min((t for t in times if t is not None), default=None)
 
 
 _KEY_COLUMNS = "key_id, tenant, name, roles, created_at, expires_at, revoked_at, replaced_by, limits"

@@ -62,13 +62,65 @@ def test_metrics_count_requests_tokens_and_cost(gateway: Gateway) -> None:
     assert 'tiergate_price_usd_total{tenant="acme",tier="full"}' in text
 
 
-def test_health_reports_tiers(gateway: Gateway) -> None:
-    with gateway.client() as c:
+def test_health_says_only_ready_or_not_without_an_admin_key(gateway: Gateway) -> None:
+    # small points at a dead URL: it is down (not merely unbuilt), so the gateway is not fully ready
+    for key in (None, gateway.tenant_key, "tg-000000000000-wrong"):
+        with gateway.client(key) as c:
+            r = c.get("/health")
+        assert (r.status_code, r.json()) == (503, {"status": "starting"}), key
+        assert "small" not in r.text and "mid" not in r.text
+    with gateway.client(gateway.admin_key) as c:
         r = c.get("/health")
     body = r.json()
-    # small points at a dead URL: it is down (not merely unbuilt), so the gateway is not fully ready
-    assert r.status_code == 503 and body["tiers"]["mid"]["ready"] and not body["tiers"]["small"]["ready"]
+    assert r.status_code == 503 and body["status"] == "starting"
+    assert body["tiers"]["mid"]["ready"] and not body["tiers"]["small"]["ready"]
     assert "small" in body["not_ready"] and body["not_ready"]["small"]
+
+
+def test_an_admin_key_cannot_belong_to_a_tenant(gateway: Gateway) -> None:
+    with gateway.client(gateway.admin_key) as admin:
+        before = admin.get("/admin/keys").json()["data"]
+        r = admin.post("/admin/keys", json={"tenant": "acme", "admin": True})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tenant"
+        assert "admin key cannot belong to a tenant" in r.json()["error"]["message"]
+        assert admin.get("/admin/keys").json()["data"] == before  # nothing was issued
+
+
+def test_key_lifetimes_are_finite_positive_and_bounded(gateway: Gateway) -> None:
+    with gateway.client(gateway.admin_key) as admin:
+        key_id = admin.post("/admin/keys", json={"tenant": "acme"}).json()["key_id"]
+        for ttl in (b"NaN", b"Infinity", b"-Infinity", b"1e400", b"-1", b"0", b"1e300", b'"30d"', b"true"):
+            for path, body in (("/admin/keys", b'{"tenant": "acme", "ttl_s": '),
+                               (f"/admin/keys/{key_id}/rotate", b'{"ttl_s": ')):
+                r = admin.post(path, content=body + ttl + b"}", headers={"content-type": "application/json"})
+                assert r.status_code == 400 and r.json()["error"]["param"] == "ttl_s", (path, ttl, r.text)
+        for grace in (b"NaN", b"Infinity", b"-1", b"1e9"):
+            r = admin.post(f"/admin/keys/{key_id}/rotate", content=b'{"grace_s": ' + grace + b"}",
+                           headers={"content-type": "application/json"})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "grace_s", (grace, r.text)
+        listed = admin.get("/admin/keys", params={"tenant": "acme"}).json()["data"]
+        assert listed[-1]["key_id"] == key_id and listed[-1]["revoked_at"] is None  # no refused call left a trace
+        r = admin.post("/admin/keys", json={"tenant": "acme", "ttl_s": 86400})
+        assert r.status_code == 201 and 86390 < r.json()["expires_at"] - r.json()["created_at"] <= 86400
+
+
+def test_rotation_never_extends_a_key_life(gateway: Gateway) -> None:
+    with gateway.client(gateway.admin_key) as admin:
+        old = admin.post("/admin/keys", json={"tenant": "acme", "ttl_s": 2 * 86400}).json()
+        r = admin.post(f"/admin/keys/{old['key_id']}/rotate", json={"ttl_s": 30 * 86400, "grace_s": 7 * 86400})
+        new = r.json()
+        assert r.status_code == 201 and new["expires_at"] == old["expires_at"]
+        # the grace period keeps the old key working, but not past its own end
+        listed = {k["key_id"]: k for k in admin.get("/admin/keys", params={"tenant": "acme"}).json()["data"]}
+        assert listed[old["key_id"]]["expires_at"] <= old["expires_at"]
+        shorter = admin.post(f"/admin/keys/{new['key_id']}/rotate", json={"ttl_s": 3600}).json()
+        assert shorter["expires_at"] <= shorter["created_at"] + 3600
+        forever = admin.post("/admin/keys", json={"tenant": "acme"}).json()
+        assert forever["expires_at"] is None
+        given = admin.post(f"/admin/keys/{forever['key_id']}/rotate", json={"ttl_s": 600}).json()
+        assert given["expires_at"] is not None and given["expires_at"] <= given["created_at"] + 600
+        kept = admin.post(f"/admin/keys/{given['key_id']}/rotate").json()
+        assert kept["expires_at"] == given["expires_at"]
 
 
 def test_data_version_bump_route(gateway: Gateway) -> None:

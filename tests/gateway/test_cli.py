@@ -7,6 +7,8 @@ import json
 from click.testing import CliRunner
 
 from gateway.cli.main import cli
+from gateway.settings import Settings
+from gateway.tenants.store import TenantStore
 from tests.conftest import Gateway
 
 MSG = [{"role": "user", "content": "hi"}]
@@ -52,3 +54,50 @@ def test_cli_usage_errors_are_clear(tmp_path) -> None:  # type: ignore[no-untype
     assert r.exit_code == 1 and "no tenant 'ghost'" in r.output
     r = runner.invoke(cli, ["tenants", "create", "x", "--plan", "gold"], env=env)
     assert r.exit_code == 1 and "no plan 'gold'" in r.output
+
+
+def _issued_id(output: str) -> str:
+    return next(line.split()[-1] for line in output.splitlines() if line.startswith("key id"))
+
+
+def test_cli_refuses_tenant_admin_keys_and_unbounded_lifetimes(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    runner = CliRunner()
+    env = {"TIERGATE_DATA_DIR": str(tmp_path)}
+    assert runner.invoke(cli, ["tenants", "create", "acme"], env=env).exit_code == 0
+    r = runner.invoke(cli, ["keys", "issue", "--tenant", "acme", "--admin"], env=env)
+    assert r.exit_code == 2 and "admin key cannot belong to a tenant" in r.output
+    r = runner.invoke(cli, ["keys", "issue", "--tenant", "", "--admin"], env=env)
+    assert r.exit_code == 2 and "admin key cannot belong to a tenant" in r.output
+    for ttl in ("nan", "inf", "-5", "0", "0s", "1e9", "3651d", "30x", ""):
+        r = runner.invoke(cli, ["keys", "issue", "--tenant", "acme", f"--ttl={ttl}"], env=env)
+        assert r.exit_code == 2 and "--ttl" in r.output, (ttl, r.output)
+    key_id = _issued_id(runner.invoke(cli, ["keys", "issue", "--tenant", "acme"], env=env).output)
+    for option in ("--ttl=nan", "--ttl=0", "--grace=inf", "--grace=-1", "--grace=8d"):
+        r = runner.invoke(cli, ["keys", "rotate", key_id, option], env=env)
+        assert r.exit_code == 2 and option.split("=")[0] in r.output, (option, r.output)
+    store = TenantStore(Settings(data_dir=tmp_path).state_db)
+    try:
+        assert [k.key_id for k in store.list_keys()] == [key_id] and store.get_key(key_id).revoked_at is None
+    finally:
+        store.close()
+
+
+def test_cli_rotation_never_extends_a_key_life(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    runner = CliRunner()
+    env = {"TIERGATE_DATA_DIR": str(tmp_path)}
+    assert runner.invoke(cli, ["tenants", "create", "acme"], env=env).exit_code == 0
+    r = runner.invoke(cli, ["keys", "issue", "--tenant", "acme", "--ttl", "2d"], env=env)
+    assert r.exit_code == 0 and "expires: never" not in r.output
+    old_id = _issued_id(r.output)
+    r = runner.invoke(cli, ["keys", "rotate", old_id, "--ttl", "30d", "--grace", "7d"], env=env)
+    assert r.exit_code == 0
+    new_id = _issued_id(r.output)
+    forever_id = _issued_id(runner.invoke(cli, ["keys", "issue", "--tenant", "acme"], env=env).output)
+    given_id = _issued_id(runner.invoke(cli, ["keys", "rotate", forever_id, "--ttl", "1h"], env=env).output)
+    store = TenantStore(Settings(data_dir=tmp_path).state_db)
+    try:
+        old, new, given = store.get_key(old_id), store.get_key(new_id), store.get_key(given_id)
+        assert new.expires_at == old.expires_at and old.expires_at <= old.created_at + 2 * 86400
+        assert given.expires_at is not None and given.expires_at <= given.created_at + 3600
+    finally:
+        store.close()
