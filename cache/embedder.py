@@ -16,6 +16,10 @@ from pathlib import Path
 import numpy as np
 
 DIM = 384  # all-MiniLM-L6-v2
+# Characters of one text handed to the model. It reads its first 256 word pieces, which ordinary text fills in
+# about 1,500 characters, but the tokenizer splits the whole string before truncating: without this cut a 4 MB
+# message would cost seconds of CPU for the same vector.
+MAX_INPUT_CHARS = 8192
 
 
 class EmbedderError(Exception):
@@ -67,14 +71,16 @@ class Embedder:
         return int(self._load().max_seq_length)
 
     def num_tokens(self, text: str) -> int:
-        """How many word pieces `text` has (with the two special tokens)."""
+        """How many word pieces `text` has (with the two special tokens). Linear in `text`, which callers bound:
+        the semantic cache asks only about texts of at most SEMANTIC_MAX_CHARS, the router about its window."""
         return len(self._load().tokenizer(text, add_special_tokens=True, truncation=False)["input_ids"])
 
     def encode(self, texts: Sequence[str], *, batch_size: int = 64) -> np.ndarray:
-        """Normalized embeddings, one row per text: [N, 384] float32."""
+        """Normalized embeddings, one row per text: [N, 384] float32 (of at most MAX_INPUT_CHARS of each)."""
         if not texts:
             return np.zeros((0, self.dim), dtype=np.float32)
-        vectors = self._load().encode(list(texts), batch_size=batch_size, normalize_embeddings=True,
+        vectors = self._load().encode([t[:MAX_INPUT_CHARS] for t in texts], batch_size=batch_size,
+                                      normalize_embeddings=True,
                                       convert_to_numpy=True, show_progress_bar=False)
         return np.ascontiguousarray(vectors, dtype=np.float32)
 

@@ -15,13 +15,26 @@ served the query and the candidate must agree on:
 
 All of this is cheap regex and set work on the two texts (tens of microseconds); it is a heuristic that
 errs on refusing: a refused paraphrase costs one model call, a wrong hit costs a wrong answer.
+
+The texts are a tenant's, so the work is linear and bounded: the guards read at most `MAX_CHARS` characters
+of a text, `check` refuses a text longer than that (it cannot vouch for what it did not read), and no pattern
+backtracks over a run it has already scanned (possessive quantifiers, one scan per number). Numbers are
+compared as canonical strings, never converted, so a 20,000-digit "number" costs what its length costs.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+import string
+from collections import Counter
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from functools import lru_cache
+
+# The most of a text the guards read. The semantic cache serves by meaning only texts this short (and within the
+# embedder's 256 word pieces), so the guards always see the whole of both texts they compare.
+MAX_CHARS = 2048
+TOO_LONG = "text too long to compare"
 
 _NUMBER_WORDS = {
     "zero": "0", "two": "2", "three": "3", "four": "4", "five": "5", "six": "6", "seven": "7",
@@ -101,9 +114,17 @@ _GAZETTEER = frozenset(_GAZETTEER_TEXT.split())
 
 _STOP_CAPS = {"i", "i'm", "i've", "i'd", "i'll", "ok", "okay", "hi", "hello", "please", "thanks", "the", "a", "an"}
 
-_WORD = re.compile(r"[A-Za-z0-9][\w+#]*(?:['’.\-][\w+#]+)*|[$€£¥%°]")
-_NUMBER = re.compile(r"(?<![A-Za-z0-9_.])\d+(?:,\d{3})*(?:\.\d+)?|(?<![A-Za-z0-9_.])\.\d+")  # 是6m: a number
-_NUMBER_UNIT = re.compile(r"(?<![A-Za-z_])\d+(?:[.,]\d+)*\s?(°?[A-Za-z]{1,4})\b|\d\s?(%)")
+# Possessive quantifiers (*+, ++) never give back what they matched: every pattern here is linear in its input.
+_WORD = re.compile(r"[A-Za-z0-9][\w+#]*+(?:['’.\-][\w+#]++)*+|[$€£¥%°]")
+_NUMBER = re.compile(r"(?<![A-Za-z0-9_.])\d++(?:,\d{3})*+(?:\.\d++)?+|(?<![A-Za-z0-9_.])\.\d++")  # 是6m: a number
+_HIDES_FIRST_DIGIT = frozenset(string.ascii_letters + "_")
+_NUMBER_RUN = re.compile(r"\d++(?:[.,]\d++)*+")  # digits with single separators: 5, 1.5, 1,000.25, 1,2,3
+_SYMBOL_AFTER = re.compile(r"\s?+(°?[A-Za-z]{1,4})\b|\s?+(%)")  # a unit right after a number: 5 km, 20%
+_ER_THAN = re.compile(r"\b(\w+er)\s++than\b", re.IGNORECASE)
+_FROM_TO = re.compile(r"\bfrom\s++\S++(?:\s++\S++){0,3}?\s++to\b")
+_SPACES = re.compile(r"\s+")
+_ACRONYM = re.compile(r"\b[A-Z]{2,5}\b")
+_CAPITALIZED_RUN = re.compile(r"[A-Z][a-zA-Z]*+(?:[ \t]++[A-Z][a-zA-Z]*+)*+")
 _SENTENCE_START = re.compile(r"(?:^|[.!?:;\n]\s*|[\"“(]\s*)$")
 
 
@@ -122,6 +143,9 @@ class Features:
     expansions: frozenset[tuple[str, str]]  # (initials, word) of capitalized runs: ("ML", "machine")
     anchors: tuple[str, ...]  # numbers, units and entities in order of appearance
     directional: bool
+    # the expansions indexed both ways, so checking an entity is a lookup, not a scan
+    initials: frozenset[str] = frozenset()  # {"ML"}
+    initials_of: Mapping[str, frozenset[str]] = field(default_factory=dict, compare=False)  # {"machine": {"ML"}}
 
 
 def _canon_number(raw: str) -> str:
@@ -131,9 +155,31 @@ def _canon_number(raw: str) -> str:
     return value.lstrip("0") or "0"
 
 
-@lru_cache(maxsize=8192)
+def _number_units(text: str) -> Iterator[tuple[str, int]]:
+    """(symbol, offset) of each unit written right after a number: "5 km", "3.5GB", "20%".
+
+    Each number is scanned once, then what follows it. A letter or "_" just before a number hides its first digit,
+    so "x5km" has no unit and "ab12GB" has one (after the "2"); "%" needs no such start. (A single pattern for this
+    tried every digit of a run as a start and rescanned the run from each: quadratic in its length.)
+    """
+    for run in _NUMBER_RUN.finditer(text):
+        start, end = run.span()
+        symbol = _SYMBOL_AFTER.match(text, end)
+        if symbol is None:
+            continue
+        if symbol.group(2):
+            yield "%", symbol.start(2)
+        elif end - start > 1 or start == 0 or text[start - 1] not in _HIDES_FIRST_DIGIT:
+            yield symbol.group(1), symbol.start(1)
+
+
 def extract(text: str) -> Features:
-    """The numbers, units, negations, comparatives, entities and anchors of `text` (memoized)."""
+    """The numbers, units, negations, comparatives, entities and anchors of `text`'s first MAX_CHARS characters."""
+    return _extract(text[:MAX_CHARS])
+
+
+@lru_cache(maxsize=8192)
+def _extract(text: str) -> Features:
     numbers: list[str] = []
     units: list[str] = []
     entities: set[str] = set()
@@ -144,11 +190,11 @@ def extract(text: str) -> Features:
     for m in _NUMBER.finditer(text):
         numbers.append(_canon_number(m.group()))
         anchors[m.start()] = numbers[-1]
-    for m in _NUMBER_UNIT.finditer(text):
-        sym = (m.group(1) or m.group(2)).lower()
-        if sym in _UNITS_SHORT and not (sym in _UNIT_WORD and m.group(1)):  # "5 km": counted once, as a word
+    for symbol, where in _number_units(text):
+        sym = symbol.lower()
+        if sym in _UNITS_SHORT and sym not in _UNIT_WORD:  # "5 km": counted once, as a word
             units.append(_UNITS_SHORT[sym])
-            anchors[m.start(1) if m.group(1) else m.start(2)] = units[-1]
+            anchors[where] = units[-1]
     for i, m in enumerate(_WORD.finditer(text)):
         token = m.group()
         low = token.lower().replace("’", "'")
@@ -158,35 +204,43 @@ def extract(text: str) -> Features:
         if token in _CURRENCY_SYMBOL:
             units.append(_CURRENCY_SYMBOL[token])
             anchors[m.start()] = units[-1]
+        found: dict[str, int] = {}  # part -> where it is first found in the token (one search per known word)
         for part in low.split("-") if "-" in low else (low,):  # "14-year-old", "2-minute"
-            where = m.start() + low.find(part)
-            if part in _NUMBER_WORDS:
-                numbers.append(_NUMBER_WORDS[part])
-                anchors[where] = numbers[-1]
-            elif part in _UNIT_WORD:
-                units.append(_UNIT_WORD[part])
-                anchors[where] = units[-1]
+            if part in _NUMBER_WORDS or part in _UNIT_WORD:
+                if part not in found:
+                    found[part] = m.start() + low.find(part)
+                if part in _NUMBER_WORDS:
+                    numbers.append(_NUMBER_WORDS[part])
+                    anchors[found[part]] = numbers[-1]
+                else:
+                    units.append(_UNIT_WORD[part])
+                    anchors[found[part]] = units[-1]
             comparatives.update(_COMPARATIVES.get(part, ()))
         if low.replace("'", "") in _NEGATIONS or low.endswith("n't"):
             negations += 1
         if _is_entity(token, low, text, m.start()):
             entities.add(low)
             anchors[m.start()] = low
-    for m in re.finditer(r"\b(\w+er)\s+than\b", text, re.IGNORECASE):
+    for m in _ER_THAN.finditer(text):
         if m.group(1).lower() not in _COMPARATIVES:
             comparatives.add((m.group(1).lower(), 1))
     lowered = text.lower()
-    directional = bool(words & _DIRECTIONAL) or re.search(r"\bfrom\s+\S+(?:\s+\S+){0,3}?\s+to\b", lowered) is not None
+    directional = bool(words & _DIRECTIONAL) or _FROM_TO.search(lowered) is not None
+    expansions = _expansions(text)
+    initials_of: dict[str, set[str]] = {}
+    for initials, word in expansions:
+        initials_of.setdefault(word, set()).add(initials)
     return Features(tuple(sorted(numbers)), tuple(sorted(units)), negations, frozenset(comparatives),
-                    frozenset(entities), frozenset(words), re.sub(r"\s+", "", lowered),
-                    frozenset(re.findall(r"\b[A-Z]{2,5}\b", text)), _expansions(text),
-                    tuple(anchors[k] for k in sorted(anchors)), directional)
+                    frozenset(entities), frozenset(words), _SPACES.sub("", lowered),
+                    frozenset(_ACRONYM.findall(text)), expansions,
+                    tuple(anchors[k] for k in sorted(anchors)), directional,
+                    frozenset(i for i, _ in expansions), {w: frozenset(i) for w, i in initials_of.items()})
 
 
 def _expansions(text: str) -> frozenset[tuple[str, str]]:
     """(initials, word) for each run of capitalized words whose capitals spell 2-5 letters."""
     out: set[tuple[str, str]] = set()
-    for m in re.finditer(r"[A-Z][a-zA-Z]*(?:[ \t]+[A-Z][a-zA-Z]*)*", text):
+    for m in _CAPITALIZED_RUN.finditer(text):
         initials = "".join(c for c in m.group() if c.isupper())
         if 2 <= len(initials) <= 5 and initials != m.group():
             out.update((initials, w.lower()) for w in m.group().split())
@@ -212,9 +266,9 @@ def _mentions(f: Features, entity: str, other: Features) -> bool:
     initials of its names ("ML" for "Machine Learning"), or as part of a name it abbreviates."""
     if entity in f.words or entity.replace(" ", "") in f.compact:
         return True
-    if any(initials == entity.upper() for initials, _ in f.expansions):
+    if entity.upper() in f.initials:
         return True
-    return any((a, entity) in other.expansions for a in f.acronyms)
+    return not f.acronyms.isdisjoint(other.initials_of.get(entity, ()))
 
 
 def _comparatives_disagree(a: frozenset[tuple[str, int]], b: frozenset[tuple[str, int]]) -> bool:
@@ -230,7 +284,12 @@ def _comparatives_disagree(a: frozenset[tuple[str, int]], b: frozenset[tuple[str
 
 
 def check(query: str, candidate: str) -> str | None:
-    """None when `candidate` may answer `query`; otherwise the reason for refusing, e.g. 'numbers differ'."""
+    """None when `candidate` may answer `query`; otherwise the reason for refusing, e.g. 'numbers differ'.
+
+    A text longer than MAX_CHARS is refused (TOO_LONG): a detail past what the guards read could change its meaning.
+    """
+    if len(query) > MAX_CHARS or len(candidate) > MAX_CHARS:
+        return TOO_LONG
     q, c = extract(query), extract(candidate)
     if q.numbers != c.numbers:
         return "numbers differ"
@@ -250,5 +309,6 @@ def check(query: str, candidate: str) -> str | None:
 
 def _shared_order(a: tuple[str, ...], b: tuple[str, ...]) -> bool:
     """True when the anchors that occur once on both sides come in a different order."""
-    shared = {x for x in set(a) & set(b) if a.count(x) == 1 and b.count(x) == 1}
+    count_a, count_b = Counter(a), Counter(b)
+    shared = {x for x, n in count_a.items() if n == 1 and count_b.get(x) == 1}
     return [x for x in a if x in shared] != [x for x in b if x in shared]

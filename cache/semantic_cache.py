@@ -1,10 +1,11 @@
 """The cache facade the gateway calls: `lookup` before routing, `store` after a fresh answer.
 
 A lookup goes: tenant policy and cacheability (`request_key.decide`) -> exact layer (the scope and the
-whole normalized conversation) -> semantic layer (embed the last user turn, search the faiss partition of
-its scope and history, take the nearest candidates above the tenant's threshold and within
-`fallback_margin` of the nearest, and serve the first one the near-miss guards accept). Every result
-says why, so the gateway can put it in `x-tiergate-cache` and in metrics.
+whole normalized conversation) -> semantic layer (embed the last user turn if it is short enough to be
+compared whole, `SEMANTIC_MAX_CHARS`; search the faiss partition of its scope and history, take the nearest
+candidates above the tenant's threshold and within `fallback_margin` of the nearest, and serve the first one
+the near-miss guards accept). Every result says why, so the gateway can put it in `x-tiergate-cache` and in
+metrics.
 
 Versions: a scope carries the data and model versions, so a bumped version makes older entries
 unreachable at once. `bump_data_version` and `retire_model_version` additionally tell the cache those
@@ -34,6 +35,13 @@ from cache.index import PartitionedIndex
 from cache.request_key import RequestKey, decide, request_key
 from cache.scope import CacheScope
 from cache.store import CacheStore, Entry
+
+# The longest last user turn the semantic layer matches by meaning. A semantic hit claims the two questions are
+# the same, and that holds only if every part of both was compared: the embedder reads 256 word pieces and the
+# near-miss guards read `guards.MAX_CHARS` characters, so a longer turn (a paste, or a 20,000-digit "number"
+# sent to make the guards' work explode) is served by an exact hit or not at all. It is never embedded, so the
+# embedder and the guards only ever see texts this short, whatever a tenant sends.
+SEMANTIC_MAX_CHARS = guards.MAX_CHARS
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,9 +176,11 @@ class SemanticCache:
             self.stats.exact_hits += 1
             return Hit(entry, "exact", 1.0)
         partition = _partition(scope, key)
-        if not (policy.semantic and self.index.partition_size(partition) and self._embeddable(key.last_user_text)):
+        if not (policy.semantic and self.index.partition_size(partition)):
             return self._miss("no entry")  # nothing to compare with: skip the embedding (milliseconds)
         vector = self._embed(key.last_user_text)
+        if vector is None:
+            return self._miss("no entry (too long to match by meaning)")
         with self._lock:
             candidates = self.index.search(partition, vector, self.top_k)
         if not candidates:
@@ -213,10 +223,11 @@ class SemanticCache:
         key = request_key(request)
         now = self.clock()
         ttl = ttl_s if ttl_s is not None else policy.ttl_s
-        vector = self._embed(key.last_user_text) if self._embeddable(key.last_user_text) else None
+        vector = self._embed(key.last_user_text)
         entry = Entry(entry_id=uuid.uuid4().hex, scope_id=scope.scope_id, tenant=scope.tenant,
                       data_version=str(scope.data_version), model_version=scope.model_version,
-                      exact_key=key.exact_key, partition=_partition(scope, key), semantic_text=key.last_user_text,
+                      exact_key=key.exact_key, partition=_partition(scope, key),
+                      semantic_text=key.last_user_text if vector is not None else "",  # only the guards read it
                       response=response, usage=dict(usage or {}), metadata=dict(metadata or {}), created_at=now,
                       expires_at=None if ttl is None else now + ttl, last_used=now, embedding=vector)
         with self._lock:
@@ -324,13 +335,17 @@ class SemanticCache:
         return True
 
     def _embeddable(self, text: str) -> bool:
-        """Short enough that the embedding sees all of it; longer turns are matched exactly only."""
-        if not text:
+        """Whether `text` may be matched by meaning: no longer than SEMANTIC_MAX_CHARS and within the word pieces
+        the embedder reads. Longer turns are looked up and stored exactly only, never embedded."""
+        if not text or len(text) > SEMANTIC_MAX_CHARS:
             return False
         limit = self.embedder.max_tokens
         return len(text) < limit - 2 or self.embedder.num_tokens(text) <= limit
 
-    def _embed(self, text: str) -> np.ndarray:
+    def _embed(self, text: str) -> np.ndarray | None:
+        """The vector of a last user turn, or None when it is matched exactly only (see `_embeddable`)."""
+        if not self._embeddable(text):
+            return None
         with self._lock:
             vector = self._vectors.get(text)
             if vector is not None:

@@ -12,6 +12,13 @@
 Lengths use log1p so a 20,000-character paste does not swamp the rest; counts of tokens come from the
 embedding model's tokenizer (no tier's tokenizer is needed, and it is loaded anyway). `FEATURE_VERSION`
 and the feature names are stored in the artifact; a model trained on other features does not load.
+
+The text is a tenant's and `auto` routing reads it before any model runs, so the work is linear and bounded:
+the embedding and every text feature read the first `TEXT_WINDOW` characters of the last user turn (its last
+ones for `ends_with_question`), character lengths are taken whole (len() is free), and token and line counts
+of a longer turn are those of the window scaled by its share of the turn. Every pattern is linear (possessive
+quantifiers, no rescanning of a word or a line). For a turn within the window every feature is what it was
+before the window existed, so a trained artifact stays valid: FEATURE_VERSION is unchanged.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from typing import Any
 import numpy as np
 
 FEATURE_VERSION = "router-features-v1"
+TEXT_WINDOW = 8192  # characters of the last user turn the features read; router training prompts are shorter
 EMBEDDING = "all-MiniLM-L6-v2:last-user-turn"
 EMBEDDING_DIM = 384
 
@@ -36,12 +44,17 @@ SIMPLE_FEATURES = (
     *(f"qtype_{q}" for q in QUESTION_TYPES),
 )
 
-_CODE_PATTERNS = re.compile(  # case-sensitive: "Let me know" and "Select the best" are prose
-    r"^\s*(def|class|import|from\s+\S+\s+import|function|const|let|var|public|private|return|#include|package|"
-    r"SELECT|INSERT|UPDATE|CREATE\s+TABLE)\s|[{};]\s*$|=>|\w+\([^()\n]*\)\s*[{:;]|</?[a-z]+[^>]*>|\$[A-Za-z_]\w*|"
-    r"[^=!<>]==[^=]|!=|\+\+|&&|\|\|",
+# Case-sensitive: "Let me know" and "Select the best" are prose. Each alternative is linear: a keyword line's
+# indent and a brace's trailing blanks stop at the line end, and a call is tried only from the start of its name
+# (or just after the one character an "x==y" match can take from inside a name), never from every letter of it.
+# These choices keep the number of matches what the plain patterns (`^\s*`, `\s*$`, `\w+\(`) find.
+_CODE_PATTERNS = re.compile(
+    r"^[^\S\n]*+(def|class|import|from\s++\S++\s++import|function|const|let|var|public|private|return|#include|"
+    r"package|SELECT|INSERT|UPDATE|CREATE\s++TABLE)\s|[{};][^\S\n]*+$|=>|"
+    r"(?:(?<!\w)|(?<==\w))\w++\([^()\n]*+\)\s*+[{:;]|</?[a-z]++[^>]*+>|\$[A-Za-z_]\w*+|[^=!<>]==[^=]|!=|\+\+|&&|\|\|",
     re.MULTILINE,
 )
+_TAG_START = re.compile(r"<([a-z/])")
 _URL = re.compile(r"https?://|www\.", re.IGNORECASE)
 _QTYPE_WORDS: dict[str, tuple[str, ...]] = {
     "wh": ("what", "who", "whom", "whose", "when", "where", "which"),
@@ -77,16 +90,29 @@ def last_user_turn(messages: Sequence[dict[str, Any]]) -> str:
 
 
 def has_code(text: str) -> bool:
-    """Two or more code-looking lines (or one code fence): keywords at a line start, braces or semicolons
-    at a line end, calls, tags, comparison operators. Prose rarely trips two of them."""
+    """Two or more code-looking lines (or one code fence) in the first TEXT_WINDOW characters: keywords at a line
+    start, braces or semicolons at a line end, calls, tags, comparison operators. Prose rarely trips two of them."""
+    text = text[:TEXT_WINDOW]
     if "```" in text:
         return True
-    return len(_CODE_PATTERNS.findall(text)) >= 2
+    return len(_CODE_PATTERNS.findall(_without_open_tags(text))) >= 2
+
+
+def _without_open_tags(text: str) -> str:
+    """`text` where a tag start ("<a", "</") after the last ">" cannot start a tag match: such a start can never
+    close, and "<a<a<a..." would make the tag pattern scan to the end from each one. Its letter is upper-cased and
+    its "/" becomes a control character, which keeps every other pattern's matches as they were."""
+    tail = text.rfind(">") + 1
+    if text.find("<", tail) < 0:
+        return text
+    return text[:tail] + _TAG_START.sub(lambda m: "<" + ("\x01" if m.group(1) == "/" else m.group(1).upper()),
+                                        text[tail:])
 
 
 def script_fractions(text: str) -> tuple[float, float]:
-    """(fraction of letters outside ASCII, fraction of letters outside the Latin script)."""
-    letters = [c for c in text if c.isalpha()]
+    """(fraction of letters outside ASCII, fraction of letters outside the Latin script), in the first TEXT_WINDOW
+    characters."""
+    letters = [c for c in text[:TEXT_WINDOW] if c.isalpha()]
     if not letters:
         return 0.0, 0.0
     non_ascii = sum(1 for c in letters if ord(c) > 127)
@@ -102,20 +128,26 @@ def question_type(text: str) -> str | None:
     return _FIRST_WORDS.get(match.group(0).lower())
 
 
-def simple_features(messages: Sequence[dict[str, Any]], num_tokens_last_user: int) -> np.ndarray:
-    """The SIMPLE_FEATURES vector of a conversation (float64)."""
+def scaled_count(count_in_window: float, window: str, text: str) -> float:
+    """A count taken over `window` (the start of `text`) scaled to the whole of `text`; exact when they are equal."""
+    return count_in_window if len(window) == len(text) else count_in_window * len(text) / max(len(window), 1)
+
+
+def simple_features(messages: Sequence[dict[str, Any]], num_tokens_last_user: float) -> np.ndarray:
+    """The SIMPLE_FEATURES vector of a conversation (float64), from the last user turn's first TEXT_WINDOW
+    characters (its last ones for the closing "?"); `num_tokens_last_user` comes from the caller."""
     last = last_user_turn(messages)
-    everything = "\n".join(message_text(m) for m in messages)
-    non_ascii, non_latin = script_fractions(last)
-    qtype = question_type(last)
-    stripped = last.strip()
+    head = last[:TEXT_WINDOW]
+    chars_conversation = sum(len(message_text(m)) for m in messages) + max(len(messages) - 1, 0)  # "\n"-joined
+    non_ascii, non_latin = script_fractions(head)
+    qtype = question_type(head)
     values = [
-        math.log1p(len(last)), math.log1p(num_tokens_last_user), math.log1p(len(everything)),
+        math.log1p(len(last)), math.log1p(num_tokens_last_user), math.log1p(chars_conversation),
         float(sum(1 for m in messages if m.get("role") == "user")),
         float(any(m.get("role") in ("system", "developer") for m in messages)),
-        float(has_code(last)), float("```" in last), non_ascii, non_latin,
-        sum(c.isdigit() for c in last) / max(len(last), 1), math.log1p(last.count("\n")),
-        float(stripped.endswith("?")), float(bool(_URL.search(last))),
+        float(has_code(head)), float("```" in head), non_ascii, non_latin,
+        sum(c.isdigit() for c in head) / max(len(head), 1), math.log1p(scaled_count(head.count("\n"), head, last)),
+        float(last[-TEXT_WINDOW:].rstrip().endswith("?")), float(bool(_URL.search(head))),
         *(float(qtype == q) for q in QUESTION_TYPES),
     ]
     return np.asarray(values, dtype=np.float64)
@@ -146,9 +178,10 @@ class FeatureExtractor:
         if not conversations:
             return np.zeros((0, self.dim))
         lasts = [last_user_turn(c) for c in conversations]
-        emb = np.asarray(self.embedder.encode(lasts), dtype=np.float64)
+        heads = [last[:TEXT_WINDOW] for last in lasts]  # what the embedding and the token count read
+        emb = np.asarray(self.embedder.encode(heads), dtype=np.float64)
         if emb.shape != (len(lasts), EMBEDDING_DIM):
             raise ValueError(f"the embedder returned {emb.shape}, expected ({len(lasts)}, {EMBEDDING_DIM})")
-        simple = np.stack([simple_features(c, self.embedder.num_tokens(last))
-                           for c, last in zip(conversations, lasts, strict=True)])
+        simple = np.stack([simple_features(c, scaled_count(self.embedder.num_tokens(head), head, last))
+                           for c, head, last in zip(conversations, heads, lasts, strict=True)])
         return np.concatenate([emb, simple], axis=1)

@@ -1,10 +1,14 @@
-"""Near-miss guards: meaning-changing edits are refused, paraphrases pass."""
+"""Near-miss guards: meaning-changing edits are refused, paraphrases pass, and hostile text costs linear work."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 import pytest
 
-from cache.guards import check, extract
+from cache import guards
+from cache.guards import MAX_CHARS, TOO_LONG, check, extract
 
 
 @pytest.mark.parametrize(("query", "candidate", "reason"), [
@@ -60,3 +64,72 @@ def test_features() -> None:
     assert ("more", 1) in f.comparatives
     assert {"berlin", "tokyo"} <= f.entities and "i" not in f.entities
     assert f.directional
+
+
+@pytest.mark.parametrize(("text", "units"), [
+    ("ab12GB", ("gb",)), ("v2.5GB", ("gb",)), ("costs 20 %", ("%",)), ("x5%", ("%",)), ("1,000 kg", ("kg",)),
+    ("3.5 GB and 2 TB", ("gb", "tb")), ("5°C", ("c",)), ("1,2,3,4 km", ("km",)), ("x5km", ()),
+])
+def test_units_written_after_numbers(text: str, units: tuple[str, ...]) -> None:
+    assert extract(text).units == units
+
+
+def test_numbers_longer_than_any_quantity_compare_as_strings() -> None:
+    big = "9" * 40
+    assert extract(f"{big} apples").numbers == (big,)
+    assert check(f"Is {big} prime?", f"Is {big[:-1]}8 prime?") == "numbers differ"
+    assert check(f"Is {big} prime?", f"Is {big} a prime?") is None
+
+
+def test_texts_longer_than_the_window_are_refused_not_half_read() -> None:
+    cached = "1" * 150
+    assert check(cached, cached) is None
+    assert check(cached, "1" * 20_000) == TOO_LONG
+    assert check("1" * 20_000, cached) == TOO_LONG
+    head = "Convert 5 km to miles. " + "x" * (MAX_CHARS - 25)
+    assert len(head) == MAX_CHARS - 2 and check(head, head) is None  # a text within the window is read whole
+    assert check(head + " Not!", head) == TOO_LONG  # the negation is past the window: the guards cannot tell
+
+
+def _best_time(fn: Callable[[str], object], text: str, repeats: int = 3) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        guards._extract.cache_clear()
+        start = time.perf_counter()
+        fn(text)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+ADVERSARIAL: dict[str, Callable[[int], str]] = {
+    "digits": lambda n: "1" * n,
+    "digits after a letter": lambda n: "x" + "1" * n,
+    "digits with separators": lambda n: ",".join("1" * (n // 2)),
+    "decimal points": lambda n: ".".join("1" * (n // 2)),
+    "one word": lambda n: "a" * n,
+    "er er er": lambda n: "er" * (n // 2) + " than",
+    "capitalized words": lambda n: "Abc " * (n // 4),
+    "from a from a ... to": lambda n: "from a " * (n // 7) + "to",
+    "hyphenated number and unit words": lambda n: "-".join(["km", "five", "miles", "ten"] * (n // 16)),
+    "blanks": lambda n: " " * n + "x",
+    "mixed": lambda n: "12 km ,3 Paris ML from 5 " * (n // 25),
+}
+
+
+@pytest.mark.parametrize("make", ADVERSARIAL.values(), ids=ADVERSARIAL.keys())
+def test_extraction_is_linear_even_without_the_window(make: Callable[[int], str],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The window bounds the cost; the scan itself must not be what is quadratic (ten times the text, about ten
+    times the work; a quadratic pattern takes a hundred times, and seconds)."""
+    monkeypatch.setattr(guards, "MAX_CHARS", 10**9)
+    small, large = _best_time(extract, make(20_000)), _best_time(extract, make(200_000))
+    assert large < 30 * small + 0.01, (small, large)
+
+
+@pytest.mark.parametrize("make", ADVERSARIAL.values(), ids=ADVERSARIAL.keys())
+def test_four_megabytes_cost_next_to_nothing(make: Callable[[int], str]) -> None:
+    text = make(4_000_000)
+    start = time.perf_counter()
+    extract(text)
+    assert check(text, "1" * 150) == TOO_LONG
+    assert time.perf_counter() - start < 1.0

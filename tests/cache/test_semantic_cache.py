@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from cache import Embedder, Hit, SemanticCache, SQLiteStore, TenantPolicy
+from cache.semantic_cache import SEMANTIC_MAX_CHARS
 from tests.cache.conftest import FakeClock, chat, scope
 
 Q = "How do I convert 5 km to miles?"
@@ -273,3 +275,43 @@ def test_farther_candidates_are_tried_only_within_the_margin(clock: FakeClock) -
     cache.store(scope(chat(close)), chat(close), close)
     result = cache.lookup(scope(chat(query)), chat(query), policy=TenantPolicy(similarity_threshold=0.8))
     assert isinstance(result, Hit) and result.response == close  # 0.993, within 0.02 of the refused 0.999
+
+
+class _RecordingEmbedder(Embedder):
+    """The real embedder, remembering the longest text it was handed to embed or to count."""
+
+    def __init__(self, inner: Embedder):
+        super().__init__(num_threads=None)
+        self.inner, self.longest = inner, 0
+
+    @property
+    def max_tokens(self) -> int:
+        return self.inner.max_tokens
+
+    def num_tokens(self, text: str) -> int:
+        self.longest = max(self.longest, len(text))
+        return self.inner.num_tokens(text)
+
+    def encode(self, texts, *, batch_size: int = 64) -> np.ndarray:  # type: ignore[no-untyped-def]
+        self.longest = max([self.longest, *map(len, texts)])
+        return self.inner.encode(texts, batch_size=batch_size)
+
+
+def test_turns_too_long_to_compare_whole_are_exact_only_and_never_embedded(embedder: Embedder,
+                                                                           clock: FakeClock) -> None:
+    recording = _RecordingEmbedder(embedder)
+    cache = SemanticCache(SQLiteStore(":memory:", max_entries=100), recording, clock=clock)
+    cached = "1" * 150  # one "word" the tokenizer reads as [UNK]: a few word pieces, so it is embedded
+    assert cache.store(scope(chat(cached)), chat(cached), "a number") is not None
+    assert len(cache.index) == 1
+    # over SEMANTIC_MAX_CHARS, though each is a few word pieces too: the guards would not read them whole
+    for attack in ("1" * 20_000, "1" * 200_000, "x" + "1" * SEMANTIC_MAX_CHARS):
+        start = time.perf_counter()
+        result = cache.lookup(scope(chat(attack)), chat(attack))
+        assert result.status == "miss" and "too long" in result.reason
+        stored = cache.store(scope(chat(attack)), chat(attack), "stored for exact hits")
+        assert stored is not None and stored.semantic_text == ""  # nothing kept that only the guards would read
+        hit = cache.lookup(scope(chat(attack)), chat(attack))
+        assert isinstance(hit, Hit) and hit.kind == "exact"
+        assert time.perf_counter() - start < 1.0
+    assert recording.longest <= SEMANTIC_MAX_CHARS and len(cache.index) == 1
