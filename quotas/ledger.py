@@ -1,129 +1,75 @@
 """The usage ledger: one durable row per finished request, in SQLite (WAL) under the data directory.
 
-Rows are written by one thread in grouped transactions: many requests share one commit (one fsync), and
-each request's `record` returns only once its row is on disk, so a response the client has received is
-never missing from the ledger, even if the gateway is killed right after.
+One thread writes rows in grouped transactions (one fsync for many requests); `record` returns only once its
+row is on disk, so a response the client received is never missing, even if the gateway is killed right after.
+The writer never dies and drops no row it could still write: a row SQLite refuses (a duplicate id, a value
+it cannot hold) fails only its own future, as a failed group is retried row by row; a fault of the database
+(disk full, locked past the busy timeout, I/O error, read-only) keeps every pending row and makes the ledger
+not ready until a retry, with backoff, commits, so the gateway refuses new work rather than serve unbilled.
+Refusals are counted per minute, tenant, key, reason and status, not stored one by one, with a retention.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import math
 import queue
 import sqlite3
 import threading
-from collections.abc import Iterable
-from dataclasses import asdict, dataclass, fields
-from decimal import Decimal
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS requests (
-    request_id TEXT PRIMARY KEY,
-    ts REAL NOT NULL,
-    tenant TEXT NOT NULL,
-    key_id TEXT NOT NULL,
-    tier TEXT,
-    model TEXT,
-    status TEXT NOT NULL,
-    http_status INTEGER NOT NULL,
-    input_tokens INTEGER NOT NULL,
-    output_tokens INTEGER NOT NULL,
-    price_usd TEXT NOT NULL,
-    compute_cost_usd TEXT NOT NULL,
-    cost_basis TEXT NOT NULL,
-    ttft_s REAL,
-    total_s REAL NOT NULL,
-    finish_reason TEXT,
-    error_code TEXT,
-    route_reason TEXT,
-    degrade_level INTEGER NOT NULL DEFAULT 0,
-    degrade_actions TEXT,
-    requested_tier TEXT,
-    route_saving_usd TEXT NOT NULL DEFAULT '0',
-    cache_status TEXT,
-    cache_saving_usd TEXT NOT NULL DEFAULT '0',
-    cascade_of TEXT
-);
-CREATE TABLE IF NOT EXISTS refusals (
-    request_id TEXT PRIMARY KEY,
-    ts REAL NOT NULL,
-    tenant TEXT NOT NULL,
-    key_id TEXT NOT NULL,
-    reason TEXT NOT NULL,
-    http_status INTEGER NOT NULL
-);
-CREATE INDEX IF NOT EXISTS refusals_ts ON refusals(ts);
-CREATE INDEX IF NOT EXISTS requests_tenant_ts ON requests(tenant, ts);
-CREATE INDEX IF NOT EXISTS requests_ts ON requests(ts);
-"""
-GROUP_MAX = 512  # rows per commit at most
+from quotas.ledger_rows import (
+    COLUMNS,
+    COUNT_COLUMNS,
+    FOLD_OLD_REFUSALS,
+    INSERT,
+    SCHEMA,
+    UPSERT_COUNT,
+    CountKey,
+    LedgerRow,
+    Refusal,
+    RefusalCount,
+    count_key,
+    from_db,
+    to_db,
+)
+
+log = logging.getLogger("tiergate.ledger")
+_Pending = tuple[tuple[Any, ...], asyncio.Future[None] | None]  # a row's values and who waits on it
+_WAKE, _STOP = "wake", "stop"
+
+GROUP_MAX = 512  # rows taken from the queue per commit at most
+BACKOFF_MIN_S, BACKOFF_MAX_S = 0.05, 2.0  # between retries while the ledger cannot commit
+PRUNE_EVERY_S = 3600.0  # refusal counts past their retention are deleted at most this often
+# SQLite's primary result codes for faults of the database, not of the row: BUSY, LOCKED, NOMEM, READONLY,
+# IOERR, CORRUPT, FULL, CANTOPEN, PROTOCOL, NOTADB
+_NOT_THE_ROWS_FAULT = {5, 6, 7, 8, 10, 11, 13, 14, 15, 26}
 
 
-@dataclass
-class LedgerRow:
-    request_id: str
-    ts: float  # arrival, seconds since the epoch
-    tenant: str
-    key_id: str
-    tier: str | None
-    model: str | None
-    status: str  # ok | error | cancelled
-    http_status: int
-    input_tokens: int
-    output_tokens: int
-    price_usd: Decimal
-    compute_cost_usd: Decimal
-    cost_basis: str  # engine: busy time the engine reported; wall: upstream time; none: no compute
-    ttft_s: float | None
-    total_s: float
-    finish_reason: str | None = None
-    error_code: str | None = None
-    route_reason: str | None = None
-    degrade_level: int = 0  # the degradation level in force when it was admitted
-    degrade_actions: str | None = None  # what that level changed about it
-    requested_tier: str | None = None  # what the request named (the plan default for `auto`)
-    route_saving_usd: Decimal = Decimal(0)  # the requested tier's price minus what was charged, when cheaper
-    cache_status: str | None = None  # hit | miss | bypass
-    cache_saving_usd: Decimal = Decimal(0)  # for a hit: what the tier would have charged minus the hit price
-    cascade_of: str | None = None  # a cascade's second attempt: the request id of the cheaper first attempt
-
-
-@dataclass
-class Refusal:
-    """A request refused at admission (rate limit, budget, overload, shed): nothing spent, but counted."""
-
-    request_id: str
-    ts: float
-    tenant: str
-    key_id: str
-    reason: str
-    http_status: int
-
-
-_COLUMNS = [f.name for f in fields(LedgerRow)]
-_INSERT = f"INSERT INTO requests({', '.join(_COLUMNS)}) VALUES ({', '.join('?' for _ in _COLUMNS)})"
-
-
-def _to_db(row: LedgerRow) -> tuple[Any, ...]:
-    return tuple(str(v) if isinstance(v, Decimal) else v for v in asdict(row).values())
-
-
-def _from_db(values: Iterable[Any]) -> LedgerRow:
-    row = LedgerRow(*values)
-    for name in ("price_usd", "compute_cost_usd", "route_saving_usd", "cache_saving_usd"):
-        setattr(row, name, Decimal(getattr(row, name)))
-    return row
-
-
-_REFUSAL_COLUMNS = [f.name for f in fields(Refusal)]
-_INSERT_REFUSAL = f"INSERT OR IGNORE INTO refusals VALUES ({', '.join('?' for _ in _REFUSAL_COLUMNS)})"
+class LedgerUnavailable(Exception):
+    """The ledger could not make a row durable in time (disk full, database locked, I/O error)."""
 
 
 class Ledger:
-    def __init__(self, path: Path) -> None:
+    """`record` rows and `submit_refusal`s from the event loop; read back with `rows` and `refusal_counts`.
+    `ready` is False while the writer cannot commit (or is not running); `not_ready_reason` says why."""
+
+    def __init__(self, path: Path, *, record_timeout_s: float = 10.0, busy_timeout_s: float = 5.0,
+                 refusal_retention_days: float = 90.0,
+                 on_connect: Callable[[sqlite3.Connection], None] | None = None) -> None:
+        """`on_connect` runs on each new writer connection (tests use it to make the disk "full")."""
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
+        self.record_timeout_s = record_timeout_s
+        self.busy_timeout_s = busy_timeout_s
+        self.refusal_retention_days = refusal_retention_days
+        self._on_connect = on_connect
         self._read = sqlite3.connect(path, isolation_level=None, timeout=5.0, check_same_thread=False)
         self._read.execute("PRAGMA journal_mode=WAL")
         self._read.executescript(SCHEMA)
@@ -134,9 +80,28 @@ class Ledger:
                            ("cascade_of", "TEXT")):
             if name not in columns:  # a ledger from before the degradation ladder
                 self._read.execute(f"ALTER TABLE requests ADD COLUMN {name} {decl}")
-        self._queue: queue.Queue[tuple[str, tuple[Any, ...], asyncio.Future[None] | None] | None] = queue.Queue()
+        if _has_old_refusals(self._read):  # a ledger from before refusals were counted: fold its rows in, once
+            with _transaction(self._read):
+                if _has_old_refusals(self._read):
+                    self._read.execute(FOLD_OLD_REFUSALS)
+                    self._read.execute("DROP TABLE refusals")
+        self._queue: queue.Queue[_Pending | str] = queue.Queue()
+        self._refusals: Counter[CountKey] = Counter()  # counted since the writer last took them
+        self._refusals_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._fault: str | None = None  # why the last commit failed, until one succeeds
+        self._next_prune = 0.0
+
+    @property
+    def not_ready_reason(self) -> str | None:
+        if self._thread is None or not self._thread.is_alive():
+            return "the ledger writer is not running"
+        return self._fault
+
+    @property
+    def ready(self) -> bool:
+        return self.not_ready_reason is None
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -144,98 +109,256 @@ class Ledger:
         self._thread.start()
 
     def close(self) -> None:
+        """Write what is queued (giving up after `record_timeout_s` if the ledger cannot commit), then stop."""
         if self._thread is not None:
-            self._queue.put(None)
-            self._thread.join(timeout=30)
+            self._queue.put(_STOP)
+            self._thread.join(timeout=self.record_timeout_s + self.busy_timeout_s + 5)
             self._thread = None
         self._read.close()
 
-    async def record(self, row: LedgerRow) -> None:
-        """Write `row`; returns once it is durable."""
-        await asyncio.shield(self.submit(row))
+    async def record(self, row: LedgerRow, *, timeout_s: float | None = None) -> None:
+        """Write `row`; returns once it is durable (see `wait_durable` for the errors)."""
+        await self.wait_durable(self.submit(row), timeout_s=timeout_s)
+
+    async def wait_durable(self, written: asyncio.Future[None], *, timeout_s: float | None = None) -> None:
+        """Wait for a row `submit` queued; returns once it is durable.
+
+        Raises `LedgerUnavailable` when it is not durable within `timeout_s` (default: `record_timeout_s`);
+        the row stays queued and is written once the ledger can commit again. Raises the row's own error when
+        SQLite refuses it (a duplicate request id, a value it cannot hold). Cancelling the caller never
+        cancels the row.
+        """
+        timeout_s = self.record_timeout_s if timeout_s is None else timeout_s
+        loop = asyncio.get_running_loop()
+        # one waiter woken by the row or by a timer: costs what `shield` alone did (asyncio.timeout on top of
+        # it added about 15 µs a call here)
+        waiter: asyncio.Future[None] = loop.create_future()
+        written.add_done_callback(lambda _: _wake(waiter))
+        timer = loop.call_later(timeout_s, _wake, waiter)
+        try:
+            await waiter
+        finally:
+            timer.cancel()
+        if not written.done():
+            why = self.not_ready_reason or "the ledger writer is behind"
+            raise LedgerUnavailable(f"a usage row was not durable after {timeout_s:g} s: {why}")
+        written.result()  # the row's own error, if SQLite refused it
 
     def submit(self, row: LedgerRow) -> asyncio.Future[None]:
-        """Queue `row` for the next group commit; the future resolves once it is durable.
+        """Queue `row` for the next group commit; the future resolves once it is durable (`wait_durable`).
 
         Queuing is synchronous, so a row submitted by a task that is being cancelled is still written.
         """
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._queue.put((_INSERT, _to_db(row), fut))
+        self._queue.put((to_db(row), fut))
         return fut
 
     def submit_refusal(self, refusal: Refusal) -> None:
-        """Queue a refusal for the next group commit (nothing waits on it)."""
-        self._queue.put((_INSERT_REFUSAL, tuple(asdict(refusal).values()), None))
+        """Count a refusal, durable with the next commit: at the latest with the next row submitted."""
+        key = count_key(refusal)
+        with self._refusals_lock:
+            wake = not self._refusals
+            self._refusals[key] += 1
+        if wake:
+            self._queue.put(_WAKE)
 
-    def record_now(self, rows: list[LedgerRow]) -> None:
+    def record_now(self, rows: list[LedgerRow], refusals: Iterable[Refusal] = ()) -> None:
         """Synchronous write, for tools and tests that run without an event loop."""
-        with self._read:
-            self._read.executemany(_INSERT, [_to_db(r) for r in rows])
+        counts = Counter(count_key(r) for r in refusals)
+        with _transaction(self._read):
+            self._read.executemany(INSERT, [to_db(r) for r in rows])
+            self._read.executemany(UPSERT_COUNT, [(*k, n) for k, n in counts.items()])
+
+    # ---- the writer thread ----
 
     def _writer(self) -> None:
-        conn = sqlite3.connect(self.path, isolation_level=None, timeout=30.0)
-        conn.execute("PRAGMA synchronous=FULL")
-        stop = False
-        while not stop:
-            item = self._queue.get()
-            batch = []
-            while item is not None:
-                batch.append(item)
-                if len(batch) >= GROUP_MAX:
+        conn: sqlite3.Connection | None = None
+        rows: list[_Pending] = []
+        counts: Counter[CountKey] = Counter()
+        backoff, stopping, give_up_at = 0.0, False, math.inf
+        while True:
+            try:
+                if backoff:
+                    time.sleep(backoff)
+                if not stopping:
+                    stopping = self._take(rows, block=not backoff)
+                with self._refusals_lock:
+                    counts.update(self._refusals)
+                    self._refusals.clear()
+                if rows or counts:
+                    conn = conn or self._connect()
+                    self._flush(conn, rows, counts)
+                    rows, counts, backoff = [], Counter(), 0.0
+                if stopping and not rows and not counts:
                     break
-                try:
-                    item = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-            stop = item is None
-            if batch:
-                self._commit(conn, batch)
-        conn.close()
+            except Exception as exc:  # keep every pending row; retry with backoff; never die
+                backoff = min(BACKOFF_MAX_S, max(BACKOFF_MIN_S, backoff * 2))
+                reason = f"ledger cannot commit: {exc} ({getattr(exc, 'sqlite_errorname', type(exc).__name__)})"
+                if reason != self._fault:
+                    log.error("ledger: cannot commit %d rows, retrying: %s", len(rows), reason,
+                              exc_info=not _not_the_rows_fault(exc))
+                self._fault = reason
+                _close_quietly(conn)
+                conn = None
+                if stopping:
+                    give_up_at = min(give_up_at, time.monotonic() + self.record_timeout_s)
+                    if time.monotonic() >= give_up_at:
+                        log.error("ledger: closing with %d rows and %d refusal counts unwritten: %s",
+                                  len(rows), len(counts), reason)
+                        self._resolve([fut for _, fut in rows], [LedgerUnavailable(reason)] * len(rows))
+                        break
+        _close_quietly(conn)
 
-    def _commit(self, conn: sqlite3.Connection,
-                batch: list[tuple[str, tuple[Any, ...], asyncio.Future[None] | None]]) -> None:
-        error: Exception | None = None
+    def _take(self, rows: list[_Pending], *, block: bool) -> bool:
+        """Move the rows among the next GROUP_MAX queued items into `rows`; True once the stop sentinel was taken."""
+        for i in range(GROUP_MAX):
+            try:
+                item = self._queue.get(block=block and i == 0)
+            except queue.Empty:
+                break
+            if item == _STOP:
+                return True
+            if item != _WAKE:
+                rows.append(item)  # type: ignore[arg-type]
+        return False
+
+    def _connect(self) -> sqlite3.Connection:
+        conn = sqlite3.connect(self.path, isolation_level=None, timeout=self.busy_timeout_s)
+        conn.execute("PRAGMA synchronous=FULL")
+        if self._on_connect is not None:
+            self._on_connect(conn)
+        return conn
+
+    def _flush(self, conn: sqlite3.Connection, rows: list[_Pending], counts: Counter[CountKey]) -> None:
+        """Commit rows and counts in one transaction; if that fails for a row's fault, again one by one."""
+        prune = time.monotonic() >= self._next_prune
         try:
-            conn.execute("BEGIN IMMEDIATE")
-            for sql, params, _ in batch:
-                conn.execute(sql, params)
-            conn.execute("COMMIT")
-        except sqlite3.Error as exc:
-            conn.execute("ROLLBACK") if conn.in_transaction else None
-            error = exc
-        for _, _, fut in batch:
-            if fut is not None and self._loop is not None and not self._loop.is_closed():
-                self._loop.call_soon_threadsafe(_settle, fut, error)
+            errors = self._commit(conn, rows, counts, prune=prune, isolate=False)
+        except Exception as exc:
+            if _not_the_rows_fault(exc):
+                raise
+            log.warning("ledger: a group of %d rows failed (%s); writing them one by one", len(rows), exc)
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            errors = self._commit(conn, rows, counts, prune=prune, isolate=True)
+        if prune:
+            self._next_prune = time.monotonic() + PRUNE_EVERY_S
+        if self._fault is not None:  # ready again before any waiter hears its row is durable
+            log.warning("ledger: writable again after: %s", self._fault)
+            self._fault = None
+        for (values, _), error in zip(rows, errors, strict=True):
+            if error is not None:
+                log.error("ledger: row %s refused: %r", values[0], error)
+        self._resolve([fut for _, fut in rows], errors)
+
+    def _commit(self, conn: sqlite3.Connection, rows: list[_Pending], counts: Counter[CountKey], *,
+                prune: bool, isolate: bool) -> list[Exception | None]:
+        """One transaction; with `isolate`, each row in its own savepoint. Returns each row's error."""
+        conn.execute("BEGIN IMMEDIATE")
+        if isolate:
+            errors = [_isolated(conn, INSERT, values) for values, _ in rows]
+            for key, n in counts.items():
+                if (error := _isolated(conn, UPSERT_COUNT, (*key, n))) is not None:
+                    log.error("ledger: refusal count %s dropped: %r", key, error)
+        else:
+            conn.executemany(INSERT, [values for values, _ in rows])
+            conn.executemany(UPSERT_COUNT, [(*key, n) for key, n in counts.items()])
+            errors = [None] * len(rows)
+        if prune:
+            conn.execute("DELETE FROM refusal_counts WHERE minute < ?",
+                         (time.time() - self.refusal_retention_days * 86400,))
+        conn.execute("COMMIT")
+        return errors
+
+    def _resolve(self, futures: list[asyncio.Future[None] | None], errors: list[Exception | None]) -> None:
+        """Settle a group's futures on their loop, in one hand-over (one wake-up of the loop, not one a row)."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        with suppress(RuntimeError):  # the loop closed meanwhile: nobody waits on them any more
+            loop.call_soon_threadsafe(_settle, futures, errors)
 
     # ---- reads ----
 
     def rows(self, *, tenant: str | None = None, since: float | None = None,
              until: float | None = None) -> list[LedgerRow]:
-        return [_from_db(r) for r in self._select("requests", _COLUMNS, tenant, since, until)]
+        return [from_db(r) for r in self._select("requests", COLUMNS, "ts", tenant, since, until)]
 
-    def refusals(self, *, tenant: str | None = None, since: float | None = None,
-                 until: float | None = None) -> list[Refusal]:
-        return [Refusal(*r) for r in self._select("refusals", _REFUSAL_COLUMNS, tenant, since, until)]
+    def refusal_counts(self, *, tenant: str | None = None, since: float | None = None,
+                       until: float | None = None) -> list[RefusalCount]:
+        """Counts per minute; `since` and `until` select whole minutes by their start."""
+        return [RefusalCount(*r) for r in self._select("refusal_counts", COUNT_COLUMNS, "minute", tenant, since,
+                                                        until)]
 
-    def _select(self, table: str, columns: list[str], tenant: str | None, since: float | None,
+    def _select(self, table: str, columns: list[str], time_column: str, tenant: str | None, since: float | None,
                 until: float | None) -> list[tuple[Any, ...]]:
         sql, args = f"SELECT {', '.join(columns)} FROM {table} WHERE 1=1", []
-        for clause, value in (("tenant = ?", tenant), ("ts >= ?", since), ("ts < ?", until)):
+        for clause, value in (("tenant = ?", tenant), (f"{time_column} >= ?", since), (f"{time_column} < ?", until)):
             if value is not None:
                 sql += f" AND {clause}"
                 args.append(value)
-        return self._read.execute(sql + " ORDER BY ts", args).fetchall()
+        return self._read.execute(sql + f" ORDER BY {time_column}", args).fetchall()
 
     def get(self, request_id: str) -> LedgerRow | None:
-        r = self._read.execute(f"SELECT {', '.join(_COLUMNS)} FROM requests WHERE request_id = ?",
+        r = self._read.execute(f"SELECT {', '.join(COLUMNS)} FROM requests WHERE request_id = ?",
                                (request_id,)).fetchone()
-        return _from_db(r) if r else None
+        return from_db(r) if r else None
 
 
-def _settle(fut: asyncio.Future[None], error: Exception | None) -> None:
-    if fut.done():
-        return
-    if error is None:
-        fut.set_result(None)
-    else:
-        fut.set_exception(error)
+@contextmanager
+def _transaction(conn: sqlite3.Connection) -> Iterator[None]:
+    """BEGIN IMMEDIATE … COMMIT on an autocommit connection, ROLLBACK on any exception."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    conn.execute("COMMIT")
+
+
+def _has_old_refusals(conn: sqlite3.Connection) -> bool:
+    return conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'refusals'").fetchone() is not None
+
+
+def _isolated(conn: sqlite3.Connection, sql: str, values: tuple[Any, ...]) -> Exception | None:
+    """Run one statement in a savepoint: its own error undoes only it; a fault of the database propagates."""
+    conn.execute("SAVEPOINT one")
+    try:
+        conn.execute(sql, values)
+    except Exception as exc:
+        if _not_the_rows_fault(exc):
+            raise
+        conn.execute("ROLLBACK TO one")
+        conn.execute("RELEASE one")
+        return exc
+    conn.execute("RELEASE one")
+    return None
+
+
+def _not_the_rows_fault(exc: BaseException) -> bool:
+    """A fault of the database or its disk (retry later), not one the row's values caused (refuse the row)."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    return isinstance(exc, sqlite3.OperationalError) or (code is not None and code & 0xFF in _NOT_THE_ROWS_FAULT)
+
+
+def _close_quietly(conn: sqlite3.Connection | None) -> None:
+    if conn is not None:
+        with suppress(Exception):
+            conn.close()  # rolls back what it had begun
+
+
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
+def _settle(futures: list[asyncio.Future[None] | None], errors: list[Exception | None]) -> None:
+    for fut, error in zip(futures, errors, strict=True):
+        if fut is None or fut.done():
+            continue
+        if error is None:
+            fut.set_result(None)
+        else:
+            fut.set_exception(error)
+            fut.exception()  # the writer logged it: no "never retrieved" warning if nobody awaits it

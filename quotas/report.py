@@ -26,7 +26,8 @@ def usage_report(ledger: Ledger, *, by: tuple[str, ...] = ("tenant", "tier"), si
                  until: float | None = None, tenant: str | None = None) -> list[dict[str, Any]]:
     """One row per group: requests, tokens, price, compute cost, margin, per-1K figures, savings, refusals.
 
-    Refusals have no tier (they never reached one); they are counted in the groups their other keys name.
+    Refusals have no tier (they never reached one); they are counted in the groups their other keys name,
+    by the minute they fell in (`since` and `until` select whole minutes).
     """
     unknown = [g for g in by if g not in GROUPS]
     if unknown:
@@ -43,9 +44,9 @@ def usage_report(ledger: Ledger, *, by: tuple[str, ...] = ("tenant", "tier"), si
         g["cache_savings_usd"] += row.cache_saving_usd
         g["routed_down"] += row.route_saving_usd > 0
         g["routing_savings_usd"] += row.route_saving_usd
-    for refusal in ledger.refusals(tenant=tenant, since=since, until=until):
-        refusals = groups[_key(by, refusal.tenant, None, refusal.ts, refusal.key_id)]["refusals"]
-        refusals[refusal.reason] = refusals.get(refusal.reason, 0) + 1
+    for counted in ledger.refusal_counts(tenant=tenant, since=since, until=until):
+        refusals = groups[_key(by, counted.tenant, None, counted.minute, counted.key_id)]["refusals"]
+        refusals[counted.reason] = refusals.get(counted.reason, 0) + counted.count
     out = []
     for key, g in sorted(groups.items(), key=lambda kv: tuple(str(x) for x in kv[0])):
         tokens = g["input_tokens"] + g["output_tokens"]

@@ -27,7 +27,9 @@ async def ops(request: Request[Any, Any, Any]) -> dict[str, Any]:
     rows = services.ledger.rows(since=now - WINDOW_S)
     ttft = [r.ttft_s for r in rows if r.ttft_s is not None]
     total = [r.total_s for r in rows]
-    refusals = Counter(r.reason for r in services.ledger.refusals(since=now - 3600))
+    refusals: Counter[str] = Counter()
+    for count in services.ledger.refusal_counts(since=now - 3600):
+        refusals[count.reason] += count.count
     return {
         "window_s": WINDOW_S,
         "requests": len(rows),
@@ -35,7 +37,7 @@ async def ops(request: Request[Any, Any, Any]) -> dict[str, Any]:
         "latency": {"ttft_p50_s": _pct(ttft, 0.5), "ttft_p95_s": _pct(ttft, 0.95),
                     "total_p50_s": _pct(total, 0.5), "total_p95_s": _pct(total, 0.95)},
         "queues": {name: {"waiting": q.num_waiting, "in_flight": q.in_flight, "capacity": q.capacity}
-                   for name, q in services.chat.queues.items()},
+                   for name, q in services.queues.items()},
         "refusals_last_hour": dict(refusals),
         "tiers": services.fleet.status(),
         "degrade": services.ladder.status(),

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from quotas.ledger import Ledger, LedgerRow
+from quotas.ledger import Ledger, LedgerRow, Refusal
 from quotas.report import usage_report
 
 DAY1, DAY2 = 1_800_000_000.0, 1_800_000_000.0 + 86400
@@ -28,12 +28,8 @@ def ledger(tmp_path: Path) -> Ledger:
         row("b", "acme", "full", DAY2, "0.0004", "0.0001", cache="hit", cache_saving="0.0002"),
         row("c", "acme", "mid", DAY1, "0.0001", "0.00003", route_saving="0.0005"),
         row("d", "globex", "mid", DAY1, "0.0002", "0.00005"),
-    ])
-    with ledger._read:  # refusals are written by the gateway's writer thread; here directly
-        for i, (tenant, reason) in enumerate([("acme", "rate_limit_rpm"), ("acme", "rate_limit_rpm"),
-                                              ("acme", "insufficient_quota")]):
-            ledger._read.execute("INSERT INTO refusals VALUES (?, ?, ?, ?, ?, ?)",
-                                 (f"x{i}", DAY1, tenant, "k1", reason, 429))
+    ], refusals=[Refusal(f"x{i}", DAY1 + i, tenant, "k1", reason, 429) for i, (tenant, reason) in enumerate(
+        [("acme", "rate_limit_rpm"), ("acme", "rate_limit_rpm"), ("acme", "insufficient_quota")])])
     return ledger
 
 

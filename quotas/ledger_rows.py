@@ -1,0 +1,131 @@
+"""What the usage ledger stores: one row per finished request, refusal counts, and their SQLite schema.
+
+quotas/ledger.py writes and reads them; these are the shapes and the SQL that maps them to tables.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, fields
+from decimal import Decimal
+from typing import Any
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS requests (
+    request_id TEXT PRIMARY KEY,
+    ts REAL NOT NULL,
+    tenant TEXT NOT NULL,
+    key_id TEXT NOT NULL,
+    tier TEXT,
+    model TEXT,
+    status TEXT NOT NULL,
+    http_status INTEGER NOT NULL,
+    input_tokens INTEGER NOT NULL,
+    output_tokens INTEGER NOT NULL,
+    price_usd TEXT NOT NULL,
+    compute_cost_usd TEXT NOT NULL,
+    cost_basis TEXT NOT NULL,
+    ttft_s REAL,
+    total_s REAL NOT NULL,
+    finish_reason TEXT,
+    error_code TEXT,
+    route_reason TEXT,
+    degrade_level INTEGER NOT NULL DEFAULT 0,
+    degrade_actions TEXT,
+    requested_tier TEXT,
+    route_saving_usd TEXT NOT NULL DEFAULT '0',
+    cache_status TEXT,
+    cache_saving_usd TEXT NOT NULL DEFAULT '0',
+    cascade_of TEXT
+);
+CREATE TABLE IF NOT EXISTS refusal_counts (
+    minute INTEGER NOT NULL,
+    tenant TEXT NOT NULL,
+    key_id TEXT NOT NULL,
+    reason TEXT NOT NULL,
+    http_status INTEGER NOT NULL,
+    count INTEGER NOT NULL,
+    PRIMARY KEY (minute, tenant, key_id, reason, http_status)
+);
+CREATE INDEX IF NOT EXISTS requests_tenant_ts ON requests(tenant, ts);
+CREATE INDEX IF NOT EXISTS requests_ts ON requests(ts);
+"""
+
+
+@dataclass
+class LedgerRow:
+    request_id: str
+    ts: float  # arrival, seconds since the epoch
+    tenant: str
+    key_id: str
+    tier: str | None
+    model: str | None
+    status: str  # ok | error | cancelled
+    http_status: int
+    input_tokens: int
+    output_tokens: int
+    price_usd: Decimal
+    compute_cost_usd: Decimal
+    cost_basis: str  # engine: busy time the engine reported; wall: upstream time; none: no compute
+    ttft_s: float | None
+    total_s: float
+    finish_reason: str | None = None
+    error_code: str | None = None
+    route_reason: str | None = None
+    degrade_level: int = 0  # the degradation level in force when it was admitted
+    degrade_actions: str | None = None  # what that level changed about it
+    requested_tier: str | None = None  # what the request named (the plan default for `auto`)
+    route_saving_usd: Decimal = Decimal(0)  # the requested tier's price minus what was charged, when cheaper
+    cache_status: str | None = None  # hit | miss | bypass
+    cache_saving_usd: Decimal = Decimal(0)  # for a hit: what the tier would have charged minus the hit price
+    cascade_of: str | None = None  # a cascade's second attempt: the request id of the cheaper first attempt
+
+
+@dataclass
+class Refusal:
+    """A request refused at admission (rate limit, budget, overload, shed): nothing spent, but counted."""
+
+    request_id: str
+    ts: float
+    tenant: str
+    key_id: str
+    reason: str
+    http_status: int
+
+
+@dataclass(frozen=True)
+class RefusalCount:
+    """The refusals of one minute that share tenant, key, reason and status."""
+
+    minute: int  # the minute's start, seconds since the epoch
+    tenant: str
+    key_id: str
+    reason: str
+    http_status: int
+    count: int
+
+
+COLUMNS = [f.name for f in fields(LedgerRow)]
+COUNT_COLUMNS = [f.name for f in fields(RefusalCount)]
+INSERT = f"INSERT INTO requests({', '.join(COLUMNS)}) VALUES ({', '.join('?' for _ in COLUMNS)})"
+UPSERT_COUNT = ("INSERT INTO refusal_counts VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT DO UPDATE "
+                 "SET count = count + excluded.count")
+FOLD_OLD_REFUSALS = ("INSERT INTO refusal_counts SELECT CAST(ts / 60 AS INTEGER) * 60, tenant, key_id, reason, "
+                      "http_status, COUNT(*) FROM refusals WHERE true GROUP BY 1, 2, 3, 4, 5 "
+                      "ON CONFLICT DO UPDATE SET count = count + excluded.count")
+CountKey = tuple[int, str, str, str, int]  # minute, tenant, key_id, reason, http_status
+
+
+def to_db(row: LedgerRow) -> tuple[Any, ...]:
+    return tuple(str(v) if isinstance(v, Decimal) else v for v in asdict(row).values())
+
+
+def from_db(values: Iterable[Any]) -> LedgerRow:
+    row = LedgerRow(*values)
+    for name in ("price_usd", "compute_cost_usd", "route_saving_usd", "cache_saving_usd"):
+        setattr(row, name, Decimal(getattr(row, name)))
+    return row
+
+
+def count_key(refusal: Refusal) -> CountKey:
+    return int(refusal.ts // 60) * 60, refusal.tenant, refusal.key_id, refusal.reason, refusal.http_status
