@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -30,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from assets import offline_hub
 from bench.near_misses import build as build_near_misses
 from cache import CacheScope, Embedder, Hit, SemanticCache, SQLiteStore, TenantPolicy, request_key
 from cache.store import Entry
@@ -223,7 +223,7 @@ def main() -> None:
     parser.add_argument("--vectors-cache", type=Path, default=None, help="reuse batch embeddings across runs")
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: gptcache,nearmiss,latency")
     args = parser.parse_args()
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    offline_hub()
     skip = set(args.skip.split(","))
     t0 = time.perf_counter()
     batch = Embedder(num_threads=2)

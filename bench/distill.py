@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from assets import offline_hub
+
+offline_hub()
 
 MODELS = Path.home() / ".local/share/tiergate/models"
 COMMAND = "python -m bench.distill"
@@ -63,10 +64,10 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from bench.engine import load_prompts
-    from engine.distill_data import heldout_windows
-    from engine.distill_eval import compare, top1_and_nll
-    from engine.model_card import PROVENANCE, update
-    from engine.student import make_student
+    from training.distill_data import heldout_windows
+    from training.distill_eval import compare, top1_and_nll
+    from training.model_card import PROVENANCE, update
+    from training.student import make_student
 
     torch.set_num_threads(args.threads)
     info = json.loads((args.student / PROVENANCE).read_text())

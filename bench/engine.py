@@ -20,18 +20,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
-import os
 import time
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from assets import offline_hub
+
+offline_hub()
 
 MODEL_DIR = Path.home() / ".local/share/tiergate/models/smollm2-135m-instruct"
 
 
 def load_prompts(tok: Any, n: int, prompt_len: int) -> list[list[int]]:
-    from engine.datasets import sharegpt_first_turns
+    from assets.datasets import sharegpt_first_turns
 
     out = []
     for text in sharegpt_first_turns(limit=4 * n):
@@ -152,7 +153,7 @@ def hf_static_batch(model: Any, prompts: list[list[int]], output_len: int) -> fl
 
 def follow_up_ttft(engine: Any, tok: Any, history_len: int) -> tuple[float, float, int]:
     """TTFT of a follow-up turn sharing a history_len-token history: cold, then warm (history cached)."""
-    from engine.datasets import sharegpt_first_turns
+    from assets.datasets import sharegpt_first_turns
     from engine.sampling_params import SamplingParams
 
     text = " ".join(sharegpt_first_turns(limit=200))
@@ -178,7 +179,7 @@ def held_out_chunks(tok: Any, num_tokens: int) -> list[Any]:
     """ShareGPT first turns 2,700-3,000 (away from calibration, tests and tuning) in token chunks of 512."""
     import torch
 
-    from engine.datasets import sharegpt_first_turns
+    from assets.datasets import sharegpt_first_turns
 
     ids = tok("\n\n".join(sharegpt_first_turns(limit=3000)[-300:]), add_special_tokens=False)["input_ids"]
     ids = ids[:num_tokens]

@@ -21,7 +21,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from assets import offline_hub
+
+offline_hub()
 
 
 def decode_ms(runner: Any, prompts: list[list[int]], steps: int) -> float:

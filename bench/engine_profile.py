@@ -10,10 +10,11 @@ Every stream's prompt is prefilled first; then --steps decode steps are timed an
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from assets import offline_hub
+
+offline_hub()
 
 
 def main() -> None:

@@ -9,10 +9,11 @@ All on fbgemm's u8 x s8 kernels.
 from __future__ import annotations
 
 import argparse
-import os
 from typing import Any
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from assets import offline_hub
+
+offline_hub()
 
 # (label, per-token scales, weight qmax, head in fp16, SmoothQuant, outlier channels)
 CHAIN = [

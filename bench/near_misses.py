@@ -16,7 +16,7 @@ import random
 import re
 from dataclasses import dataclass
 
-from engine.datasets import sharegpt_first_turns
+from assets.datasets import sharegpt_first_turns
 
 _UNIT_SWAPS = [("km", "miles"), ("kilometers", "miles"), ("kg", "pounds"), ("celsius", "fahrenheit"),
                ("minutes", "hours"), ("minute", "hour"), ("days", "weeks"), ("day", "week"), ("months", "years"),

@@ -23,8 +23,8 @@ from pathlib import Path
 import httpx
 import uvicorn
 
+from assets.model_source import DEFAULT_MODEL, prepare_model
 from bench.fixed_latency_upstream import fixed_latency_app
-from engine.model_source import DEFAULT_MODEL, prepare_model
 from gateway.app import create_app
 from gateway.settings import Settings
 from gateway.tenants.store import TenantStore

@@ -2,7 +2,7 @@
 
 `.venv/bin/python -m bench.router --train 400 --test 200` (see --help). Steps:
 
-1. Train the difficulty predictor on --train prompts of the training split (tiers/router_training.py),
+1. Train the difficulty predictor on --train prompts of the training split (training/router_training.py),
    for the cheap tier and `full` only, or load --artifact.
 2. Run --test prompts of the held-out split (10% of ShareGPT's first turns, chosen by a fixed hash that
    training never draws from) through the cheap tier and `full`; score each cheap answer's fidelity to
@@ -24,14 +24,15 @@ full's quality, and whether the router's quality is at or above random mixing at
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from assets import offline_hub
+
+offline_hub()
 
 QUALITY_TARGET = 0.95  # of full's quality
 TABLE_PCTS = (0, 10, 20, 30, 40, 50, 60, 70, 80, 90, 100)
@@ -216,9 +217,9 @@ def main(argv: list[str] | None = None) -> None:
     from gateway.settings import Settings
     from tiers.catalogue import TierCatalogue
     from tiers.difficulty import load_difficulty_model
-    from tiers.router_prompts import conversation, sharegpt_prompts
-    from tiers.router_training import collect, train
-    from tiers.tier_answers import runnable_tiers
+    from training.router_prompts import conversation, sharegpt_prompts
+    from training.router_training import collect, train
+    from training.tier_answers import runnable_tiers
 
     settings = Settings(**{k: v for k, v in {"data_dir": args.data_dir, "models_dir": args.models_dir,
                                               "tiers_file": args.catalogue}.items() if v is not None})

@@ -7,13 +7,14 @@ float32, so a faiss inner product is the cosine similarity.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
+
+from assets import offline_hub
 
 DIM = 384  # all-MiniLM-L6-v2
 # Characters of one text handed to the model. It reads its first 256 word pieces, which ordinary text fills in
@@ -53,7 +54,7 @@ class Embedder:
     def _load(self):
         with self._lock:
             if self._model is None:
-                os.environ.setdefault("HF_HUB_OFFLINE", "1")
+                offline_hub()
                 import torch
                 from sentence_transformers import SentenceTransformer
 

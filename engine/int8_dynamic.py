@@ -105,7 +105,7 @@ def calibration_chunks(model_dir: Path) -> list[torch.Tensor]:
     """Token chunks of ShareGPT first turns (the file's first 400; the benchmark measures on its tail)."""
     from transformers import AutoTokenizer
 
-    from engine.datasets import sharegpt_first_turns
+    from assets.datasets import sharegpt_first_turns
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     ids = tok("\n\n".join(sharegpt_first_turns(limit=400)), add_special_tokens=False)["input_ids"][:CALIBRATION_TOKENS]

@@ -7,9 +7,10 @@ import logging
 import os
 from pathlib import Path
 
+from assets import offline_hub
+from assets.model_source import prepare_model
+from assets.parent_watch import ENGINE_INSTANCE_ENV, exit_when_orphaned
 from engine.llm_engine import LLMEngine
-from engine.model_source import prepare_model
-from engine.parent_watch import ENGINE_INSTANCE_ENV, exit_when_orphaned
 
 # 0.3: int8 on CPU runs fbgemm with per-token activations; 0.4: oneDNN linear layers and fused layer steps
 # (the same sums in another order: a near-tie can now pick the other token)
@@ -37,7 +38,7 @@ def build_engine(model: str, models_dir: Path, *, dtype: str = "auto", quantize:
 
     `kv_cache_bytes` is the KV cache's fixed budget (default: the runner's, 512 MiB), allocated once.
     """
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    offline_hub()
     import torch
     from transformers import AutoTokenizer
 

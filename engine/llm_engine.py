@@ -1,16 +1,30 @@
 """The engine loop: one thread owns the model and steps the batch; asyncio callers stream.
 
-Callers see `generate` (an async iterator of outputs), `abort`, `validate` and `stats`. Each step is
-schedule → run → postprocess: the scheduler picks sequences and token counts, the model runner computes
-them all in one batched forward and samples, the scheduler advances them; the engine then detokenizes,
-applies stop strings and streams. Requests and aborts cross from the event loop through a locked inbox
-that the loop drains at the start of each step, so an abort takes effect within one step.
+Callers see `generate` (an async iterator of outputs), `abort`, `validate`, `stats` and `dead_reason`. Each
+step is schedule → run → postprocess: the scheduler picks sequences and token counts, the model runner
+computes them all in one batched forward and samples, the scheduler advances them; the engine then
+detokenizes, applies stop strings and streams. Requests and aborts cross from the event loop through a
+locked inbox that the loop drains at the start of each step, so an abort takes effect within one step.
+
+Failures stay as small as they can be. A sequence whose sampling, log-probabilities or detokenization
+raise fails alone; a forward pass that raises fails the sequences of its step; either way each failed
+request gets a last output carrying `error` and its KV blocks go back, and the loop goes on. An exception
+anywhere else (the scheduler, the bookkeeping) ends the loop: every request in flight then gets an
+`engine_dead` error at once, `generate` refuses new ones with EngineDeadError, and `dead_reason` says why.
+
+Locking: the lock guards only what callers and the loop share (the inbox, the aborts, the output sinks)
+and is held for a few dictionary operations, never across a step. Everything else is the loop thread's
+own. `stats()` takes no lock: it reads counters, container lengths and a published throughput tuple,
+each one attribute or `len()` read, which the GIL makes atomic; the numbers of one snapshot may come
+from two neighbouring steps, which is consistent enough for gauges and means /health never waits on a
+step however slow it is.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import threading
 import time
 from collections import deque
@@ -22,15 +36,19 @@ from engine.block_manager import BlockManager
 from engine.detokenizer import IncrementalDetokenizer
 from engine.openmp import release_thread_pool
 from engine.request_queue import SchedulingPolicy
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import EngineInputError, SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence
 
+__all__ = ["EngineDeadError", "EngineInputError", "EngineStats", "LLMEngine", "RequestOutput"]
+
 THROUGHPUT_WINDOW_S = 10.0  # tokens/s in stats is measured over this trailing window
+IDLE_WAIT_S = 0.5  # an idle loop wakes this often (and on every new request)
+log = logging.getLogger("tiergate.engine")
 
 
-class EngineInputError(ValueError):
-    """The request can never be served by this engine (too long, empty); maps to HTTP 400."""
+class EngineDeadError(RuntimeError):
+    """The engine's loop has stopped: nothing more will be generated; maps to HTTP 503."""
 
 
 @dataclass
@@ -39,13 +57,17 @@ class RequestOutput:
     text: str  # text made since the previous output
     token_ids: list[int]  # tokens made since the previous output
     finished: bool
-    finish_reason: str | None
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error"
     num_prompt_tokens: int
     num_output_tokens: int
     busy_s: float  # engine compute time attributed to the request so far
     num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
     # per token in `token_ids`, when the request asked: (log-probability, [(token id, log-probability)] top others)
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    # on the last output of a request the engine could not finish: why, and "engine_error" (its step failed,
+    # the engine serves on) or "engine_dead" (the loop stopped)
+    error: str | None = None
+    error_code: str | None = None
 
 
 @dataclass
@@ -63,11 +85,21 @@ class EngineStats:
     num_prefix_hit_tokens_total: int = 0
     num_preemptions_total: int = 0
     generation_tokens_per_s: float = 0.0  # over the last THROUGHPUT_WINDOW_S seconds
+    num_requests_failed: int = 0  # ended by an engine error, not by the request
 
     @property
     def prefix_cache_hit_rate(self) -> float:
         q = self.num_prefix_query_tokens_total
         return self.num_prefix_hit_tokens_total / q if q else 0.0
+
+
+@dataclass
+class _Sink:
+    """Where a request's outputs go: a queue read on its caller's event loop."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestOutput]
+    seq: Sequence
 
 
 class LLMEngine:
@@ -77,25 +109,33 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.max_num_seqs = max_num_seqs
         self.max_model_len: int = runner.max_model_len
+        # prompt ids must index the model's embeddings (a runner without a config is a test double)
+        self.vocab_size: int | None = getattr(getattr(runner, "config", None), "vocab_size", None)
         self.block_manager = BlockManager(runner.num_kv_blocks, runner.block_size,
                                           enable_prefix_caching=enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens, max_model_len=self.max_model_len,
                                    eos_token_ids=set(runner.eos_token_ids), policy=policy)
+        # shared with callers, under the lock
         self._lock = threading.Lock()
-        self._wake = threading.Event()
-        self._stopping = False
         self._inbox: list[Sequence] = []
         self._aborts: set[str] = set()
-        self._seqs: dict[str, Sequence] = {}  # every unfinished request, by id
-        self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestOutput]]] = {}
+        self._sinks: dict[str, _Sink] = {}
+        self._dead_reason: str | None = None
+        # the loop thread's own
+        self._wake = threading.Event()
+        self._stopping = False
+        self._seqs: dict[str, Sequence] = {}  # every unfinished request the scheduler knows, by id
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._counter = itertools.count()
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
         self._busy_s_total = 0.0
         self._finished_total = 0
+        self._failed_total = 0
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens made) per step, for tokens/s
+        self._recent_tokens = 0  # sum of the tokens in `_recent`
+        self._tokens_per_s = 0.0  # published for stats() after each step and each idle wake
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
 
     # ---- caller side (event loop thread) ----
@@ -111,34 +151,54 @@ class LLMEngine:
         self._wake.set()
         self._thread.join(timeout=10)
 
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the loop has stopped, or None while it runs (or has not been started)."""
+        if self._dead_reason is None and self._thread.ident is not None and not self._thread.is_alive():
+            return "the engine loop thread has stopped"
+        return self._dead_reason
+
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise EngineInputError (naming the field) for a request this engine can never serve."""
+        params.check()  # again: the dataclass may have been changed since it was built
         if not prompt_token_ids:
-            raise EngineInputError("the prompt is empty")
+            raise EngineInputError("the prompt is empty", param="messages")
+        low, high = min(prompt_token_ids), max(prompt_token_ids)
+        if low < 0 or (self.vocab_size is not None and high >= self.vocab_size):
+            raise EngineInputError(f"prompt token ids must lie within 0..{(self.vocab_size or 0) - 1}",
+                                   param="prompt_token_ids")
         total = len(prompt_token_ids) + params.max_tokens
         if total > self.max_model_len:
             raise EngineInputError(
                 f"this model's maximum context length is {self.max_model_len} tokens; the request "
-                f"needs {len(prompt_token_ids)} prompt tokens + {params.max_tokens} output tokens = {total}"
+                f"needs {len(prompt_token_ids)} prompt tokens + {params.max_tokens} output tokens = {total}",
+                param="messages", code="context_length_exceeded",
             )
         bm = self.block_manager
         if bm.num_blocks_for(total) > bm.num_blocks:
             raise EngineInputError(
                 f"this engine's KV cache holds {bm.num_blocks * bm.block_size} tokens; the request "
-                f"needs {len(prompt_token_ids)} prompt tokens + {params.max_tokens} output tokens = {total}"
+                f"needs {len(prompt_token_ids)} prompt tokens + {params.max_tokens} output tokens = {total}",
+                param="messages", code="context_length_exceeded",
             )
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, *,
                        request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Stream outputs for one request; leaving the iterator early aborts the request."""
+        """Stream outputs for one request; leaving the iterator early aborts the request.
+
+        Raises EngineInputError for a request that can never run, EngineDeadError once the loop has stopped.
+        A request the engine fails later ends with an output whose `error` is set.
+        """
         self.validate(prompt_token_ids, params)
         request_id = request_id or f"req-{next(self._counter)}"
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         seq = Sequence(request_id, list(prompt_token_ids), params, priority=priority)
         with self._lock:
+            if (reason := self.dead_reason) is not None:
+                raise EngineDeadError(f"the engine has stopped: {reason}")
             if request_id in self._sinks:
-                raise EngineInputError(f"request id {request_id!r} is already running")
-            self._sinks[request_id] = (asyncio.get_running_loop(), queue)
-            self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
+                raise EngineInputError(f"request id {request_id!r} is already running", param="request_id")
+            self._sinks[request_id] = _Sink(asyncio.get_running_loop(), queue, seq)
             self._inbox.append(seq)
         self._wake.set()
         finished = False
@@ -160,60 +220,97 @@ class LLMEngine:
         self._wake.set()
 
     def stats(self) -> EngineStats:
-        with self._lock:
-            now = time.monotonic()
-            window = [n for t, n in self._recent if now - t <= THROUGHPUT_WINDOW_S]
-            bm = self.block_manager
-            num_used = bm.num_used_blocks
-            return EngineStats(
-                len(self.scheduler.running), len(self.scheduler.waiting) + len(self._inbox),
-                self._prompt_tokens_total, self._generation_tokens_total, self._busy_s_total, self._finished_total,
-                num_kv_blocks_total=bm.num_blocks, num_kv_blocks_used=num_used,
-                num_kv_blocks_free=bm.num_blocks - num_used,
-                num_prefix_query_tokens_total=bm.num_prefix_query_tokens,
-                num_prefix_hit_tokens_total=bm.num_prefix_hit_tokens,
-                num_preemptions_total=self.scheduler.num_preemptions_total,
-                generation_tokens_per_s=sum(window) / THROUGHPUT_WINDOW_S,
-            )
+        """A lock-free snapshot (see the module docstring): never waits for a step."""
+        bm = self.block_manager
+        num_used = bm.num_used_blocks
+        return EngineStats(
+            len(self.scheduler.running), len(self.scheduler.waiting) + len(self._inbox),
+            self._prompt_tokens_total, self._generation_tokens_total, self._busy_s_total, self._finished_total,
+            num_kv_blocks_total=bm.num_blocks, num_kv_blocks_used=num_used,
+            num_kv_blocks_free=bm.num_blocks - num_used,
+            num_prefix_query_tokens_total=bm.num_prefix_query_tokens,
+            num_prefix_hit_tokens_total=bm.num_prefix_hit_tokens,
+            num_preemptions_total=self.scheduler.num_preemptions_total,
+            generation_tokens_per_s=self._tokens_per_s,
+            num_requests_failed=self._failed_total,
+        )
 
     # ---- engine side (loop thread) ----
 
     def _loop(self) -> None:
-        while not self._stopping:
-            self._wake.clear()
-            if not self.step():
-                self._wake.wait(timeout=0.5)
+        try:
+            while not self._stopping:
+                self._wake.clear()
+                if not self.step():
+                    self._wake.wait(timeout=IDLE_WAIT_S)
+                    self._count_made(0)  # let an idle engine's tokens/s decay
+        except BaseException as exc:
+            log.exception("the engine loop died; every request in flight fails")
+            self._end(f"{type(exc).__name__}: {exc}")
+            return
+        self._end("the engine was shut down")
 
     def step(self) -> bool:
         """One engine step; False when there was nothing to run."""
-        with self._lock:
-            self._drain_inbox()
-            out = self.scheduler.schedule()
+        self._drain_inbox()
+        out = self.scheduler.schedule()
         if out.is_empty:
             return False
         t0 = time.perf_counter()
-        token_ids = self.model_runner.run(out)
+        try:
+            token_ids = self.model_runner.run(out)
+        except Exception as exc:
+            log.exception("a forward pass failed; its %d sequences fail", len(out.seqs))
+            for seq in out.seqs:
+                self._fail(seq, f"{type(exc).__name__}: {exc}")
+            return True
         step_s = time.perf_counter() - t0
-        with self._lock:
-            made = self.scheduler.postprocess(out, token_ids)
-            self._account(out, step_s, len(made))
-            for seq, token_id in made:
+        made = self.scheduler.postprocess(out, self._without_failed(out, token_ids))
+        self._account(out, step_s, len(made))
+        for seq, token_id in made:
+            try:
                 self._stream(seq, token_id)
+            except Exception as exc:
+                log.exception("detokenizing %s failed; it alone fails", seq.request_id)
+                self._fail(seq, f"{type(exc).__name__}: {exc}")
         return True
 
     def _drain_inbox(self) -> None:
-        """Called with the lock held: admit new requests to the scheduler, apply aborts."""
-        for seq in self._inbox:
+        """Admit new requests to the scheduler, apply aborts."""
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+            aborts, self._aborts = self._aborts, set()
+        for seq in inbox:
             self._seqs[seq.request_id] = seq
+            self._detok[seq.request_id] = IncrementalDetokenizer(self.tokenizer, seq.params.stop)
             self.scheduler.add_request(seq)
-        self._inbox.clear()
-        for request_id in self._aborts:
+        for request_id in aborts:
             seq = self._seqs.get(request_id)
             if seq is not None:
                 self.scheduler.finish(seq, "abort")
                 self._release(seq)
                 self._emit(seq, "", [], finished=True)
-        self._aborts.clear()
+
+    def _without_failed(self, out: SchedulerOutput, token_ids: list[int]) -> list[int]:
+        """Fail the sequences whose sampling raised (the runner's `last_errors`); the others' tokens, in order.
+
+        A failed sequence is finished before postprocess, which then skips it without taking a token.
+        """
+        errors: dict[str, str] = self.model_runner.last_errors
+        if not errors:
+            return token_ids
+        kept: list[int] = []
+        sampled = iter(token_ids)
+        for seq, do_sample in zip(out.seqs, out.do_sample, strict=True):
+            if not do_sample:
+                continue
+            token_id = next(sampled)
+            if seq.request_id in errors:
+                log.error("sampling for %s failed: %s", seq.request_id, errors[seq.request_id])
+                self._fail(seq, errors[seq.request_id])
+            else:
+                kept.append(token_id)
+        return kept
 
     def _account(self, out: SchedulerOutput, step_s: float, num_made: int) -> None:
         """Share the step's compute time among its sequences by their tokens (the ledger's compute cost)."""
@@ -222,13 +319,20 @@ class LLMEngine:
             seq.busy_s += step_s * n / total
         self._busy_s_total += step_s
         self._generation_tokens_total += num_made
+        self._count_made(num_made)
+
+    def _count_made(self, num_made: int) -> None:
+        """Slide the throughput window and publish tokens/s (one float, read by stats() without a lock)."""
         now = time.monotonic()
-        self._recent.append((now, num_made))
+        if num_made:
+            self._recent.append((now, num_made))
+            self._recent_tokens += num_made
         while self._recent and now - self._recent[0][0] > THROUGHPUT_WINDOW_S:
-            self._recent.popleft()
+            self._recent_tokens -= self._recent.popleft()[1]
+        self._tokens_per_s = self._recent_tokens / THROUGHPUT_WINDOW_S
 
     def _stream(self, seq: Sequence, token_id: int) -> None:
-        """Called with the lock held: detokenize one new token, apply stop strings, send the output."""
+        """Detokenize one new token, apply stop strings, send the output."""
         if seq.num_output_tokens == 1:
             self._prompt_tokens_total += seq.num_prompt_tokens
         lp = self.model_runner.last_logprobs.get(seq.request_id)  # before release forgets it
@@ -244,21 +348,50 @@ class LLMEngine:
             self._release(seq)
         self._emit(seq, text, [token_id], finished=seq.is_finished, logprobs=[lp] if lp is not None else None)
 
+    def _fail(self, seq: Sequence, reason: str) -> None:
+        """End one sequence with an engine error: its blocks go back, its caller gets the error."""
+        if seq.request_id not in self._seqs and seq.request_id not in self._sinks:
+            return  # already ended, released and answered
+        self.scheduler.finish(seq, "error")
+        seq.finish_reason = "error"
+        self._release(seq)
+        self._failed_total += 1
+        self._emit(seq, "", [], finished=True, error=f"the engine failed on this request ({reason})",
+                   error_code="engine_error")
+
     def _release(self, seq: Sequence) -> None:
-        self._seqs.pop(seq.request_id, None)
+        if self._seqs.pop(seq.request_id, None) is None:
+            return
         self._detok.pop(seq.request_id, None)
-        self.model_runner.release(seq.request_id)
         self._finished_total += 1
+        self.model_runner.release(seq.request_id)
 
     def _emit(self, seq: Sequence, text: str, new_ids: list[int], *, finished: bool,
-              logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None) -> None:
-        sink = self._sinks.get(seq.request_id)
+              logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None,
+              error: str | None = None, error_code: str | None = None) -> None:
+        with self._lock:
+            sink = self._sinks.pop(seq.request_id, None) if finished else self._sinks.get(seq.request_id)
         if sink is None:
             return
-        if finished:
-            self._sinks.pop(seq.request_id, None)
-        loop, queue = sink
-        out = RequestOutput(seq.request_id, text, new_ids, finished, seq.finish_reason, seq.num_prompt_tokens,
-                            seq.num_output_tokens, seq.busy_s, seq.num_cached_tokens, logprobs)
-        if not loop.is_closed():
-            loop.call_soon_threadsafe(queue.put_nowait, out)
+        _send(sink, RequestOutput(seq.request_id, text, new_ids, finished, seq.finish_reason,
+                                  seq.num_prompt_tokens, seq.num_output_tokens, seq.busy_s,
+                                  seq.num_cached_tokens, logprobs, error, error_code))
+
+    def _end(self, reason: str) -> None:
+        """The loop is over: refuse new requests and end every one in flight with `engine_dead`, at once."""
+        with self._lock:
+            self._dead_reason = reason
+            sinks = list(self._sinks.values())
+            self._sinks.clear()
+            self._inbox.clear()
+        for sink in sinks:
+            seq = sink.seq
+            _send(sink, RequestOutput(seq.request_id, "", [], True, "error", seq.num_prompt_tokens,
+                                      seq.num_output_tokens, seq.busy_s, seq.num_cached_tokens,
+                                      error=f"the engine has stopped: {reason}", error_code="engine_dead"))
+
+
+def _send(sink: _Sink, out: RequestOutput) -> None:
+    """Hand `out` to its caller's event loop (thread-safe; a closed loop means the caller is gone)."""
+    if not sink.loop.is_closed():
+        sink.loop.call_soon_threadsafe(sink.queue.put_nowait, out)

@@ -105,6 +105,7 @@ class ModelRunner:
         # request id -> (made token's log-probability, [(token id, log-probability)] top alternatives), for the
         # sequences of the last `run` that asked for logprobs
         self.last_logprobs: dict[str, tuple[float, list[tuple[int, float]]]] = {}
+        self.last_errors: dict[str, str] = {}  # request id -> why its sampling failed, in the last `run`
 
     @torch.inference_mode()
     def run(self, out: SchedulerOutput) -> list[int]:
@@ -126,12 +127,19 @@ class ModelRunner:
         greedy = logits.argmax(dim=-1).tolist()
         token_of = {}
         self.last_logprobs = {}
+        self.last_errors: dict[str, str] = {}  # request id -> why its sampling failed, this step
         for row, i in enumerate(samplers):
             seq = out.seqs[i]
-            token_of[i] = greedy[row] if seq.params.greedy else \
-                self.sampler.sample(seq.request_id, logits[row], seq.params)
-            if seq.params.logprobs is not None:
-                self.last_logprobs[seq.request_id] = _logprobs(logits[row], token_of[i], seq.params.logprobs)
+            # one sequence's failure (its sampler, its logprobs) is its own: it gets token -1 and its error in
+            # `last_errors`, and the engine fails it alone while the others keep their tokens
+            try:
+                token_of[i] = greedy[row] if seq.params.greedy else \
+                    self.sampler.sample(seq.request_id, logits[row], seq.params)
+                if seq.params.logprobs is not None:
+                    self.last_logprobs[seq.request_id] = _logprobs(logits[row], token_of[i], seq.params.logprobs)
+            except Exception as exc:
+                token_of[i] = -1
+                self.last_errors[seq.request_id] = f"{type(exc).__name__}: {exc}"
         return [token_of[i] for i in sorted(samplers)]
 
     def release(self, request_id: str) -> None:

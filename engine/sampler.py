@@ -1,4 +1,8 @@
-"""Turns one sequence's logits into its next token: greedy, temperature, top-k, top-p, seeded."""
+"""Turns one sequence's logits into its next token: greedy, temperature, top-k, top-p, seeded.
+
+A seeded request gets its own torch.Generator, which takes any seed in 0..2^64-1 (SamplingParams checks
+the range, so the generator never sees a seed it would refuse).
+"""
 
 from __future__ import annotations
 
@@ -15,7 +19,9 @@ class Sampler:
         # logits: [V] float32
         if params.greedy:
             return int(torch.argmax(logits))
-        logits = logits / params.temperature
+        # shift first: every logit is then <= 0, so dividing by a small temperature can reach -inf (a
+        # probability of 0) but never +inf, and softmax never sees inf - inf = NaN
+        logits = (logits - logits.max()) / params.temperature
         if params.top_k > 0 and params.top_k < logits.numel():
             kth = torch.topk(logits, params.top_k).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))

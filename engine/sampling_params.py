@@ -1,8 +1,31 @@
-"""How a sequence's next token is chosen and when it ends."""
+"""How a sequence's next token is chosen and when it ends.
+
+The engine checks every parameter again, whoever calls it (the HTTP server validates with the same bounds
+from wire/chat_request.py, but a direct caller of `LLMEngine.generate` does not go through it): a value the
+sampler cannot handle safely is an `EngineInputError` naming the field, never a dead engine loop.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+from wire.chat_request import MAX_SEED, MAX_STOP_CHARS, MAX_STOP_SEQUENCES, MIN_TEMPERATURE
+
+MAX_TEMPERATURE = 2.0
+MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's top_logprobs
+
+
+class EngineInputError(ValueError):
+    """The request can never be served by this engine (a bad parameter, too long, empty); maps to HTTP 400.
+
+    `param` names the offending request field; `code` is the OpenAI error code.
+    """
+
+    def __init__(self, message: str, *, param: str | None = None, code: str = "invalid_value") -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
 
 
 @dataclass
@@ -16,6 +39,48 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; N: each made token's log-probability and the N most likely others
 
+    def __post_init__(self) -> None:
+        self.check()
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def check(self) -> None:
+        """Raise EngineInputError naming the first field the sampler cannot honour safely."""
+        t = self.temperature
+        if not _is_number(t) or not (t == 0.0 or MIN_TEMPERATURE <= t <= MAX_TEMPERATURE):
+            _refuse("temperature", f"must be 0 (greedy) or within [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}]", t)
+        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            _refuse("top_p", "must be within (0, 1]", self.top_p)
+        if not _is_int(self.top_k) or self.top_k < -1:
+            _refuse("top_k", "must be -1 (off), 0 (off) or a positive integer", self.top_k)
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            _refuse("max_tokens", "must be an integer of at least 1", self.max_tokens)
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
+            _refuse("seed", f"must be an integer within 0..{MAX_SEED}", self.seed)
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
+            _refuse("stop", "must be a list of strings", type(self.stop).__name__)
+        if len(self.stop) > MAX_STOP_SEQUENCES:
+            _refuse("stop", f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed", len(self.stop))
+        if any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            _refuse("stop", f"each stop sequence may have at most {MAX_STOP_CHARS} characters",
+                    max(len(s) for s in self.stop))
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            _refuse("logprobs", f"must be within 0..{MAX_LOGPROBS}", self.logprobs)
+
+
+def _is_number(value: object) -> bool:
+    if isinstance(value, float):
+        return math.isfinite(value)
+    return _is_int(value)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _refuse(param: str, rule: str, value: object) -> None:
+    shown = repr(value)
+    shown = shown if len(shown) <= 40 else shown[:40] + "…"
+    raise EngineInputError(f"{param} {rule} (got {shown})", param=param)

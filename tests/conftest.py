@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from engine.model_source import DEFAULT_MODEL, prepare_model
+from assets.model_source import DEFAULT_MODEL, prepare_model
 from gateway.app import create_app
 from gateway.settings import Settings
 from gateway.tenants.store import ADMIN, TenantStore

@@ -7,6 +7,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from assets.builds import BudgetError, parse_budget
+
 Money = Annotated[Decimal, Field(ge=0, max_digits=18, decimal_places=12)]
 
 
@@ -23,11 +25,9 @@ class DistillSpec(BaseModel):
     @field_validator("budget")
     @classmethod
     def _budget(cls, value: str) -> str:
-        from engine.distill import DistillError, parse_budget
-
         try:
             parse_budget(value)
-        except DistillError as exc:
+        except BudgetError as exc:
             raise ValueError(str(exc)) from exc
         return value
 

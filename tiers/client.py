@@ -2,8 +2,9 @@
 
 What crosses this boundary: an OpenAI chat-completions body goes in; parsed stream chunks (dicts) come
 out, in order, ending after the upstream's `[DONE]`. httpx errors become `tiers.errors` exceptions here
-and nowhere else. Closing the iterator early closes the upstream connection, which tells the engine to
-abort the request.
+and nowhere else, and so does an error event inside a stream (`data: {"error": {...}}`, what an upstream
+sends when it fails after the headers): UpstreamRejected with that body, never content. Closing the
+iterator early closes the upstream connection, which tells the engine to abort the request.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 import httpx
 
 from tiers.errors import UpstreamProtocolError, UpstreamRejected, UpstreamTimedOut, UpstreamUnreachable
+from wire.responses import sse_data
 
 
 class TierClient:
@@ -50,20 +52,29 @@ class TierClient:
                 if resp.status_code != 200:
                     raise UpstreamRejected(resp.status_code, _json_or_text(await resp.aread()))
                 async for line in resp.aiter_lines():
-                    if not line.startswith("data:"):
+                    if (data := sse_data(line)) is None:
                         continue
-                    data = line[5:].strip()
                     if data == "[DONE]":
                         return
                     try:
-                        yield json.loads(data)
+                        chunk = json.loads(data)
                     except json.JSONDecodeError as exc:
                         raise UpstreamProtocolError(f"{url}: a stream chunk is not JSON: {data[:200]!r}") from exc
+                    if isinstance(chunk, dict) and chunk.get("error") is not None:
+                        # the upstream failed after the headers were sent: an error event, not content
+                        raise UpstreamRejected(_stream_error_status(chunk), chunk)
+                    yield chunk
                 raise UpstreamProtocolError(f"{url}: the stream ended without [DONE]")
         except httpx.TimeoutException as exc:
             raise UpstreamTimedOut(f"{url}: {type(exc).__name__}") from exc
         except httpx.HTTPError as exc:
             raise UpstreamUnreachable(f"{url}: {exc!r}") from exc
+
+
+def _stream_error_status(chunk: dict[str, Any]) -> int:
+    """The HTTP status an error event stands for: 503 for a stopped engine, 500 for any other failure."""
+    err = chunk.get("error")
+    return 503 if isinstance(err, dict) and err.get("code") == "engine_dead" else 500
 
 
 def _json_or_text(content: bytes) -> dict[str, Any]:

@@ -1,11 +1,11 @@
 """The difficulty predictor: for one request, how faithful each cheaper tier's answer would be to `full`'s.
 
 The model is one ridge regression per cheaper tier on standardized [MiniLM embedding | simple features]
-(tiers/router_features.py) → fidelity (tiers/fidelity.py), clipped to [0, 1]; the reference tier is 1.0
+(tiers/router_features.py) → fidelity (training/fidelity.py), clipped to [0, 1]; the reference tier is 1.0
 by definition. Why ridge: a few hundred labelled prompts are what a first-use build can afford on a CPU,
 and with ~400 inputs a linear model with its penalty chosen by cross-validation is what that much data
 supports (a deeper model would fit noise); it needs only numpy, trains in milliseconds and predicts in
-microseconds once the embedding is made. tiers/router_training.py builds it.
+microseconds once the embedding is made. training/router_training.py builds it.
 
 The artifact is one JSON file (about 20 KB per tier): format and version, the feature spec, per-tier
 standardization and weights, how it was trained (prompts, tokens, seed, training-set size, CV error) and

@@ -31,6 +31,8 @@ from typing import Any
 
 import numpy as np
 
+from wire.chat_request import SYSTEM_ROLES
+
 FEATURE_VERSION = "router-features-v1"
 TEXT_WINDOW = 8192  # characters of the last user turn the features read; router training prompts are shorter
 EMBEDDING = "all-MiniLM-L6-v2:last-user-turn"
@@ -144,7 +146,7 @@ def simple_features(messages: Sequence[dict[str, Any]], num_tokens_last_user: fl
     values = [
         math.log1p(len(last)), math.log1p(num_tokens_last_user), math.log1p(chars_conversation),
         float(sum(1 for m in messages if m.get("role") == "user")),
-        float(any(m.get("role") in ("system", "developer") for m in messages)),
+        float(any(m.get("role") in SYSTEM_ROLES for m in messages)),
         float(has_code(head)), float("```" in head), non_ascii, non_latin,
         sum(c.isdigit() for c in head) / max(len(head), 1), math.log1p(scaled_count(head.count("\n"), head, last)),
         float(last[-TEXT_WINDOW:].rstrip().endswith("?")), float(bool(_URL.search(head))),

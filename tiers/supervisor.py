@@ -17,7 +17,7 @@ breaker on their own. The replica is marked down when the engine is killed.
 Trust. Each start gets a random nonce, passed in ENGINE_INSTANCE_ENV; a /health counts only when its JSON
 says `"instance"` is that nonce, so a stranger that took the port in the race between `free_port` and the
 engine's bind is never taken for the engine. Engines die with the gateway, even a SIGKILLed one
-(engine.parent_watch); they are spawned from the event loop's thread, which lives until `stop()` has ended them.
+(assets/parent_watch.py); they are spawned from the event loop's thread, which lives until `stop()` has ended them.
 """
 
 from __future__ import annotations
@@ -32,13 +32,13 @@ import sys
 import time
 from pathlib import Path
 
-from engine.model_source import is_prepared, resolve_model
-from engine.parent_watch import ENGINE_INSTANCE_ENV, die_with_parent
+from assets.builds import build_progress
+from assets.model_source import is_prepared, resolve_model
+from assets.parent_watch import ENGINE_INSTANCE_ENV, die_with_parent
 from tiers.catalogue import TierSpec
 from tiers.client import TierClient
 from tiers.errors import TierError, UpstreamRejected
 from tiers.replica import Replica
-from tiers.students import build_progress
 
 log = logging.getLogger("tiergate.supervisor")
 BACKOFF_START_S = 1.0

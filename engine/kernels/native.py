@@ -42,7 +42,7 @@ def load() -> Any | None:
         return None
     from torch.utils.cpp_extension import _get_build_directory, load_inline
 
-    from engine.model_source import file_lock
+    from assets.locks import file_lock
 
     log.info("loading the native CPU kernels (their first use on a machine compiles them: a minute or two)")
     try:

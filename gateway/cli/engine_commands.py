@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from engine.model_source import BUILTIN_MODELS, DEFAULT_MODEL, ModelSourceError, prepare_model
+from assets.model_source import BUILTIN_MODELS, DEFAULT_MODEL, ModelSourceError, prepare_model
 from gateway.cli.options import data_dir_option, settings_from
 
 
@@ -78,9 +78,10 @@ def distill_command(teacher: str, layers: int | None, budget: str | None, out: P
     directory (safetensors, config, tokenizer, chat template) with a model card (README.md) holding its
     measured agreement with the teacher and perplexity on held-out ShareGPT text.
     """
+    from assets.builds import BuildInProgress
     from gateway.config_files import ConfigFileError, load_yaml
     from tiers.catalogue import TierCatalogue
-    from tiers.students import BuildInProgress, StudentRequest, build_student
+    from training.students import StudentRequest, build_student
 
     settings = settings_from(data_dir=data_dir, models_dir=models_dir, tiers_file=tiers_file)
     try:

@@ -16,11 +16,11 @@ import subprocess
 import sys
 import threading
 
-from engine.model_source import is_prepared, resolve_model
-from engine.parent_watch import die_with_parent
+from assets.builds import is_building
+from assets.model_source import is_prepared, resolve_model
+from assets.parent_watch import die_with_parent
 from gateway.settings import Settings
 from tiers.catalogue import TierCatalogue
-from tiers.students import is_building
 
 log = logging.getLogger("tiergate.first_use")
 
@@ -50,7 +50,7 @@ def build_commands(settings: Settings, catalogue: TierCatalogue) -> list[list[st
 def start_background_builds(settings: Settings, catalogue: TierCatalogue) -> threading.Thread | None:
     """Run the missing builds one after another in a daemon thread; children end with the gateway.
 
-    They end with it even when it is SIGKILLed: each child gets the parent-death signal (engine.parent_watch).
+    They end with it even when it is SIGKILLed: each child gets the parent-death signal (assets/parent_watch.py).
     """
     if not settings.build_missing_models:
         return None

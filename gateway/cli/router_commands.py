@@ -63,8 +63,8 @@ def train(if_missing: bool, num_prompts: int, max_tokens: int, max_prompt_tokens
     from gateway.config_files import ConfigFileError, load_yaml
     from tiers.catalogue import TierCatalogue
     from tiers.difficulty import default_artifact_path
-    from tiers.router_training import RouterTrainingError, ensure_difficulty_model
-    from tiers.router_training import train as train_model
+    from training.router_training import RouterTrainingError, ensure_difficulty_model
+    from training.router_training import train as train_model
 
     settings = settings_from(data_dir=data_dir, models_dir=models_dir, tiers_file=tiers_file)
     try:

@@ -11,14 +11,16 @@ from pathlib import Path
 
 import click
 import httpx
+from litestar import Litestar
 
-from engine.model_source import BUILTIN_MODELS, is_prepared
-from gateway.admission import tokenizer_source
+from assets.model_source import BUILTIN_MODELS, is_prepared
 from gateway.app import create_app, load_config
 from gateway.bootstrap import banner, ensure_bootstrap
 from gateway.cli.first_use import start_background_builds
 from gateway.cli.options import data_dir_option, settings_from
 from gateway.config_files import ConfigFileError
+from gateway.pipeline.prompt import tokenizer_source
+from gateway.routes.health import readiness
 from gateway.settings import Settings
 from gateway.tenants.store import TenantStore
 
@@ -65,31 +67,36 @@ def serve(host: str | None, port: int | None, tiers_file: Path | None, plans_fil
         keys = ensure_bootstrap(store, plans, settings.data_dir)
     finally:
         store.close()
-    threading.Thread(target=_announce_when_ready, args=(settings, keys), daemon=True).start()
+    app = create_app(settings)
+    threading.Thread(target=_announce_when_ready, args=(app, settings, keys), daemon=True).start()
     start_background_builds(settings, catalogue)
 
     import uvicorn
 
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="warning",
-                timeout_graceful_shutdown=5)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning", timeout_graceful_shutdown=5)
 
 
-def _announce_when_ready(settings: Settings, keys: dict[str, str] | None) -> None:
+def _announce_when_ready(app: Litestar, settings: Settings, keys: dict[str, str] | None) -> None:
+    """Print the banner once the port answers and every tier that can run is ready (read in process: the
+    public /health says only ready or not)."""
     url = f"http://{settings.host}:{settings.port}/health"
     last = ""
     while True:
         time.sleep(1.0)
+        services = getattr(app.state, "services", None)
         try:
-            resp = httpx.get(url, timeout=2.0)
+            httpx.get(url, timeout=2.0)
         except httpx.HTTPError:
             continue
-        if resp.status_code == 200:
-            body = resp.json()
-            for name, why in body.get("not_ready", {}).items():
+        if services is None:
+            continue
+        ready, details = readiness(services.fleet, services.ledger)
+        if ready:
+            for name, why in details["not_ready"].items():
                 click.echo(f"note: tier {name} is not available: {why}", err=True)
             click.echo(banner(keys, host=settings.host, port=settings.port, data_dir=settings.data_dir))
             return
-        waiting = ", ".join(sorted(resp.json().get("not_ready", {})))
+        waiting = ", ".join(sorted(details["not_ready"]))
         if waiting != last:
             click.echo(f"waiting for tiers to load: {waiting}", err=True)
             last = waiting

@@ -19,6 +19,9 @@ class CharTokenizer:
     def encode(self, text: str) -> list[int]:
         return [ord(c) for c in text]
 
+    def get_vocab(self) -> dict[str, int]:
+        return {chr(i): i for i in range(VOCAB)}
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return "".join(chr(i) for i in ids if i != EOS)
 
@@ -49,6 +52,7 @@ class ScriptedRunner:
         self.released: list[str] = []
         self.steps: list[SchedulerOutput] = []
         self.last_logprobs: dict[str, tuple[float, list[tuple[int, float]]]] = {}
+        self.last_errors: dict[str, str] = {}
 
     def run(self, out: SchedulerOutput) -> list[int]:
         if self.step_s:
@@ -81,3 +85,29 @@ def collect(outputs: Any) -> Any:
         return text, last
 
     return run()
+
+
+class FaultyRunner(ScriptedRunner):
+    """A ScriptedRunner that fails on cue, found in the prompt's text: `SAMPLE-FAIL` makes that sequence's
+    sampling fail (as the model runner reports it: token -1 and `last_errors`), `FORWARD-FAIL` makes the
+    whole forward pass of any step holding that sequence raise."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.last_errors: dict[str, str] = {}
+
+    def run(self, out: SchedulerOutput) -> list[int]:
+        if any("FORWARD-FAIL" in prompt_text(seq) for seq in out.seqs):
+            raise RuntimeError("the forward pass failed")
+        made = super().run(out)
+        self.last_errors = {}
+        sampled = [seq for seq, do_sample in zip(out.seqs, out.do_sample, strict=True) if do_sample]
+        for k, seq in enumerate(sampled):
+            if "SAMPLE-FAIL" in prompt_text(seq):
+                made[k] = -1
+                self.last_errors[seq.request_id] = "RuntimeError: sampling failed"
+        return made
+
+
+def prompt_text(seq: Any) -> str:
+    return "".join(chr(i) for i in seq.prompt_token_ids)

@@ -1,9 +1,11 @@
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
+from wire.chat_request import MIN_TEMPERATURE
 
 
 def test_greedy_and_degenerate_filters_pick_the_argmax() -> None:
@@ -32,3 +34,22 @@ def test_top_k_and_top_p_never_sample_outside_their_set() -> None:
     assert ks == {0, 1}
     ps = {s.sample("p", logits, SamplingParams(temperature=1.0, top_p=0.9, seed=2)) for _ in range(200)}
     assert ps <= {0, 1}
+
+
+@pytest.mark.parametrize("seed", [0, 2**63 - 1, 2**63, 2**64 - 1])
+def test_any_seed_in_range_samples_and_repeats(seed: int) -> None:
+    logits = torch.randn(100, generator=torch.Generator().manual_seed(0))
+    params = SamplingParams(temperature=0.7, seed=seed)
+    first = [Sampler().sample("a", logits, params) for _ in range(3)]
+    assert len(set(first)) == 1 and 0 <= first[0] < 100
+
+
+def test_sampling_is_overflow_safe_even_below_the_checked_temperature() -> None:
+    # SamplingParams refuses such a temperature; the sampler must not depend on it: divided unshifted,
+    # 5 / 1e-40 is inf in float32 and softmax turns inf - inf into NaN
+    logits = torch.tensor([5.0, 4.0, -3.0, 0.0])
+    for temperature in (1e-40, MIN_TEMPERATURE, 2.0):
+        params = SamplingParams(temperature=1.0, seed=0)
+        params.temperature = temperature
+        picks = {Sampler().sample("t", logits, params) for _ in range(5)}
+        assert picks == {0} if temperature < 1 else picks <= {0, 1, 2, 3}

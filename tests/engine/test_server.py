@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import httpx
 import openai
@@ -117,3 +119,121 @@ def test_disconnect_aborts_within_a_step_and_frees_the_sequence(served: tuple[st
         time.sleep(0.01)
     stats = eng.stats()
     assert stats.num_running == 0 and len(runner.released) == 1 and stats.num_kv_blocks_used == 0
+
+
+@pytest.mark.parametrize(("field", "value"), [("seed", 2**64), ("seed", -1), ("temperature", 1e-40),
+                                              ("top_p", 0), ("stop", ["x"] * 5), ("top_logprobs", 21)])
+def test_a_bad_sampling_parameter_is_a_400_naming_it(served: tuple[str, LLMEngine, ScriptedRunner], field: str,
+                                                      value: object) -> None:
+    url, eng, _ = served
+    body = {"model": "tiny", "messages": MSG, "temperature": 1.0, "logprobs": True, field: value}
+    r = httpx.post(f"{url}/v1/chat/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"].split(".")[0] == field
+    assert httpx.get(f"{url}/health").json()["status"] == "ok" and eng.dead_reason is None
+
+
+def test_the_largest_seed_samples(served: tuple[str, LLMEngine, ScriptedRunner]) -> None:
+    url, _, _ = served
+    r = httpx.post(f"{url}/v1/chat/completions", json={"model": "tiny", "messages": MSG, "seed": 2**64 - 1,
+                                                       "temperature": 0.5})
+    assert r.status_code == 200
+
+
+def test_health_reports_the_instance_the_supervisor_gave(monkeypatch: pytest.MonkeyPatch) -> None:
+    eng = LLMEngine(ScriptedRunner(), CharTokenizer())
+    monkeypatch.setenv("TIERGATE_ENGINE_INSTANCE", "nonce-123")
+    with_nonce = ServerThread(create_engine_app(eng, model_name="tiny", model_version="v1")).start()
+    monkeypatch.delenv("TIERGATE_ENGINE_INSTANCE")
+    without = ServerThread(create_engine_app(eng, model_name="tiny", model_version="v1")).start()
+    try:
+        assert httpx.get(f"{with_nonce.url}/health").json()["instance"] == "nonce-123"
+        assert httpx.get(f"{without.url}/health").json()["instance"] is None
+    finally:
+        with_nonce.stop()
+        without.stop()
+
+
+class CountingTokenizer(CharTokenizer):
+    """Counts tokenizer calls; each takes `delay_s` (a huge prompt)."""
+
+    def __init__(self, delay_s: float = 0.0) -> None:
+        self.delay_s = delay_s
+        self.calls = 0
+
+    def __call__(self, text: str, add_special_tokens: bool = False) -> dict[str, list[int]]:
+        self.calls += 1
+        time.sleep(self.delay_s)
+        return super().__call__(text, add_special_tokens)
+
+
+def slowest_health_while(url: str, body: dict[str, object]) -> tuple[float, httpx.Response]:
+    """Post `body` and poll /health until it is answered; the slowest /health and the answer."""
+    slowest = 0.0
+    with ThreadPoolExecutor(1) as pool:
+        chat = pool.submit(httpx.post, f"{url}/v1/chat/completions", json=body, timeout=60)
+        time.sleep(0.05)
+        while not chat.done():
+            t0 = time.perf_counter()
+            assert httpx.get(f"{url}/health", timeout=30).status_code == 200
+            slowest = max(slowest, time.perf_counter() - t0)
+            time.sleep(0.02)
+        return slowest, chat.result()
+
+
+def test_tokenizing_a_prompt_does_not_block_the_server() -> None:
+    tokenizer = CountingTokenizer(delay_s=2.0)
+    eng = LLMEngine(ScriptedRunner(max_model_len=512), tokenizer)
+    eng.start()
+    server = ServerThread(create_engine_app(eng, model_name="tiny", model_version="v1")).start()
+    try:
+        slowest, answer = slowest_health_while(server.url, {"model": "tiny", "messages": MSG, "max_tokens": 3})
+        assert answer.status_code == 200 and tokenizer.calls == 1
+        assert slowest < 0.8, f"/health took {slowest:.2f}s while a prompt was tokenized (2 s)"
+    finally:
+        server.stop()
+        eng.shutdown()
+
+
+def byte_level_tokenizer() -> Any:
+    """A real transformers fast tokenizer (byte-level, one token per byte), to test the GIL, not a stand-in."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk)
+    tok.chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}>"
+    return tok
+
+
+def test_a_real_tokenizer_on_a_megabyte_prompt_lets_the_event_loop_run() -> None:
+    # transformers' call releases the GIL (tokenizers' encode_batch); `Tokenizer.encode` would hold it
+    # for the whole 1-2 s this takes here (measured: /health then takes 1.5 s; with the call, under 0.3 s)
+    eng = LLMEngine(ScriptedRunner(max_model_len=2_000_000), byte_level_tokenizer())
+    eng.start()
+    server = ServerThread(create_engine_app(eng, model_name="tiny", model_version="v1")).start()
+    try:
+        huge = [{"role": "user", "content": "hello world 123 " * 60_000}]
+        slowest, answer = slowest_health_while(server.url, {"model": "tiny", "messages": huge, "max_tokens": 3})
+        assert answer.status_code == 400 and "KV cache holds" in answer.json()["error"]["message"]  # tokenized
+        assert slowest < 0.8, f"/health took {slowest:.2f}s while a 1 MB prompt was tokenized"
+    finally:
+        server.stop()
+        eng.shutdown()
+
+
+def test_text_longer_than_the_context_could_hold_is_refused_before_tokenizing() -> None:
+    tokenizer = CountingTokenizer()
+    eng = LLMEngine(ScriptedRunner(max_model_len=512), tokenizer)  # one character per token at most: 512
+    eng.start()
+    server = ServerThread(create_engine_app(eng, model_name="tiny", model_version="v1")).start()
+    try:
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "x" * 600}]}
+        r = httpx.post(f"{server.url}/v1/chat/completions", json=body)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+        assert r.json()["error"]["param"] == "messages" and tokenizer.calls == 0
+    finally:
+        server.stop()
+        eng.shutdown()

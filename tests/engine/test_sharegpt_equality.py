@@ -11,7 +11,7 @@ import torch
 from tokenizers import Tokenizer
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from engine.datasets import sharegpt_first_turns
+from assets.datasets import sharegpt_first_turns
 from engine.model_runner import ModelRunner
 from tests.conftest import MODELS_DIR
 from tests.engine.driver import assert_same_or_near_tie, generate_greedy

@@ -1,4 +1,5 @@
-"""The difficulty model: fidelity score, features, ridge fit, artifact round-trip and rejection."""
+"""The difficulty model: features, artifact round-trip and rejection (its fidelity labels and ridge fit are
+tested in tests/training/)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,6 @@ import numpy as np
 import pytest
 
 from tiers.difficulty import DifficultyModel, RidgeHead, default_artifact_path, load_difficulty_model
-from tiers.fidelity import EMBED_FLOOR, answer_fidelity, combine, semantic_similarity
-from tiers.ridge import fit_head, ridge_fit
 from tiers.router_features import (
     EMBEDDING_DIM,
     SIMPLE_FEATURES,
@@ -44,37 +43,6 @@ class HashEmbedder:
 
 def user(text: str) -> list[dict]:
     return [{"role": "user", "content": text}]
-
-
-# ---- fidelity ----
-
-def test_identical_answers_score_one_and_unrelated_ones_lower() -> None:
-    emb = HashEmbedder()
-    ref = ["Paris is the capital of France, on the Seine.", "Use a dict comprehension: {k: v for k, v in items}."]
-    same = answer_fidelity(ref, ref, [1.0, 1.0], emb)
-    assert same == pytest.approx([1.0, 1.0])
-    unrelated = answer_fidelity(["Bananas are yellow and rich in potassium.", "I like trains very much."], ref,
-                                [0.1, 0.1], emb)
-    close = answer_fidelity(["Paris is the capital of France.", "Use a dict comprehension: {k: v for k in items}."],
-                            ref, [0.8, 0.8], emb)
-    assert np.all(unrelated < close) and np.all(close < 1.0) and np.all(unrelated < 0.3)
-
-
-def test_fidelity_parts_are_bounded_and_weighted() -> None:
-    a = np.eye(3)[:2]
-    assert semantic_similarity(a, a) == pytest.approx([1.0, 1.0])
-    assert semantic_similarity(a, -a) == pytest.approx([0.0, 0.0])  # clipped at 0
-    b = np.array([[EMBED_FLOOR, np.sqrt(1 - EMBED_FLOOR ** 2), 0.0]])  # cosine = the floor with a[0]
-    assert semantic_similarity(a[:1], b) == pytest.approx([0.0], abs=1e-9)
-    assert combine(1.0, 0.0) == pytest.approx(0.5) and combine(0.4, 0.8) == pytest.approx(0.6)
-    assert combine(2.0, -1.0) == pytest.approx(0.5)
-
-
-def test_empty_answers() -> None:
-    emb = HashEmbedder()
-    assert answer_fidelity(["", "hi there"], ["", ""], [1.0, 0.0], emb) == pytest.approx([1.0, 0.0])
-    with pytest.raises(ValueError):
-        answer_fidelity(["a"], ["a", "b"], [1.0], emb)
 
 
 # ---- features ----
@@ -112,33 +80,6 @@ def test_feature_rows_and_length() -> None:
     i = EMBEDDING_DIM + SIMPLE_FEATURES.index("log_tokens_last_user")
     assert x[1, i] > x[0, i]
     assert np.linalg.norm(x[0, :EMBEDDING_DIM]) == pytest.approx(1.0)
-
-
-# ---- ridge ----
-
-def test_ridge_recovers_a_planted_linear_relation() -> None:
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(400, 10)) * rng.uniform(0.5, 3, size=10) + rng.normal(size=10)
-    w = rng.normal(size=10)
-    y = 0.3 + x @ w + rng.normal(scale=0.01, size=400)
-    mean, scale, coef, b = ridge_fit(x, y, alpha=1e-6)
-    assert coef / scale == pytest.approx(w, abs=0.01)
-    assert b - (mean / scale) @ coef == pytest.approx(0.3, abs=0.02)
-    # the dual form (fewer rows than columns) gives the primal's weights
-    xs, ys = x[:8], y[:8]
-    _, _, dual, _ = ridge_fit(xs, ys, alpha=0.5)
-    m, s = xs.mean(0), xs.std(0)
-    z = (xs - m) / s
-    assert dual == pytest.approx(np.linalg.solve(z.T @ z + 0.5 * np.eye(10), z.T @ (ys - ys.mean())))
-
-
-def test_cv_picks_a_small_penalty_for_signal_and_a_large_one_for_noise() -> None:
-    rng = np.random.default_rng(1)
-    x = rng.normal(size=(200, 20))
-    signal = fit_head(x, np.clip(0.5 + 0.1 * x[:, 0] - 0.05 * x[:, 1], 0, 1))
-    noise = fit_head(x, rng.uniform(0, 1, size=200))
-    assert signal.cv_rmse < 0.3 * signal.baseline_rmse and signal.alpha < noise.alpha
-    assert noise.cv_rmse >= 0.95 * noise.baseline_rmse  # nothing to learn: no better than the mean
 
 
 # ---- the artifact ----

@@ -117,7 +117,7 @@ def test_a_first_start_is_not_an_outage_but_a_restart_is() -> None:
 async def test_an_unbuilt_model_is_preparing_while_its_build_runs(tmp_path: Path) -> None:
     import json
 
-    from tiers.students import build_lock, work_dir_for
+    from assets.builds import build_lock, work_dir_for
 
     out = tmp_path / "students" / "small"
     client = TierClient()

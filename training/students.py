@@ -1,24 +1,23 @@
-"""Building a tier's model by distillation: what `tiergate models distill` and `tiergate serve` run.
+"""Building a tier's model by distillation: what `tiergate models distill` runs (and `tiergate serve`, as a
+child process, on first use).
 
-One build per output directory at a time (an exclusive lock next to it; a second caller is told who holds
-it); progress goes to `<work dir>/progress.json` so the gateway can say "preparing: 40%" while it waits.
+One build per output directory at a time, under assets/builds.py's lock (a second caller is told who holds
+it); progress goes where assets/builds.py's `build_progress` reads it, so the gateway can say "preparing:
+40%" while it waits. The student is measured on held-out ShareGPT text and the result written into its
+model card.
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import json
-import os
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.distill import DistillConfig, distill, parse_budget
-from engine.model_source import ModelSourceError, is_model_dir, prepare_model, resolve_model
+from assets.builds import build_lock, parse_budget, work_dir_for, write_progress
+from assets.model_source import ModelSourceError, is_model_dir, prepare_model, resolve_model
 from tiers.catalogue import TierCatalogue
+from training.distill import DistillConfig, distill
 
 DEFAULT_LAYERS = 8
 DEFAULT_BUDGET = "10m"
@@ -42,62 +41,6 @@ class StudentRequest:
     device: str = "cpu"
     threads: int | None = None
     restart: bool = False
-
-
-class BuildInProgress(Exception):
-    """Another process is building this model now."""
-
-
-def work_dir_for(out: Path) -> Path:
-    return out.parent / f".{out.name}.work"
-
-
-def lock_path_for(out: Path) -> Path:
-    return out.parent / f".{out.name}.lock"
-
-
-@contextlib.contextmanager
-def build_lock(out: Path) -> Iterator[None]:
-    """Hold the one-builder lock of `out`, or raise BuildInProgress at once."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock_path_for(out), "a+") as fh:
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            fh.seek(0)
-            raise BuildInProgress(f"{out} is being built by process {fh.read().strip() or '?'}") from None
-        fh.seek(0)
-        fh.truncate()
-        fh.write(str(os.getpid()))
-        fh.flush()
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
-def is_building(out: Path) -> bool:
-    """Whether some process holds `out`'s build lock now."""
-    path = lock_path_for(out)
-    if not path.exists():
-        return False
-    with open(path) as fh:
-        try:
-            fcntl.flock(fh, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        fcntl.flock(fh, fcntl.LOCK_UN)
-    return False
-
-
-def build_progress(out: Path) -> dict[str, Any] | None:
-    """The running build's last progress record, if one is running."""
-    if not is_building(out):
-        return None
-    try:
-        return json.loads((work_dir_for(out) / "progress.json").read_text())
-    except (OSError, ValueError):
-        return {}
 
 
 def build_student(req: StudentRequest, *, catalogue: TierCatalogue, models_dir: Path,
@@ -136,7 +79,7 @@ def build_student(req: StudentRequest, *, catalogue: TierCatalogue, models_dir: 
 
     def on_step(step: int, record: dict[str, float]) -> None:
         if step % 5 == 0 or step == 1:
-            _write_progress(work, {**record, "budget_s": budget_s, "steps": steps, "at": time.time()})
+            write_progress(out, {**record, "budget_s": budget_s, "steps": steps, "at": time.time()})
 
     with build_lock(out):
         result = distill(teacher_dir, out, config, work_dir=work, progress=progress, restart=req.restart,
@@ -146,20 +89,13 @@ def build_student(req: StudentRequest, *, catalogue: TierCatalogue, models_dir: 
     return result.out_dir, card
 
 
-def _write_progress(work: Path, record: dict[str, Any]) -> None:
-    work.mkdir(parents=True, exist_ok=True)
-    tmp = work / "progress.json.tmp"
-    tmp.write_text(json.dumps(record))
-    tmp.replace(work / "progress.json")
-
-
 def measure_quality(teacher: Any, student: Any, keep: list[int]) -> dict[str, Any]:
     """Agreement and perplexity on held-out ShareGPT text: the student, its untrained start, the teacher."""
     from transformers import AutoTokenizer
 
-    from engine.distill_data import heldout_windows
-    from engine.distill_eval import compare, top1_and_nll
-    from engine.student import make_student
+    from training.distill_data import heldout_windows
+    from training.distill_eval import compare, top1_and_nll
+    from training.student import make_student
 
     tokenizer = AutoTokenizer.from_pretrained(teacher.name_or_path)
     windows = heldout_windows(tokenizer, seq_len=256, n_tokens=HELDOUT_TOKENS)

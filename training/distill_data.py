@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from engine.datasets import sharegpt_conversations
+from assets.datasets import sharegpt_conversations
 
 HELDOUT_EVERY = 50
 MAX_CONVERSATION_TOKENS = 2048  # longer conversations are cut, so one long chat does not fill whole batches

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from engine.student import logits
+from training.student import logits
 
 
 @torch.no_grad()

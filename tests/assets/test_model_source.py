@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.model_source import (
+from assets.model_source import (
     BUILTIN_MODELS,
     ModelSourceError,
     PackagedModel,

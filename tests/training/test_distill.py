@@ -13,13 +13,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from engine.distill import DistillConfig, DistillError, distill, parse_budget
-from engine.distill_data import heldout_windows
-from engine.distill_eval import compare, top1_and_nll
 from engine.model_runner import ModelRunner
-from engine.student import layer_subset, logits, make_student
 from tests.conftest import MODELS_DIR
 from tests.engine.driver import generate_greedy
+from training.distill import DistillConfig, DistillError, distill
+from training.distill_data import heldout_windows
+from training.distill_eval import compare, top1_and_nll
+from training.student import layer_subset, logits, make_student
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,17 +56,6 @@ def test_layer_subset_keeps_the_prefix_and_ends_at_the_last_layer() -> None:
     assert layer_subset(5, 5) == [0, 1, 2, 3, 4]
     with pytest.raises(ValueError):
         layer_subset(4, 5)
-
-
-def test_budget_parsing() -> None:
-    assert parse_budget("10m") == (600.0, None)
-    assert parse_budget("90s") == (90.0, None)
-    assert parse_budget("1.5h") == (5400.0, None)
-    assert parse_budget("500steps") == (None, 500)
-    assert parse_budget("3 steps") == (None, 3)
-    for bad in ("ten minutes", "0m", "-5s", "2.5steps", ""):
-        with pytest.raises(DistillError):
-            parse_budget(bad)
 
 
 def test_distillation_lowers_kl_and_raises_agreement(teacher_dir: Path, tmp_path: Path) -> None:

@@ -17,9 +17,9 @@ from gateway.cli.main import cli
 from tests.tiers.test_difficulty import HashEmbedder
 from tiers.catalogue import TierCatalogue
 from tiers.difficulty import default_artifact_path, load_difficulty_model
-from tiers.router_prompts import is_heldout, sharegpt_prompts
-from tiers.router_training import RouterTrainingError, ensure_difficulty_model, train
-from tiers.tier_answers import runnable_tiers
+from training.router_prompts import is_heldout, sharegpt_prompts
+from training.router_training import RouterTrainingError, ensure_difficulty_model, train
+from training.tier_answers import runnable_tiers
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -109,7 +109,7 @@ def test_nothing_to_train_without_a_cheaper_tier(catalogue: TierCatalogue, tmp_p
 
 def test_ensure_builds_once_and_under_a_lock(catalogue: TierCatalogue, tmp_path: Path,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    import tiers.router_training as rt
+    import training.router_training as rt
 
     calls = []
     real_train = rt.train

@@ -13,15 +13,16 @@ The pipeline, and why each step is the way it is:
    first-use build to minutes. Answers are cached per (tier model version, max_tokens, prompt) under a
    work directory, so re-runs and the benchmark only generate what is missing. A tier whose model is not
    built (e.g. `small` before `tiergate models distill`) is skipped with a message; the reference must run.
-3. Labels: each cheaper tier's answer is scored against the reference tier's answer (tiers/fidelity.py:
+3. Labels: each cheaper tier's answer is scored against the reference tier's answer (training/fidelity.py:
    0.5 × rescaled MiniLM cosine + 0.5 × teacher-forced top-1 agreement on the reference's tokens).
 4. Model: per cheaper tier, ridge regression on [MiniLM embedding | simple features] (tiers/
    router_features.py), standardized, the penalty chosen by 5-fold cross-validation over a log grid
    (closed form, numpy only). The artifact (tiers/difficulty.py) records the CV error next to the error of
    always predicting the mean, so anyone can see whether the features help.
 
-Step 1 lives in tiers/router_prompts.py, steps 2-3 in tiers/tier_answers.py (with the answer caches), the ridge
-fit in tiers/ridge.py; this module collects, fits, versions and saves, and builds the default on first use.
+Step 1 lives in training/router_prompts.py, steps 2-3 in training/tier_answers.py (with the answer caches), the
+ridge fit in training/ridge.py; this module collects, fits, versions and saves, and builds the default on first
+use. The artifact it writes is read at serving time by tiers/difficulty.py, which needs none of this package.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,12 +37,13 @@ from typing import Any
 
 import numpy as np
 
-from engine.model_source import file_lock
+from assets import offline_hub
+from assets.locks import file_lock
 from tiers.catalogue import TierCatalogue
 from tiers.difficulty import DifficultyModel, default_artifact_path, load_difficulty_model
-from tiers.ridge import fit_head
 from tiers.router_features import FeatureExtractor
-from tiers.router_prompts import (
+from training.ridge import fit_head
+from training.router_prompts import (
     HELDOUT_PERCENT,
     SPLIT_SALT,
     RouterTrainingError,
@@ -51,7 +52,7 @@ from tiers.router_prompts import (
     sharegpt_prompts,
     truncate_prompts,
 )
-from tiers.tier_answers import (
+from training.tier_answers import (
     Answer,
     agreement_scores,
     generate_answers,
@@ -93,7 +94,7 @@ def collect(catalogue: TierCatalogue, models_dir: Path, prompts: Sequence[str], 
             threads: int | None = None, max_num_seqs: int = 32, progress: bool = True,
             echo: Callable[[str], None] | None = None) -> Collected:
     """Run `prompts` through the reference and every runnable cheaper tier and score them."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    offline_hub()
     from transformers import AutoTokenizer
 
     echo = echo or (lambda msg: log.info("%s", msg))
@@ -125,7 +126,7 @@ def collect(catalogue: TierCatalogue, models_dir: Path, prompts: Sequence[str], 
         from cache.embedder import Embedder
 
         embedder = Embedder(num_threads=None)  # leaves torch's thread count as the engines had it
-    from tiers.fidelity import answer_fidelity
+    from training.fidelity import answer_fidelity
 
     fidelity = {name: answer_fidelity([a.text for a in answers[name]], [a.text for a in answers[ref]],
                                       agreement[name], embedder) for name in cheaper}

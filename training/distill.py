@@ -18,7 +18,6 @@ import contextlib
 import json
 import logging
 import math
-import os
 import shutil
 import time
 from collections.abc import Callable
@@ -26,7 +25,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.model_card import PROVENANCE, render
+from assets import offline_hub
+from assets.builds import work_dir_for
+from training.model_card import PROVENANCE, render
 
 log = logging.getLogger("tiergate.distill")
 TEACHER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
@@ -84,20 +85,20 @@ def distill(teacher_dir: Path, out_dir: Path, config: DistillConfig, *, work_dir
     `describe(teacher, student, keep)` runs before the student is written and returns what the model card
     adds (its measured quality); `extra` goes into the provenance file as given.
     """
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    offline_hub()
     import torch
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from engine.distill_data import TrainingWindows
-    from engine.student import embed, head, layer_subset, make_student, run_layers
+    from training.distill_data import TrainingWindows
+    from training.student import embed, head, layer_subset, make_student, run_layers
 
     if config.budget_s is None and config.steps is None:
         raise DistillError("give a budget: a time (--budget 10m) or a number of steps (--budget 500steps)")
     if config.threads:
         torch.set_num_threads(config.threads)
     device = torch.device(config.device)
-    work_dir = work_dir or out_dir.parent / f".{out_dir.name}.work"
+    work_dir = work_dir or work_dir_for(out_dir)
     ckpt_path = work_dir / "checkpoint.pt"
     if restart and ckpt_path.exists():
         ckpt_path.unlink()
@@ -252,23 +253,3 @@ def _save_student(student: Any, teacher_dir: Path, out_dir: Path, provenance: di
         shutil.rmtree(out_dir)
     staging.rename(out_dir)
 
-
-def parse_budget(text: str) -> tuple[float | None, int | None]:
-    """'10m', '90s', '1.5h' → (seconds, None); '500steps' or '500 steps' → (None, 500)."""
-    raw = text.strip().lower().replace(" ", "")
-    units = {"steps": None, "step": None, "h": 3600.0, "m": 60.0, "min": 60.0, "s": 1.0}
-    for suffix, scale in units.items():
-        if raw.endswith(suffix):
-            number = raw[: -len(suffix)]
-            try:
-                value = float(number)
-            except ValueError:
-                break
-            if value <= 0:
-                break
-            if scale is None:
-                if value != int(value):
-                    break
-                return None, int(value)
-            return value * scale, None
-    raise DistillError(f"budget {text!r}: use a time like 10m, 90s, 1h or a step count like 500steps")

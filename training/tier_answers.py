@@ -1,4 +1,4 @@
-"""Which tiers can answer, and their answers, cached (steps 2 and 3 of tiers/router_training.py).
+"""Which tiers can answer, and their answers, cached (steps 2 and 3 of training/router_training.py).
 
 Every prepared local tier answers every prompt greedily in an in-process engine; a cheaper tier's answers are
 then scored by teacher-forced top-1 agreement on the reference tier's tokens. Both are cached per tier
@@ -12,15 +12,16 @@ import asyncio
 import hashlib
 import json
 import logging
-import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from assets import offline_hub
+from assets.model_source import is_prepared, resolve_model
 from tiers.catalogue import TierCatalogue, TierSpec
-from tiers.router_prompts import RouterTrainingError, chat_prompt_ids, conversation, prompt_key
+from training.router_prompts import RouterTrainingError, chat_prompt_ids, conversation, prompt_key
 
 log = logging.getLogger("tiergate.router")
 
@@ -37,8 +38,6 @@ def reference_tier(catalogue: TierCatalogue, reference: str | None = None) -> st
 def runnable_tiers(catalogue: TierCatalogue, models_dir: Path, wanted: Sequence[str] | None = None
                    ) -> tuple[list[TierSpec], dict[str, str]]:
     """The local tiers whose models are built, cheapest first, and why each other wanted tier is skipped."""
-    from engine.model_source import is_prepared
-
     names = list(wanted) if wanted else list(catalogue.tiers)
     unknown = [n for n in names if n not in catalogue.tiers]
     if unknown:
@@ -59,8 +58,6 @@ def runnable_tiers(catalogue: TierCatalogue, models_dir: Path, wanted: Sequence[
 
 
 def tier_model_dir(spec: TierSpec, models_dir: Path) -> Path:
-    from engine.model_source import resolve_model
-
     return resolve_model(spec.model, models_dir)
 
 
@@ -181,10 +178,10 @@ def agreement_scores(spec: TierSpec, models_dir: Path, prompts: Sequence[str], r
     cache = JsonlCache(work_dir / "agreement" / name)
     missing = [i for i, p in enumerate(prompts) if prompt_key(p) not in cache.records]
     if missing:
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        offline_hub()
         from transformers import AutoTokenizer
 
-        from tiers.fidelity import load_scoring_model, teacher_forced_agreement
+        from training.fidelity import load_scoring_model, teacher_forced_agreement
 
         model_dir = tier_model_dir(spec, models_dir)
         tok = AutoTokenizer.from_pretrained(model_dir)

@@ -1,0 +1,292 @@
+"""A hostile tenant against a victim, through `tiergate serve` with the real SmolLM2 engines (mid and full).
+
+    .venv/bin/python -m bench.hostile_tenant [--victim-requests 40] [--out results.json]
+
+The victim sends short requests in a loop, one at a time, alternating `mid` and `full` (cache bypassed,
+so every one runs on an engine). Its latency is measured alone, then while the attacker repeats each
+attack from several threads, all in one run. For each attack the table gives the victim's p50 and p95 and
+their ratio to the victim alone, and the status codes the attacker got. Isolation holds when every victim
+request succeeds, the victim's p95 stays within 3x of alone, and the attacker never gets a 5xx.
+
+The attacks are classes, not strings (tests/adversarial/ runs the same ones with fewer requests):
+regex bait (a cached digit prompt, then megabytes of digits), one 100k-character word on `auto`, seeds
+and temperatures at and past their bounds, stop strings at and past their limits, thousands of messages,
+deeply nested JSON, unknown and unsupported fields, and a flood that the tenant's rate limit refuses.
+
+Honours the same TIERGATE_* settings as `tiergate serve` (models directory, engine threads through the
+tiers file it writes). The machine's CPU and the engines' thread counts are printed with the results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import re
+import signal
+import string
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+VICTIM_BODY = {"messages": [{"role": "user", "content": "Say hello in one short sentence."}], "max_tokens": 8,
+               "temperature": 0}
+PLANS = """
+default_plan: standard
+plans:
+  standard:
+    priority: standard
+    allowed_tiers: [mid, full]
+    default_tier: mid
+  attacker:
+    priority: standard
+    allowed_tiers: [mid, full]
+    default_tier: mid
+    limits: {rpm: 100000, max_concurrent: 8}
+  flooder:
+    priority: standard
+    allowed_tiers: [mid, full]
+    default_tier: mid
+    limits: {rpm: 5, max_concurrent: 2}
+"""
+
+
+@dataclass
+class Served:
+    url: str
+    proc: subprocess.Popen[str]
+    admin_key: str
+    victim_key: str
+    attacker_key: str = ""
+    flooder_key: str = ""
+
+
+@dataclass(frozen=True)
+class Attack:
+    """One class of hostile request: `send` makes one and returns its status code."""
+
+    name: str
+    send: Callable[[httpx.Client], int]
+    threads: int = 2
+
+
+@dataclass
+class Phase:
+    name: str
+    victim_s: list[float] = field(default_factory=list)
+    victim_failed: list[str] = field(default_factory=list)
+    attacker: Counter[int] = field(default_factory=Counter)
+
+    def p(self, q: float) -> float:
+        values = sorted(self.victim_s)
+        return values[min(len(values) - 1, round(q * (len(values) - 1)))]
+
+
+@contextmanager
+def served(models_dir: Path, *, engine_threads: int = 1) -> Iterator[Served]:
+    """`tiergate serve` on a free port with the real tiers (`small` left unbuilt) and the plans above."""
+    with tempfile.TemporaryDirectory(prefix="tiergate-hostile-") as tmp:
+        data = Path(tmp)
+        tiers = (ROOT / "tiers" / "tiers.yaml").read_text().replace(
+            "model: students/smollm2-small", "model: students/not-built-here")
+        tiers = re.sub(r"(\n  (mid|full):\n)", rf"\1    threads: {engine_threads}\n", tiers)
+        (data / "tiers.yaml").write_text(tiers)
+        (data / "plans.yaml").write_text(PLANS)
+        port = _free_port()
+        env = os.environ | {"TIERGATE_MODELS_DIR": str(models_dir), "TIERGATE_DATA_DIR": str(data / "data"),
+                            "TIERGATE_PORT": str(port), "TIERGATE_TIERS_FILE": str(data / "tiers.yaml"),
+                            "TIERGATE_PLANS_FILE": str(data / "plans.yaml"), "TIERGATE_BUILD_MISSING_MODELS": "0"}
+        proc = subprocess.Popen([sys.executable, "-m", "gateway.cli.main", "serve"], env=env, text=True, cwd=ROOT,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        output: list[str] = []
+        threading.Thread(target=lambda: output.extend(iter(proc.stdout.readline, "")), daemon=True).start()  # type: ignore[union-attr]
+        try:
+            deadline = time.time() + 500
+            while not any("Or with the OpenAI Python client" in line for line in output):
+                if proc.poll() is not None or time.time() > deadline:
+                    raise RuntimeError("tiergate serve did not become ready:\n" + "".join(output[-40:]))
+                time.sleep(0.5)
+            text = "".join(output)
+            admin = re.search(r"admin key\s+: (tg-\S+)", text).group(1)  # type: ignore[union-attr]
+            demo = re.search(r"demo key\s+: (tg-\S+)", text).group(1)  # type: ignore[union-attr]
+            s = Served(f"http://127.0.0.1:{port}", proc, admin, demo)
+            s.attacker_key = _tenant_key(s, "mallory", "attacker")
+            s.flooder_key = _tenant_key(s, "flood", "flooder")
+            yield s
+        finally:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _tenant_key(s: Served, name: str, plan: str) -> str:
+    with httpx.Client(base_url=s.url, headers={"authorization": f"Bearer {s.admin_key}"}, timeout=30) as c:
+        c.post("/admin/tenants", json={"name": name, "plan": plan}).raise_for_status()
+        r = c.post("/admin/keys", json={"tenant": name, "name": "bench"})
+        r.raise_for_status()
+        return str(r.json()["key"])
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _post(c: httpx.Client, body: dict | bytes) -> int:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return c.post("/v1/chat/completions", content=content, headers={"content-type": "application/json"}).status_code
+
+
+def _user(text: str, **extra: object) -> dict[str, object]:
+    return {"model": "mid", "messages": [{"role": "user", "content": text}], "max_tokens": 4, **extra}
+
+
+def attacks(s: Served) -> list[Attack]:
+    """The attack classes; bodies are built once, so the attacker's own CPU goes into sending them."""
+    rng = random.Random(16)
+    digits = "".join(rng.choice(string.digits) for _ in range(150))
+    megadigits = json.dumps(_user("7" * 3_900_000, temperature=0)).encode()  # under the 4 MiB body limit
+    word = json.dumps({**_user("".join(rng.choice(string.ascii_letters) for _ in range(100_000))),
+                       "model": "auto"}).encode()
+    nested = b'{"model": "mid", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    many = json.dumps({"model": "mid", "max_tokens": 4,
+                       "messages": [{"role": "user", "content": "hi"}] * 2000}).encode()
+    too_many = json.dumps({"model": "mid", "messages": [{"role": "user", "content": "hi"}] * 5000}).encode()
+    stops_ok = json.dumps(_user("Count to ten.", max_tokens=16, stop=[("z" * 255) + c for c in "abcd"])).encode()
+    stop_long = json.dumps(_user("Count to ten.", stop="x" * 20_000)).encode()
+
+    def regex_bait(c: httpx.Client) -> int:
+        _post(c, _user(digits, temperature=0))  # cached (the first time) for the attacker's own tenant
+        return _post(c, megadigits)
+
+    def cycle(*bodies: dict | bytes) -> Callable[[httpx.Client], int]:
+        state = {"i": 0}
+
+        def send(c: httpx.Client) -> int:
+            state["i"] += 1
+            return _post(c, bodies[state["i"] % len(bodies)])
+        return send
+
+    return [
+        Attack("regex bait: cached digits, then 3.9 MB of digits", regex_bait, threads=1),
+        Attack("one 100k-character word on auto", cycle(word), threads=1),
+        Attack("extreme seeds", cycle(_user("Hi", seed=2**64), _user("Hi", seed=-1), _user("Hi", seed=2**64 - 1,
+                                                                                          temperature=1.0))),
+        Attack("tiny and huge temperatures", cycle(_user("Hi", temperature=1e-40), _user("Hi", temperature=1e308),
+                                                   _user("Hi", temperature=0.01))),
+        Attack("stop strings at and past their limits", cycle(stops_ok, stop_long,
+                                                              _user("Hi", stop=["a", "b", "c", "d", "e"]))),
+        Attack("thousands of messages", cycle(many, too_many), threads=1),
+        Attack("deeply nested JSON", cycle(nested), threads=1),
+        Attack("unknown and unsupported fields", cycle(_user("Hi", tools=[{"type": "function"}]),
+                                                       _user("Hi", response_format={"type": "json_object"}),
+                                                       _user("Hi", logit_bias={"1": 100}), _user("Hi", bogus=1))),
+        Attack("a flood the rate limit refuses", cycle(_user("Hi")), threads=6),
+    ]
+
+
+def run_phase(s: Served, name: str, n: int, attack: Attack | None = None) -> Phase:
+    phase = Phase(name)
+    stop = threading.Event()
+
+    def attacker() -> None:
+        key = s.flooder_key if attack is not None and "flood" in attack.name else s.attacker_key
+        with httpx.Client(base_url=s.url, headers={"authorization": f"Bearer {key}"}, timeout=120) as c:
+            while not stop.is_set():
+                try:
+                    phase.attacker[attack.send(c)] += 1  # type: ignore[union-attr]
+                except httpx.HTTPError as exc:
+                    phase.attacker[-1] += 1  # a transport failure counts as a failure of ours
+                    print(f"  attacker transport error: {exc!r}", file=sys.stderr)
+
+    threads = [threading.Thread(target=attacker, daemon=True) for _ in range(attack.threads if attack else 0)]
+    for t in threads:
+        t.start()
+    if attack is not None:
+        time.sleep(1.0)  # the attack is under way before the victim starts
+    headers = {"authorization": f"Bearer {s.victim_key}", "cache-control": "no-cache"}
+    with httpx.Client(base_url=s.url, headers=headers, timeout=120) as c:
+        for i in range(n):
+            body = {**VICTIM_BODY, "model": "mid" if i % 2 == 0 else "full"}
+            t0 = time.perf_counter()
+            try:
+                r = c.post("/v1/chat/completions", json=body)
+                ok = r.status_code == 200
+                why = f"{r.status_code}: {r.text[:200]}"
+            except httpx.HTTPError as exc:
+                ok, why = False, repr(exc)
+            phase.victim_s.append(time.perf_counter() - t0)
+            if not ok:
+                phase.victim_failed.append(why)
+    stop.set()
+    for t in threads:
+        t.join(timeout=180)
+    return phase
+
+
+def all_tiers_answer(s: Served) -> dict[str, int]:
+    with httpx.Client(base_url=s.url, headers={"authorization": f"Bearer {s.victim_key}"}, timeout=120) as c:
+        return {tier: c.post("/v1/chat/completions", json={**VICTIM_BODY, "model": tier}).status_code
+                for tier in ("mid", "full")}
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--victim-requests", type=int, default=40, help="victim requests per phase (default 40)")
+    ap.add_argument("--engine-threads", type=int, default=1, help="torch threads per engine (default 1)")
+    ap.add_argument("--out", type=Path, help="also write the results as JSON here")
+    args = ap.parse_args()
+    from gateway.settings import Settings
+
+    models_dir = Settings().resolved_models_dir  # TIERGATE_MODELS_DIR / TIERGATE_DATA_DIR, as `tiergate serve`
+    print(f"CPU: {cpu_model()}, {os.cpu_count()} cores; engines: mid (int8) and full, "
+          f"{args.engine_threads} torch thread(s) each; {args.victim_requests} victim requests per phase")
+    with served(models_dir, engine_threads=args.engine_threads) as s:
+        run_phase(s, "warm-up", 4)
+        alone = run_phase(s, "victim alone", args.victim_requests)
+        phases = [run_phase(s, a.name, args.victim_requests, a) for a in attacks(s)]
+        after = all_tiers_answer(s)
+    print("\n| phase | victim ok | victim p50 s | victim p95 s | p95 / alone | attacker statuses |")
+    print("|---|---|---|---|---|---|")
+    for ph in (alone, *phases):
+        ok = f"{len(ph.victim_s) - len(ph.victim_failed)}/{len(ph.victim_s)}"
+        statuses = ", ".join(f"{code}: {n}" for code, n in sorted(ph.attacker.items())) or "-"
+        print(f"| {ph.name} | {ok} | {ph.p(0.5):.3f} | {ph.p(0.95):.3f} | {ph.p(0.95) / alone.p(0.95):.2f} "
+              f"| {statuses} |")
+    print(f"\nafterwards: {after}")
+    if args.out:
+        args.out.write_text(json.dumps({
+            "cpu": cpu_model(), "engine_threads": args.engine_threads, "after": after,
+            "phases": [{"name": ph.name, "victim_s": ph.victim_s, "victim_failed": ph.victim_failed,
+                        "attacker": dict(ph.attacker)} for ph in (alone, *phases)]}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
