@@ -23,6 +23,8 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from wire.chat_request import SYSTEM_ROLES
+
 # Request fields that change what the model answers (besides messages and sampling); part of the scope.
 OUTPUT_PARAMS = ("max_tokens", "max_completion_tokens", "stop", "response_format", "logit_bias", "logprobs",
                  "top_logprobs", "n", "presence_penalty", "frequency_penalty", "tool_choice",
@@ -65,8 +67,8 @@ def _turn(message: Mapping[str, Any]) -> list[Any]:
 def _split(request: Mapping[str, Any]) -> tuple[list[Mapping[str, Any]], list[Mapping[str, Any]]]:
     """(system/developer messages, the conversation) in order."""
     messages = request.get("messages") or []
-    system = [m for m in messages if m.get("role") in ("system", "developer")]
-    conversation = [m for m in messages if m.get("role") not in ("system", "developer")]
+    system = [m for m in messages if m.get("role") in SYSTEM_ROLES]
+    conversation = [m for m in messages if m.get("role") not in SYSTEM_ROLES]
     return system, conversation
 
 

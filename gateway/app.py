@@ -9,20 +9,28 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from litestar import Litestar, Request, Response
-from litestar.exceptions import HTTPException, ValidationException
+from litestar.datastructures import State
+from litestar.di import Provide
 
 from cache import RedisStore, SemanticCache, SQLiteStore, default_embedder
-from gateway.admission import AdmissionService
-from gateway.cache_service import CacheService
-from gateway.chat_service import ChatService
 from gateway.config_files import load_yaml
-from gateway.errors import TiergateError
+from gateway.errors import InternalError, PayloadTooLarge, client_error
 from gateway.ladder.config import Ladder
 from gateway.ladder.controller import LadderController
 from gateway.ladder.signals import Signals
 from gateway.ladder.state import open_store
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import request_id_middleware
+from gateway.pipeline.cache_lookup import CacheStage
+from gateway.pipeline.dispatch import DispatchStage
+from gateway.pipeline.gate import TenantGate
+from gateway.pipeline.handle import Pipeline
+from gateway.pipeline.prompt import PromptStage
+from gateway.pipeline.refusals import RefusalLog
+from gateway.pipeline.reserve import ReserveStage
+from gateway.pipeline.route import RouteStage
+from gateway.pipeline.settle import Settler
+from gateway.pipeline.tier_call import TierCaller
 from gateway.routes.admin import admin_router
 from gateway.routes.chat import chat_completions
 from gateway.routes.dashboard import dashboard
@@ -34,7 +42,6 @@ from gateway.routes.usage import admin_report, tenant_report
 from gateway.services import Services
 from gateway.settings import Settings
 from gateway.tenants.store import TenantStore
-from quotas.admission import QuotaService
 from quotas.backends.base import QuotaBackend
 from quotas.backends.failover import FailoverBackend
 from quotas.backends.memory import MemoryBackend
@@ -42,6 +49,7 @@ from quotas.backends.redis import RedisBackend
 from quotas.dispatch import TierQueue
 from quotas.ledger import Ledger
 from quotas.plans import PlanBook
+from quotas.reservations import QuotaService
 from quotas.seed import seed_from_ledger
 from tiers.catalogue import TierCatalogue, TierSpec
 from tiers.client import TierClient
@@ -49,8 +57,6 @@ from tiers.fleet import Fleet
 from tiers.predictor import PredictorSource
 
 log = logging.getLogger("tiergate.gateway")
-_HTTP_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "invalid_request_error", 405: "invalid_request_error", 413: "invalid_request_error"}
 
 
 def load_config(settings: Settings) -> tuple[TierCatalogue, PlanBook]:
@@ -71,6 +77,7 @@ def build_services(settings: Settings) -> Services:
     ledger = Ledger(settings.ledger_db)
     store = TenantStore(settings.state_db)
     backend = build_quota_backend(settings, ledger, metrics_)
+    quotas = QuotaService(backend)
     queues = {name: TierQueue(name, tier_capacity(spec, settings), policy=settings.dispatch_policy)
               for name, spec in catalogue.tiers.items()}
     metrics_.queues = queues
@@ -80,14 +87,23 @@ def build_services(settings: Settings) -> Services:
                               open_store(settings.data_dir, settings.redis_url), signals,
                               on_change=metrics_.degrade_changed)
     metrics_.ladder = ladder
-    cache = CacheService(build_cache(settings), store, fleet)
-    admission = AdmissionService(fleet=fleet, plans=plans, quotas=QuotaService(backend), queues=queues,
-                                 metrics=metrics_, models_dir=str(settings.resolved_models_dir),
-                                 default_max_tokens=settings.default_max_tokens, ladder=ladder, cache=cache,
-                                 predictor=PredictorSource.for_data_dir(settings.data_dir))
-    chat = ChatService(fleet=fleet, client=client, ledger=ledger, metrics=metrics_, admission=admission,
-                       queues=queues, signals=signals, cache=cache)
-    return Services(settings, catalogue, plans, store, ledger, client, fleet, metrics_, chat, backend, ladder, cache)
+    cache = CacheStage(cache=build_cache(settings), store=store, fleet=fleet)
+    gate = TenantGate()
+    dispatch = DispatchStage(queues=queues, metrics=metrics_, signals=signals)
+    pipeline = Pipeline(
+        gate=gate, ladder=ladder, cache=cache, dispatch=dispatch,
+        route=RouteStage(fleet=fleet, quotas=quotas, dispatch=dispatch,
+                         predictor=PredictorSource.for_data_dir(settings.data_dir)),
+        prompt=PromptStage(models_dir=settings.resolved_models_dir, default_max_tokens=settings.default_max_tokens),
+        reserve=ReserveStage(quotas=quotas, gate=gate),
+        tier=TierCaller(fleet=fleet, client=client),
+        settler=Settler(ledger=ledger, quotas=quotas, dispatch=dispatch, cache=cache, metrics=metrics_,
+                        signals=signals, catalogue=catalogue),
+        refusals=RefusalLog(ledger=ledger, metrics=metrics_),
+        ready=lambda: ledger.not_ready_reason)
+    return Services(settings=settings, catalogue=catalogue, plans=plans, store=store, ledger=ledger, client=client,
+                    fleet=fleet, metrics=metrics_, pipeline=pipeline, queues=queues, quota_backend=backend,
+                    ladder=ladder, cache=cache)
 
 
 def build_cache(settings: Settings) -> SemanticCache | None:
@@ -142,6 +158,7 @@ def create_app(settings: Settings | None = None) -> Litestar:
             await services.client.aclose()
             await services.quota_backend.close()
             await services.cache.drain()
+            await services.pipeline.settler.drain()
             if services.cache.cache is not None:
                 services.cache.cache.close()
             services.ledger.close()
@@ -151,12 +168,24 @@ def create_app(settings: Settings | None = None) -> Litestar:
         route_handlers=[chat_completions, list_models, health, metrics, admin_router, degrade_router, admin_report,
                         tenant_report, ops, dashboard],
         lifespan=[lifespan],
+        dependencies={name: Provide(provider, sync_to_thread=False) for name, provider in _PROVIDERS.items()},
         middleware=[request_id_middleware],
-        exception_handlers={TiergateError: _tiergate_error, HTTPException: _http_error,
-                            Exception: _unexpected_error},
+        exception_handlers={Exception: _error_response},
         request_max_body_size=settings.max_body_bytes,
         openapi_config=None,
     )
+
+
+def _service(name: str) -> Any:
+    def provide(state: State) -> Any:
+        return getattr(state.services, name)
+
+    return provide
+
+
+# what handlers may ask for by name; each is built once per app in `build_services`
+_PROVIDERS = {name: _service(name) for name in ("pipeline", "plans", "catalogue", "store", "ledger", "fleet",
+                                                 "metrics", "ladder", "cache", "queues", "settings")}
 
 
 async def _tick_ladder(ladder: LadderController, every_s: float) -> None:
@@ -169,28 +198,17 @@ async def _tick_ladder(ladder: LadderController, every_s: float) -> None:
             log.exception("degradation ladder tick failed")
 
 
-def _tiergate_error(request: Request[Any, Any, Any], exc: TiergateError) -> Response[Any]:
-    headers = dict(exc.headers)
-    if exc.retry_after is not None:
-        headers["retry-after"] = str(max(1, round(exc.retry_after)))
-    return Response(exc.body(), status_code=exc.status_code, headers=headers)
-
-
-def _http_error(request: Request[Any, Any, Any], exc: HTTPException) -> Response[Any]:
-    status = exc.status_code
-    message = str(exc.detail)
-    if isinstance(exc, ValidationException) and exc.extra:
-        message = f"{message}: {exc.extra}"
-    if status == 413:
-        message = f"the request body is larger than this gateway accepts ({request.app.request_max_body_size} bytes)"
-    body = {"error": {"message": message, "type": _HTTP_TYPES.get(status, "api_error"), "param": None,
-                      "code": {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}.get(status)}}
-    return Response(body, status_code=status, headers=dict(exc.headers or {}))
-
-
-def _unexpected_error(request: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
-    rid = request.scope.get("state", {}).get("request_id")
-    log.exception("unexpected error in request %s", rid)
-    body = {"error": {"message": f"internal error (request id {rid}); it has been logged", "type": "api_error",
-                      "param": None, "code": "internal_error"}}
-    return Response(body, status_code=500)
+def _error_response(request: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
+    """Every error a handler raises, in OpenAI's shape (gateway/errors.py's `client_error` maps it)."""
+    err = client_error(exc)
+    if isinstance(err, InternalError):
+        rid = request.scope.get("state", {}).get("request_id")
+        log.error("unexpected error in request %s", rid, exc_info=exc)
+        err = InternalError(f"internal error (request id {rid}); it has been logged")
+    if err.status_code == 413:
+        err = PayloadTooLarge(f"the request body is larger than this gateway accepts "
+                              f"({request.app.request_max_body_size} bytes)")
+    headers = dict(err.headers)
+    if err.retry_after is not None:
+        headers["retry-after"] = str(max(1, round(err.retry_after)))
+    return Response(err.body(), status_code=err.status_code, headers=headers)

@@ -1,10 +1,17 @@
-"""Our errors, each with its HTTP status and OpenAI error type; the one place lower errors map to ours."""
+"""Our errors, each with its HTTP status and OpenAI error type; `client_error` is the one place where a
+lower layer's error (tiers, quota backend, dispatch queue, body validation, ledger) becomes one of ours."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from litestar.exceptions import HTTPException, ValidationException
+
+from quotas.backends.base import QuotaBackendError
+from quotas.dispatch import QueueFull
+from quotas.ledger import LedgerUnavailable
 from tiers import errors as tier_errors
+from wire.validation import BodyError
 
 
 class TiergateError(Exception):
@@ -57,6 +64,14 @@ class NotFound(TiergateError):
     error_type = "invalid_request_error"
 
 
+class MethodNotAllowed(TiergateError):
+    """The route exists, but not for this HTTP method."""
+
+    status_code = 405
+    error_type = "invalid_request_error"
+    code = "method_not_allowed"
+
+
 class Conflict(TiergateError):
     """The thing already exists or is in a state that forbids the change."""
 
@@ -69,6 +84,7 @@ class PayloadTooLarge(TiergateError):
 
     status_code = 413
     error_type = "invalid_request_error"
+    code = "payload_too_large"
 
 
 class RateLimited(TiergateError):
@@ -110,8 +126,50 @@ class UpstreamTimeout(TiergateError):
     code = "upstream_timeout"
 
 
-def map_tier_error(exc: tier_errors.TierError) -> TiergateError:
-    """The one place where routing and upstream failures become client-facing errors."""
+class InternalError(TiergateError):
+    """A fault of ours; the client sees the request id to quote, never the details."""
+
+    status_code = 500
+    error_type = "api_error"
+    code = "internal_error"
+
+
+def client_error(exc: BaseException) -> TiergateError:
+    """The error a client sees for `exc`, in OpenAI's shape: the one mapping for every lower layer."""
+    match exc:
+        case TiergateError():
+            return exc
+        case BodyError():
+            return InvalidRequest(exc.message, param=exc.param, code=exc.code)
+        case QuotaBackendError():
+            return Unavailable("the quota service is unavailable; retry shortly", code="quota_backend_unavailable",
+                               retry_after=1)
+        case HTTPException():
+            return _http_error(exc)
+        case QueueFull():
+            return Unavailable(str(exc), code="queue_full", retry_after=1)
+        case tier_errors.TierError():
+            return _tier_error(exc)
+        case LedgerUnavailable():
+            return Unavailable(f"the usage ledger cannot record requests now: {exc}", code="ledger_unavailable",
+                               retry_after=5)
+        case _:
+            return InternalError("internal error; it has been logged")
+
+
+def _http_error(exc: HTTPException) -> TiergateError:
+    """Litestar's own refusals (routing, body size, its parameter validation)."""
+    message = str(exc.detail)
+    if isinstance(exc, ValidationException) and exc.extra:
+        message = f"{message}: {exc.extra}"
+    kind = {400: InvalidRequest, 401: Unauthenticated, 403: Forbidden, 404: NotFound, 405: MethodNotAllowed,
+            409: Conflict, 413: PayloadTooLarge, 429: RateLimited, 503: Unavailable}.get(exc.status_code)
+    if kind is None:
+        return InternalError(message) if exc.status_code >= 500 else InvalidRequest(message)
+    return kind(message, code="not_found" if exc.status_code == 404 else None, headers=dict(exc.headers or {}))
+
+
+def _tier_error(exc: tier_errors.TierError) -> TiergateError:
     match exc:
         case tier_errors.UnknownModel():
             return NotFound(str(exc), param="model", code="model_not_found")

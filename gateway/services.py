@@ -1,16 +1,18 @@
-"""What the app's handlers use, built once at start-up by the app factory."""
+"""What the app's handlers use, built once at start-up by the app factory and provided to them by
+dependency injection (gateway/app.py's `dependencies`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gateway.cache_service import CacheService
-from gateway.chat_service import ChatService
 from gateway.ladder.controller import LadderController
 from gateway.metrics import GatewayMetrics
+from gateway.pipeline.cache_lookup import CacheStage
+from gateway.pipeline.handle import Pipeline
 from gateway.settings import Settings
 from gateway.tenants.store import TenantStore
 from quotas.backends.base import QuotaBackend
+from quotas.dispatch import TierQueue
 from quotas.ledger import Ledger
 from quotas.plans import PlanBook
 from tiers.catalogue import TierCatalogue
@@ -18,7 +20,7 @@ from tiers.client import TierClient
 from tiers.fleet import Fleet
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Services:
     settings: Settings
     catalogue: TierCatalogue
@@ -28,7 +30,8 @@ class Services:
     client: TierClient
     fleet: Fleet
     metrics: GatewayMetrics
-    chat: ChatService
+    pipeline: Pipeline
+    queues: dict[str, TierQueue]
     quota_backend: QuotaBackend
     ladder: LadderController
-    cache: CacheService
+    cache: CacheStage

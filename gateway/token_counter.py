@@ -3,11 +3,18 @@
 The `tokenizers` library reads `tokenizer.json`; the chat template is rendered with jinja2 the way
 transformers renders it (sandboxed, trim_blocks, lstrip_blocks), so the count equals what the engine
 will see. Loaded once per model directory.
+
+Counting reads tenant text, so it is bounded and kept off the event loop's GIL:
+- `max_token_chars` is the longest token of the vocabulary in characters: a text longer than
+  `limit * max_token_chars` cannot fit in `limit` tokens, so it is refused without being read;
+- `encode_batch` is the call of `tokenizers` that releases the GIL while it works (`encode` holds it), so
+  the callers run counts in a worker thread and the event loop keeps serving meanwhile.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -15,6 +22,8 @@ from typing import Any
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
+
+Messages = Sequence[dict[str, Any]]
 
 
 class TokenCounter:
@@ -31,13 +40,32 @@ class TokenCounter:
         env.filters["tojson"] = lambda x, **kw: json.dumps(x, ensure_ascii=False, **kw)
         self.template = env.from_string(source)
         self.special = {k: config.get(k) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
+        # a vocabulary entry's length bounds the characters one token covers: byte-level entries spell one
+        # symbol per byte, and a character is at least one byte
+        self.max_token_chars = max(1, max(map(len, self.tokenizer.get_vocab(with_added_tokens=True))))
+        self._overhead: dict[str, int] = {}
 
-    def prompt_tokens(self, messages: list[dict[str, Any]]) -> int:
-        text = self.template.render(messages=messages, add_generation_prompt=True, **self.special)
-        return len(self.tokenizer.encode(text, add_special_tokens=False).ids)
+    def render(self, messages: Messages) -> str:
+        return self.template.render(messages=list(messages), add_generation_prompt=True, **self.special)
 
     def count(self, text: str) -> int:
-        return len(self.tokenizer.encode(text, add_special_tokens=False).ids)
+        """Tokens of `text` (the GIL is released while the tokenizer works)."""
+        return len(self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids)
+
+    def prompt_tokens(self, messages: Messages) -> int:
+        return self.count(self.render(messages))
+
+    def content_tokens(self, texts: Sequence[str]) -> list[int]:
+        """Tokens of each text, in one call."""
+        return [len(e.ids) for e in self.tokenizer.encode_batch(list(texts), add_special_tokens=False)]
+
+    def message_overhead(self, role: str) -> int:
+        """Tokens the template adds around one more message of `role` (its markers and role name)."""
+        if role not in self._overhead:
+            one = [{"role": "user", "content": "x"}]
+            two = [*one, {"role": role, "content": "x"}]
+            self._overhead[role] = max(0, self.prompt_tokens(two) - self.prompt_tokens(one) - self.count("x"))
+        return self._overhead[role]
 
 
 def _raise(message: str) -> None:

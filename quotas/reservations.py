@@ -1,4 +1,4 @@
-"""Admission by quotas: turn a plan (and a key's overrides) into scope limits, reserve, settle."""
+"""Quota reservations: turn a plan (and a key's overrides) into scope limits, reserve, settle."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ def scope_limits(scope: str, limits: Limits) -> ScopeLimits:
 
 
 @dataclass
-class Admission:
-    """A granted reservation, to be settled exactly once."""
+class Reservation:
+    """A granted reservation of requests, tokens, money and a concurrency slot, to be settled exactly once."""
 
     request: ReservationRequest
     decision: Decision
@@ -42,10 +42,10 @@ class QuotaService:
         return tuple(out)
 
     async def reserve(self, *, request_id: str, tenant: str, plan: Plan, key_id: str, key_limits: Limits | None,
-                      tokens: int, price: Decimal) -> tuple[Decision, Admission | None]:
+                      tokens: int, price: Decimal) -> tuple[Decision, Reservation | None]:
         req = ReservationRequest(request_id, tenant, self.scopes(plan, key_id, key_limits), tokens, to_pico(price))
         decision = await self.backend.reserve(req)
-        return decision, (Admission(req, decision) if decision.admitted else None)
+        return decision, (Reservation(req, decision) if decision.admitted else None)
 
     async def budget_left(self, *, tenant: str, plan: Plan, key_id: str, key_limits: Limits | None,
                           now: float) -> float | None:
@@ -66,8 +66,8 @@ class QuotaService:
                     left = min(left, max(0.0, (limit - used) / limit) if limit else 0.0)
         return left
 
-    async def settle(self, admission: Admission, *, tokens: int, price: Decimal) -> None:
-        if admission.settled:
+    async def settle(self, reservation: Reservation, *, tokens: int, price: Decimal) -> None:
+        if reservation.settled:
             return
-        admission.settled = True
-        await self.backend.settle(admission.request, tokens=tokens, money_pico=to_pico(price))
+        reservation.settled = True
+        await self.backend.settle(reservation.request, tokens=tokens, money_pico=to_pico(price))

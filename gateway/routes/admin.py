@@ -5,15 +5,16 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from litestar import Request, Router, get, post
+from litestar.di import NamedDependency
 from litestar.params import FromPath, FromQuery
 from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.auth import require_admin
 from gateway.errors import InvalidRequest
 from gateway.tenants.keys import MAX_GRACE_S, MAX_TTL_S
-from gateway.tenants.store import ADMIN
+from gateway.tenants.store import ADMIN, TenantStore
 from gateway.validation import parse_body
-from quotas.plans import Limits
+from quotas.plans import Limits, PlanBook
 
 
 class CreateTenant(BaseModel):
@@ -41,54 +42,51 @@ class RotateKey(BaseModel):
     ttl_s: TtlSeconds | None = None  # the new key's; it never outlives the old key's expiry
 
 
-def _services(request: Request[Any, Any, Any]) -> Any:
-    return request.app.state.services
-
-
 @get("/tenants")
-async def list_tenants(request: Request[Any, Any, Any]) -> dict[str, Any]:
-    return {"data": [vars(t) for t in _services(request).store.list_tenants()]}
+async def list_tenants(store: NamedDependency[TenantStore]) -> dict[str, Any]:
+    return {"data": [vars(t) for t in store.list_tenants()]}
 
 
 @post("/tenants", status_code=201)
-async def create_tenant(request: Request[Any, Any, Any]) -> dict[str, Any]:
+async def create_tenant(request: Request[Any, Any, Any], store: NamedDependency[TenantStore],
+                        plans: NamedDependency[PlanBook]) -> dict[str, Any]:
     body = parse_body(await request.body(), CreateTenant)
-    services = _services(request)
-    plan = body.plan or services.plans.default_plan
-    if plan not in services.plans.plans:
-        raise InvalidRequest(f"no plan {plan!r}; plans: {', '.join(services.plans.plans)}", param="plan")
-    return vars(services.store.create_tenant(body.name, plan))
+    plan = body.plan or plans.default_plan
+    if plan not in plans.plans:
+        raise InvalidRequest(f"no plan {plan!r}; plans: {', '.join(plans.plans)}", param="plan")
+    return vars(store.create_tenant(body.name, plan))
 
 
 @post("/tenants/{name:str}/data-version", status_code=200)
-async def bump_data_version(request: Request[Any, Any, Any], name: FromPath[str]) -> dict[str, Any]:
+async def bump_data_version(store: NamedDependency[TenantStore], name: FromPath[str]) -> dict[str, Any]:
     """The tenant's data changed: cached answers made from the old data become unreachable at once."""
-    return {"tenant": name, "data_version": _services(request).store.bump_data_version(name)}
+    return {"tenant": name, "data_version": store.bump_data_version(name)}
 
 
 @get("/keys")
-async def list_keys(request: Request[Any, Any, Any], tenant: FromQuery[str | None] = None) -> dict[str, Any]:
-    return {"data": [k.public() for k in _services(request).store.list_keys(tenant)]}
+async def list_keys(store: NamedDependency[TenantStore], tenant: FromQuery[str | None] = None) -> dict[str, Any]:
+    return {"data": [k.public() for k in store.list_keys(tenant)]}
 
 
 @post("/keys", status_code=201)
-async def issue_key(request: Request[Any, Any, Any]) -> dict[str, Any]:
+async def issue_key(request: Request[Any, Any, Any], store: NamedDependency[TenantStore]) -> dict[str, Any]:
     body = parse_body(await request.body(), IssueKey)
-    key, plaintext = _services(request).store.issue_key(
+    key, plaintext = store.issue_key(
         body.tenant, name=body.name, roles=(ADMIN,) if body.admin else (), ttl_s=body.ttl_s, limits=body.limits)
     return key.public() | {"key": plaintext, "note": "shown once; store it now"}
 
 
 @post("/keys/{key_id:str}/revoke", status_code=200)
-async def revoke_key(request: Request[Any, Any, Any], key_id: FromPath[str]) -> dict[str, Any]:
-    return _services(request).store.revoke_key(key_id).public()
+async def revoke_key(store: NamedDependency[TenantStore], key_id: FromPath[str]) -> dict[str, Any]:
+    return store.revoke_key(key_id).public()
 
 
 @post("/keys/{key_id:str}/rotate", status_code=201)
-async def rotate_key(request: Request[Any, Any, Any], key_id: FromPath[str]) -> dict[str, Any]:
+async def rotate_key(request: Request[Any, Any, Any], store: NamedDependency[TenantStore],
+                     key_id: FromPath[str]) -> dict[str, Any]:
     raw = await request.body()
     body = parse_body(raw, RotateKey) if raw.strip() else RotateKey()
-    key, plaintext = _services(request).store.rotate_key(key_id, grace_s=body.grace_s, ttl_s=body.ttl_s)
+    key, plaintext = store.rotate_key(key_id, grace_s=body.grace_s, ttl_s=body.ttl_s)
     return key.public() | {"key": plaintext, "replaces": key_id, "note": "shown once; store it now"}
 
 

@@ -1,114 +1,115 @@
-"""POST /v1/chat/completions: OpenAI's chat API, streaming and not."""
+"""POST /v1/chat/completions: OpenAI's chat API, streaming and not. The handler hands the request to the
+pipeline (gateway/pipeline/handle.py) and frames its events: server-sent events, or one JSON completion.
+
+A client that leaves stops its work: until the answer's first byte is sent (for a stream) or until the
+whole answer is ready (otherwise), the handler also listens for the client's disconnect and then cancels
+the pipeline, which settles the request as cancelled and billed for what ran.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
 
 from litestar import Request, Response, post
 from litestar.di import NamedDependency, Provide
 from litestar.response import Stream
 
-from engine.protocol import ChatCompletionRequest
 from gateway.auth import provide_tenant
-from gateway.chat_service import Call, ChatService, sse
-from gateway.errors import TiergateError, map_tier_error
+from gateway.errors import TiergateError
+from gateway.pipeline.context import RequestContext
+from gateway.pipeline.events import Delta, Done, Event, Head
+from gateway.pipeline.handle import Pipeline
 from gateway.tenants.store import Principal
-from gateway.validation import parse_body
-from tiers.errors import TierError
+from quotas.plans import PlanBook
+from wire import responses
+
+T = TypeVar("T")
+CLIENT_CLOSED = 499  # nginx's status for a client that closed the connection; nobody reads it
+
+
+class ClientLeft(Exception):
+    """The client disconnected before its answer was ready."""
 
 
 @post("/v1/chat/completions", dependencies={"principal": Provide(provide_tenant)}, status_code=200)
-async def chat_completions(request: Request[Any, Any, Any], principal: NamedDependency[Principal]) -> Response[Any]:
-    req = parse_body(await request.body(), ChatCompletionRequest)
-    services = request.app.state.services
-    call = Call(request.state.request_id, principal, req, arrived=time.time(), t0=request.state.t0,
-                headers={k.lower(): v for k, v in request.headers.items()})
-    await services.chat.admit(call)
-    request.state.tier = call.tier.name
-    return await respond(services.chat, call)
-
-
-async def respond(chat: ChatService, call: Call) -> Response[Any]:
-    if call.is_cache_hit:
-        return await respond_from_cache(chat, call)
-    if not call.req.stream:
-        call, text = await chat.answer(call)
-        return Response(chat.completion(call, text), headers=_headers(call))
-    stream, first = await chat.start(call)
-    return Stream(_sse_body(chat, call, stream, first), media_type="text/event-stream",
-                  headers=_headers(call) | {"cache-control": "no-cache"})
-
-
-def _headers(call: Call) -> dict[str, str]:
-    headers = {"x-tiergate-tier": call.tier.name, "x-tiergate-route-reason": call.route.reason,  # type: ignore[union-attr]
-               **call.admitted.headers}  # type: ignore[union-attr]
-    if call.degradation is not None and call.degradation.applied:
-        headers["x-tiergate-degrade-actions"] = ",".join(call.degradation.applied)
-    if call.cascade is not None:
-        headers["x-tiergate-cascade"] = call.cascade
-    return headers
-
-
-async def respond_from_cache(chat: ChatService, call: Call) -> Response[Any]:
-    """A cached answer: the same shapes a fresh one has, JSON or SSE, settled (durably) before it ends."""
-    hit = call.cache_result
-    usage = hit.usage
-    call.input_tokens = int(usage.get("prompt_tokens", 0))
-    call.output_tokens = int(usage.get("completion_tokens", 0))
-    call.finish_reason = usage.get("finish_reason") or "stop"
-    call.ttft_s = time.perf_counter() - call.t0
-    headers = _headers(call)
-    if not call.req.stream:
-        await chat.settle(call, "ok", 200)
-        return Response(chat.completion(call, hit.response), headers=headers)
-    return Stream(_cached_sse(chat, call, hit.response), media_type="text/event-stream",
-                  headers=headers | {"cache-control": "no-cache"})
-
-
-async def _cached_sse(chat: ChatService, call: Call, text: str) -> AsyncIterator[bytes]:
-    base = {"id": f"chatcmpl-{call.request_id}", "object": "chat.completion.chunk", "created": int(call.arrived),
-            "model": call.tier.name}
-    for delta, finish in (({"role": "assistant", "content": ""}, None), ({"content": text}, None),
-                          ({}, call.finish_reason)):
-        chunk = base | {"choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
-        if call.req.include_usage:
-            chunk["usage"] = None  # as OpenAI: null on every chunk but the last
-        yield sse(chunk)
-    await chat.settle(call, "ok", 200)
-    if call.req.include_usage:
-        yield sse(base | {"choices": [], "usage": {
-            "prompt_tokens": call.input_tokens, "completion_tokens": call.output_tokens,
-            "total_tokens": call.input_tokens + call.output_tokens}})
-    yield sse("[DONE]")
-
-
-async def _sse_body(chat: ChatService, call: Call, stream: AsyncIterator[dict[str, Any]],
-                    first: dict[str, Any] | None) -> AsyncIterator[bytes]:
-    """Relay upstream chunks; the ledger row is durable before the client reads `[DONE]`."""
-    usage_chunk: dict[str, Any] | None = None
+async def chat_completions(request: Request[Any, Any, Any], principal: NamedDependency[Principal],
+                           pipeline: NamedDependency[Pipeline], plans: NamedDependency[PlanBook]) -> Response[Any]:
+    ctx = RequestContext(request.state.request_id, principal, plans.plans[principal.tenant.plan],  # type: ignore[union-attr]
+                         {k.lower(): v for k, v in request.headers.items()}, time.time(), request.state.t0)
+    events = pipeline.handle(ctx, await request.body())
     try:
-        chunk = first
-        while chunk is not None:
-            out = chat.client_chunk(call, chunk)
-            if out is not None:
-                if out.get("choices"):
-                    yield sse(out)
-                else:
-                    usage_chunk = out  # held until the row is written
-            chunk = await anext(stream, None)
-    except TierError as exc:
-        err: TiergateError = map_tier_error(exc)
-        await chat.settle(call, "error", err.status_code, error_code=err.code)
-        yield sse(err.body())
+        head = await _unless_client_leaves(request, anext(events))
+        request.state.tier = head.model
+        if head.stream:
+            return Stream(_sse(head, events), media_type="text/event-stream",
+                          headers={**head.headers, "cache-control": "no-cache"})
+        return Response(await _unless_client_leaves(request, _completion(head, events)), headers=dict(head.headers))
+    except ClientLeft:
+        await events.aclose()
+        return Response(None, status_code=CLIENT_CLOSED)
+
+
+async def _completion(head: Head, events: AsyncIterator[Event]) -> dict[str, Any]:
+    text: list[str] = []
+    logprobs: list[dict[str, Any]] | None = None
+    done = Done(None, 0, 0)
+    async for event in events:
+        if isinstance(event, Delta):
+            text.append(event.content)
+            if event.logprobs is not None:
+                logprobs = (logprobs or []) + event.logprobs
+        elif isinstance(event, Done):
+            done = event
+    return responses.completion(id_=head.response_id, created=head.created, model=head.model, text="".join(text),
+                                finish_reason=done.finish_reason, prompt_tokens=done.prompt_tokens,
+                                completion_tokens=done.completion_tokens, logprobs=logprobs)
+
+
+async def _sse(head: Head, events: AsyncIterator[Event]) -> AsyncIterator[bytes]:
+    """The answer as OpenAI streams it; an error after the first byte is a last `data: {"error": …}` event."""
+    ids = {"id_": head.response_id, "created": head.created, "model": head.model}
+    usage_null = {"usage": None} if head.include_usage else {}  # as OpenAI: null on every chunk but the last
+    try:
+        yield responses.sse(responses.chunk(**ids, delta={"role": "assistant", "content": ""}, **usage_null))
+        async for event in events:
+            if isinstance(event, Delta):
+                yield responses.sse(responses.chunk(**ids, delta={"content": event.content}, logprobs=event.logprobs,
+                                                    **usage_null))
+            elif isinstance(event, Done):
+                yield responses.sse(responses.chunk(**ids, delta={}, finish_reason=event.finish_reason, **usage_null))
+                if head.include_usage:
+                    yield responses.sse(responses.usage_chunk(**ids, prompt_tokens=event.prompt_tokens,
+                                                              completion_tokens=event.completion_tokens))
+    except TiergateError as err:
+        yield responses.sse(err.body())
         return
-    except (asyncio.CancelledError, GeneratorExit):
-        await stream.aclose()
-        await chat.settle(call, "cancelled", 499, wait=False)
-        raise
-    await chat.settle(call, "ok", 200)
-    if usage_chunk is not None:
-        yield sse(usage_chunk)
-    yield sse("[DONE]")
+    finally:
+        await events.aclose()  # a client that left mid-stream: the pipeline settles it as cancelled
+    yield responses.SSE_DONE
+
+
+async def _unless_client_leaves(request: Request[Any, Any, Any], work: Awaitable[T]) -> T:
+    """`work`'s result, or ClientLeft (with `work` cancelled) as soon as the client disconnects."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+        watcher.cancel()
+    if task.cancelled() or not task.done():
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        raise ClientLeft
+    return task.result()
+
+
+async def _disconnected(request: Request[Any, Any, Any]) -> None:
+    """Returns when the client has gone (the body is read already, so the next message can only be that)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

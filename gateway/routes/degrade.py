@@ -6,13 +6,17 @@ import asyncio
 from typing import Annotated, Any
 
 from litestar import Request, Router, get, post
+from litestar.di import NamedDependency
 from litestar.params import FromQuery
 from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.auth import require_admin
 from gateway.config_files import ConfigFileError
 from gateway.errors import InvalidRequest
+from gateway.ladder.controller import LadderController
 from gateway.ladder.state import event_dict
+from gateway.settings import Settings
+from gateway.tenants.keys import MAX_TTL_S
 from gateway.validation import parse_body
 
 
@@ -20,22 +24,17 @@ class SetLevel(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
     level: Annotated[int, Field(ge=0)]
     reason: Annotated[str, Field(min_length=1, max_length=500)]
-    ttl_s: Annotated[float, Field(gt=0)] | None = None
-
-
-def _ladder(request: Request[Any, Any, Any]) -> Any:
-    return request.app.state.services.ladder
+    ttl_s: Annotated[float, Field(gt=0, le=MAX_TTL_S, allow_inf_nan=False)] | None = None  # finite, ≤ 10 years
 
 
 @get("/")
-async def status(request: Request[Any, Any, Any]) -> dict[str, Any]:
-    return _ladder(request).status()
+async def status(ladder: NamedDependency[LadderController]) -> dict[str, Any]:
+    return ladder.status()
 
 
 @post("/", status_code=200)
-async def set_level(request: Request[Any, Any, Any]) -> dict[str, Any]:
+async def set_level(request: Request[Any, Any, Any], ladder: NamedDependency[LadderController]) -> dict[str, Any]:
     body = parse_body(await request.body(), SetLevel)
-    ladder = _ladder(request)
     try:
         await asyncio.to_thread(ladder.set_manual, body.level, reason=body.reason, who=request.state.key_id,
                                 ttl_s=body.ttl_s)
@@ -45,23 +44,21 @@ async def set_level(request: Request[Any, Any, Any]) -> dict[str, Any]:
 
 
 @post("/auto", status_code=200)
-async def set_auto(request: Request[Any, Any, Any]) -> dict[str, Any]:
-    ladder = _ladder(request)
+async def set_auto(request: Request[Any, Any, Any], ladder: NamedDependency[LadderController]) -> dict[str, Any]:
     await asyncio.to_thread(ladder.set_auto, who=request.state.key_id)
     return ladder.status()
 
 
 @get("/history")
-async def history(request: Request[Any, Any, Any], limit: FromQuery[int] = 100) -> dict[str, Any]:
-    events = await asyncio.to_thread(_ladder(request).store.history, max(1, min(limit, 1000)))
+async def history(ladder: NamedDependency[LadderController], limit: FromQuery[int] = 100) -> dict[str, Any]:
+    events = await asyncio.to_thread(ladder.store.history, max(1, min(limit, 1000)))
     return {"data": [event_dict(e) for e in events]}
 
 
 @post("/reload", status_code=200)
-async def reload(request: Request[Any, Any, Any]) -> dict[str, Any]:
+async def reload(ladder: NamedDependency[LadderController], settings: NamedDependency[Settings]) -> dict[str, Any]:
     """Re-read the ladder file; a bad file is refused with its line, and the running ladder stays."""
-    ladder = _ladder(request)
-    path = request.app.state.services.settings.ladder_file
+    path = settings.ladder_file
     try:
         await asyncio.to_thread(ladder.reload, path)
     except ConfigFileError as exc:

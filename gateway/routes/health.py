@@ -5,12 +5,18 @@ from __future__ import annotations
 from typing import Any
 
 from litestar import Request, Response, get
+from litestar.di import NamedDependency
 
 from gateway.auth import presented_key, require_admin
+from gateway.metrics import GatewayMetrics
+from gateway.tenants.store import TenantStore
+from quotas.ledger import Ledger
+from tiers.fleet import Fleet
 
 
 @get("/health")
-async def health(request: Request[Any, Any, Any]) -> Response[dict[str, Any]]:
+async def health(request: Request[Any, Any, Any], fleet: NamedDependency[Fleet],
+                 store: NamedDependency[TenantStore], ledger: NamedDependency[Ledger]) -> Response[dict[str, Any]]:
     """200 {"status": "ok"} when every tier that can run is ready; 503 {"status": "starting"} while any is starting
     or down.
 
@@ -21,21 +27,28 @@ async def health(request: Request[Any, Any, Any]) -> Response[dict[str, Any]]:
     A tier whose model is not built yet (or is being built) is reported but does not hold readiness back: the gateway
     routes around it.
     """
-    services = request.app.state.services
-    tiers = services.fleet.status()
-    waiting = {name: s for name, s in tiers.items()
-               if not s["ready"] and any(r["status"] not in ("unavailable", "preparing") for r in s["replicas"])}
-    ready = not waiting
+    ready, details = readiness(fleet, ledger)
     body: dict[str, Any] = {"status": "ok" if ready else "starting"}
     key = presented_key(request)
-    principal = services.store.authenticate(key) if key else None
+    principal = store.authenticate(key) if key else None
     if principal is not None and principal.key.is_admin:
-        body |= {"tiers": tiers,
-                 "not_ready": {name: services.fleet.unavailable().get(name) for name in tiers
-                               if not tiers[name]["ready"]}}
+        body |= details
     return Response(body, status_code=200 if ready else 503)
 
 
+def readiness(fleet: Fleet, ledger: Ledger) -> tuple[bool, dict[str, Any]]:
+    """Whether the gateway can take work (every tier that can run is ready, and the ledger can write), and the
+    details: each tier's status, why a tier is not ready, and why the ledger is not (null when it is)."""
+    tiers = fleet.status()
+    waiting = {name: s for name, s in tiers.items()
+               if not s["ready"] and any(r["status"] not in ("unavailable", "preparing") for r in s["replicas"])}
+    unavailable = fleet.unavailable()
+    ledger_reason = ledger.not_ready_reason
+    return not waiting and ledger_reason is None, {
+        "tiers": tiers, "not_ready": {name: unavailable.get(name) for name in tiers if not tiers[name]["ready"]},
+        "ledger": ledger_reason}
+
+
 @get("/metrics", guards=[require_admin])
-async def metrics(request: Request[Any, Any, Any]) -> Response[bytes]:
-    return Response(request.app.state.services.metrics.render(), media_type="text/plain; version=0.0.4")
+async def metrics(metrics: NamedDependency[GatewayMetrics]) -> Response[bytes]:
+    return Response(metrics.render(), media_type="text/plain; version=0.0.4")

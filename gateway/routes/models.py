@@ -4,27 +4,29 @@ from __future__ import annotations
 
 from typing import Any
 
-from litestar import Request, get
+from litestar import get
 from litestar.di import NamedDependency, Provide
 
 from gateway.auth import provide_principal
 from gateway.tenants.store import Principal
+from quotas.plans import PlanBook
+from tiers.fleet import Fleet
 from tiers.routing import AUTO
 
 
 @get("/v1/models", dependencies={"principal": Provide(provide_principal)})
-async def list_models(request: Request[Any, Any, Any], principal: NamedDependency[Principal]) -> dict[str, Any]:
-    services = request.app.state.services
-    unavailable = services.fleet.unavailable()
+async def list_models(principal: NamedDependency[Principal], fleet: NamedDependency[Fleet],
+                      plans: NamedDependency[PlanBook]) -> dict[str, Any]:
+    unavailable = fleet.unavailable()
     if principal.tenant is not None:
-        plan = services.plans.plans[principal.tenant.plan]
+        plan = plans.plans[principal.tenant.plan]
         names, default = plan.allowed_tiers, plan.default_tier
     else:
-        names, default = list(services.catalogue.tiers), None
+        names, default = list(fleet.catalogue.tiers), None
     data = [{"id": AUTO, "object": "model", "created": 0, "owned_by": "tiergate",
              "description": f"routed by Tiergate (now: {default or 'the plan default'})", "available": True}]
     for name in names:
-        spec = services.catalogue.tiers[name]
+        spec = fleet.catalogue.tiers[name]
         data.append({
             "id": name, "object": "model", "created": 0, "owned_by": "tiergate",
             "description": spec.description, "available": name not in unavailable,

@@ -13,14 +13,15 @@ from gateway.errors import InvalidRequest
 from gateway.report_format import to_csv
 from gateway.report_params import parse_by, parse_day
 from gateway.tenants.store import Principal
+from quotas.ledger import Ledger
 from quotas.report import jsonable, usage_report
 
 
-def _report(request: Request[Any, Any, Any], *, tenant: str | None, since: str | None, until: str | None,
+def _report(ledger: Ledger, *, tenant: str | None, since: str | None, until: str | None,
             by: str | None, fmt: str) -> Response[Any]:
     try:
         groups = parse_by(by)
-        rows = usage_report(request.app.state.services.ledger, by=groups, since=parse_day(since),
+        rows = usage_report(ledger, by=groups, since=parse_day(since),
                             until=parse_day(until, end=True), tenant=tenant)
     except ValueError as exc:
         raise InvalidRequest(str(exc)) from exc
@@ -32,17 +33,19 @@ def _report(request: Request[Any, Any, Any], *, tenant: str | None, since: str |
 
 
 @get("/admin/usage/report", guards=[require_admin])
-async def admin_report(request: Request[Any, Any, Any], tenant: FromQuery[str | None] = None,
+async def admin_report(request: Request[Any, Any, Any], ledger: NamedDependency[Ledger],
+                       tenant: FromQuery[str | None] = None,
                        to: FromQuery[str | None] = None, by: FromQuery[str | None] = None,
                        format: FromQuery[str] = "json") -> Response[Any]:
     """Query: from, to (YYYY-MM-DD, UTC, inclusive), by (tenant,tier,day,key_id), tenant, format (json|csv)."""
-    return _report(request, tenant=tenant, since=request.query_params.get("from"), until=to, by=by, fmt=format)
+    return _report(ledger, tenant=tenant, since=request.query_params.get("from"), until=to, by=by, fmt=format)
 
 
 @get("/v1/usage", dependencies={"principal": Provide(provide_tenant)})
 async def tenant_report(request: Request[Any, Any, Any], principal: NamedDependency[Principal],
+                        ledger: NamedDependency[Ledger],
                         to: FromQuery[str | None] = None, by: FromQuery[str | None] = None,
                         format: FromQuery[str] = "json") -> Response[Any]:
     """The caller's own tenant only; same query as the admin report."""
     tenant = principal.tenant.name  # type: ignore[union-attr]
-    return _report(request, tenant=tenant, since=request.query_params.get("from"), until=to, by=by, fmt=format)
+    return _report(ledger, tenant=tenant, since=request.query_params.get("from"), until=to, by=by, fmt=format)

@@ -17,12 +17,12 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from assets.builds import build_lock
 from gateway.cli.first_use import build_commands
 from gateway.config_files import load_yaml
 from gateway.settings import Settings
 from tests.conftest import MODELS_DIR, free_port
 from tiers.catalogue import TierCatalogue
-from tiers.students import build_lock
 
 ROOT = Path(__file__).resolve().parents[2]
 TIERS = """

@@ -83,7 +83,7 @@ def test_embedded_budgets_survive_a_restart(gateway_settings: Settings, stub: tu
 @contextmanager
 def full_tier_backed_up(gw: Gateway) -> Iterator[None]:
     """The full tier is busy and 10,000 tokens wait ahead, served at a measured 100 tokens/s."""
-    q = gw.app.state.services.chat.queues["full"]
+    q = gw.app.state.services.queues["full"]
     q.in_flight, q.tokens_per_s = q.capacity, 100.0
     q.waiting[0].append(Ticket("other", 0, 1.0, 10_000, seq=-1))
     try:

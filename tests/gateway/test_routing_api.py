@@ -126,7 +126,7 @@ def routed_settings(gateway_settings: Settings, fleet3: Fleet3, tmp_path: Path) 
 def with_difficulty_model(gw: Gateway, tmp_path: Path) -> None:
     artifact = tmp_path / "difficulty.json"
     artifact.write_text("{}")
-    gw.app.state.services.chat.admission.predictor = PredictorSource(artifact, lambda _: FakeDifficulty())
+    gw.app.state.services.pipeline.route.predictor = PredictorSource(artifact, lambda _: FakeDifficulty())
 
 
 @pytest.fixture

@@ -5,13 +5,13 @@ from __future__ import annotations
 import time
 from decimal import Decimal
 
-from quotas.admission import QuotaService
 from quotas.backends.base import QuotaBackend
 from quotas.backends.failover import FailoverBackend
 from quotas.backends.memory import MemoryBackend
 from quotas.backends.redis import RedisBackend
 from quotas.limits import ReservationRequest, ScopeLimits
 from quotas.plans import Limits, Plan
+from quotas.reservations import QuotaService
 
 
 async def test_spend_counts_reservations_and_settlements_per_scope(backend: QuotaBackend) -> None:

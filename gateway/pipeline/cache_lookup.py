@@ -1,0 +1,126 @@
+"""Cache: look the request up inside its scope, and keep fresh answers. A failing cache is a miss, never a
+failed request.
+
+The scope is what an answer depends on: the tenant, the key's roles (and the end user where the plan
+isolates users), the tenant's data version (bumped through the admin API or CLI, combined with an optional
+`X-Tiergate-Data-Version` header), the tier's model version (its engine's fingerprint of weights,
+quantization and engine version), the system prompt and sampling class.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from cache import (
+    Bypass,
+    CacheScope,
+    CacheStoreError,
+    EmbedderError,
+    Hit,
+    LookupResult,
+    Miss,
+    SemanticCache,
+    TenantPolicy,
+)
+from gateway.ladder.apply import Degradation, shaped_answer
+from gateway.pipeline.context import RequestContext
+from gateway.pipeline.meter import Outcome
+from gateway.tenants.store import TenantStore
+from tiers.catalogue import TierSpec
+from tiers.fleet import Fleet
+from wire.chat_request import ChatCompletionRequest
+
+log = logging.getLogger("tiergate.cache")
+DATA_VERSION_HEADER = "x-tiergate-data-version"
+
+
+@dataclass(frozen=True)
+class CacheLookup:
+    result: LookupResult  # Hit | Miss | Bypass
+    scope: CacheScope | None  # None: nothing may be stored (the cache is off)
+    policy: TenantPolicy | None
+    body: Mapping[str, Any]  # the request as the cache keyed it
+    headers: Mapping[str, str]
+    applied: tuple[str, ...]  # the ladder's actions that changed the lookup
+
+    @property
+    def hit(self) -> Hit | None:
+        return self.result if isinstance(self.result, Hit) else None
+
+    @property
+    def status(self) -> str:
+        return self.result.status
+
+    def response_headers(self) -> dict[str, str]:
+        return self.result.headers()
+
+
+class CacheStage:
+    def __init__(self, *, cache: SemanticCache | None, store: TenantStore, fleet: Fleet) -> None:
+        self.cache = cache
+        self.store = store
+        self.fleet = fleet
+        self._background: set[asyncio.Task[Any]] = set()
+
+    async def lookup(self, ctx: RequestContext, req: ChatCompletionRequest, tier: TierSpec,
+                     degr: Degradation) -> CacheLookup:
+        body = req.model_dump(mode="json", exclude_none=True)
+        if self.cache is None:
+            return CacheLookup(Bypass("bypass: the cache is off"), None, None, body, ctx.headers, ())
+        policy, applied = self._policy(ctx, degr)
+        scope = self._scope(ctx, req, tier, body)
+        try:
+            result = await self.cache.alookup(scope, body, headers=ctx.headers, policy=policy)
+        except (CacheStoreError, EmbedderError) as exc:
+            log.warning("cache lookup failed, served as a miss: %s", exc)
+            result = Miss(f"cache unavailable: {exc}")
+        return CacheLookup(result, scope, policy, body, ctx.headers, applied)
+
+    def save(self, lookup: CacheLookup, outcome: Outcome, applied: tuple[str, ...]) -> None:
+        """Keep a fresh answer (in the background: the client is not kept waiting for it).
+
+        An answer the ladder shaped (a trimmed context, a capped output) is not what the request asked for,
+        so it is never stored: a later request at normal service must not get it.
+        """
+        if self.cache is None or lookup.scope is None or not isinstance(lookup.result, Miss):
+            return
+        if shaped_answer(applied):
+            return
+        usage = {"prompt_tokens": outcome.input_tokens, "completion_tokens": outcome.output_tokens,
+                 "finish_reason": outcome.finish_reason}
+        task = asyncio.get_running_loop().create_task(self._save(lookup, outcome.text, usage))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def drain(self) -> None:
+        """Wait for pending stores (tests, shutdown)."""
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+
+    def _policy(self, ctx: RequestContext, degr: Degradation) -> tuple[TenantPolicy, tuple[str, ...]]:
+        c = ctx.plan.cache
+        delta = degr.semantic_threshold_delta
+        applied = (f"semantic_threshold_delta({delta})",) if delta and c.semantic else ()
+        return TenantPolicy(enabled=c.enabled, semantic=c.semantic, similarity_threshold=c.similarity_threshold + delta,
+                            ttl_s=c.ttl_s), applied
+
+    def _scope(self, ctx: RequestContext, req: ChatCompletionRequest, tier: TierSpec,
+               body: Mapping[str, Any]) -> CacheScope:
+        version: int | str = self.store.data_version(ctx.tenant)
+        if ctx.headers.get(DATA_VERSION_HEADER):
+            version = f"{version}:{ctx.headers[DATA_VERSION_HEADER]}"
+        end_user = req.user if ctx.plan.cache.isolate_users else None
+        return CacheScope.for_request(body, tenant=ctx.tenant,
+                                      roles=ctx.principal.key.roles, end_user=end_user, data_version=version,
+                                      model_version=self.fleet.model_version(tier))
+
+    async def _save(self, lookup: CacheLookup, text: str, usage: dict[str, Any]) -> None:
+        try:
+            await self.cache.astore(lookup.scope, lookup.body, text, usage,  # type: ignore[union-attr,arg-type]
+                                    headers=lookup.headers, policy=lookup.policy)
+        except (CacheStoreError, EmbedderError) as exc:
+            log.warning("cache store failed: %s", exc)

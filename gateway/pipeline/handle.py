@@ -1,0 +1,220 @@
+"""The request path, top to bottom: `Pipeline.handle` is the one function every chat request runs.
+
+    authenticate (the route's key dependency) → gate → parse → degrade → route → cache → prompt → reserve
+    → dispatch → call the tier → account → settle
+
+Each stage is a module of this package and returns a frozen result the next one takes. Nothing is charged
+before `reserve`; every refusal before it is counted once (`RefusalLog`). From `reserve` on, an attempt
+settles exactly once, in the `finally` of `_answer`, whatever ends it: its answer, an upstream error, the
+client leaving, or a bug. Streamed and non-streamed requests share every stage; the route only frames the
+events differently. A plan's cascade (cascade.py) wraps non-streamed `auto` answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+from gateway.errors import InvalidRequest, Unavailable, client_error
+from gateway.ladder.apply import NORMAL, Degradation
+from gateway.ladder.controller import LadderController
+from gateway.pipeline.attempt import Attempt, Prepared
+from gateway.pipeline.cache_lookup import CacheLookup, CacheStage
+from gateway.pipeline.cascade import cascade
+from gateway.pipeline.context import RequestContext
+from gateway.pipeline.dispatch import DispatchStage
+from gateway.pipeline.events import Delta, Done, Event, Head
+from gateway.pipeline.gate import TenantGate, scopes_of
+from gateway.pipeline.meter import Meter, Outcome
+from gateway.pipeline.prompt import PromptStage
+from gateway.pipeline.refusals import RefusalLog
+from gateway.pipeline.reserve import ReserveStage, ratelimit_headers
+from gateway.pipeline.route import RouteDecision, RouteStage
+from gateway.pipeline.settle import Settler
+from gateway.pipeline.tier_call import TierCaller, Upstream, upstream_body
+from gateway.validation import parse_body
+from quotas.dispatch import Ticket
+from quotas.plans import PRIORITY_ORDER
+from tiers.replica_choice import SESSION_HEADER, affinity_key
+from wire.chat_request import ChatCompletionRequest, normalized_role
+
+
+class Pipeline:
+    def __init__(self, *, gate: TenantGate, ladder: LadderController | None, route: RouteStage, cache: CacheStage,
+                 prompt: PromptStage, reserve: ReserveStage, dispatch: DispatchStage, tier: TierCaller,
+                 settler: Settler, refusals: RefusalLog, ready: Any = None) -> None:
+        self.gate = gate
+        self.ladder = ladder
+        self.route = route
+        self.cache = cache
+        self.prompt = prompt
+        self.reserve = reserve
+        self.dispatch = dispatch
+        self.tier = tier
+        self.settler = settler
+        self.refusals = refusals
+        self.ready = ready  # () -> str | None: why the gateway cannot take work now (the ledger cannot write)
+
+    async def handle(self, ctx: RequestContext, body: bytes) -> AsyncIterator[Event]:
+        """The answer to one chat request, as events; raises a `TiergateError` before its `Head`."""
+        with self.refusals.counted(ctx):
+            entry = self.gate.enter(scopes_of(ctx.tenant, ctx.key_id, ctx.plan.limits, ctx.principal.key.limits))
+        try:
+            with self.refusals.counted(ctx):
+                prepared = await self._prepare(ctx, body)
+            events = cascade(self, ctx, prepared) if _cascades(ctx, prepared) else self.answer(ctx, prepared)
+            async for event in events:
+                yield event
+        finally:
+            entry.leave()
+
+    async def _prepare(self, ctx: RequestContext, body: bytes) -> Prepared:
+        """Every check, cheapest first, then the reservation: nothing is charged if any check refuses."""
+        if self.ready is not None and (why := self.ready()) is not None:
+            raise Unavailable(f"the gateway cannot take requests now: {why}", code="not_ready", retry_after=5)
+        req = parse_request(body)
+        degr = self._degradation(ctx)
+        route = await self.route.choose(ctx, req, degr)
+        lookup = await self.cache.lookup(ctx, req, route.tier, degr)
+        if (hit := lookup.hit) is not None:  # a cached answer needs no tier, however busy
+            tokens = int(hit.usage.get("prompt_tokens", 0)) + int(hit.usage.get("completion_tokens", 0))
+            price = ctx.plan.cache.hit_price_per_1k * tokens / 1000
+            reservation = await self.reserve.reserve(ctx, ctx.request_id, tokens=0, price=price)
+            return Prepared(req, Attempt(ctx.request_id, route, reservation, lookup,
+                                         route.applied + lookup.applied, hit_price=price), None)
+        self._refuse_cache_only(ctx, degr, route, lookup)
+        if (overloaded := route.overload_refusal()) is not None:
+            raise overloaded
+        return await self.prepare_on(ctx, req, route, lookup, ctx.request_id)
+
+    async def prepare_on(self, ctx: RequestContext, req: ChatCompletionRequest, route: RouteDecision,
+                         lookup: CacheLookup, request_id: str, cascade_of: str | None = None) -> Prepared:
+        """Count the prompt for the route's tier and reserve (a cascade's second attempt enters here too)."""
+        prompt = await self.prompt.measure(req, route.tier, route.degradation)
+        tier = route.tier
+        reservation = await self.reserve.reserve(ctx, request_id, tokens=prompt.num_tokens + prompt.output_cap,
+                                                 price=tier.price(prompt.num_tokens, prompt.output_cap))
+        if len(prompt.messages) != len(req.messages):
+            req = req.model_copy(update={"messages": list(prompt.messages)})
+        attempt = Attempt(request_id, route, reservation, lookup, route.applied + lookup.applied + prompt.applied,
+                          cascade_of=cascade_of, cap_by_context=prompt.cap_by_context)
+        return Prepared(req, attempt, prompt)
+
+    async def answer(self, ctx: RequestContext, prepared: Prepared, *, judge: Any = None,
+                      headers: dict[str, str] | None = None) -> AsyncIterator[Event]:
+        """Dispatch → call → account → settle for one attempt. `judge` (the cascade's) sees an ok outcome
+        before it is settled and may add to its route reason and actions."""
+        attempt, meter = prepared.attempt, Meter(ctx.t0)
+        ticket: Ticket | None = None
+        upstream: Upstream | None = None
+        outcome: Outcome | None = None
+        wait = True
+        try:
+            if attempt.lookup.hit is not None:
+                meter.add_cached(attempt.lookup.hit.response, attempt.lookup.hit.usage)
+                yield self.head(ctx, prepared.req, attempt, headers)
+                yield Delta(attempt.lookup.hit.response, None)
+            else:
+                ticket, upstream = await self._call(ctx, prepared, meter)
+                yield self.head(ctx, prepared.req, attempt, headers)
+                async for chunk in upstream:
+                    content, logprobs, _ = meter.add(chunk)
+                    if content or logprobs:
+                        yield Delta(content, logprobs)
+            outcome = meter.outcome("ok", 200)
+            if judge is not None:
+                attempt = await judge(attempt, outcome)
+        except (asyncio.CancelledError, GeneratorExit):
+            outcome, wait = meter.outcome("cancelled", 499), False  # a leaving client's task must not wait
+            raise
+        except Exception as exc:
+            err = client_error(exc)
+            outcome = meter.outcome("error", err.status_code, err.code)
+            if err is exc:
+                raise
+            raise err from exc
+        finally:
+            if upstream is not None and outcome is not None and outcome.status != "ok":
+                await _close_quietly(upstream)
+            await self.settler.settle(ctx, attempt, outcome or meter.outcome("cancelled", 499), ticket, wait=wait)
+        yield Done(outcome.finish_reason, outcome.input_tokens, outcome.output_tokens)
+
+    async def _call(self, ctx: RequestContext, prepared: Prepared, meter: Meter) -> tuple[Ticket, Upstream]:
+        """Wait for a dispatch slot, then open the tier's stream; the slot is the caller's to release."""
+        attempt, prompt, req = prepared.attempt, prepared.prompt, prepared.req
+        assert prompt is not None
+        tier = attempt.route.tier
+        ticket = await self.dispatch.acquire(ctx.tenant, ctx.plan, tier.name, prompt.num_tokens + prompt.output_cap)
+        try:
+            body = upstream_body(req, tier, max_tokens=prompt.output_cap, priority=PRIORITY_ORDER[ctx.plan.priority],
+                                 logprobs=req.logprobs or self._wants_logprobs(ctx, prepared))
+            affinity = affinity_key(ctx.tenant, [{"role": normalized_role(m.role), "content": m.text()}
+                                                 for m in req.messages], ctx.headers.get(SESSION_HEADER))
+            meter.upstream_started()
+            return ticket, await self.tier.open(tier, body, affinity=affinity)
+        except BaseException:
+            meter.upstream_ended()
+            self.dispatch.release(tier.name, ticket, 0)
+            raise
+
+    def head(self, ctx: RequestContext, req: ChatCompletionRequest, attempt: Attempt,
+             extra: dict[str, str] | None = None) -> Head:
+        reason = "; ".join((attempt.route.reason, *attempt.extra_reason))
+        headers = {"x-tiergate-tier": attempt.route.tier.name, "x-tiergate-route-reason": reason,
+                   **ratelimit_headers(ctx.plan, attempt.reservation.decision), **attempt.lookup.response_headers()}
+        if attempt.applied:
+            headers["x-tiergate-degrade-actions"] = ",".join(attempt.applied)
+        return Head(f"chatcmpl-{ctx.request_id}", int(ctx.arrived), attempt.route.tier.name, headers | (extra or {}),
+                    stream=req.stream, include_usage=req.include_usage)
+
+    def _degradation(self, ctx: RequestContext) -> Degradation:
+        """The ladder's level in force, read once; its shed classes are refused here, before any work."""
+        if self.ladder is None:
+            return NORMAL
+        degr = Degradation(self.ladder.level, tuple(self.ladder.actions()))
+        shed = degr.shed(ctx.plan.priority)
+        if shed is not None:
+            raise Unavailable(f"degradation level {degr.level}: {ctx.plan.priority} traffic is shed; retry later",
+                              code="degraded_shed", retry_after=shed.retry_after_s,
+                              headers={"x-tiergate-degrade-actions": f"shed({ctx.plan.priority})"})
+        return degr
+
+    @staticmethod
+    def _refuse_cache_only(ctx: RequestContext, degr: Degradation, route: RouteDecision, lookup: CacheLookup) -> None:
+        """Cache-only classes get 503 when the cache had no answer for them."""
+        if degr.cache_only(ctx.plan.priority):
+            applied = (*route.applied, *lookup.applied, f"cache_only({ctx.plan.priority})")
+            raise Unavailable(f"degradation level {degr.level}: {ctx.plan.priority} traffic is answered from cache "
+                              "only, and there is no cached answer for this request", code="degraded_cache_only",
+                              retry_after=30, headers={"x-tiergate-degrade-actions": ",".join(applied)})
+
+    @staticmethod
+    def _wants_logprobs(ctx: RequestContext, prepared: Prepared) -> bool:
+        """The cascade's log-probability check needs them (non-streamed `auto` requests of such plans)."""
+        routing = ctx.plan.routing
+        return (routing.cascade and routing.cascade_min_mean_logprob is not None and not prepared.req.stream
+                and prepared.attempt.route.route.auto)
+
+
+def _cascades(ctx: RequestContext, prepared: Prepared) -> bool:
+    """A plan's cascade retries cheap non-streamed `auto` answers (a stream's first tokens are already out)."""
+    return (ctx.plan.routing.cascade and prepared.attempt.route.route.auto and not prepared.req.stream
+            and prepared.attempt.lookup.hit is None)
+
+
+def parse_request(body: bytes) -> ChatCompletionRequest:
+    """The body as a chat request (400 naming the field otherwise). `priority` is vLLM's field, which our
+    engines honour; through the gateway a tenant's priority comes from its plan, so the field is refused."""
+    req = parse_body(body, ChatCompletionRequest)
+    if "priority" in req.model_fields_set:
+        raise InvalidRequest("priority: unsupported parameter (your plan sets your priority); remove it",
+                             param="priority", code="unsupported_parameter")
+    return req
+
+
+async def _close_quietly(upstream: Upstream) -> None:
+    """Close the tier's stream (which tells the engine to stop); never raises into a settlement."""
+    with contextlib.suppress(Exception):  # the connection is being dropped anyway
+        await upstream.aclose()

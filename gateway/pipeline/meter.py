@@ -1,0 +1,100 @@
+"""Account: what one attempt has used so far, read from the tier's stream chunks, and the `Outcome` it ends in.
+
+The meter is the one mutable thing of an attempt and belongs to it alone: the tier's chunks go in, one
+frozen `Outcome` comes out for the settle stage. Usage comes from the chunks' `usage` (our engine and vLLM
+send it in every chunk when asked for `continuous_usage_stats`, so a cancelled stream is still countable)
+and the engine's busy time from `x_tiergate.busy_s`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from tiers.cascade import sum_logprobs
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How an attempt ended and what it used."""
+
+    status: str  # ok | error | cancelled
+    http_status: int
+    error_code: str | None
+    input_tokens: int
+    output_tokens: int
+    finish_reason: str | None
+    text: str  # the answer as far as it went
+    ttft_s: float | None  # from arrival to the first content
+    upstream_s: float | None  # time spent on the tier (None: no tier was called)
+    busy_s: float | None  # engine compute time the tier reported for it
+    mean_logprob: float | None  # mean token log-probability, where they were asked for
+
+
+class Meter:
+    def __init__(self, t0: float) -> None:
+        self.t0 = t0
+        self.input_tokens = 0
+        self.output_tokens = 0
+        self.finish_reason: str | None = None
+        self.busy_s: float | None = None
+        self.ttft_s: float | None = None
+        self.upstream_t0: float | None = None
+        self.upstream_s: float | None = None
+        self._parts: list[str] = []
+        self._logprob_sum = 0.0
+        self._logprob_n = 0
+
+    def upstream_started(self) -> None:
+        self.upstream_t0 = time.perf_counter()
+
+    def upstream_ended(self) -> None:
+        if self.upstream_t0 is not None and self.upstream_s is None:
+            self.upstream_s = time.perf_counter() - self.upstream_t0
+
+    def add(self, chunk: dict[str, Any]) -> tuple[str, list[dict[str, Any]] | None, bool]:
+        """Count one upstream chunk; returns its content, its logprobs entries and whether it carried a choice."""
+        usage = chunk.get("usage")
+        if isinstance(usage, dict):
+            self.input_tokens = int(usage.get("prompt_tokens") or self.input_tokens)
+            self.output_tokens = int(usage.get("completion_tokens") or self.output_tokens)
+        ext = chunk.get("x_tiergate")
+        if isinstance(ext, dict) and isinstance(ext.get("busy_s"), int | float):
+            self.busy_s = float(ext["busy_s"])
+        content, logprobs, has_choice = "", None, False
+        for choice in chunk.get("choices") or []:
+            if not isinstance(choice, dict):
+                continue
+            delta = choice.get("delta") or {}
+            piece = delta.get("content") if isinstance(delta, dict) else None
+            if isinstance(piece, str) and piece:
+                content += piece
+                if self.ttft_s is None:
+                    self.ttft_s = time.perf_counter() - self.t0
+            if choice.get("finish_reason"):
+                self.finish_reason = str(choice["finish_reason"])
+            lp = choice.get("logprobs")
+            if isinstance(lp, dict) and isinstance(lp.get("content"), list):
+                logprobs = (logprobs or []) + lp["content"]
+                total, n = sum_logprobs([lp])
+                self._logprob_sum += total
+                self._logprob_n += n
+            has_choice = has_choice or bool(piece) or bool(choice.get("finish_reason"))
+        if content:
+            self._parts.append(content)
+        return content, logprobs, has_choice
+
+    def add_cached(self, text: str, usage: dict[str, Any]) -> None:
+        """A cached answer: its usage as stored, no tier."""
+        self._parts.append(text)
+        self.input_tokens = int(usage.get("prompt_tokens", 0))
+        self.output_tokens = int(usage.get("completion_tokens", 0))
+        self.finish_reason = usage.get("finish_reason") or "stop"
+        self.ttft_s = time.perf_counter() - self.t0
+
+    def outcome(self, status: str, http_status: int, error_code: str | None = None) -> Outcome:
+        self.upstream_ended()
+        mean = self._logprob_sum / self._logprob_n if self._logprob_n else None
+        return Outcome(status, http_status, error_code, self.input_tokens, self.output_tokens, self.finish_reason,
+                       "".join(self._parts), self.ttft_s, self.upstream_s, self.busy_s, mean)

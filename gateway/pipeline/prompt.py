@@ -1,0 +1,145 @@
+"""Prompt: what the tier will be asked, counted with its own tokenizer; the output cap; the context check.
+
+Counting reads everything the tenant sent, so it is bounded and linear, and runs off the event loop:
+- a prompt with more characters than `context × longest token` cannot fit and is refused unread;
+- a long prompt is first counted on a prefix of `context × PREFIX_CHARS_PER_TOKEN` characters, and refused
+  when that prefix alone overflows (a typical 4-character token makes that a few tens of kilobytes);
+- the ladder's `cap_input_tokens` drops the oldest turns in one pass: turns that cannot fit by their length
+  alone are dropped unread, the others are counted once each (`encode_batch`, one call) plus the template's
+  per-message markers, and the result is checked with one exact count (another turn dropped if the estimate
+  was short);
+- small prompts are counted inline (microseconds); larger ones in a worker thread, where the tokenizer
+  releases the GIL (gateway/token_counter.py), so the event loop serves other requests meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from assets.model_source import DEFAULT_MODEL, resolve_model
+from gateway.errors import InvalidRequest, Unavailable
+from gateway.ladder.apply import Degradation
+from gateway.token_counter import TokenCounter, token_counter
+from tiers.catalogue import TierSpec
+from wire.chat_request import ChatCompletionRequest, ChatMessage, normalized_role
+
+PREFIX_CHARS_PER_TOKEN = 8  # a prefix this many characters per context token is counted first
+INLINE_CHARS = 4096  # prompts up to this many characters are counted on the event loop
+PREFIX_MARGIN_TOKENS = 16  # a prefix cut inside a word may count a few tokens more than the whole
+MAX_RECOUNTS = 4  # exact counts the input cap may take after its estimate
+
+
+@dataclass(frozen=True)
+class Prompt:
+    messages: tuple[ChatMessage, ...]  # after the ladder's input cap
+    num_tokens: int  # the rendered prompt's tokens, as the tier's engine will count them
+    output_cap: int  # output tokens reserved (and sent as max_tokens)
+    cap_by_context: bool  # the cap is what the context had left, not what the client asked
+    applied: tuple[str, ...]  # the ladder's actions that changed it
+
+
+def tokenizer_source(tier: TierSpec) -> str:
+    """The model whose tokenizer counts this tier's prompts: its own for local tiers, else the default's."""
+    return tier.tokenizer or (tier.model if tier.backend == "local" else DEFAULT_MODEL)
+
+
+class PromptStage:
+    def __init__(self, *, models_dir: Path, default_max_tokens: int, executor: Executor | None = None) -> None:
+        self.models_dir = models_dir
+        self.default_max_tokens = default_max_tokens
+        self.executor = executor
+
+    async def measure(self, req: ChatCompletionRequest, tier: TierSpec, degr: Degradation) -> Prompt:
+        counter = self._counter(tier)
+        messages = [{"role": normalized_role(m.role), "content": m.text()} for m in req.messages]
+        chars = sum(len(m["content"]) for m in messages)
+        if chars <= INLINE_CHARS and degr.input_cap is None:
+            kept, applied, num_tokens = list(req.messages), (), counter.prompt_tokens(messages)
+        else:
+            kept, applied, num_tokens = await asyncio.get_running_loop().run_in_executor(
+                self.executor, _count_bounded, counter, list(req.messages), messages, tier, degr.input_cap)
+        room = tier.context_limit - num_tokens
+        cap = req.output_cap or max(1, min(self.default_max_tokens, room))
+        by_context = req.output_cap is None and cap == room
+        capped, action = degr.cap_output(cap)
+        if action is not None:
+            applied = (*applied, action)
+        if num_tokens + capped > tier.context_limit:
+            raise _too_long(tier, f"{num_tokens} prompt tokens + {capped} output tokens")
+        return Prompt(tuple(kept), num_tokens, capped, by_context and capped == cap, applied)
+
+    def _counter(self, tier: TierSpec) -> TokenCounter:
+        source = tokenizer_source(tier)
+        try:
+            return token_counter(resolve_model(source, self.models_dir))
+        except (OSError, ValueError) as exc:
+            raise Unavailable(
+                f"the tokenizer of tier {tier.name!r} ({source}) is not prepared: {exc}; run "
+                f"`tiergate models fetch --model {source}`", code="tokenizer_unavailable", retry_after=30) from exc
+
+
+def _count_bounded(counter: TokenCounter, originals: list[ChatMessage], messages: list[dict[str, Any]],
+                   tier: TierSpec, input_cap: int | None) -> tuple[list[ChatMessage], tuple[str, ...], int]:
+    """(messages kept, actions applied, prompt tokens), reading at most what could fit (worker thread)."""
+    applied: tuple[str, ...] = ()
+    if input_cap is not None:
+        keep = _trim(counter, messages, input_cap)
+        if len(keep) < len(messages):
+            applied = (f"cap_input_tokens({input_cap},dropped={len(messages) - len(keep)})",)
+            originals = [originals[i] for i in keep]
+            messages = [messages[i] for i in keep]
+    limit = tier.context_limit
+    chars = sum(len(m["content"]) for m in messages)
+    if chars > limit * counter.max_token_chars:
+        raise _too_long(tier, f"{chars} characters, more than {limit} tokens can hold")
+    text = counter.render(messages)
+    prefix_chars = limit * PREFIX_CHARS_PER_TOKEN
+    if len(text) > prefix_chars and counter.count(text[:prefix_chars]) > limit + PREFIX_MARGIN_TOKENS:
+        raise _too_long(tier, f"more than {limit} tokens in its first {prefix_chars} characters")
+    return originals, applied, counter.count(text)
+
+
+def _trim(counter: TokenCounter, messages: list[dict[str, Any]], cap: int) -> list[int]:
+    """Indexes of the messages kept when the oldest turns (never a system message, never the last message)
+    are dropped until the prompt has at most `cap` tokens, or nothing more may be dropped."""
+    droppable = [i for i, m in enumerate(messages[:-1]) if m["role"] != "system"]
+    if not droppable:
+        return list(range(len(messages)))
+    dropping = set(droppable)
+    fixed = [i for i in range(len(messages)) if i not in dropping]
+    budget = cap * counter.max_token_chars  # characters that `cap` tokens can cover at most
+    room = budget - sum(len(messages[i]["content"]) for i in fixed)
+    candidates: list[int] = []  # droppable turns that might fit, newest first
+    for i in reversed(droppable):
+        room -= len(messages[i]["content"])
+        if room < 0:
+            break
+        candidates.append(i)
+    candidates.reverse()  # oldest first
+    counts = counter.content_tokens([messages[i]["content"] for i in candidates])
+    estimate = dict(zip(candidates, (n + counter.message_overhead(messages[i]["role"])
+                                     for i, n in zip(candidates, counts, strict=True)), strict=True))
+    kept = sorted(fixed + candidates)
+    total = counter.prompt_tokens([messages[i] for i in kept])
+    dropped, recounts = 0, 0
+    while total > cap and dropped < len(candidates):
+        # drop by the estimate, then check exactly; an estimate that was short drops one turn more (and
+        # after MAX_RECOUNTS exact checks, every candidate left: the bound keeps this linear for any template)
+        while total > cap and dropped < len(candidates):
+            total -= estimate[candidates[dropped]]
+            dropped += 1
+        recounts += 1
+        if recounts >= MAX_RECOUNTS:
+            dropped = len(candidates)
+        kept = sorted(fixed + candidates[dropped:])
+        total = counter.prompt_tokens([messages[i] for i in kept])
+    return kept
+
+
+def _too_long(tier: TierSpec, what: str) -> InvalidRequest:
+    return InvalidRequest(f"tier {tier.name!r} has a context of {tier.context_limit} tokens; the request needs "
+                          f"{what}", param="messages", code="context_length_exceeded")

@@ -1,0 +1,114 @@
+"""Route: which tier answers (tiers/routing.py's rules), with the ladder's level read once for the request.
+
+An explicit tier, or `auto`: the cheapest allowed tier whose predicted fidelity reaches the plan's quality
+floor, relaxed as the tenant's budget runs low (one quota-backend read, only for plans that relax it).
+Around unavailable and overloaded tiers; the ladder's remap last. When every allowed tier is over its wait
+limit, the route without load is still returned, with the overload: a cached answer may serve it anyway.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, replace
+
+from gateway.errors import Unavailable, client_error
+from gateway.ladder.apply import Degradation
+from gateway.pipeline.context import RequestContext
+from gateway.pipeline.dispatch import DispatchStage
+from quotas.backends.base import QuotaBackendError
+from quotas.reservations import QuotaService
+from tiers.catalogue import TierSpec
+from tiers.errors import TierError, TierOverloaded
+from tiers.fleet import Fleet
+from tiers.predictor import PredictorSource
+from tiers.routing import AUTO, Prediction, Route, RouteRules, TierConditions, choose_tier
+from wire.chat_request import ChatCompletionRequest, normalized_role
+
+
+@dataclass(frozen=True)
+class RouteDecision:
+    route: Route
+    degradation: Degradation  # the ladder's level in force, read once for the whole request
+    requested_tier: str  # what the request named, or the plan's default for `auto`
+    overloaded: TierOverloaded | None  # every allowed tier is over its wait limit
+    applied: tuple[str, ...]  # the ladder's actions that changed the route
+
+    @property
+    def tier(self) -> TierSpec:
+        return self.route.tier
+
+    @property
+    def reason(self) -> str:
+        return self.route.reason
+
+    def overload_refusal(self) -> Unavailable | None:
+        """The 503 for a request that must run on a tier (not a cache hit) while every tier is overloaded."""
+        if self.overloaded is None:
+            return None
+        return Unavailable(str(self.overloaded), code="overloaded",
+                           retry_after=max(1, math.ceil(self.overloaded.wait_s)))
+
+    def moved_to(self, tier: TierSpec, reason: str) -> RouteDecision:
+        """The same request on another tier (a cascade's second attempt)."""
+        return replace(self, route=Route(tier, reason, auto=True), overloaded=None, applied=())
+
+
+class RouteStage:
+    def __init__(self, *, fleet: Fleet, quotas: QuotaService, dispatch: DispatchStage,
+                 predictor: PredictorSource | None) -> None:
+        self.fleet = fleet
+        self.quotas = quotas
+        self.dispatch = dispatch
+        self.predictor = predictor
+
+    async def choose(self, ctx: RequestContext, req: ChatCompletionRequest, degr: Degradation) -> RouteDecision:
+        plan, routing = ctx.plan, ctx.plan.routing
+        prediction: Prediction | None = None
+        unpredicted = "no difficulty model yet"
+        floor, floor_reason = routing.floor_for(None)
+        if req.model == AUTO and self.predictor is not None:
+            got = await self.predictor.predict([{"role": normalized_role(m.role), "content": m.text()}
+                                                for m in req.messages])
+            if isinstance(got, Prediction):
+                prediction = got
+                if routing.budget_thresholds:
+                    floor, floor_reason = routing.floor_for(await self._budget_left(ctx))
+            else:
+                unpredicted = got
+        rules = RouteRules(allowed=plan.allowed_tiers, default=plan.default_tier, allow_upgrade=plan.allow_upgrade,
+                           shed_to_cheaper=plan.shed_to_cheaper, dearer_on_load=routing.allow_dearer_on_load,
+                           max_wait_s=plan.max_queue_wait_s, quality_floor=floor, floor_reason=floor_reason)
+        unavailable = self.fleet.unavailable()
+        waits = self.dispatch.predicted_waits(plan) if plan.max_queue_wait_s is not None else {}
+        overloaded: TierOverloaded | None = None
+        try:
+            try:
+                route = choose_tier(req.model, catalogue=self.fleet.catalogue, rules=rules, prediction=prediction,
+                                    conditions=TierConditions(unavailable, waits), unpredicted=unpredicted)
+            except TierOverloaded as exc:
+                overloaded = exc
+                route = choose_tier(req.model, catalogue=self.fleet.catalogue, rules=rules, prediction=prediction,
+                                    conditions=TierConditions(unavailable), unpredicted=unpredicted)
+        except TierError as exc:
+            raise client_error(exc) from exc
+        route, applied = self._remap(degr, route, unavailable)
+        requested = plan.default_tier if req.model == AUTO else req.model
+        return RouteDecision(route, degr, requested, overloaded, applied)
+
+    def _remap(self, degr: Degradation, route: Route, unavailable: dict[str, str]) -> tuple[Route, tuple[str, ...]]:
+        tiers = self.fleet.catalogue.tiers
+        target, action = degr.remap(route.tier.name, lambda t: t in tiers and t not in unavailable)
+        if action is None:
+            return route, ()
+        return replace(route, tier=tiers[target], reason=f"{route.reason}; degrade level {degr.level}: "
+                                                         f"{route.tier.name} -> {target}"), (action,)
+
+    async def _budget_left(self, ctx: RequestContext) -> float | None:
+        """The smallest share left of the tenant's (and key's) budgets; None if unknown (the floor stays)."""
+        try:
+            return await self.quotas.budget_left(tenant=ctx.tenant, plan=ctx.plan, key_id=ctx.key_id,
+                                                 key_limits=ctx.principal.key.limits, now=time.time())
+        except QuotaBackendError:
+            return None  # the reservation that follows reports the backend's state
+

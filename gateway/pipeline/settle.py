@@ -1,0 +1,124 @@
+"""Settle: the one place an attempt's end is written down. Exactly once per attempt, from a `finally`.
+
+It prices what ran, writes the durable ledger row (price, compute cost, cache and routing savings, degrade
+level), settles the quota reservation to real use, frees the dispatch slot, feeds the ladder's signals and
+the metrics, and hands a fresh answer to the cache. A cancelled attempt (the client left) must not await:
+its writes are handed off, the row still queued synchronously for the next group commit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Coroutine
+from decimal import Decimal
+from typing import Any
+
+from gateway.ladder.signals import Signals
+from gateway.metrics import GatewayMetrics
+from gateway.pipeline.attempt import Attempt
+from gateway.pipeline.cache_lookup import CacheStage
+from gateway.pipeline.context import RequestContext
+from gateway.pipeline.dispatch import DispatchStage
+from gateway.pipeline.meter import Outcome
+from quotas.dispatch import Ticket
+from quotas.ledger import Ledger, LedgerRow
+from quotas.reservations import QuotaService
+from tiers.catalogue import TierCatalogue
+
+log = logging.getLogger("tiergate.settle")
+
+
+class Settler:
+    def __init__(self, *, ledger: Ledger, quotas: QuotaService, dispatch: DispatchStage, cache: CacheStage,
+                 metrics: GatewayMetrics, signals: Signals, catalogue: TierCatalogue) -> None:
+        self.ledger = ledger
+        self.quotas = quotas
+        self.dispatch = dispatch
+        self.cache = cache
+        self.metrics = metrics
+        self.signals = signals
+        self.catalogue = catalogue
+        self._background: set[asyncio.Task[Any]] = set()
+
+    async def settle(self, ctx: RequestContext, attempt: Attempt, outcome: Outcome, ticket: Ticket | None, *,
+                     wait: bool) -> LedgerRow:
+        """Write the attempt's row and release what it held; durable before return unless `wait` is False.
+
+        What holds money or capacity comes first and cannot be skipped by a failure after it: the row is
+        queued, the slot freed and the quota settled whatever the metrics or the cache do.
+        """
+        row = self.row(ctx, attempt, outcome)
+        written = self.ledger.submit(row)
+        if ticket is not None:
+            self.dispatch.release(attempt.route.tier.name, ticket, outcome.input_tokens + outcome.output_tokens)
+        used = 0 if attempt.is_cache_hit else outcome.input_tokens + outcome.output_tokens  # a hit runs no model
+        quota = self._hand_off(self.quotas.settle(attempt.reservation, tokens=used, price=row.price_usd))
+        try:
+            self._observe(attempt, outcome, row)
+        except Exception:  # metrics and the cache are not worth a lost settlement
+            log.exception("observing request %s failed", row.request_id)
+        if wait:
+            await self.ledger.wait_durable(written)
+            await asyncio.shield(quota)
+        return row
+
+    def _observe(self, attempt: Attempt, outcome: Outcome, row: LedgerRow) -> None:
+        if outcome.status == "ok" and not attempt.is_cache_hit:
+            self.cache.save(attempt.lookup, outcome, attempt.applied)
+        self.signals.outcome(outcome.http_status)
+        overhead = row.total_s - outcome.upstream_s if outcome.upstream_s is not None else None
+        self.metrics.finished(row, overhead)
+        if row.cache_status is not None:
+            self.metrics.cache.labels(row.tenant, row.cache_status).inc()
+        if row.cache_saving_usd > 0:
+            self.metrics.cache_savings.labels(row.tenant).inc(float(row.cache_saving_usd))
+
+    def row(self, ctx: RequestContext, attempt: Attempt, outcome: Outcome) -> LedgerRow:
+        tier = attempt.route.tier
+        price = tier.price(outcome.input_tokens, outcome.output_tokens)
+        cache_saving = Decimal(0)
+        if attempt.hit_price is not None:  # no model ran: the plan's hit price, and what the tier would have charged
+            cache_saving = max(Decimal(0), price - attempt.hit_price)
+            price = attempt.hit_price
+            compute, basis = Decimal(0), "cache"
+        elif outcome.upstream_s is None:
+            compute, basis = Decimal(0), "none"
+        elif outcome.busy_s is not None:
+            compute, basis = tier.compute_cost(outcome.busy_s), "engine"
+        else:
+            compute, basis = tier.compute_cost(outcome.upstream_s), "wall"
+        requested = attempt.route.requested_tier
+        route_saving = Decimal(0)
+        if requested in self.catalogue.tiers and requested != tier.name and not attempt.is_cache_hit:
+            dearer = self.catalogue.tiers[requested].price(outcome.input_tokens, outcome.output_tokens)
+            route_saving = max(Decimal(0), dearer - price)
+        reason = "; ".join((attempt.route.reason, *attempt.extra_reason))
+        return LedgerRow(
+            request_id=attempt.request_id, ts=ctx.arrived, tenant=ctx.tenant, key_id=ctx.key_id, tier=tier.name,
+            model=tier.model, status=outcome.status, http_status=outcome.http_status,
+            input_tokens=outcome.input_tokens, output_tokens=outcome.output_tokens, price_usd=price,
+            compute_cost_usd=compute, cost_basis=basis, ttft_s=outcome.ttft_s, total_s=time.perf_counter() - ctx.t0,
+            finish_reason=outcome.finish_reason, error_code=outcome.error_code, route_reason=reason,
+            degrade_level=attempt.route.degradation.level, degrade_actions=",".join(attempt.applied) or None,
+            requested_tier=requested, route_saving_usd=route_saving, cache_status=attempt.lookup.status,
+            cache_saving_usd=cache_saving, cascade_of=attempt.cascade_of)
+
+    def _hand_off(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        """Run `work` to its end even if the caller is cancelled; its failure is logged (the backend's
+        own failover decides what a failed settle means)."""
+        task = asyncio.get_running_loop().create_task(work)
+        self._background.add(task)
+        task.add_done_callback(self._done)
+        return task
+
+    def _done(self, task: asyncio.Task[Any]) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("settling a quota reservation failed: %s", task.exception())
+
+    async def drain(self) -> None:
+        """Wait for handed-off settlements (shutdown, tests)."""
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)

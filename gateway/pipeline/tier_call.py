@@ -1,0 +1,115 @@
+"""Call the tier: pick a replica, open its stream, and report each replica's outcome to its breaker.
+
+The upstream is always asked to stream (with usage in every chunk), whether or not the client streams:
+the gateway counts what ran even when the client leaves, and one code path serves both. A replica that
+cannot be reached gets one retry on another replica of the tier; any other failure is final.
+
+Replica choice (tiers/replica_choice.py) keeps a conversation on the replica that served its earlier
+turns; each call's outcome feeds that replica's circuit breaker and latency average.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from tiers.catalogue import TierSpec
+from tiers.client import TierClient
+from tiers.errors import NoTierAvailable, TierError, UpstreamRejected, UpstreamUnreachable
+from tiers.fleet import Fleet
+from tiers.replica import Replica
+from wire.chat_request import ChatCompletionRequest
+
+MAX_REPLICAS_TRIED = 2
+
+
+def upstream_body(req: ChatCompletionRequest, tier: TierSpec, *, max_tokens: int, priority: int,
+                  logprobs: bool) -> dict[str, Any]:
+    """The body the tier gets: the client's, with our output cap, priority and streaming options."""
+    body = req.model_dump(exclude_none=True, exclude={"model", "stream", "stream_options", "priority",
+                                                      "max_completion_tokens", "max_tokens"})
+    body["model"] = tier.name if tier.backend == "local" else tier.model
+    body["max_tokens"] = max_tokens  # never more than the reservation covers
+    body["stream"] = True
+    body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+    body["priority"] = priority
+    if logprobs:
+        body["logprobs"] = True
+    return body
+
+
+class Upstream:
+    """One open stream from one replica: its chunks, in order, the first one already read."""
+
+    def __init__(self, replica: Replica, chunks: AsyncIterator[dict[str, Any]], first: dict[str, Any] | None) -> None:
+        self.replica = replica
+        self._chunks = chunks
+        self._first = first
+
+    async def __aiter__(self) -> AsyncIterator[dict[str, Any]]:
+        chunk = self._first
+        while chunk is not None:
+            yield chunk
+            chunk = await anext(self._chunks, None)
+
+    async def aclose(self) -> None:
+        await self._chunks.aclose()  # type: ignore[attr-defined]
+
+
+class TierCaller:
+    def __init__(self, *, fleet: Fleet, client: TierClient) -> None:
+        self.fleet = fleet
+        self.client = client
+
+    async def open(self, tier: TierSpec, body: dict[str, Any], *, affinity: str | None) -> Upstream:
+        """The tier's stream with its first chunk read, so a failure surfaces before any byte is sent."""
+        tried: set[int] = set()
+        last: TierError | None = None
+        for _ in range(MAX_REPLICAS_TRIED):
+            try:
+                replica, _why = self.fleet.pick(tier.name, exclude=tried, affinity=affinity)
+            except NoTierAvailable as exc:
+                raise (last or exc) from None
+            tried.add(replica.index)
+            chunks = self._chunks(replica, tier, body, affinity)
+            try:
+                return Upstream(replica, chunks, await anext(chunks, None))
+            except UpstreamUnreachable as exc:
+                replica.mark("down", f"unreachable: {exc}")
+                last = exc
+        assert last is not None
+        raise last
+
+    async def _chunks(self, replica: Replica, tier: TierSpec, body: dict[str, Any],
+                      affinity: str | None) -> AsyncIterator[dict[str, Any]]:
+        """The replica's chunks; how the call went is told to its breaker, latency average and affinity."""
+        assert replica.url is not None
+        replica.inflight += 1
+        finished = False
+        verdict: bool | None = None  # True: the replica answered; False: it failed; None: nobody knows
+        t0 = time.perf_counter()
+        try:
+            async for chunk in self.client.stream_chat(replica.url, body, api_key=self.fleet.api_key(tier)):
+                finished = finished or any(isinstance(c, dict) and c.get("finish_reason")
+                                           for c in chunk.get("choices") or [])
+                yield chunk
+            verdict = True
+        except UpstreamRejected as exc:
+            verdict = exc.status < 500  # a client error is a healthy replica's answer
+            if not verdict:
+                replica.breaker.failure(f"answered {exc.status}")
+            raise
+        except TierError as exc:
+            verdict = False
+            replica.breaker.failure(f"{type(exc).__name__}: {exc}")
+            raise
+        finally:
+            replica.inflight -= 1
+            if verdict:
+                replica.breaker.success()
+            if verdict is None:  # cancelled: no verdict, but a half-open probe must not stay claimed
+                replica.breaker.abandon()
+            elif verdict and finished:
+                replica.observe_latency(time.perf_counter() - t0)
+                self.fleet.served(affinity, replica)

@@ -1,0 +1,54 @@
+"""OpenAI's chat-completion response shapes: the whole completion, stream chunks, usage, SSE framing.
+
+Both our engine's server and the gateway build their answers here, so the two never drift apart.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion(*, id_: str, created: int, model: str, text: str, finish_reason: str | None,
+               prompt_tokens: int, completion_tokens: int, logprobs: list[dict[str, Any]] | None = None,
+               **extra: Any) -> dict[str, Any]:
+    """A whole (non-streamed) chat completion with one choice."""
+    return {"id": id_, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                         "finish_reason": finish_reason,
+                         "logprobs": {"content": logprobs} if logprobs is not None else None}],
+            "usage": usage(prompt_tokens, completion_tokens), **extra}
+
+
+def chunk(*, id_: str, created: int, model: str, delta: dict[str, Any], finish_reason: str | None = None,
+          logprobs: list[dict[str, Any]] | None = None, **extra: Any) -> dict[str, Any]:
+    """One stream chunk with one choice."""
+    return {"id": id_, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason,
+                         "logprobs": {"content": logprobs} if logprobs is not None else None}], **extra}
+
+
+def usage_chunk(*, id_: str, created: int, model: str, prompt_tokens: int, completion_tokens: int,
+                **extra: Any) -> dict[str, Any]:
+    """The last chunk of a stream that asked for `stream_options.include_usage`: no choices, the usage."""
+    return {"id": id_, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [],
+            "usage": usage(prompt_tokens, completion_tokens), **extra}
+
+
+def sse(data: dict[str, Any] | str) -> bytes:
+    """One server-sent event: `data: <json>` and a blank line (`data: [DONE]` for the string "[DONE]")."""
+    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"), ensure_ascii=False)
+    return b"data: " + payload.encode() + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def sse_data(line: str) -> str | None:
+    """The payload of one line of an event stream (`data: …`), or None for any other line."""
+    return line[5:].strip() if line.startswith("data:") else None
