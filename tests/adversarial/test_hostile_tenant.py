@@ -1,0 +1,49 @@
+"""No single request may hurt another tenant (issue 16): the real gateway with real SmolLM2 engines, a
+victim in a loop, an attacker repeating each class of hostile request (bench/hostile_tenant.py holds them;
+its figures go to BENCHMARKS.md). For each: every victim request succeeds, the victim's p95 stays within
+3x of its p95 alone (plus a small absolute slack for this noisy 2-core machine), and the attacker gets
+4xx or 200, never a 5xx. Afterwards every tier answers."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from bench.hostile_tenant import Phase, Served, all_tiers_answer, attacks, run_phase, served
+from tests.conftest import MODELS_DIR
+
+pytestmark = pytest.mark.model
+VICTIM_REQUESTS = 12
+SLACK_S = 0.25
+
+
+@pytest.fixture(scope="module")
+def gateway(prepared_models: object) -> Iterator[Served]:
+    with served(MODELS_DIR) as s:
+        run_phase(s, "warm-up", 4)
+        yield s
+
+
+@pytest.fixture(scope="module")
+def alone(gateway: Served) -> Phase:
+    phase = run_phase(gateway, "victim alone", VICTIM_REQUESTS)
+    assert not phase.victim_failed, phase.victim_failed
+    return phase
+
+
+@pytest.mark.parametrize("index", range(9), ids=[
+    "regex-bait", "long-word-auto", "seeds", "temperatures", "stops", "many-messages", "nested-json",
+    "unsupported-fields", "refused-flood"])
+def test_an_attack_does_not_reach_the_victim(gateway: Served, alone: Phase, index: int) -> None:
+    attack = attacks(gateway)[index]
+    phase = run_phase(gateway, attack.name, VICTIM_REQUESTS, attack)
+    assert not phase.victim_failed, phase.victim_failed
+    assert phase.attacker, "the attacker sent nothing"
+    assert all(code == 200 or 400 <= code < 500 for code in phase.attacker), dict(phase.attacker)
+    assert any(400 <= code < 500 for code in phase.attacker), dict(phase.attacker)  # the hostile part refused
+    assert phase.p(0.95) <= 3 * alone.p(0.95) + SLACK_S, (phase.p(0.95), alone.p(0.95))
+
+
+def test_afterwards_every_tier_answers(gateway: Served, alone: Phase) -> None:
+    assert all_tiers_answer(gateway) == {"mid": 200, "full": 200}
