@@ -6,10 +6,11 @@ from typing import Any
 
 from litestar import Request
 from litestar.connection import ASGIConnection
+from litestar.di import NamedDependency
 from litestar.handlers import BaseRouteHandler
 
 from gateway.errors import Forbidden, Unauthenticated
-from gateway.tenants.store import Principal
+from gateway.tenants.store import Principal, TenantStore
 
 
 def presented_key(request: ASGIConnection[Any, Any, Any, Any]) -> str | None:
@@ -20,31 +21,32 @@ def presented_key(request: ASGIConnection[Any, Any, Any, Any]) -> str | None:
     return request.headers.get("x-api-key") or None
 
 
-def authenticate(request: ASGIConnection[Any, Any, Any, Any]) -> Principal:
+def authenticate(request: ASGIConnection[Any, Any, Any, Any], store: TenantStore) -> Principal:
     key = presented_key(request)
     if key is None:
         raise Unauthenticated("no API key: send `Authorization: Bearer tg-…`", code="missing_api_key")
-    principal = request.app.state.services.store.authenticate(key)
+    principal = store.authenticate(key)
     if principal is None:
         raise Unauthenticated("the API key is unknown, revoked or expired")
     request.state.key_id = principal.key.key_id
     return principal
 
 
-async def provide_principal(request: Request[Any, Any, Any]) -> Principal:
+async def provide_principal(request: Request[Any, Any, Any], store: NamedDependency[TenantStore]) -> Principal:
     """Any valid key: a tenant's or an admin's."""
-    return authenticate(request)
+    return authenticate(request, store)
 
 
-async def provide_tenant(request: Request[Any, Any, Any]) -> Principal:
+async def provide_tenant(request: Request[Any, Any, Any], store: NamedDependency[TenantStore]) -> Principal:
     """A tenant's key; admin keys manage the gateway but do not call models."""
-    principal = authenticate(request)
+    principal = authenticate(request, store)
     if principal.tenant is None:
         raise Forbidden("admin keys cannot call models; use a tenant key", code="tenant_key_required")
     return principal
 
 
 async def require_admin(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
-    """Guard for admin routes (async, so it runs on the event loop that owns the store)."""
-    if not authenticate(connection).key.is_admin:
+    """Guard for admin routes (async, so it runs on the event loop that owns the store). Guards get no
+    dependencies in Litestar, so this one reads the store from the app's state."""
+    if not authenticate(connection, connection.app.state.services.store).key.is_admin:
         raise Forbidden("this route needs an admin key", code="admin_key_required")

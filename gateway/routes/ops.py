@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import Counter
 from typing import Any
 
-from litestar import Request, get
+from litestar import get
+from litestar.di import NamedDependency
 
 from gateway.auth import require_admin
+from gateway.ladder.controller import LadderController
+from quotas.dispatch import TierQueue
+from quotas.ledger import Ledger
+from tiers.fleet import Fleet
 
 WINDOW_S = 300.0  # latency and errors over the last five minutes; refusals over the last hour
 
@@ -21,14 +27,15 @@ def _pct(values: list[float], q: float) -> float | None:
 
 
 @get("/admin/ops", guards=[require_admin])
-async def ops(request: Request[Any, Any, Any]) -> dict[str, Any]:
-    services = request.app.state.services
+async def ops(ledger: NamedDependency[Ledger], queues: NamedDependency[dict[str, TierQueue]],
+              fleet: NamedDependency[Fleet], ladder: NamedDependency[LadderController]) -> dict[str, Any]:
     now = time.time()
-    rows = services.ledger.rows(since=now - WINDOW_S)
+    rows, counts = await asyncio.to_thread(
+        lambda: (ledger.rows(since=now - WINDOW_S), ledger.refusal_counts(since=now - 3600)))
     ttft = [r.ttft_s for r in rows if r.ttft_s is not None]
     total = [r.total_s for r in rows]
     refusals: Counter[str] = Counter()
-    for count in services.ledger.refusal_counts(since=now - 3600):
+    for count in counts:
         refusals[count.reason] += count.count
     return {
         "window_s": WINDOW_S,
@@ -37,8 +44,8 @@ async def ops(request: Request[Any, Any, Any]) -> dict[str, Any]:
         "latency": {"ttft_p50_s": _pct(ttft, 0.5), "ttft_p95_s": _pct(ttft, 0.95),
                     "total_p50_s": _pct(total, 0.5), "total_p95_s": _pct(total, 0.95)},
         "queues": {name: {"waiting": q.num_waiting, "in_flight": q.in_flight, "capacity": q.capacity}
-                   for name, q in services.queues.items()},
+                   for name, q in queues.items()},
         "refusals_last_hour": dict(refusals),
-        "tiers": services.fleet.status(),
-        "degrade": services.ladder.status(),
+        "tiers": fleet.status(),
+        "degrade": ladder.status(),
     }

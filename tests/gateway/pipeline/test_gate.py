@@ -1,0 +1,72 @@
+"""The gate: a scope's requests in progress against its concurrency limit, and a remembered rate refusal
+that lasts exactly until the window frees a place; both refuse only what the exact check would."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.errors import RateLimited
+from gateway.pipeline.gate import TenantGate, scopes_of
+from quotas.plans import Limits
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_concurrency_counts_until_each_request_leaves() -> None:
+    gate = TenantGate()
+    scopes = scopes_of("acme", "k1", Limits(max_concurrent=2), None)
+    first, second = gate.enter(scopes), gate.enter(scopes)
+    with pytest.raises(RateLimited) as err:
+        gate.enter(scopes)
+    assert err.value.code == "rate_limit_concurrency" and err.value.retry_after == 1
+    first.leave()
+    first.leave()  # leaving twice frees one place, once
+    third = gate.enter(scopes)
+    with pytest.raises(RateLimited):
+        gate.enter(scopes)
+    second.leave()
+    third.leave()
+    assert gate.in_flight("acme") == 0
+
+
+def test_a_key_with_its_own_limit_is_held_to_it_and_its_tenant_is_not() -> None:
+    gate = TenantGate()
+    tight = scopes_of("acme", "k1", Limits(max_concurrent=10), Limits(max_concurrent=1))
+    other = scopes_of("acme", "k2", Limits(max_concurrent=10), None)
+    gate.enter(tight)
+    with pytest.raises(RateLimited) as err:
+        gate.enter(tight)
+    assert "your key" in err.value.message
+    gate.enter(other)  # another key of the tenant still gets in
+    assert gate.in_flight("acme") == 2 and gate.in_flight("acme/k:k1") == 1
+
+
+def test_a_rate_refusal_is_remembered_until_the_window_frees_a_place() -> None:
+    clock = Clock()
+    gate = TenantGate(clock)
+    scopes = scopes_of("acme", "k1", Limits(rpm=5), None)
+    gate.rate_refused("acme", 12.5)
+    with pytest.raises(RateLimited) as err:
+        gate.enter(scopes)
+    assert err.value.code == "rate_limit_rpm" and err.value.retry_after == 13
+    clock.now += 12.4
+    with pytest.raises(RateLimited):
+        gate.enter(scopes)
+    clock.now += 0.2
+    gate.enter(scopes).leave()  # the window has a place again: the exact check decides
+    assert gate.in_flight("acme") == 0
+
+
+def test_unlimited_scopes_pass() -> None:
+    gate = TenantGate()
+    scopes = scopes_of("acme", "k1", Limits(), None)
+    passes = [gate.enter(scopes) for _ in range(1000)]
+    assert gate.in_flight("acme") == 1000
+    for p in passes:
+        p.leave()

@@ -1,0 +1,110 @@
+"""The prompt stage reads tenant text in bounded, linear work: the ladder's input cap drops turns in one pass
+with a bounded number of exact counts, and text that cannot fit is refused without being tokenized."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gateway.errors import InvalidRequest
+from gateway.ladder.apply import NORMAL, Degradation
+from gateway.ladder.config import CapInputTokens
+from gateway.pipeline import prompt as prompt_module
+from gateway.pipeline.prompt import MAX_RECOUNTS, PromptStage, _trim
+from gateway.token_counter import TokenCounter, token_counter
+from tests.conftest import MODELS_DIR
+from tiers.catalogue import TierSpec
+from wire.chat_request import ChatCompletionRequest
+
+
+@pytest.fixture(scope="module")
+def counter(prepared_models: Path) -> TokenCounter:
+    return token_counter(MODELS_DIR / "smollm2-135m-instruct")
+
+
+def tier(context: int = 8192) -> TierSpec:
+    return TierSpec.model_validate({"name": "mid", "backend": "local", "model": "smollm2-135m-instruct",
+                                    "price_per_1k_input": "0.001", "price_per_1k_output": "0.002",
+                                    "hardware_cost_per_hour": "1", "context_limit": context})
+
+
+def naive_trim(counter: TokenCounter, messages: list[dict[str, Any]], cap: int) -> list[int]:
+    """The reference: drop the oldest droppable turn and count again, until it fits (quadratic)."""
+    kept = list(range(len(messages)))
+    while counter.prompt_tokens([messages[i] for i in kept]) > cap:
+        droppable = [i for i in kept[:-1] if messages[i]["role"] != "system"]
+        if not droppable:
+            break
+        kept.remove(droppable[0])
+    return kept
+
+
+def conversation(rng: random.Random, n: int) -> list[dict[str, Any]]:
+    words = ["alpha", "beta", "gamma", "delta", "why", "how", "the", "a", "42", "x²", "日本", "über", "\n"]
+    out = [{"role": "system", "content": "You are terse."}] if rng.random() < 0.5 else []
+    for i in range(n):
+        out.append({"role": "user" if i % 2 == 0 else "assistant",
+                    "content": " ".join(rng.choice(words) for _ in range(rng.randint(0, 60)))})
+    return out
+
+
+def test_the_input_cap_drops_what_the_naive_loop_drops(counter: TokenCounter) -> None:
+    rng = random.Random(7)
+    for _ in range(40):
+        messages = conversation(rng, rng.randint(1, 30))
+        cap = rng.randint(30, 600)
+        assert _trim(counter, messages, cap) == naive_trim(counter, messages, cap)
+
+
+def test_the_input_cap_counts_a_bounded_number_of_times_however_long_the_conversation(
+        counter: TokenCounter, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    real = TokenCounter.prompt_tokens
+    monkeypatch.setattr(TokenCounter, "prompt_tokens", lambda self, ms: calls.append(len(ms)) or real(self, ms))
+    rng = random.Random(3)
+    for n in (100, 2000):
+        calls.clear()
+        _trim(counter, conversation(rng, n), 200)
+        assert len(calls) <= MAX_RECOUNTS + 1
+        assert max(calls) < 200  # turns that cannot fit by their length were never rendered
+
+
+def test_text_that_cannot_fit_is_refused_unread(counter: TokenCounter, monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_tokenizing(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("tokenized text that cannot fit")
+
+    monkeypatch.setattr(TokenCounter, "count", no_tokenizing)
+    stage = PromptStage(models_dir=MODELS_DIR, default_max_tokens=64)
+    req = ChatCompletionRequest.model_validate(
+        {"model": "mid", "messages": [{"role": "user", "content": "9" * (256 * counter.max_token_chars + 1)}]})
+    with pytest.raises(InvalidRequest) as err:
+        asyncio.run(stage.measure(req, tier(256), NORMAL))
+    assert err.value.code == "context_length_exceeded" and err.value.param == "messages"
+
+
+def test_a_long_prompt_is_refused_on_its_prefix(counter: TokenCounter, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[int] = []
+    real = TokenCounter.count
+    monkeypatch.setattr(TokenCounter, "count", lambda self, text: seen.append(len(text)) or real(self, text))
+    stage = PromptStage(models_dir=MODELS_DIR, default_max_tokens=64)
+    text = " ".join(random.Random(1).choice(["cat", "dog", "fish"]) for _ in range(12_000))  # ~12k tokens, 48k chars
+    req = ChatCompletionRequest.model_validate({"model": "mid", "messages": [{"role": "user", "content": text}]})
+    with pytest.raises(InvalidRequest):
+        asyncio.run(stage.measure(req, tier(1024), NORMAL))
+    assert seen == [1024 * prompt_module.PREFIX_CHARS_PER_TOKEN]  # only the prefix was read
+
+
+def test_the_cap_is_reported_and_the_count_is_exact(counter: TokenCounter) -> None:
+    stage = PromptStage(models_dir=MODELS_DIR, default_max_tokens=64)
+    messages = [{"role": "user", "content": "word " * 300}, {"role": "assistant", "content": "ok"},
+                {"role": "user", "content": "and now?"}]
+    req = ChatCompletionRequest.model_validate({"model": "mid", "messages": messages})
+    degr = Degradation(2, (CapInputTokens(cap_input_tokens=64),))
+    got = asyncio.run(stage.measure(req, tier(), degr))
+    assert got.applied == ("cap_input_tokens(64,dropped=1)",)
+    assert [m.text() for m in got.messages] == ["ok", "and now?"]
+    assert got.num_tokens == counter.prompt_tokens([{"role": m.role, "content": m.text()} for m in got.messages])
