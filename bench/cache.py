@@ -11,6 +11,9 @@
 3. Lookup latency with `--entries` entries in one scope (HNSW partition), including the query embedding:
    the stored vectors are synthetic (mixtures of real MiniLM vectors), because embedding 100,000 texts
    takes over an hour on this machine; queries are real questions, embedded at lookup time.
+4. Runtimes: every text above embedded by sentence-transformers (torch) and by ONNX Runtime
+   (cache/onnx_runtime.py): how far apart the vectors are, whether part 1's decisions (hit or miss, and which
+   answer) change, and the time per text one at a time and in batches of 16.
 
 Both sides of 1 and 2 use the same vectors: texts are embedded once in batches (2 threads) and the cache
 gets them through a memo that falls back to the model. Thresholds are swept in one pass: the cache runs at
@@ -215,13 +218,54 @@ def latency(real_vectors: np.ndarray, queries: list[str], num_entries: int) -> l
             f"| of which: faiss HNSW search, top 4 | {ms(search, 0.5)} | {ms(search, 0.99)} |"]
 
 
+# -- 4. Runtimes --------------------------------------------------------------------------------------
+
+def runtimes(texts: list[str]) -> list[str]:
+    torch_e, onnx_e = Embedder(runtime="torch", num_threads=1), Embedder(runtime="onnx", num_threads=1)
+    vectors = {name: e.encode(texts) for name, e in (("torch", torch_e), ("onnx", onnx_e))}
+    cos = (vectors["torch"] * vectors["onnx"]).sum(axis=1)
+    diff = float(np.abs(vectors["torch"] - vectors["onnx"]).max())
+    decisions = {}
+    for name, matrix in vectors.items():
+        memo = MemoEmbedder(torch_e, dict(zip(texts, matrix, strict=True)))
+        pairs = json.loads(GPTCACHE.read_text())
+        cache, scope = new_cache(memo)
+        for o in dict.fromkeys(p["origin"] for p in pairs):
+            cache.store(scope, chat(o), o)
+        decisions[name] = [(r.status, r.response if isinstance(r, Hit) else None)
+                           for r in (cache.lookup(scope, chat(p["similar"])) for p in pairs)]
+    same = sum(a == b for a, b in zip(decisions["torch"], decisions["onnx"], strict=True))
+    served = {n: sum(d[0] == "hit" for d in ds) for n, ds in decisions.items()}
+    sample = texts[:96]
+    timing = {}
+    for _ in range(2):  # interleaved: torch, onnx, torch, onnx; the faster of the two tries
+        for name, e in (("torch", torch_e), ("onnx", onnx_e)):
+            t0 = time.perf_counter()
+            for text in sample:
+                e.encode([text])
+            one = (time.perf_counter() - t0) / len(sample)
+            t0 = time.perf_counter()
+            for start in range(0, len(sample), 16):
+                e.encode(sample[start:start + 16])
+            batched = (time.perf_counter() - t0) / len(sample)
+            best = timing.get(name, (1e9, 1e9))
+            timing[name] = (min(best[0], one), min(best[1], batched))
+    return [f"{len(texts)} texts; cosine torch-vs-onnx: min {cos.min():.7f}, mean {cos.mean():.7f}; largest element "
+            f"difference {diff:.1e}.",
+            f"Part 1's decisions (default threshold 0.8): {same} of {len(decisions['torch'])} identical; served "
+            f"torch {served['torch']}, onnx {served['onnx']}.", "",
+            "| runtime | ms per text, one at a time | ms per text, batches of 16 |", "|---|---|---|",
+            *(f"| {n} | {1000 * one:.1f} | {1000 * b16:.1f} |" for n, (one, b16) in timing.items())]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--entries", type=int, default=100_000)
     parser.add_argument("--cases", type=int, default=1200)
     parser.add_argument("--queries", type=int, default=300)
     parser.add_argument("--vectors-cache", type=Path, default=None, help="reuse batch embeddings across runs")
-    parser.add_argument("--skip", default="", help="comma-separated parts to skip: gptcache,nearmiss,latency")
+    parser.add_argument("--skip", default="",
+                        help="comma-separated parts to skip: gptcache,nearmiss,latency,runtimes")
     args = parser.parse_args()
     offline_hub()
     skip = set(args.skip.split(","))
@@ -242,6 +286,8 @@ def main() -> None:
         queries = [c.edited for c in cases][: args.queries]
         real = np.stack(list(vectors.values()))
         print("### Lookup latency\n\n" + "\n".join(latency(real, queries, args.entries)) + "\n")
+    if "runtimes" not in skip:
+        print("### Embedder runtimes\n\n" + "\n".join(runtimes(list(vectors))) + "\n")
 
 
 if __name__ == "__main__":

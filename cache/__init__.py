@@ -4,18 +4,22 @@ The gateway's calls, in request order::
 
     from cache import CacheScope, SemanticCache, SQLiteStore, TenantPolicy, default_embedder
 
-    cache = SemanticCache(SQLiteStore(data_dir / "cache.sqlite3", max_entries=100_000), default_embedder())
+    store = open_cache_store(sqlite_path=data_dir / "cache.sqlite3", redis_url=None, max_entries=100_000,
+                             max_entries_per_tenant=25_000)
+    cache = SemanticCache(store, default_embedder())
     scope = CacheScope.for_request(body, tenant=t.id, roles=key.roles, end_user=body.get("user") if t.isolate_users
                                    else None, data_version=t.data_version, model_version=tier.fingerprint)
     result = await cache.alookup(scope, body, headers=request.headers, policy=t.cache_policy)
     # result.status is "hit" | "miss" | "bypass"; result.headers() gives x-tiergate-cache (and the similarity)
     if result.status == "hit":
         ...answer result.response (stream it as SSE if asked), bill as a cache hit, saving = result.usage...
-    else:
-        ...call the tier, then:
-        await cache.astore(scope, body, answer_text, usage, headers=request.headers, policy=t.cache_policy)
+    elif result.status == "miss":
+        ...call the tier, then, before the client gets the end of the answer:
+        entry = cache.remember(scope, body, answer_text, usage, headers=request.headers, policy=t.cache_policy,
+                               probe=result.probe)   # a repeat is an exact hit from now on
+        ...and in the background: await cache.apersist(entry)   # embed (batched), write, index
 
-    cache.bump_data_version(tenant, new_version)   # after the admin bump; older entries reclaimed lazily
+    cache.bump_data_version(tenant, new_version)   # after the admin bump: deletes the older versions' entries
     cache.retire_model_version(old_fingerprint)    # when a tier's weights or engine change
     cache.purge(tenant)                            # admin purge (None: everything)
 
@@ -27,12 +31,16 @@ miss, never as a failed request. Misses and bypasses carry a `reason` (e.g. "ref
 (0.941)", "bypass: temperature>0 without seed") for logs and metrics; `cache.stats` counts them.
 
 Modules, one job each: `scope` (what an answer depends on), `request_key` (exact key, history, last user
-turn, cacheability rules), `guards` (near-miss refusal), `embedder` (MiniLM), `index` (faiss partitions),
-`store` (the store boundary and SQLite entries: TTL, LRU bound, persistence), `redis_store` (the same in Redis,
-shared by replicas, with a change log every replica's index follows), `semantic_cache` (the facade).
+turn, cacheability rules), `guards` (near-miss refusal), `embedder` (MiniLM; `onnx_runtime` runs its forward
+pass on ONNX Runtime where installed), `vectors` (which turns are embedded, a memo) and `batcher` (one forward
+pass for concurrent requests), `index` (faiss partitions), `store` (the store boundary and SQLite entries: TTL,
+LRU bounds overall and per tenant, persistence, a change log), `redis_store` (the same in Redis, shared by
+replicas), `pending` (answers not yet written, served to their own process), `results` (what a lookup answers),
+`semantic_cache` (the facade).
 
-With `TIERGATE_REDIS_URL` set, build the cache on `RedisStore(url, max_entries=...)` instead; each replica's
-faiss index applies the others' writes within `sync_interval_s` (0.5 s) of its next lookup.
+Several processes may share one store (a SQLite file, or a Redis with `redis_url`): each one's faiss index
+applies the others' writes and deletes (the CLI's too) from the store's change log within `sync_interval_s`
+(0.5 s) of its next lookup.
 """
 
 from __future__ import annotations
@@ -40,12 +48,14 @@ from __future__ import annotations
 from cache.embedder import Embedder, EmbedderError, default_embedder
 from cache.redis_store import RedisStore
 from cache.request_key import Cacheability, RequestKey, decide, request_key
+from cache.results import Bypass, CacheStats, Hit, LookupResult, Miss, Probe, TenantPolicy
 from cache.scope import CacheScope, identity_snapshot
-from cache.semantic_cache import Bypass, CacheStats, Hit, LookupResult, Miss, SemanticCache, TenantPolicy
-from cache.store import CacheStore, CacheStoreError, Entry, SQLiteStore
+from cache.semantic_cache import SemanticCache
+from cache.store import CacheStore, CacheStoreError, Entry, SQLiteStore, open_cache_store
 
 __all__ = [
     "Bypass", "CacheScope", "CacheStats", "CacheStore", "CacheStoreError", "Cacheability", "Embedder",
-    "EmbedderError", "Entry", "Hit", "LookupResult", "Miss", "RedisStore", "RequestKey", "SQLiteStore", "SemanticCache",
-    "TenantPolicy", "decide", "default_embedder", "identity_snapshot", "request_key",
+    "EmbedderError", "Entry", "Hit", "LookupResult", "Miss", "Probe", "RedisStore", "RequestKey", "SQLiteStore",
+    "SemanticCache", "TenantPolicy", "decide", "default_embedder", "identity_snapshot", "open_cache_store",
+    "request_key",
 ]

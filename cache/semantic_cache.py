@@ -1,19 +1,25 @@
-"""The cache facade the gateway calls: `lookup` before routing, `store` after a fresh answer.
+"""The cache facade the gateway calls: `alookup` before routing, `remember` + `apersist` after a fresh answer.
 
 A lookup goes: tenant policy and cacheability (`request_key.decide`) -> exact layer (the scope and the
-whole normalized conversation) -> semantic layer (embed the last user turn if it is short enough to be
-compared whole, `SEMANTIC_MAX_CHARS`; search the faiss partition of its scope and history, take the nearest
-candidates above the tenant's threshold and within `fallback_margin` of the nearest, and serve the first one
-the near-miss guards accept). Every result says why, so the gateway can put it in `x-tiergate-cache` and in
-metrics.
+whole normalized conversation: first this process's answers still being written, then the store) -> semantic
+layer (embed the last user turn if it is short enough to be compared whole, `SEMANTIC_MAX_CHARS`; search the
+faiss partition of its scope and history, take the nearest candidates above the tenant's threshold and within
+`fallback_margin` of the nearest, and serve the first one the near-miss guards accept). Every result says why,
+so the gateway can put it in `x-tiergate-cache` and in metrics.
 
-Versions: a scope carries the data and model versions, so a bumped version makes older entries
-unreachable at once. `bump_data_version` and `retire_model_version` additionally tell the cache those
-entries will never be asked for again; `reclaim` (run a little on every store, or by the caller on a
-timer) deletes them, and expired ones, in small batches.
+The async path is built for many concurrent requests on one event loop. Policy, keys and the in-memory exact
+check run on the loop (no thread for them); the store's exact probe, the faiss search and the guards run in a
+worker thread; the embedding goes through `EmbeddingBatcher`, one forward pass for the texts of every lookup and
+store in flight. A missed lookup hands its keys and vector to the store of the answer (`Miss.probe`), so a miss
+is embedded once, not twice. Storing has two steps: `remember` (synchronous, microseconds) makes the answer an
+exact hit for this process at once, so a repeat sent right after the answer is served from it; `apersist`
+(in the background) embeds it and writes it to the store and the index, after which every replica sees it.
 
-Calls are synchronous and thread-safe. Embedding a query costs milliseconds of CPU, so async callers use
-`alookup`/`astore`, which run them in a worker thread.
+Versions: a scope carries the data and model versions, so a bumped version makes older entries unreachable at
+once. `bump_data_version` also deletes the tenant's entries at older versions; `retire_model_version` tells the
+cache an old fingerprint will never be asked for again, and `reclaim` (run a little on every store) deletes its
+entries, and expired ones, in small batches. The synchronous `lookup` and `store` serve tests, benchmarks and
+tools; all calls are thread-safe.
 """
 
 from __future__ import annotations
@@ -22,100 +28,40 @@ import asyncio
 import threading
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
 from cache import guards
 from cache.embedder import Embedder
 from cache.index import PartitionedIndex
-from cache.request_key import RequestKey, decide, request_key
+from cache.pending import PendingWrites
+from cache.request_key import conversation_chars, decide, request_key
+from cache.results import Bypass, CacheStats, Hit, LookupResult, Miss, Probe, TenantPolicy
 from cache.scope import CacheScope
 from cache.store import CacheStore, Entry
+from cache.vectors import SEMANTIC_MAX_CHARS, TurnVectors
 
-# The longest last user turn the semantic layer matches by meaning. A semantic hit claims the two questions are
-# the same, and that holds only if every part of both was compared: the embedder reads 256 word pieces and the
-# near-miss guards read `guards.MAX_CHARS` characters, so a longer turn (a paste, or a 20,000-digit "number"
-# sent to make the guards' work explode) is served by an exact hit or not at all. It is never embedded, so the
-# embedder and the guards only ever see texts this short, whatever a tenant sends.
-SEMANTIC_MAX_CHARS = guards.MAX_CHARS
+# Characters of conversation above which computing a request's keys (hashing every turn) leaves the event loop.
+KEYS_ON_LOOP_MAX_CHARS = 32_768
 
-
-@dataclass(frozen=True, slots=True)
-class TenantPolicy:
-    """A tenant's cache settings, owned by the caller (plans, tenant admin)."""
-
-    enabled: bool = True  # False: the tenant opted out; nothing is looked up or stored
-    semantic: bool = True  # False: exact hits only
-    similarity_threshold: float = 0.8  # cosine a semantic candidate must reach before the guards see it
-    ttl_s: float | None = 86_400.0  # None: entries live until evicted, purged or reclaimed
-    pure_tools: frozenset[str] = frozenset()  # tools declared free of side effects; others make a request uncacheable
+__all__ = ["SEMANTIC_MAX_CHARS", "Bypass", "CacheStats", "Hit", "LookupResult", "Miss", "Probe", "SemanticCache",
+           "TenantPolicy"]
 
 
-@dataclass(frozen=True, slots=True)
-class Hit:
-    """A cached answer valid for this request."""
+class _Plan:
+    """A cacheable request's lookup, between its steps."""
 
-    entry: Entry
-    kind: Literal["exact", "semantic"]
-    similarity: float  # 1.0 for exact hits
-    status: Literal["hit"] = "hit"
+    __slots__ = ("key", "now", "partition", "policy", "scope")
 
-    @property
-    def response(self) -> str:
-        return self.entry.response
+    def __init__(self, scope: CacheScope, policy: TenantPolicy, request: Mapping[str, Any], now: float):
+        self.scope, self.policy, self.now = scope, policy, now
+        self.key = request_key(request)
+        self.partition = f"{scope.scope_id}:{self.key.history_hash}"
 
-    @property
-    def usage(self) -> dict[str, Any]:
-        return self.entry.usage
-
-    def headers(self) -> dict[str, str]:
-        out = {"x-tiergate-cache": "hit", "x-tiergate-cache-kind": self.kind}
-        if self.kind == "semantic":
-            out["x-tiergate-cache-similarity"] = f"{self.similarity:.4f}"
-        return out
-
-
-@dataclass(frozen=True, slots=True)
-class Miss:
-    """The request may use the cache, but nothing valid was found (`reason` says what came closest)."""
-
-    reason: str  # "no entry", "below threshold (best 0.71)", "refused near miss: numbers differ (0.94)"
-    best_similarity: float | None = None
-    status: Literal["miss"] = "miss"
-
-    def headers(self) -> dict[str, str]:
-        return {"x-tiergate-cache": "miss"}
-
-
-@dataclass(frozen=True, slots=True)
-class Bypass:
-    """The cache was not consulted: `reason` is a cacheability rule, e.g. 'bypass: temperature>0 without seed'."""
-
-    reason: str
-    status: Literal["bypass"] = "bypass"
-
-    def headers(self) -> dict[str, str]:
-        return {"x-tiergate-cache": "bypass"}
-
-
-LookupResult = Hit | Miss | Bypass
-
-
-@dataclass
-class CacheStats:
-    """Counters since start, for metrics."""
-
-    exact_hits: int = 0
-    semantic_hits: int = 0
-    misses: int = 0
-    bypasses: int = 0
-    refused: dict[str, int] = field(default_factory=dict)  # guard reason -> count
-    stored: int = 0
-    reclaimed: int = 0
+    def probe(self, vector: np.ndarray | None = None) -> Probe:
+        return Probe(self.key, self.partition, vector)
 
 
 class SemanticCache:
@@ -123,7 +69,10 @@ class SemanticCache:
 
     def __init__(self, store: CacheStore, embedder: Embedder, *, top_k: int = 4, fallback_margin: float = 0.02,
                  default_policy: TenantPolicy | None = None, clock: Callable[[], float] = time.time,
-                 reclaim_batch: int = 64, hnsw_from: int = 8192, sync_interval_s: float = 0.5):
+                 reclaim_batch: int = 64, hnsw_from: int = 8192, sync_interval_s: float = 0.5,
+                 embed_batch: int = 32, embed_wait_s: float = 0.003):
+        """`embed_batch` texts at most per forward pass, and `embed_wait_s` the longest a text waits for others
+        to join it (`EmbeddingBatcher`); `embed_batch=1` embeds one text at a time (the ablation)."""
         self.entries = store
         self.embedder = embedder
         self.top_k = top_k
@@ -134,132 +83,217 @@ class SemanticCache:
         self.clock = clock
         self.reclaim_batch = reclaim_batch
         self.stats = CacheStats()
-        self.index = PartitionedIndex(embedder.dim, hnsw_from=hnsw_from)
-        self._lock = threading.Lock()  # guards the index and the reclaim rules
-        self._vectors: OrderedDict[str, np.ndarray] = OrderedDict()  # last user turn -> vector, small LRU
+        self.vectors = TurnVectors(embedder, max_batch=embed_batch, max_wait_s=embed_wait_s)
+        self.batcher = self.vectors.batcher
+        self._hnsw_from = hnsw_from
+        self._lock = threading.Lock()  # guards the index, the reclaim rules and the pending writes' fate
+        self.pending = PendingWrites()  # answers remembered, not yet written: this process serves them
         self._stale_data: dict[str, tuple[str, float]] = {}  # tenant -> (current data version, bumped at)
         self._stale_models: set[str] = set()  # retired model versions
-        self.sync_interval_s = sync_interval_s  # how often lookups apply other replicas' writes (shared stores)
+        self.sync_interval_s = sync_interval_s  # how often lookups apply other processes' writes (shared stores)
         self._sync_lock = threading.Lock()
-        self._cursor = store.change_cursor()  # taken before loading, so no write in between is missed
         self._last_sync = time.monotonic()
-        self._load_index()
+        self._cursor = store.change_cursor()  # taken before loading, so no write in between is missed
+        self.index = self._load_index()
 
-    def _load_index(self) -> None:
-        """Rebuild the faiss partitions from the store's vectors (after a restart)."""
+    def _load_index(self) -> PartitionedIndex:
+        """The faiss partitions rebuilt from the store's vectors (after a restart, or a change log cut short)."""
+        index = PartitionedIndex(self.embedder.dim, hnsw_from=self._hnsw_from)
         by_partition: dict[str, tuple[list[str], list[np.ndarray]]] = {}
         for entry_id, partition, vector in self.entries.vectors():
             ids, vectors = by_partition.setdefault(partition, ([], []))
             ids.append(entry_id)
             vectors.append(vector)
         for partition, (ids, vectors) in by_partition.items():
-            self.index.add(partition, ids, np.stack(vectors))
+            index.add(partition, ids, np.stack(vectors))
+        return index
 
     # -- lookup ---------------------------------------------------------------------------------------
 
     def lookup(self, scope: CacheScope, request: Mapping[str, Any], *, headers: Mapping[str, str] | None = None,
                policy: TenantPolicy | None = None) -> LookupResult:
         """A cached answer for `request` in `scope`, or why there is none."""
+        plan = self._begin(scope, request, headers, policy)
+        if not isinstance(plan, _Plan):
+            return plan
+        found = self._exact(plan)
+        if found is not None:
+            return found
+        return self._semantic(plan, self.vectors.get(plan.key.last_user_text))
+
+    async def alookup(self, scope: CacheScope, request: Mapping[str, Any], *,
+                      headers: Mapping[str, str] | None = None, policy: TenantPolicy | None = None) -> LookupResult:
+        """`lookup` for the event loop: the embedding is batched with other requests', blocking I/O and the
+        faiss search run in worker threads, and an answer this process is still writing is served at once."""
+        if conversation_chars(request) <= KEYS_ON_LOOP_MAX_CHARS:
+            plan = self._begin(scope, request, headers, policy)
+        else:
+            plan = await asyncio.to_thread(self._begin, scope, request, headers, policy)
+        if not isinstance(plan, _Plan):
+            return plan
+        with self.batcher.announce() as coming:  # lookups arriving together embed together
+            found = await asyncio.to_thread(self._exact, plan)
+            if found is not None:
+                return found
+            vector = await self.vectors.aget(plan.key.last_user_text, coming)
+        return await asyncio.to_thread(self._semantic, plan, vector)
+
+    def _begin(self, scope: CacheScope, request: Mapping[str, Any], headers: Mapping[str, str] | None,
+               policy: TenantPolicy | None) -> LookupResult | _Plan:
+        """Policy, cacheability, keys, and the answers this process has not finished writing. No I/O."""
         policy = policy or self.default_policy
         if not policy.enabled:
             return self._bypass("bypass: tenant opted out")
         decision = decide(request, headers, pure_tools=policy.pure_tools)
         if not decision.lookup:
             return self._bypass(decision.reason)
-        key = request_key(request)
-        now = self.clock()
-        if time.monotonic() - self._last_sync >= self.sync_interval_s:
-            self.sync()
-        entry = self.entries.find_exact(scope.scope_id, key.exact_key)
-        if entry is not None and self._alive(entry, now):
-            self.entries.touch(entry.entry_id, now)
+        plan = _Plan(scope, policy, request, self.clock())
+        entry = self.pending.get(scope.scope_id, plan.key.exact_key)
+        if entry is not None and (entry.expires_at is None or entry.expires_at > plan.now):
             self.stats.exact_hits += 1
             return Hit(entry, "exact", 1.0)
-        partition = _partition(scope, key)
-        if not (policy.semantic and self.index.partition_size(partition)):
-            return self._miss("no entry")  # nothing to compare with: skip the embedding (milliseconds)
-        vector = self._embed(key.last_user_text)
+        return plan
+
+    def _exact(self, plan: _Plan) -> LookupResult | None:
+        """The store's exact entry, or a miss when there is nothing to compare by meaning; None: go semantic."""
+        if time.monotonic() - self._last_sync >= self.sync_interval_s:
+            self.sync()
+        entry = self.entries.find_exact(plan.scope.scope_id, plan.key.exact_key)
+        if entry is not None and self._alive(entry, plan.now):
+            self.entries.touch(entry.entry_id, plan.now)
+            self.stats.exact_hits += 1
+            return Hit(entry, "exact", 1.0)
+        if not (plan.policy.semantic and self.index.partition_size(plan.partition)):
+            return self._miss("no entry", probe=plan.probe())  # nothing to compare with: no embedding
+        return None
+
+    def _semantic(self, plan: _Plan, vector: np.ndarray | None) -> LookupResult:
         if vector is None:
-            return self._miss("no entry (too long to match by meaning)")
+            return self._miss("no entry (too long to match by meaning)", probe=plan.probe())
         with self._lock:
-            candidates = self.index.search(partition, vector, self.top_k)
+            candidates = self.index.search(plan.partition, vector, self.top_k)
         if not candidates:
-            return self._miss("no entry")
+            return self._miss("no entry", probe=plan.probe(vector))
         best = candidates[0][1]
         refusal = f"below threshold (best {best:.3f})"
         for entry_id, similarity in candidates:
-            if similarity < policy.similarity_threshold or similarity < best - self.fallback_margin:
+            if similarity < plan.policy.similarity_threshold or similarity < best - self.fallback_margin:
                 break
             entry = self.entries.get(entry_id)
-            if entry is None or not self._alive(entry, now):
+            if entry is None or not self._alive(entry, plan.now):
                 continue
-            reason = guards.check(key.last_user_text, entry.semantic_text)
+            reason = guards.check(plan.key.last_user_text, entry.semantic_text)
             if reason is None:
-                self.entries.touch(entry.entry_id, now)
+                self.entries.touch(entry.entry_id, plan.now)
                 self.stats.semantic_hits += 1
                 return Hit(entry, "semantic", similarity)
             self.stats.refused[reason] = self.stats.refused.get(reason, 0) + 1
             if refusal.startswith("below"):
                 refusal = f"refused near miss: {reason} ({similarity:.3f})"
-        return self._miss(refusal, best)
-
-    async def alookup(self, scope: CacheScope, request: Mapping[str, Any], **kwargs: Any) -> LookupResult:
-        """`lookup` in a worker thread, so embedding never blocks the event loop."""
-        return await asyncio.to_thread(self.lookup, scope, request, **kwargs)
+        return self._miss(refusal, best, probe=plan.probe(vector))
 
     # -- store ----------------------------------------------------------------------------------------
 
-    def store(self, scope: CacheScope, request: Mapping[str, Any], response: str,
-              usage: Mapping[str, Any] | None = None, *, headers: Mapping[str, str] | None = None,
-              policy: TenantPolicy | None = None, metadata: Mapping[str, Any] | None = None,
-              ttl_s: float | None = None) -> Entry | None:
-        """Keep a fresh answer for later requests of the same scope; None when the rules forbid storing it.
+    def remember(self, scope: CacheScope, request: Mapping[str, Any], response: str,
+                 usage: Mapping[str, Any] | None = None, *, headers: Mapping[str, str] | None = None,
+                 policy: TenantPolicy | None = None, metadata: Mapping[str, Any] | None = None,
+                 ttl_s: float | None = None, probe: Probe | None = None) -> Entry | None:
+        """Make a fresh answer an exact hit for this process now, before it is written; None when the rules
+        forbid storing it. Hand the entry to `apersist` (or `persist`) to embed and write it.
 
-        `ttl_s` overrides the tenant's TTL for this entry (e.g. shorter for answers citing live data).
+        `probe` is the missed lookup's (`Miss.probe`): its keys and vector are reused. `ttl_s` overrides the
+        tenant's TTL for this entry (e.g. shorter for answers citing live data).
         """
         policy = policy or self.default_policy
         if not policy.enabled or not decide(request, headers, pure_tools=policy.pure_tools).store:
             return None
-        key = request_key(request)
+        key = probe.key if probe is not None else request_key(request)
         now = self.clock()
         ttl = ttl_s if ttl_s is not None else policy.ttl_s
-        vector = self._embed(key.last_user_text)
         entry = Entry(entry_id=uuid.uuid4().hex, scope_id=scope.scope_id, tenant=scope.tenant,
                       data_version=str(scope.data_version), model_version=scope.model_version,
-                      exact_key=key.exact_key, partition=_partition(scope, key),
-                      semantic_text=key.last_user_text if vector is not None else "",  # only the guards read it
-                      response=response, usage=dict(usage or {}), metadata=dict(metadata or {}), created_at=now,
-                      expires_at=None if ttl is None else now + ttl, last_used=now, embedding=vector)
-        with self._lock:
+                      exact_key=key.exact_key, partition=f"{scope.scope_id}:{key.history_hash}",
+                      semantic_text=key.last_user_text, response=response, usage=dict(usage or {}),
+                      metadata=dict(metadata or {}), created_at=now, expires_at=None if ttl is None else now + ttl,
+                      last_used=now, embedding=probe.vector if probe is not None else None)
+        self.pending.add(entry)
+        return entry
+
+    def persist(self, entry: Entry) -> Entry | None:
+        """Embed a remembered entry (unless its lookup did) and write it; None if it was purged meanwhile."""
+        if entry.embedding is None:
+            entry.embedding = self.vectors.get(entry.semantic_text)
+        return self._write(entry)
+
+    async def apersist(self, entry: Entry) -> Entry | None:
+        """`persist` for the event loop: the embedding batched with others', the write in a worker thread."""
+        try:
+            if entry.embedding is None:
+                entry.embedding = await self.vectors.aget(entry.semantic_text)
+            return await asyncio.to_thread(self._write, entry)
+        finally:
+            self.pending.forget(entry)
+
+    def store(self, scope: CacheScope, request: Mapping[str, Any], response: str,
+              usage: Mapping[str, Any] | None = None, **kwargs: Any) -> Entry | None:
+        """`remember` then `persist`, synchronously; None when the rules forbid storing it."""
+        entry = self.remember(scope, request, response, usage, **kwargs)
+        try:
+            return self.persist(entry) if entry is not None else None
+        finally:
+            if entry is not None:
+                self.pending.forget(entry)
+
+    async def astore(self, scope: CacheScope, request: Mapping[str, Any], response: str,
+                     usage: Mapping[str, Any] | None = None, **kwargs: Any) -> Entry | None:
+        """`remember` then `apersist`."""
+        entry = self.remember(scope, request, response, usage, **kwargs)
+        return await self.apersist(entry) if entry is not None else None
+
+    def _write(self, entry: Entry) -> Entry | None:
+        if entry.embedding is None:
+            entry.semantic_text = ""  # exact-only: nothing kept that only the guards would read
+        with self._lock:  # a purge or bump cancels pending entries under this lock, before selecting what to delete
+            if self.pending.cancelled(entry):
+                return None
+            stale = self._stale_data.get(entry.tenant)
+            if stale is not None and entry.data_version != stale[0] and entry.created_at < stale[1]:
+                return None  # answered from data the tenant has since replaced
             displaced = self.entries.put(entry)
             self.index.remove(displaced)
-            if vector is not None:
-                self.index.add(entry.partition, [entry.entry_id], vector[None, :])
+            if entry.embedding is not None:
+                self.index.add(entry.partition, [entry.entry_id], entry.embedding[None, :])
+            self.pending.forget(entry)
         self.stats.stored += 1
         self.reclaim(self.reclaim_batch)
         return entry
 
-    async def astore(self, scope: CacheScope, request: Mapping[str, Any], response: str,
-                     usage: Mapping[str, Any] | None = None, **kwargs: Any) -> Entry | None:
-        """`store` in a worker thread."""
-        return await asyncio.to_thread(self.store, scope, request, response, usage, **kwargs)
-
     # -- versions, purge, reclaim ---------------------------------------------------------------------
 
-    def bump_data_version(self, tenant: str, current: int | str) -> None:
-        """The tenant's data is now at version `current`: its entries stored before now at any other version
-        will be reclaimed. Entries stored later are kept whatever their version (it may combine the counter
-        with a per-request header), and scopes already keep old versions unreachable."""
+    def bump_data_version(self, tenant: str, current: int | str) -> int:
+        """The tenant's data is now at version `current`: delete its entries stored before now at any other
+        version (in batches). Entries stored later are kept whatever their version (it may combine the counter
+        with a per-request header), and scopes already keep old versions unreachable. Returns how many went."""
+        current = str(current)
         with self._lock:
-            self._stale_data[tenant] = (str(current), self.clock())
+            bumped_at = self.clock()
+            self._stale_data[tenant] = (current, bumped_at)
+            self.pending.cancel_where(lambda e: e.tenant == tenant and e.data_version != current)
+        gone = self.entries.drop_data_versions(tenant, current, bumped_at)
+        with self._lock:
+            self.index.remove(gone)
+        return len(gone)
 
     def retire_model_version(self, model_version: str) -> None:
         """A tier's weights, quantization or engine changed: entries of the old fingerprint will be reclaimed."""
         with self._lock:
             self._stale_models.add(model_version)
+            self.pending.cancel_where(lambda e: e.model_version == model_version)
 
     def purge(self, tenant: str | None = None) -> int:
         """Delete every entry of `tenant` (or of everyone, with None) now. Returns how many."""
+        with self._lock:
+            self.pending.cancel_where(lambda e: tenant is None or e.tenant == tenant)
         return self._delete(self.entries.ids_of_tenant(tenant))
 
     def reclaim(self, limit: int = 1000) -> int:
@@ -279,17 +313,15 @@ class SemanticCache:
         for model_version in model_rules:
             if len(ids) >= limit:
                 break
-            found = self.entries.ids_of_model_version(model_version, limit - len(ids))
-            ids += found
+            ids += self.entries.ids_of_model_version(model_version, limit - len(ids))
         n = self._delete(ids)
         self.stats.reclaimed += n
         return n
 
     def sync(self) -> int:
-        """Apply the entries other replicas stored or deleted since the last sync to the local faiss index.
+        """Apply the entries other processes stored or deleted since the last sync to the local faiss index.
 
-        Lookups call it every `sync_interval_s`; with a single-process store there is nothing to apply.
-        Returns how many changes were applied.
+        Lookups call it every `sync_interval_s`. Returns how many changes were applied.
         """
         if not self._sync_lock.acquire(blocking=False):
             return 0  # another thread is applying the same changes
@@ -306,7 +338,11 @@ class SemanticCache:
             if not changes:
                 return applied
             for op, entry_id, partition in changes:
-                if op == "del":
+                if op == "reset":  # the log was cut past our cursor: rebuild from the store
+                    index = self._load_index()
+                    with self._lock:
+                        self.index = index
+                elif op == "del":
                     with self._lock:
                         self.index.remove([entry_id])
                 elif entry_id not in self.index:
@@ -318,6 +354,7 @@ class SemanticCache:
             self._cursor = cursor
 
     def close(self) -> None:
+        self.vectors.close()
         self.entries.close()
 
     # -- helpers --------------------------------------------------------------------------------------
@@ -334,38 +371,11 @@ class SemanticCache:
             return False
         return True
 
-    def _embeddable(self, text: str) -> bool:
-        """Whether `text` may be matched by meaning: no longer than SEMANTIC_MAX_CHARS and within the word pieces
-        the embedder reads. Longer turns are looked up and stored exactly only, never embedded."""
-        if not text or len(text) > SEMANTIC_MAX_CHARS:
-            return False
-        limit = self.embedder.max_tokens
-        return len(text) < limit - 2 or self.embedder.num_tokens(text) <= limit
-
-    def _embed(self, text: str) -> np.ndarray | None:
-        """The vector of a last user turn, or None when it is matched exactly only (see `_embeddable`)."""
-        if not self._embeddable(text):
-            return None
-        with self._lock:
-            vector = self._vectors.get(text)
-            if vector is not None:
-                self._vectors.move_to_end(text)
-                return vector
-        vector = self.embedder.encode_one(text)
-        with self._lock:
-            self._vectors[text] = vector
-            if len(self._vectors) > 1024:
-                self._vectors.popitem(last=False)
-        return vector
-
     def _bypass(self, reason: str) -> Bypass:
         self.stats.bypasses += 1
         return Bypass(reason)
 
-    def _miss(self, reason: str, best: float | None = None) -> Miss:
+    def _miss(self, reason: str, best: float | None = None, *, probe: Probe | None = None) -> Miss:
         self.stats.misses += 1
-        return Miss(reason, best)
+        return Miss(reason, best, probe=probe)
 
-
-def _partition(scope: CacheScope, key: RequestKey) -> str:
-    return f"{scope.scope_id}:{key.history_hash}"

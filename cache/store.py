@@ -1,11 +1,17 @@
 """Where cache entries live: the `CacheStore` boundary and its embedded implementation, `SQLiteStore`.
 
 What crosses this boundary: whole `Entry` rows in, `Entry` rows or entry ids out. The store owns TTL
-expiry, the bound on its size (least recently used entries go first) and purges; it returns the ids it
-removed so the caller can drop them from its vector index. The vector of each entry is stored with it, so
-a restarted process rebuilds its faiss indexes from the store without re-embedding anything. A shared
-(Redis) store implements the same methods; `SQLiteStore(":memory:")` serves tests and benchmarks.
+expiry, the bounds on its size and purges; it returns the ids it removed so the caller can drop them from its
+vector index. The vector of each entry is stored with it, so a restarted process rebuilds its faiss indexes
+from the store without re-embedding anything. A shared (Redis) store implements the same methods;
+`SQLiteStore(":memory:")` serves tests and benchmarks.
 
+Two bounds, so one tenant cannot evict everyone's answers: a tenant over `max_entries_per_tenant` loses its own
+least recently used entries, and a store over `max_entries` evicts from the tenant holding the most (its least
+recently used first). A flooding tenant thus evicts only itself once it is the largest.
+
+Every process that opens the same SQLite file (gateway workers, the CLI) writes through triggers that keep the
+per-tenant counts and a change log (`changes_since`), which each process's faiss index follows, as with Redis.
 SQLite runs in WAL mode with `synchronous=NORMAL`: a crash may lose the last few cache writes, which only
 costs a later miss, never a wrong answer.
 """
@@ -53,6 +59,7 @@ class CacheStore(ABC):
     """Entries by id and by (scope, exact key), bounded by LRU, selectable by tenant and version."""
 
     max_entries: int
+    max_entries_per_tenant: int
 
     @abstractmethod
     def __len__(self) -> int: ...
@@ -101,11 +108,35 @@ class CacheStore(ABC):
         return ""
 
     def changes_since(self, cursor: str, limit: int = 1000) -> tuple[str, list[tuple[str, str, str]]]:
-        """(new cursor, [(op 'put' or 'del', entry id, partition)]) written after `cursor`, by any replica."""
+        """(new cursor, [(op, entry id, partition)]) written after `cursor` by any process: op 'put' (an entry
+        with a vector), 'del', or 'reset' (the log no longer reaches back to `cursor`: reload every vector)."""
         return cursor, []
+
+    def drop_data_versions(self, tenant: str, current: str, created_before: float, batch: int = 500) -> list[str]:
+        """Delete the tenant's entries created before `created_before` at another data version than `current`
+        (after a data-version bump), in batches. Returns the ids deleted."""
+        gone: list[str] = []
+        while ids := self.ids_not_at_data_version(tenant, current, created_before, batch):
+            deleted = self.delete(ids)
+            gone += deleted
+            if not deleted:
+                break
+        return gone
+
+
+def open_cache_store(*, sqlite_path: str | Path, redis_url: str | None = None, max_entries: int = 100_000,
+                     max_entries_per_tenant: int | None = None) -> CacheStore:
+    """The store a deployment shares: Redis when `redis_url` is set, else the SQLite file (the gateway and the
+    CLI open the same one)."""
+    if redis_url:
+        from cache.redis_store import RedisStore
+
+        return RedisStore(redis_url, max_entries=max_entries, max_entries_per_tenant=max_entries_per_tenant)
+    return SQLiteStore(sqlite_path, max_entries=max_entries, max_entries_per_tenant=max_entries_per_tenant)
 
 
 _SCHEMA = """
+BEGIN IMMEDIATE;
 CREATE TABLE IF NOT EXISTS entries (
     entry_id TEXT PRIMARY KEY,
     scope_id TEXT NOT NULL,
@@ -126,34 +157,62 @@ CREATE TABLE IF NOT EXISTS entries (
 CREATE UNIQUE INDEX IF NOT EXISTS entries_exact ON entries (scope_id, exact_key);
 CREATE INDEX IF NOT EXISTS entries_lru ON entries (last_used);
 CREATE INDEX IF NOT EXISTS entries_tenant ON entries (tenant, data_version);
+CREATE INDEX IF NOT EXISTS entries_tenant_lru ON entries (tenant, last_used);
 CREATE INDEX IF NOT EXISTS entries_expiry ON entries (expires_at) WHERE expires_at IS NOT NULL;
+CREATE TABLE IF NOT EXISTS changes (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    op TEXT NOT NULL,
+    entry_id TEXT NOT NULL,
+    partition TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS tenant_sizes (tenant TEXT PRIMARY KEY, n INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS entry_count (id INTEGER PRIMARY KEY CHECK (id = 0), n INTEGER NOT NULL);
+INSERT INTO tenant_sizes (tenant, n) SELECT tenant, COUNT(*) FROM entries
+    WHERE NOT EXISTS (SELECT 1 FROM entry_count) GROUP BY tenant;
+INSERT OR IGNORE INTO entry_count (id, n) SELECT 0, COUNT(*) FROM entries;
+CREATE TRIGGER IF NOT EXISTS entries_put AFTER INSERT ON entries BEGIN
+    INSERT INTO tenant_sizes (tenant, n) VALUES (NEW.tenant, 1) ON CONFLICT (tenant) DO UPDATE SET n = n + 1;
+    UPDATE entry_count SET n = n + 1;
+    INSERT INTO changes (op, entry_id, partition) SELECT 'put', NEW.entry_id, NEW.partition
+        WHERE NEW.embedding IS NOT NULL;
+END;
+CREATE TRIGGER IF NOT EXISTS entries_del AFTER DELETE ON entries BEGIN
+    UPDATE tenant_sizes SET n = n - 1 WHERE tenant = OLD.tenant;
+    UPDATE entry_count SET n = n - 1;
+    INSERT INTO changes (op, entry_id, partition) VALUES ('del', OLD.entry_id, OLD.partition);
+END;
+COMMIT;
 """
 
 _COLUMNS = ("entry_id, scope_id, tenant, data_version, model_version, exact_key, partition, semantic_text, "
             "response, usage, metadata, created_at, expires_at, last_used, embedding")
+MAX_CHANGES = 100_000  # change-log rows kept; a process further behind reloads its index (a 'reset')
 
 
 class SQLiteStore(CacheStore):
-    """Entries in one SQLite file (or `:memory:`), at most `max_entries` of them, LRU-evicted. Thread-safe."""
+    """Entries in one SQLite file (or `:memory:`), at most `max_entries` of them and `max_entries_per_tenant` of
+    one tenant's (None: no bound of its own), LRU-evicted. Thread-safe; several processes may share the file."""
 
-    def __init__(self, path: str | Path = ":memory:", *, max_entries: int = 100_000):
-        if max_entries < 1:
-            raise ValueError("max_entries must be at least 1")
+    def __init__(self, path: str | Path = ":memory:", *, max_entries: int = 100_000,
+                 max_entries_per_tenant: int | None = None):
+        if max_entries < 1 or (max_entries_per_tenant is not None and max_entries_per_tenant < 1):
+            raise ValueError("max_entries and max_entries_per_tenant must be at least 1")
         self.max_entries = max_entries
+        self.max_entries_per_tenant = max_entries_per_tenant or max_entries
         self._lock = threading.RLock()  # one connection, shared by threads
+        self._num_puts = 0
         try:
             if str(path) != ":memory:":
                 Path(path).parent.mkdir(parents=True, exist_ok=True)
-            self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+            self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None, timeout=5.0)
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.executescript(_SCHEMA)
-            self._count = self._db.execute("SELECT COUNT(*) FROM entries").fetchone()[0]
         except sqlite3.Error as exc:
             raise CacheStoreError(f"cannot open cache store {path}: {exc}") from exc
 
     def __len__(self) -> int:
-        return self._count
+        return int(self._one("SELECT n FROM entry_count") or 0)
 
     def _run(self, sql: str, args: Iterable[Any] = ()) -> sqlite3.Cursor:
         try:
@@ -162,34 +221,60 @@ class SQLiteStore(CacheStore):
         except sqlite3.Error as exc:
             raise CacheStoreError(str(exc)) from exc
 
+    def _one(self, sql: str, args: Iterable[Any] = ()) -> Any:
+        with self._lock:
+            row = self._run(sql, args).fetchone()
+        return row[0] if row else None
+
     def put(self, entry: Entry) -> list[str]:
         """Insert `entry` (replacing one with the same scope and exact key). Returns the ids it displaced:
-        the replaced entry, and the least recently used ones evicted to stay within `max_entries`."""
+        the replaced entry, and those evicted to stay within the tenant's bound and the store's."""
         blob = None if entry.embedding is None else np.asarray(entry.embedding, dtype=np.float32).tobytes()
         row = (entry.entry_id, entry.scope_id, entry.tenant, entry.data_version, entry.model_version, entry.exact_key,
                entry.partition, entry.semantic_text, entry.response, json.dumps(entry.usage),
                json.dumps(entry.metadata), entry.created_at, entry.expires_at, entry.last_used, blob)
         with self._lock:
-            replaced = [r[0] for r in self._run("SELECT entry_id FROM entries WHERE scope_id=? AND exact_key=?",
-                                                (entry.scope_id, entry.exact_key))]
             self._run("BEGIN IMMEDIATE")
             try:
-                if replaced:
-                    self._run("DELETE FROM entries WHERE entry_id=?", replaced)
-                self._run(f"INSERT OR REPLACE INTO entries ({_COLUMNS}) VALUES ({','.join('?' * 15)})", row)
-                self._count += 1 - len(replaced)
-                evicted: list[str] = []
-                if self._count > self.max_entries:
-                    evicted = [r[0] for r in self._run(
-                        "SELECT entry_id FROM entries WHERE entry_id != ? ORDER BY last_used LIMIT ?",
-                        (entry.entry_id, self._count - self.max_entries))]
-                    self._delete_locked(evicted)
+                replaced = [r[0] for r in self._run(
+                    "SELECT entry_id FROM entries WHERE (scope_id=? AND exact_key=?) OR entry_id=?",
+                    (entry.scope_id, entry.exact_key, entry.entry_id))]
+                self._delete_locked(replaced)
+                self._run(f"INSERT INTO entries ({_COLUMNS}) VALUES ({','.join('?' * 15)})", row)
+                evicted = self._evict_locked(entry)
+                self._num_puts += 1
+                if self._num_puts % 1024 == 0:
+                    self._run("DELETE FROM changes WHERE seq <= (SELECT MAX(seq) FROM changes) - ?", (MAX_CHANGES,))
                 self._run("COMMIT")
             except BaseException:
                 self._db.execute("ROLLBACK")
-                self._count = self._db.execute("SELECT COUNT(*) FROM entries").fetchone()[0]
                 raise
-        return replaced + evicted
+        return [r for r in replaced if r != entry.entry_id] + evicted
+
+    def _evict_locked(self, entry: Entry) -> list[str]:
+        """The tenant's own least recently used beyond its bound, then, beyond the store's, the least recently
+        used of whichever tenant holds the most."""
+        evicted: list[str] = []
+        over = (self._one("SELECT n FROM tenant_sizes WHERE tenant=?", (entry.tenant,)) or 0) \
+            - self.max_entries_per_tenant
+        if over > 0:
+            evicted += self._delete_locked([r[0] for r in self._run(
+                "SELECT entry_id FROM entries WHERE tenant=? AND entry_id != ? ORDER BY last_used LIMIT ?",
+                (entry.tenant, entry.entry_id, over))])
+        while (over := (self._one("SELECT n FROM entry_count") or 0) - self.max_entries) > 0:
+            largest = self._one("SELECT tenant FROM tenant_sizes ORDER BY n DESC LIMIT 1")
+            victims = [r[0] for r in self._run(
+                "SELECT entry_id FROM entries WHERE tenant=? AND entry_id != ? ORDER BY last_used LIMIT ?",
+                (largest, entry.entry_id, over))]
+            if not victims:  # only the new entry is left in the largest tenant: take the oldest of anyone's
+                victims = [r[0] for r in self._run(
+                    "SELECT entry_id FROM entries WHERE entry_id != ? ORDER BY last_used LIMIT ?",
+                    (entry.entry_id, over))]
+            gone = self._delete_locked(victims)
+            evicted += gone
+            if not gone:
+                break
+        return evicted
 
     def get(self, entry_id: str) -> Entry | None:
         with self._lock:
@@ -216,9 +301,8 @@ class SQLiteStore(CacheStore):
         for start in range(0, len(ids), 500):
             chunk = ids[start:start + 500]
             marks = ",".join("?" * len(chunk))
-            gone += [r[0] for r in self._run(f"SELECT entry_id FROM entries WHERE entry_id IN ({marks})", chunk)]
-            self._run(f"DELETE FROM entries WHERE entry_id IN ({marks})", chunk)
-        self._count -= len(gone)
+            gone += [r[0] for r in self._run(f"DELETE FROM entries WHERE entry_id IN ({marks}) RETURNING entry_id",
+                                             chunk).fetchall()]
         return gone
 
     def _select_ids(self, where: str, args: Iterable[Any] = (), limit: int | None = None) -> list[str]:
@@ -237,6 +321,13 @@ class SQLiteStore(CacheStore):
     def ids_of_model_version(self, model_version: str, limit: int) -> list[str]:
         return self._select_ids("model_version = ?", (model_version,), limit)
 
+    def drop_data_versions(self, tenant: str, current: str, created_before: float, batch: int = 500) -> list[str]:
+        """One statement over the tenant's index range (the batched default rescans it for every batch)."""
+        with self._lock:
+            return [r[0] for r in self._run(
+                "DELETE FROM entries WHERE tenant = ? AND data_version != ? AND created_at < ? RETURNING entry_id",
+                (tenant, current, created_before)).fetchall()]
+
     def expired(self, now: float, limit: int = 1000) -> list[str]:
         return self._select_ids("expires_at IS NOT NULL AND expires_at <= ?", (now,), limit)
 
@@ -246,6 +337,20 @@ class SQLiteStore(CacheStore):
                          "ORDER BY rowid").fetchall()
         for entry_id, partition, blob in rows:
             yield entry_id, partition, np.frombuffer(blob, dtype=np.float32)
+
+    def change_cursor(self) -> str:
+        return str(self._one("SELECT MAX(seq) FROM changes") or 0)
+
+    def changes_since(self, cursor: str, limit: int = 1000) -> tuple[str, list[tuple[str, str, str]]]:
+        after = int(cursor or 0)
+        with self._lock:
+            rows = self._run("SELECT seq, op, entry_id, partition FROM changes WHERE seq > ? ORDER BY seq LIMIT ?",
+                             (after, limit)).fetchall()
+        if not rows:
+            return cursor, []
+        if rows[0][0] > after + 1 and self._one("SELECT MIN(seq) FROM changes") > after + 1:
+            return str(self._one("SELECT MAX(seq) FROM changes")), [("reset", "", "")]  # trimmed past `after`
+        return str(rows[-1][0]), [(op, entry_id, partition) for _, op, entry_id, partition in rows]
 
     def close(self) -> None:
         with self._lock:

@@ -5,6 +5,12 @@ The scope is what an answer depends on: the tenant, the key's roles (and the end
 isolates users), the tenant's data version (bumped through the admin API or CLI, combined with an optional
 `X-Tiergate-Data-Version` header), the tier's model version (its engine's fingerprint of weights,
 quantization and engine version), the system prompt and sampling class.
+
+A lookup costs the event loop microseconds: the exact layer first (this process's own fresh answers without
+leaving the loop, then the store in a worker thread), and the embedding, when the semantic layer needs one,
+batched with every other request's (`cache.batcher`). `save` runs in the settlement, before the client gets
+the end of its answer: it makes the answer an exact hit at once, and leaves embedding and writing it (with the
+lookup's vector, not a second embedding) to a background task.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from cache import (
     CacheScope,
     CacheStoreError,
     EmbedderError,
+    Entry,
     Hit,
     LookupResult,
     Miss,
@@ -81,7 +88,8 @@ class CacheStage:
         return CacheLookup(result, scope, policy, body, ctx.headers, applied)
 
     def save(self, lookup: CacheLookup, outcome: Outcome, applied: tuple[str, ...]) -> None:
-        """Keep a fresh answer (in the background: the client is not kept waiting for it).
+        """Keep a fresh answer: a repeat of the request is an exact hit from now on (read your own writes),
+        and the write to the store follows in the background (the client is not kept waiting for it).
 
         An answer the ladder shaped (a trimmed context, a capped output) is not what the request asked for,
         so it is never stored: a later request at normal service must not get it.
@@ -92,9 +100,26 @@ class CacheStage:
             return
         usage = {"prompt_tokens": outcome.input_tokens, "completion_tokens": outcome.output_tokens,
                  "finish_reason": outcome.finish_reason}
-        task = asyncio.get_running_loop().create_task(self._save(lookup, outcome.text, usage))
+        entry = self.cache.remember(lookup.scope, lookup.body, outcome.text, usage, headers=lookup.headers,
+                                    policy=lookup.policy, probe=lookup.result.probe)
+        if entry is None:
+            return
+        task = asyncio.get_running_loop().create_task(self._persist(entry))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+    async def bump_data_version(self, tenant: str, version: int) -> int:
+        """The tenant's data version is now `version`: delete the cached answers of older ones (this process's
+        index drops them at once; other processes' follow the store's change log). Returns how many."""
+        if self.cache is None:
+            return 0
+        try:
+            deleted = await asyncio.to_thread(self.cache.bump_data_version, tenant, version)
+            log.info("data version %s of %s: deleted %d cached answers of older ones", version, tenant, deleted)
+            return deleted
+        except CacheStoreError as exc:  # they stay unreachable (scopes carry the version) until their TTL
+            log.warning("deleting %s's old cache entries failed: %s", tenant, exc)
+            return 0
 
     async def drain(self) -> None:
         """Wait for pending stores (tests, shutdown)."""
@@ -118,9 +143,8 @@ class CacheStage:
                                       roles=ctx.principal.key.roles, end_user=end_user, data_version=version,
                                       model_version=self.fleet.model_version(tier))
 
-    async def _save(self, lookup: CacheLookup, text: str, usage: dict[str, Any]) -> None:
+    async def _persist(self, entry: Entry) -> None:
         try:
-            await self.cache.astore(lookup.scope, lookup.body, text, usage,  # type: ignore[union-attr,arg-type]
-                                    headers=lookup.headers, policy=lookup.policy)
+            await self.cache.apersist(entry)  # type: ignore[union-attr]
         except (CacheStoreError, EmbedderError) as exc:
             log.warning("cache store failed: %s", exc)

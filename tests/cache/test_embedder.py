@@ -1,10 +1,12 @@
-"""The MiniLM embedder: normalized 384-d vectors, batch and single agree, meaning shows in the cosine."""
+"""The MiniLM embedder: normalized 384-d vectors, batch and single agree, meaning shows in the cosine, and ONNX
+Runtime gives the torch model's vectors (or is not used)."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
-from cache import Embedder
+from cache import Embedder, EmbedderError
 
 
 def test_vectors_are_normalized_and_batch_matches_single(embedder: Embedder) -> None:
@@ -25,3 +27,32 @@ def test_paraphrases_are_closer_than_unrelated_questions(embedder: Embedder) -> 
 def test_token_counts(embedder: Embedder) -> None:
     assert embedder.max_tokens == 256
     assert embedder.num_tokens("hello world") == 4  # [CLS] hello world [SEP]
+
+
+TEXTS = ["hi", "  How do I reverse a list in Python?  ", "What is the capital of France?",
+         "Explain the difference between a process and a thread, with examples. " * 30]  # the last is cut at 256
+
+
+def test_onnx_runtime_gives_the_torch_models_vectors() -> None:
+    pytest.importorskip("onnxruntime")
+    onnx, torch = Embedder(runtime="onnx"), Embedder(runtime="torch")
+    together, reference = onnx.encode(TEXTS), torch.encode(TEXTS)
+    assert onnx.runtime == "onnx" and torch.runtime == "torch"
+    assert np.abs(together - reference).max() <= 1e-5
+    alone = np.stack([onnx.encode_one(t) for t in TEXTS])  # no padding: the same vectors again
+    assert float((alone * reference).sum(axis=1).min()) >= 0.99999
+
+
+def test_without_onnx_runtime_auto_falls_back_to_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    from cache import onnx_runtime
+
+    def unavailable(*args: object, **kwargs: object) -> None:
+        raise onnx_runtime.OnnxUnavailable("onnxruntime is not installed")
+
+    monkeypatch.setattr(onnx_runtime.OnnxForward, "__init__", unavailable)
+    auto = Embedder(runtime="auto")
+    assert auto.encode(["What is the capital of France?"]).shape == (1, 384) and auto.runtime == "torch"
+    with pytest.raises(EmbedderError, match="not installed"):
+        Embedder(runtime="onnx").encode_one("x")
+    with pytest.raises(EmbedderError, match="unknown embedder runtime"):
+        Embedder(runtime="tensorflow")  # type: ignore[arg-type]

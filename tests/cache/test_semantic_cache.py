@@ -168,13 +168,12 @@ def test_lru_eviction_keeps_recently_used(embedder: Embedder, clock: FakeClock) 
         assert cache.lookup(scope(chat(q)), chat(q)).status == "hit"
 
 
-def test_bump_makes_old_entries_unreachable_and_reclaims_them(cache: SemanticCache, clock: FakeClock) -> None:
+def test_bump_deletes_the_old_versions_entries(cache: SemanticCache, clock: FakeClock) -> None:
     _stored(cache, data_version=1)
     _stored(cache, chat("Who wrote Hamlet?"), tenant="globex")
     clock.now += 1
-    cache.bump_data_version("acme", 2)
+    assert cache.bump_data_version("acme", 2) == 1  # deleted now, not left until their TTL
     assert cache.lookup(scope(chat(Q), data_version=2), chat(Q)).status == "miss"
-    assert cache.reclaim() == 1
     assert len(cache.entries) == 1 and len(cache.index) == 1  # globex untouched
     _stored(cache, data_version=2)
     _stored(cache, chat("Who wrote Hamlet?"), data_version="2:pinned-by-header")  # stored after the bump: kept
@@ -211,6 +210,23 @@ def test_entries_and_semantic_hits_survive_restart(tmp_path: Path, embedder: Emb
     para = second.lookup(scope(chat(PARAPHRASE)), chat(PARAPHRASE))
     assert isinstance(para, Hit) and para.kind == "semantic"
     second.close()
+
+
+def test_caches_sharing_a_file_follow_each_others_writes_and_deletes(tmp_path: Path, embedder: Embedder,
+                                                                     clock: FakeClock) -> None:
+    path = tmp_path / "cache.sqlite3"
+    a = SemanticCache(SQLiteStore(path), embedder, clock=clock, sync_interval_s=0.0)
+    b = SemanticCache(SQLiteStore(path), embedder, clock=clock, sync_interval_s=0.0)
+    _stored(a)
+    para = b.lookup(scope(chat(PARAPHRASE)), chat(PARAPHRASE))
+    assert isinstance(para, Hit) and para.kind == "semantic"  # b's index followed a's write
+    clock.now += 1
+    cli = SQLiteStore(path)  # `tiergate tenants bump-data-version` opens the same file
+    assert len(cli.drop_data_versions("acme", "2", clock.now)) == 1
+    assert b.lookup(scope(chat(Q)), chat(Q)).status == "miss"
+    assert len(b.index) == 0  # the CLI's delete reached b's index through the change log
+    for c in (a, b, cli):
+        c.close()
 
 
 def test_long_last_turns_are_exact_only(cache: SemanticCache) -> None:

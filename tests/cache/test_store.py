@@ -17,11 +17,12 @@ MakeStore = Callable[..., CacheStore]
 def make_store(request: pytest.FixtureRequest) -> Iterator[MakeStore]:
     made: list[CacheStore] = []
 
-    def make(max_entries: int = 100) -> CacheStore:
+    def make(max_entries: int = 100, max_entries_per_tenant: int | None = None) -> CacheStore:
         if request.param == "sqlite":
-            store: CacheStore = SQLiteStore(max_entries=max_entries)
+            store: CacheStore = SQLiteStore(max_entries=max_entries, max_entries_per_tenant=max_entries_per_tenant)
         else:
-            store = RedisStore(request.getfixturevalue("redis_url"), max_entries=max_entries)
+            store = RedisStore(request.getfixturevalue("redis_url"), max_entries=max_entries,
+                               max_entries_per_tenant=max_entries_per_tenant)
         made.append(store)
         return store
 
@@ -66,6 +67,67 @@ def test_least_recently_used_is_evicted_at_the_bound(make_store: MakeStore) -> N
     assert store.get("e1") is None and store.get("e0") is not None
 
 
+def test_a_tenant_over_its_own_bound_evicts_only_its_own_entries(make_store: MakeStore) -> None:
+    store = make_store(max_entries=100, max_entries_per_tenant=3)
+    store.put(entry(0, tenant="globex", last_used=0.0))  # the oldest entry of all
+    displaced = []
+    for i in range(1, 11):  # acme floods
+        displaced += store.put(entry(i, tenant="acme", last_used=float(i)))
+    assert sorted(displaced) == sorted(f"e{i}" for i in range(1, 8))  # acme's own seven oldest
+    assert store.get("e0") is not None and sorted(store.ids_of_tenant("acme")) == ["e10", "e8", "e9"]
+
+
+def test_over_the_store_bound_the_largest_tenant_loses_entries(make_store: MakeStore) -> None:
+    store = make_store(max_entries=6)
+    for i in range(3):
+        store.put(entry(i, tenant="globex", last_used=float(i)))  # globex's entries are the least recently used
+    for i in range(3, 20):
+        store.put(entry(i, tenant="acme", last_used=float(i)))
+    assert len(store) == 6
+    assert sorted(store.ids_of_tenant("globex")) == ["e0", "e1", "e2"]  # the flood evicted only acme's
+    assert sorted(store.ids_of_tenant("acme")) == ["e17", "e18", "e19"]
+
+
+def test_processes_sharing_a_file_see_each_others_writes_and_deletes(tmp_path: Path) -> None:
+    path = tmp_path / "cache.sqlite3"
+    gateway, cli = SQLiteStore(path), SQLiteStore(path)
+    cursor = gateway.change_cursor()
+    cli.put(entry(1))
+    cli.put(entry(2, vector=False))  # exact-only: no vector for an index to follow
+    cursor, changes = gateway.changes_since(cursor)
+    assert changes == [("put", "e1", "s:h")]
+    assert sorted(cli.drop_data_versions("acme", "2", created_before=5.0)) == ["e1", "e2"]
+    cursor, changes = gateway.changes_since(cursor)
+    assert sorted(changes) == [("del", "e1", "s:h"), ("del", "e2", "s:h")] and len(gateway) == 0
+    assert gateway.changes_since(cursor) == (cursor, [])
+    gateway.close()
+    cli.close()
+
+
+def test_a_reader_behind_a_trimmed_change_log_is_told_to_reload(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("cache.store.MAX_CHANGES", 10)
+    store = SQLiteStore()
+    cursor = store.change_cursor()
+    for i in range(1100):  # the log is trimmed every 1,024 writes
+        store.put(entry(i))
+    assert store.changes_since(cursor)[1] == [("reset", "", "")]
+    store.close()
+
+
+def test_a_file_from_before_the_counts_is_counted_on_open(tmp_path: Path) -> None:
+    path = tmp_path / "cache.sqlite3"
+    old = SQLiteStore(path)
+    for i in range(3):
+        old.put(entry(i, tenant="acme" if i else "globex"))
+    old._db.executescript("DROP TRIGGER entries_put; DROP TRIGGER entries_del; DROP TABLE tenant_sizes; "
+                          "DROP TABLE entry_count; DROP TABLE changes;")  # as an older Tiergate left it
+    old.close()
+    store = SQLiteStore(path, max_entries=100, max_entries_per_tenant=2)
+    assert len(store) == 3
+    assert store.put(entry(9, tenant="acme", last_used=1.0)) == ["e1"]  # acme had two: its oldest goes
+    store.close()
+
+
 def test_entries_survive_reopen(tmp_path: Path) -> None:
     path = tmp_path / "cache" / "cache.sqlite3"
     store = SQLiteStore(path)
@@ -99,6 +161,8 @@ def test_version_selections(make_store: MakeStore) -> None:
     assert store.ids_not_at_data_version("acme", "2", 1.0, 10) == []  # created at the bump or after: kept
     assert store.ids_of_model_version("m-old", 10) == ["e3"]
     assert sorted(store.ids_of_tenant(None)) == ["e1", "e2", "e3"]
+    assert sorted(store.drop_data_versions("acme", "2", 5.0)) == ["e1", "e3"]  # a bump's deletion
+    assert store.ids_of_tenant("acme") == ["e2"]
 
 
 def test_expired_selection(make_store: MakeStore) -> None:

@@ -9,7 +9,9 @@ from decimal import Decimal
 
 import httpx
 import pytest
+from click.testing import CliRunner
 
+from gateway.cli.main import cli
 from gateway.settings import Settings
 from tests.conftest import Gateway, running_gateway
 from tests.stubs import REPLY, ServerThread, StubState
@@ -51,6 +53,39 @@ def test_a_repeat_is_an_exact_hit_billed_as_a_hit(gateway: Gateway) -> None:
     # the standard plan's hit price is 0: the whole tier price is the saving, no compute was used
     assert hit_row.price_usd == 0 and hit_row.cache_saving_usd == miss_row.price_usd > 0
     assert hit_row.compute_cost_usd == 0 and hit_row.cost_basis == "cache"
+
+
+def test_a_repeat_sent_right_after_the_answer_is_a_hit(gateway: Gateway) -> None:
+    with gateway.client(gateway.tenant_key) as c:
+        for i in range(50):  # no waiting for the background store: the answer is a hit as soon as it is sent
+            body = {"model": "mid", "temperature": 0, "messages": [{"role": "user", "content": f"Question {i}?"}]}
+            assert c.post("/v1/chat/completions", json=body).headers["x-tiergate-cache"] == "miss"
+            assert c.post("/v1/chat/completions", json=body).headers["x-tiergate-cache"] == "hit", i
+    assert upstream_calls(gateway) == 50
+
+
+def test_a_data_version_bump_deletes_the_old_answers(gateway: Gateway) -> None:
+    ask(gateway)
+    ask(gateway, "Who wrote Hamlet?")
+    cache = gateway.app.state.services.cache.cache
+    assert len(cache.entries) == 2
+    with gateway.client(gateway.admin_key) as admin:
+        r = admin.post("/admin/tenants/acme/data-version")
+    assert r.status_code == 200 and r.json() == {"tenant": "acme", "data_version": 1}
+    assert len(cache.entries) == 0 and len(cache.index) == 0  # deleted now, not left on disk until their TTL
+
+
+def test_the_cli_bump_deletes_them_from_a_running_gateway_too(gateway: Gateway) -> None:
+    ask(gateway)
+    cache = gateway.app.state.services.cache.cache
+    assert len(cache.index) == 1
+    env = {"TIERGATE_DATA_DIR": str(gateway.settings.data_dir)}
+    r = CliRunner().invoke(cli, ["tenants", "bump-data-version", "acme"], env=env)
+    assert r.exit_code == 0 and "deleted 1 cached answers" in r.output
+    assert len(cache.entries) == 0
+    time.sleep(cache.sync_interval_s)
+    assert ask(gateway).headers["x-tiergate-cache"] == "miss"  # a new data version
+    assert len(cache.index) == 1  # the old vector left the gateway's index (the change log); the new one is in
 
 
 def test_a_paraphrase_is_a_semantic_hit(gateway: Gateway) -> None:

@@ -1,0 +1,127 @@
+"""One MiniLM forward pass for the texts of many concurrent requests.
+
+Every deterministic request that reaches the semantic layer needs the vector of its last user turn. Embedded
+one at a time, each pays the forward's fixed cost (tokenizer, dispatch, small matrix products that leave the
+core idle) and waits behind all the others in the worker thread. `EmbeddingBatcher` queues texts from the event
+loop and runs them together in its one worker thread (the forward releases the GIL, so the loop keeps serving):
+
+- a batch starts when `max_batch` texts are queued, or `max_wait_s` after its first text arrived, or at once
+  when no other lookup has announced a text (`announce`): a lone request is never held back for company;
+- texts that arrive while a forward runs form the next batch, which starts the moment that forward ends;
+- equal texts in one batch are embedded once.
+
+Only the event loop touches the queue; the worker thread sees one list of texts at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import Future as ThreadFuture
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+# Turns texts into their vectors (None for a text that is not embedded), in the worker thread.
+EncodeMany = Callable[[list[str]], list[np.ndarray | None]]
+
+
+class Announcement:
+    """A lookup that will soon hand the batcher a text: while any is open, a new batch waits (up to its budget)."""
+
+    def __init__(self, batcher: EmbeddingBatcher) -> None:
+        self._batcher = batcher
+        self.open = True
+
+    def close(self) -> None:
+        """The text was queued, or will never come; idempotent."""
+        if self.open:
+            self.open = False
+            self._batcher._announced -= 1
+            self._batcher._schedule()
+
+    def __enter__(self) -> Announcement:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class EmbeddingBatcher:
+    """Batches `embed` calls of one event loop into forward passes of up to `max_batch` texts."""
+
+    def __init__(self, encode_many: EncodeMany, *, max_batch: int = 32, max_wait_s: float = 0.003) -> None:
+        if max_batch < 1 or max_wait_s < 0:
+            raise ValueError("max_batch must be at least 1 and max_wait_s at least 0")
+        self.encode_many = encode_many
+        self.max_batch = max_batch
+        self.max_wait_s = max_wait_s
+        self.num_batches = 0  # forward passes run (for metrics and tests)
+        self.num_texts = 0  # texts embedded in them
+        self._queue: list[tuple[str, asyncio.Future[np.ndarray | None]]] = []
+        self._busy: asyncio.AbstractEventLoop | None = None  # the loop whose forward pass is running
+        self._announced = 0
+        self._timer: asyncio.TimerHandle | None = None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiergate-embed")
+
+    def announce(self) -> Announcement:
+        """Say a text is coming (use as a context manager, or hand it to `embed`, which closes it)."""
+        self._announced += 1
+        return Announcement(self)
+
+    async def embed(self, text: str, announcement: Announcement | None = None) -> np.ndarray | None:
+        """The vector of `text` ([dim] float32), or None where `encode_many` gives none."""
+        future: asyncio.Future[np.ndarray | None] = asyncio.get_running_loop().create_future()
+        self._queue.append((text, future))
+        if announcement is not None and announcement.open:
+            announcement.close()  # schedules
+        else:
+            self._schedule()
+        return await future
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def _schedule(self) -> None:
+        if self._busy is not None and self._busy.is_closed():
+            self._busy = None  # that loop ended mid-forward (a test's loop); its callback never came
+        if self._busy is not None or not self._queue:
+            return
+        if len(self._queue) >= self.max_batch or self._announced <= 0 or self.max_wait_s == 0:
+            self._start()
+        elif self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(self.max_wait_s, self._start)
+
+    def _start(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._queue = [(t, f) for t, f in self._queue if not f.done()]  # done: its caller left
+        if self._busy is not None or not self._queue:
+            return
+        batch, self._queue = self._queue[:self.max_batch], self._queue[self.max_batch:]
+        loop = self._busy = asyncio.get_running_loop()
+        texts = list(dict.fromkeys(t for t, _ in batch))
+        work: ThreadFuture[list[np.ndarray | None]] = self._executor.submit(self.encode_many, texts)
+        work.add_done_callback(lambda w: loop.call_soon_threadsafe(self._finish, batch, texts, w))
+
+    def _finish(self, batch: list[tuple[str, asyncio.Future[Any]]], texts: list[str],
+                work: ThreadFuture[list[np.ndarray | None]]) -> None:
+        self._busy = None
+        self.num_batches += 1
+        self.num_texts += len(texts)
+        cancelled = work.cancelled()  # the executor was shut down (the cache closed)
+        error = None if cancelled else work.exception()
+        vectors = {} if cancelled or error is not None else dict(zip(texts, work.result(), strict=True))
+        for text, future in batch:
+            if future.done():
+                continue
+            if cancelled:
+                future.cancel()
+            elif error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(vectors[text])
+        if self._queue:  # these waited through a whole forward already: no more waiting for company
+            self._start()

@@ -1,0 +1,95 @@
+"""What a lookup answers (`Hit`, `Miss`, `Bypass`), the tenant settings it follows, and the cache's counters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+from cache.request_key import RequestKey
+from cache.store import Entry
+
+
+@dataclass(frozen=True, slots=True)
+class TenantPolicy:
+    """A tenant's cache settings, owned by the caller (plans, tenant admin)."""
+
+    enabled: bool = True  # False: the tenant opted out; nothing is looked up or stored
+    semantic: bool = True  # False: exact hits only
+    similarity_threshold: float = 0.8  # cosine a semantic candidate must reach before the guards see it
+    ttl_s: float | None = 86_400.0  # None: entries live until evicted, purged or reclaimed
+    pure_tools: frozenset[str] = frozenset()  # tools declared free of side effects; others make a request uncacheable
+
+
+@dataclass(frozen=True, slots=True)
+class Probe:
+    """What a missed lookup already computed, handed to the store of the fresh answer so nothing is done twice."""
+
+    key: RequestKey
+    partition: str  # the faiss partition: scope id + history hash
+    vector: np.ndarray | None = None  # the last user turn's embedding, None when the lookup did not need it
+
+
+@dataclass(frozen=True, slots=True)
+class Hit:
+    """A cached answer valid for this request."""
+
+    entry: Entry
+    kind: Literal["exact", "semantic"]
+    similarity: float  # 1.0 for exact hits
+    status: Literal["hit"] = "hit"
+
+    @property
+    def response(self) -> str:
+        return self.entry.response
+
+    @property
+    def usage(self) -> dict[str, Any]:
+        return self.entry.usage
+
+    def headers(self) -> dict[str, str]:
+        out = {"x-tiergate-cache": "hit", "x-tiergate-cache-kind": self.kind}
+        if self.kind == "semantic":
+            out["x-tiergate-cache-similarity"] = f"{self.similarity:.4f}"
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class Miss:
+    """The request may use the cache, but nothing valid was found (`reason` says what came closest)."""
+
+    reason: str  # "no entry", "below threshold (best 0.71)", "refused near miss: numbers differ (0.94)"
+    best_similarity: float | None = None
+    status: Literal["miss"] = "miss"
+    probe: Probe | None = field(default=None, repr=False, compare=False)  # for `SemanticCache.remember`
+
+    def headers(self) -> dict[str, str]:
+        return {"x-tiergate-cache": "miss"}
+
+
+@dataclass(frozen=True, slots=True)
+class Bypass:
+    """The cache was not consulted: `reason` is a cacheability rule, e.g. 'bypass: temperature>0 without seed'."""
+
+    reason: str
+    status: Literal["bypass"] = "bypass"
+
+    def headers(self) -> dict[str, str]:
+        return {"x-tiergate-cache": "bypass"}
+
+
+LookupResult = Hit | Miss | Bypass
+
+
+@dataclass
+class CacheStats:
+    """Counters since start, for metrics."""
+
+    exact_hits: int = 0
+    semantic_hits: int = 0
+    misses: int = 0
+    bypasses: int = 0
+    refused: dict[str, int] = field(default_factory=dict)  # guard reason -> count
+    stored: int = 0
+    reclaimed: int = 0
