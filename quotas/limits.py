@@ -54,12 +54,26 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class Spend:
+    """What a scope had spent (reservations included) on one day and month, as the store's clock dates them."""
+
+    day: str  # YYYYMMDD
+    month: str  # YYYYMM
+    day_pico: int
+    month_pico: int
+
+
+@dataclass(frozen=True)
 class Decision:
     admitted: bool
-    reason: str | None = None  # rpm | tpm | concurrency | budget_day | budget_month
+    reason: str | None = None  # rpm | tpm | concurrency | budget_day | budget_month | duplicate
     scope: str | None = None
     retry_after_s: float = 0.0
     usage: dict[str, Usage] = field(default_factory=dict)  # scope -> usage
+    # what a shared store answered besides: each scope's spend after this decision and the store's clock (epoch
+    # seconds), so a replica's fallback during an outage starts from the last known spend, on the store's dates
+    spent: dict[str, Spend] = field(default_factory=dict)
+    clock_s: float | None = None
 
 
 def seconds_to_next_day(now: float) -> float:

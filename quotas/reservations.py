@@ -28,8 +28,9 @@ class Reservation:
 
 
 class QuotaService:
-    def __init__(self, backend: QuotaBackend) -> None:
+    def __init__(self, backend: QuotaBackend, *, lease_s: float = 900.0) -> None:
         self.backend = backend
+        self.lease_s = lease_s  # a reservation not settled within this is returned by the reaper
 
     @staticmethod
     def scopes(plan: Plan, key_id: str, key_limits: Limits | None) -> tuple[ScopeLimits, ...]:
@@ -43,7 +44,8 @@ class QuotaService:
 
     async def reserve(self, *, request_id: str, tenant: str, plan: Plan, key_id: str, key_limits: Limits | None,
                       tokens: int, price: Decimal) -> tuple[Decision, Reservation | None]:
-        req = ReservationRequest(request_id, tenant, self.scopes(plan, key_id, key_limits), tokens, to_pico(price))
+        req = ReservationRequest(request_id, tenant, self.scopes(plan, key_id, key_limits), tokens, to_pico(price),
+                                 lease_s=self.lease_s)
         decision = await self.backend.reserve(req)
         return decision, (Reservation(req, decision) if decision.admitted else None)
 
@@ -67,6 +69,8 @@ class QuotaService:
         return left
 
     async def settle(self, reservation: Reservation, *, tokens: int, price: Decimal) -> None:
+        """Once per reservation. Returns after one try at the store: the backend retries a failed settle in
+        the background (bounded backoff, idempotent), so the caller never waits on an outage."""
         if reservation.settled:
             return
         reservation.settled = True

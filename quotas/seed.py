@@ -1,13 +1,22 @@
-"""Rebuild the embedded quota state from the durable ledger, so budgets and windows survive a restart."""
+"""What the quota state learns from the durable ledger: the embedded state at start-up (budgets and windows
+survive a restart), the fallback's starting spend in a Redis outage, and what a reaped reservation billed.
+
+A killed embedded gateway loses its open reservations with its memory. Its restart seeds spend from the
+ledger's rows alone, and a run that was never settled has no row: it is not billed, and nothing is counted
+twice (a settled run's row is counted once, its reservation being gone).
+"""
 
 from __future__ import annotations
 
+import asyncio
 import calendar
 import time
 
+from quotas.backends.base import Billed
+from quotas.backends.failover import LedgerSpend
 from quotas.backends.memory import MemoryBackend
 from quotas.ledger import Ledger
-from quotas.limits import WINDOW_S
+from quotas.limits import WINDOW_S, Spend
 from quotas.money import to_pico
 
 
@@ -17,6 +26,44 @@ def seed_from_ledger(memory: MemoryBackend, ledger: Ledger, now: float | None = 
     Returns the number of ledger rows read.
     """
     now = time.time() if now is None else now
+    sums, recent, rows = _sums(ledger, now)
+    for (tenant, scope), spend in sums.items():
+        memory.seed(tenant, scope, day=spend.day, month=spend.month, spent_day_pico=spend.day_pico,
+                    spent_month_pico=spend.month_pico, recent=recent.get((tenant, scope), []))
+    return rows
+
+
+def ledger_spend(ledger: Ledger, now: float) -> dict[tuple[str, str], Spend]:
+    """Each tenant's and key scope's spend on `now`'s day and month (UTC), from the ledger's rows."""
+    return _sums(ledger, now)[0]
+
+
+def ledger_spend_source(ledger: Ledger) -> LedgerSpend:
+    """`ledger_spend` off the event loop, for `FailoverBackend(ledger_spend=...)`."""
+    async def spend(now: float) -> dict[tuple[str, str], Spend]:
+        return await asyncio.to_thread(ledger_spend, ledger, now)
+
+    return spend
+
+
+def ledger_billing(ledger: Ledger) -> Billed:
+    """What the ledger billed each request id (picodollars), read off the event loop, for the reapers: a run
+    whose row was written before its gateway died is billed that, not refunded."""
+    def billed(request_ids: list[str]) -> dict[str, int]:
+        out = {}
+        for rid in request_ids:
+            if (row := ledger.get(rid)) is not None:
+                out[rid] = to_pico(row.price_usd)
+        return out
+
+    async def read(request_ids: list[str]) -> dict[str, int]:
+        return await asyncio.to_thread(billed, request_ids)
+
+    return read
+
+
+def _sums(ledger: Ledger, now: float) -> tuple[dict[tuple[str, str], Spend],
+                                               dict[tuple[str, str], list[tuple[float, str, int]]], int]:
     t = time.gmtime(now)
     month_start = calendar.timegm((t.tm_year, t.tm_mon, 1, 0, 0, 0))
     day_start = calendar.timegm((t.tm_year, t.tm_mon, t.tm_mday, 0, 0, 0))
@@ -34,7 +81,5 @@ def seed_from_ledger(memory: MemoryBackend, ledger: Ledger, now: float | None = 
                 s[0] += pico
             if row.ts > now - WINDOW_S:
                 recent.setdefault(key, []).append((row.ts, row.request_id, row.input_tokens + row.output_tokens))
-    for (tenant, scope), (spent_day, spent_month) in sums.items():
-        memory.seed(tenant, scope, day=day, month=month, spent_day_pico=spent_day, spent_month_pico=spent_month,
-                    recent=recent.get((tenant, scope), []))
-    return len(rows)
+    spend = {key: Spend(day, month, d, m) for key, (d, m) in sums.items()}
+    return spend, recent, len(rows)

@@ -4,26 +4,38 @@ What crosses it: a `ReservationRequest` (who, which scopes with which limits, ho
 picodollars to reserve) goes in; a `Decision` comes out. `settle` later replaces the reservation by the
 real usage. Every implementation is atomic per request: all scopes' limits are checked and charged
 together, or nothing is charged at all.
+
+Every reservation comes back. A reservation carries its own amounts and a lease; `reap` returns those
+whose lease ran out (a replica was killed between reserve and settle) exactly once, billing what the
+ledger recorded for them if anything, else nothing. `settle` is idempotent: sent twice (an answer lost on
+the way back), it changes nothing the second time; sent for a reaped or unknown reservation, it adds the
+real use instead of replacing a reservation.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 from quotas.limits import Decision, ReservationRequest
 
+# request ids -> the picodollars the ledger billed each (ids without a row are left out); the reaper asks
+# it before returning an expired reservation, so a run whose row was written is billed, not refunded
+Billed = Callable[[list[str]], Awaitable[dict[str, int]]]
+
 
 class QuotaBackendError(Exception):
-    """The backend could not be reached or answered in time (Redis down, timeout)."""
+    """The backend could not be reached or answered in time (Redis down, timeout, no free connection)."""
 
-    def __init__(self, message: str, *, transient: bool = False) -> None:
+    def __init__(self, message: str, *, transient: bool = False, back_pressure: bool = False) -> None:
         super().__init__(message)
         self.transient = transient  # a timeout, which a busy event loop alone can cause; not proof of an outage
+        self.back_pressure = back_pressure  # every connection was busy for the whole wait: load, not an outage
 
 
 class QuotaBackend(ABC):
     name = "base"
+    num_replicas = 1  # gateway replicas sharing this backend, as far as it can tell
 
     @abstractmethod
     async def reserve(self, req: ReservationRequest) -> Decision:
@@ -31,7 +43,12 @@ class QuotaBackend(ABC):
 
     @abstractmethod
     async def settle(self, req: ReservationRequest, *, tokens: int, money_pico: int) -> None:
-        """Replace the reservation's tokens and money by what was really used; free its concurrency slot."""
+        """Replace the reservation's tokens and money by what was really used; free its concurrency slot.
+        Idempotent; where the store does not answer, retried in the background (the caller never waits)."""
+
+    async def reap(self, billed: Billed | None = None) -> int:
+        """Return reservations whose lease ran out (money, tokens, slot), each once; the number returned."""
+        return 0
 
     async def spent(self, tenant: str, scopes: Sequence[str], now: float) -> dict[str, tuple[int, int]] | None:
         """Picodollars each scope has spent (reservations included) on `now`'s day and month, in one read;

@@ -1,44 +1,78 @@
 """What the gateway does when Redis fails: fail open within a local safety limit, or fail closed.
 
-`open`: reservations go to an in-process memory backend with the same limits (so one replica can never
-exceed them on its own) until Redis answers again. `closed`: reservations raise, and the gateway answers
-503. Each change of state is logged once and counted; Redis is tried again at most once a second, so a
-dead Redis does not add its timeout to every request.
+`open`: reservations go to an in-process memory backend until Redis answers again. `closed`: reservations
+raise, and the gateway answers 503. Each change of state is logged once and counted; Redis is tried again
+at most once a second, so a dead Redis does not add its timeout to every request.
+
+An outage does not reset budgets. Every answer from Redis carries each scope's spend and Redis' clock; the
+fallback starts from those last known figures (raised to the ledger's totals where a `ledger_spend` source
+is given, which covers tenants this replica never saw), dates its money by Redis' clock as last seen, and
+takes only its share (1/N, N the live replicas) of what was left of each budget, so N replicas failing open
+together do not spend N budgets. Rate, token and concurrency limits apply per replica, as before. What it
+settles locally goes into an outage journal, added to Redis exactly once when Redis answers again.
 
 A refused connection means Redis is down at once. A timeout alone does not (a busy event loop can cause
-one): the request gets a retryable 503, and only timeouts that go on for `DOWN_AFTER_S` without a success
+one): the request gets a retryable 503, and only timeouts that go on for `down_after_s` without a success
 in between switch the mode, so a burst of load never quietly turns shared limits into per-replica ones.
+Waiting in vain for a free connection never does: that is back-pressure (a retryable 503), not an outage.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
-from typing import Literal
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from dataclasses import replace
+from typing import Any, Literal
 
-from quotas.backends.base import QuotaBackend, QuotaBackendError
+from quotas.backends.base import Billed, QuotaBackend, QuotaBackendError
+from quotas.backends.journal import OutageJournal
 from quotas.backends.memory import MemoryBackend
-from quotas.limits import Decision, ReservationRequest
+from quotas.backends.redis import RedisBackend
+from quotas.limits import Decision, ReservationRequest, ScopeLimits, Spend
 
 log = logging.getLogger("tiergate.quotas")
 RETRY_EVERY_S = 1.0
 DOWN_AFTER_S = 1.0  # timeouts with no success in between for this long mean Redis is down
+SEED_WAIT_S = 2.0  # a local reservation waits this long at most for the ledger's totals at an outage's start
+
+# the ledger's spend per (tenant, scope) on the day and month of a time (epoch seconds)
+LedgerSpend = Callable[[float], Awaitable[dict[tuple[str, str], Spend]]]
 
 
 class FailoverBackend(QuotaBackend):
     name = "failover"
 
-    def __init__(self, primary: QuotaBackend, *, mode: Literal["open", "closed"] = "open",
-                 on_state: Callable[[bool], None] | None = None) -> None:
+    def __init__(self, primary: RedisBackend, *, mode: Literal["open", "closed"] = "open",
+                 on_state: Callable[[bool], None] | None = None, ledger_spend: LedgerSpend | None = None,
+                 down_after_s: float = DOWN_AFTER_S, retry_every_s: float = RETRY_EVERY_S) -> None:
         self.primary = primary
         self.local = MemoryBackend()
         self.mode = mode
         self.up = True
-        self._retry_at = 0.0
+        self.journal = OutageJournal()
+        self.down_after_s = down_after_s
+        self.retry_every_s = retry_every_s
+        self.num_local_reservations = 0  # admitted by the fallback
+        self.num_journal_batches = 0  # outage-journal batches Redis applied
+        self.num_journal_requests = 0  # ...and requests applied by their id
         self._on_state = on_state
-        self._local_ids: set[str] = set()  # reservations made while the primary was down
+        self._ledger_spend = ledger_spend
+        self._retry_at = 0.0
         self._failing_since: float | None = None
+        # reservations held by the fallback, as it holds them, and whether their reserve was sent to Redis
+        self._local: dict[str, tuple[ReservationRequest, bool]] = {}
+        self._known: dict[tuple[str, str], Spend] = {}  # (tenant, scope) -> what Redis last said it spent
+        self._clock_offset_s = 0.0  # Redis' clock minus ours, as last seen
+        self._outage_base: dict[tuple[str, str, str, str], tuple[int, int]] = {}  # spend as this outage began
+        self._seeding: asyncio.Task[None] | None = None
+        self._flushing = asyncio.Lock()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    @property
+    def num_replicas(self) -> int:  # type: ignore[override]
+        return self.primary.num_replicas
 
     def _mark(self, up: bool, why: str = "") -> None:
         if up == self.up:
@@ -46,47 +80,159 @@ class FailoverBackend(QuotaBackend):
         self.up = up
         if up:
             log.warning("quota backend %s is back; shared limits resume", self.primary.name)
+            self._spawn(self.flush_journal())
         else:
             log.error("quota backend %s failed (%s); failing %s", self.primary.name, why, self.mode)
+            self._begin_outage()
         if self._on_state:
             self._on_state(up)
 
     async def reserve(self, req: ReservationRequest) -> Decision:
+        sent = False
         if self.up or time.monotonic() >= self._retry_at:
             try:
                 decision = await self.primary.reserve(req)
-                self._failing_since = None
-                self._mark(True)
-                return decision
             except QuotaBackendError as exc:
+                if exc.back_pressure:  # every connection busy: wait-and-retry for the client, not an outage
+                    raise
+                sent = True
                 now = time.monotonic()
                 if self._failing_since is None:
                     self._failing_since = now
-                if self.up and exc.transient and now - self._failing_since < DOWN_AFTER_S:
+                if self.up and exc.transient and now - self._failing_since < self.down_after_s:
                     raise
-                self._retry_at = time.monotonic() + RETRY_EVERY_S
+                self._retry_at = now + self.retry_every_s
                 self._mark(False, str(exc))
+            else:
+                self._observe(req.tenant, decision)
+                self._failing_since = None
+                self._mark(True)
+                return decision
         if self.mode == "closed":
             raise QuotaBackendError(f"{self.primary.name} is unavailable and the gateway fails closed")
-        self._local_ids.add(req.request_id)
-        return await self.local.reserve(req)
+        return await self._reserve_locally(req, sent)
+
+    def _observe(self, tenant: str, decision: Decision) -> None:
+        if decision.clock_s is not None:
+            self._clock_offset_s = decision.clock_s - time.time()
+        for scope, spend in decision.spent.items():
+            self._known[tenant, scope] = spend
+
+    def _begin_outage(self) -> None:
+        """Start the fallback from the last known spend (never lower than what it counted itself)."""
+        self._outage_base.clear()
+        if self.mode == "closed":  # no fallback to start
+            return
+        for (tenant, scope), s in self._known.items():
+            self.local.seed_spend(tenant, scope, day=s.day, month=s.month, day_pico=s.day_pico,
+                                  month_pico=s.month_pico)
+        if self._ledger_spend is not None:
+            self._seeding = asyncio.get_running_loop().create_task(self._seed_from_ledger())
+
+    async def _seed_from_ledger(self) -> None:
+        try:
+            totals = await self._ledger_spend(time.time() + self._clock_offset_s)  # type: ignore[misc]
+        except Exception:  # the last figures from Redis still hold; the outage must not fail on the ledger
+            log.exception("reading the ledger's spend for the quota fallback failed")
+            return
+        for (tenant, scope), s in totals.items():
+            self.local.seed_spend(tenant, scope, day=s.day, month=s.month, day_pico=s.day_pico,
+                                  month_pico=s.month_pico)
+
+    async def _reserve_locally(self, req: ReservationRequest, sent: bool) -> Decision:
+        if self._seeding is not None and not self._seeding.done():
+            await asyncio.wait({self._seeding}, timeout=SEED_WAIT_S)
+        local = replace(req, now=req.now + self._clock_offset_s)  # dated as Redis would date it
+        local = replace(local, scopes=tuple(self._share(local, lim) for lim in local.scopes))
+        decision = await self.local.reserve(local)
+        if decision.admitted:
+            self._local[req.request_id] = (local, sent)
+            self.num_local_reservations += 1
+        return decision
+
+    def _share(self, req: ReservationRequest, lim: ScopeLimits) -> ScopeLimits:
+        """This replica's budgets for the outage: what was spent as it began plus 1/N of what was left."""
+        if lim.budget_day_pico is None and lim.budget_month_pico is None:
+            return lim
+        key = (req.tenant, lim.scope, req.day, req.month)
+        if key not in self._outage_base:
+            self._outage_base[key] = self.local.spend_of(req.tenant, lim.scope, req.day, req.month)
+        base_day, base_month = self._outage_base[key]
+        n = max(1, self.num_replicas)
+
+        def share(limit: int | None, spent: int) -> int | None:
+            return None if limit is None else spent + max(0, limit - spent) // n
+
+        return replace(lim, budget_day_pico=share(lim.budget_day_pico, base_day),
+                       budget_month_pico=share(lim.budget_month_pico, base_month))
 
     async def settle(self, req: ReservationRequest, *, tokens: int, money_pico: int) -> None:
-        if req.request_id in self._local_ids:
-            self._local_ids.discard(req.request_id)
-            await self.local.settle(req, tokens=tokens, money_pico=money_pico)
-            return
-        try:
+        held = self._local.pop(req.request_id, None)
+        if held is None:  # a reservation Redis holds: its backend retries until Redis answers
             await self.primary.settle(req, tokens=tokens, money_pico=money_pico)
-        except QuotaBackendError as exc:
-            # the reservation stays charged at its upper bound: budgets err on the safe side
-            self._mark(False, str(exc))
+            return
+        local, sent = held
+        await self.local.settle(local, tokens=tokens, money_pico=money_pico)
+        if sent:  # Redis may hold a reservation for it as well: applied by its id
+            self.journal.add_request(local, money_pico)
+        else:
+            self.journal.add(local.tenant, tuple(lim.scope for lim in local.scopes), local.day, local.month,
+                             money_pico)
+        if self.up:
+            self._spawn(self.flush_journal())
+
+    async def flush_journal(self) -> None:
+        """Add what was settled locally to Redis, each batch once; raises if Redis does not answer (what is
+        left waits for the next flush: on recovery, after a local settle, at every reaper round)."""
+        async with self._flushing:
+            for req, pico in self.journal.requests():
+                await self.primary.settle_elsewhere(req, money_pico=pico)
+                self.journal.request_applied(req.request_id)
+                self.num_journal_requests += 1
+            for tenant, batch_id, entries in self.journal.batches():
+                if await self.primary.apply_journal(batch_id, tenant, entries):
+                    self.num_journal_batches += 1
+                self.journal.applied(tenant, batch_id)
+
+    async def reap(self, billed: Billed | None = None) -> int:
+        """Return the fallback's expired reservations (billed ones are journaled), then Redis' (see
+        `RedisBackend.reap`), and apply the outage journal."""
+        now = time.time() + self._clock_offset_s
+        ids = [rid for rid in self.local.expired(now) if rid in self._local]
+        amounts = await billed(ids) if ids and billed is not None else {}
+        returned = 0
+        for rid, pico in amounts.items():
+            if (held := self._local.get(rid)) is not None:
+                await self.settle(held[0], tokens=0, money_pico=pico)
+                returned += 1
+        returned += await self.local.reap(None, now=now)
+        if self.up or time.monotonic() >= self._retry_at:
+            returned += await self.primary.reap(billed)
+            await self.flush_journal()
+        return returned
 
     async def spent(self, tenant: str, scopes: Sequence[str], now: float) -> dict[str, tuple[int, int]] | None:
-        """The primary's figures while it answers; while it is down, the local ones (what this replica saw)."""
+        """The primary's figures while it answers; while it is down, the local ones (from the last known)."""
         if self.up:
             return await self.primary.spent(tenant, scopes, now)
-        return await self.local.spent(tenant, scopes, now)
+        return await self.local.spent(tenant, scopes, now + self._clock_offset_s)
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.info("quota fallback background work failed (retried later): %s", exc)
 
     async def close(self) -> None:
+        if len(self.journal):
+            try:
+                await asyncio.wait_for(self.flush_journal(), timeout=2.0)
+            except (QuotaBackendError, TimeoutError):
+                log.error("closing with outage spend not yet in Redis: %d tenants", len(self.journal))
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=2.0)
         await self.primary.close()

@@ -2,6 +2,13 @@
 
 Reservations and settlements run on the event loop without awaiting in between, so each is atomic.
 Budgets survive restarts because the gateway seeds them from the durable ledger at start-up (`seed`).
+
+Each open reservation is held with its own amounts and lease (`_Held`), so a settle replaces exactly what
+was reserved, whatever the caller passes, and `reap` returns one whose lease ran out: billed what the ledger
+recorded for it, or refunded (a late settle then bills its real use). Settled ids are remembered for a
+while, so a settle sent twice changes nothing. A killed embedded gateway loses its open reservations with
+its memory: the restart seeds spend from the ledger alone, where a run that was never settled has no row,
+so it is neither billed nor counted twice.
 """
 
 from __future__ import annotations
@@ -11,7 +18,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from quotas.backends.base import QuotaBackend
+from quotas.backends.base import Billed, QuotaBackend
 from quotas.limits import (
     WINDOW_S,
     Decision,
@@ -21,6 +28,23 @@ from quotas.limits import (
     seconds_to_next_day,
     seconds_to_next_month,
 )
+
+DONE_TTL_S = 60.0  # a settled id is remembered this long (in one process a settle is never resent later)
+REAPED_TTL_S = 86_400.0  # a reaped reservation waits this long for a late settle to bill its real use
+MAX_REMEMBERED = 200_000  # settled and reaped ids kept at most, oldest forgotten first
+
+
+@dataclass(frozen=True)
+class _Held:
+    """An open reservation: what it charged, to which scopes and dates, and until when."""
+
+    tenant: str
+    scopes: tuple[str, ...]
+    tokens: int
+    money_pico: int
+    day: str
+    month: str
+    deadline: float
 
 
 @dataclass
@@ -57,6 +81,11 @@ class MemoryBackend(QuotaBackend):
 
     def __init__(self) -> None:
         self._state: dict[tuple[str, str], _ScopeState] = {}
+        self._held: dict[str, _Held] = {}  # request id -> its open reservation
+        self._reaped: dict[str, _Held] = {}  # returned by the reaper; a late settle bills its real use
+        self._done: set[str] = set()  # settled or billed: a further settle changes nothing
+        self._forget_done: deque[tuple[float, str]] = deque()  # (when, id), oldest first
+        self._forget_reaped: deque[tuple[float, str]] = deque()
 
     def _scope(self, tenant: str, scope: str) -> _ScopeState:
         return self._state.setdefault((tenant, scope), _ScopeState())
@@ -66,6 +95,10 @@ class MemoryBackend(QuotaBackend):
 
     def reserve_now(self, req: ReservationRequest) -> Decision:
         now = req.now
+        if req.request_id in self._held:  # the same request again: admitted once, charged once
+            return Decision(True)
+        if req.request_id in self._done or req.request_id in self._reaped:
+            return Decision(False, "duplicate", req.scopes[0].scope if req.scopes else None)
         states = [(lim, self._scope(req.tenant, lim.scope)) for lim in req.scopes]
         for lim, st in states:
             st.expire(now)
@@ -83,26 +116,80 @@ class MemoryBackend(QuotaBackend):
             st.spent_month[req.month] = st.spent_month.get(req.month, 0) + req.money_pico
             usage[lim.scope] = Usage(len(st.requests), st.token_sum, st.requests[0][0] + WINDOW_S - now,
                                      st.token_log[0][0] + WINDOW_S - now)
+        self._held[req.request_id] = _Held(req.tenant, tuple(lim.scope for lim in req.scopes), req.tokens,
+                                           req.money_pico, req.day, req.month, now + req.lease_s)
         return Decision(True, usage=usage)
 
     async def settle(self, req: ReservationRequest, *, tokens: int, money_pico: int) -> None:
-        for lim in req.scopes:
-            st = self._scope(req.tenant, lim.scope)
-            if req.request_id in st.tokens:
-                st.token_sum += tokens - st.tokens[req.request_id]
-                st.tokens[req.request_id] = tokens
-            st.inflight.pop(req.request_id, None)
-            delta = money_pico - req.money_pico
-            st.spent_day[req.day] = st.spent_day.get(req.day, 0) + delta
-            st.spent_month[req.month] = st.spent_month.get(req.month, 0) + delta
+        self.settle_now(req, tokens=tokens, money_pico=money_pico)
+
+    def settle_now(self, req: ReservationRequest, *, tokens: int, money_pico: int) -> None:
+        rid = req.request_id
+        self._prune(time.time())
+        if rid in self._done:
+            return
+        if (held := self._held.pop(rid, None)) is not None:
+            self._release(rid, held, tokens=tokens, money_delta=money_pico - held.money_pico)
+        elif (reaped := self._reaped.pop(rid, None)) is not None:  # its reservation was refunded: bill the use
+            self._charge(reaped.tenant, reaped.scopes, reaped.day, reaped.month, money_pico)
+        else:  # nothing held (forgotten): add the real use, replace nothing
+            self._charge(req.tenant, tuple(lim.scope for lim in req.scopes), req.day, req.month, money_pico)
+        self._remember_done(rid)
+
+    def expired(self, now: float) -> list[str]:
+        """Open reservations whose lease ran out (a settle that never came)."""
+        return [rid for rid, held in self._held.items() if held.deadline <= now]
+
+    async def reap(self, billed: Billed | None = None, *, now: float | None = None) -> int:
+        now = time.time() if now is None else now
+        ids = self.expired(now)
+        amounts = await billed(ids) if ids and billed is not None else {}
+        returned = 0
+        for rid in ids:
+            held = self._held.pop(rid, None)
+            if held is None:  # settled while the ledger was read
+                continue
+            returned += 1
+            if rid in amounts:  # its row was written: bill that, and let no later settle change it
+                self._release(rid, held, tokens=0, money_delta=amounts[rid] - held.money_pico)
+                self._remember_done(rid)
+            else:
+                self._release(rid, held, tokens=None, money_delta=-held.money_pico)
+                self._reaped[rid] = held
+                self._forget_reaped.append((time.time() + REAPED_TTL_S, rid))
+        return returned
+
+    def _release(self, rid: str, held: _Held, *, tokens: int | None, money_delta: int) -> None:
+        """Free the slot, set the window's tokens to `tokens` (None: take them out) and move the money."""
+        for scope in held.scopes:
+            st = self._scope(held.tenant, scope)
+            if rid in st.tokens:
+                new = 0 if tokens is None else tokens
+                st.token_sum += new - st.tokens[rid]
+                st.tokens[rid] = new
+            st.inflight.pop(rid, None)
+        self._charge(held.tenant, held.scopes, held.day, held.month, money_delta)
+
+    def _charge(self, tenant: str, scopes: Sequence[str], day: str, month: str, pico: int) -> None:
+        for scope in scopes:
+            st = self._scope(tenant, scope)
+            st.spent_day[day] = st.spent_day.get(day, 0) + pico
+            st.spent_month[month] = st.spent_month.get(month, 0) + pico
+
+    def _remember_done(self, rid: str) -> None:
+        self._done.add(rid)
+        self._forget_done.append((time.time() + DONE_TTL_S, rid))
+
+    def _prune(self, now: float) -> None:
+        while self._forget_done and (self._forget_done[0][0] <= now or len(self._forget_done) > MAX_REMEMBERED):
+            self._done.discard(self._forget_done.popleft()[1])
+        while self._forget_reaped and (self._forget_reaped[0][0] <= now
+                                       or len(self._forget_reaped) > MAX_REMEMBERED):
+            self._reaped.pop(self._forget_reaped.popleft()[1], None)
 
     async def spent(self, tenant: str, scopes: Sequence[str], now: float) -> dict[str, tuple[int, int]] | None:
         day, month = _day_month(now)
-        out = {}
-        for scope in scopes:
-            st = self._state.get((tenant, scope))
-            out[scope] = (st.spent_day.get(day, 0), st.spent_month.get(month, 0)) if st else (0, 0)
-        return out
+        return {scope: self.spend_of(tenant, scope, day, month) for scope in scopes}
 
     def seed(self, tenant: str, scope: str, *, day: str, month: str, spent_day_pico: int,
              spent_month_pico: int, recent: list[tuple[float, str, int]]) -> None:
@@ -115,6 +202,17 @@ class MemoryBackend(QuotaBackend):
             st.token_log.append((ts, rid))
             st.tokens[rid] = tokens
             st.token_sum += tokens
+
+    def spend_of(self, tenant: str, scope: str, day: str, month: str) -> tuple[int, int]:
+        st = self._state.get((tenant, scope))
+        return (st.spent_day.get(day, 0), st.spent_month.get(month, 0)) if st else (0, 0)
+
+    def seed_spend(self, tenant: str, scope: str, *, day: str, month: str, day_pico: int, month_pico: int) -> None:
+        """Raise a scope's spend to what another source last knew (a shared store, the ledger); never lower it,
+        so seeding twice, or with what this process already counted, counts nothing twice."""
+        st = self._scope(tenant, scope)
+        st.spent_day[day] = max(st.spent_day.get(day, 0), day_pico)
+        st.spent_month[month] = max(st.spent_month.get(month, 0), month_pico)
 
 
 def _check(lim: ScopeLimits, st: _ScopeState, req: ReservationRequest) -> Decision | None:

@@ -1,9 +1,18 @@
-"""Quota state in Redis, shared by every gateway replica, exact under any concurrency.
+"""Quota state in Redis, shared by every gateway replica, exact under any concurrency and through faults.
 
-Each request's check-and-charge is one Lua script over the keys of its tenant, so two replicas can
-never both spend the last unit. All keys of a tenant share the hash tag `{<prefix>:<tenant>}`, so the
-scripts also run on Redis Cluster. Sliding windows use Redis' own clock, so replicas' clocks do not
-matter. Calls time out quickly (50 ms by default); failures surface as `QuotaBackendError`.
+Each request's check-and-charge is one Lua script over the keys of its tenant, so two replicas can never
+both spend the last unit. All keys of a tenant share the hash tag `{<prefix>:<tenant>}`, so the scripts run
+on Redis Cluster too (settle.lua reaches a reservation's counters through the key bases its record names:
+keys of the same slot). Sliding windows, and the day and month a budget's money counts for, use Redis' own
+clock (shared.lua), so replicas' clocks do not matter.
+
+A reservation is a record (`<tag>:res:<request id>`: its tokens, money, day, month and scopes) plus an entry
+in the tenant's leases. settle.lua finishes it exactly once; `reap` (any replica, any number at once) claims
+those whose lease ran out, a replica having died between reserve and settle, and returns them. Calls time
+out quickly (50 ms by default); failures surface as `QuotaBackendError`. A settle that fails is retried in
+the background with bounded backoff until Redis answers, so one lost answer never leaves the upper bound
+charged and the slot held. Waiting for a free connection is back-pressure, bounded by `pool_wait_s`, not an
+outage.
 """
 
 from __future__ import annotations
@@ -11,35 +20,58 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+import uuid
+from collections.abc import Coroutine, Sequence
 from pathlib import Path
+from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import MaxConnectionsError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeout
 
-from quotas.backends.base import QuotaBackend, QuotaBackendError
-from quotas.limits import WINDOW_S, Decision, ReservationRequest, Usage, seconds_to_next_day, seconds_to_next_month
+from quotas.backends.base import Billed, QuotaBackend, QuotaBackendError
+from quotas.limits import WINDOW_S, Decision, ReservationRequest, Spend, Usage
 
 log = logging.getLogger("tiergate.quotas")
 
 RESERVE_ATTEMPTS = 3  # each bounded by the call timeout; the script is idempotent per request id
 CANCEL_ATTEMPTS = 20  # undoing a reservation whose answer was lost, once a second until Redis answers
+SETTLE_BACKOFF_S = (0.05, 5.0)  # first and longest wait between a failed settle's retries
+DONE_MARGIN_S = 300  # a settled reservation's tombstone outlives the settle's retries by this much
+REAPED_TTL_S = 86_400  # a reaped one waits this long for a late settle to bill its real use
+JOURNAL_TTL_S = 7 * 86_400  # an applied outage-journal batch is remembered this long
+REAP_BATCH = 100  # tenants claimed from, and reservations finished, per round of concurrent calls
 _HERE = Path(__file__).parent
-RESERVE = (_HERE / "reserve.lua").read_text()
-SETTLE = (_HERE / "settle.lua").read_text()
-CANCEL = (_HERE / "cancel.lua").read_text()
+_SHARED = (_HERE / "shared.lua").read_text()
+SCRIPTS = {name: (_SHARED if name in ("reserve", "settle", "spent", "journal") else "") +
+           (_HERE / f"{name}.lua").read_text() for name in ("reserve", "settle", "reap", "spent", "journal",
+                                                            "heartbeat")}
 
 
 def _limit(v: int | None) -> int:
     return -1 if v is None else v
 
 
+def _str(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def backend_error(exc: RedisError) -> QuotaBackendError:
+    """The one place a Redis failure becomes ours: no free connection is back-pressure, a timeout is
+    transient, anything else (refused, reset) is an outage."""
+    if isinstance(exc, MaxConnectionsError) or (
+            isinstance(exc, RedisConnectionError) and str(exc) == "No connection available."):
+        return QuotaBackendError(f"redis: every connection busy ({exc})", transient=True, back_pressure=True)
+    return QuotaBackendError(f"redis: {exc}", transient=isinstance(exc, RedisTimeout))
+
+
 class RedisBackend(QuotaBackend):
     name = "redis"
 
     def __init__(self, url: str, *, timeout_s: float = 0.05, prefix: str = "tg", max_connections: int = 64,
-                 pool_wait_s: float = 5.0) -> None:
+                 pool_wait_s: float = 2.0, settle_retry_s: float = 600.0, replica_ttl_s: float = 30.0,
+                 reap_claim_s: float = 30.0) -> None:
         # a bounded pool that makes callers wait for a connection: a burst of requests queues here instead
         # of opening thousands of sockets, and is not mistaken for Redis being down
         pool = aioredis.BlockingConnectionPool.from_url(
@@ -47,82 +79,187 @@ class RedisBackend(QuotaBackend):
             socket_connect_timeout=max(timeout_s, 1.0), retry_on_timeout=False, health_check_interval=0)
         self.redis = aioredis.Redis(connection_pool=pool)
         self.prefix = prefix
-        self._reserve = self.redis.register_script(RESERVE)
-        self._settle = self.redis.register_script(SETTLE)
-        self._cancel = self.redis.register_script(CANCEL)
-        self._cancels: set[asyncio.Task[None]] = set()  # held so they are not collected before they finish
+        self.settle_retry_s = settle_retry_s
+        self.replica_ttl_s = replica_ttl_s
+        self.reap_claim_s = reap_claim_s
+        self.replica_id = uuid.uuid4().hex[:16]
+        self.num_settle_retries = 0  # settles that failed once and went to the background
+        self.num_reaped = 0  # reservations this replica's reaper returned
+        self._scripts = {name: self.redis.register_script(text) for name, text in SCRIPTS.items()}
+        self._background: set[asyncio.Task[None]] = set()  # held so they are not collected before they finish
+        self._registered: set[str] = set()  # tenants this process has put in the reapers' list lately
 
-    def keys(self, req: ReservationRequest) -> list[str]:
-        tag = f"{{{self.prefix}:{req.tenant}}}"
-        out = []
-        for lim in req.scopes:
-            base = f"{tag}:{lim.scope}"
-            out += [f"{base}:rpm", f"{base}:tpm", f"{base}:tpmv", f"{base}:tpmsum", f"{base}:inflight",
-                    f"{base}:day:{req.day}", f"{base}:month:{req.month}"]
-        return out
+    # ---- key names ----
+
+    def tag(self, tenant: str) -> str:
+        return f"{{{self.prefix}:{tenant}}}"
+
+    def base(self, tenant: str, scope: str) -> str:
+        return f"{self.tag(tenant)}:{scope}"
+
+    def record_key(self, tenant: str, request_id: str) -> str:
+        return f"{self.tag(tenant)}:res:{request_id}"
+
+    def leases_key(self, tenant: str) -> str:
+        return f"{self.tag(tenant)}:leases"
+
+    @property
+    def tenants_key(self) -> str:
+        return f"{self.prefix}:tenants"
+
+    # ---- reserve, settle, cancel ----
 
     async def reserve(self, req: ReservationRequest) -> Decision:
+        await self._register(req.tenant)
+        keys = [self.record_key(req.tenant, req.request_id), self.leases_key(req.tenant)]
         args: list[int | str | float] = [req.request_id, req.tokens, req.money_pico, int(req.lease_s * 1000),
                                          int(WINDOW_S * 1000), len(req.scopes)]
         for lim in req.scopes:
-            args += [_limit(lim.rpm), _limit(lim.tpm), _limit(lim.max_concurrent), _limit(lim.budget_day_pico),
-                     _limit(lim.budget_month_pico)]
-        args += [int(seconds_to_next_day(req.now)) + 1, int(seconds_to_next_month(req.now)) + 1]
-        keys = self.keys(req)
+            base = self.base(req.tenant, lim.scope)
+            keys += [f"{base}:rpm", f"{base}:tpm", f"{base}:tpmv", f"{base}:tpmsum", f"{base}:inflight"]
+            args += [base, _limit(lim.rpm), _limit(lim.tpm), _limit(lim.max_concurrent),
+                     _limit(lim.budget_day_pico), _limit(lim.budget_month_pico)]
         for attempt in range(RESERVE_ATTEMPTS):
             try:
-                out = await self._reserve(keys=keys, args=args)
+                out = await self._scripts["reserve"](keys=keys, args=args)
                 break
-            except RedisTimeout as exc:  # the script may have run: retrying with the same id is safe
-                if attempt == RESERVE_ATTEMPTS - 1:
-                    # the caller answers 503, so a reservation that did happen must not stay charged
-                    task = asyncio.create_task(self._cancel_lost(keys, req))
-                    self._cancels.add(task)
-                    task.add_done_callback(self._cancels.discard)
-                    raise QuotaBackendError(f"redis: {exc}", transient=True) from exc
             except RedisError as exc:
-                raise QuotaBackendError(f"redis: {exc}") from exc
-        if int(out[0]) == 0:
-            reason = out[1].decode() if isinstance(out[1], bytes) else str(out[1])
-            return Decision(False, reason, req.scopes[int(out[2])].scope, max(0.0, int(out[3]) / 1000))
-        usage = {}
-        for i, lim in enumerate(req.scopes):
-            nreq, tokens, reset_ms = (int(x) for x in out[1 + 3 * i: 4 + 3 * i])
-            usage[lim.scope] = Usage(nreq, tokens, reset_ms / 1000, reset_ms / 1000)
-        return Decision(True, usage=usage)
+                error = backend_error(exc)
+                if isinstance(exc, RedisTimeout) and attempt < RESERVE_ATTEMPTS - 1:
+                    continue  # the script may have run: retrying with the same id is safe
+                if not error.back_pressure:
+                    # it may have run (a timeout; a connection that closed before the answer): the caller
+                    # answers 503 or admits it on the fallback, so what Redis may hold for it is undone
+                    self._spawn(self._cancel_lost(req))
+                raise error from exc
+        return _decision(req, out)
+
+    async def settle(self, req: ReservationRequest, *, tokens: int, money_pico: int) -> None:
+        """One try now; if Redis does not answer, retries in the background (see `_retry_settle`)."""
+        try:
+            await self._finish(req, tokens=tokens, money_pico=money_pico, kind="settle")
+        except QuotaBackendError as exc:
+            self.num_settle_retries += 1
+            log.warning("settling %s failed (%s); retrying in the background", req.request_id, exc)
+            self._spawn(self._retry_settle(req, tokens, money_pico))
 
     async def cancel(self, req: ReservationRequest) -> None:
         """Undo `req`'s reservation (request, tokens, money, lease) if it was made; harmless if it was not."""
-        try:
-            await self._cancel(keys=self.keys(req), args=[req.request_id, req.money_pico])
-        except RedisError as exc:
-            raise QuotaBackendError(f"redis: {exc}", transient=isinstance(exc, RedisTimeout)) from exc
+        await self._finish(req, tokens=0, money_pico=0, kind="cancel")
 
-    async def _cancel_lost(self, keys: list[str], req: ReservationRequest) -> None:
+    async def settle_elsewhere(self, req: ReservationRequest, *, money_pico: int) -> None:
+        """Bill `req`'s real use, settled on a replica's fallback during an outage, on `req`'s day and month;
+        what Redis still holds for the same id (a reserve whose answer was lost) is replaced, not added to,
+        and a repeat changes nothing."""
+        await self._finish(req, tokens=0, money_pico=money_pico, kind="settle", dated=True)
+
+    async def _finish(self, req: ReservationRequest, *, tokens: int, money_pico: int, kind: str,
+                      dated: bool = False) -> int:
+        bases = [self.base(req.tenant, lim.scope) for lim in req.scopes]
+        day, month = (req.day, req.month) if dated else ("", "")
+        return await self._finish_id(req.tenant, req.request_id, tokens, money_pico, kind, bases, day, month)
+
+    async def _finish_id(self, tenant: str, request_id: str, tokens: int, money_pico: int, kind: str,
+                         bases: Sequence[str] = (), day: str = "", month: str = "") -> int:
+        keys = [self.record_key(tenant, request_id), self.leases_key(tenant)]
+        done_ttl = int(self.settle_retry_s) + DONE_MARGIN_S  # ~100 bytes each: 90 MB at 1,000 settles/s
+        args = [request_id, tokens, money_pico, kind, done_ttl, REAPED_TTL_S, day, month, len(bases), *bases]
+        try:
+            return int(await self._scripts["settle"](keys=keys, args=args))
+        except RedisError as exc:
+            raise backend_error(exc) from exc
+
+    async def _retry_settle(self, req: ReservationRequest, tokens: int, money_pico: int) -> None:
+        """Until Redis answers (settle.lua makes a repeat harmless), waiting twice as long each time up to
+        SETTLE_BACKOFF_S[1]; after `settle_retry_s` the reservation is left to the reaper."""
+        wait, deadline = SETTLE_BACKOFF_S[0], time.monotonic() + self.settle_retry_s
+        while time.monotonic() < deadline:
+            await asyncio.sleep(wait)
+            try:
+                await self._finish(req, tokens=tokens, money_pico=money_pico, kind="settle")
+                return
+            except QuotaBackendError:
+                wait = min(2 * wait, SETTLE_BACKOFF_S[1])
+        log.error("could not settle %s for %.0fs: its lease's reaper returns it", req.request_id,
+                  self.settle_retry_s)
+
+    async def _cancel_lost(self, req: ReservationRequest) -> None:
         for _ in range(CANCEL_ATTEMPTS):
             try:
-                await self._cancel(keys=keys, args=[req.request_id, req.money_pico])
+                await self.cancel(req)
                 return
-            except RedisError:
+            except QuotaBackendError:
                 await asyncio.sleep(1.0)
-        log.warning("could not undo reservation %s after a timeout: it expires with its window", req.request_id)
+        log.warning("could not undo reservation %s after a timeout: its lease's reaper returns it",
+                    req.request_id)
 
-    async def settle(self, req: ReservationRequest, *, tokens: int, money_pico: int) -> None:
+    async def _register(self, tenant: str) -> None:
+        """Put the tenant in the list the reapers walk (once per reaper round per process)."""
+        if tenant in self._registered:
+            return
         try:
-            await self._settle(keys=self.keys(req), args=[req.request_id, tokens, money_pico - req.money_pico])
+            await self.redis.sadd(self.tenants_key, tenant)
         except RedisError as exc:
-            raise QuotaBackendError(f"redis: {exc}", transient=isinstance(exc, RedisTimeout)) from exc
+            raise backend_error(exc) from exc
+        self._registered.add(tenant)
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # ---- reaping, outage journals, reads ----
+
+    async def reap(self, billed: Billed | None = None) -> int:
+        """Say this replica is alive, then return every tenant's reservations whose lease ran out: billed
+        what the ledger recorded for them (`billed`), or refunded. Each is returned once however many
+        replicas reap at the same time."""
+        try:
+            self.num_replicas = max(1, int(await self._scripts["heartbeat"](
+                keys=[f"{self.prefix}:replicas"], args=[self.replica_id, int(self.replica_ttl_s * 1000)])))
+            self._registered.clear()  # re-register as tenants come back (a restarted Redis lost the list)
+            tenants = [_str(t) async for t in self.redis.sscan_iter(self.tenants_key, count=1000)]
+            expired: list[tuple[str, str]] = []
+            for i in range(0, len(tenants), REAP_BATCH):
+                chunk = tenants[i:i + REAP_BATCH]
+                claimed = await asyncio.gather(*(self._scripts["reap"](
+                    keys=[self.leases_key(t)], args=[int(self.reap_claim_s * 1000), REAP_BATCH]) for t in chunk))
+                expired += [(t, _str(rid)) for t, ids in zip(chunk, claimed, strict=True) for rid in ids]
+            if not expired:
+                return 0
+            amounts = await billed([rid for _, rid in expired]) if billed is not None else {}
+            finished = []
+            for i in range(0, len(expired), REAP_BATCH):
+                finished += await asyncio.gather(*(
+                    self._finish_id(t, rid, 0, amounts[rid], "settle") if rid in amounts
+                    else self._finish_id(t, rid, 0, 0, "reap") for t, rid in expired[i:i + REAP_BATCH]))
+        except RedisError as exc:
+            raise backend_error(exc) from exc
+        returned = sum(1 for code in finished if code == 1)
+        self.num_reaped += returned
+        if returned:
+            log.warning("returned %d reservations whose lease ran out (%d billed from the ledger)", returned,
+                        sum(1 for _, rid in expired if rid in amounts))
+        return returned
+
+    async def apply_journal(self, batch_id: str, tenant: str, entries: Sequence[tuple[str, str, str, int]]) -> bool:
+        """Add (scope, day, month, picodollars) entries settled elsewhere to the tenant's counters, once per
+        `batch_id`; False if that batch was applied before."""
+        args: list[int | str] = [JOURNAL_TTL_S]
+        for scope, day, month, pico in entries:
+            args += [self.base(tenant, scope), day, month, pico]
+        try:
+            return bool(await self._scripts["journal"](keys=[f"{self.tag(tenant)}:jnl:{batch_id}"], args=args))
+        except RedisError as exc:
+            raise backend_error(exc) from exc
 
     async def spent(self, tenant: str, scopes: Sequence[str], now: float) -> dict[str, tuple[int, int]] | None:
-        t = time.gmtime(now)
-        day, month = time.strftime("%Y%m%d", t), time.strftime("%Y%m", t)
-        tag = f"{{{self.prefix}:{tenant}}}"
-        keys = [k for scope in scopes for k in (f"{tag}:{scope}:day:{day}", f"{tag}:{scope}:month:{month}")]
+        """Today's and this month's spend by Redis' clock (`now` is not used: one clock dates the money)."""
         try:
-            values = await self.redis.mget(keys)
+            out = await self._scripts["spent"](keys=[], args=[self.base(tenant, s) for s in scopes])
         except RedisError as exc:
-            raise QuotaBackendError(f"redis: {exc}", transient=isinstance(exc, RedisTimeout)) from exc
-        return {scope: (int(values[2 * i] or 0), int(values[2 * i + 1] or 0)) for i, scope in enumerate(scopes)}
+            raise backend_error(exc) from exc
+        return {scope: (int(out[2 + 2 * i]), int(out[3 + 2 * i])) for i, scope in enumerate(scopes)}
 
     async def ping(self) -> bool:
         try:
@@ -131,6 +268,25 @@ class RedisBackend(QuotaBackend):
             return False
 
     async def close(self) -> None:
-        if self._cancels:
-            await asyncio.wait(self._cancels, timeout=2.0)
+        if self._background:  # settles and cancels still retrying get a last moment
+            await asyncio.wait(self._background, timeout=2.0)
         await self.redis.aclose()
+
+
+def _decision(req: ReservationRequest, out: list[Any]) -> Decision:
+    """reserve.lua's answer as a Decision, with each scope's spend and Redis' clock."""
+    n = len(req.scopes)
+    if int(out[0]) == 0:
+        reason, index, wait_ms = _str(out[1]), int(out[2]), int(out[3])
+        clock_ms, day, month = int(out[4]), _str(out[5]), _str(out[6])
+        spent = {lim.scope: Spend(day, month, int(out[7 + 2 * i]), int(out[8 + 2 * i]))
+                 for i, lim in enumerate(req.scopes)}
+        scope = req.scopes[index].scope if n else None
+        return Decision(False, reason, scope, max(0.0, wait_ms / 1000), spent=spent, clock_s=clock_ms / 1000)
+    clock_ms, day, month = int(out[1]), _str(out[2]), _str(out[3])
+    usage, spent = {}, {}
+    for i, lim in enumerate(req.scopes):
+        nreq, tokens, reset_ms, day_pico, month_pico = (int(x) for x in out[4 + 5 * i: 9 + 5 * i])
+        usage[lim.scope] = Usage(nreq, tokens, reset_ms / 1000, reset_ms / 1000)
+        spent[lim.scope] = Spend(day, month, day_pico, month_pico)
+    return Decision(True, usage=usage, spent=spent, clock_s=clock_ms / 1000)

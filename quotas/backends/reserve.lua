@@ -1,13 +1,46 @@
--- Atomically check and charge every scope of one request (see quotas/backends/redis.py).
--- KEYS: 7 per scope: rpm (zset), tpm (zset), tpm values (hash), tpm sum, inflight (zset), day, month
--- ARGV: request id, tokens, picodollars, lease ms, window ms, number of scopes,
---       then 5 limits per scope (rpm, tpm, concurrent, day, month; -1 = unlimited), then day/month reset s
+-- Atomically check and charge every scope of one request, and hold it as a reservation with a lease
+-- (see quotas/backends/redis.py; shared.lua is prepended).
+-- KEYS: the reservation's record (hash), the tenant's leases (zset: request id -> lease deadline ms), then 5 per
+--       scope: rpm (zset), tpm (zset), tpm values (hash), tpm sum, inflight (zset)
+-- ARGV: request id, tokens, picodollars, lease ms, window ms, number of scopes, then 6 per scope: the scope's key
+--       base (its money counters are <base>:day:<YYYYMMDD> and <base>:month:<YYYYMM>, dated by Redis' clock)
+--       and its limits (rpm, tpm, concurrent, day, month; -1 = unlimited)
+-- Answers {1, now ms, day, month, then 5 per scope: requests, tokens, reset ms, spent today, spent this month}
+--      or {0, reason, scope index, retry ms, now ms, day, month, then 2 per scope: spent today, this month}
 local rid, tokens, money = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local lease, window, n = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
-local reset_day, reset_month = tonumber(ARGV[7 + 5 * n]), tonumber(ARGV[8 + 5 * n])
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local cutoff = now - window
+local c = clock()
+local now, cutoff = c.now, c.now - window
+local day_keys, month_keys, spent_day, spent_month = {}, {}, {}, {}
+for i = 0, n - 1 do
+  local base = ARGV[7 + 6 * i]
+  day_keys[i], month_keys[i] = base .. ':day:' .. c.day, base .. ':month:' .. c.month
+  spent_day[i] = tonumber(redis.call('GET', day_keys[i]) or '0')
+  spent_month[i] = tonumber(redis.call('GET', month_keys[i]) or '0')
+end
+
+local function refuse(reason, i, wait)
+  local out = {0, reason, i, wait, now, c.day, c.month}
+  for j = 0, n - 1 do
+    table.insert(out, spent_day[j])
+    table.insert(out, spent_month[j])
+  end
+  return out
+end
+
+local function admitted()
+  local out = {1, now, c.day, c.month}
+  for i = 0, n - 1 do
+    local k = 2 + 5 * i
+    local oldest = redis.call('ZRANGE', KEYS[k + 1], 0, 0, 'WITHSCORES')
+    table.insert(out, redis.call('ZCARD', KEYS[k + 1]))
+    table.insert(out, tonumber(redis.call('GET', KEYS[k + 4]) or '0'))
+    table.insert(out, tonumber(oldest[2] or now) + window - now)
+    table.insert(out, spent_day[i])
+    table.insert(out, spent_month[i])
+  end
+  return out
+end
 
 local function expire(k)
   local old = redis.call('ZRANGEBYSCORE', KEYS[k + 2], '-inf', cutoff)
@@ -24,22 +57,15 @@ local function expire(k)
   redis.call('ZREMRANGEBYSCORE', KEYS[k + 5], '-inf', now)
 end
 
--- the same request retried after a timeout (the first attempt may have run): answer, do not charge twice
-if n > 0 and redis.call('ZSCORE', KEYS[5], rid) then
-  local out = {1}
-  for i = 0, n - 1 do
-    local k = 7 * i
-    local oldest_req = redis.call('ZRANGE', KEYS[k + 1], 0, 0, 'WITHSCORES')
-    table.insert(out, redis.call('ZCARD', KEYS[k + 1]))
-    table.insert(out, tonumber(redis.call('GET', KEYS[k + 4]) or '0'))
-    table.insert(out, tonumber(oldest_req[2] or now) + window - now)
-  end
-  return out
-end
+-- the same request retried after a timeout (the first attempt may have run): answer, do not charge twice;
+-- one already settled, reaped or cancelled (a reserve that arrived after its own cancel) is charged nothing
+local state = redis.call('HGET', KEYS[1], 'st')
+if state == 'r' then return admitted() end
+if state then return refuse('duplicate', 0, 0) end
 
 for i = 0, n - 1 do
-  local k = 7 * i
-  local a = 7 + 5 * i
+  local k = 2 + 5 * i
+  local a = 8 + 6 * i
   local rpm, tpm, conc = tonumber(ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
   local day, month = tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4])
   expire(k)
@@ -48,7 +74,7 @@ for i = 0, n - 1 do
     local oldest = redis.call('ZRANGE', KEYS[k + 1], 0, 0, 'WITHSCORES')
     local wait = window
     if #oldest > 0 then wait = tonumber(oldest[2]) + window - now end
-    return {0, 'rpm', i, wait}
+    return refuse('rpm', i, wait)
   end
   local sum = tonumber(redis.call('GET', KEYS[k + 4]) or '0')
   if tpm >= 0 and sum + tokens > tpm then
@@ -58,35 +84,40 @@ for i = 0, n - 1 do
       excess = excess - tonumber(redis.call('HGET', KEYS[k + 3], entries[j]) or '0')
       if excess <= 0 then wait = tonumber(entries[j + 1]) + window - now; break end
     end
-    return {0, 'tpm', i, wait}
+    return refuse('tpm', i, wait)
   end
   if conc >= 0 and redis.call('ZCARD', KEYS[k + 5]) + 1 > conc then
-    return {0, 'concurrency', i, 1000}
+    return refuse('concurrency', i, 1000)
   end
-  if day >= 0 and tonumber(redis.call('GET', KEYS[k + 6]) or '0') + money > day then
-    return {0, 'budget_day', i, reset_day * 1000}
+  if day >= 0 and spent_day[i] + money > day then
+    return refuse('budget_day', i, c.next_day - now)
   end
-  if month >= 0 and tonumber(redis.call('GET', KEYS[k + 7]) or '0') + money > month then
-    return {0, 'budget_month', i, reset_month * 1000}
+  if month >= 0 and spent_month[i] + money > month then
+    return refuse('budget_month', i, c.next_month - now)
   end
 end
 
-local out = {1}
+local record = {'st', 'r', 'tok', tokens, 'pico', money, 'day', c.day, 'month', c.month, 'n', n}
 for i = 0, n - 1 do
-  local k = 7 * i
+  local k = 2 + 5 * i
   redis.call('ZADD', KEYS[k + 1], now, rid)
   redis.call('ZADD', KEYS[k + 2], now, rid)
   redis.call('HSET', KEYS[k + 3], rid, tokens)
-  local sum = redis.call('INCRBY', KEYS[k + 4], tokens)
+  redis.call('INCRBY', KEYS[k + 4], tokens)
   redis.call('ZADD', KEYS[k + 5], now + lease, rid)
-  redis.call('INCRBY', KEYS[k + 6], money)
-  redis.call('INCRBY', KEYS[k + 7], money)
   for j = 1, 5 do redis.call('PEXPIRE', KEYS[k + j], window + lease + 1000) end
-  redis.call('EXPIRE', KEYS[k + 6], 2 * 86400)
-  redis.call('EXPIRE', KEYS[k + 7], 32 * 86400)
-  local oldest_req = redis.call('ZRANGE', KEYS[k + 1], 0, 0, 'WITHSCORES')
-  table.insert(out, redis.call('ZCARD', KEYS[k + 1]))
-  table.insert(out, sum)
-  table.insert(out, tonumber(oldest_req[2]) + window - now)
+  spent_day[i] = spent_day[i] + money
+  spent_month[i] = spent_month[i] + money
+  if money ~= 0 then
+    redis.call('INCRBY', day_keys[i], money)
+    redis.call('INCRBY', month_keys[i], money)
+  end
+  redis.call('EXPIRE', day_keys[i], DAY_TTL)
+  redis.call('EXPIRE', month_keys[i], MONTH_TTL)
+  table.insert(record, 'b' .. (i + 1))
+  table.insert(record, ARGV[7 + 6 * i])
 end
-return out
+-- the record lives until it is settled or reaped: the money it holds is returned only through it
+redis.call('HSET', KEYS[1], unpack(record))
+redis.call('ZADD', KEYS[2], now + lease, rid)
+return admitted()

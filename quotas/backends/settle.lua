@@ -1,16 +1,91 @@
--- Replace one request's reservation by its real usage (see quotas/backends/redis.py).
--- KEYS: the same 7 per scope as reserve.lua. ARGV: request id, real tokens, money delta (real - reserved).
-local rid, tokens, delta = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
-for k = 0, #KEYS - 1, 7 do
-  local old = redis.call('HGET', KEYS[k + 3], rid)
+-- Finish one reservation, exactly once (see quotas/backends/redis.py; shared.lua is prepended).
+-- kind 'settle': replace the reservation by the real use; 'reap': its lease ran out and no row billed it, so
+-- return all of it (money, tokens, slot) and keep its record a while, marked reaped, so that a late settle
+-- bills the real use; 'cancel': undo it as if it had never been admitted (its reserve's answer was lost).
+-- A settled record stays as a tombstone for `done ttl`, so the same settle sent again (its answer was lost)
+-- changes nothing. A settle that finds no reservation held (none was made, or it was cancelled: the request
+-- ran on a replica's fallback during an outage) adds the real use to the scopes in ARGV, on the day and month
+-- given (or Redis' today).
+-- KEYS: the reservation's record, the tenant's leases
+-- ARGV: request id, real tokens, real picodollars, kind, done ttl s, reaped ttl s, day, month ('' for today),
+--       number of scopes, their key bases
+-- Answers 0: nothing to do (already finished); 1: a held reservation finished; 2: a reaped one billed;
+--         3: one not held billed
+local rid, tokens, money, kind = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
+local done_ttl, reaped_ttl, day, month = tonumber(ARGV[5]), tonumber(ARGV[6]), ARGV[7], ARGV[8]
+local n = tonumber(ARGV[9])
+local flat = redis.call('HGETALL', KEYS[1])
+local rec = {}
+for j = 1, #flat, 2 do rec[flat[j]] = flat[j + 1] end
+redis.call('ZREM', KEYS[2], rid)
+
+local function bases_of_record()
+  local out = {}
+  for j = 1, tonumber(rec.n) do out[j] = rec['b' .. j] end
+  return out
+end
+
+local function bill(bases, day, month, delta)
+  for _, b in ipairs(bases) do
+    add_money(b .. ':day:' .. day, delta, DAY_TTL)
+    add_money(b .. ':month:' .. month, delta, MONTH_TTL)
+  end
+end
+
+local function tombstone(state)
+  redis.call('DEL', KEYS[1])
+  redis.call('HSET', KEYS[1], 'st', state)
+  redis.call('EXPIRE', KEYS[1], done_ttl)
+end
+
+if rec.st == 's' then return 0 end
+if rec.st == 'x' then
+  if kind ~= 'settle' then return 0 end
+  bill(bases_of_record(), rec.day, rec.month, money)
+  tombstone('s')
+  return 2
+end
+if rec.st == nil or rec.st == 'c' then
+  if kind == 'settle' then
+    if day == '' then
+      local c = clock()
+      day, month = c.day, c.month
+    end
+    local bases = {}
+    for j = 1, n do bases[j] = ARGV[9 + j] end
+    bill(bases, day, month, money)
+    tombstone('s')
+    return 3
+  end
+  if kind == 'cancel' then tombstone('c') end  -- a reserve that arrives after its cancel charges nothing
+  return 0
+end
+
+-- a held reservation: its own record says what it charged, where, on which day and month
+for _, b in ipairs(bases_of_record()) do
+  local old = redis.call('HGET', b .. ':tpmv', rid)
   if old then
-    redis.call('HSET', KEYS[k + 3], rid, tokens)
-    redis.call('INCRBY', KEYS[k + 4], tokens - tonumber(old))
+    if kind == 'settle' then
+      redis.call('HSET', b .. ':tpmv', rid, tokens)
+      redis.call('INCRBY', b .. ':tpmsum', tokens - tonumber(old))
+    else
+      redis.call('HDEL', b .. ':tpmv', rid)
+      redis.call('DECRBY', b .. ':tpmsum', tonumber(old))
+      redis.call('ZREM', b .. ':tpm', rid)
+    end
   end
-  redis.call('ZREM', KEYS[k + 5], rid)
-  if delta ~= 0 then
-    redis.call('INCRBY', KEYS[k + 6], delta)
-    redis.call('INCRBY', KEYS[k + 7], delta)
-  end
+  if kind == 'cancel' then redis.call('ZREM', b .. ':rpm', rid) end
+  redis.call('ZREM', b .. ':inflight', rid)
+end
+local delta = -tonumber(rec.pico)
+if kind == 'settle' then delta = money + delta end
+bill(bases_of_record(), rec.day, rec.month, delta)
+if kind == 'reap' then
+  redis.call('HSET', KEYS[1], 'st', 'x')
+  redis.call('EXPIRE', KEYS[1], reaped_ttl)
+elseif kind == 'settle' then
+  tombstone('s')
+else
+  tombstone('c')
 end
 return 1

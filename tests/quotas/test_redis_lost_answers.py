@@ -25,10 +25,11 @@ def req(rid: str) -> ReservationRequest:
 
 
 async def spent(b: RedisBackend) -> tuple[int, int, int, int]:
-    keys = b.keys(req("probe"))
-    rpm, _tpm, _values, tpm_sum, inflight, day, _month = keys
-    return (await b.redis.zcard(rpm), int(await b.redis.get(tpm_sum) or 0), await b.redis.zcard(inflight),
-            int(await b.redis.get(day) or 0))
+    """Requests in the window, tokens in the window, concurrency slots held, money spent today."""
+    base = b.base("acme", "t")
+    day = (await b.spent("acme", ["t"], NOW))["t"][0]
+    return (await b.redis.zcard(f"{base}:rpm"), int(await b.redis.get(f"{base}:tpmsum") or 0),
+            await b.redis.zcard(f"{base}:inflight"), day)
 
 
 async def test_cancel_undoes_a_reservation_once_and_nothing_else(redis_url: str) -> None:
@@ -50,20 +51,20 @@ async def test_cancel_undoes_a_reservation_once_and_nothing_else(redis_url: str)
 async def test_a_reservation_whose_answer_was_lost_is_undone(redis_url: str,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     b = RedisBackend(redis_url, timeout_s=0.5, prefix="tg-lost")
-    real = b._reserve
+    real = b._scripts["reserve"]
 
     async def ran_then_timed_out(*, keys: list[str], args: list) -> object:  # type: ignore[type-arg]
         await real(keys=keys, args=args)  # Redis did the work ...
         raise RedisTimeout("Timeout reading from socket")  # ... but the answer never arrived
 
     try:
-        monkeypatch.setattr(b, "_reserve", ran_then_timed_out)
+        monkeypatch.setitem(b._scripts, "reserve", ran_then_timed_out)
         with pytest.raises(QuotaBackendError) as err:
             await b.reserve(req("lost"))
         assert err.value.transient
-        await asyncio.wait(b._cancels, timeout=5)
+        await asyncio.wait(b._background, timeout=5)
         assert await spent(b) == (0, 0, 0, 0)
-        monkeypatch.setattr(b, "_reserve", real)
+        monkeypatch.setitem(b._scripts, "reserve", real)
         # the client's retry gets the one concurrency slot the lost reservation would otherwise hold
         assert (await b.reserve(req("retry"))).admitted
     finally:

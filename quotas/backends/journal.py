@@ -1,0 +1,64 @@
+"""The outage journal: money a replica settled on its local fallback while Redis was down, to be added to
+Redis exactly once when it is back.
+
+Requests never sent to Redis are summed per tenant, scope, day and month as they come. To apply them, a
+tenant's sums are sealed into a batch with an id of its own; the batch is sent (journal.lua) until Redis
+answers, always with the same id and the same entries, and Redis applies an id once, so an answer lost on
+the way back never adds the money twice. What is settled while a batch is in flight waits for the next one.
+
+A request whose reserve was sent to Redis without an answer (the failure that made the replica fail open)
+may hold a reservation there too, which the reaper would bill from the ledger or refund. Each of those is
+kept by its id and applied as a settle of that id (`RedisBackend.settle_elsewhere`), which replaces what
+Redis holds for it, or adds the money if it holds nothing, exactly once.
+"""
+
+from __future__ import annotations
+
+import itertools
+import uuid
+
+from quotas.limits import ReservationRequest
+
+Entry = tuple[str, str, str, int]  # scope, day (YYYYMMDD), month (YYYYMM), picodollars
+
+
+class OutageJournal:
+    def __init__(self) -> None:
+        self._id = uuid.uuid4().hex[:16]
+        self._seq = itertools.count(1)
+        self._pending: dict[str, dict[tuple[str, str, str], int]] = {}  # tenant -> (scope, day, month) -> pico
+        self._sealed: dict[str, tuple[str, list[Entry]]] = {}  # tenant -> (batch id, entries) being applied
+        self._by_id: dict[str, tuple[ReservationRequest, int]] = {}  # request id -> (request, picodollars)
+
+    def add(self, tenant: str, scopes: tuple[str, ...], day: str, month: str, pico: int) -> None:
+        if pico == 0:
+            return
+        sums = self._pending.setdefault(tenant, {})
+        for scope in scopes:
+            sums[scope, day, month] = sums.get((scope, day, month), 0) + pico
+
+    def add_request(self, req: ReservationRequest, pico: int) -> None:
+        """A request Redis may also hold a reservation for: applied by its id, even at 0 (a refund there)."""
+        self._by_id[req.request_id] = (req, pico)
+
+    def requests(self) -> list[tuple[ReservationRequest, int]]:
+        return list(self._by_id.values())
+
+    def request_applied(self, request_id: str) -> None:
+        self._by_id.pop(request_id, None)
+
+    def batches(self) -> list[tuple[str, str, list[Entry]]]:
+        """(tenant, batch id, entries) to apply: the batches sealed before and not yet applied, and a new one
+        for each tenant with pending entries and no batch in flight."""
+        for tenant in [t for t in self._pending if t not in self._sealed]:
+            sums = self._pending.pop(tenant)
+            self._sealed[tenant] = (f"{self._id}-{next(self._seq)}", [(*k, v) for k, v in sums.items()])
+        return [(tenant, batch_id, entries) for tenant, (batch_id, entries) in self._sealed.items()]
+
+    def applied(self, tenant: str, batch_id: str) -> None:
+        if self._sealed.get(tenant, ("",))[0] == batch_id:
+            del self._sealed[tenant]
+
+    def __len__(self) -> int:
+        """Tenants with sums, and requests, not yet in Redis."""
+        return len(self._pending.keys() | self._sealed.keys()) + len(self._by_id)

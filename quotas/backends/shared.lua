@@ -1,0 +1,49 @@
+-- What the money scripts share, prepended to each (see quotas/backends/redis.py): one clock for every replica,
+-- Redis' own TIME and the UTC day and month it falls in, so no gateway's clock decides a budget's day; and
+-- the one way a money counter changes.
+-- Civil dates from day numbers as in Howard Hinnant's `civil_from_days` / `days_from_civil`.
+local DAY_TTL, MONTH_TTL = 2 * 86400, 32 * 86400  -- seconds a day's and a month's counter outlive their last write
+
+local function days_from_civil(y, m, d)
+  if m <= 2 then y = y - 1 end
+  local era = math.floor(y / 400)
+  local yoe = y - era * 400
+  local doy = math.floor((153 * ((m + 9) % 12) + 2) / 5) + d - 1
+  return era * 146097 + yoe * 365 + math.floor(yoe / 4) - math.floor(yoe / 100) + doy - 719468
+end
+
+local function civil_from_days(days)
+  local z = days + 719468
+  local era = math.floor(z / 146097)
+  local doe = z - era * 146097
+  local yoe = math.floor((doe - math.floor(doe / 1460) + math.floor(doe / 36524) - math.floor(doe / 146096)) / 365)
+  local doy = doe - (365 * yoe + math.floor(yoe / 4) - math.floor(yoe / 100))
+  local mp = math.floor((5 * doy + 2) / 153)
+  local d = doy - math.floor((153 * mp + 2) / 5) + 1
+  local m = mp < 10 and mp + 3 or mp - 9
+  local y = yoe + era * 400
+  if m <= 2 then y = y + 1 end
+  return y, m, d
+end
+
+-- now (ms), day (YYYYMMDD), month (YYYYMM), and the ms at which the next day and the next month begin
+local function clock()
+  local t = redis.call('TIME')
+  local s = tonumber(t[1])
+  local days = math.floor(s / 86400)
+  local y, m, d = civil_from_days(days)
+  local ny, nm = y, m + 1
+  if nm > 12 then ny, nm = y + 1, 1 end
+  return {now = s * 1000 + math.floor(tonumber(t[2]) / 1000), day = string.format('%04d%02d%02d', y, m, d),
+          month = string.format('%04d%02d', y, m), next_day = (days + 1) * 86400000,
+          next_month = days_from_civil(ny, nm, 1) * 86400000}
+end
+
+-- add `delta` to a money counter and keep it `ttl` seconds; a refund to a counter that is gone (its period
+-- ended long ago, or Redis lost it) is dropped rather than leaving a negative counter behind
+local function add_money(key, delta, ttl)
+  if delta == 0 or (delta < 0 and redis.call('EXISTS', key) == 0) then return end
+  redis.call('INCRBY', key, delta)
+  redis.call('EXPIRE', key, ttl)
+end
+
