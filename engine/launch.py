@@ -15,7 +15,18 @@ from engine.llm_engine import LLMEngine
 # 0.3: int8 on CPU runs fbgemm with per-token activations; 0.4: oneDNN linear layers and fused layer steps
 # (the same sums in another order: a near-tie can now pick the other token)
 ENGINE_VERSION = "tiergate-engine/0.4"
+# `max_num_seqs` auto: as many sequences as the KV cache holds at this many tokens each (a ShareGPT prompt and
+# its reply fit; the gateway reserves 1,024 output tokens by default), capped at vLLM's default. The gateway
+# sizes its dispatch slots with the same rule (tiers/supervisor.py; tests/tiers/test_engine_capacity.py).
+TYPICAL_REQUEST_TOKENS = 1024
+MAX_NUM_SEQS_CAP = 256
 log = logging.getLogger("tiergate.engine")
+
+
+def kv_max_num_seqs(num_kv_blocks: int, block_size: int) -> int:
+    """Sequences of TYPICAL_REQUEST_TOKENS the KV cache holds at once: at least 1, at most MAX_NUM_SEQS_CAP."""
+    blocks_per_seq = -(-TYPICAL_REQUEST_TOKENS // block_size)
+    return max(1, min(MAX_NUM_SEQS_CAP, num_kv_blocks // blocks_per_seq))
 
 
 def model_version(model_dir: Path, *, dtype: str, quantize: str | None, kv_cache_dtype: str = "auto") -> str:
@@ -31,12 +42,13 @@ def model_version(model_dir: Path, *, dtype: str, quantize: str | None, kv_cache
 
 
 def build_engine(model: str, models_dir: Path, *, dtype: str = "auto", quantize: str | None = None,
-                 device: str = "cpu", max_num_seqs: int = 8, threads: int | None = None,
+                 device: str = "cpu", max_num_seqs: int | None = None, threads: int | None = None,
                  kv_cache_bytes: int | None = None, max_num_batched_tokens: int = 512,
                  kv_cache_dtype: str = "auto") -> tuple[LLMEngine, str]:
     """Load `model` (a built-in name or a local directory); returns the engine and its model version.
 
-    `kv_cache_bytes` is the KV cache's fixed budget (default: the runner's, 512 MiB), allocated once.
+    `kv_cache_bytes` is the KV cache's fixed budget (default: the runner's, 512 MiB), allocated once;
+    `max_num_seqs` None sizes the batch to it (`kv_max_num_seqs`).
     """
     offline_hub()
     import torch
@@ -50,16 +62,18 @@ def build_engine(model: str, models_dir: Path, *, dtype: str = "auto", quantize:
     runner = ModelRunner(model_dir, dtype=dtype, device=device, quantize=quantize,
                          kv_cache_bytes=kv_cache_bytes or DEFAULT_KV_CACHE_BYTES, kv_cache_dtype=kv_cache_dtype)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    max_num_seqs = max_num_seqs or kv_max_num_seqs(runner.num_kv_blocks, runner.block_size)
     engine = LLMEngine(runner, tokenizer, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
     version = model_version(model_dir, dtype=str(runner.dtype).removeprefix("torch."), quantize=quantize,
                             kv_cache_dtype=kv_cache_dtype)
-    log.info("engine loaded %s (%s, %s, %d KV blocks of %d tokens) version %s", model_dir, runner.dtype,
-             quantize or "no quantization", runner.num_kv_blocks, runner.block_size, version)
+    log.info("engine loaded %s (%s, %s, %d KV blocks of %d tokens, up to %d sequences at once, %d torch threads) "
+             "version %s", model_dir, runner.dtype, quantize or "no quantization", runner.num_kv_blocks,
+             runner.block_size, max_num_seqs, torch.get_num_threads(), version)
     return engine, version
 
 
 def serve(model: str, models_dir: Path, *, host: str, port: int, served_name: str | None = None,
-          dtype: str = "auto", quantize: str | None = None, device: str = "cpu", max_num_seqs: int = 8,
+          dtype: str = "auto", quantize: str | None = None, device: str = "cpu", max_num_seqs: int | None = None,
           threads: int | None = None, kv_cache_bytes: int | None = None, max_num_batched_tokens: int = 512,
           kv_cache_dtype: str = "auto") -> None:
     import uvicorn

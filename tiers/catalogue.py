@@ -50,10 +50,15 @@ class TierSpec(BaseModel):
     replicas: Annotated[int, Field(ge=1, le=64)] = 1  # local engine processes
     urls: list[str] = Field(default_factory=list)  # openai backend: one URL per replica
     api_key_env: str | None = None  # openai backend: env var that holds the upstream's key
-    max_num_seqs: Annotated[int, Field(ge=1)] = 8
+    # sequences each engine runs at once [default: what its KV cache holds for a typical request, so the engine
+    # and the gateway's dispatch slots agree; tiers/supervisor.py's engine_max_num_seqs]
+    max_num_seqs: Annotated[int, Field(ge=1)] | None = None
     kv_cache_bytes: Annotated[int, Field(ge=1 << 20)] | None = None  # the engine's KV cache budget [engine default]
     kv_cache_dtype: Literal["auto", "bf16"] = "auto"  # bf16: half the KV bytes under an fp32 model
-    threads: Annotated[int, Field(ge=1)] | None = None
+    threads: Annotated[int, Field(ge=1)] | None = None  # torch threads per engine [default: its share of cores]
+    # local: this tier's weight, per replica, when the host's cores are split among local replicas (a tier with
+    # `cores: 2` gets twice the cores of one with 1) [default 1: equal shares]; tiers/fleet.py's plan_cores
+    cores: Annotated[float, Field(gt=0, le=1024)] | None = None
     prepared_by: str | None = None  # the command that builds this tier's model when it is missing
     distill: DistillSpec | None = None  # built by distilling another tier's model (serve does it when missing)
     tokenizer: str | None = None  # model source whose tokenizer counts prompt tokens [default: `model` if local]
@@ -75,6 +80,8 @@ class TierSpec(BaseModel):
             raise ValueError("an openai backend needs `urls` (one OpenAI-compatible base URL per replica)")
         if self.backend == "local" and self.urls:
             raise ValueError("a local backend spawns its own engines; remove `urls`")
+        if self.cores is not None and self.backend != "local":
+            raise ValueError("`cores` splits this host's cores among local engines; a remote tier has its own")
         if self.distill and self.backend != "local":
             raise ValueError("only a local tier can be distilled")
         if self.distill and not self.prepared_by:

@@ -1,4 +1,16 @@
-"""The running fleet: every tier's replicas, their health, and which one takes the next request."""
+"""The running fleet: every tier's replicas, their health, and which one takes the next request.
+
+Co-located engines share one core budget. The budget is every CPU the gateway may run on
+(`os.sched_getaffinity`), less TIERGATE_GATEWAY_CORES kept for the gateway itself (default: none below 4
+CPUs, where one would cost the engines half or a third of the machine; one from 4 up, so the gateway's event
+loop never waits behind an engine's spinning threads). `plan_cores` splits it among the local replicas by
+each tier's `cores` weight into disjoint core sets; each engine runs pinned to its set with as many threads
+as it has cores. With more replicas than cores, replicas share cores (one thread each), and the log and
+/health say which. Tiers whose engines share cores form a hardware group: the router sheds an overloaded
+tier's requests only to a tier outside its group, because moving work onto the same cores adds no capacity.
+TIERGATE_CORE_BUDGET=off starts engines unpinned with torch's own thread counts (every local tier then shares
+every core: one group).
+"""
 
 from __future__ import annotations
 
@@ -6,7 +18,7 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,31 +28,130 @@ from tiers.client import TierClient
 from tiers.errors import NoTierAvailable, TierError
 from tiers.replica import Replica
 from tiers.replica_choice import AffinityMap, choose_replica
-from tiers.supervisor import EngineProcess
+from tiers.supervisor import CoreShare, EngineProcess
 
 log = logging.getLogger("tiergate.fleet")
 REMOTE_HEALTH_EVERY_S = 5.0
+SHARED_HOST = "cpu:all"  # the hardware group of local CPU tiers when the core budget is off
+
+
+def host_core_budget(cores: Sequence[int] | None = None) -> list[int] | None:
+    """The CPUs local engines may share out (TIERGATE_CORE_BUDGET, TIERGATE_GATEWAY_CORES), or None when the
+    budget is off. `cores`: the gateway's own CPUs [default: its affinity]."""
+    if os.environ.get("TIERGATE_CORE_BUDGET", "on").strip().lower() in ("off", "0", "false", "no"):
+        return None
+    cores = sorted(os.sched_getaffinity(0) if cores is None else cores)
+    keep = os.environ.get("TIERGATE_GATEWAY_CORES", "").strip()
+    if keep and not keep.isdigit():
+        raise ValueError(f"TIERGATE_GATEWAY_CORES is the number of cores kept for the gateway, not {keep!r}")
+    reserve = int(keep) if keep else (0 if len(cores) < 4 else 1)
+    reserve = max(0, min(reserve, len(cores) - 1))  # the engines keep at least one
+    return cores[reserve:]
+
+
+def plan_cores(replicas: Sequence[tuple[str, float]], cores: Sequence[int]) -> list[CoreShare]:
+    """Each replica's share of `cores`, in order. `replicas`: (label, weight), first the one that should keep
+    its cores to itself when there are more replicas than cores (the fleet puts the dearest tier first).
+
+    Up to one replica per core: disjoint, contiguous sets sized by weight (largest remainder, at least one
+    core each). More replicas than cores: consecutive replicas share one core each, in groups whose sizes
+    differ by at most one, the larger groups last (the cheapest tiers)."""
+    n, c = len(replicas), len(cores)
+    if n == 0:
+        return []
+    if n > c:
+        shares: list[CoreShare] = []
+        for j in range(c):
+            start = j * (n // c) + max(0, j - (c - n % c))
+            size = n // c + (1 if j >= c - n % c else 0)
+            group = [label for label, _ in replicas[start:start + size]]
+            shares += [CoreShare((cores[j],), 1, tuple(g for g in group if g != label)) for label in group]
+        return shares
+    total = sum(w for _, w in replicas)
+    ideal = [c * w / total for _, w in replicas]
+    counts = [max(1, int(x)) for x in ideal]
+    while sum(counts) > c:  # the at-least-one rule overspent: take from whoever got most over their ideal
+        i = max((i for i in range(n) if counts[i] > 1), key=lambda i: counts[i] - ideal[i])
+        counts[i] -= 1
+    while sum(counts) < c:  # hand out what rounding down left, furthest below its ideal first
+        i = max(range(n), key=lambda i: (ideal[i] - counts[i], -i))
+        counts[i] += 1
+    shares, start = [], 0
+    for count in counts:
+        shares.append(CoreShare(tuple(cores[start:start + count]), count))
+        start += count
+    return shares
 
 
 class Fleet:
     def __init__(self, catalogue: TierCatalogue, client: TierClient, *, models_dir: Path, log_dir: Path,
-                 start_timeout_s: float = 600.0) -> None:
+                 start_timeout_s: float = 600.0, core_budget: Sequence[int] | bool | None = True) -> None:
+        """`core_budget`: the CPUs local engines split (True: `host_core_budget()` from this process's
+        affinity and the environment; None: no budget, engines unpinned)."""
         self.catalogue = catalogue
         self.client = client
         self.replicas: dict[str, list[Replica]] = {}
         self._engines: list[EngineProcess] = []
         self._tasks: list[asyncio.Task[None]] = []
+        budget = host_core_budget() if core_budget is True else core_budget
+        self.core_shares = self._plan(budget)  # (tier, index) -> its share; empty when the budget is off
         for spec in catalogue.tiers.values():
             if spec.backend == "local":
                 reps = [Replica(spec.name, i) for i in range(spec.replicas)]
                 self._engines += [EngineProcess(spec, r, models_dir=models_dir, log_dir=log_dir, client=client,
-                                                start_timeout_s=start_timeout_s) for r in reps]
+                                                start_timeout_s=start_timeout_s,
+                                                cores=self.core_shares.get((spec.name, r.index))) for r in reps]
             else:
                 reps = [Replica(spec.name, i, url=u) for i, u in enumerate(spec.urls)]
             self.replicas[spec.name] = reps
             for rep in reps:
                 rep.breaker.on_change = _log_breaker(rep)
         self.affinity = AffinityMap()
+        self.hardware_groups = self._groups(budget is not None)
+
+    def _plan(self, budget: Sequence[int] | None) -> dict[tuple[str, int], CoreShare]:
+        """Split the budget among local replicas, dearest tier first, and say how in the log."""
+        if budget is None:
+            log.info("core budget off: local engines run unpinned, with torch's own thread counts")
+            return {}
+        local = [(spec, i) for spec in reversed(self.catalogue.by_price()) if spec.backend == "local"
+                 for i in range(spec.replicas)]
+        shares = plan_cores([(f"{spec.name}/{i}", spec.cores or 1.0) for spec, i in local], budget)
+        plan = {(spec.name, i): share for (spec, i), share in zip(local, shares, strict=True)}
+        for (tier, i), share in plan.items():
+            level = logging.WARNING if share.shared_with else logging.INFO
+            also = f", shared with {', '.join(share.shared_with)} (more replicas than cores)" \
+                if share.shared_with else ""
+            log.log(level, "tier %s replica %d: cores %s, %d threads%s", tier, i,
+                    ",".join(map(str, share.cores)), share.threads, also)
+        return plan
+
+    def _groups(self, budgeted: bool) -> dict[str, str]:
+        """Local tier -> its hardware group: tiers whose engines share cores (or a device) are in one."""
+        local = [spec for spec in self.catalogue.tiers.values() if spec.backend == "local"]
+        groups = {spec.name: f"device:{spec.device}" for spec in local if spec.device != "cpu"}
+        cpu = [spec.name for spec in local if spec.device == "cpu"]
+        if not budgeted:
+            return groups | dict.fromkeys(cpu, SHARED_HOST)
+        parent = {name: name for name in cpu}  # union-find over tiers with a core in common
+
+        def root(name: str) -> str:
+            while parent[name] != name:
+                name = parent[name]
+            return name
+
+        owner: dict[int, str] = {}
+        for (tier, _), share in self.core_shares.items():
+            if tier not in parent:
+                continue
+            for core in share.cores:
+                if core in owner:
+                    parent[root(tier)] = root(owner[core])
+                owner.setdefault(core, tier)
+        members: dict[str, list[str]] = {}
+        for name in cpu:
+            members.setdefault(root(name), []).append(name)
+        return groups | {name: "cpu:" + "+".join(sorted(members[root(name)])) for name in cpu}
 
     async def start(self) -> None:
         self._tasks = [asyncio.create_task(e.run(), name=f"engine-{e.spec.name}-{e.replica.index}")
@@ -107,8 +218,19 @@ class Fleet:
         out = {}
         for name, reps in self.replicas.items():
             ready = sum(r.healthy for r in reps)
-            out[name] = {"ready": ready > 0, "replicas_ready": ready, "replicas": [r.public() for r in reps]}
+            replicas = [r.public() | self._cores_of(r) for r in reps]
+            out[name] = {"ready": ready > 0, "replicas_ready": ready, "replicas": replicas}
+            if name in self.hardware_groups:
+                out[name]["hardware_group"] = self.hardware_groups[name]
         return out
+
+    def _cores_of(self, rep: Replica) -> dict[str, object]:
+        share = self.core_shares.get((rep.tier, rep.index))
+        if share is not None:
+            return share.public()
+        if self.catalogue.tiers[rep.tier].backend == "local":
+            return {"cores": "all (core budget off)"}
+        return {}
 
     async def _watch_remote(self, spec: TierSpec) -> None:
         key = self.api_key(spec)

@@ -12,7 +12,10 @@ The rules, in the order they apply:
    tier, `allow_dearer_on_load` for an overloaded one), because the tenant would pay more than `auto` or
    its request chose. An overloaded tier is skipped to a cheaper one only with `shed_to_cheaper`;
    otherwise the request is refused (503 with the wait), as the plan's SLO prefers a refusal to a quietly
-   worse answer.
+   worse answer. Load moves only to a tier with hardware of its own: a tier in the overloaded one's hardware
+   group (engines on the same cores, tiers/fleet.py) is skipped even when its own queue is empty, because
+   the cores it would run on are the ones that are already behind; shedding there adds no capacity and
+   slows both. (A tier that is unavailable frees its hardware, so falling back within its group is fine.)
 4. The degradation ladder's remaps apply after this function, in admission: the ladder has the last word.
 
 This module knows tiers and numbers only; admission turns the plan, the quota backend and the fleet into
@@ -65,6 +68,11 @@ class TierConditions:
 
     unavailable: Mapping[str, str] = field(default_factory=dict)  # tier -> why it cannot take a request
     waits: Mapping[str, float] = field(default_factory=dict)  # tier -> predicted queue wait, seconds
+    # tier -> hardware group: tiers in one group run on the same cores (or device); a tier absent has its own
+    groups: Mapping[str, str] = field(default_factory=dict)
+
+    def share_hardware(self, a: str, b: str) -> bool:
+        return a != b and a in self.groups and self.groups.get(a) == self.groups.get(b)
 
 
 def choose_tier(requested: str, *, catalogue: TierCatalogue, rules: RouteRules,
@@ -84,11 +92,12 @@ def choose_tier(requested: str, *, catalogue: TierCatalogue, rules: RouteRules,
         names = ", ".join([AUTO, *catalogue.tiers])
         raise UnknownModel(f"the model {requested!r} does not exist; this gateway serves: {names}")
     is_auto = requested == AUTO
-    problem = _problem(target, rules, conditions)
+    problem = _problem(target, rules, conditions, None)
     if problem is None:
         return Route(catalogue.tiers[target], reason, is_auto)
 
     unavailable = target in conditions.unavailable
+    moving_load_from = None if unavailable else target
     at = next(i for i, t in enumerate(ordered) if t.name == target)
     candidates: list[TierSpec] = []
     if unavailable or rules.shed_to_cheaper:
@@ -97,13 +106,13 @@ def choose_tier(requested: str, *, catalogue: TierCatalogue, rules: RouteRules,
         candidates += ordered[at + 1:]  # dearer, cheapest first
     prefix = f"{reason}; " if is_auto else ""
     for tier in candidates:
-        if _problem(tier.name, rules, conditions) is None:
+        if _problem(tier.name, rules, conditions, moving_load_from) is None:
             if unavailable:
                 return Route(tier, f"{prefix}{target} unavailable ({problem}); fell back to {tier.name}", is_auto)
             return Route(tier, f"{prefix}{target} {problem}; shed to {tier.name}", is_auto)
 
     tried = [target, *(t.name for t in candidates)]
-    why = "; ".join(f"{name}: {_problem(name, rules, conditions)}" for name in tried)
+    why = "; ".join(f"{name}: {_problem(name, rules, conditions, moving_load_from)}" for name in tried)
     waits = {name: conditions.waits.get(name, 0.0) for name in tried
              if name not in conditions.unavailable and _overloaded(name, rules, conditions)}
     if waits:
@@ -135,10 +144,12 @@ def _overloaded(tier: str, rules: RouteRules, conditions: TierConditions) -> boo
     return rules.max_wait_s is not None and conditions.waits.get(tier, 0.0) > rules.max_wait_s
 
 
-def _problem(tier: str, rules: RouteRules, conditions: TierConditions) -> str | None:
-    """Why `tier` cannot take this request now, or None."""
+def _problem(tier: str, rules: RouteRules, conditions: TierConditions, overloaded: str | None) -> str | None:
+    """Why `tier` cannot take this request now, or None; `overloaded`: the tier whose load is being moved."""
     if tier in conditions.unavailable:
         return conditions.unavailable[tier]
     if _overloaded(tier, rules, conditions):
         return f"predicted wait {conditions.waits[tier]:.1f}s > {rules.max_wait_s}s"
+    if overloaded is not None and conditions.share_hardware(tier, overloaded):
+        return f"shares {overloaded}'s hardware ({conditions.groups[tier]}): no capacity of its own"
     return None

@@ -18,18 +18,26 @@ Trust. Each start gets a random nonce, passed in ENGINE_INSTANCE_ENV; a /health 
 says `"instance"` is that nonce, so a stranger that took the port in the race between `free_port` and the
 engine's bind is never taken for the engine. Engines die with the gateway, even a SIGKILLed one
 (assets/parent_watch.py); they are spawned from the event loop's thread, which lives until `stop()` has ended them.
+
+Capacity. An engine is given its share of the host's cores (`CoreShare`, planned by tiers/fleet.py): its
+affinity is set in the child before it runs anything, and its torch and OpenMP thread counts match the share,
+so co-located engines never spin on each other's cores. Its `--max-num-seqs` is what its KV cache holds for
+a typical request (`engine_max_num_seqs`), the same number the gateway gives the tier's dispatch queue.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import secrets
 import socket
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from assets.builds import build_progress
@@ -48,6 +56,62 @@ HEALTH_EVERY_S = 1.0
 PROBE_TIMEOUT_S = 2.0
 HEALTH_FAILURES_TO_KILL = 3  # failed probes in a row, after the first ready, before a restart
 MODEL_POLL_S = 5.0
+# The engine's own sizing rule (engine/launch.py: TYPICAL_REQUEST_TOKENS, MAX_NUM_SEQS_CAP; engine/model_runner.py:
+# DEFAULT_KV_CACHE_BYTES, DEFAULT_BLOCK_SIZE), restated here because the gateway never imports the engine;
+# tests/tiers/test_engine_capacity.py checks both give the same number
+TYPICAL_REQUEST_TOKENS = 1024
+MAX_NUM_SEQS_CAP = 256
+ENGINE_KV_CACHE_BYTES = 512 << 20
+KV_BLOCK_SIZE = 16
+UNSIZED_MAX_NUM_SEQS = 8  # a model not built yet (the student) has no config to size from
+
+
+@dataclass(frozen=True)
+class CoreShare:
+    """The CPUs one engine may run on and the threads it runs there (tiers/fleet.py's `plan_cores`)."""
+
+    cores: tuple[int, ...]  # CPU ids, set as the child's affinity before it starts
+    threads: int  # torch and OpenMP threads: the share's size (1 where replicas share a core)
+    shared_with: tuple[str, ...] = ()  # other replicas ("mid/0") on the same cores: more replicas than cores
+
+    def public(self) -> dict[str, object]:
+        return {"cores": list(self.cores), "threads": self.threads, "shares_cores_with": list(self.shared_with)}
+
+
+def engine_max_num_seqs(spec: TierSpec, models_dir: Path) -> int:
+    """Sequences an engine of `spec` runs at once: the tier's `max_num_seqs`, else the typical requests
+    (TYPICAL_REQUEST_TOKENS each) its KV cache holds, capped, read from the model's config.json without torch."""
+    if spec.max_num_seqs:
+        return spec.max_num_seqs
+    try:
+        raw = json.loads((resolve_model(spec.model, models_dir) / "config.json").read_text())
+        heads = int(raw["num_attention_heads"])
+        kv_heads = int(raw.get("num_key_value_heads") or heads)
+        head_dim = int(raw.get("head_dim") or int(raw["hidden_size"]) // heads)
+        bytes_per_token = 2 * int(raw["num_hidden_layers"]) * kv_heads * head_dim * _kv_itemsize(spec)
+    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+        return UNSIZED_MAX_NUM_SEQS
+    num_blocks = (spec.kv_cache_bytes or ENGINE_KV_CACHE_BYTES) // (KV_BLOCK_SIZE * bytes_per_token)
+    return max(1, min(MAX_NUM_SEQS_CAP, num_blocks // -(-TYPICAL_REQUEST_TOKENS // KV_BLOCK_SIZE)))
+
+
+def _kv_itemsize(spec: TierSpec) -> int:
+    """Bytes per KV element, as the engine resolves its dtypes (engine/model_runner.py's resolve_*_dtype)."""
+    if spec.kv_cache_dtype == "bf16":
+        return 2
+    dtype = spec.dtype
+    if dtype == "auto":
+        dtype = "bf16" if spec.device.startswith("cuda") or cpu_has_fast_bf16() else "fp32"
+    return 4 if dtype == "fp32" else 2
+
+
+def cpu_has_fast_bf16() -> bool:
+    """AVX-512 BF16 or AMX: where the engine's `auto` dtype is bf16 (engine/model_runner.py's test)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def free_port() -> int:
@@ -59,7 +123,9 @@ def free_port() -> int:
 class EngineProcess:
     def __init__(self, spec: TierSpec, replica: Replica, *, models_dir: Path, log_dir: Path,
                  client: TierClient, start_timeout_s: float, health_every_s: float = HEALTH_EVERY_S,
-                 probe_timeout_s: float = PROBE_TIMEOUT_S, failures_to_kill: int = HEALTH_FAILURES_TO_KILL) -> None:
+                 probe_timeout_s: float = PROBE_TIMEOUT_S, failures_to_kill: int = HEALTH_FAILURES_TO_KILL,
+                 cores: CoreShare | None = None) -> None:
+        """`cores` None: no affinity, and torch's own thread count (the core budget is off)."""
         self.spec = spec
         self.replica = replica
         self.models_dir = models_dir
@@ -69,6 +135,8 @@ class EngineProcess:
         self.health_every_s = health_every_s
         self.probe_timeout_s = probe_timeout_s
         self.failures_to_kill = failures_to_kill
+        self.cores = cores
+        self.max_num_seqs = engine_max_num_seqs(spec, models_dir)  # read once: the dispatch queue's size agrees
         self.proc: asyncio.subprocess.Process | None = None
         self.instance = ""  # this start's nonce, which the engine's /health must report
         self._kill_reason: str | None = None
@@ -79,16 +147,41 @@ class EngineProcess:
         cmd = [sys.executable, "-m", "gateway.cli.main", "engine", "serve",
                "--model", str(resolve_model(spec.model, self.models_dir)), "--served-name", spec.name,
                "--port", str(port), "--dtype", spec.dtype, "--device", spec.device,
-               "--max-num-seqs", str(spec.max_num_seqs), "--models-dir", str(self.models_dir)]
+               "--max-num-seqs", str(self.max_num_seqs), "--models-dir", str(self.models_dir)]
         if spec.quantize:
             cmd += ["--quantize", spec.quantize]
-        if spec.threads:
-            cmd += ["--threads", str(spec.threads)]
+        if self.threads:
+            cmd += ["--threads", str(self.threads)]
         if spec.kv_cache_bytes:
             cmd += ["--kv-cache-bytes", str(spec.kv_cache_bytes)]
         if spec.kv_cache_dtype != "auto":
             cmd += ["--kv-cache-dtype", spec.kv_cache_dtype]
         return cmd
+
+    @property
+    def threads(self) -> int | None:
+        """The engine's torch threads: the tier's `threads`, else its share's, else torch's choice (None)."""
+        return self.spec.threads or (self.cores.threads if self.cores else None)
+
+    def env(self) -> dict[str, str]:
+        """The child's environment: ours, this start's nonce, and thread pools (libgomp, MKL) the engine's size,
+        set before torch reads them."""
+        pools = {"OMP_NUM_THREADS": str(self.threads), "MKL_NUM_THREADS": str(self.threads)} if self.threads else {}
+        return os.environ | pools | {ENGINE_INSTANCE_ENV: self.instance}
+
+    def preexec(self) -> Callable[[], None] | None:
+        """Runs in the child before the engine: die with the gateway, and stay on this share's cores."""
+        die = die_with_parent()
+        if self.cores is None:
+            return die
+        cores = self.cores.cores
+
+        def preexec() -> None:
+            if die is not None:
+                die()
+            os.sched_setaffinity(0, cores)
+
+        return preexec
 
     async def run(self) -> None:
         backoff = BACKOFF_START_S
@@ -137,7 +230,7 @@ class EngineProcess:
         with open(self.log_path, "ab") as logf:
             self.proc = await asyncio.create_subprocess_exec(
                 *self.command(port), stdin=asyncio.subprocess.DEVNULL, stdout=logf, stderr=logf,
-                env=os.environ | {ENGINE_INSTANCE_ENV: self.instance}, preexec_fn=die_with_parent())
+                env=self.env(), preexec_fn=self.preexec())
         if self._stopping:  # stop() came while it was being spawned
             self.proc.terminate()
         waiter = asyncio.ensure_future(self.proc.wait())

@@ -100,6 +100,19 @@ def distill_command(teacher: str, layers: int | None, budget: str | None, out: P
     click.echo(f"ready: {path}")
 
 
+def _max_num_seqs(ctx: click.Context, param: click.Parameter, value: str) -> int | None:
+    """`auto` (None: the engine sizes it to its KV cache) or a positive count."""
+    if value == "auto":
+        return None
+    try:
+        count = int(value)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise click.BadParameter(f"{value!r} is neither `auto` nor a positive whole number")
+    return count
+
+
 @click.group()
 def engine() -> None:
     """Run Tiergate's inference engine on its own (tiergate serve does this per local tier)."""
@@ -114,7 +127,9 @@ def engine() -> None:
 @click.option("--dtype", type=click.Choice(["auto", "fp32", "bf16", "fp16"]), default="auto", show_default=True,
               help="auto: bf16 on CUDA and on CPUs with fast bf16, else fp32.")
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda[:N].")
-@click.option("--max-num-seqs", default=8, show_default=True, type=int, help="Sequences generated at once.")
+@click.option("--max-num-seqs", default="auto", show_default=True, callback=_max_num_seqs,
+              help="Sequences generated at once; auto: as many as the KV cache holds at 1,024 tokens each (at most "
+                   "256).")
 @click.option("--threads", default=None, type=int, help="torch threads [default: torch's choice].")
 @click.option("--kv-cache-bytes", default=None, type=int,
               help="KV cache budget, allocated once [default: 512 MiB]; a request that cannot fit gets a 400.")
@@ -126,7 +141,7 @@ def engine() -> None:
 @click.option("--models-dir", type=click.Path(path_type=Path), default=None)
 @data_dir_option
 def engine_serve(model: str, served_name: str | None, host: str, port: int, quantize: str | None, dtype: str,
-                 device: str, max_num_seqs: int, threads: int | None, kv_cache_bytes: int | None,
+                 device: str, max_num_seqs: int | None, threads: int | None, kv_cache_bytes: int | None,
                  kv_cache_dtype: str, max_num_batched_tokens: int, models_dir: Path | None,
                  data_dir: Path | None) -> None:
     """Serve one model over an OpenAI-compatible API (/v1/chat/completions, /v1/models, /health, /metrics)."""

@@ -2,7 +2,8 @@
 
 An explicit tier, or `auto`: the cheapest allowed tier whose predicted fidelity reaches the plan's quality
 floor, relaxed as the tenant's budget runs low (one quota-backend read, only for plans that relax it).
-Around unavailable and overloaded tiers; the ladder's remap last. When every allowed tier is over its wait
+Around unavailable and overloaded tiers (load moves only to a tier outside the overloaded one's hardware
+group: the fleet's `hardware_groups`); the ladder's remap last. When every allowed tier is over its wait
 limit, the route without load is still returned, with the overload: a cached answer may serve it anyway.
 """
 
@@ -85,7 +86,8 @@ class RouteStage:
         try:
             try:
                 route = choose_tier(req.model, catalogue=self.fleet.catalogue, rules=rules, prediction=prediction,
-                                    conditions=TierConditions(unavailable, waits), unpredicted=unpredicted)
+                                    conditions=TierConditions(unavailable, waits, self.fleet.hardware_groups),
+                                    unpredicted=unpredicted)
             except TierOverloaded as exc:
                 overloaded = exc
                 route = choose_tier(req.model, catalogue=self.fleet.catalogue, rules=rules, prediction=prediction,

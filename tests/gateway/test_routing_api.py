@@ -20,6 +20,7 @@ from litestar.response import Stream
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.settings import Settings
+from quotas.dispatch import Ticket
 from quotas.limits import ReservationRequest, ScopeLimits
 from quotas.money import to_pico
 from tests.conftest import Gateway, running_gateway
@@ -41,6 +42,11 @@ plans:
     allowed_tiers: [small, mid, full]
     default_tier: mid
     routing: {quality_floor: 0.8, cascade: true}
+  shedding:
+    allowed_tiers: [small, mid, full]
+    default_tier: full
+    max_queue_wait_s: 5
+    shed_to_cheaper: true
 """
 LADDER = """
 levels:
@@ -227,6 +233,31 @@ def test_a_tier_whose_breakers_are_all_open_is_routed_around(routed: Gateway) ->
     assert r.status_code == 200 and r.headers["x-tiergate-tier"] == "mid"
     assert "full unavailable (circuit breaker open on every healthy replica); fell back to mid" in \
         r.headers["x-tiergate-route-reason"]
+
+
+def test_an_overloaded_tier_is_shed_only_off_its_own_cores(routed_settings: Settings, fleet3: Fleet3) -> None:
+    """full is backed up (10,000 tokens ahead at 100 tokens/s); where mid shares its cores, shedding skips mid,
+    and where every tier shares them the request is refused with full's wait instead of run slowly."""
+    with running_gateway(routed_settings, fleet3.mid0, plan="shedding") as gw:
+        services = gw.app.state.services
+        queue = services.queues["full"]
+        queue.in_flight, queue.tokens_per_s = queue.capacity, 100.0
+        queue.waiting[0].append(Ticket("other", 0, 1.0, 10_000, seq=-1))
+        try:
+            assert chat(gw, "x", model="full").headers["x-tiergate-tier"] == "mid"  # apart: the closest cheaper
+            services.fleet.hardware_groups = {"full": "cpu:full+mid", "mid": "cpu:full+mid", "small": "cpu:small"}
+            r = chat(gw, "x", model="full")
+            assert r.status_code == 200 and r.headers["x-tiergate-tier"] == "small"
+            assert r.headers["x-tiergate-route-reason"] == "full predicted wait 100.0s > 5.0s; shed to small"
+            services.fleet.hardware_groups = dict.fromkeys(("small", "mid", "full"), "cpu:all")
+            r = chat(gw, "x", model="full")
+            assert r.status_code == 503 and r.json()["error"]["code"] == "overloaded"
+            assert int(r.headers["retry-after"]) >= 100
+            assert "mid: shares full's hardware (cpu:all): no capacity of its own" in r.json()["error"]["message"]
+        finally:
+            queue.waiting[0].clear()
+            queue.in_flight = 0
+    assert not fleet3.full.requests
 
 
 @pytest.fixture

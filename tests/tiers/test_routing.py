@@ -22,12 +22,12 @@ HARD = Prediction({"small": 0.3, "mid": 0.5, "full": 1.0}, "v1")
 def route(requested: str = "auto", *, allowed: list[str] = ALL, default: str = "mid", upgrade: bool = False,
           down: dict[str, str] | None = None, waits: dict[str, float] | None = None, max_wait: float | None = None,
           shed: bool = False, dearer_on_load: bool = False, floor: float = 0.8,
-          prediction: Prediction | None = None) -> tuple[str, str]:
+          prediction: Prediction | None = None, groups: dict[str, str] | None = None) -> tuple[str, str]:
     rules = RouteRules(allowed=allowed, default=default, allow_upgrade=upgrade, shed_to_cheaper=shed,
                        dearer_on_load=dearer_on_load, max_wait_s=max_wait, quality_floor=floor,
                        floor_reason=f"floor {floor:g}")
     r = choose_tier(requested, catalogue=CAT, rules=rules, prediction=prediction,
-                    conditions=TierConditions(down or {}, waits or {}))
+                    conditions=TierConditions(down or {}, waits or {}, groups or {}))
     return r.tier.name, r.reason
 
 
@@ -126,6 +126,32 @@ def test_an_overloaded_tier_goes_dearer_only_where_the_plan_allows_it() -> None:
         route(prediction=EASY, waits={"small": 60.0}, max_wait=5, shed=True, upgrade=True)
     name, reason = route(prediction=EASY, waits={"small": 60.0}, max_wait=5, dearer_on_load=True)
     assert name == "mid" and "shed to mid" in reason
+
+
+def test_load_is_shed_only_to_a_tier_with_hardware_of_its_own() -> None:
+    """mid runs on full's cores: moving full's overload there adds no capacity, even with mid's queue empty."""
+    backed_up = {"full": 120.0}
+    shared = {"full": "cpu:full+mid", "mid": "cpu:full+mid", "small": "cpu:small"}
+    name, reason = route("full", waits=backed_up, max_wait=5, shed=True, groups=shared)
+    assert name == "small" and reason == "full predicted wait 120.0s > 5s; shed to small"
+    everything_shared = dict.fromkeys(ALL, "cpu:all")
+    with pytest.raises(TierOverloaded) as exc:
+        route("full", waits=backed_up, max_wait=5, shed=True, groups=everything_shared)
+    assert (exc.value.tier, exc.value.wait_s) == ("full", 120.0)  # a 503 with full's wait, not a slow answer
+    assert "mid: shares full's hardware (cpu:all): no capacity of its own" in str(exc.value)
+    # disjoint cores: shedding to the closest cheaper tier, as before
+    apart = {"full": "cpu:full", "mid": "cpu:mid", "small": "cpu:small"}
+    assert route("full", waits=backed_up, max_wait=5, shed=True, groups=apart)[0] == "mid"
+    # the same rule for a plan that moves load to a dearer tier
+    with pytest.raises(TierOverloaded):
+        route(prediction=EASY, waits={"small": 60.0}, max_wait=5, dearer_on_load=True, groups=everything_shared)
+
+
+def test_an_unavailable_tier_falls_back_within_its_hardware_group() -> None:
+    """A tier that is down frees its cores, so the tier beside it on them has capacity."""
+    shared = dict.fromkeys(ALL, "cpu:all")
+    name, reason = route("full", down={"full": "engine crashed"}, groups=shared)
+    assert name == "mid" and reason == "full unavailable (engine crashed); fell back to mid"
 
 
 def test_overloaded_everywhere_reports_the_shortest_wait() -> None:
