@@ -15,16 +15,21 @@ from gateway.config_files import ConfigFileError, load_yaml
 from gateway.errors import TiergateError
 from gateway.report_format import to_csv, to_json, to_table
 from gateway.report_params import parse_by, parse_day
+from gateway.settings import Settings
+from gateway.stores import open_ledger, open_tenant_store
 from gateway.tenants.keys import MAX_GRACE_S, MAX_TTL_S, check_seconds, parse_duration
 from gateway.tenants.store import ADMIN, TenantStore
-from quotas.ledger import Ledger
 from quotas.plans import Limits, PlanBook
 from quotas.report import usage_report
 
 
 @contextmanager
 def _store(data_dir: Path | None) -> Iterator[TenantStore]:
-    store = TenantStore(settings_from(data_dir=data_dir).state_db)
+    """The store the gateway uses: the data directory's SQLite file, or TIERGATE_DATABASE_URL's PostgreSQL."""
+    try:
+        store = open_tenant_store(settings_from(data_dir=data_dir))
+    except TiergateError as exc:
+        raise click.ClickException(exc.message) from exc
     try:
         yield store
     except TiergateError as exc:
@@ -99,14 +104,57 @@ def tenants_list(data_dir: Path | None) -> None:
             click.echo(f"{t.name}\t{t.plan}\t{time.strftime('%Y-%m-%d %H:%M', time.gmtime(t.created_at))}")
 
 
+@tenants.command("set-plan")
+@click.argument("name")
+@click.argument("plan")
+@click.option("--plans", "plans_file", type=click.Path(path_type=Path), default=None,
+              help="Plans file [env TIERGATE_PLANS_FILE].")
+@data_dir_option
+def tenants_set_plan(name: str, plan: str, plans_file: Path | None, data_dir: Path | None) -> None:
+    """Move tenant NAME to PLAN; running gateways (every replica) follow within a second."""
+    settings = settings_from(data_dir=data_dir, plans_file=plans_file)
+    try:
+        book = load_yaml(settings.plans_file, PlanBook)
+    except ConfigFileError as exc:
+        raise click.ClickException(str(exc)) from exc
+    if plan not in book.plans:
+        raise click.ClickException(f"no plan {plan!r}; plans: {', '.join(book.plans)}")
+    with _store(data_dir) as store:
+        tenant = store.set_plan(name, plan)
+    click.echo(f"tenant {tenant.name} is on plan {tenant.plan}")
+
+
 @tenants.command("bump-data-version")
 @click.argument("name")
 @data_dir_option
 def tenants_bump(name: str, data_dir: Path | None) -> None:
-    """NAME's data changed: cached answers made from the old data are never served again."""
+    """NAME's data changed: cached answers made from the old data are never served again, and are deleted."""
     with _store(data_dir) as store:
         version = store.bump_data_version(name)
     click.echo(f"tenant {name} is at data version {version}")
+    click.echo(f"deleted {_drop_cached_answers(settings_from(data_dir=data_dir), name, version)} cached answers "
+               "of older data versions")
+
+
+def _drop_cached_answers(settings: Settings, tenant: str, version: int) -> int:
+    """Delete the tenant's cached answers of other data versions from the store the gateway shares (its SQLite
+    file or Redis); a running gateway's index follows the store's change log. Returns how many."""
+    from cache import CacheStoreError, open_cache_store
+
+    path = settings.data_dir / "cache.sqlite3"
+    if not settings.cache_enabled or not (settings.redis_url or path.exists()):
+        return 0
+    try:
+        store = open_cache_store(sqlite_path=path, redis_url=settings.redis_url,
+                                 max_entries=settings.cache_max_entries,
+                                 max_entries_per_tenant=settings.cache_max_entries_per_tenant)
+        try:
+            return len(store.drop_data_versions(tenant, str(version), time.time()))
+        finally:
+            store.close()
+    except CacheStoreError as exc:
+        click.echo(f"warning: the old answers stay unreachable until their TTL, deleting them failed: {exc}", err=True)
+        return 0
 
 
 @click.group()
@@ -209,7 +257,7 @@ def _print_report(data_dir: Path | None, *, tenant: str | None, since: str | Non
         groups, start, end = parse_by(by), parse_day(since), parse_day(until, end=True)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
-    ledger = Ledger(settings_from(data_dir=data_dir).ledger_db)
+    ledger = open_ledger(settings_from(data_dir=data_dir))
     try:
         rows = usage_report(ledger, by=groups, since=start, until=end, tenant=tenant)
     finally:

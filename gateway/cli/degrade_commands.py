@@ -14,7 +14,7 @@ from gateway.config_files import ConfigFileError, load_yaml
 from gateway.ladder.config import Ladder
 from gateway.ladder.controller import LadderController
 from gateway.ladder.signals import Signals
-from gateway.ladder.state import open_store
+from gateway.stores import open_ladder_store
 
 
 def _controller(data_dir: Path | None, ladder_file: Path | None) -> LadderController:
@@ -23,7 +23,7 @@ def _controller(data_dir: Path | None, ladder_file: Path | None) -> LadderContro
         ladder = load_yaml(settings.ladder_file, Ladder)
     except ConfigFileError as exc:
         raise click.ClickException(str(exc)) from exc
-    return LadderController(ladder, open_store(settings.data_dir, settings.redis_url), Signals())
+    return LadderController(ladder, open_ladder_store(settings), Signals())
 
 
 def parse_ttl(text: str | None) -> float | None:

@@ -22,7 +22,7 @@ from gateway.config_files import ConfigFileError
 from gateway.pipeline.prompt import tokenizer_source
 from gateway.routes.health import readiness
 from gateway.settings import Settings
-from gateway.tenants.store import TenantStore
+from gateway.stores import open_tenant_store
 
 
 @click.command()
@@ -62,7 +62,7 @@ def serve(host: str | None, port: int | None, tiers_file: Path | None, plans_fil
             # a child process, so the gateway itself never imports torch
             subprocess.run([sys.executable, "-m", "gateway.cli.main", "models", "fetch", "--model", source,
                             "--models-dir", str(settings.resolved_models_dir)], check=True)
-    store = TenantStore(settings.state_db)
+    store = open_tenant_store(settings)
     try:
         keys = ensure_bootstrap(store, plans, settings.data_dir)
     finally:

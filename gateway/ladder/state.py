@@ -1,8 +1,13 @@
-"""Where the ladder's level lives: SQLite in the data directory (embedded), or Redis (all replicas).
+"""Where the ladder's level lives: SQLite in the data directory (embedded), Redis (all replicas), or the
+fleet's PostgreSQL.
 
 The state is small: the level the triggers chose, and an on-call override with its TTL. Every change is
-also an audit event, always appended to the local SQLite file (durable), and, with Redis, to a shared
-list so every replica's history shows it.
+also an audit event. Where they go (`open_store`):
+- embedded: state and events in the data directory's SQLite file;
+- Redis: the state in Redis (every replica reads it each tick); events in a shared Redis list and in the
+  local SQLite file (durable);
+- a fleet database (TIERGATE_DATABASE_URL), with or without Redis: events in PostgreSQL, durable and the
+  same history on every replica; the state in Redis when there is one, else in PostgreSQL too.
 """
 
 from __future__ import annotations
@@ -11,9 +16,13 @@ import json
 import sqlite3
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from gateway.errors import Unavailable
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS degrade_state (
@@ -59,6 +68,8 @@ class DegradeEvent:
 
 
 class LadderStore(ABC):
+    shared_history = False  # every replica appends to and reads the same history
+
     @abstractmethod
     def load(self) -> LadderState: ...
 
@@ -66,7 +77,14 @@ class LadderStore(ABC):
     def save(self, state: LadderState, event: DegradeEvent | None = None) -> None: ...
 
     @abstractmethod
+    def append(self, event: DegradeEvent) -> None:
+        """Record an event without changing the state (the audit beside a state kept elsewhere)."""
+
+    @abstractmethod
     def history(self, limit: int = 100) -> list[DegradeEvent]: ...
+
+    def close(self) -> None:  # noqa: B027
+        """Release connections."""
 
 
 class SqliteLadderStore(LadderStore):
@@ -108,9 +126,10 @@ class SqliteLadderStore(LadderStore):
 
 
 class RedisLadderStore(LadderStore):
-    """Shared state in Redis (every replica reads it each tick); events also kept in the local file."""
+    """Shared state in Redis (every replica reads it each tick); events also kept in `local`: the local file,
+    or the fleet database, whose history is then the one read (durable, and every replica's)."""
 
-    def __init__(self, url: str, local: SqliteLadderStore, *, prefix: str = "tg", timeout_s: float = 0.5) -> None:
+    def __init__(self, url: str, local: LadderStore, *, prefix: str = "tg", timeout_s: float = 0.5) -> None:
         import redis
 
         self.redis = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
@@ -131,12 +150,104 @@ class RedisLadderStore(LadderStore):
         if event is not None:
             self.local.append(event)
 
+    def append(self, event: DegradeEvent) -> None:
+        self.local.append(event)
+
     def history(self, limit: int = 100) -> list[DegradeEvent]:
+        if self.local.shared_history:
+            return self.local.history(limit)
         return [DegradeEvent(**json.loads(x)) for x in self.redis.lrange(self.events_key, 0, limit - 1)]
 
+    def close(self) -> None:
+        self.redis.close()
+        self.local.close()
 
-def open_store(data_dir: Path, redis_url: str | None) -> LadderStore:
-    local = SqliteLadderStore(data_dir / "state.db")
+
+class PostgresLadderStore(LadderStore):
+    """State and events in the fleet database; with Redis, only the events (`RedisLadderStore`'s `local`).
+    The database being unreachable is a retryable 503 for on-call's changes; the ladder's tick logs it and
+    keeps its level."""
+
+    shared_history = True
+
+    def __init__(self, url: str) -> None:
+        import psycopg
+        from psycopg_pool import ConnectionPool, PoolTimeout
+
+        from quotas.fleet_db import CONNECT_TIMEOUT_S, connect, migrate
+
+        with connect(url) as conn:
+            migrate(conn, COMPONENT, MIGRATIONS)
+        self._pool = ConnectionPool(url, min_size=1, max_size=1, open=True, timeout=5.0,
+                                    kwargs={"autocommit": True, "connect_timeout": CONNECT_TIMEOUT_S},
+                                    check=ConnectionPool.check_connection, name="ladder")
+        self._unreachable = (psycopg.OperationalError, PoolTimeout)
+
+    @contextmanager
+    def _connection(self) -> Iterator[Any]:
+        try:
+            with self._pool.connection() as conn:
+                yield conn
+        except self._unreachable as exc:
+            raise Unavailable(f"the fleet database cannot be reached: {str(exc).strip()}",
+                              code="database_unavailable", retry_after=2) from exc
+
+    def load(self) -> LadderState:
+        with self._connection() as conn:
+            row = conn.execute("SELECT state FROM degrade_state WHERE id = 1").fetchone()
+        return LadderState(**json.loads(row[0])) if row else LadderState()
+
+    def save(self, state: LadderState, event: DegradeEvent | None = None) -> None:
+        with self._connection() as conn, conn.transaction():
+            conn.execute("INSERT INTO degrade_state(id, state) VALUES (1, %s) ON CONFLICT (id) "
+                         "DO UPDATE SET state = excluded.state", (json.dumps(asdict(state)),))
+            if event is not None:
+                _append(conn, event)
+
+    def append(self, event: DegradeEvent) -> None:
+        with self._connection() as conn:
+            _append(conn, event)
+
+    def history(self, limit: int = 100) -> list[DegradeEvent]:
+        with self._connection() as conn:
+            rows = conn.execute("SELECT ts, from_level, to_level, who, reason, metrics FROM degrade_events "
+                                "ORDER BY ts DESC, id DESC LIMIT %s", (limit,)).fetchall()
+        return [DegradeEvent(r[0], r[1], r[2], r[3], r[4], json.loads(r[5])) for r in rows]
+
+    def close(self) -> None:
+        self._pool.close()
+
+
+def _append(conn: Any, e: DegradeEvent) -> None:
+    conn.execute("INSERT INTO degrade_events(ts, from_level, to_level, who, reason, metrics) "
+                 "VALUES (%s, %s, %s, %s, %s, %s)", (e.ts, e.from_level, e.to_level, e.who, e.reason,
+                                                     json.dumps(e.metrics)))
+
+
+COMPONENT = "ladder"
+# 1: the ladder's tables as SQLite has them, with an id to order events of the same instant
+MIGRATIONS = ["""
+    CREATE TABLE degrade_state (
+        id INTEGER PRIMARY KEY CHECK (id = 1),
+        state TEXT NOT NULL
+    );
+    CREATE TABLE degrade_events (
+        id BIGSERIAL PRIMARY KEY,
+        ts DOUBLE PRECISION NOT NULL,
+        from_level INTEGER NOT NULL,
+        to_level INTEGER NOT NULL,
+        who TEXT NOT NULL,
+        reason TEXT NOT NULL,
+        metrics TEXT NOT NULL
+    );
+    CREATE INDEX degrade_events_ts ON degrade_events(ts);
+"""]
+
+
+def open_store(data_dir: Path, redis_url: str | None, database_url: str | None = None) -> LadderStore:
+    """The store for a deployment: see the module docstring."""
+    local: LadderStore = PostgresLadderStore(database_url) if database_url else SqliteLadderStore(
+        data_dir / "state.db")
     return RedisLadderStore(redis_url, local) if redis_url else local
 
 

@@ -1,8 +1,16 @@
-"""Tenants and API keys in SQLite (WAL), shared by the running gateway and the CLI.
+"""Tenants, API keys (hashes) and data versions: the store's interface and the rules every store enforces.
 
-The gateway keeps a read cache of keys; SQLite's `PRAGMA data_version` changes whenever another
-connection (the CLI, another gateway process) commits, so a revocation takes effect on the next request
-without a query per request.
+Two stores behind one interface, `TenantStore`: `SQLiteTenantStore` (gateway/tenants/store_sqlite.py, WAL, in
+the data directory, shared by the gateway processes of one host and the CLI) and `PostgresTenantStore`
+(gateway/tenants/store_postgres.py, the fleet database, shared by replicas on any number of hosts).
+`TenantStore(path)` opens the embedded one, as `pathlib.Path(...)` picks its flavour. The rules live in the
+base class; an implementation supplies statements (written with `?` placeholders), one exclusive
+transaction, and how it learns that another connection committed.
+
+The gateway keeps a read cache of keys and data versions, so a request costs no query. It is emptied
+whenever anyone commits a change: SQLite's `PRAGMA data_version` changes when another connection (the CLI,
+another gateway process) commits, so a revocation takes effect on the next request; PostgreSQL's replicas
+hear of each change through LISTEN/NOTIFY and a change counter, within milliseconds (a second at most).
 
 Key rules the store enforces, whichever door a key comes through (admin API, CLI, bootstrap): an admin key
 belongs to no tenant (one key never both calls models and administers); every expiry is finite and at most
@@ -13,10 +21,11 @@ from __future__ import annotations
 
 import json
 import re
-import sqlite3
 import time
+from abc import ABC, abstractmethod
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from pathlib import Path
+from typing import Any
 
 from gateway.errors import Conflict, InvalidRequest, NotFound
 from gateway.tenants.keys import MAX_GRACE_S, MAX_TTL_S, check_seconds, hash_secret, new_key, parse_key, verify
@@ -24,31 +33,7 @@ from quotas.plans import Limits
 
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
 ADMIN = "admin"
-
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS tenants (
-    name TEXT PRIMARY KEY,
-    plan TEXT NOT NULL,
-    created_at REAL NOT NULL
-);
-CREATE TABLE IF NOT EXISTS api_keys (
-    key_id TEXT PRIMARY KEY,
-    tenant TEXT REFERENCES tenants(name),
-    name TEXT NOT NULL DEFAULT '',
-    key_sha256 TEXT NOT NULL,
-    roles TEXT NOT NULL DEFAULT '[]',
-    created_at REAL NOT NULL,
-    expires_at REAL,
-    revoked_at REAL,
-    replaced_by TEXT,
-    limits TEXT
-);
-CREATE INDEX IF NOT EXISTS api_keys_tenant ON api_keys(tenant);
-CREATE TABLE IF NOT EXISTS tenant_data_versions (
-    tenant TEXT PRIMARY KEY REFERENCES tenants(name),
-    version INTEGER NOT NULL
-);
-"""
+MAX_CACHED = 100_000  # cached keys, unknown key ids included; past it the cache starts again (bounded memory)
 
 
 @dataclass(frozen=True)
@@ -94,28 +79,47 @@ class Principal:
     tenant: Tenant | None
 
 
-def connect(path: Path) -> sqlite3.Connection:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    conn = sqlite3.connect(path, isolation_level=None, timeout=5.0)
-    conn.execute("PRAGMA journal_mode=WAL")
-    conn.execute("PRAGMA synchronous=FULL")
-    conn.execute("PRAGMA foreign_keys=ON")
-    return conn
+_Entry = tuple[str, ApiKey, Tenant | None]  # a key's stored hash, the key, its tenant
 
 
-class TenantStore:
-    def __init__(self, path: Path) -> None:
-        self._conn = connect(path)
-        self._conn.executescript(SCHEMA)
-        columns = {r[1] for r in self._conn.execute("PRAGMA table_info(api_keys)")}
-        if "limits" not in columns:  # a data directory from before per-key limits
-            self._conn.execute("ALTER TABLE api_keys ADD COLUMN limits TEXT")
-        self._cache: dict[str, tuple[str, ApiKey, Tenant | None]] = {}
+class TenantStore(ABC):
+    """The tenant store's interface and rules; see the module docstring for what an implementation supplies."""
+
+    _conflict: tuple[type[Exception], ...] = ()  # the driver's errors for a duplicate name
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> TenantStore:
+        if cls is TenantStore:  # `TenantStore(path)`: the embedded SQLite store
+            from gateway.tenants.store_sqlite import SQLiteTenantStore
+
+            cls = SQLiteTenantStore
+        return super().__new__(cls)
+
+    def __init__(self) -> None:
+        self._cache: dict[str, _Entry | None] = {}  # by key id; None: no such key
         self._versions: dict[str, int] = {}
-        self._version = self._data_version()
+        self._generation = 0  # bumped at each emptying, so a read that raced one is not cached
 
-    def close(self) -> None:
-        self._conn.close()
+    # ---- what an implementation supplies ----
+
+    @abstractmethod
+    def _fetchone(self, sql: str, args: tuple[Any, ...] = ()) -> tuple[Any, ...] | None: ...
+
+    @abstractmethod
+    def _fetchall(self, sql: str, args: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]: ...
+
+    @abstractmethod
+    def _execute(self, sql: str, args: tuple[Any, ...] = ()) -> None: ...
+
+    @abstractmethod
+    def _exclusive(self) -> AbstractContextManager[None]:
+        """A transaction no other writer runs beside (two rotations of one key: the second sees the first)."""
+
+    @abstractmethod
+    def _changed_elsewhere(self) -> bool:
+        """Whether another connection committed since this was last asked (True when it cannot tell)."""
+
+    @abstractmethod
+    def close(self) -> None: ...
 
     # ---- tenants ----
 
@@ -125,33 +129,45 @@ class TenantStore:
                                  param="name")
         tenant = Tenant(name, plan, time.time())
         try:
-            self._conn.execute("INSERT INTO tenants(name, plan, created_at) VALUES (?, ?, ?)",
-                               (tenant.name, tenant.plan, tenant.created_at))
-        except sqlite3.IntegrityError as exc:
+            self._execute("INSERT INTO tenants(name, plan, created_at) VALUES (?, ?, ?)",
+                          (tenant.name, tenant.plan, tenant.created_at))
+        except self._conflict as exc:
             raise Conflict(f"tenant {name!r} already exists", param="name", code="tenant_exists") from exc
+        self._invalidate()
         return tenant
 
+    def set_plan(self, name: str, plan: str) -> Tenant:
+        """Move tenant NAME to another plan; every replica's requests follow it within a second."""
+        self.get_tenant(name)
+        self._execute("UPDATE tenants SET plan = ? WHERE name = ?", (plan, name))
+        self._invalidate()
+        return self.get_tenant(name)
+
     def get_tenant(self, name: str) -> Tenant:
-        row = self._conn.execute("SELECT name, plan, created_at FROM tenants WHERE name = ?", (name,)).fetchone()
+        row = self._fetchone("SELECT name, plan, created_at FROM tenants WHERE name = ?", (name,))
         if row is None:
             raise NotFound(f"no tenant {name!r}", param="tenant", code="tenant_not_found")
         return Tenant(*row)
 
     def list_tenants(self) -> list[Tenant]:
-        return [Tenant(*r) for r in self._conn.execute("SELECT name, plan, created_at FROM tenants ORDER BY name")]
+        return [Tenant(*r) for r in self._fetchall("SELECT name, plan, created_at FROM tenants ORDER BY name")]
 
     def data_version(self, tenant: str) -> int:
         """The tenant's data version: cached answers from an older one are never served."""
-        if tenant not in self._versions:  # cleared with the key cache whenever anyone writes
-            row = self._conn.execute("SELECT version FROM tenant_data_versions WHERE tenant = ?", (tenant,)).fetchone()
+        self._follow()
+        if tenant not in self._versions:  # emptied with the key cache whenever anyone writes
+            generation = self._generation
+            row = self._fetchone("SELECT version FROM tenant_data_versions WHERE tenant = ?", (tenant,))
+            if generation != self._generation:
+                return int(row[0]) if row else 0
             self._versions[tenant] = int(row[0]) if row else 0
         return self._versions[tenant]
 
     def bump_data_version(self, tenant: str) -> int:
         """The tenant's data changed: a new version, which makes every cached answer of theirs unreachable."""
         self.get_tenant(tenant)
-        self._conn.execute("INSERT INTO tenant_data_versions(tenant, version) VALUES (?, 1) "
-                           "ON CONFLICT(tenant) DO UPDATE SET version = version + 1", (tenant,))
+        self._execute("INSERT INTO tenant_data_versions(tenant, version) VALUES (?, 1) "
+                      "ON CONFLICT(tenant) DO UPDATE SET version = tenant_data_versions.version + 1", (tenant,))
         self._invalidate()
         return self.data_version(tenant)
 
@@ -181,7 +197,7 @@ class TenantStore:
             self.get_tenant(tenant)
         key_id, plaintext = new_key()
         key = ApiKey(key_id, tenant, name, roles, now, expires_at, None, None, limits)
-        self._conn.execute(
+        self._execute(
             "INSERT INTO api_keys(key_id, tenant, name, key_sha256, roles, created_at, expires_at, limits) "
             "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
             (key.key_id, key.tenant, key.name, hash_secret(plaintext), json.dumps(list(key.roles)),
@@ -190,23 +206,23 @@ class TenantStore:
         return key, plaintext
 
     def get_key(self, key_id: str) -> ApiKey:
-        row = self._conn.execute(f"SELECT {_KEY_COLUMNS} FROM api_keys WHERE key_id = ?", (key_id,)).fetchone()
+        row = self._fetchone(f"SELECT {_KEY_COLUMNS} FROM api_keys WHERE key_id = ?", (key_id,))
         if row is None:
             raise NotFound(f"no key {key_id!r}", param="key_id", code="key_not_found")
         return _key(row)
 
     def list_keys(self, tenant: str | None = None) -> list[ApiKey]:
         if tenant is None:
-            rows = self._conn.execute(f"SELECT {_KEY_COLUMNS} FROM api_keys ORDER BY created_at")
+            rows = self._fetchall(f"SELECT {_KEY_COLUMNS} FROM api_keys ORDER BY created_at")
         else:
-            rows = self._conn.execute(f"SELECT {_KEY_COLUMNS} FROM api_keys WHERE tenant = ? ORDER BY created_at",
-                                      (tenant,))
+            rows = self._fetchall(f"SELECT {_KEY_COLUMNS} FROM api_keys WHERE tenant = ? ORDER BY created_at",
+                                  (tenant,))
         return [_key(r) for r in rows]
 
     def revoke_key(self, key_id: str) -> ApiKey:
         key = self.get_key(key_id)
         if key.revoked_at is None:
-            self._conn.execute("UPDATE api_keys SET revoked_at = ? WHERE key_id = ?", (time.time(), key_id))
+            self._execute("UPDATE api_keys SET revoked_at = ? WHERE key_id = ?", (time.time(), key_id))
             self._invalidate()
         return self.get_key(key_id)
 
@@ -220,8 +236,7 @@ class TenantStore:
         grace_s = _seconds(grace_s, "grace_s", MAX_GRACE_S, allow_zero=True)
         if ttl_s is not None:
             ttl_s = _seconds(ttl_s, "ttl_s", MAX_TTL_S)
-        self._conn.execute("BEGIN IMMEDIATE")  # two rotations of one key: the second sees the first's result
-        try:
+        with self._exclusive():
             old = self.get_key(key_id)
             now = time.time()
             if not old.active(now):
@@ -232,15 +247,11 @@ class TenantStore:
             new, plaintext = self.issue_key(old.tenant, name=old.name, roles=old.roles, expires_at=expires_at,
                                             limits=old.limits)
             if grace_s > 0:
-                self._conn.execute("UPDATE api_keys SET expires_at = ?, replaced_by = ? WHERE key_id = ?",
-                                   (_earliest(old.expires_at, now + grace_s), new.key_id, key_id))
+                self._execute("UPDATE api_keys SET expires_at = ?, replaced_by = ? WHERE key_id = ?",
+                              (_earliest(old.expires_at, now + grace_s), new.key_id, key_id))
             else:
-                self._conn.execute("UPDATE api_keys SET revoked_at = ?, replaced_by = ? WHERE key_id = ?",
-                                   (now, new.key_id, key_id))
-            self._conn.execute("COMMIT")
-        except BaseException:
-            self._conn.execute("ROLLBACK")
-            raise
+                self._execute("UPDATE api_keys SET revoked_at = ?, replaced_by = ? WHERE key_id = ?",
+                              (now, new.key_id, key_id))
         self._invalidate()
         return new, plaintext
 
@@ -248,11 +259,10 @@ class TenantStore:
         """The principal for a presented key, or None (unknown, wrong secret, revoked, expired)."""
         parsed = parse_key(presented)
         key_id = parsed[0] if parsed else ""
-        if self._data_version() != self._version:
-            self._invalidate()
-        entry = self._cache.get(key_id) if parsed else None
-        if entry is None and parsed:
-            entry = self._load(key_id)
+        self._follow()
+        entry = None
+        if parsed:
+            entry = self._cache[key_id] if key_id in self._cache else self._load(key_id)
         if not verify(presented, entry[0] if entry else None) or entry is None:
             return None
         _, key, tenant = entry
@@ -260,23 +270,28 @@ class TenantStore:
             return None
         return Principal(key, tenant)
 
-    def _load(self, key_id: str) -> tuple[str, ApiKey, Tenant | None] | None:
-        row = self._conn.execute(f"SELECT key_sha256, {_KEY_COLUMNS} FROM api_keys WHERE key_id = ?",
-                                 (key_id,)).fetchone()
-        if row is None:
-            return None
-        key = _key(row[1:])
-        tenant = self.get_tenant(key.tenant) if key.tenant else None
-        self._cache[key_id] = (row[0], key, tenant)
-        return self._cache[key_id]
+    def _load(self, key_id: str) -> _Entry | None:
+        generation = self._generation
+        row = self._fetchone(f"SELECT key_sha256, {_KEY_COLUMNS} FROM api_keys WHERE key_id = ?", (key_id,))
+        entry = None
+        if row is not None:
+            key = _key(row[1:])
+            entry = (row[0], key, self.get_tenant(key.tenant) if key.tenant else None)
+        if generation == self._generation:  # nobody committed meanwhile: the answer may be kept
+            if len(self._cache) >= MAX_CACHED:
+                self._cache.clear()
+            self._cache[key_id] = entry
+        return entry
 
-    def _data_version(self) -> int:
-        return int(self._conn.execute("PRAGMA data_version").fetchone()[0])
+    def _follow(self) -> None:
+        """Empty the caches if another connection (the CLI, another process or replica) committed a change."""
+        if self._changed_elsewhere():
+            self._invalidate()
 
     def _invalidate(self) -> None:
+        self._generation += 1
         self._cache.clear()
         self._versions.clear()
-        self._version = self._data_version()
 
 
 def _seconds(value: object, param: str, maximum: float, *, allow_zero: bool = False) -> float:

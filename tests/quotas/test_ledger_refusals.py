@@ -1,5 +1,5 @@
-"""Refusals in the ledger are counts, not rows: a flood makes a few rows, old counts expire, and a ledger
-from before keeps its totals."""
+"""Refusals in the ledger are counts, not rows: a flood makes a few rows, old counts expire (SQLite and
+PostgreSQL), and a SQLite ledger from before keeps its totals."""
 
 from __future__ import annotations
 
@@ -10,14 +10,15 @@ from pathlib import Path
 
 from quotas.ledger import Ledger, Refusal
 from quotas.report import usage_report
+from tests.postgres import LedgerStore
 from tests.quotas.test_ledger import row
 
 MINUTE = 1_800_000_000.0  # the start of a minute
 DAY_S = 86400.0
 
 
-async def test_a_flood_of_refusals_makes_a_few_rows_with_the_same_totals(tmp_path: Path) -> None:
-    ledger = Ledger(tmp_path / "ledger.db")
+async def test_a_flood_of_refusals_makes_a_few_rows_with_the_same_totals(ledger_store: LedgerStore) -> None:
+    ledger = ledger_store.open()
     ledger.start()
     for i in range(100_000):  # two minutes of one key's rate-limit refusals, and a few budget refusals
         reason, status = ("insufficient_quota", 402) if i % 10_000 == 0 else ("rate_limit_rpm", 429)
@@ -25,15 +26,15 @@ async def test_a_flood_of_refusals_makes_a_few_rows_with_the_same_totals(tmp_pat
     await ledger.record(row(0))  # counts submitted before a row are durable with it
     counts = ledger.refusal_counts()
     assert len(counts) == 4 and sum(c.count for c in counts) == 100_000
-    assert sqlite3.connect(ledger.path).execute("SELECT COUNT(*) FROM refusal_counts").fetchone() == (4,)
+    assert ledger_store.sql("SELECT COUNT(*) FROM refusal_counts") == [(4,)]
     (acme,) = [r for r in usage_report(ledger, by=("tenant",)) if r["tenant"] == "acme"]
     assert acme["refusals"] == {"rate_limit_rpm": 99_990, "insufficient_quota": 10}
     assert sum(c.count for c in ledger.refusal_counts(since=MINUTE + 60)) == 50_000
     ledger.close()
 
 
-async def test_a_refusal_is_written_without_a_row_to_carry_it(tmp_path: Path) -> None:
-    ledger = Ledger(tmp_path / "ledger.db")
+async def test_a_refusal_is_written_without_a_row_to_carry_it(ledger_store: LedgerStore) -> None:
+    ledger = ledger_store.open()
     ledger.start()
     ledger.submit_refusal(Refusal("x", MINUTE, "acme", "k1", "rate_limit_rpm", 429))
     async with asyncio.timeout(10):
@@ -43,9 +44,9 @@ async def test_a_refusal_is_written_without_a_row_to_carry_it(tmp_path: Path) ->
     ledger.close()
 
 
-async def test_counts_older_than_the_retention_are_deleted_at_most_hourly(tmp_path: Path) -> None:
+async def test_counts_older_than_the_retention_are_deleted_at_most_hourly(ledger_store: LedgerStore) -> None:
     now = time.time()
-    ledger = Ledger(tmp_path / "ledger.db", refusal_retention_days=90)
+    ledger = ledger_store.open(refusal_retention_days=90)
     ledger.record_now([], refusals=[Refusal("old", now - 91 * DAY_S, "acme", "k1", "rate_limit_rpm", 429),
                                     Refusal("kept", now - 89 * DAY_S, "acme", "k1", "rate_limit_rpm", 429)])
     ledger.start()

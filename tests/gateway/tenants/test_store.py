@@ -1,4 +1,5 @@
-"""Tenants and keys: hashed at rest, constant-time checks, revoke / rotate / expiry, shared state."""
+"""Tenants and keys: hashed at rest, constant-time checks, revoke / rotate / expiry, shared state. Every test
+runs on both stores: SQLite (embedded) and PostgreSQL (a fleet)."""
 
 from __future__ import annotations
 
@@ -6,28 +7,76 @@ import logging
 import math
 import sqlite3
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
+import psycopg
 import pytest
 
 from gateway.errors import Conflict, InvalidRequest, NotFound
 from gateway.tenants.keys import MAX_TTL_S, hash_secret, parse_key
 from gateway.tenants.store import ADMIN, TenantStore
+from gateway.tenants.store_postgres import PostgresTenantStore
+
+
+class Backend:
+    """Where a test's state lives: opens more connections to it (as the CLI or another replica does) and runs
+    raw SQL on it (as an operator with psql or sqlite3 would)."""
+
+    def __init__(self, kind: str, tmp_path: Path, url: str | None) -> None:
+        self.kind, self.path, self.url = kind, tmp_path / "state.db", url
+        self.opened: list[TenantStore] = []
+
+    def open(self) -> TenantStore:
+        store = TenantStore(self.path) if self.kind == "sqlite" else PostgresTenantStore(self.url)  # type: ignore[arg-type]
+        self.opened.append(store)
+        return store
+
+    def sql(self, statement: str) -> list[tuple[Any, ...]]:
+        if self.kind == "sqlite":
+            with sqlite3.connect(self.path) as conn:
+                return conn.execute(statement).fetchall()
+        with psycopg.connect(self.url, autocommit=True) as conn:  # type: ignore[arg-type]
+            cur = conn.execute(statement)
+            return cur.fetchall() if cur.description else []
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Backend]:
+    url = request.getfixturevalue("database_url") if request.param == "postgres" else None
+    b = Backend(request.param, tmp_path, url)
+    yield b
+    for store in b.opened:
+        store.close()
 
 
 @pytest.fixture
-def store(tmp_path: Path) -> TenantStore:
-    s = TenantStore(tmp_path / "state.db")
+def store(backend: Backend) -> TenantStore:
+    s = backend.open()
     s.create_tenant("acme", "standard")
     return s
 
 
-def test_keys_are_stored_hashed_and_shown_once(store: TenantStore, tmp_path: Path) -> None:
+def eventually(check: Callable[[], bool], within_s: float = 1.0) -> float:
+    """Seconds until `check()` held; fails if it did not within `within_s` (another replica's change must
+    arrive within a second; SQLite's at once)."""
+    t0 = time.monotonic()
+    while not check():
+        assert time.monotonic() - t0 < within_s, f"not within {within_s} s"
+        time.sleep(0.005)
+    return time.monotonic() - t0
+
+
+def test_keys_are_stored_hashed_and_shown_once(store: TenantStore, backend: Backend, tmp_path: Path) -> None:
     key, plaintext = store.issue_key("acme", name="ci")
     assert parse_key(plaintext) == (key.key_id, plaintext.split("-", 2)[2])
-    raw = b"".join(p.read_bytes() for p in tmp_path.iterdir() if p.name.startswith("state.db"))
+    if backend.kind == "sqlite":
+        raw = b"".join(p.read_bytes() for p in tmp_path.iterdir() if p.name.startswith("state.db"))
+    else:
+        raw = repr(backend.sql("SELECT * FROM api_keys")).encode()
     assert plaintext.encode() not in raw and plaintext.split("-", 2)[2].encode() not in raw
-    stored = sqlite3.connect(tmp_path / "state.db").execute("SELECT key_sha256 FROM api_keys").fetchone()[0]
+    (stored,) = backend.sql("SELECT key_sha256 FROM api_keys")[0]
     assert stored == hash_secret(plaintext)
     assert "key" not in key.public() and "key_sha256" not in key.public()
 
@@ -43,13 +92,14 @@ def test_authenticate_accepts_only_the_exact_key(store: TenantStore) -> None:
     assert store.authenticate("") is None
 
 
-def test_revocation_by_another_connection_takes_effect_at_once(store: TenantStore, tmp_path: Path) -> None:
+def test_revocation_by_another_connection_takes_effect_within_a_second(store: TenantStore,
+                                                                      backend: Backend) -> None:
     key, plaintext = store.issue_key("acme")
     assert store.authenticate(plaintext) is not None  # now cached
-    cli = TenantStore(tmp_path / "state.db")
-    cli.revoke_key(key.key_id)
-    assert store.authenticate(plaintext) is None
-    cli.close()
+    backend.open().revoke_key(key.key_id)  # the CLI, or another replica
+    if backend.kind == "sqlite":
+        assert store.authenticate(plaintext) is None  # at once: the next request sees it
+    eventually(lambda: store.authenticate(plaintext) is None)
 
 
 def test_rotate_with_and_without_grace(store: TenantStore) -> None:
@@ -80,17 +130,51 @@ def test_admin_keys_and_validation(store: TenantStore) -> None:
     assert [t.name for t in store.list_tenants()] == ["acme"]
 
 
-def test_data_versions_bump_and_are_seen_by_other_connections(store: TenantStore, tmp_path: Path) -> None:
-    _, plaintext = store.issue_key("acme")
+def test_data_versions_bump_and_are_seen_by_other_connections(store: TenantStore, backend: Backend) -> None:
     assert store.data_version("acme") == 0  # now cached
-    cli = TenantStore(tmp_path / "state.db")
+    cli = backend.open()
     assert cli.bump_data_version("acme") == 1 and cli.bump_data_version("acme") == 2
-    assert store.data_version("acme") == 0  # still the cached value...
-    store.authenticate(plaintext)  # ...until a request notices the other connection's write
-    assert store.data_version("acme") == 2
+    eventually(lambda: store.data_version("acme") == 2)
     with pytest.raises(NotFound):
         cli.bump_data_version("nobody")
-    cli.close()
+
+
+def test_new_tenants_plan_changes_and_new_keys_reach_other_connections(store: TenantStore,
+                                                                       backend: Backend) -> None:
+    _, plaintext = store.issue_key("acme")
+    assert store.authenticate(plaintext).tenant.plan == "standard"  # type: ignore[union-attr]
+    other = backend.open()
+    assert other.set_plan("acme", "metered").plan == "metered"
+    eventually(lambda: store.authenticate(plaintext).tenant.plan == "metered")  # type: ignore[union-attr]
+    other.create_tenant("globex", "standard")
+    _, globex_key = other.issue_key("globex")
+    assert store.authenticate(globex_key).tenant.name == "globex"  # type: ignore[union-attr]
+    assert [t.name for t in store.list_tenants()] == ["acme", "globex"]
+    with pytest.raises(NotFound):
+        other.set_plan("nobody", "standard")
+
+
+def test_an_unknown_key_id_is_answered_from_the_cache_until_something_changes(store: TenantStore,
+                                                                             backend: Backend) -> None:
+    """A flood of one unknown key id costs no query per request; any change empties the cache."""
+    probe = "tg-0123456789ab-" + "x" * 43
+    queries: list[str] = []
+    real = store._fetchone
+
+    def counting(sql: str, args: tuple[Any, ...] = ()) -> Any:
+        queries.append(sql)
+        return real(sql, args)
+
+    def cost(n: int) -> int:
+        before = len(queries)
+        assert all(store.authenticate(probe) is None for _ in range(n))
+        return len(queries) - before
+
+    store._fetchone = counting  # type: ignore[method-assign]
+    eventually(lambda: cost(1) == 0)  # cached (PostgreSQL: once its listener follows the changes)
+    assert cost(1000) == 0
+    backend.open().create_tenant("globex", "standard")
+    eventually(lambda: cost(1) == 1)
 
 
 @pytest.mark.parametrize("roles", [(ADMIN,), ("reader", ADMIN), ADMIN, (" Admin ",), ["ADMIN"]])
@@ -102,9 +186,10 @@ def test_an_admin_key_cannot_belong_to_a_tenant(store: TenantStore, roles: objec
 
 
 def test_a_tenant_bound_admin_row_from_before_the_rule_does_not_administer(store: TenantStore,
-                                                                          tmp_path: Path) -> None:
+                                                                          backend: Backend) -> None:
     key, plaintext = store.issue_key("acme")
-    sqlite3.connect(tmp_path / "state.db").execute("UPDATE api_keys SET roles = '[\"admin\"]'").connection.commit()
+    backend.sql("UPDATE api_keys SET roles = '[\"admin\"]'")
+    eventually(lambda: "admin" in store.authenticate(plaintext).key.roles)  # type: ignore[union-attr]
     principal = store.authenticate(plaintext)
     assert principal is not None and principal.tenant.name == "acme" and not principal.key.is_admin
     with pytest.raises(InvalidRequest):

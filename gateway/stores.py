@@ -1,0 +1,45 @@
+"""The stores a deployment uses, chosen from its settings: the one place that picks SQLite or PostgreSQL.
+
+Embedded (no URL): SQLite files in the data directory. A fleet (`TIERGATE_DATABASE_URL=postgresql://…`):
+tenants, keys, data versions, the ledger, refusal counts, idempotency records and the ladder's audit in
+PostgreSQL, whatever Redis holds (README, "Deployment"). The gateway (gateway/app.py), the CLI and the
+tests open their stores here, so they always meet on the same state.
+"""
+
+from __future__ import annotations
+
+from gateway.ladder.state import LadderStore, open_store
+from gateway.settings import Settings
+from gateway.tenants.store import TenantStore
+from quotas.idempotency import IdempotencyStore, PostgresIdempotency, RedisIdempotency, SQLiteIdempotency
+from quotas.ledger import Ledger
+
+
+def open_tenant_store(settings: Settings) -> TenantStore:
+    if settings.database_url:
+        from gateway.tenants.store_postgres import PostgresTenantStore
+
+        return PostgresTenantStore(settings.database_url)
+    return TenantStore(settings.state_db)  # SQLite
+
+
+def open_ledger(settings: Settings) -> Ledger:
+    if settings.database_url:
+        from quotas.ledger_postgres import PostgresLedger
+
+        return PostgresLedger(settings.database_url)
+    return Ledger(settings.ledger_db, sync=settings.ledger_sync)
+
+
+def open_idempotency(settings: Settings) -> IdempotencyStore:
+    """Beside the ledger when it is in a database (a `done` record commits with its ledger row), else Redis for
+    replicas sharing one, else the ledger's SQLite file."""
+    if settings.database_url:
+        return PostgresIdempotency(settings.database_url, max_connections=settings.database_max_connections)
+    if settings.redis_url:
+        return RedisIdempotency(settings.redis_url)
+    return SQLiteIdempotency(settings.ledger_db)
+
+
+def open_ladder_store(settings: Settings) -> LadderStore:
+    return open_store(settings.data_dir, settings.redis_url, settings.database_url)

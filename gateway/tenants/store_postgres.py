@@ -1,0 +1,195 @@
+"""Tenants, keys (hashes) and data versions in the fleet's PostgreSQL, shared by replicas on any host.
+
+The rules are gateway/tenants/store.py's `TenantStore`; this supplies the statements, the exclusive
+transaction (an advisory lock: key rotations are serialised fleet-wide) and how a replica hears that another
+committed: every write to the three tables bumps a change counter and sends a NOTIFY in the same
+transaction (triggers, so a change made with psql is heard too). A listener thread per replica waits on
+LISTEN and reads the counter, at the latest every POLL_S even when a notification is lost; each request
+compares that counter with the one its caches were filled at, which costs no query. A revoked key, a new
+tenant, a plan change or a data-version bump thus reaches every replica's next request within milliseconds,
+within POLL_S + a query at worst.
+
+Reads that miss the cache are synchronous queries on a small pool (the interface is synchronous: the
+gateway calls it from its event loop, as it calls SQLite); the cache makes them rare (a key's first use, a
+change). While the database cannot be reached the caches are not trusted, since a revocation could be
+missed: requests get a retryable 503 (fail closed; the ledger could not record them either), and a query
+that failed makes the next ones fail at once for BREAKER_S rather than each waiting on the network.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import psycopg
+from psycopg import errors as pg_errors
+from psycopg_pool import ConnectionPool, PoolTimeout
+
+from gateway.errors import Unavailable
+from gateway.tenants.store import TenantStore
+from quotas.fleet_db import CONNECT_TIMEOUT_S, connect, migrate, pg
+
+log = logging.getLogger("tiergate.tenants")
+
+COMPONENT = "tenants"
+CHANNEL = "tiergate_fleet"
+POLL_S = 0.5  # the listener reads the change counter at least this often, notification or not
+BREAKER_S = 1.0  # after a failed query, queries fail at once for this long
+_ROTATION_LOCK = 0x726F74617465  # "rotate"
+# 1: the tables of the release before the fleet store (as in SQLite); 2: the change counter and its triggers
+MIGRATIONS = [
+    """
+    CREATE TABLE tenants (
+        name TEXT PRIMARY KEY,
+        plan TEXT NOT NULL,
+        created_at DOUBLE PRECISION NOT NULL
+    );
+    CREATE TABLE api_keys (
+        key_id TEXT PRIMARY KEY,
+        tenant TEXT REFERENCES tenants(name),
+        name TEXT NOT NULL DEFAULT '',
+        key_sha256 TEXT NOT NULL,
+        roles TEXT NOT NULL DEFAULT '[]',
+        created_at DOUBLE PRECISION NOT NULL,
+        expires_at DOUBLE PRECISION,
+        revoked_at DOUBLE PRECISION,
+        replaced_by TEXT,
+        limits TEXT
+    );
+    CREATE INDEX api_keys_tenant ON api_keys(tenant);
+    CREATE TABLE tenant_data_versions (
+        tenant TEXT PRIMARY KEY REFERENCES tenants(name),
+        version BIGINT NOT NULL
+    );
+    """,
+    f"""
+    CREATE TABLE fleet_changes (
+        id INTEGER PRIMARY KEY CHECK (id = 1),
+        version BIGINT NOT NULL
+    );
+    INSERT INTO fleet_changes VALUES (1, 0);
+    CREATE FUNCTION tiergate_fleet_changed() RETURNS trigger LANGUAGE plpgsql AS $$
+    BEGIN
+        UPDATE fleet_changes SET version = version + 1 WHERE id = 1;
+        PERFORM pg_notify('{CHANNEL}', '');
+        RETURN NULL;
+    END $$;
+    CREATE TRIGGER tenants_changed AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON tenants
+        FOR EACH STATEMENT EXECUTE FUNCTION tiergate_fleet_changed();
+    CREATE TRIGGER api_keys_changed AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON api_keys
+        FOR EACH STATEMENT EXECUTE FUNCTION tiergate_fleet_changed();
+    CREATE TRIGGER tenant_data_versions_changed AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON tenant_data_versions
+        FOR EACH STATEMENT EXECUTE FUNCTION tiergate_fleet_changed();
+    """,
+]
+
+
+def open_schema(url: str, *, upto: int | None = None) -> int:
+    """Bring the tenant tables to this release's version (or to `upto`); returns the version."""
+    with connect(url) as conn:
+        return migrate(conn, COMPONENT, MIGRATIONS, upto=upto)
+
+
+class PostgresTenantStore(TenantStore):
+    """The store in the fleet database at `url` (postgresql://…); its tables are migrated on open."""
+
+    _conflict = (pg_errors.UniqueViolation,)
+
+    def __init__(self, url: str, *, max_connections: int = 4, timeout_s: float = 2.0) -> None:
+        super().__init__()
+        self.url = url
+        open_schema(url)
+        self._pool = ConnectionPool(url, min_size=1, max_size=max_connections, open=True, timeout=timeout_s,
+                                    kwargs={"autocommit": True, "connect_timeout": CONNECT_TIMEOUT_S},
+                                    check=ConnectionPool.check_connection, name="tenants")
+        self._tx = threading.local()  # the connection of this thread's open transaction, if any
+        self._seen: int | None = None  # the change counter as the listener last read it; None: unknown
+        self._filled_at: int | None = None  # ...and as it was when the caches were last emptied
+        self._broken_until = 0.0
+        self._stop = threading.Event()
+        self._listener: threading.Thread | None = None
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._listener is not None:
+            self._listener.join(timeout=POLL_S + CONNECT_TIMEOUT_S + 1)
+        self._pool.close()
+
+    # ---- statements ----
+
+    @contextmanager
+    def _connection(self) -> Iterator[psycopg.Connection[Any]]:
+        """This thread's transaction's connection, else one from the pool; unreachable means a 503."""
+        conn = getattr(self._tx, "conn", None)
+        if conn is not None:
+            yield conn
+            return
+        if time.monotonic() < self._broken_until:
+            raise _unavailable("it failed less than a second ago")
+        try:
+            with self._pool.connection() as conn:
+                yield conn
+        except (psycopg.OperationalError, PoolTimeout) as exc:
+            self._broken_until = time.monotonic() + BREAKER_S
+            raise _unavailable(str(exc).strip()) from exc
+
+    def _fetchone(self, sql: str, args: tuple[Any, ...] = ()) -> tuple[Any, ...] | None:
+        with self._connection() as conn:
+            return conn.execute(pg(sql), args).fetchone()
+
+    def _fetchall(self, sql: str, args: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+        with self._connection() as conn:
+            return conn.execute(pg(sql), args).fetchall()
+
+    def _execute(self, sql: str, args: tuple[Any, ...] = ()) -> None:
+        with self._connection() as conn:
+            conn.execute(pg(sql), args)
+
+    @contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        with self._connection() as conn, conn.transaction():
+            conn.execute("SELECT pg_advisory_xact_lock(%s)", (_ROTATION_LOCK,))
+            self._tx.conn = conn
+            try:
+                yield
+            finally:
+                self._tx.conn = None
+
+    # ---- hearing about changes ----
+
+    def _changed_elsewhere(self) -> bool:
+        if self._listener is None:
+            self._listener = threading.Thread(target=self._listen, name="tenant-store-listener", daemon=True)
+            self._listener.start()
+        seen = self._seen
+        if seen is None or seen != self._filled_at:  # a change, or the listener cannot tell: refill
+            self._filled_at = seen
+            return True
+        return False
+
+    def _listen(self) -> None:
+        """LISTEN for changes and read the counter after each, and every POLL_S; reconnect with backoff."""
+        backoff = 0.1
+        while not self._stop.is_set():
+            try:
+                with connect(self.url) as conn:
+                    conn.execute(f"LISTEN {CHANNEL}")
+                    while not self._stop.is_set():
+                        row = conn.execute("SELECT version FROM fleet_changes WHERE id = 1").fetchone()
+                        self._seen, backoff = int(row[0]) if row else None, 0.1
+                        for _ in conn.notifies(timeout=POLL_S, stop_after=1):
+                            pass
+            except psycopg.Error as exc:
+                if self._seen is not None:
+                    log.error("tenant store: lost the fleet database, requests get 503 until it is back: %s", exc)
+                self._seen = None
+                self._stop.wait(backoff)
+                backoff = min(2.0, backoff * 2)
+
+
+def _unavailable(why: str) -> Unavailable:
+    return Unavailable(f"the fleet database cannot be reached: {why}", code="database_unavailable", retry_after=2)

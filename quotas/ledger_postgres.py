@@ -1,0 +1,175 @@
+"""The usage ledger in the fleet's PostgreSQL: every replica's rows and refusal counts in one place.
+
+The writer is quotas/ledger.py's, as for SQLite: one thread per replica with a synchronous connection,
+taking up to GROUP_MAX queued rows per transaction and sending them in one pipeline (psycopg's pipeline mode:
+the rows, their idempotency records and the refusal counts go out together and the commit is one round
+trip). One thread with a synchronous connection rather than the async pool: group commit already makes one
+commit per group, not per request, so the event loop never waits on PostgreSQL, only on its row's future,
+and the writer's loop, retries and backoff stay the ones SQLite's ledger has, with its promises (a refusal
+count is durable no later than the next row; rows become durable in the order they were queued). A second
+writer thread would overlap two commits' WAL flushes, but would break both promises. A commit returns once
+PostgreSQL has made it durable as its `synchronous_commit` says (on by default: the WAL is flushed to disk),
+so an answer's row survives a killed gateway and a crashed database.
+
+Reads (reports, the dashboard, the reaper's billing look-ups) take a connection from a small pool.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from typing import Any
+
+import psycopg
+from psycopg_pool import ConnectionPool
+
+from quotas.fleet_db import CONNECT_TIMEOUT_S, connect, fault_name, is_db_fault, migrate, pg
+from quotas.ledger import Ledger, Pending, Statement, log
+from quotas.ledger_rows import COLUMNS, CountKey, LedgerRow, Refusal, count_key, to_db
+
+COMPONENT = "ledger"
+# the ledger's tables, one migration each release that changed them; 1 is the schema of the release before the
+# fleet store (the SQLite tables of quotas/ledger_rows.py), 2 adds the Idempotency-Key records
+MIGRATIONS = [
+    """
+    CREATE TABLE requests (
+        request_id TEXT PRIMARY KEY,
+        ts DOUBLE PRECISION NOT NULL,
+        tenant TEXT NOT NULL,
+        key_id TEXT NOT NULL,
+        tier TEXT,
+        model TEXT,
+        status TEXT NOT NULL,
+        http_status INTEGER NOT NULL,
+        input_tokens BIGINT NOT NULL,
+        output_tokens BIGINT NOT NULL,
+        price_usd NUMERIC NOT NULL,
+        compute_cost_usd NUMERIC NOT NULL,
+        cost_basis TEXT NOT NULL,
+        ttft_s DOUBLE PRECISION,
+        total_s DOUBLE PRECISION NOT NULL,
+        finish_reason TEXT,
+        error_code TEXT,
+        route_reason TEXT,
+        degrade_level INTEGER NOT NULL DEFAULT 0,
+        degrade_actions TEXT,
+        requested_tier TEXT,
+        route_saving_usd NUMERIC NOT NULL DEFAULT 0,
+        cache_status TEXT,
+        cache_saving_usd NUMERIC NOT NULL DEFAULT 0,
+        cascade_of TEXT
+    );
+    CREATE TABLE refusal_counts (
+        minute BIGINT NOT NULL,
+        tenant TEXT NOT NULL,
+        key_id TEXT NOT NULL,
+        reason TEXT NOT NULL,
+        http_status INTEGER NOT NULL,
+        count BIGINT NOT NULL,
+        PRIMARY KEY (minute, tenant, key_id, reason, http_status)
+    );
+    CREATE INDEX requests_tenant_ts ON requests(tenant, ts);
+    CREATE INDEX requests_ts ON requests(ts);
+    """,
+    """
+    CREATE TABLE idempotency (
+        tenant TEXT NOT NULL,
+        key TEXT NOT NULL,
+        fingerprint TEXT NOT NULL,
+        owner TEXT NOT NULL,
+        state TEXT NOT NULL,
+        answer TEXT,
+        expires DOUBLE PRECISION NOT NULL,
+        PRIMARY KEY (tenant, key)
+    );
+    CREATE INDEX idempotency_expires ON idempotency(expires);
+    """,
+]
+INSERT = f"INSERT INTO requests({', '.join(COLUMNS)}) VALUES ({', '.join('%s' for _ in COLUMNS)})"
+UPSERT_COUNT = ("INSERT INTO refusal_counts VALUES (%s, %s, %s, %s, %s, %s) "
+                "ON CONFLICT (minute, tenant, key_id, reason, http_status) "
+                "DO UPDATE SET count = refusal_counts.count + excluded.count")
+PRUNE = "DELETE FROM refusal_counts WHERE minute < %s"
+
+
+def open_schema(url: str, *, upto: int | None = None) -> int:
+    """Bring the ledger's tables to this release's version (or to `upto`); returns the version."""
+    with connect(url) as conn:
+        return migrate(conn, COMPONENT, MIGRATIONS, upto=upto)
+
+
+class PostgresLedger(Ledger):
+    """The ledger in the fleet database at `url` (postgresql://…); its tables are migrated on open."""
+
+    def __init__(self, url: str, *, record_timeout_s: float = 10.0, busy_timeout_s: float = 5.0,
+                 refusal_retention_days: float = 90.0, max_read_connections: int = 4) -> None:
+        """`busy_timeout_s` bounds how long one commit may wait on a lock (its statement timeout)."""
+        super().__init__(record_timeout_s=record_timeout_s, busy_timeout_s=busy_timeout_s,
+                         refusal_retention_days=refusal_retention_days)
+        self.url = url
+        open_schema(url)
+        self._pool = ConnectionPool(url, min_size=1, max_size=max_read_connections, open=True,
+                                    kwargs={"autocommit": True, "connect_timeout": CONNECT_TIMEOUT_S},
+                                    check=ConnectionPool.check_connection, timeout=record_timeout_s,
+                                    name="ledger-reads")
+
+    def _connect(self) -> psycopg.Connection[Any]:
+        conn = connect(self.url)
+        conn.execute(f"SET statement_timeout = {int(self.busy_timeout_s * 1000)}")
+        return conn
+
+    def _commit(self, conn: psycopg.Connection[Any], rows: list[Pending], counts: Counter[CountKey], *,
+                prune: bool, isolate: bool) -> list[Exception | None]:
+        errors: list[Exception | None] = [None] * len(rows)
+        with conn.transaction(), conn.cursor() as cur:
+            if isolate:
+                for i, (values, _, with_row) in enumerate(rows):
+                    errors[i] = _isolated(conn, ((INSERT, values), *with_row))
+                for key, n in counts.items():
+                    if (error := _isolated(conn, ((UPSERT_COUNT, (*key, n)),))) is not None:
+                        log.error("ledger: refusal count %s dropped: %r", key, error)
+            else:
+                with conn.pipeline():
+                    cur.executemany(INSERT, [values for values, _, _ in rows])
+                    for _, _, with_row in rows:
+                        for sql, params in with_row:
+                            cur.execute(sql, params)
+                    if counts:
+                        cur.executemany(UPSERT_COUNT, [(*key, n) for key, n in counts.items()])
+            if prune:
+                cur.execute(PRUNE, (self._prune_before(),))
+        return errors
+
+    def _is_db_fault(self, exc: BaseException) -> bool:
+        return is_db_fault(exc)
+
+    def _fault_name(self, exc: BaseException) -> str:
+        return fault_name(exc)
+
+    def _query(self, sql: str, args: tuple[Any, ...]) -> list[tuple[Any, ...]]:
+        with self._pool.connection() as conn:
+            return conn.execute(pg(sql), args).fetchall()
+
+    def record_now(self, rows: list[LedgerRow], refusals: Iterable[Refusal] = ()) -> None:
+        counts = Counter(count_key(r) for r in refusals)
+        with self._pool.connection() as conn, conn.transaction(), conn.cursor() as cur:
+            if rows:
+                cur.executemany(INSERT, [to_db(r) for r in rows])
+            if counts:
+                cur.executemany(UPSERT_COUNT, [(*k, n) for k, n in counts.items()])
+
+    def _close_reads(self) -> None:
+        self._pool.close()
+
+
+def _isolated(conn: psycopg.Connection[Any], statements: tuple[Statement, ...]) -> Exception | None:
+    """Run statements in a savepoint: their own error undoes only them; a fault of the database propagates."""
+    try:
+        with conn.transaction():  # nested: a savepoint, rolled back to on an error
+            for sql, values in statements:
+                conn.execute(sql, values)
+    except Exception as exc:
+        if is_db_fault(exc):
+            raise
+        return exc
+    return None

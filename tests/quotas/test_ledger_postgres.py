@@ -1,0 +1,79 @@
+"""The ledger on PostgreSQL under faults: a bad row fails only itself, a locked table or a stopped server makes
+the ledger not ready with every pending row kept, and writing resumes when the database is back."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import psycopg
+import pytest
+from psycopg import errors as pg_errors
+
+from quotas.ledger import LedgerUnavailable
+from quotas.ledger_postgres import PostgresLedger
+from tests.postgres import PostgresServer
+from tests.quotas.test_ledger import row
+
+
+async def test_a_bad_row_fails_only_itself_and_the_writer_goes_on(database_url: str) -> None:
+    ledger = PostgresLedger(database_url)
+    ledger.record_now([row(0)])
+    huge = row(1)
+    huge.input_tokens = 2**70  # more than a BIGINT holds
+    good = [row(i) for i in range(2, 40)]
+    futures = [ledger.submit(r) for r in [*good[:10], huge, row(0), *good[10:]]]  # one group commit
+    ledger.start()
+    results = await asyncio.wait_for(asyncio.gather(*futures, return_exceptions=True), 10)
+    assert isinstance(results[10], pg_errors.DataError)
+    assert isinstance(results[11], pg_errors.UniqueViolation)  # the duplicate request id
+    assert [r for i, r in enumerate(results) if i not in (10, 11)] == [None] * len(good)
+    await ledger.record(row(99))
+    assert ledger.ready
+    assert {r.request_id for r in ledger.rows()} == {"r0", "r99"} | {r.request_id for r in good}
+    assert ledger.get("r0").input_tokens == 10  # type: ignore[union-attr]
+    ledger.close()
+
+
+async def test_a_locked_table_times_out_record_and_makes_the_ledger_not_ready(database_url: str) -> None:
+    ledger = PostgresLedger(database_url, busy_timeout_s=0.1)
+    ledger.start()
+    await ledger.record(row(0))
+    blocker = psycopg.connect(database_url)  # another session holds the table past the writer's statement timeout
+    blocker.execute("LOCK TABLE requests IN ACCESS EXCLUSIVE MODE")
+    with pytest.raises(LedgerUnavailable, match="statement timeout"):
+        await ledger.record(row(1), timeout_s=0.5)
+    assert not ledger.ready and "QueryCanceled" in ledger.not_ready_reason  # type: ignore[operator]
+    late = ledger.submit(row(2))
+    blocker.rollback()
+    await ledger.wait_durable(late)
+    assert ledger.ready
+    assert sorted(r.request_id for r in ledger.rows()) == ["r0", "r1", "r2"]  # the timed-out row was kept
+    blocker.close()
+    ledger.close()
+
+
+@pytest.fixture
+def own_postgres() -> Iterator[PostgresServer]:
+    """A server of the test's own, which it may stop and start again."""
+    server = PostgresServer().start()
+    yield server
+    server.stop()
+
+
+async def test_a_stopped_server_keeps_every_row_until_it_is_back(own_postgres: PostgresServer) -> None:
+    url = own_postgres.create_database()
+    ledger = PostgresLedger(url, record_timeout_s=1.0)
+    ledger.start()
+    await ledger.record(row(0))
+    own_postgres.stop(keep=True)
+    pending = [ledger.submit(row(i)) for i in range(1, 50)]
+    with pytest.raises(LedgerUnavailable):
+        await ledger.wait_durable(pending[0])
+    assert not ledger.ready  # the gateway refuses new work rather than serve unbilled
+    assert not any(f.done() for f in pending)
+    own_postgres.start()
+    await asyncio.wait_for(asyncio.gather(*pending), 15)
+    assert ledger.ready
+    assert {r.request_id for r in ledger.rows()} == {f"r{i}" for i in range(50)}
+    ledger.close()
