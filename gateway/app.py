@@ -12,19 +12,19 @@ from litestar import Litestar, Request, Response
 from litestar.datastructures import State
 from litestar.di import Provide
 
-from cache import RedisStore, SemanticCache, SQLiteStore, default_embedder
+from cache import SemanticCache, default_embedder, open_cache_store
 from gateway.config_files import load_yaml
 from gateway.errors import InternalError, PayloadTooLarge, client_error
 from gateway.ladder.config import Ladder
 from gateway.ladder.controller import LadderController
 from gateway.ladder.signals import Signals
-from gateway.ladder.state import open_store
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import request_id_middleware
 from gateway.pipeline.cache_lookup import CacheStage
 from gateway.pipeline.dispatch import DispatchStage
 from gateway.pipeline.gate import TenantGate
 from gateway.pipeline.handle import Pipeline
+from gateway.pipeline.idempotency import IdempotencyStage
 from gateway.pipeline.prompt import PromptStage
 from gateway.pipeline.refusals import RefusalLog
 from gateway.pipeline.reserve import ReserveStage
@@ -41,7 +41,7 @@ from gateway.routes.ops import ops
 from gateway.routes.usage import admin_report, tenant_report
 from gateway.services import Services
 from gateway.settings import Settings
-from gateway.tenants.store import TenantStore
+from gateway.stores import open_idempotency, open_ladder_store, open_ledger, open_tenant_store
 from quotas.backends.base import QuotaBackend
 from quotas.backends.failover import FailoverBackend
 from quotas.backends.memory import MemoryBackend
@@ -49,12 +49,14 @@ from quotas.backends.redis import RedisBackend
 from quotas.dispatch import TierQueue
 from quotas.ledger import Ledger
 from quotas.plans import PlanBook
+from quotas.reaper import run_reaper
 from quotas.reservations import QuotaService
-from quotas.seed import seed_from_ledger
+from quotas.seed import ledger_billing, ledger_spend_source, seed_from_ledger
 from tiers.catalogue import TierCatalogue, TierSpec
 from tiers.client import TierClient
 from tiers.fleet import Fleet
 from tiers.predictor import PredictorSource
+from tiers.supervisor import engine_max_num_seqs
 
 log = logging.getLogger("tiergate.gateway")
 
@@ -74,8 +76,8 @@ def build_services(settings: Settings) -> Services:
     fleet = Fleet(catalogue, client, models_dir=settings.resolved_models_dir,
                   log_dir=settings.data_dir / "logs", start_timeout_s=settings.engine_start_timeout_s)
     metrics_ = GatewayMetrics(fleet)
-    ledger = Ledger(settings.ledger_db)
-    store = TenantStore(settings.state_db)
+    ledger = open_ledger(settings)
+    store = open_tenant_store(settings)
     backend = build_quota_backend(settings, ledger, metrics_)
     quotas = QuotaService(backend)
     queues = {name: TierQueue(name, tier_capacity(spec, settings), policy=settings.dispatch_policy)
@@ -84,7 +86,7 @@ def build_services(settings: Settings) -> Services:
     signals = Signals(tiers_down=fleet.num_tiers_down, kv_utilisation=fleet.max_kv_utilisation,
                       redis_down=lambda: isinstance(backend, FailoverBackend) and not backend.up)
     ladder = LadderController(load_yaml(settings.ladder_file, Ladder),
-                              open_store(settings.data_dir, settings.redis_url), signals,
+                              open_ladder_store(settings), signals,
                               on_change=metrics_.degrade_changed)
     metrics_.ladder = ladder
     cache = CacheStage(cache=build_cache(settings), store=store, fleet=fleet)
@@ -100,6 +102,7 @@ def build_services(settings: Settings) -> Services:
         settler=Settler(ledger=ledger, quotas=quotas, dispatch=dispatch, cache=cache, metrics=metrics_,
                         signals=signals, catalogue=catalogue),
         refusals=RefusalLog(ledger=ledger, metrics=metrics_),
+        idempotency=IdempotencyStage(open_idempotency(settings)),
         ready=lambda: ledger.not_ready_reason)
     return Services(settings=settings, catalogue=catalogue, plans=plans, store=store, ledger=ledger, client=client,
                     fleet=fleet, metrics=metrics_, pipeline=pipeline, queues=queues, quota_backend=backend,
@@ -110,29 +113,34 @@ def build_cache(settings: Settings) -> SemanticCache | None:
     """Entries in Redis (every replica's index follows) when TIERGATE_REDIS_URL is set, else in SQLite."""
     if not settings.cache_enabled:
         return None
-    if settings.redis_url:
-        entries = RedisStore(settings.redis_url, max_entries=settings.cache_max_entries)
-    else:
-        settings.data_dir.mkdir(parents=True, exist_ok=True)
-        entries = SQLiteStore(settings.data_dir / "cache.sqlite3", max_entries=settings.cache_max_entries)
-    return SemanticCache(entries, default_embedder())
+    entries = open_cache_store(sqlite_path=settings.data_dir / "cache.sqlite3", redis_url=settings.redis_url,
+                               max_entries=settings.cache_max_entries,
+                               max_entries_per_tenant=settings.cache_max_entries_per_tenant)
+    return SemanticCache(entries, default_embedder(), embed_batch=settings.cache_embed_max_batch,
+                         embed_wait_s=settings.cache_embed_max_wait_ms / 1000)
 
 
 def build_quota_backend(settings: Settings, ledger: Ledger, metrics_: GatewayMetrics) -> QuotaBackend:
     """Redis (shared, with the configured failure mode) when TIERGATE_REDIS_URL is set; else memory, seeded
     from the ledger so budgets and windows survive a restart."""
     if settings.redis_url:
-        redis = RedisBackend(settings.redis_url, timeout_s=settings.redis_timeout_s)
-        return FailoverBackend(redis, mode=settings.redis_failure_mode, on_state=metrics_.redis_state)
+        redis = RedisBackend(settings.redis_url, timeout_s=settings.redis_timeout_s,
+                             max_connections=settings.redis_max_connections, pool_wait_s=settings.redis_pool_wait_s,
+                             settle_retry_s=settings.quota_settle_retry_s,
+                             replica_ttl_s=max(30.0, 3 * settings.quota_reap_every_s))
+        # in an outage, the fallback starts from the last spend Redis answered and the ledger's totals
+        return FailoverBackend(redis, mode=settings.redis_failure_mode, on_state=metrics_.redis_state,
+                               ledger_spend=ledger_spend_source(ledger))
     memory = MemoryBackend()
     seed_from_ledger(memory, ledger)
     return memory
 
 
 def tier_capacity(spec: TierSpec, settings: Settings) -> int:
-    """Dispatch slots: per replica, the tier's max_concurrency, else what its engines batch at once."""
+    """Dispatch slots: per replica, the tier's max_concurrency, else what its engines batch at once (the
+    `--max-num-seqs` the supervisor starts them with: what their KV cache holds for a typical request)."""
     if spec.backend == "local":
-        return spec.replicas * (spec.max_concurrency or spec.max_num_seqs)
+        return spec.replicas * (spec.max_concurrency or engine_max_num_seqs(spec, settings.resolved_models_dir))
     return len(spec.urls) * (spec.max_concurrency or settings.remote_max_concurrency)
 
 
@@ -150,15 +158,21 @@ def create_app(settings: Settings | None = None) -> Litestar:
         if services.cache.cache is not None:  # load the embedder before the first request needs it
             await asyncio.to_thread(services.cache.cache.embedder.encode_one, "warm up")
         ticker = asyncio.create_task(_tick_ladder(services.ladder, settings.ladder_tick_s))
+        # returns reservations whose lease ran out (a replica died before settling): billed from the ledger
+        reaper = asyncio.create_task(run_reaper(services.quota_backend, every_s=settings.quota_reap_every_s,
+                                                billed=ledger_billing(services.ledger)))
         try:
             yield
         finally:
             ticker.cancel()
+            reaper.cancel()
             await services.fleet.stop()
             await services.client.aclose()
+            await services.pipeline.settler.drain()  # settlements reach the quota backend before it closes
             await services.quota_backend.close()
             await services.cache.drain()
-            await services.pipeline.settler.drain()
+            if services.pipeline.idempotency is not None:
+                await services.pipeline.idempotency.store.close()
             if services.cache.cache is not None:
                 services.cache.cache.close()
             services.ledger.close()

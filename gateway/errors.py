@@ -79,6 +79,13 @@ class Conflict(TiergateError):
     error_type = "invalid_request_error"
 
 
+class Unprocessable(TiergateError):
+    """The request is well formed but contradicts an earlier one (an Idempotency-Key reused with another body)."""
+
+    status_code = 422
+    error_type = "invalid_request_error"
+
+
 class PayloadTooLarge(TiergateError):
     """The body is larger than the gateway accepts."""
 
@@ -163,7 +170,8 @@ def _http_error(exc: HTTPException) -> TiergateError:
     if isinstance(exc, ValidationException) and exc.extra:
         message = f"{message}: {exc.extra}"
     kind = {400: InvalidRequest, 401: Unauthenticated, 403: Forbidden, 404: NotFound, 405: MethodNotAllowed,
-            409: Conflict, 413: PayloadTooLarge, 429: RateLimited, 503: Unavailable}.get(exc.status_code)
+            409: Conflict, 413: PayloadTooLarge, 422: Unprocessable, 429: RateLimited,
+            503: Unavailable}.get(exc.status_code)
     if kind is None:
         return InternalError(message) if exc.status_code >= 500 else InvalidRequest(message)
     return kind(message, code="not_found" if exc.status_code == 404 else None, headers=dict(exc.headers or {}))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -26,20 +26,43 @@ class Settings(BaseSettings):
     plans_file: Path = REPO_ROOT / "quotas" / "plans.yaml"
     ladder_file: Path = REPO_ROOT / "degrade_ladder.yaml"
     redis_url: str | None = None  # set: quotas are shared through Redis by every replica
+    # set (postgresql://user:password@host:5432/db): tenants, keys, data versions, the ledger, refusal counts,
+    # the ladder's audit and idempotency records live in PostgreSQL, shared by replicas on any host (README,
+    # "Deployment"); unset: SQLite files in the data directory
+    database_url: str | None = None
+    database_max_connections: int = 10  # per replica, for idempotency records (the ledger and tenants have their own)
     redis_timeout_s: float = 0.05  # per Redis call
     redis_failure_mode: Literal["open", "closed"] = "open"  # open: local limits; closed: 503
+    redis_max_connections: int = 64  # per replica; a request waits for a free one (back-pressure, not an outage)
+    redis_pool_wait_s: float = 2.0  # ...this long at most, then a retryable 503
+    quota_reap_every_s: float = 5.0  # how often each replica returns reservations whose lease ran out
+    quota_settle_retry_s: float = 600.0  # a settle Redis did not answer is retried in the background this long
     default_max_tokens: int = 1024  # the output cap reserved when a request sets none
     remote_max_concurrency: int = 64  # dispatch slots per replica of an `openai` tier
     dispatch_policy: Literal["vtc", "fifo"] = "vtc"  # fifo: no fairness between tenants (a baseline)
     cache_enabled: bool = True  # the answer cache (plans and headers decide per request)
-    cache_max_entries: int = 100_000
+    cache_max_entries: int = 100_000  # beyond it, the tenant holding the most entries loses its least recently used
+    cache_max_entries_per_tenant: int = 25_000  # one tenant's own bound: it evicts only its own entries beyond it
+    cache_embed_max_batch: int = 32  # texts per embedding forward pass (1: one at a time, the ablation)
+    cache_embed_max_wait_ms: float = 3.0  # the longest a text waits for others to share its forward pass
     ladder_tick_s: float = 0.5  # how often the ladder follows shared changes and evaluates its triggers
     max_body_bytes: int = 4 * 1024 * 1024  # larger bodies get 413 before anything is parsed
+    # normal: a ledger commit reaches the OS before the response ends (survives a killed gateway);
+    # full: it reaches the disk too (survives a power cut; an fsync per group commit, ~4 ms here).
+    # SQLite only: with a database_url a commit is as durable as PostgreSQL's synchronous_commit (on: the disk)
+    ledger_sync: Literal["normal", "full"] = "normal"
     engine_start_timeout_s: float = 600.0
     build_missing_models: bool = True  # serve distils missing students and the router's model in the background
     build_router_model: bool = True  # ...and the router's difficulty model, once the tiers it reads are built
     upstream_connect_timeout_s: float = 5.0
     upstream_read_timeout_s: float = 600.0
+
+    @field_validator("database_url")
+    @classmethod
+    def _postgres_only(cls, url: str | None) -> str | None:
+        if url and url.split("://", 1)[0] not in ("postgresql", "postgres"):
+            raise ValueError("TIERGATE_DATABASE_URL must be a postgresql:// URL (unset: SQLite in the data directory)")
+        return url or None
 
     @property
     def resolved_models_dir(self) -> Path:

@@ -14,6 +14,7 @@ Counting reads tenant text, so it is bounded and kept off the event loop's GIL:
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
@@ -24,6 +25,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 Messages = Sequence[dict[str, Any]]
+SHORT_TEXT_CHARS = 8192  # counted with `encode` (GIL held, no hand-off); longer ones with `encode_batch`
+RECENT_PROMPTS = 4096  # short prompts whose counts are remembered
 
 
 class TokenCounter:
@@ -44,16 +47,32 @@ class TokenCounter:
         # symbol per byte, and a character is at least one byte
         self.max_token_chars = max(1, max(map(len, self.tokenizer.get_vocab(with_added_tokens=True))))
         self._overhead: dict[str, int] = {}
+        self._recent: dict[str, int] = {}  # short rendered prompts -> tokens, oldest first
+        self._lock = threading.Lock()
 
     def render(self, messages: Messages) -> str:
         return self.template.render(messages=list(messages), add_generation_prompt=True, **self.special)
 
     def count(self, text: str) -> int:
-        """Tokens of `text` (the GIL is released while the tokenizer works)."""
+        """Tokens of `text`. A long text goes through `encode_batch`, which releases the GIL while it works (a
+        worker thread's count then lets the event loop run); a short one through `encode`, which holds the GIL
+        for microseconds and skips the batch call's thread-pool hand-off."""
+        if len(text) <= SHORT_TEXT_CHARS:
+            return len(self.tokenizer.encode(text, add_special_tokens=False).ids)
         return len(self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids)
 
     def prompt_tokens(self, messages: Messages) -> int:
-        return self.count(self.render(messages))
+        text = self.render(messages)
+        if len(text) > SHORT_TEXT_CHARS:
+            return self.count(text)
+        counted = self._recent.get(text)
+        if counted is None:  # a repeated prompt (a retry, a shared system prompt and question) is counted once
+            counted = self.count(text)
+            with self._lock:  # worker threads count too
+                self._recent[text] = counted
+                if len(self._recent) > RECENT_PROMPTS:
+                    del self._recent[next(iter(self._recent))]
+        return counted
 
     def content_tokens(self, texts: Sequence[str]) -> list[int]:
         """Tokens of each text, in one call."""

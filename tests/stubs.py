@@ -53,7 +53,8 @@ def stub_app(state: StubState) -> Litestar:
                                        "param": "messages", "code": "context_length_exceeded"}}, status_code=400)
         prompt_tokens = len(text.split())
         words = REPLY.split()[: body.get("max_tokens") or body.get("max_completion_tokens") or 99]
-        delay = 0.2 if "STUB:slow" in text else 0.0
+        # a dying stream writes at an engine's pace, so the gateway has read what came before the death
+        delay = 0.2 if "STUB:slow" in text else 0.02 if "STUB:die" in text else 0.0
         return Stream(_sse(state, body, words, prompt_tokens, delay, die="STUB:die" in text),
                       media_type="text/event-stream")
 

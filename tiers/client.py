@@ -1,10 +1,17 @@
 """One HTTP client for every tier backend: local engines and remote OpenAI-compatible servers alike.
 
 What crosses this boundary: an OpenAI chat-completions body goes in; parsed stream chunks (dicts) come
-out, in order, ending after the upstream's `[DONE]`. httpx errors become `tiers.errors` exceptions here
-and nowhere else, and so does an error event inside a stream (`data: {"error": {...}}`, what an upstream
-sends when it fails after the headers): UpstreamRejected with that body, never content. Closing the
-iterator early closes the upstream connection, which tells the engine to abort the request.
+out, in order, ending after the upstream's `[DONE]`. aiohttp's errors become `tiers.errors` exceptions
+here and nowhere else, and so does an error event inside a stream (`data: {"error": {...}}`, what an
+upstream sends when it fails after the headers): UpstreamRejected with that body, never content. Closing
+the iterator early closes the upstream connection, which tells the engine to abort the request; a stream
+read to its end leaves its connection in the pool for the next request. When an upstream's connection
+drops mid-stream, aiohttp raises before handing over bytes it had buffered but not yet delivered, so an
+answer that dies is billed for the chunks the gateway had read (at an engine's pace, all but the last).
+
+Why aiohttp: this is the gateway's hot path, and on one core a forwarding app made about 2x the requests
+per second with aiohttp's client than with httpx's default transport at 1 connection, and 4-7x at 16-64
+(DESIGN.md, "Where the bar stands"; `bench/gateway.py` measures the whole gateway).
 """
 
 from __future__ import annotations
@@ -13,62 +20,118 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-import httpx
+import aiohttp
 
 from tiers.errors import UpstreamProtocolError, UpstreamRejected, UpstreamTimedOut, UpstreamUnreachable
 from wire.responses import sse_data
+
+MAX_LINE_BYTES = 1 << 20  # one SSE line (a chunk with 20 top log-probabilities per token is a few KB)
+# an idle pooled connection is dropped before the upstream drops it (uvicorn's default keep-alive is 5 s), so
+# a request is rarely written into a connection the other side is closing
+KEEPALIVE_S = 4.0
 
 
 class TierClient:
     def __init__(self, *, connect_timeout_s: float = 5.0, read_timeout_s: float = 600.0,
                  max_connections: int = 1024) -> None:
-        self._client = httpx.AsyncClient(
-            timeout=httpx.Timeout(read_timeout_s, connect=connect_timeout_s),
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
-        )
+        # a silent upstream fails after read_timeout_s between two reads, however long the whole answer
+        self._timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout_s, sock_read=read_timeout_s)
+        self._max_connections = max_connections
+        self._session: aiohttp.ClientSession | None = None
+
+    def _http(self) -> aiohttp.ClientSession:
+        """The one session (made on first use, inside the event loop that uses it)."""
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=self._max_connections, limit_per_host=0,
+                                               keepalive_timeout=KEEPALIVE_S),
+                timeout=self._timeout, read_bufsize=MAX_LINE_BYTES, auto_decompress=False)
+        return self._session
 
     async def aclose(self) -> None:
-        await self._client.aclose()
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
 
     async def get_json(self, url: str, *, timeout_s: float = 2.0, api_key: str | None = None) -> dict[str, Any]:
-        headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
         try:
-            resp = await self._client.get(url, timeout=timeout_s, headers=headers)
-        except httpx.TimeoutException as exc:
+            async with self._http().get(url, headers=_auth(api_key),
+                                        timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+                content = await resp.read()
+        except TimeoutError as exc:
             raise UpstreamTimedOut(f"{url}: no answer in {timeout_s}s") from exc
-        except httpx.HTTPError as exc:
+        except aiohttp.ClientError as exc:
             raise UpstreamUnreachable(f"{url}: {exc!r}") from exc
-        if resp.status_code != 200:
-            raise UpstreamRejected(resp.status_code, _json_or_text(resp.content))
-        return resp.json()
+        if resp.status != 200:
+            raise UpstreamRejected(resp.status, _json_or_text(content))
+        try:
+            body = json.loads(content)
+        except ValueError as exc:
+            raise UpstreamProtocolError(f"{url}: the answer is not JSON: {content[:200]!r}") from exc
+        if not isinstance(body, dict):
+            raise UpstreamProtocolError(f"{url}: the answer is not a JSON object")
+        return body
 
     async def stream_chat(self, base_url: str, body: dict[str, Any], *,
                           api_key: str | None = None) -> AsyncIterator[dict[str, Any]]:
         """POST a streaming chat completion; yield each `data:` chunk as a dict."""
-        headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
         url = base_url.rstrip("/") + "/v1/chat/completions"
+        headers = {"content-type": "application/json", **_auth(api_key)}
+        data = json.dumps(body).encode()
+        done = False
         try:
-            async with self._client.stream("POST", url, json=body, headers=headers) as resp:
-                if resp.status_code != 200:
-                    raise UpstreamRejected(resp.status_code, _json_or_text(await resp.aread()))
-                async for line in resp.aiter_lines():
-                    if (data := sse_data(line)) is None:
-                        continue
-                    if data == "[DONE]":
-                        return
-                    try:
-                        chunk = json.loads(data)
-                    except json.JSONDecodeError as exc:
-                        raise UpstreamProtocolError(f"{url}: a stream chunk is not JSON: {data[:200]!r}") from exc
-                    if isinstance(chunk, dict) and chunk.get("error") is not None:
-                        # the upstream failed after the headers were sent: an error event, not content
-                        raise UpstreamRejected(_stream_error_status(chunk), chunk)
-                    yield chunk
-                raise UpstreamProtocolError(f"{url}: the stream ended without [DONE]")
-        except httpx.TimeoutException as exc:
-            raise UpstreamTimedOut(f"{url}: {type(exc).__name__}") from exc
-        except httpx.HTTPError as exc:
+            async with await self._post(url, data, headers) as resp:
+                if resp.status != 200:
+                    raise UpstreamRejected(resp.status, _json_or_text(await resp.read()))
+                try:
+                    async for raw in resp.content:
+                        data = sse_data(raw.decode())
+                        if data is None:
+                            continue
+                        if data == "[DONE]":
+                            done = True
+                            break
+                        yield _chunk(url, data)
+                    if not done:
+                        raise UpstreamProtocolError(f"{url}: the stream ended without [DONE]")
+                    await resp.read()  # to the end of the body, so the connection goes back to the pool
+                finally:
+                    if not done:
+                        resp.close()  # left early (cancelled, or an error): drop the connection, the engine aborts
+        except TimeoutError as exc:
+            raise UpstreamTimedOut(f"{url}: no data in {self._timeout.sock_read}s") from exc
+        except ValueError as exc:  # a line longer than MAX_LINE_BYTES
+            raise UpstreamProtocolError(f"{url}: {exc}") from exc
+        except aiohttp.ClientError as exc:
             raise UpstreamUnreachable(f"{url}: {exc!r}") from exc
+
+
+    async def _post(self, url: str, data: bytes, headers: dict[str, str]) -> aiohttp.ClientResponse:
+        """The upstream's response; a pooled connection the upstream had just closed (the request could not be
+        written, or no answer came) is retried once on a new one: that request never reached the upstream."""
+        try:
+            return await self._http().post(url, data=data, headers=headers)
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+            if isinstance(exc, aiohttp.ClientConnectorError):  # could not connect at all: no retry
+                raise
+            return await self._http().post(url, data=data, headers=headers)
+
+
+def _auth(api_key: str | None) -> dict[str, str]:
+    return {"authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def _chunk(url: str, data: str) -> dict[str, Any]:
+    try:
+        chunk = json.loads(data)
+    except json.JSONDecodeError as exc:
+        raise UpstreamProtocolError(f"{url}: a stream chunk is not JSON: {data[:200]!r}") from exc
+    if not isinstance(chunk, dict):
+        raise UpstreamProtocolError(f"{url}: a stream chunk is not a JSON object: {data[:200]!r}")
+    if chunk.get("error") is not None:
+        # the upstream failed after the headers were sent: an error event, not content
+        raise UpstreamRejected(_stream_error_status(chunk), chunk)
+    return chunk
 
 
 def _stream_error_status(chunk: dict[str, Any]) -> int:
@@ -85,3 +148,4 @@ def _json_or_text(content: bytes) -> dict[str, Any]:
     except ValueError:
         pass
     return {"error": {"message": content.decode(errors="replace")[:500], "type": "api_error"}}
+

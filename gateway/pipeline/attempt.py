@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 
 from gateway.pipeline.cache_lookup import CacheLookup
+from gateway.pipeline.idempotency import Keep
 from gateway.pipeline.prompt import Prompt
 from gateway.pipeline.route import RouteDecision
 from quotas.reservations import Reservation
@@ -25,6 +26,7 @@ class Attempt:
     cascade_of: str | None = None  # the first attempt's request id, on a cascade's second attempt
     cap_by_context: bool = False  # its output cap is what the tier's context had left
     extra_reason: tuple[str, ...] = field(default=())  # added to the route reason (the cascade's verdict)
+    final: bool = True  # its answer is the client's (False: a cascade's first attempt that is retried)
 
     @property
     def is_cache_hit(self) -> bool:
@@ -38,3 +40,4 @@ class Prepared:
     req: ChatCompletionRequest  # as the tier gets it (the ladder's input cap applied)
     attempt: Attempt
     prompt: Prompt | None  # None for a cache hit
+    keep: Keep | None = None  # the request's Idempotency-Key claim: its final answer is stored

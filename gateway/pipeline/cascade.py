@@ -4,7 +4,9 @@ once more on the next dearer tier. Both attempts are billed; the second's row na
 
 The check runs before the first attempt settles, and the second attempt is reserved then too, so the first
 row can say whether the cascade happened, and why not when it did not (no dearer tier, the ladder, a
-refused reservation). Streams are never cascaded: their first tokens are with the client already.
+refused reservation). Streams are never cascaded: their first tokens are with the client already. Under an
+Idempotency-Key the answer stored is the one the client gets: the second attempt's; if that one fails, the
+first answer stands but is not stored (a retry runs again).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from gateway.pipeline.attempt import Attempt, Prepared
 from gateway.pipeline.cache_lookup import CacheLookup
 from gateway.pipeline.context import RequestContext
 from gateway.pipeline.events import Event, Head
+from gateway.pipeline.idempotency import Keep
 from gateway.pipeline.meter import Outcome
 from gateway.pipeline.route import RouteDecision, RouteStage
 from gateway.pipeline.settle import Settler
@@ -36,7 +39,8 @@ class Pipeline(Protocol):
                headers: dict[str, str] | None = None) -> AsyncIterator[Event]: ...
 
     async def prepare_on(self, ctx: RequestContext, req: ChatCompletionRequest, route: RouteDecision,
-                         lookup: CacheLookup, request_id: str, cascade_of: str | None = None) -> Prepared: ...
+                         lookup: CacheLookup, request_id: str, cascade_of: str | None = None,
+                         keep: Keep | None = None) -> Prepared: ...
 
     def head(self, ctx: RequestContext, req: ChatCompletionRequest, attempt: Attempt,
              extra: dict[str, str] | None = None) -> Head: ...
@@ -99,10 +103,11 @@ async def _judge(pipeline: Pipeline, ctx: RequestContext, prepared: Prepared, at
     no_cache = CacheLookup(Bypass("bypass: a cascade's second attempt"), None, None, {}, ctx.headers, ())
     try:
         second = await pipeline.prepare_on(ctx, prepared.req, route, no_cache, second_id,
-                                           cascade_of=attempt.request_id)
+                                           cascade_of=attempt.request_id, keep=prepared.keep)
     except TiergateError as err:  # over budget or limits for a second attempt: the first answer stands
         why = f"{verdict.why}, cascade to {target.name} refused ({err.code})"
         return Step(replace(attempt, lookup=unkept, extra_reason=(why,)), None)
     pipeline.settler.metrics.cascades.labels(tier.name, target.name, verdict.code).inc()
-    judged = replace(attempt, lookup=unkept, extra_reason=(f"{verdict.why}: cascaded to {target.name} as {second_id}",))
+    judged = replace(attempt, lookup=unkept, final=False,  # the second attempt's answer is the client's
+                     extra_reason=(f"{verdict.why}: cascaded to {target.name} as {second_id}",))
     return Step(judged, second, f"{tier.name}->{target.name}")

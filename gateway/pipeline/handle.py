@@ -27,6 +27,7 @@ from gateway.pipeline.context import RequestContext
 from gateway.pipeline.dispatch import DispatchStage
 from gateway.pipeline.events import Delta, Done, Event, Head
 from gateway.pipeline.gate import TenantGate, scopes_of
+from gateway.pipeline.idempotency import IdempotencyStage, Keep
 from gateway.pipeline.meter import Meter, Outcome
 from gateway.pipeline.prompt import PromptStage
 from gateway.pipeline.refusals import RefusalLog
@@ -36,6 +37,7 @@ from gateway.pipeline.settle import Settler
 from gateway.pipeline.tier_call import TierCaller, Upstream, upstream_body
 from gateway.validation import parse_body
 from quotas.dispatch import Ticket
+from quotas.idempotency import Replay
 from quotas.plans import PRIORITY_ORDER
 from tiers.replica_choice import SESSION_HEADER, affinity_key
 from wire.chat_request import ChatCompletionRequest, normalized_role
@@ -44,7 +46,8 @@ from wire.chat_request import ChatCompletionRequest, normalized_role
 class Pipeline:
     def __init__(self, *, gate: TenantGate, ladder: LadderController | None, route: RouteStage, cache: CacheStage,
                  prompt: PromptStage, reserve: ReserveStage, dispatch: DispatchStage, tier: TierCaller,
-                 settler: Settler, refusals: RefusalLog, ready: Any = None) -> None:
+                 settler: Settler, refusals: RefusalLog, ready: Any = None,
+                 idempotency: IdempotencyStage | None = None) -> None:
         self.gate = gate
         self.ladder = ladder
         self.route = route
@@ -56,25 +59,37 @@ class Pipeline:
         self.settler = settler
         self.refusals = refusals
         self.ready = ready  # () -> str | None: why the gateway cannot take work now (the ledger cannot write)
+        self.idempotency = idempotency
 
     async def handle(self, ctx: RequestContext, body: bytes) -> AsyncIterator[Event]:
         """The answer to one chat request, as events; raises a `TiergateError` before its `Head`."""
         with self.refusals.counted(ctx):
             entry = self.gate.enter(scopes_of(ctx.tenant, ctx.key_id, ctx.plan.limits, ctx.principal.key.limits))
+        keep: Keep | None = None
         try:
             with self.refusals.counted(ctx):
-                prepared = await self._prepare(ctx, body)
+                if self.ready is not None and (why := self.ready()) is not None:
+                    raise Unavailable(f"the gateway cannot take requests now: {why}", code="not_ready",
+                                      retry_after=5)
+                req = parse_request(body)
+                begun = await self.idempotency.begin(ctx, req) if self.idempotency is not None else None
+            if isinstance(begun, Replay):  # answered before: the same answer, charged nothing, written nowhere
+                for event in IdempotencyStage.replay(req, begun.answer):
+                    yield event
+                return
+            keep = Keep(begun) if begun is not None else None
+            with self.refusals.counted(ctx):
+                prepared = await self._prepare(ctx, req, keep)
             events = cascade(self, ctx, prepared) if _cascades(ctx, prepared) else self.answer(ctx, prepared)
             async for event in events:
                 yield event
         finally:
+            if keep is not None and not keep.stored and self.idempotency is not None:  # a retry runs again
+                self.settler.hand_off(self.idempotency.store.abandon(keep.claim))
             entry.leave()
 
-    async def _prepare(self, ctx: RequestContext, body: bytes) -> Prepared:
+    async def _prepare(self, ctx: RequestContext, req: ChatCompletionRequest, keep: Keep | None) -> Prepared:
         """Every check, cheapest first, then the reservation: nothing is charged if any check refuses."""
-        if self.ready is not None and (why := self.ready()) is not None:
-            raise Unavailable(f"the gateway cannot take requests now: {why}", code="not_ready", retry_after=5)
-        req = parse_request(body)
         degr = self._degradation(ctx)
         route = await self.route.choose(ctx, req, degr)
         lookup = await self.cache.lookup(ctx, req, route.tier, degr)
@@ -83,14 +98,15 @@ class Pipeline:
             price = ctx.plan.cache.hit_price_per_1k * tokens / 1000
             reservation = await self.reserve.reserve(ctx, ctx.request_id, tokens=0, price=price)
             return Prepared(req, Attempt(ctx.request_id, route, reservation, lookup,
-                                         route.applied + lookup.applied, hit_price=price), None)
+                                         route.applied + lookup.applied, hit_price=price), None, keep)
         self._refuse_cache_only(ctx, degr, route, lookup)
         if (overloaded := route.overload_refusal()) is not None:
             raise overloaded
-        return await self.prepare_on(ctx, req, route, lookup, ctx.request_id)
+        return await self.prepare_on(ctx, req, route, lookup, ctx.request_id, keep=keep)
 
     async def prepare_on(self, ctx: RequestContext, req: ChatCompletionRequest, route: RouteDecision,
-                         lookup: CacheLookup, request_id: str, cascade_of: str | None = None) -> Prepared:
+                         lookup: CacheLookup, request_id: str, cascade_of: str | None = None,
+                         keep: Keep | None = None) -> Prepared:
         """Count the prompt for the route's tier and reserve (a cascade's second attempt enters here too)."""
         prompt = await self.prompt.measure(req, route.tier, route.degradation)
         tier = route.tier
@@ -100,45 +116,56 @@ class Pipeline:
             req = req.model_copy(update={"messages": list(prompt.messages)})
         attempt = Attempt(request_id, route, reservation, lookup, route.applied + lookup.applied + prompt.applied,
                           cascade_of=cascade_of, cap_by_context=prompt.cap_by_context)
-        return Prepared(req, attempt, prompt)
+        return Prepared(req, attempt, prompt, keep)
 
     async def answer(self, ctx: RequestContext, prepared: Prepared, *, judge: Any = None,
                       headers: dict[str, str] | None = None) -> AsyncIterator[Event]:
         """Dispatch → call → account → settle for one attempt. `judge` (the cascade's) sees an ok outcome
         before it is settled and may add to its route reason and actions."""
-        attempt, meter = prepared.attempt, Meter(ctx.t0)
+        attempt, req, keep = prepared.attempt, prepared.req, prepared.keep
+        meter = Meter(ctx.t0, keep_logprobs=req.logprobs)
         ticket: Ticket | None = None
         upstream: Upstream | None = None
         outcome: Outcome | None = None
-        wait = True
+        wait, with_row, stored = True, (), None
         try:
+            head = self.head(ctx, req, attempt, headers)
             if attempt.lookup.hit is not None:
                 meter.add_cached(attempt.lookup.hit.response, attempt.lookup.hit.usage)
-                yield self.head(ctx, prepared.req, attempt, headers)
+                yield head
                 yield Delta(attempt.lookup.hit.response, None)
             else:
                 ticket, upstream = await self._call(ctx, prepared, meter)
-                yield self.head(ctx, prepared.req, attempt, headers)
+                yield head
                 async for chunk in upstream:
                     content, logprobs, _ = meter.add(chunk)
-                    if content or logprobs:
-                        yield Delta(content, logprobs)
+                    if content or (logprobs and req.logprobs):  # logprobs the client did not ask for stay ours
+                        yield Delta(content, logprobs if req.logprobs else None)
             outcome = meter.outcome("ok", 200)
             if judge is not None:
                 attempt = await judge(attempt, outcome)
+            if keep is not None and attempt.final and self.idempotency is not None:
+                stored = IdempotencyStage.answer(self.head(ctx, req, attempt, headers), outcome,
+                                                 meter.logprobs if req.logprobs else None)
+                with_row = self.idempotency.store.finish_with_row(keep.claim, stored, ctx.plan.idempotency_ttl_s)
         except (asyncio.CancelledError, GeneratorExit):
             outcome, wait = meter.outcome("cancelled", 499), False  # a leaving client's task must not wait
             raise
         except Exception as exc:
             err = client_error(exc)
-            outcome = meter.outcome("error", err.status_code, err.code)
+            # a stream's client has the text so far; a JSON answer's client gets only the error
+            outcome = meter.outcome("error", err.status_code, err.code, output_delivered=req.stream)
             if err is exc:
                 raise
             raise err from exc
         finally:
             if upstream is not None and outcome is not None and outcome.status != "ok":
                 await _close_quietly(upstream)
-            await self.settler.settle(ctx, attempt, outcome or meter.outcome("cancelled", 499), ticket, wait=wait)
+            await self.settler.settle(ctx, attempt, outcome or meter.outcome("cancelled", 499), ticket, wait=wait,
+                                      with_row=with_row)
+        if stored is not None and keep is not None and self.idempotency is not None:
+            await self.idempotency.store.finish(keep.claim, stored, ctx.plan.idempotency_ttl_s)
+            keep.stored = True  # durable with its row (or in Redis) before the client reads the end
         yield Done(outcome.finish_reason, outcome.input_tokens, outcome.output_tokens)
 
     async def _call(self, ctx: RequestContext, prepared: Prepared, meter: Meter) -> tuple[Ticket, Upstream]:

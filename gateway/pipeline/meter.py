@@ -33,8 +33,10 @@ class Outcome:
 
 
 class Meter:
-    def __init__(self, t0: float) -> None:
+    def __init__(self, t0: float, *, keep_logprobs: bool = False) -> None:
         self.t0 = t0
+        self.keep_logprobs = keep_logprobs  # the client asked for them: they are part of its answer
+        self.logprobs: list[dict[str, Any]] = []
         self.input_tokens = 0
         self.output_tokens = 0
         self.finish_reason: str | None = None
@@ -77,6 +79,8 @@ class Meter:
             lp = choice.get("logprobs")
             if isinstance(lp, dict) and isinstance(lp.get("content"), list):
                 logprobs = (logprobs or []) + lp["content"]
+                if self.keep_logprobs:
+                    self.logprobs.extend(lp["content"])
                 total, n = sum_logprobs([lp])
                 self._logprob_sum += total
                 self._logprob_n += n
@@ -93,8 +97,12 @@ class Meter:
         self.finish_reason = usage.get("finish_reason") or "stop"
         self.ttft_s = time.perf_counter() - self.t0
 
-    def outcome(self, status: str, http_status: int, error_code: str | None = None) -> Outcome:
+    def outcome(self, status: str, http_status: int, error_code: str | None = None, *,
+                output_delivered: bool = True) -> Outcome:
+        """How the attempt ended. With `output_delivered` False (an error the client got instead of a JSON
+        answer) the output is not billed: the client pays for the prompt it sent, not for text it never saw."""
         self.upstream_ended()
         mean = self._logprob_sum / self._logprob_n if self._logprob_n else None
-        return Outcome(status, http_status, error_code, self.input_tokens, self.output_tokens, self.finish_reason,
+        output = self.output_tokens if output_delivered else 0
+        return Outcome(status, http_status, error_code, self.input_tokens, output, self.finish_reason,
                        "".join(self._parts), self.ttft_s, self.upstream_s, self.busy_s, mean)

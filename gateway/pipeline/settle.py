@@ -9,6 +9,7 @@ its writes are handed off, the row still queued synchronously for the next group
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Coroutine
@@ -23,7 +24,7 @@ from gateway.pipeline.context import RequestContext
 from gateway.pipeline.dispatch import DispatchStage
 from gateway.pipeline.meter import Outcome
 from quotas.dispatch import Ticket
-from quotas.ledger import Ledger, LedgerRow
+from quotas.ledger import Ledger, LedgerRow, Statement
 from quotas.reservations import QuotaService
 from tiers.catalogue import TierCatalogue
 
@@ -43,18 +44,20 @@ class Settler:
         self._background: set[asyncio.Task[Any]] = set()
 
     async def settle(self, ctx: RequestContext, attempt: Attempt, outcome: Outcome, ticket: Ticket | None, *,
-                     wait: bool) -> LedgerRow:
+                     wait: bool, with_row: tuple[Statement, ...] = ()) -> LedgerRow:
         """Write the attempt's row and release what it held; durable before return unless `wait` is False.
 
         What holds money or capacity comes first and cannot be skipped by a failure after it: the row is
-        queued, the slot freed and the quota settled whatever the metrics or the cache do.
+        queued, the slot freed and the quota settled whatever the metrics or the cache do. The quota is
+        settled once the row is durable: a gateway killed in between leaves a reservation that the quota
+        reaper bills from the ledger row, never a settled quota without its row.
         """
         row = self.row(ctx, attempt, outcome)
-        written = self.ledger.submit(row)
+        written = self.ledger.submit(row, with_row=with_row)
         if ticket is not None:
             self.dispatch.release(attempt.route.tier.name, ticket, outcome.input_tokens + outcome.output_tokens)
         used = 0 if attempt.is_cache_hit else outcome.input_tokens + outcome.output_tokens  # a hit runs no model
-        quota = self._hand_off(self.quotas.settle(attempt.reservation, tokens=used, price=row.price_usd))
+        quota = self.hand_off(self._settle_quota(written, attempt, used, row.price_usd))
         try:
             self._observe(attempt, outcome, row)
         except Exception:  # metrics and the cache are not worth a lost settlement
@@ -63,6 +66,12 @@ class Settler:
             await self.ledger.wait_durable(written)
             await asyncio.shield(quota)
         return row
+
+    async def _settle_quota(self, written: asyncio.Future[None], attempt: Attempt, tokens: int,
+                            price: Decimal) -> None:
+        with contextlib.suppress(Exception):  # the row's own fate is the caller's; the quota settles anyway
+            await self.ledger.wait_durable(written)
+        await self.quotas.settle(attempt.reservation, tokens=tokens, price=price)
 
     def _observe(self, attempt: Attempt, outcome: Outcome, row: LedgerRow) -> None:
         if outcome.status == "ok" and not attempt.is_cache_hit:
@@ -105,7 +114,7 @@ class Settler:
             requested_tier=requested, route_saving_usd=route_saving, cache_status=attempt.lookup.status,
             cache_saving_usd=cache_saving, cascade_of=attempt.cascade_of)
 
-    def _hand_off(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+    def hand_off(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         """Run `work` to its end even if the caller is cancelled; its failure is logged (the backend's
         own failover decides what a failed settle means)."""
         task = asyncio.get_running_loop().create_task(work)
@@ -116,7 +125,7 @@ class Settler:
     def _done(self, task: asyncio.Task[Any]) -> None:
         self._background.discard(task)
         if not task.cancelled() and task.exception() is not None:
-            log.error("settling a quota reservation failed: %s", task.exception())
+            log.error("work handed off by a request failed: %s", task.exception())
 
     async def drain(self) -> None:
         """Wait for handed-off settlements (shutdown, tests)."""

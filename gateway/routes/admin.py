@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.auth import require_admin
 from gateway.errors import InvalidRequest
+from gateway.pipeline.cache_lookup import CacheStage
 from gateway.tenants.keys import MAX_GRACE_S, MAX_TTL_S
 from gateway.tenants.store import ADMIN, TenantStore
 from gateway.validation import parse_body
@@ -58,9 +59,13 @@ async def create_tenant(request: Request[Any, Any, Any], store: NamedDependency[
 
 
 @post("/tenants/{name:str}/data-version", status_code=200)
-async def bump_data_version(store: NamedDependency[TenantStore], name: FromPath[str]) -> dict[str, Any]:
-    """The tenant's data changed: cached answers made from the old data become unreachable at once."""
-    return {"tenant": name, "data_version": store.bump_data_version(name)}
+async def bump_data_version(store: NamedDependency[TenantStore], cache: NamedDependency[CacheStage],
+                            name: FromPath[str]) -> dict[str, Any]:
+    """The tenant's data changed: cached answers made from the old data become unreachable at once, and are
+    deleted (from the store every process shares, and from each process's index as it follows the store)."""
+    version = store.bump_data_version(name)
+    await cache.bump_data_version(name, version)
+    return {"tenant": name, "data_version": version}
 
 
 @get("/keys")

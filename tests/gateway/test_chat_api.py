@@ -126,7 +126,8 @@ def test_huge_body_is_413(gateway: Gateway) -> None:
 
 
 def test_keys_missing_unknown_revoked_expired_are_401(gateway: Gateway) -> None:
-    _, plaintext = gateway.store.issue_key("acme", expires_at=time.time() + 0.3)
+    expires_at = time.time() + 3.0  # room for a slow machine to send the requests before it
+    _, plaintext = gateway.store.issue_key("acme", expires_at=expires_at)
     with gateway.client() as c:
         assert c.post("/v1/chat/completions", json={"model": "auto", "messages": MSG}).status_code == 401
     with gateway.client("tg-000000000000-nope") as c:
@@ -134,7 +135,7 @@ def test_keys_missing_unknown_revoked_expired_are_401(gateway: Gateway) -> None:
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
     with gateway.client(plaintext) as c:
         assert c.post("/v1/chat/completions", json={"model": "auto", "messages": MSG}).status_code == 200
-        time.sleep(0.4)
+        time.sleep(max(0.0, expires_at - time.time()) + 0.1)
         assert c.post("/v1/chat/completions", json={"model": "auto", "messages": MSG}).status_code == 401
     # revoked through a second connection (as the CLI does): takes effect on the next request
     with gateway.client(gateway.tenant_key) as c:

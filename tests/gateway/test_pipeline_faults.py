@@ -120,3 +120,15 @@ def test_a_ledger_that_cannot_write_makes_the_gateway_refuse_new_work(
     with gateway.client() as anonymous, gateway.client(gateway.admin_key) as admin:
         assert anonymous.get("/health").status_code == 503  # load balancers stop sending work here
         assert admin.get("/health").json()["ledger"] == "disk full"
+
+
+def test_a_json_answer_that_fails_midway_bills_the_prompt_only(gateway: Gateway) -> None:
+    """The client got an error and none of the text, so none of the output is billed (a stream's client has
+    the text so far and pays for it: tests/gateway/test_chat_api.py)."""
+    with gateway.client(gateway.tenant_key) as c:
+        r = c.post("/v1/chat/completions", json={"model": "mid", "messages": [{"role": "user", "content": "STUB:die"}]})
+    assert r.status_code >= 500 and "error" in r.json()
+    (row,) = gateway.ledger_rows()
+    tier = gateway.app.state.services.catalogue.tiers["mid"]
+    assert row.status == "error" and row.input_tokens > 0 and row.output_tokens == 0
+    assert row.price_usd == tier.price(row.input_tokens, 0)

@@ -1,0 +1,90 @@
+"""Idempotency: a request with an `Idempotency-Key` header runs once per tenant and key.
+
+The OpenAI SDKs retry a request whose answer was lost (a timeout, a dropped connection) with the same
+`Idempotency-Key`; without this the tenant would pay twice. As Stripe does it:
+- the key's first request claims it and runs; its answer is stored with its ledger row (quotas/idempotency.py)
+  for the plan's `idempotency_ttl_s` (24 h by default);
+- a retry after that gets the stored answer (the same id, body and usage; as JSON, or replayed as a stream),
+  with `x-tiergate-idempotent-replay: true`, charged nothing and written nowhere;
+- a retry while the first still runs waits for it, up to `wait_s`, then gets 409 with Retry-After;
+- the same key with another body is a 422 naming the header;
+- an answer that failed, or whose client left, is not stored: the claim is given up and a retry runs again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from typing import Any
+
+from gateway.errors import Conflict, InvalidRequest, Unprocessable
+from gateway.pipeline.context import RequestContext
+from gateway.pipeline.events import Delta, Done, Event, Head
+from gateway.pipeline.meter import Outcome
+from quotas.idempotency import Claim, IdempotencyStore, Mismatch, Replay, Running
+from wire.chat_request import ChatCompletionRequest
+
+HEADER = "idempotency-key"
+REPLAY_HEADER = "x-tiergate-idempotent-replay"
+MAX_KEY_CHARS = 255
+
+
+class Keep:
+    """A request's claim on its Idempotency-Key, and whether its answer has been stored; a claim whose
+    answer was not stored when the request ends is given up (gateway/pipeline/handle.py)."""
+
+    def __init__(self, claim: Claim) -> None:
+        self.claim = claim
+        self.stored = False
+
+
+class IdempotencyStage:
+    def __init__(self, store: IdempotencyStore, *, wait_s: float = 10.0, lease_s: float = 600.0,
+                 poll_s: float = 0.1) -> None:
+        self.store = store
+        self.wait_s = wait_s
+        self.lease_s = lease_s  # a claim whose owner never finishes (a killed gateway) frees the key after this
+        self.poll_s = poll_s
+
+    async def begin(self, ctx: RequestContext, req: ChatCompletionRequest) -> Claim | Replay | None:
+        """None without the header; else this request's claim, or the stored answer to replay."""
+        key = ctx.headers.get(HEADER)
+        if key is None:
+            return None
+        if not 1 <= len(key) <= MAX_KEY_CHARS or not key.isascii() or not key.isprintable():
+            raise InvalidRequest(f"Idempotency-Key must be 1 to {MAX_KEY_CHARS} printable ASCII characters",
+                                 param="Idempotency-Key", code="invalid_idempotency_key")
+        fingerprint = hashlib.sha256(req.model_dump_json(exclude_unset=True).encode()).hexdigest()
+        deadline = time.monotonic() + self.wait_s
+        while True:
+            begun = await self.store.begin(ctx.tenant, key, fingerprint, ctx.request_id, lease_s=self.lease_s)
+            if isinstance(begun, Claim | Replay):
+                return begun
+            if isinstance(begun, Mismatch):
+                raise Unprocessable("Idempotency-Key: this key was used with another request body; use a new key "
+                                    "for a new request", param="Idempotency-Key", code="idempotency_key_reused")
+            assert isinstance(begun, Running)
+            if time.monotonic() >= deadline:
+                raise Conflict("Idempotency-Key: a request with this key is still running; retry later",
+                               param="Idempotency-Key", code="idempotency_key_in_use", retry_after=1)
+            await asyncio.sleep(self.poll_s)
+
+    def ttl_s(self, ctx: RequestContext) -> float:
+        return ctx.plan.idempotency_ttl_s
+
+    @staticmethod
+    def answer(head: Head, outcome: Outcome, logprobs: list[dict[str, Any]] | None) -> dict[str, Any]:
+        """What is stored of an answer: enough to send it again, as JSON or as a stream."""
+        headers = {k: v for k, v in head.headers.items() if not k.startswith("x-ratelimit-")}
+        return {"id": head.response_id, "created": head.created, "model": head.model, "text": outcome.text,
+                "finish_reason": outcome.finish_reason, "prompt_tokens": outcome.input_tokens,
+                "completion_tokens": outcome.output_tokens, "logprobs": logprobs, "headers": headers}
+
+    @staticmethod
+    def replay(req: ChatCompletionRequest, answer: dict[str, Any]) -> list[Event]:
+        headers = {**answer["headers"], REPLAY_HEADER: "true"}
+        return [Head(answer["id"], answer["created"], answer["model"], headers, stream=req.stream,
+                     include_usage=req.include_usage),
+                Delta(answer["text"], answer.get("logprobs")),
+                Done(answer["finish_reason"], answer["prompt_tokens"], answer["completion_tokens"])]

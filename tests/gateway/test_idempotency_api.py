@@ -1,0 +1,156 @@
+"""Idempotency-Key through HTTP with the official OpenAI client: an answer lost on the way back is replayed
+to the SDK's retry with the same id and usage, charged once (JSON and stream); another body with the same key
+is a 422; a retry while the first runs waits for it or gets a 409; a failed answer is not stored; a replica
+that did not serve the first request replays it (Redis). Every test runs with the records in SQLite (embedded)
+and in PostgreSQL (a fleet's database)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from gateway.settings import Settings
+from tests.conftest import Gateway, running_gateway
+from tests.fault_proxy import DroppingProxy
+from tests.stubs import REPLY, ServerThread, StubState
+
+MSG = [{"role": "user", "content": "hello there"}]
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def gateway_settings(request: pytest.FixtureRequest, gateway_settings: Settings) -> Settings:
+    """conftest's settings, with the ledger and the idempotency records in the data directory or in PostgreSQL."""
+    if request.param == "sqlite":
+        return gateway_settings
+    return gateway_settings.model_copy(update={"database_url": request.getfixturevalue("database_url")})
+
+
+@pytest.fixture
+def proxy(gateway: Gateway) -> Iterator[DroppingProxy]:
+    p = DroppingProxy(int(gateway.url.rsplit(":", 1)[1])).start()
+    yield p
+    p.stop()
+
+
+def sdk(url: str, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=2, timeout=30)
+
+
+def spent(gateway: Gateway) -> Any:
+    return sum(r.price_usd for r in gateway.ledger_rows())
+
+
+def test_a_lost_answer_is_replayed_to_the_retry_and_charged_once(gateway: Gateway, proxy: DroppingProxy) -> None:
+    client = sdk(proxy.url, gateway.tenant_key)
+    raw = client.chat.completions.with_raw_response.create(
+        model="mid", messages=MSG, extra_headers={"Idempotency-Key": "order-42"})
+    out = raw.parse()
+    assert proxy.dropped == 1  # the first answer was lost, the SDK retried
+    assert raw.headers["x-tiergate-idempotent-replay"] == "true"
+    assert out.choices[0].message.content == REPLY and out.usage.completion_tokens == len(REPLY.split())
+    (row,) = gateway.ledger_rows()  # one run, one row, charged once
+    assert out.id == f"chatcmpl-{row.request_id}" and row.output_tokens == out.usage.completion_tokens
+    assert len(gateway.stub.requests) == 1
+    again = sdk(gateway.url, gateway.tenant_key).chat.completions.create(  # later retries: the same answer
+        model="mid", messages=MSG, extra_headers={"Idempotency-Key": "order-42"})
+    assert again.id == out.id and len(gateway.ledger_rows()) == 1
+
+
+def test_a_lost_stream_is_replayed_as_a_stream(gateway: Gateway, proxy: DroppingProxy) -> None:
+    client = sdk(proxy.url, gateway.tenant_key)
+    stream = client.chat.completions.create(model="mid", messages=MSG, stream=True,
+                                            stream_options={"include_usage": True},
+                                            extra_headers={"Idempotency-Key": "stream-1"})
+    chunks = list(stream)
+    assert proxy.dropped == 1
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    usage = chunks[-1].usage
+    assert text == REPLY and usage is not None and usage.completion_tokens == len(REPLY.split())
+    (row,) = gateway.ledger_rows()
+    assert {c.id for c in chunks} == {f"chatcmpl-{row.request_id}"}
+    assert len(gateway.stub.requests) == 1
+
+
+def test_the_same_key_with_another_body_is_a_422(gateway: Gateway) -> None:
+    with gateway.client(gateway.tenant_key) as c:
+        first = c.post("/v1/chat/completions", json={"model": "mid", "messages": MSG},
+                       headers={"idempotency-key": "k"})
+        other = c.post("/v1/chat/completions", json={"model": "mid", "messages": [{"role": "user", "content": "x"}]},
+                       headers={"idempotency-key": "k"})
+    assert first.status_code == 200
+    assert other.status_code == 422 and other.json()["error"]["param"] == "Idempotency-Key"
+    assert other.json()["error"]["code"] == "idempotency_key_reused"
+    assert len(gateway.ledger_rows()) == 1
+
+
+def test_keys_are_per_tenant_and_malformed_keys_are_refused(gateway: Gateway) -> None:
+    gateway.store.create_tenant("other", "standard")
+    _, other_key = gateway.store.issue_key("other")
+    with gateway.client(gateway.tenant_key) as mine, gateway.client(other_key) as theirs:
+        a = mine.post("/v1/chat/completions", json={"model": "mid", "messages": MSG}, headers={"idempotency-key": "k"})
+        b = theirs.post("/v1/chat/completions", json={"model": "mid", "messages": MSG},
+                        headers={"idempotency-key": "k"})
+        assert a.status_code == b.status_code == 200
+        assert "x-tiergate-idempotent-replay" not in b.headers and a.json()["id"] != b.json()["id"]
+        bad = mine.post("/v1/chat/completions", json={"model": "mid", "messages": MSG},
+                        headers={"idempotency-key": "x" * 300})
+        assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_idempotency_key"
+
+
+def test_a_retry_while_the_first_runs_waits_for_it_or_gets_a_409(gateway: Gateway) -> None:
+    slow = {"model": "mid", "messages": [{"role": "user", "content": "STUB:slow"}]}
+    results: dict[str, httpx.Response] = {}
+
+    def post(key: str, name: str) -> None:
+        with gateway.client(gateway.tenant_key) as c:
+            results[name] = c.post("/v1/chat/completions", json=slow, headers={"idempotency-key": key})
+
+    first = threading.Thread(target=post, args=("slow", "first"))
+    first.start()
+    time.sleep(0.4)
+    post("slow", "waited")  # waits (the default bound is 10 s) and gets the replay
+    first.join()
+    assert results["waited"].status_code == 200
+    assert results["waited"].headers["x-tiergate-idempotent-replay"] == "true"
+    assert results["waited"].json()["id"] == results["first"].json()["id"]
+
+    gateway.app.state.services.pipeline.idempotency.wait_s = 0.1
+    first = threading.Thread(target=post, args=("slow-2", "first"))
+    first.start()
+    time.sleep(0.4)
+    post("slow-2", "busy")
+    first.join()
+    busy = results["busy"]
+    assert busy.status_code == 409 and busy.json()["error"]["code"] == "idempotency_key_in_use"
+    assert busy.headers["retry-after"] == "1" and results["first"].status_code == 200
+    assert len(gateway.stub.requests) == 2  # each key ran once
+
+
+def test_an_answer_that_failed_is_not_stored(gateway: Gateway) -> None:
+    with gateway.client(gateway.tenant_key) as c:
+        for _ in range(2):
+            r = c.post("/v1/chat/completions", json={"model": "mid", "messages": [{"role": "user",
+                                                                                    "content": "STUB:400"}]},
+                       headers={"idempotency-key": "fails"})
+            assert r.status_code == 400 and "x-tiergate-idempotent-replay" not in r.headers
+    assert len(gateway.stub.requests) == 2  # the retry ran again
+
+
+def test_a_replica_that_did_not_serve_the_first_request_replays_it(
+        gateway_settings: Settings, stub: tuple[ServerThread, StubState], redis_url: str, tmp_path: Any) -> None:
+    a_settings = gateway_settings.model_copy(update={"redis_url": redis_url})
+    b_settings = gateway_settings.model_copy(update={"redis_url": redis_url, "data_dir": tmp_path / "b"})
+    with running_gateway(a_settings, stub[1]) as a, running_gateway(b_settings, stub[1]) as b:
+        first = sdk(a.url, a.tenant_key).chat.completions.create(
+            model="mid", messages=MSG, extra_headers={"Idempotency-Key": "fleet-1"})
+        raw = sdk(b.url, b.tenant_key).chat.completions.with_raw_response.create(
+            model="mid", messages=MSG, extra_headers={"Idempotency-Key": "fleet-1"})
+        assert raw.headers["x-tiergate-idempotent-replay"] == "true" and raw.parse().id == first.id
+        # one row, in a's ledger (each replica has its own file), or in the fleet's (the same for both)
+        assert len(a.ledger_rows()) == 1 and len(b.ledger_rows()) == (1 if a_settings.database_url else 0)
