@@ -3,7 +3,7 @@
     .venv/bin/python -m bench.gateway                       # the measurement: 10 s per cell, c = 1 / 16 / 64
     .venv/bin/python -m bench.gateway --quick               # a smoke run: 2 s per cell
     .venv/bin/python -m bench.gateway --compare-ref e0f0f18 --json /tmp/gateway.json
-    .venv/bin/python -m bench.gateway --workers 2           # once `tiergate serve --workers` exists
+    .venv/bin/python -m bench.gateway --workers 2           # 1 and 2 gateway workers, cell by cell
 
 Only the gateway is timed: every tier points at bench/gateway_mock.py, an upstream many times faster than the
 gateway (its own rate is measured in the same run and must be at least 5x the fastest gateway cell). The
@@ -18,6 +18,13 @@ hit: one deterministic request, sent once before timing, then repeated; (c) dete
 temperature 0 and a new prompt per request (embed, search, store); (d) streaming: time to the first text
 chunk and time per chunk, against the mock alone. wrk counts every answer's x-tiergate-cache header, so the
 tables show that (a) bypassed the cache, (b) hit it and (c) missed it.
+
+`--workers N` (N > 1) measures scaling: Tiergate with 1 worker pinned to one core and with N workers
+(`tiergate serve --workers N`) pinned to N cores, both on a redis-server of the run's own (on the load core: what
+several workers share quotas, cache and ladder through), both running at once and measured alternately, cell by
+cell, so that noise from other work on the machine falls on both; the report gives N workers over 1 per cell.
+LiteLLM then runs with `--num_workers N`. On a machine with fewer than N + 1 CPUs the load generator shares the
+gateway's first core, which the report says: such a run shows that the workers serve, not how they scale.
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ from bench.gateway_targets import (
     settle,
     start_litellm,
     start_mock,
+    start_redis,
     start_tiergate,
 )
 
@@ -108,16 +116,22 @@ class Runner:
         return cell
 
     def run_target(self, server: Server, label: str, paths: list[PathSpec]) -> None:
+        self.run_alternating([(server, label)], paths)
+
+    def run_alternating(self, targets: list[tuple[Server, str]], paths: list[PathSpec]) -> None:
+        """Every path on every target, the targets taking turns cell by cell (one target: in order)."""
         for spec in paths:
-            if spec.prime:
-                self.measure(server, label, spec, 1, 1)
-            if self.args.warmup > 0:  # connections, the tokenizer, the embedder: loaded before timing
-                self.measure(server, label, spec, 16, self.args.warmup)
+            for server, label in targets:
+                if spec.prime:
+                    self.measure(server, label, spec, 1, 1)
+                if self.args.warmup > 0:  # connections, the tokenizer, the embedder: loaded before timing
+                    self.measure(server, label, spec, 16, self.args.warmup)
             for c in self.args.concurrency:
-                cell = self.measure(server, label, spec, c, self.args.seconds)
-                self.cells.append(cell)
-                print(f"  {label:<28} {spec.key} c={c:<3} {cell.rps:8.0f} req/s  p50 {cell.p50_ms or 0:7.2f} ms  "
-                      f"p99 {cell.p99_ms or 0:8.2f} ms  errors {cell.errors}  {cell.answers}", file=sys.stderr)
+                for server, label in targets:
+                    cell = self.measure(server, label, spec, c, self.args.seconds)
+                    self.cells.append(cell)
+                    print(f"  {label:<28} {spec.key} c={c:<3} {cell.rps:8.0f} req/s  p50 {cell.p50_ms or 0:7.2f} ms  "
+                          f"p99 {cell.p99_ms or 0:8.2f} ms  errors {cell.errors}  {cell.answers}", file=sys.stderr)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -136,7 +150,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                    "list gets the same name) [auto]")
     p.add_argument("--workers", type=int, default=1,
                    help="gateway processes (`tiergate serve --workers N`, LiteLLM's --num_workers N), pinned to "
-                        "N cores of their own; refused while `tiergate serve` has no --workers option [1]")
+                        "N cores of their own; above 1, Tiergate also runs with 1 worker, alternating, both on a "
+                        "redis-server of the run's own [1]")
     p.add_argument("--compare-ref", metavar="GIT_REV",
                    help="also run Tiergate at this commit (a temporary git worktree, removed afterwards)")
     p.add_argument("--no-litellm", action="store_true", help="skip LiteLLM's proxy")
@@ -171,8 +186,12 @@ def check_host(args: argparse.Namespace) -> tuple[list[int], list[int]]:
                          "run without --workers")
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < args.workers + 1:
-        raise SystemExit(f"{args.workers} gateway worker(s) need {args.workers + 1} CPUs (one for the load "
-                         f"generator and the mock); this process may use {len(cpus)}: {cpus}")
+        if args.workers == 1 or len(cpus) < args.workers:
+            raise SystemExit(f"{args.workers} gateway worker(s) need {args.workers + 1} CPUs (one for the load "
+                             f"generator and the mock); this process may use {len(cpus)}: {cpus}")
+        print(f"only {len(cpus)} CPUs: the load generator shares CPU {cpus[0]} with the gateway's workers; this run "
+              "shows that the workers serve, not how they scale", file=sys.stderr)
+        return cpus[:1], cpus[1:] + cpus[:args.workers - len(cpus) + 1]  # 1 worker on a core of its own
     return cpus[:1], cpus[1:1 + args.workers]
 
 
@@ -190,6 +209,18 @@ def with_target(start: Callable[[], Server], skipped: dict[str, str], label: str
         server.stop()
 
 
+def scaling(runner: Runner, label: str, work: Path, mock_url: str, gw_cpus: list[int], redis_url: str,
+            skipped: dict[str, str], paths: list[PathSpec]) -> None:
+    """Tiergate with 1 worker on one core and with N on N cores, one Redis (a database each), measured
+    alternately."""
+    n = len(gw_cpus)
+    one, many = f"{label} 1 worker", f"{label} {n} workers"
+    with_target(lambda: start_tiergate(one, REPO, work / "tiergate-1", mock_url, gw_cpus[:1], 1, f"{redis_url}/0"),
+                skipped, one, lambda s1: with_target(
+                    lambda: start_tiergate(many, REPO, work / f"tiergate-{n}", mock_url, gw_cpus, n, f"{redis_url}/1"),
+                    skipped, many, lambda sn: runner.run_alternating([(s1, one), (sn, many)], paths)))
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     load_cpus, gw_cpus = check_host(args)
@@ -199,7 +230,8 @@ def main(argv: list[str] | None = None) -> None:
     skipped: dict[str, str] = {}
     overridden = sorted(k for k in OWNED_SETTINGS if k in os.environ)
     honoured = sorted(k for k in os.environ if k.startswith("TIERGATE_") and k not in OWNED_SETTINGS)
-    info = machine_info(load_cpus, gw_cpus) | {"honoured_settings": honoured, "overridden_settings": overridden}
+    info = machine_info(load_cpus, gw_cpus) | {"honoured_settings": honoured, "overridden_settings": overridden,
+                                               "load_shares_gateway_cpu": bool(set(load_cpus) & set(gw_cpus))}
     started = time.time()
     with tempfile.TemporaryDirectory(prefix="tg-bench-") as name:
         work = Path(name)
@@ -208,8 +240,15 @@ def main(argv: list[str] | None = None) -> None:
             print(f"mock upstream at {mock.url} (CPU {load_cpus[0]})", file=sys.stderr)
             runner.run_target(mock, "mock alone", [p for p in paths if not p.cache_only])
             label = f"Tiergate {head_label()}"
-            with_target(lambda: start_tiergate(label, REPO, work / "tiergate", mock.url, gw_cpus, args.workers),
-                        skipped, label, lambda s: runner.run_target(s, label, paths))
+            if args.workers > 1:
+                redis = start_redis(work / "redis")
+                try:
+                    scaling(runner, label, work, mock.url, gw_cpus, f"redis://127.0.0.1:{redis.port}", skipped, paths)
+                finally:
+                    redis.stop()
+            else:
+                with_target(lambda: start_tiergate(label, REPO, work / "tiergate", mock.url, gw_cpus, 1),
+                            skipped, label, lambda s: runner.run_target(s, label, paths))
             if not args.no_litellm:
                 holder: dict[str, str] = {}
 
@@ -224,7 +263,7 @@ def main(argv: list[str] | None = None) -> None:
             if args.compare_ref:
                 with ref_worktree(args.compare_ref, work) as (tree, short):
                     ref_label = f"Tiergate @ {short} (ref)"
-                    with_target(lambda: start_tiergate(ref_label, tree, work / "ref", mock.url, gw_cpus, args.workers),
+                    with_target(lambda: start_tiergate(ref_label, tree, work / "ref", mock.url, gw_cpus, 1),
                                 skipped, ref_label, lambda s: runner.run_target(s, ref_label, paths))
         finally:
             mock.stop()

@@ -98,6 +98,9 @@ def _header(info: dict[str, Any], args: argparse.Namespace, cells: list[Cell], c
         "correction). Path d: an asyncio client (uvloop, httptools), closed loop, same percentile rule. "
         f"`*`: fewer than {FEW} answers in the cell, its percentiles are rough.",
     ]
+    if info.get("load_shares_gateway_cpu"):
+        lines.append("- **The load generator shares a CPU with the gateway** (fewer CPUs than workers + 1): this run "
+                     "shows that the workers serve, not how they scale.")
     if info.get("honoured_settings") or info.get("overridden_settings"):
         lines.append(f"- TIERGATE_* from the environment: honoured {info['honoured_settings'] or 'none'}; "
                      f"set by the harness instead {info['overridden_settings'] or 'none'}.")
@@ -156,6 +159,19 @@ def _added(path: PathLike, cells: list[Cell]) -> str:
     return f"Added at c=1 over the mock alone ({what}): " + "; ".join(out) + "." if out else ""
 
 
+def _scaling(path: PathLike, cells: list[Cell], workers: int) -> str:
+    """`--workers N`: Tiergate's N workers over its 1 worker, per concurrency (cells measured alternately)."""
+    if workers < 2:
+        return ""
+    pairs = []
+    for one in (x for x in cells if x.path == path.key and x.target.endswith(" 1 worker")):
+        many = _find(cells, one.target.removesuffix(" 1 worker") + f" {workers} workers", path.key, one.concurrency)
+        pairs.append(f"c={one.concurrency} {_ratio(many, one)}")
+    if not pairs:
+        return ""
+    return f"Tiergate's {workers} workers ({workers} cores) over its 1 worker (1 core), req/s: {', '.join(pairs)}."
+
+
 def render(info: dict[str, Any], args: argparse.Namespace, paths: list[PathLike], cells: list[Cell],
            skipped: dict[str, str], command: str) -> str:
     ref = next((c.target for c in cells if c.target.endswith("(ref)")), None)
@@ -165,6 +181,8 @@ def render(info: dict[str, Any], args: argparse.Namespace, paths: list[PathLike]
         lines += _stream_table(path, cells, ref) if path.stream else _plain_table(path, cells, ref)
         if added := _added(path, cells):
             lines += ["", added]
+        if scaled := _scaling(path, cells, args.workers):
+            lines += ["", scaled]
     if any(c.path == "b" for c in cells) and not any(c.path == "b" and c.target.startswith("LiteLLM") for c in cells):
         lines += ["", "LiteLLM has no answer cache configured (no Redis, no database): path (b) is Tiergate's only."]
     if skipped:

@@ -167,8 +167,31 @@ def tiergate_env(repo: Path, data_dir: Path, tiers: Path, plans: Path, port: int
     return env
 
 
-def start_tiergate(name: str, repo: Path, workdir: Path, mock_url: str, cpus: list[int], workers: int) -> Server:
-    """`tiergate serve` from `repo` on `cpus`, every tier pointed at the mock; a tenant `bench` and its key."""
+def start_redis(workdir: Path) -> Server:
+    """A redis-server of the run's own (no persistence) on the caller's CPUs: the quota backend, cache and ladder
+    that several gateway workers share (`tiergate serve --workers N` needs one)."""
+    exe = shutil.which("redis-server")
+    if exe is None:
+        raise SystemExit("--workers needs redis-server (Debian: `apt-get install -y redis-server`): several gateway "
+                         "workers count quotas there")
+    port = free_port()
+    server = spawn("redis", [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+                   workdir / "redis.log", cwd=REPO, port=port)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+            s.sendall(b"PING\r\n")
+            if s.recv(16).startswith(b"+PONG"):
+                return server
+        time.sleep(0.05)
+    server.stop()
+    raise SystemExit(f"redis-server did not answer on port {port}:\n{server.log_tail()}")
+
+
+def start_tiergate(name: str, repo: Path, workdir: Path, mock_url: str, cpus: list[int], workers: int,
+                   redis_url: str | None = None) -> Server:
+    """`tiergate serve` from `repo` on `cpus`, every tier pointed at the mock; a tenant `bench` and its key.
+    `redis_url`: quotas, cache and ladder there (what `--workers` above 1 needs), else the embedded stores."""
     workdir.mkdir(parents=True, exist_ok=True)
     tiers, plans, data_dir = workdir / "tiers.yaml", workdir / "plans.yaml", workdir / "data"
     tiers.write_text("tiers:\n" + "".join(TIER.format(name=t, url=mock_url, pin=p[0], pout=p[1], hw=p[2])
@@ -176,6 +199,8 @@ def start_tiergate(name: str, repo: Path, workdir: Path, mock_url: str, cpus: li
     plans.write_text(PLANS)
     port = free_port()
     env = tiergate_env(repo, data_dir, tiers, plans, port)
+    if redis_url:
+        env["TIERGATE_REDIS_URL"] = redis_url
     imported = subprocess.run([sys.executable, "-c", "import gateway; print(gateway.__file__)"], cwd=repo, env=env,
                               capture_output=True, text=True, timeout=60).stdout.strip()
     if not imported.startswith(str(repo)):

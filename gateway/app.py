@@ -14,6 +14,7 @@ from litestar.di import Provide
 
 from cache import SemanticCache, default_embedder, open_cache_store
 from gateway.config_files import load_yaml
+from gateway.embeddings_service import embeddings_lifespan, provide_embeddings
 from gateway.errors import InternalError, PayloadTooLarge, client_error
 from gateway.ladder.config import Ladder
 from gateway.ladder.controller import LadderController
@@ -35,13 +36,16 @@ from gateway.routes.admin import admin_router
 from gateway.routes.chat import chat_completions
 from gateway.routes.dashboard import dashboard
 from gateway.routes.degrade import degrade_router
+from gateway.routes.embeddings import create_embeddings
 from gateway.routes.health import health, metrics
 from gateway.routes.models import list_models
+from gateway.routes.openapi import WireSchemaPlugin, openapi_config, openapi_document
 from gateway.routes.ops import ops
 from gateway.routes.usage import admin_report, tenant_report
 from gateway.services import Services
 from gateway.settings import Settings
 from gateway.stores import open_idempotency, open_ladder_store, open_ledger, open_tenant_store
+from gateway.worker_metrics import gateway_metrics
 from quotas.backends.base import QuotaBackend
 from quotas.backends.failover import FailoverBackend
 from quotas.backends.memory import MemoryBackend
@@ -73,9 +77,9 @@ def build_services(settings: Settings) -> Services:
     catalogue, plans = load_config(settings)
     client = TierClient(connect_timeout_s=settings.upstream_connect_timeout_s,
                         read_timeout_s=settings.upstream_read_timeout_s)
-    fleet = Fleet(catalogue, client, models_dir=settings.resolved_models_dir,
-                  log_dir=settings.data_dir / "logs", start_timeout_s=settings.engine_start_timeout_s)
-    metrics_ = GatewayMetrics(fleet)
+    fleet = Fleet(catalogue, client, models_dir=settings.resolved_models_dir, log_dir=settings.data_dir / "logs",
+                  start_timeout_s=settings.engine_start_timeout_s, engines_file=settings.engines_file)
+    metrics_ = gateway_metrics(fleet)  # summed over the workers of `tiergate serve --workers N`
     ledger = open_ledger(settings)
     store = open_tenant_store(settings)
     backend = build_quota_backend(settings, ledger, metrics_)
@@ -138,10 +142,13 @@ def build_quota_backend(settings: Settings, ledger: Ledger, metrics_: GatewayMet
 
 def tier_capacity(spec: TierSpec, settings: Settings) -> int:
     """Dispatch slots: per replica, the tier's max_concurrency, else what its engines batch at once (the
-    `--max-num-seqs` the supervisor starts them with: what their KV cache holds for a typical request)."""
+    `--max-num-seqs` the supervisor starts them with: what their KV cache holds for a typical request). With
+    several gateway workers each has its share, rounded up (`tiergate serve --workers N`)."""
     if spec.backend == "local":
-        return spec.replicas * (spec.max_concurrency or engine_max_num_seqs(spec, settings.resolved_models_dir))
-    return len(spec.urls) * (spec.max_concurrency or settings.remote_max_concurrency)
+        slots = spec.replicas * (spec.max_concurrency or engine_max_num_seqs(spec, settings.resolved_models_dir))
+    else:
+        slots = len(spec.urls) * (spec.max_concurrency or settings.remote_max_concurrency)
+    return -(-slots // settings.workers)
 
 
 def create_app(settings: Settings | None = None) -> Litestar:
@@ -179,14 +186,15 @@ def create_app(settings: Settings | None = None) -> Litestar:
             services.store.close()
 
     return Litestar(
-        route_handlers=[chat_completions, list_models, health, metrics, admin_router, degrade_router, admin_report,
-                        tenant_report, ops, dashboard],
-        lifespan=[lifespan],
+        route_handlers=[chat_completions, create_embeddings, list_models, health, metrics, admin_router, degrade_router,
+                        admin_report, tenant_report, ops, dashboard, openapi_document],
+        lifespan=[lifespan, embeddings_lifespan],
         dependencies={name: Provide(provider, sync_to_thread=False) for name, provider in _PROVIDERS.items()},
         middleware=[request_id_middleware],
         exception_handlers={Exception: _error_response},
         request_max_body_size=settings.max_body_bytes,
-        openapi_config=None,
+        openapi_config=openapi_config(version="0.1.0"),
+        plugins=[WireSchemaPlugin()],
     )
 
 
@@ -197,9 +205,10 @@ def _service(name: str) -> Any:
     return provide
 
 
-# what handlers may ask for by name; each is built once per app in `build_services`
+# what handlers may ask for by name; each is built once per app in `build_services` (embeddings on first use)
 _PROVIDERS = {name: _service(name) for name in ("pipeline", "plans", "catalogue", "store", "ledger", "fleet",
                                                  "metrics", "ladder", "cache", "queues", "settings")}
+_PROVIDERS["embeddings"] = provide_embeddings
 
 
 async def _tick_ladder(ladder: LadderController, every_s: float) -> None:

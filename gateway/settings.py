@@ -56,6 +56,12 @@ class Settings(BaseSettings):
     build_router_model: bool = True  # ...and the router's difficulty model, once the tiers it reads are built
     upstream_connect_timeout_s: float = 5.0
     upstream_read_timeout_s: float = 600.0
+    # gateway processes `tiergate serve` runs on one port (SO_REUSEPORT); more than one needs redis_url, where the
+    # quotas are counted for all of them (README, "What runs")
+    workers: int = Field(default=1, ge=1)
+    # set in each worker of `tiergate serve --workers N`: the parent supervises the local engines and publishes them
+    # here (tiers/engines_file.py); this process follows them and never starts one
+    engines_file: Path | None = None
 
     @field_validator("database_url")
     @classmethod

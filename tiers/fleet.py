@@ -10,6 +10,10 @@ as it has cores. With more replicas than cores, replicas share cores (one thread
 tier's requests only to a tier outside its group, because moving work onto the same cores adds no capacity.
 TIERGATE_CORE_BUDGET=off starts engines unpinned with torch's own thread counts (every local tier then shares
 every core: one group).
+
+With `tiergate serve --workers N` the gateway keeps N cores by default (the workers run there), and only the
+parent process supervises engines: it publishes them (tiers/engines_file.py) and each worker's Fleet follows
+that file (`engines_file`), planning the same core shares from the budget the parent published.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from typing import Any
 from tiers.breaker import State
 from tiers.catalogue import TierCatalogue, TierSpec
 from tiers.client import TierClient
+from tiers.engines_file import EngineFollower, engines_document, read_published
 from tiers.errors import NoTierAvailable, TierError
 from tiers.replica import Replica
 from tiers.replica_choice import AffinityMap, choose_replica
@@ -35,16 +40,17 @@ REMOTE_HEALTH_EVERY_S = 5.0
 SHARED_HOST = "cpu:all"  # the hardware group of local CPU tiers when the core budget is off
 
 
-def host_core_budget(cores: Sequence[int] | None = None) -> list[int] | None:
+def host_core_budget(cores: Sequence[int] | None = None, *, workers: int = 1) -> list[int] | None:
     """The CPUs local engines may share out (TIERGATE_CORE_BUDGET, TIERGATE_GATEWAY_CORES), or None when the
-    budget is off. `cores`: the gateway's own CPUs [default: its affinity]."""
+    budget is off. `cores`: the gateway's own CPUs [default: its affinity]; `workers`: its processes, each of which
+    the default keeps a core for when there are several."""
     if os.environ.get("TIERGATE_CORE_BUDGET", "on").strip().lower() in ("off", "0", "false", "no"):
         return None
     cores = sorted(os.sched_getaffinity(0) if cores is None else cores)
     keep = os.environ.get("TIERGATE_GATEWAY_CORES", "").strip()
     if keep and not keep.isdigit():
         raise ValueError(f"TIERGATE_GATEWAY_CORES is the number of cores kept for the gateway, not {keep!r}")
-    reserve = int(keep) if keep else (0 if len(cores) < 4 else 1)
+    reserve = int(keep) if keep else workers if workers > 1 else (0 if len(cores) < 4 else 1)
     reserve = max(0, min(reserve, len(cores) - 1))  # the engines keep at least one
     return cores[reserve:]
 
@@ -85,40 +91,58 @@ def plan_cores(replicas: Sequence[tuple[str, float]], cores: Sequence[int]) -> l
 
 class Fleet:
     def __init__(self, catalogue: TierCatalogue, client: TierClient, *, models_dir: Path, log_dir: Path,
-                 start_timeout_s: float = 600.0, core_budget: Sequence[int] | bool | None = True) -> None:
+                 start_timeout_s: float = 600.0, core_budget: Sequence[int] | bool | None = True,
+                 engines_file: Path | None = None) -> None:
         """`core_budget`: the CPUs local engines split (True: `host_core_budget()` from this process's
-        affinity and the environment; None: no budget, engines unpinned)."""
+        affinity and the environment; None: no budget, engines unpinned). `engines_file`: another process
+        supervises the local engines and publishes them there; this fleet follows them and starts none."""
         self.catalogue = catalogue
         self.client = client
         self.replicas: dict[str, list[Replica]] = {}
         self._engines: list[EngineProcess] = []
         self._tasks: list[asyncio.Task[None]] = []
+        self._follower: EngineFollower | None = None
+        if engines_file is not None:
+            published = read_published(engines_file)
+            if published is None:
+                raise RuntimeError(f"{engines_file}: no local engines published there (a worker of "
+                                   f"`tiergate serve --workers N` starts after its parent has written it)")
+            core_budget = published.core_budget
         budget = host_core_budget() if core_budget is True else core_budget
-        self.core_shares = self._plan(budget)  # (tier, index) -> its share; empty when the budget is off
+        self.core_budget = None if budget is None else list(budget)
+        self.core_shares = self._plan(budget, quiet=engines_file is not None)  # (tier, index) -> its share
+        followed: list[Replica] = []
         for spec in catalogue.tiers.values():
             if spec.backend == "local":
                 reps = [Replica(spec.name, i) for i in range(spec.replicas)]
-                self._engines += [EngineProcess(spec, r, models_dir=models_dir, log_dir=log_dir, client=client,
-                                                start_timeout_s=start_timeout_s,
-                                                cores=self.core_shares.get((spec.name, r.index))) for r in reps]
+                if engines_file is not None:
+                    followed += reps
+                else:
+                    self._engines += [EngineProcess(spec, r, models_dir=models_dir, log_dir=log_dir, client=client,
+                                                    start_timeout_s=start_timeout_s,
+                                                    cores=self.core_shares.get((spec.name, r.index))) for r in reps]
             else:
                 reps = [Replica(spec.name, i, url=u) for i, u in enumerate(spec.urls)]
             self.replicas[spec.name] = reps
             for rep in reps:
                 rep.breaker.on_change = _log_breaker(rep)
+        if engines_file is not None:
+            self._follower = EngineFollower(engines_file, followed, client)
         self.affinity = AffinityMap()
         self.hardware_groups = self._groups(budget is not None)
 
-    def _plan(self, budget: Sequence[int] | None) -> dict[tuple[str, int], CoreShare]:
-        """Split the budget among local replicas, dearest tier first, and say how in the log."""
+    def _plan(self, budget: Sequence[int] | None, *, quiet: bool = False) -> dict[tuple[str, int], CoreShare]:
+        """Split the budget among local replicas, dearest tier first, and say how in the log (unless `quiet`:
+        the process that supervises the engines says it)."""
         if budget is None:
-            log.info("core budget off: local engines run unpinned, with torch's own thread counts")
+            if not quiet:
+                log.info("core budget off: local engines run unpinned, with torch's own thread counts")
             return {}
         local = [(spec, i) for spec in reversed(self.catalogue.by_price()) if spec.backend == "local"
                  for i in range(spec.replicas)]
         shares = plan_cores([(f"{spec.name}/{i}", spec.cores or 1.0) for spec, i in local], budget)
         plan = {(spec.name, i): share for (spec, i), share in zip(local, shares, strict=True)}
-        for (tier, i), share in plan.items():
+        for (tier, i), share in plan.items() if not quiet else ():
             level = logging.WARNING if share.shared_with else logging.INFO
             also = f", shared with {', '.join(share.shared_with)} (more replicas than cores)" \
                 if share.shared_with else ""
@@ -156,6 +180,8 @@ class Fleet:
     async def start(self) -> None:
         self._tasks = [asyncio.create_task(e.run(), name=f"engine-{e.spec.name}-{e.replica.index}")
                        for e in self._engines]
+        if self._follower is not None:
+            self._tasks.append(asyncio.create_task(self._follower.run(), name="engines-followed"))
         for spec in self.catalogue.tiers.values():
             if spec.backend == "openai":
                 self._tasks.append(asyncio.create_task(self._watch_remote(spec), name=f"remote-{spec.name}"))
@@ -167,6 +193,10 @@ class Fleet:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+
+    def published(self) -> dict[str, Any]:
+        """What the workers of `tiergate serve --workers N` need of the engines this fleet supervises."""
+        return engines_document(self.core_budget, self._engines)
 
     def api_key(self, spec: TierSpec) -> str | None:
         return os.environ.get(spec.api_key_env) if spec.api_key_env else None

@@ -283,22 +283,7 @@ class EngineProcess:
 
     async def _probe(self) -> str | None:
         """None when this start's engine answered /health; otherwise what was wrong."""
-        try:
-            health = await self.client.get_json(f"{self.replica.url}/health", timeout_s=self.probe_timeout_s)
-        except UpstreamRejected as exc:
-            return f"/health answered {exc.status}: {exc}"
-        except TierError as exc:
-            return str(exc)
-        except ValueError:
-            return "/health answered 200 with a body that is not JSON"
-        if not isinstance(health, dict) or health.get("instance") != self.instance:
-            return "/health answered for another instance (not the engine this supervisor started)"
-        if isinstance(health.get("model_version"), str):
-            self.replica.model_version = health["model_version"]
-        stats = health.get("stats")
-        if isinstance(stats, dict):
-            self.replica.stats = {k: float(v) for k, v in stats.items() if isinstance(v, int | float)}
-        return None
+        return await probe_engine(self.client, self.replica, self.instance, timeout_s=self.probe_timeout_s)
 
     async def stop(self) -> None:
         self._stopping = True
@@ -312,3 +297,25 @@ class EngineProcess:
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
             await proc.wait()
+
+
+async def probe_engine(client: TierClient, replica: Replica, instance: str, *, timeout_s: float) -> str | None:
+    """Probe the engine at `replica.url`: None when the start whose nonce is `instance` answered /health (its model
+    version and stats are then copied onto `replica`); otherwise what was wrong. The supervisor probes the engines it
+    started; the workers of `tiergate serve --workers N` probe the ones their parent published."""
+    try:
+        health = await client.get_json(f"{replica.url}/health", timeout_s=timeout_s)
+    except UpstreamRejected as exc:
+        return f"/health answered {exc.status}: {exc}"
+    except TierError as exc:
+        return str(exc)
+    except ValueError:
+        return "/health answered 200 with a body that is not JSON"
+    if not isinstance(health, dict) or health.get("instance") != instance:
+        return "/health answered for another instance (not the engine this supervisor started)"
+    if isinstance(health.get("model_version"), str):
+        replica.model_version = health["model_version"]
+    stats = health.get("stats")
+    if isinstance(stats, dict):
+        replica.stats = {k: float(v) for k, v in stats.items() if isinstance(v, int | float)}
+    return None

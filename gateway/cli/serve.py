@@ -23,6 +23,7 @@ from gateway.pipeline.prompt import tokenizer_source
 from gateway.routes.health import readiness
 from gateway.settings import Settings
 from gateway.stores import open_tenant_store
+from gateway.workers import require_shared_quotas, run_workers
 
 
 @click.command()
@@ -36,9 +37,12 @@ from gateway.stores import open_tenant_store
               help="Degradation ladder [env TIERGATE_LADDER_FILE; default degrade_ladder.yaml].")
 @click.option("--models-dir", type=click.Path(path_type=Path), default=None,
               help="Prepared models [env TIERGATE_MODELS_DIR; default <data dir>/models].")
+@click.option("--workers", type=click.IntRange(min=1), default=None,
+              help="Gateway processes on the one port; more than one needs TIERGATE_REDIS_URL, where quotas are "
+                   "counted for all [env TIERGATE_WORKERS; default 1].")
 @data_dir_option
 def serve(host: str | None, port: int | None, tiers_file: Path | None, plans_file: Path | None,
-          ladder_file: Path | None, models_dir: Path | None, data_dir: Path | None) -> None:
+          ladder_file: Path | None, models_dir: Path | None, workers: int | None, data_dir: Path | None) -> None:
     """Serve the OpenAI-compatible gateway with its local tier engines.
 
     On first use this downloads and prepares the default model (progress bars), creates an admin key
@@ -46,9 +50,13 @@ def serve(host: str | None, port: int | None, tiers_file: Path | None, plans_fil
     While serving, it distils the `small` tier's student (10 minutes by default, once; the tier is reported
     as preparing and routed around until then) and then builds the router's difficulty model
     (TIERGATE_BUILD_MISSING_MODELS=0 turns both off).
+
+    With --workers N, N gateway processes share the port and this one supervises the engines and builds
+    (gateway/workers.py).
     """
     settings = settings_from(host=host, port=port, tiers_file=tiers_file, plans_file=plans_file,
-                             ladder_file=ladder_file, models_dir=models_dir, data_dir=data_dir)
+                             ladder_file=ladder_file, models_dir=models_dir, workers=workers, data_dir=data_dir)
+    require_shared_quotas(settings)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health probe is noise
     try:
@@ -67,6 +75,10 @@ def serve(host: str | None, port: int | None, tiers_file: Path | None, plans_fil
         keys = ensure_bootstrap(store, plans, settings.data_dir)
     finally:
         store.close()
+    if settings.workers > 1:
+        start_background_builds(settings, catalogue)
+        run_workers(settings, catalogue, keys)
+        return
     app = create_app(settings)
     threading.Thread(target=_announce_when_ready, args=(app, settings, keys), daemon=True).start()
     start_background_builds(settings, catalogue)
