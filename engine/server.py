@@ -1,4 +1,5 @@
-"""The engine's own OpenAI-compatible HTTP server: /v1/chat/completions, /v1/models, /health, /metrics.
+"""The engine's own OpenAI-compatible HTTP server: /v1/chat/completions, /v1/completions (legacy text
+completions: the prompt as it is, no chat template), /v1/models, /health, /metrics.
 
 It speaks the same API as vLLM (its `priority` field included), so the gateway's one tier client serves
 local engines and remote ones alike. Each response also carries `x_tiergate.busy_s`, the engine compute
@@ -23,7 +24,8 @@ import asyncio
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from litestar import Litestar, Request, Response, get, post
@@ -37,22 +39,28 @@ from engine.llm_engine import EngineDeadError, EngineInputError, LLMEngine, Requ
 from engine.sampling_params import SamplingParams
 from wire import responses
 from wire.chat_request import ChatCompletionRequest, normalized_role
+from wire.completion_request import DEFAULT_MAX_TOKENS as DEFAULT_TEXT_MAX_TOKENS
+from wire.completion_request import CompletionRequest
 from wire.errors import error_body
 from wire.validation import BodyError, parse_body
 
 DEFAULT_MAX_TOKENS = 1024  # without max_tokens: up to this, or what the context has left
 
 
-def sampling_params_for(req: ChatCompletionRequest, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
-    default_cap = max(1, min(DEFAULT_MAX_TOKENS, max_model_len - num_prompt_tokens))
+def sampling_params_for(req: ChatCompletionRequest | CompletionRequest, num_prompt_tokens: int,
+                        max_model_len: int) -> SamplingParams:
+    """A chat request's (`top_logprobs` when `logprobs`) or a legacy text completion's (`logprobs`: how many)."""
+    chat = isinstance(req, ChatCompletionRequest)
+    default = DEFAULT_MAX_TOKENS if chat else DEFAULT_TEXT_MAX_TOKENS
+    default_cap = max(1, min(default, max_model_len - num_prompt_tokens))
     return SamplingParams(
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
         top_k=-1 if req.top_k is None else req.top_k,
-        max_tokens=req.output_cap or default_cap,
+        max_tokens=(req.output_cap if chat else req.max_tokens) or default_cap,
         seed=req.seed,
         stop=req.stop_list,
-        logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+        logprobs=((req.top_logprobs or 0) if req.logprobs else None) if chat else req.logprobs,
     )
 
 
@@ -104,17 +112,53 @@ def create_engine_app(engine: LLMEngine, *, model_name: str, model_version: str)
     instance = os.environ.get(ENGINE_INSTANCE_ENV)
     max_prompt_chars = max_prompt_chars_for(tokenizer, engine.max_model_len)
 
-    def prompt_ids(req: ChatCompletionRequest) -> list[int]:
-        """Render and tokenize (in a worker thread): refuses text that cannot fit before tokenizing it."""
-        messages = [{"role": normalized_role(m.role), "content": m.text()}
-                    for m in req.messages]
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    def checked_ids(text: str, param: str, *, add_special_tokens: bool) -> list[int]:
+        """Tokenize (in a worker thread): refuses text that cannot fit before tokenizing it."""
         if max_prompt_chars is not None and len(text) > max_prompt_chars:
             raise EngineInputError(
                 f"the prompt has {len(text)} characters; this model's maximum context length of "
                 f"{engine.max_model_len} tokens holds at most {max_prompt_chars}",
-                param="messages", code="context_length_exceeded")
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+                param=param, code="context_length_exceeded")
+        return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def prompt_ids(req: ChatCompletionRequest) -> list[int]:
+        """The conversation rendered with the model's chat template, tokenized."""
+        messages = [{"role": normalized_role(m.role), "content": m.text()}
+                    for m in req.messages]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return checked_ids(text, "messages", add_special_tokens=False)
+
+    def text_prompt_ids(req: CompletionRequest) -> list[int]:
+        """The prompt as it is, with the tokenizer's own special tokens (a BOS where the model has one), as vLLM."""
+        return checked_ids(req.text, "prompt", add_special_tokens=True)
+
+    async def serve(request: Request[Any, Any, Any], kind: type[ChatCompletionRequest] | type[CompletionRequest],
+                    ) -> Response[Any]:
+        """Validate, tokenize, generate; the answer framed as the endpoint's API frames it."""
+        if (reason := engine.dead_reason) is not None:
+            return _dead(reason)
+        try:
+            req = parse_body(await request.body(), kind)
+        except BodyError as exc:
+            return Response(error_body(exc.message, param=exc.param, code=exc.code), status_code=400)
+        chat = isinstance(req, ChatCompletionRequest)
+        try:
+            ids = await asyncio.to_thread(prompt_ids if chat else text_prompt_ids, req)  # type: ignore[arg-type]
+            params = sampling_params_for(req, len(ids), engine.max_model_len)
+            engine.validate(ids, params)
+        except EngineInputError as exc:
+            param = exc.param if chat or exc.param != "messages" else "prompt"
+            return Response(error_body(str(exc), param=param, code=exc.code), status_code=400)
+        rid = f"chatcmpl-{uuid.uuid4().hex}" if chat else f"cmpl-{uuid.uuid4().hex}"
+        frames = _chat_frames(tokenizer) if chat else _text_frames(tokenizer, len(req.text))  # type: ignore[union-attr]
+        outputs = engine.generate(ids, params, request_id=rid, priority=req.priority)
+        if req.stream:
+            return Stream(_sse(outputs, rid, model_name, req.include_usage, req.continuous_usage, frames),
+                          media_type="text/event-stream", headers={"cache-control": "no-cache"})
+        try:
+            return await _collect(outputs, rid, model_name, frames)
+        except EngineDeadError as exc:
+            return _dead(str(exc))
 
     @get("/health")
     async def health() -> Response[dict[str, Any]]:
@@ -143,30 +187,13 @@ def create_engine_app(engine: LLMEngine, *, model_name: str, model_version: str)
 
     @post("/v1/chat/completions", status_code=200)
     async def chat(request: Request[Any, Any, Any]) -> Response[Any]:
-        if (reason := engine.dead_reason) is not None:
-            return _dead(reason)
-        try:
-            req = parse_body(await request.body(), ChatCompletionRequest)
-        except BodyError as exc:
-            return Response(error_body(exc.message, param=exc.param, code=exc.code), status_code=400)
-        try:
-            ids = await asyncio.to_thread(prompt_ids, req)
-            params = sampling_params_for(req, len(ids), engine.max_model_len)
-            engine.validate(ids, params)
-        except EngineInputError as exc:
-            return Response(error_body(str(exc), param=exc.param, code=exc.code), status_code=400)
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
-        outputs = engine.generate(ids, params, request_id=rid, priority=req.priority)
-        if req.stream:
-            return Stream(_sse(outputs, rid, model_name, req.include_usage, req.continuous_usage, tokenizer),
-                          media_type="text/event-stream",
-                          headers={"cache-control": "no-cache"})
-        try:
-            return await _collect(outputs, rid, model_name, tokenizer)
-        except EngineDeadError as exc:
-            return _dead(str(exc))
+        return await serve(request, ChatCompletionRequest)
 
-    return Litestar(route_handlers=[health, models, metrics, chat],
+    @post("/v1/completions", status_code=200)
+    async def completions(request: Request[Any, Any, Any]) -> Response[Any]:
+        return await serve(request, CompletionRequest)
+
+    return Litestar(route_handlers=[health, models, metrics, chat, completions],
                     exception_handlers={HTTPException: _http_error})
 
 
@@ -211,47 +238,100 @@ def _logprobs(tokenizer: Any, out: RequestOutput) -> list[dict[str, Any]] | None
             for t, (lp, top) in zip(out.token_ids, out.logprobs, strict=True)]
 
 
-async def _collect(outputs: AsyncIterator[RequestOutput], rid: str, model: str, tokenizer: Any) -> Response[Any]:
+def _legacy_logprobs(tokenizer: Any, out: RequestOutput, offset: int) -> dict[str, Any] | None:
+    """The legacy API's `logprobs` for the tokens of `out`: `text_offset` counts characters of prompt and
+    completion, as OpenAI's did; `offset` is where `out`'s first token starts."""
+    if out.logprobs is None:
+        return None
+    made: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for token_id, (logprob, top) in zip(out.token_ids, out.logprobs, strict=True):
+        text = tokenizer.decode([token_id])
+        made["tokens"].append(text)
+        made["token_logprobs"].append(logprob)
+        made["top_logprobs"].append({tokenizer.decode([i]): v for i, v in top})
+        made["text_offset"].append(offset)
+        offset += len(text)
+    return made
+
+
+@dataclass(frozen=True)
+class _Frames:
+    """How an endpoint frames a request's outputs: chat (`message`, `delta`) or legacy text (`text`)."""
+
+    whole: Callable[..., dict[str, Any]]  # the non-streamed answer
+    piece: Callable[[str, Any], dict[str, Any]]  # a stream chunk's fields for (text, logprobs)
+    chunk: Callable[..., dict[str, Any]]
+    usage_chunk: Callable[..., dict[str, Any]]
+    logprobs: Callable[[RequestOutput, int], Any]  # (output, characters before it) -> its logprobs or None
+    opening: dict[str, Any] | None  # the first chunk's fields (the chat stream's role), None: no opening chunk
+    finish: dict[str, Any]  # the fields of the chunk that carries the finish reason
+
+    def merge(self, so_far: Any, more: Any) -> Any:
+        if more is None:
+            return so_far
+        if isinstance(more, list):
+            return (so_far or []) + more
+        return {k: (so_far or {}).get(k, []) + v for k, v in more.items()}
+
+
+def _chat_frames(tokenizer: Any) -> _Frames:
+    return _Frames(whole=responses.completion, piece=lambda text, lps: {"delta": {"content": text}, "logprobs": lps},
+                   chunk=responses.chunk, usage_chunk=responses.usage_chunk,
+                   logprobs=lambda out, _: _logprobs(tokenizer, out),
+                   opening={"delta": {"role": "assistant", "content": ""}}, finish={"delta": {}})
+
+
+def _text_frames(tokenizer: Any, prompt_chars: int) -> _Frames:
+    return _Frames(whole=responses.text_completion, piece=lambda text, lps: {"text": text, "logprobs": lps},
+                   chunk=responses.text_chunk, usage_chunk=responses.text_usage_chunk,
+                   logprobs=lambda out, before: _legacy_logprobs(tokenizer, out, prompt_chars + before),
+                   opening=None, finish={"text": ""})
+
+
+async def _collect(outputs: AsyncIterator[RequestOutput], rid: str, model: str, frames: _Frames) -> Response[Any]:
     parts: list[str] = []
+    num_chars = 0
     last: RequestOutput | None = None
-    content: list[dict[str, Any]] | None = None
+    logprobs: Any = None
     async for out in outputs:
         if out.error is not None:
             return Response(_engine_error(out), status_code=503 if out.error_code == "engine_dead" else 500)
+        logprobs = frames.merge(logprobs, frames.logprobs(out, num_chars))
         parts.append(out.text)
+        num_chars += len(out.text)
         last = out
-        if (lps := _logprobs(tokenizer, out)) is not None:
-            content = (content or []) + lps
     assert last is not None
-    return Response(responses.completion(
+    return Response(frames.whole(
         id_=rid, created=int(time.time()), model=model, text="".join(parts), finish_reason=last.finish_reason,
-        prompt_tokens=last.num_prompt_tokens, completion_tokens=last.num_output_tokens, logprobs=content,
+        prompt_tokens=last.num_prompt_tokens, completion_tokens=last.num_output_tokens, logprobs=logprobs,
         x_tiergate={"busy_s": last.busy_s}))
 
 
 async def _sse(outputs: AsyncIterator[RequestOutput], rid: str, model: str,
-               include_usage: bool, continuous_usage: bool, tokenizer: Any) -> AsyncIterator[bytes]:
+               include_usage: bool, continuous_usage: bool, frames: _Frames) -> AsyncIterator[bytes]:
     ids = {"id_": rid, "created": int(time.time()), "model": model}
+    num_chars = 0
 
     def events(out: RequestOutput) -> list[bytes]:
-        lps = _logprobs(tokenizer, out)
+        nonlocal num_chars
+        lps = frames.logprobs(out, num_chars)
+        num_chars += len(out.text)
         busy = {"x_tiergate": {"busy_s": out.busy_s}}
+        piece = frames.piece(out.text, lps)
         if not out.finished:
             if continuous_usage:
                 usage = responses.usage(out.num_prompt_tokens, out.num_output_tokens)
-                return [responses.sse(responses.chunk(**ids, delta={"content": out.text}, logprobs=lps, usage=usage,
-                                                      **busy))]
-            return [responses.sse(responses.chunk(**ids, delta={"content": out.text}, logprobs=lps))] \
-                if out.text or lps else []
-        made = [responses.sse(responses.chunk(**ids, delta={"content": out.text}, logprobs=lps))] \
-            if out.text or lps else []
-        made.append(responses.sse(responses.chunk(**ids, delta={}, finish_reason=out.finish_reason, **busy)))
+                return [responses.sse(frames.chunk(**ids, **piece, usage=usage, **busy))]
+            return [responses.sse(frames.chunk(**ids, **piece))] if out.text or lps else []
+        made = [responses.sse(frames.chunk(**ids, **piece))] if out.text or lps else []
+        made.append(responses.sse(frames.chunk(**ids, **frames.finish, finish_reason=out.finish_reason, **busy)))
         if include_usage:
-            made.append(responses.sse(responses.usage_chunk(**ids, prompt_tokens=out.num_prompt_tokens,
-                                                            completion_tokens=out.num_output_tokens, **busy)))
+            made.append(responses.sse(frames.usage_chunk(**ids, prompt_tokens=out.num_prompt_tokens,
+                                                         completion_tokens=out.num_output_tokens, **busy)))
         return made
 
-    yield responses.sse(responses.chunk(**ids, delta={"role": "assistant", "content": ""}))
+    if frames.opening is not None:
+        yield responses.sse(frames.chunk(**ids, **frames.opening))
     try:
         async for out in outputs:
             if out.error is not None:  # the headers are sent: the error is the stream's last event

@@ -10,6 +10,16 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from assets.builds import BudgetError, parse_budget
 
 Money = Annotated[Decimal, Field(ge=0, max_digits=18, decimal_places=12)]
+# What a tier's server accepts beyond OpenAI's API (README.md, "Remote tiers"). Every dialect is asked for
+# usage (`stream_options.include_usage`, which OpenAI defines); the others add:
+#   vllm           usage in every chunk (`continuous_usage_stats`, which SGLang accepts too), so a stream the
+#                  client leaves is billed for what ran
+#   vllm-priority  ...and the plan's priority class as `priority` (a vLLM started with `--scheduling-policy
+#                  priority`; any other refuses a non-zero priority with a 400)
+#   tiergate       our own engine: both (local tiers always speak it)
+Dialect = Literal["openai", "vllm", "vllm-priority", "tiergate"]
+CONTINUOUS_USAGE: frozenset[str] = frozenset({"vllm", "vllm-priority", "tiergate"})
+PRIORITY: frozenset[str] = frozenset({"vllm-priority", "tiergate"})
 
 
 class DistillSpec(BaseModel):
@@ -50,6 +60,8 @@ class TierSpec(BaseModel):
     replicas: Annotated[int, Field(ge=1, le=64)] = 1  # local engine processes
     urls: list[str] = Field(default_factory=list)  # openai backend: one URL per replica
     api_key_env: str | None = None  # openai backend: env var that holds the upstream's key
+    # openai backend: the extensions its server accepts [default: none beyond OpenAI's API]; local: tiergate
+    dialect: Dialect | None = None
     # sequences each engine runs at once [default: what its KV cache holds for a typical request, so the engine
     # and the gateway's dispatch slots agree; tiers/supervisor.py's engine_max_num_seqs]
     max_num_seqs: Annotated[int, Field(ge=1)] | None = None
@@ -80,6 +92,10 @@ class TierSpec(BaseModel):
             raise ValueError("an openai backend needs `urls` (one OpenAI-compatible base URL per replica)")
         if self.backend == "local" and self.urls:
             raise ValueError("a local backend spawns its own engines; remove `urls`")
+        if self.backend == "local" and self.dialect not in (None, "tiergate"):
+            raise ValueError("a local backend runs our engine, which speaks `tiergate`; remove `dialect`")
+        if self.dialect is None:
+            self.dialect = "tiergate" if self.backend == "local" else "openai"
         if self.cores is not None and self.backend != "local":
             raise ValueError("`cores` splits this host's cores among local engines; a remote tier has its own")
         if self.distill and self.backend != "local":
@@ -87,6 +103,16 @@ class TierSpec(BaseModel):
         if self.distill and not self.prepared_by:
             self.prepared_by = self.distill.command()
         return self
+
+    @property
+    def sends_continuous_usage(self) -> bool:
+        """Its server reports usage in every stream chunk when asked (`continuous_usage_stats`)."""
+        return self.dialect in CONTINUOUS_USAGE
+
+    @property
+    def sends_priority(self) -> bool:
+        """Its server schedules by vLLM's `priority` field (lower first)."""
+        return self.dialect in PRIORITY
 
     def price(self, input_tokens: int, output_tokens: int) -> Decimal:
         """What the tenant pays for these tokens at this tier."""
@@ -97,10 +123,39 @@ class TierSpec(BaseModel):
         return self.hardware_cost_per_hour * Decimal(repr(busy_s)) / 3600
 
 
+class EmbeddingSpec(BaseModel):
+    """The embedding model of POST /v1/embeddings: the semantic cache's MiniLM, run in the gateway process.
+
+    Its price sits here, beside the tiers' prices, because it is a model's price: the same for every plan, read by
+    finance next to its compute cost. A plan's limits and budgets apply to it as to chat (tokens and money are
+    reserved under the plan's scopes).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = True
+    model: Annotated[str, Field(min_length=1, max_length=256)] = "all-MiniLM-L6-v2"  # the name clients send
+    description: str = "all-MiniLM-L6-v2 sentence embeddings (384 dimensions, normalized), batched in the gateway"
+    price_per_1k_input: Money = Decimal("0.00001")
+    hardware_cost_per_hour: Money = Decimal("0.02")  # the gateway's cores while they embed
+
+    @field_validator("price_per_1k_input", "hardware_cost_per_hour", mode="before")
+    @classmethod
+    def _exact(cls, value: object) -> object:
+        return repr(value) if isinstance(value, float) else value
+
+    def price(self, tokens: int) -> Decimal:
+        return self.price_per_1k_input * tokens / 1000
+
+    def compute_cost(self, busy_s: float) -> Decimal:
+        return self.hardware_cost_per_hour * Decimal(repr(busy_s)) / 3600
+
+
 class TierCatalogue(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     tiers: Annotated[dict[str, TierSpec], Field(min_length=1)]
+    embeddings: EmbeddingSpec = Field(default_factory=EmbeddingSpec)
 
     @model_validator(mode="after")
     def _names(self) -> TierCatalogue:
@@ -108,6 +163,8 @@ class TierCatalogue(BaseModel):
             if name == "auto":
                 raise ValueError("`auto` is reserved for routing; name the tier otherwise")
             spec.name = name
+        if self.embeddings.model in self.tiers or self.embeddings.model == "auto":
+            raise ValueError(f"the embedding model's name {self.embeddings.model!r} is a tier's; name it otherwise")
         for spec in self.tiers.values():
             teacher = spec.distill.teacher if spec.distill else None
             if teacher is not None and (teacher not in self.tiers or self.tiers[teacher].backend != "local"

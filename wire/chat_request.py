@@ -3,8 +3,30 @@
 Pure pydantic (no torch), so the gateway validates with the same schema the engine serves, and the engine
 validates again: neither trusts the other's caller. Types are strict (`"max_tokens": "5"` is a 400, not a
 silent conversion), every number has bounds that keep the engine's arithmetic finite, and a field we do
-not honour is refused by name (`unsupported_parameter`), never dropped. A field sent as JSON `null` means
-"not set", as the OpenAI SDKs send it, and is accepted whatever its name.
+not honour is refused by name, never dropped. A field sent as JSON `null` means "not set", as the OpenAI
+SDKs send it, and is accepted whatever its name. The JSON schema these models generate (published in the
+gateway's OpenAPI document) says all of this: what it accepts is what is served.
+
+OpenAI's request fields, one by one (`OPENAI_FIELDS` lists them; a test sends each through the gateway):
+
+- honoured: model, messages, stream, max_tokens, max_completion_tokens, temperature, top_p, stop, seed, logprobs,
+  top_logprobs, user; stream_options.include_usage (and vLLM's continuous_usage_stats).
+- honoured for the one value we serve: n (1), presence_penalty and frequency_penalty (0: no penalty is applied),
+  stream_options.include_obfuscation (false: stream events are not padded), store (false: nothing is stored for
+  later retrieval), service_tier (auto or default: a tenant's priority and tiers come from its plan),
+  prompt_cache_retention (in-memory: the engines' prefix cache), verbosity (medium, the default), modalities
+  (["text"]), logit_bias ({}).
+- accepted, bounded, as hints that change no answer: prompt_cache_key (OpenAI's prefix-cache routing hint; our
+  engines' prefix cache needs none), safety_identifier (the end user's id for abuse detection; `end_user` gives it
+  where `user` is absent), metadata (16 pairs, keys of at most 64 characters, values of at most 512, as OpenAI's;
+  as at OpenAI with `store` off, it labels nothing).
+- refused by name (`UNSUPPORTED_FIELDS`): tools, tool_choice, parallel_tool_calls, functions, function_call,
+  response_format, audio, prediction, web_search_options, reasoning_effort, and tool_calls in a message.
+- any other field is refused by name, vLLM's `top_k` and `priority` excepted (our engines honour them; through the
+  gateway a plan sets the priority, so it refuses `priority`).
+
+A refused field is a 400 with `param` naming it and code `unsupported_parameter`; a refused value of a field we
+know is a 400 with code `unsupported_value`.
 
 Choices where OpenAI's own limits are looser or unstated:
 - `seed` must lie in 0..2^64-1 (what a 64-bit generator takes); any other integer is a 400 naming `seed`.
@@ -16,9 +38,11 @@ Choices where OpenAI's own limits are looser or unstated:
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from wire.fields import drop_nulls, nullable_optionals, only
 
 MAX_SEED = 2**64 - 1
 MIN_TEMPERATURE = 0.01
@@ -27,31 +51,42 @@ MAX_STOP_CHARS = 256
 MAX_MESSAGES = 2048
 MAX_CONTENT_PARTS = 256
 MAX_TOKENS_BOUND = 2**31 - 1
+MAX_METADATA_PAIRS = 16
 
 # OpenAI request fields we know and do not honour yet: refused with this explanation.
 UNSUPPORTED_FIELDS = {
     "tools": "tool calling is not supported yet",
     "tool_choice": "tool calling is not supported yet",
     "parallel_tool_calls": "tool calling is not supported yet",
+    "tool_calls": "tool calling is not supported yet",  # in an assistant message
     "functions": "function calling is not supported",
     "function_call": "function calling is not supported",
     "response_format": "structured output (response_format) is not supported yet",
-    "logit_bias": "logit_bias is not supported",
     "audio": "audio output is not supported",
-    "modalities": "only text output is supported",
     "prediction": "predicted outputs are not supported",
     "web_search_options": "web search is not supported",
     "reasoning_effort": "reasoning models are not served here",
 }
+# Every field of OpenAI's chat-completions request (its API reference, 2026): each is a field of
+# ChatCompletionRequest (honoured, or restricted to the values we serve) or in UNSUPPORTED_FIELDS.
+OPENAI_FIELDS = (
+    "messages", "model", "audio", "frequency_penalty", "function_call", "functions", "logit_bias", "logprobs",
+    "max_completion_tokens", "max_tokens", "metadata", "modalities", "n", "parallel_tool_calls", "prediction",
+    "presence_penalty", "prompt_cache_key", "prompt_cache_retention", "reasoning_effort", "response_format",
+    "safety_identifier", "seed", "service_tier", "stop", "store", "stream", "stream_options", "temperature",
+    "tool_choice", "tools", "top_logprobs", "top_p", "user", "verbosity", "web_search_options",
+)
 # Fields of an assistant message as OpenAI returns it, harmless when a client sends them back empty.
 _ECHOED_MESSAGE_FIELDS = ("refusal", "annotations", "audio", "function_call", "tool_calls")
+_EMPTY = {"anyOf": [{"type": "null"}, {"const": ""}, {"type": "array", "maxItems": 0},
+                    {"type": "object", "maxProperties": 0}]}
 
 
-def _drop_nulls(data: Any, echoed: tuple[str, ...] = ()) -> Any:
-    """A JSON object without its `null` fields (and without `echoed` fields that are empty)."""
-    if not isinstance(data, dict):
-        return data
-    return {k: v for k, v in data.items() if v is not None and not (k in echoed and v in ([], {}, ""))}
+def _message_schema(schema: dict[str, Any]) -> None:
+    """The message's schema: optional fields take null, and the echoed fields are documented as empty only."""
+    nullable_optionals(schema)
+    for name in _ECHOED_MESSAGE_FIELDS:
+        schema["properties"][name] = {"description": "as OpenAI returns it; accepted only when empty", **_EMPTY}
 
 
 class TextPart(BaseModel):
@@ -62,7 +97,7 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
+    model_config = ConfigDict(strict=True, extra="forbid", json_schema_extra=_message_schema)
 
     role: Literal["system", "developer", "user", "assistant"]
     content: str | Annotated[list[TextPart], Field(max_length=MAX_CONTENT_PARTS)] | None = None
@@ -71,7 +106,7 @@ class ChatMessage(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _nulls_are_unset(cls, data: Any) -> Any:
-        return _drop_nulls(data, _ECHOED_MESSAGE_FIELDS)
+        return drop_nulls(data, _ECHOED_MESSAGE_FIELDS)
 
     def text(self) -> str:
         """The message's text, with content parts joined."""
@@ -83,19 +118,30 @@ class ChatMessage(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
+    model_config = ConfigDict(strict=True, extra="forbid", json_schema_extra=nullable_optionals)
 
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: usage in every chunk, so a cancelled stream is countable
+    include_obfuscation: Annotated[Literal[False], only(False, reason="stream events are not obfuscated here; "
+                                                        "send false or leave it out")] = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_unset(cls, data: Any) -> Any:
+        return drop_nulls(data)
 
 
 StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
+MetadataKey = Annotated[str, Field(max_length=64)]
+MetadataValue = Annotated[str, Field(max_length=512)]
+ZeroPenalty = Annotated[float, Field(ge=0.0, le=0.0), only(0, reason="only 0 is supported: no penalty is applied")]
 
 
 class ChatCompletionRequest(BaseModel):
     """POST /v1/chat/completions. Fields we cannot honour are refused, never silently ignored."""
 
-    model_config = ConfigDict(strict=True, extra="forbid")
+    unsupported_fields: ClassVar[dict[str, str]] = UNSUPPORTED_FIELDS
+    model_config = ConfigDict(strict=True, extra="forbid", json_schema_extra=nullable_optionals)
 
     model: Annotated[str, Field(min_length=1, max_length=256)]
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
@@ -109,17 +155,31 @@ class ChatCompletionRequest(BaseModel):
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
     seed: Annotated[int, Field(ge=0, le=MAX_SEED)] | None = None
     user: Annotated[str, Field(max_length=256)] | None = None
-    n: Annotated[int, Field(ge=1, le=1)] = 1
+    n: Annotated[int, Field(ge=1, le=1), only(1, reason="one choice per request (n: 1)")] = 1
     priority: Annotated[int, Field(ge=-(2**31), le=2**31 - 1)] = 0
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    presence_penalty: Annotated[float, Field(ge=0.0, le=0.0)] | None = None
-    frequency_penalty: Annotated[float, Field(ge=0.0, le=0.0)] | None = None
+    presence_penalty: ZeroPenalty | None = None
+    frequency_penalty: ZeroPenalty | None = None
+    metadata: Annotated[dict[MetadataKey, MetadataValue], Field(max_length=MAX_METADATA_PAIRS)] | None = None
+    store: Annotated[Literal[False], only(False, reason="completions are not stored here; send false")] | None = None
+    service_tier: Annotated[Literal["auto", "default"], only(
+        "auto", "default", reason="only 'auto' and 'default': your plan sets your priority and tiers")] | None = None
+    prompt_cache_key: Annotated[str, Field(max_length=256)] | None = None
+    prompt_cache_retention: Annotated[Literal["in-memory"], only(
+        "in-memory", reason="only 'in-memory': the prefix cache lives in the engines' memory")] | None = None
+    safety_identifier: Annotated[str, Field(max_length=64)] | None = None
+    verbosity: Annotated[Literal["medium"], only("medium", reason="verbosity control is not supported; "
+                                                 "only 'medium' (the default)")] | None = None
+    modalities: Annotated[list[Literal["text"]], Field(min_length=1, max_length=1),
+                          only(["text"], reason="only text output is supported: ['text']")] | None = None
+    logit_bias: Annotated[dict[str, int], Field(max_length=0),
+                          only({}, reason="logit_bias is not supported; send {} or leave it out")] | None = None
 
     @model_validator(mode="before")
     @classmethod
     def _nulls_are_unset(cls, data: Any) -> Any:
-        return _drop_nulls(data)
+        return drop_nulls(data)
 
     @field_validator("temperature", "top_p", mode="before")
     @classmethod
@@ -159,6 +219,11 @@ class ChatCompletionRequest(BaseModel):
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def end_user(self) -> str | None:
+        """Who the answer is for, as the client names them: `user`, else `safety_identifier`."""
+        return self.user or self.safety_identifier
 
     @property
     def include_usage(self) -> bool:

@@ -52,3 +52,26 @@ SSE_DONE = b"data: [DONE]\n\n"
 def sse_data(line: str) -> str | None:
     """The payload of one line of an event stream (`data: …`), or None for any other line."""
     return line[5:].strip() if line.startswith("data:") else None
+
+
+def text_completion(*, id_: str, created: int, model: str, text: str, finish_reason: str | None,
+                    prompt_tokens: int, completion_tokens: int, logprobs: dict[str, Any] | None = None,
+                    **extra: Any) -> dict[str, Any]:
+    """A whole legacy text completion (POST /v1/completions) with one choice."""
+    return {"id": id_, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
+            "usage": usage(prompt_tokens, completion_tokens), **extra}
+
+
+def text_chunk(*, id_: str, created: int, model: str, text: str, finish_reason: str | None = None,
+               logprobs: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
+    """One stream chunk of a legacy text completion (OpenAI streams them as `text_completion` objects too)."""
+    return {"id": id_, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}], **extra}
+
+
+def text_usage_chunk(*, id_: str, created: int, model: str, prompt_tokens: int, completion_tokens: int,
+                     **extra: Any) -> dict[str, Any]:
+    """The last chunk of a text-completion stream that asked for `stream_options.include_usage`."""
+    return {"id": id_, "object": "text_completion", "created": created, "model": model, "choices": [],
+            "usage": usage(prompt_tokens, completion_tokens), **extra}

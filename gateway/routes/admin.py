@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from gateway.auth import require_admin
 from gateway.errors import InvalidRequest
 from gateway.pipeline.cache_lookup import CacheStage
+from gateway.routes.openapi import BEARER, also, body, errors
 from gateway.tenants.keys import MAX_GRACE_S, MAX_TTL_S
 from gateway.tenants.store import ADMIN, TenantStore
 from gateway.validation import parse_body
@@ -43,12 +44,15 @@ class RotateKey(BaseModel):
     ttl_s: TtlSeconds | None = None  # the new key's; it never outlives the old key's expiry
 
 
-@get("/tenants")
+ADMIN_ERRORS = errors(400, 401, 403, 404, 409, 413, 500)
+
+
+@get("/tenants", responses=errors(401, 403, 500))
 async def list_tenants(store: NamedDependency[TenantStore]) -> dict[str, Any]:
     return {"data": [vars(t) for t in store.list_tenants()]}
 
 
-@post("/tenants", status_code=201)
+@post("/tenants", status_code=201, dependencies={"openapi_body": body(CreateTenant)}, responses=ADMIN_ERRORS)
 async def create_tenant(request: Request[Any, Any, Any], store: NamedDependency[TenantStore],
                         plans: NamedDependency[PlanBook]) -> dict[str, Any]:
     body = parse_body(await request.body(), CreateTenant)
@@ -58,7 +62,7 @@ async def create_tenant(request: Request[Any, Any, Any], store: NamedDependency[
     return vars(store.create_tenant(body.name, plan))
 
 
-@post("/tenants/{name:str}/data-version", status_code=200)
+@post("/tenants/{name:str}/data-version", status_code=200, responses=errors(400, 401, 403, 404, 500))
 async def bump_data_version(store: NamedDependency[TenantStore], cache: NamedDependency[CacheStage],
                             name: FromPath[str]) -> dict[str, Any]:
     """The tenant's data changed: cached answers made from the old data become unreachable at once, and are
@@ -68,12 +72,12 @@ async def bump_data_version(store: NamedDependency[TenantStore], cache: NamedDep
     return {"tenant": name, "data_version": version}
 
 
-@get("/keys")
+@get("/keys", responses=errors(400, 401, 403, 500))
 async def list_keys(store: NamedDependency[TenantStore], tenant: FromQuery[str | None] = None) -> dict[str, Any]:
     return {"data": [k.public() for k in store.list_keys(tenant)]}
 
 
-@post("/keys", status_code=201)
+@post("/keys", status_code=201, dependencies={"openapi_body": body(IssueKey)}, responses=ADMIN_ERRORS)
 async def issue_key(request: Request[Any, Any, Any], store: NamedDependency[TenantStore]) -> dict[str, Any]:
     body = parse_body(await request.body(), IssueKey)
     key, plaintext = store.issue_key(
@@ -81,12 +85,13 @@ async def issue_key(request: Request[Any, Any, Any], store: NamedDependency[Tena
     return key.public() | {"key": plaintext, "note": "shown once; store it now"}
 
 
-@post("/keys/{key_id:str}/revoke", status_code=200)
+@post("/keys/{key_id:str}/revoke", status_code=200, responses=errors(400, 401, 403, 404, 500))
 async def revoke_key(store: NamedDependency[TenantStore], key_id: FromPath[str]) -> dict[str, Any]:
     return store.revoke_key(key_id).public()
 
 
-@post("/keys/{key_id:str}/rotate", status_code=201)
+@post("/keys/{key_id:str}/rotate", status_code=201, dependencies={"openapi_body": body(RotateKey)},
+      responses=ADMIN_ERRORS, operation_class=also(required_body=False))
 async def rotate_key(request: Request[Any, Any, Any], store: NamedDependency[TenantStore],
                      key_id: FromPath[str]) -> dict[str, Any]:
     raw = await request.body()
@@ -96,6 +101,6 @@ async def rotate_key(request: Request[Any, Any, Any], store: NamedDependency[Ten
 
 
 admin_router = Router(
-    path="/admin", guards=[require_admin],
+    path="/admin", guards=[require_admin], tags=["admin"], security=BEARER,
     route_handlers=[list_tenants, create_tenant, bump_data_version, list_keys, issue_key, revoke_key, rotate_key],
 )

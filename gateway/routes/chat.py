@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 from litestar import Request, Response, post
 from litestar.di import NamedDependency, Provide
+from litestar.openapi import ResponseSpec
 from litestar.response import Stream
 
 from gateway.auth import provide_tenant
@@ -23,9 +24,12 @@ from gateway.errors import TiergateError
 from gateway.pipeline.context import RequestContext
 from gateway.pipeline.events import Delta, Done, Event, Head
 from gateway.pipeline.handle import Pipeline
+from gateway.routes.openapi import BEARER, MODEL_ERRORS, also, body, errors
 from gateway.tenants.store import Principal
 from quotas.plans import PlanBook
 from wire import responses
+from wire.chat_request import ChatCompletionRequest
+from wire.response_models import ChatCompletion
 
 T = TypeVar("T")
 CLIENT_CLOSED = 499  # nginx's status for a client that closed the connection; nobody reads it
@@ -35,9 +39,16 @@ class ClientLeft(Exception):
     """The client disconnected before its answer was ready."""
 
 
-@post("/v1/chat/completions", dependencies={"principal": Provide(provide_tenant)}, status_code=200)
+@post("/v1/chat/completions", status_code=200, tags=["OpenAI"], summary="Create a chat completion",
+      dependencies={"principal": Provide(provide_tenant), "openapi_body": body(ChatCompletionRequest)},
+      security=BEARER, operation_class=also("text/event-stream"),
+      responses={200: ResponseSpec(ChatCompletion, generate_examples=False,
+                                   description="The completion; with `stream: true`, server-sent events of "
+                                               "`chat.completion.chunk` objects ending with `data: [DONE]`"),
+                 **errors(*MODEL_ERRORS)})
 async def chat_completions(request: Request[Any, Any, Any], principal: NamedDependency[Principal],
                            pipeline: NamedDependency[Pipeline], plans: NamedDependency[PlanBook]) -> Response[Any]:
+    """OpenAI's chat completions, routed to a tier by the tenant's plan (`model`: a tier, or `auto`)."""
     ctx = RequestContext(request.state.request_id, principal, plans.plans[principal.tenant.plan],  # type: ignore[union-attr]
                          {k.lower(): v for k, v in request.headers.items()}, time.time(), request.state.t0)
     events = pipeline.handle(ctx, await request.body())

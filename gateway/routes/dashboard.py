@@ -20,7 +20,7 @@ def _page() -> bytes:
     return PAGE.read_bytes()
 
 
-@get("/dashboard", include_in_schema=False)
+@get("/dashboard", tags=["operations"], media_type="text/html")
 async def dashboard() -> Response[bytes]:
     return Response(_page(), media_type="text/html; charset=utf-8",
                     headers={"cache-control": "no-store", "x-frame-options": "DENY",

@@ -6,15 +6,20 @@ from typing import Any
 
 from litestar import Request, Response, get
 from litestar.di import NamedDependency
+from litestar.openapi import ResponseSpec
 
 from gateway.auth import presented_key, require_admin
 from gateway.metrics import GatewayMetrics
+from gateway.routes.openapi import BEARER, errors
 from gateway.tenants.store import TenantStore
 from quotas.ledger import Ledger
 from tiers.fleet import Fleet
 
 
-@get("/health")
+@get("/health", tags=["operations"], security=[{}, *BEARER], responses={
+    503: ResponseSpec(dict[str, Any], generate_examples=False,
+                      description='Not ready: `{"status": "starting"}` (and, for an admin key, why)'),
+    **errors(500)})
 async def health(request: Request[Any, Any, Any], fleet: NamedDependency[Fleet],
                  store: NamedDependency[TenantStore], ledger: NamedDependency[Ledger]) -> Response[dict[str, Any]]:
     """200 {"status": "ok"} when every tier that can run is ready; 503 {"status": "starting"} while any is starting
@@ -49,6 +54,7 @@ def readiness(fleet: Fleet, ledger: Ledger) -> tuple[bool, dict[str, Any]]:
         "ledger": ledger_reason}
 
 
-@get("/metrics", guards=[require_admin])
+@get("/metrics", guards=[require_admin], tags=["operations"], security=BEARER, media_type="text/plain",
+     responses=errors(401, 403, 500))
 async def metrics(metrics: NamedDependency[GatewayMetrics]) -> Response[bytes]:
     return Response(metrics.render(), media_type="text/plain; version=0.0.4")

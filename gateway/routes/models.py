@@ -1,4 +1,5 @@
-"""GET /v1/models: the tiers a key may use, `auto`, and whether each is ready."""
+"""GET /v1/models: the tiers a key may use, `auto`, the embedding model, whether each is ready, and what each
+can do (`capabilities`: the endpoints that serve it)."""
 
 from __future__ import annotations
 
@@ -6,17 +7,28 @@ from typing import Any
 
 from litestar import get
 from litestar.di import NamedDependency, Provide
+from litestar.openapi import ResponseSpec
 
 from gateway.auth import provide_principal
+from gateway.routes.openapi import BEARER, errors
 from gateway.tenants.store import Principal
 from quotas.plans import PlanBook
 from tiers.fleet import Fleet
 from tiers.routing import AUTO
+from wire.embeddings import EMBEDDING_DIM
+from wire.response_models import ModelList
+
+# the endpoints a chat tier answers on through this gateway
+TIER_CAPABILITIES = ["chat.completions"]
+EMBEDDING_CAPABILITIES = ["embeddings"]
 
 
-@get("/v1/models", dependencies={"principal": Provide(provide_principal)})
+@get("/v1/models", dependencies={"principal": Provide(provide_principal)}, tags=["OpenAI"], summary="List models",
+     security=BEARER, responses={200: ResponseSpec(ModelList, generate_examples=False, description="The models"),
+                                 **errors(401, 500)})
 async def list_models(principal: NamedDependency[Principal], fleet: NamedDependency[Fleet],
                       plans: NamedDependency[PlanBook]) -> dict[str, Any]:
+    """The tiers the key's plan allows, `auto`, and the embedding model; an admin key sees every tier."""
     unavailable = fleet.unavailable()
     if principal.tenant is not None:
         plan = plans.plans[principal.tenant.plan]
@@ -24,7 +36,8 @@ async def list_models(principal: NamedDependency[Principal], fleet: NamedDepende
     else:
         names, default = list(fleet.catalogue.tiers), None
     data = [{"id": AUTO, "object": "model", "created": 0, "owned_by": "tiergate",
-             "description": f"routed by Tiergate (now: {default or 'the plan default'})", "available": True}]
+             "description": f"routed by Tiergate (now: {default or 'the plan default'})", "available": True,
+             "capabilities": TIER_CAPABILITIES}]
     for name in names:
         spec = fleet.catalogue.tiers[name]
         data.append({
@@ -33,5 +46,11 @@ async def list_models(principal: NamedDependency[Principal], fleet: NamedDepende
             "unavailable_reason": unavailable.get(name), "context_length": spec.context_limit,
             "pricing": {"input_per_1k_usd": str(spec.price_per_1k_input),
                         "output_per_1k_usd": str(spec.price_per_1k_output)},
+            "capabilities": TIER_CAPABILITIES,
         })
+    if (embeddings := fleet.catalogue.embeddings).enabled:
+        data.append({"id": embeddings.model, "object": "model", "created": 0, "owned_by": "tiergate",
+                     "description": embeddings.description, "available": True, "dimensions": EMBEDDING_DIM,
+                     "pricing": {"input_per_1k_usd": str(embeddings.price_per_1k_input)},
+                     "capabilities": EMBEDDING_CAPABILITIES})
     return {"object": "list", "data": data}

@@ -12,6 +12,7 @@ from gateway.auth import provide_tenant, require_admin
 from gateway.errors import InvalidRequest
 from gateway.report_format import to_csv
 from gateway.report_params import parse_by, parse_day
+from gateway.routes.openapi import BEARER, also, errors
 from gateway.tenants.store import Principal
 from quotas.ledger import Ledger
 from quotas.report import jsonable, usage_report
@@ -32,7 +33,8 @@ def _report(ledger: Ledger, *, tenant: str | None, since: str | None, until: str
     return Response({"object": "list", "by": list(groups), "data": jsonable(rows)})
 
 
-@get("/admin/usage/report", guards=[require_admin])
+@get("/admin/usage/report", guards=[require_admin], tags=["admin"], security=BEARER,
+     responses=errors(400, 401, 403, 500), operation_class=also("text/csv"))
 async def admin_report(request: Request[Any, Any, Any], ledger: NamedDependency[Ledger],
                        tenant: FromQuery[str | None] = None,
                        to: FromQuery[str | None] = None, by: FromQuery[str | None] = None,
@@ -41,7 +43,8 @@ async def admin_report(request: Request[Any, Any, Any], ledger: NamedDependency[
     return _report(ledger, tenant=tenant, since=request.query_params.get("from"), until=to, by=by, fmt=format)
 
 
-@get("/v1/usage", dependencies={"principal": Provide(provide_tenant)})
+@get("/v1/usage", dependencies={"principal": Provide(provide_tenant)}, tags=["usage"], security=BEARER,
+     responses=errors(400, 401, 403, 500), operation_class=also("text/csv"))
 async def tenant_report(request: Request[Any, Any, Any], principal: NamedDependency[Principal],
                         ledger: NamedDependency[Ledger],
                         to: FromQuery[str | None] = None, by: FromQuery[str | None] = None,

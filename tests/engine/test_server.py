@@ -237,3 +237,75 @@ def test_text_longer_than_the_context_could_hold_is_refused_before_tokenizing() 
     finally:
         server.stop()
         eng.shutdown()
+
+
+PROMPT = "The capital of France is"
+
+
+def test_text_completions_with_the_openai_client_streamed_and_not(
+        served: tuple[str, LLMEngine, ScriptedRunner]) -> None:
+    url, _, _ = served
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=50, temperature=0)
+    assert out.object == "text_completion" and out.id.startswith("cmpl-")
+    assert out.choices[0].text == "Paris is the capital." and out.choices[0].finish_reason == "stop"
+    assert out.usage.prompt_tokens == len(PROMPT)  # the prompt as it is: no chat template around it
+    assert out.model_extra["x_tiergate"]["busy_s"] > 0
+    listed = client.completions.create(model="tiny", prompt=[PROMPT], max_tokens=50)  # a list of one prompt
+    assert listed.choices[0].text == "Paris is the capital."
+    default_cap = client.completions.create(model="tiny", prompt=PROMPT)  # the legacy default: 16 tokens
+    assert default_cap.choices[0].text == "Paris is the cap" and default_cap.choices[0].finish_reason == "length"
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=5, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == "Paris"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 5 and chunks[-1].usage.prompt_tokens == len(PROMPT)
+
+
+def test_text_completion_logprobs_in_the_legacy_shape(served: tuple[str, LLMEngine, ScriptedRunner]) -> None:
+    url, _, _ = served
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    lp = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3, logprobs=2).choices[0].logprobs
+    assert lp.tokens == ["P", "a", "r"] and lp.token_logprobs == [-0.25] * 3
+    assert lp.top_logprobs[0] == {"P": -0.25, "Q": -1.5}  # the scripted token and its neighbour
+    assert lp.text_offset == [len(PROMPT), len(PROMPT) + 1, len(PROMPT) + 2]  # counted from the prompt's start
+    streamed = [c.choices[0].logprobs for c in client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=3, logprobs=1, stream=True) if c.choices and c.choices[0].logprobs]
+    assert [t for s in streamed for t in s.tokens] == ["P", "a", "r"]
+    assert [o for s in streamed for o in s.text_offset] == lp.text_offset
+    assert client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3).choices[0].logprobs is None
+
+
+def test_continuous_usage_of_a_text_stream(served: tuple[str, LLMEngine, ScriptedRunner]) -> None:
+    url, _, _ = served
+    body = {"model": "tiny", "prompt": PROMPT, "stream": True, "max_tokens": 3,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert all(e["object"] == "text_completion" for e in events)
+    assert [e["usage"]["completion_tokens"] for e in events if e.get("usage") and e["choices"]] == [1, 2]
+    assert events[-1]["usage"]["completion_tokens"] == 3 and events[-1]["x_tiergate"]["busy_s"] > 0
+
+
+@pytest.mark.parametrize(("field", "value", "code"), [
+    ("echo", True, "unsupported_value"), ("suffix", "x", "unsupported_parameter"),
+    ("best_of", 2, "unsupported_value"), ("n", 2, "unsupported_value"), ("logprobs", 6, "less_than_equal"),
+    ("prompt", [1, 2, 3], "unsupported_value"), ("prompt", ["a", "b"], "unsupported_value"),
+    ("seed", -1, "greater_than_equal"), ("stop", ["x"] * 5, "too_long"), ("messages", MSG, "unsupported_parameter"),
+    ("logit_bias", {"5": 1}, "unsupported_value"), ("presence_penalty", 0.5, "unsupported_value"),
+])
+def test_a_text_completion_parameter_we_do_not_serve_is_a_400_naming_it(
+        served: tuple[str, LLMEngine, ScriptedRunner], field: str, value: object, code: str) -> None:
+    url, _, _ = served
+    r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": PROMPT, field: value})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == field and r.json()["error"]["code"] == code
+
+
+def test_text_completion_limits_name_the_prompt(served: tuple[str, LLMEngine, ScriptedRunner]) -> None:
+    url, _, _ = served
+    r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "x" * 600})  # the context is 512
+    assert r.status_code == 400 and r.json()["error"] | {"message": ""} == {
+        "message": "", "type": "invalid_request_error", "param": "prompt", "code": "context_length_exceeded"}
+    r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": ""})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"

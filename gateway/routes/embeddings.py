@@ -1,0 +1,34 @@
+"""POST /v1/embeddings: OpenAI's embeddings API, served by the gateway's MiniLM (gateway/embeddings_service.py)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from litestar import Request, Response, post
+from litestar.di import NamedDependency, Provide
+from litestar.openapi import ResponseSpec
+
+from gateway.auth import provide_tenant
+from gateway.embeddings_service import TIER, EmbeddingsService
+from gateway.pipeline.context import RequestContext
+from gateway.routes.openapi import BEARER, body, errors
+from gateway.tenants.store import Principal
+from quotas.plans import PlanBook
+from wire.embeddings import EmbeddingRequest
+from wire.response_models import EmbeddingList
+
+
+@post("/v1/embeddings", status_code=200, tags=["OpenAI"], summary="Create embeddings",
+      dependencies={"principal": Provide(provide_tenant), "openapi_body": body(EmbeddingRequest)}, security=BEARER,
+      responses={200: ResponseSpec(EmbeddingList, generate_examples=False, description="One vector per input"),
+                 **errors(400, 401, 403, 404, 413, 429, 500, 503)})
+async def create_embeddings(request: Request[Any, Any, Any], principal: NamedDependency[Principal],
+                            embeddings: NamedDependency[EmbeddingsService],
+                            plans: NamedDependency[PlanBook]) -> Response[Any]:
+    """OpenAI's embeddings, by the gateway's all-MiniLM-L6-v2 (normalized, 384 dimensions), billed per token."""
+    ctx = RequestContext(request.state.request_id, principal, plans.plans[principal.tenant.plan],  # type: ignore[union-attr]
+                         {k.lower(): v for k, v in request.headers.items()}, time.time(), request.state.t0)
+    request.state.tier = TIER
+    answer, headers = await embeddings.embed(ctx, await request.body())
+    return Response(answer, headers=headers)

@@ -1,0 +1,122 @@
+"""The OpenAI legacy text-completions request (POST /v1/completions), as our engine accepts it.
+
+Bounded and strict like the chat request (wire/chat_request.py), with the same sampling fields and limits. The
+prompt is sent to the model as it is: no chat template. What the legacy API has and we serve:
+
+- `prompt`: one string, or a list of exactly one string. A batch of prompts, and token-id prompts (a list of
+  integers), are refused by name: one prompt is one request, as the gateway bills and schedules it.
+- `max_tokens` defaults to 16, as in OpenAI's legacy API (and vLLM's), capped by what the context has left.
+- `logprobs` is the legacy integer: the log-probabilities of that many most likely tokens at each position
+  (0 to MAX_LOGPROBS, OpenAI's bound), returned in the legacy shape (`tokens`, `token_logprobs`, `top_logprobs`,
+  `text_offset`).
+- `echo` only `false`, `suffix` refused (no fill-in-the-middle), `n` and `best_of` only 1, penalties only 0,
+  `logit_bias` only `{}`.
+- vLLM's `top_k` and `priority`, as on the chat endpoint.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from wire.chat_request import (
+    MAX_SEED,
+    MAX_TOKENS_BOUND,
+    MIN_TEMPERATURE,
+    StopString,
+    StreamOptions,
+    ZeroPenalty,
+)
+from wire.fields import UNSUPPORTED_VALUE, drop_nulls, nullable_optionals, only
+
+DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy default
+MAX_LOGPROBS = 5
+MAX_STOP_SEQUENCES = 4
+
+UNSUPPORTED_FIELDS = {
+    "suffix": "fill-in-the-middle (suffix) is not supported",
+}
+
+
+def _one_text_prompt(value: Any) -> Any:
+    """`prompt` as the legacy API allows it, refused by name where it is a batch or token ids."""
+    if isinstance(value, list):
+        if any(isinstance(v, int | list) and not isinstance(v, bool) for v in value):
+            raise PydanticCustomError(UNSUPPORTED_VALUE, "token-id prompts are not supported; send the text")
+        if len(value) > 1:
+            raise PydanticCustomError(UNSUPPORTED_VALUE, "one prompt per request: send a string (or a list of one)")
+    return value
+
+
+class CompletionRequest(BaseModel):
+    """POST /v1/completions: one prompt, continued as it is (no chat template)."""
+
+    unsupported_fields: ClassVar[dict[str, str]] = UNSUPPORTED_FIELDS
+    model_config = ConfigDict(strict=True, extra="forbid", json_schema_extra=nullable_optionals)
+
+    model: Annotated[str, Field(min_length=1, max_length=256)]
+    prompt: Annotated[str | Annotated[list[str], Field(min_length=1, max_length=1)],
+                      Field(description="the text to continue: a string, or a list of exactly one string")]
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_BOUND)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(ge=-1, le=MAX_TOKENS_BOUND)] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
+    seed: Annotated[int, Field(ge=0, le=MAX_SEED)] | None = None
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    echo: Annotated[Literal[False], only(False, reason="echoing the prompt is not supported; send false")] = False
+    n: Annotated[int, Field(ge=1, le=1), only(1, reason="one choice per request (n: 1)")] = 1
+    best_of: Annotated[int, Field(ge=1, le=1), only(1, reason="best_of is not supported; send 1")] = 1
+    presence_penalty: ZeroPenalty | None = None
+    frequency_penalty: ZeroPenalty | None = None
+    logit_bias: Annotated[dict[str, int], Field(max_length=0),
+                          only({}, reason="logit_bias is not supported; send {} or leave it out")] | None = None
+    user: Annotated[str, Field(max_length=256)] | None = None
+    priority: Annotated[int, Field(ge=-(2**31), le=2**31 - 1)] = 0
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_unset(cls, data: Any) -> Any:
+        return drop_nulls(data)
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt(cls, value: Any) -> Any:
+        return _one_text_prompt(value)
+
+    @field_validator("temperature", "top_p", mode="before")
+    @classmethod
+    def _ints_are_numbers(cls, value: object) -> object:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return float(value)
+        return value
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature_is_safe(cls, value: float | None) -> float | None:
+        if value is not None and 0.0 < value < MIN_TEMPERATURE:
+            raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}")
+        return value
+
+    @property
+    def text(self) -> str:
+        """The prompt's text."""
+        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+
+    @property
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
