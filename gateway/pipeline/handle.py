@@ -123,7 +123,8 @@ class Pipeline:
         """Dispatch → call → account → settle for one attempt. `judge` (the cascade's) sees an ok outcome
         before it is settled and may add to its route reason and actions."""
         attempt, req, keep = prepared.attempt, prepared.req, prepared.keep
-        meter = Meter(ctx.t0, keep_logprobs=req.logprobs)
+        meter = Meter(ctx.t0, keep_logprobs=req.logprobs,
+                      counted_input=prepared.prompt.num_tokens if prepared.prompt is not None else 0)
         ticket: Ticket | None = None
         upstream: Upstream | None = None
         outcome: Outcome | None = None

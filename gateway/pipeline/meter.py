@@ -3,7 +3,9 @@
 The meter is the one mutable thing of an attempt and belongs to it alone: the tier's chunks go in, one
 frozen `Outcome` comes out for the settle stage. Usage comes from the chunks' `usage` (our engine and vLLM
 send it in every chunk when asked for `continuous_usage_stats`, so a cancelled stream is still countable)
-and the engine's busy time from `x_tiergate.busy_s`.
+and the engine's busy time from `x_tiergate.busy_s`. A server that reports no usage in its stream at all (some
+OpenAI-compatible servers ignore `stream_options`: llama-cpp-python's) is billed on our own count: the prompt
+tokens the gateway counted to reserve, and one token per streamed content chunk, as such servers stream them.
 """
 
 from __future__ import annotations
@@ -33,8 +35,13 @@ class Outcome:
 
 
 class Meter:
-    def __init__(self, t0: float, *, keep_logprobs: bool = False) -> None:
+    def __init__(self, t0: float, *, keep_logprobs: bool = False, counted_input: int = 0) -> None:
+        """`counted_input`: the prompt's tokens as the gateway counted them, billed if the tier reports none."""
         self.t0 = t0
+        self.counted_input = counted_input
+        self.usage_reported = False
+        self.content_chunks = 0
+        self.chunks = 0  # chunks the tier sent: it answered
         self.keep_logprobs = keep_logprobs  # the client asked for them: they are part of its answer
         self.logprobs: list[dict[str, Any]] = []
         self.input_tokens = 0
@@ -57,8 +64,10 @@ class Meter:
 
     def add(self, chunk: dict[str, Any]) -> tuple[str, list[dict[str, Any]] | None, bool]:
         """Count one upstream chunk; returns its content, its logprobs entries and whether it carried a choice."""
+        self.chunks += 1
         usage = chunk.get("usage")
         if isinstance(usage, dict):
+            self.usage_reported = True
             self.input_tokens = int(usage.get("prompt_tokens") or self.input_tokens)
             self.output_tokens = int(usage.get("completion_tokens") or self.output_tokens)
         ext = chunk.get("x_tiergate")
@@ -87,6 +96,7 @@ class Meter:
             has_choice = has_choice or bool(piece) or bool(choice.get("finish_reason"))
         if content:
             self._parts.append(content)
+            self.content_chunks += 1
         return content, logprobs, has_choice
 
     def add_cached(self, text: str, usage: dict[str, Any]) -> None:
@@ -95,6 +105,7 @@ class Meter:
         self.input_tokens = int(usage.get("prompt_tokens", 0))
         self.output_tokens = int(usage.get("completion_tokens", 0))
         self.finish_reason = usage.get("finish_reason") or "stop"
+        self.usage_reported = True
         self.ttft_s = time.perf_counter() - self.t0
 
     def outcome(self, status: str, http_status: int, error_code: str | None = None, *,
@@ -102,6 +113,8 @@ class Meter:
         """How the attempt ended. With `output_delivered` False (an error the client got instead of a JSON
         answer) the output is not billed: the client pays for the prompt it sent, not for text it never saw."""
         self.upstream_ended()
+        if not self.usage_reported and self.chunks:  # a tier answered and counted nothing for us
+            self.input_tokens, self.output_tokens = self.counted_input, self.content_chunks
         mean = self._logprob_sum / self._logprob_n if self._logprob_n else None
         output = self.output_tokens if output_delivered else 0
         return Outcome(status, http_status, error_code, self.input_tokens, output, self.finish_reason,

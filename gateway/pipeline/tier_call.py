@@ -26,14 +26,19 @@ MAX_REPLICAS_TRIED = 2
 
 def upstream_body(req: ChatCompletionRequest, tier: TierSpec, *, max_tokens: int, priority: int,
                   logprobs: bool) -> dict[str, Any]:
-    """The body the tier gets: the client's, with our output cap, priority and streaming options."""
+    """The body the tier gets: the client's, with our output cap and streaming options, plus the extensions its
+    server accepts (the tier's `dialect`: usage in every chunk, the plan's priority); a plain OpenAI-compatible
+    server gets OpenAI's fields only, since a strict one refuses what it does not know."""
     body = req.model_dump(exclude_none=True, exclude={"model", "stream", "stream_options", "priority",
                                                       "max_completion_tokens", "max_tokens"})
     body["model"] = tier.name if tier.backend == "local" else tier.model
     body["max_tokens"] = max_tokens  # never more than the reservation covers
     body["stream"] = True
-    body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
-    body["priority"] = priority
+    body["stream_options"] = {"include_usage": True}
+    if tier.sends_continuous_usage:
+        body["stream_options"]["continuous_usage_stats"] = True
+    if tier.sends_priority:
+        body["priority"] = priority
     if logprobs:
         body["logprobs"] = True
     return body

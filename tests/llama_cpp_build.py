@@ -1,0 +1,74 @@
+"""Builds llama.cpp's OpenAI-compatible server (the `llama-cpp-python[server]` package) once per machine, for the
+tests that use it as a real remote tier (tests/llama_cpp_server.py runs it).
+
+PyPI ships llama-cpp-python as source only, so pip compiles llama.cpp (cmake and a C++ compiler; scikit-build-core
+fetches cmake from PyPI where the system has none recent enough). That happens once per machine, into a virtual
+environment of its own under ~/.cache/tiergate, as the engine's C++ kernels are cached: a dev extra would compile
+it on every fresh `make test` (which creates .venv anew), and the server's own dependencies (FastAPI, numpy) stay
+out of the gateway's environment. The build is the smallest that serves a GGUF on a CPU: no GPU backend, no
+multimodal library (LLAVA_BUILD=OFF), and GGML_NATIVE=OFF, so a cached build never holds an instruction that
+another CPU sharing the same home directory lacks (ggml then still compiles its AVX2/FMA/F16C kernels; how fast a
+135M model runs is not what these tests look at). A failed build fails the test with pip's last lines: nothing is
+skipped.
+
+Standard library only, so CI can start the build (`python3 -m tests.llama_cpp_build`, in the background) while it
+installs everything else; a test that needs the build meanwhile waits on its lock and then finds it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from assets.locks import file_lock
+
+LLAMA_CPP_PYTHON = "0.3.36"
+CMAKE_ARGS = "-DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF"
+BUILD_TIMEOUT_S = 3600.0  # a loaded 2-core machine took about 25 minutes; an idle one about 12
+MARKER = "tiergate-built.json"
+
+
+def venv_dir() -> Path:
+    default = Path.home() / ".cache/tiergate" / f"llama-cpp-python-{LLAMA_CPP_PYTHON}-py{sys.version_info[0]}." \
+                                                 f"{sys.version_info[1]}"
+    return Path(os.environ.get("TIERGATE_LLAMA_CPP_VENV", default))
+
+
+def ensure_built() -> Path:
+    """The Python of a virtual environment with llama-cpp-python[server] built; builds it the first time."""
+    venv = venv_dir()
+    python = venv / "bin" / "python"
+    want = {"llama-cpp-python": LLAMA_CPP_PYTHON, "cmake_args": CMAKE_ARGS}
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    with file_lock(venv.parent / f".{venv.name}.lock"):
+        marker = venv / MARKER
+        if marker.is_file() and json.loads(marker.read_text()) == want and python.exists():
+            return python
+        shutil.rmtree(venv, ignore_errors=True)
+        log = venv.parent / f"{venv.name}.build.log"
+        started = time.monotonic()
+        print(f"\nbuilding llama-cpp-python {LLAMA_CPP_PYTHON} into {venv} (once per machine; log: {log})",
+              file=sys.stderr, flush=True)
+        env = os.environ | {"CMAKE_ARGS": CMAKE_ARGS, "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 1)}
+        with open(log, "w") as out:
+            for cmd in ([sys.executable, "-m", "venv", str(venv)],
+                        [str(python), "-m", "pip", "install", "--no-cache-dir", "--disable-pip-version-check",
+                         f"llama-cpp-python[server]=={LLAMA_CPP_PYTHON}"]):
+                # --no-cache-dir: pip's wheel cache ignores CMAKE_ARGS, so a cached wheel could be another build's
+                result = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, check=False,
+                                        timeout=BUILD_TIMEOUT_S)
+                if result.returncode != 0:
+                    tail = log.read_text(errors="replace")[-3000:]
+                    raise RuntimeError(f"{' '.join(cmd[-3:])} failed ({result.returncode}); see {log}:\n{tail}")
+        marker.write_text(json.dumps(want))
+        print(f"built llama-cpp-python in {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
+    return python
+
+
+if __name__ == "__main__":
+    print(ensure_built())

@@ -1,0 +1,44 @@
+"""What a tier's server is sent depends on the dialect it declares: a strict OpenAI-compatible server gets
+OpenAI's fields only (it would refuse vLLM's extensions with a 400), vLLM gets usage in every chunk, and the
+plan's priority only where the server schedules by it."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from gateway.pipeline.tier_call import upstream_body
+from tiers.catalogue import TierSpec
+from wire.chat_request import ChatCompletionRequest
+
+PRICES = {"price_per_1k_input": "0.001", "price_per_1k_output": "0.002", "hardware_cost_per_hour": "0.1",
+          "context_limit": 2048}
+REQ = ChatCompletionRequest.model_validate({"model": "mid", "messages": [{"role": "user", "content": "hi"}],
+                                            "temperature": 0, "max_tokens": 50})
+
+
+def remote(dialect: str | None) -> TierSpec:
+    extra = {} if dialect is None else {"dialect": dialect}
+    return TierSpec(name="mid", backend="openai", model="served-id", urls=["http://x"], **PRICES, **extra)
+
+
+@pytest.mark.parametrize(("dialect", "continuous", "priority"), [
+    (None, False, False), ("openai", False, False), ("vllm", True, False), ("vllm-priority", True, True)])
+def test_each_dialect_gets_only_what_its_server_accepts(dialect: str | None, continuous: bool,
+                                                        priority: bool) -> None:
+    body = upstream_body(REQ, remote(dialect), max_tokens=20, priority=2, logprobs=False)
+    assert body["model"] == "served-id" and body["max_tokens"] == 20 and body["stream"] is True
+    assert body["stream_options"]["include_usage"] is True  # every dialect is asked for usage
+    assert ("continuous_usage_stats" in body["stream_options"]) is continuous
+    assert ("priority" in body) is priority
+
+
+def test_a_local_tier_speaks_our_engines_dialect_and_no_other() -> None:
+    local = TierSpec(name="mid", backend="local", model="smollm2-135m-instruct", **PRICES)
+    body = upstream_body(REQ, local, max_tokens=20, priority=1, logprobs=True)
+    assert body["model"] == "mid" and body["priority"] == 1 and body["logprobs"] is True
+    assert body["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
+    with pytest.raises(ValidationError, match="speaks `tiergate`"):
+        TierSpec(name="mid", backend="local", model="smollm2-135m-instruct", dialect="vllm", **PRICES)
+    with pytest.raises(ValidationError):
+        remote("sglang-nightly")  # not a dialect: refused by name, not guessed
