@@ -1,32 +1,44 @@
-"""The cost–quality curve of the difficulty router on held-out ShareGPT prompts, with RouteLLM's APGR.
+"""Cost–quality curves of `auto`'s policies on held-out prompts, per tier pair, measured two ways.
 
-`.venv/bin/python -m bench.router --train 400 --test 200` (see --help). Steps:
+`.venv/bin/python -m bench.router --train 300 --test 250 --known 200` (see --help). Steps:
 
-1. Train the difficulty predictor on --train prompts of the training split (training/router_training.py),
-   for the cheap tier and `full` only, or load --artifact.
-2. Run --test prompts of the held-out split (10% of ShareGPT's first turns, chosen by a fixed hash that
-   training never draws from) through the cheap tier and `full`; score each cheap answer's fidelity to
-   full's (full = 1.0). Answers and scores are cached under --work-dir, so a re-run only recomputes the
-   curve.
-3. Route: sort the held-out requests by predicted fidelity of the cheap tier and send the k least faithful
-   to `full`, for k = 0…N (a quality-floor threshold swept over the predictor's output). Each point has
-   the fraction of calls sent to full, the mean cost per request (tiers.yaml prices × each tier's own
-   prompt and output tokens) and the mean quality (mean fidelity; full's answers count 1.0).
-4. Compare with always-full, always-cheap, random mixing at equal cost (the straight line between them)
-   and the oracle (sorted by true fidelity: the best any predictor could do on these labels).
-
-Reported: APGR (RouteLLM: the area under the performance gap recovered, (quality − cheap) / (full −
-cheap), over the fraction of calls to the strong model; random mixing scores 0.5, a router that needed
-no calls to full to reach full's quality would score 1), the cost saving against always-full at 95% of
-full's quality, and whether the router's quality is at or above random mixing at every cost point.
+1. Train the router's artifact on --train prompts of the training split (training/router_training.py: the
+   difficulty heads and the cascade's calibration), or load --artifact.
+2. Run two held-out sets through every built tier (answers and scores cached under --work-dir):
+   - ShareGPT: --test first turns of the held-out split (a fixed hash puts 10% of ShareGPT there; training
+     never draws from it). Quality = fidelity to `full`'s answer (training/fidelity.py; full = 1.0).
+   - Known answers: --known questions with answers fixed by a procedure (training/known_answers.py: small
+     sums, differences and products, capitals, one-word facts). Quality = accuracy, graded by rule.
+3. Per pair weak → strong (each cheaper tier → full, and small → mid), sweep each policy from "all on weak"
+   to "all moved to strong", and record each point's mean cost per request (tiers.yaml prices × each
+   tier's own prompt and output tokens) and mean quality:
+   - random mixing: the straight line between always-weak and always-strong;
+   - router: the difficulty model's predicted gain (strong's predicted fidelity − weak's), largest first;
+     a moved request runs on strong only;
+   - cascade: every request runs on weak; the least confident answers (the artifact's confidence score,
+     empty answers first) are retried on strong, billed for both;
+   - cascade, look-ahead: the same for streams that decide after their first --lookahead tokens (a
+     confidence head fitted here on the training answers' first tokens): a retried request pays for weak's
+     prompt and those tokens, not a whole answer;
+   - oracle: requests moved in order of true gain (what no predictor can beat; no double billing).
+4. Report, per pair and measure: quality at 11 cost points (0%–100% of the way from always-weak's cost to
+   always-strong's), APGR (RouteLLM: the area under the performance gap recovered, (quality − weak) /
+   (strong − weak), over the share of requests on strong; random mixing 0.5) and the same area over cost
+   (which charges a cascade for its double billing), the cost saved against always-strong at 95% of its
+   quality, whether the cascade is at or above random mixing at every point of its sweep up to
+   always-strong's cost, and the cascade at the shipped plans' floors (0.8, 0.9) as the artifact's
+   thresholds set it. Then the difficulty model's errors (CV on training, held-out) against predicting the
+   mean, and which engine signals the confidence needs (CV error per signal set).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -34,43 +46,74 @@ from assets import offline_hub
 
 offline_hub()
 
-QUALITY_TARGET = 0.95  # of full's quality
+QUALITY_TARGET = 0.95  # of the strong tier's quality
 TABLE_PCTS = (0, 10, 20, 30, 40, 50, 60, 70, 80, 90, 100)
+PLAN_FLOORS = (0.8, 0.9)  # the shipped standard and enterprise plans'
+LOOKAHEAD = 16
 
 
 @dataclass
 class Curve:
-    """One routing policy swept from 0% to 100% of calls to the strong tier (N + 1 points)."""
+    """One policy swept from nothing moved to strong to everything moved (N + 1 points, in sweep order)."""
 
-    pct_strong: np.ndarray  # fraction of calls sent to the strong tier
+    pct_strong: np.ndarray  # share of requests answered by the strong tier
     cost: np.ndarray  # mean cost per request
-    quality: np.ndarray  # mean fidelity
+    quality: np.ndarray  # mean quality
 
 
-def routing_curve(order: np.ndarray, fidelity: np.ndarray, cost_weak: np.ndarray, cost_strong: np.ndarray) -> Curve:
-    """Send requests to the strong tier in `order` (first = most in need); point k has the first k strong."""
-    n = len(fidelity)
-    f, cw, cs = fidelity[order], cost_weak[order], cost_strong[order]
+def policy_curve(order: np.ndarray, q_weak: np.ndarray, q_strong: np.ndarray, c_kept: np.ndarray,
+                 c_moved: np.ndarray) -> Curve:
+    """Move requests to strong in `order` (first = moved first). A kept request costs `c_kept` and earns
+    `q_weak`; a moved one costs `c_moved` (strong's price, plus weak's for a cascade) and earns `q_strong`."""
+    n = len(order)
+    qw, qs, ck, cm = (np.asarray(a, dtype=np.float64)[order] for a in (q_weak, q_strong, c_kept, c_moved))
     k = np.arange(n + 1)
-    gain = np.concatenate([[0.0], np.cumsum(1.0 - f)])  # quality added by sending the first k to strong
-    extra = np.concatenate([[0.0], np.cumsum(cs - cw)])
-    return Curve(k / n, (cw.sum() + extra) / n, (f.sum() + gain) / n)
+    cost = (ck.sum() + np.concatenate([[0.0], np.cumsum(cm - ck)])) / n
+    quality = (qw.sum() + np.concatenate([[0.0], np.cumsum(qs - qw)])) / n
+    return Curve(k / n, cost, quality)
 
 
-def router_curve(predicted: np.ndarray, fidelity: np.ndarray, cost_weak: np.ndarray,
-                 cost_strong: np.ndarray) -> Curve:
-    """The threshold sweep: lowest predicted fidelity goes to the strong tier first (ties in input order)."""
-    return routing_curve(np.argsort(predicted, kind="stable"), fidelity, cost_weak, cost_strong)
+def routing_curve(order: np.ndarray, q_weak: np.ndarray, q_strong: np.ndarray, c_weak: np.ndarray,
+                  c_strong: np.ndarray) -> Curve:
+    return policy_curve(order, q_weak, q_strong, c_weak, c_strong)
+
+
+def cascade_curve(order: np.ndarray, q_weak: np.ndarray, q_strong: np.ndarray, c_weak: np.ndarray,
+                  c_strong: np.ndarray, c_first: np.ndarray | None = None) -> Curve:
+    """`c_first`: what a retried request's weak attempt cost (its whole answer unless a look-ahead cut it)."""
+    first = c_weak if c_first is None else c_first
+    return policy_curve(order, q_weak, q_strong, c_weak, np.asarray(first) + np.asarray(c_strong))
+
+
+def ascending(score: np.ndarray) -> np.ndarray:
+    """Lowest score moved first; ties in input order."""
+    return np.argsort(np.asarray(score, dtype=np.float64), kind="stable")
 
 
 def apgr(pct_strong: np.ndarray, quality: np.ndarray, q_weak: float, q_strong: float) -> float:
-    """Average performance gap recovered: ∫₀¹ (quality − q_weak) / (q_strong − q_weak) d(pct to strong)."""
+    """Average performance gap recovered: ∫₀¹ (quality − q_weak) / (q_strong − q_weak) d(share on strong)."""
     gap = q_strong - q_weak
     if gap <= 0:
         return 1.0  # the weak tier is already as good: nothing to recover
     pgr = (np.asarray(quality) - q_weak) / gap
     x = np.asarray(pct_strong)
     return float(np.sum((pgr[1:] + pgr[:-1]) / 2 * np.diff(x)))
+
+
+def quality_at(curve: Curve, cost: np.ndarray | float) -> np.ndarray:
+    """The best quality the policy reaches within `cost` (mixing two thresholds interpolates linearly)."""
+    by_cost = np.argsort(curve.cost, kind="stable")
+    c, q = curve.cost[by_cost], np.maximum.accumulate(curve.quality[by_cost])
+    return np.interp(cost, c, q, left=np.nan)
+
+
+def apgr_by_cost(curve: Curve, c_weak: float, c_strong: float, q_weak: float, q_strong: float) -> float:
+    """APGR over cost from always-weak's to always-strong's (random mixing 0.5)."""
+    if q_strong <= q_weak or c_strong <= c_weak:
+        return 1.0
+    x = np.linspace(0.0, 1.0, 201)
+    q = np.nan_to_num(quality_at(curve, c_weak + x * (c_strong - c_weak)), nan=q_weak)
+    return apgr(x, q, q_weak, q_strong)
 
 
 def cost_at_quality(curve: Curve, target: float) -> float | None:
@@ -87,120 +130,128 @@ def cost_at_quality(curve: Curve, target: float) -> float | None:
 
 
 def random_quality(cost: np.ndarray, c_weak: float, c_strong: float, q_weak: float, q_strong: float) -> np.ndarray:
-    """Random mixing: sending a fraction p to the strong tier costs and earns p of the way between the two."""
+    """Random mixing: sending a share p to the strong tier costs and earns p of the way between the two."""
     p = np.clip((np.asarray(cost) - c_weak) / (c_strong - c_weak), 0.0, 1.0) if c_strong != c_weak else 0.0
     return q_weak + p * (q_strong - q_weak)
 
 
 @dataclass
-class Evaluation:
-    n: int
-    router: Curve
-    oracle: Curve
+class PairEval:
+    """Every policy of one pair on one measure."""
+
+    curves: dict[str, Curve]  # router, cascade, lookahead, oracle
     c_weak: float
     c_strong: float
     q_weak: float
     q_strong: float
-    apgr_router: float
-    apgr_oracle: float
-    min_margin_vs_random: float  # router quality − random mixing's at the same cost, worst point
-    points_below_random: int
-    saving_router: float | None  # 1 − cost / always-full's cost at QUALITY_TARGET × full's quality
-    saving_random: float | None
-    saving_oracle: float | None
-    pct_strong_at_target: float | None
-    predicted_rmse: float  # held-out error of the predictor
-    baseline_rmse: float  # held-out error of predicting the training mean
-    spearman: float
+
+    def saving(self, name: str) -> float | None:
+        """1 − cost / always-strong's cost where `name` first reaches QUALITY_TARGET × strong's quality."""
+        target = QUALITY_TARGET * self.q_strong
+        if name == "random":
+            share = 0.0 if self.q_weak >= target else (target - self.q_weak) / (self.q_strong - self.q_weak)
+            cost = self.c_weak + share * (self.c_strong - self.c_weak)
+        else:
+            found = cost_at_quality(self.curves[name], target)
+            if found is None:
+                return None
+            cost = found
+        return 1.0 - cost / self.c_strong
+
+    def below_random(self, name: str, tolerance: float = 1e-9) -> tuple[int, int, float]:
+        """Points of `name`'s sweep (up to always-strong's cost) below random mixing: (count, of, worst margin)."""
+        curve = self.curves[name]
+        within = curve.cost <= self.c_strong + 1e-12
+        margin = curve.quality[within] - random_quality(curve.cost[within], self.c_weak, self.c_strong,
+                                                        self.q_weak, self.q_strong)
+        return int(np.sum(margin < -tolerance)), int(within.sum()), float(margin.min())
 
 
-def _spearman(a: np.ndarray, b: np.ndarray) -> float:
-    ra, rb = np.argsort(np.argsort(a)), np.argsort(np.argsort(b))
-    if ra.std() == 0 or rb.std() == 0:
-        return 0.0
-    return float(np.corrcoef(ra, rb)[0, 1])
+def evaluate_pair(q_weak: np.ndarray, q_strong: np.ndarray, c_weak: np.ndarray, c_strong: np.ndarray, *,
+                  predicted_gain: np.ndarray, confidence: np.ndarray, lookahead_confidence: np.ndarray | None = None,
+                  c_lookahead: np.ndarray | None = None) -> PairEval:
+    """All policies on one pair; `confidence` is −∞ for answers a cascade always retries (empty ones)."""
+    curves = {
+        "router": routing_curve(ascending(-np.asarray(predicted_gain)), q_weak, q_strong, c_weak, c_strong),
+        "cascade": cascade_curve(ascending(confidence), q_weak, q_strong, c_weak, c_strong),
+        "oracle": routing_curve(ascending(-(np.asarray(q_strong) - np.asarray(q_weak))), q_weak, q_strong, c_weak,
+                                c_strong),
+    }
+    if lookahead_confidence is not None:
+        curves["lookahead"] = cascade_curve(ascending(lookahead_confidence), q_weak, q_strong, c_weak, c_strong,
+                                            c_lookahead)
+    return PairEval(curves, float(np.mean(c_weak)), float(np.mean(c_strong)), float(np.mean(q_weak)),
+                    float(np.mean(q_strong)))
 
 
-def evaluate(predicted: np.ndarray, fidelity: np.ndarray, cost_weak: np.ndarray, cost_strong: np.ndarray, *,
-             train_mean: float | None = None, tolerance: float = 1e-9) -> Evaluation:
-    predicted, fidelity = np.asarray(predicted, float), np.asarray(fidelity, float)
-    cost_weak, cost_strong = np.asarray(cost_weak, float), np.asarray(cost_strong, float)
-    n = len(fidelity)
-    router = router_curve(predicted, fidelity, cost_weak, cost_strong)
-    oracle = routing_curve(np.argsort(fidelity, kind="stable"), fidelity, cost_weak, cost_strong)
-    q_weak, q_strong = float(fidelity.mean()), 1.0
-    c_weak, c_strong = float(cost_weak.mean()), float(cost_strong.mean())
-    margin = router.quality - random_quality(router.cost, c_weak, c_strong, q_weak, q_strong)
-    target = QUALITY_TARGET * q_strong
+# ---- the report ----
 
-    def saving(cost: float | None) -> float | None:
-        return None if cost is None else 1.0 - cost / c_strong
-
-    rand_cost = c_weak if q_weak >= target else c_weak + (target - q_weak) / (q_strong - q_weak) * (c_strong - c_weak)
-    hit = np.nonzero(router.quality >= target - 1e-12)[0]
-    mean = fidelity.mean() if train_mean is None else train_mean
-    return Evaluation(
-        n, router, oracle, c_weak, c_strong, q_weak, q_strong,
-        apgr(router.pct_strong, router.quality, q_weak, q_strong),
-        apgr(oracle.pct_strong, oracle.quality, q_weak, q_strong),
-        float(margin.min()), int(np.sum(margin < -tolerance)),
-        saving(cost_at_quality(router, target)), saving(rand_cost), saving(cost_at_quality(oracle, target)),
-        float(router.pct_strong[hit[0]]) if len(hit) else None,
-        float(np.sqrt(np.mean((predicted - fidelity) ** 2))), float(np.sqrt(np.mean((mean - fidelity) ** 2))),
-        _spearman(predicted, fidelity),
-    )
-
-
-def _at_pct(curve: Curve, pct: float) -> tuple[float, float]:
-    i = round(pct / 100 * (len(curve.pct_strong) - 1))
-    return float(curve.cost[i]), float(curve.quality[i])
+POLICIES = (("random", "random mixing"), ("router", "difficulty router"), ("cascade", "cascade"),
+            ("lookahead", f"cascade, {LOOKAHEAD}-token look-ahead"), ("oracle", "oracle"))
 
 
 def _pct(v: float | None) -> str:
     return "n/a" if v is None else f"{v:.1%}"
 
 
-def report(ev: Evaluation, *, cheap: str, command: str, train_info: str) -> str:
-    """The table and summary, as markdown (ready for BENCHMARKS.md)."""
-    lines = [
-        f"Router: `{cheap}` vs `full` on {ev.n} held-out ShareGPT prompts. `{command}`",
-        "",
-        f"{train_info}",
-        "",
-        "| calls to full | cost / 1K requests (USD) | router quality | random mixing, same cost | oracle |",
-        "|---|---|---|---|---|",
-    ]
+def pair_table(ev: PairEval, *, title: str, unit: str, floors: dict[float, tuple[float, float, float]]) -> list[str]:
+    names = [(k, label) for k, label in POLICIES if k == "random" or k in ev.curves]
+    lines = [f"**{title}** — quality = {unit}; always-weak {ev.q_weak:.3f} at {ev.c_weak * 1000:.4f} USD / 1K "
+             f"requests, always-strong {ev.q_strong:.3f} at {ev.c_strong * 1000:.4f}", "",
+             "| cost (of the way weak → strong) | USD / 1K requests | " + " | ".join(lbl for _, lbl in names) + " |",
+             "|---" * (len(names) + 2) + "|"]
     for pct in TABLE_PCTS:
-        cost, q = _at_pct(ev.router, pct)
-        rand = float(random_quality(np.array([cost]), ev.c_weak, ev.c_strong, ev.q_weak, ev.q_strong)[0])
-        _, q_or = _at_pct(ev.oracle, pct)
-        lines.append(f"| {pct}% | {cost * 1000:.4f} | {q:.3f} | {rand:.3f} | {q_or:.3f} |")
-    above = "yes" if ev.points_below_random == 0 else f"no ({ev.points_below_random} of {ev.n + 1} points below)"
+        cost = ev.c_weak + pct / 100 * (ev.c_strong - ev.c_weak)
+        cells = []
+        for key, _ in names:
+            q = (random_quality(np.array([cost]), ev.c_weak, ev.c_strong, ev.q_weak, ev.q_strong)[0] if key == "random"
+                 else quality_at(ev.curves[key], cost))
+            cells.append("—" if np.isnan(q) else f"{float(q):.3f}")
+        lines.append(f"| {pct}% | {cost * 1000:.4f} | " + " | ".join(cells) + " |")
+    curves = {k: ev.curves[k] for k, _ in names if k != "random"}
     lines += [
         "",
-        f"- always-{cheap}: quality {ev.q_weak:.3f}, {ev.c_weak * 1000:.4f} USD / 1K requests; always-full: "
-        f"quality 1.000, {ev.c_strong * 1000:.4f} USD / 1K requests",
-        f"- APGR: router **{ev.apgr_router:.3f}** (random mixing 0.500, oracle {ev.apgr_oracle:.3f})",
-        f"- cost saving vs always-full at {QUALITY_TARGET:.0%} of full's quality: router **{_pct(ev.saving_router)}**"
-        f" ({_pct(ev.pct_strong_at_target)} of calls to full), random mixing {_pct(ev.saving_random)}, "
-        f"oracle {_pct(ev.saving_oracle)}",
-        f"- router at or above random mixing at every cost point: **{above}** (worst margin "
-        f"{ev.min_margin_vs_random:+.4f})",
-        f"- predictor on the held-out prompts: RMSE {ev.predicted_rmse:.4f} vs {ev.baseline_rmse:.4f} for the "
-        f"training mean; Spearman {ev.spearman:.3f}",
+        "- APGR by share on strong (RouteLLM): " + ", ".join(
+            f"{k} {apgr(c.pct_strong, c.quality, ev.q_weak, ev.q_strong):.3f}" for k, c in curves.items())
+        + "; by cost: " + ", ".join(f"{k} {apgr_by_cost(c, ev.c_weak, ev.c_strong, ev.q_weak, ev.q_strong):.3f}"
+                                    for k, c in curves.items()) + " (random mixing 0.500)",
+        f"- cost saved vs always-strong at {QUALITY_TARGET:.0%} of its quality: "
+        + ", ".join(f"{k} **{_pct(ev.saving(k))}**" for k, _ in names),
     ]
-    return "\n".join(lines)
+    for key in ("cascade", "lookahead"):
+        if key in ev.curves:
+            below, of, worst = ev.below_random(key)
+            verdict = "yes" if below == 0 else f"no ({below} of {of} points below)"
+            lines.append(f"- {key} at or above random mixing at every cost point: **{verdict}** (worst margin "
+                         f"{worst:+.4f})")
+    for floor, (retried, quality, saving) in floors.items():
+        lines.append(f"- cascade at floor {floor:g} (the artifact's threshold): {retried:.0%} retried on strong, "
+                     f"quality {quality:.3f}, saving {saving:.1%}")
+    return lines
+
+
+def floor_points(confidence_score: np.ndarray, empty: np.ndarray, thresholds: dict[float, float | None],
+                 q_weak: np.ndarray, q_strong: np.ndarray, c_weak: np.ndarray, c_strong: np.ndarray
+                 ) -> dict[float, tuple[float, float, float]]:
+    """The cascade where the artifact's thresholds put it: (share retried, quality, saving vs strong)."""
+    out = {}
+    for floor, threshold in thresholds.items():
+        retried = empty | (np.full(len(empty), True) if threshold is None else confidence_score < threshold)
+        quality = float(np.where(retried, q_strong, q_weak).mean())
+        cost = float((c_weak + np.where(retried, c_strong, 0.0)).mean())
+        out[floor] = (float(retried.mean()), quality, 1.0 - cost / float(np.mean(c_strong)))
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--train", type=int, default=400, help="training-split prompts to fit the predictor on")
-    ap.add_argument("--test", type=int, default=200, help="held-out prompts to evaluate on")
+    ap.add_argument("--train", type=int, default=300, help="training-split prompts to fit the artifact on")
+    ap.add_argument("--test", type=int, default=250, help="held-out ShareGPT prompts to evaluate on")
+    ap.add_argument("--known", type=int, default=200, help="known-answer questions to evaluate on")
     ap.add_argument("--max-tokens", type=int, default=48, help="greedy answer length per tier")
     ap.add_argument("--max-prompt-tokens", type=int, default=256)
-    ap.add_argument("--cheap", choices=["small", "mid"], default=None,
-                    help="the cheap tier [default: small if its model is built, else mid]")
-    ap.add_argument("--seed", type=int, default=0, help="picks the training and test prompts")
+    ap.add_argument("--lookahead", type=int, default=LOOKAHEAD, help="tokens a stream's cascade decides after")
+    ap.add_argument("--seed", type=int, default=0, help="picks the training and test prompts and the questions")
     ap.add_argument("--artifact", type=Path, default=None,
                     help="evaluate this trained artifact instead of training one (it must come from the train split)")
     ap.add_argument("--work-dir", type=Path, default=None,
@@ -211,12 +262,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--models-dir", type=Path, default=None)
     ap.add_argument("--catalogue", type=Path, default=None, help="tier catalogue [default tiers/tiers.yaml]")
     args = ap.parse_args(argv)
+    command = ".venv/bin/python -m bench.router " + " ".join(argv if argv is not None else sys.argv[1:])
+    print("\n".join(run(args, command.strip())))
 
+
+def run(args: argparse.Namespace, command: str) -> list[str]:
     from cache.embedder import Embedder
     from gateway.config_files import load_yaml
     from gateway.settings import Settings
     from tiers.catalogue import TierCatalogue
     from tiers.difficulty import load_difficulty_model
+    from training.confidence import signal_values
+    from training.known_answers import is_correct, known_answer_questions
     from training.router_prompts import conversation, sharegpt_prompts
     from training.router_training import collect, train
     from training.tier_answers import runnable_tiers
@@ -227,44 +284,141 @@ def main(argv: list[str] | None = None) -> None:
     models_dir = settings.resolved_models_dir
     work_dir = args.work_dir or settings.data_dir / "router" / "work"
     ready, skipped = runnable_tiers(catalogue, models_dir)
-    names = {s.name for s in ready}
-    cheap = args.cheap or ("small" if "small" in names else "mid")
-    if cheap not in names:
-        sys.exit(f"tier {cheap} cannot run: {skipped.get(cheap, 'not in the catalogue')}")
-    if "small" not in names and args.cheap is None:
-        print(f"note: small is not built ({skipped.get('small')}); comparing mid with full", file=sys.stderr)
+    tiers = [s.name for s in ready]
+    if "full" not in tiers or len(tiers) < 2:
+        sys.exit(f"full and a cheaper tier must be built; skipped: {skipped}")
 
     def echo(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
+    for name, why in skipped.items():
+        echo(f"note: tier {name} is left out: {why}")
     embedder = Embedder(num_threads=None)
+    kw: dict[str, Any] = {"max_tokens": args.max_tokens, "max_prompt_tokens": args.max_prompt_tokens,
+                          "work_dir": work_dir, "embedder": embedder, "threads": args.threads,
+                          "max_num_seqs": args.batch, "echo": echo}
+    train_prompts = sharegpt_prompts(args.train, split="train", seed=args.seed)
     if args.artifact:
         model = load_difficulty_model(args.artifact, embedder=embedder)
     else:
-        model = train(catalogue, models_dir, work_dir / f"bench-difficulty-{cheap}.json", num_prompts=args.train,
-                      max_tokens=args.max_tokens, max_prompt_tokens=args.max_prompt_tokens, seed=args.seed,
-                      tiers=[cheap, "full"], reference="full", work_dir=work_dir, embedder=embedder,
-                      threads=args.threads, max_num_seqs=args.batch, echo=echo)
-    if cheap not in model.heads:
-        sys.exit(f"the difficulty model {model.version} has no prediction for {cheap}")
-    held = sharegpt_prompts(args.test, split="heldout", seed=args.seed)
-    col = collect(catalogue, models_dir, held, tiers=[cheap, "full"], reference="full", max_tokens=args.max_tokens,
-                  max_prompt_tokens=args.max_prompt_tokens, work_dir=work_dir, embedder=embedder,
-                  threads=args.threads, max_num_seqs=args.batch, echo=echo)
-    predicted = np.array([p[cheap] for p in model.predict_batch([conversation(p) for p in col.prompts])])
-    weak, strong = catalogue.tiers[cheap], catalogue.tiers["full"]
-    # prices are Decimal; the curve is a mean over requests, reported to 4 decimals per 1K requests
-    cost_weak = np.array([float(weak.price(a.num_prompt_tokens, len(a.token_ids))) for a in col.answers[cheap]])
-    cost_strong = np.array([float(strong.price(a.num_prompt_tokens, len(a.token_ids))) for a in col.answers["full"]])
-    ev = evaluate(predicted, col.fidelity[cheap], cost_weak, cost_strong, train_mean=model.heads[cheap].mean_fidelity)
-    head = model.heads[cheap]
-    train_info = (f"Predictor {model.version}: ridge on MiniLM + {len(model.to_json()['features']['simple'])} simple "
-                  f"features, {head.num_train} training prompts, CV RMSE {head.cv_rmse:.4f} (mean-only "
-                  f"{head.baseline_rmse:.4f}); greedy answers of {args.max_tokens} tokens, prompts cut to "
-                  f"{args.max_prompt_tokens} tokens; fidelity = 0.5 x rescaled MiniLM cosine + 0.5 x teacher-forced "
-                  "top-1 agreement with full's answer.")
-    command = ".venv/bin/python -m bench.router " + " ".join(argv if argv is not None else sys.argv[1:])
-    print(report(ev, cheap=cheap, command=command.strip(), train_info=train_info))
+        model = train(catalogue, models_dir, work_dir / "bench-difficulty.json", prompts=train_prompts,
+                      seed=args.seed, tiers=tiers, reference="full", **kw)
+    trained = collect(catalogue, models_dir, train_prompts, tiers=tiers, reference="full", **kw)
+    questions = known_answer_questions(args.known, seed=args.seed)
+    sets = {"ShareGPT": collect(catalogue, models_dir, sharegpt_prompts(args.test, split="heldout", seed=args.seed),
+                                tiers=tiers, reference="full", **kw),
+            "known": collect(catalogue, models_dir, [q.prompt for q in questions], tiers=tiers, reference="full",
+                             **kw)}
+    look = _lookahead_heads(trained, args.lookahead, args.seed)
+    pairs = [(t, "full") for t in tiers if t != "full"] + ([("small", "mid")] if {"small", "mid"} <= set(tiers) else [])
+    lines = [f"Router: `auto`'s policies on held-out prompts, tiers {', '.join(tiers)}. `{command}`", "",
+             f"Artifact {model.version}: difficulty heads and cascade calibration from {len(trained.prompts)} "
+             f"training-split ShareGPT prompts; greedy answers of {args.max_tokens} tokens (prompts cut to "
+             f"{args.max_prompt_tokens}); fidelity = 0.5 x rescaled MiniLM cosine + 0.5 x teacher-forced top-1 "
+             "agreement with full's answer; known answers graded by rule (training/known_answers.py).", ""]
+    for set_name, col in sets.items():
+        predicted = model.predict_batch([conversation(p) for p in col.prompts])
+        quality = _qualities(col, set_name, questions, is_correct)
+        for weak, strong in pairs:
+            cost = {t: np.array([float(catalogue.tiers[t].price(a.num_prompt_tokens, len(a.token_ids)))
+                                 for a in col.answers[t]]) for t in (weak, strong)}
+            values = [signal_values(a) for a in col.answers[weak]]
+            empty = np.array([v is None for v in values])
+            head = model.cascade.heads[weak] if model.cascade and weak in model.cascade.heads else None
+            conf = np.array([-np.inf if v is None or head is None else head.score(v) for v in values])
+            look_conf, c_look = None, None
+            if weak in look:
+                first = [signal_values(a, first_tokens=args.lookahead) for a in col.answers[weak]]
+                look_conf = np.array([-np.inf if v is None else look[weak].score(v) for v in first])
+                c_look = np.array([float(catalogue.tiers[weak].price(a.num_prompt_tokens,
+                                                                     min(len(a.token_ids), args.lookahead)))
+                                   for a in col.answers[weak]])
+            gain = np.array([p.get(strong, 1.0) - p[weak] for p in predicted])
+            ev = evaluate_pair(quality[weak], quality[strong], cost[weak], cost[strong], predicted_gain=gain,
+                               confidence=conf, lookahead_confidence=look_conf, c_lookahead=c_look)
+            floors = {}
+            pair = model.cascade.pair(weak, strong) if model.cascade else None
+            if pair is not None:
+                floors = floor_points(conf, empty, {f: pair[1].threshold(f) for f in PLAN_FLOORS}, quality[weak],
+                                      quality[strong], cost[weak], cost[strong])
+            unit = "fidelity to full" if set_name == "ShareGPT" else "accuracy"
+            what = "held-out ShareGPT prompts" if set_name == "ShareGPT" else "known-answer questions"
+            title = f"{weak} → {strong}, {len(col.prompts)} {what}"
+            lines += [*pair_table(ev, title=title, unit=unit, floors=floors), ""]
+    lines += _predictor_lines(model, sets["ShareGPT"], trained)
+    lines += _signal_lines(trained, args.lookahead, args.seed)
+    return lines
+
+
+def _qualities(col: Any, set_name: str, questions: Sequence[Any], is_correct: Any) -> dict[str, np.ndarray]:
+    if set_name == "ShareGPT":
+        return {t: col.fidelity[t] if t in col.fidelity else np.ones(len(col.prompts)) for t in col.answers}
+    by_prompt = {q.prompt: q for q in questions}
+    return {t: np.array([float(is_correct(by_prompt[p], a.text)) for p, a in zip(col.prompts, answers, strict=True)])
+            for t, answers in col.answers.items()}
+
+
+def _lookahead_heads(trained: Any, lookahead: int, seed: int) -> dict[str, Any]:
+    """Confidence heads on the first `lookahead` tokens of the training answers, per cheaper tier."""
+    from training.confidence import fit_confidence, signal_values
+
+    heads = {}
+    for tier, fid in trained.fidelity.items():
+        rows = [(v, f) for a, f in zip(trained.answers[tier], fid, strict=True)
+                if (v := signal_values(a, first_tokens=lookahead)) is not None]
+        heads[tier] = fit_confidence([v for v, _ in rows], np.array([f for _, f in rows]), seed=seed)[0]
+    return heads
+
+
+def _spearman(a: np.ndarray, b: np.ndarray) -> float:
+    ra, rb = np.argsort(np.argsort(a)), np.argsort(np.argsort(b))
+    return 0.0 if ra.std() == 0 or rb.std() == 0 else float(np.corrcoef(ra, rb)[0, 1])
+
+
+def _predictor_lines(model: Any, held: Any, trained: Any) -> list[str]:
+    from training.router_prompts import conversation
+
+    predicted = model.predict_batch([conversation(p) for p in held.prompts])
+    lines = ["**Difficulty model** (does it predict anything?)", "",
+             "| tier | CV RMSE (training) | predicting the mean (CV) | beats the mean | held-out RMSE | "
+             "training mean on held-out | held-out Spearman |", "|---|---|---|---|---|---|---|"]
+    for tier, head in model.heads.items():
+        if tier not in held.fidelity:
+            continue
+        y, p = held.fidelity[tier], np.array([row[tier] for row in predicted])
+        lines.append(f"| {tier} | {head.cv_rmse:.4f} | {head.baseline_rmse:.4f} | {'yes' if head.beats_mean else 'no'}"
+                     f" | {np.sqrt(np.mean((p - y) ** 2)):.4f} | {np.sqrt(np.mean((head.mean_fidelity - y) ** 2)):.4f}"
+                     f" | {_spearman(p, y):.3f} |")
+    return [*lines, ""]
+
+
+def _signal_lines(trained: Any, lookahead: int, seed: int) -> list[str]:
+    """CV error of the confidence per signal set, on the training answers: which signals help."""
+    from tiers.cascade import SIGNAL_FEATURES
+    from training.confidence import BASIC_FEATURES, signal_study
+
+    sets = {"mean log-probability": ("mean_logprob",),
+            "mean log-probability, length, stopped": ("mean_logprob", "log_tokens", "stopped"),
+            "chosen-token signals (no alternatives)": BASIC_FEATURES,
+            "+ entropy": (*BASIC_FEATURES, "mean_entropy", "max_entropy"),
+            "+ margin": (*BASIC_FEATURES, "mean_margin", "min_margin", "low_margin_frac"),
+            "all (SIGNAL_FEATURES)": SIGNAL_FEATURES}
+    lines = ["**Which engine signals the confidence needs** (5-fold CV on the training answers; RMSE of "
+             "fidelity, Spearman of scores with it)", "",
+             "| tier | " + " | ".join(sets) + f" | all, first {lookahead} tokens | predicting the mean |",
+             "|---" * (len(sets) + 3) + "|"]
+    from training.confidence import fit_confidence, signal_values
+
+    for tier, fid in trained.fidelity.items():
+        study = signal_study(trained.answers[tier], fid, sets, seed=seed)
+        rows = [(v, f) for a, f in zip(trained.answers[tier], fid, strict=True)
+                if (v := signal_values(a, first_tokens=lookahead)) is not None]
+        head, oof = fit_confidence([v for v, _ in rows], np.array([f for _, f in rows]), seed=seed)
+        cells = [f"{s['cv_rmse']:.4f} ({s['spearman']:.2f})" for s in study.values()]
+        base = next(iter(study.values()))["baseline_rmse"]
+        lines.append(f"| {tier} | " + " | ".join(cells) + f" | {head.ridge.cv_rmse:.4f} "
+                     f"({_spearman(oof, np.array([f for _, f in rows])):.2f}) | {base:.4f} |")
+    return lines
 
 
 if __name__ == "__main__":

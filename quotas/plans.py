@@ -62,6 +62,12 @@ class RoutingPlan(BaseModel):
     `auto` to choose it; the cheapest tier that reaches it wins. As the tenant's remaining budget falls
     below each threshold's `below_fraction`, that threshold's (lower) floor applies instead, so a tenant
     near the end of its budget is moved toward cheaper tiers rather than cut off at once.
+
+    `policy` is how `auto` picks the tier that answers first: `predict` (the difficulty model, before any
+    tier runs; a tier it cannot predict falls back to the cascade) or `cascade` (the cheapest allowed tier
+    answers, and its answer stands if its calibrated confidence keeps the floor, else the next dearer tier
+    answers too, both billed; `cascade` is then on). `cascade` alone checks `auto`'s answers whichever tier
+    `predict` chose.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -69,11 +75,14 @@ class RoutingPlan(BaseModel):
     quality_floor: Annotated[float, Field(ge=0, le=1)] = 0.8
     budget_thresholds: list[BudgetThreshold] = Field(default_factory=list)
     allow_dearer_on_load: bool = False  # may an overloaded tier's request go to a dearer tier (at its price)?
+    policy: Literal["predict", "cascade"] = "predict"  # how `auto` picks the first tier
     cascade: bool = False  # retry a failed cheap answer once on the next dearer tier (both billed)
     cascade_min_mean_logprob: Annotated[float, Field(le=0)] | None = None  # ...or one less sure than this
 
     @model_validator(mode="after")
     def _relaxing(self) -> RoutingPlan:
+        if self.policy == "cascade":
+            self.cascade = True  # the cascade policy is the cascade: its answers are checked
         self.budget_thresholds = sorted(self.budget_thresholds, key=lambda t: -t.below_fraction)
         fractions = [t.below_fraction for t in self.budget_thresholds]
         if len(set(fractions)) != len(fractions):

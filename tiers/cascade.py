@@ -1,25 +1,37 @@
-"""The cheap check a cascade runs on a cheaper tier's answer, and the tier it retries on.
+"""The check a cascade runs on a cheaper tier's answer, the engine's signals it reads, and the tier it retries on.
 
 An answer fails when it is empty, when it stopped at the output cap that the tier's context left (the
-model ran out of room, not out of things to say: a tier with a larger context may finish it), or when
-its mean token log-probability is below the plan's threshold (the model was unsure).
+model ran out of room, not out of things to say: a tier with a larger context may finish it), when its
+mean token log-probability is below the plan's fixed threshold, or when its calibrated confidence (the
+router's artifact, tiers/difficulty.py's `CascadeCalibration`) falls short of what the plan's quality floor
+needs.
 
-Log-probabilities are asked for (`logprobs: true`) only where the plan sets a threshold, and read from
-OpenAI's `choices[].logprobs.content[]`, which our engine (engine/server.py) and vLLM both return. An
-upstream that returns none is checked for empty and truncated answers only.
+The confidence reads `AnswerSignals`: what the engine's own log-probabilities say of the answer, gathered
+token by token in constant memory: the chosen tokens' log-probabilities (mean, minimum, share below ½), the
+entropy of each next-token distribution estimated from its top alternatives (the top-k probabilities plus one
+bucket for the rest: a lower bound that orders distributions as the true entropy mostly does), the margin
+between the two most likely tokens (a near tie is where a quantized or distilled copy goes another way), and
+the answer's length and whether it stopped by itself. Training (training/confidence.py) and serving compute
+them with this same code.
+
+Log-probabilities are read from OpenAI's `choices[].logprobs.content[]` (`logprob` and `top_logprobs`), which
+our engine (engine/server.py) and vLLM both return. An upstream that returns none is checked for empty and
+truncated answers only.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from tiers.catalogue import TierCatalogue, TierSpec
 
 
 @dataclass(frozen=True)
 class Verdict:
-    code: str  # empty | truncated | low_logprob (a metric label)
+    code: str  # empty | truncated | low_logprob | low_confidence (a metric label)
     why: str  # for the route reason
 
 
@@ -33,6 +45,41 @@ def check_answer(text: str, *, finish_reason: str | None, cap_by_context: bool, 
     if min_mean_logprob is not None and mean_logprob is not None and mean_logprob < min_mean_logprob:
         return Verdict("low_logprob", f"mean token log-probability {mean_logprob:.2f} < {min_mean_logprob:g}")
     return None
+
+
+def check_confidence(values: dict[str, float] | None, *, calibration: Any, cheap: str, strong: str,
+                     floor: float) -> tuple[Verdict | None, str | None]:
+    """The calibrated check of a `cheap` answer that a cascade would retry on `strong`: a verdict when its
+    confidence falls short of the plan's `floor`, and a note for the route reason either way (None when the
+    calibration has nothing for this pair or the answer lacks a signal it reads: the answer stands).
+    `calibration` is tiers/difficulty.py's CascadeCalibration (not imported here: it needs numpy)."""
+    found = calibration.pair(cheap, strong) if calibration is not None and values is not None else None
+    if found is None:
+        return None, None
+    head, pair = found
+    score = head.score(values)
+    if score is None:
+        return None, f"{cheap}'s confidence not checked (the tier sent no top log-probabilities)"
+    threshold, expected = pair.threshold(floor), head.calibrated(score)
+    if threshold is None or score < threshold:
+        needs = min(math.ceil(round(floor * 100, 6)) / 100, pair.strong_fidelity)  # the grid's floor, capped
+        return (Verdict("low_confidence", f"calibrated confidence {expected:.2f} < {needs:.2f} needed for floor "
+                                          f"{floor:g}"), None)
+    return None, f"calibrated confidence {expected:.2f} keeps floor {floor:g}"
+
+
+def outcome_values(outcome: Any) -> dict[str, float] | None:
+    """The signals of a gateway attempt's outcome (gateway/pipeline/meter.py's Outcome): every SIGNAL_FEATURE
+    where the meter gathered `AnswerSignals` (its `signals`), else what its mean log-probability, token count
+    and finish reason give; None without log-probabilities."""
+    stopped = outcome.finish_reason == "stop"
+    signals = getattr(outcome, "signals", None)
+    if isinstance(signals, AnswerSignals) and signals.num_tokens:
+        return dict(zip(SIGNAL_FEATURES, signals.features(stopped=stopped), strict=True))
+    if outcome.mean_logprob is None:
+        return None
+    return {"mean_logprob": float(outcome.mean_logprob), "log_tokens": math.log1p(outcome.output_tokens),
+            "stopped": float(stopped)}
 
 
 def next_dearer(catalogue: TierCatalogue, current: TierSpec, allowed: Iterable[str], unavailable: Iterable[str],
@@ -61,3 +108,87 @@ def sum_logprobs(chunk_logprobs: Iterable[object]) -> tuple[float, int]:
                     total += float(tok["logprob"])
                     n += 1
     return total, n
+
+
+# ---- the engine's signals ----
+
+LOW_PROB = math.log(0.5)  # a chosen token the model gave less than even odds
+LOW_MARGIN = 0.5  # nats between the two most likely tokens: a near tie
+SIGNAL_FEATURES = ("mean_logprob", "min_logprob", "low_prob_frac", "mean_entropy", "max_entropy", "mean_margin",
+                   "min_margin", "low_margin_frac", "log_tokens", "stopped")
+
+
+def entropy_estimate(top: Sequence[float]) -> float:
+    """Entropy (nats) of a next-token distribution known by its top log-probabilities: −Σ p log p over them
+    plus the rest of the mass as one more outcome. A lower bound on the true entropy."""
+    probs = [math.exp(v) for v in top]
+    rest = max(0.0, 1.0 - sum(probs))
+    h = -sum(p * v for p, v in zip(probs, top, strict=True))
+    return h - rest * math.log(rest) if rest > 0 else h
+
+
+class AnswerSignals:
+    """The log-probability signals of one answer, token by token (constant memory: sums, minima, counts)."""
+
+    def __init__(self) -> None:
+        self.num_tokens = 0
+        self.num_with_top = 0  # tokens that came with at least two alternatives (entropy and margin need them)
+        self._sum_lp = self._sum_h = self._sum_margin = 0.0
+        self._min_lp = self._max_h = self._min_margin = math.nan
+        self._low_prob = self._low_margin = 0
+
+    def add(self, logprob: float, top: Sequence[float] = ()) -> None:
+        """One token: its log-probability and its alternatives' (most likely first, as the engine sends them)."""
+        if not math.isfinite(logprob):
+            logprob = -100.0  # a token the model thought impossible: the least sure there is, kept finite
+        self.num_tokens += 1
+        self._sum_lp += logprob
+        self._min_lp = logprob if math.isnan(self._min_lp) else min(self._min_lp, logprob)
+        self._low_prob += logprob < LOW_PROB
+        alternatives = sorted((v for v in top if math.isfinite(v)), reverse=True)
+        if len(alternatives) < 2:
+            return
+        self.num_with_top += 1
+        h, margin = entropy_estimate(alternatives), alternatives[0] - alternatives[1]
+        self._sum_h += h
+        self._max_h = h if math.isnan(self._max_h) else max(self._max_h, h)
+        self._sum_margin += margin
+        self._min_margin = margin if math.isnan(self._min_margin) else min(self._min_margin, margin)
+        self._low_margin += margin < LOW_MARGIN
+
+    def add_openai(self, logprobs: object) -> None:
+        """The tokens of one choice's `logprobs` field, OpenAI's shape: {"content": [{"logprob", "top_logprobs"}]}."""
+        if not isinstance(logprobs, dict):
+            return
+        for tok in logprobs.get("content") or []:
+            if not isinstance(tok, dict) or not isinstance(tok.get("logprob"), int | float):
+                continue
+            top = [float(t["logprob"]) for t in tok.get("top_logprobs") or []
+                   if isinstance(t, dict) and isinstance(t.get("logprob"), int | float)]
+            self.add(float(tok["logprob"]), top)
+
+    @property
+    def mean_logprob(self) -> float | None:
+        return self._sum_lp / self.num_tokens if self.num_tokens else None
+
+    @property
+    def has_alternatives(self) -> bool:
+        """Every token came with its top alternatives (what the calibrated confidence was trained on)."""
+        return self.num_tokens > 0 and self.num_with_top == self.num_tokens
+
+    def features(self, *, stopped: bool) -> list[float]:
+        """The SIGNAL_FEATURES vector; None of it is defined for an answer with no tokens (check that first)."""
+        n, m = max(self.num_tokens, 1), max(self.num_with_top, 1)
+        no_top = self.num_with_top == 0
+        return [self._sum_lp / n, 0.0 if math.isnan(self._min_lp) else self._min_lp, self._low_prob / n,
+                self._sum_h / m, 0.0 if no_top else self._max_h, self._sum_margin / m,
+                0.0 if no_top else self._min_margin, self._low_margin / m, math.log1p(self.num_tokens),
+                float(stopped)]
+
+
+def signals_of(tokens: Iterable[tuple[float, Sequence[float]]]) -> AnswerSignals:
+    """The signals of an answer given as (log-probability, top alternatives) per token."""
+    signals = AnswerSignals()
+    for logprob, top in tokens:
+        signals.add(logprob, top)
+    return signals

@@ -7,6 +7,16 @@ and with ~400 inputs a linear model with its penalty chosen by cross-validation 
 supports (a deeper model would fit noise); it needs only numpy, trains in milliseconds and predicts in
 microseconds once the embedding is made. training/router_training.py builds it.
 
+A head must earn its place: `beats_mean` says whether its cross-validated error is below that of predicting
+the training mean by more than noise (training/ridge.py's test). Where it is not, the model cannot tell that
+tier's easy prompts from its hard ones, and `auto` says so and falls back to the cascade (tiers/routing.py).
+
+The cascade's calibration travels in the same artifact (`CascadeCalibration`): per cheaper tier, a confidence
+head from the engine's signals on its own answer (tiers/cascade.py's SIGNAL_FEATURES) to that answer's
+fidelity, mapped through an isotonic fit on out-of-fold predictions so that its output is a calibrated
+expected fidelity; and per tier pair (cheap → the dearer tier a cascade retries on), the score threshold an
+answer must clear for each quality floor on a grid of 0.01 (training/confidence.py says how they are chosen).
+
 The artifact is one JSON file (about 20 KB per tier): format and version, the feature spec, per-tier
 standardization and weights, how it was trained (prompts, tokens, seed, training-set size, CV error) and
 the model version of each tier it was trained against. Loading checks all of it and raises ValueError on
@@ -28,7 +38,8 @@ import numpy as np
 
 from tiers.router_features import EMBEDDING, EMBEDDING_DIM, FEATURE_VERSION, SIMPLE_FEATURES, FeatureExtractor
 
-ARTIFACT_FORMAT = "tiergate-difficulty/1"
+ARTIFACT_FORMAT = "tiergate-difficulty/2"  # /2: `beats_mean` per head and the cascade's calibration
+FLOOR_GRID = tuple(round(i / 100, 2) for i in range(101))  # the floors a pair has thresholds for
 
 
 def default_artifact_path(data_dir: Path) -> Path:
@@ -48,6 +59,7 @@ class RidgeHead:
     baseline_rmse: float  # k-fold RMSE of predicting the training mean: what the features have to beat
     num_train: int
     mean_fidelity: float  # the training set's mean target
+    beats_mean: bool = False  # CV error below the mean's by more than noise: the head tells prompts apart
 
     def predict(self, x: np.ndarray) -> np.ndarray:
         """[N, D] → [N] in [0, 1]."""
@@ -57,7 +69,7 @@ class RidgeHead:
         return {"mean": self.mean.tolist(), "scale": self.scale.tolist(), "coef": self.coef.tolist(),
                 "intercept": self.intercept, "alpha": self.alpha, "cv_rmse": self.cv_rmse,
                 "baseline_rmse": self.baseline_rmse, "num_train": self.num_train,
-                "mean_fidelity": self.mean_fidelity}
+                "mean_fidelity": self.mean_fidelity, "beats_mean": self.beats_mean}
 
     @classmethod
     def from_json(cls, d: dict[str, Any], dim: int) -> RidgeHead:
@@ -70,8 +82,126 @@ class RidgeHead:
         nums = {k: float(d[k]) for k in ("intercept", "alpha", "cv_rmse", "baseline_rmse", "mean_fidelity")}
         if not all(math.isfinite(v) for v in nums.values()):
             raise ValueError("non-finite number in a tier head")
+        if not isinstance(d["beats_mean"], bool):
+            raise ValueError("`beats_mean` must be true or false")
         return cls(vecs["mean"], vecs["scale"], vecs["coef"], nums["intercept"], nums["alpha"], nums["cv_rmse"],
-                   nums["baseline_rmse"], int(d["num_train"]), nums["mean_fidelity"])
+                   nums["baseline_rmse"], int(d["num_train"]), nums["mean_fidelity"], d["beats_mean"])
+
+    def no_better_than_mean(self) -> str:
+        """Why the head is not used, for the route reason."""
+        return f"CV RMSE {self.cv_rmse:.4f} vs {self.baseline_rmse:.4f} predicting the mean"
+
+
+@dataclass
+class ConfidenceHead:
+    """A cheaper tier's confidence in its own answer: ridge on the named signals, then an isotonic map to
+    expected fidelity (piecewise linear through (iso_x, iso_y), flat outside)."""
+
+    features: list[str]  # names from tiers/cascade.py's SIGNAL_FEATURES, in column order
+    ridge: RidgeHead  # signals → raw score (fidelity units, before calibration)
+    iso_x: np.ndarray  # [K] increasing raw scores
+    iso_y: np.ndarray  # [K] non-decreasing expected fidelity
+
+    def score(self, values: dict[str, float]) -> float | None:
+        """The raw score of one answer's signals, or None when one it needs is missing."""
+        if any(name not in values for name in self.features):
+            return None
+        x = np.asarray([values[name] for name in self.features], dtype=np.float64)  # [F]
+        return float(self.ridge.intercept + ((x - self.ridge.mean) / self.ridge.scale) @ self.ridge.coef)
+
+    def calibrated(self, score: float) -> float:
+        """Expected fidelity of an answer with this raw score."""
+        return float(np.interp(score, self.iso_x, self.iso_y))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"features": self.features, "ridge": self.ridge.to_json(), "iso_x": self.iso_x.tolist(),
+                "iso_y": self.iso_y.tolist()}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> ConfidenceHead:
+        features = d["features"]
+        if not isinstance(features, list) or not features or not all(isinstance(f, str) for f in features):
+            raise ValueError("`features` must be a non-empty list of names")
+        iso_x, iso_y = (np.asarray(d[k], dtype=np.float64) for k in ("iso_x", "iso_y"))
+        if (iso_x.ndim != 1 or iso_x.shape != iso_y.shape or len(iso_x) == 0 or not np.all(np.isfinite(iso_x))
+                or not np.all(np.isfinite(iso_y)) or np.any(np.diff(iso_x) < 0) or np.any(np.diff(iso_y) < 0)):
+            raise ValueError("`iso_x` and `iso_y` must be equally long, finite and non-decreasing")
+        return cls(list(features), RidgeHead.from_json(d["ridge"], len(features)), iso_x, iso_y)
+
+
+@dataclass
+class PairThresholds:
+    """When a `cheap` answer stands rather than being retried on `strong`: its raw confidence score must reach
+    `thresholds[i]` for a plan floor of FLOOR_GRID[i] (None: no score does, always retry; −∞, written
+    -Infinity: every answer does)."""
+
+    cheap: str
+    strong: str
+    strong_fidelity: float  # the dearer tier's mean fidelity: retrying cannot promise more than this
+    thresholds: list[float | None]  # one per FLOOR_GRID entry, non-decreasing (None above every number)
+
+    def threshold(self, floor: float) -> float | None:
+        """The threshold for a plan's floor, rounded up to the grid (never a lower bar than asked)."""
+        i = min(max(math.ceil(round(floor * 100, 6)), 0), len(FLOOR_GRID) - 1)
+        return self.thresholds[i]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"cheap": self.cheap, "strong": self.strong, "strong_fidelity": self.strong_fidelity,
+                "thresholds": self.thresholds}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> PairThresholds:
+        thresholds = d["thresholds"]
+        if not isinstance(thresholds, list) or len(thresholds) != len(FLOOR_GRID):
+            raise ValueError(f"`thresholds` must have {len(FLOOR_GRID)} entries (floors 0.00 to 1.00)")
+        out: list[float | None] = [None if t is None else float(t) for t in thresholds]
+        if not all(t is None or math.isfinite(t) or t == -math.inf for t in out):
+            raise ValueError("`thresholds` must be numbers, -Infinity or null")
+        strong_fidelity = float(d["strong_fidelity"])
+        if not math.isfinite(strong_fidelity):
+            raise ValueError("`strong_fidelity` must be finite")
+        return cls(str(d["cheap"]), str(d["strong"]), strong_fidelity, out)
+
+
+@dataclass
+class CascadeCalibration:
+    """The cascade's confidence heads (per cheaper tier) and thresholds (per tier pair)."""
+
+    top_logprobs: int  # alternatives per token the signals were measured with (ask the tier for as many)
+    heads: dict[str, ConfidenceHead]
+    pairs: dict[str, PairThresholds]  # "cheap->strong"
+    training: dict[str, Any] = field(default_factory=dict)  # prompts, CV errors, what each signal set scored
+
+    def pair(self, cheap: str, strong: str) -> tuple[ConfidenceHead, PairThresholds] | None:
+        head, pair = self.heads.get(cheap), self.pairs.get(f"{cheap}->{strong}")
+        return None if head is None or pair is None else (head, pair)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"top_logprobs": self.top_logprobs, "tiers": {t: h.to_json() for t, h in self.heads.items()},
+                "pairs": {k: p.to_json() for k, p in self.pairs.items()}, "training": self.training}
+
+    @classmethod
+    def from_json(cls, d: Any) -> CascadeCalibration:
+        if not isinstance(d, dict) or not isinstance(d.get("tiers"), dict) or not isinstance(d.get("pairs"), dict):
+            raise ValueError("`cascade` must be an object with `tiers` and `pairs`")
+        heads, pairs = {}, {}
+        for tier, h in d["tiers"].items():
+            try:
+                heads[tier] = ConfidenceHead.from_json(h)
+            except (KeyError, TypeError, ValueError) as exc:
+                raise ValueError(f"cascade tier {tier!r}: {exc}") from exc
+        for key, p in d["pairs"].items():
+            try:
+                pairs[key] = PairThresholds.from_json(p)
+            except (KeyError, TypeError, ValueError) as exc:
+                raise ValueError(f"cascade pair {key!r}: {exc}") from exc
+            if key != f"{pairs[key].cheap}->{pairs[key].strong}" or pairs[key].cheap not in heads:
+                raise ValueError(f"cascade pair {key!r} names no confidence head or another pair")
+        top = d.get("top_logprobs")
+        if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= 20:
+            raise ValueError("`top_logprobs` must be an integer within 0..20")
+        training = d.get("training", {})
+        return cls(top, heads, pairs, training if isinstance(training, dict) else {})
 
 
 @dataclass
@@ -82,11 +212,17 @@ class DifficultyModel:
     training: dict[str, Any] = field(default_factory=dict)  # prompts, max_tokens, seed, split, …
     tier_versions: dict[str, str] = field(default_factory=dict)  # tier → model version it was trained against
     extractor: FeatureExtractor = field(default_factory=FeatureExtractor, repr=False)
+    cascade: CascadeCalibration | None = None  # the cascade's confidence heads and thresholds
 
     @property
     def tiers(self) -> list[str]:
         """Tiers it has predictions for: the cheaper tiers and the reference."""
         return [*self.heads, self.reference]
+
+    @property
+    def uninformative(self) -> dict[str, str]:
+        """Tiers whose head does not beat predicting the mean, and its numbers (for the route reason)."""
+        return {tier: head.no_better_than_mean() for tier, head in self.heads.items() if not head.beats_mean}
 
     def predict(self, messages: list[dict]) -> dict[str, float]:
         """Predicted fidelity in [0, 1] per tier name for one conversation (the reference is 1.0)."""
@@ -105,6 +241,7 @@ class DifficultyModel:
             "format": ARTIFACT_FORMAT, "version": self.version, "reference": self.reference,
             "features": feature_spec(), "training": self.training, "tier_versions": self.tier_versions,
             "tiers": {tier: head.to_json() for tier, head in self.heads.items()},
+            "cascade": self.cascade.to_json() if self.cascade is not None else None,
         }
 
     def save(self, path: Path) -> None:
@@ -133,7 +270,8 @@ def model_from_json(doc: Any, *, extractor: FeatureExtractor | None = None) -> D
     if not isinstance(doc, dict):
         raise ValueError("the artifact is not a JSON object")
     if doc.get("format") != ARTIFACT_FORMAT:
-        raise ValueError(f"unknown artifact format {doc.get('format')!r}; expected {ARTIFACT_FORMAT!r}")
+        raise ValueError(f"unknown artifact format {doc.get('format')!r}; expected {ARTIFACT_FORMAT!r} (retrain it "
+                         "with `tiergate router train`)")
     if doc.get("features") != feature_spec():
         raise ValueError("the artifact was trained on other features than this code computes "
                          f"({(doc.get('features') or {}).get('version')!r} vs {FEATURE_VERSION!r}); retrain it "
@@ -153,7 +291,9 @@ def model_from_json(doc: Any, *, extractor: FeatureExtractor | None = None) -> D
     training, tier_versions = doc.get("training", {}), doc.get("tier_versions", {})
     if not isinstance(training, dict) or not isinstance(tier_versions, dict):
         raise ValueError("`training` and `tier_versions` must be objects")
-    return DifficultyModel(version, reference, heads, training, tier_versions, extractor or FeatureExtractor())
+    cascade = None if doc.get("cascade") is None else CascadeCalibration.from_json(doc["cascade"])
+    return DifficultyModel(version, reference, heads, training, tier_versions, extractor or FeatureExtractor(),
+                           cascade)
 
 
 def load_difficulty_model(path: Path, *, embedder: Any = None) -> DifficultyModel:

@@ -1,11 +1,11 @@
 """The difficulty model as the router sees it, followed on disk: loaded when its artifact appears or changes.
 
 The model itself (`tiers/difficulty.py`, trained by `tiergate router train`) is imported only when an
-artifact is there to load, so a gateway without it, or without its dependencies, routes `auto` by the
-plan's default tier and says so. `tiergate run` builds the artifact after the gateway has started, so the
-file is looked at again every `check_every_s`; a changed file (a retrained model) replaces the loaded one
-without a restart. Loading and predicting run in a worker thread: both can embed text, which must not
-stall the event loop.
+artifact is there to load (with the cascade's calibration that travels in it: `calibration`), so a gateway
+without it, or without its dependencies, routes `auto` by the plan's default tier and says so. `tiergate run`
+builds the artifact after the gateway has started, so the file is looked at again every `check_every_s`; a
+changed file (a retrained model) replaces the loaded one without a restart. Loading and predicting run in a
+worker thread: both can embed text, which must not stall the event loop.
 """
 
 from __future__ import annotations
@@ -33,6 +33,9 @@ class DifficultyPredictor(Protocol):
     def predict(self, messages: list[dict[str, Any]]) -> dict[str, float]:
         """Predicted fidelity (0-1) per tier name for this conversation; the reference tier is 1.0."""
         ...
+
+    # Optional: `uninformative` (tier -> why its prediction is no better than the mean's; default none) and
+    # `cascade` (the cascade's CascadeCalibration; default none), as tiers/difficulty.py's model has them.
 
 
 Loader = Callable[[Path], DifficultyPredictor]
@@ -93,7 +96,12 @@ class PredictorSource:
         except Exception as exc:  # a faulty model must not fail requests: route by the plan's default, loudly
             log.exception("difficulty model %s failed to predict", model.version)
             return f"difficulty model {model.version} failed: {type(exc).__name__}"
-        return Prediction({k: float(v) for k, v in fidelity.items()}, str(model.version))
+        uninformative = {str(k): str(v) for k, v in (getattr(model, "uninformative", None) or {}).items()}
+        return Prediction({k: float(v) for k, v in fidelity.items()}, str(model.version), uninformative)
+
+    async def calibration(self) -> Any:
+        """The cascade's calibration in the current artifact (tiers/difficulty.py's CascadeCalibration), or None."""
+        return getattr(await self.current(), "cascade", None)
 
     async def _refresh(self) -> None:
         try:

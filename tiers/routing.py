@@ -6,6 +6,12 @@ The rules, in the order they apply:
 2. `auto` takes the cheapest allowed tier whose predicted fidelity for this request (from the difficulty
    model: 1.0 is the full tier's answer) reaches the plan's quality floor; the caller has already relaxed
    that floor for a tenant low on budget. With no difficulty model yet, `auto` is the plan's default tier.
+   A tier whose prediction is no better than predicting the mean (the artifact says which) cannot be judged
+   before it answers: `auto` says so and falls back to the cascade policy from that tier. Under the cascade
+   policy (a plan's `policy: cascade`, or that fallback) the cheapest allowed tier answers first and its
+   answer stands only when its calibrated confidence keeps the floor; otherwise it is retried once on the
+   next dearer tier (gateway/pipeline/cascade.py, both billed). A plan's `cascade: true` checks `auto`'s
+   answers the same way whichever policy chose their tier. `Route.cascade` and `Route.floor` carry this.
 3. Load and health: a tier that cannot take a request (no healthy replica, or every replica's circuit
    breaker open) or whose predicted queue wait breaks the plan's limit is skipped for the closest cheaper
    allowed tier. A dearer tier is used only where the plan says so (`allow_upgrade` for an unavailable
@@ -31,6 +37,7 @@ from tiers.catalogue import TierCatalogue, TierSpec
 from tiers.errors import NoTierAvailable, TierNotAllowed, TierOverloaded, UnknownModel
 
 AUTO = "auto"
+PREDICT, CASCADE = "predict", "cascade"  # how `auto` picks the first tier: by predicted fidelity, or cheapest first
 
 
 @dataclass(frozen=True)
@@ -38,6 +45,8 @@ class Route:
     tier: TierSpec
     reason: str
     auto: bool = False  # chosen by `auto` (only such routes may cascade to a dearer tier)
+    cascade: bool = False  # its (non-streamed) answer is checked and, failing, retried once on a dearer tier
+    floor: float | None = None  # the quality floor `auto` worked to; the cascade's calibrated check keeps it
 
 
 @dataclass(frozen=True)
@@ -52,6 +61,8 @@ class RouteRules:
     max_wait_s: float | None = None  # the plan's queue-wait limit
     quality_floor: float = 0.8
     floor_reason: str = "floor 0.8"  # how the floor came about (budget thresholds), for the reason
+    policy: str = PREDICT  # PREDICT (the difficulty model) or CASCADE (cheapest first, checked)
+    cascade: bool = False  # the plan checks `auto`'s answers and retries failing ones a tier up
 
 
 @dataclass(frozen=True)
@@ -60,6 +71,8 @@ class Prediction:
 
     fidelity: Mapping[str, float]  # tier name -> predicted fidelity, 0-1
     version: str
+    # tier name -> why its prediction is not used: no better than predicting the mean (its CV numbers)
+    uninformative: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -81,8 +94,9 @@ def choose_tier(requested: str, *, catalogue: TierCatalogue, rules: RouteRules,
     """`unpredicted` says why `prediction` is None (no model yet, a failing one), for the reason."""
     conditions = conditions or TierConditions()
     ordered = [t for t in catalogue.by_price() if t.name in rules.allowed]
+    cascade = False
     if requested == AUTO:
-        target, reason = _auto(ordered, rules, prediction, unpredicted)
+        target, reason, cascade = _auto(ordered, rules, prediction, unpredicted)
     elif requested in catalogue.tiers:
         if requested not in rules.allowed:
             raise TierNotAllowed(f"your plan does not allow tier {requested!r}; "
@@ -92,9 +106,14 @@ def choose_tier(requested: str, *, catalogue: TierCatalogue, rules: RouteRules,
         names = ", ".join([AUTO, *catalogue.tiers])
         raise UnknownModel(f"the model {requested!r} does not exist; this gateway serves: {names}")
     is_auto = requested == AUTO
+    floor = rules.quality_floor if is_auto else None
+
+    def routed(tier: TierSpec, why: str) -> Route:
+        return Route(tier, why, is_auto, cascade, floor)
+
     problem = _problem(target, rules, conditions, None)
     if problem is None:
-        return Route(catalogue.tiers[target], reason, is_auto)
+        return routed(catalogue.tiers[target], reason)
 
     unavailable = target in conditions.unavailable
     moving_load_from = None if unavailable else target
@@ -108,8 +127,8 @@ def choose_tier(requested: str, *, catalogue: TierCatalogue, rules: RouteRules,
     for tier in candidates:
         if _problem(tier.name, rules, conditions, moving_load_from) is None:
             if unavailable:
-                return Route(tier, f"{prefix}{target} unavailable ({problem}); fell back to {tier.name}", is_auto)
-            return Route(tier, f"{prefix}{target} {problem}; shed to {tier.name}", is_auto)
+                return routed(tier, f"{prefix}{target} unavailable ({problem}); fell back to {tier.name}")
+            return routed(tier, f"{prefix}{target} {problem}; shed to {tier.name}")
 
     tried = [target, *(t.name for t in candidates)]
     why = "; ".join(f"{name}: {_problem(name, rules, conditions, moving_load_from)}" for name in tried)
@@ -125,19 +144,28 @@ def choose_tier(requested: str, *, catalogue: TierCatalogue, rules: RouteRules,
 
 
 def _auto(ordered: list[TierSpec], rules: RouteRules, prediction: Prediction | None,
-          unpredicted: str) -> tuple[str, str]:
-    """The cheapest allowed tier predicted to reach the floor, and why."""
+          unpredicted: str) -> tuple[str, str, bool]:
+    """The cheapest allowed tier predicted to reach the floor (or the cascade's first tier), why, and whether
+    its answer is checked by the cascade."""
+    if rules.policy == CASCADE and ordered:
+        first = ordered[0].name
+        return first, f"auto: cascade policy: {first} first, kept if its confidence reaches {rules.floor_reason}", True
     if prediction is None:
-        return rules.default, f"auto: {unpredicted}; the plan's default tier"
+        return rules.default, f"auto: {unpredicted}; the plan's default tier", rules.cascade
     scored = [(t.name, prediction.fidelity[t.name]) for t in ordered if t.name in prediction.fidelity]
     model = f"difficulty model {prediction.version}"
     if not scored:
-        return rules.default, f"auto: {model} predicts none of the plan's tiers; the plan's default tier"
+        return rules.default, f"auto: {model} predicts none of the plan's tiers; the plan's default tier", rules.cascade
     for name, fidelity in scored:
+        if name in prediction.uninformative:
+            return name, (f"auto: {model} cannot predict {name} ({prediction.uninformative[name]}): cascade "
+                          f"policy, {name} first, kept if its confidence reaches {rules.floor_reason}"), True
         if fidelity >= rules.quality_floor:
-            return name, f"auto: {name} predicted fidelity {fidelity:.2f} >= {rules.floor_reason} ({model})"
+            return (name, f"auto: {name} predicted fidelity {fidelity:.2f} >= {rules.floor_reason} ({model})",
+                    rules.cascade)
     best, fidelity = max(reversed(scored), key=lambda s: s[1])  # ties: the dearer one
-    return best, f"auto: no tier reaches {rules.floor_reason}; {best} predicts the most ({fidelity:.2f}, {model})"
+    return (best, f"auto: no tier reaches {rules.floor_reason}; {best} predicts the most ({fidelity:.2f}, {model})",
+            rules.cascade)
 
 
 def _overloaded(tier: str, rules: RouteRules, conditions: TierConditions) -> bool:

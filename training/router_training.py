@@ -18,7 +18,11 @@ The pipeline, and why each step is the way it is:
 4. Model: per cheaper tier, ridge regression on [MiniLM embedding | simple features] (tiers/
    router_features.py), standardized, the penalty chosen by 5-fold cross-validation over a log grid
    (closed form, numpy only). The artifact (tiers/difficulty.py) records the CV error next to the error of
-   always predicting the mean, so anyone can see whether the features help.
+   always predicting the mean, and whether the head beats it by more than noise (`beats_mean`): where it
+   does not, `auto` falls back to the cascade for that tier.
+5. Cascade: per cheaper tier, a confidence head from the engine's log-probability signals on its own answer
+   to that answer's fidelity, calibrated (isotonic), and per tier pair the score thresholds for each quality
+   floor (training/confidence.py). The answers are collected with `TOP_LOGPROBS` alternatives per token.
 
 Step 1 lives in training/router_prompts.py, steps 2-3 in training/tier_answers.py (with the answer caches), the
 ridge fit in training/ridge.py; this module collects, fits, versions and saves, and builds the default on first
@@ -30,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,7 +47,8 @@ from assets.locks import file_lock
 from tiers.catalogue import TierCatalogue
 from tiers.difficulty import DifficultyModel, default_artifact_path, load_difficulty_model
 from tiers.router_features import FeatureExtractor
-from training.ridge import fit_head
+from training.confidence import calibrate_cascade
+from training.ridge import BEATS_MEAN_Z, fit_head
 from training.router_prompts import (
     HELDOUT_PERCENT,
     SPLIT_SALT,
@@ -69,6 +75,8 @@ MODEL_VERSION_PREFIX = "difficulty-v1"
 DEFAULT_PROMPTS = 400
 DEFAULT_MAX_TOKENS = 48
 DEFAULT_MAX_PROMPT_TOKENS = 256
+TOP_LOGPROBS = 5  # alternatives per token the answers are collected with (the cascade's entropy estimate)
+DEFAULT_FLOOR = 0.8  # the shipped standard plan's, for the training log
 FIRST_USE_PROMPTS = 160  # what `ensure_difficulty_model` builds when no artifact exists
 
 __all__ = ["RouterTrainingError", "collect", "ensure_difficulty_model", "stale_reasons", "train"]
@@ -92,8 +100,9 @@ def collect(catalogue: TierCatalogue, models_dir: Path, prompts: Sequence[str], 
             reference: str | None = None, max_tokens: int = DEFAULT_MAX_TOKENS,
             max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS, work_dir: Path, embedder: Any = None,
             threads: int | None = None, max_num_seqs: int = 32, progress: bool = True,
-            echo: Callable[[str], None] | None = None) -> Collected:
-    """Run `prompts` through the reference and every runnable cheaper tier and score them."""
+            echo: Callable[[str], None] | None = None, top_logprobs: int | None = TOP_LOGPROBS) -> Collected:
+    """Run `prompts` through the reference and every runnable cheaper tier and score them (each answer with its
+    tokens' log-probabilities and `top_logprobs` alternatives: the cascade's confidence reads them)."""
     offline_hub()
     from transformers import AutoTokenizer
 
@@ -117,7 +126,7 @@ def collect(catalogue: TierCatalogue, models_dir: Path, prompts: Sequence[str], 
     for name in [ref, *cheaper]:
         answers[name] = generate_answers(specs[name], models_dir, texts, max_tokens=max_tokens, work_dir=work_dir,
                                          fingerprint=fingerprints[name], threads=threads, max_num_seqs=max_num_seqs,
-                                         progress=progress)
+                                         progress=progress, top_logprobs=top_logprobs)
     agreement = {name: agreement_scores(specs[name], models_dir, texts, answers[ref], reference_spec=specs[ref],
                                         reference_fingerprint=fingerprints[ref], max_tokens=max_tokens,
                                         work_dir=work_dir, fingerprint=fingerprints[name], progress=progress)
@@ -165,21 +174,36 @@ def train(catalogue: TierCatalogue, models_dir: Path, out: Path | None, *, num_p
     extractor = FeatureExtractor(embedder)
     x = extractor.features([conversation(p) for p in collected.prompts])
     heads = {name: fit_head(x, fid, seed=seed) for name, fid in collected.fidelity.items()}
+    order = [s.name for s in catalogue.by_price() if s.name in collected.answers]
+    cascade = calibrate_cascade(collected.answers, collected.fidelity, collected.reference, order,
+                                top_logprobs=TOP_LOGPROBS, seed=seed)
     config = {"prompts": len(collected.prompts), "max_tokens": max_tokens, "max_prompt_tokens": max_prompt_tokens,
               "seed": seed, "split": f"sharegpt first turns, train split ({100 - HELDOUT_PERCENT}%, {SPLIT_SALT})",
               "fidelity": "0.5*rescaled MiniLM cosine + 0.5*teacher-forced top-1 agreement",
-              "skipped": collected.skipped}
+              "beats_mean": f"paired squared-error gain > {BEATS_MEAN_Z:g} standard errors (5-fold CV)",
+              "top_logprobs": TOP_LOGPROBS, "skipped": collected.skipped}
     config_hashed = dict(config)
     config["tier_fingerprints"] = collected.fingerprints
     model = DifficultyModel(model_version_string(config_hashed, collected), collected.reference, heads, config,
-                            collected.versions, extractor)
+                            collected.versions, extractor, cascade)
     for name, head in heads.items():
+        verdict = "beats it" if head.beats_mean else f"does not beat it: `auto` will cascade from {name}"
         echo(f"tier {name}: mean fidelity {head.mean_fidelity:.3f} over {head.num_train} prompts; CV RMSE "
-             f"{head.cv_rmse:.4f} vs {head.baseline_rmse:.4f} predicting the mean (ridge alpha {head.alpha:g})")
+             f"{head.cv_rmse:.4f} vs {head.baseline_rmse:.4f} predicting the mean (ridge alpha {head.alpha:g}): "
+             f"{verdict}")
+    for name, conf in cascade.heads.items():
+        bars = ", ".join(f"{key} {_bar(pair.threshold(DEFAULT_FLOOR))}" for key, pair in cascade.pairs.items()
+                         if pair.cheap == name)
+        echo(f"cascade from {name}: confidence CV RMSE {conf.ridge.cv_rmse:.4f} vs {conf.ridge.baseline_rmse:.4f} "
+             f"predicting the mean; score thresholds at floor {DEFAULT_FLOOR:g}: {bars}")
     if out is not None:
         model.save(out)
         echo(f"saved {model.version} to {out}")
     return model
+
+
+def _bar(threshold: float | None) -> str:
+    return "none passes" if threshold is None else ("all pass" if threshold == -math.inf else f"{threshold:.3f}")
 
 
 def stale_reasons(model: DifficultyModel, catalogue: TierCatalogue, models_dir: Path,

@@ -90,6 +90,9 @@ class Answer:
     text: str
     token_ids: list[int]  # what the tier produced, its end-of-sequence token included when it stopped
     finish_reason: str | None
+    # per token, when asked: its log-probability and the top alternatives' log-probabilities, most likely first
+    # (what the engine's server returns as `logprobs.content[].logprob` and `.top_logprobs`)
+    logprobs: list[tuple[float, list[float]]] | None = None
 
 
 class JsonlCache:
@@ -122,12 +125,19 @@ def _bar(total: int, desc: str, progress: bool) -> Any:
 
 def generate_answers(spec: TierSpec, models_dir: Path, prompts: Sequence[str], *, max_tokens: int, work_dir: Path,
                      fingerprint: str | None = None, threads: int | None = None, max_num_seqs: int = 32,
-                     progress: bool = True) -> list[Answer]:
+                     progress: bool = True, top_logprobs: int | None = None) -> list[Answer]:
     """Greedy answers of `spec`'s tier to each prompt (a one-turn conversation), from the cache or from an
-    in-process engine that runs up to `max_num_seqs` of them at once."""
+    in-process engine that runs up to `max_num_seqs` of them at once. With `top_logprobs` (0-20) each answer
+    also has its tokens' log-probabilities and that many alternatives' (a cached answer without them, or with
+    fewer alternatives, is made again: greedy, so its tokens are the same)."""
     fingerprint = fingerprint or tier_fingerprint(spec, models_dir)
     cache = JsonlCache(work_dir / "generations" / f"{spec.name}-{fingerprint}-t{max_tokens}.jsonl")
-    missing = [p for p in dict.fromkeys(prompts) if prompt_key(p) not in cache.records]
+
+    def usable(key: str) -> bool:
+        rec = cache.records.get(key)
+        return rec is not None and (top_logprobs is None or int(rec.get("top_logprobs", -1)) >= top_logprobs)
+
+    missing = [p for p in dict.fromkeys(prompts) if not usable(prompt_key(p))]
     if missing:
         from engine.launch import build_engine
         from engine.llm_engine import EngineInputError
@@ -136,21 +146,25 @@ def generate_answers(spec: TierSpec, models_dir: Path, prompts: Sequence[str], *
         engine, _ = build_engine(spec.model, models_dir, dtype=spec.dtype, quantize=spec.quantize,
                                  device=spec.device, max_num_seqs=max_num_seqs, threads=threads or spec.threads,
                                  kv_cache_bytes=spec.kv_cache_bytes, kv_cache_dtype=spec.kv_cache_dtype)
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=top_logprobs)
         bar = _bar(len(missing), f"generate {spec.name}", progress)
 
         async def one(prompt: str) -> None:
             ids = chat_prompt_ids(engine.tokenizer, conversation(prompt))
-            text, tokens, last = [], [], None
+            text, tokens, lps, last = [], [], [], None
             try:
                 async for out in engine.generate(ids, params):
                     text.append(out.text)
                     tokens += out.token_ids
+                    lps += [[round(lp, 5), [round(v, 5) for _, v in top]] for lp, top in out.logprobs or ()]
                     last = out
             except EngineInputError as exc:  # cannot happen with truncated prompts; keep the run going
                 log.warning("tier %s refused a prompt: %s", spec.name, exc)
-            cache.add(prompt_key(prompt), {"num_prompt_tokens": len(ids), "text": "".join(text), "token_ids": tokens,
-                                     "finish_reason": last.finish_reason if last else "error"})
+            record: dict[str, Any] = {"num_prompt_tokens": len(ids), "text": "".join(text), "token_ids": tokens,
+                                      "finish_reason": last.finish_reason if last else "error"}
+            if top_logprobs is not None:
+                record |= {"top_logprobs": top_logprobs, "logprobs": lps}
+            cache.add(prompt_key(prompt), record)
             bar.update(1)
 
         async def run_all() -> None:
@@ -165,7 +179,9 @@ def generate_answers(spec: TierSpec, models_dir: Path, prompts: Sequence[str], *
     answers = []
     for p in prompts:
         rec = cache.records[prompt_key(p)]
-        answers.append(Answer(rec["num_prompt_tokens"], rec["text"], list(rec["token_ids"]), rec["finish_reason"]))
+        lps = [(float(lp), [float(v) for v in top]) for lp, top in rec["logprobs"]] if "logprobs" in rec else None
+        answers.append(Answer(rec["num_prompt_tokens"], rec["text"], list(rec["token_ids"]), rec["finish_reason"],
+                              lps))
     return answers
 
 

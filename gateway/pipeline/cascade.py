@@ -2,6 +2,11 @@
 once more on the next dearer tier. Both attempts are billed; the second's row names the first in
 `cascade_of`, the first's route reason says what became of it.
 
+The check: empty, truncated by the context, below the plan's fixed mean log-probability, and then, where the
+router's artifact has a calibration for the pair (this tier → the tier a retry would use), the calibrated
+confidence against the floor `auto` routed with (tiers/routing.py's `Route.floor`): the answer stands when
+it is expected to keep the floor, and the route reason says so either way.
+
 The check runs before the first attempt settles, and the second attempt is reserved then too, so the first
 row can say whether the cascade happened, and why not when it did not (no dearer tier, the ladder, a
 refused reservation). Streams are never cascaded: their first tokens are with the client already. Under an
@@ -25,7 +30,7 @@ from gateway.pipeline.idempotency import Keep
 from gateway.pipeline.meter import Outcome
 from gateway.pipeline.route import RouteDecision, RouteStage
 from gateway.pipeline.settle import Settler
-from tiers.cascade import check_answer, next_dearer
+from tiers.cascade import Verdict, check_answer, check_confidence, next_dearer, outcome_values
 from wire.chat_request import ChatCompletionRequest
 
 
@@ -84,11 +89,13 @@ async def cascade(pipeline: Pipeline, ctx: RequestContext, prepared: Prepared) -
 async def _judge(pipeline: Pipeline, ctx: RequestContext, prepared: Prepared, attempt: Attempt,
                  outcome: Outcome) -> Step:
     routing, tier = ctx.plan.routing, attempt.route.tier
+    fleet = pipeline.route.fleet
     verdict = check_answer(outcome.text, finish_reason=outcome.finish_reason, cap_by_context=attempt.cap_by_context,
                            mean_logprob=outcome.mean_logprob, min_mean_logprob=routing.cascade_min_mean_logprob)
     if verdict is None:
-        return Step(attempt, None)
-    fleet = pipeline.route.fleet
+        verdict, note = await _confidence(pipeline, ctx, attempt, outcome)
+        if verdict is None:
+            return Step(replace(attempt, extra_reason=(note,)) if note else attempt, None)
     target = next_dearer(fleet.catalogue, tier, ctx.plan.allowed_tiers, fleet.unavailable(), verdict)
     degr = attempt.route.degradation
     unkept = replace(attempt.lookup, scope=None)  # an answer that failed its check is not worth keeping
@@ -111,3 +118,19 @@ async def _judge(pipeline: Pipeline, ctx: RequestContext, prepared: Prepared, at
     judged = replace(attempt, lookup=unkept, final=False,  # the second attempt's answer is the client's
                      extra_reason=(f"{verdict.why}: cascaded to {target.name} as {second_id}",))
     return Step(judged, second, f"{tier.name}->{target.name}")
+
+
+async def _confidence(pipeline: Pipeline, ctx: RequestContext, attempt: Attempt, outcome: Outcome
+                ) -> tuple[Verdict | None, str | None]:
+    """The calibrated check (the router's artifact): only for a route `auto` gave a floor, and only where
+    there is a dearer tier to retry on (the thresholds are per pair)."""
+    floor, source = attempt.route.route.floor, pipeline.route.predictor
+    if floor is None or source is None:
+        return None, None
+    fleet = pipeline.route.fleet
+    target = next_dearer(fleet.catalogue, attempt.route.tier, ctx.plan.allowed_tiers, fleet.unavailable(),
+                         Verdict("low_confidence", ""))
+    if target is None:
+        return None, None
+    return check_confidence(outcome_values(outcome), calibration=await source.calibration(),
+                            cheap=attempt.route.tier.name, strong=target.name, floor=floor)

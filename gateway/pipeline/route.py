@@ -1,7 +1,8 @@
 """Route: which tier answers (tiers/routing.py's rules), with the ladder's level read once for the request.
 
 An explicit tier, or `auto`: the cheapest allowed tier whose predicted fidelity reaches the plan's quality
-floor, relaxed as the tenant's budget runs low (one quota-backend read, only for plans that relax it).
+floor (or, under the cascade policy, the cheapest allowed tier, checked after it answers), the floor relaxed
+as the tenant's budget runs low (one quota-backend read, only for plans that relax it).
 Around unavailable and overloaded tiers (load moves only to a tier outside the overloaded one's hardware
 group: the fleet's `hardware_groups`); the ladder's remap last. When every allowed tier is over its wait
 limit, the route without load is still returned, with the overload: a cached answer may serve it anyway.
@@ -23,7 +24,7 @@ from tiers.catalogue import TierSpec
 from tiers.errors import TierError, TierOverloaded
 from tiers.fleet import Fleet
 from tiers.predictor import PredictorSource
-from tiers.routing import AUTO, Prediction, Route, RouteRules, TierConditions, choose_tier
+from tiers.routing import AUTO, CASCADE, PREDICT, Prediction, Route, RouteRules, TierConditions, choose_tier
 from wire.chat_request import ChatCompletionRequest, normalized_role
 
 
@@ -68,18 +69,19 @@ class RouteStage:
         prediction: Prediction | None = None
         unpredicted = "no difficulty model yet"
         floor, floor_reason = routing.floor_for(None)
-        if req.model == AUTO and self.predictor is not None:
+        if req.model == AUTO and routing.policy == PREDICT and self.predictor is not None:
             got = await self.predictor.predict([{"role": normalized_role(m.role), "content": m.text()}
                                                 for m in req.messages])
             if isinstance(got, Prediction):
                 prediction = got
-                if routing.budget_thresholds:
-                    floor, floor_reason = routing.floor_for(await self._budget_left(ctx))
             else:
                 unpredicted = got
+        if req.model == AUTO and routing.budget_thresholds and (prediction is not None or routing.policy == CASCADE):
+            floor, floor_reason = routing.floor_for(await self._budget_left(ctx))
         rules = RouteRules(allowed=plan.allowed_tiers, default=plan.default_tier, allow_upgrade=plan.allow_upgrade,
                            shed_to_cheaper=plan.shed_to_cheaper, dearer_on_load=routing.allow_dearer_on_load,
-                           max_wait_s=plan.max_queue_wait_s, quality_floor=floor, floor_reason=floor_reason)
+                           max_wait_s=plan.max_queue_wait_s, quality_floor=floor, floor_reason=floor_reason,
+                           policy=routing.policy, cascade=routing.cascade)
         unavailable = self.fleet.unavailable()
         waits = self.dispatch.predicted_waits(plan) if plan.max_queue_wait_s is not None else {}
         overloaded: TierOverloaded | None = None

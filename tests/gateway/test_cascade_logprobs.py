@@ -1,20 +1,27 @@
-"""The cascade's log-probability check end to end: our engine's server returns token log-probabilities,
-the gateway asks for them only where the plan sets a threshold, and an unsure cheap answer is retried."""
+"""The cascade's log-probability checks end to end: our engine's server returns token log-probabilities, the
+gateway asks for them only where the plan's cascade reads them, and an unsure cheap answer is retried: below a
+plan's fixed threshold, or below what the router artifact's calibrated confidence needs for the plan's floor
+(the cascade policy, and `auto`'s fallback when the difficulty model cannot predict the cheap tier)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 
 from engine.llm_engine import LLMEngine
 from engine.server import create_engine_app
 from gateway.settings import Settings
-from tests.conftest import running_gateway
+from tests.conftest import Gateway, running_gateway
 from tests.engine.fakes import CharTokenizer, ScriptedRunner
 from tests.gateway.test_routing_api import LADDER, chat, tiers_yaml, with_difficulty_model
 from tests.stubs import REPLY, ServerThread, StubState, stub_app
+from tiers.difficulty import CascadeCalibration, ConfidenceHead, RidgeHead
+from tiers.predictor import PredictorSource
+from training.confidence import pair_thresholds
 
 PLANS = """
 default_plan: unsure
@@ -27,7 +34,45 @@ plans:
     allowed_tiers: [small, mid, full]
     default_tier: mid
     routing: {quality_floor: 0.8, cascade: true, cascade_min_mean_logprob: -1.0}
+  # the calibrated check; the fixed threshold (-5: never met) makes today's gateway ask for log-probabilities
+  exacting:
+    allowed_tiers: [small, mid, full]
+    default_tier: mid
+    routing: {quality_floor: 0.9, policy: cascade, cascade_min_mean_logprob: -5.0}
+  relaxed:
+    allowed_tiers: [small, mid, full]
+    default_tier: mid
+    routing: {quality_floor: 0.8, policy: cascade, cascade_min_mean_logprob: -5.0}
+  predicted:
+    allowed_tiers: [small, mid, full]
+    default_tier: mid
+    routing: {quality_floor: 0.9, cascade: true, cascade_min_mean_logprob: -5.0}
 """
+
+
+class Calibrated:
+    """A difficulty model that cannot predict `small` (its CV error is the mean's), with a cascade calibration
+    whose confidence is the mean log-probability mapped onto [0, 1] over [-2, 0]: the scripted runner's -0.25
+    per token is 0.875, enough for a floor of 0.8, not for 0.9."""
+
+    version = "fake-cal"
+
+    def __init__(self) -> None:
+        self.uninformative = {"small": "CV RMSE 0.1247 vs 0.1248 predicting the mean"}
+        ridge = RidgeHead(np.zeros(1), np.ones(1), np.ones(1), 0.0, 1.0, 0.1, 0.1, 100, 0.7, True)
+        head = ConfidenceHead(["mean_logprob"], ridge, np.array([-2.0, 0.0]), np.array([0.0, 1.0]))
+        self.cascade = CascadeCalibration(5, {"small": head}, {"small->mid": pair_thresholds(head, "small", "mid",
+                                                                                              1.0)})
+
+    def predict(self, messages: list[dict[str, Any]]) -> dict[str, float]:
+        return {"small": 0.3, "mid": 0.95, "full": 1.0}  # mid, were small's number worth anything
+
+
+def with_calibrated_model(gw: Gateway, tmp_path: Path) -> None:
+    artifact = tmp_path / "difficulty.json"
+    artifact.write_text("{}")
+    gw.app.state.services.pipeline.route.predictor = PredictorSource(artifact, lambda _: Calibrated())
+
 
 
 @pytest.fixture
@@ -74,3 +119,41 @@ def test_a_sure_enough_answer_stands(settings: tuple[Settings, StubState], tmp_p
         assert r.status_code == 200 and r.headers["x-tiergate-tier"] == "small"
         assert "x-tiergate-cascade" not in r.headers and r.json()["choices"][0]["message"]["content"] == "unsure."
         assert not settings[1].requests
+
+
+def test_the_cascade_policy_retries_an_answer_below_the_calibrated_bar(settings: tuple[Settings, StubState],
+                                                                      tmp_path: Path) -> None:
+    with running_gateway(settings[0], settings[1], plan="exacting") as gw:
+        with_calibrated_model(gw, tmp_path)
+        r = chat(gw, "anything")
+        assert r.status_code == 200, r.text
+        assert r.headers["x-tiergate-cascade"] == "small->mid" and r.json()["choices"][0]["message"]["content"] == REPLY
+        first = next(row for row in gw.ledger_rows() if row.tier == "small")
+        assert first.route_reason.startswith("auto: cascade policy: small first, kept if its confidence reaches "
+                                             "floor 0.9; calibrated confidence 0.88 < 0.90 needed for floor 0.9: "
+                                             "cascaded to mid")
+        assert len(gw.ledger_rows()) == 2 and all(row.price_usd > 0 for row in gw.ledger_rows())
+
+
+def test_the_cascade_policy_keeps_an_answer_that_clears_the_bar(settings: tuple[Settings, StubState],
+                                                               tmp_path: Path) -> None:
+    with running_gateway(settings[0], settings[1], plan="relaxed") as gw:
+        with_calibrated_model(gw, tmp_path)
+        r = chat(gw, "anything")
+        assert r.status_code == 200 and r.headers["x-tiergate-tier"] == "small"
+        assert "x-tiergate-cascade" not in r.headers and r.json()["choices"][0]["message"]["content"] == "unsure."
+        assert r.headers["x-tiergate-route-reason"].endswith("; calibrated confidence 0.88 keeps floor 0.8")
+        assert not settings[1].requests and len(gw.ledger_rows()) == 1
+
+
+def test_a_router_that_cannot_predict_says_so_and_falls_back_to_the_cascade(settings: tuple[Settings, StubState],
+                                                                           tmp_path: Path) -> None:
+    with running_gateway(settings[0], settings[1], plan="predicted") as gw:
+        with_calibrated_model(gw, tmp_path)
+        r = chat(gw, "anything")
+        assert r.status_code == 200 and r.headers["x-tiergate-cascade"] == "small->mid"
+        first = next(row for row in gw.ledger_rows() if row.tier == "small")
+        assert first.route_reason.startswith(
+            "auto: difficulty model fake-cal cannot predict small (CV RMSE 0.1247 vs 0.1248 predicting the mean): "
+            "cascade policy, small first")
+        assert "calibrated confidence 0.88 < 0.90 needed for floor 0.9" in first.route_reason

@@ -5,13 +5,22 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tiers.difficulty import DifficultyModel, RidgeHead, default_artifact_path, load_difficulty_model
+from tiers.difficulty import (
+    CascadeCalibration,
+    ConfidenceHead,
+    DifficultyModel,
+    PairThresholds,
+    RidgeHead,
+    default_artifact_path,
+    load_difficulty_model,
+)
 from tiers.router_features import (
     EMBEDDING_DIM,
     SIMPLE_FEATURES,
@@ -84,13 +93,22 @@ def test_feature_rows_and_length() -> None:
 
 # ---- the artifact ----
 
+def make_calibration() -> CascadeCalibration:
+    ridge = RidgeHead(np.array([-1.0, 2.0]), np.array([0.5, 1.0]), np.array([0.1, -0.05]), 0.7, 1.0, 0.15, 0.2, 50,
+                      0.7, True)
+    head = ConfidenceHead(["mean_logprob", "log_tokens"], ridge, np.array([0.2, 0.6, 0.9]), np.array([0.3, 0.7, 0.95]))
+    thresholds: list[float | None] = [-math.inf] * 30 + [0.5 + i / 200 for i in range(60)] + [None] * 11
+    pairs = {f"small->{t}": PairThresholds("small", t, f, thresholds) for t, f in (("mid", 0.9), ("full", 1.0))}
+    return CascadeCalibration(5, {"small": head}, pairs, {"features": ["mean_logprob", "log_tokens"]})
+
+
 def make_model(embedder: object = None) -> DifficultyModel:
     dim = EMBEDDING_DIM + len(SIMPLE_FEATURES)
     rng = np.random.default_rng(2)
     heads = {t: RidgeHead(rng.normal(size=dim), rng.uniform(0.5, 2, size=dim), rng.normal(scale=0.01, size=dim),
-                          0.7, 10.0, 0.1, 0.12, 50, 0.7) for t in ("small", "mid")}
+                          0.7, 10.0, 0.1, 0.12, 50, 0.7, t == "mid") for t in ("small", "mid")}
     return DifficultyModel("difficulty-v1:abc123", "full", heads, {"prompts": 50}, {"full": "v-full"},
-                           FeatureExtractor(embedder or HashEmbedder()))
+                           FeatureExtractor(embedder or HashEmbedder()), make_calibration())
 
 
 def test_save_load_round_trip_and_predict(tmp_path: Path) -> None:
@@ -106,6 +124,16 @@ def test_save_load_round_trip_and_predict(tmp_path: Path) -> None:
     got, want = loaded.predict(conv), model.predict(conv)
     assert set(got) == {"small", "mid", "full"} and got["full"] == 1.0
     assert got == pytest.approx(want) and all(0.0 <= v <= 1.0 for v in got.values())
+    # whether each head beats the mean, and the cascade's calibration, come back as they were
+    assert loaded.uninformative == {"small": "CV RMSE 0.1000 vs 0.1200 predicting the mean"}
+    assert loaded.cascade is not None and loaded.cascade.training == {"features": ["mean_logprob", "log_tokens"]}
+    head, pair = loaded.cascade.pair("small", "mid")  # type: ignore[misc]
+    values = {"mean_logprob": -0.5, "log_tokens": 3.0}
+    assert head.score(values) == pytest.approx(model.cascade.heads["small"].score(values))  # type: ignore[union-attr]
+    assert head.calibrated(0.4) == pytest.approx(0.5) and head.calibrated(5.0) == 0.95
+    assert pair.strong_fidelity == 0.9 and pair.threshold(0.2) == -math.inf and pair.threshold(0.95) is None
+    assert pair.threshold(0.3) == pair.threshold(0.295) == 0.5  # a floor between grid points takes the higher
+    assert loaded.cascade.pair("mid", "full") is None
 
 
 def test_load_does_not_load_the_embedder(tmp_path: Path) -> None:
@@ -116,6 +144,7 @@ def test_load_does_not_load_the_embedder(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("breakage", [
     "not json", "missing", "format", "features", "no_heads", "short_coef", "nan", "reference_head", "list",
+    "version_1", "beats_mean", "iso_down", "thresholds_short", "threshold_nan", "pair_without_head", "top_logprobs",
 ])
 def test_load_rejects_a_broken_artifact(tmp_path: Path, breakage: str) -> None:
     path = tmp_path / "difficulty.json"
@@ -140,6 +169,20 @@ def test_load_rejects_a_broken_artifact(tmp_path: Path, breakage: str) -> None:
             doc["tiers"]["full"] = doc["tiers"]["small"]
         elif breakage == "list":
             doc = [doc]
+        elif breakage == "version_1":  # an artifact from before `beats_mean` and the cascade: retrained
+            doc["format"] = "tiergate-difficulty/1"
+        elif breakage == "beats_mean":
+            doc["tiers"]["small"]["beats_mean"] = "yes"
+        elif breakage == "iso_down":
+            doc["cascade"]["tiers"]["small"]["iso_y"] = [0.9, 0.5, 0.95]
+        elif breakage == "thresholds_short":
+            doc["cascade"]["pairs"]["small->mid"]["thresholds"] = [0.5] * 10
+        elif breakage == "threshold_nan":
+            doc["cascade"]["pairs"]["small->mid"]["thresholds"][40] = float("nan")
+        elif breakage == "pair_without_head":
+            doc["cascade"]["pairs"]["mid->full"] = doc["cascade"]["pairs"]["small->mid"] | {"cheap": "mid"}
+        elif breakage == "top_logprobs":
+            doc["cascade"]["top_logprobs"] = 50
         path.write_text(json.dumps(doc))
     with pytest.raises(ValueError):
         load_difficulty_model(path)

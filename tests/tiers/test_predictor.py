@@ -89,3 +89,26 @@ async def test_the_default_loader_reports_a_bad_artifact_as_unusable(tmp_path: P
     path.write_text("{}")
     reason = await PredictorSource.for_data_dir(tmp_path).predict(MSG)
     assert isinstance(reason, str) and reason.startswith("difficulty model unusable")
+
+
+async def test_the_real_artifact_says_which_tiers_it_cannot_predict_and_carries_the_calibration(
+        tmp_path: Path) -> None:
+    from tests.tiers.test_difficulty import HashEmbedder, make_model
+    from tiers.difficulty import load_difficulty_model
+
+    path = default_artifact(tmp_path)
+    make_model().save(path)
+    source = PredictorSource(path, lambda p: load_difficulty_model(p, embedder=HashEmbedder()))
+    got = await source.predict(MSG)
+    assert isinstance(got, Prediction)
+    assert got.uninformative == {"small": "CV RMSE 0.1000 vs 0.1200 predicting the mean"}  # mid's head beats it
+    calibration = await source.calibration()
+    assert calibration is not None and calibration.pair("small", "mid") is not None
+
+
+async def test_no_calibration_without_an_artifact_or_from_a_model_without_one(tmp_path: Path) -> None:
+    path = tmp_path / "difficulty.json"
+    source = PredictorSource(path, load)
+    assert await source.calibration() is None
+    write(path, {"version": "v1"}, 1_000_000_000)
+    assert await PredictorSource(path, load).calibration() is None  # FakeModel has none

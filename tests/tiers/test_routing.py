@@ -10,7 +10,7 @@ from gateway.settings import REPO_ROOT
 from quotas.plans import PlanBook, RoutingPlan
 from tiers.catalogue import TierCatalogue
 from tiers.errors import NoTierAvailable, TierNotAllowed, TierOverloaded, UnknownModel
-from tiers.routing import Prediction, RouteRules, TierConditions, choose_tier
+from tiers.routing import Prediction, Route, RouteRules, TierConditions, choose_tier
 
 CAT = load_yaml(REPO_ROOT / "tiers" / "tiers.yaml", TierCatalogue)
 ALL = ["small", "mid", "full"]
@@ -19,15 +19,20 @@ MEDIUM = Prediction({"small": 0.6, "mid": 0.85, "full": 1.0}, "v1")
 HARD = Prediction({"small": 0.3, "mid": 0.5, "full": 1.0}, "v1")
 
 
-def route(requested: str = "auto", *, allowed: list[str] = ALL, default: str = "mid", upgrade: bool = False,
-          down: dict[str, str] | None = None, waits: dict[str, float] | None = None, max_wait: float | None = None,
-          shed: bool = False, dearer_on_load: bool = False, floor: float = 0.8,
-          prediction: Prediction | None = None, groups: dict[str, str] | None = None) -> tuple[str, str]:
+def full_route(requested: str = "auto", *, allowed: list[str] = ALL, default: str = "mid", upgrade: bool = False,
+               down: dict[str, str] | None = None, waits: dict[str, float] | None = None,
+               max_wait: float | None = None, shed: bool = False, dearer_on_load: bool = False, floor: float = 0.8,
+               prediction: Prediction | None = None, groups: dict[str, str] | None = None, policy: str = "predict",
+               cascade: bool = False) -> Route:
     rules = RouteRules(allowed=allowed, default=default, allow_upgrade=upgrade, shed_to_cheaper=shed,
                        dearer_on_load=dearer_on_load, max_wait_s=max_wait, quality_floor=floor,
-                       floor_reason=f"floor {floor:g}")
-    r = choose_tier(requested, catalogue=CAT, rules=rules, prediction=prediction,
-                    conditions=TierConditions(down or {}, waits or {}, groups or {}))
+                       floor_reason=f"floor {floor:g}", policy=policy, cascade=cascade)
+    return choose_tier(requested, catalogue=CAT, rules=rules, prediction=prediction,
+                       conditions=TierConditions(down or {}, waits or {}, groups or {}))
+
+
+def route(requested: str = "auto", **kwargs: object) -> tuple[str, str]:
+    r = full_route(requested, **kwargs)  # type: ignore[arg-type]
     return r.tier.name, r.reason
 
 
@@ -170,3 +175,44 @@ def test_predictions_for_tiers_the_plan_lacks_or_the_model_lacks() -> None:
 
 def test_tiers_are_ordered_by_price() -> None:
     assert [t.name for t in CAT.by_price()] == ["small", "mid", "full"]
+
+
+# ---- a router that cannot predict, and the cascade policy ----
+
+BLIND_SMALL = Prediction({"small": 0.6, "mid": 0.85, "full": 1.0}, "v3",
+                         {"small": "CV RMSE 0.1247 vs 0.1248 predicting the mean"})
+
+
+def test_a_tier_the_model_cannot_predict_falls_back_to_the_cascade_and_says_so() -> None:
+    r = full_route(prediction=BLIND_SMALL)
+    assert (r.tier.name, r.cascade, r.floor) == ("small", True, 0.8)
+    assert r.reason == ("auto: difficulty model v3 cannot predict small (CV RMSE 0.1247 vs 0.1248 predicting the "
+                        "mean): cascade policy, small first, kept if its confidence reaches floor 0.8")
+    # a plan without small: mid's prediction is trusted as before, and only checked where the plan cascades
+    r = full_route(prediction=BLIND_SMALL, allowed=["mid", "full"])
+    assert (r.tier.name, r.cascade) == ("mid", False) and "mid predicted fidelity 0.85" in r.reason
+    assert full_route(prediction=BLIND_SMALL, allowed=["mid", "full"], cascade=True).cascade
+    # an informative model: no cascade unless the plan has one
+    assert not full_route(prediction=EASY).cascade and full_route(prediction=EASY, cascade=True).cascade
+
+
+def test_the_cascade_policy_starts_on_the_cheapest_allowed_tier() -> None:
+    r = full_route(policy="cascade", prediction=HARD, floor=0.9)
+    assert (r.tier.name, r.cascade, r.floor) == ("small", True, 0.9)
+    assert r.reason == "auto: cascade policy: small first, kept if its confidence reaches floor 0.9"
+    assert full_route(policy="cascade", allowed=["mid", "full"]).tier.name == "mid"
+    # small down: the plan's fallback rules apply, and mid's answer is the one checked
+    r = full_route(policy="cascade", down={"small": "not built"}, upgrade=True)
+    assert (r.tier.name, r.cascade) == ("mid", True)
+    assert r.reason.endswith("small unavailable (not built); fell back to mid")
+
+
+def test_explicit_tiers_carry_no_floor_and_never_cascade() -> None:
+    r = full_route("small", policy="cascade", cascade=True)
+    assert (r.tier.name, r.cascade, r.floor, r.auto) == ("small", False, None, False)
+
+
+def test_a_plan_with_the_cascade_policy_cascades() -> None:
+    assert RoutingPlan(policy="cascade").cascade and not RoutingPlan().cascade
+    with pytest.raises(ValueError):
+        RoutingPlan(policy="random")  # type: ignore[arg-type]

@@ -1,8 +1,10 @@
-"""The training pipeline end to end on tiny random Llamas, the prompt split, first-use builds, and the
-benchmark's curve arithmetic (APGR, saving at 95%, above random mixing)."""
+"""The training pipeline end to end on tiny random Llamas (the difficulty heads and the cascade's calibration),
+the prompt split, first-use builds, and the benchmark's curve arithmetic (APGR, saving at 95%, above random
+mixing, a cascade's double billing)."""
 
 from __future__ import annotations
 
+import json
 import threading
 from pathlib import Path
 
@@ -12,7 +14,15 @@ import torch
 from click.testing import CliRunner
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from bench.router import apgr, cost_at_quality, evaluate, random_quality, router_curve
+from bench.router import (
+    apgr,
+    apgr_by_cost,
+    cascade_curve,
+    cost_at_quality,
+    evaluate_pair,
+    quality_at,
+    random_quality,
+)
 from gateway.cli.main import cli
 from tests.tiers.test_difficulty import HashEmbedder
 from tiers.catalogue import TierCatalogue
@@ -90,6 +100,27 @@ def test_training_end_to_end_on_tiny_models(catalogue: TierCatalogue, tmp_path: 
                   embedder=HashEmbedder(), progress=False)
     assert again.version == model.version
     assert all(len(p.read_text().splitlines()) == 4 for p in gen)
+
+
+def test_the_artifact_carries_a_calibrated_cascade(catalogue: TierCatalogue, tmp_path: Path) -> None:
+    prompts = [f"{p} ({i})" for i in range(6) for p in PROMPTS]  # 24: enough for a confidence head
+    messages: list[str] = []
+    out = tmp_path / "difficulty.json"
+    train(catalogue, tmp_path / "models", out, max_tokens=4, prompts=prompts, tiers=["small", "full"],
+          work_dir=tmp_path / "work", embedder=HashEmbedder(), threads=1, progress=False, echo=messages.append)
+    model = load_difficulty_model(out, embedder=HashEmbedder())
+    assert isinstance(model.heads["small"].beats_mean, bool) and model.training["top_logprobs"] == 5
+    assert model.cascade is not None and set(model.cascade.heads) == {"small"}
+    assert set(model.cascade.pairs) == {"small->full"} and model.cascade.top_logprobs == 5
+    head, pair = model.cascade.pair("small", "full")  # type: ignore[misc]
+    assert head.ridge.num_train == 24 and len(pair.thresholds) == 101
+    assert any(m.startswith("cascade from small: confidence CV RMSE") for m in messages)
+    # every answer was kept with its tokens' log-probabilities and 5 alternatives each
+    for path in (tmp_path / "work" / "generations").glob("*.jsonl"):
+        for line in path.read_text().splitlines():
+            rec = json.loads(line)
+            assert rec["top_logprobs"] == 5 and len(rec["logprobs"]) == len(rec["token_ids"])
+            assert all(len(top) == 5 and top[0] >= lp - 1e-6 for lp, top in rec["logprobs"])
 
 
 def test_the_int8_tier_is_more_faithful_than_another_model(catalogue: TierCatalogue, tmp_path: Path) -> None:
@@ -174,35 +205,52 @@ def test_apgr_on_synthetic_curves() -> None:
     assert apgr(x, np.ones_like(x), 1.0, 1.0) == 1.0  # no gap to recover
 
 
-def test_router_curves_perfect_random_and_reversed() -> None:
+def test_router_and_cascade_curves_perfect_random_and_reversed() -> None:
     rng = np.random.default_rng(0)
     n = 2000
     fid = np.where(rng.uniform(size=n) < 0.2, 0.1, 1.0)  # 20% of requests the cheap tier fails at
-    cw, cs = np.full(n, 1.0), np.full(n, 6.0)
-    perfect = evaluate(fid, fid, cw, cs)
-    assert perfect.apgr_router == pytest.approx(perfect.apgr_oracle)
-    assert perfect.apgr_router == pytest.approx(0.9, abs=0.01)  # gap closed after 20% of calls: 1 - 0.2 / 2
-    # always-cheap quality 0.82; 95% needs 0.13 / 0.9 of the calls on full, at cost 1 + 5 x that (vs 6)
-    assert perfect.points_below_random == 0
-    assert perfect.saving_router == pytest.approx(1 - (1 + 0.13 / 0.9 * 5) / 6, abs=0.01)
-    assert perfect.pct_strong_at_target == pytest.approx(0.2 - 0.05 / 0.9, abs=0.01)
-    coin = evaluate(rng.uniform(size=n), fid, cw, cs)
-    assert coin.apgr_router == pytest.approx(0.5, abs=0.05)
-    assert coin.apgr_oracle == perfect.apgr_oracle
-    backwards = evaluate(-fid, fid, cw, cs)
-    assert backwards.apgr_router < 0.2 and backwards.points_below_random > 0 and backwards.min_margin_vs_random < 0
+    cw, cs, strong = np.full(n, 1.0), np.full(n, 6.0), np.ones(n)
+    perfect = evaluate_pair(fid, strong, cw, cs, predicted_gain=1 - fid, confidence=fid)
+    router, cascade, oracle = (perfect.curves[k] for k in ("router", "cascade", "oracle"))
+    assert apgr(router.pct_strong, router.quality, 0.82, 1.0) == pytest.approx(0.9, abs=0.01)  # 1 - 0.2 / 2
+    assert apgr(oracle.pct_strong, oracle.quality, 0.82, 1.0) == pytest.approx(0.9, abs=0.01)
+    # always-cheap quality 0.82; 95% needs 0.13 / 0.9 of the requests on full: the router pays 5 more for each,
+    # the cascade 6 (it paid for the cheap answer too)
+    assert perfect.saving("router") == pytest.approx(1 - (1 + 0.13 / 0.9 * 5) / 6, abs=0.01)
+    assert perfect.saving("cascade") == pytest.approx(1 - (1 + 0.13 / 0.9 * 6) / 6, abs=0.01)
+    share = (0.95 - fid.mean()) / (1 - fid.mean())  # random mixing moves that share of the requests
+    assert perfect.saving("random") == pytest.approx(1 - (1 + share * 5) / 6)
+    assert perfect.below_random("cascade")[0] == 0
+    assert apgr_by_cost(cascade, 1.0, 6.0, 0.82, 1.0) < apgr_by_cost(router, 1.0, 6.0, 0.82, 1.0)
+    coin = evaluate_pair(fid, strong, cw, cs, predicted_gain=rng.uniform(size=n), confidence=rng.uniform(size=n))
+    c = coin.curves["router"]
+    assert apgr(c.pct_strong, c.quality, 0.82, 1.0) == pytest.approx(0.5, abs=0.05)
+    assert coin.below_random("cascade")[0] > 0  # paying twice for a coin flip is worse than mixing
+    backwards = evaluate_pair(fid, strong, cw, cs, predicted_gain=fid, confidence=-fid)
+    below, of, worst = backwards.below_random("cascade")
+    assert below == of - 1 and worst < 0  # all but the start
 
 
 def test_saving_at_95_percent_and_equal_cost_random_line() -> None:
     fid = np.array([0.0, 1.0, 1.0, 1.0])  # one hard request out of four: always-cheap quality 0.75
     cw, cs = np.ones(4), np.full(4, 5.0)
-    ev = evaluate(np.array([0.1, 0.9, 0.8, 0.7]), fid, cw, cs)
+    ev = evaluate_pair(fid, np.ones(4), cw, cs, predicted_gain=1 - np.array([0.1, 0.9, 0.8, 0.7]),
+                       confidence=np.array([0.1, 0.9, 0.8, 0.7]))
     # the router sends the hard one first: full quality at cost (5 + 3) / 4 = 2.0; 95% is reached 80% of the way
-    curve = router_curve(np.array([0.1, 0.9, 0.8, 0.7]), fid, cw, cs)
+    curve = ev.curves["router"]
     assert curve.quality[1] == 1.0 and curve.cost[1] == 2.0
     assert cost_at_quality(curve, 0.95) == pytest.approx(1.0 + 0.8 * 1.0)
-    assert ev.saving_router == pytest.approx(1 - 1.8 / 5.0)
+    assert ev.saving("router") == pytest.approx(1 - 1.8 / 5.0)
+    assert ev.curves["cascade"].cost[1] == pytest.approx(2.25)  # the hard one is paid on both tiers
     # random mixing reaches 0.95 at p = 0.8: cost 1 + 0.8 * 4 = 4.2
-    assert ev.saving_random == pytest.approx(1 - 4.2 / 5.0)
+    assert ev.saving("random") == pytest.approx(1 - 4.2 / 5.0)
     assert random_quality(np.array([1.0, 3.0, 5.0]), 1.0, 5.0, 0.75, 1.0) == pytest.approx([0.75, 0.875, 1.0])
-    assert ev.points_below_random == 0
+    assert quality_at(curve, np.array([0.5, 1.5, 3.0])) == pytest.approx([np.nan, 0.875, 1.0], nan_ok=True)
+
+
+def test_a_stream_look_ahead_pays_only_for_the_tokens_it_read() -> None:
+    fid, strong = np.array([0.0, 1.0]), np.ones(2)
+    whole = cascade_curve(np.array([0, 1]), fid, strong, np.full(2, 2.0), np.full(2, 6.0))
+    early = cascade_curve(np.array([0, 1]), fid, strong, np.full(2, 2.0), np.full(2, 6.0), np.full(2, 0.5))
+    assert whole.cost[1] == pytest.approx((2 + 8) / 2) and early.cost[1] == pytest.approx((2 + 6.5) / 2)
+    assert early.quality[1] == whole.quality[1] == 1.0
