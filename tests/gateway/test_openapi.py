@@ -21,7 +21,7 @@ def test_the_document_is_served_and_describes_the_openai_routes(gateway: Gateway
     doc = httpx.get(f"{gateway.url}/openapi.json", timeout=30).json()
     assert doc["openapi"].startswith("3.") and doc["info"]["title"] == "Tiergate"
     published = {(path, method) for path, ops in doc["paths"].items() for method in ops}
-    assert ROUTES <= published
+    assert published >= ROUTES
     chat = doc["paths"]["/v1/chat/completions"]["post"]
     body = _resolve(doc, chat["requestBody"]["content"]["application/json"]["schema"])
     assert {"model", "messages"} <= set(body["required"]) and body.get("additionalProperties") is False
