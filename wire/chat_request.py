@@ -42,7 +42,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from wire.fields import drop_nulls, nullable_optionals, only
+from wire.fields import drop_nulls, integral, nullable_optionals, only
 
 MAX_SEED = 2**64 - 1
 MIN_TEMPERATURE = 0.01
@@ -137,11 +137,20 @@ MetadataValue = Annotated[str, Field(max_length=512)]
 ZeroPenalty = Annotated[float, Field(ge=0.0, le=0.0), only(0, reason="only 0 is supported: no penalty is applied")]
 
 
+def request_schema(schema: dict[str, Any]) -> None:
+    """The request's JSON schema: optional fields take null, and what `_top_logprobs_need_logprobs` enforces."""
+    nullable_optionals(schema)
+    schema["allOf"] = [{
+        "if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer", "minimum": 1}}},
+        "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
+    }]
+
+
 class ChatCompletionRequest(BaseModel):
     """POST /v1/chat/completions. Fields we cannot honour are refused, never silently ignored."""
 
     unsupported_fields: ClassVar[dict[str, str]] = UNSUPPORTED_FIELDS
-    model_config = ConfigDict(strict=True, extra="forbid", json_schema_extra=nullable_optionals)
+    model_config = ConfigDict(strict=True, extra="forbid", json_schema_extra=request_schema)
 
     model: Annotated[str, Field(min_length=1, max_length=256)]
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
@@ -180,6 +189,12 @@ class ChatCompletionRequest(BaseModel):
     @classmethod
     def _nulls_are_unset(cls, data: Any) -> Any:
         return drop_nulls(data)
+
+    @field_validator("max_tokens", "max_completion_tokens", "top_k", "seed", "n", "priority", "top_logprobs",
+                     mode="before")
+    @classmethod
+    def _integral(cls, value: object) -> object:
+        return integral(value)
 
     @field_validator("temperature", "top_p", mode="before")
     @classmethod

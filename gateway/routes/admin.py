@@ -14,14 +14,14 @@ from gateway.errors import InvalidRequest
 from gateway.pipeline.cache_lookup import CacheStage
 from gateway.routes.openapi import BEARER, also, body, errors
 from gateway.tenants.keys import MAX_GRACE_S, MAX_TTL_S
-from gateway.tenants.store import ADMIN, TenantStore
+from gateway.tenants.store import ADMIN, NAME_RE, TenantStore
 from gateway.validation import parse_body
 from quotas.plans import Limits, PlanBook
 
 
 class CreateTenant(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
-    name: Annotated[str, Field(min_length=1, max_length=64)]
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=NAME_RE.pattern)]
     plan: str | None = None
 
 
@@ -29,8 +29,16 @@ class CreateTenant(BaseModel):
 TtlSeconds = Annotated[float, Field(gt=0, le=MAX_TTL_S, allow_inf_nan=False)]
 
 
+def _tenant_or_admin(schema: dict[str, Any]) -> None:
+    """The document says what the store enforces: a tenant's key, or an admin key that belongs to no tenant."""
+    schema["oneOf"] = [
+        {"required": ["tenant"], "properties": {"tenant": {"type": "string"}, "admin": {"const": False}}},
+        {"required": ["admin"], "properties": {"admin": {"const": True}, "tenant": {"type": "null"}}},
+    ]
+
+
 class IssueKey(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
+    model_config = ConfigDict(strict=True, extra="forbid", json_schema_extra=_tenant_or_admin)
     tenant: str | None = None  # exactly one of a tenant or `admin`: an admin key belongs to no tenant
     name: Annotated[str, Field(max_length=128)] = ""
     admin: bool = False

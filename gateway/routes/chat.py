@@ -18,6 +18,7 @@ from litestar import Request, Response, post
 from litestar.di import NamedDependency, Provide
 from litestar.openapi import ResponseSpec
 from litestar.response import Stream
+from pydantic import ConfigDict
 
 from gateway.auth import provide_tenant
 from gateway.errors import TiergateError
@@ -28,11 +29,23 @@ from gateway.routes.openapi import BEARER, MODEL_ERRORS, also, body, errors
 from gateway.tenants.store import Principal
 from quotas.plans import PlanBook
 from wire import responses
-from wire.chat_request import ChatCompletionRequest
+from wire.chat_request import ChatCompletionRequest, request_schema
 from wire.response_models import ChatCompletion
 
 T = TypeVar("T")
+
+
+def _without_priority(schema: dict[str, Any]) -> None:
+    request_schema(schema)
+    schema["properties"].pop("priority", None)
 CLIENT_CLOSED = 499  # nginx's status for a client that closed the connection; nobody reads it
+
+
+class ChatRequestBody(ChatCompletionRequest):
+    """The chat request as this gateway documents it: OpenAI's, without vLLM's `priority`, which our engines take
+    but the gateway refuses (a tenant's plan sets its priority)."""
+
+    model_config = ConfigDict(title="ChatCompletionRequest", json_schema_extra=_without_priority)
 
 
 class ClientLeft(Exception):
@@ -40,7 +53,7 @@ class ClientLeft(Exception):
 
 
 @post("/v1/chat/completions", status_code=200, tags=["OpenAI"], summary="Create a chat completion",
-      dependencies={"principal": Provide(provide_tenant), "openapi_body": body(ChatCompletionRequest)},
+      dependencies={"principal": Provide(provide_tenant), "openapi_body": body(ChatRequestBody)},
       security=BEARER, operation_class=also("text/event-stream"),
       responses={200: ResponseSpec(ChatCompletion, generate_examples=False,
                                    description="The completion; with `stream: true`, server-sent events of "

@@ -8,7 +8,7 @@ from typing import Annotated, Any
 from litestar import Request, Router, get, post
 from litestar.di import NamedDependency
 from litestar.params import FromQuery
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from gateway.auth import require_admin
 from gateway.config_files import ConfigFileError
@@ -19,6 +19,7 @@ from gateway.routes.openapi import BEARER, body, errors
 from gateway.settings import Settings
 from gateway.tenants.keys import MAX_TTL_S
 from gateway.validation import parse_body
+from wire.fields import integral
 
 
 class SetLevel(BaseModel):
@@ -26,6 +27,11 @@ class SetLevel(BaseModel):
     level: Annotated[int, Field(ge=0)]
     reason: Annotated[str, Field(min_length=1, max_length=500)]
     ttl_s: Annotated[float, Field(gt=0, le=MAX_TTL_S, allow_inf_nan=False)] | None = None  # finite, ≤ 10 years
+
+    @field_validator("level", mode="before")
+    @classmethod
+    def _integral(cls, value: object) -> object:
+        return integral(value)
 
 
 @get("/", responses=errors(401, 403, 500))

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any, Literal
 
 from litestar import Request, Response, get
 from litestar.di import NamedDependency, Provide
-from litestar.params import FromQuery
+from litestar.params import FromQuery, QueryParameter
 
 from gateway.auth import provide_tenant, require_admin
 from gateway.errors import InvalidRequest
@@ -15,7 +15,14 @@ from gateway.report_params import parse_by, parse_day
 from gateway.routes.openapi import BEARER, also, errors
 from gateway.tenants.store import Principal
 from quotas.ledger import Ledger
-from quotas.report import jsonable, usage_report
+from quotas.report import GROUPS, jsonable, usage_report
+
+# what the document says of the query, as `_report` parses it: a comma list of groups; a day (YYYY-MM-DD, UTC)
+_GROUP = "(" + "|".join(GROUPS) + ")"
+By = Annotated[str | None, QueryParameter(pattern=f"^{_GROUP}( *, *{_GROUP})*$", description="groups, comma-separated")]
+Day = Annotated[str | None, QueryParameter(pattern=r"^\d{4}-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])$",
+                                           description="YYYY-MM-DD, UTC, inclusive")]
+Format = FromQuery[Literal["json", "csv"]]
 
 
 def _report(ledger: Ledger, *, tenant: str | None, since: str | None, until: str | None,
@@ -37,8 +44,8 @@ def _report(ledger: Ledger, *, tenant: str | None, since: str | None, until: str
      responses=errors(400, 401, 403, 500), operation_class=also("text/csv"))
 async def admin_report(request: Request[Any, Any, Any], ledger: NamedDependency[Ledger],
                        tenant: FromQuery[str | None] = None,
-                       to: FromQuery[str | None] = None, by: FromQuery[str | None] = None,
-                       format: FromQuery[str] = "json") -> Response[Any]:
+                       to: Day = None, by: By = None,
+                       format: Format = "json") -> Response[Any]:
     """Query: from, to (YYYY-MM-DD, UTC, inclusive), by (tenant,tier,day,key_id), tenant, format (json|csv)."""
     return _report(ledger, tenant=tenant, since=request.query_params.get("from"), until=to, by=by, fmt=format)
 
@@ -47,8 +54,8 @@ async def admin_report(request: Request[Any, Any, Any], ledger: NamedDependency[
      responses=errors(400, 401, 403, 500), operation_class=also("text/csv"))
 async def tenant_report(request: Request[Any, Any, Any], principal: NamedDependency[Principal],
                         ledger: NamedDependency[Ledger],
-                        to: FromQuery[str | None] = None, by: FromQuery[str | None] = None,
-                        format: FromQuery[str] = "json") -> Response[Any]:
+                        to: Day = None, by: By = None,
+                        format: Format = "json") -> Response[Any]:
     """The caller's own tenant only; same query as the admin report."""
     tenant = principal.tenant.name  # type: ignore[union-attr]
     return _report(ledger, tenant=tenant, since=request.query_params.get("from"), until=to, by=by, fmt=format)

@@ -1,0 +1,82 @@
+"""Schema-driven fuzzing of every route the OpenAPI document publishes (schemathesis): generated requests, valid
+and invalid, against a real gateway in front of the stub upstream. No answer may be a server error, and every
+answer must be one the document allows (its status, content type, body and headers); a request the document
+allows is not refused as malformed, one it forbids is; a route that needs a key refuses a request without one.
+
+A negative request may also be refused with 413: a body past the gateway's size limit is refused before it is
+read, whatever else is wrong with it (schemathesis generates multi-megabyte arrays). Two operations take values
+that configuration defines, which the document (built from the routes) cannot enumerate: a tenant's plan and the
+ladder's level; for them a well-formed request naming a plan or level that does not exist may be refused (400
+naming it), and that alone is not checked."""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, settings
+from schemathesis.config import SchemathesisConfig
+from schemathesis.specs.openapi.checks import positive_data_acceptance
+
+from gateway.app import create_app
+from gateway.settings import Settings
+from tests.conftest import PLANS_YAML, Gateway, running_gateway, tiers_yaml
+from tests.stubs import ServerThread, StubState, stub_app
+
+ADMIN_PATHS = ("/admin", "/metrics")
+KEYS: dict[str, str] = {}  # the running gateway's keys, for the auth provider (set by the fixture)
+CONFIGURED = {("POST", "/admin/tenants"), ("POST", "/admin/degrade")}  # a plan's name, the ladder's levels
+REJECTED = [400, 401, 403, 404, 405, 406, 409, 413, 415, 422, 428, 429]  # schemathesis' list, and 413
+
+
+def _document() -> dict[str, Any]:
+    """The document as the app publishes it (it depends on the routes, not on the configuration)."""
+    with tempfile.TemporaryDirectory() as data_dir:
+        return create_app(Settings(data_dir=Path(data_dir))).openapi_schema.to_schema()
+
+
+schema = schemathesis.openapi.from_dict(_document(), config=SchemathesisConfig.from_dict(
+    {"checks": {"negative_data_rejection": {"expected-statuses": REJECTED}}}))
+
+
+@schema.auth(refresh_interval=None)
+class GatewayKey:
+    """The admin key for admin routes, the tenant's elsewhere; schemathesis also sends each request without it."""
+
+    def get(self, case: Any, ctx: Any) -> str:
+        # also asked while the test is collected, before the gateway (and its keys) exist
+        return KEYS.get("admin" if case.path.startswith(ADMIN_PATHS) else "tenant", "")
+
+    def set(self, case: Any, data: str, ctx: Any) -> None:
+        if case.headers is None:
+            case.headers = {}
+        case.headers["Authorization"] = f"Bearer {data}"
+
+
+@pytest.fixture(scope="module")
+def fuzzed(tmp_path_factory: pytest.TempPathFactory, prepared_models: Path) -> Iterator[Gateway]:
+    """One gateway (and stub upstream, for every tier: the gateway is ready) for every operation's examples."""
+    state = StubState()
+    stub = ServerThread(stub_app(state)).start()
+    tmp = tmp_path_factory.mktemp("fuzz")
+    (tmp / "tiers.yaml").write_text(tiers_yaml(stub.url, stub.url))
+    (tmp / "plans.yaml").write_text(PLANS_YAML)
+    gw_settings = Settings(data_dir=tmp / "data", models_dir=prepared_models, tiers_file=tmp / "tiers.yaml",
+                           plans_file=tmp / "plans.yaml", max_body_bytes=64 * 1024)
+    try:
+        with running_gateway(gw_settings, state) as gw:
+            KEYS.update(admin=gw.admin_key, tenant=gw.tenant_key)
+            yield gw
+    finally:
+        stub.stop()
+
+
+@schema.parametrize()
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+def test_no_answer_contradicts_the_document(case: Any, fuzzed: Gateway) -> None:
+    configured = (case.method.upper(), case.path) in CONFIGURED
+    case.call_and_validate(base_url=fuzzed.url, excluded_checks=[positive_data_acceptance] if configured else None)
