@@ -146,7 +146,32 @@ def request_schema(schema: dict[str, Any]) -> None:
     }]
 
 
-class ChatCompletionRequest(BaseModel):
+class SamplingChecks(BaseModel):
+    """The checks of the sampling fields that chat and text completions share (wire/completion_request.py)."""
+
+    @field_validator("temperature", "top_p", mode="before", check_fields=False)
+    @classmethod
+    def _ints_are_numbers(cls, value: object) -> object:
+        # JSON has one number type; `"temperature": 0` is as valid as 0.0 (bools are not numbers)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return float(value)
+        return value
+
+    @field_validator("temperature", check_fields=False)
+    @classmethod
+    def _temperature_is_safe(cls, value: float | None) -> float | None:
+        if value is not None and 0.0 < value < MIN_TEMPERATURE:
+            raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}")
+        return value
+
+    @field_validator("max_tokens", "max_completion_tokens", "top_k", "seed", "n", "priority", "top_logprobs",
+                     "logprobs", "best_of", mode="before", check_fields=False)
+    @classmethod
+    def _integral(cls, value: object) -> object:
+        return integral(value)
+
+
+class ChatCompletionRequest(SamplingChecks):
     """POST /v1/chat/completions. Fields we cannot honour are refused, never silently ignored."""
 
     unsupported_fields: ClassVar[dict[str, str]] = UNSUPPORTED_FIELDS
@@ -189,27 +214,6 @@ class ChatCompletionRequest(BaseModel):
     @classmethod
     def _nulls_are_unset(cls, data: Any) -> Any:
         return drop_nulls(data)
-
-    @field_validator("max_tokens", "max_completion_tokens", "top_k", "seed", "n", "priority", "top_logprobs",
-                     mode="before")
-    @classmethod
-    def _integral(cls, value: object) -> object:
-        return integral(value)
-
-    @field_validator("temperature", "top_p", mode="before")
-    @classmethod
-    def _ints_are_numbers(cls, value: object) -> object:
-        # JSON has one number type; `"temperature": 0` is as valid as 0.0 (bools are not numbers)
-        if isinstance(value, int) and not isinstance(value, bool):
-            return float(value)
-        return value
-
-    @field_validator("temperature")
-    @classmethod
-    def _temperature_is_safe(cls, value: float | None) -> float | None:
-        if value is not None and 0.0 < value < MIN_TEMPERATURE:
-            raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}")
-        return value
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from wire.chat_request import (
     MAX_SEED,
     MAX_TOKENS_BOUND,
-    MIN_TEMPERATURE,
+    SamplingChecks,
     StopString,
     StreamOptions,
     ZeroPenalty,
@@ -50,7 +50,7 @@ def _one_text_prompt(value: Any) -> Any:
     return value
 
 
-class CompletionRequest(BaseModel):
+class CompletionRequest(SamplingChecks):
     """POST /v1/completions: one prompt, continued as it is (no chat template)."""
 
     unsupported_fields: ClassVar[dict[str, str]] = UNSUPPORTED_FIELDS
@@ -87,20 +87,6 @@ class CompletionRequest(BaseModel):
     @classmethod
     def _prompt(cls, value: Any) -> Any:
         return _one_text_prompt(value)
-
-    @field_validator("temperature", "top_p", mode="before")
-    @classmethod
-    def _ints_are_numbers(cls, value: object) -> object:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return float(value)
-        return value
-
-    @field_validator("temperature")
-    @classmethod
-    def _temperature_is_safe(cls, value: float | None) -> float | None:
-        if value is not None and 0.0 < value < MIN_TEMPERATURE:
-            raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}")
-        return value
 
     @property
     def text(self) -> str:
