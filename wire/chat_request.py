@@ -146,8 +146,15 @@ def request_schema(schema: dict[str, Any]) -> None:
     }]
 
 
-class SamplingChecks(BaseModel):
-    """The checks of the sampling fields that chat and text completions share (wire/completion_request.py)."""
+class GenerationRequest(BaseModel):
+    """What chat and text completions (wire/completion_request.py) share: `null` means unset, the checks of the
+    sampling fields, and the stop strings and usage options as the engine reads them. The fields themselves are
+    each request's own (their bounds and order in the published schema)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_unset(cls, data: Any) -> Any:
+        return drop_nulls(data)
 
     @field_validator("temperature", "top_p", mode="before", check_fields=False)
     @classmethod
@@ -170,8 +177,25 @@ class SamplingChecks(BaseModel):
     def _integral(cls, value: object) -> object:
         return integral(value)
 
+    @property
+    def stop_list(self) -> list[str]:
+        stop = self.stop  # type: ignore[attr-defined]
+        if stop is None:
+            return []
+        return [stop] if isinstance(stop, str) else list(stop)
 
-class ChatCompletionRequest(SamplingChecks):
+    @property
+    def include_usage(self) -> bool:
+        options = self.stream_options  # type: ignore[attr-defined]
+        return bool(options and options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        options = self.stream_options  # type: ignore[attr-defined]
+        return bool(options and options.continuous_usage_stats)
+
+
+class ChatCompletionRequest(GenerationRequest):
     """POST /v1/chat/completions. Fields we cannot honour are refused, never silently ignored."""
 
     unsupported_fields: ClassVar[dict[str, str]] = UNSUPPORTED_FIELDS
@@ -210,11 +234,6 @@ class ChatCompletionRequest(SamplingChecks):
     logit_bias: Annotated[dict[str, int], Field(max_length=0),
                           only({}, reason="logit_bias is not supported; send {} or leave it out")] | None = None
 
-    @model_validator(mode="before")
-    @classmethod
-    def _nulls_are_unset(cls, data: Any) -> Any:
-        return drop_nulls(data)
-
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
@@ -234,23 +253,9 @@ class ChatCompletionRequest(SamplingChecks):
         return self.max_completion_tokens or self.max_tokens
 
     @property
-    def stop_list(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
-
-    @property
     def end_user(self) -> str | None:
         """Who the answer is for, as the client names them: `user`, else `safety_identifier`."""
         return self.user or self.safety_identifier
-
-    @property
-    def include_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.include_usage)
-
-    @property
-    def continuous_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
 SYSTEM_ROLES = ("system", "developer")  # OpenAI's `developer` is the `system` of templates that predate it

@@ -18,18 +18,18 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import ConfigDict, Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
 from wire.chat_request import (
     MAX_SEED,
     MAX_TOKENS_BOUND,
-    SamplingChecks,
+    GenerationRequest,
     StopString,
     StreamOptions,
     ZeroPenalty,
 )
-from wire.fields import UNSUPPORTED_VALUE, drop_nulls, nullable_optionals, only
+from wire.fields import UNSUPPORTED_VALUE, nullable_optionals, only
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy default
 MAX_LOGPROBS = 5
@@ -50,7 +50,7 @@ def _one_text_prompt(value: Any) -> Any:
     return value
 
 
-class CompletionRequest(SamplingChecks):
+class CompletionRequest(GenerationRequest):
     """POST /v1/completions: one prompt, continued as it is (no chat template)."""
 
     unsupported_fields: ClassVar[dict[str, str]] = UNSUPPORTED_FIELDS
@@ -78,11 +78,6 @@ class CompletionRequest(SamplingChecks):
     user: Annotated[str, Field(max_length=256)] | None = None
     priority: Annotated[int, Field(ge=-(2**31), le=2**31 - 1)] = 0
 
-    @model_validator(mode="before")
-    @classmethod
-    def _nulls_are_unset(cls, data: Any) -> Any:
-        return drop_nulls(data)
-
     @field_validator("prompt", mode="before")
     @classmethod
     def _prompt(cls, value: Any) -> Any:
@@ -92,17 +87,3 @@ class CompletionRequest(SamplingChecks):
     def text(self) -> str:
         """The prompt's text."""
         return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
-
-    @property
-    def stop_list(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
-
-    @property
-    def include_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.include_usage)
-
-    @property
-    def continuous_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
