@@ -20,6 +20,7 @@ Waiting in vain for a free connection never does: that is back-pressure (a retry
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
@@ -185,14 +186,17 @@ class FailoverBackend(QuotaBackend):
         """Add what was settled locally to Redis, each batch once; raises if Redis does not answer (what is
         left waits for the next flush: on recovery, after a local settle, at every reaper round)."""
         async with self._flushing:
-            for req, pico in self.journal.requests():
-                await self.primary.settle_elsewhere(req, money_pico=pico)
-                self.journal.request_applied(req.request_id)
-                self.num_journal_requests += 1
-            for tenant, batch_id, entries in self.journal.batches():
-                if await self.primary.apply_journal(batch_id, tenant, entries):
-                    self.num_journal_batches += 1
-                self.journal.applied(tenant, batch_id)
+            # until nothing is left: a tenant's sums settled while its batch was in flight make a batch of their
+            # own once that one is applied (one pass would leave them for a flush that may never come)
+            while len(self.journal):
+                for req, pico in self.journal.requests():
+                    await self.primary.settle_elsewhere(req, money_pico=pico)
+                    self.journal.request_applied(req.request_id)
+                    self.num_journal_requests += 1
+                for tenant, batch_id, entries in self.journal.batches():
+                    if await self.primary.apply_journal(batch_id, tenant, entries):
+                        self.num_journal_batches += 1
+                    self.journal.applied(tenant, batch_id)
 
     async def reap(self, billed: Billed | None = None) -> int:
         """Return the fallback's expired reservations (billed ones are journaled), then Redis' (see
@@ -229,10 +233,10 @@ class FailoverBackend(QuotaBackend):
 
     async def close(self) -> None:
         if len(self.journal):
-            try:
+            with contextlib.suppress(QuotaBackendError, TimeoutError):  # what is left is logged below
                 await asyncio.wait_for(self.flush_journal(), timeout=2.0)
-            except (QuotaBackendError, TimeoutError):
-                log.error("closing with outage spend not yet in Redis: %d tenants", len(self.journal))
+        if len(self.journal):
+            log.error("closing with outage spend not yet in Redis: %d tenants and requests", len(self.journal))
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=2.0)
         await self.primary.close()
