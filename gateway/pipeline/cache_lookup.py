@@ -135,7 +135,7 @@ class CacheStage:
 
     def _scope(self, ctx: RequestContext, req: ChatCompletionRequest, tier: TierSpec,
                body: Mapping[str, Any]) -> CacheScope:
-        version: int | str = self.store.data_version(ctx.tenant)
+        version: int | str = self.store.data_version(ctx.tenant, follow=False)  # authenticate followed
         if ctx.headers.get(DATA_VERSION_HEADER):
             version = f"{version}:{ctx.headers[DATA_VERSION_HEADER]}"
         end_user = req.user if ctx.plan.cache.isolate_users else None

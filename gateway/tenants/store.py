@@ -152,9 +152,11 @@ class TenantStore(ABC):
     def list_tenants(self) -> list[Tenant]:
         return [Tenant(*r) for r in self._fetchall("SELECT name, plan, created_at FROM tenants ORDER BY name")]
 
-    def data_version(self, tenant: str) -> int:
-        """The tenant's data version: cached answers from an older one are never served."""
-        self._follow()
+    def data_version(self, tenant: str, *, follow: bool = True) -> int:
+        """The tenant's data version: cached answers from an older one are never served. `follow=False` skips
+        asking whether another connection committed, for a caller that just did (the request's `authenticate`)."""
+        if follow:
+            self._follow()
         if tenant not in self._versions:  # emptied with the key cache whenever anyone writes
             generation = self._generation
             row = self._fetchone("SELECT version FROM tenant_data_versions WHERE tenant = ?", (tenant,))
