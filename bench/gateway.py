@@ -17,7 +17,10 @@ Paths, each at every concurrency: (a) no cache: temperature unset, a new prompt 
 hit: one deterministic request, sent once before timing, then repeated; (c) deterministic and new each time:
 temperature 0 and a new prompt per request (embed, search, store); (d) streaming: time to the first text
 chunk and time per chunk, against the mock alone. wrk counts every answer's x-tiergate-cache header, so the
-tables show that (a) bypassed the cache, (b) hit it and (c) missed it.
+tables show that (a) bypassed the cache, (b) hit it and (c) missed it. Each cell also gives the target's CPU time
+(user + system, all its processes) per answer: on a machine where other work runs, rates and latencies move with
+that load, CPU per answer much less, so it is the figure to compare across targets there. `--compare-ref` runs the
+reference commit beside this tree, both started at once and measured alternately, cell by cell.
 
 `--workers N` (N > 1) measures scaling: Tiergate with 1 worker pinned to one core and with N workers
 (`tiergate serve --workers N`) pinned to N cores, both on a redis-server of the run's own (on the load core: what
@@ -106,6 +109,7 @@ class Runner:
         tokens = self.args.stream_tokens if spec.stream else self.args.tokens
         body = body_for(spec, self.args.model, tokens)
         cell = Cell(label, spec.key, concurrency, seconds)
+        cpu_before = server.cpu_s()
         if spec.stream:
             stream_probe(cell, server.host, server.port, "/v1/chat/completions", key=server.key, body=body,
                          nonce=next(self.nonce))
@@ -113,6 +117,9 @@ class Runner:
             run_wrk(cell, f"{server.url}/v1/chat/completions", key=server.key, body=body, unique=spec.unique,
                     nonce=next(self.nonce))
         settle(server)
+        answered = cell.answers.get("2xx", 0)
+        if answered:  # the health probes of `settle` are in it too: a few, against thousands of answers
+            cell.cpu_ms_per_request = (server.cpu_s() - cpu_before) * 1000 / answered
         return cell
 
     def run_target(self, server: Server, label: str, paths: list[PathSpec]) -> None:
@@ -153,7 +160,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "N cores of their own; above 1, Tiergate also runs with 1 worker, alternating, both on a "
                         "redis-server of the run's own [1]")
     p.add_argument("--compare-ref", metavar="GIT_REV",
-                   help="also run Tiergate at this commit (a temporary git worktree, removed afterwards)")
+                   help="also run Tiergate at this commit (a temporary git worktree, removed afterwards), "
+                        "both at once on the gateway's core, measured alternately cell by cell")
     p.add_argument("--no-litellm", action="store_true", help="skip LiteLLM's proxy")
     p.add_argument("--litellm-venv", type=Path, default=Path("/tmp/litellm-venv"),
                    help="LiteLLM's own virtualenv, made with `pip install 'litellm[proxy]'` when missing "
@@ -166,6 +174,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--paths takes letters from 'abcd', got {args.paths!r}")
     if args.workers < 1 or any(c < 1 for c in args.concurrency):
         p.error("--workers and --concurrency take positive numbers")
+    if args.compare_ref and args.workers > 1:
+        p.error("--compare-ref runs with one worker: leave out --workers (the scaling run has its own pair)")
     return args
 
 
@@ -246,6 +256,14 @@ def main(argv: list[str] | None = None) -> None:
                     scaling(runner, label, work, mock.url, gw_cpus, f"redis://127.0.0.1:{redis.port}", skipped, paths)
                 finally:
                     redis.stop()
+            elif args.compare_ref:  # both at once on the same core, taking turns cell by cell: noise falls on both
+                with ref_worktree(args.compare_ref, work) as (tree, short):
+                    ref_label = f"Tiergate @ {short} (ref)"
+                    with_target(lambda: start_tiergate(label, REPO, work / "tiergate", mock.url, gw_cpus, 1),
+                                skipped, label, lambda ours: with_target(
+                                    lambda: start_tiergate(ref_label, tree, work / "ref", mock.url, gw_cpus, 1),
+                                    skipped, ref_label, lambda ref: runner.run_alternating(
+                                        [(ours, label), (ref, ref_label)], paths)))
             else:
                 with_target(lambda: start_tiergate(label, REPO, work / "tiergate", mock.url, gw_cpus, 1),
                             skipped, label, lambda s: runner.run_target(s, label, paths))
@@ -260,11 +278,6 @@ def main(argv: list[str] | None = None) -> None:
 
                 with_target(litellm, skipped, "LiteLLM", lambda s: runner.run_target(
                     s, holder["label"], [p for p in paths if not p.cache_only]))
-            if args.compare_ref:
-                with ref_worktree(args.compare_ref, work) as (tree, short):
-                    ref_label = f"Tiergate @ {short} (ref)"
-                    with_target(lambda: start_tiergate(ref_label, tree, work / "ref", mock.url, gw_cpus, 1),
-                                skipped, ref_label, lambda s: runner.run_target(s, ref_label, paths))
         finally:
             mock.stop()
     info["wall_s"] = round(time.time() - started, 1)

@@ -44,6 +44,7 @@ class Cell:
     ttft_p99_ms: float | None = None
     per_chunk_us: float | None = None  # streams: median of (end - first text) / (text chunks - 1)
     chunks_p50: float | None = None  # streams: text chunks per stream (a relay that merges chunks shows here)
+    cpu_ms_per_request: float | None = None  # the target's processes' CPU time (user + system) per answer
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

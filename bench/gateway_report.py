@@ -115,30 +115,56 @@ def _header(info: dict[str, Any], args: argparse.Namespace, cells: list[Cell], c
     return lines
 
 
+def _cpu(cell: Cell) -> str:
+    return "—" if cell.cpu_ms_per_request is None else f"{cell.cpu_ms_per_request:.2f}"
+
+
+def _cpu_ratio(ours: Cell, other: Cell | None) -> str:
+    """How many times less CPU per answer ours takes (above 1: cheaper)."""
+    if other is None or not ours.cpu_ms_per_request or other.cpu_ms_per_request is None:
+        return "—"
+    return f"{other.cpu_ms_per_request / ours.cpu_ms_per_request:.2f}x"
+
+
+def _in_order(cells: list[Cell], path: str) -> list[Cell]:
+    """A path's cells, target by target (in the order each was first measured), then by concurrency."""
+    first: dict[str, int] = {}
+    for i, cell in enumerate(cells):
+        first.setdefault(cell.target, i)
+    return sorted((x for x in cells if x.path == path), key=lambda x: (first[x.target], x.concurrency))
+
+
+def _comparisons(cell: Cell, cells: list[Cell], path: str, ref: str | None) -> tuple[str, str, str]:
+    """vs LiteLLM (req/s), vs ref (req/s), CPU per answer vs ref, for our cells; dashes for the others."""
+    if not cell.target.startswith("Tiergate") or cell.target.endswith("(ref)"):
+        return "—", "—", "—"
+    ref_cell = _find(cells, ref, path, cell.concurrency) if ref else None
+    return (_ratio(cell, _find(cells, "LiteLLM", path, cell.concurrency)), _ratio(cell, ref_cell),
+            _cpu_ratio(cell, ref_cell))
+
+
 def _plain_table(path: PathLike, cells: list[Cell], ref: str | None) -> list[str]:
-    lines = ["| target | c | req/s | p50 ms | p99 ms | errors | answers | vs LiteLLM | vs ref |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for cell in (x for x in cells if x.path == path.key):
-        ours = cell.target.startswith("Tiergate") and not cell.target.endswith("(ref)")
-        lite = _ratio(cell, _find(cells, "LiteLLM", path.key, cell.concurrency)) if ours else "—"
-        vs_ref = _ratio(cell, _find(cells, ref, path.key, cell.concurrency)) if ours and ref else "—"
+    lines = ["| target | c | req/s | p50 ms | p99 ms | CPU ms/req | errors | answers | vs LiteLLM | vs ref | "
+             "CPU vs ref |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for cell in _in_order(cells, path.key):
+        lite, vs_ref, cpu_ref = _comparisons(cell, cells, path.key, ref)
         lines.append(f"| {cell.target} | {cell.concurrency} | {_rate(cell)} | {_ms(cell.p50_ms)} | "
-                     f"{_ms(cell.p99_ms)} | {_errors(cell)} | {_answers(cell)} | {lite} | {vs_ref} |")
+                     f"{_ms(cell.p99_ms)} | {_cpu(cell)} | {_errors(cell)} | {_answers(cell)} | {lite} | {vs_ref} | "
+                     f"{cpu_ref} |")
     return lines
 
 
 def _stream_table(path: PathLike, cells: list[Cell], ref: str | None) -> list[str]:
     lines = ["| target | c | streams/s | TTFT p50 ms | TTFT p99 ms | stream p50 ms | stream p99 ms | per chunk µs | "
-             "text chunks | errors | vs LiteLLM | vs ref |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for cell in (x for x in cells if x.path == path.key):
-        ours = cell.target.startswith("Tiergate") and not cell.target.endswith("(ref)")
-        lite = _ratio(cell, _find(cells, "LiteLLM", path.key, cell.concurrency)) if ours else "—"
-        vs_ref = _ratio(cell, _find(cells, ref, path.key, cell.concurrency)) if ours and ref else "—"
+             "text chunks | CPU ms/stream | errors | vs LiteLLM | vs ref | CPU vs ref |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for cell in _in_order(cells, path.key):
+        lite, vs_ref, cpu_ref = _comparisons(cell, cells, path.key, ref)
         chunk = "—" if cell.per_chunk_us is None else f"{cell.per_chunk_us:.0f}"
         chunks = "—" if cell.chunks_p50 is None else f"{cell.chunks_p50:g}"
         lines.append(f"| {cell.target} | {cell.concurrency} | {_rate(cell)} | {_ms(cell.ttft_p50_ms)} | "
                      f"{_ms(cell.ttft_p99_ms)} | {_ms(cell.p50_ms)} | {_ms(cell.p99_ms)} | {chunk} | {chunks} | "
-                     f"{_errors(cell)} | {lite} | {vs_ref} |")
+                     f"{_cpu(cell)} | {_errors(cell)} | {lite} | {vs_ref} | {cpu_ref} |")
     return lines
 
 

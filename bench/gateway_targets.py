@@ -72,6 +72,24 @@ class Server:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
+    def cpu_s(self) -> float:
+        """CPU time (user + system) its processes have used so far, workers and other children included: per
+        answer, the cost a noisy machine does not blur as it blurs rates (another process's load slows the
+        target's clock, not what each answer takes)."""
+        import psutil
+
+        try:
+            root = psutil.Process(self.proc.pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return 0.0
+        total = 0.0
+        for proc in procs:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                t = proc.cpu_times()
+                total += t.user + t.system
+        return total
+
     def log_tail(self, chars: int = 3000) -> str:
         return self.log.read_text(errors="replace")[-chars:] if self.log.is_file() else ""
 

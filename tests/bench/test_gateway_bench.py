@@ -130,3 +130,21 @@ def test_the_stream_probe_times_first_text_and_counts_every_text_chunk(mock_port
     lost = stream_probe(Cell("nothing", "d", 1, 0.2), "127.0.0.1", mock_port, "/no-such-route", key=None,
                         body=body, nonce=2)
     assert lost.requests == 0 and lost.errors > 0  # a 404 is counted as an error, never as a stream
+
+
+def test_the_report_compares_cpu_per_answer_with_the_reference_and_groups_rows_by_target() -> None:
+    from bench.gateway import PATHS
+    from bench.gateway_report import _plain_table
+
+    def cell(target: str, c: int, rps: float, cpu: float) -> Cell:
+        return Cell(target, "b", c, 2.0, requests=1000, rps=rps, p50_ms=1.0, p99_ms=2.0, answers={"2xx": 1000},
+                    cpu_ms_per_request=cpu)
+
+    ref = "Tiergate @ abc1234 (ref)"
+    cells = [cell("Tiergate x", 1, 500, 1.5), cell(ref, 1, 400, 2.0), cell("Tiergate x", 16, 800, 1.0),
+             cell(ref, 16, 1000, 0.8)]  # measured alternately
+    rows = _plain_table(PATHS["b"], cells, ref)[2:]
+    assert [r.split(" | ")[0:2] for r in rows] == [["| Tiergate x", "1"], ["| Tiergate x", "16"], [f"| {ref}", "1"],
+                                                   [f"| {ref}", "16"]]
+    assert rows[0].endswith("| 1.25x | 1.33x |") and rows[1].endswith("| 0.80x | 0.80x |")  # req/s, CPU per answer
+    assert "| 1.50 |" in rows[0] and rows[2].endswith("| — | — | — |")
