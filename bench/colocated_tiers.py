@@ -27,21 +27,18 @@ import asyncio
 import json
 import os
 import platform
-import re
-import signal
-import subprocess
-import sys
 import tempfile
-import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import yaml
+
+from bench.serve_gateway import free_port, tiergate_serve
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS_DIR = Path.home() / ".local/share/tiergate/models"
@@ -75,41 +72,14 @@ def served(mode: str, models_dir: Path) -> Iterator[Served]:
         tiers["tiers"].pop("small")
         (data / "tiers.yaml").write_text(yaml.safe_dump(tiers))
         (data / "plans.yaml").write_text(PLANS)
-        port = _free_port()
+        port = free_port()
         env = os.environ | MODES[mode] | {
             "TIERGATE_MODELS_DIR": str(models_dir), "TIERGATE_DATA_DIR": str(data / "data"),
             "TIERGATE_PORT": str(port), "TIERGATE_TIERS_FILE": str(data / "tiers.yaml"),
             "TIERGATE_PLANS_FILE": str(data / "plans.yaml"), "TIERGATE_BUILD_MISSING_MODELS": "0",
             "TIERGATE_CACHE_ENABLED": "0"}
-        proc = subprocess.Popen([sys.executable, "-m", "gateway.cli.main", "serve"], env=env, text=True, cwd=ROOT,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-        output: list[str] = []
-        threading.Thread(target=lambda: output.extend(iter(proc.stdout.readline, "")), daemon=True).start()  # type: ignore[union-attr]
-        try:
-            deadline = time.time() + 600
-            while not any("Or with the OpenAI Python client" in line for line in output):
-                if proc.poll() is not None or time.time() > deadline:
-                    raise RuntimeError("tiergate serve did not become ready:\n" + "".join(output[-40:]))
-                time.sleep(0.5)
-            text = "".join(output)
-            admin = re.search(r"admin key\s+: (tg-\S+)", text).group(1)  # type: ignore[union-attr]
-            demo = re.search(r"demo key\s+: (tg-\S+)", text).group(1)  # type: ignore[union-attr]
-            yield Served(f"http://127.0.0.1:{port}", demo, admin, output)
-        finally:
-            with suppress(ProcessLookupError):  # gone already (it failed to start)
-                os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+        with tiergate_serve(env, ready_timeout_s=600) as started:
+            yield Served(f"http://127.0.0.1:{port}", started.demo_key, started.admin_key, started.output)
 
 
 @dataclass

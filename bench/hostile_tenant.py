@@ -25,7 +25,6 @@ import os
 import platform
 import random
 import re
-import signal
 import string
 import subprocess
 import sys
@@ -39,6 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+from bench.serve_gateway import free_port, tiergate_serve
 
 ROOT = Path(__file__).resolve().parents[1]
 VICTIM_BODY = {"messages": [{"role": "user", "content": "Say hello in one short sentence."}], "max_tokens": 8,
@@ -104,33 +105,15 @@ def served(models_dir: Path, *, engine_threads: int = 1) -> Iterator[Served]:
         tiers = re.sub(r"(\n  (mid|full):\n)", rf"\1    threads: {engine_threads}\n", tiers)
         (data / "tiers.yaml").write_text(tiers)
         (data / "plans.yaml").write_text(PLANS)
-        port = _free_port()
+        port = free_port()
         env = os.environ | {"TIERGATE_MODELS_DIR": str(models_dir), "TIERGATE_DATA_DIR": str(data / "data"),
                             "TIERGATE_PORT": str(port), "TIERGATE_TIERS_FILE": str(data / "tiers.yaml"),
                             "TIERGATE_PLANS_FILE": str(data / "plans.yaml"), "TIERGATE_BUILD_MISSING_MODELS": "0"}
-        proc = subprocess.Popen([sys.executable, "-m", "gateway.cli.main", "serve"], env=env, text=True, cwd=ROOT,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-        output: list[str] = []
-        threading.Thread(target=lambda: output.extend(iter(proc.stdout.readline, "")), daemon=True).start()  # type: ignore[union-attr]
-        try:
-            deadline = time.time() + 500
-            while not any("Or with the OpenAI Python client" in line for line in output):
-                if proc.poll() is not None or time.time() > deadline:
-                    raise RuntimeError("tiergate serve did not become ready:\n" + "".join(output[-40:]))
-                time.sleep(0.5)
-            text = "".join(output)
-            admin = re.search(r"admin key\s+: (tg-\S+)", text).group(1)  # type: ignore[union-attr]
-            demo = re.search(r"demo key\s+: (tg-\S+)", text).group(1)  # type: ignore[union-attr]
-            s = Served(f"http://127.0.0.1:{port}", proc, admin, demo)
+        with tiergate_serve(env, ready_timeout_s=500) as started:
+            s = Served(f"http://127.0.0.1:{port}", started.proc, started.admin_key, started.demo_key)
             s.attacker_key = _tenant_key(s, "mallory", "attacker")
             s.flooder_key = _tenant_key(s, "flood", "flooder")
             yield s
-        finally:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
 
 
 def _tenant_key(s: Served, name: str, plan: str) -> str:
@@ -139,14 +122,6 @@ def _tenant_key(s: Served, name: str, plan: str) -> str:
         r = c.post("/admin/keys", json={"tenant": name, "name": "bench"})
         r.raise_for_status()
         return str(r.json()["key"])
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _post(c: httpx.Client, body: dict | bytes) -> int:
