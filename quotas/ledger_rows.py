@@ -6,7 +6,7 @@ quotas/ledger.py writes and reads them; these are the shapes and the SQL that ma
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from decimal import Decimal
 from typing import Any
 
@@ -117,7 +117,10 @@ CountKey = tuple[int, str, str, str, int]  # minute, tenant, key_id, reason, htt
 
 
 def to_db(row: LedgerRow) -> tuple[Any, ...]:
-    return tuple(str(v) if isinstance(v, Decimal) else v for v in asdict(row).values())
+    """The row's values in COLUMNS' order, money as text (attribute reads: `asdict` deep-copies, 20x slower, and
+    this runs on the event loop for every request)."""
+    values = (getattr(row, name) for name in COLUMNS)
+    return tuple(str(v) if isinstance(v, Decimal) else v for v in values)
 
 
 def from_db(values: Iterable[Any]) -> LedgerRow:
