@@ -67,6 +67,34 @@ plans:
 """
 
 
+def mid_stub_tier_yaml(url: str) -> str:
+    """A tiers file with one tier, `mid`, an OpenAI-compatible server at `url` (a stub), for multi-process tests."""
+    return f"""
+tiers:
+  mid:
+    backend: openai
+    model: stub
+    urls: ["{url}"]
+    price_per_1k_input: "0.001"
+    price_per_1k_output: "0.002"
+    hardware_cost_per_hour: "1"
+    context_limit: 4096
+"""
+
+
+def stop_processes(procs: list[subprocess.Popen[Any]], timeout_s: float = 20.0) -> None:
+    """SIGTERM every process still running, then wait for each (SIGKILL after `timeout_s`)."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
 def tiers_yaml(stub_url: str, dead_url: str) -> str:
     return f"""
 tiers:

@@ -29,7 +29,7 @@ import pytest
 from gateway.settings import Settings
 from gateway.stores import open_ledger, open_tenant_store
 from gateway.tenants.store import ADMIN
-from tests.conftest import RedisServer
+from tests.conftest import RedisServer, stop_processes
 from tests.postgres import PostgresServer
 from tests.stubs import free_port
 
@@ -108,14 +108,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory, postgres_server: PostgresSer
             _wait_ready(url, log)
         yield Fleet(urls, procs, settings, env, admin, keys)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_processes(procs)
         redis.stop()
         postgres_server.drop_database(database_url)
 

@@ -26,7 +26,7 @@ from gateway.pipeline.idempotency import REPLAY_HEADER
 from gateway.settings import Settings
 from gateway.tenants.store import ADMIN, TenantStore
 from quotas.ledger import Ledger
-from tests.conftest import RedisServer
+from tests.conftest import RedisServer, mid_stub_tier_yaml
 from tests.stubs import ServerThread, StubState, free_port, stub_app
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,17 +35,6 @@ default_plan: open
 plans:
   open: {allowed_tiers: [mid], default_tier: mid}
   rpm: {allowed_tiers: [mid], default_tier: mid, limits: {rpm: 10}}
-"""
-TIERS = """
-tiers:
-  mid:
-    backend: openai
-    model: stub
-    urls: ["{url}"]
-    price_per_1k_input: "0.001"
-    price_per_1k_output: "0.002"
-    hardware_cost_per_hour: "1"
-    context_limit: 4096
 """
 BODY = {"model": "auto", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 5}
 TRIES = 60  # new connections until the other worker answers: each lands on either with about even odds
@@ -105,7 +94,7 @@ def alive(pid: int) -> bool:
 
 @contextmanager
 def serve_workers(tmp: Path, redis_url: str, stub_url: str, models_dir: Path) -> Iterator[Served]:
-    (tmp / "tiers.yaml").write_text(TIERS.replace("{url}", stub_url))
+    (tmp / "tiers.yaml").write_text(mid_stub_tier_yaml(stub_url))
     (tmp / "plans.yaml").write_text(PLANS)
     port = free_port()
     settings = Settings(data_dir=tmp / "data", models_dir=models_dir, tiers_file=tmp / "tiers.yaml",

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -27,7 +26,7 @@ import pytest
 from gateway.settings import Settings
 from gateway.tenants.store import TenantStore
 from quotas.ledger import Ledger
-from tests.conftest import RedisServer
+from tests.conftest import RedisServer, mid_stub_tier_yaml, stop_processes
 from tests.stubs import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,17 +38,6 @@ plans:
   tpm: {allowed_tiers: [mid], default_tier: mid, limits: {tpm: 3000}}
   money: {allowed_tiers: [mid], default_tier: mid, limits: {budget_day_usd: "0.0025"}}
 """
-TIERS = """
-tiers:
-  mid:
-    backend: openai
-    model: stub
-    urls: ["{url}"]
-    price_per_1k_input: "0.001"
-    price_per_1k_output: "0.002"
-    hardware_cost_per_hour: "1"
-    context_limit: 4096
-"""
 BODY = {"model": "auto", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 10}
 
 
@@ -60,7 +48,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory,
     redis = RedisServer().start()
     stub_port = free_port()
     procs = [subprocess.Popen([sys.executable, "-m", "tests.stubs", str(stub_port)], cwd=ROOT)]
-    (tmp / "tiers.yaml").write_text(TIERS.replace("{url}", f"http://127.0.0.1:{stub_port}"))
+    (tmp / "tiers.yaml").write_text(mid_stub_tier_yaml(f"http://127.0.0.1:{stub_port}"))
     (tmp / "plans.yaml").write_text(PLANS)
     settings = Settings(data_dir=tmp / "data", models_dir=prepared_models, tiers_file=tmp / "tiers.yaml",
                         plans_file=tmp / "plans.yaml", redis_url=redis.url)
@@ -93,13 +81,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory,
             assert time.time() < deadline, "gateways did not start"
             time.sleep(0.2)
     yield urls, settings, keys
-    for p in procs:
-        p.send_signal(signal.SIGTERM)
-    for p in procs:
-        try:
-            p.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            p.kill()
+    stop_processes(procs)
     redis.stop()
 
 
