@@ -28,7 +28,8 @@ from wire.chat_request import SYSTEM_ROLES
 # Request fields that change what the model answers (besides messages and sampling); part of the scope.
 OUTPUT_PARAMS = ("max_tokens", "max_completion_tokens", "stop", "response_format", "logit_bias", "logprobs",
                  "top_logprobs", "n", "presence_penalty", "frequency_penalty", "tool_choice",
-                 "parallel_tool_calls", "reasoning_effort", "seed_offset")
+                 "parallel_tool_calls", "reasoning_effort", "seed_offset",
+                 "prompt_format")  # "raw": a text completion's prompt (gateway/pipeline/text_completion.py)
 
 _WS = re.compile(r"\s+")
 

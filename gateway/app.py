@@ -34,6 +34,7 @@ from gateway.pipeline.settle import Settler
 from gateway.pipeline.tier_call import TierCaller
 from gateway.routes.admin import admin_router
 from gateway.routes.chat import chat_completions
+from gateway.routes.completions import text_completions
 from gateway.routes.dashboard import dashboard
 from gateway.routes.degrade import degrade_router
 from gateway.routes.embeddings import create_embeddings
@@ -186,8 +187,8 @@ def create_app(settings: Settings | None = None) -> Litestar:
             services.store.close()
 
     return Litestar(
-        route_handlers=[chat_completions, create_embeddings, list_models, health, metrics, admin_router, degrade_router,
-                        admin_report, tenant_report, ops, dashboard, openapi_document],
+        route_handlers=[chat_completions, text_completions, create_embeddings, list_models, health, metrics,
+                        admin_router, degrade_router, admin_report, tenant_report, ops, dashboard, openapi_document],
         lifespan=[lifespan, embeddings_lifespan],
         dependencies={name: Provide(provider, sync_to_thread=False) for name, provider in _PROVIDERS.items()},
         middleware=[request_id_middleware],

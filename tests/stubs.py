@@ -20,6 +20,7 @@ from litestar import Litestar, Request, Response, get, post
 from litestar.response import Stream
 
 REPLY = "Hello from the stub upstream ."
+TEXT_REPLY = "and so the stub went on ."  # what it continues a text completion's prompt with
 
 
 def free_port() -> int:
@@ -58,18 +59,31 @@ def stub_app(state: StubState) -> Litestar:
         return Stream(_sse(state, body, words, prompt_tokens, delay, die="STUB:die" in text),
                       media_type="text/event-stream")
 
-    return Litestar([health, models, chat])
+    @post("/v1/completions", status_code=200)
+    async def completions(request: Request[Any, Any, Any]) -> Response[Any]:
+        """Legacy text completions: the prompt as it came (recorded), continued by TEXT_REPLY."""
+        body = json.loads(await request.body())
+        state.requests.append(body)
+        words = TEXT_REPLY.split()[: body.get("max_tokens") or 16]
+        return Stream(_sse(state, body, words, len(str(body["prompt"]).split()), 0.0, die=False, legacy=True),
+                      media_type="text/event-stream")
+
+    return Litestar([health, models, chat, completions])
 
 
 async def _sse(state: StubState, body: dict[str, Any], words: list[str], prompt_tokens: int, delay: float,
-               die: bool) -> AsyncIterator[bytes]:
+               die: bool, legacy: bool = False) -> AsyncIterator[bytes]:
     def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> bytes:
         data = {"id": "stub", "object": "chat.completion.chunk", "created": 0, "model": body["model"],
                 "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **extra}
+        if legacy:  # a text completion's chunk: the next piece as `text`
+            data |= {"object": "text_completion", "choices": [
+                {"index": 0, "text": delta.get("content", ""), "finish_reason": finish, "logprobs": None}]}
         return f"data: {json.dumps(data)}\n\n".encode()
 
     try:
-        yield chunk({"role": "assistant", "content": ""})
+        if not legacy:
+            yield chunk({"role": "assistant", "content": ""})
         for i, word in enumerate(words):
             await asyncio.sleep(delay)
             if die and i == 2:
@@ -77,7 +91,7 @@ async def _sse(state: StubState, body: dict[str, Any], words: list[str], prompt_
             usage = {"prompt_tokens": prompt_tokens, "completion_tokens": i + 1, "total_tokens": prompt_tokens + i + 1}
             yield chunk({"content": (" " if i else "") + word}, usage=usage, x_tiergate={"busy_s": 0.001 * (i + 1)})
         n = len(words)
-        finish = "length" if n < len(REPLY.split()) else "stop"
+        finish = "length" if n < len((TEXT_REPLY if legacy else REPLY).split()) else "stop"
         yield chunk({}, finish, x_tiergate={"busy_s": 0.001 * n})
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}
         last = {"id": "stub", "choices": [], "usage": usage, "x_tiergate": {"busy_s": 0.001 * n}}

@@ -124,6 +124,22 @@ def test_ledger_tokens_equal_the_tokenizers_count(served: Served) -> None:
     assert row.price_usd > 0 and row.compute_cost_usd > 0 and row.cost_basis == "engine"
 
 
+def test_text_completions_continue_the_prompt_untemplated_on_every_local_tier(served: Served) -> None:
+    from transformers import AutoTokenizer
+
+    client = openai.OpenAI(base_url=f"{served.url}/v1", api_key=served.demo_key, max_retries=0)
+    prompt = "The capital of France is"
+    tok = AutoTokenizer.from_pretrained(MODELS_DIR / "smollm2-135m-instruct")
+    raw_count = len(tok(prompt, add_special_tokens=False)["input_ids"])  # no chat template around it
+    for tier in ("full", "mid"):
+        out = client.completions.create(model=tier, prompt=prompt, temperature=0, max_tokens=8)
+        assert "Paris" in out.choices[0].text and out.usage is not None, (tier, out)
+        assert out.usage.prompt_tokens == raw_count, (tier, out.usage)
+    parts = [c.choices[0].text for c in client.completions.create(model="auto", prompt=prompt, temperature=0,
+                                                                 max_tokens=8, stream=True) if c.choices]
+    assert "Paris" in "".join(parts)
+
+
 def test_auth_and_model_errors_against_the_real_server(served: Served) -> None:
     with httpx.Client(base_url=served.url, timeout=30) as c:
         admin = {"authorization": f"Bearer {served.admin_key}"}

@@ -75,7 +75,17 @@ class TierClient:
     async def stream_chat(self, base_url: str, body: dict[str, Any], *,
                           api_key: str | None = None) -> AsyncIterator[dict[str, Any]]:
         """POST a streaming chat completion; yield each `data:` chunk as a dict."""
-        url = base_url.rstrip("/") + "/v1/chat/completions"
+        async for chunk in self._stream(base_url.rstrip("/") + "/v1/chat/completions", body, api_key):
+            yield chunk
+
+    async def stream_completion(self, base_url: str, body: dict[str, Any], *,
+                                api_key: str | None = None) -> AsyncIterator[dict[str, Any]]:
+        """POST a streaming legacy text completion; yield each chunk in the chat chunks' shape (`as_chat_chunk`),
+        so that one meter reads both."""
+        async for chunk in self._stream(base_url.rstrip("/") + "/v1/completions", body, api_key):
+            yield as_chat_chunk(chunk)
+
+    async def _stream(self, url: str, body: dict[str, Any], api_key: str | None) -> AsyncIterator[dict[str, Any]]:
         headers = {"content-type": "application/json", **_auth(api_key)}
         data = json.dumps(body).encode()
         done = False
@@ -115,6 +125,25 @@ class TierClient:
             if isinstance(exc, aiohttp.ClientConnectorError):  # could not connect at all: no retry
                 raise
             return await self._http().post(url, data=data, headers=headers)
+
+
+def as_chat_chunk(chunk: dict[str, Any]) -> dict[str, Any]:
+    """A legacy `text_completion` chunk as a chat chunk: each choice's `text` as `delta.content`, and legacy
+    log-probabilities (`tokens`, `token_logprobs`) as chat's `logprobs.content` entries."""
+    choices = []
+    for choice in chunk.get("choices") or []:
+        if isinstance(choice, dict):
+            choice = dict(choice)
+            text = choice.pop("text", None)
+            choice["delta"] = {"content": text} if isinstance(text, str) else {}
+            legacy = choice.pop("logprobs", None)
+            if isinstance(legacy, dict) and isinstance(legacy.get("tokens"), list):
+                choice["logprobs"] = {"content": [
+                    {"token": token, "logprob": logprob, "bytes": None, "top_logprobs": []}
+                    for token, logprob in zip(legacy["tokens"], legacy.get("token_logprobs") or [], strict=False)
+                    if isinstance(logprob, int | float)]}
+        choices.append(choice)
+    return {**chunk, "choices": choices}
 
 
 def _auth(api_key: str | None) -> dict[str, str]:

@@ -69,6 +69,25 @@ class ChatCompletion(BaseModel):
     usage: Usage
 
 
+class TextChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: None
+
+
+class TextCompletion(BaseModel):
+    """A whole legacy text completion; with `"stream": true` the answer is instead `text/event-stream`: `data:`
+    lines of `text_completion` objects (each choice's `text` the next piece), then `data: [DONE]`."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[TextChoice]
+    usage: Usage
+
+
 class Embedding(BaseModel):
     object: Literal["embedding"]
     index: int

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from gateway.errors import InvalidRequest, Unavailable, client_error
@@ -61,8 +61,10 @@ class Pipeline:
         self.ready = ready  # () -> str | None: why the gateway cannot take work now (the ledger cannot write)
         self.idempotency = idempotency
 
-    async def handle(self, ctx: RequestContext, body: bytes) -> AsyncIterator[Event]:
-        """The answer to one chat request, as events; raises a `TiergateError` before its `Head`."""
+    async def handle(self, ctx: RequestContext, body: bytes,
+                     parse: Callable[[bytes], ChatCompletionRequest] | None = None) -> AsyncIterator[Event]:
+        """The answer to one request, as events; raises a `TiergateError` before its `Head`. `parse` reads the
+        body (a chat request by default; text_completion.parse_completion for POST /v1/completions)."""
         with self.refusals.counted(ctx):
             entry = self.gate.enter(scopes_of(ctx.tenant, ctx.key_id, ctx.plan.limits, ctx.principal.key.limits))
         keep: Keep | None = None
@@ -71,7 +73,7 @@ class Pipeline:
                 if self.ready is not None and (why := self.ready()) is not None:
                     raise Unavailable(f"the gateway cannot take requests now: {why}", code="not_ready",
                                       retry_after=5)
-                req = parse_request(body)
+                req = (parse or parse_request)(body)
                 begun = await self.idempotency.begin(ctx, req) if self.idempotency is not None else None
             if isinstance(begun, Replay):  # answered before: the same answer, charged nothing, written nowhere
                 for event in IdempotencyStage.replay(req, begun.answer):

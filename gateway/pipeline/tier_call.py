@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from gateway.pipeline.text_completion import is_raw
 from tiers.catalogue import TierSpec
 from tiers.client import TierClient
 from tiers.errors import NoTierAvailable, TierError, UpstreamRejected, UpstreamUnreachable
@@ -30,7 +31,11 @@ def upstream_body(req: ChatCompletionRequest, tier: TierSpec, *, max_tokens: int
     server accepts (the tier's `dialect`: usage in every chunk, the plan's priority); a plain OpenAI-compatible
     server gets OpenAI's fields only, since a strict one refuses what it does not know."""
     body = req.model_dump(exclude_none=True, exclude={"model", "stream", "stream_options", "priority",
-                                                      "max_completion_tokens", "max_tokens"})
+                                                      "max_completion_tokens", "max_tokens", "prompt_format"})
+    raw = is_raw(req)
+    if raw:  # a text completion: its prompt as it was sent, to the tier's /v1/completions (`TierCaller._chunks`)
+        body["prompt"] = body.pop("messages")[0]["content"]
+        body.pop("logprobs", None)  # chat's boolean; the legacy field is an integer, set below when wanted
     body["model"] = tier.name if tier.backend == "local" else tier.model
     body["max_tokens"] = max_tokens  # never more than the reservation covers
     body["stream"] = True
@@ -40,7 +45,7 @@ def upstream_body(req: ChatCompletionRequest, tier: TierSpec, *, max_tokens: int
     if tier.sends_priority:
         body["priority"] = priority
     if logprobs:
-        body["logprobs"] = True
+        body["logprobs"] = 0 if raw else True  # legacy: the made tokens' log-probabilities, no alternatives
     return body
 
 
@@ -95,7 +100,8 @@ class TierCaller:
         verdict: bool | None = None  # True: the replica answered; False: it failed; None: nobody knows
         t0 = time.perf_counter()
         try:
-            async for chunk in self.client.stream_chat(replica.url, body, api_key=self.fleet.api_key(tier)):
+            stream = self.client.stream_completion if "prompt" in body else self.client.stream_chat
+            async for chunk in stream(replica.url, body, api_key=self.fleet.api_key(tier)):
                 finished = finished or any(isinstance(c, dict) and c.get("finish_reason")
                                            for c in chunk.get("choices") or [])
                 yield chunk

@@ -19,7 +19,7 @@ from wire.embeddings import EMBEDDING_DIM
 from wire.response_models import ModelList
 
 # the endpoints a chat tier answers on through this gateway
-TIER_CAPABILITIES = ["chat.completions"]
+TIER_CAPABILITIES = ["chat.completions", "completions"]
 EMBEDDING_CAPABILITIES = ["embeddings"]
 
 
