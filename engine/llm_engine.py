@@ -23,6 +23,7 @@ step however slow it is.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import threading
@@ -34,6 +35,7 @@ from typing import Any
 
 from engine.block_manager import BlockManager
 from engine.detokenizer import IncrementalDetokenizer
+from engine.grammar import GrammarCache
 from engine.openmp import release_thread_pool
 from engine.request_queue import SchedulingPolicy
 from engine.sampling_params import EngineInputError, SamplingParams
@@ -116,6 +118,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens, max_model_len=self.max_model_len,
                                    eos_token_ids=set(runner.eos_token_ids), policy=policy)
+        # response formats compiled for this tokenizer, once each (thread-safe: compiles run in worker threads)
+        self.grammars = GrammarCache(tokenizer, vocab_size=self.vocab_size, eos_token_ids=list(runner.eos_token_ids))
         # shared with callers, under the lock
         self._lock = threading.Lock()
         self._inbox: list[Sequence] = []
@@ -159,7 +163,11 @@ class LLMEngine:
         return self._dead_reason
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise EngineInputError (naming the field) for a request this engine can never serve."""
+        """Raise EngineInputError (naming the field) for a request this engine can never serve.
+
+        A response format's grammar is compiled here on its first use (a schema that cannot be compiled is an
+        EngineInputError), so call it off the event loop when the format may be new (the server does).
+        """
         params.check()  # again: the dataclass may have been changed since it was built
         if not prompt_token_ids:
             raise EngineInputError("the prompt is empty", param="messages")
@@ -181,15 +189,22 @@ class LLMEngine:
                 f"needs {len(prompt_token_ids)} prompt tokens + {params.max_tokens} output tokens = {total}",
                 param="messages", code="context_length_exceeded",
             )
+        if (fmt := params.output_format) is not None:
+            self.grammars.compile(fmt)
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, *,
                        request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Stream outputs for one request; leaving the iterator early aborts the request.
 
         Raises EngineInputError for a request that can never run, EngineDeadError once the loop has stopped.
-        A request the engine fails later ends with an output whose `error` is set.
+        A request the engine fails later ends with an output whose `error` is set. A response format not compiled
+        yet is compiled in a worker thread, off the event loop and the step loop.
         """
+        if (fmt := params.output_format) is not None and self.grammars.cached(fmt) is None:
+            await asyncio.to_thread(self.validate, prompt_token_ids, params)  # compiles it
         self.validate(prompt_token_ids, params)
+        if fmt is not None:  # the engine's own copy carries the grammar (a cache hit now) to the sampler
+            params = dataclasses.replace(params, grammar=self.grammars.compile(fmt))
         request_id = request_id or f"req-{next(self._counter)}"
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         seq = Sequence(request_id, list(prompt_token_ids), params, priority=priority)

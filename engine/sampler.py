@@ -1,10 +1,18 @@
-"""Turns one sequence's logits into its next token: greedy, temperature, top-k, top-p, seeded.
+"""Turns one sequence's logits into its next token: grammar mask, then greedy, temperature, top-k, top-p, seeded.
 
 A seeded request gets its own torch.Generator, which takes any seed in 0..2^64-1 (SamplingParams checks
 the range, so the generator never sees a seed it would refuse).
+
+A request with a response format (`params.grammar`, set by the engine) gets its own grammar matcher
+(engine/grammar.py) on its first token: each token, every token its grammar refuses is set to -inf before the
+sampling rule runs (EOS among them until the JSON is complete), and the matcher advances by the token chosen.
+The runner takes the argmax of the raw logits itself only for unconstrained greedy requests (`params.greedy`).
+Both the generator and the matcher live until `release`, so a preempted request resumes where it was.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -14,10 +22,20 @@ from engine.sampling_params import SamplingParams
 class Sampler:
     def __init__(self) -> None:
         self._generators: dict[str, torch.Generator] = {}
+        self._matchers: dict[str, Any] = {}  # request id -> engine/grammar.py's GrammarMatcher
 
     def sample(self, request_id: str, logits: torch.Tensor, params: SamplingParams) -> int:
         # logits: [V] float32
-        if params.greedy:
+        matcher = self._matcher(request_id, params)
+        if matcher is not None:
+            logits = matcher.mask(logits)  # a new tensor: the caller's logits stay the model's (logprobs)
+        token = self._choose(request_id, logits, params)
+        if matcher is not None:
+            matcher.accept(token)
+        return token
+
+    def _choose(self, request_id: str, logits: torch.Tensor, params: SamplingParams) -> int:
+        if params.temperature == 0.0:
             return int(torch.argmax(logits))
         # shift first: every logit is then <= 0, so dividing by a small temperature can reach -inf (a
         # probability of 0) but never +inf, and softmax never sees inf - inf = NaN
@@ -37,6 +55,7 @@ class Sampler:
 
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
+        self._matchers.pop(request_id, None)
 
     def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator | None:
         if params.seed is None:
@@ -46,3 +65,11 @@ class Sampler:
             gen = torch.Generator().manual_seed(params.seed)
             self._generators[request_id] = gen
         return gen
+
+    def _matcher(self, request_id: str, params: SamplingParams) -> Any:
+        if params.grammar is None:
+            return None
+        matcher = self._matchers.get(request_id)
+        if matcher is None:
+            matcher = self._matchers[request_id] = params.grammar.matcher()
+        return matcher

@@ -3,14 +3,21 @@
 The engine checks every parameter again, whoever calls it (the HTTP server validates with the same bounds
 from wire/chat_request.py, but a direct caller of `LLMEngine.generate` does not go through it): a value the
 sampler cannot handle safely is an `EngineInputError` naming the field, never a dead engine loop.
+
+`response_format` is checked against wire/response_format.py's shapes and bounds; the engine compiles it
+(engine/grammar.py) and sets `grammar` on its own copy of the parameters, which the sampler then applies.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
 
 from wire.chat_request import MAX_SEED, MAX_STOP_CHARS, MAX_STOP_SEQUENCES, MIN_TEMPERATURE
+from wire.response_format import ResponseFormat
 
 MAX_TEMPERATURE = 2.0
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's top_logprobs
@@ -38,13 +45,27 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; N: each made token's log-probability and the N most likely others
+    # OpenAI's response_format (a ResponseFormat, or its JSON dict): json_object or json_schema constrain the answer
+    response_format: ResponseFormat | dict[str, Any] | None = None
+    # the compiled grammar of `response_format` (engine/grammar.py's CompiledGrammar): the engine sets it on its own
+    # copy of the parameters; the sampler masks each token with it
+    grammar: Any = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if isinstance(self.response_format, dict):  # validated once, here: a schema can be 32 KiB
+            self.response_format = parse_response_format(self.response_format)
         self.check()
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """True when the next token is the argmax of the model's logits as they are (the runner's shortcut): greedy,
+        and no grammar masks them."""
+        return self.temperature == 0.0 and self.grammar is None
+
+    @property
+    def output_format(self) -> ResponseFormat | None:
+        """The response format that constrains the answer (json_object, json_schema), or None."""
+        return parse_response_format(self.response_format)
 
     def check(self) -> None:
         """Raise EngineInputError naming the first field the sampler cannot honour safely."""
@@ -68,6 +89,23 @@ class SamplingParams:
                     max(len(s) for s in self.stop))
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             _refuse("logprobs", f"must be within 0..{MAX_LOGPROBS}", self.logprobs)
+        if self.output_format is not None and self.ignore_eos:
+            _refuse("response_format", "cannot be combined with ignore_eos (the answer ends where its JSON does)",
+                    self.ignore_eos)
+
+
+def parse_response_format(value: Any) -> ResponseFormat | None:
+    """`value` (a ResponseFormat or its JSON dict) as the format that constrains the answer, None for none or
+    text; EngineInputError naming `response_format` when it is not one of OpenAI's shapes within wire's bounds."""
+    if value is None:
+        return None
+    try:
+        fmt = value if isinstance(value, ResponseFormat) else ResponseFormat.model_validate(value)
+    except ValidationError as exc:
+        err = exc.errors(include_url=False)[0]
+        where = ".".join(str(p) for p in ("response_format", *err["loc"]))
+        raise EngineInputError(f"{where}: {err['msg']}", param="response_format") from None
+    return fmt if fmt.constrains else None
 
 
 def _is_number(value: object) -> bool:

@@ -10,7 +10,9 @@ gateway's OpenAPI document) says all of this: what it accepts is what is served.
 OpenAI's request fields, one by one (`OPENAI_FIELDS` lists them; a test sends each through the gateway):
 
 - honoured: model, messages, stream, max_tokens, max_completion_tokens, temperature, top_p, stop, seed, logprobs,
-  top_logprobs, user; stream_options.include_usage (and vLLM's continuous_usage_stats).
+  top_logprobs, user; stream_options.include_usage (and vLLM's continuous_usage_stats); response_format (text,
+  json_object, json_schema: wire/response_format.py; our engines enforce it by grammar-constrained decoding, remote
+  tiers get it as it was sent).
 - honoured for the one value we serve: n (1), presence_penalty and frequency_penalty (0: no penalty is applied),
   stream_options.include_obfuscation (false: stream events are not padded), store (false: nothing is stored for
   later retrieval), service_tier (auto or default: a tenant's priority and tiers come from its plan),
@@ -21,7 +23,7 @@ OpenAI's request fields, one by one (`OPENAI_FIELDS` lists them; a test sends ea
   where `user` is absent), metadata (16 pairs, keys of at most 64 characters, values of at most 512, as OpenAI's;
   as at OpenAI with `store` off, it labels nothing).
 - refused by name (`UNSUPPORTED_FIELDS`): tools, tool_choice, parallel_tool_calls, functions, function_call,
-  response_format, audio, prediction, web_search_options, reasoning_effort, and tool_calls in a message.
+  audio, prediction, web_search_options, reasoning_effort, and tool_calls in a message.
 - any other field is refused by name, vLLM's `top_k` and `priority` excepted (our engines honour them; through the
   gateway a plan sets the priority, so it refuses `priority`).
 
@@ -43,6 +45,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from wire.fields import drop_nulls, integral, nullable_optionals, only
+from wire.response_format import ResponseFormat
 
 MAX_SEED = 2**64 - 1
 MIN_TEMPERATURE = 0.01
@@ -61,7 +64,6 @@ UNSUPPORTED_FIELDS = {
     "tool_calls": "tool calling is not supported yet",  # in an assistant message
     "functions": "function calling is not supported",
     "function_call": "function calling is not supported",
-    "response_format": "structured output (response_format) is not supported yet",
     "audio": "audio output is not supported",
     "prediction": "predicted outputs are not supported",
     "web_search_options": "web search is not supported",
@@ -138,11 +140,16 @@ ZeroPenalty = Annotated[float, Field(ge=0.0, le=0.0), only(0, reason="only 0 is 
 
 
 def request_schema(schema: dict[str, Any]) -> None:
-    """The request's JSON schema: optional fields take null, and what `_top_logprobs_need_logprobs` enforces."""
+    """The request's JSON schema: optional fields take null, what `_top_logprobs_need_logprobs` enforces, and one
+    output cap (`_one_token_cap` also accepts both when they are equal, as a client mirroring them sends them; JSON
+    Schema cannot compare two values, so the document asks for one)."""
     nullable_optionals(schema)
     schema["allOf"] = [{
         "if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer", "minimum": 1}}},
         "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
+    }, {
+        "not": {"required": ["max_tokens", "max_completion_tokens"],
+                "properties": {"max_tokens": {"type": "integer"}, "max_completion_tokens": {"type": "integer"}}},
     }]
 
 
@@ -233,6 +240,7 @@ class ChatCompletionRequest(GenerationRequest):
                           only(["text"], reason="only text output is supported: ['text']")] | None = None
     logit_bias: Annotated[dict[str, int], Field(max_length=0),
                           only({}, reason="logit_bias is not supported; send {} or leave it out")] | None = None
+    response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:

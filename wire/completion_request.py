@@ -11,7 +11,8 @@ prompt is sent to the model as it is: no chat template. What the legacy API has 
   `text_offset`).
 - `echo` only `false`, `suffix` refused (no fill-in-the-middle), `n` and `best_of` only 1, penalties only 0,
   `logit_bias` only `{}`.
-- vLLM's `top_k` and `priority`, as on the chat endpoint.
+- vLLM's `top_k` and `priority`, as on the chat endpoint, and vLLM's `response_format` (the chat endpoint's
+  shapes, wire/response_format.py): the completion is then JSON.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from wire.chat_request import (
     ZeroPenalty,
 )
 from wire.fields import UNSUPPORTED_VALUE, nullable_optionals, only
+from wire.response_format import ResponseFormat
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy default
 MAX_LOGPROBS = 5
@@ -77,6 +79,7 @@ class CompletionRequest(GenerationRequest):
                           only({}, reason="logit_bias is not supported; send {} or leave it out")] | None = None
     user: Annotated[str, Field(max_length=256)] | None = None
     priority: Annotated[int, Field(ge=-(2**31), le=2**31 - 1)] = 0
+    response_format: ResponseFormat | None = None
 
     @field_validator("prompt", mode="before")
     @classmethod

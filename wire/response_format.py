@@ -1,0 +1,112 @@
+"""`response_format`, OpenAI's structured-output field, as the gateway and our engine both accept it.
+
+Three shapes, as OpenAI's API has them:
+- `{"type": "text"}`: plain text (the same as leaving the field out);
+- `{"type": "json_object"}`: the answer is one JSON object, any object;
+- `{"type": "json_schema", "json_schema": {"name", "description"?, "schema", "strict"?}}`: the answer is JSON that
+  validates against `schema`. Our engines enforce it whether or not `strict` is set (grammar-constrained decoding,
+  engine/grammar.py); with `strict: true` a keyword they cannot enforce is a 400, without it such a keyword is
+  ignored, as OpenAI's non-strict mode does not promise adherence either.
+
+The schema is a tenant's bytes that a grammar compiler will read, so it is bounded before anything walks it: at most
+MAX_SCHEMA_BYTES of JSON and MAX_SCHEMA_DEPTH nested arrays and objects, checked in one pass that stops at the first
+bound it passes. Everything else (name, description) has OpenAI's limits. Anything else is a 400 whose `param`
+starts with `response_format`.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from wire.fields import drop_nulls, nullable_optionals
+
+MAX_SCHEMA_BYTES = 32 * 1024  # the schema as compact JSON
+MAX_SCHEMA_DEPTH = 32  # nested objects and arrays, the schema itself being the first
+MAX_DESCRIPTION_CHARS = 1024
+SCHEMA_BOUNDS = (f"a JSON Schema object of at most {MAX_SCHEMA_BYTES} bytes (compact JSON) and "
+                 f"{MAX_SCHEMA_DEPTH} levels of nesting")
+
+
+def check_schema_bounds(schema: dict[str, Any]) -> None:
+    """Raise ValueError when `schema` is nested deeper than MAX_SCHEMA_DEPTH or larger than MAX_SCHEMA_BYTES.
+
+    Iterative (no recursion a deep schema could exhaust); the depth pass visits each node once and stops at the
+    first level too deep, and the size is measured only then, by the JSON encoder, on a schema known to be shallow.
+    """
+    level: list[Any] = [schema]
+    depth = 0
+    while level:
+        depth += 1
+        if depth > MAX_SCHEMA_DEPTH:
+            raise ValueError(f"the schema is nested more than {MAX_SCHEMA_DEPTH} levels deep")
+        nested: list[Any] = []
+        for node in level:
+            values = node.values() if isinstance(node, dict) else node
+            nested.extend(v for v in values if isinstance(v, dict | list))
+        level = nested
+    size = len(json.dumps(schema, separators=(",", ":"), ensure_ascii=False).encode())
+    if size > MAX_SCHEMA_BYTES:
+        raise ValueError(f"the schema has {size} bytes as compact JSON; at most {MAX_SCHEMA_BYTES} are allowed")
+
+
+class JsonSchemaSpec(BaseModel):
+    """`response_format.json_schema`: the schema the answer must validate against, and its name."""
+
+    # the schema's key is `schema`, which BaseModel's own namespace has: an alias, used both ways
+    model_config = ConfigDict(strict=True, extra="forbid", serialize_by_alias=True,
+                              json_schema_extra=nullable_optionals)
+
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$",
+                               description="a-z, A-Z, 0-9, underscores and dashes, at most 64 characters")]
+    description: Annotated[str, Field(max_length=MAX_DESCRIPTION_CHARS)] | None = None
+    schema_: Annotated[dict[str, Any], Field(alias="schema", description=SCHEMA_BOUNDS)]
+    strict: bool | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_unset(cls, data: Any) -> Any:
+        return drop_nulls(data)
+
+    @field_validator("schema_")
+    @classmethod
+    def _bounded(cls, value: dict[str, Any]) -> dict[str, Any]:
+        check_schema_bounds(value)
+        return value
+
+
+def _format_schema(schema: dict[str, Any]) -> None:
+    """The published schema: `json_schema` goes with type `json_schema` and no other."""
+    nullable_optionals(schema)
+    schema["allOf"] = [{"if": {"properties": {"type": {"const": "json_schema"}}},
+                        "then": {"required": ["json_schema"], "properties": {"json_schema": {"type": "object"}}},
+                        "else": {"properties": {"json_schema": {"type": "null"}}}}]
+
+
+class ResponseFormat(BaseModel):
+    """`response_format`: text, any JSON object, or JSON that validates against a schema."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", json_schema_extra=_format_schema)
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_unset(cls, data: Any) -> Any:
+        return drop_nulls(data)
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type json_schema needs `json_schema` ({\"name\", \"schema\"})")
+        if self.type != "json_schema" and self.json_schema is not None:
+            raise ValueError(f"`json_schema` goes with type json_schema, not {self.type}")
+        return self
+
+    @property
+    def constrains(self) -> bool:
+        """True when the answer must be JSON (json_object, json_schema); text is unconstrained."""
+        return self.type != "text"
