@@ -1,7 +1,8 @@
 """The cache facade the gateway calls: `alookup` before routing, `remember` + `apersist` after a fresh answer.
 
 A lookup goes: tenant policy and cacheability (`request_key.decide`) -> exact layer (the scope and the
-whole normalized conversation: first this process's answers still being written, then the store) -> semantic
+whole normalized conversation: first this process's answers still being written or written and read lately
+(`cache.recent`), then the store) -> semantic
 layer (embed the last user turn if it is short enough to be compared whole, `SEMANTIC_MAX_CHARS`; search the
 faiss partition of its scope and history, take the nearest candidates above the tenant's threshold and within
 `fallback_margin` of the nearest, and serve the first one the near-miss guards accept). Every result says why,
@@ -37,6 +38,7 @@ from cache import guards
 from cache.embedder import Embedder
 from cache.index import PartitionedIndex
 from cache.pending import PendingWrites
+from cache.recent import RecentEntries
 from cache.request_key import conversation_chars, decide, request_key
 from cache.results import Bypass, CacheStats, Hit, LookupResult, Miss, Probe, TenantPolicy
 from cache.scope import CacheScope
@@ -88,6 +90,7 @@ class SemanticCache:
         self._hnsw_from = hnsw_from
         self._lock = threading.Lock()  # guards the index, the reclaim rules and the pending writes' fate
         self.pending = PendingWrites()  # answers remembered, not yet written: this process serves them
+        self.recent = RecentEntries()  # answers written or found lately: exact hits without a store round trip
         self._stale_data: dict[str, tuple[str, float]] = {}  # tenant -> (current data version, bumped at)
         self._stale_models: set[str] = set()  # retired model versions
         self.sync_interval_s = sync_interval_s  # how often lookups apply other processes' writes (shared stores)
@@ -149,6 +152,8 @@ class SemanticCache:
             return self._bypass(decision.reason)
         plan = _Plan(scope, policy, request, self.clock())
         entry = self.pending.get(scope.scope_id, plan.key.exact_key)
+        if entry is None and time.monotonic() - self._last_sync < self.sync_interval_s:
+            entry = self.recent.get(scope.scope_id, plan.key.exact_key, plan.now)  # deletions elsewhere applied
         if entry is not None and (entry.expires_at is None or entry.expires_at > plan.now):
             self.stats.exact_hits += 1
             return Hit(entry, "exact", 1.0)
@@ -161,6 +166,7 @@ class SemanticCache:
         entry = self.entries.find_exact(plan.scope.scope_id, plan.key.exact_key)
         if entry is not None and self._alive(entry, plan.now):
             self.entries.touch(entry.entry_id, plan.now)
+            self.recent.put(entry)
             self.stats.exact_hits += 1
             return Hit(entry, "exact", 1.0)
         if not (plan.policy.semantic and self.index.partition_size(plan.partition)):
@@ -259,8 +265,11 @@ class SemanticCache:
             stale = self._stale_data.get(entry.tenant)
             if stale is not None and entry.data_version != stale[0] and entry.created_at < stale[1]:
                 return None  # answered from data the tenant has since replaced
+            self._mark_used()  # the store evicts by these marks
             displaced = self.entries.put(entry)
             self.index.remove(displaced)
+            self.recent.drop_ids(displaced)
+            self.recent.put(entry)
             if entry.embedding is not None:
                 self.index.add(entry.partition, [entry.entry_id], entry.embedding[None, :])
             self.pending.forget(entry)
@@ -279,6 +288,7 @@ class SemanticCache:
             bumped_at = self.clock()
             self._stale_data[tenant] = (current, bumped_at)
             self.pending.cancel_where(lambda e: e.tenant == tenant and e.data_version != current)
+            self.recent.drop_where(lambda e: e.tenant == tenant and e.data_version != current)
         gone = self.entries.drop_data_versions(tenant, current, bumped_at)
         with self._lock:
             self.index.remove(gone)
@@ -289,11 +299,13 @@ class SemanticCache:
         with self._lock:
             self._stale_models.add(model_version)
             self.pending.cancel_where(lambda e: e.model_version == model_version)
+            self.recent.drop_where(lambda e: e.model_version == model_version)
 
     def purge(self, tenant: str | None = None) -> int:
         """Delete every entry of `tenant` (or of everyone, with None) now. Returns how many."""
         with self._lock:
             self.pending.cancel_where(lambda e: tenant is None or e.tenant == tenant)
+            self.recent.drop_where(lambda e: tenant is None or e.tenant == tenant)
         return self._delete(self.entries.ids_of_tenant(tenant))
 
     def reclaim(self, limit: int = 1000) -> int:
@@ -332,6 +344,7 @@ class SemanticCache:
 
     def _sync_locked(self) -> int:
         self._last_sync = time.monotonic()
+        self._mark_used()
         applied = 0
         while True:
             cursor, changes = self.entries.changes_since(self._cursor)
@@ -339,10 +352,12 @@ class SemanticCache:
                 return applied
             for op, entry_id, partition in changes:
                 if op == "reset":  # the log was cut past our cursor: rebuild from the store
+                    self.recent.clear()
                     index = self._load_index()
                     with self._lock:
                         self.index = index
                 elif op == "del":
+                    self.recent.drop_ids([entry_id])
                     with self._lock:
                         self.index.remove([entry_id])
                 elif entry_id not in self.index:
@@ -359,7 +374,13 @@ class SemanticCache:
 
     # -- helpers --------------------------------------------------------------------------------------
 
+    def _mark_used(self) -> None:
+        """Write the LRU marks of the exact hits served from memory since the last call."""
+        for entry_id, used in self.recent.take_used().items():
+            self.entries.touch(entry_id, used)
+
     def _delete(self, ids: list[str]) -> int:
+        self.recent.drop_ids(ids)
         with self._lock:
             gone = self.entries.delete(ids)
             self.index.remove(gone)

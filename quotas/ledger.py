@@ -73,7 +73,8 @@ class Ledger(ABC):
         self.record_timeout_s = record_timeout_s
         self.busy_timeout_s = busy_timeout_s
         self.refusal_retention_days = refusal_retention_days
-        self._queue: queue.Queue[Pending | str] = queue.Queue()
+        self._queue: queue.Queue[list[Pending] | str] = queue.Queue()
+        self._outbox: list[Pending] = []  # submitted during this turn of the event loop, not yet queued
         self._refusals: Counter[CountKey] = Counter()  # counted since the writer last took them
         self._refusals_lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -132,6 +133,7 @@ class Ledger(ABC):
     def close(self) -> None:
         """Write what is queued (giving up after `record_timeout_s` if the ledger cannot commit), then stop."""
         if self._thread is not None:
+            self._post()
             self._queue.put(_STOP)
             self._thread.join(timeout=self.record_timeout_s + self.busy_timeout_s + 5)
             self._thread = None
@@ -169,11 +171,21 @@ class Ledger(ABC):
         """Queue `row` for the next group commit; the future resolves once it is durable (`wait_durable`).
         `with_row` statements commit in the same transaction as the row, or not at all.
 
-        Queuing is synchronous, so a row submitted by a task that is being cancelled is still written.
+        Queuing is synchronous, so a row submitted by a task that is being cancelled is still written: the
+        rows submitted during one turn of the event loop go to the writer together at its end (one hand-over
+        between threads, not one a row: each costs the loop a lock the writer may hold).
         """
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._queue.put((to_db(row), fut, with_row))
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        self._outbox.append((to_db(row), fut, with_row))
+        if len(self._outbox) == 1:
+            loop.call_soon(self._post)
         return fut
+
+    def _post(self) -> None:
+        rows, self._outbox = self._outbox, []
+        if rows:
+            self._queue.put(rows)
 
     def submit_refusal(self, refusal: Refusal) -> None:
         """Count a refusal, durable with the next commit: at the latest with the next row submitted."""
@@ -225,16 +237,18 @@ class Ledger(ABC):
         _close_quietly(conn)
 
     def _take(self, rows: list[Pending], *, block: bool) -> bool:
-        """Move the rows among the next GROUP_MAX queued items into `rows`; True once the stop sentinel was taken."""
-        for i in range(GROUP_MAX):
+        """Move queued rows into `rows`, about GROUP_MAX at most; True once the stop sentinel was taken."""
+        first = True
+        while len(rows) < GROUP_MAX:
             try:
-                item = self._queue.get(block=block and i == 0)
+                item = self._queue.get(block=block and first)
             except queue.Empty:
                 break
+            first = False
             if item == _STOP:
                 return True
             if item != _WAKE:
-                rows.append(item)  # type: ignore[arg-type]
+                rows.extend(item)
         return False
 
     def _flush(self, conn: Any, rows: list[Pending], counts: Counter[CountKey]) -> None:

@@ -13,6 +13,7 @@ so it is neither billed nor counted twice.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -54,6 +55,7 @@ class _ScopeState:
     tokens: dict[str, int] = field(default_factory=dict)  # request id -> tokens in the window
     token_sum: int = 0
     inflight: dict[str, float] = field(default_factory=dict)  # request id -> lease deadline
+    next_deadline: float = math.inf  # no lease in `inflight` runs out before this
     spent_day: dict[str, int] = field(default_factory=dict)  # YYYYMMDD -> picodollars
     spent_month: dict[str, int] = field(default_factory=dict)  # YYYYMM -> picodollars
 
@@ -64,8 +66,10 @@ class _ScopeState:
         while self.token_log and self.token_log[0][0] <= cutoff:
             _, rid = self.token_log.popleft()
             self.token_sum -= self.tokens.pop(rid, 0)
-        for rid in [r for r, deadline in self.inflight.items() if deadline <= now]:
-            del self.inflight[rid]
+        if now >= self.next_deadline:  # a lease ran out (a settle that never came): rare, so scan only then
+            for rid in [r for r, deadline in self.inflight.items() if deadline <= now]:
+                del self.inflight[rid]
+            self.next_deadline = min(self.inflight.values(), default=math.inf)
 
     def tokens_retry_after(self, need: int, limit: int, now: float) -> float:
         excess = self.token_sum + need - limit
@@ -112,6 +116,7 @@ class MemoryBackend(QuotaBackend):
             st.tokens[req.request_id] = req.tokens
             st.token_sum += req.tokens
             st.inflight[req.request_id] = now + req.lease_s
+            st.next_deadline = min(st.next_deadline, now + req.lease_s)
             st.spent_day[req.day] = st.spent_day.get(req.day, 0) + req.money_pico
             st.spent_month[req.month] = st.spent_month.get(req.month, 0) + req.money_pico
             usage[lim.scope] = Usage(len(st.requests), st.token_sum, st.requests[0][0] + WINDOW_S - now,

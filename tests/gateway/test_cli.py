@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import time
 
 from click.testing import CliRunner
 
 from gateway.cli.main import cli
 from gateway.settings import Settings
 from gateway.tenants.store import TenantStore
+from gateway.tenants.store_sqlite import FOLLOW_EVERY_S
 from tests.conftest import Gateway
 
 MSG = [{"role": "user", "content": "hi"}]
@@ -30,12 +32,14 @@ def test_cli_tenants_keys_and_usage_against_a_running_gateway(gateway: Gateway) 
         assert c.post("/v1/chat/completions", json={"model": "auto", "messages": MSG}).status_code == 200
         r = runner.invoke(cli, ["keys", "rotate", key_id], env=env)
         assert r.exit_code == 0
+        time.sleep(FOLLOW_EVERY_S)  # the gateway reads the store's change counter at most this often
         assert c.post("/v1/chat/completions", json={"model": "auto", "messages": MSG}).status_code == 401
     new_key = next(line.split()[-1] for line in r.output.splitlines() if line.startswith("key    :"))
     with gateway.client(new_key) as c:
         assert c.post("/v1/chat/completions", json={"model": "auto", "messages": MSG}).status_code == 200
         new_id = new_key[3:15]
         assert runner.invoke(cli, ["keys", "revoke", new_id], env=env).exit_code == 0
+        time.sleep(FOLLOW_EVERY_S)
         assert c.post("/v1/chat/completions", json={"model": "auto", "messages": MSG}).status_code == 401
     listed = runner.invoke(cli, ["keys", "list", "--tenant", "initech"], env=env).output
     assert "revoked" in listed and key not in listed

@@ -1,0 +1,91 @@
+"""Entries this process wrote or read lately, by (scope id, exact key): an exact hit served from memory.
+
+An exact hit otherwise costs a worker thread and a store round trip (a SQLite query or a Redis call, and a
+write to mark the entry used) for an answer this process very likely handled a moment ago. The cache keeps
+this map in step with the store: its own deletions (purge, version bump, expiry, eviction) drop entries at
+once, and other processes' deletions arrive through the store's change log, which `SemanticCache.sync`
+applies at least every `sync_interval_s`; the cache consults this map only while that sync is recent, so an
+entry deleted elsewhere is served from here for at most that long. The LRU marks of entries served from
+memory are kept here and written to the store at the next sync. Bounded: the least recently used entry goes
+when `limit` is reached.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+
+from cache.store import Entry
+
+
+class RecentEntries:
+    """A bounded LRU of entries by (scope id, exact key), and their pending LRU marks. Thread-safe; each call
+    holds a lock for microseconds (except `drop_where`, linear in the map, run on rare admin changes)."""
+
+    def __init__(self, limit: int = 10_000) -> None:
+        self.limit = limit
+        self._entries: OrderedDict[tuple[str, str], Entry] = OrderedDict()
+        self._keys: dict[str, tuple[str, str]] = {}  # entry id -> its key in _entries
+        self._used: dict[str, float] = {}  # entry id -> when it was last served from here
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, scope_id: str, exact_key: str, now: float) -> Entry | None:
+        """The entry for the key, marked used at `now`; None if absent or expired (an expired one is dropped,
+        and the store path deletes it)."""
+        key = (scope_id, exact_key)
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                return None
+            if entry.expires_at is not None and entry.expires_at <= now:
+                self._drop_locked(key)
+                return None
+            self._entries.move_to_end(key)
+            self._used[entry.entry_id] = now
+            return entry
+
+    def put(self, entry: Entry) -> None:
+        key = (entry.scope_id, entry.exact_key)
+        with self._lock:
+            old = self._entries.get(key)
+            if old is not None and old.entry_id != entry.entry_id:
+                self._keys.pop(old.entry_id, None)
+                self._used.pop(old.entry_id, None)
+            self._entries[key] = entry
+            self._entries.move_to_end(key)
+            self._keys[entry.entry_id] = key
+            while len(self._entries) > self.limit:
+                self._drop_locked(next(iter(self._entries)))
+
+    def drop_ids(self, entry_ids: Iterable[str]) -> None:
+        with self._lock:
+            for entry_id in entry_ids:
+                key = self._keys.get(entry_id)
+                if key is not None:
+                    self._drop_locked(key)
+
+    def drop_where(self, drop: Callable[[Entry], bool]) -> None:
+        with self._lock:
+            for key in [k for k, e in self._entries.items() if drop(e)]:
+                self._drop_locked(key)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._keys.clear()
+            self._used.clear()
+
+    def take_used(self) -> dict[str, float]:
+        """The LRU marks gathered since the last call (entry id -> last use), for the store."""
+        with self._lock:
+            used, self._used = self._used, {}
+            return used
+
+    def _drop_locked(self, key: tuple[str, str]) -> None:
+        entry = self._entries.pop(key)
+        self._keys.pop(entry.entry_id, None)
+        self._used.pop(entry.entry_id, None)

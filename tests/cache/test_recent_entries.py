@@ -1,0 +1,89 @@
+"""Exact hits served from this process's memory (`cache.recent`): no store round trip, and never an answer the
+store no longer holds once the change log has been read."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from cache import Embedder, SemanticCache, SQLiteStore
+from cache.recent import RecentEntries
+from cache.store import Entry
+from tests.cache.conftest import FakeClock, chat, scope
+
+Q = "How do I convert 5 km to miles?"
+
+
+class CountingStore(SQLiteStore):
+    """SQLiteStore counting the exact probes that reach it."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.exact_probes = 0
+
+    def find_exact(self, scope_id: str, exact_key: str) -> Entry | None:
+        self.exact_probes += 1
+        return super().find_exact(scope_id, exact_key)
+
+
+def test_repeated_exact_hits_do_not_reach_the_store(embedder: Embedder, clock: FakeClock) -> None:
+    store = CountingStore()
+    cache = SemanticCache(store, embedder, clock=clock, sync_interval_s=60.0)
+    body = chat(Q)
+    cache.store(scope(body), body, "3.1 miles")
+    for _ in range(20):
+        assert cache.lookup(scope(body), body).status == "hit"
+    assert store.exact_probes == 0
+    assert cache.stats.exact_hits == 20
+    cache.close()
+
+
+def test_a_delete_by_another_process_is_honoured_after_the_next_sync(tmp_path: Path, embedder: Embedder,
+                                                                      clock: FakeClock) -> None:
+    path = tmp_path / "cache.sqlite3"
+    replica = SemanticCache(SQLiteStore(path), embedder, clock=clock, sync_interval_s=0.05)
+    body = chat(Q)
+    replica.store(scope(body), body, "3.1 miles")
+    assert replica.lookup(scope(body), body).status == "hit"
+    other = SemanticCache(SQLiteStore(path), embedder, clock=clock, sync_interval_s=0.05)
+    assert other.purge("acme") == 1
+    time.sleep(0.06)  # the replica's sync is due: the next lookup reads the change log first
+    assert replica.lookup(scope(body), body).status == "miss"
+    assert replica.lookup(scope(body), body).status == "miss"
+    for c in (replica, other):
+        c.close()
+
+
+def test_own_purge_and_expiry_drop_remembered_entries(embedder: Embedder, clock: FakeClock) -> None:
+    cache = SemanticCache(SQLiteStore(), embedder, clock=clock, sync_interval_s=60.0)
+    body = chat(Q)
+    cache.store(scope(body), body, "3.1 miles")
+    assert cache.lookup(scope(body), body).status == "hit"
+    cache.purge("acme")
+    assert cache.lookup(scope(body), body).status == "miss"
+    cache.store(scope(body), body, "3.1 miles", ttl_s=10)
+    clock.now += 11
+    assert cache.lookup(scope(body), body).status == "miss"
+    cache.close()
+
+
+def _entry(i: int, expires_at: float | None = None) -> Entry:
+    return Entry(entry_id=f"e{i}", scope_id="s", tenant="acme", data_version="1", model_version="m",
+                 exact_key=f"k{i}", partition="p", semantic_text="", response=f"a{i}", expires_at=expires_at)
+
+
+def test_recent_entries_are_bounded_and_least_recently_used_goes_first() -> None:
+    recent = RecentEntries(limit=3)
+    for i in range(3):
+        recent.put(_entry(i))
+    assert recent.get("s", "k0", now=1.0) is not None  # k0 is now the most recently used
+    recent.put(_entry(3))
+    assert len(recent) == 3
+    assert recent.get("s", "k1", now=2.0) is None
+    assert recent.get("s", "k0", now=2.0) is not None
+    assert recent.take_used() == {"e0": 2.0}
+    assert recent.take_used() == {}
+    recent.drop_ids(["e0", "unknown"])
+    assert recent.get("s", "k0", now=3.0) is None
+    recent.put(_entry(9, expires_at=5.0))
+    assert recent.get("s", "k9", now=5.0) is None and len(recent) == 2  # expired: dropped on sight
