@@ -9,6 +9,7 @@ from decimal import Decimal
 import openai
 import pytest
 
+from gateway.tenants.store_sqlite import FOLLOW_EVERY_S
 from tests.conftest import Gateway
 from tests.stubs import REPLY
 
@@ -137,10 +138,12 @@ def test_keys_missing_unknown_revoked_expired_are_401(gateway: Gateway) -> None:
         assert c.post("/v1/chat/completions", json={"model": "auto", "messages": MSG}).status_code == 200
         time.sleep(max(0.0, expires_at - time.time()) + 0.1)
         assert c.post("/v1/chat/completions", json={"model": "auto", "messages": MSG}).status_code == 401
-    # revoked through a second connection (as the CLI does): takes effect on the next request
+    # revoked through a second connection (as the CLI does): takes effect once the gateway next reads the store's
+    # change counter (at most FOLLOW_EVERY_S later)
     with gateway.client(gateway.tenant_key) as c:
         assert c.post("/v1/chat/completions", json={"model": "auto", "messages": MSG}).status_code == 200
         gateway.store.revoke_key(gateway.tenant_key[3:15])
+        time.sleep(FOLLOW_EVERY_S)
         assert c.post("/v1/chat/completions", json={"model": "auto", "messages": MSG}).status_code == 401
     assert len(gateway.ledger_rows()) == 2
 
