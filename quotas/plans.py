@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import re
 from decimal import Decimal
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, WithJsonSchema, field_validator, model_validator
 
 PriorityClass = Literal["interactive", "standard", "batch"]
 PRIORITY_ORDER: dict[str, int] = {"interactive": 0, "standard": 1, "batch": 2}  # lower is served first
+
+
+# US dollars, exact: a JSON number, or a string of digits with an optional fraction (what `_exact` takes, as the
+# published document says)
+USD_TEXT = re.compile(r"[0-9]+(\.[0-9]+)?")
+UsdBudget = Annotated[Decimal, Field(ge=0), WithJsonSchema({"anyOf": [
+    {"type": "number", "minimum": 0}, {"type": "string", "pattern": r"^[0-9]+(\.[0-9]+)?$", "maxLength": 64}]})]
 
 
 class Limits(BaseModel):
@@ -19,12 +27,15 @@ class Limits(BaseModel):
     rpm: Annotated[int, Field(ge=0)] | None = None
     tpm: Annotated[int, Field(ge=0)] | None = None
     max_concurrent: Annotated[int, Field(ge=0)] | None = None
-    budget_day_usd: Annotated[Decimal, Field(ge=0)] | None = None
-    budget_month_usd: Annotated[Decimal, Field(ge=0)] | None = None
+    budget_day_usd: UsdBudget | None = None
+    budget_month_usd: UsdBudget | None = None
 
     @field_validator("budget_day_usd", "budget_month_usd", mode="before")
     @classmethod
     def _exact(cls, value: object) -> object:
+        if isinstance(value, str) and (len(value) > 64 or not USD_TEXT.fullmatch(value)):
+            raise ValueError("a budget is a number of dollars, or a string of at most 64 digits with an optional "
+                             "fraction (\"12.50\")")
         return repr(value) if isinstance(value, float) else value
 
 
