@@ -170,7 +170,7 @@ def attacks(s: Served) -> list[Attack]:
                                                               _user("Hi", stop=["a", "b", "c", "d", "e"]))),
         Attack("thousands of messages", cycle(many, too_many), threads=1),
         Attack("deeply nested JSON", cycle(nested), threads=1),
-        Attack("unknown and unsupported fields", cycle(_user("Hi", tools=[{"type": "function"}]),
+        Attack("unknown and unsupported fields", cycle(_user("Hi", prediction={"type": "content", "content": "x"}),
                                                        _user("Hi", audio={"voice": "alloy", "format": "wav"}),
                                                        _user("Hi", logit_bias={"1": 100}), _user("Hi", bogus=1))),
         Attack("a flood the rate limit refuses", cycle(_user("Hi")), threads=6),

@@ -15,8 +15,8 @@ engine's tokens/s measured the same with and without a schema).
   token chosen.
 
 Answers are compact-ish JSON: no free whitespace, ", " between items and ": " after keys (a small model left
-free whitespace can spend its whole budget on newlines). A hook for tool calling: a named function's
-`parameters` schema compiles through `compile` as a json_schema format.
+free whitespace can spend its whole budget on newlines). Tool calling uses the same path: a "required" or named
+tool_choice becomes a json_schema format of the call (engine/tool_calls.py), compiled and cached like any other.
 """
 
 from __future__ import annotations

@@ -14,6 +14,8 @@ took the port.
 
 `response_format` (json_object, json_schema) is enforced by the engine's grammar-constrained decoding
 (engine/grammar.py); a schema it cannot compile is a 400 naming `response_format`, before any byte is streamed.
+Tools are rendered into the prompt (wire/tool_calls.py) and the answer is shaped into `tool_calls`
+(engine/tool_calls.py: a "required" or named tool_choice is enforced by the same grammar path).
 
 The prompt is rendered and tokenized in a worker thread (with the request's checks, and the compile of a
 response format the engine has not seen): transformers' fast tokenizer call runs
@@ -41,11 +43,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from assets.parent_watch import ENGINE_INSTANCE_ENV
 from engine.llm_engine import EngineDeadError, EngineInputError, LLMEngine, RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.tool_calls import ToolAnswer, answer_format, tools_param
 from wire import responses
-from wire.chat_request import ChatCompletionRequest, normalized_role
+from wire.chat_request import ChatCompletionRequest
 from wire.completion_request import DEFAULT_MAX_TOKENS as DEFAULT_TEXT_MAX_TOKENS
 from wire.completion_request import CompletionRequest
 from wire.errors import error_body
+from wire.tool_calls import render_messages
 from wire.validation import BodyError, parse_body
 
 DEFAULT_MAX_TOKENS = 1024  # without max_tokens: up to this, or what the context has left
@@ -65,7 +69,7 @@ def sampling_params_for(req: ChatCompletionRequest | CompletionRequest, num_prom
         seed=req.seed,
         stop=req.stop_list,
         logprobs=((req.top_logprobs or 0) if req.logprobs else None) if chat else req.logprobs,
-        response_format=req.response_format,
+        response_format=answer_format(req) if chat else req.response_format,
     )
 
 
@@ -127,10 +131,8 @@ def create_engine_app(engine: LLMEngine, *, model_name: str, model_version: str)
         return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
     def prompt_ids(req: ChatCompletionRequest) -> list[int]:
-        """The conversation rendered with the model's chat template, tokenized."""
-        messages = [{"role": normalized_role(m.role), "content": m.text()}
-                    for m in req.messages]
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        """The conversation (tools, calls and results as text) rendered with the model's chat template, tokenized."""
+        text = tokenizer.apply_chat_template(render_messages(req), add_generation_prompt=True, tokenize=False)
         return checked_ids(text, "messages", add_special_tokens=False)
 
     def text_prompt_ids(req: CompletionRequest) -> list[int]:
@@ -158,10 +160,12 @@ def create_engine_app(engine: LLMEngine, *, model_name: str, model_version: str)
         try:
             ids, params = await asyncio.to_thread(prepare)
         except EngineInputError as exc:
+            exc = tools_param(exc, req) if chat else exc  # type: ignore[arg-type]
             param = exc.param if chat or exc.param != "messages" else "prompt"
             return Response(error_body(str(exc), param=param, code=exc.code), status_code=400)
         rid = f"chatcmpl-{uuid.uuid4().hex}" if chat else f"cmpl-{uuid.uuid4().hex}"
-        frames = _chat_frames(tokenizer) if chat else _text_frames(tokenizer, len(req.text))  # type: ignore[union-attr]
+        frames = (_chat_frames(tokenizer, ToolAnswer.for_request(req)) if chat  # type: ignore[arg-type]
+                  else _text_frames(tokenizer, len(req.text)))  # type: ignore[union-attr]
         outputs = engine.generate(ids, params, request_id=rid, priority=req.priority)
         if req.stream:
             return Stream(_sse(outputs, rid, model_name, req.include_usage, req.continuous_usage, frames),
@@ -270,7 +274,9 @@ class _Frames:
     """How an endpoint frames a request's outputs: chat (`message`, `delta`) or legacy text (`text`)."""
 
     whole: Callable[..., dict[str, Any]]  # the non-streamed answer
-    piece: Callable[[str, Any], dict[str, Any]]  # a stream chunk's fields for (text, logprobs)
+    # the stream chunks' fields for the next (text, logprobs); with `always`, at least one chunk
+    pieces: Callable[[str, Any, bool], list[dict[str, Any]]]
+    end: Callable[[str | None], tuple[list[dict[str, Any]], str | None]]  # chunks due at the end, finish reason
     chunk: Callable[..., dict[str, Any]]
     usage_chunk: Callable[..., dict[str, Any]]
     logprobs: Callable[[RequestOutput, int], Any]  # (output, characters before it) -> its logprobs or None
@@ -285,15 +291,32 @@ class _Frames:
         return {k: (so_far or {}).get(k, []) + v for k, v in more.items()}
 
 
-def _chat_frames(tokenizer: Any) -> _Frames:
-    return _Frames(whole=responses.completion, piece=lambda text, lps: {"delta": {"content": text}, "logprobs": lps},
+def _one_piece(field: str) -> Callable[[str, Any, bool], list[dict[str, Any]]]:
+    """A chunk for each piece of text (`delta.content` or `text`); none for an empty one unless `always`."""
+
+    def pieces(text: str, lps: Any, always: bool) -> list[dict[str, Any]]:
+        if not (text or lps or always):
+            return []
+        return [{field: {"content": text} if field == "delta" else text, "logprobs": lps}]
+
+    return pieces
+
+
+def _no_end(reason: str | None) -> tuple[list[dict[str, Any]], str | None]:
+    return [], reason
+
+
+def _chat_frames(tokenizer: Any, tools: ToolAnswer | None) -> _Frames:
+    """Chat's frames; a request that offers tools has its answer shaped into tool calls by `tools`."""
+    return _Frames(whole=tools.completion if tools else responses.completion,
+                   pieces=tools.pieces if tools else _one_piece("delta"), end=tools.end if tools else _no_end,
                    chunk=responses.chunk, usage_chunk=responses.usage_chunk,
                    logprobs=lambda out, _: _logprobs(tokenizer, out),
                    opening={"delta": {"role": "assistant", "content": ""}}, finish={"delta": {}})
 
 
 def _text_frames(tokenizer: Any, prompt_chars: int) -> _Frames:
-    return _Frames(whole=responses.text_completion, piece=lambda text, lps: {"text": text, "logprobs": lps},
+    return _Frames(whole=responses.text_completion, pieces=_one_piece("text"), end=_no_end,
                    chunk=responses.text_chunk, usage_chunk=responses.text_usage_chunk,
                    logprobs=lambda out, before: _legacy_logprobs(tokenizer, out, prompt_chars + before),
                    opening=None, finish={"text": ""})
@@ -328,14 +351,16 @@ async def _sse(outputs: AsyncIterator[RequestOutput], rid: str, model: str,
         lps = frames.logprobs(out, num_chars)
         num_chars += len(out.text)
         busy = {"x_tiergate": {"busy_s": out.busy_s}}
-        piece = frames.piece(out.text, lps)
         if not out.finished:
             if continuous_usage:
                 usage = responses.usage(out.num_prompt_tokens, out.num_output_tokens)
-                return [responses.sse(frames.chunk(**ids, **piece, usage=usage, **busy))]
-            return [responses.sse(frames.chunk(**ids, **piece))] if out.text or lps else []
-        made = [responses.sse(frames.chunk(**ids, **piece))] if out.text or lps else []
-        made.append(responses.sse(frames.chunk(**ids, **frames.finish, finish_reason=out.finish_reason, **busy)))
+                return [responses.sse(frames.chunk(**ids, **piece, usage=usage, **busy))
+                        for piece in frames.pieces(out.text, lps, True)]
+            return [responses.sse(frames.chunk(**ids, **piece)) for piece in frames.pieces(out.text, lps, False)]
+        pieces = frames.pieces(out.text, lps, False)
+        tail, reason = frames.end(out.finish_reason)  # after the last piece: a held tool call is parsed whole
+        made = [responses.sse(frames.chunk(**ids, **piece)) for piece in [*pieces, *tail]]
+        made.append(responses.sse(frames.chunk(**ids, **frames.finish, finish_reason=reason, **busy)))
         if include_usage:
             made.append(responses.sse(frames.usage_chunk(**ids, prompt_tokens=out.num_prompt_tokens,
                                                          completion_tokens=out.num_output_tokens, **busy)))

@@ -6,6 +6,7 @@ The model is prepared once per machine into the shared models directory (the fir
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -99,6 +100,21 @@ def test_openai_client_non_stream_and_stream_answer_paris(served: Served) -> Non
     assert "Paris" in "".join(parts) and usage is not None and usage.completion_tokens > 0
     models = {m.id: m for m in client.models.list()}
     assert models["small"].model_extra["available"] is False and models["full"].model_extra["available"] is True
+
+
+def test_a_named_tool_is_called_with_valid_arguments(served: Served) -> None:
+    client = openai.OpenAI(base_url=f"{served.url}/v1", api_key=served.demo_key, max_retries=0)
+    add = {"type": "function", "function": {"name": "add", "description": "Add two integers", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"],
+        "additionalProperties": False}}}
+    out = client.chat.completions.create(model="auto", messages=[{"role": "user", "content": "What is 2 plus 3?"}],
+                                         tools=[add], tool_choice={"type": "function", "function": {"name": "add"}},
+                                         temperature=0, max_tokens=40)  # type: ignore[list-item]
+    calls = out.choices[0].message.tool_calls or []
+    assert out.choices[0].finish_reason == "tool_calls" and [c.function.name for c in calls] == ["add"], out
+    arguments = json.loads(calls[0].function.arguments)
+    assert set(arguments) == {"a", "b"} and all(type(v) is int for v in arguments.values())
+    assert all("tools" in m.model_extra["capabilities"] for m in client.models.list() if m.id in ("mid", "full"))
 
 
 def test_ledger_tokens_equal_the_tokenizers_count(served: Served) -> None:

@@ -62,6 +62,10 @@ class TierSpec(BaseModel):
     api_key_env: str | None = None  # openai backend: env var that holds the upstream's key
     # openai backend: the extensions its server accepts [default: none beyond OpenAI's API]; local: tiergate
     dialect: Dialect | None = None
+    # the tier answers OpenAI's tool calling (`tools`, `tool_choice`, tool messages): our engine renders and parses
+    # them (wire/tool_calls.py); a remote server gets them as sent, so say `false` for one that cannot (a llama.cpp
+    # server started without `--jinja`, a model with no tool template) and routing keeps tool requests off it
+    tools: bool = True
     # sequences each engine runs at once [default: what its KV cache holds for a typical request, so the engine
     # and the gateway's dispatch slots agree; tiers/supervisor.py's engine_max_num_seqs]
     max_num_seqs: Annotated[int, Field(ge=1)] | None = None

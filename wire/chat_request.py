@@ -12,7 +12,9 @@ OpenAI's request fields, one by one (`OPENAI_FIELDS` lists them; a test sends ea
 - honoured: model, messages, stream, max_tokens, max_completion_tokens, temperature, top_p, stop, seed, logprobs,
   top_logprobs, user; stream_options.include_usage (and vLLM's continuous_usage_stats); response_format (text,
   json_object, json_schema: wire/response_format.py; our engines enforce it by grammar-constrained decoding, remote
-  tiers get it as it was sent).
+  tiers get it as it was sent); tools, tool_choice, parallel_tool_calls, and assistant `tool_calls` and `tool`
+  messages (wire/tools.py: our engines render them into the prompt and parse the answer back into tool calls,
+  wire/tool_calls.py; remote tiers get them as they were sent).
 - honoured for the one value we serve: n (1), presence_penalty and frequency_penalty (0: no penalty is applied),
   stream_options.include_obfuscation (false: stream events are not padded), store (false: nothing is stored for
   later retrieval), service_tier (auto or default: a tenant's priority and tiers come from its plan),
@@ -22,8 +24,8 @@ OpenAI's request fields, one by one (`OPENAI_FIELDS` lists them; a test sends ea
   engines' prefix cache needs none), safety_identifier (the end user's id for abuse detection; `end_user` gives it
   where `user` is absent), metadata (16 pairs, keys of at most 64 characters, values of at most 512, as OpenAI's;
   as at OpenAI with `store` off, it labels nothing).
-- refused by name (`UNSUPPORTED_FIELDS`): tools, tool_choice, parallel_tool_calls, functions, function_call,
-  audio, prediction, web_search_options, reasoning_effort, and tool_calls in a message.
+- refused by name (`UNSUPPORTED_FIELDS`): functions, function_call (the deprecated forms of tools), audio,
+  prediction, web_search_options, reasoning_effort.
 - any other field is refused by name, vLLM's `top_k` and `priority` excepted (our engines honour them; through the
   gateway a plan sets the priority, so it refuses `priority`).
 
@@ -42,10 +44,11 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, WithJsonSchema, field_validator, model_validator
 
 from wire.fields import drop_nulls, integral, nullable_optionals, only
 from wire.response_format import ResponseFormat
+from wire.tools import ToolCallId, ToolCalls, ToolChoice, Tools, check_tool_choice
 
 MAX_SEED = 2**64 - 1
 MIN_TEMPERATURE = 0.01
@@ -58,12 +61,8 @@ MAX_METADATA_PAIRS = 16
 
 # OpenAI request fields we know and do not honour yet: refused with this explanation.
 UNSUPPORTED_FIELDS = {
-    "tools": "tool calling is not supported yet",
-    "tool_choice": "tool calling is not supported yet",
-    "parallel_tool_calls": "tool calling is not supported yet",
-    "tool_calls": "tool calling is not supported yet",  # in an assistant message
-    "functions": "function calling is not supported",
-    "function_call": "function calling is not supported",
+    "functions": "the deprecated function calling is not supported; send `tools`",
+    "function_call": "the deprecated function calling is not supported; send `tool_choice`",
     "audio": "audio output is not supported",
     "prediction": "predicted outputs are not supported",
     "web_search_options": "web search is not supported",
@@ -79,16 +78,25 @@ OPENAI_FIELDS = (
     "tool_choice", "tools", "top_logprobs", "top_p", "user", "verbosity", "web_search_options",
 )
 # Fields of an assistant message as OpenAI returns it, harmless when a client sends them back empty.
-_ECHOED_MESSAGE_FIELDS = ("refusal", "annotations", "audio", "function_call", "tool_calls")
+_ECHOED_MESSAGE_FIELDS = ("refusal", "annotations", "audio", "function_call")
+_UNSET_WHEN_EMPTY = (*_ECHOED_MESSAGE_FIELDS, "tool_calls")  # `"tool_calls": []` is no call
 _EMPTY = {"anyOf": [{"type": "null"}, {"const": ""}, {"type": "array", "maxItems": 0},
                     {"type": "object", "maxProperties": 0}]}
 
 
 def _message_schema(schema: dict[str, Any]) -> None:
-    """The message's schema: optional fields take null, and the echoed fields are documented as empty only."""
+    """The message's schema: optional fields take null, the echoed fields are documented as empty only, and what
+    `_tool_fields_with_their_roles` enforces."""
     nullable_optionals(schema)
     for name in _ECHOED_MESSAGE_FIELDS:
         schema["properties"][name] = {"description": "as OpenAI returns it; accepted only when empty", **_EMPTY}
+    schema["allOf"] = [
+        {"if": {"properties": {"role": {"const": "tool"}}},
+         "then": {"required": ["tool_call_id"], "properties": {"tool_call_id": {"type": "string"}}},
+         "else": {"properties": {"tool_call_id": {"type": "null"}}}},
+        {"if": {"properties": {"role": {"not": {"const": "assistant"}}}},
+         "then": {"properties": {"tool_calls": {"anyOf": [{"type": "null"}, {"type": "array", "maxItems": 0}]}}}},
+    ]
 
 
 class TextPart(BaseModel):
@@ -101,14 +109,24 @@ class TextPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid", json_schema_extra=_message_schema)
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | Annotated[list[TextPart], Field(max_length=MAX_CONTENT_PARTS)] | None = None
     name: Annotated[str, Field(max_length=256)] | None = None
+    tool_calls: ToolCalls | None = None  # an assistant message's calls
+    tool_call_id: ToolCallId | None = None  # a tool message: the call it answers
 
     @model_validator(mode="before")
     @classmethod
     def _nulls_are_unset(cls, data: Any) -> Any:
-        return drop_nulls(data, _ECHOED_MESSAGE_FIELDS)
+        return drop_nulls(data, _UNSET_WHEN_EMPTY)
+
+    @model_validator(mode="after")
+    def _tool_fields_with_their_roles(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only an assistant message has `tool_calls`")
+        if (self.tool_call_id is not None) != (self.role == "tool"):
+            raise ValueError("a tool message needs `tool_call_id`, and only a tool message has one")
+        return self
 
     def text(self) -> str:
         """The message's text, with content parts joined."""
@@ -137,12 +155,15 @@ StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 MetadataKey = Annotated[str, Field(max_length=64)]
 MetadataValue = Annotated[str, Field(max_length=512)]
 ZeroPenalty = Annotated[float, Field(ge=0.0, le=0.0), only(0, reason="only 0 is supported: no penalty is applied")]
+# 0 (greedy) or at least MIN_TEMPERATURE (`_temperature_is_safe`), and the document says so
+Temperature = Annotated[float, Field(ge=0.0, le=2.0), WithJsonSchema({"anyOf": [
+    {"type": "number", "minimum": 0, "maximum": 0}, {"type": "number", "minimum": MIN_TEMPERATURE, "maximum": 2}]})]
 
 
 def request_schema(schema: dict[str, Any]) -> None:
-    """The request's JSON schema: optional fields take null, what `_top_logprobs_need_logprobs` enforces, and one
-    output cap (`_one_token_cap` also accepts both when they are equal, as a client mirroring them sends them; JSON
-    Schema cannot compare two values, so the document asks for one)."""
+    """The request's JSON schema: optional fields take null, what `_top_logprobs_need_logprobs` enforces, tools for
+    a tool_choice that needs them, and one output cap (`_one_token_cap` also accepts both when they are equal, as a
+    client mirroring them sends them; JSON Schema cannot compare two values, so the document asks for one)."""
     nullable_optionals(schema)
     schema["allOf"] = [{
         "if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer", "minimum": 1}}},
@@ -150,6 +171,10 @@ def request_schema(schema: dict[str, Any]) -> None:
     }, {
         "not": {"required": ["max_tokens", "max_completion_tokens"],
                 "properties": {"max_tokens": {"type": "integer"}, "max_completion_tokens": {"type": "integer"}}},
+    }, {  # "required" and a named function need tools (a named one must be one of them: `_choice_in_tools`)
+        "if": {"required": ["tool_choice"],
+               "properties": {"tool_choice": {"anyOf": [{"const": "required"}, {"type": "object"}]}}},
+        "then": {"required": ["tools"], "properties": {"tools": {"type": "array"}}},
     }]
 
 
@@ -214,7 +239,7 @@ class ChatCompletionRequest(GenerationRequest):
     stream_options: StreamOptions | None = None
     max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_BOUND)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_BOUND)] | None = None
-    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    temperature: Temperature | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     top_k: Annotated[int, Field(ge=-1, le=MAX_TOKENS_BOUND)] | None = None
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
@@ -241,6 +266,14 @@ class ChatCompletionRequest(GenerationRequest):
     logit_bias: Annotated[dict[str, int], Field(max_length=0),
                           only({}, reason="logit_bias is not supported; send {} or leave it out")] | None = None
     response_format: ResponseFormat | None = None
+    tools: Tools | None = None
+    tool_choice: ToolChoice | None = None  # after `tools`: its check reads them
+    parallel_tool_calls: bool | None = None
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_in_tools(cls, value: ToolChoice | None, info: ValidationInfo) -> ToolChoice | None:
+        return check_tool_choice(value, info.data.get("tools"))
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
@@ -261,6 +294,11 @@ class ChatCompletionRequest(GenerationRequest):
         return self.max_completion_tokens or self.max_tokens
 
     @property
+    def uses_tools(self) -> bool:
+        """The request offers tools or carries a tool exchange (tool calls, tool results)."""
+        return bool(self.tools) or any(m.tool_calls or m.role == "tool" for m in self.messages)
+
+    @property
     def end_user(self) -> str | None:
         """Who the answer is for, as the client names them: `user`, else `safety_identifier`."""
         return self.user or self.safety_identifier
@@ -270,7 +308,7 @@ SYSTEM_ROLES = ("system", "developer")  # OpenAI's `developer` is the `system` o
 
 
 def normalized_role(role: str) -> str:
-    """The role as chat templates know it: `developer` becomes `system`."""
+    """The role as chat templates know it: `developer` becomes `system` (wire/tool_calls.py renders `tool`)."""
     return "system" if role in SYSTEM_ROLES else role
 
 

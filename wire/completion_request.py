@@ -28,6 +28,7 @@ from wire.chat_request import (
     GenerationRequest,
     StopString,
     StreamOptions,
+    Temperature,
     ZeroPenalty,
 )
 from wire.fields import UNSUPPORTED_VALUE, nullable_optionals, only
@@ -64,7 +65,7 @@ class CompletionRequest(GenerationRequest):
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_BOUND)] | None = None
-    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    temperature: Temperature | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     top_k: Annotated[int, Field(ge=-1, le=MAX_TOKENS_BOUND)] | None = None
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_SEQUENCES)] | None = None

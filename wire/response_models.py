@@ -45,9 +45,21 @@ class ChoiceLogprobs(BaseModel):
     content: list[TokenLogprob] | None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
     content: str | None
+    tool_calls: list[ToolCall] | None = None  # the answer calls these functions (finish_reason "tool_calls")
 
 
 class ChatChoice(BaseModel):

@@ -14,15 +14,32 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def completion(*, id_: str, created: int, model: str, text: str, finish_reason: str | None,
+def completion(*, id_: str, created: int, model: str, text: str | None, finish_reason: str | None,
                prompt_tokens: int, completion_tokens: int, logprobs: list[dict[str, Any]] | None = None,
-               **extra: Any) -> dict[str, Any]:
-    """A whole (non-streamed) chat completion with one choice."""
+               tool_calls: list[dict[str, Any]] | None = None, **extra: Any) -> dict[str, Any]:
+    """A whole (non-streamed) chat completion with one choice; `tool_calls` (OpenAI's: id, type, function name and
+    arguments) when the answer calls tools, and then `text` may be None."""
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
     return {"id": id_, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+            "choices": [{"index": 0, "message": message,
                          "finish_reason": finish_reason,
                          "logprobs": {"content": logprobs} if logprobs is not None else None}],
             "usage": usage(prompt_tokens, completion_tokens), **extra}
+
+
+def tool_call_deltas(index: int, call_id: str, name: str, arguments: str = "") -> list[dict[str, Any]]:
+    """A call's stream deltas as OpenAI sends them: the first with its index, id, type, name and empty arguments,
+    then (when `arguments` is given) one with the index and the arguments."""
+    made = [{"tool_calls": [{"index": index, "id": call_id, "type": "function",
+                             "function": {"name": name, "arguments": ""}}]}]
+    return made + ([arguments_delta(index, arguments)] if arguments else [])
+
+
+def arguments_delta(index: int, piece: str) -> dict[str, Any]:
+    """The next piece of call `index`'s arguments, as a stream delta."""
+    return {"tool_calls": [{"index": index, "function": {"arguments": piece}}]}
 
 
 def chunk(*, id_: str, created: int, model: str, delta: dict[str, Any], finish_reason: str | None = None,

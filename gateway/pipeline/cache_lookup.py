@@ -96,7 +96,7 @@ class CacheStage:
         """
         if self.cache is None or lookup.scope is None or not isinstance(lookup.result, Miss):
             return
-        if shaped_answer(applied):
+        if shaped_answer(applied) or outcome.tool_calls:  # the store keeps text: a tool call would lose its calls
             return
         usage = {"prompt_tokens": outcome.input_tokens, "completion_tokens": outcome.output_tokens,
                  "finish_reason": outcome.finish_reason}

@@ -26,6 +26,8 @@ class Head:
 class Delta:
     content: str
     logprobs: list[dict[str, Any]] | None  # OpenAI's `logprobs.content` entries of this piece, when asked
+    # OpenAI's stream `delta.tool_calls` entries of this piece (index, and id, type, name or a piece of arguments)
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 @dataclass(frozen=True)

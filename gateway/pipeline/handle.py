@@ -141,9 +141,9 @@ class Pipeline:
                 ticket, upstream = await self._call(ctx, prepared, meter)
                 yield head
                 async for chunk in upstream:
-                    content, logprobs, _ = meter.add(chunk)
-                    if content or (logprobs and req.logprobs):  # logprobs the client did not ask for stay ours
-                        yield Delta(content, logprobs if req.logprobs else None)
+                    content, logprobs, _, calls = meter.add(chunk)
+                    if content or calls or (logprobs and req.logprobs):  # logprobs not asked for stay ours
+                        yield Delta(content, logprobs if req.logprobs else None, calls or None)
             outcome = meter.outcome("ok", 200)
             if judge is not None:
                 attempt = await judge(attempt, outcome)

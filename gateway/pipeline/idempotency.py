@@ -79,12 +79,13 @@ class IdempotencyStage:
         headers = {k: v for k, v in head.headers.items() if not k.startswith("x-ratelimit-")}
         return {"id": head.response_id, "created": head.created, "model": head.model, "text": outcome.text,
                 "finish_reason": outcome.finish_reason, "prompt_tokens": outcome.input_tokens,
-                "completion_tokens": outcome.output_tokens, "logprobs": logprobs, "headers": headers}
+                "completion_tokens": outcome.output_tokens, "logprobs": logprobs, "headers": headers,
+                "tool_calls": [{"index": i, **call} for i, call in enumerate(outcome.tool_calls)] or None}
 
     @staticmethod
     def replay(req: ChatCompletionRequest, answer: dict[str, Any]) -> list[Event]:
         headers = {**answer["headers"], REPLAY_HEADER: "true"}
         return [Head(answer["id"], answer["created"], answer["model"], headers, stream=req.stream,
                      include_usage=req.include_usage),
-                Delta(answer["text"], answer.get("logprobs")),
+                Delta(answer["text"], answer.get("logprobs"), answer.get("tool_calls")),
                 Done(answer["finish_reason"], answer["prompt_tokens"], answer["completion_tokens"])]

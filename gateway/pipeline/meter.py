@@ -32,6 +32,7 @@ class Outcome:
     upstream_s: float | None  # time spent on the tier (None: no tier was called)
     busy_s: float | None  # engine compute time the tier reported for it
     mean_logprob: float | None  # mean token log-probability, where they were asked for
+    tool_calls: tuple[dict[str, Any], ...] = ()  # the answer's tool calls, whole (OpenAI's message.tool_calls)
 
 
 class Meter:
@@ -54,6 +55,7 @@ class Meter:
         self._parts: list[str] = []
         self._logprob_sum = 0.0
         self._logprob_n = 0
+        self._calls: dict[int, dict[str, Any]] = {}  # index -> the call so far (its arguments' pieces joined)
 
     def upstream_started(self) -> None:
         self.upstream_t0 = time.perf_counter()
@@ -62,8 +64,9 @@ class Meter:
         if self.upstream_t0 is not None and self.upstream_s is None:
             self.upstream_s = time.perf_counter() - self.upstream_t0
 
-    def add(self, chunk: dict[str, Any]) -> tuple[str, list[dict[str, Any]] | None, bool]:
-        """Count one upstream chunk; returns its content, its logprobs entries and whether it carried a choice."""
+    def add(self, chunk: dict[str, Any]) -> tuple[str, list[dict[str, Any]] | None, bool, list[dict[str, Any]]]:
+        """Count one upstream chunk; returns its content, its logprobs entries, whether it carried a choice, and its
+        `delta.tool_calls` entries (as the tier streamed them; the whole calls are kept for the outcome)."""
         self.chunks += 1
         usage = chunk.get("usage")
         if isinstance(usage, dict):
@@ -73,12 +76,13 @@ class Meter:
         ext = chunk.get("x_tiergate")
         if isinstance(ext, dict) and isinstance(ext.get("busy_s"), int | float):
             self.busy_s = float(ext["busy_s"])
-        content, logprobs, has_choice = "", None, False
+        content, logprobs, has_choice, calls = "", None, False, []
         for choice in chunk.get("choices") or []:
             if not isinstance(choice, dict):
                 continue
             delta = choice.get("delta") or {}
             piece = delta.get("content") if isinstance(delta, dict) else None
+            calls += self._tool_calls(delta)
             if isinstance(piece, str) and piece:
                 content += piece
                 if self.ttft_s is None:
@@ -96,8 +100,28 @@ class Meter:
             has_choice = has_choice or bool(piece) or bool(choice.get("finish_reason"))
         if content:
             self._parts.append(content)
+        if content or calls:
             self.content_chunks += 1
-        return content, logprobs, has_choice
+            if self.ttft_s is None:
+                self.ttft_s = time.perf_counter() - self.t0
+        return content, logprobs, has_choice or bool(calls), calls
+
+    def _tool_calls(self, delta: Any) -> list[dict[str, Any]]:
+        """The delta's `tool_calls` entries, each joined into the call of its index."""
+        entries = delta.get("tool_calls") if isinstance(delta, dict) else None
+        if not isinstance(entries, list):
+            return []
+        kept = [e for e in entries if isinstance(e, dict) and isinstance(e.get("index", 0), int)]
+        for entry in kept:
+            call = self._calls.setdefault(entry.get("index", 0), {"id": None, "type": "function",
+                                                                  "function": {"name": None, "arguments": ""}})
+            fn = entry.get("function") if isinstance(entry.get("function"), dict) else {}
+            call["id"] = entry.get("id") or call["id"]
+            call["type"] = entry.get("type") or call["type"]
+            call["function"]["name"] = fn.get("name") or call["function"]["name"]
+            if isinstance(fn.get("arguments"), str):
+                call["function"]["arguments"] += fn["arguments"]
+        return kept
 
     def add_cached(self, text: str, usage: dict[str, Any]) -> None:
         """A cached answer: its usage as stored, no tier."""
@@ -118,4 +142,5 @@ class Meter:
         mean = self._logprob_sum / self._logprob_n if self._logprob_n else None
         output = self.output_tokens if output_delivered else 0
         return Outcome(status, http_status, error_code, self.input_tokens, output, self.finish_reason,
-                       "".join(self._parts), self.ttft_s, self.upstream_s, self.busy_s, mean)
+                       "".join(self._parts), self.ttft_s, self.upstream_s, self.busy_s, mean,
+                       tuple(self._calls[i] for i in sorted(self._calls)))

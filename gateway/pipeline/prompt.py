@@ -10,6 +10,11 @@ Counting reads everything the tenant sent, so it is bounded and linear, and runs
   was short);
 - small prompts are counted inline (microseconds); larger ones in a worker thread, where the tokenizer
   releases the GIL (gateway/token_counter.py), so the event loop serves other requests meanwhile.
+
+Tools count as our engine renders them (wire/tool_calls.py): the functions' JSON in the system message, calls and
+results as text, one turn per message (the engine joins consecutive results into one turn, a few tokens fewer).
+A remote tier's own template renders them otherwise; the count is its estimate for the reservation, and what is
+billed is what the tier counted.
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ from gateway.errors import InvalidRequest, Unavailable
 from gateway.ladder.apply import Degradation
 from gateway.token_counter import TokenCounter, token_counter
 from tiers.catalogue import TierSpec
-from wire.chat_request import ChatCompletionRequest, ChatMessage, normalized_role
+from wire.chat_request import ChatCompletionRequest, ChatMessage
+from wire.tool_calls import preamble, turn, with_preamble
 
 PREFIX_CHARS_PER_TOKEN = 8  # a prefix this many characters per context token is counted first
 INLINE_CHARS = 4096  # prompts up to this many characters are counted on the event loop
@@ -55,13 +61,14 @@ class PromptStage:
 
     async def measure(self, req: ChatCompletionRequest, tier: TierSpec, degr: Degradation) -> Prompt:
         counter = self._counter(tier)
-        messages = [{"role": normalized_role(m.role), "content": m.text()} for m in req.messages]
-        chars = sum(len(m["content"]) for m in messages)
+        messages = [turn(m) for m in req.messages]
+        tools = preamble(req)
+        chars = sum(len(m["content"]) for m in messages) + len(tools)
         if chars <= INLINE_CHARS and degr.input_cap is None:
-            kept, applied, num_tokens = list(req.messages), (), counter.prompt_tokens(messages)
+            kept, applied, num_tokens = list(req.messages), (), counter.prompt_tokens(with_preamble(messages, tools))
         else:
             kept, applied, num_tokens = await asyncio.get_running_loop().run_in_executor(
-                self.executor, _count_bounded, counter, list(req.messages), messages, tier, degr.input_cap)
+                self.executor, _count_bounded, counter, list(req.messages), messages, tier, degr.input_cap, tools)
         room = tier.context_limit - num_tokens
         cap = req.output_cap or max(1, min(self.default_max_tokens, room))
         by_context = req.output_cap is None and cap == room
@@ -83,27 +90,29 @@ class PromptStage:
 
 
 def _count_bounded(counter: TokenCounter, originals: list[ChatMessage], messages: list[dict[str, Any]],
-                   tier: TierSpec, input_cap: int | None) -> tuple[list[ChatMessage], tuple[str, ...], int]:
-    """(messages kept, actions applied, prompt tokens), reading at most what could fit (worker thread)."""
+                   tier: TierSpec, input_cap: int | None, tools: str = "") -> tuple[list[ChatMessage], tuple[str, ...],
+                                                                                   int]:
+    """(messages kept, actions applied, prompt tokens), reading at most what could fit (worker thread). `tools`:
+    the system-message text that offers the request's tools, counted with the system message."""
     applied: tuple[str, ...] = ()
     if input_cap is not None:
-        keep = _trim(counter, messages, input_cap)
+        keep = _trim(counter, messages, input_cap, tools)
         if len(keep) < len(messages):
             applied = (f"cap_input_tokens({input_cap},dropped={len(messages) - len(keep)})",)
             originals = [originals[i] for i in keep]
             messages = [messages[i] for i in keep]
     limit = tier.context_limit
-    chars = sum(len(m["content"]) for m in messages)
+    chars = sum(len(m["content"]) for m in messages) + len(tools)
     if chars > limit * counter.max_token_chars:
         raise _too_long(tier, f"{chars} characters, more than {limit} tokens can hold")
-    text = counter.render(messages)
+    text = counter.render(with_preamble(messages, tools))
     prefix_chars = limit * PREFIX_CHARS_PER_TOKEN
     if len(text) > prefix_chars and counter.count(text[:prefix_chars]) > limit + PREFIX_MARGIN_TOKENS:
         raise _too_long(tier, f"more than {limit} tokens in its first {prefix_chars} characters")
     return originals, applied, counter.count(text)
 
 
-def _trim(counter: TokenCounter, messages: list[dict[str, Any]], cap: int) -> list[int]:
+def _trim(counter: TokenCounter, messages: list[dict[str, Any]], cap: int, tools: str = "") -> list[int]:
     """Indexes of the messages kept when the oldest turns (never a system message, never the last message)
     are dropped until the prompt has at most `cap` tokens, or nothing more may be dropped."""
     droppable = [i for i, m in enumerate(messages[:-1]) if m["role"] != "system"]
@@ -112,7 +121,7 @@ def _trim(counter: TokenCounter, messages: list[dict[str, Any]], cap: int) -> li
     dropping = set(droppable)
     fixed = [i for i in range(len(messages)) if i not in dropping]
     budget = cap * counter.max_token_chars  # characters that `cap` tokens can cover at most
-    room = budget - sum(len(messages[i]["content"]) for i in fixed)
+    room = budget - sum(len(messages[i]["content"]) for i in fixed) - len(tools)
     candidates: list[int] = []  # droppable turns that might fit, newest first
     for i in reversed(droppable):
         room -= len(messages[i]["content"])
@@ -124,7 +133,7 @@ def _trim(counter: TokenCounter, messages: list[dict[str, Any]], cap: int) -> li
     estimate = dict(zip(candidates, (n + counter.message_overhead(messages[i]["role"])
                                      for i, n in zip(candidates, counts, strict=True)), strict=True))
     kept = sorted(fixed + candidates)
-    total = counter.prompt_tokens([messages[i] for i in kept])
+    total = counter.prompt_tokens(with_preamble([messages[i] for i in kept], tools))
     dropped, recounts = 0, 0
     while total > cap and dropped < len(candidates):
         # drop by the estimate, then check exactly; an estimate that was short drops one turn more (and
@@ -136,7 +145,7 @@ def _trim(counter: TokenCounter, messages: list[dict[str, Any]], cap: int) -> li
         if recounts >= MAX_RECOUNTS:
             dropped = len(candidates)
         kept = sorted(fixed + candidates[dropped:])
-        total = counter.prompt_tokens([messages[i] for i in kept])
+        total = counter.prompt_tokens(with_preamble([messages[i] for i in kept], tools))
     return kept
 
 

@@ -6,6 +6,10 @@ as the tenant's budget runs low (one quota-backend read, only for plans that rel
 Around unavailable and overloaded tiers (load moves only to a tier outside the overloaded one's hardware
 group: the fleet's `hardware_groups`); the ladder's remap last. When every allowed tier is over its wait
 limit, the route without load is still returned, with the overload: a cached answer may serve it anyway.
+
+A request with tools (or tool calls and results in its messages) goes only to tiers that can call tools
+(`TierSpec.tools`): `auto` and every fallback skip the others, and naming one is a 400 naming `tools`. Its answer is
+not cascaded: a tool call is not prose the cascade's checks can judge.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import math
 import time
 from dataclasses import dataclass, replace
 
-from gateway.errors import Unavailable, client_error
+from gateway.errors import InvalidRequest, Unavailable, client_error
 from gateway.ladder.apply import Degradation
 from gateway.pipeline.context import RequestContext
 from gateway.pipeline.dispatch import DispatchStage
@@ -83,6 +87,8 @@ class RouteStage:
                            max_wait_s=plan.max_queue_wait_s, quality_floor=floor, floor_reason=floor_reason,
                            policy=routing.policy, cascade=routing.cascade)
         unavailable = self.fleet.unavailable()
+        if req.uses_tools:
+            rules, unavailable = self._tool_tiers(req, rules, unavailable)
         waits = self.dispatch.predicted_waits(plan) if plan.max_queue_wait_s is not None else {}
         overloaded: TierOverloaded | None = None
         try:
@@ -97,8 +103,27 @@ class RouteStage:
         except TierError as exc:
             raise client_error(exc) from exc
         route, applied = self._remap(degr, route, unavailable)
+        if req.uses_tools:  # never cascaded (only `auto` routes are; the tier `auto` chose answers)
+            route = replace(route, auto=False, cascade=False)
         requested = plan.default_tier if req.model == AUTO else req.model
         return RouteDecision(route, degr, requested, overloaded, applied)
+
+    def _tool_tiers(self, req: ChatCompletionRequest, rules: RouteRules,
+                    unavailable: dict[str, str]) -> tuple[RouteRules, dict[str, str]]:
+        """The rules and conditions of a request with tools: only tiers that can call tools; a 400 naming `tools`
+        when the request names another, or when the plan allows none."""
+        tiers = self.fleet.catalogue.tiers
+        if req.model in tiers and not tiers[req.model].tools:
+            raise InvalidRequest(f"tools: tier {req.model!r} cannot call tools; send the request to a tier that can "
+                                 "(or `auto`), or leave tools and tool messages out", param="tools",
+                                 code="unsupported_parameter")
+        able = [t.name for t in self.fleet.catalogue.by_price() if t.name in rules.allowed and t.tools]
+        if not able:
+            raise InvalidRequest("tools: none of the tiers your plan allows can call tools", param="tools",
+                                 code="unsupported_parameter")
+        default = rules.default if rules.default in able else able[0]
+        unable = {name: "it cannot call tools" for name, tier in tiers.items() if not tier.tools}
+        return replace(rules, allowed=able, default=default), unavailable | unable
 
     def _remap(self, degr: Degradation, route: Route, unavailable: dict[str, str]) -> tuple[Route, tuple[str, ...]]:
         tiers = self.fleet.catalogue.tiers

@@ -52,17 +52,27 @@ async def chat_completions(request: Request[Any, Any, Any], principal: NamedDepe
 async def _whole(head: Head, events: AsyncIterator[Event]) -> dict[str, Any]:
     text: list[str] = []
     logprobs: list[dict[str, Any]] | None = None
+    calls: dict[int, dict[str, Any]] = {}  # index -> the call, its arguments' pieces joined
     done = Done(None, 0, 0)
     async for event in events:
         if isinstance(event, Delta):
             text.append(event.content)
             if event.logprobs is not None:
                 logprobs = (logprobs or []) + event.logprobs
+            for entry in event.tool_calls or ():
+                call = calls.setdefault(entry.get("index", 0), {"id": None, "type": "function",
+                                                                "function": {"name": None, "arguments": ""}})
+                call["id"] = entry.get("id") or call["id"]
+                fn = entry.get("function") or {}
+                call["function"]["name"] = fn.get("name") or call["function"]["name"]
+                call["function"]["arguments"] += fn.get("arguments") or ""
         elif isinstance(event, Done):
             done = event
-    return responses.completion(id_=head.response_id, created=head.created, model=head.model, text="".join(text),
-                                finish_reason=done.finish_reason, prompt_tokens=done.prompt_tokens,
-                                completion_tokens=done.completion_tokens, logprobs=logprobs)
+    content = "".join(text)
+    return responses.completion(id_=head.response_id, created=head.created, model=head.model,
+                                text=content if content or not calls else None, finish_reason=done.finish_reason,
+                                prompt_tokens=done.prompt_tokens, completion_tokens=done.completion_tokens,
+                                logprobs=logprobs, tool_calls=[calls[i] for i in sorted(calls)] or None)
 
 
 async def _sse(head: Head, events: AsyncIterator[Event]) -> AsyncIterator[bytes]:
@@ -73,8 +83,10 @@ async def _sse(head: Head, events: AsyncIterator[Event]) -> AsyncIterator[bytes]
         yield responses.sse(responses.chunk(**ids, delta={"role": "assistant", "content": ""}, **usage_null))
         async for event in events:
             if isinstance(event, Delta):
-                yield responses.sse(responses.chunk(**ids, delta={"content": event.content}, logprobs=event.logprobs,
-                                                    **usage_null))
+                delta: dict[str, Any] = {"content": event.content} if event.content or not event.tool_calls else {}
+                if event.tool_calls:
+                    delta["tool_calls"] = event.tool_calls
+                yield responses.sse(responses.chunk(**ids, delta=delta, logprobs=event.logprobs, **usage_null))
             elif isinstance(event, Done):
                 yield responses.sse(responses.chunk(**ids, delta={}, finish_reason=event.finish_reason, **usage_null))
                 if head.include_usage:

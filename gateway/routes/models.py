@@ -1,5 +1,5 @@
 """GET /v1/models: the tiers a key may use, `auto`, the embedding model, whether each is ready, and what each
-can do (`capabilities`: the endpoints that serve it)."""
+can do (`capabilities`: the endpoints that serve it, and `tools` where chat answers tool calls)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from wire.response_models import ModelList
 # the endpoints a chat tier answers on through this gateway
 TIER_CAPABILITIES = ["chat.completions", "completions"]
 EMBEDDING_CAPABILITIES = ["embeddings"]
+TOOLS = "tools"  # the tier answers `tools` (tiers/catalogue.py's TierSpec.tools)
 
 
 @get("/v1/models", dependencies={"principal": Provide(provide_principal)}, tags=["OpenAI"], summary="List models",
@@ -35,9 +36,10 @@ async def list_models(principal: NamedDependency[Principal], fleet: NamedDepende
         names, default = plan.allowed_tiers, plan.default_tier
     else:
         names, default = list(fleet.catalogue.tiers), None
+    tools = [TOOLS] if any(fleet.catalogue.tiers[name].tools for name in names) else []
     data = [{"id": AUTO, "object": "model", "created": 0, "owned_by": "tiergate",
              "description": f"routed by Tiergate (now: {default or 'the plan default'})", "available": True,
-             "capabilities": TIER_CAPABILITIES}]
+             "capabilities": TIER_CAPABILITIES + tools}]
     for name in names:
         spec = fleet.catalogue.tiers[name]
         data.append({
@@ -46,7 +48,7 @@ async def list_models(principal: NamedDependency[Principal], fleet: NamedDepende
             "unavailable_reason": unavailable.get(name), "context_length": spec.context_limit,
             "pricing": {"input_per_1k_usd": str(spec.price_per_1k_input),
                         "output_per_1k_usd": str(spec.price_per_1k_output)},
-            "capabilities": TIER_CAPABILITIES,
+            "capabilities": TIER_CAPABILITIES + ([TOOLS] if spec.tools else []),
         })
     if (embeddings := fleet.catalogue.embeddings).enabled:
         data.append({"id": embeddings.model, "object": "model", "created": 0, "owned_by": "tiergate",

@@ -70,7 +70,7 @@ def test_the_official_client_gets_sentence_transformers_vectors(gateway: Gateway
 def test_the_model_is_listed_with_its_capability(gateway: Gateway) -> None:
     models = {m.id: m for m in client(gateway).models.list()}
     assert models[MODEL].model_extra["capabilities"] == ["embeddings"]
-    assert models["mid"].model_extra["capabilities"] == ["chat.completions", "completions"]
+    assert models["mid"].model_extra["capabilities"] == ["chat.completions", "completions", "tools"]
 
 
 @pytest.mark.parametrize(("body", "status", "param", "code"), [

@@ -7,7 +7,8 @@ A negative request may also be refused with 413: a body past the gateway's size 
 read, whatever else is wrong with it (schemathesis generates multi-megabyte arrays). Two operations take values
 that configuration defines, which the document (built from the routes) cannot enumerate: a tenant's plan and the
 ladder's level; for them a well-formed request naming a plan or level that does not exist may be refused (400
-naming it), and that alone is not checked."""
+naming it), and that alone is not checked. One chat field depends on another in a way JSON Schema cannot say: a
+named `tool_choice` must name one of `tools`; a generated request that offers tools names the first of them."""
 
 from __future__ import annotations
 
@@ -79,4 +80,15 @@ def fuzzed(tmp_path_factory: pytest.TempPathFactory, prepared_models: Path) -> I
 @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 def test_no_answer_contradicts_the_document(case: Any, fuzzed: Gateway) -> None:
     configured = (case.method.upper(), case.path) in CONFIGURED
+    _name_an_offered_tool(case.body)
     case.call_and_validate(base_url=fuzzed.url, excluded_checks=[positive_data_acceptance] if configured else None)
+
+
+def _name_an_offered_tool(body: Any) -> None:
+    """A named tool_choice names the first of the request's tools (when it offers any: else it is refused)."""
+    if not isinstance(body, dict) or not isinstance(choice := body.get("tool_choice"), dict):
+        return
+    tools, function = body.get("tools"), choice.get("function")
+    if isinstance(function, dict) and isinstance(tools, list) and tools and isinstance(tools[0], dict) and \
+            isinstance(tools[0].get("function"), dict) and "name" in tools[0]["function"]:
+        function["name"] = tools[0]["function"]["name"]

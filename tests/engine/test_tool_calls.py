@@ -1,0 +1,186 @@
+"""Tool calls in our engine's answers (engine/tool_calls.py): the grammar that forces a call, and the answer shaped
+into OpenAI's `tool_calls`, whole and streamed.
+
+Without a model: a constrained answer streamed in pieces cut anywhere gives a call's first delta (index, id, type,
+name, empty arguments) and argument pieces that join into the arguments; a free answer streams its text and holds a
+`<tool_call>` block until it ends; a block that does not parse is content. On the real SmolLM2 behind the engine's
+server, with the official client: "required" and named choices answer calls whose arguments validate, streamed too,
+and a tool result sent back gets a plain answer.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+
+from engine.sampling_params import EngineInputError
+from engine.tool_calls import MAX_CALL_SCHEMA_BYTES, ToolAnswer, answer_format
+from wire.chat_request import ChatCompletionRequest
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+                   "properties": {"city": {"type": "string", "maxLength": 40},
+                                  "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}}}}
+ADD = {"type": "function", "function": {
+    "name": "add", "description": "Add two integers",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["a", "b"],
+                   "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}
+SCHEMAS = {"get_weather": WEATHER["function"]["parameters"], "add": ADD["function"]["parameters"]}
+USER = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def request(**fields: Any) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"model": "m", "messages": USER, "tools": [WEATHER, ADD], **fields})
+
+
+def stream(answer: ToolAnswer, text: str, cuts: list[int], reason: str = "stop") -> tuple[list[dict[str, Any]], str]:
+    deltas: list[dict[str, Any]] = []
+    for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True):
+        deltas += answer.feed(text[a:b])
+    tail, finish = answer.finish(reason)
+    return deltas + tail, str(finish)
+
+
+def joined(deltas: list[dict[str, Any]]) -> dict[int, dict[str, str]]:
+    """The calls the deltas make, as a client joins them."""
+    calls: dict[int, dict[str, str]] = {}
+    for d in deltas:
+        for entry in d.get("tool_calls", []):
+            call = calls.setdefault(entry["index"], {"id": "", "name": "", "arguments": ""})
+            call["id"] += entry.get("id", "")
+            call["name"] += entry.get("function", {}).get("name", "")
+            call["arguments"] += entry["function"].get("arguments", "")
+    return calls
+
+
+def test_a_constrained_answer_streams_its_arguments_however_the_text_is_cut() -> None:
+    text = ('[{"name": "get_weather", "arguments": {"city": "Pa\\"ris}]", "unit": "celsius"}}, '
+            '{"name": "add", "arguments": {"a": 1, "b": 2}}]')
+    for step in (1, 2, 3, 7, len(text)):
+        answer = ToolAnswer(request(tool_choice="required"))
+        deltas, finish = stream(answer, text, list(range(step, len(text), step)))
+        calls = joined(deltas)
+        assert finish == "tool_calls" and [c["name"] for c in calls.values()] == ["get_weather", "add"]
+        assert json.loads(calls[0]["arguments"]) == {"city": 'Pa"ris}]', "unit": "celsius"}
+        assert json.loads(calls[1]["arguments"]) == {"a": 1, "b": 2}
+        first = next(d["tool_calls"][0] for d in deltas)  # as OpenAI: the first delta names the call
+        assert first["id"].startswith("call_") and first["type"] == "function"
+        assert first["function"] == {"name": "get_weather", "arguments": ""}
+        assert not any("content" in d for d in deltas)
+
+
+def test_a_constrained_answer_whole_and_cut_short() -> None:
+    answer = ToolAnswer(request(tool_choice={"type": "function", "function": {"name": "add"}}))
+    content, calls, finish = answer.whole('{"name": "add", "arguments": {"a": 1, "b": 2}}', "stop")
+    assert content is None and finish == "tool_calls" and calls is not None
+    assert calls[0]["function"] == {"name": "add", "arguments": '{"a": 1, "b": 2}'}
+    cut = '{"name": "add", "arguments": {"a": 1'
+    assert answer.whole(cut, "length") == (cut, None, "length")  # as far as it went, and why it stopped
+
+
+def test_a_free_answer_streams_text_and_holds_a_call_until_it_ends() -> None:
+    text = 'Checking. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n' \
+           '</tool_call>'
+    answer = ToolAnswer(request())
+    deltas, finish = stream(answer, text, list(range(1, len(text))))
+    sent = "".join(d.get("content", "") for d in deltas)
+    assert sent.strip() == "Checking." and finish == "tool_calls"
+    assert json.loads(joined(deltas)[0]["arguments"]) == {"city": "Paris", "unit": "celsius"}
+    # text that only looks like an opening is sent once it cannot be one; a broken block is content
+    for plain in ("a <tool b", "<tool_call>{not json}</tool_call>", "<tool_call>{\"name\": \"rm\", \"arguments\": {}}"):
+        deltas, finish = stream(ToolAnswer(request()), plain, list(range(1, len(plain))))
+        assert "".join(d.get("content", "") for d in deltas) == plain and finish == "stop"
+        assert ToolAnswer(request()).whole(plain, "stop") == (plain, None, "stop")
+
+
+def test_tool_choice_none_leaves_the_answer_alone_and_the_format_follows_the_choice() -> None:
+    assert ToolAnswer.for_request(request(tool_choice="none")) is None
+    assert answer_format(request()) is None and answer_format(request(tool_choice="none")) is None
+    fmt = answer_format(request(tool_choice="required"))
+    assert fmt is not None and fmt.json_schema is not None and len(fmt.json_schema.schema_["anyOf"]) == 2
+    with pytest.raises(EngineInputError) as err:  # a JSON-only answer could never call a tool
+        answer_format(request(response_format={"type": "json_object"}))
+    assert err.value.param == "response_format"
+    big = [{"type": "function", "function": {"name": f"f{i}", "parameters": {"enum": ["x" * 30_000]}}}
+           for i in range(MAX_CALL_SCHEMA_BYTES // 30_000 + 1)]
+    with pytest.raises(EngineInputError) as err:
+        answer_format(request(tools=big, tool_choice="required"))
+    assert err.value.param == "tools"
+
+
+async def test_the_engine_streams_a_call_whose_last_piece_ends_the_answer() -> None:
+    """The engine's stream framing: the output that finishes the answer also carries its last text."""
+    from engine.llm_engine import RequestOutput
+    from engine.server import _chat_frames, _sse
+
+    texts = ['Sure. <tool_call>{"name": "add", ', '"arguments": {"a": 1, "b": 2}}', "</tool_call>"]
+
+    async def outputs() -> Any:
+        for i, text in enumerate(texts):
+            last = i == len(texts) - 1
+            yield RequestOutput("r", text, [i], last, "stop" if last else None, 5, i + 1, 0.0)
+
+    events = [e async for e in _sse(outputs(), "r", "m", False, False, _chat_frames(None, ToolAnswer(request())))]
+    chunks = [json.loads(e[6:]) for e in events if e != b"data: [DONE]\n\n"]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert "".join(d.get("content") or "" for d in deltas).strip() == "Sure."
+    assert json.loads(joined(deltas)[0]["arguments"]) == {"a": 1, "b": 2}
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+# ---- the real model behind the engine's server ----
+
+
+@pytest.fixture(scope="module")
+def engine_url(prepared_models: Path) -> Iterator[str]:
+    import torch
+    from transformers import AutoTokenizer
+
+    from engine.llm_engine import LLMEngine
+    from engine.model_runner import ModelRunner
+    from engine.server import create_engine_app
+    from tests.stubs import ServerThread
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # two threads on two cores stall whenever another process runs there
+    model = prepared_models / "smollm2-135m-instruct"
+    engine = LLMEngine(ModelRunner(model, dtype="fp32", kv_cache_bytes=64 << 20), AutoTokenizer.from_pretrained(model),
+                       max_num_seqs=4, max_num_batched_tokens=512)
+    engine.start()
+    server = ServerThread(create_engine_app(engine, model_name="m", model_version="v")).start()
+    try:
+        yield server.url
+    finally:
+        server.stop()
+        engine.shutdown()
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.model
+def test_the_engine_answers_required_and_named_choices_with_valid_calls(engine_url: str) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=f"{engine_url}/v1", api_key="none", max_retries=0, timeout=300)
+    for choice, names in (("required", {"get_weather", "add"}), ({"type": "function", "function": {"name": "add"}},
+                                                                {"add"})):
+        answer = client.chat.completions.create(model="m", messages=USER, tools=[WEATHER, ADD],  # type: ignore
+                                                tool_choice=choice, temperature=0, max_tokens=80)  # type: ignore
+        choice0 = answer.choices[0]
+        assert choice0.finish_reason == "tool_calls" and choice0.message.tool_calls, choice0
+        for call in choice0.message.tool_calls:
+            assert call.function.name in names and call.id.startswith("call_")  # type: ignore[union-attr]
+            jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])  # type: ignore
+
+    chunks = list(client.chat.completions.create(model="m", messages=USER, tools=[WEATHER], tool_choice="required",
+                                                 temperature=0, max_tokens=80, stream=True))  # type: ignore
+    entries = [e for c in chunks if c.choices for e in c.choices[0].delta.tool_calls or []]
+    assert entries[0].id and entries[0].function.name == "get_weather" and len(entries) > 2  # streamed in pieces
+    arguments = "".join(e.function.arguments or "" for e in entries if e.index == 0)  # type: ignore[union-attr]
+    jsonschema.validate(json.loads(arguments), SCHEMAS["get_weather"])
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"

@@ -1,0 +1,208 @@
+"""Tool calls for models whose chat template has no tool syntax (SmolLM2's): rendered into the prompt as text, and
+the model's answer parsed back into OpenAI's `tool_calls`. Pure text and JSON, so the engine renders with it and
+the gateway counts what the engine will render.
+
+The syntax is Hermes's (Qwen's templates use it too):
+- the functions go into the system message, one JSON object per line inside `<tools>…</tools>`, with the
+  instruction to answer a call as `<tool_call>{"name": …, "arguments": {…}}</tool_call>`;
+- an assistant message's earlier calls are rendered back as such blocks, and tool results as
+  `<tool_response>…</tool_response>` in a user turn (consecutive results share one turn), since the template
+  knows no `tool` role.
+
+Answers come back two ways:
+- free (`tool_choice` "auto"): `parse_answer` takes every well-formed block whose name is an offered function;
+  a block that does not parse stays in the content, as text;
+- constrained ("required", a named function): `call_schema` is the JSON Schema the engine's grammar enforces,
+  `{"name": <one of the functions>, "arguments": <its parameters>}`, and `parse_constrained` reads it. One call:
+  `parallel_tool_calls` allows several calls, it does not ask for them, and a small model given a list keeps
+  adding calls until max_tokens cuts the JSON (measured on SmolLM2-135M: a list of two functions' calls ran to 80
+  tokens; one call closes in about 20). Free answers may make several.
+
+Parsing reads model output, which the request's max_tokens bounds; it is linear in it besides, since at most
+MAX_BLOCKS_TRIED openings are tried.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+from wire.chat_request import ChatCompletionRequest, ChatMessage, normalized_role
+from wire.tools import Tool, must_call, offered_tools
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+MAX_BLOCKS_TRIED = 256  # `<tool_call>` openings parsed in one answer; the rest stay text
+NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
+PREAMBLE = ("You may call one or more functions to assist with the user query.\n\n"
+            "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
+            "For each function call, return a json object with function name and arguments within "
+            "<tool_call></tool_call> XML tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": "
+            "<args-json-object>}}\n</tool_call>")
+_DECODER = json.JSONDecoder()
+
+
+@dataclass(frozen=True)
+class Call:
+    """One call as the model made it: the function's name and its arguments as JSON text."""
+
+    name: str
+    arguments: str
+
+    def openai(self, call_id: str | None = None) -> dict[str, Any]:
+        """OpenAI's `tool_calls` entry."""
+        return {"id": call_id or new_call_id(), "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def new_call_id() -> str:
+    return f"call_{secrets.token_hex(12)}"
+
+
+def tools_preamble(tools: list[Tool]) -> str:
+    """The system-message text that offers `tools`."""
+    lines = [json.dumps({"type": "function", "function": t.function.model_dump(exclude_none=True)},
+                        ensure_ascii=False) for t in tools]
+    return PREAMBLE.format(tools="\n".join(lines))
+
+
+def render_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
+    """The conversation as a chat template without tool syntax takes it: `{"role", "content"}` strings only, the
+    offered tools in the system message, calls and results as text (consecutive results in one user turn)."""
+    messages: list[dict[str, str]] = []
+    results = False  # the last turn holds tool results
+    for m in req.messages:
+        rendered = turn(m)
+        if m.role == "tool" and results:
+            messages[-1]["content"] += "\n" + rendered["content"]
+        else:
+            messages.append(rendered)
+        results = m.role == "tool"
+    return with_preamble(messages, preamble(req))
+
+
+def turn(m: ChatMessage) -> dict[str, str]:
+    """One message as one template turn: a tool result as a user turn, an assistant's calls as blocks."""
+    if m.role == "tool":
+        return {"role": "user", "content": f"<tool_response>\n{m.text()}\n</tool_response>"}
+    return {"role": normalized_role(m.role), "content": _text_with_calls(m)}
+
+
+def preamble(req: ChatCompletionRequest) -> str:
+    """The system-message text that offers the request's tools ("" when it offers none)."""
+    offered = offered_tools(req.tools, req.tool_choice)
+    return tools_preamble(offered) if offered else ""
+
+
+def with_preamble(turns: list[dict[str, str]], text: str) -> list[dict[str, str]]:
+    """`turns` with `text` at the end of the system message (a new one first when there is none)."""
+    if not text:
+        return turns
+    if turns and turns[0]["role"] == "system":
+        first = turns[0]["content"]
+        return [{"role": "system", "content": f"{first}\n\n{text}" if first else text}, *turns[1:]]
+    return [{"role": "system", "content": text}, *turns]
+
+
+def _text_with_calls(m: ChatMessage) -> str:
+    if not m.tool_calls:
+        return m.text()
+    blocks = []
+    for call in m.tool_calls:
+        try:
+            arguments: Any = json.loads(call.function.arguments)
+        except (ValueError, RecursionError):
+            arguments = call.function.arguments  # as the client sent it
+        blocks.append(f"{OPEN}\n{json.dumps({'name': call.function.name, 'arguments': arguments}, ensure_ascii=False)}"
+                      f"\n{CLOSE}")
+    return "\n".join([m.text(), *blocks]) if m.text() else "\n".join(blocks)
+
+
+def parse_answer(text: str, names: set[str]) -> tuple[str, list[Call]]:
+    """(content, calls) of a free answer: each `<tool_call>` block holding `{"name": <one of names>, "arguments":
+    <object>}` becomes a call; the text around them, and any block that is not one, is the content."""
+    calls: list[Call] = []
+    kept: list[str] = []
+    at = 0  # text before `at` is consumed
+    search = 0
+    for _ in range(MAX_BLOCKS_TRIED):
+        start = text.find(OPEN, search)
+        if start < 0:
+            break
+        parsed = _block(text, start + len(OPEN), names)
+        if parsed is None:
+            search = start + len(OPEN)
+            continue
+        call, end = parsed
+        kept.append(text[at:start])
+        calls.append(call)
+        at = search = end
+    kept.append(text[at:])
+    return "".join(kept).strip(), calls
+
+
+def _block(text: str, pos: int, names: set[str]) -> tuple[Call, int] | None:
+    """The call whose JSON starts after whitespace at `pos` and is followed by `</tool_call>`, and where the block
+    ends; None when it is not one. The JSON decoder finds the object's end (nested braces, `</tool_call>` inside a
+    string)."""
+    pos = _skip_space(text, pos)
+    try:
+        obj, end = _DECODER.raw_decode(text, pos)
+    except (ValueError, RecursionError):
+        return None
+    end = _skip_space(text, end)
+    if not text.startswith(CLOSE, end):
+        return None
+    call = as_call(obj, names)
+    return (call, end + len(CLOSE)) if call is not None else None
+
+
+def as_call(obj: Any, names: set[str]) -> Call | None:
+    """`{"name", "arguments"}` as a call of one of `names`, arguments re-serialised as JSON; None otherwise."""
+    if not isinstance(obj, dict) or obj.get("name") not in names:
+        return None
+    arguments = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(arguments, str):  # some models write the arguments as a JSON string
+        try:
+            arguments = json.loads(arguments)
+        except (ValueError, RecursionError):
+            return None
+    if not isinstance(arguments, dict):
+        return None
+    return Call(obj["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+def _skip_space(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos] in " \t\r\n":
+        pos += 1
+    return pos
+
+
+def call_schema(req: ChatCompletionRequest) -> dict[str, Any] | None:
+    """The JSON Schema a constrained answer ("required", a named function) must match, or None when the answer
+    is free: one call of one of the offered functions, its arguments valid against that function's parameters."""
+    if not must_call(req.tool_choice):
+        return None
+    calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+              "properties": {"name": {"const": t.function.name},
+                             "arguments": t.function.parameters if t.function.parameters is not None
+                             else NO_PARAMETERS}}
+             for t in offered_tools(req.tools, req.tool_choice)]
+    return calls[0] if len(calls) == 1 else {"anyOf": calls}
+
+
+def strict_calls(req: ChatCompletionRequest) -> bool:
+    """Enforce the schema strictly (a keyword the grammar cannot enforce is refused) when a function asks to."""
+    return any(t.function.strict for t in offered_tools(req.tools, req.tool_choice))
+
+
+def parse_constrained(text: str, names: set[str]) -> list[Call] | None:
+    """The calls of a constrained answer (one call; a list of them is read too), or None when it is not complete
+    JSON (cut by max_tokens)."""
+    try:
+        obj = json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+    calls = [as_call(o, names) for o in (obj if isinstance(obj, list) else [obj])]
+    return [c for c in calls if c is not None] or None
