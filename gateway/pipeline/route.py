@@ -118,6 +118,10 @@ class RouteStage:
         requested = plan.default_tier if req.model == AUTO else req.model
         return RouteDecision(route, degr, requested, overloaded, applied)
 
+    def on_version(self, ctx: RequestContext, req: ChatCompletionRequest, decision: RouteDecision) -> RouteDecision:
+        """The decision on the version its tier's rollout gives this conversation (a cascade's second attempt)."""
+        return decision if self.rollouts is None else replace(decision, route=self._version(ctx, req, decision.route))
+
     def _version(self, ctx: RequestContext, req: ChatCompletionRequest, route: Route) -> Route:
         """The route on the version the tier's rollout gives this conversation."""
         assert self.rollouts is not None

@@ -21,6 +21,7 @@ from gateway.rollout.state import RUNNING, Rollout, RolloutEvent, RolloutStore, 
 from tiers.catalogue import TierCatalogue, TierSpec
 
 log = logging.getLogger("tiergate.rollout")
+BLANKS = " \t\n\r\f\v"  # what a reason may not be made of alone (the routes' schema says the same)
 
 
 class RolloutService:
@@ -175,9 +176,9 @@ def _check_share(share: float) -> None:
 
 
 def _reason(reason: str) -> str:
-    if not reason.strip():
+    if not reason.strip(BLANKS):
         raise InvalidRequest("a reason is required (it is kept in the audit trail)", param="reason")
-    return reason.strip()
+    return reason.strip(BLANKS)
 
 
 def _share(r: Rollout) -> str:

@@ -19,7 +19,8 @@ from gateway.validation import parse_body
 from tiers.catalogue import VERSION_NAME
 
 Share = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]  # of new conversations, 0 to 1
-Reason = Annotated[str, Field(min_length=1, max_length=500, pattern=r"\S")]  # kept in the audit trail
+# kept in the audit trail; not only blanks (spelled out: JSON Schema's `\S` and Python's disagree on U+0085)
+Reason = Annotated[str, Field(min_length=1, max_length=500, pattern=r"[^ \t\n\r\f\v]")]
 
 
 class StartRollout(BaseModel):
