@@ -33,6 +33,7 @@ from gateway.pipeline.reserve import ReserveStage
 from gateway.pipeline.route import RouteStage
 from gateway.pipeline.settle import Settler
 from gateway.pipeline.tier_call import TierCaller
+from gateway.rollout.service import RolloutService
 from gateway.routes.admin import admin_router
 from gateway.routes.chat import chat_completions
 from gateway.routes.completions import text_completions
@@ -43,10 +44,17 @@ from gateway.routes.health import health, metrics
 from gateway.routes.models import list_models
 from gateway.routes.openapi import WireSchemaPlugin, openapi_config, openapi_document
 from gateway.routes.ops import ops
+from gateway.routes.rollouts import rollouts_router
 from gateway.routes.usage import admin_report, tenant_report
 from gateway.services import Services
 from gateway.settings import Settings
-from gateway.stores import open_idempotency, open_ladder_store, open_ledger, open_tenant_store
+from gateway.stores import (
+    open_idempotency,
+    open_ladder_store,
+    open_ledger,
+    open_rollout_store,
+    open_tenant_store,
+)
 from gateway.worker_metrics import gateway_metrics
 from quotas.backends.base import QuotaBackend
 from quotas.backends.failover import FailoverBackend
@@ -96,23 +104,24 @@ def build_services(settings: Settings) -> Services:
                               on_change=metrics_.degrade_changed)
     metrics_.ladder = ladder
     cache = CacheStage(cache=build_cache(settings), store=store, fleet=fleet)
+    rollouts = RolloutService(catalogue, open_rollout_store(settings))
     gate = TenantGate()
     dispatch = DispatchStage(queues=queues, metrics=metrics_, signals=signals)
     pipeline = Pipeline(
         gate=gate, ladder=ladder, cache=cache, dispatch=dispatch,
         route=RouteStage(fleet=fleet, quotas=quotas, dispatch=dispatch,
-                         predictor=PredictorSource.for_data_dir(settings.data_dir)),
+                         predictor=PredictorSource.for_data_dir(settings.data_dir), rollouts=rollouts),
         prompt=PromptStage(models_dir=settings.resolved_models_dir, default_max_tokens=settings.default_max_tokens),
         reserve=ReserveStage(quotas=quotas, gate=gate),
         tier=TierCaller(fleet=fleet, client=client),
         settler=Settler(ledger=ledger, quotas=quotas, dispatch=dispatch, cache=cache, metrics=metrics_,
-                        signals=signals, catalogue=catalogue),
+                        signals=signals, catalogue=catalogue, rollouts=rollouts),
         refusals=RefusalLog(ledger=ledger, metrics=metrics_),
         idempotency=IdempotencyStage(open_idempotency(settings)),
         ready=lambda: ledger.not_ready_reason)
     return Services(settings=settings, catalogue=catalogue, plans=plans, store=store, ledger=ledger, client=client,
                     fleet=fleet, metrics=metrics_, pipeline=pipeline, queues=queues, quota_backend=backend,
-                    ladder=ladder, cache=cache)
+                    ladder=ladder, cache=cache, rollouts=rollouts)
 
 
 def build_cache(settings: Settings) -> SemanticCache | None:
@@ -153,6 +162,8 @@ def tier_capacity(spec: TierSpec, settings: Settings) -> int:
     return -(-slots // settings.workers)
 
 
+ROLLOUT_FOLLOW_S = 2.0  # how soon a rollout changed elsewhere (the CLI, another process) takes effect here
+
 # Allocations (less deallocations) between two collections of the youngest generation; Python's default is 700.
 GC_GEN0_THRESHOLD = 20_000
 
@@ -183,6 +194,7 @@ def create_app(settings: Settings | None = None) -> Litestar:
             await asyncio.to_thread(services.cache.cache.embedder.encode_one, "warm up")
         _settle_heap()
         ticker = asyncio.create_task(_tick_ladder(services.ladder, settings.ladder_tick_s))
+        follower = asyncio.create_task(_follow_rollouts(services.rollouts, ROLLOUT_FOLLOW_S))
         # returns reservations whose lease ran out (a replica died before settling): billed from the ledger
         reaper = asyncio.create_task(run_reaper(services.quota_backend, every_s=settings.quota_reap_every_s,
                                                 billed=ledger_billing(services.ledger)))
@@ -190,6 +202,7 @@ def create_app(settings: Settings | None = None) -> Litestar:
             yield
         finally:
             ticker.cancel()
+            follower.cancel()
             reaper.cancel()
             await services.fleet.stop()
             await services.client.aclose()
@@ -202,10 +215,12 @@ def create_app(settings: Settings | None = None) -> Litestar:
                 services.cache.cache.close()
             services.ledger.close()
             services.store.close()
+            services.rollouts.store.close()
 
     return Litestar(
         route_handlers=[chat_completions, text_completions, create_embeddings, list_models, health, metrics,
-                        admin_router, degrade_router, admin_report, tenant_report, ops, dashboard, openapi_document],
+                        admin_router, degrade_router, rollouts_router, admin_report, tenant_report, ops, dashboard,
+                        openapi_document],
         lifespan=[lifespan, embeddings_lifespan],
         dependencies={name: Provide(provider, sync_to_thread=False) for name, provider in _PROVIDERS.items()},
         middleware=[request_id_middleware],
@@ -225,7 +240,8 @@ def _service(name: str) -> Any:
 
 # what handlers may ask for by name; each is built once per app in `build_services` (embeddings on first use)
 _PROVIDERS = {name: _service(name) for name in ("pipeline", "plans", "catalogue", "store", "ledger", "fleet",
-                                                 "metrics", "ladder", "cache", "queues", "settings")}
+                                                 "metrics", "ladder", "cache", "queues", "settings",
+                                                 "rollouts")}
 _PROVIDERS["embeddings"] = provide_embeddings
 
 
@@ -237,6 +253,16 @@ async def _tick_ladder(ladder: LadderController, every_s: float) -> None:
             await asyncio.to_thread(ladder.tick)
         except Exception:  # the ladder keeps its last level; the next tick tries again
             log.exception("degradation ladder tick failed")
+
+
+async def _follow_rollouts(rollouts: RolloutService, every_s: float) -> None:
+    """Follow rollouts changed by the CLI or another process; a failing store is logged, and the last read kept."""
+    while True:
+        await asyncio.sleep(every_s)
+        try:
+            await asyncio.to_thread(rollouts.follow)
+        except Exception:  # the rollouts read last stay in force; the next round tries again
+            log.exception("following rollouts failed")
 
 
 def _error_response(request: Request[Any, Any, Any], exc: Exception) -> Response[Any]:

@@ -9,6 +9,7 @@ from gateway.ladder.controller import LadderController
 from gateway.metrics import GatewayMetrics
 from gateway.pipeline.cache_lookup import CacheStage
 from gateway.pipeline.handle import Pipeline
+from gateway.rollout.service import RolloutService
 from gateway.settings import Settings
 from gateway.tenants.store import TenantStore
 from quotas.backends.base import QuotaBackend
@@ -35,3 +36,4 @@ class Services:
     quota_backend: QuotaBackend
     ladder: LadderController
     cache: CacheStage
+    rollouts: RolloutService

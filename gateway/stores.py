@@ -1,14 +1,16 @@
 """The stores a deployment uses, chosen from its settings: the one place that picks SQLite or PostgreSQL.
 
 Embedded (no URL): SQLite files in the data directory. A fleet (`TIERGATE_DATABASE_URL=postgresql://…`):
-tenants, keys, data versions, the ledger, refusal counts, idempotency records and the ladder's audit in
-PostgreSQL, whatever Redis holds (README, "Deployment"). The gateway (gateway/app.py), the CLI and the
-tests open their stores here, so they always meet on the same state.
+tenants, keys, data versions, the ledger, refusal counts, idempotency records, the ladder's audit and the
+rollouts of model versions in PostgreSQL, whatever Redis holds (README, "Deployment"). The gateway
+(gateway/app.py), the CLI and the tests open their stores here, so they always meet on the same state.
 """
 
 from __future__ import annotations
 
 from gateway.ladder.state import LadderStore, open_store
+from gateway.rollout.state import RolloutStore
+from gateway.rollout.state import open_store as open_rollouts
 from gateway.settings import Settings
 from gateway.tenants.store import TenantStore
 from quotas.idempotency import IdempotencyStore, PostgresIdempotency, RedisIdempotency, SQLiteIdempotency
@@ -43,3 +45,7 @@ def open_idempotency(settings: Settings) -> IdempotencyStore:
 
 def open_ladder_store(settings: Settings) -> LadderStore:
     return open_store(settings.data_dir, settings.redis_url, settings.database_url)
+
+
+def open_rollout_store(settings: Settings) -> RolloutStore:
+    return open_rollouts(settings.data_dir, settings.database_url)

@@ -29,7 +29,8 @@ from quotas.ledger_rows import COLUMNS, CountKey, LedgerRow, Refusal, count_key,
 
 COMPONENT = "ledger"
 # the ledger's tables, one migration each release that changed them; 1 is the schema of the release before the
-# fleet store (the SQLite tables of quotas/ledger_rows.py), 2 adds the Idempotency-Key records
+# fleet store (the SQLite tables of quotas/ledger_rows.py), 2 adds the Idempotency-Key records, 3 the version of
+# the tier that answered
 MIGRATIONS = [
     """
     CREATE TABLE requests (
@@ -83,6 +84,9 @@ MIGRATIONS = [
         PRIMARY KEY (tenant, key)
     );
     CREATE INDEX idempotency_expires ON idempotency(expires);
+    """,
+    """
+    ALTER TABLE requests ADD COLUMN model_version TEXT;
     """,
 ]
 INSERT = f"INSERT INTO requests({', '.join(COLUMNS)}) VALUES ({', '.join('%s' for _ in COLUMNS)})"

@@ -36,7 +36,8 @@ CREATE TABLE IF NOT EXISTS requests (
     route_saving_usd TEXT NOT NULL DEFAULT '0',
     cache_status TEXT,
     cache_saving_usd TEXT NOT NULL DEFAULT '0',
-    cascade_of TEXT
+    cascade_of TEXT,
+    model_version TEXT
 );
 CREATE TABLE IF NOT EXISTS refusal_counts (
     minute INTEGER NOT NULL,
@@ -79,6 +80,7 @@ class LedgerRow:
     cache_status: str | None = None  # hit | miss | bypass
     cache_saving_usd: Decimal = Decimal(0)  # for a hit: what the tier would have charged minus the hit price
     cascade_of: str | None = None  # a cascade's second attempt: the request id of the cheaper first attempt
+    model_version: str | None = None  # the tier's version that answered (tiers with `versions`; else None)
 
 
 @dataclass

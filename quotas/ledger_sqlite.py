@@ -57,7 +57,7 @@ class SQLiteLedger(Ledger):
         for name, decl in (("degrade_level", "INTEGER NOT NULL DEFAULT 0"), ("degrade_actions", "TEXT"),
                            ("requested_tier", "TEXT"), ("route_saving_usd", "TEXT NOT NULL DEFAULT '0'"),
                            ("cache_status", "TEXT"), ("cache_saving_usd", "TEXT NOT NULL DEFAULT '0'"),
-                           ("cascade_of", "TEXT")):
+                           ("cascade_of", "TEXT"), ("model_version", "TEXT")):
             if name not in columns:  # a ledger from before the degradation ladder
                 self._read.execute(f"ALTER TABLE requests ADD COLUMN {name} {decl}")
         if _has_old_refusals(self._read):  # a ledger from before refusals were counted: fold its rows in, once

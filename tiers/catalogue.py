@@ -5,7 +5,7 @@ from __future__ import annotations
 from decimal import Decimal
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from assets.builds import BudgetError, parse_budget
 
@@ -18,6 +18,7 @@ Money = Annotated[Decimal, Field(ge=0, max_digits=18, decimal_places=12)]
 #                  priority`; any other refuses a non-zero priority with a 400)
 #   tiergate       our own engine: both (local tiers always speak it)
 Dialect = Literal["openai", "vllm", "vllm-priority", "tiergate"]
+VERSION_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 CONTINUOUS_USAGE: frozenset[str] = frozenset({"vllm", "vllm-priority", "tiergate"})
 PRIORITY: frozenset[str] = frozenset({"vllm-priority", "tiergate"})
 
@@ -43,6 +44,31 @@ class DistillSpec(BaseModel):
 
     def command(self) -> str:
         return f"tiergate models distill --teacher {self.teacher} --layers {self.layers} --budget {self.budget}"
+
+
+class TierVersion(BaseModel):
+    """One version of a tier (`versions:` in tiers.yaml): a name and the fields that differ from the tier's; every
+    field left out is the tier's. A field given as `null` is overridden to null (`quantize: null`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=VERSION_NAME)]
+    model: str | None = None
+    quantize: Literal["int8"] | None = None
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] | None = None
+    urls: list[str] | None = None
+    api_key_env: str | None = None
+    dialect: Dialect | None = None
+    tools: bool | None = None
+    max_num_seqs: Annotated[int, Field(ge=1)] | None = None
+    kv_cache_bytes: Annotated[int, Field(ge=1 << 20)] | None = None
+    kv_cache_dtype: Literal["auto", "bf16"] | None = None
+    threads: Annotated[int, Field(ge=1)] | None = None
+    tokenizer: str | None = None
+
+    def overrides(self) -> dict[str, object]:
+        """The fields this version sets (what it changes about the tier)."""
+        return {name: getattr(self, name) for name in self.model_fields_set - {"name"}}
 
 
 class TierSpec(BaseModel):
@@ -83,6 +109,13 @@ class TierSpec(BaseModel):
     price_per_1k_output: Money
     hardware_cost_per_hour: Money
     context_limit: Annotated[int, Field(ge=16)]
+    # versions of the tier (README.md, "Model versions and rollouts"): each inherits the fields above and changes
+    # some; `serving` names the one that answers when no rollout says otherwise, and the tier's own fields are
+    # then that version's
+    versions: list[TierVersion] = Field(default_factory=list)
+    serving: str | None = None
+    _version: str | None = PrivateAttr(None)  # the version this spec is (None: a tier without versions)
+    _variants: dict[str, TierSpec] = PrivateAttr(default_factory=dict)  # version name -> its spec
 
     @field_validator("price_per_1k_input", "price_per_1k_output", "hardware_cost_per_hour", mode="before")
     @classmethod
@@ -107,6 +140,51 @@ class TierSpec(BaseModel):
         if self.distill and not self.prepared_by:
             self.prepared_by = self.distill.command()
         return self
+
+    @model_validator(mode="after")
+    def _versions(self) -> TierSpec:
+        """Each version's spec (the tier's fields with its own), and the tier's fields become the serving one's."""
+        if not self.versions:
+            if self.serving is not None:
+                raise ValueError("`serving` names one of the tier's `versions`, and this tier lists none")
+            return self
+        names = [v.name for v in self.versions]
+        if dupes := sorted({n for n in names if names.count(n) > 1}):
+            raise ValueError(f"versions: duplicate name(s) {', '.join(dupes)}")
+        if self.serving is None:
+            raise ValueError(f"a tier with `versions` names the one answering today in `serving` (one of "
+                             f"{', '.join(names)})")
+        if self.serving not in names:
+            raise ValueError(f"serving: {self.serving!r} is not one of the tier's versions ({', '.join(names)})")
+        if self.backend != "openai":
+            raise ValueError("versions of a local tier are not supported yet; declare them on a remote (openai) tier")
+        base = self.model_dump(exclude={"versions", "serving", "name"})
+        for v in self.versions:
+            try:
+                spec = TierSpec.model_validate(base | v.overrides())
+            except ValidationError as exc:
+                raise ValueError(f"version {v.name!r}: {exc.errors()[0]['msg']}") from None
+            spec._version = v.name
+            self._variants[v.name] = spec
+        for name in self.versions[names.index(self.serving)].overrides():
+            setattr(self, name, getattr(self._variants[self.serving], name))
+        self._version = self.serving
+        self._variants[self.serving] = self
+        return self
+
+    @property
+    def version_name(self) -> str | None:
+        """The version this spec is: the serving one for a tier with versions, None for a tier without."""
+        return self._version
+
+    @property
+    def variants(self) -> dict[str, TierSpec]:
+        """Version name -> its spec (the serving one is this spec itself); empty for a tier without versions."""
+        return self._variants
+
+    def variant(self, version: str) -> TierSpec:
+        """The spec of one of the tier's versions (KeyError if it has no such version)."""
+        return self._variants[version]
 
     @property
     def sends_continuous_usage(self) -> bool:
@@ -167,6 +245,8 @@ class TierCatalogue(BaseModel):
             if name == "auto":
                 raise ValueError("`auto` is reserved for routing; name the tier otherwise")
             spec.name = name
+            for variant in spec.variants.values():
+                variant.name = name
         if self.embeddings.model in self.tiers or self.embeddings.model == "auto":
             raise ValueError(f"the embedding model's name {self.embeddings.model!r} is a tier's; name it otherwise")
         for spec in self.tiers.values():

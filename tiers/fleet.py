@@ -98,7 +98,8 @@ class Fleet:
         supervises the local engines and publishes them there; this fleet follows them and starts none."""
         self.catalogue = catalogue
         self.client = client
-        self.replicas: dict[str, list[Replica]] = {}
+        self.replicas: dict[str, list[Replica]] = {}  # the serving version's, for a tier with versions
+        self.version_replicas: dict[tuple[str, str], list[Replica]] = {}  # (tier, other version) -> its replicas
         self._engines: list[EngineProcess] = []
         self._tasks: list[asyncio.Task[None]] = []
         self._follower: EngineFollower | None = None
@@ -124,7 +125,11 @@ class Fleet:
             else:
                 reps = [Replica(spec.name, i, url=u) for i, u in enumerate(spec.urls)]
             self.replicas[spec.name] = reps
-            for rep in reps:
+            for version, variant in spec.variants.items():  # remote only (the catalogue refuses local versions)
+                if version != spec.version_name:
+                    self.version_replicas[(spec.name, version)] = [
+                        Replica(f"{spec.name}@{version}", i, url=u) for i, u in enumerate(variant.urls)]
+            for rep in reps + [r for (t, _), vreps in self.version_replicas.items() if t == spec.name for r in vreps]:
                 rep.breaker.on_change = _log_breaker(rep)
         if engines_file is not None:
             self._follower = EngineFollower(engines_file, followed, client)
@@ -184,7 +189,9 @@ class Fleet:
             self._tasks.append(asyncio.create_task(self._follower.run(), name="engines-followed"))
         for spec in self.catalogue.tiers.values():
             if spec.backend == "openai":
-                self._tasks.append(asyncio.create_task(self._watch_remote(spec), name=f"remote-{spec.name}"))
+                for variant in spec.variants.values() or [spec]:
+                    label = spec.name if variant is spec else f"{spec.name}@{variant.version_name}"
+                    self._tasks.append(asyncio.create_task(self._watch_remote(variant), name=f"remote-{label}"))
 
     async def stop(self) -> None:
         await asyncio.gather(*(e.stop() for e in self._engines), return_exceptions=True)
@@ -212,12 +219,17 @@ class Fleet:
                 out[name] = "circuit breaker open on every healthy replica"
         return out
 
+    def replicas_of(self, tier: TierSpec) -> list[Replica]:
+        """The replicas of the tier's version that `tier` is (the serving one's for a tier without versions)."""
+        return self.version_replicas.get((tier.name, tier.version_name or ""), self.replicas[tier.name])
+
     def model_version(self, tier: TierSpec) -> str:
-        """What the tier's answers depend on: its engines' fingerprint, or its declared model for remote ones."""
-        versions = sorted({r.model_version for r in self.replicas[tier.name] if r.model_version})
-        if versions:
-            return "|".join(versions)
-        return f"{tier.backend}:{tier.model}:{tier.quantize or 'none'}:{tier.dtype}"
+        """What the tier's answers depend on: its engines' fingerprint, or its declared model for remote ones; for
+        a tier with versions, also the version's name, so no two versions share a cache scope."""
+        versions = sorted({r.model_version for r in self.replicas_of(tier) if r.model_version})
+        declared = f"{tier.backend}:{tier.model}:{tier.quantize or 'none'}:{tier.dtype}"
+        found = "|".join(versions) if versions else declared
+        return found if tier.version_name is None else f"{found}@{tier.version_name}"
 
     def max_kv_utilisation(self) -> float:
         """The fullest engine KV cache among healthy local replicas (0 to 1), as their /health reports it."""
@@ -229,13 +241,18 @@ class Fleet:
         return sum(1 for reps in self.replicas.values()
                    if not any(r.healthy for r in reps) and any(r.is_down for r in reps))
 
-    def pick(self, tier: str, exclude: set[int] | None = None, affinity: str | None = None) -> tuple[Replica, str]:
+    def pick(self, tier: str, exclude: set[int] | None = None, affinity: str | None = None,
+             version: str | None = None) -> tuple[Replica, str]:
         """The replica for a request, and why: its conversation's replica (`affinity` key) when that one can
-        take it, else the least predicted wait; `exclude`d indexes were tried already."""
-        preferred = self.affinity.get(affinity, tier) if affinity is not None else None
-        replica, why = choose_replica(self.replicas[tier], exclude=exclude, preferred=preferred)
+        take it, else the least predicted wait; `exclude`d indexes were tried already. `version`: one of the
+        tier's versions (its own replicas) [default: the serving one]."""
+        reps = self.version_replicas.get((tier, version or ""), self.replicas[tier])
+        label = reps[0].tier if reps else tier
+        preferred = self.affinity.get(affinity, label) if affinity is not None else None
+        replica, why = choose_replica(reps, exclude=exclude, preferred=preferred)
         if replica is None:
-            raise NoTierAvailable(f"tier {tier!r} has no replica that can take a request: {why}")
+            named = f"tier {tier!r}" if label == tier else f"tier {tier!r} version {version!r}"
+            raise NoTierAvailable(f"{named} has no replica that can take a request: {why}")
         replica.breaker.begin()
         return replica, why
 
@@ -252,7 +269,17 @@ class Fleet:
             out[name] = {"ready": ready > 0, "replicas_ready": ready, "replicas": replicas}
             if name in self.hardware_groups:
                 out[name]["hardware_group"] = self.hardware_groups[name]
+            spec = self.catalogue.tiers[name]
+            if spec.version_name is not None:  # a tier with versions: the serving one above, each one here
+                out[name]["serving"] = spec.version_name
+                out[name]["versions"] = {v: self._version_status(variant) for v, variant in spec.variants.items()}
         return out
+
+    def _version_status(self, variant: TierSpec) -> dict[str, Any]:
+        reps = self.replicas_of(variant)
+        ready = sum(r.healthy for r in reps)
+        return {"ready": ready > 0, "replicas_ready": ready, "replicas": [r.public() for r in reps],
+                "model": variant.model}
 
     def _cores_of(self, rep: Replica) -> dict[str, object]:
         share = self.core_shares.get((rep.tier, rep.index))
@@ -265,16 +292,16 @@ class Fleet:
     async def _watch_remote(self, spec: TierSpec) -> None:
         key = self.api_key(spec)
         while True:
-            for rep in self.replicas[spec.name]:
+            for rep in self.replicas_of(spec):
                 try:
                     await self.client.get_json(f"{(rep.url or '').rstrip('/')}/v1/models", timeout_s=3.0,
                                                api_key=key)
                     if not rep.healthy:
-                        log.info("remote tier %s replica %d is up at %s", spec.name, rep.index, rep.url)
+                        log.info("remote tier %s replica %d is up at %s", rep.tier, rep.index, rep.url)
                     rep.mark("ready", "")
                 except TierError as exc:
                     if rep.healthy or rep.status == "starting":
-                        log.warning("remote tier %s replica %d is down: %s", spec.name, rep.index, exc)
+                        log.warning("remote tier %s replica %d is down: %s", rep.tier, rep.index, exc)
                     rep.mark("down", f"health check failed: {exc}")
             await asyncio.sleep(REMOTE_HEALTH_EVERY_S)
 

@@ -7,6 +7,7 @@ import click
 from gateway.cli.admin_commands import keys, tenants, usage
 from gateway.cli.degrade_commands import degrade
 from gateway.cli.engine_commands import engine, models
+from gateway.cli.rollout_commands import rollout
 from gateway.cli.router_commands import router
 from gateway.cli.serve import serve
 
@@ -29,6 +30,7 @@ cli.add_command(keys)
 cli.add_command(usage)
 cli.add_command(degrade)
 cli.add_command(router)
+cli.add_command(rollout)
 
 if __name__ == "__main__":
     cli()

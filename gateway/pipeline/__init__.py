@@ -12,7 +12,8 @@ One non-streamed `auto` request, from the route to the ledger:
 4. handle.py's `_degradation` — the ladder's level read once as a frozen `Degradation`
    (gateway/ladder/apply.py); a shed priority class is refused here.
 5. route.py — `RouteStage.choose` → `RouteDecision`: explicit tier or `auto` (difficulty model, budget
-   floor), around unavailable and overloaded tiers, the ladder's remap last.
+   floor), around unavailable and overloaded tiers, the ladder's remap, then the version of the tier that a
+   rollout gives the conversation (gateway/rollout).
 6. cache_lookup.py — `CacheStage.lookup` → `CacheLookup`: exact then semantic, inside the request's scope.
    A hit skips 7, 9 and 10.
 7. prompt.py — `PromptStage.measure` → `Prompt`: the ladder's input cap, the prompt counted with the tier's

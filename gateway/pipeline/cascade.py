@@ -106,7 +106,8 @@ async def _judge(pipeline: Pipeline, ctx: RequestContext, prepared: Prepared, at
         return Step(replace(attempt, lookup=unkept, applied=(*attempt.applied, "disable_cascade"),
                             extra_reason=(f"{verdict.why}, not cascaded (degrade level {degr.level})",)), None)
     second_id = f"{attempt.request_id}-cascade"
-    route = attempt.route.moved_to(target, f"cascade from {tier.name} ({verdict.why})")
+    route = pipeline.route.on_version(ctx, prepared.req,
+                                      attempt.route.moved_to(target, f"cascade from {tier.name} ({verdict.why})"))
     no_cache = CacheLookup(Bypass("bypass: a cascade's second attempt"), None, None, {}, ctx.headers, ())
     try:
         second = await pipeline.prepare_on(ctx, prepared.req, route, no_cache, second_id,

@@ -196,6 +196,8 @@ class Pipeline:
                    **ratelimit_headers(ctx.plan, attempt.reservation.decision), **attempt.lookup.response_headers()}
         if attempt.applied:
             headers["x-tiergate-degrade-actions"] = ",".join(attempt.applied)
+        if attempt.route.tier.version_name is not None:  # a tier with versions: the one that answered
+            headers["x-tiergate-model-version"] = attempt.route.tier.version_name
         return Head(f"chatcmpl-{ctx.request_id}", int(ctx.arrived), attempt.route.tier.name, headers | (extra or {}),
                     stream=req.stream, include_usage=req.include_usage)
 

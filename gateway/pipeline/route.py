@@ -10,6 +10,10 @@ limit, the route without load is still returned, with the overload: a cached ans
 A request with tools (or tool calls and results in its messages) goes only to tiers that can call tools
 (`TierSpec.tools`): `auto` and every fallback skip the others, and naming one is a 400 naming `tools`. Its answer is
 not cascaded: a tool call is not prose the cascade's checks can judge.
+
+Last, the version: on a tier with versions, the rollout in progress (gateway/rollout) picks the one that answers
+this conversation; the decision's tier is then that version's spec, whose replicas the call uses and whose model
+version scopes the cache.
 """
 
 from __future__ import annotations
@@ -22,12 +26,15 @@ from gateway.errors import InvalidRequest, Unavailable, client_error
 from gateway.ladder.apply import Degradation
 from gateway.pipeline.context import RequestContext
 from gateway.pipeline.dispatch import DispatchStage
+from gateway.rollout.assign import conversation_id
+from gateway.rollout.service import RolloutService
 from quotas.backends.base import QuotaBackendError
 from quotas.reservations import QuotaService
 from tiers.catalogue import TierSpec
 from tiers.errors import TierError, TierOverloaded
 from tiers.fleet import Fleet
 from tiers.predictor import PredictorSource
+from tiers.replica_choice import SESSION_HEADER
 from tiers.routing import AUTO, CASCADE, PREDICT, Prediction, Route, RouteRules, TierConditions, choose_tier
 from wire.chat_request import ChatCompletionRequest, normalized_role
 
@@ -62,11 +69,12 @@ class RouteDecision:
 
 class RouteStage:
     def __init__(self, *, fleet: Fleet, quotas: QuotaService, dispatch: DispatchStage,
-                 predictor: PredictorSource | None) -> None:
+                 predictor: PredictorSource | None, rollouts: RolloutService | None = None) -> None:
         self.fleet = fleet
         self.quotas = quotas
         self.dispatch = dispatch
         self.predictor = predictor
+        self.rollouts = rollouts
 
     async def choose(self, ctx: RequestContext, req: ChatCompletionRequest, degr: Degradation) -> RouteDecision:
         plan, routing = ctx.plan, ctx.plan.routing
@@ -105,8 +113,25 @@ class RouteStage:
         route, applied = self._remap(degr, route, unavailable)
         if req.uses_tools:  # never cascaded (only `auto` routes are; the tier `auto` chose answers)
             route = replace(route, auto=False, cascade=False)
+        if self.rollouts is not None:
+            route = self._version(ctx, req, route)
         requested = plan.default_tier if req.model == AUTO else req.model
         return RouteDecision(route, degr, requested, overloaded, applied)
+
+    def on_version(self, ctx: RequestContext, req: ChatCompletionRequest, decision: RouteDecision) -> RouteDecision:
+        """The decision on the version its tier's rollout gives this conversation (a cascade's second attempt)."""
+        return decision if self.rollouts is None else replace(decision, route=self._version(ctx, req, decision.route))
+
+    def _version(self, ctx: RequestContext, req: ChatCompletionRequest, route: Route) -> Route:
+        """The route on the version the tier's rollout gives this conversation."""
+        assert self.rollouts is not None
+
+        def conversation() -> str:
+            return conversation_id(ctx.tenant, [{"role": normalized_role(m.role), "content": m.text()}
+                                                for m in req.messages], ctx.headers.get(SESSION_HEADER))
+
+        spec, why = self.rollouts.choose(route.tier, ctx.tenant, conversation)
+        return route if why is None else replace(route, tier=spec, reason=f"{route.reason}; {why}")
 
     def _tool_tiers(self, req: ChatCompletionRequest, rules: RouteRules,
                     unavailable: dict[str, str]) -> tuple[RouteRules, dict[str, str]]:

@@ -23,6 +23,7 @@ from gateway.pipeline.cache_lookup import CacheStage
 from gateway.pipeline.context import RequestContext
 from gateway.pipeline.dispatch import DispatchStage
 from gateway.pipeline.meter import Outcome
+from gateway.rollout.service import RolloutService
 from quotas.dispatch import Ticket
 from quotas.ledger import Ledger, LedgerRow, Statement
 from quotas.reservations import QuotaService
@@ -33,7 +34,8 @@ log = logging.getLogger("tiergate.settle")
 
 class Settler:
     def __init__(self, *, ledger: Ledger, quotas: QuotaService, dispatch: DispatchStage, cache: CacheStage,
-                 metrics: GatewayMetrics, signals: Signals, catalogue: TierCatalogue) -> None:
+                 metrics: GatewayMetrics, signals: Signals, catalogue: TierCatalogue,
+                 rollouts: RolloutService | None = None) -> None:
         self.ledger = ledger
         self.quotas = quotas
         self.dispatch = dispatch
@@ -41,6 +43,7 @@ class Settler:
         self.metrics = metrics
         self.signals = signals
         self.catalogue = catalogue
+        self.rollouts = rollouts  # counts each version's requests and errors during a rollout
         self._background: set[asyncio.Task[Any]] = set()
 
     async def settle(self, ctx: RequestContext, attempt: Attempt, outcome: Outcome, ticket: Ticket | None, *,
@@ -77,6 +80,9 @@ class Settler:
         if outcome.status == "ok" and not attempt.is_cache_hit:
             self.cache.save(attempt.lookup, outcome, attempt.applied)
         self.signals.outcome(outcome.http_status)
+        version = attempt.route.tier.version_name
+        if self.rollouts is not None and version is not None and not attempt.is_cache_hit:
+            self.rollouts.observe(row.tier or "", version, error=outcome.status == "error")
         overhead = row.total_s - outcome.upstream_s if outcome.upstream_s is not None else None
         self.metrics.finished(row, overhead)
         if row.cache_status is not None:
@@ -112,7 +118,7 @@ class Settler:
             finish_reason=outcome.finish_reason, error_code=outcome.error_code, route_reason=reason,
             degrade_level=attempt.route.degradation.level, degrade_actions=",".join(attempt.applied) or None,
             requested_tier=requested, route_saving_usd=route_saving, cache_status=attempt.lookup.status,
-            cache_saving_usd=cache_saving, cascade_of=attempt.cascade_of)
+            cache_saving_usd=cache_saving, cascade_of=attempt.cascade_of, model_version=tier.version_name)
 
     def hand_off(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         """Run `work` to its end even if the caller is cancelled; its failure is logged (the backend's

@@ -78,7 +78,7 @@ class TierCaller:
         last: TierError | None = None
         for _ in range(MAX_REPLICAS_TRIED):
             try:
-                replica, _why = self.fleet.pick(tier.name, exclude=tried, affinity=affinity)
+                replica, _why = self.fleet.pick(tier.name, exclude=tried, affinity=affinity, version=tier.version_name)
             except NoTierAvailable as exc:
                 raise (last or exc) from None
             tried.add(replica.index)

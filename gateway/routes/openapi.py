@@ -40,7 +40,8 @@ _DESCRIPTIONS = {
     403: "The key may not do this (an admin key calling a model, a tenant key on an admin route, a tier outside "
          "the plan).",
     404: "No such model, tenant, key or route.",
-    409: "An `Idempotency-Key` whose first request is still running, or a name that exists already.",
+    409: "An `Idempotency-Key` whose first request is still running, a name that exists already, or a change the "
+         "current state forbids (a second rollout on a tier).",
     413: "The body is larger than this gateway accepts.",
     422: "An `Idempotency-Key` reused with another body.",
     429: "Over a rate limit (`Retry-After`, `x-ratelimit-*`), or the budget is spent (`insufficient_quota`).",

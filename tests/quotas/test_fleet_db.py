@@ -11,15 +11,17 @@ import psycopg
 
 from quotas.fleet_db import connect, migrate, version_of
 from quotas.idempotency import Claim, PostgresIdempotency, Replay
-from quotas.ledger_postgres import COMPONENT, INSERT, MIGRATIONS, PostgresLedger, open_schema
-from quotas.ledger_rows import to_db
+from quotas.ledger_postgres import COMPONENT, MIGRATIONS, PostgresLedger, open_schema
+from quotas.ledger_rows import COLUMNS, to_db
 from tests.quotas.test_ledger import row
 
 
 def test_a_ledger_of_the_previous_release_is_upgraded_in_place_with_its_rows(database_url: str) -> None:
     assert open_schema(database_url, upto=1) == 1  # the previous release's schema: no idempotency records
+    first = COLUMNS[:COLUMNS.index("cascade_of") + 1]  # the columns of that release
     with psycopg.connect(database_url, autocommit=True) as conn:
-        conn.execute(INSERT, to_db(row(1, price="0.25")))
+        conn.execute(f"INSERT INTO requests({', '.join(first)}) VALUES ({', '.join('%s' for _ in first)})",
+                     to_db(row(1, price="0.25"))[:len(first)])
         conn.execute("INSERT INTO refusal_counts VALUES (1800000000, 'acme', 'k', 'rate_limit_rpm', 429, 7)")
         assert conn.execute("SELECT to_regclass('idempotency')").fetchone() == (None,)
 
@@ -39,7 +41,7 @@ def test_a_ledger_of_the_previous_release_is_upgraded_in_place_with_its_rows(dat
 
     asyncio.run(serve_with_the_new_release())
     with connect(database_url) as conn:
-        assert version_of(conn, COMPONENT) == len(MIGRATIONS) == 2
+        assert version_of(conn, COMPONENT) == len(MIGRATIONS) == 3
 
 
 def test_replicas_starting_together_apply_each_migration_once(database_url: str) -> None:
@@ -49,18 +51,18 @@ def test_replicas_starting_together_apply_each_migration_once(database_url: str)
         t.start()
     for t in threads:
         t.join()
-    assert versions == [2] * 6
+    assert versions == [3] * 6
     with connect(database_url) as conn:
         applied = conn.execute("SELECT version FROM tiergate_migrations WHERE component = 'ledger' "
                                "ORDER BY version").fetchall()
-    assert applied == [(1,), (2,)]
+    assert applied == [(1,), (2,), (3,)]
 
 
 def test_a_database_newer_than_this_release_is_left_as_it_is(database_url: str) -> None:
     with connect(database_url) as conn:
         newer = [*MIGRATIONS, "ALTER TABLE requests ADD COLUMN region TEXT NOT NULL DEFAULT 'eu'"]
-        assert migrate(conn, COMPONENT, newer) == 3  # a replica of the next release got there first
-        assert migrate(conn, COMPONENT, MIGRATIONS) == 3  # one of this release starts: nothing undone, no error
+        assert migrate(conn, COMPONENT, newer) == 4  # a replica of the next release got there first
+        assert migrate(conn, COMPONENT, MIGRATIONS) == 4  # one of this release starts: nothing undone, no error
     ledger = PostgresLedger(database_url)
     ledger.record_now([row(1)])
     assert [r.request_id for r in ledger.rows()] == ["r1"]

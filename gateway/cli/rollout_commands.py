@@ -1,0 +1,133 @@
+"""`tiergate rollout …`: start, read and move rollouts of a tier's model versions, on the store a running gateway
+follows (it takes effect there within seconds)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import click
+
+from gateway.cli.options import data_dir_option, settings_from
+from gateway.config_files import ConfigFileError, load_yaml
+from gateway.errors import TiergateError
+from gateway.rollout.service import RolloutService
+from gateway.rollout.state import Rollout
+from gateway.stores import open_rollout_store
+from tiers.catalogue import TierCatalogue
+
+tiers_option = click.option("--tiers", "tiers_file", type=click.Path(path_type=Path), default=None,
+                            help="Tiers file [env TIERGATE_TIERS_FILE; default tiers/tiers.yaml].")
+reason_option = click.option("--reason", required=True, help="Why (kept in the audit trail).")
+
+
+@contextmanager
+def _service(data_dir: Path | None, tiers_file: Path | None) -> Iterator[RolloutService]:
+    """The rollouts over the gateway's store; a refused change is the command's error, in one line."""
+    settings = settings_from(data_dir=data_dir, tiers_file=tiers_file)
+    try:
+        catalogue = load_yaml(settings.tiers_file, TierCatalogue)
+    except ConfigFileError as exc:
+        raise click.ClickException(str(exc)) from exc
+    service = RolloutService(catalogue, open_rollout_store(settings))
+    try:
+        yield service
+    except TiergateError as exc:
+        raise click.ClickException(exc.message) from exc
+    finally:
+        service.store.close()
+
+
+def _say(r: Rollout) -> None:
+    share = f", share {r.share:.2%}" if r.stage in ("canary", "paused") else ""
+    tenants = f", tenants {', '.join(r.tenants)}" if r.tenants and r.stage in ("canary", "paused") else ""
+    click.echo(f"tier {r.tier}: {r.candidate} over {r.baseline}, {r.stage}{share}{tenants}")
+
+
+@click.group()
+def rollout() -> None:
+    """Roll a tier's model version out in steps: start, status, promote, pause, rollback, history."""
+
+
+@rollout.command("start")
+@click.argument("tier")
+@click.argument("version")
+@click.option("--share", type=click.FloatRange(0, 1), default=0.0, show_default=True,
+              help="Share of new conversations on VERSION (0 to 1).")
+@click.option("--tenant", "tenants", multiple=True, help="A tenant always on VERSION (repeatable).")
+@reason_option
+@tiers_option
+@data_dir_option
+def rollout_start(tier: str, version: str, share: float, tenants: tuple[str, ...], reason: str,
+                  tiers_file: Path | None, data_dir: Path | None) -> None:
+    """A canary of VERSION on TIER: a share of new conversations, and every named tenant."""
+    with _service(data_dir, tiers_file) as s:
+        _say(s.start(tier, version, share=share, tenants=tenants, who="cli", reason=reason))
+
+
+@rollout.command("status")
+@tiers_option
+@data_dir_option
+def rollout_status(tiers_file: Path | None, data_dir: Path | None) -> None:
+    """Each tier's latest rollout: its stage and share, and who changed it last and why."""
+    with _service(data_dir, tiers_file) as s:
+        found = s.status()
+        for r in found:
+            share = f" {r['share']:.2%}" if r["stage"] in ("canary", "paused") else ""
+            tenants = f" + tenants {', '.join(r['tenants'])}" if r["tenants"] else ""
+            click.echo(f"{r['tier']}: {r['candidate']} over {r['baseline']}, {r['stage']}{share}{tenants}; "
+                       f"last changed by {r['changed_by']} ({r['reason']})")
+        if not found:
+            click.echo("no rollouts")
+
+
+@rollout.command("promote")
+@click.argument("tier")
+@click.option("--share", type=click.FloatRange(0, 1), default=None,
+              help="A larger canary share instead of everyone (never smaller).")
+@reason_option
+@tiers_option
+@data_dir_option
+def rollout_promote(tier: str, share: float | None, reason: str, tiers_file: Path | None,
+                    data_dir: Path | None) -> None:
+    """Everyone on the candidate (`full`), or a larger canary share; a paused canary resumes."""
+    with _service(data_dir, tiers_file) as s:
+        _say(s.promote(tier, share=share, who="cli", reason=reason))
+
+
+@rollout.command("pause")
+@click.argument("tier")
+@reason_option
+@tiers_option
+@data_dir_option
+def rollout_pause(tier: str, reason: str, tiers_file: Path | None, data_dir: Path | None) -> None:
+    """Hold the canary: each conversation stays on its version; the share is not raised until promoted."""
+    with _service(data_dir, tiers_file) as s:
+        _say(s.pause(tier, who="cli", reason=reason))
+
+
+@rollout.command("rollback")
+@click.argument("tier")
+@reason_option
+@tiers_option
+@data_dir_option
+def rollout_rollback(tier: str, reason: str, tiers_file: Path | None, data_dir: Path | None) -> None:
+    """Everyone back on the version that answered before the rollout."""
+    with _service(data_dir, tiers_file) as s:
+        _say(s.rollback(tier, who="cli", reason=reason))
+
+
+@rollout.command("history")
+@click.option("--tier", default=None, help="One tier's changes only.")
+@click.option("--limit", default=20, show_default=True)
+@tiers_option
+@data_dir_option
+def rollout_history(tier: str | None, limit: int, tiers_file: Path | None, data_dir: Path | None) -> None:
+    """Every change: when, which tier and version, the stage and share it left, who and why."""
+    with _service(data_dir, tiers_file) as s:
+        for e in s.history(tier, limit):
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(e.ts))
+            click.echo(f"{when}  {e.tier} {e.action} {e.candidate}: {e.stage} share {e.share:.2%}  "
+                       f"by {e.who}: {e.reason}")

@@ -1,0 +1,192 @@
+"""Rollouts as the admin routes, the CLI and the route stage see them: start, promote, pause, rollback, status,
+and each request's version.
+
+The service keeps the rollouts it read last; a gateway follows the store every few seconds (a change made by the
+CLI or another process takes effect then; one made through this process's admin routes, at once). The route
+stage asks `choose` for every request to a tier with versions: a dictionary read and, during a canary, one hash.
+Each version's requests and errors since the rollout started are counted here, per process.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from gateway.errors import Conflict, InvalidRequest, NotFound
+from gateway.rollout.assign import version_for
+from gateway.rollout.state import RUNNING, Rollout, RolloutEvent, RolloutStore, Stage
+from tiers.catalogue import TierCatalogue, TierSpec
+
+log = logging.getLogger("tiergate.rollout")
+BLANKS = " \t\n\r\f\v"  # what a reason may not be made of alone (the routes' schema says the same)
+
+
+class RolloutService:
+    def __init__(self, catalogue: TierCatalogue, store: RolloutStore, *,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.catalogue = catalogue
+        self.store = store
+        self.clock = clock
+        self._rollouts: dict[str, Rollout] = store.load()
+        self._counts: dict[tuple[str, str], list[int]] = {}  # (rollout id, version) -> [requests, errors]
+
+    def follow(self) -> None:
+        """Read the store again (another process or the CLI may have changed a rollout)."""
+        self._rollouts = self.store.load()
+
+    # ---- the request path ----
+
+    def choose(self, tier: TierSpec, tenant: str, conversation: Callable[[], str]) -> tuple[TierSpec, str | None]:
+        """The spec of the version that answers this request, and a note for the route reason (None when the tier
+        has no rollout). `conversation` is called only when a canary needs it."""
+        rollout = self._rollouts.get(tier.name)
+        if rollout is None or tier.version_name is None:
+            return tier, None
+        version = version_for(rollout, tenant, conversation() if rollout.stage in RUNNING else "")
+        spec = tier.variants.get(version)
+        if spec is None:  # the tiers file no longer declares it: the serving version answers
+            return tier, f"version {tier.version_name} ({version} is not declared)"
+        return spec, f"version {version} (rollout {rollout.stage}{_share(rollout)})"
+
+    def observe(self, tier: str, version: str, *, error: bool) -> None:
+        """A request the version answered (or failed), for `status`."""
+        rollout = self._rollouts.get(tier)
+        if rollout is not None and version in (rollout.candidate, rollout.baseline):
+            counts = self._counts.setdefault((rollout.id, version), [0, 0])
+            counts[0] += 1
+            counts[1] += error
+
+    # ---- on-call ----
+
+    def start(self, tier: str, version: str, *, share: float, tenants: tuple[str, ...] = (), who: str,
+              reason: str) -> Rollout:
+        """A canary of `version` on `tier`: `share` of new conversations and every named tenant."""
+        spec = self._tier(tier)
+        if version not in spec.variants:
+            raise NotFound(f"tier {tier!r} has no version {version!r}; it has {', '.join(spec.variants)}",
+                           param="version", code="version_not_found")
+        _check_share(share)
+        current = self._latest(tier)
+        if current is not None and current.stage in RUNNING:
+            raise Conflict(f"tier {tier!r} has a rollout in progress ({current.candidate}, {current.stage}); "
+                           "promote it to full or roll it back first", code="rollout_in_progress")
+        baseline = _answering(current, spec)
+        if version == baseline:
+            raise Conflict(f"version {version!r} already answers tier {tier!r}", param="version",
+                           code="version_already_serving")
+        now = self.clock()
+        rollout = Rollout(uuid.uuid4().hex[:16], tier, version, baseline, "canary", share,
+                          tuple(dict.fromkeys(tenants)), now, who, now, who, _reason(reason),
+                          (current.revision if current else 0) + 1)
+        return self._save("start", rollout)
+
+    def promote(self, tier: str, *, share: float | None = None, who: str, reason: str) -> Rollout:
+        """To `full` (everyone on the candidate), or a larger canary `share` (a paused canary resumes)."""
+        current = self._running(tier, "promote")
+        if share is None:
+            return self._save("promote", current.changed(stage="full", who=who, reason=_reason(reason),
+                                                         now=self.clock()))
+        _check_share(share)
+        if share < current.share:
+            raise InvalidRequest(f"share {share} is below the canary's {current.share}: lowering it would move "
+                                 "conversations back mid-way; roll back instead", param="share")
+        return self._save("promote", current.changed(stage="canary", who=who, reason=_reason(reason),
+                                                     now=self.clock(), share=share))
+
+    def pause(self, tier: str, *, who: str, reason: str) -> Rollout:
+        """Hold the canary as it is: the same conversations stay on each version, and the share stays."""
+        current = self._running(tier, "pause")
+        if current.stage == "paused":
+            raise Conflict(f"the rollout on tier {tier!r} is paused already", code="rollout_paused")
+        return self._save("pause", current.changed(stage="paused", who=who, reason=_reason(reason), now=self.clock()))
+
+    def rollback(self, tier: str, *, who: str, reason: str) -> Rollout:
+        """Everyone back on the baseline (from a canary, a pause, or a finished `full`)."""
+        current = self._latest(tier)
+        self._tier(tier)
+        if current is None or current.stage == "rolled_back":
+            raise _nothing_to(tier, "roll back", current)
+        return self._save("rollback", current.changed(stage="rolled_back", who=who, reason=_reason(reason),
+                                                      now=self.clock()))
+
+    # ---- reading ----
+
+    def status(self) -> list[dict[str, Any]]:
+        """Each tier's latest rollout, with each version's requests and errors since it started (this process)."""
+        out = []
+        for _, r in sorted(self._rollouts.items()):
+            versions = {v: dict(zip(("requests", "errors"), self._counts.get((r.id, v), [0, 0]), strict=True))
+                        for v in (r.baseline, r.candidate)}
+            out.append(r.public() | {"versions": versions})
+        return out
+
+    def history(self, tier: str | None = None, limit: int = 100) -> list[RolloutEvent]:
+        return self.store.history(tier, limit)
+
+    # ---- helpers ----
+
+    def _tier(self, tier: str) -> TierSpec:
+        spec = self.catalogue.tiers.get(tier)
+        if spec is None:
+            raise NotFound(f"no tier {tier!r}; tiers: {', '.join(self.catalogue.tiers)}", param="tier",
+                           code="tier_not_found")
+        if spec.version_name is None:
+            raise NotFound(f"tier {tier!r} declares no `versions` in the tiers file", param="tier",
+                           code="tier_has_no_versions")
+        return spec
+
+    def _latest(self, tier: str) -> Rollout | None:
+        """The tier's latest rollout as the store has it now (a change starts from the truth, not a cache)."""
+        self._rollouts = self.store.load()
+        return self._rollouts.get(tier)
+
+    def _running(self, tier: str, what: str) -> Rollout:
+        self._tier(tier)
+        current = self._latest(tier)
+        if current is None or current.stage not in RUNNING:
+            raise _nothing_to(tier, what, current)
+        return current
+
+    def _save(self, action: Any, rollout: Rollout) -> Rollout:
+        if not self.store.save(rollout, RolloutEvent.of(action, rollout)):
+            raise Conflict(f"the rollout on tier {rollout.tier!r} was changed meanwhile; read its status and retry",
+                           code="rollout_changed")
+        self._rollouts = {**self._rollouts, rollout.tier: rollout}
+        log.warning("rollout of %s on tier %s: %s by %s (%s), share %s", rollout.candidate, rollout.tier,
+                    rollout.stage, rollout.changed_by, rollout.reason, rollout.share)
+        return rollout
+
+
+def _answering(current: Rollout | None, spec: TierSpec) -> str:
+    """The version everyone has now: the serving one, or what the tier's last rollout left."""
+    if current is not None and current.stage == "full" and current.candidate in spec.variants:
+        return current.candidate
+    if current is not None and current.stage == "rolled_back" and current.baseline in spec.variants:
+        return current.baseline
+    assert spec.version_name is not None
+    return spec.version_name
+
+
+def _check_share(share: float) -> None:
+    if not 0.0 <= share <= 1.0:  # the routes' schema says so too; the CLI comes here directly
+        raise InvalidRequest(f"share is a fraction from 0 to 1, not {share}", param="share")
+
+
+def _reason(reason: str) -> str:
+    if not reason.strip(BLANKS):
+        raise InvalidRequest("a reason is required (it is kept in the audit trail)", param="reason")
+    return reason.strip(BLANKS)
+
+
+def _share(r: Rollout) -> str:
+    return f" {r.share:.2%}" if r.stage in RUNNING else ""
+
+
+def _nothing_to(tier: str, what: str, current: Rollout | None) -> NotFound | Conflict:
+    if current is None:
+        return NotFound(f"tier {tier!r} has no rollout to {what}", param="tier", code="rollout_not_found")
+    stage: Stage = current.stage
+    return Conflict(f"the rollout on tier {tier!r} is {stage}; nothing to {what}", code="rollout_finished")

@@ -1,0 +1,240 @@
+"""Where rollouts live: beside the ladder's state, in the data directory's SQLite file (embedded) or the fleet's
+PostgreSQL (TIERGATE_DATABASE_URL), so the gateway's processes, its replicas and the CLI meet on one state.
+
+Per tier, one row: its latest rollout (running, or finished: `full` keeps everyone on the candidate until the
+tiers file names it `serving`). Every change is also an audit event (who, why, when, the stage and share it
+left). A change is a compare-and-set on the tier's revision: two admins changing one tier at once cannot both
+win, and at most one rollout per tier runs.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any, Literal
+
+from gateway.errors import Unavailable
+
+Stage = Literal["canary", "paused", "full", "rolled_back"]
+RUNNING: frozenset[str] = frozenset({"canary", "paused"})  # a tier with one of these has a rollout in progress
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS rollouts (
+    tier TEXT PRIMARY KEY,
+    revision INTEGER NOT NULL,
+    state TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS rollout_events (
+    ts REAL NOT NULL,
+    tier TEXT NOT NULL,
+    event TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS rollout_events_ts ON rollout_events(ts);
+"""
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """A tier's rollout of `candidate` over `baseline` (the version everyone had when it started)."""
+
+    id: str  # salts the conversation hash: each rollout draws its own canary
+    tier: str
+    candidate: str
+    baseline: str
+    stage: Stage
+    share: float  # of new conversations on the candidate while canary or paused, 0 to 1
+    tenants: tuple[str, ...]  # always on the candidate while canary or paused
+    started_at: float
+    started_by: str  # an admin key id, or `cli`
+    changed_at: float
+    changed_by: str
+    reason: str  # of the latest change
+    revision: int  # the tier's change counter (compare-and-set)
+
+    def public(self) -> dict[str, Any]:
+        return asdict(self) | {"tenants": list(self.tenants)}
+
+    def changed(self, *, stage: Stage, who: str, reason: str, now: float, share: float | None = None) -> Rollout:
+        return replace(self, stage=stage, share=self.share if share is None else share, changed_at=now,
+                       changed_by=who, reason=reason, revision=self.revision + 1)
+
+
+@dataclass(frozen=True)
+class RolloutEvent:
+    """One change of a rollout, as the audit trail keeps it."""
+
+    ts: float
+    tier: str
+    rollout_id: str
+    action: Literal["start", "promote", "pause", "rollback"]
+    stage: Stage  # the stage it left
+    share: float
+    tenants: tuple[str, ...]
+    candidate: str
+    baseline: str
+    who: str
+    reason: str
+
+    @classmethod
+    def of(cls, action: Literal["start", "promote", "pause", "rollback"], r: Rollout) -> RolloutEvent:
+        return cls(r.changed_at, r.tier, r.id, action, r.stage, r.share, r.tenants, r.candidate, r.baseline,
+                   r.changed_by, r.reason)
+
+    def public(self) -> dict[str, Any]:
+        return asdict(self) | {"tenants": list(self.tenants)}
+
+
+def _rollout(raw: str) -> Rollout:
+    data = json.loads(raw)
+    return Rollout(**data | {"tenants": tuple(data["tenants"])})
+
+
+def _event(raw: str) -> RolloutEvent:
+    data = json.loads(raw)
+    return RolloutEvent(**data | {"tenants": tuple(data["tenants"])})
+
+
+class RolloutStore(ABC):
+    @abstractmethod
+    def load(self) -> dict[str, Rollout]:
+        """Each tier's latest rollout."""
+
+    @abstractmethod
+    def save(self, rollout: Rollout, event: RolloutEvent) -> bool:
+        """Store the tier's new rollout state and its event, if the tier's stored revision is still the one before
+        `rollout.revision` (0: none); False, and nothing written, if someone changed it meanwhile."""
+
+    @abstractmethod
+    def history(self, tier: str | None = None, limit: int = 100) -> list[RolloutEvent]:
+        """The latest events first, of one tier or all."""
+
+    def close(self) -> None:  # noqa: B027
+        """Release connections."""
+
+
+class SqliteRolloutStore(RolloutStore):
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._conn = sqlite3.connect(path, isolation_level=None, timeout=5.0, check_same_thread=False)
+        self._conn.execute("PRAGMA journal_mode=WAL")
+        self._conn.executescript(SCHEMA)
+        self._lock = threading.Lock()
+
+    def load(self) -> dict[str, Rollout]:
+        with self._lock:
+            rows = self._conn.execute("SELECT tier, state FROM rollouts").fetchall()
+        return {tier: _rollout(state) for tier, state in rows}
+
+    def save(self, rollout: Rollout, event: RolloutEvent) -> bool:
+        with self._lock:
+            self._conn.execute("BEGIN IMMEDIATE")  # the revision read and the write in one writer's turn
+            try:
+                row = self._conn.execute("SELECT revision FROM rollouts WHERE tier = ?", (rollout.tier,)).fetchone()
+                if (row[0] if row else 0) != rollout.revision - 1:
+                    self._conn.execute("ROLLBACK")
+                    return False
+                self._conn.execute("INSERT INTO rollouts(tier, revision, state) VALUES (?, ?, ?) ON CONFLICT(tier) "
+                                   "DO UPDATE SET revision = excluded.revision, state = excluded.state",
+                                   (rollout.tier, rollout.revision, json.dumps(asdict(rollout))))
+                self._conn.execute("INSERT INTO rollout_events(ts, tier, event) VALUES (?, ?, ?)",
+                                   (event.ts, event.tier, json.dumps(asdict(event))))
+                self._conn.execute("COMMIT")
+                return True
+            except BaseException:
+                self._conn.execute("ROLLBACK")
+                raise
+
+    def history(self, tier: str | None = None, limit: int = 100) -> list[RolloutEvent]:
+        where, args = ("WHERE tier = ?", (tier,)) if tier is not None else ("", ())
+        with self._lock:
+            rows = self._conn.execute(f"SELECT event FROM rollout_events {where} ORDER BY ts DESC, rowid DESC "
+                                      "LIMIT ?", (*args, limit)).fetchall()
+        return [_event(r[0]) for r in rows]
+
+    def close(self) -> None:
+        self._conn.close()
+
+
+class PostgresRolloutStore(RolloutStore):
+    """Rollouts and their events in the fleet database; unreachable, it is a retryable 503 for admins' changes
+    (the gateway's follower logs it and keeps the rollouts it read last)."""
+
+    def __init__(self, url: str) -> None:
+        import psycopg
+        from psycopg_pool import ConnectionPool, PoolTimeout
+
+        from quotas.fleet_db import CONNECT_TIMEOUT_S, connect, migrate
+
+        with connect(url) as conn:
+            migrate(conn, COMPONENT, MIGRATIONS)
+        self._pool = ConnectionPool(url, min_size=1, max_size=1, open=True, timeout=5.0,
+                                    kwargs={"autocommit": True, "connect_timeout": CONNECT_TIMEOUT_S},
+                                    check=ConnectionPool.check_connection, name="rollouts")
+        self._unreachable = (psycopg.OperationalError, PoolTimeout)
+
+    @contextmanager
+    def _connection(self) -> Iterator[Any]:
+        try:
+            with self._pool.connection() as conn:
+                yield conn
+        except self._unreachable as exc:
+            raise Unavailable(f"the fleet database cannot be reached: {str(exc).strip()}",
+                              code="database_unavailable", retry_after=2) from exc
+
+    def load(self) -> dict[str, Rollout]:
+        with self._connection() as conn:
+            rows = conn.execute("SELECT tier, state FROM rollouts").fetchall()
+        return {tier: _rollout(state) for tier, state in rows}
+
+    def save(self, rollout: Rollout, event: RolloutEvent) -> bool:
+        state = json.dumps(asdict(rollout))
+        with self._connection() as conn, conn.transaction():
+            if rollout.revision == 1:
+                done = conn.execute("INSERT INTO rollouts(tier, revision, state) VALUES (%s, 1, %s) "
+                                    "ON CONFLICT (tier) DO NOTHING", (rollout.tier, state)).rowcount
+            else:
+                done = conn.execute("UPDATE rollouts SET revision = %s, state = %s WHERE tier = %s AND revision = %s",
+                                    (rollout.revision, state, rollout.tier, rollout.revision - 1)).rowcount
+            if done:
+                conn.execute("INSERT INTO rollout_events(ts, tier, event) VALUES (%s, %s, %s)",
+                             (event.ts, event.tier, json.dumps(asdict(event))))
+        return bool(done)
+
+    def history(self, tier: str | None = None, limit: int = 100) -> list[RolloutEvent]:
+        where, args = ("WHERE tier = %s", (tier,)) if tier is not None else ("", ())
+        with self._connection() as conn:
+            rows = conn.execute(f"SELECT event FROM rollout_events {where} ORDER BY ts DESC, id DESC LIMIT %s",
+                                (*args, limit)).fetchall()
+        return [_event(r[0]) for r in rows]
+
+    def close(self) -> None:
+        self._pool.close()
+
+
+COMPONENT = "rollouts"
+# 1: the tables as SQLite has them, with an id to order events of the same instant
+MIGRATIONS = ["""
+    CREATE TABLE rollouts (
+        tier TEXT PRIMARY KEY,
+        revision INTEGER NOT NULL,
+        state TEXT NOT NULL
+    );
+    CREATE TABLE rollout_events (
+        id BIGSERIAL PRIMARY KEY,
+        ts DOUBLE PRECISION NOT NULL,
+        tier TEXT NOT NULL,
+        event TEXT NOT NULL
+    );
+    CREATE INDEX rollout_events_ts ON rollout_events(ts);
+"""]
+
+
+def open_store(data_dir: Path, database_url: str | None = None) -> RolloutStore:
+    """The fleet database's when there is one, else the data directory's SQLite file (the ladder's)."""
+    return PostgresRolloutStore(database_url) if database_url else SqliteRolloutStore(data_dir / "state.db")

@@ -1,0 +1,101 @@
+"""Rollouts of a tier's model versions (admin key): start a canary, read status and history, promote, pause, roll
+back. The CLI (`tiergate rollout …`) does the same on the same store; gateway/rollout/service.py holds the rules."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Annotated, Any
+
+from litestar import Request, Router, get, post
+from litestar.di import NamedDependency
+from litestar.params import FromPath, FromQuery
+from pydantic import BaseModel, ConfigDict, Field
+
+from gateway.auth import require_admin
+from gateway.rollout.service import RolloutService
+from gateway.routes.openapi import BEARER, body, errors
+from gateway.tenants.store import NAME_RE
+from gateway.validation import parse_body
+from tiers.catalogue import VERSION_NAME
+
+Share = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]  # of new conversations, 0 to 1
+# kept in the audit trail; not only blanks (spelled out: JSON Schema's `\S` and Python's disagree on U+0085)
+Reason = Annotated[str, Field(min_length=1, max_length=500, pattern=r"[^ \t\n\r\f\v]")]
+
+
+class StartRollout(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    tier: Annotated[str, Field(min_length=1, max_length=128)]
+    version: Annotated[str, Field(min_length=1, max_length=64, pattern=VERSION_NAME)]
+    share: Share = 0.0
+    tenants: Annotated[list[Annotated[str, Field(pattern=NAME_RE.pattern)]], Field(max_length=100)] = []
+    reason: Reason
+
+
+class Promote(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    reason: Reason
+    share: Share | None = None  # a larger canary share; none: everyone on the candidate (`full`)
+
+
+class Change(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    reason: Reason
+
+
+CHANGE_ERRORS = errors(400, 401, 403, 404, 409, 413, 500)
+
+
+@get("/", responses=errors(401, 403, 500))
+async def status(rollouts: NamedDependency[RolloutService]) -> dict[str, Any]:
+    """Each tier's latest rollout: stage, share, named tenants, who changed it and why, and each version's requests
+    and errors since it started (as this gateway process counted them)."""
+    return {"data": rollouts.status()}
+
+
+@post("/", status_code=201, dependencies={"openapi_body": body(StartRollout)}, responses=CHANGE_ERRORS)
+async def start(request: Request[Any, Any, Any], rollouts: NamedDependency[RolloutService]) -> dict[str, Any]:
+    """A canary: `share` of new conversations, and every named tenant, on `version`; 409 while one is running."""
+    b = parse_body(await request.body(), StartRollout)
+    r = await asyncio.to_thread(rollouts.start, b.tier, b.version, share=b.share, tenants=tuple(b.tenants),
+                                who=request.state.key_id, reason=b.reason)
+    return r.public()
+
+
+@post("/{tier:str}/promote", status_code=200, dependencies={"openapi_body": body(Promote)}, responses=CHANGE_ERRORS)
+async def promote(request: Request[Any, Any, Any], rollouts: NamedDependency[RolloutService],
+                  tier: FromPath[str]) -> dict[str, Any]:
+    """Everyone on the candidate (`full`), or, with `share`, a larger canary (never smaller)."""
+    b = parse_body(await request.body(), Promote)
+    r = await asyncio.to_thread(rollouts.promote, tier, share=b.share, who=request.state.key_id, reason=b.reason)
+    return r.public()
+
+
+@post("/{tier:str}/pause", status_code=200, dependencies={"openapi_body": body(Change)}, responses=CHANGE_ERRORS)
+async def pause(request: Request[Any, Any, Any], rollouts: NamedDependency[RolloutService],
+                tier: FromPath[str]) -> dict[str, Any]:
+    """Hold the canary: each conversation stays on its version, and the share is not raised until promoted."""
+    b = parse_body(await request.body(), Change)
+    r = await asyncio.to_thread(rollouts.pause, tier, who=request.state.key_id, reason=b.reason)
+    return r.public()
+
+
+@post("/{tier:str}/rollback", status_code=200, dependencies={"openapi_body": body(Change)}, responses=CHANGE_ERRORS)
+async def rollback(request: Request[Any, Any, Any], rollouts: NamedDependency[RolloutService],
+                   tier: FromPath[str]) -> dict[str, Any]:
+    """Everyone back on the version that answered before the rollout started."""
+    b = parse_body(await request.body(), Change)
+    r = await asyncio.to_thread(rollouts.rollback, tier, who=request.state.key_id, reason=b.reason)
+    return r.public()
+
+
+@get("/history", responses=errors(400, 401, 403, 500))
+async def history(rollouts: NamedDependency[RolloutService], tier: FromQuery[str | None] = None,
+                  limit: FromQuery[int] = 100) -> dict[str, Any]:
+    """The audit trail, latest first: every start, promotion, pause and rollback, with who and why."""
+    events = await asyncio.to_thread(rollouts.history, tier, max(1, min(limit, 1000)))
+    return {"data": [e.public() for e in events]}
+
+
+rollouts_router = Router(path="/admin/rollouts", guards=[require_admin], tags=["admin"], security=BEARER,
+                         route_handlers=[status, start, promote, pause, rollback, history])

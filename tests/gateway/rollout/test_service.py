@@ -1,0 +1,91 @@
+"""The rollout rules on both stores (the data directory's SQLite file, the fleet's PostgreSQL): one rollout per
+tier, each change audited with who and why, and refused changes leave nothing behind."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gateway.errors import Conflict, InvalidRequest, NotFound, TiergateError
+from gateway.rollout.service import RolloutService
+from gateway.rollout.state import PostgresRolloutStore, RolloutEvent, RolloutStore, SqliteRolloutStore
+from tiers.catalogue import TierCatalogue
+
+TIER = {"backend": "openai", "model": "m", "urls": ["http://a:1"], "price_per_1k_input": "0.001",
+        "price_per_1k_output": "0.002", "hardware_cost_per_hour": "1", "context_limit": 4096}
+CATALOGUE = TierCatalogue.model_validate({"tiers": {
+    "mid": TIER | {"serving": "v1", "versions": [{"name": "v1"}, {"name": "v2", "urls": ["http://b:1"]},
+                                                 {"name": "v3", "urls": ["http://c:1"]}]},
+    "full": TIER}})
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[RolloutStore]:
+    s: RolloutStore = SqliteRolloutStore(tmp_path / "state.db") if request.param == "sqlite" else \
+        PostgresRolloutStore(request.getfixturevalue("database_url"))
+    yield s
+    s.close()
+
+
+def test_a_rollout_from_canary_to_full_then_the_next_one(store: RolloutStore) -> None:
+    clock = iter(range(100, 200))
+    s = RolloutService(CATALOGUE, store, clock=lambda: float(next(clock)))
+    r = s.start("mid", "v2", share=0.2, tenants=("vip",), who="k1", reason="new weights")
+    assert (r.stage, r.share, r.tenants, r.baseline, r.candidate) == ("canary", 0.2, ("vip",), "v1", "v2")
+    s.promote("mid", share=0.5, who="k1", reason="looks fine")
+    s.pause("mid", who="k2", reason="p95 up")
+    s.promote("mid", who="k1", reason="p95 back")
+    nxt = s.start("mid", "v3", share=0.1, who="cli", reason="next")  # `full` finished: v2 answers everyone
+    assert nxt.baseline == "v2" and nxt.id != r.id
+    s.rollback("mid", who="k2", reason="errors")
+    other = RolloutService(CATALOGUE, store)  # another process (the CLI) reads the same
+    assert [(x["tier"], x["stage"], x["baseline"]) for x in other.status()] == [("mid", "rolled_back", "v2")]
+    trail = [(e.action, e.stage, e.share, e.who, e.reason) for e in other.history("mid")]
+    assert trail == [("rollback", "rolled_back", 0.1, "k2", "errors"), ("start", "canary", 0.1, "cli", "next"),
+                     ("promote", "full", 0.5, "k1", "p95 back"), ("pause", "paused", 0.5, "k2", "p95 up"),
+                     ("promote", "canary", 0.5, "k1", "looks fine"), ("start", "canary", 0.2, "k1", "new weights")]
+    assert other.history("full") == []
+
+
+@pytest.mark.parametrize(("call", "error"), [
+    (lambda s: s.start("nope", "v2", share=0.2, who="k", reason="r"), NotFound),
+    (lambda s: s.start("full", "v2", share=0.2, who="k", reason="r"), NotFound),  # no versions
+    (lambda s: s.start("mid", "v9", share=0.2, who="k", reason="r"), NotFound),
+    (lambda s: s.start("mid", "v1", share=0.2, who="k", reason="r"), Conflict),  # it answers already
+    (lambda s: s.start("mid", "v3", share=0.2, who="k", reason="r"), Conflict),  # one at a time
+    (lambda s: s.start("mid", "v2", share=1.5, who="k", reason="r"), InvalidRequest),
+    (lambda s: s.promote("mid", share=0.1, who="k", reason="r"), InvalidRequest),  # would move conversations back
+    (lambda s: s.promote("mid", who="k", reason="  "), InvalidRequest),
+    (lambda s: s.pause("full", who="k", reason="r"), NotFound),
+])
+def test_refused_changes_leave_the_state_as_it_was(store: RolloutStore, call: object, error: type) -> None:
+    s = RolloutService(CATALOGUE, store)
+    s.start("mid", "v2", share=0.3, who="k", reason="r")
+    before, trail = s.status(), s.history()
+    with pytest.raises(error) as exc:
+        call(s)  # type: ignore[operator]
+    assert isinstance(exc.value, TiergateError) and exc.value.message
+    assert (s.status(), s.history()) == (before, trail)
+
+
+def test_two_changes_of_one_revision_cannot_both_win(store: RolloutStore) -> None:
+    s = RolloutService(CATALOGUE, store)
+    r = s.start("mid", "v2", share=0.3, who="k", reason="r")
+    paused = r.changed(stage="paused", who="a", reason="x", now=r.changed_at + 1)
+    full = r.changed(stage="full", who="b", reason="y", now=r.changed_at + 1)
+    assert store.save(paused, RolloutEvent.of("pause", paused))
+    assert not store.save(full, RolloutEvent.of("promote", full))  # written from the same revision: refused
+    assert store.load()["mid"].stage == "paused"
+    assert [e.action for e in store.history()] == ["pause", "start"]
+
+
+def test_a_finished_rollout_cannot_be_paused_or_rolled_back_twice(store: RolloutStore) -> None:
+    s = RolloutService(CATALOGUE, store)
+    s.start("mid", "v2", share=0.3, who="k", reason="r")
+    s.rollback("mid", who="k", reason="r")
+    with pytest.raises(Conflict):
+        s.rollback("mid", who="k", reason="again")
+    with pytest.raises(Conflict):
+        s.pause("mid", who="k", reason="r")

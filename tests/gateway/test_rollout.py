@@ -1,0 +1,205 @@
+"""Rollouts end to end: a real gateway in front of two stub upstreams, the two versions of tier `mid`.
+
+A canary sends its share of new conversations to the candidate and every later turn where its first went; a named
+tenant is always on it; promote puts everyone there and rollback everyone back; the audit trail says who and why;
+a cached answer never crosses versions; bad admin input changes nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from click.testing import CliRunner
+
+from gateway.cli.main import cli
+from gateway.settings import Settings
+from tests.conftest import PLANS_YAML, Gateway, running_gateway
+from tests.stubs import ServerThread, StubState, free_port, stub_app
+
+CONVERSATIONS = 400
+SHARE = 0.2
+
+
+def tiers_yaml(v1: str, v2: str, dead: str) -> str:
+    tier = """
+    price_per_1k_input: "0.0010"
+    price_per_1k_output: "0.0020"
+    hardware_cost_per_hour: "3.60"
+    context_limit: 4096"""
+    return f"""
+tiers:
+  small:
+    backend: openai
+    model: stub-small
+    urls: ["{dead}"]{tier}
+  mid:
+    backend: openai
+    model: stub-mid
+    urls: ["{v1}"]{tier}
+    serving: v1
+    versions:
+      - name: v1
+      - name: v2
+        model: stub-mid-2
+        urls: ["{v2}"]
+  full:
+    backend: openai
+    model: stub-full
+    urls: ["{v1}"]{tier}
+"""
+
+
+@pytest.fixture
+def two_versions(tmp_path: Path, prepared_models: Path) -> Iterator[tuple[Gateway, StubState, StubState]]:
+    old, new = StubState(), StubState()
+    servers = [ServerThread(stub_app(old)).start(), ServerThread(stub_app(new)).start()]
+    (tmp_path / "tiers.yaml").write_text(tiers_yaml(servers[0].url, servers[1].url,
+                                                    f"http://127.0.0.1:{free_port()}"))
+    (tmp_path / "plans.yaml").write_text(PLANS_YAML)
+    settings = Settings(data_dir=tmp_path / "data", models_dir=prepared_models, tiers_file=tmp_path / "tiers.yaml",
+                        plans_file=tmp_path / "plans.yaml", max_body_bytes=64 * 1024)
+    try:
+        with running_gateway(settings, old) as gw:
+            yield gw, old, new
+    finally:
+        for s in servers:
+            s.stop()
+
+
+def tenant_key(gw: Gateway, name: str, plan: str = "nocache") -> str:
+    gw.store.create_tenant(name, plan)
+    return gw.store.issue_key(name, name="test")[1]
+
+
+def ask(gw: Gateway, key: str, messages: list[dict[str, str]]) -> httpx.Response:
+    with gw.client(key) as c:  # temperature 0: an answer the cache may keep
+        r = c.post("/v1/chat/completions", json={"model": "mid", "messages": messages, "max_tokens": 8,
+                                                 "temperature": 0})
+    assert r.status_code == 200, r.text
+    return r
+
+
+def admin(gw: Gateway, path: str, body: dict[str, Any] | None = None) -> httpx.Response:
+    with gw.client(gw.admin_key) as c:
+        return c.post(path, json=body) if body is not None else c.get(path)
+
+
+def first_turn(i: int) -> list[dict[str, str]]:
+    return [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": f"Question number {i}?"}]
+
+
+def test_a_canary_sends_its_share_of_new_conversations_and_later_turns_follow_the_first(
+        two_versions: tuple[Gateway, StubState, StubState]) -> None:
+    gw, _, new = two_versions
+    key = tenant_key(gw, "many")
+    r = admin(gw, "/admin/rollouts", {"tier": "mid", "version": "v2", "share": SHARE, "reason": "new weights"})
+    assert r.status_code == 201, r.text
+
+    def conversation(i: int) -> tuple[str, str]:
+        first = ask(gw, key, first_turn(i))
+        answer = first.json()["choices"][0]["message"]["content"]
+        later = [*first_turn(i), {"role": "assistant", "content": answer}, {"role": "user", "content": "And why?"}]
+        return first.headers["x-tiergate-model-version"], ask(gw, key, later).headers["x-tiergate-model-version"]
+
+    with ThreadPoolExecutor(8) as pool:
+        turns = list(pool.map(conversation, range(CONVERSATIONS)))
+    assert all(first == later for first, later in turns)  # no conversation changes version mid-way
+    on_new = sum(first == "v2" for first, _ in turns)
+    sigma = (CONVERSATIONS * SHARE * (1 - SHARE)) ** 0.5  # binomial: 80 expected, sigma 8
+    assert abs(on_new - CONVERSATIONS * SHARE) <= 3 * sigma, on_new
+    assert len(new.requests) == 2 * on_new  # the candidate's own upstream answered them, and only them
+    assert all(body["model"] == "stub-mid-2" for body in new.requests)
+    rows = [row for row in gw.ledger_rows() if row.tenant == "many"]
+    assert sorted(row.model_version for row in rows) == sorted(v for pair in turns for v in pair)
+    status = admin(gw, "/admin/rollouts").json()["data"][0]
+    assert status["versions"]["v2"] == {"requests": 2 * on_new, "errors": 0}
+    assert status["versions"]["v1"]["requests"] == 2 * (CONVERSATIONS - on_new)
+
+
+def test_named_tenants_promote_rollback_and_the_audit_trail(two_versions: tuple[Gateway, StubState, StubState]) -> None:
+    gw, _, _ = two_versions
+    vip, other = tenant_key(gw, "vip"), tenant_key(gw, "other")
+
+    def versions(key: str) -> set[str]:
+        return {ask(gw, key, first_turn(i)).headers["x-tiergate-model-version"] for i in range(20)}
+
+    assert versions(other) == {"v1"}  # no rollout: the serving version answers
+    assert admin(gw, "/admin/rollouts", {"tier": "mid", "version": "v2", "share": 0.0, "tenants": ["vip"],
+                                         "reason": "vip tries it"}).status_code == 201
+    assert (versions(vip), versions(other)) == ({"v2"}, {"v1"})
+    r = admin(gw, "/admin/rollouts/mid/promote", {"reason": "vip is happy"})
+    assert (r.status_code, r.json()["stage"]) == (200, "full")
+    assert (versions(vip), versions(other)) == ({"v2"}, {"v2"})
+    assert admin(gw, "/admin/rollouts/mid/rollback", {"reason": "errors in v2"}).status_code == 200
+    assert (versions(vip), versions(other)) == ({"v1"}, {"v1"})
+    admin_id = next(k.key_id for k in gw.store.list_keys(None) if k.is_admin)
+    trail = [(e["action"], e["stage"], e["who"], e["reason"]) for e in
+             admin(gw, "/admin/rollouts/history?tier=mid").json()["data"]]
+    assert trail == [("rollback", "rolled_back", admin_id, "errors in v2"),
+                     ("promote", "full", admin_id, "vip is happy"), ("start", "canary", admin_id, "vip tries it")]
+
+
+def test_the_cli_changes_the_rollout_a_running_gateway_follows(
+        two_versions: tuple[Gateway, StubState, StubState]) -> None:
+    gw, _, _ = two_versions
+    key = tenant_key(gw, "clitenant")
+    where = ["--data-dir", str(gw.settings.data_dir), "--tiers", str(gw.settings.tiers_file)]
+    run = CliRunner().invoke(cli, ["rollout", "start", "mid", "v2", "--share", "0", "--tenant", "clitenant",
+                                   "--reason", "from the cli", *where])
+    assert run.exit_code == 0, run.output
+    assert "v2 over v1, canary" in run.output
+    deadline = time.time() + 10  # the gateway follows the store every ROLLOUT_FOLLOW_S
+    while not admin(gw, "/admin/rollouts").json()["data"] and time.time() < deadline:
+        time.sleep(0.1)
+    assert ask(gw, key, first_turn(1)).headers["x-tiergate-model-version"] == "v2"
+    again = CliRunner().invoke(cli, ["rollout", "start", "mid", "v2", "--reason", "twice", *where])
+    assert again.exit_code != 0 and "in progress" in again.output
+    status = CliRunner().invoke(cli, ["rollout", "status", *where])
+    assert "mid: v2 over v1, canary 0.00% + tenants clitenant; last changed by cli (from the cli)" in status.output
+
+
+def test_a_cached_answer_is_never_served_from_another_version(
+        two_versions: tuple[Gateway, StubState, StubState]) -> None:
+    gw, _, new = two_versions
+    messages = [{"role": "user", "content": "What is the capital of France?"}]  # acme's plan caches
+    first = ask(gw, gw.tenant_key, messages)
+    assert (first.headers["x-tiergate-model-version"], first.headers["x-tiergate-cache"]) == ("v1", "miss")
+    assert ask(gw, gw.tenant_key, messages).headers["x-tiergate-cache"] == "hit"
+    admin(gw, "/admin/rollouts", {"tier": "mid", "version": "v2", "tenants": ["acme"], "reason": "acme first"})
+    on_new = ask(gw, gw.tenant_key, messages)
+    assert (on_new.headers["x-tiergate-model-version"], on_new.headers["x-tiergate-cache"]) == ("v2", "miss")
+    assert len(new.requests) == 1  # v2's own upstream answered
+    admin(gw, "/admin/rollouts/mid/rollback", {"reason": "back"})
+    back = ask(gw, gw.tenant_key, messages)
+    assert (back.headers["x-tiergate-model-version"], back.headers["x-tiergate-cache"]) == ("v1", "hit")
+
+
+def test_bad_admin_input_is_refused_and_changes_nothing(two_versions: tuple[Gateway, StubState, StubState]) -> None:
+    gw, _, _ = two_versions
+    assert admin(gw, "/admin/rollouts", {"tier": "mid", "version": "v2", "share": 0.1, "reason": "r"}).status_code \
+        == 201
+    before = (admin(gw, "/admin/rollouts").json(), admin(gw, "/admin/rollouts/history").json())
+    refused = [
+        ("/admin/rollouts", {"tier": "nope", "version": "v2", "reason": "r"}, 404, "tier"),
+        ("/admin/rollouts", {"tier": "full", "version": "v2", "reason": "r"}, 404, "tier"),
+        ("/admin/rollouts", {"tier": "mid", "version": "v9", "reason": "r"}, 404, "version"),
+        ("/admin/rollouts", {"tier": "mid", "version": "v2", "share": 1.5, "reason": "r"}, 400, "share"),
+        ("/admin/rollouts", {"tier": "mid", "version": "v2", "reason": ""}, 400, "reason"),
+        ("/admin/rollouts", {"tier": "mid", "version": "v2", "reason": "again"}, 409, None),
+        ("/admin/rollouts/mid/promote", {"reason": "r", "share": 0.05}, 400, "share"),
+        ("/admin/rollouts/full/pause", {"reason": "r"}, 404, "tier"),
+        ("/admin/rollouts/mid/rollback", {}, 400, "reason"),
+    ]
+    for path, body, status, param in refused:
+        r = admin(gw, path, body)
+        assert r.status_code == status, (path, body, r.text)
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"} and r.json()["error"]["param"] == param
+    with gw.client(gw.tenant_key) as c:  # a tenant's key may not
+        assert c.post("/admin/rollouts/mid/rollback", json={"reason": "r"}).status_code == 403
+    assert (admin(gw, "/admin/rollouts").json(), admin(gw, "/admin/rollouts/history").json()) == before
