@@ -16,13 +16,11 @@ import json
 import sqlite3
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gateway.errors import Unavailable
+from gateway.admin_pool import AdminPool
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS degrade_state (
@@ -171,51 +169,32 @@ class PostgresLadderStore(LadderStore):
     shared_history = True
 
     def __init__(self, url: str) -> None:
-        import psycopg
-        from psycopg_pool import ConnectionPool, PoolTimeout
-
-        from quotas.fleet_db import CONNECT_TIMEOUT_S, connect, migrate
-
-        with connect(url) as conn:
-            migrate(conn, COMPONENT, MIGRATIONS)
-        self._pool = ConnectionPool(url, min_size=1, max_size=1, open=True, timeout=5.0,
-                                    kwargs={"autocommit": True, "connect_timeout": CONNECT_TIMEOUT_S},
-                                    check=ConnectionPool.check_connection, name="ladder")
-        self._unreachable = (psycopg.OperationalError, PoolTimeout)
-
-    @contextmanager
-    def _connection(self) -> Iterator[Any]:
-        try:
-            with self._pool.connection() as conn:
-                yield conn
-        except self._unreachable as exc:
-            raise Unavailable(f"the fleet database cannot be reached: {str(exc).strip()}",
-                              code="database_unavailable", retry_after=2) from exc
+        self._db = AdminPool(url, component=COMPONENT, migrations=MIGRATIONS, name="ladder")
 
     def load(self) -> LadderState:
-        with self._connection() as conn:
+        with self._db.connection() as conn:
             row = conn.execute("SELECT state FROM degrade_state WHERE id = 1").fetchone()
         return LadderState(**json.loads(row[0])) if row else LadderState()
 
     def save(self, state: LadderState, event: DegradeEvent | None = None) -> None:
-        with self._connection() as conn, conn.transaction():
+        with self._db.connection() as conn, conn.transaction():
             conn.execute("INSERT INTO degrade_state(id, state) VALUES (1, %s) ON CONFLICT (id) "
                          "DO UPDATE SET state = excluded.state", (json.dumps(asdict(state)),))
             if event is not None:
                 _append(conn, event)
 
     def append(self, event: DegradeEvent) -> None:
-        with self._connection() as conn:
+        with self._db.connection() as conn:
             _append(conn, event)
 
     def history(self, limit: int = 100) -> list[DegradeEvent]:
-        with self._connection() as conn:
+        with self._db.connection() as conn:
             rows = conn.execute("SELECT ts, from_level, to_level, who, reason, metrics FROM degrade_events "
                                 "ORDER BY ts DESC, id DESC LIMIT %s", (limit,)).fetchall()
         return [DegradeEvent(r[0], r[1], r[2], r[3], r[4], json.loads(r[5])) for r in rows]
 
     def close(self) -> None:
-        self._pool.close()
+        self._db.close()
 
 
 def _append(conn: Any, e: DegradeEvent) -> None:

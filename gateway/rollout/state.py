@@ -13,13 +13,11 @@ import json
 import sqlite3
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from gateway.errors import Unavailable
+from gateway.admin_pool import AdminPool
 
 Stage = Literal["canary", "paused", "full", "rolled_back"]
 RUNNING: frozenset[str] = frozenset({"canary", "paused"})  # a tier with one of these has a rollout in progress
@@ -166,35 +164,16 @@ class PostgresRolloutStore(RolloutStore):
     (the gateway's follower logs it and keeps the rollouts it read last)."""
 
     def __init__(self, url: str) -> None:
-        import psycopg
-        from psycopg_pool import ConnectionPool, PoolTimeout
-
-        from quotas.fleet_db import CONNECT_TIMEOUT_S, connect, migrate
-
-        with connect(url) as conn:
-            migrate(conn, COMPONENT, MIGRATIONS)
-        self._pool = ConnectionPool(url, min_size=1, max_size=1, open=True, timeout=5.0,
-                                    kwargs={"autocommit": True, "connect_timeout": CONNECT_TIMEOUT_S},
-                                    check=ConnectionPool.check_connection, name="rollouts")
-        self._unreachable = (psycopg.OperationalError, PoolTimeout)
-
-    @contextmanager
-    def _connection(self) -> Iterator[Any]:
-        try:
-            with self._pool.connection() as conn:
-                yield conn
-        except self._unreachable as exc:
-            raise Unavailable(f"the fleet database cannot be reached: {str(exc).strip()}",
-                              code="database_unavailable", retry_after=2) from exc
+        self._db = AdminPool(url, component=COMPONENT, migrations=MIGRATIONS, name="rollouts")
 
     def load(self) -> dict[str, Rollout]:
-        with self._connection() as conn:
+        with self._db.connection() as conn:
             rows = conn.execute("SELECT tier, state FROM rollouts").fetchall()
         return {tier: _rollout(state) for tier, state in rows}
 
     def save(self, rollout: Rollout, event: RolloutEvent) -> bool:
         state = json.dumps(asdict(rollout))
-        with self._connection() as conn, conn.transaction():
+        with self._db.connection() as conn, conn.transaction():
             if rollout.revision == 1:
                 done = conn.execute("INSERT INTO rollouts(tier, revision, state) VALUES (%s, 1, %s) "
                                     "ON CONFLICT (tier) DO NOTHING", (rollout.tier, state)).rowcount
@@ -208,13 +187,13 @@ class PostgresRolloutStore(RolloutStore):
 
     def history(self, tier: str | None = None, limit: int = 100) -> list[RolloutEvent]:
         where, args = ("WHERE tier = %s", (tier,)) if tier is not None else ("", ())
-        with self._connection() as conn:
+        with self._db.connection() as conn:
             rows = conn.execute(f"SELECT event FROM rollout_events {where} ORDER BY ts DESC, id DESC LIMIT %s",
                                 (*args, limit)).fetchall()
         return [_event(r[0]) for r in rows]
 
     def close(self) -> None:
-        self._pool.close()
+        self._db.close()
 
 
 COMPONENT = "rollouts"
