@@ -64,20 +64,23 @@ class Served:
 
 
 @contextmanager
-def served(mode: str, models_dir: Path) -> Iterator[Served]:
-    """`tiergate serve` on a free port with full and mid, the plan above, and the answer cache off."""
+def served(mode: str, models_dir: Path, *, plans: str = PLANS, ladder: str | None = None) -> Iterator[Served]:
+    """`tiergate serve` on a free port with full and mid, `plans` (the plan above by default), the answer cache off,
+    and `ladder` as the degradation ladder's file when given (the shipped one otherwise)."""
     with tempfile.TemporaryDirectory(prefix="tiergate-colocated-") as tmp:
         data = Path(tmp)
         tiers = yaml.safe_load((ROOT / "tiers" / "tiers.yaml").read_text())
         tiers["tiers"].pop("small")
         (data / "tiers.yaml").write_text(yaml.safe_dump(tiers))
-        (data / "plans.yaml").write_text(PLANS)
+        (data / "plans.yaml").write_text(plans)
+        if ladder is not None:
+            (data / "ladder.yaml").write_text(ladder)
         port = free_port()
         env = os.environ | MODES[mode] | {
             "TIERGATE_MODELS_DIR": str(models_dir), "TIERGATE_DATA_DIR": str(data / "data"),
             "TIERGATE_PORT": str(port), "TIERGATE_TIERS_FILE": str(data / "tiers.yaml"),
             "TIERGATE_PLANS_FILE": str(data / "plans.yaml"), "TIERGATE_BUILD_MISSING_MODELS": "0",
-            "TIERGATE_CACHE_ENABLED": "0"}
+            "TIERGATE_CACHE_ENABLED": "0"} | ({"TIERGATE_LADDER_FILE": str(data / "ladder.yaml")} if ladder else {})
         with tiergate_serve(env, ready_timeout_s=600) as started:
             yield Served(f"http://127.0.0.1:{port}", started.demo_key, started.admin_key, started.output)
 

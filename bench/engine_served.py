@@ -28,7 +28,6 @@ import asyncio
 import json
 import os
 import platform
-import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -37,11 +36,9 @@ from pathlib import Path
 
 import httpx
 import psutil
-import yaml
 
-from bench.serve_gateway import free_port, tiergate_serve
+from bench import colocated_tiers
 
-ROOT = Path(__file__).resolve().parents[1]
 MODELS_DIR = Path.home() / ".local/share/tiergate/models"
 PLANS = """
 default_plan: bench
@@ -76,24 +73,11 @@ def engine_urls() -> dict[str, str]:
 
 @contextmanager
 def served(models_dir: Path) -> Iterator[Target]:
-    with tempfile.TemporaryDirectory(prefix="tiergate-engine-served-") as tmp:
-        data = Path(tmp)
-        tiers = yaml.safe_load((ROOT / "tiers" / "tiers.yaml").read_text())
-        tiers["tiers"].pop("small")
-        (data / "tiers.yaml").write_text(yaml.safe_dump(tiers))
-        (data / "plans.yaml").write_text(PLANS)
-        (data / "ladder.yaml").write_text(LADDER)
-        port = free_port()
-        env = os.environ | {
-            "TIERGATE_MODELS_DIR": str(models_dir), "TIERGATE_DATA_DIR": str(data / "data"),
-            "TIERGATE_PORT": str(port), "TIERGATE_TIERS_FILE": str(data / "tiers.yaml"),
-            "TIERGATE_PLANS_FILE": str(data / "plans.yaml"), "TIERGATE_BUILD_MISSING_MODELS": "0",
-            "TIERGATE_CACHE_ENABLED": "0", "TIERGATE_LADDER_FILE": str(data / "ladder.yaml")}
-        with tiergate_serve(env, ready_timeout_s=600) as started:
-            engines = engine_urls()
-            if set(engines) != {"full", "mid"}:
-                raise RuntimeError(f"expected the engines of full and mid, found {engines}")
-            yield Target(f"http://127.0.0.1:{port}", started.demo_key, engines)
+    with colocated_tiers.served("budget", models_dir, plans=PLANS, ladder=LADDER) as s:
+        engines = engine_urls()
+        if set(engines) != {"full", "mid"}:
+            raise RuntimeError(f"expected the engines of full and mid, found {engines}")
+        yield Target(s.url, s.key, engines)
 
 
 async def one_stream(c: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int,
