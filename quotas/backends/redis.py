@@ -35,7 +35,8 @@ from quotas.limits import WINDOW_S, Decision, ReservationRequest, Spend, Usage
 
 log = logging.getLogger("tiergate.quotas")
 
-RESERVE_ATTEMPTS = 3  # each bounded by the call timeout; the script is idempotent per request id
+RESERVE_ATTEMPTS = 3  # tries at least, each bounded by the call timeout; the script is idempotent per request id
+RESERVE_RETRY_S = 0.5  # ... and more while this long has not passed since the first (a busy loop, not an outage)
 CANCEL_ATTEMPTS = 20  # undoing a reservation whose answer was lost, once a second until Redis answers
 SETTLE_BACKOFF_S = (0.05, 5.0)  # first and longest wait between a failed settle's retries
 DONE_MARGIN_S = 300  # a settled reservation's tombstone outlives the settle's retries by this much
@@ -71,7 +72,7 @@ class RedisBackend(QuotaBackend):
 
     def __init__(self, url: str, *, timeout_s: float = 0.05, prefix: str = "tg", max_connections: int = 64,
                  pool_wait_s: float = 2.0, settle_retry_s: float = 600.0, replica_ttl_s: float = 30.0,
-                 reap_claim_s: float = 30.0) -> None:
+                 reap_claim_s: float = 30.0, reserve_retry_s: float = RESERVE_RETRY_S) -> None:
         # a bounded pool that makes callers wait for a connection: a burst of requests queues here instead
         # of opening thousands of sockets, and is not mistaken for Redis being down
         pool = aioredis.BlockingConnectionPool.from_url(
@@ -80,6 +81,7 @@ class RedisBackend(QuotaBackend):
         self.redis = aioredis.Redis(connection_pool=pool)
         self.prefix = prefix
         self.settle_retry_s = settle_retry_s
+        self.reserve_retry_s = reserve_retry_s
         self.replica_ttl_s = replica_ttl_s
         self.reap_claim_s = reap_claim_s
         self.replica_id = uuid.uuid4().hex[:16]
@@ -119,18 +121,22 @@ class RedisBackend(QuotaBackend):
             keys += [f"{base}:rpm", f"{base}:tpm", f"{base}:tpmv", f"{base}:tpmsum", f"{base}:inflight"]
             args += [base, _limit(lim.rpm), _limit(lim.tpm), _limit(lim.max_concurrent),
                      _limit(lim.budget_day_pico), _limit(lim.budget_month_pico)]
-        for attempt in range(RESERVE_ATTEMPTS):
+        started, attempt = time.monotonic(), 0
+        while True:
+            attempt += 1
             try:
                 out = await self._scripts["reserve"](keys=keys, args=args)
                 break
             except RedisError as exc:
                 error = backend_error(exc)
-                if isinstance(exc, RedisTimeout) and attempt < RESERVE_ATTEMPTS - 1:
+                if isinstance(exc, RedisTimeout) and (attempt < RESERVE_ATTEMPTS
+                                                      or time.monotonic() - started < self.reserve_retry_s):
                     continue  # the script may have run: retrying with the same id is safe
                 if not error.back_pressure:
                     # it may have run (a timeout; a connection that closed before the answer): the caller
-                    # answers 503 or admits it on the fallback, so what Redis may hold for it is undone
-                    self._spawn(self._cancel_lost(req))
+                    # answers 503 or admits it on the fallback, so what Redis may hold for it is undone,
+                    # before the answer where Redis lets us (the client's retry then finds its slot free)
+                    await self._cancel_lost(req)
                 raise error from exc
         return _decision(req, out)
 
@@ -184,12 +190,20 @@ class RedisBackend(QuotaBackend):
                   self.settle_retry_s)
 
     async def _cancel_lost(self, req: ReservationRequest) -> None:
+        """One try now; if Redis does not answer, once a second in the background."""
+        try:
+            await self.cancel(req)
+        except QuotaBackendError:
+            self._spawn(self._retry_cancel(req))
+
+    async def _retry_cancel(self, req: ReservationRequest) -> None:
         for _ in range(CANCEL_ATTEMPTS):
+            await asyncio.sleep(1.0)
             try:
                 await self.cancel(req)
                 return
             except QuotaBackendError:
-                await asyncio.sleep(1.0)
+                pass
         log.warning("could not undo reservation %s after a timeout: its lease's reaper returns it",
                     req.request_id)
 
