@@ -20,6 +20,11 @@ class TenantPolicy:
     similarity_threshold: float = 0.8  # cosine a semantic candidate must reach before the guards see it
     ttl_s: float | None = 86_400.0  # None: entries live until evicted, purged or reclaimed
     pure_tools: frozenset[str] = frozenset()  # tools declared free of side effects; others make a request uncacheable
+    # the error bound (cache/error_bound.py): the share of wrong semantic hits allowed (None: the static threshold
+    # and the guards alone decide), and the share of semantic hits checked against a fresh answer to learn it
+    max_error_rate: float | None = None
+    shadow_rate: float = 0.0
+    threshold_delta: float = 0.0  # the ladder's change to whichever threshold applies (learned or static)
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +44,7 @@ class Hit:
     kind: Literal["exact", "semantic"]
     similarity: float  # 1.0 for exact hits
     status: Literal["hit"] = "hit"
+    shadow: bool = False  # sampled for a check against a fresh answer (the error bound's evidence)
 
     @property
     def response(self) -> str:
@@ -56,6 +62,16 @@ class Hit:
 
 
 @dataclass(frozen=True, slots=True)
+class Near:
+    """The nearest candidate the guards accepted, below the learned threshold: the tier answers the request, and
+    its answer tells whether serving this one would have been right."""
+
+    tenant: str
+    similarity: float
+    response: str
+
+
+@dataclass(frozen=True, slots=True)
 class Miss:
     """The request may use the cache, but nothing valid was found (`reason` says what came closest)."""
 
@@ -63,6 +79,7 @@ class Miss:
     best_similarity: float | None = None
     status: Literal["miss"] = "miss"
     probe: Probe | None = field(default=None, repr=False, compare=False)  # for `SemanticCache.remember`
+    near: Near | None = field(default=None, repr=False, compare=False)  # to label against the fresh answer
 
     def headers(self) -> dict[str, str]:
         return {"x-tiergate-cache": "miss"}

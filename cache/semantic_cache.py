@@ -26,6 +26,7 @@ tools; all calls are thread-safe.
 from __future__ import annotations
 
 import asyncio
+import random
 import threading
 import time
 import uuid
@@ -36,11 +37,12 @@ import numpy as np
 
 from cache import guards
 from cache.embedder import Embedder
+from cache.error_bound import TenantBounds, same_answer
 from cache.index import PartitionedIndex
 from cache.pending import PendingWrites
 from cache.recent import RecentEntries
 from cache.request_key import conversation_chars, decide, request_key
-from cache.results import Bypass, CacheStats, Hit, LookupResult, Miss, Probe, TenantPolicy
+from cache.results import Bypass, CacheStats, Hit, LookupResult, Miss, Near, Probe, TenantPolicy
 from cache.scope import CacheScope
 from cache.store import CacheStore, Entry
 from cache.vectors import SEMANTIC_MAX_CHARS, TurnVectors
@@ -91,6 +93,7 @@ class SemanticCache:
         self._lock = threading.Lock()  # guards the index, the reclaim rules and the pending writes' fate
         self.pending = PendingWrites()  # answers remembered, not yet written: this process serves them
         self.recent = RecentEntries()  # answers written or found lately: exact hits without a store round trip
+        self.bounds = TenantBounds()  # each tenant's learned semantic threshold (cache/error_bound.py)
         self._stale_data: dict[str, tuple[str, float]] = {}  # tenant -> (current data version, bumped at)
         self._stale_models: set[str] = set()  # retired model versions
         self.sync_interval_s = sync_interval_s  # how often lookups apply other processes' writes (shared stores)
@@ -180,23 +183,51 @@ class SemanticCache:
             candidates = self.index.search(plan.partition, vector, self.top_k)
         if not candidates:
             return self._miss("no entry", probe=plan.probe(vector))
+        policy = plan.policy
+        bound = self.bounds.get(plan.scope.tenant, policy.max_error_rate, policy.similarity_threshold)
+        threshold = policy.similarity_threshold if bound is None else bound.threshold(policy.similarity_threshold)
+        threshold += policy.threshold_delta
+        floor = threshold if bound is None else min(threshold, bound.floor)  # near misses to label, down to here
         best = candidates[0][1]
-        refusal = f"below threshold (best {best:.3f})"
+        refusal, near = f"below threshold (best {best:.3f})", None
         for entry_id, similarity in candidates:
-            if similarity < plan.policy.similarity_threshold or similarity < best - self.fallback_margin:
+            if similarity < floor or similarity < best - self.fallback_margin:
                 break
             entry = self.entries.get(entry_id)
             if entry is None or not self._alive(entry, plan.now):
                 continue
             reason = guards.check(plan.key.last_user_text, entry.semantic_text)
-            if reason is None:
-                self.entries.touch(entry.entry_id, plan.now)
-                self.stats.semantic_hits += 1
-                return Hit(entry, "semantic", similarity)
-            self.stats.refused[reason] = self.stats.refused.get(reason, 0) + 1
-            if refusal.startswith("below"):
-                refusal = f"refused near miss: {reason} ({similarity:.3f})"
-        return self._miss(refusal, best, probe=plan.probe(vector))
+            if reason is not None:
+                self.stats.refused[reason] = self.stats.refused.get(reason, 0) + 1
+                if refusal.startswith("below"):
+                    refusal = f"refused near miss: {reason} ({similarity:.3f})"
+                continue
+            if similarity < threshold:  # the tier answers; its answer labels this candidate for the bound
+                near = Near(plan.scope.tenant, similarity, entry.response)
+                break
+            self.entries.touch(entry.entry_id, plan.now)
+            self.stats.semantic_hits += 1
+            return Hit(entry, "semantic", similarity, shadow=bound is not None and random.random() < policy.shadow_rate)
+        return self._miss(refusal, best, probe=plan.probe(vector), near=near)
+
+    def label(self, result: LookupResult, policy: TenantPolicy, fresh: str) -> bool | None:
+        """Compare the tier's fresh answer with the candidate the lookup found (a near miss below the learned
+        threshold, or a semantic hit sampled for a shadow check) and teach the tenant's bound. Returns whether
+        the candidate was right (None: nothing to label)."""
+        if isinstance(result, Miss) and result.near is not None:
+            near = result.near
+            tenant, similarity, cached, weight, hit = near.tenant, near.similarity, near.response, 1.0, False
+        elif isinstance(result, Hit) and result.shadow and policy.shadow_rate > 0:
+            tenant, similarity, cached = result.entry.tenant, result.similarity, result.response
+            weight, hit = 1.0 / policy.shadow_rate, True
+        else:
+            return None
+        bound = self.bounds.get(tenant, policy.max_error_rate, policy.similarity_threshold)
+        if bound is None:
+            return None
+        right = same_answer(cached, fresh)
+        self.bounds.observe(bound, similarity, right, weight=weight, hit=hit)
+        return right
 
     # -- store ----------------------------------------------------------------------------------------
 
@@ -396,7 +427,8 @@ class SemanticCache:
         self.stats.bypasses += 1
         return Bypass(reason)
 
-    def _miss(self, reason: str, best: float | None = None, *, probe: Probe | None = None) -> Miss:
+    def _miss(self, reason: str, best: float | None = None, *, probe: Probe | None = None,
+              near: Near | None = None) -> Miss:
         self.stats.misses += 1
-        return Miss(reason, best, probe=probe)
+        return Miss(reason, best, probe=probe, near=near)
 

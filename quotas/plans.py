@@ -50,6 +50,11 @@ class CachePlan(BaseModel):
     ttl_s: Annotated[float, Field(gt=0)] | None = 86_400.0
     isolate_users: bool = False  # entries are per end user (the request's `user`), not shared in the tenant
     hit_price_per_1k: Annotated[Decimal, Field(ge=0)] = Decimal("0")  # a hit's price per 1K tokens
+    # the share of semantic hits allowed to be wrong: the threshold is learned from the tenant's traffic to hold
+    # it (cache/error_bound.py); null: the static threshold and the near-miss guards alone decide
+    max_error_rate: Annotated[float, Field(gt=0, lt=1)] | None = 0.01
+    # the share of semantic hits also sent to the tier, off the response's path and billed to us, to check them
+    shadow_check_rate: Annotated[float, Field(ge=0, le=1)] = 0.05
 
     @field_validator("hit_price_per_1k", mode="before")
     @classmethod

@@ -98,6 +98,8 @@ class CacheStage:
             return
         if shaped_answer(applied) or outcome.tool_calls:  # the store keeps text: a tool call would lose its calls
             return
+        if lookup.policy is not None and lookup.result.near is not None:  # a near miss's label, for the bound
+            self.cache.label(lookup.result, lookup.policy, outcome.text)
         usage = {"prompt_tokens": outcome.input_tokens, "completion_tokens": outcome.output_tokens,
                  "finish_reason": outcome.finish_reason}
         entry = self.cache.remember(lookup.scope, lookup.body, outcome.text, usage, headers=lookup.headers,
@@ -130,8 +132,9 @@ class CacheStage:
         c = ctx.plan.cache
         delta = degr.semantic_threshold_delta
         applied = (f"semantic_threshold_delta({delta})",) if delta and c.semantic else ()
-        return TenantPolicy(enabled=c.enabled, semantic=c.semantic, similarity_threshold=c.similarity_threshold + delta,
-                            ttl_s=c.ttl_s), applied
+        return TenantPolicy(enabled=c.enabled, semantic=c.semantic, similarity_threshold=c.similarity_threshold,
+                            ttl_s=c.ttl_s, max_error_rate=c.max_error_rate, shadow_rate=c.shadow_check_rate,
+                            threshold_delta=delta), applied
 
     def _scope(self, ctx: RequestContext, req: ChatCompletionRequest, tier: TierSpec,
                body: Mapping[str, Any]) -> CacheScope:
