@@ -20,10 +20,10 @@ Money = Annotated[Decimal, Field(ge=0, max_digits=18, decimal_places=12)]
 Dialect = Literal["openai", "vllm", "vllm-priority", "tiergate"]
 VERSION_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 CONTINUOUS_USAGE: frozenset[str] = frozenset({"vllm", "vllm-priority", "tiergate"})
+PRIORITY: frozenset[str] = frozenset({"vllm-priority", "tiergate"})
 # What a version of a local tier may not change: where a remote server is and how to talk to it (a local version
 # runs its own engine, which speaks `tiergate`)
 REMOTE_VERSION_FIELDS = ("urls", "api_key_env", "dialect")
-PRIORITY: frozenset[str] = frozenset({"vllm-priority", "tiergate"})
 
 
 class DistillSpec(BaseModel):
