@@ -21,6 +21,9 @@ Dialect = Literal["openai", "vllm", "vllm-priority", "tiergate"]
 VERSION_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 CONTINUOUS_USAGE: frozenset[str] = frozenset({"vllm", "vllm-priority", "tiergate"})
 PRIORITY: frozenset[str] = frozenset({"vllm-priority", "tiergate"})
+# What a version of a local tier may not change: where a remote server is and how to talk to it (a local version
+# runs its own engine, which speaks `tiergate`)
+REMOTE_VERSION_FIELDS = ("urls", "api_key_env", "dialect")
 
 
 class DistillSpec(BaseModel):
@@ -48,7 +51,9 @@ class DistillSpec(BaseModel):
 
 class TierVersion(BaseModel):
     """One version of a tier (`versions:` in tiers.yaml): a name and the fields that differ from the tier's; every
-    field left out is the tier's. A field given as `null` is overridden to null (`quantize: null`)."""
+    field left out is the tier's. A field given as `null` is overridden to null (`quantize: null`). A version of a
+    local tier runs engines of its own (model, precision, engine flags, `cores` weight); one of a remote tier points
+    at its own servers (`urls`, `api_key_env`, `dialect`)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -65,6 +70,7 @@ class TierVersion(BaseModel):
     kv_cache_dtype: Literal["auto", "bf16"] | None = None
     threads: Annotated[int, Field(ge=1)] | None = None
     tokenizer: str | None = None
+    cores: Annotated[float, Field(gt=0, le=1024)] | None = None
 
     def overrides(self) -> dict[str, object]:
         """The fields this version sets (what it changes about the tier)."""
@@ -156,10 +162,13 @@ class TierSpec(BaseModel):
                              f"{', '.join(names)})")
         if self.serving not in names:
             raise ValueError(f"serving: {self.serving!r} is not one of the tier's versions ({', '.join(names)})")
-        if self.backend != "openai":
-            raise ValueError("versions of a local tier are not supported yet; declare them on a remote (openai) tier")
         base = self.model_dump(exclude={"versions", "serving", "name"})
         for v in self.versions:
+            if self.backend == "local" and (remote := [f for f in REMOTE_VERSION_FIELDS if f in v.model_fields_set]):
+                fields = ", ".join(f"`{f}`" for f in remote)
+                raise ValueError(f"version {v.name!r}: {fields} belong to a remote tier's version; a local tier's "
+                                 "versions run engines of their own (they may change model, quantize, dtype, "
+                                 "kv_cache_bytes, kv_cache_dtype, max_num_seqs, threads, cores, tokenizer, tools)")
             try:
                 spec = TierSpec.model_validate(base | v.overrides())
             except ValidationError as exc:

@@ -44,13 +44,14 @@ class PublishedReplica:
 @dataclass(frozen=True)
 class Published:
     core_budget: list[int] | None  # the CPUs the engines were planned on (None: the budget is off)
-    replicas: dict[tuple[str, int], PublishedReplica]  # (tier, replica index) -> its engine
+    # (tier, replica index) -> its engine; a version other than the serving one's replicas are "tier@version"
+    replicas: dict[tuple[str, int], PublishedReplica]
 
 
 def engines_document(core_budget: Iterable[int] | None, engines: Iterable[EngineProcess]) -> dict[str, Any]:
     """What the parent publishes about the engines it supervises."""
     return {"core_budget": None if core_budget is None else list(core_budget),
-            "replicas": [{"tier": e.spec.name, "index": e.replica.index, "url": e.replica.url,
+            "replicas": [{"tier": e.replica.tier, "index": e.replica.index, "url": e.replica.url,
                           "instance": e.instance, "status": e.replica.status, "reason": e.replica.reason,
                           "restarts": e.replica.restarts} for e in engines]}
 

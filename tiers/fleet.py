@@ -14,6 +14,10 @@ every core: one group).
 With `tiergate serve --workers N` the gateway keeps N cores by default (the workers run there), and only the
 parent process supervises engines: it publishes them (tiers/engines_file.py) and each worker's Fleet follows
 that file (`engines_file`), planning the same core shares from the budget the parent published.
+
+A tier with `versions` has replicas for each version; the serving version's are `replicas[tier]`, another's are
+named `tier@version`. Every version of a local tier runs engines of its own, all started and kept warm (a
+rollback never waits for a model to load), and all counted in the core split like any other replica.
 """
 
 from __future__ import annotations
@@ -111,52 +115,57 @@ class Fleet:
             core_budget = published.core_budget
         budget = host_core_budget() if core_budget is True else core_budget
         self.core_budget = None if budget is None else list(budget)
-        self.core_shares = self._plan(budget, quiet=engines_file is not None)  # (tier, index) -> its share
-        followed: list[Replica] = []
+        local: list[tuple[TierSpec, Replica]] = []  # every local engine: its version's spec and its replica
         for spec in catalogue.tiers.values():
-            if spec.backend == "local":
-                reps = [Replica(spec.name, i) for i in range(spec.replicas)]
-                if engines_file is not None:
-                    followed += reps
+            for variant in sorted(spec.variants.values() or [spec], key=lambda v: v is not spec):  # serving first
+                label = spec.name if variant is spec else f"{spec.name}@{variant.version_name}"
+                if spec.backend == "local":
+                    reps = [Replica(label, i) for i in range(variant.replicas)]
+                    local += [(variant, r) for r in reps]
                 else:
-                    self._engines += [EngineProcess(spec, r, models_dir=models_dir, log_dir=log_dir, client=client,
-                                                    start_timeout_s=start_timeout_s,
-                                                    cores=self.core_shares.get((spec.name, r.index))) for r in reps]
-            else:
-                reps = [Replica(spec.name, i, url=u) for i, u in enumerate(spec.urls)]
-            self.replicas[spec.name] = reps
-            for version, variant in spec.variants.items():  # remote only (the catalogue refuses local versions)
-                if version != spec.version_name:
-                    self.version_replicas[(spec.name, version)] = [
-                        Replica(f"{spec.name}@{version}", i, url=u) for i, u in enumerate(variant.urls)]
-            for rep in reps + [r for (t, _), vreps in self.version_replicas.items() if t == spec.name for r in vreps]:
-                rep.breaker.on_change = _log_breaker(rep)
-        if engines_file is not None:
-            self._follower = EngineFollower(engines_file, followed, client)
+                    reps = [Replica(label, i, url=u) for i, u in enumerate(variant.urls)]
+                if variant is spec:
+                    self.replicas[spec.name] = reps
+                else:
+                    self.version_replicas[(spec.name, variant.version_name or "")] = reps
+                for rep in reps:
+                    rep.breaker.on_change = _log_breaker(rep)
+        self._local_tier = {rep.tier: variant.name for variant, rep in local}  # replica label -> its tier
+        # (label, index) -> its share: every version's engines count, so versions never oversubscribe the cores
+        self.core_shares = self._plan(local, budget, quiet=engines_file is not None)
+        if engines_file is None:
+            self._engines = [EngineProcess(variant, rep, models_dir=models_dir, log_dir=log_dir, client=client,
+                                           start_timeout_s=start_timeout_s,
+                                           cores=self.core_shares.get((rep.tier, rep.index))) for variant, rep in local]
+        else:
+            self._follower = EngineFollower(engines_file, [rep for _, rep in local], client)
         self.affinity = AffinityMap()
         self.hardware_groups = self._groups(budget is not None)
 
-    def _plan(self, budget: Sequence[int] | None, *, quiet: bool = False) -> dict[tuple[str, int], CoreShare]:
-        """Split the budget among local replicas, dearest tier first, and say how in the log (unless `quiet`:
-        the process that supervises the engines says it)."""
+    def _plan(self, local: Sequence[tuple[TierSpec, Replica]], budget: Sequence[int] | None, *,
+              quiet: bool = False) -> dict[tuple[str, int], CoreShare]:
+        """Split the budget among the local replicas (every version's), dearest tier first, each tier's serving
+        version before its others, and say how in the log (unless `quiet`: the process that supervises the engines
+        says it)."""
         if budget is None:
             if not quiet:
                 log.info("core budget off: local engines run unpinned, with torch's own thread counts")
             return {}
-        local = [(spec, i) for spec in reversed(self.catalogue.by_price()) if spec.backend == "local"
-                 for i in range(spec.replicas)]
-        shares = plan_cores([(f"{spec.name}/{i}", spec.cores or 1.0) for spec, i in local], budget)
-        plan = {(spec.name, i): share for (spec, i), share in zip(local, shares, strict=True)}
-        for (tier, i), share in plan.items() if not quiet else ():
+        rank = {spec.name: i for i, spec in enumerate(reversed(self.catalogue.by_price()))}
+        ordered = sorted(local, key=lambda vr: rank[vr[0].name])  # stable: serving version, then declared order
+        shares = plan_cores([(f"{rep.tier}/{rep.index}", variant.cores or 1.0) for variant, rep in ordered], budget)
+        plan = {(rep.tier, rep.index): share for (_, rep), share in zip(ordered, shares, strict=True)}
+        for (label, i), share in plan.items() if not quiet else ():
             level = logging.WARNING if share.shared_with else logging.INFO
             also = f", shared with {', '.join(share.shared_with)} (more replicas than cores)" \
                 if share.shared_with else ""
-            log.log(level, "tier %s replica %d: cores %s, %d threads%s", tier, i,
+            log.log(level, "tier %s replica %d: cores %s, %d threads%s", label, i,
                     ",".join(map(str, share.cores)), share.threads, also)
         return plan
 
     def _groups(self, budgeted: bool) -> dict[str, str]:
-        """Local tier -> its hardware group: tiers whose engines share cores (or a device) are in one."""
+        """Local tier -> its hardware group: tiers whose engines (any version's) share cores (or a device) are in
+        one."""
         local = [spec for spec in self.catalogue.tiers.values() if spec.backend == "local"]
         groups = {spec.name: f"device:{spec.device}" for spec in local if spec.device != "cpu"}
         cpu = [spec.name for spec in local if spec.device == "cpu"]
@@ -170,7 +179,8 @@ class Fleet:
             return name
 
         owner: dict[int, str] = {}
-        for (tier, _), share in self.core_shares.items():
+        for (label, _), share in self.core_shares.items():
+            tier = self._local_tier[label]
             if tier not in parent:
                 continue
             for core in share.cores:
@@ -183,7 +193,7 @@ class Fleet:
         return groups | {name: "cpu:" + "+".join(sorted(members[root(name)])) for name in cpu}
 
     async def start(self) -> None:
-        self._tasks = [asyncio.create_task(e.run(), name=f"engine-{e.spec.name}-{e.replica.index}")
+        self._tasks = [asyncio.create_task(e.run(), name=f"engine-{e.replica.tier}-{e.replica.index}")
                        for e in self._engines]
         if self._follower is not None:
             self._tasks.append(asyncio.create_task(self._follower.run(), name="engines-followed"))
@@ -233,8 +243,11 @@ class Fleet:
 
     def max_kv_utilisation(self) -> float:
         """The fullest engine KV cache among healthy local replicas (0 to 1), as their /health reports it."""
-        return max((r.stats.get("kv_utilisation", 0.0) for reps in self.replicas.values() for r in reps
-                    if r.healthy), default=0.0)
+        return max((r.stats.get("kv_utilisation", 0.0) for r in self._every_replica() if r.healthy), default=0.0)
+
+    def _every_replica(self) -> list[Replica]:
+        """Every replica of every version of every tier."""
+        return [r for reps in (*self.replicas.values(), *self.version_replicas.values()) for r in reps]
 
     def num_tiers_down(self) -> int:
         """Tiers with no healthy replica and one failing (not first starting, not waiting for its model)."""
@@ -278,14 +291,14 @@ class Fleet:
     def _version_status(self, variant: TierSpec) -> dict[str, Any]:
         reps = self.replicas_of(variant)
         ready = sum(r.healthy for r in reps)
-        return {"ready": ready > 0, "replicas_ready": ready, "replicas": [r.public() for r in reps],
-                "model": variant.model}
+        return {"ready": ready > 0, "replicas_ready": ready, "replicas": [r.public() | self._cores_of(r) for r in reps],
+                "model": variant.model, "quantize": variant.quantize, "dtype": variant.dtype}
 
     def _cores_of(self, rep: Replica) -> dict[str, object]:
         share = self.core_shares.get((rep.tier, rep.index))
         if share is not None:
             return share.public()
-        if self.catalogue.tiers[rep.tier].backend == "local":
+        if rep.tier in self._local_tier:
             return {"cores": "all (core budget off)"}
         return {}
 

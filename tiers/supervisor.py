@@ -1,4 +1,5 @@
-"""Spawns and watches local engine processes, one per tier replica, restarting a crashed one with backoff.
+"""Spawns and watches local engine processes, one per tier replica (of each version of a tier with versions),
+restarting a crashed one with backoff.
 
 An engine crash is a tier outage (its replica turns unhealthy and the router goes around it), never a
 gateway crash. A tier whose model is not built yet (the distilled student) waits, marked unavailable,
@@ -129,7 +130,8 @@ class EngineProcess:
         self.spec = spec
         self.replica = replica
         self.models_dir = models_dir
-        self.log_path = log_dir / f"engine-{spec.name}-{replica.index}.log"
+        self.label = replica.tier  # the tier's name, with `@version` for a version other than the serving one
+        self.log_path = log_dir / f"engine-{self.label}-{replica.index}.log"
         self.client = client
         self.start_timeout_s = start_timeout_s
         self.health_every_s = health_every_s
@@ -199,7 +201,7 @@ class EngineProcess:
             self.replica.restarts += 1
             why = self._kill_reason or f"engine exited with code {rc}"
             self.replica.mark("down", f"{why}; restarting in {backoff:.0f}s")
-            log.warning("tier %s replica %d: %s; restart %d in %.0fs (log: %s)", self.spec.name,
+            log.warning("tier %s replica %d: %s; restart %d in %.0fs (log: %s)", self.label,
                         self.replica.index, why, self.replica.restarts, backoff, self.log_path)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, BACKOFF_MAX_S)
@@ -255,7 +257,7 @@ class EngineProcess:
                 failures = 0
                 if not self.replica.healthy or self.replica.reason:
                     if not ready_once:
-                        log.info("tier %s replica %d ready at %s", self.spec.name, self.replica.index,
+                        log.info("tier %s replica %d ready at %s", self.label, self.replica.index,
                                  self.replica.url)
                     self.replica.mark("ready", "")
                 ready_once = True
@@ -268,14 +270,14 @@ class EngineProcess:
                     self._kill(proc, f"{failures} health probes failed in a row (last: {problem})")
                 else:
                     log.warning("tier %s replica %d: health probe failed (%d of %d before a restart): %s",
-                                self.spec.name, self.replica.index, failures, self.failures_to_kill, problem)
+                                self.label, self.replica.index, failures, self.failures_to_kill, problem)
                     self.replica.mark("ready", f"health probe failed ({failures} of {self.failures_to_kill} "
                                                f"before a restart): {problem}")
             await asyncio.wait([waiter], timeout=self.health_every_s)
         await waiter
 
     def _kill(self, proc: asyncio.subprocess.Process, reason: str) -> None:
-        log.error("tier %s replica %d: %s; killing it", self.spec.name, self.replica.index, reason)
+        log.error("tier %s replica %d: %s; killing it", self.label, self.replica.index, reason)
         self._kill_reason = f"engine killed: {reason}"
         self.replica.mark("down", self._kill_reason)
         with contextlib.suppress(ProcessLookupError):
