@@ -63,8 +63,9 @@ def serve(host: str | None, port: int | None, tiers_file: Path | None, plans_fil
         catalogue, plans = load_config(settings)
     except ConfigFileError as exc:
         raise click.ClickException(str(exc)) from exc
-    sources = {t.model for t in catalogue.tiers.values() if t.backend == "local"}
-    sources |= {tokenizer_source(t) for t in catalogue.tiers.values()}
+    versions = [v for t in catalogue.tiers.values() for v in (t.variants.values() or [t])]  # every version runs
+    sources = {v.model for v in versions if v.backend == "local"}
+    sources |= {tokenizer_source(v) for v in versions}
     for source in sorted(sources):
         if source in BUILTIN_MODELS and not is_prepared(source, settings.resolved_models_dir):
             # a child process, so the gateway itself never imports torch
