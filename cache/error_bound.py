@@ -61,6 +61,7 @@ def wilson_upper(errors: float, n: float, z: float = Z) -> float:
 class BoundState:
     """What the bound says now, for metrics and the admin's tenant report."""
 
+    max_error_rate: float
     threshold: float | None  # None: too few labels yet, the static threshold decides; inf: no semantic hits
     labels: int  # in the window
     estimated_error: float | None  # of the hits shadow-checked in the window (None: none checked yet)
@@ -111,7 +112,7 @@ class ErrorBound:
         checked = self._labels[:self._count][self._labels[:self._count, 3] > 0]
         total = checked[:, 2].sum()
         error = float((checked[:, 1] * checked[:, 2]).sum() / total) if total else None
-        return BoundState(self._threshold, self._count, error, len(checked))
+        return BoundState(self.max_error_rate, self._threshold, self._count, error, len(checked))
 
     def _search(self) -> float:
         """The lowest similarity whose labels at or above it keep the bound (NEVER when none does)."""

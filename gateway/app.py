@@ -14,6 +14,7 @@ from litestar.datastructures import State
 from litestar.di import Provide
 
 from cache import SemanticCache, default_embedder, open_cache_store
+from gateway.cache_bound_metrics import CacheBoundCollector
 from gateway.config_files import load_yaml
 from gateway.embeddings_service import embeddings_lifespan, provide_embeddings
 from gateway.errors import InternalError, PayloadTooLarge, client_error
@@ -104,6 +105,8 @@ def build_services(settings: Settings) -> Services:
                               on_change=metrics_.degrade_changed)
     metrics_.ladder = ladder
     cache = CacheStage(cache=build_cache(settings), store=store, fleet=fleet)
+    if cache.cache is not None:
+        metrics_.registry.register(CacheBoundCollector(cache.cache))
     rollouts = RolloutService(catalogue, open_rollout_store(settings))
     gate = TenantGate()
     dispatch = DispatchStage(queues=queues, metrics=metrics_, signals=signals)

@@ -58,6 +58,10 @@ plans:
     allowed_tiers: [mid, full]
     default_tier: mid
     cache: {enabled: false}
+  strictcache:
+    allowed_tiers: [mid, full]
+    default_tier: mid
+    cache: {similarity_threshold: 0.99, max_error_rate: 0.05}
   shedding:
     priority: batch
     allowed_tiers: [mid, full]

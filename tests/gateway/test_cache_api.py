@@ -192,6 +192,22 @@ def test_cache_only_level_serves_hits_and_refuses_misses(gateway_settings: Setti
         assert miss.status_code == 503 and miss.json()["error"]["code"] == "degraded_cache_only"
 
 
+def test_a_near_miss_teaches_the_error_bound_and_the_metrics_show_it(gateway: Gateway) -> None:
+    """Below the plan's threshold (0.99) but within the bound's reach, the paraphrase is a miss whose fresh answer
+    is compared with the cached one (the stub says the same thing to both: a right candidate)."""
+    gateway.store.create_tenant("strict", "strictcache")
+    key = gateway.store.issue_key("strict", name="test")[1]
+    ask(gateway, key=key)
+    r = ask(gateway, "Which city is the capital of France?", key=key)  # similarity 0.94
+    assert r.headers["x-tiergate-cache"] == "miss" and upstream_calls(gateway) == 2
+    state = gateway.app.state.services.cache.cache.bounds.states()["strict"]
+    assert state.labels == 1 and state.threshold is None  # learning; the static threshold decides until enough
+    with gateway.client(gateway.admin_key) as c:
+        text = c.get("/metrics").text
+    assert 'tiergate_cache_bound_labels{tenant="strict"} 1.0' in text
+    assert 'tiergate_cache_max_error_rate{tenant="strict"} 0.05' in text
+
+
 def test_cache_metrics(gateway: Gateway) -> None:
     ask(gateway)
     ask(gateway)

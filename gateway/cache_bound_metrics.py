@@ -1,0 +1,42 @@
+"""What each tenant's cache error bound says (cache/error_bound.py), read at scrape time.
+
+`tiergate_cache_semantic_threshold` is the similarity a semantic candidate must reach now (+Inf: the evidence
+admits no semantic hit; absent: too few labels yet, the plan's static threshold decides);
+`tiergate_cache_estimated_error` the weighted share of shadow-checked semantic hits that were wrong, next to
+`tiergate_cache_max_error_rate`, the plan's bound, to alert on. The hit rate is
+`tiergate_cache_requests{result="hit"}` over all of a tenant's lookups. Each gateway process learns its own
+bound from the traffic it serves; with several workers a scrape shows the answering worker's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client.core import GaugeMetricFamily
+
+from cache import SemanticCache
+
+
+class CacheBoundCollector:
+    def __init__(self, cache: SemanticCache) -> None:
+        self.cache = cache
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        threshold = GaugeMetricFamily("tiergate_cache_semantic_threshold",
+                                      "Learned similarity a semantic hit must reach (+Inf: none allowed now).",
+                                      labels=["tenant"])
+        error = GaugeMetricFamily("tiergate_cache_estimated_error",
+                                  "Share of shadow-checked semantic hits that were wrong (weighted).",
+                                  labels=["tenant"])
+        bound = GaugeMetricFamily("tiergate_cache_max_error_rate", "The plan's bound on wrong semantic hits.",
+                                  labels=["tenant"])
+        labels = GaugeMetricFamily("tiergate_cache_bound_labels", "Labelled candidates the bound learns from.",
+                                   labels=["tenant"])
+        for tenant, state in sorted(self.cache.bounds.states().items()):
+            if state.threshold is not None:
+                threshold.add_metric([tenant], state.threshold)
+            if state.estimated_error is not None:
+                error.add_metric([tenant], state.estimated_error)
+            bound.add_metric([tenant], state.max_error_rate)
+            labels.add_metric([tenant], state.labels)
+        yield from (threshold, error, bound, labels)
