@@ -107,7 +107,9 @@ def test_serve_distils_the_missing_student_once_and_then_serves_it(setup: Settin
         output = Path(log.name).read_text()
         assert output.count("distilling") >= 1 and "ready: " in output  # the child's progress bar and result
         mtime = (student / "model.safetensors").stat().st_mtime
-        demo = re.search(r"demo key\s+: (tg-\S+)", output)
+        while (demo := re.search(r"demo key\s+: (tg-\S+)", output)) is None and time.time() < deadline:
+            time.sleep(0.5)  # the banner follows readiness by up to a second (serve.py polls once a second)
+            output = Path(log.name).read_text()
         assert demo, output[-2000:]
         resp = httpx.post(f"{url}/v1/chat/completions", headers={"authorization": f"Bearer {demo.group(1)}"},
                           json={"model": "small", "max_tokens": 4, "temperature": 0,
