@@ -195,6 +195,7 @@ def create_app(settings: Settings | None = None) -> Litestar:
         _settle_heap()
         ticker = asyncio.create_task(_tick_ladder(services.ladder, settings.ladder_tick_s))
         follower = asyncio.create_task(_follow_rollouts(services.rollouts, ROLLOUT_FOLLOW_S))
+        guards = asyncio.create_task(_guard_rollouts(services.rollouts, settings.ladder_tick_s))
         # returns reservations whose lease ran out (a replica died before settling): billed from the ledger
         reaper = asyncio.create_task(run_reaper(services.quota_backend, every_s=settings.quota_reap_every_s,
                                                 billed=ledger_billing(services.ledger)))
@@ -203,6 +204,7 @@ def create_app(settings: Settings | None = None) -> Litestar:
         finally:
             ticker.cancel()
             follower.cancel()
+            guards.cancel()
             reaper.cancel()
             await services.fleet.stop()
             await services.client.aclose()
@@ -263,6 +265,16 @@ async def _follow_rollouts(rollouts: RolloutService, every_s: float) -> None:
             await asyncio.to_thread(rollouts.follow)
         except Exception:  # the rollouts read last stay in force; the next round tries again
             log.exception("following rollouts failed")
+
+
+async def _guard_rollouts(rollouts: RolloutService, every_s: float) -> None:
+    """Judge running rollouts' guards at the ladder's pace, off the request path (a rollback writes the store)."""
+    while True:
+        await asyncio.sleep(every_s)
+        try:
+            await asyncio.to_thread(rollouts.evaluate)
+        except Exception:  # the next round judges again
+            log.exception("evaluating rollout guards failed")
 
 
 def _error_response(request: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
