@@ -34,6 +34,7 @@ from gateway.pipeline.route import RouteStage
 from gateway.pipeline.settle import Settler
 from gateway.pipeline.tier_call import TierCaller
 from gateway.rollout.service import RolloutService
+from gateway.rollout.shadow import Shadow
 from gateway.routes.admin import admin_router
 from gateway.routes.chat import chat_completions
 from gateway.routes.completions import text_completions
@@ -104,8 +105,10 @@ def build_services(settings: Settings) -> Services:
                               on_change=metrics_.degrade_changed)
     metrics_.ladder = ladder
     cache = CacheStage(cache=build_cache(settings), store=store, fleet=fleet)
-    rollouts = RolloutService(catalogue, open_rollout_store(settings))
+    rollouts = RolloutService(catalogue, open_rollout_store(settings), metrics=metrics_)
+    metrics_.rollouts = rollouts
     gate = TenantGate()
+    caller = TierCaller(fleet=fleet, client=client)
     dispatch = DispatchStage(queues=queues, metrics=metrics_, signals=signals)
     pipeline = Pipeline(
         gate=gate, ladder=ladder, cache=cache, dispatch=dispatch,
@@ -113,12 +116,13 @@ def build_services(settings: Settings) -> Services:
                          predictor=PredictorSource.for_data_dir(settings.data_dir), rollouts=rollouts),
         prompt=PromptStage(models_dir=settings.resolved_models_dir, default_max_tokens=settings.default_max_tokens),
         reserve=ReserveStage(quotas=quotas, gate=gate),
-        tier=TierCaller(fleet=fleet, client=client),
+        tier=caller,
         settler=Settler(ledger=ledger, quotas=quotas, dispatch=dispatch, cache=cache, metrics=metrics_,
                         signals=signals, catalogue=catalogue, rollouts=rollouts),
         refusals=RefusalLog(ledger=ledger, metrics=metrics_),
         idempotency=IdempotencyStage(open_idempotency(settings)),
-        ready=lambda: ledger.not_ready_reason)
+        ready=lambda: ledger.not_ready_reason,
+        shadow=Shadow(rollouts=rollouts, caller=caller, metrics=metrics_))
     return Services(settings=settings, catalogue=catalogue, plans=plans, store=store, ledger=ledger, client=client,
                     fleet=fleet, metrics=metrics_, pipeline=pipeline, queues=queues, quota_backend=backend,
                     ladder=ladder, cache=cache, rollouts=rollouts)
@@ -207,6 +211,8 @@ def create_app(settings: Settings | None = None) -> Litestar:
             guards.cancel()
             reaper.cancel()
             await services.fleet.stop()
+            if services.pipeline.shadow is not None:  # shadow calls nobody waits for end with the gateway
+                services.pipeline.shadow.cancel()
             await services.client.aclose()
             await services.pipeline.settler.drain()  # settlements reach the quota backend before it closes
             await services.quota_backend.close()

@@ -36,6 +36,7 @@ from gateway.pipeline.reserve import ReserveStage, ratelimit_headers
 from gateway.pipeline.route import RouteDecision, RouteStage
 from gateway.pipeline.settle import Settler
 from gateway.pipeline.tier_call import TierCaller, Upstream, upstream_body
+from gateway.rollout.shadow import Shadow
 from gateway.validation import parse_body
 from quotas.dispatch import Ticket
 from quotas.idempotency import Replay
@@ -50,7 +51,7 @@ class Pipeline:
     def __init__(self, *, gate: TenantGate, ladder: LadderController | None, route: RouteStage, cache: CacheStage,
                  prompt: PromptStage, reserve: ReserveStage, dispatch: DispatchStage, tier: TierCaller,
                  settler: Settler, refusals: RefusalLog, ready: Any = None,
-                 idempotency: IdempotencyStage | None = None) -> None:
+                 idempotency: IdempotencyStage | None = None, shadow: Shadow | None = None) -> None:
         self.gate = gate
         self.ladder = ladder
         self.route = route
@@ -63,6 +64,7 @@ class Pipeline:
         self.refusals = refusals
         self.ready = ready  # () -> str | None: why the gateway cannot take work now (the ledger cannot write)
         self.idempotency = idempotency
+        self.shadow = shadow  # a rollout's shadow: a sample of answered requests copied to its candidate
 
     async def handle(self, ctx: RequestContext, body: bytes,
                      parse: Callable[[bytes], ChatCompletionRequest] | None = None) -> AsyncIterator[Event]:
@@ -168,6 +170,8 @@ class Pipeline:
                 await _close_quietly(upstream)
             await self.settler.settle(ctx, attempt, outcome or meter.outcome("cancelled", 499), ticket, wait=wait,
                                       with_row=with_row)
+        if self.shadow is not None and attempt.final and prepared.prompt is not None and not attempt.is_cache_hit:
+            self.shadow.send(attempt.route.tier, attempt.request_id, req, prepared.prompt.output_cap, outcome.text)
         if stored is not None and keep is not None and self.idempotency is not None:
             await self.idempotency.store.finish(keep.claim, stored, ctx.plan.idempotency_ttl_s)
             keep.stored = True  # durable with its row (or in Redis) before the client reads the end

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gateway.errors import Conflict, InvalidRequest, NotFound, TiergateError
+from gateway.metrics import GatewayMetrics
 from gateway.rollout.assign import sampled, version_for
 from gateway.rollout.guards import Guards, Verdict, Watch
 from gateway.rollout.state import RUNNING, Action, Rollout, RolloutEvent, RolloutStore, Stage
@@ -34,10 +35,11 @@ BLANKS = " \t\n\r\f\v"  # what a reason may not be made of alone (the routes' sc
 
 class RolloutService:
     def __init__(self, catalogue: TierCatalogue, store: RolloutStore, *,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, metrics: GatewayMetrics | None = None) -> None:
         self.catalogue = catalogue
         self.store = store
         self.clock = clock
+        self.metrics = metrics  # each version's requests, errors and TTFT during a rollout, for Prometheus
         self._rollouts: dict[str, Rollout] = store.load()
         self._counts: dict[tuple[str, str], list[int]] = {}  # (rollout id, version) -> [requests, errors]
         self.watch = Watch()
@@ -88,6 +90,8 @@ class RolloutService:
             counts[1] += error
             if rollout.stage in RUNNING:
                 self.watch.window(rollout.id, version).add(self.clock(), error=error, ttft_s=ttft_s, tpot_s=tpot_s)
+            if self.metrics is not None:
+                self.metrics.version_finished(tier, version, failed=error, ttft_s=ttft_s)
 
     def shadow_of(self, tier: TierSpec, request_id: str) -> tuple[Rollout, TierSpec] | None:
         """The candidate to copy this request to, when the tier's rollout is a shadow that samples it and `tier` is
