@@ -254,8 +254,8 @@ class RolloutService:
             raise Conflict(f"the rollout on tier {rollout.tier!r} was changed meanwhile; read its status and retry",
                            code="rollout_changed")
         self._rollouts = {**self._rollouts, rollout.tier: rollout}
-        log.warning("rollout of %s on tier %s: %s by %s (%s), share %s", rollout.candidate, rollout.tier,
-                    rollout.stage, rollout.changed_by, rollout.reason, rollout.share)
+        log.warning("rollout of %s on tier %s: %s%s by %s (%s)", rollout.candidate, rollout.tier, rollout.stage,
+                    _share(rollout), rollout.changed_by, rollout.reason)
         return rollout
 
 
