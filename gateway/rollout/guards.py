@@ -29,6 +29,9 @@ from gateway.errors import InvalidRequest
 from wire.validation import describe
 
 MAX_SAMPLES = 4096  # per version and rollout: the newest outcomes a guard reads (a ring, not a growing list)
+# a latency ratio breaches only when the p95s also differ by more than this: milliseconds of jitter on a fast tier
+# are no regression anyone notices, and would otherwise flap a ratio guard
+TTFT_SLACK_S, TPOT_SLACK_S = 0.05, 0.005
 
 Fraction = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
 Ratio = Annotated[float, Field(ge=1, le=100, allow_inf_nan=False)]
@@ -118,12 +121,12 @@ def breaches(guards: Guards, candidate: Reading, baseline: Reading) -> list[str]
     if guards.max_error_rate is not None and candidate.error_rate > guards.max_error_rate:
         out.append(f"max_error_rate: {candidate.error_rate:.3f} > {guards.max_error_rate} "
                    f"({candidate.errors} of {candidate.requests})")
-    for name, cand, base, bound in (
-            ("max_ttft_p95_ratio", candidate.ttft_p95_s, baseline.ttft_p95_s, guards.max_ttft_p95_ratio),
-            ("max_tpot_p95_ratio", candidate.tpot_p95_s, baseline.tpot_p95_s, guards.max_tpot_p95_ratio)):
+    for name, cand, base, bound, slack in (
+            ("max_ttft_p95_ratio", candidate.ttft_p95_s, baseline.ttft_p95_s, guards.max_ttft_p95_ratio, TTFT_SLACK_S),
+            ("max_tpot_p95_ratio", candidate.tpot_p95_s, baseline.tpot_p95_s, guards.max_tpot_p95_ratio, TPOT_SLACK_S)):
         if bound is None or cand is None or not base or baseline.requests < guards.min_requests:
             continue
-        if cand / base > bound:
+        if cand / base > bound and cand - base > slack:
             out.append(f"{name}: {cand / base:.2f} > {bound} (p95 {cand:.4f}s over {base:.4f}s)")
     if guards.max_divergence is not None and candidate.divergence is not None \
             and candidate.compared >= guards.min_requests and candidate.divergence > guards.max_divergence:

@@ -78,7 +78,8 @@ def test_a_shadow_compares_the_candidate_without_touching_answers_or_bills(two_v
     n = 12
     plain = [chat(gw, key, i, stream=i % 2 == 1) for i in range(n)]  # no rollout yet
     r = admin(gw, "/admin/rollouts", {"tier": "mid", "version": "v2", "shadow": 1.0, "reason": "compare v2",
-                                      "guards": {"max_divergence": 0.9, "min_requests": 5}})
+                                      "guards": {"max_divergence": 0.9, "min_requests": 5,  # stubs: ms of noise
+                                                 "max_ttft_p95_ratio": None, "max_tpot_p95_ratio": None}})
     assert (r.status_code, r.json()["stage"]) == (201, "shadow"), r.text
     shadowed = [chat(gw, key, i, stream=i % 2 == 1) for i in range(n)]  # the same requests, shadowed
     assert [(h["x-tiergate-model-version"], text) for h, text in shadowed] == [("v1", REPLY)] * n

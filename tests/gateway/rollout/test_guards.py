@@ -128,3 +128,10 @@ def test_bad_thresholds_are_a_400_naming_the_field(values: dict[str, float], par
     with pytest.raises(InvalidRequest) as exc:
         guards_from(values)
     assert exc.value.param == param and exc.value.message.startswith(param)
+
+
+def test_milliseconds_of_jitter_on_a_fast_tier_do_not_trip_a_ratio(service: RolloutService) -> None:
+    service.start("mid", "v2", share=0.5, who="k", reason="r", guards=GUARDS.model_copy(update={"breach_for_s": 0}))
+    traffic(service, "v1", 20, ttft_s=0.002)
+    traffic(service, "v2", 20, ttft_s=0.008)  # 4 x the baseline's p95, but 6 ms apart
+    assert tick(service, 1) == "canary"
