@@ -19,7 +19,7 @@ The gateway's calls, in request order::
                                probe=result.probe)   # a repeat is an exact hit from now on
         ...and in the background: await cache.apersist(entry)   # embed (batched), write, index
         cache.label(result, t.cache_policy, answer_text)   # a near miss below the learned threshold: the bound learns
-    # a semantic hit with result.shadow set: ask the tier too, off the response's path, and label it the same way
+    # a semantic hit with result.shadow_rate > 0: ask the tier too, off the response's path, and label it the same way
 
     cache.bump_data_version(tenant, new_version)   # after the admin bump: deletes the older versions' entries
     cache.retire_model_version(old_fingerprint)    # when a tier's weights or engine change

@@ -44,7 +44,7 @@ class Hit:
     kind: Literal["exact", "semantic"]
     similarity: float  # 1.0 for exact hits
     status: Literal["hit"] = "hit"
-    shadow: bool = False  # sampled for a check against a fresh answer (the error bound's evidence)
+    shadow_rate: float = 0.0  # sampled, at this rate, for a check against a fresh answer (the error bound's evidence)
 
     @property
     def response(self) -> str:

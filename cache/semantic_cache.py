@@ -94,6 +94,7 @@ class SemanticCache:
         self.pending = PendingWrites()  # answers remembered, not yet written: this process serves them
         self.recent = RecentEntries()  # answers written or found lately: exact hits without a store round trip
         self.bounds = TenantBounds()  # each tenant's learned semantic threshold (cache/error_bound.py)
+        self.rng = random.Random()  # which semantic hits are checked (seed it for a repeatable run)
         self._stale_data: dict[str, tuple[str, float]] = {}  # tenant -> (current data version, bumped at)
         self._stale_models: set[str] = set()  # retired model versions
         self.sync_interval_s = sync_interval_s  # how often lookups apply other processes' writes (shared stores)
@@ -207,7 +208,8 @@ class SemanticCache:
                 break
             self.entries.touch(entry.entry_id, plan.now)
             self.stats.semantic_hits += 1
-            return Hit(entry, "semantic", similarity, shadow=bound is not None and random.random() < policy.shadow_rate)
+            sampled = bound is not None and self.rng.random() < policy.shadow_rate
+            return Hit(entry, "semantic", similarity, shadow_rate=policy.shadow_rate if sampled else 0.0)
         return self._miss(refusal, best, probe=plan.probe(vector), near=near)
 
     def label(self, result: LookupResult, policy: TenantPolicy, fresh: str) -> bool | None:
@@ -217,9 +219,9 @@ class SemanticCache:
         if isinstance(result, Miss) and result.near is not None:
             near = result.near
             tenant, similarity, cached, weight, hit = near.tenant, near.similarity, near.response, 1.0, False
-        elif isinstance(result, Hit) and result.shadow and policy.shadow_rate > 0:
+        elif isinstance(result, Hit) and result.shadow_rate > 0:  # weighed by the rate it was sampled at
             tenant, similarity, cached = result.entry.tenant, result.similarity, result.response
-            weight, hit = 1.0 / policy.shadow_rate, True
+            weight, hit = 1.0 / result.shadow_rate, True
         else:
             return None
         bound = self.bounds.get(tenant, policy.max_error_rate, policy.similarity_threshold)

@@ -15,7 +15,7 @@ from litestar.di import Provide
 
 from cache import SemanticCache, default_embedder, open_cache_store
 from gateway.cache_bound_metrics import CacheBoundCollector
-from gateway.config_files import load_yaml
+from gateway.config_files import ConfigFileError, load_yaml
 from gateway.embeddings_service import embeddings_lifespan, provide_embeddings
 from gateway.errors import InternalError, PayloadTooLarge, client_error
 from gateway.ladder.config import Ladder
@@ -23,6 +23,7 @@ from gateway.ladder.controller import LadderController
 from gateway.ladder.signals import Signals
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import request_id_middleware
+from gateway.pipeline.cache_check import CacheChecks
 from gateway.pipeline.cache_lookup import CacheStage
 from gateway.pipeline.dispatch import DispatchStage
 from gateway.pipeline.gate import TenantGate
@@ -34,7 +35,9 @@ from gateway.pipeline.reserve import ReserveStage
 from gateway.pipeline.route import RouteStage
 from gateway.pipeline.settle import Settler
 from gateway.pipeline.tier_call import TierCaller
+from gateway.rollout.guards import tier_guards_error
 from gateway.rollout.service import RolloutService
+from gateway.rollout.shadow import Shadow
 from gateway.routes.admin import admin_router
 from gateway.routes.chat import chat_completions
 from gateway.routes.completions import text_completions
@@ -79,6 +82,8 @@ log = logging.getLogger("tiergate.gateway")
 def load_config(settings: Settings) -> tuple[TierCatalogue, PlanBook]:
     """Parse and cross-check the tiers, plans and ladder files; raises ConfigFileError with file and line."""
     catalogue = load_yaml(settings.tiers_file, TierCatalogue)
+    if (bad := tier_guards_error(catalogue)) is not None:
+        raise ConfigFileError(settings.tiers_file, None, bad)
     plans = load_yaml(settings.plans_file, PlanBook, context={"tiers": set(catalogue.tiers)})
     load_yaml(settings.ladder_file, Ladder)
     return catalogue, plans
@@ -107,8 +112,10 @@ def build_services(settings: Settings) -> Services:
     cache = CacheStage(cache=build_cache(settings), store=store, fleet=fleet)
     if cache.cache is not None:
         metrics_.registry.register(CacheBoundCollector(cache.cache))
-    rollouts = RolloutService(catalogue, open_rollout_store(settings))
+    rollouts = RolloutService(catalogue, open_rollout_store(settings), metrics=metrics_)
+    metrics_.rollouts = rollouts
     gate = TenantGate()
+    caller = TierCaller(fleet=fleet, client=client)
     dispatch = DispatchStage(queues=queues, metrics=metrics_, signals=signals)
     pipeline = Pipeline(
         gate=gate, ladder=ladder, cache=cache, dispatch=dispatch,
@@ -116,12 +123,15 @@ def build_services(settings: Settings) -> Services:
                          predictor=PredictorSource.for_data_dir(settings.data_dir), rollouts=rollouts),
         prompt=PromptStage(models_dir=settings.resolved_models_dir, default_max_tokens=settings.default_max_tokens),
         reserve=ReserveStage(quotas=quotas, gate=gate),
-        tier=TierCaller(fleet=fleet, client=client),
+        tier=caller,
         settler=Settler(ledger=ledger, quotas=quotas, dispatch=dispatch, cache=cache, metrics=metrics_,
                         signals=signals, catalogue=catalogue, rollouts=rollouts),
         refusals=RefusalLog(ledger=ledger, metrics=metrics_),
         idempotency=IdempotencyStage(open_idempotency(settings)),
-        ready=lambda: ledger.not_ready_reason)
+        ready=lambda: ledger.not_ready_reason,
+        shadow=Shadow(rollouts=rollouts, caller=caller, metrics=metrics_),
+        cache_checks=None if cache.cache is None else CacheChecks(cache=cache.cache, caller=caller,
+                                                                  registry=metrics_.registry))
     return Services(settings=settings, catalogue=catalogue, plans=plans, store=store, ledger=ledger, client=client,
                     fleet=fleet, metrics=metrics_, pipeline=pipeline, queues=queues, quota_backend=backend,
                     ladder=ladder, cache=cache, rollouts=rollouts)
@@ -198,6 +208,7 @@ def create_app(settings: Settings | None = None) -> Litestar:
         _settle_heap()
         ticker = asyncio.create_task(_tick_ladder(services.ladder, settings.ladder_tick_s))
         follower = asyncio.create_task(_follow_rollouts(services.rollouts, ROLLOUT_FOLLOW_S))
+        guards = asyncio.create_task(_guard_rollouts(services.rollouts, settings.ladder_tick_s))
         # returns reservations whose lease ran out (a replica died before settling): billed from the ledger
         reaper = asyncio.create_task(run_reaper(services.quota_backend, every_s=settings.quota_reap_every_s,
                                                 billed=ledger_billing(services.ledger)))
@@ -206,8 +217,13 @@ def create_app(settings: Settings | None = None) -> Litestar:
         finally:
             ticker.cancel()
             follower.cancel()
+            guards.cancel()
             reaper.cancel()
             await services.fleet.stop()
+            if services.pipeline.shadow is not None:  # shadow calls nobody waits for end with the gateway
+                services.pipeline.shadow.cancel()
+            if services.pipeline.cache_checks is not None:  # so do the checks of sampled cache hits
+                services.pipeline.cache_checks.tasks.cancel()
             await services.client.aclose()
             await services.pipeline.settler.drain()  # settlements reach the quota backend before it closes
             await services.quota_backend.close()
@@ -266,6 +282,16 @@ async def _follow_rollouts(rollouts: RolloutService, every_s: float) -> None:
             await asyncio.to_thread(rollouts.follow)
         except Exception:  # the rollouts read last stay in force; the next round tries again
             log.exception("following rollouts failed")
+
+
+async def _guard_rollouts(rollouts: RolloutService, every_s: float) -> None:
+    """Judge running rollouts' guards at the ladder's pace, off the request path (a rollback writes the store)."""
+    while True:
+        await asyncio.sleep(every_s)
+        try:
+            await asyncio.to_thread(rollouts.evaluate)
+        except Exception:  # the next round judges again
+            log.exception("evaluating rollout guards failed")
 
 
 def _error_response(request: Request[Any, Any, Any], exc: Exception) -> Response[Any]:

@@ -69,6 +69,40 @@ class _QueueCollector:
             yield level
 
 
+class _RolloutCollector:
+    """Each tier's latest rollout, read at scrape time: its stage, shares, and the guards' latest reading."""
+
+    def __init__(self, metrics: GatewayMetrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Any:
+        stage = GaugeMetricFamily("tiergate_rollout_stage", "Each tier's latest rollout: 1 for its stage.",
+                                  labels=["tier", "candidate", "stage"])
+        share = GaugeMetricFamily("tiergate_rollout_share",
+                                  "Share of new conversations each version answers (a shadow's copies aside).",
+                                  labels=["tier", "version"])
+        shadow = GaugeMetricFamily("tiergate_rollout_shadow_share", "Share of requests a shadow copies.",
+                                   labels=["tier", "version"])
+        diverged = GaugeMetricFamily("tiergate_rollout_divergence",
+                                     "Mean divergence of the candidate's shadowed answers in the guards' window (0-1).",
+                                     labels=["tier", "version"])
+        breached = GaugeMetricFamily("tiergate_rollout_guard_breached", "Guards breached at the latest evaluation.",
+                                     labels=["tier"])
+        for r in self.metrics.rollouts.status() if self.metrics.rollouts is not None else []:
+            stage.add_metric([r["tier"], r["candidate"], r["stage"]], 1)
+            on_candidate = {"full": 1.0, "rolled_back": 0.0, "shadow": 0.0}.get(r["stage"], r["share"])
+            share.add_metric([r["tier"], r["candidate"]], on_candidate)
+            share.add_metric([r["tier"], r["baseline"]], 1.0 - on_candidate)
+            if r["stage"] == "shadow":
+                shadow.add_metric([r["tier"], r["candidate"]], r["shadow"])
+            guard = r["guard"]
+            if guard is not None:
+                breached.add_metric([r["tier"]], len(guard["breached"]))
+                if guard["versions"][r["candidate"]]["divergence"] is not None:
+                    diverged.add_metric([r["tier"], r["candidate"]], guard["versions"][r["candidate"]]["divergence"])
+        yield from (stage, share, shadow, diverged, breached)
+
+
 class GatewayMetrics:
     def __init__(self, fleet: Fleet | None = None) -> None:
         self.registry = CollectorRegistry()
@@ -116,6 +150,21 @@ class GatewayMetrics:
         reg.register(_QueueCollector(self))
         self.degrade_changes = Counter("tiergate_degrade_changes", "Degradation level changes.", ["to", "by"],
                                        registry=reg)
+        # tiers with versions (gateway/rollout): each version's own traffic, and what a shadow sends the candidate
+        self.rollouts: Any = None
+        reg.register(_RolloutCollector(self))
+        self.version_requests = Counter("tiergate_version_requests",
+                                        "Requests a tier's version answered, by result (ok, error: a 5xx).",
+                                        ["tier", "version", "result"], registry=reg)
+        self.version_ttft = Histogram("tiergate_version_time_to_first_token_seconds",
+                                      "Arrival to first output token, per version of a tier.", ["tier", "version"],
+                                      buckets=LATENCY_BUCKETS, registry=reg)
+        self.rollout_shadow = Counter("tiergate_rollout_shadow_requests",
+                                      "Requests a shadow copied to the candidate, by result (ok, error, dropped: "
+                                      "over the limit in flight).", ["tier", "version", "result"], registry=reg)
+        self.rollout_shadow_cost = Counter("tiergate_rollout_shadow_cost_usd",
+                                           "What shadow calls cost us in compute, USD (never billed).",
+                                           ["tier", "version"], registry=reg)
 
     def finished(self, row: LedgerRow, overhead_s: float | None) -> None:
         tier = row.tier or "none"
@@ -133,6 +182,11 @@ class GatewayMetrics:
         self.total.labels(tier).observe(row.total_s)
         if overhead_s is not None:
             self.overhead.observe(max(0.0, overhead_s))
+
+    def version_finished(self, tier: str, version: str, *, failed: bool, ttft_s: float | None) -> None:
+        self.version_requests.labels(tier, version, "error" if failed else "ok").inc()
+        if ttft_s is not None:
+            self.version_ttft.labels(tier, version).observe(ttft_s)
 
     def refused(self, reason: str) -> None:
         self.refusals.labels(reason).inc()

@@ -62,6 +62,10 @@ plans:
     allowed_tiers: [mid, full]
     default_tier: mid
     cache: {similarity_threshold: 0.99, max_error_rate: 0.05}
+  checkedcache:
+    allowed_tiers: [mid, full]
+    default_tier: mid
+    cache: {shadow_check_rate: 1.0}
   shedding:
     priority: batch
     allowed_tiers: [mid, full]

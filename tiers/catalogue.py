@@ -120,6 +120,9 @@ class TierSpec(BaseModel):
     # then that version's
     versions: list[TierVersion] = Field(default_factory=list)
     serving: str | None = None
+    # a rollout's guards on this tier unless its start says otherwise (gateway/rollout/guards.py `Guards` checks
+    # the names and bounds when the gateway loads the file): e.g. {max_error_rate: 0.02, window_s: 600}
+    rollout_guards: dict[str, float | int | None] = Field(default_factory=dict)
     _version: str | None = PrivateAttr(None)  # the version this spec is (None: a tier without versions)
     _variants: dict[str, TierSpec] = PrivateAttr(default_factory=dict)  # version name -> its spec
 

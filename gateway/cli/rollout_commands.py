@@ -13,6 +13,7 @@ import click
 from gateway.cli.options import data_dir_option, settings_from
 from gateway.config_files import ConfigFileError, load_yaml
 from gateway.errors import TiergateError
+from gateway.rollout.guards import guards_from
 from gateway.rollout.service import RolloutService
 from gateway.rollout.state import Rollout
 from gateway.stores import open_rollout_store
@@ -41,7 +42,8 @@ def _service(data_dir: Path | None, tiers_file: Path | None) -> Iterator[Rollout
 
 
 def _say(r: Rollout) -> None:
-    share = f", share {r.share:.2%}" if r.stage in ("canary", "paused") else ""
+    share = f", share {r.share:.2%}" if r.stage in ("canary", "paused") else \
+        f", shadowing {r.shadow:.2%} of requests" if r.stage == "shadow" else ""
     tenants = f", tenants {', '.join(r.tenants)}" if r.tenants and r.stage in ("canary", "paused") else ""
     click.echo(f"tier {r.tier}: {r.candidate} over {r.baseline}, {r.stage}{share}{tenants}")
 
@@ -57,14 +59,29 @@ def rollout() -> None:
 @click.option("--share", type=click.FloatRange(0, 1), default=0.0, show_default=True,
               help="Share of new conversations on VERSION (0 to 1).")
 @click.option("--tenant", "tenants", multiple=True, help="A tenant always on VERSION (repeatable).")
+@click.option("--shadow", type=click.FloatRange(0, 1), default=None,
+              help="A shadow instead of a canary: this share of requests is also sent to VERSION (never returned).")
+@click.option("--max-error-rate", type=float, default=None, help="Guard: the candidate's 5xx rate [0.05].")
+@click.option("--max-ttft-ratio", "max_ttft_p95_ratio", type=float, default=None,
+              help="Guard: its p95 TTFT over the baseline's [1.5].")
+@click.option("--max-tpot-ratio", "max_tpot_p95_ratio", type=float, default=None,
+              help="Guard: its p95 TPOT over the baseline's [1.5].")
+@click.option("--max-divergence", type=float, default=None, help="Guard: shadowed answers' mean divergence [off].")
+@click.option("--min-requests", type=int, default=None, help="Candidate requests in the window before judging [50].")
+@click.option("--window", "window_s", type=float, default=None, help="Seconds of outcomes a guard reads [300].")
+@click.option("--breach-for", "breach_for_s", type=float, default=None,
+              help="Seconds a guard must stay breached before it rolls back [30].")
 @reason_option
 @tiers_option
 @data_dir_option
-def rollout_start(tier: str, version: str, share: float, tenants: tuple[str, ...], reason: str,
-                  tiers_file: Path | None, data_dir: Path | None) -> None:
-    """A canary of VERSION on TIER: a share of new conversations, and every named tenant."""
+def rollout_start(tier: str, version: str, share: float, tenants: tuple[str, ...], shadow: float | None,
+                  reason: str, tiers_file: Path | None, data_dir: Path | None, **guards: float | int | None) -> None:
+    """A canary of VERSION on TIER (a share of new conversations, and every named tenant), or a shadow; its guards
+    roll it back by themselves."""
     with _service(data_dir, tiers_file) as s:
-        _say(s.start(tier, version, share=share, tenants=tenants, who="cli", reason=reason))
+        limits = guards_from({k: v for k, v in guards.items() if v is not None})
+        _say(s.start(tier, version, share=share, tenants=tenants, who="cli", reason=reason, shadow=shadow,
+                     guards=limits))
 
 
 @rollout.command("status")
@@ -75,10 +92,13 @@ def rollout_status(tiers_file: Path | None, data_dir: Path | None) -> None:
     with _service(data_dir, tiers_file) as s:
         found = s.status()
         for r in found:
-            share = f" {r['share']:.2%}" if r["stage"] in ("canary", "paused") else ""
+            share = f" {r['share']:.2%}" if r["stage"] in ("canary", "paused") else \
+                f" {r['shadow']:.2%}" if r["stage"] == "shadow" else ""
             tenants = f" + tenants {', '.join(r['tenants'])}" if r["tenants"] else ""
             click.echo(f"{r['tier']}: {r['candidate']} over {r['baseline']}, {r['stage']}{share}{tenants}; "
                        f"last changed by {r['changed_by']} ({r['reason']})")
+            if r["guard"] is not None and r["guard"]["breached"]:
+                click.echo(f"  guards breached: {'; '.join(r['guard']['breached'])}")
         if not found:
             click.echo("no rollouts")
 

@@ -15,12 +15,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from typing import Any
 
 from gateway.errors import InvalidRequest, Unavailable, client_error
 from gateway.ladder.apply import NORMAL, Degradation
 from gateway.ladder.controller import LadderController
 from gateway.pipeline.attempt import Attempt, Prepared
+from gateway.pipeline.cache_check import CacheChecks
 from gateway.pipeline.cache_lookup import CacheLookup, CacheStage
 from gateway.pipeline.cascade import cascade
 from gateway.pipeline.context import RequestContext
@@ -35,10 +37,13 @@ from gateway.pipeline.reserve import ReserveStage, ratelimit_headers
 from gateway.pipeline.route import RouteDecision, RouteStage
 from gateway.pipeline.settle import Settler
 from gateway.pipeline.tier_call import TierCaller, Upstream, upstream_body
+from gateway.rollout.shadow import Shadow
 from gateway.validation import parse_body
 from quotas.dispatch import Ticket
 from quotas.idempotency import Replay
 from quotas.plans import PRIORITY_ORDER
+from tiers.catalogue import TierSpec
+from tiers.errors import NoTierAvailable, UpstreamUnreachable
 from tiers.replica_choice import SESSION_HEADER, affinity_key
 from wire.chat_request import ChatCompletionRequest, normalized_role
 
@@ -47,7 +52,8 @@ class Pipeline:
     def __init__(self, *, gate: TenantGate, ladder: LadderController | None, route: RouteStage, cache: CacheStage,
                  prompt: PromptStage, reserve: ReserveStage, dispatch: DispatchStage, tier: TierCaller,
                  settler: Settler, refusals: RefusalLog, ready: Any = None,
-                 idempotency: IdempotencyStage | None = None) -> None:
+                 idempotency: IdempotencyStage | None = None, shadow: Shadow | None = None,
+                 cache_checks: CacheChecks | None = None) -> None:
         self.gate = gate
         self.ladder = ladder
         self.route = route
@@ -60,6 +66,8 @@ class Pipeline:
         self.refusals = refusals
         self.ready = ready  # () -> str | None: why the gateway cannot take work now (the ledger cannot write)
         self.idempotency = idempotency
+        self.shadow = shadow  # a rollout's shadow: a sample of answered requests copied to its candidate
+        self.cache_checks = cache_checks  # a sample of semantic hits asked of the tier too (the cache's error bound)
 
     async def handle(self, ctx: RequestContext, body: bytes,
                      parse: Callable[[bytes], ChatCompletionRequest] | None = None) -> AsyncIterator[Event]:
@@ -132,14 +140,13 @@ class Pipeline:
         outcome: Outcome | None = None
         wait, with_row, stored = True, (), None
         try:
-            head = self.head(ctx, req, attempt, headers)
             if attempt.lookup.hit is not None:
                 meter.add_cached(attempt.lookup.hit.response, attempt.lookup.hit.usage)
-                yield head
+                yield self.head(ctx, req, attempt, headers)
                 yield Delta(attempt.lookup.hit.response, None)
             else:
-                ticket, upstream = await self._call(ctx, prepared, meter)
-                yield head
+                ticket, upstream, attempt = await self._call(ctx, prepared, meter)
+                yield self.head(ctx, req, attempt, headers)  # the version that answers, if a candidate fell back
                 async for chunk in upstream:
                     content, logprobs, _, calls = meter.add(chunk)
                     if content or calls or (logprobs and req.logprobs):  # logprobs not asked for stay ours
@@ -166,28 +173,46 @@ class Pipeline:
                 await _close_quietly(upstream)
             await self.settler.settle(ctx, attempt, outcome or meter.outcome("cancelled", 499), ticket, wait=wait,
                                       with_row=with_row)
+        if self.shadow is not None and attempt.final and prepared.prompt is not None and not attempt.is_cache_hit:
+            self.shadow.send(attempt.route.tier, attempt.request_id, req, prepared.prompt.output_cap, outcome.text)
+        if self.cache_checks is not None and (hit := attempt.lookup.hit) is not None:
+            self.cache_checks.send(ctx.tenant, attempt.route.tier, req, hit, attempt.lookup.policy)
         if stored is not None and keep is not None and self.idempotency is not None:
             await self.idempotency.store.finish(keep.claim, stored, ctx.plan.idempotency_ttl_s)
             keep.stored = True  # durable with its row (or in Redis) before the client reads the end
         yield Done(outcome.finish_reason, outcome.input_tokens, outcome.output_tokens)
 
-    async def _call(self, ctx: RequestContext, prepared: Prepared, meter: Meter) -> tuple[Ticket, Upstream]:
-        """Wait for a dispatch slot, then open the tier's stream; the slot is the caller's to release."""
+    async def _call(self, ctx: RequestContext, prepared: Prepared,
+                    meter: Meter) -> tuple[Ticket, Upstream, Attempt]:
+        """Wait for a dispatch slot, then open the tier's stream; the slot is the caller's to release. A rollout's
+        candidate that cannot be reached is passed over for its baseline (the attempt returned says so)."""
         attempt, prompt, req = prepared.attempt, prepared.prompt, prepared.req
         assert prompt is not None
         tier = attempt.route.tier
         ticket = await self.dispatch.acquire(ctx.tenant, ctx.plan, tier.name, prompt.num_tokens + prompt.output_cap)
         try:
-            body = upstream_body(req, tier, max_tokens=prompt.output_cap, priority=PRIORITY_ORDER[ctx.plan.priority],
-                                 logprobs=req.logprobs or self._wants_logprobs(ctx, prepared))
             affinity = affinity_key(ctx.tenant, [{"role": normalized_role(m.role), "content": m.text()}
                                                  for m in req.messages], ctx.headers.get(SESSION_HEADER))
             meter.upstream_started()
-            return ticket, await self.tier.open(tier, body, affinity=affinity)
+            try:
+                return ticket, await self.tier.open(tier, self._body(ctx, prepared, tier), affinity=affinity), attempt
+            except (UpstreamUnreachable, NoTierAvailable):
+                if (fallback := self.route.fall_back(attempt.route)) is None:
+                    raise
+            attempt = replace(attempt, route=fallback,  # looked up in the candidate's scope: its answer not kept
+                              lookup=replace(attempt.lookup, scope=None))
+            return ticket, await self.tier.open(fallback.tier, self._body(ctx, prepared, fallback.tier),
+                                                affinity=affinity), attempt
         except BaseException:
             meter.upstream_ended()
             self.dispatch.release(tier.name, ticket, 0)
             raise
+
+    def _body(self, ctx: RequestContext, prepared: Prepared, tier: TierSpec) -> dict[str, Any]:
+        assert prepared.prompt is not None
+        return upstream_body(prepared.req, tier, max_tokens=prepared.prompt.output_cap,
+                             priority=PRIORITY_ORDER[ctx.plan.priority],
+                             logprobs=prepared.req.logprobs or self._wants_logprobs(ctx, prepared))
 
     def head(self, ctx: RequestContext, req: ChatCompletionRequest, attempt: Attempt,
              extra: dict[str, str] | None = None) -> Head:

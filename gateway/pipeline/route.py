@@ -13,7 +13,8 @@ not cascaded: a tool call is not prose the cascade's checks can judge.
 
 Last, the version: on a tier with versions, the rollout in progress (gateway/rollout) picks the one that answers
 this conversation; the decision's tier is then that version's spec, whose replicas the call uses and whose model
-version scopes the cache.
+version scopes the cache. A candidate none of whose replicas can take a request now is passed over for the
+baseline (the rollout counts it as the candidate's error, for its guards).
 """
 
 from __future__ import annotations
@@ -130,8 +131,26 @@ class RouteStage:
             return conversation_id(ctx.tenant, [{"role": normalized_role(m.role), "content": m.text()}
                                                 for m in req.messages], ctx.headers.get(SESSION_HEADER))
 
-        spec, why = self.rollouts.choose(route.tier, ctx.tenant, conversation)
+        spec, why = self.rollouts.choose(route.tier, ctx.tenant, conversation, self._down)
         return route if why is None else replace(route, tier=spec, reason=f"{route.reason}; {why}")
+
+    def fall_back(self, decision: RouteDecision) -> RouteDecision | None:
+        """The decision on the baseline when its tier is a running rollout's candidate that could not be reached
+        (counted as the candidate's error); None otherwise."""
+        if self.rollouts is None:
+            return None
+        spec = self.rollouts.fall_back(decision.tier, decision.tier.version_name)
+        if spec is None:
+            return None
+        why = f"candidate {decision.tier.version_name} unreachable: version {spec.version_name} answers"
+        return replace(decision, route=replace(decision.route, tier=spec, reason=f"{decision.reason}; {why}"))
+
+    def _down(self, spec: TierSpec) -> str | None:
+        """Why no replica of this version can take a request now (None: one can)."""
+        reps = self.fleet.replicas_of(spec)
+        if any(r.can_take for r in reps):
+            return None
+        return "; ".join(sorted({r.reason for r in reps if r.reason})) or "circuit breaker open on every replica"
 
     def _tool_tiers(self, req: ChatCompletionRequest, rules: RouteRules,
                     unavailable: dict[str, str]) -> tuple[RouteRules, dict[str, str]]:

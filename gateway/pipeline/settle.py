@@ -81,8 +81,10 @@ class Settler:
             self.cache.save(attempt.lookup, outcome, attempt.applied)
         self.signals.outcome(outcome.http_status)
         version = attempt.route.tier.version_name
-        if self.rollouts is not None and version is not None and not attempt.is_cache_hit:
-            self.rollouts.observe(row.tier or "", version, error=outcome.status == "error")
+        if self.rollouts is not None and version is not None and not attempt.is_cache_hit \
+                and outcome.status != "cancelled":  # a server error is the version's; a 4xx is the request's
+            failed = outcome.status == "error" and outcome.http_status >= 500
+            self.rollouts.observe(row.tier or "", version, error=failed, ttft_s=row.ttft_s, tpot_s=tpot(row))
         overhead = row.total_s - outcome.upstream_s if outcome.upstream_s is not None else None
         self.metrics.finished(row, overhead)
         if row.cache_status is not None:
@@ -137,3 +139,10 @@ class Settler:
         """Wait for handed-off settlements (shutdown, tests)."""
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
+
+
+def tpot(row: LedgerRow) -> float | None:
+    """Time per output token after the first (what the metrics' TPOT histogram observes)."""
+    if row.ttft_s is None or row.output_tokens < 2:
+        return None
+    return (row.total_s - row.ttft_s) / (row.output_tokens - 1)

@@ -6,7 +6,8 @@ hash of the tenant and the messages up to the first user turn, which every later
 always the first to get a new version). During a canary a conversation is on the candidate iff its bucket is
 below share x 10,000, or its tenant is named: its later turns land in the same bucket and follow the first, and
 raising the share only moves conversations from the old version to the new one, never back. `full` puts everyone
-on the candidate; `rolled_back` everyone on the baseline. `paused` holds the canary as it is (the same
+on the candidate; `rolled_back` and `shadow` everyone on the baseline (a shadow only copies a sample of requests to
+the candidate, off the response's path: `sampled`). `paused` holds the canary as it is (the same
 conversations stay where they are; the share cannot be raised until it is promoted again).
 """
 
@@ -36,7 +37,7 @@ def on_candidate(rollout: Rollout, tenant: str, conversation: str) -> bool:
     """Whether the rollout's candidate answers this conversation."""
     if rollout.stage == "full":
         return True
-    if rollout.stage == "rolled_back":
+    if rollout.stage in ("rolled_back", "shadow"):
         return False
     return tenant in rollout.tenants or bucket(conversation, rollout.id) < round(rollout.share * BUCKETS)
 
@@ -44,3 +45,8 @@ def on_candidate(rollout: Rollout, tenant: str, conversation: str) -> bool:
 def version_for(rollout: Rollout, tenant: str, conversation: str) -> str:
     """The version that answers this conversation under the rollout."""
     return rollout.candidate if on_candidate(rollout, tenant, conversation) else rollout.baseline
+
+
+def sampled(rollout: Rollout, request_id: str) -> bool:
+    """Whether a shadow copies this request to the candidate: a hash of its id below the shadow share."""
+    return rollout.stage == "shadow" and bucket(request_id, rollout.id) < round(rollout.shadow * BUCKETS)

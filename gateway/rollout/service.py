@@ -1,10 +1,17 @@
 """Rollouts as the admin routes, the CLI and the route stage see them: start, promote, pause, rollback, status,
-and each request's version.
+and each request's version; and the guards that roll a rollout back by themselves.
 
 The service keeps the rollouts it read last; a gateway follows the store every few seconds (a change made by the
 CLI or another process takes effect then; one made through this process's admin routes, at once). The route
 stage asks `choose` for every request to a tier with versions: a dictionary read and, during a canary, one hash.
-Each version's requests and errors since the rollout started are counted here, per process.
+A candidate that cannot take the request (no replica up) is not a 503: the baseline answers it, and it counts as
+an error of the candidate, so the guards see a dead candidate as one that fails.
+
+Each version's outcomes are counted here, per process (`observe`, from settle: O(1)), in counters since the rollout
+started and in the guards' bounded windows (gateway/rollout/guards.py); `evaluate`, run about once a second off
+the request path, judges each running rollout and rolls back one whose guard has held breached, as `guard`, with
+the windows in the audit event. With several gateway processes each judges what it saw; the first to roll back
+wins the store's compare-and-set and the others follow it.
 """
 
 from __future__ import annotations
@@ -15,9 +22,11 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from gateway.errors import Conflict, InvalidRequest, NotFound
-from gateway.rollout.assign import version_for
-from gateway.rollout.state import RUNNING, Rollout, RolloutEvent, RolloutStore, Stage
+from gateway.errors import Conflict, InvalidRequest, NotFound, TiergateError
+from gateway.metrics import GatewayMetrics
+from gateway.rollout.assign import sampled, version_for
+from gateway.rollout.guards import Guards, Verdict, Watch, tier_guards_error
+from gateway.rollout.state import RUNNING, Action, Rollout, RolloutEvent, RolloutStore, Stage
 from tiers.catalogue import TierCatalogue, TierSpec
 
 log = logging.getLogger("tiergate.rollout")
@@ -26,12 +35,16 @@ BLANKS = " \t\n\r\f\v"  # what a reason may not be made of alone (the routes' sc
 
 class RolloutService:
     def __init__(self, catalogue: TierCatalogue, store: RolloutStore, *,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, metrics: GatewayMetrics | None = None) -> None:
         self.catalogue = catalogue
         self.store = store
         self.clock = clock
+        self.metrics = metrics  # each version's requests, errors and TTFT during a rollout, for Prometheus
+        if (bad := tier_guards_error(catalogue)) is not None:  # a startup error, not a surprise at the first start
+            raise ValueError(bad)
         self._rollouts: dict[str, Rollout] = store.load()
         self._counts: dict[tuple[str, str], list[int]] = {}  # (rollout id, version) -> [requests, errors]
+        self.watch = Watch()
 
     def follow(self) -> None:
         """Read the store again (another process or the CLI may have changed a rollout)."""
@@ -39,9 +52,11 @@ class RolloutService:
 
     # ---- the request path ----
 
-    def choose(self, tier: TierSpec, tenant: str, conversation: Callable[[], str]) -> tuple[TierSpec, str | None]:
+    def choose(self, tier: TierSpec, tenant: str, conversation: Callable[[], str],
+               down: Callable[[TierSpec], str | None] = lambda spec: None) -> tuple[TierSpec, str | None]:
         """The spec of the version that answers this request, and a note for the route reason (None when the tier
-        has no rollout). `conversation` is called only when a canary needs it."""
+        has no rollout). `conversation` is called only when a canary needs it; `down` says why a version's
+        replicas cannot take a request now (None: they can)."""
         rollout = self._rollouts.get(tier.name)
         if rollout is None or tier.version_name is None:
             return tier, None
@@ -49,26 +64,103 @@ class RolloutService:
         spec = tier.variants.get(version)
         if spec is None:  # the tiers file no longer declares it: the serving version answers
             return tier, f"version {tier.version_name} ({version} is not declared)"
+        if rollout.stage in RUNNING and version == rollout.candidate and (why := down(spec)) is not None:
+            fallback = self.fall_back(tier, rollout.candidate)
+            if fallback is not None:
+                return fallback, f"version {rollout.baseline} (candidate {version} is down: {why})"
         return spec, f"version {version} (rollout {rollout.stage}{_share(rollout)})"
 
-    def observe(self, tier: str, version: str, *, error: bool) -> None:
-        """A request the version answered (or failed), for `status`."""
+    def fall_back(self, tier: TierSpec, version: str | None) -> TierSpec | None:
+        """The baseline's spec for a request the running rollout's candidate `version` cannot take, counted as an
+        error of the candidate; None if `version` is not a running rollout's candidate."""
+        rollout = self._rollouts.get(tier.name)
+        if rollout is None or rollout.stage not in RUNNING or version != rollout.candidate:
+            return None
+        baseline = self._variant(tier.name, rollout.baseline)
+        if baseline is None:
+            return None
+        self.observe(tier.name, version, error=True)
+        return baseline
+
+    def observe(self, tier: str, version: str, *, error: bool, ttft_s: float | None = None,
+                tpot_s: float | None = None) -> None:
+        """A request the version answered (or failed with a server error): counted for `status` and the guards."""
         rollout = self._rollouts.get(tier)
         if rollout is not None and version in (rollout.candidate, rollout.baseline):
             counts = self._counts.setdefault((rollout.id, version), [0, 0])
             counts[0] += 1
             counts[1] += error
+            if rollout.stage in RUNNING:
+                self.watch.window(rollout.id, version).add(self.clock(), error=error, ttft_s=ttft_s, tpot_s=tpot_s)
+            if self.metrics is not None:
+                self.metrics.version_finished(tier, version, failed=error, ttft_s=ttft_s)
+
+    def shadow_of(self, tier: TierSpec, request_id: str) -> tuple[Rollout, TierSpec] | None:
+        """The candidate to copy this request to, when the tier's rollout is a shadow that samples it and `tier` is
+        the version answering everyone (its baseline)."""
+        rollout = self._rollouts.get(tier.name)
+        if rollout is None or rollout.stage != "shadow" or tier.version_name != rollout.baseline \
+                or not sampled(rollout, request_id):
+            return None
+        spec = self._variant(tier.name, rollout.candidate)
+        return None if spec is None else (rollout, spec)
+
+    def observe_shadow(self, rollout: Rollout, *, error: bool, ttft_s: float | None, tpot_s: float | None,
+                       divergence: float | None) -> None:
+        """A shadowed request's outcome on the candidate (never seen by the tenant), for `status` and the guards."""
+        current = self._rollouts.get(rollout.tier)
+        if current is None or current.id != rollout.id:
+            return
+        counts = self._counts.setdefault((rollout.id, rollout.candidate), [0, 0])
+        counts[0] += 1
+        counts[1] += error
+        window = self.watch.window(rollout.id, rollout.candidate)
+        now = self.clock()
+        window.add(now, error=error, ttft_s=ttft_s, tpot_s=tpot_s)
+        if divergence is not None:
+            window.add_divergence(now, divergence)
+
+    # ---- the guards ----
+
+    def evaluate(self) -> list[Verdict]:
+        """Judge each running rollout's guards; roll back, as `guard`, those breached for their `breach_for_s`."""
+        running = {r.id: r for r in self._rollouts.values() if r.stage in RUNNING}
+        self.watch.forget(running)
+        verdicts = []
+        for r in running.values():
+            verdict = self.watch.evaluate(r.id, r.tier, r.candidate, r.baseline, r.guards, self.clock())
+            verdicts.append(verdict)
+            if verdict.roll_back:
+                self._guard_rollback(r, verdict)
+        return verdicts
+
+    def _guard_rollback(self, r: Rollout, verdict: Verdict) -> None:
+        reason = f"guard {'; '.join(verdict.breached)}; breached for {r.guards.breach_for_s:g}s"
+        try:
+            current = self._latest(r.tier)
+            if current is None or current.id != r.id or current.stage not in RUNNING:
+                return  # changed elsewhere meanwhile (another process's guard, an admin)
+            self._save("rollback", current.changed(stage="rolled_back", who="guard", reason=reason,
+                                                   now=self.clock()), verdict.metrics())
+        except TiergateError as exc:  # another process won the compare-and-set: its change stands
+            log.warning("guard rollback of tier %s not written: %s", r.tier, exc.message)
 
     # ---- on-call ----
 
     def start(self, tier: str, version: str, *, share: float, tenants: tuple[str, ...] = (), who: str,
-              reason: str) -> Rollout:
-        """A canary of `version` on `tier`: `share` of new conversations and every named tenant."""
+              reason: str, shadow: float | None = None, guards: Guards | None = None) -> Rollout:
+        """A canary of `version` on `tier`: `share` of new conversations and every named tenant; or, with `shadow`,
+        a shadow: the serving version answers everyone, and that share of requests is also sent to `version`."""
         spec = self._tier(tier)
         if version not in spec.variants:
             raise NotFound(f"tier {tier!r} has no version {version!r}; it has {', '.join(spec.variants)}",
                            param="version", code="version_not_found")
         _check_share(share)
+        if shadow is not None:
+            _check_share(shadow, "shadow")
+            if share or tenants:
+                raise InvalidRequest("a shadow answers no one from the candidate: leave share and tenants out, and "
+                                     "give them when promoting it to a canary", param="share" if share else "tenants")
         current = self._latest(tier)
         if current is not None and current.stage in RUNNING:
             raise Conflict(f"tier {tier!r} has a rollout in progress ({current.candidate}, {current.stage}); "
@@ -78,13 +170,14 @@ class RolloutService:
             raise Conflict(f"version {version!r} already answers tier {tier!r}", param="version",
                            code="version_already_serving")
         now = self.clock()
-        rollout = Rollout(uuid.uuid4().hex[:16], tier, version, baseline, "canary", share,
-                          tuple(dict.fromkeys(tenants)), now, who, now, who, _reason(reason),
-                          (current.revision if current else 0) + 1)
+        rollout = Rollout(uuid.uuid4().hex[:16], tier, version, baseline, "canary" if shadow is None else "shadow",
+                          share, tuple(dict.fromkeys(tenants)), now, who, now, who, _reason(reason),
+                          (current.revision if current else 0) + 1, _guards(spec, guards), shadow or 0.0)
         return self._save("start", rollout)
 
     def promote(self, tier: str, *, share: float | None = None, who: str, reason: str) -> Rollout:
-        """To `full` (everyone on the candidate), or a larger canary `share` (a paused canary resumes)."""
+        """To `full` (everyone on the candidate), or a larger canary `share` (a paused canary resumes; a shadow
+        becomes a canary)."""
         current = self._running(tier, "promote")
         if share is None:
             return self._save("promote", current.changed(stage="full", who=who, reason=_reason(reason),
@@ -104,7 +197,7 @@ class RolloutService:
         return self._save("pause", current.changed(stage="paused", who=who, reason=_reason(reason), now=self.clock()))
 
     def rollback(self, tier: str, *, who: str, reason: str) -> Rollout:
-        """Everyone back on the baseline (from a canary, a pause, or a finished `full`)."""
+        """Everyone back on the baseline (from a shadow, a canary, a pause, or a finished `full`)."""
         current = self._latest(tier)
         self._tier(tier)
         if current is None or current.stage == "rolled_back":
@@ -115,12 +208,15 @@ class RolloutService:
     # ---- reading ----
 
     def status(self) -> list[dict[str, Any]]:
-        """Each tier's latest rollout, with each version's requests and errors since it started (this process)."""
+        """Each tier's latest rollout, with each version's requests and errors since it started, and the guards'
+        latest evaluation of the windows (this process's)."""
         out = []
         for _, r in sorted(self._rollouts.items()):
             versions = {v: dict(zip(("requests", "errors"), self._counts.get((r.id, v), [0, 0]), strict=True))
                         for v in (r.baseline, r.candidate)}
-            out.append(r.public() | {"versions": versions})
+            verdict = self.watch.last.get(r.tier)
+            out.append(r.public() | {"versions": versions,
+                                     "guard": verdict.public() if verdict and verdict.rollout_id == r.id else None})
         return out
 
     def history(self, tier: str | None = None, limit: int = 100) -> list[RolloutEvent]:
@@ -138,6 +234,11 @@ class RolloutService:
                            code="tier_has_no_versions")
         return spec
 
+    def _variant(self, tier: str, version: str) -> TierSpec | None:
+        """One version's spec (a version's own spec lists no variants: the tier's does)."""
+        spec = self.catalogue.tiers.get(tier)
+        return None if spec is None else spec.variants.get(version)
+
     def _latest(self, tier: str) -> Rollout | None:
         """The tier's latest rollout as the store has it now (a change starts from the truth, not a cache)."""
         self._rollouts = self.store.load()
@@ -150,13 +251,13 @@ class RolloutService:
             raise _nothing_to(tier, what, current)
         return current
 
-    def _save(self, action: Any, rollout: Rollout) -> Rollout:
-        if not self.store.save(rollout, RolloutEvent.of(action, rollout)):
+    def _save(self, action: Action, rollout: Rollout, metrics: dict[str, Any] | None = None) -> Rollout:
+        if not self.store.save(rollout, RolloutEvent.of(action, rollout, metrics)):
             raise Conflict(f"the rollout on tier {rollout.tier!r} was changed meanwhile; read its status and retry",
                            code="rollout_changed")
         self._rollouts = {**self._rollouts, rollout.tier: rollout}
-        log.warning("rollout of %s on tier %s: %s by %s (%s), share %s", rollout.candidate, rollout.tier,
-                    rollout.stage, rollout.changed_by, rollout.reason, rollout.share)
+        log.warning("rollout of %s on tier %s: %s%s by %s (%s)", rollout.candidate, rollout.tier, rollout.stage,
+                    _share(rollout), rollout.changed_by, rollout.reason)
         return rollout
 
 
@@ -170,9 +271,15 @@ def _answering(current: Rollout | None, spec: TierSpec) -> str:
     return spec.version_name
 
 
-def _check_share(share: float) -> None:
+def _guards(spec: TierSpec, given: Guards | None) -> Guards:
+    """The start's guards: what it set, else the tier's `rollout_guards`, else the defaults."""
+    chosen = {name: getattr(given, name) for name in given.model_fields_set} if given is not None else {}
+    return Guards.model_validate(spec.rollout_guards | chosen, strict=False)
+
+
+def _check_share(share: float, param: str = "share") -> None:
     if not 0.0 <= share <= 1.0:  # the routes' schema says so too; the CLI comes here directly
-        raise InvalidRequest(f"share is a fraction from 0 to 1, not {share}", param="share")
+        raise InvalidRequest(f"{param} is a fraction from 0 to 1, not {share}", param=param)
 
 
 def _reason(reason: str) -> str:
@@ -182,6 +289,8 @@ def _reason(reason: str) -> str:
 
 
 def _share(r: Rollout) -> str:
+    if r.stage == "shadow":
+        return f" {r.shadow:.2%}"
     return f" {r.share:.2%}" if r.stage in RUNNING else ""
 
 

@@ -2,9 +2,10 @@
 PostgreSQL (TIERGATE_DATABASE_URL), so the gateway's processes, its replicas and the CLI meet on one state.
 
 Per tier, one row: its latest rollout (running, or finished: `full` keeps everyone on the candidate until the
-tiers file names it `serving`). Every change is also an audit event (who, why, when, the stage and share it
-left). A change is a compare-and-set on the tier's revision: two admins changing one tier at once cannot both
-win, and at most one rollout per tier runs.
+tiers file names it `serving`), with its guards. Every change is also an audit event (who, why, when, the stage and
+share it left, and for a guard's rollback each version's window at the time). Rows written before guards existed
+read with the default guards. A change is a compare-and-set on the tier's revision: two admins changing one tier
+at once cannot both win, and at most one rollout per tier runs.
 """
 
 from __future__ import annotations
@@ -13,14 +14,16 @@ import json
 import sqlite3
 import threading
 from abc import ABC, abstractmethod
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
 from gateway.admin_pool import AdminPool
+from gateway.rollout.guards import Guards
 
-Stage = Literal["canary", "paused", "full", "rolled_back"]
-RUNNING: frozenset[str] = frozenset({"canary", "paused"})  # a tier with one of these has a rollout in progress
+Stage = Literal["shadow", "canary", "paused", "full", "rolled_back"]
+RUNNING: frozenset[str] = frozenset({"shadow", "canary", "paused"})  # a tier with one of these has a rollout running
+Action = Literal["start", "promote", "pause", "rollback"]
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS rollouts (
@@ -54,11 +57,17 @@ class Rollout:
     changed_by: str
     reason: str  # of the latest change
     revision: int  # the tier's change counter (compare-and-set)
+    guards: Guards = field(default_factory=Guards)  # what rolls it back by itself while it runs
+    shadow: float = 0.0  # while `shadow`: the share of requests also sent to the candidate, 0 to 1
 
     def public(self) -> dict[str, Any]:
-        return asdict(self) | {"tenants": list(self.tenants)}
+        return asdict(self) | {"tenants": list(self.tenants), "guards": self.guards.model_dump()}
+
+    def dumps(self) -> str:
+        return json.dumps(self.public())
 
     def changed(self, *, stage: Stage, who: str, reason: str, now: float, share: float | None = None) -> Rollout:
+        """The rollout after a change by `who` (the next revision)."""
         return replace(self, stage=stage, share=self.share if share is None else share, changed_at=now,
                        changed_by=who, reason=reason, revision=self.revision + 1)
 
@@ -70,19 +79,20 @@ class RolloutEvent:
     ts: float
     tier: str
     rollout_id: str
-    action: Literal["start", "promote", "pause", "rollback"]
+    action: Action
     stage: Stage  # the stage it left
     share: float
     tenants: tuple[str, ...]
     candidate: str
     baseline: str
-    who: str
+    who: str  # an admin key id, `cli`, or `guard` (an automatic rollback)
     reason: str
+    metrics: dict[str, Any] = field(default_factory=dict)  # version -> its guard window at the time (a guard's)
 
     @classmethod
-    def of(cls, action: Literal["start", "promote", "pause", "rollback"], r: Rollout) -> RolloutEvent:
+    def of(cls, action: Action, r: Rollout, metrics: dict[str, Any] | None = None) -> RolloutEvent:
         return cls(r.changed_at, r.tier, r.id, action, r.stage, r.share, r.tenants, r.candidate, r.baseline,
-                   r.changed_by, r.reason)
+                   r.changed_by, r.reason, metrics or {})
 
     def public(self) -> dict[str, Any]:
         return asdict(self) | {"tenants": list(self.tenants)}
@@ -90,7 +100,8 @@ class RolloutEvent:
 
 def _rollout(raw: str) -> Rollout:
     data = json.loads(raw)
-    return Rollout(**data | {"tenants": tuple(data["tenants"])})
+    guards = Guards.model_validate(data.get("guards", {}))
+    return Rollout(**data | {"tenants": tuple(data["tenants"]), "guards": guards})
 
 
 def _event(raw: str) -> RolloutEvent:
@@ -139,7 +150,7 @@ class SqliteRolloutStore(RolloutStore):
                     return False
                 self._conn.execute("INSERT INTO rollouts(tier, revision, state) VALUES (?, ?, ?) ON CONFLICT(tier) "
                                    "DO UPDATE SET revision = excluded.revision, state = excluded.state",
-                                   (rollout.tier, rollout.revision, json.dumps(asdict(rollout))))
+                                   (rollout.tier, rollout.revision, rollout.dumps()))
                 self._conn.execute("INSERT INTO rollout_events(ts, tier, event) VALUES (?, ?, ?)",
                                    (event.ts, event.tier, json.dumps(asdict(event))))
                 self._conn.execute("COMMIT")
@@ -172,7 +183,7 @@ class PostgresRolloutStore(RolloutStore):
         return {tier: _rollout(state) for tier, state in rows}
 
     def save(self, rollout: Rollout, event: RolloutEvent) -> bool:
-        state = json.dumps(asdict(rollout))
+        state = rollout.dumps()
         with self._db.connection() as conn, conn.transaction():
             if rollout.revision == 1:
                 done = conn.execute("INSERT INTO rollouts(tier, revision, state) VALUES (%s, 1, %s) "

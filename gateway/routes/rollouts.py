@@ -1,5 +1,6 @@
-"""Rollouts of a tier's model versions (admin key): start a canary, read status and history, promote, pause, roll
-back. The CLI (`tiergate rollout …`) does the same on the same store; gateway/rollout/service.py holds the rules."""
+"""Rollouts of a tier's model versions (admin key): start a shadow or a canary with its guards, read status and
+history, promote, pause, roll back. The CLI (`tiergate rollout …`) does the same on the same store;
+gateway/rollout/service.py holds the rules."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from litestar.params import FromPath, FromQuery
 from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.auth import require_admin
+from gateway.rollout.guards import Guards
 from gateway.rollout.service import RolloutService
 from gateway.routes.openapi import BEARER, body, errors
 from gateway.tenants.store import NAME_RE
@@ -30,6 +32,8 @@ class StartRollout(BaseModel):
     share: Share = 0.0
     tenants: Annotated[list[Annotated[str, Field(pattern=NAME_RE.pattern)]], Field(max_length=100)] = []
     reason: Reason
+    shadow: Share | None = None  # a shadow instead of a canary: this share of requests also sent to `version`
+    guards: Guards = Guards()  # thresholds that roll it back by themselves (each field defaults; null: off)
 
 
 class Promote(BaseModel):
@@ -55,17 +59,19 @@ async def status(rollouts: NamedDependency[RolloutService]) -> dict[str, Any]:
 
 @post("/", status_code=201, dependencies={"openapi_body": body(StartRollout)}, responses=CHANGE_ERRORS)
 async def start(request: Request[Any, Any, Any], rollouts: NamedDependency[RolloutService]) -> dict[str, Any]:
-    """A canary: `share` of new conversations, and every named tenant, on `version`; 409 while one is running."""
+    """A canary: `share` of new conversations, and every named tenant, on `version`; or with `shadow`, a shadow
+    (the serving version answers everyone; that share of requests is also sent to `version`, never returned or
+    billed). `guards` roll it back by themselves. 409 while one is running."""
     b = parse_body(await request.body(), StartRollout)
     r = await asyncio.to_thread(rollouts.start, b.tier, b.version, share=b.share, tenants=tuple(b.tenants),
-                                who=request.state.key_id, reason=b.reason)
+                                who=request.state.key_id, reason=b.reason, shadow=b.shadow, guards=b.guards)
     return r.public()
 
 
 @post("/{tier:str}/promote", status_code=200, dependencies={"openapi_body": body(Promote)}, responses=CHANGE_ERRORS)
 async def promote(request: Request[Any, Any, Any], rollouts: NamedDependency[RolloutService],
                   tier: FromPath[str]) -> dict[str, Any]:
-    """Everyone on the candidate (`full`), or, with `share`, a larger canary (never smaller)."""
+    """Everyone on the candidate (`full`), or, with `share`, a larger canary (never smaller; a shadow becomes one)."""
     b = parse_body(await request.body(), Promote)
     r = await asyncio.to_thread(rollouts.promote, tier, share=b.share, who=request.state.key_id, reason=b.reason)
     return r.public()

@@ -55,7 +55,7 @@ def test_a_sampled_hit_is_marked_for_its_shadow_check(cache: SemanticCache, rate
     para = chat(PARA)
     policy = TenantPolicy(similarity_threshold=0.8, max_error_rate=0.01, shadow_rate=rate)
     hit = cache.lookup(scope(para), para, policy=policy)
-    assert isinstance(hit, Hit) and hit.shadow is (rate == 1.0)
+    assert isinstance(hit, Hit) and hit.shadow_rate == rate
     if rate:
         assert cache.label(hit, policy, "Click 'Forgot password' on the sign-in page.") is True
         state = cache.bounds.states()["acme"]

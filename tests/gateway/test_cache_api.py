@@ -208,6 +208,35 @@ def test_a_near_miss_teaches_the_error_bound_and_the_metrics_show_it(gateway: Ga
     assert 'tiergate_cache_max_error_rate{tenant="strict"} 0.05' in text
 
 
+def test_a_sampled_semantic_hit_is_checked_against_the_tier_and_billed_to_us(gateway: Gateway) -> None:
+    """The plan checks every semantic hit: the client gets the cached answer, the tier is asked too (off the
+    response's path, capped at the cached answer's length + 1), the bound learns from it, the tenant pays nothing
+    more and no row is written for the check."""
+    gateway.store.create_tenant("checked", "checkedcache")
+    key = gateway.store.issue_key("checked", name="test")[1]
+    first = ask(gateway, key=key)
+    r = ask(gateway, "What's the capital of France?", key=key)
+    assert r.headers["x-tiergate-cache-kind"] == "semantic"
+    assert r.json()["choices"][0]["message"]["content"] == first.json()["choices"][0]["message"]["content"]
+    deadline = time.time() + 10
+    while upstream_calls(gateway) < 2 and time.time() < deadline:
+        time.sleep(0.02)
+    check = gateway.stub.requests[-1]
+    assert upstream_calls(gateway) == 2 and check["max_tokens"] == first.json()["usage"]["completion_tokens"] + 1
+    assert check["messages"][-1]["content"] == "What's the capital of France?"
+    state = gateway.app.state.services.cache.cache.bounds.states()["checked"]
+    while state.checked_hits == 0 and time.time() < deadline:
+        time.sleep(0.02)
+        state = gateway.app.state.services.cache.cache.bounds.states()["checked"]
+    assert state.checked_hits == 1 and state.estimated_error == 0.0  # the stub says the same: a right hit
+    rows = [row for row in gateway.ledger_rows() if row.tenant == "checked"]
+    assert len(rows) == 2 and rows[1].cache_status == "hit"
+    with gateway.client(gateway.admin_key) as c:
+        text = c.get("/metrics").text
+    assert 'tiergate_cache_checks_total{result="right",tenant="checked"} 1.0' in text
+    assert 'tiergate_cache_check_cost_usd_total{tenant="checked"}' in text
+
+
 def test_cache_metrics(gateway: Gateway) -> None:
     ask(gateway)
     ask(gateway)

@@ -1,5 +1,6 @@
 """The built-in dashboard in headless Chromium (Debian's chromium + chromium-driver, driven by Selenium):
-charts drawn from real ledger data, and changing the level through the page changes the level.
+charts drawn from real ledger data, changing the level through the page changes the level, and a rollout shows
+per version.
 A screenshot of each view is kept in test-artifacts/."""
 
 from __future__ import annotations
@@ -7,6 +8,7 @@ from __future__ import annotations
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from selenium import webdriver
@@ -16,6 +18,7 @@ from selenium.webdriver.support.select import Select
 from selenium.webdriver.support.ui import WebDriverWait
 
 from tests.conftest import Gateway
+from tests.gateway.test_rollout import admin, ask, first_turn, servers, tenant_key, two_versions  # noqa: F401
 
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
 MSG = [{"role": "user", "content": "hello there"}]
@@ -90,3 +93,24 @@ def test_the_page_holds_no_data_and_the_apis_need_an_admin_key(gateway: Gateway)
         assert c.get("/admin/ops").status_code == 401
     with gateway.client(gateway.tenant_key) as c:
         assert c.get("/admin/ops").status_code == 403
+
+
+def test_the_on_call_view_shows_a_rollout_per_version(two_versions: tuple[Gateway, Any, Any],  # noqa: F811
+                                                       browser: webdriver.Chrome) -> None:
+    gw, _, _ = two_versions
+    assert admin(gw, "/admin/rollouts", {"tier": "mid", "version": "v2", "share": 0.5,
+                                         "reason": "dashboard canary"}).status_code == 201
+    key = tenant_key(gw, "dash")
+    versions = [ask(gw, key, first_turn(i)).headers["x-tiergate-model-version"] for i in range(12)]
+    browser.get(f"{gw.url}/dashboard")
+    browser.find_element(By.ID, "key").send_keys(gw.admin_key)
+    browser.find_element(By.ID, "login-button").click()
+    browser.find_element(By.CSS_SELECTOR, "nav button[data-view=oncall]").click()
+    WebDriverWait(browser, 20).until(lambda b: len(b.find_elements(By.CSS_SELECTOR, "#rollouts-table tbody tr")) == 2)
+    rows = [[td.text for td in tr.find_elements(By.TAG_NAME, "td")]
+            for tr in browser.find_elements(By.CSS_SELECTOR, "#rollouts-table tbody tr")]
+    assert [r[:7] for r in rows] == [
+        ["mid", "v2", "candidate", "canary", "50.0%", str(versions.count("v2")), "0"],
+        ["mid", "v1", "baseline", "canary", "50.0%", str(versions.count("v1")), "0"]]
+    ARTIFACTS.mkdir(exist_ok=True)
+    browser.save_screenshot(str(ARTIFACTS / "dashboard-rollout.png"))

@@ -56,20 +56,28 @@ tiers:
 
 
 @pytest.fixture
-def two_versions(tmp_path: Path, prepared_models: Path) -> Iterator[tuple[Gateway, StubState, StubState]]:
-    old, new = StubState(), StubState()
-    servers = [ServerThread(stub_app(old)).start(), ServerThread(stub_app(new)).start()]
-    (tmp_path / "tiers.yaml").write_text(tiers_yaml(servers[0].url, servers[1].url,
+def servers() -> Iterator[list[tuple[ServerThread, StubState]]]:
+    """v1's stub upstream (which also answers tier `full`) and v2's."""
+    states = [StubState(), StubState()]
+    started = [(ServerThread(stub_app(state)).start(), state) for state in states]
+    try:
+        yield started
+    finally:
+        for server, _ in started:
+            server.stop()
+
+
+@pytest.fixture
+def two_versions(tmp_path: Path, prepared_models: Path,
+                 servers: list[tuple[ServerThread, StubState]]) -> Iterator[tuple[Gateway, StubState, StubState]]:
+    (old_server, old), (new_server, new) = servers
+    (tmp_path / "tiers.yaml").write_text(tiers_yaml(old_server.url, new_server.url,
                                                     f"http://127.0.0.1:{free_port()}"))
     (tmp_path / "plans.yaml").write_text(PLANS_YAML)
     settings = Settings(data_dir=tmp_path / "data", models_dir=prepared_models, tiers_file=tmp_path / "tiers.yaml",
                         plans_file=tmp_path / "plans.yaml", max_body_bytes=64 * 1024)
-    try:
-        with running_gateway(settings, old) as gw:
-            yield gw, old, new
-    finally:
-        for s in servers:
-            s.stop()
+    with running_gateway(settings, old) as gw:
+        yield gw, old, new
 
 
 def tenant_key(gw: Gateway, name: str, plan: str = "nocache") -> str:
@@ -184,7 +192,12 @@ def test_bad_admin_input_is_refused_and_changes_nothing(two_versions: tuple[Gate
     gw, _, _ = two_versions
     assert admin(gw, "/admin/rollouts", {"tier": "mid", "version": "v2", "share": 0.1, "reason": "r"}).status_code \
         == 201
-    before = (admin(gw, "/admin/rollouts").json(), admin(gw, "/admin/rollouts/history").json())
+
+    def state() -> tuple[list[dict[str, Any]], dict[str, Any]]:  # the guards' live reading aside
+        return ([{k: v for k, v in r.items() if k != "guard"} for r in admin(gw, "/admin/rollouts").json()["data"]],
+                admin(gw, "/admin/rollouts/history").json())
+
+    before = state()
     refused = [
         ("/admin/rollouts", {"tier": "nope", "version": "v2", "reason": "r"}, 404, "tier"),
         ("/admin/rollouts", {"tier": "full", "version": "v2", "reason": "r"}, 404, "tier"),
@@ -202,4 +215,35 @@ def test_bad_admin_input_is_refused_and_changes_nothing(two_versions: tuple[Gate
         assert set(r.json()["error"]) == {"message", "type", "param", "code"} and r.json()["error"]["param"] == param
     with gw.client(gw.tenant_key) as c:  # a tenant's key may not
         assert c.post("/admin/rollouts/mid/rollback", json={"reason": "r"}).status_code == 403
-    assert (admin(gw, "/admin/rollouts").json(), admin(gw, "/admin/rollouts/history").json()) == before
+    assert state() == before
+
+
+def test_a_dead_candidate_is_passed_over_then_rolled_back_by_its_guard(
+        two_versions: tuple[Gateway, StubState, StubState], servers: list[tuple[ServerThread, StubState]]) -> None:
+    gw, _, new = two_versions
+    key = tenant_key(gw, "canaried")
+    guards = {"max_error_rate": 0.2, "max_ttft_p95_ratio": None, "max_tpot_p95_ratio": None, "min_requests": 5,
+              "window_s": 3.0, "breach_for_s": 1.0}
+    r = admin(gw, "/admin/rollouts", {"tier": "mid", "version": "v2", "share": 0.9, "guards": guards,
+                                      "reason": "big canary"})
+    assert r.status_code == 201, r.text
+    before = [ask(gw, key, first_turn(i)).headers["x-tiergate-model-version"] for i in range(20)]
+    assert before.count("v2") >= 12 and len(new.requests) == before.count("v2")  # the candidate answers
+    servers[1][0].stop()  # v2's upstream dies
+    killed, answered, stage = time.monotonic(), [], "canary"
+    while stage == "canary" and time.monotonic() - killed < 15:
+        answered.append(ask(gw, key, first_turn(100 + len(answered))))  # each one a 200 (`ask` asserts it)
+        stage = admin(gw, "/admin/rollouts").json()["data"][0]["stage"]
+    assert stage == "rolled_back"
+    assert time.monotonic() - killed < 3.0 + 1.0 + 3.0  # the window, the hysteresis, and evaluations to spare
+    assert {a.headers["x-tiergate-model-version"] for a in answered} == {"v1"}  # the baseline stood in
+    assert any("candidate v2 is down" in a.headers["x-tiergate-route-reason"]
+               or "candidate v2 unreachable" in a.headers["x-tiergate-route-reason"] for a in answered)
+    event = admin(gw, "/admin/rollouts/history?tier=mid").json()["data"][0]
+    assert (event["action"], event["stage"], event["who"]) == ("rollback", "rolled_back", "guard")
+    assert event["reason"].startswith("guard max_error_rate: ")
+    assert event["metrics"]["v2"]["errors"] >= 1 and event["metrics"]["v2"]["error_rate"] > 0.2
+    later = {ask(gw, key, first_turn(1000 + i)).headers["x-tiergate-model-version"] for i in range(20)}
+    assert later == {"v1"}  # every new conversation is back on the old version
+    rows = [row for row in gw.ledger_rows() if row.tenant == "canaried"]
+    assert len(rows) == 20 + len(answered) + 20 and all(row.status == "ok" for row in rows)

@@ -15,10 +15,9 @@ from tiers.catalogue import TierCatalogue
 
 TIER = {"backend": "openai", "model": "m", "urls": ["http://a:1"], "price_per_1k_input": "0.001",
         "price_per_1k_output": "0.002", "hardware_cost_per_hour": "1", "context_limit": 4096}
-CATALOGUE = TierCatalogue.model_validate({"tiers": {
-    "mid": TIER | {"serving": "v1", "versions": [{"name": "v1"}, {"name": "v2", "urls": ["http://b:1"]},
-                                                 {"name": "v3", "urls": ["http://c:1"]}]},
-    "full": TIER}})
+MID = TIER | {"serving": "v1", "versions": [{"name": "v1"}, {"name": "v2", "urls": ["http://b:1"]},
+                                          {"name": "v3", "urls": ["http://c:1"]}]}
+CATALOGUE = TierCatalogue.model_validate({"tiers": {"mid": MID, "full": TIER}})
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -89,3 +88,31 @@ def test_a_finished_rollout_cannot_be_paused_or_rolled_back_twice(store: Rollout
         s.rollback("mid", who="k", reason="again")
     with pytest.raises(Conflict):
         s.pause("mid", who="k", reason="r")
+
+
+def test_a_tiers_rollout_guards_are_the_defaults_a_start_may_override(tmp_path: Path) -> None:
+    from gateway.rollout.guards import Guards
+
+    guards = {"max_error_rate": 0.01, "window_s": 600, "max_divergence": None}
+    catalogue = TierCatalogue.model_validate({"tiers": {"mid": MID | {"rollout_guards": guards}}})
+    store = SqliteRolloutStore(tmp_path / "state.db")
+    try:
+        s = RolloutService(catalogue, store)
+        r = s.start("mid", "v2", share=0.2, who="k", reason="tier's guards")
+        assert (r.guards.max_error_rate, r.guards.window_s, r.guards.min_requests) == (0.01, 600.0, 50)
+        s.rollback("mid", who="k", reason="next")
+        r = s.start("mid", "v3", share=0.2, who="k", reason="mine",
+                    guards=Guards.model_validate({"window_s": 60.0}))
+        assert (r.guards.max_error_rate, r.guards.window_s) == (0.01, 60.0)  # what the start set wins
+    finally:
+        store.close()
+
+
+def test_a_bad_rollout_guard_in_the_tiers_file_stops_the_gateway_with_its_name(tmp_path: Path) -> None:
+    catalogue = TierCatalogue.model_validate({"tiers": {"mid": MID | {"rollout_guards": {"max_eror_rate": 0.01}}}})
+    store = SqliteRolloutStore(tmp_path / "state.db")
+    try:
+        with pytest.raises(ValueError, match=r"tiers.mid.rollout_guards: .*max_eror_rate"):
+            RolloutService(catalogue, store)
+    finally:
+        store.close()

@@ -1,0 +1,79 @@
+"""Calls to a tier that no client waits for: a rollout's shadow (gateway/rollout/shadow.py) and the check of a
+sampled semantic cache hit (gateway/pipeline/cache_check.py).
+
+They go to the tier's replicas without a dispatch slot, a reservation, a ledger row or the cache: the tenant is
+billed nothing and sees nothing; what they cost us their callers count. `OffPathTasks` keeps at most
+`max_in_flight` of them running; one more is dropped (the caller counts it), so a slow tier cannot pile up work in
+the gateway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from decimal import Decimal
+from typing import Any
+
+from gateway.errors import client_error
+from gateway.pipeline.meter import Meter, Outcome
+from gateway.pipeline.tier_call import TierCaller
+from tiers.catalogue import TierSpec
+
+log = logging.getLogger("tiergate.gateway")
+
+
+@dataclass(frozen=True)
+class OffPathAnswer:
+    outcome: Outcome  # the answer as far as it came, its tokens and times
+    failed: bool  # the call raised
+    error: bool  # ... with a 5xx: the tier's fault, not the request's
+
+    def cost(self, tier: TierSpec) -> Decimal:
+        """What the call cost us in the tier's hardware time (the engine's busy time where it reports it)."""
+        seconds = self.outcome.busy_s if self.outcome.busy_s is not None else self.outcome.upstream_s
+        return tier.compute_cost(seconds or 0.0)
+
+
+async def answer_off_path(caller: TierCaller, tier: TierSpec, body: dict[str, Any]) -> OffPathAnswer:
+    """The tier's whole answer to `body`; a failure is returned, never raised."""
+    meter = Meter(time.perf_counter())
+    meter.upstream_started()
+    failed = error = False
+    try:
+        async for chunk in await caller.open(tier, body, affinity=None):
+            meter.add(chunk)
+    except Exception as exc:
+        failed, error = True, client_error(exc).status_code >= 500
+        log.info("off-path call to %s failed: %s", tier.name, exc)
+    finally:
+        meter.upstream_ended()
+    return OffPathAnswer(meter.outcome("error" if error else "ok", 200), failed, error)
+
+
+class OffPathTasks:
+    def __init__(self, max_in_flight: int) -> None:
+        self.max_in_flight = max_in_flight
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def start(self, work: Coroutine[Any, Any, None]) -> bool:
+        """Run `work` in the background; False (and `work` never run) when `max_in_flight` already run."""
+        if len(self._tasks) >= self.max_in_flight:
+            work.close()
+            return False
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return True
+
+    async def drain(self) -> None:
+        """Wait for the calls in flight (tests)."""
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def cancel(self) -> None:
+        """Stop the calls in flight (shutdown): nobody waits for their answers."""
+        for task in list(self._tasks):
+            task.cancel()

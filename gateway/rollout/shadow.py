@@ -1,0 +1,83 @@
+"""A shadow: a sampled share of requests also sent to the rollout's candidate, off the response's path.
+
+After an attempt on the version answering everyone has settled (its row written, its answer with the client or on
+its way), `Shadow.send` copies the request to the candidate in a task the client never waits for: the same body
+as the tier got (the same output cap, at batch priority), on the candidate's own replicas, without a dispatch slot,
+a reservation, a ledger row or the cache. The tenant is billed nothing for it and never sees it; what it costs us is
+counted in `tiergate_rollout_shadow_cost_usd`. At most `max_in_flight` shadow calls run at once; a request sampled
+beyond that is dropped and counted, so a slow candidate cannot pile up work in the gateway.
+
+Its outcome goes to the rollout (`RolloutService.observe_shadow`): errors, time to first token and per output token
+(as the candidate's own, for the guards), and the divergence of its answer from the one the client got:
+1 - difflib's similarity ratio of the two answers' first DIVERGENCE_WORDS words (0: the same words in the same
+order, 1: nothing in common), computed in a worker thread (difflib is quadratic in the worst case).
+
+Streamed requests are shadowed too: the gateway always streams from the tier and the meter keeps the text the
+client got, so a streamed answer compares as a whole one does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import difflib
+import logging
+from typing import Any
+
+from gateway.metrics import GatewayMetrics
+from gateway.pipeline.off_path import OffPathTasks, answer_off_path
+from gateway.pipeline.tier_call import TierCaller, upstream_body
+from gateway.rollout.service import RolloutService
+from gateway.rollout.state import Rollout
+from quotas.plans import PRIORITY_ORDER
+from tiers.catalogue import TierSpec
+from wire.chat_request import ChatCompletionRequest
+
+log = logging.getLogger("tiergate.rollout")
+DIVERGENCE_WORDS = 256  # of each answer: bounds the comparison's work whatever the answers' length
+MAX_IN_FLIGHT = 16
+
+
+def divergence(served: str, shadowed: str) -> float:
+    """1 - the similarity of the two answers' first words (difflib's ratio over word sequences), 0 to 1."""
+    a, b = served.split()[:DIVERGENCE_WORDS], shadowed.split()[:DIVERGENCE_WORDS]
+    if not a and not b:
+        return 0.0
+    return 1.0 - difflib.SequenceMatcher(None, a, b, autojunk=False).ratio()
+
+
+class Shadow:
+    def __init__(self, *, rollouts: RolloutService, caller: TierCaller, metrics: GatewayMetrics,
+                 max_in_flight: int = MAX_IN_FLIGHT) -> None:
+        self.rollouts = rollouts
+        self.caller = caller
+        self.metrics = metrics
+        self.tasks = OffPathTasks(max_in_flight)
+
+    def send(self, tier: TierSpec, request_id: str, req: ChatCompletionRequest, max_tokens: int,
+             served: str) -> None:
+        """Copy this answered request to the candidate if the tier's shadow samples it; returns at once."""
+        found = self.rollouts.shadow_of(tier, request_id)
+        if found is None:
+            return
+        rollout, candidate = found
+        body = upstream_body(req, candidate, max_tokens=max_tokens, priority=PRIORITY_ORDER["batch"],
+                             logprobs=False)
+        if not self.tasks.start(self._run(rollout, candidate, body, served)):
+            self.metrics.rollout_shadow.labels(rollout.tier, rollout.candidate, "dropped").inc()
+
+    async def _run(self, rollout: Rollout, candidate: TierSpec, body: dict[str, Any], served: str) -> None:
+        # the candidate's failure is what a shadow is for: recorded, never raised
+        answer = await answer_off_path(self.caller, candidate, body)
+        outcome = answer.outcome
+        tpot = None
+        if outcome.ttft_s is not None and outcome.upstream_s is not None and outcome.output_tokens > 1:
+            tpot = (outcome.upstream_s - outcome.ttft_s) / (outcome.output_tokens - 1)
+        diverged = None if answer.failed else await asyncio.to_thread(divergence, served, outcome.text)
+        self.rollouts.observe_shadow(rollout, error=answer.error, ttft_s=outcome.ttft_s, tpot_s=tpot,
+                                     divergence=diverged)
+        self.metrics.rollout_shadow.labels(rollout.tier, rollout.candidate, "error" if answer.error else "ok").inc()
+        self.metrics.rollout_shadow_cost.labels(rollout.tier, rollout.candidate).inc(float(answer.cost(candidate)))
+
+    def cancel(self) -> None:
+        """Stop the shadow calls in flight (shutdown): nobody waits for their answers."""
+        self.tasks.cancel()
