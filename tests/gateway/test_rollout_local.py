@@ -22,6 +22,7 @@ import psutil
 import pytest
 
 from bench.serve_gateway import tiergate_serve
+from quotas.ledger import Ledger
 from tests.conftest import MODELS_DIR, PLANS_YAML
 from tests.stubs import ServerThread, StubState, free_port, stub_app
 
@@ -73,6 +74,7 @@ class Served:
     pid: int  # the gateway's
     admin_key: str
     demo_key: str
+    data_dir: Path
 
     def client(self, key: str) -> httpx.Client:
         return httpx.Client(base_url=self.url, headers={"authorization": f"Bearer {key}"}, timeout=120)
@@ -92,7 +94,8 @@ def served(tmp_path_factory: pytest.TempPathFactory, prepared_models: Path) -> I
                         "TIERGATE_LADDER_FILE": str(tmp / "ladder.yaml"), "TIERGATE_BUILD_MISSING_MODELS": "0"}
     try:
         with tiergate_serve(env, ready_timeout_s=300) as started:
-            s = Served(f"http://127.0.0.1:{port}", started.proc.pid, started.admin_key, started.demo_key)
+            s = Served(f"http://127.0.0.1:{port}", started.proc.pid, started.admin_key, started.demo_key,
+                       tmp / "data")
             _wait_for_version(s, "v2")  # the banner waits for the serving version; v2 starts beside it
             yield s
     finally:
@@ -199,3 +202,62 @@ def test_a_canary_on_a_local_version_then_a_rollback_that_waits_for_no_engine(se
     with served.client(served.admin_key) as c:
         versions = c.get("/health").json()["tiers"]["mid"]["versions"]
     assert [versions[v]["replicas"][0]["restarts"] for v in ("v1", "v2")] == [0, 0]
+
+
+def status(s: Served) -> dict[str, Any]:
+    with s.client(s.admin_key) as c:
+        return c.get("/admin/rollouts").json()["data"][0]
+
+
+def demo_rows(s: Served) -> int:
+    ledger = Ledger(s.data_dir / "ledger.db")
+    try:
+        return len(ledger.rows(tenant="demo"))
+    finally:
+        ledger.close()
+
+
+def test_a_shadow_on_the_local_candidate_compares_its_answers_and_bills_nothing(served: Served) -> None:
+    r = admin(served, "/admin/rollouts", {"tier": "mid", "version": "v2", "shadow": 1.0, "reason": "compare fp32",
+                                          "guards": {"min_requests": 1}})
+    assert r.status_code == 201, r.text
+    v2 = engines(served)["v2"]
+    before, rows = generated(v2), demo_rows(served)
+    questions = [f"Name a fruit, please ({i})." for i in range(3)]  # new each: misses, answered by v1
+    answers = [ask(served, [{"role": "user", "content": q}], session=f"shadow-{i}") for i, q in enumerate(questions)]
+    assert all(version_and_cache(a) == ("v1", "miss") for a in answers)
+    deadline = time.time() + 60
+    while (guard := status(served)["guard"]) is None or guard["versions"]["v2"]["compared"] < 3:
+        assert time.time() < deadline, status(served)
+        time.sleep(0.2)
+    assert 0.0 <= guard["versions"]["v2"]["divergence"] <= 1.0  # int8 and fp32 answers, word by word
+    assert generated(v2) > before  # v2's own engine answered the copies
+    assert demo_rows(served) == rows + 3  # one row per answer the tenant got; none for the copies
+    r = admin(served, "/admin/rollouts/mid/rollback", {"reason": "seen enough"})
+    assert r.status_code == 200, r.text
+
+
+def test_killing_the_candidates_engine_during_a_canary_rolls_it_back_by_guard(served: Served) -> None:
+    guards = {"max_error_rate": 0.2, "min_requests": 3, "window_s": 30, "breach_for_s": 0.5,
+              "max_ttft_p95_ratio": None, "max_tpot_p95_ratio": None}
+    r = admin(served, "/admin/rollouts", {"tier": "mid", "version": "v2", "share": 1.0, "reason": "all on fp32",
+                                          "guards": guards})
+    assert r.status_code == 201, r.text
+    assert ask(served, [{"role": "user", "content": "Name a river."}], session="pre-kill").headers[
+        "x-tiergate-model-version"] == "v2"
+    engines(served)["v2"].kill()  # SIGKILL: the supervisor restarts it, after a backoff and a model load
+    killed, answered = time.time(), []
+    while status(served)["stage"] != "rolled_back":
+        assert time.time() - killed < 60, status(served)
+        r = ask(served, [{"role": "user", "content": f"Name a city ({len(answered)})."}],
+                session=f"kill-{len(answered)}")  # asserts 200: a dead candidate costs no request
+        answered.append(r.headers["x-tiergate-model-version"])
+    rolled = status(served)
+    assert rolled["changed_by"] == "guard" and "max_error_rate" in rolled["reason"]
+    assert "v1" in answered  # the candidate was passed over while it was down
+    with served.client(served.admin_key) as c:
+        event = c.get("/admin/rollouts/history", params={"tier": "mid"}).json()["data"][0]
+    assert (event["action"], event["who"]) == ("rollback", "guard") and "max_error_rate" in event["reason"]
+    assert ask(served, [{"role": "user", "content": "Name a lake."}], session="after-guard").headers[
+        "x-tiergate-model-version"] == "v1"
+    _wait_for_version(served, "v2", timeout_s=120)  # and v2 is back, for whatever runs next
