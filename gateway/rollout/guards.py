@@ -186,11 +186,14 @@ class Watch:
             found = self._windows[(rollout_id, version)] = Window()
         return found
 
+    def read(self, rollout_id: str, versions: Iterable[str], since: float) -> dict[str, Reading]:
+        """Each version's window from `since` on."""
+        windows = {v: self._windows.get((rollout_id, v)) for v in versions}
+        return {v: w.read(since) if w is not None else EMPTY for v, w in windows.items()}
+
     def evaluate(self, rollout_id: str, tier: str, candidate: str, baseline: str, guards: Guards,
                  now: float) -> Verdict:
-        since = now - guards.window_s
-        windows = {v: self._windows.get((rollout_id, v)) for v in (baseline, candidate)}
-        readings = {v: w.read(since) if w is not None else EMPTY for v, w in windows.items()}
+        readings = self.read(rollout_id, (baseline, candidate), now - guards.window_s)
         breached = tuple(breaches(guards, readings[candidate], readings[baseline]))
         if breached:
             began = self._since.setdefault(rollout_id, now)

@@ -181,20 +181,21 @@ class RolloutService:
         current = self._running(tier, "promote")
         if share is None:
             return self._save("promote", current.changed(stage="full", who=who, reason=_reason(reason),
-                                                         now=self.clock()))
+                                                         now=self.clock()), self._metrics_now(current))
         _check_share(share)
         if share < current.share:
             raise InvalidRequest(f"share {share} is below the canary's {current.share}: lowering it would move "
                                  "conversations back mid-way; roll back instead", param="share")
         return self._save("promote", current.changed(stage="canary", who=who, reason=_reason(reason),
-                                                     now=self.clock(), share=share))
+                                                     now=self.clock(), share=share), self._metrics_now(current))
 
     def pause(self, tier: str, *, who: str, reason: str) -> Rollout:
         """Hold the canary as it is: the same conversations stay on each version, and the share stays."""
         current = self._running(tier, "pause")
         if current.stage == "paused":
             raise Conflict(f"the rollout on tier {tier!r} is paused already", code="rollout_paused")
-        return self._save("pause", current.changed(stage="paused", who=who, reason=_reason(reason), now=self.clock()))
+        return self._save("pause", current.changed(stage="paused", who=who, reason=_reason(reason), now=self.clock()),
+                          self._metrics_now(current))
 
     def rollback(self, tier: str, *, who: str, reason: str) -> Rollout:
         """Everyone back on the baseline (from a shadow, a canary, a pause, or a finished `full`)."""
@@ -203,7 +204,7 @@ class RolloutService:
         if current is None or current.stage == "rolled_back":
             raise _nothing_to(tier, "roll back", current)
         return self._save("rollback", current.changed(stage="rolled_back", who=who, reason=_reason(reason),
-                                                      now=self.clock()))
+                                                      now=self.clock()), self._metrics_now(current))
 
     # ---- reading ----
 
@@ -250,6 +251,11 @@ class RolloutService:
         if current is None or current.stage not in RUNNING:
             raise _nothing_to(tier, what, current)
         return current
+
+    def _metrics_now(self, r: Rollout) -> dict[str, Any]:
+        """What an admin's change keeps in its audit event: each version's window as it is now (this process's)."""
+        readings = self.watch.read(r.id, (r.baseline, r.candidate), self.clock() - r.guards.window_s)
+        return {v: reading.public() for v, reading in readings.items()}
 
     def _save(self, action: Action, rollout: Rollout, metrics: dict[str, Any] | None = None) -> Rollout:
         if not self.store.save(rollout, RolloutEvent.of(action, rollout, metrics)):

@@ -151,6 +151,9 @@ def test_named_tenants_promote_rollback_and_the_audit_trail(two_versions: tuple[
              admin(gw, "/admin/rollouts/history?tier=mid").json()["data"]]
     assert trail == [("rollback", "rolled_back", admin_id, "errors in v2"),
                      ("promote", "full", admin_id, "vip is happy"), ("start", "canary", admin_id, "vip tries it")]
+    promoted = admin(gw, "/admin/rollouts/history?tier=mid").json()["data"][1]
+    # an admin's change keeps each version's window as it stood: the canary's 20 + 20 answers
+    assert (promoted["metrics"]["v2"]["requests"], promoted["metrics"]["v1"]["requests"]) == (20, 20)
 
 
 def test_the_cli_changes_the_rollout_a_running_gateway_follows(
