@@ -8,11 +8,15 @@ import re
 import shutil
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
 
+from cache.error_bound import TenantBounds
+from gateway.cache_bound_metrics import CacheBoundCollector
 from gateway.metrics import GatewayMetrics
+from gateway.pipeline.cache_check import CacheChecks
 from tiers.catalogue import TierCatalogue
 from tiers.client import TierClient
 from tiers.fleet import Fleet
@@ -32,6 +36,10 @@ def exported() -> tuple[set[str], set[str]]:
     fleet.replicas["mid"][0].stats = {"kv_utilisation": 0.5, "tokens_per_s": 10, "num_running": 1, "num_waiting": 0}
     metrics = GatewayMetrics(fleet)
     metrics.ladder = type("L", (), {"level": 0})()
+    cache = SimpleNamespace(bounds=TenantBounds())  # what the cache's error bound and its checks export
+    cache.bounds.get("acme", 0.01, 0.8)
+    metrics.registry.register(CacheBoundCollector(cache))  # type: ignore[arg-type]
+    CacheChecks(cache=cache, caller=None, registry=metrics.registry)  # type: ignore[arg-type]
     samples, families = set(), set()
     for family in metrics.registry.collect():
         families.add(family.name)

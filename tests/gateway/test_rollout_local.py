@@ -21,10 +21,8 @@ import httpx
 import psutil
 import pytest
 
-from bench.serve_gateway import tiergate_serve
 from quotas.ledger import Ledger
-from tests.conftest import MODELS_DIR, PLANS_YAML
-from tests.stubs import ServerThread, StubState, free_port, stub_app
+from tests.served import serve_beside_a_stub
 
 pytestmark = pytest.mark.model
 
@@ -83,23 +81,10 @@ class Served:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory, prepared_models: Path) -> Iterator[Served]:
     tmp = tmp_path_factory.mktemp("rollout-local")
-    stub = ServerThread(stub_app(StubState())).start()
-    (tmp / "tiers.yaml").write_text(TIERS.format(stub=stub.url))
-    (tmp / "plans.yaml").write_text(PLANS_YAML)
-    (tmp / "ladder.yaml").write_text(LADDER)
-    port = free_port()
-    env = os.environ | {"TIERGATE_MODELS_DIR": str(MODELS_DIR), "TIERGATE_DATA_DIR": str(tmp / "data"),
-                        "TIERGATE_PORT": str(port), "TIERGATE_TIERS_FILE": str(tmp / "tiers.yaml"),
-                        "TIERGATE_PLANS_FILE": str(tmp / "plans.yaml"),
-                        "TIERGATE_LADDER_FILE": str(tmp / "ladder.yaml"), "TIERGATE_BUILD_MISSING_MODELS": "0"}
-    try:
-        with tiergate_serve(env, ready_timeout_s=300) as started:
-            s = Served(f"http://127.0.0.1:{port}", started.proc.pid, started.admin_key, started.demo_key,
-                       tmp / "data")
-            _wait_for_version(s, "v2")  # the banner waits for the serving version; v2 starts beside it
-            yield s
-    finally:
-        stub.stop()
+    with serve_beside_a_stub(tmp, TIERS, LADDER) as (url, started):
+        s = Served(url, started.proc.pid, started.admin_key, started.demo_key, tmp / "data")
+        _wait_for_version(s, "v2")  # the banner waits for the serving version; v2 starts beside it
+        yield s
 
 
 def _wait_for_version(s: Served, version: str, timeout_s: float = 300) -> None:

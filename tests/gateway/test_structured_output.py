@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -24,11 +23,10 @@ import openai
 import pytest
 
 from assets.datasets import sharegpt_conversations
-from bench.serve_gateway import tiergate_serve
 from gateway.settings import Settings
 from quotas.ledger import Ledger
-from tests.conftest import MODELS_DIR, PLANS_YAML, Gateway
-from tests.stubs import ServerThread, StubState, free_port, stub_app
+from tests.conftest import Gateway
+from tests.served import serve_beside_a_stub
 
 # nested, and bounded everywhere (strings, arrays, integers), so that a complete answer fits in MAX_TOKENS
 SCHEMA: dict[str, Any] = {
@@ -136,20 +134,8 @@ class Served:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory, prepared_models: Path) -> Iterator[Served]:
     tmp = tmp_path_factory.mktemp("structured")
-    stub = ServerThread(stub_app(StubState())).start()
-    (tmp / "tiers.yaml").write_text(TIERS.format(stub=stub.url))
-    (tmp / "plans.yaml").write_text(PLANS_YAML)
-    (tmp / "ladder.yaml").write_text(LADDER)
-    port = free_port()
-    env = os.environ | {"TIERGATE_MODELS_DIR": str(MODELS_DIR), "TIERGATE_DATA_DIR": str(tmp / "data"),
-                        "TIERGATE_PORT": str(port), "TIERGATE_TIERS_FILE": str(tmp / "tiers.yaml"),
-                        "TIERGATE_PLANS_FILE": str(tmp / "plans.yaml"),
-                        "TIERGATE_LADDER_FILE": str(tmp / "ladder.yaml"), "TIERGATE_BUILD_MISSING_MODELS": "0"}
-    try:
-        with tiergate_serve(env, ready_timeout_s=300) as started:
-            yield Served(f"http://127.0.0.1:{port}", tmp / "data", started.demo_key)
-    finally:
-        stub.stop()
+    with serve_beside_a_stub(tmp, TIERS, LADDER) as (url, started):
+        yield Served(url, tmp / "data", started.demo_key)
 
 
 def client(served: Served) -> openai.OpenAI:
