@@ -9,11 +9,18 @@ Counting reads tenant text, so it is bounded and kept off the event loop's GIL:
   `limit * max_token_chars` cannot fit in `limit` tokens, so it is refused without being read;
 - `encode_batch` is the call of `tokenizers` that releases the GIL while it works (`encode` holds it), so
   the callers run counts in a worker thread and the event loop keeps serving meanwhile.
+
+A short prompt is counted by pieces: `tokenizers` cuts a text at its added tokens (`<|im_start|>`...) before
+anything else and tokenizes each piece between them on its own, so a prompt's count is its added tokens plus
+each piece's count, and the pieces every request repeats (the template's default system prompt, role markers) are
+counted once and remembered. Only where that cut is the whole story: no normalizer, and no added token that eats
+the spaces beside it or matches only whole words; otherwise the whole text is counted.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections.abc import Sequence
 from functools import lru_cache
@@ -27,6 +34,7 @@ from tokenizers import Tokenizer
 Messages = Sequence[dict[str, Any]]
 SHORT_TEXT_CHARS = 8192  # counted with `encode` (GIL held, no hand-off); longer ones with `encode_batch`
 RECENT_PROMPTS = 4096  # short prompts whose counts are remembered
+RECENT_PIECES = 8192  # pieces of short prompts (between added tokens) whose counts are remembered
 
 
 class TokenCounter:
@@ -48,7 +56,9 @@ class TokenCounter:
         self.max_token_chars = max(1, max(map(len, self.tokenizer.get_vocab(with_added_tokens=True))))
         self._overhead: dict[str, int] = {}
         self._recent: dict[str, int] = {}  # short rendered prompts -> tokens, oldest first
+        self._pieces: dict[str, int] = {}  # pieces between added tokens -> tokens, oldest first
         self._lock = threading.Lock()
+        self._cut = _added_token_cut(self.tokenizer)
 
     def render(self, messages: Messages) -> str:
         return self.template.render(messages=list(messages), add_generation_prompt=True, **self.special)
@@ -67,12 +77,23 @@ class TokenCounter:
             return self.count(text)
         counted = self._recent.get(text)
         if counted is None:  # a repeated prompt (a retry, a shared system prompt and question) is counted once
-            counted = self.count(text)
-            with self._lock:  # worker threads count too
-                self._recent[text] = counted
-                if len(self._recent) > RECENT_PROMPTS:
-                    del self._recent[next(iter(self._recent))]
+            counted = self.count(text) if self._cut is None else self._count_pieces(text)
+            _remember(self._recent, text, counted, RECENT_PROMPTS, self._lock)
         return counted
+
+    def _count_pieces(self, text: str) -> int:
+        """The count of a short text as its added tokens (one each) and its pieces between them (remembered)."""
+        assert self._cut is not None
+        parts = self._cut.split(text)  # piece, added token, piece, ..., piece
+        total = len(parts) // 2
+        for piece in parts[::2]:
+            if piece:
+                counted = self._pieces.get(piece)
+                if counted is None:
+                    counted = self.count(piece)
+                    _remember(self._pieces, piece, counted, RECENT_PIECES, self._lock)
+                total += counted
+        return total
 
     def content_tokens(self, texts: Sequence[str]) -> list[int]:
         """Tokens of each text, in one call."""
@@ -85,6 +106,24 @@ class TokenCounter:
             two = [*one, {"role": role, "content": "x"}]
             self._overhead[role] = max(0, self.prompt_tokens(two) - self.prompt_tokens(one) - self.count("x"))
         return self._overhead[role]
+
+
+def _added_token_cut(tokenizer: Tokenizer) -> re.Pattern[str] | None:
+    """A pattern that cuts a text where `tokenizer` does, at its added tokens (leftmost, then longest, as its
+    matcher does); None when a piece's count would depend on its neighbours (a normalizer, an added token with
+    lstrip, rstrip or single_word)."""
+    added = list(tokenizer.get_added_tokens_decoder().values())
+    if tokenizer.normalizer is not None or not added or any(t.lstrip or t.rstrip or t.single_word for t in added):
+        return None
+    contents = sorted({t.content for t in added}, key=len, reverse=True)
+    return re.compile("(" + "|".join(map(re.escape, contents)) + ")")
+
+
+def _remember(memo: dict[str, int], key: str, value: int, most: int, lock: threading.Lock) -> None:
+    with lock:  # worker threads count too
+        memo[key] = value
+        if len(memo) > most:
+            del memo[next(iter(memo))]
 
 
 def _raise(message: str) -> None:
