@@ -56,3 +56,13 @@ def test_missing_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigFileError) as exc:
         load_yaml(tmp_path / "nope.yaml", TierCatalogue)
     assert "cannot read" in exc.value.reason
+
+
+def test_a_bad_rollout_guard_stops_the_app_naming_the_tier_and_field(tmp_path: Path) -> None:
+    shipped = Path(Settings().tiers_file).read_text()
+    f = tmp_path / "tiers.yaml"
+    f.write_text(shipped.replace("  mid:\n", "  mid:\n    rollout_guards: {max_error_rate: 2}\n", 1))
+    with pytest.raises(ConfigFileError) as exc:
+        create_app(Settings(data_dir=tmp_path / "d", tiers_file=f))
+    assert "tiers.mid.rollout_guards" in exc.value.reason and "max_error_rate" in exc.value.reason
+    assert str(f) in str(exc.value) and not (tmp_path / "d").exists()  # nothing was created
