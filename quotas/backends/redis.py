@@ -35,8 +35,9 @@ from quotas.limits import WINDOW_S, Decision, ReservationRequest, Spend, Usage
 
 log = logging.getLogger("tiergate.quotas")
 
-RESERVE_ATTEMPTS = 3  # tries at least, each bounded by the call timeout; the script is idempotent per request id
-RESERVE_RETRY_S = 0.5  # ... and more while this long has not passed since the first (a busy loop, not an outage)
+# tries, each bounded by the call timeout; the script is idempotent per request id. (Retrying for longer, 0.5 s,
+# made tests/quotas/test_chaos.py drift in 3 runs of 4: not done until that is understood.)
+RESERVE_ATTEMPTS = 3
 CANCEL_ATTEMPTS = 20  # undoing a reservation whose answer was lost, once a second until Redis answers
 SETTLE_BACKOFF_S = (0.05, 5.0)  # first and longest wait between a failed settle's retries
 DONE_MARGIN_S = 300  # a settled reservation's tombstone outlives the settle's retries by this much
@@ -72,7 +73,7 @@ class RedisBackend(QuotaBackend):
 
     def __init__(self, url: str, *, timeout_s: float = 0.05, prefix: str = "tg", max_connections: int = 64,
                  pool_wait_s: float = 2.0, settle_retry_s: float = 600.0, replica_ttl_s: float = 30.0,
-                 reap_claim_s: float = 30.0, reserve_retry_s: float = RESERVE_RETRY_S) -> None:
+                 reap_claim_s: float = 30.0) -> None:
         # a bounded pool that makes callers wait for a connection: a burst of requests queues here instead
         # of opening thousands of sockets, and is not mistaken for Redis being down
         pool = aioredis.BlockingConnectionPool.from_url(
@@ -81,7 +82,6 @@ class RedisBackend(QuotaBackend):
         self.redis = aioredis.Redis(connection_pool=pool)
         self.prefix = prefix
         self.settle_retry_s = settle_retry_s
-        self.reserve_retry_s = reserve_retry_s
         self.replica_ttl_s = replica_ttl_s
         self.reap_claim_s = reap_claim_s
         self.replica_id = uuid.uuid4().hex[:16]
@@ -121,16 +121,13 @@ class RedisBackend(QuotaBackend):
             keys += [f"{base}:rpm", f"{base}:tpm", f"{base}:tpmv", f"{base}:tpmsum", f"{base}:inflight"]
             args += [base, _limit(lim.rpm), _limit(lim.tpm), _limit(lim.max_concurrent),
                      _limit(lim.budget_day_pico), _limit(lim.budget_month_pico)]
-        started, attempt = time.monotonic(), 0
-        while True:
-            attempt += 1
+        for attempt in range(RESERVE_ATTEMPTS):
             try:
                 out = await self._scripts["reserve"](keys=keys, args=args)
                 break
             except RedisError as exc:
                 error = backend_error(exc)
-                if isinstance(exc, RedisTimeout) and (attempt < RESERVE_ATTEMPTS
-                                                      or time.monotonic() - started < self.reserve_retry_s):
+                if isinstance(exc, RedisTimeout) and attempt < RESERVE_ATTEMPTS - 1:
                     continue  # the script may have run: retrying with the same id is safe
                 if not error.back_pressure:
                     # it may have run (a timeout; a connection that closed before the answer): the caller

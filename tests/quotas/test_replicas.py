@@ -4,11 +4,11 @@ Each phase fires 1,000 concurrent requests, spread over the 4 gateways, at one t
 on two cores a 50 ms Redis call can time out while its event loop is busy; the gateway then answers a
 retryable 503 (never a silent local admission), and the client retries it as OpenAI's SDK does. What is
 counted is each request's final answer. A reservation whose answer was lost holds a slot until it is undone;
-the gateway retries such a call with the same id for half a second and undoes a lost one before it answers
-503 (quotas/backends/redis.py), else another request refused meanwhile would leave the window short. The
-gateways fail closed here: failing open is, by its definition, per-replica limits during an outage, and a
-two-core machine under this burst can stall an event loop past the outage threshold (seen in about one run in
-five with `open`), which would test the failure mode, not the shared limits.
+the gateway undoes it before it answers 503 (quotas/backends/redis.py), so the client's retry does not find
+its own lost reservation holding the window's last slot. The gateways fail closed here: failing open is, by its
+definition, per-replica limits during an outage, and a two-core machine under this burst can stall an event
+loop past the outage threshold (seen in about one run in five with `open`), which would test the failure mode,
+not the shared limits.
 """
 
 from __future__ import annotations
