@@ -202,6 +202,24 @@ def demo_rows(s: Served) -> int:
         ledger.close()
 
 
+def test_a_20_percent_canary_on_real_versions_takes_about_a_fifth_of_new_conversations(served: Served) -> None:
+    """Assignment is the rollout's, whatever answers: the same question in 200 conversations (v1's answer is
+    cached, v2's after its first), so the engines generate twice and the binomial bound is checked cheaply."""
+    conversations = 200
+    r = admin(served, "/admin/rollouts", {"tier": "mid", "version": "v2", "share": 0.2, "reason": "a fifth"})
+    assert r.status_code == 201, r.text
+    firsts = {f"fifth-{i}": ask(served, QUESTION, session=f"fifth-{i}").headers["x-tiergate-model-version"]
+              for i in range(conversations)}
+    on_v2 = sum(v == "v2" for v in firsts.values())
+    sigma = (conversations * 0.2 * 0.8) ** 0.5  # binomial: 40 expected, sigma 5.7
+    assert abs(on_v2 - conversations * 0.2) <= 3 * sigma, on_v2
+    for session, version in list(firsts.items())[:6]:  # and a conversation's later turns stay where it began
+        later = [*QUESTION, {"role": "assistant", "content": "Paris."}, {"role": "user", "content": "And Spain?"}]
+        assert ask(served, later, session=session).headers["x-tiergate-model-version"] == version
+    r = admin(served, "/admin/rollouts/mid/rollback", {"reason": "measured"})
+    assert r.status_code == 200, r.text
+
+
 def test_a_shadow_on_the_local_candidate_compares_its_answers_and_bills_nothing(served: Served) -> None:
     r = admin(served, "/admin/rollouts", {"tier": "mid", "version": "v2", "shadow": 1.0, "reason": "compare fp32",
                                           "guards": {"min_requests": 1}})
