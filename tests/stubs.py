@@ -35,7 +35,8 @@ class StubState:
         self.finished: list[str] = []  # "done" or "disconnected", in order
 
 
-def stub_app(state: StubState) -> Litestar:
+def stub_app(state: StubState, reply: str = REPLY) -> Litestar:
+    """An OpenAI-compatible upstream answering `reply` (cut at max_tokens words) to every chat."""
     @get("/health")
     async def health() -> dict[str, str]:
         return {"status": "ok"}
@@ -53,11 +54,11 @@ def stub_app(state: StubState) -> Litestar:
             return Response({"error": {"message": "stub says the prompt is too long", "type": "invalid_request_error",
                                        "param": "messages", "code": "context_length_exceeded"}}, status_code=400)
         prompt_tokens = len(text.split())
-        words = REPLY.split()[: body.get("max_tokens") or body.get("max_completion_tokens") or 99]
+        words = reply.split()[: body.get("max_tokens") or body.get("max_completion_tokens") or 99]
         # a dying stream writes at an engine's pace, so the gateway has read what came before the death
         delay = 0.2 if "STUB:slow" in text else 0.02 if "STUB:die" in text else 0.0
-        return Stream(_sse(state, body, words, prompt_tokens, delay, die="STUB:die" in text),
-                      media_type="text/event-stream")
+        return Stream(_sse(state, body, words, prompt_tokens, delay, die="STUB:die" in text,
+                           whole=len(reply.split())), media_type="text/event-stream")
 
     @post("/v1/completions", status_code=200)
     async def completions(request: Request[Any, Any, Any]) -> Response[Any]:
@@ -72,7 +73,7 @@ def stub_app(state: StubState) -> Litestar:
 
 
 async def _sse(state: StubState, body: dict[str, Any], words: list[str], prompt_tokens: int, delay: float,
-               die: bool, legacy: bool = False) -> AsyncIterator[bytes]:
+               die: bool, legacy: bool = False, whole: int | None = None) -> AsyncIterator[bytes]:
     def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> bytes:
         data = {"id": "stub", "object": "chat.completion.chunk", "created": 0, "model": body["model"],
                 "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **extra}
@@ -91,7 +92,9 @@ async def _sse(state: StubState, body: dict[str, Any], words: list[str], prompt_
             usage = {"prompt_tokens": prompt_tokens, "completion_tokens": i + 1, "total_tokens": prompt_tokens + i + 1}
             yield chunk({"content": (" " if i else "") + word}, usage=usage, x_tiergate={"busy_s": 0.001 * (i + 1)})
         n = len(words)
-        finish = "length" if n < len((TEXT_REPLY if legacy else REPLY).split()) else "stop"
+        if whole is None:
+            whole = len((TEXT_REPLY if legacy else REPLY).split())
+        finish = "length" if n < whole else "stop"
         yield chunk({}, finish, x_tiergate={"busy_s": 0.001 * n})
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}
         last = {"id": "stub", "choices": [], "usage": usage, "x_tiergate": {"busy_s": 0.001 * n}}

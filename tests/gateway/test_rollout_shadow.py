@@ -13,39 +13,21 @@ from decimal import Decimal
 from typing import Any
 
 import pytest
-from litestar import Litestar, Request, Response, get, post
-from litestar.response import Stream
 
 from gateway.metrics import GatewayMetrics
 from gateway.rollout.shadow import Shadow, divergence
 from tests.gateway.rollout.test_service import CATALOGUE
 from tests.gateway.test_rollout import admin, first_turn, tenant_key, two_versions  # noqa: F401 (a fixture)
-from tests.stubs import REPLY, ServerThread, StubState, _sse, stub_app
+from tests.stubs import REPLY, ServerThread, StubState, stub_app
 from wire.chat_request import ChatCompletionRequest
 
 OTHER_REPLY = "Bonjour from the second version ."  # half its words are the stub's, in order: divergence 0.5
 
 
-def other_app(state: StubState) -> Litestar:
-    """v2's upstream: the stub, answering another sentence."""
-    @get("/v1/models")
-    async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": "stub", "object": "model"}]}
-
-    @post("/v1/chat/completions", status_code=200)
-    async def chat(request: Request[Any, Any, Any]) -> Response[Any]:
-        body = json.loads(await request.body())
-        state.requests.append(body)
-        words = OTHER_REPLY.split()[: body["max_tokens"]]
-        return Stream(_sse(state, body, words, 5, 0.0, die=False), media_type="text/event-stream")
-
-    return Litestar([models, chat])
-
-
 @pytest.fixture
 def servers() -> Iterator[list[tuple[ServerThread, StubState]]]:
     old, new = StubState(), StubState()
-    started = [(ServerThread(stub_app(old)).start(), old), (ServerThread(other_app(new)).start(), new)]
+    started = [(ServerThread(stub_app(old)).start(), old), (ServerThread(stub_app(new, OTHER_REPLY)).start(), new)]
     try:
         yield started
     finally:
