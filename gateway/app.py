@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -206,9 +206,12 @@ def create_app(settings: Settings | None = None) -> Litestar:
         if services.cache.cache is not None:  # load the embedder before the first request needs it
             await asyncio.to_thread(services.cache.cache.embedder.encode_one, "warm up")
         _settle_heap()
-        ticker = asyncio.create_task(_tick_ladder(services.ladder, settings.ladder_tick_s))
-        follower = asyncio.create_task(_follow_rollouts(services.rollouts, ROLLOUT_FOLLOW_S))
-        guards = asyncio.create_task(_guard_rollouts(services.rollouts, settings.ladder_tick_s))
+        # the ladder follows shared changes and evaluates its triggers; rollouts changed by the CLI or another
+        # process are followed; running rollouts' guards are judged (a rollback writes the store)
+        ticker = asyncio.create_task(_every(settings.ladder_tick_s, services.ladder.tick, "degradation ladder tick"))
+        follower = asyncio.create_task(_every(ROLLOUT_FOLLOW_S, services.rollouts.follow, "following rollouts"))
+        guards = asyncio.create_task(_every(settings.ladder_tick_s, services.rollouts.evaluate,
+                                            "evaluating rollout guards"))
         # returns reservations whose lease ran out (a replica died before settling): billed from the ledger
         reaper = asyncio.create_task(run_reaper(services.quota_backend, every_s=settings.quota_reap_every_s,
                                                 billed=ledger_billing(services.ledger)))
@@ -264,34 +267,15 @@ _PROVIDERS = {name: _service(name) for name in ("pipeline", "plans", "catalogue"
 _PROVIDERS["embeddings"] = provide_embeddings
 
 
-async def _tick_ladder(ladder: LadderController, every_s: float) -> None:
-    """Follow shared changes and evaluate triggers; a failing store is logged, never fatal."""
+async def _every(every_s: float, work: Callable[[], object], what: str) -> None:
+    """Run `work` in a worker thread every `every_s`, off the request path; a failure is logged and the next round
+    tries again (the ladder keeps its last level, the rollouts read last stay in force)."""
     while True:
         await asyncio.sleep(every_s)
         try:
-            await asyncio.to_thread(ladder.tick)
-        except Exception:  # the ladder keeps its last level; the next tick tries again
-            log.exception("degradation ladder tick failed")
-
-
-async def _follow_rollouts(rollouts: RolloutService, every_s: float) -> None:
-    """Follow rollouts changed by the CLI or another process; a failing store is logged, and the last read kept."""
-    while True:
-        await asyncio.sleep(every_s)
-        try:
-            await asyncio.to_thread(rollouts.follow)
-        except Exception:  # the rollouts read last stay in force; the next round tries again
-            log.exception("following rollouts failed")
-
-
-async def _guard_rollouts(rollouts: RolloutService, every_s: float) -> None:
-    """Judge running rollouts' guards at the ladder's pace, off the request path (a rollback writes the store)."""
-    while True:
-        await asyncio.sleep(every_s)
-        try:
-            await asyncio.to_thread(rollouts.evaluate)
-        except Exception:  # the next round judges again
-            log.exception("evaluating rollout guards failed")
+            await asyncio.to_thread(work)
+        except Exception:
+            log.exception("%s failed", what)
 
 
 def _error_response(request: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
