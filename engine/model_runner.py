@@ -18,6 +18,7 @@ import torch
 from engine import int8_dynamic, onednn_linear
 from engine.attention import AttentionMetadata
 from engine.decode_step import NativeDecodeStep
+from engine.dtypes import auto_dtype
 from engine.kernels import native as native_kernels
 from engine.layer_ops import NativeLayerOps
 from engine.models.llama import LlamaConfig, LlamaForCausalLM
@@ -31,21 +32,11 @@ DEFAULT_KV_CACHE_BYTES = 512 << 20  # SmolLM2 in fp32: 11,800 tokens, more than 
 DEFAULT_BLOCK_SIZE = 16
 
 
-def cpu_has_fast_bf16() -> bool:
-    """True where the CPU has AVX-512 BF16 or AMX, the instructions that make bf16 matmuls fast."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def resolve_dtype(name: str, device: str) -> torch.dtype:
-    """`auto` is bf16 on CUDA and on CPUs with fast bf16, fp32 elsewhere."""
+def resolve_dtype(name: str, device: str, quantize: str | None = None) -> torch.dtype:
+    """`auto`: engine/dtypes.py's choice for the device and quantization (bf16 on CUDA and fast-bf16 CPUs, but
+    fp32 activations for an int8 model on x86); otherwise the dtype named."""
     if name == "auto":
-        if device.startswith("cuda") or cpu_has_fast_bf16():
-            return torch.bfloat16
-        return torch.float32
+        return DTYPES[auto_dtype(device, quantize)]
     try:
         return DTYPES[name]
     except KeyError as exc:
@@ -68,7 +59,7 @@ class ModelRunner:
         """`kv_cache_dtype`: auto keeps K/V in the model's dtype (fp32 greedy output then equals transformers');
         bf16 under an fp32 model halves the bytes every decode step reads (and doubles the tokens a budget holds)."""
         self.device = torch.device(device)
-        self.dtype = resolve_dtype(dtype, device)
+        self.dtype = resolve_dtype(dtype, device, quantize)
         self.kv_dtype = resolve_kv_dtype(kv_cache_dtype, self.dtype)
         self.config = cfg = LlamaConfig.from_dir(model_dir)
         model = LlamaForCausalLM.empty(cfg, self.dtype)

@@ -44,6 +44,7 @@ from pathlib import Path
 from assets.builds import build_progress
 from assets.model_source import is_prepared, resolve_model
 from assets.parent_watch import ENGINE_INSTANCE_ENV, die_with_parent
+from engine.dtypes import auto_dtype
 from tiers.catalogue import TierSpec
 from tiers.client import TierClient
 from tiers.errors import TierError, UpstreamRejected
@@ -100,19 +101,8 @@ def _kv_itemsize(spec: TierSpec) -> int:
     """Bytes per KV element, as the engine resolves its dtypes (engine/model_runner.py's resolve_*_dtype)."""
     if spec.kv_cache_dtype == "bf16":
         return 2
-    dtype = spec.dtype
-    if dtype == "auto":
-        dtype = "bf16" if spec.device.startswith("cuda") or cpu_has_fast_bf16() else "fp32"
+    dtype = auto_dtype(spec.device, spec.quantize) if spec.dtype == "auto" else spec.dtype
     return 4 if dtype == "fp32" else 2
-
-
-def cpu_has_fast_bf16() -> bool:
-    """AVX-512 BF16 or AMX: where the engine's `auto` dtype is bf16 (engine/model_runner.py's test)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def free_port() -> int:

@@ -79,7 +79,7 @@ def load_scoring_model(model_dir: Path, *, dtype: str = "auto", quantize: str | 
     from engine.model_runner import resolve_dtype
     from engine.quantize import quantize_int8_
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=resolve_dtype(dtype, device))
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=resolve_dtype(dtype, device, quantize))
     if quantize == "int8":
         quantize_int8_(model)
     elif quantize is not None:

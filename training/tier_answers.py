@@ -66,7 +66,7 @@ def tier_version(spec: TierSpec, models_dir: Path) -> str:
     from engine.launch import model_version
     from engine.model_runner import resolve_dtype
 
-    dtype = str(resolve_dtype(spec.dtype, spec.device)).removeprefix("torch.")
+    dtype = str(resolve_dtype(spec.dtype, spec.device, spec.quantize)).removeprefix("torch.")
     return model_version(tier_model_dir(spec, models_dir), dtype=dtype, quantize=spec.quantize,
                          kv_cache_dtype=spec.kv_cache_dtype)
 

@@ -8,6 +8,7 @@ logits within 1e-4), which is reported, not hidden.
 from __future__ import annotations
 
 import os
+import platform
 from pathlib import Path
 
 import pytest
@@ -96,6 +97,12 @@ def test_the_kv_cache_is_sized_once_to_its_budget(tiny_llama: Path) -> None:
 
 def test_dtype_resolution() -> None:
     assert resolve_dtype("fp32", "cpu") == torch.float32 and resolve_dtype("auto", "cuda") == torch.bfloat16
+    # an int8 model on x86 keeps fp32 activations under auto (its fbgemm kernels take fp32): never the
+    # weight-only bf16 fallback, whatever the CPU's bf16 instructions
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        assert resolve_dtype("auto", "cpu", "int8") == torch.float32
+        assert resolve_dtype("auto", "cuda", "int8") == torch.bfloat16
+    assert resolve_dtype("bf16", "cpu", "int8") == torch.bfloat16  # a dtype named is kept
     with pytest.raises(ValueError):
         resolve_dtype("fp8", "cpu")
 
