@@ -5,7 +5,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from assets import offline_hub
 from assets.model_source import prepare_model
@@ -29,8 +31,27 @@ def kv_max_num_seqs(num_kv_blocks: int, block_size: int) -> int:
     return max(1, min(MAX_NUM_SEQS_CAP, num_kv_blocks // blocks_per_seq))
 
 
-def model_version(model_dir: Path, *, dtype: str, quantize: str | None, kv_cache_dtype: str = "auto") -> str:
-    """A fingerprint of the weights (config and weight files' names and sizes), precision and engine."""
+@dataclass(frozen=True)
+class DraftModel:
+    """A speculative draft for the engine's model (engine/speculative.py): a model with the same tokenizer."""
+
+    model: str  # a built-in name or a local directory, as the engine's own
+    quantize: str | None = None
+    dtype: str = "auto"
+    k: int = 4
+    max_batch: int = 4
+    kv_cache_bytes: int = 128 << 20  # the draft's own KV cache (a sequence that does not fit is not drafted)
+
+    def describe(self) -> str:
+        return f"{Path(self.model).name}:{self.quantize}:{self.dtype}:k{self.k}"
+
+
+def model_version(model_dir: Path, *, dtype: str, quantize: str | None, kv_cache_dtype: str = "auto",
+                  draft: str | None = None) -> str:
+    """A fingerprint of the weights (config and weight files' names and sizes), precision and engine.
+
+    `draft` (DraftModel.describe) counts too: greedy answers are the same with or without it, but a seeded sampled
+    answer draws its random numbers in another order."""
     h = hashlib.sha256()
     h.update((model_dir / "config.json").read_bytes())
     for f in sorted(model_dir.glob("*.safetensors")):
@@ -38,17 +59,24 @@ def model_version(model_dir: Path, *, dtype: str, quantize: str | None, kv_cache
     h.update(f"{dtype}|{quantize}|{ENGINE_VERSION}".encode())
     if kv_cache_dtype != "auto":  # a narrower KV cache changes answers (auto keeps the versions it always had)
         h.update(f"|kv={kv_cache_dtype}".encode())
+    if draft is not None:
+        h.update(f"|draft={draft}".encode())
     return h.hexdigest()[:16]
+
+
+def _same_tokenizer(a: Any, b: Any) -> bool:
+    return a.get_vocab() == b.get_vocab() and a.all_special_ids == b.all_special_ids
 
 
 def build_engine(model: str, models_dir: Path, *, dtype: str = "auto", quantize: str | None = None,
                  device: str = "cpu", max_num_seqs: int | None = None, threads: int | None = None,
                  kv_cache_bytes: int | None = None, max_num_batched_tokens: int = 512,
-                 kv_cache_dtype: str = "auto") -> tuple[LLMEngine, str]:
+                 kv_cache_dtype: str = "auto", draft: DraftModel | None = None) -> tuple[LLMEngine, str]:
     """Load `model` (a built-in name or a local directory); returns the engine and its model version.
 
     `kv_cache_bytes` is the KV cache's fixed budget (default: the runner's, 512 MiB), allocated once;
-    `max_num_seqs` None sizes the batch to it (`kv_max_num_seqs`).
+    `max_num_seqs` None sizes the batch to it (`kv_max_num_seqs`). `draft`: speculative decoding with that model
+    (ValueError when its tokenizer is not the model's).
     """
     offline_hub()
     import torch
@@ -63,19 +91,34 @@ def build_engine(model: str, models_dir: Path, *, dtype: str = "auto", quantize:
                          kv_cache_bytes=kv_cache_bytes or DEFAULT_KV_CACHE_BYTES, kv_cache_dtype=kv_cache_dtype)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     max_num_seqs = max_num_seqs or kv_max_num_seqs(runner.num_kv_blocks, runner.block_size)
-    engine = LLMEngine(runner, tokenizer, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+    speculative = None
+    if draft is not None:
+        from engine.speculative import SpeculativeConfig, SpeculativeDecoder
+
+        draft_dir = prepare_model(draft.model, models_dir)
+        if not _same_tokenizer(AutoTokenizer.from_pretrained(draft_dir), tokenizer):
+            raise ValueError(f"the draft model {draft.model} has another tokenizer than {model}; a draft must "
+                             "propose the target's tokens")
+        draft_runner = ModelRunner(draft_dir, dtype=draft.dtype, device=device, quantize=draft.quantize,
+                                   kv_cache_bytes=draft.kv_cache_bytes)
+        speculative = SpeculativeDecoder(runner, draft_runner, SpeculativeConfig(k=draft.k, max_batch=draft.max_batch))
+    engine = LLMEngine(runner, tokenizer, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                       speculative=speculative)
     version = model_version(model_dir, dtype=str(runner.dtype).removeprefix("torch."), quantize=quantize,
-                            kv_cache_dtype=kv_cache_dtype)
+                            kv_cache_dtype=kv_cache_dtype, draft=draft.describe() if draft else None)
     log.info("engine loaded %s (%s, %s, %d KV blocks of %d tokens, up to %d sequences at once, %d torch threads) "
              "version %s", model_dir, runner.dtype, quantize or "no quantization", runner.num_kv_blocks,
              runner.block_size, max_num_seqs, torch.get_num_threads(), version)
+    if draft is not None:
+        log.info("speculative decoding: draft %s proposes %d tokens a step while at most %d sequences decode",
+                 draft.describe(), draft.k, draft.max_batch)
     return engine, version
 
 
 def serve(model: str, models_dir: Path, *, host: str, port: int, served_name: str | None = None,
           dtype: str = "auto", quantize: str | None = None, device: str = "cpu", max_num_seqs: int | None = None,
           threads: int | None = None, kv_cache_bytes: int | None = None, max_num_batched_tokens: int = 512,
-          kv_cache_dtype: str = "auto") -> None:
+          kv_cache_dtype: str = "auto", draft: DraftModel | None = None) -> None:
     import uvicorn
 
     from engine.server import create_engine_app
@@ -84,7 +127,8 @@ def serve(model: str, models_dir: Path, *, host: str, port: int, served_name: st
         exit_when_orphaned()
     engine, version = build_engine(model, models_dir, dtype=dtype, quantize=quantize, device=device,
                                    max_num_seqs=max_num_seqs, threads=threads, kv_cache_bytes=kv_cache_bytes,
-                                   max_num_batched_tokens=max_num_batched_tokens, kv_cache_dtype=kv_cache_dtype)
+                                   max_num_batched_tokens=max_num_batched_tokens, kv_cache_dtype=kv_cache_dtype,
+                                   draft=draft)
     name = served_name or Path(model).name
     app = create_engine_app(engine, model_name=name, model_version=version)
     engine.start()

@@ -41,6 +41,7 @@ from engine.request_queue import SchedulingPolicy
 from engine.sampling_params import EngineInputError, SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence
+from engine.speculative import SpeculativeDecoder
 
 __all__ = ["EngineDeadError", "EngineInputError", "EngineStats", "LLMEngine", "RequestOutput"]
 
@@ -88,6 +89,9 @@ class EngineStats:
     num_preemptions_total: int = 0
     generation_tokens_per_s: float = 0.0  # over the last THROUGHPUT_WINDOW_S seconds
     num_requests_failed: int = 0  # ended by an engine error, not by the request
+    num_speculative_steps_total: int = 0  # steps a draft model proposed tokens in (engine/speculative.py)
+    num_draft_tokens_total: int = 0  # tokens it proposed
+    num_accepted_draft_tokens_total: int = 0  # of those, tokens the model kept
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -106,8 +110,11 @@ class _Sink:
 
 class LLMEngine:
     def __init__(self, runner: Any, tokenizer: Any, *, max_num_seqs: int = 8, max_num_batched_tokens: int = 512,
-                 policy: SchedulingPolicy = SchedulingPolicy.PRIORITY, enable_prefix_caching: bool = True) -> None:
+                 policy: SchedulingPolicy = SchedulingPolicy.PRIORITY, enable_prefix_caching: bool = True,
+                 speculative: SpeculativeDecoder | None = None) -> None:
+        """`speculative`: a draft model's decoder (engine/speculative.py) for the decode steps it applies to."""
         self.model_runner = runner
+        self.speculative = speculative
         self.tokenizer = tokenizer
         self.max_num_seqs = max_num_seqs
         self.max_model_len: int = runner.max_model_len
@@ -236,7 +243,7 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         """A lock-free snapshot (see the module docstring): never waits for a step."""
-        bm = self.block_manager
+        bm, spec = self.block_manager, self.speculative
         num_used = bm.num_used_blocks
         return EngineStats(
             len(self.scheduler.running), len(self.scheduler.waiting) + len(self._inbox),
@@ -248,6 +255,9 @@ class LLMEngine:
             num_preemptions_total=self.scheduler.num_preemptions_total,
             generation_tokens_per_s=self._tokens_per_s,
             num_requests_failed=self._failed_total,
+            num_speculative_steps_total=spec.num_steps if spec else 0,
+            num_draft_tokens_total=spec.num_draft_tokens if spec else 0,
+            num_accepted_draft_tokens_total=spec.num_accepted_tokens if spec else 0,
         )
 
     # ---- engine side (loop thread) ----
@@ -273,13 +283,20 @@ class LLMEngine:
             return False
         t0 = time.perf_counter()
         try:
-            token_ids = self.model_runner.run(out)
+            speculated = None
+            if self.speculative is not None and self.speculative.applies(out):
+                speculated = self.speculative.run(out, self.block_manager, self.max_model_len)
+            if speculated is None:
+                token_ids = self.model_runner.run(out)
         except Exception as exc:
             log.exception("a forward pass failed; its %d sequences fail", len(out.seqs))
             for seq in out.seqs:
                 self._fail(seq, f"{type(exc).__name__}: {exc}")
             return True
         step_s = time.perf_counter() - t0
+        if speculated is not None:
+            self._take_speculated(out, speculated, step_s)
+            return True
         made = self.scheduler.postprocess(out, self._without_failed(out, token_ids))
         self._account(out, step_s, len(made))
         for seq, token_id in made:
@@ -289,6 +306,25 @@ class LLMEngine:
                 log.exception("detokenizing %s failed; it alone fails", seq.request_id)
                 self._fail(seq, f"{type(exc).__name__}: {exc}")
         return True
+
+    def _take_speculated(self, out: SchedulerOutput, speculated: list[list[int]], step_s: float) -> None:
+        """Hand each sequence its tokens of a speculative step one at a time, as plain steps would: EOS, the length
+        cap and stop strings end it at the token that reaches them, and the tokens after that are dropped."""
+        made = 0
+        for seq, tokens in zip(out.seqs, speculated, strict=True):
+            for token_id in tokens:
+                if seq.is_finished:
+                    break
+                self.scheduler.append_token(seq, token_id)
+                made += 1
+                try:
+                    self._stream(seq, token_id)
+                except Exception as exc:
+                    log.exception("detokenizing %s failed; it alone fails", seq.request_id)
+                    self._fail(seq, f"{type(exc).__name__}: {exc}")
+            if not seq.is_finished:  # every token but the newest has its K/V in the cache
+                self.scheduler.computed_up_to(seq, seq.num_tokens - 1)
+        self._account(out, step_s, made)
 
     def _drain_inbox(self) -> None:
         """Admit new requests to the scheduler, apply aborts."""
@@ -380,6 +416,8 @@ class LLMEngine:
         self._detok.pop(seq.request_id, None)
         self._finished_total += 1
         self.model_runner.release(seq.request_id)
+        if self.speculative is not None:
+            self.speculative.release(seq.request_id)
 
     def _emit(self, seq: Sequence, text: str, new_ids: list[int], *, finished: bool,
               logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None,

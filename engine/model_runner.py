@@ -133,6 +133,30 @@ class ModelRunner:
                 self.last_errors[seq.request_id] = f"{type(exc).__name__}: {exc}"
         return [token_of[i] for i in sorted(samplers)]
 
+    @torch.inference_mode()
+    def logits_of_rows(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]],
+                       wanted: list[int]) -> torch.Tensor:
+        """One step of single-token rows; float32 logits [len(wanted), V] of the rows listed in `wanted`.
+
+        Row r is token_ids[r] at positions[r] of a sequence whose blocks are block_tables[r]: its K/V are written to
+        its slot and it attends to every position up to its own. Rows of one sequence at consecutive positions
+        (sharing its block table) therefore compute what a prompt chunk would, through the decode kernels a plain
+        decode step uses (every row's K/V are written before any row attends, layer by layer). The speculative
+        decoder (engine/speculative.py) runs its drafts and its verification this way.
+        """
+        bs = self.block_size
+        slots = [table[p // bs] * bs + p % bs for table, p in zip(block_tables, positions, strict=True)]
+        meta = self._metadata(slots, block_tables, [p + 1 for p in positions])
+        ids = torch.tensor(token_ids, device=self.device)
+        pos = torch.tensor(positions, device=self.device)
+        if self.native_decode is not None:
+            hidden = self.native_decode(ids, pos, self.kv_cache, meta)
+        else:
+            hidden = self.model(ids, pos, self.kv_cache, meta)
+        if not wanted:
+            return torch.empty(0, self.config.vocab_size)
+        return self.model.compute_logits(hidden[torch.tensor(wanted, device=self.device)]).float().cpu()
+
     def release(self, request_id: str) -> None:
         self.last_logprobs.pop(request_id, None)
         self.sampler.release(request_id)
@@ -159,28 +183,35 @@ class ModelRunner:
             slots += [seq.block_table[p // bs] * bs + p % bs for p in range(start, start + n)]
             last_index.append(len(input_ids) - 1)
         decodes = seqs[:num_decodes]
-        context_lens = [s.num_computed_tokens + 1 for s in decodes]
+        meta = self._metadata(slots, [s.block_table for s in decodes], [s.num_computed_tokens + 1 for s in decodes],
+                              (starts, lens, tables, ctxs))
+        return (torch.tensor(input_ids, device=self.device), torch.tensor(positions, device=self.device), meta,
+                last_index)
+
+    def _metadata(self, slots: list[int], decode_tables: list[list[int]], context_lens: list[int],
+                  prefills: tuple[list[int], list[int], list[torch.Tensor], list[int]] = ([], [], [], [])
+                  ) -> AttentionMetadata:
+        """The step's attention metadata: its decodes' block tables (each row cut to its context) and prompt chunks."""
+        bs = self.block_size
         max_ctx = max(context_lens, default=0)
-        max_blocks = -(-max_ctx // bs)
-        table = torch.zeros(num_decodes, max_blocks, dtype=torch.long)
-        for row, seq in enumerate(decodes):
+        table = torch.zeros(len(decode_tables), -(-max_ctx // bs), dtype=torch.long)
+        for row, blocks in enumerate(decode_tables):
             used = -(-context_lens[row] // bs)
-            table[row, :used] = torch.tensor(seq.block_table[:used])
+            table[row, :used] = torch.tensor(blocks[:used])
         mask = None
         # SDPA's padding mask; none when every context is as long, or when the kernel reads each context's own length
         if self.decode_kernel is None and any(n != max_ctx for n in context_lens):
             mask = torch.arange(max_ctx)[None, :] < torch.tensor(context_lens)[:, None]  # [B, ctx]
             mask = mask[:, None, None, :].to(self.device)
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, device=self.device), num_decode_seqs=num_decodes,
+        starts, lens, tables, ctxs = prefills
+        return AttentionMetadata(
+            slot_mapping=torch.tensor(slots, device=self.device), num_decode_seqs=len(decode_tables),
             decode_block_tables=table.to(self.device), decode_mask=mask, decode_context_len=max_ctx,
             decode_context_lens=torch.tensor(context_lens, dtype=torch.long, device=self.device),
             decode_kernel=self.decode_kernel,
             prefill_query_starts=starts, prefill_query_lens=lens, prefill_block_tables=tables,
             prefill_context_lens=ctxs,
         )
-        return (torch.tensor(input_ids, device=self.device), torch.tensor(positions, device=self.device), meta,
-                last_index)
 
 
 def _eos_ids(model_dir: Path) -> set[int]:

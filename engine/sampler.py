@@ -37,6 +37,13 @@ class Sampler:
     def _choose(self, request_id: str, logits: torch.Tensor, params: SamplingParams) -> int:
         if params.temperature == 0.0:
             return int(torch.argmax(logits))
+        probs = self.distribution(logits, params)
+        return int(torch.multinomial(probs, 1, generator=self.generator(request_id, params)))
+
+    @staticmethod
+    def distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        """The probabilities [V] a sampled (temperature > 0) request draws its next token from: temperature, then
+        top-k, then top-p (the speculative decoder's acceptance rule compares two of these)."""
         # shift first: every logit is then <= 0, so dividing by a small temperature can reach -inf (a
         # probability of 0) but never +inf, and softmax never sees inf - inf = NaN
         logits = (logits - logits.max()) / params.temperature
@@ -51,13 +58,14 @@ class Sampler:
             drop = cumulative - sorted_probs >= params.top_p
             sorted_probs = sorted_probs.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter_(0, sorted_idx, sorted_probs)
-        return int(torch.multinomial(probs, 1, generator=self._generator(request_id, params)))
+        return probs
 
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
         self._matchers.pop(request_id, None)
 
-    def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator | None:
+    def generator(self, request_id: str, params: SamplingParams) -> torch.Generator | None:
+        """The request's own generator when it is seeded (kept until `release`); None: torch's global one."""
         if params.seed is None:
             return None
         gen = self._generators.get(request_id)

@@ -113,13 +113,22 @@ class Scheduler:
             if not do_sample:
                 continue
             token_id = next(sampled)
-            seq.output_token_ids.append(token_id)
+            self.append_token(seq, token_id)
             made.append((seq, token_id))
-            if token_id in self.eos_token_ids and not seq.params.ignore_eos:
-                self.finish(seq, "stop")
-            elif seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
-                self.finish(seq, "length")
         return made
+
+    def append_token(self, seq: Sequence, token_id: int) -> None:
+        """Add one made token to `seq`; finish it at EOS or at its length cap."""
+        seq.output_token_ids.append(token_id)
+        if token_id in self.eos_token_ids and not seq.params.ignore_eos:
+            self.finish(seq, "stop")
+        elif seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+            self.finish(seq, "length")
+
+    def computed_up_to(self, seq: Sequence, num_tokens: int) -> None:
+        """Mark the first `num_tokens` of `seq` computed (a speculative step computes several) and cache its blocks."""
+        seq.num_computed_tokens = num_tokens
+        self.block_manager.cache_full_blocks(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """End `seq` wherever it is and release its blocks."""

@@ -49,6 +49,18 @@ class DistillSpec(BaseModel):
         return f"tiergate models distill --teacher {self.teacher} --layers {self.layers} --budget {self.budget}"
 
 
+class SpeculativeSpec(BaseModel):
+    """Speculative decoding for a local tier (engine/speculative.py): another local tier's model, with the same
+    tokenizer, drafts `k` tokens that this tier's model checks in one step, while at most `max_batch` sequences
+    decode. Greedy answers are unchanged; sampled ones come from the same distribution."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    draft: str  # the local tier whose model drafts (its model, quantize and dtype; it runs inside this tier's engine)
+    k: Annotated[int, Field(ge=1, le=8)] = 4
+    max_batch: Annotated[int, Field(ge=1, le=256)] = 4
+
+
 class TierVersion(BaseModel):
     """One version of a tier (`versions:` in tiers.yaml): a name and the fields that differ from the tier's; every
     field left out is the tier's. A field given as `null` is overridden to null (`quantize: null`). A version of a
@@ -109,6 +121,7 @@ class TierSpec(BaseModel):
     cores: Annotated[float, Field(gt=0, le=1024)] | None = None
     prepared_by: str | None = None  # the command that builds this tier's model when it is missing
     distill: DistillSpec | None = None  # built by distilling another tier's model (serve does it when missing)
+    speculative: SpeculativeSpec | None = None  # local: another local tier's model drafts tokens for this one's
     tokenizer: str | None = None  # model source whose tokenizer counts prompt tokens [default: `model` if local]
     max_concurrency: Annotated[int, Field(ge=1)] | None = None  # dispatch slots per replica [default: max_num_seqs]
     price_per_1k_input: Money
@@ -125,6 +138,7 @@ class TierSpec(BaseModel):
     rollout_guards: dict[str, float | int | None] = Field(default_factory=dict)
     _version: str | None = PrivateAttr(None)  # the version this spec is (None: a tier without versions)
     _variants: dict[str, TierSpec] = PrivateAttr(default_factory=dict)  # version name -> its spec
+    _draft: TierSpec | None = PrivateAttr(None)  # the tier `speculative.draft` names (set by the catalogue)
 
     @field_validator("price_per_1k_input", "price_per_1k_output", "hardware_cost_per_hour", mode="before")
     @classmethod
@@ -146,6 +160,8 @@ class TierSpec(BaseModel):
             raise ValueError("`cores` splits this host's cores among local engines; a remote tier has its own")
         if self.distill and self.backend != "local":
             raise ValueError("only a local tier can be distilled")
+        if self.speculative and self.backend != "local":
+            raise ValueError("`speculative` runs a draft model inside our engine; a remote tier has its own server")
         if self.distill and not self.prepared_by:
             self.prepared_by = self.distill.command()
         return self
@@ -183,6 +199,11 @@ class TierSpec(BaseModel):
         self._version = self.serving
         self._variants[self.serving] = self
         return self
+
+    @property
+    def draft(self) -> TierSpec | None:
+        """The tier whose model drafts for this one (`speculative`), once the catalogue has checked it."""
+        return self._draft
 
     @property
     def version_name(self) -> str | None:
@@ -266,6 +287,16 @@ class TierCatalogue(BaseModel):
             if teacher is not None and (teacher not in self.tiers or self.tiers[teacher].backend != "local"
                                         or teacher == spec.name):
                 raise ValueError(f"tier {spec.name!r} is distilled from {teacher!r}, which is not another local tier")
+            if spec.speculative is not None:
+                draft = self.tiers.get(spec.speculative.draft)
+                if draft is None or draft.backend != "local" or draft.name == spec.name:
+                    raise ValueError(f"tier {spec.name!r}: speculative.draft {spec.speculative.draft!r} is not "
+                                     "another local tier")
+                if draft.speculative is not None:
+                    raise ValueError(f"tier {spec.name!r}: its draft tier {draft.name!r} is itself speculative; "
+                                     "a draft runs plain")
+                for variant in (spec, *spec.variants.values()):
+                    variant._draft = draft
         return self
 
     def student_of(self, teacher: str) -> TierSpec | None:

@@ -148,7 +148,18 @@ class EngineProcess:
             cmd += ["--kv-cache-bytes", str(spec.kv_cache_bytes)]
         if spec.kv_cache_dtype != "auto":
             cmd += ["--kv-cache-dtype", spec.kv_cache_dtype]
+        if spec.speculative is not None and (draft := spec.draft) is not None:
+            cmd += ["--draft-model", str(resolve_model(draft.model, self.models_dir)), "--draft-dtype", draft.dtype,
+                    "--speculative-k", str(spec.speculative.k),
+                    "--speculative-max-batch", str(spec.speculative.max_batch)]
+            if draft.quantize:
+                cmd += ["--draft-quantize", draft.quantize]
         return cmd
+
+    def _models(self) -> list[str]:
+        """The models the engine loads: the tier's, and its speculative draft's."""
+        draft = self.spec.draft if self.spec.speculative is not None else None
+        return [self.spec.model] + ([draft.model] if draft is not None else [])
 
     @property
     def threads(self) -> int | None:
@@ -178,7 +189,7 @@ class EngineProcess:
     async def run(self) -> None:
         backoff = BACKOFF_START_S
         while not self._stopping:
-            if not is_prepared(self.spec.model, self.models_dir):
+            if not all(is_prepared(model, self.models_dir) for model in self._models()):
                 self._mark_unbuilt()
                 await asyncio.sleep(MODEL_POLL_S)
                 continue
@@ -198,6 +209,12 @@ class EngineProcess:
 
     def _mark_unbuilt(self) -> None:
         """Preparing (a build is running: say how far) or unavailable (say which command builds it)."""
+        draft = self.spec.draft if self.spec.speculative is not None else None
+        if draft is not None and is_prepared(self.spec.model, self.models_dir):  # the draft is what is missing
+            how = f"; build it with `{draft.prepared_by}`" if draft.prepared_by else ""
+            self.replica.mark("unavailable", f"its speculative draft, tier {draft.name!r}'s model {draft.model!r}, "
+                                             f"is not built yet{how}")
+            return
         progress = build_progress(resolve_model(self.spec.model, self.models_dir))
         if progress is None:
             how = f"; build it with `{self.spec.prepared_by}`" if self.spec.prepared_by else ""

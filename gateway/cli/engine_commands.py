@@ -138,23 +138,39 @@ def engine() -> None:
                    "halves what each decode step reads and doubles the tokens the budget holds.")
 @click.option("--max-num-batched-tokens", default=512, show_default=True, type=int,
               help="Tokens per engine step (chunked prefill keeps long prompts from stalling decodes).")
+@click.option("--draft-model", default=None,
+              help="Speculative decoding: a model with the same tokenizer proposes tokens this one checks in one "
+                   "step (greedy answers unchanged, sampled ones from the same distribution) [default: off].")
+@click.option("--draft-quantize", type=click.Choice(["int8"]), default=None, help="The draft's quantization.")
+@click.option("--draft-dtype", type=click.Choice(["auto", "fp32", "bf16", "fp16"]), default="auto",
+              show_default=True, help="The draft's dtype.")
+@click.option("--speculative-k", default=4, show_default=True, type=click.IntRange(1, 8),
+              help="Tokens the draft proposes per step.")
+@click.option("--speculative-max-batch", default=4, show_default=True, type=click.IntRange(1, 256),
+              help="Speculate only while at most this many sequences decode (above it, plain steps are cheaper).")
 @click.option("--models-dir", type=click.Path(path_type=Path), default=None)
 @data_dir_option
 def engine_serve(model: str, served_name: str | None, host: str, port: int, quantize: str | None, dtype: str,
                  device: str, max_num_seqs: int | None, threads: int | None, kv_cache_bytes: int | None,
-                 kv_cache_dtype: str, max_num_batched_tokens: int, models_dir: Path | None,
-                 data_dir: Path | None) -> None:
+                 kv_cache_dtype: str, max_num_batched_tokens: int, draft_model: str | None,
+                 draft_quantize: str | None, draft_dtype: str, speculative_k: int, speculative_max_batch: int,
+                 models_dir: Path | None, data_dir: Path | None) -> None:
     """Serve one model over an OpenAI-compatible API (/v1/chat/completions, /v1/models, /health, /metrics)."""
+    from engine.launch import DraftModel
     from engine.launch import serve as serve_engine
 
     settings = settings_from(data_dir=data_dir, models_dir=models_dir)
     if model not in BUILTIN_MODELS and Path(model).exists():
         model = str(Path(model).resolve())
+    if draft_model is not None and draft_model not in BUILTIN_MODELS and Path(draft_model).exists():
+        draft_model = str(Path(draft_model).resolve())
+    draft = None if draft_model is None else DraftModel(draft_model, draft_quantize, draft_dtype, speculative_k,
+                                                        speculative_max_batch)
     try:
         serve_engine(model, settings.resolved_models_dir, host=host, port=port, served_name=served_name,
                      dtype=dtype, quantize=quantize, device=device, max_num_seqs=max_num_seqs, threads=threads,
                      kv_cache_bytes=kv_cache_bytes, max_num_batched_tokens=max_num_batched_tokens,
-                     kv_cache_dtype=kv_cache_dtype)
-    except ModelSourceError as exc:
+                     kv_cache_dtype=kv_cache_dtype, draft=draft)
+    except (ModelSourceError, ValueError) as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)

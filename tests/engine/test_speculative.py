@@ -1,0 +1,147 @@
+"""Speculative decoding's acceptance rule, on model-free runners whose distributions are known.
+
+The rule must leave the output distributed exactly as the target's sampling would (whatever the draft), keep
+drafts at the rate sum_x min(p(x), q(x)), and turn greedy drafts into the target's own greedy chain.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from engine.block_manager import BlockManager
+from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams
+from engine.scheduler import SchedulerOutput
+from engine.sequence import Sequence
+from engine.speculative import SpeculativeConfig, SpeculativeDecoder
+
+P = torch.tensor([0.40, 0.25, 0.20, 0.10, 0.05])  # the target's next-token distribution, whatever the context
+Q = torch.tensor([0.10, 0.10, 0.30, 0.30, 0.20])  # a poor draft's
+CHI2_4DOF_P001 = 18.47  # chi-square critical value, 4 degrees of freedom, p = 0.001
+
+
+class ConstantRunner:
+    """A runner whose logits are the same for every row: log `probs`, or a greedy chain if `chain` is set."""
+
+    def __init__(self, probs: torch.Tensor, chain: dict[int, int] | None = None) -> None:
+        self.config = SimpleNamespace(vocab_size=len(probs))
+        self.num_kv_blocks, self.block_size = 4096, 16
+        self.sampler = Sampler()
+        self.logprobs = probs.log()
+        self.chain = chain  # position -> the argmax token there (greedy tests)
+        self.rows = 0
+
+    def logits_of_rows(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]],
+                       wanted: list[int]) -> torch.Tensor:
+        self.rows += len(token_ids)
+        if self.chain is None:
+            return self.logprobs.repeat(len(wanted), 1)
+        out = torch.full((len(wanted), len(self.logprobs)), -5.0)
+        for r, w in enumerate(wanted):
+            out[r, self.chain[positions[w] + 1]] = 5.0  # the row at position p predicts the token at p + 1
+        return out
+
+
+def decode(spec: SpeculativeDecoder, params: SamplingParams, steps: int, prompt_len: int = 3) -> list[list[int]]:
+    """Run `steps` speculative steps of one sequence the way the engine does; the tokens of each step."""
+    blocks = BlockManager(4096, 16)
+    seq = Sequence("r", list(range(prompt_len)), params)
+    blocks.allocate_slots(seq, prompt_len)
+    seq.num_computed_tokens = prompt_len - 1  # the prompt is in the cache but for its last token
+    made = []
+    for _ in range(steps):
+        out = SchedulerOutput([seq], [1], [True])
+        assert spec.applies(out)
+        tokens = spec.run(out, blocks, max_model_len=1 << 20)
+        assert tokens is not None
+        made.append(tokens[0])
+        seq.output_token_ids += tokens[0]
+        seq.num_computed_tokens = seq.num_tokens - 1
+    spec.release("r")
+    return made
+
+
+def chi2(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def test_sampled_output_is_the_targets_distribution_whatever_the_draft() -> None:
+    spec = SpeculativeDecoder(ConstantRunner(P), ConstantRunner(Q), SpeculativeConfig(k=3))
+    steps = decode(spec, SamplingParams(temperature=1.0, seed=7, max_tokens=1 << 20), 3000)
+    first = torch.bincount(torch.tensor([s[0] for s in steps]), minlength=5).float()
+    every = torch.bincount(torch.tensor([t for s in steps for t in s]), minlength=5).float()
+    # without the residual draw the first token would follow min(p, q) + ..., far from p: chi2 in the hundreds
+    assert chi2(first, P) < CHI2_4DOF_P001, first
+    assert chi2(every, P) < CHI2_4DOF_P001, every
+    assert every.sum() > 3000 * 1.5  # several tokens a step on average
+    # each draft is kept with probability a = sum_x min(p(x), q(x)) = 0.55 once those before it were, so a step
+    # keeps a + a^2 + a^3 of its 3 on average
+    a = float(torch.minimum(P, Q).sum())
+    rate = spec.num_accepted_tokens / spec.num_draft_tokens
+    assert abs(rate - (a + a ** 2 + a ** 3) / 3) < 0.02, rate
+
+
+def test_a_draft_equal_to_the_target_is_always_kept() -> None:
+    spec = SpeculativeDecoder(ConstantRunner(P), ConstantRunner(P), SpeculativeConfig(k=4))
+    steps = decode(spec, SamplingParams(temperature=1.0, seed=3, max_tokens=1 << 20), 200)
+    assert all(len(s) == 5 for s in steps)
+    assert spec.num_accepted_tokens == spec.num_draft_tokens == 800
+
+
+def test_temperature_and_top_k_shape_both_distributions() -> None:
+    """Under top_k=2 the output only ever holds the target's two likeliest tokens, at their renormalised odds."""
+    spec = SpeculativeDecoder(ConstantRunner(P), ConstantRunner(Q), SpeculativeConfig(k=2))
+    steps = decode(spec, SamplingParams(temperature=1.0, top_k=2, seed=11, max_tokens=1 << 20), 2000)
+    tokens = torch.tensor([t for s in steps for t in s])
+    assert set(tokens.tolist()) <= {0, 1}
+    share = float((tokens == 0).float().mean())
+    assert abs(share - 0.40 / 0.65) < 0.03, share
+
+
+def test_greedy_drafts_give_the_targets_greedy_chain() -> None:
+    target_chain = {p: (3 * p + 1) % 5 for p in range(1, 400)}
+    draft_chain = {p: t if p % 4 else (t + 1) % 5 for p, t in target_chain.items()}  # wrong at every 4th position
+    spec = SpeculativeDecoder(ConstantRunner(P, target_chain), ConstantRunner(P, draft_chain),
+                              SpeculativeConfig(k=4))
+    steps = decode(spec, SamplingParams(temperature=0.0, max_tokens=1 << 20), 60)
+    made = [t for s in steps for t in s]
+    assert made == [target_chain[p] for p in range(3, 3 + len(made))]
+    assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens
+
+
+def test_k_never_passes_max_tokens() -> None:
+    spec = SpeculativeDecoder(ConstantRunner(P), ConstantRunner(P), SpeculativeConfig(k=4))
+    steps = decode(spec, SamplingParams(temperature=1.0, seed=1, max_tokens=7), 2)
+    assert [len(s) for s in steps] == [5, 2]  # 5, then the 2 left: never a token past max_tokens
+
+
+def test_what_it_does_not_apply_to() -> None:
+    spec = SpeculativeDecoder(ConstantRunner(P), ConstantRunner(P), SpeculativeConfig(k=2, max_batch=2))
+    seqs = [Sequence(f"r{i}", [1, 2], SamplingParams(temperature=0.0)) for i in range(3)]
+    assert spec.applies(SchedulerOutput(seqs[:2], [1, 1], [True, True]))
+    assert not spec.applies(SchedulerOutput(seqs, [1, 1, 1], [True] * 3))  # above max_batch
+    assert not spec.applies(SchedulerOutput(seqs[:1], [2], [True]))  # a prompt chunk
+    assert not spec.applies(SchedulerOutput([Sequence("l", [1, 2], SamplingParams(logprobs=2))], [1], [True]))
+    assert not spec.applies(SchedulerOutput([], [], []))
+
+
+def test_bad_config_and_another_vocabulary_are_refused() -> None:
+    with pytest.raises(ValueError, match="k must be within"):
+        SpeculativeConfig(k=0)
+    with pytest.raises(ValueError, match="max_batch"):
+        SpeculativeConfig(max_batch=0)
+    with pytest.raises(ValueError, match="vocabulary"):
+        SpeculativeDecoder(ConstantRunner(P), ConstantRunner(torch.ones(7) / 7), SpeculativeConfig())
+
+
+def test_no_room_in_the_targets_cache_means_a_plain_step() -> None:
+    spec = SpeculativeDecoder(ConstantRunner(P), ConstantRunner(Q), SpeculativeConfig(k=4))
+    blocks = BlockManager(1, 16)
+    seq = Sequence("r", list(range(14)), SamplingParams(temperature=0.0, max_tokens=100))
+    blocks.allocate_slots(seq, 14)
+    seq.num_computed_tokens = 13
+    assert spec.run(SchedulerOutput([seq], [1], [True]), blocks, max_model_len=1 << 20) is None
