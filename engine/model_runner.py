@@ -15,10 +15,10 @@ from pathlib import Path
 
 import torch
 
+from assets.model_dtype import auto_dtype
 from engine import int8_dynamic, onednn_linear
 from engine.attention import AttentionMetadata
 from engine.decode_step import NativeDecodeStep
-from engine.dtypes import auto_dtype
 from engine.kernels import native as native_kernels
 from engine.layer_ops import NativeLayerOps
 from engine.models.llama import LlamaConfig, LlamaForCausalLM
@@ -33,7 +33,7 @@ DEFAULT_BLOCK_SIZE = 16
 
 
 def resolve_dtype(name: str, device: str, quantize: str | None = None) -> torch.dtype:
-    """`auto`: engine/dtypes.py's choice for the device and quantization (bf16 on CUDA and fast-bf16 CPUs, but
+    """`auto`: assets/model_dtype.py's choice for the device and quantization (bf16 on CUDA and fast-bf16 CPUs, but
     fp32 activations for an int8 model on x86); otherwise the dtype named."""
     if name == "auto":
         return DTYPES[auto_dtype(device, quantize)]
