@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 WINDOW_S = 60.0  # RPM and TPM are counted over any sliding 60 s
 
@@ -36,11 +37,19 @@ class ReservationRequest:
 
     @property
     def day(self) -> str:
-        return time.strftime("%Y%m%d", time.gmtime(self.now))
+        return utc_dates(int(self.now // 86400))[0]
 
     @property
     def month(self) -> str:
-        return time.strftime("%Y%m", time.gmtime(self.now))
+        return utc_dates(int(self.now // 86400))[1]
+
+
+@lru_cache(maxsize=8)
+def utc_dates(day_number: int) -> tuple[str, str]:
+    """The UTC day (YYYYMMDD) and month (YYYYMM) of a day number since the epoch (POSIX days are 86,400 s): formatted
+    once a day, not at every read (a reservation reads them once per scope)."""
+    moment = time.gmtime(day_number * 86400)
+    return time.strftime("%Y%m%d", moment), time.strftime("%Y%m", moment)
 
 
 @dataclass(frozen=True)
