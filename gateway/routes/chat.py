@@ -9,17 +9,14 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from litestar import Request, Response, post
-from litestar.di import NamedDependency, Provide
 from litestar.openapi import ResponseSpec
 from pydantic import ConfigDict
 
-from gateway.auth import provide_tenant
 from gateway.errors import TiergateError
 from gateway.pipeline.events import Delta, Done, Event, Head
 from gateway.pipeline.handle import parse_request
 from gateway.routes.answering import Framing, answer
 from gateway.routes.openapi import BEARER, MODEL_ERRORS, also, body, errors
-from gateway.tenants.store import Principal
 from wire import responses
 from wire.chat_request import ChatCompletionRequest, request_schema
 from wire.response_models import ChatCompletion
@@ -38,15 +35,15 @@ class ChatRequestBody(ChatCompletionRequest):
 
 
 @post("/v1/chat/completions", status_code=200, tags=["OpenAI"], summary="Create a chat completion",
-      dependencies={"principal": Provide(provide_tenant), "openapi_body": body(ChatRequestBody)},
+      dependencies={"openapi_body": body(ChatRequestBody)},
       security=BEARER, operation_class=also("text/event-stream"),
       responses={200: ResponseSpec(ChatCompletion, generate_examples=False,
                                    description="The completion; with `stream: true`, server-sent events of "
                                                "`chat.completion.chunk` objects ending with `data: [DONE]`"),
                  **errors(*MODEL_ERRORS)})
-async def chat_completions(request: Request[Any, Any, Any], principal: NamedDependency[Principal]) -> Response[Any]:
+async def chat_completions(request: Request[Any, Any, Any]) -> Response[Any]:
     """OpenAI's chat completions, routed to a tier by the tenant's plan (`model`: a tier, or `auto`)."""
-    return await answer(request, principal, CHAT)
+    return await answer(request, CHAT)
 
 
 async def _whole(head: Head, events: AsyncIterator[Event]) -> dict[str, Any]:

@@ -12,17 +12,14 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from litestar import Request, Response, post
-from litestar.di import NamedDependency, Provide
 from litestar.openapi import ResponseSpec
 from pydantic import ConfigDict
 
-from gateway.auth import provide_tenant
 from gateway.errors import TiergateError
 from gateway.pipeline.events import Delta, Done, Event, Head
 from gateway.pipeline.text_completion import parse_completion
 from gateway.routes.answering import Framing, answer
 from gateway.routes.openapi import BEARER, MODEL_ERRORS, also, body, errors
-from gateway.tenants.store import Principal
 from wire import responses
 from wire.completion_request import CompletionRequest
 from wire.fields import nullable_optionals
@@ -43,15 +40,15 @@ class CompletionRequestBody(CompletionRequest):
 
 
 @post("/v1/completions", status_code=200, tags=["OpenAI"], summary="Create a text completion (legacy)",
-      dependencies={"principal": Provide(provide_tenant), "openapi_body": body(CompletionRequestBody)},
+      dependencies={"openapi_body": body(CompletionRequestBody)},
       security=BEARER, operation_class=also("text/event-stream"),
       responses={200: ResponseSpec(TextCompletion, generate_examples=False,
                                    description="The completion; with `stream: true`, server-sent events of "
                                                "`text_completion` objects ending with `data: [DONE]`"),
                  **errors(*MODEL_ERRORS)})
-async def text_completions(request: Request[Any, Any, Any], principal: NamedDependency[Principal]) -> Response[Any]:
+async def text_completions(request: Request[Any, Any, Any]) -> Response[Any]:
     """OpenAI's legacy completions: the prompt continued as it is, routed like a chat request."""
-    return await answer(request, principal, TEXT)
+    return await answer(request, TEXT)
 
 
 def _id(head: Head) -> str:
