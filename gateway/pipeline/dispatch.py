@@ -30,7 +30,7 @@ class DispatchStage:
         except QueueFull as exc:
             raise Unavailable(str(exc), code="queue_full", retry_after=1) from exc
         waited = time.perf_counter() - t0
-        self.metrics.queue_wait.labels(tier).observe(waited)
+        self.metrics.child(self.metrics.queue_wait, tier).observe(waited)
         self.signals.queue_wait(waited)
         return ticket
 

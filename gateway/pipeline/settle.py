@@ -88,9 +88,9 @@ class Settler:
         overhead = row.total_s - outcome.upstream_s if outcome.upstream_s is not None else None
         self.metrics.finished(row, overhead)
         if row.cache_status is not None:
-            self.metrics.cache.labels(row.tenant, row.cache_status).inc()
+            self.metrics.child(self.metrics.cache, row.tenant, row.cache_status).inc()
         if row.cache_saving_usd > 0:
-            self.metrics.cache_savings.labels(row.tenant).inc(float(row.cache_saving_usd))
+            self.metrics.child(self.metrics.cache_savings, row.tenant).inc(float(row.cache_saving_usd))
 
     def row(self, ctx: RequestContext, attempt: Attempt, outcome: Outcome) -> LedgerRow:
         tier = attempt.route.tier
