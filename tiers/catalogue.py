@@ -203,17 +203,17 @@ class TierSpec(BaseModel):
     @property
     def draft(self) -> TierSpec | None:
         """The tier whose model drafts for this one (`speculative`), once the catalogue has checked it."""
-        return self._draft
+        return self.__pydantic_private__["_draft"]  # type: ignore[index]  # (self._draft: ~2.7 µs a read)
 
     @property
     def version_name(self) -> str | None:
         """The version this spec is: the serving one for a tier with versions, None for a tier without."""
-        return self._version
+        return self.__pydantic_private__["_version"]  # type: ignore[index]  # (self._version: ~2.7 µs a read)
 
     @property
     def variants(self) -> dict[str, TierSpec]:
         """Version name -> its spec (the serving one is this spec itself); empty for a tier without versions."""
-        return self._variants
+        return self.__pydantic_private__["_variants"]  # type: ignore[index]  # (self._variants: ~2.7 µs a read)
 
     def variant(self, version: str) -> TierSpec:
         """The spec of one of the tier's versions (KeyError if it has no such version)."""
