@@ -58,10 +58,11 @@ class Upstream:
         self._first = first
 
     async def __aiter__(self) -> AsyncIterator[dict[str, Any]]:
-        chunk = self._first
-        while chunk is not None:
+        if self._first is None:
+            return
+        yield self._first
+        async for chunk in self._chunks:  # (not `anext(chunks, None)` a chunk: its default wraps every await)
             yield chunk
-            chunk = await anext(self._chunks, None)
 
     async def aclose(self) -> None:
         await self._chunks.aclose()  # type: ignore[attr-defined]
