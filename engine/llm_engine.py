@@ -300,11 +300,7 @@ class LLMEngine:
         made = self.scheduler.postprocess(out, self._without_failed(out, token_ids))
         self._account(out, step_s, len(made))
         for seq, token_id in made:
-            try:
-                self._stream(seq, token_id)
-            except Exception as exc:
-                log.exception("detokenizing %s failed; it alone fails", seq.request_id)
-                self._fail(seq, f"{type(exc).__name__}: {exc}")
+            self._stream_or_fail(seq, token_id)
         return True
 
     def _take_speculated(self, out: SchedulerOutput, speculated: list[list[int]], step_s: float) -> None:
@@ -317,14 +313,18 @@ class LLMEngine:
                     break
                 self.scheduler.append_token(seq, token_id)
                 made += 1
-                try:
-                    self._stream(seq, token_id)
-                except Exception as exc:
-                    log.exception("detokenizing %s failed; it alone fails", seq.request_id)
-                    self._fail(seq, f"{type(exc).__name__}: {exc}")
+                self._stream_or_fail(seq, token_id)
             if not seq.is_finished:  # every token but the newest has its K/V in the cache
                 self.scheduler.computed_up_to(seq, seq.num_tokens - 1)
         self._account(out, step_s, made)
+
+    def _stream_or_fail(self, seq: Sequence, token_id: int) -> None:
+        """Stream one made token; a sequence whose detokenizing raises fails alone."""
+        try:
+            self._stream(seq, token_id)
+        except Exception as exc:
+            log.exception("detokenizing %s failed; it alone fails", seq.request_id)
+            self._fail(seq, f"{type(exc).__name__}: {exc}")
 
     def _drain_inbox(self) -> None:
         """Admit new requests to the scheduler, apply aborts."""
