@@ -7,10 +7,10 @@
 The gateway is started as bench/gateway.py starts it (every tier pointed at its mock upstream, the embedded stores,
 pinned to the last CPU; wrk and the mock on the first), warmed up, measured once without the profiler (requests a
 second and CPU per answer), then sampled by `py-spy record --nonblocking` over a second cell of the same length.
-The report lists functions by the share of samples they were running in (self) and under (inclusive), so that a
-change to the hot path can be checked against what it was meant to cut. py-spy samples every thread; a coroutine
-suspended in the middle of a chain shows as a partial stack, which is why inclusive shares of the outer frames are
-below 100%.
+The report lists functions by the share of samples they were running in (self) and, for this project's functions,
+under (inclusive), so that a change to the hot path can be checked against what it was meant to cut. py-spy
+samples every thread; a coroutine suspended in the middle of a chain shows as a partial stack, which is why
+inclusive shares stay below 100%.
 """
 
 from __future__ import annotations
@@ -49,6 +49,15 @@ def function_of(frame: str) -> str:
     """`name (file.py:LINE)` -> `name (file.py)`: a function's lines counted together."""
     name, _, where = frame.partition(" (")
     return f"{name} ({where.rsplit(':', 1)[0]})" if where else name
+
+
+PROJECT = ("gateway/", "tiers/", "quotas/", "cache/", "wire/", "assets/")
+
+
+def is_ours(function: str) -> bool:
+    """A function of the request path in this project (the CLI's entry frames, on every stack, left out)."""
+    where = function.rpartition(" (")[2]
+    return where.startswith(PROJECT) and not where.startswith("gateway/cli/")
 
 
 def shares(raw: Path) -> tuple[int, Counter[str], Counter[str]]:
@@ -114,7 +123,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"- without the profiler: {plain.rps:,.0f} req/s at c={args.concurrency}, "
           f"{cpu_ms:.2f} ms CPU per answer ({answered} answers)")
     print(f"- sampled: {sampled.rps:,.0f} req/s, {total} samples at {args.rate}/s\n")
-    for title, counts in (("running in (self)", own), ("on the stack of (inclusive)", under)):
+    ours = Counter({name: n for name, n in under.items() if is_ours(name)})
+    for title, counts in (("running in (self)", own), ("on the stack of (inclusive; this project's code)", ours)):
         print(f"| share of samples {title} | function |\n|---|---|")
         for name, n in counts.most_common(args.top):
             print(f"| {100 * n / max(1, total):.1f}% | `{name}` |")

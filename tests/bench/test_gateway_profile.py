@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench.gateway_profile import function_of, shares
+from bench.gateway_profile import function_of, is_ours, shares
 
 
 def test_shares_count_each_function_once_per_stack(tmp_path: Path) -> None:
@@ -21,3 +21,11 @@ def test_shares_count_each_function_once_per_stack(tmp_path: Path) -> None:
 def test_function_of() -> None:
     assert function_of("Runner.run (asyncio/runners.py:118)") == "Runner.run (asyncio/runners.py)"
     assert function_of("<native>") == "<native>"
+
+
+def test_is_ours() -> None:
+    assert is_ours("Pipeline.handle (gateway/pipeline/handle.py)")
+    assert is_ours("TierClient._stream (tiers/client.py)")
+    assert not is_ours("serve (gateway/cli/serve.py)")
+    assert not is_ours("Runner.run (asyncio/runners.py)")
+    assert not is_ours("<native>")
