@@ -31,6 +31,8 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from gateway.bpe_words import ByteLevelWords
+
 Messages = Sequence[dict[str, Any]]
 SHORT_TEXT_CHARS = 8192  # counted with `encode` (GIL held, no hand-off); longer ones with `encode_batch`
 RECENT_PROMPTS = 4096  # short prompts whose counts are remembered
@@ -59,6 +61,7 @@ class TokenCounter:
         self._pieces: dict[str, int] = {}  # pieces between added tokens -> tokens, oldest first
         self._lock = threading.Lock()
         self._cut = _added_token_cut(self.tokenizer)
+        self._words = ByteLevelWords.for_tokenizer(self.tokenizer)
 
     def render(self, messages: Messages) -> str:
         return self.template.render(messages=list(messages), add_generation_prompt=True, **self.special)
@@ -90,10 +93,17 @@ class TokenCounter:
             if piece:
                 counted = self._pieces.get(piece)
                 if counted is None:
-                    counted = self.count(piece)
+                    counted = self._piece_tokens(piece)
                     _remember(self._pieces, piece, counted, RECENT_PIECES, self._lock)
                 total += counted
         return total
+
+    def _piece_tokens(self, piece: str) -> int:
+        """Tokens of a piece with no added token in it: word by word when it is ASCII and the tokenizer is GPT-2's
+        kind (gateway/bpe_words.py: the same count for a tenth of `encode`'s time), else `count`."""
+        if self._words is not None and piece.isascii():
+            return self._words.count(piece)
+        return self.count(piece)
 
     def content_tokens(self, texts: Sequence[str]) -> list[int]:
         """Tokens of each text, in one call."""

@@ -40,8 +40,8 @@ def test_a_prompt_counted_by_pieces_equals_its_whole_count(fresh: TokenCounter) 
 
 def test_the_pieces_every_prompt_repeats_are_counted_once(fresh: TokenCounter, monkeypatch: pytest.MonkeyPatch) -> None:
     counted: list[str] = []
-    real = fresh.count
-    monkeypatch.setattr(fresh, "count", lambda t: counted.append(t) or real(t))
+    real = fresh._piece_tokens
+    monkeypatch.setattr(fresh, "_piece_tokens", lambda t: counted.append(t) or real(t))
     for i in range(3):
         fresh.prompt_tokens([{"role": "user", "content": f"question {i}"}])
     system = [t for t in counted if "You are a helpful AI assistant" in t]

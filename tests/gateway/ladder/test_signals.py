@@ -39,7 +39,7 @@ def test_reads_from_a_thread_while_the_loop_appends() -> None:
         while not stop.is_set():
             try:
                 signals.read()
-            except BaseException as exc:  # noqa: BLE001 - what the test looks for
+            except BaseException as exc:
                 failures.append(exc)
                 return
 
