@@ -112,10 +112,12 @@ class SpeculativeDecoder:
 
     def _draft(self, plans: list[_Plan]) -> None:
         """Propose each plan's k tokens: catch the draft's cache up with the sequence, then one row per round."""
-        active = [p for p in plans if p.k and self._room(p)]
+        active = []
         for p in plans:
-            if p not in active:
-                p.k = 0
+            if p.k and self._room(p):
+                active.append(p)
+            else:
+                p.k = 0  # no draft room (or none wanted): this sequence only decodes its next token
         if not active:
             return
         # round 1: every token the draft has not seen, the last one's logits giving the first draft token
