@@ -202,7 +202,8 @@ class TierSpec(BaseModel):
 
     @property
     def draft(self) -> TierSpec | None:
-        """The tier whose model drafts for this one (`speculative`), once the catalogue has checked it."""
+        """The tier whose model drafts for this one (`speculative`), once the catalogue has checked it; None for a
+        tier that is not speculative (a version cannot change `speculative`, so every version has the same)."""
         return self.__pydantic_private__["_draft"]  # type: ignore[index]  # (self._draft: ~2.7 µs a read)
 
     @property

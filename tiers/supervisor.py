@@ -148,7 +148,7 @@ class EngineProcess:
             cmd += ["--kv-cache-bytes", str(spec.kv_cache_bytes)]
         if spec.kv_cache_dtype != "auto":
             cmd += ["--kv-cache-dtype", spec.kv_cache_dtype]
-        if spec.speculative is not None and (draft := spec.draft) is not None:
+        if (draft := spec.draft) is not None:
             cmd += ["--draft-model", str(resolve_model(draft.model, self.models_dir)), "--draft-dtype", draft.dtype,
                     "--speculative-k", str(spec.speculative.k),
                     "--speculative-max-batch", str(spec.speculative.max_batch)]
@@ -158,7 +158,7 @@ class EngineProcess:
 
     def _models(self) -> list[str]:
         """The models the engine loads: the tier's, and its speculative draft's."""
-        draft = self.spec.draft if self.spec.speculative is not None else None
+        draft = self.spec.draft
         return [self.spec.model] + ([draft.model] if draft is not None else [])
 
     @property
@@ -209,7 +209,7 @@ class EngineProcess:
 
     def _mark_unbuilt(self) -> None:
         """Preparing (a build is running: say how far) or unavailable (say which command builds it)."""
-        draft = self.spec.draft if self.spec.speculative is not None else None
+        draft = self.spec.draft
         if draft is not None and is_prepared(self.spec.model, self.models_dir):  # the draft is what is missing
             how = f"; build it with `{draft.prepared_by}`" if draft.prepared_by else ""
             self.replica.mark("unavailable", f"its speculative draft, tier {draft.name!r}'s model {draft.model!r}, "
