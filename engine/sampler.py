@@ -8,15 +8,23 @@ A request with a response format (`params.grammar`, set by the engine) gets its 
 sampling rule runs (EOS among them until the JSON is complete), and the matcher advances by the token chosen.
 The runner takes the argmax of the raw logits itself only for unconstrained greedy requests (`params.greedy`).
 Both the generator and the matcher live until `release`, so a preempted request resumes where it was.
+
+Cost per sampled token on a 49,152-token vocabulary (2 threads, 2026-12-02): top-p looks at the 256 likeliest
+tokens first (`torch.topk`, ~0.3 ms) and sorts the rest only when their mass falls short, where sorting the whole
+vocabulary took ~5 ms (`torch.sort` on CPU); a token is drawn by inverse CDF over a float64 cumulative sum
+(~0.07 ms, where `torch.multinomial` took ~1.4 ms).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from engine.sampling_params import SamplingParams
+
+TOP_P_FIRST = 256  # candidates top-p looks at first; all of them, sorted, when their mass falls short
 
 
 class Sampler:
@@ -37,8 +45,7 @@ class Sampler:
     def _choose(self, request_id: str, logits: torch.Tensor, params: SamplingParams) -> int:
         if params.temperature == 0.0:
             return int(torch.argmax(logits))
-        probs = self.distribution(logits, params)
-        return int(torch.multinomial(probs, 1, generator=self.generator(request_id, params)))
+        return self.draw(self.distribution(logits, params), self.generator(request_id, params))
 
     @staticmethod
     def distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -52,13 +59,19 @@ class Sampler:
             logits = logits.masked_fill(logits < kth, float("-inf"))
         probs = torch.softmax(logits, dim=-1)
         if params.top_p < 1.0:
-            sorted_probs, sorted_idx = torch.sort(probs, descending=True)
-            cumulative = torch.cumsum(sorted_probs, dim=-1)
-            # keep the smallest prefix whose mass reaches top_p (always at least one token)
-            drop = cumulative - sorted_probs >= params.top_p
-            sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-            probs = torch.zeros_like(probs).scatter_(0, sorted_idx, sorted_probs)
+            probs = _nucleus(probs, params.top_p)
         return probs
+
+    @staticmethod
+    def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+        """One token drawn from `probs` [V] (not negative, not all zero): the first whose cumulative mass passes
+        a uniform draw scaled to the total. A token of probability 0 is never drawn."""
+        cumulative = torch.cumsum(probs, 0, dtype=torch.float64)
+        u = torch.rand(1, generator=generator, dtype=torch.float64) * cumulative[-1]
+        index = int(torch.searchsorted(cumulative, u, right=True))
+        if index >= probs.numel():  # u rounded up to the total: the last token that has a probability
+            index = int(torch.nonzero(probs)[-1])
+        return index
 
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
@@ -81,3 +94,22 @@ class Sampler:
         if matcher is None:
             matcher = self._matchers[request_id] = params.grammar.matcher()
         return matcher
+
+
+def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """`probs` [V] kept on the smallest set of likeliest tokens whose mass reaches top_p (at least one token),
+    zero elsewhere: what sorting the whole vocabulary gives. Tokens are taken in descending order, the likeliest
+    TOP_P_FIRST first; when the last of them is dropped (the mass before it reaches top_p), every token after it
+    would be too, and the rest of the vocabulary is never sorted. Otherwise (a flat distribution) the whole
+    vocabulary is sorted by numpy's quicksort (~1.3 ms here; torch's CPU sort ~6 ms); tied probabilities may
+    come in any order, as with any sort."""
+    size = probs.numel()
+    values, index = torch.topk(probs, min(TOP_P_FIRST, size))  # descending
+    cumulative = torch.cumsum(values, dim=-1)
+    drop = cumulative - values >= top_p
+    if size > TOP_P_FIRST and not bool(drop[-1]):
+        index = torch.from_numpy(np.argsort(-probs.numpy()))
+        values = probs[index]
+        cumulative = torch.cumsum(values, dim=-1)
+        drop = cumulative - values >= top_p
+    return torch.zeros_like(probs).scatter_(0, index, values.masked_fill(drop, 0.0))

@@ -162,8 +162,7 @@ class SpeculativeDecoder:
                 p.draft_probs.append(None)
             else:
                 q = Sampler.distribution(row, params)
-                p.drafts.append(int(torch.multinomial(q, 1, generator=self.sampler.generator(p.seq.request_id,
-                                                                                             params))))
+                p.drafts.append(Sampler.draw(q, self.sampler.generator(p.seq.request_id, params)))
                 p.draft_probs.append(q)
 
     # ---- the target ----
@@ -211,6 +210,6 @@ class SpeculativeDecoder:
             residual = (probs - q).clamp_min(0.0)
             total = float(residual.sum())
             pick = residual / total if total > 0 else probs
-            return [*made, int(torch.multinomial(pick, 1, generator=gen))]
+            return [*made, Sampler.draw(pick, gen)]
         probs = Sampler.distribution(logits[p.k], params)
-        return [*made, int(torch.multinomial(probs, 1, generator=gen))]
+        return [*made, Sampler.draw(probs, gen)]

@@ -53,3 +53,47 @@ def test_sampling_is_overflow_safe_even_below_the_checked_temperature() -> None:
         params.temperature = temperature
         picks = {Sampler().sample("t", logits, params) for _ in range(5)}
         assert picks == {0} if temperature < 1 else picks <= {0, 1, 2, 3}
+
+
+def _nucleus_by_sort(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The rule top-p states, on the whole vocabulary sorted (what the sampler did before it looked at fewer)."""
+    sorted_probs, sorted_idx = torch.sort(probs, descending=True)
+    cumulative = torch.cumsum(sorted_probs, dim=-1)
+    sorted_probs = sorted_probs.masked_fill(cumulative - sorted_probs >= top_p, 0.0)
+    return torch.zeros_like(probs).scatter_(0, sorted_idx, sorted_probs)
+
+
+@pytest.mark.parametrize("spread", [0.05, 1.0, 4.0, 12.0])  # 0.05: nearly flat, so top-p needs most of the vocabulary
+@pytest.mark.parametrize("top_p", [0.01, 0.5, 0.9, 0.95, 0.999])
+def test_top_p_keeps_what_sorting_the_whole_vocabulary_keeps(spread: float, top_p: float) -> None:
+    gen = torch.Generator().manual_seed(int(spread * 100) + int(top_p * 1000))
+    for size in (5, 300, 49152):
+        for _ in range(3):
+            logits = torch.randn(size, generator=gen) * spread
+            for params in (SamplingParams(temperature=0.8, top_p=top_p),
+                           SamplingParams(temperature=1.3, top_p=top_p, top_k=min(size, 1000))):
+                got = Sampler.distribution(logits, params)
+                no_top_p = Sampler.distribution(logits, SamplingParams(temperature=params.temperature,
+                                                                       top_k=params.top_k))
+                expected = _nucleus_by_sort(no_top_p, top_p)
+                assert torch.equal(got, expected)
+                assert float(got[got > 0].sum()) >= min(top_p, float(no_top_p.sum())) - 1e-5
+
+
+def test_draws_follow_the_probabilities_and_never_pick_a_zero() -> None:
+    probs = torch.zeros(1000)
+    probs[[3, 10, 500, 998]] = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    gen = torch.Generator().manual_seed(5)
+    n = 20000
+    counts = torch.bincount(torch.tensor([Sampler.draw(probs, gen) for _ in range(n)]), minlength=1000)
+    assert set(torch.nonzero(counts).flatten().tolist()) == {3, 10, 500, 998}
+    expected = probs[[3, 10, 500, 998]] * n
+    chi2 = float(((counts[[3, 10, 500, 998]] - expected) ** 2 / expected).sum())
+    assert chi2 < 16.27  # chi-square, 3 degrees of freedom, p = 0.001
+
+
+def test_a_draw_rounded_up_to_the_total_takes_the_last_token_with_a_probability(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    probs = torch.tensor([0.0, 0.5, 0.5, 0.0, 0.0])
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.ones(1, dtype=torch.float64))
+    assert Sampler.draw(probs, None) == 2
