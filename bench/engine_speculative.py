@@ -4,9 +4,12 @@
 at once: plain, and with a draft (default: the int8 model, the `mid` tier's, drafting for the `full` tier's
 model); runs alternate between them --rounds times and the median is kept. Per stream count and sampling mode:
 tokens/s of each, their ratio, the share of drafted tokens kept, and, for greedy requests, how many answers are
-token for token the plain engine's. Prompts are ShareGPT first turns in the chat template; answers end at EOS
-or --output-len tokens. `--max-batch` above the stream counts makes every step speculate, to show where it
-stops paying; the tier's default (4) turns it off above 4 sequences.
+token for token the plain engine's, beside how many of the plain engine's own answers are the same when each
+prompt runs alone (where that count falls short, the dtype's rounding depends on which rows share a step, as
+bf16's does, and speculation's unequal answers are that rounding, not the acceptance rule). Prompts are ShareGPT
+first turns in the chat template; answers end at EOS or --output-len tokens. `--max-batch` above the stream
+counts makes every step speculate, to show where it stops paying; the tier's default (4) turns it off above 4
+sequences.
 """
 
 from __future__ import annotations
@@ -80,7 +83,7 @@ def main() -> None:
           f"{quantize or 'unquantized'} ({resolve_dtype('auto', 'cpu', quantize)}), k={args.k}, "
           f"max_batch={args.max_batch}, {args.threads} threads, output <= {args.output_len} tokens\n")
     print("| streams | sampling | plain tok/s | speculative tok/s | speculative / plain | drafts kept | "
-          "greedy answers equal |\n|---|---|---|---|---|---|---|")
+          "greedy answers equal | plain alone = together |\n|---|---|---|---|---|---|---|---|")
     for n in levels:
         for temperature in (0.0, 0.8):
             rates: dict[str, list[float]] = {"plain": [], "spec": []}
@@ -95,12 +98,17 @@ def main() -> None:
                             expected = answers
                         else:
                             equal = f"{sum(a == b for a, b in zip(answers, expected, strict=True))} of {n}"
+            invariant = "—"
+            if temperature == 0.0 and n > 1:
+                alone = [run(plain, [p], 0.0, args.output_len)[1][0] for p in prompts[:n]]
+                invariant = f"{sum(a == b for a, b in zip(alone, expected, strict=True))} of {n}"
             s = spec.stats()
             drafted = s.num_draft_tokens_total - kept_before.num_draft_tokens_total
             kept = (s.num_accepted_draft_tokens_total - kept_before.num_accepted_draft_tokens_total) / max(drafted, 1)
             p, q = statistics.median(rates["plain"]), statistics.median(rates["spec"])
             print(f"| {n} | {'greedy' if temperature == 0 else 'T=0.8, top_p=0.95'} | {p:.1f} | {q:.1f} | "
-                  f"{q / p:.2f}x | {kept:.0%}{'' if drafted else ' (no step speculated)'} | {equal or '—'} |",
+                  f"{q / p:.2f}x | {kept:.0%}{'' if drafted else ' (no step speculated)'} | {equal or '—'} | "
+                  f"{invariant} |",
                   flush=True)
     for e in (plain, spec):
         e.shutdown()
