@@ -2,11 +2,12 @@
 
 Most steps of a busy engine are decodes only: one new token per running sequence. For those, on CPU with the
 native kernels, the runner calls `NativeDecodeStep` instead of the model's Python forward when every linear
-layer is one the native code can call: oneDNN-packed fp32 (engine/onednn_linear.py) or the int8 tier's
-(engine/int8_dynamic.py). It makes the same calls in the same order in C++, so the result is bit for bit the
-same, without the interpreter around them: about 25 Python-level calls per layer, 750 a step for SmolLM2
-(`python -m bench.engine_ablations` measures the difference). Steps with a prompt chunk, other dtypes, other
-linear layers and CUDA keep the Python forward. The head (compute_logits) stays in Python: one call a step.
+layer is one the native code can call: oneDNN-packed (engine/onednn_linear.py; fp32 weights, or the bf16 ones
+of the runner's bf16 on CPU, whose activations are fp32) or the int8 tier's (engine/int8_dynamic.py). It makes
+the same calls in the same order in C++, so the result is bit for bit the same, without the interpreter around
+them: about 25 Python-level calls per layer, 750 a step for SmolLM2 (`python -m bench.engine_ablations` measures
+the difference). Steps with a prompt chunk, models whose activations are not fp32, other linear layers and CUDA
+keep the Python forward. The head (compute_logits) stays in Python: one call a step.
 """
 
 from __future__ import annotations
@@ -37,14 +38,14 @@ class NativeDecodeStep:
             self.layers.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
             for m in layer.linears():
                 if isinstance(m, OneDnnLinear):
-                    self.layers.add_onednn_linear(m.packed, m.bias)
+                    self.layers.add_onednn_linear(m.packed, m.bias, m.weight_dtype is not None)
                 else:
                     self.layers.add_int8_linear(m.packed, m.reduce_range, m.outliers, m.w_outliers, m.bias)
 
     @classmethod
     def of(cls, model: Any, kernels: Any | None) -> NativeDecodeStep | None:
-        """The native step for this model, or None where it does not apply (no kernels, not fp32 on CPU, a
-        linear layer the native code does not run)."""
+        """The native step for this model, or None where it does not apply (no kernels, activations not fp32 on
+        CPU, a linear layer the native code does not run)."""
         weight = model.embed_tokens.weight
         if kernels is None or weight.dtype != torch.float32 or weight.device.type != "cpu":
             return None

@@ -15,8 +15,9 @@ from assets.parent_watch import ENGINE_INSTANCE_ENV, exit_when_orphaned
 from engine.llm_engine import LLMEngine
 
 # 0.3: int8 on CPU runs fbgemm with per-token activations; 0.4: oneDNN linear layers and fused layer steps
-# (the same sums in another order: a near-tie can now pick the other token)
-ENGINE_VERSION = "tiergate-engine/0.4"
+# (the same sums in another order: a near-tie can now pick the other token); 0.5: bf16 on CPU keeps fp32
+# activations around bf16 matmuls (engine/model_runner.py)
+ENGINE_VERSION = "tiergate-engine/0.5"
 # `max_num_seqs` auto: as many sequences as the KV cache holds at this many tokens each (a ShareGPT prompt and
 # its reply fit; the gateway reserves 1,024 output tokens by default), capped at vLLM's default. The gateway
 # sizes its dispatch slots with the same rule (tiers/supervisor.py; tests/tiers/test_engine_capacity.py).

@@ -59,10 +59,17 @@ class ModelRunner:
         """`kv_cache_dtype`: auto keeps K/V in the model's dtype (fp32 greedy output then equals transformers');
         bf16 under an fp32 model halves the bytes every decode step reads (and doubles the tokens a budget holds)."""
         self.device = torch.device(device)
-        self.dtype = resolve_dtype(dtype, device, quantize)
+        self.dtype = resolve_dtype(dtype, device, quantize)  # the weights' in every matmul
         self.kv_dtype = resolve_kv_dtype(kv_cache_dtype, self.dtype)
+        # bf16 on a CPU where oneDNN runs bf16: bf16 weights in the matmuls (half the bytes a decode step reads,
+        # AVX-512 BF16 / AMX), fp32 for the rest (norms, rope, attention, residuals), so the native decode step
+        # and the fused layer ops, written for fp32, serve it too; elsewhere (CUDA, no oneDNN) the whole model is
+        # in the dtype
+        self.activation_dtype = self.dtype
+        if self.dtype == torch.bfloat16 and quantize is None and onednn_linear.available(self.device, self.dtype):
+            self.activation_dtype = torch.float32
         self.config = cfg = LlamaConfig.from_dir(model_dir)
-        model = LlamaForCausalLM.empty(cfg, self.dtype)
+        model = LlamaForCausalLM.empty(cfg, self.activation_dtype)
         model.load_weights(model_dir)
         if quantize == "int8" and int8_dynamic.available(self.device, self.dtype):
             # fbgemm with per-token activations (x86 CPUs), calibrated on ShareGPT text
@@ -72,8 +79,9 @@ class ModelRunner:
         elif quantize is not None:
             raise ValueError(f"unknown quantization {quantize!r}; expected int8")
         self.model = model.to(self.device).eval()
-        if onednn_linear.available(self.device, self.dtype):
-            onednn_linear.pack_linears_(self.model)  # the fp32 layers and head: about 2x MKL's at few rows
+        if onednn_linear.available(self.device, self.activation_dtype):
+            # the layers and head: about 2x MKL's at few rows in fp32
+            onednn_linear.pack_linears_(self.model, self.dtype)
         self.block_size = block_size
         bytes_per_block = 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * \
             self.kv_dtype.itemsize

@@ -7,6 +7,10 @@ inductor uses after freezing): SmolLM2's linear layers alone run 1.5-2x nn.Linea
 (`python -m bench.engine_ablations`). Results are the same fp32 sums in another order (differences near 1e-6
 relative).
 
+With `weight_dtype=bf16` under an fp32 model (the runner's bf16 on CPU), the weight is packed in bf16 and each
+call rounds its input to bf16 and widens the bf16 result back to fp32: the matmul reads half the bytes and runs on
+AVX-512 BF16 / AMX, while norms, rope, attention and the residual stream stay fp32 (see ModelRunner).
+
 Used for inference only (the runner packs its model once; training keeps nn.Linear). The packed weight
 is an opaque oneDNN tensor, so a packed model is not saved. TIERGATE_ONEDNN=0 keeps nn.Linear.
 """
@@ -33,28 +37,38 @@ def available(device: torch.device, dtype: torch.dtype) -> bool:
 class OneDnnLinear(nn.Module):
     """y = x W^T + b on a weight reordered once into oneDNN's layout."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        """weight: [out, in] as nn.Linear holds it."""
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 weight_dtype: torch.dtype | None = None) -> None:
+        """weight: [out, in] as nn.Linear holds it. `weight_dtype` (bf16 under an fp32 weight): pack the weight in
+        that dtype; inputs are rounded to it and results widened back to the input's dtype."""
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_ROWS_HINT)
+        weight = weight.detach()
+        self.weight_dtype = weight_dtype if weight_dtype not in (None, weight.dtype) else None
+        if self.weight_dtype is not None:
+            weight = weight.to(self.weight_dtype)
+            bias = None if bias is None else bias.to(self.weight_dtype)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_ROWS_HINT)
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
 
     @classmethod
-    def of(cls, linear: nn.Linear) -> OneDnnLinear:
-        return cls(linear.weight, linear.bias)
+    def of(cls, linear: nn.Linear, weight_dtype: torch.dtype | None = None) -> OneDnnLinear:
+        return cls(linear.weight, linear.bias, weight_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features).contiguous(), self.packed,
-                                               self.bias, "none", [], "")
-        return y.reshape(*shape[:-1], self.out_features)
+        shape, dtype = x.shape, x.dtype
+        x = x.reshape(-1, self.in_features)
+        if self.weight_dtype is not None:
+            x = x.to(self.weight_dtype)  # the same two conversions decode_layers.cpp makes
+        y = torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
+        return y.to(dtype).reshape(*shape[:-1], self.out_features)
 
 
-def pack_linears_(model: nn.Module) -> int:
-    """Replace every nn.Linear in `model` (in place) by its oneDNN-packed twin; returns how many."""
+def pack_linears_(model: nn.Module, weight_dtype: torch.dtype | None = None) -> int:
+    """Replace every nn.Linear in `model` (in place) by its oneDNN-packed twin (weights in `weight_dtype`, default
+    their own); returns how many."""
     targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
                if type(child) is nn.Linear]
     for parent, name, child in targets:
-        setattr(parent, name, OneDnnLinear.of(child))
+        setattr(parent, name, OneDnnLinear.of(child, weight_dtype))
     return len(targets)

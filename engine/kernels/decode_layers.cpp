@@ -1,5 +1,6 @@
 // A decode-only step through every layer of a Llama in one call, for fp32 CPU models whose linear layers are
-// oneDNN-packed (engine/onednn_linear.py) or the int8 tier's (engine/int8_dynamic.py).
+// oneDNN-packed (engine/onednn_linear.py; fp32 weights, or bf16 ones fed bf16-rounded inputs) or the int8 tier's
+// (engine/int8_dynamic.py).
 //
 // The same calls, in the same order, as the Python layers (engine/models/llama.py with NativeLayerOps), so the
 // result is bit for bit the same: add_rms_norm, the q/k/v matmul, rope_write_kv, paged_decode_attention, o_proj,
@@ -35,15 +36,18 @@ torch::Tensor fbgemm_linear(const torch::Tensor& x, const c10::IValue& packed, b
   return stack.back().toTensor();
 }
 
-// One linear layer as the engine runs it: oneDNN fp32, or the int8 tier's (Int8DynamicLinear.forward).
+// One linear layer as the engine runs it: oneDNN fp32 or bf16 weights, or the int8 tier's
+// (OneDnnLinear.forward, Int8DynamicLinear.forward).
 struct Linear {
   torch::Tensor onednn;  // the oneDNN-packed weight, or undefined for int8
+  bool bf16 = false;  // the packed weight is bf16: the fp32 input is rounded to bf16, the result widened back
   c10::IValue int8;  // fbgemm's packed int8 weight
   bool reduce_range = false;
   torch::Tensor outliers, w_outliers;  // the int8 tier's fp32 input channels and their weights
   std::optional<torch::Tensor> bias;
 
   torch::Tensor operator()(const torch::Tensor& x) const {
+    if (onednn.defined() && bf16) return onednn_linear(x.to(at::kBFloat16), onednn, bias).to(at::kFloat);
     if (onednn.defined()) return onednn_linear(x, onednn, bias);
     auto rows = int8_rows_prepare(x, outliers);  // [scaled rows, per-row scales, the kept channels]
     auto y = int8_rows_finish_(fbgemm_linear(rows[0], int8, reduce_range), rows[1], rows[2], w_outliers);
@@ -65,13 +69,13 @@ class DecodeLayers {
     norms_.push_back(post_attention_norm);
   }
 
-  void add_onednn_linear(torch::Tensor packed, std::optional<torch::Tensor> bias) {
-    linears_.push_back(Linear{packed, {}, false, {}, {}, bias});
+  void add_onednn_linear(torch::Tensor packed, std::optional<torch::Tensor> bias, bool bf16) {
+    linears_.push_back(Linear{packed, bf16, {}, false, {}, {}, bias});
   }
 
   void add_int8_linear(py::object packed, bool reduce_range, torch::Tensor outliers, torch::Tensor w_outliers,
                        std::optional<torch::Tensor> bias) {
-    linears_.push_back(Linear{{}, torch::jit::toIValue(packed, c10::AnyType::get()), reduce_range, outliers,
+    linears_.push_back(Linear{{}, false, torch::jit::toIValue(packed, c10::AnyType::get()), reduce_range, outliers,
                               w_outliers, bias});
   }
 

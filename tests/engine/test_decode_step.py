@@ -47,11 +47,17 @@ def int8_calibration(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(int8_dynamic, "calibration_chunks", lambda _dir: [torch.randint(0, 256, (64,), generator=gen)])
 
 
-@pytest.mark.parametrize(("quantize", "kv_cache_dtype"), [(None, "auto"), (None, "bf16"), ("int8", "auto")])
+BF16_ONEDNN = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+@pytest.mark.parametrize(("dtype", "quantize", "kv_cache_dtype"), [
+    ("fp32", None, "auto"), ("fp32", None, "bf16"), ("fp32", "int8", "auto"),
+    pytest.param("bf16", None, "auto", marks=pytest.mark.skipif(not BF16_ONEDNN, reason="oneDNN runs no bf16 here")),
+])
 @pytest.mark.parametrize("prompt_lens", [[5], [3, 40, 17, 33, 1]])
 def test_the_native_step_equals_the_python_layers(tiny_llama: Path, int8_calibration: None, prompt_lens: list[int],
-                                                  quantize: str | None, kv_cache_dtype: str) -> None:
-    runner = ModelRunner(tiny_llama, dtype="fp32", quantize=quantize, kv_cache_bytes=1 << 20,
+                                                  dtype: str, quantize: str | None, kv_cache_dtype: str) -> None:
+    runner = ModelRunner(tiny_llama, dtype=dtype, quantize=quantize, kv_cache_bytes=1 << 20,
                          kv_cache_dtype=kv_cache_dtype)
     assert isinstance(runner.native_decode, NativeDecodeStep)
     seqs, counts = decode_batch(runner, prompt_lens)
@@ -88,12 +94,12 @@ def test_the_runner_takes_it_for_decode_only_steps(tiny_llama: Path, monkeypatch
     assert calls == [2]
 
 
-@pytest.mark.parametrize("kind", ["bf16", "nn.Linear", "int8 without fused rows"])
+@pytest.mark.parametrize("kind", ["bf16 without oneDNN", "nn.Linear", "int8 without fused rows"])
 def test_other_models_keep_the_python_forward(tiny_llama: Path, int8_calibration: None,
                                               monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
-    if kind == "nn.Linear":
+    if kind in ("nn.Linear", "bf16 without oneDNN"):  # bf16 then runs wholly in bf16, activations too
         monkeypatch.setenv("TIERGATE_ONEDNN", "0")
-    runner = ModelRunner(tiny_llama, dtype="bf16" if kind == "bf16" else "fp32",
+    runner = ModelRunner(tiny_llama, dtype="bf16" if kind.startswith("bf16") else "fp32",
                          quantize="int8" if kind.startswith("int8") else None, kv_cache_bytes=1 << 20)
     if kind.startswith("int8"):
         assert runner.native_decode is not None
@@ -101,6 +107,25 @@ def test_other_models_keep_the_python_forward(tiny_llama: Path, int8_calibration
         assert NativeDecodeStep.of(runner.model, runner.decode_kernel) is None
     else:
         assert runner.native_decode is None
+        if kind.startswith("bf16"):
+            assert runner.activation_dtype == runner.model.embed_tokens.weight.dtype == torch.bfloat16
+
+
+@pytest.mark.skipif(not BF16_ONEDNN, reason="oneDNN runs no bf16 on this CPU")
+def test_bf16_on_cpu_is_bf16_matmuls_around_fp32_activations(tiny_llama: Path) -> None:
+    runner = ModelRunner(tiny_llama, dtype="bf16", kv_cache_bytes=1 << 20)
+    assert runner.dtype == torch.bfloat16 and runner.activation_dtype == torch.float32
+    assert runner.kv_cache.dtype == torch.bfloat16  # the cache a bf16 model had: the same tokens per byte
+    assert isinstance(runner.native_decode, NativeDecodeStep)
+    head = runner.model.lm_head
+    assert head.weight_dtype == torch.bfloat16 and head.packed.dtype == torch.bfloat16
+    with torch.inference_mode():
+        hidden = torch.randn(3, 64)
+        logits = head(hidden)
+        assert logits.dtype == torch.float32
+        weight = runner.model.embed_tokens.weight  # tied: the head's weight before packing
+        expected = (hidden.to(torch.bfloat16).float() @ weight.to(torch.bfloat16).float().t()).to(torch.bfloat16)
+        torch.testing.assert_close(logits, expected.float(), rtol=1e-2, atol=1e-2)
 
 
 def test_a_layer_missing_its_linears_is_refused() -> None:

@@ -66,3 +66,25 @@ def test_pack_counts_what_it_replaced() -> None:
     assert isinstance(model[0], OneDnnLinear) and isinstance(model[2][0], OneDnnLinear)
     with torch.inference_mode():
         assert model(torch.randn(5, 4)).shape == (5, 2)
+
+
+@pytest.mark.skipif(not onednn_linear.available(torch.device("cpu"), torch.bfloat16),
+                    reason="oneDNN runs no bf16 on this CPU")
+@pytest.mark.parametrize("rows", [1, 16, 300])
+def test_bf16_weights_under_fp32_inputs_round_the_input_and_widen_the_result(rows: int) -> None:
+    torch.manual_seed(rows)
+    lin = nn.Linear(96, 200, bias=True)
+    packed = OneDnnLinear.of(lin, torch.bfloat16)
+    assert packed.packed.dtype == torch.bfloat16 and packed.bias.dtype == torch.bfloat16
+    x = torch.randn(rows, 96)
+    with torch.inference_mode():
+        exact = lin(x)
+        y = packed(x)
+        assert y.dtype == torch.float32 and y.shape == (rows, 200)
+        assert not torch.allclose(y, exact, rtol=1e-6, atol=1e-6)  # bf16 rounding, not fp32 sums
+        # what a bf16 nn.Linear gives on the bf16-rounded input, widened
+        expected = lin.to(torch.bfloat16)(x.to(torch.bfloat16)).float()
+        torch.testing.assert_close(y, expected, rtol=2e-2, atol=2e-2)
+        assert torch.equal(packed(x.view(1, rows, 96)), y.view(1, rows, 200))
+    # the same dtype as the weight's is no conversion at all
+    assert OneDnnLinear.of(nn.Linear(4, 4), torch.float32).weight_dtype is None
