@@ -66,9 +66,8 @@ class SmolLM:
         return self.tok(chat, add_special_tokens=False)["input_ids"]
 
     def answers(self, questions: Sequence[str], max_tokens: int, batch: int = 16) -> dict[str, list[int]]:
-        """Greedy answers (token ids, up to and with EOS)."""
+        """Greedy answers (token ids, up to and with EOS), prompts padded on the left by hand."""
         torch, tok = self.torch, self.tok
-        tok.padding_side = "left"
         out: dict[str, list[int]] = {}
         for start in range(0, len(questions), batch):
             chunk = list(questions[start:start + batch])

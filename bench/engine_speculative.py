@@ -100,7 +100,7 @@ def main() -> None:
                             equal = f"{sum(a == b for a, b in zip(answers, expected, strict=True))} of {n}"
             invariant = "—"
             if temperature == 0.0 and n > 1:
-                alone = [run(plain, [p], 0.0, args.output_len)[1][0] for p in prompts[:n]]
+                alone = [run(plain, [prompt], 0.0, args.output_len)[1][0] for prompt in prompts[:n]]
                 invariant = f"{sum(a == b for a, b in zip(alone, expected, strict=True))} of {n}"
             s = spec.stats()
             drafted = s.num_draft_tokens_total - kept_before.num_draft_tokens_total

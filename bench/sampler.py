@@ -16,6 +16,7 @@ found faster) and the rows where 256 candidates were not enough.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 from typing import Any
@@ -51,26 +52,30 @@ def real_logits(num_prompts: int, positions: int, threads: int) -> list[Any]:
 
 
 def before(logits: Any, params: Any, gen: Any) -> int:
-    """The rule the sampler had, for comparison only."""
+    """The rule the sampler had, for comparison only: top-p by sorting the whole vocabulary, torch's multinomial."""
     import torch
 
     return int(torch.multinomial(distribution_by_sort(logits, params), 1, generator=gen))
 
 
 def distribution_by_sort(logits: Any, params: Any) -> Any:
+    """The sampler's distribution with top-p taken the way it was: temperature and top-k are the sampler's own
+    (unchanged), top-p sorts the whole vocabulary."""
+    from engine.sampler import Sampler
+
+    probs = Sampler.distribution(logits, dataclasses.replace(params, top_p=1.0))
+    return nucleus_by_sort(probs, params.top_p) if params.top_p < 1.0 else probs
+
+
+def nucleus_by_sort(probs: Any, top_p: float) -> Any:
+    """Top-p on `probs` [V] as the rule states it, over the whole vocabulary sorted (tests/engine/test_sampler.py
+    holds the sampler to it)."""
     import torch
 
-    logits = (logits - logits.max()) / params.temperature
-    if params.top_k > 0 and params.top_k < logits.numel():
-        kth = torch.topk(logits, params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if params.top_p < 1.0:
-        sorted_probs, sorted_idx = torch.sort(probs, descending=True)
-        cumulative = torch.cumsum(sorted_probs, dim=-1)
-        sorted_probs = sorted_probs.masked_fill(cumulative - sorted_probs >= params.top_p, 0.0)
-        probs = torch.zeros_like(probs).scatter_(0, sorted_idx, sorted_probs)
-    return probs
+    sorted_probs, sorted_idx = torch.sort(probs, descending=True)
+    cumulative = torch.cumsum(sorted_probs, dim=-1)
+    sorted_probs = sorted_probs.masked_fill(cumulative - sorted_probs >= top_p, 0.0)
+    return torch.zeros_like(probs).scatter_(0, sorted_idx, sorted_probs)
 
 
 def main() -> None:

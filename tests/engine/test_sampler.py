@@ -3,6 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bench.sampler import nucleus_by_sort
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from wire.chat_request import MIN_TEMPERATURE
@@ -55,14 +56,6 @@ def test_sampling_is_overflow_safe_even_below_the_checked_temperature() -> None:
         assert picks == {0} if temperature < 1 else picks <= {0, 1, 2, 3}
 
 
-def _nucleus_by_sort(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """The rule top-p states, on the whole vocabulary sorted (what the sampler did before it looked at fewer)."""
-    sorted_probs, sorted_idx = torch.sort(probs, descending=True)
-    cumulative = torch.cumsum(sorted_probs, dim=-1)
-    sorted_probs = sorted_probs.masked_fill(cumulative - sorted_probs >= top_p, 0.0)
-    return torch.zeros_like(probs).scatter_(0, sorted_idx, sorted_probs)
-
-
 @pytest.mark.parametrize("spread", [0.05, 1.0, 4.0, 12.0])  # 0.05: nearly flat, so top-p needs most of the vocabulary
 @pytest.mark.parametrize("top_p", [0.01, 0.5, 0.9, 0.95, 0.999])
 def test_top_p_keeps_what_sorting_the_whole_vocabulary_keeps(spread: float, top_p: float) -> None:
@@ -75,7 +68,7 @@ def test_top_p_keeps_what_sorting_the_whole_vocabulary_keeps(spread: float, top_
                 got = Sampler.distribution(logits, params)
                 no_top_p = Sampler.distribution(logits, SamplingParams(temperature=params.temperature,
                                                                        top_k=params.top_k))
-                expected = _nucleus_by_sort(no_top_p, top_p)
+                expected = nucleus_by_sort(no_top_p, top_p)
                 assert torch.equal(got, expected)
                 assert float(got[got > 0].sum()) >= min(top_p, float(no_top_p.sum())) - 1e-5
 
