@@ -197,11 +197,14 @@ class Fleet:
                        for e in self._engines]
         if self._follower is not None:
             self._tasks.append(asyncio.create_task(self._follower.run(), name="engines-followed"))
-        for spec in self.catalogue.tiers.values():
-            if spec.backend == "openai":
-                for variant in spec.variants.values() or [spec]:
-                    label = spec.name if variant is spec else f"{spec.name}@{variant.version_name}"
-                    self._tasks.append(asyncio.create_task(self._watch_remote(variant), name=f"remote-{label}"))
+        remote = [(spec.name if variant is spec else f"{spec.name}@{variant.version_name}", variant)
+                  for spec in self.catalogue.tiers.values() if spec.backend == "openai"
+                  for variant in spec.variants.values() or [spec]]
+        # one health check of every remote tier before the app serves (a worker listens once started): a worker
+        # that has just (re)started would otherwise answer 503 for a tier that is up until its first check
+        await asyncio.gather(*(self._check_remote(variant) for _, variant in remote))
+        for label, variant in remote:
+            self._tasks.append(asyncio.create_task(self._watch_remote(variant), name=f"remote-{label}"))
 
     async def stop(self) -> None:
         await asyncio.gather(*(e.stop() for e in self._engines), return_exceptions=True)
@@ -303,20 +306,23 @@ class Fleet:
         return {}
 
     async def _watch_remote(self, spec: TierSpec) -> None:
-        key = self.api_key(spec)
-        while True:
-            for rep in self.replicas_of(spec):
-                try:
-                    await self.client.get_json(f"{(rep.url or '').rstrip('/')}/v1/models", timeout_s=3.0,
-                                               api_key=key)
-                    if not rep.healthy:
-                        log.info("remote tier %s replica %d is up at %s", rep.tier, rep.index, rep.url)
-                    rep.mark("ready", "")
-                except TierError as exc:
-                    if rep.healthy or rep.status == "starting":
-                        log.warning("remote tier %s replica %d is down: %s", rep.tier, rep.index, exc)
-                    rep.mark("down", f"health check failed: {exc}")
+        while True:  # `start` made the first check
             await asyncio.sleep(REMOTE_HEALTH_EVERY_S)
+            await self._check_remote(spec)
+
+    async def _check_remote(self, spec: TierSpec) -> None:
+        """One health check of each of a remote tier's replicas (3 s at most each)."""
+        key = self.api_key(spec)
+        for rep in self.replicas_of(spec):
+            try:
+                await self.client.get_json(f"{(rep.url or '').rstrip('/')}/v1/models", timeout_s=3.0, api_key=key)
+                if not rep.healthy:
+                    log.info("remote tier %s replica %d is up at %s", rep.tier, rep.index, rep.url)
+                rep.mark("ready", "")
+            except TierError as exc:
+                if rep.healthy or rep.status == "starting":
+                    log.warning("remote tier %s replica %d is down: %s", rep.tier, rep.index, exc)
+                rep.mark("down", f"health check failed: {exc}")
 
 
 def _log_breaker(rep: Replica) -> Callable[[State, State, str], None]:
