@@ -36,6 +36,7 @@ plans:
     allowed_tiers: [small, mid, full]
     default_tier: mid
     allow_upgrade: true
+    cache: {shadow_check_rate: 0}  # no sampled checks: tests count upstream calls (plan checkedcache has them)
   smallonly:
     priority: batch
     allowed_tiers: [small]
