@@ -12,7 +12,11 @@ oracle: asked a paraphrase it answers what its own original says, asked an edite
 new (the edit needs another answer), so `same_answer` labels are exactly right or wrong. Arms, one run:
 - static: `TenantPolicy()` (threshold 0.8 and the near-miss guards, no bound);
 - bound 1%: `max_error_rate=0.01, shadow_rate=0.05` (the plans' defaults, quotas/plans.py `CachePlan`);
-- bound 5%: `max_error_rate=0.05, shadow_rate=0.05`.
+- bound 5%: `max_error_rate=0.05, shadow_rate=0.05`;
+- static + meaning, bound 1% + meaning: the same with the meaning check (cache/meaning_check.py, the plan setting
+  `cache.meaning_check`): a candidate the threshold and the guards accept is served only if the NLI cross-encoder
+  reads the new question as asking what the cached one asked. Its accept margin was calibrated on the training
+  side of the same split (bench/meaning_threshold.py), not on these sets.
 
 Stream. Every held-out lookup (edits of all kinds and paraphrases) once per pass, reshuffled each pass (seeded):
 a tenant's traffic repeats kinds of questions, here the very same texts, which is the bound's best case for
@@ -56,7 +60,9 @@ from cache import Embedder, Hit, Miss, SemanticCache, TenantPolicy
 
 ARMS = {"static": TenantPolicy(),
         "bound 1%": TenantPolicy(max_error_rate=0.01, shadow_rate=0.05),
-        "bound 5%": TenantPolicy(max_error_rate=0.05, shadow_rate=0.05)}
+        "bound 5%": TenantPolicy(max_error_rate=0.05, shadow_rate=0.05),
+        "static + meaning": TenantPolicy(meaning_check=True),
+        "bound 1% + meaning": TenantPolicy(max_error_rate=0.01, shadow_rate=0.05, meaning_check=True)}
 SWEEP = (0.7, 0.8, 0.85, 0.9, 0.95, 0.97, 0.98, 0.99)  # static thresholds compared; 0.7 is the bound's floor
 REACHABLE = 0.8  # cosine to its own original from which a paraphrase counts as reachable
 SOURCES = ("paraphrase:rules", "paraphrase:gptcache")

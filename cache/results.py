@@ -25,6 +25,7 @@ class TenantPolicy:
     max_error_rate: float | None = None
     shadow_rate: float = 0.0
     threshold_delta: float = 0.0  # the ladder's change to whichever threshold applies (learned or static)
+    meaning_check: bool = False  # a candidate must also pass the cache's MeaningCheck (cache/meaning_check.py)
 
 
 @dataclass(frozen=True, slots=True)

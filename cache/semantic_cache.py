@@ -5,8 +5,9 @@ whole normalized conversation: first this process's answers still being written 
 (`cache.recent`), then the store) -> semantic
 layer (embed the last user turn if it is short enough to be compared whole, `SEMANTIC_MAX_CHARS`; search the
 faiss partition of its scope and history, take the nearest candidates above the tenant's threshold and within
-`fallback_margin` of the nearest, and serve the first one the near-miss guards accept). Every result says why,
-so the gateway can put it in `x-tiergate-cache` and in metrics.
+`fallback_margin` of the nearest, and serve the first one the near-miss guards accept and, for a plan with
+`meaning_check`, the meaning check too: cache/meaning_check.py, one forward pass for each such candidate). Every
+result says why, so the gateway can put it in `x-tiergate-cache` and in metrics.
 
 The async path is built for many concurrent requests on one event loop. Policy, keys and the in-memory exact
 check run on the loop (no thread for them); the store's exact probe, the faiss search and the guards run in a
@@ -26,6 +27,7 @@ tools; all calls are thread-safe.
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import threading
 import time
@@ -39,6 +41,7 @@ from cache import guards
 from cache.embedder import Embedder
 from cache.error_bound import TenantBounds, same_answer
 from cache.index import PartitionedIndex
+from cache.meaning_check import MeaningCheck, MeaningUnavailable
 from cache.pending import PendingWrites
 from cache.recent import RecentEntries
 from cache.request_key import conversation_chars, decide, request_key
@@ -49,6 +52,9 @@ from cache.vectors import SEMANTIC_MAX_CHARS, TurnVectors
 
 # Characters of conversation above which computing a request's keys (hashing every turn) leaves the event loop.
 KEYS_ON_LOOP_MAX_CHARS = 32_768
+MEANING_DIFFERS = "meaning differs"  # the meaning check's refusal (a `refused` reason in CacheStats)
+MEANING_UNAVAILABLE = "meaning check unavailable"
+log = logging.getLogger("tiergate.cache")
 
 __all__ = ["SEMANTIC_MAX_CHARS", "Bypass", "CacheStats", "Hit", "LookupResult", "Miss", "Probe", "SemanticCache",
            "TenantPolicy"]
@@ -74,11 +80,13 @@ class SemanticCache:
     def __init__(self, store: CacheStore, embedder: Embedder, *, top_k: int = 4, fallback_margin: float = 0.02,
                  default_policy: TenantPolicy | None = None, clock: Callable[[], float] = time.time,
                  reclaim_batch: int = 64, hnsw_from: int = 8192, sync_interval_s: float = 0.5,
-                 embed_batch: int = 32, embed_wait_s: float = 0.003):
+                 embed_batch: int = 32, embed_wait_s: float = 0.003, meaning: MeaningCheck | None = None):
         """`embed_batch` texts at most per forward pass, and `embed_wait_s` the longest a text waits for others
-        to join it (`EmbeddingBatcher`); `embed_batch=1` embeds one text at a time (the ablation)."""
+        to join it (`EmbeddingBatcher`); `embed_batch=1` embeds one text at a time (the ablation). `meaning`:
+        the check a plan's `meaning_check` asks for (loaded on first use; a default one if not given)."""
         self.entries = store
         self.embedder = embedder
+        self.meaning = meaning or MeaningCheck()
         self.top_k = top_k
         # Candidates after the nearest are tried only this close to it: when the nearest entry is refused by
         # the guards, a much farther one that passes is more often another question than the same one.
@@ -191,6 +199,7 @@ class SemanticCache:
         floor = threshold if bound is None else min(threshold, bound.floor)  # near misses to label, down to here
         best = candidates[0][1]
         refusal, near = f"below threshold (best {best:.3f})", None
+        servable: list[tuple[Entry, float]] = []  # above the threshold and past the guards, nearest first
         for entry_id, similarity in candidates:
             if similarity < floor or similarity < best - self.fallback_margin:
                 break
@@ -204,13 +213,40 @@ class SemanticCache:
                     refusal = f"refused near miss: {reason} ({similarity:.3f})"
                 continue
             if similarity < threshold:  # the tier answers; its answer labels this candidate for the bound
-                near = Near(plan.scope.tenant, similarity, entry.response)
+                # (under the meaning check, only a candidate it accepts: the bound learns the error of what the
+                # threshold and the check would serve together)
+                if not servable and (not policy.meaning_check or self._meaning(plan.key.last_user_text,
+                                                                               [(entry, similarity)])[0]):
+                    near = Near(plan.scope.tenant, similarity, entry.response)
                 break
+            servable.append((entry, similarity))
+            if not policy.meaning_check:  # the first one is served: no need to read the others
+                break
+        if servable and policy.meaning_check:
+            servable, reason = self._meaning(plan.key.last_user_text, servable)
+            if not servable:
+                refusal = f"refused near miss: {reason}"
+        if servable:
+            entry, similarity = servable[0]
             self.entries.touch(entry.entry_id, plan.now)
             self.stats.semantic_hits += 1
             sampled = bound is not None and self.rng.random() < policy.shadow_rate
             return Hit(entry, "semantic", similarity, shadow_rate=policy.shadow_rate if sampled else 0.0)
         return self._miss(refusal, best, probe=plan.probe(vector), near=near)
+
+    def _meaning(self, query: str, servable: list[tuple[Entry, float]]) -> tuple[list[tuple[Entry, float]], str]:
+        """The candidates the meaning check accepts, and why the rest were refused.
+        Without the check's model nothing is served by meaning: the plan asked for it."""
+        try:
+            accepted = self.meaning.accepts([(e.semantic_text, query) for e, _ in servable])
+        except MeaningUnavailable as exc:
+            self.stats.refused[MEANING_UNAVAILABLE] = self.stats.refused.get(MEANING_UNAVAILABLE, 0) + 1
+            log.warning("semantic hit refused: %s", exc)
+            return [], MEANING_UNAVAILABLE
+        refused = len(servable) - sum(accepted)
+        self.stats.refused[MEANING_DIFFERS] = self.stats.refused.get(MEANING_DIFFERS, 0) + refused
+        best = servable[0][1]
+        return [c for c, ok in zip(servable, accepted, strict=True) if ok], f"{MEANING_DIFFERS} ({best:.3f})"
 
     def label(self, result: LookupResult, policy: TenantPolicy, fresh: str) -> bool | None:
         """Compare the tier's fresh answer with the candidate the lookup found (a near miss below the learned

@@ -14,6 +14,8 @@ from litestar.datastructures import State
 from litestar.di import Provide
 
 from cache import SemanticCache, default_embedder, open_cache_store
+from cache.meaning_check import MeaningCheck, MeaningUnavailable
+from cache.meaning_check import model_dir as meaning_model_dir
 from gateway.cache_bound_metrics import CacheBoundCollector
 from gateway.config_files import ConfigFileError, load_yaml
 from gateway.embeddings_service import embeddings_lifespan, provide_embeddings
@@ -86,6 +88,12 @@ def load_config(settings: Settings) -> tuple[TierCatalogue, PlanBook]:
         raise ConfigFileError(settings.tiers_file, None, bad)
     plans = load_yaml(settings.plans_file, PlanBook, context={"tiers": set(catalogue.tiers)})
     load_yaml(settings.ladder_file, Ladder)
+    if checked := [name for name, plan in plans.plans.items() if plan.cache.meaning_check]:
+        try:
+            meaning_model_dir()
+        except MeaningUnavailable as exc:
+            raise ConfigFileError(settings.plans_file, None, f"plans {', '.join(checked)} set "
+                                  f"cache.meaning_check, but {exc}") from exc
     return catalogue, plans
 
 
@@ -109,7 +117,7 @@ def build_services(settings: Settings) -> Services:
                               open_ladder_store(settings), signals,
                               on_change=metrics_.degrade_changed)
     metrics_.ladder = ladder
-    cache = CacheStage(cache=build_cache(settings), store=store, fleet=fleet)
+    cache = CacheStage(cache=build_cache(settings, plans), store=store, fleet=fleet)
     if cache.cache is not None:
         metrics_.registry.register(CacheBoundCollector(cache.cache))
     rollouts = RolloutService(catalogue, open_rollout_store(settings), metrics=metrics_)
@@ -137,15 +145,19 @@ def build_services(settings: Settings) -> Services:
                     ladder=ladder, cache=cache, rollouts=rollouts)
 
 
-def build_cache(settings: Settings) -> SemanticCache | None:
-    """Entries in Redis (every replica's index follows) when TIERGATE_REDIS_URL is set, else in SQLite."""
+def build_cache(settings: Settings, plans: PlanBook) -> SemanticCache | None:
+    """Entries in Redis (every replica's index follows) when TIERGATE_REDIS_URL is set, else in SQLite. The meaning
+    check's model is loaded now when a plan uses it (a second or two), else on first use."""
     if not settings.cache_enabled:
         return None
     entries = open_cache_store(sqlite_path=settings.data_dir / "cache.sqlite3", redis_url=settings.redis_url,
                                max_entries=settings.cache_max_entries,
                                max_entries_per_tenant=settings.cache_max_entries_per_tenant)
+    meaning = MeaningCheck()
+    if any(plan.cache.meaning_check for plan in plans.plans.values()):
+        meaning.load()
     return SemanticCache(entries, default_embedder(), embed_batch=settings.cache_embed_max_batch,
-                         embed_wait_s=settings.cache_embed_max_wait_ms / 1000)
+                         embed_wait_s=settings.cache_embed_max_wait_ms / 1000, meaning=meaning)
 
 
 def build_quota_backend(settings: Settings, ledger: Ledger, metrics_: GatewayMetrics) -> QuotaBackend:

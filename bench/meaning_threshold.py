@@ -1,0 +1,76 @@
+"""Calibrate the meaning check's accept margin on the training split (cache/meaning_check.py `ACCEPT_MARGIN`).
+
+    .venv/bin/python -m bench.meaning_threshold [--edits 1200] [--let-through 0.02]
+
+Data, all of it outside the held-out sets the benchmarks report (bench/near_miss_sets.py keeps its questions by a
+hash of the text; these are the other side of the same split):
+- edits: the project's own near-miss generator (bench/near_misses.py: numbers, units, negation, comparatives,
+  entities, made before the check existed) applied to ShareGPT questions of the training split
+  (`is_training_question`); the held-out sets add kinds this generator never makes (antonyms, direction and role
+  swaps, time), so the calibration cannot have seen them;
+- paraphrases: GPTCache's pairs whose origin is on the training side (`is_training_gptcache_origin`).
+
+Rule, fixed before looking at any held-out figure: the smallest margin (rounded up to 0.05) at which at most
+`--let-through` of the training edits pass; the paraphrase recall it leaves is reported beside it.
+
+Then the check's cost where the cache pays it, one candidate at a time on one core (pinned to the last CPU, one
+thread, nothing remembered): the time of `MeaningCheck.margins` for one (cached, new) pair of the training
+paraphrases, p50 / p90 / p99 (the issue's budget: 10 ms added at p50 per lookup with a hit candidate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+
+import numpy as np
+
+from bench.ledger_stores import cpu_model
+from bench.near_miss_sets import GPTCACHE, is_training_gptcache_origin, is_training_question
+from bench.near_misses import build as build_near_misses
+from cache.meaning_check import MeaningCheck
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--edits", type=int, default=1200, help="near misses generated before the split is applied")
+    ap.add_argument("--let-through", type=float, default=0.02, help="share of training edits allowed to pass")
+    ap.add_argument("--timed", type=int, default=300, help="pairs timed one at a time")
+    args = ap.parse_args()
+    edits = [c for c in build_near_misses(args.edits) if is_training_question(c.original)]
+    paraphrases = [(p["origin"], p["similar"]) for p in json.loads(GPTCACHE.read_text())
+                   if is_training_gptcache_origin(p["origin"])]
+    check = MeaningCheck().load()
+    t0 = time.perf_counter()
+    edit_margins = check.margins([(c.original, c.edited) for c in edits])
+    para_margins = check.margins(paraphrases)
+    seconds = time.perf_counter() - t0
+    quantile = float(np.quantile(edit_margins, 1 - args.let_through, method="higher"))
+    margin = math.ceil(quantile / 0.05 - 1e-9) * 0.05
+    through = float((edit_margins >= margin).mean())
+    kinds = sorted({c.kind for c in edits})
+    per_kind = {k: float((edit_margins[[c.kind == k for c in edits]] >= margin).mean()) for k in kinds}
+    print(f"{len(edits)} training edits ({', '.join(f'{k} {sum(c.kind == k for c in edits)}' for k in kinds)}), "
+          f"{len(paraphrases)} training paraphrases; {1000 * seconds / (len(edits) + len(paraphrases)):.1f} ms a pair")
+    print(f"CPU: {cpu_model()}")
+    print(f"accept margin {margin:.2f}: edits let through {through:.1%} "
+          f"({', '.join(f'{k} {v:.0%}' for k, v in per_kind.items())}); paraphrases accepted "
+          f"{float((para_margins >= margin).mean()):.1%}")
+
+    os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[-1]})
+    timed = MeaningCheck(num_threads=1).load()
+    times = []
+    for pair in paraphrases[:args.timed]:
+        t0 = time.perf_counter()
+        timed.margins([pair])
+        times.append(1000 * (time.perf_counter() - t0))
+    p50, p90, p99 = np.percentile(times, [50, 90, 99])
+    print(f"one pair on one core ({len(times)} pairs, {np.mean([len(a) + len(b) for a, b in paraphrases]):.0f} "
+          f"characters a pair on average): p50 {p50:.1f} ms, p90 {p90:.1f} ms, p99 {p99:.1f} ms")
+
+
+if __name__ == "__main__":
+    main()
