@@ -240,8 +240,9 @@ class SemanticCache:
         try:
             accepted = self.meaning.accepts([(e.semantic_text, query) for e, _ in servable])
         except MeaningUnavailable as exc:
+            if not self.stats.refused.get(MEANING_UNAVAILABLE):  # logged once; counted every time
+                log.error("semantic hits of plans with cache.meaning_check are refused: %s", exc)
             self.stats.refused[MEANING_UNAVAILABLE] = self.stats.refused.get(MEANING_UNAVAILABLE, 0) + 1
-            log.warning("semantic hit refused: %s", exc)
             return [], MEANING_UNAVAILABLE
         refused = len(servable) - sum(accepted)
         self.stats.refused[MEANING_DIFFERS] = self.stats.refused.get(MEANING_DIFFERS, 0) + refused
