@@ -52,6 +52,9 @@ from cache.vectors import SEMANTIC_MAX_CHARS, TurnVectors
 
 # Characters of conversation above which computing a request's keys (hashing every turn) leaves the event loop.
 KEYS_ON_LOOP_MAX_CHARS = 32_768
+# Candidates the meaning check reads at most per lookup (~25 ms of CPU each): the nearest two, so a tenant's
+# lookups cannot buy more than two passes each.
+MEANING_CHECKED = 2
 MEANING_DIFFERS = "meaning differs"  # the meaning check's refusal (a `refused` reason in CacheStats)
 MEANING_UNAVAILABLE = "meaning check unavailable"
 log = logging.getLogger("tiergate.cache")
@@ -220,7 +223,7 @@ class SemanticCache:
                     near = Near(plan.scope.tenant, similarity, entry.response)
                 break
             servable.append((entry, similarity))
-            if not policy.meaning_check:  # the first one is served: no need to read the others
+            if not policy.meaning_check or len(servable) >= MEANING_CHECKED:  # no more need reading
                 break
         if servable and policy.meaning_check:
             servable, reason = self._meaning(plan.key.last_user_text, servable)
