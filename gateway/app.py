@@ -147,7 +147,7 @@ def build_services(settings: Settings) -> Services:
 
 def build_cache(settings: Settings, plans: PlanBook) -> SemanticCache | None:
     """Entries in Redis (every replica's index follows) when TIERGATE_REDIS_URL is set, else in SQLite. The meaning
-    check's model is loaded now when a plan uses it (a second or two), else on first use."""
+    check's model is loaded now when a plan uses it, else on first use."""
     if not settings.cache_enabled:
         return None
     entries = open_cache_store(sqlite_path=settings.data_dir / "cache.sqlite3", redis_url=settings.redis_url,
@@ -155,7 +155,10 @@ def build_cache(settings: Settings, plans: PlanBook) -> SemanticCache | None:
                                max_entries_per_tenant=settings.cache_max_entries_per_tenant)
     meaning = MeaningCheck()
     if any(plan.cache.meaning_check for plan in plans.plans.values()):
-        meaning.load()
+        try:
+            meaning.load()
+        except MeaningUnavailable as exc:  # installed (load_config checked) but unusable: a damaged file
+            raise ConfigFileError(settings.plans_file, None, f"cache.meaning_check: {exc}") from exc
     return SemanticCache(entries, default_embedder(), embed_batch=settings.cache_embed_max_batch,
                          embed_wait_s=settings.cache_embed_max_wait_ms / 1000, meaning=meaning)
 

