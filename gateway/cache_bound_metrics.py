@@ -6,13 +6,17 @@ admits no semantic hit; absent: too few labels yet, the plan's static threshold 
 `tiergate_cache_max_error_rate`, the plan's bound, to alert on. The hit rate is
 `tiergate_cache_requests{result="hit"}` over all of a tenant's lookups. Each gateway process learns its own
 bound from the traffic it serves; with several workers a scrape shows the answering worker's.
+
+`tiergate_cache_refused_candidates_total{reason}` counts semantic candidates refused by the near-miss guards
+("numbers differ", ...) and the meaning check ("meaning differs"; "meaning check busy" and "meaning check
+unavailable" are the ones to alert on), this process's since it started.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from cache import SemanticCache
 
@@ -21,7 +25,7 @@ class CacheBoundCollector:
     def __init__(self, cache: SemanticCache) -> None:
         self.cache = cache
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         threshold = GaugeMetricFamily("tiergate_cache_semantic_threshold",
                                       "Learned similarity a semantic hit must reach (+Inf: none allowed now).",
                                       labels=["tenant"])
@@ -39,4 +43,9 @@ class CacheBoundCollector:
                 error.add_metric([tenant], state.estimated_error)
             bound.add_metric([tenant], state.max_error_rate)
             labels.add_metric([tenant], state.labels)
-        yield from (threshold, error, bound, labels)
+        refused = CounterMetricFamily("tiergate_cache_refused_candidates",
+                                      "Semantic candidates refused by the guards or the meaning check, by reason.",
+                                      labels=["reason"])
+        for reason, count in sorted(dict(self.cache.stats.refused).items()):
+            refused.add_metric([reason], count)
+        yield from (threshold, error, bound, labels, refused)

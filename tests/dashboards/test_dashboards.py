@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from cache.error_bound import TenantBounds
+from cache.results import CacheStats
 from gateway.cache_bound_metrics import CacheBoundCollector
 from gateway.metrics import GatewayMetrics
 from gateway.pipeline.cache_check import CacheChecks
@@ -36,7 +37,7 @@ def exported() -> tuple[set[str], set[str]]:
     fleet.replicas["mid"][0].stats = {"kv_utilisation": 0.5, "tokens_per_s": 10, "num_running": 1, "num_waiting": 0}
     metrics = GatewayMetrics(fleet)
     metrics.ladder = type("L", (), {"level": 0})()
-    cache = SimpleNamespace(bounds=TenantBounds())  # what the cache's error bound and its checks export
+    cache = SimpleNamespace(bounds=TenantBounds(), stats=CacheStats())  # what the error bound and checks export
     cache.bounds.get("acme", 0.01, 0.8)
     metrics.registry.register(CacheBoundCollector(cache))  # type: ignore[arg-type]
     CacheChecks(cache=cache, caller=None, registry=metrics.registry)  # type: ignore[arg-type]

@@ -279,6 +279,8 @@ def test_a_plan_with_the_meaning_check_refuses_a_swap_the_guards_let_through(gat
         ask(gw, stored, key=careful)
         swapped = ask(gw, "How do I convert an integer to a string in Python?", key=careful)
         assert swapped.headers["x-tiergate-cache"] == "miss" and upstream_calls(gw) == 2
+        with gw.client(gw.admin_key) as c:
+            assert 'tiergate_cache_refused_candidates_total{reason="meaning differs"} 1.0' in c.get("/metrics").text
         para = ask(gw, "In Python, how can I turn a string into an integer?", key=careful)
         assert para.headers["x-tiergate-cache"] == "hit" and para.headers["x-tiergate-cache-kind"] == "semantic"
         ask(gw, stored)  # the same swap for a plan without the check: served, as the guards let it through
