@@ -23,7 +23,7 @@ margin and the figures, measured on a Xeon with VNNI and AMX, may move on older 
 
 Cost: one forward pass of two rows (the pair's two orders, the same length) for each candidate a lookup has left
 after the threshold and the guards, nearest first, stopping at the first accepted (two at most,
-semantic_cache.MEANING_CHECKED), in the worker thread the lookup already runs in (never on the event loop); at
+meaning_gate.MEANING_CHECKED), in the worker thread the lookup already runs in (never on the event loop); at
 most MAX_CONCURRENT passes at once in a process, and a candidate that waits WAIT_S for a slot is refused (the
 lookup misses) rather than holding the shared threads. The exported graph fixes its sequence at 160 tokens; it is
 loaded with that dimension made free, so a pair runs at its own length. Pairs are never padded into batches: the

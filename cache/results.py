@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -108,6 +109,6 @@ class CacheStats:
     semantic_hits: int = 0
     misses: int = 0
     bypasses: int = 0
-    refused: dict[str, int] = field(default_factory=dict)  # guard reason -> count
+    refused: Counter[str] = field(default_factory=Counter)  # guard or meaning-check reason -> count
     stored: int = 0
     reclaimed: int = 0

