@@ -49,7 +49,6 @@ offline_hub()
 QUALITY_TARGET = 0.95  # of the strong tier's quality
 TABLE_PCTS = (0, 10, 20, 30, 40, 50, 60, 70, 80, 90, 100)
 PLAN_FLOORS = (0.8, 0.9)  # the shipped standard and enterprise plans'
-LOOKAHEAD = 16
 
 
 @dataclass
@@ -187,7 +186,7 @@ def evaluate_pair(q_weak: np.ndarray, q_strong: np.ndarray, c_weak: np.ndarray, 
 # ---- the report ----
 
 POLICIES = (("random", "random mixing"), ("router", "difficulty router"), ("cascade", "cascade"),
-            ("lookahead", f"cascade, {LOOKAHEAD}-token look-ahead"), ("oracle", "oracle"))
+            ("lookahead", "cascade, look-ahead"), ("oracle", "oracle"))
 
 
 def _pct(v: float | None) -> str:
@@ -224,21 +223,23 @@ def pair_table(ev: PairEval, *, title: str, unit: str, floors: dict[float, tuple
             verdict = "yes" if below == 0 else f"no ({below} of {of} points below)"
             lines.append(f"- {key} at or above random mixing at every cost point: **{verdict}** (worst margin "
                          f"{worst:+.4f})")
-    for floor, (retried, quality, saving) in floors.items():
-        lines.append(f"- cascade at floor {floor:g} (the artifact's threshold): {retried:.0%} retried on strong, "
+    for (name, floor), (retried, quality, saving) in floors.items():
+        lines.append(f"- {name} at floor {floor:g} (the artifact's threshold): {retried:.0%} retried on strong, "
                      f"quality {quality:.3f}, saving {saving:.1%}")
     return lines
 
 
 def floor_points(confidence_score: np.ndarray, empty: np.ndarray, thresholds: dict[float, float | None],
-                 q_weak: np.ndarray, q_strong: np.ndarray, c_weak: np.ndarray, c_strong: np.ndarray
-                 ) -> dict[float, tuple[float, float, float]]:
-    """The cascade where the artifact's thresholds put it: (share retried, quality, saving vs strong)."""
+                 q_weak: np.ndarray, q_strong: np.ndarray, c_weak: np.ndarray, c_strong: np.ndarray,
+                 c_first: np.ndarray | None = None) -> dict[float, tuple[float, float, float]]:
+    """The cascade where the artifact's thresholds put it: (share retried, quality, saving vs strong).
+    `c_first`: what a retried request's weak attempt cost (a look-ahead cut it)."""
+    first = c_weak if c_first is None else c_first
     out = {}
     for floor, threshold in thresholds.items():
         retried = empty | (np.full(len(empty), True) if threshold is None else confidence_score < threshold)
         quality = float(np.where(retried, q_strong, q_weak).mean())
-        cost = float((c_weak + np.where(retried, c_strong, 0.0)).mean())
+        cost = float(np.where(retried, first + c_strong, c_weak).mean())
         out[floor] = (float(retried.mean()), quality, 1.0 - cost / float(np.mean(c_strong)))
     return out
 
@@ -250,7 +251,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--known", type=int, default=200, help="known-answer questions to evaluate on")
     ap.add_argument("--max-tokens", type=int, default=48, help="greedy answer length per tier")
     ap.add_argument("--max-prompt-tokens", type=int, default=256)
-    ap.add_argument("--lookahead", type=int, default=LOOKAHEAD, help="tokens a stream's cascade decides after")
+    ap.add_argument("--lookahead", type=int, default=None,
+                    help="tokens the look-ahead cascade decides after [default: the artifact's, else "
+                         "training/confidence.py's LOOKAHEAD]")
     ap.add_argument("--seed", type=int, default=0, help="picks the training and test prompts and the questions")
     ap.add_argument("--artifact", type=Path, default=None,
                     help="evaluate this trained artifact instead of training one (it must come from the train split)")
@@ -309,7 +312,7 @@ def run(args: argparse.Namespace, command: str) -> list[str]:
                                 tiers=tiers, reference="full", **kw),
             "known": collect(catalogue, models_dir, [q.prompt for q in questions], tiers=tiers, reference="full",
                              **kw)}
-    look = _lookahead_heads(trained, args.lookahead, args.seed)
+    look, lookahead = _lookahead_heads(model, trained, args.lookahead, args.seed)
     pairs = [(t, "full") for t in tiers if t != "full"] + ([("small", "mid")] if {"small", "mid"} <= set(tiers) else [])
     lines = [f"Router: `auto`'s policies on held-out prompts, tiers {', '.join(tiers)}. `{command}`", "",
              f"Artifact {model.version}: difficulty heads and cascade calibration from {len(trained.prompts)} "
@@ -328,10 +331,11 @@ def run(args: argparse.Namespace, command: str) -> list[str]:
             conf = np.array([-np.inf if v is None or head is None else head.score(v) for v in values])
             look_conf, c_look = None, None
             if weak in look:
-                first = [signal_values(a, first_tokens=args.lookahead) for a in col.answers[weak]]
+                first = [signal_values(a, first_tokens=lookahead) for a in col.answers[weak]]
                 look_conf = np.array([-np.inf if v is None else look[weak].score(v) for v in first])
+                # the gateway judges on token lookahead + 1 (it must know whether the answer stopped there)
                 c_look = np.array([float(catalogue.tiers[weak].price(a.num_prompt_tokens,
-                                                                     min(len(a.token_ids), args.lookahead)))
+                                                                     min(len(a.token_ids), lookahead + 1)))
                                    for a in col.answers[weak]])
             gain = np.array([p.get(strong, 1.0) - p[weak] for p in predicted])
             ev = evaluate_pair(quality[weak], quality[strong], cost[weak], cost[strong], predicted_gain=gain,
@@ -339,14 +343,20 @@ def run(args: argparse.Namespace, command: str) -> list[str]:
             floors = {}
             pair = model.cascade.pair(weak, strong) if model.cascade else None
             if pair is not None:
-                floors = floor_points(conf, empty, {f: pair[1].threshold(f) for f in PLAN_FLOORS}, quality[weak],
-                                      quality[strong], cost[weak], cost[strong])
+                floors = {("cascade", f): point for f, point in floor_points(
+                    conf, empty, {f: pair[1].threshold(f) for f in PLAN_FLOORS}, quality[weak], quality[strong],
+                    cost[weak], cost[strong]).items()}
+            early = model.cascade.early_pair(weak, strong) if model.cascade else None
+            if early is not None and look_conf is not None and model.cascade.lookahead.tokens == lookahead:
+                floors |= {("lookahead", f): point for f, point in floor_points(
+                    look_conf, empty, {f: early[1].threshold(f) for f in PLAN_FLOORS}, quality[weak],
+                    quality[strong], cost[weak], cost[strong], c_look).items()}
             unit = "fidelity to full" if set_name == "ShareGPT" else "accuracy"
             what = "held-out ShareGPT prompts" if set_name == "ShareGPT" else "known-answer questions"
             title = f"{weak} → {strong}, {len(col.prompts)} {what}"
             lines += [*pair_table(ev, title=title, unit=unit, floors=floors), ""]
     lines += _predictor_lines(model, sets["ShareGPT"], trained)
-    lines += _signal_lines(trained, args.lookahead, args.seed)
+    lines += _signal_lines(trained, lookahead, args.seed)
     return lines
 
 
@@ -358,16 +368,21 @@ def _qualities(col: Any, set_name: str, questions: Sequence[Any], is_correct: An
             for t, answers in col.answers.items()}
 
 
-def _lookahead_heads(trained: Any, lookahead: int, seed: int) -> dict[str, Any]:
-    """Confidence heads on the first `lookahead` tokens of the training answers, per cheaper tier."""
-    from training.confidence import fit_confidence, signal_values
+def _lookahead_heads(model: Any, trained: Any, lookahead: int | None, seed: int) -> tuple[dict[str, Any], int]:
+    """Confidence heads on the first `lookahead` tokens of the training answers, per cheaper tier: the
+    artifact's (what the gateway runs) when it has them for that many tokens, else fitted here the same way."""
+    from training.confidence import LOOKAHEAD, fit_confidence, signal_values
 
+    early = model.cascade.lookahead if model.cascade is not None else None
+    if early is not None and lookahead in (None, early.tokens):
+        return early.heads, early.tokens
+    lookahead = LOOKAHEAD if lookahead is None else lookahead
     heads = {}
     for tier, fid in trained.fidelity.items():
         rows = [(v, f) for a, f in zip(trained.answers[tier], fid, strict=True)
                 if (v := signal_values(a, first_tokens=lookahead)) is not None]
         heads[tier] = fit_confidence([v for v, _ in rows], np.array([f for _, f in rows]), seed=seed)[0]
-    return heads
+    return heads, lookahead
 
 
 def _spearman(a: np.ndarray, b: np.ndarray) -> float:

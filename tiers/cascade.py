@@ -48,12 +48,15 @@ def check_answer(text: str, *, finish_reason: str | None, cap_by_context: bool, 
 
 
 def check_confidence(values: dict[str, float] | None, *, calibration: Any, cheap: str, strong: str,
-                     floor: float) -> tuple[Verdict | None, str | None]:
+                     floor: float, early: bool = False) -> tuple[Verdict | None, str | None]:
     """The calibrated check of a `cheap` answer that a cascade would retry on `strong`: a verdict when its
     confidence falls short of the plan's `floor`, and a note for the route reason either way (None when the
-    calibration has nothing for this pair or the answer lacks a signal it reads: the answer stands).
+    calibration has nothing for this pair: the answer stands; a note when the answer lacks a signal it reads).
+    With `early`, the look-ahead's head and thresholds read `values` of the answer's first tokens.
     `calibration` is tiers/difficulty.py's CascadeCalibration (not imported here: it needs numpy)."""
-    found = calibration.pair(cheap, strong) if calibration is not None and values is not None else None
+    if calibration is None or values is None:
+        return None, None
+    found = calibration.early_pair(cheap, strong) if early else calibration.pair(cheap, strong)
     if found is None:
         return None, None
     head, pair = found
@@ -61,21 +64,22 @@ def check_confidence(values: dict[str, float] | None, *, calibration: Any, cheap
     if score is None:
         return None, f"{cheap}'s confidence not checked (the tier sent no top log-probabilities)"
     threshold, expected = pair.threshold(floor), head.calibrated(score)
+    read = f" on its first {calibration.lookahead.tokens} tokens" if early else ""
     if threshold is None or score < threshold:
         needs = min(math.ceil(round(floor * 100, 6)) / 100, pair.strong_fidelity)  # the grid's floor, capped
-        return (Verdict("low_confidence", f"calibrated confidence {expected:.2f} < {needs:.2f} needed for floor "
-                                          f"{floor:g}"), None)
-    return None, f"calibrated confidence {expected:.2f} keeps floor {floor:g}"
+        return (Verdict("low_confidence", f"calibrated confidence {expected:.2f}{read} < {needs:.2f} needed for "
+                                          f"floor {floor:g}"), None)
+    return None, f"calibrated confidence {expected:.2f}{read} keeps floor {floor:g}"
 
 
 def outcome_values(outcome: Any) -> dict[str, float] | None:
-    """The signals of a gateway attempt's outcome (gateway/pipeline/meter.py's Outcome): every SIGNAL_FEATURE
-    where the meter gathered `AnswerSignals` (its `signals`), else what its mean log-probability, token count
-    and finish reason give; None without log-probabilities."""
+    """The signals of a gateway attempt's outcome (gateway/pipeline/meter.py's Outcome): what the meter gathered
+    (its `signals`, see `values_of`), else what its mean log-probability, token count and finish reason
+    give; None without log-probabilities."""
     stopped = outcome.finish_reason == "stop"
     signals = getattr(outcome, "signals", None)
     if isinstance(signals, AnswerSignals) and signals.num_tokens:
-        return dict(zip(SIGNAL_FEATURES, signals.features(stopped=stopped), strict=True))
+        return values_of(signals, stopped=stopped)
     if outcome.mean_logprob is None:
         return None
     return {"mean_logprob": float(outcome.mean_logprob), "log_tokens": math.log1p(outcome.output_tokens),
@@ -116,6 +120,7 @@ LOW_PROB = math.log(0.5)  # a chosen token the model gave less than even odds
 LOW_MARGIN = 0.5  # nats between the two most likely tokens: a near tie
 SIGNAL_FEATURES = ("mean_logprob", "min_logprob", "low_prob_frac", "mean_entropy", "max_entropy", "mean_margin",
                    "min_margin", "low_margin_frac", "log_tokens", "stopped")
+ALTERNATIVES_FEATURES = frozenset({"mean_entropy", "max_entropy", "mean_margin", "min_margin", "low_margin_frac"})
 
 
 def entropy_estimate(top: Sequence[float]) -> float:
@@ -156,11 +161,14 @@ class AnswerSignals:
         self._min_margin = margin if math.isnan(self._min_margin) else min(self._min_margin, margin)
         self._low_margin += margin < LOW_MARGIN
 
-    def add_openai(self, logprobs: object) -> None:
-        """The tokens of one choice's `logprobs` field, OpenAI's shape: {"content": [{"logprob", "top_logprobs"}]}."""
+    def add_openai(self, logprobs: object, *, limit: int | None = None) -> None:
+        """The tokens of one choice's `logprobs` field, OpenAI's shape: {"content": [{"logprob", "top_logprobs"}]};
+        with `limit`, only until the signals hold that many tokens."""
         if not isinstance(logprobs, dict):
             return
         for tok in logprobs.get("content") or []:
+            if limit is not None and self.num_tokens >= limit:
+                return
             if not isinstance(tok, dict) or not isinstance(tok.get("logprob"), int | float):
                 continue
             top = [float(t["logprob"]) for t in tok.get("top_logprobs") or []
@@ -184,6 +192,17 @@ class AnswerSignals:
                 self._sum_h / m, 0.0 if no_top else self._max_h, self._sum_margin / m,
                 0.0 if no_top else self._min_margin, self._low_margin / m, math.log1p(self.num_tokens),
                 float(stopped)]
+
+
+def values_of(signals: AnswerSignals, *, stopped: bool) -> dict[str, float] | None:
+    """The named SIGNAL_FEATURES of gathered signals; those that need alternatives only when every token came
+    with them (a head that reads them then scores None rather than a made-up value); None without tokens."""
+    if not signals.num_tokens:
+        return None
+    values = dict(zip(SIGNAL_FEATURES, signals.features(stopped=stopped), strict=True))
+    if signals.has_alternatives:
+        return values
+    return {name: v for name, v in values.items() if name not in ALTERNATIVES_FEATURES}
 
 
 def signals_of(tokens: Iterable[tuple[float, Sequence[float]]]) -> AnswerSignals:

@@ -16,6 +16,9 @@ head from the engine's signals on its own answer (tiers/cascade.py's SIGNAL_FEAT
 fidelity, mapped through an isotonic fit on out-of-fold predictions so that its output is a calibrated
 expected fidelity; and per tier pair (cheap → the dearer tier a cascade retries on), the score threshold an
 answer must clear for each quality floor on a grid of 0.01 (training/confidence.py says how they are chosen).
+Optionally the same again read on an answer's first `lookahead.tokens` tokens (`Lookahead`): the gateway then
+judges the cheap answer as soon as it has that many tokens and, when it falls short, stops it there and retries
+(bench/router.py measured that deciding early pays: the retried answers' cheap attempts cost less).
 
 The artifact is one JSON file (about 20 KB per tier): format and version, the feature spec, per-tier
 standardization and weights, how it was trained (prompts, tokens, seed, training-set size, CV error) and
@@ -163,45 +166,85 @@ class PairThresholds:
         return cls(str(d["cheap"]), str(d["strong"]), strong_fidelity, out)
 
 
+MAX_LOOKAHEAD = 256  # tokens: a look-ahead longer than this is not a look-ahead
+
+
+@dataclass
+class Lookahead:
+    """Confidence heads and thresholds read on an answer's first `tokens` tokens (or the whole answer, when it
+    is shorter): an answer is judged as soon as it has one token more than that."""
+
+    tokens: int
+    heads: dict[str, ConfidenceHead]
+    pairs: dict[str, PairThresholds]  # "cheap->strong"
+
+
 @dataclass
 class CascadeCalibration:
-    """The cascade's confidence heads (per cheaper tier) and thresholds (per tier pair)."""
+    """The cascade's confidence heads (per cheaper tier) and thresholds (per tier pair), on whole answers and,
+    where trained, on their first tokens (`lookahead`)."""
 
     top_logprobs: int  # alternatives per token the signals were measured with (ask the tier for as many)
     heads: dict[str, ConfidenceHead]
     pairs: dict[str, PairThresholds]  # "cheap->strong"
     training: dict[str, Any] = field(default_factory=dict)  # prompts, CV errors, what each signal set scored
+    lookahead: Lookahead | None = None
 
     def pair(self, cheap: str, strong: str) -> tuple[ConfidenceHead, PairThresholds] | None:
         head, pair = self.heads.get(cheap), self.pairs.get(f"{cheap}->{strong}")
         return None if head is None or pair is None else (head, pair)
 
+    def early_pair(self, cheap: str, strong: str) -> tuple[ConfidenceHead, PairThresholds] | None:
+        """The look-ahead's head and thresholds for the pair, when the artifact has them."""
+        if self.lookahead is None:
+            return None
+        head, pair = self.lookahead.heads.get(cheap), self.lookahead.pairs.get(f"{cheap}->{strong}")
+        return None if head is None or pair is None else (head, pair)
+
     def to_json(self) -> dict[str, Any]:
-        return {"top_logprobs": self.top_logprobs, "tiers": {t: h.to_json() for t, h in self.heads.items()},
-                "pairs": {k: p.to_json() for k, p in self.pairs.items()}, "training": self.training}
+        out = {"top_logprobs": self.top_logprobs, "tiers": {t: h.to_json() for t, h in self.heads.items()},
+               "pairs": {k: p.to_json() for k, p in self.pairs.items()}, "training": self.training}
+        if self.lookahead is not None:
+            out["lookahead"] = {"tokens": self.lookahead.tokens,
+                                "tiers": {t: h.to_json() for t, h in self.lookahead.heads.items()},
+                                "pairs": {k: p.to_json() for k, p in self.lookahead.pairs.items()}}
+        return out
 
     @classmethod
     def from_json(cls, d: Any) -> CascadeCalibration:
-        if not isinstance(d, dict) or not isinstance(d.get("tiers"), dict) or not isinstance(d.get("pairs"), dict):
+        if not isinstance(d, dict):
             raise ValueError("`cascade` must be an object with `tiers` and `pairs`")
-        heads, pairs = {}, {}
-        for tier, h in d["tiers"].items():
-            try:
-                heads[tier] = ConfidenceHead.from_json(h)
-            except (KeyError, TypeError, ValueError) as exc:
-                raise ValueError(f"cascade tier {tier!r}: {exc}") from exc
-        for key, p in d["pairs"].items():
-            try:
-                pairs[key] = PairThresholds.from_json(p)
-            except (KeyError, TypeError, ValueError) as exc:
-                raise ValueError(f"cascade pair {key!r}: {exc}") from exc
-            if key != f"{pairs[key].cheap}->{pairs[key].strong}" or pairs[key].cheap not in heads:
-                raise ValueError(f"cascade pair {key!r} names no confidence head or another pair")
+        heads, pairs = _heads_and_pairs(d, "cascade")
         top = d.get("top_logprobs")
         if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= 20:
             raise ValueError("`top_logprobs` must be an integer within 0..20")
         training = d.get("training", {})
-        return cls(top, heads, pairs, training if isinstance(training, dict) else {})
+        lookahead = None
+        if (early := d.get("lookahead")) is not None:
+            tokens = early.get("tokens") if isinstance(early, dict) else None
+            if not isinstance(tokens, int) or isinstance(tokens, bool) or not 1 <= tokens <= MAX_LOOKAHEAD:
+                raise ValueError(f"`lookahead.tokens` must be an integer within 1..{MAX_LOOKAHEAD}")
+            lookahead = Lookahead(tokens, *_heads_and_pairs(early, "cascade look-ahead"))
+        return cls(top, heads, pairs, training if isinstance(training, dict) else {}, lookahead)
+
+
+def _heads_and_pairs(d: dict[str, Any], what: str) -> tuple[dict[str, ConfidenceHead], dict[str, PairThresholds]]:
+    if not isinstance(d.get("tiers"), dict) or not isinstance(d.get("pairs"), dict):
+        raise ValueError(f"`{what}` must be an object with `tiers` and `pairs`")
+    heads, pairs = {}, {}
+    for tier, h in d["tiers"].items():
+        try:
+            heads[tier] = ConfidenceHead.from_json(h)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{what} tier {tier!r}: {exc}") from exc
+    for key, p in d["pairs"].items():
+        try:
+            pairs[key] = PairThresholds.from_json(p)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{what} pair {key!r}: {exc}") from exc
+        if key != f"{pairs[key].cheap}->{pairs[key].strong}" or pairs[key].cheap not in heads:
+            raise ValueError(f"{what} pair {key!r} names no confidence head or another pair")
+    return heads, pairs
 
 
 @dataclass

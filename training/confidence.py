@@ -16,6 +16,11 @@ Per cheaper tier, on the training prompts' answers (greedy, with `top_logprobs` 
    the mix of kept and retried ones, keep the floor on these prompts), or as good as a retry would be on
    average: retrying on a tier that is not expected to do better only adds its price.
 
+5. The look-ahead: the same heads and thresholds fitted on each answer's first LOOKAHEAD tokens (the whole answer
+   when it is shorter, with whether it stopped), so the gateway can judge a cheap answer while it is made and
+   stop one that falls short there, paying for LOOKAHEAD tokens rather than for the whole of an answer it
+   throws away.
+
 `signal_study` compares signal sets by the same cross-validation, for the benchmark's record of which signals
 help.
 """
@@ -29,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from tiers.cascade import SIGNAL_FEATURES, signals_of
-from tiers.difficulty import FLOOR_GRID, CascadeCalibration, ConfidenceHead, PairThresholds
+from tiers.difficulty import FLOOR_GRID, CascadeCalibration, ConfidenceHead, Lookahead, PairThresholds
 from training.ridge import fit_head_oof
 from training.router_prompts import RouterTrainingError
 from training.tier_answers import Answer
@@ -40,6 +45,9 @@ CONFIDENCE_FEATURES = SIGNAL_FEATURES
 # The signals a gateway gets with `logprobs: true` and no `top_logprobs` (no entropy or margin).
 BASIC_FEATURES = ("mean_logprob", "min_logprob", "low_prob_frac", "log_tokens", "stopped")
 MIN_ANSWERS = 20  # fewer non-empty answers than this: no head for that tier
+# Tokens the look-ahead reads before it judges. 16 since the first look-ahead run (session 9, bench/router.py's
+# signal table: the first 16 tokens' signals had the best Spearman with fidelity on the training answers).
+LOOKAHEAD = 16
 
 
 def signal_values(answer: Answer, *, first_tokens: int | None = None) -> dict[str, float] | None:
@@ -92,22 +100,35 @@ def pair_thresholds(head: ConfidenceHead, cheap: str, strong: str, strong_fideli
 
 def calibrate_cascade(answers: dict[str, list[Answer]], fidelity: dict[str, np.ndarray], reference: str,
                       order: Sequence[str], *, top_logprobs: int, seed: int = 0,
-                      features: Sequence[str] = CONFIDENCE_FEATURES) -> CascadeCalibration:
+                      features: Sequence[str] = CONFIDENCE_FEATURES,
+                      lookahead: int | None = LOOKAHEAD) -> CascadeCalibration:
     """Heads for every cheaper tier of `fidelity` and thresholds for every pair cheap → dearer tier of `order`
-    (cheapest first, the reference last)."""
-    heads: dict[str, ConfidenceHead] = {}
+    (cheapest first, the reference last); the same on the answers' first `lookahead` tokens (None: none)."""
+    means = {tier: float(np.mean(fid)) for tier, fid in fidelity.items()} | {reference: 1.0}
     training: dict[str, Any] = {"features": list(features), "tiers": {}}
+    heads, pairs = _calibrate(answers, fidelity, means, order, training["tiers"], features=features, seed=seed)
+    early = None
+    if lookahead is not None:
+        training["lookahead"] = {"tokens": lookahead, "tiers": {}}
+        early = Lookahead(lookahead, *_calibrate(answers, fidelity, means, order, training["lookahead"]["tiers"],
+                                                 features=features, seed=seed, first_tokens=lookahead))
+    return CascadeCalibration(top_logprobs, heads, pairs, training, early)
+
+
+def _calibrate(answers: dict[str, list[Answer]], fidelity: dict[str, np.ndarray], means: dict[str, float],
+               order: Sequence[str], record: dict[str, Any], *, features: Sequence[str], seed: int,
+               first_tokens: int | None = None) -> tuple[dict[str, ConfidenceHead], dict[str, PairThresholds]]:
+    heads: dict[str, ConfidenceHead] = {}
     for tier, fid in fidelity.items():
-        rows = [(v, f) for a, f in zip(answers[tier], fid, strict=True) if (v := signal_values(a)) is not None]
+        rows = [(v, f) for a, f in zip(answers[tier], fid, strict=True)
+                if (v := signal_values(a, first_tokens=first_tokens)) is not None]
         if len(rows) < MIN_ANSWERS:
             continue
         head, oof = fit_confidence([v for v, _ in rows], np.array([f for _, f in rows]), features=features, seed=seed)
         heads[tier] = head
-        training["tiers"][tier] = {"answers": len(rows), "empty_or_unscored": len(fid) - len(rows),
-                                   "cv_rmse": head.ridge.cv_rmse, "baseline_rmse": head.ridge.baseline_rmse,
-                                   "beats_mean": head.ridge.beats_mean,
-                                   "spearman": _spearman(oof, np.array([f for _, f in rows]))}
-    means = {tier: float(np.mean(fid)) for tier, fid in fidelity.items()} | {reference: 1.0}
+        record[tier] = {"answers": len(rows), "empty_or_unscored": len(fid) - len(rows),
+                        "cv_rmse": head.ridge.cv_rmse, "baseline_rmse": head.ridge.baseline_rmse,
+                        "beats_mean": head.ridge.beats_mean, "spearman": _spearman(oof, np.array([f for _, f in rows]))}
     pairs = {}
     for i, cheap in enumerate(order):
         if cheap not in heads:
@@ -115,7 +136,7 @@ def calibrate_cascade(answers: dict[str, list[Answer]], fidelity: dict[str, np.n
         for strong in order[i + 1:]:
             if strong in means:
                 pairs[f"{cheap}->{strong}"] = pair_thresholds(heads[cheap], cheap, strong, means[strong])
-    return CascadeCalibration(top_logprobs, heads, pairs, training)
+    return heads, pairs
 
 
 def _spearman(a: np.ndarray, b: np.ndarray) -> float:

@@ -22,7 +22,8 @@ The pipeline, and why each step is the way it is:
    does not, `auto` falls back to the cascade for that tier.
 5. Cascade: per cheaper tier, a confidence head from the engine's log-probability signals on its own answer
    to that answer's fidelity, calibrated (isotonic), and per tier pair the score thresholds for each quality
-   floor (training/confidence.py). The answers are collected with `TOP_LOGPROBS` alternatives per token.
+   floor (training/confidence.py), on whole answers and on their first LOOKAHEAD tokens (the gateway's
+   look-ahead). The answers are collected with `TOP_LOGPROBS` alternatives per token.
 
 Step 1 lives in training/router_prompts.py, steps 2-3 in training/tier_answers.py (with the answer caches), the
 ridge fit in training/ridge.py; this module collects, fits, versions and saves, and builds the default on first
@@ -47,7 +48,7 @@ from assets.locks import file_lock
 from tiers.catalogue import TierCatalogue
 from tiers.difficulty import DifficultyModel, default_artifact_path, load_difficulty_model
 from tiers.router_features import FeatureExtractor
-from training.confidence import calibrate_cascade
+from training.confidence import LOOKAHEAD, calibrate_cascade
 from training.ridge import BEATS_MEAN_Z, fit_head
 from training.router_prompts import (
     HELDOUT_PERCENT,
@@ -181,7 +182,7 @@ def train(catalogue: TierCatalogue, models_dir: Path, out: Path | None, *, num_p
               "seed": seed, "split": f"sharegpt first turns, train split ({100 - HELDOUT_PERCENT}%, {SPLIT_SALT})",
               "fidelity": "0.5*rescaled MiniLM cosine + 0.5*teacher-forced top-1 agreement",
               "beats_mean": f"paired squared-error gain > {BEATS_MEAN_Z:g} standard errors (5-fold CV)",
-              "top_logprobs": TOP_LOGPROBS, "skipped": collected.skipped}
+              "top_logprobs": TOP_LOGPROBS, "lookahead": LOOKAHEAD, "skipped": collected.skipped}
     config_hashed = dict(config)
     config["tier_fingerprints"] = collected.fingerprints
     model = DifficultyModel(model_version_string(config_hashed, collected), collected.reference, heads, config,

@@ -7,6 +7,15 @@ router's artifact has a calibration for the pair (this tier → the tier a retry
 confidence against the floor `auto` routed with (tiers/routing.py's `Route.floor`): the answer stands when
 it is expected to keep the floor, and the route reason says so either way.
 
+The calibrated check reads the engine's signals (token log-probabilities with the calibration's alternatives,
+asked of the tier for this attempt only and never shown to a client that did not ask for them). Where the artifact
+has a look-ahead (tiers/difficulty.py's `Lookahead`), the answer is judged as soon as it has one token past the
+look-ahead's (or at its end, if shorter) with the heads fitted on answers' first tokens; one that falls short is
+not read further (its tier stops; it is billed for the tokens it made) and goes to the dearer tier at once, so a
+retried request pays for a few cheap tokens, not a whole cheap answer thrown away (bench/router.py measures
+both). An answer that passes the look-ahead stands on it; the plain checks (empty, truncated, fixed threshold)
+still run on the whole.
+
 The check runs before the first attempt settles, and the second attempt is reserved then too, so the first
 row can say whether the cascade happened, and why not when it did not (no dearer tier, the ladder, a
 refused reservation). Streams are never cascaded: their first tokens are with the client already. Under an
@@ -27,10 +36,10 @@ from gateway.pipeline.cache_lookup import CacheLookup
 from gateway.pipeline.context import RequestContext
 from gateway.pipeline.events import Event, Head
 from gateway.pipeline.idempotency import Keep
-from gateway.pipeline.meter import Outcome
+from gateway.pipeline.meter import Outcome, Reading
 from gateway.pipeline.route import RouteDecision, RouteStage
 from gateway.pipeline.settle import Settler
-from tiers.cascade import Verdict, check_answer, check_confidence, next_dearer, outcome_values
+from tiers.cascade import AnswerSignals, Verdict, check_answer, check_confidence, next_dearer, outcome_values, values_of
 from wire.chat_request import ChatCompletionRequest
 
 
@@ -41,7 +50,8 @@ class Pipeline(Protocol):
     settler: Settler
 
     def answer(self, ctx: RequestContext, prepared: Prepared, *, judge: Any = None,
-               headers: dict[str, str] | None = None) -> AsyncIterator[Event]: ...
+               headers: dict[str, str] | None = None, reading: Reading | None = None,
+               look: Any = None) -> AsyncIterator[Event]: ...
 
     async def prepare_on(self, ctx: RequestContext, req: ChatCompletionRequest, route: RouteDecision,
                          lookup: CacheLookup, request_id: str, cascade_of: str | None = None,
@@ -58,15 +68,44 @@ class Step:
     label: str = ""  # `small->mid`
 
 
+@dataclass(frozen=True)
+class Check:
+    """What the calibrated check of this request's first answer reads, decided before it is asked for."""
+
+    reading: Reading | None  # the signals to ask the tier for (None: no log-probabilities needed)
+    strong: str | None  # the dearer tier a retry would use, for the pair's thresholds
+    calibration: Any  # tiers/difficulty.py's CascadeCalibration, or None
+
+
 async def cascade(pipeline: Pipeline, ctx: RequestContext, prepared: Prepared) -> AsyncIterator[Event]:
-    step: Step | None = None
+    step: Step | None = None  # the judgement of the first answer, and the reserved retry if any
+    check = await _check(pipeline, ctx, prepared)
+    early: str | None = None  # the look-ahead's note when the answer passed it
+    cut = False  # the first answer was judged on its first tokens and not read further
+
+    async def look(attempt: Attempt, first: AnswerSignals, stopped: bool) -> bool:
+        """The look-ahead: True to stop reading the answer, which happens only once its retry is reserved (an
+        answer that cannot be retried is read to its end and stands, its route reason saying why)."""
+        nonlocal step, early, cut
+        verdict, note = check_confidence(values_of(first, stopped=stopped), calibration=check.calibration,
+                                         cheap=attempt.route.tier.name, strong=check.strong or "",
+                                         floor=attempt.route.route.floor or 0.0, early=True)
+        if verdict is None:
+            early = note or ""
+            return False
+        step = await _escalate(pipeline, ctx, prepared, attempt, verdict)
+        cut = step.second is not None and not stopped
+        return cut
 
     async def judge(attempt: Attempt, outcome: Outcome) -> Attempt:
         nonlocal step
-        step = await _judge(pipeline, ctx, prepared, attempt, outcome)
+        if step is None:
+            step = await _judge(pipeline, ctx, prepared, attempt, outcome, check, early)
         return step.attempt
 
-    first = [event async for event in pipeline.answer(ctx, prepared, judge=judge)]
+    lookahead = check.reading is not None and check.reading.lookahead is not None
+    first = [event async for event in pipeline.answer(ctx, prepared, judge=judge, reading=check.reading,
+                                                      look=look if lookahead else None)]
     assert step is not None and isinstance(first[0], Head)
     if step.second is None:
         yield pipeline.head(ctx, prepared.req, step.attempt)
@@ -77,6 +116,8 @@ async def cascade(pipeline: Pipeline, ctx: RequestContext, prepared: Prepared) -
         labelled = {"x-tiergate-cascade": step.label}
         second = [event async for event in pipeline.answer(ctx, step.second, headers=labelled)]
     except TiergateError as err:  # the retry failed (and is settled as such): the first answer stands
+        if cut:  # ... unless it was cut short: then the client gets the retry's error, not half an answer
+            raise
         failed = {"x-tiergate-cascade": f"{step.label} failed ({err.code})"}
         yield pipeline.head(ctx, prepared.req, step.attempt, failed)
         for event in first[1:]:
@@ -86,16 +127,24 @@ async def cascade(pipeline: Pipeline, ctx: RequestContext, prepared: Prepared) -
         yield event
 
 
-async def _judge(pipeline: Pipeline, ctx: RequestContext, prepared: Prepared, attempt: Attempt,
-                 outcome: Outcome) -> Step:
-    routing, tier = ctx.plan.routing, attempt.route.tier
-    fleet = pipeline.route.fleet
+async def _judge(pipeline: Pipeline, ctx: RequestContext, prepared: Prepared, attempt: Attempt, outcome: Outcome,
+                 check: Check, early: str | None) -> Step:
+    """The whole answer's checks: the plain ones, then the calibrated confidence unless the look-ahead judged
+    it (`early`: its note)."""
+    fixed = ctx.plan.routing.cascade_min_mean_logprob
     verdict = check_answer(outcome.text, finish_reason=outcome.finish_reason, cap_by_context=attempt.cap_by_context,
-                           mean_logprob=outcome.mean_logprob, min_mean_logprob=routing.cascade_min_mean_logprob)
+                           mean_logprob=outcome.mean_logprob, min_mean_logprob=fixed)
     if verdict is None:
-        verdict, note = await _confidence(pipeline, ctx, attempt, outcome)
+        verdict, note = (None, early) if early is not None else _confidence(attempt, outcome, check)
         if verdict is None:
             return Step(replace(attempt, extra_reason=(note,)) if note else attempt, None)
+    return await _escalate(pipeline, ctx, prepared, attempt, verdict)
+
+
+async def _escalate(pipeline: Pipeline, ctx: RequestContext, prepared: Prepared, attempt: Attempt,
+                    verdict: Verdict) -> Step:
+    """The retry of a failed answer on the next dearer tier, reserved; or why there is none."""
+    tier, fleet = attempt.route.tier, pipeline.route.fleet
     target = next_dearer(fleet.catalogue, tier, ctx.plan.allowed_tiers, fleet.unavailable(), verdict)
     degr = attempt.route.degradation
     unkept = replace(attempt.lookup, scope=None)  # an answer that failed its check is not worth keeping
@@ -121,17 +170,32 @@ async def _judge(pipeline: Pipeline, ctx: RequestContext, prepared: Prepared, at
     return Step(judged, second, f"{tier.name}->{target.name}")
 
 
-async def _confidence(pipeline: Pipeline, ctx: RequestContext, attempt: Attempt, outcome: Outcome
-                ) -> tuple[Verdict | None, str | None]:
-    """The calibrated check (the router's artifact): only for a route `auto` gave a floor, and only where
-    there is a dearer tier to retry on (the thresholds are per pair)."""
+def _confidence(attempt: Attempt, outcome: Outcome, check: Check) -> tuple[Verdict | None, str | None]:
+    """The calibrated check of the whole answer (the router's artifact has no look-ahead for the pair)."""
+    if check.strong is None or attempt.route.route.floor is None:
+        return None, None
+    return check_confidence(outcome_values(outcome), calibration=check.calibration, cheap=attempt.route.tier.name,
+                            strong=check.strong, floor=attempt.route.route.floor)
+
+
+async def _check(pipeline: Pipeline, ctx: RequestContext, prepared: Prepared) -> Check:
+    """What the first answer's check will read: the calibration's pair for (this tier → the dearer tier a retry
+    would use), only for a route `auto` gave a floor (the thresholds are per pair and floor); log-probabilities
+    also where the plan's fixed threshold reads them."""
+    attempt, routing = prepared.attempt, ctx.plan.routing
+    fixed = Reading() if routing.cascade_min_mean_logprob is not None else None
     floor, source = attempt.route.route.floor, pipeline.route.predictor
     if floor is None or source is None:
-        return None, None
+        return Check(fixed, None, None)
     fleet = pipeline.route.fleet
     target = next_dearer(fleet.catalogue, attempt.route.tier, ctx.plan.allowed_tiers, fleet.unavailable(),
                          Verdict("low_confidence", ""))
-    if target is None:
-        return None, None
-    return check_confidence(outcome_values(outcome), calibration=await source.calibration(),
-                            cheap=attempt.route.tier.name, strong=target.name, floor=floor)
+    calibration = await source.calibration()
+    if target is None or calibration is None:
+        return Check(fixed, None, None)
+    cheap = attempt.route.tier.name
+    if calibration.early_pair(cheap, target.name) is not None:
+        return Check(Reading(calibration.top_logprobs, calibration.lookahead.tokens), target.name, calibration)
+    if calibration.pair(cheap, target.name) is not None:
+        return Check(Reading(calibration.top_logprobs), target.name, calibration)
+    return Check(fixed, None, None)

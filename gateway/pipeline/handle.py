@@ -30,7 +30,7 @@ from gateway.pipeline.dispatch import DispatchStage
 from gateway.pipeline.events import Delta, Done, Event, Head
 from gateway.pipeline.gate import TenantGate, scopes_of
 from gateway.pipeline.idempotency import IdempotencyStage, Keep
-from gateway.pipeline.meter import Meter, Outcome
+from gateway.pipeline.meter import Meter, Outcome, Reading
 from gateway.pipeline.prompt import PromptStage
 from gateway.pipeline.refusals import RefusalLog
 from gateway.pipeline.reserve import ReserveStage, ratelimit_headers
@@ -129,11 +129,16 @@ class Pipeline:
         return Prepared(req, attempt, prompt, keep)
 
     async def answer(self, ctx: RequestContext, prepared: Prepared, *, judge: Any = None,
-                      headers: dict[str, str] | None = None) -> AsyncIterator[Event]:
+                      headers: dict[str, str] | None = None, reading: Reading | None = None,
+                      look: Any = None) -> AsyncIterator[Event]:
         """Dispatch → call → account → settle for one attempt. `judge` (the cascade's) sees an ok outcome
-        before it is settled and may add to its route reason and actions."""
+        before it is settled and may add to its route reason and actions. `reading`: the engine's signals the
+        judge reads (asked of the tier, gathered by the meter). `look(attempt, first_signals, stopped)` (the
+        cascade's look-ahead) is awaited once, as soon as the answer has a token beyond `reading.lookahead`, or
+        at its end if it has not; when it returns True the answer is not read further (and is billed for what
+        came)."""
         attempt, req, keep = prepared.attempt, prepared.req, prepared.keep
-        meter = Meter(ctx.t0, keep_logprobs=req.logprobs,
+        meter = Meter(ctx.t0, keep_logprobs=req.logprobs, reading=reading,
                       counted_input=prepared.prompt.num_tokens if prepared.prompt is not None else 0)
         ticket: Ticket | None = None
         upstream: Upstream | None = None
@@ -145,12 +150,19 @@ class Pipeline:
                 yield self.head(ctx, req, attempt, headers)
                 yield Delta(attempt.lookup.hit.response, None)
             else:
-                ticket, upstream, attempt = await self._call(ctx, prepared, meter)
+                ticket, upstream, attempt = await self._call(ctx, prepared, meter, reading)
                 yield self.head(ctx, req, attempt, headers)  # the version that answers, if a candidate fell back
                 async for chunk in upstream:
                     content, logprobs, _, calls = meter.add(chunk)
                     if content or calls or (logprobs and req.logprobs):  # logprobs not asked for stay ours
                         yield Delta(content, logprobs if req.logprobs else None, calls or None)
+                    if look is not None and meter.past_lookahead:
+                        judged_early, look = await look(attempt, meter.first, False), None
+                        if judged_early:
+                            meter.stop_reading()
+                            break
+                if look is not None and meter.first is not None:  # it ended within the look-ahead
+                    await look(attempt, meter.first, meter.finish_reason == "stop")
             outcome = meter.outcome("ok", 200)
             if judge is not None:
                 attempt = await judge(attempt, outcome)
@@ -169,7 +181,7 @@ class Pipeline:
                 raise
             raise err from exc
         finally:
-            if upstream is not None and outcome is not None and outcome.status != "ok":
+            if upstream is not None and outcome is not None and (outcome.status != "ok" or meter.cut):
                 await _close_quietly(upstream)
             await self.settler.settle(ctx, attempt, outcome or meter.outcome("cancelled", 499), ticket, wait=wait,
                                       with_row=with_row)
@@ -182,8 +194,8 @@ class Pipeline:
             keep.stored = True  # durable with its row (or in Redis) before the client reads the end
         yield Done(outcome.finish_reason, outcome.input_tokens, outcome.output_tokens)
 
-    async def _call(self, ctx: RequestContext, prepared: Prepared,
-                    meter: Meter) -> tuple[Ticket, Upstream, Attempt]:
+    async def _call(self, ctx: RequestContext, prepared: Prepared, meter: Meter,
+                    reading: Reading | None) -> tuple[Ticket, Upstream, Attempt]:
         """Wait for a dispatch slot, then open the tier's stream; the slot is the caller's to release. A rollout's
         candidate that cannot be reached is passed over for its baseline (the attempt returned says so)."""
         attempt, prompt, req = prepared.attempt, prepared.prompt, prepared.req
@@ -195,24 +207,29 @@ class Pipeline:
                                                  for m in req.messages], ctx.headers.get(SESSION_HEADER))
             meter.upstream_started()
             try:
-                return ticket, await self.tier.open(tier, self._body(ctx, prepared, tier), affinity=affinity), attempt
+                return (ticket, await self.tier.open(tier, self._body(ctx, prepared, tier, reading), affinity=affinity),
+                        attempt)
             except (UpstreamUnreachable, NoTierAvailable):
                 if (fallback := self.route.fall_back(attempt.route)) is None:
                     raise
             attempt = replace(attempt, route=fallback,  # looked up in the candidate's scope: its answer not kept
                               lookup=replace(attempt.lookup, scope=None))
-            return ticket, await self.tier.open(fallback.tier, self._body(ctx, prepared, fallback.tier),
+            return ticket, await self.tier.open(fallback.tier, self._body(ctx, prepared, fallback.tier, reading),
                                                 affinity=affinity), attempt
         except BaseException:
             meter.upstream_ended()
             self.dispatch.release(tier.name, ticket, 0)
             raise
 
-    def _body(self, ctx: RequestContext, prepared: Prepared, tier: TierSpec) -> dict[str, Any]:
+    @staticmethod
+    def _body(ctx: RequestContext, prepared: Prepared, tier: TierSpec, reading: Reading | None) -> dict[str, Any]:
+        """The tier's body; log-probabilities asked for where the client or a check (`reading`) wants them, with
+        the check's alternatives unless the client chose its own."""
         assert prepared.prompt is not None
+        top = reading.top_logprobs if reading is not None and not prepared.req.logprobs else None
         return upstream_body(prepared.req, tier, max_tokens=prepared.prompt.output_cap,
                              priority=PRIORITY_ORDER[ctx.plan.priority],
-                             logprobs=prepared.req.logprobs or self._wants_logprobs(ctx, prepared))
+                             logprobs=prepared.req.logprobs or reading is not None, top_logprobs=top or None)
 
     def head(self, ctx: RequestContext, req: ChatCompletionRequest, attempt: Attempt,
              extra: dict[str, str] | None = None) -> Head:
@@ -246,13 +263,6 @@ class Pipeline:
             raise Unavailable(f"degradation level {degr.level}: {ctx.plan.priority} traffic is answered from cache "
                               "only, and there is no cached answer for this request", code="degraded_cache_only",
                               retry_after=30, headers={"x-tiergate-degrade-actions": ",".join(applied)})
-
-    @staticmethod
-    def _wants_logprobs(ctx: RequestContext, prepared: Prepared) -> bool:
-        """The cascade's log-probability check needs them (non-streamed `auto` requests of such plans)."""
-        routing = ctx.plan.routing
-        return (routing.cascade and routing.cascade_min_mean_logprob is not None and not prepared.req.stream
-                and prepared.attempt.route.route.auto)
 
 
 def _cascades(ctx: RequestContext, prepared: Prepared) -> bool:

@@ -6,6 +6,8 @@ send it in every chunk when asked for `continuous_usage_stats`, so a cancelled s
 and the engine's busy time from `x_tiergate.busy_s`. A server that reports no usage in its stream at all (some
 OpenAI-compatible servers ignore `stream_options`: llama-cpp-python's) is billed on our own count: the prompt
 tokens the gateway counted to reserve, and one token per streamed content chunk, as such servers stream them.
+Where a check reads the engine's signals (the cascade's, `Reading`), the meter gathers them as the tokens come:
+over the whole answer and, for a look-ahead, over its first tokens.
 """
 
 from __future__ import annotations
@@ -14,7 +16,16 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from tiers.cascade import sum_logprobs
+from tiers.cascade import AnswerSignals, sum_logprobs
+
+
+@dataclass(frozen=True)
+class Reading:
+    """What a check of the answer reads (the cascade's): token log-probabilities with `top_logprobs` alternatives
+    each, and, with `lookahead`, the signals of the first that many tokens apart."""
+
+    top_logprobs: int = 0
+    lookahead: int | None = None
 
 
 @dataclass(frozen=True)
@@ -33,10 +44,12 @@ class Outcome:
     busy_s: float | None  # engine compute time the tier reported for it
     mean_logprob: float | None  # mean token log-probability, where they were asked for
     tool_calls: tuple[dict[str, Any], ...] = ()  # the answer's tool calls, whole (OpenAI's message.tool_calls)
+    signals: AnswerSignals | None = None  # the engine's signals of the whole answer, where a `Reading` asked
 
 
 class Meter:
-    def __init__(self, t0: float, *, keep_logprobs: bool = False, counted_input: int = 0) -> None:
+    def __init__(self, t0: float, *, keep_logprobs: bool = False, counted_input: int = 0,
+                 reading: Reading | None = None) -> None:
         """`counted_input`: the prompt's tokens as the gateway counted them, billed if the tier reports none."""
         self.t0 = t0
         self.counted_input = counted_input
@@ -56,6 +69,10 @@ class Meter:
         self._logprob_sum = 0.0
         self._logprob_n = 0
         self._calls: dict[int, dict[str, Any]] = {}  # index -> the call so far (its arguments' pieces joined)
+        self.lookahead = reading.lookahead if reading is not None else None
+        self.signals = AnswerSignals() if reading is not None else None
+        self.first = AnswerSignals() if self.lookahead is not None else None  # of the first `lookahead` tokens
+        self.cut = False  # the gateway stopped reading the answer (the cascade judged it early)
 
     def upstream_started(self) -> None:
         self.upstream_t0 = time.perf_counter()
@@ -97,6 +114,10 @@ class Meter:
                 total, n = sum_logprobs([lp])
                 self._logprob_sum += total
                 self._logprob_n += n
+                if self.signals is not None:
+                    self.signals.add_openai(lp)
+                if self.first is not None:
+                    self.first.add_openai(lp, limit=self.lookahead)
             has_choice = has_choice or bool(piece) or bool(choice.get("finish_reason"))
         if content:
             self._parts.append(content)
@@ -123,6 +144,16 @@ class Meter:
                 call["function"]["arguments"] += fn["arguments"]
         return kept
 
+    @property
+    def past_lookahead(self) -> bool:
+        """The answer has a token beyond the look-ahead: its first tokens are all in, and it did not stop there."""
+        return self.lookahead is not None and self.signals is not None and self.signals.num_tokens > self.lookahead
+
+    def stop_reading(self) -> None:
+        """The gateway judged the answer before its end and stops reading it (billed for what came)."""
+        self.cut = True
+        self.finish_reason = "cascaded"
+
     def add_cached(self, text: str, usage: dict[str, Any]) -> None:
         """A cached answer: its usage as stored, no tier."""
         self._parts.append(text)
@@ -143,4 +174,4 @@ class Meter:
         output = self.output_tokens if output_delivered else 0
         return Outcome(status, http_status, error_code, self.input_tokens, output, self.finish_reason,
                        "".join(self._parts), self.ttft_s, self.upstream_s, self.busy_s, mean,
-                       tuple(self._calls[i] for i in sorted(self._calls)))
+                       tuple(self._calls[i] for i in sorted(self._calls)), self.signals)

@@ -26,10 +26,11 @@ MAX_REPLICAS_TRIED = 2
 
 
 def upstream_body(req: ChatCompletionRequest, tier: TierSpec, *, max_tokens: int, priority: int,
-                  logprobs: bool) -> dict[str, Any]:
+                  logprobs: bool, top_logprobs: int | None = None) -> dict[str, Any]:
     """The body the tier gets: the client's, with our output cap and streaming options, plus the extensions its
     server accepts (the tier's `dialect`: usage in every chunk, the plan's priority); a plain OpenAI-compatible
-    server gets OpenAI's fields only, since a strict one refuses what it does not know."""
+    server gets OpenAI's fields only, since a strict one refuses what it does not know. `top_logprobs`: the
+    alternatives per token a check of ours reads (never set over the client's own choice)."""
     body = req.model_dump(exclude_none=True, exclude={"model", "stream", "stream_options", "priority",
                                                       "max_completion_tokens", "max_tokens", "prompt_format"})
     raw = is_raw(req)
@@ -45,7 +46,9 @@ def upstream_body(req: ChatCompletionRequest, tier: TierSpec, *, max_tokens: int
     if tier.sends_priority:
         body["priority"] = priority
     if logprobs:
-        body["logprobs"] = 0 if raw else True  # legacy: the made tokens' log-probabilities, no alternatives
+        body["logprobs"] = (top_logprobs or 0) if raw else True  # legacy: an integer, the alternatives per token
+        if top_logprobs and not raw:
+            body["top_logprobs"] = top_logprobs
     return body
 
 

@@ -19,7 +19,7 @@ from tests.conftest import Gateway, running_gateway
 from tests.engine.fakes import CharTokenizer, ScriptedRunner
 from tests.gateway.test_routing_api import LADDER, chat, tiers_yaml, with_difficulty_model
 from tests.stubs import REPLY, ServerThread, StubState, stub_app
-from tiers.difficulty import CascadeCalibration, ConfidenceHead, RidgeHead
+from tiers.difficulty import CascadeCalibration, ConfidenceHead, Lookahead, RidgeHead
 from tiers.predictor import PredictorSource
 from training.confidence import pair_thresholds
 
@@ -47,6 +47,11 @@ plans:
     allowed_tiers: [small, mid, full]
     default_tier: mid
     routing: {quality_floor: 0.9, cascade: true, cascade_min_mean_logprob: -5.0}
+  # no fixed threshold: the log-probabilities (with alternatives) are asked for by the calibrated check alone
+  checked:
+    allowed_tiers: [small, mid, full]
+    default_tier: mid
+    routing: {quality_floor: 0.8, policy: cascade}
 """
 
 
@@ -68,10 +73,27 @@ class Calibrated:
         return {"small": 0.3, "mid": 0.95, "full": 1.0}  # mid, were small's number worth anything
 
 
-def with_calibrated_model(gw: Gateway, tmp_path: Path) -> None:
+class ReadsAlternatives(Calibrated):
+    """A calibration whose head reads the entropy of each token's alternatives (which only `top_logprobs`
+    gives): confidence = `sureness` - mean entropy, mapped onto [0, 1] over [-1, 0]. The scripted runner's two
+    alternatives (-0.25, -1.5) have entropy 0.529: sureness 0.4 gives 0.87 (keeps floor 0.8), 0 gives 0.47.
+    With `lookahead`, the heads are the look-ahead's, read on the answer's first that many tokens."""
+
+    def __init__(self, sureness: float, lookahead: int | None = None) -> None:
+        super().__init__()
+        ridge = RidgeHead(np.zeros(1), np.ones(1), -np.ones(1), sureness, 1.0, 0.1, 0.1, 100, 0.7, True)
+        head = ConfidenceHead(["mean_entropy"], ridge, np.array([-1.0, 0.0]), np.array([0.0, 1.0]))
+        pairs = {"small->mid": pair_thresholds(head, "small", "mid", 1.0)}
+        if lookahead is None:
+            self.cascade = CascadeCalibration(5, {"small": head}, pairs)
+        else:
+            self.cascade = CascadeCalibration(5, {}, {}, lookahead=Lookahead(lookahead, {"small": head}, pairs))
+
+
+def with_calibrated_model(gw: Gateway, tmp_path: Path, model: Any = None) -> None:
     artifact = tmp_path / "difficulty.json"
     artifact.write_text("{}")
-    gw.app.state.services.pipeline.route.predictor = PredictorSource(artifact, lambda _: Calibrated())
+    gw.app.state.services.pipeline.route.predictor = PredictorSource(artifact, lambda _: model or Calibrated())
 
 
 
@@ -157,3 +179,59 @@ def test_a_router_that_cannot_predict_says_so_and_falls_back_to_the_cascade(sett
             "auto: difficulty model fake-cal cannot predict small (CV RMSE 0.1247 vs 0.1248 predicting the mean): "
             "cascade policy, small first")
         assert "calibrated confidence 0.88 < 0.90 needed for floor 0.9" in first.route_reason
+
+
+def test_the_gateway_asks_for_the_alternatives_a_calibrated_head_reads(settings: tuple[Settings, StubState],
+                                                                       tmp_path: Path) -> None:
+    """No fixed threshold in the plan: the calibrated check alone makes the gateway ask for log-probabilities
+    with the calibration's alternatives, and its entropy is read (not "not checked")."""
+    with running_gateway(settings[0], settings[1], plan="checked") as gw:
+        with_calibrated_model(gw, tmp_path, ReadsAlternatives(0.4))
+        r = chat(gw, "anything")
+        assert r.status_code == 200 and r.headers["x-tiergate-tier"] == "small", r.text
+        assert r.headers["x-tiergate-route-reason"].endswith("; calibrated confidence 0.87 keeps floor 0.8")
+        assert "logprobs" not in r.json()["choices"][0] or r.json()["choices"][0]["logprobs"] is None
+    with running_gateway(settings[0], settings[1], plan="checked") as gw:
+        with_calibrated_model(gw, tmp_path, ReadsAlternatives(0.0))
+        r = chat(gw, "anything")
+        assert r.status_code == 200 and r.headers["x-tiergate-cascade"] == "small->mid", r.text
+        first = [row for row in gw.ledger_rows() if row.tier == "small"][-1]  # the first gateway's row came before
+        assert "calibrated confidence 0.47 < 0.80 needed for floor 0.8: cascaded to mid" in first.route_reason
+
+
+def test_an_answer_that_fails_the_look_ahead_is_cut_there_and_retried(settings: tuple[Settings, StubState],
+                                                                     tmp_path: Path) -> None:
+    with running_gateway(settings[0], settings[1], plan="checked") as gw:
+        with_calibrated_model(gw, tmp_path, ReadsAlternatives(0.0, lookahead=2))
+        r = chat(gw, "anything", max_tokens=64)
+        assert r.status_code == 200 and r.headers["x-tiergate-cascade"] == "small->mid", r.text
+        assert r.json()["choices"][0]["message"]["content"] == REPLY
+        first = next(row for row in gw.ledger_rows() if row.tier == "small")
+        assert "calibrated confidence 0.47 on its first 2 tokens < 0.80 needed for floor 0.8: cascaded to mid" in (
+            first.route_reason)
+        # judged on its third token and not read further: billed for what came, not the whole answer's 8
+        assert first.finish_reason == "cascaded" and 3 <= first.output_tokens < 8, first
+        assert first.price_usd > 0 and len(gw.ledger_rows()) == 2
+
+
+def test_an_answer_that_passes_the_look_ahead_stands_whole(settings: tuple[Settings, StubState],
+                                                           tmp_path: Path) -> None:
+    with running_gateway(settings[0], settings[1], plan="checked") as gw:
+        with_calibrated_model(gw, tmp_path, ReadsAlternatives(0.4, lookahead=2))
+        r = chat(gw, "anything", max_tokens=64)
+        assert r.status_code == 200 and r.headers["x-tiergate-tier"] == "small", r.text
+        assert r.json()["choices"][0]["message"]["content"] == "unsure."
+        assert r.headers["x-tiergate-route-reason"].endswith(
+            "; calibrated confidence 0.87 on its first 2 tokens keeps floor 0.8")
+        row = gw.ledger_rows()[0]  # read to its end: its 7 characters and the end token
+        assert not settings[1].requests and row.finish_reason == "stop" and row.output_tokens == 8
+
+
+def test_an_answer_shorter_than_the_look_ahead_is_judged_at_its_end(settings: tuple[Settings, StubState],
+                                                                    tmp_path: Path) -> None:
+    with running_gateway(settings[0], settings[1], plan="checked") as gw:
+        with_calibrated_model(gw, tmp_path, ReadsAlternatives(0.0, lookahead=32))
+        r = chat(gw, "anything", max_tokens=64)
+        assert r.status_code == 200 and r.headers["x-tiergate-cascade"] == "small->mid", r.text
+        first = next(row for row in gw.ledger_rows() if row.tier == "small")
+        assert first.finish_reason == "stop" and "on its first 32 tokens < 0.80" in first.route_reason

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from tiers.cascade import (
+    ALTERNATIVES_FEATURES,
     SIGNAL_FEATURES,
     AnswerSignals,
     Verdict,
@@ -20,6 +21,7 @@ from tiers.cascade import (
     outcome_values,
     signals_of,
     sum_logprobs,
+    values_of,
 )
 from tiers.catalogue import TierCatalogue
 from tiers.difficulty import FLOOR_GRID, CascadeCalibration, ConfidenceHead, PairThresholds, RidgeHead
@@ -111,6 +113,26 @@ def test_signals_without_alternatives_and_impossible_tokens() -> None:
     f = dict(zip(SIGNAL_FEATURES, s.features(stopped=False), strict=True))
     assert f["min_logprob"] == -100.0 and f["mean_entropy"] == 0.0 and f["stopped"] == 0.0
     assert all(math.isfinite(v) for v in f.values())
+
+
+def test_values_leave_out_what_needs_alternatives_when_a_token_came_without() -> None:
+    sure = values_of(signals_of([(-0.1, [-0.1, -3.0]), (-0.2, [-0.2, -2.0])]), stopped=True)
+    assert sure is not None and set(sure) == set(SIGNAL_FEATURES)
+    bare = values_of(signals_of([(-0.1, [-0.1, -3.0]), (-0.2, [])]), stopped=True)
+    assert bare is not None and set(bare) == set(SIGNAL_FEATURES) - ALTERNATIVES_FEATURES
+    assert values_of(AnswerSignals(), stopped=True) is None
+    # a head that reads entropy cannot score such an answer: "not checked", never a made-up 0
+    ridge = RidgeHead(np.zeros(1), np.ones(1), np.ones(1), 0.0, 1.0, 0.1, 0.2, 100, 0.5, True)
+    head = ConfidenceHead(["mean_entropy"], ridge, np.array([0.0, 1.0]), np.array([0.0, 1.0]))
+    assert head.score(bare) is None and head.score(sure) is not None
+
+
+def test_signals_of_openai_chunks_stop_at_a_limit() -> None:
+    chunk = {"content": [{"logprob": -0.1, "top_logprobs": [{"logprob": -0.1}, {"logprob": -3.0}]}] * 5}
+    first = AnswerSignals()
+    first.add_openai(chunk, limit=3)
+    first.add_openai(chunk, limit=3)
+    assert first.num_tokens == 3 and first.has_alternatives
 
 
 def calibration(threshold_at_floor: float) -> CascadeCalibration:

@@ -16,6 +16,7 @@ from tiers.difficulty import (
     CascadeCalibration,
     ConfidenceHead,
     DifficultyModel,
+    Lookahead,
     PairThresholds,
     RidgeHead,
     default_artifact_path,
@@ -99,7 +100,8 @@ def make_calibration() -> CascadeCalibration:
     head = ConfidenceHead(["mean_logprob", "log_tokens"], ridge, np.array([0.2, 0.6, 0.9]), np.array([0.3, 0.7, 0.95]))
     thresholds: list[float | None] = [-math.inf] * 30 + [0.5 + i / 200 for i in range(60)] + [None] * 11
     pairs = {f"small->{t}": PairThresholds("small", t, f, thresholds) for t, f in (("mid", 0.9), ("full", 1.0))}
-    return CascadeCalibration(5, {"small": head}, pairs, {"features": ["mean_logprob", "log_tokens"]})
+    early = Lookahead(16, {"small": head}, {"small->mid": pairs["small->mid"]})
+    return CascadeCalibration(5, {"small": head}, pairs, {"features": ["mean_logprob", "log_tokens"]}, early)
 
 
 def make_model(embedder: object = None) -> DifficultyModel:
@@ -134,6 +136,22 @@ def test_save_load_round_trip_and_predict(tmp_path: Path) -> None:
     assert pair.strong_fidelity == 0.9 and pair.threshold(0.2) == -math.inf and pair.threshold(0.95) is None
     assert pair.threshold(0.3) == pair.threshold(0.295) == 0.5  # a floor between grid points takes the higher
     assert loaded.cascade.pair("mid", "full") is None
+    # the look-ahead's heads and thresholds too, for the pairs it has
+    assert loaded.cascade.lookahead is not None and loaded.cascade.lookahead.tokens == 16
+    early_head, early_pair = loaded.cascade.early_pair("small", "mid")  # type: ignore[misc]
+    assert early_head.score(values) == pytest.approx(head.score(values)) and early_pair.threshold(0.3) == 0.5
+    assert loaded.cascade.early_pair("small", "full") is None and loaded.cascade.pair("small", "full") is not None
+
+
+def test_an_artifact_without_a_look_ahead_loads_and_has_none(tmp_path: Path) -> None:
+    path = tmp_path / "d.json"
+    make_model().save(path)
+    doc = json.loads(path.read_text())
+    del doc["cascade"]["lookahead"]
+    path.write_text(json.dumps(doc))
+    cascade = load_difficulty_model(path).cascade
+    assert cascade is not None and cascade.lookahead is None and cascade.early_pair("small", "mid") is None
+    assert cascade.pair("small", "mid") is not None
 
 
 def test_load_does_not_load_the_embedder(tmp_path: Path) -> None:
@@ -145,6 +163,7 @@ def test_load_does_not_load_the_embedder(tmp_path: Path) -> None:
 @pytest.mark.parametrize("breakage", [
     "not json", "missing", "format", "features", "no_heads", "short_coef", "nan", "reference_head", "list",
     "version_1", "beats_mean", "iso_down", "thresholds_short", "threshold_nan", "pair_without_head", "top_logprobs",
+    "lookahead_zero", "lookahead_huge", "lookahead_bool", "lookahead_pair_without_head", "lookahead_not_object",
 ])
 def test_load_rejects_a_broken_artifact(tmp_path: Path, breakage: str) -> None:
     path = tmp_path / "difficulty.json"
@@ -183,6 +202,16 @@ def test_load_rejects_a_broken_artifact(tmp_path: Path, breakage: str) -> None:
             doc["cascade"]["pairs"]["mid->full"] = doc["cascade"]["pairs"]["small->mid"] | {"cheap": "mid"}
         elif breakage == "top_logprobs":
             doc["cascade"]["top_logprobs"] = 50
+        elif breakage == "lookahead_zero":
+            doc["cascade"]["lookahead"]["tokens"] = 0
+        elif breakage == "lookahead_huge":
+            doc["cascade"]["lookahead"]["tokens"] = 100_000
+        elif breakage == "lookahead_bool":
+            doc["cascade"]["lookahead"]["tokens"] = True
+        elif breakage == "lookahead_pair_without_head":
+            doc["cascade"]["lookahead"]["tiers"] = {}
+        elif breakage == "lookahead_not_object":
+            doc["cascade"]["lookahead"] = [16]
         path.write_text(json.dumps(doc))
     with pytest.raises(ValueError):
         load_difficulty_model(path)

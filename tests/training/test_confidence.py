@@ -93,3 +93,29 @@ def test_the_signal_study_shows_what_each_set_scores() -> None:
     study = signal_study(answers, fidelity, {"basic": BASIC_FEATURES, "length only": ("log_tokens",)})
     assert study["basic"]["cv_rmse"] < study["length only"]["cv_rmse"]
     assert study["basic"]["spearman"] > 0.8 and abs(study["length only"]["spearman"]) < 0.3
+
+
+def test_the_look_ahead_is_fitted_on_the_answers_first_tokens() -> None:
+    """Answers whose first tokens tell how good they are and whose rest says nothing (every later token sure):
+    the look-ahead's head, read on the first 8 tokens, ranks them; the whole answer's signals are diluted."""
+    rng = np.random.default_rng(6)
+    answers, fidelity = [], []
+    for _ in range(300):
+        sureness = rng.uniform(0.05, 0.95)
+        head = [(math.log(sureness), [math.log(sureness), math.log((1 - sureness) / 2)])] * 8
+        tail = [(math.log(0.99), [math.log(0.99), math.log(0.005)])] * int(rng.integers(30, 60))
+        answers.append(Answer(10, "some text", list(range(len(head) + len(tail))), "stop", head + tail))
+        fidelity.append(float(np.clip(0.2 + 0.8 * sureness + rng.normal(scale=0.05), 0, 1)))
+    cal = calibrate_cascade({"small": answers, "full": []}, {"small": np.array(fidelity)}, "full", ["small", "full"],
+                            top_logprobs=5, lookahead=8)
+    assert cal.lookahead is not None and cal.lookahead.tokens == 8 and cal.training["lookahead"]["tokens"] == 8
+    early_head, early_pair = cal.early_pair("small", "full")  # type: ignore[misc]
+    whole_head, _ = cal.pair("small", "full")  # type: ignore[misc]
+    first = [signal_values(a, first_tokens=8) for a in answers]
+    assert all(v is not None and v["stopped"] == 0.0 for v in first)
+    early_scores = np.array([early_head.score(v) for v in first])  # type: ignore[arg-type]
+    assert np.corrcoef(early_scores, fidelity)[0, 1] > 0.9
+    assert cal.training["lookahead"]["tiers"]["small"]["spearman"] > cal.training["tiers"]["small"]["spearman"]
+    assert early_pair.threshold(0.8) is not None and whole_head is not early_head
+    assert calibrate_cascade({"small": answers, "full": []}, {"small": np.array(fidelity)}, "full",
+                             ["small", "full"], top_logprobs=5, lookahead=None).lookahead is None
