@@ -86,7 +86,8 @@ class RoutingPlan(BaseModel):
     tier runs; a tier it cannot predict falls back to the cascade) or `cascade` (the cheapest allowed tier
     answers, and its answer stands if its calibrated confidence keeps the floor, else the next dearer tier
     answers too, both billed; `cascade` is then on). `cascade` alone checks `auto`'s answers whichever tier
-    `predict` chose.
+    `predict` chose. Streamed answers are checked only with `cascade_streams` and a router artifact that has a
+    look-ahead: a stream is held until it is judged on its first tokens.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -97,6 +98,10 @@ class RoutingPlan(BaseModel):
     policy: Literal["predict", "cascade"] = "predict"  # how `auto` picks the first tier
     cascade: bool = False  # retry a failed cheap answer once on the next dearer tier (both billed)
     cascade_min_mean_logprob: Annotated[float, Field(le=0)] | None = None  # ...or one less sure than this
+    # hold a streamed `auto` answer for the router artifact's look-ahead (its first tokens) and retry it on the
+    # dearer tier when it falls short: streams are then checked too, at the cost of that many of the cheap
+    # tier's tokens added to their time to first token
+    cascade_streams: bool = False
 
     @model_validator(mode="after")
     def _relaxing(self) -> RoutingPlan:

@@ -18,9 +18,15 @@ still run on the whole.
 
 The check runs before the first attempt settles, and the second attempt is reserved then too, so the first
 row can say whether the cascade happened, and why not when it did not (no dearer tier, the ladder, a
-refused reservation). Streams are never cascaded: their first tokens are with the client already. Under an
-Idempotency-Key the answer stored is the one the client gets: the second attempt's; if that one fails, the
-first answer stands but is not stored (a retry runs again).
+refused reservation). Under an Idempotency-Key the answer stored is the one the client gets: the second
+attempt's; if that one fails, the first answer stands but is not stored (a retry runs again); if the first was
+cut short, the client gets the second's error.
+
+Streams: a stream's tokens are the client's as they come, so it can be judged only before any is sent. Under a
+plan's `cascade_streams`, and only with a look-ahead in the artifact, the stream's first events are held until
+the look-ahead has judged: a kept stream then sends what was held and goes on live (its head's route reason
+carries the verdict), a failed one is cut and the dearer tier's answer streams instead. The plain checks of
+the whole answer cannot retry a stream (it has been sent). Without a look-ahead a stream is not checked.
 """
 
 from __future__ import annotations
@@ -81,15 +87,19 @@ async def cascade(pipeline: Pipeline, ctx: RequestContext, prepared: Prepared) -
     step: Step | None = None  # the judgement of the first answer, and the reserved retry if any
     check = await _check(pipeline, ctx, prepared)
     early: str | None = None  # the look-ahead's note when the answer passed it
-    cut = False  # the first answer was judged on its first tokens and not read further
+    looked = cut = False  # the look-ahead has judged; the first answer was not read further
+    seen = prepared.attempt  # the attempt the look-ahead judged (another version's, if a candidate fell back)
+    stream = prepared.req.stream
 
     async def look(attempt: Attempt, first: AnswerSignals, stopped: bool) -> bool:
         """The look-ahead: True to stop reading the answer, which happens only once its retry is reserved (an
         answer that cannot be retried is read to its end and stands, its route reason saying why)."""
-        nonlocal step, early, cut
+        nonlocal step, early, looked, cut, seen
+        seen = attempt
         verdict, note = check_confidence(values_of(first, stopped=stopped), calibration=check.calibration,
                                          cheap=attempt.route.tier.name, strong=check.strong or "",
                                          floor=attempt.route.route.floor or 0.0, early=True)
+        looked = True
         if verdict is None:
             early = note or ""
             return False
@@ -100,27 +110,50 @@ async def cascade(pipeline: Pipeline, ctx: RequestContext, prepared: Prepared) -
     async def judge(attempt: Attempt, outcome: Outcome) -> Attempt:
         nonlocal step
         if step is None:
-            step = await _judge(pipeline, ctx, prepared, attempt, outcome, check, early)
+            step = (Step(replace(attempt, extra_reason=(early,)) if early else attempt, None) if stream
+                    else await _judge(pipeline, ctx, prepared, attempt, outcome, check, early))
         return step.attempt
 
     lookahead = check.reading is not None and check.reading.lookahead is not None
-    first = [event async for event in pipeline.answer(ctx, prepared, judge=judge, reading=check.reading,
-                                                      look=look if lookahead else None)]
-    assert step is not None and isinstance(first[0], Head)
+    if stream and not lookahead:  # a stream can be judged only before any of it is sent: by a look-ahead
+        async for event in pipeline.answer(ctx, prepared):
+            yield event
+        return
+    held: list[Event] = []  # the first answer's events until it is judged (all of them, when not streamed)
+    async for event in pipeline.answer(ctx, prepared, judge=judge, reading=check.reading,
+                                       look=look if lookahead else None):
+        if not stream or not looked or (step is not None and step.second is not None):
+            held.append(event)
+            continue
+        if held:  # a stream that passed the look-ahead (or cannot be retried): what was held, then live
+            assert isinstance(held[0], Head)
+            attempt = step.attempt if step is not None else seen
+            yield pipeline.head(ctx, prepared.req, replace(attempt, extra_reason=(early,)) if early else attempt)
+            for kept in held[1:]:
+                yield kept
+            held = []
+        yield event
+    assert step is not None
     if step.second is None:
-        yield pipeline.head(ctx, prepared.req, step.attempt)
-        for event in first[1:]:
+        if held:
+            assert isinstance(held[0], Head)
+            yield pipeline.head(ctx, prepared.req, step.attempt)
+            for event in held[1:]:
+                yield event
+        return
+    labelled = {"x-tiergate-cascade": step.label}
+    if stream:  # the retry streams live; nothing of the first was sent, so its errors are the client's
+        async for event in pipeline.answer(ctx, step.second, headers=labelled):
             yield event
         return
     try:
-        labelled = {"x-tiergate-cascade": step.label}
         second = [event async for event in pipeline.answer(ctx, step.second, headers=labelled)]
     except TiergateError as err:  # the retry failed (and is settled as such): the first answer stands
         if cut:  # ... unless it was cut short: then the client gets the retry's error, not half an answer
             raise
         failed = {"x-tiergate-cascade": f"{step.label} failed ({err.code})"}
         yield pipeline.head(ctx, prepared.req, step.attempt, failed)
-        for event in first[1:]:
+        for event in held[1:]:
             yield event
         return
     for event in second:

@@ -7,7 +7,7 @@ Each stage is a module of this package and returns a frozen result the next one 
 before `reserve`; every refusal before it is counted once (`RefusalLog`). From `reserve` on, an attempt
 settles exactly once, in the `finally` of `_answer`, whatever ends it: its answer, an upstream error, the
 client leaving, or a bug. Streamed and non-streamed requests share every stage; the route only frames the
-events differently. A plan's cascade (cascade.py) wraps non-streamed `auto` answers.
+events differently. A plan's cascade (cascade.py) wraps `auto` answers (streamed ones only with a look-ahead).
 """
 
 from __future__ import annotations
@@ -266,9 +266,11 @@ class Pipeline:
 
 
 def _cascades(ctx: RequestContext, prepared: Prepared) -> bool:
-    """A plan's cascade retries cheap non-streamed `auto` answers (a stream's first tokens are already out)."""
-    return (ctx.plan.routing.cascade and prepared.attempt.route.route.auto and not prepared.req.stream
-            and prepared.attempt.lookup.hit is None)
+    """A plan's cascade retries cheap non-streamed `auto` answers, and streamed ones where the plan holds a
+    stream for the look-ahead (`cascade_streams`: cascade.py streams it unchecked when there is none)."""
+    routing = ctx.plan.routing
+    return (routing.cascade and prepared.attempt.route.route.auto and prepared.attempt.lookup.hit is None
+            and (not prepared.req.stream or routing.cascade_streams))
 
 
 def parse_request(body: bytes) -> ChatCompletionRequest:

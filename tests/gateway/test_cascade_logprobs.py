@@ -5,6 +5,7 @@ plan's fixed threshold, or below what the router artifact's calibrated confidenc
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,11 @@ plans:
     allowed_tiers: [small, mid, full]
     default_tier: mid
     routing: {quality_floor: 0.8, policy: cascade}
+  # streams held for the look-ahead
+  streamed:
+    allowed_tiers: [small, mid, full]
+    default_tier: mid
+    routing: {quality_floor: 0.8, policy: cascade, cascade_streams: true}
 """
 
 
@@ -235,3 +241,46 @@ def test_an_answer_shorter_than_the_look_ahead_is_judged_at_its_end(settings: tu
         assert r.status_code == 200 and r.headers["x-tiergate-cascade"] == "small->mid", r.text
         first = next(row for row in gw.ledger_rows() if row.tier == "small")
         assert first.finish_reason == "stop" and "on its first 32 tokens < 0.80" in first.route_reason
+
+
+def stream_chat(gw: Gateway) -> tuple[int, dict[str, str], str]:
+    """A streamed `auto` request: status, headers and the text of its content deltas."""
+    body = {"model": "auto", "messages": [{"role": "user", "content": "anything"}], "max_tokens": 64, "stream": True}
+    with gw.client(gw.tenant_key) as c, c.stream("POST", "/v1/chat/completions", json=body) as r:
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+        status, headers = r.status_code, dict(r.headers)
+    assert events[-1] == "[DONE]", events
+    chunks = [json.loads(e) for e in events[:-1]]
+    return status, headers, "".join(ch["choices"][0]["delta"].get("content") or "" for ch in chunks if ch["choices"])
+
+
+def test_a_stream_that_fails_the_look_ahead_is_answered_by_the_dearer_tier_alone(
+        settings: tuple[Settings, StubState], tmp_path: Path) -> None:
+    with running_gateway(settings[0], settings[1], plan="streamed") as gw:
+        with_calibrated_model(gw, tmp_path, ReadsAlternatives(0.0, lookahead=2))
+        status, headers, text = stream_chat(gw)
+        assert status == 200 and headers["x-tiergate-cascade"] == "small->mid"
+        assert text == REPLY  # nothing of small's answer reached the client
+        first = next(row for row in gw.ledger_rows() if row.tier == "small")
+        assert first.finish_reason == "cascaded" and 3 <= first.output_tokens < 8, first
+        assert len(settings[1].requests) == 1 and settings[1].requests[0]["stream"] is True
+
+
+def test_a_stream_that_passes_the_look_ahead_is_sent_whole(settings: tuple[Settings, StubState],
+                                                           tmp_path: Path) -> None:
+    with running_gateway(settings[0], settings[1], plan="streamed") as gw:
+        with_calibrated_model(gw, tmp_path, ReadsAlternatives(0.4, lookahead=2))
+        status, headers, text = stream_chat(gw)
+        assert status == 200 and text == "unsure." and "x-tiergate-cascade" not in headers
+        assert headers["x-tiergate-route-reason"].endswith("; calibrated confidence 0.87 on its first 2 tokens keeps "
+                                                           "floor 0.8")
+        assert not settings[1].requests and gw.ledger_rows()[0].output_tokens == 8
+
+
+def test_a_stream_is_not_held_or_checked_without_the_plans_consent(settings: tuple[Settings, StubState],
+                                                                   tmp_path: Path) -> None:
+    with running_gateway(settings[0], settings[1], plan="checked") as gw:
+        with_calibrated_model(gw, tmp_path, ReadsAlternatives(0.0, lookahead=2))
+        status, headers, text = stream_chat(gw)
+        assert status == 200 and text == "unsure." and "x-tiergate-cascade" not in headers
+        assert not settings[1].requests and len(gw.ledger_rows()) == 1
