@@ -5,6 +5,7 @@ plan's fixed threshold, or below what the router artifact's calibrated confidenc
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -94,6 +95,15 @@ class ReadsAlternatives(Calibrated):
             self.cascade = CascadeCalibration(5, {"small": head}, pairs)
         else:
             self.cascade = CascadeCalibration(5, {}, {}, lookahead=Lookahead(lookahead, {"small": head}, pairs))
+
+
+@contextlib.contextmanager
+def calibrated(settings: tuple[Settings, StubState], tmp_path: Path, sureness: float, lookahead: int | None = None,
+               plan: str = "checked") -> Iterator[Gateway]:
+    """A gateway whose router artifact reads alternatives (`ReadsAlternatives`)."""
+    with running_gateway(settings[0], settings[1], plan=plan) as gw:
+        with_calibrated_model(gw, tmp_path, ReadsAlternatives(sureness, lookahead))
+        yield gw
 
 
 def with_calibrated_model(gw: Gateway, tmp_path: Path, model: Any = None) -> None:
@@ -191,14 +201,12 @@ def test_the_gateway_asks_for_the_alternatives_a_calibrated_head_reads(settings:
                                                                        tmp_path: Path) -> None:
     """No fixed threshold in the plan: the calibrated check alone makes the gateway ask for log-probabilities
     with the calibration's alternatives, and its entropy is read (not "not checked")."""
-    with running_gateway(settings[0], settings[1], plan="checked") as gw:
-        with_calibrated_model(gw, tmp_path, ReadsAlternatives(0.4))
+    with calibrated(settings, tmp_path, 0.4) as gw:
         r = chat(gw, "anything")
         assert r.status_code == 200 and r.headers["x-tiergate-tier"] == "small", r.text
         assert r.headers["x-tiergate-route-reason"].endswith("; calibrated confidence 0.87 keeps floor 0.8")
         assert "logprobs" not in r.json()["choices"][0] or r.json()["choices"][0]["logprobs"] is None
-    with running_gateway(settings[0], settings[1], plan="checked") as gw:
-        with_calibrated_model(gw, tmp_path, ReadsAlternatives(0.0))
+    with calibrated(settings, tmp_path, 0.0) as gw:
         r = chat(gw, "anything")
         assert r.status_code == 200 and r.headers["x-tiergate-cascade"] == "small->mid", r.text
         first = [row for row in gw.ledger_rows() if row.tier == "small"][-1]  # the first gateway's row came before
@@ -207,8 +215,7 @@ def test_the_gateway_asks_for_the_alternatives_a_calibrated_head_reads(settings:
 
 def test_an_answer_that_fails_the_look_ahead_is_cut_there_and_retried(settings: tuple[Settings, StubState],
                                                                      tmp_path: Path) -> None:
-    with running_gateway(settings[0], settings[1], plan="checked") as gw:
-        with_calibrated_model(gw, tmp_path, ReadsAlternatives(0.0, lookahead=2))
+    with calibrated(settings, tmp_path, 0.0, lookahead=2) as gw:
         r = chat(gw, "anything", max_tokens=64)
         assert r.status_code == 200 and r.headers["x-tiergate-cascade"] == "small->mid", r.text
         assert r.json()["choices"][0]["message"]["content"] == REPLY
@@ -222,8 +229,7 @@ def test_an_answer_that_fails_the_look_ahead_is_cut_there_and_retried(settings: 
 
 def test_an_answer_that_passes_the_look_ahead_stands_whole(settings: tuple[Settings, StubState],
                                                            tmp_path: Path) -> None:
-    with running_gateway(settings[0], settings[1], plan="checked") as gw:
-        with_calibrated_model(gw, tmp_path, ReadsAlternatives(0.4, lookahead=2))
+    with calibrated(settings, tmp_path, 0.4, lookahead=2) as gw:
         r = chat(gw, "anything", max_tokens=64)
         assert r.status_code == 200 and r.headers["x-tiergate-tier"] == "small", r.text
         assert r.json()["choices"][0]["message"]["content"] == "unsure."
@@ -235,8 +241,7 @@ def test_an_answer_that_passes_the_look_ahead_stands_whole(settings: tuple[Setti
 
 def test_an_answer_shorter_than_the_look_ahead_is_judged_at_its_end(settings: tuple[Settings, StubState],
                                                                     tmp_path: Path) -> None:
-    with running_gateway(settings[0], settings[1], plan="checked") as gw:
-        with_calibrated_model(gw, tmp_path, ReadsAlternatives(0.0, lookahead=32))
+    with calibrated(settings, tmp_path, 0.0, lookahead=32) as gw:
         r = chat(gw, "anything", max_tokens=64)
         assert r.status_code == 200 and r.headers["x-tiergate-cascade"] == "small->mid", r.text
         first = next(row for row in gw.ledger_rows() if row.tier == "small")
@@ -256,8 +261,7 @@ def stream_chat(gw: Gateway) -> tuple[int, dict[str, str], str]:
 
 def test_a_stream_that_fails_the_look_ahead_is_answered_by_the_dearer_tier_alone(
         settings: tuple[Settings, StubState], tmp_path: Path) -> None:
-    with running_gateway(settings[0], settings[1], plan="streamed") as gw:
-        with_calibrated_model(gw, tmp_path, ReadsAlternatives(0.0, lookahead=2))
+    with calibrated(settings, tmp_path, 0.0, lookahead=2, plan="streamed") as gw:
         status, headers, text = stream_chat(gw)
         assert status == 200 and headers["x-tiergate-cascade"] == "small->mid"
         assert text == REPLY  # nothing of small's answer reached the client
@@ -268,8 +272,7 @@ def test_a_stream_that_fails_the_look_ahead_is_answered_by_the_dearer_tier_alone
 
 def test_a_stream_that_passes_the_look_ahead_is_sent_whole(settings: tuple[Settings, StubState],
                                                            tmp_path: Path) -> None:
-    with running_gateway(settings[0], settings[1], plan="streamed") as gw:
-        with_calibrated_model(gw, tmp_path, ReadsAlternatives(0.4, lookahead=2))
+    with calibrated(settings, tmp_path, 0.4, lookahead=2, plan="streamed") as gw:
         status, headers, text = stream_chat(gw)
         assert status == 200 and text == "unsure." and "x-tiergate-cascade" not in headers
         assert headers["x-tiergate-route-reason"].endswith("; calibrated confidence 0.87 on its first 2 tokens keeps "
@@ -279,8 +282,7 @@ def test_a_stream_that_passes_the_look_ahead_is_sent_whole(settings: tuple[Setti
 
 def test_a_stream_is_not_held_or_checked_without_the_plans_consent(settings: tuple[Settings, StubState],
                                                                    tmp_path: Path) -> None:
-    with running_gateway(settings[0], settings[1], plan="checked") as gw:
-        with_calibrated_model(gw, tmp_path, ReadsAlternatives(0.0, lookahead=2))
+    with calibrated(settings, tmp_path, 0.0, lookahead=2) as gw:
         status, headers, text = stream_chat(gw)
         assert status == 200 and text == "unsure." and "x-tiergate-cascade" not in headers
         assert not settings[1].requests and len(gw.ledger_rows()) == 1
