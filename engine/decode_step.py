@@ -40,7 +40,7 @@ class NativeDecodeStep:
                 if isinstance(m, OneDnnLinear):
                     self.layers.add_onednn_linear(m.packed, m.bias, m.weight_dtype is not None)
                 else:
-                    self.layers.add_int8_linear(m.packed, m.reduce_range, m.outliers, m.w_outliers, m.bias)
+                    self.layers.add_int8_linear(m.packed, m.reduce_range, m.outliers, m.w_outliers, m.w_rowsum, m.bias)
 
     @classmethod
     def of(cls, model: Any, kernels: Any | None) -> NativeDecodeStep | None:

@@ -12,6 +12,13 @@ ShareGPT text; `python -m bench.int8_variants`):
   into the RMSNorm weights before q/k/v and gate/up, and into up_proj's rows before down_proj (93%).
 - The input channels with the largest calibrated activations (32; 64 for down_proj) stay in fp32 in a
   small side matmul, so they do not set the other channels' scale (95%).
+- fbgemm picks one asymmetric range (min, max) for the whole activation tensor, so with rows divided by their
+  largest |value| a row's rounding still depended on the rows beside it: a prompt prefilled whole or its last
+  tokens after a prefix-cache hit, a sequence decoded alone or in a batch, came out differently (on an AMD Zen 4
+  the same question asked twice got two answers, one of them wrong). Each row is now mapped affinely onto
+  exactly [0, 1] (x - min) / (max - min), so the tensor's range is [0, 1] whatever is batched together: every
+  token is quantized over its own range, alone, and the product is undone as y * span + min * (the int8
+  weights' row sums).
 Calibration reads ShareGPT first turns (not the held-out tail the benchmark measures on).
 """
 
@@ -62,6 +69,7 @@ class Int8DynamicLinear(nn.Module):
         qweight = torch.quantize_per_channel(w_int, scale.double(), torch.zeros(self.out_features, dtype=torch.long),
                                              0, torch.qint8)
         self.packed = torch.ops.quantized.linear_prepack(qweight, None)
+        self.register_buffer("w_rowsum", qweight.dequantize().sum(dim=1).float().contiguous())  # [out]
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -70,14 +78,18 @@ class Int8DynamicLinear(nn.Module):
         if self.kernels is not None and x.dtype == torch.float32:
             normed, scales, kept = self.kernels.int8_rows_prepare(x.contiguous(), self.outliers)
             y = torch.ops.quantized.linear_dynamic(normed, self.packed, self.reduce_range)
-            y = self.kernels.int8_rows_finish_(y, scales, kept, self.w_outliers)
+            y = self.kernels.int8_rows_finish_(y, scales, kept, self.w_outliers, self.w_rowsum)
             if self.bias is not None:
                 y = y + self.bias
             return y.reshape(*shape[:-1], self.out_features)
         xm = x * self.keep
-        if self.per_token:
-            a = xm.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12)  # fbgemm's one scale now spans one row
-            y = torch.ops.quantized.linear_dynamic(xm / a, self.packed, self.reduce_range) * a
+        if self.per_token:  # each row onto exactly [0, 1]: fbgemm's one range is then every row's own
+            lo, hi = xm.aminmax(dim=-1, keepdim=True)
+            span = (hi - lo).clamp(min=1e-12)
+            unit = ((xm - lo) * (1.0 / span)).clamp_(0.0, 1.0)  # times the reciprocal, as the fused kernel does
+            unit.scatter_(1, xm.argmin(dim=-1, keepdim=True), 0.0)
+            unit.scatter_(1, xm.argmax(dim=-1, keepdim=True), ((hi - lo) > 1e-12).to(unit.dtype))
+            y = torch.ops.quantized.linear_dynamic(unit, self.packed, self.reduce_range) * span + lo * self.w_rowsum
         else:
             y = torch.ops.quantized.linear_dynamic(xm, self.packed, self.reduce_range)
         y.addmm_(x.index_select(1, self.outliers), self.w_outliers)

@@ -18,6 +18,9 @@ from engine.llm_engine import LLMEngine
 # (the same sums in another order: a near-tie can now pick the other token); 0.5: bf16 on CPU keeps fp32
 # activations around bf16 matmuls (engine/model_runner.py)
 ENGINE_VERSION = "tiergate-engine/0.5"
+# the int8 tier's activation scheme: each token mapped onto [0, 1] before fbgemm (engine/int8_dynamic.py), since
+# 2026-12-02; its answers differ from the scheme before, so its versions do
+INT8_SCHEME = "rows-onto-0-1"
 # `max_num_seqs` auto: as many sequences as the KV cache holds at this many tokens each (a ShareGPT prompt and
 # its reply fit; the gateway reserves 1,024 output tokens by default), capped at vLLM's default. The gateway
 # sizes its dispatch slots with the same rule (tiers/supervisor.py; tests/tiers/test_engine_capacity.py).
@@ -58,6 +61,8 @@ def model_version(model_dir: Path, *, dtype: str, quantize: str | None, kv_cache
     for f in sorted(model_dir.glob("*.safetensors")):
         h.update(f"{f.name}:{f.stat().st_size}".encode())
     h.update(f"{dtype}|{quantize}|{ENGINE_VERSION}".encode())
+    if quantize == "int8":
+        h.update(f"|{INT8_SCHEME}".encode())
     if kv_cache_dtype != "auto":  # a narrower KV cache changes answers (auto keeps the versions it always had)
         h.update(f"|kv={kv_cache_dtype}".encode())
     if draft is not None:

@@ -44,13 +44,14 @@ struct Linear {
   c10::IValue int8;  // fbgemm's packed int8 weight
   bool reduce_range = false;
   torch::Tensor outliers, w_outliers;  // the int8 tier's fp32 input channels and their weights
+  torch::Tensor w_rowsum;  // the int8 weights' sums over their inputs (undoes the rows' map onto [0, 1])
   std::optional<torch::Tensor> bias;
 
   torch::Tensor operator()(const torch::Tensor& x) const {
     if (onednn.defined() && bf16) return onednn_linear(x.to(at::kBFloat16), onednn, bias).to(at::kFloat);
     if (onednn.defined()) return onednn_linear(x, onednn, bias);
     auto rows = int8_rows_prepare(x, outliers);  // [scaled rows, per-row scales, the kept channels]
-    auto y = int8_rows_finish_(fbgemm_linear(rows[0], int8, reduce_range), rows[1], rows[2], w_outliers);
+    auto y = int8_rows_finish_(fbgemm_linear(rows[0], int8, reduce_range), rows[1], rows[2], w_outliers, w_rowsum);
     return bias ? y + *bias : y;
   }
 };
@@ -70,13 +71,13 @@ class DecodeLayers {
   }
 
   void add_onednn_linear(torch::Tensor packed, std::optional<torch::Tensor> bias, bool bf16) {
-    linears_.push_back(Linear{packed, bf16, {}, false, {}, {}, bias});
+    linears_.push_back(Linear{packed, bf16, {}, false, {}, {}, {}, bias});
   }
 
   void add_int8_linear(py::object packed, bool reduce_range, torch::Tensor outliers, torch::Tensor w_outliers,
-                       std::optional<torch::Tensor> bias) {
+                       torch::Tensor w_rowsum, std::optional<torch::Tensor> bias) {
     linears_.push_back(Linear{{}, false, torch::jit::toIValue(packed, c10::AnyType::get()), reduce_range, outliers,
-                              w_outliers, bias});
+                              w_outliers, w_rowsum, bias});
   }
 
   // x: [N, hidden] fp32 embeddings, one token per decoding sequence; cos, sin: [N, D]; kv_caches: [layers, 2,
