@@ -89,7 +89,9 @@ class Int8DynamicLinear(nn.Module):
             unit = ((xm - lo) * (1.0 / span)).clamp_(0.0, 1.0)  # times the reciprocal, as the fused kernel does
             unit.scatter_(1, xm.argmin(dim=-1, keepdim=True), 0.0)
             unit.scatter_(1, xm.argmax(dim=-1, keepdim=True), ((hi - lo) > 1e-12).to(unit.dtype))
-            y = torch.ops.quantized.linear_dynamic(unit, self.packed, self.reduce_range) * span + lo * self.w_rowsum
+            y = torch.ops.quantized.linear_dynamic(unit, self.packed, self.reduce_range)
+            # y * span + min * row sums with one rounding of the product, as the fused kernel's multiply-add does
+            y = (y.double() * span.double() + (lo * self.w_rowsum).double()).float()
         else:
             y = torch.ops.quantized.linear_dynamic(xm, self.packed, self.reduce_range)
         y.addmm_(x.index_select(1, self.outliers), self.w_outliers)

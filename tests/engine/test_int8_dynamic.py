@@ -105,9 +105,7 @@ def test_fused_per_token_steps_match_the_torch_ops(outliers: list[int]) -> None:
     assert q.kernels is not None
     fused = q(x)
     q.kernels = None  # the torch ops the fused steps replace
-    # the same u8 rows; the undo step (y * span + min * row sums, values up to ~600 here) rounds a few ulps apart
-    # where the compiler fuses its multiply-add
-    torch.testing.assert_close(fused, q(x), rtol=1e-5, atol=1e-3)
+    torch.testing.assert_close(fused, q(x), rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("fused", [True, False])
