@@ -66,22 +66,11 @@ async def answer(request: Request[Any, Any, Any], framing: Framing) -> Response[
 
 class ClientWatch:
     """Listens for the client's disconnect for the whole request (one listener task, not one per wait): while
-    `run` awaits work, a disconnect cancels the handler's task, and `run` turns that into ClientLeft.
-
-    The listener starts only once the request has run for LISTEN_AFTER_S: most answers (cache hits, refusals, a
-    fast tier) are ready before then, and a listener task (started, then cancelled through the server's receive)
-    cost about a sixth of an exact cache hit's time. A client that leaves is noticed at most that much later.
-    """
-
-    LISTEN_AFTER_S = 0.005
+    `run` awaits work, a disconnect cancels the handler's task, and `run` turns that into ClientLeft."""
 
     def __init__(self, request: Request[Any, Any, Any]) -> None:
         self._handler = asyncio.current_task()
         self._left = self._running = False
-        self._listener: asyncio.Future[None] | None = None
-        self._start = asyncio.get_running_loop().call_later(self.LISTEN_AFTER_S, self._listen, request)
-
-    def _listen(self, request: Request[Any, Any, Any]) -> None:
         self._listener = asyncio.ensure_future(_disconnected(request))
         self._listener.add_done_callback(self._on_disconnect)
 
@@ -110,9 +99,7 @@ class ClientWatch:
             self._running = False
 
     def close(self) -> None:
-        self._start.cancel()
-        if self._listener is not None:
-            self._listener.cancel()
+        self._listener.cancel()
 
 
 async def _disconnected(request: Request[Any, Any, Any]) -> None:
