@@ -9,9 +9,10 @@ of a pass (ORT's profiler, one Zen 4 core: 7.8 of 32 ms in those products, 2.3 m
 
 `narrow_relative_positions` rewrites the graph so each product uses only the table's rows from span - L + 1 to
 span + L - 1 (clamped to the table) and the gather's indices move down by the same offset. The entries kept are the
-same dot products of the same rows, so the scores do not change (tests/cache/test_meaning_check.py compares the two
-graphs' margins on pairs of every length up to the model's limit). A graph without the pattern (another export) is
-left as it is.
+same dot products of the same rows, so the scores do not change (tests/cache/test_nli_positions.py compares the two
+graphs' logits, bit for bit, on pairs of every length up to the model's limit). The pattern is matched by its shape
+(GatherElements of MatMul(x, Transpose(Tile(Expand(table)))) with a [heads, 2 * span, size] table), which is
+DeBERTa's and is checked only against this model: a graph without it is left as it is.
 """
 
 from __future__ import annotations
