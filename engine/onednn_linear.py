@@ -11,6 +11,13 @@ With `weight_dtype=bf16` under an fp32 model (the runner's bf16 on CPU), the wei
 call rounds its input to bf16 and widens the bf16 result back to fp32: the matmul reads half the bytes and runs on
 AVX-512 BF16 / AMX, while norms, rope, attention and the residual stream stay fp32 (see ModelRunner).
 
+One row is run as two (the row twice, the first result kept): oneDNN takes another kernel for a single row, and
+for SmolLM2's down projection (1,536 inputs) its sums differed in the last bit from the same row's computed among
+others, for fp32 and bf16 weights alike, so a greedy answer could change with what it was batched with (8 of 16
+ShareGPT answers of `full` in bf16, 64 tokens, alone against together, on an AMD Zen 4). Every row count from 2 up
+gives the same bits (tests/engine/test_onednn_linear.py); the second row costs nothing measurable on a step that
+reads the whole weight anyway.
+
 Used for inference only (the runner packs its model once; training keeps nn.Linear). The packed weight
 is an opaque oneDNN tensor, so a packed model is not saved. TIERGATE_ONEDNN=0 keeps nn.Linear.
 """
@@ -58,9 +65,14 @@ class OneDnnLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape, dtype = x.shape, x.dtype
         x = x.reshape(-1, self.in_features)
+        single = x.shape[0] == 1
+        if single:  # one row runs as two (see the module's docstring)
+            x = torch.cat([x, x])
         if self.weight_dtype is not None:
             x = x.to(self.weight_dtype)  # the same two conversions decode_layers.cpp makes
         y = torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
+        if single:
+            y = y[:1]
         return y.to(dtype).reshape(*shape[:-1], self.out_features)
 
 

@@ -48,8 +48,16 @@ struct Linear {
   std::optional<torch::Tensor> bias;
 
   torch::Tensor operator()(const torch::Tensor& x) const {
-    if (onednn.defined() && bf16) return onednn_linear(x.to(at::kBFloat16), onednn, bias).to(at::kFloat);
-    if (onednn.defined()) return onednn_linear(x, onednn, bias);
+    if (onednn.defined()) {
+      // oneDNN runs a single row on another kernel whose sums can differ in the last bit from the same row's among
+      // others (SmolLM2's down projection, K = 1536): one row runs as two, so a sequence decodes the same alone or
+      // batched (OneDnnLinear.forward does the same)
+      const bool single = x.size(0) == 1;
+      const auto rows = single ? at::cat({x, x}) : x;
+      auto y = bf16 ? onednn_linear(rows.to(at::kBFloat16), onednn, bias).to(at::kFloat)
+                    : onednn_linear(rows, onednn, bias);
+      return single ? y.narrow(0, 0, 1) : y;
+    }
     auto rows = int8_rows_prepare(x, outliers);  // [scaled rows, per-row scales, the kept channels]
     auto y = int8_rows_finish_(fbgemm_linear(rows[0], int8, reduce_range), rows[1], rows[2], w_outliers, w_rowsum);
     return bias ? y + *bias : y;
