@@ -90,19 +90,22 @@ def test_bf16_weights_under_fp32_inputs_round_the_input_and_widen_the_result(row
     assert OneDnnLinear.of(nn.Linear(4, 4), torch.float32).weight_dtype is None
 
 
-def _has_amx() -> bool:
+def _cpu_flags() -> set[str]:
     try:
-        return "amx_bf16" in Path("/proc/cpuinfo").read_text()
+        return {f for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")
+                for f in line.split(":", 1)[1].split()}
     except OSError:
-        return False
+        return set()
 
 
-# bf16 where oneDNN runs it without AMX (AVX-512 BF16, measured on an AMD Zen 4). With AMX, oneDNN has kernels of its
-# own for bf16 whose choice by row count was not measured (no such CPU in session 16): not asserted there.
-DTYPES = [None] + ([torch.bfloat16] if onednn_linear.available(torch.device("cpu"), torch.bfloat16)
-                   and not _has_amx() else [])
+# Measured where oneDNN runs AVX-512 without AMX (an AMD Zen 4, session 16): there every row count from 2 up gives
+# the same bits, fp32 and bf16. On AVX2-only CPUs and with AMX oneDNN has kernels of its own whose choice by row
+# count was not measured (no such CPU that session), so the property is not asserted there.
+MEASURED_ISA = "avx512f" in _cpu_flags() and "amx_tile" not in _cpu_flags()
+DTYPES = [None] + ([torch.bfloat16] if onednn_linear.available(torch.device("cpu"), torch.bfloat16) else [])
 
 
+@pytest.mark.skipif(not MEASURED_ISA, reason="row-count invariance measured on AVX-512 without AMX only")
 @pytest.mark.parametrize("weight_dtype", DTYPES)
 @pytest.mark.parametrize(("out_features", "in_features"), [(576, 1536), (960, 576), (3072, 576)])
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it(weight_dtype: torch.dtype | None, out_features: int,
