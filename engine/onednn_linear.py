@@ -14,9 +14,9 @@ AVX-512 BF16 / AMX, while norms, rope, attention and the residual stream stay fp
 One row is run as two (the row twice, the first result kept): oneDNN takes another kernel for a single row, and
 for SmolLM2's down projection (1,536 inputs) its sums differed in the last bit from the same row's computed among
 others, for fp32 and bf16 weights alike, so a greedy answer could change with what it was batched with (8 of 16
-ShareGPT answers of `full` in bf16, 64 tokens, alone against together, on an AMD Zen 4). Every row count from 2 up
-gives the same bits (tests/engine/test_onednn_linear.py); the second row costs nothing measurable on a step that
-reads the whole weight anyway.
+ShareGPT answers of `full` in bf16, 64 tokens, alone against together, on an AMD Zen 4). There every row count from
+2 up gives the same bits (tests/engine/test_onednn_linear.py, asserted on AVX-512 without AMX, where it was
+measured); the second row cost nothing in bf16 and ~3% of a one-stream fp32 decode step (BENCHMARKS.md).
 
 Used for inference only (the runner packs its model once; training keeps nn.Linear). The packed weight
 is an opaque oneDNN tensor, so a packed model is not saved. TIERGATE_ONEDNN=0 keeps nn.Linear.
