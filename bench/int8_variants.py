@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 from typing import Any
+from unittest import mock
 
 from assets import offline_hub
 
@@ -36,15 +37,9 @@ def build(per_token: bool, qmax: int, fp16_head: bool, smooth: bool, outliers: b
     from engine import int8_dynamic as q
     from engine.model_runner import ModelRunner
 
-    packing = os.environ.get("TIERGATE_ONEDNN")
-    os.environ["TIERGATE_ONEDNN"] = "0"  # plain nn.Linear layers to swap (the runner packs fp32 ones for oneDNN)
-    try:
+    # plain nn.Linear layers to swap (the runner packs fp32 ones for oneDNN)
+    with mock.patch.dict(os.environ, {"TIERGATE_ONEDNN": "0"}):
         model = ModelRunner(MODEL_DIR, dtype="fp32", kv_cache_bytes=1 << 24).model
-    finally:
-        if packing is None:
-            del os.environ["TIERGATE_ONEDNN"]
-        else:
-            os.environ["TIERGATE_ONEDNN"] = packing
     ranges = q.activation_ranges(model, q.calibration_chunks(MODEL_DIR))
     if smooth:
         q.smooth_(model, ranges)

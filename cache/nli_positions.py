@@ -39,28 +39,27 @@ def narrow_relative_positions(model: onnx.ModelProto, input_name: str = "input_i
     if not products or len(spans) != 1 or input_name not in {i.name for i in graph.input}:
         return 0
     span = spans.pop()
-    prefix = "tiergate_narrow"
-    consts = {f"{prefix}/{name}": np.array(value, dtype=np.int64) for name, value in
-              (("one", [1]), ("two", [2]), ("span_plus_one", [span + 1]), ("span", [span]), ("zero", [0]),
-               ("axis", [1]))}
-    graph.initializer.extend(numpy_helper.from_array(v, k) for k, v in consts.items())
-    c = {k.rsplit("/", 1)[1]: k for k in consts}
-    shared = [
-        helper.make_node("Shape", [input_name], [f"{prefix}/shape"]),
-        helper.make_node("Slice", [f"{prefix}/shape", c["one"], c["two"]], [f"{prefix}/length"]),
-        helper.make_node("Sub", [c["span_plus_one"], f"{prefix}/length"], [f"{prefix}/first_unclamped"]),
-        helper.make_node("Max", [f"{prefix}/first_unclamped", c["zero"]], [f"{prefix}/first"]),
-        helper.make_node("Add", [c["span"], f"{prefix}/length"], [f"{prefix}/end"]),
+
+    def name(what: str) -> str:
+        return f"tiergate_narrow/{what}"
+
+    for what, value in (("one", 1), ("two", 2), ("span_plus_one", span + 1), ("span", span), ("zero", 0)):
+        graph.initializer.append(numpy_helper.from_array(np.array([value], dtype=np.int64), name(what)))
+    shared = [  # first = max(span + 1 - L, 0), end = span + L, for the pair's length L
+        helper.make_node("Shape", [input_name], [name("shape")]),
+        helper.make_node("Slice", [name("shape"), name("one"), name("two")], [name("length")]),
+        helper.make_node("Sub", [name("span_plus_one"), name("length")], [name("first_unclamped")]),
+        helper.make_node("Max", [name("first_unclamped"), name("zero")], [name("first")]),
+        helper.make_node("Add", [name("span"), name("length")], [name("end")]),
     ]
-    first = f"{prefix}/first"
     nodes = list(graph.node)
     before: dict[int, list[onnx.NodeProto]] = {}
     for i, (_, product) in enumerate(products):
-        rows, index = f"{prefix}/rows_{i}", f"{prefix}/index_{i}"
-        before.setdefault(id(product.expand), []).append(
-            helper.make_node("Slice", [product.table, first, f"{prefix}/end", c["axis"]], [rows]))
+        rows, index = name(f"rows_{i}"), name(f"index_{i}")
+        before.setdefault(id(product.expand), []).append(  # the table's axis 1: its positions
+            helper.make_node("Slice", [product.table, name("first"), name("end"), name("one")], [rows]))
         before.setdefault(id(product.gather), []).append(
-            helper.make_node("Sub", [product.gather.input[1], first], [index]))
+            helper.make_node("Sub", [product.gather.input[1], name("first")], [index]))
         product.expand.input[0] = rows
         product.gather.input[1] = index
     rewritten = shared + [new for node in nodes for new in (*before.get(id(node), ()), node)]
