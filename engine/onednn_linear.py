@@ -16,7 +16,7 @@ for SmolLM2's down projection (1,536 inputs) its sums differed in the last bit f
 others, for fp32 and bf16 weights alike, so a greedy answer could change with what it was batched with (8 of 16
 ShareGPT answers of `full` in bf16, 64 tokens, alone against together, on an AMD Zen 4). There every row count from
 2 up gives the same bits (tests/engine/test_onednn_linear.py, asserted on AVX-512 without AMX, where it was
-measured); the second row cost nothing in bf16 and ~3% of a one-stream fp32 decode step (BENCHMARKS.md).
+measured); the second row costs a few percent of a layer's linears at one row (`python -m bench.onednn_rows`).
 
 Used for inference only (the runner packs its model once; training keeps nn.Linear). The packed weight
 is an opaque oneDNN tensor, so a packed model is not saved. TIERGATE_ONEDNN=0 keeps nn.Linear.

@@ -100,12 +100,12 @@ def _cpu_flags() -> set[str]:
 
 # Measured where oneDNN runs AVX-512 without AMX (an AMD Zen 4, session 16): there every row count from 2 up gives
 # the same bits, fp32 and bf16. On AVX2-only CPUs and with AMX oneDNN has kernels of its own whose choice by row
-# count was not measured (no such CPU that session), so the property is not asserted there.
+# count was not measured (no such CPU that session): there only a row alone against the same row in pairs (what the
+# single-row rule is for) is asserted. `python -m bench.onednn_rows` measures the rest on any CPU.
 MEASURED_ISA = "avx512f" in _cpu_flags() and "amx_tile" not in _cpu_flags()
 DTYPES = [None] + ([torch.bfloat16] if onednn_linear.available(torch.device("cpu"), torch.bfloat16) else [])
 
 
-@pytest.mark.skipif(not MEASURED_ISA, reason="row-count invariance measured on AVX-512 without AMX only")
 @pytest.mark.parametrize("weight_dtype", DTYPES)
 @pytest.mark.parametrize(("out_features", "in_features"), [(576, 1536), (960, 576), (3072, 576)])
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it(weight_dtype: torch.dtype | None, out_features: int,
@@ -117,6 +117,11 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(weight_dtype: torch
     packed = OneDnnLinear(torch.randn(out_features, in_features) * 0.05, None, weight_dtype)
     x = torch.randn(320, in_features)
     with torch.inference_mode():
-        whole = packed(x)
-        for rows in (1, 2, 5, 16, 64):
-            assert torch.equal(torch.cat([packed(x[i:i + rows]) for i in range(0, len(x), rows)]), whole), rows
+        def in_groups(rows: int) -> torch.Tensor:
+            return torch.cat([packed(x[i:i + rows]) for i in range(0, len(x), rows)])
+
+        assert torch.equal(in_groups(1), in_groups(2))
+        if MEASURED_ISA:
+            whole = packed(x)
+            for rows in (1, 2, 5, 16, 64):
+                assert torch.equal(in_groups(rows), whole), rows
