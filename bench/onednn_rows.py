@@ -6,8 +6,10 @@ For SmolLM2's linear shapes, fp32 weights and (where oneDNN runs them) bf16 ones
 CPU: which row counts give other bits than the same rows computed 1,024 at a time, calling oneDNN directly (the
 engine's single-row rule off); and the time of one row as oneDNN takes it against one row run as two (what
 engine/onednn_linear.py and the native decode step do), best of three rounds of --repeat calls, per shape and summed
-over a layer's four linears. Run it on a CPU not measured yet (AVX2 only, AMX) before asserting more there
-(tests/engine/test_onednn_linear.py).
+over a layer's four linears. oneDNN runs as the engine runs it: on AMX where the CPU has it, and capped below AMX
+with `TIERGATE_ONEDNN_AMX=0` (engine/onednn_linear.py; on an Intel Xeon with AMX, session 17: with AMX, bf16 rows 33
+to a few hundred round otherwise than fewer or more; capped, no count differs). Run it on a CPU not measured yet
+(AVX2 only) before asserting more there (tests/engine/test_onednn_linear.py).
 """
 
 from __future__ import annotations

@@ -18,6 +18,15 @@ ShareGPT answers of `full` in bf16, 64 tokens, alone against together, on an AMD
 2 up gives the same bits (tests/engine/test_onednn_linear.py, asserted on AVX-512 without AMX, where it was
 measured); the second row costs a few percent of a layer's linears at one row (`python -m bench.onednn_rows`).
 
+On CPUs with AMX, oneDNN runs bf16 matmuls of 33 to a few hundred rows on AMX tiles and fewer or more rows on
+AVX-512 BF16, and the two round differently (a few rows in a hundred, in the last bit; `python -m
+bench.onednn_rows`): there a sequence's bf16 answer can change when its step holds more than 32 rows.
+TIERGATE_ONEDNN_AMX=0 caps oneDNN at AVX-512 BF16 (`ONEDNN_MAX_CPU_ISA`, set before the process's first oneDNN call,
+which reads it), where every row count from 2 up gives the same bits. It is not the default: measured on an Intel
+Xeon (session 17), the capped kernels answered SmolLM2's "What is the capital of France?" with a near tie's other
+first token (top-1 agreement with fp32 97.4% against AMX's 97.7% on 4,096 tokens) and prompts lose AMX's speed.
+fp32 runs no AMX kernel, so only bf16 weights see the switch.
+
 Used for inference only (the runner packs its model once; training keeps nn.Linear). The packed weight
 is an opaque oneDNN tensor, so a packed model is not saved. TIERGATE_ONEDNN=0 keeps nn.Linear.
 """
@@ -30,10 +39,23 @@ import torch
 from torch import nn
 
 PACK_ROWS_HINT = 16  # oneDNN picks its blocking for this many rows; any row count runs on it
+ISA_CAP = "AVX512_CORE_BF16"  # the highest oneDNN ISA below AMX, under TIERGATE_ONEDNN_AMX=0 (the docstring)
+
+
+def cap_isa_below_amx() -> None:
+    """Keep oneDNN off AMX in this process when TIERGATE_ONEDNN_AMX=0 (unless ONEDNN_MAX_CPU_ISA is set already).
+    oneDNN reads the variable once, at its first use (a primitive, or asking whether it runs bf16): called when this
+    module is imported, which the engine's runner does before any model code, and again before each use here."""
+    if os.environ.get("TIERGATE_ONEDNN_AMX", "1") == "0":
+        os.environ.setdefault("ONEDNN_MAX_CPU_ISA", ISA_CAP)
+
+
+cap_isa_below_amx()  # on import: even asking oneDNN whether it runs bf16 (`available`) fixes its ISA
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
     """oneDNN serves CPU fp32 linears, and bf16 ones on CPUs with AVX-512; TIERGATE_ONEDNN=0 turns it off."""
+    cap_isa_below_amx()
     if os.environ.get("TIERGATE_ONEDNN", "1") == "0" or device.type != "cpu":
         return False
     if not torch.backends.mkldnn.is_available():
@@ -49,6 +71,7 @@ class OneDnnLinear(nn.Module):
         """weight: [out, in] as nn.Linear holds it. `weight_dtype` (bf16 under an fp32 weight): pack the weight in
         that dtype; inputs are rounded to it and results widened back to the input's dtype."""
         super().__init__()
+        cap_isa_below_amx()
         self.out_features, self.in_features = weight.shape
         weight = weight.detach()
         self.weight_dtype = weight_dtype if weight_dtype not in (None, weight.dtype) else None

@@ -3,6 +3,10 @@ Greedy equality with transformers through them is checked by test_model_runner.p
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -98,11 +102,14 @@ def _cpu_flags() -> set[str]:
         return set()
 
 
-# Measured where oneDNN runs AVX-512 without AMX (an AMD Zen 4, session 16): there every row count from 2 up gives
-# the same bits, fp32 and bf16. On AVX2-only CPUs and with AMX oneDNN has kernels of its own whose choice by row
-# count was not measured (no such CPU that session): there only a row alone against the same row in pairs (what the
-# single-row rule is for) is asserted. `python -m bench.onednn_rows` measures the rest on any CPU.
-MEASURED_ISA = "avx512f" in _cpu_flags() and "amx_tile" not in _cpu_flags()
+# Measured where oneDNN runs AVX-512 (an AMD Zen 4 without AMX, session 16; an Intel Xeon with AMX, session 17, with
+# oneDNN capped below AMX, TIERGATE_ONEDNN_AMX=0): there every row count from 2 up gives the same bits, fp32 and bf16.
+# On AVX2-only CPUs oneDNN has kernels of its own whose choice by row count was not measured: there only a row alone
+# against the same row in pairs (what the single-row rule is for) is asserted. `python -m bench.onednn_rows` measures
+# the rest on any CPU. The cap is read once, at oneDNN's first use, so the counts are asserted here only without AMX,
+# and in a fresh process below with the cap.
+AVX512 = "avx512f" in _cpu_flags()
+MEASURED_ISA = AVX512 and "amx_tile" not in _cpu_flags()
 DTYPES = [None] + ([torch.bfloat16] if onednn_linear.available(torch.device("cpu"), torch.bfloat16) else [])
 
 
@@ -125,3 +132,50 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(weight_dtype: torch
             whole = packed(x)
             for rows in (1, 2, 5, 16, 64):
                 assert torch.equal(in_groups(rows), whole), rows
+
+
+ROWS_IN_A_FRESH_PROCESS = """
+import json, sys, torch
+from engine import onednn_linear
+from engine.onednn_linear import OneDnnLinear
+dtypes = [None] + ([torch.bfloat16] if onednn_linear.available(torch.device("cpu"), torch.bfloat16) else [])
+differ = []
+for dtype in dtypes:
+    for out_features, in_features in [(576, 1536), (960, 576), (3072, 576)]:
+        torch.manual_seed(in_features)
+        packed = OneDnnLinear(torch.randn(out_features, in_features) * 0.05, None, dtype)
+        x = torch.randn(640, in_features)
+        with torch.inference_mode():
+            whole = packed(x)
+            for rows in (1, 2, 5, 16, 32, 33, 64, 100, 320):
+                if not torch.equal(torch.cat([packed(x[i:i + rows]) for i in range(0, len(x), rows)]), whole):
+                    differ.append([str(dtype), out_features, in_features, rows])
+print(json.dumps(differ))
+"""
+
+
+@pytest.mark.skipif(not AVX512, reason="oneDNN's row-count kernels were measured on AVX-512 CPUs only")
+def test_rows_are_independent_in_a_fresh_engine_process_kept_off_amx() -> None:
+    """An engine process with TIERGATE_ONEDNN_AMX=0 (oneDNN capped below AMX before its first use): any row, alone,
+    in a batch of decodes or in a prompt of hundreds, gives the same bits. With AMX, 33 to a few hundred bf16 rows ran
+    on AMX tiles and rounded some rows otherwise than fewer or more (session 17, an Intel Xeon)."""
+    env = {k: v for k, v in os.environ.items() if k != "ONEDNN_MAX_CPU_ISA"} | {"TIERGATE_ONEDNN_AMX": "0"}
+    done = subprocess.run([sys.executable, "-c", ROWS_IN_A_FRESH_PROCESS], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[2], env=env, timeout=300, check=True)
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == []
+
+
+CAP = onednn_linear.ISA_CAP
+
+
+@pytest.mark.parametrize(("amx", "preset", "expected"),
+                         [(None, None, None), ("1", None, None), ("0", None, CAP), ("0", "AVX2", "AVX2")])
+def test_the_isa_cap_is_set_only_when_amx_is_turned_off(monkeypatch: pytest.MonkeyPatch, amx: str | None,
+                                                        preset: str | None, expected: str | None) -> None:
+    for name, value in (("TIERGATE_ONEDNN_AMX", amx), ("ONEDNN_MAX_CPU_ISA", preset)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    onednn_linear.cap_isa_below_amx()
+    assert os.environ.get("ONEDNN_MAX_CPU_ISA") == expected
