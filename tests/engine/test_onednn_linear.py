@@ -173,8 +173,9 @@ CAP = onednn_linear.ISA_CAP
 def test_the_isa_cap_is_set_only_when_amx_is_turned_off(monkeypatch: pytest.MonkeyPatch, amx: str | None,
                                                         preset: str | None, expected: str | None) -> None:
     for name, value in (("TIERGATE_ONEDNN_AMX", amx), ("ONEDNN_MAX_CPU_ISA", preset)):
-        if value is None:
-            monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv(name, "")  # recorded first, so that what the function sets is undone after the test too
+        if value is None:  # (a cap left behind would reach every engine the later tests start)
+            monkeypatch.delenv(name)
         else:
             monkeypatch.setenv(name, value)
     onednn_linear.cap_isa_below_amx()
