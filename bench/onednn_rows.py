@@ -25,7 +25,7 @@ from engine import onednn_linear
 from engine.onednn_linear import OneDnnLinear
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down: a layer's four
-ROW_COUNTS = (1, 2, 3, 5, 16, 17, 64, 100, 256, 257, 512, 513)
+ROW_COUNTS = (1, 2, 3, 5, 16, 17, 32, 33, 64, 100, 256, 257, 512, 513, 600, 700)
 
 
 def main() -> None:

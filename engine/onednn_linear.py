@@ -44,8 +44,8 @@ ISA_CAP = "AVX512_CORE_BF16"  # the highest oneDNN ISA below AMX, under TIERGATE
 
 def cap_isa_below_amx() -> None:
     """Keep oneDNN off AMX in this process when TIERGATE_ONEDNN_AMX=0 (unless ONEDNN_MAX_CPU_ISA is set already).
-    oneDNN reads the variable once, at its first use (a primitive, or asking whether it runs bf16): called when this
-    module is imported, which the engine's runner does before any model code, and again before each use here."""
+    oneDNN reads the variable once, at its first use (a primitive, or asking whether it runs bf16): called once, when
+    this module is imported, which the engine's runner does before any model code."""
     if os.environ.get("TIERGATE_ONEDNN_AMX", "1") == "0":
         os.environ.setdefault("ONEDNN_MAX_CPU_ISA", ISA_CAP)
 
@@ -55,7 +55,6 @@ cap_isa_below_amx()  # on import: even asking oneDNN whether it runs bf16 (`avai
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
     """oneDNN serves CPU fp32 linears, and bf16 ones on CPUs with AVX-512; TIERGATE_ONEDNN=0 turns it off."""
-    cap_isa_below_amx()
     if os.environ.get("TIERGATE_ONEDNN", "1") == "0" or device.type != "cpu":
         return False
     if not torch.backends.mkldnn.is_available():
@@ -71,7 +70,6 @@ class OneDnnLinear(nn.Module):
         """weight: [out, in] as nn.Linear holds it. `weight_dtype` (bf16 under an fp32 weight): pack the weight in
         that dtype; inputs are rounded to it and results widened back to the input's dtype."""
         super().__init__()
-        cap_isa_below_amx()
         self.out_features, self.in_features = weight.shape
         weight = weight.detach()
         self.weight_dtype = weight_dtype if weight_dtype not in (None, weight.dtype) else None
