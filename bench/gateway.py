@@ -36,6 +36,7 @@ import argparse
 import itertools
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -104,18 +105,26 @@ class Runner:
         self.args = args
         self.nonce = itertools.count(int(time.time()) % 1_000_000 * 1000)
         self.cells: list[Cell] = []
+        self.load_servers: list[Server] = []  # the mock, Redis: their CPU counts as the load's
+
+    def load_cpu_s(self) -> float:
+        """CPU time the load side has used so far: this harness, its finished children (wrk), the load servers."""
+        own, done = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return (own.ru_utime + own.ru_stime + done.ru_utime + done.ru_stime
+                + sum(s.cpu_s() for s in self.load_servers))
 
     def measure(self, server: Server, label: str, spec: PathSpec, concurrency: int, seconds: float) -> Cell:
         tokens = self.args.stream_tokens if spec.stream else self.args.tokens
         body = body_for(spec, self.args.model, tokens)
         cell = Cell(label, spec.key, concurrency, seconds)
-        cpu_before = server.cpu_s()
+        cpu_before, load_before, t0 = server.cpu_s(), self.load_cpu_s(), time.monotonic()
         if spec.stream:
             stream_probe(cell, server.host, server.port, "/v1/chat/completions", key=server.key, body=body,
                          nonce=next(self.nonce))
         else:
             run_wrk(cell, f"{server.url}/v1/chat/completions", key=server.key, body=body, unique=spec.unique,
                     nonce=next(self.nonce))
+        cell.load_cores = (self.load_cpu_s() - load_before) / max(time.monotonic() - t0, 1e-9)
         settle(server)
         answered = cell.answers.get("2xx", 0)
         if answered:  # the health probes of `settle` are in it too: a few, against thousands of answers
@@ -249,9 +258,11 @@ def main(argv: list[str] | None = None) -> None:
         try:
             print(f"mock upstream at {mock.url} (CPU {load_cpus[0]})", file=sys.stderr)
             runner.run_target(mock, "mock alone", [p for p in paths if not p.cache_only])
+            runner.load_servers.append(mock)
             label = f"Tiergate {head_label()}"
             if args.workers > 1:
                 redis = start_redis(work / "redis")
+                runner.load_servers.append(redis)
                 try:
                     scaling(runner, label, work, mock.url, gw_cpus, f"redis://127.0.0.1:{redis.port}", skipped, paths)
                 finally:

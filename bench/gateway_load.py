@@ -45,6 +45,9 @@ class Cell:
     per_chunk_us: float | None = None  # streams: median of (end - first text) / (text chunks - 1)
     chunks_p50: float | None = None  # streams: text chunks per stream (a relay that merges chunks shows here)
     cpu_ms_per_request: float | None = None  # the target's processes' CPU time (user + system) per answer
+    # CPU time of the load side (wrk, the mock, Redis, this harness) over the cell's wall time, in cores: what a
+    # target sharing the load's core could not have
+    load_cores: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

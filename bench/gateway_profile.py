@@ -29,7 +29,7 @@ from pathlib import Path
 from bench.gateway import PATHS, body_for
 from bench.gateway_load import Cell, run_wrk
 from bench.gateway_report import machine_info
-from bench.gateway_targets import REPO, start_mock, start_tiergate
+from bench.gateway_targets import REPO, start_mock, start_redis, start_tiergate
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -42,6 +42,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rate", type=int, default=500, help="py-spy samples a second [500]")
     p.add_argument("--top", type=int, default=30, help="functions listed per table [30]")
     p.add_argument("--raw", type=Path, help="also keep py-spy's raw stacks here")
+    p.add_argument("--redis", action="store_true",
+                   help="quotas, cache and ladder on a redis-server of the run's own (on the load CPU), as "
+                        "`tiergate serve --workers N` runs them; default: the embedded stores")
     return p.parse_args(argv)
 
 
@@ -92,8 +95,10 @@ def main(argv: list[str] | None = None) -> None:
     body = body_for(spec, "auto", args.tokens)
     nonce = itertools.count(int(time.time()) % 1_000_000 * 1000)
     mock = start_mock(work, args.tokens)
+    redis = start_redis(work) if args.redis else None
     try:
-        tg = start_tiergate("Tiergate", REPO, work / "tiergate", mock.url, gw, 1)
+        tg = start_tiergate("Tiergate", REPO, work / "tiergate", mock.url, gw, 1,
+                            redis_url=f"redis://127.0.0.1:{redis.port}/0" if redis is not None else None)
         try:
             url = f"{tg.url}/v1/chat/completions"
             if spec.prime:
@@ -115,6 +120,8 @@ def main(argv: list[str] | None = None) -> None:
             tg.stop()
     finally:
         mock.stop()
+        if redis is not None:
+            redis.stop()
     total, own, under = shares(raw)
     print(f"# Profile of path {spec.title}\n")
     print(f"`python -m bench.gateway_profile {' '.join(sys.argv[1:] if argv is None else argv)}` — {info['date']}; "

@@ -189,13 +189,20 @@ def _scaling(path: PathLike, cells: list[Cell], workers: int) -> str:
     """`--workers N`: Tiergate's N workers over its 1 worker, per concurrency (cells measured alternately)."""
     if workers < 2:
         return ""
-    pairs = []
+    pairs, shared = [], []
     for one in (x for x in cells if x.path == path.key and x.target.endswith(" 1 worker")):
         many = _find(cells, one.target.removesuffix(" 1 worker") + f" {workers} workers", path.key, one.concurrency)
         pairs.append(f"c={one.concurrency} {_ratio(many, one)}")
+        if many is not None and many.load_cores is not None:
+            shared.append(f"c={one.concurrency} {many.load_cores:.2f}")
     if not pairs:
         return ""
-    return f"Tiergate's {workers} workers ({workers} cores) over its 1 worker (1 core), req/s: {', '.join(pairs)}."
+    line = f"Tiergate's {workers} workers ({workers} cores) over its 1 worker (1 core), req/s: {', '.join(pairs)}."
+    if shared:
+        line += (f" The load side (wrk, the mock, Redis, this harness) used, in cores, during the {workers}-worker "
+                 f"cells: {', '.join(shared)}; where it shares a core with the workers, they had that much less "
+                 f"than {workers} cores.")
+    return line
 
 
 def render(info: dict[str, Any], args: argparse.Namespace, paths: list[PathLike], cells: list[Cell],

@@ -148,3 +148,15 @@ def test_the_report_compares_cpu_per_answer_with_the_reference_and_groups_rows_b
                                                    [f"| {ref}", "16"]]
     assert rows[0].endswith("| 1.25x | 1.33x |") and rows[1].endswith("| 0.80x | 0.80x |")  # req/s, CPU per answer
     assert "| 1.50 |" in rows[0] and rows[2].endswith("| — | — | — |")
+
+
+def test_the_scaling_line_gives_the_ratio_and_the_cores_the_load_took_from_the_workers() -> None:
+    from bench.gateway import PATHS
+    from bench.gateway_report import _scaling
+
+    one = Cell("Tiergate x 1 worker", "a", 64, 2.0, rps=400.0, load_cores=0.05)
+    many = Cell("Tiergate x 2 workers", "a", 64, 2.0, rps=700.0, load_cores=0.23)
+    line = _scaling(PATHS["a"], [one, many], 2)
+    assert "c=64 1.75x" in line
+    assert "c=64 0.23" in line and "0.05" not in line  # the load during the 2-worker cell, not the 1-worker one
+    assert _scaling(PATHS["a"], [one, many], 1) == ""
