@@ -4,6 +4,7 @@
     .venv/bin/python -m bench.gateway --quick               # a smoke run: 2 s per cell
     .venv/bin/python -m bench.gateway --compare-ref e0f0f18 --json /tmp/gateway.json
     .venv/bin/python -m bench.gateway --workers 2           # 1 and 2 gateway workers, cell by cell
+    .venv/bin/python -m bench.gateway --workers 2 --rounds 3  # the same, three rounds: medians, every round's ratio
 
 Only the gateway is timed: every tier points at bench/gateway_mock.py, an upstream many times faster than the
 gateway (its own rate is measured in the same run and must be at least 5x the fastest gateway cell). The
@@ -143,11 +144,14 @@ class Runner:
                 if self.args.warmup > 0:  # connections, the tokenizer, the embedder: loaded before timing
                     self.measure(server, label, spec, 16, self.args.warmup)
             for c in self.args.concurrency:
-                for server, label in targets:
-                    cell = self.measure(server, label, spec, c, self.args.seconds)
-                    self.cells.append(cell)
-                    print(f"  {label:<28} {spec.key} c={c:<3} {cell.rps:8.0f} req/s  p50 {cell.p50_ms or 0:7.2f} ms  "
-                          f"p99 {cell.p99_ms or 0:8.2f} ms  errors {cell.errors}  {cell.answers}", file=sys.stderr)
+                for r in range(self.args.rounds):
+                    for server, label in targets:
+                        cell = self.measure(server, label, spec, c, self.args.seconds)
+                        cell.round = r
+                        self.cells.append(cell)
+                        print(f"  {label:<28} {spec.key} c={c:<3} round {r + 1} {cell.rps:8.0f} req/s  "
+                              f"p50 {cell.p50_ms or 0:7.2f} ms  p99 {cell.p99_ms or 0:8.2f} ms  errors {cell.errors}  "
+                              f"{cell.answers}", file=sys.stderr)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -156,6 +160,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seconds", type=float, default=10.0, help="length of each timed cell [10]")
     p.add_argument("--warmup", type=float, default=2.0,
                    help="untimed seconds per target and path before its cells (c=16) [2]")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="cells per target, path and concurrency, the targets taking turns round by round; the "
+                        "tables give each one's median, the ratio lines every round's [1]")
     p.add_argument("--quick", action="store_true", help="a smoke run: 2 s per cell, 1 s of warm-up")
     p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16, 64],
                    help="connections per cell, comma-separated [1,16,64]")
@@ -181,8 +188,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.seconds, args.warmup = min(args.seconds, 2.0), min(args.warmup, 1.0)
     if not set(args.paths) <= set(PATHS) or not args.paths:
         p.error(f"--paths takes letters from 'abcd', got {args.paths!r}")
-    if args.workers < 1 or any(c < 1 for c in args.concurrency):
-        p.error("--workers and --concurrency take positive numbers")
+    if args.workers < 1 or args.rounds < 1 or any(c < 1 for c in args.concurrency):
+        p.error("--workers, --rounds and --concurrency take positive numbers")
     if args.compare_ref and args.workers > 1:
         p.error("--compare-ref runs with one worker: leave out --workers (the scaling run has its own pair)")
     return args

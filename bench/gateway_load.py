@@ -48,6 +48,7 @@ class Cell:
     # CPU time of the load side (wrk, the mock, Redis, this harness) over the cell's wall time, in cores: what a
     # target sharing the load's core could not have
     load_cores: float | None = None
+    round: int = 0  # `--rounds N`: which pass over the targets this cell was measured in (0 to N - 1)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -11,8 +11,10 @@ import argparse
 import os
 import platform
 import re
+import statistics
 import subprocess
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -46,6 +48,38 @@ def machine_info(load_cpus: list[int], gw_cpus: list[int]) -> dict[str, Any]:
         "loadavg_at_start": round(os.getloadavg()[0], 2),
         "date": time.strftime("%Y-%m-%d %H:%M %Z"),
     }
+
+
+def _median(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
+
+
+def collapse(cells: list[Cell]) -> list[Cell]:
+    """One cell per target, path and concurrency (in the order first measured): each figure the median of its
+    rounds (`--rounds`), counts summed. A cell measured once is returned as it is."""
+    groups: dict[tuple[str, str, int], list[Cell]] = {}
+    for cell in cells:
+        groups.setdefault((cell.target, cell.path, cell.concurrency), []).append(cell)
+    out = []
+    for group in groups.values():
+        if len(group) == 1:
+            out.append(group[0])
+            continue
+        answers: dict[str, int] = {}
+        errors: dict[str, int] = {}
+        for cell in group:
+            for k, v in cell.answers.items():
+                answers[k] = answers.get(k, 0) + v
+            for k, v in cell.error_detail.items():
+                errors[k] = errors.get(k, 0) + v
+        median = {name: _median([getattr(c, name) for c in group])
+                  for name in ("p50_ms", "p99_ms", "ttft_p50_ms", "ttft_p99_ms", "per_chunk_us", "chunks_p50",
+                               "cpu_ms_per_request", "load_cores")}
+        out.append(replace(group[0], seconds=sum(c.seconds for c in group), requests=sum(c.requests for c in group),
+                           rps=statistics.median(c.rps for c in group), errors=sum(c.errors for c in group),
+                           error_detail=errors, answers=answers, round=-1, **median))
+    return out
 
 
 def _find(cells: list[Cell], target_prefix: str, path: str, c: int) -> Cell | None:
@@ -186,21 +220,33 @@ def _added(path: PathLike, cells: list[Cell]) -> str:
 
 
 def _scaling(path: PathLike, cells: list[Cell], workers: int) -> str:
-    """`--workers N`: Tiergate's N workers over its 1 worker, per concurrency (cells measured alternately)."""
+    """`--workers N`: Tiergate's N workers over its 1 worker, per concurrency (cells measured alternately), round
+    by round, and the load side's cores during the N-worker cells."""
     if workers < 2:
         return ""
     pairs, shared = [], []
-    for one in (x for x in cells if x.path == path.key and x.target.endswith(" 1 worker")):
-        many = _find(cells, one.target.removesuffix(" 1 worker") + f" {workers} workers", path.key, one.concurrency)
-        pairs.append(f"c={one.concurrency} {_ratio(many, one)}")
-        if many is not None and many.load_cores is not None:
-            shared.append(f"c={one.concurrency} {many.load_cores:.2f}")
+    for c in sorted({x.concurrency for x in cells if x.path == path.key and x.target.endswith(" 1 worker")}):
+        ratios, loads = [], []
+        for one in (x for x in cells if x.path == path.key and x.concurrency == c and x.target.endswith(" 1 worker")):
+            many = next((x for x in cells if x.target == one.target.removesuffix(" 1 worker") + f" {workers} workers"
+                         and x.path == path.key and x.concurrency == c and x.round == one.round), None)
+            if many is not None and one.rps:
+                ratios.append(many.rps / one.rps)
+                if many.load_cores is not None:
+                    loads.append(many.load_cores)
+        if not ratios:
+            continue
+        each = ", ".join(f"{r:.2f}x" for r in ratios)
+        pairs.append(f"c={c} {each}" + (f" (median {statistics.median(ratios):.2f}x)" if len(ratios) > 1 else ""))
+        if loads:
+            shared.append(f"c={c} {', '.join(f'{v:.2f}' for v in loads)}")
     if not pairs:
         return ""
-    line = f"Tiergate's {workers} workers ({workers} cores) over its 1 worker (1 core), req/s: {', '.join(pairs)}."
+    line = (f"Tiergate's {workers} workers ({workers} cores) over its 1 worker (1 core), req/s, round by round: "
+            f"{'; '.join(pairs)}.")
     if shared:
         line += (f" The load side (wrk, the mock, Redis, this harness) used, in cores, during the {workers}-worker "
-                 f"cells: {', '.join(shared)}; where it shares a core with the workers, they had that much less "
+                 f"cells: {'; '.join(shared)}; where it shares a core with the workers, they had that much less "
                  f"than {workers} cores.")
     return line
 
@@ -208,13 +254,17 @@ def _scaling(path: PathLike, cells: list[Cell], workers: int) -> str:
 def render(info: dict[str, Any], args: argparse.Namespace, paths: list[PathLike], cells: list[Cell],
            skipped: dict[str, str], command: str) -> str:
     ref = next((c.target for c in cells if c.target.endswith("(ref)")), None)
+    each, cells = cells, collapse(cells)  # the tables give medians of the rounds; the scaling line every round
     lines = _header(info, args, cells, command)
+    if getattr(args, "rounds", 1) > 1:
+        lines.append(f"- {args.rounds} rounds: every figure in the tables is the median of a cell's rounds (answers "
+                     "and errors summed); the targets took turns round by round.")
     for path in paths:
         lines += ["", f"## {path.title}", ""]
         lines += _stream_table(path, cells, ref) if path.stream else _plain_table(path, cells, ref)
         if added := _added(path, cells):
             lines += ["", added]
-        if scaled := _scaling(path, cells, args.workers):
+        if scaled := _scaling(path, each, args.workers):
             lines += ["", scaled]
     if any(c.path == "b" for c in cells) and not any(c.path == "b" and c.target.startswith("LiteLLM") for c in cells):
         lines += ["", "LiteLLM has no answer cache configured (no Redis, no database): path (b) is Tiergate's only."]

@@ -160,3 +160,25 @@ def test_the_scaling_line_gives_the_ratio_and_the_cores_the_load_took_from_the_w
     assert "c=64 1.75x" in line
     assert "c=64 0.23" in line and "0.05" not in line  # the load during the 2-worker cell, not the 1-worker one
     assert _scaling(PATHS["a"], [one, many], 1) == ""
+
+
+def test_rounds_give_every_rounds_ratio_and_tables_of_medians() -> None:
+    from bench.gateway import PATHS
+    from bench.gateway_report import _scaling, collapse
+
+    def cell(target: str, r: int, rps: float, p99: float, load: float | None = None) -> Cell:
+        return Cell(target, "a", 64, 2.0, requests=int(rps * 2), rps=rps, p50_ms=1.0, p99_ms=p99,
+                    answers={"2xx": int(rps * 2)}, cpu_ms_per_request=1000 / rps, load_cores=load, round=r)
+
+    cells = [cell("T 1 worker", 0, 400, 90), cell("T 2 workers", 0, 600, 80, 0.2),
+             cell("T 1 worker", 1, 500, 300), cell("T 2 workers", 1, 1000, 70, 0.3),
+             cell("T 1 worker", 2, 450, 100), cell("T 2 workers", 2, 810, 95, 0.25)]
+    line = _scaling(PATHS["a"], cells, 2)
+    assert "c=64 1.50x, 2.00x, 1.80x (median 1.80x)" in line  # each round's 2 workers over the same round's 1
+    assert "c=64 0.20, 0.30, 0.25" in line
+    merged = collapse(cells)
+    assert [(m.target, m.rps, m.p99_ms, m.requests) for m in merged] == [("T 1 worker", 450, 100, 2700),
+                                                                        ("T 2 workers", 810, 80, 4820)]
+    assert merged[0].answers == {"2xx": 2700} and merged[1].load_cores == 0.25
+    single = [cell("T 1 worker", 0, 400, 90)]
+    assert collapse(single) == single  # one round: the cell as measured
