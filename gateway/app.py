@@ -220,6 +220,9 @@ def create_app(settings: Settings | None = None) -> Litestar:
         await services.fleet.start()
         if services.cache.cache is not None:  # load the embedder before the first request needs it
             await asyncio.to_thread(services.cache.cache.embedder.encode_one, "warm up")
+        # and every tier's tokenizer, which the first request of each would load on the event loop
+        await asyncio.to_thread(services.pipeline.prompt.warm, [
+            version for spec in services.catalogue.tiers.values() for version in (spec, *spec.variants.values())])
         _settle_heap()
         # the ladder follows shared changes and evaluates its triggers; rollouts changed by the CLI or another
         # process are followed; running rollouts' guards are judged (a rollback writes the store)

@@ -41,7 +41,13 @@ RECENT_PIECES = 8192  # pieces of short prompts (between added tokens) whose cou
 
 class TokenCounter:
     def __init__(self, model_dir: Path) -> None:
-        self.tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        path = model_dir / "tokenizer.json"
+        if not path.is_file():  # the tokenizers library says only "No such file or directory", as an Exception
+            raise FileNotFoundError(f"{path} is missing")
+        try:
+            self.tokenizer = Tokenizer.from_file(str(path))
+        except Exception as exc:  # tokenizers raises plain Exceptions for a file it cannot read
+            raise ValueError(f"{path} is not a tokenizer: {exc}") from exc
         config = json.loads((model_dir / "tokenizer_config.json").read_text())
         template_file = model_dir / "chat_template.jinja"
         source = template_file.read_text() if template_file.is_file() else config.get("chat_template")

@@ -20,6 +20,7 @@ billed is what the tier counted.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterable
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,6 +79,21 @@ class PromptStage:
         if num_tokens + capped > tier.context_limit:
             raise _too_long(tier, f"{num_tokens} prompt tokens + {capped} output tokens")
         return Prompt(tuple(kept), num_tokens, capped, by_context and capped == cap, applied)
+
+    def warm(self, tiers: Iterable[TierSpec]) -> list[str]:
+        """Load every tier's tokenizer and count a prompt with it (a worker thread, before the gateway takes
+        requests): loading one reads its files (about 0.2 s of CPU), which the first request of each tier would
+        otherwise pay on the event loop, stalling every request of the process. Returns the tokenizers loaded;
+        one that is not prepared is left for the request path to report."""
+        loaded: dict[str, None] = {}
+        for tier in tiers:
+            try:
+                counter = self._counter(tier)
+            except Unavailable:
+                continue
+            counter.prompt_tokens([{"role": "user", "content": "warm up"}])
+            loaded[tokenizer_source(tier)] = None
+        return list(loaded)
 
     def _counter(self, tier: TierSpec) -> TokenCounter:
         source = tokenizer_source(tier)

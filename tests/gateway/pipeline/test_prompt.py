@@ -108,3 +108,25 @@ def test_the_cap_is_reported_and_the_count_is_exact(counter: TokenCounter) -> No
     assert got.applied == ("cap_input_tokens(64,dropped=1)",)
     assert [m.text() for m in got.messages] == ["ok", "and now?"]
     assert got.num_tokens == counter.prompt_tokens([{"role": m.role, "content": m.text()} for m in got.messages])
+
+
+def test_warm_loads_each_tiers_tokenizer_once_and_leaves_an_unprepared_one_to_the_request(
+        prepared_models: Path, tmp_path: Path) -> None:
+    missing = TierSpec.model_validate({"name": "gone", "backend": "local", "model": "no-such-model",
+                                       "price_per_1k_input": "0.001", "price_per_1k_output": "0.002",
+                                       "hardware_cost_per_hour": "1", "context_limit": 8192})
+    token_counter.cache_clear()
+    stage = PromptStage(models_dir=MODELS_DIR, default_max_tokens=64)
+    assert stage.warm([tier(), missing, tier(4096)]) == ["smollm2-135m-instruct"]
+    assert token_counter.cache_info().currsize == 1  # loaded before any request: none pays it on the event loop
+    with pytest.raises(Exception, match="not prepared"):  # the request still says why, as before
+        asyncio.run(stage.measure(ChatCompletionRequest.model_validate(
+            {"model": "gone", "messages": [{"role": "user", "content": "hi"}]}), missing, NORMAL))
+
+
+def test_a_started_gateway_has_its_tiers_tokenizers_before_its_first_request(gateway_settings: Any, stub: Any) -> None:
+    from tests.conftest import running_gateway
+
+    token_counter.cache_clear()
+    with running_gateway(gateway_settings, stub[1]):
+        assert token_counter.cache_info().currsize >= 1
