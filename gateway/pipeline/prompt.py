@@ -20,6 +20,7 @@ billed is what the tier counted.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Iterable
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -38,6 +39,9 @@ PREFIX_CHARS_PER_TOKEN = 8  # a prefix this many characters per context token is
 INLINE_CHARS = 4096  # prompts up to this many characters are counted on the event loop
 PREFIX_MARGIN_TOKENS = 16  # a prefix cut inside a word may count a few tokens more than the whole
 MAX_RECOUNTS = 4  # exact counts the input cap may take after its estimate
+
+
+log = logging.getLogger("tiergate.prompt")
 
 
 @dataclass(frozen=True)
@@ -84,14 +88,17 @@ class PromptStage:
         """Load every tier's tokenizer and count a prompt with it (a worker thread, before the gateway takes
         requests): loading one reads its files (about 0.2 s of CPU), which the first request of each tier would
         otherwise pay on the event loop, stalling every request of the process. Returns the tokenizers loaded;
-        one that is not prepared is left for the request path to report."""
+        one that is not prepared (a student not yet built), or that fails, is left for the request path to load
+        and report: a warm-up never stops the gateway from starting."""
         loaded: dict[str, None] = {}
         for tier in tiers:
             try:
-                counter = self._counter(tier)
+                self._counter(tier).prompt_tokens([{"role": "user", "content": "warm up"}])
             except Unavailable:
                 continue
-            counter.prompt_tokens([{"role": "user", "content": "warm up"}])
+            except Exception as exc:  # a chat template that cannot count one user turn: requests will say so
+                log.warning("could not warm the tokenizer of tier %r: %r", tier.name, exc)
+                continue
             loaded[tokenizer_source(tier)] = None
         return list(loaded)
 

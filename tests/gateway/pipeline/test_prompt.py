@@ -130,3 +130,13 @@ def test_a_started_gateway_has_its_tiers_tokenizers_before_its_first_request(gat
     token_counter.cache_clear()
     with running_gateway(gateway_settings, stub[1]):
         assert token_counter.cache_info().currsize >= 1
+
+
+def test_a_tokenizer_that_fails_its_warm_up_does_not_stop_the_gateway(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Broken:
+        def prompt_tokens(self, messages: Any) -> int:
+            raise RuntimeError("a template that needs a system turn")
+
+    stage = PromptStage(models_dir=MODELS_DIR, default_max_tokens=64)
+    monkeypatch.setattr(stage, "_counter", lambda tier: Broken())
+    assert stage.warm([tier()]) == []  # logged and left to the request path, which reports it to the client
