@@ -99,7 +99,7 @@ plans:
         assert len(gw.stub.requests) == 1
 
 
-def test_the_gate_remembers_a_rate_refusal_until_the_window_frees_a_place(gateway: Gateway) -> None:
+def test_the_gate_remembers_a_rate_refusal_with_the_exact_checks_retry_time(gateway: Gateway) -> None:
     gate = gateway.app.state.services.pipeline.gate
     gate.rate_refused("acme", 30.0)
     with gateway.client(gateway.tenant_key) as c:

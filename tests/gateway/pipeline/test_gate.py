@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from gateway.errors import RateLimited
-from gateway.pipeline.gate import TenantGate, scopes_of
+from gateway.pipeline.gate import RATE_RECHECK_S, TenantGate, scopes_of
 from quotas.plans import Limits
 
 
@@ -47,20 +47,24 @@ def test_a_key_with_its_own_limit_is_held_to_it_and_its_tenant_is_not() -> None:
     assert gate.in_flight("acme") == 2 and gate.in_flight("acme/k:k1") == 1
 
 
-def test_a_rate_refusal_is_remembered_until_the_window_frees_a_place() -> None:
+def test_a_rate_refusal_is_remembered_for_a_moment_then_the_exact_check_is_asked_again() -> None:
     clock = Clock()
     gate = TenantGate(clock)
     scopes = scopes_of("acme", "k1", Limits(rpm=5), None)
     gate.rate_refused("acme", 12.5)
     with pytest.raises(RateLimited) as err:
         gate.enter(scopes)
-    assert err.value.code == "rate_limit_rpm" and err.value.retry_after == 13
-    clock.now += 12.4
-    with pytest.raises(RateLimited):
+    assert err.value.code == "rate_limit_rpm" and err.value.retry_after == 13  # the exact check's time
+    clock.now += RATE_RECHECK_S - 0.1
+    with pytest.raises(RateLimited) as err:
         gate.enter(scopes)
+    assert err.value.retry_after == 12
     clock.now += 0.2
-    gate.enter(scopes).leave()  # the window has a place again: the exact check decides
+    gate.enter(scopes).leave()  # an undone reservation may have freed a place: the exact check decides
     assert gate.in_flight("acme") == 0
+    gate.rate_refused("acme", 0.4)  # a place frees sooner than the recheck: asked as soon as it does
+    clock.now += 0.5
+    gate.enter(scopes).leave()
 
 
 def test_unlimited_scopes_pass() -> None:
