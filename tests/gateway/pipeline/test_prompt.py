@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from gateway.errors import InvalidRequest
+from gateway.errors import InvalidRequest, Unavailable
 from gateway.ladder.apply import NORMAL, Degradation
 from gateway.ladder.config import CapInputTokens
 from gateway.pipeline import prompt as prompt_module
@@ -119,7 +119,7 @@ def test_warm_loads_each_tiers_tokenizer_once_and_leaves_an_unprepared_one_to_th
     stage = PromptStage(models_dir=MODELS_DIR, default_max_tokens=64)
     assert stage.warm([tier(), missing, tier(4096)]) == ["smollm2-135m-instruct"]
     assert token_counter.cache_info().currsize == 1  # loaded before any request: none pays it on the event loop
-    with pytest.raises(Exception, match="not prepared"):  # the request still says why, as before
+    with pytest.raises(Unavailable, match="not prepared"):  # the request still says why: a 503, not a bare Exception
         asyncio.run(stage.measure(ChatCompletionRequest.model_validate(
             {"model": "gone", "messages": [{"role": "user", "content": "hi"}]}), missing, NORMAL))
 
