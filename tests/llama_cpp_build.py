@@ -6,10 +6,12 @@ fetches cmake from PyPI where the system has none recent enough). That happens o
 environment of its own under ~/.cache/tiergate, as the engine's C++ kernels are cached: a dev extra would compile
 it on every fresh `make test` (which creates .venv anew), and the server's own dependencies (FastAPI, numpy) stay
 out of the gateway's environment. The build is the smallest that serves a GGUF on a CPU: no GPU backend, no
-multimodal library (LLAVA_BUILD=OFF), and GGML_NATIVE=OFF, so a cached build never holds an instruction that
-another CPU sharing the same home directory lacks (ggml then still compiles its AVX2/FMA/F16C kernels; how fast a
-135M model runs is not what these tests look at). A failed build fails the test with pip's last lines: nothing is
-skipped.
+multimodal library (LLAVA_BUILD=OFF), no `common` library and C++ at -O1 (tests/llama_cpp_build.cmake, read by
+llama.cpp's project(): 208 s of wall and 358 s of CPU on an idle 2-core machine, where the full build took about 12
+minutes), and GGML_NATIVE=OFF, so a cached build never holds an instruction that another CPU sharing the same home
+directory lacks (ggml then still compiles its AVX2/FMA/F16C kernels; how fast a 135M model runs is not what these
+tests look at: their time was the same with either build). A failed build fails the test with pip's last lines:
+nothing is skipped.
 
 Standard library only, so CI can start the build (`python3 -m tests.llama_cpp_build`, in the background) while it
 installs everything else; a test that needs the build meanwhile waits on its lock and then finds it.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -28,8 +31,10 @@ from pathlib import Path
 from assets.locks import file_lock
 
 LLAMA_CPP_PYTHON = "0.3.36"
-CMAKE_ARGS = "-DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF"
-BUILD_TIMEOUT_S = 3600.0  # a loaded 2-core machine took about 25 minutes; an idle one about 12
+PROJECT_INCLUDE = Path(__file__).with_name("llama_cpp_build.cmake")  # no `common` library, C++ at -O1
+CMAKE_ARGS = "-DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF " \
+             f"-DCMAKE_PROJECT_llama.cpp_INCLUDE={shlex.quote(str(PROJECT_INCLUDE))}"
+BUILD_TIMEOUT_S = 3600.0  # the full build took about 25 minutes on a loaded 2-core machine; this one is smaller
 MARKER = "tiergate-built.json"
 
 
@@ -43,7 +48,7 @@ def ensure_built() -> Path:
     """The Python of a virtual environment with llama-cpp-python[server] built; builds it the first time."""
     venv = venv_dir()
     python = venv / "bin" / "python"
-    want = {"llama-cpp-python": LLAMA_CPP_PYTHON, "cmake_args": CMAKE_ARGS}
+    want = {"llama-cpp-python": LLAMA_CPP_PYTHON, "cmake_args": CMAKE_ARGS, "include": PROJECT_INCLUDE.read_text()}
     venv.parent.mkdir(parents=True, exist_ok=True)
     with file_lock(venv.parent / f".{venv.name}.lock"):
         marker = venv / MARKER
