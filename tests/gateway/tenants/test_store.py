@@ -209,7 +209,8 @@ def test_ttls_must_be_finite_positive_and_bounded(store: TenantStore, ttl: objec
     assert err.value.param == "ttl_s" and store.get_key(key.key_id).active(time.time())
 
 
-@pytest.mark.parametrize("expires_at", [math.nan, math.inf, 0.0, time.time() + MAX_TTL_S * 2])
+@pytest.mark.parametrize("expires_at", [math.nan, math.inf, 0.0, time.time() + MAX_TTL_S * 2],
+                         ids=["nan", "inf", "zero", "past-max-ttl"])  # ids fixed: parallel workers collect alike
 def test_absolute_expiries_must_be_ahead_and_bounded(store: TenantStore, expires_at: float) -> None:
     with pytest.raises(InvalidRequest) as err:
         store.issue_key("acme", expires_at=expires_at)
