@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from cache.results import Hit, LookupResult, Miss, TenantPolicy
+
 WINDOW = 4096  # labels kept per tenant
 RECOMPUTE_EVERY = 16  # labels between two threshold searches (each O(WINDOW log WINDOW), microseconds)
 Z = 1.0  # standard errors of margin above the observed error rate (one-sided)
@@ -169,6 +171,26 @@ class TenantBounds:
                 hit: bool = False) -> None:
         with self._lock:
             bound.observe(similarity, right, weight=weight, hit=hit)
+
+    def label(self, result: LookupResult, policy: TenantPolicy, fresh: str) -> bool | None:
+        """Compare the tier's fresh answer with the candidate the lookup found (a near miss below the learned
+        threshold, or a semantic hit sampled for a shadow check) and teach the tenant's bound. Returns whether
+        the candidate was right (None: nothing to label)."""
+        if isinstance(result, Miss) and result.near is not None:
+            near = result.near
+            tenant, similarity, cached, weight, hit = near.tenant, near.similarity, near.response, 1.0, False
+        elif isinstance(result, Hit) and result.shadow_rate > 0:  # weighed by the rate it was sampled at
+            tenant, similarity, cached = result.entry.tenant, result.similarity, result.response
+            weight, hit = 1.0 / result.shadow_rate, True
+        else:
+            return None
+        bound = self.get(tenant, policy.max_error_rate, policy.similarity_threshold,
+                         meaning_check=policy.meaning_check)
+        if bound is None:
+            return None
+        right = same_answer(cached, fresh)
+        self.observe(bound, similarity, right, weight=weight, hit=hit)
+        return right
 
     def states(self) -> dict[str, BoundState]:
         with self._lock:

@@ -45,6 +45,20 @@ class PartitionedIndex:
         self._partitions: dict[str, _Partition] = {}
         self._where: dict[str, str] = {}  # entry id -> partition key
 
+    @classmethod
+    def of(cls, dim: int, rows: Iterable[tuple[str, str, np.ndarray]], *, hnsw_from: int = 8192) -> PartitionedIndex:
+        """An index of (entry id, partition key, vector) rows, each partition built in one batch (after a restart,
+        or a change log cut short)."""
+        by_partition: dict[str, tuple[list[str], list[np.ndarray]]] = {}
+        for entry_id, key, vector in rows:
+            ids, vectors = by_partition.setdefault(key, ([], []))
+            ids.append(entry_id)
+            vectors.append(vector)
+        index = cls(dim, hnsw_from=hnsw_from)
+        for key, (ids, vectors) in by_partition.items():
+            index.add(key, ids, np.stack(vectors))
+        return index
+
     def __len__(self) -> int:
         return len(self._where)
 

@@ -18,9 +18,9 @@ exact hit for this process at once, so a repeat sent right after the answer is s
 (in the background) embeds it and writes it to the store and the index, after which every replica sees it.
 
 Versions: a scope carries the data and model versions, so a bumped version makes older entries unreachable at
-once. `bump_data_version` also deletes the tenant's entries at older versions; `retire_model_version` tells the
-cache an old fingerprint will never be asked for again, and `reclaim` (run a little on every store) deletes its
-entries, and expired ones, in small batches. The synchronous `lookup` and `store` serve tests, benchmarks and
+once; `bump_data_version` deletes the tenant's older entries, and `reclaim` (a little on every store) those of a
+retired model version and expired ones (cache/stale_versions.py). Other processes' writes arrive through the
+store's change log (cache/change_feed.py). The synchronous `lookup` and `store` serve tests, benchmarks and
 tools; all calls are thread-safe.
 """
 
@@ -37,8 +37,9 @@ from typing import Any
 import numpy as np
 
 from cache import guards
+from cache.change_feed import Change, ChangeFeed
 from cache.embedder import Embedder
-from cache.error_bound import TenantBounds, same_answer
+from cache.error_bound import TenantBounds
 from cache.index import PartitionedIndex
 from cache.meaning_check import MeaningCheck
 from cache.meaning_gate import MEANING_CHECKED, MEANING_DIFFERS, first_accepted
@@ -47,6 +48,7 @@ from cache.recent import RecentEntries
 from cache.request_key import conversation_chars, decide, request_key
 from cache.results import Bypass, CacheStats, Hit, LookupResult, Miss, Near, Probe, TenantPolicy
 from cache.scope import CacheScope
+from cache.stale_versions import StaleVersions
 from cache.store import CacheStore, Entry
 from cache.vectors import SEMANTIC_MAX_CHARS, TurnVectors
 
@@ -95,30 +97,19 @@ class SemanticCache:
         self.vectors = TurnVectors(embedder, max_batch=embed_batch, max_wait_s=embed_wait_s)
         self.batcher = self.vectors.batcher
         self._hnsw_from = hnsw_from
-        self._lock = threading.Lock()  # guards the index, the reclaim rules and the pending writes' fate
+        self._lock = threading.Lock()  # guards the index and the pending writes' fate
         self.pending = PendingWrites()  # answers remembered, not yet written: this process serves them
         self.recent = RecentEntries()  # answers written or found lately: exact hits without a store round trip
         self.bounds = TenantBounds()  # each tenant's learned semantic threshold (cache/error_bound.py)
         self.rng = random.Random()  # which semantic hits are checked (seed it for a repeatable run)
-        self._stale_data: dict[str, tuple[str, float]] = {}  # tenant -> (current data version, bumped at)
-        self._stale_models: set[str] = set()  # retired model versions
+        self.stale = StaleVersions()  # bumped data and retired model versions whose entries are to be reclaimed
         self.sync_interval_s = sync_interval_s  # how often lookups apply other processes' writes (shared stores)
-        self._sync_lock = threading.Lock()
-        self._last_sync = time.monotonic()
-        self._cursor = store.change_cursor()  # taken before loading, so no write in between is missed
+        self.feed = ChangeFeed(store, sync_interval_s)  # made before the index is loaded: no write in between lost
         self.index = self._load_index()
 
     def _load_index(self) -> PartitionedIndex:
         """The faiss partitions rebuilt from the store's vectors (after a restart, or a change log cut short)."""
-        index = PartitionedIndex(self.embedder.dim, hnsw_from=self._hnsw_from)
-        by_partition: dict[str, tuple[list[str], list[np.ndarray]]] = {}
-        for entry_id, partition, vector in self.entries.vectors():
-            ids, vectors = by_partition.setdefault(partition, ([], []))
-            ids.append(entry_id)
-            vectors.append(vector)
-        for partition, (ids, vectors) in by_partition.items():
-            index.add(partition, ids, np.stack(vectors))
-        return index
+        return PartitionedIndex.of(self.embedder.dim, self.entries.vectors(), hnsw_from=self._hnsw_from)
 
     # -- lookup ---------------------------------------------------------------------------------------
 
@@ -161,7 +152,7 @@ class SemanticCache:
             return self._bypass(decision.reason)
         plan = _Plan(scope, policy, request, self.clock())
         entry = self.pending.get(scope.scope_id, plan.key.exact_key)
-        if entry is None and time.monotonic() - self._last_sync < self.sync_interval_s:
+        if entry is None and self.feed.recent():
             entry = self.recent.get(scope.scope_id, plan.key.exact_key, plan.now)  # deletions elsewhere applied
         if entry is not None and (entry.expires_at is None or entry.expires_at > plan.now):
             self.stats.exact_hits += 1
@@ -170,7 +161,7 @@ class SemanticCache:
 
     def _exact(self, plan: _Plan) -> LookupResult | None:
         """The store's exact entry, or a miss when there is nothing to compare by meaning; None: go semantic."""
-        if time.monotonic() - self._last_sync >= self.sync_interval_s:
+        if not self.feed.recent():
             self.sync()
         entry = self.entries.find_exact(plan.scope.scope_id, plan.key.exact_key)
         if entry is not None and self._alive(entry, plan.now):
@@ -240,24 +231,9 @@ class SemanticCache:
                               scope=plan.scope.scope_id, refused=self.stats.refused)
 
     def label(self, result: LookupResult, policy: TenantPolicy, fresh: str) -> bool | None:
-        """Compare the tier's fresh answer with the candidate the lookup found (a near miss below the learned
-        threshold, or a semantic hit sampled for a shadow check) and teach the tenant's bound. Returns whether
-        the candidate was right (None: nothing to label)."""
-        if isinstance(result, Miss) and result.near is not None:
-            near = result.near
-            tenant, similarity, cached, weight, hit = near.tenant, near.similarity, near.response, 1.0, False
-        elif isinstance(result, Hit) and result.shadow_rate > 0:  # weighed by the rate it was sampled at
-            tenant, similarity, cached = result.entry.tenant, result.similarity, result.response
-            weight, hit = 1.0 / result.shadow_rate, True
-        else:
-            return None
-        bound = self.bounds.get(tenant, policy.max_error_rate, policy.similarity_threshold,
-                                meaning_check=policy.meaning_check)
-        if bound is None:
-            return None
-        right = same_answer(cached, fresh)
-        self.bounds.observe(bound, similarity, right, weight=weight, hit=hit)
-        return right
+        """Teach the tenant's bound whether the candidate the lookup found was right, by the tier's fresh answer
+        (`TenantBounds.label`). Returns whether it was (None: nothing to label)."""
+        return self.bounds.label(result, policy, fresh)
 
     # -- store ----------------------------------------------------------------------------------------
 
@@ -323,8 +299,7 @@ class SemanticCache:
         with self._lock:  # a purge or bump cancels pending entries under this lock, before selecting what to delete
             if self.pending.cancelled(entry):
                 return None
-            stale = self._stale_data.get(entry.tenant)
-            if stale is not None and entry.data_version != stale[0] and entry.created_at < stale[1]:
+            if self.stale.written_too_late(entry):
                 return None  # answered from data the tenant has since replaced
             self._mark_used()  # the store evicts by these marks
             displaced = self.entries.put(entry)
@@ -347,7 +322,7 @@ class SemanticCache:
         current = str(current)
         with self._lock:
             bumped_at = self.clock()
-            self._stale_data[tenant] = (current, bumped_at)
+            self.stale.bump_data(tenant, current, bumped_at)
             self.pending.cancel_where(lambda e: e.tenant == tenant and e.data_version != current)
             self.recent.drop_where(lambda e: e.tenant == tenant and e.data_version != current)
         gone = self.entries.drop_data_versions(tenant, current, bumped_at)
@@ -358,7 +333,7 @@ class SemanticCache:
     def retire_model_version(self, model_version: str) -> None:
         """A tier's weights, quantization or engine changed: entries of the old fingerprint will be reclaimed."""
         with self._lock:
-            self._stale_models.add(model_version)
+            self.stale.retire_model(model_version)
             self.pending.cancel_where(lambda e: e.model_version == model_version)
             self.recent.drop_where(lambda e: e.model_version == model_version)
 
@@ -371,23 +346,7 @@ class SemanticCache:
 
     def reclaim(self, limit: int = 1000) -> int:
         """Delete up to `limit` expired or stale-version entries. Returns how many."""
-        ids = self.entries.expired(self.clock(), limit)
-        with self._lock:
-            data_rules, model_rules = list(self._stale_data.items()), list(self._stale_models)
-        for tenant, (current, bumped_at) in data_rules:
-            if len(ids) >= limit:
-                break
-            found = self.entries.ids_not_at_data_version(tenant, current, bumped_at, limit - len(ids))
-            ids += found
-            if not found:
-                with self._lock:
-                    if self._stale_data.get(tenant) == (current, bumped_at):
-                        del self._stale_data[tenant]
-        for model_version in model_rules:
-            if len(ids) >= limit:
-                break
-            ids += self.entries.ids_of_model_version(model_version, limit - len(ids))
-        n = self._delete(ids)
+        n = self._delete(self.stale.to_reclaim(self.entries, self.clock(), limit))
         self.stats.reclaimed += n
         return n
 
@@ -396,38 +355,24 @@ class SemanticCache:
 
         Lookups call it every `sync_interval_s`. Returns how many changes were applied.
         """
-        if not self._sync_lock.acquire(blocking=False):
-            return 0  # another thread is applying the same changes
-        try:
-            return self._sync_locked()
-        finally:
-            self._sync_lock.release()
+        return self.feed.catch_up(self._apply, before=self._mark_used)  # 0 while another thread is at it
 
-    def _sync_locked(self) -> int:
-        self._last_sync = time.monotonic()
-        self._mark_used()
-        applied = 0
-        while True:
-            cursor, changes = self.entries.changes_since(self._cursor)
-            if not changes:
-                return applied
-            for op, entry_id, partition in changes:
-                if op == "reset":  # the log was cut past our cursor: rebuild from the store
-                    self.recent.clear()
-                    index = self._load_index()
-                    with self._lock:
-                        self.index = index
-                elif op == "del":
-                    self.recent.drop_ids([entry_id])
-                    with self._lock:
-                        self.index.remove([entry_id])
-                elif entry_id not in self.index:
-                    entry = self.entries.get(entry_id)
-                    if entry is not None and entry.embedding is not None:
-                        with self._lock:
-                            self.index.add(partition, [entry_id], entry.embedding[None, :])
-                applied += 1
-            self._cursor = cursor
+    def _apply(self, change: Change) -> None:
+        op, entry_id, partition = change
+        if op == "reset":  # the log was cut past our cursor: rebuild from the store
+            self.recent.clear()
+            index = self._load_index()
+            with self._lock:
+                self.index = index
+        elif op == "del":
+            self.recent.drop_ids([entry_id])
+            with self._lock:
+                self.index.remove([entry_id])
+        elif entry_id not in self.index:
+            entry = self.entries.get(entry_id)
+            if entry is not None and entry.embedding is not None:
+                with self._lock:
+                    self.index.add(partition, [entry_id], entry.embedding[None, :])
 
     def close(self) -> None:
         self.vectors.close()

@@ -1,0 +1,55 @@
+"""Where one process stands in a shared store's change log, and how recently it caught up.
+
+Several gateway processes share one cache store; each keeps its own faiss index and its own map of recent
+entries, so each applies the others' writes and deletes from the store's change log (`CacheStore.changes_since`).
+Lookups catch up at most every `interval_s`; while the last catch-up is that recent, the cache may trust its map
+of recent entries (cache/recent.py), as no deletion elsewhere is older than it and still unapplied.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+from cache.store import CacheStore
+
+# (op, entry id, partition): op is "put", "del", or "reset" (the log was cut past the cursor: rebuild).
+Change = tuple[str, str, str]
+
+
+class ChangeFeed:
+    """A cursor into the store's change log, taken when the feed is made: make it before loading the index, so
+    no write in between is missed."""
+
+    def __init__(self, store: CacheStore, interval_s: float):
+        self.store = store
+        self.interval_s = interval_s
+        self._cursor = store.change_cursor()
+        self._last = time.monotonic()
+        self._lock = threading.Lock()
+
+    def recent(self) -> bool:
+        """True while the last catch-up is less than `interval_s` old."""
+        return time.monotonic() - self._last < self.interval_s
+
+    def catch_up(self, apply: Callable[[Change], None], before: Callable[[], None] = lambda: None) -> int:
+        """Call `apply` on every change since the cursor, in order, then move the cursor past them. Returns how
+        many; 0 at once when another thread is catching up (it applies the same changes). `before` runs first,
+        under the same exclusion."""
+        if not self._lock.acquire(blocking=False):
+            return 0
+        try:
+            self._last = time.monotonic()
+            before()
+            applied = 0
+            while True:
+                cursor, changes = self.store.changes_since(self._cursor)
+                if not changes:
+                    return applied
+                for change in changes:
+                    apply(change)
+                applied += len(changes)
+                self._cursor = cursor
+        finally:
+            self._lock.release()
