@@ -14,7 +14,7 @@ import torch
 from click.testing import CliRunner
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from bench.router import (
+from bench.cost_quality import (
     apgr,
     apgr_by_cost,
     cascade_curve,
