@@ -3,20 +3,25 @@
 from __future__ import annotations
 
 import calendar
-import time
+import re
 
 from quotas.report import GROUPS
 
+DAY_PATTERN = r"([1-9][0-9]{3})-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])"  # years 1000-9999, days 01-31
+_DAY = re.compile(DAY_PATTERN)
+
 
 def parse_day(text: str | None, *, end: bool = False) -> float | None:
-    """`YYYY-MM-DD` (UTC) to epoch seconds; an `end` day includes the whole day."""
+    """`YYYY-MM-DD` (UTC) to epoch seconds; an `end` day includes the whole day. A day past its month's end
+    stands for the month's last day (`2026-02-31` is 28 February), as the report's pattern lets it through."""
     if not text:
         return None
-    try:
-        t = time.strptime(text, "%Y-%m-%d")
-    except ValueError as exc:
-        raise ValueError(f"{text!r} is not a date like 2026-11-30") from exc
-    start = calendar.timegm(t)
+    match = _DAY.fullmatch(text)
+    if match is None:
+        raise ValueError(f"{text!r} is not a date like 2026-11-30")
+    year, month, day = (int(part) for part in match.groups())
+    day = min(day, calendar.monthrange(year, month)[1])
+    start = calendar.timegm((year, month, day, 0, 0, 0))
     return float(start + 86400 if end else start)
 
 

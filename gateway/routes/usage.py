@@ -11,7 +11,7 @@ from litestar.params import FromQuery, QueryParameter
 from gateway.auth import provide_tenant, require_admin
 from gateway.errors import InvalidRequest
 from gateway.report_format import to_csv
-from gateway.report_params import parse_by, parse_day
+from gateway.report_params import DAY_PATTERN, parse_by, parse_day
 from gateway.routes.openapi import BEARER, also, errors
 from gateway.tenants.store import Principal
 from quotas.ledger import Ledger
@@ -20,7 +20,7 @@ from quotas.report import GROUPS, jsonable, usage_report
 # what the document says of the query, as `_report` parses it: a comma list of groups; a day (YYYY-MM-DD, UTC)
 _GROUP = "(" + "|".join(GROUPS) + ")"
 By = Annotated[str | None, QueryParameter(pattern=f"^{_GROUP}( *, *{_GROUP})*$", description="groups, comma-separated")]
-Day = Annotated[str | None, QueryParameter(pattern=r"^\d{4}-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])$",
+Day = Annotated[str | None, QueryParameter(pattern=f"^{DAY_PATTERN}$",
                                            description="YYYY-MM-DD, UTC, inclusive")]
 Format = FromQuery[Literal["json", "csv"]]
 
