@@ -11,6 +11,7 @@ import argparse
 import os
 import platform
 import re
+import shutil
 import statistics
 import subprocess
 import time
@@ -35,7 +36,9 @@ def machine_info(load_cpus: list[int], gw_cpus: list[int]) -> dict[str, Any]:
     cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
     model = re.search(r"^model name\s*:\s*(.+)$", cpuinfo, re.M)
     flags = set(re.findall(r"\b(avx512\w*|amx\w*)\b", cpuinfo))
-    wrk = subprocess.run(["wrk", "-v"], capture_output=True, text=True).stdout.splitlines()
+    # redis_client's report shares this header and runs no wrk: a machine without one says so
+    wrk = subprocess.run(["wrk", "-v"], capture_output=True, text=True).stdout.splitlines() if shutil.which("wrk") \
+        else ["not installed"]
     return {
         "cpu": model.group(1).strip() if model else platform.processor() or "unknown",
         "avx512": sorted(f for f in flags if f.startswith("avx512")),
