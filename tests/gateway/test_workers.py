@@ -226,6 +226,12 @@ def test_a_ladder_level_set_through_one_worker_is_in_force_on_the_other(served: 
 def test_a_worker_that_dies_is_replaced_and_the_port_keeps_answering(served: Served) -> None:
     victim = min(worker_pids(served.proc.pid))
     os.kill(victim, signal.SIGKILL)
+    # kill() returns before the victim's sockets close: a connection hashed to its socket meanwhile is queued there
+    # and reset when it closes (SO_REUSEPORT keeps a queue per socket). Once it is gone, the survivor takes all.
+    deadline = time.time() + 10
+    while alive(victim) and time.time() < deadline:
+        time.sleep(0.01)
+    assert not alive(victim)
     answers = [served.post("open").status_code for _ in range(10)]  # the survivor takes every new connection
     deadline = time.time() + 60
     while time.time() < deadline:
