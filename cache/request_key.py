@@ -81,13 +81,15 @@ def context_hash(request: Mapping[str, Any]) -> str:
 
 
 def sampling_class(request: Mapping[str, Any]) -> str:
-    """'greedy' for temperature 0, else the seed with the parameters a seeded sample depends on."""
+    """'greedy' for temperature 0, else the seed with the parameters a seeded sample depends on (vLLM's `top_k`
+    too: our engines honour it)."""
     temperature = request.get("temperature", 1.0)
     if temperature is not None and float(temperature) == 0.0:
         return "greedy"
     seed = request.get("seed")
     top_p = request.get("top_p", 1.0)
-    return f"seed:{seed}:t={temperature}:p={top_p}" if seed is not None else "sampled"
+    top_k = request.get("top_k")
+    return f"seed:{seed}:t={temperature}:p={top_p}:k={top_k}" if seed is not None else "sampled"
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +144,8 @@ def decide(request: Mapping[str, Any], headers: Mapping[str, str] | None = None,
         return Cacheability(False, False, "bypass: temperature>0 without seed")
     if int(request.get("n") or 1) > 1:
         return Cacheability(False, False, "bypass: n>1")
+    if request.get("logprobs"):  # a stored answer keeps its text, not its log-probabilities
+        return Cacheability(False, False, "bypass: logprobs")
     tools = request.get("tools") or []
     impure = sorted({str((t.get("function") or {}).get("name", t.get("type"))) for t in tools} - set(pure_tools))
     if impure and request.get("tool_choice") != "none":

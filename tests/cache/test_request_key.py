@@ -37,8 +37,10 @@ def test_system_prompt_and_output_params_go_to_context_not_exact_key() -> None:
 
 def test_sampling_class() -> None:
     assert sampling_class(chat("q")) == "greedy"
-    assert sampling_class(chat("q", temperature=0.7, seed=3)) == "seed:3:t=0.7:p=1.0"
+    assert sampling_class(chat("q", temperature=0.7, seed=3)) == "seed:3:t=0.7:p=1.0:k=None"
     assert sampling_class({"messages": []}) == "sampled"  # OpenAI's default temperature is 1
+    seeded = chat("q", temperature=0.8, seed=1, top_k=5)
+    assert sampling_class(seeded) != sampling_class({**seeded, "top_k": 50})  # vLLM's top_k changes the sample
 
 
 def test_only_deterministic_requests_are_cacheable() -> None:
@@ -47,6 +49,8 @@ def test_only_deterministic_requests_are_cacheable() -> None:
     assert d.bypass and d.reason == "bypass: temperature>0 without seed"
     assert decide(chat("q", temperature=0.7, seed=1)).store
     assert decide(chat("q", n=2)).reason == "bypass: n>1"
+    assert decide(chat("q", logprobs=True, top_logprobs=3)).reason == "bypass: logprobs"  # stored: text only
+    assert decide(chat("q", logprobs=False)).reason == "cacheable"
 
 
 def test_tools_with_side_effects_bypass_unless_declared_pure() -> None:
