@@ -55,7 +55,9 @@ class IdempotencyStage:
         if not 1 <= len(key) <= MAX_KEY_CHARS or not key.isascii() or not key.isprintable():
             raise InvalidRequest(f"Idempotency-Key must be 1 to {MAX_KEY_CHARS} printable ASCII characters",
                                  param="Idempotency-Key", code="invalid_idempotency_key")
-        fingerprint = hashlib.sha256(req.model_dump_json(exclude_unset=True).encode()).hexdigest()
+        # the route too: a text completion's body and a chat body can dump alike (its prompt_format is a default)
+        route = getattr(req, "prompt_format", "chat")
+        fingerprint = hashlib.sha256(f"{route}\n{req.model_dump_json(exclude_unset=True)}".encode()).hexdigest()
         deadline = time.monotonic() + self.wait_s
         while True:
             begun = await self.store.begin(ctx.tenant, key, fingerprint, ctx.request_id, lease_s=self.lease_s)

@@ -19,6 +19,7 @@ from gateway.settings import Settings
 from tests.conftest import Gateway, running_gateway
 from tests.fault_proxy import DroppingProxy
 from tests.stubs import REPLY, ServerThread, StubState
+from wire.completion_request import DEFAULT_MAX_TOKENS
 
 MSG = [{"role": "user", "content": "hello there"}]
 
@@ -86,6 +87,20 @@ def test_the_same_key_with_another_body_is_a_422(gateway: Gateway) -> None:
     assert first.status_code == 200
     assert other.status_code == 422 and other.json()["error"]["param"] == "Idempotency-Key"
     assert other.json()["error"]["code"] == "idempotency_key_reused"
+    assert len(gateway.ledger_rows()) == 1
+
+
+def test_a_key_used_for_a_text_completion_is_not_replayed_to_a_chat(gateway: Gateway) -> None:
+    """The two routes' requests can dump alike (a text completion is carried as one user turn): the route is part
+    of what a key stands for."""
+    with gateway.client(gateway.tenant_key) as c:
+        text = c.post("/v1/completions", json={"model": "mid", "prompt": "hello there"},
+                      headers={"idempotency-key": "k"})
+        chat = c.post("/v1/chat/completions", json={"model": "mid", "messages": MSG,
+                                                    "max_tokens": DEFAULT_MAX_TOKENS},
+                      headers={"idempotency-key": "k"})
+    assert text.status_code == 200, text.text
+    assert chat.status_code == 422 and chat.json()["error"]["code"] == "idempotency_key_reused"
     assert len(gateway.ledger_rows()) == 1
 
 
