@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import Any
 
-from gateway.errors import InvalidRequest, Unavailable, client_error
+from gateway.errors import Unavailable, client_error
 from gateway.ladder.apply import NORMAL, Degradation
 from gateway.ladder.controller import LadderController
 from gateway.pipeline.attempt import Attempt, Prepared
@@ -38,7 +38,7 @@ from gateway.pipeline.route import RouteDecision, RouteStage
 from gateway.pipeline.settle import Settler
 from gateway.pipeline.tier_call import TierCaller, Upstream, upstream_body
 from gateway.rollout.shadow import Shadow
-from gateway.validation import parse_body
+from gateway.validation import parse_body, refuse_engine_only
 from quotas.dispatch import Ticket
 from quotas.idempotency import Replay
 from quotas.plans import PRIORITY_ORDER
@@ -274,12 +274,9 @@ def _cascades(ctx: RequestContext, prepared: Prepared) -> bool:
 
 
 def parse_request(body: bytes) -> ChatCompletionRequest:
-    """The body as a chat request (400 naming the field otherwise). `priority` is vLLM's field, which our
-    engines honour; through the gateway a tenant's priority comes from its plan, so the field is refused."""
+    """The body as a chat request (400 naming the field otherwise; vLLM's fields the gateway does not honour too)."""
     req = parse_body(body, ChatCompletionRequest)
-    if "priority" in req.model_fields_set:
-        raise InvalidRequest("priority: unsupported parameter (your plan sets your priority); remove it",
-                             param="priority", code="unsupported_parameter")
+    refuse_engine_only(req)
     return req
 
 

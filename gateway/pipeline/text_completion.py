@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Literal
 
 from gateway.errors import InvalidRequest
-from gateway.validation import parse_body
+from gateway.validation import parse_body, refuse_engine_only
 from wire.chat_request import ChatCompletionRequest
 from wire.completion_request import DEFAULT_MAX_TOKENS, CompletionRequest
 
@@ -37,9 +37,7 @@ def parse_completion(body: bytes) -> RawPromptRequest:
     if req.logprobs is not None:
         raise InvalidRequest("logprobs: unsupported parameter (log-probabilities of text completions are not served "
                              "through the gateway); remove it", param="logprobs", code="unsupported_parameter")
-    if "priority" in req.model_fields_set:
-        raise InvalidRequest("priority: unsupported parameter (your plan sets your priority); remove it",
-                             param="priority", code="unsupported_parameter")
+    refuse_engine_only(req)
     fields = req.model_dump(include=_SHARED & req.model_fields_set)
     fields["max_tokens"] = req.max_tokens if req.max_tokens is not None else DEFAULT_MAX_TOKENS
     return RawPromptRequest.model_validate({**fields, "messages": [{"role": "user", "content": req.text}]})

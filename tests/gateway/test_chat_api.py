@@ -105,6 +105,11 @@ def test_openai_client_stream_and_not(gateway: Gateway) -> None:
      "messages.0.role"),
     (b'{"model": "auto", "messages": [{"role": "user", "content": "x"}], "n": 2}', 400, "unsupported_value", "n"),
     (b'{"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}', 404, "model_not_found", "model"),
+    (b'{"model": "auto", "messages": [{"role": "user", "content": "x"}], "priority": 1}', 400,
+     "unsupported_parameter", "priority"),
+    (b'{"model": "auto", "messages": [{"role": "user", "content": "x"}], "stream": true, "stream_options": '
+     b'{"include_usage": true, "continuous_usage_stats": true}}', 400, "unsupported_parameter",
+     "stream_options.continuous_usage_stats"),
 ])
 def test_bad_requests_get_openai_errors_and_spend_nothing(gateway: Gateway, body: bytes, status: int, code: str,
                                                           param: str | None) -> None:

@@ -76,3 +76,14 @@ def test_what_the_gateway_does_not_serve_is_refused_by_name_and_billed_nothing(g
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == field
     assert gateway.stub.requests == [] and gateway.ledger_rows() == []
+
+
+def test_vllms_continuous_usage_stats_is_refused_by_name(gateway: Gateway) -> None:
+    """Our engines send usage in every chunk when asked; the gateway sends it on the last one only, so it refuses."""
+    body = {"model": "auto", "prompt": PROMPT, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with gateway.client(gateway.tenant_key) as http:
+        r = http.post("/v1/completions", json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "stream_options.continuous_usage_stats"
+    assert gateway.stub.requests == [] and gateway.ledger_rows() == []
