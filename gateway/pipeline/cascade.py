@@ -42,7 +42,7 @@ from gateway.pipeline.cache_lookup import CacheLookup
 from gateway.pipeline.context import RequestContext
 from gateway.pipeline.events import Event, Head
 from gateway.pipeline.idempotency import Keep
-from gateway.pipeline.meter import Outcome, Reading
+from gateway.pipeline.meter import Meter, Outcome, Reading
 from gateway.pipeline.route import RouteDecision, RouteStage
 from gateway.pipeline.settle import Settler
 from tiers.cascade import AnswerSignals, Verdict, check_answer, check_confidence, next_dearer, outcome_values, values_of
@@ -114,50 +114,57 @@ async def cascade(pipeline: Pipeline, ctx: RequestContext, prepared: Prepared) -
                     else await _judge(pipeline, ctx, prepared, attempt, outcome, check, early))
         return step.attempt
 
-    lookahead = check.reading is not None and check.reading.lookahead is not None
-    if stream and not lookahead:  # a stream can be judged only before any of it is sent: by a look-ahead
-        async for event in pipeline.answer(ctx, prepared):
+    started = False  # the reserved second attempt was handed to the pipeline, which settles it
+    try:
+        lookahead = check.reading is not None and check.reading.lookahead is not None
+        if stream and not lookahead:  # a stream can be judged only before any of it is sent: by a look-ahead
+            async for event in pipeline.answer(ctx, prepared):
+                yield event
+            return
+        held: list[Event] = []  # the first answer's events until it is judged (all of them, when not streamed)
+        async for event in pipeline.answer(ctx, prepared, judge=judge, reading=check.reading,
+                                           look=look if lookahead else None):
+            if not stream or not looked or (step is not None and step.second is not None):
+                held.append(event)
+                continue
+            if held:  # a stream that passed the look-ahead (or cannot be retried): what was held, then live
+                assert isinstance(held[0], Head)
+                attempt = step.attempt if step is not None else seen
+                yield pipeline.head(ctx, prepared.req, replace(attempt, extra_reason=(early,)) if early else attempt)
+                for kept in held[1:]:
+                    yield kept
+                held = []
             yield event
-        return
-    held: list[Event] = []  # the first answer's events until it is judged (all of them, when not streamed)
-    async for event in pipeline.answer(ctx, prepared, judge=judge, reading=check.reading,
-                                       look=look if lookahead else None):
-        if not stream or not looked or (step is not None and step.second is not None):
-            held.append(event)
-            continue
-        if held:  # a stream that passed the look-ahead (or cannot be retried): what was held, then live
-            assert isinstance(held[0], Head)
-            attempt = step.attempt if step is not None else seen
-            yield pipeline.head(ctx, prepared.req, replace(attempt, extra_reason=(early,)) if early else attempt)
-            for kept in held[1:]:
-                yield kept
-            held = []
-        yield event
-    assert step is not None
-    if step.second is None:
-        if held:
-            assert isinstance(held[0], Head)
-            yield pipeline.head(ctx, prepared.req, step.attempt)
+        assert step is not None
+        if step.second is None:
+            if held:
+                assert isinstance(held[0], Head)
+                yield pipeline.head(ctx, prepared.req, step.attempt)
+                for event in held[1:]:
+                    yield event
+            return
+        labelled = {"x-tiergate-cascade": step.label}
+        started = True  # from here the pipeline settles the second attempt, whatever happens
+        if stream:  # the retry streams live; nothing of the first was sent, so its errors are the client's
+            async for event in pipeline.answer(ctx, step.second, headers=labelled):
+                yield event
+            return
+        try:
+            second = [event async for event in pipeline.answer(ctx, step.second, headers=labelled)]
+        except TiergateError as err:  # the retry failed (and is settled as such): the first answer stands
+            if cut:  # ... unless it was cut short: then the client gets the retry's error, not half an answer
+                raise
+            failed = {"x-tiergate-cascade": f"{step.label} failed ({err.code})"}
+            yield pipeline.head(ctx, prepared.req, step.attempt, failed)
             for event in held[1:]:
                 yield event
-        return
-    labelled = {"x-tiergate-cascade": step.label}
-    if stream:  # the retry streams live; nothing of the first was sent, so its errors are the client's
-        async for event in pipeline.answer(ctx, step.second, headers=labelled):
+            return
+        for event in second:
             yield event
-        return
-    try:
-        second = [event async for event in pipeline.answer(ctx, step.second, headers=labelled)]
-    except TiergateError as err:  # the retry failed (and is settled as such): the first answer stands
-        if cut:  # ... unless it was cut short: then the client gets the retry's error, not half an answer
-            raise
-        failed = {"x-tiergate-cascade": f"{step.label} failed ({err.code})"}
-        yield pipeline.head(ctx, prepared.req, step.attempt, failed)
-        for event in held[1:]:
-            yield event
-        return
-    for event in second:
-        yield event
+    finally:  # a second attempt reserved and never started (the client left, the first's row failed) is settled
+        if step is not None and step.second is not None and not started:
+            await pipeline.settler.settle(ctx, step.second.attempt, Meter(ctx.t0).outcome("cancelled", 499), None,
+                                          wait=False)
 
 
 async def _judge(pipeline: Pipeline, ctx: RequestContext, prepared: Prepared, attempt: Attempt, outcome: Outcome,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from collections.abc import AsyncIterator, Iterator
 from decimal import Decimal
 from pathlib import Path
@@ -21,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.settings import Settings
 from quotas.dispatch import Ticket
+from quotas.ledger import LedgerUnavailable
 from quotas.limits import ReservationRequest, ScopeLimits
 from quotas.money import to_pico
 from tests.conftest import Gateway, running_gateway
@@ -287,6 +289,33 @@ def test_an_empty_cheap_answer_cascades_once_and_both_attempts_are_billed(cascad
     with cascading.client(cascading.admin_key) as c:
         metrics = c.get("/metrics").text
     assert sample(metrics, "tiergate_cascades_total", from_tier="small", to_tier="mid", reason="empty") == 1.0
+
+
+def test_a_reserved_retry_that_never_runs_is_settled(cascading: Gateway, fleet3: Fleet3,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The retry is reserved before the first attempt settles; when that settlement fails (its row late past the
+    ledger's timeout) the retry never runs, and is settled as cancelled, not left holding its reservation."""
+    ledger = cascading.app.state.services.pipeline.settler.ledger
+    real, calls = ledger.wait_durable, []
+
+    async def first_is_late(written: Any, **kwargs: Any) -> None:
+        calls.append(written)
+        if len(calls) == 1:  # the first attempt's own wait for its row
+            raise LedgerUnavailable("the test's ledger: late")
+        await real(written, **kwargs)
+
+    monkeypatch.setattr(ledger, "wait_durable", first_is_late)
+    r = chat(cascading, "easy")
+    assert r.status_code == 503, r.text
+    rid = r.headers["x-tiergate-request-id"]
+    deadline = time.monotonic() + 10
+    while len(rows := cascading.ledger_rows()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    first, second = sorted(rows, key=lambda row: row.request_id)
+    assert (first.request_id, first.tier) == (rid, "small")
+    assert (second.request_id, second.cascade_of, second.status) == (f"{rid}-cascade", rid, "cancelled")
+    assert second.price_usd == 0 and second.output_tokens == 0
+    assert len(fleet3.small.requests) == 1 and fleet3.mid0.requests == fleet3.mid1.requests == []  # no retry ran
 
 
 def test_streams_and_explicit_tiers_are_not_cascaded(cascading: Gateway) -> None:
