@@ -11,6 +11,7 @@ this project's machine, added to every answer).
 from __future__ import annotations
 
 import sqlite3
+import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -51,6 +52,7 @@ class SQLiteLedger(Ledger):
         self.sync = sync
         self._on_connect = on_connect
         self._read = sqlite3.connect(path, isolation_level=None, timeout=5.0, check_same_thread=False)
+        self._read_lock = threading.Lock()  # reads come from the loop and from worker threads (usage reports)
         self._read.execute("PRAGMA journal_mode=WAL")
         self._read.executescript(SCHEMA)
         columns = {r[1] for r in self._read.execute("PRAGMA table_info(requests)")}
@@ -105,7 +107,8 @@ class SQLiteLedger(Ledger):
         return getattr(exc, "sqlite_errorname", type(exc).__name__)
 
     def _query(self, sql: str, args: tuple[Any, ...]) -> list[tuple[Any, ...]]:
-        return self._read.execute(sql, args).fetchall()
+        with self._read_lock:
+            return self._read.execute(sql, args).fetchall()
 
     def _close_reads(self) -> None:
         self._read.close()

@@ -4,8 +4,11 @@ totals equal the sum of the ledger rows and the Prometheus counters; tenants see
 from __future__ import annotations
 
 import re
+import threading
 import time
 from decimal import Decimal
+
+import pytest
 
 from quotas.plans import Limits
 from tests.conftest import Gateway
@@ -74,3 +77,31 @@ def test_tenants_see_only_their_own_usage(gateway: Gateway) -> None:
         assert c.get("/admin/usage/report").status_code == 403
         assert c.get("/v1/usage", params={"by": "planet"}).status_code == 400
         assert c.get("/v1/usage", params={"from": "yesterday"}).status_code == 400
+
+
+def test_a_long_report_does_not_hold_up_other_requests(gateway: Gateway, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A report reads and sums the tenant's whole history: in a worker thread, so the event loop answers others
+    while it runs (here, with a ledger made slow, /v1/models is answered before the report is done)."""
+    ledger = gateway.app.state.services.pipeline.settler.ledger
+    real, started = ledger.rows, threading.Event()
+
+    def slow_rows(**kwargs: object) -> list:
+        started.set()
+        time.sleep(3)
+        return real(**kwargs)
+
+    monkeypatch.setattr(ledger, "rows", slow_rows)
+    reports: list[int] = []
+
+    def report() -> None:
+        with gateway.client(gateway.tenant_key) as c:
+            reports.append(c.get("/v1/usage").status_code)
+
+    reporter = threading.Thread(target=report)
+    reporter.start()
+    assert started.wait(10)
+    with gateway.client(gateway.tenant_key) as c:
+        assert c.get("/v1/models").status_code == 200
+    assert reporter.is_alive() and reports == []  # answered while the report still ran
+    reporter.join(30)
+    assert reports == [200]
