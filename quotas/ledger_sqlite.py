@@ -52,7 +52,11 @@ class SQLiteLedger(Ledger):
         self.sync = sync
         self._on_connect = on_connect
         self._read = sqlite3.connect(path, isolation_level=None, timeout=5.0, check_same_thread=False)
-        self._read_lock = threading.Lock()  # reads come from the loop and from worker threads (usage reports)
+        # queries run in worker threads (reports, the reapers' billing, /admin/ops), each thread on a connection of
+        # its own: under WAL readers wait neither on each other nor on the writer, so a long report holds up nobody
+        self._readers = threading.local()
+        self._opened: list[sqlite3.Connection] = []
+        self._opened_lock = threading.Lock()
         self._read.execute("PRAGMA journal_mode=WAL")
         self._read.executescript(SCHEMA)
         columns = {r[1] for r in self._read.execute("PRAGMA table_info(requests)")}
@@ -107,11 +111,22 @@ class SQLiteLedger(Ledger):
         return getattr(exc, "sqlite_errorname", type(exc).__name__)
 
     def _query(self, sql: str, args: tuple[Any, ...]) -> list[tuple[Any, ...]]:
-        with self._read_lock:
-            return self._read.execute(sql, args).fetchall()
+        return self._reader().execute(sql, args).fetchall()
+
+    def _reader(self) -> sqlite3.Connection:
+        conn: sqlite3.Connection | None = getattr(self._readers, "conn", None)
+        if conn is None:
+            conn = sqlite3.connect(self.path, isolation_level=None, timeout=5.0, check_same_thread=False)
+            self._readers.conn = conn
+            with self._opened_lock:
+                self._opened.append(conn)
+        return conn
 
     def _close_reads(self) -> None:
-        self._read.close()
+        with self._opened_lock:
+            opened, self._opened = self._opened, []
+        for conn in (*opened, self._read):
+            conn.close()
 
 
 @contextmanager
