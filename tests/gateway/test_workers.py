@@ -240,7 +240,10 @@ def test_a_worker_that_dies_is_replaced_and_the_port_keeps_answering(served: Ser
             break
         time.sleep(0.2)
     assert len(now) == 2 and victim not in now
-    replaced = {worker_of(served.post("open")) for _ in range(TRIES)}
+    # the new process exists before it listens (it loads its tiers first): until then the survivor takes everything
+    replaced: set[str] = set()
+    while len(replaced) < 2 and time.time() < deadline + 60:
+        replaced |= {worker_of(served.post("open")) for _ in range(10)}
     assert answers == [200] * 10 and len(replaced) == 2
 
 
