@@ -253,6 +253,7 @@ def create_app(settings: Settings | None = None) -> Litestar:
                 await services.pipeline.idempotency.store.close()
             if services.cache.cache is not None:
                 services.cache.cache.close()
+            services.reports.close()
             services.ledger.close()
             services.store.close()
             services.rollouts.store.close()
@@ -281,7 +282,7 @@ def _service(name: str) -> Any:
 # what handlers may ask for by name; each is built once per app in `build_services` (embeddings on first use)
 _PROVIDERS = {name: _service(name) for name in ("pipeline", "plans", "catalogue", "store", "ledger", "fleet",
                                                  "metrics", "ladder", "cache", "queues", "settings",
-                                                 "rollouts")}
+                                                 "rollouts", "reports")}
 _PROVIDERS["embeddings"] = provide_embeddings
 
 

@@ -3,12 +3,13 @@ dependency injection (gateway/app.py's `dependencies`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gateway.ladder.controller import LadderController
 from gateway.metrics import GatewayMetrics
 from gateway.pipeline.cache_lookup import CacheStage
 from gateway.pipeline.handle import Pipeline
+from gateway.report_gate import ReportGate
 from gateway.rollout.service import RolloutService
 from gateway.settings import Settings
 from gateway.tenants.store import TenantStore
@@ -37,3 +38,4 @@ class Services:
     ladder: LadderController
     cache: CacheStage
     rollouts: RolloutService
+    reports: ReportGate = field(default_factory=ReportGate)  # usage reports' own threads (gateway/report_gate.py)

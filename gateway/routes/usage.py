@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
+from functools import partial
 from typing import Annotated, Any, Literal
 
 from litestar import Request, Response, get
@@ -12,6 +12,7 @@ from litestar.params import FromQuery, QueryParameter
 from gateway.auth import provide_tenant, require_admin
 from gateway.errors import InvalidRequest
 from gateway.report_format import to_csv
+from gateway.report_gate import ADMIN_SLOT, ReportGate
 from gateway.report_params import DAY_PATTERN, parse_by, parse_day
 from gateway.routes.openapi import BEARER, also, errors
 from gateway.tenants.store import Principal
@@ -26,15 +27,16 @@ Day = Annotated[str | None, QueryParameter(pattern=f"^{DAY_PATTERN}$",
 Format = FromQuery[Literal["json", "csv"]]
 
 
-async def _report(ledger: Ledger, *, tenant: str | None, since: str | None, until: str | None,
-                  by: str | None, fmt: str) -> Response[Any]:
+async def _report(ledger: Ledger, gate: ReportGate, who: str, *, tenant: str | None, since: str | None,
+                  until: str | None, by: str | None, fmt: str) -> Response[Any]:
     if fmt not in ("json", "csv"):
         raise InvalidRequest("format is json or csv", param="format")
     try:
         groups, since_s, until_s = parse_by(by), parse_day(since), parse_day(until, end=True)
-        # read and summed in a worker thread: a tenant's history grows with every request, and the event loop
-        # serves every tenant
-        rows = await asyncio.to_thread(usage_report, ledger, by=groups, since=since_s, until=until_s, tenant=tenant)
+        # read and summed on a report thread, one report per tenant at a time: a tenant's history grows with every
+        # request, and neither the event loop nor the request path's threads may wait on it
+        rows = await gate.run(who, partial(usage_report, ledger, by=groups, since=since_s, until=until_s,
+                                           tenant=tenant))
     except ValueError as exc:
         raise InvalidRequest(str(exc)) from exc
     if fmt == "csv":
@@ -43,21 +45,24 @@ async def _report(ledger: Ledger, *, tenant: str | None, since: str | None, unti
 
 
 @get("/admin/usage/report", guards=[require_admin], tags=["admin"], security=BEARER,
-     responses=errors(400, 401, 403, 500), operation_class=also("text/csv"))
+     responses=errors(400, 401, 403, 429, 500), operation_class=also("text/csv"))
 async def admin_report(request: Request[Any, Any, Any], ledger: NamedDependency[Ledger],
+                       reports: NamedDependency[ReportGate],
                        tenant: FromQuery[str | None] = None,
                        to: Day = None, by: By = None,
                        format: Format = "json") -> Response[Any]:
     """Query: from, to (YYYY-MM-DD, UTC, inclusive), by (tenant,tier,day,key_id), tenant, format (json|csv)."""
-    return await _report(ledger, tenant=tenant, since=request.query_params.get("from"), until=to, by=by, fmt=format)
+    return await _report(ledger, reports, ADMIN_SLOT, tenant=tenant, since=request.query_params.get("from"),
+                         until=to, by=by, fmt=format)
 
 
 @get("/v1/usage", dependencies={"principal": Provide(provide_tenant)}, tags=["usage"], security=BEARER,
-     responses=errors(400, 401, 403, 500), operation_class=also("text/csv"))
+     responses=errors(400, 401, 403, 429, 500), operation_class=also("text/csv"))
 async def tenant_report(request: Request[Any, Any, Any], principal: NamedDependency[Principal],
-                        ledger: NamedDependency[Ledger],
+                        ledger: NamedDependency[Ledger], reports: NamedDependency[ReportGate],
                         to: Day = None, by: By = None,
                         format: Format = "json") -> Response[Any]:
     """The caller's own tenant only; same query as the admin report."""
     tenant = principal.tenant.name  # type: ignore[union-attr]
-    return await _report(ledger, tenant=tenant, since=request.query_params.get("from"), until=to, by=by, fmt=format)
+    return await _report(ledger, reports, tenant, tenant=tenant, since=request.query_params.get("from"), until=to,
+                         by=by, fmt=format)

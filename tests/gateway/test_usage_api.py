@@ -105,3 +105,49 @@ def test_a_long_report_does_not_hold_up_other_requests(gateway: Gateway, monkeyp
     assert reporter.is_alive() and reports == []  # answered while the report still ran
     reporter.join(30)
     assert reports == [200]
+
+
+def test_a_tenants_reports_do_not_take_the_threads_other_tenants_need(gateway: Gateway,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Eight reports at once from one tenant: one runs, the others are refused at once with a 429 (they would have
+    held every worker thread the request path uses, so that another tenant's cached request waited on them)."""
+    ledger = gateway.app.state.services.pipeline.settler.ledger
+    real, started, release = ledger.rows, threading.Event(), threading.Event()
+
+    def slow_rows(**kwargs: object) -> list:
+        started.set()
+        release.wait(20)
+        return real(**kwargs)
+
+    monkeypatch.setattr(ledger, "rows", slow_rows)
+    gateway.store.create_tenant("beta", "standard")
+    _, beta = gateway.store.issue_key("beta")
+    reports: list[int] = []
+
+    def report() -> None:
+        with gateway.client(gateway.tenant_key) as c:
+            reports.append(c.get("/v1/usage").status_code)
+
+    reporters = [threading.Thread(target=report) for _ in range(8)]
+    for t in reporters:
+        t.start()
+    try:
+        assert started.wait(10)
+        deadline = time.time() + 10
+        while len(reports) < 7 and time.time() < deadline:
+            time.sleep(0.05)
+        assert reports == [429] * 7  # refused at once, while the first still runs
+        with gateway.client(beta) as c:
+            r = c.post("/v1/chat/completions", json={"model": "mid", "messages": MSG, "temperature": 0}, timeout=5)
+        assert r.status_code == 200 and not release.is_set()
+        with gateway.client(gateway.tenant_key) as c:
+            again = c.get("/v1/usage")
+        assert again.status_code == 429 and again.json()["error"]["code"] == "rate_limit_exceeded"
+        assert again.headers["retry-after"] == "1"
+    finally:
+        release.set()
+        for t in reporters:
+            t.join(30)
+    assert sorted(reports) == [200] + [429] * 7
+    with gateway.client(gateway.tenant_key) as c:
+        assert c.get("/v1/usage").status_code == 200  # the tenant's slot is free once its report is done
