@@ -195,18 +195,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def ensure_wrk() -> None:
+    """wrk, installed with apt-get when missing (as root; else a message that says how)."""
+    if shutil.which("wrk") is not None:
+        return
+    if os.geteuid() != 0:
+        raise SystemExit("wrk is missing: install it with `sudo apt-get install -y wrk` (Debian's package)")
+    print("installing wrk with apt-get (the benchmark's load generator; not a project dependency)", file=sys.stderr)
+    if subprocess.run(["apt-get", "install", "-y", "-q", "wrk"]).returncode != 0:
+        subprocess.run(["apt-get", "update", "-q"], check=True)
+        subprocess.run(["apt-get", "install", "-y", "-q", "wrk"], check=True)
+
+
 def check_host(args: argparse.Namespace) -> tuple[list[int], list[int]]:
-    """The CPUs for load (wrk, mock, harness) and for the gateway; wrk installed with apt-get when missing."""
+    """The CPUs for load (wrk, mock, harness) and for the gateway; wrk installed when missing."""
     if not sys.platform.startswith("linux") or shutil.which("taskset") is None:
         raise SystemExit("bench.gateway pins processes with taskset: it runs on Linux only")
-    if shutil.which("wrk") is None:
-        if os.geteuid() != 0:
-            raise SystemExit("wrk is missing: install it with `sudo apt-get install -y wrk` (Debian's package)")
-        print("installing wrk with apt-get (the benchmark's load generator; not a project dependency)",
-              file=sys.stderr)
-        if subprocess.run(["apt-get", "install", "-y", "-q", "wrk"]).returncode != 0:
-            subprocess.run(["apt-get", "update", "-q"], check=True)
-            subprocess.run(["apt-get", "install", "-y", "-q", "wrk"], check=True)
+    ensure_wrk()
     if args.workers > 1 and not serve_supports_workers(REPO):
         raise SystemExit("--workers: `tiergate serve` has no --workers option in this tree yet (issue 18, item 3); "
                          "run without --workers")

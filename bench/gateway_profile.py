@@ -26,7 +26,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from bench.gateway import PATHS, body_for
+from bench.gateway import PATHS, body_for, ensure_wrk
 from bench.gateway_load import Cell, run_wrk
 from bench.gateway_report import machine_info
 from bench.gateway_targets import REPO, start_mock, start_redis, start_tiergate
@@ -86,6 +86,7 @@ def main(argv: list[str] | None = None) -> None:
     spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     if not Path(spy).exists():
         raise SystemExit("py-spy is not installed: `.venv/bin/pip install py-spy`")
+    ensure_wrk()
     cpus = sorted(os.sched_getaffinity(0))
     load, gw = [cpus[0]], [cpus[-1]]
     os.sched_setaffinity(0, set(load))
