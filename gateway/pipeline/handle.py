@@ -1,10 +1,11 @@
 """The request path, top to bottom: `Pipeline.handle` is the one function every chat request runs.
 
-    authenticate (the route's key dependency) → gate → parse → degrade → route → cache → prompt → reserve
+    authenticate (the route's key dependency) → gate → parse → degrade → route → prompt → cache → reserve
     → dispatch → call the tier → account → settle
 
 Each stage is a module of this package and returns a frozen result the next one takes. Nothing is charged
-before `reserve`; every refusal before it is counted once (`RefusalLog`). From `reserve` on, an attempt
+before `reserve`; every refusal before it is counted once (`RefusalLog`). The prompt is counted before the cache
+is looked up, so a request that cannot fit is refused before a lookup embeds anything. From `reserve` on, an attempt
 settles exactly once, in the `finally` of `_answer`, whatever ends it: its answer, an upstream error, the
 client leaving, or a bug. Streamed and non-streamed requests share every stage; the route only frames the
 events differently. A plan's cascade (cascade.py) wraps `auto` answers (streamed ones only with a look-ahead).
@@ -31,7 +32,7 @@ from gateway.pipeline.events import Delta, Done, Event, Head
 from gateway.pipeline.gate import TenantGate, scopes_of
 from gateway.pipeline.idempotency import IdempotencyStage, Keep
 from gateway.pipeline.meter import Meter, Outcome, Reading
-from gateway.pipeline.prompt import PromptStage
+from gateway.pipeline.prompt import Prompt, PromptStage
 from gateway.pipeline.refusals import RefusalLog
 from gateway.pipeline.reserve import ReserveStage, ratelimit_headers
 from gateway.pipeline.route import RouteDecision, RouteStage
@@ -102,6 +103,9 @@ class Pipeline:
         """Every check, cheapest first, then the reservation: nothing is charged if any check refuses."""
         degr = self._degradation(ctx)
         route = await self.route.choose(ctx, req, degr)
+        # counted, and refused if it cannot fit, before the cache is looked up: a lookup may embed the last turn on
+        # the embedding queue every tenant shares, which a request that can never run must not hold up
+        prompt = await self._measure_early(req, route)
         lookup = await self.cache.lookup(ctx, req, route.tier, degr)
         if (hit := lookup.hit) is not None:  # a cached answer needs no tier, however busy
             tokens = int(hit.usage.get("prompt_tokens", 0)) + int(hit.usage.get("completion_tokens", 0))
@@ -112,13 +116,22 @@ class Pipeline:
         self._refuse_cache_only(ctx, degr, route, lookup)
         if (overloaded := route.overload_refusal()) is not None:
             raise overloaded
-        return await self.prepare_on(ctx, req, route, lookup, ctx.request_id, keep=keep)
+        return await self.prepare_on(ctx, req, route, lookup, ctx.request_id, keep=keep, prompt=prompt)
+
+    async def _measure_early(self, req: ChatCompletionRequest, route: RouteDecision) -> Prompt | None:
+        """The prompt counted for the route's tier; None when the tier's tokenizer is not prepared (a cached answer
+        may still serve the request; a miss is refused by `prepare_on`'s count)."""
+        try:
+            return await self.prompt.measure(req, route.tier, route.degradation)
+        except Unavailable:
+            return None
 
     async def prepare_on(self, ctx: RequestContext, req: ChatCompletionRequest, route: RouteDecision,
                          lookup: CacheLookup, request_id: str, cascade_of: str | None = None,
-                         keep: Keep | None = None) -> Prepared:
-        """Count the prompt for the route's tier and reserve (a cascade's second attempt enters here too)."""
-        prompt = await self.prompt.measure(req, route.tier, route.degradation)
+                         keep: Keep | None = None, prompt: Prompt | None = None) -> Prepared:
+        """Count the prompt for the route's tier (unless `prompt` has it) and reserve (a cascade's second attempt
+        enters here too)."""
+        prompt = prompt or await self.prompt.measure(req, route.tier, route.degradation)
         tier = route.tier
         reservation = await self.reserve.reserve(ctx, request_id, tokens=prompt.num_tokens + prompt.output_cap,
                                                  price=tier.price(prompt.num_tokens, prompt.output_cap))

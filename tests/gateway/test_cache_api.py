@@ -302,3 +302,22 @@ def test_a_plan_asking_for_the_meaning_check_without_its_model_stops_the_start(
     monkeypatch.setattr("gateway.app.meaning_model_dir", missing)
     with pytest.raises(ConfigFileError, match=r"plans standard set cache\.meaning_check, but the meaning check"):
         load_config(gateway_settings)
+
+
+def test_a_request_that_cannot_fit_is_refused_before_the_cache_is_looked_up(gateway: Gateway,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lookup may embed the last turn on the embedding queue every tenant shares: a request refused for its length
+    (here, a new last turn after a stored answer whose max_tokens left it no room) must not get that far."""
+    assert ask(gateway, max_tokens=4000).status_code == 200  # stored; its prompt and 4,000 tokens fit 4,096
+    stage, lookups = gateway.app.state.services.cache, []
+    real = stage.lookup
+
+    async def counted(*args: object, **kwargs: object) -> object:
+        lookups.append(args)
+        return await real(*args, **kwargs)
+
+    monkeypatch.setattr(stage, "lookup", counted)
+    r = ask(gateway, "Now tell me about " + "the rivers and mountains of the country " * 20, max_tokens=4000)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert lookups == []
+    assert ask(gateway, max_tokens=4000).headers["x-tiergate-cache"] == "hit" and len(lookups) == 1
