@@ -6,6 +6,7 @@ import asyncio
 import gc
 import logging
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -129,7 +130,8 @@ def build_services(settings: Settings) -> Services:
         gate=gate, ladder=ladder, cache=cache, dispatch=dispatch,
         route=RouteStage(fleet=fleet, quotas=quotas, dispatch=dispatch,
                          predictor=PredictorSource.for_data_dir(settings.data_dir), rollouts=rollouts),
-        prompt=PromptStage(models_dir=settings.resolved_models_dir, default_max_tokens=settings.default_max_tokens),
+        prompt=PromptStage(models_dir=settings.resolved_models_dir, default_max_tokens=settings.default_max_tokens,
+                           executor=counting_pool()),
         reserve=ReserveStage(quotas=quotas, gate=gate),
         tier=caller,
         settler=Settler(ledger=ledger, quotas=quotas, dispatch=dispatch, cache=cache, metrics=metrics_,
@@ -143,6 +145,16 @@ def build_services(settings: Settings) -> Services:
     return Services(settings=settings, catalogue=catalogue, plans=plans, store=store, ledger=ledger, client=client,
                     fleet=fleet, metrics=metrics_, pipeline=pipeline, queues=queues, quota_backend=backend,
                     ladder=ladder, cache=cache, rollouts=rollouts)
+
+
+COUNTING_THREADS = 2
+
+
+def counting_pool() -> ThreadPoolExecutor:
+    """Threads of their own for counting long prompts: a tenant's long prompts (up to a context's worth of
+    characters each, at its concurrency limit) then wait on each other, not on asyncio's default threads, which
+    every tenant's cache lookups use (a temperature-0 request waited seconds behind them)."""
+    return ThreadPoolExecutor(max_workers=COUNTING_THREADS, thread_name_prefix="tiergate-count")
 
 
 def build_cache(settings: Settings, plans: PlanBook) -> SemanticCache | None:
@@ -254,6 +266,8 @@ def create_app(settings: Settings | None = None) -> Litestar:
             if services.cache.cache is not None:
                 services.cache.cache.close()
             services.reports.close()
+            if isinstance(pool := services.pipeline.prompt.executor, ThreadPoolExecutor):
+                pool.shutdown(wait=False, cancel_futures=True)
             services.ledger.close()
             services.store.close()
             services.rollouts.store.close()
