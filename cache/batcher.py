@@ -8,7 +8,9 @@ loop and runs them together in its one worker thread (the forward releases the G
 - a batch starts when `max_batch` texts are queued, or `max_wait_s` after its first text arrived, or at once
   when no other lookup has announced a text (`announce`): a lone request is never held back for company;
 - texts that arrive while a forward runs form the next batch, which starts the moment that forward ends;
-- equal texts in one batch are embedded once.
+- equal texts in one batch are embedded once;
+- a batch takes its texts in turns from the callers' owners (a tenant, say), oldest first within each: one
+  owner's thousands of queued texts do not make another's one text wait for all of them, only for a batch.
 
 Only the event loop touches the queue; the worker thread sees one list of texts at a time.
 """
@@ -16,15 +18,16 @@ Only the event loop touches the queue; the worker thread sees one list of texts 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Hashable
 from concurrent.futures import Future as ThreadFuture
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import numpy as np
 
 # Turns texts into their vectors (None for a text that is not embedded), in the worker thread.
 EncodeMany = Callable[[list[str]], list[np.ndarray | None]]
+Queued = tuple[str, "asyncio.Future[np.ndarray | None]", Hashable]  # text, its caller's future, its owner
 
 
 class Announcement:
@@ -59,7 +62,7 @@ class EmbeddingBatcher:
         self.max_wait_s = max_wait_s
         self.num_batches = 0  # forward passes run (for metrics and tests)
         self.num_texts = 0  # texts embedded in them
-        self._queue: list[tuple[str, asyncio.Future[np.ndarray | None]]] = []
+        self._queue: list[Queued] = []
         self._busy: asyncio.AbstractEventLoop | None = None  # the loop whose forward pass is running
         self._announced = 0
         self._timer: asyncio.TimerHandle | None = None
@@ -70,10 +73,12 @@ class EmbeddingBatcher:
         self._announced += 1
         return Announcement(self)
 
-    async def embed(self, text: str, announcement: Announcement | None = None) -> np.ndarray | None:
-        """The vector of `text` ([dim] float32), or None where `encode_many` gives none."""
+    async def embed(self, text: str, announcement: Announcement | None = None, *,
+                    owner: Hashable = None) -> np.ndarray | None:
+        """The vector of `text` ([dim] float32), or None where `encode_many` gives none. Batches take turns
+        between `owner`s."""
         future: asyncio.Future[np.ndarray | None] = asyncio.get_running_loop().create_future()
-        self._queue.append((text, future))
+        self._queue.append((text, future, owner))
         if announcement is not None and announcement.open:
             announcement.close()  # schedules
         else:
@@ -97,16 +102,16 @@ class EmbeddingBatcher:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        self._queue = [(t, f) for t, f in self._queue if not f.done()]  # done: its caller left
+        self._queue = [q for q in self._queue if not q[1].done()]  # done: its caller left
         if self._busy is not None or not self._queue:
             return
-        batch, self._queue = self._queue[:self.max_batch], self._queue[self.max_batch:]
+        batch, self._queue = take_turns(self._queue, self.max_batch)
         loop = self._busy = asyncio.get_running_loop()
-        texts = list(dict.fromkeys(t for t, _ in batch))
+        texts = list(dict.fromkeys(t for t, _, _ in batch))
         work: ThreadFuture[list[np.ndarray | None]] = self._executor.submit(self.encode_many, texts)
         work.add_done_callback(lambda w: loop.call_soon_threadsafe(self._finish, batch, texts, w))
 
-    def _finish(self, batch: list[tuple[str, asyncio.Future[Any]]], texts: list[str],
+    def _finish(self, batch: list[Queued], texts: list[str],
                 work: ThreadFuture[list[np.ndarray | None]]) -> None:
         self._busy = None
         self.num_batches += 1
@@ -114,7 +119,7 @@ class EmbeddingBatcher:
         cancelled = work.cancelled()  # the executor was shut down (the cache closed)
         error = None if cancelled else work.exception()
         vectors = {} if cancelled or error is not None else dict(zip(texts, work.result(), strict=True))
-        for text, future in batch:
+        for text, future, _ in batch:
             if future.done():
                 continue
             if cancelled:
@@ -125,3 +130,22 @@ class EmbeddingBatcher:
                 future.set_result(vectors[text])
         if self._queue:  # these waited through a whole forward already: no more waiting for company
             self._start()
+
+
+def take_turns(queue: list[Queued], size: int) -> tuple[list[Queued], list[Queued]]:
+    """(a batch of at most `size`, the rest in their order): one text from each owner in turn, in the order the
+    owners first queued, oldest first within each. Linear in the queue."""
+    if len(queue) <= size:
+        return queue, []
+    lanes: dict[Hashable, deque[int]] = {}
+    for i, (_, _, owner) in enumerate(queue):
+        lanes.setdefault(owner, deque()).append(i)
+    taken: list[int] = []
+    while len(taken) < size:
+        for lane in list(lanes.values()):
+            taken.append(lane.popleft())
+            if len(taken) == size:
+                break
+        lanes = {owner: lane for owner, lane in lanes.items() if lane}
+    chosen = set(taken)
+    return [queue[i] for i in sorted(taken)], [q for i, q in enumerate(queue) if i not in chosen]

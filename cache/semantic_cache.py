@@ -138,7 +138,7 @@ class SemanticCache:
             found = await asyncio.to_thread(self._exact, plan)
             if found is not None:
                 return found
-            vector = await self.vectors.aget(plan.key.last_user_text, coming)
+            vector = await self.vectors.aget(plan.key.last_user_text, coming, owner=scope.tenant)
         return await asyncio.to_thread(self._semantic, plan, vector)
 
     def _begin(self, scope: CacheScope, request: Mapping[str, Any], headers: Mapping[str, str] | None,

@@ -65,14 +65,15 @@ class TurnVectors:
         """Synchronously, in the caller's thread."""
         return self.encode_many([text])[0]
 
-    async def aget(self, text: str, coming: Announcement | None = None) -> np.ndarray | None:
+    async def aget(self, text: str, coming: Announcement | None = None, *, owner: str | None = None,
+                   ) -> np.ndarray | None:
         """On the event loop: a recent vector at once, else through the batcher (`coming`: this lookup's
-        announcement, closed once its text is queued)."""
+        announcement, closed once its text is queued; `owner`: the tenant, whose texts take turns with others')."""
         if (vector := self.recent(text)) is not None:
             return vector
         if not text or len(text) > SEMANTIC_MAX_CHARS:
             return None
-        return await self.batcher.embed(text, coming)
+        return await self.batcher.embed(text, coming, owner=owner)
 
     def close(self) -> None:
         self.batcher.close()

@@ -121,7 +121,7 @@ class EmbeddingsService:
         status, http_status, error_code, wall_s = "cancelled", 499, None, 0.0
         try:
             t0 = time.perf_counter()
-            vectors = await self._vectors(req.texts)
+            vectors = await self._vectors(req.texts, ctx.tenant)
             wall_s = time.perf_counter() - t0
             status, http_status = "ok", 200
         except asyncio.CancelledError:
@@ -138,11 +138,13 @@ class EmbeddingsService:
         return embedding_list(vectors, model=self.spec.model, prompt_tokens=tokens,
                               encoding_format=req.encoding_format)
 
-    async def _vectors(self, texts: list[str]) -> np.ndarray:
-        """[N, 384]: the texts go to the batcher together (announced first, so their pass waits for all)."""
+    async def _vectors(self, texts: list[str], tenant: str) -> np.ndarray:
+        """[N, 384]: the texts go to the batcher together (announced first, so their pass waits for all); its
+        batches take turns between tenants, so a tenant's 2,048 texts hold up another's one for a batch, not all."""
         announced = [self.batcher.announce() for _ in texts]
         try:
-            rows = await asyncio.gather(*(self.batcher.embed(t, a) for t, a in zip(texts, announced, strict=True)))
+            rows = await asyncio.gather(*(self.batcher.embed(t, a, owner=tenant)
+                                          for t, a in zip(texts, announced, strict=True)))
         finally:
             for announcement in announced:
                 announcement.close()

@@ -84,3 +84,22 @@ async def test_a_caller_that_leaves_does_not_break_the_batch() -> None:
     await busy
     assert ["stays"] in encoder.batches and not any("leaves" in b for b in encoder.batches)
     batcher.close()
+
+
+async def test_batches_take_turns_between_owners() -> None:
+    """One owner's long queue holds another's text up for one batch, not for all of them."""
+    encoder = FakeEncoder()
+    batcher = EmbeddingBatcher(encoder, max_batch=4, max_wait_s=0.0)
+    encoder.gate.clear()
+    first = asyncio.create_task(batcher.embed("held", owner="flood"))  # in the worker while the rest queue
+    await asyncio.sleep(0.05)
+    flood = [asyncio.create_task(batcher.embed(f"f{i}", owner="flood")) for i in range(20)]
+    await asyncio.sleep(0.01)
+    mine = [asyncio.create_task(batcher.embed(f"m{i}", owner="me")) for i in range(2)]
+    await asyncio.sleep(0.05)
+    encoder.gate.set()
+    await asyncio.wait_for(asyncio.gather(first, *flood, *mine), timeout=10)
+    assert encoder.batches[1] == ["f0", "f1", "m0", "m1"]  # in queue order, two from each owner
+    assert [t for b in encoder.batches for t in b if t.startswith("f")] == [f"f{i}" for i in range(20)]
+    assert sum(len(b) for b in encoder.batches) == 23 and all(len(b) <= 4 for b in encoder.batches)
+    batcher.close()
