@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import Executor
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -54,8 +55,10 @@ TIER = "embeddings"  # the ledger's `tier` for these rows
 class EmbeddingsService:
     def __init__(self, *, spec: EmbeddingSpec, embedder: Embedder, gate: TenantGate, reserve: ReserveStage,
                  refusals: RefusalLog, ledger: Ledger, quotas: QuotaService, metrics: GatewayMetrics,
-                 ladder: LadderController | None, max_batch: int = 32, max_wait_s: float = 0.003) -> None:
+                 ladder: LadderController | None, max_batch: int = 32, max_wait_s: float = 0.003,
+                 counting: Executor | None = None) -> None:
         self.spec = spec
+        self.counting = counting  # where texts are counted (the prompt stage's threads; None: asyncio's default)
         self.embedder = embedder
         self.gate = gate
         self.reserve = reserve
@@ -91,7 +94,7 @@ class EmbeddingsService:
             served = f"; this gateway serves {self.spec.model!r}" if self.spec.enabled else ""
             raise NotFound(f"no embedding model {req.model!r}{served}", param="model", code="model_not_found")
         self._refuse_if_degraded(ctx)
-        return req, await asyncio.to_thread(self._num_tokens, req.texts)
+        return req, await asyncio.get_running_loop().run_in_executor(self.counting, self._num_tokens, req.texts)
 
     def _refuse_if_degraded(self, ctx: RequestContext) -> None:
         """A priority class the ladder sheds, or answers from cache only, gets no fresh compute here either."""
@@ -193,7 +196,8 @@ def build_embeddings(services: Services) -> EmbeddingsService:
                              reserve=pipeline.reserve, refusals=pipeline.refusals, ledger=services.ledger,
                              quotas=pipeline.reserve.quotas, metrics=services.metrics, ladder=services.ladder,
                              max_batch=settings.cache_embed_max_batch,
-                             max_wait_s=settings.cache_embed_max_wait_ms / 1000)
+                             max_wait_s=settings.cache_embed_max_wait_ms / 1000,
+                             counting=pipeline.prompt.executor)
 
 
 def provide_embeddings(state: State) -> EmbeddingsService:
