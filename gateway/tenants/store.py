@@ -33,7 +33,7 @@ from quotas.plans import Limits
 
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
 ADMIN = "admin"
-MAX_CACHED = 100_000  # cached keys, unknown key ids included; past it the cache starts again (bounded memory)
+MAX_CACHED = 100_000  # cached key ids of each kind (keys, unknown ids); past it that cache starts again (bounded)
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,10 @@ class TenantStore(ABC):
         return super().__new__(cls)
 
     def __init__(self) -> None:
-        self._cache: dict[str, _Entry | None] = {}  # by key id; None: no such key
+        # by key id: the keys there are, and apart from them the ids of none, so that a flood of made-up ids
+        # (no key needed to send one) empties only its own cache, never the real keys' (each a query again)
+        self._cache: dict[str, _Entry] = {}
+        self._unknown: dict[str, None] = {}
         self._versions: dict[str, int] = {}
         self._generation = 0  # bumped at each emptying, so a read that raced one is not cached
 
@@ -264,7 +267,9 @@ class TenantStore(ABC):
         self._follow()
         entry = None
         if parsed:
-            entry = self._cache[key_id] if key_id in self._cache else self._load(key_id)
+            entry = self._cache.get(key_id)
+            if entry is None and key_id not in self._unknown:
+                entry = self._load(key_id)
         if not verify(presented, entry[0] if entry else None) or entry is None:
             return None
         _, key, tenant = entry
@@ -280,9 +285,10 @@ class TenantStore(ABC):
             key = _key(row[1:])
             entry = (row[0], key, self.get_tenant(key.tenant) if key.tenant else None)
         if generation == self._generation:  # nobody committed meanwhile: the answer may be kept
-            if len(self._cache) >= MAX_CACHED:
-                self._cache.clear()
-            self._cache[key_id] = entry
+            cache: dict[str, Any] = self._cache if entry is not None else self._unknown
+            if len(cache) >= MAX_CACHED:
+                cache.clear()
+            cache[key_id] = entry
         return entry
 
     def _follow(self) -> None:
@@ -293,6 +299,7 @@ class TenantStore(ABC):
     def _invalidate(self) -> None:
         self._generation += 1
         self._cache.clear()
+        self._unknown.clear()
         self._versions.clear()
 
 

@@ -250,3 +250,27 @@ def test_secrets_never_reach_the_logs(store: TenantStore, caplog: pytest.LogCapt
     text = caplog.text
     for secret in (plaintext, new_plain):
         assert secret not in text and secret.split("-", 2)[2] not in text and hash_secret(secret) not in text
+
+
+def test_a_flood_of_made_up_key_ids_does_not_empty_the_real_keys_cache(store: TenantStore,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unknown ids are cached apart: sending more of them than the cache holds costs the real keys nothing."""
+    monkeypatch.setattr("gateway.tenants.store.MAX_CACHED", 50)
+    _, plaintext = store.issue_key("acme")
+    eventually(lambda: store.authenticate(plaintext) is not None)
+    queries: list[str] = []
+    real = store._fetchone
+
+    def counting(sql: str, args: tuple[Any, ...] = ()) -> Any:
+        queries.append(sql)
+        return real(sql, args)
+
+    def cached() -> bool:
+        queries.clear()
+        return store.authenticate(plaintext) is not None and not queries
+
+    store._fetchone = counting  # type: ignore[method-assign]
+    eventually(cached)  # (PostgreSQL: once its listener follows the key's issue)
+    for i in range(200):  # four times what each cache holds
+        assert store.authenticate(f"tg-{i:012x}-" + "x" * 43) is None
+    assert len(queries) == 200 and cached()  # each made-up id asked once; the real key is still cached
