@@ -1,15 +1,18 @@
 """One tenant's costly requests wait on each other, not on the threads every tenant's requests use.
 
 asyncio's default executor (six threads on two cores) runs the cache's lookups; a tenant that held those threads
-(long prompts or embeddings inputs being counted, here made to block) made another tenant's temperature-0 request
-wait on it.
+(usage reports, long prompts or embeddings inputs being counted: each made to block here) made another tenant's
+temperature-0 request wait on it, past a 5 s timeout.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
+import httpx
 import pytest
 
 import gateway.pipeline.prompt as prompt_stage
@@ -18,81 +21,96 @@ from tests.conftest import Gateway
 
 MODEL = "all-MiniLM-L6-v2"  # the embeddings model the test gateway serves
 LONG = "tell me about the rivers and the mountains " * 120  # over INLINE_CHARS: counted on a worker thread
+SENDERS = 8  # more than the default executor's threads
+
+
+def blocking(real: Callable[..., object]) -> tuple[Callable[..., object], list[int], threading.Event]:
+    """`real`, made to wait until released; and the calls begun, and the release."""
+    begun, release = [], threading.Event()
+
+    def held(*args: object, **kwargs: object) -> object:
+        begun.append(1)
+        release.wait(20)
+        return real(*args, **kwargs)
+
+    return held, begun, release
+
+
+@contextmanager
+def flood(gateway: Gateway, send: Callable[[httpx.Client], httpx.Response], begun: list[int],
+          release: threading.Event, *, answered: int = 0) -> Iterator[list[int]]:
+    """SENDERS of `send` at once from tenant acme, held inside the gateway until the block ends; yields their
+    status codes (those answered so far: at least `answered`), then waits for all."""
+    answers: list[int] = []
+
+    def one() -> None:
+        with gateway.client(gateway.tenant_key) as c:
+            answers.append(send(c).status_code)
+
+    senders = [threading.Thread(target=one) for _ in range(SENDERS)]
+    for t in senders:
+        t.start()
+    try:
+        deadline = time.time() + 30  # the first embeddings request loads its service
+        while (not begun or len(answers) < answered) and time.time() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.3)  # the rest have been sent and wait, or were refused
+        assert begun
+        yield answers
+    finally:
+        release.set()
+        for t in senders:
+            t.join(30)
+
+
+def other_tenant_asks(gateway: Gateway) -> httpx.Response:
+    """Tenant beta's temperature-0 request (its cache lookup runs on the default executor)."""
+    gateway.store.create_tenant("beta", "standard")
+    _, beta = gateway.store.issue_key("beta")
+    with gateway.client(beta) as c:
+        return c.post("/v1/chat/completions", timeout=5, json={
+            "model": "mid", "temperature": 0, "messages": [{"role": "user", "content": "hello there"}]})
 
 
 def test_long_prompts_being_counted_do_not_hold_up_another_tenants_cache_lookup(
         gateway: Gateway, monkeypatch: pytest.MonkeyPatch) -> None:
     assert len(LONG) > prompt_stage.INLINE_CHARS
-    real, release, counting = prompt_stage._count_bounded, threading.Event(), []
-
-    def slow_count(*args: object, **kwargs: object) -> object:
-        counting.append(1)
-        release.wait(20)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(prompt_stage, "_count_bounded", slow_count)
-    gateway.store.create_tenant("beta", "standard")
-    _, beta = gateway.store.issue_key("beta")
-    answers: list[int] = []
-
-    def long_request() -> None:
-        with gateway.client(gateway.tenant_key) as c:
-            answers.append(c.post("/v1/chat/completions", json={
-                "model": "mid", "messages": [{"role": "user", "content": LONG}]}).status_code)
-
-    senders = [threading.Thread(target=long_request) for _ in range(8)]  # more than the default executor's threads
-    for t in senders:
-        t.start()
-    try:
-        deadline = time.time() + 10
-        while not counting and time.time() < deadline:
-            time.sleep(0.01)
-        time.sleep(0.3)  # the rest have been sent and wait for a counting thread
-        assert counting and not answers
-        with gateway.client(beta) as c:
-            r = c.post("/v1/chat/completions", timeout=5, json={
-                "model": "mid", "temperature": 0, "messages": [{"role": "user", "content": "hello there"}]})
+    held, begun, release = blocking(prompt_stage._count_bounded)
+    monkeypatch.setattr(prompt_stage, "_count_bounded", held)
+    with flood(gateway, lambda c: c.post("/v1/chat/completions", json={
+            "model": "mid", "messages": [{"role": "user", "content": LONG}]}), begun, release) as answers:
+        assert not answers
+        r = other_tenant_asks(gateway)
         assert r.status_code == 200 and r.headers["x-tiergate-cache"] == "miss" and not release.is_set()
-    finally:
-        release.set()
-        for t in senders:
-            t.join(30)
-    assert answers == [200] * 8
+    assert answers == [200] * SENDERS
 
 
 def test_embeddings_inputs_being_counted_do_not_hold_up_another_tenants_cache_lookup(
         gateway: Gateway, monkeypatch: pytest.MonkeyPatch) -> None:
-    real, release, counting = EmbeddingsService._num_tokens, threading.Event(), []
-
-    def slow_count(self: EmbeddingsService, texts: list[str]) -> int:
-        counting.append(1)
-        release.wait(20)
-        return real(self, texts)
-
-    monkeypatch.setattr(EmbeddingsService, "_num_tokens", slow_count)
-    gateway.store.create_tenant("beta", "standard")
-    _, beta = gateway.store.issue_key("beta")
-    answers: list[int] = []
-
-    def embed() -> None:
-        with gateway.client(gateway.tenant_key) as c:
-            answers.append(c.post("/v1/embeddings", json={"model": MODEL, "input": ["rivers"] * 4}).status_code)
-
-    senders = [threading.Thread(target=embed) for _ in range(8)]
-    for t in senders:
-        t.start()
-    try:
-        deadline = time.time() + 30  # the first request loads the embeddings service
-        while not counting and time.time() < deadline:
-            time.sleep(0.01)
-        time.sleep(0.3)
-        assert counting and not answers
-        with gateway.client(beta) as c:
-            r = c.post("/v1/chat/completions", timeout=5, json={
-                "model": "mid", "temperature": 0, "messages": [{"role": "user", "content": "hello there"}]})
+    held, begun, release = blocking(EmbeddingsService._num_tokens)
+    monkeypatch.setattr(EmbeddingsService, "_num_tokens", held)
+    with flood(gateway, lambda c: c.post("/v1/embeddings", json={"model": MODEL, "input": ["rivers"] * 4}),
+               begun, release) as answers:
+        assert not answers
+        r = other_tenant_asks(gateway)
         assert r.status_code == 200 and r.headers["x-tiergate-cache"] == "miss" and not release.is_set()
-    finally:
-        release.set()
-        for t in senders:
-            t.join(30)
-    assert answers == [200] * 8
+    assert answers == [200] * SENDERS
+
+
+def test_a_tenants_reports_do_not_take_the_threads_other_tenants_need(gateway: Gateway,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Eight reports at once from one tenant: one runs, the others are refused at once with a 429."""
+    ledger = gateway.app.state.services.pipeline.settler.ledger
+    held, begun, release = blocking(ledger.rows)
+    monkeypatch.setattr(ledger, "rows", held)
+    with flood(gateway, lambda c: c.get("/v1/usage"), begun, release, answered=SENDERS - 1) as answers:
+        assert answers == [429] * (SENDERS - 1)  # refused at once, while the first still runs
+        r = other_tenant_asks(gateway)
+        assert r.status_code == 200 and not release.is_set()
+        with gateway.client(gateway.tenant_key) as c:
+            again = c.get("/v1/usage")
+        assert again.status_code == 429 and again.json()["error"]["code"] == "rate_limit_exceeded"
+        assert again.headers["retry-after"] == "1"
+    assert sorted(answers) == [200] + [429] * (SENDERS - 1)
+    with gateway.client(gateway.tenant_key) as c:
+        assert c.get("/v1/usage").status_code == 200  # the tenant's slot is free once its report is done
