@@ -266,6 +266,8 @@ def create_app(settings: Settings | None = None) -> Litestar:
             if services.cache.cache is not None:
                 services.cache.cache.close()
             services.reports.close()
+            if services.pipeline.route.predictor is not None:
+                services.pipeline.route.predictor.close()
             if isinstance(pool := services.pipeline.prompt.executor, ThreadPoolExecutor):
                 pool.shutdown(wait=False, cancel_futures=True)
             services.ledger.close()

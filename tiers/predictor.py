@@ -5,7 +5,9 @@ artifact is there to load (with the cascade's calibration that travels in it: `c
 without it, or without its dependencies, routes `auto` by the plan's default tier and says so. `tiergate run`
 builds the artifact after the gateway has started, so the file is looked at again every `check_every_s`; a
 changed file (a retrained model) replaces the loaded one without a restart. Loading and predicting run in a
-worker thread: both can embed text, which must not stall the event loop.
+worker thread: both can embed text, which must not stall the event loop. Predictions have PREDICT_THREADS threads
+of their own: on asyncio's default executor, a tenant's `auto` requests (one MiniLM pass each, refused or not)
+held the threads every tenant's cache lookups wait on.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import importlib
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -23,6 +26,7 @@ from tiers.routing import Prediction
 log = logging.getLogger("tiergate.router")
 DIFFICULTY_MODULE = "tiers.difficulty"
 CHECK_EVERY_S = 5.0
+PREDICT_THREADS = 2  # threads for predictions (a MiniLM pass each), apart from the request path's
 
 
 class DifficultyPredictor(Protocol):
@@ -70,6 +74,7 @@ class PredictorSource:
         self._seen: tuple[int, int] | None = None  # (mtime_ns, size) of the file last loaded or rejected
         self._checked_at: float | None = None
         self._lock = asyncio.Lock()
+        self._threads = ThreadPoolExecutor(max_workers=PREDICT_THREADS, thread_name_prefix="tiergate-predict")
 
     @classmethod
     def for_data_dir(cls, data_dir: Path) -> PredictorSource:
@@ -92,12 +97,16 @@ class PredictorSource:
         if model is None:
             return f"difficulty model unusable: {self.error}" if self.error else "no difficulty model yet"
         try:
-            fidelity = await asyncio.to_thread(model.predict, messages)
+            fidelity = await asyncio.get_running_loop().run_in_executor(self._threads, model.predict, messages)
         except Exception as exc:  # a faulty model must not fail requests: route by the plan's default, loudly
             log.exception("difficulty model %s failed to predict", model.version)
             return f"difficulty model {model.version} failed: {type(exc).__name__}"
         uninformative = {str(k): str(v) for k, v in (getattr(model, "uninformative", None) or {}).items()}
         return Prediction({k: float(v) for k, v in fidelity.items()}, str(model.version), uninformative)
+
+    def close(self) -> None:
+        """Predictions not started are dropped."""
+        self._threads.shutdown(wait=False, cancel_futures=True)
 
     async def calibration(self) -> Any:
         """The cascade's calibration in the current artifact (tiers/difficulty.py's CascadeCalibration), or None."""

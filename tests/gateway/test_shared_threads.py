@@ -1,8 +1,8 @@
 """One tenant's costly requests wait on each other, not on the threads every tenant's requests use.
 
 asyncio's default executor (six threads on two cores) runs the cache's lookups; a tenant that held those threads
-(usage reports, long prompts or embeddings inputs being counted: each made to block here) made another tenant's
-temperature-0 request wait on it, past a 5 s timeout.
+(usage reports, long prompts or embeddings inputs being counted, `auto`'s difficulty predictions: each made to
+block here) made another tenant's temperature-0 request wait on it, past a 5 s timeout.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -18,6 +20,7 @@ import pytest
 import gateway.pipeline.prompt as prompt_stage
 from gateway.embeddings_service import EmbeddingsService
 from tests.conftest import Gateway
+from tiers.predictor import PredictorSource
 
 MODEL = "all-MiniLM-L6-v2"  # the embeddings model the test gateway serves
 LONG = "tell me about the rivers and the mountains " * 120  # over INLINE_CHARS: counted on a worker thread
@@ -114,3 +117,26 @@ def test_a_tenants_reports_do_not_take_the_threads_other_tenants_need(gateway: G
     assert sorted(answers) == [200] + [429] * (SENDERS - 1)
     with gateway.client(gateway.tenant_key) as c:
         assert c.get("/v1/usage").status_code == 200  # the tenant's slot is free once its report is done
+
+
+class Predictions:
+    version = "blocking-1"
+
+    def predict(self, messages: list[dict[str, Any]]) -> dict[str, float]:
+        return {"small": 0.95, "mid": 0.97, "full": 1.0}
+
+
+def test_difficulty_predictions_do_not_hold_up_another_tenants_cache_lookup(
+        gateway: Gateway, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    held, begun, release = blocking(Predictions.predict)
+    monkeypatch.setattr(Predictions, "predict", held)
+    (artifact := tmp_path / "difficulty.json").write_text("{}")
+    route = gateway.app.state.services.pipeline.route
+    monkeypatch.setattr(route, "predictor", PredictorSource(artifact, lambda _: Predictions()))
+    with flood(gateway, lambda c: c.post("/v1/chat/completions", json={
+            "model": "auto", "messages": [{"role": "user", "content": "hi"}]}), begun, release) as answers:
+        assert not answers
+        r = other_tenant_asks(gateway)
+        assert r.status_code == 200 and r.headers["x-tiergate-cache"] == "miss" and not release.is_set()
+    assert answers == [200] * SENDERS
+    route.predictor.close()
