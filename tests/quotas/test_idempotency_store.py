@@ -93,3 +93,15 @@ async def test_concurrent_first_requests_claim_a_key_once(stores: tuple[Idempote
     store, _, _ = stores
     begun = await asyncio.gather(*(store.begin("acme", "k", "body", f"r{i}", lease_s=60) for i in range(20)))
     assert sum(isinstance(b, Claim) for b in begun) == 1 and all(isinstance(b, Claim | Running) for b in begun)
+
+
+async def test_an_answer_with_logprobs_and_any_text_replays_as_it_was(stores: tuple[IdempotencyStore, Ledger,
+                                                                                    Clock]) -> None:
+    store, ledger, _ = stores
+    claim = await store.begin("acme", "k2", "body", "r1", lease_s=60)
+    assert isinstance(claim, Claim)
+    token = {"token": "é\U0001f600\"\\\n", "logprob": -1.2345678901234567, "bytes": [195, 169, 240]}
+    answer = {"id": "chatcmpl-r1", "text": "naïve \u2028 \"quoted\"", "created": 1_700_000_000, "tool_calls": None,
+              "logprobs": [{**token, "top_logprobs": [token, {**token, "logprob": -1e-300}]}] * 3}
+    await ledger.wait_durable(ledger.submit(row(2), with_row=store.finish_with_row(claim, answer, 3600)))
+    assert await store.begin("acme", "k2", "body", "r2", lease_s=60) == Replay(answer)
