@@ -133,15 +133,20 @@ def serve_workers(tmp: Path, redis_url: str, stub_url: str, models_dir: Path) ->
 
 
 def _wait_ready(served: Served, timeout_s: float = 90.0) -> None:
-    deadline = time.time() + timeout_s
+    """Until both workers have answered /health: a worker process exists before it listens (it loads its tiers
+    first), and until then the other takes every connection."""
+    deadline, answered = time.time() + timeout_s, set()
     while time.time() < deadline:
         assert served.proc.poll() is None, f"serve exited: {served.log.read_text()[-3000:]}"
         try:
-            if served.get("/health").status_code == 200 and len(worker_pids(served.proc.pid)) == 2:
+            r = served.get("/health")
+            if r.status_code == 200:
+                answered.add(worker_of(r))
+            if len(answered) == 2 and len(worker_pids(served.proc.pid)) == 2:
                 return
         except httpx.HTTPError:
             pass
-        time.sleep(0.3)
+        time.sleep(0.05)
     raise AssertionError(f"not ready in {timeout_s:.0f}s: {served.log.read_text()[-3000:]}")
 
 
