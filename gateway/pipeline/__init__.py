@@ -14,10 +14,11 @@ One non-streamed `auto` request, from the route to the ledger:
 5. route.py — `RouteStage.choose` → `RouteDecision`: explicit tier or `auto` (difficulty model, budget
    floor), around unavailable and overloaded tiers, the ladder's remap, then the version of the tier that a
    rollout gives the conversation (gateway/rollout).
-6. cache_lookup.py — `CacheStage.lookup` → `CacheLookup`: exact then semantic, inside the request's scope.
-   A hit skips 7, 9 and 10.
-7. prompt.py — `PromptStage.measure` → `Prompt`: the ladder's input cap, the prompt counted with the tier's
-   tokenizer (bounded, off the event loop), the output cap, the context check.
+6. prompt.py — `PromptStage.measure` → `Prompt`: the ladder's input cap, the prompt counted with the tier's
+   tokenizer (bounded, off the event loop), the output cap, the context check: a request that cannot fit is
+   refused before the cache lookup can embed anything.
+7. cache_lookup.py — `CacheStage.lookup` → `CacheLookup`: exact then semantic, inside the request's scope.
+   A hit skips 9 and 10 (and its prompt count is not used).
 8. reserve.py — `ReserveStage.reserve` → a quota `Reservation` (quotas/reservations.py): requests, tokens,
    money and a concurrency slot, charged atomically or refused with nothing charged. Every refusal in
    2-8 is counted once by refusals.py. From here on, the request is an `Attempt` (attempt.py).
