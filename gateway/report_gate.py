@@ -3,7 +3,7 @@
 A report reads and sums a tenant's whole history: seconds of work for a busy tenant, which must not run on the
 event loop. Run on asyncio's default executor (six threads on two cores), eight reports from one tenant held
 every thread the request path uses (the cache's lookups, the seed's ledger reads), and another tenant's
-cached request waited on them (tests/gateway/test_usage_api.py). Here reports have a pool of their own, a
+cached request waited on them (tests/gateway/test_shared_threads.py). Here reports have a pool of their own, a
 tenant has at most one report running, and at most `limit` run or wait in all; a report past either bound
 is refused at once with a 429 that names it, before any row is read.
 

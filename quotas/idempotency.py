@@ -294,6 +294,6 @@ class RedisIdempotency(IdempotencyStore):
 
 
 def _encode(answer: dict[str, Any]) -> str:
-    """The answer as JSON text, on the event loop: msgspec's encoder, 8.5x json.dumps (a 4,096-token answer with
-    20 alternatives a token: 6.1 MB in 11.6 ms against 99 ms), the same value when read back with json.loads."""
+    """The answer as JSON text, on the event loop: msgspec's encoder (Litestar's own), several times json.dumps'
+    speed on an answer with logprobs (megabytes at 20 alternatives a token), the same value read back."""
     return msgspec.json.encode(answer).decode()
