@@ -6,7 +6,6 @@ import asyncio
 import gc
 import logging
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -21,6 +20,7 @@ from gateway.cache_bound_metrics import CacheBoundCollector
 from gateway.config_files import ConfigFileError, load_yaml
 from gateway.embeddings_service import embeddings_lifespan, provide_embeddings
 from gateway.errors import InternalError, PayloadTooLarge, client_error
+from gateway.fair_threads import FairThreads
 from gateway.ladder.config import Ladder
 from gateway.ladder.controller import LadderController
 from gateway.ladder.signals import Signals
@@ -76,7 +76,7 @@ from quotas.seed import ledger_billing, ledger_spend_source, seed_from_ledger
 from tiers.catalogue import TierCatalogue, TierSpec
 from tiers.client import TierClient
 from tiers.fleet import Fleet
-from tiers.predictor import PredictorSource
+from tiers.predictor import PREDICT_THREADS, PredictorSource
 from tiers.supervisor import engine_max_num_seqs
 
 log = logging.getLogger("tiergate.gateway")
@@ -129,9 +129,10 @@ def build_services(settings: Settings) -> Services:
     pipeline = Pipeline(
         gate=gate, ladder=ladder, cache=cache, dispatch=dispatch,
         route=RouteStage(fleet=fleet, quotas=quotas, dispatch=dispatch,
-                         predictor=PredictorSource.for_data_dir(settings.data_dir), rollouts=rollouts),
+                         predictor=PredictorSource.for_data_dir(settings.data_dir, threads=prediction_threads()),
+                         rollouts=rollouts),
         prompt=PromptStage(models_dir=settings.resolved_models_dir, default_max_tokens=settings.default_max_tokens,
-                           executor=counting_pool()),
+                           threads=counting_threads()),
         reserve=ReserveStage(quotas=quotas, gate=gate),
         tier=caller,
         settler=Settler(ledger=ledger, quotas=quotas, dispatch=dispatch, cache=cache, metrics=metrics_,
@@ -150,11 +151,17 @@ def build_services(settings: Settings) -> Services:
 COUNTING_THREADS = 2
 
 
-def counting_pool() -> ThreadPoolExecutor:
-    """Threads of their own for counting long prompts: a tenant's long prompts (up to a context's worth of
-    characters each, at its concurrency limit) then wait on each other, not on asyncio's default threads, which
-    every tenant's cache lookups use (a temperature-0 request waited seconds behind them)."""
-    return ThreadPoolExecutor(max_workers=COUNTING_THREADS, thread_name_prefix="tiergate-count")
+def counting_threads() -> FairThreads:
+    """Threads of their own for counting long prompts and embeddings inputs, tenants in turn: a tenant's long
+    prompts (up to a context's worth of characters each, at its concurrency limit) then wait on each other, not
+    on asyncio's default threads, which every tenant's cache lookups use (a temperature-0 request waited seconds
+    behind them), nor ahead of another tenant's long prompt."""
+    return FairThreads(COUNTING_THREADS, "tiergate-count")
+
+
+def prediction_threads() -> FairThreads:
+    """Threads of their own for `auto`'s difficulty predictions (a MiniLM pass each), tenants in turn."""
+    return FairThreads(PREDICT_THREADS, "tiergate-predict")
 
 
 def build_cache(settings: Settings, plans: PlanBook) -> SemanticCache | None:
@@ -268,8 +275,8 @@ def create_app(settings: Settings | None = None) -> Litestar:
             services.reports.close()
             if services.pipeline.route.predictor is not None:
                 services.pipeline.route.predictor.close()
-            if isinstance(pool := services.pipeline.prompt.executor, ThreadPoolExecutor):
-                pool.shutdown(wait=False, cancel_futures=True)
+            if services.pipeline.prompt.threads is not None:
+                services.pipeline.prompt.threads.close()
             services.ledger.close()
             services.store.close()
             services.rollouts.store.close()

@@ -24,7 +24,6 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
-from concurrent.futures import Executor
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -35,6 +34,7 @@ from litestar.datastructures import State
 from cache.batcher import EmbeddingBatcher
 from cache.embedder import Embedder, default_embedder
 from gateway.errors import NotFound, Unavailable, client_error
+from gateway.fair_threads import FairThreads
 from gateway.ladder.apply import Degradation
 from gateway.ladder.controller import LadderController
 from gateway.metrics import GatewayMetrics
@@ -56,9 +56,9 @@ class EmbeddingsService:
     def __init__(self, *, spec: EmbeddingSpec, embedder: Embedder, gate: TenantGate, reserve: ReserveStage,
                  refusals: RefusalLog, ledger: Ledger, quotas: QuotaService, metrics: GatewayMetrics,
                  ladder: LadderController | None, max_batch: int = 32, max_wait_s: float = 0.003,
-                 counting: Executor | None = None) -> None:
+                 counting: FairThreads | None = None) -> None:
         self.spec = spec
-        self.counting = counting  # where texts are counted (the prompt stage's threads; None: asyncio's default)
+        self.counting = counting  # where texts are counted, tenants in turn (the prompt stage's; None: asyncio's)
         self.embedder = embedder
         self.gate = gate
         self.reserve = reserve
@@ -94,7 +94,9 @@ class EmbeddingsService:
             served = f"; this gateway serves {self.spec.model!r}" if self.spec.enabled else ""
             raise NotFound(f"no embedding model {req.model!r}{served}", param="model", code="model_not_found")
         self._refuse_if_degraded(ctx)
-        return req, await asyncio.get_running_loop().run_in_executor(self.counting, self._num_tokens, req.texts)
+        counted = (self.counting.run(ctx.tenant, self._num_tokens, req.texts) if self.counting is not None
+                   else asyncio.get_running_loop().run_in_executor(None, self._num_tokens, req.texts))
+        return req, await counted
 
     def _refuse_if_degraded(self, ctx: RequestContext) -> None:
         """A priority class the ladder sheds, or answers from cache only, gets no fresh compute here either."""
@@ -197,7 +199,7 @@ def build_embeddings(services: Services) -> EmbeddingsService:
                              quotas=pipeline.reserve.quotas, metrics=services.metrics, ladder=services.ladder,
                              max_batch=settings.cache_embed_max_batch,
                              max_wait_s=settings.cache_embed_max_wait_ms / 1000,
-                             counting=pipeline.prompt.executor)
+                             counting=pipeline.prompt.threads)
 
 
 def provide_embeddings(state: State) -> EmbeddingsService:

@@ -5,9 +5,10 @@ artifact is there to load (with the cascade's calibration that travels in it: `c
 without it, or without its dependencies, routes `auto` by the plan's default tier and says so. `tiergate run`
 builds the artifact after the gateway has started, so the file is looked at again every `check_every_s`; a
 changed file (a retrained model) replaces the loaded one without a restart. Loading and predicting run in a
-worker thread: both can embed text, which must not stall the event loop. Predictions have PREDICT_THREADS threads
-of their own: on asyncio's default executor, a tenant's `auto` requests (one MiniLM pass each, refused or not)
-held the threads every tenant's cache lookups wait on.
+worker thread: both can embed text, which must not stall the event loop. Predictions have threads of their own
+(`Threads`: the gateway's take tenants in turn, gateway/fair_threads.py; PREDICT_THREADS of them): on asyncio's
+default executor, a tenant's `auto` requests (one MiniLM pass each, refused or not) held the threads every
+tenant's cache lookups wait on, and first come, first served, its queued predictions held every other tenant's.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import asyncio
 import importlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol
@@ -45,6 +46,27 @@ class DifficultyPredictor(Protocol):
 Loader = Callable[[Path], DifficultyPredictor]
 
 
+class Threads(Protocol):
+    """Where predictions run: `fn(*args)` in a worker thread when `owner`'s turn comes."""
+
+    async def run(self, owner: Hashable, fn: Callable[..., Any], *args: Any) -> Any: ...
+
+    def close(self) -> None: ...
+
+
+class OwnThreads:
+    """PREDICT_THREADS threads, first come, first served (owners ignored): a source used outside a gateway."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=PREDICT_THREADS, thread_name_prefix="tiergate-predict")
+
+    async def run(self, owner: Hashable, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
 def default_artifact(data_dir: Path) -> Path:
     """Where `tiergate router train` (and the run command) write the artifact: the difficulty module's
     `default_artifact_path`, which is this path; it is not imported here, so nothing heavy loads unasked."""
@@ -64,7 +86,7 @@ class PredictorSource:
     """The current difficulty model, reloaded when its file changes; None until a valid one exists."""
 
     def __init__(self, path: Path, loader: Loader = load_from_module, *, check_every_s: float = CHECK_EVERY_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, threads: Threads | None = None) -> None:
         self.path = path
         self.loader = loader
         self.check_every_s = check_every_s
@@ -74,11 +96,11 @@ class PredictorSource:
         self._seen: tuple[int, int] | None = None  # (mtime_ns, size) of the file last loaded or rejected
         self._checked_at: float | None = None
         self._lock = asyncio.Lock()
-        self._threads = ThreadPoolExecutor(max_workers=PREDICT_THREADS, thread_name_prefix="tiergate-predict")
+        self._threads = threads or OwnThreads()
 
     @classmethod
-    def for_data_dir(cls, data_dir: Path) -> PredictorSource:
-        return cls(default_artifact(data_dir))
+    def for_data_dir(cls, data_dir: Path, *, threads: Threads | None = None) -> PredictorSource:
+        return cls(default_artifact(data_dir), threads=threads)
 
     async def current(self) -> DifficultyPredictor | None:
         """The model to use now, looking at the file at most every `check_every_s`."""
@@ -91,13 +113,14 @@ class PredictorSource:
                 self._checked_at = self._clock()
         return self.model
 
-    async def predict(self, messages: list[dict[str, Any]]) -> Prediction | str:
-        """The model's prediction, or why there is none (said in the route reason)."""
+    async def predict(self, messages: list[dict[str, Any]], *, owner: Hashable = None) -> Prediction | str:
+        """The model's prediction, made in `owner`'s turn (the tenant's), or why there is none (said in the route
+        reason)."""
         model = await self.current()
         if model is None:
             return f"difficulty model unusable: {self.error}" if self.error else "no difficulty model yet"
         try:
-            fidelity = await asyncio.get_running_loop().run_in_executor(self._threads, model.predict, messages)
+            fidelity = await self._threads.run(owner, model.predict, messages)
         except Exception as exc:  # a faulty model must not fail requests: route by the plan's default, loudly
             log.exception("difficulty model %s failed to predict", model.version)
             return f"difficulty model {model.version} failed: {type(exc).__name__}"
@@ -106,7 +129,7 @@ class PredictorSource:
 
     def close(self) -> None:
         """Predictions not started are dropped."""
-        self._threads.shutdown(wait=False, cancel_futures=True)
+        self._threads.close()
 
     async def calibration(self) -> Any:
         """The cascade's calibration in the current artifact (tiers/difficulty.py's CascadeCalibration), or None."""

@@ -105,7 +105,7 @@ class Pipeline:
         route = await self.route.choose(ctx, req, degr)
         # counted, and refused if it cannot fit, before the cache is looked up: a lookup may embed the last turn on
         # the embedding queue every tenant shares, which a request that can never run must not hold up
-        prompt = await self._measure_early(req, route)
+        prompt = await self._measure_early(ctx, req, route)
         lookup = await self.cache.lookup(ctx, req, route.tier, degr)
         if (hit := lookup.hit) is not None:  # a cached answer needs no tier, however busy
             tokens = int(hit.usage.get("prompt_tokens", 0)) + int(hit.usage.get("completion_tokens", 0))
@@ -118,11 +118,12 @@ class Pipeline:
             raise overloaded
         return await self.prepare_on(ctx, req, route, lookup, ctx.request_id, keep=keep, prompt=prompt)
 
-    async def _measure_early(self, req: ChatCompletionRequest, route: RouteDecision) -> Prompt | None:
+    async def _measure_early(self, ctx: RequestContext, req: ChatCompletionRequest, route: RouteDecision
+                             ) -> Prompt | None:
         """The prompt counted for the route's tier; None when the tier's tokenizer is not prepared (a cached answer
         may still serve the request; a miss is refused by `prepare_on`'s count)."""
         try:
-            return await self.prompt.measure(req, route.tier, route.degradation)
+            return await self.prompt.measure(req, route.tier, route.degradation, owner=ctx.tenant)
         except Unavailable:
             return None
 
@@ -131,7 +132,7 @@ class Pipeline:
                          keep: Keep | None = None, prompt: Prompt | None = None) -> Prepared:
         """Count the prompt for the route's tier (unless `prompt` has it) and reserve (a cascade's second attempt
         enters here too)."""
-        prompt = prompt or await self.prompt.measure(req, route.tier, route.degradation)
+        prompt = prompt or await self.prompt.measure(req, route.tier, route.degradation, owner=ctx.tenant)
         tier = route.tier
         reservation = await self.reserve.reserve(ctx, request_id, tokens=prompt.num_tokens + prompt.output_cap,
                                                  price=tier.price(prompt.num_tokens, prompt.output_cap))

@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable
-from concurrent.futures import Executor
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from assets.model_source import DEFAULT_MODEL, resolve_model
 from gateway.errors import InvalidRequest, Unavailable
+from gateway.fair_threads import FairThreads
 from gateway.ladder.apply import Degradation
 from gateway.token_counter import TokenCounter, token_counter
 from tiers.catalogue import TierSpec
@@ -59,12 +59,14 @@ def tokenizer_source(tier: TierSpec) -> str:
 
 
 class PromptStage:
-    def __init__(self, *, models_dir: Path, default_max_tokens: int, executor: Executor | None = None) -> None:
+    def __init__(self, *, models_dir: Path, default_max_tokens: int, threads: FairThreads | None = None) -> None:
         self.models_dir = models_dir
         self.default_max_tokens = default_max_tokens
-        self.executor = executor
+        self.threads = threads  # where long prompts are counted, tenants in turn (None: asyncio's default executor)
 
-    async def measure(self, req: ChatCompletionRequest, tier: TierSpec, degr: Degradation) -> Prompt:
+    async def measure(self, req: ChatCompletionRequest, tier: TierSpec, degr: Degradation, *,
+                      owner: Hashable = None) -> Prompt:
+        """The prompt as `tier` will read it; a long one is counted in `owner`'s turn (the tenant's)."""
         counter = self._counter(tier)
         messages = [turn(m) for m in req.messages]
         tools = preamble(req)
@@ -72,8 +74,10 @@ class PromptStage:
         if chars <= INLINE_CHARS and degr.input_cap is None:
             kept, applied, num_tokens = list(req.messages), (), counter.prompt_tokens(with_preamble(messages, tools))
         else:
-            kept, applied, num_tokens = await asyncio.get_running_loop().run_in_executor(
-                self.executor, _count_bounded, counter, list(req.messages), messages, tier, degr.input_cap, tools)
+            args = (counter, list(req.messages), messages, tier, degr.input_cap, tools)
+            kept, applied, num_tokens = await (
+                self.threads.run(owner, _count_bounded, *args) if self.threads is not None
+                else asyncio.get_running_loop().run_in_executor(None, _count_bounded, *args))
         room = tier.context_limit - num_tokens
         cap = req.output_cap or max(1, min(self.default_max_tokens, room))
         by_context = req.output_cap is None and cap == room

@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 import gateway.pipeline.prompt as prompt_stage
+from gateway.app import prediction_threads
 from gateway.embeddings_service import EmbeddingsService
 from tests.conftest import Gateway
 from tiers.predictor import PredictorSource
@@ -139,4 +140,82 @@ def test_difficulty_predictions_do_not_hold_up_another_tenants_cache_lookup(
         r = other_tenant_asks(gateway)
         assert r.status_code == 200 and r.headers["x-tiergate-cache"] == "miss" and not release.is_set()
     assert answers == [200] * SENDERS
+    route.predictor.close()
+
+
+class Turns:
+    """Lets held calls through one at a time (`one`), or all at once (`set`, as `flood` ends)."""
+
+    def __init__(self) -> None:
+        self._one, self._all = threading.Semaphore(0), threading.Event()
+
+    def wait(self, timeout: float) -> None:
+        deadline = time.time() + timeout
+        while not self._all.is_set() and time.time() < deadline:
+            if self._one.acquire(timeout=0.05):
+                return
+
+    def one(self) -> None:
+        self._one.release()
+
+    def set(self) -> None:
+        self._all.set()
+
+    def is_set(self) -> bool:
+        return self._all.is_set()
+
+
+def held_for(real: Callable[..., object], text: str, text_at: Callable[..., str]
+             ) -> tuple[Callable[..., object], list[int], Turns]:
+    """`real`, held until its turn when its call's text (`text_at(*args)`) is `text`; other calls run at once."""
+    begun, turns = [], Turns()
+
+    def held(*args: object) -> object:
+        if text_at(*args) == text:
+            begun.append(1)
+            turns.wait(20)
+        return real(*args)
+
+    return held, begun, turns
+
+
+def beta_waits_two_turns(gateway: Gateway, body: Callable[[str], dict[str, Any]], begun: list[int],
+                         turns: Turns) -> None:
+    """SENDERS of acme's `body(LONG)` fill the threads and their queue; beta's `body(other)`, queued last, is
+    answered once two of acme's are let through (one running, one started from the queue), not after all."""
+    with flood(gateway, lambda c: c.post("/v1/chat/completions", json=body(LONG)), begun, turns) as answers:
+        gateway.store.create_tenant("beta", "standard")
+        _, beta = gateway.store.issue_key("beta")
+        got: list[httpx.Response] = []
+        asks = threading.Thread(target=lambda: got.append(gateway.client(beta).post(
+            "/v1/chat/completions", timeout=20, json=body(LONG.replace("rivers", "lakes")))))
+        asks.start()
+        time.sleep(0.5)  # beta's job is queued behind acme's
+        turns.one()
+        turns.one()
+        asks.join(15)
+        assert got and got[0].status_code == 200 and not turns.is_set()
+        assert len(answers) <= 2  # acme's others are still held
+    assert answers == [200] * SENDERS
+
+
+def test_a_tenants_queued_long_prompts_do_not_hold_up_another_tenants_long_prompt(
+        gateway: Gateway, monkeypatch: pytest.MonkeyPatch) -> None:
+    held, begun, turns = held_for(prompt_stage._count_bounded, LONG,
+                                  lambda _counter, _originals, messages, *_: messages[-1]["content"])
+    monkeypatch.setattr(prompt_stage, "_count_bounded", held)
+    beta_waits_two_turns(gateway, lambda text: {"model": "mid", "messages": [{"role": "user", "content": text}]},
+                         begun, turns)
+
+
+def test_a_tenants_queued_predictions_do_not_hold_up_another_tenants_prediction(
+        gateway: Gateway, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    held, begun, turns = held_for(Predictions.predict, LONG, lambda _self, messages: messages[-1]["content"])
+    monkeypatch.setattr(Predictions, "predict", held)
+    (artifact := tmp_path / "difficulty.json").write_text("{}")
+    route = gateway.app.state.services.pipeline.route
+    monkeypatch.setattr(route, "predictor", PredictorSource(artifact, lambda _: Predictions(),
+                                                            threads=prediction_threads()))
+    beta_waits_two_turns(gateway, lambda text: {"model": "auto", "messages": [{"role": "user", "content": text}]},
+                         begun, turns)
     route.predictor.close()
