@@ -4,14 +4,19 @@
 
 The victim sends short requests in a loop, one at a time, alternating `mid` and `full` (cache bypassed,
 so every one runs on an engine). Its latency is measured alone, then while the attacker repeats each
-attack from several threads, all in one run. For each attack the table gives the victim's p50 and p95 and
-their ratio to the victim alone, and the status codes the attacker got. Isolation holds when every victim
-request succeeds, the victim's p95 stays within 3x of alone, and the attacker never gets a 5xx.
+attack from several threads, all in one run. A second victim takes the cache's path: temperature 0 and a
+question it never asked before, so each request is looked up (its last turn embedded on the queue every
+tenant shares), answered by an engine and stored; it meets the attacks on what that path shares. For each
+attack the table gives the victim's p50 and p95 and their ratio to the victim alone, and the status codes
+the attacker got. Isolation holds when every victim request succeeds, the victim's p95 stays within 3x of
+alone, and the attacker never gets a 5xx.
 
 The attacks are classes, not strings (tests/adversarial/ runs the same ones with fewer requests):
 regex bait (a cached digit prompt, then megabytes of digits), one 100k-character word on `auto`, seeds
 and temperatures at and past their bounds, stop strings at and past their limits, thousands of messages,
-deeply nested JSON, unknown and unsupported fields, and a flood that the tenant's rate limit refuses.
+deeply nested JSON, unknown and unsupported fields, and a flood that the tenant's rate limit refuses; against
+the cache's victim: embeddings of 2,048 texts a request, prompts that cannot fit after the answer to their
+history was cached, and long prompts on `auto` (counted and predicted on threads tenants take in turn).
 
 Honours the same TIERGATE_* settings as `tiergate serve` (models directory, engine threads through the
 tiers file it writes). The machine's CPU and the engines' thread counts are printed with the results.
@@ -72,6 +77,7 @@ class Served:
     victim_key: str
     attacker_key: str = ""
     flooder_key: str = ""
+    asked: int = 0  # the cache's victim's questions so far (each one new)
 
 
 @dataclass(frozen=True)
@@ -81,6 +87,7 @@ class Attack:
     name: str
     send: Callable[[httpx.Client], int]
     threads: int = 2
+    refused: bool = True  # its hostile part is refused (else it is heavy work the tenant's plan allows)
 
 
 @dataclass
@@ -177,7 +184,38 @@ def attacks(s: Served) -> list[Attack]:
     ]
 
 
-def run_phase(s: Served, name: str, n: int, attack: Attack | None = None) -> Phase:
+def cache_attacks(s: Served) -> list[Attack]:
+    """The attack classes on what the cache's path shares: the embedding queue and the counting and prediction
+    threads."""
+    rng = random.Random(21)
+    texts = [" ".join(rng.choice(WORDS) for _ in range(12)) for _ in range(2048)]
+    embeddings = json.dumps({"model": "all-MiniLM-L6-v2", "input": texts}).encode()
+    history = [{"role": "user", "content": "Name a colour."}]
+    overflow = json.dumps({"model": "mid", "temperature": 0, "max_tokens": 4, "messages": [
+        *history, {"role": "assistant", "content": "Blue."},
+        {"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(12000))}]}).encode()  # > 8,192 tokens
+    long_auto = json.dumps({**_user(" ".join(rng.choice(WORDS) for _ in range(12000))), "model": "auto"}).encode()
+
+    def embed(c: httpx.Client) -> int:
+        return c.post("/v1/embeddings", content=embeddings, headers={"content-type": "application/json"}).status_code
+
+    def cannot_fit(c: httpx.Client) -> int:
+        _post(c, {"model": "mid", "temperature": 0, "max_tokens": 4, "messages": history})  # cached for the attacker
+        return _post(c, overflow)
+
+    return [
+        Attack("embeddings of 2,048 texts a request", embed, threads=2, refused=False),
+        Attack("prompts that cannot fit, after their history's answer was cached", cannot_fit, threads=4),
+        Attack("prompts too long for any tier, on auto", lambda c: _post(c, long_auto), threads=4),
+    ]
+
+
+WORDS = ("river", "mountain", "lamp", "orange", "quiet", "engine", "paper", "window", "seven", "garden", "cloud",
+         "silver", "market", "winter", "table", "bridge")
+
+
+def run_phase(s: Served, name: str, n: int, attack: Attack | None = None, *, cache: bool = False) -> Phase:
+    """The victim's `n` requests alone or under `attack`: the engine's victim, or with `cache` the cache's."""
     phase = Phase(name)
     stop = threading.Event()
 
@@ -196,10 +234,14 @@ def run_phase(s: Served, name: str, n: int, attack: Attack | None = None) -> Pha
         t.start()
     if attack is not None:
         time.sleep(1.0)  # the attack is under way before the victim starts
-    headers = {"authorization": f"Bearer {s.victim_key}", "cache-control": "no-cache"}
+    headers = {"authorization": f"Bearer {s.victim_key}"} | ({} if cache else {"cache-control": "no-cache"})
     with httpx.Client(base_url=s.url, headers=headers, timeout=120) as c:
         for i in range(n):
             body = {**VICTIM_BODY, "model": "mid" if i % 2 == 0 else "full"}
+            if cache:  # a question never asked before: looked up, embedded, answered, stored
+                s.asked += 1
+                body["messages"] = [{"role": "user", "content": f"Say hello to guest number {s.asked} in one "
+                                                                f"short sentence, politely."}]
             t0 = time.perf_counter()
             try:
                 r = c.post("/v1/chat/completions", json=body)
@@ -247,20 +289,26 @@ def main() -> None:
         run_phase(s, "warm-up", 4)
         alone = run_phase(s, "victim alone", args.victim_requests)
         phases = [run_phase(s, a.name, args.victim_requests, a) for a in attacks(s)]
+        cache_alone = run_phase(s, "cache's victim alone", args.victim_requests, cache=True)
+        cache_phases = [run_phase(s, a.name, args.victim_requests, a, cache=True) for a in cache_attacks(s)]
         after = all_tiers_answer(s)
-    print("\n| phase | victim ok | victim p50 s | victim p95 s | p95 / alone | attacker statuses |")
-    print("|---|---|---|---|---|---|")
-    for ph in (alone, *phases):
-        ok = f"{len(ph.victim_s) - len(ph.victim_failed)}/{len(ph.victim_s)}"
-        statuses = ", ".join(f"{code}: {n}" for code, n in sorted(ph.attacker.items())) or "-"
-        print(f"| {ph.name} | {ok} | {ph.p(0.5):.3f} | {ph.p(0.95):.3f} | {ph.p(0.95) / alone.p(0.95):.2f} "
-              f"| {statuses} |")
+    for title, first, rest in (("engine's victim (cache bypassed)", alone, phases),
+                               ("cache's victim (temperature 0, new questions)", cache_alone, cache_phases)):
+        print(f"\n{title}\n\n| phase | victim ok | victim p50 s | victim p95 s | p95 / alone | attacker statuses |")
+        print("|---|---|---|---|---|---|")
+        for ph in (first, *rest):
+            ok = f"{len(ph.victim_s) - len(ph.victim_failed)}/{len(ph.victim_s)}"
+            statuses = ", ".join(f"{code}: {n}" for code, n in sorted(ph.attacker.items())) or "-"
+            print(f"| {ph.name} | {ok} | {ph.p(0.5):.3f} | {ph.p(0.95):.3f} | {ph.p(0.95) / first.p(0.95):.2f} "
+                  f"| {statuses} |")
     print(f"\nafterwards: {after}")
     if args.out:
         args.out.write_text(json.dumps({
             "cpu": cpu_model(), "engine_threads": args.engine_threads, "after": after,
-            "phases": [{"name": ph.name, "victim_s": ph.victim_s, "victim_failed": ph.victim_failed,
-                        "attacker": dict(ph.attacker)} for ph in (alone, *phases)]}, indent=1))
+            "phases": [{"name": ph.name, "victim": victim, "victim_s": ph.victim_s,
+                        "victim_failed": ph.victim_failed, "attacker": dict(ph.attacker)}
+                       for victim, group in (("engine", (alone, *phases)), ("cache", (cache_alone, *cache_phases)))
+                       for ph in group]}, indent=1))
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 victim in a loop, an attacker repeating each class of hostile request (bench/hostile_tenant.py holds them;
 its figures go to BENCHMARKS.md). For each: every victim request succeeds, the victim's p95 stays within
 3x of its p95 alone (plus a small absolute slack for this noisy 2-core machine), and the attacker gets
-4xx or 200, never a 5xx. Afterwards every tier answers."""
+4xx or 200, never a 5xx. A second victim takes the cache's path (temperature 0, a new question each time)
+against the attacks on what that path shares. Afterwards every tier answers."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from bench.hostile_tenant import Phase, Served, all_tiers_answer, attacks, run_phase, served
+from bench.hostile_tenant import Attack, Phase, Served, all_tiers_answer, attacks, cache_attacks, run_phase, served
 from tests.conftest import MODELS_DIR
 
 pytestmark = pytest.mark.model
@@ -37,11 +38,28 @@ def alone(gateway: Served) -> Phase:
     "unsupported-fields", "refused-flood"])
 def test_an_attack_does_not_reach_the_victim(gateway: Served, alone: Phase, index: int) -> None:
     attack = attacks(gateway)[index]
-    phase = run_phase(gateway, attack.name, VICTIM_REQUESTS, attack)
+    check(attack, run_phase(gateway, attack.name, VICTIM_REQUESTS, attack), alone)
+
+
+@pytest.fixture(scope="module")
+def cache_alone(gateway: Served) -> Phase:
+    phase = run_phase(gateway, "cache's victim alone", VICTIM_REQUESTS, cache=True)
+    assert not phase.victim_failed, phase.victim_failed
+    return phase
+
+
+@pytest.mark.parametrize("index", range(3), ids=["embeddings-2048", "cannot-fit-after-cached", "too-long-auto"])
+def test_an_attack_does_not_reach_the_cache_victim(gateway: Served, cache_alone: Phase, index: int) -> None:
+    attack = cache_attacks(gateway)[index]
+    check(attack, run_phase(gateway, attack.name, VICTIM_REQUESTS, attack, cache=True), cache_alone)
+
+
+def check(attack: Attack, phase: Phase, alone: Phase) -> None:
     assert not phase.victim_failed, phase.victim_failed
     assert phase.attacker, "the attacker sent nothing"
     assert all(code == 200 or 400 <= code < 500 for code in phase.attacker), dict(phase.attacker)
-    assert any(400 <= code < 500 for code in phase.attacker), dict(phase.attacker)  # the hostile part refused
+    if attack.refused:
+        assert any(400 <= code < 500 for code in phase.attacker), dict(phase.attacker)  # the hostile part refused
     assert phase.p(0.95) <= 3 * alone.p(0.95) + SLACK_S, (phase.p(0.95), alone.p(0.95))
 
 
