@@ -27,7 +27,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from contextlib import suppress
 from typing import Any
 
@@ -51,6 +51,7 @@ _WAKE, _STOP = "wake", "stop"
 
 GROUP_MAX = 512  # rows taken from the queue per commit at most
 BACKOFF_MIN_S, BACKOFF_MAX_S = 0.05, 2.0  # between retries while the ledger cannot commit
+READ_BATCH = 5000  # rows a streamed read (`each_row`) holds at once
 PRUNE_EVERY_S = 3600.0  # refusal counts past their retention are deleted at most this often
 
 
@@ -101,6 +102,10 @@ class Ledger(ABC):
     @abstractmethod
     def _query(self, sql: str, args: tuple[Any, ...]) -> list[tuple[Any, ...]]:
         """A read (`?` placeholders), on a connection of the caller's thread's choosing, not the writer's."""
+
+    @abstractmethod
+    def _stream(self, sql: str, args: tuple[Any, ...], size: int) -> Iterator[list[tuple[Any, ...]]]:
+        """A read, as batches of at most `size` rows, fetched as they are taken (the caller's thread)."""
 
     @abstractmethod
     def record_now(self, rows: list[LedgerRow], refusals: Iterable[Refusal] = ()) -> None:
@@ -286,7 +291,17 @@ class Ledger(ABC):
 
     def rows(self, *, tenant: str | None = None, since: float | None = None,
              until: float | None = None) -> list[LedgerRow]:
-        return [from_db(r) for r in self._select("requests", COLUMNS, "ts", tenant, since, until)]
+        return list(self.each_row(tenant=tenant, since=since, until=until))
+
+    def each_row(self, *, tenant: str | None = None, since: float | None = None,
+                 until: float | None = None) -> Iterator[LedgerRow]:
+        """The rows `rows` gives, in its order, read READ_BATCH at a time: a report over a busy tenant's year holds
+        one batch in memory, not the year (a tenant's `/v1/usage` with no dates read every row it ever made into
+        one list, in the gateway's process)."""
+        sql, args = _select_sql("requests", COLUMNS, "ts", tenant, since, until)
+        for batch in self._stream(sql, args, READ_BATCH):
+            for r in batch:
+                yield from_db(r)
 
     def refusal_counts(self, *, tenant: str | None = None, since: float | None = None,
                        until: float | None = None) -> list[RefusalCount]:
@@ -296,17 +311,22 @@ class Ledger(ABC):
 
     def _select(self, table: str, columns: list[str], time_column: str, tenant: str | None, since: float | None,
                 until: float | None) -> list[tuple[Any, ...]]:
-        sql, args = f"SELECT {', '.join(columns)} FROM {table} WHERE 1=1", []
-        for clause, value in (("tenant = ?", tenant), (f"{time_column} >= ?", since), (f"{time_column} < ?", until)):
-            if value is not None:
-                sql += f" AND {clause}"
-                args.append(value)
-        order = ", ".join(["ts", "request_id"] if table == "requests" else [time_column])
-        return self._query(sql + f" ORDER BY {order}", tuple(args))
+        return self._query(*_select_sql(table, columns, time_column, tenant, since, until))
 
     def get(self, request_id: str) -> LedgerRow | None:
         found = self._query(f"SELECT {', '.join(COLUMNS)} FROM requests WHERE request_id = ?", (request_id,))
         return from_db(found[0]) if found else None
+
+
+def _select_sql(table: str, columns: list[str], time_column: str, tenant: str | None, since: float | None,
+                until: float | None) -> tuple[str, tuple[Any, ...]]:
+    sql, args = f"SELECT {', '.join(columns)} FROM {table} WHERE 1=1", []
+    for clause, value in (("tenant = ?", tenant), (f"{time_column} >= ?", since), (f"{time_column} < ?", until)):
+        if value is not None:
+            sql += f" AND {clause}"
+            args.append(value)
+    order = ", ".join(["ts", "request_id"] if table == "requests" else [time_column])
+    return sql + f" ORDER BY {order}", tuple(args)
 
 
 def _close_quietly(conn: Any) -> None:

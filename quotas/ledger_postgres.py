@@ -16,8 +16,9 @@ Reads (reports, the dashboard, the reaper's billing look-ups) take a connection 
 
 from __future__ import annotations
 
+import uuid
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import psycopg
@@ -153,6 +154,15 @@ class PostgresLedger(Ledger):
     def _query(self, sql: str, args: tuple[Any, ...]) -> list[tuple[Any, ...]]:
         with self._pool.connection() as conn:
             return conn.execute(pg(sql), args).fetchall()
+
+    def _stream(self, sql: str, args: tuple[Any, ...], size: int) -> Iterator[list[tuple[Any, ...]]]:
+        """A server-side cursor (the database holds the result; a batch at a time comes over), in a transaction of
+        its own on a pooled connection held until the read ends."""
+        with (self._pool.connection() as conn, conn.transaction(),
+              conn.cursor(name=f"tiergate_read_{uuid.uuid4().hex}") as cur):
+            cur.execute(pg(sql), args)
+            while batch := cur.fetchmany(size):
+                yield batch
 
     def record_now(self, rows: list[LedgerRow], refusals: Iterable[Refusal] = ()) -> None:
         counts = Counter(count_key(r) for r in refusals)

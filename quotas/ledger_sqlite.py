@@ -113,6 +113,14 @@ class SQLiteLedger(Ledger):
     def _query(self, sql: str, args: tuple[Any, ...]) -> list[tuple[Any, ...]]:
         return self._reader().execute(sql, args).fetchall()
 
+    def _stream(self, sql: str, args: tuple[Any, ...], size: int) -> Iterator[list[tuple[Any, ...]]]:
+        cursor = self._reader().execute(sql, args)
+        try:
+            while batch := cursor.fetchmany(size):
+                yield batch
+        finally:
+            cursor.close()
+
     def _reader(self) -> sqlite3.Connection:
         conn: sqlite3.Connection | None = getattr(self._readers, "conn", None)
         if conn is None:

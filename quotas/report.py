@@ -33,7 +33,7 @@ def usage_report(ledger: Ledger, *, by: tuple[str, ...] = ("tenant", "tier"), si
     if unknown:
         raise ValueError(f"cannot group by {unknown}; choose from {', '.join(GROUPS)}")
     groups: dict[tuple[Any, ...], dict[str, Any]] = defaultdict(_empty)
-    for row in ledger.rows(tenant=tenant, since=since, until=until):
+    for row in ledger.each_row(tenant=tenant, since=since, until=until):  # a batch at a time, not every row
         g = groups[_key(by, row.tenant, row.tier, row.ts, row.key_id)]
         g["requests"] += 1
         g["input_tokens"] += row.input_tokens

@@ -70,8 +70,9 @@ def _sums(ledger: Ledger, now: float) -> tuple[dict[tuple[str, str], Spend],
     day, month = time.strftime("%Y%m%d", t), time.strftime("%Y%m", t)
     sums: dict[tuple[str, str], list[int]] = {}
     recent: dict[tuple[str, str], list[tuple[float, str, int]]] = {}
-    rows = ledger.rows(since=month_start)
-    for row in rows:
+    rows = 0
+    for row in ledger.each_row(since=month_start):  # the month's rows a batch at a time, not all at once
+        rows += 1
         for scope in ("t", f"k:{row.key_id}"):
             key = (row.tenant, scope)
             s = sums.setdefault(key, [0, 0])
@@ -82,4 +83,4 @@ def _sums(ledger: Ledger, now: float) -> tuple[dict[tuple[str, str], Spend],
             if row.ts > now - WINDOW_S:
                 recent.setdefault(key, []).append((row.ts, row.request_id, row.input_tokens + row.output_tokens))
     spend = {key: Spend(day, month, d, m) for key, (d, m) in sums.items()}
-    return spend, recent, len(rows)
+    return spend, recent, rows

@@ -77,3 +77,16 @@ async def test_a_stopped_server_keeps_every_row_until_it_is_back(own_postgres: P
     assert ledger.ready
     assert {r.request_id for r in ledger.rows()} == {f"r{i}" for i in range(50)}
     ledger.close()
+
+
+def test_rows_are_streamed_a_batch_at_a_time_in_their_order(database_url: str,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.quotas.test_report import batches_read
+
+    ledger = PostgresLedger(database_url)
+    ledger.record_now([row(i) for i in range(7)])
+    whole = [r.request_id for r in ledger.rows()]
+    sizes = batches_read(ledger, monkeypatch, 3)
+    assert [r.request_id for r in ledger.each_row()] == whole and len(whole) == 7
+    assert sizes == [3, 3, 1]
+    ledger.close()

@@ -56,3 +56,30 @@ def test_by_day_filters_and_tenant(ledger: Ledger) -> None:
     with pytest.raises(ValueError):
         usage_report(ledger, by=("planet",))
 
+
+
+def batches_read(ledger: Ledger, monkeypatch: pytest.MonkeyPatch, size: int) -> list[int]:
+    """The sizes of the batches the ledger's streamed reads fetch from now on (READ_BATCH set to `size`)."""
+    import quotas.ledger as ledger_module
+
+    monkeypatch.setattr(ledger_module, "READ_BATCH", size)
+    sizes: list[int] = []
+    stream = ledger._stream
+
+    def counted(*args: object) -> object:
+        for batch in stream(*args):  # type: ignore[arg-type]
+            sizes.append(len(batch))
+            yield batch
+
+    monkeypatch.setattr(ledger, "_stream", counted)
+    return sizes
+
+
+def test_a_report_reads_the_ledger_a_batch_at_a_time(ledger: Ledger, monkeypatch: pytest.MonkeyPatch) -> None:
+    whole = usage_report(ledger, by=("tenant", "tier"))
+    sizes = batches_read(ledger, monkeypatch, 3)
+    monkeypatch.setattr(ledger, "rows", lambda **_: pytest.fail("the report read every row into one list"))
+    assert usage_report(ledger, by=("tenant", "tier")) == whole
+    assert sizes == [3, 1]
+    first = next(ledger.each_row())  # taken as they are read: one batch fetched for the first row
+    assert first.request_id == "a" and sizes == [3, 1, 3]
