@@ -257,6 +257,7 @@ def worker_main() -> None:
     import uvicorn
 
     from gateway.app import create_app
+    from gateway.request_deadline import deadline_protocol
 
     settings = Settings.model_validate_json(os.environ.pop(WORKER_SETTINGS_ENV))
     index = os.environ.get(WORKER_INDEX_ENV, "?")
@@ -266,7 +267,8 @@ def worker_main() -> None:
     exit_when_orphaned()
     sock = worker_socket(settings.host, settings.port)
     server = uvicorn.Server(uvicorn.Config(create_app(settings), log_level="warning", timeout_graceful_shutdown=5,
-                                           backlog=LISTEN_BACKLOG))
+                                           backlog=LISTEN_BACKLOG,
+                                           http=deadline_protocol(settings.request_receipt_timeout_s)))
     server.run(sockets=[sock])
     sys.exit(0 if server.started else STARTUP_FAILURE)
 

@@ -109,11 +109,11 @@ async def _sse(state: StubState, body: dict[str, Any], words: list[str], prompt_
 class ServerThread:
     """Runs an ASGI app with uvicorn on a free loopback port until `stop`."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, http: Any = "auto") -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
-                                                    lifespan="on"))
+                                                    lifespan="on", http=http))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def start(self) -> ServerThread:

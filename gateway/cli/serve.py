@@ -86,7 +86,10 @@ def serve(host: str | None, port: int | None, tiers_file: Path | None, plans_fil
 
     import uvicorn
 
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning", timeout_graceful_shutdown=5)
+    from gateway.request_deadline import deadline_protocol
+
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning", timeout_graceful_shutdown=5,
+                http=deadline_protocol(settings.request_receipt_timeout_s))
 
 
 def _announce_when_ready(app: Litestar, settings: Settings, keys: dict[str, str] | None) -> None:

@@ -1,0 +1,83 @@
+"""A request must arrive whole within the deadline (gateway/request_deadline.py), or its connection is closed:
+slow clients cannot hold the gateway's connections for ever. Answers longer than the deadline are not cut."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Iterator
+from urllib.parse import urlparse
+
+import pytest
+
+from gateway.settings import Settings
+from tests.conftest import Gateway, running_gateway
+from tests.stubs import ServerThread, StubState
+
+DEADLINE_S = 1.0
+
+
+@pytest.fixture
+def slow_gateway(gateway_settings: Settings, stub: tuple[ServerThread, StubState]) -> Iterator[Gateway]:
+    settings = gateway_settings.model_copy(update={"request_receipt_timeout_s": DEADLINE_S})
+    with running_gateway(settings, stub[1]) as gw:
+        yield gw
+
+
+def connect(gw: Gateway, sent: bytes) -> socket.socket:
+    url = urlparse(gw.url)
+    sock = socket.create_connection((url.hostname, url.port))
+    sock.sendall(sent)
+    sock.settimeout(DEADLINE_S + 5)
+    return sock
+
+
+def read_until_closed(sock: socket.socket) -> tuple[bytes, float]:
+    """Everything the gateway sent until it closed the connection, and when it closed (time.monotonic)."""
+    got = b""
+    while chunk := sock.recv(65536):
+        got += chunk
+    return got, time.monotonic()
+
+
+def test_headers_that_never_end_get_a_408_and_the_connection_closed(slow_gateway: Gateway) -> None:
+    t0 = time.monotonic()
+    socks = [connect(slow_gateway, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n") for _ in range(20)]
+    for sock in socks:
+        got, closed = read_until_closed(sock)
+        assert got.startswith(b"HTTP/1.1 408 ") and closed - t0 < DEADLINE_S + 3
+        assert json.loads(got.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_timeout"
+
+
+def test_a_connection_that_sends_nothing_is_closed(slow_gateway: Gateway) -> None:
+    t0 = time.monotonic()
+    got, closed = read_until_closed(connect(slow_gateway, b""))
+    assert got == b"" and DEADLINE_S - 0.2 < closed - t0 < DEADLINE_S + 3
+
+
+def test_a_body_sent_too_slowly_is_cut_off_and_charges_nothing(slow_gateway: Gateway) -> None:
+    headers = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               f"Authorization: Bearer {slow_gateway.tenant_key}\r\nContent-Length: 1000\r\n\r\n").encode()
+    sock = connect(slow_gateway, headers + b'{"model": "mid"')
+    t0 = time.monotonic()
+    for _ in range(3):  # a byte now and then: each resets uvicorn's keep-alive timer, not this deadline
+        time.sleep(0.4)
+        sock.sendall(b" ")
+    got, closed = read_until_closed(sock)
+    assert closed - t0 < DEADLINE_S + 3 and b" 200 " not in got
+    assert not slow_gateway.stub.requests and not slow_gateway.ledger_rows()
+
+
+def test_an_answer_longer_than_the_deadline_is_not_cut_and_the_connection_serves_again(
+        slow_gateway: Gateway) -> None:
+    with slow_gateway.client(slow_gateway.tenant_key) as c:  # one kept-alive connection
+        t0 = time.monotonic()
+        r = c.post("/v1/chat/completions", json={"model": "mid", "max_tokens": 8, "stream": True,
+                                                 "messages": [{"role": "user", "content": "STUB:slow hello"}]})
+        assert r.status_code == 200 and time.monotonic() - t0 > DEADLINE_S + 0.15  # six words, 0.2 s apart
+        assert "data: [DONE]" in r.text
+        time.sleep(DEADLINE_S / 2)
+        again = c.post("/v1/chat/completions", json={"model": "mid", "max_tokens": 2,
+                                                     "messages": [{"role": "user", "content": "hi"}]})
+        assert again.status_code == 200
