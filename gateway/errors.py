@@ -164,9 +164,14 @@ def client_error(exc: BaseException) -> TiergateError:
             return InternalError("internal error; it has been logged")
 
 
+CLIENT_LEFT = "client disconnected prematurely"  # Litestar's 500 when the body's sender has gone
+
+
 def _http_error(exc: HTTPException) -> TiergateError:
     """Litestar's own refusals (routing, body size, its parameter validation)."""
     message = str(exc.detail)
+    if exc.status_code == 500 and message == CLIENT_LEFT:  # nobody to answer, and no fault of ours to log
+        return InvalidRequest("the client left before its request had arrived", code="client_disconnected")
     if isinstance(exc, ValidationException) and exc.extra:
         message = f"{message}: {exc.extra}"
     kind = {400: InvalidRequest, 401: Unauthenticated, 403: Forbidden, 404: NotFound, 405: MethodNotAllowed,
