@@ -6,10 +6,12 @@ from __future__ import annotations
 import re
 import threading
 import time
+from collections.abc import Iterator
 from decimal import Decimal
 
 import pytest
 
+from quotas.ledger_rows import LedgerRow
 from quotas.plans import Limits
 from tests.conftest import Gateway
 
@@ -83,14 +85,14 @@ def test_a_long_report_does_not_hold_up_other_requests(gateway: Gateway, monkeyp
     """A report reads and sums the tenant's whole history: in a worker thread, so the event loop answers others
     while it runs (here, with a ledger made slow, /v1/models is answered before the report is done)."""
     ledger = gateway.app.state.services.pipeline.settler.ledger
-    real, started = ledger.rows, threading.Event()
+    real, started = ledger.each_row, threading.Event()
 
-    def slow_rows(**kwargs: object) -> list:
+    def slow_rows(**kwargs: object) -> Iterator[LedgerRow]:
         started.set()
         time.sleep(3)
         return real(**kwargs)
 
-    monkeypatch.setattr(ledger, "rows", slow_rows)
+    monkeypatch.setattr(ledger, "each_row", slow_rows)
     reports: list[int] = []
 
     def report() -> None:
