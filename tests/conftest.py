@@ -17,8 +17,8 @@ import httpx
 import pytest
 
 from assets.model_source import DEFAULT_MODEL, prepare_model
+from gateway import slow_clients
 from gateway.app import create_app
-from gateway.request_deadline import deadline_protocol
 from gateway.settings import Settings
 from gateway.stores import open_ledger, open_tenant_store
 from gateway.tenants.store import ADMIN, TenantStore
@@ -212,7 +212,7 @@ def running_gateway(settings: Settings, stub: StubState, plan: str = "standard")
     _, tenant_key = store.issue_key("acme", name="test")
     _, admin_key = store.issue_key(None, roles=(ADMIN,))
     app = create_app(settings)
-    server = ServerThread(app, http=deadline_protocol(settings.request_receipt_timeout_s)).start()  # as `serve` has
+    server = ServerThread(app, http=slow_clients.for_settings(settings)).start()  # as `serve` has
     gw = Gateway(server.url, settings, stub, store, tenant_key, admin_key, app)
     try:
         _wait_for_tiers(gw, {"mid", "full"})

@@ -86,10 +86,10 @@ def serve(host: str | None, port: int | None, tiers_file: Path | None, plans_fil
 
     import uvicorn
 
-    from gateway.request_deadline import deadline_protocol
+    from gateway import slow_clients
 
     uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning", timeout_graceful_shutdown=5,
-                http=deadline_protocol(settings.request_receipt_timeout_s))
+                http=slow_clients.for_settings(settings))
 
 
 def _announce_when_ready(app: Litestar, settings: Settings, keys: dict[str, str] | None) -> None:

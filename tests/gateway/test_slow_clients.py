@@ -1,5 +1,6 @@
-"""A request must arrive whole within the deadline (gateway/request_deadline.py), or its connection is closed:
-slow clients cannot hold the gateway's connections for ever. Answers longer than the deadline are not cut."""
+"""Slow clients (gateway/slow_clients.py): a request must arrive whole within the deadline, or its connection is
+closed; answers longer than the deadline are not cut; a client that stops reading its answer is cut off, and its
+request ends and is settled."""
 
 from __future__ import annotations
 
@@ -21,14 +22,20 @@ DEADLINE_S = 1.0
 
 @pytest.fixture
 def slow_gateway(gateway_settings: Settings, stub: tuple[ServerThread, StubState]) -> Iterator[Gateway]:
-    settings = gateway_settings.model_copy(update={"request_receipt_timeout_s": DEADLINE_S})
+    settings = gateway_settings.model_copy(update={"request_receipt_timeout_s": DEADLINE_S,
+                                                   "response_stall_timeout_s": DEADLINE_S})
     with running_gateway(settings, stub[1]) as gw:
         yield gw
 
 
-def connect(gw: Gateway, sent: bytes) -> socket.socket:
+def connect(gw: Gateway, sent: bytes, *, receive_buffer: int | None = None) -> socket.socket:
+    """A connection that has sent `sent`; `receive_buffer`: its socket's buffer, fixed (Linux grows one of loopback's
+    up to tens of megabytes otherwise)."""
     url = urlparse(gw.url)
-    sock = socket.create_connection((url.hostname, url.port))
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    if receive_buffer is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
+    sock.connect((url.hostname, url.port))
     sock.sendall(sent)
     sock.settimeout(DEADLINE_S + 5)
     return sock
@@ -85,3 +92,21 @@ def test_an_answer_longer_than_the_deadline_is_not_cut_and_the_connection_serves
         again = c.post("/v1/chat/completions", json={"model": "mid", "max_tokens": 2,
                                                      "messages": [{"role": "user", "content": "hi"}]})
         assert again.status_code == 200
+
+
+def test_a_client_that_stops_reading_is_cut_off_and_its_request_ends(slow_gateway: Gateway) -> None:
+    """20 MB of answer, never read: the gateway's writes pause, and after the stall limit the connection is
+    aborted, the upstream closed and the request settled (before: it waited on its client for ever, holding its
+    place in the tier's queue)."""
+    body = json.dumps({"model": "mid", "stream": True, "max_tokens": 200,
+                       "messages": [{"role": "user", "content": "STUB:big"}]}).encode()
+    sock = connect(slow_gateway, (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                                  f"Authorization: Bearer {slow_gateway.tenant_key}\r\n"
+                                  f"Content-Length: {len(body)}\r\n\r\n").encode() + body, receive_buffer=16384)
+    deadline = time.monotonic() + 20
+    while not slow_gateway.ledger_rows() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    rows = slow_gateway.ledger_rows()
+    assert len(rows) == 1 and rows[0].status == "cancelled" and 0 < rows[0].output_tokens < 200
+    assert slow_gateway.stub.finished == ["disconnected"]  # the upstream was closed, not read to its end
+    sock.close()

@@ -1,0 +1,136 @@
+"""Clients too slow to send a request, or to read its answer, lose their connection (slow HTTP: "Slowloris", and
+its mirror, a client that stops reading).
+
+**Sending.** uvicorn times nothing out while a request is being received: its keep-alive timer runs only between
+requests and is reset by every byte, and a connection that has sent part of a request has no timer at all. One
+client, with no key, could open connections that send half a request line and then nothing (measured: 300 of 300 still
+open after 15 s; a body sent a byte at a time, likewise), and a few thousand of them use up the file descriptors
+the gateway also needs for its clients and its tiers.
+
+Here each request, its line, headers and body, must be whole within `timeout_s` of its first chance to start:
+the connection being made, or the previous response's end on a kept-alive connection. Late, the connection is
+closed; a client that had begun a request and whose headers had not all come gets a 408 in OpenAI's error shape
+first. Once the headers are in, the app is already waiting on the body, so a late body only closes the connection:
+the app sees its client gone. The deadline ends as soon as the request is whole: a long answer stream is never
+cut.
+
+**Reading.** An answer bigger than the sockets' buffers (a long stream with top log-probabilities is megabytes)
+waits on its client: uvicorn pauses the app's writes until the client reads, with no limit. A tenant whose client
+stops reading held the request, and with it a place in the tier's dispatch queue every tenant shares, for as long
+as it liked. Here a connection whose writes stay paused for `stall_s` is aborted (its unsent bytes dropped): the
+app sees its client gone, so the request is cancelled, its upstream closed and its place freed, and it is billed
+for what ran, as any client that leaves.
+
+This bounds what one slow client holds; a proxy in front (nginx's `client_header_timeout`, `client_body_timeout`
+and `send_timeout`) is still the place for per-address connection limits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+log = logging.getLogger("tiergate.http")
+_TIMEOUT_BODY = json.dumps({"error": {
+    "message": "the request did not arrive whole in time; send it again, faster", "type": "invalid_request_error",
+    "param": None, "code": "request_timeout"}}).encode()
+_TIMEOUT_RESPONSE = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
+                     b"content-length: " + str(len(_TIMEOUT_BODY)).encode() + b"\r\n\r\n" + _TIMEOUT_BODY)
+
+
+class SlowClientProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with a deadline on receiving each request (`timeout_s`) and on a paused write
+    (`stall_s`), both set by `slow_client_protocol`."""
+
+    timeout_s = 30.0
+    stall_s = 60.0
+    timed_out = 0  # connections closed for a late request, by this process (for tests and logs)
+    stalled = 0  # connections aborted for not reading their answer
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._deadline: asyncio.TimerHandle | None = None
+        self._stall: asyncio.TimerHandle | None = None
+        self._begun = False  # a byte of the current request has come
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        self._unstall()
+        super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._stall is None:
+            self._stall = self.loop.call_later(self.stall_s, self._stalled)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._unstall()
+
+    def on_message_begin(self) -> None:
+        self._begun = True
+        super().on_message_begin()
+
+    def on_message_complete(self) -> None:
+        self._disarm()
+        super().on_message_complete()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            self._arm()  # the next request on this connection has the same time
+
+    def _arm(self) -> None:
+        self._disarm()
+        self._begun = False
+        self._deadline = self.loop.call_later(self.timeout_s, self._expired)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _expired(self) -> None:
+        self._deadline = None
+        if self.transport.is_closing():
+            return
+        type(self).timed_out += 1
+        headers_missing = self.cycle is None or self.cycle.response_complete
+        if self._begun and headers_missing:
+            self.transport.write(_TIMEOUT_RESPONSE)
+        log.debug("closed a connection from %s: no whole request within %.0f s", self.client, self.timeout_s)
+        self.transport.close()
+
+    def _unstall(self) -> None:
+        if self._stall is not None:
+            self._stall.cancel()
+            self._stall = None
+
+    def _stalled(self) -> None:
+        self._stall = None
+        if self.transport.is_closing() and not self.flow.write_paused:
+            return
+        type(self).stalled += 1
+        log.debug("aborted a connection from %s: its answer unread for %.0f s", self.client, self.stall_s)
+        self.transport.abort()  # close() would wait to send what the client does not read
+
+
+def slow_client_protocol(timeout_s: float, stall_s: float) -> type[SlowClientProtocol]:
+    """The protocol class to hand uvicorn's `Config(http=...)`: requests whole within `timeout_s`, answers read
+    with no pause longer than `stall_s`."""
+    if timeout_s <= 0 or stall_s <= 0:
+        raise ValueError("the request deadline and the write stall limit must be positive")
+    return type("SlowClientProtocol", (SlowClientProtocol,), {"timeout_s": float(timeout_s), "stall_s": float(stall_s)})
+
+
+def for_settings(settings: Any) -> type[SlowClientProtocol]:
+    """The protocol for a gateway's settings (`request_receipt_timeout_s`, `response_stall_timeout_s`)."""
+    return slow_client_protocol(settings.request_receipt_timeout_s, settings.response_stall_timeout_s)
