@@ -48,7 +48,7 @@ class Settings(BaseSettings):
     ladder_tick_s: float = 0.5  # how often the ladder follows shared changes and evaluates its triggers
     max_body_bytes: int = 4 * 1024 * 1024  # larger bodies get 413 before anything is parsed
     # a request (line, headers, body) must arrive whole within this, from its connection or the previous answer's
-    # end, or its connection is closed (gateway/slow_clients.py: slow clients cannot hold connections for ever)
+    # end, or its connection is closed (gateway/http_limits.py: slow clients cannot hold connections for ever)
     request_receipt_timeout_s: float = Field(30.0, gt=0)
     # a connection whose answer stays unread this long (the client's socket full) is aborted and its request cancelled
     response_stall_timeout_s: float = Field(60.0, gt=0)

@@ -256,7 +256,7 @@ def worker_main() -> None:
     """One worker: the app its parent configured, on its own SO_REUSEPORT socket, until SIGTERM."""
     import uvicorn
 
-    from gateway import slow_clients
+    from gateway import http_limits
     from gateway.app import create_app
 
     settings = Settings.model_validate_json(os.environ.pop(WORKER_SETTINGS_ENV))
@@ -268,7 +268,7 @@ def worker_main() -> None:
     sock = worker_socket(settings.host, settings.port)
     server = uvicorn.Server(uvicorn.Config(create_app(settings), log_level="warning", timeout_graceful_shutdown=5,
                                            backlog=LISTEN_BACKLOG,
-                                           http=slow_clients.for_settings(settings)))
+                                           http=http_limits.for_settings(settings)))
     server.run(sockets=[sock])
     sys.exit(0 if server.started else STARTUP_FAILURE)
 

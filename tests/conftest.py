@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from assets.model_source import DEFAULT_MODEL, prepare_model
-from gateway import slow_clients
+from gateway import http_limits
 from gateway.app import create_app
 from gateway.settings import Settings
 from gateway.stores import open_ledger, open_tenant_store
@@ -212,7 +212,7 @@ def running_gateway(settings: Settings, stub: StubState, plan: str = "standard")
     _, tenant_key = store.issue_key("acme", name="test")
     _, admin_key = store.issue_key(None, roles=(ADMIN,))
     app = create_app(settings)
-    server = ServerThread(app, http=slow_clients.for_settings(settings)).start()  # as `serve` has
+    server = ServerThread(app, http=http_limits.for_settings(settings)).start()  # as `serve` has
     gw = Gateway(server.url, settings, stub, store, tenant_key, admin_key, app)
     try:
         _wait_for_tiers(gw, {"mid", "full"})

@@ -86,10 +86,10 @@ def serve(host: str | None, port: int | None, tiers_file: Path | None, plans_fil
 
     import uvicorn
 
-    from gateway import slow_clients
+    from gateway import http_limits
 
     uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning", timeout_graceful_shutdown=5,
-                http=slow_clients.for_settings(settings))
+                http=http_limits.for_settings(settings))
 
 
 def _announce_when_ready(app: Litestar, settings: Settings, keys: dict[str, str] | None) -> None:

@@ -1,9 +1,10 @@
-"""Slow clients (gateway/slow_clients.py): a request must arrive whole within the deadline, or its connection is
-closed; answers longer than the deadline are not cut; a client that stops reading its answer is cut off, and its
-request ends and is settled."""
+"""What uvicorn does not bound, bounded (gateway/http_limits.py): a request must arrive whole within the deadline,
+or its connection is closed; answers longer than the deadline are not cut; a request's line and headers have a size
+limit; a client that stops reading its answer is cut off, and its request ends and is settled."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import socket
@@ -23,7 +24,7 @@ DEADLINE_S = 1.0
 @pytest.fixture
 def slow_gateway(gateway_settings: Settings, stub: tuple[ServerThread, StubState]) -> Iterator[Gateway]:
     settings = gateway_settings.model_copy(update={"request_receipt_timeout_s": DEADLINE_S,
-                                                   "response_stall_timeout_s": DEADLINE_S})
+                                                   "response_stall_timeout_s": DEADLINE_S, "max_body_bytes": 1 << 20})
     with running_gateway(settings, stub[1]) as gw:
         yield gw
 
@@ -62,6 +63,25 @@ def test_a_connection_that_sends_nothing_is_closed(slow_gateway: Gateway) -> Non
     t0 = time.monotonic()
     got, closed = read_until_closed(connect(slow_gateway, b""))
     assert got == b"" and DEADLINE_S - 0.2 < closed - t0 < DEADLINE_S + 3
+
+
+def test_headers_past_the_size_limit_get_a_431_before_they_end(slow_gateway: Gateway) -> None:
+    sock = connect(slow_gateway, b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: ")
+    sent = 0
+    with contextlib.suppress(OSError):  # the gateway closes the connection as the limit passes
+        for _ in range(64):  # 64 MiB offered, a MiB at a time
+            sock.sendall(b"a" * (1 << 20))
+            sent += 1
+    assert sent < 8
+    got, _ = read_until_closed(sock)
+    assert got.startswith(b"HTTP/1.1 431 ") and b'"headers_too_large"' in got
+
+
+def test_a_large_body_after_small_headers_is_not_counted_as_headers(slow_gateway: Gateway) -> None:
+    with slow_gateway.client(slow_gateway.tenant_key) as c:
+        r = c.post("/v1/chat/completions", json={"model": "mid", "max_tokens": 2, "messages": [
+            {"role": "user", "content": "hi " * 100_000}]})  # 300 KB of body, its first part read with the headers
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"  # read and counted
 
 
 def test_a_body_sent_too_slowly_is_cut_off_and_charges_nothing(slow_gateway: Gateway,

@@ -1,5 +1,5 @@
-"""Clients too slow to send a request, or to read its answer, lose their connection (slow HTTP: "Slowloris", and
-its mirror, a client that stops reading).
+"""What uvicorn does not bound about a client, bounded: the time it takes to send a request, the size of the
+request's line and headers, and how long its answer may stay unread (slow HTTP, "Slowloris", and its mirrors).
 
 **Sending.** uvicorn times nothing out while a request is being received: its keep-alive timer runs only between
 requests and is reset by every byte, and a connection that has sent part of a request has no timer at all. One
@@ -13,6 +13,11 @@ closed; a client that had begun a request and whose headers had not all come get
 first. Once the headers are in, the app is already waiting on the body, so a late body only closes the connection:
 the app sees its client gone. The deadline ends as soon as the request is whole: a long answer stream is never
 cut.
+
+**Size.** uvicorn's httptools parser keeps every byte of a request line and headers until they end, with no limit:
+one header line of 193 MB was taken whole (a throwaway test, in 31 s, stopped only by the deadline above), so a few
+connections with no key could hold gigabytes of the gateway's memory. Here a request whose line and headers pass
+`max_head_bytes` (64 KiB: a key and OpenAI's headers are well under 2) gets a 431 and its connection is closed.
 
 **Reading.** An answer bigger than the sockets' buffers (a long stream with top log-probabilities is megabytes)
 waits on its client: uvicorn pauses the app's writes until the client reads, with no limit. A tenant whose client
@@ -35,19 +40,30 @@ from typing import Any
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 log = logging.getLogger("tiergate.http")
-_TIMEOUT_BODY = json.dumps({"error": {
-    "message": "the request did not arrive whole in time; send it again, faster", "type": "invalid_request_error",
-    "param": None, "code": "request_timeout"}}).encode()
-_TIMEOUT_RESPONSE = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
-                     b"content-length: " + str(len(_TIMEOUT_BODY)).encode() + b"\r\n\r\n" + _TIMEOUT_BODY)
+MAX_HEAD_BYTES = 64 * 1024  # a request's line and headers
 
 
-class SlowClientProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol with a deadline on receiving each request (`timeout_s`) and on a paused write
-    (`stall_s`), both set by `slow_client_protocol`."""
+def _error(status: bytes, message: str, code: str) -> bytes:
+    """A whole HTTP response with OpenAI's error body, closing the connection."""
+    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                 "code": code}}).encode()
+    return (b"HTTP/1.1 " + status + b"\r\ncontent-type: application/json\r\nconnection: close\r\ncontent-length: "
+            + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+
+_TIMEOUT_RESPONSE = _error(b"408 Request Timeout", "the request did not arrive whole in time; send it again, faster",
+                           "request_timeout")
+_TOO_LARGE_RESPONSE = _error(b"431 Request Header Fields Too Large",
+                             f"the request line and headers pass {MAX_HEAD_BYTES} bytes", "headers_too_large")
+
+
+class LimitedProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with a deadline on receiving each request (`timeout_s`), a bound on its line and
+    headers (`max_head_bytes`) and on a paused write (`stall_s`), set by `limited_protocol`."""
 
     timeout_s = 30.0
     stall_s = 60.0
+    max_head_bytes = MAX_HEAD_BYTES
     timed_out = 0  # connections closed for a late request, by this process (for tests and logs)
     stalled = 0  # connections aborted for not reading their answer
 
@@ -56,6 +72,21 @@ class SlowClientProtocol(HttpToolsProtocol):
         self._deadline: asyncio.TimerHandle | None = None
         self._stall: asyncio.TimerHandle | None = None
         self._begun = False  # a byte of the current request has come
+        self._in_head = True  # the current request's line and headers have not all come
+        self._head_bytes = 0  # bytes received while they had not
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)  # parsed first: a chunk that ends the headers is not counted as head
+        if self._in_head and not self.transport.is_closing():
+            self._head_bytes += len(data)
+            if self._head_bytes > self.max_head_bytes:
+                log.debug("closed a connection from %s: request head over %d bytes", self.client, self.max_head_bytes)
+                self.transport.write(_TOO_LARGE_RESPONSE)
+                self.transport.close()
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        super().on_headers_complete()
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -76,7 +107,7 @@ class SlowClientProtocol(HttpToolsProtocol):
         self._unstall()
 
     def on_message_begin(self) -> None:
-        self._begun = True
+        self._begun, self._in_head, self._head_bytes = True, True, 0
         super().on_message_begin()
 
     def on_message_complete(self) -> None:
@@ -90,7 +121,7 @@ class SlowClientProtocol(HttpToolsProtocol):
 
     def _arm(self) -> None:
         self._disarm()
-        self._begun = False
+        self._begun, self._in_head, self._head_bytes = False, True, 0
         self._deadline = self.loop.call_later(self.timeout_s, self._expired)
 
     def _disarm(self) -> None:
@@ -123,14 +154,14 @@ class SlowClientProtocol(HttpToolsProtocol):
         self.transport.abort()  # close() would wait to send what the client does not read
 
 
-def slow_client_protocol(timeout_s: float, stall_s: float) -> type[SlowClientProtocol]:
+def limited_protocol(timeout_s: float, stall_s: float) -> type[LimitedProtocol]:
     """The protocol class to hand uvicorn's `Config(http=...)`: requests whole within `timeout_s`, answers read
     with no pause longer than `stall_s`."""
     if timeout_s <= 0 or stall_s <= 0:
         raise ValueError("the request deadline and the write stall limit must be positive")
-    return type("SlowClientProtocol", (SlowClientProtocol,), {"timeout_s": float(timeout_s), "stall_s": float(stall_s)})
+    return type("LimitedProtocol", (LimitedProtocol,), {"timeout_s": float(timeout_s), "stall_s": float(stall_s)})
 
 
-def for_settings(settings: Any) -> type[SlowClientProtocol]:
+def for_settings(settings: Any) -> type[LimitedProtocol]:
     """The protocol for a gateway's settings (`request_receipt_timeout_s`, `response_stall_timeout_s`)."""
-    return slow_client_protocol(settings.request_receipt_timeout_s, settings.response_stall_timeout_s)
+    return limited_protocol(settings.request_receipt_timeout_s, settings.response_stall_timeout_s)
