@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +34,7 @@ from cache import (
     SemanticCache,
     TenantPolicy,
 )
+from gateway.errors import InvalidRequest
 from gateway.ladder.apply import Degradation, shaped_answer
 from gateway.pipeline.context import RequestContext
 from gateway.pipeline.meter import Outcome
@@ -43,6 +45,17 @@ from wire.chat_request import ChatCompletionRequest
 
 log = logging.getLogger("tiergate.cache")
 DATA_VERSION_HEADER = "x-tiergate-data-version"
+# what the header may hold: it is kept in every entry stored under it, so a tenant must not choose its size (60 KB a
+# header made each cached entry 240 KB on disk)
+DATA_VERSION_PATTERN = re.compile(r"[A-Za-z0-9._:-]{1,64}")
+
+
+def check_data_version(headers: Mapping[str, str]) -> None:
+    """A 400 for an `X-Tiergate-Data-Version` that is not 1-64 letters, digits or `._:-` (checked before any work)."""
+    value = headers.get(DATA_VERSION_HEADER)
+    if value is not None and DATA_VERSION_PATTERN.fullmatch(value) is None:
+        raise InvalidRequest("X-Tiergate-Data-Version must be 1 to 64 letters, digits or . _ : -",
+                             param="x-tiergate-data-version", code="invalid_header")
 
 
 @dataclass(frozen=True)

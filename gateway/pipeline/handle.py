@@ -24,7 +24,7 @@ from gateway.ladder.apply import NORMAL, Degradation
 from gateway.ladder.controller import LadderController
 from gateway.pipeline.attempt import Attempt, Prepared
 from gateway.pipeline.cache_check import CacheChecks
-from gateway.pipeline.cache_lookup import CacheLookup, CacheStage
+from gateway.pipeline.cache_lookup import CacheLookup, CacheStage, check_data_version
 from gateway.pipeline.cascade import cascade
 from gateway.pipeline.context import RequestContext
 from gateway.pipeline.dispatch import DispatchStage
@@ -82,6 +82,7 @@ class Pipeline:
                 if self.ready is not None and (why := self.ready()) is not None:
                     raise Unavailable(f"the gateway cannot take requests now: {why}", code="not_ready",
                                       retry_after=5)
+                check_data_version(ctx.headers)
                 req = (parse or parse_request)(body)
                 begun = await self.idempotency.begin(ctx, req) if self.idempotency is not None else None
             if isinstance(begun, Replay):  # answered before: the same answer, charged nothing, written nowhere

@@ -141,6 +141,15 @@ def test_never_across_data_versions(gateway: Gateway) -> None:
     assert ask(gateway, headers={"x-tiergate-data-version": "report-7"}).headers["x-tiergate-cache"] == "miss"
 
 
+@pytest.mark.parametrize("version", ["v" * 65, "a b", "é", "v\t1"])
+def test_a_data_version_header_a_tenant_could_size_is_refused_before_any_work(gateway: Gateway, version: str) -> None:
+    """It is kept in every entry stored under it: 60 KB of it made each entry 240 KB on disk."""
+    r = ask(gateway, headers={"x-tiergate-data-version": version.encode()})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_header"
+    assert r.json()["error"]["param"] == "x-tiergate-data-version"
+    assert not gateway.stub.requests and not gateway.ledger_rows()
+
+
 def test_never_across_model_versions_or_system_prompts(gateway: Gateway) -> None:
     ask(gateway)
     assert ask(gateway, model="full").headers["x-tiergate-cache"] == "miss"
