@@ -14,9 +14,10 @@ alone, and the attacker never gets a 5xx.
 The attacks are classes, not strings (tests/adversarial/ runs the same ones with fewer requests):
 regex bait (a cached digit prompt, then megabytes of digits), one 100k-character word on `auto`, seeds
 and temperatures at and past their bounds, stop strings at and past their limits, thousands of messages,
-deeply nested JSON, unknown and unsupported fields, and a flood that the tenant's rate limit refuses; against
-the cache's victim: embeddings of 2,048 texts a request, prompts that cannot fit after the answer to their
-history was cached, and long prompts on `auto` (counted and predicted on threads tenants take in turn).
+deeply nested JSON, 160,000 content parts, unknown and unsupported fields, and a flood that the tenant's
+rate limit refuses; against the cache's victim: embeddings of 2,048 texts a request, prompts that cannot fit
+after the answer to their history was cached, and long prompts on `auto` (counted and predicted on threads
+tenants take in turn).
 
 Honours the same TIERGATE_* settings as `tiergate serve` (models directory, engine threads through the
 tiers file it writes). The machine's CPU and the engines' thread counts are printed with the results.
@@ -151,6 +152,8 @@ def attacks(s: Served) -> list[Attack]:
     many = json.dumps({"model": "mid", "max_tokens": 4,
                        "messages": [{"role": "user", "content": "hi"}] * 2000}).encode()
     too_many = json.dumps({"model": "mid", "messages": [{"role": "user", "content": "hi"}] * 5000}).encode()
+    wide = json.dumps({"model": "mid", "max_tokens": 4, "messages": [  # 160,000 content parts, each one bad
+        {"role": "user", "content": [{"type": "t", "text": ""}] * 80}] * 2000}).encode()
     stops_ok = json.dumps(_user("Count to ten.", max_tokens=16, stop=[("z" * 255) + c for c in "abcd"])).encode()
     stop_long = json.dumps(_user("Count to ten.", stop="x" * 20_000)).encode()
 
@@ -177,6 +180,7 @@ def attacks(s: Served) -> list[Attack]:
                                                               _user("Hi", stop=["a", "b", "c", "d", "e"]))),
         Attack("thousands of messages", cycle(many, too_many), threads=1),
         Attack("deeply nested JSON", cycle(nested), threads=1),
+        Attack("160,000 content parts", cycle(wide), threads=2),
         Attack("unknown and unsupported fields", cycle(_user("Hi", prediction={"type": "content", "content": "x"}),
                                                        _user("Hi", audio={"voice": "alloy", "format": "wav"}),
                                                        _user("Hi", logit_bias={"1": 100}), _user("Hi", bogus=1))),

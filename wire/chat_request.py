@@ -37,15 +37,18 @@ Choices where OpenAI's own limits are looser or unstated:
 - `temperature` is 0 (greedy) or at least MIN_TEMPERATURE: below it, logits divided by the temperature
   leave float32's range and sampling is greedy anyway.
 - `stop`: at most MAX_STOP_SEQUENCES strings of at most MAX_STOP_CHARS characters each.
-- `messages`: at most MAX_MESSAGES.
+- `messages`: at most MAX_MESSAGES, with at most wire/body_width.MAX_ITEMS content parts and tool calls in all
+  (looked at before validation: `look_before_validating`); the first bad item ends validation.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, WithJsonSchema, field_validator, model_validator
 
+from wire.body_width import check_width
 from wire.fields import drop_nulls, integral, nullable_optionals, only
 from wire.response_format import ResponseFormat
 from wire.tools import ToolCallId, ToolCalls, ToolChoice, Tools, check_tool_choice
@@ -110,7 +113,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid", json_schema_extra=_message_schema)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | Annotated[list[TextPart], Field(max_length=MAX_CONTENT_PARTS)] | None = None
+    content: str | Annotated[list[TextPart], Field(max_length=MAX_CONTENT_PARTS, fail_fast=True)] | None = None
     name: Annotated[str, Field(max_length=256)] | None = None
     tool_calls: ToolCalls | None = None  # an assistant message's calls
     tool_call_id: ToolCallId | None = None  # a tool message: the call it answers
@@ -231,10 +234,12 @@ class ChatCompletionRequest(GenerationRequest):
     """POST /v1/chat/completions. Fields we cannot honour are refused, never silently ignored."""
 
     unsupported_fields: ClassVar[dict[str, str]] = UNSUPPORTED_FIELDS
+    # the body's width, before validation builds an object per part (wire/validation.parse_body calls it)
+    look_before_validating: ClassVar[Callable[[bytes], None]] = staticmethod(check_width)
     model_config = ConfigDict(strict=True, extra="forbid", json_schema_extra=request_schema)
 
     model: Annotated[str, Field(min_length=1, max_length=256)]
-    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES, fail_fast=True)]
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_BOUND)] | None = None

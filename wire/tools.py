@@ -70,7 +70,7 @@ class NamedToolChoice(_Model):
 
 
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
-Tools = Annotated[list[Tool], Field(min_length=1, max_length=MAX_TOOLS)]
+Tools = Annotated[list[Tool], Field(min_length=1, max_length=MAX_TOOLS, fail_fast=True)]
 
 
 class FunctionCall(_Model):
@@ -86,7 +86,7 @@ class ToolCall(_Model):
     function: FunctionCall
 
 
-ToolCalls = Annotated[list[ToolCall], Field(max_length=MAX_TOOL_CALLS)]
+ToolCalls = Annotated[list[ToolCall], Field(max_length=MAX_TOOL_CALLS, fail_fast=True)]
 
 
 def check_tool_choice(choice: ToolChoice | None, tools: list[Tool] | None) -> ToolChoice | None:

@@ -26,9 +26,12 @@ class BodyError(Exception):
 
 
 def parse_body(body: bytes, model: type[M]) -> M:
-    """Validate `body` (JSON) as `model`; raises BodyError (nothing else) when it is not one."""
+    """Validate `body` (JSON) as `model`; raises BodyError (nothing else) when it is not one. A model's
+    `look_before_validating(body)`, where it has one, may refuse the body first (wire/body_width.py)."""
     if not body.strip():
         raise BodyError("the request body is empty; send a JSON object", None, "invalid_json")
+    if (look := getattr(model, "look_before_validating", None)) is not None:
+        look(body)
     try:
         return model.model_validate_json(body)
     except ValidationError as exc:

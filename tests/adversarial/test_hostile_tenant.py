@@ -33,9 +33,9 @@ def alone(gateway: Served) -> Phase:
     return phase
 
 
-@pytest.mark.parametrize("index", range(9), ids=[
+@pytest.mark.parametrize("index", range(10), ids=[
     "regex-bait", "long-word-auto", "seeds", "temperatures", "stops", "many-messages", "nested-json",
-    "unsupported-fields", "refused-flood"])
+    "wide-content-parts", "unsupported-fields", "refused-flood"])
 def test_an_attack_does_not_reach_the_victim(gateway: Served, alone: Phase, index: int) -> None:
     attack = attacks(gateway)[index]
     check(attack, run_phase(gateway, attack.name, VICTIM_REQUESTS, attack), alone)
