@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
+from decimal import Decimal
 from typing import Any
 
 from gateway.errors import Unavailable, client_error
@@ -85,6 +86,8 @@ class Pipeline:
                 check_data_version(ctx.headers)
                 req = (parse or parse_request)(body)
                 begun = await self.idempotency.begin(ctx, req) if self.idempotency is not None else None
+                if isinstance(begun, Replay):
+                    await self._count_replay(ctx)
             if isinstance(begun, Replay):  # answered before: the same answer, charged nothing, written nowhere
                 for event in IdempotencyStage.replay(req, begun.answer):
                     yield event
@@ -99,6 +102,13 @@ class Pipeline:
             if keep is not None and not keep.stored and self.idempotency is not None:  # a retry runs again
                 self.settler.hand_off(self.idempotency.store.abandon(keep.claim))
             entry.leave()
+
+    async def _count_replay(self, ctx: RequestContext) -> None:
+        """A replay is a request like any other to the tenant's request rate and concurrency: it takes its place (or
+        is refused, 429, as the exact check refuses), though it costs no tokens or money and writes no row. Free
+        replays of a stored answer of megabytes were a flood no limit saw."""
+        reservation = await self.reserve.reserve(ctx, ctx.request_id, tokens=0, price=Decimal(0))
+        self.settler.hand_off(self.reserve.quotas.settle(reservation, tokens=0, price=Decimal(0)))
 
     async def _prepare(self, ctx: RequestContext, req: ChatCompletionRequest, keep: Keep | None) -> Prepared:
         """Every check, cheapest first, then the reservation: nothing is charged if any check refuses."""

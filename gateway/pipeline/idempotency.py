@@ -5,7 +5,8 @@ The OpenAI SDKs retry a request whose answer was lost (a timeout, a dropped conn
 - the key's first request claims it and runs; its answer is stored with its ledger row (quotas/idempotency.py)
   for the plan's `idempotency_ttl_s` (24 h by default);
 - a retry after that gets the stored answer (the same id, body and usage; as JSON, or replayed as a stream),
-  with `x-tiergate-idempotent-replay: true`, charged nothing and written nowhere;
+  with `x-tiergate-idempotent-replay: true`, charged nothing and written nowhere, but counted in the tenant's
+  request rate and concurrency as any request (handle.py's `_count_replay`);
 - a retry while the first still runs waits for it, up to `wait_s`, then gets 409 with Retry-After;
 - the same key with another body is a 422 naming the header;
 - an answer that failed, or whose client left, is not stored: the claim is given up and a retry runs again.

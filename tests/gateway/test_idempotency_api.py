@@ -169,3 +169,17 @@ def test_a_replica_that_did_not_serve_the_first_request_replays_it(
         assert raw.headers["x-tiergate-idempotent-replay"] == "true" and raw.parse().id == first.id
         # one row, in a's ledger (each replica has its own file), or in the fleet's (the same for both)
         assert len(a.ledger_rows()) == 1 and len(b.ledger_rows()) == (1 if a_settings.database_url else 0)
+
+
+def test_replays_count_against_the_request_rate(gateway: Gateway) -> None:
+    """A replay costs no tokens or money and writes no row, but it is a request: free replays of a stored answer
+    of megabytes were a flood no limit saw."""
+    gateway.store.create_tenant("capped", "metered")  # 3 requests per minute
+    _, key = gateway.store.issue_key("capped")
+    with gateway.client(key) as c:
+        answers = [c.post("/v1/chat/completions", json={"model": "mid", "messages": MSG},
+                          headers={"Idempotency-Key": "same"}) for _ in range(4)]
+    assert [r.status_code for r in answers] == [200, 200, 200, 429]
+    assert [r.headers.get("x-tiergate-idempotent-replay") for r in answers[:3]] == [None, "true", "true"]
+    assert answers[3].json()["error"]["code"] == "rate_limit_rpm"
+    assert len([r for r in gateway.ledger_rows() if r.tenant == "capped"]) == 1 and len(gateway.stub.requests) == 1

@@ -105,3 +105,27 @@ async def test_an_answer_with_logprobs_and_any_text_replays_as_it_was(stores: tu
               "logprobs": [{**token, "top_logprobs": [token, {**token, "logprob": -1e-300}]}] * 3}
     await ledger.wait_durable(ledger.submit(row(2), with_row=store.finish_with_row(claim, answer, 3600)))
     assert await store.begin("acme", "k2", "body", "r2", lease_s=60) == Replay(answer)
+
+
+async def test_a_replay_on_sqlite_does_not_wait_for_the_write_lock(tmp_path: Path) -> None:
+    """A stored answer is read without taking the database's write lock, which the ledger's commits need: replays
+    of a large answer must not queue behind them, nor they behind the replays."""
+    import sqlite3
+
+    ledger = Ledger(tmp_path / "ledger.db")
+    store = SQLiteIdempotency(tmp_path / "ledger.db")
+    ledger.start()
+    claim = await store.begin("acme", "k1", "body-a", "r1", lease_s=60)
+    assert isinstance(claim, Claim)
+    answer = {"id": "chatcmpl-r1", "text": "Hello " * 1000}
+    await ledger.wait_durable(ledger.submit(row(1), with_row=store.finish_with_row(claim, answer, 3600)))
+    writer = sqlite3.connect(tmp_path / "ledger.db", isolation_level=None)
+    writer.execute("BEGIN IMMEDIATE")  # another writer holds the lock (as a long commit would)
+    try:
+        assert await asyncio.wait_for(store.begin("acme", "k1", "body-a", "r2", lease_s=60), 2) == Replay(answer)
+        assert await asyncio.wait_for(store.begin("acme", "k1", "body-b", "r3", lease_s=60), 2) == Mismatch()
+    finally:
+        writer.execute("ROLLBACK")
+        writer.close()
+        await store.close()
+        ledger.close()
