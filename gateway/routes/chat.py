@@ -54,8 +54,9 @@ async def _whole(head: Head, events: AsyncIterator[Event]) -> dict[str, Any]:
     async for event in events:
         if isinstance(event, Delta):
             text.append(event.content)
-            if event.logprobs is not None:
-                logprobs = (logprobs or []) + event.logprobs
+            if event.logprobs is not None:  # extended in place: joining lists anew was quadratic in the answer
+                logprobs = logprobs if logprobs is not None else []
+                logprobs.extend(event.logprobs)
             for entry in event.tool_calls or ():
                 call = calls.setdefault(entry.get("index", 0), {"id": None, "type": "function",
                                                                 "function": {"name": None, "arguments": ""}})
