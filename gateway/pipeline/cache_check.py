@@ -20,14 +20,15 @@ from tiers.catalogue import TierSpec
 from wire.chat_request import ChatCompletionRequest
 
 MAX_IN_FLIGHT = 8
+MAX_PER_TENANT = 2  # of those, one tenant's: its hits cannot take every place from the other tenants' checks
 
 
 class CacheChecks:
     def __init__(self, *, cache: SemanticCache, caller: TierCaller, registry: CollectorRegistry,
-                 max_in_flight: int = MAX_IN_FLIGHT) -> None:
+                 max_in_flight: int = MAX_IN_FLIGHT, max_per_tenant: int = MAX_PER_TENANT) -> None:
         self.cache = cache
         self.caller = caller
-        self.tasks = OffPathTasks(max_in_flight)
+        self.tasks = OffPathTasks(max_in_flight, max_per_tenant)
         self.checks = Counter("tiergate_cache_checks", "Sampled semantic hits checked against the tier, by result "
                               "(right, wrong, failed, dropped: too many in flight).", ["tenant", "result"],
                               registry=registry)
@@ -42,7 +43,7 @@ class CacheChecks:
         usage = hit.usage
         cap = max(1, int(usage.get("completion_tokens", 0)) + (usage.get("finish_reason") != "length"))
         body = upstream_body(req, tier, max_tokens=cap, priority=PRIORITY_ORDER["batch"], logprobs=False)
-        if not self.tasks.start(self._run(tenant, tier, body, hit, policy)):
+        if not self.tasks.start(self._run(tenant, tier, body, hit, policy), owner=tenant):
             self.checks.labels(tenant, "dropped").inc()
 
     async def _run(self, tenant: str, tier: TierSpec, body: dict, hit: Hit,  # type: ignore[type-arg]

@@ -3,8 +3,9 @@ sampled semantic cache hit (gateway/pipeline/cache_check.py).
 
 They go to the tier's replicas without a dispatch slot, a reservation, a ledger row or the cache: the tenant is
 billed nothing and sees nothing; what they cost us their callers count. `OffPathTasks` keeps at most
-`max_in_flight` of them running; one more is dropped (the caller counts it), so a slow tier cannot pile up work in
-the gateway.
+`max_in_flight` of them running, and at most `max_per_owner` for any one owner (a tenant) where the caller names
+one; one more is dropped (the caller counts it), so a slow tier cannot pile up work in the gateway, and one
+tenant's hits cannot take every place and leave other tenants' error bounds unchecked.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Hashable
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
@@ -54,19 +55,33 @@ async def answer_off_path(caller: TierCaller, tier: TierSpec, body: dict[str, An
 
 
 class OffPathTasks:
-    def __init__(self, max_in_flight: int) -> None:
+    def __init__(self, max_in_flight: int, max_per_owner: int | None = None) -> None:
         self.max_in_flight = max_in_flight
+        self.max_per_owner = max_per_owner
         self._tasks: set[asyncio.Task[None]] = set()
+        self._owners: dict[Hashable, int] = {}  # owner -> its tasks running
 
-    def start(self, work: Coroutine[Any, Any, None]) -> bool:
-        """Run `work` in the background; False (and `work` never run) when `max_in_flight` already run."""
-        if len(self._tasks) >= self.max_in_flight:
+    def start(self, work: Coroutine[Any, Any, None], owner: Hashable = None) -> bool:
+        """Run `work` in the background; False (and `work` never run) when `max_in_flight` already run, or
+        `max_per_owner` of `owner`'s (None: no owner)."""
+        mine = self._owners.get(owner, 0) if owner is not None else 0
+        if len(self._tasks) >= self.max_in_flight or (self.max_per_owner is not None and owner is not None
+                                                      and mine >= self.max_per_owner):
             work.close()
             return False
         task = asyncio.get_running_loop().create_task(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        if owner is not None:
+            self._owners[owner] = mine + 1
+            task.add_done_callback(lambda _: self._left(owner))
         return True
+
+    def _left(self, owner: Hashable) -> None:
+        if (left := self._owners.get(owner, 1) - 1) > 0:
+            self._owners[owner] = left
+        else:
+            self._owners.pop(owner, None)
 
     async def drain(self) -> None:
         """Wait for the calls in flight (tests)."""
