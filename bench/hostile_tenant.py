@@ -152,8 +152,8 @@ def attacks(s: Served) -> list[Attack]:
     many = json.dumps({"model": "mid", "max_tokens": 4,
                        "messages": [{"role": "user", "content": "hi"}] * 2000}).encode()
     too_many = json.dumps({"model": "mid", "messages": [{"role": "user", "content": "hi"}] * 5000}).encode()
-    wide = json.dumps({"model": "mid", "max_tokens": 4, "messages": [  # 160,000 content parts, each one bad
-        {"role": "user", "content": [{"type": "t", "text": ""}] * 80}] * 2000}).encode()
+    wide = json.dumps({"model": "mid", "max_tokens": 4, "messages": [  # 160,000 content parts, each one bad: 3.7 MB
+        {"role": "user", "content": [{"type": "t", "text": ""}] * 80}] * 2000}, separators=(",", ":")).encode()
     stops_ok = json.dumps(_user("Count to ten.", max_tokens=16, stop=[("z" * 255) + c for c in "abcd"])).encode()
     stop_long = json.dumps(_user("Count to ten.", stop="x" * 20_000)).encode()
 
