@@ -17,7 +17,8 @@ cut.
 **Size.** uvicorn's httptools parser keeps every byte of a request line and headers until they end, with no limit:
 one header line of 193 MB was taken whole (a throwaway test, in 31 s, stopped only by the deadline above), so a few
 connections with no key could hold gigabytes of the gateway's memory. Here a request whose line and headers pass
-`max_head_bytes` (64 KiB: a key and OpenAI's headers are well under 2) gets a 431 and its connection is closed.
+`max_head_bytes` (64 KiB, give or take the one read that passes it: a key and OpenAI's headers are well under 2)
+gets a 431 and its connection is closed.
 
 **Reading.** An answer bigger than the sockets' buffers (a long stream with top log-probabilities is megabytes)
 waits on its client: uvicorn pauses the app's writes until the client reads, with no limit. A tenant whose client
@@ -76,12 +77,15 @@ class LimitedProtocol(HttpToolsProtocol):
         self._head_bytes = 0  # bytes received while they had not
 
     def data_received(self, data: bytes) -> None:
-        super().data_received(data)  # parsed first: a chunk that ends the headers is not counted as head
+        # parsed first: a chunk that ends the headers is not counted as head (it may carry the body), so a head can
+        # pass the limit by one read (asyncio reads up to 256 KiB at a time) before it is refused
+        super().data_received(data)
         if self._in_head and not self.transport.is_closing():
             self._head_bytes += len(data)
             if self._head_bytes > self.max_head_bytes:
                 log.debug("closed a connection from %s: request head over %d bytes", self.client, self.max_head_bytes)
-                self.transport.write(_TOO_LARGE_RESPONSE)
+                if self._idle():  # never into an answer still being sent (a pipelined request's)
+                    self.transport.write(_TOO_LARGE_RESPONSE)
                 self.transport.close()
 
     def on_headers_complete(self) -> None:
@@ -111,17 +115,23 @@ class LimitedProtocol(HttpToolsProtocol):
         super().on_message_begin()
 
     def on_message_complete(self) -> None:
-        self._disarm()
+        if not self._idle():  # the request being answered is whole; one answered early (a 401 before its body
+            self._disarm()    # came) keeps the deadline its answer's end set, or its sender could stall for ever
         super().on_message_complete()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        if not self.transport.is_closing():
+        cycle = self.cycle  # a pipelined request that had come whole is answered now: no deadline for it
+        if not self.transport.is_closing() and (cycle is None or cycle.response_complete or cycle.more_body):
             self._arm()  # the next request on this connection has the same time
+
+    def _idle(self) -> bool:
+        """No answer is being made on this connection (none yet, or the last one has ended)."""
+        return self.cycle is None or self.cycle.response_complete
 
     def _arm(self) -> None:
         self._disarm()
-        self._begun, self._in_head, self._head_bytes = False, True, 0
+        self._begun = False
         self._deadline = self.loop.call_later(self.timeout_s, self._expired)
 
     def _disarm(self) -> None:
@@ -134,8 +144,7 @@ class LimitedProtocol(HttpToolsProtocol):
         if self.transport.is_closing():
             return
         type(self).timed_out += 1
-        headers_missing = self.cycle is None or self.cycle.response_complete
-        if self._begun and headers_missing:
+        if self._begun and self._idle():  # its headers had not all come: nothing else is being said to it
             self.transport.write(_TIMEOUT_RESPONSE)
         log.debug("closed a connection from %s: no whole request within %.0f s", self.client, self.timeout_s)
         self.transport.close()

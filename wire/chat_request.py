@@ -48,7 +48,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, WithJsonSchema, field_validator, model_validator
 
-from wire.body_width import check_width
+from wire.body_width import MAX_MESSAGES, check_width
 from wire.fields import drop_nulls, integral, nullable_optionals, only
 from wire.response_format import ResponseFormat
 from wire.tools import ToolCallId, ToolCalls, ToolChoice, Tools, check_tool_choice
@@ -57,7 +57,6 @@ MAX_SEED = 2**64 - 1
 MIN_TEMPERATURE = 0.01
 MAX_STOP_SEQUENCES = 4
 MAX_STOP_CHARS = 256
-MAX_MESSAGES = 2048
 MAX_CONTENT_PARTS = 256
 MAX_TOKENS_BOUND = 2**31 - 1
 MAX_METADATA_PAIRS = 16

@@ -51,9 +51,10 @@ DATA_VERSION_PATTERN = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 
 
 def check_data_version(headers: Mapping[str, str]) -> None:
-    """A 400 for an `X-Tiergate-Data-Version` that is not 1-64 letters, digits or `._:-` (checked before any work)."""
+    """A 400 for an `X-Tiergate-Data-Version` that is not 1-64 letters, digits or `._:-` (checked before any work;
+    an empty one counts as absent)."""
     value = headers.get(DATA_VERSION_HEADER)
-    if value is not None and DATA_VERSION_PATTERN.fullmatch(value) is None:
+    if value and DATA_VERSION_PATTERN.fullmatch(value) is None:  # an empty one is no version, as before
         raise InvalidRequest("X-Tiergate-Data-Version must be 1 to 64 letters, digits or . _ : -",
                              param="x-tiergate-data-version", code="invalid_header")
 

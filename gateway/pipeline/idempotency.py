@@ -6,7 +6,7 @@ The OpenAI SDKs retry a request whose answer was lost (a timeout, a dropped conn
   for the plan's `idempotency_ttl_s` (24 h by default);
 - a retry after that gets the stored answer (the same id, body and usage; as JSON, or replayed as a stream),
   with `x-tiergate-idempotent-replay: true`, charged nothing and written nowhere, but counted in the tenant's
-  request rate and concurrency as any request (handle.py's `_count_replay`);
+  request rate as any request (handle.py's `_count_replay`);
 - a retry while the first still runs waits for it, up to `wait_s`, then gets 409 with Retry-After;
 - the same key with another body is a 422 naming the header;
 - an answer that failed, or whose client left, is not stored: the claim is given up and a retry runs again.

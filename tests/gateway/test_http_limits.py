@@ -130,3 +130,47 @@ def test_a_client_that_stops_reading_is_cut_off_and_its_request_ends(slow_gatewa
     assert len(rows) == 1 and rows[0].status == "cancelled" and 0 < rows[0].output_tokens < 200
     assert slow_gateway.stub.finished == ["disconnected"]  # the upstream was closed, not read to its end
     sock.close()
+
+
+def test_a_request_answered_before_its_body_came_keeps_the_deadline(slow_gateway: Gateway) -> None:
+    """A wrong key gets its 401 before the body is read; the body arriving after must not end the deadline (a
+    client could then go quiet for ever), nor count as the next request's headers."""
+    body = b'{"model": "mid", "messages": [{"role": "user", "content": "' + b"x" * 100_000 + b'"}]}'
+    sock = connect(slow_gateway, (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                                  f"Authorization: Bearer tg-wrong\r\nContent-Length: {len(body)}\r\n\r\n").encode())
+    time.sleep(0.3)  # the 401 is sent before the body comes
+    sock.sendall(body)  # more than the head limit: not a head
+    t0 = time.monotonic()
+    got, closed = read_until_closed(sock)
+    assert got.startswith(b"HTTP/1.1 401 ") and b" 431 " not in got
+    assert closed - t0 < DEADLINE_S + 3  # silent after its body: closed by the deadline
+
+
+def test_a_pipelined_request_is_not_cut_by_the_deadline(slow_gateway: Gateway) -> None:
+    """Two requests sent at once on one connection: the second, answered after the first, streams for longer than
+    the deadline and is not cut."""
+    def request(content: str) -> bytes:
+        body = json.dumps({"model": "mid", "max_tokens": 8, "stream": True,
+                           "messages": [{"role": "user", "content": content}]}).encode()
+        head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                f"Authorization: Bearer {slow_gateway.tenant_key}\r\nContent-Length: {len(body)}\r\n\r\n")
+        return head.encode() + body
+
+    sock = connect(slow_gateway, request("hello") + request("STUB:slow hello"))
+    got, buffer = 0, b""
+    deadline = time.monotonic() + 10
+    while got < 2 and time.monotonic() < deadline:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        buffer += chunk
+        got = buffer.count(b"data: [DONE]")
+    sock.close()
+    assert got == 2, buffer[-300:]  # both answers whole; the second took 1.2 s of a 1 s deadline
+
+
+def test_an_empty_data_version_header_counts_as_absent(slow_gateway: Gateway) -> None:
+    with slow_gateway.client(slow_gateway.tenant_key) as c:
+        r = c.post("/v1/chat/completions", headers={"x-tiergate-data-version": ""},
+                   json={"model": "mid", "temperature": 0, "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 200
