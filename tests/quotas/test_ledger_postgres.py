@@ -89,4 +89,11 @@ def test_rows_are_streamed_a_batch_at_a_time_in_their_order(database_url: str,
     sizes = batches_read(ledger, monkeypatch, 3)
     assert [r.request_id for r in ledger.each_row()] == whole and len(whole) == 7
     assert sizes == [3, 3, 1]
+    rows = ledger.each_row()
+    assert next(rows).request_id == whole[0]
+    with psycopg.connect(database_url, autocommit=True) as other:  # the server holds the rest, behind a cursor
+        (fetching,) = other.execute("SELECT count(*) FROM pg_stat_activity WHERE state = 'idle in transaction' "
+                                    "AND query LIKE 'FETCH FORWARD 3 FROM %tiergate_read_%'").fetchone()
+    assert fetching == 1
+    rows.close()
     ledger.close()
