@@ -135,9 +135,7 @@ class LimitedProtocol(HttpToolsProtocol):
         self._deadline = self.loop.call_later(self.timeout_s, self._expired)
 
     def _disarm(self) -> None:
-        if self._deadline is not None:
-            self._deadline.cancel()
-            self._deadline = None
+        self._deadline = _cancelled(self._deadline)
 
     def _expired(self) -> None:
         self._deadline = None
@@ -150,9 +148,7 @@ class LimitedProtocol(HttpToolsProtocol):
         self.transport.close()
 
     def _unstall(self) -> None:
-        if self._stall is not None:
-            self._stall.cancel()
-            self._stall = None
+        self._stall = _cancelled(self._stall)
 
     def _stalled(self) -> None:
         self._stall = None
@@ -161,6 +157,12 @@ class LimitedProtocol(HttpToolsProtocol):
         type(self).stalled += 1
         log.debug("aborted a connection from %s: its answer unread for %.0f s", self.client, self.stall_s)
         self.transport.abort()  # close() would wait to send what the client does not read
+
+
+def _cancelled(timer: asyncio.TimerHandle | None) -> None:
+    """Cancel `timer` if there is one; what the field that held it holds now (None)."""
+    if timer is not None:
+        timer.cancel()
 
 
 def limited_protocol(timeout_s: float, stall_s: float) -> type[LimitedProtocol]:

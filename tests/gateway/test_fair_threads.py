@@ -26,11 +26,17 @@ async def settle(threads: FairThreads, running: int) -> None:
     raise AssertionError(f"{threads._running} jobs running, expected {running}")
 
 
+async def held_by(owner: str, name: str) -> tuple[FairThreads, list[str], threading.Event, asyncio.Task[str]]:
+    """One thread, taken by `owner`'s job `name` until the event returned is set; and the names run, in order."""
+    threads, ran, gate = FairThreads(1, "test-fair"), [], threading.Event()
+    held = asyncio.create_task(threads.run(owner, job, name, ran, gate))
+    await settle(threads, 1)
+    return threads, ran, gate, held
+
+
 def test_a_second_owners_job_runs_before_the_first_owners_queued_ones() -> None:
     async def main() -> list[str]:
-        threads, ran, gate = FairThreads(1, "test-fair"), [], threading.Event()
-        first = asyncio.create_task(threads.run("a", job, "a0", ran, gate))
-        await settle(threads, 1)
+        threads, ran, gate, first = await held_by("a", "a0")
         many = [asyncio.create_task(threads.run("a", job, f"a{i}", ran)) for i in range(1, 6)]
         await asyncio.sleep(0)
         other = asyncio.create_task(threads.run("b", job, "b0", ran))
@@ -49,9 +55,7 @@ def test_a_second_owners_job_runs_before_the_first_owners_queued_ones() -> None:
 
 def test_owners_alternate_while_both_have_work() -> None:
     async def main() -> list[str]:
-        threads, ran, gate = FairThreads(1, "test-fair"), [], threading.Event()
-        held = asyncio.create_task(threads.run("x", job, "x", ran, gate))
-        await settle(threads, 1)
+        threads, ran, gate, held = await held_by("x", "x")
         jobs = [asyncio.create_task(threads.run("a", job, f"a{i}", ran)) for i in range(3)]
         jobs += [asyncio.create_task(threads.run("b", job, f"b{i}", ran)) for i in range(3)]
         await asyncio.sleep(0)
@@ -68,9 +72,7 @@ def test_a_job_whose_caller_left_before_its_turn_never_runs_and_errors_reach_the
         raise ValueError("bad input")
 
     async def main() -> list[str]:
-        threads, ran, gate = FairThreads(1, "test-fair"), [], threading.Event()
-        held = asyncio.create_task(threads.run("a", job, "held", ran, gate))
-        await settle(threads, 1)
+        threads, ran, gate, held = await held_by("a", "held")
         left = asyncio.create_task(threads.run("b", job, "left", ran))
         await asyncio.sleep(0)
         left.cancel()
@@ -88,9 +90,7 @@ def test_a_job_whose_caller_left_before_its_turn_never_runs_and_errors_reach_the
 
 def test_closing_cancels_the_queued_jobs_and_refuses_new_ones() -> None:
     async def main() -> None:
-        threads, ran, gate = FairThreads(1, "test-fair"), [], threading.Event()
-        held = asyncio.create_task(threads.run("a", job, "held", ran, gate))
-        await settle(threads, 1)
+        threads, ran, gate, held = await held_by("a", "held")
         queued = asyncio.create_task(threads.run("b", job, "queued", ran))
         await asyncio.sleep(0)
         threads.close()
