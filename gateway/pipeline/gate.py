@@ -15,6 +15,13 @@ not buy that work for free, so before it:
   (on a loaded two-core host, up to 39 of the 100 an RPM limit allows across 4 replicas:
   tests/quotas/test_replicas.py beside busy processes).
 
+- **Refused bodies**: a body the validation refuses costs the event loop its parse (50-130 ms for one near the
+  4 MiB limit) and charges nothing, so a tenant could send them without end. Each tenant has a bucket of
+  REFUSED_BYTES_BURST bytes of refused bodies, refilled at REFUSED_BYTES_PER_S; while it is empty, the tenant's
+  requests are refused here (429 `rate_limit_invalid_requests`) until it refills. This one is a policy, not the
+  exact check's word: a client whose bodies are refused by the megabyte waits a few seconds. Small mistakes never
+  reach it (a thousand 1 KB bodies refused a second refill it).
+
 A refusal here costs a dictionary lookup and charges nothing; it looks like the exact check's 429.
 """
 
@@ -29,6 +36,8 @@ from gateway.errors import RateLimited
 from quotas.plans import Limits
 
 RATE_RECHECK_S = 1.0  # the longest a scope is refused here on the exact check's word before it is asked again
+REFUSED_BYTES_PER_S = 1 << 20  # refused bodies a tenant may send a second, on average (bytes)
+REFUSED_BYTES_BURST = 8 << 20  # and at once: two bodies at the size limit
 
 
 @dataclass(frozen=True)
@@ -57,14 +66,23 @@ class Pass:
 
 
 class TenantGate:
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic, *, refused_bytes_per_s: float = REFUSED_BYTES_PER_S,
+                 refused_bytes_burst: float = REFUSED_BYTES_BURST) -> None:
         self._clock = clock
         self._in_flight: dict[str, int] = {}
         self._rate_refused: dict[str, tuple[float, float]] = {}  # scope -> (ask the exact check again at, retry at)
+        self.refused_bytes_per_s = refused_bytes_per_s
+        self.refused_bytes_burst = refused_bytes_burst
+        self._refused: dict[str, tuple[float, float]] = {}  # tenant -> (bytes left in its bucket, when last filled)
 
     def enter(self, scopes: tuple[Scope, ...]) -> Pass:
-        """Admit a request into the gate, or raise the 429 the exact check would give."""
+        """Admit a request into the gate, or raise the 429 the exact check would give (or the refused bodies')."""
         now = self._clock()
+        if scopes and (left := self._bucket(scopes[0].name, now)) < 0:
+            retry = max(1, math.ceil(-left / self.refused_bytes_per_s))
+            raise RateLimited(f"rate limit of {scopes[0].label} reached: too many request bodies refused as invalid; "
+                              f"fix them, and retry in {retry}s", code="rate_limit_invalid_requests",
+                              retry_after=retry)
         for scope in scopes:
             refused = self._rate_refused.get(scope.name)
             if refused is not None:
@@ -86,6 +104,21 @@ class TenantGate:
         """The exact check refused `scope_name` for its request rate until `retry_after_s` from now."""
         now = self._clock()
         self._rate_refused[scope_name] = (now + min(retry_after_s, RATE_RECHECK_S), now + retry_after_s)
+
+    def body_refused(self, tenant: str, size: int) -> None:
+        """The validation refused a body of `size` bytes from `tenant`: taken from its bucket."""
+        now = self._clock()
+        self._refused[tenant] = (self._bucket(tenant, now) - size, now)
+
+    def _bucket(self, tenant: str, now: float) -> float:
+        """What is left in `tenant`'s bucket of refused bytes now (negative: refused until it refills)."""
+        if (held := self._refused.get(tenant)) is None:
+            return self.refused_bytes_burst
+        left, at = held
+        left = min(self.refused_bytes_burst, left + (now - at) * self.refused_bytes_per_s)
+        if left >= self.refused_bytes_burst:
+            del self._refused[tenant]  # full again: nothing to remember
+        return left
 
     def in_flight(self, scope_name: str) -> int:
         return self._in_flight.get(scope_name, 0)

@@ -20,7 +20,7 @@ from dataclasses import replace
 from decimal import Decimal
 from typing import Any
 
-from gateway.errors import Unavailable, client_error
+from gateway.errors import InvalidRequest, Unavailable, client_error
 from gateway.ladder.apply import NORMAL, Degradation
 from gateway.ladder.controller import LadderController
 from gateway.pipeline.attempt import Attempt, Prepared
@@ -84,7 +84,11 @@ class Pipeline:
                     raise Unavailable(f"the gateway cannot take requests now: {why}", code="not_ready",
                                       retry_after=5)
                 check_data_version(ctx.headers)
-                req = (parse or parse_request)(body)
+                try:
+                    req = (parse or parse_request)(body)
+                except InvalidRequest:  # its parse cost the event loop and charges nothing: the gate counts it
+                    self.gate.body_refused(ctx.tenant, len(body))
+                    raise
                 begun = await self.idempotency.begin(ctx, req) if self.idempotency is not None else None
                 if isinstance(begun, Replay):
                     await self._count_replay(ctx)

@@ -218,3 +218,23 @@ def test_openai_client_error_types(gateway: Gateway) -> None:
     bad = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="tg-000000000000-x", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.chat.completions.create(model="auto", messages=MSG)
+
+
+def test_a_tenant_sending_refused_bodies_by_the_megabyte_is_slowed_and_others_are_not(gateway: Gateway) -> None:
+    """A refused body costs its parse and charges nothing: past its bucket of refused bytes (here 2 KB, refilled at
+    1 KB/s) a tenant's requests are refused at the gate for a while, and another tenant's are not."""
+    gate = gateway.app.state.services.pipeline.gate
+    gate.refused_bytes_burst, gate.refused_bytes_per_s = 2000, 1000
+    bad = {"model": "mid", "messages": [{"role": "user", "content": "x" * 1500, "bogus": 1}]}
+    with gateway.client(gateway.tenant_key) as c:
+        first, second = (c.post("/v1/chat/completions", json=bad) for _ in range(2))
+        third = c.post("/v1/chat/completions", json={"model": "mid", "messages": [{"role": "user", "content": "hi"}]})
+    assert first.status_code == second.status_code == 400
+    assert third.status_code == 429 and third.json()["error"]["code"] == "rate_limit_invalid_requests"
+    assert int(third.headers["retry-after"]) >= 1
+    gateway.store.create_tenant("beta", "standard")
+    _, beta = gateway.store.issue_key("beta")
+    with gateway.client(beta) as c:
+        assert c.post("/v1/chat/completions", json={"model": "mid", "messages": [
+            {"role": "user", "content": "hi"}]}).status_code == 200
+    assert len(gateway.stub.requests) == 1  # only beta's reached a tier

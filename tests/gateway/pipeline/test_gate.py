@@ -74,3 +74,23 @@ def test_unlimited_scopes_pass() -> None:
     assert gate.in_flight("acme") == 1000
     for p in passes:
         p.leave()
+
+
+def test_a_tenant_whose_bodies_are_refused_by_the_megabyte_waits_for_its_bucket() -> None:
+    clock = Clock()
+    gate = TenantGate(clock, refused_bytes_per_s=2, refused_bytes_burst=10)
+    acme, globex = scopes_of("acme", "k1", Limits(), None), scopes_of("globex", "k2", Limits(), None)
+    gate.body_refused("acme", 6)
+    gate.enter(acme).leave()  # 4 left
+    gate.body_refused("acme", 9)  # 5 short
+    with pytest.raises(RateLimited) as err:
+        gate.enter(acme)
+    assert err.value.code == "rate_limit_invalid_requests" and err.value.retry_after == 3
+    gate.enter(globex).leave()  # another tenant's bucket is its own
+    clock.now += 2.0
+    with pytest.raises(RateLimited):
+        gate.enter(acme)  # 1 short still
+    clock.now += 0.5
+    gate.enter(acme).leave()  # refilled to empty: admitted
+    clock.now += 60
+    assert gate._bucket("acme", clock.now) == 10 and "acme" not in gate._refused  # full again: forgotten
