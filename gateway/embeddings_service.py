@@ -33,7 +33,7 @@ from litestar.datastructures import State
 
 from cache.batcher import EmbeddingBatcher
 from cache.embedder import Embedder, default_embedder
-from gateway.errors import NotFound, Unavailable, client_error
+from gateway.errors import InvalidRequest, NotFound, Unavailable, client_error
 from gateway.fair_threads import FairThreads
 from gateway.ladder.apply import Degradation
 from gateway.ladder.controller import LadderController
@@ -89,7 +89,11 @@ class EmbeddingsService:
         """Every check, cheapest first: readiness, the body, the model, the ladder; then the token count."""
         if (why := self.ledger.not_ready_reason) is not None:
             raise Unavailable(f"the gateway cannot take requests now: {why}", code="not_ready", retry_after=5)
-        req = parse_body(body, EmbeddingRequest)
+        try:
+            req = parse_body(body, EmbeddingRequest)
+        except InvalidRequest:  # its parse cost the event loop and charges nothing: the gate counts it, as for chat
+            self.gate.body_refused(ctx.tenant, len(body))
+            raise
         if not self.spec.enabled or req.model != self.spec.model:
             served = f"; this gateway serves {self.spec.model!r}" if self.spec.enabled else ""
             raise NotFound(f"no embedding model {req.model!r}{served}", param="model", code="model_not_found")

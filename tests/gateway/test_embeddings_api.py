@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterator
 from decimal import Decimal
 
+import httpx
 import numpy as np
 import openai
 import pytest
@@ -116,3 +117,14 @@ def test_limits_apply_as_to_chat(metered: Gateway) -> None:
         client(metered, metered.admin_key).embeddings.create(model=MODEL, input="hello")
     with pytest.raises(openai.AuthenticationError):
         client(metered, "tg-wrong").embeddings.create(model=MODEL, input="hello")
+
+
+def test_refused_bodies_empty_the_same_bucket_as_chat(gateway: Gateway) -> None:
+    """An embeddings body refused by the validation is counted in the tenant's bucket of refused bodies too."""
+    gate = gateway.app.state.services.pipeline.gate
+    gate.refused_bytes_burst, gate.refused_bytes_per_s = 2000, 1000
+    bad = {"model": MODEL, "input": ["x" * 1500, ""]}  # an empty input is refused
+    with httpx.Client(base_url=gateway.url, headers={"authorization": f"Bearer {gateway.tenant_key}"}) as c:
+        first, second, third = (c.post("/v1/embeddings", json=bad) for _ in range(3))
+    assert first.status_code == second.status_code == 400
+    assert third.status_code == 429 and third.json()["error"]["code"] == "rate_limit_invalid_requests"
