@@ -131,8 +131,7 @@ def build_services(settings: Settings) -> Services:
         route=RouteStage(fleet=fleet, quotas=quotas, dispatch=dispatch,
                          predictor=PredictorSource.for_data_dir(settings.data_dir, threads=prediction_threads()),
                          rollouts=rollouts),
-        prompt=PromptStage(models_dir=settings.resolved_models_dir, default_max_tokens=settings.default_max_tokens,
-                           threads=counting_threads()),
+        prompt=PromptStage(models_dir=settings.resolved_models_dir, default_max_tokens=settings.default_max_tokens),
         reserve=ReserveStage(quotas=quotas, gate=gate),
         tier=caller,
         settler=Settler(ledger=ledger, quotas=quotas, dispatch=dispatch, cache=cache, metrics=metrics_,
@@ -146,17 +145,6 @@ def build_services(settings: Settings) -> Services:
     return Services(settings=settings, catalogue=catalogue, plans=plans, store=store, ledger=ledger, client=client,
                     fleet=fleet, metrics=metrics_, pipeline=pipeline, queues=queues, quota_backend=backend,
                     ladder=ladder, cache=cache, rollouts=rollouts)
-
-
-COUNTING_THREADS = 2
-
-
-def counting_threads() -> FairThreads:
-    """Threads of their own for counting long prompts and embeddings inputs, tenants in turn: a tenant's long
-    prompts (up to a context's worth of characters each, at its concurrency limit) then wait on each other, not
-    on asyncio's default threads, which every tenant's cache lookups use (a temperature-0 request waited seconds
-    behind them), nor ahead of another tenant's long prompt."""
-    return FairThreads(COUNTING_THREADS, "tiergate-count")
 
 
 def prediction_threads() -> FairThreads:
@@ -275,8 +263,7 @@ def create_app(settings: Settings | None = None) -> Litestar:
             services.reports.close()
             if services.pipeline.route.predictor is not None:
                 services.pipeline.route.predictor.close()
-            if services.pipeline.prompt.threads is not None:
-                services.pipeline.prompt.threads.close()
+            services.pipeline.prompt.threads.close()
             services.ledger.close()
             services.store.close()
             services.rollouts.store.close()

@@ -55,10 +55,10 @@ TIER = "embeddings"  # the ledger's `tier` for these rows
 class EmbeddingsService:
     def __init__(self, *, spec: EmbeddingSpec, embedder: Embedder, gate: TenantGate, reserve: ReserveStage,
                  refusals: RefusalLog, ledger: Ledger, quotas: QuotaService, metrics: GatewayMetrics,
-                 ladder: LadderController | None, max_batch: int = 32, max_wait_s: float = 0.003,
-                 counting: FairThreads | None = None) -> None:
+                 ladder: LadderController | None, counting: FairThreads, max_batch: int = 32,
+                 max_wait_s: float = 0.003) -> None:
         self.spec = spec
-        self.counting = counting  # where texts are counted, tenants in turn (the prompt stage's; None: asyncio's)
+        self.counting = counting  # where texts are counted, tenants in turn (the prompt stage's threads)
         self.embedder = embedder
         self.gate = gate
         self.reserve = reserve
@@ -98,9 +98,7 @@ class EmbeddingsService:
             served = f"; this gateway serves {self.spec.model!r}" if self.spec.enabled else ""
             raise NotFound(f"no embedding model {req.model!r}{served}", param="model", code="model_not_found")
         self._refuse_if_degraded(ctx)
-        counted = (self.counting.run(ctx.tenant, self._num_tokens, req.texts) if self.counting is not None
-                   else asyncio.get_running_loop().run_in_executor(None, self._num_tokens, req.texts))
-        return req, await counted
+        return req, await self.counting.run(ctx.tenant, self._num_tokens, req.texts)
 
     def _refuse_if_degraded(self, ctx: RequestContext) -> None:
         """A priority class the ladder sheds, or answers from cache only, gets no fresh compute here either."""

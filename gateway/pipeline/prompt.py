@@ -19,7 +19,6 @@ billed is what the tier counted.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
@@ -39,6 +38,7 @@ PREFIX_CHARS_PER_TOKEN = 8  # a prefix this many characters per context token is
 INLINE_CHARS = 4096  # prompts up to this many characters are counted on the event loop
 PREFIX_MARGIN_TOKENS = 16  # a prefix cut inside a word may count a few tokens more than the whole
 MAX_RECOUNTS = 4  # exact counts the input cap may take after its estimate
+COUNTING_THREADS = 2  # threads that count long prompts (and embeddings inputs), tenants in turn
 
 
 log = logging.getLogger("tiergate.prompt")
@@ -59,10 +59,12 @@ def tokenizer_source(tier: TierSpec) -> str:
 
 
 class PromptStage:
-    def __init__(self, *, models_dir: Path, default_max_tokens: int, threads: FairThreads | None = None) -> None:
+    def __init__(self, *, models_dir: Path, default_max_tokens: int) -> None:
         self.models_dir = models_dir
         self.default_max_tokens = default_max_tokens
-        self.threads = threads  # where long prompts are counted, tenants in turn (None: asyncio's default executor)
+        # where long prompts are counted, tenants in turn: not asyncio's default threads, which every tenant's cache
+        # lookups use (a temperature-0 request waited seconds behind another tenant's long prompts there)
+        self.threads = FairThreads(COUNTING_THREADS, "tiergate-count")
 
     async def measure(self, req: ChatCompletionRequest, tier: TierSpec, degr: Degradation, *,
                       owner: Hashable = None) -> Prompt:
@@ -75,9 +77,7 @@ class PromptStage:
             kept, applied, num_tokens = list(req.messages), (), counter.prompt_tokens(with_preamble(messages, tools))
         else:
             args = (counter, list(req.messages), messages, tier, degr.input_cap, tools)
-            kept, applied, num_tokens = await (
-                self.threads.run(owner, _count_bounded, *args) if self.threads is not None
-                else asyncio.get_running_loop().run_in_executor(None, _count_bounded, *args))
+            kept, applied, num_tokens = await self.threads.run(owner, _count_bounded, *args)
         room = tier.context_limit - num_tokens
         cap = req.output_cap or max(1, min(self.default_max_tokens, room))
         by_context = req.output_cap is None and cap == room
