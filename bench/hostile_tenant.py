@@ -282,6 +282,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--victim-requests", type=int, default=40, help="victim requests per phase (default 40)")
     ap.add_argument("--engine-threads", type=int, default=1, help="torch threads per engine (default 1)")
+    ap.add_argument("--attacks", default="", help="run only the attacks whose name contains this text (both "
+                    "victims' alone phases run when one of theirs does); default every attack")
     ap.add_argument("--out", type=Path, help="also write the results as JSON here")
     args = ap.parse_args()
     from gateway.settings import Settings
@@ -291,13 +293,17 @@ def main() -> None:
           f"{args.engine_threads} torch thread(s) each; {args.victim_requests} victim requests per phase")
     with served(models_dir, engine_threads=args.engine_threads) as s:
         run_phase(s, "warm-up", 4)
-        alone = run_phase(s, "victim alone", args.victim_requests)
-        phases = [run_phase(s, a.name, args.victim_requests, a) for a in attacks(s)]
-        cache_alone = run_phase(s, "cache's victim alone", args.victim_requests, cache=True)
-        cache_phases = [run_phase(s, a.name, args.victim_requests, a, cache=True) for a in cache_attacks(s)]
+        chosen = [a for a in attacks(s) if args.attacks in a.name]
+        cache_chosen = [a for a in cache_attacks(s) if args.attacks in a.name]
+        alone = run_phase(s, "victim alone", args.victim_requests if chosen else 0)
+        phases = [run_phase(s, a.name, args.victim_requests, a) for a in chosen]
+        cache_alone = run_phase(s, "cache's victim alone", args.victim_requests if cache_chosen else 0, cache=True)
+        cache_phases = [run_phase(s, a.name, args.victim_requests, a, cache=True) for a in cache_chosen]
         after = all_tiers_answer(s)
     for title, first, rest in (("engine's victim (cache bypassed)", alone, phases),
                                ("cache's victim (temperature 0, new questions)", cache_alone, cache_phases)):
+        if not rest:
+            continue
         print(f"\n{title}\n\n| phase | victim ok | victim p50 s | victim p95 s | p95 / alone | attacker statuses |")
         print("|---|---|---|---|---|---|")
         for ph in (first, *rest):
