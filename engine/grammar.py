@@ -7,9 +7,14 @@ millisecond, and a token's mask and masking cost about 0.2 ms, under 2% of a dec
 engine's tokens/s measured the same with and without a schema).
 
 - `GrammarCache`: compiles each format once (a bounded LRU keyed by the canonical JSON of its schema) and hands
-  out `CompiledGrammar`s. A schema llguidance cannot compile is an EngineInputError (a 400), never an error in the
-  step loop. Compiles run where the caller runs them: the engine calls `compile` from worker threads, off its
-  step loop and off the event loop; concurrent requests for one new schema wait for one compile.
+  out `CompiledGrammar`s. A schema llguidance cannot compile is an EngineInputError (a 400) before anything
+  streams, and is remembered (a bounded LRU of refusals): a compile can take seconds before it fails (an allOf
+  of anyOfs of patterns, refused at the wire since, wire/schema_alternatives.py), and a repeat must not pay it
+  again. Compiles run where the caller runs them: the engine calls `compile` from worker threads, off its step
+  loop and off the event loop; concurrent requests for one new schema wait for one compile. A grammar that fails
+  later, mid-answer (an object of a thousand optional properties: "max_items_in_row" at its second token), fails
+  its sequence alone with `response_format_failed`, the request's own error (engine/model_runner.py), which the
+  gateway never counts against the replica's health.
 - `GrammarMatcher`: one sequence's place in its grammar. The sampler (engine/sampler.py) asks it for the logits
   with every token the grammar refuses at -inf (EOS included until the answer is complete) and tells it each
   token chosen.
@@ -99,6 +104,7 @@ class GrammarCache:
         self.capacity = capacity
         self._lock = threading.Lock()
         self._grammars: OrderedDict[str, CompiledGrammar] = OrderedDict()
+        self._refused: OrderedDict[str, str] = OrderedDict()  # key -> why it cannot be compiled (an LRU)
         self._compiling: dict[str, threading.Lock] = {}  # key -> held while one thread compiles it
         self._lltok: llguidance.LLTokenizer | None = None
         self._lltok_lock = threading.Lock()
@@ -121,13 +127,22 @@ class GrammarCache:
             if (hit := self._grammars.get(key)) is not None:
                 self._grammars.move_to_end(key)
                 return hit
+            self._raise_if_refused(key)
             gate = self._compiling.setdefault(key, threading.Lock())
         with gate:
             try:
                 with self._lock:
                     if (hit := self._grammars.get(key)) is not None:  # compiled while this thread waited
                         return hit
-                compiled = CompiledGrammar(key, self._build(fmt), self.vocab_size)
+                    self._raise_if_refused(key)
+                try:
+                    compiled = CompiledGrammar(key, self._build(fmt), self.vocab_size)
+                except EngineInputError as exc:
+                    with self._lock:
+                        self._refused[key] = str(exc)
+                        while len(self._refused) > self.capacity:
+                            self._refused.popitem(last=False)
+                    raise
                 with self._lock:
                     self.num_compiles += 1
                     self._grammars[key] = compiled
@@ -137,6 +152,12 @@ class GrammarCache:
             finally:
                 with self._lock:
                     self._compiling.pop(key, None)
+
+    def _raise_if_refused(self, key: str) -> None:
+        """Under the lock: a format refused before is refused again at once."""
+        if (why := self._refused.get(key)) is not None:
+            self._refused.move_to_end(key)
+            raise EngineInputError(why, param="response_format")
 
     def _build(self, fmt: ResponseFormat) -> llguidance.LLMatcher:
         spec = fmt.json_schema

@@ -43,6 +43,7 @@ from engine.sampling_params import EngineInputError, SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence
 from engine.speculative import SpeculativeDecoder
+from wire.errors import RESPONSE_FORMAT_FAILED
 
 __all__ = ["EngineDeadError", "EngineInputError", "EngineStats", "LLMEngine", "RequestOutput"]
 
@@ -304,6 +305,7 @@ class LLMEngine:
         A failed sequence is finished before postprocess, which then skips it without taking a token.
         """
         errors: dict[str, str] = self.model_runner.last_errors
+        codes: dict[str, str] = getattr(self.model_runner, "last_error_codes", {})
         if not errors:
             return token_ids
         kept: list[int] = []
@@ -313,8 +315,10 @@ class LLMEngine:
                 continue
             token_id = next(sampled)
             if seq.request_id in errors:
-                log.error("sampling for %s failed: %s", seq.request_id, errors[seq.request_id])
-                self._fail(seq, errors[seq.request_id])
+                code = codes.get(seq.request_id, "engine_error")
+                if code == "engine_error":
+                    log.error("sampling for %s failed: %s", seq.request_id, errors[seq.request_id])
+                self._fail(seq, errors[seq.request_id], code)
             else:
                 kept.append(token_id)
         return kept
@@ -355,16 +359,18 @@ class LLMEngine:
             self._release(seq)
         self._emit(seq, text, [token_id], finished=seq.is_finished, logprobs=[lp] if lp is not None else None)
 
-    def _fail(self, seq: Sequence, reason: str) -> None:
-        """End one sequence with an engine error: its blocks go back, its caller gets the error."""
+    def _fail(self, seq: Sequence, reason: str, code: str = "engine_error") -> None:
+        """End one sequence with an engine error: its blocks go back, its caller gets the error. `code` is
+        "engine_error", or RESPONSE_FORMAT_FAILED when the request's own grammar could not go on."""
         if seq.request_id not in self._seqs and seq.request_id not in self._sinks:
             return  # already ended, released and answered
         self.scheduler.finish(seq, "error")
         seq.finish_reason = "error"
         self._release(seq)
         self._failed_total += 1
-        self._emit(seq, "", [], finished=True, error=f"the engine failed on this request ({reason})",
-                   error_code="engine_error")
+        message = (f"response_format: the answer could not go on within the schema ({reason})"
+                   if code == RESPONSE_FORMAT_FAILED else f"the engine failed on this request ({reason})")
+        self._emit(seq, "", [], finished=True, error=message, error_code=code)
 
     def _release(self, seq: Sequence) -> None:
         if self._seqs.pop(seq.request_id, None) is None:

@@ -19,6 +19,7 @@ from assets.model_dtype import auto_dtype
 from engine import int8_dynamic, onednn_linear
 from engine.attention import AttentionMetadata
 from engine.decode_step import NativeDecodeStep
+from engine.grammar import GrammarError
 from engine.kernels import native as native_kernels
 from engine.layer_ops import NativeLayerOps
 from engine.models.llama import LlamaConfig, LlamaForCausalLM
@@ -26,6 +27,7 @@ from engine.quantize import quantize_int8_
 from engine.sampler import Sampler
 from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence
+from wire.errors import RESPONSE_FORMAT_FAILED
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DEFAULT_KV_CACHE_BYTES = 512 << 20  # SmolLM2 in fp32: 11,800 tokens, more than its 8,192-token context
@@ -105,6 +107,8 @@ class ModelRunner:
         # sequences of the last `run` that asked for logprobs
         self.last_logprobs: dict[str, tuple[float, list[tuple[int, float]]]] = {}
         self.last_errors: dict[str, str] = {}  # request id -> why its sampling failed, in the last `run`
+        # request id -> the error code of a failure that is the request's own (its grammar), in the last `run`
+        self.last_error_codes: dict[str, str] = {}
 
     @torch.inference_mode()
     def run(self, out: SchedulerOutput) -> list[int]:
@@ -127,6 +131,7 @@ class ModelRunner:
         token_of = {}
         self.last_logprobs = {}
         self.last_errors: dict[str, str] = {}  # request id -> why its sampling failed, this step
+        self.last_error_codes = {}
         for row, i in enumerate(samplers):
             seq = out.seqs[i]
             # one sequence's failure (its sampler, its logprobs) is its own: it gets token -1 and its error in
@@ -139,6 +144,8 @@ class ModelRunner:
             except Exception as exc:
                 token_of[i] = -1
                 self.last_errors[seq.request_id] = f"{type(exc).__name__}: {exc}"
+                if isinstance(exc, GrammarError):  # the tenant's schema, not the engine, could not go on
+                    self.last_error_codes[seq.request_id] = RESPONSE_FORMAT_FAILED
         return [token_of[i] for i in sorted(samplers)]
 
     @torch.inference_mode()

@@ -7,7 +7,9 @@ time attributed to the request, which the gateway turns into compute cost.
 
 Failures keep OpenAI's error shape. Bad input is a 400 naming the field (the wire model validates, the
 engine checks again). A request the engine fails is a 500 `engine_error`, or, once a stream has begun, a
-last `data: {"error": ...}` event before `[DONE]`; a stopped engine loop answers 503 `engine_dead`, and so
+last `data: {"error": ...}` event before `[DONE]`; one that fails by its own content (its response_format's
+grammar could not go on) is the same with 400 `response_format_failed`, which no breaker counts against the
+replica (wire.errors.REQUEST_FAULT_CODES); a stopped engine loop answers 503 `engine_dead`, and so
 does /health, within a second and without waiting on a step. /health also reports `instance`, the nonce
 the supervisor gave this process (TIERGATE_ENGINE_INSTANCE), so a probe can tell it from a stranger that
 took the port.
@@ -48,7 +50,7 @@ from wire import responses
 from wire.chat_request import ChatCompletionRequest
 from wire.completion_request import DEFAULT_MAX_TOKENS as DEFAULT_TEXT_MAX_TOKENS
 from wire.completion_request import CompletionRequest
-from wire.errors import error_body
+from wire.errors import REQUEST_FAULT_CODES, error_body
 from wire.tool_calls import render_messages
 from wire.validation import BodyError, parse_body
 
@@ -237,8 +239,16 @@ def _dead(reason: str) -> Response[Any]:
 
 
 def _engine_error(out: RequestOutput) -> dict[str, Any]:
+    if out.error_code in REQUEST_FAULT_CODES:  # the request's own content failed it (its response_format)
+        return error_body(out.error or "the request failed", param="response_format", code=out.error_code)
     return error_body(out.error or "the engine failed on this request", "api_error",
                       code=out.error_code or "engine_error")
+
+
+def _error_status(out: RequestOutput) -> int:
+    if out.error_code in REQUEST_FAULT_CODES:
+        return 400
+    return 503 if out.error_code == "engine_dead" else 500
 
 
 def _http_error(_: Request[Any, Any, Any], exc: HTTPException) -> Response[Any]:
@@ -334,7 +344,7 @@ async def _collect(outputs: AsyncIterator[RequestOutput], rid: str, model: str, 
     logprobs: Any = None
     async for out in outputs:
         if out.error is not None:
-            return Response(_engine_error(out), status_code=503 if out.error_code == "engine_dead" else 500)
+            return Response(_engine_error(out), status_code=_error_status(out))
         logprobs = frames.merge(logprobs, frames.logprobs(out, num_chars))
         parts.append(out.text)
         num_chars += len(out.text)

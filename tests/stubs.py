@@ -3,7 +3,8 @@
 The stub answers with a fixed sentence, one word per chunk, and reports usage and busy time the way our
 engine does. Message content can steer it: `STUB:400` answers 400, `STUB:slow` streams slowly (for
 cancellation), `STUB:die` drops the connection mid-stream, `STUB:big` answers up to 200 pieces of 100,000
-characters (more than the sockets between a client and the gateway hold).
+characters (more than the sockets between a client and the gateway hold), `STUB:schema-fail` streams two words and
+then our engine's error event for a response_format whose grammar could not go on (`response_format_failed`).
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ def stub_app(state: StubState, reply: str = REPLY) -> Litestar:
         # a dying stream writes at an engine's pace, so the gateway has read what came before the death
         delay = 0.2 if "STUB:slow" in text else 0.02 if "STUB:die" in text else 0.01 if "STUB:big" in text else 0.0
         return Stream(_sse(state, body, words, prompt_tokens, delay, die="STUB:die" in text,
-                           whole=200 if "STUB:big" in text else len(reply.split())), media_type="text/event-stream")
+                           whole=200 if "STUB:big" in text else len(reply.split()),
+                           schema_fail="STUB:schema-fail" in text), media_type="text/event-stream")
 
     @post("/v1/completions", status_code=200)
     async def completions(request: Request[Any, Any, Any]) -> Response[Any]:
@@ -75,7 +77,8 @@ def stub_app(state: StubState, reply: str = REPLY) -> Litestar:
 
 
 async def _sse(state: StubState, body: dict[str, Any], words: list[str], prompt_tokens: int, delay: float,
-               die: bool, legacy: bool = False, whole: int | None = None) -> AsyncIterator[bytes]:
+               die: bool, legacy: bool = False, whole: int | None = None,
+               schema_fail: bool = False) -> AsyncIterator[bytes]:
     def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> bytes:
         data = {"id": "stub", "object": "chat.completion.chunk", "created": 0, "model": body["model"],
                 "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **extra}
@@ -91,6 +94,13 @@ async def _sse(state: StubState, body: dict[str, Any], words: list[str], prompt_
             await asyncio.sleep(delay)
             if die and i == 2:
                 raise RuntimeError("stub dies mid-stream")
+            if schema_fail and i == 2:
+                error = {"message": "response_format: the answer could not go on within the schema (GrammarError)",
+                         "type": "invalid_request_error", "param": "response_format", "code": "response_format_failed"}
+                yield f"data: {json.dumps({'error': error})}\n\n".encode()
+                yield b"data: [DONE]\n\n"
+                state.finished.append("done")
+                return
             usage = {"prompt_tokens": prompt_tokens, "completion_tokens": i + 1, "total_tokens": prompt_tokens + i + 1}
             yield chunk({"content": (" " if i else "") + word}, usage=usage, x_tiergate={"busy_s": 0.001 * (i + 1)})
         n = len(words)

@@ -24,6 +24,7 @@ import aiohttp
 import msgspec
 
 from tiers.errors import UpstreamProtocolError, UpstreamRejected, UpstreamTimedOut, UpstreamUnreachable
+from wire.errors import REQUEST_FAULT_CODES
 
 MAX_LINE_BYTES = 1 << 20  # one SSE line (a chunk with 20 top log-probabilities per token is a few KB)
 # an idle pooled connection is dropped before the upstream drops it (uvicorn's default keep-alive is 5 s), so
@@ -180,9 +181,14 @@ def _chunk(url: str, data: bytes) -> dict[str, Any]:
 
 
 def _stream_error_status(chunk: dict[str, Any]) -> int:
-    """The HTTP status an error event stands for: 503 for a stopped engine, 500 for any other failure."""
+    """The HTTP status an error event stands for: 503 for a stopped engine, 400 for a request that failed by its
+    own content (wire.errors.REQUEST_FAULT_CODES: a healthy replica's answer, which no breaker counts), 500 for
+    any other failure."""
     err = chunk.get("error")
-    return 503 if isinstance(err, dict) and err.get("code") == "engine_dead" else 500
+    code = err.get("code") if isinstance(err, dict) else None
+    if code in REQUEST_FAULT_CODES:
+        return 400
+    return 503 if code == "engine_dead" else 500
 
 
 def _json_or_text(content: bytes) -> dict[str, Any]:

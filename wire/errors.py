@@ -4,6 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
+# An engine's code for a request that failed by its own content (its response_format's grammar could not go on),
+# not by the engine's health: the engine answers 400 with it, and the gateway neither retries it nor counts it
+# against the replica's circuit breaker (one tenant's schema must not take a tier away from everyone).
+RESPONSE_FORMAT_FAILED = "response_format_failed"
+REQUEST_FAULT_CODES = frozenset({RESPONSE_FORMAT_FAILED})
+
 
 def error_body(message: str, type_: str = "invalid_request_error", *, param: str | None = None,
                code: str | None = None) -> dict[str, Any]:

@@ -6,6 +6,7 @@ import time
 from typing import Any
 
 from engine.scheduler import SchedulerOutput
+from wire.errors import RESPONSE_FORMAT_FAILED
 
 EOS = 0
 VOCAB = 128
@@ -89,23 +90,30 @@ def collect(outputs: Any) -> Any:
 
 class FaultyRunner(ScriptedRunner):
     """A ScriptedRunner that fails on cue, found in the prompt's text: `SAMPLE-FAIL` makes that sequence's
-    sampling fail (as the model runner reports it: token -1 and `last_errors`), `FORWARD-FAIL` makes the
-    whole forward pass of any step holding that sequence raise."""
+    sampling fail (as the model runner reports it: token -1 and `last_errors`), `GRAMMAR-FAIL` the same with
+    the request's own error code (a response_format that cannot go on), `FORWARD-FAIL` makes the whole forward
+    pass of any step holding that sequence raise."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.last_errors: dict[str, str] = {}
+        self.last_error_codes: dict[str, str] = {}
 
     def run(self, out: SchedulerOutput) -> list[int]:
         if any("FORWARD-FAIL" in prompt_text(seq) for seq in out.seqs):
             raise RuntimeError("the forward pass failed")
         made = super().run(out)
         self.last_errors = {}
+        self.last_error_codes = {}
         sampled = [seq for seq, do_sample in zip(out.seqs, out.do_sample, strict=True) if do_sample]
         for k, seq in enumerate(sampled):
             if "SAMPLE-FAIL" in prompt_text(seq):
                 made[k] = -1
                 self.last_errors[seq.request_id] = "RuntimeError: sampling failed"
+            if "GRAMMAR-FAIL" in prompt_text(seq):  # as the runner reports a response_format that cannot go on
+                made[k] = -1
+                self.last_errors[seq.request_id] = "GrammarError: the response_format grammar failed"
+                self.last_error_codes[seq.request_id] = RESPONSE_FORMAT_FAILED
         return made
 
 

@@ -21,6 +21,7 @@ import httpx
 import pytest
 
 from engine.block_manager import BlockManager
+from engine.grammar import GrammarError
 from engine.llm_engine import EngineDeadError, LLMEngine
 from engine.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
@@ -29,6 +30,7 @@ from engine.sequence import Sequence
 from engine.server import create_engine_app
 from tests.engine.fakes import CharTokenizer, FaultyRunner, ScriptedRunner, collect
 from tests.stubs import ServerThread
+from wire.errors import RESPONSE_FORMAT_FAILED
 
 GREEDY = SamplingParams(temperature=0, max_tokens=64)
 REPLY = "Paris is the capital."
@@ -127,6 +129,27 @@ def test_the_model_runner_fails_only_the_sequence_whose_sampling_raises(tiny_lla
     tokens, runner = first_step("b")
     assert tokens == [clean[0], -1, clean[2]]  # the others sample exactly what they would have
     assert runner.last_errors == {"b": "ValueError: bad logits"} and set(runner.last_logprobs) == {"a", "c"}
+    assert runner.last_error_codes == {}  # an engine's failure: no request-fault code
+
+
+def test_a_grammar_that_cannot_go_on_is_the_requests_own_failure(tiny_llama: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    runner = ModelRunner(tiny_llama, dtype="fp32", kv_cache_bytes=1 << 20)
+    sched = Scheduler(BlockManager(runner.num_kv_blocks, runner.block_size), max_num_seqs=4,
+                      max_num_batched_tokens=64, max_model_len=runner.max_model_len, eos_token_ids=set())
+    for rid in ("a", "b"):
+        sched.add_request(Sequence(rid, [1, 2, 3, 4], SamplingParams(temperature=0.8, seed=7, max_tokens=4)))
+    sample = runner.sampler.sample
+
+    def failing(request_id: str, logits: Any, params: SamplingParams) -> int:
+        if request_id == "b":
+            raise GrammarError("the response_format grammar failed: Current row has 3999 items; max is 2000")
+        return sample(request_id, logits, params)
+
+    monkeypatch.setattr(runner.sampler, "sample", failing)
+    tokens = runner.run(sched.schedule())
+    assert tokens[1] == -1 and tokens[0] != -1
+    assert runner.last_error_codes == {"b": RESPONSE_FORMAT_FAILED} and "3999 items" in runner.last_errors["b"]
 
 
 # ---- over HTTP ----
@@ -173,6 +196,21 @@ def test_a_failed_request_is_an_openai_error_streamed_or_not(serve: Any) -> None
     assert good.status_code == 200 and good.json()["choices"][0]["message"]["content"] == REPLY
     assert eng.stats().num_kv_blocks_used == 0
     assert "tiergate_engine_requests_failed_total{model=\"tiny\"} 2.0" in httpx.get(f"{url}/metrics").text
+
+
+def test_a_response_format_that_cannot_go_on_is_a_400_naming_it_streamed_or_not(serve: Any) -> None:
+    """A tenant's schema whose grammar fails mid-answer is the request's error (400 `response_format_failed`),
+    which the gateway does not count against the replica (tests/gateway/test_breaker_api.py), not a 500."""
+    url, eng = serve(FaultyRunner(max_model_len=512))
+    bad = {"model": "tiny", "messages": [{"role": "user", "content": "GRAMMAR-FAIL"}]}
+    r = httpx.post(f"{url}/v1/chat/completions", json=bad, timeout=10)
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert (err["type"], err["param"], err["code"]) == ("invalid_request_error", "response_format",
+                                                        "response_format_failed")
+    events = sse_events(url, bad)
+    assert json.loads(events[-2])["error"]["code"] == "response_format_failed" and events[-1] == "[DONE]"
+    assert eng.stats().num_kv_blocks_used == 0
 
 
 def test_a_dead_loop_shows_in_health_within_a_second_and_ends_requests_at_once(serve: Any) -> None:

@@ -193,6 +193,21 @@ def test_the_cache_is_bounded(tokenizer: Any) -> None:
     assert cache.num_compiles == 4
 
 
+def test_a_refused_schema_is_remembered_not_compiled_again(tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    cache = GrammarCache(tokenizer, vocab_size=VOCAB, eos_token_ids=[EOS])
+    builds: list[Any] = []
+    build = cache._build
+    monkeypatch.setattr(cache, "_build", lambda fmt: builds.append(fmt) or build(fmt))
+    bad = SamplingParams(response_format=json_schema({"type": "strin"})).output_format
+    for _ in range(3):
+        with pytest.raises(EngineInputError, match="strin") as caught:
+            cache.compile(bad)  # type: ignore[arg-type]
+        assert caught.value.param == "response_format"
+    assert len(builds) == 1
+    cache.compile(SamplingParams(response_format=json_schema(SMALL_SCHEMA)).output_format)  # type: ignore[arg-type]
+    assert len(builds) == 2 and cache.num_compiles == 1
+
+
 def test_eos_is_refused_until_the_json_is_complete(tokenizer: Any) -> None:
     """Logits that put EOS first at every step: the grammar alone keeps the answer going until it is whole."""
     grammar = GrammarCache(tokenizer, vocab_size=VOCAB, eos_token_ids=[EOS]).compile(

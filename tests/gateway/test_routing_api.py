@@ -227,6 +227,24 @@ def test_an_unreachable_replica_opens_its_breaker_and_the_request_is_retried(rou
     assert len(fleet3.mid1.requests) == 4
 
 
+def test_a_schema_that_fails_mid_answer_is_the_tenants_400_and_opens_no_breaker(routed: Gateway,
+                                                                                  fleet3: Fleet3) -> None:
+    """One tenant's response_format whose grammar cannot go on (our engine's `response_format_failed`) is that
+    request's error: before, it was a 500 that the replica's breaker counted, and a few such requests took the
+    tier away from every tenant."""
+    rep = routed.app.state.services.fleet.replicas["full"][0]
+    rep.breaker = CircuitBreaker(BreakerConfig(failures_to_open=1, cooldown_s=60))
+    for _ in range(3):
+        r = chat(routed, "STUB:schema-fail", model="full")
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert (err["type"], err["param"], err["code"]) == ("invalid_request_error", "response_format",
+                                                            "response_format_failed")
+    assert rep.breaker.state == "closed" and len(fleet3.full.requests) == 3  # tried once each, not retried
+    r = chat(routed, "", model="full")
+    assert r.status_code == 200 and r.headers["x-tiergate-tier"] == "full"
+
+
 def test_a_tier_whose_breakers_are_all_open_is_routed_around(routed: Gateway) -> None:
     for rep in routed.app.state.services.fleet.replicas["full"]:
         for _ in range(rep.breaker.config.failures_to_open):
