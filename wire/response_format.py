@@ -10,7 +10,8 @@ Three shapes, as OpenAI's API has them:
 
 The schema is a tenant's bytes that a grammar compiler will read, so it is bounded before anything walks it: at most
 MAX_SCHEMA_BYTES of JSON and MAX_SCHEMA_DEPTH nested arrays and objects, checked in one pass that stops at the first
-bound it passes. Everything else (name, description) has OpenAI's limits. Anything else is a 400 whose `param`
+bound it passes, and then what its `allOf`s intersect (wire/schema_alternatives.py: a small schema can cost a
+compiler seconds). Everything else (name, description) has OpenAI's limits. Anything else is a 400 whose `param`
 starts with `response_format`.
 """
 
@@ -22,6 +23,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from wire.fields import drop_nulls, nullable_optionals
+from wire.schema_alternatives import check_alternatives
 
 MAX_SCHEMA_BYTES = 32 * 1024  # the schema as compact JSON
 MAX_SCHEMA_DEPTH = 32  # nested objects and arrays, the schema itself being the first
@@ -50,6 +52,7 @@ def check_schema_bounds(schema: dict[str, Any]) -> None:
     size = len(json.dumps(schema, separators=(",", ":"), ensure_ascii=False).encode())
     if size > MAX_SCHEMA_BYTES:
         raise ValueError(f"the schema has {size} bytes as compact JSON; at most {MAX_SCHEMA_BYTES} are allowed")
+    check_alternatives(schema)  # what its allOfs would make a grammar compiler intersect
 
 
 class JsonSchemaSpec(BaseModel):
