@@ -11,7 +11,7 @@ import pytest
 from wire.chat_request import ChatCompletionRequest
 from wire.response_format import MAX_SCHEMA_DEPTH
 from wire.tool_calls import MAX_BLOCKS_TRIED, call_schema, parse_answer, parse_constrained, render_messages
-from wire.tools import MAX_TOOLS
+from wire.tools import MAX_TOOLS, MAX_TOOLS_BYTES
 from wire.validation import BodyError, parse_body
 
 WEATHER = {"type": "function", "function": {
@@ -66,6 +66,19 @@ def test_a_tool_exchange_is_accepted_as_openai_sends_it() -> None:
 ])
 def test_what_cannot_be_served_is_a_400_naming_the_field(fields: dict[str, Any], param: str) -> None:
     assert refusal(**fields).param == param
+
+
+def test_tools_past_their_bytes_together_are_refused_whatever_the_tool_choice() -> None:
+    """128 tools of 32 KB each: every one within its own bounds, 4 MB together. With "none" they are never
+    rendered or counted, so only this bound keeps them from being accepted for the price of "hi"."""
+    props = {f"p{j:04d}": {"type": "string", "description": "d" * 8} for j in range(630)}
+    tools = [{"type": "function", "function": {"name": f"f{i}", "parameters": {"type": "object", "properties": props}}}
+             for i in range(124)]
+    for choice in ("none", "auto"):
+        err = refusal(tools=tools, tool_choice=choice)
+        assert err.param == "tools" and f"at most {MAX_TOOLS_BYTES}" in err.message
+    fits = MAX_TOOLS_BYTES // len(json.dumps(tools[0], separators=(",", ":")))
+    assert len(request(tools=tools[:fits], tool_choice="none").tools or []) == fits
 
 
 def test_deep_parameters_are_refused_before_anything_walks_them() -> None:
