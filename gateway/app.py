@@ -108,7 +108,8 @@ def build_services(settings: Settings) -> Services:
     ledger = open_ledger(settings)
     store = open_tenant_store(settings)
     backend = build_quota_backend(settings, ledger, metrics_)
-    quotas = QuotaService(backend)
+    gate = TenantGate()
+    quotas = QuotaService(backend, on_settled=gate.settled)
     queues = {name: TierQueue(name, tier_capacity(spec, settings), policy=settings.dispatch_policy)
               for name, spec in catalogue.tiers.items()}
     metrics_.queues = queues
@@ -123,7 +124,6 @@ def build_services(settings: Settings) -> Services:
         metrics_.registry.register(CacheBoundCollector(cache.cache))
     rollouts = RolloutService(catalogue, open_rollout_store(settings), metrics=metrics_)
     metrics_.rollouts = rollouts
-    gate = TenantGate()
     caller = TierCaller(fleet=fleet, client=client)
     dispatch = DispatchStage(queues=queues, metrics=metrics_, signals=signals)
     pipeline = Pipeline(

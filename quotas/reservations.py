@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from decimal import Decimal
 
@@ -28,9 +29,13 @@ class Reservation:
 
 
 class QuotaService:
-    def __init__(self, backend: QuotaBackend, *, lease_s: float = 900.0) -> None:
+    def __init__(self, backend: QuotaBackend, *, lease_s: float = 900.0,
+                 on_settled: Callable[[str, tuple[str, ...]], None] | None = None) -> None:
+        """`on_settled(tenant, scopes)` is told of each settlement here (scopes: "t", "k:<key id>"): what a
+        reservation held beyond its use is free again (the gate forgets the refusals it may have caused)."""
         self.backend = backend
         self.lease_s = lease_s  # a reservation not settled within this is returned by the reaper
+        self.on_settled = on_settled
 
     @staticmethod
     def scopes(plan: Plan, key_id: str, key_limits: Limits | None) -> tuple[ScopeLimits, ...]:
@@ -75,3 +80,6 @@ class QuotaService:
             return
         reservation.settled = True
         await self.backend.settle(reservation.request, tokens=tokens, money_pico=to_pico(price))
+        if self.on_settled is not None:
+            req = reservation.request
+            self.on_settled(req.tenant, tuple(s.scope for s in req.scopes))

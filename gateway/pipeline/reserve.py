@@ -1,8 +1,9 @@
 """Reserve: charge the request's quota scopes with an upper bound (prompt + output cap, at the tier's price;
 or a cache hit's price), or refuse with what a client can act on. Nothing is charged on a refusal.
 
-The reservation is settled to real use by the settle stage, exactly once. A requests-per-minute refusal
-is also told to the gate, which then refuses the scope cheaply until the window frees a place.
+The reservation is settled to real use by the settle stage, exactly once. A refusal for requests or tokens per
+minute or a spent budget is also told to the gate, which then refuses the scope cheaply for up to a second
+(gateway/pipeline/gate.py).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from decimal import Decimal
 
 from gateway.errors import QuotaExceeded, RateLimited, TiergateError, Unavailable
 from gateway.pipeline.context import RequestContext
-from gateway.pipeline.gate import TenantGate
+from gateway.pipeline.gate import REMEMBERED_REASONS, TenantGate
 from quotas.backends.base import QuotaBackendError
 from quotas.limits import Decision
 from quotas.plans import Plan
@@ -33,9 +34,9 @@ class ReserveStage:
             raise Unavailable("the quota service is unavailable; retry shortly", code="quota_backend_unavailable",
                               retry_after=1) from exc
         if reservation is None:
-            if decision.reason == "rpm" and decision.scope is not None:
+            if decision.reason in REMEMBERED_REASONS and decision.scope is not None:
                 scope = ctx.tenant if decision.scope == "t" else f"{ctx.tenant}/{decision.scope}"
-                self.gate.rate_refused(scope, decision.retry_after_s)
+                self.gate.rate_refused(scope, decision.retry_after_s, decision.reason)
             raise refusal(ctx.plan, decision)
         return reservation
 
