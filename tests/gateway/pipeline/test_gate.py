@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.errors import RateLimited
+from gateway.errors import RateLimited, TiergateError
 from gateway.pipeline.gate import RATE_RECHECK_S, TenantGate, scopes_of
 from quotas.plans import Limits
 
@@ -65,6 +65,35 @@ def test_a_rate_refusal_is_remembered_for_a_moment_then_the_exact_check_is_asked
     gate.rate_refused("acme", 0.4)  # a place frees sooner than the recheck: asked as soon as it does
     clock.now += 0.5
     gate.enter(scopes).leave()
+
+
+@pytest.mark.parametrize(("reason", "code"), [("tpm", "rate_limit_tpm"), ("budget_day", "insufficient_quota"),
+                                              ("budget_month", "insufficient_quota")])
+def test_a_token_or_budget_refusal_is_remembered_until_a_settlement_or_the_recheck(reason: str, code: str) -> None:
+    clock = Clock()
+    gate = TenantGate(clock)
+    scopes = scopes_of("acme", "k1", Limits(tpm=1000, budget_day_usd=1), None)
+    gate.rate_refused("acme", 3600.0, reason)
+    with pytest.raises(TiergateError) as err:
+        gate.enter(scopes)
+    assert err.value.code == code and err.value.retry_after == 3600
+    clock.now += RATE_RECHECK_S + 0.01  # asked again after a second, though the retry time is an hour off
+    gate.enter(scopes).leave()
+    gate.rate_refused("acme", 3600.0, reason)
+    gate.settled("other", ("t",))  # another tenant's settlement frees nothing of acme's
+    with pytest.raises(TiergateError):
+        gate.enter(scopes)
+    gate.settled("acme", ("t",))  # what a reservation held beyond its use is free: the exact check decides
+    gate.enter(scopes).leave()
+
+
+def test_a_settlement_does_not_free_a_request_rate() -> None:
+    gate = TenantGate(Clock())
+    gate.rate_refused("acme/k:k1", 30.0)
+    gate.settled("acme", ("t", "k:k1"))
+    with pytest.raises(RateLimited) as err:
+        gate.enter(scopes_of("acme", "k1", Limits(), Limits(rpm=1)))
+    assert err.value.code == "rate_limit_rpm" and "your key" in err.value.message
 
 
 def test_unlimited_scopes_pass() -> None:
