@@ -3,6 +3,8 @@ lower layer's error (tiers, quota backend, dispatch queue, body validation, ledg
 
 from __future__ import annotations
 
+import logging
+import re
 from typing import Any
 
 from litestar.exceptions import HTTPException, ValidationException
@@ -12,6 +14,13 @@ from quotas.dispatch import QueueFull
 from quotas.ledger import LedgerUnavailable
 from tiers import errors as tier_errors
 from wire.validation import BodyError
+
+log = logging.getLogger("tiergate.errors")
+
+# what a tier error's own text may carry and a tenant must never read: an upstream's URL, host or port, an
+# exception's repr, a traceback (tiers/client.py words its errors for operators: `{url}: {exc!r}`)
+_INTERNAL_DETAIL = re.compile(r"://|\blocalhost\b|\b\d{1,3}(?:\.\d{1,3}){3}\b|\[[0-9a-f]*:[0-9a-f:]*\]"
+                              r"|\b\w+(?:Error|Exception)\(|Traceback", re.IGNORECASE)
 
 
 class TiergateError(Exception):
@@ -183,22 +192,45 @@ def _http_error(exc: HTTPException) -> TiergateError:
 
 
 def _tier_error(exc: tier_errors.TierError) -> TiergateError:
+    """A tier error as the tenant sees it. The text of an upstream's failure (its URL, host and port, the exception
+    the client library raised) stays in the log; the tenant reads what failed, in general words. An upstream's 4xx
+    answer is the exception: its message and param are about the tenant's own request (our engine's validation)."""
     match exc:
         case tier_errors.UnknownModel():
             return NotFound(str(exc), param="model", code="model_not_found")
         case tier_errors.TierNotAllowed():
             return Forbidden(str(exc), param="model", code="tier_not_allowed")
         case tier_errors.NoTierAvailable():
-            return Unavailable(str(exc), code="no_tier_available", retry_after=5)
+            return Unavailable(_public(exc, "no tier can serve this request now"), code="no_tier_available",
+                               retry_after=5)
         case tier_errors.UpstreamRejected() if 400 <= exc.status < 500 and exc.status not in (401, 403, 429):
             err = exc.body.get("error") if isinstance(exc.body.get("error"), dict) else {}
             return InvalidRequest(str(exc), param=err.get("param"), code=err.get("code") or "upstream_rejected")  # type: ignore[union-attr]
         case tier_errors.UpstreamRejected():
-            return UpstreamError(f"the tier's backend answered {exc.status}: {exc}", retry_after=2)
+            return _logged(exc, UpstreamError(f"the tier's backend answered {exc.status}", retry_after=2))
         case tier_errors.UpstreamTimedOut():
-            return UpstreamTimeout(f"the tier's backend did not answer in time: {exc}", retry_after=2)
+            return _logged(exc, UpstreamTimeout("the tier's backend did not answer in time", retry_after=2))
         case tier_errors.UpstreamUnreachable():
-            return Unavailable(f"the tier's backend could not be reached: {exc}", code="upstream_unreachable",
-                               retry_after=2)
+            return _logged(exc, Unavailable("the tier's backend could not be reached", code="upstream_unreachable",
+                                            retry_after=2))
+        case tier_errors.UpstreamProtocolError():
+            return _logged(exc, UpstreamError("the tier's backend answered with something that is not an OpenAI "
+                                              "answer"))
         case _:
-            return UpstreamError(f"the tier's backend failed: {exc}")
+            return _logged(exc, UpstreamError("the tier's backend failed"))
+
+
+def _logged(exc: tier_errors.TierError, err: TiergateError) -> TiergateError:
+    """`err`, the tenant's words for `exc`, once the details it leaves out are in the log."""
+    log.warning("upstream failure answered %d %s: %s: %s", err.status_code, err.code, type(exc).__name__, exc)
+    return err
+
+
+def _public(exc: tier_errors.TierError, fallback: str) -> str:
+    """The error's own text when a tenant may read it (routing's reasons are words of ours), else `fallback`, with
+    the text in the log: a lower layer that words a reason with an upstream's details must not leak them."""
+    text = str(exc)
+    if _INTERNAL_DETAIL.search(text) is None:
+        return text
+    log.warning("%s: %s (the client reads: %s)", type(exc).__name__, text, fallback)
+    return fallback

@@ -241,7 +241,7 @@ class _Parent:
                 except httpx.HTTPError:
                     continue
                 if ready:
-                    for name, why in fleet.unavailable().items():
+                    for name, why in fleet.unavailable(detail=True).items():  # the operator's console
                         click.echo(f"note: tier {name} is not available: {why}", err=True)
                     click.echo(banner(self.keys, host=s.host, port=s.port, data_dir=s.data_dir))
                     return

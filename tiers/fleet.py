@@ -221,13 +221,16 @@ class Fleet:
     def api_key(self, spec: TierSpec) -> str | None:
         return os.environ.get(spec.api_key_env) if spec.api_key_env else None
 
-    def unavailable(self) -> dict[str, str]:
+    def unavailable(self, *, detail: bool = False) -> dict[str, str]:
         """Tiers with no replica that can take a request now (none healthy, or every healthy one's circuit
-        breaker open), and why."""
+        breaker open), and why: by default in words a tenant may read (routing reasons, /v1/models, error
+        messages), never a replica's own reason, which names its URL and the exception; `detail`: those reasons,
+        for operators only (the admin /health, logs)."""
         out = {}
         for name, reps in self.replicas.items():
             if not any(r.healthy for r in reps):
-                out[name] = "; ".join(sorted({r.reason for r in reps if r.reason})) or "no healthy replica"
+                reasons = {r.reason for r in reps if r.reason} if detail else {public_reason(r) for r in reps}
+                out[name] = "; ".join(sorted(reasons)) or "no healthy replica"
             elif not any(r.can_take for r in reps):
                 out[name] = "circuit breaker open on every healthy replica"
         return out
@@ -266,9 +269,11 @@ class Fleet:
         label = reps[0].tier if reps else tier
         preferred = self.affinity.get(affinity, label) if affinity is not None else None
         replica, why = choose_replica(reps, exclude=exclude, preferred=preferred)
-        if replica is None:
+        if replica is None:  # the message reaches the tenant: the replicas' public reasons, not their own
             named = f"tier {tier!r}" if label == tier else f"tier {tier!r} version {version!r}"
-            raise NoTierAvailable(f"{named} has no replica that can take a request: {why}")
+            log.info("%s has no replica that can take a request: %s", named, why)
+            raise NoTierAvailable(f"{named} has no replica that can take a request: "
+                                  f"{_why_none_public(reps, exclude or set())}")
         replica.breaker.begin()
         return replica, why
 
@@ -323,6 +328,30 @@ class Fleet:
                 if rep.healthy or rep.status == "starting":
                     log.warning("remote tier %s replica %d is down: %s", rep.tier, rep.index, exc)
                 rep.mark("down", f"health check failed: {exc}")
+
+
+def public_reason(rep: Replica) -> str:
+    """Why a replica cannot take a request, in words a tenant may read: its state, never its own reason (which
+    names its URL, host and port and the exception's details; those are for the admin /health and the logs)."""
+    if rep.healthy:
+        return f"circuit breaker {rep.breaker.state}"
+    if rep.status == "starting":
+        return "restarting" if rep.ever_ready else "starting"
+    if rep.status == "preparing":
+        return "its model is being prepared"
+    if rep.status == "unavailable":
+        return "its model is not prepared on this gateway"
+    if rep.status == "down" and rep.url is not None:
+        return "the tier's backend could not be reached"
+    return "unhealthy"
+
+
+def _why_none_public(reps: Sequence[Replica], exclude: set[int]) -> str:
+    """`choose_replica`'s reason for finding no replica, with each replica's public reason."""
+    left = [r for r in reps if r.index not in exclude]
+    if not left:
+        return "no replica left to try"
+    return "; ".join(f"replica {r.index} {public_reason(r)}" for r in left)
 
 
 def _log_breaker(rep: Replica) -> Callable[[State, State, str], None]:

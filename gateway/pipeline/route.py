@@ -33,7 +33,7 @@ from quotas.backends.base import QuotaBackendError
 from quotas.reservations import QuotaService
 from tiers.catalogue import TierSpec
 from tiers.errors import TierError, TierOverloaded
-from tiers.fleet import Fleet
+from tiers.fleet import Fleet, public_reason
 from tiers.predictor import PredictorSource
 from tiers.replica_choice import SESSION_HEADER
 from tiers.routing import AUTO, CASCADE, PREDICT, Prediction, Route, RouteRules, TierConditions, choose_tier
@@ -150,7 +150,8 @@ class RouteStage:
         reps = self.fleet.replicas_of(spec)
         if any(r.can_take for r in reps):
             return None
-        return "; ".join(sorted({r.reason for r in reps if r.reason})) or "circuit breaker open on every replica"
+        # the tenant reads it (x-tiergate-route-reason): the replicas' public reasons, never their own (URLs)
+        return "; ".join(sorted({public_reason(r) for r in reps})) or "circuit breaker open on every replica"
 
     def _tool_tiers(self, req: ChatCompletionRequest, rules: RouteRules,
                     unavailable: dict[str, str]) -> tuple[RouteRules, dict[str, str]]:

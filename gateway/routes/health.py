@@ -47,7 +47,7 @@ def readiness(fleet: Fleet, ledger: Ledger) -> tuple[bool, dict[str, Any]]:
     tiers = fleet.status()
     waiting = {name: s for name, s in tiers.items()
                if not s["ready"] and any(r["status"] not in ("unavailable", "preparing") for r in s["replicas"])}
-    unavailable = fleet.unavailable()
+    unavailable = fleet.unavailable(detail=True)  # shown to an admin key only
     ledger_reason = ledger.not_ready_reason
     return not waiting and ledger_reason is None, {
         "tiers": tiers, "not_ready": {name: unavailable.get(name) for name in tiers if not tiers[name]["ready"]},

@@ -29,8 +29,12 @@ TOOLS = "tools"  # the tier answers `tools` (tiers/catalogue.py's TierSpec.tools
                                  **errors(401, 500)})
 async def list_models(principal: NamedDependency[Principal], fleet: NamedDependency[Fleet],
                       plans: NamedDependency[PlanBook]) -> dict[str, Any]:
-    """The tiers the key's plan allows, `auto`, and the embedding model; an admin key sees every tier."""
-    unavailable = fleet.unavailable()
+    """The tiers the key's plan allows, `auto`, and the embedding model; an admin key sees every tier.
+
+    `unavailable_reason` is in words any key may read ("starting", "the tier's backend could not be reached",
+    "circuit breaker open on every healthy replica"...), never a replica's own reason, which names the upstream's URL
+    and the exception; an operator reads those on the admin /health and /admin/ops."""
+    unavailable = fleet.unavailable(detail=False)
     if principal.tenant is not None:
         plan = plans.plans[principal.tenant.plan]
         names, default = plan.allowed_tiers, plan.default_tier
