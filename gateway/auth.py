@@ -21,11 +21,21 @@ def presented_key(request: ASGIConnection[Any, Any, Any, Any]) -> str | None:
     return request.headers.get("x-api-key") or None
 
 
-def authenticate(request: ASGIConnection[Any, Any, Any, Any], store: TenantStore) -> Principal:
+async def authenticate_async(request: ASGIConnection[Any, Any, Any, Any], store: TenantStore) -> Principal:
+    """The principal for the request's key, or a 401. A key id not cached is looked up off the event loop (anyone
+    can send a made-up one, and with the fleet database each is a network round trip); a 503 when too many are
+    being looked up."""
+    return _checked(request, await store.authenticate_async(_required_key(request)))
+
+
+def _required_key(request: ASGIConnection[Any, Any, Any, Any]) -> str:
     key = presented_key(request)
     if key is None:
         raise Unauthenticated("no API key: send `Authorization: Bearer tg-…`", code="missing_api_key")
-    principal = store.authenticate(key)
+    return key
+
+
+def _checked(request: ASGIConnection[Any, Any, Any, Any], principal: Principal | None) -> Principal:
     if principal is None:
         raise Unauthenticated("the API key is unknown, revoked or expired")
     request.state.key_id = principal.key.key_id
@@ -34,18 +44,21 @@ def authenticate(request: ASGIConnection[Any, Any, Any, Any], store: TenantStore
 
 async def provide_principal(request: Request[Any, Any, Any], store: NamedDependency[TenantStore]) -> Principal:
     """Any valid key: a tenant's or an admin's."""
-    return authenticate(request, store)
+    return await authenticate_async(request, store)
 
 
 async def provide_tenant(request: Request[Any, Any, Any], store: NamedDependency[TenantStore]) -> Principal:
     """A tenant's key; admin keys manage the gateway but do not call models."""
-    return tenant_principal(request, store)
+    return await tenant_principal_async(request, store)
 
 
-def tenant_principal(request: ASGIConnection[Any, Any, Any, Any], store: TenantStore) -> Principal:
+async def tenant_principal_async(request: ASGIConnection[Any, Any, Any, Any], store: TenantStore) -> Principal:
     """`provide_tenant` without Litestar's dependency resolution, for the model routes' hot path (resolving a
     dependency and its own cost a chat request ~4% of its time)."""
-    principal = authenticate(request, store)
+    return _tenant_only(await authenticate_async(request, store))
+
+
+def _tenant_only(principal: Principal) -> Principal:
     if principal.tenant is None:
         raise Forbidden("admin keys cannot call models; use a tenant key", code="tenant_key_required")
     return principal
@@ -54,5 +67,5 @@ def tenant_principal(request: ASGIConnection[Any, Any, Any, Any], store: TenantS
 async def require_admin(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
     """Guard for admin routes (async, so it runs on the event loop that owns the store). Guards get no
     dependencies in Litestar, so this one reads the store from the app's state."""
-    if not authenticate(connection, connection.app.state.services.store).key.is_admin:
+    if not (await authenticate_async(connection, connection.app.state.services.store)).key.is_admin:
         raise Forbidden("this route needs an admin key", code="admin_key_required")

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 from litestar import Request, Response
 from litestar.response import Stream
 
-from gateway.auth import tenant_principal
+from gateway.auth import tenant_principal_async
 from gateway.pipeline.context import RequestContext
 from gateway.pipeline.events import Event, Head
 from gateway.services import Services
@@ -44,7 +44,7 @@ async def answer(request: Request[Any, Any, Any], framing: Framing) -> Response[
     # more dependencies of one level in an anyio task group, a task each, which cost every request ~6% of its time,
     # and one dependency with its own ~4% (the route's `security` documents the key in the OpenAPI schema)
     services: Services = request.app.state.services
-    principal = tenant_principal(request, services.store)
+    principal = await tenant_principal_async(request, services.store)  # a key id not cached: off the loop
     ctx = RequestContext(request.state.request_id, principal,
                          services.plans.plans[principal.tenant.plan],  # type: ignore[union-attr]
                          {k.lower(): v for k, v in request.headers.items()}, time.time(), request.state.t0)

@@ -10,7 +10,10 @@ transaction, and how it learns that another connection committed.
 The gateway keeps a read cache of keys and data versions, so a request costs no query. It is emptied
 whenever anyone commits a change: SQLite's `PRAGMA data_version` changes when another connection (the CLI,
 another gateway process) commits, so a revocation takes effect on the next request; PostgreSQL's replicas
-hear of each change through LISTEN/NOTIFY and a change counter, within milliseconds (a second at most).
+hear of each change through LISTEN/NOTIFY and a change counter, within milliseconds (a second at most). A key
+id not cached (a key's first use, or one made up: no key is needed to send one) is looked up by
+`authenticate_async` off the event loop wherever that query waits on a network (PostgreSQL), so a flood of
+made-up ids never stalls the loop that serves everyone else.
 
 Key rules the store enforces, whichever door a key comes through (admin API, CLI, bootstrap): an admin key
 belongs to no tenant (one key never both calls models and administers); every expiry is finite and at most
@@ -80,6 +83,7 @@ class Principal:
 
 
 _Entry = tuple[str, ApiKey, Tenant | None]  # a key's stored hash, the key, its tenant
+_MISS = object()  # `_cached`'s answer for a key id it holds no answer for
 
 
 class TenantStore(ABC):
@@ -261,35 +265,56 @@ class TenantStore(ABC):
         return new, plaintext
 
     def authenticate(self, presented: str) -> Principal | None:
-        """The principal for a presented key, or None (unknown, wrong secret, revoked, expired)."""
+        """The principal for a presented key, or None (unknown, wrong secret, revoked, expired). A key id not
+        cached is a query on the calling thread: from the event loop, `authenticate_async` is the one to call."""
         parsed = parse_key(presented)
-        key_id = parsed[0] if parsed else ""
+        entry = self._cached(parsed)
+        if entry is _MISS:
+            entry = self._load(parsed[0])  # type: ignore[index]
+        return _principal(presented, entry)  # type: ignore[arg-type]
+
+    async def authenticate_async(self, presented: str) -> Principal | None:
+        """`authenticate` for the event loop: a cached key costs no await; a key id not cached is `_lookup`'s,
+        which a store whose queries wait on a network runs off the loop (anyone can send a made-up id)."""
+        parsed = parse_key(presented)
+        entry = self._cached(parsed)
+        if entry is _MISS:
+            entry = await self._lookup(parsed[0])  # type: ignore[index]
+        return _principal(presented, entry)  # type: ignore[arg-type]
+
+    def _cached(self, parsed: tuple[str, str] | None) -> _Entry | object | None:
+        """The cached entry of a parsed key, None when it is known not to exist, `_MISS` when not cached."""
         self._follow()
-        entry = None
-        if parsed:
-            entry = self._cache.get(key_id)
-            if entry is None and key_id not in self._unknown:
-                entry = self._load(key_id)
-        if not verify(presented, entry[0] if entry else None) or entry is None:
+        if not parsed:
             return None
-        _, key, tenant = entry
-        if not key.active(time.time()):
-            return None
-        return Principal(key, tenant)
+        entry = self._cache.get(parsed[0])
+        return _MISS if entry is None and parsed[0] not in self._unknown else entry
+
+    async def _lookup(self, key_id: str) -> _Entry | None:
+        """A key id not cached, looked up for the event loop: here on it (SQLite's query is local, ~0.1 ms)."""
+        return self._load(key_id)
 
     def _load(self, key_id: str) -> _Entry | None:
         generation = self._generation
+        entry = self._fetch_entry(key_id)
+        self._keep(key_id, entry, generation)
+        return entry
+
+    def _fetch_entry(self, key_id: str) -> _Entry | None:
+        """The key's stored hash, the key and its tenant, or None: queries only (any thread may run them)."""
         row = self._fetchone(f"SELECT key_sha256, {_KEY_COLUMNS} FROM api_keys WHERE key_id = ?", (key_id,))
-        entry = None
-        if row is not None:
-            key = _key(row[1:])
-            entry = (row[0], key, self.get_tenant(key.tenant) if key.tenant else None)
-        if generation == self._generation:  # nobody committed meanwhile: the answer may be kept
+        if row is None:
+            return None
+        key = _key(row[1:])
+        return row[0], key, self.get_tenant(key.tenant) if key.tenant else None
+
+    def _keep(self, key_id: str, entry: _Entry | None, generation: int) -> None:
+        """Cache what a lookup found, unless someone committed since it began (`generation` is from then)."""
+        if generation == self._generation:
             cache: dict[str, Any] = self._cache if entry is not None else self._unknown
             if len(cache) >= MAX_CACHED:
                 cache.clear()
             cache[key_id] = entry
-        return entry
 
     def _follow(self) -> None:
         """Empty the caches if another connection (the CLI, another process or replica) committed a change."""
@@ -301,6 +326,15 @@ class TenantStore(ABC):
         self._cache.clear()
         self._unknown.clear()
         self._versions.clear()
+
+
+def _principal(presented: str, entry: _Entry | None) -> Principal | None:
+    """The principal if `presented` is the entry's key and the key is active. The hash is compared whatever the
+    entry (constant time; an unknown id costs what a wrong secret does)."""
+    if not verify(presented, entry[0] if entry else None) or entry is None:
+        return None
+    _, key, tenant = entry
+    return Principal(key, tenant) if key.active(time.time()) else None
 
 
 def _seconds(value: object, param: str, maximum: float, *, allow_zero: bool = False) -> float:

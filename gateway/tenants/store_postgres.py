@@ -9,19 +9,27 @@ compares that counter with the one its caches were filled at, which costs no que
 tenant, a plan change or a data-version bump thus reaches every replica's next request within milliseconds,
 within POLL_S + a query at worst.
 
-Reads that miss the cache are synchronous queries on a small pool (the interface is synchronous: the
-gateway calls it from its event loop, as it calls SQLite); the cache makes them rare (a key's first use, a
-change). While the database cannot be reached the caches are not trusted, since a revocation could be
-missed: requests get a retryable 503 (fail closed; the ledger could not record them either), and a query
-that failed makes the next ones fail at once for BREAKER_S rather than each waiting on the network.
+Reads that miss the cache are synchronous queries on a small pool; the cache makes them rare (a key's first
+use, a change). All but one: a key id is the client's to choose, so a flood of made-up ids is a query each.
+The gateway authenticates with `authenticate_async`, which runs such a lookup on LOOKUP_THREADS threads of
+its own, never on the event loop (a round trip there stalls every request); concurrent lookups of one id
+share one query, and past MAX_LOOKUPS ids waiting at once a lookup is refused with a retryable 503 at once
+rather than queued without end; not that of an id this replica has found a key for before (a change empties
+the caches, and a flood must not then lock every tenant out: theirs wait at most MAX_LOOKUPS queries).
+
+While the database cannot be reached the caches are not trusted, since a revocation could be missed:
+requests get a retryable 503 (fail closed; the ledger could not record them either), and a query that
+failed makes the next ones fail at once for BREAKER_S rather than each waiting on the network.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
@@ -30,7 +38,7 @@ from psycopg import errors as pg_errors
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from gateway.errors import Unavailable
-from gateway.tenants.store import TenantStore
+from gateway.tenants.store import MAX_CACHED, TenantStore, _Entry
 from quotas.fleet_db import CONNECT_TIMEOUT_S, connect, migrate, pg
 
 log = logging.getLogger("tiergate.tenants")
@@ -39,6 +47,8 @@ COMPONENT = "tenants"
 CHANNEL = "tiergate_fleet"
 POLL_S = 0.5  # the listener reads the change counter at least this often, notification or not
 BREAKER_S = 1.0  # after a failed query, queries fail at once for this long
+LOOKUP_THREADS = 2  # threads for the event loop's key lookups; the pool keeps the rest of its connections
+MAX_LOOKUPS = 64  # key ids looked up or waiting at once; past it a lookup is a 503 (a flood, or the database slow)
 _ROTATION_LOCK = 0x726F74617465  # "rotate"
 # 1: the tables of the release before the fleet store (as in SQLite); 2: the change counter and its triggers
 MIGRATIONS = [
@@ -112,12 +122,46 @@ class PostgresTenantStore(TenantStore):
         self._broken_until = 0.0
         self._stop = threading.Event()
         self._listener: threading.Thread | None = None
+        self._lookups = ThreadPoolExecutor(LOOKUP_THREADS, thread_name_prefix="tenant-lookup")
+        self._pending: dict[str, asyncio.Future[_Entry | None]] = {}  # key id -> its lookup in flight
+        self._real: dict[str, None] = {}  # ids found to be keys, kept when the caches are emptied (not made up)
 
     def close(self) -> None:
         self._stop.set()
         if self._listener is not None:
             self._listener.join(timeout=POLL_S + CONNECT_TIMEOUT_S + 1)
+        self._lookups.shutdown(wait=True, cancel_futures=True)
         self._pool.close()
+
+    # ---- the event loop's lookups ----
+
+    async def _lookup(self, key_id: str) -> _Entry | None:
+        """The key id's entry, queried on a lookup thread: the loop only waits, serving everyone else. What is
+        found is cached on the loop (`_keep`, in the future's callback), where the caches are emptied too."""
+        loop = asyncio.get_running_loop()
+        pending = self._pending.get(key_id)
+        if pending is None or pending.get_loop() is not loop:
+            if len(self._pending) >= MAX_LOOKUPS and key_id not in self._real:
+                raise Unavailable("too many API keys are being looked up at once; retry shortly",
+                                  code="key_lookups_busy", retry_after=1)
+            generation = self._generation
+            pending = loop.run_in_executor(self._lookups, self._fetch_entry, key_id)
+            self._pending[key_id] = pending
+            pending.add_done_callback(lambda done: self._looked_up(key_id, done, generation))
+        return await asyncio.shield(pending)  # a waiter that leaves does not cancel the others' query
+
+    def _looked_up(self, key_id: str, done: asyncio.Future[_Entry | None], generation: int) -> None:
+        if self._pending.get(key_id) is done:
+            del self._pending[key_id]
+        if not done.cancelled() and done.exception() is None:
+            self._keep(key_id, done.result(), generation)
+
+    def _keep(self, key_id: str, entry: _Entry | None, generation: int) -> None:
+        super()._keep(key_id, entry, generation)
+        if entry is not None:
+            if len(self._real) >= MAX_CACHED:
+                self._real.clear()
+            self._real[key_id] = None
 
     # ---- statements ----
 
