@@ -13,8 +13,19 @@ Three stores behind one interface:
 - `PostgresIdempotency` (a fleet): the same table in the fleet database, beside the ledger's tables; a claim
   is one statement on a connection of the async pool, and the `done` record commits with the ledger row, as
   in SQLite, so any replica replays an answer whose row any replica wrote.
-- `RedisIdempotency` (replicas): the record in Redis, claimed and finished by Lua scripts, so a replica that
-  did not serve the first request replays it too.
+- `RedisIdempotency` (replicas, quotas/idempotency_redis.py): the record in Redis, claimed and finished by Lua
+  scripts, so a replica that did not serve the first request replays it too.
+
+What one tenant may hold is bounded (`Limits`), on every store: every key stores a copy of its answer for the TTL
+(24 h), and a cached answer repeated under fresh keys is free, so without a bound one tenant's records could fill
+the disk the ledger writes to, for every tenant. A new key is refused (`Full`, a 429 before any work) while the
+tenant's live records reach `records`, or their stored answers `bytes`; expired records do not count, and a
+replay or a retry of a key already held is never refused. An answer over `answer_bytes` is not stored: its claim
+is given up with its ledger row, so the request is answered and a retry with its key runs (and is charged) again.
+The count is kept where a new key is claimed, so it costs the hot path no scan: SQLite keeps per-tenant totals by
+triggers, Redis a per-tenant sorted set of live keys and a hash of their sizes; PostgreSQL counts the tenant's live
+records (its primary key's tenant prefix) only when a new key is claimed, so concurrent claims there may pass the
+bound by the requests in flight at once (SQLite and Redis serialize claims: exact).
 """
 
 from __future__ import annotations
@@ -41,11 +52,34 @@ CREATE TABLE IF NOT EXISTS idempotency (
     state TEXT NOT NULL,
     answer TEXT,
     expires REAL NOT NULL,
+    size INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (tenant, key)
 );
 CREATE INDEX IF NOT EXISTS idempotency_expires ON idempotency(expires);
 """
+# each tenant's records and stored bytes, kept by triggers in the transaction that changes them (a claim, a prune,
+# an answer committed by the ledger's writer): a claim reads one row, not the tenant's records. Expired records
+# count until deleted; a tenant at its bound deletes its own (`idempotency_tenant_expires`) before it is refused.
+TOTALS = (
+    "CREATE TABLE IF NOT EXISTS idempotency_tenants (tenant TEXT PRIMARY KEY, records INTEGER NOT NULL, "
+    "bytes INTEGER NOT NULL)",
+    "CREATE INDEX IF NOT EXISTS idempotency_tenant_expires ON idempotency(tenant, expires)",
+    """CREATE TRIGGER IF NOT EXISTS idempotency_added AFTER INSERT ON idempotency BEGIN
+        INSERT INTO idempotency_tenants VALUES (new.tenant, 1, new.size)
+        ON CONFLICT (tenant) DO UPDATE SET records = records + 1, bytes = bytes + excluded.bytes;
+    END""",
+    """CREATE TRIGGER IF NOT EXISTS idempotency_removed AFTER DELETE ON idempotency BEGIN
+        UPDATE idempotency_tenants SET records = records - 1, bytes = bytes - old.size WHERE tenant = old.tenant;
+    END""",
+    """CREATE TRIGGER IF NOT EXISTS idempotency_resized AFTER UPDATE OF size ON idempotency BEGIN
+        UPDATE idempotency_tenants SET bytes = bytes + new.size - old.size WHERE tenant = new.tenant;
+    END""",
+)
 PRUNE_EVERY = 1000  # claims between deletions of expired records
+# a tenant's bounds (the gateway's Settings do not carry them yet: these constants are what it runs with)
+MAX_RECORDS_PER_TENANT = 10_000  # live keys (running or done)
+MAX_BYTES_PER_TENANT = 256 * 1024 * 1024  # stored answers of its live keys (UTF-8 JSON)
+MAX_ANSWER_BYTES = 4 * 1024 * 1024  # one stored answer (the largest request body the gateway accepts, too)
 _SELECT = "SELECT fingerprint, state, answer, expires FROM idempotency WHERE tenant = ? AND key = ?"
 
 
@@ -76,13 +110,43 @@ class Mismatch:
     """The key was used with another request body."""
 
 
-Begun = Claim | Replay | Running | Mismatch
+@dataclass(frozen=True)
+class Full:
+    """The tenant holds as many live records (or stored bytes) as it may: a new key waits until some expire."""
+
+    retry_after_s: float  # until the tenant's first live record expires
+
+
+Begun = Claim | Replay | Running | Mismatch | Full
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one tenant may hold: a new key is refused at `records` live records or `bytes` stored; an answer over
+    `answer_bytes` is not stored. The bytes may be passed by the answers of claims in flight (each under
+    `answer_bytes`): a claim is checked before its answer exists."""
+
+    records: int = MAX_RECORDS_PER_TENANT
+    bytes: int = MAX_BYTES_PER_TENANT
+    answer_bytes: int = MAX_ANSWER_BYTES
+
+    def room(self, records: int, stored: int) -> bool:
+        return records < self.records and stored < self.bytes
+
+
+DEFAULT_LIMITS = Limits()
+
+
+def _full(now: float, first_expires: float | None) -> Full:
+    return Full(max(1.0, first_expires - now) if first_expires is not None else 1.0)
 
 
 class IdempotencyStore(ABC):
+    limits = DEFAULT_LIMITS  # what one tenant may hold (each store enforces it where a new key is claimed)
+
     @abstractmethod
     async def begin(self, tenant: str, key: str, fingerprint: str, owner: str, *, lease_s: float) -> Begun:
-        """Claim `key` for `owner`, or say why not (its answer, still running, another body)."""
+        """Claim `key` for `owner`, or say why not (its answer, still running, another body, no room for a new key)."""
 
     def finish_with_row(self, claim: Claim, answer: dict[str, Any], ttl_s: float) -> tuple[Statement, ...]:
         """Statements that store the answer in the same ledger transaction as its row (none: see `finish`)."""
@@ -100,13 +164,15 @@ class IdempotencyStore(ABC):
 
 
 class SQLiteIdempotency(IdempotencyStore):
-    def __init__(self, path: Path, *, clock: Any = time.time) -> None:
+    def __init__(self, path: Path, *, clock: Any = time.time, limits: Limits = DEFAULT_LIMITS) -> None:
         self._clock = clock
+        self.limits = limits
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="idempotency")
         self._conn = sqlite3.connect(path, isolation_level=None, timeout=5.0, check_same_thread=False)
         self._conn.execute("PRAGMA journal_mode=WAL")
         self._conn.execute("PRAGMA synchronous=NORMAL")
         self._conn.executescript(SCHEMA)
+        _migrate(self._conn)
         self._claims = 0
 
     async def begin(self, tenant: str, key: str, fingerprint: str, owner: str, *, lease_s: float) -> Begun:
@@ -125,9 +191,12 @@ class SQLiteIdempotency(IdempotencyStore):
         try:
             found = conn.execute(_SELECT, (tenant, key)).fetchone()
             if found is None or found[3] <= now:  # a new key, or an expired one (a crashed owner's lease too)
-                conn.execute("INSERT OR REPLACE INTO idempotency VALUES (?, ?, ?, ?, 'running', NULL, ?)",
-                             (tenant, key, fingerprint, owner, now + lease_s))
-                begun: Begun | str = Claim(tenant, key, fingerprint, owner)
+                if found is not None:
+                    conn.execute("DELETE FROM idempotency WHERE tenant = ? AND key = ?", (tenant, key))
+                begun: Begun | str = self._full(tenant, now) or Claim(tenant, key, fingerprint, owner)
+                if isinstance(begun, Claim):
+                    conn.execute("INSERT INTO idempotency (tenant, key, fingerprint, owner, state, expires) "
+                                 "VALUES (?, ?, ?, ?, 'running', ?)", (tenant, key, fingerprint, owner, now + lease_s))
             elif found[0] != fingerprint:
                 begun = Mismatch()
             elif found[1] == "done":  # finished since the first look
@@ -143,10 +212,28 @@ class SQLiteIdempotency(IdempotencyStore):
             raise
         return _decoded(begun) if isinstance(begun, str) else begun
 
+    def _full(self, tenant: str, now: float) -> Full | None:
+        """None if the tenant has room for a new key (one row read); at its bound, its expired records are deleted
+        first, so that only live ones count."""
+        conn = self._conn
+        held = "SELECT records, bytes FROM idempotency_tenants WHERE tenant = ?"
+        if self.limits.room(*(conn.execute(held, (tenant,)).fetchone() or (0, 0))):
+            return None
+        pruned = conn.execute("DELETE FROM idempotency WHERE tenant = ? AND expires <= ?", (tenant, now)).rowcount
+        if pruned and self.limits.room(*conn.execute(held, (tenant,)).fetchone()):
+            return None
+        first = conn.execute("SELECT expires FROM idempotency WHERE tenant = ? ORDER BY expires LIMIT 1",
+                             (tenant,)).fetchone()
+        return _full(now, first[0] if first else None)
+
     def finish_with_row(self, claim: Claim, answer: dict[str, Any], ttl_s: float) -> tuple[Statement, ...]:
-        return (("UPDATE idempotency SET state = 'done', answer = ?, expires = ? WHERE tenant = ? AND key = ? "
-                 "AND owner = ?", (_encode(answer), self._clock() + ttl_s, claim.tenant, claim.key,
-                                   claim.owner)),)
+        text, size = _encoded(answer)
+        if size > self.limits.answer_bytes:  # not kept: the claim is given up with the row
+            return (("DELETE FROM idempotency WHERE tenant = ? AND key = ? AND owner = ? AND state = 'running'",
+                     (claim.tenant, claim.key, claim.owner)),)
+        return (("UPDATE idempotency SET state = 'done', answer = ?, size = ?, expires = ? WHERE tenant = ? AND "
+                 "key = ? AND owner = ?", (text, size, self._clock() + ttl_s, claim.tenant, claim.key,
+                                           claim.owner)),)
 
     async def abandon(self, claim: Claim) -> None:
         await asyncio.get_running_loop().run_in_executor(self._pool, self._abandon, claim)
@@ -160,28 +247,58 @@ class SQLiteIdempotency(IdempotencyStore):
         self._conn.close()
 
 
-# a claim in one statement: insert, or take over an expired record; then what the key holds, if not claimed
+def _migrate(conn: sqlite3.Connection) -> None:
+    """A ledger file from before the bounds: its records get a size (0: they expire within a TTL) and the
+    tenants' totals are counted once, in the transaction that creates the triggers that keep them."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        if "size" not in {col[1] for col in conn.execute("PRAGMA table_info(idempotency)")}:
+            conn.execute("ALTER TABLE idempotency ADD COLUMN size INTEGER NOT NULL DEFAULT 0")
+        counted = conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'idempotency_tenants'").fetchone()
+        for statement in TOTALS:
+            conn.execute(statement)
+        if counted is None:
+            conn.execute("INSERT INTO idempotency_tenants SELECT tenant, count(*), total(size) FROM idempotency "
+                         "GROUP BY tenant")
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+
+
+# a claim in one statement: insert, or take over an expired record, if the tenant has room (counted only for a key
+# it does not hold: a CASE's branches run in order); then what the key holds, if not claimed
 _PG_BEGIN = """
 WITH claimed AS (
-    INSERT INTO idempotency VALUES (%(tenant)s, %(key)s, %(fp)s, %(owner)s, 'running', NULL, %(expires)s)
+    INSERT INTO idempotency
+    SELECT %(tenant)s, %(key)s, %(fp)s, %(owner)s, 'running', NULL, %(expires)s
+    WHERE CASE WHEN EXISTS (SELECT 1 FROM idempotency WHERE tenant = %(tenant)s AND key = %(key)s
+                                                        AND expires > %(now)s) THEN false
+          ELSE (SELECT count(*) < %(records)s AND coalesce(sum(size), 0) < %(bytes)s FROM (
+                    SELECT octet_length(answer) AS size FROM idempotency
+                    WHERE tenant = %(tenant)s AND expires > %(now)s LIMIT %(records)s) AS live) END
     ON CONFLICT (tenant, key) DO UPDATE
         SET fingerprint = excluded.fingerprint, owner = excluded.owner, state = 'running', answer = NULL,
             expires = excluded.expires
         WHERE idempotency.expires <= %(now)s
     RETURNING 1
 )
-SELECT (SELECT count(*) FROM claimed), i.fingerprint, i.state, i.answer
+SELECT (SELECT count(*) FROM claimed), i.fingerprint, i.state, i.answer, i.expires
 FROM (SELECT 1) AS one LEFT JOIN idempotency AS i ON i.tenant = %(tenant)s AND i.key = %(key)s
 """
+# run only when a new key was not claimed: what the tenant holds, and when its first live record expires
+_PG_HELD = ("SELECT count(*), coalesce(sum(octet_length(answer)), 0), min(expires) FROM idempotency "
+            "WHERE tenant = %s AND expires > %s")
 _PG_FINISH = ("UPDATE idempotency SET state = 'done', answer = %s, expires = %s WHERE tenant = %s AND key = %s "
               "AND owner = %s")
+_PG_ABANDON = "DELETE FROM idempotency WHERE tenant = %s AND key = %s AND owner = %s AND state = 'running'"
 
 
 class PostgresIdempotency(IdempotencyStore):
     """Records in the fleet database at `url`, the same one the `PostgresLedger` writes (its migrations)."""
 
     def __init__(self, url: str, *, clock: Any = time.time, max_connections: int = 10,
-                 timeout_s: float = 5.0) -> None:
+                 timeout_s: float = 5.0, limits: Limits = DEFAULT_LIMITS) -> None:
         import psycopg
         from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
@@ -190,6 +307,7 @@ class PostgresIdempotency(IdempotencyStore):
 
         open_schema(url)
         self._clock = clock
+        self.limits = limits
         self._unreachable = (psycopg.OperationalError, PoolTimeout)
         self._pool = AsyncConnectionPool(url, min_size=1, max_size=max_connections, open=False, timeout=timeout_s,
                                          kwargs={"autocommit": True, "connect_timeout": CONNECT_TIMEOUT_S},
@@ -211,90 +329,32 @@ class PostgresIdempotency(IdempotencyStore):
 
     async def begin(self, tenant: str, key: str, fingerprint: str, owner: str, *, lease_s: float) -> Begun:
         now = self._clock()
-        claimed, found_fp, state, answer = await self._run(_PG_BEGIN, {
-            "tenant": tenant, "key": key, "fp": fingerprint, "owner": owner, "expires": now + lease_s, "now": now})
+        claimed, found_fp, state, answer, expires = await self._run(_PG_BEGIN, {
+            "tenant": tenant, "key": key, "fp": fingerprint, "owner": owner, "expires": now + lease_s, "now": now,
+            "records": self.limits.records, "bytes": self.limits.bytes})
         self._claims += 1
         if self._claims % PRUNE_EVERY == 0:
             await self._run("DELETE FROM idempotency WHERE expires <= %s", (now,))
         if claimed:
             return Claim(tenant, key, fingerprint, owner)
-        if found_fp is None:  # claimed by another request since this statement's snapshot, or just abandoned
-            return Running()
+        if found_fp is None or expires <= now:  # no room for a new key, or claimed by another request since this
+            records, stored, first = await self._run(_PG_HELD, (tenant, now))  # statement's snapshot, or abandoned
+            return Running() if self.limits.room(records, stored) else _full(now, first)
         if found_fp != fingerprint:
             return Mismatch()
         return _decoded(answer) if state == "done" else Running()
 
     def finish_with_row(self, claim: Claim, answer: dict[str, Any], ttl_s: float) -> tuple[Statement, ...]:
-        return ((_PG_FINISH, (_encode(answer), self._clock() + ttl_s, claim.tenant, claim.key, claim.owner)),)
+        text, size = _encoded(answer)
+        if size > self.limits.answer_bytes:  # not kept: the claim is given up with the row
+            return ((_PG_ABANDON, (claim.tenant, claim.key, claim.owner)),)
+        return ((_PG_FINISH, (text, self._clock() + ttl_s, claim.tenant, claim.key, claim.owner)),)
 
     async def abandon(self, claim: Claim) -> None:
-        await self._run("DELETE FROM idempotency WHERE tenant = %s AND key = %s AND owner = %s AND state = 'running'",
-                        (claim.tenant, claim.key, claim.owner))
+        await self._run(_PG_ABANDON, (claim.tenant, claim.key, claim.owner))
 
     async def close(self) -> None:
         await self._pool.close()
-
-
-_BEGIN = """
-local found = redis.call('GET', KEYS[1])
-if not found then
-  redis.call('SET', KEYS[1], cjson.encode({state = 'running', fp = ARGV[1], owner = ARGV[2]}), 'PX', ARGV[3])
-  return {'claim'}
-end
-local rec = cjson.decode(found)
-if rec.fp ~= ARGV[1] then return {'mismatch'} end
-if rec.state == 'done' then return {'replay', rec.answer} end
-return {'running'}
-"""
-_FINISH = """
-local found = redis.call('GET', KEYS[1])
-if found and cjson.decode(found).owner == ARGV[2] then
-  redis.call('SET', KEYS[1], cjson.encode({state = 'done', fp = ARGV[1], owner = ARGV[2], answer = ARGV[3]}),
-             'PX', ARGV[4])
-end
-return 1
-"""
-_ABANDON = """
-local found = redis.call('GET', KEYS[1])
-if found then
-  local rec = cjson.decode(found)
-  if rec.owner == ARGV[1] and rec.state == 'running' then redis.call('DEL', KEYS[1]) end
-end
-return 1
-"""
-
-
-class RedisIdempotency(IdempotencyStore):
-    def __init__(self, url: str, *, timeout_s: float = 1.0) -> None:
-        import redis.asyncio as aioredis
-
-        self._redis = aioredis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
-        self._begin = self._redis.register_script(_BEGIN)
-        self._finish = self._redis.register_script(_FINISH)
-        self._abandon = self._redis.register_script(_ABANDON)
-
-    @staticmethod
-    def _key(tenant: str, key: str) -> str:
-        return f"tg:idem:{tenant}:{key}"
-
-    async def begin(self, tenant: str, key: str, fingerprint: str, owner: str, *, lease_s: float) -> Begun:
-        got = await self._begin(keys=[self._key(tenant, key)], args=[fingerprint, owner, int(lease_s * 1000)])
-        kind = got[0].decode() if isinstance(got[0], bytes) else got[0]
-        if kind == "claim":
-            return Claim(tenant, key, fingerprint, owner)
-        if kind == "replay":
-            return _decoded(got[1])
-        return Mismatch() if kind == "mismatch" else Running()
-
-    async def finish(self, claim: Claim, answer: dict[str, Any], ttl_s: float) -> None:
-        await self._finish(keys=[self._key(claim.tenant, claim.key)],
-                           args=[claim.fingerprint, claim.owner, _encode(answer), int(ttl_s * 1000)])
-
-    async def abandon(self, claim: Claim) -> None:
-        await self._abandon(keys=[self._key(claim.tenant, claim.key)], args=[claim.owner])
-
-    async def close(self) -> None:
-        await self._redis.aclose()
 
 
 def _decoded(stored: str | bytes) -> Replay:
@@ -302,7 +362,9 @@ def _decoded(stored: str | bytes) -> Replay:
     return Replay(msgspec.json.decode(stored))
 
 
-def _encode(answer: dict[str, Any]) -> str:
-    """The answer as JSON text, on the event loop: msgspec's encoder (Litestar's own), several times json.dumps'
-    speed on an answer with logprobs (megabytes at 20 alternatives a token), the same value read back."""
-    return msgspec.json.encode(answer).decode()
+def _encoded(answer: dict[str, Any]) -> tuple[str, int]:
+    """The answer as JSON text and its size in bytes (UTF-8), on the event loop: msgspec's encoder (Litestar's
+    own), several times json.dumps' speed on an answer with logprobs (megabytes at 20 alternatives a token), the
+    same value read back."""
+    encoded = msgspec.json.encode(answer)
+    return encoded.decode(), len(encoded)

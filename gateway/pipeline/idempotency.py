@@ -9,21 +9,27 @@ The OpenAI SDKs retry a request whose answer was lost (a timeout, a dropped conn
   request rate as any request (handle.py's `_count_replay`);
 - a retry while the first still runs waits for it, up to `wait_s`, then gets 409 with Retry-After;
 - the same key with another body is a 422 naming the header;
-- an answer that failed, or whose client left, is not stored: the claim is given up and a retry runs again.
+- an answer that failed, or whose client left, is not stored: the claim is given up and a retry runs again;
+- what a tenant holds is bounded (quotas/idempotency.py's `Limits`: 10,000 live keys, 256 MiB of stored answers):
+  at the bound a new key is refused with 429 `idempotency_key_limit` and a Retry-After (until its first record
+  expires), here, before anything is counted, charged or stored; a replay, or a key already held, still answers.
+  Without it, a cached answer repeated under fresh keys, free, stored a copy per key for 24 h and filled the
+  ledger's disk for every tenant. An answer over 4 MiB is answered but not stored (a retry runs again).
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import math
 import time
 from typing import Any
 
-from gateway.errors import Conflict, InvalidRequest, Unprocessable
+from gateway.errors import Conflict, InvalidRequest, RateLimited, Unprocessable
 from gateway.pipeline.context import RequestContext
 from gateway.pipeline.events import Delta, Done, Event, Head
 from gateway.pipeline.meter import Outcome
-from quotas.idempotency import Claim, IdempotencyStore, Mismatch, Replay, Running
+from quotas.idempotency import Claim, Full, IdempotencyStore, Mismatch, Replay, Running
 from wire.chat_request import ChatCompletionRequest
 
 HEADER = "idempotency-key"
@@ -67,6 +73,12 @@ class IdempotencyStage:
             if isinstance(begun, Mismatch):
                 raise Unprocessable("Idempotency-Key: this key was used with another request body; use a new key "
                                     "for a new request", param="Idempotency-Key", code="idempotency_key_reused")
+            if isinstance(begun, Full):
+                limits = self.store.limits
+                raise RateLimited(f"Idempotency-Key: this tenant already holds {limits.records} idempotency keys or "
+                                  f"{limits.bytes // 2**20} MiB of stored answers, the most it may; retry when some "
+                                  "expire, or send the request without the header", param="Idempotency-Key",
+                                  code="idempotency_key_limit", retry_after=math.ceil(begun.retry_after_s))
             assert isinstance(begun, Running)
             if time.monotonic() >= deadline:
                 raise Conflict("Idempotency-Key: a request with this key is still running; retry later",

@@ -1,7 +1,8 @@
 """Idempotency-Key through HTTP with the official OpenAI client: an answer lost on the way back is replayed
 to the SDK's retry with the same id and usage, charged once (JSON and stream); another body with the same key
 is a 422; a retry while the first runs waits for it or gets a 409; a failed answer is not stored; a replica
-that did not serve the first request replays it (Redis). Every test runs with the records in SQLite (embedded)
+that did not serve the first request replays it (Redis); a tenant holding as many keys as it may is refused a new
+one before any work, others are not. Every test runs with the records in SQLite (embedded)
 and in PostgreSQL (a fleet's database)."""
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import openai
 import pytest
 
 from gateway.settings import Settings
+from quotas.idempotency import Limits
 from tests.conftest import Gateway, running_gateway
 from tests.fault_proxy import DroppingProxy
 from tests.stubs import REPLY, ServerThread, StubState
@@ -183,3 +185,31 @@ def test_replays_count_against_the_request_rate(gateway: Gateway) -> None:
     assert [r.headers.get("x-tiergate-idempotent-replay") for r in answers[:3]] == [None, "true", "true"]
     assert answers[3].json()["error"]["code"] == "rate_limit_rpm"
     assert len([r for r in gateway.ledger_rows() if r.tenant == "capped"]) == 1 and len(gateway.stub.requests) == 1
+
+
+def test_a_tenant_at_its_bound_of_keys_is_refused_a_new_one_before_any_work(gateway: Gateway) -> None:
+    """Each key stores a copy of its answer for the plan's TTL: fresh keys on a free cached answer filled the ledger's
+    disk. At the bound a new key is a 429 that charges, calls and stores nothing; held keys and other tenants answer."""
+    store = gateway.app.state.services.pipeline.idempotency.store
+    store.limits = Limits(records=2)
+    gateway.store.create_tenant("other", "standard")
+    _, other_key = gateway.store.issue_key("other")
+    body = {"model": "mid", "messages": MSG}
+    with gateway.client(gateway.tenant_key) as mine, gateway.client(other_key) as theirs:
+        held = [mine.post("/v1/chat/completions", json=body, headers={"idempotency-key": f"k{i}"}) for i in range(2)]
+        assert [r.status_code for r in held] == [200, 200]
+        refused = mine.post("/v1/chat/completions", json=body, headers={"idempotency-key": "k2"})
+        assert refused.status_code == 429, refused.text
+        error = refused.json()["error"]
+        assert error["code"] == "idempotency_key_limit" and error["param"] == "Idempotency-Key"
+        assert 86_000 < int(refused.headers["retry-after"]) <= 86_400  # when its first key's answer expires
+        assert len(gateway.ledger_rows()) == 2 and len(gateway.stub.requests) == 2  # nothing charged or called
+        replay = mine.post("/v1/chat/completions", json=body, headers={"idempotency-key": "k0"})
+        assert replay.status_code == 200 and replay.headers["x-tiergate-idempotent-replay"] == "true"
+        assert mine.post("/v1/chat/completions", json=body).status_code == 200  # without a key: served
+        assert theirs.post("/v1/chat/completions", json=body, headers={"idempotency-key": "k2"}).status_code == 200
+        store.limits = Limits(records=3)  # room again: the refused key was never held (another body is no 422)
+        other = mine.post("/v1/chat/completions", json={"model": "mid", "messages": [{"role": "user", "content": "x"}]},
+                          headers={"idempotency-key": "k2"})
+        assert other.status_code == 200 and "x-tiergate-idempotent-replay" not in other.headers
+    assert len(gateway.ledger_rows()) == 5

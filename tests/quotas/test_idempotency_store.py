@@ -1,6 +1,7 @@
 """Idempotency-Key records, on SQLite and on PostgreSQL: the first request claims a key, a retry replays its
 answer, another body is told apart, a crashed owner's lease ends, and a `done` record is durable with its
-ledger row or not at all."""
+ledger row or not at all. What one tenant holds is bounded, there and on Redis: at its bound a new key is refused,
+another tenant is not, expired records free room, and an answer too large is not stored."""
 
 from __future__ import annotations
 
@@ -12,13 +13,16 @@ import pytest
 
 from quotas.idempotency import (
     Claim,
+    Full,
     IdempotencyStore,
+    Limits,
     Mismatch,
     PostgresIdempotency,
     Replay,
     Running,
     SQLiteIdempotency,
 )
+from quotas.idempotency_redis import RedisIdempotency
 from quotas.ledger import Ledger
 from tests.postgres import LedgerStore
 from tests.quotas.test_ledger import row
@@ -129,3 +133,108 @@ async def test_a_replay_on_sqlite_does_not_wait_for_the_write_lock(tmp_path: Pat
         writer.close()
         await store.close()
         ledger.close()
+
+
+async def test_a_tenant_at_its_bound_is_refused_new_keys_and_another_tenant_is_not(
+        stores: tuple[IdempotencyStore, Ledger, Clock]) -> None:
+    """Fresh keys on one cached answer stored a copy each for 24 h, without bound: the tenant's disk was everyone's."""
+    store, ledger, _ = stores
+    store.limits = Limits(records=3)
+    claims = [await store.begin("acme", f"k{i}", "body", f"r{i}", lease_s=60) for i in range(3)]
+    assert all(isinstance(c, Claim) for c in claims)
+    await ledger.wait_durable(ledger.submit(row(1), with_row=store.finish_with_row(claims[0], {"text": "a"}, 3600)))
+    refused = await store.begin("acme", "k3", "body", "r3", lease_s=60)
+    assert isinstance(refused, Full) and 59 <= refused.retry_after_s <= 60  # when the first running claim's lease ends
+    assert await store.begin("acme", "k3", "body", "r4", lease_s=60) == refused  # and nothing was held for it
+    # the keys it holds still answer: a replay, a retry while running, another body
+    assert await store.begin("acme", "k0", "body", "r5", lease_s=60) == Replay({"text": "a"})
+    assert await store.begin("acme", "k1", "body", "r5", lease_s=60) == Running()
+    assert await store.begin("acme", "k1", "other", "r5", lease_s=60) == Mismatch()
+    assert isinstance(await store.begin("globex", "k3", "body", "r6", lease_s=60), Claim)  # another tenant's room
+    await store.abandon(claims[1])  # a failed request's claim frees its place
+    assert isinstance(await store.begin("acme", "k3", "body", "r7", lease_s=60), Claim)
+    assert isinstance(await store.begin("acme", "k4", "body", "r8", lease_s=60), Full)
+
+
+async def test_expired_records_do_not_count(stores: tuple[IdempotencyStore, Ledger, Clock]) -> None:
+    store, ledger, clock = stores
+    store.limits = Limits(records=2)
+    done = await store.begin("acme", "done", "body", "r1", lease_s=60)
+    assert isinstance(done, Claim)
+    await ledger.wait_durable(ledger.submit(row(1), with_row=store.finish_with_row(done, {"text": "a"}, 100)))
+    assert isinstance(await store.begin("acme", "crashed", "body", "r2", lease_s=30), Claim)  # its owner died
+    assert await store.begin("acme", "new", "body", "r3", lease_s=60) == Full(30)
+    clock.t += 31  # the lease ended: its record no longer counts
+    assert isinstance(await store.begin("acme", "new", "body", "r3", lease_s=60), Claim)
+    assert await store.begin("acme", "other", "body", "r4", lease_s=60) == Full(60)  # when `new`'s lease ends
+    clock.t += 70  # the answer expired too: its key is a new one, and there is room for it and another
+    assert isinstance(await store.begin("acme", "done", "another body", "r5", lease_s=60), Claim)
+    assert isinstance(await store.begin("acme", "other", "body", "r6", lease_s=60), Claim)
+    assert await store.begin("acme", "third", "body", "r7", lease_s=60) == Full(60)
+
+
+async def test_stored_bytes_are_bounded_and_a_too_large_answer_is_not_stored(
+        stores: tuple[IdempotencyStore, Ledger, Clock]) -> None:
+    store, ledger, _ = stores
+    store.limits = Limits(records=100, bytes=1000, answer_bytes=600)
+    big = await store.begin("acme", "big", "body", "r1", lease_s=60)
+    assert isinstance(big, Claim)
+    await ledger.wait_durable(ledger.submit(row(1), with_row=store.finish_with_row(big, {"text": "x" * 700}, 3600)))
+    assert [r.request_id for r in ledger.rows()] == ["r1"]  # the request was answered and charged
+    assert isinstance(await store.begin("acme", "big", "body", "r2", lease_s=60), Claim)  # a retry runs again
+    for i in range(2):  # two answers of ~500 bytes reach the bound
+        claim = await store.begin("acme", f"k{i}", "body", f"s{i}", lease_s=60)
+        assert isinstance(claim, Claim)
+        await ledger.wait_durable(ledger.submit(row(10 + i), with_row=store.finish_with_row(
+            claim, {"text": "y" * 500}, 3600)))
+    assert isinstance(await store.begin("acme", "k2", "body", "s2", lease_s=60), Full)
+    assert isinstance(await store.begin("globex", "k2", "body", "s3", lease_s=60), Claim)
+
+
+async def test_an_old_sqlite_file_gets_its_tenants_counted(tmp_path: Path) -> None:
+    """A ledger file written before the bounds: its records count from the first start with them."""
+    import sqlite3
+
+    with sqlite3.connect(tmp_path / "ledger.db") as conn:
+        conn.execute("CREATE TABLE idempotency (tenant TEXT NOT NULL, key TEXT NOT NULL, fingerprint TEXT NOT NULL, "
+                     "owner TEXT NOT NULL, state TEXT NOT NULL, answer TEXT, expires REAL NOT NULL, "
+                     "PRIMARY KEY (tenant, key))")
+        conn.executemany("INSERT INTO idempotency VALUES ('acme', ?, 'body', 'r', 'done', '{}', 9e99)",
+                         [(f"k{i}",) for i in range(2)])
+    store = SQLiteIdempotency(tmp_path / "ledger.db", limits=Limits(records=3))
+    try:
+        assert await store.begin("acme", "k0", "body", "r1", lease_s=60) == Replay({})
+        assert isinstance(await store.begin("acme", "k2", "body", "r1", lease_s=60), Claim)
+        assert isinstance(await store.begin("acme", "k3", "body", "r1", lease_s=60), Full)
+    finally:
+        await store.close()
+
+
+async def test_redis_bounds_a_tenant_as_the_databases_do(redis_url: str) -> None:
+    store = RedisIdempotency(redis_url, limits=Limits(records=2, bytes=1000, answer_bytes=600))
+    try:
+        done = await store.begin("acme", "done", "body", "r1", lease_s=60)
+        assert isinstance(done, Claim)
+        await store.finish(done, {"text": "y" * 500}, 3600)
+        short = await store.begin("acme", "short", "body", "r2", lease_s=0.3)  # its owner dies
+        assert isinstance(short, Claim)
+        refused = await store.begin("acme", "new", "body", "r3", lease_s=60)
+        assert isinstance(refused, Full) and refused.retry_after_s == 1.0  # the lease ends within a second
+        assert await store.begin("acme", "done", "body", "r4", lease_s=60) == Replay({"text": "y" * 500})
+        assert await store.begin("acme", "short", "body", "r4", lease_s=60) == Running()
+        assert isinstance(await store.begin("globex", "new", "body", "r5", lease_s=60), Claim)
+        await asyncio.sleep(0.4)  # the lease ended: its record no longer counts
+        big = await store.begin("acme", "new", "body", "r3", lease_s=60)
+        assert isinstance(big, Claim)
+        await store.finish(big, {"text": "x" * 700}, 3600)  # too large: not stored, and its place is free again
+        assert isinstance(await store.begin("acme", "new", "body", "r6", lease_s=60), Claim)
+        await store.abandon(Claim("acme", "new", "body", "r6"))
+        second = await store.begin("acme", "second", "body", "r7", lease_s=60)
+        assert isinstance(second, Claim)
+        await store.finish(second, {"text": "z" * 500}, 3600)  # ~1000 bytes stored: the bound in bytes
+        store.limits = Limits(records=10, bytes=1000)
+        assert isinstance(await store.begin("acme", "third", "body", "r8", lease_s=60), Full)
+        store.limits = Limits(records=10, bytes=2000)
+        assert isinstance(await store.begin("acme", "third", "body", "r8", lease_s=60), Claim)
+    finally:
+        await store.close()
