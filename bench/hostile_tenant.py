@@ -14,10 +14,12 @@ alone, and the attacker never gets a 5xx.
 The attacks are classes, not strings (tests/adversarial/ runs the same ones with fewer requests):
 regex bait (a cached digit prompt, then megabytes of digits), one 100k-character word on `auto`, seeds
 and temperatures at and past their bounds, stop strings at and past their limits, thousands of messages,
-deeply nested JSON, 160,000 content parts, unknown and unsupported fields, and a flood that the tenant's
-rate limit refuses; against the cache's victim: embeddings of 2,048 texts a request, prompts that cannot fit
-after the answer to their history was cached, and long prompts on `auto` (counted and predicted on threads
-tenants take in turn).
+deeply nested JSON, 160,000 content parts, unknown and unsupported fields, a flood that the tenant's
+rate limit refuses, response formats whose grammar fails mid-answer (a replica's breaker must not count them),
+an allOf of anyOfs of patterns (seconds of a grammar compiler's time), and 4 MB of tools with tool_choice
+"none"; against the cache's victim: embeddings of 2,048 texts a request, prompts that cannot fit
+after the answer to their history was cached, long prompts on `auto` (counted and predicted on threads
+tenants take in turn), and a tenant over its budget asking new questions (each one looked up, then refused).
 
 Honours the same TIERGATE_* settings as `tiergate serve` (models directory, engine threads through the
 tiers file it writes). The machine's CPU and the engines' thread counts are printed with the results.
@@ -67,6 +69,11 @@ plans:
     allowed_tiers: [mid, full]
     default_tier: mid
     limits: {rpm: 5, max_concurrent: 2}
+  broke:
+    priority: standard
+    allowed_tiers: [mid, full]
+    default_tier: mid
+    limits: {rpm: 100000, max_concurrent: 8, budget_day_usd: "0.000001"}
 """
 
 
@@ -78,6 +85,7 @@ class Served:
     victim_key: str
     attacker_key: str = ""
     flooder_key: str = ""
+    broke_key: str = ""  # a tenant whose daily budget no request fits
     asked: int = 0  # the cache's victim's questions so far (each one new)
 
 
@@ -89,6 +97,7 @@ class Attack:
     send: Callable[[httpx.Client], int]
     threads: int = 2
     refused: bool = True  # its hostile part is refused (else it is heavy work the tenant's plan allows)
+    tenant: str = "attacker"  # whose key sends it: "attacker", "flooder" (5 requests a minute), "broke" (no budget)
 
 
 @dataclass
@@ -121,6 +130,7 @@ def served(models_dir: Path, *, engine_threads: int = 1) -> Iterator[Served]:
             s = Served(f"http://127.0.0.1:{port}", started.proc, started.admin_key, started.demo_key)
             s.attacker_key = _tenant_key(s, "mallory", "attacker")
             s.flooder_key = _tenant_key(s, "flood", "flooder")
+            s.broke_key = _tenant_key(s, "broke", "broke")
             yield s
 
 
@@ -135,6 +145,10 @@ def _tenant_key(s: Served, name: str, plan: str) -> str:
 def _post(c: httpx.Client, body: dict | bytes) -> int:
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
     return c.post("/v1/chat/completions", content=content, headers={"content-type": "application/json"}).status_code
+
+
+def _schema(schema: dict[str, object]) -> dict[str, object]:
+    return {"type": "json_schema", "json_schema": {"name": "x", "strict": True, "schema": schema}}
 
 
 def _user(text: str, **extra: object) -> dict[str, object]:
@@ -156,6 +170,15 @@ def attacks(s: Served) -> list[Attack]:
         {"role": "user", "content": [{"type": "t", "text": ""}] * 80}] * 2000}, separators=(",", ":")).encode()
     stops_ok = json.dumps(_user("Count to ten.", max_tokens=16, stop=[("z" * 255) + c for c in "abcd"])).encode()
     stop_long = json.dumps(_user("Count to ten.", stop="x" * 20_000)).encode()
+    optional = {"type": "object", "additionalProperties": False,  # llguidance: "max_items_in_row" at token 2
+                "properties": {f"p{i}": {"type": "integer"} for i in range(1000)}}
+    failing_schemas = [json.dumps({**_user("Give me JSON.", max_tokens=16, temperature=1.0,
+                                           response_format=_schema(optional)), "model": m}).encode()
+                       for m in ("mid", "full")]
+    params = {f"p{j:04d}": {"type": "string", "description": "d" * 8} for j in range(630)}
+    tools_none = json.dumps({**_user("hi", max_tokens=1), "tool_choice": "none", "tools": [  # 4 MB, not offered
+        {"type": "function", "function": {"name": f"f{i}", "parameters": {"type": "object", "properties": params}}}
+        for i in range(124)]}, separators=(",", ":")).encode()
 
     def regex_bait(c: httpx.Client) -> int:
         _post(c, _user(digits, temperature=0))  # cached (the first time) for the attacker's own tenant
@@ -184,7 +207,12 @@ def attacks(s: Served) -> list[Attack]:
         Attack("unknown and unsupported fields", cycle(_user("Hi", prediction={"type": "content", "content": "x"}),
                                                        _user("Hi", audio={"voice": "alloy", "format": "wav"}),
                                                        _user("Hi", logit_bias={"1": 100}), _user("Hi", bogus=1))),
-        Attack("a flood the rate limit refuses", cycle(_user("Hi")), threads=6),
+        Attack("a flood the rate limit refuses", cycle(_user("Hi")), threads=6, tenant="flooder"),
+        Attack("schemas whose grammar fails mid-answer", cycle(*failing_schemas), threads=4),
+        Attack("an allOf of anyOfs of patterns", cycle(_user("Give me JSON.", response_format=_schema({"allOf": [
+            {"anyOf": [{"type": "string", "pattern": f"^.*{chr(97 + i)}{j}.*$"} for i in range(5)]}
+            for j in range(6)]}))), threads=6),
+        Attack("4 MB of tools nobody calls", cycle(tools_none), threads=2),
     ]
 
 
@@ -207,10 +235,18 @@ def cache_attacks(s: Served) -> list[Attack]:
         _post(c, {"model": "mid", "temperature": 0, "max_tokens": 4, "messages": history})  # cached for the attacker
         return _post(c, overflow)
 
+    def over_budget(c: httpx.Client) -> int:  # a new cacheable question each time: each one a lookup, then refused
+        over_budget.asked += 1  # type: ignore[attr-defined]
+        question = " ".join(rng.choice(WORDS) for _ in range(200))
+        return _post(c, {"model": "mid", "temperature": 0, "max_tokens": 64, "messages": [
+            {"role": "user", "content": f"{over_budget.asked} {question}"}]})  # type: ignore[attr-defined]
+    over_budget.asked = 0  # type: ignore[attr-defined]
+
     return [
         Attack("embeddings of 2,048 texts a request", embed, threads=2, refused=False),
         Attack("prompts that cannot fit, after their history's answer was cached", cannot_fit, threads=4),
         Attack("prompts too long for any tier, on auto", lambda c: _post(c, long_auto), threads=4),
+        Attack("a tenant over its budget asking new questions", over_budget, threads=4, tenant="broke"),
     ]
 
 
@@ -224,7 +260,7 @@ def run_phase(s: Served, name: str, n: int, attack: Attack | None = None, *, cac
     stop = threading.Event()
 
     def attacker() -> None:
-        key = s.flooder_key if attack is not None and "flood" in attack.name else s.attacker_key
+        key = getattr(s, f"{attack.tenant}_key")  # type: ignore[union-attr]
         with httpx.Client(base_url=s.url, headers={"authorization": f"Bearer {key}"}, timeout=120) as c:
             while not stop.is_set():
                 try:

@@ -33,9 +33,10 @@ def alone(gateway: Served) -> Phase:
     return phase
 
 
-@pytest.mark.parametrize("index", range(10), ids=[
+@pytest.mark.parametrize("index", range(13), ids=[
     "regex-bait", "long-word-auto", "seeds", "temperatures", "stops", "many-messages", "nested-json",
-    "wide-content-parts", "unsupported-fields", "refused-flood"])
+    "wide-content-parts", "unsupported-fields", "refused-flood", "schema-fails-mid-answer", "allof-of-anyofs",
+    "tools-not-offered"])
 def test_an_attack_does_not_reach_the_victim(gateway: Served, alone: Phase, index: int) -> None:
     attack = attacks(gateway)[index]
     check(attack, run_phase(gateway, attack.name, VICTIM_REQUESTS, attack), alone)
@@ -48,7 +49,8 @@ def cache_alone(gateway: Served) -> Phase:
     return phase
 
 
-@pytest.mark.parametrize("index", range(3), ids=["embeddings-2048", "cannot-fit-after-cached", "too-long-auto"])
+@pytest.mark.parametrize("index", range(4), ids=["embeddings-2048", "cannot-fit-after-cached", "too-long-auto",
+                                                 "over-budget-new-questions"])
 def test_an_attack_does_not_reach_the_cache_victim(gateway: Served, cache_alone: Phase, index: int) -> None:
     attack = cache_attacks(gateway)[index]
     check(attack, run_phase(gateway, attack.name, VICTIM_REQUESTS, attack, cache=True), cache_alone)
