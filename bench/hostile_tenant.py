@@ -73,7 +73,7 @@ plans:
     priority: standard
     allowed_tiers: [mid, full]
     default_tier: mid
-    limits: {rpm: 100000, max_concurrent: 8, budget_day_usd: "0.000001"}
+    limits: {rpm: 100000, max_concurrent: 8, budget_day_usd: "0.00005"}
 """
 
 
@@ -85,7 +85,7 @@ class Served:
     victim_key: str
     attacker_key: str = ""
     flooder_key: str = ""
-    broke_key: str = ""  # a tenant whose daily budget no request fits
+    broke_key: str = ""  # a tenant whose daily budget one answer spends
     asked: int = 0  # the cache's victim's questions so far (each one new)
 
 
