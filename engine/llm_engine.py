@@ -368,7 +368,8 @@ class LLMEngine:
         seq.finish_reason = "error"
         self._release(seq)
         self._failed_total += 1
-        message = (f"response_format: the answer could not go on within the schema ({reason})"
+        message = (f"response_format: the answer could not go on within the schema "
+                   f"({reason.removeprefix('GrammarError: ')})"
                    if code == RESPONSE_FORMAT_FAILED else f"the engine failed on this request ({reason})")
         self._emit(seq, "", [], finished=True, error=message, error_code=code)
 

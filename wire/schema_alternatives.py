@@ -1,85 +1,109 @@
-"""How many alternatives a JSON Schema's `allOf`s make a grammar compiler intersect, bounded before it compiles.
+"""How many alternatives a JSON Schema makes a grammar compiler intersect, bounded before it compiles.
 
-A grammar compiler reads `allOf` as an intersection: each branch's alternatives (`anyOf`, `oneOf`) meet every other
-branch's, so the work multiplies. Measured with llguidance (our engines' compiler, engine/grammar.py) on one core,
+A grammar compiler reads the constraints that one node puts together as an intersection: the branches of an
+`allOf`, an `anyOf` beside a `oneOf`, a `$ref` beside its siblings. Each side's alternatives meet every other
+side's, so the work multiplies. Measured with llguidance (our engines' compiler, engine/grammar.py) on one core,
 `allOf` of k branches each `anyOf` 5 string patterns: k = 2 1.7 ms, 3 9.6 ms, 4 62 ms, 5 0.42 s, 6 2.6 s, and the
 last fails at the end ("grammar too big") after its parser limits let it run. A 1.4 KB schema could take 2.6 s of an
-engine's CPU for every request that sent it, and a new letter in a pattern made each one new.
+engine's CPU for every request that sent it, and a new letter in a pattern made each one new. A review found the
+same product through `$ref` chains with a sibling `anyOf`, an `anyOf` beside a nested `oneOf`, and references
+written so that a reader that knows only `#/$defs/x` cannot follow them (1.6-1.7 s each), and the sum of such
+costs over a request's tools (3.9 s for 12).
 
-`check_alternatives` counts, for every `allOf`, the product of its branches' alternatives, and refuses a schema
-where it passes MAX_INTERSECTED_ALTERNATIVES (256: about 25 ms of compiling at worst by the figures above). A
-node's alternatives: the sum over its `anyOf`/`oneOf` entries, times the product over its `allOf` branches, times
-what a local `$ref` points to, times the most that any of its other subschemas (properties, items...) holds, since
-two branches' objects meet property by property. The count errs high (two branches' different properties never
-meet), which refuses some schemas a compiler would take quickly: a schema that needs more states it plainly.
-One pass, each node counted once (remembered by identity); a reference back to a node being counted adds
-nothing (compilers do not expand recursion); references may chain at most MAX_REFERENCE_DEPTH deep.
+`check_alternatives` counts, at every node, the product of what it intersects: the sum over its `anyOf`, times the
+sum over its `oneOf`, times the product over its `allOf` branches, times what its `$ref` points to. Where two or
+more of those meet (an intersection), the product may be at most MAX_INTERSECTED_ALTERNATIVES (256: about 25 ms
+of compiling at worst by the figures above), and the products of every intersection in the schema may add up to
+at most MAX_INTERSECTION_WEIGHT (what `check_alternatives` returns; summed over a request's tools too,
+wire/tools.py). A
+node's alternatives carry upward times the most that any of its other subschemas (properties, items...) holds,
+since two branches' objects meet property by property; the count errs high (two branches' different properties
+never meet), which refuses some schemas a compiler would take quickly: a schema that needs more says so plainly.
+A `$ref` must be a JSON pointer into the schema itself (`#`, `#/$defs/x`, escapes and percent-encoding read as the
+standard says); any other is refused, as a reference the count cannot follow. One pass, each node counted once
+(remembered by identity); a reference back to a node being counted adds nothing (compilers do not expand
+recursion); at most MAX_REFERENCE_HOPS references and MAX_PATH_LENGTH nested subschemas on one path.
 """
 
 from __future__ import annotations
 
 import math
 from typing import Any
+from urllib.parse import unquote
 
-MAX_INTERSECTED_ALTERNATIVES = 256
-MAX_REFERENCE_DEPTH = 64  # nested subschemas and `$ref` hops together, on one path from the root
+MAX_INTERSECTED_ALTERNATIVES = 256  # at one node
+MAX_INTERSECTION_WEIGHT = 1024  # every intersection of a schema (or of a request's tools) together
+MAX_REFERENCE_HOPS = 64  # `$ref`s followed on one path from the root
+MAX_PATH_LENGTH = 200  # subschemas and references on one path (the count recurses: Python's stack is ~1,000 deep)
 _ALTERNATIVES = ("anyOf", "oneOf")
-_DEFINITIONS = ("$defs", "definitions")
+_SKIPPED = frozenset({"allOf", "$ref", "anyOf", "oneOf", "$defs", "definitions", "enum", "const", "examples",
+                      "default", "required"})  # counted apart, or values that are not subschemas
+_MAPS = frozenset({"properties", "patternProperties", "dependentSchemas"})  # names to subschemas
 
 
-def check_alternatives(schema: dict[str, Any]) -> None:
-    """Raise ValueError when an `allOf` of `schema` intersects more than MAX_INTERSECTED_ALTERNATIVES alternatives.
+def check_alternatives(schema: dict[str, Any]) -> int:
+    """Raise ValueError when `schema` intersects too much (see the module); return its intersection weight.
     Call it on a schema already bounded in size and depth (wire/response_format.py `check_schema_bounds`)."""
     counted: dict[int, int] = {}
     counting: set[int] = set()
+    weight = 0
 
-    def resolve(ref: Any) -> Any:
-        """A local reference's target (#/$defs/x, #/definitions/x), or None."""
-        if not isinstance(ref, str):
-            return None
-        for section in _DEFINITIONS:
-            prefix = f"#/{section}/"
-            if ref.startswith(prefix) and isinstance(defs := schema.get(section), dict):
-                return defs.get(ref[len(prefix):])
-        return None
-
-    def alternatives(node: Any, depth: int) -> int:
+    def alternatives(node: Any, hops: int, length: int) -> int:
+        nonlocal weight
         if not isinstance(node, dict):
             return 1
         if (known := counted.get(id(node))) is not None:
             return known
         if id(node) in counting:
             return 1
-        if depth > MAX_REFERENCE_DEPTH:
-            raise ValueError(f"the schema's subschemas and references nest more than {MAX_REFERENCE_DEPTH} deep")
+        if length > MAX_PATH_LENGTH:
+            raise ValueError(f"the schema nests more than {MAX_PATH_LENGTH} subschemas and references deep")
         counting.add(id(node))
-        total = 1
+        factors = []
         for key in _ALTERNATIVES:
             if isinstance(branches := node.get(key), list) and branches:
-                total *= sum(alternatives(b, depth + 1) for b in branches)
+                factors.append(sum(alternatives(b, hops, length + 1) for b in branches))
         if isinstance(branches := node.get("allOf"), list) and branches:
-            met = math.prod(alternatives(b, depth + 1) for b in branches)
-            if met > MAX_INTERSECTED_ALTERNATIVES:
-                raise ValueError(f"an allOf of the schema intersects {met} alternatives of its branches' anyOf/oneOf; "
-                                 f"at most {MAX_INTERSECTED_ALTERNATIVES} are allowed")
-            total *= met
+            factors += [alternatives(b, hops, length + 1) for b in branches]
         if "$ref" in node:
-            total *= alternatives(resolve(node["$ref"]), depth + 1)
+            if hops >= MAX_REFERENCE_HOPS:
+                raise ValueError(f"the schema follows more than {MAX_REFERENCE_HOPS} references on one path")
+            factors.append(alternatives(_resolve(schema, node["$ref"]), hops + 1, length + 1))
+        own = math.prod(factors)
+        if sum(f > 1 for f in factors) >= 2:  # an intersection: its sides' alternatives meet
+            if own > MAX_INTERSECTED_ALTERNATIVES:
+                raise ValueError(f"the schema intersects {own} alternatives at one node (allOf branches, anyOf beside "
+                                 f"oneOf, or a $ref beside them); at most {MAX_INTERSECTED_ALTERNATIVES} are allowed")
+            weight += own
+            if weight > MAX_INTERSECTION_WEIGHT:
+                raise ValueError(f"the schema's intersections add up to more than {MAX_INTERSECTION_WEIGHT} "
+                                 f"alternatives; at most {MAX_INTERSECTION_WEIGHT} are allowed")
         inner = 1
         for key, value in node.items():
-            if key in ("allOf", "$ref", *_ALTERNATIVES, *_DEFINITIONS):
+            if key in _SKIPPED:
                 continue
             for child in value.values() if isinstance(value, dict) and key in _MAPS else \
                     value if isinstance(value, list) else (value,):
-                inner = max(inner, alternatives(child, depth + 1))
+                inner = max(inner, alternatives(child, hops, length + 1))
         counting.discard(id(node))
-        counted[id(node)] = total = total * inner
-        if total > MAX_INTERSECTED_ALTERNATIVES ** 2:  # past any product an allOf could still take: stop early
-            total = counted[id(node)] = MAX_INTERSECTED_ALTERNATIVES ** 2
+        total = counted[id(node)] = min(own * inner, MAX_INTERSECTED_ALTERNATIVES ** 2)  # past any bound: enough
         return total
 
-    alternatives(schema, 0)
+    alternatives(schema, 0, 0)
+    return weight
 
 
-# keywords whose value maps names to subschemas (the others hold one subschema, or a list of them)
-_MAPS = frozenset({"properties", "patternProperties", "dependentSchemas"})
+def _resolve(root: dict[str, Any], ref: Any) -> Any:
+    """The subschema a local JSON pointer names (RFC 6901 in a URI fragment: percent-decoded, then ~1 and ~0)."""
+    if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
+        raise ValueError(f"the schema's $ref {str(ref)[:80]!r} does not point inside it (a JSON pointer: #/...)")
+    node: Any = root
+    for token in ref[2:].split("/") if ref != "#" else ():
+        token = unquote(token).replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and token in node:
+            node = node[token]
+        elif isinstance(node, list) and token.isdigit() and int(token) < len(node):
+            node = node[int(token)]
+        else:
+            raise ValueError(f"the schema's $ref {ref[:80]!r} points to nothing in it")
+    return node

@@ -21,10 +21,11 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 import msgspec
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from wire.fields import drop_nulls, nullable_optionals
 from wire.response_format import MAX_DESCRIPTION_CHARS, SCHEMA_BOUNDS, check_schema_bounds
+from wire.schema_alternatives import MAX_INTERSECTION_WEIGHT, check_alternatives
 
 MAX_TOOLS = 128  # as OpenAI's
 MAX_TOOLS_BYTES = 256 * 1024  # every tool as compact JSON, together: a tool-calling prompt of this size is ~64K tokens
@@ -88,8 +89,18 @@ def _tools_bytes_bounded(value: Any) -> Any:
     return value
 
 
+def _tools_intersections_bounded(tools: list[Tool]) -> list[Tool]:
+    """The tools' schemas' intersections together (a required or named tool_choice compiles them as one grammar):
+    each tool within its own bound, twelve of them took a compiler 3.9 s (wire/schema_alternatives.py)."""
+    weight = sum(check_alternatives(t.function.parameters) for t in tools if t.function.parameters is not None)
+    if weight > MAX_INTERSECTION_WEIGHT:
+        raise ValueError(f"the tools' parameters intersect {weight} alternatives together; at most "
+                         f"{MAX_INTERSECTION_WEIGHT} are allowed")
+    return tools
+
+
 Tools = Annotated[list[Tool], Field(min_length=1, max_length=MAX_TOOLS, fail_fast=True),
-                  BeforeValidator(_tools_bytes_bounded)]
+                  BeforeValidator(_tools_bytes_bounded), AfterValidator(_tools_intersections_bounded)]
 
 
 class FunctionCall(_Model):
