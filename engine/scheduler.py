@@ -3,7 +3,11 @@
 Pure Python over the block manager, so it is tested without a model. Each step has a token budget
 (`max_num_batched_tokens`): running sequences go first (a decode costs one token, an unfinished prompt
 takes the rest of the budget as a chunk), then waiting ones are admitted by policy while blocks, slots
-and budget last. A long prompt is therefore cut into chunks instead of stalling everyone's decode.
+and budget last. A long prompt is therefore cut into chunks instead of stalling everyone's decode. While
+other sequences wait behind it (later running ones, or waiting ones), a prompt's chunk leaves SHARED_TOKENS of
+the budget to them: their decodes and a short prompt's admission go on in the same step. Before, one tenant's
+long prompts took every step's whole budget in turn, and another tenant's short request waited for all of them
+to be read (a victim's p50 went from 0.11 to 6.9 s under eight 1,500-token prompts; tests/engine/test_scheduler.py).
 When blocks run out, the lowest-priority running sequence is preempted: its blocks are freed and it
 waits to be recomputed from its tokens (its own freed blocks usually come back as prefix-cache hits).
 A waiting sequence of higher priority than a running one may preempt it the same way.
@@ -16,6 +20,8 @@ from dataclasses import dataclass, field
 from engine.block_manager import BlockManager
 from engine.request_queue import SchedulingPolicy, create_request_queue
 from engine.sequence import Sequence, SequenceStatus
+
+SHARED_TOKENS = 128  # a short prompt, or the decodes of every running sequence
 
 
 @dataclass
@@ -52,6 +58,8 @@ class Scheduler:
         self.policy = policy
         self.waiting = create_request_queue(policy)
         self.running: list[Sequence] = []
+        # what a prompt's chunk leaves of a step's budget while others wait behind it
+        self.shared_tokens = min(SHARED_TOKENS, max_num_batched_tokens // 2)
         self.num_preemptions_total = 0
 
     def add_request(self, seq: Sequence) -> None:
@@ -74,6 +82,11 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if n > 1 and (i + 1 < len(self.running) or len(self.waiting)):  # a chunk, with others behind it
+                n = min(n, budget - self.shared_tokens)
+                if n < 1:  # this step's budget is theirs now
+                    i += 1
+                    continue
             while not self.block_manager.allocate_slots(seq, n):
                 victim = self.running.pop()  # the lowest-ranked; never one already scheduled (they rank higher)
                 self._preempt(victim, out)

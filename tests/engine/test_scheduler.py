@@ -121,3 +121,20 @@ def test_a_follow_up_turn_is_admitted_with_its_cached_prefix() -> None:
     sched.add_request(follow)
     out = step(sched)
     assert follow.num_cached_tokens == 20 and scheduled(out) == {"turn-2": follow.num_prompt_tokens - 20}
+
+
+def test_a_long_prompt_leaves_part_of_each_step_to_those_behind_it() -> None:
+    """Before, an earlier long prompt took every step's whole budget: a later sequence's decode and a short
+    prompt's admission waited until it was read (one tenant's long prompts stalled everyone's short requests)."""
+    sched = make(budget=16, num_blocks=256)  # shared: half the budget, 8 tokens
+    sched.add_request(seq("long", 60, t=0))
+    assert scheduled(step(sched)) == {"long": 16}  # alone: the whole budget
+    sched.add_request(seq("short", 3, max_tokens=10, t=1))
+    assert scheduled(step(sched)) == {"long": 8, "short": 3}  # admitted beside it at once
+    assert scheduled(step(sched)) == {"long": 8, "short": 1}  # and decoding while it is read
+    sched.add_request(seq("long2", 60, t=2))
+    sched.add_request(seq("short2", 2, t=3))
+    first, second = scheduled(step(sched)), scheduled(step(sched))
+    for got in (first, second):
+        assert got["long"] <= 8 and got["short"] == 1  # the first long prompt shares; the decode goes on
+    assert "short2" in first or "short2" in second  # admitted while two long prompts are being read
