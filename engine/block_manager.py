@@ -29,6 +29,13 @@ def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
     return hash((parent_hash, token_ids))
 
 
+def root_hash(seq: Sequence) -> int | None:
+    """What a sequence's first block chains to: its cache salt, so blocks are shared only within one salt. Without
+    it a tenant could tell, by its time to first token (0.05 s against 0.83 s for a 700-word system prompt), whether
+    another tenant had just sent a prefix it guessed."""
+    return None if seq.cache_salt is None else hash(("cache_salt", seq.cache_salt))
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True) -> None:
         if num_blocks < 1 or block_size < 1:
@@ -63,7 +70,7 @@ class BlockManager:
             return []
         tokens = seq.token_ids
         hits: list[int] = []
-        parent: int | None = None
+        parent = root_hash(seq)
         for i in range((len(tokens) - 1) // self.block_size):
             chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
             parent = hash_block(parent, chunk)
@@ -108,7 +115,7 @@ class BlockManager:
         tokens = seq.token_ids
         for i in range(len(seq.block_hashes), num_full):
             chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
-            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            parent = seq.block_hashes[-1] if seq.block_hashes else root_hash(seq)
             block_hash = hash_block(parent, chunk)
             seq.block_hashes.append(block_hash)
             block = self.blocks[seq.block_table[i]]

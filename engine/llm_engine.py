@@ -157,7 +157,8 @@ class LLMEngine:
             self.grammars.compile(fmt)
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, *,
-                       request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, priority: int = 0,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Stream outputs for one request; leaving the iterator early aborts the request.
 
         Raises EngineInputError for a request that can never run, EngineDeadError once the loop has stopped.
@@ -171,7 +172,7 @@ class LLMEngine:
             params = dataclasses.replace(params, grammar=self.grammars.compile(fmt))
         request_id = request_id or f"req-{next(self._counter)}"
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        seq = Sequence(request_id, list(prompt_token_ids), params, priority=priority)
+        seq = Sequence(request_id, list(prompt_token_ids), params, priority=priority, cache_salt=cache_salt)
         with self._lock:
             if (reason := self.dead_reason) is not None:
                 raise EngineDeadError(f"the engine has stopped: {reason}")

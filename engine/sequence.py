@@ -33,6 +33,9 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_tokens: int = 0  # of those, tokens found in the prefix cache at admission
     num_preemptions: int = 0
+    # the prefix cache's namespace (the gateway's per-tenant salt): blocks are shared only between sequences with
+    # the same salt, so one tenant cannot time another's prompts out of the cache (engine/block_manager.py)
+    cache_salt: str | None = None
 
     @property
     def token_ids(self) -> list[int]:

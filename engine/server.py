@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -50,12 +51,14 @@ from wire import responses
 from wire.chat_request import ChatCompletionRequest
 from wire.completion_request import DEFAULT_MAX_TOKENS as DEFAULT_TEXT_MAX_TOKENS
 from wire.completion_request import CompletionRequest
-from wire.errors import REQUEST_FAULT_CODES, error_body
+from wire.errors import CACHE_SALT_HEADER, REQUEST_FAULT_CODES, error_body
 from wire.tool_calls import render_messages
 from wire.validation import BodyError, parse_body
 
 DEFAULT_MAX_TOKENS = 1024  # without max_tokens: up to this, or what the context has left
 
+
+_SALT = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 
 def sampling_params_for(req: ChatCompletionRequest | CompletionRequest, num_prompt_tokens: int,
                         max_model_len: int) -> SamplingParams:
@@ -155,6 +158,10 @@ def create_engine_app(engine: LLMEngine, *, model_name: str, model_version: str)
             req = parse_body(await request.body(), kind)
         except BodyError as exc:
             return Response(error_body(exc.message, param=exc.param, code=exc.code), status_code=400)
+        salt = request.headers.get(CACHE_SALT_HEADER)
+        if salt is not None and not _SALT.fullmatch(salt):
+            return Response(error_body(f"{CACHE_SALT_HEADER}: 1-64 of A-Za-z0-9._:-", param=CACHE_SALT_HEADER),
+                            status_code=400)
         chat = isinstance(req, ChatCompletionRequest)
 
         def prepare() -> tuple[list[int], SamplingParams]:
@@ -173,7 +180,7 @@ def create_engine_app(engine: LLMEngine, *, model_name: str, model_version: str)
         rid = f"chatcmpl-{uuid.uuid4().hex}" if chat else f"cmpl-{uuid.uuid4().hex}"
         frames = (_chat_frames(tokenizer, ToolAnswer.for_request(req)) if chat  # type: ignore[arg-type]
                   else _text_frames(tokenizer, len(req.text)))  # type: ignore[union-attr]
-        outputs = engine.generate(ids, params, request_id=rid, priority=req.priority)
+        outputs = engine.generate(ids, params, request_id=rid, priority=req.priority, cache_salt=salt)
         if req.stream:
             return Stream(_sse(outputs, rid, model_name, req.include_usage, req.continuous_usage, frames),
                           media_type="text/event-stream", headers={"cache-control": "no-cache"})

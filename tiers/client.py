@@ -24,7 +24,7 @@ import aiohttp
 import msgspec
 
 from tiers.errors import UpstreamProtocolError, UpstreamRejected, UpstreamTimedOut, UpstreamUnreachable
-from wire.errors import REQUEST_FAULT_CODES
+from wire.errors import CACHE_SALT_HEADER, REQUEST_FAULT_CODES
 
 MAX_LINE_BYTES = 1 << 20  # one SSE line (a chunk with 20 top log-probabilities per token is a few KB)
 # an idle pooled connection is dropped before the upstream drops it (uvicorn's default keep-alive is 5 s), so
@@ -74,23 +74,27 @@ class TierClient:
             raise UpstreamProtocolError(f"{url}: the answer is not a JSON object")
         return body
 
-    def stream_chat(self, base_url: str, body: dict[str, Any], *,
-                    api_key: str | None = None) -> AsyncIterator[dict[str, Any]]:
-        """POST a streaming chat completion; yield each `data:` chunk as a dict."""
-        return self._stream(base_url.rstrip("/") + "/v1/chat/completions", body, api_key)
+    def stream_chat(self, base_url: str, body: dict[str, Any], *, api_key: str | None = None,
+                    cache_salt: str | None = None) -> AsyncIterator[dict[str, Any]]:
+        """POST a streaming chat completion; yield each `data:` chunk as a dict. `cache_salt`: our engine's prefix
+        cache namespace for the request (wire.errors.CACHE_SALT_HEADER)."""
+        return self._stream(base_url.rstrip("/") + "/v1/chat/completions", body, api_key, cache_salt)
 
-    async def stream_completion(self, base_url: str, body: dict[str, Any], *,
-                                api_key: str | None = None) -> AsyncIterator[dict[str, Any]]:
+    async def stream_completion(self, base_url: str, body: dict[str, Any], *, api_key: str | None = None,
+                                cache_salt: str | None = None) -> AsyncIterator[dict[str, Any]]:
         """POST a streaming legacy text completion; yield each chunk in the chat chunks' shape (`as_chat_chunk`),
         so that one meter reads both."""
-        async for chunk in self._stream(base_url.rstrip("/") + "/v1/completions", body, api_key):
+        async for chunk in self._stream(base_url.rstrip("/") + "/v1/completions", body, api_key, cache_salt):
             yield as_chat_chunk(chunk)
 
-    async def _stream(self, url: str, body: dict[str, Any], api_key: str | None) -> AsyncIterator[dict[str, Any]]:
+    async def _stream(self, url: str, body: dict[str, Any], api_key: str | None,
+                      cache_salt: str | None = None) -> AsyncIterator[dict[str, Any]]:
         """The stream's `data:` payloads as dicts, up to `[DONE]`. What has arrived is read at once and cut into
         lines here (not one await of aiohttp's line reader per line: two a chunk, most of a chunk's cost); a line
         still unfinished after MAX_LINE_BYTES is an error, as it was with aiohttp's reader."""
         headers = {"content-type": "application/json", **_auth(api_key)}
+        if cache_salt is not None:
+            headers[CACHE_SALT_HEADER] = cache_salt
         done = False
         try:
             async with await self._post(url, msgspec.json.encode(body), headers) as resp:

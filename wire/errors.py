@@ -9,6 +9,9 @@ from typing import Any
 # against the replica's circuit breaker (one tenant's schema must not take a tier away from everyone).
 RESPONSE_FORMAT_FAILED = "response_format_failed"
 REQUEST_FAULT_CODES = frozenset({RESPONSE_FORMAT_FAILED})
+# The gateway's per-tenant namespace for a local engine's prefix cache (engine/block_manager.py `root_hash`): a
+# header the gateway sets on its own calls to its engines, never taken from a tenant's request.
+CACHE_SALT_HEADER = "x-tiergate-cache-salt"
 
 
 def error_body(message: str, type_: str = "invalid_request_error", *, param: str | None = None,

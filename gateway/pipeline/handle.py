@@ -237,15 +237,15 @@ class Pipeline:
                                                  for m in req.messages], ctx.headers.get(SESSION_HEADER))
             meter.upstream_started()
             try:
-                return (ticket, await self.tier.open(tier, self._body(ctx, prepared, tier, reading), affinity=affinity),
-                        attempt)
+                return (ticket, await self.tier.open(tier, self._body(ctx, prepared, tier, reading), affinity=affinity,
+                                                     tenant=ctx.tenant), attempt)
             except (UpstreamUnreachable, NoTierAvailable):
                 if (fallback := self.route.fall_back(attempt.route)) is None:
                     raise
             attempt = replace(attempt, route=fallback,  # looked up in the candidate's scope: its answer not kept
                               lookup=replace(attempt.lookup, scope=None))
             return ticket, await self.tier.open(fallback.tier, self._body(ctx, prepared, fallback.tier, reading),
-                                                affinity=affinity), attempt
+                                                affinity=affinity, tenant=ctx.tenant), attempt
         except BaseException:
             meter.upstream_ended()
             self.dispatch.release(tier.name, ticket, 0)

@@ -10,6 +10,7 @@ turns; each call's outcome feeds that replica's circuit breaker and latency aver
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -23,6 +24,14 @@ from tiers.replica import Replica
 from wire.chat_request import ChatCompletionRequest
 
 MAX_REPLICAS_TRIED = 2
+
+
+def cache_salt(tier: TierSpec, tenant: str | None) -> str | None:
+    """The tenant's namespace in a local engine's prefix cache (a digest: the engine never reads a tenant's name);
+    None for a remote tier, which gets OpenAI's request only, and for our own calls (shadow and cache checks)."""
+    if tenant is None or tier.backend != "local":
+        return None
+    return hashlib.blake2b(tenant.encode(), digest_size=16, person=b"tiergate-salt").hexdigest()
 
 
 def upstream_body(req: ChatCompletionRequest, tier: TierSpec, *, max_tokens: int, priority: int,
@@ -76,8 +85,10 @@ class TierCaller:
         self.fleet = fleet
         self.client = client
 
-    async def open(self, tier: TierSpec, body: dict[str, Any], *, affinity: str | None) -> Upstream:
-        """The tier's stream with its first chunk read, so a failure surfaces before any byte is sent."""
+    async def open(self, tier: TierSpec, body: dict[str, Any], *, affinity: str | None,
+                   tenant: str | None = None) -> Upstream:
+        """The tier's stream with its first chunk read, so a failure surfaces before any byte is sent. `tenant`: a
+        local engine then keeps the request's prompt in that tenant's own prefix cache namespace (`cache_salt`)."""
         tried: set[int] = set()
         last: TierError | None = None
         for _ in range(MAX_REPLICAS_TRIED):
@@ -86,7 +97,7 @@ class TierCaller:
             except NoTierAvailable as exc:
                 raise (last or exc) from None
             tried.add(replica.index)
-            chunks = self._chunks(replica, tier, body, affinity)
+            chunks = self._chunks(replica, tier, body, affinity, cache_salt(tier, tenant))
             try:
                 return Upstream(replica, chunks, await anext(chunks, None))
             except UpstreamUnreachable as exc:
@@ -95,8 +106,8 @@ class TierCaller:
         assert last is not None
         raise last
 
-    async def _chunks(self, replica: Replica, tier: TierSpec, body: dict[str, Any],
-                      affinity: str | None) -> AsyncIterator[dict[str, Any]]:
+    async def _chunks(self, replica: Replica, tier: TierSpec, body: dict[str, Any], affinity: str | None,
+                      salt: str | None = None) -> AsyncIterator[dict[str, Any]]:
         """The replica's chunks; how the call went is told to its breaker, latency average and affinity."""
         assert replica.url is not None
         replica.inflight += 1
@@ -105,7 +116,7 @@ class TierCaller:
         t0 = time.perf_counter()
         try:
             stream = self.client.stream_completion if "prompt" in body else self.client.stream_chat
-            async for chunk in stream(replica.url, body, api_key=self.fleet.api_key(tier)):
+            async for chunk in stream(replica.url, body, api_key=self.fleet.api_key(tier), cache_salt=salt):
                 finished = finished or any(isinstance(c, dict) and c.get("finish_reason")
                                            for c in chunk.get("choices") or [])
                 yield chunk

@@ -89,3 +89,16 @@ def test_a_block_is_shared_only_once_computed() -> None:
     a.num_computed_tokens = 4
     bm.cache_full_blocks(a)
     assert bm.get_computed_blocks(seq(list(range(12)), "b")) == a.block_table[:1]
+
+
+def test_blocks_are_shared_only_within_one_cache_salt() -> None:
+    """The gateway salts each tenant's requests: another tenant's prefix is never a hit, so its time to first
+    token tells nothing of what others sent."""
+    bm = BlockManager(num_blocks=32, block_size=4)
+    mine = seq(list(range(10)), "mine")
+    mine.cache_salt = "tenant-a"
+    run_prefill(bm, mine)
+    theirs, again, unsalted = seq(list(range(10)), "theirs"), seq(list(range(10)), "again"), seq(list(range(10)), "u")
+    theirs.cache_salt, again.cache_salt = "tenant-b", "tenant-a"
+    assert bm.get_computed_blocks(theirs) == [] and bm.get_computed_blocks(unsalted) == []
+    assert bm.get_computed_blocks(again) == mine.block_table[:2]  # the same tenant still shares its own

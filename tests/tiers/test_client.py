@@ -60,3 +60,28 @@ async def test_a_dead_engine_mid_stream_raises_a_503(engine_url: tuple[str, LLME
         assert err.value.status == 503 and err.value.body["error"]["code"] == "engine_dead"
     finally:
         await client.aclose()
+
+
+async def test_the_cache_salt_reaches_the_engines_sequence_and_a_bad_one_is_refused(
+        engine_url: tuple[str, LLMEngine]) -> None:
+    url, eng = engine_url
+    client = TierClient()
+    try:
+        [c async for c in client.stream_chat(url, body("fine"), cache_salt="0123abcd")]
+        assert {s.cache_salt for out in eng.model_runner.steps for s in out.seqs} == {"0123abcd"}  # type: ignore[attr-defined]
+        with pytest.raises(UpstreamRejected) as err:
+            [c async for c in client.stream_chat(url, body("fine"), cache_salt="no spaces allowed")]
+        assert err.value.status == 400 and err.value.body["error"]["param"] == "x-tiergate-cache-salt"
+    finally:
+        await client.aclose()
+
+
+def test_a_local_tier_gets_the_tenants_salt_and_a_remote_one_none() -> None:
+    from gateway.pipeline.tier_call import cache_salt
+    from tiers.catalogue import TierSpec
+
+    local = TierSpec.model_construct(name="mid", backend="local")
+    remote = TierSpec.model_construct(name="api", backend="openai")
+    a, b = cache_salt(local, "acme"), cache_salt(local, "globex")
+    assert a and b and a != b and "acme" not in a and a == cache_salt(local, "acme")
+    assert cache_salt(remote, "acme") is None and cache_salt(local, None) is None
