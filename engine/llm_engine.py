@@ -306,9 +306,9 @@ class LLMEngine:
         A failed sequence is finished before postprocess, which then skips it without taking a token.
         """
         errors: dict[str, str] = self.model_runner.last_errors
-        codes: dict[str, str] = getattr(self.model_runner, "last_error_codes", {})
         if not errors:
             return token_ids
+        codes: dict[str, str] = self.model_runner.last_error_codes  # the request's own failures (its grammar)
         kept: list[int] = []
         sampled = iter(token_ids)
         for seq, do_sample in zip(out.seqs, out.do_sample, strict=True):

@@ -54,6 +54,7 @@ class ScriptedRunner:
         self.steps: list[SchedulerOutput] = []
         self.last_logprobs: dict[str, tuple[float, list[tuple[int, float]]]] = {}
         self.last_errors: dict[str, str] = {}
+        self.last_error_codes: dict[str, str] = {}
 
     def run(self, out: SchedulerOutput) -> list[int]:
         if self.step_s:
