@@ -92,8 +92,8 @@ def main() -> None:
         run = {"streams": args.streams, "output_len": args.output_len, "device": args.device}
         speeds = {"this student": speed(args.student, tok, prompts, **run),
                   "same layers before training": speed(untrained_dir, tok, prompts, **run),
-                  "teacher (full tier, fp32)": speed(teacher_dir, tok, prompts, **run)}
-    s, t = speeds["this student"], speeds["teacher (full tier, fp32)"]
+                  "teacher (full tier)": speed(teacher_dir, tok, prompts, **run)}
+    s, t = speeds["this student"], speeds["teacher (full tier)"]
     cfg = info.get("config", {})
     lines = [
         f"Student `{args.student.name}`: {len(info['keep'])} of the teacher's "
@@ -107,15 +107,16 @@ def main() -> None:
     ]
     for label, key, sp in (("this student", "student", s), ("same layers before training", "untrained",
                                                             speeds["same layers before training"]),
-                           ("teacher (full tier, fp32)", "teacher", t)):
+                           ("teacher (full tier)", "teacher", t)):
         q = quality[key]
         lines.append(f"| {label} | {q['top1_agreement']:.1%} | {q['perplexity']:.1f} | {sp['1']:.1f} | "
                      f"{sp[str(args.streams)]:.1f} |")
     lines += ["", f"Student vs teacher decode speed: {s['1'] / t['1']:.2f}x at 1 stream, "
               f"{s[str(args.streams)] / t[str(args.streams)]:.2f}x at {args.streams} streams "
               f"({quality['heldout_tokens']:,} held-out tokens; threads={args.threads}, prompts <= {args.prompt_len} "
-              f"tokens, {args.output_len} output tokens).",
-              f"Reproduce: `{COMMAND} --streams {args.streams} --threads {args.threads}`"]
+              f"tokens, {args.output_len} output tokens, decoded in {'fp32' if args.device == 'cpu' else 'bf16'} "
+              f"on {args.device}).",
+              f"Reproduce: `{COMMAND} --streams {args.streams} --threads {args.threads} --device {args.device}`"]
     print("\n".join(lines))
     if not args.no_card:
         update(args.student, quality=quality, speed={k: {"1": v["1"], "16": v[str(args.streams)]}

@@ -2,6 +2,8 @@
 # What more compute buys the distilled student: the same 10-minute budget on a CUDA device (bf16 autocast),
 # bigger batches, then bench/distill.py against the CPU student's numbers in BENCHMARKS.md. Run from the
 # repository root:  bash bench/gpu_distill.sh   (writes bench-gpu-distill.md under $OUT or the current directory)
+# For a CUDA machine with this project's venv. A lent machine with no network and its own Python runs the same
+# steps through bench/gpu_payload.sh and bench/gpu_session.sh (BENCHMARKS.md, session 25).
 set -euo pipefail
 out_dir="${OUT:-.}"
 python="${PYTHON:-.venv/bin/python}"

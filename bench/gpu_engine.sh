@@ -2,6 +2,8 @@
 # The engine benchmark on a CUDA machine: our engine (bf16 and the int8 tier) against HF generate and a
 # static padded batch, ceilings from the linear layers alone, follow-up TTFT. Run from the repository root:
 #   bash bench/gpu_engine.sh            (writes bench-gpu-engine.md under $OUT or the current directory)
+# For a CUDA machine with this project's venv. A lent machine with no network and its own Python runs the same
+# steps through bench/gpu_payload.sh and bench/gpu_session.sh (BENCHMARKS.md, session 25).
 set -euo pipefail
 out_dir="${OUT:-.}"
 python="${PYTHON:-.venv/bin/python}"
