@@ -29,7 +29,8 @@ not buy that work for free, so before it:
   exact check's word: a client whose bodies are refused by the megabyte waits a few seconds. Small mistakes never
   reach it (a thousand 1 KB bodies refused a second refill it).
 
-A refusal here costs a dictionary lookup and charges nothing; it looks like the exact check's 429.
+A refusal here costs a dictionary lookup and charges nothing; it is the exact check's 429, headers and all
+(gateway/pipeline/limit_errors.py).
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gateway.errors import QuotaExceeded, RateLimited, TiergateError
+from gateway.errors import RateLimited
+from gateway.pipeline.limit_errors import limit_refusal
 from quotas.plans import Limits
 
 RATE_RECHECK_S = 1.0  # the longest a scope is refused here on the exact check's word before it is asked again
@@ -55,6 +57,7 @@ class Scope:
     name: str  # "<tenant>" or "<tenant>/k:<key id>"
     label: str  # "your tenant" or "your key", for messages
     limits: Limits
+    tenant: bool = True  # the tenant's own scope (its refusals carry the plan's `x-ratelimit-*` headers)
 
 
 class Pass:
@@ -97,12 +100,11 @@ class TenantGate:
             if refused is not None:
                 recheck, until, reason = refused
                 if now < recheck:
-                    raise _remembered(scope.label, reason, max(1, math.ceil(until - now)))
+                    raise limit_refusal(scope.label, reason, until - now, scope.limits if scope.tenant else None)
                 del self._rate_refused[scope.name]
             limit = scope.limits.max_concurrent
             if limit is not None and self._in_flight.get(scope.name, 0) >= limit:
-                raise RateLimited(f"rate limit of {scope.label} reached: concurrent requests; retry in 1s",
-                                  code="rate_limit_concurrency", retry_after=1)
+                raise limit_refusal(scope.label, "concurrency", 1, scope.limits if scope.tenant else None)
         for scope in scopes:
             self._in_flight[scope.name] = self._in_flight.get(scope.name, 0) + 1
         return Pass(self, scopes)
@@ -146,19 +148,9 @@ class TenantGate:
             self._in_flight.pop(name, None)
 
 
-def _remembered(label: str, reason: str, retry: int) -> TiergateError:
-    """The 429 of a refusal the gate remembers, as the exact check words it (gateway/pipeline/reserve.py)."""
-    if reason in ("budget_day", "budget_month"):
-        period = "daily" if reason == "budget_day" else "monthly"
-        return QuotaExceeded(f"the {period} budget of {label} is spent; it renews in {retry}s", retry_after=retry)
-    what = "tokens per minute" if reason == "tpm" else "requests per minute"
-    return RateLimited(f"rate limit of {label} reached: {what}; retry in {retry}s", code=f"rate_limit_{reason}",
-                       retry_after=retry)
-
-
 def scopes_of(tenant: str, key_id: str, plan_limits: Limits, key_limits: Limits | None) -> tuple[Scope, ...]:
     """The tenant's scope and, where the key has limits of its own, the key's."""
     scopes = [Scope(tenant, "your tenant", plan_limits)]
     if key_limits is not None:
-        scopes.append(Scope(f"{tenant}/k:{key_id}", "your key", key_limits))
+        scopes.append(Scope(f"{tenant}/k:{key_id}", "your key", key_limits, tenant=False))
     return tuple(scopes)

@@ -8,12 +8,12 @@ minute or a spent budget is also told to the gate, which then refuses the scope 
 
 from __future__ import annotations
 
-import math
 from decimal import Decimal
 
-from gateway.errors import QuotaExceeded, RateLimited, TiergateError, Unavailable
+from gateway.errors import TiergateError, Unavailable
 from gateway.pipeline.context import RequestContext
 from gateway.pipeline.gate import REMEMBERED_REASONS, TenantGate
+from gateway.pipeline.limit_errors import limit_refusal, reset_duration
 from quotas.backends.base import QuotaBackendError
 from quotas.limits import Decision
 from quotas.plans import Plan
@@ -44,25 +44,8 @@ class ReserveStage:
 def refusal(plan: Plan, decision: Decision) -> TiergateError:
     """The 429 for a refused reservation, with OpenAI's `x-ratelimit-*` headers for the tenant's scope."""
     scope = "your key" if decision.scope and decision.scope.startswith("k:") else "your tenant"
-    retry = max(1, math.ceil(decision.retry_after_s))
-    if decision.reason in ("budget_day", "budget_month"):
-        period = "daily" if decision.reason == "budget_day" else "monthly"
-        return QuotaExceeded(f"the {period} budget of {scope} is spent; it renews in {retry}s", retry_after=retry)
-    what = {"rpm": "requests per minute", "tpm": "tokens per minute",
-            "concurrency": "concurrent requests"}.get(decision.reason or "", decision.reason or "limit")
-    headers = {}
-    if decision.scope == "t":
-        limits = plan.limits
-        if limits.rpm is not None:
-            headers["x-ratelimit-limit-requests"] = str(limits.rpm)
-        if limits.tpm is not None:
-            headers["x-ratelimit-limit-tokens"] = str(limits.tpm)
-        if decision.reason == "rpm":
-            headers |= {"x-ratelimit-remaining-requests": "0", "x-ratelimit-reset-requests": _dur(retry)}
-        if decision.reason == "tpm":
-            headers |= {"x-ratelimit-remaining-tokens": "0", "x-ratelimit-reset-tokens": _dur(retry)}
-    return RateLimited(f"rate limit of {scope} reached: {what}; retry in {retry}s",
-                       code=f"rate_limit_{decision.reason}", retry_after=retry, headers=headers)
+    return limit_refusal(scope, decision.reason or "limit", decision.retry_after_s,
+                         plan.limits if decision.scope == "t" else None)
 
 
 def ratelimit_headers(plan: Plan, decision: Decision) -> dict[str, str]:
@@ -75,17 +58,10 @@ def ratelimit_headers(plan: Plan, decision: Decision) -> dict[str, str]:
     if limits.rpm is not None:
         headers |= {"x-ratelimit-limit-requests": str(limits.rpm),
                     "x-ratelimit-remaining-requests": str(max(0, limits.rpm - usage.requests)),
-                    "x-ratelimit-reset-requests": _dur(usage.reset_requests_s)}
+                    "x-ratelimit-reset-requests": reset_duration(usage.reset_requests_s)}
     if limits.tpm is not None:
         headers |= {"x-ratelimit-limit-tokens": str(limits.tpm),
                     "x-ratelimit-remaining-tokens": str(max(0, limits.tpm - usage.tokens)),
-                    "x-ratelimit-reset-tokens": _dur(usage.reset_tokens_s)}
+                    "x-ratelimit-reset-tokens": reset_duration(usage.reset_tokens_s)}
     return headers
 
-
-def _dur(seconds: float) -> str:
-    """OpenAI's reset format: `1s`, `6m0s`, `1h2m3s`."""
-    s = max(0, math.ceil(seconds))
-    h, rest = divmod(s, 3600)
-    m, sec = divmod(rest, 60)
-    return (f"{h}h" if h else "") + (f"{m}m" if h or m else "") + f"{sec}s"

@@ -95,11 +95,6 @@ class FaultyRunner(ScriptedRunner):
     the request's own error code (a response_format that cannot go on), `FORWARD-FAIL` makes the whole forward
     pass of any step holding that sequence raise."""
 
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.last_errors: dict[str, str] = {}
-        self.last_error_codes: dict[str, str] = {}
-
     def run(self, out: SchedulerOutput) -> list[int]:
         if any("FORWARD-FAIL" in prompt_text(seq) for seq in out.seqs):
             raise RuntimeError("the forward pass failed")

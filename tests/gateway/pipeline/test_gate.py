@@ -87,6 +87,30 @@ def test_a_token_or_budget_refusal_is_remembered_until_a_settlement_or_the_reche
     gate.enter(scopes).leave()
 
 
+@pytest.mark.parametrize("reason", ["rpm", "tpm", "budget_day"])
+def test_a_remembered_refusal_is_the_exact_checks_429_headers_and_all(reason: str) -> None:
+    """A client reads the same message, code, Retry-After and x-ratelimit-* headers whichever of the two refused."""
+    from decimal import Decimal
+
+    from gateway.pipeline.reserve import refusal
+    from quotas.limits import Decision
+    from quotas.plans import Plan
+
+    clock = Clock()
+    gate = TenantGate(clock)
+    limits = Limits(rpm=5, tpm=1000, budget_day_usd=Decimal(1))
+    plan = Plan(name="p", limits=limits, allowed_tiers=["mid"], default_tier="mid")
+    exact = refusal(plan, Decision(admitted=False, reason=reason, scope="t", retry_after_s=12.5))
+    gate.rate_refused("acme", 12.5, reason)
+    with pytest.raises(TiergateError) as err:
+        gate.enter(scopes_of("acme", "k1", limits, None))
+    remembered = err.value
+    assert (remembered.message, remembered.code, remembered.retry_after) == (exact.message, exact.code, 13)
+    assert remembered.headers == exact.headers
+    if reason != "budget_day":
+        assert remembered.headers[f"x-ratelimit-remaining-{'requests' if reason == 'rpm' else 'tokens'}"] == "0"
+
+
 def test_a_settlement_does_not_free_a_request_rate() -> None:
     gate = TenantGate(Clock())
     gate.rate_refused("acme/k:k1", 30.0)
