@@ -40,7 +40,10 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from gateway.log_limits import client_logger
+
 log = logging.getLogger("tiergate.http")
+CLIENT_LOG = client_logger()
 MAX_HEAD_BYTES = 64 * 1024  # a request's line and headers
 
 
@@ -70,6 +73,7 @@ class LimitedProtocol(HttpToolsProtocol):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.logger = CLIENT_LOG  # what clients can make it log, a line of code at most once a minute
         self._deadline: asyncio.TimerHandle | None = None
         self._stall: asyncio.TimerHandle | None = None
         self._begun = False  # a byte of the current request has come

@@ -174,3 +174,39 @@ def test_an_empty_data_version_header_counts_as_absent(slow_gateway: Gateway) ->
         r = c.post("/v1/chat/completions", headers={"x-tiergate-data-version": ""},
                    json={"model": "mid", "temperature": 0, "messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 200
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def test_a_client_cannot_write_a_log_line_per_request(slow_gateway: Gateway) -> None:
+    """uvicorn warned once per malformed request and per unsupported upgrade, before any key is read: one client
+    with none wrote thousands of lines a second. Each still gets its answer; the log holds a line a minute at most."""
+    records = _Records()
+    logging.getLogger("uvicorn.error").addHandler(records)
+    try:
+        for _ in range(100):
+            answer, _ = read_until_closed(connect(slow_gateway, b"GARBAGE\x00 / HTTP/1.1\r\n\r\n"))
+            assert answer.startswith(b"HTTP/1.1 400")
+        with contextlib.closing(connect(slow_gateway, b"")) as sock:
+            for _ in range(100):
+                sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: upgrade\r\nUpgrade: foo\r\n\r\n")
+                got = b""
+                while b"\r\n\r\n" not in got:
+                    got += sock.recv(65536)
+                head, _, body = got.partition(b"\r\n\r\n")
+                length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                                  if line.lower().startswith(b"content-length:")))
+                while len(body) < length:
+                    body += sock.recv(65536)
+                assert head.startswith(b"HTTP/1.1 ")  # answered, and the connection serves on
+    finally:
+        logging.getLogger("uvicorn.error").removeHandler(records)
+    assert sum("Invalid HTTP request" in m for m in records.messages) <= 1
+    assert sum("Unsupported upgrade" in m for m in records.messages) <= 1
