@@ -261,13 +261,13 @@ class Fleet:
                    if not any(r.healthy for r in reps) and any(r.is_down for r in reps))
 
     def pick(self, tier: str, exclude: set[int] | None = None, affinity: str | None = None,
-             version: str | None = None) -> tuple[Replica, str]:
+             version: str | None = None, tenant: str = "") -> tuple[Replica, str]:
         """The replica for a request, and why: its conversation's replica (`affinity` key) when that one can
         take it, else the least predicted wait; `exclude`d indexes were tried already. `version`: one of the
         tier's versions (its own replicas) [default: the serving one]."""
         reps = self.version_replicas.get((tier, version or ""), self.replicas[tier])
         label = reps[0].tier if reps else tier
-        preferred = self.affinity.get(affinity, label) if affinity is not None else None
+        preferred = self.affinity.get(affinity, label, tenant) if affinity is not None else None
         replica, why = choose_replica(reps, exclude=exclude, preferred=preferred)
         if replica is None:  # the message reaches the tenant: the replicas' public reasons, not their own
             named = f"tier {tier!r}" if label == tier else f"tier {tier!r} version {version!r}"
@@ -277,10 +277,10 @@ class Fleet:
         replica.breaker.begin()
         return replica, why
 
-    def served(self, affinity: str | None, replica: Replica) -> None:
-        """The replica answered this conversation: its next turn should go there too."""
+    def served(self, affinity: str | None, replica: Replica, tenant: str = "") -> None:
+        """The replica answered this conversation of `tenant`'s: its next turn should go there too."""
         if affinity is not None:
-            self.affinity.remember(affinity, replica.tier, replica.index)
+            self.affinity.remember(affinity, replica.tier, replica.index, tenant)
 
     def status(self) -> dict[str, Any]:
         out = {}

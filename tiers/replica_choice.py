@@ -5,7 +5,7 @@ has that prefix in its KV cache (our engine shares prefix blocks; vLLM and SGLan
 decoding sooner. The conversation is recognised by a hash of the tenant and its first messages (the
 system prompt and the first user turn), which every later turn repeats unchanged; a client may also name
 its session in the `x-tiergate-session` header. The map is a bounded LRU: forgetting an old conversation
-costs one cold prefill, never a wrong answer.
+costs one cold prefill, never a wrong answer; it is shared fairly between tenants (AffinityMap).
 
 Without affinity (a new conversation, or its replica cannot take requests now), the replica with the
 least predicted wait wins: requests in flight there times its smoothed latency.
@@ -38,27 +38,51 @@ def affinity_key(tenant: str, messages: Sequence[Mapping[str, object]], session:
 
 
 class AffinityMap:
-    """conversation key → (tier, replica index) that last served it, the least recently used dropped first."""
+    """conversation key → (tier, replica index) that last served it, per tenant; when full, the least recently used
+    entry goes, unless the tenant remembering one holds more than its fair share (the map's size over the tenants
+    in it): then its own least recently used goes. One tenant's new conversations once cost everyone theirs: 100,000
+    of them left another tenant 0 of its 1,000 (a test harness); now a flood only recycles the flooder's own."""
 
     def __init__(self, max_entries: int = 100_000) -> None:
         self.max_entries = max_entries
-        self._map: OrderedDict[str, tuple[str, int]] = OrderedDict()
+        self._lru: OrderedDict[tuple[str, str], tuple[str, int]] = OrderedDict()  # (tenant, key) -> (tier, index)
+        self._per_tenant: dict[str, OrderedDict[str, None]] = {}  # tenant -> its keys, least recently used first
 
     def __len__(self) -> int:
-        return len(self._map)
+        return len(self._lru)
 
-    def get(self, key: str, tier: str) -> int | None:
-        hit = self._map.get(key)
+    def held_by(self, tenant: str) -> int:
+        return len(self._per_tenant.get(tenant, ()))
+
+    def get(self, key: str, tier: str, tenant: str = "") -> int | None:
+        hit = self._lru.get((tenant, key))
         if hit is None or hit[0] != tier:
             return None
-        self._map.move_to_end(key)
+        self._touch(tenant, key)
         return hit[1]
 
-    def remember(self, key: str, tier: str, index: int) -> None:
-        self._map[key] = (tier, index)
-        self._map.move_to_end(key)
-        while len(self._map) > self.max_entries:
-            self._map.popitem(last=False)
+    def remember(self, key: str, tier: str, index: int, tenant: str = "") -> None:
+        fresh = (tenant, key) not in self._lru
+        self._lru[tenant, key] = (tier, index)
+        self._per_tenant.setdefault(tenant, OrderedDict())[key] = None
+        self._touch(tenant, key)
+        if fresh and len(self._lru) > self.max_entries:
+            own = self._per_tenant[tenant]
+            if len(own) > self.max_entries / len(self._per_tenant):  # over its share: it pays with its own
+                self._forget(tenant, next(iter(own)))
+            else:
+                self._forget(*next(iter(self._lru)))
+
+    def _touch(self, tenant: str, key: str) -> None:
+        self._lru.move_to_end((tenant, key))
+        self._per_tenant[tenant].move_to_end(key)
+
+    def _forget(self, tenant: str, key: str) -> None:
+        del self._lru[tenant, key]
+        own = self._per_tenant[tenant]
+        del own[key]
+        if not own:
+            del self._per_tenant[tenant]
 
 
 def choose_replica(replicas: Iterable[Replica], *, exclude: set[int] | None = None,

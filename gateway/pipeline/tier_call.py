@@ -93,11 +93,12 @@ class TierCaller:
         last: TierError | None = None
         for _ in range(MAX_REPLICAS_TRIED):
             try:
-                replica, _why = self.fleet.pick(tier.name, exclude=tried, affinity=affinity, version=tier.version_name)
+                replica, _why = self.fleet.pick(tier.name, exclude=tried, affinity=affinity, version=tier.version_name,
+                                                tenant=tenant or "")
             except NoTierAvailable as exc:
                 raise (last or exc) from None
             tried.add(replica.index)
-            chunks = self._chunks(replica, tier, body, affinity, cache_salt(tier, tenant))
+            chunks = self._chunks(replica, tier, body, affinity, cache_salt(tier, tenant), tenant or "")
             try:
                 return Upstream(replica, chunks, await anext(chunks, None))
             except UpstreamUnreachable as exc:
@@ -107,7 +108,7 @@ class TierCaller:
         raise last
 
     async def _chunks(self, replica: Replica, tier: TierSpec, body: dict[str, Any], affinity: str | None,
-                      salt: str | None = None) -> AsyncIterator[dict[str, Any]]:
+                      salt: str | None = None, tenant: str = "") -> AsyncIterator[dict[str, Any]]:
         """The replica's chunks; how the call went is told to its breaker, latency average and affinity."""
         assert replica.url is not None
         replica.inflight += 1
@@ -138,4 +139,4 @@ class TierCaller:
                 replica.breaker.abandon()
             elif verdict and finished:
                 replica.observe_latency(time.perf_counter() - t0)
-                self.fleet.served(affinity, replica)
+                self.fleet.served(affinity, replica, tenant)

@@ -40,6 +40,21 @@ def test_affinity_map_is_a_bounded_lru_per_tier() -> None:
     assert m.get("a", "full") is None  # routed to another tier this turn: no affinity
 
 
+def test_one_tenants_flood_of_conversations_recycles_its_own_entries_not_anothers() -> None:
+    m = AffinityMap(max_entries=100)
+    for i in range(10):
+        m.remember(f"v{i}", "mid", 1, "victim")
+    for i in range(1_000):  # each a new conversation, none ever asked again
+        m.remember(f"a{i}", "mid", 0, "attacker")
+    assert len(m) == 100 and m.held_by("attacker") == 90
+    assert [m.get(f"v{i}", "mid", "victim") for i in range(10)] == [1] * 10
+    assert m.get("a999", "mid", "attacker") == 0 and m.get("a0", "mid", "attacker") is None
+    assert m.get("v0", "mid", "attacker") is None  # keys are the tenant's own
+    # below its share a tenant still takes the least recently used entry, whoever's it is
+    m.remember("n0", "mid", 0, "newcomer")
+    assert m.held_by("newcomer") == 1 and len(m) == 100
+
+
 def test_affinity_first_then_least_predicted_wait() -> None:
     reps = [ready(0, inflight=1, latency=0.1), ready(1, inflight=4, latency=0.1)]
     assert choose_replica(reps, preferred=1) == (reps[1], "affinity")
