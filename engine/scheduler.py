@@ -1,13 +1,27 @@
-"""Decides, each step, which sequences run and how many of their tokens: continuous batching.
+"""Decides, each step, which sequences run and how many of their tokens: continuous batching, fair between tenants.
 
 Pure Python over the block manager, so it is tested without a model. Each step has a token budget
 (`max_num_batched_tokens`): running sequences go first (a decode costs one token, an unfinished prompt
 takes the rest of the budget as a chunk), then waiting ones are admitted by policy while blocks, slots
 and budget last. A long prompt is therefore cut into chunks instead of stalling everyone's decode. While
 other sequences wait behind it (later running ones, or waiting ones), a prompt's chunk leaves SHARED_TOKENS of
-the budget to them: their decodes and a short prompt's admission go on in the same step. Before, one tenant's
-long prompts took every step's whole budget in turn, and another tenant's short request waited for all of them
-to be read (a victim's p50 went from 0.11 to 6.9 s under eight 1,500-token prompts; tests/engine/test_scheduler.py).
+the budget to them: their decodes and a short prompt's admission go on in the same step.
+
+Tenants. A sequence's tenant is its prefix-cache salt (the gateway's per-tenant digest; no salt is a tenant of its
+own). A sequence makes one token a step, and on one core a step costs ~1 ms a prompt token (2.5 ms late in a
+1,500-token prompt) against 3-7 ms a decode, so with one tenant's prompts filling every step (384-512 tokens,
+0.5-1 s) another tenant's short request (8 tokens) took 5.3-7.6 s at p50 against 0.11 s alone, under eight
+1,500-token prompts through the gateway. While more than one tenant has sequences here, a step's prompt chunks
+together cost at most SHARED_STEP_COST (or as much as the step's decodes, DECODE_COST each, if more), where a
+prompt token read after c others costs 1 + c / CONTEXT_COST_TOKENS; that cost is shared equally among the
+tenants with prompts to read (one that needs less leaves the rest to the others), a tenant's first chunk of
+the step is never cut below MIN_SHARED_CHUNK tokens, and among waiting sequences of the head's priority the
+tenant with the fewest running ones is admitted first. A tenant's prompts are held so only for another tenant
+with a sequence of the same or a higher priority. A tenant alone here keeps the whole budget. Measured through the
+gateway: the steps beside the victim take 0.08 s on average (0.5-0.6 s before), and its p50 under the eight prompts
+is 1.0-1.05 s (p95 1.35 s), most of the rest being the in-flight step it arrives behind. What the shorter steps cost
+the tenant with the long prompts is measured at SHARED_STEP_COST; tests/engine/test_scheduler.py pins the policy.
+
 When blocks run out, the lowest-priority running sequence is preempted: its blocks are freed and it
 waits to be recomputed from its tokens (its own freed blocks usually come back as prefix-cache hits).
 A waiting sequence of higher priority than a running one may preempt it the same way.
@@ -15,6 +29,8 @@ A waiting sequence of higher priority than a running one may preempt it the same
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
@@ -22,6 +38,27 @@ from engine.request_queue import SchedulingPolicy, create_request_queue
 from engine.sequence import Sequence, SequenceStatus
 
 SHARED_TOKENS = 128  # a short prompt, or the decodes of every running sequence
+# While more than one tenant has sequences in the engine, the prompt chunks of one step cost at most this many
+# prompt tokens read at a prompt's start (~0.9 ms each on one core, mid or full): with the decodes beside them, a
+# step of 0.08 s. Measured in one engine (mid, full), a victim's requests sent one after another throughout another
+# tenant's four 1,530-token prompts: at 64, the victim's p50 0.57-0.63 s and the prompts done in 11.9-13.8 s (21
+# victim requests done); at 96, 0.76 s and 11.2-11.6 s (16); at 128, 0.96-0.99 s and 10.5-11.5 s (13); before,
+# 1.8-2.1 s (p95 7.1 s) and 9.3-10.4 s (4). Alone, the prompts take 9.5-10.5 s either way
+SHARED_STEP_COST = 64
+# A prompt token read after this many earlier ones costs about twice one at the start: measured on one core,
+# 0.9-1.1 ms a token at the start, 1.3-1.6 ms after 512, 1.8-2.2 after 1,024, 2.4-2.9 after 1,536 (mid and full)
+CONTEXT_COST_TOKENS = 1000
+# A tenant's first chunk in a shared step is never cut below this many tokens: reading late in a long prompt, each
+# chunk first gathers its whole context, so smaller chunks cost more in all (1,536 tokens in chunks of 32: 2.7-2.8 s
+# on one core against 2.1-2.5 s in chunks of 64 to 512; 3,000 tokens: 8.5-9.8 s against 6.2-6.8 s in chunks of 512)
+MIN_SHARED_CHUNK = 32
+# A decode costs about as much as this many prompt tokens read at a prompt's start (measured on one core, in steps of
+# 1 to 4 decodes at 1,540 tokens of context: 3-5 ms more a decode on full, 6.5-7 ms on mid, against ~1 ms). Held
+# prompts may cost as much as the step's decodes together, when that is more than SHARED_STEP_COST: one tenant's
+# many decodes cannot shrink another tenant's prompt reading to a sliver of each step
+DECODE_COST = 6
+
+Tenant = str | None  # a sequence's prefix-cache salt (the gateway's per-tenant digest); None is a tenant too
 
 
 @dataclass
@@ -60,6 +97,9 @@ class Scheduler:
         self.running: list[Sequence] = []
         # what a prompt's chunk leaves of a step's budget while others wait behind it
         self.shared_tokens = min(SHARED_TOKENS, max_num_batched_tokens // 2)
+        # while tenants share the engine: what a step's prompt chunks may cost, and a tenant's least chunk
+        self.shared_step_cost = min(SHARED_STEP_COST, max_num_batched_tokens)
+        self.min_shared_chunk = min(MIN_SHARED_CHUNK, self.shared_step_cost)
         self.num_preemptions_total = 0
 
     def add_request(self, seq: Sequence) -> None:
@@ -77,35 +117,55 @@ class Scheduler:
         self.running.sort(key=_rank)
         if self.policy is SchedulingPolicy.PRIORITY:
             self._preempt_for_waiting(out)
+        shares = self._tenant_shares()
         # running sequences first: decodes and the next chunk of unfinished prompts
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            key = self._key(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if n > 1 and (i + 1 < len(self.running) or len(self.waiting)):  # a chunk, with others behind it
+            chunk = n > 1
+            if chunk and shares.holds(key):  # its tenant's share of the step
+                n = shares.grant(key, n, seq.num_computed_tokens)
+            elif chunk and (i + 1 < len(self.running) or len(self.waiting)):  # a chunk, with others behind it
                 n = min(n, budget - self.shared_tokens)
-                if n < 1:  # this step's budget is theirs now
-                    i += 1
-                    continue
+            if n < 1:  # this step's budget is theirs now
+                i += 1
+                continue
             while not self.block_manager.allocate_slots(seq, n):
                 victim = self.running.pop()  # the lowest-ranked; never one already scheduled (they rank higher)
                 self._preempt(victim, out)
                 if victim is seq:
                     break
             else:
+                if chunk:
+                    shares.charge(key, n, seq.num_computed_tokens)
                 self._add(out, seq, n)
                 budget -= n
                 i += 1
         # then admit waiting sequences while slots, blocks and budget last (none if this step preempted)
         while len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
-            seq = self.waiting.peek_request()
-            hits = self.block_manager.get_computed_blocks(seq)
-            n = min(seq.num_tokens - len(hits) * self.block_manager.block_size, budget)
-            if not self.block_manager.allocate_slots(seq, n, hits):
+            seq = self._next_waiting(shares)
+            if seq is None:
                 break
-            self.waiting.pop_request()
+            key = self._key(seq)
+            hits = self.block_manager.get_computed_blocks(seq)
+            cached = len(hits) * self.block_manager.block_size
+            n = min(seq.num_tokens - cached, budget)
+            chunk = n > 1
+            if chunk and shares.holds(key):
+                n = shares.grant(key, n, cached)
+            if n < 1 or not self.block_manager.allocate_slots(seq, n, hits):
+                break
+            if seq is self.waiting.peek_request():
+                self.waiting.pop_request()
+            else:  # a tenant with fewer running sequences goes before one with more (_next_waiting)
+                self.waiting.remove_request(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            shares.num_running[seq.cache_salt] += 1
+            if chunk:
+                shares.charge(key, n, cached)
             self._add(out, seq, n)
             budget -= n
         return out
@@ -170,6 +230,64 @@ class Scheduler:
         self.waiting.prepend_request(seq)
         out.preempted.append(seq)
 
+    def _admissible(self) -> Iterator[Sequence]:
+        """Waiting sequences that may be admitted next, in queue order: those of the head's priority (all for FCFS)."""
+        if not len(self.waiting):
+            return
+        head = self.waiting.peek_request()
+        for seq in self.waiting:
+            if self.policy is SchedulingPolicy.PRIORITY and seq.priority != head.priority:
+                return
+            yield seq
+
+    def _tenant_shares(self) -> _Shares:
+        """This step's prompt cost per tenant and priority, while more than one tenant has sequences here.
+
+        A tenant's prompts of some priority are held to a share only for the sake of another tenant with a sequence
+        of that priority or a higher one (a lower-priority decode never slows a higher-priority prompt). Shares are
+        filled from the step's SHARED_STEP_COST (or its decodes' cost, if more) priority by priority, the highest first.
+        """
+        waiting = list(self._admissible()) if len(self.running) < self.max_num_seqs else []
+        best: dict[Tenant, int] = {}  # each tenant's highest priority here (its lowest number)
+        demand: dict[int, dict[Tenant, float]] = {}  # per priority, each tenant's prompt cost, in rank then queue order
+        num_decodes = 0
+        for seq in self.running + waiting:  # a waiting sequence has computed nothing yet
+            tenant, level = self._key(seq)
+            best[tenant] = min(best.get(tenant, level), level)
+            left = seq.num_tokens - seq.num_computed_tokens
+            if left > 1:
+                per_tenant = demand.setdefault(level, {})
+                per_tenant[tenant] = per_tenant.get(tenant, 0.0) + _cost(left, seq.num_computed_tokens)
+            else:
+                num_decodes += 1
+        shares = _Shares(len(best) > 1, Counter(seq.cache_salt for seq in self.running), self.min_shared_chunk)
+        if not shares.shared:
+            return shares
+        total = float(max(self.shared_step_cost, DECODE_COST * num_decodes))
+        for level in sorted(demand):
+            held = {tenant: cost for tenant, cost in demand[level].items()
+                    if any(b <= level for other, b in best.items() if other != tenant)}
+            for tenant, share in _water_fill(held, total).items():
+                shares.left[tenant, level] = share
+                total -= share
+        return shares
+
+    def _key(self, seq: Sequence) -> tuple[Tenant, int]:
+        """Its tenant and its priority (all one priority under FCFS)."""
+        return seq.cache_salt, seq.priority if self.policy is SchedulingPolicy.PRIORITY else 0
+
+    def _next_waiting(self, shares: _Shares) -> Sequence | None:
+        """The waiting sequence to admit next: the head; while tenants share the engine, the first (of the head's
+        priority) of the tenant with the fewest running sequences, among those whose share is not spent."""
+        if not shares.shared:
+            return self.waiting.peek_request()
+        best, fewest = None, 0
+        for seq in self._admissible():
+            load = shares.num_running[seq.cache_salt]
+            if shares.can_take(self._key(seq)) and (best is None or load < fewest):
+                best, fewest = seq, load
+        return best
+
     def _preempt_for_waiting(self, out: SchedulerOutput) -> None:
         """Make room for a waiting sequence that outranks the lowest-ranked running one."""
         while len(self.waiting) and self.running:
@@ -190,3 +308,47 @@ class Scheduler:
 
 def _rank(seq: Sequence) -> tuple[int, float]:
     return seq.priority, seq.arrival_time
+
+
+@dataclass
+class _Shares:
+    """One step's prompt cost per (tenant, priority) held to a share while tenants share the engine (see `_cost`)."""
+
+    shared: bool  # more than one tenant has sequences here
+    num_running: Counter[Tenant]  # running sequences per tenant, this step's admissions included
+    min_chunk: int  # a held tenant's first chunk of a priority in the step is never cut below this
+    left: dict[tuple[Tenant, int], float] = field(default_factory=dict)  # what held chunks may still cost
+    started: set[tuple[Tenant, int]] = field(default_factory=set)  # held ones with a chunk in this step
+
+    def holds(self, key: tuple[Tenant, int]) -> bool:
+        return key in self.left
+
+    def grant(self, key: tuple[Tenant, int], n: int, context: int) -> int:
+        """How many of `n` prompt tokens read after `context` earlier ones a held share allows (0: none)."""
+        fit = int(self.left[key] * CONTEXT_COST_TOKENS // (CONTEXT_COST_TOKENS + context))
+        if key not in self.started:
+            fit = max(fit, self.min_chunk)
+        return min(n, fit)
+
+    def charge(self, key: tuple[Tenant, int], n: int, context: int) -> None:
+        if key in self.left:
+            self.left[key] -= _cost(n, context)
+            self.started.add(key)
+
+    def can_take(self, key: tuple[Tenant, int]) -> bool:
+        return key not in self.left or key not in self.started or self.left[key] >= 1
+
+
+def _cost(n: int, context: int) -> float:
+    """What reading `n` prompt tokens after `context` earlier ones costs, in tokens read at a prompt's start."""
+    return n * (CONTEXT_COST_TOKENS + context) / CONTEXT_COST_TOKENS
+
+
+def _water_fill(demand: dict[Tenant, float], total: float) -> dict[Tenant, float]:
+    """Share `total` equally among the tenants; one that needs less than its part leaves the rest to the others."""
+    shares: dict[Tenant, float] = {}
+    order = sorted(demand, key=demand.__getitem__)  # stable: equal demands keep their order
+    for k, tenant in enumerate(order):
+        shares[tenant] = min(demand[tenant], total / (len(order) - k))
+        total -= shares[tenant]
+    return shares

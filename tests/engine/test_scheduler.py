@@ -5,7 +5,14 @@ from __future__ import annotations
 from engine.block_manager import BlockManager
 from engine.request_queue import SchedulingPolicy
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduler import (
+    CONTEXT_COST_TOKENS,
+    DECODE_COST,
+    MIN_SHARED_CHUNK,
+    SHARED_STEP_COST,
+    Scheduler,
+    SchedulerOutput,
+)
 from engine.sequence import Sequence, SequenceStatus
 
 EOS = 0
@@ -17,9 +24,11 @@ def make(num_blocks: int = 64, block_size: int = 4, budget: int = 16, max_num_se
                      max_model_len=1024, eos_token_ids={EOS}, policy=policy)
 
 
-def seq(rid: str, n: int, *, max_tokens: int = 4, priority: int = 0, t: float = 0.0) -> Sequence:
-    return Sequence(rid, list(range(1, n + 1)), SamplingParams(temperature=0, max_tokens=max_tokens),
-                    priority=priority, arrival_time=t)
+def seq(rid: str, n: int, *, max_tokens: int = 4, priority: int = 0, t: float = 0.0,
+        salt: str | None = None, first: int = 1) -> Sequence:
+    """Prompt tokens first .. first + n - 1 (the same `first` shares a prefix in the cache, within one salt)."""
+    return Sequence(rid, list(range(first, first + n)), SamplingParams(temperature=0, max_tokens=max_tokens),
+                    priority=priority, arrival_time=t, cache_salt=salt)
 
 
 def step(sched: Scheduler, token: int = 7) -> SchedulerOutput:
@@ -138,3 +147,110 @@ def test_a_long_prompt_leaves_part_of_each_step_to_those_behind_it() -> None:
     for got in (first, second):
         assert got["long"] <= 8 and got["short"] == 1  # the first long prompt shares; the decode goes on
     assert "short2" in first or "short2" in second  # admitted while two long prompts are being read
+
+
+# ---- tenants (a tenant is a cache salt; no salt is a tenant of its own) ----
+
+def engine_like(max_num_seqs: int = 16) -> Scheduler:
+    """The engines' budget (512 tokens a step), with room for a dozen 1,500-token prompts."""
+    return make(num_blocks=2048, block_size=16, budget=512, max_num_seqs=max_num_seqs)
+
+
+def prompt_tokens(out: SchedulerOutput, salt: str | None) -> int:
+    """The tokens of `salt`'s prompt chunks in a step (a decode, one token at a prompt's end, is not one)."""
+    return sum(n for s, n in zip(out.seqs, out.num_scheduled_tokens, strict=True) if s.cache_salt == salt and n > 1)
+
+
+def test_one_tenants_long_prompts_keep_the_step_short_while_another_tenant_decodes() -> None:
+    """Before, one tenant's eight 1,500-token prompts filled every step with 384-512 tokens of prompt (~0.5-1 s on one
+    core) and another tenant's short request made one token a step: its p50 went from 0.11 s alone to 5.3-7.6 s."""
+    sched = engine_like()
+    for k in range(8):
+        sched.add_request(seq(f"long{k}", 1500, max_tokens=16, t=k, salt="attacker", first=10_000 * (k + 1)))
+    assert prompt_tokens(step(sched), "attacker") == 512  # alone, the whole budget
+    victim = seq("victim", 20, max_tokens=8, t=100, salt="victim")
+    sched.add_request(victim)
+    outs = []
+    while not victim.is_finished:
+        outs.append(step(sched))
+        assert victim in outs[-1].seqs  # admitted at once, then a token every step
+        assert prompt_tokens(outs[-1], "attacker") <= SHARED_STEP_COST  # ~0.07 s of prompt, not 0.5-1 s
+    assert len(outs) == 8 and scheduled(outs[0])["victim"] == 20
+    assert prompt_tokens(step(sched), "attacker") == 512  # gone: the whole budget again
+
+
+def test_a_tenants_share_costs_more_late_in_a_long_prompt() -> None:
+    """A prompt token read after c earlier ones costs 1 + c / CONTEXT_COST_TOKENS: a share buys fewer of them, so the
+    step stays as short late in a long prompt as early (reading after 1,500 tokens costs ~2.5x on one core)."""
+    sched = engine_like()
+    sched.add_request(seq("victim", 2, max_tokens=100, salt="victim"))
+    step(sched)  # the victim decodes from now on
+    long = seq("long", 4000, max_tokens=1, t=1, salt="attacker")
+    sched.add_request(long)
+    got = []
+    while long.num_computed_tokens < 2500:
+        before = long.num_computed_tokens
+        got.append((before, scheduled(step(sched))["long"]))
+    for context, n in got:
+        assert n == max(MIN_SHARED_CHUNK, SHARED_STEP_COST * CONTEXT_COST_TOKENS // (CONTEXT_COST_TOKENS + context))
+    assert got[0][1] == SHARED_STEP_COST and got[-1][1] == MIN_SHARED_CHUNK  # never cut below the least chunk
+
+
+def test_a_waiting_tenant_is_admitted_before_another_tenants_queue() -> None:
+    """Before, a tenant's queued prompts went first: another tenant's request waited for all of them to be admitted."""
+    sched = engine_like()
+    for k in range(8):
+        sched.add_request(seq(f"long{k}", 1500, max_tokens=16, t=k, salt="attacker", first=10_000 * (k + 1)))
+    step(sched)
+    sched.add_request(seq("victim", 20, max_tokens=8, t=100, salt="victim"))
+    assert "victim" in scheduled(step(sched))
+
+
+def test_tenants_reading_long_prompts_share_each_step() -> None:
+    """A second tenant's long prompt is read beside the first's, not after them."""
+    sched = engine_like()
+    for k in range(4):
+        sched.add_request(seq(f"a{k}", 1500, max_tokens=1, t=k, salt="a", first=10_000 * (k + 1)))
+    step(sched)
+    late = seq("b", 600, max_tokens=1, t=10, salt="b")
+    sched.add_request(late)
+    steps = 0
+    while not late.is_finished:
+        left = late.num_prompt_tokens - late.num_computed_tokens
+        out = step(sched)
+        steps += 1
+        assert scheduled(out)["b"] >= min(MIN_SHARED_CHUNK, left)  # every step, what its share buys
+        assert prompt_tokens(out, "a") <= max(MIN_SHARED_CHUNK, SHARED_STEP_COST // 2)
+    assert steps <= 600 // MIN_SHARED_CHUNK + 1
+
+
+def test_no_salt_is_a_tenant_of_its_own() -> None:
+    sched = engine_like()
+    sched.add_request(seq("plain", 2, max_tokens=50))
+    step(sched)
+    sched.add_request(seq("long", 1500, t=1, salt="a"))
+    assert prompt_tokens(step(sched), "a") <= SHARED_STEP_COST
+
+
+def test_a_lower_priority_tenant_never_holds_a_higher_priority_prompt_back() -> None:
+    sched = engine_like()
+    sched.add_request(seq("batch", 2, max_tokens=50, priority=2, salt="b"))
+    step(sched)
+    sched.add_request(seq("interactive", 1500, priority=0, t=1, salt="i"))
+    assert prompt_tokens(step(sched), "i") == 511  # the budget but the batch tenant's decode
+    sched.add_request(seq("batch-long", 1500, priority=2, t=2, salt="b"))
+    sched.add_request(seq("interactive-short", 2, max_tokens=50, priority=0, t=3, salt="i2"))
+    step(sched)
+    for _ in range(3):  # now the batch tenant's prompt is held for the interactive tenants' decodes
+        assert prompt_tokens(step(sched), "b") <= SHARED_STEP_COST
+
+
+def test_many_decodes_of_one_tenant_leave_another_tenants_prompt_as_much_of_the_step() -> None:
+    """A held prompt may cost as much as the step's decodes: twenty decodes (~0.1 s a step) cannot shrink another
+    tenant's prompt to SHARED_STEP_COST a step (~0.06 s)."""
+    sched = make(num_blocks=2048, block_size=16, budget=512, max_num_seqs=32)
+    for k in range(20):
+        sched.add_request(seq(f"gen{k}", 2, max_tokens=100, t=k, salt="a", first=10 * (k + 1)))
+    step(sched)
+    sched.add_request(seq("long", 1500, max_tokens=1, t=100, salt="b"))
+    assert scheduled(step(sched))["long"] == 20 * DECODE_COST > SHARED_STEP_COST
