@@ -16,8 +16,10 @@ from engine.llm_engine import LLMEngine
 
 # 0.3: int8 on CPU runs fbgemm with per-token activations; 0.4: oneDNN linear layers and fused layer steps
 # (the same sums in another order: a near-tie can now pick the other token); 0.5: bf16 on CPU keeps fp32
-# activations around bf16 matmuls (engine/model_runner.py)
-ENGINE_VERSION = "tiergate-engine/0.5"
+# activations around bf16 matmuls (engine/model_runner.py); 0.6: a speculative tier's draft catches up with a long
+# prompt a share a step, the sequence decoding plainly meanwhile (engine/speculative.py): a seeded sampled answer to
+# a long prompt draws its numbers in another order
+ENGINE_VERSION = "tiergate-engine/0.6"
 # the int8 tier's activation scheme: each token mapped onto [0, 1] before fbgemm (engine/int8_dynamic.py), since
 # 2026-12-02; its answers differ from the scheme before, so its versions do
 INT8_SCHEME = "rows-onto-0-1"

@@ -16,6 +16,17 @@ rows per sequence cost more than the draft saves (BENCHMARKS.md, "Speculative de
 own paged KV cache and block manager; each sequence's draft state is the number of its tokens whose draft K/V
 are valid, which only ever grows along the sequence's tokens, so a preempted sequence keeps it. Rejected rows
 leave K/V past the accepted tokens in both caches; those slots are written again before anything reads them.
+
+Catching up. Before it drafts, the draft reads every token of the sequence it has not read yet: a whole prompt the
+first time. A step's catch-up rows cost at most CATCH_UP_ROWS rows read at a sequence's start (a row read after c
+others costs 1 + c / CATCH_UP_CONTEXT of those): a sequence further behind than that reads its share and takes a
+plain step (`run` returns None; with several sequences, it decodes its next token in the others' speculative step),
+until the rest fits in one step and it drafts. A greedy request's tokens are plain decoding's either way; a sampled
+one's follow the target's distribution, though a seeded one with a long prompt draws its numbers in another order
+than when the whole catch-up ran in its first decode step. Measured in one `full` engine on one core, a 1,559-token
+prompt answered in 128 tokens: its catch-up took one step of 2.3-2.6 s, and another tenant's short request arriving
+as it began waited 2.4-2.8 s (0.10 s alone); in shares, 37 steps of 0.08-0.09 s and 0.23-0.24 s, for the prompt's
+request 6.8-7.2 s instead of 6.4-6.9 s.
 """
 
 from __future__ import annotations
@@ -35,7 +46,19 @@ if TYPE_CHECKING:
     from engine.model_runner import ModelRunner
 
 MAX_K = 8
-MAX_ROWS = 512  # rows per draft call while it catches up with a long prompt
+MAX_ROWS = 512  # rows per draft call (a step's first call holds its catch-up rows and each sequence's last token)
+# A step's catch-up rows cost at most this many rows read at a sequence's start. Measured on one core, the int8 draft
+# (mid) reads n rows of one sequence after c others (logits_of_rows) in 0.78-0.92 ms a row at c = 0 (n = 32-512),
+# 1.3-1.5 at 512, 1.9-2.2 at 1,024, 2.5-2.8 at 1,536, 3.7-4.4 at 2,300 (beside a plain decode of `full`, 15-22 ms):
+# 96 of them, ~0.08 s, keep a catch-up step as short as a step the scheduler shares between tenants. In one A/B of a
+# 1,559-token prompt (module docstring), a newcomer's latency and the prompt's request time: at 48, 0.22-0.23 s and
+# 8.0-8.5 s; at 96, 0.26 s and 7.5-7.8 s; at 192, 0.32 s and 7.4-7.8 s; the whole catch-up in one step, 2.6-2.9 s and
+# 7.0-7.4 s (a loaded machine: slower than the docstring's numbers)
+CATCH_UP_ROWS = 96
+CATCH_UP_CONTEXT = 640  # a draft row read after this many others costs about twice one at a sequence's start
+# A step catches up at least this many rows (past ~3,200 tokens of context, beyond the default draft cache): fewer a
+# call cost more each, 1.3-1.6x a row of 128-row calls at 16 rows, 1.5-2.1x at 8 (same measurement)
+MIN_CATCH_UP_ROWS = 16
 
 
 @dataclass(frozen=True)
@@ -58,6 +81,7 @@ class _Plan:
     k: int  # tokens to draft (0: this sequence only decodes its next token)
     drafts: list[int]
     draft_probs: list[torch.Tensor | None]  # per draft token: the draft's distribution (None: greedy)
+    catch_up: int = 0  # a sequence still catching up (k = 0): the tokens the draft reads for it this step
 
 
 def eligible(params: SamplingParams) -> bool:
@@ -93,13 +117,18 @@ class SpeculativeDecoder:
 
     @torch.inference_mode()
     def run(self, out: SchedulerOutput, target_blocks: BlockManager, max_model_len: int) -> list[list[int]] | None:
-        """The tokens each sequence of `out` makes this step (1 to k + 1 each, in order), or None when the target's
-        KV cache has no room for the verification rows (the caller then runs a plain step)."""
+        """The tokens each sequence of `out` makes this step (1 to k + 1 each, in order), or None when the caller is
+        to run a plain step: the target's KV cache has no room for the verification rows, or no sequence drafts
+        because those that would are still catching up (the draft has read its share of their tokens)."""
         plans = []
         for seq in out.seqs:
             room = min(seq.params.max_tokens - seq.num_output_tokens, max_model_len - seq.num_tokens) - 1
             k = min(self.config.k, room)
             plans.append(_Plan(seq, max(k, 0), [], []))
+        self._share_catch_up(plans)
+        if not any(p.k for p in plans) and any(p.catch_up for p in plans):
+            self._draft(plans)  # the catch-up rows alone, beside the caller's plain step
+            return None
         for plan in plans:  # rows T-1 .. T-1+k: blocks up to position T-1+k
             if not target_blocks.allocate_slots(plan.seq, plan.k + 1):
                 return None
@@ -110,17 +139,34 @@ class SpeculativeDecoder:
 
     # ---- the draft ----
 
-    def _draft(self, plans: list[_Plan]) -> None:
-        """Propose each plan's k tokens: catch the draft's cache up with the sequence, then one row per round."""
-        active = []
+    def _share_catch_up(self, plans: list[_Plan]) -> None:
+        """Which plans draft this step: those with draft room whose unread tokens (but the last) fit in what is left
+        of the step's catch-up cost, least behind first; the next one further behind reads what is left (at least
+        MIN_CATCH_UP_ROWS), the others wait. A plan that does not draft gets k = 0."""
+        behind = []
         for p in plans:
             if p.k and self._room(p):
-                active.append(p)
+                state = self._states[p.seq.request_id]
+                behind.append((p.seq.num_tokens - 1 - state.num_computed_tokens, p, state))
             else:
                 p.k = 0  # no draft room (or none wanted): this sequence only decodes its next token
-        if not active:
-            return
-        # round 1: every token the draft has not seen, the last one's logits giving the first draft token
+        budget, catching_up = float(CATCH_UP_ROWS), False
+        for n, p, state in sorted(behind, key=lambda b: b[0]):
+            rows = 0
+            while rows < n and budget >= (cost := 1 + (state.num_computed_tokens + rows) / CATCH_UP_CONTEXT):
+                budget -= cost
+                rows += 1
+            if rows == n:
+                continue
+            p.k = 0
+            if not catching_up:  # the draft's blocks for these rows were allocated by _room
+                p.catch_up, catching_up, budget = max(rows, min(n, MIN_CATCH_UP_ROWS)), True, 0.0
+
+    def _draft(self, plans: list[_Plan]) -> None:
+        """Propose each plan's k tokens: catch the draft's cache up with the sequence, then one row per round."""
+        active = [p for p in plans if p.k]
+        # round 1: every token the draft has not seen, the last one's logits giving the first draft token; and the
+        # catch-up rows of a plan that does not draft yet
         rows: list[tuple[int, int, list[int]]] = []  # (token, position, block table)
         last_row: dict[int, int] = {}  # plan index in `active` -> its last row
         for i, p in enumerate(active):
@@ -128,7 +174,17 @@ class SpeculativeDecoder:
             for pos in range(state.num_computed_tokens, len(tokens)):
                 rows.append((tokens[pos], pos, state.block_table))
             last_row[i] = len(rows) - 1
+        for p in plans:
+            if p.catch_up:
+                state, tokens = self._states[p.seq.request_id], p.seq.token_ids
+                start = state.num_computed_tokens
+                rows += [(tokens[pos], pos, state.block_table) for pos in range(start, start + p.catch_up)]
+                state.num_computed_tokens += p.catch_up
+        if not rows:
+            return
         logits = self._draft_rows(rows, [last_row[i] for i in range(len(active))])
+        if not active:
+            return
         self._propose(active, logits)
         for j in range(1, max(p.k for p in active)):  # rounds 2..k: the previous draft token, one row each
             going = [p for p in active if p.k > j]
@@ -137,7 +193,8 @@ class SpeculativeDecoder:
             self._propose(going, self._draft_rows(rows, list(range(len(rows)))))
 
     def _room(self, plan: _Plan) -> bool:
-        """Draft blocks for the plan's rows (positions up to T + k - 2); False when the draft's cache is full."""
+        """Draft blocks for the plan's rows (positions up to T + k - 2); False when the draft's cache is full. (The
+        blocks of a sequence still catching up are allocated whole, as if it drafted: it will.)"""
         seq = plan.seq
         state = self._states.get(seq.request_id)
         if state is None:
@@ -145,7 +202,7 @@ class SpeculativeDecoder:
         return self.blocks.allocate_slots(state, seq.num_tokens + plan.k - 1 - state.num_computed_tokens)
 
     def _draft_rows(self, rows: list[tuple[int, int, list[int]]], wanted: list[int]) -> torch.Tensor:
-        """The draft's logits of the `wanted` rows, the rows run in calls of at most MAX_ROWS."""
+        """The draft's logits of the `wanted` rows (none: only their K/V), the rows run in calls of at most MAX_ROWS."""
         out = []
         for start in range(0, len(rows), MAX_ROWS):
             chunk = rows[start:start + MAX_ROWS]
