@@ -14,7 +14,7 @@ retry, with backoff, commits, so the gateway refuses new work rather than serve 
 counted per minute, tenant, key, reason and status, not stored one by one, with a retention.
 
 What an implementation supplies: a writer connection, one group's transaction, which errors are the
-database's fault, and the reads.
+database's fault, and the reads (quotas/ledger_reads.py, which read-only readers in other processes share).
 """
 
 from __future__ import annotations
@@ -27,21 +27,12 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from contextlib import suppress
 from typing import Any
 
-from quotas.ledger_rows import (
-    COLUMNS,
-    COUNT_COLUMNS,
-    CountKey,
-    LedgerRow,
-    Refusal,
-    RefusalCount,
-    count_key,
-    from_db,
-    to_db,
-)
+from quotas.ledger_reads import LedgerReads, ReadSource
+from quotas.ledger_rows import CountKey, LedgerRow, Refusal, count_key, to_db
 
 log = logging.getLogger("tiergate.ledger")
 Statement = tuple[str, tuple[Any, ...]]  # SQL and its parameters
@@ -51,7 +42,6 @@ _WAKE, _STOP = "wake", "stop"
 
 GROUP_MAX = 512  # rows taken from the queue per commit at most
 BACKOFF_MIN_S, BACKOFF_MAX_S = 0.05, 2.0  # between retries while the ledger cannot commit
-READ_BATCH = 5000  # rows a streamed read (`each_row`) holds at once
 PRUNE_EVERY_S = 3600.0  # refusal counts past their retention are deleted at most this often
 
 
@@ -59,9 +49,10 @@ class LedgerUnavailable(Exception):
     """The ledger could not make a row durable in time (disk full, database locked or down, I/O error)."""
 
 
-class Ledger(ABC):
-    """`submit` rows and `submit_refusal`s from the event loop; read back with `rows` and `refusal_counts`.
-    `ready` is False while the writer cannot commit (or is not running); `not_ready_reason` says why."""
+class Ledger(LedgerReads, ABC):
+    """`submit` rows and `submit_refusal`s from the event loop; read back with `rows`, `refusal_counts` and the
+    totals reports use (quotas/ledger_reads.py). `ready` is False while the writer cannot commit (or is not
+    running); `not_ready_reason` says why."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Ledger:
         if cls is Ledger:  # `Ledger(path, ...)`: the embedded SQLite ledger
@@ -100,12 +91,8 @@ class Ledger(ABC):
         """A fault of the database or its disk (retry later), not one the row's values caused (refuse the row)."""
 
     @abstractmethod
-    def _query(self, sql: str, args: tuple[Any, ...]) -> list[tuple[Any, ...]]:
-        """A read (`?` placeholders), on a connection of the caller's thread's choosing, not the writer's."""
-
-    @abstractmethod
-    def _stream(self, sql: str, args: tuple[Any, ...], size: int) -> Iterator[list[tuple[Any, ...]]]:
-        """A read, as batches of at most `size` rows, fetched as they are taken (the caller's thread)."""
+    def read_source(self) -> ReadSource:
+        """Where its rows are, for a read-only reader in another process (quotas/ledger_reads.py `open_reader`)."""
 
     @abstractmethod
     def record_now(self, rows: list[LedgerRow], refusals: Iterable[Refusal] = ()) -> None:
@@ -286,47 +273,6 @@ class Ledger(ABC):
             return
         with suppress(RuntimeError):  # the loop closed meanwhile: nobody waits on them any more
             loop.call_soon_threadsafe(_settle, futures, errors)
-
-    # ---- reads ----
-
-    def rows(self, *, tenant: str | None = None, since: float | None = None,
-             until: float | None = None) -> list[LedgerRow]:
-        return list(self.each_row(tenant=tenant, since=since, until=until))
-
-    def each_row(self, *, tenant: str | None = None, since: float | None = None,
-                 until: float | None = None) -> Iterator[LedgerRow]:
-        """The rows `rows` gives, in its order, read READ_BATCH at a time: a report over a busy tenant's year holds
-        one batch in memory, not the year (a tenant's `/v1/usage` with no dates read every row it ever made into
-        one list, in the gateway's process)."""
-        sql, args = _select_sql("requests", COLUMNS, "ts", tenant, since, until)
-        for batch in self._stream(sql, args, READ_BATCH):
-            for r in batch:
-                yield from_db(r)
-
-    def refusal_counts(self, *, tenant: str | None = None, since: float | None = None,
-                       until: float | None = None) -> list[RefusalCount]:
-        """Counts per minute; `since` and `until` select whole minutes by their start."""
-        return [RefusalCount(*r) for r in self._select("refusal_counts", COUNT_COLUMNS, "minute", tenant, since,
-                                                        until)]
-
-    def _select(self, table: str, columns: list[str], time_column: str, tenant: str | None, since: float | None,
-                until: float | None) -> list[tuple[Any, ...]]:
-        return self._query(*_select_sql(table, columns, time_column, tenant, since, until))
-
-    def get(self, request_id: str) -> LedgerRow | None:
-        found = self._query(f"SELECT {', '.join(COLUMNS)} FROM requests WHERE request_id = ?", (request_id,))
-        return from_db(found[0]) if found else None
-
-
-def _select_sql(table: str, columns: list[str], time_column: str, tenant: str | None, since: float | None,
-                until: float | None) -> tuple[str, tuple[Any, ...]]:
-    sql, args = f"SELECT {', '.join(columns)} FROM {table} WHERE 1=1", []
-    for clause, value in (("tenant = ?", tenant), (f"{time_column} >= ?", since), (f"{time_column} < ?", until)):
-        if value is not None:
-            sql += f" AND {clause}"
-            args.append(value)
-    order = ", ".join(["ts", "request_id"] if table == "requests" else [time_column])
-    return sql + f" ORDER BY {order}", tuple(args)
 
 
 def _close_quietly(conn: Any) -> None:

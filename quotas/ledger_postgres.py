@@ -11,7 +11,9 @@ writer thread would overlap two commits' WAL flushes, but would break both promi
 PostgreSQL has made it durable as its `synchronous_commit` says (on by default: the WAL is flushed to disk),
 so an answer's row survives a killed gateway and a crashed database.
 
-Reads (reports, the dashboard, the reaper's billing look-ups) take a connection from a small pool.
+Reads (reports, the dashboard, the reaper's billing look-ups) take a connection from a small pool. Reports sum
+in SQL: money is NUMERIC here, so its sums are exact where they are taken; `PostgresReader` reads the same
+tables read-only on a connection of its own (a report's process, quotas/report_worker.py).
 """
 
 from __future__ import annotations
@@ -26,12 +28,13 @@ from psycopg_pool import ConnectionPool
 
 from quotas.fleet_db import CONNECT_TIMEOUT_S, connect, fault_name, is_db_fault, migrate, pg
 from quotas.ledger import Ledger, Pending, Statement, log
-from quotas.ledger_rows import COLUMNS, CountKey, LedgerRow, Refusal, count_key, to_db
+from quotas.ledger_reads import LedgerReads, Reader, ReadSource
+from quotas.ledger_rows import COLUMNS, CountKey, LedgerRow, Refusal, RequestTotals, count_key, to_db
 
 COMPONENT = "ledger"
 # the ledger's tables, one migration each release that changed them; 1 is the schema of the release before the
 # fleet store (the SQLite tables of quotas/ledger_rows.py), 2 adds the Idempotency-Key records, 3 the version of
-# the tier that answered
+# the tier that answered, 4 an index to find one tenant's refusal counts (a report read every tenant's)
 MIGRATIONS = [
     """
     CREATE TABLE requests (
@@ -89,6 +92,9 @@ MIGRATIONS = [
     """
     ALTER TABLE requests ADD COLUMN model_version TEXT;
     """,
+    """
+    CREATE INDEX refusal_counts_tenant_minute ON refusal_counts(tenant, minute);
+    """,
 ]
 INSERT = f"INSERT INTO requests({', '.join(COLUMNS)}) VALUES ({', '.join('%s' for _ in COLUMNS)})"
 UPSERT_COUNT = ("INSERT INTO refusal_counts VALUES (%s, %s, %s, %s, %s, %s) "
@@ -103,7 +109,27 @@ def open_schema(url: str, *, upto: int | None = None) -> int:
         return migrate(conn, COMPONENT, MIGRATIONS, upto=upto)
 
 
-class PostgresLedger(Ledger):
+class PostgresReads(LedgerReads):
+    """PostgreSQL's side of the reads: request totals summed in SQL, per group (NUMERIC sums are exact)."""
+
+    _TS_SECOND = "FLOOR(ts)::BIGINT"
+
+    def _day_start(self, second: str) -> str:
+        return f"({second} - MOD(MOD({second}, 86400) + 86400, 86400))"  # no `%`: psycopg's placeholders use it
+
+    def _sum_requests(self, keys: list[str], where: str, args: tuple[Any, ...]) -> list[RequestTotals]:
+        n = len(keys)
+        group = f" GROUP BY {', '.join(str(i + 1) for i in range(n))}" if keys else ""
+        sql = (f"SELECT {''.join(k + ', ' for k in keys)}COUNT(*), SUM(input_tokens), SUM(output_tokens), "
+               "SUM(CASE WHEN cache_status = 'hit' THEN 1 ELSE 0 END), SUM(price_usd), SUM(compute_cost_usd), "
+               "SUM(cache_saving_usd), SUM(route_saving_usd), SUM(CASE WHEN route_saving_usd > 0 THEN 1 ELSE 0 END) "
+               f"FROM requests WHERE {where}{group}")
+        return [RequestTotals(tuple(r[:n]), int(r[n]), int(r[n + 1]), int(r[n + 2]), int(r[n + 3]), *r[n + 4:n + 8],
+                              int(r[n + 8]))
+                for r in self._query(sql, args) if r[n]]  # no GROUP BY: one row, even of no requests
+
+
+class PostgresLedger(PostgresReads, Ledger):
     """The ledger in the fleet database at `url` (postgresql://…); its tables are migrated on open."""
 
     def __init__(self, url: str, *, record_timeout_s: float = 10.0, busy_timeout_s: float = 5.0,
@@ -151,6 +177,9 @@ class PostgresLedger(Ledger):
     def _fault_name(self, exc: BaseException) -> str:
         return fault_name(exc)
 
+    def read_source(self) -> ReadSource:
+        return ReadSource("postgres", self.url)
+
     def _query(self, sql: str, args: tuple[Any, ...]) -> list[tuple[Any, ...]]:
         with self._pool.connection() as conn:
             return conn.execute(pg(sql), args).fetchall()
@@ -174,6 +203,25 @@ class PostgresLedger(Ledger):
 
     def _close_reads(self) -> None:
         self._pool.close()
+
+
+class PostgresReader(PostgresReads, Reader):
+    """A read-only connection (default_transaction_read_only) to the ledger's tables at `url`."""
+
+    def __init__(self, url: str) -> None:
+        self._conn = connect(url, options="-c default_transaction_read_only=on")
+
+    def _query(self, sql: str, args: tuple[Any, ...]) -> list[tuple[Any, ...]]:
+        return self._conn.execute(pg(sql), args).fetchall()
+
+    def _stream(self, sql: str, args: tuple[Any, ...], size: int) -> Iterator[list[tuple[Any, ...]]]:
+        with self._conn.transaction(), self._conn.cursor(name=f"tiergate_read_{uuid.uuid4().hex}") as cur:
+            cur.execute(pg(sql), args)
+            while batch := cur.fetchmany(size):
+                yield batch
+
+    def close(self) -> None:
+        self._conn.close()
 
 
 def _isolated(conn: psycopg.Connection[Any], statements: tuple[Statement, ...]) -> Exception | None:

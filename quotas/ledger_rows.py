@@ -1,6 +1,8 @@
 """What the usage ledger stores: one row per finished request, refusal counts, and their SQLite schema.
 
-quotas/ledger.py writes and reads them; these are the shapes and the SQL that maps them to tables.
+quotas/ledger.py writes and reads them; these are the shapes and the SQL that maps them to tables. The schema is
+run on every open (`IF NOT EXISTS`), so an index added here is built in a ledger from before at its first open
+(refusal_counts_tenant_minute: a tenant's refusal counts without reading every tenant's).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ CREATE TABLE IF NOT EXISTS refusal_counts (
 );
 CREATE INDEX IF NOT EXISTS requests_tenant_ts ON requests(tenant, ts);
 CREATE INDEX IF NOT EXISTS requests_ts ON requests(ts);
+CREATE INDEX IF NOT EXISTS refusal_counts_tenant_minute ON refusal_counts(tenant, minute);
 """
 
 
@@ -105,6 +108,34 @@ class RefusalCount:
     reason: str
     http_status: int
     count: int
+
+
+@dataclass
+class RequestTotals:
+    """The sums of the requests of one report group (quotas/report.py), read in SQL or summed where they are read."""
+
+    group: tuple[Any, ...]  # the values of the report's groups, in its order; a day as its first second (UTC)
+    requests: int
+    input_tokens: int
+    output_tokens: int
+    cache_hits: int
+    price_usd: Decimal
+    compute_cost_usd: Decimal
+    cache_saving_usd: Decimal
+    route_saving_usd: Decimal
+    routed_down: int  # requests with a routing saving
+
+
+@dataclass(frozen=True)
+class RefusalTotal:
+    """The refusals of one UTC day that share tenant, key and reason (all statuses)."""
+
+    day: int  # the day's first second, seconds since the epoch
+    tenant: str
+    key_id: str
+    reason: str
+    count: int
+    first_minute: int  # the earliest minute counted: a report lists reasons in the order they first occurred
 
 
 COLUMNS = [f.name for f in fields(LedgerRow)]

@@ -15,10 +15,13 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from decimal import Decimal, localcontext
 from pathlib import Path
 from typing import Any, Literal
 
+from quotas import ledger_reads
 from quotas.ledger import Ledger, Pending, Statement, log
+from quotas.ledger_reads import EXACT, LedgerReads, Reader, ReadSource
 from quotas.ledger_rows import (
     FOLD_OLD_REFUSALS,
     INSERT,
@@ -27,6 +30,7 @@ from quotas.ledger_rows import (
     CountKey,
     LedgerRow,
     Refusal,
+    RequestTotals,
     count_key,
     to_db,
 )
@@ -34,9 +38,56 @@ from quotas.ledger_rows import (
 # SQLite's primary result codes for faults of the database, not of the row: BUSY, LOCKED, NOMEM, READONLY,
 # IOERR, CORRUPT, FULL, CANTOPEN, PROTOCOL, NOTADB
 _NOT_THE_ROWS_FAULT = {5, 6, 7, 8, 10, 11, 13, 14, 15, 26}
+_PARSED_MAX = 10_000  # distinct money texts kept parsed while summing (most rows repeat a few: free cache hits)
 
 
-class SQLiteLedger(Ledger):
+class SQLiteReads(LedgerReads):
+    """SQLite's side of the reads: money is TEXT here, so request sums are taken where the rows are read, as
+    exact decimals, a batch at a time (only the report's columns; no row object per request)."""
+
+    _TS_SECOND = "(CAST(ts AS INTEGER) - (ts < CAST(ts AS INTEGER)))"
+
+    def _day_start(self, second: str) -> str:
+        return f"({second} - ((({second}) % 86400) + 86400) % 86400)"
+
+    def _sum_requests(self, keys: list[str], where: str, args: tuple[Any, ...]) -> list[RequestTotals]:
+        n = len(keys)
+        sql = (f"SELECT {''.join(k + ', ' for k in keys)}input_tokens, output_tokens, cache_status, price_usd, "
+               f"compute_cost_usd, cache_saving_usd, route_saving_usd FROM requests WHERE {where}")
+        groups: dict[tuple[Any, ...], list[Any]] = {}
+        parsed: dict[str, Decimal] = {}
+
+        def exact(text: str) -> Decimal:
+            value = parsed.get(text)
+            if value is None:
+                if len(parsed) >= _PARSED_MAX:
+                    parsed.clear()
+                value = parsed[text] = Decimal(text)
+            return value
+
+        zero = Decimal(0)
+        with localcontext(EXACT):
+            for batch in self._stream(sql, args, ledger_reads.READ_BATCH):
+                for row in batch:
+                    key = row[:n]
+                    t = groups.get(key)
+                    if t is None:
+                        t = groups[key] = [0, 0, 0, 0, zero, zero, zero, zero, 0]
+                    input_tokens, output_tokens, cache_status, price, cost, cache_saving, route_saving = row[n:]
+                    route = exact(route_saving)
+                    t[0] += 1
+                    t[1] += input_tokens
+                    t[2] += output_tokens
+                    t[3] += cache_status == "hit"
+                    t[4] += exact(price)
+                    t[5] += exact(cost)
+                    t[6] += exact(cache_saving)
+                    t[7] += route
+                    t[8] += route > 0
+        return [RequestTotals(key, *t) for key, t in groups.items()]
+
+
+class SQLiteLedger(SQLiteReads, Ledger):
     """The ledger in one SQLite file (`path`), read and written by this process and the CLI."""
 
     def __init__(self, path: Path, *, record_timeout_s: float = 10.0, busy_timeout_s: float = 5.0,
@@ -110,16 +161,14 @@ class SQLiteLedger(Ledger):
     def _fault_name(self, exc: BaseException) -> str:
         return getattr(exc, "sqlite_errorname", type(exc).__name__)
 
+    def read_source(self) -> ReadSource:
+        return ReadSource("sqlite", str(self.path.resolve()))
+
     def _query(self, sql: str, args: tuple[Any, ...]) -> list[tuple[Any, ...]]:
         return self._reader().execute(sql, args).fetchall()
 
     def _stream(self, sql: str, args: tuple[Any, ...], size: int) -> Iterator[list[tuple[Any, ...]]]:
-        cursor = self._reader().execute(sql, args)
-        try:
-            while batch := cursor.fetchmany(size):
-                yield batch
-        finally:
-            cursor.close()
+        yield from _batches(self._reader(), sql, args, size)  # the connection of the thread that reads
 
     def _reader(self) -> sqlite3.Connection:
         conn: sqlite3.Connection | None = getattr(self._readers, "conn", None)
@@ -135,6 +184,33 @@ class SQLiteLedger(Ledger):
             opened, self._opened = self._opened, []
         for conn in (*opened, self._read):
             conn.close()
+
+
+class SQLiteReader(SQLiteReads, Reader):
+    """A read-only connection to a ledger's SQLite file (one that exists: it is never created here)."""
+
+    def __init__(self, path: str) -> None:
+        self._conn = sqlite3.connect(Path(path).resolve().as_uri() + "?mode=rw", uri=True, isolation_level=None,
+                                     timeout=5.0, check_same_thread=False)
+        self._conn.execute("PRAGMA query_only = ON")
+
+    def _query(self, sql: str, args: tuple[Any, ...]) -> list[tuple[Any, ...]]:
+        return self._conn.execute(sql, args).fetchall()
+
+    def _stream(self, sql: str, args: tuple[Any, ...], size: int) -> Iterator[list[tuple[Any, ...]]]:
+        return _batches(self._conn, sql, args, size)
+
+    def close(self) -> None:
+        self._conn.close()
+
+
+def _batches(conn: sqlite3.Connection, sql: str, args: tuple[Any, ...], size: int) -> Iterator[list[tuple[Any, ...]]]:
+    cursor = conn.execute(sql, args)
+    try:
+        while batch := cursor.fetchmany(size):
+            yield batch
+    finally:
+        cursor.close()
 
 
 @contextmanager

@@ -1,15 +1,24 @@
-"""Usage and cost reports from the ledger, for finance: by tenant, tier and day, money in exact decimals."""
+"""Usage and cost reports from the ledger, for finance: by tenant, tier and day, money in exact decimals.
+
+A report reads totals, not rows (quotas/ledger_reads.py): the requests' sums per group and the refusal counts'
+per day, tenant, key and reason, taken in SQL where they are exact there. The gateway runs reports in a process
+of their own (`report_at`, quotas/report_worker.py), so summing a tenant's history never holds the gateway's
+interpreter; the CLI runs them where it is.
+"""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import defaultdict
-from decimal import Decimal
+from contextlib import suppress
+from decimal import Decimal, localcontext
 from typing import Any
 
-from quotas.ledger import Ledger
+from quotas.ledger_reads import EXACT, REPORT_GROUPS, LedgerReads, Reader, ReadSource, open_reader
 
-GROUPS = ("tenant", "tier", "day", "key_id")
+log = logging.getLogger("tiergate.report")
+GROUPS = REPORT_GROUPS
 MONEY = ("price_usd", "compute_cost_usd", "margin_usd", "price_per_1k_usd", "cost_per_1k_usd",
          "cache_savings_usd", "routing_savings_usd")
 COLUMNS = ("requests", "input_tokens", "output_tokens", "price_usd", "compute_cost_usd", "margin_usd",
@@ -22,7 +31,7 @@ def day_of(ts: float) -> str:
     return time.strftime("%Y-%m-%d", time.gmtime(ts))
 
 
-def usage_report(ledger: Ledger, *, by: tuple[str, ...] = ("tenant", "tier"), since: float | None = None,
+def usage_report(ledger: LedgerReads, *, by: tuple[str, ...] = ("tenant", "tier"), since: float | None = None,
                  until: float | None = None, tenant: str | None = None) -> list[dict[str, Any]]:
     """One row per group: requests, tokens, price, compute cost, margin, per-1K figures, savings, refusals.
 
@@ -33,24 +42,27 @@ def usage_report(ledger: Ledger, *, by: tuple[str, ...] = ("tenant", "tier"), si
     if unknown:
         raise ValueError(f"cannot group by {unknown}; choose from {', '.join(GROUPS)}")
     groups: dict[tuple[Any, ...], dict[str, Any]] = defaultdict(_empty)
-    for row in ledger.each_row(tenant=tenant, since=since, until=until):  # a batch at a time, not every row
-        g = groups[_key(by, row.tenant, row.tier, row.ts, row.key_id)]
-        g["requests"] += 1
-        g["input_tokens"] += row.input_tokens
-        g["output_tokens"] += row.output_tokens
-        g["price_usd"] += row.price_usd
-        g["compute_cost_usd"] += row.compute_cost_usd
-        g["cache_hits"] += row.cache_status == "hit"
-        g["cache_savings_usd"] += row.cache_saving_usd
-        g["routed_down"] += row.route_saving_usd > 0
-        g["routing_savings_usd"] += row.route_saving_usd
-    for counted in ledger.refusal_counts(tenant=tenant, since=since, until=until):
-        refusals = groups[_key(by, counted.tenant, None, counted.minute, counted.key_id)]["refusals"]
+    with localcontext(EXACT):  # sums of money, never rounded
+        for t in ledger.request_totals(by, tenant=tenant, since=since, until=until):  # one per group, summed
+            g = groups[tuple(day_of(v) if name == "day" else v for name, v in zip(by, t.group, strict=True))]
+            g["requests"] += t.requests
+            g["input_tokens"] += t.input_tokens
+            g["output_tokens"] += t.output_tokens
+            g["price_usd"] += t.price_usd
+            g["compute_cost_usd"] += t.compute_cost_usd
+            g["cache_hits"] += t.cache_hits
+            g["cache_savings_usd"] += t.cache_saving_usd
+            g["routed_down"] += t.routed_down
+            g["routing_savings_usd"] += t.route_saving_usd
+    # per day, tenant, key and reason, in the order each reason first occurred (a group's reasons are listed so)
+    for counted in ledger.refusal_totals(tenant=tenant, since=since, until=until):
+        refusals = groups[_key(by, counted.tenant, None, counted.day, counted.key_id)]["refusals"]
         refusals[counted.reason] = refusals.get(counted.reason, 0) + counted.count
     out = []
     for key, g in sorted(groups.items(), key=lambda kv: tuple(str(x) for x in kv[0])):
         tokens = g["input_tokens"] + g["output_tokens"]
-        g["margin_usd"] = g["price_usd"] - g["compute_cost_usd"]
+        with localcontext(EXACT):
+            g["margin_usd"] = g["price_usd"] - g["compute_cost_usd"]
         g["price_per_1k_usd"] = (g["price_usd"] * 1000 / tokens).quantize(PER_1K_PLACES) if tokens else Decimal(0)
         g["cost_per_1k_usd"] = (g["compute_cost_usd"] * 1000 / tokens).quantize(PER_1K_PLACES) if tokens else Decimal(0)
         out.append(dict(zip(by, key, strict=True)) | {c: g[c] for c in COLUMNS})
@@ -66,6 +78,31 @@ def _empty() -> dict[str, Any]:
 def _key(by: tuple[str, ...], tenant: str, tier: str | None, ts: float, key_id: str) -> tuple[Any, ...]:
     values = {"tenant": tenant, "tier": tier, "day": day_of(ts), "key_id": key_id}
     return tuple(values[g] for g in by)
+
+
+_readers: dict[ReadSource, Reader] = {}  # a report process's connections, one per ledger it was asked about
+
+
+def report_at(source: ReadSource, **query: Any) -> list[dict[str, Any]]:
+    """`usage_report` on a read-only reader of the ledger at `source`, kept open for the next report (in a report
+    process, quotas/report_worker.py). A reader that fails is closed; one kept from before is tried once more on a
+    new connection (the database restarted meanwhile)."""
+    for attempt in (1, 2):
+        reader, kept = _readers.get(source), True
+        if reader is None:
+            reader, kept = _readers.setdefault(source, open_reader(source)), False
+        try:
+            return usage_report(reader, **query)
+        except ValueError:
+            raise  # the query's own fault (an unknown group), not the connection's
+        except Exception as exc:
+            del _readers[source]
+            with suppress(Exception):  # it failed already: its first error is the one that matters
+                reader.close()
+            if not kept or attempt == 2:
+                raise
+            log.warning("usage report: reading the ledger failed (%s); trying once more on a new connection", exc)
+    raise AssertionError("unreachable")
 
 
 def jsonable(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

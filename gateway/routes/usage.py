@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Annotated, Any, Literal
 
 from litestar import Request, Response, get
@@ -17,7 +16,7 @@ from gateway.report_params import DAY_PATTERN, parse_by, parse_day
 from gateway.routes.openapi import BEARER, also, errors
 from gateway.tenants.store import Principal
 from quotas.ledger import Ledger
-from quotas.report import GROUPS, jsonable, usage_report
+from quotas.report import GROUPS, jsonable
 
 # what the document says of the query, as `_report` parses it: a comma list of groups; a day (YYYY-MM-DD, UTC)
 _GROUP = "(" + "|".join(GROUPS) + ")"
@@ -33,10 +32,10 @@ async def _report(ledger: Ledger, gate: ReportGate, who: str, *, tenant: str | N
         raise InvalidRequest("format is json or csv", param="format")
     try:
         groups, since_s, until_s = parse_by(by), parse_day(since), parse_day(until, end=True)
-        # read and summed on a report thread, one report per tenant at a time: a tenant's history grows with every
-        # request, and neither the event loop nor the request path's threads may wait on it
-        rows = await gate.run(who, partial(usage_report, ledger, by=groups, since=since_s, until=until_s,
-                                           tenant=tenant))
+        # read and summed in a report process, waited on by a report thread, one report per tenant at a time: a
+        # tenant's history grows with every request, and neither the event loop, nor the request path's threads,
+        # nor the gateway's interpreter may wait on it
+        rows = await gate.report(who, ledger, by=groups, since=since_s, until=until_s, tenant=tenant)
     except ValueError as exc:
         raise InvalidRequest(str(exc)) from exc
     if fmt == "csv":

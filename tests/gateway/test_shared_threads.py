@@ -104,9 +104,9 @@ def test_embeddings_inputs_being_counted_do_not_hold_up_another_tenants_cache_lo
 def test_a_tenants_reports_do_not_take_the_threads_other_tenants_need(gateway: Gateway,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """Eight reports at once from one tenant: one runs, the others are refused at once with a 429."""
-    ledger = gateway.app.state.services.pipeline.settler.ledger
-    held, begun, release = blocking(ledger.each_row)
-    monkeypatch.setattr(ledger, "each_row", held)
+    processes = gateway.app.state.services.reports.processes  # a report thread waits on its report process
+    held, begun, release = blocking(processes.report)
+    monkeypatch.setattr(processes, "report", held)
     with flood(gateway, lambda c: c.get("/v1/usage"), begun, release, answered=SENDERS - 1) as answers:
         assert answers == [429] * (SENDERS - 1)  # refused at once, while the first still runs
         r = other_tenant_asks(gateway)

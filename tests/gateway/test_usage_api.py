@@ -3,15 +3,15 @@ totals equal the sum of the ledger rows and the Prometheus counters; tenants see
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 import time
-from collections.abc import Iterator
 from decimal import Decimal
+from typing import Any
 
 import pytest
 
-from quotas.ledger_rows import LedgerRow
 from quotas.plans import Limits
 from tests.conftest import Gateway
 
@@ -82,17 +82,17 @@ def test_tenants_see_only_their_own_usage(gateway: Gateway) -> None:
 
 
 def test_a_long_report_does_not_hold_up_other_requests(gateway: Gateway, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A report reads and sums the tenant's whole history: in a worker thread, so the event loop answers others
-    while it runs (here, with a ledger made slow, /v1/models is answered before the report is done)."""
-    ledger = gateway.app.state.services.pipeline.settler.ledger
-    real, started = ledger.each_row, threading.Event()
+    """A report reads and sums the tenant's whole history: waited on by a report thread, so the event loop answers
+    others while it runs (here, with the report made slow, /v1/models is answered before the report is done)."""
+    processes = gateway.app.state.services.reports.processes
+    real, started = processes.report, threading.Event()
 
-    def slow_rows(**kwargs: object) -> Iterator[LedgerRow]:
+    def slow_report(*args: Any, **kwargs: Any) -> list[dict[str, Any]]:
         started.set()
         time.sleep(3)
-        return real(**kwargs)
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(ledger, "each_row", slow_rows)
+    monkeypatch.setattr(processes, "report", slow_report)
     reports: list[int] = []
 
     def report() -> None:
@@ -108,3 +108,37 @@ def test_a_long_report_does_not_hold_up_other_requests(gateway: Gateway, monkeyp
     reporter.join(30)
     assert reports == [200]
 
+
+
+def test_a_report_is_read_and_summed_outside_the_gateways_process(gateway: Gateway,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Neither the gateway's ledger nor its report code is used for a report: a report process reads the ledger's
+    file on its own connection and sums there (summed on a thread of the gateway, a report held the gateway's
+    interpreter: other tenants' requests waited on it). Here both are made to fail in the gateway's process; the
+    tenant's and the admin's reports are still right."""
+    import quotas.report
+
+    with gateway.client(gateway.tenant_key) as c:
+        assert c.post("/v1/chat/completions", json={"model": "mid", "messages": MSG}).status_code == 200
+    deadline = time.time() + 5
+    while not gateway.ledger_rows() and time.time() < deadline:
+        time.sleep(0.05)
+    (row,) = gateway.ledger_rows()
+
+    def not_here(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the report was read or summed in the gateway's process")
+
+    ledger = gateway.app.state.services.ledger
+    for name in ("_query", "_stream", "each_row", "refusal_counts"):
+        monkeypatch.setattr(ledger, name, not_here)
+    monkeypatch.setattr(quotas.report, "usage_report", not_here)
+    with gateway.client(gateway.tenant_key) as c:
+        mine = c.get("/v1/usage", params={"by": "tenant,tier"})
+    with gateway.client(gateway.admin_key) as admin:
+        everyone = admin.get("/admin/usage/report", params={"by": "tenant"})
+    assert mine.status_code == 200 and everyone.status_code == 200
+    assert [(r["tenant"], r["tier"], r["requests"], r["price_usd"]) for r in mine.json()["data"]] == [
+        ("acme", "mid", 1, str(row.price_usd))]
+    assert [(r["tenant"], r["requests"]) for r in everyone.json()["data"]] == [("acme", 1)]
+    pids = gateway.app.state.services.reports.processes.pids()
+    assert pids and os.getpid() not in pids

@@ -41,7 +41,7 @@ def test_a_ledger_of_the_previous_release_is_upgraded_in_place_with_its_rows(dat
 
     asyncio.run(serve_with_the_new_release())
     with connect(database_url) as conn:
-        assert version_of(conn, COMPONENT) == len(MIGRATIONS) == 3
+        assert version_of(conn, COMPONENT) == len(MIGRATIONS) == 4
 
 
 def test_replicas_starting_together_apply_each_migration_once(database_url: str) -> None:
@@ -51,18 +51,18 @@ def test_replicas_starting_together_apply_each_migration_once(database_url: str)
         t.start()
     for t in threads:
         t.join()
-    assert versions == [3] * 6
+    assert versions == [4] * 6
     with connect(database_url) as conn:
         applied = conn.execute("SELECT version FROM tiergate_migrations WHERE component = 'ledger' "
                                "ORDER BY version").fetchall()
-    assert applied == [(1,), (2,), (3,)]
+    assert applied == [(1,), (2,), (3,), (4,)]
 
 
 def test_a_database_newer_than_this_release_is_left_as_it_is(database_url: str) -> None:
     with connect(database_url) as conn:
         newer = [*MIGRATIONS, "ALTER TABLE requests ADD COLUMN region TEXT NOT NULL DEFAULT 'eu'"]
-        assert migrate(conn, COMPONENT, newer) == 4  # a replica of the next release got there first
-        assert migrate(conn, COMPONENT, MIGRATIONS) == 4  # one of this release starts: nothing undone, no error
+        assert migrate(conn, COMPONENT, newer) == 5  # a replica of the next release got there first
+        assert migrate(conn, COMPONENT, MIGRATIONS) == 5  # one of this release starts: nothing undone, no error
     ledger = PostgresLedger(database_url)
     ledger.record_now([row(1)])
     assert [r.request_id for r in ledger.rows()] == ["r1"]

@@ -60,9 +60,9 @@ def test_by_day_filters_and_tenant(ledger: Ledger) -> None:
 
 def batches_read(ledger: Ledger, monkeypatch: pytest.MonkeyPatch, size: int) -> list[int]:
     """The sizes of the batches the ledger's streamed reads fetch from now on (READ_BATCH set to `size`)."""
-    import quotas.ledger as ledger_module
+    import quotas.ledger_reads as reads_module
 
-    monkeypatch.setattr(ledger_module, "READ_BATCH", size)
+    monkeypatch.setattr(reads_module, "READ_BATCH", size)
     sizes: list[int] = []
     stream = ledger._stream
 

@@ -1,0 +1,152 @@
+"""The ledger's reads, shared by the ledgers (quotas/ledger.py) and by read-only readers of the same database.
+
+A reader (`open_reader`) is what a usage report runs on in a process of its own (quotas/report_worker.py): it
+opens its own connection to the database a ledger names (`Ledger.read_source()`: the SQLite file or the
+PostgreSQL URL), reads and never writes, and has none of the ledger's writer.
+
+Reports read totals, not rows: refusal counts summed in SQL per UTC day, tenant, key and reason (integers: exact
+anywhere); request rows summed per report group, in SQL on PostgreSQL (NUMERIC money: exact sums) and where
+they are read on SQLite (money is TEXT there: summed as exact decimals, never as floats).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+from decimal import MAX_EMAX, MAX_PREC, MIN_EMIN, Context
+from typing import Any, NamedTuple
+
+from quotas.ledger_rows import (
+    COLUMNS,
+    COUNT_COLUMNS,
+    LedgerRow,
+    RefusalCount,
+    RefusalTotal,
+    RequestTotals,
+    from_db,
+)
+
+READ_BATCH = 5000  # rows a streamed read (`each_row`) holds at once
+REPORT_GROUPS = ("tenant", "tier", "day", "key_id")
+# additions and subtractions of money with no rounding (the default context keeps 28 digits): exact to the last
+# digit, however many rows are summed. Not for division (a third has no end).
+EXACT = Context(prec=MAX_PREC, Emax=MAX_EMAX, Emin=MIN_EMIN)
+
+
+class ReadSource(NamedTuple):
+    """Where a ledger's rows are, for a reader in another process: ("sqlite", path) or ("postgres", url)."""
+
+    kind: str
+    target: str
+
+
+class LedgerReads(ABC):
+    """The reads: rows, refusal counts, and the totals reports use. An implementation supplies `_query`,
+    `_stream`, how to take a row's second and its day (`_TS_SECOND`, `_day_start`) and how to sum requests
+    (`_sum_requests`)."""
+
+    _TS_SECOND: str  # SQL: the whole second (floor) of a row's `ts`, as time.gmtime takes it
+
+    @abstractmethod
+    def _day_start(self, second: str) -> str:
+        """SQL: the first second of the UTC day of the integer expression `second` (negative seconds too)."""
+
+    @abstractmethod
+    def _query(self, sql: str, args: tuple[Any, ...]) -> list[tuple[Any, ...]]:
+        """A read (`?` placeholders), on a connection of the caller's thread's choosing, not the writer's."""
+
+    @abstractmethod
+    def _stream(self, sql: str, args: tuple[Any, ...], size: int) -> Iterator[list[tuple[Any, ...]]]:
+        """A read, as batches of at most `size` rows, fetched as they are taken (the caller's thread)."""
+
+    @abstractmethod
+    def _sum_requests(self, keys: list[str], where: str, args: tuple[Any, ...]) -> list[RequestTotals]:
+        """One RequestTotals per distinct value of the SQL expressions `keys` among the requests `where` selects."""
+
+    def rows(self, *, tenant: str | None = None, since: float | None = None,
+             until: float | None = None) -> list[LedgerRow]:
+        return list(self.each_row(tenant=tenant, since=since, until=until))
+
+    def each_row(self, *, tenant: str | None = None, since: float | None = None,
+                 until: float | None = None) -> Iterator[LedgerRow]:
+        """The rows `rows` gives, in its order, read READ_BATCH at a time: a report over a busy tenant's year holds
+        one batch in memory, not the year (a tenant's `/v1/usage` with no dates read every row it ever made into
+        one list, in the gateway's process)."""
+        sql, args = _select_sql("requests", COLUMNS, "ts", tenant, since, until)
+        for batch in self._stream(sql, args, READ_BATCH):
+            for r in batch:
+                yield from_db(r)
+
+    def refusal_counts(self, *, tenant: str | None = None, since: float | None = None,
+                       until: float | None = None) -> list[RefusalCount]:
+        """Counts per minute; `since` and `until` select whole minutes by their start."""
+        return [RefusalCount(*r) for r in self._query(*_select_sql("refusal_counts", COUNT_COLUMNS, "minute", tenant,
+                                                                   since, until))]
+
+    def refusal_totals(self, *, tenant: str | None = None, since: float | None = None,
+                       until: float | None = None) -> list[RefusalTotal]:
+        """Refusal counts summed in SQL per UTC day, tenant, key and reason (the minutes `refusal_counts` would
+        give), in the order each first occurred: the earliest minute, then tenant, key and reason. A tenant's are
+        found by the (tenant, minute) index, not by reading every tenant's."""
+        where, args = _where("minute", tenant, since, until)
+        sql = (f"SELECT {self._day_start('minute')}, tenant, key_id, reason, SUM(count), MIN(minute) "
+               f"FROM refusal_counts WHERE {where} GROUP BY 1, 2, 3, 4 ORDER BY 6, 2, 3, 4")
+        return [RefusalTotal(int(day), tenant_, key_id, reason, int(count), int(first))
+                for day, tenant_, key_id, reason, count, first in self._query(sql, args)]
+
+    def request_totals(self, by: Sequence[str], *, tenant: str | None = None, since: float | None = None,
+                       until: float | None = None) -> list[RequestTotals]:
+        """The requests' sums per distinct value of the groups `by` (of REPORT_GROUPS; "day" is the UTC day of
+        `ts`, given as its first second), in no particular order; `since` and `until` select by `ts`."""
+        keys = [self._group_sql(g) for g in by]
+        where, args = _where("ts", tenant, since, until)
+        return self._sum_requests(keys, where, args)
+
+    def _group_sql(self, group: str) -> str:
+        if group == "day":
+            return self._day_start(self._TS_SECOND)
+        if group in REPORT_GROUPS:
+            return group
+        raise ValueError(f"cannot group by {group!r}; choose from {', '.join(REPORT_GROUPS)}")
+
+    def get(self, request_id: str) -> LedgerRow | None:
+        found = self._query(f"SELECT {', '.join(COLUMNS)} FROM requests WHERE request_id = ?", (request_id,))
+        return from_db(found[0]) if found else None
+
+
+def open_reader(source: ReadSource) -> Reader:
+    """A read-only reader of the ledger at `source`, on a connection of its own (close it when done)."""
+    if source.kind == "sqlite":
+        from quotas.ledger_sqlite import SQLiteReader
+
+        return SQLiteReader(source.target)
+    if source.kind == "postgres":
+        from quotas.ledger_postgres import PostgresReader
+
+        return PostgresReader(source.target)
+    raise ValueError(f"no ledger reader for {source.kind!r}")
+
+
+class Reader(LedgerReads):
+    """A reader of a ledger's database on one connection: for one thread at a time."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Close its connection."""
+
+
+def _where(time_column: str, tenant: str | None, since: float | None,
+           until: float | None) -> tuple[str, tuple[Any, ...]]:
+    clauses, args = ["1=1"], []
+    for clause, value in (("tenant = ?", tenant), (f"{time_column} >= ?", since), (f"{time_column} < ?", until)):
+        if value is not None:
+            clauses.append(clause)
+            args.append(value)
+    return " AND ".join(clauses), tuple(args)
+
+
+def _select_sql(table: str, columns: list[str], time_column: str, tenant: str | None, since: float | None,
+                until: float | None) -> tuple[str, tuple[Any, ...]]:
+    where, args = _where(time_column, tenant, since, until)
+    order = ", ".join(["ts", "request_id"] if table == "requests" else [time_column])
+    return f"SELECT {', '.join(columns)} FROM {table} WHERE {where} ORDER BY {order}", args
