@@ -43,7 +43,8 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from gateway.log_limits import client_logger
 
 log = logging.getLogger("tiergate.http")
-CLIENT_LOG = client_logger()
+CLIENT_LOG = client_logger()  # the protocol's own lines: what a client's bytes make it say
+APP_LOG = logging.getLogger("uvicorn.error")  # a request cycle's: the app's errors
 MAX_HEAD_BYTES = 64 * 1024  # a request's line and headers
 
 
@@ -73,7 +74,7 @@ class LimitedProtocol(HttpToolsProtocol):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.logger = CLIENT_LOG  # what clients can make it log, a line of code at most once a minute
+        self.logger = CLIENT_LOG  # what clients can make it log, a line of code at most once a minute (not errors)
         self._deadline: asyncio.TimerHandle | None = None
         self._stall: asyncio.TimerHandle | None = None
         self._begun = False  # a byte of the current request has come
@@ -95,6 +96,8 @@ class LimitedProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._in_head = False
         super().on_headers_complete()
+        if self.cycle is not None:  # what the app itself logs through uvicorn (its tracebacks) is never limited
+            self.cycle.logger = APP_LOG
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)

@@ -5,6 +5,8 @@ uvicorn logs a warning for every malformed request ("Invalid HTTP request receiv
 protocol it does not speak ("Unsupported upgrade request."), before any key is read. One client with no key wrote
 5,400-6,700 such lines a second here (40 bytes each: 15-23 GB a day of disk, and the CPU to write it), and the
 second kind on a single kept-alive connection. Counting them still tells an operator that it happens and how much.
+Only the protocol's own lines go through the limit: a request's cycle logs to uvicorn's logger, so an exception the
+app lets out is logged every time, traceback and all.
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ EVERY_S = 60.0  # a line of code logs at most once in this long
 
 
 class RepeatLimit(logging.Filter):
-    """Passes a record if its line of code (file and line: a bounded set, whatever the message holds) has not passed
-    one in the last `every_s`; the next one that passes after drops says how many were dropped."""
+    """Passes a warning (or less) if its line of code (file and line: a bounded set, whatever the message holds) has
+    not passed one in the last `every_s`; the next one that passes after drops says how many were dropped. Errors
+    always pass."""
 
     def __init__(self, every_s: float = EVERY_S, clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__()
@@ -27,6 +30,8 @@ class RepeatLimit(logging.Filter):
         self._sites: dict[tuple[str, int], tuple[float, int]] = {}  # site -> (last passed at, dropped since)
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR:  # an error is never a client's doing to hide
+            return True
         site = (record.pathname, record.lineno)
         now = self._clock()
         passed, dropped = self._sites.get(site, (-self.every_s, 0))

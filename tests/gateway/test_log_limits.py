@@ -40,3 +40,36 @@ def test_what_a_message_holds_does_not_make_it_new() -> None:
     limit = RepeatLimit(every_s=60, clock=Clock())
     passed = [limit.filter(_record(f"client {i} said something", 42)) for i in range(100)]
     assert passed.count(True) == 1
+
+
+def test_errors_always_pass() -> None:
+    limit = RepeatLimit(every_s=60, clock=Clock())
+    errors = [logging.LogRecord("uvicorn.error", logging.ERROR, "httptools_impl.py", 425,
+                                "Exception in ASGI application", None, None) for _ in range(5)]
+    assert all(limit.filter(r) for r in errors)
+
+
+def test_an_app_that_raises_is_logged_every_time_traceback_and_all() -> None:
+    """The client's lines are limited; the app's own errors, which uvicorn logs from each request's cycle, are not."""
+    import httpx
+
+    from gateway import http_limits
+    from tests.stubs import ServerThread
+
+    async def app(scope: dict, receive: object, send: object) -> None:
+        if scope["type"] == "http":
+            raise RuntimeError(f"broken on {scope['path']}")
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    server = ServerThread(app, http=http_limits.limited_protocol(30, 60)).start()
+    logging.getLogger("uvicorn.error").addHandler(handler)  # after: uvicorn's config drops the logger's handlers
+    try:
+        for i in range(3):
+            assert httpx.get(f"{server.url}/p{i}").status_code == 500
+    finally:
+        server.stop()
+        logging.getLogger("uvicorn.error").removeHandler(handler)
+    raised = [r for r in records if r.getMessage().startswith("Exception in ASGI application")]
+    assert [str(r.exc_info[1]) for r in raised if r.exc_info] == ["broken on /p0", "broken on /p1", "broken on /p2"]
