@@ -144,8 +144,9 @@ class Scheduler:
                 budget -= n
                 i += 1
         # then admit waiting sequences while slots, blocks and budget last (none if this step preempted)
+        passed: set[int] = set()  # ids of waiting sequences whose tenant's share leaves them nothing this step
         while len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
-            seq = self._next_waiting(shares)
+            seq = self._next_waiting(shares, passed)
             if seq is None:
                 break
             key = self._key(seq)
@@ -155,7 +156,10 @@ class Scheduler:
             chunk = n > 1
             if chunk and shares.holds(key):
                 n = shares.grant(key, n, cached)
-            if n < 1 or not self.block_manager.allocate_slots(seq, n, hits):
+            if n < 1:  # its share is spent at this context: another tenant's may still be admitted
+                passed.add(id(seq))
+                continue
+            if not self.block_manager.allocate_slots(seq, n, hits):
                 break
             if seq is self.waiting.peek_request():
                 self.waiting.pop_request()
@@ -276,15 +280,17 @@ class Scheduler:
         """Its tenant and its priority (all one priority under FCFS)."""
         return seq.cache_salt, seq.priority if self.policy is SchedulingPolicy.PRIORITY else 0
 
-    def _next_waiting(self, shares: _Shares) -> Sequence | None:
+    def _next_waiting(self, shares: _Shares, passed: set[int]) -> Sequence | None:
         """The waiting sequence to admit next: the head; while tenants share the engine, the first (of the head's
-        priority) of the tenant with the fewest running sequences, among those whose share is not spent."""
+        priority) of the tenant with the fewest running sequences, among those whose share is not spent and not
+        `passed` over this step."""
         if not shares.shared:
-            return self.waiting.peek_request()
+            head = self.waiting.peek_request()
+            return None if id(head) in passed else head
         best, fewest = None, 0
         for seq in self._admissible():
             load = shares.num_running[seq.cache_salt]
-            if shares.can_take(self._key(seq)) and (best is None or load < fewest):
+            if id(seq) not in passed and shares.can_take(self._key(seq)) and (best is None or load < fewest):
                 best, fewest = seq, load
         return best
 

@@ -254,3 +254,20 @@ def test_many_decodes_of_one_tenant_leave_another_tenants_prompt_as_much_of_the_
     step(sched)
     sched.add_request(seq("long", 1500, max_tokens=1, t=100, salt="b"))
     assert scheduled(step(sched))["long"] == 20 * DECODE_COST > SHARED_STEP_COST
+
+
+def test_a_tenant_whose_share_is_spent_at_a_long_cached_context_does_not_stop_anothers_admission() -> None:
+    """A share with a token's cost left at the start of a prompt grants nothing 1,000 cached tokens in: that tenant's
+    sequence waits for the next step, and another tenant's behind it is still admitted in this one."""
+    sched = make(num_blocks=600, block_size=4, budget=512)
+    sched.add_request(seq("a0", 1000, max_tokens=1, salt="A", first=1000))
+    while sched.has_unfinished_requests():  # read and answered: its blocks stay in the prefix cache
+        step(sched)
+    sched.add_request(seq("b0", 4, max_tokens=20, salt="B", first=5000))
+    step(sched)  # b0's prompt, alone: it decodes from now on
+    sched.add_request(seq("a1", 53, salt="A", t=1, first=9000))  # A's share: 54 of 64, less B's 10
+    sched.add_request(seq("a2", 1008, salt="A", t=2, first=1000))  # a0's 1,000 tokens cached, then 8 more
+    sched.add_request(seq("b1", 10, salt="B", t=3, first=7000))
+    got = scheduled(step(sched))
+    assert got["a1"] == 53 and got["b0"] == 1 and "a2" not in got
+    assert got["b1"] == 10  # admitted although a2, ahead of it, got nothing
