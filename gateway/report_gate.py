@@ -13,8 +13,7 @@ own, outside the tenants' `limit` and threads: tenants holding every slot neithe
 On its thread a report only waits: it is read and summed in a report process (quotas/report_worker.py) on a
 read-only connection of its own. Summed on the thread, it held the gateway's interpreter (the GIL) while it ran:
 500k rows, 3.2 s a report, and another tenant's cache hits went from 4.2 to 14.7 ms at p95 while one tenant
-looped its `/v1/usage`. A ledger that cannot say where its rows are (`read_source`), or `processes=False`, runs
-the report on the thread.
+looped its `/v1/usage`.
 
 A slot is held until the report's thread is done with it, not until its client leaves: a client that
 disconnects and asks again does not stack reports behind the first.
@@ -30,8 +29,7 @@ from functools import partial
 from typing import Any, TypeVar
 
 from gateway.errors import RateLimited
-from quotas.ledger_reads import LedgerReads, ReadSource
-from quotas.report import usage_report
+from quotas.ledger import Ledger
 from quotas.report_worker import TASKS_PER_PROCESS, ReportProcesses
 
 T = TypeVar("T")
@@ -39,25 +37,19 @@ ADMIN_SLOT = "*admin*"  # admin reports (any tenant, or all) share one slot, out
 
 
 class ReportGate:
-    def __init__(self, *, threads: int = 2, limit: int = 8, processes: bool = True,
-                 tasks_per_process: int = TASKS_PER_PROCESS) -> None:
+    def __init__(self, *, threads: int = 2, limit: int = 8, tasks_per_process: int = TASKS_PER_PROCESS) -> None:
         """`threads` run tenants' reports (the admin's has one more); `limit` bounds the tenants' reports
-        running or waiting; with `processes`, each is read and summed in a report process, replaced after
-        `tasks_per_process` reports."""
+        running or waiting; each is read and summed in a report process, replaced after `tasks_per_process`."""
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tiergate-report")
         self._admin_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiergate-report-admin")
         self._limit = limit
         self._held: set[str] = set()  # tenants (and ADMIN_SLOT) whose report runs or waits
         self._lock = threading.Lock()  # the slots are released from the report's own thread
-        self.processes = ReportProcesses(tasks=tasks_per_process) if processes else None
+        self.processes = ReportProcesses(tasks=tasks_per_process)
 
-    async def report(self, who: str, ledger: LedgerReads, **query: Any) -> list[dict[str, Any]]:
-        """`usage_report(ledger, **query)` once `who` holds its slot (see `run`), in a report process when the
-        ledger says where its rows are."""
-        source: ReadSource | None = getattr(ledger, "read_source", lambda: None)()
-        if self.processes is None or source is None:
-            return await self.run(who, partial(usage_report, ledger, **query))
-        return await self.run(who, partial(self.processes.report, source, **query))
+    async def report(self, who: str, ledger: Ledger, **query: Any) -> list[dict[str, Any]]:
+        """`usage_report(ledger, **query)` once `who` holds its slot (see `run`), in a report process."""
+        return await self.run(who, partial(self.processes.report, ledger.read_source(), **query))
 
     async def run(self, who: str, work: Callable[[], T]) -> T:
         """`work()` on a report thread, once `who` (a tenant, or ADMIN_SLOT) holds its slot; RateLimited if not."""
@@ -85,5 +77,4 @@ class ReportGate:
         finish there."""
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._admin_pool.shutdown(wait=False, cancel_futures=True)
-        if self.processes is not None:
-            self.processes.close()
+        self.processes.close()
