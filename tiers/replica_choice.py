@@ -38,51 +38,75 @@ def affinity_key(tenant: str, messages: Sequence[Mapping[str, object]], session:
 
 
 class AffinityMap:
-    """conversation key → (tier, replica index) that last served it, per tenant; when full, the least recently used
-    entry goes, unless the tenant remembering one holds more than its fair share (the map's size over the tenants
-    in it): then its own least recently used goes. One tenant's new conversations once cost everyone theirs: 100,000
-    of them left another tenant 0 of its 1,000 (a test harness); now a flood only recycles the flooder's own."""
+    """conversation key → (tier, replica index) that last served it, per tenant, at most `max_entries` in all.
+
+    Shared fairly: when full, the tenant holding the most entries (the one furthest over its fair share, the map's
+    size over the tenants in it) loses its own least recently used one. Of tenants holding equally many, the one
+    remembering pays if it is among them, else the one that got to that many first. So a flood recycles only the
+    flooder's own entries, and a tenant that went over its share while the map was quiet gives back to tenants that
+    come later, however warm its entries are (the least recently used entry of the whole map went before: a tenant
+    keeping its own warm kept them all while later tenants evicted each other). Finding that tenant costs O(1):
+    tenants sit in buckets by how many entries they hold, and one operation moves a count, and so the largest, by one.
+    """
 
     def __init__(self, max_entries: int = 100_000) -> None:
         self.max_entries = max_entries
-        self._lru: OrderedDict[tuple[str, str], tuple[str, int]] = OrderedDict()  # (tenant, key) -> (tier, index)
-        self._per_tenant: dict[str, OrderedDict[str, None]] = {}  # tenant -> its keys, least recently used first
+        self._num_entries = 0
+        self._by_tenant: dict[str, OrderedDict[str, tuple[str, int]]] = {}  # tenant -> key -> (tier, index), LRU first
+        self._holding: dict[int, dict[str, None]] = {}  # n -> tenants holding n entries, in the order they got there
+        self._max_held = 0  # the largest n in _holding; 0 when the map is empty
 
     def __len__(self) -> int:
-        return len(self._lru)
+        return self._num_entries
 
     def held_by(self, tenant: str) -> int:
-        return len(self._per_tenant.get(tenant, ()))
+        return len(self._by_tenant.get(tenant, ()))
 
     def get(self, key: str, tier: str, tenant: str = "") -> int | None:
-        hit = self._lru.get((tenant, key))
-        if hit is None or hit[0] != tier:
+        own = self._by_tenant.get(tenant)
+        hit = own.get(key) if own is not None else None
+        if own is None or hit is None or hit[0] != tier:
             return None
-        self._touch(tenant, key)
+        own.move_to_end(key)
         return hit[1]
 
     def remember(self, key: str, tier: str, index: int, tenant: str = "") -> None:
-        fresh = (tenant, key) not in self._lru
-        self._lru[tenant, key] = (tier, index)
-        self._per_tenant.setdefault(tenant, OrderedDict())[key] = None
-        self._touch(tenant, key)
-        if fresh and len(self._lru) > self.max_entries:
-            own = self._per_tenant[tenant]
-            if len(own) > self.max_entries / len(self._per_tenant):  # over its share: it pays with its own
-                self._forget(tenant, next(iter(own)))
-            else:
-                self._forget(*next(iter(self._lru)))
+        own = self._by_tenant.setdefault(tenant, OrderedDict())
+        fresh = key not in own
+        own[key] = (tier, index)
+        own.move_to_end(key)
+        if not fresh:
+            return
+        self._num_entries += 1
+        self._count_moved(tenant, len(own) - 1)
+        if self._num_entries > self.max_entries:
+            self._evict(tenant)
 
-    def _touch(self, tenant: str, key: str) -> None:
-        self._lru.move_to_end((tenant, key))
-        self._per_tenant[tenant].move_to_end(key)
-
-    def _forget(self, tenant: str, key: str) -> None:
-        del self._lru[tenant, key]
-        own = self._per_tenant[tenant]
-        del own[key]
+    def _evict(self, remembering: str) -> None:
+        """The least recently used entry of the tenant holding the most; `remembering` pays on a tie, unless all it
+        holds is the entry it is remembering now."""
+        held = len(self._by_tenant[remembering])
+        victim = remembering if held == self._max_held and held > 1 else next(iter(self._holding[self._max_held]))
+        own = self._by_tenant[victim]
+        own.popitem(last=False)
+        self._num_entries -= 1
         if not own:
-            del self._per_tenant[tenant]
+            del self._by_tenant[victim]
+        self._count_moved(victim, len(own) + 1)
+
+    def _count_moved(self, tenant: str, was: int) -> None:
+        """`tenant` held `was` entries and now holds one more or one fewer: move it to its new bucket."""
+        now = len(self._by_tenant.get(tenant, ()))
+        if was:
+            bucket = self._holding[was]
+            del bucket[tenant]
+            if not bucket:
+                del self._holding[was]
+                if was == self._max_held:
+                    self._max_held = now  # it was the last one at the top: the top is where it went
+        if now:
+            self._holding.setdefault(now, {})[tenant] = None
+            self._max_held = max(self._max_held, now)
 
 
 def choose_replica(replicas: Iterable[Replica], *, exclude: set[int] | None = None,

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from gateway.config_files import load_yaml
 from gateway.settings import REPO_ROOT
 from tiers.breaker import BreakerConfig, CircuitBreaker
@@ -50,9 +53,40 @@ def test_one_tenants_flood_of_conversations_recycles_its_own_entries_not_another
     assert [m.get(f"v{i}", "mid", "victim") for i in range(10)] == [1] * 10
     assert m.get("a999", "mid", "attacker") == 0 and m.get("a0", "mid", "attacker") is None
     assert m.get("v0", "mid", "attacker") is None  # keys are the tenant's own
-    # below its share a tenant still takes the least recently used entry, whoever's it is
+    # a newcomer's first entry comes out of the tenant holding the most, not the victim's older ones
     m.remember("n0", "mid", 0, "newcomer")
-    assert m.held_by("newcomer") == 1 and len(m) == 100
+    assert m.held_by("newcomer") == 1 and m.held_by("attacker") == 89 and m.held_by("victim") == 10
+
+
+def test_a_tenant_over_its_share_early_gives_back_to_later_tenants_however_warm_its_entries() -> None:
+    m = AffinityMap(max_entries=100)
+    for i in range(100):  # alone, the whole map is its share
+        m.remember(f"e{i}", "mid", 0, "early")
+    for r in range(200):  # three later tenants each start a new conversation a round, while early keeps its warm
+        for i in range(100):
+            m.get(f"e{i}", "mid", "early")
+        for t in ("b", "c", "d"):
+            m.remember(f"{t}{r}", "mid", 1, t)
+    share = 100 // 4
+    assert len(m) == 100 and all(m.held_by(t) >= share - 1 for t in ("early", "b", "c", "d"))
+    assert m.get("b199", "mid", "b") == 1  # later tenants keep their newest, not each other's leftovers
+
+
+def test_the_tenant_most_over_its_share_pays_not_one_just_over_it_nor_one_under_it() -> None:
+    m = AffinityMap(max_entries=100)
+    for t, n in (("b", 30), ("a", 50), ("c", 10), ("d", 10)):  # b's are the least recently used of all
+        for i in range(n):
+            m.remember(f"{t}{i}", "mid", 0, t)
+    m.remember("e0", "mid", 0, "e")
+    assert [m.held_by(t) for t in "abcde"] == [49, 30, 10, 10, 1]
+    for r in range(200):  # c, d and e start new conversations while a and b keep theirs warm
+        for t, n in (("a", 50), ("b", 30)):
+            for i in range(n):
+                m.get(f"{t}{i}", "mid", t)
+        for t in "cde":
+            m.remember(f"{t}new{r}", "mid", 0, t)
+    share = 100 // 5
+    assert len(m) == 100 and all(m.held_by(t) >= share - 1 for t in "abcde")
 
 
 def test_affinity_first_then_least_predicted_wait() -> None:
@@ -97,3 +131,52 @@ def test_fleet_pick_follows_affinity_and_reports_open_breakers(tmp_path) -> None
         for _ in range(r.breaker.config.failures_to_open):
             r.breaker.failure("refused")
     assert fleet.unavailable()["mid"] == "circuit breaker open on every healthy replica"
+
+
+TENANTS = ["a", "b", "c", "d"]
+OPS = st.lists(st.one_of(
+    st.tuples(st.just("remember"), st.sampled_from(TENANTS), st.integers(0, 7), st.sampled_from(["mid", "full"]),
+              st.integers(0, 2)),
+    st.tuples(st.just("get"), st.sampled_from(TENANTS), st.integers(0, 7), st.sampled_from(["mid", "full"]),
+              st.just(0)),
+), max_size=80)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(capacity=st.integers(1, 6), ops=OPS)
+def test_affinity_map_matches_a_reference_that_evicts_from_the_tenant_holding_most(
+        capacity: int, ops: list[tuple[str, str, int, str, int]]) -> None:
+    """The reference: each tenant's entries as a dict in least-recently-used order; when over capacity, a tenant
+    holding the most loses its first (the one remembering, when it is one of them and holds more than the new one)."""
+    m = AffinityMap(max_entries=capacity)
+    ref: dict[str, dict[str, tuple[str, int]]] = {t: {} for t in TENANTS}
+    for op, tenant, k, tier, index in ops:
+        key, own = f"k{k}", ref[tenant]
+        if op == "get":
+            hit = own.get(key)
+            expected = hit[1] if hit is not None and hit[0] == tier else None
+            assert m.get(key, tier, tenant) == expected
+            if expected is not None:
+                own[key] = own.pop(key)  # touched: now its tenant's most recent
+            continue
+        fresh = key not in own
+        own.pop(key, None)
+        own[key] = (tier, index)
+        m.remember(key, tier, index, tenant)
+        if fresh and sum(map(len, ref.values())) > capacity:
+            held = {t: len(ref[t]) for t in TENANTS}
+            losers = [t for t in TENANTS if m.held_by(t) != held[t]]
+            assert len(losers) == 1 and m.held_by(losers[0]) == held[losers[0]] - 1
+            victim = losers[0]
+            assert held[victim] == max(held.values())  # always a tenant holding the most
+            if held[tenant] == max(held.values()) and held[tenant] > 1:
+                assert victim == tenant
+            oldest, (oldest_tier, _) = next(iter(ref[victim].items()))
+            assert (victim, oldest) != (tenant, key)  # never the conversation being remembered now
+            del ref[victim][oldest]
+            assert m.get(oldest, oldest_tier, victim) is None  # its least recently used went, no other one
+        assert len(m) == sum(map(len, ref.values())) <= capacity
+        assert all(m.held_by(t) == len(ref[t]) for t in TENANTS)
+    for t in TENANTS:  # at the end, every entry the reference holds is there, with its replica
+        for key, (tier, index) in list(ref[t].items()):
+            assert m.get(key, tier, t) == index
