@@ -1,5 +1,6 @@
 -- wrk script for bench/gateway.py: POSTs one chat-completion body, or a new one per request, and counts
--- each answer's status and the gateway's `x-tiergate-cache` header (hit, miss, bypass; none elsewhere).
+-- each answer's status and the gateway's `x-tiergate-cache` header (hit, miss, bypass; none elsewhere); an answer
+-- that is not 2xx is counted by its status and its OpenAI error `code` (what refused it).
 --
 --   wrk -t1 -c16 -d10s -s bench/gateway.lua http://127.0.0.1:PORT/v1/chat/completions -- KEY BODY UNIQUE NONCE
 --
@@ -28,6 +29,7 @@ local WORDS = {
 
 local unique, template, nonce, counter, fixed = false, "", "0", 0, nil
 hit, miss, bypass, nocache, ok, notok = 0, 0, 0, 0, 0, 0
+refusals = {}  -- "STATUS CODE" -> count, for answers that are not 2xx
 
 function init(args)
   local key = args[1] or "-"
@@ -62,6 +64,9 @@ function response(status, headers, body)
     ok = ok + 1
   else
     notok = notok + 1
+    local code = string.match(body or "", '"code"%s*:%s*"([%w_%.%-]+)"') or "?"
+    local what = status .. " " .. code
+    refusals[what] = (refusals[what] or 0) + 1
   end
   local cache = headers["x-tiergate-cache"]
   if cache == "hit" then
@@ -83,6 +88,20 @@ local function sum(name)
   return total
 end
 
+local function refusal_counts()
+  local total = {}
+  for _, thread in ipairs(threads) do
+    for what, n in pairs(thread:get("refusals") or {}) do
+      total[what] = (total[what] or 0) + n
+    end
+  end
+  local parts = {}
+  for what, n in pairs(total) do
+    table.insert(parts, string.format('"%s":%d', what, n))
+  end
+  return "{" .. table.concat(parts, ",") .. "}"
+end
+
 function done(summary, latency, requests)
   local e = summary.errors
   local parts = {
@@ -91,6 +110,7 @@ function done(summary, latency, requests)
                   e.connect, e.read, e.write, e.status, e.timeout),
     string.format('"answers":{"2xx":%d,"other":%d,"hit":%d,"miss":%d,"bypass":%d,"none":%d}',
                   sum("ok"), sum("notok"), sum("hit"), sum("miss"), sum("bypass"), sum("nocache")),
+    '"refusals":' .. refusal_counts(),
     string.format('"latency_us":{"min":%d,"mean":%.1f,"max":%d,"p50":%d,"p90":%d,"p99":%d,"p99.9":%d}',
                   latency.min, latency.mean, latency.max, latency:percentile(50), latency:percentile(90),
                   latency:percentile(99), latency:percentile(99.9)),

@@ -9,7 +9,8 @@
 Only the gateway is timed: every tier points at bench/gateway_mock.py, an upstream many times faster than the
 gateway (its own rate is measured in the same run and must be at least 5x the fastest gateway cell). The
 gateway under test is pinned to one core (`--workers N`: N cores) with `taskset`; wrk, the mock and this
-harness share the first core. Tiergate runs as users run it (`python -m gateway.cli.main serve`, the embedded
+harness share the first core (the first few, up to 4, where the host has more CPUs than the workers need).
+Tiergate runs as users run it (`python -m gateway.cli.main serve`, the embedded
 SQLite ledger with its durable group commits and the memory quota backend, quotas and ledger on, a tenant and
 key made through the admin API, every other TIERGATE_* setting taken from the environment). LiteLLM's proxy
 runs from its own virtualenv (created under /tmp when missing), one model at the mock, no database.
@@ -65,6 +66,7 @@ from bench.gateway_targets import (
     start_tiergate,
 )
 
+LOAD_CPUS = 4  # at most, for wrk, the mock, Redis and this harness, where the host has CPUs to spare
 PROMPT = "Give one practical tip about @UNIQUE@ in a short sentence."
 FIXED = "Give one practical tip about writing clear commit messages in a short sentence."
 
@@ -223,7 +225,10 @@ def check_host(args: argparse.Namespace) -> tuple[list[int], list[int]]:
         print(f"only {len(cpus)} CPUs: the load generator shares CPU {cpus[0]} with the gateway's workers; this run "
               "shows that the workers serve, not how they scale", file=sys.stderr)
         return cpus[:1], cpus[1:] + cpus[:args.workers - len(cpus) + 1]  # 1 worker on a core of its own
-    return cpus[:1], cpus[1:1 + args.workers]
+    # the load side (wrk, the mock, Redis, this harness) takes what the workers leave, up to LOAD_CPUS, so that on
+    # a larger host it cannot become what several workers wait on
+    load = max(1, min(LOAD_CPUS, len(cpus) - args.workers))
+    return cpus[:load], cpus[load:load + args.workers]
 
 
 def with_target(start: Callable[[], Server], skipped: dict[str, str], label: str,
@@ -268,7 +273,7 @@ def main(argv: list[str] | None = None) -> None:
         work = Path(name)
         mock = start_mock(work / "mock", max(args.tokens, args.stream_tokens))
         try:
-            print(f"mock upstream at {mock.url} (CPU {load_cpus[0]})", file=sys.stderr)
+            print(f"mock upstream at {mock.url} (CPUs {load_cpus})", file=sys.stderr)
             runner.run_target(mock, "mock alone", [p for p in paths if not p.cache_only])
             runner.load_servers.append(mock)
             label = f"Tiergate {head_label()}"

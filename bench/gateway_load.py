@@ -40,6 +40,7 @@ class Cell:
     errors: int = 0  # connect, read, write and timeout errors, and answers that are not 2xx
     error_detail: dict[str, int] = field(default_factory=dict)
     answers: dict[str, int] = field(default_factory=dict)  # 2xx, other; x-tiergate-cache: hit, miss, bypass, none
+    refusals: dict[str, int] = field(default_factory=dict)  # answers not 2xx, by "status error-code" (429 rate_limited)
     ttft_p50_ms: float | None = None  # streams: the first chunk with text
     ttft_p99_ms: float | None = None
     per_chunk_us: float | None = None  # streams: median of (end - first text) / (text chunks - 1)
@@ -73,6 +74,7 @@ def parse_wrk(stdout: str, cell: Cell) -> Cell:
     cell.requests = int(raw["requests"])
     cell.rps = cell.requests / (raw["duration_us"] / 1e6) if raw["duration_us"] else 0.0
     cell.answers = {k: int(v) for k, v in raw["answers"].items()}
+    cell.refusals = {k: int(v) for k, v in raw.get("refusals", {}).items()}
     # wrk's own status errors count 4xx and 5xx only; an answer that is not 2xx is an error here
     errors["status"] = max(errors["status"], cell.answers.get("other", 0))
     cell.error_detail = {k: int(v) for k, v in errors.items() if v}

@@ -69,20 +69,23 @@ def collapse(cells: list[Cell]) -> list[Cell]:
         if len(group) == 1:
             out.append(group[0])
             continue
-        answers: dict[str, int] = {}
-        errors: dict[str, int] = {}
-        for cell in group:
-            for k, v in cell.answers.items():
-                answers[k] = answers.get(k, 0) + v
-            for k, v in cell.error_detail.items():
-                errors[k] = errors.get(k, 0) + v
+        answers, errors, refusals = (_summed([getattr(c, name) for c in group])
+                                     for name in ("answers", "error_detail", "refusals"))
         median = {name: _median([getattr(c, name) for c in group])
                   for name in ("p50_ms", "p99_ms", "ttft_p50_ms", "ttft_p99_ms", "per_chunk_us", "chunks_p50",
                                "cpu_ms_per_request", "load_cores")}
         out.append(replace(group[0], seconds=sum(c.seconds for c in group), requests=sum(c.requests for c in group),
                            rps=statistics.median(c.rps for c in group), errors=sum(c.errors for c in group),
-                           error_detail=errors, answers=answers, round=-1, **median))
+                           error_detail=errors, answers=answers, refusals=refusals, round=-1, **median))
     return out
+
+
+def _summed(counts: list[dict[str, int]]) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for one in counts:
+        for k, v in one.items():
+            total[k] = total.get(k, 0) + v
+    return total
 
 
 def _find(cells: list[Cell], target_prefix: str, path: str, c: int) -> Cell | None:
@@ -106,7 +109,8 @@ def _answers(cell: Cell) -> str:
     a = cell.answers
     parts = [f"{a.get('2xx', 0)} ok"]
     if a.get("other"):
-        parts.append(f"{a['other']} not 2xx")
+        why = ", ".join(f"{k}: {v}" for k, v in sorted(cell.refusals.items()))
+        parts.append(f"{a['other']} not 2xx" + (f" ({why})" if why else ""))
     parts += [f"{a[k]} {k}" for k in ("hit", "miss", "bypass") if a.get(k)]
     return ", ".join(parts)
 

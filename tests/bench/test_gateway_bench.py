@@ -31,6 +31,7 @@ Requests/sec:    459.77
 Transfer/sec:    537.51KB
 BENCH_RESULT {"requests":920,"duration_us":2001000,"bytes":1101000,"errors":{"connect":0,"read":1,"write":0,\
 "status":3,"timeout":2},"answers":{"2xx":917,"other":3,"hit":900,"miss":17,"bypass":0,"none":3},\
+"refusals":{"503 overloaded":2,"429 rate_limit_exceeded":1},\
 "latency_us":{"min":9012,"mean":35910.4,"max":57070,"p50":35840,"p90":43100,"p99":57065,"p99.9":57070}}
 """
 
@@ -87,6 +88,15 @@ def test_wrk_output_is_read_into_rates_percentiles_and_errors() -> None:
     assert (cell.p50_ms, cell.p99_ms) == (35.84, 57.065)
     assert cell.errors == 6 and cell.error_detail == {"read": 1, "status": 3, "timeout": 2}
     assert cell.answers["hit"] == 900 and cell.answers["other"] == 3
+    assert cell.refusals == {"503 overloaded": 2, "429 rate_limit_exceeded": 1}  # what refused the 3, by code
+
+
+def test_the_report_says_what_refused_the_answers_that_were_not_2xx() -> None:
+    from bench.gateway_report import _answers, collapse
+    cells = [parse_wrk(WRK_OUTPUT, Cell("Tiergate", "b", 16, 2.0, round=r)) for r in range(2)]
+    assert _answers(cells[0]) == "917 ok, 3 not 2xx (429 rate_limit_exceeded: 1, 503 overloaded: 2), 900 hit, 17 miss"
+    (merged,) = collapse(cells)  # rounds summed
+    assert merged.refusals == {"503 overloaded": 4, "429 rate_limit_exceeded": 2}
 
 
 def test_a_wrk_run_without_its_result_line_is_an_error_not_a_zero() -> None:
@@ -182,3 +192,21 @@ def test_rounds_give_every_rounds_ratio_and_tables_of_medians() -> None:
     assert merged[0].answers == {"2xx": 2700} and merged[1].load_cores == 0.25
     single = [cell("T 1 worker", 0, 400, 90)]
     assert collapse(single) == single  # one round: the cell as measured
+
+
+@pytest.mark.parametrize(("cpus", "workers", "load", "gateway"), [
+    (2, 1, [0], [1]),  # this project's machines: the load on one core, the gateway on the other
+    (3, 2, [0], [1, 2]),
+    (5, 2, [0, 1, 2], [3, 4]),
+    (16, 2, [0, 1, 2, 3], [4, 5]),  # a larger host: the load gets up to 4 CPUs of its own, never a worker's
+    (16, 4, [0, 1, 2, 3], [4, 5, 6, 7]),
+])
+def test_the_load_side_takes_spare_cpus_and_never_a_workers(monkeypatch: pytest.MonkeyPatch, cpus: int,
+                                                              workers: int, load: list[int],
+                                                              gateway: list[int]) -> None:
+    import bench.gateway as harness
+    monkeypatch.setattr(harness.os, "sched_getaffinity", lambda _pid: set(range(cpus)))
+    monkeypatch.setattr(harness, "ensure_wrk", lambda: None)
+    monkeypatch.setattr(harness, "serve_supports_workers", lambda _repo: True)
+    monkeypatch.setattr(harness.shutil, "which", lambda _name: "/usr/bin/taskset")
+    assert harness.check_host(harness.parse_args(["--workers", str(workers)])) == (load, gateway)
