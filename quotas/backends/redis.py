@@ -38,6 +38,14 @@ log = logging.getLogger("tiergate.quotas")
 # tries, each bounded by the call timeout; the script is idempotent per request id. (Retrying for longer, 0.5 s,
 # made tests/quotas/test_chaos.py drift in 3 runs of 4: not done until that is understood.)
 RESERVE_ATTEMPTS = 3
+# A timeout noticed LATE_FACTOR call timeouts or more after its try began means this process's event loop (or its
+# CPU) was late to read the answer, not that Redis was: such a try is repeated without counting against
+# RESERVE_ATTEMPTS, while the reserve has taken less than LATE_BUDGET_S (which bounds what a hung Redis behind a
+# full connection pool, whose waits look late too, adds before the failover's DOWN_AFTER_S sees it). Seen before:
+# 503 quota_backend_unavailable answers with Redis idle, from one gateway process at 64 connections on one core
+# (bench/gateway.py --workers 2), whose event loop stalled 100 ms and more at its p99.
+LATE_FACTOR = 2.0
+LATE_BUDGET_S = 0.5
 CANCEL_ATTEMPTS = 20  # undoing a reservation whose answer was lost, once a second until Redis answers
 SETTLE_BACKOFF_S = (0.05, 5.0)  # first and longest wait between a failed settle's retries
 DONE_MARGIN_S = 300  # a settled reservation's tombstone outlives the settle's retries by this much
@@ -81,12 +89,14 @@ class RedisBackend(QuotaBackend):
             socket_connect_timeout=max(timeout_s, 1.0), retry_on_timeout=False, health_check_interval=0)
         self.redis = aioredis.Redis(connection_pool=pool)
         self.prefix = prefix
+        self.timeout_s = timeout_s
         self.settle_retry_s = settle_retry_s
         self.replica_ttl_s = replica_ttl_s
         self.reap_claim_s = reap_claim_s
         self.replica_id = uuid.uuid4().hex[:16]
         self.num_settle_retries = 0  # settles that failed once and went to the background
         self.num_reaped = 0  # reservations this replica's reaper returned
+        self.num_late_timeouts = 0  # reserve tries repeated because this process read their answer late
         self._scripts = {name: self.redis.register_script(text) for name, text in SCRIPTS.items()}
         self._background: set[asyncio.Task[None]] = set()  # held so they are not collected before they finish
         self._registered: set[str] = set()  # tenants this process has put in the reapers' list lately
@@ -112,6 +122,7 @@ class RedisBackend(QuotaBackend):
     # ---- reserve, settle, cancel ----
 
     async def reserve(self, req: ReservationRequest) -> Decision:
+        """The script, tried up to RESERVE_ATTEMPTS times on timeouts (more where the loop, not Redis, was late)."""
         await self._register(req.tenant)
         keys = [self.record_key(req.tenant, req.request_id), self.leases_key(req.tenant)]
         args: list[int | str | float] = [req.request_id, req.tokens, req.money_pico, int(req.lease_s * 1000),
@@ -121,14 +132,23 @@ class RedisBackend(QuotaBackend):
             keys += [f"{base}:rpm", f"{base}:tpm", f"{base}:tpmv", f"{base}:tpmsum", f"{base}:inflight"]
             args += [base, _limit(lim.rpm), _limit(lim.tpm), _limit(lim.max_concurrent),
                      _limit(lim.budget_day_pico), _limit(lim.budget_month_pico)]
-        for attempt in range(RESERVE_ATTEMPTS):
+        loop, attempt = asyncio.get_running_loop(), 0
+        first = loop.time()
+        while True:
+            started = loop.time()
             try:
                 out = await self._scripts["reserve"](keys=keys, args=args)
                 break
             except RedisError as exc:
                 error = backend_error(exc)
-                if isinstance(exc, RedisTimeout) and attempt < RESERVE_ATTEMPTS - 1:
-                    continue  # the script may have run: retrying with the same id is safe
+                if isinstance(exc, RedisTimeout):  # the script may have run: retrying with the same id is safe
+                    now = loop.time()
+                    if now - started >= LATE_FACTOR * self.timeout_s and now - first < LATE_BUDGET_S:
+                        self.num_late_timeouts += 1
+                        continue
+                    attempt += 1
+                    if attempt < RESERVE_ATTEMPTS:
+                        continue
                 if not error.back_pressure:
                     # it may have run (a timeout; a connection that closed before the answer): the caller
                     # answers 503 or admits it on the fallback, so what Redis may hold for it is undone,

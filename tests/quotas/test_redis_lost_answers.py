@@ -7,11 +7,13 @@ the limit (the lost reservations used up the window). Real redis-server.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from redis.exceptions import TimeoutError as RedisTimeout
 
 from quotas.backends.base import QuotaBackendError
-from quotas.backends.redis import RESERVE_ATTEMPTS, RedisBackend
+from quotas.backends.redis import LATE_BUDGET_S, RESERVE_ATTEMPTS, RedisBackend
 from quotas.limits import ReservationRequest, ScopeLimits
 
 NOW = 1_800_000_000.0
@@ -93,5 +95,57 @@ async def test_a_reservation_whose_answer_was_lost_is_undone(redis_url: str,
         monkeypatch.setitem(b._scripts, "reserve", real)
         # the client's retry gets the one concurrency slot the lost reservation would otherwise hold
         assert (await b.reserve(req("retry"))).admitted
+    finally:
+        await b.close()
+
+
+async def test_timeouts_read_late_by_a_busy_loop_are_retried_beyond_the_attempts(
+        redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A loop stalled past twice the call timeout reads Redis' answer late: not Redis' fault, so those tries do
+    not count, and the request is admitted instead of a 503 (Redis here answered every time)."""
+    b = RedisBackend(redis_url, timeout_s=0.05, prefix="tg-stalled")
+    real = b._scripts["reserve"]
+    stalled = RESERVE_ATTEMPTS + 1  # more than the attempts an on-time timeout gets
+
+    async def read_late(*, keys: list[str], args: list) -> object:  # type: ignore[type-arg]
+        nonlocal stalled
+        out = await real(keys=keys, args=args)
+        if stalled:
+            stalled -= 1
+            time.sleep(0.11)  # the event loop busy elsewhere past the deadline ...
+            raise RedisTimeout("Timeout reading from socket")  # ... so the answer is read as a timeout
+        return out
+
+    try:
+        monkeypatch.setitem(b._scripts, "reserve", read_late)
+        assert (await b.reserve(req("stalled"))).admitted and stalled == 0
+        assert b.num_late_timeouts == RESERVE_ATTEMPTS + 1
+        assert await spent(b) == (1, 400, 1, 400)  # charged once
+    finally:
+        await b.close()
+
+
+async def test_late_timeouts_are_retried_for_a_bounded_time_only(redis_url: str,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every try late (a loop that never catches up, or a hung Redis behind a full pool): the reserve still
+    fails, after LATE_BUDGET_S plus the counted attempts, not forever."""
+    b = RedisBackend(redis_url, timeout_s=0.05, prefix="tg-always-late")
+    tries = 0
+
+    async def always_late(*, keys: list[str], args: list) -> object:  # type: ignore[type-arg]
+        nonlocal tries
+        tries += 1
+        time.sleep(0.11)
+        raise RedisTimeout("Timeout reading from socket")
+
+    try:
+        monkeypatch.setitem(b._scripts, "reserve", always_late)
+        started = time.monotonic()
+        with pytest.raises(QuotaBackendError) as err:
+            await b.reserve(req("never"))
+        took = time.monotonic() - started
+        assert err.value.transient
+        assert LATE_BUDGET_S <= took < LATE_BUDGET_S + (RESERVE_ATTEMPTS + 1) * 0.2
+        assert tries == b.num_late_timeouts + RESERVE_ATTEMPTS
     finally:
         await b.close()
