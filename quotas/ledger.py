@@ -262,6 +262,10 @@ class Ledger(LedgerReads, ABC):
             if error is not None:
                 log.error("ledger: row %s refused: %r", values[0], error)
         self._resolve([fut for _, fut, _ in rows], errors)
+        self._after_commit(conn)
+
+    def _after_commit(self, conn: Any) -> None:
+        """Upkeep after a group's waiters have heard (the SQLite ledger's checkpoints); must not raise."""
 
     def _prune_before(self) -> float:
         return time.time() - self.refusal_retention_days * 86400
