@@ -149,3 +149,29 @@ async def test_late_timeouts_are_retried_for_a_bounded_time_only(redis_url: str,
         assert tries == b.num_late_timeouts + RESERVE_ATTEMPTS
     finally:
         await b.close()
+
+
+async def test_a_registration_that_times_out_does_not_refuse_the_request(redis_url: str,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Putting the tenant in the reapers' list again (each reaper round) timed out under a stalled loop and
+    made the request a 503; now it is retried by the next request, and this one is reserved as usual."""
+    b = RedisBackend(redis_url, timeout_s=0.5, prefix="tg-register")
+    real_sadd = b.redis.sadd
+    timeouts = 1
+
+    async def sadd(*args: object) -> object:
+        nonlocal timeouts
+        if timeouts:
+            timeouts -= 1
+            raise RedisTimeout("Timeout reading from socket")
+        return await real_sadd(*args)
+
+    try:
+        monkeypatch.setattr(b.redis, "sadd", sadd)
+        assert (await b.reserve(req("first"))).admitted  # registration timed out: reserved all the same
+        assert b.num_register_timeouts == 1 and not await b.redis.sismember(b.tenants_key, "acme")
+        await b.settle(req("first"), tokens=400, money_pico=400)
+        assert (await b.reserve(req("second"))).admitted
+        assert await b.redis.sismember(b.tenants_key, "acme")  # the next request registered it
+    finally:
+        await b.close()
