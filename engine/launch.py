@@ -18,8 +18,9 @@ from engine.llm_engine import LLMEngine
 # (the same sums in another order: a near-tie can now pick the other token); 0.5: bf16 on CPU keeps fp32
 # activations around bf16 matmuls (engine/model_runner.py); 0.6: a speculative tier's draft catches up with a long
 # prompt a share a step, the sequence decoding plainly meanwhile (engine/speculative.py): a seeded sampled answer to
-# a long prompt draws its numbers in another order
-ENGINE_VERSION = "tiergate-engine/0.6"
+# a long prompt draws its numbers in another order; 0.7: a speculative tier's sequence drafts only where it pays
+# (engine/draft_cost.py): a seeded sampled answer to a long prompt, or a short answer, draws as plain decoding does
+ENGINE_VERSION = "tiergate-engine/0.7"
 # the int8 tier's activation scheme: each token mapped onto [0, 1] before fbgemm (engine/int8_dynamic.py), since
 # 2026-12-02; its answers differ from the scheme before, so its versions do
 INT8_SCHEME = "rows-onto-0-1"

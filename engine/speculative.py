@@ -27,6 +27,13 @@ than when the whole catch-up ran in its first decode step. Measured in one `full
 prompt answered in 128 tokens: its catch-up took one step of 2.3-2.6 s, and another tenant's short request arriving
 as it began waited 2.4-2.8 s (0.10 s alone); in shares, 37 steps of 0.08-0.09 s and 0.23-0.24 s, for the prompt's
 request 6.8-7.2 s instead of 6.4-6.9 s.
+
+Whether it pays. Against 4.4 s without speculation, that request lost either way: the catch-up costs more than a
+128-token answer saves, and at that context a speculative step costs more than the tokens it makes. A sequence
+drafts (and catches up) only while engine/draft_cost.py's cost model, measured on the same core, says its expected
+saving (the tokens it may still make, at its own share of drafts kept) exceeds the draft's reading of its unread
+tokens; otherwise it decodes plainly and the draft reads none of it. A step in which no sequence drafts is a plain
+step, so a greedy answer is plain decoding's and a seeded one draws as plain decoding does.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.block_manager import BlockManager
+from engine.draft_cost import DraftCosts
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerOutput
@@ -59,12 +67,15 @@ CATCH_UP_CONTEXT = 640  # a draft row read after this many others costs about tw
 # A step catches up at least this many rows (past ~3,200 tokens of context, beyond the default draft cache): fewer a
 # call cost more each, 1.3-1.6x a row of 128-row calls at 16 rows, 1.5-2.1x at 8 (same measurement)
 MIN_CATCH_UP_ROWS = 16
+# whether drafting pays for a sequence, measured on the same core (engine/draft_cost.py)
+DEFAULT_COSTS = DraftCosts(catch_up_rows=CATCH_UP_ROWS, catch_up_context=CATCH_UP_CONTEXT)
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     k: int = 4  # tokens the draft proposes per step
     max_batch: int = 4  # speculate only while at most this many sequences decode
+    costs: DraftCosts | None = DEFAULT_COSTS  # a sequence drafts only while these say it pays (None: whenever it can)
 
     def __post_init__(self) -> None:
         if not 1 <= self.k <= MAX_K:
@@ -81,6 +92,7 @@ class _Plan:
     k: int  # tokens to draft (0: this sequence only decodes its next token)
     drafts: list[int]
     draft_probs: list[torch.Tensor | None]  # per draft token: the draft's distribution (None: greedy)
+    left: int = 0  # the tokens the sequence may still make
     catch_up: int = 0  # a sequence still catching up (k = 0): the tokens the draft reads for it this step
 
 
@@ -102,6 +114,7 @@ class SpeculativeDecoder:
         self.sampler = target.sampler  # the requests' own generators
         self.blocks = BlockManager(draft.num_kv_blocks, draft.block_size, enable_prefix_caching=False)
         self._states: dict[str, Sequence] = {}  # request id -> its draft state (block table, valid tokens)
+        self._tallies: dict[str, tuple[int, int]] = {}  # request id -> its tokens drafted, kept
         self.num_steps = 0
         self.num_draft_tokens = 0  # proposed
         self.num_accepted_tokens = 0  # of those, kept
@@ -111,6 +124,7 @@ class SpeculativeDecoder:
                 and all(out.do_sample) and all(eligible(s.params) for s in out.seqs))
 
     def release(self, request_id: str) -> None:
+        self._tallies.pop(request_id, None)
         state = self._states.pop(request_id, None)
         if state is not None:
             self.blocks.free(state)
@@ -119,15 +133,16 @@ class SpeculativeDecoder:
     def run(self, out: SchedulerOutput, target_blocks: BlockManager, max_model_len: int) -> list[list[int]] | None:
         """The tokens each sequence of `out` makes this step (1 to k + 1 each, in order), or None when the caller is
         to run a plain step: the target's KV cache has no room for the verification rows, or no sequence drafts
-        because those that would are still catching up (the draft has read its share of their tokens)."""
+        (drafting does not pay for any, or those that would are still catching up: the draft has read its share of
+        their tokens)."""
         plans = []
         for seq in out.seqs:
-            room = min(seq.params.max_tokens - seq.num_output_tokens, max_model_len - seq.num_tokens) - 1
-            k = min(self.config.k, room)
-            plans.append(_Plan(seq, max(k, 0), [], []))
+            left = min(seq.params.max_tokens - seq.num_output_tokens, max_model_len - seq.num_tokens)
+            plans.append(_Plan(seq, max(min(self.config.k, left - 1), 0), [], [], left))
         self._share_catch_up(plans)
-        if not any(p.k for p in plans) and any(p.catch_up for p in plans):
-            self._draft(plans)  # the catch-up rows alone, beside the caller's plain step
+        if not any(p.k for p in plans):
+            if any(p.catch_up for p in plans):
+                self._draft(plans)  # the catch-up rows alone, beside the caller's plain step
             return None
         for plan in plans:  # rows T-1 .. T-1+k: blocks up to position T-1+k
             if not target_blocks.allocate_slots(plan.seq, plan.k + 1):
@@ -140,12 +155,12 @@ class SpeculativeDecoder:
     # ---- the draft ----
 
     def _share_catch_up(self, plans: list[_Plan]) -> None:
-        """Which plans draft this step: those with draft room whose unread tokens (but the last) fit in what is left
-        of the step's catch-up cost, least behind first; the next one further behind reads what is left (at least
-        MIN_CATCH_UP_ROWS), the others wait. A plan that does not draft gets k = 0."""
+        """Which plans draft this step: those for which drafting pays, with draft room, whose unread tokens (but the
+        last) fit in what is left of the step's catch-up cost, least behind first; the next one further behind reads
+        what is left (at least MIN_CATCH_UP_ROWS), the others wait. A plan that does not draft gets k = 0."""
         behind = []
         for p in plans:
-            if p.k and self._room(p):
+            if p.k and self._pays(p) and self._room(p):
                 state = self._states[p.seq.request_id]
                 behind.append((p.seq.num_tokens - 1 - state.num_computed_tokens, p, state))
             else:
@@ -191,6 +206,16 @@ class SpeculativeDecoder:
             rows = [(p.drafts[-1], p.seq.num_tokens + j - 1, self._states[p.seq.request_id].block_table)
                     for p in going]
             self._propose(going, self._draft_rows(rows, list(range(len(rows)))))
+
+    def _pays(self, plan: _Plan) -> bool:
+        """Whether drafting (or catching up to draft) pays for the plan's sequence (engine/draft_cost.py)."""
+        costs, seq = self.config.costs, plan.seq
+        if costs is None:
+            return True
+        state = self._states.get(seq.request_id)
+        drafted, kept = self._tallies.get(seq.request_id, (0, 0))
+        return costs.pays(k=plan.k, context=seq.num_tokens, read=state.num_computed_tokens if state else 0,
+                          left=plan.left, drafted=drafted, kept=kept, sampled=seq.params.temperature > 0.0)
 
     def _room(self, plan: _Plan) -> bool:
         """Draft blocks for the plan's rows (positions up to T + k - 2); False when the draft's cache is full. (The
@@ -241,6 +266,8 @@ class SpeculativeDecoder:
             self.num_draft_tokens += p.k
             self.num_accepted_tokens += accepted
             if p.k:  # the draft's K/V are valid up to its last kept token that it has computed
+                drafted, kept = self._tallies.get(p.seq.request_id, (0, 0))
+                self._tallies[p.seq.request_id] = (drafted + p.k, kept + accepted)
                 self._states[p.seq.request_id].num_computed_tokens = p.seq.num_tokens + min(accepted, p.k - 1)
             emitted.append(made)
         return emitted

@@ -3,7 +3,8 @@
 The rule must leave the output distributed exactly as the target's sampling would (whatever the draft), keep
 drafts at the rate sum_x min(p(x), q(x)), and turn greedy drafts into the target's own greedy chain. A long prompt's
 catch-up is spread over steps, each within its bound, and changes no token (on a tiny real model too, whose draft K/V
-caught up in shares are those of reading the prompt at once).
+caught up in shares are those of reading the prompt at once). These tests draft whenever the rule can (`costs=None`);
+tests/engine/test_draft_cost.py tests when drafting pays.
 """
 
 from __future__ import annotations
@@ -116,7 +117,7 @@ def chi2(counts: torch.Tensor, probs: torch.Tensor) -> float:
 
 
 def test_sampled_output_is_the_targets_distribution_whatever_the_draft() -> None:
-    spec = SpeculativeDecoder(ConstantRunner(P), ConstantRunner(Q), SpeculativeConfig(k=3))
+    spec = SpeculativeDecoder(ConstantRunner(P), ConstantRunner(Q), SpeculativeConfig(k=3, costs=None))
     steps = decode(spec, SamplingParams(temperature=1.0, seed=7, max_tokens=1 << 20), 3000)
     first = torch.bincount(torch.tensor([s[0] for s in steps]), minlength=5).float()
     every = torch.bincount(torch.tensor([t for s in steps for t in s]), minlength=5).float()
@@ -132,7 +133,7 @@ def test_sampled_output_is_the_targets_distribution_whatever_the_draft() -> None
 
 
 def test_a_draft_equal_to_the_target_is_always_kept() -> None:
-    spec = SpeculativeDecoder(ConstantRunner(P), ConstantRunner(P), SpeculativeConfig(k=4))
+    spec = SpeculativeDecoder(ConstantRunner(P), ConstantRunner(P), SpeculativeConfig(k=4, costs=None))
     steps = decode(spec, SamplingParams(temperature=1.0, seed=3, max_tokens=1 << 20), 200)
     assert all(len(s) == 5 for s in steps)
     assert spec.num_accepted_tokens == spec.num_draft_tokens == 800
@@ -140,7 +141,7 @@ def test_a_draft_equal_to_the_target_is_always_kept() -> None:
 
 def test_temperature_and_top_k_shape_both_distributions() -> None:
     """Under top_k=2 the output only ever holds the target's two likeliest tokens, at their renormalised odds."""
-    spec = SpeculativeDecoder(ConstantRunner(P), ConstantRunner(Q), SpeculativeConfig(k=2))
+    spec = SpeculativeDecoder(ConstantRunner(P), ConstantRunner(Q), SpeculativeConfig(k=2, costs=None))
     steps = decode(spec, SamplingParams(temperature=1.0, top_k=2, seed=11, max_tokens=1 << 20), 2000)
     tokens = torch.tensor([t for s in steps for t in s])
     assert set(tokens.tolist()) <= {0, 1}
@@ -152,7 +153,7 @@ def test_greedy_drafts_give_the_targets_greedy_chain() -> None:
     target_chain = {p: (3 * p + 1) % 5 for p in range(1, 400)}
     draft_chain = {p: t if p % 4 else (t + 1) % 5 for p, t in target_chain.items()}  # wrong at every 4th position
     spec = SpeculativeDecoder(ConstantRunner(P, target_chain), ConstantRunner(P, draft_chain),
-                              SpeculativeConfig(k=4))
+                              SpeculativeConfig(k=4, costs=None))
     steps = decode(spec, SamplingParams(temperature=0.0, max_tokens=1 << 20), 60)
     made = [t for s in steps for t in s]
     assert made == [target_chain[p] for p in range(3, 3 + len(made))]
@@ -160,13 +161,13 @@ def test_greedy_drafts_give_the_targets_greedy_chain() -> None:
 
 
 def test_k_never_passes_max_tokens() -> None:
-    spec = SpeculativeDecoder(ConstantRunner(P), ConstantRunner(P), SpeculativeConfig(k=4))
+    spec = SpeculativeDecoder(ConstantRunner(P), ConstantRunner(P), SpeculativeConfig(k=4, costs=None))
     steps = decode(spec, SamplingParams(temperature=1.0, seed=1, max_tokens=7), 2)
     assert [len(s) for s in steps] == [5, 2]  # 5, then the 2 left: never a token past max_tokens
 
 
 def test_what_it_does_not_apply_to() -> None:
-    spec = SpeculativeDecoder(ConstantRunner(P), ConstantRunner(P), SpeculativeConfig(k=2, max_batch=2))
+    spec = SpeculativeDecoder(ConstantRunner(P), ConstantRunner(P), SpeculativeConfig(k=2, max_batch=2, costs=None))
     seqs = [Sequence(f"r{i}", [1, 2], SamplingParams(temperature=0.0)) for i in range(3)]
     assert spec.applies(SchedulerOutput(seqs[:2], [1, 1], [True, True]))
     assert not spec.applies(SchedulerOutput(seqs, [1, 1, 1], [True] * 3))  # above max_batch
@@ -185,7 +186,7 @@ def test_bad_config_and_another_vocabulary_are_refused() -> None:
 
 
 def test_no_room_in_the_targets_cache_means_a_plain_step() -> None:
-    spec = SpeculativeDecoder(ConstantRunner(P), ConstantRunner(Q), SpeculativeConfig(k=4))
+    spec = SpeculativeDecoder(ConstantRunner(P), ConstantRunner(Q), SpeculativeConfig(k=4, costs=None))
     blocks = BlockManager(1, 16)
     seq = Sequence("r", list(range(14)), SamplingParams(temperature=0.0, max_tokens=100))
     blocks.allocate_slots(seq, 14)
@@ -200,7 +201,7 @@ async def test_a_long_prompt_is_caught_up_a_bounded_share_a_step() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=60)
     plain = LLMEngine(ChainRunner(TARGET_CHAIN), CharTokenizer())
     draft = ConstantRunner(P, DRAFT_CHAIN)
-    spec = SpeculativeDecoder(ChainRunner(TARGET_CHAIN), draft, SpeculativeConfig(k=4, max_batch=1))
+    spec = SpeculativeDecoder(ChainRunner(TARGET_CHAIN), draft, SpeculativeConfig(k=4, max_batch=1, costs=None))
     engine = LLMEngine(spec.target, CharTokenizer(), speculative=spec)
     rows = draft_rows_per_step(engine, draft)
     for e in (plain, engine):
@@ -224,7 +225,7 @@ def test_a_sequence_catching_up_decodes_beside_one_that_drafts() -> None:
     """With max_batch 2, a short sequence drafts every step while a long one beside it catches up; both make the
     target's greedy chain."""
     draft = ConstantRunner(P, DRAFT_CHAIN)
-    spec = SpeculativeDecoder(ChainRunner(TARGET_CHAIN), draft, SpeculativeConfig(k=4, max_batch=2))
+    spec = SpeculativeDecoder(ChainRunner(TARGET_CHAIN), draft, SpeculativeConfig(k=4, max_batch=2, costs=None))
     blocks = BlockManager(4096, 16)
     params = SamplingParams(temperature=0.0, max_tokens=1 << 20)
     short, long = Sequence("s", [1, 2, 3], params), Sequence("l", [1 + i % 4 for i in range(1200)], params)
@@ -254,7 +255,7 @@ def test_a_real_drafts_kv_caught_up_in_shares_is_as_if_read_at_once(tiny_llama: 
         return ModelRunner(tiny_llama, dtype="fp32", kv_cache_bytes=1 << 20)
 
     target, draft, reference = runner(), runner(), runner()
-    spec = SpeculativeDecoder(target, draft, SpeculativeConfig(k=4, max_batch=1))
+    spec = SpeculativeDecoder(target, draft, SpeculativeConfig(k=4, max_batch=1, costs=None))
     prompt = [(7 * i) % 120 + 5 for i in range(200)]
     seq = Sequence("r", list(prompt), SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
     blocks = BlockManager(target.num_kv_blocks, target.block_size)
@@ -294,3 +295,53 @@ def test_a_real_drafts_kv_caught_up_in_shares_is_as_if_read_at_once(tiny_llama: 
     torch.testing.assert_close(kv(draft, spec._states["r"].block_table), kv(reference, ref_seq.block_table))
     expected, _ = generate_greedy(runner(), [prompt], 40)
     assert seq.output_token_ids == expected[0]
+
+
+async def decode_through_engines(prompt: list[int], params: SamplingParams,
+                                 draft_chain: dict[int, int] = DRAFT_CHAIN) -> tuple[SpeculativeDecoder, int]:
+    """One request through a plain engine and a speculative one (the decoder's default costs); asserts both made the
+    target's greedy chain; the decoder and the rows its draft read."""
+    plain = LLMEngine(ChainRunner(TARGET_CHAIN), CharTokenizer())
+    draft = ConstantRunner(P, draft_chain)
+    spec = SpeculativeDecoder(ChainRunner(TARGET_CHAIN), draft, SpeculativeConfig(k=4, max_batch=1))
+    engine = LLMEngine(spec.target, CharTokenizer(), speculative=spec)
+    for e in (plain, engine):
+        e.start()
+    try:
+        (text, last), (expected, _) = [await collect(e.generate(prompt, params)) for e in (engine, plain)]
+    finally:
+        for e in (plain, engine):
+            e.shutdown()
+    n = len(prompt)
+    assert text == expected == "".join(chr(TARGET_CHAIN[p]) for p in range(n, n + params.max_tokens)
+                                       if TARGET_CHAIN[p])
+    assert last.num_output_tokens == params.max_tokens
+    return spec, draft.rows
+
+
+async def test_a_long_prompt_whose_catch_up_cannot_pay_decodes_without_drafting() -> None:
+    """1,500 prompt tokens for 60 answer tokens: the draft would read the prompt (spread over plain steps) to save a
+    fraction of 60 plain steps; the sequence never drafts and the draft reads none of it (at HEAD: 1,500 rows read,
+    then speculative steps)."""
+    spec, rows = await decode_through_engines([1 + i % 4 for i in range(1500)],
+                                              SamplingParams(temperature=0.0, max_tokens=60))
+    assert rows == 0
+    assert spec.num_steps == spec.num_draft_tokens == 0
+
+
+async def test_a_short_prompt_still_drafts() -> None:
+    spec, rows = await decode_through_engines([1 + i % 4 for i in range(20)],
+                                              SamplingParams(temperature=0.0, max_tokens=60))
+    assert spec.num_steps > 0 and 0 < spec.num_accepted_tokens < spec.num_draft_tokens
+    assert spec.num_steps < 60 // 2  # several tokens a step
+    assert 19 <= rows < 20 + 5 * 60
+
+
+async def test_a_sequence_whose_drafts_are_refused_stops_drafting() -> None:
+    """A draft wrong at every position: after its first refused drafts, the sequence's own acceptance says drafting
+    costs more than it saves, and it decodes plainly."""
+    wrong = {p: (t + 1) % 5 for p, t in TARGET_CHAIN.items()}
+    spec, _ = await decode_through_engines([1 + i % 4 for i in range(20)],
+                                           SamplingParams(temperature=0.0, max_tokens=60), wrong)
+    assert spec.num_accepted_tokens == 0
+    assert 0 < spec.num_steps <= 2 and spec.num_draft_tokens <= 8
