@@ -15,7 +15,8 @@ The attacks are classes, not strings (tests/adversarial/ runs the same ones with
 regex bait (a cached digit prompt, then megabytes of digits), one 100k-character word on `auto`, seeds
 and temperatures at and past their bounds, stop strings at and past their limits, thousands of messages,
 deeply nested JSON, 160,000 content parts, unknown and unsupported fields, a flood that the tenant's
-rate limit refuses, response formats whose grammar fails mid-answer (a replica's breaker must not count them),
+rate limit refuses, response formats whose grammar fails mid-answer (a replica's breaker must not count them; then
+each one new, a grammar compile each),
 an allOf of anyOfs of patterns (seconds of a grammar compiler's time), and 4 MB of tools with tool_choice
 "none"; against the cache's victim: embeddings of 2,048 texts a request, prompts that cannot fit
 after the answer to their history was cached, long prompts on `auto` (counted and predicted on threads
@@ -175,6 +176,10 @@ def attacks(s: Served) -> list[Attack]:
     failing_schemas = [json.dumps({**_user("Give me JSON.", max_tokens=16, temperature=1.0,
                                            response_format=_schema(optional)), "model": m}).encode()
                        for m in ("mid", "full")]
+    # the same schema under a new title each time: never in an engine's grammar cache, ~90 ms of llguidance each
+    new_failing = [json.dumps({**_user("Give me JSON.", max_tokens=16, temperature=1.0,
+                                       response_format=_schema({**optional, "title": "t-NEW"})), "model": m}).encode()
+                   for m in ("mid", "full")]
     params = {f"p{j:04d}": {"type": "string", "description": "d" * 8} for j in range(630)}
     tools_none = json.dumps({**_user("hi", max_tokens=1), "tool_choice": "none", "tools": [  # 4 MB, not offered
         {"type": "function", "function": {"name": f"f{i}", "parameters": {"type": "object", "properties": params}}}
@@ -183,6 +188,12 @@ def attacks(s: Served) -> list[Attack]:
     def regex_bait(c: httpx.Client) -> int:
         _post(c, _user(digits, temperature=0))  # cached (the first time) for the attacker's own tenant
         return _post(c, megadigits)
+
+    def each_one_new(c: httpx.Client) -> int:
+        each_one_new.sent += 1  # type: ignore[attr-defined]
+        n = each_one_new.sent  # type: ignore[attr-defined]
+        return _post(c, new_failing[n % 2].replace(b"t-NEW", f"t-{n}".encode()))
+    each_one_new.sent = 0  # type: ignore[attr-defined]
 
     def cycle(*bodies: dict | bytes) -> Callable[[httpx.Client], int]:
         state = {"i": 0}
@@ -209,6 +220,7 @@ def attacks(s: Served) -> list[Attack]:
                                                        _user("Hi", logit_bias={"1": 100}), _user("Hi", bogus=1))),
         Attack("a flood the rate limit refuses", cycle(_user("Hi")), threads=6, tenant="flooder"),
         Attack("schemas whose grammar fails mid-answer", cycle(*failing_schemas), threads=4),
+        Attack("schemas whose grammar fails mid-answer, each one new", each_one_new, threads=4),
         Attack("an allOf of anyOfs of patterns", cycle(_user("Give me JSON.", response_format=_schema({"allOf": [
             {"anyOf": [{"type": "string", "pattern": f"^.*{chr(97 + i)}{j}.*$"} for i in range(5)]}
             for j in range(6)]}))), threads=6),

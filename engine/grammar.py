@@ -10,11 +10,12 @@ engine's tokens/s measured the same with and without a schema).
   out `CompiledGrammar`s. A schema llguidance cannot compile is an EngineInputError (a 400) before anything
   streams, and is remembered (a bounded LRU of refusals): a compile can take seconds before it fails (an allOf
   of anyOfs of patterns, refused at the wire since, wire/schema_alternatives.py), and a repeat must not pay it
-  again. Compiles run where the caller runs them: the engine calls `compile` from worker threads, off its step
-  loop and off the event loop; concurrent requests for one new schema wait for one compile. A grammar that fails
-  later, mid-answer (an object of a thousand optional properties: "max_items_in_row" at its second token), fails
-  its sequence alone with `response_format_failed`, the request's own error (engine/model_runner.py), which the
-  gateway never counts against the replica's health.
+  again. Compiles run where the caller runs them: the engine looks a format up first (`known`) and runs `compile`
+  on threads of its own, shared fairly between tenants with a bounded queue (engine/compile_queue.py), off its step
+  loop, the event loop and the event loop's default executor; concurrent requests for one new schema wait for one
+  compile. A grammar that fails later, mid-answer (an object of a thousand optional properties: "max_items_in_row"
+  at its second token), fails its sequence alone with `response_format_failed`, the request's own error
+  (engine/model_runner.py), which the gateway never counts against the replica's health.
 - `GrammarMatcher`: one sequence's place in its grammar. The sampler (engine/sampler.py) asks it for the logits
   with every token the grammar refuses at -inf (EOS included until the answer is complete) and tells it each
   token chosen.
@@ -118,6 +119,17 @@ class GrammarCache:
     def cached(self, fmt: ResponseFormat) -> CompiledGrammar | None:
         with self._lock:
             return self._grammars.get(grammar_key(fmt))
+
+    def known(self, fmt: ResponseFormat) -> CompiledGrammar | None:
+        """The compiled grammar of a format compiled before, None for one never compiled; EngineInputError for one
+        refused before. Never compiles."""
+        key = grammar_key(fmt)
+        with self._lock:
+            if (hit := self._grammars.get(key)) is not None:
+                self._grammars.move_to_end(key)
+                return hit
+            self._raise_if_refused(key)
+        return None
 
     def compile(self, fmt: ResponseFormat) -> CompiledGrammar:
         """The compiled grammar of `fmt` (json_object or json_schema), compiling it on a miss; EngineInputError

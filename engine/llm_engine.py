@@ -1,6 +1,7 @@
 """The engine loop: one thread owns the model and steps the batch; asyncio callers stream.
 
-Callers see `generate` (an async iterator of outputs), `abort`, `validate`, `stats` and `dead_reason`. Each
+Callers see `generate` (an async iterator of outputs), `abort`, `validate`, `compiled_grammar`, `stats` and
+`dead_reason`. Each
 step is schedule → run → postprocess: the scheduler picks sequences and token counts, the model runner
 computes them all in one batched forward and samples, the scheduler advances them; the engine then
 detokenizes, applies stop strings and streams. Requests and aborts cross from the event loop through a
@@ -30,12 +31,14 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
 from engine.block_manager import BlockManager
+from engine.compile_queue import CompileQueue, EngineBusyError
 from engine.detokenizer import IncrementalDetokenizer
-from engine.grammar import GrammarCache
+from engine.grammar import CompiledGrammar, GrammarCache, grammar_key
 from engine.openmp import release_thread_pool
 from engine.outputs import EngineStats, RequestOutput
 from engine.request_queue import SchedulingPolicy
@@ -45,7 +48,7 @@ from engine.sequence import Sequence
 from engine.speculative import SpeculativeDecoder
 from wire.errors import RESPONSE_FORMAT_FAILED
 
-__all__ = ["EngineDeadError", "EngineInputError", "EngineStats", "LLMEngine", "RequestOutput"]
+__all__ = ["EngineBusyError", "EngineDeadError", "EngineInputError", "EngineStats", "LLMEngine", "RequestOutput"]
 
 THROUGHPUT_WINDOW_S = 10.0  # tokens/s in stats is measured over this trailing window
 IDLE_WAIT_S = 0.5  # an idle loop wakes this often (and on every new request)
@@ -82,8 +85,11 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens, max_model_len=self.max_model_len,
                                    eos_token_ids=set(runner.eos_token_ids), policy=policy)
-        # response formats compiled for this tokenizer, once each (thread-safe: compiles run in worker threads)
+        # response formats compiled for this tokenizer, once each (thread-safe), on threads of their own shared fairly
+        # between tenants (engine/compile_queue.py)
         self.grammars = GrammarCache(tokenizer, vocab_size=self.vocab_size, eos_token_ids=list(runner.eos_token_ids))
+        self.compiles = CompileQueue()
+        self._compiling: dict[str, Future[CompiledGrammar]] = {}  # grammar key -> its compile queued or running
         # shared with callers, under the lock
         self._lock = threading.Lock()
         self._inbox: list[Sequence] = []
@@ -118,6 +124,7 @@ class LLMEngine:
         self._stopping = True
         self._wake.set()
         self._thread.join(timeout=10)
+        self.compiles.close()
 
     @property
     def dead_reason(self) -> str | None:
@@ -129,8 +136,8 @@ class LLMEngine:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise EngineInputError (naming the field) for a request this engine can never serve.
 
-        A response format's grammar is compiled here on its first use (a schema that cannot be compiled is an
-        EngineInputError), so call it off the event loop when the format may be new (the server does).
+        A response format refused before is refused here again; one never compiled is compiled by
+        `compiled_grammar` (a schema that cannot be compiled is an EngineInputError there).
         """
         params.check()  # again: the dataclass may have been changed since it was built
         if not prompt_token_ids:
@@ -154,22 +161,43 @@ class LLMEngine:
                 param="messages", code="context_length_exceeded",
             )
         if (fmt := params.output_format) is not None:
-            self.grammars.compile(fmt)
+            self.grammars.known(fmt)
+
+    async def compiled_grammar(self, params: SamplingParams, tenant: str | None) -> CompiledGrammar | None:
+        """The compiled grammar of the request's response format (None without one): a format compiled before at
+        once, a new one compiled on the compile queue's threads, `tenant`'s turn among the tenants waiting (the
+        caller waits without holding a thread). EngineInputError for a schema that cannot be compiled,
+        EngineBusyError when the queue has no room for it, EngineDeadError once the loop has stopped."""
+        if (fmt := params.output_format) is None:
+            return None
+        if (hit := self.grammars.known(fmt)) is not None:
+            return hit
+        if (reason := self.dead_reason) is not None:  # nothing will run it: no compile either
+            raise EngineDeadError(f"the engine has stopped: {reason}")
+        key = grammar_key(fmt)
+        if (running := self._compiling.get(key)) is None:  # one compile a schema: the same new one asked for at
+            # once (a client's burst of one schema) waits for it and takes no place of its own in the queue
+            running = self.compiles.submit(tenant, lambda: self.grammars.compile(fmt))
+            self._compiling[key] = running
+            running.add_done_callback(lambda done: self._compiling.pop(key, None) if self._compiling.get(key) is done
+                                      else None)
+        # shielded: a caller that leaves does not cancel the compile the others wait for (its result is kept)
+        compiled: CompiledGrammar = await asyncio.shield(asyncio.wrap_future(running))
+        return compiled
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, *,
                        request_id: str | None = None, priority: int = 0,
                        cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Stream outputs for one request; leaving the iterator early aborts the request.
 
-        Raises EngineInputError for a request that can never run, EngineDeadError once the loop has stopped.
-        A request the engine fails later ends with an output whose `error` is set. A response format not compiled
-        yet is compiled in a worker thread, off the event loop and the step loop.
+        Raises EngineInputError for a request that can never run, EngineDeadError once the loop has stopped,
+        EngineBusyError when its response format is new and the compile queue is full. A request the engine fails
+        later ends with an output whose `error` is set. A response format not compiled yet is compiled on the
+        compile queue (`compiled_grammar`, the tenant being `cache_salt`), unless `params.grammar` already holds it.
         """
-        if (fmt := params.output_format) is not None and self.grammars.cached(fmt) is None:
-            await asyncio.to_thread(self.validate, prompt_token_ids, params)  # compiles it
         self.validate(prompt_token_ids, params)
-        if fmt is not None:  # the engine's own copy carries the grammar (a cache hit now) to the sampler
-            params = dataclasses.replace(params, grammar=self.grammars.compile(fmt))
+        if params.output_format is not None and params.grammar is None:  # the engine's own copy carries the grammar
+            params = dataclasses.replace(params, grammar=await self.compiled_grammar(params, cache_salt))
         request_id = request_id or f"req-{next(self._counter)}"
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         seq = Sequence(request_id, list(prompt_token_ids), params, priority=priority, cache_salt=cache_salt)

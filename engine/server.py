@@ -15,12 +15,15 @@ the supervisor gave this process (TIERGATE_ENGINE_INSTANCE), so a probe can tell
 took the port.
 
 `response_format` (json_object, json_schema) is enforced by the engine's grammar-constrained decoding
-(engine/grammar.py); a schema it cannot compile is a 400 naming `response_format`, before any byte is streamed.
+(engine/grammar.py); a schema it cannot compile is a 400 naming `response_format`, before any byte is streamed. A new
+schema is compiled on the engine's compile queue (engine/compile_queue.py: threads of its own, tenants in turn, the
+tenant being the gateway's cache salt); when that queue is full for the tenant or for everyone, the answer is a 429
+`response_format_compiles_busy` with Retry-After, at once.
 Tools are rendered into the prompt (wire/tool_calls.py) and the answer is shaped into `tool_calls`
 (engine/tool_calls.py: a "required" or named tool_choice is enforced by the same grammar path).
 
-The prompt is rendered and tokenized in a worker thread (with the request's checks, and the compile of a
-response format the engine has not seen): transformers' fast tokenizer call runs
+The prompt is rendered and tokenized in a worker thread (with the request's checks; never a grammar compile):
+transformers' fast tokenizer call runs
 `tokenizers`' `encode_batch`, which releases the GIL (measured: 1.5 MB of text, 1.1 s to tokenize, the event
 loop kept running with at most 34 ms between its turns, against 1.16 s with `Tokenizer.encode`). Text
 longer than the context could hold even at the vocabulary's longest token is refused before tokenizing.
@@ -29,6 +32,7 @@ longer than the context could hold even at the vocabulary's longest token is ref
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import re
 import time
@@ -44,7 +48,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from assets.parent_watch import ENGINE_INSTANCE_ENV
-from engine.llm_engine import EngineDeadError, EngineInputError, LLMEngine, RequestOutput
+from engine.llm_engine import EngineBusyError, EngineDeadError, EngineInputError, LLMEngine, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.tool_calls import ToolAnswer, answer_format, tools_param
 from wire import responses
@@ -165,7 +169,7 @@ def create_engine_app(engine: LLMEngine, *, model_name: str, model_version: str)
         chat = isinstance(req, ChatCompletionRequest)
 
         def prepare() -> tuple[list[int], SamplingParams]:
-            """Tokenize and validate (a new response format's grammar is compiled here, off the event loop)."""
+            """Tokenize and validate (a response format refused before is refused here; none is compiled)."""
             ids = prompt_ids(req) if chat else text_prompt_ids(req)  # type: ignore[arg-type]
             params = sampling_params_for(req, len(ids), engine.max_model_len)
             engine.validate(ids, params)
@@ -173,6 +177,13 @@ def create_engine_app(engine: LLMEngine, *, model_name: str, model_version: str)
 
         try:
             ids, params = await asyncio.to_thread(prepare)
+            if params.output_format is not None:  # compiled on the compile queue, in the tenant's turn
+                params = dataclasses.replace(params, grammar=await engine.compiled_grammar(params, salt))
+        except EngineBusyError as exc:
+            return Response(error_body(str(exc), "rate_limit_error", param=exc.param, code=exc.code), status_code=429,
+                            headers={"retry-after": str(exc.retry_after_s)})
+        except EngineDeadError as exc:
+            return _dead(str(exc))
         except EngineInputError as exc:
             exc = tools_param(exc, req) if chat else exc  # type: ignore[arg-type]
             param = exc.param if chat or exc.param != "messages" else "prompt"

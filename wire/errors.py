@@ -9,6 +9,10 @@ from typing import Any
 # against the replica's circuit breaker (one tenant's schema must not take a tier away from everyone).
 RESPONSE_FORMAT_FAILED = "response_format_failed"
 REQUEST_FAULT_CODES = frozenset({RESPONSE_FORMAT_FAILED})
+# An engine's 429 when its grammar compile queue has no room for a new response_format (engine/compile_queue.py): a
+# tenant's flood of new schemas, or every tenant's; the gateway relays it as a 429 with Retry-After, not a 502.
+RESPONSE_FORMAT_COMPILES_BUSY = "response_format_compiles_busy"
+COMPILES_BUSY_RETRY_AFTER_S = 1
 # The gateway's per-tenant namespace for a local engine's prefix cache (engine/block_manager.py `root_hash`): a
 # header the gateway sets on its own calls to its engines, never taken from a tenant's request.
 CACHE_SALT_HEADER = "x-tiergate-cache-salt"

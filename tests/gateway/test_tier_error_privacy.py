@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from gateway.errors import InvalidRequest, Unavailable, UpstreamError, UpstreamTimeout, client_error
+from gateway.errors import InvalidRequest, RateLimited, Unavailable, UpstreamError, UpstreamTimeout, client_error
 from tests.conftest import Gateway
 from tests.stubs import free_port
 from tiers import errors as tier_errors
@@ -166,6 +166,20 @@ def test_an_upstream_4xx_about_the_request_passes_its_message_and_param() -> Non
     assert type(err) is InvalidRequest and err.status_code == 400
     assert (err.message, err.param, err.code) == (body["error"]["message"], "response_format",
                                                   "invalid_response_format")
+
+
+def test_an_engine_whose_compile_queue_is_full_is_a_429_to_retry_not_a_502() -> None:
+    """engine/compile_queue.py refuses a new response_format at once when a tenant's (or every tenant's) compiles
+    are all taken; the tenant gets OpenAI's 429 with Retry-After, as for a rate limit, not a backend failure."""
+    body = {"error": {"message": "response_format: this tenant's grammar compiles are all taken (at most 8 waiting); "
+                                 "try again in 1 s", "type": "rate_limit_error", "param": "response_format",
+                      "code": "response_format_compiles_busy"}}
+    err = client_error(tier_errors.UpstreamRejected(429, body))
+    assert type(err) is RateLimited and err.status_code == 429 and err.retry_after == 1
+    assert (err.message, err.param, err.code) == (body["error"]["message"], "response_format",
+                                                  "response_format_compiles_busy")
+    other = client_error(tier_errors.UpstreamRejected(429, {"error": {"message": "slow down", "code": "x"}}))
+    assert other.status_code == 502  # any other upstream 429 is still the backend's, not the tenant's
 
 
 # --- the fleet's reasons (tiers/fleet.py) ------------------------------------------------------------------------

@@ -1,0 +1,141 @@
+"""A tenant's response-format compiles against another's: they never run on the event loop's default executor, and a
+flood of slow ones from one tenant leaves another's compile (and its request) waiting at most one compile. A fake
+compile that sleeps SLOW_S stands for a schema llguidance takes long over; the scripted runner never reads it."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import pytest
+
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from engine.server import create_engine_app
+from tests.engine.fakes import CharTokenizer, ScriptedRunner, collect
+from tests.stubs import ServerThread
+
+SLOW_S = 0.4
+MSG = [{"role": "user", "content": "JSON please"}]
+# the default executor's threads (asyncio's ThreadPoolExecutor), three times over
+FLOOD = 3 * min(32, (os.cpu_count() or 1) + 4)
+
+
+def fmt(title: str) -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "title": title}}}
+
+
+class FakeCompiles:
+    """Stands in for GrammarCache.compile: compiles each schema once (a repeat is a cache hit, as there), recording
+    the thread each compile ran on; the attacker's ("slow…") sleep."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.threads: list[str] = []
+        self.done: dict[str, float] = {}  # schema title -> when its compile ended
+        self._compiled: dict[str, object] = {}
+        self._lock = threading.Lock()
+        engine.grammars.compile = self  # type: ignore[method-assign]
+
+    def __call__(self, f: Any) -> object:
+        title = f.json_schema.schema_["title"]
+        with self._lock:
+            if title in self._compiled:
+                return self._compiled[title]
+        self.threads.append(threading.current_thread().name)
+        if title.startswith("slow"):
+            time.sleep(SLOW_S)
+        with self._lock:
+            self.done[title] = time.perf_counter()
+            return self._compiled.setdefault(title, object())  # the scripted runner never masks with it
+
+
+def on_default_executor(name: str) -> bool:
+    return name == "MainThread" or name.startswith(("asyncio", "ThreadPoolExecutor"))
+
+
+async def test_a_flood_of_slow_compiles_delays_another_tenants_by_one_compile_at_most() -> None:
+    engine = LLMEngine(ScriptedRunner(), CharTokenizer())
+    compiles = FakeCompiles(engine)
+    engine.start()
+    refused: list[str] = []
+
+    async def attacker(i: int) -> None:
+        params = SamplingParams(temperature=0.0, max_tokens=2, response_format=fmt(f"slow{i}"))
+        try:
+            await collect(engine.generate([65, 66], params, cache_salt="attacker"))
+        except Exception as exc:  # the queue's refusal (EngineBusyError: not at HEAD), counted below
+            refused.append(type(exc).__name__)
+
+    try:
+        flood = [asyncio.create_task(attacker(i)) for i in range(FLOOD)]
+        await asyncio.sleep(0.1)  # the flood is queued
+        t0 = time.perf_counter()
+        params = SamplingParams(temperature=0.0, max_tokens=2, response_format=fmt("victim"))
+        text, last = await collect(engine.generate([65, 66], params, cache_salt="victim"))
+        victim_s = time.perf_counter() - t0
+        await asyncio.gather(*flood)
+    finally:
+        engine.shutdown()
+    assert text == "Pa" and last.error is None
+    # at HEAD: behind FLOOD compiles on the default executor's threads, ~3 x SLOW_S
+    assert compiles.done["victim"] - t0 < SLOW_S and victim_s < SLOW_S, victim_s
+    assert not [name for name in compiles.threads if on_default_executor(name)], compiles.threads
+    # the attacker's compiles beyond its share are refused at once; those it was given ran, one at a time
+    assert refused and set(refused) == {"EngineBusyError"}
+    assert len(refused) + sum(t.startswith("slow") for t in compiles.done) == FLOOD
+
+
+@pytest.fixture
+def served() -> Iterator[tuple[str, LLMEngine, FakeCompiles]]:
+    engine = LLMEngine(ScriptedRunner(max_model_len=512), CharTokenizer())
+    compiles = FakeCompiles(engine)
+    engine.start()
+    server = ServerThread(create_engine_app(engine, model_name="tiny", model_version="v1")).start()
+    yield server.url, engine, compiles
+    server.stop()
+    engine.shutdown()
+
+
+def test_over_http_the_flood_is_refused_with_429_and_the_victim_is_served(
+        served: tuple[str, LLMEngine, FakeCompiles]) -> None:
+    url, _, compiles = served
+
+    def post(tenant: str, title: str) -> httpx.Response:
+        return httpx.post(f"{url}/v1/chat/completions", timeout=30, headers={"x-tiergate-cache-salt": tenant},
+                          json={"model": "tiny", "messages": MSG, "max_tokens": 2, "response_format": fmt(title)})
+
+    with ThreadPoolExecutor(FLOOD) as pool:
+        flood = [pool.submit(post, "attacker", f"slow{i}") for i in range(FLOOD)]
+        time.sleep(0.3)  # the flood is in
+        t0 = time.perf_counter()
+        victim = post("victim", "victim")
+        victim_s = time.perf_counter() - t0
+        statuses = [f.result().status_code for f in flood]
+    assert victim.status_code == 200, victim.text
+    assert victim_s < SLOW_S, victim_s  # at HEAD: its tokenizing and compile queued behind the flood's
+    assert not [name for name in compiles.threads if on_default_executor(name)], compiles.threads
+    assert set(statuses) == {200, 429} and statuses.count(429) >= FLOOD - 8
+    busy = next(f.result() for f in flood if f.result().status_code == 429)
+    assert busy.json()["error"]["code"] == "response_format_compiles_busy" and busy.headers["retry-after"] == "1"
+
+
+async def test_a_burst_of_one_new_schema_is_compiled_once_and_takes_one_place_in_the_queue() -> None:
+    """A client sending the same new schema many times at once (more than a tenant's places in the compile queue)
+    gets every answer: the requests wait for one compile instead of each queueing its own and being refused."""
+    engine = LLMEngine(ScriptedRunner(), CharTokenizer())
+    compiles = FakeCompiles(engine)
+    engine.start()
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=2, response_format=fmt("slow-burst"))
+        results = await asyncio.gather(*(collect(engine.generate([65, 66], params, cache_salt="t"))
+                                         for _ in range(3 * engine.compiles.per_tenant)))
+        assert len(results) == 3 * engine.compiles.per_tenant and len(compiles.threads) == 1
+        assert engine.compiles.num_refused == 0 and not engine._compiling
+    finally:
+        engine.shutdown()
