@@ -1,6 +1,19 @@
 """Ledger commit throughput and the latency it adds to a request: SQLite (embedded) vs PostgreSQL (a fleet).
 
     .venv/bin/python -m bench.ledger_stores [--seconds 3] [--writers 1,4,16] [--database-url postgresql://…]
+    .venv/bin/python -m bench.ledger_stores claims [--held 10,9000] [--claims 500]
+
+`claims`: what claiming an Idempotency-Key costs on PostgreSQL as the tenant's live records grow. For each count of
+records the tenant already holds (written straight into a fresh database), one client claims `--claims` new keys one
+after another, then, with the tenant at its bound (MAX_RECORDS_PER_TENANT live records), asks for `--claims` more
+(each refused): p50 and p99 of `begin`, in ms. The claim's cost should not grow with the records held.
+
+    .venv/bin/python -m bench.ledger_stores reports [--requests 500000] [--refusals 1000000] [--days 30]
+
+`reports`: what one tenant's usage report costs as its history grows, on both stores: the tenant's `--requests`
+rows (money of 7 to 20 digits) and `--refusals` refusal-count rows (minutes x keys x reasons) spread over `--days`
+days, then its report by day over the whole range, as a report process runs it (a read-only reader): wall time
+and this process's CPU time (PostgreSQL sums in the server: its CPU is not counted), median of 3.
 
 Each cell runs one ledger as a gateway replica does (one writer thread, group commits) and W concurrent
 writers on one event loop, each recording a row and waiting until it is durable, as a request does before its
@@ -62,6 +75,106 @@ async def measure(ledger: Ledger, writers: int, seconds: float) -> tuple[float, 
     return len(latencies) / elapsed, q[49] * 1000, q[98] * 1000
 
 
+async def claim_latencies(url: str, held: int, claims: int) -> tuple[list[float], list[float]]:
+    """Seconds per `begin` of a new key with `held` live records of the tenant, then per refused one at its bound."""
+    import psycopg
+
+    from quotas.idempotency import MAX_RECORDS_PER_TENANT, Claim, Full, PostgresIdempotency
+
+    fill = ("INSERT INTO idempotency SELECT 'acme', 'held-' || g, 'fp', 'r', 'done', '{\"text\": \"hi\"}', 9e99 "
+            "FROM generate_series(1, %s) AS g")
+    store = PostgresIdempotency(url)  # its migrations first
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(fill, (held,))
+        conn.execute("VACUUM ANALYZE")
+    taken, refused = [], []
+    for i in range(claims + 20):  # the first 20 warm the pool and the caches
+        t0 = time.perf_counter()
+        assert isinstance(await store.begin("acme", f"new-{i}", "fp", f"r{i}", lease_s=600), Claim)
+        taken.append(time.perf_counter() - t0)
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(fill.replace("'held-'", "'more-'"), (MAX_RECORDS_PER_TENANT - held - claims - 20,))
+        conn.execute("VACUUM ANALYZE")
+    for i in range(claims + 20):
+        t0 = time.perf_counter()
+        assert isinstance(await store.begin("acme", f"over-{i}", "fp", f"r{i}", lease_s=600), Full)
+        refused.append(time.perf_counter() - t0)
+    await store.close()
+    return taken[20:], refused[20:]
+
+
+def claims_main(args: argparse.Namespace, server: object) -> None:
+    print(f"CPU: {cpu_model()}; PostgreSQL fsync on; {args.claims} claims a cell, one client")
+    print("| tenant's live records | new key p50 (ms) | p99 (ms) | at its bound, refused p50 (ms) | p99 (ms) |")
+    print("|---:|---:|---:|---:|---:|")
+    for held in (int(n) for n in args.held.split(",")):
+        url = args.database_url or server.create_database()  # type: ignore[attr-defined]
+        taken, refused = asyncio.run(claim_latencies(url, held, args.claims))
+        cells = [q * 1000 for lat in (taken, refused) for q in (statistics.median(lat),
+                                                                 statistics.quantiles(lat, n=100)[98])]
+        print(f"| {held:,} | " + " | ".join(f"{c:.2f}" for c in cells) + " |", flush=True)
+
+
+def fill_history(ledger: Ledger, requests: int, refusals: int, days: int) -> None:
+    """`requests` rows and `refusals` refusal-count rows of tenant "acme" over `days` days from 2026-01-01."""
+    from quotas.ledger_rows import Refusal
+
+    start, span, batch = 1_767_225_600, days * 86400, 20_000
+    for first in range(0, requests, batch):
+        rows = [LedgerRow(request_id=f"r{i}", ts=start + i * span / requests, tenant="acme", key_id=f"k{i % 7}",
+                          tier=("small", "mid", "full")[i % 3], model="m", status="ok", http_status=200,
+                          input_tokens=37 + i % 100, output_tokens=10 + i % 50,
+                          price_usd=Decimal(f"0.{i % 9973:07d}{i % 13}"), compute_cost_usd=Decimal(f"0.00000{i % 97}1"),
+                          cost_basis="engine", ttft_s=0.01, total_s=0.05, cache_status=("hit", "miss")[i % 2],
+                          cache_saving_usd=Decimal(f"0.0000{i % 89}"), route_saving_usd=Decimal(i % 5) / 10**9)
+                for i in range(first, min(first + batch, requests))]
+        ledger.record_now(rows)
+    minutes = days * 1440
+    per_minute = max(1, refusals // minutes)  # distinct (key, reason) a minute
+    keys = [(f"k{j % 7}", ("rate_limit_rpm", "rate_limit_tpm", "budget", "invalid_json")[j // 7 % 4])
+            for j in range(per_minute)]
+    for first in range(0, minutes, batch // per_minute or 1):
+        ledger.record_now([], refusals=[Refusal(f"x{m}-{j}", start + m * 60, "acme", key, reason, 429)
+                                        for m in range(first, min(first + batch // per_minute or 1, minutes))
+                                        for j, (key, reason) in enumerate(keys)])
+
+
+def report_cost(source: object) -> tuple[float, float, int]:
+    """(wall s, CPU s of this process, report rows) of one tenant's report by day, median of 3 runs."""
+    from quotas.ledger_reads import open_reader
+    from quotas.report import usage_report
+
+    reader = open_reader(source)  # type: ignore[arg-type]
+    runs = []
+    for _ in range(3):
+        wall, cpu = time.perf_counter(), time.process_time()
+        out = usage_report(reader, by=("tenant", "day"), tenant="acme")
+        runs.append((time.perf_counter() - wall, time.process_time() - cpu, len(out)))
+    reader.close()
+    return sorted(runs)[1]
+
+
+def reports_main(args: argparse.Namespace, server: object) -> None:
+    counted = args.days * 1440 * max(1, args.refusals // (args.days * 1440))  # whole minutes' worth
+    print(f"CPU: {cpu_model()}; one tenant: {args.requests:,} request rows, {counted:,} refusal-count rows, "
+          f"{args.days} days; its report by day (median of 3)")
+    print("| store | wall (s) | report process CPU (s) | report rows |")
+    print("|---|---:|---:|---:|")
+    with tempfile.TemporaryDirectory() as tmp:
+        url = args.database_url or server.create_database()  # type: ignore[attr-defined]
+        for name, ledger in (("sqlite", Ledger(Path(tmp) / "report.db")), ("postgres", PostgresLedger(url))):
+            fill_history(ledger, args.requests, args.refusals, args.days)
+            source = ledger.read_source()
+            ledger.close()
+            if name == "postgres":
+                import psycopg
+
+                with psycopg.connect(url, autocommit=True) as conn:
+                    conn.execute("VACUUM ANALYZE")
+            wall, cpu, rows = report_cost(source)
+            print(f"| {name} | {wall:.2f} | {cpu:.2f} | {rows} |", flush=True)
+
+
 def cpu_model() -> str:
     try:
         found = re.search(r"^model name\s*:\s*(.+)$", Path("/proc/cpuinfo").read_text(), re.M)
@@ -75,6 +188,12 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--writers", default="1,4,16")
     parser.add_argument("--database-url", default=None, help="an existing PostgreSQL (default: start one)")
+    parser.add_argument("what", nargs="?", choices=("commits", "claims", "reports"), default="commits")
+    parser.add_argument("--held", default="10,9000", help="claims: the tenant's live records before")
+    parser.add_argument("--claims", type=int, default=500, help="claims: timed begins a cell")
+    parser.add_argument("--requests", type=int, default=500_000, help="reports: the tenant's request rows")
+    parser.add_argument("--refusals", type=int, default=1_000_000, help="reports: its refusal-count rows")
+    parser.add_argument("--days", type=int, default=30, help="reports: the days they span")
     args = parser.parse_args()
     counts = [int(w) for w in args.writers.split(",")]
     logging.getLogger("tiergate.fleet_db").setLevel(logging.ERROR)  # not the migrations of each new database
@@ -84,6 +203,9 @@ def main() -> None:
 
         server = PostgresServer(fsync=True).start()
     try:
+        if args.what in ("claims", "reports"):
+            (claims_main if args.what == "claims" else reports_main)(args, server)
+            return
         print(f"CPU: {cpu_model()}; {args.seconds:g} s per cell")
         print("| store | writers | rows/s | wait_durable p50 (ms) | p99 (ms) |")
         print("|---|---:|---:|---:|---:|")

@@ -3,10 +3,16 @@
 What lives there: tenants, keys (hashes), data versions (gateway/tenants/store_postgres.py), the usage ledger,
 refusal counts and idempotency records (quotas/ledger_postgres.py, quotas/idempotency.py), and the ladder's
 audit (gateway/ladder/state.py). Each store owns its tables as one *component* with a numbered list of
-migrations; `migrate` applies the ones a database lacks, in order, in one transaction per component, under an
-advisory lock, so replicas that start together apply each migration once and a fleet's database is upgraded
-in place by the first replica of a new release. Migrations only add (tables, columns with defaults, indexes,
-triggers), so replicas of the previous release keep working beside it during a rolling upgrade.
+migrations; `migrate` applies the ones a database lacks, in order, each in a transaction with its version's row,
+under an advisory lock, so replicas that start together apply each migration once and a fleet's database is
+upgraded in place by the first replica of a new release. Migrations only add (tables, columns with defaults,
+indexes, triggers), so replicas of the previous release keep working beside it during a rolling upgrade.
+
+An index on a table the gateway writes on its hot path is a `ConcurrentIndex`: built by CREATE INDEX CONCURRENTLY,
+outside a transaction, so the table's writes go on while it builds (CREATE INDEX in a transaction blocks them until
+it commits). The lock is then a session's, not a transaction's, and a replica waiting for it polls
+(`pg_try_advisory_lock`) rather than wait in a statement: the build waits for every transaction with an older
+snapshot to end, and a statement waiting for the lock would hold one, a deadlock.
 
 The stores share this module's conventions: SQL is written once with `?` placeholders, as SQLite takes them,
 and `pg` turns them into psycopg's `%s`; `is_db_fault` tells a fault of the database (retry later) from one a
@@ -18,6 +24,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
@@ -35,6 +42,31 @@ CREATE TABLE IF NOT EXISTS tiergate_migrations (
     PRIMARY KEY (component, version)
 )"""
 _MIGRATION_LOCK = 0x7469657267617465  # "tiergate": one advisory lock for every component's migrations
+LOCK_POLL_S = 0.05  # between tries for it, while another replica migrates
+
+
+@dataclass(frozen=True)
+class ConcurrentIndex:
+    """A migration that builds index `name` ON `on` ("table(columns)") with CREATE INDEX CONCURRENTLY. One left
+    INVALID by an interrupted build (a crash, a cancel) is dropped and built again; a valid one (built, then the
+    process died before its version was recorded) is kept."""
+
+    name: str
+    on: str
+
+    def apply(self, conn: psycopg.Connection[Any]) -> None:
+        valid = conn.execute("SELECT indisvalid FROM pg_index WHERE indexrelid = to_regclass(%s)",
+                             (self.name,)).fetchone()
+        if valid == (True,):
+            return
+        if valid is not None:
+            log.warning("fleet database: index %s was left invalid by an interrupted build; building it again",
+                        self.name)
+            conn.execute(f"DROP INDEX CONCURRENTLY IF EXISTS {self.name}")
+        conn.execute(f"CREATE INDEX CONCURRENTLY {self.name} ON {self.on}")
+
+
+Migration = str | ConcurrentIndex
 
 
 def is_postgres_url(url: str | None) -> bool:
@@ -52,28 +84,42 @@ def pg(sql: str) -> str:
     return sql.replace("?", "%s")
 
 
-def migrate(conn: psycopg.Connection[Any], component: str, migrations: Sequence[str], *,
+def migrate(conn: psycopg.Connection[Any], component: str, migrations: Sequence[Migration], *,
             upto: int | None = None) -> int:
     """Apply `component`'s migrations numbered 1..`upto` (default: all) that the database lacks; returns the
-    version it is at. A database already past what this code knows (a newer release) is left as it is."""
+    version it is at. A database already past what this code knows (a newer release) is left as it is. `conn` is
+    in autocommit mode (a `ConcurrentIndex` runs outside a transaction)."""
     target = len(migrations) if upto is None else upto
-    with conn.transaction():
-        conn.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATION_LOCK,))
+    while not conn.execute("SELECT pg_try_advisory_lock(%s)", (_MIGRATION_LOCK,)).fetchone()[0]:  # type: ignore[index]
+        time.sleep(LOCK_POLL_S)
+    try:
         conn.execute(_MIGRATIONS_TABLE)
         done = {v for (v,) in conn.execute("SELECT version FROM tiergate_migrations WHERE component = %s",
                                            (component,))}
-        for version, sql in enumerate(migrations[:target], start=1):
+        for version, migration in enumerate(migrations[:target], start=1):
             if version in done:
                 continue
-            conn.execute(sql)  # several statements, no parameters
-            conn.execute("INSERT INTO tiergate_migrations VALUES (%s, %s, %s)", (component, version, time.time()))
+            if isinstance(migration, ConcurrentIndex):
+                migration.apply(conn)
+                _applied(conn, component, version)
+            else:
+                with conn.transaction():
+                    conn.execute(migration)  # several statements, no parameters
+                    _applied(conn, component, version)
             log.warning("fleet database: %s migrated to version %d", component, version)
             done.add(version)
+    finally:
+        if not conn.closed and not conn.broken:
+            conn.execute("SELECT pg_advisory_unlock(%s)", (_MIGRATION_LOCK,))
     newest = max(done, default=0)
     if newest > len(migrations):
         log.warning("fleet database: %s is at version %d, newer than this release knows (%d); its additions are "
                     "ignored", component, newest, len(migrations))
     return newest
+
+
+def _applied(conn: psycopg.Connection[Any], component: str, version: int) -> None:
+    conn.execute("INSERT INTO tiergate_migrations VALUES (%s, %s, %s)", (component, version, time.time()))
 
 
 def version_of(conn: psycopg.Connection[Any], component: str) -> int:

@@ -23,9 +23,10 @@ tenant's live records reach `records`, or their stored answers `bytes`; expired 
 replay or a retry of a key already held is never refused. An answer over `answer_bytes` is not stored: its claim
 is given up with its ledger row, so the request is answered and a retry with its key runs (and is charged) again.
 The count is kept where a new key is claimed, so it costs the hot path no scan: SQLite keeps per-tenant totals by
-triggers, Redis a per-tenant sorted set of live keys and a hash of their sizes; PostgreSQL counts the tenant's live
-records (its primary key's tenant prefix) only when a new key is claimed, so concurrent claims there may pass the
-bound by the requests in flight at once (SQLite and Redis serialize claims: exact).
+triggers, Redis a per-tenant sorted set of live keys and a hash of their sizes, PostgreSQL a totals row per tenant
+kept by triggers, which a claim of a new key locks while it checks and inserts (quotas/idempotency_totals.py). Each
+is exact: SQLite and Redis serialize claims, PostgreSQL a tenant's claims of new keys. Expired records count until
+deleted: a tenant at its bound deletes its own before it is refused.
 """
 
 from __future__ import annotations
@@ -266,17 +267,22 @@ def _migrate(conn: sqlite3.Connection) -> None:
         raise
 
 
-# a claim in one statement: insert, or take over an expired record, if the tenant has room (counted only for a key
-# it does not hold: a CASE's branches run in order); then what the key holds, if not claimed
+# a claim in one statement (a CASE's branches run in order): a live key is not claimed; an expired one is taken over
+# (the tenant holds as many records after: no room needed), its row locked first and read at its newest (still
+# expired?); for a new key, the tenant's totals row is locked (read at its newest) and checked, one row however many
+# records it holds (quotas/idempotency_totals.py); no totals row yet is no room (see _PG_ROOM). Each path takes the
+# record's lock before the totals', as a stored answer's update does (its trigger), or only the totals': no deadlock.
+# Then what the key holds, if not claimed
 _PG_BEGIN = """
 WITH claimed AS (
     INSERT INTO idempotency
     SELECT %(tenant)s, %(key)s, %(fp)s, %(owner)s, 'running', NULL, %(expires)s
     WHERE CASE WHEN EXISTS (SELECT 1 FROM idempotency WHERE tenant = %(tenant)s AND key = %(key)s
                                                         AND expires > %(now)s) THEN false
-          ELSE (SELECT count(*) < %(records)s AND coalesce(sum(size), 0) < %(bytes)s FROM (
-                    SELECT octet_length(answer) AS size FROM idempotency
-                    WHERE tenant = %(tenant)s AND expires > %(now)s LIMIT %(records)s) AS live) END
+          WHEN EXISTS (SELECT 1 FROM idempotency WHERE tenant = %(tenant)s AND key = %(key)s)
+               THEN (SELECT expires <= %(now)s FROM idempotency WHERE tenant = %(tenant)s AND key = %(key)s FOR UPDATE)
+          ELSE (SELECT records < %(records)s AND bytes < %(bytes)s FROM idempotency_tenants
+                WHERE tenant = %(tenant)s FOR UPDATE) END
     ON CONFLICT (tenant, key) DO UPDATE
         SET fingerprint = excluded.fingerprint, owner = excluded.owner, state = 'running', answer = NULL,
             expires = excluded.expires
@@ -286,9 +292,17 @@ WITH claimed AS (
 SELECT (SELECT count(*) FROM claimed), i.fingerprint, i.state, i.answer, i.expires
 FROM (SELECT 1) AS one LEFT JOIN idempotency AS i ON i.tenant = %(tenant)s AND i.key = %(key)s
 """
-# run only when a new key was not claimed: what the tenant holds, and when its first live record expires
-_PG_HELD = ("SELECT count(*), coalesce(sum(octet_length(answer)), 0), min(expires) FROM idempotency "
-            "WHERE tenant = %s AND expires > %s")
+# run only when a new key was not claimed: the tenant's totals row made (its first claim), its expired records
+# deleted (they count until then; the index on (tenant, expires) finds them), whether it had room as of this
+# statement's start (NULL: its totals row was made by a concurrent claim since) and when its first live record expires
+_PG_ROOM = """
+WITH made AS (INSERT INTO idempotency_tenants VALUES (%(tenant)s, 0, 0) ON CONFLICT (tenant) DO NOTHING RETURNING 1),
+     pruned AS (DELETE FROM idempotency WHERE tenant = %(tenant)s AND expires <= %(now)s RETURNING 1)
+SELECT (SELECT count(*) FROM made) + (SELECT count(*) FROM pruned),
+       (SELECT records < %(records)s AND bytes < %(bytes)s FROM idempotency_tenants WHERE tenant = %(tenant)s),
+       (SELECT min(expires) FROM idempotency WHERE tenant = %(tenant)s AND expires > %(now)s)
+"""
+CLAIM_TRIES = 3  # claim statements a begin runs at most (room made or freed, or a key claimed concurrently: again)
 _PG_FINISH = ("UPDATE idempotency SET state = 'done', answer = %s, expires = %s WHERE tenant = %s AND key = %s "
               "AND owner = %s")
 _PG_ABANDON = "DELETE FROM idempotency WHERE tenant = %s AND key = %s AND owner = %s AND state = 'running'"
@@ -329,20 +343,24 @@ class PostgresIdempotency(IdempotencyStore):
 
     async def begin(self, tenant: str, key: str, fingerprint: str, owner: str, *, lease_s: float) -> Begun:
         now = self._clock()
-        claimed, found_fp, state, answer, expires = await self._run(_PG_BEGIN, {
-            "tenant": tenant, "key": key, "fp": fingerprint, "owner": owner, "expires": now + lease_s, "now": now,
-            "records": self.limits.records, "bytes": self.limits.bytes})
+        args = {"tenant": tenant, "key": key, "fp": fingerprint, "owner": owner, "expires": now + lease_s, "now": now,
+                "records": self.limits.records, "bytes": self.limits.bytes}
         self._claims += 1
         if self._claims % PRUNE_EVERY == 0:
             await self._run("DELETE FROM idempotency WHERE expires <= %s", (now,))
-        if claimed:
-            return Claim(tenant, key, fingerprint, owner)
-        if found_fp is None or expires <= now:  # no room for a new key, or claimed by another request since this
-            records, stored, first = await self._run(_PG_HELD, (tenant, now))  # statement's snapshot, or abandoned
-            return Running() if self.limits.room(records, stored) else _full(now, first)
-        if found_fp != fingerprint:
-            return Mismatch()
-        return _decoded(answer) if state == "done" else Running()
+        for _ in range(CLAIM_TRIES):
+            claimed, found_fp, state, answer, expires = await self._run(_PG_BEGIN, args)
+            if claimed:
+                return Claim(tenant, key, fingerprint, owner)
+            if found_fp is not None and expires > now:
+                if found_fp != fingerprint:
+                    return Mismatch()
+                return _decoded(answer) if state == "done" else Running()
+            # no room (or no totals row yet), or the key claimed by another request since the statement's snapshot
+            changed, room, first = await self._run(_PG_ROOM, args)
+            if not changed and room is False:
+                return _full(now, first)
+        return Running() if room else _full(now, first)  # each try's room taken by claims at once: the key's too
 
     def finish_with_row(self, claim: Claim, answer: dict[str, Any], ttl_s: float) -> tuple[Statement, ...]:
         text, size = _encoded(answer)

@@ -26,7 +26,17 @@ from typing import Any
 import psycopg
 from psycopg_pool import ConnectionPool
 
-from quotas.fleet_db import CONNECT_TIMEOUT_S, connect, fault_name, is_db_fault, migrate, pg
+from quotas.fleet_db import (
+    CONNECT_TIMEOUT_S,
+    ConcurrentIndex,
+    Migration,
+    connect,
+    fault_name,
+    is_db_fault,
+    migrate,
+    pg,
+)
+from quotas.idempotency_totals import IDEMPOTENCY_TOTALS
 from quotas.ledger import Ledger, Pending, Statement, log
 from quotas.ledger_reads import LedgerReads, Reader, ReadSource
 from quotas.ledger_rows import COLUMNS, CountKey, LedgerRow, Refusal, RequestTotals, count_key, to_db
@@ -34,8 +44,9 @@ from quotas.ledger_rows import COLUMNS, CountKey, LedgerRow, Refusal, RequestTot
 COMPONENT = "ledger"
 # the ledger's tables, one migration each release that changed them; 1 is the schema of the release before the
 # fleet store (the SQLite tables of quotas/ledger_rows.py), 2 adds the Idempotency-Key records, 3 the version of
-# the tier that answered, 4 an index to find one tenant's refusal counts (a report read every tenant's)
-MIGRATIONS = [
+# the tier that answered, 4 an index to find one tenant's refusal counts (a report read every tenant's), 5 each
+# tenant's idempotency totals (records and stored bytes), kept by triggers and counted once for the rows there
+MIGRATIONS: list[Migration] = [
     """
     CREATE TABLE requests (
         request_id TEXT PRIMARY KEY,
@@ -92,8 +103,18 @@ MIGRATIONS = [
     """
     ALTER TABLE requests ADD COLUMN model_version TEXT;
     """,
-    """
-    CREATE INDEX refusal_counts_tenant_minute ON refusal_counts(tenant, minute);
+    # built concurrently: refusal counts are written on the hot path, and a long table's index takes a while
+    ConcurrentIndex("refusal_counts_tenant_minute", "refusal_counts(tenant, minute)"),
+    f"""
+    CREATE TABLE idempotency_tenants (
+        tenant TEXT PRIMARY KEY,
+        records BIGINT NOT NULL,
+        bytes BIGINT NOT NULL
+    );
+    CREATE INDEX idempotency_tenant_expires ON idempotency(tenant, expires);
+    {IDEMPOTENCY_TOTALS}
+    INSERT INTO idempotency_tenants
+    SELECT tenant, count(*), coalesce(sum(octet_length(answer)), 0) FROM idempotency GROUP BY tenant;
     """,
 ]
 INSERT = f"INSERT INTO requests({', '.join(COLUMNS)}) VALUES ({', '.join('%s' for _ in COLUMNS)})"
@@ -101,6 +122,7 @@ UPSERT_COUNT = ("INSERT INTO refusal_counts VALUES (%s, %s, %s, %s, %s, %s) "
                 "ON CONFLICT (minute, tenant, key_id, reason, http_status) "
                 "DO UPDATE SET count = refusal_counts.count + excluded.count")
 PRUNE = "DELETE FROM refusal_counts WHERE minute < %s"
+_TENANT = COLUMNS.index("tenant")
 
 
 def open_schema(url: str, *, upto: int | None = None) -> int:
@@ -152,9 +174,13 @@ class PostgresLedger(PostgresReads, Ledger):
     def _commit(self, conn: psycopg.Connection[Any], rows: list[Pending], counts: Counter[CountKey], *,
                 prune: bool, isolate: bool) -> list[Exception | None]:
         errors: list[Exception | None] = [None] * len(rows)
+        # the rows' statements in tenant order: what they change in a tenant's idempotency totals (a trigger's lock
+        # on its row, held to the commit) is locked in one order by every replica's group commit, so none deadlock
+        order = sorted(range(len(rows)), key=lambda i: rows[i][0][_TENANT])  # code points: COLLATE "C"
         with conn.transaction(), conn.cursor() as cur:
             if isolate:
-                for i, (values, _, with_row) in enumerate(rows):
+                for i in order:
+                    values, _, with_row = rows[i]
                     errors[i] = _isolated(conn, ((INSERT, values), *with_row))
                 for key, n in counts.items():
                     if (error := _isolated(conn, ((UPSERT_COUNT, (*key, n)),))) is not None:
@@ -162,8 +188,8 @@ class PostgresLedger(PostgresReads, Ledger):
             else:
                 with conn.pipeline():
                     cur.executemany(INSERT, [values for values, _, _ in rows])
-                    for _, _, with_row in rows:
-                        for sql, params in with_row:
+                    for i in order:
+                        for sql, params in rows[i][2]:
                             cur.execute(sql, params)
                     if counts:
                         cur.executemany(UPSERT_COUNT, [(*key, n) for key, n in counts.items()])

@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from decimal import Decimal
+from typing import Any
 
 import psycopg
+import pytest
 
 from quotas.fleet_db import connect, migrate, version_of
 from quotas.idempotency import Claim, PostgresIdempotency, Replay
-from quotas.ledger_postgres import COMPONENT, MIGRATIONS, PostgresLedger, open_schema
+from quotas.ledger_postgres import COMPONENT, MIGRATIONS, UPSERT_COUNT, PostgresLedger, open_schema
 from quotas.ledger_rows import COLUMNS, to_db
 from tests.quotas.test_ledger import row
 
@@ -41,7 +45,7 @@ def test_a_ledger_of_the_previous_release_is_upgraded_in_place_with_its_rows(dat
 
     asyncio.run(serve_with_the_new_release())
     with connect(database_url) as conn:
-        assert version_of(conn, COMPONENT) == len(MIGRATIONS) == 4
+        assert version_of(conn, COMPONENT) == len(MIGRATIONS) == 5
 
 
 def test_replicas_starting_together_apply_each_migration_once(database_url: str) -> None:
@@ -51,19 +55,83 @@ def test_replicas_starting_together_apply_each_migration_once(database_url: str)
         t.start()
     for t in threads:
         t.join()
-    assert versions == [4] * 6
+    assert versions == [5] * 6
     with connect(database_url) as conn:
         applied = conn.execute("SELECT version FROM tiergate_migrations WHERE component = 'ledger' "
                                "ORDER BY version").fetchall()
-    assert applied == [(1,), (2,), (3,), (4,)]
+    assert applied == [(1,), (2,), (3,), (4,), (5,)]
 
 
 def test_a_database_newer_than_this_release_is_left_as_it_is(database_url: str) -> None:
     with connect(database_url) as conn:
         newer = [*MIGRATIONS, "ALTER TABLE requests ADD COLUMN region TEXT NOT NULL DEFAULT 'eu'"]
-        assert migrate(conn, COMPONENT, newer) == 5  # a replica of the next release got there first
-        assert migrate(conn, COMPONENT, MIGRATIONS) == 5  # one of this release starts: nothing undone, no error
+        assert migrate(conn, COMPONENT, newer) == 6  # a replica of the next release got there first
+        assert migrate(conn, COMPONENT, MIGRATIONS) == 6  # one of this release starts: nothing undone, no error
     ledger = PostgresLedger(database_url)
     ledger.record_now([row(1)])
     assert [r.request_id for r in ledger.rows()] == ["r1"]
     ledger.close()
+
+
+def index_of(conn: psycopg.Connection[Any], name: str) -> tuple[Any, ...] | None:
+    return conn.execute("SELECT indisvalid, pg_get_indexdef(indexrelid) FROM pg_index WHERE indexrelid = "
+                        "to_regclass(%s)", (name,)).fetchone()
+
+
+BUILT = (True, "CREATE INDEX refusal_counts_tenant_minute ON public.refusal_counts USING btree (tenant, minute)")
+
+
+def test_an_index_left_invalid_by_an_interrupted_build_is_built_again(database_url: str) -> None:
+    """A replica died (or was cancelled) while it built the index concurrently: PostgreSQL keeps an INVALID index of
+    that name, which no query uses and CREATE INDEX IF NOT EXISTS would take as built. The next start drops it and
+    builds it again; a start after that has nothing to do."""
+    open_schema(database_url, upto=3)
+    with connect(database_url) as conn:
+        conn.execute("INSERT INTO refusal_counts VALUES (1, 'acme', 'k', 'a', 429, 1), (1, 'acme', 'k', 'b', 429, 1)")
+        with pytest.raises(psycopg.errors.UniqueViolation):  # a build that fails half-way, as an interrupted one
+            conn.execute("CREATE UNIQUE INDEX CONCURRENTLY refusal_counts_tenant_minute ON refusal_counts(tenant, "
+                         "minute)")
+        assert index_of(conn, "refusal_counts_tenant_minute")[0] is False  # type: ignore[index]
+    assert open_schema(database_url) == len(MIGRATIONS)
+    assert open_schema(database_url) == len(MIGRATIONS)
+    with connect(database_url) as conn:
+        assert index_of(conn, "refusal_counts_tenant_minute") == BUILT
+        assert conn.execute("SELECT count(*) FROM tiergate_migrations WHERE component = 'ledger' AND version = 4"
+                            ).fetchone() == (1,)
+
+
+def test_refusal_counts_are_written_while_the_index_builds(database_url: str) -> None:
+    """Migration 4 on a database with a long refusal_counts: the build must not hold up the gateway's writes of
+    refusal counts (a CREATE INDEX in the migration's transaction did: every write queued behind its lock until it
+    committed). A transaction left open on the table keeps the build in progress (it waits for it) for as long as
+    the test needs; a count written meanwhile is not held up; a second replica starting meanwhile waits its turn
+    (polling the lock: had it waited in a statement, the build would wait for that statement's snapshot, and it
+    for the build's lock, a deadlock), and both end with the index built once."""
+    open_schema(database_url, upto=3)
+    holder = psycopg.connect(database_url)  # not autocommit: its transaction stays open
+    holder.execute("INSERT INTO refusal_counts VALUES (1, 'acme', 'k', 'held', 429, 1)")
+    with ThreadPoolExecutor(2) as pool:
+        try:
+            first = pool.submit(open_schema, database_url)
+            with connect(database_url) as conn:
+                for _ in range(250):  # until the build waits for the open transaction
+                    building = conn.execute("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                                            "AND query ILIKE '%CREATE INDEX%'").fetchone()
+                    if building == (1,):
+                        break
+                    time.sleep(0.02)
+                assert building == (1,)
+                second = pool.submit(open_schema, database_url)
+                conn.execute("SET statement_timeout = '3s'")
+                conn.execute(UPSERT_COUNT, (2, "acme", "k", "rate_limit_rpm", 429, 1))  # the ledger's write
+                assert conn.execute("SELECT count FROM refusal_counts WHERE minute = 2").fetchone() == (1,)
+                time.sleep(0.3)
+                assert not first.done() and not second.done()
+            holder.commit()
+        finally:
+            holder.close()  # the build goes on (its transaction rolled back, if the test failed)
+        assert first.result(timeout=60) == second.result(timeout=60) == len(MIGRATIONS)
+    with connect(database_url) as conn:
+        assert index_of(conn, "refusal_counts_tenant_minute") == BUILT
+        assert conn.execute("SELECT version, count(*) FROM tiergate_migrations WHERE component = 'ledger' GROUP BY "
+                            "version ORDER BY version").fetchall() == [(v, 1) for v in range(1, len(MIGRATIONS) + 1)]
