@@ -125,6 +125,13 @@ PRUNE = "DELETE FROM refusal_counts WHERE minute < %s"
 _TENANT = COLUMNS.index("tenant")
 
 
+def _count_rows(counts: Counter[CountKey]) -> list[tuple[Any, ...]]:
+    """Refusal-count upserts in key order: every replica's commit locks the count rows it adds to in one order, so
+    two commits adding to the same rows (a tenant refused on two replicas in the same minute) wait for each other
+    instead of deadlocking (PostgreSQL then aborts one, and its writer backs off)."""
+    return [(*key, n) for key, n in sorted(counts.items())]
+
+
 def open_schema(url: str, *, upto: int | None = None) -> int:
     """Bring the ledger's tables to this release's version (or to `upto`); returns the version."""
     with connect(url) as conn:
@@ -182,7 +189,7 @@ class PostgresLedger(PostgresReads, Ledger):
                 for i in order:
                     values, _, with_row = rows[i]
                     errors[i] = _isolated(conn, ((INSERT, values), *with_row))
-                for key, n in counts.items():
+                for key, n in sorted(counts.items()):
                     if (error := _isolated(conn, ((UPSERT_COUNT, (*key, n)),))) is not None:
                         log.error("ledger: refusal count %s dropped: %r", key, error)
             else:
@@ -192,7 +199,7 @@ class PostgresLedger(PostgresReads, Ledger):
                         for sql, params in rows[i][2]:
                             cur.execute(sql, params)
                     if counts:
-                        cur.executemany(UPSERT_COUNT, [(*key, n) for key, n in counts.items()])
+                        cur.executemany(UPSERT_COUNT, _count_rows(counts))
             if prune:
                 cur.execute(PRUNE, (self._prune_before(),))
         return errors
@@ -225,7 +232,7 @@ class PostgresLedger(PostgresReads, Ledger):
             if rows:
                 cur.executemany(INSERT, [to_db(r) for r in rows])
             if counts:
-                cur.executemany(UPSERT_COUNT, [(*k, n) for k, n in counts.items()])
+                cur.executemany(UPSERT_COUNT, _count_rows(counts))
 
     def _close_reads(self) -> None:
         self._pool.close()

@@ -4,6 +4,8 @@ the ledger not ready with every pending row kept, and writing resumes when the d
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from collections.abc import Iterator
 
 import psycopg
@@ -97,3 +99,34 @@ def test_rows_are_streamed_a_batch_at_a_time_in_their_order(database_url: str,
     assert fetching == 1
     rows.close()
     ledger.close()
+
+
+def test_refusal_counts_are_added_to_in_key_order_so_two_replicas_never_deadlock(database_url: str) -> None:
+    """Another replica's commit holds the count row of the first key (in key order) and then wants the second: this
+    ledger's commit, whose refusals came in the other order, must wait for the first before it takes the second,
+    or the two deadlock (the other replica's second upsert would wait on it)."""
+    from quotas.ledger_rows import Refusal
+
+    ledger = PostgresLedger(database_url)
+    minute = 1_800_000_000 - 1_800_000_000 % 60
+    first, second = ("acme-lock", "a-first"), ("acme-lock", "b-second")  # (tenant, reason), in key order
+    other = psycopg.connect(database_url)
+    try:
+        other.execute("SET lock_timeout = '2s'")
+        upsert = ("INSERT INTO refusal_counts VALUES (%s, %s, 'k', %s, 429, 1) ON CONFLICT "
+                  "(minute, tenant, key_id, reason, http_status) DO UPDATE SET count = refusal_counts.count + 1")
+        other.execute(upsert, (minute, *first))  # the other replica's commit holds the first row ...
+        came = [Refusal(f"r{i}", minute + 1, tenant, "k", reason, 429)
+                for i, (tenant, reason) in enumerate([second, first])]  # ... this one's refusals came second-first
+        writer = threading.Thread(target=ledger.record_now, args=([], came))
+        writer.start()
+        time.sleep(0.5)  # this commit is waiting now: for the first row if it keeps key order, else holding the second
+        other.execute(upsert, (minute, *second))  # the other replica's next row (LockNotAvailable if held)
+        other.commit()
+        writer.join(10)
+        assert not writer.is_alive()
+        counts = dict(other.execute("SELECT reason, count FROM refusal_counts WHERE tenant = 'acme-lock'").fetchall())
+        assert counts == {"a-first": 2, "b-second": 2}
+    finally:
+        other.close()
+        ledger.close()
