@@ -1,10 +1,41 @@
 """The idempotency store on Redis (`RedisIdempotency`, for replicas): each record claimed and finished by a Lua
 script, so a replica that did not serve the first request replays it too, with the per-tenant bounds of
-quotas/idempotency.py's `Limits` kept by the same scripts."""
+quotas/idempotency.py's `Limits` kept by the same scripts.
+
+Redis failing (a timeout, a dropped connection, a restart), each script is idempotent for its request, so a call
+whose reply was lost is simply made again:
+- a claim (`begin`) is tried twice; a claim already held by the same request is that request's claim, so a reply
+  lost after the script ran does not make it wait on itself. If Redis still fails, `begin` raises
+  `IdempotencyUnavailable` (a retryable 503 at the gateway, gateway/pipeline/idempotency.py) before anything is
+  counted, charged or run, and the claim the lost reply may have made is given up in the background;
+- an answer (`finish`) comes after the request was answered, written to the ledger and settled: failing it would
+  lose the answer and, if its claim were given up, let the SDK's retry run and be billed a second time. So it is
+  tried three times at once, and if Redis still fails, `finish` returns anyway (the answer is delivered) and the
+  answer is owed: kept in memory and written by one background task, retried every few seconds (at most
+  `MAX_RETRY_DELAY_S`, under the gateway's 10 s wait for a running key) for `keep_trying_s` (15 minutes). Its claim
+  is not given up: until the write lands, a retry on this replica replays the owed answer from memory, and one on
+  another replica finds the key `running` (it waits, then gets the usual 409 with Retry-After) or Redis down (503),
+  never a fresh claim. The `running` record itself protects the key for the claim's lease (10 minutes by
+  default); the owed write, when it lands, stores the answer even if that record has expired meanwhile, so only an
+  outage longer than the lease during which a retry reached Redis first can run a key twice, and that is logged
+  (the owed write then finds another request's claim), as is an owed write given up after `keep_trying_s`;
+- a claim given up (`abandon`: the request failed) is tried twice, then owed in the background the same way (until
+  then a retry gets 409, then runs).
+Owed work is bounded (`MAX_OWED` entries, `MAX_OWED_BYTES` of answers); beyond that it is logged and dropped: the
+claim then stays `running` until its lease ends. Work still owed when the store closes is logged and lost.
+The SQL stores need none of this: their answer commits with the ledger row (one transaction, or neither), and a
+database that cannot be reached for a claim is a 503 (PostgreSQL: `LedgerUnavailable`).
+"""
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
 from typing import Any
+
+from redis.exceptions import RedisError
 
 from quotas.idempotency import (
     DEFAULT_LIMITS,
@@ -18,6 +49,24 @@ from quotas.idempotency import (
     _decoded,
     _encoded,
 )
+from quotas.ledger import LedgerUnavailable
+
+log = logging.getLogger("tiergate.idempotency")
+
+BEGIN_TRIES = 2  # a claim's tries before the request is refused (503, retryable)
+FINISH_TRIES = 3  # an answer's tries at once, before it is owed to the background
+ABANDON_TRIES = 2
+RETRY_DELAYS_S = (0.05, 0.2)  # between tries at once
+KEEP_TRYING_S = 900.0  # how long owed work is retried: longer than the gateway's lease (600 s)
+MAX_RETRY_DELAY_S = 5.0  # between background rounds, at most: under the gateway's wait for a running key (10 s)
+MAX_OWED = 10_000  # owed writes kept at most
+MAX_OWED_BYTES = 64 * 1024 * 1024  # owed answers kept at most
+
+
+class IdempotencyUnavailable(LedgerUnavailable):
+    """Redis could not be reached to claim or read a key: nothing was claimed, the request may be retried. (A
+    `LedgerUnavailable`, so a caller that does not know it still answers 503, not 500.)"""
+
 
 # Redis: per tenant, KEYS[2] a sorted set of its live keys (scored by when each expires, Redis's clock, in ms) and
 # KEYS[3] a hash of their stored sizes, with their sum under '' (a key has 1 character at least); a claim drops the
@@ -38,12 +87,14 @@ local function resize(member, size)
   if size ~= old then redis.call('HINCRBY', KEYS[3], '', size - old) end
 end
 """
+# a running record of the same owner is its claim (a claim whose reply was lost, tried again)
 _BEGIN = _HELD + """
 local found = redis.call('GET', KEYS[1])
 if found then
   local rec = cjson.decode(found)
   if rec.fp ~= ARGV[1] then return {'mismatch'} end
   if rec.state == 'done' then return {'replay', rec.answer} end
+  if rec.owner == ARGV[2] then return {'claim'} end
   return {'running'}
 end
 local now = now_ms()
@@ -59,15 +110,16 @@ redis.call('ZADD', KEYS[2], now + tonumber(ARGV[3]), ARGV[4])
 hold(tonumber(ARGV[3]))
 return {'claim'}
 """
+# stored over the owner's claim, or over nothing (its lease ended while the write was owed: the request did run);
+# 0 when another request holds the key (it ran again)
 _FINISH = _HELD + """
 local found = redis.call('GET', KEYS[1])
-if found and cjson.decode(found).owner == ARGV[2] then
-  redis.call('SET', KEYS[1], cjson.encode({state = 'done', fp = ARGV[1], owner = ARGV[2], answer = ARGV[3]}),
-             'PX', ARGV[4])
-  redis.call('ZADD', KEYS[2], now_ms() + tonumber(ARGV[4]), ARGV[5])
-  resize(ARGV[5], tonumber(ARGV[6]))
-  hold(tonumber(ARGV[4]))
-end
+if found and cjson.decode(found).owner ~= ARGV[2] then return 0 end
+redis.call('SET', KEYS[1], cjson.encode({state = 'done', fp = ARGV[1], owner = ARGV[2], answer = ARGV[3]}),
+           'PX', ARGV[4])
+redis.call('ZADD', KEYS[2], now_ms() + tonumber(ARGV[4]), ARGV[5])
+resize(ARGV[5], tonumber(ARGV[6]))
+hold(tonumber(ARGV[4]))
 return 1
 """
 _ABANDON = _HELD + """
@@ -84,15 +136,33 @@ return 1
 """
 
 
+@dataclass
+class _Owed:
+    """A write Redis refused, retried in the background until `until` (time.monotonic())."""
+
+    what: str  # 'finish' or 'abandon' (its script)
+    keys: list[str]
+    args: list[Any]
+    until: float
+    fingerprint: str = ""
+    answer: str | None = None  # a finish's answer, replayed from here meanwhile
+    size: int = 0  # its bytes
+
+
 class RedisIdempotency(IdempotencyStore):
-    def __init__(self, url: str, *, timeout_s: float = 1.0, limits: Limits = DEFAULT_LIMITS) -> None:
+    def __init__(self, url: str, *, timeout_s: float = 1.0, limits: Limits = DEFAULT_LIMITS,
+                 keep_trying_s: float = KEEP_TRYING_S) -> None:
         import redis.asyncio as aioredis
 
         self.limits = limits
+        self.keep_trying_s = keep_trying_s
         self._redis = aioredis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         self._begin = self._redis.register_script(_BEGIN)
         self._finish = self._redis.register_script(_FINISH)
         self._abandon = self._redis.register_script(_ABANDON)
+        self._owed: dict[tuple[str, str], _Owed] = {}  # by (tenant, key)
+        self._owed_bytes = 0
+        self._worker: asyncio.Task[None] | None = None
 
     @staticmethod
     def _keys(tenant: str, key: str) -> list[str]:
@@ -100,8 +170,17 @@ class RedisIdempotency(IdempotencyStore):
         return [f"tg:idem:{tenant}:{key}", f"tg:idem-live:{tenant}", f"tg:idem-size:{tenant}"]
 
     async def begin(self, tenant: str, key: str, fingerprint: str, owner: str, *, lease_s: float) -> Begun:
-        got = await self._begin(keys=self._keys(tenant, key), args=[
-            fingerprint, owner, int(lease_s * 1000), key, self.limits.records, self.limits.bytes])
+        owed = self._owed.get((tenant, key))
+        if owed is not None and owed.answer is not None:  # answered here, not yet in Redis
+            return _decoded(owed.answer) if owed.fingerprint == fingerprint else Mismatch()
+        keys = self._keys(tenant, key)
+        try:
+            got = await self._tries(self._begin, keys, [fingerprint, owner, int(lease_s * 1000), key,
+                                                        self.limits.records, self.limits.bytes], BEGIN_TRIES)
+        except RedisError as exc:  # a try may have claimed it before its reply was lost: given up when Redis answers
+            self._owe(tenant, key, _Owed("abandon", keys, [owner, key],
+                                         time.monotonic() + min(lease_s, self.keep_trying_s)))
+            raise IdempotencyUnavailable(f"the idempotency records (Redis) cannot be reached: {exc}") from exc
         kind = got[0].decode() if isinstance(got[0], bytes) else got[0]
         if kind == "claim":
             return Claim(tenant, key, fingerprint, owner)
@@ -112,15 +191,104 @@ class RedisIdempotency(IdempotencyStore):
         return Mismatch() if kind == "mismatch" else Running()
 
     async def finish(self, claim: Claim, answer: dict[str, Any], ttl_s: float) -> None:
+        """Store the answer; never raises for Redis: what cannot be written now is owed (see the module's doc)."""
         text, size = _encoded(answer)
         if size > self.limits.answer_bytes:  # not kept: a retry runs again
             await self.abandon(claim)
             return
-        await self._finish(keys=self._keys(claim.tenant, claim.key), args=[
-            claim.fingerprint, claim.owner, text, int(ttl_s * 1000), claim.key, size])
+        keys = self._keys(claim.tenant, claim.key)
+        args = [claim.fingerprint, claim.owner, text, int(ttl_s * 1000), claim.key, size]
+        try:
+            stored = await self._tries(self._finish, keys, args, FINISH_TRIES)
+        except RedisError as exc:
+            log.warning("the answer to %s (tenant %s) could not be stored in Redis, retrying in the background: %s",
+                        claim.owner, claim.tenant, exc)
+            self._owe(claim.tenant, claim.key, _Owed("finish", keys, args,
+                                                     time.monotonic() + min(ttl_s, self.keep_trying_s),
+                                                     claim.fingerprint, text, size))
+            return
+        if not stored:
+            _ran_again(claim.owner, claim.tenant)
 
     async def abandon(self, claim: Claim) -> None:
-        await self._abandon(keys=self._keys(claim.tenant, claim.key), args=[claim.owner, claim.key])
+        keys, args = self._keys(claim.tenant, claim.key), [claim.owner, claim.key]
+        try:
+            await self._tries(self._abandon, keys, args, ABANDON_TRIES)
+        except RedisError:
+            self._owe(claim.tenant, claim.key, _Owed("abandon", keys, args,
+                                                     time.monotonic() + self.keep_trying_s))
 
     async def close(self) -> None:
+        if self._worker is not None:
+            self._worker.cancel()
+            await asyncio.gather(self._worker, return_exceptions=True)
+        if self._owed:
+            log.error("closing with %d idempotency writes Redis refused: lost (their keys may run again)",
+                      len(self._owed))
         await self._redis.aclose()
+
+    @staticmethod
+    async def _tries(script: Any, keys: list[str], args: list[Any], tries: int) -> Any:
+        """`script` run until it answers, `tries` times at most; the last RedisError raised."""
+        for i in range(tries):
+            try:
+                return await script(keys=keys, args=args)
+            except RedisError:
+                if i == tries - 1:
+                    raise
+                await asyncio.sleep(RETRY_DELAYS_S[min(i, len(RETRY_DELAYS_S) - 1)])
+        raise AssertionError("unreachable")
+
+    def _owe(self, tenant: str, key: str, owed: _Owed) -> None:
+        """Keep `owed` for the background worker (an owed answer is never replaced by a give-up)."""
+        held = self._owed.get((tenant, key))
+        if held is not None and held.what == "finish" and owed.what != "finish":
+            return
+        grown = owed.size - (held.size if held is not None else 0)
+        if (held is None and len(self._owed) >= MAX_OWED) or self._owed_bytes + grown > MAX_OWED_BYTES:
+            log.error("too many idempotency writes owed to Redis: the %s of key %r (tenant %s) is dropped; its claim "
+                      "stays running until its lease ends", owed.what, key, tenant)
+            return
+        self._owed[(tenant, key)] = owed
+        self._owed_bytes += grown
+        if self._worker is None or self._worker.done():
+            self._worker = asyncio.get_running_loop().create_task(self._repay())
+
+    def _forget(self, at: tuple[str, str], owed: _Owed) -> None:
+        if self._owed.get(at) is owed:
+            del self._owed[at]
+            self._owed_bytes -= owed.size
+
+    async def _repay(self) -> None:
+        """Write what is owed, oldest first; a round stops at the first Redis error and the next waits longer."""
+        delay = RETRY_DELAYS_S[0]
+        while self._owed:
+            failed = False
+            for at, owed in list(self._owed.items()):
+                if owed.until <= time.monotonic():
+                    self._forget(at, owed)
+                    log.error("gave up the %s of idempotency key %r (tenant %s): Redis refused it for too long%s",
+                              owed.what, at[1], at[0], "; a retry may run again" if owed.what == "finish" else "")
+                    continue
+                try:
+                    script = self._finish if owed.what == "finish" else self._abandon
+                    done = await script(keys=owed.keys, args=owed.args)
+                except RedisError:
+                    failed = True
+                    break
+                except Exception:  # not Redis refusing: trying again will not help
+                    log.exception("the %s of idempotency key %r (tenant %s) failed", owed.what, at[1], at[0])
+                    done = True
+                self._forget(at, owed)
+                if owed.what == "finish" and not done:
+                    _ran_again(owed.args[1], at[0])
+            if failed:
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, MAX_RETRY_DELAY_S)
+            else:
+                delay = RETRY_DELAYS_S[0]
+
+
+def _ran_again(owner: str, tenant: str) -> None:
+    log.error("the answer to %s (tenant %s) was not stored: its claim had expired and another request with its "
+              "Idempotency-Key claimed it (it ran, and was charged, again)", owner, tenant)

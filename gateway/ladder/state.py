@@ -8,6 +8,10 @@ also an audit event. Where they go (`open_store`):
   local SQLite file (durable);
 - a fleet database (TIERGATE_DATABASE_URL), with or without Redis: events in PostgreSQL, durable and the
   same history on every replica; the state in Redis when there is one, else in PostgreSQL too.
+
+A shared store that cannot be reached is a retryable 503 (`Unavailable`) for on-call's change, in OpenAI's error
+shape, and the level stays as it was; the ladder's tick logs it and keeps its level. Redis (0.5 s timeout) is tried
+twice first: one slow or dropped call does not fail a change.
 """
 
 from __future__ import annotations
@@ -20,7 +24,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from redis.exceptions import RedisError
+
 from gateway.admin_pool import AdminPool
+from gateway.errors import Unavailable
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS degrade_state (
@@ -135,18 +142,42 @@ class RedisLadderStore(LadderStore):
         self.state_key, self.events_key = f"{prefix}:degrade:state", f"{prefix}:degrade:events"
 
     def load(self) -> LadderState:
-        raw = self.redis.get(self.state_key)
+        try:
+            raw = self._twice(lambda _: self.redis.get(self.state_key))
+        except RedisError as exc:
+            raise Unavailable(f"the ladder's shared state could not be read (Redis: {exc}); nothing was changed; retry",
+                              code="ladder_state_unavailable", retry_after=2) from exc
         return LadderState(**json.loads(raw)) if raw else LadderState()
 
     def save(self, state: LadderState, event: DegradeEvent | None = None) -> None:
-        pipe = self.redis.pipeline()
-        pipe.set(self.state_key, json.dumps(asdict(state)))
-        if event is not None:
-            pipe.lpush(self.events_key, json.dumps(asdict(event)))
-            pipe.ltrim(self.events_key, 0, HISTORY_KEEP - 1)
-        pipe.execute()
+        text, record = json.dumps(asdict(state)), json.dumps(asdict(event)) if event is not None else None
+
+        def write(again: bool) -> None:
+            pipe = self.redis.pipeline()  # MULTI/EXEC: the state and its event, or neither
+            pipe.set(self.state_key, text)
+            if record is not None:
+                if again:  # a first try whose reply was lost may have pushed it: the event is kept once
+                    pipe.lrem(self.events_key, 1, record)
+                pipe.lpush(self.events_key, record)
+                pipe.ltrim(self.events_key, 0, HISTORY_KEEP - 1)
+            pipe.execute()
+
+        try:
+            self._twice(write)
+        except RedisError as exc:
+            raise Unavailable(f"the ladder's shared state could not be written (Redis: {exc}); retry (GET "
+                              "/admin/degrade shows the level in force)", code="ladder_state_unavailable",
+                              retry_after=2) from exc
         if event is not None:
             self.local.append(event)
+
+    @staticmethod
+    def _twice(call: Any) -> Any:
+        """`call(again)` and, if Redis fails it, once more (`again` True)."""
+        try:
+            return call(False)
+        except RedisError:
+            return call(True)
 
     def append(self, event: DegradeEvent) -> None:
         self.local.append(event)
@@ -154,7 +185,12 @@ class RedisLadderStore(LadderStore):
     def history(self, limit: int = 100) -> list[DegradeEvent]:
         if self.local.shared_history:
             return self.local.history(limit)
-        return [DegradeEvent(**json.loads(x)) for x in self.redis.lrange(self.events_key, 0, limit - 1)]
+        try:
+            raw = self._twice(lambda _: self.redis.lrange(self.events_key, 0, limit - 1))
+        except RedisError as exc:
+            raise Unavailable(f"the ladder's shared history could not be read (Redis: {exc}); retry",
+                              code="ladder_state_unavailable", retry_after=2) from exc
+        return [DegradeEvent(**json.loads(x)) for x in raw]
 
     def close(self) -> None:
         self.redis.close()

@@ -220,8 +220,14 @@ class Pipeline:
         if self.cache_checks is not None and (hit := attempt.lookup.hit) is not None:
             self.cache_checks.send(ctx.tenant, attempt.route.tier, req, hit, attempt.lookup.policy)
         if stored is not None and keep is not None and self.idempotency is not None:
-            await self.idempotency.store.finish(keep.claim, stored, ctx.plan.idempotency_ttl_s)
-            keep.stored = True  # durable with its row (or in Redis) before the client reads the end
+            # answered, written and settled: the claim is the answer's now, never given up (a retry must replay it,
+            # not run and be billed again), and the store's write ends even if the client leaves; durable with its
+            # row (or in Redis) before the client reads the end. A store that fails here (Redis owes the write, and
+            # keeps the key claimed) does not fail an answered request: its failure is logged by the hand-off.
+            keep.stored = True
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self.settler.hand_off(
+                    self.idempotency.store.finish(keep.claim, stored, ctx.plan.idempotency_ttl_s)))
         yield Done(outcome.finish_reason, outcome.input_tokens, outcome.output_tokens)
 
     async def _call(self, ctx: RequestContext, prepared: Prepared, meter: Meter,

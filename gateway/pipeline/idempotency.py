@@ -14,7 +14,13 @@ The OpenAI SDKs retry a request whose answer was lost (a timeout, a dropped conn
   at the bound a new key is refused with 429 `idempotency_key_limit` and a Retry-After (until its first record
   expires), here, before anything is counted, charged or stored; a replay, or a key already held, still answers.
   Without it, a cached answer repeated under fresh keys, free, stored a copy per key for 24 h and filled the
-  ledger's disk for every tenant. An answer over 4 MiB is answered but not stored (a retry runs again).
+  ledger's disk for every tenant. An answer over 4 MiB is answered but not stored (a retry runs again);
+- the records' store failing to claim a key is a 503 `idempotency_unavailable` with Retry-After, before anything is
+  counted, charged or run (Redis: quotas/idempotency_redis.py's `IdempotencyUnavailable`; PostgreSQL's
+  `LedgerUnavailable` is a 503 `ledger_unavailable`). Once a request is answered, written and settled, its answer
+  is handed to the store and its claim never given up: a store that fails then does not fail the answer (Redis owes
+  the write and keeps the key claimed meanwhile, see its module), so a retry replays it or waits, never runs and is
+  billed again.
 """
 
 from __future__ import annotations
@@ -25,11 +31,12 @@ import math
 import time
 from typing import Any
 
-from gateway.errors import Conflict, InvalidRequest, RateLimited, Unprocessable
+from gateway.errors import Conflict, InvalidRequest, RateLimited, Unavailable, Unprocessable
 from gateway.pipeline.context import RequestContext
 from gateway.pipeline.events import Delta, Done, Event, Head
 from gateway.pipeline.meter import Outcome
 from quotas.idempotency import Claim, Full, IdempotencyStore, Mismatch, Replay, Running
+from quotas.idempotency_redis import IdempotencyUnavailable
 from wire.chat_request import ChatCompletionRequest
 
 HEADER = "idempotency-key"
@@ -38,8 +45,9 @@ MAX_KEY_CHARS = 255
 
 
 class Keep:
-    """A request's claim on its Idempotency-Key, and whether its answer has been stored; a claim whose
-    answer was not stored when the request ends is given up (gateway/pipeline/handle.py)."""
+    """A request's claim on its Idempotency-Key, and whether its answer has been handed to the store (from then on the
+    claim is the answer's, never given up); a claim whose answer was not stored when the request ends is given up
+    (gateway/pipeline/handle.py)."""
 
     def __init__(self, claim: Claim) -> None:
         self.claim = claim
@@ -67,7 +75,12 @@ class IdempotencyStage:
         fingerprint = hashlib.sha256(f"{route}\n{req.model_dump_json(exclude_unset=True)}".encode()).hexdigest()
         deadline = time.monotonic() + self.wait_s
         while True:
-            begun = await self.store.begin(ctx.tenant, key, fingerprint, ctx.request_id, lease_s=self.lease_s)
+            try:
+                begun = await self.store.begin(ctx.tenant, key, fingerprint, ctx.request_id, lease_s=self.lease_s)
+            except IdempotencyUnavailable as exc:
+                raise Unavailable("Idempotency-Key: the idempotency records cannot be reached now; nothing was run or "
+                                  "charged; retry shortly with the same key", param="Idempotency-Key",
+                                  code="idempotency_unavailable", retry_after=1) from exc
             if isinstance(begun, Claim | Replay):
                 return begun
             if isinstance(begun, Mismatch):

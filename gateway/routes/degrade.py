@@ -1,8 +1,12 @@
-"""On-call control of the degradation ladder (admin key): status, set, auto, history, reload."""
+"""On-call control of the degradation ladder (admin key): status, set, auto, history, reload.
+
+A change whose shared state cannot be written (Redis or the fleet database down, after a retry) is a 503 in OpenAI's
+shape that says so, with Retry-After; this replica's view of the state is put back as it was (`_changing`)."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Annotated, Any
 
 from litestar import Request, Router, get, post
@@ -12,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from gateway.auth import require_admin
 from gateway.config_files import ConfigFileError
-from gateway.errors import InvalidRequest
+from gateway.errors import InvalidRequest, TiergateError
 from gateway.ladder.controller import LadderController
 from gateway.ladder.state import event_dict
 from gateway.routes.openapi import BEARER, body, errors
@@ -34,40 +38,52 @@ class SetLevel(BaseModel):
         return integral(value)
 
 
+async def _changing(ladder: LadderController, change: Callable[..., None], *args: Any, **kwargs: Any) -> None:
+    """Run `change` in a worker thread; if it fails (a store that cannot be written: 503), the controller's state is
+    the one from before, not the change that was not saved, until its next tick reads the shared one."""
+    before = ladder.state
+    try:
+        await asyncio.to_thread(change, *args, **kwargs)
+    except (TiergateError, ConfigFileError, ValueError):
+        ladder.state = before
+        raise
+
+
 @get("/", responses=errors(401, 403, 500))
 async def status(ladder: NamedDependency[LadderController]) -> dict[str, Any]:
     return ladder.status()
 
 
-@post("/", status_code=200, dependencies={"openapi_body": body(SetLevel)}, responses=errors(400, 401, 403, 413, 500))
+@post("/", status_code=200, dependencies={"openapi_body": body(SetLevel)},
+      responses=errors(400, 401, 403, 413, 500, 503))
 async def set_level(request: Request[Any, Any, Any], ladder: NamedDependency[LadderController]) -> dict[str, Any]:
     body = parse_body(await request.body(), SetLevel)
     try:
-        await asyncio.to_thread(ladder.set_manual, body.level, reason=body.reason, who=request.state.key_id,
-                                ttl_s=body.ttl_s)
+        await _changing(ladder, ladder.set_manual, body.level, reason=body.reason, who=request.state.key_id,
+                        ttl_s=body.ttl_s)
     except ValueError as exc:
         raise InvalidRequest(str(exc), param="level") from exc
     return ladder.status()
 
 
-@post("/auto", status_code=200, responses=errors(401, 403, 500))
+@post("/auto", status_code=200, responses=errors(401, 403, 500, 503))
 async def set_auto(request: Request[Any, Any, Any], ladder: NamedDependency[LadderController]) -> dict[str, Any]:
-    await asyncio.to_thread(ladder.set_auto, who=request.state.key_id)
+    await _changing(ladder, ladder.set_auto, who=request.state.key_id)
     return ladder.status()
 
 
-@get("/history", responses=errors(400, 401, 403, 500))
+@get("/history", responses=errors(400, 401, 403, 500, 503))
 async def history(ladder: NamedDependency[LadderController], limit: FromQuery[int] = 100) -> dict[str, Any]:
     events = await asyncio.to_thread(ladder.store.history, max(1, min(limit, 1000)))
     return {"data": [event_dict(e) for e in events]}
 
 
-@post("/reload", status_code=200, responses=errors(400, 401, 403, 500))
+@post("/reload", status_code=200, responses=errors(400, 401, 403, 500, 503))
 async def reload(ladder: NamedDependency[LadderController], settings: NamedDependency[Settings]) -> dict[str, Any]:
     """Re-read the ladder file; a bad file is refused with its line, and the running ladder stays."""
     path = settings.ladder_file
     try:
-        await asyncio.to_thread(ladder.reload, path)
+        await _changing(ladder, ladder.reload, path)
     except ConfigFileError as exc:
         raise InvalidRequest(f"ladder not reloaded, the running one stays: {exc}", code="invalid_ladder_file") from exc
     return ladder.status()
