@@ -89,7 +89,8 @@ class LLMEngine:
         # between tenants (engine/compile_queue.py)
         self.grammars = GrammarCache(tokenizer, vocab_size=self.vocab_size, eos_token_ids=list(runner.eos_token_ids))
         self.compiles = CompileQueue()
-        self._compiling: dict[str, Future[CompiledGrammar]] = {}  # grammar key -> its compile queued or running
+        self._compiling: dict[tuple[str | None, str], Future[CompiledGrammar]] = {}  # (tenant, grammar key) ->
+        # its compile, queued or running
         # shared with callers, under the lock
         self._lock = threading.Lock()
         self._inbox: list[Sequence] = []
@@ -174,9 +175,11 @@ class LLMEngine:
             return hit
         if (reason := self.dead_reason) is not None:  # nothing will run it: no compile either
             raise EngineDeadError(f"the engine has stopped: {reason}")
-        key = grammar_key(fmt)
-        if (running := self._compiling.get(key)) is None:  # one compile a schema: the same new one asked for at
-            # once (a client's burst of one schema) waits for it and takes no place of its own in the queue
+        key = (tenant, grammar_key(fmt))
+        if (running := self._compiling.get(key)) is None:  # one compile a tenant's schema: the same new one asked for
+            # at once (a client's burst) waits for it and takes no place of its own in the queue; per tenant, so that
+            # another tenant asking for a schema queued behind a flood is not put at the flood's place in line (its
+            # own job compiles, or finds the schema compiled: GrammarCache compiles a schema once)
             running = self.compiles.submit(tenant, lambda: self.grammars.compile(fmt))
             self._compiling[key] = running
             running.add_done_callback(lambda done: self._compiling.pop(key, None) if self._compiling.get(key) is done

@@ -139,3 +139,28 @@ async def test_a_burst_of_one_new_schema_is_compiled_once_and_takes_one_place_in
         assert engine.compiles.num_refused == 0 and not engine._compiling
     finally:
         engine.shutdown()
+
+
+async def test_a_schema_queued_behind_one_tenants_flood_does_not_hold_another_tenant_there() -> None:
+    """The attacker queues slow schemas and then one it guessed another tenant uses (a popular tool's): that
+    tenant's request for it compiles in its own turn, not at the attacker's place in line (found in review)."""
+    engine = LLMEngine(ScriptedRunner(), CharTokenizer())
+    FakeCompiles(engine)
+    engine.start()
+    try:
+        async def attacker(title: str) -> None:
+            params = SamplingParams(temperature=0.0, max_tokens=2, response_format=fmt(title))
+            await collect(engine.generate([65, 66], params, cache_salt="attacker"))
+
+        flood = [asyncio.create_task(attacker(f"slow{i}")) for i in range(7)]
+        await asyncio.sleep(0.05)
+        flood.append(asyncio.create_task(attacker("shared")))
+        await asyncio.sleep(0.05)
+        t0 = time.perf_counter()
+        params = SamplingParams(temperature=0.0, max_tokens=2, response_format=fmt("shared"))
+        await collect(engine.generate([65, 66], params, cache_salt="victim"))
+        waited = time.perf_counter() - t0
+        await asyncio.gather(*flood)
+    finally:
+        engine.shutdown()
+    assert waited < 2 * SLOW_S, waited  # one slow compile at most (7 before)
