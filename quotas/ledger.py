@@ -262,7 +262,10 @@ class Ledger(LedgerReads, ABC):
             if error is not None:
                 log.error("ledger: row %s refused: %r", values[0], error)
         self._resolve([fut for _, fut, _ in rows], errors)
-        self._after_commit(conn)
+        try:  # the group is committed and its waiters told: nothing here may make it be written again
+            self._after_commit(conn)
+        except Exception:
+            log.exception("ledger: upkeep after a commit failed")
 
     def _after_commit(self, conn: Any) -> None:
         """Upkeep after a group's waiters have heard (the SQLite ledger's checkpoints); must not raise."""

@@ -104,7 +104,8 @@ class SQLiteLedger(SQLiteReads, Ledger):
             raise ValueError(f"ledger sync is normal or full, not {sync!r}")
         self.sync = sync
         self._on_connect = on_connect
-        self._turns = WriteTurns(path)  # the writer's commits take turns with other processes' (write_turns.py)
+        self._turns = WriteTurns(path, wait_s=busy_timeout_s)  # turns with other processes' commits
+        self._commits = 0  # by the writer, across its reconnects: every CHECKPOINT_EVERY, a checkpoint
         self._read = sqlite3.connect(path, isolation_level=None, timeout=5.0, check_same_thread=False)
         # queries run in worker threads (reports, the reapers' billing, /admin/ops), each thread on a connection of
         # its own: under WAL readers wait neither on each other nor on the writer, so a long report holds up nobody
@@ -139,7 +140,6 @@ class SQLiteLedger(SQLiteReads, Ledger):
         # turn, where another process's commit waited the whole checkpoint (p99.9 12-14 ms against 0.2-0.3 ms,
         # bench/sqlite_writers.py)
         conn.execute("PRAGMA wal_autocheckpoint=0")
-        self._commits = 0
         if self._on_connect is not None:
             self._on_connect(conn)
         return conn

@@ -7,6 +7,8 @@ import asyncio
 import threading
 from pathlib import Path
 
+import pytest
+
 from quotas.ledger import Ledger
 from quotas.write_turns import WriteTurns
 from tests.quotas.test_ledger import row
@@ -51,5 +53,50 @@ def test_a_ledger_commit_waits_for_the_turn_then_goes_at_once(tmp_path: Path) ->
         finally:
             ledger.close()
             other.close()
+
+    asyncio.run(main())
+
+
+def test_a_turn_held_forever_is_waited_for_a_bounded_time_then_gone_without(tmp_path: Path) -> None:
+    """A holder stopped by SIGSTOP or a debugger keeps its turn: the ledger commits without one after the busy
+    timeout (SQLite's own lock then decides, as without turns), instead of waiting in the kernel for ever while
+    it says it is ready (found in review)."""
+    path = tmp_path / "ledger.db"
+    stuck = WriteTurns(path)
+
+    async def main() -> None:
+        ledger = Ledger(path, busy_timeout_s=0.3)
+        ledger.start()
+        try:
+            with stuck.turn():  # never given back while the row is written
+                await asyncio.wait_for(ledger.record(row(0)), timeout=5)
+            assert ledger.get("r0") is not None and ledger.ready
+        finally:
+            ledger.close()
+            stuck.close()
+
+    asyncio.run(main())
+
+
+def test_a_lock_file_that_cannot_be_locked_turns_the_turns_off(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A filesystem without flock (ENOLCK), or a lock file another user made: the ledger writes as it did without
+    turns, rather than fail every commit (found in review)."""
+    from quotas import write_turns
+
+    def no_locks(fd: int, op: int) -> None:
+        raise OSError(37, "No locks available")
+
+    monkeypatch.setattr(write_turns.fcntl, "flock", no_locks)
+
+    async def main() -> None:
+        ledger = Ledger(tmp_path / "ledger.db")
+        ledger.start()
+        try:
+            await asyncio.wait_for(ledger.record(row(1)), timeout=5)
+            await asyncio.wait_for(ledger.record(row(2)), timeout=5)
+            assert ledger.ready and ledger.get("r2") is not None
+        finally:
+            ledger.close()
 
     asyncio.run(main())
