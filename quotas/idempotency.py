@@ -302,6 +302,15 @@ SELECT (SELECT count(*) FROM made) + (SELECT count(*) FROM pruned),
        (SELECT records < %(records)s AND bytes < %(bytes)s FROM idempotency_tenants WHERE tenant = %(tenant)s),
        (SELECT min(expires) FROM idempotency WHERE tenant = %(tenant)s AND expires > %(now)s)
 """
+# every tenant's expired records, their totals rows locked first (in tenant order) as a group commit locks them
+# before the records it updates: a prune that locked a record first, then waited for its tenant's totals row held by
+# a commit that waited for that record, deadlocked (found in review)
+PG_PRUNE = """
+WITH expired AS (SELECT DISTINCT tenant FROM idempotency WHERE expires <= %(now)s),
+     locked AS (SELECT t.tenant FROM idempotency_tenants AS t JOIN expired USING (tenant)
+                ORDER BY t.tenant COLLATE "C" FOR UPDATE OF t)
+DELETE FROM idempotency WHERE expires <= %(now)s AND tenant IN (SELECT tenant FROM locked)
+"""
 CLAIM_TRIES = 3  # claim statements a begin runs at most (room made or freed, or a key claimed concurrently: again)
 _PG_FINISH = ("UPDATE idempotency SET state = 'done', answer = %s, expires = %s WHERE tenant = %s AND key = %s "
               "AND owner = %s")
@@ -347,7 +356,7 @@ class PostgresIdempotency(IdempotencyStore):
                 "records": self.limits.records, "bytes": self.limits.bytes}
         self._claims += 1
         if self._claims % PRUNE_EVERY == 0:
-            await self._run("DELETE FROM idempotency WHERE expires <= %s", (now,))
+            await self._run(PG_PRUNE, {"now": now})
         for _ in range(CLAIM_TRIES):
             claimed, found_fp, state, answer, expires = await self._run(_PG_BEGIN, args)
             if claimed:

@@ -149,3 +149,45 @@ async def test_a_group_commit_locks_its_tenants_totals_in_one_order(database_url
         await blocker.close()
         await store.close()
         ledger.close()
+
+
+def test_the_periodic_prune_waits_for_a_group_commit_instead_of_deadlocking_with_it(database_url: str) -> None:
+    """A group commit stores two answers of one tenant (its trigger holds the tenant's totals row), the second on a
+    record whose lease ran out, while the periodic prune deletes expired records: the prune locks the totals row
+    first, so it waits, and the record the commit brought back to life is kept (found in review: a deadlock)."""
+    import threading
+    import time
+
+    from quotas.idempotency import PG_PRUNE
+
+    open_schema(database_url)
+    now = 1000.0
+    sql(database_url, "INSERT INTO idempotency VALUES ('prune-t','k1','f','o1','running',NULL,1600)")
+    sql(database_url, "INSERT INTO idempotency VALUES ('prune-t','k2','f','o2','running',NULL,999)")  # lease over
+    commit = psycopg.connect(database_url, autocommit=True)
+    prune = psycopg.connect(database_url, autocommit=True)
+    outcome: dict[str, str] = {}
+    try:
+        commit.execute("BEGIN")
+        commit.execute(idempotency._PG_FINISH, ("a" * 10, now + 3600, "prune-t", "k1", "o1"))
+
+        def run_prune() -> None:
+            try:
+                prune.execute(PG_PRUNE, {"now": now})
+                outcome["prune"] = "ok"
+            except psycopg.Error as exc:
+                outcome["prune"] = repr(exc)
+
+        pruning = threading.Thread(target=run_prune)
+        pruning.start()
+        time.sleep(0.3)
+        commit.execute(idempotency._PG_FINISH, ("b" * 10, now + 3600, "prune-t", "k2", "o2"))
+        commit.execute("COMMIT")
+        pruning.join(10)
+        assert outcome == {"prune": "ok"}
+        assert sql(database_url, "SELECT key FROM idempotency WHERE tenant = 'prune-t' ORDER BY key") == [("k1",),
+                                                                                                        ("k2",)]
+        assert sql(database_url, "SELECT records, bytes FROM idempotency_tenants WHERE tenant = 'prune-t'") == [(2, 20)]
+    finally:
+        commit.close()
+        prune.close()
