@@ -13,7 +13,9 @@ settles locally goes into an outage journal, added to Redis exactly once when Re
 
 A refused connection means Redis is down at once. A timeout alone does not (a busy event loop can cause
 one): the request gets a retryable 503, and only timeouts that go on for `down_after_s` without a success
-in between switch the mode, so a burst of load never quietly turns shared limits into per-replica ones.
+in between switch the mode, so a burst of load never quietly turns shared limits into per-replica ones. They
+must go on: a reserve that begins more than `down_after_s` after the last failure starts the count again (a
+quiet replica's two failed reserves a minute apart are two blips, not an outage).
 Waiting in vain for a free connection never does: that is back-pressure (a retryable 503), not an outage.
 """
 
@@ -31,7 +33,7 @@ from quotas.backends.base import Billed, QuotaBackend, QuotaBackendError
 from quotas.backends.journal import OutageJournal
 from quotas.backends.memory import MemoryBackend
 from quotas.backends.redis import RedisBackend
-from quotas.limits import Decision, ReservationRequest, ScopeLimits, Spend
+from quotas.limits import Decision, ReservationRequest, ScopeLimits, Spend, utc_dates
 
 log = logging.getLogger("tiergate.quotas")
 RETRY_EVERY_S = 1.0
@@ -61,7 +63,8 @@ class FailoverBackend(QuotaBackend):
         self._on_state = on_state
         self._ledger_spend = ledger_spend
         self._retry_at = 0.0
-        self._failing_since: float | None = None
+        self._failing_since: float | None = None  # the first failure of the reserves failing now
+        self._failed_at = 0.0  # the last failure's time
         # reservations held by the fallback, as it holds them, and whether their reserve was sent to Redis
         self._local: dict[str, tuple[ReservationRequest, bool]] = {}
         self._known: dict[tuple[str, str], Spend] = {}  # (tenant, scope) -> what Redis last said it spent
@@ -90,7 +93,8 @@ class FailoverBackend(QuotaBackend):
 
     async def reserve(self, req: ReservationRequest) -> Decision:
         sent = False
-        if self.up or time.monotonic() >= self._retry_at:
+        began = time.monotonic()
+        if self.up or began >= self._retry_at:
             try:
                 decision = await self.primary.reserve(req)
             except QuotaBackendError as exc:
@@ -98,8 +102,11 @@ class FailoverBackend(QuotaBackend):
                     raise
                 sent = True
                 now = time.monotonic()
-                if self._failing_since is None:
+                # failures count together while each reserve began within down_after_s of the last one failing
+                # (concurrent ones began before it); after a quiet stretch longer than that, the count starts again
+                if self._failing_since is None or began - self._failed_at > self.down_after_s:
                     self._failing_since = now
+                self._failed_at = now
                 if self.up and exc.transient and now - self._failing_since < self.down_after_s:
                     raise
                 self._retry_at = now + self.retry_every_s
@@ -216,10 +223,30 @@ class FailoverBackend(QuotaBackend):
         return returned
 
     async def spent(self, tenant: str, scopes: Sequence[str], now: float) -> dict[str, tuple[int, int]] | None:
-        """The primary's figures while it answers; while it is down, the local ones (from the last known)."""
+        """The primary's figures while it answers; while it is down, the local ones (from the last known). When
+        the primary fails to answer while up, the spend its last reserve for the tenant answered (raises only
+        where a scope has none): routing by budget goes on from a figure a moment old rather than none."""
         if self.up:
-            return await self.primary.spent(tenant, scopes, now)
+            try:
+                return await self.primary.spent(tenant, scopes, now)
+            except QuotaBackendError:
+                known = self._last_spent(tenant, scopes, now)
+                if known is None:
+                    raise
+                return known
         return await self.local.spent(tenant, scopes, now + self._clock_offset_s)
+
+    def _last_spent(self, tenant: str, scopes: Sequence[str], now: float) -> dict[str, tuple[int, int]] | None:
+        """Each scope's last known spend on the day and month of `now` as Redis dates it (none yet on a day or
+        month after the one it was known for); None if a scope has no figure."""
+        day, month = utc_dates(int((now + self._clock_offset_s) // 86400))
+        out = {}
+        for scope in scopes:
+            s = self._known.get((tenant, scope))
+            if s is None:
+                return None
+            out[scope] = (s.day_pico if s.day == day else 0, s.month_pico if s.month == month else 0)
+        return out
 
     def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(work)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeout
 
 from quotas.backends.base import QuotaBackendError
 from quotas.backends.failover import FailoverBackend
@@ -222,3 +223,90 @@ async def test_a_busy_connection_pool_is_back_pressure_not_an_outage(redis_url: 
     finally:
         await impatient.close()
         await patient.close()
+
+
+class _Clock:
+    """The failover's clock (its module's `time`), moved by hand; the wall clock stays real."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def time(self) -> float:
+        return time.time()
+
+
+def _failing(b: FailoverBackend, monkeypatch: pytest.MonkeyPatch, script: str) -> dict[str, bool]:
+    """Makes the primary's `script` time out at once (on time: not a late read) while the switch is on."""
+    real = b.primary._scripts[script]
+    switch = {"on": False}
+
+    async def maybe(*, keys: list[str], args: list) -> object:  # type: ignore[type-arg]
+        if switch["on"]:
+            raise RedisTimeout("Timeout reading from socket")
+        return await real(keys=keys, args=args)
+
+    monkeypatch.setitem(b.primary._scripts, script, maybe)
+    return switch
+
+
+@pytest.mark.parametrize("mode", ["open", "closed"])
+async def test_failures_far_apart_are_blips_and_only_continuous_ones_an_outage(
+        redis_url: str, monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    """Two failed reserves a minute apart with none in between (a quiet replica) leave Redis up: each is a
+    retryable 503 (HEAD: the second marked it down, failing every request closed, or shared limits per replica,
+    for retry_every_s). Failures that go on for down_after_s still mark it down."""
+    import quotas.backends.failover as failover_module
+
+    clock = _Clock()
+    monkeypatch.setattr(failover_module, "time", clock)
+    b = FailoverBackend(RedisBackend(redis_url, timeout_s=0.5), mode=mode,  # type: ignore[arg-type]
+                        down_after_s=1.0, retry_every_s=1.0)
+    fail = _failing(b, monkeypatch, "reserve")
+    lim = ScopeLimits("t")
+
+    async def reserve_at(t: float, *, failing: bool) -> Decision | QuotaBackendError:
+        clock.now, fail["on"] = t, failing
+        try:
+            return await b.reserve(ReservationRequest(f"g{next(_n)}", "acme", (lim,), 1, 1))
+        except QuotaBackendError as exc:
+            return exc
+
+    try:
+        assert isinstance(await reserve_at(1000.0, failing=False), Decision)
+        for t in (1010.0, 1070.0):  # a minute apart, nothing in between
+            out = await reserve_at(t, failing=True)
+            assert isinstance(out, QuotaBackendError) and out.transient and b.up
+        assert isinstance(await reserve_at(1070.5, failing=False), Decision) and b.up
+        for t in (1080.0, 1080.6):  # failing on, with no quiet stretch: not yet down_after_s
+            assert isinstance(await reserve_at(t, failing=True), QuotaBackendError) and b.up
+        await reserve_at(1081.2, failing=True)
+        assert not b.up  # down_after_s of failures: an outage
+        assert isinstance(await reserve_at(1082.5, failing=False), Decision) and b.up  # back at the next try
+    finally:
+        await b.close()
+
+
+async def test_a_budget_read_that_fails_answers_the_last_known_spend(redis_url: str,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """`auto` routing reads the tenant's spend for its budget thresholds: when Redis does not answer that read,
+    the spend Redis' last reserve answered stands in (HEAD: the read failed and routing ignored the budget); a
+    tenant never seen still raises, and a later day or month starts at nothing."""
+    b = failover(redis_url)
+    try:
+        assert (await admit(b, 700, settle_to=600)).admitted
+        assert (await admit(b, 100)).admitted  # Redis answered 700 + 100 spent (this one held)
+        fail = _failing(b, monkeypatch, "spent")
+        fail["on"] = True
+        now = time.time()
+        assert await b.spent("acme", ["t"], now) == {"t": (700, 700)}
+        assert b.up
+        assert await b.spent("acme", ["t"], now + 40 * 86_400) == {"t": (0, 0)}
+        with pytest.raises(QuotaBackendError):
+            await b.spent("nobody", ["t"], now)
+        fail["on"] = False
+        assert await b.spent("acme", ["t"], now) == {"t": (700, 700)}
+    finally:
+        await b.close()
