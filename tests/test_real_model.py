@@ -20,6 +20,7 @@ from pathlib import Path
 
 import httpx
 import openai
+import psutil
 import pytest
 
 from gateway.settings import Settings
@@ -169,7 +170,8 @@ def test_auth_and_model_errors_against_the_real_server(served: Served) -> None:
 
 
 def test_a_crashed_engine_is_restarted_and_routed_around_meanwhile(served: Served) -> None:
-    pids = [int(p) for p in os.listdir("/proc") if p.isdigit() and _is_engine(int(p), "full")]
+    # this gateway's own `full` engine: another test running beside this one (pytest -n 2) may run one of its own
+    pids = [p.pid for p in psutil.Process(served.proc.pid).children(recursive=True) if _is_engine(p.pid, "full")]
     assert len(pids) == 1
     os.kill(pids[0], signal.SIGKILL)
     client = openai.OpenAI(base_url=f"{served.url}/v1", api_key=served.demo_key, max_retries=0)
