@@ -134,12 +134,10 @@ class GrammarCache:
     def compile(self, fmt: ResponseFormat) -> CompiledGrammar:
         """The compiled grammar of `fmt` (json_object or json_schema), compiling it on a miss; EngineInputError
         naming `response_format` for a schema that cannot be compiled."""
+        if (hit := self.known(fmt)) is not None:
+            return hit
         key = grammar_key(fmt)
         with self._lock:
-            if (hit := self._grammars.get(key)) is not None:
-                self._grammars.move_to_end(key)
-                return hit
-            self._raise_if_refused(key)
             gate = self._compiling.setdefault(key, threading.Lock())
         with gate:
             try:

@@ -77,6 +77,16 @@ async def test_redis_down_for_a_claim_is_unavailable_and_leaves_no_claim(
     await eventually(free)
 
 
+async def answered_while_redis_refuses(store: RedisIdempotency, *, lease_s: float) -> Any:
+    """Claim key "k" for req-1 and store its answer while every write to Redis fails; the real script, to put back."""
+    claim = await store.begin("acme", "k", "fp", "req-1", lease_s=lease_s)
+    assert isinstance(claim, Claim)
+    real = store._finish
+    store._finish = Faulty(real, 10**9)
+    await store.finish(claim, ANSWER, 3600)
+    return real
+
+
 async def test_an_answer_redis_refuses_once_is_stored_by_a_retry(
         replicas: tuple[RedisIdempotency, RedisIdempotency]) -> None:
     a, b = replicas
@@ -90,11 +100,7 @@ async def test_an_answer_redis_refuses_once_is_stored_by_a_retry(
 async def test_an_answer_redis_keeps_refusing_is_owed_never_lost_nor_run_again(
         replicas: tuple[RedisIdempotency, RedisIdempotency]) -> None:
     a, b = replicas
-    claim = await a.begin("acme", "k", "fp", "req-1", lease_s=60)
-    assert isinstance(claim, Claim)
-    real = a._finish
-    a._finish = Faulty(real, 10**9)
-    await a.finish(claim, ANSWER, 3600)  # returns: the request was answered, billed and settled
+    real = await answered_while_redis_refuses(a, lease_s=60)  # returns: the request was answered, billed and settled
     assert await a.begin("acme", "k", "fp", "req-2", lease_s=60) == Replay(ANSWER)  # from this replica's memory
     assert await a.begin("acme", "k", "other", "req-2", lease_s=60) == Mismatch()
     assert await b.begin("acme", "k", "fp", "req-3", lease_s=60) == Running()  # another replica: 409, never a run
@@ -109,11 +115,7 @@ async def test_an_answer_redis_keeps_refusing_is_owed_never_lost_nor_run_again(
 async def test_an_owed_answer_lands_even_after_its_claims_lease_ended(
         replicas: tuple[RedisIdempotency, RedisIdempotency]) -> None:
     a, b = replicas
-    claim = await a.begin("acme", "k", "fp", "req-1", lease_s=0.3)
-    assert isinstance(claim, Claim)
-    real = a._finish
-    a._finish = Faulty(real, 10**9)
-    await a.finish(claim, ANSWER, 3600)
+    real = await answered_while_redis_refuses(a, lease_s=0.3)
     await asyncio.sleep(0.5)  # the running record expired in Redis meanwhile
     a._finish = real
 
