@@ -13,7 +13,8 @@ from quotas.backends.base import QuotaBackendError
 from quotas.dispatch import QueueFull
 from quotas.ledger import LedgerUnavailable
 from tiers import errors as tier_errors
-from wire.errors import COMPILES_BUSY_RETRY_AFTER_S, RESPONSE_FORMAT_COMPILES_BUSY
+from wire.errors import COMPILES_BUSY_RETRY_AFTER_S
+from wire.errors import RESPONSE_FORMAT_COMPILES_BUSY as COMPILES_BUSY
 from wire.validation import BodyError
 
 log = logging.getLogger("tiergate.errors")
@@ -204,13 +205,14 @@ def _tier_error(exc: tier_errors.TierError) -> TiergateError:
         case tier_errors.NoTierAvailable():
             return Unavailable(_public(exc, "no tier can serve this request now"), code="no_tier_available",
                                retry_after=5)
-        case tier_errors.UpstreamRejected() if (exc.status, _code(exc)) == (429, RESPONSE_FORMAT_COMPILES_BUSY):
+        case tier_errors.UpstreamRejected() if exc.status == 429 and exc.error.get("code") == COMPILES_BUSY:
             # our engine's compile queue is full (engine/compile_queue.py): the tenant retries later, as after a 429
-            return RateLimited(str(exc), param="response_format", code=RESPONSE_FORMAT_COMPILES_BUSY,
+            return RateLimited(str(exc), param="response_format", code=COMPILES_BUSY,
                                retry_after=COMPILES_BUSY_RETRY_AFTER_S)
         case tier_errors.UpstreamRejected() if 400 <= exc.status < 500 and exc.status not in (401, 403, 429):
-            err = exc.body.get("error") if isinstance(exc.body.get("error"), dict) else {}
-            return InvalidRequest(str(exc), param=err.get("param"), code=err.get("code") or "upstream_rejected")  # type: ignore[union-attr]
+            param, code = exc.error.get("param"), exc.error.get("code")
+            return InvalidRequest(str(exc), param=param if isinstance(param, str) else None,
+                                  code=code if isinstance(code, str) and code else "upstream_rejected")
         case tier_errors.UpstreamRejected():
             return _logged(exc, UpstreamError(f"the tier's backend answered {exc.status}", retry_after=2))
         case tier_errors.UpstreamTimedOut():
@@ -223,12 +225,6 @@ def _tier_error(exc: tier_errors.TierError) -> TiergateError:
                                               "answer"))
         case _:
             return _logged(exc, UpstreamError("the tier's backend failed"))
-
-
-def _code(exc: tier_errors.UpstreamRejected) -> object:
-    """The upstream's OpenAI error code, if its body has one."""
-    err = exc.body.get("error")
-    return err.get("code") if isinstance(err, dict) else None
 
 
 def _logged(exc: tier_errors.TierError, err: TiergateError) -> TiergateError:

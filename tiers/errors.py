@@ -31,8 +31,9 @@ class UpstreamRejected(TierError):
     """The replica answered with an HTTP error; its status and OpenAI-shaped body are kept."""
 
     def __init__(self, status: int, body: dict[str, object]) -> None:
-        err = body.get("error") if isinstance(body.get("error"), dict) else {}
-        super().__init__(str(err.get("message") if err else body))  # type: ignore[union-attr]
+        err = body.get("error")
+        self.error: dict[str, object] = err if isinstance(err, dict) else {}  # OpenAI's error object, if any
+        super().__init__(str(self.error.get("message") if self.error else body))
         self.status = status
         self.body = body
 
