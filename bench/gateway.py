@@ -225,10 +225,37 @@ def check_host(args: argparse.Namespace) -> tuple[list[int], list[int]]:
         print(f"only {len(cpus)} CPUs: the load generator shares CPU {cpus[0]} with the gateway's workers; this run "
               "shows that the workers serve, not how they scale", file=sys.stderr)
         return cpus[:1], cpus[1:] + cpus[:args.workers - len(cpus) + 1]  # 1 worker on a core of its own
+    cores = physical_cores(cpus)
+    return _split_cpus(cpus, cores, args.workers)
+
+
+def _split_cpus(cpus: list[int], cores: list[list[int]], workers: int) -> tuple[list[int], list[int]]:
+    """(load CPUs, gateway CPUs) from the usable `cpus` grouped into physical `cores`."""
+    if len(cores) >= workers + 1 and len(cores) < len(cpus):
+        # SMT: each worker gets a core of its own, its sibling threads left idle, so that N workers are N cores
+        # (two threads of one core are about 1.2 cores, not 2); the load side takes the other cores, one thread of
+        # each before any second thread, up to LOAD_CPUS
+        load_cores = cores[:len(cores) - workers]
+        threads = [core[i] for i in range(max(map(len, load_cores))) for core in load_cores if i < len(core)]
+        return threads[:LOAD_CPUS], [core[0] for core in cores[len(cores) - workers:]]
     # the load side (wrk, the mock, Redis, this harness) takes what the workers leave, up to LOAD_CPUS, so that on
     # a larger host it cannot become what several workers wait on
-    load = max(1, min(LOAD_CPUS, len(cpus) - args.workers))
-    return cpus[:load], cpus[load:load + args.workers]
+    load = max(1, min(LOAD_CPUS, len(cpus) - workers))
+    return cpus[:load], cpus[load:load + workers]
+
+
+def physical_cores(cpus: list[int], sysfs: Path = Path("/sys/devices/system/cpu")) -> list[list[int]]:
+    """`cpus` grouped by the physical core they are threads of (Linux's sysfs topology), in the order of each core's
+    first CPU; a CPU whose topology cannot be read is a core of its own."""
+    groups: dict[tuple[str, str], list[int]] = {}
+    for cpu in cpus:
+        topology = sysfs / f"cpu{cpu}" / "topology"
+        try:
+            key = ((topology / "physical_package_id").read_text().strip(), (topology / "core_id").read_text().strip())
+        except OSError:
+            key = ("cpu", str(cpu))
+        groups.setdefault(key, []).append(cpu)
+    return list(groups.values())
 
 
 def with_target(start: Callable[[], Server], skipped: dict[str, str], label: str,

@@ -46,11 +46,25 @@ def machine_info(load_cpus: list[int], gw_cpus: list[int]) -> dict[str, Any]:
         "cpus_online": os.cpu_count(),
         "load_cpus": load_cpus,
         "gateway_cpus": gw_cpus,
+        "threads_per_core": _threads_per_core(),
         "python": platform.python_version(),
         "wrk": wrk[0].split(" [")[0] if wrk else "unknown",
         "loadavg_at_start": round(os.getloadavg()[0], 2),
         "date": time.strftime("%Y-%m-%d %H:%M %Z"),
     }
+
+
+def _threads_per_core() -> int | None:
+    """CPU 0's hardware threads (2 with SMT), from sysfs; None where it cannot be read."""
+    try:
+        siblings = Path("/sys/devices/system/cpu/cpu0/topology/thread_siblings_list").read_text().strip()
+    except OSError:
+        return None
+    count = 0
+    for part in siblings.split(","):
+        low, _, high = part.partition("-")
+        count += int(high or low) - int(low) + 1
+    return count
 
 
 def _median(values: list[float | None]) -> float | None:
@@ -129,7 +143,9 @@ def _header(info: dict[str, Any], args: argparse.Namespace, cells: list[Cell], c
         f"AMX: {'yes' if info['amx'] else 'no'} ({amx})",
         f"- {info['cpus_online']} CPUs online. The gateway under test (Tiergate, LiteLLM, the reference commit, one "
         f"at a time) is pinned to CPU {','.join(map(str, info['gateway_cpus']))}; wrk, the mock upstream and this "
-        f"harness to CPU {','.join(map(str, info['load_cpus']))} (taskset).",
+        f"harness to CPU {','.join(map(str, info['load_cpus']))} (taskset); "
+        f"{info.get('threads_per_core') or '?'} hardware thread(s) per core (with SMT, each gateway CPU is on a core "
+        "of its own, its sibling idle).",
         f"- Python {info['python']}; {info['wrk']}; load average {info['loadavg_at_start']} at the start, "
         f"{info.get('loadavg_at_end', '?')} at the end (other work on the machine makes every number noisy: "
         "measure on a quiet one).",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -209,4 +210,37 @@ def test_the_load_side_takes_spare_cpus_and_never_a_workers(monkeypatch: pytest.
     monkeypatch.setattr(harness, "ensure_wrk", lambda: None)
     monkeypatch.setattr(harness, "serve_supports_workers", lambda _repo: True)
     monkeypatch.setattr(harness.shutil, "which", lambda _name: "/usr/bin/taskset")
+    monkeypatch.setattr(harness, "physical_cores", lambda usable: [[cpu] for cpu in usable])  # no SMT
     assert harness.check_host(harness.parse_args(["--workers", str(workers)])) == (load, gateway)
+
+
+def _sysfs(tmp_path: Path, siblings: list[list[int]]) -> Path:
+    for core_id, threads in enumerate(siblings):
+        for cpu in threads:
+            topology = tmp_path / f"cpu{cpu}" / "topology"
+            topology.mkdir(parents=True)
+            (topology / "physical_package_id").write_text("0\n")
+            (topology / "core_id").write_text(f"{core_id}\n")
+    return tmp_path
+
+
+@pytest.mark.parametrize(("siblings", "workers", "load", "gateway"), [
+    # 8 cores of 2 threads numbered i and i + 8 (as most clouds do): each worker on a core of its own, its sibling idle
+    ([[i, i + 8] for i in range(8)], 2, [0, 1, 2, 3], [6, 7]),
+    ([[i, i + 8] for i in range(8)], 4, [0, 1, 2, 3], [4, 5, 6, 7]),
+    # threads numbered side by side: without the topology, workers 2 would have been CPUs 4 and 5, one core
+    ([[2 * i, 2 * i + 1] for i in range(8)], 2, [0, 2, 4, 6], [12, 14]),
+    # 3 cores of 2: the load takes one core's two threads
+    ([[0, 1], [2, 3], [4, 5]], 2, [0, 1], [2, 4]),
+])
+def test_with_smt_each_worker_has_a_physical_core_of_its_own(tmp_path: Path, siblings: list[list[int]], workers: int,
+                                                              load: list[int], gateway: list[int]) -> None:
+    import bench.gateway as harness
+    cpus = sorted(c for core in siblings for c in core)
+    cores = harness.physical_cores(cpus, _sysfs(tmp_path, siblings))
+    assert sorted(map(sorted, cores)) == sorted(map(sorted, siblings))
+    load_cpus, gw_cpus = harness._split_cpus(cpus, cores, workers)
+    assert (load_cpus, gw_cpus) == (load, gateway)
+    core_of = {cpu: i for i, core in enumerate(siblings) for cpu in core}
+    assert len({core_of[c] for c in gw_cpus}) == workers
+    assert not {core_of[c] for c in gw_cpus} & {core_of[c] for c in load_cpus}
