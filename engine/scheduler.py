@@ -22,9 +22,16 @@ gateway: the steps beside the victim take 0.08 s on average (0.5-0.6 s before), 
 is 1.0-1.05 s (p95 1.35 s), most of the rest being the in-flight step it arrives behind. What the shorter steps cost
 the tenant with the long prompts is measured at SHARED_STEP_COST; tests/engine/test_scheduler.py pins the policy.
 
+Running slots are shared too: one tenant's long answers filling the batch (max_num_seqs) held another tenant's request
+until one ended (SmolLM2, 8 slots of 256-token answers, 2 cores: first token after 2.6-3.5 s; now 0.03-0.05 s). While
+tenants wait, one is admitted beyond its fair share (max_num_seqs over the tenants here, rounded up) only into slots
+the others do not need to reach theirs; in a full batch, a waiting tenant running two or more sequences fewer than
+the tenant running the most takes a slot from it (its lowest-ranked sequence is preempted). Alone, a tenant takes all.
+
 When blocks run out, the lowest-priority running sequence is preempted: its blocks are freed and it
 waits to be recomputed from its tokens (its own freed blocks usually come back as prefix-cache hits).
-A waiting sequence of higher priority than a running one may preempt it the same way.
+A waiting sequence of higher priority than a running one may preempt it the same way, and so may a waiting tenant
+short of running sequences (above) one of the same or a lower priority. Greedy output is unchanged by a preemption.
 """
 
 from __future__ import annotations
@@ -117,6 +124,7 @@ class Scheduler:
         self.running.sort(key=_rank)
         if self.policy is SchedulingPolicy.PRIORITY:
             self._preempt_for_waiting(out)
+        self._preempt_for_tenants(out)
         shares = self._tenant_shares()
         # running sequences first: decodes and the next chunk of unfinished prompts
         i = 0
@@ -168,6 +176,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             shares.num_running[seq.cache_salt] += 1
+            shares.num_waiting[seq.cache_salt] -= 1
             if chunk:
                 shares.charge(key, n, cached)
             self._add(out, seq, n)
@@ -264,7 +273,9 @@ class Scheduler:
                 per_tenant[tenant] = per_tenant.get(tenant, 0.0) + _cost(left, seq.num_computed_tokens)
             else:
                 num_decodes += 1
-        shares = _Shares(len(best) > 1, Counter(seq.cache_salt for seq in self.running), self.min_shared_chunk)
+        shares = _Shares(len(best) > 1, Counter(seq.cache_salt for seq in self.running),
+                         Counter(seq.cache_salt for seq in waiting), -(-self.max_num_seqs // max(1, len(best))),
+                         self.min_shared_chunk)
         if not shares.shared:
             return shares
         total = float(max(self.shared_step_cost, DECODE_COST * num_decodes))
@@ -282,15 +293,17 @@ class Scheduler:
 
     def _next_waiting(self, shares: _Shares, passed: set[int]) -> Sequence | None:
         """The waiting sequence to admit next: the head; while tenants share the engine, the first (of the head's
-        priority) of the tenant with the fewest running sequences, among those whose share is not spent and not
-        `passed` over this step."""
+        priority) of the tenant with the fewest running sequences, among those whose share is not spent, whose
+        tenant may take a slot (`_Shares.may_admit`) and not `passed` over this step."""
         if not shares.shared:
             head = self.waiting.peek_request()
             return None if id(head) in passed else head
         best, fewest = None, 0
+        num_free_slots = self.max_num_seqs - len(self.running)
         for seq in self._admissible():
             load = shares.num_running[seq.cache_salt]
-            if id(seq) not in passed and shares.can_take(self._key(seq)) and (best is None or load < fewest):
+            if (id(seq) not in passed and shares.can_take(self._key(seq)) and (best is None or load < fewest)
+                    and shares.may_admit(seq.cache_salt, num_free_slots)):
                 best, fewest = seq, load
         return best
 
@@ -311,6 +324,32 @@ class Scheduler:
             self._preempt(lowest, out)
             out.preempted.remove(lowest)  # a priority swap; newcomers may still be admitted this step
 
+    def _preempt_for_tenants(self, out: SchedulerOutput) -> None:
+        """Make room in a full batch for waiting tenants: while the waiting tenant (of the head's priority) with the
+        fewest running sequences runs two or more fewer than the tenant running the most, that tenant's lowest-ranked
+        sequence is preempted, one for each waiting sequence, never one of a higher priority than the head's."""
+        if len(self.running) < self.max_num_seqs or not len(self.waiting):
+            return
+        level = self.waiting.peek_request().priority
+        num_running = Counter(seq.cache_salt for seq in self.running)
+        num_waiting = Counter(seq.cache_salt for seq in self._admissible())  # tenants in queue order
+        while num_waiting:
+            tenant = min(num_waiting, key=num_running.__getitem__)  # the first in the queue among equals
+            most = max(num_running.values())
+            if most < num_running[tenant] + 2:  # a swap would not even the counts out
+                return
+            victim = next(seq for seq in reversed(self.running) if num_running[seq.cache_salt] == most)
+            if self.policy is SchedulingPolicy.PRIORITY and victim.priority < level:
+                return
+            self.running.remove(victim)
+            self._preempt(victim, out)
+            out.preempted.remove(victim)  # a slot handed over; newcomers are admitted this step
+            num_running[victim.cache_salt] -= 1
+            num_running[tenant] += 1
+            num_waiting[tenant] -= 1
+            if not num_waiting[tenant]:
+                del num_waiting[tenant]
+
 
 def _rank(seq: Sequence) -> tuple[int, float]:
     return seq.priority, seq.arrival_time
@@ -322,6 +361,8 @@ class _Shares:
 
     shared: bool  # more than one tenant has sequences here
     num_running: Counter[Tenant]  # running sequences per tenant, this step's admissions included
+    num_waiting: Counter[Tenant]  # waiting sequences of the head's priority per tenant, this step's admissions out
+    max_running: int  # a tenant's fair share of the batch's slots: max_num_seqs over the tenants here, rounded up
     min_chunk: int  # a held tenant's first chunk of a priority in the step is never cut below this
     left: dict[tuple[Tenant, int], float] = field(default_factory=dict)  # what held chunks may still cost
     started: set[tuple[Tenant, int]] = field(default_factory=set)  # held ones with a chunk in this step
@@ -343,6 +384,15 @@ class _Shares:
 
     def can_take(self, key: tuple[Tenant, int]) -> bool:
         return key not in self.left or key not in self.started or self.left[key] >= 1
+
+    def may_admit(self, tenant: Tenant, num_free_slots: int) -> bool:
+        """Whether `tenant` may take a free slot: within its fair share always; beyond it only if the slots left still
+        hold what the other tenants' waiting sequences need to reach theirs (a lone tenant takes every slot)."""
+        if self.num_running[tenant] < self.max_running:
+            return True
+        needed = sum(min(n, max(0, self.max_running - self.num_running[other]))
+                     for other, n in self.num_waiting.items() if other != tenant)
+        return num_free_slots > needed
 
 
 def _cost(n: int, context: int) -> float:

@@ -116,7 +116,8 @@ class EngineMetrics:
              s.num_prefix_query_tokens_total),
             ("tiergate_engine_prefix_cache_hits", "Prompt tokens found in the prefix cache.",
              s.num_prefix_hit_tokens_total),
-            ("tiergate_engine_preemptions", "Sequences preempted for lack of KV blocks.", s.num_preemptions_total),
+            ("tiergate_engine_preemptions", "Sequences preempted: for lack of KV blocks, for a higher priority "
+             "waiting, or for a tenant short of its share of the batch.", s.num_preemptions_total),
             ("tiergate_engine_speculative_steps", "Steps in which a draft model proposed tokens.",
              s.num_speculative_steps_total),
             ("tiergate_engine_draft_tokens", "Tokens a draft model proposed.", s.num_draft_tokens_total),

@@ -91,3 +91,23 @@ async def test_a_follow_up_turn_reuses_the_cached_prefix(engine: LLMEngine) -> N
     assert stats.num_prefix_hit_tokens_total == second.num_cached_tokens
     assert stats.prefix_cache_hit_rate == second.num_cached_tokens / (len(history) + len(turn_2))
     assert stats.num_kv_blocks_used == 0 and stats.generation_tokens_per_s > 0
+
+
+async def test_a_tenant_holding_every_slot_does_not_hold_back_another_tenants_request() -> None:
+    """Before, the victim's request waited for one of the attacker's 200-token answers to finish."""
+    runner = ScriptedRunner(reply="x" * 200, step_s=0.002)
+    eng = LLMEngine(runner, CharTokenizer(), max_num_seqs=2)
+    eng.start()
+    try:
+        long = SamplingParams(temperature=0, max_tokens=250)
+        attackers = [asyncio.ensure_future(collect(eng.generate([1, k], long, cache_salt="attacker")))
+                     for k in (2, 3)]
+        while eng.stats().num_running < 2:
+            await asyncio.sleep(0.005)
+        text, _ = await collect(eng.generate([5], SamplingParams(temperature=0, max_tokens=3), cache_salt="victim"))
+        assert text == "xxx" and not any(a.done() for a in attackers)
+        answers = await asyncio.gather(*attackers)
+        assert [t for t, _ in answers] == ["x" * 200] * 2  # the preempted answer resumed where it was
+        assert eng.stats().num_preemptions_total == 1
+    finally:
+        eng.shutdown()

@@ -271,3 +271,77 @@ def test_a_tenant_whose_share_is_spent_at_a_long_cached_context_does_not_stop_an
     got = scheduled(step(sched))
     assert got["a1"] == 53 and got["b0"] == 1 and "a2" not in got
     assert got["b1"] == 10  # admitted although a2, ahead of it, got nothing
+
+
+# ---- running slots between tenants ----
+
+def num_running(sched: Scheduler) -> dict[str | None, int]:
+    counts: dict[str | None, int] = {}
+    for s in sched.running:
+        counts[s.cache_salt] = counts.get(s.cache_salt, 0) + 1
+    return counts
+
+
+def test_a_tenant_holding_every_slot_hands_one_to_another_tenant_at_once() -> None:
+    """Before, one tenant's long generations held every running slot and another tenant's request waited for one of
+    them to finish, however fair admission was (2.6-3.5 s on SmolLM2, 8 slots of 256-token answers, 2 cores)."""
+    sched = make(max_num_seqs=4, budget=64, num_blocks=256)
+    attackers = [seq(f"a{k}", 4, max_tokens=100, t=k, salt="attacker", first=10 * (k + 1)) for k in range(4)]
+    for s in attackers:
+        sched.add_request(s)
+    step(sched)
+    step(sched)
+    victim = seq("victim", 4, max_tokens=3, t=10, salt="victim", first=500)
+    low = seq("batch", 4, max_tokens=3, priority=5, t=11, salt="batch", first=600)  # a lower priority takes none
+    sched.add_request(victim)
+    sched.add_request(low)
+    out = step(sched)
+    assert scheduled(out)["victim"] == 4 and attackers[-1] not in out.seqs  # the youngest gave its slot up
+    assert attackers[-1].status is SequenceStatus.PREEMPTED and attackers[-1].num_preemptions == 1
+    while not victim.is_finished:
+        step(sched)
+    assert all(a.num_output_tokens < 10 for a in attackers)  # done long before any attacker's generation
+    while not attackers[0].is_finished:
+        step(sched)
+        assert low.num_computed_tokens == 0  # no preemption for a tenant of a lower priority
+    while sched.has_unfinished_requests():
+        step(sched)
+    assert [a.output_token_ids for a in attackers] == [[7] * 100] * 4  # the preempted one resumed where it was
+    assert sched.num_preemptions_total == 1 and sched.block_manager.num_free_blocks == 256
+
+
+def test_slots_even_out_between_tenants_and_a_lone_tenant_uses_them_all() -> None:
+    sched = make(max_num_seqs=8, budget=64, num_blocks=256)
+    for k in range(12):
+        sched.add_request(seq(f"a{k}", 4, max_tokens=50, t=k, salt="A", first=10 * (k + 1)))
+    step(sched)
+    assert num_running(sched) == {"A": 8}  # alone: every slot
+    victims = [seq(f"v{k}", 4, max_tokens=5, t=100 + k, salt="V", first=1000 + 10 * k) for k in range(6)]
+    for s in victims:
+        sched.add_request(s)
+    step(sched)
+    assert num_running(sched) == {"A": 4, "V": 4}  # a fair share each, in one step
+    for _ in range(12):
+        step(sched)
+    assert all(v.is_finished for v in victims)
+    step(sched)
+    assert num_running(sched) == {"A": 8}  # alone again: every slot again
+
+
+def test_a_slot_another_tenant_needs_is_not_given_away_beyond_a_fair_share() -> None:
+    """With a slot free and another tenant's request waiting (its tenant's prompt share spent this step), a tenant
+    at its fair share is not admitted: it would take the slot and lose it to a preemption the step after, each step."""
+    sched = engine_like(max_num_seqs=4)
+    for k in range(2):
+        sched.add_request(seq(f"a{k}", 2, max_tokens=100, t=k, salt="A", first=10 * (k + 1)))
+    step(sched)
+    sched.add_request(seq("v0", 1500, max_tokens=1, t=10, salt="V", first=10_000))
+    step(sched)
+    late_a = seq("a2", 1, max_tokens=100, t=11, salt="A", first=500)
+    late_v = seq("v1", 1500, max_tokens=1, t=12, salt="V", first=20_000)
+    sched.add_request(late_a)
+    sched.add_request(late_v)
+    while late_v.status is not SequenceStatus.RUNNING:
+        assert len(sched.running) == 3  # the free slot is kept for v1 ...
+        assert late_a not in step(sched).seqs  # ... and a2 does not take it
+    assert num_running(sched) == {"A": 2, "V": 2} and sched.num_preemptions_total == 0
