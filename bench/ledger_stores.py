@@ -12,8 +12,10 @@ after another, then, with the tenant at its bound (MAX_RECORDS_PER_TENANT live r
 
 `reports`: what one tenant's usage report costs as its history grows, on both stores: the tenant's `--requests`
 rows (money of 7 to 20 digits) and `--refusals` refusal-count rows (minutes x keys x reasons) spread over `--days`
-days, then its report by day over the whole range, as a report process runs it (a read-only reader): wall time
-and this process's CPU time (PostgreSQL sums in the server: its CPU is not counted), median of 3.
+days, then its report by day over the whole range on a read-only reader, as a report process runs it: summing every
+row (as before day sums were kept), then with the closed days' sums kept (quotas/report_rollups.py): the first
+report, the same asked again, and asked after a late row landed in a closed day. Wall time, this process's CPU
+time and the PostgreSQL backend's (read from /proc: a server on this host; PostgreSQL sums in the server).
 
 Each cell runs one ledger as a gateway replica does (one writer thread, group commits) and W concurrent
 writers on one event loop, each recording a row and waiting until it is durable, as a request does before its
@@ -139,30 +141,65 @@ def fill_history(ledger: Ledger, requests: int, refusals: int, days: int) -> Non
                                         for j, (key, reason) in enumerate(keys)])
 
 
-def report_cost(source: object) -> tuple[float, float, int]:
-    """(wall s, CPU s of this process, report rows) of one tenant's report by day, median of 3 runs."""
-    from quotas.ledger_reads import open_reader
+def server_cpu(reader: object) -> float | None:
+    """CPU seconds the PostgreSQL backend serving `reader` has used (None: not PostgreSQL, or not on this host)."""
+    if type(reader).__name__ != "PostgresReader":
+        return None
+    ((pid,),) = reader._query("SELECT pg_backend_pid()", ())  # type: ignore[attr-defined]
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def timed(reader: object, report: object) -> tuple[float, float, float | None, int]:
+    """(wall s, CPU s of this process, CPU s of the database server or None, report rows) of one report."""
+    server = server_cpu(reader)
+    wall, cpu = time.perf_counter(), time.process_time()
+    out = report()  # type: ignore[operator]
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    after = server_cpu(reader)
+    return wall, cpu, None if server is None or after is None else after - server, len(out)
+
+
+def report_cost(source: object, late: object) -> list[tuple[str, tuple[float, float, float | None, int]]]:
+    """One tenant's report by day: summing every row (median of 3), then with kept day sums as a report process
+    keeps them (quotas/report_rollups.py): the first report, one asked again (median of 3), and one asked after
+    `late()` added a row to a closed day (one day summed again)."""
+    from quotas.ledger_reads import open_reader, store_identity
     from quotas.report import usage_report
+    from quotas.report_rollups import DayRollups
 
     reader = open_reader(source)  # type: ignore[arg-type]
-    runs = []
-    for _ in range(3):
-        wall, cpu = time.perf_counter(), time.process_time()
-        out = usage_report(reader, by=("tenant", "day"), tenant="acme")
-        runs.append((time.perf_counter() - wall, time.process_time() - cpu, len(out)))
+    query = {"by": ("tenant", "day"), "tenant": "acme"}
+    kept = (DayRollups(), source, store_identity(source, reader))  # type: ignore[arg-type]
+
+    def median(report: object) -> tuple[float, float, float | None, int]:
+        return sorted((timed(reader, report) for _ in range(3)), key=lambda r: r[0])[1]
+
+    runs = [("every row", median(lambda: usage_report(reader, **query))),  # type: ignore[arg-type]
+            ("kept days: first", timed(reader, lambda: usage_report(reader, rollups=kept, **query))),  # type: ignore[arg-type]
+            ("kept days: again", median(lambda: usage_report(reader, rollups=kept, **query)))]  # type: ignore[arg-type]
+    late()  # type: ignore[operator]
+    runs.append(("kept days: a late row", timed(reader, lambda: usage_report(reader, rollups=kept, **query))))  # type: ignore[arg-type]
+    if usage_report(reader, rollups=kept, **query) != usage_report(reader, **query):  # type: ignore[arg-type]
+        raise AssertionError("the report from kept days is not the one every row gives")
     reader.close()
-    return sorted(runs)[1]
+    return runs
 
 
 def reports_main(args: argparse.Namespace, server: object) -> None:
     counted = args.days * 1440 * max(1, args.refusals // (args.days * 1440))  # whole minutes' worth
     print(f"CPU: {cpu_model()}; one tenant: {args.requests:,} request rows, {counted:,} refusal-count rows, "
-          f"{args.days} days; its report by day (median of 3)")
-    print("| store | wall (s) | report process CPU (s) | report rows |")
-    print("|---|---:|---:|---:|")
+          f"{args.days} days; its report by day (medians of 3 where it says so)")
+    print("| store | report | wall (s) | report process CPU (s) | database server CPU (s) | report rows |")
+    print("|---|---|---:|---:|---:|---:|")
     with tempfile.TemporaryDirectory() as tmp:
         url = args.database_url or server.create_database()  # type: ignore[attr-defined]
-        for name, ledger in (("sqlite", Ledger(Path(tmp) / "report.db")), ("postgres", PostgresLedger(url))):
+        opens = (("sqlite", lambda: Ledger(Path(tmp) / "report.db")), ("postgres", lambda: PostgresLedger(url)))
+        for name, open_ledger in opens:
+            ledger = open_ledger()
             fill_history(ledger, args.requests, args.refusals, args.days)
             source = ledger.read_source()
             ledger.close()
@@ -171,8 +208,21 @@ def reports_main(args: argparse.Namespace, server: object) -> None:
 
                 with psycopg.connect(url, autocommit=True) as conn:
                     conn.execute("VACUUM ANALYZE")
-            wall, cpu, rows = report_cost(source)
-            print(f"| {name} | {wall:.2f} | {cpu:.2f} | {rows} |", flush=True)
+
+            def late(open_ledger: object = open_ledger) -> None:
+                ledger = open_ledger()  # type: ignore[operator]
+                ledger.record_now([row_at(1_767_225_600 + 5 * 86400 + 17)])
+                ledger.close()
+
+            for what, (wall, cpu, server_s, rows) in report_cost(source, late):
+                on_server = "-" if server_s is None else f"{server_s:.2f}"
+                print(f"| {name} | {what} | {wall:.3f} | {cpu:.3f} | {on_server} | {rows} |", flush=True)
+
+
+def row_at(ts: float) -> LedgerRow:
+    late = row()
+    late.ts = ts
+    return late
 
 
 def cpu_model() -> str:

@@ -11,6 +11,8 @@ they are read on SQLite (money is TEXT there: summed as exact decimals, never as
 
 from __future__ import annotations
 
+import math
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from decimal import MAX_EMAX, MAX_PREC, MIN_EMIN, Context
@@ -31,6 +33,18 @@ REPORT_GROUPS = ("tenant", "tier", "day", "key_id")
 # additions and subtractions of money with no rounding (the default context keeps 28 digits): exact to the last
 # digit, however many rows are summed. Not for division (a third has no end).
 EXACT = Context(prec=MAX_PREC, Emax=MAX_EMAX, Emin=MIN_EMIN)
+
+
+class Marks(NamedTuple):
+    """What tells whether a range's rows changed, read without summing them (quotas/report_rollups.py): requests are
+    never deleted or rewritten and refusal counts only grow, except the retention's pruning of the oldest minutes."""
+
+    rows: int  # request rows
+    refused: int  # refusals: the sum of the refusal-count rows' counts (a late one adds to a row already there)
+    first_minute: int | None  # the earliest refusal minute (what the retention prunes first)
+
+
+NO_MARKS = Marks(0, 0, None)
 
 
 class ReadSource(NamedTuple):
@@ -102,6 +116,37 @@ class LedgerReads(ABC):
         where, args = _where("ts", tenant, since, until)
         return self._sum_requests(keys, where, args)
 
+    def marks(self, *, tenant: str | None, since: float, until: float, by_day: bool, requests: bool = True,
+              refusals: bool = True) -> dict[int | None, Marks]:
+        """The Marks of [since, until) per UTC day (its first second) that has any, or of all of it (key None):
+        counted in SQL over the (tenant, ts) index (the requests' count reads nothing else) and (tenant, minute).
+        Without `requests` (`refusals`), their fields are left 0 (0 and None): that table is not read."""
+        out: dict[int | None, list[Any]] = {}
+        group = " GROUP BY 1" if by_day else ""
+        if requests:
+            day = f"{self._day_start(self._TS_SECOND)}, " if by_day else ""
+            where, args = _where("ts", tenant, since, until)
+            for *key, rows in self._query(f"SELECT {day}COUNT(*) FROM requests WHERE {where}{group}", args):
+                out.setdefault(key[0] if key else None, [0, 0, None])[0] = int(rows)
+        if refusals:
+            day = f"{self._day_start('minute')}, " if by_day else ""
+            where, args = _where("minute", tenant, since, until)
+            for *key, refused, first in self._query(f"SELECT {day}SUM(count), MIN(minute) FROM refusal_counts "
+                                                    f"WHERE {where}{group}", args):
+                out.setdefault(key[0] if key else None, [0, 0, None])[1:] = int(refused or 0), first
+        return {(None if k is None else int(k)): Marks(*v) for k, v in out.items() if v != [0, 0, None]}
+
+    def first_second(self, *, tenant: str | None) -> int | None:
+        """The earliest whole second of the requests and refusal counts (`tenant`'s), None if none: MIN of an indexed
+        column, one index look-up each."""
+        times = []
+        for table, column in (("requests", "ts"), ("refusal_counts", "minute")):
+            where, args = _where(column, tenant, None, None)
+            ((found,),) = self._query(f"SELECT MIN({column}) FROM {table} WHERE {where}", args)
+            if found is not None:
+                times.append(math.floor(found))
+        return min(times) if times else None
+
     def _group_sql(self, group: str) -> str:
         if group == "day":
             return self._day_start(self._TS_SECOND)
@@ -125,6 +170,19 @@ def open_reader(source: ReadSource) -> Reader:
 
         return PostgresReader(source.target)
     raise ValueError(f"no ledger reader for {source.kind!r}")
+
+
+def store_identity(source: ReadSource, reader: LedgerReads | None) -> tuple[Any, ...]:
+    """What tells the database at `source` from another put at the same place later (a reset, a restore, a migration):
+    the SQLite file's device and inode (of the path now: a reader kept open reads the file it opened), the PostgreSQL
+    database's OID (a database dropped and made again under its name gets another)."""
+    if source.kind == "sqlite":
+        st = os.stat(source.target)
+        return st.st_dev, st.st_ino
+    if reader is None:
+        raise ValueError(f"the identity of a {source.kind} ledger is read through a reader")
+    ((oid,),) = reader._query("SELECT oid FROM pg_database WHERE datname = current_database()", ())
+    return (int(oid),)
 
 
 class Reader(LedgerReads):

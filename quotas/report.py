@@ -3,7 +3,8 @@
 A report reads totals, not rows (quotas/ledger_reads.py): the requests' sums per group and the refusal counts'
 per day, tenant, key and reason, taken in SQL where they are exact there. The gateway runs reports in a process
 of their own (`report_at`, quotas/report_worker.py), so summing a tenant's history never holds the gateway's
-interpreter; the CLI runs them where it is.
+interpreter; the CLI runs them where it is. A report process keeps the sums of closed days (quotas/report_rollups.py):
+asked again, a long report sums only its open days' rows and checks the kept ones in the indexes.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from contextlib import suppress
 from decimal import Decimal, localcontext
 from typing import Any
 
-from quotas.ledger_reads import EXACT, REPORT_GROUPS, LedgerReads, Reader, ReadSource, open_reader
+from quotas.ledger_reads import EXACT, REPORT_GROUPS, LedgerReads, Reader, ReadSource, open_reader, store_identity
+from quotas.report_rollups import DayRollups
 
 log = logging.getLogger("tiergate.report")
 GROUPS = REPORT_GROUPS
@@ -32,18 +34,27 @@ def day_of(ts: float) -> str:
 
 
 def usage_report(ledger: LedgerReads, *, by: tuple[str, ...] = ("tenant", "tier"), since: float | None = None,
-                 until: float | None = None, tenant: str | None = None) -> list[dict[str, Any]]:
+                 until: float | None = None, tenant: str | None = None,
+                 rollups: tuple[DayRollups, ReadSource, Any] | None = None) -> list[dict[str, Any]]:
     """One row per group: requests, tokens, price, compute cost, margin, per-1K figures, savings, refusals.
 
     Refusals have no tier (they never reached one); they are counted in the groups their other keys name,
-    by the minute they fell in (`since` and `until` select whole minutes).
+    by the minute they fell in (`since` and `until` select whole minutes). With `rollups` (kept day sums, the
+    ledger's source and its identity), the closed days' sums come from there (the same report).
     """
     unknown = [g for g in by if g not in GROUPS]
     if unknown:
         raise ValueError(f"cannot group by {unknown}; choose from {', '.join(GROUPS)}")
+    if rollups is None:
+        request_totals = ledger.request_totals(by, tenant=tenant, since=since, until=until)
+        refusal_totals = ledger.refusal_totals(tenant=tenant, since=since, until=until)
+    else:
+        kept, source, identity = rollups
+        request_totals, refusal_totals = kept.totals(ledger, source, identity, by, tenant=tenant, since=since,
+                                                     until=until)
     groups: dict[tuple[Any, ...], dict[str, Any]] = defaultdict(_empty)
     with localcontext(EXACT):  # sums of money, never rounded
-        for t in ledger.request_totals(by, tenant=tenant, since=since, until=until):  # one per group, summed
+        for t in request_totals:  # one per group and day or range read, summed
             g = groups[tuple(day_of(v) if name == "day" else v for name, v in zip(by, t.group, strict=True))]
             g["requests"] += t.requests
             g["input_tokens"] += t.input_tokens
@@ -55,7 +66,7 @@ def usage_report(ledger: LedgerReads, *, by: tuple[str, ...] = ("tenant", "tier"
             g["routed_down"] += t.routed_down
             g["routing_savings_usd"] += t.route_saving_usd
     # per day, tenant, key and reason, in the order each reason first occurred (a group's reasons are listed so)
-    for counted in ledger.refusal_totals(tenant=tenant, since=since, until=until):
+    for counted in refusal_totals:
         refusals = groups[_key(by, counted.tenant, None, counted.day, counted.key_id)]["refusals"]
         refusals[counted.reason] = refusals.get(counted.reason, 0) + counted.count
     out = []
@@ -80,19 +91,28 @@ def _key(by: tuple[str, ...], tenant: str, tier: str | None, ts: float, key_id: 
     return tuple(values[g] for g in by)
 
 
-_readers: dict[ReadSource, Reader] = {}  # a report process's connections, one per ledger it was asked about
+# a report process's connections, one per ledger it was asked about, with the identity of the database it opened
+_readers: dict[ReadSource, tuple[Reader, Any]] = {}
+ROLLUPS = DayRollups()  # the closed days' sums a report process keeps
 
 
 def report_at(source: ReadSource, **query: Any) -> list[dict[str, Any]]:
-    """`usage_report` on a read-only reader of the ledger at `source`, kept open for the next report (in a report
-    process, quotas/report_worker.py). A reader that fails is closed; one kept from before is tried once more on a
-    new connection (the database restarted meanwhile)."""
+    """`usage_report` on a read-only reader of the ledger at `source`, kept open for the next report, with the closed
+    days' sums kept from the reports before (in a report process, quotas/report_worker.py). A reader that fails is
+    closed; one kept from before is tried once more on a new connection (the database restarted meanwhile). A
+    SQLite file replaced since its reader opened it (a reset, a restore) is opened again: the old one is not read."""
     for attempt in (1, 2):
-        reader, kept = _readers.get(source), True
+        reader, identity = _readers.get(source, (None, None))
+        if reader is not None and source.kind == "sqlite" and _file_changed(source, identity):
+            del _readers[source]
+            with suppress(Exception):
+                reader.close()
+            reader = None
+        kept = reader is not None
         if reader is None:
-            reader, kept = _readers.setdefault(source, open_reader(source)), False
+            reader, identity = _readers[source] = _open(source)
         try:
-            return usage_report(reader, **query)
+            return usage_report(reader, rollups=(ROLLUPS, source, identity), **query)
         except ValueError:
             raise  # the query's own fault (an unknown group), not the connection's
         except Exception as exc:
@@ -103,6 +123,27 @@ def report_at(source: ReadSource, **query: Any) -> list[dict[str, Any]]:
                 raise
             log.warning("usage report: reading the ledger failed (%s); trying once more on a new connection", exc)
     raise AssertionError("unreachable")
+
+
+def _open(source: ReadSource) -> tuple[Reader, Any]:
+    """A reader and the identity of the database it reads (a file's taken first: if the file is replaced meanwhile,
+    the next report sees it changed, never the other way round)."""
+    identity = store_identity(source, None) if source.kind == "sqlite" else None
+    reader = open_reader(source)
+    if identity is None:
+        try:
+            identity = store_identity(source, reader)
+        except Exception:
+            reader.close()
+            raise
+    return reader, identity
+
+
+def _file_changed(source: ReadSource, identity: Any) -> bool:
+    try:
+        return store_identity(source, None) != identity  # a file's: no query
+    except OSError:
+        return True
 
 
 def jsonable(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -9,8 +9,10 @@ its PostgreSQL URL, `Ledger.read_source()`), sums there, and sends back only the
 The processes are started with `python -m`, not by multiprocessing: spawn and forkserver import the parent's
 `__main__` in every child (the whole gateway, or a script that starts one), where this imports the report's
 modules only. One request at a time per process, over its stdin and stdout: a length (4 bytes, big-endian) and
-a pickle. A process exits when its stdin closes (the gateway closed it, or died), and is replaced after
-`tasks` reports so the memory a big report took goes back to the system.
+a pickle. A process exits when its stdin closes (the gateway closed it, or died). It keeps the closed days' sums
+of the reports it made (quotas/report_rollups.py), so it lives long: it is replaced after `tasks` reports, or
+sooner once its resident memory passes `max_rss` (what a big report took goes back to the system), and a tenant's
+report goes to the idle process that made that tenant's last one, where its days are kept.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from quotas.ledger_reads import ReadSource
 
 log = logging.getLogger("tiergate.report")
 _LENGTH = struct.Struct(">I")
-TASKS_PER_PROCESS = 20  # reports a process answers before it is replaced
+TASKS_PER_PROCESS = 1000  # reports a process answers before it is replaced (20 before it kept day sums)
+MAX_RSS = 512 * 2**20  # a process whose resident memory passes this after a report is replaced (kept sums: ~60 MiB)
 NICE = 10  # added to a report process's niceness
 COMMAND = [sys.executable, "-m", "quotas.report_worker"]
 _ROOT = str(Path(__file__).resolve().parent.parent)  # where `quotas` is imported from, for the child too
@@ -42,7 +45,8 @@ class ReportProcessFailed(RuntimeError):
 
 
 def main() -> None:
-    """Answer reports until stdin closes: each request is (ReadSource, usage_report's keywords)."""
+    """Answer reports until stdin closes: each request is (ReadSource, usage_report's keywords); each answer is
+    ("ok", rows) or ("error", exception), and the process's resident memory after it."""
     from assets.parent_watch import exit_when_orphaned
     from quotas.report import report_at
 
@@ -62,22 +66,25 @@ def main() -> None:
                 log.exception("usage report failed")
             answer = ("error", exc)
         try:
-            payload = pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL)
+            payload = pickle.dumps((*answer, _rss()), protocol=pickle.HIGHEST_PROTOCOL)
             if answer[0] == "error":
                 pickle.loads(payload)  # an error the gateway could not rebuild is sent as its words
         except Exception:
-            payload = pickle.dumps(("error", ReportProcessFailed(f"{type(answer[1]).__name__}: {answer[1]}")))
+            payload = pickle.dumps(("error", ReportProcessFailed(f"{type(answer[1]).__name__}: {answer[1]}"), _rss()))
         answers.write(_LENGTH.pack(len(payload)) + payload)
         answers.flush()
 
 
 class ReportProcesses:
-    """The gateway's report processes: `report` (a blocking call, on a report thread) takes an idle process or
-    starts one, so there are as many as reports run at once (the report threads bound it), kept idle between
-    reports and each replaced after `tasks`."""
+    """The gateway's report processes: `report` (a blocking call, on a report thread) takes an idle process (the
+    one that made the same tenant's last report, if idle) or starts one, so there are as many as reports run at
+    once (the report threads bound it), kept idle between reports and each replaced after `tasks` or once its
+    memory passes `max_rss`."""
 
-    def __init__(self, *, tasks: int = TASKS_PER_PROCESS, command: list[str] | None = None) -> None:
+    def __init__(self, *, tasks: int = TASKS_PER_PROCESS, command: list[str] | None = None,
+                 max_rss: int = MAX_RSS) -> None:
         self.tasks = tasks
+        self.max_rss = max_rss
         self.command = command or COMMAND
         self._idle: list[_Process] = []
         self._busy: set[_Process] = set()
@@ -86,7 +93,7 @@ class ReportProcesses:
 
     def report(self, source: ReadSource, **query: Any) -> list[dict[str, Any]]:
         """`usage_report(**query)` on the ledger at `source`, in a report process; its error is raised here."""
-        process = self._take()
+        process = self._take((tuple(source), query.get("tenant")))
         try:
             kind, value = process.ask((tuple(source), query))
         except BaseException:
@@ -115,13 +122,16 @@ class ReportProcesses:
         for process in busy:  # its caller, reading its answer, closes its pipes
             process.kill()
 
-    def _take(self) -> _Process:
+    def _take(self, last: Any) -> _Process:
+        """An idle process, the one whose last report was for `last` (ledger and tenant) if there is one."""
         with self._lock:
             if self._closed:
                 raise ReportProcessFailed("the report processes are closed")
-            process = self._idle.pop() if self._idle else None
+            same = [i for i, p in enumerate(self._idle) if p.last == last]
+            process = self._idle.pop(same[-1] if same else -1) if self._idle else None
         if process is None:
             process = _Process(self.command)
+        process.last = last
         with self._lock:
             self._busy.add(process)
         return process
@@ -129,7 +139,7 @@ class ReportProcesses:
     def _give_back(self, process: _Process) -> None:
         with self._lock:
             self._busy.discard(process)
-            keep = not self._closed and process.answered < self.tasks
+            keep = not self._closed and process.answered < self.tasks and process.rss <= self.max_rss
             if keep:
                 self._idle.append(process)
         if not keep:
@@ -143,6 +153,8 @@ class _Process:
         self._proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         self.pid = self._proc.pid
         self.answered = 0
+        self.rss = 0  # bytes resident after its last answer
+        self.last: Any = None  # what its last report was for
 
     def ask(self, request: Any) -> tuple[str, Any]:
         stdin, stdout = self._proc.stdin, self._proc.stdout
@@ -156,8 +168,9 @@ class _Process:
         answer = _read(stdout)
         if answer is None:
             raise ReportProcessFailed(f"the report process {self.pid} exited ({self._proc.wait()}) before it answered")
+        kind, value, self.rss = answer
         self.answered += 1
-        return answer  # type: ignore[no-any-return]
+        return kind, value
 
     def stop(self) -> None:
         """Close its stdin (it exits at once when idle) and reap it."""
@@ -179,6 +192,15 @@ class _Process:
             if pipe is not None:
                 with suppress(OSError):
                     pipe.close()
+
+
+def _rss() -> int:
+    """This process's resident memory in bytes (0 where /proc is not)."""
+    try:
+        with open("/proc/self/statm", "rb") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def _read(stream: IO[bytes]) -> Any:
