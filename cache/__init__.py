@@ -7,8 +7,10 @@ The gateway's calls, in request order::
     store = open_cache_store(sqlite_path=data_dir / "cache.sqlite3", redis_url=None, max_entries=100_000,
                              max_entries_per_tenant=25_000)
     cache = SemanticCache(store, default_embedder())
-    scope = CacheScope.for_request(body, tenant=t.id, roles=key.roles, end_user=body.get("user") if t.isolate_users
-                                   else None, data_version=t.data_version, model_version=tier.fingerprint)
+    users = {"end_user": body.get("user"), "safety_identifier": body.get("safety_identifier")} if t.isolate_users \
+        else {}
+    scope = CacheScope.for_request(body, tenant=t.id, roles=key.roles, **users, data_version=t.data_version,
+                                   model_version=tier.fingerprint)
     result = await cache.alookup(scope, body, headers=request.headers, policy=t.cache_policy)
     # result.status is "hit" | "miss" | "bypass"; result.headers() gives x-tiergate-cache (and the similarity)
     if result.status == "hit":

@@ -11,6 +11,7 @@ older entries unreachable at once (they are reclaimed later, see `SemanticCache.
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -20,12 +21,16 @@ from cache.request_key import context_hash, sampling_class
 _SEP = "\x1f"  # a separator no field value contains after strip(); keeps ("a", "bc") apart from ("ab", "c")
 
 
-def identity_snapshot(roles: Iterable[str] = (), end_user: str | None = None) -> str:
-    """A canonical string for who is asking: the key's roles/scopes (order-free) and, optionally, the end user.
+def identity_snapshot(roles: Iterable[str] = (), end_user: str | None = None,
+                      safety_identifier: str | None = None) -> str:
+    """A canonical string for who is asking: the key's roles/scopes (order-free) and, optionally, the end user as
+    the request names them (OpenAI's `user`, and `safety_identifier`, which it recommends instead).
 
-    Pass `end_user` only when the tenant isolates its users; otherwise users of one tenant share answers.
+    Pass the end user's fields only when the tenant isolates its users; otherwise users of one tenant share answers.
     """
     parts = ",".join(sorted({r.strip() for r in roles if r.strip()}))
+    if safety_identifier is not None:  # both ids, unambiguously (a `user` value cannot forge this form)
+        return f"roles={parts};users={json.dumps([end_user, safety_identifier])}"
     return f"roles={parts};user={end_user}" if end_user is not None else f"roles={parts}"
 
 
@@ -49,9 +54,10 @@ class CacheScope:
 
     @classmethod
     def for_request(cls, request: Mapping[str, Any], *, tenant: str, roles: Iterable[str] = (),
-                    end_user: str | None = None, data_version: int | str = 0,
-                    model_version: str) -> CacheScope:
+                    end_user: str | None = None, safety_identifier: str | None = None,
+                    data_version: int | str = 0, model_version: str) -> CacheScope:
         """The scope of an OpenAI chat request: derives the context hash and sampling class from its body."""
-        return cls(tenant=tenant, identity=identity_snapshot(roles, end_user), data_version=data_version,
+        return cls(tenant=tenant, identity=identity_snapshot(roles, end_user, safety_identifier),
+                   data_version=data_version,
                    model_version=model_version, context_hash=context_hash(request),
                    sampling_class=sampling_class(request))

@@ -155,9 +155,11 @@ class CacheStage:
         version: int | str = self.store.data_version(ctx.tenant, follow=False)  # authenticate followed
         if ctx.headers.get(DATA_VERSION_HEADER):
             version = f"{version}:{ctx.headers[DATA_VERSION_HEADER]}"
-        end_user = req.user if ctx.plan.cache.isolate_users else None
-        return CacheScope.for_request(body, tenant=ctx.tenant,
-                                      roles=ctx.principal.key.roles, end_user=end_user, data_version=version,
+        isolate = ctx.plan.cache.isolate_users  # by `user` and `safety_identifier` (one may name the end user alone)
+        return CacheScope.for_request(body, tenant=ctx.tenant, roles=ctx.principal.key.roles,
+                                      end_user=req.user if isolate else None,
+                                      safety_identifier=req.safety_identifier if isolate else None,
+                                      data_version=version,
                                       model_version=self.fleet.model_version(tier))
 
     async def _persist(self, entry: Entry) -> None:

@@ -126,6 +126,21 @@ def test_never_across_end_users_where_the_plan_isolates_them(gateway: Gateway) -
     assert row.price_usd == Decimal("0.0001") * (row.input_tokens + row.output_tokens) / 1000  # the hit price
 
 
+@pytest.mark.parametrize("fields", [
+    ({"safety_identifier": "alice"}, {"safety_identifier": "bob"}),  # OpenAI's recommended field, alone
+    ({"user": "app", "safety_identifier": "alice"}, {"user": "app", "safety_identifier": "bob"}),
+    ({"user": "alice"}, {"safety_identifier": "alice"}),  # the same string in another field: not known to be one
+])
+def test_isolated_end_users_are_told_apart_by_safety_identifier_too(gateway: Gateway,
+                                                                     fields: tuple[dict, dict]) -> None:
+    gateway.store.create_tenant("clinic", "private")
+    _, key = gateway.store.issue_key("clinic")
+    first, second = fields
+    ask(gateway, key=key, **first)
+    assert ask(gateway, key=key, **second).headers["x-tiergate-cache"] == "miss"
+    assert ask(gateway, key=key, **first).headers["x-tiergate-cache"] == "hit"
+
+
 def test_never_across_identities(gateway: Gateway) -> None:
     ask(gateway)
     _, reader = gateway.store.issue_key("acme", roles=("reader",))
