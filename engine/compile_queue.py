@@ -11,6 +11,12 @@ tenant has at most MAX_PENDING_PER_TENANT compiles queued or running, and all te
 either, `submit` raises EngineBusyError at once (HTTP 429 with Retry-After: the engine's server), never waiting. A
 caller that leaves (its future cancelled) before its compile starts frees its place.
 
+Callers sharing one compile (the engine's requests for one tenant's new schema) await it through `join`: one that
+leaves does not cancel it for the others, and once all have left, a compile that has not started leaves the queue,
+never runs and frees its place (before, shielded from every caller, it kept its place and ran for no one: a tenant
+could fill its places with requests it abandoned, again and again, and keep the threads busy for nothing). One
+already running finishes (its grammar stays cached); its place is free when it ends.
+
 The compile threads run at a lower scheduling priority (COMPILE_NICE, where the OS gives threads their own: Linux):
 llguidance releases the GIL while it compiles (a 1,000-property schema: 0.1-0.17 s of its CPU, the event loop's thread
 never waited more than 12 ms meanwhile), so what a flood of compiles takes from everyone else is CPU, and on a busy
@@ -19,12 +25,13 @@ host the engine's step loop comes first; a tenant's new schema waits for what th
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, TypeVar
 
 from wire.errors import COMPILES_BUSY_RETRY_AFTER_S, RESPONSE_FORMAT_COMPILES_BUSY
 
@@ -36,6 +43,7 @@ RETRY_AFTER_S = COMPILES_BUSY_RETRY_AFTER_S
 COMPILE_NICE = 10  # added to a compile thread's nice value: a tenth of the CPU of a thread at 0 when they compete
 
 Tenant = str | None
+T = TypeVar("T")
 
 
 class EngineBusyError(RuntimeError):
@@ -58,12 +66,13 @@ class CompileQueue:
         if workers < 1 or per_tenant < 1 or total < 1:
             raise ValueError("a compile queue needs at least one worker and room for one compile")
         self.workers, self.per_tenant, self.total, self.name = workers, per_tenant, total, name
-        self._cond = threading.Condition()
+        self._cond = threading.Condition()  # its lock an RLock: cancelling a job under it runs `_forget`
         self._queues: dict[Tenant, deque[tuple[Callable[[], Any], Future[Any]]]] = {}  # in the order they came
         self._pending: dict[Tenant, int] = {}  # queued or running, per tenant
         self._last_start: dict[Tenant, int] = {}  # while a tenant has compiles pending: when its last one started
         self._starts = 0
         self._running: set[Tenant] = set()
+        self._waiters: dict[Future[Any], int] = {}  # a job -> its callers awaiting it in `join`
         self._threads: list[threading.Thread] = []
         self._closed = False
         self.num_refused = 0
@@ -91,6 +100,24 @@ class CompileQueue:
             self._cond.notify()
         future.add_done_callback(lambda f: self._forget(tenant, f) if f.cancelled() else None)
         return future
+
+    async def join(self, future: Future[T]) -> T:
+        """The result of a job `submit` returned, for one of the callers sharing it: a caller that leaves (its task
+        cancelled) does not cancel the job for the others; the last one to leave cancels it, which takes a job that
+        has not started out of the queue (a running one finishes)."""
+        with self._cond:
+            self._waiters[future] = self._waiters.get(future, 0) + 1
+        waiter = asyncio.wrap_future(future)
+        try:
+            return await asyncio.shield(waiter)
+        finally:
+            with self._cond:  # under the lock: no caller joins a job between its last leaving and the cancel
+                if num_left := self._waiters.pop(future) - 1:
+                    self._waiters[future] = num_left
+                else:
+                    future.cancel()  # a no-op once it runs or is done
+            # a job that fails after its callers left: its exception read, not logged as never retrieved
+            waiter.add_done_callback(lambda w: w.cancelled() or w.exception())
 
     def _forget(self, tenant: Tenant, future: Future[Any]) -> None:
         """A job cancelled before a worker took it leaves the queue at once."""

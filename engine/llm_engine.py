@@ -184,9 +184,9 @@ class LLMEngine:
             self._compiling[key] = running
             running.add_done_callback(lambda done: self._compiling.pop(key, None) if self._compiling.get(key) is done
                                       else None)
-        # shielded: a caller that leaves does not cancel the compile the others wait for (its result is kept)
-        compiled: CompiledGrammar = await asyncio.shield(asyncio.wrap_future(running))
-        return compiled
+        # a caller that leaves does not cancel the compile the others wait for; the last to leave takes it out of the
+        # queue if it has not started (a running one finishes: its result is kept)
+        return await self.compiles.join(running)
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, *,
                        request_id: str | None = None, priority: int = 0,

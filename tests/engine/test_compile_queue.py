@@ -3,6 +3,7 @@ make every ordering deterministic."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
 import threading
@@ -117,6 +118,50 @@ def test_a_job_cancelled_before_it_starts_frees_its_place_and_never_runs() -> No
         gate.set()
     assert last.result(WAIT_S) == "a3"
     assert jobs.started == ["a0", "a3"]
+
+
+async def test_jobs_all_their_callers_left_before_they_started_leave_the_queue() -> None:
+    """A tenant fills its places with requests it then abandons (a compile shared by two callers among them): its
+    places are free at once, its next compile runs next, the abandoned ones never run, and the shared one, which one
+    caller still waits for, runs for it."""
+    q, jobs = CompileQueue(workers=1, per_tenant=4), Jobs()
+    q.submit("other", jobs.job("x"))
+    jobs.wait_started(1)  # the one worker busy: a's jobs wait in the queue
+    abandoned = [asyncio.create_task(q.join(q.submit("a", jobs.job(f"a{i}")))) for i in range(3)]
+    shared = q.submit("a", jobs.job("shared"))
+    leaving, staying = asyncio.create_task(q.join(shared)), asyncio.create_task(q.join(shared))
+    await asyncio.sleep(0)  # every caller waits
+    with pytest.raises(EngineBusyError, match="tenant's"):
+        q.submit("a", jobs.job("refused"))
+    for task in [*abandoned, leaving]:
+        task.cancel()
+    await asyncio.gather(*abandoned, leaving, return_exceptions=True)
+    # at HEAD's shielded waiting, the four places stay taken until the abandoned jobs have run
+    fresh = [q.submit("a", jobs.job(f"fresh{i}")) for i in range(3)]
+    for gate in jobs.gates.values():
+        gate.set()
+    assert await staying == "shared"
+    assert [await asyncio.wrap_future(f) for f in fresh] == ["fresh0", "fresh1", "fresh2"]
+    assert jobs.started == ["x", "shared", "fresh0", "fresh1", "fresh2"]  # a0..a2 never ran
+    assert not q._waiters
+
+
+async def test_a_job_running_when_its_callers_leave_finishes_and_then_frees_its_place() -> None:
+    q, jobs = CompileQueue(workers=1, per_tenant=1), Jobs()
+    job = q.submit("a", jobs.job("a0"))
+    caller = asyncio.create_task(q.join(job))
+    jobs.wait_started(1)
+    caller.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+    with pytest.raises(EngineBusyError):  # still running: still its place
+        q.submit("a", jobs.job("a1"))
+    jobs.gates["a0"].set()
+    assert job.result(WAIT_S) == "a0"  # not cancelled: what it made is kept (the engine's grammar cache)
+    deadline = time.monotonic() + WAIT_S
+    while "a" in q._pending and time.monotonic() < deadline:  # its thread frees the place just after the result
+        time.sleep(0.001)
+    assert q.submit("a", lambda: 1).result(WAIT_S) == 1
 
 
 def test_a_failing_job_fails_its_future_alone() -> None:
