@@ -4,16 +4,16 @@ decoders side by side in one run.
 `.venv/bin/python -m bench.engine_speculative_pays [--rounds 3] [--scenarios len1559,len60,streams1,streams16]
 [--kinds always,costed,plain] [--temperature 0] [--output-len 128] [--max-batch 1]`
 
-The `full` tier's engine as the product builds it (engine.launch.build_engine: dtype auto, the `mid` tier's int8
-model drafting, k = 4, `--max-batch` (the tier's: 1), one torch thread); per trial a fresh LLMEngine over the same
-runners, with the decoder of each kind: `always` drafts whenever it can (costs=None: the decoder before the cost
-model), `costed` the default (the cost model), `plain` none. Scenarios: `lenL`, one request whose chat prompt is L
-tokens (BENCHMARKS.md's text, then "Summarize the text above."), answered in --output-len tokens (ignore_eos);
-`streamsN`, N ShareGPT first turns (<= 256 tokens, bench.engine.load_prompts) at once, up to --output-len tokens or
-EOS. Sampled runs (--temperature > 0) use top_p 0.95 and seed i for request i. Kinds alternate, their order reversed
-every round; the median of the rounds is printed with each round's time, the speculative steps and drafted and kept
-tokens of the last round, and the distinct outputs over the rounds (one hash per kind: its answers repeat; the same
-hash as plain's: token for token plain decoding's).
+The `full` tier's engine as the product builds it (engine.launch.build_engine: dtype auto, the `mid` tier's int8 model
+drafting, k = 4, `--max-batch` (the tier's: 1), one torch thread); per trial a fresh LLMEngine over the same runners,
+with the decoder of each kind: `always` drafts whenever it can (costs=None: the decoder before the cost model), `costed`
+the default (the cost model), `plain` none; `--max-batch 16` lets a step of 16 streams speculate (the cost model judging
+the batch). Scenarios: `lenL`, one request whose chat prompt is L tokens (BENCHMARKS.md's text, then "Summarize the text
+above."), answered in --output-len tokens (ignore_eos); `streamsN`, N ShareGPT first turns (<= 256 tokens,
+bench.engine.load_prompts) at once, up to --output-len tokens or EOS. Sampled runs (--temperature > 0) use top_p 0.95
+and seed i for request i. Kinds alternate, their order reversed every round; the median of the rounds is printed with
+each round's time, the speculative steps and drafted and kept tokens of the last round, and the distinct outputs over
+the rounds (one hash per kind: its answers repeat; the same hash as plain's: token for token plain decoding's).
 """
 
 from __future__ import annotations

@@ -34,6 +34,15 @@ drafts (and catches up) only while engine/draft_cost.py's cost model, measured o
 saving (the tokens it may still make, at its own share of drafts kept) exceeds the draft's reading of its unread
 tokens; otherwise it decodes plainly and the draft reads none of it. A step in which no sequence drafts is a plain
 step, so a greedy answer is plain decoding's and a seeded one draws as plain decoding does.
+
+The batch counts too: a plain step of 16 sequences costs about twice one of a single sequence, so a kept draft token
+saves far less there, while the verification and draft rows cost about a row's compute each. Each sequence judges at
+the step's number of sequences, and a step drafts only if, for the sequences that would draft in it, the cost model
+expects it to cost less a token than a plain step of them (engine/draft_cost.py). Before, each judged as if it ran
+alone: 16 streams with `max_batch` 16 ran at 0.62x of plain; now their steps are plain until few are left. A seeded
+sampled request judges as if in a step of `max_batch` sequences, the most a speculative step holds, whatever the step:
+the order its numbers are drawn in depends on how it drafts, and its answer must not depend on the requests beside it
+(at `max_batch` 1, the `full` tier's, it judges as if alone; at 16 it never drafts, rather than lose in a batch).
 """
 
 from __future__ import annotations
@@ -44,7 +53,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.block_manager import BlockManager
-from engine.draft_cost import DraftCosts
+from engine.draft_cost import DraftCosts, kept_share
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerOutput
@@ -96,6 +105,12 @@ class _Plan:
     catch_up: int = 0  # a sequence still catching up (k = 0): the tokens the draft reads for it this step
 
 
+def _seeded(plan: _Plan) -> bool:
+    """A seeded sampled request: it judges whether drafting pays as if in a step of max_batch sequences, so that its
+    numbers are drawn in the same order whatever runs beside it (how it drafts decides the order)."""
+    return plan.seq.params.temperature > 0.0 and plan.seq.params.seed is not None
+
+
 def eligible(params: SamplingParams) -> bool:
     """Requests whose tokens the acceptance rule can check: no grammar mask, no log-probabilities to report."""
     return params.grammar is None and params.logprobs is None
@@ -140,6 +155,7 @@ class SpeculativeDecoder:
             left = min(seq.params.max_tokens - seq.num_output_tokens, max_model_len - seq.num_tokens)
             plans.append(_Plan(seq, max(min(self.config.k, left - 1), 0), [], [], left))
         self._share_catch_up(plans)
+        self._judge_step(plans)
         if not any(p.k for p in plans):
             if any(p.catch_up for p in plans):
                 self._draft(plans)  # the catch-up rows alone, beside the caller's plain step
@@ -160,7 +176,7 @@ class SpeculativeDecoder:
         what is left (at least MIN_CATCH_UP_ROWS), the others wait. A plan that does not draft gets k = 0."""
         behind = []
         for p in plans:
-            if p.k and self._pays(p) and self._room(p):
+            if p.k and self._pays(p, self.config.max_batch if _seeded(p) else len(plans)) and self._room(p):
                 state = self._states[p.seq.request_id]
                 behind.append((p.seq.num_tokens - 1 - state.num_computed_tokens, p, state))
             else:
@@ -207,15 +223,31 @@ class SpeculativeDecoder:
                     for p in going]
             self._propose(going, self._draft_rows(rows, list(range(len(rows)))))
 
-    def _pays(self, plan: _Plan) -> bool:
-        """Whether drafting (or catching up to draft) pays for the plan's sequence (engine/draft_cost.py)."""
+    def _pays(self, plan: _Plan, batch: int) -> bool:
+        """Whether drafting (or catching up to draft) pays for the plan's sequence in a step of `batch` sequences
+        (engine/draft_cost.py)."""
         costs, seq = self.config.costs, plan.seq
         if costs is None:
             return True
         state = self._states.get(seq.request_id)
         drafted, kept = self._tallies.get(seq.request_id, (0, 0))
         return costs.pays(k=plan.k, context=seq.num_tokens, read=state.num_computed_tokens if state else 0,
-                          left=plan.left, drafted=drafted, kept=kept, sampled=seq.params.temperature > 0.0)
+                          left=plan.left, drafted=drafted, kept=kept, sampled=seq.params.temperature > 0.0,
+                          batch=batch)
+
+    def _judge_step(self, plans: list[_Plan]) -> None:
+        """The plans that would draft this step draft only if the cost model expects the step to cost less a token
+        than with them decoding plainly (engine/draft_cost.py); otherwise they take k = 0. A seeded sampled request's
+        stays (it judged at max_batch)."""
+        costs = self.config.costs
+        if costs is None or not any(p.k and not _seeded(p) for p in plans):
+            return
+        seqs = [(p.seq.num_tokens, p.k, kept_share(*self._tallies.get(p.seq.request_id, (0, 0))),
+                 p.seq.params.temperature > 0.0) for p in plans]
+        without = [(c, k if _seeded(p) else 0, f, sampled) for (c, k, f, sampled), p in zip(seqs, plans, strict=True)]
+        if costs.per_token(seqs) >= costs.per_token(without):
+            for p in plans:
+                p.k = p.k if _seeded(p) else 0
 
     def _room(self, plan: _Plan) -> bool:
         """Draft blocks for the plan's rows (positions up to T + k - 2); False when the draft's cache is full. (The
