@@ -12,10 +12,14 @@ together do not spend N budgets. Rate, token and concurrency limits apply per re
 settles locally goes into an outage journal, added to Redis exactly once when Redis answers again.
 
 A refused connection means Redis is down at once. A timeout alone does not (a busy event loop can cause
-one): the request gets a retryable 503, and only timeouts that go on for `down_after_s` without a success
-in between switch the mode, so a burst of load never quietly turns shared limits into per-replica ones. They
-must go on: a reserve that begins more than `down_after_s` after the last failure starts the count again (a
-quiet replica's two failed reserves a minute apart are two blips, not an outage).
+one): the request gets a retryable 503, and Redis is down only once a streak of failures with no success in
+between (from a reserve or a reaper round) holds `down_after_tries` tries one after another and has lasted
+`down_after_s`, so a burst of load never quietly turns shared limits into per-replica ones. Tries that run
+alongside each other count as one (a burst times out together); a success ends the streak (failures with
+answers in between are blips, and a quiet replica's two failed reserves a minute apart leave Redis up). The
+spacing of the tries does not end it: a hung Redis, which accepts connections and never answers, is down for
+a lone client retrying once a second at its `down_after_tries`-th failed try, as for a busy replica, instead
+of answering it retryable 503s for as long as Redis hangs.
 Waiting in vain for a free connection never does: that is back-pressure (a retryable 503), not an outage.
 """
 
@@ -37,7 +41,8 @@ from quotas.limits import Decision, ReservationRequest, ScopeLimits, Spend, utc_
 
 log = logging.getLogger("tiergate.quotas")
 RETRY_EVERY_S = 1.0
-DOWN_AFTER_S = 1.0  # timeouts with no success in between for this long mean Redis is down
+DOWN_AFTER_S = 1.0  # timeouts with no success in between for this long ...
+DOWN_AFTER_TRIES = 3  # ... and over this many tries one after another mean Redis is down
 SEED_WAIT_S = 2.0  # a local reservation waits this long at most for the ledger's totals at an outage's start
 
 # the ledger's spend per (tenant, scope) on the day and month of a time (epoch seconds)
@@ -49,13 +54,15 @@ class FailoverBackend(QuotaBackend):
 
     def __init__(self, primary: RedisBackend, *, mode: Literal["open", "closed"] = "open",
                  on_state: Callable[[bool], None] | None = None, ledger_spend: LedgerSpend | None = None,
-                 down_after_s: float = DOWN_AFTER_S, retry_every_s: float = RETRY_EVERY_S) -> None:
+                 down_after_s: float = DOWN_AFTER_S, down_after_tries: int = DOWN_AFTER_TRIES,
+                 retry_every_s: float = RETRY_EVERY_S) -> None:
         self.primary = primary
         self.local = MemoryBackend()
         self.mode = mode
         self.up = True
         self.journal = OutageJournal()
         self.down_after_s = down_after_s
+        self.down_after_tries = down_after_tries
         self.retry_every_s = retry_every_s
         self.num_local_reservations = 0  # admitted by the fallback
         self.num_journal_batches = 0  # outage-journal batches Redis applied
@@ -63,8 +70,9 @@ class FailoverBackend(QuotaBackend):
         self._on_state = on_state
         self._ledger_spend = ledger_spend
         self._retry_at = 0.0
-        self._failing_since: float | None = None  # the first failure of the reserves failing now
-        self._failed_at = 0.0  # the last failure's time
+        self._failing_since: float | None = None  # the streak's first failure; None while Redis answers
+        self._failed_at = 0.0  # the streak's last counted failure
+        self._num_failed_tries = 0  # failed tries in the streak, one after another
         # reservations held by the fallback, as it holds them, and whether their reserve was sent to Redis
         self._local: dict[str, tuple[ReservationRequest, bool]] = {}
         self._known: dict[tuple[str, str], Spend] = {}  # (tenant, scope) -> what Redis last said it spent
@@ -102,12 +110,8 @@ class FailoverBackend(QuotaBackend):
                     raise
                 sent = True
                 now = time.monotonic()
-                # failures count together while each reserve began within down_after_s of the last one failing
-                # (concurrent ones began before it); after a quiet stretch longer than that, the count starts again
-                if self._failing_since is None or began - self._failed_at > self.down_after_s:
-                    self._failing_since = now
-                self._failed_at = now
-                if self.up and exc.transient and now - self._failing_since < self.down_after_s:
+                self._failed(began, now)
+                if self.up and exc.transient and not self._streak_is_outage(now):
                     raise
                 self._retry_at = now + self.retry_every_s
                 self._mark(False, str(exc))
@@ -119,6 +123,20 @@ class FailoverBackend(QuotaBackend):
         if self.mode == "closed":
             raise QuotaBackendError(f"{self.primary.name} is unavailable and the gateway fails closed")
         return await self._reserve_locally(req, sent)
+
+    def _failed(self, began: float, now: float) -> None:
+        """Count a reserve begun at `began` that failed at `now` in the streak since Redis last answered: a new
+        try if it began after the streak's last counted failure; one that ran alongside it adds nothing."""
+        if self._failing_since is None:
+            self._failing_since, self._num_failed_tries = now, 0
+        elif began < self._failed_at:
+            return
+        self._failed_at = now
+        self._num_failed_tries += 1
+
+    def _streak_is_outage(self, now: float) -> bool:
+        return (self._failing_since is not None and self._num_failed_tries >= self.down_after_tries
+                and now - self._failing_since >= self.down_after_s)
 
     def _observe(self, tenant: str, decision: Decision) -> None:
         if decision.clock_s is not None:
@@ -219,6 +237,7 @@ class FailoverBackend(QuotaBackend):
         returned += await self.local.reap(None, now=now)
         if self.up or time.monotonic() >= self._retry_at:
             returned += await self.primary.reap(billed)
+            self._failing_since = None  # Redis answered: failures before this were blips
             await self.flush_journal()
         return returned
 
