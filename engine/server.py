@@ -314,7 +314,7 @@ class _Frames:
     chunk: Callable[..., dict[str, Any]]
     usage_chunk: Callable[..., dict[str, Any]]
     logprobs: Callable[[RequestOutput, int], Any]  # (output, characters before it) -> its logprobs or None
-    opening: dict[str, Any] | None  # the first chunk's fields (the chat stream's role), None: no opening chunk
+    opening: dict[str, Any]  # the first chunk's fields, sent at once (before the prefill: the request is live)
     finish: dict[str, Any]  # the fields of the chunk that carries the finish reason
 
     def merge(self, so_far: Any, more: Any) -> Any:
@@ -353,7 +353,7 @@ def _text_frames(tokenizer: Any, prompt_chars: int) -> _Frames:
     return _Frames(whole=responses.text_completion, pieces=_one_piece("text"), end=_no_end,
                    chunk=responses.text_chunk, usage_chunk=responses.text_usage_chunk,
                    logprobs=lambda out, before: _legacy_logprobs(tokenizer, out, prompt_chars + before),
-                   opening=None, finish={"text": ""})
+                   opening={"text": ""}, finish={"text": ""})
 
 
 async def _collect(outputs: AsyncIterator[RequestOutput], rid: str, model: str, frames: _Frames) -> Response[Any]:
@@ -400,8 +400,7 @@ async def _sse(outputs: AsyncIterator[RequestOutput], rid: str, model: str,
                                                          completion_tokens=out.num_output_tokens, **busy)))
         return made
 
-    if frames.opening is not None:
-        yield responses.sse(frames.chunk(**ids, **frames.opening))
+    yield responses.sse(frames.chunk(**ids, **frames.opening))
     try:
         async for out in outputs:
             if out.error is not None:  # the headers are sent: the error is the stream's last event

@@ -6,8 +6,18 @@ send it in every chunk when asked for `continuous_usage_stats`, so a cancelled s
 and the engine's busy time from `x_tiergate.busy_s`. A server that reports no usage in its stream at all (some
 OpenAI-compatible servers ignore `stream_options`: llama-cpp-python's) is billed on our own count: the prompt
 tokens the gateway counted to reserve, and one token per streamed content chunk, as such servers stream them.
+
 Where a check reads the engine's signals (the cascade's, `Reading`), the meter gathers them as the tokens come:
 over the whole answer and, for a look-ahead, over its first tokens.
+
+Who pays the counted prompt when the tier reported no usage:
+- the tier answered (any chunk came): billed, whatever the status;
+- the client left (`cancelled`) once the gateway had begun sending the request (`upstream_started`): billed, chunk
+  or not. The tier may have run the prefill, and a remote tier (or any text completion) sends nothing before its
+  first token: a client leaving just before it would otherwise get a prompt's prefill, of any length, for free;
+- the call failed (`error`: unreachable, timed out, refused) before any chunk: not billed. Either nothing ran or
+  the failure is the tier's, that is our side's, not the client's.
+A client that leaves while it waits for a dispatch slot leaves before `upstream_started`: not billed.
 """
 
 from __future__ import annotations
@@ -168,7 +178,8 @@ class Meter:
         """How the attempt ended. With `output_delivered` False (an error the client got instead of a JSON
         answer) the output is not billed: the client pays for the prompt it sent, not for text it never saw."""
         self.upstream_ended()
-        if not self.usage_reported and self.chunks:  # a tier answered and counted nothing for us
+        sent = self.upstream_t0 is not None  # the request went to the tier, which may have run its prefill
+        if not self.usage_reported and (self.chunks or (status == "cancelled" and sent)):  # nothing counted for us
             self.input_tokens, self.output_tokens = self.counted_input, self.content_chunks
         mean = self._logprob_sum / self._logprob_n if self._logprob_n else None
         output = self.output_tokens if output_delivered else 0
