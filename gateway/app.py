@@ -124,7 +124,7 @@ def build_services(settings: Settings) -> Services:
         metrics_.registry.register(CacheBoundCollector(cache.cache))
     rollouts = RolloutService(catalogue, open_rollout_store(settings), metrics=metrics_)
     metrics_.rollouts = rollouts
-    caller = TierCaller(fleet=fleet, client=client)
+    caller = TierCaller(fleet=fleet, client=client, hint_secret=settings.hint_secret.get_secret_value())
     dispatch = DispatchStage(queues=queues, metrics=metrics_, signals=signals)
     pipeline = Pipeline(
         gate=gate, ladder=ladder, cache=cache, dispatch=dispatch,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -31,6 +31,9 @@ class Settings(BaseSettings):
     # "Deployment"); unset: SQLite files in the data directory
     database_url: str | None = None
     database_max_connections: int = 10  # per replica, for idempotency records (the ledger and tenants have their own)
+    # keys the hash of what names a tenant's users and caches (user, safety_identifier, prompt_cache_key) before a
+    # remote tier gets it (gateway/pipeline/tier_call.py); the same on every replica, never shown to an upstream
+    hint_secret: SecretStr = SecretStr("")
     redis_timeout_s: float = 0.05  # per Redis call
     redis_failure_mode: Literal["open", "closed"] = "open"  # open: local limits; closed: 503
     redis_max_connections: int = 64  # per replica; a request waits for a free one (back-pressure, not an outage)

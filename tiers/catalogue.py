@@ -13,7 +13,8 @@ Money = Annotated[Decimal, Field(ge=0, max_digits=18, decimal_places=12)]
 # What a tier's server accepts beyond OpenAI's API (README.md, "Remote tiers"). Every dialect is asked for
 # usage (`stream_options.include_usage`, which OpenAI defines); the others add:
 #   vllm           usage in every chunk (`continuous_usage_stats`, which SGLang accepts too), so a stream the
-#                  client leaves is billed for what ran
+#                  client leaves is billed for what ran, and the tenant's prefix-cache namespace as `cache_salt`
+#                  (vLLM's field since 0.9: prompts are shared in its prefix cache only under one salt)
 #   vllm-priority  ...and the plan's priority class as `priority` (a vLLM started with `--scheduling-policy
 #                  priority`; any other refuses a non-zero priority with a 400)
 #   tiergate       our own engine: both (local tiers always speak it)
@@ -21,6 +22,7 @@ Dialect = Literal["openai", "vllm", "vllm-priority", "tiergate"]
 VERSION_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 CONTINUOUS_USAGE: frozenset[str] = frozenset({"vllm", "vllm-priority", "tiergate"})
 PRIORITY: frozenset[str] = frozenset({"vllm-priority", "tiergate"})
+CACHE_SALT_FIELD: frozenset[str] = frozenset({"vllm", "vllm-priority"})  # our engine takes it as a header instead
 # What a version of a local tier may not change: where a remote server is and how to talk to it (a local version
 # runs its own engine, which speaks `tiergate`)
 REMOTE_VERSION_FIELDS = ("urls", "api_key_env", "dialect")
@@ -229,6 +231,11 @@ class TierSpec(BaseModel):
     def sends_priority(self) -> bool:
         """Its server schedules by vLLM's `priority` field (lower first)."""
         return self.dialect in PRIORITY
+
+    @property
+    def sends_cache_salt(self) -> bool:
+        """Its server keeps a request's prefix cache apart by vLLM's `cache_salt` body field."""
+        return self.dialect in CACHE_SALT_FIELD
 
     def price(self, input_tokens: int, output_tokens: int) -> Decimal:
         """What the tenant pays for these tokens at this tier."""

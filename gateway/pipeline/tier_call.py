@@ -6,11 +6,22 @@ cannot be reached gets one retry on another replica of the tier; any other failu
 
 Replica choice (tiers/replica_choice.py) keeps a conversation on the replica that served its earlier
 turns; each call's outcome feeds that replica's circuit breaker and latency average.
+
+Tenants share a remote tier's server (one upstream account, one prefix cache), so what names a tenant's users
+or caches is not forwarded as the tenant wrote it (`forwarded`): `user`, `safety_identifier` and
+`prompt_cache_key` become a keyed hash of (tenant, value), stable for one tenant and apart across tenants (no
+tenant can choose another's cache key, nor get another's end user blocked upstream), and a vLLM gets the tenant's
+prefix-cache namespace as `cache_salt`. The hash's key comes from TIERGATE_HINT_SECRET, which every replica must
+share (any value, kept from the upstream); unset, the hashes are still per tenant and stable, but an upstream that
+guesses a tenant's name and a user id can check the guess. Local engines get the body as it is, and the
+tenant's namespace as a header (`cache_salt`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
+import os
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -24,14 +35,44 @@ from tiers.replica import Replica
 from wire.chat_request import ChatCompletionRequest
 
 MAX_REPLICAS_TRIED = 2
+HINT_SECRET_ENV = "TIERGATE_HINT_SECRET"
+HINTS = ("user", "safety_identifier", "prompt_cache_key")  # a tenant's names for its users and its caches
+
+
+def tenant_salt(tenant: str) -> str:
+    """The tenant's prefix-cache namespace on an engine (a digest: the engine never reads a tenant's name)."""
+    return hashlib.blake2b(tenant.encode(), digest_size=16, person=b"tiergate-salt").hexdigest()
 
 
 def cache_salt(tier: TierSpec, tenant: str | None) -> str | None:
-    """The tenant's namespace in a local engine's prefix cache (a digest: the engine never reads a tenant's name);
-    None for a remote tier, which gets OpenAI's request only, and for our own calls (shadow and cache checks)."""
-    if tenant is None or tier.backend != "local":
+    """The tenant's namespace in our engine's prefix cache, sent as a header to a tier speaking `tiergate`; None for
+    any other tier (a vLLM gets it in the body: `forwarded`) and for our own calls (shadow and cache checks)."""
+    if tenant is None or not (tier.backend == "local" or tier.dialect == "tiergate"):
         return None
-    return hashlib.blake2b(tenant.encode(), digest_size=16, person=b"tiergate-salt").hexdigest()
+    return tenant_salt(tenant)
+
+
+def hint_key(secret: str | None = None) -> bytes:
+    """The key of the hints' hash: from `secret`, or TIERGATE_HINT_SECRET (the same on every replica)."""
+    secret = os.environ.get(HINT_SECRET_ENV, "") if secret is None else secret
+    return hashlib.blake2b(secret.encode(), digest_size=32, person=b"tiergate-hints").digest()
+
+
+def forwarded(body: dict[str, Any], tier: TierSpec, tenant: str | None, key: bytes) -> dict[str, Any]:
+    """The body as a remote tier gets it from `tenant`: its hints hashed with `key` (32 hex digits, within OpenAI's
+    64-character `safety_identifier`), a vLLM's `cache_salt` added. Our own calls (`tenant` None) carry no hints.
+    A local tier's body is returned as it is."""
+    if tier.backend == "local":
+        return body
+    out = {k: v for k, v in body.items() if k not in HINTS}
+    if tenant is not None:
+        for field in HINTS:
+            if isinstance(value := body.get(field), str):
+                message = f"{len(tenant)}:{tenant}{value}".encode()  # the length: no two (tenant, value) pairs meet
+                out[field] = hmac.digest(key, message, "sha256")[:16].hex()
+        if tier.sends_cache_salt:
+            out["cache_salt"] = tenant_salt(tenant)
+    return out
 
 
 def upstream_body(req: ChatCompletionRequest, tier: TierSpec, *, max_tokens: int, priority: int,
@@ -81,14 +122,17 @@ class Upstream:
 
 
 class TierCaller:
-    def __init__(self, *, fleet: Fleet, client: TierClient) -> None:
+    def __init__(self, *, fleet: Fleet, client: TierClient, hint_secret: str | None = None) -> None:
         self.fleet = fleet
         self.client = client
+        self.hint_key = hint_key(hint_secret)  # what hashes the tenants' hints for remote tiers (`forwarded`)
 
     async def open(self, tier: TierSpec, body: dict[str, Any], *, affinity: str | None,
                    tenant: str | None = None) -> Upstream:
         """The tier's stream with its first chunk read, so a failure surfaces before any byte is sent. `tenant`: a
-        local engine then keeps the request's prompt in that tenant's own prefix cache namespace (`cache_salt`)."""
+        tier then keeps the request's prompt in that tenant's own prefix cache namespace, and a remote tier gets the
+        tenant's hints hashed (`forwarded`)."""
+        body = forwarded(body, tier, tenant, self.hint_key)
         tried: set[int] = set()
         last: TierError | None = None
         for _ in range(MAX_REPLICAS_TRIED):
