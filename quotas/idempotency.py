@@ -27,11 +27,20 @@ triggers, Redis a per-tenant sorted set of live keys and a hash of their sizes, 
 kept by triggers, which a claim of a new key locks while it checks and inserts (quotas/idempotency_totals.py). Each
 is exact: SQLite and Redis serialize claims, PostgreSQL a tenant's claims of new keys. Expired records count until
 deleted: a tenant at its bound deletes its own before it is refused.
+
+A claim the database cannot take now is `LedgerUnavailable` (a retryable 503 at the gateway, before anything is counted,
+charged or run), with nothing claimed: SQLite busy past its timeout, locked, read-only, out of disk or failing its I/O
+(its transaction rolled back); PostgreSQL's connection lost or not had in time, a deadlock, a lock or statement
+timeout, a shutdown, a read-only server (a failover). A bug (an SQL error, another error code) is still raised as it
+is. A PostgreSQL claim whose reply was lost may have committed: it is sent again at once, and a running record of the
+same request (its owner, a request id no other request has) is its claim; if that fails too, the record it may have
+made is given up in the background once the database answers, so the client's retry is not told 409 for the lease.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import sqlite3
 import time
 from abc import ABC, abstractmethod
@@ -42,7 +51,10 @@ from typing import Any
 
 import msgspec
 
+from quotas.idempotency_totals import migrate_sqlite
 from quotas.ledger import LedgerUnavailable, Statement
+
+log = logging.getLogger("tiergate.idempotency")
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS idempotency (
@@ -58,30 +70,15 @@ CREATE TABLE IF NOT EXISTS idempotency (
 );
 CREATE INDEX IF NOT EXISTS idempotency_expires ON idempotency(expires);
 """
-# each tenant's records and stored bytes, kept by triggers in the transaction that changes them (a claim, a prune,
-# an answer committed by the ledger's writer): a claim reads one row, not the tenant's records. Expired records
-# count until deleted; a tenant at its bound deletes its own (`idempotency_tenant_expires`) before it is refused.
-TOTALS = (
-    "CREATE TABLE IF NOT EXISTS idempotency_tenants (tenant TEXT PRIMARY KEY, records INTEGER NOT NULL, "
-    "bytes INTEGER NOT NULL)",
-    "CREATE INDEX IF NOT EXISTS idempotency_tenant_expires ON idempotency(tenant, expires)",
-    """CREATE TRIGGER IF NOT EXISTS idempotency_added AFTER INSERT ON idempotency BEGIN
-        INSERT INTO idempotency_tenants VALUES (new.tenant, 1, new.size)
-        ON CONFLICT (tenant) DO UPDATE SET records = records + 1, bytes = bytes + excluded.bytes;
-    END""",
-    """CREATE TRIGGER IF NOT EXISTS idempotency_removed AFTER DELETE ON idempotency BEGIN
-        UPDATE idempotency_tenants SET records = records - 1, bytes = bytes - old.size WHERE tenant = old.tenant;
-    END""",
-    """CREATE TRIGGER IF NOT EXISTS idempotency_resized AFTER UPDATE OF size ON idempotency BEGIN
-        UPDATE idempotency_tenants SET bytes = bytes + new.size - old.size WHERE tenant = new.tenant;
-    END""",
-)
 PRUNE_EVERY = 1000  # claims between deletions of expired records
 # a tenant's bounds (the gateway's Settings do not carry them yet: these constants are what it runs with)
 MAX_RECORDS_PER_TENANT = 10_000  # live keys (running or done)
 MAX_BYTES_PER_TENANT = 256 * 1024 * 1024  # stored answers of its live keys (UTF-8 JSON)
 MAX_ANSWER_BYTES = 4 * 1024 * 1024  # one stored answer (the largest request body the gateway accepts, too)
 _SELECT = "SELECT fingerprint, state, answer, expires FROM idempotency WHERE tenant = ? AND key = ?"
+# SQLite's primary result codes for a database that cannot take a claim now: BUSY, LOCKED, READONLY, IOERR, FULL,
+# CANTOPEN, PROTOCOL (anything else, "no such table" included, is a bug: raised as it is)
+_SQLITE_UNAVAILABLE = frozenset({5, 6, 8, 10, 13, 14, 15})
 
 
 @dataclass(frozen=True)
@@ -173,12 +170,17 @@ class SQLiteIdempotency(IdempotencyStore):
         self._conn.execute("PRAGMA journal_mode=WAL")
         self._conn.execute("PRAGMA synchronous=NORMAL")
         self._conn.executescript(SCHEMA)
-        _migrate(self._conn)
+        migrate_sqlite(self._conn)
         self._claims = 0
 
     async def begin(self, tenant: str, key: str, fingerprint: str, owner: str, *, lease_s: float) -> Begun:
-        return await asyncio.get_running_loop().run_in_executor(
-            self._pool, self._begin, tenant, key, fingerprint, owner, lease_s)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(
+                self._pool, self._begin, tenant, key, fingerprint, owner, lease_s)
+        except sqlite3.Error as exc:
+            if (getattr(exc, "sqlite_errorcode", None) or 0) & 0xFF not in _SQLITE_UNAVAILABLE:
+                raise
+            raise LedgerUnavailable(f"the idempotency records cannot be written now: {exc}") from exc
 
     def _begin(self, tenant: str, key: str, fingerprint: str, owner: str, lease_s: float) -> Begun:
         now = self._clock()
@@ -209,7 +211,8 @@ class SQLiteIdempotency(IdempotencyStore):
                 conn.execute("DELETE FROM idempotency WHERE expires <= ?", (now,))
             conn.execute("COMMIT")
         except BaseException:
-            conn.execute("ROLLBACK")
+            if conn.in_transaction:  # SQLite may have rolled it back itself (a full disk, an I/O error)
+                conn.execute("ROLLBACK")
             raise
         return _decoded(begun) if isinstance(begun, str) else begun
 
@@ -248,25 +251,6 @@ class SQLiteIdempotency(IdempotencyStore):
         self._conn.close()
 
 
-def _migrate(conn: sqlite3.Connection) -> None:
-    """A ledger file from before the bounds: its records get a size (0: they expire within a TTL) and the
-    tenants' totals are counted once, in the transaction that creates the triggers that keep them."""
-    conn.execute("BEGIN IMMEDIATE")
-    try:
-        if "size" not in {col[1] for col in conn.execute("PRAGMA table_info(idempotency)")}:
-            conn.execute("ALTER TABLE idempotency ADD COLUMN size INTEGER NOT NULL DEFAULT 0")
-        counted = conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'idempotency_tenants'").fetchone()
-        for statement in TOTALS:
-            conn.execute(statement)
-        if counted is None:
-            conn.execute("INSERT INTO idempotency_tenants SELECT tenant, count(*), total(size) FROM idempotency "
-                         "GROUP BY tenant")
-        conn.execute("COMMIT")
-    except BaseException:
-        conn.execute("ROLLBACK")
-        raise
-
-
 # a claim in one statement (a CASE's branches run in order): a live key is not claimed; an expired one is taken over
 # (the tenant holds as many records after: no room needed), its row locked first and read at its newest (still
 # expired?); for a new key, the tenant's totals row is locked (read at its newest) and checked, one row however many
@@ -289,7 +273,7 @@ WITH claimed AS (
         WHERE idempotency.expires <= %(now)s
     RETURNING 1
 )
-SELECT (SELECT count(*) FROM claimed), i.fingerprint, i.state, i.answer, i.expires
+SELECT (SELECT count(*) FROM claimed), i.fingerprint, i.owner, i.state, i.answer, i.expires
 FROM (SELECT 1) AS one LEFT JOIN idempotency AS i ON i.tenant = %(tenant)s AND i.key = %(key)s
 """
 # run only when a new key was not claimed: the tenant's totals row made (its first claim), its expired records
@@ -312,6 +296,11 @@ WITH expired AS (SELECT DISTINCT tenant FROM idempotency WHERE expires <= %(now)
 DELETE FROM idempotency WHERE expires <= %(now)s AND tenant IN (SELECT tenant FROM locked)
 """
 CLAIM_TRIES = 3  # claim statements a begin runs at most (room made or freed, or a key claimed concurrently: again)
+SENDS = 2  # a statement's sends at most, when the database failed it for now (its reply lost, a deadlock)
+RESEND_DELAY_S = 0.05
+GIVE_UP_DELAYS_S = (0.05, 5.0)  # between rounds of owed give-ups: the first, the most (under the gateway's 10 s wait)
+MAX_GIVE_UPS = 10_000  # claims owed a give-up at most
+GIVE_UP_FOR_S = 900.0  # how long an abandon the database refused is owed (longer than the gateway's lease, 600 s)
 _PG_FINISH = ("UPDATE idempotency SET state = 'done', answer = %s, expires = %s WHERE tenant = %s AND key = %s "
               "AND owner = %s")
 _PG_ABANDON = "DELETE FROM idempotency WHERE tenant = %s AND key = %s AND owner = %s AND state = 'running'"
@@ -331,24 +320,37 @@ class PostgresIdempotency(IdempotencyStore):
         open_schema(url)
         self._clock = clock
         self.limits = limits
-        self._unreachable = (psycopg.OperationalError, PoolTimeout)
+        self._errors, self._no_connection = psycopg.Error, PoolTimeout
         self._pool = AsyncConnectionPool(url, min_size=1, max_size=max_connections, open=False, timeout=timeout_s,
                                          kwargs={"autocommit": True, "connect_timeout": CONNECT_TIMEOUT_S},
                                          check=AsyncConnectionPool.check_connection, name="idempotency")
         self._opened = False
         self._claims = 0
+        self._give_ups: dict[tuple[str, str, str], float] = {}  # (tenant, key, owner): until when (time.monotonic())
+        self._worker: asyncio.Task[None] | None = None
 
-    async def _run(self, sql: str, args: Any) -> Any:
-        """One statement on a pooled connection; the database being unreachable is a retryable 503."""
+    async def _run(self, sql: str, args: Any, *, sends: int = SENDS) -> Any:
+        """One statement on a pooled connection, sent again if the database failed it for now (every statement here
+        is idempotent for its request); still failing, a retryable 503 (`NotSent` if it never reached a connection)."""
         if not self._opened:  # the pool belongs to the loop that first uses it (the gateway's)
             self._opened = True
             await self._pool.open()
-        try:
-            async with self._pool.connection() as conn:
-                cur = await conn.execute(sql, args)
-                return await cur.fetchone() if cur.description else None
-        except self._unreachable as exc:
-            raise LedgerUnavailable(f"the idempotency records cannot be reached: {exc}") from exc
+        sent = False
+        for i in range(sends):
+            try:
+                async with self._pool.connection() as conn:
+                    sent = True
+                    cur = await conn.execute(sql, args)
+                    return await cur.fetchone() if cur.description else None
+            except self._errors as exc:
+                if not _pg_unavailable(exc):
+                    raise
+                # no connection within the pool's timeout: waiting as long again would not help
+                if i == sends - 1 or isinstance(exc, self._no_connection):
+                    why = f"the idempotency records cannot be reached: {exc}"
+                    raise (LedgerUnavailable(why) if sent else NotSent(why)) from exc
+            await asyncio.sleep(RESEND_DELAY_S)
+        raise AssertionError("unreachable")
 
     async def begin(self, tenant: str, key: str, fingerprint: str, owner: str, *, lease_s: float) -> Begun:
         now = self._clock()
@@ -357,18 +359,26 @@ class PostgresIdempotency(IdempotencyStore):
         self._claims += 1
         if self._claims % PRUNE_EVERY == 0:
             await self._run(PG_PRUNE, {"now": now})
-        for _ in range(CLAIM_TRIES):
-            claimed, found_fp, state, answer, expires = await self._run(_PG_BEGIN, args)
-            if claimed:
-                return Claim(tenant, key, fingerprint, owner)
-            if found_fp is not None and expires > now:
-                if found_fp != fingerprint:
-                    return Mismatch()
-                return _decoded(answer) if state == "done" else Running()
-            # no room (or no totals row yet), or the key claimed by another request since the statement's snapshot
-            changed, room, first = await self._run(_PG_ROOM, args)
-            if not changed and room is False:
-                return _full(now, first)
+        try:
+            for _ in range(CLAIM_TRIES):
+                claimed, found_fp, found_owner, state, answer, expires = await self._run(_PG_BEGIN, args)
+                if claimed:
+                    return Claim(tenant, key, fingerprint, owner)
+                if found_fp is not None and expires > now:
+                    if found_fp != fingerprint:
+                        return Mismatch()
+                    if state == "running" and found_owner == owner:  # made by a send whose reply was lost
+                        return Claim(tenant, key, fingerprint, owner)
+                    return _decoded(answer) if state == "done" else Running()
+                # no room (or no totals row yet), or the key claimed by another request since the statement's snapshot
+                changed, room, first = await self._run(_PG_ROOM, args)
+                if not changed and room is False:
+                    return _full(now, first)
+        except NotSent:
+            raise
+        except LedgerUnavailable:  # a claim statement may have committed: this request will not run it
+            self._give_up_later((tenant, key, owner), lease_s)
+            raise
         return Running() if room else _full(now, first)  # each try's room taken by claims at once: the key's too
 
     def finish_with_row(self, claim: Claim, answer: dict[str, Any], ttl_s: float) -> tuple[Statement, ...]:
@@ -378,10 +388,60 @@ class PostgresIdempotency(IdempotencyStore):
         return ((_PG_FINISH, (text, self._clock() + ttl_s, claim.tenant, claim.key, claim.owner)),)
 
     async def abandon(self, claim: Claim) -> None:
-        await self._run(_PG_ABANDON, (claim.tenant, claim.key, claim.owner))
+        try:
+            await self._run(_PG_ABANDON, (claim.tenant, claim.key, claim.owner))
+        except LedgerUnavailable:  # until it lands a retry waits (409), then runs
+            self._give_up_later((claim.tenant, claim.key, claim.owner), GIVE_UP_FOR_S)
+
+    def _give_up_later(self, at: tuple[str, str, str], for_s: float) -> None:
+        """Owe the give-up of `at`'s running claim (tenant, key, owner), if any, for `for_s` (only that request's, which
+        will not run: no other request's claim or answer is touched)."""
+        if at not in self._give_ups and len(self._give_ups) >= MAX_GIVE_UPS:
+            log.error("too many idempotency claims owed a give-up: key %r (tenant %s) stays claimed until its lease "
+                      "ends", at[1], at[0])
+            return
+        self._give_ups[at] = time.monotonic() + for_s
+        if self._worker is None or self._worker.done():
+            self._worker = asyncio.get_running_loop().create_task(self._give_up())
+
+    async def _give_up(self) -> None:
+        """Delete the owed claims, oldest first; a round stops at the first failure and the next waits longer."""
+        delay = GIVE_UP_DELAYS_S[0]
+        while self._give_ups:
+            for at, until in list(self._give_ups.items()):
+                if until > time.monotonic():
+                    try:
+                        await self._run(_PG_ABANDON, at)
+                    except LedgerUnavailable:
+                        await asyncio.sleep(delay)
+                        delay = min(delay * 2, GIVE_UP_DELAYS_S[1])
+                        break
+                if self._give_ups.get(at) == until:
+                    del self._give_ups[at]
+            else:
+                delay = GIVE_UP_DELAYS_S[0]
 
     async def close(self) -> None:
+        if self._worker is not None:
+            self._worker.cancel()
+            await asyncio.gather(self._worker, return_exceptions=True)
+        if self._give_ups:
+            log.error("closing with %d idempotency claims owed a give-up: their keys stay claimed until their "
+                      "leases end", len(self._give_ups))
         await self._pool.close()
+
+
+class NotSent(LedgerUnavailable):
+    """No connection to the database was had in time: the statement was not sent (nothing was claimed)."""
+
+
+def _pg_unavailable(exc: BaseException) -> bool:
+    """The database failing for now, not a bug in our SQL: the connection lost or not had in time, a deadlock or
+    serialization failure, a lock or statement timeout, a shutdown, no disk (psycopg's OperationalError: SQLSTATE
+    classes 08, 40, 53, 55, 57, 58), or a read-only server (25006: a standby, or a primary demoted by a failover)."""
+    import psycopg
+
+    return isinstance(exc, psycopg.OperationalError) or getattr(exc, "sqlstate", None) == "25006"
 
 
 def _decoded(stored: str | bytes) -> Replay:

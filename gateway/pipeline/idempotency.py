@@ -16,11 +16,12 @@ The OpenAI SDKs retry a request whose answer was lost (a timeout, a dropped conn
   Without it, a cached answer repeated under fresh keys, free, stored a copy per key for 24 h and filled the
   ledger's disk for every tenant. An answer over 4 MiB is answered but not stored (a retry runs again);
 - the records' store failing to claim a key is a 503 `idempotency_unavailable` with Retry-After, before anything is
-  counted, charged or run (Redis: quotas/idempotency_redis.py's `IdempotencyUnavailable`; PostgreSQL's
-  `LedgerUnavailable` is a 503 `ledger_unavailable`). Once a request is answered, written and settled, its answer
-  is handed to the store and its claim never given up: a store that fails then does not fail the answer (Redis owes
-  the write and keeps the key claimed meanwhile, see its module), so a retry replays it or waits, never runs and is
-  billed again.
+  counted, charged or run, on every store (its `LedgerUnavailable`: Redis unreachable, quotas/idempotency_redis.py;
+  SQLite busy, read-only, full or failing its I/O; PostgreSQL unreachable, deadlocked, timed out or read-only, a
+  claim whose reply was lost given up: quotas/idempotency.py). Once a request is answered, written and settled, its
+  answer is handed to the store and its claim never given up: a store that fails then does not fail the answer (Redis
+  owes the write and keeps the key claimed meanwhile, see its module), so a retry replays it or waits, never runs and
+  is billed again.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from gateway.pipeline.context import RequestContext
 from gateway.pipeline.events import Delta, Done, Event, Head
 from gateway.pipeline.meter import Outcome
 from quotas.idempotency import Claim, Full, IdempotencyStore, Mismatch, Replay, Running
-from quotas.idempotency_redis import IdempotencyUnavailable
+from quotas.ledger import LedgerUnavailable
 from wire.chat_request import ChatCompletionRequest
 
 HEADER = "idempotency-key"
@@ -77,7 +78,7 @@ class IdempotencyStage:
         while True:
             try:
                 begun = await self.store.begin(ctx.tenant, key, fingerprint, ctx.request_id, lease_s=self.lease_s)
-            except IdempotencyUnavailable as exc:
+            except LedgerUnavailable as exc:  # the store's own failure, not this request's: nothing was claimed
                 raise Unavailable("Idempotency-Key: the idempotency records cannot be reached now; nothing was run or "
                                   "charged; retry shortly with the same key", param="Idempotency-Key",
                                   code="idempotency_unavailable", retry_after=1) from exc

@@ -1,0 +1,226 @@
+"""Idempotency-Key claims on SQLite and PostgreSQL when the database fails: a claim it cannot take now (SQLite busy
+past its timeout or out of disk; PostgreSQL read-only, or unreachable) is `LedgerUnavailable` (a retryable 503 at the
+gateway) with nothing claimed, and a bug is still raised as it is. A PostgreSQL claim whose reply was lost after it
+committed is the request's own claim when sent again, and one the database cannot confirm is given up once it
+answers, so the client's retry runs (once) instead of waiting out the lease. Faults are real: a connection holding
+SQLite's write lock, SQLite's page limit, a read-only database, and a TCP proxy that cuts PostgreSQL's reply."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from quotas.idempotency import Claim, PostgresIdempotency, Running, SQLiteIdempotency
+from quotas.ledger import LedgerUnavailable
+from tests.postgres import PostgresServer
+from tests.stubs import free_port
+
+CLAIM = b"WITH claimed AS"  # the text of PostgreSQL's claim statement (quotas/idempotency.py's _PG_BEGIN)
+
+
+class PgProxy:
+    """A TCP proxy in front of PostgreSQL that loses a reply: with `lose` set, the first statement whose text holds it
+    goes to the server, which runs and commits it (it replies only then), and the connection is cut as the reply
+    comes, so the client never hears. With `then_down` the database is unreachable after that (every connection cut,
+    new ones closed at once) until `up()`."""
+
+    def __init__(self, server: PostgresServer) -> None:
+        self.server = server
+        self.port = free_port()
+        self.lose: bytes | None = None
+        self.then_down = False
+        self.lost = 0
+        self.refusing = False
+        self._open: set[asyncio.StreamWriter] = set()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._listener: asyncio.base_events.Server | None = None
+
+    def url(self, database_url: str) -> str:
+        return database_url.replace(f":{self.server.port}/", f":{self.port}/")
+
+    def start(self) -> PgProxy:
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(timeout=10)
+        return self
+
+    def up(self) -> None:
+        self.refusing = False
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self._stop(), self._loop).result(timeout=10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        self._loop.close()
+
+    async def _start(self) -> None:
+        self._listener = await asyncio.start_server(self._serve, "127.0.0.1", self.port)
+
+    async def _stop(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+        others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in others:
+            task.cancel()
+        await asyncio.gather(*others, return_exceptions=True)
+
+    def _cut_all(self) -> None:
+        for writer in list(self._open):
+            writer.close()
+
+    async def _serve(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        if self.refusing:
+            client_w.close()
+            return
+        server_r, server_w = await asyncio.open_connection("127.0.0.1", self.server.port)
+        self._open |= {client_w, server_w}
+        marked = asyncio.Event()
+
+        async def to_server() -> None:
+            while data := await client_r.read(65536):
+                if self.lose is not None and self.lose in data:
+                    self.lose = None
+                    marked.set()
+                server_w.write(data)
+                await server_w.drain()
+
+        async def to_client() -> None:
+            while data := await server_r.read(65536):
+                if marked.is_set():  # the statement ran and committed: its reply is lost
+                    self.lost += 1
+                    if self.then_down:
+                        self.refusing = True
+                        self._cut_all()
+                    return
+                client_w.write(data)
+                await client_w.drain()
+
+        pumps = [asyncio.ensure_future(to_server()), asyncio.ensure_future(to_client())]
+        try:
+            await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for pump in pumps:
+                pump.cancel()
+            await asyncio.gather(*pumps, return_exceptions=True)
+            for writer in (client_w, server_w):
+                self._open.discard(writer)
+                writer.close()
+
+
+@pytest.fixture
+def pg_proxy(postgres_server: PostgresServer) -> Iterator[PgProxy]:
+    proxy = PgProxy(postgres_server).start()
+    yield proxy
+    proxy.stop()
+
+
+Keep = Callable[[Any], Any]
+
+
+@pytest.fixture
+async def closing() -> AsyncIterator[Keep]:
+    """Stores closed after the test, passed or not (an open pool would outlive the test's event loop)."""
+    stores: list[Any] = []
+    yield lambda store: stores.append(store) or store
+    for store in stores:
+        await store.close()
+
+
+def records(database_url: str) -> list[tuple[str, str, str]]:
+    """The idempotency records (key, owner, state), read beside the store (not through the proxy)."""
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        return conn.execute("SELECT key, owner, state FROM idempotency ORDER BY key").fetchall()
+
+
+async def test_sqlite_busy_past_its_timeout_is_unavailable_and_claims_nothing(closing: Keep, tmp_path: Path) -> None:
+    store = closing(SQLiteIdempotency(tmp_path / "ledger.db"))
+    store._conn.execute("PRAGMA busy_timeout = 50")  # its 5 s, shorter
+    writer = sqlite3.connect(tmp_path / "ledger.db", isolation_level=None)
+    writer.execute("BEGIN IMMEDIATE")  # the ledger's writer holding the write lock past the timeout
+    with pytest.raises(LedgerUnavailable, match="locked"):
+        await store.begin("acme", "k1", "body", "r1", lease_s=60)
+    writer.execute("ROLLBACK")
+    assert await store.begin("acme", "k1", "body", "r2", lease_s=60) == Claim("acme", "k1", "body", "r2")
+
+
+async def test_sqlite_out_of_disk_is_unavailable_and_its_claim_rolled_back(closing: Keep, tmp_path: Path) -> None:
+    store = closing(SQLiteIdempotency(tmp_path / "ledger.db"))
+    pages = store._conn.execute("PRAGMA page_count").fetchone()[0]
+    store._conn.execute(f"PRAGMA max_page_count = {pages}")  # a full disk: no page more
+    for n in range(10_000):
+        try:
+            await store.begin("acme", f"k{n}", "body", f"r{n}", lease_s=60)
+        except LedgerUnavailable as exc:
+            assert "full" in str(exc)
+            break
+    else:
+        raise AssertionError("the page limit was never reached")
+    held = store._conn.execute("SELECT records FROM idempotency_tenants WHERE tenant = 'acme'").fetchone()
+    assert held == (n,) and store._conn.execute("SELECT count(*) FROM idempotency").fetchone() == (n,)
+    store._conn.execute("PRAGMA max_page_count = 1073741823")  # room again: the refused key is claimed by its retry
+    assert await store.begin("acme", f"k{n}", "body", "retry", lease_s=60) == Claim("acme", f"k{n}", "body", "retry")
+
+
+async def test_a_bug_in_a_claim_is_still_raised_as_it_is(closing: Keep, tmp_path: Path, database_url: str) -> None:
+    lite = closing(SQLiteIdempotency(tmp_path / "ledger.db"))
+    lite._conn.execute("DROP TABLE idempotency_tenants")
+    with pytest.raises(sqlite3.OperationalError, match="no such table"):
+        await lite.begin("acme", "k1", "body", "r1", lease_s=60)
+    pg = closing(PostgresIdempotency(database_url, timeout_s=1.0))
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute("DROP TABLE idempotency_tenants CASCADE")
+    with pytest.raises(psycopg.errors.UndefinedTable):
+        await pg.begin("acme", "k1", "body", "r1", lease_s=60)
+
+
+async def test_a_read_only_postgresql_is_unavailable_and_claims_nothing(
+        closing: Keep, postgres_server: PostgresServer, database_url: str) -> None:
+    store = closing(PostgresIdempotency(database_url, timeout_s=1.0))  # its schema made; its pool opens at its claim
+
+    def read_only(on: bool) -> None:  # a standby, or a primary a failover demoted
+        with psycopg.connect(postgres_server.url(), autocommit=True) as conn:
+            conn.execute(f"ALTER DATABASE {database_url.rsplit('/', 1)[1]} SET default_transaction_read_only = "
+                         f"{'on' if on else 'off'}")
+
+    read_only(True)
+    with pytest.raises(LedgerUnavailable, match="read-only"):
+        await store.begin("acme", "k1", "body", "r1", lease_s=60)
+    read_only(False)
+    assert records(database_url) == []
+    store = closing(PostgresIdempotency(database_url, timeout_s=1.0))
+    assert await store.begin("acme", "k1", "body", "r2", lease_s=60) == Claim("acme", "k1", "body", "r2")
+
+
+async def test_a_claim_whose_reply_was_lost_is_its_requests_own_claim(closing: Keep, database_url: str,
+                                                                       pg_proxy: PgProxy) -> None:
+    store = closing(PostgresIdempotency(pg_proxy.url(database_url), timeout_s=1.0))
+    pg_proxy.lose = CLAIM
+    assert await store.begin("acme", "k1", "body", "r1", lease_s=600) == Claim("acme", "k1", "body", "r1")
+    assert pg_proxy.lost == 1 and records(database_url) == [("k1", "r1", "running")]
+    # the claim is r1's alone: another request with the key still waits for it
+    assert await store.begin("acme", "k1", "body", "r2", lease_s=600) == Running()
+
+
+async def test_a_lost_claim_the_database_cannot_confirm_is_given_up_once_it_answers(
+        closing: Keep, database_url: str, pg_proxy: PgProxy) -> None:
+    store = closing(PostgresIdempotency(pg_proxy.url(database_url), timeout_s=0.5))
+    await store.begin("acme", "warm", "body", "r0", lease_s=600)  # the pool opened
+    pg_proxy.lose, pg_proxy.then_down = CLAIM, True
+    with pytest.raises(LedgerUnavailable):  # a 503: r1 does not run
+        await store.begin("acme", "k1", "body", "r1", lease_s=600)
+    assert pg_proxy.lost == 1 and ("k1", "r1", "running") in records(database_url)  # committed, its reply lost
+    pg_proxy.up()
+    deadline = time.monotonic() + 10  # the gateway's wait for a running key
+    while (begun := await store.begin("acme", "k1", "body", "r2", lease_s=600)) == Running():
+        assert time.monotonic() < deadline, "the lost claim still holds the key"
+        await asyncio.sleep(0.1)
+    assert begun == Claim("acme", "k1", "body", "r2")  # the client's retry runs, once
+    assert ("k1", "r2", "running") in records(database_url)
