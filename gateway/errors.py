@@ -183,14 +183,27 @@ def _http_error(exc: HTTPException) -> TiergateError:
     message = str(exc.detail)
     if exc.status_code == 500 and message == CLIENT_LEFT:  # nobody to answer, and no fault of ours to log
         return InvalidRequest("the client left before its request had arrived", code="client_disconnected")
-    if isinstance(exc, ValidationException) and exc.extra:
-        message = f"{message}: {exc.extra}"
+    if isinstance(exc, ValidationException) and (invalid := _invalid_parameter(exc.extra)) is not None:
+        return invalid
     kind = {400: InvalidRequest, 401: Unauthenticated, 403: Forbidden, 404: NotFound, 405: MethodNotAllowed,
             409: Conflict, 413: PayloadTooLarge, 422: Unprocessable, 429: RateLimited,
             503: Unavailable}.get(exc.status_code)
     if kind is None:
         return InternalError(message) if exc.status_code >= 500 else InvalidRequest(message)
     return kind(message, code="not_found" if exc.status_code == 404 else None, headers=dict(exc.headers or {}))
+
+
+def _invalid_parameter(extra: Any) -> InvalidRequest | None:
+    """Litestar's refusal of a route's parameter (its `extra`: a list of {"message", "key", "source"}), naming the
+    first in words; its own text is a Python repr of the list. None when `extra` is not that."""
+    first = extra[0] if isinstance(extra, list) and extra and isinstance(extra[0], dict) else {}
+    key, text = first.get("key"), first.get("message")
+    if not isinstance(key, str) or not isinstance(text, str):
+        return None
+    source = getattr(first.get("source"), "value", first.get("source"))
+    where = {"query": "query parameter", "path": "path parameter", "header": "header", "cookie": "cookie",
+             "body": "body field"}.get(str(source), "parameter")
+    return InvalidRequest(f"{key}: {text} ({where})", param=key, code="invalid_value")
 
 
 def _tier_error(exc: tier_errors.TierError) -> TiergateError:

@@ -30,7 +30,9 @@ OpenAI's request fields, one by one (`OPENAI_FIELDS` lists them; a test sends ea
   gateway a plan sets the priority, so it refuses `priority`).
 
 A refused field is a 400 with `param` naming it and code `unsupported_parameter`; a refused value of a field we
-know is a 400 with code `unsupported_value`.
+know is a 400 with code `unsupported_value`. A field that needs another is refused, naming it, without it, as
+OpenAI refuses it: `stream_options` without `stream: true`, `parallel_tool_calls` without `tools`, `top_logprobs`
+(above 0) without `logprobs: true`; and `max_completion_tokens` that disagrees with `max_tokens`.
 
 Choices where OpenAI's own limits are looser or unstated:
 - `seed` must lie in 0..2^64-1 (what a 64-bit generator takes); any other integer is a 400 naming `seed`.
@@ -162,10 +164,18 @@ Temperature = Annotated[float, Field(ge=0.0, le=2.0), WithJsonSchema({"anyOf": [
     {"type": "number", "minimum": 0, "maximum": 0}, {"type": "number", "minimum": MIN_TEMPERATURE, "maximum": 2}]})]
 
 
+# the published schema's rule for what `_stream_options_need_stream` enforces (chat and text completions)
+STREAM_OPTIONS_NEED_STREAM = {
+    "if": {"required": ["stream_options"], "properties": {"stream_options": {"type": "object"}}},
+    "then": {"required": ["stream"], "properties": {"stream": {"const": True}}},
+}
+
+
 def request_schema(schema: dict[str, Any]) -> None:
     """The request's JSON schema: optional fields take null, what `_top_logprobs_need_logprobs` enforces, tools for
     a tool_choice that needs them, and one output cap (`_one_token_cap` also accepts both when they are equal, as a
-    client mirroring them sends them; JSON Schema cannot compare two values, so the document asks for one)."""
+    client mirroring them sends them; JSON Schema cannot compare two values, so the document asks for one); then
+    stream_options only with stream, and parallel_tool_calls only with tools."""
     nullable_optionals(schema)
     schema["allOf"] = [{
         "if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer", "minimum": 1}}},
@@ -176,6 +186,9 @@ def request_schema(schema: dict[str, Any]) -> None:
     }, {  # "required" and a named function need tools (a named one must be one of them: `_choice_in_tools`)
         "if": {"required": ["tool_choice"],
                "properties": {"tool_choice": {"anyOf": [{"const": "required"}, {"type": "object"}]}}},
+        "then": {"required": ["tools"], "properties": {"tools": {"type": "array"}}},
+    }, STREAM_OPTIONS_NEED_STREAM, {
+        "if": {"required": ["parallel_tool_calls"], "properties": {"parallel_tool_calls": {"type": "boolean"}}},
         "then": {"required": ["tools"], "properties": {"tools": {"type": "array"}}},
     }]
 
@@ -210,6 +223,14 @@ class GenerationRequest(BaseModel):
     @classmethod
     def _integral(cls, value: object) -> object:
         return integral(value)
+
+    @field_validator("stream_options", check_fields=False)
+    @classmethod
+    def _stream_options_need_stream(cls, value: Any, info: ValidationInfo) -> Any:
+        # OpenAI refuses them on an answer that is not streamed; `stream` absent from `info.data` failed on its own
+        if value is not None and info.data.get("stream", True) is False:
+            raise ValueError("only allowed when stream is true (usage options are for streamed answers)")
+        return value
 
     @property
     def stop_list(self) -> list[str]:
@@ -279,18 +300,29 @@ class ChatCompletionRequest(GenerationRequest):
     def _choice_in_tools(cls, value: ToolChoice | None, info: ValidationInfo) -> ToolChoice | None:
         return check_tool_choice(value, info.data.get("tools"))
 
-    @model_validator(mode="after")
-    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
-        if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs: true")
-        return self
+    # the checks of one field against an earlier one are the later field's validators, so a refusal names it;
+    # an earlier field absent from `info.data` failed on its own, and is the one named
+    @field_validator("parallel_tool_calls")
+    @classmethod
+    def _parallel_calls_need_tools(cls, value: bool | None, info: ValidationInfo) -> bool | None:
+        if value is not None and "tools" in info.data and not info.data["tools"]:
+            raise ValueError("only allowed when tools are specified")
+        return value
 
-    @model_validator(mode="after")
-    def _one_token_cap(self) -> ChatCompletionRequest:
-        both = self.max_tokens is not None and self.max_completion_tokens is not None
-        if both and self.max_tokens != self.max_completion_tokens:
-            raise ValueError("max_tokens and max_completion_tokens disagree; send one of them")
-        return self
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_need_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value and info.data.get("logprobs", True) is False:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return value
+
+    @field_validator("max_completion_tokens")
+    @classmethod
+    def _one_token_cap(cls, value: int | None, info: ValidationInfo) -> int | None:
+        other = info.data.get("max_tokens")
+        if value is not None and other is not None and value != other:
+            raise ValueError("disagrees with max_tokens; send one of them")
+        return value
 
     @property
     def output_cap(self) -> int | None:

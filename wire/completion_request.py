@@ -25,6 +25,7 @@ from pydantic_core import PydanticCustomError
 from wire.chat_request import (
     MAX_SEED,
     MAX_TOKENS_BOUND,
+    STREAM_OPTIONS_NEED_STREAM,
     GenerationRequest,
     StopString,
     StreamOptions,
@@ -53,11 +54,17 @@ def _one_text_prompt(value: Any) -> Any:
     return value
 
 
+def completion_schema(schema: dict[str, Any]) -> None:
+    """The request's JSON schema: optional fields take null, and stream_options go with stream."""
+    nullable_optionals(schema)
+    schema["allOf"] = [STREAM_OPTIONS_NEED_STREAM]
+
+
 class CompletionRequest(GenerationRequest):
     """POST /v1/completions: one prompt, continued as it is (no chat template)."""
 
     unsupported_fields: ClassVar[dict[str, str]] = UNSUPPORTED_FIELDS
-    model_config = ConfigDict(strict=True, extra="forbid", json_schema_extra=nullable_optionals)
+    model_config = ConfigDict(strict=True, extra="forbid", json_schema_extra=completion_schema)
 
     model: Annotated[str, Field(min_length=1, max_length=256)]
     prompt: Annotated[str | Annotated[list[str], Field(min_length=1, max_length=1)],

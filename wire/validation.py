@@ -1,4 +1,12 @@
-"""A request body to a typed request, or the OpenAI-style error that names the offending field."""
+"""A request body to a typed request, or the OpenAI-style error that names the offending field.
+
+A body is read as JSON (RFC 8259) by msgspec before pydantic validates it: pydantic's parser also takes `NaN`,
+`Infinity` and `-Infinity`, which are not JSON, and a body with one inside a free-form object (a tool's
+`parameters`, a `json_schema`'s schema) passed as a valid request. msgspec reads JSON only and skims a body without
+building it (about 0.5 ms a megabyte), so such a body is refused (400 `invalid_json`) before any validation; and a
+look before the validation (wire/body_width.py) that cannot read a body refuses it too, never leaves it to a
+validation that reads more than msgspec does.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +14,16 @@ import re
 from dataclasses import dataclass
 from typing import TypeVar
 
+import msgspec
 from pydantic import BaseModel, ValidationError
 
 M = TypeVar("M", bound=BaseModel)
 UNKNOWN_FIELD = "this endpoint does not know it"
 _UNION_MEMBER = re.compile(r"str|int|float|bool|none|[\w-]+\[.*\]|(function|constrained)-.*")
+NOT_JSON = "we could not parse the JSON body of your request"
+UNREADABLE = (msgspec.DecodeError, msgspec.ValidationError, RecursionError)  # msgspec's refusals of a body
+_AT_BYTE = re.compile(r"\(byte (\d+)\)$")  # where msgspec's DecodeError says the body went wrong
+_NON_FINITE = (b"NaN", b"Infinity")  # `-Infinity`: msgspec points past its sign
 
 
 @dataclass(frozen=True)
@@ -30,12 +43,29 @@ def parse_body(body: bytes, model: type[M]) -> M:
     `look_before_validating(body)`, where it has one, may refuse the body first (wire/body_width.py)."""
     if not body.strip():
         raise BodyError("the request body is empty; send a JSON object", None, "invalid_json")
+    try:
+        msgspec.json.decode(body, type=msgspec.Raw)  # read, not built: JSON only, whatever pydantic's parser takes
+    except UNREADABLE as exc:
+        raise unreadable(body, exc) from exc
     if (look := getattr(model, "look_before_validating", None)) is not None:
         look(body)
     try:
         return model.model_validate_json(body)
     except ValidationError as exc:
         raise describe(exc, getattr(model, "unsupported_fields", {})) from exc
+
+
+def unreadable(body: bytes, exc: Exception) -> BodyError:
+    """The client's error for a body msgspec could not read as JSON (`exc`, one of UNREADABLE)."""
+    if isinstance(exc, RecursionError):
+        return BodyError(f"{NOT_JSON}: it is nested too deeply", None, "invalid_json")
+    if isinstance(exc, msgspec.ValidationError):  # read as JSON, but not the object a request is
+        return BodyError("the request body must be a JSON object", None, "invalid_json")
+    where = _AT_BYTE.search(str(exc))
+    if where is not None and body.startswith(_NON_FINITE, int(where[1])):
+        return BodyError(f"{NOT_JSON}: NaN, Infinity and -Infinity are not JSON numbers (RFC 8259), at byte "
+                         f"{where[1]}; send a number, or null", None, "invalid_json")
+    return BodyError(f"{NOT_JSON}: {exc}", None, "invalid_json")
 
 
 def describe(exc: ValidationError, unsupported: dict[str, str] | None = None) -> BodyError:
@@ -56,5 +86,7 @@ def describe(exc: ValidationError, unsupported: dict[str, str] | None = None) ->
         name = loc[-1]
         return BodyError(f"{param}: unsupported parameter ({(unsupported or {}).get(name, UNKNOWN_FIELD)}); "
                          "remove it", param, "unsupported_parameter")
-    message = f"{param}: {err['msg']}" if param else err["msg"]
+    # a validator's own words, without pydantic's "Value error, " before them
+    text = str(err["ctx"]["error"]) if kind == "value_error" and "error" in err.get("ctx", {}) else err["msg"]
+    message = f"{param}: {text}" if param else text
     return BodyError(message, param, kind)

@@ -27,7 +27,9 @@ not buy that work for free, so before it:
   REFUSED_BYTES_BURST bytes of refused bodies, refilled at REFUSED_BYTES_PER_S; while it is empty, the tenant's
   requests are refused here (429 `rate_limit_invalid_requests`) until it refills. This one is a policy, not the
   exact check's word: a client whose bodies are refused by the megabyte waits a few seconds. Small mistakes never
-  reach it (a thousand 1 KB bodies refused a second refill it).
+  reach it (a thousand 1 KB bodies refused a second refill it). A refused request is charged its headers too
+  (`refused_size`: a body of `{}` under 60 KB of headers cost the app more than its body), and a request the tier
+  refuses as the tenant's fault (a 4xx of its validation the gateway relays) is charged as one the gateway refused.
 
 A refusal here costs a dictionary lookup and charges nothing; it is the exact check's 429, headers and all
 (gateway/pipeline/limit_errors.py).
@@ -37,7 +39,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from gateway.errors import RateLimited
@@ -146,6 +148,11 @@ class TenantGate:
             self._in_flight[name] = left
         else:
             self._in_flight.pop(name, None)
+
+
+def refused_size(body: bytes, headers: Mapping[str, str]) -> int:
+    """What a refused request is charged to its tenant's bucket: its body's bytes and its headers' (a line each)."""
+    return len(body) + sum(len(name) + len(value) + 4 for name, value in headers.items())
 
 
 def scopes_of(tenant: str, key_id: str, plan_limits: Limits, key_limits: Limits | None) -> tuple[Scope, ...]:

@@ -30,7 +30,7 @@ from gateway.pipeline.cascade import cascade
 from gateway.pipeline.context import RequestContext
 from gateway.pipeline.dispatch import DispatchStage
 from gateway.pipeline.events import Delta, Done, Event, Head
-from gateway.pipeline.gate import TenantGate, scopes_of
+from gateway.pipeline.gate import TenantGate, refused_size, scopes_of
 from gateway.pipeline.idempotency import IdempotencyStage, Keep
 from gateway.pipeline.meter import Meter, Outcome, Reading
 from gateway.pipeline.prompt import Prompt, PromptStage
@@ -45,7 +45,7 @@ from quotas.dispatch import Ticket
 from quotas.idempotency import Replay
 from quotas.plans import PRIORITY_ORDER
 from tiers.catalogue import TierSpec
-from tiers.errors import NoTierAvailable, UpstreamUnreachable
+from tiers.errors import NoTierAvailable, UpstreamRejected, UpstreamUnreachable
 from tiers.replica_choice import SESSION_HEADER, affinity_key
 from wire.chat_request import ChatCompletionRequest, normalized_role
 
@@ -87,7 +87,7 @@ class Pipeline:
                 try:
                     req = (parse or parse_request)(body)
                 except InvalidRequest:  # its parse cost the event loop and charges nothing: the gate counts it
-                    self.gate.body_refused(ctx.tenant, len(body))
+                    self.gate.body_refused(ctx.tenant, refused_size(body, ctx.headers))
                     raise
                 begun = await self.idempotency.begin(ctx, req) if self.idempotency is not None else None
                 if isinstance(begun, Replay):
@@ -100,8 +100,15 @@ class Pipeline:
             with self.refusals.counted(ctx):
                 prepared = await self._prepare(ctx, req, keep)
             events = cascade(self, ctx, prepared) if _cascades(ctx, prepared) else self.answer(ctx, prepared)
-            async for event in events:
-                yield event
+            try:
+                async for event in events:
+                    yield event
+            except InvalidRequest as exc:
+                # the tier refused the request as the tenant's fault (our engine's validation: a prompt too long):
+                # it cost what a refused parse costs and more, charged nothing, and counts as one
+                if isinstance(exc.__cause__, UpstreamRejected):
+                    self.gate.body_refused(ctx.tenant, refused_size(body, ctx.headers))
+                raise
         finally:
             if keep is not None and not keep.stored and self.idempotency is not None:  # a retry runs again
                 self.settler.hand_off(self.idempotency.store.abandon(keep.claim))

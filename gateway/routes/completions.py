@@ -21,13 +21,12 @@ from gateway.pipeline.text_completion import parse_completion
 from gateway.routes.answering import Framing, answer
 from gateway.routes.openapi import BEARER, MODEL_ERRORS, also, body, errors
 from wire import responses
-from wire.completion_request import CompletionRequest
-from wire.fields import nullable_optionals
+from wire.completion_request import CompletionRequest, completion_schema
 from wire.response_models import TextCompletion
 
 
 def _served_fields(schema: dict[str, Any]) -> None:
-    nullable_optionals(schema)
+    completion_schema(schema)
     for name in ("priority", "logprobs"):  # our engines take them; through the gateway they are refused
         schema["properties"].pop(name, None)
 

@@ -26,6 +26,18 @@ Day = Annotated[str | None, QueryParameter(pattern=f"^{DAY_PATTERN}$",
 Format = FromQuery[Literal["json", "csv"]]
 
 
+_QUERY = ("from", "to", "by", "format")  # the query parameters of a tenant's report; an admin's adds `tenant`
+
+
+def _refuse_unknown(request: Request[Any, Any, Any], known: tuple[str, ...]) -> None:
+    """A query parameter the report does not take is refused by name, never ignored (`?tenant=` on a tenant's
+    report, `?form=` for `from`: a report of something else than asked)."""
+    for name in request.query_params:
+        if name not in known:
+            raise InvalidRequest(f"{name}: unsupported query parameter (this report takes {', '.join(known)}); "
+                                 "remove it", param=name, code="unsupported_parameter")
+
+
 async def _report(ledger: Ledger, gate: ReportGate, who: str, *, tenant: str | None, since: str | None,
                   until: str | None, by: str | None, fmt: str) -> Response[Any]:
     if fmt not in ("json", "csv"):
@@ -51,6 +63,7 @@ async def admin_report(request: Request[Any, Any, Any], ledger: NamedDependency[
                        to: Day = None, by: By = None,
                        format: Format = "json") -> Response[Any]:
     """Query: from, to (YYYY-MM-DD, UTC, inclusive), by (tenant,tier,day,key_id), tenant, format (json|csv)."""
+    _refuse_unknown(request, (*_QUERY, "tenant"))
     return await _report(ledger, reports, ADMIN_SLOT, tenant=tenant, since=request.query_params.get("from"),
                          until=to, by=by, fmt=format)
 
@@ -62,6 +75,7 @@ async def tenant_report(request: Request[Any, Any, Any], principal: NamedDepende
                         to: Day = None, by: By = None,
                         format: Format = "json") -> Response[Any]:
     """The caller's own tenant only; same query as the admin report."""
+    _refuse_unknown(request, _QUERY)
     tenant = principal.tenant.name  # type: ignore[union-attr]
     return await _report(ledger, reports, tenant, tenant=tenant, since=request.query_params.get("from"), until=to,
                          by=by, fmt=format)

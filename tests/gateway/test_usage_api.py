@@ -75,7 +75,8 @@ def test_tenants_see_only_their_own_usage(gateway: Gateway) -> None:
         assert c.post("/v1/chat/completions", json={"model": "mid", "messages": MSG}).status_code == 200
         mine = c.get("/v1/usage", params={"by": "tenant,tier"}).json()["data"]
         assert [r["tenant"] for r in mine] == ["globex"]
-        assert c.get("/v1/usage", params={"tenant": "acme"}).json()["data"][0]["tenant"] == "globex"
+        other_tenant = c.get("/v1/usage", params={"tenant": "acme"})  # refused by name, never another's usage
+        assert other_tenant.status_code == 400 and other_tenant.json()["error"]["param"] == "tenant"
         assert c.get("/admin/usage/report").status_code == 403
         assert c.get("/v1/usage", params={"by": "planet"}).status_code == 400
         assert c.get("/v1/usage", params={"from": "yesterday"}).status_code == 400
