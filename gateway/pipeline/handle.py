@@ -248,17 +248,17 @@ class Pipeline:
         try:
             affinity = affinity_key(ctx.tenant, [{"role": normalized_role(m.role), "content": m.text()}
                                                  for m in req.messages], ctx.headers.get(SESSION_HEADER))
-            meter.upstream_started()
-            try:
+            try:  # the meter's upstream starts as the request is written to the tier, not while it connects
                 return (ticket, await self.tier.open(tier, self._body(ctx, prepared, tier, reading), affinity=affinity,
-                                                     tenant=ctx.tenant), attempt)
+                                                     tenant=ctx.tenant, on_sent=meter.upstream_started), attempt)
             except (UpstreamUnreachable, NoTierAvailable):
                 if (fallback := self.route.fall_back(attempt.route)) is None:
                     raise
             attempt = replace(attempt, route=fallback,  # looked up in the candidate's scope: its answer not kept
                               lookup=replace(attempt.lookup, scope=None))
             return ticket, await self.tier.open(fallback.tier, self._body(ctx, prepared, fallback.tier, reading),
-                                                affinity=affinity, tenant=ctx.tenant), attempt
+                                                affinity=affinity, tenant=ctx.tenant,
+                                                on_sent=meter.upstream_started), attempt
         except BaseException:
             meter.upstream_ended()
             self.dispatch.release(tier.name, ticket, 0)

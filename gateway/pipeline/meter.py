@@ -12,9 +12,11 @@ over the whole answer and, for a look-ahead, over its first tokens.
 
 Who pays the counted prompt when the tier reported no usage:
 - the tier answered (any chunk came): billed, whatever the status;
-- the client left (`cancelled`) once the gateway had begun sending the request (`upstream_started`): billed, chunk
-  or not. The tier may have run the prefill, and a remote tier (or any text completion) sends nothing before its
-  first token: a client leaving just before it would otherwise get a prompt's prefill, of any length, for free;
+- the client left (`cancelled`) once the request was written to the tier's connection (`upstream_started`, told by
+  the tier client as it writes): billed, chunk or not. The tier may have run the prefill, and a remote tier (or any
+  text completion) sends nothing before its first token: a client leaving just before it would otherwise get a
+  prompt's prefill, of any length, for free. A client that leaves while the gateway is still connecting (up to
+  the connect timeout, 5 s) leaves before it: nothing reached the tier, not billed;
 - the call failed (`error`: unreachable, timed out, refused) before any chunk: not billed. Either nothing ran or
   the failure is the tier's, that is our side's, not the client's.
 A client that leaves while it waits for a dispatch slot leaves before `upstream_started`: not billed.
@@ -85,7 +87,10 @@ class Meter:
         self.cut = False  # the gateway stopped reading the answer (the cascade judged it early)
 
     def upstream_started(self) -> None:
-        self.upstream_t0 = time.perf_counter()
+        """The request reached the tier's connection; the first time counts (a retry on a new connection does not
+        move it)."""
+        if self.upstream_t0 is None:
+            self.upstream_t0 = time.perf_counter()
 
     def upstream_ended(self) -> None:
         if self.upstream_t0 is not None and self.upstream_s is None:

@@ -23,7 +23,7 @@ import hashlib
 import hmac
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from gateway.pipeline.text_completion import is_raw
@@ -128,10 +128,11 @@ class TierCaller:
         self.hint_key = hint_key(hint_secret)  # what hashes the tenants' hints for remote tiers (`forwarded`)
 
     async def open(self, tier: TierSpec, body: dict[str, Any], *, affinity: str | None,
-                   tenant: str | None = None) -> Upstream:
+                   tenant: str | None = None, on_sent: Callable[[], None] | None = None) -> Upstream:
         """The tier's stream with its first chunk read, so a failure surfaces before any byte is sent. `tenant`: a
         tier then keeps the request's prompt in that tenant's own prefix cache namespace, and a remote tier gets the
-        tenant's hints hashed (`forwarded`)."""
+        tenant's hints hashed (`forwarded`). `on_sent()`: called as the request is written to a replica's connection
+        (TierClient.stream_chat), not while the gateway still connects."""
         body = forwarded(body, tier, tenant, self.hint_key)
         tried: set[int] = set()
         last: TierError | None = None
@@ -142,7 +143,7 @@ class TierCaller:
             except NoTierAvailable as exc:
                 raise (last or exc) from None
             tried.add(replica.index)
-            chunks = self._chunks(replica, tier, body, affinity, cache_salt(tier, tenant), tenant or "")
+            chunks = self._chunks(replica, tier, body, affinity, cache_salt(tier, tenant), tenant or "", on_sent)
             try:
                 return Upstream(replica, chunks, await anext(chunks, None))
             except UpstreamUnreachable as exc:
@@ -152,7 +153,8 @@ class TierCaller:
         raise last
 
     async def _chunks(self, replica: Replica, tier: TierSpec, body: dict[str, Any], affinity: str | None,
-                      salt: str | None = None, tenant: str = "") -> AsyncIterator[dict[str, Any]]:
+                      salt: str | None = None, tenant: str = "",
+                      on_sent: Callable[[], None] | None = None) -> AsyncIterator[dict[str, Any]]:
         """The replica's chunks; how the call went is told to its breaker, latency average and affinity."""
         assert replica.url is not None
         replica.inflight += 1
@@ -161,7 +163,8 @@ class TierCaller:
         t0 = time.perf_counter()
         try:
             stream = self.client.stream_completion if "prompt" in body else self.client.stream_chat
-            async for chunk in stream(replica.url, body, api_key=self.fleet.api_key(tier), cache_salt=salt):
+            async for chunk in stream(replica.url, body, api_key=self.fleet.api_key(tier), cache_salt=salt,
+                                      on_sent=on_sent):
                 finished = finished or any(isinstance(c, dict) and c.get("finish_reason")
                                            for c in chunk.get("choices") or [])
                 yield chunk
