@@ -39,7 +39,7 @@ from gateway.ladder.apply import Degradation
 from gateway.ladder.controller import LadderController
 from gateway.metrics import GatewayMetrics
 from gateway.pipeline.context import RequestContext
-from gateway.pipeline.gate import TenantGate, scopes_of
+from gateway.pipeline.gate import TenantGate, refused_size, scopes_of
 from gateway.pipeline.refusals import RefusalLog
 from gateway.pipeline.reserve import ReserveStage, ratelimit_headers
 from gateway.services import Services
@@ -91,8 +91,8 @@ class EmbeddingsService:
             raise Unavailable(f"the gateway cannot take requests now: {why}", code="not_ready", retry_after=5)
         try:
             req = parse_body(body, EmbeddingRequest)
-        except InvalidRequest:  # its parse cost the event loop and charges nothing: the gate counts it, as for chat
-            self.gate.body_refused(ctx.tenant, len(body))
+        except InvalidRequest:  # its parse cost the event loop and charges nothing: the gate counts it, as for chat,
+            self.gate.body_refused(ctx.tenant, refused_size(body, ctx.headers))  # headers and all
             raise
         if not self.spec.enabled or req.model != self.spec.model:
             served = f"; this gateway serves {self.spec.model!r}" if self.spec.enabled else ""

@@ -255,7 +255,7 @@ class ChatCompletionRequest(GenerationRequest):
 
     unsupported_fields: ClassVar[dict[str, str]] = UNSUPPORTED_FIELDS
     # the body's width, before validation builds an object per part (wire/validation.parse_body calls it)
-    look_before_validating: ClassVar[Callable[[bytes], None]] = staticmethod(check_width)
+    look_before_validating: ClassVar[Callable[[bytes], bool]] = staticmethod(check_width)
     model_config = ConfigDict(strict=True, extra="forbid", json_schema_extra=request_schema)
 
     model: Annotated[str, Field(min_length=1, max_length=256)]

@@ -3,9 +3,10 @@
 A body is read as JSON (RFC 8259) by msgspec before pydantic validates it: pydantic's parser also takes `NaN`,
 `Infinity` and `-Infinity`, which are not JSON, and a body with one inside a free-form object (a tool's
 `parameters`, a `json_schema`'s schema) passed as a valid request. msgspec reads JSON only and skims a body without
-building it (about 0.5 ms a megabyte), so such a body is refused (400 `invalid_json`) before any validation; and a
-look before the validation (wire/body_width.py) that cannot read a body refuses it too, never leaves it to a
-validation that reads more than msgspec does.
+building it (about 0.5 ms a megabyte), so such a body is refused (400 `invalid_json`) before any validation. A look
+before the validation (wire/body_width.py) that reads a body itself reads it as msgspec does and refuses what it
+cannot read with the same error, never leaves it to a validation that reads more than msgspec does; that body is
+not read again.
 """
 
 from __future__ import annotations
@@ -40,15 +41,18 @@ class BodyError(Exception):
 
 def parse_body(body: bytes, model: type[M]) -> M:
     """Validate `body` (JSON) as `model`; raises BodyError (nothing else) when it is not one. A model's
-    `look_before_validating(body)`, where it has one, may refuse the body first (wire/body_width.py)."""
+    `look_before_validating(body)`, where it has one, may refuse the body first (wire/body_width.py); it returns
+    True where it read all of the body as msgspec reads JSON (refusing, with `unreadable`'s error, what it could
+    not read), and such a body is not read again (a wide chat body of 4 MB was read three times: 10.4 ms to refuse,
+    4.3 ms read once)."""
     if not body.strip():
         raise BodyError("the request body is empty; send a JSON object", None, "invalid_json")
-    try:
-        msgspec.json.decode(body, type=msgspec.Raw)  # read, not built: JSON only, whatever pydantic's parser takes
-    except UNREADABLE as exc:
-        raise unreadable(body, exc) from exc
-    if (look := getattr(model, "look_before_validating", None)) is not None:
-        look(body)
+    look = getattr(model, "look_before_validating", None)
+    if look is None or not look(body):
+        try:
+            msgspec.json.decode(body, type=msgspec.Raw)  # read, not built: JSON only, whatever pydantic's parser takes
+        except UNREADABLE as exc:
+            raise unreadable(body, exc) from exc
     try:
         return model.model_validate_json(body)
     except ValidationError as exc:

@@ -17,6 +17,7 @@ from gateway.pipeline.events import Delta, Done, Event, Head
 from gateway.pipeline.handle import parse_request
 from gateway.routes.answering import Framing, answer
 from gateway.routes.openapi import BEARER, MODEL_ERRORS, also, body, errors
+from gateway.validation import ServedStreamOptions
 from wire import responses
 from wire.chat_request import ChatCompletionRequest, request_schema
 from wire.response_models import ChatCompletion
@@ -28,10 +29,13 @@ def _without_priority(schema: dict[str, Any]) -> None:
 
 
 class ChatRequestBody(ChatCompletionRequest):
-    """The chat request as this gateway documents it: OpenAI's, without vLLM's `priority`, which our engines take
-    but the gateway refuses (a tenant's plan sets its priority)."""
+    """The chat request as this gateway documents it: OpenAI's, without vLLM's `priority` and with
+    `stream_options.continuous_usage_stats` only false, which our engines take but the gateway refuses
+    (gateway/validation.refuse_engine_only: a tenant's plan sets its priority)."""
 
     model_config = ConfigDict(title="ChatCompletionRequest", json_schema_extra=_without_priority)
+
+    stream_options: ServedStreamOptions | None = None
 
 
 @post("/v1/chat/completions", status_code=200, tags=["OpenAI"], summary="Create a chat completion",

@@ -20,6 +20,7 @@ from gateway.pipeline.events import Delta, Done, Event, Head
 from gateway.pipeline.text_completion import parse_completion
 from gateway.routes.answering import Framing, answer
 from gateway.routes.openapi import BEARER, MODEL_ERRORS, also, body, errors
+from gateway.validation import ServedStreamOptions
 from wire import responses
 from wire.completion_request import CompletionRequest, completion_schema
 from wire.response_models import TextCompletion
@@ -33,9 +34,12 @@ def _served_fields(schema: dict[str, Any]) -> None:
 
 class CompletionRequestBody(CompletionRequest):
     """The text-completion request as this gateway documents it: without `priority` (a plan sets it) and the
-    legacy `logprobs` (not served through the gateway), which are refused by name."""
+    legacy `logprobs` (not served through the gateway), which are refused by name, and with
+    `stream_options.continuous_usage_stats` only false (true is refused by name too)."""
 
     model_config = ConfigDict(title="CompletionRequest", json_schema_extra=_served_fields)
+
+    stream_options: ServedStreamOptions | None = None
 
 
 @post("/v1/completions", status_code=200, tags=["OpenAI"], summary="Create a text completion (legacy)",

@@ -128,3 +128,16 @@ def test_refused_bodies_empty_the_same_bucket_as_chat(gateway: Gateway) -> None:
         first, second, third = (c.post("/v1/embeddings", json=bad) for _ in range(3))
     assert first.status_code == second.status_code == 400
     assert third.status_code == 429 and third.json()["error"]["code"] == "rate_limit_invalid_requests"
+
+
+def test_a_refused_body_is_charged_its_headers_too(gateway: Gateway) -> None:
+    """As on the chat route (gateway/pipeline/gate.py's `refused_size`): a refused body of a few bytes under 5 KB of
+    headers cost the gateway the headers too, and was charged the body only."""
+    gate = gateway.app.state.services.pipeline.gate
+    gate.refused_bytes_burst, gate.refused_bytes_per_s = 4096, 1e-3  # a bucket that does not refill in the test
+    bad = {"model": MODEL, "input": ""}  # refused: an empty input
+    with httpx.Client(base_url=gateway.url, headers={"authorization": f"Bearer {gateway.tenant_key}"}) as c:
+        first = c.post("/v1/embeddings", json=bad, headers={"x-pad": "a" * 5000})
+        second = c.post("/v1/embeddings", json=bad)
+    assert first.status_code == 400 and first.json()["error"]["param"] == "input"
+    assert second.status_code == 429 and second.json()["error"]["code"] == "rate_limit_invalid_requests"
