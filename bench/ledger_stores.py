@@ -81,7 +81,8 @@ async def claim_latencies(url: str, held: int, claims: int) -> tuple[list[float]
     """Seconds per `begin` of a new key with `held` live records of the tenant, then per refused one at its bound."""
     import psycopg
 
-    from quotas.idempotency import MAX_RECORDS_PER_TENANT, Claim, Full, PostgresIdempotency
+    from quotas.idempotency import MAX_RECORDS_PER_TENANT, Claim, Full
+    from quotas.idempotency_postgres import PostgresIdempotency
 
     fill = ("INSERT INTO idempotency SELECT 'acme', 'held-' || g, 'fp', 'r', 'done', '{\"text\": \"hi\"}', 9e99 "
             "FROM generate_series(1, %s) AS g")

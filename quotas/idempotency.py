@@ -10,9 +10,9 @@ Three stores behind one interface:
   thread owns the connection), and a `done` record commits in the same transaction as the answer's ledger
   row (`finish_with_row` gives the statement the ledger runs with the row), so a row and its stored answer
   are durable together or not at all.
-- `PostgresIdempotency` (a fleet): the same table in the fleet database, beside the ledger's tables; a claim
-  is one statement on a connection of the async pool, and the `done` record commits with the ledger row, as
-  in SQLite, so any replica replays an answer whose row any replica wrote.
+- `PostgresIdempotency` (a fleet, quotas/idempotency_postgres.py): the same table in the fleet database, beside the
+  ledger's tables; a claim is one statement on a connection of the async pool, and the `done` record commits with the
+  ledger row, as in SQLite, so any replica replays an answer whose row any replica wrote.
 - `RedisIdempotency` (replicas, quotas/idempotency_redis.py): the record in Redis, claimed and finished by Lua
   scripts, so a replica that did not serve the first request replays it too.
 
@@ -28,13 +28,13 @@ kept by triggers, which a claim of a new key locks while it checks and inserts (
 is exact: SQLite and Redis serialize claims, PostgreSQL a tenant's claims of new keys. Expired records count until
 deleted: a tenant at its bound deletes its own before it is refused.
 
-A claim the database cannot take now is `LedgerUnavailable` (a retryable 503 at the gateway, before anything is counted,
-charged or run), with nothing claimed: SQLite busy past its timeout, locked, read-only, out of disk or failing its I/O
-(its transaction rolled back); PostgreSQL's connection lost or not had in time, a deadlock, a lock or statement
-timeout, a shutdown, a read-only server (a failover). A bug (an SQL error, another error code) is still raised as it
-is. A PostgreSQL claim whose reply was lost may have committed: it is sent again at once, and a running record of the
-same request (its owner, a request id no other request has) is its claim; if that fails too, the record it may have
-made is given up in the background once the database answers, so the client's retry is not told 409 for the lease.
+A claim SQLite cannot take now is `LedgerUnavailable` (a retryable 503 at the gateway, before anything is counted,
+charged or run), with nothing claimed: busy past its timeout, locked, read-only, out of disk or memory, or failing its
+I/O (its transaction rolled back). So is a claim its damaged file refuses (corrupt, or not a database), though that
+does not mend by itself: the client is told what is true (nothing ran or was charged; the same key may be sent again,
+or the request without it), and the operator is told once, by an error in the log, besides the refusals counted
+(`idempotency_unavailable`). A bug (an SQL error, another error code) is still raised as it is. PostgreSQL's: see its
+module.
 """
 
 from __future__ import annotations
@@ -77,8 +77,10 @@ MAX_BYTES_PER_TENANT = 256 * 1024 * 1024  # stored answers of its live keys (UTF
 MAX_ANSWER_BYTES = 4 * 1024 * 1024  # one stored answer (the largest request body the gateway accepts, too)
 _SELECT = "SELECT fingerprint, state, answer, expires FROM idempotency WHERE tenant = ? AND key = ?"
 # SQLite's primary result codes for a database that cannot take a claim now: BUSY, LOCKED, READONLY, IOERR, FULL,
-# CANTOPEN, PROTOCOL (anything else, "no such table" included, is a bug: raised as it is)
+# CANTOPEN, PROTOCOL; or not until an operator mends its file: CORRUPT, NOTADB (anything else, "no such table"
+# included, is a bug: raised as it is). Out of memory (NOMEM) comes as Python's MemoryError: see `_sqlite_fault`
 _SQLITE_UNAVAILABLE = frozenset({5, 6, 8, 10, 13, 14, 15})
+_SQLITE_DAMAGED = frozenset({11, 26})
 
 
 @dataclass(frozen=True)
@@ -165,26 +167,40 @@ class SQLiteIdempotency(IdempotencyStore):
     def __init__(self, path: Path, *, clock: Any = time.time, limits: Limits = DEFAULT_LIMITS) -> None:
         self._clock = clock
         self.limits = limits
+        self._path = path
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="idempotency")
-        self._conn = sqlite3.connect(path, isolation_level=None, timeout=5.0, check_same_thread=False)
-        self._conn.execute("PRAGMA journal_mode=WAL")
-        self._conn.execute("PRAGMA synchronous=NORMAL")
+        self._conn: sqlite3.Connection | None = self._connect()
         self._conn.executescript(SCHEMA)
         migrate_sqlite(self._conn)
         self._claims = 0
+        self._fault: str | None = None  # why claims are refused, since the first refused (logged once)
+
+    def _connect(self) -> sqlite3.Connection:
+        conn = sqlite3.connect(self._path, isolation_level=None, timeout=5.0, check_same_thread=False)
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=NORMAL")
+        return conn
 
     async def begin(self, tenant: str, key: str, fingerprint: str, owner: str, *, lease_s: float) -> Begun:
         try:
-            return await asyncio.get_running_loop().run_in_executor(
+            begun = await asyncio.get_running_loop().run_in_executor(
                 self._pool, self._begin, tenant, key, fingerprint, owner, lease_s)
-        except sqlite3.Error as exc:
-            if (getattr(exc, "sqlite_errorcode", None) or 0) & 0xFF not in _SQLITE_UNAVAILABLE:
+        except (sqlite3.Error, MemoryError) as exc:
+            if (found := _sqlite_fault(exc)) is None:
                 raise
-            raise LedgerUnavailable(f"the idempotency records cannot be written now: {exc}") from exc
+            fault, level = found
+            if fault != self._fault:  # logged once a fault, not once a request: a damaged file refuses every one
+                log.log(level, "idempotency claims refused (503) while %s cannot take them: %s", self._path, fault)
+            self._fault = fault
+            raise LedgerUnavailable(f"the idempotency records cannot be written now: {fault}") from exc
+        if self._fault is not None:
+            log.warning("idempotency claims written again after: %s", self._fault)
+            self._fault = None
+        return begun
 
     def _begin(self, tenant: str, key: str, fingerprint: str, owner: str, lease_s: float) -> Begun:
         now = self._clock()
-        conn = self._conn
+        conn = self._conn = self._conn or self._connect()
         # a stored answer is read without the database's write lock (a done record changes only when it expires),
         # and decoded after: replays of a large answer must not hold up the ledger's commits
         found = conn.execute(_SELECT, (tenant, key)).fetchone()
@@ -211,10 +227,22 @@ class SQLiteIdempotency(IdempotencyStore):
                 conn.execute("DELETE FROM idempotency WHERE expires <= ?", (now,))
             conn.execute("COMMIT")
         except BaseException:
-            if conn.in_transaction:  # SQLite may have rolled it back itself (a full disk, an I/O error)
-                conn.execute("ROLLBACK")
+            self._roll_back(conn)
             raise
         return _decoded(begun) if isinstance(begun, str) else begun
+
+    def _roll_back(self, conn: sqlite3.Connection) -> None:
+        """Roll back a claim that failed, if SQLite did not (it does for a full disk, an I/O error). A rollback that
+        fails too (out of memory: preparing it takes some) would leave the transaction open with the write lock, which
+        the ledger's writer waits for, and every later claim refused as a transaction within a transaction: the
+        connection is closed instead (SQLite rolls it back), and the next call opens another."""
+        if not conn.in_transaction:
+            return
+        try:
+            conn.execute("ROLLBACK")
+        except (sqlite3.Error, MemoryError):
+            self._conn = None
+            conn.close()
 
     def _full(self, tenant: str, now: float) -> Full | None:
         """None if the tenant has room for a new key (one row read); at its bound, its expired records are deleted
@@ -243,205 +271,27 @@ class SQLiteIdempotency(IdempotencyStore):
         await asyncio.get_running_loop().run_in_executor(self._pool, self._abandon, claim)
 
     def _abandon(self, claim: Claim) -> None:
+        self._conn = self._conn or self._connect()
         self._conn.execute("DELETE FROM idempotency WHERE tenant = ? AND key = ? AND owner = ? AND state = "
                            "'running'", (claim.tenant, claim.key, claim.owner))
 
     async def close(self) -> None:
         self._pool.shutdown(wait=True)
-        self._conn.close()
+        if self._conn is not None:
+            self._conn.close()
 
 
-# a claim in one statement (a CASE's branches run in order): a live key is not claimed; an expired one is taken over
-# (the tenant holds as many records after: no room needed), its row locked first and read at its newest (still
-# expired?); for a new key, the tenant's totals row is locked (read at its newest) and checked, one row however many
-# records it holds (quotas/idempotency_totals.py); no totals row yet is no room (see _PG_ROOM). Each path takes the
-# record's lock before the totals', as a stored answer's update does (its trigger), or only the totals': no deadlock.
-# Then what the key holds, if not claimed
-_PG_BEGIN = """
-WITH claimed AS (
-    INSERT INTO idempotency
-    SELECT %(tenant)s, %(key)s, %(fp)s, %(owner)s, 'running', NULL, %(expires)s
-    WHERE CASE WHEN EXISTS (SELECT 1 FROM idempotency WHERE tenant = %(tenant)s AND key = %(key)s
-                                                        AND expires > %(now)s) THEN false
-          WHEN EXISTS (SELECT 1 FROM idempotency WHERE tenant = %(tenant)s AND key = %(key)s)
-               THEN (SELECT expires <= %(now)s FROM idempotency WHERE tenant = %(tenant)s AND key = %(key)s FOR UPDATE)
-          ELSE (SELECT records < %(records)s AND bytes < %(bytes)s FROM idempotency_tenants
-                WHERE tenant = %(tenant)s FOR UPDATE) END
-    ON CONFLICT (tenant, key) DO UPDATE
-        SET fingerprint = excluded.fingerprint, owner = excluded.owner, state = 'running', answer = NULL,
-            expires = excluded.expires
-        WHERE idempotency.expires <= %(now)s
-    RETURNING 1
-)
-SELECT (SELECT count(*) FROM claimed), i.fingerprint, i.owner, i.state, i.answer, i.expires
-FROM (SELECT 1) AS one LEFT JOIN idempotency AS i ON i.tenant = %(tenant)s AND i.key = %(key)s
-"""
-# run only when a new key was not claimed: the tenant's totals row made (its first claim), its expired records
-# deleted (they count until then; the index on (tenant, expires) finds them), whether it had room as of this
-# statement's start (NULL: its totals row was made by a concurrent claim since) and when its first live record expires
-_PG_ROOM = """
-WITH made AS (INSERT INTO idempotency_tenants VALUES (%(tenant)s, 0, 0) ON CONFLICT (tenant) DO NOTHING RETURNING 1),
-     pruned AS (DELETE FROM idempotency WHERE tenant = %(tenant)s AND expires <= %(now)s RETURNING 1)
-SELECT (SELECT count(*) FROM made) + (SELECT count(*) FROM pruned),
-       (SELECT records < %(records)s AND bytes < %(bytes)s FROM idempotency_tenants WHERE tenant = %(tenant)s),
-       (SELECT min(expires) FROM idempotency WHERE tenant = %(tenant)s AND expires > %(now)s)
-"""
-# every tenant's expired records, their totals rows locked first (in tenant order) as a group commit locks them
-# before the records it updates: a prune that locked a record first, then waited for its tenant's totals row held by
-# a commit that waited for that record, deadlocked (found in review)
-PG_PRUNE = """
-WITH expired AS (SELECT DISTINCT tenant FROM idempotency WHERE expires <= %(now)s),
-     locked AS (SELECT t.tenant FROM idempotency_tenants AS t JOIN expired USING (tenant)
-                ORDER BY t.tenant COLLATE "C" FOR UPDATE OF t)
-DELETE FROM idempotency WHERE expires <= %(now)s AND tenant IN (SELECT tenant FROM locked)
-"""
-CLAIM_TRIES = 3  # claim statements a begin runs at most (room made or freed, or a key claimed concurrently: again)
-SENDS = 2  # a statement's sends at most, when the database failed it for now (its reply lost, a deadlock)
-RESEND_DELAY_S = 0.05
-GIVE_UP_DELAYS_S = (0.05, 5.0)  # between rounds of owed give-ups: the first, the most (under the gateway's 10 s wait)
-MAX_GIVE_UPS = 10_000  # claims owed a give-up at most
-GIVE_UP_FOR_S = 900.0  # how long an abandon the database refused is owed (longer than the gateway's lease, 600 s)
-_PG_FINISH = ("UPDATE idempotency SET state = 'done', answer = %s, expires = %s WHERE tenant = %s AND key = %s "
-              "AND owner = %s")
-_PG_ABANDON = "DELETE FROM idempotency WHERE tenant = %s AND key = %s AND owner = %s AND state = 'running'"
-
-
-class PostgresIdempotency(IdempotencyStore):
-    """Records in the fleet database at `url`, the same one the `PostgresLedger` writes (its migrations)."""
-
-    def __init__(self, url: str, *, clock: Any = time.time, max_connections: int = 10,
-                 timeout_s: float = 5.0, limits: Limits = DEFAULT_LIMITS) -> None:
-        import psycopg
-        from psycopg_pool import AsyncConnectionPool, PoolTimeout
-
-        from quotas.fleet_db import CONNECT_TIMEOUT_S
-        from quotas.ledger_postgres import open_schema
-
-        open_schema(url)
-        self._clock = clock
-        self.limits = limits
-        self._errors, self._no_connection = psycopg.Error, PoolTimeout
-        self._pool = AsyncConnectionPool(url, min_size=1, max_size=max_connections, open=False, timeout=timeout_s,
-                                         kwargs={"autocommit": True, "connect_timeout": CONNECT_TIMEOUT_S},
-                                         check=AsyncConnectionPool.check_connection, name="idempotency")
-        self._opened = False
-        self._claims = 0
-        self._give_ups: dict[tuple[str, str, str], float] = {}  # (tenant, key, owner): until when (time.monotonic())
-        self._worker: asyncio.Task[None] | None = None
-
-    async def _run(self, sql: str, args: Any, *, sends: int = SENDS) -> Any:
-        """One statement on a pooled connection, sent again if the database failed it for now (every statement here
-        is idempotent for its request); still failing, a retryable 503 (`NotSent` if it never reached a connection)."""
-        if not self._opened:  # the pool belongs to the loop that first uses it (the gateway's)
-            self._opened = True
-            await self._pool.open()
-        sent = False
-        for i in range(sends):
-            try:
-                async with self._pool.connection() as conn:
-                    sent = True
-                    cur = await conn.execute(sql, args)
-                    return await cur.fetchone() if cur.description else None
-            except self._errors as exc:
-                if not _pg_unavailable(exc):
-                    raise
-                # no connection within the pool's timeout: waiting as long again would not help
-                if i == sends - 1 or isinstance(exc, self._no_connection):
-                    why = f"the idempotency records cannot be reached: {exc}"
-                    raise (LedgerUnavailable(why) if sent else NotSent(why)) from exc
-            await asyncio.sleep(RESEND_DELAY_S)
-        raise AssertionError("unreachable")
-
-    async def begin(self, tenant: str, key: str, fingerprint: str, owner: str, *, lease_s: float) -> Begun:
-        now = self._clock()
-        args = {"tenant": tenant, "key": key, "fp": fingerprint, "owner": owner, "expires": now + lease_s, "now": now,
-                "records": self.limits.records, "bytes": self.limits.bytes}
-        self._claims += 1
-        if self._claims % PRUNE_EVERY == 0:
-            await self._run(PG_PRUNE, {"now": now})
-        try:
-            for _ in range(CLAIM_TRIES):
-                claimed, found_fp, found_owner, state, answer, expires = await self._run(_PG_BEGIN, args)
-                if claimed:
-                    return Claim(tenant, key, fingerprint, owner)
-                if found_fp is not None and expires > now:
-                    if found_fp != fingerprint:
-                        return Mismatch()
-                    if state == "running" and found_owner == owner:  # made by a send whose reply was lost
-                        return Claim(tenant, key, fingerprint, owner)
-                    return _decoded(answer) if state == "done" else Running()
-                # no room (or no totals row yet), or the key claimed by another request since the statement's snapshot
-                changed, room, first = await self._run(_PG_ROOM, args)
-                if not changed and room is False:
-                    return _full(now, first)
-        except NotSent:
-            raise
-        except LedgerUnavailable:  # a claim statement may have committed: this request will not run it
-            self._give_up_later((tenant, key, owner), lease_s)
-            raise
-        return Running() if room else _full(now, first)  # each try's room taken by claims at once: the key's too
-
-    def finish_with_row(self, claim: Claim, answer: dict[str, Any], ttl_s: float) -> tuple[Statement, ...]:
-        text, size = _encoded(answer)
-        if size > self.limits.answer_bytes:  # not kept: the claim is given up with the row
-            return ((_PG_ABANDON, (claim.tenant, claim.key, claim.owner)),)
-        return ((_PG_FINISH, (text, self._clock() + ttl_s, claim.tenant, claim.key, claim.owner)),)
-
-    async def abandon(self, claim: Claim) -> None:
-        try:
-            await self._run(_PG_ABANDON, (claim.tenant, claim.key, claim.owner))
-        except LedgerUnavailable:  # until it lands a retry waits (409), then runs
-            self._give_up_later((claim.tenant, claim.key, claim.owner), GIVE_UP_FOR_S)
-
-    def _give_up_later(self, at: tuple[str, str, str], for_s: float) -> None:
-        """Owe the give-up of `at`'s running claim (tenant, key, owner), if any, for `for_s` (only that request's, which
-        will not run: no other request's claim or answer is touched)."""
-        if at not in self._give_ups and len(self._give_ups) >= MAX_GIVE_UPS:
-            log.error("too many idempotency claims owed a give-up: key %r (tenant %s) stays claimed until its lease "
-                      "ends", at[1], at[0])
-            return
-        self._give_ups[at] = time.monotonic() + for_s
-        if self._worker is None or self._worker.done():
-            self._worker = asyncio.get_running_loop().create_task(self._give_up())
-
-    async def _give_up(self) -> None:
-        """Delete the owed claims, oldest first; a round stops at the first failure and the next waits longer."""
-        delay = GIVE_UP_DELAYS_S[0]
-        while self._give_ups:
-            for at, until in list(self._give_ups.items()):
-                if until > time.monotonic():
-                    try:
-                        await self._run(_PG_ABANDON, at)
-                    except LedgerUnavailable:
-                        await asyncio.sleep(delay)
-                        delay = min(delay * 2, GIVE_UP_DELAYS_S[1])
-                        break
-                if self._give_ups.get(at) == until:
-                    del self._give_ups[at]
-            else:
-                delay = GIVE_UP_DELAYS_S[0]
-
-    async def close(self) -> None:
-        if self._worker is not None:
-            self._worker.cancel()
-            await asyncio.gather(self._worker, return_exceptions=True)
-        if self._give_ups:
-            log.error("closing with %d idempotency claims owed a give-up: their keys stay claimed until their "
-                      "leases end", len(self._give_ups))
-        await self._pool.close()
-
-
-class NotSent(LedgerUnavailable):
-    """No connection to the database was had in time: the statement was not sent (nothing was claimed)."""
-
-
-def _pg_unavailable(exc: BaseException) -> bool:
-    """The database failing for now, not a bug in our SQL: the connection lost or not had in time, a deadlock or
-    serialization failure, a lock or statement timeout, a shutdown, no disk (psycopg's OperationalError: SQLSTATE
-    classes 08, 40, 53, 55, 57, 58), or a read-only server (25006: a standby, or a primary demoted by a failover)."""
-    import psycopg
-
-    return isinstance(exc, psycopg.OperationalError) or getattr(exc, "sqlstate", None) == "25006"
+def _sqlite_fault(exc: BaseException) -> tuple[str, int] | None:
+    """Why SQLite cannot take a claim and how loud to log it, or None for a bug: an error for a damaged file (it does
+    not mend by itself) or memory short, a warning for the rest (busy, full, read-only...). Out of memory is Python's
+    MemoryError (the sqlite3 module raises it for SQLite's NOMEM), and so is the process's own: either way the claim
+    was rolled back."""
+    if isinstance(exc, MemoryError):
+        return "out of memory", logging.ERROR
+    code = (getattr(exc, "sqlite_errorcode", None) or 0) & 0xFF
+    if code in _SQLITE_DAMAGED:
+        return f"{exc}: the file is damaged; restore it from a backup or recover it (sqlite3's .recover)", logging.ERROR
+    return (str(exc), logging.WARNING) if code in _SQLITE_UNAVAILABLE else None
 
 
 def _decoded(stored: str | bytes) -> Replay:

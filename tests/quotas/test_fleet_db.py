@@ -14,7 +14,8 @@ import psycopg
 import pytest
 
 from quotas.fleet_db import connect, migrate, version_of
-from quotas.idempotency import Claim, PostgresIdempotency, Replay
+from quotas.idempotency import Claim, Replay
+from quotas.idempotency_postgres import PostgresIdempotency
 from quotas.ledger_postgres import COMPONENT, MIGRATIONS, UPSERT_COUNT, PostgresLedger, open_schema
 from quotas.ledger_rows import COLUMNS, to_db
 from tests.quotas.test_ledger import row

@@ -1,9 +1,11 @@
 """Idempotency-Key claims on SQLite and PostgreSQL when the database fails: a claim it cannot take now (SQLite busy
-past its timeout or out of disk; PostgreSQL read-only, or unreachable) is `LedgerUnavailable` (a retryable 503 at the
-gateway) with nothing claimed, and a bug is still raised as it is. A PostgreSQL claim whose reply was lost after it
-committed is the request's own claim when sent again, and one the database cannot confirm is given up once it
-answers, so the client's retry runs (once) instead of waiting out the lease. Faults are real: a connection holding
-SQLite's write lock, SQLite's page limit, a read-only database, and a TCP proxy that cuts PostgreSQL's reply."""
+past its timeout or out of disk; PostgreSQL read-only, timed out, or unreachable) is `LedgerUnavailable` (a retryable
+503 at the gateway) with nothing claimed, and a bug is still raised as it is. A PostgreSQL claim the server refused
+(rolled back) is not sent again; one whose reply was lost after it committed is the request's own claim when sent
+again, and one the database cannot confirm is given up once it answers, so the client's retry runs (once) instead of
+waiting out the lease. Faults are real: a connection holding SQLite's write lock, SQLite's page limit, a read-only
+database, a lock held past PostgreSQL's statement timeout, and a TCP proxy that cuts PostgreSQL's reply
+(tests/quotas/test_idempotency_sqlite_faults.py has SQLite's damaged file and memory)."""
 
 from __future__ import annotations
 
@@ -18,19 +20,20 @@ from typing import Any
 import psycopg
 import pytest
 
-from quotas.idempotency import Claim, PostgresIdempotency, Running, SQLiteIdempotency
+from quotas.idempotency import Claim, Running, SQLiteIdempotency
+from quotas.idempotency_postgres import PostgresIdempotency
 from quotas.ledger import LedgerUnavailable
 from tests.postgres import PostgresServer
 from tests.stubs import free_port
 
-CLAIM = b"WITH claimed AS"  # the text of PostgreSQL's claim statement (quotas/idempotency.py's _PG_BEGIN)
+CLAIM = b"WITH claimed AS"  # the text of PostgreSQL's claim statement (quotas/idempotency_postgres.py's _PG_BEGIN)
 
 
 class PgProxy:
     """A TCP proxy in front of PostgreSQL that loses a reply: with `lose` set, the first statement whose text holds it
     goes to the server, which runs and commits it (it replies only then), and the connection is cut as the reply
     comes, so the client never hears. With `then_down` the database is unreachable after that (every connection cut,
-    new ones closed at once) until `up()`."""
+    new ones closed at once) until `up()`. With `count` set, `counted` is how many statements holding it were sent."""
 
     def __init__(self, server: PostgresServer) -> None:
         self.server = server
@@ -38,6 +41,8 @@ class PgProxy:
         self.lose: bytes | None = None
         self.then_down = False
         self.lost = 0
+        self.count: bytes | None = None
+        self.counted = 0
         self.refusing = False
         self._open: set[asyncio.StreamWriter] = set()
         self._loop = asyncio.new_event_loop()
@@ -86,6 +91,8 @@ class PgProxy:
 
         async def to_server() -> None:
             while data := await client_r.read(65536):
+                if self.count is not None and self.count in data:
+                    self.counted += 1
                 if self.lose is not None and self.lose in data:
                     self.lose = None
                     marked.set()
@@ -230,3 +237,23 @@ async def test_a_lost_claim_the_database_cannot_confirm_is_given_up_once_it_answ
         await asyncio.sleep(0.1)
     assert begun == Claim("acme", "k1", "body", "r2")  # the client's retry runs, once
     assert ("k1", "r2", "running") in records(database_url)
+
+
+async def test_a_claim_the_server_refused_is_not_sent_again_nor_given_up(closing: Keep, database_url: str,
+                                                                         pg_proxy: PgProxy) -> None:
+    """A statement timeout (the tenant's totals row, which a claim of a new key locks, held past it): the server rolled
+    the claim back, so it is a 503 at once, not after a second timeout (it was sent again), and no give-up is owed."""
+    store = closing(PostgresIdempotency(pg_proxy.url(database_url), timeout_s=1.0))  # its schema made; its pool opens
+    with psycopg.connect(database_url, autocommit=True) as conn:  # at its first claim, with the database's settings
+        conn.execute(f"ALTER DATABASE {database_url.rsplit('/', 1)[1]} SET statement_timeout = '1s'")
+    await store.begin("acme", "warm", "body", "r0", lease_s=600)  # the pool opened, the tenant's totals row made
+    pg_proxy.count = CLAIM
+    with psycopg.connect(database_url, autocommit=True) as holder:
+        holder.execute("BEGIN")
+        holder.execute("SELECT * FROM idempotency_tenants WHERE tenant = 'acme' FOR UPDATE")
+        with pytest.raises(LedgerUnavailable, match="statement timeout"):
+            await store.begin("acme", "k1", "body", "r1", lease_s=600)
+        holder.execute("ROLLBACK")
+    assert pg_proxy.counted == 1  # sent once
+    assert len(store._give_ups) == 0 and records(database_url) == [("warm", "r0", "running")]
+    assert await store.begin("acme", "k1", "body", "r2", lease_s=600) == Claim("acme", "k1", "body", "r2")

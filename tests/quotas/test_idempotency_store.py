@@ -17,11 +17,11 @@ from quotas.idempotency import (
     IdempotencyStore,
     Limits,
     Mismatch,
-    PostgresIdempotency,
     Replay,
     Running,
     SQLiteIdempotency,
 )
+from quotas.idempotency_postgres import PostgresIdempotency
 from quotas.idempotency_redis import RedisIdempotency
 from quotas.ledger import Ledger
 from tests.postgres import LedgerStore

@@ -11,8 +11,9 @@ import itertools
 import psycopg
 import pytest
 
-from quotas import idempotency
-from quotas.idempotency import Claim, Full, Limits, PostgresIdempotency, Replay, Running
+from quotas import idempotency_postgres
+from quotas.idempotency import Claim, Full, Limits, Replay, Running
+from quotas.idempotency_postgres import PostgresIdempotency
 from quotas.ledger_postgres import PostgresLedger, open_schema
 from tests.quotas.test_idempotency_store import Clock
 from tests.quotas.test_ledger import row
@@ -56,7 +57,7 @@ async def test_every_change_of_the_records_keeps_the_totals_exact(database_url: 
     """Claims, answers stored by group commits of several tenants (and one too large, given up with its row), an
     abandon, a takeover of an expired key, a tenant at its bound pruning its own and the periodic prune: after each,
     the totals are what counting the records says."""
-    monkeypatch.setattr(idempotency, "PRUNE_EVERY", 7)
+    monkeypatch.setattr(idempotency_postgres, "PRUNE_EVERY", 7)
     clock = Clock()
     ledger = PostgresLedger(database_url)
     store = PostgresIdempotency(database_url, clock=clock, limits=Limits(records=4, bytes=10**6, answer_bytes=900))
@@ -158,7 +159,7 @@ def test_the_periodic_prune_waits_for_a_group_commit_instead_of_deadlocking_with
     import threading
     import time
 
-    from quotas.idempotency import PG_PRUNE
+    from quotas.idempotency_postgres import PG_PRUNE
 
     open_schema(database_url)
     now = 1000.0
@@ -169,7 +170,7 @@ def test_the_periodic_prune_waits_for_a_group_commit_instead_of_deadlocking_with
     outcome: dict[str, str] = {}
     try:
         commit.execute("BEGIN")
-        commit.execute(idempotency._PG_FINISH, ("a" * 10, now + 3600, "prune-t", "k1", "o1"))
+        commit.execute(idempotency_postgres._PG_FINISH, ("a" * 10, now + 3600, "prune-t", "k1", "o1"))
 
         def run_prune() -> None:
             try:
@@ -181,7 +182,7 @@ def test_the_periodic_prune_waits_for_a_group_commit_instead_of_deadlocking_with
         pruning = threading.Thread(target=run_prune)
         pruning.start()
         time.sleep(0.3)
-        commit.execute(idempotency._PG_FINISH, ("b" * 10, now + 3600, "prune-t", "k2", "o2"))
+        commit.execute(idempotency_postgres._PG_FINISH, ("b" * 10, now + 3600, "prune-t", "k2", "o2"))
         commit.execute("COMMIT")
         pruning.join(10)
         assert outcome == {"prune": "ok"}
