@@ -10,14 +10,23 @@ served the query and the candidate must agree on:
 - comparatives and superlatives (more/less, bigger/smaller, best/worst, any "<word>er than"),
 - named entities (capitalized or mixed-case tokens not at a sentence start, acronyms, and a gazetteer of
   lower-case names such as programming languages); every entity of either side must occur in both,
-- and, where a directional word is present (than, vs, from, into, convert...), the order of those anchors,
-  so "is Paris bigger than London" never answers "is London bigger than Paris".
+- where a directional word is present (than, vs, from, into, convert...), the order of those anchors,
+  so "is Paris bigger than London" never answers "is London bigger than Paris",
+- and the layout of a text of several lines: its line breaks and each line's indentation (blank lines and code
+  fences aside), so a snippet whose `print(x)` moved out of its loop never answers the one where it is inside.
+
+The guards get the turns as sent and read them through `comparable`: NFKC (full-width, ligature and font variants
+read as their plain letters and digits) with collapsed whitespace, except that superscripts, subscripts, vulgar
+fractions and the like keep apart from their neighbours ("2³" reads "2^(3)", "10²" "10^(2)", "1⅛" "1(1⁄8)"), so the
+numbers guard tells "Is 2³ prime?" from "Is 23 prime?" although the two embed identically (the embedding reads plain
+NFKC, cache/request_key.py's `embedding_text`). The layout is read from the text as sent.
 
 All of this is cheap regex and set work on the two texts (tens of microseconds); it is a heuristic that
 errs on refusing: a refused paraphrase costs one model call, a wrong hit costs a wrong answer.
 
 The texts are a tenant's, so the work is linear and bounded: the guards read at most `MAX_CHARS` characters
-of a text, `check` refuses a text longer than that (it cannot vouch for what it did not read), and no pattern
+of a text, `check` refuses a text longer than that, as sent or as read (it cannot vouch for what it did not
+read; NFKC and the marks can lengthen a text), and no pattern
 backtracks over a run it has already scanned (possessive quantifiers, one scan per number). Numbers are
 compared as canonical strings, never converted, so a 20,000-digit "number" costs what its length costs.
 """
@@ -26,6 +35,7 @@ from __future__ import annotations
 
 import re
 import string
+import unicodedata
 from collections import Counter
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -35,6 +45,14 @@ from functools import lru_cache
 # embedder's 256 word pieces), so the guards always see the whole of both texts they compare.
 MAX_CHARS = 2048
 TOO_LONG = "text too long to compare"
+LAYOUT_DIFFERS = "layout differs"
+
+# Compatibility characters NFKC would run into their neighbours' digits: a run of superscripts or of subscripts is
+# read as "^(...)" or "_(...)"; any other character whose NFKC form holds a digit, except full-width and font
+# variants (which are digits as their neighbours are: "１２" is 12), as "(...)": ⅛ "(1⁄8)", ① "(1)", ⒈ "(1.)".
+_RUN_MARKS = {"<super>": "^", "<sub>": "_"}
+_PLAIN_DIGIT_TAGS = {"<wide>", "<font>", "<narrow>"}
+_FENCES = ("```", "~~~")  # a Markdown code fence line: whether a snippet is fenced does not change what it does
 
 _NUMBER_WORDS = {
     "zero": "0", "two": "2", "three": "3", "four": "4", "five": "5", "six": "6", "seven": "7",
@@ -173,6 +191,50 @@ def _number_units(text: str) -> Iterator[tuple[str, int]]:
             yield symbol.group(1), symbol.start(1)
 
 
+@lru_cache(maxsize=8192)
+def comparable(text: str) -> str:
+    """`text` as the guards compare it: NFKC and collapsed whitespace, with compatibility characters that would
+    merge with neighbouring digits marked apart ("2³" -> "2^(3)", "H₂O" -> "H_(2)O", "1⅛" -> "1(1⁄8)")."""
+    if not unicodedata.is_normalized("NFKC", text):
+        text = unicodedata.normalize("NFKC", _marked(text))
+    return _SPACES.sub(" ", text).strip()
+
+
+def _marked(text: str) -> str:
+    out: list[str] = []
+    run_mark, run = "", []  # the superscript or subscript run being read
+    for ch in text:
+        folded = unicodedata.normalize("NFKC", ch)
+        tag = unicodedata.decomposition(ch).split(" ", 1)[0] if folded != ch else ""
+        mark = _RUN_MARKS.get(tag, "")
+        if mark != run_mark and run:
+            out.append(f"{run_mark}({''.join(run)})")
+            run = []
+        run_mark = mark
+        if mark:
+            run.append(folded)
+        elif folded != ch and tag not in _PLAIN_DIGIT_TAGS and any(c.isdigit() for c in folded):
+            out.append(f"({folded})")
+        else:
+            out.append(ch)
+    if run:
+        out.append(f"{run_mark}({''.join(run)})")
+    return "".join(out)
+
+
+def layout(text: str) -> tuple[str, ...]:
+    """The indentation of each line of `text` (as sent, ends stripped) but blank lines and Markdown code fences
+    (markup, not content); () for a text of one line.
+
+    Two texts of several lines agree on it only with the same line breaks and the same indentation, character for
+    character (a tab is not four spaces): in code, either changes what runs."""
+    lines = text.replace("\r\n", "\n").strip().split("\n")
+    if len(lines) == 1:
+        return ()
+    return tuple(line[:len(line) - len(line.lstrip())] for line in lines
+                 if line.strip() and not line.lstrip().startswith(_FENCES))
+
+
 def extract(text: str) -> Features:
     """The numbers, units, negations, comparatives, entities and anchors of `text`'s first MAX_CHARS characters."""
     return _extract(text[:MAX_CHARS])
@@ -284,13 +346,18 @@ def _comparatives_disagree(a: frozenset[tuple[str, int]], b: frozenset[tuple[str
 
 
 def check(query: str, candidate: str) -> str | None:
-    """None when `candidate` may answer `query`; otherwise the reason for refusing, e.g. 'numbers differ'.
+    """None when `candidate` may answer `query` (both as sent); otherwise the reason for refusing, e.g. 'numbers
+    differ'.
 
-    A text longer than MAX_CHARS is refused (TOO_LONG): a detail past what the guards read could change its meaning.
+    A text longer than MAX_CHARS, as sent or as read (`comparable`), is refused (TOO_LONG): a detail past what the
+    guards read could change its meaning.
     """
     if len(query) > MAX_CHARS or len(candidate) > MAX_CHARS:
         return TOO_LONG
-    q, c = extract(query), extract(candidate)
+    query_read, candidate_read = comparable(query), comparable(candidate)
+    if len(query_read) > MAX_CHARS or len(candidate_read) > MAX_CHARS:
+        return TOO_LONG
+    q, c = extract(query_read), extract(candidate_read)
     if q.numbers != c.numbers:
         return "numbers differ"
     if q.units != c.units:
@@ -304,6 +371,8 @@ def check(query: str, candidate: str) -> str | None:
             return "entities differ"
     if (q.directional or c.directional) and _shared_order(q.anchors, c.anchors):
         return "order of entities differs"
+    if layout(query) != layout(candidate):
+        return LAYOUT_DIFFERS
     return None
 
 

@@ -3,12 +3,20 @@
 Three things come out of a request body:
 - `context_hash`: the system prompt(s), tools and every parameter that shapes the output (max_tokens,
   stop, response_format...). It is part of the scope, so neither layer ever matches across it.
-- `exact_key`: a hash of the whole normalized conversation (every turn, not only the last). Two requests
-  with the same exact key in the same scope are the same question.
+- `exact_key`: a hash of the whole conversation as sent (every turn, not only the last). Two requests with
+  the same exact key in the same scope are the same question.
 - `semantic_key`: what the semantic layer compares. The earlier turns (the history) must match exactly,
   through `history_hash`, which selects the faiss partition; the last user turn is embedded and compared
   by meaning. A follow-up such as "and in Celsius?" means something only in its history, and embeddings
   do not see small edits in long histories, so the history is never matched approximately.
+
+Every hash reads the texts as sent (`sent_text`): the only change is CRLF line ends to LF. Unicode
+compatibility forms and whitespace carry meaning ("2³" is not "23", "10²" not "102", an indented `print(x)` runs
+in its loop and an unindented one after it; a raw completion's trailing space changes its continuation), so a
+request that differs in them is another question to the exact layer. Only the embedding of the last user turn
+reads a normalized text (`embedding_text`), so that width and spacing variants still land near each other; the
+near-miss guards then read both turns as sent (cache/guards.py). `KEY_VERSION` is in every hash: entries stored
+under an older way of keying are unreachable (a miss), never served to a request they did not answer.
 
 `decide()` says whether a request may be looked up and stored, with the reason, e.g. `bypass: temperature>0`.
 """
@@ -23,7 +31,13 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from cache.guards import MAX_CHARS
 from wire.chat_request import SYSTEM_ROLES
+
+# In every hash below. Bump it whenever what a hash reads changes: every scope id, exact key and partition changes
+# with it, so no entry keyed the old way is ever found by a request keyed the new way. "k2": the texts as sent
+# (k1, unversioned, hashed NFKC with collapsed whitespace and served "Is 23 prime?" the answer to "Is 2³ prime?").
+KEY_VERSION = "k2"
 
 # Request fields that change what the model answers (besides messages and sampling); part of the scope.
 OUTPUT_PARAMS = ("max_tokens", "max_completion_tokens", "stop", "response_format", "logit_bias", "logprobs",
@@ -34,26 +48,46 @@ OUTPUT_PARAMS = ("max_tokens", "max_completion_tokens", "stop", "response_format
 _WS = re.compile(r"\s+")
 
 
+def sent_text(text: str) -> str:
+    """A text as the client sent it, CRLF line ends made LF: what the keys hash and the guards read.
+
+    Nothing else is changed. NFKC would make "2³" "23"; collapsing whitespace would make an indented line an
+    unindented one; even stripping the ends is not safe (a raw prompt's trailing space or newline changes its
+    continuation, a leading indent belongs to a pasted block), and a repeat sent byte for byte hits either way.
+    """
+    return text.replace("\r\n", "\n") if "\r" in text else text
+
+
 def normalize_text(text: str) -> str:
-    """Unicode NFKC and collapsed whitespace. Case and punctuation are kept: they can change the meaning."""
+    """Unicode NFKC and collapsed whitespace: for the embedding only (`embedding_text`), never for a key or a
+    guard, since both erase differences that change the meaning ("2³" and "23")."""
     return _WS.sub(" ", unicodedata.normalize("NFKC", text)).strip()
 
 
+def embedding_text(last_user_text: str) -> str:
+    """What the semantic layer embeds for a last user turn (as sent): NFKC with collapsed whitespace, so width,
+    ligature and spacing variants of one question embed alike. The near-miss guards, not the embedding, tell
+    apart what this folds together. Empty (never embedded, matched exactly only) when the turn is longer than
+    the guards read: a candidate found for it could only be refused."""
+    return normalize_text(last_user_text) if len(last_user_text) <= MAX_CHARS else ""
+
+
 def content_text(content: Any) -> str:
-    """The text of a message's content: a string, or OpenAI content parts (text parts; others by reference)."""
+    """The text of a message's content as sent: a string, or OpenAI content parts (text parts; others by
+    reference)."""
     if content is None:
         return ""
     if isinstance(content, str):
-        return normalize_text(content)
+        return sent_text(content)
     if isinstance(content, list):
         parts: list[str] = []
         for part in content:
             if isinstance(part, Mapping) and part.get("type") == "text":
-                parts.append(normalize_text(str(part.get("text", ""))))
+                parts.append(sent_text(str(part.get("text", ""))))
             else:  # images, audio, files: their exact reference is part of the question
                 parts.append("\x00" + json.dumps(part, sort_keys=True, separators=(",", ":")))
         return "\n".join(parts)
-    return normalize_text(str(content))
+    return sent_text(str(content))
 
 
 def _digest(obj: Any) -> str:
@@ -77,7 +111,7 @@ def context_hash(request: Mapping[str, Any]) -> str:
     """Hash of the system prompt(s), tools and output-shaping parameters: what besides the turns shapes the answer."""
     system, _ = _split(request)
     params = {k: request[k] for k in OUTPUT_PARAMS if request.get(k) is not None}
-    return _digest([[_turn(m) for m in system], request.get("tools") or [], params])[:32]
+    return _digest([KEY_VERSION, [_turn(m) for m in system], request.get("tools") or [], params])[:32]
 
 
 def sampling_class(request: Mapping[str, Any]) -> str:
@@ -96,9 +130,14 @@ def sampling_class(request: Mapping[str, Any]) -> str:
 class RequestKey:
     """The scope-independent keys of one request."""
 
-    exact_key: str  # hash of every normalized turn
+    exact_key: str  # hash of every turn as sent
     history_hash: str  # hash of every turn before the last user turn (and after it, if any)
-    last_user_text: str  # the normalized last user turn: embedded, and checked by the guards
+    last_user_text: str  # the last user turn as sent (`sent_text`): read by the guards; embedded normalized
+
+    @property
+    def embedding_text(self) -> str:
+        """What the semantic layer embeds for this request (`embedding_text`)."""
+        return embedding_text(self.last_user_text)
 
 
 def request_key(request: Mapping[str, Any]) -> RequestKey:
@@ -106,10 +145,11 @@ def request_key(request: Mapping[str, Any]) -> RequestKey:
     _, conversation = _split(request)
     turns = [_turn(m) for m in conversation]
     last_user = max((i for i, m in enumerate(conversation) if m.get("role") == "user"), default=None)
+    exact = _digest([KEY_VERSION, turns])[:32]
     if last_user is None:
-        return RequestKey(_digest(turns)[:32], _digest(["history", turns])[:32], "")
+        return RequestKey(exact, _digest([KEY_VERSION, "history", turns])[:32], "")
     history = [*turns[:last_user], ["<last-user>"], *turns[last_user + 1:]]
-    return RequestKey(_digest(turns)[:32], _digest(["history", history])[:32], turns[last_user][2])
+    return RequestKey(exact, _digest([KEY_VERSION, "history", history])[:32], turns[last_user][2])
 
 
 @dataclass(frozen=True, slots=True)

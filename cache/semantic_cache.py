@@ -1,12 +1,15 @@
 """The cache facade the gateway calls: `alookup` before routing, `remember` + `apersist` after a fresh answer.
 
 A lookup goes: tenant policy and cacheability (`request_key.decide`) -> exact layer (the scope and the
-whole normalized conversation: first this process's answers still being written or written and read lately
+whole conversation as sent: first this process's answers still being written or written and read lately
 (`cache.recent`), then the store) -> semantic
-layer (embed the last user turn if it is short enough to be compared whole, `SEMANTIC_MAX_CHARS`; search the
+layer (embed the last user turn, NFKC with collapsed whitespace (`request_key.embedding_text`), if it is short
+enough to be compared whole, `SEMANTIC_MAX_CHARS`; search the
 faiss partition of its scope and history, take the nearest candidates above the tenant's threshold and within
-`fallback_margin` of the nearest, and serve the first one the near-miss guards accept and, for a plan with
-`meaning_check`, the meaning check too: cache/meaning_check.py, one forward pass for each such candidate). Every
+`fallback_margin` of the nearest, and serve the first one the near-miss guards accept (they read both turns as
+sent, so "2³" is not "23" to them, nor an indented line an unindented one, though both pairs embed alike) and, for a
+plan with `meaning_check`, the meaning check too, on the texts as the guards read them (`guards.comparable`):
+cache/meaning_check.py, one forward pass for each such candidate). Every
 result says why, so the gateway can put it in `x-tiergate-cache` and in metrics.
 
 The async path is built for many concurrent requests on one event loop. Policy, keys and the in-memory exact
@@ -45,7 +48,7 @@ from cache.meaning_check import MeaningCheck
 from cache.meaning_gate import MEANING_CHECKED, MEANING_DIFFERS, first_accepted
 from cache.pending import PendingWrites
 from cache.recent import RecentEntries
-from cache.request_key import conversation_chars, decide, request_key
+from cache.request_key import conversation_chars, decide, embedding_text, request_key
 from cache.results import Bypass, CacheStats, Hit, LookupResult, Miss, Near, Probe, TenantPolicy
 from cache.scope import CacheScope
 from cache.stale_versions import StaleVersions
@@ -122,7 +125,7 @@ class SemanticCache:
         found = self._exact(plan)
         if found is not None:
             return found
-        return self._semantic(plan, self.vectors.get(plan.key.last_user_text))
+        return self._semantic(plan, self.vectors.get(plan.key.embedding_text))
 
     async def alookup(self, scope: CacheScope, request: Mapping[str, Any], *,
                       headers: Mapping[str, str] | None = None, policy: TenantPolicy | None = None) -> LookupResult:
@@ -138,7 +141,7 @@ class SemanticCache:
             found = await asyncio.to_thread(self._exact, plan)
             if found is not None:
                 return found
-            vector = await self.vectors.aget(plan.key.last_user_text, coming, owner=scope.tenant)
+            vector = await self.vectors.aget(plan.key.embedding_text, coming, owner=scope.tenant)
         return await asyncio.to_thread(self._semantic, plan, vector)
 
     def _begin(self, scope: CacheScope, request: Mapping[str, Any], headers: Mapping[str, str] | None,
@@ -227,7 +230,8 @@ class SemanticCache:
         was), cache/meaning_gate.py."""
         if not plan.policy.meaning_check:
             return candidates[0], ""
-        return first_accepted(self.meaning, plan.key.last_user_text, [(c[0].semantic_text, c) for c in candidates],
+        return first_accepted(self.meaning, guards.comparable(plan.key.last_user_text),
+                              [(guards.comparable(c[0].semantic_text), c) for c in candidates],
                               scope=plan.scope.scope_id, refused=self.stats.refused)
 
     def label(self, result: LookupResult, policy: TenantPolicy, fresh: str) -> bool | None:
@@ -265,14 +269,14 @@ class SemanticCache:
     def persist(self, entry: Entry) -> Entry | None:
         """Embed a remembered entry (unless its lookup did) and write it; None if it was purged meanwhile."""
         if entry.embedding is None:
-            entry.embedding = self.vectors.get(entry.semantic_text)
+            entry.embedding = self.vectors.get(embedding_text(entry.semantic_text))
         return self._write(entry)
 
     async def apersist(self, entry: Entry) -> Entry | None:
         """`persist` for the event loop: the embedding batched with others', the write in a worker thread."""
         try:
             if entry.embedding is None:
-                entry.embedding = await self.vectors.aget(entry.semantic_text)
+                entry.embedding = await self.vectors.aget(embedding_text(entry.semantic_text))
             return await asyncio.to_thread(self._write, entry)
         finally:
             self.pending.forget(entry)

@@ -7,11 +7,13 @@ from cache.request_key import context_hash, sampling_class
 from tests.cache.conftest import chat
 
 
-def test_exact_key_ignores_whitespace_but_not_case_or_words() -> None:
-    a = request_key(chat("What is  2+2?\n"))
-    assert a.exact_key == request_key(chat("What is 2+2?")).exact_key
-    assert a.exact_key != request_key(chat("what is 2+2?")).exact_key
-    assert a.exact_key != request_key(chat("What is 2+3?")).exact_key
+def test_exact_key_is_the_text_as_sent_but_line_ends() -> None:
+    a = request_key(chat("What is 2+2?\r\n"))
+    assert a.exact_key == request_key(chat("What is 2+2?\n")).exact_key  # CRLF is LF
+    assert a.exact_key != request_key(chat("What is 2+2?")).exact_key  # whitespace is kept: test_sent_text.py
+    assert a.exact_key != request_key(chat("What is  2+2?\n")).exact_key
+    assert a.exact_key != request_key(chat("what is 2+2?\n")).exact_key
+    assert a.exact_key != request_key(chat("What is 2+3?\n")).exact_key
 
 
 def test_exact_key_covers_every_turn_not_only_the_last() -> None:
