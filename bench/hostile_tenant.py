@@ -17,13 +17,18 @@ and temperatures at and past their bounds, stop strings at and past their limits
 deeply nested JSON, 160,000 content parts, unknown and unsupported fields, a flood that the tenant's
 rate limit refuses, response formats whose grammar fails mid-answer (a replica's breaker must not count them; then
 each one new, a grammar compile each),
-an allOf of anyOfs of patterns (seconds of a grammar compiler's time), and 4 MB of tools with tool_choice
-"none"; against the cache's victim: embeddings of 2,048 texts a request, prompts that cannot fit
+an allOf of anyOfs of patterns (seconds of a grammar compiler's time), 4 MB of tools with tool_choice
+"none", a body as wide as the size limit allows (160,512 content parts in 4 MiB) with a `NaN` in a tool's
+`parameters` (not JSON: such bodies once skipped the width check and were validated part by part), and a header
+flood (as many headers as allowed, padded to just under the head's size limit; then ten times the count; then a
+512 KiB header); against the cache's victim: embeddings of 2,048 texts a request, prompts that cannot fit
 after the answer to their history was cached, long prompts on `auto` (counted and predicted on threads
 tenants take in turn), and a tenant over its budget asking new questions (each one looked up, then refused).
 
 Honours the same TIERGATE_* settings as `tiergate serve` (models directory, engine threads through the
-tiers file it writes). The machine's CPU and the engines' thread counts are printed with the results.
+tiers file it writes; the body size limit, which the widest bodies fill). The machine's CPU and the engines'
+thread counts are printed with the results; the JSON (--out) has each phase's p50, p95 and p99 besides its
+latencies.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import os
 import platform
 import random
 import re
+import socket
 import string
 import subprocess
 import sys
@@ -49,6 +55,8 @@ from pathlib import Path
 import httpx
 
 from bench.serve_gateway import free_port, tiergate_serve
+from gateway.http_limits import MAX_HEAD_BYTES, MAX_HEADERS
+from gateway.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
 VICTIM_BODY = {"messages": [{"role": "user", "content": "Say hello in one short sentence."}], "max_tokens": 8,
@@ -88,6 +96,7 @@ class Served:
     flooder_key: str = ""
     broke_key: str = ""  # a tenant whose daily budget one answer spends
     asked: int = 0  # the cache's victim's questions so far (each one new)
+    max_body_bytes: int = 4 * 1024 * 1024  # the gateway's (TIERGATE_MAX_BODY_BYTES)
 
 
 @dataclass(frozen=True)
@@ -128,11 +137,18 @@ def served(models_dir: Path, *, engine_threads: int = 1) -> Iterator[Served]:
                             "TIERGATE_PORT": str(port), "TIERGATE_TIERS_FILE": str(data / "tiers.yaml"),
                             "TIERGATE_PLANS_FILE": str(data / "plans.yaml"), "TIERGATE_BUILD_MISSING_MODELS": "0"}
         with tiergate_serve(env, ready_timeout_s=500) as started:
-            s = Served(f"http://127.0.0.1:{port}", started.proc, started.admin_key, started.demo_key)
+            s = Served(f"http://127.0.0.1:{port}", started.proc, started.admin_key, started.demo_key,
+                       max_body_bytes=_served_settings().max_body_bytes)
             s.attacker_key = _tenant_key(s, "mallory", "attacker")
             s.flooder_key = _tenant_key(s, "flood", "flooder")
             s.broke_key = _tenant_key(s, "broke", "broke")
             yield s
+
+
+def _served_settings() -> Settings:
+    """The settings `tiergate serve` reads besides what `served` sets: this environment's TIERGATE_* variables, and
+    the .env file where it runs."""
+    return Settings(_env_file=ROOT / ".env")  # type: ignore[call-arg]
 
 
 def _tenant_key(s: Served, name: str, plan: str) -> str:
@@ -146,6 +162,66 @@ def _tenant_key(s: Served, name: str, plan: str) -> str:
 def _post(c: httpx.Client, body: dict | bytes) -> int:
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
     return c.post("/v1/chat/completions", content=content, headers={"content-type": "application/json"}).status_code
+
+
+def _raw_post(c: httpx.Client, headers: list[tuple[str, str]], body: bytes = b"{}") -> int:
+    """A chat request with `c`'s key and exactly `headers` besides its host, key, content type and length, sent as
+    written (httpx adds its own) on a connection of its own: the answer's status."""
+    host, port = c.base_url.host, c.base_url.port
+    head = [("host", f"{host}:{port}"), ("authorization", c.headers["authorization"]), *headers,
+            ("content-type", "application/json"), ("content-length", str(len(body)))]
+    raw = "POST /v1/chat/completions HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in head) + "\r\n"
+    try:
+        with socket.create_connection((host, port), timeout=120) as sock:
+            sock.sendall(raw.encode() + body)
+            got = b""
+            while not _whole(got):
+                if not (chunk := sock.recv(65536)):
+                    break
+                got += chunk
+    except OSError as exc:
+        raise httpx.TransportError(repr(exc)) from exc
+    if not got.startswith(b"HTTP/1.1 "):
+        raise httpx.RemoteProtocolError(f"no answer: {got[:80]!r}")
+    return int(got.split(b" ", 2)[1])
+
+
+def _whole(got: bytes) -> bool:
+    """An answer's head has come, and as much body as its content-length says."""
+    head, sep, body = got.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").lower().split("\r\n")
+    length = next((int(line.split(":", 1)[1]) for line in lines if line.startswith("content-length:")), 0)
+    return bool(sep) and len(body) >= length
+
+
+BIG_HEADER = 8 * MAX_HEAD_BYTES  # the header flood's one header past the size limit (see header_flood)
+
+
+def header_flood() -> list[list[tuple[str, str]]]:
+    """The header flood's requests, besides their host, key, content type and length (4 header lines): as many
+    headers as allowed padded to 4 KiB under the head's size limit (read: its `{}` body is then refused, the
+    headers charged to the tenant's refused bytes); ten times as many as allowed (431 too_many_headers); one header
+    of BIG_HEADER bytes (431 headers_too_large). That one is 8 times the limit, not just past it: the gateway counts
+    a head's bytes by the reads before the one that ends it (asyncio reads up to 256 KiB at a time), so a head of
+    64 to 256 KiB that comes in one read is read whole and answered by the app."""
+    n = MAX_HEADERS - 4
+    pad = (MAX_HEAD_BYTES - 4096) // n - len("x-pad-00: \r\n")
+    return [[(f"x-pad-{i:02d}", "a" * pad) for i in range(n)],
+            [(f"x-{i}", "a") for i in range(10 * MAX_HEADERS)],
+            [("x-big", "a" * BIG_HEADER)]]
+
+
+def nan_wide(max_body_bytes: int) -> bytes:
+    """A chat body of as many messages of 256 empty text parts as fit in `max_body_bytes` (4 MiB: 627, 160,512
+    parts), with a `NaN` in a tool's parameters (json.dumps writes float("nan") so): not JSON."""
+    def body(messages: int) -> bytes:
+        return json.dumps({"model": "mid", "max_tokens": 4, "tool_choice": "none",
+                           "messages": [{"role": "user", "content": [{"type": "text", "text": ""}] * 256}] * messages,
+                           "tools": [{"type": "function", "function": {
+                               "name": "f", "parameters": {"type": "object", "x": float("nan")}}}]},
+                          separators=(",", ":")).encode()
+    per_message = len(body(2)) - len(body(1))
+    return body(max(1, (max_body_bytes - len(body(0))) // per_message))
 
 
 def _schema(schema: dict[str, object]) -> dict[str, object]:
@@ -184,6 +260,15 @@ def attacks(s: Served) -> list[Attack]:
     tools_none = json.dumps({**_user("hi", max_tokens=1), "tool_choice": "none", "tools": [  # 4 MB, not offered
         {"type": "function", "function": {"name": f"f{i}", "parameters": {"type": "object", "properties": params}}}
         for i in range(124)]}, separators=(",", ":")).encode()
+
+    nan_body = nan_wide(s.max_body_bytes)
+    parts = nan_body.count(b'{"type":"text"')
+    flood = header_flood()
+
+    def headers(c: httpx.Client) -> int:
+        headers.sent += 1  # type: ignore[attr-defined]
+        return _raw_post(c, flood[headers.sent % len(flood)])  # type: ignore[attr-defined]
+    headers.sent = 0  # type: ignore[attr-defined]
 
     def regex_bait(c: httpx.Client) -> int:
         _post(c, _user(digits, temperature=0))  # cached (the first time) for the attacker's own tenant
@@ -225,6 +310,10 @@ def attacks(s: Served) -> list[Attack]:
             {"anyOf": [{"type": "string", "pattern": f"^.*{chr(97 + i)}{j}.*$"} for i in range(5)]}
             for j in range(6)]}))), threads=6),
         Attack("4 MB of tools nobody calls", cycle(tools_none), threads=2),
+        Attack(f"NaN in a tool's parameters of {parts:,} content parts ({len(nan_body) / 1e6:.1f} MB)",
+               cycle(nan_body), threads=2),
+        Attack(f"a header flood ({MAX_HEADERS} headers in {MAX_HEAD_BYTES // 1024 - 4} KiB, "
+               f"{10 * MAX_HEADERS:,} headers, one of {BIG_HEADER // 1024} KiB)", headers, threads=2),
     ]
 
 
@@ -330,19 +419,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--victim-requests", type=int, default=40, help="victim requests per phase (default 40)")
     ap.add_argument("--engine-threads", type=int, default=1, help="torch threads per engine (default 1)")
-    ap.add_argument("--attacks", default="", help="run only the attacks whose name contains this text (both "
-                    "victims' alone phases run when one of theirs does); default every attack")
+    ap.add_argument("--attacks", action="append", help="run only the attacks whose name contains this text; "
+                    "given again, those that contain any of them (both victims' alone phases run when one of theirs "
+                    "does); default every attack")
     ap.add_argument("--out", type=Path, help="also write the results as JSON here")
     args = ap.parse_args()
-    from gateway.settings import Settings
-
     models_dir = Settings().resolved_models_dir  # TIERGATE_MODELS_DIR / TIERGATE_DATA_DIR, as `tiergate serve`
     print(f"CPU: {cpu_model()}, {os.cpu_count()} cores; engines: mid (int8) and full, "
           f"{args.engine_threads} torch thread(s) each; {args.victim_requests} victim requests per phase")
     with served(models_dir, engine_threads=args.engine_threads) as s:
         run_phase(s, "warm-up", 4)
-        chosen = [a for a in attacks(s) if args.attacks in a.name]
-        cache_chosen = [a for a in cache_attacks(s) if args.attacks in a.name]
+        wanted = args.attacks or [""]
+        chosen = [a for a in attacks(s) if any(w in a.name for w in wanted)]
+        cache_chosen = [a for a in cache_attacks(s) if any(w in a.name for w in wanted)]
         alone = run_phase(s, "victim alone", args.victim_requests if chosen else 0)
         phases = [run_phase(s, a.name, args.victim_requests, a) for a in chosen]
         cache_alone = run_phase(s, "cache's victim alone", args.victim_requests if cache_chosen else 0, cache=True)
@@ -364,6 +453,7 @@ def main() -> None:
         args.out.write_text(json.dumps({
             "cpu": cpu_model(), "engine_threads": args.engine_threads, "after": after,
             "phases": [{"name": ph.name, "victim": victim, "victim_s": ph.victim_s,
+                        **{f"p{q}": ph.p(q / 100) if ph.victim_s else None for q in (50, 95, 99)},
                         "victim_failed": ph.victim_failed, "attacker": dict(ph.attacker)}
                        for victim, group in (("engine", (alone, *phases)), ("cache", (cache_alone, *cache_phases)))
                        for ph in group]}, indent=1))

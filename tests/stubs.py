@@ -5,6 +5,10 @@ engine does. Message content can steer it: `STUB:400` answers 400, `STUB:slow` s
 cancellation), `STUB:die` drops the connection mid-stream, `STUB:big` answers up to 200 pieces of 100,000
 characters (more than the sockets between a client and the gateway hold), `STUB:schema-fail` streams two words and
 then our engine's error event for a response_format whose grammar could not go on (`response_format_failed`).
+
+Also what the tests that start a gateway in front of such upstreams share: the routes every upstream answers
+(`health_routes`), a tiers file of OpenAI-compatible tiers (`openai_tiers`) and the settings of a gateway that reads
+it (`write_settings`).
 """
 
 from __future__ import annotations
@@ -15,11 +19,15 @@ import socket
 import threading
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import uvicorn
 from litestar import Litestar, Request, Response, get, post
+from litestar.handlers import HTTPRouteHandler
 from litestar.response import Stream
+
+from gateway.settings import Settings
 
 REPLY = "Hello from the stub upstream ."
 TEXT_REPLY = "and so the stub went on ."  # what it continues a text completion's prompt with
@@ -37,16 +45,22 @@ class StubState:
         self.finished: list[str] = []  # "done" or "disconnected", in order
 
 
-def stub_app(state: StubState, reply: str = REPLY) -> Litestar:
-    """An OpenAI-compatible upstream answering `reply` (cut at max_tokens words) to every chat."""
+def health_routes(model: str = "stub") -> list[HTTPRouteHandler]:
+    """GET /health and GET /v1/models (listing `model`), new for each app: what the gateway's health check of a
+    remote tier reads."""
     @get("/health")
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
     @get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": "stub", "object": "model"}]}
+        return {"object": "list", "data": [{"id": model, "object": "model"}]}
 
+    return [health, models]
+
+
+def stub_app(state: StubState, reply: str = REPLY) -> Litestar:
+    """An OpenAI-compatible upstream answering `reply` (cut at max_tokens words) to every chat."""
     @post("/v1/chat/completions", status_code=200)
     async def chat(request: Request[Any, Any, Any]) -> Response[Any]:
         body = json.loads(await request.body())
@@ -73,7 +87,7 @@ def stub_app(state: StubState, reply: str = REPLY) -> Litestar:
         return Stream(_sse(state, body, words, len(str(body["prompt"]).split()), 0.0, die=False, legacy=True),
                       media_type="text/event-stream")
 
-    return Litestar([health, models, chat, completions])
+    return Litestar([*health_routes(), chat, completions])
 
 
 async def _sse(state: StubState, body: dict[str, Any], words: list[str], prompt_tokens: int, delay: float,
@@ -118,6 +132,33 @@ async def _sse(state: StubState, body: dict[str, Any], words: list[str], prompt_
         raise
 
 
+# what every tier of `openai_tiers` has unless it says otherwise
+TIER_DEFAULTS: dict[str, Any] = {"backend": "openai", "price_per_1k_input": "0.001", "price_per_1k_output": "0.002",
+                                 "hardware_cost_per_hour": "1", "context_limit": 4096}
+
+
+def openai_tiers(tiers: dict[str, dict[str, Any]], **common: Any) -> str:
+    """A tiers file: each tier named in `tiers` with its own fields over `common` over TIER_DEFAULTS, its model
+    `stub-NAME` unless one is given; `url` stands for `urls: [url]`. Values are written as JSON (YAML reads it
+    alike), so a price given as a string stays the decimal it spells."""
+    out = "tiers:\n"
+    for name, own in tiers.items():
+        fields = TIER_DEFAULTS | {"model": f"stub-{name}"} | common | own
+        if "url" in fields:
+            fields["urls"] = [fields.pop("url")]
+        out += f"  {name}:\n" + "".join(f"    {key}: {json.dumps(value)}\n" for key, value in fields.items())
+    return out
+
+
+def write_settings(directory: Path, models_dir: Path, tiers: str, plans: str, **overrides: Any) -> Settings:
+    """A gateway's settings with `tiers` and `plans` written as tiers.yaml and plans.yaml in `directory`, its data
+    in directory/data, and `overrides`."""
+    (directory / "tiers.yaml").write_text(tiers)
+    (directory / "plans.yaml").write_text(plans)
+    return Settings(data_dir=directory / "data", models_dir=models_dir, tiers_file=directory / "tiers.yaml",
+                    plans_file=directory / "plans.yaml", **overrides)
+
+
 class ServerThread:
     """Runs an ASGI app with uvicorn on a free loopback port until `stop`."""
 
@@ -140,6 +181,12 @@ class ServerThread:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=10)
+
+    def __enter__(self) -> ServerThread:  # `with ServerThread(app).start() as server:` stops it at the block's end
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
 
 if __name__ == "__main__":  # a stub upstream in its own process: python -m tests.stubs PORT

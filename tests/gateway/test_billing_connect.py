@@ -20,23 +20,13 @@ import httpx
 import pytest
 
 from gateway.pipeline.meter import Meter
-from gateway.settings import Settings
 from tests.conftest import Gateway, running_gateway
+from tests.gateway.test_billing_prefill import PROMPT, billed_settings
 from tests.stubs import StubState, free_port
 from tiers.client import TierClient
 from tiers.errors import TierError
 
-PROMPT = "word " * 400
 MODELS = b'{"object": "list", "data": [{"id": "remote", "object": "model"}]}'
-PLANS = """
-default_plan: billed
-plans:
-  billed:
-    allowed_tiers: [small, mid, full]
-    default_tier: mid
-    cache: {enabled: false}
-    limits: {rpm: 1000, tpm: 1000000}
-"""
 
 
 class Door:
@@ -102,21 +92,7 @@ def door() -> Iterator[Door]:
 
 @pytest.fixture
 def gateway(tmp_path: Path, prepared_models: Path, door: Door) -> Iterator[Gateway]:
-    tiers = "tiers:\n" + "".join(f"""
-  {name}:
-    backend: openai
-    model: remote
-    urls: ["{url}"]
-    price_per_1k_input: "0.0010"
-    price_per_1k_output: "0.0020"
-    hardware_cost_per_hour: "1"
-    context_limit: 4096
-""" for name, url in (("small", f"http://127.0.0.1:{free_port()}"), ("mid", door.url), ("full", door.url)))
-    (tmp_path / "tiers.yaml").write_text(tiers)
-    (tmp_path / "plans.yaml").write_text(PLANS)
-    settings = Settings(data_dir=tmp_path / "data", models_dir=prepared_models, tiers_file=tmp_path / "tiers.yaml",
-                        plans_file=tmp_path / "plans.yaml")
-    with running_gateway(settings, StubState(), plan="billed") as gw:
+    with running_gateway(billed_settings(tmp_path, prepared_models, door.url), StubState(), plan="billed") as gw:
         yield gw
 
 

@@ -14,13 +14,13 @@ from typing import Any
 
 import httpx
 import pytest
-from litestar import Litestar, Request, Response, get, post
+from litestar import Litestar, Request, Response, post
 from litestar.response import Stream
 
 from gateway.pipeline.meter import Meter
 from gateway.settings import Settings
 from tests.conftest import Gateway, running_gateway
-from tests.stubs import ServerThread, StubState, free_port
+from tests.stubs import ServerThread, StubState, free_port, health_routes, openai_tiers, write_settings
 
 PREFILL_S = 5.0  # the upstream's time to its first byte; the client leaves long before
 READ_TIMEOUT_S = 2.0  # the gateway's wait for the upstream's next bytes: it gives up before the prefill ends
@@ -38,27 +38,14 @@ plans:
 
 def slow_prefill_app(state: StubState) -> Litestar:
     """An upstream that is silent for PREFILL_S (its prefill) on a long prompt, then streams two words; no usage."""
-    @get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
-
-    @get("/v1/models")
-    async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": "remote", "object": "model"}]}
-
     async def events(body: dict[str, Any]) -> AsyncIterator[bytes]:
-        try:
-            if PROMPT in json.dumps(body):
-                await asyncio.sleep(PREFILL_S)
-            for word in ("Hello", " there"):
-                chunk = {"id": "r", "object": "chat.completion.chunk", "created": 0, "model": body["model"],
-                         "choices": [{"index": 0, "delta": {"content": word}, "finish_reason": None}]}
-                yield f"data: {json.dumps(chunk)}\n\n".encode()
-            yield b"data: [DONE]\n\n"
-            state.finished.append("done")
-        except (asyncio.CancelledError, GeneratorExit):
-            state.finished.append("disconnected")
-            raise
+        if PROMPT in json.dumps(body):
+            await asyncio.sleep(PREFILL_S)
+        for word in ("Hello", " there"):
+            chunk = {"id": "r", "object": "chat.completion.chunk", "created": 0, "model": body["model"],
+                     "choices": [{"index": 0, "delta": {"content": word}, "finish_reason": None}]}
+            yield f"data: {json.dumps(chunk)}\n\n".encode()
+        yield b"data: [DONE]\n\n"
 
     @post(["/v1/chat/completions", "/v1/completions"], status_code=200)
     async def answer(request: Request[Any, Any, Any]) -> Response[Any]:
@@ -66,32 +53,24 @@ def slow_prefill_app(state: StubState) -> Litestar:
         state.requests.append(body)
         return Stream(events(body), media_type="text/event-stream")
 
-    return Litestar([health, models, answer])
+    return Litestar([*health_routes("remote"), answer])
+
+
+def billed_settings(tmp_path: Path, models_dir: Path, url: str, **overrides: Any) -> Settings:
+    """`mid` and `full` the OpenAI-compatible server at `url`, `small` a port nothing listens on; plan `billed`."""
+    tiers = openai_tiers({"small": {"url": f"http://127.0.0.1:{free_port()}"}, "mid": {"url": url},
+                          "full": {"url": url}},
+                         model="remote", price_per_1k_input="0.0010", price_per_1k_output="0.0020")
+    return write_settings(tmp_path, models_dir, tiers, PLANS, **overrides)
 
 
 @pytest.fixture
 def gateway(tmp_path: Path, prepared_models: Path) -> Iterator[Gateway]:
     state = StubState()
-    upstream = ServerThread(slow_prefill_app(state)).start()
-    tiers = "tiers:\n" + "".join(f"""
-  {name}:
-    backend: openai
-    model: remote
-    urls: ["{url}"]
-    price_per_1k_input: "0.0010"
-    price_per_1k_output: "0.0020"
-    hardware_cost_per_hour: "1"
-    context_limit: 4096
-""" for name, url in (("small", f"http://127.0.0.1:{free_port()}"), ("mid", upstream.url), ("full", upstream.url)))
-    (tmp_path / "tiers.yaml").write_text(tiers)
-    (tmp_path / "plans.yaml").write_text(PLANS)
-    settings = Settings(data_dir=tmp_path / "data", models_dir=prepared_models, tiers_file=tmp_path / "tiers.yaml",
-                        plans_file=tmp_path / "plans.yaml", upstream_read_timeout_s=READ_TIMEOUT_S)
-    try:
+    with ServerThread(slow_prefill_app(state)).start() as upstream:
+        settings = billed_settings(tmp_path, prepared_models, upstream.url, upstream_read_timeout_s=READ_TIMEOUT_S)
         with running_gateway(settings, state, plan="billed") as gw:
             yield gw
-    finally:
-        upstream.stop()
 
 
 def leave_early(gw: Gateway, path: str, body: dict[str, Any]) -> None:

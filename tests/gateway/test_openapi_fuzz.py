@@ -26,7 +26,7 @@ from schemathesis.specs.openapi.checks import positive_data_acceptance
 from gateway.app import create_app
 from gateway.settings import Settings
 from tests.conftest import PLANS_YAML, Gateway, running_gateway, tiers_yaml
-from tests.stubs import ServerThread, StubState, stub_app
+from tests.stubs import ServerThread, StubState, stub_app, write_settings
 
 ADMIN_PATHS = ("/admin", "/metrics")
 KEYS: dict[str, str] = {}  # the running gateway's keys, for the auth provider (set by the fixture)
@@ -62,18 +62,12 @@ class GatewayKey:
 def fuzzed(tmp_path_factory: pytest.TempPathFactory, prepared_models: Path) -> Iterator[Gateway]:
     """One gateway (and stub upstream, for every tier: the gateway is ready) for every operation's examples."""
     state = StubState()
-    stub = ServerThread(stub_app(state)).start()
-    tmp = tmp_path_factory.mktemp("fuzz")
-    (tmp / "tiers.yaml").write_text(tiers_yaml(stub.url, stub.url))
-    (tmp / "plans.yaml").write_text(PLANS_YAML)
-    gw_settings = Settings(data_dir=tmp / "data", models_dir=prepared_models, tiers_file=tmp / "tiers.yaml",
-                           plans_file=tmp / "plans.yaml", max_body_bytes=64 * 1024)
-    try:
+    with ServerThread(stub_app(state)).start() as stub:
+        gw_settings = write_settings(tmp_path_factory.mktemp("fuzz"), prepared_models, tiers_yaml(stub.url, stub.url),
+                                     PLANS_YAML, max_body_bytes=64 * 1024)
         with running_gateway(gw_settings, state) as gw:
             KEYS.update(admin=gw.admin_key, tenant=gw.tenant_key)
             yield gw
-    finally:
-        stub.stop()
 
 
 @schema.parametrize()

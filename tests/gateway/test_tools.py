@@ -20,15 +20,14 @@ from typing import Any
 import jsonschema
 import openai
 import pytest
-from litestar import Litestar, Request, Response, get, post
+from litestar import Litestar, Request, Response, post
 from litestar.response import Stream
 
 from gateway.ladder.apply import NORMAL
 from gateway.pipeline.prompt import PromptStage
-from gateway.settings import Settings
 from tests.conftest import Gateway, running_gateway
 from tests.gateway.test_structured_output import Served, client, served  # noqa: F401 (the served fixture)
-from tests.stubs import ServerThread, StubState
+from tests.stubs import ServerThread, StubState, health_routes, openai_tiers, write_settings
 from tiers.catalogue import TierSpec
 from wire.chat_request import ChatCompletionRequest
 
@@ -47,34 +46,11 @@ USER = [{"role": "user", "content": "What is the weather in Paris?"}]
 STUB_ARGUMENTS = '{"city": "Paris", "unit": "celsius"}'
 STUB_ANSWER = "It is sunny in Paris."
 
-TIERS = """
-tiers:
-  small:
-    backend: openai
-    model: stub-small
-    urls: ["{stub}"]
-    tools: false
-    price_per_1k_input: "0.0001"
-    price_per_1k_output: "0.0002"
-    hardware_cost_per_hour: "0.01"
-    context_limit: 4096
-  mid:
-    backend: openai
-    model: stub-mid
-    urls: ["{stub}"]
-    price_per_1k_input: "0.001"
-    price_per_1k_output: "0.002"
-    hardware_cost_per_hour: "1"
-    context_limit: 4096
-  full:
-    backend: openai
-    model: stub-full
-    urls: ["{stub}"]
-    price_per_1k_input: "0.003"
-    price_per_1k_output: "0.006"
-    hardware_cost_per_hour: "2"
-    context_limit: 4096
-"""
+# what differs from tests/stubs.py's TIER_DEFAULTS: every tier is the stub
+TIERS = {"small": {"tools": False, "price_per_1k_input": "0.0001", "price_per_1k_output": "0.0002",
+                   "hardware_cost_per_hour": "0.01"},
+         "mid": {},
+         "full": {"price_per_1k_input": "0.003", "price_per_1k_output": "0.006", "hardware_cost_per_hour": "2"}}
 PLANS = """
 default_plan: standard
 plans:
@@ -91,14 +67,6 @@ def tool_stub(state: StubState) -> Litestar:
     """An upstream that records each body and answers a call of get_weather when offered tools (in argument
     pieces, as OpenAI streams them), else STUB_ANSWER."""
 
-    @get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
-
-    @get("/v1/models")
-    async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": "stub", "object": "model"}]}
-
     @post("/v1/chat/completions", status_code=200)
     async def chat(request: Request[Any, Any, Any]) -> Response[Any]:
         body = json.loads(await request.body())
@@ -114,7 +82,7 @@ def tool_stub(state: StubState) -> Litestar:
             deltas = [{"role": "assistant", "content": ""}, {"content": STUB_ANSWER}]
         return Stream(_sse(body["model"], deltas, "tool_calls" if calls else "stop"), media_type="text/event-stream")
 
-    return Litestar([health, models, chat])
+    return Litestar([*health_routes(), chat])
 
 
 async def _sse(model: str, deltas: list[dict[str, Any]], finish: str) -> AsyncIterator[bytes]:
@@ -134,16 +102,10 @@ async def _sse(model: str, deltas: list[dict[str, Any]], finish: str) -> AsyncIt
 @pytest.fixture
 def tool_gateway(tmp_path: Path, prepared_models: Path) -> Iterator[Gateway]:
     state = StubState()
-    stub = ServerThread(tool_stub(state)).start()
-    (tmp_path / "tiers.yaml").write_text(TIERS.format(stub=stub.url))
-    (tmp_path / "plans.yaml").write_text(PLANS)
-    settings = Settings(data_dir=tmp_path / "data", models_dir=prepared_models, tiers_file=tmp_path / "tiers.yaml",
-                        plans_file=tmp_path / "plans.yaml")
-    try:
+    with ServerThread(tool_stub(state)).start() as stub:
+        settings = write_settings(tmp_path, prepared_models, openai_tiers(TIERS, url=stub.url), PLANS)
         with running_gateway(settings, state) as gw:
             yield gw
-    finally:
-        stub.stop()
 
 
 def openai_client(gw: Gateway, key: str | None = None) -> openai.OpenAI:

@@ -12,9 +12,8 @@ from typing import Any
 import pytest
 
 from gateway.pipeline.tier_call import forwarded, hint_key
-from gateway.settings import Settings
 from tests.conftest import Gateway, running_gateway
-from tests.stubs import ServerThread, StubState
+from tests.stubs import ServerThread, StubState, openai_tiers, write_settings
 from tiers.catalogue import TierSpec
 
 HINTS = {"user": "alice@example.com", "safety_identifier": "alice@example.com", "prompt_cache_key": "shared-doc"}
@@ -32,22 +31,9 @@ plans:
 def gateway(tmp_path: Path, stub: tuple[ServerThread, StubState], prepared_models: Path) -> Iterator[Gateway]:
     """`small` and `mid` vLLMs (`dialect: vllm-priority`, `vllm`), `full` a strict OpenAI-compatible server; all the
     stub."""
-    tiers = "tiers:\n" + "".join(f"""
-  {name}:
-    backend: openai
-    model: stub-{name}
-    dialect: {dialect}
-    urls: ["{stub[0].url}"]
-    price_per_1k_input: "0.001"
-    price_per_1k_output: "0.002"
-    hardware_cost_per_hour: "1"
-    context_limit: 4096
-""" for name, dialect in (("small", "vllm-priority"), ("mid", "vllm"), ("full", "openai")))
-    (tmp_path / "tiers.yaml").write_text(tiers)
-    (tmp_path / "plans.yaml").write_text(PLANS)
-    settings = Settings(data_dir=tmp_path / "data", models_dir=prepared_models, tiers_file=tmp_path / "tiers.yaml",
-                        plans_file=tmp_path / "plans.yaml")
-    with running_gateway(settings, stub[1], plan="hinted") as gw:
+    dialects = {"small": "vllm-priority", "mid": "vllm", "full": "openai"}
+    tiers = openai_tiers({name: {"dialect": dialect} for name, dialect in dialects.items()}, url=stub[0].url)
+    with running_gateway(write_settings(tmp_path, prepared_models, tiers, PLANS), stub[1], plan="hinted") as gw:
         yield gw
 
 
