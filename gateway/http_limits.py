@@ -17,10 +17,13 @@ cut.
 **Size.** uvicorn's httptools parser keeps every byte of a request line and headers until they end, with no limit:
 one header line of 193 MB was taken whole (a throwaway test, in 31 s, stopped only by the deadline above), so a few
 connections with no key could hold gigabytes of the gateway's memory. Here a request whose line and headers pass
-`max_head_bytes` (64 KiB, give or take the one read that passes it: a key and OpenAI's headers are well under 2)
-gets a 431 and its connection is closed. So does a request with more than `max_headers` header lines (100, as
-Apache's `LimitRequestFields`; OpenAI's SDKs send about 15): 7,000 headers of a few bytes fit in the size limit, and
-the app's reading them (Litestar's headers, the key's look-up) cost 3-4 ms a request where a plain one costs 0.2.
+`max_head_bytes` (64 KiB: a key and OpenAI's headers are well under 2) gets a 431 and its connection is closed: as
+the bytes come while the head has not ended, and as the parser hands over its line and headers, so a head that comes
+in one read with its end (asyncio reads up to 256 KiB at a time) is refused at the header that passes the limit, its
+app never run (one of 100 KB in one write was read by the app and answered 400). So does a request with more
+than `max_headers` header lines (100, as Apache's `LimitRequestFields`; OpenAI's SDKs send about 15): 7,000
+headers of a few bytes fit in the size limit, and the app's reading them (Litestar's headers, the key's look-up)
+cost 3-4 ms a request where a plain one costs 0.2.
 
 **Encoding.** A body is read as it is sent: a request with a `Content-Encoding` other than `identity` (a gzipped
 body) gets a 415 `unsupported_content_encoding` as its headers are read, not a 400 that says its JSON is broken.
@@ -96,11 +99,12 @@ class LimitedProtocol(HttpToolsProtocol):
         self._begun = False  # a byte of the current request has come
         self._in_head = True  # the current request's line and headers have not all come
         self._head_bytes = 0  # bytes received while they had not
+        self._head_parsed = 0  # bytes of the request line and headers the parser has handed over
         self._refusal: bytes | None = None  # the answer to a request refused at a header (`_refuse`)
 
     def data_received(self, data: bytes) -> None:
-        # parsed first: a chunk that ends the headers is not counted as head (it may carry the body), so a head can
-        # pass the limit by one read (asyncio reads up to 256 KiB at a time) before it is refused
+        # parsed first: a chunk that ends the headers is not counted as head here (it may carry the body); what the
+        # parser hands over of it is (`_parsed`)
         super().data_received(data)
         if self._in_head and not self.transport.is_closing():
             self._head_bytes += len(data)
@@ -110,12 +114,22 @@ class LimitedProtocol(HttpToolsProtocol):
                     self.transport.write(_TOO_LARGE_RESPONSE)
                 self.transport.close()
 
+    def on_url(self, url: bytes) -> None:
+        super().on_url(url)
+        self._parsed(len(url))
+
     def on_header(self, name: bytes, value: bytes) -> None:
         super().on_header(name, value)
+        self._parsed(len(name) + len(value) + 4)  # ": " and CRLF
         if len(self.headers) > self.max_headers:
             self._refuse(_TOO_MANY_RESPONSE)
         if name.lower() == b"content-encoding" and value.strip(b" \t").lower() not in _PLAIN:
             self._refuse(_ENCODED_RESPONSE)
+
+    def _parsed(self, n: int) -> None:
+        self._head_parsed += n
+        if self._head_parsed > self.max_head_bytes:
+            self._refuse(_TOO_LARGE_RESPONSE)
 
     def _refuse(self, response: bytes) -> None:
         """Refuse the request being read with `response`: raised through the parser, which stops at this header
@@ -158,7 +172,7 @@ class LimitedProtocol(HttpToolsProtocol):
         self._unstall()
 
     def on_message_begin(self) -> None:
-        self._begun, self._in_head, self._head_bytes = True, True, 0
+        self._begun, self._in_head, self._head_bytes, self._head_parsed = True, True, 0, 0
         super().on_message_begin()
 
     def on_message_complete(self) -> None:

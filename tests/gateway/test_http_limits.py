@@ -77,6 +77,15 @@ def test_headers_past_the_size_limit_get_a_431_before_they_end(slow_gateway: Gat
     assert got.startswith(b"HTTP/1.1 431 ") and b'"headers_too_large"' in got
 
 
+@pytest.mark.parametrize("size", [65 * 1024, 100_000])
+def test_headers_past_the_size_limit_in_one_read_get_a_431(slow_gateway: Gateway, size: int) -> None:
+    """A head that comes whole in one read with its end is refused too, at its header, never handed to the app."""
+    sock = connect(slow_gateway, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * size
+                   + b"\r\nContent-Length: 2\r\n\r\n{}")
+    got, _ = read_until_closed(sock)
+    assert got.startswith(b"HTTP/1.1 431 ") and b'"headers_too_large"' in got, got[:200]
+
+
 def test_a_large_body_after_small_headers_is_not_counted_as_headers(slow_gateway: Gateway) -> None:
     with slow_gateway.client(slow_gateway.tenant_key) as c:
         r = c.post("/v1/chat/completions", json={"model": "mid", "max_tokens": 2, "messages": [
