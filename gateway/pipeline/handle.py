@@ -223,7 +223,8 @@ class Pipeline:
             await self.settler.settle(ctx, attempt, outcome or meter.outcome("cancelled", 499), ticket, wait=wait,
                                       with_row=with_row)
         if self.shadow is not None and attempt.final and prepared.prompt is not None and not attempt.is_cache_hit:
-            self.shadow.send(attempt.route.tier, attempt.request_id, req, prepared.prompt.output_cap, outcome.text)
+            self.shadow.send(attempt.route.tier, attempt.request_id, req, prepared.prompt.output_cap, outcome.text,
+                             tenant=ctx.tenant)
         if self.cache_checks is not None and (hit := attempt.lookup.hit) is not None:
             self.cache_checks.send(ctx.tenant, attempt.route.tier, req, hit, attempt.lookup.policy)
         if stored is not None and keep is not None and self.idempotency is not None:

@@ -84,7 +84,8 @@ class Settler:
         if self.rollouts is not None and version is not None and not attempt.is_cache_hit \
                 and outcome.status != "cancelled":  # a server error is the version's; a 4xx is the request's
             failed = outcome.status == "error" and outcome.http_status >= 500
-            self.rollouts.observe(row.tier or "", version, error=failed, ttft_s=row.ttft_s, tpot_s=tpot(row))
+            self.rollouts.observe(row.tier or "", version, error=failed, ttft_s=row.ttft_s, tpot_s=tpot(row),
+                                  tenant=row.tenant, prompt_tokens=row.input_tokens)  # no one tenant decides
         overhead = row.total_s - outcome.upstream_s if outcome.upstream_s is not None else None
         self.metrics.finished(row, overhead)
         if row.cache_status is not None:

@@ -9,6 +9,10 @@ raising the share only moves conversations from the old version to the new one, 
 on the candidate; `rolled_back` and `shadow` everyone on the baseline (a shadow only copies a sample of requests to
 the candidate, off the response's path: `sampled`). `paused` holds the canary as it is (the same
 conversations stay where they are; the share cannot be raised until it is promoted again).
+
+A client picks its sessions and reads each answer's version (`x-tiergate-model-version`), so it can find which of
+its conversations the candidate answers and choose what it sends there: no keying of the bucket hides that while
+the header is sent. The guards are built for it (guards.py: one tenant's outcomes do not decide).
 """
 
 from __future__ import annotations

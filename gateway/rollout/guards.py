@@ -9,6 +9,25 @@ Latency guards are ratios to the baseline's p95 over the same window, not absolu
 same mix of prompts under the same load at the same time, so the ratio isolates the version, while an absolute
 bound would have to be re-tuned for every tier, prompt mix and hour of the day. Without enough baseline samples (a
 canary at 100%, a shadow of a quiet tier) the latency guards do not judge; the error rate and divergence still do.
+The ratio is taken within prompt-size bands (`band`: one for prompts under BAND_TOKENS tokens, then one per
+doubling) and averaged over the bands weighted by the candidate's samples, so a candidate that happens to get the
+long prompts (a long-context conversation, or a client sending its long prefills there) is compared with the
+baseline's long prompts, not its short ones; with all prompts in one band it is the plain ratio of the p95s.
+
+One tenant's outcomes do not decide. A client sees each answer's version (`x-tiergate-model-version`) and names its
+conversation (`x-tiergate-session`), so it can find conversations on the candidate and send them only its slowest
+or failing requests, or its most divergent prompts: that tenant's own outcomes then say whatever it wants, on
+either side. So a guard breached over the whole window is *held* by a tenant when, without that tenant's outcomes,
+the others' are enough to judge (CONTEST_MIN on the candidate, and on the baseline for a latency ratio) and are not
+packed onto the candidate (at most twice the canary's share of their requests, plus 2: honest traffic is split by
+conversation hashes, a steering client's is not), and say the guard is not breached. A held breach does not roll
+the rollout back; it is reported (`held`, with the tenant) for an operator to judge. The gateway cannot tell a
+candidate that is worse only for one tenant's normal traffic from that tenant steering its requests, so neither
+rolls a fleet-wide rollout back on its own while other tenants' traffic says otherwise; a candidate worse for
+everyone is breached without any one tenant, and rolls back. Where the others have too few outcomes to judge (the
+tier's only tenant, a dominant one), the outcomes there are all the evidence, and judge as before. Tenants named
+in the rollout (the operator's chosen canary) and outcomes of no tenant (the gateway's own: a candidate it found
+down) are never left out.
 
 Hysteresis, in the ladder's shape: a guard rolls back only once it has been breached at every evaluation for
 `breach_for_s` seconds; one healthy evaluation starts the clock again. Nothing judges before the candidate has
@@ -18,8 +37,9 @@ Hysteresis, in the ladder's shape: a guard rolls back only once it has been brea
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -34,6 +54,9 @@ MAX_SAMPLES = 4096  # per version and rollout: the newest outcomes a guard reads
 # a latency ratio breaches only when the p95s also differ by more than this: milliseconds of jitter on a fast tier
 # are no regression anyone notices, and would otherwise flap a ratio guard
 TTFT_SLACK_S, TPOT_SLACK_S = 0.05, 0.005
+BAND_TOKENS = 512  # prompts under this many tokens (or of unknown size) are one band; above, one band per doubling
+MAX_CONTESTED = 256  # tenants (those with the most outcomes) whose outcomes an evaluation leaves out in turn
+CONTEST_MIN = 10  # outcomes the other tenants need (fewer if min_requests is lower) to hold one tenant's breach
 
 Fraction = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
 Ratio = Annotated[float, Field(ge=1, le=100, allow_inf_nan=False)]
@@ -85,6 +108,17 @@ def p95(values: list[float]) -> float | None:
     return ordered[math.ceil(0.95 * len(ordered)) - 1]
 
 
+def band(prompt_tokens: int | None) -> int:
+    """The prompt-size band latency is compared within: 0 under BAND_TOKENS tokens (or unknown), then 1, 2, ... for
+    each doubling (512-1023, 1024-2047, ...)."""
+    if prompt_tokens is None or prompt_tokens < BAND_TOKENS:
+        return 0
+    return prompt_tokens.bit_length() - BAND_TOKENS.bit_length() + 1
+
+
+Tenant = str | None  # whose request an outcome was; None: the gateway's own observation (a candidate found down)
+
+
 @dataclass(frozen=True)
 class Reading:
     """One version's window, as a guard reads it."""
@@ -95,6 +129,7 @@ class Reading:
     tpot_p95_s: float | None
     divergence: float | None  # mean over shadowed answers that both versions gave
     compared: int  # shadowed answers compared
+    tenants: int = 0  # tenants with outcomes in the window
 
     @property
     def error_rate(self) -> float:
@@ -103,53 +138,222 @@ class Reading:
     def public(self) -> dict[str, Any]:
         return {"requests": self.requests, "errors": self.errors, "error_rate": round(self.error_rate, 4),
                 "ttft_p95_s": _round(self.ttft_p95_s), "tpot_p95_s": _round(self.tpot_p95_s),
-                "divergence": _round(self.divergence), "compared": self.compared}
+                "divergence": _round(self.divergence), "compared": self.compared, "tenants": self.tenants}
 
 
 EMPTY = Reading(0, 0, None, None, None, 0)
 
+Outcome = tuple[float, bool, float | None, float | None, Tenant, int]  # when, server error, TTFT, TPOT, tenant, band
+Diverged = tuple[float, float, Tenant]  # when, divergence, tenant
+
 
 class Window:
-    """A version's newest outcomes: (when, server error, TTFT, TPOT) and shadow divergences, each ring bounded."""
+    """A version's newest outcomes: (when, server error, TTFT, TPOT, tenant, prompt band) and shadow divergences,
+    each ring bounded."""
 
     def __init__(self) -> None:
-        self._outcomes: deque[tuple[float, bool, float | None, float | None]] = deque(maxlen=MAX_SAMPLES)
-        self._divergence: deque[tuple[float, float]] = deque(maxlen=MAX_SAMPLES)
+        self._outcomes: deque[Outcome] = deque(maxlen=MAX_SAMPLES)
+        self._divergence: deque[Diverged] = deque(maxlen=MAX_SAMPLES)
 
-    def add(self, now: float, *, error: bool, ttft_s: float | None, tpot_s: float | None) -> None:
-        self._outcomes.append((now, error, ttft_s, tpot_s))
+    def add(self, now: float, *, error: bool, ttft_s: float | None, tpot_s: float | None, tenant: Tenant = None,
+            prompt_tokens: int | None = None) -> None:
+        self._outcomes.append((now, error, ttft_s, tpot_s, tenant, band(prompt_tokens)))
 
-    def add_divergence(self, now: float, divergence: float) -> None:
-        self._divergence.append((now, divergence))
+    def add_divergence(self, now: float, divergence: float, tenant: Tenant = None) -> None:
+        self._divergence.append((now, divergence, tenant))
+
+    def recent(self, since: float) -> tuple[list[Outcome], list[Diverged]]:
+        """The outcomes and divergences from `since` on (list(): one C-level copy, safe off the loop)."""
+        return [o for o in list(self._outcomes) if o[0] >= since], [d for d in list(self._divergence) if d[0] >= since]
 
     def read(self, since: float) -> Reading:
-        recent = [o for o in list(self._outcomes) if o[0] >= since]  # list(): one C-level copy, safe off the loop
-        diverged = [d for t, d in list(self._divergence) if t >= since]
-        return Reading(len(recent), sum(o[1] for o in recent), p95([o[2] for o in recent if o[2] is not None]),
-                       p95([o[3] for o in recent if o[3] is not None]),
-                       sum(diverged) / len(diverged) if diverged else None, len(diverged))
+        return _reading(*self.recent(since))
 
 
-def breaches(guards: Guards, candidate: Reading, baseline: Reading) -> list[str]:
-    """Each breached guard, worded with its numbers (empty: healthy, or too few requests to judge)."""
-    if candidate.requests < guards.min_requests:
-        return []
-    out = []
-    if guards.max_error_rate is not None and candidate.error_rate > guards.max_error_rate:
-        out.append(f"max_error_rate: {candidate.error_rate:.3f} > {guards.max_error_rate} "
-                   f"({candidate.errors} of {candidate.requests})")
-    for name, cand, base, bound, slack in (
-            ("max_ttft_p95_ratio", candidate.ttft_p95_s, baseline.ttft_p95_s, guards.max_ttft_p95_ratio, TTFT_SLACK_S),
-            ("max_tpot_p95_ratio", candidate.tpot_p95_s, baseline.tpot_p95_s, guards.max_tpot_p95_ratio, TPOT_SLACK_S)):
-        if bound is None or cand is None or not base or baseline.requests < guards.min_requests:
+def _reading(recent: list[Outcome], diverged: list[Diverged]) -> Reading:
+    return Reading(len(recent), sum(o[1] for o in recent), p95([o[2] for o in recent if o[2] is not None]),
+                   p95([o[3] for o in recent if o[3] is not None]),
+                   sum(d[1] for d in diverged) / len(diverged) if diverged else None, len(diverged),
+                   len({o[4] for o in recent if o[4] is not None}))
+
+
+class Ranked:
+    """One version's samples of one latency in one prompt band, sorted, with where each tenant's are: its p95
+    without any one tenant's samples costs a few binary searches, not a sort."""
+
+    def __init__(self, samples: list[tuple[float, Tenant]]) -> None:
+        samples.sort(key=lambda s: s[0])
+        self.values = [v for v, _ in samples]
+        self.at: dict[Tenant, list[int]] = {}  # tenant -> the ranks of its samples, ascending
+        for i, (_, tenant) in enumerate(samples):
+            self.at.setdefault(tenant, []).append(i)
+
+    def _gone(self, without: Tenant) -> Sequence[int]:
+        return self.at.get(without, ()) if without is not None else ()
+
+    def size(self, without: Tenant = None) -> int:
+        return len(self.values) - len(self._gone(without))
+
+    def p95(self, without: Tenant = None) -> float | None:
+        """`p95` of the samples but `without`'s (None: all of them)."""
+        gone = self._gone(without)
+        n = len(self.values) - len(gone)
+        if n <= 0:
+            return None
+        k = math.ceil(0.95 * n)  # the rank among those left; the answer is the first index with k of them at or below
+        lo, hi = k - 1, k - 1 + len(gone)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if mid + 1 - bisect_right(gone, mid) >= k:
+                hi = mid
+            else:
+                lo = mid + 1
+        return self.values[lo]
+
+
+class Side:
+    """One version's window arranged for the guards: totals, and each tenant's part of them."""
+
+    def __init__(self, recent: list[Outcome], diverged: list[Diverged]) -> None:
+        self.requests, self.errors = len(recent), sum(o[1] for o in recent)
+        self.by_tenant: dict[Tenant, list[int]] = {}  # tenant -> [requests, errors]
+        latencies: tuple[dict[int, list[tuple[float, Tenant]]], ...] = ({}, {})  # TTFT, TPOT: band -> samples
+        for _, error, ttft, tpot, tenant, size in recent:
+            counts = self.by_tenant.setdefault(tenant, [0, 0])
+            counts[0] += 1
+            counts[1] += error
+            for samples, value in zip(latencies, (ttft, tpot), strict=True):
+                if value is not None:
+                    samples.setdefault(size, []).append((value, tenant))
+        self.ttft, self.tpot = ({b: Ranked(s) for b, s in by_band.items()} for by_band in latencies)
+        self.diverged, self.compared = sum(d[1] for d in diverged), len(diverged)
+        self.divergence_by_tenant: dict[Tenant, list[float]] = {}  # tenant -> [sum, count]
+        for _, divergence, tenant in diverged:
+            mine = self.divergence_by_tenant.setdefault(tenant, [0.0, 0])
+            mine[0] += divergence
+            mine[1] += 1
+
+    def count(self, without: Tenant) -> tuple[int, int]:
+        """Requests and errors but `without`'s."""
+        requests, errors = self.by_tenant.get(without, (0, 0)) if without is not None else (0, 0)
+        return self.requests - requests, self.errors - errors
+
+    def divergence(self, without: Tenant) -> tuple[float | None, int]:
+        """The mean divergence and the answers compared but `without`'s."""
+        total, n = self.divergence_by_tenant.get(without, (0.0, 0)) if without is not None else (0.0, 0)
+        left = self.compared - int(n)
+        return ((self.diverged - total) / left if left else None), left
+
+
+@dataclass(frozen=True)
+class Finding:
+    """What one guard reads in a window: breached or not, and its numbers."""
+
+    breached: bool
+    value: str
+    detail: str
+
+    def words(self, name: str, bound: float) -> str:
+        return f"{name}: {self.value}{f' > {bound}' if self.breached else ''} ({self.detail})"
+
+    def numbers(self) -> str:
+        return f"{self.value} ({self.detail})"
+
+
+def _latency(bound: float | None, slack: float, candidate: dict[int, Ranked], baseline: dict[int, Ranked],
+             without: Tenant, band_min: int) -> Finding | None:
+    """The candidate's p95 over the baseline's, band by band, averaged by the candidate's samples in each band."""
+    if bound is None:
+        return None
+    if len(candidate.keys() | baseline.keys()) == 1:
+        band_min = 1  # one band: the plain ratio of the p95s, as many samples as the window has
+    weight = ratio = cand_s = base_s = 0.0
+    bands = 0
+    for b, cand in candidate.items():
+        base = baseline.get(b)
+        n = cand.size(without)
+        if base is None or n < 1 or base.size(without) < band_min:
             continue
-        if cand / base > bound and cand - base > slack:
-            out.append(f"{name}: {cand / base:.2f} > {bound} (p95 {cand:.4f}s over {base:.4f}s)")
-    if guards.max_divergence is not None and candidate.divergence is not None \
-            and candidate.compared >= guards.min_requests and candidate.divergence > guards.max_divergence:
-        out.append(f"max_divergence: {candidate.divergence:.3f} > {guards.max_divergence} "
-                   f"(over {candidate.compared} shadowed answers)")
+        c, p = cand.p95(without), base.p95(without)
+        if c is None or not p:
+            continue
+        weight, bands = weight + n, bands + 1
+        ratio, cand_s, base_s = ratio + n * c / p, cand_s + n * c, base_s + n * p
+    if not bands:
+        return None
+    ratio, cand_s, base_s = ratio / weight, cand_s / weight, base_s / weight
+    return Finding(ratio > bound and cand_s - base_s > slack, f"{ratio:.2f}",
+                   f"p95 {cand_s:.4f}s over {base_s:.4f}s{f' in {bands} prompt-size bands' if bands > 1 else ''}")
+
+
+def _findings(guards: Guards, candidate: Side, baseline: Side, without: Tenant, floor: int) -> dict[str, Finding]:
+    """What each guard reads in the window but `without`'s outcomes (None: all of them), where there are at least
+    `floor` outcomes to judge (the candidate's; and the baseline's for a latency ratio)."""
+    requests, errors = candidate.count(without)
+    if requests < floor:
+        return {}
+    out: dict[str, Finding] = {}
+    if guards.max_error_rate is not None:
+        rate = errors / requests
+        out["max_error_rate"] = Finding(rate > guards.max_error_rate, f"{rate:.3f}", f"{errors} of {requests}")
+    if baseline.count(without)[0] >= floor:
+        band_min = min(CONTEST_MIN, guards.min_requests)
+        for name, bound, slack, cand, base in (
+                ("max_ttft_p95_ratio", guards.max_ttft_p95_ratio, TTFT_SLACK_S, candidate.ttft, baseline.ttft),
+                ("max_tpot_p95_ratio", guards.max_tpot_p95_ratio, TPOT_SLACK_S, candidate.tpot, baseline.tpot)):
+            found = _latency(bound, slack, cand, base, without, band_min)
+            if found is not None:
+                out[name] = found
+    mean, compared = candidate.divergence(without)
+    if guards.max_divergence is not None and mean is not None and compared >= floor:
+        out["max_divergence"] = Finding(mean > guards.max_divergence, f"{mean:.3f}",
+                                        f"over {compared} shadowed answers")
     return out
+
+
+def _bound(guards: Guards, name: str) -> float:
+    value = getattr(guards, name)
+    assert value is not None
+    return float(value)
+
+
+def _split(side: Side, named: frozenset[str]) -> int:
+    """The side's requests of tenants the rollout splits by conversation (not named ones, nor the gateway's own)."""
+    return sum(n for t, (n, _) in side.by_tenant.items() if t is not None and t not in named)
+
+
+def judge(guards: Guards, candidate: Side, baseline: Side, *, share: float | None = None,
+          named: Iterable[str] = ()) -> tuple[list[str], list[str]]:
+    """Each breached guard worded with its numbers (empty: healthy, or too few requests to judge), and each breach
+    one tenant holds alone (not acted on: see the module's docstring). `share` is the canary's (None: a shadow),
+    `named` the rollout's named tenants."""
+    if candidate.requests < guards.min_requests:
+        return [], []
+    whole = {name: f for name, f in _findings(guards, candidate, baseline, None, guards.min_requests).items()
+             if f.breached}
+    held: dict[str, str] = {}
+    chosen = frozenset(named)
+    tenants = (candidate.by_tenant.keys() | baseline.by_tenant.keys()) - chosen
+    on, off = _split(candidate, chosen), _split(baseline, chosen)
+    # the tenants with the most outcomes first, the likeliest to hold a breach alone; past the first MAX_CONTESTED,
+    # each has fewer than 1/MAX_CONTESTED of the outcomes, too few to make a p95 by itself
+    ranked = sorted((t for t in tenants if t is not None),
+                    key=lambda t: (-candidate.by_tenant.get(t, (0, 0))[0] - baseline.by_tenant.get(t, (0, 0))[0], t))
+    for tenant in ranked[:MAX_CONTESTED]:
+        if whole.keys() <= held.keys():
+            break
+        if share is not None:  # the others' requests split as the canary splits conversations (a shadow's are)
+            others_on = on - candidate.by_tenant.get(tenant, (0, 0))[0]
+            others_off = off - baseline.by_tenant.get(tenant, (0, 0))[0]
+            if others_on > 2 * share * (others_on + others_off) + 2:
+                continue
+        rest = _findings(guards, candidate, baseline, tenant, min(CONTEST_MIN, guards.min_requests))
+        for name, found in whole.items():
+            if name not in held and name in rest and not rest[name].breached:
+                held[name] = (f"{found.words(name, _bound(guards, name))} held by tenant {tenant!r} alone: "
+                              f"without its outcomes {rest[name].numbers()}")
+    return ([f.words(name, _bound(guards, name)) for name, f in whole.items() if name not in held],
+            [held[name] for name in whole if name in held])
 
 
 @dataclass(frozen=True)
@@ -162,13 +366,15 @@ class Verdict:
     since: float | None  # when the breach began (None: healthy)
     roll_back: bool  # breached for `breach_for_s`: roll it back
     readings: dict[str, Reading]  # version -> its window
+    held: tuple[str, ...] = ()  # breaches one tenant's outcomes make alone: reported, not acted on
 
     def metrics(self) -> dict[str, Any]:
         """What the audit event keeps: each version's window at the time."""
         return {v: r.public() for v, r in self.readings.items()}
 
     def public(self) -> dict[str, Any]:
-        return {"breached": list(self.breached), "breached_since": self.since, "versions": self.metrics()}
+        return {"breached": list(self.breached), "breached_since": self.since, "held": list(self.held),
+                "versions": self.metrics()}
 
 
 class Watch:
@@ -186,22 +392,29 @@ class Watch:
             found = self._windows[(rollout_id, version)] = Window()
         return found
 
+    def _recent(self, rollout_id: str, versions: Iterable[str],
+                since: float) -> dict[str, tuple[list[Outcome], list[Diverged]]]:
+        windows = {v: self._windows.get((rollout_id, v)) for v in versions}
+        return {v: w.recent(since) if w is not None else ([], []) for v, w in windows.items()}
+
     def read(self, rollout_id: str, versions: Iterable[str], since: float) -> dict[str, Reading]:
         """Each version's window from `since` on."""
-        windows = {v: self._windows.get((rollout_id, v)) for v in versions}
-        return {v: w.read(since) if w is not None else EMPTY for v, w in windows.items()}
+        return {v: _reading(*recent) for v, recent in self._recent(rollout_id, versions, since).items()}
 
-    def evaluate(self, rollout_id: str, tier: str, candidate: str, baseline: str, guards: Guards,
-                 now: float) -> Verdict:
-        readings = self.read(rollout_id, (baseline, candidate), now - guards.window_s)
-        breached = tuple(breaches(guards, readings[candidate], readings[baseline]))
+    def evaluate(self, rollout_id: str, tier: str, candidate: str, baseline: str, guards: Guards, now: float, *,
+                 share: float | None = None, named: Iterable[str] = ()) -> Verdict:
+        """Judge the rollout's guards on its windows; `share` is the canary's (None: a shadow), `named` its named
+        tenants."""
+        recent = self._recent(rollout_id, (baseline, candidate), now - guards.window_s)
+        breached, held = judge(guards, Side(*recent[candidate]), Side(*recent[baseline]), share=share, named=named)
         if breached:
             began = self._since.setdefault(rollout_id, now)
         else:
             self._since.pop(rollout_id, None)
             began = None
-        verdict = Verdict(rollout_id, tier, breached, began,
-                          began is not None and now - began >= guards.breach_for_s, readings)
+        verdict = Verdict(rollout_id, tier, tuple(breached), began,
+                          began is not None and now - began >= guards.breach_for_s,
+                          {v: _reading(*r) for v, r in recent.items()}, tuple(held))
         self.last[tier] = verdict
         return verdict
 

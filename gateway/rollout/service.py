@@ -11,7 +11,9 @@ Each version's outcomes are counted here, per process (`observe`, from settle: O
 started and in the guards' bounded windows (gateway/rollout/guards.py); `evaluate`, run about once a second off
 the request path, judges each running rollout and rolls back one whose guard has held breached, as `guard`, with
 the windows in the audit event. With several gateway processes each judges what it saw; the first to roll back
-wins the store's compare-and-set and the others follow it.
+wins the store's compare-and-set and the others follow it. Each outcome carries its tenant and prompt size: a guard
+compares latency per prompt size and lets no one tenant's outcomes decide alone (guards.py says why and how); the
+candidate's errors counted when the gateway finds it down are its own, no tenant's.
 """
 
 from __future__ import annotations
@@ -83,15 +85,18 @@ class RolloutService:
         return baseline
 
     def observe(self, tier: str, version: str, *, error: bool, ttft_s: float | None = None,
-                tpot_s: float | None = None) -> None:
-        """A request the version answered (or failed with a server error): counted for `status` and the guards."""
+                tpot_s: float | None = None, tenant: str | None = None, prompt_tokens: int | None = None) -> None:
+        """A request the version answered (or failed with a server error): counted for `status` and the guards.
+        `tenant` is whose request it was (None: the gateway's own observation, e.g. a candidate found down), and
+        `prompt_tokens` its prompt's size (None: unknown)."""
         rollout = self._rollouts.get(tier)
         if rollout is not None and version in (rollout.candidate, rollout.baseline):
             counts = self._counts.setdefault((rollout.id, version), [0, 0])
             counts[0] += 1
             counts[1] += error
             if rollout.stage in RUNNING:
-                self.watch.window(rollout.id, version).add(self.clock(), error=error, ttft_s=ttft_s, tpot_s=tpot_s)
+                self.watch.window(rollout.id, version).add(self.clock(), error=error, ttft_s=ttft_s, tpot_s=tpot_s,
+                                                           tenant=tenant, prompt_tokens=prompt_tokens)
             if self.metrics is not None:
                 self.metrics.version_finished(tier, version, failed=error, ttft_s=ttft_s)
 
@@ -106,8 +111,10 @@ class RolloutService:
         return None if spec is None else (rollout, spec)
 
     def observe_shadow(self, rollout: Rollout, *, error: bool, ttft_s: float | None, tpot_s: float | None,
-                       divergence: float | None) -> None:
-        """A shadowed request's outcome on the candidate (never seen by the tenant), for `status` and the guards."""
+                       divergence: float | None, tenant: str | None = None,
+                       prompt_tokens: int | None = None) -> None:
+        """A shadowed request's outcome on the candidate (never seen by the tenant), for `status` and the guards;
+        `tenant` is whose request was copied."""
         current = self._rollouts.get(rollout.tier)
         if current is None or current.id != rollout.id:
             return
@@ -116,9 +123,9 @@ class RolloutService:
         counts[1] += error
         window = self.watch.window(rollout.id, rollout.candidate)
         now = self.clock()
-        window.add(now, error=error, ttft_s=ttft_s, tpot_s=tpot_s)
+        window.add(now, error=error, ttft_s=ttft_s, tpot_s=tpot_s, tenant=tenant, prompt_tokens=prompt_tokens)
         if divergence is not None:
-            window.add_divergence(now, divergence)
+            window.add_divergence(now, divergence, tenant)
 
     # ---- the guards ----
 
@@ -128,7 +135,8 @@ class RolloutService:
         self.watch.forget(running)
         verdicts = []
         for r in running.values():
-            verdict = self.watch.evaluate(r.id, r.tier, r.candidate, r.baseline, r.guards, self.clock())
+            verdict = self.watch.evaluate(r.id, r.tier, r.candidate, r.baseline, r.guards, self.clock(),
+                                          share=None if r.stage == "shadow" else r.share, named=r.tenants)
             verdicts.append(verdict)
             if verdict.roll_back:
                 self._guard_rollback(r, verdict)

@@ -54,18 +54,20 @@ class Shadow:
         self.tasks = OffPathTasks(max_in_flight)
 
     def send(self, tier: TierSpec, request_id: str, req: ChatCompletionRequest, max_tokens: int,
-             served: str) -> None:
-        """Copy this answered request to the candidate if the tier's shadow samples it; returns at once."""
+             served: str, tenant: str | None = None) -> None:
+        """Copy this answered request (of `tenant`) to the candidate if the tier's shadow samples it; returns at
+        once."""
         found = self.rollouts.shadow_of(tier, request_id)
         if found is None:
             return
         rollout, candidate = found
         body = upstream_body(req, candidate, max_tokens=max_tokens, priority=PRIORITY_ORDER["batch"],
                              logprobs=False)
-        if not self.tasks.start(self._run(rollout, candidate, body, served)):
+        if not self.tasks.start(self._run(rollout, candidate, body, served, tenant)):
             self.metrics.rollout_shadow.labels(rollout.tier, rollout.candidate, "dropped").inc()
 
-    async def _run(self, rollout: Rollout, candidate: TierSpec, body: dict[str, Any], served: str) -> None:
+    async def _run(self, rollout: Rollout, candidate: TierSpec, body: dict[str, Any], served: str,
+                   tenant: str | None = None) -> None:
         # the candidate's failure is what a shadow is for: recorded, never raised
         answer = await answer_off_path(self.caller, candidate, body)
         outcome = answer.outcome
@@ -74,7 +76,7 @@ class Shadow:
             tpot = (outcome.upstream_s - outcome.ttft_s) / (outcome.output_tokens - 1)
         diverged = None if answer.failed else await asyncio.to_thread(divergence, served, outcome.text)
         self.rollouts.observe_shadow(rollout, error=answer.error, ttft_s=outcome.ttft_s, tpot_s=tpot,
-                                     divergence=diverged)
+                                     divergence=diverged, tenant=tenant, prompt_tokens=outcome.input_tokens or None)
         self.metrics.rollout_shadow.labels(rollout.tier, rollout.candidate, "error" if answer.error else "ok").inc()
         self.metrics.rollout_shadow_cost.labels(rollout.tier, rollout.candidate).inc(float(answer.cost(candidate)))
 
