@@ -1,5 +1,5 @@
-"""POST /v1/embeddings behind the same admission as chat: gate → parse → degrade → count → reserve → embed →
-ledger row → settle.
+"""POST /v1/embeddings behind the same admission as chat: gate → parse → Idempotency-Key → degrade → count → reserve →
+embed → ledger row → settle.
 
 It reuses the chat pipeline's parts directly (the gate, `ReserveStage`, `RefusalLog`, the ledger, the quota
 service) rather than the pipeline itself, whose route, cache, dispatch and settle stages are about a tier's
@@ -10,21 +10,38 @@ stream. What differs from chat:
   share passes, and a large embeddings request never waits in line with (or holds up) the cache's lookups.
 - Tokens are MiniLM's word pieces, the two special tokens included, up to the `max_tokens` the model reads:
   what it ran on. They are counted before the reservation (in a worker thread; the wire model bounds the
-  texts), so the reservation is exact and settles to the same count, or to nothing if no vector was returned.
+  texts), so the reservation is exact and settles to the same count (less, for a client that leaves; nothing
+  for a request that failed).
 - Price: the catalogue's `embeddings.price_per_1k_input` (tiers/catalogue.py says why it lives there). Compute
   cost: the catalogue's hardware rate over the wall time of the request's forward passes (`cost_basis`
   "wall", as for a remote tier that reports no busy time).
 - One ledger row per admitted request, with `tier` "embeddings" and `model` the model's name; refusals before
-  the reservation are counted as chat's are. A client that leaves is billed nothing (no vector was sent).
+  the reservation are counted as chat's are. The row is written, and the quota settled, exactly once, in the
+  `finally` of `_answer`, whatever ends the request: its answer, an error, or the client leaving.
+- A client that leaves is noticed (the route's `ClientWatch`, as chat's): its texts still queued are dropped from
+  the batches to come (only the forward pass running then, if any, runs on), and its row is `cancelled`, 499,
+  billed, as a chat request is, for what ran: the word pieces of its texts whose vectors were ready when it left
+  (none, if it left before its first). It was not sent them, but the model's time was spent on them, and
+  leaving just before the answer must not make a request's compute free.
+- `Idempotency-Key` as on chat (gateway/pipeline/idempotency.py's stage, with the same store and rules): the key's
+  first request claims it and runs; a retry with the same body gets the stored answer with
+  `x-tiergate-idempotent-replay: true`, charged nothing and written nowhere (counted in the request rate); 409 while
+  the first still runs, 422 for another body (or a key used on another route: the route is in the fingerprint);
+  the claim is given up when the request fails or its client leaves. The vectors are stored as base85 of their
+  float32 (`pack_vectors`: 1,920 characters a vector, where JSON floats take about 8,000), so the answer to the
+  largest request (2,048 texts, 3.75 MiB) fits the store's 4 MiB bound for one answer; an answer over the bound
+  (a store configured smaller) is answered and not stored, as chat's: a retry runs again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from contextlib import asynccontextmanager
+from decimal import Decimal
 from typing import Any
 
 import numpy as np
@@ -40,23 +57,56 @@ from gateway.ladder.controller import LadderController
 from gateway.metrics import GatewayMetrics
 from gateway.pipeline.context import RequestContext
 from gateway.pipeline.gate import TenantGate, refused_size, scopes_of
+from gateway.pipeline.idempotency import HEADER as IDEMPOTENCY_HEADER
+from gateway.pipeline.idempotency import REPLAY_HEADER, IdempotencyStage, Keep
 from gateway.pipeline.refusals import RefusalLog
 from gateway.pipeline.reserve import ReserveStage, ratelimit_headers
 from gateway.services import Services
 from gateway.validation import parse_body
-from quotas.ledger import Ledger, LedgerRow
+from quotas.idempotency import Claim, Replay
+from quotas.ledger import Ledger, LedgerRow, Statement
 from quotas.reservations import QuotaService, Reservation
 from tiers.catalogue import EmbeddingSpec
 from wire.embeddings import EmbeddingRequest, embedding_list
 
 TIER = "embeddings"  # the ledger's `tier` for these rows
+ROUTE = "embeddings"  # what the route adds to an Idempotency-Key's fingerprint (chat's is "chat" or "completion")
+
+log = logging.getLogger("tiergate.embeddings")
+
+# base85, as Python's `base64.b85encode` writes it (RFC 1924's alphabet: no character JSON escapes)
+_B85 = np.frombuffer(b"0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz!#$%&()*+-;<=>?@^_`{|}~",
+                     dtype=np.uint8)
+_B85_VALUE = np.zeros(256, dtype=np.uint32)
+_B85_VALUE[_B85] = np.arange(85, dtype=np.uint32)
+
+
+def pack_vectors(vectors: np.ndarray) -> str:
+    """[N, D] float32 vectors as base85 text (what `base64.b85encode` gives their little-endian bytes), vectorized:
+    the standard library's takes a third of a second of the event loop for 2,048 vectors."""
+    words = np.ascontiguousarray(vectors, dtype="<f4").view(">u4").ravel().astype(np.uint32)
+    digits = np.empty((words.size, 5), dtype=np.uint8)
+    for i in range(4, -1, -1):
+        digits[:, i] = words % 85
+        words //= 85
+    return _B85[digits].tobytes().decode("ascii")
+
+
+def unpack_vectors(text: str, count: int) -> np.ndarray:
+    """The [count, D] float32 vectors `pack_vectors` wrote, bit for bit."""
+    digits = _B85_VALUE[np.frombuffer(text.encode("ascii"), dtype=np.uint8)].reshape(-1, 5)
+    words = digits[:, 0].copy()
+    for i in range(1, 5):  # each partial value is under the word's own, so under 2**32
+        words *= 85
+        words += digits[:, i]
+    return words.astype(">u4").view("<f4").reshape(count, -1)
 
 
 class EmbeddingsService:
     def __init__(self, *, spec: EmbeddingSpec, embedder: Embedder, gate: TenantGate, reserve: ReserveStage,
                  refusals: RefusalLog, ledger: Ledger, quotas: QuotaService, metrics: GatewayMetrics,
                  ladder: LadderController | None, counting: FairThreads, max_batch: int = 32,
-                 max_wait_s: float = 0.003) -> None:
+                 max_wait_s: float = 0.003, idempotency: IdempotencyStage | None = None) -> None:
         self.spec = spec
         self.counting = counting  # where texts are counted, tenants in turn (the prompt stage's threads)
         self.embedder = embedder
@@ -67,26 +117,37 @@ class EmbeddingsService:
         self.quotas = quotas
         self.metrics = metrics
         self.ladder = ladder
+        self.idempotency = idempotency  # chat's stage (its store and rules); None: the header is refused
         self.batcher = EmbeddingBatcher(self._encode_many, max_batch=max_batch, max_wait_s=max_wait_s)
         self._background: set[asyncio.Task[None]] = set()
 
     async def embed(self, ctx: RequestContext, body: bytes) -> tuple[dict[str, Any], dict[str, str]]:
-        """The answer to one embeddings request and its headers (OpenAI's `x-ratelimit-*`); raises a
-        `TiergateError` (counted as a refusal before the reservation, written to the ledger after it)."""
+        """The answer to one embeddings request and its headers (OpenAI's `x-ratelimit-*`; the replay header for an
+        answer stored under its Idempotency-Key); raises a `TiergateError` (counted as a refusal before the
+        reservation, written to the ledger after it)."""
         with self.refusals.counted(ctx):
             entry = self.gate.enter(scopes_of(ctx.tenant, ctx.key_id, ctx.plan.limits, ctx.principal.key.limits))
+        keep: Keep | None = None
         try:
             with self.refusals.counted(ctx):
-                req, tokens = await self._admit(ctx, body)
-                reservation = await self.reserve.reserve(ctx, ctx.request_id, tokens=tokens,
-                                                         price=self.spec.price(tokens))
-            answer = await self._answer(ctx, req, tokens, reservation)
+                req = self._parse(ctx, body)
+                begun = await self._begin(ctx, req)
+                if isinstance(begun, Replay):  # answered before: the same answer, charged nothing, written nowhere
+                    return await self._replay(ctx, req, begun)
+                keep = Keep(begun) if begun is not None else None
+                self._refuse_if_degraded(ctx)
+                counts = await self.counting.run(ctx.tenant, self._num_tokens, req.texts)
+                reservation = await self.reserve.reserve(ctx, ctx.request_id, tokens=sum(counts),
+                                                         price=self.spec.price(sum(counts)))
+            answer = await self._answer(ctx, req, counts, reservation, keep)
             return answer, ratelimit_headers(ctx.plan, reservation.decision)
         finally:
+            if keep is not None and not keep.stored and self.idempotency is not None:  # a retry runs again
+                self._hand_off(self.idempotency.store.abandon(keep.claim))
             entry.leave()
 
-    async def _admit(self, ctx: RequestContext, body: bytes) -> tuple[EmbeddingRequest, int]:
-        """Every check, cheapest first: readiness, the body, the model, the ladder; then the token count."""
+    def _parse(self, ctx: RequestContext, body: bytes) -> EmbeddingRequest:
+        """The cheapest checks first: readiness, the body, the model."""
         if (why := self.ledger.not_ready_reason) is not None:
             raise Unavailable(f"the gateway cannot take requests now: {why}", code="not_ready", retry_after=5)
         try:
@@ -97,8 +158,27 @@ class EmbeddingsService:
         if not self.spec.enabled or req.model != self.spec.model:
             served = f"; this gateway serves {self.spec.model!r}" if self.spec.enabled else ""
             raise NotFound(f"no embedding model {req.model!r}{served}", param="model", code="model_not_found")
-        self._refuse_if_degraded(ctx)
-        return req, await self.counting.run(ctx.tenant, self._num_tokens, req.texts)
+        return req
+
+    async def _begin(self, ctx: RequestContext, req: EmbeddingRequest) -> Claim | Replay | None:
+        """The request's claim on its Idempotency-Key, the stored answer to replay, or None without the header."""
+        if self.idempotency is None:
+            if IDEMPOTENCY_HEADER in ctx.headers:  # never dropped: a retry would run and be billed again
+                raise InvalidRequest("Idempotency-Key is not supported on this gateway's embeddings",
+                                     param="Idempotency-Key", code="unsupported_parameter")
+            return None
+        return await self.idempotency.begin(ctx, req, route=ROUTE)
+
+    async def _replay(self, ctx: RequestContext, req: EmbeddingRequest,
+                      replay: Replay) -> tuple[dict[str, Any], dict[str, str]]:
+        """The stored answer, as it was sent. A replay takes its place in the tenant's request rate as chat's does
+        (handle.py's `_count_replay`), at no tokens or money, and writes no row."""
+        reservation = await self.reserve.reserve(ctx, ctx.request_id, tokens=0, price=Decimal(0))
+        self._hand_off(self.quotas.settle(reservation, tokens=0, price=Decimal(0)))
+        stored = replay.answer
+        answer = embedding_list(unpack_vectors(stored["vectors"], stored["count"]), model=stored["model"],
+                                prompt_tokens=stored["prompt_tokens"], encoding_format=req.encoding_format)
+        return answer, {**ratelimit_headers(ctx.plan, reservation.decision), REPLAY_HEADER: "true"}
 
     def _refuse_if_degraded(self, ctx: RequestContext) -> None:
         """A priority class the ladder sheds, or answers from cache only, gets no fresh compute here either."""
@@ -115,22 +195,28 @@ class EmbeddingsService:
                               "and embeddings are never cached", code="degraded_cache_only", retry_after=30,
                               headers={"x-tiergate-degrade-actions": f"cache_only({priority})"})
 
-    def _num_tokens(self, texts: list[str]) -> int:
-        """Word pieces the model reads of each text (special tokens included), summed."""
+    def _num_tokens(self, texts: list[str]) -> list[int]:
+        """Word pieces the model reads of each text (special tokens included)."""
         limit = self.embedder.max_tokens
-        return sum(min(limit, self.embedder.num_tokens(t)) for t in texts)
+        return [min(limit, self.embedder.num_tokens(t)) for t in texts]
 
     def _encode_many(self, texts: list[str]) -> list[np.ndarray | None]:
         return list(self.embedder.encode(texts))
 
-    async def _answer(self, ctx: RequestContext, req: EmbeddingRequest, tokens: int,
-                      reservation: Reservation) -> dict[str, Any]:
-        status, http_status, error_code, wall_s = "cancelled", 499, None, 0.0
+    async def _answer(self, ctx: RequestContext, req: EmbeddingRequest, counts: list[int], reservation: Reservation,
+                      keep: Keep | None) -> dict[str, Any]:
+        """Embed the texts, and settle once, whatever ends it: all of them (ok), an error (nothing billed: no vector
+        was sent and the failure is ours), or the client leaving (cancelled: billed for the texts embedded)."""
+        tokens = sum(counts)
+        ready = [False] * len(counts)  # which texts have their vector
+        status, http_status, error_code, stored = "cancelled", 499, None, None
+        t0 = time.perf_counter()
         try:
-            t0 = time.perf_counter()
-            vectors = await self._vectors(req.texts, ctx.tenant)
-            wall_s = time.perf_counter() - t0
+            vectors = await self._vectors(req.texts, ctx.tenant, ready)
             status, http_status = "ok", 200
+            if keep is not None:
+                stored = {"model": self.spec.model, "prompt_tokens": tokens, "count": len(vectors),
+                          "vectors": pack_vectors(vectors)}
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -140,48 +226,97 @@ class EmbeddingsService:
                 raise
             raise err from exc
         finally:
-            await self._settle(ctx, reservation, tokens if status == "ok" else 0, status, http_status, error_code,
-                               wall_s, wait=status != "cancelled")
+            if status == "ok":
+                used = tokens
+            elif status == "cancelled":  # what ran for it: the texts whose vectors were ready
+                used = sum(n for n, r in zip(counts, ready, strict=True) if r)
+            else:
+                used = 0
+            await self._settle(ctx, reservation, used, status, http_status, error_code,
+                               time.perf_counter() - t0 if used else 0.0, wait=status != "cancelled",
+                               keep=keep, stored=stored)
         return embedding_list(vectors, model=self.spec.model, prompt_tokens=tokens,
                               encoding_format=req.encoding_format)
 
-    async def _vectors(self, texts: list[str], tenant: str) -> np.ndarray:
+    async def _vectors(self, texts: list[str], tenant: str, ready: list[bool]) -> np.ndarray:
         """[N, 384]: the texts go to the batcher together (announced first, so their pass waits for all); its
-        batches take turns between tenants, so a tenant's 2,048 texts hold up another's one for a batch, not all."""
+        batches take turns between tenants, so a tenant's 2,048 texts hold up another's one for a batch, not all.
+        `ready[i]` is set as text i's vector comes. Cancelled (the client left), the texts still queued are dropped
+        from the batches to come (the batcher skips a text whose caller has gone)."""
         announced = [self.batcher.announce() for _ in texts]
+
+        async def one(i: int) -> np.ndarray | None:
+            row = await self.batcher.embed(texts[i], announced[i], owner=tenant)
+            ready[i] = True
+            return row
+
         try:
-            rows = await asyncio.gather(*(self.batcher.embed(t, a, owner=tenant)
-                                          for t, a in zip(texts, announced, strict=True)))
+            rows = await asyncio.gather(*(one(i) for i in range(len(texts))))
         finally:
             for announcement in announced:
                 announcement.close()
         return np.stack(rows)  # type: ignore[arg-type]  # `_encode_many` gives every text a vector
 
     async def _settle(self, ctx: RequestContext, reservation: Reservation, tokens: int, status: str,
-                      http_status: int, error_code: str | None, wall_s: float, *, wait: bool) -> None:
-        """The request's ledger row, then its quota settled to what it used; durable before return if `wait`
-        (a cancelled request must not await: its writes are handed off)."""
+                      http_status: int, error_code: str | None, wall_s: float, *, wait: bool,
+                      keep: Keep | None = None, stored: dict[str, Any] | None = None) -> None:
+        """The request's ledger row (with its answer for its Idempotency-Key, where the store commits it with the
+        row), then its quota settled to what it used; durable before return if `wait` (a cancelled request must not
+        await: its writes are handed off). Everything that holds money or a key is queued or handed off before the
+        first await, so a cancel during the wait loses none of it."""
         price = self.spec.price(tokens)
         row = LedgerRow(
             request_id=ctx.request_id, ts=ctx.arrived, tenant=ctx.tenant, key_id=ctx.key_id, tier=TIER,
             model=self.spec.model, status=status, http_status=http_status, input_tokens=tokens, output_tokens=0,
             price_usd=price, compute_cost_usd=self.spec.compute_cost(wall_s), cost_basis="wall" if wall_s else "none",
             ttft_s=None, total_s=time.perf_counter() - ctx.t0, error_code=error_code, route_reason="embeddings")
-        written = self.ledger.submit(row)
-        settled = asyncio.get_running_loop().create_task(self._settle_quota(written, reservation, tokens, row))
-        self._background.add(settled)
-        settled.add_done_callback(self._background.discard)
+        with_row: tuple[Statement, ...] = ()
+        if stored is not None and keep is not None and self.idempotency is not None:
+            with_row = self.idempotency.store.finish_with_row(keep.claim, stored, ctx.plan.idempotency_ttl_s)
+        written = self.ledger.submit(row, with_row=with_row)
+        settled = self._hand_off(self._settle_quota(written, reservation, tokens, row))
+        kept = None
+        if stored is not None and keep is not None and self.idempotency is not None:
+            # the claim is the answer's now, never given up (a retry must replay it, not run and be billed again)
+            keep.stored = True
+            kept = self._hand_off(self._keep(written, keep, stored, ctx.plan.idempotency_ttl_s))
         with contextlib.suppress(Exception):  # metrics are not worth a lost settlement
             self.metrics.finished(row, None)
         if wait:
             await self.ledger.wait_durable(written)
             await asyncio.shield(settled)
+            if kept is not None:  # stored (in Redis too) before the client reads the answer; its failure is logged
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(kept)
 
     async def _settle_quota(self, written: asyncio.Future[None], reservation: Reservation, tokens: int,
                             row: LedgerRow) -> None:
         with contextlib.suppress(Exception):  # the row's fate is the caller's; the quota settles anyway
             await self.ledger.wait_durable(written)
         await self.quotas.settle(reservation, tokens=tokens, price=row.price_usd)
+
+    async def _keep(self, written: asyncio.Future[None], keep: Keep, stored: dict[str, Any], ttl_s: float) -> None:
+        """Store the answer once its row is durable (a store that commits it with the row has done so: its `finish`
+        does nothing); a row that could not be written takes its answer with it, and the claim is given up."""
+        assert self.idempotency is not None
+        try:
+            await self.ledger.wait_durable(written)
+        except Exception:
+            await self.idempotency.store.abandon(keep.claim)
+            raise
+        await self.idempotency.store.finish(keep.claim, stored, ttl_s)
+
+    def _hand_off(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        """Run `work` to its end even if the request is cancelled; its failure is logged."""
+        task = asyncio.get_running_loop().create_task(work)
+        self._background.add(task)
+        task.add_done_callback(self._done)
+        return task
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("work handed off by an embeddings request failed: %s", task.exception())
 
     async def drain(self) -> None:
         """Wait for handed-off settlements (shutdown, tests)."""
@@ -201,7 +336,7 @@ def build_embeddings(services: Services) -> EmbeddingsService:
                              quotas=pipeline.reserve.quotas, metrics=services.metrics, ladder=services.ladder,
                              max_batch=settings.cache_embed_max_batch,
                              max_wait_s=settings.cache_embed_max_wait_ms / 1000,
-                             counting=pipeline.prompt.threads)
+                             counting=pipeline.prompt.threads, idempotency=pipeline.idempotency)
 
 
 def provide_embeddings(state: State) -> EmbeddingsService:

@@ -1,7 +1,8 @@
 """Idempotency: a request with an `Idempotency-Key` header runs once per tenant and key.
 
 The OpenAI SDKs retry a request whose answer was lost (a timeout, a dropped connection) with the same
-`Idempotency-Key`; without this the tenant would pay twice. As Stripe does it:
+`Idempotency-Key`; without this the tenant would pay twice. POST /v1/embeddings runs the same stage, its route in
+the fingerprint, storing its vectors compactly (gateway/embeddings_service.py). As Stripe does it:
 - the key's first request claims it and runs; its answer is stored with its ledger row (quotas/idempotency.py)
   for the plan's `idempotency_ttl_s` (24 h by default);
 - a retry after that gets the stored answer (the same id, body and usage; as JSON, or replayed as a stream),
@@ -31,6 +32,8 @@ import hashlib
 import math
 import time
 from typing import Any
+
+from pydantic import BaseModel
 
 from gateway.errors import Conflict, InvalidRequest, RateLimited, Unavailable, Unprocessable
 from gateway.pipeline.context import RequestContext
@@ -63,16 +66,18 @@ class IdempotencyStage:
         self.lease_s = lease_s  # a claim whose owner never finishes (a killed gateway) frees the key after this
         self.poll_s = poll_s
 
-    async def begin(self, ctx: RequestContext, req: ChatCompletionRequest) -> Claim | Replay | None:
-        """None without the header; else this request's claim, or the stored answer to replay."""
+    async def begin(self, ctx: RequestContext, req: BaseModel, *, route: str | None = None) -> Claim | Replay | None:
+        """None without the header; else this request's claim, or the stored answer to replay. `route`: what the
+        fingerprint says the request is (a chat request's own route when None; "embeddings" for that route's)."""
         key = ctx.headers.get(HEADER)
         if key is None:
             return None
         if not 1 <= len(key) <= MAX_KEY_CHARS or not key.isascii() or not key.isprintable():
             raise InvalidRequest(f"Idempotency-Key must be 1 to {MAX_KEY_CHARS} printable ASCII characters",
                                  param="Idempotency-Key", code="invalid_idempotency_key")
-        # the route too: a text completion's body and a chat body can dump alike (its prompt_format is a default)
-        route = getattr(req, "prompt_format", "chat")
+        # the route too: a text completion's body and a chat body can dump alike (its prompt_format is a default),
+        # and a key used on one route never answers another's request
+        route = route or getattr(req, "prompt_format", "chat")
         fingerprint = hashlib.sha256(f"{route}\n{req.model_dump_json(exclude_unset=True)}".encode()).hexdigest()
         deadline = time.monotonic() + self.wait_s
         while True:

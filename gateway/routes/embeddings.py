@@ -12,6 +12,7 @@ from litestar.openapi import ResponseSpec
 from gateway.auth import provide_tenant
 from gateway.embeddings_service import TIER, EmbeddingsService
 from gateway.pipeline.context import RequestContext
+from gateway.routes.answering import CLIENT_CLOSED, ClientLeft, ClientWatch
 from gateway.routes.openapi import BEARER, body, errors
 from gateway.tenants.store import Principal
 from quotas.plans import PlanBook
@@ -22,7 +23,7 @@ from wire.response_models import EmbeddingList
 @post("/v1/embeddings", status_code=200, tags=["OpenAI"], summary="Create embeddings",
       dependencies={"principal": Provide(provide_tenant), "openapi_body": body(EmbeddingRequest)}, security=BEARER,
       responses={200: ResponseSpec(EmbeddingList, generate_examples=False, description="One vector per input"),
-                 **errors(400, 401, 403, 404, 413, 429, 500, 503)})
+                 **errors(400, 401, 403, 404, 409, 413, 422, 429, 500, 503)})
 async def create_embeddings(request: Request[Any, Any, Any], principal: NamedDependency[Principal],
                             embeddings: NamedDependency[EmbeddingsService],
                             plans: NamedDependency[PlanBook]) -> Response[Any]:
@@ -30,5 +31,12 @@ async def create_embeddings(request: Request[Any, Any, Any], principal: NamedDep
     ctx = RequestContext(request.state.request_id, principal, plans.plans[principal.tenant.plan],  # type: ignore[union-attr]
                          {k.lower(): v for k, v in request.headers.items()}, time.time(), request.state.t0)
     request.state.tier = TIER
-    answer, headers = await embeddings.embed(ctx, await request.body())
+    raw = await request.body()
+    watch = ClientWatch(request)  # a client that leaves stops its work (embeddings_service.py says what it is billed)
+    try:
+        answer, headers = await watch.run(embeddings.embed(ctx, raw))
+    except ClientLeft:
+        return Response(None, status_code=CLIENT_CLOSED)
+    finally:
+        watch.close()
     return Response(answer, headers=headers)
