@@ -3,8 +3,8 @@
 Bounded and strict like the chat request (wire/chat_request.py), with the same sampling fields and limits. The
 prompt is sent to the model as it is: no chat template. What the legacy API has and we serve:
 
-- `prompt`: one string, or a list of exactly one string. A batch of prompts, and token-id prompts (a list of
-  integers), are refused by name: one prompt is one request, as the gateway bills and schedules it.
+- `prompt`: one string, or a list of exactly one string, not empty. A batch of prompts, and token-id prompts (a
+  list of integers), are refused by name: one prompt is one request, as the gateway bills and schedules it.
 - `max_tokens` defaults to 16, as in OpenAI's legacy API (and vLLM's), capped by what the context has left.
 - `logprobs` is the legacy integer: the log-probabilities of that many most likely tokens at each position
   (0 to MAX_LOGPROBS, OpenAI's bound), returned in the legacy shape (`tokens`, `token_logprobs`, `top_logprobs`,
@@ -38,6 +38,7 @@ from wire.response_format import ResponseFormat
 DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy default
 MAX_LOGPROBS = 5
 MAX_STOP_SEQUENCES = 4
+NonEmpty = Annotated[str, Field(min_length=1)]
 
 UNSUPPORTED_FIELDS = {
     "suffix": "fill-in-the-middle (suffix) is not supported",
@@ -45,12 +46,15 @@ UNSUPPORTED_FIELDS = {
 
 
 def _one_text_prompt(value: Any) -> Any:
-    """`prompt` as the legacy API allows it, refused by name where it is a batch or token ids."""
+    """`prompt` as the legacy API allows it, refused by name where it is a batch, token ids or empty (no token to
+    continue from: the engine refused it, after the gateway had routed, reserved and sent it)."""
     if isinstance(value, list):
         if any(isinstance(v, int | list) and not isinstance(v, bool) for v in value):
             raise PydanticCustomError(UNSUPPORTED_VALUE, "token-id prompts are not supported; send the text")
         if len(value) > 1:
             raise PydanticCustomError(UNSUPPORTED_VALUE, "one prompt per request: send a string (or a list of one)")
+    if value == "" or value == [""]:
+        raise PydanticCustomError("string_too_short", "the prompt is empty; send the text to continue")
     return value
 
 
@@ -67,8 +71,8 @@ class CompletionRequest(GenerationRequest):
     model_config = ConfigDict(strict=True, extra="forbid", json_schema_extra=completion_schema)
 
     model: Annotated[str, Field(min_length=1, max_length=256)]
-    prompt: Annotated[str | Annotated[list[str], Field(min_length=1, max_length=1)],
-                      Field(description="the text to continue: a string, or a list of exactly one string")]
+    prompt: Annotated[NonEmpty | Annotated[list[NonEmpty], Field(min_length=1, max_length=1)],
+                      Field(description="the text to continue (not empty): a string, or a list of exactly one string")]
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_BOUND)] | None = None

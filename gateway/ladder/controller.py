@@ -10,6 +10,7 @@ is set; the triggers keep tracking underneath, so handing back is immediate and 
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -20,6 +21,33 @@ from gateway.ladder.signals import Signals
 from gateway.ladder.state import DegradeEvent, LadderState, LadderStore
 
 log = logging.getLogger("tiergate.ladder")
+
+# what a manual level's reason may not hold: C0 controls (a newline among them), DEL, C1 controls (NEL among them)
+# and Unicode's line and paragraph separators; a reason is one line of the audit trail and of the log
+_CONTROLS = r"\x00-\x1f\x7f-\x9f\u2028\u2029"
+# the blanks that are not controls (what str.strip() removes besides them): a reason of only these says nothing
+_BLANKS = r" \xa0\u1680\u2000-\u200a\u202f\u205f\u3000"
+# a reason as the degrade route publishes it (JSON Schema's regex and Python's read these escapes alike)
+REASON_PATTERN = f"^[^{_CONTROLS}]*[^{_CONTROLS}{_BLANKS}][^{_CONTROLS}]*$"
+_CONTROL = re.compile(f"[{_CONTROLS}]")
+
+
+class LadderChangeError(ValueError):
+    """A change on-call asked for that the ladder refuses: `param` names the field, `code` the kind of fault."""
+
+    def __init__(self, message: str, *, param: str, code: str) -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+def check_reason(reason: str) -> None:
+    """Refuse (LadderChangeError) a reason the audit trail cannot keep as one line, or one that says nothing."""
+    if _CONTROL.search(reason):
+        raise LadderChangeError("the reason is one line of text: no newline or other control character",
+                                param="reason", code="invalid_value")
+    if not reason.strip():
+        raise LadderChangeError("a reason is required", param="reason", code="reason_required")
 
 
 class LadderController:
@@ -54,9 +82,9 @@ class LadderController:
 
     def set_manual(self, level: int, *, reason: str, who: str, ttl_s: float | None = None) -> None:
         if not 0 <= level <= self.ladder.top:
-            raise ValueError(f"level must be between 0 and {self.ladder.top}")
-        if not reason.strip():
-            raise ValueError("a reason is required")
+            raise LadderChangeError(f"level must be between 0 and {self.ladder.top}", param="level",
+                                    code="level_not_found")
+        check_reason(reason)
         now = self.clock()
         self.state = self.store.load()
         self.state.manual_level, self.state.manual_by, self.state.manual_reason = level, who, reason
@@ -141,7 +169,7 @@ class LadderController:
         event = DegradeEvent(now, before, after, who, reason, metrics)
         self.store.save(self.state, event)
         self.level, self.source = after, source
-        log.warning("degrade level %d -> %d by %s: %s", before, after, who, reason)
+        log.warning("degrade level %d -> %d by %s: %r", before, after, who, reason)  # quoted: one line, whatever in it
         if self.on_change is not None:
             self.on_change(event)
 

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from gateway.auth import require_admin
 from gateway.config_files import ConfigFileError
 from gateway.errors import InvalidRequest, TiergateError
-from gateway.ladder.controller import LadderController
+from gateway.ladder.controller import REASON_PATTERN, LadderChangeError, LadderController
 from gateway.ladder.state import event_dict
 from gateway.routes.openapi import BEARER, body, errors
 from gateway.settings import Settings
@@ -29,7 +29,8 @@ from wire.fields import integral
 class SetLevel(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
     level: Annotated[int, Field(ge=0)]
-    reason: Annotated[str, Field(min_length=1, max_length=500)]
+    # one line, not only blanks (the controller refuses the rest by name: a newline went into the log as it was)
+    reason: Annotated[str, Field(min_length=1, max_length=500, json_schema_extra={"pattern": REASON_PATTERN})]
     ttl_s: Annotated[float, Field(gt=0, le=MAX_TTL_S, allow_inf_nan=False)] | None = None  # finite, ≤ 10 years
 
     @field_validator("level", mode="before")
@@ -61,8 +62,8 @@ async def set_level(request: Request[Any, Any, Any], ladder: NamedDependency[Lad
     try:
         await _changing(ladder, ladder.set_manual, body.level, reason=body.reason, who=request.state.key_id,
                         ttl_s=body.ttl_s)
-    except ValueError as exc:
-        raise InvalidRequest(str(exc), param="level") from exc
+    except LadderChangeError as exc:
+        raise InvalidRequest(str(exc), param=exc.param, code=exc.code) from exc
     return ladder.status()
 
 

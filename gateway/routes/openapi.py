@@ -14,20 +14,27 @@ Three things make Litestar's generated document say what the handlers really do:
   its generator, which reads a request body from a handler's dependencies too, documents `Model`.
 - **Errors have OpenAI's shape.** `errors(...)` declares each status a route answers with `ErrorBody`; a 200 that
   may also be a stream or CSV names its other media types (`also`).
+
+The docs page (/docs) is the document's operations as plain HTML, with no script and nothing from another origin
+(`ReferencePage`): it shares its origin with the dashboard, which keeps an admin key in sessionStorage, and Swagger
+UI's scripts came from a CDN with no integrity check (whoever served them could read that key).
 """
 
 from __future__ import annotations
 
+import base64
 import copy
+import hashlib
+import html
 import re
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-from litestar import Request, Response, get
+from litestar import Request, Response, Router, get
 from litestar.di import Provide
 from litestar.openapi import OpenAPIConfig, ResponseSpec
-from litestar.openapi.plugins import JsonRenderPlugin, SwaggerRenderPlugin
+from litestar.openapi.plugins import JsonRenderPlugin, OpenAPIRenderPlugin
 from litestar.openapi.spec import Components, OpenAPIMediaType, Operation, SecurityScheme
 from litestar.plugins import OpenAPISchemaPlugin
 from pydantic import BaseModel
@@ -128,14 +135,62 @@ def _field_name(key: str) -> str:
     return _SPECIAL.get(key) or re.sub(r"(?<!^)([A-Z])", r"_\1", key).lower()
 
 
+_STYLE = ("body{font:15px/1.45 system-ui,sans-serif;margin:2em auto;max-width:70em;padding:0 1em}"
+          "td,th{border-bottom:1px solid #ddd;padding:.3em .6em;text-align:left;vertical-align:top}"
+          "table{border-collapse:collapse;width:100%}code{white-space:nowrap}")
+_STYLE_HASH = base64.b64encode(hashlib.sha256(_STYLE.encode()).digest()).decode()
+# the docs page loads nothing (its one style is inline, allowed by its hash), runs no script, is framed by no one
+DOCS_HEADERS = {
+    "content-security-policy": f"default-src 'none'; style-src 'sha256-{_STYLE_HASH}'; base-uri 'none'; "
+                               "form-action 'none'; frame-ancestors 'none'",
+    "x-content-type-options": "nosniff", "x-frame-options": "DENY", "referrer-policy": "no-referrer",
+}
+
+
+class ReferencePage(OpenAPIRenderPlugin):
+    """/docs: each operation of the document (method, path, summary, description) by tag, and a link to the
+    document for an OpenAPI viewer or client generator. Plain HTML made here, every text escaped; no script."""
+
+    def __init__(self) -> None:
+        super().__init__(path="/", favicon="", style="")
+        self._page: bytes | None = None
+
+    def render(self, request: Request[Any, Any, Any], openapi_schema: dict[str, Any]) -> bytes:
+        if self._page is None:  # the document is built once per app, and so is its page
+            self._page = _reference(openapi_schema).encode()
+        return self._page
+
+
+def _reference(doc: dict[str, Any]) -> str:
+    esc = html.escape
+    info = doc.get("info", {})
+    by_tag: dict[str, list[str]] = {}
+    for path, operations in doc.get("paths", {}).items():
+        for method, op in operations.items():
+            if not isinstance(op, dict) or "responses" not in op:
+                continue  # a path item's own fields (`parameters`, `summary`), not an operation
+            text = "".join(f"<p>{esc(part)}</p>" for part in (op.get("summary"), op.get("description")) if part)
+            by_tag.setdefault((op.get("tags") or ["other"])[0], []).append(
+                f"<tr><td><code>{esc(method.upper())}</code></td><td><code>{esc(path)}</code></td><td>{text}</td></tr>")
+    tables = "".join(f"<h2>{esc(tag)}</h2><table><tr><th>method</th><th>path</th><th>what</th></tr>{''.join(rows)}"
+                     "</table>" for tag, rows in by_tag.items())
+    title = f"{info.get('title', '')} {info.get('version', '')}"
+    return (f"<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>{esc(title)}</title>"
+            f"<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\"><style>{_STYLE}</style></head>"
+            f"<body><h1>{esc(title)}</h1><p>{esc(info.get('description', ''))}</p><p>The OpenAPI document, with "
+            "every request body, answer and error: <a href=\"openapi.json\">openapi.json</a> (open it in any OpenAPI "
+            f"viewer or client generator).</p>{tables}</body></html>")
+
+
 def openapi_config(version: str) -> OpenAPIConfig:
-    """The document and its docs page: Swagger UI at /docs (its script comes from a CDN, as Litestar's default),
-    the JSON at /docs/openapi.json and, where clients look for it, /openapi.json."""
+    """The document and its docs page: a plain reference page at /docs (ReferencePage: no script), the JSON at
+    /docs/openapi.json and, where clients look for it, /openapi.json."""
     return OpenAPIConfig(
         title="Tiergate", version=version, path="/docs",
         description="A cost-aware, multi-tenant gateway for language models, OpenAI-compatible. Errors have OpenAI's "
                     "shape: {\"error\": {\"message\", \"type\", \"param\", \"code\"}}.",
-        render_plugins=[SwaggerRenderPlugin(path="/"), JsonRenderPlugin(path="/openapi.json")],
+        render_plugins=[ReferencePage(), JsonRenderPlugin(path="/openapi.json")],
+        openapi_router=Router("/docs", route_handlers=[], include_in_schema=False, response_headers=DOCS_HEADERS),
         components=Components(security_schemes={
             "bearer": SecurityScheme(type="http", scheme="bearer", description="an API key: `tg-…`"),
             "api_key": SecurityScheme(type="apiKey", name="X-API-Key", security_scheme_in="header",

@@ -67,7 +67,8 @@ def test_the_cache_never_answers_a_completion_with_a_chat_answer_or_back(gateway
 
 
 @pytest.mark.parametrize(("field", "value"), [("logprobs", 2), ("priority", 3), ("suffix", "x"), ("best_of", 2),
-                                              ("echo", True), ("prompt", ["one", "two"]), ("prompt", [1, 2, 3])])
+                                              ("echo", True), ("prompt", ["one", "two"]), ("prompt", [1, 2, 3]),
+                                              ("prompt", ""), ("prompt", [""])])  # empty: the engine refused it
 def test_what_the_gateway_does_not_serve_is_refused_by_name_and_billed_nothing(gateway: Gateway, field: str,
                                                                                value: object) -> None:
     body = {"model": "auto", "prompt": PROMPT, field: value}

@@ -202,3 +202,19 @@ def test_two_gateway_replicas_follow_one_level_through_redis(gateway_settings: S
                 assert c.get("/admin/degrade/").json()["level"] == 4
     finally:
         redis.stop()
+
+
+@pytest.mark.parametrize(("body", "param", "code"), [
+    ({"level": 99, "reason": "x"}, "level", "level_not_found"),
+    ({"level": 2**70, "reason": "x"}, "level", "level_not_found"),
+    ({"level": 1, "reason": "   "}, "reason", "reason_required"),  # was param "level"
+    ({"level": 1, "reason": "drill\nlevel 0 -> 6 by auto: forged"}, "reason", "invalid_value"),  # was taken, and logged
+])
+def test_a_refused_change_names_its_field_and_has_a_code(laddered: Gateway, body: dict[str, object], param: str,
+                                                         code: str) -> None:
+    with laddered.client(laddered.admin_key) as c:
+        r = c.post("/admin/degrade/", json=body)
+        assert r.status_code == 400, r.text
+        assert (r.json()["error"]["param"], r.json()["error"]["code"]) == (param, code)
+        assert c.get("/admin/degrade/").json()["manual"] is None and c.get("/admin/degrade/history").json() == {
+            "data": []}

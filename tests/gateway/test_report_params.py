@@ -7,7 +7,8 @@ import re
 
 import pytest
 
-from gateway.report_params import DAY_PATTERN, parse_day
+from gateway.report_params import BY_PATTERN, DAY_PATTERN, ReportParamError, parse_by, parse_by_query, parse_day
+from quotas.report import GROUPS
 
 
 def test_a_day_past_the_month_end_is_the_months_last_day() -> None:
@@ -28,3 +29,34 @@ def test_what_the_pattern_refuses_is_refused(text: str) -> None:
 def test_what_the_pattern_accepts_is_parsed(text: str) -> None:
     assert re.fullmatch(DAY_PATTERN, text) is not None
     assert isinstance(parse_day(text), float)
+
+
+@pytest.mark.parametrize("text", ["tenant", "day,tier", "key_id , day,tier ,  tenant", "tenant,tier,day,key_id",
+                                  "day,day", "tier, day ,tier", ",".join(["day"] * 5000), "tenant,tier,day,key_id,day",
+                                  "planet", "day,", ",day", "tenant,,tier", "daytier", "tier,tiers", "day\ttier",
+                                  "day\n", "DAY", ""])
+def test_the_published_by_pattern_is_what_the_routes_read(text: str) -> None:
+    """What the document allows for `by` is read, what it forbids is refused (a group named twice among them)."""
+    try:
+        groups = parse_by_query(text)
+    except ReportParamError as exc:
+        assert exc.param == "by" and exc.code in ("invalid_value", "duplicate_group")
+        assert (exc.code == "duplicate_group") == (len(text.split(",")) != len({g.strip() for g in text.split(",")}))
+        groups = None
+    published = re.search(BY_PATTERN, text) is not None and not text.endswith("\n")  # JSON Schema's `$` is the end
+    assert (groups is not None) == published, (text, groups)
+    assert groups is None or len(groups) == len(set(groups)) <= len(GROUPS)
+
+
+def test_a_group_named_twice_is_refused_before_the_ledger_reads_it() -> None:
+    with pytest.raises(ReportParamError, match="day more than once") as caught:
+        parse_by(",".join(["day"] * 5000))
+    assert (caught.value.param, caught.value.code) == ("by", "duplicate_group")
+    assert parse_by("day, tenant") == ("day", "tenant")
+
+
+@pytest.mark.parametrize(("end", "param"), [(False, "from"), (True, "to")])
+def test_a_bad_day_names_its_filter(end: bool, param: str) -> None:
+    with pytest.raises(ReportParamError) as caught:
+        parse_day("x" * 10_000, end=end)
+    assert (caught.value.param, caught.value.code) == (param, "invalid_value") and len(str(caught.value)) < 200

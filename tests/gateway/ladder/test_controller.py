@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 
 from gateway.config_files import ConfigFileError, load_yaml
 from gateway.ladder.config import Ladder
-from gateway.ladder.controller import LadderController
+from gateway.ladder.controller import REASON_PATTERN, LadderChangeError, LadderController, check_reason
 from gateway.ladder.signals import Signals
 from gateway.ladder.state import RedisLadderStore, SqliteLadderStore
 from gateway.settings import REPO_ROOT
@@ -178,3 +179,49 @@ def test_engine_kv_pressure_can_raise_the_level(tmp_path: Path) -> None:
         clock.t += 1
         c.tick()
     assert c.level == 0
+
+
+@pytest.mark.parametrize(("level", "reason", "param", "code"), [
+    (7, "x", "level", "level_not_found"),
+    (1, "   ", "reason", "reason_required"),
+    (1, "\u3000\xa0", "reason", "reason_required"),
+    (1, "incident 42\nlevel 0 -> 3 by auto: all clear", "reason", "invalid_value"),  # a forged log line
+    (1, "drill\r", "reason", "invalid_value"),
+    (1, "drill\x85over", "reason", "invalid_value"),
+    (1, "drill\u2028over", "reason", "invalid_value"),
+    (1, "\x1b[2Jdrill", "reason", "invalid_value"),
+])
+def test_a_refused_override_names_its_field_and_changes_nothing(tmp_path: Path, level: int, reason: str, param: str,
+                                                                code: str) -> None:
+    c, _, _, events = make(tmp_path)
+    with pytest.raises(LadderChangeError) as caught:
+        c.set_manual(level, reason=reason, who="k")
+    assert (caught.value.param, caught.value.code) == (param, code)
+    assert isinstance(caught.value, ValueError)  # what the CLI prints as a usage error
+    assert events == [] and c.level == 0 and c.store.history() == []
+
+
+def test_the_published_reason_pattern_is_what_the_controller_takes() -> None:
+    """Every character of the BMP: alone, a reason is taken exactly where the pattern the route publishes allows
+    it; after a letter too (controls refused anywhere, blanks only alone)."""
+    pattern = re.compile(REASON_PATTERN)
+    for point in range(0x10000):
+        if 0xD800 <= point < 0xE000:
+            continue
+        for reason in (chr(point), f"a{chr(point)}"):
+            try:
+                check_reason(reason)
+                taken = True
+            except LadderChangeError:
+                taken = False
+            assert taken == (pattern.fullmatch(reason) is not None), (hex(point), reason)
+
+
+def test_a_reason_is_logged_on_one_line(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    c, _, _, _ = make(tmp_path)
+    with caplog.at_level("WARNING", logger="tiergate.ladder"):
+        c.set_manual(1, reason="incident 42", who="k")
+        c.set_auto(who="k", reason="handed back\nlevel 0 -> 3 by auto: forged")
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and all("\n" not in line for line in lines)
+    assert lines[0].endswith("'manual: incident 42'") and "\\nlevel 0 -> 3" in lines[1]
