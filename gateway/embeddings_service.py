@@ -58,7 +58,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.pipeline.context import RequestContext
 from gateway.pipeline.gate import TenantGate, refused_size, scopes_of
 from gateway.pipeline.idempotency import HEADER as IDEMPOTENCY_HEADER
-from gateway.pipeline.idempotency import REPLAY_HEADER, IdempotencyStage, Keep
+from gateway.pipeline.idempotency import REPLAY_HEADER, IdempotencyStage, Keep, keep_when_written
 from gateway.pipeline.refusals import RefusalLog
 from gateway.pipeline.reserve import ReserveStage, ratelimit_headers
 from gateway.services import Services
@@ -297,14 +297,11 @@ class EmbeddingsService:
 
     async def _keep(self, written: asyncio.Future[None], keep: Keep, stored: dict[str, Any], ttl_s: float) -> None:
         """Store the answer once its row is durable (a store that commits it with the row has done so: its `finish`
-        does nothing); a row that could not be written takes its answer with it, and the claim is given up."""
+        does nothing); a row refused for good takes its answer with it, and the claim is given up. The row's final
+        outcome, not the request's wait for it: a row late past that wait still commits, billed, and a retry must
+        replay its answer, not run again (gateway/pipeline/idempotency.py's `keep_when_written`)."""
         assert self.idempotency is not None
-        try:
-            await self.ledger.wait_durable(written)
-        except Exception:
-            await self.idempotency.store.abandon(keep.claim)
-            raise
-        await self.idempotency.store.finish(keep.claim, stored, ttl_s)
+        await keep_when_written(self.idempotency.store, written, keep.claim, stored, ttl_s)
 
     def _hand_off(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         """Run `work` to its end even if the request is cancelled; its failure is logged."""

@@ -31,7 +31,7 @@ from gateway.pipeline.context import RequestContext
 from gateway.pipeline.dispatch import DispatchStage
 from gateway.pipeline.events import Delta, Done, Event, Head
 from gateway.pipeline.gate import TenantGate, refused_size, scopes_of
-from gateway.pipeline.idempotency import IdempotencyStage, Keep
+from gateway.pipeline.idempotency import IdempotencyStage, Keep, keep_when_written
 from gateway.pipeline.meter import Meter, Outcome, Reading
 from gateway.pipeline.prompt import Prompt, PromptStage
 from gateway.pipeline.refusals import RefusalLog
@@ -220,22 +220,31 @@ class Pipeline:
         finally:
             if upstream is not None and outcome is not None and (outcome.status != "ok" or meter.cut):
                 await _close_quietly(upstream)
+            kept: asyncio.Task[None] | None = None
+
+            def keep_with_row(written: asyncio.Future[None]) -> None:
+                # answered: the claim is the answer's row's from its queueing on, never given up while the row may
+                # still commit (a row late past the wait below still bills: a retry must replay its answer, not run
+                # and be billed again); kept once the row commits, given up only if it is refused for good
+                nonlocal kept
+                if stored is not None and keep is not None and self.idempotency is not None:
+                    keep.stored = True
+                    kept = self.settler.hand_off(keep_when_written(
+                        self.idempotency.store, written, keep.claim, stored, ctx.plan.idempotency_ttl_s))
+
             await self.settler.settle(ctx, attempt, outcome or meter.outcome("cancelled", 499), ticket, wait=wait,
-                                      with_row=with_row)
+                                      with_row=with_row, on_queued=keep_with_row)
         if self.shadow is not None and attempt.final and prepared.prompt is not None and not attempt.is_cache_hit:
             self.shadow.send(attempt.route.tier, attempt.request_id, req, prepared.prompt.output_cap, outcome.text,
                              tenant=ctx.tenant)
         if self.cache_checks is not None and (hit := attempt.lookup.hit) is not None:
             self.cache_checks.send(ctx.tenant, attempt.route.tier, req, hit, attempt.lookup.policy)
-        if stored is not None and keep is not None and self.idempotency is not None:
-            # answered, written and settled: the claim is the answer's now, never given up (a retry must replay it,
-            # not run and be billed again), and the store's write ends even if the client leaves; durable with its
-            # row (or in Redis) before the client reads the end. A store that fails here (Redis owes the write, and
-            # keeps the key claimed) does not fail an answered request: its failure is logged by the hand-off.
-            keep.stored = True
+        if kept is not None:
+            # answered, written and settled: the answer is kept (its store's write ends even if the client leaves),
+            # durable with its row (or in Redis) before the client reads the end. A store that fails here (Redis
+            # owes the write, and keeps the key claimed) does not fail an answered request: the hand-off logs it.
             with contextlib.suppress(Exception):
-                await asyncio.shield(self.settler.hand_off(
-                    self.idempotency.store.finish(keep.claim, stored, ctx.plan.idempotency_ttl_s)))
+                await asyncio.shield(kept)
         yield Done(outcome.finish_reason, outcome.input_tokens, outcome.output_tokens)
 
     async def _call(self, ctx: RequestContext, prepared: Prepared, meter: Meter,

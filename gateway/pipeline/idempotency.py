@@ -11,6 +11,12 @@ the fingerprint, storing its vectors compactly (gateway/embeddings_service.py). 
 - a retry while the first still runs waits for it, up to `wait_s`, then gets 409 with Retry-After;
 - the same key with another body is a 422 naming the header;
 - an answer that failed, or whose client left, is not stored: the claim is given up and a retry runs again;
+- an answer whose ledger row was not durable in time (the ledger's wait ran out: a slow disk, a database that
+  cannot commit now) is a 503 to its client, but the row is still queued and may commit later, billed: its claim is
+  not given up then but handed to `keep_when_written`, which waits for the row's final outcome. A row that commits
+  keeps its answer (committed with it, or stored after it in Redis), so a retry waits or gets 409 meanwhile, then the
+  replay; a row refused for good gives the claim up, so a retry runs. Given up at once, a row that committed later
+  billed the tenant with no answer kept, and the retry ran and was billed again;
 - what a tenant holds is bounded (quotas/idempotency.py's `Limits`: 10,000 live keys, 256 MiB of stored answers):
   at the bound a new key is refused with 429 `idempotency_key_limit` and a Retry-After (until its first record
   expires), here, before anything is counted, charged or stored; a replay, or a key already held, still answers.
@@ -29,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import math
 import time
 from typing import Any
@@ -45,6 +52,7 @@ from wire.chat_request import ChatCompletionRequest
 
 HEADER = "idempotency-key"
 REPLAY_HEADER = "x-tiergate-idempotent-replay"
+log = logging.getLogger("tiergate.idempotency")
 MAX_KEY_CHARS = 255
 
 
@@ -56,6 +64,33 @@ class Keep:
     def __init__(self, claim: Claim) -> None:
         self.claim = claim
         self.stored = False
+
+
+KEEP_FOR_S = 120.0  # how long a kept claim waits for its row's final outcome at most (a shutdown waits for it too)
+
+
+async def keep_when_written(store: IdempotencyStore, written: asyncio.Future[None], claim: Claim,
+                            answer: dict[str, Any], ttl_s: float, *, for_s: float = KEEP_FOR_S) -> None:
+    """The claim of an answer whose ledger row was queued (`written`, the ledger's future for it), once the row's fate
+    is final, not when the request's wait for it ends: committed, the answer is kept (`finish`: a store that commits it
+    with the row, SQLite and PostgreSQL, has done so); refused for good (the database refused the row, or the ledger
+    closed with it unwritten), the row and the answer committed with it are not, and the claim is given up so that a
+    retry runs. Until then the key stays claimed (a retry waits, or gets 409): a row late past the request's wait is
+    still written, billed, and its answer must be what a retry gets. A row still pending after `for_s` (the ledger
+    down that long) leaves the claim to its lease, never given up while the row may commit (SQLite and PostgreSQL
+    still commit the answer with it; Redis's is lost, and a retry after the lease runs again). Run it handed off: it
+    outlives the request."""
+    await asyncio.wait((written,), timeout=for_s)  # never cancels the ledger's future (the writer settles it)
+    if not written.done():
+        log.warning("Idempotency-Key %r (tenant %s): its ledger row is not written after %g s; the key stays claimed "
+                    "until its lease ends", claim.key, claim.tenant, for_s)
+        return
+    if written.cancelled() or written.exception() is not None:
+        await store.abandon(claim)
+        if not written.cancelled():
+            raise written.exception()  # type: ignore[misc]  # logged by the hand-off, the claim given up
+        return
+    await store.finish(claim, answer, ttl_s)
 
 
 class IdempotencyStage:

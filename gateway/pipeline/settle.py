@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from decimal import Decimal
 from typing import Any
 
@@ -47,8 +47,11 @@ class Settler:
         self._background: set[asyncio.Task[Any]] = set()
 
     async def settle(self, ctx: RequestContext, attempt: Attempt, outcome: Outcome, ticket: Ticket | None, *,
-                     wait: bool, with_row: tuple[Statement, ...] = ()) -> LedgerRow:
+                     wait: bool, with_row: tuple[Statement, ...] = (),
+                     on_queued: Callable[[asyncio.Future[None]], object] | None = None) -> LedgerRow:
         """Write the attempt's row and release what it held; durable before return unless `wait` is False.
+        `on_queued` is given the row's future (the ledger's) as soon as it is queued, before any await: what
+        depends on the row's final outcome, not on this wait for it (an Idempotency-Key's claim), follows it.
 
         What holds money or capacity comes first and cannot be skipped by a failure after it: the row is
         queued, the slot freed and the quota settled whatever the metrics or the cache do. The quota is
@@ -57,6 +60,8 @@ class Settler:
         """
         row = self.row(ctx, attempt, outcome)
         written = self.ledger.submit(row, with_row=with_row)
+        if on_queued is not None:
+            on_queued(written)
         if ticket is not None:
             self.dispatch.release(attempt.route.tier.name, ticket, outcome.input_tokens + outcome.output_tokens)
         used = 0 if attempt.is_cache_hit else outcome.input_tokens + outcome.output_tokens  # a hit runs no model
