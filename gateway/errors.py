@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import re
+from http import HTTPStatus
 from typing import Any
 
 from litestar.exceptions import HTTPException, ValidationException
@@ -189,8 +190,25 @@ def _http_error(exc: HTTPException) -> TiergateError:
             409: Conflict, 413: PayloadTooLarge, 422: Unprocessable, 429: RateLimited,
             503: Unavailable}.get(exc.status_code)
     if kind is None:
-        return InternalError(message) if exc.status_code >= 500 else InvalidRequest(message)
-    return kind(message, code="not_found" if exc.status_code == 404 else None, headers=dict(exc.headers or {}))
+        kind = InternalError if exc.status_code >= 500 else InvalidRequest
+    return kind(message, code=kind.code or _http_code(exc.status_code), headers=dict(exc.headers or {}))
+
+
+# the code of a refusal of Litestar's own that our class of it does not have (a plain 400 of its, an invalid Host
+# header, a malformed multipart body, had `code: null`): its status in words, as OpenAI's codes are
+_HTTP_CODES = {400: "bad_request", 403: "forbidden", 404: "not_found", 409: "conflict", 422: "unprocessable_entity",
+               503: "service_unavailable"}
+
+
+def _http_code(status: int) -> str:
+    """The code of a refusal of Litestar's with `status` (its class's own code, where it has one, comes first)."""
+    if status in _HTTP_CODES:
+        return _HTTP_CODES[status]
+    try:
+        phrase = HTTPStatus(status).phrase
+    except ValueError:
+        return f"http_{status}"
+    return re.sub(r"[^a-z0-9]+", "_", phrase.lower()).strip("_")
 
 
 def _invalid_parameter(extra: Any) -> InvalidRequest | None:

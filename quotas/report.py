@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from contextlib import suppress
 from decimal import Decimal, localcontext
 from typing import Any
@@ -45,6 +45,9 @@ def usage_report(ledger: LedgerReads, *, by: tuple[str, ...] = ("tenant", "tier"
     unknown = [g for g in by if g not in GROUPS]
     if unknown:
         raise ValueError(f"cannot group by {unknown}; choose from {', '.join(GROUPS)}")
+    twice = sorted(g for g, n in Counter(by).items() if n > 1)
+    if twice:  # gateway/report_params.py refuses them first; a caller that skips it (a column per mention) stops here
+        raise ValueError(f"groups are named once each; got {', '.join(twice)} more than once")
     if rollups is None:
         request_totals = ledger.request_totals(by, tenant=tenant, since=since, until=until)
         refusal_totals = ledger.refusal_totals(tenant=tenant, since=since, until=until)

@@ -19,6 +19,7 @@ from gateway.config_files import load_yaml
 from gateway.ladder.config import Action, Ladder, Trigger
 from gateway.ladder.signals import Signals
 from gateway.ladder.state import DegradeEvent, LadderState, LadderStore
+from gateway.tenants.keys import MAX_TTL_S
 
 log = logging.getLogger("tiergate.ladder")
 
@@ -30,6 +31,9 @@ _BLANKS = r" \xa0\u1680\u2000-\u200a\u202f\u205f\u3000"
 # a reason as the degrade route publishes it (JSON Schema's regex and Python's read these escapes alike)
 REASON_PATTERN = f"^[^{_CONTROLS}]*[^{_CONTROLS}{_BLANKS}][^{_CONTROLS}]*$"
 _CONTROL = re.compile(f"[{_CONTROLS}]")
+# the shortest manual override: a shorter one has ended, or all but, when it is written (1e-300 s was taken, and
+# answered 200 with level 0 in force); the longest is a key's (10 years)
+MIN_TTL_S = 1.0
 
 
 class LadderChangeError(ValueError):
@@ -85,11 +89,14 @@ class LadderController:
             raise LadderChangeError(f"level must be between 0 and {self.ladder.top}", param="level",
                                     code="level_not_found")
         check_reason(reason)
+        if ttl_s is not None and not MIN_TTL_S <= ttl_s <= MAX_TTL_S:  # NaN fails both
+            raise LadderChangeError(f"ttl_s is from {MIN_TTL_S:g} second to {MAX_TTL_S:.0f} seconds (10 years), "
+                                    f"not {ttl_s!r}", param="ttl_s", code="invalid_value")
         now = self.clock()
         self.state = self.store.load()
         self.state.manual_level, self.state.manual_by, self.state.manual_reason = level, who, reason
-        self.state.manual_until = now + ttl_s if ttl_s else None
-        ttl = f" for {ttl_s:.0f}s" if ttl_s else ""
+        self.state.manual_until = now + ttl_s if ttl_s is not None else None
+        ttl = f" for {ttl_s:.0f}s" if ttl_s is not None else ""
         self._commit(who, f"manual{ttl}: {reason}", {})
 
     def set_auto(self, *, who: str, reason: str = "handed back to the triggers") -> None:

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gateway.errors import Conflict, InvalidRequest, NotFound, TiergateError
+from gateway.ladder.controller import LadderChangeError, check_reason
 from gateway.metrics import GatewayMetrics
 from gateway.rollout.assign import sampled, version_for
 from gateway.rollout.guards import Guards, Verdict, Watch, tier_guards_error
@@ -32,7 +33,6 @@ from gateway.rollout.state import RUNNING, Action, Rollout, RolloutEvent, Rollou
 from tiers.catalogue import TierCatalogue, TierSpec
 
 log = logging.getLogger("tiergate.rollout")
-BLANKS = " \t\n\r\f\v"  # what a reason may not be made of alone (the routes' schema says the same)
 
 
 class RolloutService:
@@ -159,6 +159,7 @@ class RolloutService:
               reason: str, shadow: float | None = None, guards: Guards | None = None) -> Rollout:
         """A canary of `version` on `tier`: `share` of new conversations and every named tenant; or, with `shadow`,
         a shadow: the serving version answers everyone, and that share of requests is also sent to `version`."""
+        reason = _reason(reason)
         spec = self._tier(tier)
         if version not in spec.variants:
             raise NotFound(f"tier {tier!r} has no version {version!r}; it has {', '.join(spec.variants)}",
@@ -168,7 +169,8 @@ class RolloutService:
             _check_share(shadow, "shadow")
             if share or tenants:
                 raise InvalidRequest("a shadow answers no one from the candidate: leave share and tenants out, and "
-                                     "give them when promoting it to a canary", param="share" if share else "tenants")
+                                     "give them when promoting it to a canary", param="share" if share else "tenants",
+                                     code="shadow_answers_no_one")
         current = self._latest(tier)
         if current is not None and current.stage in RUNNING:
             raise Conflict(f"tier {tier!r} has a rollout in progress ({current.candidate}, {current.stage}); "
@@ -179,39 +181,43 @@ class RolloutService:
                            code="version_already_serving")
         now = self.clock()
         rollout = Rollout(uuid.uuid4().hex[:16], tier, version, baseline, "canary" if shadow is None else "shadow",
-                          share, tuple(dict.fromkeys(tenants)), now, who, now, who, _reason(reason),
+                          share, tuple(dict.fromkeys(tenants)), now, who, now, who, reason,
                           (current.revision if current else 0) + 1, _guards(spec, guards), shadow or 0.0)
         return self._save("start", rollout)
 
     def promote(self, tier: str, *, share: float | None = None, who: str, reason: str) -> Rollout:
         """To `full` (everyone on the candidate), or a larger canary `share` (a paused canary resumes; a shadow
         becomes a canary)."""
+        reason = _reason(reason)
         current = self._running(tier, "promote")
         if share is None:
-            return self._save("promote", current.changed(stage="full", who=who, reason=_reason(reason),
+            return self._save("promote", current.changed(stage="full", who=who, reason=reason,
                                                          now=self.clock()), self._metrics_now(current))
         _check_share(share)
         if share < current.share:
             raise InvalidRequest(f"share {share} is below the canary's {current.share}: lowering it would move "
-                                 "conversations back mid-way; roll back instead", param="share")
-        return self._save("promote", current.changed(stage="canary", who=who, reason=_reason(reason),
+                                 "conversations back mid-way; roll back instead", param="share",
+                                 code="share_lowered")
+        return self._save("promote", current.changed(stage="canary", who=who, reason=reason,
                                                      now=self.clock(), share=share), self._metrics_now(current))
 
     def pause(self, tier: str, *, who: str, reason: str) -> Rollout:
         """Hold the canary as it is: the same conversations stay on each version, and the share stays."""
+        reason = _reason(reason)
         current = self._running(tier, "pause")
         if current.stage == "paused":
             raise Conflict(f"the rollout on tier {tier!r} is paused already", code="rollout_paused")
-        return self._save("pause", current.changed(stage="paused", who=who, reason=_reason(reason), now=self.clock()),
+        return self._save("pause", current.changed(stage="paused", who=who, reason=reason, now=self.clock()),
                           self._metrics_now(current))
 
     def rollback(self, tier: str, *, who: str, reason: str) -> Rollout:
         """Everyone back on the baseline (from a shadow, a canary, a pause, or a finished `full`)."""
+        reason = _reason(reason)
         current = self._latest(tier)
         self._tier(tier)
         if current is None or current.stage == "rolled_back":
             raise _nothing_to(tier, "roll back", current)
-        return self._save("rollback", current.changed(stage="rolled_back", who=who, reason=_reason(reason),
+        return self._save("rollback", current.changed(stage="rolled_back", who=who, reason=reason,
                                                       now=self.clock()), self._metrics_now(current))
 
     # ---- reading ----
@@ -270,7 +276,8 @@ class RolloutService:
             raise Conflict(f"the rollout on tier {rollout.tier!r} was changed meanwhile; read its status and retry",
                            code="rollout_changed")
         self._rollouts = {**self._rollouts, rollout.tier: rollout}
-        log.warning("rollout of %s on tier %s: %s%s by %s (%s)", rollout.candidate, rollout.tier, rollout.stage,
+        # the reason quoted (%r): one line, whatever an admin or the CLI gave (a newline forged a second line)
+        log.warning("rollout of %s on tier %s: %s%s by %s: %r", rollout.candidate, rollout.tier, rollout.stage,
                     _share(rollout), rollout.changed_by, rollout.reason)
         return rollout
 
@@ -293,13 +300,18 @@ def _guards(spec: TierSpec, given: Guards | None) -> Guards:
 
 def _check_share(share: float, param: str = "share") -> None:
     if not 0.0 <= share <= 1.0:  # the routes' schema says so too; the CLI comes here directly
-        raise InvalidRequest(f"{param} is a fraction from 0 to 1, not {share}", param=param)
+        raise InvalidRequest(f"{param} is a fraction from 0 to 1, not {share}", param=param, code="invalid_value")
 
 
 def _reason(reason: str) -> str:
-    if not reason.strip(BLANKS):
-        raise InvalidRequest("a reason is required (it is kept in the audit trail)", param="reason")
-    return reason.strip(BLANKS)
+    """The reason as the audit trail keeps it (blanks around it cut), or a 400 naming `reason`: one line of text
+    (code invalid_value: no newline or other control character), not only blanks (reason_required), as a manual
+    degrade's (gateway/ladder/controller.py's check_reason; the routes publish its REASON_PATTERN)."""
+    try:
+        check_reason(reason)
+    except LadderChangeError as exc:
+        raise InvalidRequest(f"{exc} (it is kept in the audit trail)", param=exc.param, code=exc.code) from exc
+    return reason.strip()
 
 
 def _share(r: Rollout) -> str:

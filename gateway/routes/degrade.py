@@ -11,13 +11,13 @@ from typing import Annotated, Any
 
 from litestar import Request, Router, get, post
 from litestar.di import NamedDependency
-from litestar.params import FromQuery
+from litestar.params import QueryParameter
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from gateway.auth import require_admin
 from gateway.config_files import ConfigFileError
 from gateway.errors import InvalidRequest, TiergateError
-from gateway.ladder.controller import REASON_PATTERN, LadderChangeError, LadderController
+from gateway.ladder.controller import MIN_TTL_S, REASON_PATTERN, LadderChangeError, LadderController
 from gateway.ladder.state import event_dict
 from gateway.routes.openapi import BEARER, body, errors
 from gateway.settings import Settings
@@ -25,13 +25,18 @@ from gateway.tenants.keys import MAX_TTL_S
 from gateway.validation import parse_body
 from wire.fields import integral
 
+# how many events a history gives, latest first: 1 to 1000, refused by name outside (-5 was read as 1); the
+# rollouts' history takes the same
+HistoryLimit = Annotated[int, QueryParameter(ge=1, le=1000, description="events, latest first: 1 to 1000")]
+
 
 class SetLevel(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
     level: Annotated[int, Field(ge=0)]
     # one line, not only blanks (the controller refuses the rest by name: a newline went into the log as it was)
     reason: Annotated[str, Field(min_length=1, max_length=500, json_schema_extra={"pattern": REASON_PATTERN})]
-    ttl_s: Annotated[float, Field(gt=0, le=MAX_TTL_S, allow_inf_nan=False)] | None = None  # finite, ≤ 10 years
+    # finite, 1 s to 10 years (1e-300 was taken: a level that had ended when it was set); none: until `auto`
+    ttl_s: Annotated[float, Field(ge=MIN_TTL_S, le=MAX_TTL_S, allow_inf_nan=False)] | None = None
 
     @field_validator("level", mode="before")
     @classmethod
@@ -74,8 +79,8 @@ async def set_auto(request: Request[Any, Any, Any], ladder: NamedDependency[Ladd
 
 
 @get("/history", responses=errors(400, 401, 403, 500, 503))
-async def history(ladder: NamedDependency[LadderController], limit: FromQuery[int] = 100) -> dict[str, Any]:
-    events = await asyncio.to_thread(ladder.store.history, max(1, min(limit, 1000)))
+async def history(ladder: NamedDependency[LadderController], limit: HistoryLimit = 100) -> dict[str, Any]:
+    events = await asyncio.to_thread(ladder.store.history, limit)
     return {"data": [event_dict(e) for e in events]}
 
 

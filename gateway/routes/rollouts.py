@@ -13,16 +13,19 @@ from litestar.params import FromPath, FromQuery
 from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.auth import require_admin
+from gateway.ladder.controller import REASON_PATTERN
 from gateway.rollout.guards import Guards
 from gateway.rollout.service import RolloutService
+from gateway.routes.degrade import HistoryLimit
 from gateway.routes.openapi import BEARER, body, errors
 from gateway.tenants.store import NAME_RE
 from gateway.validation import parse_body
 from tiers.catalogue import VERSION_NAME
 
 Share = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]  # of new conversations, 0 to 1
-# kept in the audit trail; not only blanks (spelled out: JSON Schema's `\S` and Python's disagree on U+0085)
-Reason = Annotated[str, Field(min_length=1, max_length=500, pattern=r"[^ \t\n\r\f\v]")]
+# kept in the audit trail and the log: one line, not only blanks, as a manual degrade's; published, and refused by
+# the service by name (param `reason`, code invalid_value or reason_required): a newline went into the log as it was
+Reason = Annotated[str, Field(min_length=1, max_length=500, json_schema_extra={"pattern": REASON_PATTERN})]
 
 
 class StartRollout(BaseModel):
@@ -97,9 +100,9 @@ async def rollback(request: Request[Any, Any, Any], rollouts: NamedDependency[Ro
 
 @get("/history", responses=errors(400, 401, 403, 500))
 async def history(rollouts: NamedDependency[RolloutService], tier: FromQuery[str | None] = None,
-                  limit: FromQuery[int] = 100) -> dict[str, Any]:
+                  limit: HistoryLimit = 100) -> dict[str, Any]:
     """The audit trail, latest first: every start, promotion, pause and rollback, with who and why."""
-    events = await asyncio.to_thread(rollouts.history, tier, max(1, min(limit, 1000)))
+    events = await asyncio.to_thread(rollouts.history, tier, limit)
     return {"data": [e.public() for e in events]}
 
 

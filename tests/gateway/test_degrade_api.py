@@ -122,9 +122,9 @@ def test_cascade_and_threshold_actions_are_declared_and_reported(laddered: Gatew
 
 
 def test_on_call_routes_ttl_auto_history_and_metrics(laddered: Gateway) -> None:
-    status = set_level(laddered, 4, ttl_s=0.5)
+    status = set_level(laddered, 4, ttl_s=1)  # the shortest a manual level may be set for
     assert status["source"] == "manual" and status["manual"]["by"] == laddered.admin_key[3:15]
-    time.sleep(0.6)
+    time.sleep(1.1)
     with laddered.client(laddered.admin_key) as c:
         deadline = time.time() + 5  # the ladder's tick notices the end of the TTL (slower on a busy machine)
         while c.get("/admin/degrade/").json()["level"] != 0 and time.time() < deadline:
@@ -180,6 +180,10 @@ def test_cli_sets_the_level_a_running_gateway_follows(laddered: Gateway) -> None
     assert "0 -> 1  by cli: manual for 1800s: drill" in runner.invoke(cli, ["degrade", "history"], env=env).output
     assert runner.invoke(cli, ["degrade", "auto"], env=env).exit_code == 0
     assert runner.invoke(cli, ["degrade", "set", "1", "--reason", "x", "--ttl", "soon"], env=env).exit_code == 2
+    for ttl in ("0", "0s"):  # was a level held until `auto`
+        r = runner.invoke(cli, ["degrade", "set", "1", "--reason", "x", "--ttl", ttl], env=env)
+        assert r.exit_code == 1 and "ttl_s is from 1 second" in r.output, r.output
+    assert "level 0 (normal), set by auto" in runner.invoke(cli, ["degrade", "status"], env=env).output
 
 
 def test_two_gateway_replicas_follow_one_level_through_redis(gateway_settings: Settings,
@@ -209,6 +213,8 @@ def test_two_gateway_replicas_follow_one_level_through_redis(gateway_settings: S
     ({"level": 2**70, "reason": "x"}, "level", "level_not_found"),
     ({"level": 1, "reason": "   "}, "reason", "reason_required"),  # was param "level"
     ({"level": 1, "reason": "drill\nlevel 0 -> 6 by auto: forged"}, "reason", "invalid_value"),  # was taken, and logged
+    ({"level": 1, "reason": "x", "ttl_s": 1e-300}, "ttl_s", "greater_than_equal"),  # was 200, level 0 in force
+    ({"level": 1, "reason": "x", "ttl_s": 0.5}, "ttl_s", "greater_than_equal"),
 ])
 def test_a_refused_change_names_its_field_and_has_a_code(laddered: Gateway, body: dict[str, object], param: str,
                                                          code: str) -> None:
@@ -218,3 +224,14 @@ def test_a_refused_change_names_its_field_and_has_a_code(laddered: Gateway, body
         assert (r.json()["error"]["param"], r.json()["error"]["code"]) == (param, code)
         assert c.get("/admin/degrade/").json()["manual"] is None and c.get("/admin/degrade/history").json() == {
             "data": []}
+
+
+@pytest.mark.parametrize("limit", ["-5", "0", "1001", "ten"])
+def test_a_history_limit_out_of_range_is_refused_by_name(laddered: Gateway, limit: str) -> None:
+    set_level(laddered, 1)
+    with laddered.client(laddered.admin_key) as c:
+        r = c.get("/admin/degrade/history", params={"limit": limit})  # -5 was 200, read as 1
+        assert r.status_code == 400, r.text
+        assert (r.json()["error"]["param"], r.json()["error"]["code"]) == ("limit", "invalid_value")
+        assert len(c.get("/admin/degrade/history", params={"limit": "1000"}).json()["data"]) == 1
+        assert len(c.get("/admin/degrade/history", params={"limit": "1"}).json()["data"]) == 1

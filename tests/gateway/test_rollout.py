@@ -201,21 +201,33 @@ def test_bad_admin_input_is_refused_and_changes_nothing(two_versions: tuple[Gate
                 admin(gw, "/admin/rollouts/history").json())
 
     before = state()
+    forged = "drill\nrollout of v1 on tier mid: rolled_back by admin (forged)"  # was taken, and logged as it was
     refused = [
-        ("/admin/rollouts", {"tier": "nope", "version": "v2", "reason": "r"}, 404, "tier"),
-        ("/admin/rollouts", {"tier": "full", "version": "v2", "reason": "r"}, 404, "tier"),
-        ("/admin/rollouts", {"tier": "mid", "version": "v9", "reason": "r"}, 404, "version"),
-        ("/admin/rollouts", {"tier": "mid", "version": "v2", "share": 1.5, "reason": "r"}, 400, "share"),
-        ("/admin/rollouts", {"tier": "mid", "version": "v2", "reason": ""}, 400, "reason"),
-        ("/admin/rollouts", {"tier": "mid", "version": "v2", "reason": "again"}, 409, None),
-        ("/admin/rollouts/mid/promote", {"reason": "r", "share": 0.05}, 400, "share"),
-        ("/admin/rollouts/full/pause", {"reason": "r"}, 404, "tier"),
-        ("/admin/rollouts/mid/rollback", {}, 400, "reason"),
+        ("/admin/rollouts", {"tier": "nope", "version": "v2", "reason": "r"}, 404, "tier", "tier_not_found"),
+        ("/admin/rollouts", {"tier": "full", "version": "v2", "reason": "r"}, 404, "tier", "tier_has_no_versions"),
+        ("/admin/rollouts", {"tier": "mid", "version": "v9", "reason": "r"}, 404, "version", "version_not_found"),
+        ("/admin/rollouts", {"tier": "mid", "version": "v2", "share": 1.5, "reason": "r"}, 400, "share",
+         "less_than_equal"),
+        ("/admin/rollouts", {"tier": "mid", "version": "v2", "reason": ""}, 400, "reason", "string_too_short"),
+        ("/admin/rollouts", {"tier": "mid", "version": "v2", "reason": "again"}, 409, None, "rollout_in_progress"),
+        ("/admin/rollouts", {"tier": "mid", "version": "v2", "reason": forged}, 400, "reason", "invalid_value"),
+        ("/admin/rollouts/mid/promote", {"reason": "r", "share": 0.05}, 400, "share", "share_lowered"),  # was null
+        ("/admin/rollouts/mid/promote", {"reason": "ok\u2028forged"}, 400, "reason", "invalid_value"),
+        ("/admin/rollouts/full/pause", {"reason": "r"}, 404, "tier", "tier_has_no_versions"),
+        ("/admin/rollouts/mid/pause", {"reason": forged}, 400, "reason", "invalid_value"),
+        ("/admin/rollouts/mid/rollback", {}, 400, "reason", "missing"),
+        ("/admin/rollouts/mid/rollback", {"reason": "\t\r"}, 400, "reason", "invalid_value"),
+        ("/admin/rollouts/mid/rollback", {"reason": " \u00a0 "}, 400, "reason", "reason_required"),
     ]
-    for path, body, status, param in refused:
+    for path, body, status, param, code in refused:
         r = admin(gw, path, body)
         assert r.status_code == status, (path, body, r.text)
-        assert set(r.json()["error"]) == {"message", "type", "param", "code"} and r.json()["error"]["param"] == param
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+        assert (r.json()["error"]["param"], r.json()["error"]["code"]) == (param, code), (path, body, r.text)
+    for limit in ("-5", "0", "1001", "ten"):  # -5 was read as 1
+        r = admin(gw, f"/admin/rollouts/history?limit={limit}")
+        assert r.status_code == 400, (limit, r.text)
+        assert (r.json()["error"]["param"], r.json()["error"]["code"]) == ("limit", "invalid_value")
     with gw.client(gw.tenant_key) as c:  # a tenant's key may not
         assert c.post("/admin/rollouts/mid/rollback", json={"reason": "r"}).status_code == 403
     assert state() == before
