@@ -112,4 +112,8 @@ def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
         values = probs[index]
         cumulative = torch.cumsum(values, dim=-1)
         drop = cumulative - values >= top_p
+    # the likeliest token is always kept: a top_p below float32's smallest number (1e-300 passes `> 0`) is 0 in
+    # the comparison above, which then dropped every token, and the draw failed on an all-zero distribution (a 500
+    # whose repeats opened the replica's breaker for every tenant)
+    drop[0] = False
     return torch.zeros_like(probs).scatter_(0, index, values.masked_fill(drop, 0.0))

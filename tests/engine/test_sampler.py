@@ -17,6 +17,15 @@ def test_greedy_and_degenerate_filters_pick_the_argmax() -> None:
     assert s.sample("c", logits, SamplingParams(temperature=1.0, top_p=0.01)) == 1
 
 
+@pytest.mark.parametrize("top_p", [1e-300, 5e-324, 1e-46])
+@pytest.mark.parametrize("size", [6, 50_000])  # the first look at the likeliest tokens, and the whole vocabulary
+def test_a_top_p_below_float32s_smallest_keeps_the_likeliest_token(top_p: float, size: int) -> None:
+    """It passes `> 0`, and rounded to 0 in float32 it dropped every token: the draw failed (a 500 from the engine)."""
+    logits = torch.zeros(size)
+    logits[3] = 1.0
+    assert Sampler().sample("t", logits, SamplingParams(temperature=1.0, top_p=top_p, seed=1)) == 3
+
+
 def test_seeded_sampling_repeats_and_unseeded_varies() -> None:
     logits = torch.zeros(50)
 
