@@ -53,6 +53,7 @@ from engine.sampling_params import SamplingParams
 from engine.tool_calls import ToolAnswer, answer_format, tools_param
 from wire import responses
 from wire.chat_request import ChatCompletionRequest
+from wire.client_watch import CLIENT_CLOSED, ClientLeft, ClientWatch
 from wire.completion_request import DEFAULT_MAX_TOKENS as DEFAULT_TEXT_MAX_TOKENS
 from wire.completion_request import CompletionRequest
 from wire.errors import CACHE_SALT_HEADER, REQUEST_FAULT_CODES, error_body
@@ -196,10 +197,16 @@ def create_engine_app(engine: LLMEngine, *, model_name: str, model_version: str)
         if req.stream:
             return Stream(_sse(outputs, rid, model_name, req.include_usage, req.continuous_usage, frames),
                           media_type="text/event-stream", headers={"cache-control": "no-cache"})
+        watch = ClientWatch(request)  # a client that leaves before its whole answer stops its generation
         try:
-            return await _collect(outputs, rid, model_name, frames)
+            return await watch.run(_collect(outputs, rid, model_name, frames))
+        except ClientLeft:
+            await outputs.aclose()  # leaving the iterator aborts the request: its slot and KV blocks are freed
+            return Response(None, status_code=CLIENT_CLOSED)
         except EngineDeadError as exc:
             return _dead(str(exc))
+        finally:
+            watch.close()
 
     @get("/health")
     async def health() -> Response[dict[str, Any]]:

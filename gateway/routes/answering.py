@@ -8,11 +8,10 @@ pipeline, which settles the request as cancelled and billed for what ran.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 from litestar import Request, Response
 from litestar.response import Stream
@@ -22,9 +21,7 @@ from gateway.pipeline.context import RequestContext
 from gateway.pipeline.events import Event, Head
 from gateway.services import Services
 from wire.chat_request import ChatCompletionRequest
-
-T = TypeVar("T")
-CLIENT_CLOSED = 499  # nginx's status for a client that closed the connection; nobody reads it
+from wire.client_watch import CLIENT_CLOSED, ClientLeft, ClientWatch
 
 
 @dataclass(frozen=True)
@@ -34,8 +31,6 @@ class Framing:
     stream: Callable[[Head, AsyncIterator[Event]], AsyncIterator[bytes]]  # server-sent events
 
 
-class ClientLeft(Exception):
-    """The client disconnected before its answer was ready."""
 
 
 async def answer(request: Request[Any, Any, Any], framing: Framing) -> Response[Any]:
@@ -62,47 +57,3 @@ async def answer(request: Request[Any, Any, Any], framing: Framing) -> Response[
         return Response(None, status_code=CLIENT_CLOSED)
     finally:
         watch.close()
-
-
-class ClientWatch:
-    """Listens for the client's disconnect for the whole request (one listener task, not one per wait): while
-    `run` awaits work, a disconnect cancels the handler's task, and `run` turns that into ClientLeft."""
-
-    def __init__(self, request: Request[Any, Any, Any]) -> None:
-        self._handler = asyncio.current_task()
-        self._left = self._running = False
-        self._listener = asyncio.ensure_future(_disconnected(request))
-        self._listener.add_done_callback(self._on_disconnect)
-
-    def _on_disconnect(self, listener: asyncio.Future[None]) -> None:
-        if listener.cancelled():
-            return
-        self._left = True
-        if self._running and self._handler is not None:
-            self._handler.cancel()
-
-    async def run(self, work: Awaitable[T]) -> T:
-        """`work`'s result, or ClientLeft (with `work` cancelled) as soon as the client disconnects."""
-        if self._left:
-            if (close := getattr(work, "close", None)) is not None:
-                close()  # never to be awaited: closed, so Python does not warn of it
-            raise ClientLeft
-        self._running = True
-        try:
-            return await work
-        except asyncio.CancelledError:
-            if not self._left or self._handler is None:
-                raise
-            self._handler.uncancel()  # our own cancel, answered: the task is not being cancelled any more
-            raise ClientLeft from None
-        finally:
-            self._running = False
-
-    def close(self) -> None:
-        self._listener.cancel()
-
-
-async def _disconnected(request: Request[Any, Any, Any]) -> None:
-    """Returns when the client has gone (the body is read already, so the next message can only be that)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass

@@ -12,10 +12,10 @@ from litestar.openapi import ResponseSpec
 from gateway.auth import provide_tenant
 from gateway.embeddings_service import TIER, EmbeddingsService
 from gateway.pipeline.context import RequestContext
-from gateway.routes.answering import CLIENT_CLOSED, ClientLeft, ClientWatch
 from gateway.routes.openapi import BEARER, body, errors
 from gateway.tenants.store import Principal
 from quotas.plans import PlanBook
+from wire.client_watch import CLIENT_CLOSED, ClientLeft, ClientWatch
 from wire.embeddings import EmbeddingRequest
 from wire.response_models import EmbeddingList
 

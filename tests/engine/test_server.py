@@ -121,6 +121,23 @@ def test_disconnect_aborts_within_a_step_and_frees_the_sequence(served: tuple[st
     assert stats.num_running == 0 and len(runner.released) == 1 and stats.num_kv_blocks_used == 0
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_a_client_that_leaves_a_whole_answer_aborts_it(served: tuple[str, LLMEngine, ScriptedRunner],
+                                                       path: str) -> None:
+    """Not streamed, nothing is sent before the answer is whole: the disconnect itself must stop it (it ran on to
+    max_tokens for no one, holding its slot and KV blocks)."""
+    url, eng, runner = served
+    runner.step_s = 0.5  # its 22 tokens: 11 s
+    body = {"model": "tiny", "max_tokens": 400, **({"messages": MSG} if "chat" in path else {"prompt": "capital"})}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{url}{path}", json=body, timeout=0.5)
+    deadline = time.time() + 4  # aborted within a step; run to its end, it would still be running
+    while time.time() < deadline and (eng.stats().num_running or eng.stats().num_waiting):
+        time.sleep(0.01)
+    stats = eng.stats()
+    assert stats.num_running == stats.num_waiting == 0 and len(runner.released) == 1 and stats.num_kv_blocks_used == 0
+
+
 @pytest.mark.parametrize(("field", "value"), [("seed", 2**64), ("seed", -1), ("temperature", 1e-40),
                                               ("top_p", 0), ("stop", ["x"] * 5), ("top_logprobs", 21)])
 def test_a_bad_sampling_parameter_is_a_400_naming_it(served: tuple[str, LLMEngine, ScriptedRunner], field: str,
