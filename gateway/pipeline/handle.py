@@ -176,7 +176,8 @@ class Pipeline:
         came)."""
         attempt, req, keep = prepared.attempt, prepared.req, prepared.keep
         meter = Meter(ctx.t0, keep_logprobs=req.logprobs, reading=reading,
-                      counted_input=prepared.prompt.num_tokens if prepared.prompt is not None else 0)
+                      counted_input=prepared.prompt.num_tokens if prepared.prompt is not None else 0,
+                      output_cap=prepared.prompt.output_cap if prepared.prompt is not None else None)
         ticket: Ticket | None = None
         upstream: Upstream | None = None
         outcome: Outcome | None = None

@@ -20,10 +20,19 @@ Who pays the counted prompt when the tier reported no usage:
 - the call failed (`error`: unreachable, timed out, refused) before any chunk: not billed. Either nothing ran or
   the failure is the tier's, that is our side's, not the client's.
 A client that leaves while it waits for a dispatch slot leaves before `upstream_started`: not billed.
+
+A tier's usage is its word, and it is checked before it is billed (`reported_tokens`): a field that is not a count
+(negative, a bool, a float with a fraction, a string) or is absurd is taken as unreported, and that field is billed on
+our own count as above. The output is billed at most the output cap the gateway sent as `max_tokens` (the reservation
+covers no more), whatever the tier says or streams; a prompt reported at more than `PROMPT_SLACK` times the counted
+prompt plus `PROMPT_MARGIN` tokens (a chat template, a tokenizer's version) is taken as unreported too, and the counted
+prompt is billed.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -59,13 +68,40 @@ class Outcome:
     signals: AnswerSignals | None = None  # the engine's signals of the whole answer, where a `Reading` asked
 
 
+log = logging.getLogger(__name__)
+
+MAX_REPORTED_TOKENS = 100_000_000  # more than any context holds: a count past it is absurd, not a count
+PROMPT_SLACK = 2  # a reported prompt over PROMPT_SLACK * counted + PROMPT_MARGIN is not the prompt we sent
+PROMPT_MARGIN = 1024
+
+
+def reported_tokens(value: Any) -> int | None:
+    """A tier's reported token count, or None where it is not a plausible one (unreported): an int (not a bool) or
+    an integral float, from 0 to `MAX_REPORTED_TOKENS`."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, float):
+        if not math.isfinite(value) or not value.is_integer():
+            return None
+        value = int(value)
+    if not isinstance(value, int) or not 0 <= value <= MAX_REPORTED_TOKENS:
+        return None
+    return value
+
+
 class Meter:
     def __init__(self, t0: float, *, keep_logprobs: bool = False, counted_input: int = 0,
-                 reading: Reading | None = None) -> None:
-        """`counted_input`: the prompt's tokens as the gateway counted them, billed if the tier reports none."""
+                 reading: Reading | None = None, output_cap: int | None = None) -> None:
+        """`counted_input`: the prompt's tokens as the gateway counted them, billed if the tier reports none (or
+        none believable). `output_cap`: the `max_tokens` the gateway sent the tier, the most output billed (None:
+        no cap known)."""
         self.t0 = t0
         self.counted_input = counted_input
+        self.output_cap = output_cap
         self.usage_reported = False
+        self.input_reported = False  # a believable prompt count came (`reported_tokens`)
+        self.output_reported = False  # ... a believable output count
+        self.distrusted: set[str] = set()  # usage fields the tier sent that were not believed
         self.content_chunks = 0
         self.chunks = 0  # chunks the tier sent: it answered
         self.keep_logprobs = keep_logprobs  # the client asked for them: they are part of its answer
@@ -103,8 +139,7 @@ class Meter:
         usage = chunk.get("usage")
         if isinstance(usage, dict):
             self.usage_reported = True
-            self.input_tokens = int(usage.get("prompt_tokens") or self.input_tokens)
-            self.output_tokens = int(usage.get("completion_tokens") or self.output_tokens)
+            self._read_usage(usage)
         ext = chunk.get("x_tiergate")
         if isinstance(ext, dict) and isinstance(ext.get("busy_s"), int | float):
             self.busy_s = float(ext["busy_s"])
@@ -142,6 +177,34 @@ class Meter:
                 self.ttft_s = time.perf_counter() - self.t0
         return content, logprobs, has_choice or bool(calls), calls
 
+    def _read_usage(self, usage: dict[str, Any]) -> None:
+        """The chunk's usage, each field as far as it is believable; a field that is not keeps what came before
+        (or, if nothing did, is billed on our count, `outcome`). A zero keeps an earlier count, as a field left out
+        does."""
+        prompt = reported_tokens(usage.get("prompt_tokens"))
+        if prompt is not None and self.counted_input and prompt > PROMPT_SLACK * self.counted_input + PROMPT_MARGIN:
+            prompt = None
+        if prompt is not None:
+            self.input_reported = True
+            self.input_tokens = prompt or self.input_tokens
+        elif usage.get("prompt_tokens") is not None:
+            self._distrust("prompt_tokens", usage["prompt_tokens"])
+        output = reported_tokens(usage.get("completion_tokens"))
+        if output is not None:
+            if self.output_cap is not None and output > self.output_cap:
+                self._distrust("completion_tokens", output)
+                output = self.output_cap
+            self.output_reported = True
+            self.output_tokens = output or self.output_tokens
+        elif usage.get("completion_tokens") is not None:
+            self._distrust("completion_tokens", usage["completion_tokens"])
+
+    def _distrust(self, field: str, value: Any) -> None:
+        if field not in self.distrusted:  # once an attempt: a tier reports in every chunk
+            self.distrusted.add(field)
+            log.warning("tier reported usage %s=%.40r, not believed (counted prompt %d, output cap %s)", field, value,
+                        self.counted_input, self.output_cap)
+
     def _tool_calls(self, delta: Any) -> list[dict[str, Any]]:
         """The delta's `tool_calls` entries, each joined into the call of its index."""
         entries = delta.get("tool_calls") if isinstance(delta, dict) else None
@@ -175,7 +238,7 @@ class Meter:
         self.input_tokens = int(usage.get("prompt_tokens", 0))
         self.output_tokens = int(usage.get("completion_tokens", 0))
         self.finish_reason = usage.get("finish_reason") or "stop"
-        self.usage_reported = True
+        self.usage_reported = self.input_reported = self.output_reported = True
         self.ttft_s = time.perf_counter() - self.t0
 
     def outcome(self, status: str, http_status: int, error_code: str | None = None, *,
@@ -184,8 +247,13 @@ class Meter:
         answer) the output is not billed: the client pays for the prompt it sent, not for text it never saw."""
         self.upstream_ended()
         sent = self.upstream_t0 is not None  # the request went to the tier, which may have run its prefill
-        if not self.usage_reported and (self.chunks or (status == "cancelled" and sent)):  # nothing counted for us
-            self.input_tokens, self.output_tokens = self.counted_input, self.content_chunks
+        if self.chunks or (status == "cancelled" and sent):  # billable: what the tier did not count, we count
+            if not self.input_reported:
+                self.input_tokens = self.counted_input
+            if not self.output_reported:
+                self.output_tokens = self.content_chunks
+        if self.output_cap is not None:  # the most the tier was asked for, and the reservation covers
+            self.output_tokens = min(self.output_tokens, self.output_cap)
         mean = self._logprob_sum / self._logprob_n if self._logprob_n else None
         output = self.output_tokens if output_delivered else 0
         return Outcome(status, http_status, error_code, self.input_tokens, output, self.finish_reason,

@@ -1,0 +1,74 @@
+"""A tier's usage is checked before it is billed: a field that is not a plausible count is billed on our own count,
+and the output never past the `max_tokens` the gateway sent (what the reservation covers)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from gateway.pipeline.meter import Meter
+
+
+def chunk(content: str | None = None, usage: dict | None = None, finish: str | None = None) -> dict:
+    out: dict = {"choices": [{"index": 0, "delta": {"content": content} if content else {},
+                              "finish_reason": finish}] if content or finish else []}
+    if usage is not None:
+        out["usage"] = usage
+    return out
+
+
+def billed(usage: dict, *, pieces: tuple[str, ...] = ("Par", "is"), counted: int = 12,
+           cap: int | None = 4, status: str = "ok") -> tuple[int, int]:
+    kwargs = {} if cap is None else {"output_cap": cap}
+    meter = Meter(time.perf_counter(), counted_input=counted, **kwargs)
+    meter.upstream_started()
+    for piece in pieces:
+        meter.add(chunk(piece))
+    meter.add(chunk(usage=usage, finish="stop"))
+    out = meter.outcome(status, 200)
+    return out.input_tokens, out.output_tokens
+
+
+def test_output_is_billed_at_most_the_cap_sent() -> None:
+    assert billed({"prompt_tokens": 12, "completion_tokens": 4000}) == (12, 4)  # not 4000: max_tokens was 4
+    assert billed({"prompt_tokens": 12, "completion_tokens": 3}) == (12, 3)  # under the cap: as reported
+    # a tier that reports none and streams more chunks than it was asked for: still the cap
+    assert billed({}, pieces=("a", "b", "c", "d", "e", "f")) == (12, 4)
+
+
+@pytest.mark.parametrize("bad", [-4, -1, True, 2.5, "4000", "3", None, [3], float("nan"), float("inf"), 10**12])
+def test_a_field_that_is_not_a_count_is_billed_on_our_count(bad: object) -> None:
+    # output: one token a content chunk (2 here); prompt: the counted prompt (12)
+    assert billed({"prompt_tokens": 12, "completion_tokens": bad}) == (12, 2)
+    assert billed({"prompt_tokens": bad, "completion_tokens": 3}) == (12, 3)
+    assert billed({"prompt_tokens": bad, "completion_tokens": bad}, cap=None) == (12, 2)
+
+
+def test_negative_usage_never_lowers_the_bill() -> None:
+    inp, out = billed({"prompt_tokens": -50, "completion_tokens": -4})
+    assert inp >= 0 and out >= 0 and (inp, out) == (12, 2)
+
+
+def test_an_integral_float_is_a_count() -> None:
+    assert billed({"prompt_tokens": 12.0, "completion_tokens": 3.0}) == (12, 3)
+
+
+def test_a_prompt_far_past_the_counted_one_is_not_believed() -> None:
+    assert billed({"prompt_tokens": 2 * 12 + 1024 + 1, "completion_tokens": 3}) == (12, 3)
+    assert billed({"prompt_tokens": 40, "completion_tokens": 3}) == (40, 3)  # a template's tokens: believed
+    # nothing counted (an off-path call): no prompt to compare with, only the absurd is refused
+    assert billed({"prompt_tokens": 5000, "completion_tokens": 3}, counted=0) == (5000, 3)
+
+
+def test_a_bad_report_keeps_the_last_good_one() -> None:
+    meter = Meter(time.perf_counter(), counted_input=12, output_cap=8)
+    meter.add(chunk("a", usage={"prompt_tokens": 11, "completion_tokens": 1}))
+    meter.add(chunk("b", usage={"prompt_tokens": 11, "completion_tokens": 2}))
+    meter.add(chunk(usage={"prompt_tokens": -1, "completion_tokens": "lots"}, finish="stop"))
+    out = meter.outcome("ok", 200)
+    assert (out.input_tokens, out.output_tokens) == (11, 2)
+
+
+def test_no_cap_given_keeps_what_the_tier_reports() -> None:
+    assert billed({"prompt_tokens": 12, "completion_tokens": 4000}, cap=None) == (12, 4000)
