@@ -149,10 +149,12 @@ class PredictorSource:
         self._seen = seen
         try:
             model = await asyncio.to_thread(self.loader, self.path)
-        except (ValueError, OSError) as exc:
-            self.error = f"{self.path}: {exc}"
-            log.error("difficulty model at %s not loaded (%s); keeping %s", self.path, exc,
-                      self.model.version if self.model else "the plans' default tiers")
+        except Exception as exc:  # a bad file (or a loader's bug: a KeyError) must not fail requests: keep the old
+            bad_file = isinstance(exc, (ValueError, OSError))
+            why = str(exc) if bad_file else f"{type(exc).__name__}: {exc}"
+            self.error = f"{self.path}: {why}"
+            log.error("difficulty model at %s not loaded (%s); keeping %s", self.path, why,
+                      self.model.version if self.model else "the plans' default tiers", exc_info=not bad_file)
             return
         old = self.model.version if self.model else None
         self.model, self.error = model, None

@@ -31,6 +31,7 @@ the whole answer cannot retry a stream (it has been sent). Without a look-ahead 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
@@ -47,6 +48,8 @@ from gateway.pipeline.route import RouteDecision, RouteStage
 from gateway.pipeline.settle import Settler
 from tiers.cascade import AnswerSignals, Verdict, check_answer, check_confidence, next_dearer, outcome_values, values_of
 from wire.chat_request import ChatCompletionRequest
+
+log = logging.getLogger("tiergate.cascade")
 
 
 class Pipeline(Protocol):
@@ -85,7 +88,15 @@ class Check:
 
 async def cascade(pipeline: Pipeline, ctx: RequestContext, prepared: Prepared) -> AsyncIterator[Event]:
     step: Step | None = None  # the judgement of the first answer, and the reserved retry if any
-    check = await _check(pipeline, ctx, prepared)
+    try:  # the first attempt is reserved and `answer`, whose finally settles it, has not started
+        check = await _check(pipeline, ctx, prepared)
+    except Exception:  # a faulty router artifact must not fail the request: it is answered with the plain checks
+        log.exception("the cascade's check of request %s could not be prepared", prepared.attempt.request_id)
+        check = _plain(ctx)
+    except BaseException:  # the client left while the artifact loaded: nothing ran, nothing is billed, all is freed
+        await pipeline.settler.settle(ctx, prepared.attempt, Meter(ctx.t0).outcome("cancelled", 499), None,
+                                      wait=False)
+        raise
     early: str | None = None  # the look-ahead's note when the answer passed it
     looked = cut = False  # the look-ahead has judged; the first answer was not read further
     seen = prepared.attempt  # the attempt the look-ahead judged (another version's, if a candidate fell back)
@@ -222,8 +233,7 @@ async def _check(pipeline: Pipeline, ctx: RequestContext, prepared: Prepared) ->
     """What the first answer's check will read: the calibration's pair for (this tier → the dearer tier a retry
     would use), only for a route `auto` gave a floor (the thresholds are per pair and floor); log-probabilities
     also where the plan's fixed threshold reads them."""
-    attempt, routing = prepared.attempt, ctx.plan.routing
-    fixed = Reading() if routing.cascade_min_mean_logprob is not None else None
+    attempt, fixed = prepared.attempt, _plain(ctx).reading
     floor, source = attempt.route.route.floor, pipeline.route.predictor
     if floor is None or source is None:
         return Check(fixed, None, None)
@@ -239,3 +249,8 @@ async def _check(pipeline: Pipeline, ctx: RequestContext, prepared: Prepared) ->
     if calibration.pair(cheap, target.name) is not None:
         return Check(Reading(calibration.top_logprobs), target.name, calibration)
     return Check(fixed, None, None)
+
+
+def _plain(ctx: RequestContext) -> Check:
+    """The plain checks alone: log-probabilities only where the plan's fixed threshold reads them."""
+    return Check(Reading() if ctx.plan.routing.cascade_min_mean_logprob is not None else None, None, None)
