@@ -42,6 +42,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from cache.scope import identity_snapshot
 from gateway.errors import Conflict, InvalidRequest, RateLimited, Unavailable, Unprocessable
 from gateway.pipeline.context import RequestContext
 from gateway.pipeline.events import Delta, Done, Event, Head
@@ -113,7 +114,18 @@ class IdempotencyStage:
         # the route too: a text completion's body and a chat body can dump alike (its prompt_format is a default),
         # and a key used on one route never answers another's request
         route = route or getattr(req, "prompt_format", "chat")
-        fingerprint = hashlib.sha256(f"{route}\n{req.model_dump_json(exclude_unset=True)}".encode()).hexdigest()
+        # and who asks, as the cache scopes it (gateway/pipeline/cache_lookup.py): the key's roles, and the end user
+        # where the plan isolates users. Keys are per tenant, so another key of the tenant with other roles reusing
+        # the key and body gets a 422, never this identity's answer. A role-less, unisolated identity adds nothing:
+        # its fingerprints stay those stored before identities were part of them (its line begins "roles=", a route
+        # never does, so the two forms cannot meet)
+        isolate = ctx.plan.cache.isolate_users
+        identity = identity_snapshot(ctx.principal.key.roles,
+                                     getattr(req, "user", None) if isolate else None,
+                                     getattr(req, "safety_identifier", None) if isolate else None)
+        who = "" if identity == identity_snapshot() else f"{identity}\n"
+        fingerprint = hashlib.sha256(
+            f"{who}{route}\n{req.model_dump_json(exclude_unset=True)}".encode()).hexdigest()
         deadline = time.monotonic() + self.wait_s
         while True:
             try:
