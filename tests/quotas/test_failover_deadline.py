@@ -58,6 +58,18 @@ async def timed_reserve(b: FailoverBackend, tenant: str = "acme", money: int = 1
     return time.monotonic() - began, r
 
 
+async def until_down(b: FailoverBackend, *, tenants: tuple[str, ...] = ("acme",), money: int = 10,
+                     ) -> list[tuple[float, ReservationRequest | QuotaBackendError]]:
+    """Reserves, 0.3 s apart (a lone client retrying: the third failed try in 0.5 s is an outage), the k-th for
+    tenants[k % len(tenants)], until the fallback takes over (five at most)."""
+    outs: list[tuple[float, ReservationRequest | QuotaBackendError]] = []
+    while b.up and len(outs) < 5:
+        if outs:
+            await asyncio.sleep(0.3)
+        outs.append(await timed_reserve(b, tenant=tenants[len(outs) % len(tenants)], money=money))
+    return outs
+
+
 async def held(url: str, tenant: str = "acme") -> tuple[int, int]:
     """Concurrency slots and leases Redis holds for the tenant (read past the proxy)."""
     probe = RedisBackend(url, timeout_s=1.0)
@@ -85,11 +97,7 @@ async def test_a_reserve_against_a_hung_redis_costs_about_one_call_timeout(proxy
         assert isinstance(first, ReservationRequest)
         await b.settle(first, tokens=1, money_pico=1)
         proxy.hung = True
-        outs = []
-        while b.up and len(outs) < 5:
-            if outs:
-                await asyncio.sleep(0.3)  # a lone client retrying: the third failed try in 0.5 s is an outage
-            outs.append(await timed_reserve(b, tenant="acme" if len(outs) != 1 else "newcomer"))
+        outs = await until_down(b, tenants=("acme", "newcomer"))
         kinds = [type(out).__name__ for _, out in outs]
         assert kinds == ["QuotaBackendError"] * 2 + ["ReservationRequest"] and not b.up
         assert all(out.transient for _, out in outs if isinstance(out, QuotaBackendError))
@@ -159,11 +167,7 @@ async def test_a_request_the_fallback_admitted_after_lost_answers_is_billed_once
         assert isinstance(first, ReservationRequest)
         await b.settle(first, tokens=1, money_pico=100)
         proxy.deaf = True
-        outs = []
-        while b.up and len(outs) < 5:
-            if outs:
-                await asyncio.sleep(0.3)
-            outs.append(await timed_reserve(b, money=200))
+        outs = await until_down(b, money=200)
         assert [type(out).__name__ for _, out in outs] == ["QuotaBackendError"] * 2 + ["ReservationRequest"]
         assert max(t for t, _ in outs) < 2 * TIMEOUT_S, [t for t, _ in outs]
         local = outs[2][1]

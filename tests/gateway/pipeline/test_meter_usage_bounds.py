@@ -8,14 +8,7 @@ import time
 import pytest
 
 from gateway.pipeline.meter import Meter
-
-
-def chunk(content: str | None = None, usage: dict | None = None, finish: str | None = None) -> dict:
-    out: dict = {"choices": [{"index": 0, "delta": {"content": content} if content else {},
-                              "finish_reason": finish}] if content or finish else []}
-    if usage is not None:
-        out["usage"] = usage
-    return out
+from tests.gateway.pipeline.test_meter import chunk
 
 
 def billed(usage: dict, *, pieces: tuple[str, ...] = ("Par", "is"), counted: int = 12,
