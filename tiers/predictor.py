@@ -95,7 +95,10 @@ class PredictorSource:
         self.error: str | None = None  # why the last artifact could not be loaded
         self._seen: tuple[int, int] | None = None  # (mtime_ns, size) of the file last loaded or rejected
         self._checked_at: float | None = None
-        self._lock = asyncio.Lock()
+        # The look at the file (and the load it starts) under way: a task of its own, which the callers awaiting it
+        # shield, so a request cancelled mid-load (its client left) neither throws the loaded model away nor starts
+        # a second load; callers arriving meanwhile wait for this one.
+        self._checking: asyncio.Task[None] | None = None
         self._threads = threads or OwnThreads()
 
     @classmethod
@@ -107,11 +110,17 @@ class PredictorSource:
         now = self._clock()
         if self._checked_at is not None and now - self._checked_at < self.check_every_s:
             return self.model
-        async with self._lock:
-            if self._checked_at is None or self._clock() - self._checked_at >= self.check_every_s:
-                await self._refresh()
-                self._checked_at = self._clock()
+        if self._checking is None:
+            self._checking = asyncio.get_running_loop().create_task(self._check())
+        await asyncio.shield(self._checking)
         return self.model
+
+    async def _check(self) -> None:
+        try:
+            await self._refresh()
+        finally:
+            self._checked_at = self._clock()
+            self._checking = None
 
     async def predict(self, messages: list[dict[str, Any]], *, owner: Hashable = None) -> Prediction | str:
         """The model's prediction, made in `owner`'s turn (the tenant's), or why there is none (said in the route
@@ -146,10 +155,10 @@ class PredictorSource:
         seen = (st.st_mtime_ns, st.st_size)
         if seen == self._seen:
             return
-        self._seen = seen
         try:
             model = await asyncio.to_thread(self.loader, self.path)
         except Exception as exc:  # a bad file (or a loader's bug: a KeyError) must not fail requests: keep the old
+            self._seen = seen  # rejected: not tried again until the file changes
             bad_file = isinstance(exc, (ValueError, OSError))
             why = str(exc) if bad_file else f"{type(exc).__name__}: {exc}"
             self.error = f"{self.path}: {why}"
@@ -157,6 +166,6 @@ class PredictorSource:
                       self.model.version if self.model else "the plans' default tiers", exc_info=not bad_file)
             return
         old = self.model.version if self.model else None
-        self.model, self.error = model, None
+        self.model, self.error, self._seen = model, None, seen  # seen once loaded and in use, not before
         log.info("difficulty model %s loaded from %s%s", model.version, self.path,
                  f" (replaces {old})" if old else "")
