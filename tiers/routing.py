@@ -2,7 +2,8 @@
 
 The rules, in the order they apply:
 
-1. An explicit tier is honoured when the plan allows it (`TierNotAllowed`, a 403, otherwise).
+1. An explicit tier is honoured when the plan allows it (`TierNotAllowed`, a 403, otherwise; its words are those
+   of `UnknownModel`'s 404, and both name only the plan's tiers: `check_model`).
 2. `auto` takes the cheapest allowed tier whose predicted fidelity for this request (from the difficulty
    model: 1.0 is the full tier's answer) reaches the plan's quality floor; the caller has already relaxed
    that floor for a tenant low on budget. With no difficulty model yet, `auto` is the plan's default tier.
@@ -97,14 +98,9 @@ def choose_tier(requested: str, *, catalogue: TierCatalogue, rules: RouteRules,
     cascade = False
     if requested == AUTO:
         target, reason, cascade = _auto(ordered, rules, prediction, unpredicted)
-    elif requested in catalogue.tiers:
-        if requested not in rules.allowed:
-            raise TierNotAllowed(f"your plan does not allow tier {requested!r}; "
-                                 f"it allows {', '.join(rules.allowed)}")
-        target, reason = requested, "requested"
     else:
-        names = ", ".join([AUTO, *catalogue.tiers])
-        raise UnknownModel(f"the model {requested!r} does not exist; this gateway serves: {names}")
+        check_model(requested, catalogue=catalogue, allowed=rules.allowed)
+        target, reason = requested, "requested"
     is_auto = requested == AUTO
     floor = rules.quality_floor if is_auto else None
 
@@ -141,6 +137,17 @@ def choose_tier(requested: str, *, catalogue: TierCatalogue, rules: RouteRules,
                 f"no tier can serve this request within your plan's {rules.max_wait_s}s wait")
         raise TierOverloaded(f"{head} ({why})", tier=shortest, wait_s=waits[shortest])
     raise NoTierAvailable(f"no tier can serve this request now ({why})")
+
+
+def check_model(requested: str, *, catalogue: TierCatalogue, allowed: list[str]) -> None:
+    """Refuse a model the plan does not offer: `UnknownModel` (404) for a name that is no tier, `TierNotAllowed`
+    (403) for a tier the plan leaves out. Both say the same words and name only `auto` and the plan's tiers (what
+    /v1/models shows the tenant), so a tenant never learns the names of tiers its plan does not offer."""
+    if requested == AUTO or (requested in allowed and requested in catalogue.tiers):
+        return
+    offered = ", ".join([AUTO, *(name for name in allowed if name in catalogue.tiers)])
+    message = f"the model {requested!r} is not available on your plan; it offers: {offered}"
+    raise TierNotAllowed(message) if requested in catalogue.tiers else UnknownModel(message)
 
 
 def _auto(ordered: list[TierSpec], rules: RouteRules, prediction: Prediction | None,

@@ -36,7 +36,17 @@ from tiers.errors import TierError, TierOverloaded
 from tiers.fleet import Fleet, public_reason
 from tiers.predictor import PredictorSource
 from tiers.replica_choice import SESSION_HEADER
-from tiers.routing import AUTO, CASCADE, PREDICT, Prediction, Route, RouteRules, TierConditions, choose_tier
+from tiers.routing import (
+    AUTO,
+    CASCADE,
+    PREDICT,
+    Prediction,
+    Route,
+    RouteRules,
+    TierConditions,
+    check_model,
+    choose_tier,
+)
 from wire.chat_request import ChatCompletionRequest, normalized_role
 
 
@@ -97,6 +107,12 @@ class RouteStage:
                            policy=routing.policy, cascade=routing.cascade)
         unavailable = self.fleet.unavailable()
         if req.uses_tools:
+            # the plan's refusal first, as without tools: a 400 saying "tier X cannot call tools" would confirm
+            # to the tenant that X is a tier when its plan does not offer it
+            try:
+                check_model(req.model, catalogue=self.fleet.catalogue, allowed=rules.allowed)
+            except TierError as exc:
+                raise client_error(exc) from exc
             rules, unavailable = self._tool_tiers(req, rules, unavailable)
         waits = self.dispatch.predicted_waits(plan) if plan.max_queue_wait_s is not None else {}
         overloaded: TierOverloaded | None = None
