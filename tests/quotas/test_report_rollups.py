@@ -49,7 +49,7 @@ def row(rid: str, ts: float, tenant: str = "acme", key: str = "k1", price: str =
 
 
 QUERIES = [dict(by=by, since=since, until=until, tenant=tenant) for by, (since, until), tenant in itertools.product(
-    [("tenant",), ("tenant", "day"), ("day", "tier"), ("key_id", "tier", "day", "tenant"), ("tenant", "tenant")],
+    [("tenant",), ("tenant", "day"), ("day", "tier"), ("key_id", "tier", "day", "tenant")],
     [(None, None), (DAY, None), (None, DAY + 2 * D), (DAY + 30.5, DAY + D + 90.25), (DAY + D, DAY + 3 * D)],
     [None, "acme"])]
 

@@ -100,7 +100,9 @@ def test_a_report_is_the_one_summing_every_row_made(ledger_store: LedgerStore) -
     ledger = ledger_store.open()
     ledger.record_now(mixed_rows(), refusals=mixed_refusals())
     groupings = [combo for n in range(1, 5) for combo in itertools.combinations(GROUPS, n)]
-    groupings += [("day", "tenant"), ("key_id", "tier", "day", "tenant"), ("tenant", "tenant")]
+    groupings += [("day", "tenant"), ("key_id", "tier", "day", "tenant")]
+    with pytest.raises(ValueError, match="more than once"):  # a group named twice adds only a column to compute
+        usage_report(ledger, by=("tenant", "tenant"))
     ranges = [(None, None), (DAY, None), (None, DAY + 2 * 86400), (DAY + 30.5, DAY + 86400 + 90.25)]
     compared = 0
     for by, (since, until), tenant in itertools.product(groupings, ranges, (None, "acme")):
