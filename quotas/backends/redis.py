@@ -298,12 +298,10 @@ class RedisBackend(QuotaBackend):
     async def _retry_cancel(self, req: ReservationRequest) -> None:
         """At once, then once a second, CANCEL_ATTEMPTS tries in all; then the lease's reaper returns it. The first
         takes its turn with the requests' calls, first come first served, so it reaches Redis before the client's
-        retry of the request it undoes (queued on the reaper's share behind a burst's other undos, it may come
-        after: once, under the whole suite's load, 4 of the 300 requests of tests/gateway/test_fleet.py's race were
-        refused as over the limit, their retries 0.2 s after a 503 likely finding their own failed tries' charges
-        still held). The later ones take the reaper's share of the turns: a
-        hang's many failed reserves never crowd the requests' calls (nor the one the failover sends to see whether
-        Redis is back) out of the connections."""
+        retry of the request it undoes (queued on the reaper's share behind a burst's other undos, it could come
+        after, and the retry find its own failed try's charge still held). The later ones take the reaper's share of
+        the turns: a hang's many failed reserves never crowd the requests' calls (nor the one the failover sends to
+        see whether Redis is back) out of the connections."""
         for i in range(CANCEL_ATTEMPTS):
             if i:
                 await asyncio.sleep(1.0)
