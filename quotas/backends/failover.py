@@ -2,8 +2,7 @@
 
 `open`: reservations go to an in-process memory backend until Redis answers again. `closed`: reservations
 raise, and the gateway answers 503. Each change of state is logged once and counted; Redis is tried again
-at most once a second, so a dead Redis does not add its timeout to every request. A reserve that fails costs
-its request one call timeout, its steps together (see `RedisBackend.reserve`), before the 503 or the fallback.
+at most once a second, so a dead Redis does not add its timeout to every request.
 
 An outage does not reset budgets. Every answer from Redis carries each scope's spend and Redis' clock; the
 fallback starts from those last known figures (raised to the ledger's totals where a `ledger_spend` source

@@ -9,13 +9,10 @@ clock (shared.lua), so replicas' clocks do not matter.
 A reservation is a record (`<tag>:res:<request id>`: its tokens, money, day, month and scopes) plus an entry
 in the tenant's leases. settle.lua finishes it exactly once; `reap` (any replica, any number at once) claims
 those whose lease ran out, a replica having died between reserve and settle, and returns them. Calls time
-out quickly (50 ms by default); failures surface as `QuotaBackendError`. A reserve, all its steps together,
-gets one call timeout: a hung Redis costs a request one timeout before its 503 (or the failover's fallback),
-not one per step. A reserve that fails after its script may have run is undone (a cancel, in the background
-unless its timeout has time left for it), and a settle that fails is retried in the background with bounded
-backoff, until Redis answers: one lost answer never leaves the upper bound charged and the slot held. Waiting
-for a free connection is back-pressure, bounded by `pool_wait_s`, not an outage: callers take turns first come,
-first served (`_turn`), so none waits longer than the queue ahead of it.
+out quickly (50 ms by default); failures surface as `QuotaBackendError`. A settle that fails is retried in
+the background with bounded backoff until Redis answers, so one lost answer never leaves the upper bound
+charged and the slot held. Waiting for a free connection is back-pressure, bounded by `pool_wait_s`, not an
+outage: callers take turns first come, first served (`_turn`), so none waits longer than the queue ahead of it.
 """
 
 from __future__ import annotations
@@ -40,9 +37,8 @@ from quotas.limits import WINDOW_S, Decision, ReservationRequest, Spend, Usage
 log = logging.getLogger("tiergate.quotas")
 T = TypeVar("T")
 
-# tries of the script (idempotent per request id), all within the reserve's one call timeout: a try that timed out
-# on time spent it, so only a try that failed fast (an answer lost on a connection that closed) is repeated.
-# (Retrying for longer, 0.5 s, made tests/quotas/test_chaos.py drift in 3 runs of 4: not done until understood.)
+# tries, each bounded by the call timeout; the script is idempotent per request id. (Retrying for longer, 0.5 s,
+# made tests/quotas/test_chaos.py drift in 3 runs of 4: not done until that is understood.)
 RESERVE_ATTEMPTS = 3
 # A timeout noticed LATE_FACTOR call timeouts or more after its try began means this process's event loop (or its
 # CPU) was late to read the answer, not that Redis was: such a try is repeated without counting against
@@ -52,7 +48,7 @@ RESERVE_ATTEMPTS = 3
 # (bench/gateway.py --workers 2), whose event loop stalled 100 ms and more at its p99.
 LATE_FACTOR = 2.0
 LATE_BUDGET_S = 0.5
-CANCEL_ATTEMPTS = 20  # undoing a reservation whose answer was lost: at once, then once a second until Redis answers
+CANCEL_ATTEMPTS = 20  # undoing a reservation whose answer was lost, once a second until Redis answers
 SETTLE_BACKOFF_S = (0.05, 5.0)  # first and longest wait between a failed settle's retries
 DONE_MARGIN_S = 300  # a settled reservation's tombstone outlives the settle's retries by this much
 REAPED_TTL_S = 86_400  # a reaped one waits this long for a late settle to bill its real use
@@ -114,11 +110,9 @@ class RedisBackend(QuotaBackend):
         self.num_reaped = 0  # reservations this replica's reaper returned
         self.num_late_timeouts = 0  # reserve and spent tries repeated because this process read their answer late
         self.num_register_timeouts = 0  # registrations in the reapers' list that timed out (retried by later requests)
-        self.num_background_cancels = 0  # failed reserves whose undo went to the background
         self._scripts = {name: self.redis.register_script(text) for name, text in SCRIPTS.items()}
         self._background: set[asyncio.Task[None]] = set()  # held so they are not collected before they finish
         self._registered: set[str] = set()  # tenants this process has put in the reapers' list lately
-        self._registering: dict[str, asyncio.Task[None]] = {}  # tenant -> its registration in flight
 
     # ---- key names ----
 
@@ -160,19 +154,8 @@ class RedisBackend(QuotaBackend):
     # ---- reserve, settle, cancel ----
 
     async def reserve(self, req: ReservationRequest) -> Decision:
-        """The script, its tries within one call timeout (more where the loop, not Redis, was late), alongside the
-        tenant's registration in the reapers' list (see `_register`), which waits no longer than they do."""
-        registering = self._register(req.tenant)
-        deadline: list[float] = []  # the tries' deadline, once the first has its turn
-        try:
-            return await self._reserve(req, deadline)
-        finally:
-            if registering is not None and not registering.done():
-                left = deadline[0] - asyncio.get_running_loop().time() if deadline else 0.0
-                if left > 0:
-                    await asyncio.wait({registering}, timeout=left)
-
-    async def _reserve(self, req: ReservationRequest, deadline: list[float]) -> Decision:
+        """The script, tried up to RESERVE_ATTEMPTS times on timeouts (more where the loop, not Redis, was late)."""
+        await self._register(req.tenant)
         keys = [self.record_key(req.tenant, req.request_id), self.leases_key(req.tenant)]
         args: list[int | str | float] = [req.request_id, req.tokens, req.money_pico, int(req.lease_s * 1000),
                                          int(WINDOW_S * 1000), len(req.scopes)]
@@ -181,40 +164,27 @@ class RedisBackend(QuotaBackend):
             keys += [f"{base}:rpm", f"{base}:tpm", f"{base}:tpmv", f"{base}:tpmsum", f"{base}:inflight"]
             args += [base, _limit(lim.rpm), _limit(lim.tpm), _limit(lim.max_concurrent),
                      _limit(lim.budget_day_pico), _limit(lim.budget_month_pico)]
-        loop, attempt, sent = asyncio.get_running_loop(), 0, False
-        first = started = until = 0.0
-        renew = True  # the next try gets a deadline of its own: the first, and one after a try read late
+        loop, attempt = asyncio.get_running_loop(), 0
+        first = started = loop.time()
         while True:
             try:
                 async with self._turn():
                     started = loop.time()  # the try's own time: a wait for a turn is not Redis being slow
-                    if renew:
-                        until, renew = started + self.timeout_s, False
-                    if not sent:
-                        first, sent = started, True
-                        deadline.append(until)
-                    async with asyncio.timeout_at(until):  # connect, handshake, send and answer: all in it
-                        out = await self._scripts["reserve"](keys=keys, args=args)
+                    out = await self._scripts["reserve"](keys=keys, args=args)
                 break
-            except (RedisError, TimeoutError) as exc:
-                if isinstance(exc, TimeoutError):  # the deadline struck before the socket's own timeout
-                    exc = RedisTimeout(f"no answer within {self.timeout_s}s")
+            except RedisError as exc:
                 error = backend_error(exc)
                 if isinstance(exc, RedisTimeout):  # the script may have run: retrying with the same id is safe
-                    late = loop.time() - started >= LATE_FACTOR * self.timeout_s
                     if self._read_late(started, first):
-                        renew = True
                         continue
                     attempt += 1
-                    # on time, a timeout spent the deadline: no other try (Redis did not answer in time, and
-                    # would not now); one read late gets a deadline of its own, as it did within LATE_BUDGET_S
-                    if attempt < RESERVE_ATTEMPTS and (late or loop.time() < until):
-                        renew = late
+                    if attempt < RESERVE_ATTEMPTS:
                         continue
-                if sent:
+                if not error.back_pressure:
                     # it may have run (a timeout; a connection that closed before the answer): the caller
-                    # answers 503 or admits it on the fallback, so what Redis may hold for it is undone
-                    await self._cancel_lost(req, until)
+                    # answers 503 or admits it on the fallback, so what Redis may hold for it is undone,
+                    # before the answer where Redis lets us (the client's retry then finds its slot free)
+                    await self._cancel_lost(req)
                 raise error from exc
         return _decision(req, out)
 
@@ -277,68 +247,40 @@ class RedisBackend(QuotaBackend):
         log.error("could not settle %s for %.0fs: its lease's reaper returns it", req.request_id,
                   self.settle_retry_s)
 
-    async def _cancel_lost(self, req: ReservationRequest, until: float) -> None:
-        """Undo what Redis may hold for a reserve that failed. Now, before the 503 (the client's retry then finds
-        its slot free), where the reserve's deadline `until` leaves time for it and within that time; otherwise in
-        the background, at once: not another wait for a Redis that has just not answered. Either way it is the
-        same idempotent cancel (settle.lua), so whichever of it, the fallback's settle by the same id or the
-        lease's reaper reaches Redis first, the others change nothing, and a reserve that reaches Redis after
-        its cancel charges nothing."""
-        left = until - asyncio.get_running_loop().time()
-        if left > 0:
-            try:
-                async with asyncio.timeout(left):
-                    await self.cancel(req)
-                return
-            except (QuotaBackendError, TimeoutError):
-                pass
-        self.num_background_cancels += 1
-        self._spawn(self._retry_cancel(req))
+    async def _cancel_lost(self, req: ReservationRequest) -> None:
+        """One try now; if Redis does not answer, once a second in the background."""
+        try:
+            await self.cancel(req)
+        except QuotaBackendError:
+            self._spawn(self._retry_cancel(req))
 
     async def _retry_cancel(self, req: ReservationRequest) -> None:
-        """At once, then once a second, CANCEL_ATTEMPTS tries in all; then the lease's reaper returns it. The first
-        takes its turn with the requests' calls, first come first served, so it reaches Redis before the client's
-        retry of the request it undoes (queued on the reaper's share behind a burst's other undos, it could come
-        after, and the retry find its own failed try's charge still held). The later ones take the reaper's share of
-        the turns: a hang's many failed reserves never crowd the requests' calls (nor the one the failover sends to
-        see whether Redis is back) out of the connections."""
-        for i in range(CANCEL_ATTEMPTS):
-            if i:
-                await asyncio.sleep(1.0)
+        for _ in range(CANCEL_ATTEMPTS):
+            await asyncio.sleep(1.0)
             try:
-                await (self._reaping(self.cancel(req)) if i else self.cancel(req))
+                await self.cancel(req)
                 return
             except QuotaBackendError:
                 pass
         log.warning("could not undo reservation %s after a timeout: its lease's reaper returns it",
                     req.request_id)
 
-    def _register(self, tenant: str) -> asyncio.Task[None] | None:
-        """Put the tenant in the list the reapers walk (once per reaper round per process, one call at a time per
-        tenant), alongside the request's reserve rather than before it: a Redis that does not answer costs the
-        reserve one call timeout, not two. Its failure is not the request's: the tenant is in the list from before
-        unless Redis lost it, the reserve says whether Redis answers, and the next request registers again. (It
-        was a 503: every reaper round, each request in flight for a tenant registered it at once, and at 64
-        connections on one core a stalled loop timed some out: 10-16 answers in 4,500-14,300, bench/gateway.py on
-        a 16-CPU Xeon.) Sent with the reserve rather than ahead of it, it reaches the list a moment after the
-        reservation may: the reapers need the tenant only once a lease has run out, minutes later."""
-        if tenant in self._registered or tenant in self._registering:
-            return None
-        task = asyncio.get_running_loop().create_task(self._add_tenant(tenant))
-        self._registering[tenant] = task
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-        task.add_done_callback(lambda _: self._registering.pop(tenant, None))
-        return task
-
-    async def _add_tenant(self, tenant: str) -> None:
+    async def _register(self, tenant: str) -> None:
+        """Put the tenant in the list the reapers walk (once per reaper round per process). A timeout here is not
+        the request's failure: the tenant is in the list from before unless Redis lost it, the reserve that follows
+        says whether Redis answers, and the next request registers again. (It was a 503: every reaper round, each
+        request in flight for a tenant registered it at once, and at 64 connections on one core a stalled loop
+        timed some out: 10-16 answers in 4,500-14,300, bench/gateway.py on a 16-CPU Xeon.)"""
+        if tenant in self._registered:
+            return
         try:
             async with self._turn():
-                async with asyncio.timeout(self.timeout_s):
-                    await self.redis.sadd(self.tenants_key, tenant)
-        except (RedisError, TimeoutError) as exc:
-            if isinstance(exc, (RedisTimeout, TimeoutError)):
-                self.num_register_timeouts += 1
+                await self.redis.sadd(self.tenants_key, tenant)
+        except RedisError as exc:
+            error = backend_error(exc)
+            if not error.transient:  # refused, reset: an outage, for the failover to see at once
+                raise error from exc
+            self.num_register_timeouts += 1
             return
         self._registered.add(tenant)
 

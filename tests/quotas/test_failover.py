@@ -191,7 +191,7 @@ async def test_a_reserve_redis_ran_unanswered_then_admitted_by_the_fallback_is_b
         raise RedisConnectionError("Connection closed by server.")  # ... and went away before answering
 
     if first == "reaper":  # the reaper reaches Redis' reservation before the cancel does
-        monkeypatch.setattr(b.primary, "_cancel_lost", lambda r, until: asyncio.sleep(0))
+        monkeypatch.setattr(b.primary, "_cancel_lost", lambda r: asyncio.sleep(0))
     try:
         monkeypatch.setitem(b.primary._scripts, "reserve", ran_then_connection_closed)
         r = ReservationRequest("unanswered", "acme", (BUDGET,), 10, 600, lease_s=0.2)
