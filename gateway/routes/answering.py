@@ -31,8 +31,6 @@ class Framing:
     stream: Callable[[Head, AsyncIterator[Event]], AsyncIterator[bytes]]  # server-sent events
 
 
-
-
 async def answer(request: Request[Any, Any, Any], framing: Framing) -> Response[Any]:
     """Authenticate the tenant's key, run the pipeline on the request's body and answer as `framing` says."""
     # the key, the pipeline and the plans from the app's services, not as dependencies: Litestar resolves two or
