@@ -21,9 +21,10 @@ an allOf of anyOfs of patterns (seconds of a grammar compiler's time), 4 MB of t
 "none", a body as wide as the size limit allows (160,512 content parts in 4 MiB) with a `NaN` in a tool's
 `parameters` (not JSON: such bodies once skipped the width check and were validated part by part), and a header
 flood (as many headers as allowed, padded to just under the head's size limit; then ten times the count; then a
-512 KiB header); against the cache's victim: embeddings of 2,048 texts a request, prompts that cannot fit
-after the answer to their history was cached, long prompts on `auto` (counted and predicted on threads
-tenants take in turn), and a tenant over its budget asking new questions (each one looked up, then refused).
+512 KiB header; these two are built in bench/hostile_floods.py); against the cache's victim: embeddings of 2,048
+texts a request, prompts that cannot fit after the answer to their history was cached, long prompts on `auto`
+(counted and predicted on threads tenants take in turn), and a tenant over its budget asking new questions (each
+one looked up, then refused).
 
 Honours the same TIERGATE_* settings as `tiergate serve` (models directory, engine threads through the
 tiers file it writes; the body size limit, which the widest bodies fill). The machine's CPU and the engines'
@@ -39,7 +40,6 @@ import os
 import platform
 import random
 import re
-import socket
 import string
 import subprocess
 import sys
@@ -54,8 +54,8 @@ from pathlib import Path
 
 import httpx
 
+from bench.hostile_floods import HEADER_FLOOD, header_flood_sender, nan_wide, nan_wide_name
 from bench.serve_gateway import free_port, tiergate_serve
-from gateway.http_limits import MAX_HEAD_BYTES, MAX_HEADERS
 from gateway.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -164,66 +164,6 @@ def _post(c: httpx.Client, body: dict | bytes) -> int:
     return c.post("/v1/chat/completions", content=content, headers={"content-type": "application/json"}).status_code
 
 
-def _raw_post(c: httpx.Client, headers: list[tuple[str, str]], body: bytes = b"{}") -> int:
-    """A chat request with `c`'s key and exactly `headers` besides its host, key, content type and length, sent as
-    written (httpx adds its own) on a connection of its own: the answer's status."""
-    host, port = c.base_url.host, c.base_url.port
-    head = [("host", f"{host}:{port}"), ("authorization", c.headers["authorization"]), *headers,
-            ("content-type", "application/json"), ("content-length", str(len(body)))]
-    raw = "POST /v1/chat/completions HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in head) + "\r\n"
-    try:
-        with socket.create_connection((host, port), timeout=120) as sock:
-            sock.sendall(raw.encode() + body)
-            got = b""
-            while not _whole(got):
-                if not (chunk := sock.recv(65536)):
-                    break
-                got += chunk
-    except OSError as exc:
-        raise httpx.TransportError(repr(exc)) from exc
-    if not got.startswith(b"HTTP/1.1 "):
-        raise httpx.RemoteProtocolError(f"no answer: {got[:80]!r}")
-    return int(got.split(b" ", 2)[1])
-
-
-def _whole(got: bytes) -> bool:
-    """An answer's head has come, and as much body as its content-length says."""
-    head, sep, body = got.partition(b"\r\n\r\n")
-    lines = head.decode("latin-1").lower().split("\r\n")
-    length = next((int(line.split(":", 1)[1]) for line in lines if line.startswith("content-length:")), 0)
-    return bool(sep) and len(body) >= length
-
-
-BIG_HEADER = 8 * MAX_HEAD_BYTES  # the header flood's one header past the size limit (see header_flood)
-
-
-def header_flood() -> list[list[tuple[str, str]]]:
-    """The header flood's requests, besides their host, key, content type and length (4 header lines): as many
-    headers as allowed padded to 4 KiB under the head's size limit (read: its `{}` body is then refused, the
-    headers charged to the tenant's refused bytes); ten times as many as allowed (431 too_many_headers); one header
-    of BIG_HEADER bytes (431 headers_too_large). That one is 8 times the limit, not just past it: the gateway counts
-    a head's bytes by the reads before the one that ends it (asyncio reads up to 256 KiB at a time), so a head of
-    64 to 256 KiB that comes in one read is read whole and answered by the app."""
-    n = MAX_HEADERS - 4
-    pad = (MAX_HEAD_BYTES - 4096) // n - len("x-pad-00: \r\n")
-    return [[(f"x-pad-{i:02d}", "a" * pad) for i in range(n)],
-            [(f"x-{i}", "a") for i in range(10 * MAX_HEADERS)],
-            [("x-big", "a" * BIG_HEADER)]]
-
-
-def nan_wide(max_body_bytes: int) -> bytes:
-    """A chat body of as many messages of 256 empty text parts as fit in `max_body_bytes` (4 MiB: 627, 160,512
-    parts), with a `NaN` in a tool's parameters (json.dumps writes float("nan") so): not JSON."""
-    def body(messages: int) -> bytes:
-        return json.dumps({"model": "mid", "max_tokens": 4, "tool_choice": "none",
-                           "messages": [{"role": "user", "content": [{"type": "text", "text": ""}] * 256}] * messages,
-                           "tools": [{"type": "function", "function": {
-                               "name": "f", "parameters": {"type": "object", "x": float("nan")}}}]},
-                          separators=(",", ":")).encode()
-    per_message = len(body(2)) - len(body(1))
-    return body(max(1, (max_body_bytes - len(body(0))) // per_message))
-
-
 def _schema(schema: dict[str, object]) -> dict[str, object]:
     return {"type": "json_schema", "json_schema": {"name": "x", "strict": True, "schema": schema}}
 
@@ -262,13 +202,6 @@ def attacks(s: Served) -> list[Attack]:
         for i in range(124)]}, separators=(",", ":")).encode()
 
     nan_body = nan_wide(s.max_body_bytes)
-    parts = nan_body.count(b'{"type":"text"')
-    flood = header_flood()
-
-    def headers(c: httpx.Client) -> int:
-        headers.sent += 1  # type: ignore[attr-defined]
-        return _raw_post(c, flood[headers.sent % len(flood)])  # type: ignore[attr-defined]
-    headers.sent = 0  # type: ignore[attr-defined]
 
     def regex_bait(c: httpx.Client) -> int:
         _post(c, _user(digits, temperature=0))  # cached (the first time) for the attacker's own tenant
@@ -310,10 +243,8 @@ def attacks(s: Served) -> list[Attack]:
             {"anyOf": [{"type": "string", "pattern": f"^.*{chr(97 + i)}{j}.*$"} for i in range(5)]}
             for j in range(6)]}))), threads=6),
         Attack("4 MB of tools nobody calls", cycle(tools_none), threads=2),
-        Attack(f"NaN in a tool's parameters of {parts:,} content parts ({len(nan_body) / 1e6:.1f} MB)",
-               cycle(nan_body), threads=2),
-        Attack(f"a header flood ({MAX_HEADERS} headers in {MAX_HEAD_BYTES // 1024 - 4} KiB, "
-               f"{10 * MAX_HEADERS:,} headers, one of {BIG_HEADER // 1024} KiB)", headers, threads=2),
+        Attack(nan_wide_name(nan_body), cycle(nan_body), threads=2),
+        Attack(HEADER_FLOOD, header_flood_sender(), threads=2),
     ]
 
 

@@ -10,7 +10,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from bench.hostile_tenant import Attack, Served, attacks, header_flood, nan_wide, run_phase
+from bench.hostile_floods import header_flood, nan_wide
+from bench.hostile_tenant import Attack, Served, attacks, run_phase
 from gateway.http_limits import MAX_HEAD_BYTES, MAX_HEADERS
 from tests.conftest import Gateway
 from wire.body_width import MAX_ITEMS, MAX_MESSAGES
@@ -40,7 +41,7 @@ def test_the_nan_body_is_as_wide_as_the_body_limit_allows() -> None:
 
 
 def head_of(headers: list[tuple[str, str]]) -> tuple[int, int]:
-    """Header lines and bytes of a request with `headers` and the 4 that bench/hostile_tenant._raw_post adds."""
+    """Header lines and bytes of a request with `headers` and the 4 that bench/hostile_floods.raw_post adds."""
     added = [("host", "127.0.0.1:65535"), ("authorization", "Bearer " + "k" * 60), ("content-type", "application/json"),
              ("content-length", "2")]
     lines = [*added, *headers]
