@@ -1,6 +1,6 @@
 """The built-in dashboard in headless Chromium (Debian's chromium + chromium-driver, driven by Selenium):
 charts drawn from real ledger data, changing the level through the page changes the level, and a rollout shows
-per version.
+per version, with a guard that is held (not rolled back) named and explained, as text.
 A screenshot of each view is kept in test-artifacts/."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.support.select import Select
 from selenium.webdriver.support.ui import WebDriverWait
 
+from gateway.rollout import guards
 from tests.conftest import Gateway
 from tests.gateway.test_rollout import admin, ask, first_turn, servers, tenant_key, two_versions  # noqa: F401
 
@@ -96,7 +97,8 @@ def test_the_page_holds_no_data_and_the_apis_need_an_admin_key(gateway: Gateway)
 
 
 def test_the_on_call_view_shows_a_rollout_per_version(two_versions: tuple[Gateway, Any, Any],  # noqa: F811
-                                                       browser: webdriver.Chrome) -> None:
+                                                       browser: webdriver.Chrome,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     gw, _, _ = two_versions
     assert admin(gw, "/admin/rollouts", {"tier": "mid", "version": "v2", "share": 0.5,
                                          "reason": "dashboard canary"}).status_code == 201
@@ -114,3 +116,20 @@ def test_the_on_call_view_shows_a_rollout_per_version(two_versions: tuple[Gatewa
         ["mid", "v1", "baseline", "canary", "50.0%", str(versions.count("v1")), "0"]]
     ARTIFACTS.mkdir(exist_ok=True)
     browser.save_screenshot(str(ARTIFACTS / "dashboard-rollout.png"))
+
+    # a breach one tenant's outcomes make alone is held, not rolled back: the page says which guard and why, as text
+    # (the tenant's name is its own choice). The guards' judge is stood in for: tests/gateway/test_rollout_steering.py
+    # makes a real held breach; here it is what the API then says that is checked
+    why = ("max_ttft_p95_ratio: 15.9 > 2.0 (p95 1.2 s vs 0.075 s) held by tenant '<img src=x "
+           "onerror=\"window.pwned=1\">' alone: without its outcomes 1.01 (p95 0.076 s vs 0.075 s)")
+    monkeypatch.setattr(guards, "judge", lambda *args, **kwargs: ([], [why]))
+    WebDriverWait(browser, 20).until(lambda b: b.find_elements(By.CSS_SELECTOR, "#rollouts-held li"))
+    assert admin(gw, "/admin/rollouts").json()["data"][0]["guard"]["held"] == [why]  # the API's own words
+    held = browser.find_elements(By.CSS_SELECTOR, "#rollouts-held li")
+    assert [li.text for li in held] == [f"mid v2: held, not rolled back: {why}"]
+    rows = [[td.text for td in tr.find_elements(By.TAG_NAME, "td")]
+            for tr in browser.find_elements(By.CSS_SELECTOR, "#rollouts-table tbody tr")]
+    assert [r[9] for r in rows] == ["held: max_ttft_p95_ratio", ""]  # the candidate's guards, not "ok"
+    assert not browser.find_elements(By.CSS_SELECTOR, "#oncall img")  # escaped, never markup
+    assert browser.execute_script("return window.pwned") is None
+    browser.save_screenshot(str(ARTIFACTS / "dashboard-rollout-held.png"))
