@@ -159,8 +159,36 @@ class IdempotencyStore(ABC):
     async def abandon(self, claim: Claim) -> None:
         """The request failed or its client left: a retry runs again."""
 
+    def finish_when_written(self, written: asyncio.Future[None], claim: Claim, answer: dict[str, Any],
+                            ttl_s: float) -> None:
+        """Follow the ledger row of `claim`'s answer (`written`, the ledger's future for it) still pending after the
+        gateway's wait for it (gateway/pipeline/idempotency.py's `keep_when_written`), however late its fate is
+        final, with no task held open meanwhile (a shutdown does not wait on it): a row that commits keeps the answer
+        (`finish`; SQLite and PostgreSQL committed it with the row), a row refused for good gives the claim up, so a
+        retry runs. The ledger settles every row's future: committed, refused, or failed as it closes."""
+        written.add_done_callback(lambda row: _follow(self, row, claim, answer, ttl_s))
+
     async def close(self) -> None:  # noqa: B027
         """Release connections."""
+
+
+_FOLLOWING: set[asyncio.Task[None]] = set()  # `finish_when_written`'s work, held until it ends
+
+
+def _follow(store: IdempotencyStore, row: asyncio.Future[None], claim: Claim, answer: dict[str, Any],
+            ttl_s: float) -> None:
+    """`finish_when_written`'s end: the row's fate is final."""
+    refused = row.cancelled() or row.exception() is not None
+    task = asyncio.get_running_loop().create_task(store.abandon(claim) if refused else
+                                                  store.finish(claim, answer, ttl_s))
+    _FOLLOWING.add(task)
+    task.add_done_callback(_followed)
+
+
+def _followed(task: asyncio.Task[None]) -> None:
+    _FOLLOWING.discard(task)
+    if not task.cancelled() and (exc := task.exception()) is not None:
+        log.error("keeping or giving up an Idempotency-Key after its late ledger row failed: %s", exc)
 
 
 class SQLiteIdempotency(IdempotencyStore):

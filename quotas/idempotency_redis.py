@@ -20,7 +20,19 @@ whose reply was lost is simply made again:
   outage longer than the lease during which a retry reached Redis first can run a key twice, and that is logged
   (the owed write then finds another request's claim), as is an owed write given up after `keep_trying_s`;
 - a claim given up (`abandon`: the request failed) is tried twice, then owed in the background the same way (until
-  then a retry gets 409, then runs).
+  then a retry gets 409, then runs);
+- an answer whose ledger row is still pending after the gateway's wait for it (gateway/pipeline/idempotency.py's
+  `keep_when_written`: a slow disk, a database that cannot commit now) is held here until the row's fate is final
+  (`finish_when_written`), however late: stored once the row commits, as the SQL stores keep it (there it commits
+  with the row), its claim given up if the row is refused for good. Before, the gateway stopped following a row after
+  120 s: a row committed later billed the tenant with no answer kept, and a retry after the claim's lease ran and was
+  billed again. Nothing lives longer for it: the `running` record keeps the TTL its claim set (its lease) and is
+  never extended, so a claim whose owner died frees its key when its lease ends, as before; what is held is this
+  process's memory, bounded with the owed work's bounds (`MAX_OWED` answers, `MAX_OWED_BYTES`; beyond them logged and
+  dropped, the claim left to its lease), released when the row's future settles (the ledger settles every one: it
+  commits, is refused, or fails as the ledger closes) and lost, logged, at `close`. A row committed after the lease
+  still stores its answer (over nothing, as SQLite's `done` update lands on an expired record not yet pruned),
+  unless another request claimed the key meanwhile (logged: it ran again), as in the SQL stores.
 Owed work is bounded (`MAX_OWED` entries, `MAX_OWED_BYTES` of answers); beyond that it is logged and dropped: the
 claim then stays `running` until its lease ends. Work still owed when the store closes is logged and lost.
 The SQL stores need none of this: their answer commits with the ledger row (one transaction, or neither), and a
@@ -48,6 +60,7 @@ from quotas.idempotency import (
     Running,
     _decoded,
     _encoded,
+    _follow,
 )
 from quotas.ledger import LedgerUnavailable
 
@@ -163,6 +176,9 @@ class RedisIdempotency(IdempotencyStore):
         self._owed: dict[tuple[str, str], _Owed] = {}  # by (tenant, key)
         self._owed_bytes = 0
         self._worker: asyncio.Task[None] | None = None
+        self._following: dict[Claim, int] = {}  # answers whose ledger row is pending, and their bytes
+        self._following_bytes = 0
+        self._closed = False
 
     @staticmethod
     def _keys(tenant: str, key: str) -> list[str]:
@@ -218,7 +234,30 @@ class RedisIdempotency(IdempotencyStore):
             self._owe(claim.tenant, claim.key, _Owed("abandon", keys, args,
                                                      time.monotonic() + self.keep_trying_s))
 
+    def finish_when_written(self, written: asyncio.Future[None], claim: Claim, answer: dict[str, Any],
+                            ttl_s: float) -> None:
+        """Hold the answer until its row's fate is final, then store it or give the claim up (see the module's doc:
+        bounded as owed work is; the claim's TTL is not extended)."""
+        size = _encoded(answer)[1]
+        if len(self._following) >= MAX_OWED or self._following_bytes + size > MAX_OWED_BYTES:
+            log.error("too many answers waiting for their ledger rows: the answer to %s (tenant %s) is dropped; its "
+                      "claim stays running until its lease ends", claim.owner, claim.tenant)
+            return
+        self._following[claim] = size
+        self._following_bytes += size
+
+        def final(row: asyncio.Future[None]) -> None:
+            self._following_bytes -= self._following.pop(claim, 0)
+            if not self._closed:
+                _follow(self, row, claim, answer, ttl_s)
+
+        written.add_done_callback(final)
+
     async def close(self) -> None:
+        self._closed = True
+        if self._following:
+            log.error("closing with %d answers whose ledger rows are still pending: not stored (their claims stay "
+                      "running until their leases end)", len(self._following))
         if self._worker is not None:
             self._worker.cancel()
             await asyncio.gather(self._worker, return_exceptions=True)

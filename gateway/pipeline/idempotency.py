@@ -67,7 +67,7 @@ class Keep:
         self.stored = False
 
 
-KEEP_FOR_S = 120.0  # how long a kept claim waits for its row's final outcome at most (a shutdown waits for it too)
+KEEP_FOR_S = 120.0  # how long a kept claim waits for its row's final outcome here, then its store follows the row
 
 
 async def keep_when_written(store: IdempotencyStore, written: asyncio.Future[None], claim: Claim,
@@ -78,13 +78,14 @@ async def keep_when_written(store: IdempotencyStore, written: asyncio.Future[Non
     closed with it unwritten), the row and the answer committed with it are not, and the claim is given up so that a
     retry runs. Until then the key stays claimed (a retry waits, or gets 409): a row late past the request's wait is
     still written, billed, and its answer must be what a retry gets. A row still pending after `for_s` (the ledger
-    down that long) leaves the claim to its lease, never given up while the row may commit (SQLite and PostgreSQL
-    still commit the answer with it; Redis's is lost, and a retry after the lease runs again). Run it handed off: it
-    outlives the request."""
+    down that long) is handed to the store (`finish_when_written`), which follows it however late, with no task held
+    open (a shutdown does not wait on it): SQLite and PostgreSQL commit the answer with the row, Redis stores it once
+    the row commits. Run it handed off: it outlives the request."""
     await asyncio.wait((written,), timeout=for_s)  # never cancels the ledger's future (the writer settles it)
-    if not written.done():
-        log.warning("Idempotency-Key %r (tenant %s): its ledger row is not written after %g s; the key stays claimed "
-                    "until its lease ends", claim.key, claim.tenant, for_s)
+    if not written.done():  # the store follows the row from here, however late it commits (no task held open)
+        log.warning("Idempotency-Key %r (tenant %s): its ledger row is not written after %g s; its store keeps the "
+                    "answer once it commits", claim.key, claim.tenant, for_s)
+        store.finish_when_written(written, claim, answer, ttl_s)
         return
     if written.cancelled() or written.exception() is not None:
         await store.abandon(claim)
