@@ -229,10 +229,10 @@ def _tier_error(exc: tier_errors.TierError) -> TiergateError:
     the client library raised) stays in the log; the tenant reads what failed, in general words. An upstream's 4xx
     answer is the exception: its message and param are about the tenant's own request (our engine's validation)."""
     match exc:
-        case tier_errors.UnknownModel():
+        case tier_errors.UnknownModel() | tier_errors.TierNotAllowed():
+            # one answer for both, as OpenAI's ("does not exist or you do not have access to it"): a 403 for a tier
+            # the plan leaves out would tell a tenant which of its guessed names are tiers
             return NotFound(str(exc), param="model", code="model_not_found")
-        case tier_errors.TierNotAllowed():
-            return Forbidden(str(exc), param="model", code="tier_not_allowed")
         case tier_errors.NoTierAvailable():
             return Unavailable(_public(exc, "no tier can serve this request now"), code="no_tier_available",
                                retry_after=5)

@@ -2,8 +2,8 @@
 
 The rules, in the order they apply:
 
-1. An explicit tier is honoured when the plan allows it (`TierNotAllowed`, a 403, otherwise; its words are those
-   of `UnknownModel`'s 404, and both name only the plan's tiers: `check_model`).
+1. An explicit tier is honoured when the plan allows it (`TierNotAllowed` otherwise, which the gateway answers
+   exactly as `UnknownModel`: 404 `model_not_found`, the same words, naming only the plan's tiers: `check_model`).
 2. `auto` takes the cheapest allowed tier whose predicted fidelity for this request (from the difficulty
    model: 1.0 is the full tier's answer) reaches the plan's quality floor; the caller has already relaxed
    that floor for a tenant low on budget. With no difficulty model yet, `auto` is the plan's default tier.
@@ -23,7 +23,8 @@ The rules, in the order they apply:
    group (engines on the same cores, tiers/fleet.py) is skipped even when its own queue is empty, because
    the cores it would run on are the ones that are already behind; shedding there adds no capacity and
    slows both. (A tier that is unavailable frees its hardware, so falling back within its group is fine.)
-4. The degradation ladder's remaps apply after this function, in admission: the ladder has the last word.
+4. The degradation ladder's remaps apply after this function, in admission: the ladder has the last word, within
+   the plan (gateway/ladder/apply.py: a remap never serves a tier the plan leaves out).
 
 This module knows tiers and numbers only; admission turns the plan, the quota backend and the fleet into
 its arguments.
@@ -140,13 +141,14 @@ def choose_tier(requested: str, *, catalogue: TierCatalogue, rules: RouteRules,
 
 
 def check_model(requested: str, *, catalogue: TierCatalogue, allowed: list[str]) -> None:
-    """Refuse a model the plan does not offer: `UnknownModel` (404) for a name that is no tier, `TierNotAllowed`
-    (403) for a tier the plan leaves out. Both say the same words and name only `auto` and the plan's tiers (what
-    /v1/models shows the tenant), so a tenant never learns the names of tiers its plan does not offer."""
+    """Refuse a model the plan does not offer: `UnknownModel` for a name that is no tier, `TierNotAllowed` for a
+    tier the plan leaves out. The tenant reads one answer for both (gateway/errors.py: a 404 with the same
+    words, naming only `auto` and the plan's tiers, what /v1/models shows it), after the same work, so it never
+    learns the names of tiers its plan does not offer."""
     if requested == AUTO or (requested in allowed and requested in catalogue.tiers):
         return
     offered = ", ".join([AUTO, *(name for name in allowed if name in catalogue.tiers)])
-    message = f"the model {requested!r} is not available on your plan; it offers: {offered}"
+    message = f"the model {requested!r} does not exist or you do not have access to it; your plan offers: {offered}"
     raise TierNotAllowed(message) if requested in catalogue.tiers else UnknownModel(message)
 
 

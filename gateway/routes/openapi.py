@@ -45,9 +45,8 @@ BEARER = [{"bearer": []}, {"api_key": []}]  # a key as `Authorization: Bearer tg
 _DESCRIPTIONS = {
     400: "The request is malformed or asks for something we do not serve; `param` names the field.",
     401: "No API key, or an unknown, revoked or expired one.",
-    403: "The key may not do this (an admin key calling a model, a tenant key on an admin route, a tier outside "
-         "the plan).",
-    404: "No such model, tenant, key or route.",
+    403: "The key may not do this (an admin key calling a model, a tenant key on an admin route).",
+    404: "No such model (or one outside the key's plan: the same answer), tenant, key or route.",
     409: "An `Idempotency-Key` whose first request is still running, a name that exists already, or a change the "
          "current state forbids (a second rollout on a tier).",
     413: "The body is larger than this gateway accepts.",

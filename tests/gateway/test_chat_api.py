@@ -158,7 +158,7 @@ def test_plan_forbids_tier_and_admin_keys_cannot_call_models(gateway: Gateway) -
     _, key = gateway.store.issue_key("tiny")
     with gateway.client(key) as c:
         r = c.post("/v1/chat/completions", json={"model": "full", "messages": MSG})
-        assert r.status_code == 403 and r.json()["error"]["code"] == "tier_not_allowed"
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
         # its only tier is down and the plan does not allow upgrades: 503 with Retry-After
         r = c.post("/v1/chat/completions", json={"model": "auto", "messages": MSG})
         assert r.status_code == 503 and r.headers["retry-after"] and "small" in r.json()["error"]["message"]

@@ -1,13 +1,15 @@
 """A tenant's refusal for a model it may not use names only what its plan offers (what /v1/models shows it), and
-reads the same for a name that is no tier and for a tier its plan leaves out: neither the 404 for an unknown
-model, nor the 403 for a tier the plan does not allow, nor the 400 of a request with tools, tells the tenant the
-names of tiers (and so the models and versions) that its plan does not offer."""
+is the same answer for a name that is no tier and for a tier its plan leaves out (OpenAI's 404 `model_not_found`
+for both: "does not exist or you do not have access to it"): neither that 404, nor its headers, nor the 400 of a
+request with tools, tells the tenant the names of tiers (and so the models and versions) that its plan does not
+offer."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.conftest import Gateway, running_gateway
@@ -46,9 +48,13 @@ def offered(gateway: Gateway) -> list[str]:
 
 
 def refusal(gateway: Gateway, path: str, body: dict) -> tuple[int, dict]:
-    with gateway.client(gateway.tenant_key) as c:
-        r = c.post(path, json=body)
+    r = answer(gateway, path, body)
     return r.status_code, r.json()["error"]
+
+
+def answer(gateway: Gateway, path: str, body: dict) -> httpx.Response:
+    with gateway.client(gateway.tenant_key) as c:
+        return c.post(path, json=body)
 
 
 def test_the_plan_offers_what_models_shows(gateway: Gateway) -> None:
@@ -71,19 +77,26 @@ def test_an_unknown_model_lists_only_the_plans_models(gateway: Gateway, path: st
     ("/v1/completions", {"prompt": "hello"}),
 ])
 def test_a_tier_the_plan_leaves_out_reads_like_an_unknown_model(gateway: Gateway, path: str, body: dict) -> None:
-    _, unknown = refusal(gateway, path, {"model": "gpt-9", **body})
-    status, err = refusal(gateway, path, {"model": HIDDEN, **body})
-    assert status == 403 and err["code"] == "tier_not_allowed" and err["param"] == "model", err
-    # the same words as for a name that is no tier: nothing says `full` is one
-    assert err["message"] == unknown["message"].replace("'gpt-9'", f"'{HIDDEN}'"), (err, unknown)
+    unknown = answer(gateway, path, {"model": "gpt-9", **body})
+    hidden = answer(gateway, path, {"model": HIDDEN, **body})
+    err = hidden.json()["error"]
+    # the same answer as for a name that is no tier: status, code, type, param, words and headers; nothing says
+    # `full` is one
+    assert hidden.status_code == unknown.status_code == 404, hidden.text
+    assert {**err, "message": None} == {**unknown.json()["error"], "message": None}, (err, unknown.text)
+    assert err["message"] == unknown.json()["error"]["message"].replace("'gpt-9'", f"'{HIDDEN}'"), (err, unknown.text)
     assert err["message"].count(HIDDEN) == 1  # only where it echoes the request
+    assert "does not exist or you do not have access to it" in err["message"]  # OpenAI's words for both
+    same = {"x-tiergate-request-id", "date", "content-length"}  # what differs between any two answers
+    assert {k: v for k, v in hidden.headers.items() if k not in same} == \
+        {k: v for k, v in unknown.headers.items() if k not in same}
 
 
 def test_a_request_with_tools_does_not_confirm_a_hidden_tier(gateway: Gateway) -> None:
     _, unknown = refusal(gateway, "/v1/chat/completions", {"model": "gpt-9", "messages": MSG})
     status, err = refusal(gateway, "/v1/chat/completions", {"model": HIDDEN, "messages": MSG, "tools": [TOOL]})
     # not "tier 'full' cannot call tools" (a 400 that says it is a tier): the plan's refusal, as without tools
-    assert status == 403 and err["code"] == "tier_not_allowed", err
+    assert status == 404 and err["code"] == "model_not_found", err
     assert err["message"] == unknown["message"].replace("'gpt-9'", f"'{HIDDEN}'"), (err, unknown)
     # a tier the plan offers that cannot call tools is still refused by name, naming `tools`
     status, err = refusal(gateway, "/v1/chat/completions", {"model": "small", "messages": MSG, "tools": [TOOL]})
