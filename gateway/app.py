@@ -21,7 +21,7 @@ from gateway.config_files import ConfigFileError, load_yaml
 from gateway.embeddings_service import embeddings_lifespan, provide_embeddings
 from gateway.errors import InternalError, PayloadTooLarge, client_error
 from gateway.fair_threads import FairThreads
-from gateway.ladder.config import Ladder
+from gateway.ladder.config import load_ladder
 from gateway.ladder.controller import LadderController
 from gateway.ladder.signals import Signals
 from gateway.metrics import GatewayMetrics
@@ -88,7 +88,7 @@ def load_config(settings: Settings) -> tuple[TierCatalogue, PlanBook]:
     if (bad := tier_guards_error(catalogue)) is not None:
         raise ConfigFileError(settings.tiers_file, None, bad)
     plans = load_yaml(settings.plans_file, PlanBook, context={"tiers": set(catalogue.tiers)})
-    load_yaml(settings.ladder_file, Ladder)
+    load_ladder(settings.ladder_file, catalogue.tiers)
     if checked := [name for name, plan in plans.plans.items() if plan.cache.meaning_check]:
         try:
             meaning_model_dir()
@@ -115,7 +115,7 @@ def build_services(settings: Settings) -> Services:
     metrics_.queues = queues
     signals = Signals(tiers_down=fleet.num_tiers_down, kv_utilisation=fleet.max_kv_utilisation,
                       redis_down=lambda: isinstance(backend, FailoverBackend) and not backend.up)
-    ladder = LadderController(load_yaml(settings.ladder_file, Ladder),
+    ladder = LadderController(load_ladder(settings.ladder_file, catalogue.tiers),
                               open_ladder_store(settings), signals,
                               on_change=metrics_.degrade_changed)
     metrics_.ladder = ladder

@@ -1,10 +1,18 @@
-"""`degrade_ladder.yaml`: ordered levels, what each does to a request, and when it switches by itself."""
+"""`degrade_ladder.yaml`: ordered levels, what each does to a request, and when it switches by itself.
+
+Read with the tiers file's names as the validation context (`{"tiers": names}`, see `load_ladder`), a remap
+naming a tier that file does not have, or mapping a tier to itself, is refused with the file's line: a misspelt
+tier would otherwise make the remap do nothing, silently, on the day it is needed."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
+from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validator
+
+from gateway.config_files import load_yaml
 
 PriorityClass = Literal["interactive", "standard", "batch"]
 Metric = Literal["queue_wait_p95_s", "error_rate", "tiers_down", "redis_down", "kv_utilisation"]
@@ -17,6 +25,17 @@ class _Action(BaseModel):
 
 class RemapTiers(_Action):
     remap_tiers: Annotated[dict[str, str], Field(min_length=1)]  # e.g. {full: mid}
+
+    @model_validator(mode="after")
+    def _known(self, info: ValidationInfo) -> RemapTiers:
+        if same := sorted(k for k, v in self.remap_tiers.items() if k == v):
+            raise ValueError(f"remap_tiers maps {', '.join(map(repr, same))} to itself")
+        known = (info.context or {}).get("tiers")
+        if known is not None:
+            unknown = sorted({*self.remap_tiers, *self.remap_tiers.values()} - set(known))
+            if unknown:
+                raise ValueError(f"remap_tiers names unknown tiers {unknown}; the tiers file has {sorted(known)}")
+        return self
 
 
 class CapOutputTokens(_Action):
@@ -106,3 +125,8 @@ class Ladder(BaseModel):
     @property
     def top(self) -> int:
         return len(self.levels) - 1
+
+
+def load_ladder(path: Path, tiers: Collection[str]) -> Ladder:
+    """The ladder file, its remaps checked against the tiers file's `tiers`; ConfigFileError with file and line."""
+    return load_yaml(path, Ladder, context={"tiers": set(tiers)})

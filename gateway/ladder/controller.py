@@ -12,11 +12,11 @@ from __future__ import annotations
 import logging
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 from gateway.config_files import load_yaml
-from gateway.ladder.config import Action, Ladder, Trigger
+from gateway.ladder.config import Action, Ladder, Trigger, load_ladder
 from gateway.ladder.signals import Signals
 from gateway.ladder.state import DegradeEvent, LadderState, LadderStore
 from gateway.tenants.keys import MAX_TTL_S
@@ -104,9 +104,10 @@ class LadderController:
         self.state.manual_level = self.state.manual_until = self.state.manual_by = self.state.manual_reason = None
         self._commit(who, reason, {})
 
-    def reload(self, path: Path) -> None:
-        """Swap in a new ladder file; a bad one raises ConfigFileError and changes nothing."""
-        ladder = load_yaml(path, Ladder)
+    def reload(self, path: Path, tiers: Collection[str] | None = None) -> None:
+        """Swap in a new ladder file; a bad one (a remap naming a tier not in `tiers`, when given) raises
+        ConfigFileError and changes nothing."""
+        ladder = load_yaml(path, Ladder) if tiers is None else load_ladder(path, tiers)
         self.ladder = ladder
         self._held_since.clear()
         if self.level > ladder.top:

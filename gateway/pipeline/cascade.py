@@ -205,6 +205,9 @@ async def _escalate(pipeline: Pipeline, ctx: RequestContext, prepared: Prepared,
     if degr.cascade_disabled:
         return Step(replace(attempt, lookup=unkept, applied=(*attempt.applied, "disable_cascade"),
                             extra_reason=(f"{verdict.why}, not cascaded (degrade level {degr.level})",)), None)
+    if degr.moves_off(target.name):  # the level remaps requests off that tier: a cascade may not bring them back
+        return Step(replace(attempt, lookup=unkept, extra_reason=(
+            f"{verdict.why}, not cascaded to {target.name} (degrade level {degr.level} remaps it)",)), None)
     second_id = f"{attempt.request_id}-cascade"
     route = pipeline.route.on_version(ctx, prepared.req,
                                       attempt.route.moved_to(target, f"cascade from {tier.name} ({verdict.why})"))

@@ -4,8 +4,10 @@ An explicit tier, or `auto`: the cheapest allowed tier whose predicted fidelity 
 floor (or, under the cascade policy, the cheapest allowed tier, checked after it answers), the floor relaxed
 as the tenant's budget runs low (one quota-backend read, only for plans that relax it).
 Around unavailable and overloaded tiers (load moves only to a tier outside the overloaded one's hardware
-group: the fleet's `hardware_groups`); the ladder's remap last. When every allowed tier is over its wait
-limit, the route without load is still returned, with the overload: a cached answer may serve it anyway.
+group: the fleet's `hardware_groups`); the ladder's remap last, bounded by the plan (gateway/ladder/apply.py: never
+a tier the plan leaves out, a dearer one only with `allow_upgrade`, else a 503 naming the level). When every allowed
+tier is over its wait limit, the route without load is still returned, with the overload: a cached answer may serve
+it anyway.
 
 A request with tools (or tool calls and results in its messages) goes only to tiers that can call tools
 (`TierSpec.tools`): `auto` and every fallback skip the others, and naming one is a 400 naming `tools`. Its answer is
@@ -24,7 +26,7 @@ import time
 from dataclasses import dataclass, replace
 
 from gateway.errors import InvalidRequest, Unavailable, client_error
-from gateway.ladder.apply import Degradation
+from gateway.ladder.apply import Degradation, RemapRefused
 from gateway.pipeline.context import RequestContext
 from gateway.pipeline.dispatch import DispatchStage
 from gateway.rollout.assign import conversation_id
@@ -48,6 +50,8 @@ from tiers.routing import (
     choose_tier,
 )
 from wire.chat_request import ChatCompletionRequest, normalized_role
+
+REMAP_RETRY_AFTER_S = 30  # a level dwells minutes (its min_dwell_s), not seconds
 
 
 @dataclass(frozen=True)
@@ -127,7 +131,7 @@ class RouteStage:
                                     conditions=TierConditions(unavailable), unpredicted=unpredicted)
         except TierError as exc:
             raise client_error(exc) from exc
-        route, applied = self._remap(degr, route, unavailable)
+        route, applied = self._remap(degr, route, rules, unavailable)
         if req.uses_tools:  # never cascaded (only `auto` routes are; the tier `auto` chose answers)
             route = replace(route, auto=False, cascade=False)
         if self.rollouts is not None:
@@ -186,9 +190,20 @@ class RouteStage:
         unable = {name: "it cannot call tools" for name, tier in tiers.items() if not tier.tools}
         return replace(rules, allowed=able, default=default), unavailable | unable
 
-    def _remap(self, degr: Degradation, route: Route, unavailable: dict[str, str]) -> tuple[Route, tuple[str, ...]]:
+    def _remap(self, degr: Degradation, route: Route, rules: RouteRules,
+               unavailable: dict[str, str]) -> tuple[Route, tuple[str, ...]]:
+        """The ladder's remap, bounded by the plan (gateway/ladder/apply.py): a 503 naming the level when the plan
+        offers no tier in the remapped one's place."""
+        if not degr.moves_off(route.tier.name):  # the common case: no remap, no sort of the tiers by price
+            return route, ()
         tiers = self.fleet.catalogue.tiers
-        target, action = degr.remap(route.tier.name, lambda t: t in tiers and t not in unavailable)
+        try:
+            target, action = degr.remap(route.tier.name, by_price=[t.name for t in self.fleet.catalogue.by_price()],
+                                        allowed=rules.allowed, upgrade=rules.allow_upgrade,
+                                        usable=lambda t: t in tiers and t not in unavailable)
+        except RemapRefused as exc:
+            raise Unavailable(str(exc), code="degraded_no_tier", retry_after=REMAP_RETRY_AFTER_S,
+                              headers={"x-tiergate-degrade-actions": exc.action}) from exc
         if action is None:
             return route, ()
         return replace(route, tier=tiers[target], reason=f"{route.reason}; degrade level {degr.level}: "

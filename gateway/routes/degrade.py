@@ -23,6 +23,7 @@ from gateway.routes.openapi import BEARER, body, errors
 from gateway.settings import Settings
 from gateway.tenants.keys import MAX_TTL_S
 from gateway.validation import parse_body
+from tiers.fleet import Fleet
 from wire.fields import integral
 
 # how many events a history gives, latest first: 1 to 1000, refused by name outside (-5 was read as 1); the
@@ -85,11 +86,13 @@ async def history(ladder: NamedDependency[LadderController], limit: HistoryLimit
 
 
 @post("/reload", status_code=200, responses=errors(400, 401, 403, 500, 503))
-async def reload(ladder: NamedDependency[LadderController], settings: NamedDependency[Settings]) -> dict[str, Any]:
-    """Re-read the ladder file; a bad file is refused with its line, and the running ladder stays."""
+async def reload(ladder: NamedDependency[LadderController], settings: NamedDependency[Settings],
+                 fleet: NamedDependency[Fleet]) -> dict[str, Any]:
+    """Re-read the ladder file; a bad file (a remap naming a tier the tiers file does not have among its faults) is
+    refused with its line, and the running ladder stays."""
     path = settings.ladder_file
     try:
-        await _changing(ladder, ladder.reload, path)
+        await _changing(ladder, ladder.reload, path, list(fleet.catalogue.tiers))
     except ConfigFileError as exc:
         raise InvalidRequest(f"ladder not reloaded, the running one stays: {exc}", code="invalid_ladder_file") from exc
     return ladder.status()

@@ -165,6 +165,15 @@ def test_bad_ladder_file_stops_start_up_with_its_line(gateway_settings: Settings
     assert exc.value.line == 3
 
 
+def test_a_remap_to_an_unknown_tier_stops_start_up_with_its_line(gateway_settings: Settings, tmp_path: Path) -> None:
+    f = tmp_path / "ladder.yaml"
+    f.write_text("levels:\n  - {level: 0, name: normal}\n  - {level: 1, name: x, actions: [\n"
+                 "      {remap_tiers: {full: mdi}}]}\n")
+    with pytest.raises(ConfigFileError, match=r"remap_tiers names unknown tiers \['mdi'\]") as exc:
+        create_app(gateway_settings.model_copy(update={"ladder_file": f}))
+    assert exc.value.line == 4
+
+
 def test_cli_sets_the_level_a_running_gateway_follows(laddered: Gateway) -> None:
     env = {"TIERGATE_DATA_DIR": str(laddered.settings.data_dir),
            "TIERGATE_LADDER_FILE": str(laddered.settings.ladder_file)}

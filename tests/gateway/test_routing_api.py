@@ -54,7 +54,7 @@ LADDER = """
 levels:
   - {level: 0, name: normal}
   - {level: 1, name: no-cascade, actions: [{disable_cascade: true}]}
-  - {level: 2, name: remap, actions: [{remap_tiers: {small: mid}}]}
+  - {level: 2, name: remap, actions: [{remap_tiers: {full: mid}}]}
 """
 
 
@@ -184,9 +184,9 @@ def test_a_tenant_low_on_budget_is_routed_to_a_cheaper_tier(routed: Gateway) -> 
 def test_the_ladder_remaps_after_routing(routed: Gateway) -> None:
     with routed.client(routed.admin_key) as c:
         assert c.post("/admin/degrade/", json={"level": 2, "reason": "test"}).status_code == 200
-    r = chat(routed, "easy")
+    r = chat(routed, "hard")  # `auto` chooses full, the level moves it to mid
     assert r.headers["x-tiergate-tier"] == "mid"
-    assert r.headers["x-tiergate-route-reason"].endswith("; degrade level 2: small -> mid")
+    assert r.headers["x-tiergate-route-reason"].endswith("; degrade level 2: full -> mid")
 
 
 def test_turn_two_goes_to_the_replica_that_served_turn_one(routed: Gateway, fleet3: Fleet3) -> None:
@@ -357,3 +357,21 @@ def test_the_ladder_can_disable_the_cascade(cascading: Gateway) -> None:
     assert r.headers["x-tiergate-route-reason"].endswith("empty answer, not cascaded (degrade level 1)")
     (row,) = cascading.ledger_rows()
     assert row.degrade_actions == "disable_cascade"
+
+
+def test_a_cascade_never_escalates_to_a_tier_the_ladder_moves_off(routed_settings: Settings, fleet3: Fleet3,
+                                                                    tmp_path: Path) -> None:
+    """At a level that remaps `mid` to `small`, an empty `small` answer is not cascaded back onto `mid`."""
+    routed_settings.ladder_file.write_text(
+        "levels:\n  - {level: 0, name: normal}\n"
+        "  - {level: 1, name: off-mid, actions: [{remap_tiers: {mid: small}}]}\n")
+    with running_gateway(routed_settings, fleet3.mid0, plan="cascading") as gw:
+        with_difficulty_model(gw, tmp_path)
+        with gw.client(gw.admin_key) as c:
+            assert c.post("/admin/degrade/", json={"level": 1, "reason": "test"}).status_code == 200
+        r = chat(gw, "easy")
+        assert r.status_code == 200 and r.headers["x-tiergate-tier"] == "small", r.text
+        assert "x-tiergate-cascade" not in r.headers
+        assert r.headers["x-tiergate-route-reason"].endswith("not cascaded to mid (degrade level 1 remaps it)")
+        assert len(fleet3.mid0.requests) + len(fleet3.mid1.requests) == 0
+        assert [row.tier for row in gw.ledger_rows()] == ["small"]
