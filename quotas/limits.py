@@ -7,6 +7,15 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 WINDOW_S = 60.0  # RPM and TPM are counted over any sliding 60 s
+# How far before the store's clock a request's arrival may date its money (`dating_instant`). A reserve follows
+# its arrival by milliseconds (routing, token counting, the cache lookup); by seconds where the body is slow to come
+# (up to `request_receipt_timeout_s`, 30 s by default) or a cascade's second attempt follows a first answer. An
+# honest replica's arrival (NTP keeps clocks within milliseconds) stays inside this, so a request arriving just
+# before midnight is dated on that day, as its ledger row is. A replica whose clock is off by more, behind or ahead,
+# is dated by the store's clock instead: its clock moves no money by more than this, so never into a long-ended
+# day's counter (Redis keeps one 2 days: an expired one is a fresh budget) nor into a day to come. A request that
+# reserves later than this after arriving across a midnight is dated on the new day (its row on the old one).
+MAX_DATING_LAG_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -33,15 +42,37 @@ class ReservationRequest:
     tokens: int  # prompt tokens + the output cap
     money_pico: int  # those tokens at the tier's prices
     lease_s: float = 900.0  # a concurrency slot held longer than this is reclaimed (a crashed replica)
-    now: float = field(default_factory=time.time)
+    now: float = field(default_factory=time.time)  # when it is asked: the sliding windows and leases run from it
+    # The request's arrival (the gateway's clock), the same instant as its ledger row's `ts`
+    # (gateway/pipeline/settle.py): its money counts for the arrival's UTC day and month, so a budget's day total is
+    # the sum of that day's rows even for a request that arrives before midnight and reserves or settles after it.
+    # The store has the last word (`dating_instant`: Redis' clock, or the store's `now`): an arrival more than
+    # MAX_DATING_LAG_S before it, or after it, is moved to that bound. None: dated when it is asked (`now`; on
+    # Redis, by Redis' clock).
+    dated_at: float | None = None
+
+    @property
+    def day_number(self) -> int:
+        """The UTC day (days since the epoch) that dates its money, by `dated_at` as it stands (a backend that
+        dates by `now` clamps it first: see `dating_instant`)."""
+        return int((self.now if self.dated_at is None else self.dated_at) // 86400)
 
     @property
     def day(self) -> str:
-        return utc_dates(int(self.now // 86400))[0]
+        return utc_dates(self.day_number)[0]
 
     @property
     def month(self) -> str:
-        return utc_dates(int(self.now // 86400))[1]
+        return utc_dates(self.day_number)[1]
+
+
+def dating_instant(arrival: float | None, now: float, max_lag_s: float = MAX_DATING_LAG_S) -> float:
+    """The instant whose day and month a request's money counts for: its arrival, moved into
+    [`now` - `max_lag_s`, `now`] (`now`: the store's clock); `now` for a request without one. Redis' scripts
+    compute the same (shared.lua `clock`)."""
+    if arrival is None:
+        return now
+    return min(now, max(now - max_lag_s, arrival))
 
 
 @lru_cache(maxsize=8)

@@ -1,9 +1,12 @@
 """Reserve: charge the request's quota scopes with an upper bound (prompt + output cap, at the tier's price;
 or a cache hit's price), or refuse with what a client can act on. Nothing is charged on a refusal.
 
-The reservation is settled to real use by the settle stage, exactly once. A refusal for requests or tokens per
-minute or a spent budget is also told to the gate, which then refuses the scope cheaply for up to a second
-(gateway/pipeline/gate.py).
+Its money is dated by the request's arrival (`ctx.arrived`), the instant that also dates its ledger row, so a
+request arriving just before midnight counts for that day in both. The quota store bounds it by its own clock
+(quotas/limits.py MAX_DATING_LAG_S): a reserve more than that after the arrival by the store's clock (a replica's
+clock skewed by more) is dated that long before the store's clock instead. The reservation is settled to real use
+by the settle stage, exactly once. A refusal for requests or tokens per minute or a spent budget is also told to
+the gate, which then refuses the scope cheaply for up to a second (gateway/pipeline/gate.py).
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ class ReserveStage:
         try:
             decision, reservation = await self.quotas.reserve(
                 request_id=request_id, tenant=ctx.tenant, plan=ctx.plan, key_id=ctx.key_id,
-                key_limits=ctx.principal.key.limits, tokens=tokens, price=price)
+                key_limits=ctx.principal.key.limits, tokens=tokens, price=price,
+                dated_at=ctx.arrived)  # the instant that dates the ledger row dates the money too
         except QuotaBackendError as exc:
             raise Unavailable("the quota service is unavailable; retry shortly", code="quota_backend_unavailable",
                               retry_after=1) from exc

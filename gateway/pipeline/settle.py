@@ -118,6 +118,8 @@ class Settler:
             dearer = self.catalogue.tiers[requested].price(outcome.input_tokens, outcome.output_tokens)
             route_saving = max(Decimal(0), dearer - price)
         reason = "; ".join((attempt.route.reason, *attempt.extra_reason))
+        # `ts` is the arrival, the instant that dated the reservation's money (reserve.py; unless the quota store's
+        # clock was more than MAX_DATING_LAG_S past it): the settle adjusts that day's counter, whenever it runs
         return LedgerRow(
             request_id=attempt.request_id, ts=ctx.arrived, tenant=ctx.tenant, key_id=ctx.key_id, tier=tier.name,
             model=tier.model, status=outcome.status, http_status=outcome.http_status,

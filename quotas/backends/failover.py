@@ -6,10 +6,11 @@ at most once a second, so a dead Redis does not add its timeout to every request
 
 An outage does not reset budgets. Every answer from Redis carries each scope's spend and Redis' clock; the
 fallback starts from those last known figures (raised to the ledger's totals where a `ledger_spend` source
-is given, which covers tenants this replica never saw), dates its money by Redis' clock as last seen, and
-takes only its share (1/N, N the live replicas) of what was left of each budget, so N replicas failing open
-together do not spend N budgets. Rate, token and concurrency limits apply per replica, as before. What it
-settles locally goes into an outage journal, added to Redis exactly once when Redis answers again.
+is given, which covers tenants this replica never saw), dates its money as Redis does (by the request's arrival,
+bounded by Redis' clock as last seen; one without an arrival by that clock), and takes only its share (1/N, N the
+live replicas) of what was left of each budget, so N replicas failing open together do not spend N budgets. Rate,
+token and concurrency limits apply per replica, as before. What it settles locally goes into an outage journal,
+added to Redis exactly once when Redis answers again.
 
 A refused connection means Redis is down at once. A timeout alone does not (a busy event loop can cause
 one): the request gets a retryable 503, and Redis is down only once a streak of failures with no success in
@@ -37,7 +38,7 @@ from quotas.backends.base import Billed, QuotaBackend, QuotaBackendError
 from quotas.backends.journal import OutageJournal
 from quotas.backends.memory import MemoryBackend
 from quotas.backends.redis import RedisBackend
-from quotas.limits import Decision, ReservationRequest, ScopeLimits, Spend, utc_dates
+from quotas.limits import Decision, ReservationRequest, ScopeLimits, Spend, dating_instant, utc_dates
 
 log = logging.getLogger("tiergate.quotas")
 RETRY_EVERY_S = 1.0
@@ -57,7 +58,7 @@ class FailoverBackend(QuotaBackend):
                  down_after_s: float = DOWN_AFTER_S, down_after_tries: int = DOWN_AFTER_TRIES,
                  retry_every_s: float = RETRY_EVERY_S) -> None:
         self.primary = primary
-        self.local = MemoryBackend()
+        self.local = MemoryBackend(max_dating_lag_s=primary.max_dating_lag_s)
         self.mode = mode
         self.up = True
         self.journal = OutageJournal()
@@ -168,7 +169,12 @@ class FailoverBackend(QuotaBackend):
     async def _reserve_locally(self, req: ReservationRequest, sent: bool) -> Decision:
         if self._seeding is not None and not self._seeding.done():
             await asyncio.wait({self._seeding}, timeout=SEED_WAIT_S)
-        local = replace(req, now=req.now + self._clock_offset_s)  # dated as Redis would date it
+        # dated as Redis would date it: by its arrival moved into [Redis' now - lag, Redis' now], Redis' now being
+        # Redis' clock as last seen (ours plus the offset). The arrival itself is not shifted: Redis gets it as this
+        # gateway's clock reads it, as its ledger row has it, and a clock off by more than the lag is clamped anyway
+        now = req.now + self._clock_offset_s
+        local = replace(req, now=now, dated_at=None if req.dated_at is None else dating_instant(
+            req.dated_at, now, self.primary.max_dating_lag_s))
         local = replace(local, scopes=tuple(self._share(local, lim) for lim in local.scopes))
         decision = await self.local.reserve(local)
         if decision.admitted:

@@ -17,15 +17,17 @@ import math
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from quotas.backends.base import Billed, QuotaBackend
 from quotas.limits import (
+    MAX_DATING_LAG_S,
     WINDOW_S,
     Decision,
     ReservationRequest,
     ScopeLimits,
     Usage,
+    dating_instant,
     seconds_to_next_day,
     seconds_to_next_month,
 )
@@ -83,7 +85,10 @@ class _ScopeState:
 class MemoryBackend(QuotaBackend):
     name = "memory"
 
-    def __init__(self) -> None:
+    def __init__(self, *, max_dating_lag_s: float = MAX_DATING_LAG_S) -> None:
+        # an arrival dates money at most this long before the request's `now`, as on Redis (one process has one
+        # clock, so this only matters to the failover's fallback, whose `now` is Redis' clock as last seen)
+        self.max_dating_lag_s = max_dating_lag_s
         self._state: dict[tuple[str, str], _ScopeState] = {}
         self._held: dict[str, _Held] = {}  # request id -> its open reservation
         self._reaped: dict[str, _Held] = {}  # returned by the reaper; a late settle bills its real use
@@ -98,6 +103,7 @@ class MemoryBackend(QuotaBackend):
         return self.reserve_now(req)
 
     def reserve_now(self, req: ReservationRequest) -> Decision:
+        req = self._dated(req)
         now = req.now
         if req.request_id in self._held:  # the same request again: admitted once, charged once
             return Decision(True)
@@ -129,6 +135,7 @@ class MemoryBackend(QuotaBackend):
         self.settle_now(req, tokens=tokens, money_pico=money_pico)
 
     def settle_now(self, req: ReservationRequest, *, tokens: int, money_pico: int) -> None:
+        req = self._dated(req)  # where nothing is held: billed on the day its reserve dated it
         rid = req.request_id
         self._prune(time.time())
         if rid in self._done:
@@ -140,6 +147,13 @@ class MemoryBackend(QuotaBackend):
         else:  # nothing held (forgotten): add the real use, replace nothing
             self._charge(req.tenant, tuple(lim.scope for lim in req.scopes), req.day, req.month, money_pico)
         self._remember_done(rid)
+
+    def _dated(self, req: ReservationRequest) -> ReservationRequest:
+        """`req` with its arrival moved into [now - max_dating_lag_s, now] (quotas/limits.py `dating_instant`)."""
+        at = req.dated_at
+        if at is None or req.now - self.max_dating_lag_s <= at <= req.now:
+            return req
+        return replace(req, dated_at=dating_instant(at, req.now, self.max_dating_lag_s))
 
     def expired(self, now: float) -> list[str]:
         """Open reservations whose lease ran out (a settle that never came)."""
@@ -229,11 +243,14 @@ def _check(lim: ScopeLimits, st: _ScopeState, req: ReservationRequest) -> Decisi
         return Decision(False, "tpm", lim.scope, st.tokens_retry_after(req.tokens, lim.tpm, now))
     if lim.max_concurrent is not None and len(st.inflight) + 1 > lim.max_concurrent:
         return Decision(False, "concurrency", lim.scope, 1.0)
+    # a budget's period is the one its money is dated in (the request's arrival, clamped by `_dated`), which may
+    # end before `now`: no wait then
+    dated = now if req.dated_at is None else req.dated_at
     if lim.budget_day_pico is not None and st.spent_day.get(req.day, 0) + req.money_pico > lim.budget_day_pico:
-        return Decision(False, "budget_day", lim.scope, seconds_to_next_day(now))
+        return Decision(False, "budget_day", lim.scope, max(0.0, seconds_to_next_day(dated) + dated - now))
     if (lim.budget_month_pico is not None
             and st.spent_month.get(req.month, 0) + req.money_pico > lim.budget_month_pico):
-        return Decision(False, "budget_month", lim.scope, seconds_to_next_month(now))
+        return Decision(False, "budget_month", lim.scope, max(0.0, seconds_to_next_month(dated) + dated - now))
     return None
 
 

@@ -3,8 +3,12 @@
 Each request's check-and-charge is one Lua script over the keys of its tenant, so two replicas can never
 both spend the last unit. All keys of a tenant share the hash tag `{<prefix>:<tenant>}`, so the scripts run
 on Redis Cluster too (settle.lua reaches a reservation's counters through the key bases its record names:
-keys of the same slot). Sliding windows, and the day and month a budget's money counts for, use Redis' own
-clock (shared.lua), so replicas' clocks do not matter.
+keys of the same slot). Sliding windows use Redis' own clock (shared.lua), so replicas' clocks do not matter.
+The day and month a budget's money counts for are the request's arrival's (`ReservationRequest.dated_at`), the
+instant that dates its ledger row, so a day's counter and that day's ledger rows agree around midnight; but Redis'
+clock bounds it: an arrival more than `max_dating_lag_s` before Redis' clock, or after it, counts as that bound
+(quotas/limits.py MAX_DATING_LAG_S), so a replica's skewed clock never spends in a long-ended day (a fresh budget)
+or a day to come. A request without an arrival is dated by Redis' clock.
 
 A reservation is a record (`<tag>:res:<request id>`: its tokens, money, day, month and scopes) plus an entry
 in the tenant's leases. settle.lua finishes it exactly once; `reap` (any replica, any number at once) claims
@@ -32,7 +36,7 @@ from redis.exceptions import MaxConnectionsError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeout
 
 from quotas.backends.base import Billed, QuotaBackend, QuotaBackendError
-from quotas.limits import WINDOW_S, Decision, ReservationRequest, Spend, Usage
+from quotas.limits import MAX_DATING_LAG_S, WINDOW_S, Decision, ReservationRequest, Spend, Usage
 
 log = logging.getLogger("tiergate.quotas")
 T = TypeVar("T")
@@ -66,6 +70,11 @@ def _limit(v: int | None) -> int:
     return -1 if v is None else v
 
 
+def _ms(at: float | None) -> int:
+    """An arrival as the scripts take it: epoch milliseconds, -1 for none."""
+    return -1 if at is None else int(at * 1000)
+
+
 def _str(v: Any) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
@@ -84,7 +93,7 @@ class RedisBackend(QuotaBackend):
 
     def __init__(self, url: str, *, timeout_s: float = 0.05, prefix: str = "tg", max_connections: int = 64,
                  pool_wait_s: float = 2.0, settle_retry_s: float = 600.0, replica_ttl_s: float = 30.0,
-                 reap_claim_s: float = 30.0) -> None:
+                 reap_claim_s: float = 30.0, max_dating_lag_s: float = MAX_DATING_LAG_S) -> None:
         # a bounded pool that makes callers wait for a connection: a burst of requests queues here instead
         # of opening thousands of sockets, and is not mistaken for Redis being down
         pool = aioredis.BlockingConnectionPool.from_url(
@@ -105,6 +114,7 @@ class RedisBackend(QuotaBackend):
         self.settle_retry_s = settle_retry_s
         self.replica_ttl_s = replica_ttl_s
         self.reap_claim_s = reap_claim_s
+        self.max_dating_lag_s = max_dating_lag_s  # the most an arrival may date money before Redis' clock
         self.replica_id = uuid.uuid4().hex[:16]
         self.num_settle_retries = 0  # settles that failed once and went to the background
         self.num_reaped = 0  # reservations this replica's reaper returned
@@ -158,7 +168,8 @@ class RedisBackend(QuotaBackend):
         await self._register(req.tenant)
         keys = [self.record_key(req.tenant, req.request_id), self.leases_key(req.tenant)]
         args: list[int | str | float] = [req.request_id, req.tokens, req.money_pico, int(req.lease_s * 1000),
-                                         int(WINDOW_S * 1000), len(req.scopes)]
+                                         int(WINDOW_S * 1000), len(req.scopes), _ms(req.dated_at),
+                                         int(self.max_dating_lag_s * 1000)]
         for lim in req.scopes:
             base = self.base(req.tenant, lim.scope)
             keys += [f"{base}:rpm", f"{base}:tpm", f"{base}:tpmv", f"{base}:tpmsum", f"{base}:inflight"]
@@ -218,15 +229,24 @@ class RedisBackend(QuotaBackend):
 
     async def _finish(self, req: ReservationRequest, *, tokens: int, money_pico: int, kind: str,
                       dated: bool = False) -> int:
+        """A reservation Redis holds is finished on the day and month its record names. Where it holds none, the
+        real use is billed on `req`'s day and month if `dated` (settled on the fallback, which dated it as Redis
+        would, by Redis' clock as last seen: billed on the day its local budget counted it, however late the
+        outage journal reaches Redis), else on the arrival's as reserve.lua would date it now: clamped against
+        Redis' clock, never by the gateway's alone (a skewed one would bill a long-ended day)."""
         bases = [self.base(req.tenant, lim.scope) for lim in req.scopes]
-        day, month = (req.day, req.month) if dated else ("", "")
-        return await self._finish_id(req.tenant, req.request_id, tokens, money_pico, kind, bases, day, month)
+        if dated:
+            return await self._finish_id(req.tenant, req.request_id, tokens, money_pico, kind, bases, req.day,
+                                         req.month)
+        return await self._finish_id(req.tenant, req.request_id, tokens, money_pico, kind, bases,
+                                     arrival_ms=_ms(req.dated_at))
 
     async def _finish_id(self, tenant: str, request_id: str, tokens: int, money_pico: int, kind: str,
-                         bases: Sequence[str] = (), day: str = "", month: str = "") -> int:
+                         bases: Sequence[str] = (), day: str = "", month: str = "", arrival_ms: int = -1) -> int:
         keys = [self.record_key(tenant, request_id), self.leases_key(tenant)]
         done_ttl = int(self.settle_retry_s) + DONE_MARGIN_S  # ~100 bytes each: 90 MB at 1,000 settles/s
-        args = [request_id, tokens, money_pico, kind, done_ttl, REAPED_TTL_S, day, month, len(bases), *bases]
+        args = [request_id, tokens, money_pico, kind, done_ttl, REAPED_TTL_S, day, month, arrival_ms,
+                int(self.max_dating_lag_s * 1000), len(bases), *bases]
         try:
             async with self._turn():
                 return int(await self._scripts["settle"](keys=keys, args=args))

@@ -2,18 +2,20 @@
 -- (see quotas/backends/redis.py; shared.lua is prepended).
 -- KEYS: the reservation's record (hash), the tenant's leases (zset: request id -> lease deadline ms), then 5 per
 --       scope: rpm (zset), tpm (zset), tpm values (hash), tpm sum, inflight (zset)
--- ARGV: request id, tokens, picodollars, lease ms, window ms, number of scopes, then 6 per scope: the scope's key
---       base (its money counters are <base>:day:<YYYYMMDD> and <base>:month:<YYYYMM>, dated by Redis' clock)
---       and its limits (rpm, tpm, concurrent, day, month; -1 = unlimited)
+-- ARGV: request id, tokens, picodollars, lease ms, window ms, number of scopes, the request's arrival (epoch ms by
+--       the gateway's clock, as its ledger row is dated; -1: none) and the most it may lag Redis' clock (ms): the
+--       instant that dates its money is the arrival moved into [TIME - lag, TIME] (shared.lua `clock`), then 6 per
+--       scope: the scope's key base (its money counters are <base>:day:<YYYYMMDD> and
+--       <base>:month:<YYYYMM>) and its limits (rpm, tpm, concurrent, day, month; -1 = unlimited)
 -- Answers {1, now ms, day, month, then 5 per scope: requests, tokens, reset ms, spent today, spent this month}
 --      or {0, reason, scope index, retry ms, now ms, day, month, then 2 per scope: spent today, this month}
 local rid, tokens, money = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local lease, window, n = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
-local c = clock()
+local c = clock(tonumber(ARGV[7]), tonumber(ARGV[8]))
 local now, cutoff = c.now, c.now - window
 local day_keys, month_keys, spent_day, spent_month = {}, {}, {}, {}
 for i = 0, n - 1 do
-  local base = ARGV[7 + 6 * i]
+  local base = ARGV[9 + 6 * i]
   day_keys[i], month_keys[i] = base .. ':day:' .. c.day, base .. ':month:' .. c.month
   spent_day[i] = tonumber(redis.call('GET', day_keys[i]) or '0')
   spent_month[i] = tonumber(redis.call('GET', month_keys[i]) or '0')
@@ -65,7 +67,7 @@ if state then return refuse('duplicate', 0, 0) end
 
 for i = 0, n - 1 do
   local k = 2 + 5 * i
-  local a = 8 + 6 * i
+  local a = 10 + 6 * i
   local rpm, tpm, conc = tonumber(ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
   local day, month = tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4])
   expire(k)
@@ -89,11 +91,12 @@ for i = 0, n - 1 do
   if conc >= 0 and redis.call('ZCARD', KEYS[k + 5]) + 1 > conc then
     return refuse('concurrency', i, 1000)
   end
+  -- the budget's period is the dated instant's, which may have ended (an arrival before midnight): no wait then
   if day >= 0 and spent_day[i] + money > day then
-    return refuse('budget_day', i, c.next_day - now)
+    return refuse('budget_day', i, math.max(0, c.next_day - now))
   end
   if month >= 0 and spent_month[i] + money > month then
-    return refuse('budget_month', i, c.next_month - now)
+    return refuse('budget_month', i, math.max(0, c.next_month - now))
   end
 end
 
@@ -115,7 +118,7 @@ for i = 0, n - 1 do
   redis.call('EXPIRE', day_keys[i], DAY_TTL)
   redis.call('EXPIRE', month_keys[i], MONTH_TTL)
   table.insert(record, 'b' .. (i + 1))
-  table.insert(record, ARGV[7 + 6 * i])
+  table.insert(record, ARGV[9 + 6 * i])
 end
 -- the record lives until it is settled or reaped: the money it holds is returned only through it
 redis.call('HSET', KEYS[1], unpack(record))

@@ -5,15 +5,16 @@
 -- A settled record stays as a tombstone for `done ttl`, so the same settle sent again (its answer was lost)
 -- changes nothing. A settle that finds no reservation held (none was made, or it was cancelled: the request
 -- ran on a replica's fallback during an outage) adds the real use to the scopes in ARGV, on the day and month
--- given (or Redis' today).
+-- given, else on those of the request's arrival as reserve.lua dates it now (moved into [TIME - lag, TIME]).
 -- KEYS: the reservation's record, the tenant's leases
--- ARGV: request id, real tokens, real picodollars, kind, done ttl s, reaped ttl s, day, month ('' for today),
---       number of scopes, their key bases
+-- ARGV: request id, real tokens, real picodollars, kind, done ttl s, reaped ttl s, day, month ('': dated by the
+--       arrival and Redis' clock), arrival (epoch ms by the gateway's clock; -1: none), lag ms, number of scopes,
+--       their key bases
 -- Answers 0: nothing to do (already finished); 1: a held reservation finished; 2: a reaped one billed;
 --         3: one not held billed
 local rid, tokens, money, kind = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
 local done_ttl, reaped_ttl, day, month = tonumber(ARGV[5]), tonumber(ARGV[6]), ARGV[7], ARGV[8]
-local n = tonumber(ARGV[9])
+local at, lag, n = tonumber(ARGV[9]), tonumber(ARGV[10]), tonumber(ARGV[11])
 local flat = redis.call('HGETALL', KEYS[1])
 local rec = {}
 for j = 1, #flat, 2 do rec[flat[j]] = flat[j + 1] end
@@ -48,11 +49,11 @@ end
 if rec.st == nil or rec.st == 'c' then
   if kind == 'settle' then
     if day == '' then
-      local c = clock()
+      local c = clock(at, lag)
       day, month = c.day, c.month
     end
     local bases = {}
-    for j = 1, n do bases[j] = ARGV[9 + j] end
+    for j = 1, n do bases[j] = ARGV[11 + j] end
     bill(bases, day, month, money)
     tombstone('s')
     return 3

@@ -1,6 +1,6 @@
 -- What the money scripts share, prepended to each (see quotas/backends/redis.py): one clock for every replica,
--- Redis' own TIME and the UTC day and month it falls in, so no gateway's clock decides a budget's day; and
--- the one way a money counter changes.
+-- Redis' own TIME, which bounds the instant that dates a request's money (its arrival, at most a small lag before
+-- TIME and never after it), so no gateway's clock decides a budget's day; and the one way a money counter changes.
 -- Civil dates from day numbers as in Howard Hinnant's `civil_from_days` / `days_from_civil`.
 local DAY_TTL, MONTH_TTL = 2 * 86400, 32 * 86400  -- seconds a day's and a month's counter outlive their last write
 
@@ -26,17 +26,27 @@ local function civil_from_days(days)
   return y, m, d
 end
 
--- now (ms), day (YYYYMMDD), month (YYYYMM), and the ms at which the next day and the next month begin
-local function clock()
-  local t = redis.call('TIME')
-  local s = tonumber(t[1])
-  local days = math.floor(s / 86400)
+-- the day (YYYYMMDD) and month (YYYYMM) of a day number since the epoch, and the ms at which the next day and
+-- the next month begin
+local function dates(days)
   local y, m, d = civil_from_days(days)
   local ny, nm = y, m + 1
   if nm > 12 then ny, nm = y + 1, 1 end
-  return {now = s * 1000 + math.floor(tonumber(t[2]) / 1000), day = string.format('%04d%02d%02d', y, m, d),
-          month = string.format('%04d%02d', y, m), next_day = (days + 1) * 86400000,
-          next_month = days_from_civil(ny, nm, 1) * 86400000}
+  return {day = string.format('%04d%02d%02d', y, m, d), month = string.format('%04d%02d', y, m),
+          next_day = (days + 1) * 86400000, next_month = days_from_civil(ny, nm, 1) * 86400000}
+end
+
+-- Redis' own clock: `now` (ms), and the `dates` of the instant that dates a request's money: its arrival `at`
+-- (ms, the gateway's clock) moved into [now - lag, now] (quotas/limits.py MAX_DATING_LAG_S), so no
+-- gateway's clock moves money by more than `lag`; now, where no arrival is given (nil or negative)
+local function clock(at, lag)
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  local dated = now
+  if at ~= nil and at >= 0 then dated = math.min(now, math.max(now - lag, at)) end
+  local c = dates(math.floor(dated / 86400000))
+  c.now = now
+  return c
 end
 
 -- add `delta` to a money counter and keep it `ttl` seconds; a refund to a counter that is gone (its period

@@ -29,9 +29,9 @@ _n = iter(range(10**9))
 
 
 def req(money: int = 600, tokens: int = 400, lease_s: float = LEASE_S, rid: str | None = None,
-        now: float | None = None) -> ReservationRequest:
+        now: float | None = None, dated_at: float | None = None) -> ReservationRequest:
     return ReservationRequest(rid or f"r{next(_n)}", "acme", (LIMITS,), tokens, money, lease_s=lease_s,
-                              now=time.time() if now is None else now)
+                              now=time.time() if now is None else now, dated_at=dated_at)
 
 
 async def spend(backend: QuotaBackend) -> int:
@@ -157,10 +157,17 @@ async def test_a_settle_whose_answer_was_lost_is_applied_once(redis_url: str, mo
         await b.close()
 
 
-async def test_money_is_dated_by_redis_clock_not_the_gateways(redis_url: str) -> None:
+@pytest.mark.parametrize("skew_s", [-40 * 86400, 2 * 86400], ids=["40 days behind", "2 days ahead"])
+@pytest.mark.parametrize("arrival", [True, False], ids=["arrival", "no arrival"])
+async def test_money_is_dated_by_redis_clock_not_the_gateways(redis_url: str, skew_s: float, arrival: bool) -> None:
+    """A gateway whose clock is off by more than MAX_DATING_LAG_S (here by days, so whatever the time of day) spends
+    in Redis' today, with its arrival (`dated_at`, by its own clock, as the reserve stage sends it) or without: never
+    in a long-ended day's counter (gone: a fresh budget) nor in a day to come. Its settle where Redis holds no
+    reservation (undone after a lost answer) bills today too. The bound itself: tests/quotas/test_dating_lag.py."""
     b = RedisBackend(redis_url, timeout_s=0.5)
     try:
-        skewed = req(money=100, now=time.time() - 40 * 86400)  # this gateway's clock is 40 days behind
+        now = time.time() + skew_s  # this gateway's clock
+        skewed = req(money=100, now=now, dated_at=now if arrival else None)
         decision = await b.reserve(skewed)
         seconds, _ = await b.redis.time()
         today = time.strftime("%Y%m%d", time.gmtime(seconds))
@@ -168,6 +175,13 @@ async def test_money_is_dated_by_redis_clock_not_the_gateways(redis_url: str) ->
         assert int(await b.redis.get(f"{b.base('acme', 't')}:day:{today}")) == 100
         await b.settle(skewed, tokens=1, money_pico=70)
         assert await spend(b) == 70
+        lost = req(money=100, now=now, dated_at=now if arrival else None)
+        assert (await b.reserve(lost)).admitted
+        await b.cancel(lost)  # its answer was lost: undone; the request ran elsewhere and settles here
+        await b.settle(lost, tokens=1, money_pico=30)
+        assert await spend(b) == 100
+        assert [k.decode() async for k in b.redis.scan_iter(f"{b.base('acme', 't')}:day:*")] == [
+            f"{b.base('acme', 't')}:day:{today}"]  # no other day's counter was touched
     finally:
         await b.close()
 
