@@ -26,13 +26,25 @@ The prompt is rendered and tokenized in a worker thread (with the request's chec
 transformers' fast tokenizer call runs
 `tokenizers`' `encode_batch`, which releases the GIL (measured: 1.5 MB of text, 1.1 s to tokenize, the event
 loop kept running with at most 34 ms between its turns, against 1.16 s with `Tokenizer.encode`). Text
-longer than the context could hold even at the vocabulary's longest token is refused before tokenizing.
+longer than the context could hold even at the vocabulary's longest token is refused before tokenizing, and a longer
+text than PREFIX_CHARS_PER_TOKEN characters per context token is first counted in pieces of that many characters,
+refused as soon as the pieces counted overflow the context (with PREFIX_MARGIN_TOKENS for each cut, as the gateway's
+prefix count has, gateway/pipeline/prompt.py): a hostile prompt just under the first bound (SmolLM2: 236K
+characters, 0.2-0.8 s of tokenizing each) was counted whole before its refusal, and 30 of them held a normal request
+26 s behind them in the tokenizing threads (0.1 s with the pieces). So is text
+that is not Unicode text (a lone UTF-16 surrogate, which a tool call's arguments can spell as a JSON escape: the
+tokenizer raised TypeError, a 500), and a conversation the model's chat template refuses (a template's
+`raise_exception`, e.g. roles that do not alternate) is a 400 naming `messages`.
+
+Whatever else fails while an answer is framed (a bug, not the request) is a 500 in OpenAI's shape, or the stream's
+last event before `[DONE]`, never a connection cut mid-stream; either way the request's generation is aborted.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import os
 import re
 import time
@@ -41,6 +53,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from jinja2 import TemplateError
 from litestar import Litestar, Request, Response, get, post
 from litestar.exceptions import HTTPException
 from litestar.response import Stream
@@ -61,9 +74,13 @@ from wire.tool_calls import render_messages
 from wire.validation import BodyError, parse_body
 
 DEFAULT_MAX_TOKENS = 1024  # without max_tokens: up to this, or what the context has left
+PREFIX_CHARS_PER_TOKEN = 8  # a prompt longer than this many characters per context token is counted in pieces first
+PREFIX_MARGIN_TOKENS = 16  # a piece cut inside a word may count a few tokens more than the whole has there
 
 
 _SALT = re.compile(r"[A-Za-z0-9._:-]{1,64}")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+log = logging.getLogger("tiergate.engine")
 
 def sampling_params_for(req: ChatCompletionRequest | CompletionRequest, num_prompt_tokens: int,
                         max_model_len: int) -> SamplingParams:
@@ -144,11 +161,30 @@ def create_engine_app(engine: LLMEngine, *, model_name: str, model_version: str)
                 f"the prompt has {len(text)} characters; this model's maximum context length of "
                 f"{engine.max_model_len} tokens holds at most {max_prompt_chars}",
                 param=param, code="context_length_exceeded")
+        if (bad := _SURROGATE.search(text)) is not None:
+            raise EngineInputError(
+                f"the prompt holds a lone UTF-16 surrogate (U+{ord(bad[0]):04X}, from a \\u escape in a tool call's "
+                "arguments?), which is not text", param=param)
+        piece = engine.max_model_len * PREFIX_CHARS_PER_TOKEN
+        if len(text) > piece:  # counted in pieces first: a refusal costs about what the context holds, not the text
+            counted = 0
+            for k, start in enumerate(range(0, len(text), piece), 1):
+                counted += len(tokenizer(text[start:start + piece],
+                                         add_special_tokens=add_special_tokens and start == 0)["input_ids"])
+                if counted > engine.max_model_len + PREFIX_MARGIN_TOKENS * k:
+                    raise EngineInputError(
+                        f"this model's maximum context length is {engine.max_model_len} tokens; the prompt's first "
+                        f"{start + piece} characters are about {counted} tokens", param=param,
+                        code="context_length_exceeded")
         return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
     def prompt_ids(req: ChatCompletionRequest) -> list[int]:
         """The conversation (tools, calls and results as text) rendered with the model's chat template, tokenized."""
-        text = tokenizer.apply_chat_template(render_messages(req), add_generation_prompt=True, tokenize=False)
+        try:
+            text = tokenizer.apply_chat_template(render_messages(req), add_generation_prompt=True, tokenize=False)
+        except TemplateError as exc:  # the template's own refusal of this conversation (its `raise_exception`)
+            raise EngineInputError(f"messages: this model's chat template refuses the conversation: {exc}",
+                                   param="messages") from None
         return checked_ids(text, "messages", add_special_tokens=False)
 
     def text_prompt_ids(req: CompletionRequest) -> list[int]:
@@ -205,6 +241,10 @@ def create_engine_app(engine: LLMEngine, *, model_name: str, model_version: str)
             return Response(None, status_code=CLIENT_CLOSED)
         except EngineDeadError as exc:
             return _dead(str(exc))
+        except Exception:
+            log.exception("answering %s failed", rid)
+            await outputs.aclose()
+            return Response(_FAILED, status_code=500)
         finally:
             watch.close()
 
@@ -242,7 +282,7 @@ def create_engine_app(engine: LLMEngine, *, model_name: str, model_version: str)
         return await serve(request, CompletionRequest)
 
     return Litestar(route_handlers=[health, models, metrics, chat, completions],
-                    exception_handlers={HTTPException: _http_error})
+                    exception_handlers={HTTPException: _http_error, Exception: _unexpected})
 
 
 def max_prompt_chars_for(tokenizer: Any, max_model_len: int) -> int | None:
@@ -278,7 +318,18 @@ def _error_status(out: RequestOutput) -> int:
 
 
 def _http_error(_: Request[Any, Any, Any], exc: HTTPException) -> Response[Any]:
+    if exc.status_code >= 500:
+        return Response(error_body(str(exc.detail), "api_error", code="engine_error"), status_code=exc.status_code)
     return Response(error_body(str(exc.detail)), status_code=exc.status_code)
+
+
+_FAILED = error_body("the engine failed on this request", "api_error", code="engine_error")
+
+
+def _unexpected(_: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
+    """A bug, not the request: OpenAI's shape, no internals."""
+    log.error("an unexpected error answering a request", exc_info=exc)
+    return Response(_FAILED, status_code=500)
 
 
 def _logprobs(tokenizer: Any, out: RequestOutput) -> list[dict[str, Any]] | None:
@@ -417,4 +468,8 @@ async def _sse(outputs: AsyncIterator[RequestOutput], rid: str, model: str,
                 yield event
     except EngineDeadError as exc:  # the loop stopped between the request's check and its start
         yield responses.sse(error_body(str(exc), "api_error", code="engine_dead"))
+    except Exception:  # framing failed (a bug): the stream ends with an error event, not a cut connection
+        log.exception("streaming %s failed", rid)
+        await outputs.aclose()  # its generation stops: slot and KV blocks go back
+        yield responses.sse(_FAILED)
     yield responses.SSE_DONE

@@ -10,6 +10,11 @@ The prompt side is wire/tool_calls.py (the functions rendered into the system me
   arguments). A constrained answer streams its arguments as the tokens arrive; a free one streams its text until
   a `<tool_call>` opening, and holds the rest until the answer ends, when it is parsed into calls.
   `finish_reason` is "tool_calls" when an answer that ended by itself made calls.
+
+The answer is model output, and the tenant steers it (a model told to echo writes what it is told), so parsing it
+holds whatever it says (wire/tool_calls.py): a block whose "name" is a list or an object is text, not a TypeError (a
+500 that counted against the replica's breaker), and arguments whose JSON escapes spell a lone surrogate
+(`"\\ud800"`) are sent escaped, never as a body that cannot be encoded.
 """
 
 from __future__ import annotations

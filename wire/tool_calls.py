@@ -114,8 +114,7 @@ def _text_with_calls(m: ChatMessage) -> str:
             arguments: Any = json.loads(call.function.arguments)
         except (ValueError, RecursionError):
             arguments = call.function.arguments  # as the client sent it
-        blocks.append(f"{OPEN}\n{json.dumps({'name': call.function.name, 'arguments': arguments}, ensure_ascii=False)}"
-                      f"\n{CLOSE}")
+        blocks.append(f"{OPEN}\n{json_text({'name': call.function.name, 'arguments': arguments})}\n{CLOSE}")
     return "\n".join([m.text(), *blocks]) if m.text() else "\n".join(blocks)
 
 
@@ -160,8 +159,8 @@ def _block(text: str, pos: int, names: set[str]) -> tuple[Call, int] | None:
 
 def as_call(obj: Any, names: set[str]) -> Call | None:
     """`{"name", "arguments"}` as a call of one of `names`, arguments re-serialised as JSON; None otherwise."""
-    if not isinstance(obj, dict) or obj.get("name") not in names:
-        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or obj["name"] not in names:
+        return None  # a name that is a list or an object is no name (a set's `in` would raise TypeError)
     arguments = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(arguments, str):  # some models write the arguments as a JSON string
         try:
@@ -170,7 +169,20 @@ def as_call(obj: Any, names: set[str]) -> Call | None:
             return None
     if not isinstance(arguments, dict):
         return None
-    return Call(obj["name"], json.dumps(arguments, ensure_ascii=False))
+    return Call(obj["name"], json_text(arguments))
+
+
+def json_text(obj: Any) -> str:
+    """`obj` as JSON, non-ASCII characters as they are, except where its strings hold a lone UTF-16 surrogate (a
+    model's or a client's `"\\ud800"` escape, which `json.loads` takes): then all escaped, as no UTF-8 encoder takes
+    such a character (a response body that cannot be encoded was a 500; a prompt holding one, a tokenizer's
+    TypeError)."""
+    text = json.dumps(obj, ensure_ascii=False)
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return json.dumps(obj)
+    return text
 
 
 def _skip_space(text: str, pos: int) -> int:
