@@ -3,20 +3,27 @@
 Three things come out of a request body:
 - `context_hash`: the system prompt(s), tools and every parameter that shapes the output (max_tokens,
   stop, response_format...). It is part of the scope, so neither layer ever matches across it.
-- `exact_key`: a hash of the whole conversation as sent (every turn, not only the last). Two requests with
-  the same exact key in the same scope are the same question.
-- `semantic_key`: what the semantic layer compares. The earlier turns (the history) must match exactly,
-  through `history_hash`, which selects the faiss partition; the last user turn is embedded and compared
-  by meaning. A follow-up such as "and in Celsius?" means something only in its history, and embeddings
-  do not see small edits in long histories, so the history is never matched approximately.
+- `exact_key`: a hash of every message as sent, in order, with every field of each (role, name, content, tool
+  calls...): system and developer messages where they were sent (a tier renders them there), content parts as a
+  list of parts (a remote tier gets the parts, not a joined text). Two requests with the same exact key in the
+  same scope are the same question.
+- `semantic_key`: what the semantic layer compares. The rest of the conversation (the history: every message
+  but the last user turn, and every field of that turn but its content) must match exactly, through
+  `history_hash`, which selects the faiss partition; the last user turn's text is embedded and compared by
+  meaning. A follow-up such as "and in Celsius?" means something only in its history, and embeddings do not
+  see small edits in long histories, so the history is never matched approximately.
 
-Every hash reads the texts as sent (`sent_text`): the only change is CRLF line ends to LF. Unicode
-compatibility forms and whitespace carry meaning ("2³" is not "23", "10²" not "102", an indented `print(x)` runs
-in its loop and an unindented one after it; a raw completion's trailing space changes its continuation), so a
-request that differs in them is another question to the exact layer. Only the embedding of the last user turn
-reads a normalized text (`embedding_text`), so that width and spacing variants still land near each other; the
-near-miss guards then read both turns as sent (cache/guards.py). `KEY_VERSION` is in every hash: entries stored
-under an older way of keying are unreachable (a miss), never served to a request they did not answer.
+Every hash reads the messages exactly as sent, line ends included: a tier gets the bytes as sent, and a raw
+completion's CRLF line ends or trailing space change its continuation. Unicode compatibility forms and whitespace
+carry meaning too ("2³" is not "23", "10²" not "102", an indented `print(x)` runs in its loop and an unindented one
+after it), so a request that differs in them is another question to the exact layer. Only the embedding of the
+last user turn reads a normalized text (`embedding_text`), so that width and spacing variants still land near each
+other; the near-miss guards then read both turns as sent (cache/guards.py). The semantic layer compares only a
+last user turn whose content is one text that every tier reads alike (`compared_text`): a string, or a single
+text part. A turn of several parts (our engine joins them with "", a remote tier gets the parts and may join them
+otherwise) and a raw completion's prompt (continued character for character; the embedding and the guards fold
+whitespace) are matched exactly only. `KEY_VERSION` is in every hash: entries stored under an older way of keying
+are unreachable (a miss), never served to a request they did not answer.
 
 `decide()` says whether a request may be looked up and stored, with the reason, e.g. `bypass: temperature>0`.
 """
@@ -35,9 +42,13 @@ from cache.guards import MAX_CHARS
 from wire.chat_request import SYSTEM_ROLES
 
 # In every hash below. Bump it whenever what a hash reads changes: every scope id, exact key and partition changes
-# with it, so no entry keyed the old way is ever found by a request keyed the new way. "k2": the texts as sent
-# (k1, unversioned, hashed NFKC with collapsed whitespace and served "Is 23 prime?" the answer to "Is 2³ prime?").
-KEY_VERSION = "k2"
+# with it, so no entry keyed the old way is ever found by a request keyed the new way. "k3": every message in
+# order with all its fields (k2 left out where system messages sat and the last user turn's name, so the answer for
+# alice, or to a conversation whose system message came later, was served to bob or to the reordered one), content
+# parts as parts (k2 joined them with "\n": ["Is 12", "3 prime?"] had the key of "Is 12\n3 prime?"), line ends as
+# sent (k2 made CRLF LF). "k2": the texts as sent (k1, unversioned, hashed NFKC with collapsed whitespace and served
+# "Is 23 prime?" the answer to "Is 2³ prime?").
+KEY_VERSION = "k3"
 
 # Request fields that change what the model answers (besides messages and sampling); part of the scope.
 OUTPUT_PARAMS = ("max_tokens", "max_completion_tokens", "stop", "response_format", "logit_bias", "logprobs",
@@ -46,16 +57,7 @@ OUTPUT_PARAMS = ("max_tokens", "max_completion_tokens", "stop", "response_format
                  "prompt_format")  # "raw": a text completion's prompt (gateway/pipeline/text_completion.py)
 
 _WS = re.compile(r"\s+")
-
-
-def sent_text(text: str) -> str:
-    """A text as the client sent it, CRLF line ends made LF: what the keys hash and the guards read.
-
-    Nothing else is changed. NFKC would make "2³" "23"; collapsing whitespace would make an indented line an
-    unindented one; even stripping the ends is not safe (a raw prompt's trailing space or newline changes its
-    continuation, a leading indent belongs to a pasted block), and a repeat sent byte for byte hits either way.
-    """
-    return text.replace("\r\n", "\n") if "\r" in text else text
+_LAST_USER = "<last-user>"  # in the history hash, where the last user turn's content was
 
 
 def normalize_text(text: str) -> str:
@@ -66,52 +68,53 @@ def normalize_text(text: str) -> str:
 
 def embedding_text(last_user_text: str) -> str:
     """What the semantic layer embeds for a last user turn (as sent): NFKC with collapsed whitespace, so width,
-    ligature and spacing variants of one question embed alike. The near-miss guards, not the embedding, tell
-    apart what this folds together. Empty (never embedded, matched exactly only) when the turn is longer than
-    the guards read: a candidate found for it could only be refused."""
+    ligature, spacing and line-end variants of one question embed alike. The near-miss guards, not the embedding,
+    tell apart what this folds together. Empty (never embedded, matched exactly only) when the turn is longer
+    than the guards read: a candidate found for it could only be refused."""
     return normalize_text(last_user_text) if len(last_user_text) <= MAX_CHARS else ""
 
 
-def content_text(content: Any) -> str:
-    """The text of a message's content as sent: a string, or OpenAI content parts (text parts; others by
-    reference)."""
-    if content is None:
+def compared_text(request: Mapping[str, Any], message: Mapping[str, Any]) -> str:
+    """The text of the last user turn `message` as the semantic layer compares it (as sent): its content when
+    that is a string or one text part, which every tier reads as that text. Empty, matched exactly only, for
+    content of several parts (no one joined text is what every tier reads) or of no text, and for a raw
+    completion's prompt (continued as sent: a line end or a trailing space the embedding and guards fold changes
+    the continuation)."""
+    if request.get("prompt_format") == "raw":
         return ""
+    content = message.get("content")
     if isinstance(content, str):
-        return sent_text(content)
-    if isinstance(content, list):
-        parts: list[str] = []
-        for part in content:
-            if isinstance(part, Mapping) and part.get("type") == "text":
-                parts.append(sent_text(str(part.get("text", ""))))
-            else:  # images, audio, files: their exact reference is part of the question
-                parts.append("\x00" + json.dumps(part, sort_keys=True, separators=(",", ":")))
-        return "\n".join(parts)
-    return sent_text(str(content))
+        return content
+    if isinstance(content, list) and len(content) == 1 and isinstance(content[0], Mapping) \
+            and content[0].get("type") == "text" and isinstance(content[0].get("text"), str):
+        return content[0]["text"]
+    return ""
 
 
 def _digest(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str).encode()).hexdigest()
 
 
+def _fields(message: Mapping[str, Any]) -> dict[str, Any]:
+    """Every field of a message as sent but its content (role, name, tool calls...); a null is not set."""
+    return {k: v for k, v in message.items() if k != "content" and v is not None}
+
+
 def _turn(message: Mapping[str, Any]) -> list[Any]:
-    return [message.get("role"), message.get("name"), content_text(message.get("content")),
-            message.get("tool_calls"), message.get("tool_call_id")]
+    """A message as the keys hash it: its fields, and its content as sent (a string, or the list of parts)."""
+    return [_fields(message), message.get("content")]
 
 
-def _split(request: Mapping[str, Any]) -> tuple[list[Mapping[str, Any]], list[Mapping[str, Any]]]:
-    """(system/developer messages, the conversation) in order."""
-    messages = request.get("messages") or []
-    system = [m for m in messages if m.get("role") in SYSTEM_ROLES]
-    conversation = [m for m in messages if m.get("role") not in SYSTEM_ROLES]
-    return system, conversation
+def _messages(request: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    return list(request.get("messages") or [])
 
 
 def context_hash(request: Mapping[str, Any]) -> str:
-    """Hash of the system prompt(s), tools and output-shaping parameters: what besides the turns shapes the answer."""
-    system, _ = _split(request)
+    """Hash of the system prompt(s), tools and output-shaping parameters: what besides the turns shapes the answer.
+    (Where each system message sits is in the exact key and the history hash, with every other message.)"""
+    system = [_turn(m) for m in _messages(request) if m.get("role") in SYSTEM_ROLES]
     params = {k: request[k] for k in OUTPUT_PARAMS if request.get(k) is not None}
-    return _digest([KEY_VERSION, [_turn(m) for m in system], request.get("tools") or [], params])[:32]
+    return _digest([KEY_VERSION, system, request.get("tools") or [], params])[:32]
 
 
 def sampling_class(request: Mapping[str, Any]) -> str:
@@ -130,9 +133,9 @@ def sampling_class(request: Mapping[str, Any]) -> str:
 class RequestKey:
     """The scope-independent keys of one request."""
 
-    exact_key: str  # hash of every turn as sent
-    history_hash: str  # hash of every turn before the last user turn (and after it, if any)
-    last_user_text: str  # the last user turn as sent (`sent_text`): read by the guards; embedded normalized
+    exact_key: str  # hash of every message as sent, in order
+    history_hash: str  # hash of every message but the last user turn's compared content
+    last_user_text: str  # the last user turn's text as sent (`compared_text`): read by the guards; embedded normalized
 
     @property
     def embedding_text(self) -> str:
@@ -141,15 +144,20 @@ class RequestKey:
 
 
 def request_key(request: Mapping[str, Any]) -> RequestKey:
-    """The exact key, the history hash and the last user turn of a chat request."""
-    _, conversation = _split(request)
-    turns = [_turn(m) for m in conversation]
-    last_user = max((i for i, m in enumerate(conversation) if m.get("role") == "user"), default=None)
+    """The exact key, the history hash and the last user turn's compared text of a chat request."""
+    messages = _messages(request)
+    turns = [_turn(m) for m in messages]
     exact = _digest([KEY_VERSION, turns])[:32]
-    if last_user is None:
+    last_user = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=None)
+    if last_user is None or not (text := compared_text(request, messages[last_user])):
+        # nothing compared by meaning: the history is the whole conversation
         return RequestKey(exact, _digest([KEY_VERSION, "history", turns])[:32], "")
-    history = [*turns[:last_user], ["<last-user>"], *turns[last_user + 1:]]
-    return RequestKey(exact, _digest([KEY_VERSION, "history", history])[:32], turns[last_user][2])
+    # the turn's every field but its content, and its content's form (a string or one text part: either can be
+    # what a tier tells apart); three items, so never the same as a message's [fields, content]
+    form = "string" if isinstance(messages[last_user].get("content"), str) else "one text part"
+    marked = [_fields(messages[last_user]), form, _LAST_USER]
+    history = [*turns[:last_user], marked, *turns[last_user + 1:]]
+    return RequestKey(exact, _digest([KEY_VERSION, "history", history])[:32], text)
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,8 +198,7 @@ def decide(request: Mapping[str, Any], headers: Mapping[str, str] | None = None,
     impure = sorted({str((t.get("function") or {}).get("name", t.get("type"))) for t in tools} - set(pure_tools))
     if impure and request.get("tool_choice") != "none":
         return Cacheability(False, False, f"bypass: tools with side effects ({', '.join(impure)})")
-    _, conversation = _split(request)
-    if not any(m.get("role") == "user" for m in conversation):
+    if not any(m.get("role") == "user" for m in _messages(request)):
         return Cacheability(False, False, "bypass: no user turn")
     directives = cache_control(headers)
     lookup, store = "no-cache" not in directives, "no-store" not in directives

@@ -7,9 +7,9 @@ from cache.request_key import context_hash, sampling_class
 from tests.cache.conftest import chat
 
 
-def test_exact_key_is_the_text_as_sent_but_line_ends() -> None:
+def test_exact_key_is_the_text_as_sent_line_ends_included() -> None:
     a = request_key(chat("What is 2+2?\r\n"))
-    assert a.exact_key == request_key(chat("What is 2+2?\n")).exact_key  # CRLF is LF
+    assert a.exact_key != request_key(chat("What is 2+2?\n")).exact_key  # the tier gets CRLF
     assert a.exact_key != request_key(chat("What is 2+2?")).exact_key  # whitespace is kept: test_sent_text.py
     assert a.exact_key != request_key(chat("What is  2+2?\n")).exact_key
     assert a.exact_key != request_key(chat("what is 2+2?\n")).exact_key
@@ -25,15 +25,20 @@ def test_exact_key_covers_every_turn_not_only_the_last() -> None:
     assert a.history_hash != b.history_hash
 
 
-def test_text_parts_equal_plain_content() -> None:
+def test_one_text_part_is_compared_as_its_text_but_keyed_as_a_part() -> None:
     parts = chat("x")
     parts["messages"][-1]["content"] = [{"type": "text", "text": "Hello there"}]
-    assert request_key(parts).exact_key == request_key(chat("Hello there")).exact_key
+    key, plain = request_key(parts), request_key(chat("Hello there"))
+    assert key.last_user_text == plain.last_user_text == "Hello there"  # every tier reads one part as its text
+    # a remote tier gets the part, not the string: another request, and another partition of the semantic layer
+    assert key.exact_key != plain.exact_key and key.history_hash != plain.history_hash
 
 
-def test_system_prompt_and_output_params_go_to_context_not_exact_key() -> None:
-    assert request_key(chat("q", system="A")).exact_key == request_key(chat("q", system="B")).exact_key
+def test_system_prompt_goes_to_context_and_exact_key_output_params_to_context() -> None:
+    # the scope tells system prompts apart; the exact key has every message where it was sent (F1)
+    assert request_key(chat("q", system="A")).exact_key != request_key(chat("q", system="B")).exact_key
     assert context_hash(chat("q", system="A")) != context_hash(chat("q", system="B"))
+    assert request_key(chat("q", max_tokens=3)).exact_key == request_key(chat("q")).exact_key
     assert context_hash(chat("q")) != context_hash(chat("q", max_tokens=3))
 
 
