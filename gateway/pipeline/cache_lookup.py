@@ -11,6 +11,18 @@ leaving the loop, then the store in a worker thread), and the embedding, when th
 batched with every other request's (`cache.batcher`). `save` runs in the settlement, before the client gets
 the end of its answer: it makes the answer an exact hit at once, and leaves embedding and writing it (with the
 lookup's vector, not a second embedding) to a background task.
+
+Only a whole answer is kept (`storable`): not empty, ended by the model (`stop`), or cut at the output cap the client
+asked for (`length` under its own max_tokens, which is in the key). An answer the upstream ended otherwise (aborted,
+filtered, no finish reason) is partial, and one cut at a cap the client did not ask for (the gateway's
+`default_max_tokens`, or the room the tier's context left) is not the answer to the request as keyed: the cap is not
+in the key, and another gateway (or this one after a restart) may send another. A whole answer does not depend on a
+cap it stopped under, so that cap need not be in the key.
+
+A plan's cascade checks `auto`'s answers (gateway/pipeline/cascade.py): such a request is looked up among the
+answers its check accepted (`accepted_by=cascade:...` in the scope, `cascade_acceptance`), never among the cheap
+tier's other answers (a request naming the tier, a stream nothing judged), and its answer is kept there only when the
+check ran and accepted it (`CacheLookup.accepted`, set by the cascade).
 """
 
 from __future__ import annotations
@@ -19,7 +31,7 @@ import asyncio
 import logging
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from cache import (
@@ -39,8 +51,10 @@ from gateway.ladder.apply import Degradation, shaped_answer
 from gateway.pipeline.context import RequestContext
 from gateway.pipeline.meter import Outcome
 from gateway.tenants.store import TenantStore
+from quotas.plans import RoutingPlan
 from tiers.catalogue import TierSpec
 from tiers.fleet import Fleet
+from tiers.routing import AUTO
 from wire.chat_request import ChatCompletionRequest
 
 log = logging.getLogger("tiergate.cache")
@@ -48,6 +62,18 @@ DATA_VERSION_HEADER = "x-tiergate-data-version"
 # what the header may hold: it is kept in every entry stored under it, so a tenant must not choose its size (60 KB a
 # header made each cached entry 240 KB on disk)
 DATA_VERSION_PATTERN = re.compile(r"[A-Za-z0-9._:-]{1,64}")
+
+
+def cascade_acceptance(routing: RoutingPlan, floor: float | None) -> str:
+    """What the cascade's check of an answer is, at `floor`: its plain checks' fixed threshold and the floor of
+    its calibrated one. Answers accepted by one check are not served where another decides."""
+    return f"cascade:min_mean_logprob={routing.cascade_min_mean_logprob!r}:floor={floor!r}"
+
+
+def storable(outcome: Outcome, client_cap: int | None) -> bool:
+    """A whole answer: not empty, ended by the model, or cut at the output cap the client asked for."""
+    return bool(outcome.text.strip()) and (
+        outcome.finish_reason == "stop" or (outcome.finish_reason == "length" and client_cap is not None))
 
 
 def check_data_version(headers: Mapping[str, str]) -> None:
@@ -67,6 +93,9 @@ class CacheLookup:
     body: Mapping[str, Any]  # the request as the cache keyed it
     headers: Mapping[str, str]
     applied: tuple[str, ...]  # the ladder's actions that changed the lookup
+    client_cap: int | None = None  # the output cap the request asked for (max_tokens), None: the gateway's
+    accepted_by: str | None = None  # the cascade check its answer must pass to be kept (`cascade_acceptance`)
+    accepted: bool = False  # the cascade's check ran on the answer and accepted it as `accepted_by` says
 
     @property
     def hit(self) -> Hit | None:
@@ -93,24 +122,30 @@ class CacheStage:
         if self.cache is None:
             return CacheLookup(Bypass("bypass: the cache is off"), None, None, body, ctx.headers, ())
         policy, applied = self._policy(ctx, degr)
+        accepted_by = _cascaded(ctx, req)
         scope = self._scope(ctx, req, tier, body)
+        if accepted_by is not None:  # apart from the tier's answers that no check accepted
+            scope = replace(scope, context_hash=f"{scope.context_hash}|accepted_by={accepted_by}")
         try:
             result = await self.cache.alookup(scope, body, headers=ctx.headers, policy=policy)
         except (CacheStoreError, EmbedderError) as exc:
             log.warning("cache lookup failed, served as a miss: %s", exc)
             result = Miss(f"cache unavailable: {exc}")
-        return CacheLookup(result, scope, policy, body, ctx.headers, applied)
+        return CacheLookup(result, scope, policy, body, ctx.headers, applied, req.output_cap, accepted_by)
 
     def save(self, lookup: CacheLookup, outcome: Outcome, applied: tuple[str, ...]) -> None:
         """Keep a fresh answer: a repeat of the request is an exact hit from now on (read your own writes),
         and the write to the store follows in the background (the client is not kept waiting for it).
 
         An answer the ladder shaped (a trimmed context, a capped output) is not what the request asked for,
-        so it is never stored: a later request at normal service must not get it.
+        so it is never stored: a later request at normal service must not get it. Nor is an answer that is not
+        whole (`storable`), or a cascaded `auto` answer its check did not accept.
         """
         if self.cache is None or lookup.scope is None or not isinstance(lookup.result, Miss):
             return
         if shaped_answer(applied) or outcome.tool_calls:  # the store keeps text: a tool call would lose its calls
+            return
+        if not storable(outcome, lookup.client_cap) or (lookup.accepted_by is not None and not lookup.accepted):
             return
         if lookup.policy is not None and lookup.result.near is not None:  # a near miss's label, for the bound
             self.cache.label(lookup.result, lookup.policy, outcome.text)
@@ -167,3 +202,14 @@ class CacheStage:
             await self.cache.apersist(entry)  # type: ignore[union-attr]
         except (CacheStoreError, EmbedderError) as exc:
             log.warning("cache store failed: %s", exc)
+
+
+def _cascaded(ctx: RequestContext, req: ChatCompletionRequest) -> str | None:
+    """The check a plan's cascade will run on this request's answer (`cascade_acceptance`), or None where none will:
+    `auto` under a plan that cascades, and a stream only where the plan holds streams for the cascade (as
+    gateway/pipeline/handle.py's `_cascades`). The floor is the plan's own: an answer checked at a floor a low
+    budget relaxed is not kept (cascade.py), and one accepted at the plan's floor keeps a relaxed one too."""
+    routing = ctx.plan.routing
+    if not routing.cascade or req.model != AUTO or (req.stream and not routing.cascade_streams):
+        return None
+    return cascade_acceptance(routing, routing.floor_for(None)[0])

@@ -27,6 +27,10 @@ plan's `cascade_streams`, and only with a look-ahead in the artifact, the stream
 the look-ahead has judged: a kept stream then sends what was held and goes on live (its head's route reason
 carries the verdict), a failed one is cut and the dearer tier's answer streams instead. The plain checks of
 the whole answer cannot retry a stream (it has been sent). Without a look-ahead a stream is not checked.
+
+The cache: a cascaded `auto` request was looked up among the answers the check accepted (cache_lookup.py's
+`accepted_by`), and its first answer is kept there only when the check ran and accepted it (`_accepted`): a stream
+only when the look-ahead judged it and the plain checks pass on the whole. The second attempt's answer is not kept.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from typing import Any, Protocol
 from cache import Bypass
 from gateway.errors import TiergateError
 from gateway.pipeline.attempt import Attempt, Prepared
-from gateway.pipeline.cache_lookup import CacheLookup
+from gateway.pipeline.cache_lookup import CacheLookup, cascade_acceptance
 from gateway.pipeline.context import RequestContext
 from gateway.pipeline.events import Event, Head
 from gateway.pipeline.idempotency import Keep
@@ -121,7 +125,7 @@ async def cascade(pipeline: Pipeline, ctx: RequestContext, prepared: Prepared) -
     async def judge(attempt: Attempt, outcome: Outcome) -> Attempt:
         nonlocal step
         if step is None:
-            step = (Step(replace(attempt, extra_reason=(early,)) if early else attempt, None) if stream
+            step = (Step(_streamed(ctx, attempt, outcome, early), None) if stream
                     else await _judge(pipeline, ctx, prepared, attempt, outcome, check, early))
         return step.attempt
 
@@ -129,6 +133,7 @@ async def cascade(pipeline: Pipeline, ctx: RequestContext, prepared: Prepared) -
     try:
         lookahead = check.reading is not None and check.reading.lookahead is not None
         if stream and not lookahead:  # a stream can be judged only before any of it is sent: by a look-ahead
+            # (unjudged, its answer is not kept for `auto`: its lookup was never `accepted`)
             async for event in pipeline.answer(ctx, prepared):
                 yield event
             return
@@ -188,8 +193,32 @@ async def _judge(pipeline: Pipeline, ctx: RequestContext, prepared: Prepared, at
     if verdict is None:
         verdict, note = (None, early) if early is not None else _confidence(attempt, outcome, check)
         if verdict is None:
-            return Step(replace(attempt, extra_reason=(note,)) if note else attempt, None)
+            return Step(_accepted(ctx, replace(attempt, extra_reason=(note,)) if note else attempt), None)
     return await _escalate(pipeline, ctx, prepared, attempt, verdict)
+
+
+def _streamed(ctx: RequestContext, attempt: Attempt, outcome: Outcome, early: str | None) -> Attempt:
+    """A streamed first answer at its end, sent whole (never retried): the look-ahead's note on its route reason
+    (`early`, None when it did not judge), and kept in the cache only when the look-ahead judged it and the plain
+    checks pass on the whole answer."""
+    if early is None:
+        return attempt
+    noted = replace(attempt, extra_reason=(early,)) if early else attempt
+    fixed = ctx.plan.routing.cascade_min_mean_logprob
+    if check_answer(outcome.text, finish_reason=outcome.finish_reason, cap_by_context=attempt.cap_by_context,
+                    mean_logprob=outcome.mean_logprob, min_mean_logprob=fixed) is not None:
+        return noted
+    return _accepted(ctx, noted)
+
+
+def _accepted(ctx: RequestContext, attempt: Attempt) -> Attempt:
+    """The attempt whose answer the check accepted: its lookup marked so, and so kept, where the check that ran is
+    the one its scope names (at a floor a low budget relaxed it is not)."""
+    lookup = attempt.lookup
+    if lookup.accepted_by is None or lookup.accepted_by != cascade_acceptance(ctx.plan.routing,
+                                                                              attempt.route.route.floor):
+        return attempt
+    return replace(attempt, lookup=replace(lookup, accepted=True))
 
 
 async def _escalate(pipeline: Pipeline, ctx: RequestContext, prepared: Prepared, attempt: Attempt,
