@@ -6,12 +6,19 @@ embedder reads 256 word pieces and the near-miss guards read `guards.MAX_CHARS` 
 paste, or a 20,000-digit "number" sent to make the guards' work explode) is served by an exact hit or not at
 all. It is never embedded, so the embedder and the guards only ever see texts this short, whatever a tenant
 sends.
+
+The memo is kept per owner (the tenant): a recent vector skips the batcher's wait and the forward pass, so a memo
+shared by every tenant would let one time its own misses and learn which questions another asked lately. Each
+owner's memo is an LRU of its own (MEMO_PER_OWNER); the owners are an LRU of MEMO_OWNERS whole memos, so a tenant's
+flood of texts evicts only its own vectors (only as many other active tenants as MEMO_OWNERS drop a tenant's memo).
+A caller that names no owner gets no memo at all: a forward pass every time, never a vector another left.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Hashable
 
 import numpy as np
 
@@ -20,7 +27,37 @@ from cache.batcher import Announcement, EmbeddingBatcher
 from cache.embedder import Embedder
 
 SEMANTIC_MAX_CHARS = guards.MAX_CHARS  # the longest last user turn matched by meaning
-MEMO_SIZE = 1024  # recent turns whose vectors are kept (a lookup's, then its store's)
+MEMO_PER_OWNER = 64  # recent turns whose vectors are kept for one owner (a lookup's, then its store's)
+MEMO_OWNERS = 128  # owners with a memo at once (the least recently active one's is dropped for a new one)
+
+
+class OwnerMemo:
+    """Recent vectors by (owner, text): one LRU per owner, owners in LRU order. Not thread-safe (TurnVectors
+    locks)."""
+
+    def __init__(self, per_owner: int = MEMO_PER_OWNER, owners: int = MEMO_OWNERS) -> None:
+        self.per_owner, self.owners = per_owner, owners
+        self._memos: OrderedDict[Hashable, OrderedDict[str, np.ndarray]] = OrderedDict()
+
+    def get(self, owner: Hashable, text: str) -> np.ndarray | None:
+        memo = self._memos.get(owner)
+        vector = memo.get(text) if memo is not None else None
+        if vector is not None:
+            memo.move_to_end(text)
+            self._memos.move_to_end(owner)
+        return vector
+
+    def put(self, owner: Hashable, text: str, vector: np.ndarray) -> None:
+        memo = self._memos.get(owner)
+        if memo is None:
+            memo = self._memos[owner] = OrderedDict()
+            while len(self._memos) > self.owners:
+                self._memos.popitem(last=False)
+        self._memos.move_to_end(owner)
+        memo[text] = vector
+        memo.move_to_end(text)
+        while len(memo) > self.per_owner:
+            memo.popitem(last=False)
 
 
 class TurnVectors:
@@ -29,7 +66,7 @@ class TurnVectors:
     def __init__(self, embedder: Embedder, *, max_batch: int = 32, max_wait_s: float = 0.003) -> None:
         self.embedder = embedder
         self.batcher = EmbeddingBatcher(self.encode_many, max_batch=max_batch, max_wait_s=max_wait_s)
-        self._memo: OrderedDict[str, np.ndarray] = OrderedDict()
+        self._memo = OwnerMemo()
         self._lock = threading.Lock()
 
     def embeddable(self, text: str) -> bool:
@@ -40,40 +77,48 @@ class TurnVectors:
         limit = self.embedder.max_tokens
         return len(text) < limit - 2 or self.embedder.num_tokens(text) <= limit
 
-    def recent(self, text: str) -> np.ndarray | None:
+    def recent(self, text: str, owner: Hashable = None) -> np.ndarray | None:
+        """`owner`'s recent vector of `text` (None for no owner: nothing is shared between callers)."""
+        if owner is None:
+            return None
         with self._lock:
-            vector = self._memo.get(text)
-            if vector is not None:
-                self._memo.move_to_end(text)
-            return vector
+            return self._memo.get(owner, text)
+
+    def _remember(self, text: str, owner: Hashable, vector: np.ndarray | None) -> None:
+        if owner is not None and vector is not None:
+            with self._lock:
+                self._memo.put(owner, text, vector)
 
     def encode_many(self, texts: list[str]) -> list[np.ndarray | None]:
-        """One forward pass for every text not embedded recently; runs in the caller's thread (the batcher's
-        worker, or a synchronous caller's)."""
-        out: list[np.ndarray | None] = [self.recent(t) for t in texts]
-        todo = [i for i, (t, v) in enumerate(zip(texts, out, strict=True)) if v is None and self.embeddable(t)]
+        """One forward pass for the embeddable texts (None for the others); runs in the caller's thread (the
+        batcher's worker, or a synchronous caller's). No memo here: the batcher's texts have many owners."""
+        out: list[np.ndarray | None] = [None] * len(texts)
+        todo = [i for i, t in enumerate(texts) if self.embeddable(t)]
         if todo:
-            vectors = self.embedder.encode([texts[i] for i in todo])
-            with self._lock:
-                for i, vector in zip(todo, vectors, strict=True):
-                    out[i] = self._memo[texts[i]] = vector
-                while len(self._memo) > MEMO_SIZE:
-                    self._memo.popitem(last=False)
+            for i, vector in zip(todo, self.embedder.encode([texts[i] for i in todo]), strict=True):
+                out[i] = vector
         return out
 
-    def get(self, text: str) -> np.ndarray | None:
-        """Synchronously, in the caller's thread."""
-        return self.encode_many([text])[0]
+    def get(self, text: str, *, owner: Hashable = None) -> np.ndarray | None:
+        """Synchronously, in the caller's thread: `owner`'s recent vector, else a forward pass."""
+        if (vector := self.recent(text, owner)) is not None:
+            return vector
+        vector = self.encode_many([text])[0]
+        self._remember(text, owner, vector)
+        return vector
 
-    async def aget(self, text: str, coming: Announcement | None = None, *, owner: str | None = None,
+    async def aget(self, text: str, coming: Announcement | None = None, *, owner: Hashable = None,
                    ) -> np.ndarray | None:
-        """On the event loop: a recent vector at once, else through the batcher (`coming`: this lookup's
-        announcement, closed once its text is queued; `owner`: the tenant, whose texts take turns with others')."""
-        if (vector := self.recent(text)) is not None:
+        """On the event loop: `owner`'s recent vector at once, else through the batcher (`coming`: this lookup's
+        announcement, closed once its text is queued; `owner`: the tenant, whose texts take turns with others' and
+        whose memo alone is read and filled)."""
+        if (vector := self.recent(text, owner)) is not None:
             return vector
         if not text or len(text) > SEMANTIC_MAX_CHARS:
             return None
-        return await self.batcher.embed(text, coming, owner=owner)
+        vector = await self.batcher.embed(text, coming, owner=owner)
+        self._remember(text, owner, vector)
+        return vector
 
     def close(self) -> None:
         self.batcher.close()
