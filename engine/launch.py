@@ -13,6 +13,7 @@ from assets import offline_hub
 from assets.model_source import prepare_model
 from assets.parent_watch import ENGINE_INSTANCE_ENV, exit_when_orphaned
 from engine.llm_engine import LLMEngine
+from engine.weight_digest import weights_digest
 
 # 0.3: int8 on CPU runs fbgemm with per-token activations; 0.4: oneDNN linear layers and fused layer steps
 # (the same sums in another order: a near-tie can now pick the other token); 0.5: bf16 on CPU keeps fp32
@@ -29,6 +30,10 @@ INT8_SCHEME = "rows-onto-0-1"
 # sizes its dispatch slots with the same rule (tiers/supervisor.py; tests/tiers/test_engine_capacity.py).
 TYPICAL_REQUEST_TOKENS = 1024
 MAX_NUM_SEQS_CAP = 256
+# the files of a model directory besides its weights whose contents change answers (config.json is required)
+ANSWER_FILES = ("config.json", "generation_config.json", "chat_template.jinja", "chat_template.json",
+                "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                "tokenizer.model", "vocab.json", "merges.txt", "model.safetensors.index.json")
 log = logging.getLogger("tiergate.engine")
 
 
@@ -55,14 +60,24 @@ class DraftModel:
 
 def model_version(model_dir: Path, *, dtype: str, quantize: str | None, kv_cache_dtype: str = "auto",
                   draft: str | None = None) -> str:
-    """A fingerprint of the weights (config and weight files' names and sizes), precision and engine.
+    """A fingerprint of everything the answers depend on: the weights' contents, the files that turn messages into
+    tokens and back (ANSWER_FILES: config, chat template, tokenizer, generation defaults), precision and engine.
+
+    The weights count by content (engine/weight_digest.py): names and sizes alone stay the same when a student is
+    re-distilled or a fine-tune is copied over the model in place, and the old answers would stay reachable. Their
+    sha256 is recorded beside them once and reused while each file's size, mtime, ctime and inode are unchanged,
+    so a start hashes gigabytes only when the weights changed (a full hash, not a sample of blocks: a fine-tune
+    may change only a few tensors). The small files are hashed whole at every start.
 
     `draft` (DraftModel.describe) counts too: greedy answers are the same with or without it, but a seeded sampled
     answer draws its random numbers in another order."""
     h = hashlib.sha256()
-    h.update((model_dir / "config.json").read_bytes())
-    for f in sorted(model_dir.glob("*.safetensors")):
-        h.update(f"{f.name}:{f.stat().st_size}".encode())
+    for name in ANSWER_FILES:
+        if (path := model_dir / name).is_file():
+            data = path.read_bytes()
+            h.update(f"{name}:{len(data)}:".encode())
+            h.update(data)
+    h.update(f"weights={weights_digest(model_dir)}|".encode())
     h.update(f"{dtype}|{quantize}|{ENGINE_VERSION}".encode())
     if quantize == "int8":
         h.update(f"|{INT8_SCHEME}".encode())
