@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import os
 from collections.abc import Callable, Sequence
@@ -240,11 +241,10 @@ class Fleet:
         return self.version_replicas.get((tier.name, tier.version_name or ""), self.replicas[tier.name])
 
     def model_version(self, tier: TierSpec) -> str:
-        """What the tier's answers depend on: its engines' fingerprint, or its declared model for remote ones; for
-        a tier with versions, also the version's name, so no two versions share a cache scope."""
+        """What the tier's answers depend on: its engines' fingerprint, or what it declares (`declared_version`) for
+        remote ones; for a tier with versions, also the version's name, so no two versions share a cache scope."""
         versions = sorted({r.model_version for r in self.replicas_of(tier) if r.model_version})
-        declared = f"{tier.backend}:{tier.model}:{tier.quantize or 'none'}:{tier.dtype}"
-        found = "|".join(versions) if versions else declared
+        found = "|".join(versions) if versions else declared_version(tier)
         return found if tier.version_name is None else f"{found}@{tier.version_name}"
 
     def max_kv_utilisation(self) -> float:
@@ -328,6 +328,19 @@ class Fleet:
                 if rep.healthy or rep.status == "starting":
                     log.warning("remote tier %s replica %d is down: %s", rep.tier, rep.index, exc)
                 rep.mark("down", f"health check failed: {exc}")
+
+
+def declared_version(tier: TierSpec) -> str:
+    """A tier's model version before (or without) an engine's fingerprint: the model, precision and, for a remote
+    tier, which deployment answers: its name and its set of URLs (order and trailing slashes aside, hashed so that
+    no host or credential in a URL lands in cache records). A model name alone says little of what a remote server
+    runs: two tiers naming the same model may serve it from other weights or precisions, and must not share a
+    cache scope."""
+    declared = f"{tier.backend}:{tier.model}:{tier.quantize or 'none'}:{tier.dtype}"
+    if tier.backend != "openai":
+        return declared
+    urls = "\n".join(sorted({url.rstrip("/") for url in tier.urls}))
+    return f"{declared}:{tier.name}:{hashlib.sha256(urls.encode()).hexdigest()[:12]}"
 
 
 def public_reason(rep: Replica) -> str:

@@ -74,7 +74,8 @@ def test_each_version_has_its_own_replicas_and_model_version(tmp_path: Path) -> 
     assert fleet.pick("mid", version="v2")[0].url.startswith("http://b:")
     assert fleet.pick("mid")[0].url == "http://a:1"
     assert set(fleet.status()["mid"]["versions"]) == {"v1", "v2"}
-    assert fleet.model_version(catalogue().tiers["mid"]) == "openai:m1:none:auto"  # unchanged without versions
+    plain = fleet.model_version(catalogue().tiers["mid"])  # without versions: no version's name
+    assert plain.startswith("openai:m1:none:auto:mid:") and "@" not in plain
 
 
 # ---- versions of a local tier ----
