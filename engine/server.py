@@ -34,7 +34,11 @@ characters, 0.2-0.8 s of tokenizing each) was counted whole before its refusal, 
 26 s behind them in the tokenizing threads (0.1 s with the pieces). So is text
 that is not Unicode text (a lone UTF-16 surrogate, which a tool call's arguments can spell as a JSON escape: the
 tokenizer raised TypeError, a 500), and a conversation the model's chat template refuses (a template's
-`raise_exception`, e.g. roles that do not alternate) is a 400 naming `messages`.
+`raise_exception`, e.g. roles that do not alternate) is a 400 naming `messages`. A message's `name` is passed to
+the template; where the template does not write names into the prompt (SmolLM2's does not: found once, at start,
+by wire/tool_calls.py's `named_roles`), it is a 400 naming `messages.<i>.name`, code `unsupported_parameter`, before
+anything is rendered: the answer must not be the one an unnamed message gets (the gateway relays the refusal as the
+tenant's 400, billed nothing).
 
 Whatever else fails while an answer is framed (a bug, not the request) is a 500 in OpenAI's shape, or the stream's
 last event before `[DONE]`, never a connection cut mid-stream; either way the request's generation is aborted.
@@ -70,7 +74,7 @@ from wire.client_watch import CLIENT_CLOSED, ClientLeft, ClientWatch
 from wire.completion_request import DEFAULT_MAX_TOKENS as DEFAULT_TEXT_MAX_TOKENS
 from wire.completion_request import CompletionRequest
 from wire.errors import CACHE_SALT_HEADER, REQUEST_FAULT_CODES, error_body
-from wire.tool_calls import render_messages
+from wire.tool_calls import named_roles, render_messages, unrendered_name
 from wire.validation import BodyError, parse_body
 
 DEFAULT_MAX_TOKENS = 1024  # without max_tokens: up to this, or what the context has left
@@ -153,6 +157,9 @@ def create_engine_app(engine: LLMEngine, *, model_name: str, model_version: str)
     registry.register(EngineMetrics(engine, model_name))
     instance = os.environ.get(ENGINE_INSTANCE_ENV)
     max_prompt_chars = max_prompt_chars_for(tokenizer, engine.max_model_len)
+    # the roles whose `name` the chat template writes into the prompt (a name it would leave out is refused)
+    names_written = named_roles(lambda turns: tokenizer.apply_chat_template(turns, add_generation_prompt=True,
+                                                                            tokenize=False))
 
     def checked_ids(text: str, param: str, *, add_special_tokens: bool) -> list[int]:
         """Tokenize (in a worker thread): refuses text that cannot fit before tokenizing it."""
@@ -180,6 +187,11 @@ def create_engine_app(engine: LLMEngine, *, model_name: str, model_version: str)
 
     def prompt_ids(req: ChatCompletionRequest) -> list[int]:
         """The conversation (tools, calls and results as text) rendered with the model's chat template, tokenized."""
+        if (i := unrendered_name(req, names_written)) is not None:
+            raise EngineInputError(
+                f"messages.{i}.name: this model's chat template does not write a {req.messages[i].role} message's "
+                "name into the prompt, so the model could not tell who sent it; remove it (or put the name in the "
+                "content)", param=f"messages.{i}.name", code="unsupported_parameter")
         try:
             text = tokenizer.apply_chat_template(render_messages(req), add_generation_prompt=True, tokenize=False)
         except TemplateError as exc:  # the template's own refusal of this conversation (its `raise_exception`)

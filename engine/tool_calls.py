@@ -10,6 +10,10 @@ The prompt side is wire/tool_calls.py (the functions rendered into the system me
   arguments). A constrained answer streams its arguments as the tokens arrive; a free one streams its text until
   a `<tool_call>` opening, and holds the rest until the answer ends, when it is parsed into calls.
   `finish_reason` is "tool_calls" when an answer that ended by itself made calls.
+- `parallel_tool_calls: false`: at most one call per answer, whole or streamed, free or constrained. A free answer
+  ends at its first call (wire/tool_calls.py's `parse_answer`: what the model wrote after it is dropped, as at
+  OpenAI a call ends the turn), and its finish_reason is "tool_calls" even when max_tokens cut the text after the
+  call; a constrained answer's grammar allows one call already (`call_schema`), and anything past it is not read.
 
 The answer is model output, and the tenant steers it (a model told to echo writes what it is told), so parsing it
 holds whatever it says (wire/tool_calls.py): a block whose "name" is a list or an object is text, not a TypeError (a
@@ -70,13 +74,15 @@ class ToolAnswer:
     def __init__(self, req: ChatCompletionRequest) -> None:
         self.names = {t.function.name for t in offered_tools(req.tools, req.tool_choice)}
         self.constrained = call_schema(req) is not None
+        self.parallel = req.parallel_tool_calls is not False  # OpenAI's default: several calls allowed
         self._text: list[str] = []
         self._ids: list[str] = []  # streamed calls' ids, in order
         # free answers: text not yet sent (a possible start of `<tool_call>`), and whether a block has begun
         self._pending = ""
         self._holding = False
-        # constrained answers: where the scan is ("between" calls, in a call's "header", in its "args"), or
-        # "lost" when the text is not the expected shape (the calls are then sent whole at the end)
+        # constrained answers: where the scan is ("between" calls, in a call's "header", in its "args", "done" after
+        # the one call `parallel_tool_calls: false` allows), or "lost" when the text is not the expected shape (the
+        # calls are then sent whole at the end)
         self._state = "between"
         self._header = ""
         self._depth = 0
@@ -93,14 +99,14 @@ class ToolAnswer:
                                                                   str | None]:
         """(content, tool_calls, finish_reason) of the whole answer `text`."""
         if self.constrained:
-            calls = parse_constrained(text, self.names)
+            calls = parse_constrained(text, self.names, parallel=self.parallel)
             if calls is None:  # cut short: the JSON as far as it went
                 return text, None, finish_reason
             return None, [c.openai() for c in calls], _finish(finish_reason, calls)
-        content, calls = parse_answer(text, self.names)
+        content, calls = parse_answer(text, self.names, parallel=self.parallel)
         if not calls:
             return text, None, finish_reason
-        return content or None, [c.openai() for c in calls], _finish(finish_reason, calls)
+        return content or None, [c.openai() for c in calls], self._free_finish(finish_reason, calls)
 
     def feed(self, text: str) -> list[dict[str, Any]]:
         """The stream deltas for the next piece of the answer (none while text is held)."""
@@ -111,7 +117,7 @@ class ToolAnswer:
         """The deltas still due when the answer ends, and its finish reason."""
         text = "".join(self._text)
         if self.constrained:
-            calls = parse_constrained(text, self.names)
+            calls = parse_constrained(text, self.names, parallel=self.parallel)
             if self._state == "lost" and not self._ids:  # nothing streamed yet: the calls whole, or the text
                 if calls is None:
                     return [{"content": text}], finish_reason
@@ -120,12 +126,19 @@ class ToolAnswer:
         if not self._holding:
             return ([{"content": self._pending}] if self._pending else []), finish_reason
         held = self._pending  # from the first `<tool_call>` on
-        content, calls = parse_answer(held, self.names)
+        content, calls = parse_answer(held, self.names, parallel=self.parallel)
         if not calls:
             return [{"content": held}], finish_reason
         deltas = [{"content": content}] if content else []
         deltas += [d for i, c in enumerate(calls) for d in _call_deltas(i, c)]
-        return deltas, _finish(finish_reason, calls)
+        return deltas, self._free_finish(finish_reason, calls)
+
+    def _free_finish(self, reason: str | None, calls: list[Call]) -> str | None:
+        """A free answer's finish reason: one that ends at its only call (`parallel_tool_calls: false`) ended there,
+        whatever stopped the text after it."""
+        if calls and not self.parallel and reason == "length":
+            return "tool_calls"
+        return _finish(reason, calls)
 
     def completion(self, *, text: str, finish_reason: str | None, **fields: Any) -> dict[str, Any]:
         """The whole chat completion (wire/responses.py's `completion`) of the answer `text`."""
@@ -173,6 +186,8 @@ class ToolAnswer:
                 args.clear()
 
         for ch in text:
+            if self._state == "done":  # the one call allowed has closed (`parallel_tool_calls: false`)
+                break
             if self._state == "between":
                 if ch == "{":
                     self._state, self._header = "header", ch
@@ -202,7 +217,7 @@ class ToolAnswer:
                 elif ch in "}]":
                     if self._depth == 0:  # the brace that closes the call
                         flush()
-                        self._state = "between"
+                        self._state = "between" if self.parallel else "done"
                         continue
                     self._depth -= 1
                 args.append(ch)

@@ -14,7 +14,10 @@ OpenAI's request fields, one by one (`OPENAI_FIELDS` lists them; a test sends ea
   json_object, json_schema: wire/response_format.py; our engines enforce it by grammar-constrained decoding, remote
   tiers get it as it was sent); tools, tool_choice, parallel_tool_calls, and assistant `tool_calls` and `tool`
   messages (wire/tools.py: our engines render them into the prompt and parse the answer back into tool calls,
-  wire/tool_calls.py; remote tiers get them as they were sent).
+  at most one call per answer under `parallel_tool_calls: false`, wire/tool_calls.py; remote tiers get them as they
+  were sent); a message's `name` (our engines hand it to the model's chat template, and refuse it, 400 naming
+  `messages.<i>.name`, where that template does not write names into the prompt, as SmolLM2's does not; remote
+  tiers get it as it was sent).
 - honoured for the one value we serve: n (1), presence_penalty and frequency_penalty (0: no penalty is applied),
   stream_options.include_obfuscation (false: stream events are not padded), store (false: nothing is stored for
   later retrieval), service_tier (auto or default: a tenant's priority and tiers come from its plan),
@@ -115,6 +118,8 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | Annotated[list[TextPart], Field(max_length=MAX_CONTENT_PARTS, fail_fast=True)] | None = None
+    # the participant's name: honoured where the model's chat template writes it, refused by name where not
+    # (wire/tool_calls.py's `unrendered_name`, checked by our engines)
     name: Annotated[str, Field(max_length=256)] | None = None
     tool_calls: ToolCalls | None = None  # an assistant message's calls
     tool_call_id: ToolCallId | None = None  # a tool message: the call it answers

@@ -9,14 +9,25 @@ The syntax is Hermes's (Qwen's templates use it too):
   `<tool_response>…</tool_response>` in a user turn (consecutive results share one turn), since the template
   knows no `tool` role.
 
+A message's `name` (OpenAI: a participant's name, so the model can tell participants of one role apart) goes into
+its turn as the turn's `name`, where a chat template that knows names writes it. Many do not (SmolLM2's writes role
+and content only): `named_roles` finds, once per template, the roles whose names it writes into the prompt, by
+rendering a conversation with a marker name on each, and the engine refuses (400, param `messages.<i>.name`, code
+`unsupported_parameter`) any name its template would not write, rather than serve a prompt in which alice and
+mallory read the same (`unrendered_name`). A tool result's name is never written: its turn is a user turn of
+results, where a name would read as a user's. An empty name names nobody and is taken as unset.
+
 Answers come back two ways:
 - free (`tool_choice` "auto"): `parse_answer` takes every well-formed block whose name is an offered function;
-  a block that does not parse stays in the content, as text;
+  a block that does not parse stays in the content, as text. With `parallel_tool_calls: false` it takes the first
+  call only and ends the answer there: at OpenAI a call ends the assistant's turn and, parallel calls off, a turn
+  holds at most one, so what the model wrote after its first call is no part of the answer (kept as content, it
+  would hand the client a second call's syntax as prose);
 - constrained ("required", a named function): `call_schema` is the JSON Schema the engine's grammar enforces,
   `{"name": <one of the functions>, "arguments": <its parameters>}`, and `parse_constrained` reads it. One call:
   `parallel_tool_calls` allows several calls, it does not ask for them, and a small model given a list keeps
   adding calls until max_tokens cuts the JSON (measured on SmolLM2-135M: a list of two functions' calls ran to 80
-  tokens; one call closes in about 20). Free answers may make several.
+  tokens; one call closes in about 20). Free answers may make several, unless `parallel_tool_calls` is false.
 
 Parsing reads model output, which the request's max_tokens bounds; it is linear in it besides, since at most
 MAX_BLOCKS_TRIED openings are tried.
@@ -26,6 +37,7 @@ from __future__ import annotations
 
 import json
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,10 +95,40 @@ def render_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
 
 
 def turn(m: ChatMessage) -> dict[str, str]:
-    """One message as one template turn: a tool result as a user turn, an assistant's calls as blocks."""
+    """One message as one template turn: a tool result as a user turn, an assistant's calls as blocks, a
+    participant's `name` as the turn's (written where the template knows names; refused where not:
+    `unrendered_name`)."""
     if m.role == "tool":
         return {"role": "user", "content": f"<tool_response>\n{m.text()}\n</tool_response>"}
-    return {"role": normalized_role(m.role), "content": _text_with_calls(m)}
+    rendered = {"role": normalized_role(m.role), "content": _text_with_calls(m)}
+    if m.name:
+        rendered["name"] = m.name
+    return rendered
+
+
+NAME_PROBE = "tiergate-name-probe-"  # + the role: a marker name no template writes unless it writes names
+_PROBED_ROLES = ("system", "user", "assistant", "user")
+
+
+def named_roles(render: Callable[[list[dict[str, str]]], str]) -> frozenset[str]:
+    """The roles (as templates know them) whose `name` the chat template `render` writes into the prompt: a
+    conversation of each role with a marker name, rendered once; a template that refuses it writes none."""
+    probe = [{"role": r, "content": "Hello.", "name": NAME_PROBE + r} for r in _PROBED_ROLES]
+    try:
+        text = render(probe)
+    except Exception:  # whatever a template raises, it wrote no name
+        return frozenset()
+    return frozenset(r for r in _PROBED_ROLES if NAME_PROBE + r in text)
+
+
+def unrendered_name(req: ChatCompletionRequest, roles: frozenset[str]) -> int | None:
+    """The index of the first message whose `name` a template writing names for `roles` only (`named_roles`) would
+    leave out of the prompt, or None: a refusal names it rather than answer as if it had not been sent. A tool
+    result's name is always left out (`turn`): "tool" is no role `named_roles` finds."""
+    for i, m in enumerate(req.messages):
+        if m.name and normalized_role(m.role) not in roles:
+            return i
+    return None
 
 
 def preamble(req: ChatCompletionRequest) -> str:
@@ -96,12 +138,12 @@ def preamble(req: ChatCompletionRequest) -> str:
 
 
 def with_preamble(turns: list[dict[str, str]], text: str) -> list[dict[str, str]]:
-    """`turns` with `text` at the end of the system message (a new one first when there is none)."""
+    """`turns` with `text` at the end of the system message (a new one first when there is none; its name kept)."""
     if not text:
         return turns
     if turns and turns[0]["role"] == "system":
         first = turns[0]["content"]
-        return [{"role": "system", "content": f"{first}\n\n{text}" if first else text}, *turns[1:]]
+        return [{**turns[0], "content": f"{first}\n\n{text}" if first else text}, *turns[1:]]
     return [{"role": "system", "content": text}, *turns]
 
 
@@ -118,9 +160,10 @@ def _text_with_calls(m: ChatMessage) -> str:
     return "\n".join([m.text(), *blocks]) if m.text() else "\n".join(blocks)
 
 
-def parse_answer(text: str, names: set[str]) -> tuple[str, list[Call]]:
+def parse_answer(text: str, names: set[str], *, parallel: bool = True) -> tuple[str, list[Call]]:
     """(content, calls) of a free answer: each `<tool_call>` block holding `{"name": <one of names>, "arguments":
-    <object>}` becomes a call; the text around them, and any block that is not one, is the content."""
+    <object>}` becomes a call; the text around them, and any block that is not one, is the content. Without
+    `parallel` (`parallel_tool_calls: false`) the answer ends at its first call: the text after it is dropped."""
     calls: list[Call] = []
     kept: list[str] = []
     at = 0  # text before `at` is consumed
@@ -137,6 +180,8 @@ def parse_answer(text: str, names: set[str]) -> tuple[str, list[Call]]:
         kept.append(text[at:start])
         calls.append(call)
         at = search = end
+        if not parallel:
+            return "".join(kept).strip(), calls
     kept.append(text[at:])
     return "".join(kept).strip(), calls
 
@@ -209,12 +254,12 @@ def strict_calls(req: ChatCompletionRequest) -> bool:
     return any(t.function.strict for t in offered_tools(req.tools, req.tool_choice))
 
 
-def parse_constrained(text: str, names: set[str]) -> list[Call] | None:
-    """The calls of a constrained answer (one call; a list of them is read too), or None when it is not complete
-    JSON (cut by max_tokens)."""
+def parse_constrained(text: str, names: set[str], *, parallel: bool = True) -> list[Call] | None:
+    """The calls of a constrained answer (one call, as `call_schema` has it; a list of them is read too, its first
+    only without `parallel`), or None when it is not complete JSON (cut by max_tokens)."""
     try:
         obj = json.loads(text)
     except (ValueError, RecursionError):
         return None
     calls = [as_call(o, names) for o in (obj if isinstance(obj, list) else [obj])]
-    return [c for c in calls if c is not None] or None
+    return [c for c in calls if c is not None][:None if parallel else 1] or None

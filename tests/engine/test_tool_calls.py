@@ -137,6 +137,90 @@ async def test_the_engine_streams_a_call_whose_last_piece_ends_the_answer() -> N
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
 
+# ---- parallel_tool_calls: false (at most one call per answer) ----
+
+TWO_CALLS = ('Checking. <tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>\nAnd then '
+             '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
+             ' done')
+
+
+def test_a_free_answer_without_parallel_calls_ends_at_its_first_call() -> None:
+    """OpenAI's `parallel_tool_calls: false`: one call at most; a call ends the turn, so the text after it (a second
+    call's block, prose) is no part of the answer: neither a call nor content. Whole and streamed, cut anywhere."""
+    assert len(ToolAnswer(request()).whole(TWO_CALLS, "stop")[1] or []) == 2  # allowed by default
+    assert len(ToolAnswer(request(parallel_tool_calls=True)).whole(TWO_CALLS, "stop")[1] or []) == 2
+    single = request(parallel_tool_calls=False)
+    content, calls, finish = ToolAnswer(single).whole(TWO_CALLS, "stop")
+    assert content == "Checking." and finish == "tool_calls" and calls is not None
+    assert [c["function"] for c in calls] == [{"name": "add", "arguments": '{"a": 1, "b": 2}'}]
+    for step in (1, 5, len(TWO_CALLS)):
+        deltas, finish = stream(ToolAnswer(single), TWO_CALLS, list(range(step, len(TWO_CALLS), step)))
+        assert "".join(d.get("content", "") for d in deltas).strip() == "Checking." and finish == "tool_calls"
+        assert {i: (c["name"], json.loads(c["arguments"])) for i, c in joined(deltas).items()} == {
+            0: ("add", {"a": 1, "b": 2})}
+    # max_tokens cut the text after the one call: the answer had ended there, with its call
+    cut = TWO_CALLS[:TWO_CALLS.index("And then") + 12]
+    assert ToolAnswer(single).whole(cut, "length")[2] == "tool_calls"
+    assert stream(ToolAnswer(single), cut, [7, 30], "length")[1] == "tool_calls"
+    assert ToolAnswer(request()).whole(cut, "length")[2] == "length"  # parallel calls: the answer was cut
+    # a block that is no call stays text, and the first real call after it is the one
+    broken = '<tool_call>{"name": "rm", "arguments": {}}</tool_call> ' + TWO_CALLS
+    content, calls, _ = ToolAnswer(single).whole(broken, "stop")
+    assert calls is not None and [c["function"]["name"] for c in calls] == ["add"]
+    assert content == '<tool_call>{"name": "rm", "arguments": {}}</tool_call> Checking.'
+
+
+def test_a_constrained_answer_without_parallel_calls_has_one_call() -> None:
+    """The grammar asks for one call object (`call_schema`); past it nothing is read, whole or streamed."""
+    text = '[{"name": "add", "arguments": {"a": 1, "b": 2}}, {"name": "get_weather", "arguments": {"city": "P"}}]'
+    single = request(tool_choice="required", parallel_tool_calls=False)
+    assert answer_format(single) == answer_format(request(tool_choice="required"))  # one object either way
+    content, calls, finish = ToolAnswer(single).whole(text, "stop")
+    assert content is None and finish == "tool_calls" and calls is not None
+    assert [c["function"]["name"] for c in calls] == ["add"]
+    for step in (1, 3, len(text)):
+        deltas, finish = stream(ToolAnswer(single), text, list(range(step, len(text), step)))
+        assert finish == "tool_calls" and list(joined(deltas)) == [0]
+        assert json.loads(joined(deltas)[0]["arguments"]) == {"a": 1, "b": 2}
+    lost = ToolAnswer(single)  # a shape the scan does not follow: the calls sent whole at the end, the first only
+    deltas, finish = stream(lost, "[" + " " * 200 + text[1:], [])
+    assert list(joined(deltas)) == [0] and finish == "tool_calls"
+
+
+def test_the_engine_answers_one_call_without_parallel_calls_over_http() -> None:
+    """The engine's server, a scripted model writing two calls: one call, whole and streamed."""
+    import httpx
+
+    from engine.llm_engine import LLMEngine
+    from engine.server import create_engine_app
+    from tests.engine.fakes import CharTokenizer, ScriptedRunner
+    from tests.stubs import ServerThread
+
+    compact = TWO_CALLS.replace("\n", "")
+    eng = LLMEngine(ScriptedRunner(reply=compact, max_model_len=2048, num_kv_blocks=128), CharTokenizer())
+    eng.start()
+    server = ServerThread(create_engine_app(eng, model_name="m", model_version="v")).start()
+    body = {"model": "m", "messages": USER, "tools": [WEATHER, ADD], "parallel_tool_calls": False, "max_tokens": 400}
+    try:
+        whole = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=30).json()["choices"][0]
+        with httpx.stream("POST", f"{server.url}/v1/chat/completions", json={**body, "stream": True},
+                          timeout=30) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines()
+                      if line.startswith("data: {")]
+        both = httpx.post(f"{server.url}/v1/chat/completions", json={**body, "parallel_tool_calls": True},
+                          timeout=30).json()["choices"][0]
+    finally:
+        server.stop()
+        eng.shutdown()
+    assert whole["finish_reason"] == "tool_calls" and whole["message"]["content"] == "Checking."
+    assert [c["function"]["name"] for c in whole["message"]["tool_calls"]] == ["add"]
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert list(joined(deltas)) == [0] and joined(deltas)[0]["name"] == "add"
+    assert "".join(d.get("content") or "" for d in deltas).strip() == "Checking."
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "tool_calls"
+    assert [c["function"]["name"] for c in both["message"]["tool_calls"]] == ["add", "get_weather"]
+
+
 # ---- the real model behind the engine's server ----
 
 
