@@ -68,15 +68,17 @@ class PromptStage:
 
     async def measure(self, req: ChatCompletionRequest, tier: TierSpec, degr: Degradation, *,
                       owner: Hashable = None) -> Prompt:
-        """The prompt as `tier` will read it; a long one is counted in `owner`'s turn (the tenant's)."""
+        """The prompt as `tier` will read it; a long one is counted in `owner`'s turn (the tenant's). Counts the
+        counter remembers are `owner`'s own (gateway/token_counter.py): never another tenant's."""
         counter = self._counter(tier)
         messages = [turn(m) for m in req.messages]
         tools = preamble(req)
         chars = sum(len(m["content"]) for m in messages) + len(tools)
         if chars <= INLINE_CHARS and degr.input_cap is None:
-            kept, applied, num_tokens = list(req.messages), (), counter.prompt_tokens(with_preamble(messages, tools))
+            rendered = with_preamble(messages, tools)
+            kept, applied, num_tokens = list(req.messages), (), counter.prompt_tokens(rendered, owner)
         else:
-            args = (counter, list(req.messages), messages, tier, degr.input_cap, tools)
+            args = (counter, list(req.messages), messages, tier, degr.input_cap, tools, owner)
             kept, applied, num_tokens = await self.threads.run(owner, _count_bounded, *args)
         room = tier.context_limit - num_tokens
         cap = req.output_cap or max(1, min(self.default_max_tokens, room))
@@ -85,7 +87,9 @@ class PromptStage:
         if action is not None:
             applied = (*applied, action)
         if num_tokens + capped > tier.context_limit:
-            raise _too_long(tier, f"{num_tokens} prompt tokens + {capped} output tokens")
+            # tokenized: about the prompt kept (counted once, or a prefix and then all of it: at most twice that)
+            tokenized = sum(len(m.text()) for m in kept) + len(tools)
+            raise _too_long(tier, f"{num_tokens} prompt tokens + {capped} output tokens", tokenized)
         return Prompt(tuple(kept), num_tokens, capped, by_context and capped == cap, applied)
 
     def warm(self, tiers: Iterable[TierSpec]) -> list[str]:
@@ -117,13 +121,14 @@ class PromptStage:
 
 
 def _count_bounded(counter: TokenCounter, originals: list[ChatMessage], messages: list[dict[str, Any]],
-                   tier: TierSpec, input_cap: int | None, tools: str = "") -> tuple[list[ChatMessage], tuple[str, ...],
-                                                                                   int]:
+                   tier: TierSpec, input_cap: int | None, tools: str = "", owner: Hashable = None
+                   ) -> tuple[list[ChatMessage], tuple[str, ...], int]:
     """(messages kept, actions applied, prompt tokens), reading at most what could fit (worker thread). `tools`:
-    the system-message text that offers the request's tools, counted with the system message."""
+    the system-message text that offers the request's tools, counted with the system message; `owner`: the tenant
+    whose remembered counts may be reused."""
     applied: tuple[str, ...] = ()
     if input_cap is not None:
-        keep = _trim(counter, messages, input_cap, tools)
+        keep = _trim(counter, messages, input_cap, tools, owner)
         if len(keep) < len(messages):
             applied = (f"cap_input_tokens({input_cap},dropped={len(messages) - len(keep)})",)
             originals = [originals[i] for i in keep]
@@ -131,15 +136,16 @@ def _count_bounded(counter: TokenCounter, originals: list[ChatMessage], messages
     limit = tier.context_limit
     chars = sum(len(m["content"]) for m in messages) + len(tools)
     if chars > limit * counter.max_token_chars:
-        raise _too_long(tier, f"{chars} characters, more than {limit} tokens can hold")
+        raise _too_long(tier, f"{chars} characters, more than {limit} tokens can hold", 0)  # read no further
     text = counter.render(with_preamble(messages, tools))
     prefix_chars = limit * PREFIX_CHARS_PER_TOKEN
     if len(text) > prefix_chars and counter.count(text[:prefix_chars]) > limit + PREFIX_MARGIN_TOKENS:
-        raise _too_long(tier, f"more than {limit} tokens in its first {prefix_chars} characters")
+        raise _too_long(tier, f"more than {limit} tokens in its first {prefix_chars} characters", prefix_chars)
     return originals, applied, counter.count(text)
 
 
-def _trim(counter: TokenCounter, messages: list[dict[str, Any]], cap: int, tools: str = "") -> list[int]:
+def _trim(counter: TokenCounter, messages: list[dict[str, Any]], cap: int, tools: str = "",
+          owner: Hashable = None) -> list[int]:
     """Indexes of the messages kept when the oldest turns (never a system message, never the last message)
     are dropped until the prompt has at most `cap` tokens, or nothing more may be dropped."""
     droppable = [i for i, m in enumerate(messages[:-1]) if m["role"] != "system"]
@@ -160,7 +166,7 @@ def _trim(counter: TokenCounter, messages: list[dict[str, Any]], cap: int, tools
     estimate = dict(zip(candidates, (n + counter.message_overhead(messages[i]["role"])
                                      for i, n in zip(candidates, counts, strict=True)), strict=True))
     kept = sorted(fixed + candidates)
-    total = counter.prompt_tokens(with_preamble([messages[i] for i in kept], tools))
+    total = counter.prompt_tokens(with_preamble([messages[i] for i in kept], tools), owner)
     dropped, recounts = 0, 0
     while total > cap and dropped < len(candidates):
         # drop by the estimate, then check exactly; an estimate that was short drops one turn more (and
@@ -172,10 +178,19 @@ def _trim(counter: TokenCounter, messages: list[dict[str, Any]], cap: int, tools
         if recounts >= MAX_RECOUNTS:
             dropped = len(candidates)
         kept = sorted(fixed + candidates[dropped:])
-        total = counter.prompt_tokens(with_preamble([messages[i] for i in kept], tools))
+        total = counter.prompt_tokens(with_preamble([messages[i] for i in kept], tools), owner)
     return kept
 
 
-def _too_long(tier: TierSpec, what: str) -> InvalidRequest:
-    return InvalidRequest(f"tier {tier.name!r} has a context of {tier.context_limit} tokens; the request needs "
-                          f"{what}", param="messages", code="context_length_exceeded")
+class ContextTooLong(InvalidRequest):
+    """`context_length_exceeded`, with the characters tokenized to know it (about): what the refusal cost, which the
+    gate charges to the tenant (gateway/pipeline/gate.py's `refused_size`)."""
+
+    def __init__(self, message: str, *, tokenized_chars: int) -> None:
+        super().__init__(message, param="messages", code="context_length_exceeded")
+        self.tokenized_chars = tokenized_chars
+
+
+def _too_long(tier: TierSpec, what: str, tokenized_chars: int) -> ContextTooLong:
+    return ContextTooLong(f"tier {tier.name!r} has a context of {tier.context_limit} tokens; the request needs "
+                          f"{what}", tokenized_chars=tokenized_chars)

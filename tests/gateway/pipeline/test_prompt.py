@@ -64,7 +64,8 @@ def test_the_input_cap_counts_a_bounded_number_of_times_however_long_the_convers
         counter: TokenCounter, monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[int] = []
     real = TokenCounter.prompt_tokens
-    monkeypatch.setattr(TokenCounter, "prompt_tokens", lambda self, ms: calls.append(len(ms)) or real(self, ms))
+    monkeypatch.setattr(TokenCounter, "prompt_tokens",
+                        lambda self, ms, owner=None: calls.append(len(ms)) or real(self, ms, owner))
     rng = random.Random(3)
     for n in (100, 2000):
         calls.clear()
