@@ -30,6 +30,15 @@ not buy that work for free, so before it:
   reach it (a thousand 1 KB bodies refused a second refill it). A refused request is charged its headers too
   (`refused_size`: a body of `{}` under 60 KB of headers cost the app more than its body), and a request the tier
   refuses as the tenant's fault (a 4xx of its validation the gateway relays) is charged as one the gateway refused.
+  So is every refusal of the request's own fault after its parse (gateway/pipeline/refusals.py's `tenants_fault`:
+  a model not found or not allowed, a prompt too long for the context, an idempotency conflict): those charged
+  nothing either and filled no request window (that is charged at reservation), and a tenant with an RPM of 3 had
+  40 bodies of 4 MiB parsed and refused in 0.6 s, and prompts of 331k spaces counted in full (163 ms of CPU each)
+  and refused, without end, while another tenant's p95 went from 15 to 168 ms. A prompt tokenized before it was
+  refused is charged TOKENIZED_CHAR_BYTES bytes a character tokenized besides its body (tokenizing a character costs
+  0.5-2 us, parsing a byte about 1 ns): a bucket refilling at 1 MiB/s then pays for about 65k characters of refused
+  counts a second (a few percent of a core), and 331k spaces empty most of it at once, while a client's occasional
+  prompt too long (its prefix of at most `context x 8` characters counted) costs it a few hundred kilobytes.
 
 A refusal here costs a dictionary lookup and charges nothing; it is the exact check's 429, headers and all
 (gateway/pipeline/limit_errors.py).
@@ -50,6 +59,7 @@ RATE_RECHECK_S = 1.0  # the longest a scope is refused here on the exact check's
 REMEMBERED_REASONS = frozenset({"rpm", "tpm", "budget_day", "budget_month"})  # not concurrency: it frees in moments
 REFUSED_BYTES_PER_S = 1 << 20  # refused bodies a tenant may send a second, on average (bytes)
 REFUSED_BYTES_BURST = 8 << 20  # and at once: two bodies at the size limit
+TOKENIZED_CHAR_BYTES = 16  # what a refused request is charged for each character of its prompt it had tokenized
 
 
 @dataclass(frozen=True)
@@ -94,9 +104,9 @@ class TenantGate:
         now = self._clock()
         if scopes and (left := self._bucket(scopes[0].name, now)) < 0:
             retry = max(1, math.ceil(-left / self.refused_bytes_per_s))
-            raise RateLimited(f"rate limit of {scopes[0].label} reached: too many request bodies refused as invalid; "
-                              f"fix them, and retry in {retry}s", code="rate_limit_invalid_requests",
-                              retry_after=retry)
+            raise RateLimited(f"rate limit of {scopes[0].label} reached: too many requests refused (invalid, too "
+                              f"long, or not allowed); fix them, and retry in {retry}s",
+                              code="rate_limit_invalid_requests", retry_after=retry)
         for scope in scopes:
             refused = self._rate_refused.get(scope.name)
             if refused is not None:
@@ -125,7 +135,8 @@ class TenantGate:
                 del self._rate_refused[name]
 
     def body_refused(self, tenant: str, size: int) -> None:
-        """The validation refused a body of `size` bytes from `tenant`: taken from its bucket."""
+        """A request of `tenant` was refused as its own fault, charged `size` bytes (`refused_size`): taken from
+        its bucket."""
         now = self._clock()
         self._refused[tenant] = (self._bucket(tenant, now) - size, now)
 
@@ -150,9 +161,11 @@ class TenantGate:
             self._in_flight.pop(name, None)
 
 
-def refused_size(body: bytes, headers: Mapping[str, str]) -> int:
-    """What a refused request is charged to its tenant's bucket: its body's bytes and its headers' (a line each)."""
-    return len(body) + sum(len(name) + len(value) + 4 for name, value in headers.items())
+def refused_size(body: bytes, headers: Mapping[str, str], tokenized_chars: int = 0) -> int:
+    """What a refused request is charged to its tenant's bucket: its body's bytes and its headers' (a line each), and
+    TOKENIZED_CHAR_BYTES for each character of its prompt tokenized before it was refused."""
+    return (len(body) + sum(len(name) + len(value) + 4 for name, value in headers.items())
+            + tokenized_chars * TOKENIZED_CHAR_BYTES)
 
 
 def scopes_of(tenant: str, key_id: str, plan_limits: Limits, key_limits: Limits | None) -> tuple[Scope, ...]:

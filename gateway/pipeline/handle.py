@@ -4,9 +4,10 @@
     → dispatch → call the tier → account → settle
 
 Each stage is a module of this package and returns a frozen result the next one takes. Nothing is charged
-before `reserve`; every refusal before it is counted once (`RefusalLog`). The prompt is counted before the cache
-is looked up, so a request that cannot fit is refused before a lookup embeds anything. From `reserve` on, an attempt
-settles exactly once, in the `finally` of `_answer`, whatever ends it: its answer, an upstream error, the
+before `reserve`; every refusal before it is counted once (`RefusalLog`), and one of the request's own fault is
+charged to the tenant's bucket of refused requests (gate.py), with the work it cost. The prompt is counted before
+the cache is looked up, so a request that cannot fit is refused before a lookup embeds anything. From `reserve` on,
+an attempt settles exactly once, in the `finally` of `_answer`, whatever ends it: its answer, an upstream error, the
 client leaving, or a bug. Streamed and non-streamed requests share every stage; the route only frames the
 events differently. A plan's cascade (cascade.py) wraps `auto` answers (streamed ones only with a look-ahead).
 """
@@ -20,7 +21,7 @@ from dataclasses import replace
 from decimal import Decimal
 from typing import Any
 
-from gateway.errors import InvalidRequest, Unavailable, client_error
+from gateway.errors import InvalidRequest, TiergateError, Unavailable, client_error
 from gateway.ladder.apply import NORMAL, Degradation
 from gateway.ladder.controller import LadderController
 from gateway.pipeline.attempt import Attempt, Prepared
@@ -33,7 +34,7 @@ from gateway.pipeline.events import Delta, Done, Event, Head
 from gateway.pipeline.gate import TenantGate, refused_size, scopes_of
 from gateway.pipeline.idempotency import IdempotencyStage, Keep, keep_when_written
 from gateway.pipeline.meter import Meter, Outcome, Reading
-from gateway.pipeline.prompt import Prompt, PromptStage
+from gateway.pipeline.prompt import ContextTooLong, Prompt, PromptStage
 from gateway.pipeline.refusals import RefusalLog
 from gateway.pipeline.reserve import ReserveStage, ratelimit_headers
 from gateway.pipeline.route import RouteDecision, RouteStage
@@ -78,17 +79,21 @@ class Pipeline:
         with self.refusals.counted(ctx):
             entry = self.gate.enter(scopes_of(ctx.tenant, ctx.key_id, ctx.plan.limits, ctx.principal.key.limits))
         keep: Keep | None = None
+
+        def charge(err: TiergateError) -> None:
+            """A refusal of the request's own fault (a body that does not parse, a model not allowed, a prompt too
+            long...): it cost the event loop its parse, and maybe a count, and charges nothing else, so the gate
+            charges it to the tenant's bucket of refused requests (gate.py): a flood of them is refused there."""
+            tokenized = err.tokenized_chars if isinstance(err, ContextTooLong) else 0
+            self.gate.body_refused(ctx.tenant, refused_size(body, ctx.headers, tokenized))
+
         try:
-            with self.refusals.counted(ctx):
+            with self.refusals.counted(ctx, charge):
                 if self.ready is not None and (why := self.ready()) is not None:
                     raise Unavailable(f"the gateway cannot take requests now: {why}", code="not_ready",
                                       retry_after=5)
                 check_data_version(ctx.headers)
-                try:
-                    req = (parse or parse_request)(body)
-                except InvalidRequest:  # its parse cost the event loop and charges nothing: the gate counts it
-                    self.gate.body_refused(ctx.tenant, refused_size(body, ctx.headers))
-                    raise
+                req = (parse or parse_request)(body)
                 begun = await self.idempotency.begin(ctx, req) if self.idempotency is not None else None
                 if isinstance(begun, Replay):
                     await self._count_replay(ctx)
@@ -97,7 +102,7 @@ class Pipeline:
                     yield event
                 return
             keep = Keep(begun) if begun is not None else None
-            with self.refusals.counted(ctx):
+            with self.refusals.counted(ctx, charge):
                 prepared = await self._prepare(ctx, req, keep)
             events = cascade(self, ctx, prepared) if _cascades(ctx, prepared) else self.answer(ctx, prepared)
             try:
@@ -107,7 +112,7 @@ class Pipeline:
                 # the tier refused the request as the tenant's fault (our engine's validation: a prompt too long):
                 # it cost what a refused parse costs and more, charged nothing, and counts as one
                 if isinstance(exc.__cause__, UpstreamRejected):
-                    self.gate.body_refused(ctx.tenant, refused_size(body, ctx.headers))
+                    charge(exc)
                 raise
         finally:
             if keep is not None and not keep.stored and self.idempotency is not None:  # a retry runs again

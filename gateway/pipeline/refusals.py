@@ -1,13 +1,18 @@
 """Refusals before a reservation: each counted once (metrics and the ledger's refusal counts), as the error
-the client gets. Whatever a check raises, the client sees it in OpenAI's shape (`client_error`)."""
+the client gets. Whatever a check raises, the client sees it in OpenAI's shape (`client_error`).
+
+A refusal that is the request's own fault (`tenants_fault`) is also charged to its tenant (`charge`: the gate's
+bucket of refused requests, gateway/pipeline/gate.py): it cost the gateway its parse and whatever was done before
+it was refused (routing, a prompt's count) and charges nothing else, so without it a tenant could have the gateway
+do that work for it without end."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from gateway.errors import client_error
+from gateway.errors import TiergateError, client_error
 from gateway.metrics import GatewayMetrics
 from gateway.pipeline.context import RequestContext
 from quotas.ledger import Ledger, Refusal
@@ -19,12 +24,15 @@ class RefusalLog:
         self.metrics = metrics
 
     @contextmanager
-    def counted(self, ctx: RequestContext) -> Iterator[None]:
-        """Count a refusal raised inside the block, and raise it as the client's error."""
+    def counted(self, ctx: RequestContext, charge: Callable[[TiergateError], None] | None = None) -> Iterator[None]:
+        """Count a refusal raised inside the block, and raise it as the client's error; `charge(err)` it first
+        when it is the tenant's fault."""
         try:
             yield
         except Exception as exc:
             err = client_error(exc)
+            if charge is not None and tenants_fault(err):
+                charge(err)
             reason = err.code or type(err).__name__
             self.metrics.refused(reason)
             self.ledger.submit_refusal(Refusal(ctx.request_id, time.time(), ctx.tenant, ctx.key_id, reason,
@@ -32,3 +40,9 @@ class RefusalLog:
             if err is exc:
                 raise
             raise err from exc
+
+
+def tenants_fault(err: TiergateError) -> bool:
+    """A refusal the request itself earned: any 4xx but a 401 (no tenant to charge) and a 429 (a limit's own
+    refusal, which its limit already counts)."""
+    return 400 <= err.status_code < 500 and err.status_code not in (401, 429)
