@@ -25,6 +25,16 @@ once; `bump_data_version` deletes the tenant's older entries, and `reclaim` (a l
 retired model version and expired ones (cache/stale_versions.py). Other processes' writes arrive through the
 store's change log (cache/change_feed.py). The synchronous `lookup` and `store` serve tests, benchmarks and
 tools; all calls are thread-safe.
+
+Locks: one tenant's writes must never stall another tenant's lookups. A lookup's faiss search takes no lock
+of this class, only its own partition's, briefly; a partition's rebuild (a quarter of it dead, or the switch
+to HNSW; seconds at 25k entries) runs in the index's builder thread with no lock a search takes
+(cache/index.py), so no write holds any lock through a rebuild. `self._lock` orders a write's store put,
+index update and pending-entry bookkeeping against purges and version bumps (a lookup takes it only to delete
+an expired entry or apply the change log, short writes like any other). The search needs no part of it: the
+store is the truth and the index only proposes candidates; a candidate the store no longer has is skipped, an
+entry removed from the index is never proposed once `remove` returns, and one added is proposed once `add`
+returns, which is before `_write` returns (read your own writes).
 """
 
 from __future__ import annotations
@@ -100,7 +110,8 @@ class SemanticCache:
         self.vectors = TurnVectors(embedder, max_batch=embed_batch, max_wait_s=embed_wait_s)
         self.batcher = self.vectors.batcher
         self._hnsw_from = hnsw_from
-        self._lock = threading.Lock()  # guards the index and the pending writes' fate
+        # Orders writes, deletions and the pending writes' fate (never taken by a lookup: the index locks itself).
+        self._lock = threading.Lock()
         self.pending = PendingWrites()  # answers remembered, not yet written: this process serves them
         self.recent = RecentEntries()  # answers written or found lately: exact hits without a store round trip
         self.bounds = TenantBounds()  # each tenant's learned semantic threshold (cache/error_bound.py)
@@ -125,7 +136,7 @@ class SemanticCache:
         found = self._exact(plan)
         if found is not None:
             return found
-        return self._semantic(plan, self.vectors.get(plan.key.embedding_text))
+        return self._semantic(plan, self.vectors.get(plan.key.embedding_text, owner=plan.scope.tenant))
 
     async def alookup(self, scope: CacheScope, request: Mapping[str, Any], *,
                       headers: Mapping[str, str] | None = None, policy: TenantPolicy | None = None) -> LookupResult:
@@ -178,9 +189,10 @@ class SemanticCache:
 
     def _semantic(self, plan: _Plan, vector: np.ndarray | None) -> LookupResult:
         if vector is None:
-            return self._miss("no entry (too long to match by meaning)", probe=plan.probe())
-        with self._lock:
-            candidates = self.index.search(plan.partition, vector, self.top_k)
+            # no text compared by meaning (request_key.compared_text: too long, several parts, a raw prompt)
+            reason = "no entry (too long to match by meaning)" if plan.key.last_user_text else "no entry"
+            return self._miss(reason, probe=plan.probe())
+        candidates = self.index.search(plan.partition, vector, self.top_k)  # not under self._lock: see the docstring
         if not candidates:
             return self._miss("no entry", probe=plan.probe(vector))
         policy = plan.policy
@@ -269,14 +281,14 @@ class SemanticCache:
     def persist(self, entry: Entry) -> Entry | None:
         """Embed a remembered entry (unless its lookup did) and write it; None if it was purged meanwhile."""
         if entry.embedding is None:
-            entry.embedding = self.vectors.get(embedding_text(entry.semantic_text))
+            entry.embedding = self.vectors.get(embedding_text(entry.semantic_text), owner=entry.tenant)
         return self._write(entry)
 
     async def apersist(self, entry: Entry) -> Entry | None:
         """`persist` for the event loop: the embedding batched with others', the write in a worker thread."""
         try:
             if entry.embedding is None:
-                entry.embedding = await self.vectors.aget(embedding_text(entry.semantic_text))
+                entry.embedding = await self.vectors.aget(embedding_text(entry.semantic_text), owner=entry.tenant)
             return await asyncio.to_thread(self._write, entry)
         finally:
             self.pending.forget(entry)

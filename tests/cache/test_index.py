@@ -40,6 +40,7 @@ def test_removed_entries_never_come_back_and_partition_rebuilds() -> None:
     idx.add("p", [f"e{i}" for i in range(20)], v)
     assert idx.remove([f"e{i}" for i in range(10)]) == 10  # more than a quarter dead -> rebuilt
     assert len(idx) == 10 and idx.partition_size("p") == 10
+    assert idx.idle(timeout=60) and len(idx._partitions["p"].entry_ids) == 10  # compacted
     for i in range(10):
         assert all(e != f"e{i}" for e, _ in idx.search("p", v[i], 10))
     assert idx.search("p", v[15], 1)[0][0] == "e15"
@@ -61,6 +62,7 @@ def test_large_partition_switches_to_hnsw_and_finds_duplicates() -> None:
     v = _unit(rng, 800)
     idx.add("p", [f"e{i}" for i in range(400)], v[:400])
     idx.add("p", [f"e{i}" for i in range(400, 800)], v[400:])
+    assert idx.idle(timeout=60)  # the switch is built in the background
     assert type(idx._partitions["p"].index).__name__ == "IndexHNSWFlat"
     found = sum(idx.search("p", v[i], 1)[0][0] == f"e{i}" for i in range(0, 800, 8))
     assert found >= 98  # of 100
