@@ -33,12 +33,19 @@ stream. What differs from chat:
   (a store configured smaller) is answered and not stored, as chat's: a retry runs again. They are packed in a
   counting thread (about 20 ms for the largest answer), before the request counts as answered: a client that leaves
   during the pack is `cancelled` as above, its answer not stored and its claim given up.
+- The answer's body is JSON bytes built in the counting threads, tenants in turn (`wire.embeddings.embedding_body`:
+  the bytes Litestar wrote for its dict before), in the same call as the pack: for 2,048 vectors about 16.6 MB and
+  100 ms of work, which on the event loop stalled every tenant's requests. A replay's is built the same way, its
+  vectors unpacked in the same call, so a tenant replaying a large answer over and over spends its own turns in those
+  threads, not the loop. A client that leaves while its body is built is `cancelled` as one that leaves during the
+  pack (a replay's: nothing is written; its place in the request rate stays taken).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Coroutine
@@ -69,7 +76,7 @@ from quotas.idempotency import Claim, Replay
 from quotas.ledger import Ledger, LedgerRow, Statement
 from quotas.reservations import QuotaService, Reservation
 from tiers.catalogue import EmbeddingSpec
-from wire.embeddings import EmbeddingRequest, embedding_list
+from wire.embeddings import EmbeddingRequest, embedding_body
 
 TIER = "embeddings"  # the ledger's `tier` for these rows
 ROUTE = "embeddings"  # what the route adds to an Idempotency-Key's fingerprint (chat's is "chat" or "completion")
@@ -104,6 +111,19 @@ def unpack_vectors(text: str, count: int) -> np.ndarray:
     return words.astype(">u4").view("<f4").reshape(count, -1)
 
 
+def answer_body(vectors: np.ndarray, *, model: str, prompt_tokens: int, encoding_format: str,
+                pack: bool) -> tuple[str | None, bytes]:
+    """In a counting thread: the vectors packed for their Idempotency-Key (`pack`; else None), and the answer's body."""
+    packed = pack_vectors(vectors) if pack else None
+    return packed, embedding_body(vectors, model=model, prompt_tokens=prompt_tokens, encoding_format=encoding_format)
+
+
+def replay_body(stored: dict[str, Any], encoding_format: str) -> bytes:
+    """In a counting thread: the body of a stored answer (`EmbeddingsService._answer`'s `stored`), as it was sent."""
+    return embedding_body(unpack_vectors(stored["vectors"], stored["count"]), model=stored["model"],
+                          prompt_tokens=stored["prompt_tokens"], encoding_format=encoding_format)
+
+
 class EmbeddingsService:
     def __init__(self, *, spec: EmbeddingSpec, embedder: Embedder, gate: TenantGate, reserve: ReserveStage,
                  refusals: RefusalLog, ledger: Ledger, quotas: QuotaService, metrics: GatewayMetrics,
@@ -123,10 +143,10 @@ class EmbeddingsService:
         self.batcher = EmbeddingBatcher(self._encode_many, max_batch=max_batch, max_wait_s=max_wait_s)
         self._background: set[asyncio.Task[None]] = set()
 
-    async def embed(self, ctx: RequestContext, body: bytes) -> tuple[dict[str, Any], dict[str, str]]:
-        """The answer to one embeddings request and its headers (OpenAI's `x-ratelimit-*`; the replay header for an
-        answer stored under its Idempotency-Key); raises a `TiergateError` (counted as a refusal before the
-        reservation, written to the ledger after it)."""
+    async def embed(self, ctx: RequestContext, body: bytes) -> tuple[bytes, dict[str, str]]:
+        """The answer to one embeddings request (its JSON body) and its headers (OpenAI's `x-ratelimit-*`; the replay
+        header for an answer stored under its Idempotency-Key); raises a `TiergateError` (counted as a refusal before
+        the reservation, written to the ledger after it)."""
         with self.refusals.counted(ctx):
             entry = self.gate.enter(scopes_of(ctx.tenant, ctx.key_id, ctx.plan.limits, ctx.principal.key.limits))
         keep: Keep | None = None
@@ -172,14 +192,13 @@ class EmbeddingsService:
         return await self.idempotency.begin(ctx, req, route=ROUTE)
 
     async def _replay(self, ctx: RequestContext, req: EmbeddingRequest,
-                      replay: Replay) -> tuple[dict[str, Any], dict[str, str]]:
+                      replay: Replay) -> tuple[bytes, dict[str, str]]:
         """The stored answer, as it was sent. A replay takes its place in the tenant's request rate as chat's does
-        (handle.py's `_count_replay`), at no tokens or money, and writes no row."""
+        (handle.py's `_count_replay`), at no tokens or money, and writes no row; its body is unpacked and built in a
+        counting thread, in the tenant's turn (cancelled, as `_build`'s)."""
         reservation = await self.reserve.reserve(ctx, ctx.request_id, tokens=0, price=Decimal(0))
         self._hand_off(self.quotas.settle(reservation, tokens=0, price=Decimal(0)))
-        stored = replay.answer
-        answer = embedding_list(unpack_vectors(stored["vectors"], stored["count"]), model=stored["model"],
-                                prompt_tokens=stored["prompt_tokens"], encoding_format=req.encoding_format)
+        answer = await self.counting.run(ctx.tenant, replay_body, replay.answer, req.encoding_format)
         return answer, {**ratelimit_headers(ctx.plan, reservation.decision), REPLAY_HEADER: "true"}
 
     def _refuse_if_degraded(self, ctx: RequestContext) -> None:
@@ -206,18 +225,22 @@ class EmbeddingsService:
         return list(self.embedder.encode(texts))
 
     async def _answer(self, ctx: RequestContext, req: EmbeddingRequest, counts: list[int], reservation: Reservation,
-                      keep: Keep | None) -> dict[str, Any]:
-        """Embed the texts, and settle once, whatever ends it: all of them (ok), an error (nothing billed: no vector
-        was sent and the failure is ours), or the client leaving (cancelled: billed for the texts embedded)."""
+                      keep: Keep | None) -> bytes:
+        """Embed the texts and build the answer's body, and settle once, whatever ends it: all of them (ok), an error
+        (nothing billed: no vector was sent and the failure is ours), or the client leaving (cancelled: billed for the
+        texts embedded)."""
         tokens = sum(counts)
         ready = [False] * len(counts)  # which texts have their vector
         status, http_status, error_code, stored = "cancelled", 499, None, None
         t0 = time.perf_counter()
+        wall_s: float | None = None  # the forward passes' (the compute cost's basis), the body's building not included
         try:
             vectors = await self._vectors(req.texts, ctx.tenant, ready)
-            if keep is not None:  # packed before the answer counts as ready: a client that leaves meanwhile is 499
-                stored = {"model": self.spec.model, "prompt_tokens": tokens, "count": len(vectors),
-                          "vectors": await self._pack(ctx.tenant, vectors)}
+            wall_s = time.perf_counter() - t0
+            # packed and built before the answer counts as ready: a client that leaves meanwhile is 499
+            packed, body = await self._build(ctx.tenant, vectors, tokens, req.encoding_format, pack=keep is not None)
+            if packed is not None:
+                stored = {"model": self.spec.model, "prompt_tokens": tokens, "count": len(vectors), "vectors": packed}
             status, http_status = "ok", 200
         except asyncio.CancelledError:
             raise
@@ -235,16 +258,20 @@ class EmbeddingsService:
             else:
                 used = 0
             await self._settle(ctx, reservation, used, status, http_status, error_code,
-                               time.perf_counter() - t0 if used else 0.0, wait=status != "cancelled",
+                               (time.perf_counter() - t0 if wall_s is None else wall_s) if used else 0.0,
+                               wait=status != "cancelled",
                                keep=keep, stored=stored)
-        return embedding_list(vectors, model=self.spec.model, prompt_tokens=tokens,
-                              encoding_format=req.encoding_format)
+        return body
 
-    async def _pack(self, tenant: str, vectors: np.ndarray) -> str:
-        """`pack_vectors` in one of the counting threads, tenants in turn: about 20 ms for 2,048 vectors, too long for
-        the event loop. Cancelled (the client left), a pack not yet begun never runs, and one under way ends in its
-        thread, its text unused: the answer is not stored and the claim is given up (`embed`'s `finally`)."""
-        return await self.counting.run(tenant, pack_vectors, vectors)
+    async def _build(self, tenant: str, vectors: np.ndarray, tokens: int, encoding_format: str, *,
+                     pack: bool) -> tuple[str | None, bytes]:
+        """`answer_body` in one of the counting threads, tenants in turn: for 2,048 vectors about 20 ms to pack them
+        and 100 ms to build the body, too long for the event loop. Cancelled (the client left), a call not yet begun
+        never runs, and one under way ends in its thread, its results unused: the answer is not stored and the claim
+        is given up (`embed`'s `finally`)."""
+        return await self.counting.run(tenant, functools.partial(answer_body, vectors, model=self.spec.model,
+                                                                 prompt_tokens=tokens,
+                                                                 encoding_format=encoding_format, pack=pack))
 
     async def _vectors(self, texts: list[str], tenant: str, ready: list[bool]) -> np.ndarray:
         """[N, 384]: the texts go to the batcher together (announced first, so their pass waits for all); its

@@ -7,13 +7,23 @@ integers) are refused by name: our model's tokenizer is not OpenAI's, so ids fro
 `dimensions` is accepted only as the model's own (`EMBEDDING_DIM`): MiniLM's vectors cannot be shortened
 without changing what they measure. `encoding_format` is `float` (the default) or `base64` (little-endian
 float32, what the OpenAI SDKs ask for and decode).
+
+The answer's JSON (`embedding_body`) is built a piece of rows at a time, in a worker thread: for 2,048 vectors it is
+about 16.6 MB and 100 ms of work that holds the GIL. One C call (a `tolist`, an encoder's) keeps it to its end, so a
+single whole-answer call would stall the event loop's thread as long as running there; and a thread that only runs
+gives it up when the loop's thread has waited a switch interval (5 ms) for it, so each of the loop's wake-ups waits
+that long, or more with two such threads (two threads building answers without a pause, 2 busy cores: a 1 ms sleep on
+the loop came p50 4.7 ms, p99 31 ms late). Between pieces the thread hands the GIL over (`time.sleep(0)`): the loop's
+thread waits about a piece (p50 0.4 ms, p99 2 ms late), for the same throughput.
 """
 
 from __future__ import annotations
 
 import base64
+import time
 from typing import Annotated, Any, ClassVar, Literal
 
+import msgspec
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
@@ -23,6 +33,7 @@ from wire.fields import UNSUPPORTED_VALUE, drop_nulls, nullable_optionals, only
 MAX_INPUTS = 2048
 MAX_INPUT_CHARS = 8192
 EMBEDDING_DIM = 384
+PIECE_ROWS = 16  # rows of an answer encoded in one call (about 100 KB of JSON floats, well under a ms)
 
 Text = Annotated[str, Field(min_length=1, max_length=MAX_INPUT_CHARS)]
 
@@ -68,9 +79,32 @@ class EmbeddingRequest(BaseModel):
 def embedding_list(vectors: np.ndarray, *, model: str, prompt_tokens: int, encoding_format: str,
                    **extra: Any) -> dict[str, Any]:
     """OpenAI's answer: one `embedding` object per row of `vectors` ([N, D] float32), in input order."""
-    rows = np.ascontiguousarray(vectors, dtype="<f4")
-    encode = (lambda row: base64.b64encode(row.tobytes()).decode()) if encoding_format == "base64" \
-        else (lambda row: row.tolist())
-    return {"object": "list", "data": [{"object": "embedding", "index": i, "embedding": encode(row)}
-                                       for i, row in enumerate(rows)],
+    return {"object": "list", "data": _items(np.ascontiguousarray(vectors, dtype="<f4"), 0, encoding_format),
             "model": model, "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}, **extra}
+
+
+def embedding_body(vectors: np.ndarray, *, model: str, prompt_tokens: int, encoding_format: str) -> bytes:
+    """`embedding_list`'s answer as JSON, byte for byte what msgspec's encoder (Litestar's) writes for it, encoded
+    `PIECE_ROWS` rows at a time (the module's docstring says why). CPU-heavy for a large answer: call it in a worker
+    thread."""
+    rows = np.ascontiguousarray(vectors, dtype="<f4")
+    shell = msgspec.json.encode(embedding_list(rows[:0], model=model, prompt_tokens=prompt_tokens,
+                                               encoding_format=encoding_format))
+    head, tail = shell.split(b'"data":[]', 1)  # the first: any other quote is escaped inside a string
+    pieces = [head, b'"data":[']
+    for start in range(0, len(rows), PIECE_ROWS):
+        if start:
+            pieces.append(b",")
+            time.sleep(0)  # the GIL handed over: a thread waiting for it (the event loop's) takes its turn now
+        pieces.append(msgspec.json.encode(_items(rows[start:start + PIECE_ROWS], start, encoding_format))[1:-1])
+    pieces += [b"]", tail]
+    return b"".join(pieces)
+
+
+def _items(rows: np.ndarray, first: int, encoding_format: str) -> list[dict[str, Any]]:
+    """The `embedding` objects of `rows` (little-endian float32), the first with index `first`."""
+    if encoding_format == "base64":
+        embeddings: list[Any] = [base64.b64encode(row.tobytes()).decode() for row in rows]
+    else:
+        embeddings = rows.tolist()
+    return [{"object": "embedding", "index": first + i, "embedding": e} for i, e in enumerate(embeddings)]

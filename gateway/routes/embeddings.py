@@ -7,6 +7,7 @@ from typing import Any
 
 from litestar import Request, Response, post
 from litestar.di import NamedDependency, Provide
+from litestar.enums import MediaType
 from litestar.openapi import ResponseSpec
 
 from gateway.auth import provide_tenant
@@ -39,4 +40,4 @@ async def create_embeddings(request: Request[Any, Any, Any], principal: NamedDep
         return Response(None, status_code=CLIENT_CLOSED)
     finally:
         watch.close()
-    return Response(answer, headers=headers)
+    return Response(answer, media_type=MediaType.JSON, headers=headers)  # its JSON, built off the event loop
