@@ -14,6 +14,14 @@ Every process that opens the same SQLite file (gateway workers, the CLI) writes 
 per-tenant counts and a change log (`changes_since`), which each process's faiss index follows, as with Redis.
 SQLite runs in WAL mode with `synchronous=NORMAL`: a crash may lose the last few cache writes, which only
 costs a later miss, never a wrong answer.
+
+Reads never wait for writes, so one tenant's stores (each a transaction that may evict) never stall another
+tenant's lookups: a file store writes through one connection under `_lock` and reads through a small pool of
+other connections, which WAL lets read the last committed state while a write transaction is open, in this
+process or another. A write is visible to every read that starts after its commit (read your own writes). A
+lookup's one write, `touch` (an LRU mark), does not wait either: while a write is in progress the mark is kept and
+written by the next write (a `put` writes the marks before it evicts by them). `:memory:` has one connection, so
+its reads still take `_lock`: tests and benchmarks only.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import sqlite3
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -187,11 +196,14 @@ COMMIT;
 _COLUMNS = ("entry_id, scope_id, tenant, data_version, model_version, exact_key, partition, semantic_text, "
             "response, usage, metadata, created_at, expires_at, last_used, embedding")
 MAX_CHANGES = 100_000  # change-log rows kept; a process further behind reloads its index (a 'reset')
+IDLE_READERS = 8  # read connections kept open between reads; more are opened while more threads read at once
+BUSY_TIMEOUT_MS = 5000  # how long a statement waits for another process's write lock
 
 
 class SQLiteStore(CacheStore):
     """Entries in one SQLite file (or `:memory:`), at most `max_entries` of them and `max_entries_per_tenant` of
-    one tenant's (None: no bound of its own), LRU-evicted. Thread-safe; several processes may share the file."""
+    one tenant's (None: no bound of its own), LRU-evicted. Thread-safe; several processes may share the file.
+    Writes go through one connection under `_lock`; reads (of a file) through idle read connections, without it."""
 
     def __init__(self, path: str | Path = ":memory:", *, max_entries: int = 100_000,
                  max_entries_per_tenant: int | None = None):
@@ -199,12 +211,20 @@ class SQLiteStore(CacheStore):
             raise ValueError("max_entries and max_entries_per_tenant must be at least 1")
         self.max_entries = max_entries
         self.max_entries_per_tenant = max_entries_per_tenant or max_entries
-        self._lock = threading.RLock()  # one connection, shared by threads
+        self._path = str(path)
+        self._memory = self._path == ":memory:"  # one connection: its reads take _lock too
+        self._lock = threading.RLock()  # the write connection, shared by threads
+        self._idle: list[sqlite3.Connection] = []  # read connections not in use (a file store's)
+        self._idle_lock = threading.Lock()
+        self._closed = False
+        self._marks: dict[str, float] = {}  # LRU marks not yet written (touched while a write was in progress)
+        self._marks_lock = threading.Lock()
         self._num_puts = 0
         try:
-            if str(path) != ":memory:":
+            if not self._memory:
                 Path(path).parent.mkdir(parents=True, exist_ok=True)
-            self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None, timeout=5.0)
+            self._db = sqlite3.connect(self._path, check_same_thread=False, isolation_level=None,
+                                       timeout=BUSY_TIMEOUT_MS / 1000)
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.executescript(_SCHEMA)
@@ -212,7 +232,9 @@ class SQLiteStore(CacheStore):
             raise CacheStoreError(f"cannot open cache store {path}: {exc}") from exc
 
     def __len__(self) -> int:
-        return int(self._one("SELECT n FROM entry_count") or 0)
+        return int(self._read_one("SELECT n FROM entry_count") or 0)
+
+    # -- the write connection (under _lock) -------------------------------------------------------------
 
     def _run(self, sql: str, args: Iterable[Any] = ()) -> sqlite3.Cursor:
         try:
@@ -226,6 +248,48 @@ class SQLiteStore(CacheStore):
             row = self._run(sql, args).fetchone()
         return row[0] if row else None
 
+    # -- reads (never under _lock, except :memory:'s) ---------------------------------------------------
+
+    @contextmanager
+    def _reading(self) -> Iterator[sqlite3.Connection]:
+        """A connection to read with: an idle read connection (or a new one), or `:memory:`'s only one."""
+        if self._memory:
+            with self._lock:
+                yield self._db
+            return
+        with self._idle_lock:
+            if self._closed:
+                raise CacheStoreError("cache store closed")
+            db = self._idle.pop() if self._idle else None
+        try:
+            if db is None:
+                db = sqlite3.connect(self._path, check_same_thread=False, isolation_level=None,
+                                     timeout=BUSY_TIMEOUT_MS / 1000)
+                db.execute("PRAGMA query_only=1")
+        except sqlite3.Error as exc:
+            raise CacheStoreError(f"cannot open cache store {self._path}: {exc}") from exc
+        try:
+            yield db
+        finally:
+            with self._idle_lock:
+                keep = not self._closed and len(self._idle) < IDLE_READERS
+                if keep:
+                    self._idle.append(db)
+            if not keep:
+                db.close()
+
+    def _read(self, sql: str, args: Iterable[Any] = ()) -> list[Any]:
+        """Every row of a query, read in one statement of its own: what was committed when it started."""
+        try:
+            with self._reading() as db:
+                return db.execute(sql, tuple(args)).fetchall()
+        except sqlite3.Error as exc:
+            raise CacheStoreError(str(exc)) from exc
+
+    def _read_one(self, sql: str, args: Iterable[Any] = ()) -> Any:
+        rows = self._read(sql, args)
+        return rows[0][0] if rows else None
+
     def put(self, entry: Entry) -> list[str]:
         """Insert `entry` (replacing one with the same scope and exact key). Returns the ids it displaced:
         the replaced entry, and those evicted to stay within the tenant's bound and the store's."""
@@ -236,6 +300,7 @@ class SQLiteStore(CacheStore):
         with self._lock:
             self._run("BEGIN IMMEDIATE")
             try:
+                self._write_marks_locked()  # before evicting by them
                 replaced = [r[0] for r in self._run(
                     "SELECT entry_id FROM entries WHERE (scope_id=? AND exact_key=?) OR entry_id=?",
                     (entry.scope_id, entry.exact_key, entry.entry_id))]
@@ -245,6 +310,7 @@ class SQLiteStore(CacheStore):
                 self._num_puts += 1
                 if self._num_puts % 1024 == 0:
                     self._run("DELETE FROM changes WHERE seq <= (SELECT MAX(seq) FROM changes) - ?", (MAX_CHANGES,))
+                self._write_marks_locked()  # and those kept while it ran
                 self._run("COMMIT")
             except BaseException:
                 self._db.execute("ROLLBACK")
@@ -277,19 +343,51 @@ class SQLiteStore(CacheStore):
         return evicted
 
     def get(self, entry_id: str) -> Entry | None:
-        with self._lock:
-            row = self._run(f"SELECT {_COLUMNS} FROM entries WHERE entry_id=?", (entry_id,)).fetchone()
-        return _entry(row) if row else None
+        rows = self._read(f"SELECT {_COLUMNS} FROM entries WHERE entry_id=?", (entry_id,))
+        return _entry(rows[0]) if rows else None
 
     def find_exact(self, scope_id: str, exact_key: str) -> Entry | None:
-        with self._lock:
-            row = self._run(f"SELECT {_COLUMNS} FROM entries WHERE scope_id=? AND exact_key=?",
-                            (scope_id, exact_key)).fetchone()
-        return _entry(row) if row else None
+        rows = self._read(f"SELECT {_COLUMNS} FROM entries WHERE scope_id=? AND exact_key=?", (scope_id, exact_key))
+        return _entry(rows[0]) if rows else None
 
     def touch(self, entry_id: str, now: float) -> None:
-        """Mark an entry used (for LRU eviction)."""
-        self._run("UPDATE entries SET last_used=? WHERE entry_id=?", (now, entry_id))
+        """Mark an entry used (for LRU eviction). Never waits for a write in progress, in this process or
+        another: the mark is then kept, and written by the next write."""
+        with self._marks_lock:
+            self._marks[entry_id] = now
+        if not self._lock.acquire(blocking=False):
+            return  # the write in progress (a put) or the next one writes it
+        try:
+            self._db.execute("PRAGMA busy_timeout=0")
+            try:
+                self._db.execute("BEGIN IMMEDIATE")
+            except sqlite3.OperationalError as exc:
+                if exc.sqlite_errorcode & 0xFF != sqlite3.SQLITE_BUSY:
+                    raise
+                return  # another process is writing the file: the next write writes the mark
+            finally:
+                self._db.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+            try:
+                self._write_marks_locked()
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+        except sqlite3.Error as exc:
+            raise CacheStoreError(str(exc)) from exc
+        finally:
+            self._lock.release()
+
+    def _write_marks_locked(self) -> None:
+        """Write the LRU marks kept by `touch` (in the caller's transaction)."""
+        with self._marks_lock:
+            marks, self._marks = self._marks, {}
+        if marks:
+            try:
+                self._db.executemany("UPDATE entries SET last_used=? WHERE entry_id=?",
+                                     [(used, entry_id) for entry_id, used in marks.items()])
+            except sqlite3.Error as exc:
+                raise CacheStoreError(str(exc)) from exc
 
     def delete(self, entry_ids: Iterable[str]) -> list[str]:
         ids = list(entry_ids)
@@ -307,8 +405,7 @@ class SQLiteStore(CacheStore):
 
     def _select_ids(self, where: str, args: Iterable[Any] = (), limit: int | None = None) -> list[str]:
         sql = f"SELECT entry_id FROM entries WHERE {where}" + (f" LIMIT {int(limit)}" if limit else "")
-        with self._lock:
-            return [r[0] for r in self._run(sql, args)]
+        return [r[0] for r in self._read(sql, args)]
 
     def ids_of_tenant(self, tenant: str | None, limit: int | None = None) -> list[str]:
         return self._select_ids("tenant = ?", (tenant,), limit) if tenant is not None else \
@@ -333,28 +430,42 @@ class SQLiteStore(CacheStore):
 
     def vectors(self) -> Iterator[tuple[str, str, np.ndarray]]:
         """(entry id, partition, vector) of every entry with an embedding: rebuilds the index after a restart."""
-        rows = self._run("SELECT entry_id, partition, embedding FROM entries WHERE embedding IS NOT NULL "
-                         "ORDER BY rowid").fetchall()
+        rows = self._read("SELECT entry_id, partition, embedding FROM entries WHERE embedding IS NOT NULL "
+                          "ORDER BY rowid")
         for entry_id, partition, blob in rows:
             yield entry_id, partition, np.frombuffer(blob, dtype=np.float32)
 
     def change_cursor(self) -> str:
-        return str(self._one("SELECT MAX(seq) FROM changes") or 0)
+        return str(self._read_one("SELECT MAX(seq) FROM changes") or 0)
 
     def changes_since(self, cursor: str, limit: int = 1000) -> tuple[str, list[tuple[str, str, str]]]:
         after = int(cursor or 0)
-        with self._lock:
-            rows = self._run("SELECT seq, op, entry_id, partition FROM changes WHERE seq > ? ORDER BY seq LIMIT ?",
-                             (after, limit)).fetchall()
+        rows = self._read("SELECT seq, op, entry_id, partition FROM changes WHERE seq > ? ORDER BY seq LIMIT ?",
+                          (after, limit))
         if not rows:
             return cursor, []
-        if rows[0][0] > after + 1 and self._one("SELECT MIN(seq) FROM changes") > after + 1:
-            return str(self._one("SELECT MAX(seq) FROM changes")), [("reset", "", "")]  # trimmed past `after`
+        if rows[0][0] > after + 1:
+            low, high = self._read("SELECT MIN(seq), MAX(seq) FROM changes")[0]
+            if low > after + 1:
+                return str(high), [("reset", "", "")]  # trimmed past `after`
         return str(rows[-1][0]), [(op, entry_id, partition) for _, op, entry_id, partition in rows]
 
     def close(self) -> None:
         with self._lock:
+            if self._marks:
+                try:
+                    self._run("BEGIN IMMEDIATE")
+                    self._write_marks_locked()
+                    self._run("COMMIT")
+                except CacheStoreError:
+                    if self._db.in_transaction:
+                        self._db.execute("ROLLBACK")
             self._db.close()
+        with self._idle_lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for db in idle:
+            db.close()
 
 
 def _entry(row: tuple[Any, ...]) -> Entry:

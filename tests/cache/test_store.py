@@ -13,13 +13,15 @@ from cache import CacheStore, Entry, RedisStore, SQLiteStore
 MakeStore = Callable[..., CacheStore]
 
 
-@pytest.fixture(params=["sqlite", "redis"])
+@pytest.fixture(params=["sqlite", "sqlite_file", "redis"])
 def make_store(request: pytest.FixtureRequest) -> Iterator[MakeStore]:
     made: list[CacheStore] = []
 
     def make(max_entries: int = 100, max_entries_per_tenant: int | None = None) -> CacheStore:
-        if request.param == "sqlite":
-            store: CacheStore = SQLiteStore(max_entries=max_entries, max_entries_per_tenant=max_entries_per_tenant)
+        if request.param.startswith("sqlite"):  # a file's reads go through other connections than its writes
+            path = ":memory:" if request.param == "sqlite" else request.getfixturevalue("tmp_path") / f"{len(made)}.db"
+            store: CacheStore = SQLiteStore(path, max_entries=max_entries,
+                                            max_entries_per_tenant=max_entries_per_tenant)
         else:
             store = RedisStore(request.getfixturevalue("redis_url"), max_entries=max_entries,
                                max_entries_per_tenant=max_entries_per_tenant)
