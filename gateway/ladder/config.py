@@ -1,21 +1,25 @@
 """`degrade_ladder.yaml`: ordered levels, what each does to a request, and when it switches by itself.
 
-Read with the tiers file's names as the validation context (`{"tiers": names}`, see `load_ladder`), a remap
-naming a tier that file does not have, or mapping a tier to itself, is refused with the file's line: a misspelt
-tier would otherwise make the remap do nothing, silently, on the day it is needed."""
+A remap mapping a tier to itself is refused with the file's line. One naming a tier the tiers file does not have
+is loaded and warned about (`load_ladder`, and the reload's answer: `unknown_tiers`), not refused: the shipped
+ladder remaps `full` to `mid`, and a fleet without one of them must still start. Such a remap does no harm: a source
+tier that does not exist is never remapped, and a target that does not exist is passed over for the closest cheaper
+tier the plan allows (gateway/ladder/apply.py); the warning is what catches a misspelt name."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Collection
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from gateway.config_files import load_yaml
 
 PriorityClass = Literal["interactive", "standard", "batch"]
 Metric = Literal["queue_wait_p95_s", "error_rate", "tiers_down", "redis_down", "kv_utilisation"]
+log = logging.getLogger("tiergate.ladder")
 MAX_THRESHOLD_DROP = 0.05  # the semantic cache's threshold may be lowered at most this much
 
 
@@ -27,14 +31,9 @@ class RemapTiers(_Action):
     remap_tiers: Annotated[dict[str, str], Field(min_length=1)]  # e.g. {full: mid}
 
     @model_validator(mode="after")
-    def _known(self, info: ValidationInfo) -> RemapTiers:
+    def _not_to_itself(self) -> RemapTiers:
         if same := sorted(k for k, v in self.remap_tiers.items() if k == v):
             raise ValueError(f"remap_tiers maps {', '.join(map(repr, same))} to itself")
-        known = (info.context or {}).get("tiers")
-        if known is not None:
-            unknown = sorted({*self.remap_tiers, *self.remap_tiers.values()} - set(known))
-            if unknown:
-                raise ValueError(f"remap_tiers names unknown tiers {unknown}; the tiers file has {sorted(known)}")
         return self
 
 
@@ -127,6 +126,17 @@ class Ladder(BaseModel):
         return len(self.levels) - 1
 
 
+def unknown_tiers(ladder: Ladder, tiers: Collection[str]) -> list[str]:
+    """The tier names the ladder's remaps use that `tiers` (the tiers file's) does not have, sorted."""
+    named = {name for lv in ladder.levels for action in lv.actions if isinstance(action, RemapTiers)
+             for pair in action.remap_tiers.items() for name in pair}
+    return sorted(named - set(tiers))
+
+
 def load_ladder(path: Path, tiers: Collection[str]) -> Ladder:
-    """The ladder file, its remaps checked against the tiers file's `tiers`; ConfigFileError with file and line."""
-    return load_yaml(path, Ladder, context={"tiers": set(tiers)})
+    """The ladder file (ConfigFileError with file and line), a warning logged for remaps naming tiers not in `tiers`."""
+    ladder = load_yaml(path, Ladder)
+    if unknown := unknown_tiers(ladder, tiers):
+        log.warning("%s: remap_tiers names tiers the tiers file does not have: %s (it has %s); a misspelt name?",
+                    path, unknown, sorted(tiers))
+    return ladder

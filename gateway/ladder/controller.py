@@ -105,8 +105,8 @@ class LadderController:
         self._commit(who, reason, {})
 
     def reload(self, path: Path, tiers: Collection[str] | None = None) -> None:
-        """Swap in a new ladder file; a bad one (a remap naming a tier not in `tiers`, when given) raises
-        ConfigFileError and changes nothing."""
+        """Swap in a new ladder file; a bad one raises ConfigFileError and changes nothing (a remap naming a tier
+        not in `tiers`, when given, is logged: gateway/ladder/config.py's `load_ladder`)."""
         ladder = load_yaml(path, Ladder) if tiers is None else load_ladder(path, tiers)
         self.ladder = ladder
         self._held_since.clear()

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from gateway.auth import require_admin
 from gateway.config_files import ConfigFileError
 from gateway.errors import InvalidRequest, TiergateError
+from gateway.ladder.config import unknown_tiers
 from gateway.ladder.controller import MIN_TTL_S, REASON_PATTERN, LadderChangeError, LadderController
 from gateway.ladder.state import event_dict
 from gateway.routes.openapi import BEARER, body, errors
@@ -88,14 +89,16 @@ async def history(ladder: NamedDependency[LadderController], limit: HistoryLimit
 @post("/reload", status_code=200, responses=errors(400, 401, 403, 500, 503))
 async def reload(ladder: NamedDependency[LadderController], settings: NamedDependency[Settings],
                  fleet: NamedDependency[Fleet]) -> dict[str, Any]:
-    """Re-read the ladder file; a bad file (a remap naming a tier the tiers file does not have among its faults) is
-    refused with its line, and the running ladder stays."""
+    """Re-read the ladder file; a bad file is refused with its line, and the running ladder stays. The answer is the
+    new status, with `unknown_tiers`: the tier names its remaps use that the tiers file does not have (a misspelt
+    name?), empty when none."""
     path = settings.ladder_file
+    tiers = list(fleet.catalogue.tiers)
     try:
-        await _changing(ladder, ladder.reload, path, list(fleet.catalogue.tiers))
+        await _changing(ladder, ladder.reload, path, tiers)
     except ConfigFileError as exc:
         raise InvalidRequest(f"ladder not reloaded, the running one stays: {exc}", code="invalid_ladder_file") from exc
-    return ladder.status()
+    return {**ladder.status(), "unknown_tiers": unknown_tiers(ladder.ladder, tiers)}
 
 
 degrade_router = Router(path="/admin/degrade", guards=[require_admin], tags=["admin"], security=BEARER,

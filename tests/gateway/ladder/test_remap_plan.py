@@ -115,16 +115,19 @@ def test_a_remap_the_plan_allows_is_unchanged(gateway: Gateway) -> None:
     assert r.headers["x-tiergate-degrade-actions"] == "remap_tiers(full->mid)"
 
 
-def test_reload_refuses_a_remap_to_an_unknown_tier_with_its_line(gateway: Gateway) -> None:
-    f = gateway.settings.ladder_file
-    f.write_text(LADDER.replace("{full: mid}", "{full: mdi}"))
+def test_reload_names_a_remaps_unknown_tier_and_refuses_a_tier_mapped_to_itself(gateway: Gateway) -> None:
+    f, key = gateway.settings.ladder_file, key_on(gateway, "everything")
     with gateway.client(gateway.admin_key) as c:
-        r = c.post("/admin/degrade/reload")
-        err = r.json()["error"]
-        assert r.status_code == 400 and err["code"] == "invalid_ladder_file", r.text
-        assert f"{f}:4" in err["message"] and "unknown tiers ['mdi']" in err["message"], err
         f.write_text(LADDER.replace("{full: mid}", "{full: full}"))
         r = c.post("/admin/degrade/reload")
         assert r.status_code == 400 and "maps 'full' to itself" in r.json()["error"]["message"], r.text
-    set_level(gateway, 1)  # the running ladder stayed
-    assert chat(gateway, "full", key_on(gateway, "everything")).headers["x-tiergate-tier"] == "mid"
+        assert r.json()["error"]["code"] == "invalid_ladder_file" and f"{f}:4" in r.json()["error"]["message"]
+        set_level(gateway, 1)  # the running ladder stayed
+        assert chat(gateway, "full", key).headers["x-tiergate-tier"] == "mid"
+        # a misspelt target loads (a fleet without one of the shipped ladder's tiers must start) and is named
+        f.write_text(LADDER.replace("{full: mid}", "{full: mdi}"))
+        r = c.post("/admin/degrade/reload")
+        assert r.status_code == 200 and r.json()["unknown_tiers"] == ["mdi"], r.text
+    # the remap passes the unknown target over for the closest cheaper tier the plan allows
+    r = chat(gateway, "full", key)
+    assert r.headers["x-tiergate-tier"] == "mid" and r.headers["x-tiergate-degrade-actions"] == "remap_tiers(full->mid)"
