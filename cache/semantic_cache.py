@@ -380,15 +380,16 @@ class SemanticCache:
             index = self._load_index()
             with self._lock:
                 self.index = index
+        # A change another process made: not under self._lock (a lookup's sync would wait behind this process's
+        # writes, a tenant's flood of them; the index locks itself). An id deleted meanwhile may be added back
+        # dead until its own "del" is applied: a lookup that proposes it finds nothing in the store and skips it.
         elif op == "del":
             self.recent.drop_ids([entry_id])
-            with self._lock:
-                self.index.remove([entry_id])
+            self.index.remove([entry_id])
         elif entry_id not in self.index:
             entry = self.entries.get(entry_id)
             if entry is not None and entry.embedding is not None:
-                with self._lock:
-                    self.index.add(partition, [entry_id], entry.embedding[None, :])
+                self.index.add(partition, [entry_id], entry.embedding[None, :])
 
     def close(self) -> None:
         self.vectors.close()
