@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -24,6 +23,7 @@ import gateway.embeddings_service as embeddings_service
 import wire.embeddings as wire_embeddings
 from gateway.embeddings_service import EmbeddingsService
 from tests.conftest import Gateway
+from tests.gateway.embeddings_leaving import rows_not_ok, send_and_leave
 from wire.embeddings import embedding_list
 
 MODEL = "all-MiniLM-L6-v2"
@@ -173,33 +173,12 @@ def held(gateway: Gateway, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Em
     builds.release.set()
 
 
-def send_and_leave(gw: Gateway, body: dict[str, Any], headers: dict[str, str], begun: threading.Event) -> None:
-    """POST `body` on a raw connection, and close it once `begun` is set."""
-    raw = json.dumps(body).encode()
-    host, port = gw.url.removeprefix("http://").split(":")
-    head = "".join(f"{k}: {v}\r\n" for k, v in {"Host": "gw", "Authorization": f"Bearer {gw.tenant_key}",
-                                                 "Content-Type": "application/json",
-                                                 "Content-Length": str(len(raw)), **headers}.items())
-    with socket.create_connection((host, int(port))) as s:
-        s.sendall(f"POST /v1/embeddings HTTP/1.1\r\n{head}\r\n".encode() + raw)
-        assert begun.wait(60), "its body was never built"
-
-
-def rows_not_ok(gw: Gateway, timeout_s: float = 10) -> list[Any]:
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        if rows := [r for r in gw.ledger_rows() if r.status != "ok"]:
-            return rows
-        time.sleep(0.05)
-    return []
-
-
 def test_a_client_that_leaves_while_its_body_is_built_settles_once(
         gateway: Gateway, held: tuple[EmbeddingsService, Held, list[str]]) -> None:
     """As one that leaves while its answer is packed (test_embeddings_pack_off_loop.py): `cancelled`, 499, billed
     for the vectors made (all of them), written once."""
     svc, builds, settles = held
-    send_and_leave(gateway, {"model": MODEL, "input": TEXTS}, {}, builds.begun)
+    send_and_leave(gateway, {"model": MODEL, "input": TEXTS}, {}, builds.begun.is_set, "its body's build")
     rows = rows_not_ok(gateway)  # written while the build is still held in its thread
     assert not builds.done.is_set(), "the build ended before the client's leaving was noticed"
     assert [(r.tier, r.status, r.http_status) for r in rows] == [("embeddings", "cancelled", 499)], rows
@@ -221,7 +200,7 @@ def test_a_replay_whose_client_leaves_while_it_is_built_writes_nothing_and_stays
     assert first.status_code == 200 and settles == ["ok"]
     builds.begun.clear()
     builds.release.clear()
-    send_and_leave(gateway, body, {"Idempotency-Key": "leave-in-replay"}, builds.begun)
+    send_and_leave(gateway, body, {"Idempotency-Key": "leave-in-replay"}, builds.begun.is_set, "its body's build")
     time.sleep(0.5)
     builds.release.set()
     assert builds.done.wait(10)

@@ -4,8 +4,6 @@ vectors were ready when it left (nothing, if none was). Its Idempotency-Key is g
 
 from __future__ import annotations
 
-import json
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -15,6 +13,7 @@ import pytest
 
 from gateway.embeddings_service import EmbeddingsService
 from tests.conftest import Gateway
+from tests.gateway.embeddings_leaving import send_and_leave
 
 MODEL = "all-MiniLM-L6-v2"
 TEXTS = [f"sentence number {i} about rivers, mountains and the sea" for i in range(24)]  # six passes of four
@@ -54,21 +53,6 @@ def passes(request: pytest.FixtureRequest, svc: EmbeddingsService) -> Iterator[P
     p.release.set()
 
 
-def send_and_leave(gw: Gateway, body: dict[str, Any], headers: dict[str, str], passes: Passes) -> None:
-    """POST `body` on a raw connection, and close it once the held pass has begun."""
-    raw = json.dumps(body).encode()
-    host, port = gw.url.removeprefix("http://").split(":")
-    head = "".join(f"{k}: {v}\r\n" for k, v in {"Host": "gw", "Authorization": f"Bearer {gw.tenant_key}",
-                                                 "Content-Type": "application/json",
-                                                 "Content-Length": str(len(raw)), **headers}.items())
-    with socket.create_connection((host, int(port))) as s:
-        s.sendall(f"POST /v1/embeddings HTTP/1.1\r\n{head}\r\n".encode() + raw)
-        deadline = time.time() + 60
-        while len(passes.begun) < passes.hold_at and time.time() < deadline:
-            time.sleep(0.01)
-        assert len(passes.begun) == passes.hold_at, passes.begun
-
-
 def cancelled_row(gw: Gateway, timeout_s: float = 20) -> Any:
     deadline = time.time() + timeout_s
     while time.time() < deadline:
@@ -82,7 +66,8 @@ def cancelled_row(gw: Gateway, timeout_s: float = 20) -> Any:
 def test_a_client_that_leaves_stops_its_work_and_is_billed_for_what_ran(
         gateway: Gateway, svc: EmbeddingsService, passes: Passes) -> None:
     body = {"model": MODEL, "input": TEXTS}
-    send_and_leave(gateway, body, {"Idempotency-Key": "leave-1"}, passes)
+    send_and_leave(gateway, body, {"Idempotency-Key": "leave-1"}, lambda: len(passes.begun) >= passes.hold_at,
+                   "the held pass")
     (row,) = cancelled_row(gateway)  # written while the pass that was running when it left is still held
     ran = [t for texts in passes.begun[:-1] for t in texts]  # the passes that ended before it left
     assert len(ran) == 4 * (passes.hold_at - 1)

@@ -6,8 +6,6 @@ up (a retry runs, then replays)."""
 from __future__ import annotations
 
 import asyncio
-import json
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -19,6 +17,7 @@ import pytest
 import gateway.embeddings_service as embeddings_service
 from gateway.embeddings_service import EmbeddingsService
 from tests.conftest import Gateway
+from tests.gateway.embeddings_leaving import rows_not_ok, send_and_leave
 
 MODEL = "all-MiniLM-L6-v2"
 TEXTS = [f"sentence number {i} about rivers, mountains and the sea" for i in range(8)]
@@ -94,31 +93,10 @@ def test_an_answer_is_packed_off_the_event_loop(gateway: Gateway, svc: Embedding
     assert packs.on_loop == [False]  # once, in a thread with no event loop
 
 
-def send_and_leave(gw: Gateway, body: dict[str, Any], key: str, packs: Packs) -> None:
-    """POST `body` on a raw connection, and close it once its answer's pack has begun."""
-    raw = json.dumps(body).encode()
-    host, port = gw.url.removeprefix("http://").split(":")
-    head = "".join(f"{k}: {v}\r\n" for k, v in {"Host": "gw", "Authorization": f"Bearer {gw.tenant_key}",
-                                                 "Content-Type": "application/json", "Idempotency-Key": key,
-                                                 "Content-Length": str(len(raw))}.items())
-    with socket.create_connection((host, int(port))) as s:
-        s.sendall(f"POST /v1/embeddings HTTP/1.1\r\n{head}\r\n".encode() + raw)
-        assert packs.begun.wait(60), "its answer was never packed"
-
-
-def rows_not_ok(gw: Gateway, timeout_s: float = 10) -> list[Any]:
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        if rows := [r for r in gw.ledger_rows() if r.status != "ok"]:
-            return rows
-        time.sleep(0.05)
-    return []
-
-
 def test_a_client_that_leaves_during_the_pack_settles_once_and_gives_its_key_up(
         gateway: Gateway, svc: EmbeddingsService, settles: list[str], held: Packs) -> None:
     body = {"model": MODEL, "input": TEXTS}
-    send_and_leave(gateway, body, "leave-in-pack", held)
+    send_and_leave(gateway, body, {"Idempotency-Key": "leave-in-pack"}, held.begun.is_set, "its pack")
     rows = rows_not_ok(gateway)  # written while the pack is still held in its thread
     assert not held.done.is_set(), "the pack ended before the client's leaving was noticed"
     assert [(r.tier, r.status, r.http_status) for r in rows] == [("embeddings", "cancelled", 499)], rows
