@@ -307,7 +307,12 @@ class EmbeddingsService:
             ttft_s=None, total_s=time.perf_counter() - ctx.t0, error_code=error_code, route_reason="embeddings")
         with_row: tuple[Statement, ...] = ()
         if stored is not None and keep is not None and self.idempotency is not None:
-            with_row = self.idempotency.store.finish_with_row(keep.claim, stored, ctx.plan.idempotency_ttl_s)
+            try:
+                with_row = self.idempotency.store.finish_with_row(keep.claim, stored, ctx.plan.idempotency_ttl_s)
+            except Exception:  # the row is written and the quota settled all the same; the answer is answered, not
+                # kept (as one over the store's bound): its claim is given up by `embed`, and a retry runs again
+                log.exception("Idempotency-Key %r: the answer cannot be stored; a retry runs again", keep.claim.key)
+                stored = None
         written = self.ledger.submit(row, with_row=with_row)
         settled = self._hand_off(self._settle_quota(written, reservation, tokens, row))
         kept = None

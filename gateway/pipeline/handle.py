@@ -210,9 +210,10 @@ class Pipeline:
             if judge is not None:
                 attempt = await judge(attempt, outcome)
             if keep is not None and attempt.final and self.idempotency is not None:
-                stored = IdempotencyStage.answer(self.head(ctx, req, attempt, headers), outcome,
-                                                 meter.logprobs if req.logprobs else None)
-                with_row = self.idempotency.store.finish_with_row(keep.claim, stored, ctx.plan.idempotency_ttl_s)
+                answered = IdempotencyStage.answer(self.head(ctx, req, attempt, headers), outcome,
+                                                   meter.logprobs if req.logprobs else None)
+                with_row = self.idempotency.store.finish_with_row(keep.claim, answered, ctx.plan.idempotency_ttl_s)
+                stored = answered  # only now: an answer that failed here is not kept (its claim is given up)
         except (asyncio.CancelledError, GeneratorExit):
             outcome, wait = meter.outcome("cancelled", 499), False  # a leaving client's task must not wait
             raise

@@ -102,6 +102,26 @@ class IdempotencyStage:
         self.wait_s = wait_s
         self.lease_s = lease_s  # a claim whose owner never finishes (a killed gateway) frees the key after this
         self.poll_s = poll_s
+        self._background: set[asyncio.Future[Any]] = set()  # claims whose request left, and their abandons
+
+    def _give_up(self, work: asyncio.Future[Any]) -> None:
+        """A claim made for a request that left before it was told: given up (handed off), so a retry runs."""
+        self._background.discard(work)
+        if work.cancelled() or work.exception() is not None or not isinstance(claim := work.result(), Claim):
+            return  # nothing claimed (a store's failure to claim holds nothing for this request)
+        abandon = asyncio.ensure_future(self.store.abandon(claim))
+        self._background.add(abandon)
+        abandon.add_done_callback(self._abandoned)
+
+    def _abandoned(self, abandon: asyncio.Future[None]) -> None:
+        self._background.discard(abandon)
+        if not abandon.cancelled() and abandon.exception() is not None:
+            log.error("giving up the Idempotency-Key claim of a request that left failed: %s", abandon.exception())
+
+    async def drain(self) -> None:
+        """Wait for claims of requests that left to be given up (shutdown, tests)."""
+        while self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
 
     async def begin(self, ctx: RequestContext, req: BaseModel, *, route: str | None = None) -> Claim | Replay | None:
         """None without the header; else this request's claim, or the stored answer to replay. `route`: what the
@@ -129,8 +149,17 @@ class IdempotencyStage:
             f"{who}{route}\n{req.model_dump_json(exclude_unset=True)}".encode()).hexdigest()
         deadline = time.monotonic() + self.wait_s
         while True:
+            # shielded: a client that leaves while the store claims the key (SQLite's thread commits it, Redis has
+            # run its script) leaves a claim no Keep owns yet; it is given up once the claim ends, never held for the
+            # lease (a retry would wait, then get 409, for 10 minutes)
+            work = asyncio.ensure_future(
+                self.store.begin(ctx.tenant, key, fingerprint, ctx.request_id, lease_s=self.lease_s))
             try:
-                begun = await self.store.begin(ctx.tenant, key, fingerprint, ctx.request_id, lease_s=self.lease_s)
+                begun = await asyncio.shield(work)
+            except asyncio.CancelledError:
+                self._background.add(work)
+                work.add_done_callback(self._give_up)
+                raise
             except LedgerUnavailable as exc:  # the store's own failure, not this request's: nothing was claimed
                 raise Unavailable("Idempotency-Key: the idempotency records cannot be reached now; nothing was run or "
                                   "charged; retry shortly with the same key", param="Idempotency-Key",

@@ -7,10 +7,16 @@ request arriving just before midnight counts for that day in both. The quota sto
 clock skewed by more) is dated that long before the store's clock instead. The reservation is settled to real use
 by the settle stage, exactly once. A refusal for requests or tokens per minute or a spent budget is also told to
 the gate, which then refuses the scope cheaply for up to a second (gateway/pipeline/gate.py).
+
+The store's reserve runs shielded from the request: a client that leaves while it runs (Redis has run the script,
+its reply not yet read) leaves a reservation no `finally` owns yet, so it is settled at zero use once the reserve
+ends, handed off, never held for its lease (a tenant at its concurrency limit refused meanwhile).
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from decimal import Decimal
 
 from gateway.errors import TiergateError, Unavailable
@@ -22,18 +28,26 @@ from quotas.limits import Decision
 from quotas.plans import Plan
 from quotas.reservations import QuotaService, Reservation
 
+log = logging.getLogger("tiergate.reserve")
+
 
 class ReserveStage:
     def __init__(self, *, quotas: QuotaService, gate: TenantGate) -> None:
         self.quotas = quotas
         self.gate = gate
+        self._background: set[asyncio.Future[object]] = set()  # reserves whose request left, and their settles
 
     async def reserve(self, ctx: RequestContext, request_id: str, *, tokens: int, price: Decimal) -> Reservation:
+        work = asyncio.ensure_future(self.quotas.reserve(
+            request_id=request_id, tenant=ctx.tenant, plan=ctx.plan, key_id=ctx.key_id,
+            key_limits=ctx.principal.key.limits, tokens=tokens, price=price,
+            dated_at=ctx.arrived))  # the instant that dates the ledger row dates the money too
         try:
-            decision, reservation = await self.quotas.reserve(
-                request_id=request_id, tenant=ctx.tenant, plan=ctx.plan, key_id=ctx.key_id,
-                key_limits=ctx.principal.key.limits, tokens=tokens, price=price,
-                dated_at=ctx.arrived)  # the instant that dates the ledger row dates the money too
+            decision, reservation = await asyncio.shield(work)
+        except asyncio.CancelledError:  # the request left: what the reserve admits is nobody's, so it is given back
+            self._background.add(work)
+            work.add_done_callback(self._give_back)
+            raise
         except QuotaBackendError as exc:
             raise Unavailable("the quota service is unavailable; retry shortly", code="quota_backend_unavailable",
                               retry_after=1) from exc
@@ -43,6 +57,27 @@ class ReserveStage:
                 self.gate.rate_refused(scope, decision.retry_after_s, decision.reason)
             raise refusal(ctx.plan, decision)
         return reservation
+
+    def _give_back(self, work: asyncio.Future[tuple[Decision, Reservation | None]]) -> None:
+        """A reserve whose request left before it ended: a reservation it made is settled at zero use (handed off)."""
+        self._background.discard(work)
+        if work.cancelled() or work.exception() is not None:
+            return  # nothing admitted (a failed Redis reserve undoes what it may hold itself)
+        _, reservation = work.result()
+        if reservation is not None:
+            settle = asyncio.ensure_future(self.quotas.settle(reservation, tokens=0, price=Decimal(0)))
+            self._background.add(settle)
+            settle.add_done_callback(self._settled)
+
+    def _settled(self, settle: asyncio.Future[None]) -> None:
+        self._background.discard(settle)
+        if not settle.cancelled() and settle.exception() is not None:
+            log.error("giving back the reservation of a request that left failed: %s", settle.exception())
+
+    async def drain(self) -> None:
+        """Wait for reservations of requests that left to be given back (shutdown, tests)."""
+        while self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
 
 
 def refusal(plan: Plan, decision: Decision) -> TiergateError:
