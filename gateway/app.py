@@ -254,9 +254,11 @@ def create_app(settings: Settings | None = None) -> Litestar:
                 services.pipeline.cache_checks.tasks.cancel()
             await services.client.aclose()
             await services.pipeline.settler.drain()  # settlements reach the quota backend before it closes
+            await services.pipeline.reserve.drain()  # so do the reservations of requests that left mid-reserve
             await services.quota_backend.close()
             await services.cache.drain()
             if services.pipeline.idempotency is not None:
+                await services.pipeline.idempotency.drain()  # claims of requests that left mid-claim, given up
                 await services.pipeline.idempotency.store.close()
             if services.cache.cache is not None:
                 services.cache.cache.close()
