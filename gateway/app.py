@@ -72,7 +72,7 @@ from quotas.ledger import Ledger
 from quotas.plans import PlanBook
 from quotas.reaper import run_reaper
 from quotas.reservations import QuotaService
-from quotas.seed import ledger_billing, ledger_spend_source, seed_from_ledger
+from quotas.seed import ledger_billing, ledger_spend_source, seed_from_ledger, tenant_spend_source
 from tiers.catalogue import TierCatalogue, TierSpec
 from tiers.client import TierClient
 from tiers.fleet import Fleet
@@ -177,7 +177,8 @@ def build_quota_backend(settings: Settings, ledger: Ledger, metrics_: GatewayMet
         redis = RedisBackend(settings.redis_url, timeout_s=settings.redis_timeout_s,
                              max_connections=settings.redis_max_connections, pool_wait_s=settings.redis_pool_wait_s,
                              settle_retry_s=settings.quota_settle_retry_s,
-                             replica_ttl_s=max(30.0, 3 * settings.quota_reap_every_s))
+                             replica_ttl_s=max(30.0, 3 * settings.quota_reap_every_s),
+                             tenant_spend=tenant_spend_source(ledger))  # a Redis that lost its data resets no budget
         # in an outage, the fallback starts from the last spend Redis answered and the ledger's totals
         return FailoverBackend(redis, mode=settings.redis_failure_mode, on_state=metrics_.redis_state,
                                ledger_spend=ledger_spend_source(ledger))

@@ -15,6 +15,7 @@ import time
 from quotas.backends.base import Billed
 from quotas.backends.failover import LedgerSpend
 from quotas.backends.memory import MemoryBackend
+from quotas.backends.redis import TenantSpend
 from quotas.ledger import Ledger
 from quotas.limits import WINDOW_S, Spend
 from quotas.money import to_pico
@@ -42,6 +43,30 @@ def ledger_spend_source(ledger: Ledger) -> LedgerSpend:
     """`ledger_spend` off the event loop, for `FailoverBackend(ledger_spend=...)`."""
     async def spend(now: float) -> dict[tuple[str, str], Spend]:
         return await asyncio.to_thread(ledger_spend, ledger, now)
+
+    return spend
+
+
+def tenant_spend(ledger: Ledger, tenant: str, now: float) -> dict[str, Spend]:
+    """One tenant's spend per scope ("t", "k:<key id>") on `now`'s day and month (UTC), summed by the ledger
+    (its (tenant, ts) index: the tenant's own rows, not everyone's; exact decimals)."""
+    t = time.gmtime(now)
+    month_start = calendar.timegm((t.tm_year, t.tm_mon, 1, 0, 0, 0))
+    day_start = calendar.timegm((t.tm_year, t.tm_mon, t.tm_mday, 0, 0, 0))
+    day, month = time.strftime("%Y%m%d", t), time.strftime("%Y%m", t)
+    sums: dict[str, list[int]] = {}
+    for i, since in ((1, month_start), (0, day_start)):
+        for totals in ledger.request_totals(["key_id"], tenant=tenant, since=since):
+            pico = to_pico(totals.price_usd)
+            for scope in ("t", f"k:{totals.group[0]}"):
+                sums.setdefault(scope, [0, 0])[i] += pico
+    return {scope: Spend(day, month, d, m) for scope, (d, m) in sums.items()}
+
+
+def tenant_spend_source(ledger: Ledger) -> TenantSpend:
+    """`tenant_spend` off the event loop, for `RedisBackend(tenant_spend=...)`."""
+    async def spend(tenant: str, now: float) -> dict[str, Spend]:
+        return await asyncio.to_thread(tenant_spend, ledger, tenant, now)
 
     return spend
 

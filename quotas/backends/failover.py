@@ -10,7 +10,8 @@ is given, which covers tenants this replica never saw), dates its money as Redis
 bounded by Redis' clock as last seen; one without an arrival by that clock), and takes only its share (1/N, N the
 live replicas) of what was left of each budget, so N replicas failing open together do not spend N budgets. Rate,
 token and concurrency limits apply per replica, as before. What it settles locally goes into an outage journal,
-added to Redis exactly once when Redis answers again.
+added to Redis exactly once when Redis answers again; where Redis came back empty, before the primary re-seeds a
+tenant's counters from the ledger (RedisBackend `before_reseed`), whose totals already hold that money.
 
 A refused connection means Redis is down at once. A timeout alone does not (a busy event loop can cause
 one): the request gets a retryable 503, and Redis is down only once a streak of failures with no success in
@@ -82,6 +83,7 @@ class FailoverBackend(QuotaBackend):
         self._seeding: asyncio.Task[None] | None = None
         self._flushing = asyncio.Lock()
         self._tasks: set[asyncio.Task[None]] = set()
+        primary.before_reseed = self.flush_journal  # a Redis that lost its data: the journal before the ledger read
 
     @property
     def num_replicas(self) -> int:  # type: ignore[override]

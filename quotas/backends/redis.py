@@ -17,6 +17,21 @@ out quickly (50 ms by default); failures surface as `QuotaBackendError`. A settl
 the background with bounded backoff until Redis answers, so one lost answer never leaves the upper bound
 charged and the slot held. Waiting for a free connection is back-pressure, bounded by `pool_wait_s`, not an
 outage: callers take turns first come, first served (`_turn`), so none waits longer than the queue ahead of it.
+
+A Redis that lost its data (restarted without persistence, failed over to a lagging replica, FLUSHALL) must not
+reset every budget. Given a `tenant_spend` source, each tenant has a seeded sentinel (`<tag>:seeded`, no TTL, in
+the tenant's slot, so a lost shard of a cluster is seen per tenant). A reserve that finds it missing charges
+nothing (reserve.lua answers 2); the backend reads that tenant's ledger totals for Redis' day and month (by the
+ledger's (tenant, ts) index: a new tenant's first request reads its own rows, none, not everyone's; one read per
+tenant at a time in a process, shared by its reserves, `_reseed`), raises the tenant's day and month counters of
+every scope to at least the ledger's totals (reseed.lua: max(held, total), so re-seeds racing each other, from
+other replicas too, or racing normal spend never double or lower a counter), sets the sentinel, then reserves
+again. Before the read, the failover's outage journal (money settled on its fallback, already in the ledger) is
+applied (`before_reseed`), so max() counts that money once. Rows reach the ledger before their settle
+(gateway/pipeline/settle.py), so a settle that finds its record gone (settle.lua's "not held" path) before the
+ledger is read bills money the ledger's total already has, and max() counts it once; one after the read bills it
+again: an overcount (refusing early, never spending twice) bounded by the tenant's reservations in flight when the
+data was lost.
 """
 
 from __future__ import annotations
@@ -24,9 +39,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Coroutine, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -40,6 +56,9 @@ from quotas.limits import MAX_DATING_LAG_S, WINDOW_S, Decision, ReservationReque
 
 log = logging.getLogger("tiergate.quotas")
 T = TypeVar("T")
+
+# one tenant's spend per scope on the day and month of a time (epoch seconds), from the ledger
+TenantSpend = Callable[[str, float], Awaitable[dict[str, Spend]]]
 
 # tries, each bounded by the call timeout; the script is idempotent per request id. (Retrying for longer, 0.5 s,
 # made tests/quotas/test_chaos.py drift in 3 runs of 4: not done until that is understood.)
@@ -58,12 +77,14 @@ DONE_MARGIN_S = 300  # a settled reservation's tombstone outlives the settle's r
 REAPED_TTL_S = 86_400  # a reaped one waits this long for a late settle to bill its real use
 JOURNAL_TTL_S = 7 * 86_400  # an applied outage-journal batch is remembered this long
 REAP_BATCH = 100  # tenants claimed from, and reservations finished, per round of concurrent calls
+RESEED_ROUNDS = 2  # re-seeds one reserve may wait for before it is a retryable failure
+RESEED_LOG_EVERY_S = 60.0  # a loss of Redis' counters is logged at most this often
 REAP_SHARE = 4  # the reaper holds at most 1/REAP_SHARE of the connections at once: requests keep the rest
 _HERE = Path(__file__).parent
 _SHARED = (_HERE / "shared.lua").read_text()
-SCRIPTS = {name: (_SHARED if name in ("reserve", "settle", "spent", "journal") else "") +
+SCRIPTS = {name: (_SHARED if name in ("reserve", "settle", "spent", "journal", "reseed") else "") +
            (_HERE / f"{name}.lua").read_text() for name in ("reserve", "settle", "reap", "spent", "journal",
-                                                            "heartbeat")}
+                                                            "heartbeat", "reseed")}
 
 
 def _limit(v: int | None) -> int:
@@ -93,7 +114,8 @@ class RedisBackend(QuotaBackend):
 
     def __init__(self, url: str, *, timeout_s: float = 0.05, prefix: str = "tg", max_connections: int = 64,
                  pool_wait_s: float = 2.0, settle_retry_s: float = 600.0, replica_ttl_s: float = 30.0,
-                 reap_claim_s: float = 30.0, max_dating_lag_s: float = MAX_DATING_LAG_S) -> None:
+                 reap_claim_s: float = 30.0, max_dating_lag_s: float = MAX_DATING_LAG_S,
+                 tenant_spend: TenantSpend | None = None) -> None:
         # a bounded pool that makes callers wait for a connection: a burst of requests queues here instead
         # of opening thousands of sockets, and is not mistaken for Redis being down
         pool = aioredis.BlockingConnectionPool.from_url(
@@ -123,6 +145,16 @@ class RedisBackend(QuotaBackend):
         self._scripts = {name: self.redis.register_script(text) for name, text in SCRIPTS.items()}
         self._background: set[asyncio.Task[None]] = set()  # held so they are not collected before they finish
         self._registered: set[str] = set()  # tenants this process has put in the reapers' list lately
+        self._tenant_spend = tenant_spend  # None: Redis' counters are trusted as they are (no sentinel checked)
+        self._reseeding: dict[str, asyncio.Task[None]] = {}  # per tenant, the re-seed under way in this process
+        self.num_reseeds = 0  # tenants re-seeded from the ledger (a new tenant's first reserve counts too)
+        self.num_reseeds_raised = 0  # ...of which the ledger had spend for: Redis had lost what it held
+        self._reseed_logged_at = -math.inf  # monotonic: a loss is logged once a minute, not once per tenant
+        self._reseeds_unlogged = 0
+        # run before the ledger is read for a re-seed: the failover's outage journal (money the ledger has, settled
+        # on its fallback) goes in first, so the re-seed's max() counts it once rather than the journal adding it
+        # again on top of the ledger's total
+        self.before_reseed: Callable[[], Awaitable[None]] | None = None
 
     # ---- key names ----
 
@@ -137,6 +169,9 @@ class RedisBackend(QuotaBackend):
 
     def leases_key(self, tenant: str) -> str:
         return f"{self.tag(tenant)}:leases"
+
+    def seeded_key(self, tenant: str) -> str:
+        return f"{self.tag(tenant)}:seeded"
 
     @property
     def tenants_key(self) -> str:
@@ -175,6 +210,21 @@ class RedisBackend(QuotaBackend):
             keys += [f"{base}:rpm", f"{base}:tpm", f"{base}:tpmv", f"{base}:tpmsum", f"{base}:inflight"]
             args += [base, _limit(lim.rpm), _limit(lim.tpm), _limit(lim.max_concurrent),
                      _limit(lim.budget_day_pico), _limit(lim.budget_month_pico)]
+        if self._tenant_spend is None:
+            return _decision(req, await self._reserve_script(req, keys, args))
+        keys.append(self.seeded_key(req.tenant))
+        for _ in range(RESEED_ROUNDS):
+            out = await self._reserve_script(req, keys, args)
+            if int(out[0]) != 2:
+                return _decision(req, out)
+            await self._reseed(req.tenant, int(out[1]) / 1000)  # Redis lost the tenant's counters
+        out = await self._reserve_script(req, keys, args)
+        if int(out[0]) == 2:
+            raise QuotaBackendError(f"redis: {req.tenant}'s money counters are not re-seeded yet", transient=True)
+        return _decision(req, out)
+
+    async def _reserve_script(self, req: ReservationRequest, keys: list[str],
+                              args: list[int | str | float]) -> list[Any]:
         loop, attempt = asyncio.get_running_loop(), 0
         first = started = loop.time()
         while True:
@@ -197,7 +247,46 @@ class RedisBackend(QuotaBackend):
                     # before the answer where Redis lets us (the client's retry then finds its slot free)
                     await self._cancel_lost(req)
                 raise error from exc
-        return _decision(req, out)
+        return list(out)
+
+    async def _reseed(self, tenant: str, now: float) -> None:
+        """Raise `tenant`'s money counters to the ledger's totals on `now`'s (Redis' clock) day and month and mark
+        it seeded: one ledger read per tenant at a time, shared by this process's reserves (a reserve that leaves
+        does not stop it)."""
+        task = self._reseeding.get(tenant)
+        if task is None or task.done():
+            task = self._reseeding[tenant] = asyncio.get_running_loop().create_task(self._reseed_one(tenant, now))
+            task.add_done_callback(lambda t: self._reseeding.pop(tenant, None) if self._reseeding.get(tenant) is t
+                                   else None)
+        try:
+            await asyncio.shield(task)
+        except QuotaBackendError:  # Redis failed while re-seeding
+            raise
+        except Exception as exc:  # the ledger could not be read: retryable, nothing was charged
+            raise QuotaBackendError(f"redis: re-seeding from the ledger failed ({exc})", transient=True) from exc
+
+    async def _reseed_one(self, tenant: str, now: float) -> None:
+        if self.before_reseed is not None:
+            await self.before_reseed()
+        spends = await self._tenant_spend(tenant, now)  # type: ignore[misc]
+        args: list[int | str] = []
+        for scope, s in spends.items():
+            args += [self.base(tenant, scope), s.day, s.month, s.day_pico, s.month_pico]
+        try:
+            async with self._turn():
+                await self._scripts["reseed"](keys=[self.seeded_key(tenant)], args=args)
+        except RedisError as exc:
+            raise backend_error(exc) from exc
+        self.num_reseeds += 1
+        if any(s.day_pico or s.month_pico for s in spends.values()):
+            self.num_reseeds_raised += 1
+            self._reseeds_unlogged += 1
+            at = time.monotonic()
+            if at - self._reseed_logged_at >= RESEED_LOG_EVERY_S:
+                log.warning("Redis had lost quota counters (restarted without persistence, flushed, or a lagging "
+                            "replica): %d tenants' day and month spend raised to the ledger's since the last such "
+                            "log", self._reseeds_unlogged)
+                self._reseed_logged_at, self._reseeds_unlogged = at, 0
 
     def _read_late(self, started: float, first: float) -> bool:
         """Whether a try (begun at `started`, its call at `first`, by the loop's clock) that timed out is to be

@@ -7,6 +7,9 @@
 --       instant that dates its money is the arrival moved into [TIME - lag, TIME] (shared.lua `clock`), then 6 per
 --       scope: the scope's key base (its money counters are <base>:day:<YYYYMMDD> and
 --       <base>:month:<YYYYMM>) and its limits (rpm, tpm, concurrent, day, month; -1 = unlimited)
+--       Optionally, after the scopes' keys, the tenant's seeded sentinel (reseed.lua): where it is missing, Redis
+--       lost the tenant's money counters (a restart without persistence, a failover to a lagging replica) and
+--       nothing is charged until they are raised to the ledger's totals: the answer is {2, now ms}
 -- Answers {1, now ms, day, month, then 5 per scope: requests, tokens, reset ms, spent today, spent this month}
 --      or {0, reason, scope index, retry ms, now ms, day, month, then 2 per scope: spent today, this month}
 local rid, tokens, money = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
@@ -64,6 +67,8 @@ end
 local state = redis.call('HGET', KEYS[1], 'st')
 if state == 'r' then return admitted() end
 if state then return refuse('duplicate', 0, 0) end
+local sentinel = KEYS[3 + 5 * n]
+if sentinel and redis.call('EXISTS', sentinel) == 0 then return {2, now} end
 
 for i = 0, n - 1 do
   local k = 2 + 5 * i
