@@ -225,8 +225,6 @@ class Pipeline:
                 raise
             raise err from exc
         finally:
-            if upstream is not None and outcome is not None and (outcome.status != "ok" or meter.cut):
-                await _close_quietly(upstream)
             kept: asyncio.Task[None] | None = None
 
             def keep_with_row(written: asyncio.Future[None]) -> None:
@@ -239,8 +237,12 @@ class Pipeline:
                     kept = self.settler.hand_off(keep_when_written(
                         self.idempotency.store, written, keep.claim, stored, ctx.plan.idempotency_ttl_s))
 
-            await self.settler.settle(ctx, attempt, outcome or meter.outcome("cancelled", 499), ticket, wait=wait,
-                                      with_row=with_row, on_queued=keep_with_row)
+            try:
+                if upstream is not None and outcome is not None and (outcome.status != "ok" or meter.cut):
+                    await _close_quietly(upstream)
+            finally:  # a task cancelled again while the stream closes still settles
+                await self.settler.settle(ctx, attempt, outcome or meter.outcome("cancelled", 499), ticket,
+                                          wait=wait, with_row=with_row, on_queued=keep_with_row)
         if self.shadow is not None and attempt.final and prepared.prompt is not None and not attempt.is_cache_hit:
             self.shadow.send(attempt.route.tier, attempt.request_id, req, prepared.prompt.output_cap, outcome.text,
                              tenant=ctx.tenant)
