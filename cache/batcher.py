@@ -8,7 +8,8 @@ loop and runs them together in its one worker thread (the forward releases the G
 - a batch starts when `max_batch` texts are queued, or `max_wait_s` after its first text arrived, or at once
   when no other lookup has announced a text (`announce`): a lone request is never held back for company;
 - texts that arrive while a forward runs form the next batch, which starts the moment that forward ends;
-- equal texts in one batch are embedded once;
+- equal texts of one owner in one batch are embedded once (never across owners: a tenant must not learn, from
+  a batch one text shorter, that another tenant sent its text at the same moment);
 - a batch takes its texts in turns from the callers' owners (a tenant, say), oldest first within each: one
   owner's thousands of queued texts do not make another's one text wait for all of them, only for a batch.
 
@@ -107,19 +108,20 @@ class EmbeddingBatcher:
             return
         batch, self._queue = take_turns(self._queue, self.max_batch)
         loop = self._busy = asyncio.get_running_loop()
-        texts = list(dict.fromkeys(t for t, _, _ in batch))
+        keys = list(dict.fromkeys((owner, text) for text, _, owner in batch))
+        texts = [text for _, text in keys]
         work: ThreadFuture[list[np.ndarray | None]] = self._executor.submit(self.encode_many, texts)
-        work.add_done_callback(lambda w: loop.call_soon_threadsafe(self._finish, batch, texts, w))
+        work.add_done_callback(lambda w: loop.call_soon_threadsafe(self._finish, batch, keys, w))
 
-    def _finish(self, batch: list[Queued], texts: list[str],
+    def _finish(self, batch: list[Queued], keys: list[tuple[Hashable, str]],
                 work: ThreadFuture[list[np.ndarray | None]]) -> None:
         self._busy = None
         self.num_batches += 1
-        self.num_texts += len(texts)
+        self.num_texts += len(keys)
         cancelled = work.cancelled()  # the executor was shut down (the cache closed)
         error = None if cancelled else work.exception()
-        vectors = {} if cancelled or error is not None else dict(zip(texts, work.result(), strict=True))
-        for text, future, _ in batch:
+        vectors = {} if cancelled or error is not None else dict(zip(keys, work.result(), strict=True))
+        for text, future, owner in batch:
             if future.done():
                 continue
             if cancelled:
@@ -127,7 +129,7 @@ class EmbeddingBatcher:
             elif error is not None:
                 future.set_exception(error)
             else:
-                future.set_result(vectors[text])
+                future.set_result(vectors[owner, text])
         if self._queue:  # these waited through a whole forward already: no more waiting for company
             self._start()
 

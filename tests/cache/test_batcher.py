@@ -103,3 +103,17 @@ async def test_batches_take_turns_between_owners() -> None:
     assert [t for b in encoder.batches for t in b if t.startswith("f")] == [f"f{i}" for i in range(20)]
     assert sum(len(b) for b in encoder.batches) == 23 and all(len(b) <= 4 for b in encoder.batches)
     batcher.close()
+
+
+async def test_equal_texts_of_different_owners_are_embedded_apart() -> None:
+    """A batch one text shorter would tell a tenant that another sent its very text at the same moment: equal
+    texts are embedded once per owner, never shared across owners."""
+    encoder = FakeEncoder()
+    batcher = EmbeddingBatcher(encoder, max_batch=8, max_wait_s=10.0)
+    coming = [batcher.announce() for _ in range(3)]
+    tasks = [asyncio.create_task(batcher.embed("same", c, owner=o)) for c, o in
+             zip(coming, ["a", "b", "a"], strict=True)]
+    results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=5)
+    assert encoder.batches == [["same", "same"]]  # a's two once, b's apart
+    assert all(r is not None and r[0] == 4 for r in results)
+    batcher.close()
