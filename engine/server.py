@@ -67,7 +67,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from assets.parent_watch import ENGINE_INSTANCE_ENV
 from engine.llm_engine import EngineBusyError, EngineDeadError, EngineInputError, LLMEngine, RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.tool_calls import ToolAnswer, answer_format, tools_param
+from engine.tool_calls import ToolAnswer, answer_format, ends_at_first_call, one_call, tools_param
 from wire import responses
 from wire.chat_request import ChatCompletionRequest
 from wire.client_watch import CLIENT_CLOSED, ClientLeft, ClientWatch
@@ -242,6 +242,8 @@ def create_engine_app(engine: LLMEngine, *, model_name: str, model_version: str)
         frames = (_chat_frames(tokenizer, ToolAnswer.for_request(req)) if chat  # type: ignore[arg-type]
                   else _text_frames(tokenizer, len(req.text)))  # type: ignore[union-attr]
         outputs = engine.generate(ids, params, request_id=rid, priority=req.priority, cache_salt=salt)
+        if chat and ends_at_first_call(req):  # type: ignore[arg-type]
+            outputs = one_call(outputs, req)  # type: ignore[arg-type]
         if req.stream:
             return Stream(_sse(outputs, rid, model_name, req.include_usage, req.continuous_usage, frames),
                           media_type="text/event-stream", headers={"cache-control": "no-cache"})

@@ -14,6 +14,8 @@ The prompt side is wire/tool_calls.py (the functions rendered into the system me
   ends at its first call (wire/tool_calls.py's `parse_answer`: what the model wrote after it is dropped, as at
   OpenAI a call ends the turn), and its finish_reason is "tool_calls" even when max_tokens cut the text after the
   call; a constrained answer's grammar allows one call already (`call_schema`), and anything past it is not read.
+  A free answer's generation stops as soon as its first call is whole (`one_call`): what the model would write
+  after it is dropped anyway, so it is neither made nor billed.
 
 The answer is model output, and the tenant steers it (a model told to echo writes what it is told), so parsing it
 holds whatever it says (wire/tool_calls.py): a block whose "name" is a list or an object is text, not a TypeError (a
@@ -25,13 +27,16 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
+from engine.outputs import RequestOutput
 from engine.sampling_params import EngineInputError
 from wire import responses
 from wire.chat_request import ChatCompletionRequest
 from wire.response_format import JsonSchemaSpec, ResponseFormat
-from wire.tool_calls import OPEN, Call, call_schema, new_call_id, parse_answer, parse_constrained, strict_calls
+from wire.tool_calls import CLOSE, OPEN, Call, call_schema, new_call_id, parse_answer, parse_constrained, strict_calls
 from wire.tools import offered_tools
 
 MAX_CALL_SCHEMA_BYTES = 256 * 1024  # the call schema of every offered function together, as compact JSON
@@ -66,6 +71,34 @@ def tools_param(exc: EngineInputError, req: ChatCompletionRequest) -> EngineInpu
     if exc.param == "response_format" and call_schema(req) is not None:
         return EngineInputError(str(exc).replace("response_format:", "tools:", 1), param="tools", code=exc.code)
     return exc
+
+
+def ends_at_first_call(req: ChatCompletionRequest) -> bool:
+    """Whether `req`'s answer ends at its first call: `parallel_tool_calls: false` on a free answer (a constrained
+    one's grammar ends after its one call by itself)."""
+    return (req.parallel_tool_calls is False and call_schema(req) is None
+            and bool(offered_tools(req.tools, req.tool_choice)))
+
+
+async def one_call(outputs: AsyncIterator[RequestOutput], req: ChatCompletionRequest) -> AsyncIterator[RequestOutput]:
+    """`outputs` up to the one whose text makes the answer's first call whole, given as the last ("stop"), and the
+    generation aborted there (closing `outputs` aborts the request: its slot and KV blocks go back). The text is
+    parsed again only when an output brings a `</tool_call>`, from the first `<tool_call>` on."""
+    names = {t.function.name for t in offered_tools(req.tools, req.tool_choice)}
+    text = ""
+    try:
+        async for out in outputs:
+            before = len(text)
+            text += out.text
+            at = text.find(OPEN)
+            if not out.finished and out.error is None and at >= 0 \
+                    and text.find(CLOSE, max(at, before - len(CLOSE))) >= 0 and parse_answer(
+                        text[at:], names, parallel=False)[1]:
+                yield replace(out, finished=True, finish_reason="stop")
+                return
+            yield out
+    finally:
+        await outputs.aclose()  # type: ignore[attr-defined]
 
 
 class ToolAnswer:

@@ -47,7 +47,7 @@ from wire.tools import Tool, must_call, offered_tools
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 MAX_BLOCKS_TRIED = 256  # `<tool_call>` openings parsed in one answer; the rest stay text
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
-PREAMBLE = ("You may call one or more functions to assist with the user query.\n\n"
+PREAMBLE = ("You may call {how_many} to assist with the user query.\n\n"
             "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
             "For each function call, return a json object with function name and arguments within "
             "<tool_call></tool_call> XML tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": "
@@ -72,11 +72,13 @@ def new_call_id() -> str:
     return f"call_{secrets.token_hex(12)}"
 
 
-def tools_preamble(tools: list[Tool]) -> str:
-    """The system-message text that offers `tools`."""
+def tools_preamble(tools: list[Tool], *, parallel: bool = True) -> str:
+    """The system-message text that offers `tools`: one call at most without `parallel` (the answer ends at its
+    first call, `parse_answer`)."""
     lines = [json.dumps({"type": "function", "function": t.function.model_dump(exclude_none=True)},
                         ensure_ascii=False) for t in tools]
-    return PREAMBLE.format(tools="\n".join(lines))
+    return PREAMBLE.format(tools="\n".join(lines), how_many="one or more functions" if parallel else
+                           "at most one function")
 
 
 def render_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
@@ -134,7 +136,7 @@ def unrendered_name(req: ChatCompletionRequest, roles: frozenset[str]) -> int | 
 def preamble(req: ChatCompletionRequest) -> str:
     """The system-message text that offers the request's tools ("" when it offers none)."""
     offered = offered_tools(req.tools, req.tool_choice)
-    return tools_preamble(offered) if offered else ""
+    return tools_preamble(offered, parallel=req.parallel_tool_calls is not False) if offered else ""
 
 
 def with_preamble(turns: list[dict[str, str]], text: str) -> list[dict[str, str]]:

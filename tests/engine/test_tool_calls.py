@@ -271,3 +271,40 @@ def test_the_engine_answers_required_and_named_choices_with_valid_calls(engine_u
     arguments = "".join(e.function.arguments or "" for e in entries if e.index == 0)  # type: ignore[union-attr]
     jsonschema.validate(json.loads(arguments), SCHEMAS["get_weather"])
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+
+
+def test_without_parallel_calls_generation_stops_at_the_first_whole_call() -> None:
+    """What the model would write after its one call is dropped, so it is not made, nor billed: the engine stops
+    the generation at the token that closes the first call, whole and streamed (usage counts the tokens made)."""
+    import httpx
+
+    from engine.llm_engine import LLMEngine
+    from engine.server import create_engine_app
+    from tests.engine.fakes import CharTokenizer, ScriptedRunner
+    from tests.stubs import ServerThread
+
+    compact = TWO_CALLS.replace("\n", "")
+    first_call = compact.index("</tool_call>") + len("</tool_call>")  # one token a character
+    eng = LLMEngine(ScriptedRunner(reply=compact, max_model_len=2048, num_kv_blocks=128), CharTokenizer())
+    eng.start()
+    server = ServerThread(create_engine_app(eng, model_name="m", model_version="v")).start()
+    body = {"model": "m", "messages": USER, "tools": [WEATHER, ADD], "parallel_tool_calls": False, "max_tokens": 400}
+    try:
+        whole = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=30).json()
+        with httpx.stream("POST", f"{server.url}/v1/chat/completions", timeout=30,
+                          json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        both = httpx.post(f"{server.url}/v1/chat/completions", json={**body, "parallel_tool_calls": True},
+                          timeout=30).json()
+        assert eng.stats().num_running == 0  # the stopped generations freed their slots
+    finally:
+        server.stop()
+        eng.shutdown()
+    assert whole["usage"]["completion_tokens"] == first_call
+    assert whole["choices"][0]["finish_reason"] == "tool_calls"
+    assert [c["function"]["name"] for c in whole["choices"][0]["message"]["tool_calls"]] == ["add"]
+    assert chunks[-1]["usage"]["completion_tokens"] == first_call
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "tool_calls"
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert list(joined(deltas)) == [0] and joined(deltas)[0]["name"] == "add"
+    assert both["usage"]["completion_tokens"] == len(compact) + 1  # several calls allowed: all of it, and its end

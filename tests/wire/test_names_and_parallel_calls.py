@@ -65,3 +65,14 @@ def test_without_parallel_calls_an_answer_has_its_first_call_and_ends_there() ->
     both = '[{"name": "f", "arguments": {}}, {"name": "g", "arguments": {}}]'
     assert [c.name for c in parse_constrained(both, names) or []] == ["f", "g"]
     assert [c.name for c in parse_constrained(both, names, parallel=False) or []] == ["f"]
+
+
+def test_the_tools_prompt_offers_one_call_only_without_parallel_calls() -> None:
+    """The model is told what the answer will keep: at most one call under `parallel_tool_calls: false`."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    user = [{"role": "user", "content": "hi"}]
+    single = render_messages(chat(user, tools=tools, parallel_tool_calls=False))[0]["content"]
+    several = render_messages(chat(user, tools=tools))[0]["content"]
+    assert single.startswith("You may call at most one function") and "one or more" not in single
+    assert several.startswith("You may call one or more functions")
+    assert several == render_messages(chat(user, tools=tools, parallel_tool_calls=True))[0]["content"]
