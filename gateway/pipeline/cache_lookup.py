@@ -54,6 +54,7 @@ from gateway.tenants.store import TenantStore
 from quotas.plans import RoutingPlan
 from tiers.catalogue import TierSpec
 from tiers.fleet import Fleet
+from tiers.predictor import PredictorSource
 from tiers.routing import AUTO
 from wire.chat_request import ChatCompletionRequest
 
@@ -68,6 +69,21 @@ def cascade_acceptance(routing: RoutingPlan, floor: float | None) -> str:
     """What the cascade's check of an answer is, at `floor`: its plain checks' fixed threshold and the floor of
     its calibrated one. Answers accepted by one check are not served where another decides."""
     return f"cascade:min_mean_logprob={routing.cascade_min_mean_logprob!r}:floor={floor!r}"
+
+
+ARTIFACT = "|artifact="  # the last part of a cascaded lookup's scope: the router artifact its check read
+
+
+def artifact_version(predictor: PredictorSource | None) -> str | None:
+    """The version of the router artifact loaded now (None: none), whose thresholds the cascade's check reads."""
+    model = predictor.model if predictor is not None else None
+    return str(model.version) if model is not None else None
+
+
+def with_artifact(scope: CacheScope, artifact: str | None) -> CacheScope:
+    """`scope` (a cascaded lookup's) for the answers the check of router artifact `artifact` accepted: answers
+    accepted under one artifact's thresholds are not served as if another's had accepted them."""
+    return replace(scope, context_hash=f"{scope.context_hash.rsplit(ARTIFACT, 1)[0]}{ARTIFACT}{artifact!r}")
 
 
 def storable(outcome: Outcome, client_cap: int | None) -> bool:
@@ -117,7 +133,10 @@ class CacheStage:
         self._background: set[asyncio.Task[Any]] = set()
 
     async def lookup(self, ctx: RequestContext, req: ChatCompletionRequest, tier: TierSpec,
-                     degr: Degradation) -> CacheLookup:
+                     degr: Degradation, artifact: str | None = None) -> CacheLookup:
+        """`artifact`: the router artifact loaded now (`artifact_version`); a cascaded request is looked up among
+        the answers its check accepted (the cascade stores its accepted answer under the artifact its check read,
+        cascade.py's `_accepted`)."""
         body = req.model_dump(mode="json", exclude_none=True)
         if self.cache is None:
             return CacheLookup(Bypass("bypass: the cache is off"), None, None, body, ctx.headers, ())
@@ -125,7 +144,8 @@ class CacheStage:
         accepted_by = _cascaded(ctx, req)
         scope = self._scope(ctx, req, tier, body)
         if accepted_by is not None:  # apart from the tier's answers that no check accepted
-            scope = replace(scope, context_hash=f"{scope.context_hash}|accepted_by={accepted_by}")
+            scope = with_artifact(replace(scope, context_hash=f"{scope.context_hash}|accepted_by={accepted_by}"),
+                                  artifact)
         try:
             result = await self.cache.alookup(scope, body, headers=ctx.headers, policy=policy)
         except (CacheStoreError, EmbedderError) as exc:

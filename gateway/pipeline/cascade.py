@@ -43,7 +43,7 @@ from typing import Any, Protocol
 from cache import Bypass
 from gateway.errors import TiergateError
 from gateway.pipeline.attempt import Attempt, Prepared
-from gateway.pipeline.cache_lookup import CacheLookup, cascade_acceptance
+from gateway.pipeline.cache_lookup import CacheLookup, artifact_version, cascade_acceptance, with_artifact
 from gateway.pipeline.context import RequestContext
 from gateway.pipeline.events import Event, Head
 from gateway.pipeline.idempotency import Keep
@@ -88,6 +88,7 @@ class Check:
     reading: Reading | None  # the signals to ask the tier for (None: no log-probabilities needed)
     strong: str | None  # the dearer tier a retry would use, for the pair's thresholds
     calibration: Any  # tiers/difficulty.py's CascadeCalibration, or None
+    artifact: str | None = None  # the router artifact's version when the check was decided (`artifact_version`)
 
 
 async def cascade(pipeline: Pipeline, ctx: RequestContext, prepared: Prepared) -> AsyncIterator[Event]:
@@ -125,7 +126,7 @@ async def cascade(pipeline: Pipeline, ctx: RequestContext, prepared: Prepared) -
     async def judge(attempt: Attempt, outcome: Outcome) -> Attempt:
         nonlocal step
         if step is None:
-            step = (Step(_streamed(ctx, attempt, outcome, early), None) if stream
+            step = (Step(_streamed(ctx, attempt, outcome, early, check), None) if stream
                     else await _judge(pipeline, ctx, prepared, attempt, outcome, check, early))
         return step.attempt
 
@@ -193,11 +194,11 @@ async def _judge(pipeline: Pipeline, ctx: RequestContext, prepared: Prepared, at
     if verdict is None:
         verdict, note = (None, early) if early is not None else _confidence(attempt, outcome, check)
         if verdict is None:
-            return Step(_accepted(ctx, replace(attempt, extra_reason=(note,)) if note else attempt), None)
+            return Step(_accepted(ctx, replace(attempt, extra_reason=(note,)) if note else attempt, check), None)
     return await _escalate(pipeline, ctx, prepared, attempt, verdict)
 
 
-def _streamed(ctx: RequestContext, attempt: Attempt, outcome: Outcome, early: str | None) -> Attempt:
+def _streamed(ctx: RequestContext, attempt: Attempt, outcome: Outcome, early: str | None, check: Check) -> Attempt:
     """A streamed first answer at its end, sent whole (never retried): the look-ahead's note on its route reason
     (`early`, None when it did not judge), and kept in the cache only when the look-ahead judged it and the plain
     checks pass on the whole answer."""
@@ -208,17 +209,19 @@ def _streamed(ctx: RequestContext, attempt: Attempt, outcome: Outcome, early: st
     if check_answer(outcome.text, finish_reason=outcome.finish_reason, cap_by_context=attempt.cap_by_context,
                     mean_logprob=outcome.mean_logprob, min_mean_logprob=fixed) is not None:
         return noted
-    return _accepted(ctx, noted)
+    return _accepted(ctx, noted, check)
 
 
-def _accepted(ctx: RequestContext, attempt: Attempt) -> Attempt:
+def _accepted(ctx: RequestContext, attempt: Attempt, check: Check) -> Attempt:
     """The attempt whose answer the check accepted: its lookup marked so, and so kept, where the check that ran is
-    the one its scope names (at a floor a low budget relaxed it is not)."""
+    the one its scope names (at a floor a low budget relaxed it is not), under the router artifact the check read
+    (`with_artifact`: the one loaded at the lookup, unless another has been loaded since)."""
     lookup = attempt.lookup
     if lookup.accepted_by is None or lookup.accepted_by != cascade_acceptance(ctx.plan.routing,
                                                                               attempt.route.route.floor):
         return attempt
-    return replace(attempt, lookup=replace(lookup, accepted=True))
+    scope = with_artifact(lookup.scope, check.artifact) if lookup.scope is not None else None
+    return replace(attempt, lookup=replace(lookup, scope=scope, accepted=True))
 
 
 async def _escalate(pipeline: Pipeline, ctx: RequestContext, prepared: Prepared, attempt: Attempt,
@@ -268,19 +271,21 @@ async def _check(pipeline: Pipeline, ctx: RequestContext, prepared: Prepared) ->
     attempt, fixed = prepared.attempt, _plain(ctx).reading
     floor, source = attempt.route.route.floor, pipeline.route.predictor
     if floor is None or source is None:
-        return Check(fixed, None, None)
+        return Check(fixed, None, None, artifact_version(source))
     fleet = pipeline.route.fleet
     target = next_dearer(fleet.catalogue, attempt.route.tier, ctx.plan.allowed_tiers, fleet.unavailable(),
                          Verdict("low_confidence", ""))
     calibration = await source.calibration()
+    artifact = artifact_version(source)  # the calibration's own: nothing awaited in between
     if target is None or calibration is None:
-        return Check(fixed, None, None)
+        return Check(fixed, None, None, artifact)
     cheap = attempt.route.tier.name
     if calibration.early_pair(cheap, target.name) is not None:
-        return Check(Reading(calibration.top_logprobs, calibration.lookahead.tokens), target.name, calibration)
+        return Check(Reading(calibration.top_logprobs, calibration.lookahead.tokens), target.name, calibration,
+                     artifact)
     if calibration.pair(cheap, target.name) is not None:
-        return Check(Reading(calibration.top_logprobs), target.name, calibration)
-    return Check(fixed, None, None)
+        return Check(Reading(calibration.top_logprobs), target.name, calibration, artifact)
+    return Check(fixed, None, None, artifact)
 
 
 def _plain(ctx: RequestContext) -> Check:

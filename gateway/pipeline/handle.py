@@ -26,7 +26,7 @@ from gateway.ladder.apply import NORMAL, Degradation
 from gateway.ladder.controller import LadderController
 from gateway.pipeline.attempt import Attempt, Prepared
 from gateway.pipeline.cache_check import CacheChecks
-from gateway.pipeline.cache_lookup import CacheLookup, CacheStage, check_data_version
+from gateway.pipeline.cache_lookup import CacheLookup, CacheStage, artifact_version, check_data_version
 from gateway.pipeline.cascade import cascade
 from gateway.pipeline.context import RequestContext
 from gateway.pipeline.dispatch import DispatchStage
@@ -134,7 +134,7 @@ class Pipeline:
         # counted, and refused if it cannot fit, before the cache is looked up: a lookup may embed the last turn on
         # the embedding queue every tenant shares, which a request that can never run must not hold up
         prompt = await self._measure_early(ctx, req, route)
-        lookup = await self.cache.lookup(ctx, req, route.tier, degr)
+        lookup = await self.cache.lookup(ctx, req, route.tier, degr, artifact_version(self.route.predictor))
         if (hit := lookup.hit) is not None:  # a cached answer needs no tier, however busy
             tokens = int(hit.usage.get("prompt_tokens", 0)) + int(hit.usage.get("completion_tokens", 0))
             price = ctx.plan.cache.hit_price_per_1k * tokens / 1000

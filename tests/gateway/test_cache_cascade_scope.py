@@ -19,8 +19,9 @@ from gateway.settings import Settings
 from tests.conftest import Gateway, running_gateway
 from tests.gateway.test_cache_api import wait_for_stores
 from tests.gateway.test_cascade_logprobs import PLANS, calibrated, engine_small, settings  # noqa: F401 (fixtures)
-from tests.gateway.test_routing_api import chat, with_difficulty_model
+from tests.gateway.test_routing_api import FakeDifficulty, chat, with_difficulty_model
 from tests.stubs import REPLY, StubState
+from tiers.predictor import PredictorSource
 
 MORE_PLANS = """
   unsure_streams:
@@ -127,3 +128,23 @@ def test_an_answer_accepted_at_a_relaxed_floor_is_not_kept_for_the_plans_floor(p
         assert "floor 0.6" in relaxed.headers["x-tiergate-route-reason"] and text(relaxed) == "unsure."
         assert ask(gw, "easy, once more").headers["x-tiergate-cache"] == "miss"
         assert ask(gw).headers["x-tiergate-cache"] == "hit"
+
+
+class Recalibrated(FakeDifficulty):
+    version = "fake-2"
+
+
+def test_an_answer_accepted_under_another_router_artifact_is_not_served_to_auto(
+        plans: tuple[Settings, StubState], tmp_path: Path) -> None:
+    """The check's thresholds are the router artifact's: once another artifact is in use, answers the old one's
+    check accepted are not served as if the new one had (they were kept under the old artifact's version)."""
+    with running_gateway(plans[0], plans[1], plan="lenient") as gw:
+        with_difficulty_model(gw, tmp_path)
+        assert ask(gw).headers["x-tiergate-cache"] == "miss"
+        assert ask(gw).headers["x-tiergate-cache"] == "hit"  # kept, under fake-1
+        artifact = tmp_path / "recalibrated.json"
+        artifact.write_text("{}")
+        gw.app.state.services.pipeline.route.predictor = PredictorSource(artifact, lambda _: Recalibrated())
+        again = ask(gw)
+        assert again.headers["x-tiergate-cache"] == "miss" and text(again) == "unsure."  # checked again, by fake-2
+        assert ask(gw).headers["x-tiergate-cache"] == "hit"  # and kept under fake-2
