@@ -42,13 +42,16 @@ from typing import Any
 
 import numpy as np
 
+from cache.owner_memo import OwnerMemo
+
 # `python -m bench.meaning_threshold` (2026-12-02): the smallest score letting at most 2% of the training split's
 # edits through; there it let 2.0% of 803 edits through and accepted 86.5% of 539 paraphrases (10 of them, longer
 # than MAX_TOKENS, refused unread).
 ACCEPT_MARGIN = -1.35
 MAX_TOKENS = 160  # the model's sequence, as exported; a pair longer than this is not read, so it is refused
 MAX_CHARS = 1000  # per question: longer ones cannot fit MAX_TOKENS with the other, refused before tokenizing
-REMEMBERED = 4096  # recent scores, by a digest of (scope, cached question, new question)
+REMEMBERED = 256  # recent scores per scope (a tenant), by a digest of (cached question, new question)
+REMEMBERED_SCOPES = 128  # scopes with remembered scores at once (the least recently active one's dropped)
 MAX_CONCURRENT = 2  # passes at once in a process: lookups' worker threads are shared with other work
 WAIT_S = 0.5  # the longest a pass waits for its turn; then the candidate is refused (a miss), not waited for
 UNREAD = float("-inf")  # the score of a pair too long to read whole
@@ -83,7 +86,8 @@ class MeaningCheck:
         self._tokenizer: Any = None
         self._lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(max_concurrent)
-        self._memo: dict[bytes, float] = {}
+        self._memo: OwnerMemo[float] = OwnerMemo(REMEMBERED, REMEMBERED_SCOPES)  # a flood evicts its own only
+        self._memo_lock = threading.Lock()  # not `_lock`, which a first load holds for seconds
 
     def load(self) -> MeaningCheck:
         with self._lock:
@@ -104,14 +108,13 @@ class MeaningCheck:
     def score(self, cached: str, new: str, *, scope: str = "") -> float:
         if len(cached) > MAX_CHARS or len(new) > MAX_CHARS:
             return UNREAD
-        key = hashlib.blake2b(f"{scope}\0{cached}\0{new}".encode("utf-8", "surrogatepass"), digest_size=16).digest()
-        found = self._memo.get(key)
+        key = hashlib.blake2b(f"{cached}\0{new}".encode("utf-8", "surrogatepass"), digest_size=16).digest()
+        with self._memo_lock:
+            found = self._memo.get(scope, key)
         if found is None:
             found = self._run(cached, new)
-            with self._lock:
-                self._memo[key] = found
-                if len(self._memo) > REMEMBERED:
-                    del self._memo[next(iter(self._memo))]
+            with self._memo_lock:
+                self._memo.put(scope, key, found)
         return found
 
     def _run(self, cached: str, new: str) -> float:

@@ -17,7 +17,6 @@ A caller that names no owner gets no memo at all: a forward pass every time, nev
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from collections.abc import Hashable
 
 import numpy as np
@@ -25,39 +24,11 @@ import numpy as np
 from cache import guards
 from cache.batcher import Announcement, EmbeddingBatcher
 from cache.embedder import Embedder
+from cache.owner_memo import OwnerMemo
 
 SEMANTIC_MAX_CHARS = guards.MAX_CHARS  # the longest last user turn matched by meaning
 MEMO_PER_OWNER = 64  # recent turns whose vectors are kept for one owner (a lookup's, then its store's)
 MEMO_OWNERS = 128  # owners with a memo at once (the least recently active one's is dropped for a new one)
-
-
-class OwnerMemo:
-    """Recent vectors by (owner, text): one LRU per owner, owners in LRU order. Not thread-safe (TurnVectors
-    locks)."""
-
-    def __init__(self, per_owner: int = MEMO_PER_OWNER, owners: int = MEMO_OWNERS) -> None:
-        self.per_owner, self.owners = per_owner, owners
-        self._memos: OrderedDict[Hashable, OrderedDict[str, np.ndarray]] = OrderedDict()
-
-    def get(self, owner: Hashable, text: str) -> np.ndarray | None:
-        memo = self._memos.get(owner)
-        vector = memo.get(text) if memo is not None else None
-        if vector is not None:
-            memo.move_to_end(text)
-            self._memos.move_to_end(owner)
-        return vector
-
-    def put(self, owner: Hashable, text: str, vector: np.ndarray) -> None:
-        memo = self._memos.get(owner)
-        if memo is None:
-            memo = self._memos[owner] = OrderedDict()
-            while len(self._memos) > self.owners:
-                self._memos.popitem(last=False)
-        self._memos.move_to_end(owner)
-        memo[text] = vector
-        memo.move_to_end(text)
-        while len(memo) > self.per_owner:
-            memo.popitem(last=False)
 
 
 class TurnVectors:
@@ -66,7 +37,7 @@ class TurnVectors:
     def __init__(self, embedder: Embedder, *, max_batch: int = 32, max_wait_s: float = 0.003) -> None:
         self.embedder = embedder
         self.batcher = EmbeddingBatcher(self.encode_many, max_batch=max_batch, max_wait_s=max_wait_s)
-        self._memo = OwnerMemo()
+        self._memo: OwnerMemo[np.ndarray] = OwnerMemo(MEMO_PER_OWNER, MEMO_OWNERS)
         self._lock = threading.Lock()
 
     def embeddable(self, text: str) -> bool:

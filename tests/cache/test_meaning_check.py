@@ -82,6 +82,22 @@ def test_scores_are_remembered_per_scope(meaning: MeaningCheck, monkeypatch: pyt
     assert len(runs) == 2  # a repeat in one scope is remembered; another scope's is computed again
 
 
+def test_one_scopes_flood_evicts_only_its_own_scores(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tenant a's thousands of new pairs do not push tenant b's remembered scores out (a shared FIFO did: b paid
+    the model's pass again for every one of its repeats)."""
+    runs: list[tuple[str, str]] = []
+    check = MeaningCheck()  # no model: the passes are counted, not run
+    monkeypatch.setattr(check, "_run", lambda a, b: runs.append((a, b)) or 1.0)
+    check.score(STORED, PARAPHRASE, scope="tenant-b")
+    for i in range(5000):
+        check.score(STORED, f"{PARAPHRASE} #{i}", scope="tenant-a")
+    runs.clear()
+    check.score(STORED, PARAPHRASE, scope="tenant-b")
+    check.score(STORED, f"{PARAPHRASE} #4999", scope="tenant-a")  # a's own recent one, kept
+    check.score(STORED, f"{PARAPHRASE} #0", scope="tenant-a")  # a's oldest, evicted by a's own
+    assert runs == [(STORED, f"{PARAPHRASE} #0")]
+
+
 def test_a_failing_or_busy_check_makes_a_miss_never_an_error(checked_cache: SemanticCache,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     def fail(*args: object) -> None:

@@ -1,0 +1,40 @@
+"""Recent values per owner (a tenant): one LRU per owner, owners in LRU order.
+
+A memo shared by every tenant lets one time its own requests and learn what another asked lately (a remembered
+value is faster), and lets one tenant's flood evict everyone's values. Here each owner's values are evicted only by
+its own (`per_owner`), and whole memos by the `owners` most recently active owners. Not thread-safe: callers lock.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable
+from typing import Generic, TypeVar
+
+V = TypeVar("V")
+
+
+class OwnerMemo(Generic[V]):
+    def __init__(self, per_owner: int, owners: int) -> None:
+        self.per_owner, self.owners = per_owner, owners
+        self._memos: OrderedDict[Hashable, OrderedDict[Hashable, V]] = OrderedDict()
+
+    def get(self, owner: Hashable, key: Hashable) -> V | None:
+        memo = self._memos.get(owner)
+        value = memo.get(key) if memo is not None else None
+        if value is not None:
+            memo.move_to_end(key)  # type: ignore[union-attr]
+            self._memos.move_to_end(owner)
+        return value
+
+    def put(self, owner: Hashable, key: Hashable, value: V) -> None:
+        memo = self._memos.get(owner)
+        if memo is None:
+            memo = self._memos[owner] = OrderedDict()
+            while len(self._memos) > self.owners:
+                self._memos.popitem(last=False)
+        self._memos.move_to_end(owner)
+        memo[key] = value
+        memo.move_to_end(key)
+        while len(memo) > self.per_owner:
+            memo.popitem(last=False)
