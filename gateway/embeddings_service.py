@@ -66,6 +66,7 @@ from gateway.ladder.controller import LadderController
 from gateway.metrics import GatewayMetrics
 from gateway.pipeline.context import RequestContext
 from gateway.pipeline.gate import TenantGate, refused_size, scopes_of
+from gateway.pipeline.handed_off import HandedOff
 from gateway.pipeline.idempotency import HEADER as IDEMPOTENCY_HEADER
 from gateway.pipeline.idempotency import REPLAY_HEADER, IdempotencyStage, Keep, keep_when_written
 from gateway.pipeline.refusals import RefusalLog
@@ -141,7 +142,7 @@ class EmbeddingsService:
         self.ladder = ladder
         self.idempotency = idempotency  # chat's stage (its store and rules); None: the header is refused
         self.batcher = EmbeddingBatcher(self._encode_many, max_batch=max_batch, max_wait_s=max_wait_s)
-        self._background: set[asyncio.Task[None]] = set()
+        self._handed = HandedOff(log, "work handed off by an embeddings request failed")
 
     async def embed(self, ctx: RequestContext, body: bytes) -> tuple[bytes, dict[str, str]]:
         """The answer to one embeddings request (its JSON body) and its headers (OpenAI's `x-ratelimit-*`; the replay
@@ -343,22 +344,13 @@ class EmbeddingsService:
         assert self.idempotency is not None
         await keep_when_written(self.idempotency.store, written, keep.claim, stored, ttl_s)
 
-    def _hand_off(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+    def _hand_off(self, work: Coroutine[Any, Any, None]) -> asyncio.Future[None]:
         """Run `work` to its end even if the request is cancelled; its failure is logged."""
-        task = asyncio.get_running_loop().create_task(work)
-        self._background.add(task)
-        task.add_done_callback(self._done)
-        return task
-
-    def _done(self, task: asyncio.Task[None]) -> None:
-        self._background.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("work handed off by an embeddings request failed: %s", task.exception())
+        return self._handed.run(work)
 
     async def drain(self) -> None:
         """Wait for handed-off settlements (shutdown, tests)."""
-        if self._background:
-            await asyncio.gather(*self._background, return_exceptions=True)
+        await self._handed.drain()
 
     def close(self) -> None:
         self.batcher.close()

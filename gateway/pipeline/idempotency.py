@@ -46,6 +46,7 @@ from cache.scope import identity_snapshot
 from gateway.errors import Conflict, InvalidRequest, RateLimited, Unavailable, Unprocessable
 from gateway.pipeline.context import RequestContext
 from gateway.pipeline.events import Delta, Done, Event, Head
+from gateway.pipeline.handed_off import HandedOff
 from gateway.pipeline.meter import Outcome
 from quotas.idempotency import Claim, Full, IdempotencyStore, Mismatch, Replay, Running
 from quotas.ledger import LedgerUnavailable
@@ -102,26 +103,18 @@ class IdempotencyStage:
         self.wait_s = wait_s
         self.lease_s = lease_s  # a claim whose owner never finishes (a killed gateway) frees the key after this
         self.poll_s = poll_s
-        self._background: set[asyncio.Future[Any]] = set()  # claims whose request left, and their abandons
+        # claims whose request left, and their abandons
+        self._handed = HandedOff(log, "giving up the Idempotency-Key claim of a request that left failed")
 
     def _give_up(self, work: asyncio.Future[Any]) -> None:
         """A claim made for a request that left before it was told: given up (handed off), so a retry runs."""
-        self._background.discard(work)
         if work.cancelled() or work.exception() is not None or not isinstance(claim := work.result(), Claim):
             return  # nothing claimed (a store's failure to claim holds nothing for this request)
-        abandon = asyncio.ensure_future(self.store.abandon(claim))
-        self._background.add(abandon)
-        abandon.add_done_callback(self._abandoned)
-
-    def _abandoned(self, abandon: asyncio.Future[None]) -> None:
-        self._background.discard(abandon)
-        if not abandon.cancelled() and abandon.exception() is not None:
-            log.error("giving up the Idempotency-Key claim of a request that left failed: %s", abandon.exception())
+        self._handed.run(self.store.abandon(claim))
 
     async def drain(self) -> None:
         """Wait for claims of requests that left to be given up (shutdown, tests)."""
-        while self._background:
-            await asyncio.gather(*self._background, return_exceptions=True)
+        await self._handed.drain()
 
     async def begin(self, ctx: RequestContext, req: BaseModel, *, route: str | None = None) -> Claim | Replay | None:
         """None without the header; else this request's claim, or the stored answer to replay. `route`: what the
@@ -157,8 +150,7 @@ class IdempotencyStage:
             try:
                 begun = await asyncio.shield(work)
             except asyncio.CancelledError:
-                self._background.add(work)
-                work.add_done_callback(self._give_up)
+                self._handed.adopt(work, self._give_up)
                 raise
             except LedgerUnavailable as exc:  # the store's own failure, not this request's: nothing was claimed
                 raise Unavailable("Idempotency-Key: the idempotency records cannot be reached now; nothing was run or "

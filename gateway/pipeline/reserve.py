@@ -22,6 +22,7 @@ from decimal import Decimal
 from gateway.errors import TiergateError, Unavailable
 from gateway.pipeline.context import RequestContext
 from gateway.pipeline.gate import REMEMBERED_REASONS, TenantGate
+from gateway.pipeline.handed_off import HandedOff
 from gateway.pipeline.limit_errors import limit_refusal, reset_duration
 from quotas.backends.base import QuotaBackendError
 from quotas.limits import Decision
@@ -35,7 +36,8 @@ class ReserveStage:
     def __init__(self, *, quotas: QuotaService, gate: TenantGate) -> None:
         self.quotas = quotas
         self.gate = gate
-        self._background: set[asyncio.Future[object]] = set()  # reserves whose request left, and their settles
+        # reserves whose request left, and their give-backs
+        self._handed = HandedOff(log, "giving back the reservation of a request that left failed")
 
     async def reserve(self, ctx: RequestContext, request_id: str, *, tokens: int, price: Decimal) -> Reservation:
         work = asyncio.ensure_future(self.quotas.reserve(
@@ -45,8 +47,7 @@ class ReserveStage:
         try:
             decision, reservation = await asyncio.shield(work)
         except asyncio.CancelledError:  # the request left: what the reserve admits is nobody's, so it is given back
-            self._background.add(work)
-            work.add_done_callback(self._give_back)
+            self._handed.adopt(work, self._give_back)
             raise
         except QuotaBackendError as exc:
             raise Unavailable("the quota service is unavailable; retry shortly", code="quota_backend_unavailable",
@@ -60,24 +61,15 @@ class ReserveStage:
 
     def _give_back(self, work: asyncio.Future[tuple[Decision, Reservation | None]]) -> None:
         """A reserve whose request left before it ended: a reservation it made is settled at zero use (handed off)."""
-        self._background.discard(work)
         if work.cancelled() or work.exception() is not None:
             return  # nothing admitted (a failed Redis reserve undoes what it may hold itself)
         _, reservation = work.result()
         if reservation is not None:
-            settle = asyncio.ensure_future(self.quotas.settle(reservation, tokens=0, price=Decimal(0)))
-            self._background.add(settle)
-            settle.add_done_callback(self._settled)
-
-    def _settled(self, settle: asyncio.Future[None]) -> None:
-        self._background.discard(settle)
-        if not settle.cancelled() and settle.exception() is not None:
-            log.error("giving back the reservation of a request that left failed: %s", settle.exception())
+            self._handed.run(self.quotas.settle(reservation, tokens=0, price=Decimal(0)))
 
     async def drain(self) -> None:
         """Wait for reservations of requests that left to be given back (shutdown, tests)."""
-        while self._background:
-            await asyncio.gather(*self._background, return_exceptions=True)
+        await self._handed.drain()
 
 
 def refusal(plan: Plan, decision: Decision) -> TiergateError:

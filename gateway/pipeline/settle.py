@@ -22,6 +22,7 @@ from gateway.pipeline.attempt import Attempt
 from gateway.pipeline.cache_lookup import CacheStage
 from gateway.pipeline.context import RequestContext
 from gateway.pipeline.dispatch import DispatchStage
+from gateway.pipeline.handed_off import HandedOff
 from gateway.pipeline.meter import Outcome
 from gateway.rollout.service import RolloutService
 from quotas.dispatch import Ticket
@@ -44,7 +45,8 @@ class Settler:
         self.signals = signals
         self.catalogue = catalogue
         self.rollouts = rollouts  # counts each version's requests and errors during a rollout
-        self._background: set[asyncio.Task[Any]] = set()
+        # settles and kept answers whose request may leave before they end
+        self._handed = HandedOff(log, "work handed off by a request failed")
 
     async def settle(self, ctx: RequestContext, attempt: Attempt, outcome: Outcome, ticket: Ticket | None, *,
                      wait: bool, with_row: tuple[Statement, ...] = (),
@@ -130,23 +132,14 @@ class Settler:
             requested_tier=requested, route_saving_usd=route_saving, cache_status=attempt.lookup.status,
             cache_saving_usd=cache_saving, cascade_of=attempt.cascade_of, model_version=tier.version_name)
 
-    def hand_off(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+    def hand_off(self, work: Coroutine[Any, Any, None]) -> asyncio.Future[None]:
         """Run `work` to its end even if the caller is cancelled; its failure is logged (the backend's
         own failover decides what a failed settle means)."""
-        task = asyncio.get_running_loop().create_task(work)
-        self._background.add(task)
-        task.add_done_callback(self._done)
-        return task
-
-    def _done(self, task: asyncio.Task[Any]) -> None:
-        self._background.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("work handed off by a request failed: %s", task.exception())
+        return self._handed.run(work)
 
     async def drain(self) -> None:
         """Wait for handed-off settlements (shutdown, tests)."""
-        if self._background:
-            await asyncio.gather(*self._background, return_exceptions=True)
+        await self._handed.drain()
 
 
 def tpot(row: LedgerRow) -> float | None:
