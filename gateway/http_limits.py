@@ -48,10 +48,11 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from gateway.log_limits import client_logger
+from gateway.log_limits import access_logger, client_logger
 
 log = logging.getLogger("tiergate.http")
 CLIENT_LOG = client_logger()  # the protocol's own lines: what a client's bytes make it say
+access_logger()  # access lines, if an operator turns them on, without query strings (a key sent there)
 APP_LOG = logging.getLogger("uvicorn.error")  # a request cycle's: the app's errors
 MAX_HEAD_BYTES = 64 * 1024  # a request's line and headers
 MAX_HEADERS = 100  # a request's header lines
