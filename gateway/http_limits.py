@@ -23,7 +23,10 @@ in one read with its end (asyncio reads up to 256 KiB at a time) is refused at t
 app never run (one of 100 KB in one write was read by the app and answered 400). So does a request with more
 than `max_headers` header lines (100, as Apache's `LimitRequestFields`; OpenAI's SDKs send about 15): 7,000
 headers of a few bytes fit in the size limit, and the app's reading them (Litestar's headers, the key's look-up)
-cost 3-4 ms a request where a plain one costs 0.2.
+cost 3-4 ms a request where a plain one costs 0.2. A refused request's connection closes lingering: the refusal and
+then our end are sent, and the rest of the request is read and dropped (2 s and 1 MiB at most). Closed with it
+unread, the connection was reset under a client still sending, which then lost the 431 (every one of 300 clients
+sending a 512 KiB header in one write read a reset after it).
 
 **Encoding.** A body is read as it is sent: a request with a `Content-Encoding` other than `identity` (a gzipped
 body) gets a 415 `unsupported_content_encoding` as its headers are read, not a 400 that says its JSON is broken.
@@ -91,6 +94,8 @@ class LimitedProtocol(HttpToolsProtocol):
     max_headers = MAX_HEADERS
     timed_out = 0  # connections closed for a late request, by this process (for tests and logs)
     stalled = 0  # connections aborted for not reading their answer
+    linger_s = 2.0  # how long a refused request's rest is read and dropped before its connection is closed
+    linger_bytes = 1 << 20  # ...and how much of it
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -102,18 +107,23 @@ class LimitedProtocol(HttpToolsProtocol):
         self._head_bytes = 0  # bytes received while they had not
         self._head_parsed = 0  # bytes of the request line and headers the parser has handed over
         self._refusal: bytes | None = None  # the answer to a request refused at a header (`_refuse`)
+        self._lingering: asyncio.TimerHandle | None = None  # refused, closing: when to stop reading (`_close_refused`)
+        self._lingered = 0  # bytes read and dropped since
 
     def data_received(self, data: bytes) -> None:
+        if self._lingering is not None:  # a refused request's rest: read and dropped (`_close_refused`)
+            self._lingered += len(data)
+            if self._lingered > self.linger_bytes:
+                self.transport.abort()
+            return
         # parsed first: a chunk that ends the headers is not counted as head here (it may carry the body); what the
         # parser hands over of it is (`_parsed`)
         super().data_received(data)
-        if self._in_head and not self.transport.is_closing():
+        if self._in_head and not self.transport.is_closing() and self._lingering is None:
             self._head_bytes += len(data)
             if self._head_bytes > self.max_head_bytes:
                 log.debug("closed a connection from %s: request head over %d bytes", self.client, self.max_head_bytes)
-                if self._idle():  # never into an answer still being sent (a pipelined request's)
-                    self.transport.write(_TOO_LARGE_RESPONSE)
-                self.transport.close()
+                self._close_refused(_TOO_LARGE_RESPONSE)
 
     def on_url(self, url: bytes) -> None:
         super().on_url(url)
@@ -144,9 +154,24 @@ class LimitedProtocol(HttpToolsProtocol):
             super().send_400_response(msg)
             return
         log.debug("closed a connection from %s: request refused at a header", self.client)
-        if self._idle():  # never into an answer still being sent (a pipelined request's)
-            self.transport.write(self._refusal)
-        self.transport.close()
+        self._close_refused(self._refusal)
+
+    def _close_refused(self, response: bytes) -> None:
+        """Answer a request refused before its end with `response` and close the connection, lingering: the answer
+        and then the end of our side are sent, and what the client still sends of its request is read and dropped,
+        for at most `linger_s` and `linger_bytes`, before the connection is closed. Closed at once, with the rest of
+        the request unread, the connection would be reset, and a client still sending gets a broken connection
+        where it should read the refusal (nginx's `lingering_close`)."""
+        if not self._idle():  # never into an answer still being sent (a pipelined request's)
+            self.transport.close()
+            return
+        self._disarm()
+        self.transport.write(response)
+        if not self.transport.can_write_eof():
+            self.transport.close()
+            return
+        self.transport.write_eof()
+        self._lingering = self.loop.call_later(self.linger_s, self.transport.abort)
 
     def on_headers_complete(self) -> None:
         self._in_head = False
@@ -160,6 +185,7 @@ class LimitedProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        self._lingering = _cancelled(self._lingering)
         self._unstall()
         super().connection_lost(exc)
 

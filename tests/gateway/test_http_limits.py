@@ -86,6 +86,18 @@ def test_headers_past_the_size_limit_in_one_read_get_a_431(slow_gateway: Gateway
     assert got.startswith(b"HTTP/1.1 431 ") and b'"headers_too_large"' in got, got[:200]
 
 
+@pytest.mark.parametrize("head", [b"X-Big: " + b"a" * (512 * 1024) + b"\r\n",
+                                  b"".join(b"X-%d: a\r\n" % i for i in range(1000))], ids=["large", "many"])
+def test_a_client_still_sending_a_refused_head_reads_the_431_and_no_reset(slow_gateway: Gateway, head: bytes) -> None:
+    """The refused request's rest is read and dropped before the connection closes: closed with it unread, the
+    connection was reset under the client, which lost the 431 if it was still sending (every one of 300 here)."""
+    for _ in range(10):
+        sock = connect(slow_gateway, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n" + head
+                       + b"Content-Length: 2\r\n\r\n{}")
+        got, _ = read_until_closed(sock)  # a reset raises ConnectionResetError here
+        assert got.startswith(b"HTTP/1.1 431 ") and got.endswith(b"}"), got[:200]
+
+
 def test_a_large_body_after_small_headers_is_not_counted_as_headers(slow_gateway: Gateway) -> None:
     with slow_gateway.client(slow_gateway.tenant_key) as c:
         r = c.post("/v1/chat/completions", json={"model": "mid", "max_tokens": 2, "messages": [
