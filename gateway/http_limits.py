@@ -38,6 +38,10 @@ as it liked. Here a connection whose writes stay paused for `stall_s` is aborted
 app sees its client gone, so the request is cancelled, its upstream closed and its place freed, and it is billed
 for what ran, as any client that leaves.
 
+**Connections.** A process keeps at most a number of client connections, below its open-file limit, closing the
+one idle longest to make room (gateway/connection_cap.py): idle sockets cannot take the descriptors every tenant's
+requests need.
+
 This bounds what one slow client holds; a proxy in front (nginx's `client_header_timeout`, `client_body_timeout`
 and `send_timeout`) is still the place for per-address connection limits.
 """
@@ -51,6 +55,7 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from gateway.connection_cap import MAX_CONNECTIONS, ConnectionTable, connection_cap, raised_fd_limit
 from gateway.log_limits import access_logger, client_logger
 
 log = logging.getLogger("tiergate.http")
@@ -96,6 +101,7 @@ class LimitedProtocol(HttpToolsProtocol):
     stalled = 0  # connections aborted for not reading their answer
     linger_s = 2.0  # how long a refused request's rest is read and dropped before its connection is closed
     linger_bytes = 1 << 20  # ...and how much of it
+    client_connections = ConnectionTable(MAX_CONNECTIONS)  # this server's; `limited_protocol` gives each server its own
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -181,9 +187,19 @@ class LimitedProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        if not self.client_connections.opened(self):
+            log.debug("closed a new connection from %s: %d open, none idle", self.client, self.client_connections.cap)
+            transport.close()
+            return
         self._arm()
 
+    def close_for_room(self) -> None:
+        """Closed, idle, for a new connection (`ConnectionTable`)."""
+        log.debug("closed an idle connection from %s to make room for a new one", self.client)
+        self.transport.close()
+
     def connection_lost(self, exc: Exception | None) -> None:
+        self.client_connections.closed(self)
         self._disarm()
         self._lingering = _cancelled(self._lingering)
         self._unstall()
@@ -200,6 +216,7 @@ class LimitedProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         self._begun, self._in_head, self._head_bytes, self._head_parsed = True, True, 0, 0
+        self.client_connections.busy(self)
         super().on_message_begin()
 
     def on_message_complete(self) -> None:
@@ -212,6 +229,8 @@ class LimitedProtocol(HttpToolsProtocol):
         cycle = self.cycle  # a pipelined request that had come whole is answered now: no deadline for it
         if not self.transport.is_closing() and (cycle is None or cycle.response_complete or cycle.more_body):
             self._arm()  # the next request on this connection has the same time
+            if self._idle():
+                self.client_connections.idle(self)
 
     def _idle(self) -> bool:
         """No answer is being made on this connection (none yet, or the last one has ended)."""
@@ -253,14 +272,18 @@ def _cancelled(timer: asyncio.TimerHandle | None) -> None:
         timer.cancel()
 
 
-def limited_protocol(timeout_s: float, stall_s: float) -> type[LimitedProtocol]:
+def limited_protocol(timeout_s: float, stall_s: float, max_connections: int = MAX_CONNECTIONS) -> type[LimitedProtocol]:
     """The protocol class to hand uvicorn's `Config(http=...)`: requests whole within `timeout_s`, answers read
-    with no pause longer than `stall_s`."""
-    if timeout_s <= 0 or stall_s <= 0:
-        raise ValueError("the request deadline and the write stall limit must be positive")
-    return type("LimitedProtocol", (LimitedProtocol,), {"timeout_s": float(timeout_s), "stall_s": float(stall_s)})
+    with no pause longer than `stall_s`, at most `max_connections` open (`ConnectionTable`)."""
+    if timeout_s <= 0 or stall_s <= 0 or max_connections <= 0:
+        raise ValueError("the request deadline, the write stall limit and the connection cap must be positive")
+    return type("LimitedProtocol", (LimitedProtocol,), {"timeout_s": float(timeout_s), "stall_s": float(stall_s),
+                                                        "client_connections": ConnectionTable(max_connections)})
 
 
 def for_settings(settings: Any) -> type[LimitedProtocol]:
-    """The protocol for a gateway's settings (`request_receipt_timeout_s`, `response_stall_timeout_s`)."""
-    return limited_protocol(settings.request_receipt_timeout_s, settings.response_stall_timeout_s)
+    """The protocol for a gateway's settings (`request_receipt_timeout_s`, `response_stall_timeout_s`,
+    `max_connections`), for a server in this process: its open-file limit is raised to the hard limit first, and
+    the connection cap kept below it (gateway/connection_cap.py)."""
+    cap = connection_cap(raised_fd_limit(), settings.max_connections)
+    return limited_protocol(settings.request_receipt_timeout_s, settings.response_stall_timeout_s, cap)

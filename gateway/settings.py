@@ -8,6 +8,8 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from gateway.connection_cap import MAX_CONNECTIONS
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -55,6 +57,9 @@ class Settings(BaseSettings):
     request_receipt_timeout_s: float = Field(30.0, gt=0)
     # a connection whose answer stays unread this long (the client's socket full) is aborted and its request cancelled
     response_stall_timeout_s: float = Field(60.0, gt=0)
+    # client connections a process keeps (fewer where its open-file limit is low): past it, the one idle longest is
+    # closed for a new one (gateway/connection_cap.py: idle sockets cannot take the descriptors requests need)
+    max_connections: int = Field(MAX_CONNECTIONS, gt=0)
     # normal: a ledger commit reaches the OS before the response ends (survives a killed gateway);
     # full: it reaches the disk too (survives a power cut; an fsync per group commit, ~4 ms here).
     # SQLite only: with a database_url a commit is as durable as PostgreSQL's synchronous_commit (on: the disk)

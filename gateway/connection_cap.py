@@ -1,0 +1,83 @@
+"""How many client connections one gateway process keeps, and which it lets go at that number.
+
+A connection costs a file descriptor, and the process needs descriptors of its own: to its engines and remote
+tiers, Redis, the ledger, model files. Without a cap, one client holding idle sockets took them all: with the
+soft limit at 256, a client opening 400 connections and sending nothing left every other tenant's new
+connection dropped unanswered (libuv accepts and closes what it has no descriptor for) and the fleet marked the
+tiers down (their health checks failed with EMFILE), for as long as it held them (30 s a connection, the
+request deadline, and again after). Most hosts start a service with a soft limit of 1,024.
+
+So the process first raises its soft limit to the hard one (systemd's default hard limit is 524,288), then keeps
+at most `cap` client connections, `FD_RESERVE` descriptors below the limit. A connection past the cap makes room
+by closing the connection idle longest: one that has not sent a byte, or a kept-alive one between requests
+(clients open a new one for their next request). A connection with a request in progress is never closed for
+room; if none is idle, the new one is closed at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import resource
+from typing import Protocol
+
+log = logging.getLogger("tiergate.http")
+FD_RESERVE = 256  # descriptors kept below the limit for what the gateway opens itself (at most half of it)
+MAX_CONNECTIONS = 10_000  # the default cap (TIERGATE_MAX_CONNECTIONS): each connection holds memory too
+_NO_LIMIT = 1 << 20  # a limit read as "infinity" counts as this many
+
+
+def raised_fd_limit() -> int:
+    """Raise this process's soft limit on open files to its hard limit, where it is lower; the soft limit now."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft != resource.RLIM_INFINITY and soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError) as exc:
+            log.warning("could not raise the open-file limit from %d to %d: %s", soft, hard, exc)
+    return _NO_LIMIT if soft == resource.RLIM_INFINITY else soft
+
+
+def connection_cap(fd_limit: int, configured: int) -> int:
+    """At most `configured` connections, and `FD_RESERVE` (at most half the limit) below `fd_limit`."""
+    return max(1, min(configured, fd_limit - min(FD_RESERVE, fd_limit // 2)))
+
+
+class Closable(Protocol):
+    def close_for_room(self) -> None: ...
+
+
+class ConnectionTable:
+    """A process's open client connections, and which are idle, oldest idle first."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.open = 0
+        self._idle: dict[Closable, None] = {}  # in the order they became idle
+        self.made_room = 0  # idle connections closed for a new one
+        self.refused = 0  # new connections closed: the cap reached, none idle
+
+    def opened(self, conn: Closable) -> bool:
+        """A new connection, idle until its request begins; False when it must be closed (the cap reached and
+        nothing idle to close in its place)."""
+        self.open += 1
+        if self.open > self.cap:
+            oldest = next(iter(self._idle), None)
+            if oldest is None:
+                self.refused += 1
+                return False
+            del self._idle[oldest]
+            self.made_room += 1
+            oldest.close_for_room()
+        self._idle[conn] = None
+        return True
+
+    def busy(self, conn: Closable) -> None:
+        self._idle.pop(conn, None)
+
+    def idle(self, conn: Closable) -> None:
+        self._idle[conn] = None
+
+    def closed(self, conn: Closable) -> None:
+        self.open -= 1
+        self._idle.pop(conn, None)

@@ -1,0 +1,104 @@
+"""A process keeps at most `max_connections` client connections, closing the one idle longest for a new one
+(gateway/connection_cap.py): a client holding idle sockets cannot take the descriptors other tenants need.
+Before, at a soft limit of 256, 400 idle sockets from one client left 3 of 4 other tenants' requests dropped
+unanswered and a tier marked down (a probe, quoted in the commit that added the cap)."""
+
+from __future__ import annotations
+
+import json
+import resource
+import select
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from urllib.parse import urlparse
+
+import pytest
+
+from gateway.connection_cap import FD_RESERVE, ConnectionTable, connection_cap
+from gateway.settings import Settings
+from tests.conftest import Gateway, running_gateway
+from tests.stubs import ServerThread, StubState
+
+CAP = 16
+
+
+class Conn:
+    def __init__(self, name: str) -> None:
+        self.name, self.closed = name, False
+
+    def close_for_room(self) -> None:
+        self.closed = True
+
+
+def test_the_table_closes_the_connection_idle_longest_and_never_a_busy_one() -> None:
+    table = ConnectionTable(3)
+    a, b, c, d, e, f = (Conn(n) for n in "abcdef")
+    for conn in (a, b, c):
+        assert table.opened(conn)
+    table.busy(a)  # a request in progress
+    table.busy(b)
+    table.idle(b)  # b's answer ended: idle again, after c
+    assert table.opened(d) and not a.closed and c.closed and not b.closed  # c idle longest
+    table.closed(c)
+    assert table.opened(e) and b.closed  # then b; a is busy
+    table.closed(b)
+    table.busy(d)
+    table.busy(e)
+    assert not table.opened(f)  # nothing idle: the new one is closed itself
+    table.closed(f)
+    assert (table.open, table.made_room, table.refused) == (3, 2, 1) and not a.closed
+
+
+def test_the_cap_stays_below_the_open_file_limit() -> None:
+    assert connection_cap(1024, 10_000) == 1024 - FD_RESERVE
+    assert connection_cap(256, 10_000) == 128  # at most half the limit kept back
+    assert connection_cap(1 << 20, 10_000) == 10_000
+
+
+def test_the_soft_open_file_limit_is_raised_to_the_hard_one() -> None:
+    """In a process of its own: a soft limit of 256 under a hard one of 2,048 becomes 2,048."""
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard != resource.RLIM_INFINITY and hard < 2048:
+        pytest.skip(f"the hard open-file limit here is {hard}")
+    code = ("import resource; resource.setrlimit(resource.RLIMIT_NOFILE, (256, 2048)); "
+            "from gateway.connection_cap import raised_fd_limit; print(raised_fd_limit(), "
+            "resource.getrlimit(resource.RLIMIT_NOFILE)[0])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["2048", "2048"]
+
+
+@pytest.fixture
+def capped_gateway(gateway_settings: Settings, stub: tuple[ServerThread, StubState]) -> Iterator[Gateway]:
+    with running_gateway(gateway_settings.model_copy(update={"max_connections": CAP}), stub[1]) as gw:
+        yield gw
+
+
+def _closed_by_peer(sock: socket.socket) -> bool:
+    ready = select.select([sock], [], [], 0.5)[0]
+    return bool(ready) and sock.recv(1, socket.MSG_PEEK) == b""
+
+
+def test_idle_sockets_past_the_cap_leave_other_tenants_served(capped_gateway: Gateway) -> None:
+    url = urlparse(capped_gateway.url)
+    body = json.dumps({"model": "mid", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}).encode()
+    busy = socket.create_connection((url.hostname, url.port))  # a request begun, its body not all sent
+    busy.sendall((f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  f"Authorization: Bearer {capped_gateway.tenant_key}\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+                 + body[:5])
+    with capped_gateway.client(capped_gateway.tenant_key) as c:
+        assert c.get("/v1/models").status_code == 200  # the busy request's head has been read by now
+    idle = [socket.create_connection((url.hostname, url.port)) for _ in range(3 * CAP)]
+    try:
+        with capped_gateway.client(capped_gateway.tenant_key) as c:
+            for _ in range(5):
+                assert c.post("/v1/chat/completions", content=body,
+                              headers={"content-type": "application/json"}).status_code == 200
+        closed = [_closed_by_peer(s) for s in idle]
+        assert all(closed[:CAP]) and not all(closed), closed  # the oldest idle ones made room; not every one
+        busy.sendall(body[5:])  # the request in progress was never closed for room
+        assert busy.recv(65536).startswith(b"HTTP/1.1 200 ")
+    finally:
+        for s in [*idle, busy]:
+            s.close()
