@@ -1,16 +1,28 @@
-"""Who is asking: the bearer key → a principal. Provided to handlers as dependencies."""
+"""Who is asking: the bearer key → a principal. Provided to handlers as dependencies.
+
+A key's end ends what it has open: `while_key_active` looks at the key again at most every KEY_RECHECK_S while an
+answer is produced, so a key an admin revokes (or that expires) stops its streams at their next event after that,
+not at the end of their `max_tokens`. The look is the request path's own (a cached key costs no query), and a
+revocation reaches it as it reaches new requests (gateway/tenants/store.py: at once on the replica that revoked,
+within 20 ms on another process of the host, within 0.5 s on another replica of the fleet).
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import time
+from collections.abc import AsyncGenerator
+from typing import Any, TypeVar
 
 from litestar import Request
 from litestar.connection import ASGIConnection
 from litestar.di import NamedDependency
 from litestar.handlers import BaseRouteHandler
 
-from gateway.errors import Forbidden, Unauthenticated
+from gateway.errors import Forbidden, Unauthenticated, Unavailable
 from gateway.tenants.store import Principal, TenantStore
+
+KEY_RECHECK_S = 1.0  # an open answer looks at its key again at most this often
+T = TypeVar("T")
 
 
 def presented_key(request: ASGIConnection[Any, Any, Any, Any]) -> str | None:
@@ -69,3 +81,25 @@ async def require_admin(connection: ASGIConnection[Any, Any, Any, Any], _: BaseR
     dependencies in Litestar, so this one reads the store from the app's state."""
     if not (await authenticate_async(connection, connection.app.state.services.store)).key.is_admin:
         raise Forbidden("this route needs an admin key", code="admin_key_required")
+
+
+async def while_key_active(events: AsyncGenerator[T, None], store: TenantStore,
+                           presented: str) -> AsyncGenerator[T, None]:
+    """`events` until the key that asked is revoked or expires; then they are closed (the pipeline settles the request
+    as cancelled, billed for what ran, as when a client leaves) and a 401 `api_key_revoked` is raised, which a stream
+    sends as its last event. A look that cannot be made now (too many key ids being looked up) lets the answer go on."""
+    checked = time.monotonic()
+    try:
+        async for event in events:
+            if time.monotonic() - checked >= KEY_RECHECK_S:
+                checked = time.monotonic()
+                try:
+                    active = await store.authenticate_async(presented) is not None
+                except Unavailable:
+                    active = True
+                if not active:
+                    raise Unauthenticated("the API key was revoked or expired while this answer was produced",
+                                          code="api_key_revoked")
+            yield event
+    finally:
+        await events.aclose()

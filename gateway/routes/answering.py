@@ -3,7 +3,8 @@
 The chat and text-completion routes differ only in how they read the body and how they frame the events
 (`Framing`). A client that leaves stops its work: until the answer's first byte is sent (for a stream) or until
 the whole answer is ready (otherwise), the handler also listens for the client's disconnect and then cancels the
-pipeline, which settles the request as cancelled and billed for what ran.
+pipeline, which settles the request as cancelled and billed for what ran. A key revoked (or expiring) while its answer
+is produced ends it the same way (gateway/auth.py, `while_key_active`), with a 401 `api_key_revoked`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 from litestar import Request, Response
 from litestar.response import Stream
 
-from gateway.auth import tenant_principal_async
+from gateway.auth import presented_key, tenant_principal_async, while_key_active
 from gateway.pipeline.context import RequestContext
 from gateway.pipeline.events import Event, Head
 from gateway.services import Services
@@ -41,7 +42,8 @@ async def answer(request: Request[Any, Any, Any], framing: Framing) -> Response[
     ctx = RequestContext(request.state.request_id, principal,
                          services.plans.plans[principal.tenant.plan],  # type: ignore[union-attr]
                          {k.lower(): v for k, v in request.headers.items()}, time.time(), request.state.t0)
-    events = services.pipeline.handle(ctx, await request.body(), framing.parse)
+    events = while_key_active(services.pipeline.handle(ctx, await request.body(), framing.parse), services.store,
+                              presented_key(request) or "")  # a key revoked mid-answer ends it
     watch = ClientWatch(request)
     try:
         head = await watch.run(anext(events))
