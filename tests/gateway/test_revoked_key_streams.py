@@ -5,6 +5,7 @@ the upstream call is cancelled and the tokens that ran are billed, as when a cli
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import pytest
@@ -33,3 +34,20 @@ def test_revoking_a_key_ends_its_open_stream(gateway: Gateway, monkeypatch: pyte
     (row,) = gateway.ledger_rows()
     assert row.key_id == key.key_id and row.status == "cancelled" and row.output_tokens >= 1
     assert gateway.stub.finished == ["disconnected"]
+
+
+def test_revoking_a_key_ends_its_answer_in_progress_with_a_401(gateway: Gateway,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(auth, "KEY_RECHECK_S", 0.0)
+    key, plaintext = gateway.store.issue_key("acme", name="leaked")
+    revoke = threading.Timer(0.5, gateway.store.revoke_key, (key.key_id,))  # as the CLI does, mid-answer
+    revoke.start()
+    with gateway.client(plaintext) as c:
+        r = c.post("/v1/chat/completions", json={**SLOW, "stream": False})
+    revoke.join()
+    assert r.status_code == 401 and r.json()["error"]["code"] == "api_key_revoked", r.text
+    deadline = time.time() + 5
+    while time.time() < deadline and not gateway.ledger_rows():
+        time.sleep(0.05)
+    (row,) = gateway.ledger_rows()
+    assert row.status == "cancelled" and row.output_tokens >= 1
