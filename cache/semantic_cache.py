@@ -45,6 +45,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -112,6 +113,10 @@ class SemanticCache:
         self._hnsw_from = hnsw_from
         # Orders writes, deletions and the pending writes' fate (never taken by a lookup: the index locks itself).
         self._lock = threading.Lock()
+        # apersist's writes run here, not in the loop's default executor, which every lookup's steps share: writes
+        # queued behind the locks above (a tenant's flood of new answers) held its few threads, and every tenant's
+        # lookups queued behind them. One thread: `_write` runs under `_lock`, so more would only wait on it.
+        self._writes = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiergate-cache-write")
         self.pending = PendingWrites()  # answers remembered, not yet written: this process serves them
         self.recent = RecentEntries()  # answers written or found lately: exact hits without a store round trip
         self.bounds = TenantBounds()  # each tenant's learned semantic threshold (cache/error_bound.py)
@@ -285,11 +290,12 @@ class SemanticCache:
         return self._write(entry)
 
     async def apersist(self, entry: Entry) -> Entry | None:
-        """`persist` for the event loop: the embedding batched with others', the write in a worker thread."""
+        """`persist` for the event loop: the embedding batched with others', the write in the cache's own writer
+        thread (never in the threads lookups run in: a tenant's flood of writes queues there, not before lookups)."""
         try:
             if entry.embedding is None:
                 entry.embedding = await self.vectors.aget(embedding_text(entry.semantic_text), owner=entry.tenant)
-            return await asyncio.to_thread(self._write, entry)
+            return await asyncio.get_running_loop().run_in_executor(self._writes, self._write, entry)
         finally:
             self.pending.forget(entry)
 
@@ -392,6 +398,7 @@ class SemanticCache:
                 self.index.add(partition, [entry_id], entry.embedding[None, :])
 
     def close(self) -> None:
+        self._writes.shutdown(wait=True)
         self.vectors.close()
         self.entries.close()
 
