@@ -27,7 +27,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from contextlib import suppress
 from typing import Any
 
@@ -91,6 +91,11 @@ class Ledger(LedgerReads, ABC):
         """A fault of the database or its disk (retry later), not one the row's values caused (refuse the row)."""
 
     @abstractmethod
+    @abstractmethod
+    def mark_fallback_applied(self, request_ids: Sequence[str]) -> None:
+        """Note that Redis' counters have the money of these fallback rows (`fallback_pending` skips them); a
+        repeat changes nothing. Blocking: call it off the event loop."""
+
     def read_source(self) -> ReadSource:
         """Where its rows are, for a read-only reader in another process (quotas/ledger_reads.py `open_reader`)."""
 

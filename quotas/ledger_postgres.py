@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import uuid
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import psycopg
@@ -45,7 +45,9 @@ COMPONENT = "ledger"
 # the ledger's tables, one migration each release that changed them; 1 is the schema of the release before the
 # fleet store (the SQLite tables of quotas/ledger_rows.py), 2 adds the Idempotency-Key records, 3 the version of
 # the tier that answered, 4 an index to find one tenant's refusal counts (a report read every tenant's), 5 each
-# tenant's idempotency totals (records and stored bytes), kept by triggers and counted once for the rows there
+# tenant's idempotency totals (records and stored bytes), kept by triggers and counted once for the rows there,
+# 6 the mark of rows settled on a quota fallback and which of them Redis' counters have (quotas/ledger_rows.py
+# FALLBACK_SCHEMA), 7 the index that finds the others (built concurrently)
 MIGRATIONS: list[Migration] = [
     """
     CREATE TABLE requests (
@@ -116,6 +118,11 @@ MIGRATIONS: list[Migration] = [
     INSERT INTO idempotency_tenants
     SELECT tenant, count(*), coalesce(sum(octet_length(answer)), 0) FROM idempotency GROUP BY tenant;
     """,
+    """
+    ALTER TABLE requests ADD COLUMN fallback TEXT;
+    CREATE TABLE fallback_applied (request_id TEXT PRIMARY KEY);
+    """,
+    ConcurrentIndex("requests_fallback", "requests(ts) WHERE fallback IS NOT NULL"),
 ]
 INSERT = f"INSERT INTO requests({', '.join(COLUMNS)}) VALUES ({', '.join('%s' for _ in COLUMNS)})"
 UPSERT_COUNT = ("INSERT INTO refusal_counts VALUES (%s, %s, %s, %s, %s, %s) "
@@ -209,6 +216,11 @@ class PostgresLedger(PostgresReads, Ledger):
 
     def _fault_name(self, exc: BaseException) -> str:
         return fault_name(exc)
+
+    def mark_fallback_applied(self, request_ids: Sequence[str]) -> None:
+        with self._pool.connection() as conn, conn.cursor() as cur:  # committed as the pool takes it back
+            cur.executemany("INSERT INTO fallback_applied VALUES (%s) ON CONFLICT DO NOTHING",
+                            [(rid,) for rid in request_ids])
 
     def read_source(self) -> ReadSource:
         return ReadSource("postgres", self.url)

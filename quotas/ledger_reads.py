@@ -15,7 +15,7 @@ import math
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
-from decimal import MAX_EMAX, MAX_PREC, MIN_EMIN, Context
+from decimal import MAX_EMAX, MAX_PREC, MIN_EMIN, Context, Decimal
 from typing import Any, NamedTuple
 
 from quotas.ledger_rows import (
@@ -153,6 +153,14 @@ class LedgerReads(ABC):
         if group in REPORT_GROUPS:
             return group
         raise ValueError(f"cannot group by {group!r}; choose from {', '.join(REPORT_GROUPS)}")
+
+    def fallback_pending(self, since: float, limit: int) -> list[tuple[str, str, Decimal, str]]:
+        """(request id, tenant, price, fallback mark) of rows since `since` settled on a quota fallback whose money
+        Redis' counters do not have yet (`fallback_applied` has not named them), oldest first."""
+        found = self._query("SELECT request_id, tenant, price_usd, fallback FROM requests r WHERE fallback IS NOT NULL"
+                            " AND ts >= ? AND NOT EXISTS (SELECT 1 FROM fallback_applied a"
+                            " WHERE a.request_id = r.request_id) ORDER BY ts LIMIT ?", (since, limit))
+        return [(rid, tenant, Decimal(str(price)), mark) for rid, tenant, price, mark in found]
 
     def get(self, request_id: str) -> LedgerRow | None:
         found = self._query(f"SELECT {', '.join(COLUMNS)} FROM requests WHERE request_id = ?", (request_id,))

@@ -39,7 +39,8 @@ CREATE TABLE IF NOT EXISTS requests (
     cache_status TEXT,
     cache_saving_usd TEXT NOT NULL DEFAULT '0',
     cascade_of TEXT,
-    model_version TEXT
+    model_version TEXT,
+    fallback TEXT
 );
 CREATE TABLE IF NOT EXISTS refusal_counts (
     minute INTEGER NOT NULL,
@@ -53,6 +54,12 @@ CREATE TABLE IF NOT EXISTS refusal_counts (
 CREATE INDEX IF NOT EXISTS requests_tenant_ts ON requests(tenant, ts);
 CREATE INDEX IF NOT EXISTS requests_ts ON requests(ts);
 CREATE INDEX IF NOT EXISTS refusal_counts_tenant_minute ON refusal_counts(tenant, minute);
+"""
+# rows settled on a quota fallback: which of them Redis' counters have (quotas/backends/failover.py), and an index to
+# find the others (run once `requests` has its `fallback` column: a ledger of an older release gains it first)
+FALLBACK_SCHEMA = """
+CREATE TABLE IF NOT EXISTS fallback_applied (request_id TEXT PRIMARY KEY);
+CREATE INDEX IF NOT EXISTS requests_fallback ON requests(ts) WHERE fallback IS NOT NULL;
 """
 
 
@@ -84,6 +91,9 @@ class LedgerRow:
     cache_saving_usd: Decimal = Decimal(0)  # for a hit: what the tier would have charged minus the hit price
     cascade_of: str | None = None  # a cascade's second attempt: the request id of the cheaper first attempt
     model_version: str | None = None  # the tier's version that answered (tiers with `versions`; else None)
+    # settled on a replica's quota fallback during a Redis outage: the money still to reach Redis' counters
+    # (quotas/backends/failover.py, `fallback_mark`); None for a row whose quota Redis settled
+    fallback: str | None = None
 
 
 @dataclass

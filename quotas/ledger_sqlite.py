@@ -13,7 +13,7 @@ from __future__ import annotations
 import sqlite3
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from decimal import Decimal, localcontext
 from pathlib import Path
@@ -23,6 +23,7 @@ from quotas import ledger_reads
 from quotas.ledger import Ledger, Pending, Statement, log
 from quotas.ledger_reads import EXACT, LedgerReads, Reader, ReadSource
 from quotas.ledger_rows import (
+    FALLBACK_SCHEMA,
     FOLD_OLD_REFUSALS,
     INSERT,
     SCHEMA,
@@ -118,9 +119,10 @@ class SQLiteLedger(SQLiteReads, Ledger):
         for name, decl in (("degrade_level", "INTEGER NOT NULL DEFAULT 0"), ("degrade_actions", "TEXT"),
                            ("requested_tier", "TEXT"), ("route_saving_usd", "TEXT NOT NULL DEFAULT '0'"),
                            ("cache_status", "TEXT"), ("cache_saving_usd", "TEXT NOT NULL DEFAULT '0'"),
-                           ("cascade_of", "TEXT"), ("model_version", "TEXT")):
+                           ("cascade_of", "TEXT"), ("model_version", "TEXT"), ("fallback", "TEXT")):
             if name not in columns:  # a ledger from before the degradation ladder
                 self._read.execute(f"ALTER TABLE requests ADD COLUMN {name} {decl}")
+        self._read.executescript(FALLBACK_SCHEMA)
         if _has_old_refusals(self._read):  # a ledger from before refusals were counted: fold its rows in, once
             with _transaction(self._read):
                 if _has_old_refusals(self._read):
@@ -179,6 +181,11 @@ class SQLiteLedger(SQLiteReads, Ledger):
 
     def _fault_name(self, exc: BaseException) -> str:
         return getattr(exc, "sqlite_errorname", type(exc).__name__)
+
+    def mark_fallback_applied(self, request_ids: Sequence[str]) -> None:
+        conn = self._reader()  # this thread's: the writer's commits wait for nothing of it but this short one
+        with _transaction(conn):
+            conn.executemany("INSERT OR IGNORE INTO fallback_applied VALUES (?)", [(rid,) for rid in request_ids])
 
     def read_source(self) -> ReadSource:
         return ReadSource("sqlite", str(self.path.resolve()))

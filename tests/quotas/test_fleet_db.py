@@ -46,7 +46,7 @@ def test_a_ledger_of_the_previous_release_is_upgraded_in_place_with_its_rows(dat
 
     asyncio.run(serve_with_the_new_release())
     with connect(database_url) as conn:
-        assert version_of(conn, COMPONENT) == len(MIGRATIONS) == 5
+        assert version_of(conn, COMPONENT) == len(MIGRATIONS) == 7
 
 
 def test_replicas_starting_together_apply_each_migration_once(database_url: str) -> None:
@@ -56,18 +56,18 @@ def test_replicas_starting_together_apply_each_migration_once(database_url: str)
         t.start()
     for t in threads:
         t.join()
-    assert versions == [5] * 6
+    assert versions == [7] * 6
     with connect(database_url) as conn:
         applied = conn.execute("SELECT version FROM tiergate_migrations WHERE component = 'ledger' "
                                "ORDER BY version").fetchall()
-    assert applied == [(1,), (2,), (3,), (4,), (5,)]
+    assert applied == [(v,) for v in range(1, 8)]
 
 
 def test_a_database_newer_than_this_release_is_left_as_it_is(database_url: str) -> None:
     with connect(database_url) as conn:
         newer = [*MIGRATIONS, "ALTER TABLE requests ADD COLUMN region TEXT NOT NULL DEFAULT 'eu'"]
-        assert migrate(conn, COMPONENT, newer) == 6  # a replica of the next release got there first
-        assert migrate(conn, COMPONENT, MIGRATIONS) == 6  # one of this release starts: nothing undone, no error
+        assert migrate(conn, COMPONENT, newer) == 8  # a replica of the next release got there first
+        assert migrate(conn, COMPONENT, MIGRATIONS) == 8  # one of this release starts: nothing undone, no error
     ledger = PostgresLedger(database_url)
     ledger.record_now([row(1)])
     assert [r.request_id for r in ledger.rows()] == ["r1"]
@@ -136,3 +136,30 @@ def test_refusal_counts_are_written_while_the_index_builds(database_url: str) ->
         assert index_of(conn, "refusal_counts_tenant_minute") == BUILT
         assert conn.execute("SELECT version, count(*) FROM tiergate_migrations WHERE component = 'ledger' GROUP BY "
                             "version ORDER BY version").fetchall() == [(v, 1) for v in range(1, len(MIGRATIONS) + 1)]
+
+
+def test_a_ledger_of_the_release_before_gains_the_fallback_mark_in_place(database_url: str) -> None:
+    """Migrations 6 and 7 on a database of version 5 with rows: they stay unmarked (nothing to apply), and rows
+    settled on a quota fallback from now on are found until noted applied, by any replica."""
+    assert open_schema(database_url, upto=5) == 5
+    first = COLUMNS[:COLUMNS.index("model_version") + 1]  # the columns of that release
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute(f"INSERT INTO requests({', '.join(first)}) VALUES ({', '.join('%s' for _ in first)})",
+                     to_db(row(1, price="0.25"))[:len(first)])
+    ledger = PostgresLedger(database_url)
+    other = PostgresLedger(database_url)  # another replica of the fleet
+    try:
+        marked = row(2, price="0.5")
+        marked.fallback = "sum:20261205:t,k:k"
+        ledger.record_now([marked])
+        assert [r.fallback for r in ledger.rows()] == [None, "sum:20261205:t,k:k"]
+        assert other.fallback_pending(0, 10) == [("r2", "acme", Decimal("0.5"), "sum:20261205:t,k:k")]
+        other.mark_fallback_applied(["r2"])
+        ledger.mark_fallback_applied(["r2"])  # a repeat changes nothing
+        assert ledger.fallback_pending(0, 10) == []
+    finally:
+        ledger.close()
+        other.close()
+    with connect(database_url) as conn:
+        assert version_of(conn, COMPONENT) == 7
+        assert index_of(conn, "requests_fallback")[0] is True  # type: ignore[index]
