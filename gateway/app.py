@@ -72,7 +72,13 @@ from quotas.ledger import Ledger
 from quotas.plans import PlanBook
 from quotas.reaper import run_reaper
 from quotas.reservations import QuotaService
-from quotas.seed import ledger_billing, ledger_spend_source, seed_from_ledger, tenant_spend_source
+from quotas.seed import (
+    LedgerFallbackRows,
+    ledger_billing,
+    ledger_spend_source,
+    seed_from_ledger,
+    tenant_spend_source,
+)
 from tiers.catalogue import TierCatalogue, TierSpec
 from tiers.client import TierClient
 from tiers.fleet import Fleet
@@ -181,7 +187,7 @@ def build_quota_backend(settings: Settings, ledger: Ledger, metrics_: GatewayMet
                              tenant_spend=tenant_spend_source(ledger))  # a Redis that lost its data resets no budget
         # in an outage, the fallback starts from the last spend Redis answered and the ledger's totals
         return FailoverBackend(redis, mode=settings.redis_failure_mode, on_state=metrics_.redis_state,
-                               ledger_spend=ledger_spend_source(ledger))
+                               ledger_spend=ledger_spend_source(ledger), rows=LedgerFallbackRows(ledger))
     memory = MemoryBackend()
     seed_from_ledger(memory, ledger)
     return memory

@@ -305,7 +305,8 @@ class EmbeddingsService:
             request_id=ctx.request_id, ts=ctx.arrived, tenant=ctx.tenant, key_id=ctx.key_id, tier=TIER,
             model=self.spec.model, status=status, http_status=http_status, input_tokens=tokens, output_tokens=0,
             price_usd=price, compute_cost_usd=self.spec.compute_cost(wall_s), cost_basis="wall" if wall_s else "none",
-            ttft_s=None, total_s=time.perf_counter() - ctx.t0, error_code=error_code, route_reason="embeddings")
+            ttft_s=None, total_s=time.perf_counter() - ctx.t0, error_code=error_code, route_reason="embeddings",
+            fallback=reservation.decision.fallback)
         with_row: tuple[Statement, ...] = ()
         if stored is not None and keep is not None and self.idempotency is not None:
             try:

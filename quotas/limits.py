@@ -114,6 +114,9 @@ class Decision:
     # seconds), so a replica's fallback during an outage starts from the last known spend, on the store's dates
     spent: dict[str, Spend] = field(default_factory=dict)
     clock_s: float | None = None
+    # admitted by a replica's fallback in a Redis outage: the mark its ledger row carries (LedgerRow.fallback), so
+    # its money reaches Redis from the ledger even if the replica dies first (quotas/backends/journal.py)
+    fallback: str | None = None
 
 
 def seconds_to_next_day(now: float) -> float:

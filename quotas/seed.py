@@ -11,9 +11,11 @@ from __future__ import annotations
 import asyncio
 import calendar
 import time
+from collections.abc import Sequence
 
 from quotas.backends.base import Billed
 from quotas.backends.failover import LedgerSpend
+from quotas.backends.journal import FallbackRow, fallback_row
 from quotas.backends.memory import MemoryBackend
 from quotas.backends.redis import TenantSpend
 from quotas.ledger import Ledger
@@ -69,6 +71,24 @@ def tenant_spend_source(ledger: Ledger) -> TenantSpend:
         return await asyncio.to_thread(tenant_spend, ledger, tenant, now)
 
     return spend
+
+
+FALLBACK_ROWS_SINCE_S = 35 * 86_400  # older rows count for no day or month Redis still keeps
+
+
+class LedgerFallbackRows:
+    """The ledger's rows settled on a quota fallback, for `FailoverBackend(rows=...)`: read and noted applied off
+    the event loop, every replica's (the SQLite file its host's replicas share, the fleet's Postgres)."""
+
+    def __init__(self, ledger: Ledger) -> None:
+        self.ledger = ledger
+
+    async def pending(self, limit: int) -> list[FallbackRow]:
+        found = await asyncio.to_thread(self.ledger.fallback_pending, time.time() - FALLBACK_ROWS_SINCE_S, limit)
+        return [fallback_row(rid, tenant, to_pico(price), mark) for rid, tenant, price, mark in found]
+
+    async def applied(self, request_ids: Sequence[str]) -> None:
+        await asyncio.to_thread(self.ledger.mark_fallback_applied, request_ids)
 
 
 def ledger_billing(ledger: Ledger) -> Billed:

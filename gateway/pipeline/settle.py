@@ -130,7 +130,8 @@ class Settler:
             finish_reason=outcome.finish_reason, error_code=outcome.error_code, route_reason=reason,
             degrade_level=attempt.route.degradation.level, degrade_actions=",".join(attempt.applied) or None,
             requested_tier=requested, route_saving_usd=route_saving, cache_status=attempt.lookup.status,
-            cache_saving_usd=cache_saving, cascade_of=attempt.cascade_of, model_version=tier.version_name)
+            cache_saving_usd=cache_saving, cascade_of=attempt.cascade_of, model_version=tier.version_name,
+            fallback=attempt.reservation.decision.fallback)
 
     def hand_off(self, work: Coroutine[Any, Any, None]) -> asyncio.Future[None]:
         """Run `work` to its end even if the caller is cancelled; its failure is logged (the backend's

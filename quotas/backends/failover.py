@@ -13,6 +13,17 @@ token and concurrency limits apply per replica, as before. What it settles local
 added to Redis exactly once when Redis answers again; where Redis came back empty, before the primary re-seeds a
 tenant's counters from the ledger (RedisBackend `before_reseed`), whose totals already hold that money.
 
+Given the ledger's rows (`rows`), the journal does not depend on this process living: a reservation the fallback
+admits carries a mark (`Decision.fallback`) that its ledger row is written with, and the marked rows, not this
+process's memory, are what reaches Redis (quotas/backends/journal.py): every flush (a reaper round, Redis back, a
+settle, before a re-seed) applies the rows no replica has applied, this one's or a dead one's, each once. A row
+applied whose note in the ledger was lost (a crash in between) is applied again as a no-op: its marker in Redis
+outlives that window (JOURNAL_TTL_S; a by-id row's settle tombstone, `settle_retry_s` + 5 minutes). Where Redis
+lost its data, a re-seed raises counters to the ledger's totals, which hold the marked rows: the flush before it
+applies those pending then, and a row written between that flush and the re-seed's read, or whose apply failed
+then, is counted twice on that tenant's day and month (an early refusal, never overspend), bounded by the money
+settled on fallbacks in that window and by the markers lost with Redis' data.
+
 A refused connection means Redis is down at once. A timeout alone does not (a busy event loop can cause
 one): the request gets a retryable 503, and Redis is down only once a streak of failures with no success in
 between (from a reserve or a reaper round) holds `down_after_tries` tries one after another and has lasted
@@ -36,7 +47,7 @@ from dataclasses import replace
 from typing import Any, Literal
 
 from quotas.backends.base import Billed, QuotaBackend, QuotaBackendError
-from quotas.backends.journal import OutageJournal
+from quotas.backends.journal import FallbackRow, FallbackRows, OutageJournal, fallback_mark
 from quotas.backends.memory import MemoryBackend
 from quotas.backends.redis import RedisBackend
 from quotas.limits import Decision, ReservationRequest, ScopeLimits, Spend, dating_instant, utc_dates
@@ -46,6 +57,7 @@ RETRY_EVERY_S = 1.0
 DOWN_AFTER_S = 1.0  # timeouts with no success in between for this long ...
 DOWN_AFTER_TRIES = 3  # ... and over this many tries one after another mean Redis is down
 SEED_WAIT_S = 2.0  # a local reservation waits this long at most for the ledger's totals at an outage's start
+ROWS_PER_FLUSH = 500  # fallback rows read from the ledger, and sent to Redis per tenant, at a time
 
 # the ledger's spend per (tenant, scope) on the day and month of a time (epoch seconds)
 LedgerSpend = Callable[[float], Awaitable[dict[tuple[str, str], Spend]]]
@@ -57,7 +69,7 @@ class FailoverBackend(QuotaBackend):
     def __init__(self, primary: RedisBackend, *, mode: Literal["open", "closed"] = "open",
                  on_state: Callable[[bool], None] | None = None, ledger_spend: LedgerSpend | None = None,
                  down_after_s: float = DOWN_AFTER_S, down_after_tries: int = DOWN_AFTER_TRIES,
-                 retry_every_s: float = RETRY_EVERY_S) -> None:
+                 retry_every_s: float = RETRY_EVERY_S, rows: FallbackRows | None = None) -> None:
         self.primary = primary
         self.local = MemoryBackend(max_dating_lag_s=primary.max_dating_lag_s)
         self.mode = mode
@@ -69,6 +81,8 @@ class FailoverBackend(QuotaBackend):
         self.num_local_reservations = 0  # admitted by the fallback
         self.num_journal_batches = 0  # outage-journal batches Redis applied
         self.num_journal_requests = 0  # ...and requests applied by their id
+        self.num_journal_rows = 0  # ledger rows settled on a fallback (any replica's) that this one applied
+        self._rows = rows
         self._on_state = on_state
         self._ledger_spend = ledger_spend
         self._retry_at = 0.0
@@ -182,6 +196,8 @@ class FailoverBackend(QuotaBackend):
         if decision.admitted:
             self._local[req.request_id] = (local, sent)
             self.num_local_reservations += 1
+            if self._rows is not None:
+                decision = replace(decision, fallback=fallback_mark(local, sent))
         return decision
 
     def _share(self, req: ReservationRequest, lim: ScopeLimits) -> ScopeLimits:
@@ -207,7 +223,9 @@ class FailoverBackend(QuotaBackend):
             return
         local, sent = held
         await self.local.settle(local, tokens=tokens, money_pico=money_pico)
-        if sent:  # Redis may hold a reservation for it as well: applied by its id
+        if self._rows is not None and money_pico:
+            pass  # its ledger row, durable before this settle, carries its money (`_flush_rows`)
+        elif sent:  # Redis may hold a reservation for it as well: applied by its id (at 0 too: a refund there)
             self.journal.add_request(local, money_pico)
         else:
             self.journal.add(local.tenant, tuple(lim.scope for lim in local.scopes), local.day, local.month,
@@ -230,6 +248,23 @@ class FailoverBackend(QuotaBackend):
                     if await self.primary.apply_journal(batch_id, tenant, entries):
                         self.num_journal_batches += 1
                     self.journal.applied(tenant, batch_id)
+            if self._rows is not None:
+                await self._flush_rows(self._rows)
+
+    async def _flush_rows(self, rows: FallbackRows) -> None:
+        """Apply the ledger's rows settled on any replica's fallback that Redis' counters do not have, then note
+        them applied. Each row is applied under its own id (journal_rows.lua; a by-id row as a settle of its id), so
+        replicas doing this at once, or a repeat after a crash before the note, add each row's money once."""
+        while batch := await rows.pending(ROWS_PER_FLUSH):
+            by_tenant: dict[str, list[FallbackRow]] = {}
+            for row in batch:
+                if row.by_id:
+                    self.num_journal_rows += await self.primary.settle_row_elsewhere(row)
+                else:
+                    by_tenant.setdefault(row.tenant, []).append(row)
+            for tenant, tenant_rows in by_tenant.items():
+                self.num_journal_rows += await self.primary.apply_rows(tenant, tenant_rows)
+            await rows.applied([row.request_id for row in batch])
 
     async def reap(self, billed: Billed | None = None) -> int:
         """Return the fallback's expired reservations (billed ones are journaled), then Redis' (see

@@ -10,16 +10,60 @@ A request whose reserve was sent to Redis without an answer (the failure that ma
 may hold a reservation there too, which the reaper would bill from the ledger or refund. Each of those is
 kept by its id and applied as a settle of that id (`RedisBackend.settle_elsewhere`), which replaces what
 Redis holds for it, or adds the money if it holds nothing, exactly once.
+
+The journal dies with its process; the ledger does not. Where the failover is given the ledger's rows
+(`FallbackRows`), each row settled on the fallback carries a mark (`fallback_mark`: the day, month and scopes its
+money counted for, and whether Redis may hold its reserve), written in the row's own commit, and the rows are the
+journal: any replica applies the marked rows no replica has applied yet, each row under a marker of its own in
+Redis (its request id), then notes them applied in the ledger. A replica killed with money not yet in Redis leaves
+its rows to the next replica's reaper round, and two replicas applying the same rows apply them once.
 """
 
 from __future__ import annotations
 
 import itertools
 import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
 from quotas.limits import ReservationRequest
 
 Entry = tuple[str, str, str, int]  # scope, day (YYYYMMDD), month (YYYYMM), picodollars
+
+
+@dataclass(frozen=True)
+class FallbackRow:
+    """A ledger row settled on a fallback, as Redis' counters are to have it."""
+
+    request_id: str
+    tenant: str
+    scopes: tuple[str, ...]
+    day: str  # YYYYMMDD
+    month: str  # YYYYMM
+    pico: int  # the row's price
+    by_id: bool  # Redis may hold a reservation for it: applied as a settle of its id
+
+
+class FallbackRows(Protocol):
+    """The ledger's rows settled on a fallback whose money Redis' counters do not have yet."""
+
+    async def pending(self, limit: int) -> list[FallbackRow]:
+        """At most `limit` of them, oldest first."""
+
+    async def applied(self, request_ids: Sequence[str]) -> None:
+        """Note that Redis' counters have them (a repeat changes nothing)."""
+
+
+def fallback_mark(req: ReservationRequest, sent: bool) -> str:
+    """What a row settled on the fallback keeps of `req` (as the fallback dated it): "sum" or "id" (its reserve was
+    sent to Redis), its day, and its scopes."""
+    return f"{'id' if sent else 'sum'}:{req.day}:{','.join(lim.scope for lim in req.scopes)}"
+
+
+def fallback_row(request_id: str, tenant: str, pico: int, mark: str) -> FallbackRow:
+    kind, day, scopes = mark.split(":", 2)
+    return FallbackRow(request_id, tenant, tuple(scopes.split(",")), day, day[:6], pico, kind == "id")
 
 
 class OutageJournal:

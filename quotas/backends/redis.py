@@ -52,6 +52,7 @@ from redis.exceptions import MaxConnectionsError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeout
 
 from quotas.backends.base import Billed, QuotaBackend, QuotaBackendError
+from quotas.backends.journal import FallbackRow
 from quotas.limits import MAX_DATING_LAG_S, WINDOW_S, Decision, ReservationRequest, Spend, Usage
 
 log = logging.getLogger("tiergate.quotas")
@@ -82,9 +83,9 @@ RESEED_LOG_EVERY_S = 60.0  # a loss of Redis' counters is logged at most this of
 REAP_SHARE = 4  # the reaper holds at most 1/REAP_SHARE of the connections at once: requests keep the rest
 _HERE = Path(__file__).parent
 _SHARED = (_HERE / "shared.lua").read_text()
-SCRIPTS = {name: (_SHARED if name in ("reserve", "settle", "spent", "journal", "reseed") else "") +
+SCRIPTS = {name: (_SHARED if name in ("reserve", "settle", "spent", "journal", "journal_rows", "reseed") else "") +
            (_HERE / f"{name}.lua").read_text() for name in ("reserve", "settle", "reap", "spent", "journal",
-                                                            "heartbeat", "reseed")}
+                                                            "journal_rows", "heartbeat", "reseed")}
 
 
 def _limit(v: int | None) -> int:
@@ -454,6 +455,27 @@ class RedisBackend(QuotaBackend):
                 return bool(await self._scripts["journal"](keys=[f"{self.tag(tenant)}:jnl:{batch_id}"], args=args))
         except RedisError as exc:
             raise backend_error(exc) from exc
+
+    async def apply_rows(self, tenant: str, rows: Sequence[FallbackRow]) -> int:
+        """Add the money of one tenant's ledger rows settled on a fallback (each on its day and month, to its
+        scopes) to the counters, each row once whoever sends it (journal_rows.lua: a marker per request id, kept
+        JOURNAL_TTL_S); how many were applied now."""
+        keys: list[str] = []
+        args: list[int | str] = [JOURNAL_TTL_S]
+        for row in rows:
+            keys.append(f"{self.tag(tenant)}:jrow:{row.request_id}")
+            args += [len(row.scopes), row.day, row.month, row.pico, *(self.base(tenant, s) for s in row.scopes)]
+        try:
+            async with self._turn():
+                return int(await self._scripts["journal_rows"](keys=keys, args=args))
+        except RedisError as exc:
+            raise backend_error(exc) from exc
+
+    async def settle_row_elsewhere(self, row: FallbackRow) -> bool:
+        """`settle_elsewhere` for a ledger row settled on a fallback whose reserve Redis may hold: by its id, so a
+        repeat (within the settle's tombstone, `settle_retry_s` + DONE_MARGIN_S) changes nothing; False then."""
+        return await self._finish_id(row.tenant, row.request_id, 0, row.pico, "settle",
+                              [self.base(row.tenant, s) for s in row.scopes], row.day, row.month) != 0
 
     async def spent(self, tenant: str, scopes: Sequence[str], now: float) -> dict[str, tuple[int, int]] | None:
         """Today's and this month's spend by Redis' clock (`now` is not used: one clock dates the money). One try,
