@@ -162,5 +162,7 @@ def test_redis_kill_and_restart(mode: str, gateway_settings: Settings, stub: tup
             assert 'tiergate_redis_state_changes_total{to="down"} 1.0' in text
             ok = 2 + (3 if mode == "open" else 0)
             assert len(gw.ledger_rows()) == ok
+            # the rows served on the fallback carry their mark: their money reaches Redis from the ledger
+            assert sum(r.fallback is not None for r in gw.ledger_rows()) == ok - 2
     finally:
         redis.stop()
