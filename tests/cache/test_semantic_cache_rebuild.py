@@ -3,14 +3,12 @@ or the switch to HNSW) runs while every tenant's lookups, the churning tenant's 
 
 from __future__ import annotations
 
-import hashlib
 import threading
 from collections.abc import Iterator
 
-import numpy as np
 import pytest
 
-from cache.embedder import DIM, Embedder
+from bench.cache_write_contention import HashEmbedder
 from cache.index import PartitionedIndex
 from cache.results import Miss
 from cache.semantic_cache import SemanticCache
@@ -19,25 +17,6 @@ from tests.cache.conftest import chat, scope
 
 WAIT_S = 10.0  # the longest a call may take while a rebuild is held
 HOLD_S = 120.0  # how long a rebuild is held at most (the test releases it sooner): far longer than every WAIT_S
-
-
-class _HashEmbedder(Embedder):
-    """A fixed random unit vector per text: no model to load, and no two texts alike."""
-
-    def __init__(self) -> None:
-        super().__init__(num_threads=None)
-
-    @property
-    def max_tokens(self) -> int:
-        return 256
-
-    def num_tokens(self, text: str) -> int:
-        return len(text.split()) + 2
-
-    def encode(self, texts: list[str], *, batch_size: int = 64) -> np.ndarray:
-        seeds = [int.from_bytes(hashlib.blake2b(t.encode(), digest_size=8).digest(), "little") for t in texts]
-        rows = [np.random.default_rng(s).standard_normal(DIM) for s in seeds]
-        return np.stack([r / np.linalg.norm(r) for r in rows]).astype(np.float32)
 
 
 class _BlockedBuilds:
@@ -81,7 +60,7 @@ def test_lookups_of_every_tenant_return_while_one_partition_rebuilds(blocked: _B
     # per-tenant bound 4: A's 6th entry evicts its 2nd, and 2 of 5 labels dead starts a rebuild; or A's 4th
     # entry takes its partition to hnsw_from
     store = SQLiteStore(":memory:", max_entries=1000, max_entries_per_tenant=4 if trigger == "evictions" else None)
-    cache = SemanticCache(store, _HashEmbedder(), hnsw_from=4 if trigger == "hnsw switch" else 8192)
+    cache = SemanticCache(store, HashEmbedder(), hnsw_from=4 if trigger == "hnsw switch" else 8192)
     try:
         b_body = chat("What is the boiling point of water?")
         b_scope = scope(b_body, tenant="tenant-b")
@@ -115,7 +94,7 @@ def test_an_entry_evicted_during_a_rebuild_is_never_served(blocked: _BlockedBuil
     """The semantic path proposes entries from the index; one evicted while its partition rebuilds is not among
     them, before or after the swap, and the entry that displaced it is found at once."""
     store = SQLiteStore(":memory:", max_entries=1000, max_entries_per_tenant=4)
-    cache = SemanticCache(store, _HashEmbedder())
+    cache = SemanticCache(store, HashEmbedder())
     a_scope = scope(chat("q"), tenant="tenant-a")
     bodies = [chat(f"question {i} of tenant a") for i in range(8)]
     try:

@@ -11,11 +11,11 @@ import asyncio
 import random
 import threading
 
+from bench.cache_write_contention import HashEmbedder
 from cache.results import Hit, Miss
 from cache.semantic_cache import SemanticCache
 from cache.store import SQLiteStore
 from tests.cache.conftest import chat, scope
-from tests.cache.test_semantic_cache_rebuild import _HashEmbedder
 
 WAIT_S = 10.0  # the longest a lookup may take while another tenant's writes are held
 FLOOD = 40  # more writes than the default executor has threads (min(32, cores + 4))
@@ -23,7 +23,7 @@ FLOOD = 40  # more writes than the default executor has threads (min(32, cores +
 
 async def test_lookups_return_while_another_tenants_writes_are_held(tmp_path) -> None:  # type: ignore[no-untyped-def]
     store = SQLiteStore(tmp_path / "cache.db", max_entries=1000)
-    cache = SemanticCache(store, _HashEmbedder())
+    cache = SemanticCache(store, HashEmbedder())
     b_body = chat("What is the boiling point of water?")
     b_scope = scope(b_body, tenant="tenant-b")
     assert cache.store(b_scope, b_body, "100 C") is not None
@@ -70,7 +70,7 @@ async def test_racing_writes_lookups_and_purges_keep_own_writes_and_isolation(tm
     returns, is an exact hit of its own tenant with its own answer (unless that tenant purged after it); no lookup
     ever returns another tenant's entry."""
     store = SQLiteStore(tmp_path / "cache.db", max_entries=10_000)
-    cache = SemanticCache(store, _HashEmbedder(), hnsw_from=16)  # HNSW switches (rebuilds) while it runs
+    cache = SemanticCache(store, HashEmbedder(), hnsw_from=16)  # HNSW switches (rebuilds) while it runs
     tenants = [f"tenant-{t}" for t in "abcd"]
     scopes = {t: scope(chat("q"), tenant=t) for t in tenants}
     # purges of each tenant started and finished: a write is checked only if none ran while it was written and read
