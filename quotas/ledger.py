@@ -91,11 +91,11 @@ class Ledger(LedgerReads, ABC):
         """A fault of the database or its disk (retry later), not one the row's values caused (refuse the row)."""
 
     @abstractmethod
-    @abstractmethod
     def mark_fallback_applied(self, request_ids: Sequence[str]) -> None:
         """Note that Redis' counters have the money of these fallback rows (`fallback_pending` skips them); a
         repeat changes nothing. Blocking: call it off the event loop."""
 
+    @abstractmethod
     def read_source(self) -> ReadSource:
         """Where its rows are, for a read-only reader in another process (quotas/ledger_reads.py `open_reader`)."""
 
