@@ -12,7 +12,9 @@ canary at 100%, a shadow of a quiet tier) the latency guards do not judge; the e
 The ratio is taken within prompt-size bands (`band`: one for prompts under BAND_TOKENS tokens, then one per
 doubling) and averaged over the bands weighted by the candidate's samples, so a candidate that happens to get the
 long prompts (a long-context conversation, or a client sending its long prefills there) is compared with the
-baseline's long prompts, not its short ones; with all prompts in one band it is the plain ratio of the p95s.
+baseline's long prompts, not its short ones; with all prompts in one band it is the plain ratio of the p95s. The
+candidate's p95 is the value it is at least with 95% confidence (`confident_rank`): a canary has few samples, and a
+stall both versions share would otherwise set its p95 by itself.
 
 One tenant's outcomes do not decide. A client sees each answer's version (`x-tiergate-model-version`) and names its
 conversation (`x-tiergate-session`), so it can find conversations on the candidate and send them only its slowest
@@ -36,6 +38,7 @@ Hysteresis, in the ladder's shape: a guard rolls back only once it has been brea
 
 from __future__ import annotations
 
+import functools
 import math
 from bisect import bisect_right
 from collections import deque
@@ -56,6 +59,7 @@ MAX_SAMPLES = 4096  # per version and rollout: the newest outcomes a guard reads
 TTFT_SLACK_S, TPOT_SLACK_S = 0.05, 0.005
 BAND_TOKENS = 512  # prompts under this many tokens (or of unknown size) are one band; above, one band per doubling
 MAX_CONTESTED = 256  # tenants (those with the most outcomes) whose outcomes an evaluation leaves out in turn
+CONFIDENCE = 0.95  # a latency ratio breaches only where the candidate's p95 is that high with this confidence
 CONTEST_MIN = 10  # outcomes the other tenants need (fewer if min_requests is lower) to hold one tenant's breach
 
 Fraction = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
@@ -106,6 +110,25 @@ def p95(values: list[float]) -> float | None:
         return None
     ordered = sorted(values)
     return ordered[math.ceil(0.95 * len(ordered)) - 1]
+
+
+@functools.lru_cache(maxsize=MAX_SAMPLES)
+def confident_rank(n: int) -> int:
+    """The rank r (1-based) of the candidate's sample that the p95 of its latency is at least, with 95% confidence:
+    the largest r with P(at least r of n samples at or below the true p95) >= CONFIDENCE, the number at or below being
+    Binomial(n, 0.95); at least 1. A p95 read from a few dozen samples is their second-largest, which one stall
+    shared by both versions can set: on a loaded two-core host, 1 run in 4 of the end-to-end steering test rolled
+    back its healthy canary that way (p95 0.177 s over the baseline's 0.032 s, from 30 candidate samples). The bound
+    needs several of the candidate's samples slow, and approaches the plain p95 as samples grow (30 samples: the
+    26th of 30; 1,000: the 938th)."""
+    tail, r = 0.0, n  # tail: P(Binomial(n, 0.95) >= r), summed from r = n down
+    while r >= 1:
+        tail += math.exp(math.lgamma(n + 1) - math.lgamma(r + 1) - math.lgamma(n - r + 1)
+                         + r * math.log(0.95) + (n - r) * math.log(0.05))
+        if tail >= CONFIDENCE:
+            return r
+        r -= 1
+    return 1
 
 
 def band(prompt_tokens: int | None) -> int:
@@ -194,13 +217,15 @@ class Ranked:
     def size(self, without: Tenant = None) -> int:
         return len(self.values) - len(self._gone(without))
 
-    def p95(self, without: Tenant = None) -> float | None:
-        """`p95` of the samples but `without`'s (None: all of them)."""
+    def p95(self, without: Tenant = None, *, confident: bool = False) -> float | None:
+        """`p95` of the samples but `without`'s (None: all of them); `confident`: the value the p95 is at least with
+        CONFIDENCE (`confident_rank`), what a candidate is judged by."""
         gone = self._gone(without)
         n = len(self.values) - len(gone)
         if n <= 0:
             return None
-        k = math.ceil(0.95 * n)  # the rank among those left; the answer is the first index with k of them at or below
+        # the rank among those left; the answer is the first index with k of them at or below
+        k = confident_rank(n) if confident else math.ceil(0.95 * n)
         lo, hi = k - 1, k - 1 + len(gone)
         while lo < hi:
             mid = (lo + hi) // 2
@@ -274,7 +299,7 @@ def _latency(bound: float | None, slack: float, candidate: dict[int, Ranked], ba
         n = cand.size(without)
         if base is None or n < 1 or base.size(without) < band_min:
             continue
-        c, p = cand.p95(without), base.p95(without)
+        c, p = cand.p95(without, confident=True), base.p95(without)
         if c is None or not p:
             continue
         weight, bands = weight + n, bands + 1

@@ -107,6 +107,21 @@ def test_a_slow_candidate_trips_the_latency_ratio_and_a_slow_baseline_does_not(s
     assert "max_ttft_p95_ratio: 2.40 > 2.0" in service.history("mid")[0].reason
 
 
+def test_two_slow_samples_of_thirty_do_not_make_a_candidate_slow_and_five_do(service: RolloutService) -> None:
+    """A stall shared by both versions lands on a few of a small canary's samples: its plain p95 (the 29th of 30) is
+    then the stall, although the candidate is no slower than the baseline. The ratio reads the p95 the candidate
+    has with 95% confidence (the 26th of 30), so it takes five slow samples of thirty to breach."""
+    service.start("mid", "v2", share=0.1, who="k", reason="r", guards=GUARDS.model_copy(update={"breach_for_s": 0}))
+    traffic(service, "v1", 262, ttft_s=0.03)
+    traffic(service, "v1", 8, ttft_s=0.2)  # the stall's share of the baseline: 3% of its samples
+    traffic(service, "v2", 28, ttft_s=0.03)
+    traffic(service, "v2", 2, ttft_s=0.2)  # ... and 2 of the canary's 30
+    assert tick(service, 1) == "canary"
+    traffic(service, "v2", 3, ttft_s=0.2)  # 5 slow of 33: more than a shared stall explains
+    assert tick(service, 1) == "rolled_back"
+    assert "max_ttft_p95_ratio: 6.67 > 2.0" in service.history("mid")[0].reason
+
+
 def test_a_window_keeps_a_bounded_number_of_outcomes() -> None:
     w = Window()
     for i in range(3 * MAX_SAMPLES):
