@@ -12,6 +12,15 @@ handful of failures. States:
 
 Only failures of the replica count (unreachable, timed out, 5xx, a broken stream), never a client's 4xx.
 Every state change is reported once through `on_change` (the fleet logs it; metrics read `state`).
+
+One tenant's failures do not open it while the replica works for the others. A tenant can send what makes a
+replica fail (an input the engine or a provider chokes on, prompts that time out): left alone, five of those at
+once would take the replica from every tenant for the cool-down, again and again. So each outcome keeps its tenant,
+and failures that are one tenant's (every failure of the consecutive run, or the most of the window's for the
+rate) are *held* by it when the other tenants' outcomes in the window (at least CONTEST_MIN) fail less than the
+rate that opens. A replica that breaks for everyone fails the others' next requests too, and opens as before; a
+tier with one tenant, or the gateway's own calls (no tenant), are judged on what they have. A probe's failure
+reopens whoever sent it: the probe is one request, and half-open is already the replica's penalty box.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 State = Literal["closed", "open", "half_open"]
+CONTEST_MIN = 5  # outcomes of the other tenants in the window before one tenant's failures can be held
 STATE_VALUE: dict[str, int] = {"closed": 0, "half_open": 1, "open": 2}  # the metric's encoding
 
 
@@ -45,7 +55,10 @@ class CircuitBreaker:
         self._opened_at = 0.0
         self._probing = False  # half-open: the one probe is in flight
         self.consecutive_failures = 0
-        self._outcomes: deque[tuple[float, bool]] = deque()  # (time, failed) inside the window
+        self._run_tenants: set[str] = set()  # whose failures the consecutive run holds (two are enough to know)
+        self._outcomes: deque[tuple[float, bool, str]] = deque()  # (time, failed, tenant) inside the window
+        self._failed = 0  # failures in the window
+        self._by_tenant: dict[str, list[int]] = {}  # tenant -> [outcomes, failures] in the window
 
     @property
     def state(self) -> State:
@@ -64,46 +77,76 @@ class CircuitBreaker:
         if self.state == "half_open":
             self._probing = True
 
-    def success(self) -> None:
-        self._record(False)
+    def success(self, tenant: str = "") -> None:
+        """The replica answered; `tenant`: whose request it was ("" for the gateway's own)."""
+        self._record(False, tenant)
         self.consecutive_failures = 0
+        self._run_tenants.clear()
         if self._state == "half_open":
             self._probing = False
             self._move("closed", "the probe succeeded")
 
-    def failure(self, why: str) -> None:
-        self._record(True)
+    def failure(self, why: str, tenant: str = "") -> None:
+        """The replica failed `tenant`'s request ("" for the gateway's own, never held)."""
+        self._record(True, tenant)
         self.consecutive_failures += 1
+        if len(self._run_tenants) < 2:
+            self._run_tenants.add(tenant)
         if self._state == "half_open":
             self._probing = False
             self._open(f"the probe failed: {why}")
         elif self._state == "closed":
-            if self.consecutive_failures >= self.config.failures_to_open:
+            if self.consecutive_failures >= self.config.failures_to_open and not self._run_held():
                 self._open(f"{self.consecutive_failures} consecutive failures, the last: {why}")
-            elif self._rate_exceeded():
+            elif self._rate_exceeded() and not self._held(self._most_failing()):
                 n = len(self._outcomes)
-                failed = sum(f for _, f in self._outcomes)
-                self._open(f"{failed} of {n} requests failed in {self.config.window_s:g}s, the last: {why}")
+                self._open(f"{self._failed} of {n} requests failed in {self.config.window_s:g}s, the last: {why}")
 
     def abandon(self) -> None:
         """A request ended with no verdict (the client went away): a probe slot is given back."""
         self._probing = False
 
-    def _record(self, failed: bool) -> None:
+    def _record(self, failed: bool, tenant: str) -> None:
         now = self._clock()
-        self._outcomes.append((now, failed))
+        self._outcomes.append((now, failed, tenant))
+        self._count(tenant, failed, 1)
         cutoff = now - self.config.window_s
         while self._outcomes and self._outcomes[0][0] < cutoff:
-            self._outcomes.popleft()
+            _, old_failed, old_tenant = self._outcomes.popleft()
+            self._count(old_tenant, old_failed, -1)
+
+    def _count(self, tenant: str, failed: bool, step: int) -> None:
+        counts = self._by_tenant.setdefault(tenant, [0, 0])
+        counts[0] += step
+        counts[1] += step * failed
+        self._failed += step * failed
+        if not counts[0]:
+            del self._by_tenant[tenant]
 
     def _rate_exceeded(self) -> bool:
         n = len(self._outcomes)
-        return n >= self.config.min_requests and sum(f for _, f in self._outcomes) / n >= \
-            self.config.failure_rate_to_open
+        return n >= self.config.min_requests and self._failed / n >= self.config.failure_rate_to_open
+
+    def _most_failing(self) -> str:
+        return max(self._by_tenant.items(), key=lambda kv: kv[1][1])[0]
+
+    def _run_held(self) -> bool:
+        return len(self._run_tenants) == 1 and self._held(next(iter(self._run_tenants)))
+
+    def _held(self, tenant: str) -> bool:
+        """Do the other tenants' outcomes in the window say the replica works, so `tenant`'s failures are its own?"""
+        if not tenant:
+            return False
+        own_n, own_failed = self._by_tenant.get(tenant, (0, 0))
+        others, others_failed = len(self._outcomes) - own_n, self._failed - own_failed
+        return others >= CONTEST_MIN and others_failed / others < self.config.failure_rate_to_open
 
     def _open(self, why: str) -> None:
         self._opened_at = self._clock()
         self._outcomes.clear()  # a closed breaker starts from a clean window
+        self._by_tenant.clear()
+        self._failed = 0
+        self._run_tenants.clear()
         self._move("open", why)
 
     def _move(self, new: State, why: str) -> None:

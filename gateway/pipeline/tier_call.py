@@ -172,16 +172,16 @@ class TierCaller:
         except UpstreamRejected as exc:
             verdict = exc.status < 500  # a client error is a healthy replica's answer
             if not verdict:
-                replica.breaker.failure(f"answered {exc.status}")
+                replica.breaker.failure(f"answered {exc.status}", tenant)
             raise
         except TierError as exc:
             verdict = False
-            replica.breaker.failure(f"{type(exc).__name__}: {exc}")
+            replica.breaker.failure(f"{type(exc).__name__}: {exc}", tenant)
             raise
         finally:
             replica.inflight -= 1
             if verdict:
-                replica.breaker.success()
+                replica.breaker.success(tenant)
             if verdict is None:  # cancelled: no verdict, but a half-open probe must not stay claimed
                 replica.breaker.abandon()
             elif verdict and finished:

@@ -98,3 +98,55 @@ def test_each_state_change_is_reported_once() -> None:
     for _ in range(10):
         b.failure("x")
     assert changes == [("closed", "open")]
+
+
+def test_one_tenants_run_of_failures_is_its_own_while_the_others_are_served() -> None:
+    """Five failures at once of one tenant's requests (an input the replica chokes on) do not take the replica from
+    the others, whose requests it serves; a failure of another tenant's joins the run, and it opens."""
+    b, _, changes = breaker(failures_to_open=5, min_requests=10)
+    for _ in range(5):
+        b.success("victim")
+    for _ in range(8):
+        b.failure("answered 500", "attacker")
+    assert b.state == "closed" and b.can_take()
+    b.failure("answered 500", "victim")
+    assert b.state == "open" and changes == [("closed", "open")]
+
+
+def test_one_tenants_failure_rate_is_its_own_and_a_replica_failing_everyone_opens() -> None:
+    b, _, _ = breaker(failures_to_open=5, failure_rate_to_open=0.5, min_requests=10)
+    for _ in range(5):
+        b.success("victim")
+    for _ in range(20):  # interleaved: no consecutive run, and 40 of the window's 65 outcomes failed
+        b.success("victim")
+        b.failure("answered 500", "attacker")
+        b.failure("answered 500", "attacker")
+    assert b.state == "closed"
+    b.failure("timed out", "victim")  # the replica breaks for everyone: the attacker's last two and these
+    b.failure("timed out", "attacker")
+    assert b.state == "closed"  # four in a row
+    b.failure("timed out", "victim")
+    assert b.state == "open"
+
+
+def test_a_lone_tenant_and_the_gateways_own_calls_are_judged_on_what_they_have() -> None:
+    lone, _, _ = breaker(failures_to_open=3)
+    for _ in range(3):
+        lone.failure("answered 500", "only")
+    assert lone.state == "open"
+    own, _, _ = breaker(failures_to_open=3)
+    for _ in range(10):
+        own.success("victim")
+    for _ in range(3):
+        own.failure("unreachable")  # no tenant: the gateway's own probe or shadow call
+    assert own.state == "open"
+
+
+def test_the_window_forgets_a_tenant_whose_outcomes_aged_out() -> None:
+    b, clock, _ = breaker(failures_to_open=3, window_s=30)
+    for _ in range(10):
+        b.success("victim")
+    clock.t += 31  # the victim's successes leave the window: nothing says the replica works for the others
+    for _ in range(3):
+        b.failure("answered 500", "attacker")
+    assert b.state == "open"

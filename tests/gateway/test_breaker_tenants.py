@@ -1,0 +1,30 @@
+"""One tenant's requests that make a replica fail do not open its breaker for the others, through the gateway.
+
+The attacker's requests break the stub's stream (`STUB:die`, standing for any input a replica or provider chokes
+on); before the breaker knew whose outcome each was, five of them took the only `mid` replica from every tenant for
+the cool-down (tiers/breaker.py).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+from tests.conftest import Gateway
+
+
+def chat(gw: Gateway, key: str, content: str) -> int:
+    with gw.client(key) as c:
+        return c.post("/v1/chat/completions",
+                      json={"model": "mid", "messages": [{"role": "user", "content": content}]}).status_code
+
+
+def test_a_tenant_failing_its_own_requests_does_not_open_the_breaker_for_the_others(gateway: Gateway) -> None:
+    gateway.store.create_tenant("attacker", "standard")
+    attacker = gateway.store.issue_key("attacker", name="test")[1]
+    (replica,) = gateway.app.state.services.fleet.replicas_of(gateway.app.state.services.catalogue.tiers["mid"])
+    assert [chat(gateway, gateway.tenant_key, f"question {i}") for i in range(6)] == [200] * 6
+    with ThreadPoolExecutor(4) as pool:
+        failed = list(pool.map(lambda _: chat(gateway, attacker, "STUB:die"), range(8)))
+    assert all(status >= 500 for status in failed), failed
+    assert replica.breaker.state == "closed" and replica.breaker.consecutive_failures == 8
+    assert chat(gateway, gateway.tenant_key, "and after?") == 200
