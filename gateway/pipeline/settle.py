@@ -86,7 +86,7 @@ class Settler:
     def _observe(self, attempt: Attempt, outcome: Outcome, row: LedgerRow) -> None:
         if outcome.status == "ok" and not attempt.is_cache_hit:
             self.cache.save(attempt.lookup, outcome, attempt.applied)
-        self.signals.outcome(outcome.http_status)
+        self.signals.outcome(outcome.http_status, row.tenant or "")  # one tenant's 5xx do not move the ladder
         version = attempt.route.tier.version_name
         if self.rollouts is not None and version is not None and not attempt.is_cache_hit \
                 and outcome.status != "cancelled":  # a server error is the version's; a 4xx is the request's

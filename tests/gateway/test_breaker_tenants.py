@@ -1,8 +1,10 @@
-"""One tenant's requests that make a replica fail do not open its breaker for the others, through the gateway.
+"""One tenant's requests that make a replica fail do not open its breaker for the others, nor move the ladder's
+error rate, through the gateway.
 
 The attacker's requests break the stub's stream (`STUB:die`, standing for any input a replica or provider chokes
 on); before the breaker knew whose outcome each was, five of them took the only `mid` replica from every tenant for
-the cool-down (tiers/breaker.py).
+the cool-down (tiers/breaker.py), and its 5xx made the error rate that takes every tenant down the degradation
+ladder (gateway/ladder/signals.py).
 """
 
 from __future__ import annotations
@@ -22,9 +24,10 @@ def test_a_tenant_failing_its_own_requests_does_not_open_the_breaker_for_the_oth
     gateway.store.create_tenant("attacker", "standard")
     attacker = gateway.store.issue_key("attacker", name="test")[1]
     (replica,) = gateway.app.state.services.fleet.replicas_of(gateway.app.state.services.catalogue.tiers["mid"])
-    assert [chat(gateway, gateway.tenant_key, f"question {i}") for i in range(6)] == [200] * 6
+    assert [chat(gateway, gateway.tenant_key, f"question {i}") for i in range(10)] == [200] * 10
     with ThreadPoolExecutor(4) as pool:
         failed = list(pool.map(lambda _: chat(gateway, attacker, "STUB:die"), range(8)))
     assert all(status >= 500 for status in failed), failed
     assert replica.breaker.state == "closed" and replica.breaker.consecutive_failures == 8
     assert chat(gateway, gateway.tenant_key, "and after?") == 200
+    assert gateway.app.state.services.ladder.signals.read()["error_rate"] == 0.0  # 8 of 19 were the attacker's 5xx

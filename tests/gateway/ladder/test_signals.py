@@ -55,3 +55,24 @@ def test_reads_from_a_thread_while_the_loop_appends() -> None:
     last = signals.read()
     assert abs(last["error_rate"] - 0.1) < 1e-3  # 6,000 outcomes in the window, one in ten a 5xx
     assert abs(last["queue_wait_p95_s"] - 0.0997) < 1e-3  # the window's waits are 0.094..0.1 s
+
+
+def test_one_tenants_5xx_are_left_out_of_the_error_rate_while_the_others_have_enough_outcomes() -> None:
+    """A tenant sending what makes a tier fail would, at 25% of the traffic, take the ladder to level 3 (shedding
+    everyone's batch and standard traffic): its own 5xx are left out when ten of the others' outcomes say how the
+    tiers do for them. Where the others are too few, or fail too, the rate counts them."""
+    now = [1000.0]
+    signals = Signals(clock=lambda: now[0])
+    for _ in range(9):
+        signals.outcome(200, "victim")
+    for _ in range(30):
+        signals.outcome(500, "attacker")
+    assert signals.read()["error_rate"] == 30 / 39  # nine outcomes of the others: too few to leave it out
+    signals.outcome(200, "victim")
+    signals.outcome(200, "other")
+    assert signals.read()["error_rate"] == 0.0
+    for _ in range(4):
+        signals.outcome(502, "victim")  # the tier now fails the others as well
+    assert signals.read()["error_rate"] == 4 / 15
+    signals.outcome(500)  # the gateway's own outcome (no tenant) is never the one left out
+    assert signals.read()["error_rate"] == 5 / 16
