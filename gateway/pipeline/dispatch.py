@@ -31,7 +31,7 @@ class DispatchStage:
             raise Unavailable(str(exc), code="queue_full", retry_after=1) from exc
         waited = time.perf_counter() - t0
         self.metrics.child(self.metrics.queue_wait, tier).observe(waited)
-        self.signals.queue_wait(waited)
+        self.signals.queue_wait(waited, tenant)  # one tenant's flood does not move the ladder
         return ticket
 
     def release(self, tier: str, ticket: Ticket, served_tokens: int) -> None:

@@ -30,4 +30,6 @@ def test_a_tenant_failing_its_own_requests_does_not_open_the_breaker_for_the_oth
     assert all(status >= 500 for status in failed), failed
     assert replica.breaker.state == "closed" and replica.breaker.consecutive_failures == 8
     assert chat(gateway, gateway.tenant_key, "and after?") == 200
-    assert gateway.app.state.services.ladder.signals.read()["error_rate"] == 0.0  # 8 of 19 were the attacker's 5xx
+    signals = gateway.app.state.services.ladder.signals
+    assert signals.read()["error_rate"] == 0.0  # 8 of 19 were the attacker's 5xx
+    assert set(signals._waits_of) == {"acme", "attacker"}  # each dispatch wait is known by its tenant

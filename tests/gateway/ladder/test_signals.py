@@ -76,3 +76,23 @@ def test_one_tenants_5xx_are_left_out_of_the_error_rate_while_the_others_have_en
     assert signals.read()["error_rate"] == 4 / 15
     signals.outcome(500)  # the gateway's own outcome (no tenant) is never the one left out
     assert signals.read()["error_rate"] == 5 / 16
+
+
+def test_one_tenants_queued_flood_is_left_out_of_the_wait_p95() -> None:
+    """Dispatch is fair between tenants, so a tenant flooding a tier waits in its own queue while the others do
+    not; its waits alone would take the ladder to level 3 (p95 over 15 s)."""
+    now = [1000.0]
+    signals = Signals(clock=lambda: now[0])
+    for _ in range(9):
+        signals.queue_wait(0.01, "victim")
+    for _ in range(200):
+        signals.queue_wait(20.0, "flood")
+    assert signals.read()["queue_wait_p95_s"] == 20.0  # nine waits of the others: too few to leave it out
+    signals.queue_wait(0.02, "other")
+    assert signals.read()["queue_wait_p95_s"] == 0.02
+    for _ in range(10):
+        signals.queue_wait(16.0, "victim")  # now the others wait as well
+    assert signals.read()["queue_wait_p95_s"] == 16.0
+    now[0] += WINDOW_S + 1  # everything leaves the window, and the counts with it
+    signals.queue_wait(0.5, "flood")
+    assert signals.read()["queue_wait_p95_s"] == 0.5
