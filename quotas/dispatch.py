@@ -61,17 +61,47 @@ class TierQueue:
     def num_waiting(self) -> int:
         return sum(len(q) for q in self.waiting.values())
 
-    def tokens_ahead(self, priority: int) -> int:
-        """Tokens queued that would be served before a new request of this priority."""
-        return sum(t.tokens for p, q in self.waiting.items() if p <= priority for t in q)
+    def tokens_ahead(self, priority: int, tenant: str | None = None, weight: float = 1.0) -> float:
+        """Tokens queued that would be dispatched before a new request of this priority (of `tenant`, whose plan
+        weighs `weight`; None: every queued one, as FIFO would serve them).
 
-    def predicted_wait_s(self, priority: int) -> float:
-        """Queued tokens ahead over the measured throughput; 0 while a slot is free or nothing is measured."""
+        Under VTC a tenant's new request does not wait for everything queued in its class: it goes when its counter
+        is the lowest. So the same class counts, besides the tenant's own queued tokens, each other tenant's tickets
+        in their order for as long as that tenant's counter (charged at each dispatch, ties to the older ticket)
+        stays at or below the counter this tenant will have when its request is next. One tenant's backlog then
+        predicts no wait for the others, whom fair share serves first: before, a tenant flooding a tier made every
+        plan's predicted wait pass its `max_queue_wait_s`, and the others were refused (503) or shed."""
+        ahead = float(sum(t.tokens for p, q in self.waiting.items() if p < priority for t in q))
+        same = self.waiting.get(priority, ())
+        if tenant is None or self.policy == "fifo":
+            return ahead + sum(t.tokens for t in same)
+        counters = self.counters[priority]
+        own = counters.get(tenant, 0.0)
+        backlogged = self._backlogged(priority)
+        if backlogged and not self.active.get((priority, tenant)):  # lifted as `_lift` lifts a newcomer
+            own = max(own, min(backlogged))
+        own_queued = sum(t.tokens for t in same if t.tenant == tenant)
+        finish = own + own_queued / weight
+        ahead += own_queued
+        charged: dict[str, float] = {}
+        for t in same:
+            if t.tenant == tenant:
+                continue
+            c = charged.get(t.tenant, counters.get(t.tenant, 0.0))
+            if c <= finish:
+                ahead += t.tokens
+                c += t.tokens / t.weight
+            charged[t.tenant] = c
+        return ahead
+
+    def predicted_wait_s(self, priority: int, tenant: str | None = None, weight: float = 1.0) -> float:
+        """Tokens ahead (`tokens_ahead`) over the measured throughput; 0 while a slot is free or nothing is
+        measured."""
         if self.in_flight < self.capacity and not self.num_waiting:
             return 0.0
         if not self.tokens_per_s:
             return 0.0
-        return self.tokens_ahead(priority) / self.tokens_per_s
+        return self.tokens_ahead(priority, tenant, weight) / self.tokens_per_s
 
     # ---- dispatch ----
 
@@ -149,9 +179,13 @@ class TierQueue:
             return best
         return None
 
+    def _backlogged(self, priority: int) -> list[float]:
+        """The counters of the class's tenants with requests queued or in flight."""
+        counters = self.counters[priority]
+        return [counters[t] for (p, t), n in self.active.items() if p == priority and n > 0 and t in counters]
+
     def _lift(self, ticket: Ticket) -> None:
         counters = self.counters[ticket.priority]
-        backlogged = [counters.get(t, 0.0) for (p, t), n in self.active.items()
-                      if p == ticket.priority and n > 0 and t in counters]
+        backlogged = self._backlogged(ticket.priority)
         if backlogged:
             counters[ticket.tenant] = max(counters.get(ticket.tenant, 0.0), min(backlogged))

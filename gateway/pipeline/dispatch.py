@@ -37,7 +37,9 @@ class DispatchStage:
     def release(self, tier: str, ticket: Ticket, served_tokens: int) -> None:
         self.queues[tier].release(ticket, served_tokens)
 
-    def predicted_waits(self, plan: Plan) -> dict[str, float]:
-        """Each allowed tier's predicted wait for the plan's priority class (the router's load signal)."""
+    def predicted_waits(self, plan: Plan, tenant: str) -> dict[str, float]:
+        """Each allowed tier's predicted wait for the tenant's next request in its plan's priority class (the
+        router's load signal): fair share between tenants, so another tenant's backlog is not the tenant's wait."""
         priority = PRIORITY_ORDER[plan.priority]
-        return {t: self.queues[t].predicted_wait_s(priority) for t in plan.allowed_tiers if t in self.queues}
+        return {t: self.queues[t].predicted_wait_s(priority, tenant, plan.weight)
+                for t in plan.allowed_tiers if t in self.queues}

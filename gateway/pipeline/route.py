@@ -118,7 +118,7 @@ class RouteStage:
             except TierError as exc:
                 raise client_error(exc) from exc
             rules, unavailable = self._tool_tiers(req, rules, unavailable)
-        waits = self.dispatch.predicted_waits(plan) if plan.max_queue_wait_s is not None else {}
+        waits = self.dispatch.predicted_waits(plan, ctx.tenant) if plan.max_queue_wait_s is not None else {}
         overloaded: TierOverloaded | None = None
         try:
             try:

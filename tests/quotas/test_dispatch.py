@@ -91,6 +91,28 @@ async def test_predicted_wait_uses_tokens_ahead_and_measured_throughput() -> Non
         q.release(await w, 100)
 
 
+async def test_another_tenants_backlog_is_not_a_newcomers_predicted_wait() -> None:
+    """A tenant flooding a tier queues its own requests; fair share dispatches a newcomer after one of them, so the
+    newcomer's predicted wait is that one ticket, not the flood (which refused everyone over `max_queue_wait_s`)."""
+    q = TierQueue("mid", capacity=1, max_waiting=1000)
+    held = await q.acquire("flood", priority=1, weight=1, tokens=100)
+    flood = [asyncio.ensure_future(q.acquire("flood", priority=1, weight=1, tokens=100)) for _ in range(50)]
+    await asyncio.sleep(0)
+    q.tokens_per_s = 100.0
+    assert q.predicted_wait_s(1) == pytest.approx(50.0)  # as FIFO would serve it: everything queued
+    assert q.predicted_wait_s(1, "flood") == pytest.approx(50.0)  # the flood waits for its own
+    assert q.predicted_wait_s(1, "victim") == pytest.approx(1.0)  # one flood ticket: the tie goes to the older
+    victim = asyncio.ensure_future(q.acquire("victim", priority=1, weight=1, tokens=100))
+    await asyncio.sleep(0)
+    q.release(held, 100)
+    second = await flood[0]
+    assert not victim.done()
+    q.release(second, 100)
+    q.release(await victim, 100)  # dispatched second, as predicted: one flood ticket before it
+    for f in flood:
+        q.release(await f, 100)
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(costs=st.lists(st.tuples(st.sampled_from(["a", "b", "c"]), st.integers(1, 50)), min_size=30, max_size=120),
        capacity=st.integers(1, 3))
