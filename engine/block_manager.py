@@ -47,6 +47,9 @@ class BlockManager:
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # evict from front
         self.hash_to_block_id: dict[int, int] = {}
         self.num_prefix_query_tokens = 0  # prompt tokens looked up in the prefix cache
+        # blocks in use by cache salt (the gateway's per-tenant digest): a block is shared only between sequences of
+        # one salt (its hash chain starts from the salt), so each used block is one salt's
+        self.used_by_salt: dict[str | None, int] = {}
         self.num_prefix_hit_tokens = 0  # of those, tokens whose K/V were reused
 
     # ---- sizes ----
@@ -58,6 +61,24 @@ class BlockManager:
     @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self.free_block_ids)
+
+    @property
+    def num_used_blocks_but_largest(self) -> int:
+        """Blocks in use by every salt but the one holding the most (all of them when one salt holds every used
+        block): what the other tenants' sequences hold. Read lock-free from another thread: on a dict the step
+        thread resizes meanwhile, the total instead."""
+        try:
+            held = list(self.used_by_salt.values())
+        except RuntimeError:
+            return self.num_used_blocks
+        return sum(held) - max(held) if len(held) > 1 else sum(held)
+
+    def _hold(self, salt: str | None, n: int) -> None:
+        left = self.used_by_salt.get(salt, 0) + n
+        if left:
+            self.used_by_salt[salt] = left
+        else:
+            self.used_by_salt.pop(salt, None)
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -98,6 +119,7 @@ class BlockManager:
             block = self.blocks[block_id]
             if block.ref_count == 0:
                 del self.free_block_ids[block_id]
+                self._hold(seq.cache_salt, 1)
             block.ref_count += 1
             seq.block_table.append(block_id)
             seq.block_hashes.append(block.block_hash)  # type: ignore[arg-type]
@@ -105,6 +127,8 @@ class BlockManager:
         seq.num_cached_tokens = max(seq.num_cached_tokens, len(computed_blocks) * self.block_size)
         for _ in range(max(num_needed, 0)):
             seq.block_table.append(self._take_free_block())
+        if num_needed > 0:
+            self._hold(seq.cache_salt, num_needed)
         return True
 
     def cache_full_blocks(self, seq: Sequence) -> None:
@@ -130,6 +154,7 @@ class BlockManager:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.free_block_ids[block_id] = None
+                self._hold(seq.cache_salt, -1)
         seq.block_table.clear()
         seq.block_hashes.clear()
         seq.num_computed_tokens = 0

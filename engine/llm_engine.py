@@ -239,6 +239,7 @@ class LLMEngine:
             self._prompt_tokens_total, self._generation_tokens_total, self._busy_s_total, self._finished_total,
             num_kv_blocks_total=bm.num_blocks, num_kv_blocks_used=num_used,
             num_kv_blocks_free=bm.num_blocks - num_used,
+            num_kv_blocks_used_by_others=bm.num_used_blocks_but_largest,
             num_prefix_query_tokens_total=bm.num_prefix_query_tokens,
             num_prefix_hit_tokens_total=bm.num_prefix_hit_tokens,
             num_preemptions_total=self.scheduler.num_preemptions_total,

@@ -35,6 +35,7 @@ class EngineStats:
     num_kv_blocks_total: int = 0
     num_kv_blocks_used: int = 0  # held by a running sequence
     num_kv_blocks_free: int = 0  # idle (some still hold a reusable prefix)
+    num_kv_blocks_used_by_others: int = 0  # held by sequences of every tenant (cache salt) but the one holding most
     num_prefix_query_tokens_total: int = 0
     num_prefix_hit_tokens_total: int = 0
     num_preemptions_total: int = 0

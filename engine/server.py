@@ -270,7 +270,9 @@ def create_engine_app(engine: LLMEngine, *, model_name: str, model_version: str)
                              "model_version": model_version, "instance": instance}, status_code=503)
         # `stats` is what the gateway's supervisor reads into its per-replica engine gauges
         s = engine.stats()
-        stats = {"kv_utilisation": s.num_kv_blocks_used / s.num_kv_blocks_total if s.num_kv_blocks_total else 0.0,
+        total = s.num_kv_blocks_total or 1
+        stats = {"kv_utilisation": s.num_kv_blocks_used / total,
+                 "kv_utilisation_others": s.num_kv_blocks_used_by_others / total,  # the ladder's: no one tenant's
                  "tokens_per_s": s.generation_tokens_per_s, "num_running": s.num_running,
                  "num_waiting": s.num_waiting, "prefix_cache_hit_rate": s.prefix_cache_hit_rate}
         return Response({"status": "ok", "model": model_name, "model_version": model_version, "instance": instance,

@@ -248,8 +248,13 @@ class Fleet:
         return found if tier.version_name is None else f"{found}@{tier.version_name}"
 
     def max_kv_utilisation(self) -> float:
-        """The fullest engine KV cache among healthy local replicas (0 to 1), as their /health reports it."""
-        return max((r.stats.get("kv_utilisation", 0.0) for r in self._every_replica() if r.healthy), default=0.0)
+        """The fullest engine KV cache among healthy local replicas (0 to 1), as their /health reports it, leaving out
+        the blocks of the tenant holding the most where other tenants hold some (`kv_utilisation_others`; an engine
+        that does not report it counts whole). The engine's scheduler already takes slots back from a tenant filling
+        the cache when another waits; the ladder stepping in (`conserve`: full remapped to mid, outputs capped)
+        would degrade every tenant for that one's long prompts."""
+        return max((r.stats.get("kv_utilisation_others", r.stats.get("kv_utilisation", 0.0))
+                    for r in self._every_replica() if r.healthy), default=0.0)
 
     def _every_replica(self) -> list[Replica]:
         """Every replica of every version of every tier."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 from engine.block_manager import BlockManager
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
@@ -102,3 +104,59 @@ def test_blocks_are_shared_only_within_one_cache_salt() -> None:
     theirs.cache_salt, again.cache_salt = "tenant-b", "tenant-a"
     assert bm.get_computed_blocks(theirs) == [] and bm.get_computed_blocks(unsalted) == []
     assert bm.get_computed_blocks(again) == mine.block_table[:2]  # the same tenant still shares its own
+
+
+def salted(tokens: list[int], salt: str | None, rid: str) -> Sequence:
+    s = seq(tokens, rid)
+    s.cache_salt = salt
+    return s
+
+
+def test_blocks_in_use_are_counted_by_salt_and_the_largest_holder_can_be_left_out() -> None:
+    """The ladder's KV trigger reads what every tenant but the one holding most holds (tiers/fleet.py): counted as
+    blocks leave and return to the free queue, shared prefix blocks once, for the salt whose chain they are on."""
+    bm = BlockManager(num_blocks=32, block_size=4)
+    big = [salted([*range(16), 100 + i], "flood", f"f{i}") for i in range(3)]  # a 16-token shared prefix
+    for s in big:
+        run_prefill(bm, s)
+    assert bm.used_by_salt == {"flood": 4 + 3} == {"flood": bm.num_used_blocks}  # the prefix once, a tail each
+    assert bm.num_used_blocks_but_largest == 7  # one tenant alone: it counts whole
+    small = salted(list(range(6)), "victim", "v")
+    run_prefill(bm, small)
+    assert bm.used_by_salt == {"flood": 7, "victim": 2} and bm.num_used_blocks_but_largest == 2
+    for s in big:
+        bm.free(s)
+    assert bm.used_by_salt == {"victim": 2} and bm.num_used_blocks == 2
+    again = salted([*range(16), 7], "flood", "f9")  # its prefix back from the free queue, as a hit
+    run_prefill(bm, again)
+    assert bm.used_by_salt == {"flood": 5, "victim": 2} == {"flood": 5, "victim": bm.num_used_blocks - 5}
+    bm.free(again)
+    bm.free(small)
+    assert bm.used_by_salt == {} and bm.num_used_blocks == 0
+
+
+def test_the_counts_by_salt_always_add_up_to_the_blocks_in_use() -> None:
+    """Random admissions (shared prefixes, several salts, decode growth) and frees, against the free queue."""
+    rng = random.Random(7)
+    bm = BlockManager(num_blocks=40, block_size=4)
+    live: list[Sequence] = []
+    for step in range(2000):
+        if live and (rng.random() < 0.4 or bm.num_free_blocks < 4):
+            bm.free(live.pop(rng.randrange(len(live))))
+        elif live and rng.random() < 0.5:  # a decode step of one of them
+            s = rng.choice(live)
+            s.output_token_ids.append(rng.randrange(50))
+            if bm.allocate_slots(s, 1):
+                s.num_computed_tokens = s.num_tokens
+                bm.cache_full_blocks(s)
+        else:
+            salt = rng.choice(["a", "b", "c", None])
+            s = salted([*range(rng.choice([4, 8, 12])), *(rng.randrange(50) for _ in range(rng.randrange(1, 9)))],
+                       salt, f"r{step}")
+            hits = bm.get_computed_blocks(s)
+            if bm.allocate_slots(s, s.num_tokens - len(hits) * bm.block_size, hits):
+                s.num_computed_tokens = s.num_tokens
+                bm.cache_full_blocks(s)
+                live.append(s)
+        assert sum(bm.used_by_salt.values()) == bm.num_used_blocks, step
+        assert 0 <= bm.num_used_blocks_but_largest <= bm.num_used_blocks

@@ -83,6 +83,7 @@ def test_errors(served: tuple[str, LLMEngine, ScriptedRunner]) -> None:
     health = httpx.get(f"{url}/health").json()
     assert health["model_version"] == "v1"
     assert health["stats"]["kv_utilisation"] == 0.0 and health["stats"]["num_running"] == 0
+    assert health["stats"]["kv_utilisation_others"] == 0.0  # the ladder's reading (tiers/fleet.py)
     metrics = httpx.get(f"{url}/metrics").text
     for name in ("tiergate_engine_generation_tokens_total", "tiergate_engine_kv_blocks_used",
                  "tiergate_engine_kv_blocks_free", "tiergate_engine_prefix_cache_hit_rate",
