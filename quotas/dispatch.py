@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import statistics
 import time
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 from typing import Literal
+
+RATE_TENANTS = 64  # tenants whose recent token rate is kept (the least recently updated one's dropped)
 
 
 class QueueFull(Exception):
@@ -52,7 +55,11 @@ class TierQueue:
         self.waiting: dict[int, list[Ticket]] = defaultdict(list)  # priority -> FIFO
         self.counters: dict[int, dict[str, float]] = defaultdict(dict)  # priority -> tenant -> VTC
         self.active: dict[tuple[int, str], int] = defaultdict(int)  # (priority, tenant) -> queued + in flight
-        self.tokens_per_s: float | None = None  # measured: EWMA of the tier's aggregate token rate
+        # measured: the tier's aggregate token rate, the median (high) of each recent tenant's EWMA of it, so one
+        # tenant reading its streams slowly (its slots held, its rate low) does not make every plan's predicted
+        # wait pass its bound; with one tenant, its own
+        self.tokens_per_s: float | None = None
+        self._rates: OrderedDict[str, float] = OrderedDict()  # tenant -> EWMA, most recently updated last
         self._seq = itertools.count()
 
     # ---- admission ----
@@ -136,7 +143,11 @@ class TierQueue:
         elapsed = time.monotonic() - ticket.dispatched_at
         if served_tokens > 0 and elapsed > 0:
             rate = served_tokens / elapsed * max(1, self.in_flight)
-            self.tokens_per_s = rate if self.tokens_per_s is None else 0.8 * self.tokens_per_s + 0.2 * rate
+            old = self._rates.pop(ticket.tenant, None)
+            self._rates[ticket.tenant] = rate if old is None else 0.8 * old + 0.2 * rate
+            if len(self._rates) > RATE_TENANTS:
+                self._rates.popitem(last=False)
+            self.tokens_per_s = statistics.median_high(self._rates.values())
         ticket.dispatched_at = None
         self.in_flight -= 1
         self.in_flight_by[ticket.tenant] -= 1

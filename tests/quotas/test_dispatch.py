@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -149,3 +150,25 @@ async def test_a_newcomer_starts_at_once_while_a_flood_holds_the_other_slots() -
             t.cancel()
         b.cancel()
         await asyncio.sleep(0)
+
+
+async def test_a_tenant_reading_its_answers_slowly_does_not_set_the_tiers_measured_rate() -> None:
+    """The rate is measured from dispatch to release, which a client reading its stream slowly stretches: one
+    tenant's slow reads made the tier look a hundred times slower for everyone, so every plan's predicted wait
+    passed its bound. The tier's rate is the median (high) of each tenant's: one tenant alone cannot set it."""
+    q = TierQueue("mid", capacity=4, max_waiting=1000)
+
+    async def served(tenant: str, seconds: float) -> None:
+        ticket = await q.acquire(tenant, priority=1, weight=1, tokens=100)
+        ticket.dispatched_at = time.monotonic() - seconds  # as if it had been dispatched that long ago
+        q.release(ticket, 100)
+
+    for _ in range(5):
+        await served("a", 0.1)  # 1,000 tokens a second
+    assert q.tokens_per_s == pytest.approx(1000, rel=0.05)
+    for _ in range(20):
+        await served("slow-reader", 10.0)  # 10 a second
+    assert q.tokens_per_s == pytest.approx(1000, rel=0.05)  # two tenants: the higher
+    await served("b", 0.2)
+    await served("c", 0.2)  # 500 a second each: the median of four is theirs
+    assert q.tokens_per_s == pytest.approx(500, rel=0.05)
