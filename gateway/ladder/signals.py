@@ -85,9 +85,11 @@ class Signals:
                 self._count(tenant, bad, -1)
             waits = list(self._wait_values)
             busiest = max(self._waits_of.items(), key=lambda kv: kv[1], default=("", 0))
-            if busiest[0] and len(waits) - busiest[1] >= CONTEST_MIN:
-                waits = [w for w, t in zip(waits, self._wait_tenants, strict=True) if t != busiest[0]]
+            left_out = busiest[0] if busiest[0] and len(waits) - busiest[1] >= CONTEST_MIN else None
+            tenants = list(self._wait_tenants) if left_out is not None else []  # copied here, filtered unlocked
             error_rate = self._error_rate()
+        if left_out is not None:
+            waits = [w for w, t in zip(waits, tenants, strict=True) if t != left_out]
         waits.sort()
         p95 = waits[min(len(waits) - 1, int(0.95 * len(waits)))] if waits else 0.0
         return {"queue_wait_p95_s": p95, "error_rate": error_rate,
