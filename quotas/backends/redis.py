@@ -18,20 +18,8 @@ the background with bounded backoff until Redis answers, so one lost answer neve
 charged and the slot held. Waiting for a free connection is back-pressure, bounded by `pool_wait_s`, not an
 outage: callers take turns first come, first served (`_turn`), so none waits longer than the queue ahead of it.
 
-A Redis that lost its data (restarted without persistence, failed over to a lagging replica, FLUSHALL) must not
-reset every budget. Given a `tenant_spend` source, each tenant has a seeded sentinel (`<tag>:seeded`, no TTL, in
-the tenant's slot, so a lost shard of a cluster is seen per tenant). A reserve that finds it missing charges
-nothing (reserve.lua answers 2); the backend reads that tenant's ledger totals for Redis' day and month (by the
-ledger's (tenant, ts) index: a new tenant's first request reads its own rows, none, not everyone's; one read per
-tenant at a time in a process, shared by its reserves, `_reseed`), raises the tenant's day and month counters of
-every scope to at least the ledger's totals (reseed.lua: max(held, total), so re-seeds racing each other, from
-other replicas too, or racing normal spend never double or lower a counter), sets the sentinel, then reserves
-again. Before the read, the failover's outage journal (money settled on its fallback, already in the ledger) is
-applied (`before_reseed`), so max() counts that money once. Rows reach the ledger before their settle
-(gateway/pipeline/settle.py), so a settle that finds its record gone (settle.lua's "not held" path) before the
-ledger is read bills money the ledger's total already has, and max() counts it once; one after the read bills it
-again: an overcount (refusing early, never spending twice) bounded by the tenant's reservations in flight when the
-data was lost.
+A Redis that lost its data must not reset every budget, and money a replica settled on its fallback during an
+outage must reach the counters once: both are quotas/backends/redis_recovery.py's (`RedisRecovery`, mixed in).
 """
 
 from __future__ import annotations
@@ -39,10 +27,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Coroutine, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -52,14 +39,11 @@ from redis.exceptions import MaxConnectionsError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeout
 
 from quotas.backends.base import Billed, QuotaBackend, QuotaBackendError
-from quotas.backends.journal import FallbackRow
+from quotas.backends.redis_recovery import RedisRecovery, TenantSpend
 from quotas.limits import MAX_DATING_LAG_S, WINDOW_S, Decision, ReservationRequest, Spend, Usage
 
 log = logging.getLogger("tiergate.quotas")
 T = TypeVar("T")
-
-# one tenant's spend per scope on the day and month of a time (epoch seconds), from the ledger
-TenantSpend = Callable[[str, float], Awaitable[dict[str, Spend]]]
 
 # tries, each bounded by the call timeout; the script is idempotent per request id. (Retrying for longer, 0.5 s,
 # made tests/quotas/test_chaos.py drift in 3 runs of 4: not done until that is understood.)
@@ -76,10 +60,8 @@ CANCEL_ATTEMPTS = 20  # undoing a reservation whose answer was lost, once a seco
 SETTLE_BACKOFF_S = (0.05, 5.0)  # first and longest wait between a failed settle's retries
 DONE_MARGIN_S = 300  # a settled reservation's tombstone outlives the settle's retries by this much
 REAPED_TTL_S = 86_400  # a reaped one waits this long for a late settle to bill its real use
-JOURNAL_TTL_S = 7 * 86_400  # an applied outage-journal batch is remembered this long
 REAP_BATCH = 100  # tenants claimed from, and reservations finished, per round of concurrent calls
 RESEED_ROUNDS = 2  # re-seeds one reserve may wait for before it is a retryable failure
-RESEED_LOG_EVERY_S = 60.0  # a loss of Redis' counters is logged at most this often
 REAP_SHARE = 4  # the reaper holds at most 1/REAP_SHARE of the connections at once: requests keep the rest
 _HERE = Path(__file__).parent
 _SHARED = (_HERE / "shared.lua").read_text()
@@ -110,7 +92,7 @@ def backend_error(exc: RedisError) -> QuotaBackendError:
     return QuotaBackendError(f"redis: {exc}", transient=isinstance(exc, RedisTimeout))
 
 
-class RedisBackend(QuotaBackend):
+class RedisBackend(RedisRecovery, QuotaBackend):
     name = "redis"
 
     def __init__(self, url: str, *, timeout_s: float = 0.05, prefix: str = "tg", max_connections: int = 64,
@@ -146,16 +128,7 @@ class RedisBackend(QuotaBackend):
         self._scripts = {name: self.redis.register_script(text) for name, text in SCRIPTS.items()}
         self._background: set[asyncio.Task[None]] = set()  # held so they are not collected before they finish
         self._registered: set[str] = set()  # tenants this process has put in the reapers' list lately
-        self._tenant_spend = tenant_spend  # None: Redis' counters are trusted as they are (no sentinel checked)
-        self._reseeding: dict[str, asyncio.Task[None]] = {}  # per tenant, the re-seed under way in this process
-        self.num_reseeds = 0  # tenants re-seeded from the ledger (a new tenant's first reserve counts too)
-        self.num_reseeds_raised = 0  # ...of which the ledger had spend for: Redis had lost what it held
-        self._reseed_logged_at = -math.inf  # monotonic: a loss is logged once a minute, not once per tenant
-        self._reseeds_unlogged = 0
-        # run before the ledger is read for a re-seed: the failover's outage journal (money the ledger has, settled
-        # on its fallback) goes in first, so the re-seed's max() counts it once rather than the journal adding it
-        # again on top of the ledger's total
-        self.before_reseed: Callable[[], Awaitable[None]] | None = None
+        super().__init__(tenant_spend)  # RedisRecovery's: re-seeds, and the failover's `before_reseed`
 
     # ---- key names ----
 
@@ -250,45 +223,6 @@ class RedisBackend(QuotaBackend):
                 raise error from exc
         return list(out)
 
-    async def _reseed(self, tenant: str, now: float) -> None:
-        """Raise `tenant`'s money counters to the ledger's totals on `now`'s (Redis' clock) day and month and mark
-        it seeded: one ledger read per tenant at a time, shared by this process's reserves (a reserve that leaves
-        does not stop it)."""
-        task = self._reseeding.get(tenant)
-        if task is None or task.done():
-            task = self._reseeding[tenant] = asyncio.get_running_loop().create_task(self._reseed_one(tenant, now))
-            task.add_done_callback(lambda t: self._reseeding.pop(tenant, None) if self._reseeding.get(tenant) is t
-                                   else None)
-        try:
-            await asyncio.shield(task)
-        except QuotaBackendError:  # Redis failed while re-seeding
-            raise
-        except Exception as exc:  # the ledger could not be read: retryable, nothing was charged
-            raise QuotaBackendError(f"redis: re-seeding from the ledger failed ({exc})", transient=True) from exc
-
-    async def _reseed_one(self, tenant: str, now: float) -> None:
-        if self.before_reseed is not None:
-            await self.before_reseed()
-        spends = await self._tenant_spend(tenant, now)  # type: ignore[misc]
-        args: list[int | str] = []
-        for scope, s in spends.items():
-            args += [self.base(tenant, scope), s.day, s.month, s.day_pico, s.month_pico]
-        try:
-            async with self._turn():
-                await self._scripts["reseed"](keys=[self.seeded_key(tenant)], args=args)
-        except RedisError as exc:
-            raise backend_error(exc) from exc
-        self.num_reseeds += 1
-        if any(s.day_pico or s.month_pico for s in spends.values()):
-            self.num_reseeds_raised += 1
-            self._reseeds_unlogged += 1
-            at = time.monotonic()
-            if at - self._reseed_logged_at >= RESEED_LOG_EVERY_S:
-                log.warning("Redis had lost quota counters (restarted without persistence, flushed, or a lagging "
-                            "replica): %d tenants' day and month spend raised to the ledger's since the last such "
-                            "log", self._reseeds_unlogged)
-                self._reseed_logged_at, self._reseeds_unlogged = at, 0
-
     def _read_late(self, started: float, first: float) -> bool:
         """Whether a try (begun at `started`, its call at `first`, by the loop's clock) that timed out is to be
         repeated without counting: this process read its answer late (see LATE_FACTOR)."""
@@ -337,9 +271,13 @@ class RedisBackend(QuotaBackend):
         done_ttl = int(self.settle_retry_s) + DONE_MARGIN_S  # ~100 bytes each: 90 MB at 1,000 settles/s
         args = [request_id, tokens, money_pico, kind, done_ttl, REAPED_TTL_S, day, month, arrival_ms,
                 int(self.max_dating_lag_s * 1000), len(bases), *bases]
+        return int(await self._run("settle", keys, args))
+
+    async def _run(self, script: str, keys: list[str], args: list[Any]) -> Any:
+        """One script, one try, in a turn at the pool; a failure as ours (`backend_error`)."""
         try:
             async with self._turn():
-                return int(await self._scripts["settle"](keys=keys, args=args))
+                return await self._scripts[script](keys=keys, args=args)
         except RedisError as exc:
             raise backend_error(exc) from exc
 
@@ -399,7 +337,7 @@ class RedisBackend(QuotaBackend):
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    # ---- reaping, outage journals, reads ----
+    # ---- reaping, reads ----
 
     async def reap(self, billed: Billed | None = None) -> int:
         """Say this replica is alive, then return every tenant's reservations whose lease ran out: billed
@@ -443,39 +381,6 @@ class RedisBackend(QuotaBackend):
         REAP_BATCH concurrent calls never queues the requests' calls behind it."""
         async with self._reap_turns:
             return await call
-
-    async def apply_journal(self, batch_id: str, tenant: str, entries: Sequence[tuple[str, str, str, int]]) -> bool:
-        """Add (scope, day, month, picodollars) entries settled elsewhere to the tenant's counters, once per
-        `batch_id`; False if that batch was applied before."""
-        args: list[int | str] = [JOURNAL_TTL_S]
-        for scope, day, month, pico in entries:
-            args += [self.base(tenant, scope), day, month, pico]
-        try:
-            async with self._turn():
-                return bool(await self._scripts["journal"](keys=[f"{self.tag(tenant)}:jnl:{batch_id}"], args=args))
-        except RedisError as exc:
-            raise backend_error(exc) from exc
-
-    async def apply_rows(self, tenant: str, rows: Sequence[FallbackRow]) -> int:
-        """Add the money of one tenant's ledger rows settled on a fallback (each on its day and month, to its
-        scopes) to the counters, each row once whoever sends it (journal_rows.lua: a marker per request id, kept
-        JOURNAL_TTL_S); how many were applied now."""
-        keys: list[str] = []
-        args: list[int | str] = [JOURNAL_TTL_S]
-        for row in rows:
-            keys.append(f"{self.tag(tenant)}:jrow:{row.request_id}")
-            args += [len(row.scopes), row.day, row.month, row.pico, *(self.base(tenant, s) for s in row.scopes)]
-        try:
-            async with self._turn():
-                return int(await self._scripts["journal_rows"](keys=keys, args=args))
-        except RedisError as exc:
-            raise backend_error(exc) from exc
-
-    async def settle_row_elsewhere(self, row: FallbackRow) -> bool:
-        """`settle_elsewhere` for a ledger row settled on a fallback whose reserve Redis may hold: by its id, so a
-        repeat (within the settle's tombstone, `settle_retry_s` + DONE_MARGIN_S) changes nothing; False then."""
-        return await self._finish_id(row.tenant, row.request_id, 0, row.pico, "settle",
-                              [self.base(row.tenant, s) for s in row.scopes], row.day, row.month) != 0
 
     async def spent(self, tenant: str, scopes: Sequence[str], now: float) -> dict[str, tuple[int, int]] | None:
         """Today's and this month's spend by Redis' clock (`now` is not used: one clock dates the money). One try,
