@@ -335,7 +335,7 @@ class EmbeddingsService:
                             row: LedgerRow) -> None:
         with contextlib.suppress(Exception):  # the row's fate is the caller's; the quota settles anyway
             await self.ledger.wait_durable(written)
-        await self.quotas.settle(reservation, tokens=tokens, price=row.price_usd)
+        await self.quotas.settle(reservation, tokens=tokens, price=row.price_usd, row=written)
 
     async def _keep(self, written: asyncio.Future[None], keep: Keep, stored: dict[str, Any], ttl_s: float) -> None:
         """Store the answer once its row is durable (a store that commits it with the row has done so: its `finish`

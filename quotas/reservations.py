@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 from decimal import Decimal
 
 from quotas.backends.base import QuotaBackend
+from quotas.backends.journal import FallbackRow, fallback_row
 from quotas.limits import Decision, ReservationRequest, ScopeLimits
 from quotas.money import to_pico
 from quotas.plans import Limits, Plan
@@ -77,13 +79,25 @@ class QuotaService:
                     left = min(left, max(0.0, (limit - used) / limit) if limit else 0.0)
         return left
 
-    async def settle(self, reservation: Reservation, *, tokens: int, price: Decimal) -> None:
+    async def settle(self, reservation: Reservation, *, tokens: int, price: Decimal,
+                     row: asyncio.Future[None] | None = None) -> None:
         """Once per reservation. Returns after one try at the store: the backend retries a failed settle in
-        the background (bounded backoff, idempotent), so the caller never waits on an outage."""
+        the background (bounded backoff, idempotent), so the caller never waits on an outage.
+
+        `row`: its ledger row's future (`Ledger.submit`), where one was written at `price`. A reservation admitted
+        with a fallback mark counts on that row to carry its money to the shared counters; if the ledger refuses it,
+        now or after the caller stopped waiting, the backend carries the money itself (`row_refused`)."""
         if reservation.settled:
             return
         reservation.settled = True
+        req, mark = reservation.request, reservation.decision.fallback
+        if row is not None and mark is not None:
+            refused = fallback_row(req.request_id, req.tenant, to_pico(price), mark)
+            row.add_done_callback(lambda written: self._row_ended(written, refused))
         await self.backend.settle(reservation.request, tokens=tokens, money_pico=to_pico(price))
         if self.on_settled is not None:
-            req = reservation.request
             self.on_settled(req.tenant, tuple(s.scope for s in req.scopes))
+
+    def _row_ended(self, written: asyncio.Future[None], row: FallbackRow) -> None:
+        if not written.cancelled() and written.exception() is not None:
+            self.backend.row_refused(row)

@@ -81,7 +81,7 @@ class Settler:
                             price: Decimal) -> None:
         with contextlib.suppress(Exception):  # the row's own fate is the caller's; the quota settles anyway
             await self.ledger.wait_durable(written)
-        await self.quotas.settle(attempt.reservation, tokens=tokens, price=price)
+        await self.quotas.settle(attempt.reservation, tokens=tokens, price=price, row=written)
 
     def _observe(self, attempt: Attempt, outcome: Outcome, row: LedgerRow) -> None:
         if outcome.status == "ok" and not attempt.is_cache_hit:

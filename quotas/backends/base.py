@@ -17,6 +17,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Sequence
 
+from quotas.backends.journal import FallbackRow
 from quotas.limits import Decision, ReservationRequest
 
 # request ids -> the picodollars the ledger billed each (ids without a row are left out); the reaper asks
@@ -45,6 +46,10 @@ class QuotaBackend(ABC):
     async def settle(self, req: ReservationRequest, *, tokens: int, money_pico: int) -> None:
         """Replace the reservation's tokens and money by what was really used; free its concurrency slot.
         Idempotent; where the store does not answer, retried in the background (the caller never waits)."""
+
+    def row_refused(self, row: FallbackRow) -> None:  # noqa: B027 (only a backend that marks decisions has any)
+        """The ledger refused the row of a request admitted with a `Decision.fallback` mark, the row that was to carry
+        its money (`row.pico`) to the shared counters: the backend carries it itself, once."""
 
     async def reap(self, billed: Billed | None = None) -> int:
         """Return reservations whose lease ran out (money, tokens, slot), each once; the number returned."""

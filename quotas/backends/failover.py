@@ -22,7 +22,8 @@ outlives that window (JOURNAL_TTL_S; a by-id row's settle tombstone, `settle_ret
 lost its data, a re-seed raises counters to the ledger's totals, which hold the marked rows: the flush before it
 applies those pending then, and a row written between that flush and the re-seed's read, or whose apply failed
 then, is counted twice on that tenant's day and month (an early refusal, never overspend), bounded by the money
-settled on fallbacks in that window and by the markers lost with Redis' data.
+settled on fallbacks in that window and by the markers lost with Redis' data. A marked row the ledger refuses
+(`row_refused`) carries nothing: its money goes into this process's journal as that row, applied under its id.
 
 A refused connection means Redis is down at once. A timeout alone does not (a busy event loop can cause
 one): the request gets a retryable 503, and Redis is down only once a streak of failures with no success in
@@ -81,7 +82,7 @@ class FailoverBackend(QuotaBackend):
         self.num_local_reservations = 0  # admitted by the fallback
         self.num_journal_batches = 0  # outage-journal batches Redis applied
         self.num_journal_requests = 0  # ...and requests applied by their id
-        self.num_journal_rows = 0  # ledger rows settled on a fallback (any replica's) that this one applied
+        self.num_journal_rows = 0  # rows settled on a fallback (any replica's, or refused by the ledger) it applied
         self._rows = rows
         self._on_state = on_state
         self._ledger_spend = ledger_spend
@@ -240,6 +241,9 @@ class FailoverBackend(QuotaBackend):
             # until nothing is left: a tenant's sums settled while its batch was in flight make a batch of their
             # own once that one is applied (one pass would leave them for a flush that may never come)
             while len(self.journal):
+                if refused := self.journal.rows():
+                    await self._apply(refused)
+                    self.journal.rows_applied([row.request_id for row in refused])
                 for req, pico in self.journal.requests():
                     await self.primary.settle_elsewhere(req, money_pico=pico)
                     self.journal.request_applied(req.request_id)
@@ -256,15 +260,28 @@ class FailoverBackend(QuotaBackend):
         them applied. Each row is applied under its own id (journal_rows.lua; a by-id row as a settle of its id), so
         replicas doing this at once, or a repeat after a crash before the note, add each row's money once."""
         while batch := await rows.pending(ROWS_PER_FLUSH):
-            by_tenant: dict[str, list[FallbackRow]] = {}
-            for row in batch:
-                if row.by_id:
-                    self.num_journal_rows += await self.primary.settle_row_elsewhere(row)
-                else:
-                    by_tenant.setdefault(row.tenant, []).append(row)
-            for tenant, tenant_rows in by_tenant.items():
-                self.num_journal_rows += await self.primary.apply_rows(tenant, tenant_rows)
+            await self._apply(batch)
             await rows.applied([row.request_id for row in batch])
+
+    async def _apply(self, rows: Sequence[FallbackRow]) -> None:
+        """Each row's money to Redis' counters under its request id: a row applied before, by any replica, adds
+        nothing."""
+        by_tenant: dict[str, list[FallbackRow]] = {}
+        for row in rows:
+            if row.by_id:
+                self.num_journal_rows += await self.primary.settle_row_elsewhere(row)
+            else:
+                by_tenant.setdefault(row.tenant, []).append(row)
+        for tenant, tenant_rows in by_tenant.items():
+            self.num_journal_rows += await self.primary.apply_rows(tenant, tenant_rows)
+
+    def row_refused(self, row: FallbackRow) -> None:
+        """Its money goes into the journal as the refused row (at 0 its settle has journaled it already)."""
+        if not row.pico:
+            return
+        self.journal.add_row(row)
+        if self.up:
+            self._spawn(self.flush_journal())
 
     async def reap(self, billed: Billed | None = None) -> int:
         """Return the fallback's expired reservations (billed ones are journaled), then Redis' (see

@@ -16,7 +16,9 @@ The journal dies with its process; the ledger does not. Where the failover is gi
 money counted for, and whether Redis may hold its reserve), written in the row's own commit, and the rows are the
 journal: any replica applies the marked rows no replica has applied yet, each row under a marker of its own in
 Redis (its request id), then notes them applied in the ledger. A replica killed with money not yet in Redis leaves
-its rows to the next replica's reaper round, and two replicas applying the same rows apply them once.
+its rows to the next replica's reaper round, and two replicas applying the same rows apply them once. A row the
+ledger refused carries nothing: the journal keeps it (`add_row`), to be applied as the ledger's would have been,
+under its request id, so a row the ledger did keep after all (a commit whose answer was lost) counts once.
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ class OutageJournal:
         self._pending: dict[str, dict[tuple[str, str, str], int]] = {}  # tenant -> (scope, day, month) -> pico
         self._sealed: dict[str, tuple[str, list[Entry]]] = {}  # tenant -> (batch id, entries) being applied
         self._by_id: dict[str, tuple[ReservationRequest, int]] = {}  # request id -> (request, picodollars)
+        self._rows: dict[str, FallbackRow] = {}  # request id -> a marked row the ledger refused
 
     def add(self, tenant: str, scopes: tuple[str, ...], day: str, month: str, pico: int) -> None:
         if pico == 0:
@@ -91,6 +94,17 @@ class OutageJournal:
     def request_applied(self, request_id: str) -> None:
         self._by_id.pop(request_id, None)
 
+    def add_row(self, row: FallbackRow) -> None:
+        """A row settled on the fallback that the ledger refused: applied as a ledger row (its id's marker)."""
+        self._rows[row.request_id] = row
+
+    def rows(self) -> list[FallbackRow]:
+        return list(self._rows.values())
+
+    def rows_applied(self, request_ids: Sequence[str]) -> None:
+        for rid in request_ids:
+            self._rows.pop(rid, None)
+
     def batches(self) -> list[tuple[str, str, list[Entry]]]:
         """(tenant, batch id, entries) to apply: the batches sealed before and not yet applied, and a new one
         for each tenant with pending entries and no batch in flight."""
@@ -104,5 +118,5 @@ class OutageJournal:
             del self._sealed[tenant]
 
     def __len__(self) -> int:
-        """Tenants with sums, and requests, not yet in Redis."""
-        return len(self._pending.keys() | self._sealed.keys()) + len(self._by_id)
+        """Tenants with sums, and requests and rows, not yet in Redis."""
+        return len(self._pending.keys() | self._sealed.keys()) + len(self._by_id) + len(self._rows)

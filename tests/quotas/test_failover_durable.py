@@ -7,23 +7,31 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
+from collections import Counter
 from decimal import Decimal
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from gateway.app import build_quota_backend
+from gateway.embeddings_service import EmbeddingsService
+from gateway.pipeline.settle import Settler
 from gateway.settings import Settings
+from quotas.backends.base import QuotaBackendError
 from quotas.backends.failover import FailoverBackend
-from quotas.ledger import Ledger
-from quotas.ledger_rows import LedgerRow
+from quotas.ledger import Ledger, Pending
+from quotas.ledger_rows import CountKey, LedgerRow
+from quotas.ledger_sqlite import SQLiteLedger
 from quotas.limits import ReservationRequest, ScopeLimits
 from quotas.money import from_pico
+from quotas.reservations import QuotaService, Reservation
 from quotas.seed import LedgerFallbackRows, ledger_billing
 from tests.conftest import RedisServer
 from tests.quotas.test_failover import admit, failover, redis_spend
@@ -174,6 +182,96 @@ async def test_redis_that_lost_its_data_counts_pending_rows_once(own_redis: Redi
         await b.reap(ledger_billing(ledger))
         assert await redis_spend(own_redis.url) == 80
         assert await LedgerFallbackRows(ledger).pending(10) == []
+    finally:
+        await b.close()
+        ledger.close()
+
+
+class RefusingLedger(SQLiteLedger):
+    """Refuses every row the writer commits, as a database refuses a value it cannot hold (`record_now` still
+    writes: a test's way to put a row there after all)."""
+
+    def _commit(self, conn: sqlite3.Connection, rows: list[Pending], counts: Counter[CountKey], *, prune: bool,
+                isolate: bool) -> list[Exception | None]:
+        return [sqlite3.IntegrityError("refused") for _ in rows]
+
+
+async def chat_settle(ledger: Ledger, quotas: QuotaService, written: asyncio.Future[None], reservation: Reservation,
+                      row: LedgerRow) -> None:
+    """What gateway/pipeline/settle.py does once the row is queued (its `_settle_quota`, on a stand-in Settler)."""
+    host = SimpleNamespace(ledger=ledger, quotas=quotas)
+    await Settler._settle_quota(host, written, SimpleNamespace(reservation=reservation), 1, row.price_usd)  # type: ignore[arg-type]
+
+
+async def embeddings_settle(ledger: Ledger, quotas: QuotaService, written: asyncio.Future[None],
+                            reservation: Reservation, row: LedgerRow) -> None:
+    """What gateway/embeddings_service.py does once the row is queued."""
+    host = SimpleNamespace(ledger=ledger, quotas=quotas)
+    await EmbeddingsService._settle_quota(host, written, reservation, 1, row)  # type: ignore[arg-type]
+
+
+async def settle_refused_rows(b: FailoverBackend, ledger: Ledger, settle_quota: Any, prefix: str,
+                              own_redis: RedisServer) -> list[LedgerRow]:
+    """With Redis frozen: admit two requests on the fallback (the first's reserve was sent to Redis, which runs it
+    once thawed: its row is applied by its id; the second's was not: a sum), queue their marked rows, which the
+    ledger refuses, and settle their quotas as the gateway does."""
+    assert own_redis.proc is not None
+    own_redis.proc.send_signal(signal.SIGSTOP)
+    out = []
+    try:
+        for kind in ("id", "sum"):
+            r = ReservationRequest(f"{prefix}-{kind}", "acme", (ScopeLimits("t", budget_day_pico=1000),), 10, 100)
+            for _ in range(200):
+                try:
+                    decision = await b.reserve(r)
+                    break
+                except QuotaBackendError:
+                    await asyncio.sleep(0.02)
+            assert decision.admitted and not b.up and (decision.fallback or "").startswith(f"{kind}:")
+            row = marked_row(r.request_id, 70, decision.fallback)
+            written = ledger.submit(row)
+            await settle_quota(ledger, QuotaService(b), written, Reservation(r, decision), row)
+            assert written.exception() is not None  # refused: no row carries its money
+            out.append(row)
+    finally:
+        own_redis.proc.send_signal(signal.SIGCONT)
+    await asyncio.sleep(b.retry_every_s)  # its next reaper round tries Redis again
+    return out
+
+
+@pytest.mark.parametrize("settle_quota", [chat_settle, embeddings_settle], ids=["chat", "embeddings"])
+async def test_money_of_a_request_whose_row_the_ledger_refused_reaches_redis_once(
+        own_redis: RedisServer, tmp_path: Path, settle_quota: Any) -> None:
+    """Its row was to carry its money to Redis and the ledger refused it: the failover carries it itself."""
+    ledger = RefusingLedger(tmp_path / "ledger.sqlite3")
+    ledger.start()
+    b = failover(own_redis.url, rows=LedgerFallbackRows(ledger))
+    try:
+        assert (await admit(b, 100, settle_to=100)).admitted
+        await settle_refused_rows(b, ledger, settle_quota, "refused", own_redis)
+        await b.reap()
+        assert await redis_spend(own_redis.url) == 100 + 2 * 70  # the first's reservation replaced, not added to
+        await b.reap()
+        assert await redis_spend(own_redis.url) == 100 + 2 * 70 and len(b.journal) == 0
+    finally:
+        await b.close()
+        ledger.close()
+
+
+async def test_a_refused_row_the_ledger_kept_after_all_is_applied_once(own_redis: RedisServer, tmp_path: Path) -> None:
+    """A commit whose answer was lost (the rows are there, their futures say refused): the failover's own copies and
+    the ledger's rows are applied under the same ids, once."""
+    ledger = RefusingLedger(tmp_path / "ledger.sqlite3")
+    ledger.start()
+    rows = LedgerFallbackRows(ledger)
+    b = failover(own_redis.url, rows=rows)
+    try:
+        assert (await admit(b, 100, settle_to=100)).admitted
+        ledger.record_now(await settle_refused_rows(b, ledger, chat_settle, "kept", own_redis))
+        assert len(await rows.pending(10)) == 2
+        await b.reap()
+        await b.reap()
+        assert await redis_spend(own_redis.url) == 100 + 2 * 70 and await rows.pending(10) == []
     finally:
         await b.close()
         ledger.close()
