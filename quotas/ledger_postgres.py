@@ -39,7 +39,7 @@ from quotas.fleet_db import (
 from quotas.idempotency_totals import IDEMPOTENCY_TOTALS
 from quotas.ledger import Ledger, Pending, Statement, log
 from quotas.ledger_reads import LedgerReads, Reader, ReadSource
-from quotas.ledger_rows import COLUMNS, CountKey, LedgerRow, Refusal, RequestTotals, count_key, to_db
+from quotas.ledger_rows import CARRY_PENDING, COLUMNS, CountKey, LedgerRow, Refusal, RequestTotals, count_key, to_db
 
 COMPONENT = "ledger"
 # the ledger's tables, one migration each release that changed them; 1 is the schema of the release before the
@@ -47,7 +47,8 @@ COMPONENT = "ledger"
 # the tier that answered, 4 an index to find one tenant's refusal counts (a report read every tenant's), 5 each
 # tenant's idempotency totals (records and stored bytes), kept by triggers and counted once for the rows there,
 # 6 the mark of rows settled on a quota fallback and which of them Redis' counters have (quotas/ledger_rows.py
-# FALLBACK_SCHEMA), 7 the index that finds the others (built concurrently)
+# FALLBACK_SCHEMA), 7 the index that finds the others (built concurrently), 8 the list of those still pending, kept by
+# triggers (quotas/ledger_rows.py FALLBACK_PENDING), with the marked rows not yet applied carried over
 MIGRATIONS: list[Migration] = [
     """
     CREATE TABLE requests (
@@ -123,6 +124,28 @@ MIGRATIONS: list[Migration] = [
     CREATE TABLE fallback_applied (request_id TEXT PRIMARY KEY);
     """,
     ConcurrentIndex("requests_fallback", "requests(ts) WHERE fallback IS NOT NULL"),
+    # the triggers first: their locks wait for the writes in flight, so the carry-over sees every row written before
+    # them, and every row after them is the triggers'. A row-level trigger whose WHEN fails calls no function: an
+    # unmarked row, the hot path's, costs one test
+    f"""
+    CREATE TABLE fallback_pending (request_id TEXT PRIMARY KEY, ts DOUBLE PRECISION NOT NULL);
+    CREATE INDEX fallback_pending_ts ON fallback_pending(ts);
+    CREATE FUNCTION tiergate_fallback_marked() RETURNS trigger LANGUAGE plpgsql AS $$
+    BEGIN
+        INSERT INTO fallback_pending VALUES (NEW.request_id, NEW.ts) ON CONFLICT DO NOTHING;
+        RETURN NULL;
+    END $$;
+    CREATE TRIGGER fallback_marked AFTER INSERT ON requests FOR EACH ROW WHEN (NEW.fallback IS NOT NULL)
+        EXECUTE FUNCTION tiergate_fallback_marked();
+    CREATE FUNCTION tiergate_fallback_noted() RETURNS trigger LANGUAGE plpgsql AS $$
+    BEGIN
+        DELETE FROM fallback_pending WHERE request_id = NEW.request_id;
+        RETURN NULL;
+    END $$;
+    CREATE TRIGGER fallback_noted AFTER INSERT ON fallback_applied FOR EACH ROW
+        EXECUTE FUNCTION tiergate_fallback_noted();
+    {CARRY_PENDING};
+    """,
 ]
 INSERT = f"INSERT INTO requests({', '.join(COLUMNS)}) VALUES ({', '.join('%s' for _ in COLUMNS)})"
 UPSERT_COUNT = ("INSERT INTO refusal_counts VALUES (%s, %s, %s, %s, %s, %s) "
@@ -218,6 +241,7 @@ class PostgresLedger(PostgresReads, Ledger):
         return fault_name(exc)
 
     def mark_fallback_applied(self, request_ids: Sequence[str]) -> None:
+        """Noted in `fallback_applied`, whose trigger takes them off `fallback_pending` in the same commit."""
         with self._pool.connection() as conn, conn.cursor() as cur:  # committed as the pool takes it back
             cur.executemany("INSERT INTO fallback_applied VALUES (%s) ON CONFLICT DO NOTHING",
                             [(rid,) for rid in request_ids])

@@ -156,10 +156,11 @@ class LedgerReads(ABC):
 
     def fallback_pending(self, since: float, limit: int) -> list[tuple[str, str, Decimal, str]]:
         """(request id, tenant, price, fallback mark) of rows since `since` settled on a quota fallback whose money
-        Redis' counters do not have yet (`fallback_applied` has not named them), oldest first."""
-        found = self._query("SELECT request_id, tenant, price_usd, fallback FROM requests r WHERE fallback IS NOT NULL"
-                            " AND ts >= ? AND NOT EXISTS (SELECT 1 FROM fallback_applied a"
-                            " WHERE a.request_id = r.request_id) ORDER BY ts LIMIT ?", (since, limit))
+        Redis' counters do not have yet (`fallback_pending` lists them), oldest first. Rows noted applied left that
+        list: they cost this read nothing."""
+        found = self._query("SELECT r.request_id, r.tenant, r.price_usd, r.fallback FROM fallback_pending p"
+                            " JOIN requests r ON r.request_id = p.request_id WHERE p.ts >= ? ORDER BY p.ts LIMIT ?",
+                            (since, limit))
         return [(rid, tenant, Decimal(str(price)), mark) for rid, tenant, price, mark in found]
 
     def get(self, request_id: str) -> LedgerRow | None:

@@ -61,6 +61,23 @@ FALLBACK_SCHEMA = """
 CREATE TABLE IF NOT EXISTS fallback_applied (request_id TEXT PRIMARY KEY);
 CREATE INDEX IF NOT EXISTS requests_fallback ON requests(ts) WHERE fallback IS NOT NULL;
 """
+# The rows whose money Redis' counters do not have yet, by arrival: what every reaper round reads, so its read follows
+# the rows still pending, not every row of the last weeks that was applied. Triggers keep it, in the commit that
+# writes a marked row and the one that notes it applied (`fallback_applied`, still written), so every writer keeps it,
+# a replica of the release before too, during a rolling upgrade. SQLite's; PostgreSQL's: quotas/ledger_postgres.py.
+FALLBACK_PENDING = (
+    "CREATE TABLE fallback_pending (request_id TEXT PRIMARY KEY, ts REAL NOT NULL)",
+    "CREATE INDEX fallback_pending_ts ON fallback_pending(ts)",
+    """CREATE TRIGGER fallback_marked AFTER INSERT ON requests WHEN new.fallback IS NOT NULL BEGIN
+        INSERT OR IGNORE INTO fallback_pending VALUES (new.request_id, new.ts);
+    END""",
+    """CREATE TRIGGER fallback_noted AFTER INSERT ON fallback_applied BEGIN
+        DELETE FROM fallback_pending WHERE request_id = new.request_id;
+    END""",
+)
+# a ledger from before the list: its marked rows not noted applied are pending (once, with the list's creation)
+CARRY_PENDING = ("INSERT INTO fallback_pending SELECT request_id, ts FROM requests r WHERE fallback IS NOT NULL "
+                 "AND NOT EXISTS (SELECT 1 FROM fallback_applied a WHERE a.request_id = r.request_id)")
 
 
 @dataclass

@@ -23,6 +23,8 @@ from quotas import ledger_reads
 from quotas.ledger import Ledger, Pending, Statement, log
 from quotas.ledger_reads import EXACT, LedgerReads, Reader, ReadSource
 from quotas.ledger_rows import (
+    CARRY_PENDING,
+    FALLBACK_PENDING,
     FALLBACK_SCHEMA,
     FOLD_OLD_REFUSALS,
     INSERT,
@@ -123,9 +125,15 @@ class SQLiteLedger(SQLiteReads, Ledger):
             if name not in columns:  # a ledger from before the degradation ladder
                 self._read.execute(f"ALTER TABLE requests ADD COLUMN {name} {decl}")
         self._read.executescript(FALLBACK_SCHEMA)
-        if _has_old_refusals(self._read):  # a ledger from before refusals were counted: fold its rows in, once
+        if not _has_table(self._read, "fallback_pending"):  # new, or from before the list: its pending rows, once
             with _transaction(self._read):
-                if _has_old_refusals(self._read):
+                if not _has_table(self._read, "fallback_pending"):
+                    for sql in FALLBACK_PENDING:
+                        self._read.execute(sql)
+                    self._read.execute(CARRY_PENDING)
+        if _has_table(self._read, "refusals"):  # a ledger from before refusals were counted: fold its rows in, once
+            with _transaction(self._read):
+                if _has_table(self._read, "refusals"):
                     self._read.execute(FOLD_OLD_REFUSALS)
                     self._read.execute("DROP TABLE refusals")
 
@@ -183,6 +191,7 @@ class SQLiteLedger(SQLiteReads, Ledger):
         return getattr(exc, "sqlite_errorname", type(exc).__name__)
 
     def mark_fallback_applied(self, request_ids: Sequence[str]) -> None:
+        """Noted in `fallback_applied`, whose trigger takes them off `fallback_pending` in the same commit."""
         conn = self._reader()  # this thread's: the writer's commits wait for nothing of it but this short one
         with _transaction(conn):
             conn.executemany("INSERT OR IGNORE INTO fallback_applied VALUES (?)", [(rid,) for rid in request_ids])
@@ -253,8 +262,8 @@ def _transaction(conn: sqlite3.Connection) -> Iterator[None]:
         raise
 
 
-def _has_old_refusals(conn: sqlite3.Connection) -> bool:
-    return conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'refusals'").fetchone() is not None
+def _has_table(conn: sqlite3.Connection, name: str) -> bool:
+    return conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (name,)).fetchone() is not None
 
 
 def _isolated(conn: sqlite3.Connection, statements: tuple[Statement, ...]) -> Exception | None:

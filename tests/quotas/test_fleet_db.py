@@ -46,7 +46,7 @@ def test_a_ledger_of_the_previous_release_is_upgraded_in_place_with_its_rows(dat
 
     asyncio.run(serve_with_the_new_release())
     with connect(database_url) as conn:
-        assert version_of(conn, COMPONENT) == len(MIGRATIONS) == 7
+        assert version_of(conn, COMPONENT) == len(MIGRATIONS) == 8
 
 
 def test_replicas_starting_together_apply_each_migration_once(database_url: str) -> None:
@@ -56,18 +56,18 @@ def test_replicas_starting_together_apply_each_migration_once(database_url: str)
         t.start()
     for t in threads:
         t.join()
-    assert versions == [7] * 6
+    assert versions == [8] * 6
     with connect(database_url) as conn:
         applied = conn.execute("SELECT version FROM tiergate_migrations WHERE component = 'ledger' "
                                "ORDER BY version").fetchall()
-    assert applied == [(v,) for v in range(1, 8)]
+    assert applied == [(v,) for v in range(1, 9)]
 
 
 def test_a_database_newer_than_this_release_is_left_as_it_is(database_url: str) -> None:
     with connect(database_url) as conn:
         newer = [*MIGRATIONS, "ALTER TABLE requests ADD COLUMN region TEXT NOT NULL DEFAULT 'eu'"]
-        assert migrate(conn, COMPONENT, newer) == 8  # a replica of the next release got there first
-        assert migrate(conn, COMPONENT, MIGRATIONS) == 8  # one of this release starts: nothing undone, no error
+        assert migrate(conn, COMPONENT, newer) == 9  # a replica of the next release got there first
+        assert migrate(conn, COMPONENT, MIGRATIONS) == 9  # one of this release starts: nothing undone, no error
     ledger = PostgresLedger(database_url)
     ledger.record_now([row(1)])
     assert [r.request_id for r in ledger.rows()] == ["r1"]
@@ -139,7 +139,7 @@ def test_refusal_counts_are_written_while_the_index_builds(database_url: str) ->
 
 
 def test_a_ledger_of_the_release_before_gains_the_fallback_mark_in_place(database_url: str) -> None:
-    """Migrations 6 and 7 on a database of version 5 with rows: they stay unmarked (nothing to apply), and rows
+    """Migrations 6 to 8 on a database of version 5 with rows: they stay unmarked (nothing to apply), and rows
     settled on a quota fallback from now on are found until noted applied, by any replica."""
     assert open_schema(database_url, upto=5) == 5
     first = COLUMNS[:COLUMNS.index("model_version") + 1]  # the columns of that release
@@ -161,5 +161,34 @@ def test_a_ledger_of_the_release_before_gains_the_fallback_mark_in_place(databas
         ledger.close()
         other.close()
     with connect(database_url) as conn:
-        assert version_of(conn, COMPONENT) == 7
+        assert version_of(conn, COMPONENT) == 8
         assert index_of(conn, "requests_fallback")[0] is True  # type: ignore[index]
+
+
+def test_a_ledger_of_the_release_before_carries_its_pending_fallback_rows_over(database_url: str) -> None:
+    """Migration 8 on a database of version 7: its marked rows not noted applied are pending, the others not; a row
+    noted applied leaves the list, and a replica of the release before (which writes rows and notes them as before)
+    keeps the list too."""
+    assert open_schema(database_url, upto=7) == 7
+    insert = f"INSERT INTO requests({', '.join(COLUMNS)}) VALUES ({', '.join('%s' for _ in COLUMNS)})"
+    rows = {i: row(i, price="0.5") for i in range(1, 4)}
+    for r in rows.values():
+        r.fallback = "sum:20261205:t"
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        for r in rows.values():
+            conn.execute(insert, to_db(r))
+        conn.execute("INSERT INTO fallback_applied VALUES ('r1')")
+    ledger = PostgresLedger(database_url)
+    try:
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            assert conn.execute("SELECT request_id FROM fallback_pending ORDER BY 1").fetchall() == [("r2",), ("r3",)]
+            assert [p[0] for p in ledger.fallback_pending(0, 10)] == ["r2", "r3"]
+            ledger.mark_fallback_applied(["r2"])
+            conn.execute("INSERT INTO fallback_applied VALUES ('r3') ON CONFLICT DO NOTHING")  # the release before's
+            later = row(4, price="0.5")
+            later.fallback = "sum:20261205:t"
+            conn.execute(insert, to_db(later))  # ...and its row
+            assert conn.execute("SELECT request_id FROM fallback_pending").fetchall() == [("r4",)]
+            assert [p[0] for p in ledger.fallback_pending(0, 10)] == ["r4"]
+    finally:
+        ledger.close()
