@@ -90,8 +90,9 @@ class FailoverBackend(QuotaBackend):
         self._failing_since: float | None = None  # the streak's first failure; None while Redis answers
         self._failed_at = 0.0  # the streak's last counted failure
         self._num_failed_tries = 0  # failed tries in the streak, one after another
-        # reservations held by the fallback, as it holds them, and whether their reserve was sent to Redis
-        self._local: dict[str, tuple[ReservationRequest, bool]] = {}
+        # reservations held by the fallback, as it holds them, whether their reserve was sent to Redis, and whether
+        # their ledger row is to carry their money there (a `fallback_mark`)
+        self._local: dict[str, tuple[ReservationRequest, bool, bool]] = {}
         self._known: dict[tuple[str, str], Spend] = {}  # (tenant, scope) -> what Redis last said it spent
         self._clock_offset_s = 0.0  # Redis' clock minus ours, as last seen
         self._outage_base: dict[tuple[str, str, str, str], tuple[int, int]] = {}  # spend as this outage began
@@ -195,10 +196,14 @@ class FailoverBackend(QuotaBackend):
         local = replace(local, scopes=tuple(self._share(local, lim) for lim in local.scopes))
         decision = await self.local.reserve(local)
         if decision.admitted:
-            self._local[req.request_id] = (local, sent)
-            self.num_local_reservations += 1
+            marked = False
             if self._rows is not None:
-                decision = replace(decision, fallback=fallback_mark(local, sent))
+                try:
+                    decision, marked = replace(decision, fallback=fallback_mark(local, sent)), True
+                except ValueError as exc:  # its money goes into this process's journal at its settle
+                    log.warning("request %s settles without a fallback mark: %s", req.request_id, exc)
+            self._local[req.request_id] = (local, sent, marked)
+            self.num_local_reservations += 1
         return decision
 
     def _share(self, req: ReservationRequest, lim: ScopeLimits) -> ScopeLimits:
@@ -222,9 +227,9 @@ class FailoverBackend(QuotaBackend):
         if held is None:  # a reservation Redis holds: its backend retries until Redis answers
             await self.primary.settle(req, tokens=tokens, money_pico=money_pico)
             return
-        local, sent = held
+        local, sent, marked = held
         await self.local.settle(local, tokens=tokens, money_pico=money_pico)
-        if self._rows is not None and money_pico:
+        if marked and money_pico:
             pass  # its ledger row, durable before this settle, carries its money (`_flush_rows`)
         elif sent:  # Redis may hold a reservation for it as well: applied by its id (at 0 too: a refund there)
             self.journal.add_request(local, money_pico)

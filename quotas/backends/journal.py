@@ -59,8 +59,13 @@ class FallbackRows(Protocol):
 
 def fallback_mark(req: ReservationRequest, sent: bool) -> str:
     """What a row settled on the fallback keeps of `req` (as the fallback dated it): "sum" or "id" (its reserve was
-    sent to Redis), its day, and its scopes."""
-    return f"{'id' if sent else 'sum'}:{req.day}:{','.join(lim.scope for lim in req.scopes)}"
+    sent to Redis), its day, and its scopes, joined by commas. A scope may hold colons (a key's, "k:<key id>": the
+    kind and the day are split off before them); one with a comma would come back as two, so it is refused
+    (ValueError): the caller settles that request without a mark."""
+    scopes = [lim.scope for lim in req.scopes]
+    if odd := [scope for scope in scopes if "," in scope]:
+        raise ValueError(f"a fallback mark cannot hold the scope {odd[0]!r}: commas separate its scopes")
+    return f"{'id' if sent else 'sum'}:{req.day}:{','.join(scopes)}"
 
 
 def fallback_row(request_id: str, tenant: str, pico: int, mark: str) -> FallbackRow:
