@@ -11,12 +11,13 @@ from types import SimpleNamespace
 import pytest
 
 import quotas.backends.failover as failover_module
-from quotas.backends.base import QuotaBackend, QuotaBackendError
+from quotas.backends.base import QuotaBackend
 from quotas.backends.failover import FailoverBackend
 from quotas.backends.memory import MemoryBackend
 from quotas.backends.redis import RedisBackend
-from quotas.limits import Decision, ReservationRequest, ScopeLimits, dating_instant, utc_dates
+from quotas.limits import ReservationRequest, ScopeLimits, dating_instant, utc_dates
 from tests.conftest import RedisServer
+from tests.quotas.test_failover import reserve
 
 BUDGET = ScopeLimits("t", budget_day_pico=1000)
 _n = iter(range(10**9))
@@ -98,17 +99,6 @@ def skew_clock(monkeypatch: pytest.MonkeyPatch, skew_s: float) -> float:
     monkeypatch.setattr(failover_module, "time", SimpleNamespace(time=lambda: time.time() + skew_s,
                                                                  monotonic=time.monotonic))
     return time.time() + skew_s
-
-
-async def reserve(backend: FailoverBackend, r: ReservationRequest) -> Decision:
-    """Reserve, retrying the retryable 503s before Redis counts as down."""
-    for _ in range(200):
-        try:
-            return await backend.reserve(r)
-        except QuotaBackendError as exc:
-            assert exc.transient
-            await asyncio.sleep(0.02)
-    raise AssertionError("no answer")
 
 
 async def test_a_gateway_far_behind_spends_on_redis_today_on_redis_and_on_its_fallback(

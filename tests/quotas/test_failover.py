@@ -38,17 +38,22 @@ def failover(url: str, **kwargs: object) -> FailoverBackend:
                            **kwargs)  # type: ignore[arg-type]
 
 
+async def reserve(backend: FailoverBackend, r: ReservationRequest) -> Decision:
+    """Reserve, retrying the retryable 503s a frozen Redis gives before it counts as down."""
+    for _ in range(200):
+        try:
+            return await backend.reserve(r)
+        except QuotaBackendError as exc:
+            assert exc.transient
+            await asyncio.sleep(0.02)
+    raise AssertionError("no answer")
+
+
 async def admit(backend: FailoverBackend, money: int, *, settle_to: int | None = None,
                 tenant: str = "acme") -> Decision:
     """Reserve (retrying the retryable 503s a frozen Redis gives before it counts as down) and settle."""
     r = req(money, tenant)
-    for _ in range(200):
-        try:
-            decision = await backend.reserve(r)
-            break
-        except QuotaBackendError as exc:
-            assert exc.transient
-            await asyncio.sleep(0.02)
+    decision = await reserve(backend, r)
     if decision.admitted and settle_to is not None:
         await backend.settle(r, tokens=1, money_pico=settle_to)
     return decision

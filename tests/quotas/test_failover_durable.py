@@ -24,7 +24,6 @@ from gateway.app import build_quota_backend
 from gateway.embeddings_service import EmbeddingsService
 from gateway.pipeline.settle import Settler
 from gateway.settings import Settings
-from quotas.backends.base import QuotaBackendError
 from quotas.backends.failover import FailoverBackend
 from quotas.ledger import Ledger, Pending
 from quotas.ledger_rows import CountKey, LedgerRow
@@ -34,7 +33,7 @@ from quotas.money import from_pico
 from quotas.reservations import QuotaService, Reservation
 from quotas.seed import LedgerFallbackRows, ledger_billing
 from tests.conftest import RedisServer
-from tests.quotas.test_failover import admit, failover, redis_spend
+from tests.quotas.test_failover import admit, failover, redis_spend, reserve
 
 REPLICA = Path(__file__).with_name("fallback_replica.py")
 ROOT = Path(__file__).parents[2]
@@ -103,12 +102,7 @@ async def test_a_crash_between_applying_rows_and_noting_them_applied_adds_them_o
         try:
             for i in range(2):
                 r = ReservationRequest(f"r{i}", "acme", (ScopeLimits("t", budget_day_pico=1000),), 10, 100)
-                for _ in range(200):
-                    try:
-                        decision = await dying.reserve(r)
-                        break
-                    except Exception:
-                        await asyncio.sleep(0.02)
+                decision = await reserve(dying, r)
                 assert decision.admitted and decision.fallback is not None and not dying.up
                 await ledger.record(marked_row(r.request_id, 70, decision.fallback))
                 await dying.settle(r, tokens=1, money_pico=70)
@@ -221,12 +215,7 @@ async def settle_refused_rows(b: FailoverBackend, ledger: Ledger, settle_quota: 
     try:
         for kind in ("id", "sum"):
             r = ReservationRequest(f"{prefix}-{kind}", "acme", (ScopeLimits("t", budget_day_pico=1000),), 10, 100)
-            for _ in range(200):
-                try:
-                    decision = await b.reserve(r)
-                    break
-                except QuotaBackendError:
-                    await asyncio.sleep(0.02)
+            decision = await reserve(b, r)
             assert decision.admitted and not b.up and (decision.fallback or "").startswith(f"{kind}:")
             row = marked_row(r.request_id, 70, decision.fallback)
             written = ledger.submit(row)
