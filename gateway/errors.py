@@ -238,12 +238,11 @@ def _tier_error(exc: tier_errors.TierError) -> TiergateError:
                                retry_after=5)
         case tier_errors.UpstreamRejected() if exc.status == 429 and exc.error.get("code") == COMPILES_BUSY:
             # our engine's compile queue is full (engine/compile_queue.py): the tenant retries later, as after a 429
-            return RateLimited(str(exc), param="response_format", code=COMPILES_BUSY,
+            return RateLimited(_upstream_message(exc), param="response_format", code=COMPILES_BUSY,
                                retry_after=COMPILES_BUSY_RETRY_AFTER_S)
         case tier_errors.UpstreamRejected() if 400 <= exc.status < 500 and exc.status not in (401, 403, 429):
-            param, code = exc.error.get("param"), exc.error.get("code")
-            return InvalidRequest(str(exc), param=param if isinstance(param, str) else None,
-                                  code=code if isinstance(code, str) and code else "upstream_rejected")
+            return InvalidRequest(_upstream_message(exc), param=_upstream_param(exc.error.get("param")),
+                                  code=_upstream_code(exc.error.get("code")))
         case tier_errors.UpstreamRejected():
             return _logged(exc, UpstreamError(f"the tier's backend answered {exc.status}", retry_after=2))
         case tier_errors.UpstreamTimedOut():
@@ -256,6 +255,40 @@ def _tier_error(exc: tier_errors.TierError) -> TiergateError:
                                               "answer"))
         case _:
             return _logged(exc, UpstreamError("the tier's backend failed"))
+
+
+# An upstream's 4xx `code` becomes the tenant's error code, the ledger row's `error_code` and part of the
+# `x-tiergate-cascade` header, so it is kept only as a short token of [a-z0-9_]: every code of OpenAI's and of our
+# engine is one (the longest, "response_format_compiles_busy", has 29 characters). A token, not a list of known
+# codes: such a list would have to follow every code our engine and wire validation word, and would drop a remote
+# backend's own. `fullmatch`, not `^...$`, whose `$` also matches before a final newline.
+_UPSTREAM_CODE_MAX_CHARS = 40
+_UPSTREAM_CODE = re.compile(rf"[a-z0-9_]{{1,{_UPSTREAM_CODE_MAX_CHARS}}}")
+UPSTREAM_REJECTED = "upstream_rejected"  # the code of an upstream's 4xx whose own code is not such a token
+UPSTREAM_MESSAGE_MAX_CHARS = 1_000  # of an upstream 4xx's message, as the tenant reads it
+_UPSTREAM_PARAM_MAX_CHARS = 200
+
+
+def _upstream_code(code: object) -> str:
+    """An upstream's error code as ours: itself when a short token of safe characters, else UPSTREAM_REJECTED."""
+    if (isinstance(code, str) and len(code) <= _UPSTREAM_CODE_MAX_CHARS
+            and _UPSTREAM_CODE.fullmatch(lowered := code.lower())):
+        return lowered
+    return UPSTREAM_REJECTED
+
+
+def _upstream_param(param: object) -> str | None:
+    """An upstream's `param` (a field's path: "messages.0.content"), or None when it is not short printable text."""
+    if isinstance(param, str) and len(param) <= _UPSTREAM_PARAM_MAX_CHARS and param.isprintable():
+        return param
+    return None
+
+
+def _upstream_message(exc: tier_errors.UpstreamRejected) -> str:
+    """An upstream 4xx's message, about the tenant's own request (our engine's validation), cut to a bound: it is
+    JSON in the tenant's body (escaped there), but not the upstream's to make megabytes long."""
+    text = exc.message
+    return text if len(text) <= UPSTREAM_MESSAGE_MAX_CHARS else text[:UPSTREAM_MESSAGE_MAX_CHARS] + "…"
 
 
 def _logged(exc: tier_errors.TierError, err: TiergateError) -> TiergateError:

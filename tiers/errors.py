@@ -2,6 +2,16 @@
 
 from __future__ import annotations
 
+QUOTED_MAX_CHARS = 200  # of an upstream's own text, in a log line or a replica's reason
+
+
+def quoted(text: str, max_chars: int = QUOTED_MAX_CHARS) -> str:
+    """An upstream's text as one inert line: a Python literal of its first `max_chars` characters (CR, LF, escape
+    sequences and invisible characters written out, never obeyed by a log reader or terminal), then how much was
+    cut. An upstream is not trusted text: its message must not forge log lines, nor make one 10 MB long."""
+    cut = len(text) - max_chars
+    return repr(text[:max_chars]) + (f" (and {cut} more characters)" if cut > 0 else "")
+
 
 class TierError(Exception):
     """Base for tier errors; the gateway maps each to an HTTP status in one place."""
@@ -28,12 +38,15 @@ class UpstreamTimedOut(TierError):
 
 
 class UpstreamRejected(TierError):
-    """The replica answered with an HTTP error; its status and OpenAI-shaped body are kept."""
+    """The replica answered with an HTTP error; its status and OpenAI-shaped body are kept. Its text (`str`) is the
+    upstream's message quoted (`quoted`), as log lines and replica reasons take it; `message` is the message as
+    sent, for the one place that shows it to a tenant (gateway/errors.py, bounded there)."""
 
     def __init__(self, status: int, body: dict[str, object]) -> None:
         err = body.get("error")
         self.error: dict[str, object] = err if isinstance(err, dict) else {}  # OpenAI's error object, if any
-        super().__init__(str(self.error.get("message") if self.error else body))
+        self.message = str(self.error.get("message") if self.error else body)
+        super().__init__(quoted(self.message))
         self.status = status
         self.body = body
 
