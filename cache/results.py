@@ -112,3 +112,4 @@ class CacheStats:
     refused: Counter[str] = field(default_factory=Counter)  # guard or meaning-check reason -> count
     stored: int = 0
     reclaimed: int = 0
+    dropped_writes: Counter[str] = field(default_factory=Counter)  # tenant -> writes dropped from its full queue

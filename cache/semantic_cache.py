@@ -18,7 +18,10 @@ worker thread; the embedding goes through `EmbeddingBatcher`, one forward pass f
 store in flight. A missed lookup hands its keys and vector to the store of the answer (`Miss.probe`), so a miss
 is embedded once, not twice. Storing has two steps: `remember` (synchronous, microseconds) makes the answer an
 exact hit for this process at once, so a repeat sent right after the answer is served from it; `apersist`
-(in the background) embeds it and writes it to the store and the index, after which every replica sees it.
+(in the background) embeds it and writes it to the store and the index, after which every replica sees it. The
+writes queue per tenant for the cache's one writer thread, which takes the tenants in turns
+(cache/tenant_writes.py): another tenant's flood delays a write by one of its writes, not by all of them; a
+tenant with `writes_queued_per_tenant` writes queued loses its oldest queued one (`stats.dropped_writes`).
 
 Versions: a scope carries the data and model versions, so a bumped version makes older entries unreachable at
 once; `bump_data_version` deletes the tenant's older entries, and `reclaim` (a little on every store) those of a
@@ -45,7 +48,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -64,10 +66,14 @@ from cache.results import Bypass, CacheStats, Hit, LookupResult, Miss, Near, Pro
 from cache.scope import CacheScope
 from cache.stale_versions import StaleVersions
 from cache.store import CacheStore, Entry
+from cache.tenant_writes import TenantWriteQueue
 from cache.vectors import SEMANTIC_MAX_CHARS, TurnVectors
 
 # Characters of conversation above which computing a request's keys (hashing every turn) leaves the event loop.
 KEYS_ON_LOOP_MAX_CHARS = 32_768
+# A tenant's writes queued for the writer thread beyond which its oldest queued one is dropped (a cache write is
+# best-effort): at ~1 ms a write, a backlog of well under a second for the flooder, and none for anyone else.
+WRITES_QUEUED_PER_TENANT = 256
 
 __all__ = ["SEMANTIC_MAX_CHARS", "Bypass", "CacheStats", "Hit", "LookupResult", "Miss", "Probe", "SemanticCache",
            "TenantPolicy"]
@@ -93,10 +99,12 @@ class SemanticCache:
     def __init__(self, store: CacheStore, embedder: Embedder, *, top_k: int = 4, fallback_margin: float = 0.02,
                  default_policy: TenantPolicy | None = None, clock: Callable[[], float] = time.time,
                  reclaim_batch: int = 64, hnsw_from: int = 8192, sync_interval_s: float = 0.5,
-                 embed_batch: int = 32, embed_wait_s: float = 0.003, meaning: MeaningCheck | None = None):
+                 embed_batch: int = 32, embed_wait_s: float = 0.003, meaning: MeaningCheck | None = None,
+                 writes_queued_per_tenant: int = WRITES_QUEUED_PER_TENANT):
         """`embed_batch` texts at most per forward pass, and `embed_wait_s` the longest a text waits for others
         to join it (`EmbeddingBatcher`); `embed_batch=1` embeds one text at a time (the ablation). `meaning`:
-        the check a plan's `meaning_check` asks for (loaded on first use; a default one if not given)."""
+        the check a plan's `meaning_check` asks for (loaded on first use; a default one if not given).
+        `writes_queued_per_tenant`: `apersist`'s writes of one tenant waiting for the writer thread, at most."""
         self.entries = store
         self.embedder = embedder
         self.meaning = meaning or MeaningCheck()
@@ -115,8 +123,11 @@ class SemanticCache:
         self._lock = threading.Lock()
         # apersist's writes run here, not in the loop's default executor, which every lookup's steps share: writes
         # queued behind the locks above (a tenant's flood of new answers) held its few threads, and every tenant's
-        # lookups queued behind them. One thread: `_write` runs under `_lock`, so more would only wait on it.
-        self._writes = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiergate-cache-write")
+        # lookups queued behind them. One thread: `_write` runs under `_lock`, so more would only wait on it. Its
+        # queue is per tenant, taken in turns: first come first served, one tenant's flood delayed every other
+        # tenant's writes (and the moment they became every replica's hits) by the whole flood.
+        self._writes = TenantWriteQueue(writes_queued_per_tenant, on_drop=self._dropped,
+                                        name="tiergate-cache-write")
         self.pending = PendingWrites()  # answers remembered, not yet written: this process serves them
         self.recent = RecentEntries()  # answers written or found lately: exact hits without a store round trip
         self.bounds = TenantBounds()  # each tenant's learned semantic threshold (cache/error_bound.py)
@@ -291,11 +302,12 @@ class SemanticCache:
 
     async def apersist(self, entry: Entry) -> Entry | None:
         """`persist` for the event loop: the embedding batched with others', the write in the cache's own writer
-        thread (never in the threads lookups run in: a tenant's flood of writes queues there, not before lookups)."""
+        thread (never in the threads lookups run in: a tenant's flood of writes queues there, not before lookups),
+        in its tenant's turn. None also when the write was dropped (its tenant had too many queued)."""
         try:
             if entry.embedding is None:
                 entry.embedding = await self.vectors.aget(embedding_text(entry.semantic_text), owner=entry.tenant)
-            return await asyncio.get_running_loop().run_in_executor(self._writes, self._write, entry)
+            return await asyncio.wrap_future(self._writes.submit(entry.tenant, self._write, entry))
         finally:
             self.pending.forget(entry)
 
@@ -398,7 +410,7 @@ class SemanticCache:
                 self.index.add(partition, [entry_id], entry.embedding[None, :])
 
     def close(self) -> None:
-        self._writes.shutdown(wait=True)
+        self._writes.close()
         self.vectors.close()
         self.entries.close()
 
@@ -421,6 +433,9 @@ class SemanticCache:
             self._delete([entry.entry_id])
             return False
         return True
+
+    def _dropped(self, tenant: object) -> None:
+        self.stats.dropped_writes[str(tenant)] += 1
 
     def _bypass(self, reason: str) -> Bypass:
         self.stats.bypasses += 1

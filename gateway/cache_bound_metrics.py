@@ -10,6 +10,10 @@ bound from the traffic it serves; with several workers a scrape shows the answer
 `tiergate_cache_refused_candidates_total{reason}` counts semantic candidates refused by the near-miss guards
 ("numbers differ", ...) and the meaning check ("meaning differs"; "meaning check busy" and "meaning check
 unavailable" are the ones to alert on), this process's since it started.
+
+`tiergate_cache_dropped_writes_total{tenant}` counts a tenant's new answers not written to the cache because it
+had `writes_queued_per_tenant` writes waiting for the cache's writer already (its oldest waiting one goes;
+cache/tenant_writes.py): a flood of new answers, which costs that tenant later misses and no one else anything.
 """
 
 from __future__ import annotations
@@ -48,4 +52,9 @@ class CacheBoundCollector:
                                       labels=["reason"])
         for reason, count in sorted(dict(self.cache.stats.refused).items()):
             refused.add_metric([reason], count)
-        yield from (threshold, error, bound, labels, refused)
+        dropped = CounterMetricFamily("tiergate_cache_dropped_writes",
+                                      "New answers not written to the cache: their tenant's write queue was full.",
+                                      labels=["tenant"])
+        for tenant, count in sorted(dict(self.cache.stats.dropped_writes).items()):
+            dropped.add_metric([tenant], count)
+        yield from (threshold, error, bound, labels, refused, dropped)

@@ -12,6 +12,7 @@ import random
 import threading
 
 from bench.cache_write_contention import HashEmbedder
+from cache.request_key import embedding_text
 from cache.results import Hit, Miss
 from cache.semantic_cache import SemanticCache
 from cache.store import SQLiteStore
@@ -144,4 +145,95 @@ async def test_racing_writes_lookups_and_purges_keep_own_writes_and_isolation(tm
         for entry_id in store.ids_of_tenant(t):
             entry = store.get(entry_id)
             assert entry is not None and entry.tenant == t
+    cache.close()
+
+
+def _embedded(cache: SemanticCache, sc, body, answer: str):  # type: ignore[no-untyped-def]
+    """A remembered answer whose vector is already there, so `apersist` queues its write at once, in call order."""
+    entry = cache.remember(sc, body, answer)
+    assert entry is not None
+    entry.embedding = cache.vectors.get(embedding_text(entry.semantic_text), owner=entry.tenant)
+    return entry
+
+
+async def test_a_tenants_write_waits_for_a_few_of_another_tenants_flood_not_all(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The writer holds A's first write; A queues 100 more, then B one. Released, B's write is among the first few
+    to reach the store (the writer takes the tenants in turns), not behind A's whole flood."""
+    store = SQLiteStore(tmp_path / "cache.db", max_entries=1000)
+    cache = SemanticCache(store, HashEmbedder())
+    a_scope, b_scope = scope(chat("q"), tenant="tenant-a"), scope(chat("q"), tenant="tenant-b")
+    held, release = threading.Event(), threading.Event()
+    order: list[str] = []
+    put = store.put
+
+    def held_put(entry):  # type: ignore[no-untyped-def]
+        order.append(entry.tenant)
+        if len(order) == 1:
+            held.set()
+            assert release.wait(120), "the test never released the writer"
+        return put(entry)
+
+    store.put = held_put  # type: ignore[method-assign]
+    a_entries = [_embedded(cache, a_scope, chat(f"question {i} of tenant a"), f"answer {i}") for i in range(101)]
+    b_body = chat("What is the boiling point of water?")
+    b_entry = _embedded(cache, b_scope, b_body, "100 C")
+    writes = [asyncio.create_task(cache.apersist(e)) for e in a_entries]
+    try:
+        assert await asyncio.to_thread(held.wait, WAIT_S), "A's first write never reached the store"
+        b_write = asyncio.create_task(cache.apersist(b_entry))
+        for _ in range(3):
+            await asyncio.sleep(0)  # B's write queued behind A's 100
+        hit = await asyncio.wait_for(cache.alookup(b_scope, b_body), WAIT_S)  # B reads its own write meanwhile
+        assert isinstance(hit, Hit) and hit.response == "100 C"
+    finally:
+        release.set()
+    assert await asyncio.wait_for(b_write, 60) is not None
+    await asyncio.wait_for(asyncio.gather(*writes), 60)
+    assert order.index("tenant-b") <= 2, f"B's write was write {order.index('tenant-b') + 1}, behind A's flood"
+    hit = await cache.alookup(b_scope, b_body)  # from the store now
+    assert isinstance(hit, Hit) and hit.response == "100 C"
+    cache.close()
+
+
+async def test_a_tenants_full_write_queue_drops_its_oldest_write_and_keeps_its_newest(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Past `writes_queued_per_tenant`, a tenant's oldest queued write is dropped (counted, its apersist None), never
+    another tenant's; the newest answers are still read back at once, while held and once written."""
+    store = SQLiteStore(tmp_path / "cache.db", max_entries=1000)
+    cache = SemanticCache(store, HashEmbedder(), writes_queued_per_tenant=8)
+    a_scope, b_scope = scope(chat("q"), tenant="tenant-a"), scope(chat("q"), tenant="tenant-b")
+    held, release = threading.Event(), threading.Event()
+    put = store.put
+
+    def held_put(entry):  # type: ignore[no-untyped-def]
+        held.set()
+        assert release.wait(120), "the test never released the writer"
+        return put(entry)
+
+    store.put = held_put  # type: ignore[method-assign]
+    a_bodies = [chat(f"question {i} of tenant a") for i in range(21)]
+    a_entries = [_embedded(cache, a_scope, body, f"answer {i}") for i, body in enumerate(a_bodies)]
+    b_bodies = [chat(f"question {i} of tenant b") for i in range(3)]
+    b_entries = [_embedded(cache, b_scope, body, f"b answer {i}") for i, body in enumerate(b_bodies)]
+    writes = [asyncio.create_task(cache.apersist(a_entries[0]))]
+    try:
+        assert await asyncio.to_thread(held.wait, WAIT_S), "A's first write never reached the store"
+        writes += [asyncio.create_task(cache.apersist(e)) for e in a_entries[1:] + b_entries]
+        for _ in range(3):
+            await asyncio.sleep(0)
+        # 1 being written, 8 queued: A's 2nd to 12th were dropped, oldest first
+        assert cache.stats.dropped_writes == {"tenant-a": 12}
+        for i, body in enumerate(a_bodies):  # what is still to be written is read back at once
+            found = await cache.alookup(a_scope, body)
+            assert isinstance(found, Hit) == (i == 0 or i > 12), (i, found)
+        for i, body in enumerate(b_bodies):
+            found = await cache.alookup(b_scope, body)
+            assert isinstance(found, Hit) and found.response == f"b answer {i}"
+    finally:
+        release.set()
+    results = await asyncio.wait_for(asyncio.gather(*writes), 60)
+    assert [r is not None for r in results] == [True] + [False] * 12 + [True] * 8 + [True] * 3
+    for i, body in enumerate(a_bodies):
+        found = await cache.alookup(a_scope, body)
+        assert isinstance(found, Hit) == (i == 0 or i > 12), (i, found)
+    assert len(store) == 1 + 8 + 3 and cache.stats.stored == 12
     cache.close()
