@@ -22,6 +22,9 @@ exact hit for this process at once, so a repeat sent right after the answer is s
 writes queue per tenant for the cache's one writer thread, which takes the tenants in turns
 (cache/tenant_writes.py): another tenant's flood delays a write by one of its writes, not by all of them; a
 tenant with `writes_queued_per_tenant` writes queued loses its oldest queued one (`stats.dropped_writes`).
+The writer thread also runs the store's checkpoints (`CacheStore.checkpoint`: SQLite's WAL into its file), after
+its own writes and, for the LRU marks and deletions lookups write, when a lookup finds one due; a lookup never
+runs one itself (SQLite's own, inside whichever commit crossed its threshold, are off: cache/store.py).
 
 Versions: a scope carries the data and model versions, so a bumped version makes older entries unreachable at
 once; `bump_data_version` deletes the tenant's older entries, and `reclaim` (a little on every store) those of a
@@ -43,6 +46,7 @@ returns, which is before `_write` returns (read your own writes).
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import threading
 import time
@@ -65,7 +69,7 @@ from cache.request_key import conversation_chars, decide, embedding_text, reques
 from cache.results import Bypass, CacheStats, Hit, LookupResult, Miss, Near, Probe, TenantPolicy
 from cache.scope import CacheScope
 from cache.stale_versions import StaleVersions
-from cache.store import CacheStore, Entry
+from cache.store import CacheStore, CacheStoreError, Entry
 from cache.tenant_writes import TenantWriteQueue
 from cache.vectors import SEMANTIC_MAX_CHARS, TurnVectors
 
@@ -74,6 +78,9 @@ KEYS_ON_LOOP_MAX_CHARS = 32_768
 # A tenant's writes queued for the writer thread beyond which its oldest queued one is dropped (a cache write is
 # best-effort): at ~1 ms a write, a backlog of well under a second for the flooder, and none for anyone else.
 WRITES_QUEUED_PER_TENANT = 256
+
+log = logging.getLogger(__name__)
+_CHECKPOINT = ("checkpoint",)  # the writer queue's key of checkpoint jobs (no tenant's: tenants are strings)
 
 __all__ = ["SEMANTIC_MAX_CHARS", "Bypass", "CacheStats", "Hit", "LookupResult", "Miss", "Probe", "SemanticCache",
            "TenantPolicy"]
@@ -128,6 +135,7 @@ class SemanticCache:
         # tenant's writes (and the moment they became every replica's hits) by the whole flood.
         self._writes = TenantWriteQueue(writes_queued_per_tenant, on_drop=self._dropped,
                                         name="tiergate-cache-write")
+        self._checkpoint_queued = False  # a checkpoint a lookup asked for is waiting for the writer thread
         self.pending = PendingWrites()  # answers remembered, not yet written: this process serves them
         self.recent = RecentEntries()  # answers written or found lately: exact hits without a store round trip
         self.bounds = TenantBounds()  # each tenant's learned semantic threshold (cache/error_bound.py)
@@ -192,10 +200,12 @@ class SemanticCache:
     def _exact(self, plan: _Plan) -> LookupResult | None:
         """The store's exact entry, or a miss when there is nothing to compare by meaning; None: go semantic."""
         if not self.feed.recent():
-            self.sync()
+            self.sync()  # writes the LRU marks of hits served from memory
+            self._checkpoint_soon()
         entry = self.entries.find_exact(plan.scope.scope_id, plan.key.exact_key)
         if entry is not None and self._alive(entry, plan.now):
             self.entries.touch(entry.entry_id, plan.now)
+            self._checkpoint_soon()
             self.recent.put(entry)
             self.stats.exact_hits += 1
             return Hit(entry, "exact", 1.0)
@@ -246,6 +256,7 @@ class SemanticCache:
             if chosen is not None:
                 entry, similarity = chosen
                 self.entries.touch(entry.entry_id, plan.now)
+                self._checkpoint_soon()
                 self.stats.semantic_hits += 1
                 sampled = bound is not None and self.rng.random() < policy.shadow_rate
                 return Hit(entry, "semantic", similarity, shadow_rate=policy.shadow_rate if sampled else 0.0)
@@ -345,6 +356,7 @@ class SemanticCache:
             self.pending.forget(entry)
         self.stats.stored += 1
         self.reclaim(self.reclaim_batch)
+        self._checkpoint()  # if due; in the writer thread (or a synchronous `store`'s caller's)
         return entry
 
     # -- versions, purge, reclaim ---------------------------------------------------------------------
@@ -433,6 +445,26 @@ class SemanticCache:
             self._delete([entry.entry_id])
             return False
         return True
+
+    def _checkpoint_soon(self) -> None:
+        """On a lookup's path, after it wrote (an LRU mark, an expired entry's deletion): when the store wants a
+        checkpoint, queue one for the writer thread, so a workload of hits alone keeps the WAL bounded too."""
+        if self._checkpoint_queued or not self.entries.checkpoint_due():
+            return
+        self._checkpoint_queued = True
+        try:
+            self._writes.submit(_CHECKPOINT, self._checkpoint)
+        except RuntimeError:  # closed
+            self._checkpoint_queued = False
+
+    def _checkpoint(self) -> None:
+        """The store's checkpoint if it wants one, in the writer thread."""
+        self._checkpoint_queued = False
+        try:
+            if self.entries.checkpoint_due():  # not if a write ran one meanwhile
+                self.entries.checkpoint()
+        except CacheStoreError as exc:  # the next one tries again; what was written stays written either way
+            log.warning("cache store checkpoint failed: %s", exc)
 
     def _dropped(self, tenant: object) -> None:
         self.stats.dropped_writes[str(tenant)] += 1

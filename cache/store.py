@@ -22,6 +22,13 @@ process or another. A write is visible to every read that starts after its commi
 lookup's one write, `touch` (an LRU mark), does not wait either: while a write is in progress the mark is kept and
 written by the next write (a `put` writes the marks before it evicts by them). `:memory:` has one connection, so
 its reads still take `_lock`: tests and benchmarks only.
+
+SQLite's own checkpoints are off (`wal_autocheckpoint=0` on every connection): SQLite ran one inside whichever
+COMMIT took the WAL past 1,000 pages, a lookup's `touch` as often as a put, and that lookup waited out the copy of
+the WAL into the database file and its sync. The store counts the rows it writes instead, and
+past `checkpoint_every` `checkpoint_due` says so; the cache's writer thread then runs `checkpoint`, a passive
+one (it waits for no reader), and starts the WAL over, so the WAL stays about as small as SQLite kept it (a put
+writes about 12 pages) and no lookup ever pays for it.
 """
 
 from __future__ import annotations
@@ -121,6 +128,15 @@ class CacheStore(ABC):
         with a vector), 'del', or 'reset' (the log no longer reaches back to `cursor`: reload every vector)."""
         return cursor, []
 
+    def checkpoint_due(self) -> bool:
+        """Whether the store has written enough since its last `checkpoint` to want one (a SQLite file's WAL)."""
+        return False
+
+    def checkpoint(self) -> None:
+        """Copy what was written into the store proper (SQLite's WAL into the file), off the lookups' path: the
+        cache's writer thread calls it when `checkpoint_due`. Nothing to do for most stores."""
+        return None
+
     def drop_data_versions(self, tenant: str, current: str, created_before: float, batch: int = 500) -> list[str]:
         """Delete the tenant's entries created before `created_before` at another data version than `current`
         (after a data-version bump), in batches. Returns the ids deleted."""
@@ -198,6 +214,8 @@ _COLUMNS = ("entry_id, scope_id, tenant, data_version, model_version, exact_key,
 MAX_CHANGES = 100_000  # change-log rows kept; a process further behind reloads its index (a 'reset')
 IDLE_READERS = 8  # read connections kept open between reads; more are opened while more threads read at once
 BUSY_TIMEOUT_MS = 5000  # how long a statement waits for another process's write lock
+# Rows written (put, touched, deleted) between checkpoints: ~1,200 WAL pages at ~12 a put (SQLite's own: 1,000).
+CHECKPOINT_EVERY = 100
 
 
 class SQLiteStore(CacheStore):
@@ -206,7 +224,7 @@ class SQLiteStore(CacheStore):
     Writes go through one connection under `_lock`; reads (of a file) through idle read connections, without it."""
 
     def __init__(self, path: str | Path = ":memory:", *, max_entries: int = 100_000,
-                 max_entries_per_tenant: int | None = None):
+                 max_entries_per_tenant: int | None = None, checkpoint_every: int = CHECKPOINT_EVERY):
         if max_entries < 1 or (max_entries_per_tenant is not None and max_entries_per_tenant < 1):
             raise ValueError("max_entries and max_entries_per_tenant must be at least 1")
         self.max_entries = max_entries
@@ -220,11 +238,12 @@ class SQLiteStore(CacheStore):
         self._marks: dict[str, float] = {}  # LRU marks not yet written (touched while a write was in progress)
         self._marks_lock = threading.Lock()
         self._num_puts = 0
+        self.checkpoint_every = checkpoint_every
+        self._written = 0  # rows written since the last checkpoint (approximate: counted without a lock)
         try:
             if not self._memory:
                 Path(path).parent.mkdir(parents=True, exist_ok=True)
-            self._db = sqlite3.connect(self._path, check_same_thread=False, isolation_level=None,
-                                       timeout=BUSY_TIMEOUT_MS / 1000)
+            self._db = self._connect()
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.executescript(_SCHEMA)
@@ -233,6 +252,11 @@ class SQLiteStore(CacheStore):
 
     def __len__(self) -> int:
         return int(self._read_one("SELECT n FROM entry_count") or 0)
+
+    def _connect(self) -> sqlite3.Connection:
+        db = sqlite3.connect(self._path, check_same_thread=False, isolation_level=None, timeout=BUSY_TIMEOUT_MS / 1000)
+        db.execute("PRAGMA wal_autocheckpoint=0")  # `checkpoint` instead, in the writer thread: see the module
+        return db
 
     # -- the write connection (under _lock) -------------------------------------------------------------
 
@@ -263,8 +287,7 @@ class SQLiteStore(CacheStore):
             db = self._idle.pop() if self._idle else None
         try:
             if db is None:
-                db = sqlite3.connect(self._path, check_same_thread=False, isolation_level=None,
-                                     timeout=BUSY_TIMEOUT_MS / 1000)
+                db = self._connect()
                 db.execute("PRAGMA query_only=1")
         except sqlite3.Error as exc:
             raise CacheStoreError(f"cannot open cache store {self._path}: {exc}") from exc
@@ -315,6 +338,7 @@ class SQLiteStore(CacheStore):
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
+            self._written += 1 + len(replaced) + len(evicted)
         return [r for r in replaced if r != entry.entry_id] + evicted
 
     def _evict_locked(self, entry: Entry) -> list[str]:
@@ -388,6 +412,7 @@ class SQLiteStore(CacheStore):
                                      [(used, entry_id) for entry_id, used in marks.items()])
             except sqlite3.Error as exc:
                 raise CacheStoreError(str(exc)) from exc
+            self._written += len(marks)
 
     def delete(self, entry_ids: Iterable[str]) -> list[str]:
         ids = list(entry_ids)
@@ -401,6 +426,7 @@ class SQLiteStore(CacheStore):
             marks = ",".join("?" * len(chunk))
             gone += [r[0] for r in self._run(f"DELETE FROM entries WHERE entry_id IN ({marks}) RETURNING entry_id",
                                              chunk).fetchall()]
+        self._written += len(gone)
         return gone
 
     def _select_ids(self, where: str, args: Iterable[Any] = (), limit: int | None = None) -> list[str]:
@@ -421,9 +447,11 @@ class SQLiteStore(CacheStore):
     def drop_data_versions(self, tenant: str, current: str, created_before: float, batch: int = 500) -> list[str]:
         """One statement over the tenant's index range (the batched default rescans it for every batch)."""
         with self._lock:
-            return [r[0] for r in self._run(
+            gone = [r[0] for r in self._run(
                 "DELETE FROM entries WHERE tenant = ? AND data_version != ? AND created_at < ? RETURNING entry_id",
                 (tenant, current, created_before)).fetchall()]
+            self._written += len(gone)
+            return gone
 
     def expired(self, now: float, limit: int = 1000) -> list[str]:
         return self._select_ids("expires_at IS NOT NULL AND expires_at <= ?", (now,), limit)
@@ -434,6 +462,37 @@ class SQLiteStore(CacheStore):
                           "ORDER BY rowid")
         for entry_id, partition, blob in rows:
             yield entry_id, partition, np.frombuffer(blob, dtype=np.float32)
+
+    def checkpoint_due(self) -> bool:
+        return not self._memory and self._written >= self.checkpoint_every
+
+    def checkpoint(self) -> None:
+        """A passive checkpoint (it waits for no reader, nor another process's writer), then, if it copied the
+        whole WAL, a small write that starts the WAL over from its beginning.
+
+        Under `_lock`: no commit of this process lands meanwhile, so the checkpoint can finish the WAL (a commit
+        during it leaves a tail the next one must copy; a WAL is reused from its start only once all of it is
+        copied, so under a steady stream of lookups' marks it grew without bound). A `touch` meanwhile keeps its
+        mark for later, as during a put. The new WAL's first commit syncs its header: done here too, not in the
+        next commit, which may be a lookup's `touch`."""
+        with self._lock:
+            if self._memory or self._closed:
+                return
+            self._written = 0
+            try:
+                busy, frames, copied = self._db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+                if busy or frames <= 0 or copied < frames:
+                    return  # a reader or another process held part of it: the next checkpoint copies the rest
+                self._db.execute("BEGIN IMMEDIATE")
+                try:
+                    self._write_marks_locked()
+                    self._db.execute("UPDATE entry_count SET n = n")  # one page: the new WAL's first frame
+                    self._db.execute("COMMIT")
+                except BaseException:
+                    self._db.execute("ROLLBACK")
+                    raise
+            except sqlite3.Error as exc:
+                raise CacheStoreError(f"checkpoint of {self._path} failed: {exc}") from exc
 
     def change_cursor(self) -> str:
         return str(self._read_one("SELECT MAX(seq) FROM changes") or 0)
@@ -466,6 +525,7 @@ class SQLiteStore(CacheStore):
             idle, self._idle = self._idle, []
         for db in idle:
             db.close()
+
 
 
 def _entry(row: tuple[Any, ...]) -> Entry:
