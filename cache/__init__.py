@@ -39,8 +39,8 @@ turn, cacheability rules), `guards` (near-miss refusal), `embedder` (MiniLM; `on
 pass on ONNX Runtime where installed), `vectors` (which turns are embedded, a memo) and `batcher` (one forward
 pass for concurrent requests), `index` (faiss partitions), `store` (the store boundary and SQLite entries: TTL,
 LRU bounds overall and per tenant, persistence, a change log), `redis_store` (the same in Redis, shared by
-replicas), `pending` (answers not yet written, served to their own process), `results` (what a lookup answers),
-`semantic_cache` (the facade).
+replicas), `pending` (answers not yet written, served to their own process), `tenant_writes` (the one writer
+thread, taking tenants' writes in turns), `results` (what a lookup answers), `semantic_cache` (the facade).
 
 Several processes may share one store (a SQLite file, or a Redis with `redis_url`): each one's faiss index
 applies the others' writes and deletes (the CLI's too) from the store's change log within `sync_interval_s`
