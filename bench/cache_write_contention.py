@@ -11,6 +11,9 @@ B's lookup latency p50/p95/p99/max is taken alone, then with A writing, in the s
 Two shapes: threads calling `store` and `lookup` (the lock question as such; `--trace-locks` records, per
 tenant, the waits and holds of the cache's and the store's write locks), and with `--async-in-flight N` the
 gateway's: one event loop, B's `alookup`s while A keeps N `astore`s in flight (their writes in worker threads).
+With `--b-store-every K` B also stores the answer to every Kth of its new questions (`astore`, awaited: until
+its write is in the store), and the time that takes is reported alone and under A's flood: how long A's queued
+writes hold B's.
 """
 
 from __future__ import annotations
@@ -132,28 +135,33 @@ def run_b(cache: SemanticCache, seconds: float, b_stored: int, tag: str) -> list
     return out
 
 
-async def run_async(cache: SemanticCache, seconds: float, b_stored: int,
-                    in_flight: int) -> tuple[list[float], list[float], int]:
+async def run_async(cache: SemanticCache, seconds: float, b_stored: int, in_flight: int,
+                    b_store_every: int = 0) -> tuple[list[float], list[float], int, list[float], list[float]]:
     """The gateway's shape: on one event loop, B's `alookup`s one after another, alone and then while A keeps
     `in_flight` `astore`s of new questions going (each answer's write goes to a worker thread, as `apersist` does)."""
     b = scope_of("tenant-b")
     a = scope_of("tenant-a")
 
-    async def b_lookups(tag: str) -> list[float]:
+    async def b_lookups(tag: str) -> tuple[list[float], list[float]]:
         out: list[float] = []
+        stores: list[float] = []  # B's astores: until the write is in the store
         end = time.perf_counter() + seconds
         i = 0
         while time.perf_counter() < end:
-            q = f"b question {i % b_stored}" if i % 2 == 0 else f"b new question {tag} {i}"
+            q = f"b new question {tag} {i}" if i % 2 else f"b question {i % b_stored}"
             t0 = time.perf_counter()
             r = await cache.alookup(b, chat(q))
             out.append((time.perf_counter() - t0) * 1000)
             assert (r.status == "hit") == (i % 2 == 0), r
+            if i % 2 and b_store_every and (i // 2) % b_store_every == 0:
+                t0 = time.perf_counter()
+                assert await cache.astore(b, chat(q), "b answer") is not None
+                stores.append((time.perf_counter() - t0) * 1000)
             i += 1
             await asyncio.sleep(0.001)
-        return out
+        return out, stores
 
-    alone = await b_lookups("alone-async")
+    alone, b_alone_stores = await b_lookups("alone-async")
     stop = False
     written = 0
 
@@ -167,10 +175,10 @@ async def run_async(cache: SemanticCache, seconds: float, b_stored: int,
 
     writers = [asyncio.create_task(a_writer(w)) for w in range(in_flight)]
     await asyncio.sleep(0.5)
-    flooded = await b_lookups("flood-async")
+    flooded, b_flood_stores = await b_lookups("flood-async")
     stop = True
     await asyncio.gather(*writers)
-    return alone, flooded, written
+    return alone, flooded, written, b_alone_stores, b_flood_stores
 
 
 def main() -> None:
@@ -180,6 +188,8 @@ def main() -> None:
     ap.add_argument("--b-entries", type=int, default=500)
     ap.add_argument("--async-in-flight", type=int, default=0,
                     help="also run the event-loop shape: B's alookups while A keeps this many astores in flight")
+    ap.add_argument("--b-store-every", type=int, default=0,
+                    help="with --async-in-flight: B also stores the answer to every Kth of its new questions, timed")
     ap.add_argument("--trace-locks", action="store_true",
                     help="record waits and holds of the cache's and the store's write locks, by tenant")
     args = ap.parse_args()
@@ -229,9 +239,11 @@ def main() -> None:
         cache.index.idle(60)
         rows = [("alone", alone), ("with A", flooded)]
         if args.async_in_flight:
-            a_alone, a_flooded, a_written = asyncio.run(
-                run_async(cache, args.seconds, args.b_entries, args.async_in_flight))
+            a_alone, a_flooded, a_written, b_stores_alone, b_stores_flood = asyncio.run(
+                run_async(cache, args.seconds, args.b_entries, args.async_in_flight, args.b_store_every))
             rows += [("async alone", a_alone), ("async w/ A", a_flooded)]
+            if args.b_store_every:
+                rows += [("B store alone", b_stores_alone), ("B store w/ A", b_stores_flood)]
             cache.index.idle(60)
         cache.close()
 
