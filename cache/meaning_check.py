@@ -42,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from cache.fair_slots import FairSlots
 from cache.owner_memo import OwnerMemo
 
 # `python -m bench.meaning_threshold` (2026-12-02): the smallest score letting at most 2% of the training split's
@@ -52,7 +53,7 @@ MAX_TOKENS = 160  # the model's sequence, as exported; a pair longer than this i
 MAX_CHARS = 1000  # per question: longer ones cannot fit MAX_TOKENS with the other, refused before tokenizing
 REMEMBERED = 256  # recent scores per scope (a tenant), by a digest of (cached question, new question)
 REMEMBERED_SCOPES = 128  # scopes with remembered scores at once (the least recently active one's dropped)
-MAX_CONCURRENT = 2  # passes at once in a process: lookups' worker threads are shared with other work
+MAX_CONCURRENT = 2  # passes at once in a process, tenants in turn (cache/fair_slots.py)
 WAIT_S = 0.5  # the longest a pass waits for its turn; then the candidate is refused (a miss), not waited for
 UNREAD = float("-inf")  # the score of a pair too long to read whole
 
@@ -85,7 +86,7 @@ class MeaningCheck:
         self._session: Any = None
         self._tokenizer: Any = None
         self._lock = threading.Lock()
-        self._slots = threading.BoundedSemaphore(max_concurrent)
+        self._slots = FairSlots(max_concurrent)
         self._memo: OwnerMemo[float] = OwnerMemo(REMEMBERED, REMEMBERED_SCOPES)  # a flood evicts its own only
         self._memo_lock = threading.Lock()  # not `_lock`, which a first load holds for seconds
 
@@ -95,35 +96,44 @@ class MeaningCheck:
                 self._session, self._tokenizer = _load(self._path or model_dir(), self._num_threads)
         return self
 
-    def margins(self, pairs: Sequence[tuple[str, str]], *, scope: str = "") -> np.ndarray:
+    def margins(self, pairs: Sequence[tuple[str, str]], *, scope: str = "", owner: str = "") -> np.ndarray:
         """The score of each (cached, new) pair: the smaller of its two entailment margins, [N] float; UNREAD for
         a pair too long to read whole. Scores are remembered per `scope` (a tenant never learns from another's
-        timing which pairs were scored lately). Raises MeaningUnavailable (MeaningBusy when no slot freed)."""
-        return np.array([self.score(a, b, scope=scope) for a, b in pairs], dtype=np.float64)
+        timing which pairs were scored lately); passes wait for a slot in `owner`'s turn (the tenant: another
+        tenant's flood of passes does not take every slot as it frees). Raises MeaningUnavailable (MeaningBusy
+        when no slot freed)."""
+        return np.array([self.score(a, b, scope=scope, owner=owner) for a, b in pairs], dtype=np.float64)
 
-    def accepts(self, cached: str, new: str, *, scope: str = "") -> bool:
+    def accepts(self, cached: str, new: str, *, scope: str = "", owner: str = "") -> bool:
         """Whether `new` asks what `cached` asked."""
-        return self.score(cached, new, scope=scope) >= self.accept_margin
+        return self.score(cached, new, scope=scope, owner=owner) >= self.accept_margin
 
-    def score(self, cached: str, new: str, *, scope: str = "") -> float:
+    def score(self, cached: str, new: str, *, scope: str = "", owner: str = "") -> float:
         if len(cached) > MAX_CHARS or len(new) > MAX_CHARS:
             return UNREAD
         key = hashlib.blake2b(f"{cached}\0{new}".encode("utf-8", "surrogatepass"), digest_size=16).digest()
         with self._memo_lock:
             found = self._memo.get(scope, key)
         if found is None:
-            found = self._run(cached, new)
+            found = self._run(cached, new, owner)
             with self._memo_lock:
                 self._memo.put(scope, key, found)
         return found
 
-    def _run(self, cached: str, new: str) -> float:
+    def _run(self, cached: str, new: str, owner: str) -> float:
+        """`_pass` in one of the slots, in `owner`'s turn (cache/fair_slots.py)."""
+        self.load()
+        if not self._slots.acquire(owner, WAIT_S):
+            raise MeaningBusy(f"the meaning check is busy ({self._slots.n} passes for {WAIT_S} s)")
+        try:
+            return self._pass(cached, new)
+        finally:
+            self._slots.release(owner)
+
+    def _pass(self, cached: str, new: str) -> float:
         """One pass for the pair's two orders (two rows of the same length), never padded with other pairs: padding
         moves the int8 graph's activation scales (a margin moved by up to 0.3 in a padded batch), and a decision
         must not depend on which lookups came together."""
-        self.load()
-        if not self._slots.acquire(timeout=WAIT_S):
-            raise MeaningBusy(f"the meaning check is busy ({MAX_CONCURRENT} passes for {WAIT_S} s)")
         try:
             forward, backward = self._tokenizer.encode_batch([(cached, new), (new, cached)])
             if len(forward.ids) > MAX_TOKENS:  # both orders have the same tokens
@@ -132,8 +142,6 @@ class MeaningCheck:
             logits = self._session.run(None, {"input_ids": ids, "attention_mask": np.ones_like(ids)})[0]
         except Exception as exc:  # onnxruntime's and tokenizers' errors are plain Exceptions
             raise MeaningUnavailable(f"the meaning check failed: {exc!r}") from exc
-        finally:
-            self._slots.release()
         return float(np.min(logits[:, 0] - logits[:, 1]))
 
 

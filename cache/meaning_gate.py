@@ -26,13 +26,13 @@ log = logging.getLogger("tiergate.cache")
 C = TypeVar("C")
 
 
-def first_accepted(check: MeaningCheck, query: str, candidates: Sequence[tuple[str, C]], *, scope: str,
+def first_accepted(check: MeaningCheck, query: str, candidates: Sequence[tuple[str, C]], *, scope: str, owner: str,
                    refused: Counter[str]) -> tuple[C | None, str]:
     """The first candidate (its cached question, nearest first) whose question `query` asks again, or None and why
-    none was; each refusal is counted in `refused`."""
+    none was; each refusal is counted in `refused`. `owner`: the tenant, whose turn a pass waits for."""
     for cached, candidate in candidates:
         try:
-            if check.accepts(cached, query, scope=scope):
+            if check.accepts(cached, query, scope=scope, owner=owner):
                 return candidate, ""
         except MeaningBusy:
             refused[MEANING_BUSY] += 1

@@ -51,8 +51,8 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Awaitable, Callable, Hashable, Mapping
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -80,6 +80,20 @@ KEYS_ON_LOOP_MAX_CHARS = 32_768
 WRITES_QUEUED_PER_TENANT = 256
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class OwnerThreads(Protocol):
+    """Worker threads that run each owner's (a tenant's) work in its turn: the gateway's FairThreads."""
+
+    def run(self, owner: Hashable, fn: Callable[..., T], *args: Any) -> Awaitable[T]: ...
+
+    def close(self) -> None: ...
+
+
+async def _to_thread(owner: Hashable, fn: Callable[..., T], *args: Any) -> T:
+    """Without OwnerThreads: asyncio's executor, owners not told apart."""
+    return await asyncio.to_thread(fn, *args)
 _CHECKPOINT = ("checkpoint",)  # the writer queue's key of checkpoint jobs (no tenant's: tenants are strings)
 
 __all__ = ["SEMANTIC_MAX_CHARS", "Bypass", "CacheStats", "Hit", "LookupResult", "Miss", "Probe", "SemanticCache",
@@ -107,11 +121,14 @@ class SemanticCache:
                  default_policy: TenantPolicy | None = None, clock: Callable[[], float] = time.time,
                  reclaim_batch: int = 64, hnsw_from: int = 8192, sync_interval_s: float = 0.5,
                  embed_batch: int = 32, embed_wait_s: float = 0.003, meaning: MeaningCheck | None = None,
-                 writes_queued_per_tenant: int = WRITES_QUEUED_PER_TENANT):
+                 writes_queued_per_tenant: int = WRITES_QUEUED_PER_TENANT, threads: OwnerThreads | None = None):
         """`embed_batch` texts at most per forward pass, and `embed_wait_s` the longest a text waits for others
         to join it (`EmbeddingBatcher`); `embed_batch=1` embeds one text at a time (the ablation). `meaning`:
         the check a plan's `meaning_check` asks for (loaded on first use; a default one if not given).
-        `writes_queued_per_tenant`: `apersist`'s writes of one tenant waiting for the writer thread, at most."""
+        `writes_queued_per_tenant`: `apersist`'s writes of one tenant waiting for the writer thread, at most.
+        `threads` run a lookup's blocking steps, each in its tenant's turn (the cache closes them): the gateway's
+        FairThreads. By default asyncio's executor, first come first served, where one tenant's flood of lookups
+        (each up to two meaning-check passes) queued every other tenant's lookups behind it."""
         self.entries = store
         self.embedder = embedder
         self.meaning = meaning or MeaningCheck()
@@ -136,6 +153,8 @@ class SemanticCache:
         self._writes = TenantWriteQueue(writes_queued_per_tenant, on_drop=self._dropped,
                                         name="tiergate-cache-write")
         self._checkpoint_queued = False  # a checkpoint a lookup asked for is waiting for the writer thread
+        self._owner_threads = threads
+        self._threads: Callable[..., Awaitable[Any]] = threads.run if threads is not None else _to_thread
         self.pending = PendingWrites()  # answers remembered, not yet written: this process serves them
         self.recent = RecentEntries()  # answers written or found lately: exact hits without a store round trip
         self.bounds = TenantBounds()  # each tenant's learned semantic threshold (cache/error_bound.py)
@@ -169,15 +188,15 @@ class SemanticCache:
         if conversation_chars(request) <= KEYS_ON_LOOP_MAX_CHARS:
             plan = self._begin(scope, request, headers, policy)
         else:
-            plan = await asyncio.to_thread(self._begin, scope, request, headers, policy)
+            plan = await self._threads(scope.tenant, self._begin, scope, request, headers, policy)
         if not isinstance(plan, _Plan):
             return plan
         with self.batcher.announce() as coming:  # lookups arriving together embed together
-            found = await asyncio.to_thread(self._exact, plan)
+            found = await self._threads(scope.tenant, self._exact, plan)
             if found is not None:
                 return found
             vector = await self.vectors.aget(plan.key.embedding_text, coming, owner=scope.tenant)
-        return await asyncio.to_thread(self._semantic, plan, vector)
+        return await self._threads(scope.tenant, self._semantic, plan, vector)
 
     def _begin(self, scope: CacheScope, request: Mapping[str, Any], headers: Mapping[str, str] | None,
                policy: TenantPolicy | None) -> LookupResult | _Plan:
@@ -271,7 +290,7 @@ class SemanticCache:
             return candidates[0], ""
         return first_accepted(self.meaning, guards.comparable(plan.key.last_user_text),
                               [(guards.comparable(c[0].semantic_text), c) for c in candidates],
-                              scope=plan.scope.scope_id, refused=self.stats.refused)
+                              scope=plan.scope.scope_id, owner=plan.scope.tenant, refused=self.stats.refused)
 
     def label(self, result: LookupResult, policy: TenantPolicy, fresh: str) -> bool | None:
         """Teach the tenant's bound whether the candidate the lookup found was right, by the tier's fresh answer
@@ -423,6 +442,8 @@ class SemanticCache:
 
     def close(self) -> None:
         self._writes.close()
+        if self._owner_threads is not None:
+            self._owner_threads.close()
         self.vectors.close()
         self.entries.close()
 

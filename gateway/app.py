@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import os
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -153,6 +154,11 @@ def build_services(settings: Settings) -> Services:
                     ladder=ladder, cache=cache, rollouts=rollouts)
 
 
+# Threads for the cache's lookups (store reads, faiss searches, meaning-check passes), tenants in turn: as many as
+# asyncio's default executor, which ran them before, has
+LOOKUP_THREADS = min(32, (os.cpu_count() or 1) + 4)
+
+
 def prediction_threads() -> FairThreads:
     """Threads of their own for `auto`'s difficulty predictions (a MiniLM pass each), tenants in turn."""
     return FairThreads(PREDICT_THREADS, "tiergate-predict")
@@ -173,7 +179,8 @@ def build_cache(settings: Settings, plans: PlanBook) -> SemanticCache | None:
         except MeaningUnavailable as exc:  # installed (load_config checked) but unusable: a damaged file
             raise ConfigFileError(settings.plans_file, None, f"cache.meaning_check: {exc}") from exc
     return SemanticCache(entries, default_embedder(), embed_batch=settings.cache_embed_max_batch,
-                         embed_wait_s=settings.cache_embed_max_wait_ms / 1000, meaning=meaning)
+                         embed_wait_s=settings.cache_embed_max_wait_ms / 1000, meaning=meaning,
+                         threads=FairThreads(LOOKUP_THREADS, "tiergate-cache-lookup"))
 
 
 def build_quota_backend(settings: Settings, ledger: Ledger, metrics_: GatewayMetrics) -> QuotaBackend:

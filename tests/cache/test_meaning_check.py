@@ -76,7 +76,7 @@ def test_scores_are_remembered_per_scope(meaning: MeaningCheck, monkeypatch: pyt
     runs: list[tuple[str, str]] = []
     check = MeaningCheck().load()
     real = check._run
-    monkeypatch.setattr(check, "_run", lambda a, b: runs.append((a, b)) or real(a, b))
+    monkeypatch.setattr(check, "_run", lambda a, b, owner: runs.append((a, b)) or real(a, b, owner))
     for tenant in ("tenant-a", "tenant-a", "tenant-b"):
         check.score(STORED, PARAPHRASE, scope=tenant)
     assert len(runs) == 2  # a repeat in one scope is remembered; another scope's is computed again
@@ -87,7 +87,7 @@ def test_one_scopes_flood_evicts_only_its_own_scores(monkeypatch: pytest.MonkeyP
     the model's pass again for every one of its repeats)."""
     runs: list[tuple[str, str]] = []
     check = MeaningCheck()  # no model: the passes are counted, not run
-    monkeypatch.setattr(check, "_run", lambda a, b: runs.append((a, b)) or 1.0)
+    monkeypatch.setattr(check, "_run", lambda a, b, owner: runs.append((a, b)) or 1.0)
     check.score(STORED, PARAPHRASE, scope="tenant-b")
     for i in range(5000):
         check.score(STORED, f"{PARAPHRASE} #{i}", scope="tenant-a")
@@ -108,7 +108,7 @@ def test_a_failing_or_busy_check_makes_a_miss_never_an_error(checked_cache: Sema
     refused = checked_cache.lookup(scope(chat(PARAPHRASE)), chat(PARAPHRASE), policy=CHECKED)
     assert refused.status == "miss" and checked_cache.stats.refused[MEANING_UNAVAILABLE] == 1
     busy = MeaningCheck(max_concurrent=1).load()
-    busy._slots.acquire()  # every slot taken: the candidate is refused after WAIT_S, not waited for
+    busy._slots.acquire("someone else", 0)  # every slot taken: the candidate is refused after WAIT_S, not waited for
     monkeypatch.setattr(checked_cache, "meaning", busy)
     assert checked_cache.lookup(scope(chat(PARAPHRASE)), chat(PARAPHRASE), policy=CHECKED).status == "miss"
     assert checked_cache.stats.refused[MEANING_BUSY] == 1
@@ -122,7 +122,7 @@ def test_the_second_candidate_is_served_when_the_first_is_refused_and_no_more_ar
     verdicts = iter([False, True])
     read: list[str] = []
     monkeypatch.setattr(checked_cache.meaning, "accepts",
-                        lambda cached, new, scope="": read.append(cached) or next(verdicts))
+                        lambda cached, new, scope="", owner="": read.append(cached) or next(verdicts))
     hit = checked_cache.lookup(scope(chat(STORED + "?")), chat(STORED + "?"), policy=CHECKED)
     assert isinstance(hit, Hit) and len(read) == 2 and hit.entry.semantic_text == read[1]
     assert checked_cache.stats.refused[MEANING_DIFFERS] == 1
@@ -132,7 +132,7 @@ def test_under_a_bound_only_near_misses_the_check_accepts_are_labelled(checked_c
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     strict = TenantPolicy(similarity_threshold=0.999, max_error_rate=0.05, meaning_check=True)  # all near misses
     for verdict in (False, True):
-        monkeypatch.setattr(checked_cache.meaning, "accepts", lambda cached, new, scope="", v=verdict: v)
+        monkeypatch.setattr(checked_cache.meaning, "accepts", lambda cached, new, scope="", owner="", v=verdict: v)
         miss = checked_cache.lookup(scope(chat(PARAPHRASE)), chat(PARAPHRASE), policy=strict)
         assert miss.status == "miss" and (miss.near is not None) == verdict
 

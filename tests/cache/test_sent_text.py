@@ -155,7 +155,8 @@ def test_the_meaning_check_reads_what_the_guards_read(cache: SemanticCache, monk
     body = chat("What is x² + 1 when x is 3?")
     cache.store(scope(body), body, "10", {})
     read: list[tuple[str, str]] = []
-    monkeypatch.setattr(cache.meaning, "accepts", lambda cached, new, scope="": read.append((cached, new)) or True)
+    monkeypatch.setattr(cache.meaning, "accepts",
+                        lambda cached, new, scope="", owner="": read.append((cached, new)) or True)
     asked = chat("What is x^2 + 1 when x is 3?")
     hit = cache.lookup(scope(asked), asked, policy=TenantPolicy(meaning_check=True))
     assert isinstance(hit, Hit) and hit.kind == "semantic", hit
