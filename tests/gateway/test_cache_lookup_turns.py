@@ -70,7 +70,9 @@ async def flood_then_victim(cache: SemanticCache) -> tuple[int, int]:
     exact = asyncio.create_task(one("acme", "what is the capital of peru", TenantPolicy(), "acme exact"))
     near = asyncio.create_task(one("acme", VARIANTS[-1], CHECKED, "acme near"))
     results = await asyncio.gather(exact, near, *flood)
-    assert all(isinstance(r, Hit) for r in results), [r for r in results if not isinstance(r, Hit)]
+    # acme's are served; some of the flood's may be refused as busy (each waits on the flood ahead of it)
+    assert isinstance(results[0], Hit) and isinstance(results[1], Hit), results[:2]
+    assert sum(isinstance(r, Hit) for r in results[2:]) >= FLOOD // 2
     return done.index("acme exact"), done.index("acme near") - 1
 
 
