@@ -13,8 +13,8 @@ The ratio is taken within prompt-size bands (`band`: one for prompts under BAND_
 doubling) and averaged over the bands weighted by the candidate's samples, so a candidate that happens to get the
 long prompts (a long-context conversation, or a client sending its long prefills there) is compared with the
 baseline's long prompts, not its short ones; with all prompts in one band it is the plain ratio of the p95s. The
-candidate's p95 is the value it is at least with 95% confidence (`confident_rank`): a canary has few samples, and a
-stall both versions share would otherwise set its p95 by itself.
+candidate's p95 is the value it is at least with 95% confidence (`confident_rank`, in gateway/quantiles.py): a canary
+has few samples, and a stall both versions share would otherwise set its p95 by itself.
 
 One tenant's outcomes do not decide. A client sees each answer's version (`x-tiergate-model-version`) and names its
 conversation (`x-tiergate-session`), so it can find conversations on the candidate and send them only its slowest
@@ -38,17 +38,15 @@ Hysteresis, in the ladder's shape: a guard rolls back only once it has been brea
 
 from __future__ import annotations
 
-import functools
-import math
-from bisect import bisect_right
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from gateway.errors import InvalidRequest
+from gateway.quantiles import Ranked, p95
 from tiers.catalogue import TierCatalogue
 from wire.fields import integral
 from wire.validation import describe
@@ -59,7 +57,6 @@ MAX_SAMPLES = 4096  # per version and rollout: the newest outcomes a guard reads
 TTFT_SLACK_S, TPOT_SLACK_S = 0.05, 0.005
 BAND_TOKENS = 512  # prompts under this many tokens (or of unknown size) are one band; above, one band per doubling
 MAX_CONTESTED = 256  # tenants (those with the most outcomes) whose outcomes an evaluation leaves out in turn
-CONFIDENCE = 0.95  # a latency ratio breaches only where the candidate's p95 is that high with this confidence
 CONTEST_MIN = 10  # outcomes the other tenants need (fewer if min_requests is lower) to hold one tenant's breach
 
 Fraction = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
@@ -102,33 +99,6 @@ def tier_guards_error(catalogue: TierCatalogue) -> str | None:
         except ValidationError as exc:
             return f"tiers.{spec.name}.rollout_guards: {describe(exc).message}"
     return None
-
-
-def p95(values: list[float]) -> float | None:
-    """The 95th percentile by nearest rank (the smallest value with 95% of the values at or below it)."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[math.ceil(0.95 * len(ordered)) - 1]
-
-
-@functools.lru_cache(maxsize=MAX_SAMPLES)
-def confident_rank(n: int) -> int:
-    """The rank r (1-based) of the candidate's sample that the p95 of its latency is at least, with 95% confidence:
-    the largest r with P(at least r of n samples at or below the true p95) >= CONFIDENCE, the number at or below being
-    Binomial(n, 0.95); at least 1. A p95 read from a few dozen samples is their second-largest, which one stall
-    shared by both versions can set: on a loaded two-core host, 1 run in 4 of the end-to-end steering test rolled
-    back its healthy canary that way (p95 0.177 s over the baseline's 0.032 s, from 30 candidate samples). The bound
-    needs several of the candidate's samples slow, and approaches the plain p95 as samples grow (30 samples: the
-    26th of 30; 1,000: the 938th)."""
-    tail, r = 0.0, n  # tail: P(Binomial(n, 0.95) >= r), summed from r = n down
-    while r >= 1:
-        tail += math.exp(math.lgamma(n + 1) - math.lgamma(r + 1) - math.lgamma(n - r + 1)
-                         + r * math.log(0.95) + (n - r) * math.log(0.05))
-        if tail >= CONFIDENCE:
-            return r
-        r -= 1
-    return 1
 
 
 def band(prompt_tokens: int | None) -> int:
@@ -198,42 +168,6 @@ def _reading(recent: list[Outcome], diverged: list[Diverged]) -> Reading:
                    p95([o[3] for o in recent if o[3] is not None]),
                    sum(d[1] for d in diverged) / len(diverged) if diverged else None, len(diverged),
                    len({o[4] for o in recent if o[4] is not None}))
-
-
-class Ranked:
-    """One version's samples of one latency in one prompt band, sorted, with where each tenant's are: its p95
-    without any one tenant's samples costs a few binary searches, not a sort."""
-
-    def __init__(self, samples: list[tuple[float, Tenant]]) -> None:
-        samples.sort(key=lambda s: s[0])
-        self.values = [v for v, _ in samples]
-        self.at: dict[Tenant, list[int]] = {}  # tenant -> the ranks of its samples, ascending
-        for i, (_, tenant) in enumerate(samples):
-            self.at.setdefault(tenant, []).append(i)
-
-    def _gone(self, without: Tenant) -> Sequence[int]:
-        return self.at.get(without, ()) if without is not None else ()
-
-    def size(self, without: Tenant = None) -> int:
-        return len(self.values) - len(self._gone(without))
-
-    def p95(self, without: Tenant = None, *, confident: bool = False) -> float | None:
-        """`p95` of the samples but `without`'s (None: all of them); `confident`: the value the p95 is at least with
-        CONFIDENCE (`confident_rank`), what a candidate is judged by."""
-        gone = self._gone(without)
-        n = len(self.values) - len(gone)
-        if n <= 0:
-            return None
-        # the rank among those left; the answer is the first index with k of them at or below
-        k = confident_rank(n) if confident else math.ceil(0.95 * n)
-        lo, hi = k - 1, k - 1 + len(gone)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if mid + 1 - bisect_right(gone, mid) >= k:
-                hi = mid
-            else:
-                lo = mid + 1
-        return self.values[lo]
 
 
 class Side:
