@@ -21,6 +21,7 @@ rate) are *held* by it when the other tenants' outcomes in the window (at least 
 rate that opens. A replica that breaks for everyone fails the others' next requests too, and opens as before; a
 tier with one tenant, or the gateway's own calls (no tenant), are judged on what they have. A probe's failure
 reopens whoever sent it: the probe is one request, and half-open is already the replica's penalty box.
+The counts and the rule of who is left out are tiers/tenant_counts.py's, which the ladder's signals share.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
+
+from tiers.tenant_counts import TenantCounts, left_out
 
 State = Literal["closed", "open", "half_open"]
 CONTEST_MIN = 5  # outcomes of the other tenants in the window before one tenant's failures can be held
@@ -57,8 +60,7 @@ class CircuitBreaker:
         self.consecutive_failures = 0
         self._run_tenants: set[str] = set()  # whose failures the consecutive run holds (two are enough to know)
         self._outcomes: deque[tuple[float, bool, str]] = deque()  # (time, failed, tenant) inside the window
-        self._failed = 0  # failures in the window
-        self._by_tenant: dict[str, list[int]] = {}  # tenant -> [outcomes, failures] in the window
+        self._counts = TenantCounts()  # each tenant's outcomes and failures in the window
 
     @property
     def state(self) -> State:
@@ -98,9 +100,9 @@ class CircuitBreaker:
         elif self._state == "closed":
             if self.consecutive_failures >= self.config.failures_to_open and not self._run_held():
                 self._open(f"{self.consecutive_failures} consecutive failures, the last: {why}")
-            elif self._rate_exceeded() and not self._held(self._most_failing()):
-                n = len(self._outcomes)
-                self._open(f"{self._failed} of {n} requests failed in {self.config.window_s:g}s, the last: {why}")
+            elif self._rate_exceeded() and not self._held(left_out(self._counts, CONTEST_MIN)):
+                n, failed = self._counts.n, self._counts.bad
+                self._open(f"{failed} of {n} requests failed in {self.config.window_s:g}s, the last: {why}")
 
     def abandon(self) -> None:
         """A request ended with no verdict (the client went away): a probe slot is given back."""
@@ -109,43 +111,30 @@ class CircuitBreaker:
     def _record(self, failed: bool, tenant: str) -> None:
         now = self._clock()
         self._outcomes.append((now, failed, tenant))
-        self._count(tenant, failed, 1)
+        self._counts.add(tenant, failed)
         cutoff = now - self.config.window_s
         while self._outcomes and self._outcomes[0][0] < cutoff:
             _, old_failed, old_tenant = self._outcomes.popleft()
-            self._count(old_tenant, old_failed, -1)
-
-    def _count(self, tenant: str, failed: bool, step: int) -> None:
-        counts = self._by_tenant.setdefault(tenant, [0, 0])
-        counts[0] += step
-        counts[1] += step * failed
-        self._failed += step * failed
-        if not counts[0]:
-            del self._by_tenant[tenant]
+            self._counts.remove(old_tenant, old_failed)
 
     def _rate_exceeded(self) -> bool:
-        n = len(self._outcomes)
-        return n >= self.config.min_requests and self._failed / n >= self.config.failure_rate_to_open
-
-    def _most_failing(self) -> str:
-        return max(self._by_tenant.items(), key=lambda kv: kv[1][1])[0]
+        n = self._counts.n
+        return n >= self.config.min_requests and self._counts.bad / n >= self.config.failure_rate_to_open
 
     def _run_held(self) -> bool:
-        return len(self._run_tenants) == 1 and self._held(next(iter(self._run_tenants)))
+        return len(self._run_tenants) == 1 and self._held(self._run_tenants)
 
-    def _held(self, tenant: str) -> bool:
-        """Do the other tenants' outcomes in the window say the replica works, so `tenant`'s failures are its own?"""
-        if not tenant:
+    def _held(self, tenants: frozenset[str] | set[str]) -> bool:
+        """Do the other tenants' outcomes in the window say the replica works, so `tenants`' failures are their own?"""
+        if not tenants or "" in tenants:
             return False
-        own_n, own_failed = self._by_tenant.get(tenant, (0, 0))
-        others, others_failed = len(self._outcomes) - own_n, self._failed - own_failed
+        others, others_failed = self._counts.without(tenants)
         return others >= CONTEST_MIN and others_failed / others < self.config.failure_rate_to_open
 
     def _open(self, why: str) -> None:
         self._opened_at = self._clock()
         self._outcomes.clear()  # a closed breaker starts from a clean window
-        self._by_tenant.clear()
-        self._failed = 0
+        self._counts.clear()
         self._run_tenants.clear()
         self._move("open", why)
 

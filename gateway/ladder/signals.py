@@ -7,6 +7,8 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+from tiers.tenant_counts import OUTCOMES, TenantCounts, left_out
+
 WINDOW_S = 60.0
 CONTEST_MIN = 10  # the other tenants' outcomes (or waits) in the window before one tenant's can be left out
 
@@ -22,7 +24,8 @@ class Signals:
     queue (dispatch is fair between tenants, so the others' do not), and its own failures or waits would otherwise
     take every tenant down the ladder (level 3 sheds batch and standard traffic). A tier failing or overloaded for
     everyone fails or delays the others too; the only tenant, or signals of no tenant (""), count as they are. As
-    in the rollout guards and the breakers, two tenants acting together are not covered."""
+    in the rollout guards and the breakers, two tenants acting together are not covered. The per-tenant counts and
+    who is left out are tiers/tenant_counts.py's, which the breakers share."""
 
     def __init__(self, *, tiers_down: Callable[[], int] = lambda: 0, redis_down: Callable[[], bool] = lambda: False,
                  kv_utilisation: Callable[[], float] = lambda: 0.0,
@@ -31,10 +34,9 @@ class Signals:
         self._wait_times: deque[float] = deque()
         self._wait_values: deque[float] = deque()  # the wait of each time above
         self._wait_tenants: deque[str] = deque()  # whose request waited
-        self._waits_of: dict[str, int] = {}  # tenant -> its waits in the window
+        self._waits_of = TenantCounts()  # each tenant's waits in the window
         self._outcomes: deque[tuple[float, bool, str]] = deque()  # (time, was a 5xx, tenant)
-        self._errors = 0  # the 5xx among `_outcomes`
-        self._by_tenant: dict[str, list[int]] = {}  # tenant -> [outcomes, 5xx] in the window
+        self._counts = TenantCounts()  # each tenant's outcomes and 5xx in the window
         self._lock = threading.Lock()
         self._tiers_down = tiers_down
         self._redis_down = redis_down
@@ -45,30 +47,13 @@ class Signals:
             self._wait_times.append(self._clock())
             self._wait_values.append(seconds)
             self._wait_tenants.append(tenant)
-            self._waits_of[tenant] = self._waits_of.get(tenant, 0) + 1
+            self._waits_of.add(tenant)
 
     def outcome(self, status: int, tenant: str = "") -> None:
         bad = status >= 500
         with self._lock:
             self._outcomes.append((self._clock(), bad, tenant))
-            self._count(tenant, bad, 1)
-
-    def _count(self, tenant: str, bad: bool, step: int) -> None:
-        counts = self._by_tenant.setdefault(tenant, [0, 0])
-        counts[0] += step
-        counts[1] += step * bad
-        self._errors += step * bad
-        if not counts[0]:
-            del self._by_tenant[tenant]
-
-    def _error_rate(self) -> float:
-        n, errors = len(self._outcomes), self._errors
-        if not n:
-            return 0.0
-        worst, (own_n, own_errors) = max(self._by_tenant.items(), key=lambda kv: kv[1][1])
-        if worst and n - own_n >= CONTEST_MIN:
-            n, errors = n - own_n, errors - own_errors
-        return errors / n
+            self._counts.add(tenant, bad)
 
     def read(self) -> dict[str, float]:
         with self._lock:
@@ -76,20 +61,16 @@ class Signals:
             while self._wait_times and self._wait_times[0] < since:
                 self._wait_times.popleft()
                 self._wait_values.popleft()
-                gone = self._wait_tenants.popleft()
-                self._waits_of[gone] -= 1
-                if not self._waits_of[gone]:
-                    del self._waits_of[gone]
+                self._waits_of.remove(self._wait_tenants.popleft())
             while self._outcomes and self._outcomes[0][0] < since:
                 _, bad, tenant = self._outcomes.popleft()
-                self._count(tenant, bad, -1)
+                self._counts.remove(tenant, bad)
             waits = list(self._wait_values)
-            busiest = max(self._waits_of.items(), key=lambda kv: kv[1], default=("", 0))
-            left_out = busiest[0] if busiest[0] and len(waits) - busiest[1] >= CONTEST_MIN else None
-            tenants = list(self._wait_tenants) if left_out is not None else []  # copied here, filtered unlocked
-            error_rate = self._error_rate()
-        if left_out is not None:
-            waits = [w for w, t in zip(waits, tenants, strict=True) if t != left_out]
+            queued = left_out(self._waits_of, CONTEST_MIN, by=OUTCOMES)  # the busiest, where the others have enough
+            tenants = list(self._wait_tenants) if queued else []  # copied here, filtered unlocked
+            error_rate = self._counts.rate_without(left_out(self._counts, CONTEST_MIN))
+        if queued:
+            waits = [w for w, t in zip(waits, tenants, strict=True) if t not in queued]
         waits.sort()
         p95 = waits[min(len(waits) - 1, int(0.95 * len(waits)))] if waits else 0.0
         return {"queue_wait_p95_s": p95, "error_rate": error_rate,
