@@ -1,8 +1,10 @@
-"""Quantiles of latency samples: the p95 by nearest rank, the rank a p95 is at least with 95% confidence, and the
-p95 of a window without one tenant's samples.
+"""Quantiles of latency samples: the p95 by nearest rank, the rank a p95 is at least with 95% confidence, and a
+quantile of a window without some tenants' samples.
 
 The rollout guards read these (gateway/rollout/guards.py): a candidate's p95 is judged by `confident_rank`, and a
-breach is tested without each contesting tenant's samples in turn, so that p95 costs binary searches, not a sort.
+breach is tested without each contesting tenant's samples in turn. The ladder's dispatch-wait p95 (gateway/ladder/
+signals.py) asks whether a few tenants' waits stand out of the others'. Either way a quantile without some tenants
+costs binary searches over the sorted window and their sorted samples (`kth_without`), not a sort.
 """
 
 from __future__ import annotations
@@ -45,19 +47,35 @@ def confident_rank(n: int) -> int:
     return 1
 
 
+def kth_without(ordered: Sequence[float], gone: Sequence[Sequence[float]], k: int) -> float:
+    """The k-th smallest (1-based) of `ordered` (sorted) once the values of each sorted list in `gone` (taken from
+    `ordered`) are taken out: binary searches, no copy. The answer is the first value with k of those left at or
+    below it; k must be at least 1 and at most what is left."""
+    lo, hi = k - 1, k - 1 + sum(len(g) for g in gone)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        x = ordered[mid]
+        if bisect_right(ordered, x) - sum(bisect_right(g, x) for g in gone) >= k:
+            hi = mid
+        else:
+            lo = mid + 1
+    return ordered[lo]
+
+
 class Ranked(Generic[T]):
-    """One version's samples of one latency in one prompt band, sorted, with where each tenant's are: its p95
-    without any one tenant's samples costs a few binary searches, not a sort. A tenant of None is never left out."""
+    """One version's samples of one latency in one prompt band, sorted, and each tenant's sorted apart: its p95
+    without any one tenant's samples costs a few binary searches (`kth_without`), not a sort. A tenant of None is
+    never left out."""
 
     def __init__(self, samples: list[tuple[float, T]]) -> None:
         samples.sort(key=lambda s: s[0])
         self.values = [v for v, _ in samples]
-        self.at: dict[T, list[int]] = {}  # tenant -> the ranks of its samples, ascending
-        for i, (_, tenant) in enumerate(samples):
-            self.at.setdefault(tenant, []).append(i)
+        self.of: dict[T, list[float]] = {}  # tenant -> its samples, ascending
+        for value, tenant in samples:
+            self.of.setdefault(tenant, []).append(value)
 
-    def _gone(self, without: T | None) -> Sequence[int]:
-        return self.at.get(without, ()) if without is not None else ()
+    def _gone(self, without: T | None) -> Sequence[float]:
+        return self.of.get(without, ()) if without is not None else ()
 
     def size(self, without: T | None = None) -> int:
         return len(self.values) - len(self._gone(without))
@@ -69,13 +87,4 @@ class Ranked(Generic[T]):
         n = len(self.values) - len(gone)
         if n <= 0:
             return None
-        # the rank among those left; the answer is the first index with k of them at or below
-        k = confident_rank(n) if confident else math.ceil(0.95 * n)
-        lo, hi = k - 1, k - 1 + len(gone)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if mid + 1 - bisect_right(gone, mid) >= k:
-                hi = mid
-            else:
-                lo = mid + 1
-        return self.values[lo]
+        return kth_without(self.values, [gone], confident_rank(n) if confident else math.ceil(0.95 * n))
