@@ -18,10 +18,13 @@ replica fail (an input the engine or a provider chokes on, prompts that time out
 once would take the replica from every tenant for the cool-down, again and again. So each outcome keeps its tenant,
 and failures that are one tenant's (every failure of the consecutive run, or the most of the window's for the
 rate) are *held* by it when the other tenants' outcomes in the window (at least CONTEST_MIN) fail less than the
-rate that opens. A replica that breaks for everyone fails the others' next requests too, and opens as before; a
-tier with one tenant, or the gateway's own calls (no tenant), are judged on what they have. A probe's failure
-reopens whoever sent it: the probe is one request, and half-open is already the replica's penalty box.
-The counts and the rule of who is left out are tiers/tenant_counts.py's, which the ladder's signals share.
+rate that opens. So are a few tenants' together (two attackers taking turns): a run of failures of a few tenants,
+or the window's worst few, each failing more than twice as often as the rest, at most half the tenants in the
+window (tiers/tenant_counts.py says why, and what it leaves uncovered). A replica that breaks for everyone fails the
+others' next requests too, and opens as before; a tier with one tenant, or the gateway's own calls (no tenant), are
+judged on what they have. A probe's failure reopens whoever sent it: the probe is one request, and half-open is
+already the replica's penalty box. The counts and the rule of who is left out are tiers/tenant_counts.py's, which
+the ladder's signals share.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from tiers.tenant_counts import TenantCounts, left_out
+from tiers.tenant_counts import CONTEST_MAX, TenantCounts, left_out, may_leave_out
 
 State = Literal["closed", "open", "half_open"]
 CONTEST_MIN = 5  # outcomes of the other tenants in the window before one tenant's failures can be held
@@ -58,7 +61,7 @@ class CircuitBreaker:
         self._opened_at = 0.0
         self._probing = False  # half-open: the one probe is in flight
         self.consecutive_failures = 0
-        self._run_tenants: set[str] = set()  # whose failures the consecutive run holds (two are enough to know)
+        self._run_tenants: set[str] = set()  # whose failures the consecutive run holds (past CONTEST_MAX, no matter)
         self._outcomes: deque[tuple[float, bool, str]] = deque()  # (time, failed, tenant) inside the window
         self._counts = TenantCounts()  # each tenant's outcomes and failures in the window
 
@@ -92,7 +95,7 @@ class CircuitBreaker:
         """The replica failed `tenant`'s request ("" for the gateway's own, never held)."""
         self._record(True, tenant)
         self.consecutive_failures += 1
-        if len(self._run_tenants) < 2:
+        if len(self._run_tenants) <= CONTEST_MAX:
             self._run_tenants.add(tenant)
         if self._state == "half_open":
             self._probing = False
@@ -122,7 +125,13 @@ class CircuitBreaker:
         return n >= self.config.min_requests and self._counts.bad / n >= self.config.failure_rate_to_open
 
     def _run_held(self) -> bool:
-        return len(self._run_tenants) == 1 and self._held(self._run_tenants)
+        """Are the consecutive failures their tenants' own: the run's tenants alone (one, or a few standing out of the
+        rest), or with the others the window's rate leaves out (the run is one attacker's, the other's came before)?"""
+        run = self._run_tenants
+        if may_leave_out(self._counts, run, CONTEST_MIN) and self._held(run):
+            return True
+        with_others = run | left_out(self._counts, CONTEST_MIN)
+        return with_others != run and may_leave_out(self._counts, with_others, CONTEST_MIN) and self._held(with_others)
 
     def _held(self, tenants: frozenset[str] | set[str]) -> bool:
         """Do the other tenants' outcomes in the window say the replica works, so `tenants`' failures are their own?"""

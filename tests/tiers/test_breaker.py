@@ -150,3 +150,35 @@ def test_the_window_forgets_a_tenant_whose_outcomes_aged_out() -> None:
     for _ in range(3):
         b.failure("answered 500", "attacker")
     assert b.state == "open"
+
+
+def test_two_tenants_failing_together_open_it_no_more_than_one_while_the_others_are_served() -> None:
+    """Two attackers taking turns make one run of failures of two tenants, and each leaves the other's failures in
+    the rate; the replica still serves the two other tenants. A failure of theirs joins the run, and it opens."""
+    b, _, changes = breaker(failures_to_open=5, failure_rate_to_open=0.5, min_requests=10)
+    for _ in range(5):
+        b.success("v1")
+        b.success("v2")
+    for _ in range(8):
+        b.failure("answered 500", "a1")
+        b.failure("answered 500", "a2")
+    assert b.state == "closed" and b.consecutive_failures == 16
+    b.failure("timed out", "v1")
+    assert b.state == "open" and changes == [("closed", "open")]
+
+
+def test_two_tenants_failure_rate_is_their_own_and_a_replica_failing_everyone_opens() -> None:
+    b, _, _ = breaker(failures_to_open=50, failure_rate_to_open=0.5, min_requests=10)  # the rate alone decides
+    for _ in range(5):
+        b.success("v1")
+        b.success("v2")
+    for _ in range(12):
+        b.failure("answered 500", "a1")
+        b.failure("answered 500", "a2")
+    assert b.state == "closed"  # 24 of 34 failed; without a1's, a2's 12 of the 22 left
+    everyone, _, _ = breaker(failures_to_open=50, failure_rate_to_open=0.5, min_requests=10)
+    for _ in range(8):  # the replica fails everyone's requests alike: nobody's failures are their own
+        for tenant in ("v1", "v2", "a1", "a2"):
+            everyone.success(tenant)
+            everyone.failure("timed out", tenant)
+    assert everyone.state == "open"

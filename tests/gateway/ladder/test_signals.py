@@ -96,3 +96,35 @@ def test_one_tenants_queued_flood_is_left_out_of_the_wait_p95() -> None:
     now[0] += WINDOW_S + 1  # everything leaves the window, and the counts with it
     signals.queue_wait(0.5, "flood")
     assert signals.read()["queue_wait_p95_s"] == 0.5
+
+
+def test_two_tenants_5xx_together_are_left_out_while_the_others_are_fine_and_a_fault_for_all_counts() -> None:
+    now = [1000.0]
+    signals = Signals(clock=lambda: now[0])
+    for tenant in ("v1", "v2"):
+        for _ in range(10):
+            signals.outcome(200, tenant)
+    for _ in range(30):
+        signals.outcome(500, "a1")
+        signals.outcome(500, "a2")
+    assert signals.read()["error_rate"] == 0.0  # without a1's alone, a2's 30 of the 50 left would be 0.6
+    for tenant in ("v1", "v2"):
+        for _ in range(10):
+            signals.outcome(502, tenant)  # the tiers now fail the others as much
+    assert signals.read()["error_rate"] == 50 / 70  # no one stands out: only a1 (the most 5xx) is left out
+
+
+def test_two_tenants_queued_floods_are_left_out_of_the_wait_p95() -> None:
+    now = [1000.0]
+    signals = Signals(clock=lambda: now[0])
+    for tenant in ("v1", "v2"):
+        for _ in range(10):
+            signals.queue_wait(0.01, tenant)
+    for _ in range(200):
+        signals.queue_wait(20.0, "f1")
+        signals.queue_wait(20.0, "f2")
+    assert signals.read()["queue_wait_p95_s"] == 0.01
+    for tenant in ("v1", "v2"):
+        for _ in range(30):
+            signals.queue_wait(16.0, tenant)  # now the others wait as well
+    assert signals.read()["queue_wait_p95_s"] == 20.0  # without f1's: f2's 200 of 280
