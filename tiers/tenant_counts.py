@@ -24,11 +24,12 @@ tenants with outcomes in the window (at least the one, as with two tenants befor
   is evidence of its own: `may_leave_out` judges the run's tenants without it.)
 - half the tenants: the signal says how things are for most tenants; when most fail, it is the tier.
 
-Not covered: a coalition of half the active tenants or more (with four tenants in the window, three attackers), or of
-more than CONTEST_MAX; members with fewer than `contest_min` outcomes each, whose failures count (it takes many such
-tenants to move a rate, and then they are more than CONTEST_MAX); a coalition that fails no more than twice the
-others' rate (then the others are failing too). A fault that hits only a few tenants' requests (their prompts, their
-model) is left out as a coalition would be: the gateway cannot tell the two apart, as it cannot for one tenant.
+Not covered: a coalition of half the active tenants or more (two attackers beside one other tenant, three beside
+one or two), or of more than CONTEST_MAX; members with fewer than `contest_min` outcomes each, whose failures count
+(it takes many such tenants to move a rate, and then they are more than CONTEST_MAX); members outranked by more than
+2 × bound tenants that fail more often by count (only those are tried); a coalition that fails no more than twice
+the others' rate (then the others are failing too). A fault that hits only a few tenants' requests (their prompts,
+their model) is left out as a coalition would be: the gateway cannot tell the two apart, as it cannot for one tenant.
 
 `TenantCounts` keeps the counts as outcomes enter and leave the caller's window, O(1) each (every request adds one);
 a decision (who is left out) costs one pass over the tenants in the window and O(CONTEST_MAX²) stand-out tests.
