@@ -7,7 +7,9 @@ once, and other processes' deletions arrive through the store's change log, whic
 applies at least every `sync_interval_s`; the cache consults this map only while that sync is recent, so an
 entry deleted elsewhere is served from here for at most that long. The LRU marks of entries served from
 memory are kept here and written to the store at the next sync. Bounded: the least recently used entry goes
-when `limit` is reached.
+when `limit` is reached, and a tenant's own least recently used one when it holds `per_tenant`: one tenant's
+flood of new answers pushes out its own entries, not every other tenant's (whose exact hits would then each pay
+a worker thread and a store round trip).
 """
 
 from __future__ import annotations
@@ -23,9 +25,13 @@ class RecentEntries:
     """A bounded LRU of entries by (scope id, exact key), and their pending LRU marks. Thread-safe; each call
     holds a lock for microseconds (except `drop_where`, linear in the map, run on rare admin changes)."""
 
-    def __init__(self, limit: int = 10_000) -> None:
+    def __init__(self, limit: int = 10_000, per_tenant: int = 2_500) -> None:
+        if limit < 1 or per_tenant < 1:
+            raise ValueError("limit and per_tenant must be at least 1")
         self.limit = limit
+        self.per_tenant = per_tenant
         self._entries: OrderedDict[tuple[str, str], Entry] = OrderedDict()
+        self._of_tenant: dict[str, OrderedDict[tuple[str, str], None]] = {}  # each tenant's keys, least recent first
         self._keys: dict[str, tuple[str, str]] = {}  # entry id -> its key in _entries
         self._used: dict[str, float] = {}  # entry id -> when it was last served from here
         self._lock = threading.Lock()
@@ -45,6 +51,7 @@ class RecentEntries:
                 self._drop_locked(key)
                 return None
             self._entries.move_to_end(key)
+            self._of_tenant[entry.tenant].move_to_end(key)
             self._used[entry.entry_id] = now
             return entry
 
@@ -55,9 +62,16 @@ class RecentEntries:
             if old is not None and old.entry_id != entry.entry_id:
                 self._keys.pop(old.entry_id, None)
                 self._used.pop(old.entry_id, None)
+            if old is not None and old.tenant != entry.tenant:  # a scope is one tenant's: not expected
+                self._drop_locked(key)
             self._entries[key] = entry
             self._entries.move_to_end(key)
             self._keys[entry.entry_id] = key
+            own = self._of_tenant.setdefault(entry.tenant, OrderedDict())
+            own[key] = None
+            own.move_to_end(key)
+            if len(own) > self.per_tenant:
+                self._drop_locked(next(iter(own)))
             while len(self._entries) > self.limit:
                 self._drop_locked(next(iter(self._entries)))
 
@@ -78,6 +92,7 @@ class RecentEntries:
             self._entries.clear()
             self._keys.clear()
             self._used.clear()
+            self._of_tenant.clear()
 
     def take_used(self) -> dict[str, float]:
         """The LRU marks gathered since the last call (entry id -> last use), for the store."""
@@ -89,3 +104,7 @@ class RecentEntries:
         entry = self._entries.pop(key)
         self._keys.pop(entry.entry_id, None)
         self._used.pop(entry.entry_id, None)
+        own = self._of_tenant[entry.tenant]
+        del own[key]
+        if not own:
+            del self._of_tenant[entry.tenant]
