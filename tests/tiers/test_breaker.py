@@ -152,16 +152,21 @@ def test_the_window_forgets_a_tenant_whose_outcomes_aged_out() -> None:
     assert b.state == "open"
 
 
+def two_served_two_failing(b: CircuitBreaker, failures: int) -> None:
+    """Five successes each of tenants v1 and v2, then `failures` each of a1 and a2, taking turns."""
+    for _ in range(5):
+        b.success("v1")
+        b.success("v2")
+    for _ in range(failures):
+        b.failure("answered 500", "a1")
+        b.failure("answered 500", "a2")
+
+
 def test_two_tenants_failing_together_open_it_no_more_than_one_while_the_others_are_served() -> None:
     """Two attackers taking turns make one run of failures of two tenants, and each leaves the other's failures in
     the rate; the replica still serves the two other tenants. A failure of theirs joins the run, and it opens."""
     b, _, changes = breaker(failures_to_open=5, failure_rate_to_open=0.5, min_requests=10)
-    for _ in range(5):
-        b.success("v1")
-        b.success("v2")
-    for _ in range(8):
-        b.failure("answered 500", "a1")
-        b.failure("answered 500", "a2")
+    two_served_two_failing(b, 8)
     assert b.state == "closed" and b.consecutive_failures == 16
     b.failure("timed out", "v1")
     assert b.state == "open" and changes == [("closed", "open")]
@@ -169,12 +174,7 @@ def test_two_tenants_failing_together_open_it_no_more_than_one_while_the_others_
 
 def test_two_tenants_failure_rate_is_their_own_and_a_replica_failing_everyone_opens() -> None:
     b, _, _ = breaker(failures_to_open=50, failure_rate_to_open=0.5, min_requests=10)  # the rate alone decides
-    for _ in range(5):
-        b.success("v1")
-        b.success("v2")
-    for _ in range(12):
-        b.failure("answered 500", "a1")
-        b.failure("answered 500", "a2")
+    two_served_two_failing(b, 12)
     assert b.state == "closed"  # 24 of 34 failed; without a1's, a2's 12 of the 22 left
     everyone, _, _ = breaker(failures_to_open=50, failure_rate_to_open=0.5, min_requests=10)
     for _ in range(8):  # the replica fails everyone's requests alike: nobody's failures are their own

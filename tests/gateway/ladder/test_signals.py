@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
+from typing import Any
 
 from gateway.ladder.signals import WINDOW_S, Signals
 
@@ -98,15 +100,22 @@ def test_one_tenants_queued_flood_is_left_out_of_the_wait_p95() -> None:
     assert signals.read()["queue_wait_p95_s"] == 0.5
 
 
+def two_and_two(record: Callable[[Any, str], None], victims: Any, n_victims: int, attackers_value: Any,
+                n_attackers: int, *, attackers: tuple[str, str] = ("a1", "a2")) -> None:
+    """`n_victims` of `victims` each for tenants v1 and v2, then `n_attackers` of `attackers_value` each for the two
+    attackers, taking turns."""
+    for tenant in ("v1", "v2"):
+        for _ in range(n_victims):
+            record(victims, tenant)
+    for _ in range(n_attackers):
+        for tenant in attackers:
+            record(attackers_value, tenant)
+
+
 def test_two_tenants_5xx_together_are_left_out_while_the_others_are_fine_and_a_fault_for_all_counts() -> None:
     now = [1000.0]
     signals = Signals(clock=lambda: now[0])
-    for tenant in ("v1", "v2"):
-        for _ in range(10):
-            signals.outcome(200, tenant)
-    for _ in range(30):
-        signals.outcome(500, "a1")
-        signals.outcome(500, "a2")
+    two_and_two(signals.outcome, 200, 10, 500, 30)
     assert signals.read()["error_rate"] == 0.0  # without a1's alone, a2's 30 of the 50 left would be 0.6
     for tenant in ("v1", "v2"):
         for _ in range(10):
@@ -117,12 +126,7 @@ def test_two_tenants_5xx_together_are_left_out_while_the_others_are_fine_and_a_f
 def test_two_tenants_queued_floods_are_left_out_of_the_wait_p95() -> None:
     now = [1000.0]
     signals = Signals(clock=lambda: now[0])
-    for tenant in ("v1", "v2"):
-        for _ in range(10):
-            signals.queue_wait(0.01, tenant)
-    for _ in range(200):
-        signals.queue_wait(20.0, "f1")
-        signals.queue_wait(20.0, "f2")
+    two_and_two(signals.queue_wait, 0.01, 10, 20.0, 200, attackers=("f1", "f2"))
     assert signals.read()["queue_wait_p95_s"] == 0.01
     for tenant in ("v1", "v2"):
         for _ in range(30):
