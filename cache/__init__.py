@@ -37,10 +37,11 @@ miss, never as a failed request. Misses and bypasses carry a `reason` (e.g. "ref
 Modules, one job each: `scope` (what an answer depends on), `request_key` (exact key, history, last user
 turn, cacheability rules), `guards` (near-miss refusal), `embedder` (MiniLM; `onnx_runtime` runs its forward
 pass on ONNX Runtime where installed), `vectors` (which turns are embedded, a memo) and `batcher` (one forward
-pass for concurrent requests), `index` (faiss partitions), `store` (the store boundary and SQLite entries: TTL,
-LRU bounds overall and per tenant, persistence, a change log), `redis_store` (the same in Redis, shared by
-replicas), `pending` (answers not yet written, served to their own process), `tenant_writes` (the one writer
-thread, taking tenants' writes in turns), `results` (what a lookup answers), `semantic_cache` (the facade).
+pass for concurrent requests), `index` (faiss partitions), `store` (the store boundary), `sqlite_store` (the
+entries in SQLite: TTL, LRU bounds overall and per tenant, persistence, a change log), `redis_store` (the same
+in Redis, shared by replicas), `pending` (answers not yet written, served to their own process),
+`tenant_writes` (the one writer thread, taking tenants' writes in turns), `results` (what a lookup answers),
+`semantic_cache` (the facade).
 
 Several processes may share one store (a SQLite file, or a Redis with `redis_url`): each one's faiss index
 applies the others' writes and deletes (the CLI's too) from the store's change log within `sync_interval_s`
@@ -55,7 +56,8 @@ from cache.request_key import Cacheability, RequestKey, decide, request_key
 from cache.results import Bypass, CacheStats, Hit, LookupResult, Miss, Probe, TenantPolicy
 from cache.scope import CacheScope, identity_snapshot
 from cache.semantic_cache import SemanticCache
-from cache.store import CacheStore, CacheStoreError, Entry, SQLiteStore, open_cache_store
+from cache.sqlite_store import SQLiteStore
+from cache.store import CacheStore, CacheStoreError, Entry, open_cache_store
 
 __all__ = [
     "Bypass", "CacheScope", "CacheStats", "CacheStore", "CacheStoreError", "Cacheability", "Embedder",

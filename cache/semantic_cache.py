@@ -24,7 +24,7 @@ writes queue per tenant for the cache's one writer thread, which takes the tenan
 tenant with `writes_queued_per_tenant` writes queued loses its oldest queued one (`stats.dropped_writes`).
 The writer thread also runs the store's checkpoints (`CacheStore.checkpoint`: SQLite's WAL into its file), after
 its own writes and, for the LRU marks and deletions lookups write, when a lookup finds one due; a lookup never
-runs one itself (SQLite's own, inside whichever commit crossed its threshold, are off: cache/store.py).
+runs one itself (SQLite's own, inside whichever commit crossed its threshold, are off: cache/sqlite_store.py).
 
 Versions: a scope carries the data and model versions, so a bumped version makes older entries unreachable at
 once; `bump_data_version` deletes the tenant's older entries, and `reclaim` (a little on every store) those of a

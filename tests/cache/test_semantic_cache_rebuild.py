@@ -12,7 +12,7 @@ from bench.cache_write_contention import HashEmbedder
 from cache.index import PartitionedIndex
 from cache.results import Miss
 from cache.semantic_cache import SemanticCache
-from cache.store import SQLiteStore
+from cache.sqlite_store import SQLiteStore
 from tests.cache.conftest import chat, scope
 
 WAIT_S = 10.0  # the longest a call may take while a rebuild is held

@@ -15,7 +15,7 @@ from bench.cache_write_contention import HashEmbedder
 from cache.request_key import embedding_text
 from cache.results import Hit, Miss
 from cache.semantic_cache import SemanticCache
-from cache.store import SQLiteStore
+from cache.sqlite_store import SQLiteStore
 from tests.cache.conftest import chat, scope
 
 WAIT_S = 10.0  # the longest a lookup may take while another tenant's writes are held

@@ -6,8 +6,9 @@ from dataclasses import replace
 
 import numpy as np
 
+from cache.sqlite_store import SQLiteStore
 from cache.stale_versions import StaleVersions
-from cache.store import Entry, SQLiteStore
+from cache.store import Entry
 
 
 def _entry(i: int, *, tenant: str = "acme", data: str = "1", model: str = "m", created_at: float = 10.0,

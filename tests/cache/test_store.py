@@ -107,7 +107,7 @@ def test_processes_sharing_a_file_see_each_others_writes_and_deletes(tmp_path: P
 
 
 def test_a_reader_behind_a_trimmed_change_log_is_told_to_reload(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("cache.store.MAX_CHANGES", 10)
+    monkeypatch.setattr("cache.sqlite_store.MAX_CHANGES", 10)
     store = SQLiteStore()
     cursor = store.change_cursor()
     for i in range(1100):  # the log is trimmed every 1,024 writes

@@ -15,7 +15,7 @@ from pathlib import Path
 from bench.cache_write_contention import HashEmbedder
 from cache.results import Hit
 from cache.semantic_cache import SemanticCache
-from cache.store import SQLiteStore
+from cache.sqlite_store import SQLiteStore
 from tests.cache.conftest import chat, scope
 
 PAGE = 4096 + 24  # a WAL frame: a page and its header
