@@ -1,0 +1,295 @@
+"""Two trees' gateways side by side, in process, at the same time on one CPU: CPU per request of a change.
+
+    .venv/bin/python -m bench.gateway_inproc --ref d262770                     # paths a and b, c=16, 2 pairs
+    .venv/bin/python -m bench.gateway_inproc --ref HEAD~1 --paths a --concurrency 1 --pairs 3
+
+On a machine where other work runs, `bench.gateway`'s cells move by 10-30% between runs with nothing changed, so a
+change worth a few per cent of the gateway's CPU does not show through it. Here each tree's app (`create_app`, the
+embedded stores, every tier pointed at one mock upstream, quotas, cache and ledger on, as `bench.gateway` runs it)
+is driven over ASGI by a client in its own process (no uvicorn, no sockets on the client side: what is timed is the
+app, the pipeline and the tier client), and both processes run at once, pinned to the same CPU, each timing its
+own CPU (all its threads: the ledger writer's too) per request, round by round, the two starting each round
+together. Whatever else the machine runs falls on both alike: two copies of one tree measured so agree within 2%
+round by round (their rates move together by 2x with the machine's load), where alternating runs did not.
+
+Paths as `bench.gateway`'s: (a) temperature unset, a new prompt per request (the cache is bypassed, the mock
+answers 8 tokens, streamed to the gateway as every tier call is); (b) one deterministic request, repeated (an
+exact cache hit after the first). `--ref` is extracted with `git archive` into a temporary directory (no worktree).
+The report gives each round's CPU µs per request for both, the medians and their ratio (ref over this tree: above
+1 means this tree spends less).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+FIXED = "Give one practical tip about writing clear commit messages in a short sentence."
+TIERS = ("small", "mid", "full")
+PRICES = {"small": ("0.00005", "0.0001", "0.02"), "mid": ("0.0001", "0.0002", "0.04"),
+          "full": ("0.0003", "0.0006", "0.08")}
+TIER = """  {name}:
+    backend: openai
+    model: mock
+    urls: ["{url}"]
+    max_concurrency: 256
+    price_per_1k_input: "{pin}"
+    price_per_1k_output: "{pout}"
+    hardware_cost_per_hour: "{hw}"
+    context_limit: 8192
+"""
+PLANS = """default_plan: bench
+plans:
+  bench:
+    priority: standard
+    allowed_tiers: [small, mid, full]
+    default_tier: mid
+    allow_upgrade: true
+    max_queue_wait_s: 10
+    shed_to_cheaper: true
+    limits: {rpm: 100000000, tpm: 100000000000, max_concurrent: 100000, budget_day_usd: "100000000",
+             budget_month_usd: "1000000000"}
+"""
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ref", default=None, help="the other tree: a commit of this repository [HEAD]")
+    p.add_argument("--other", type=Path, default=None, help="the other tree: a directory (instead of --ref)")
+    p.add_argument("--paths", default="ab", help="which paths, of a and b [ab]")
+    p.add_argument("--concurrency", type=int, default=16, help="requests in flight [16]")
+    p.add_argument("--requests", type=int, default=2000, help="requests per round [2000]")
+    p.add_argument("--rounds", type=int, default=4, help="rounds per path in one pair of processes [4]")
+    p.add_argument("--pairs", type=int, default=2, help="pairs of processes, one after another [2]")
+    p.add_argument("--tokens", type=int, default=8, help="tokens per answer [8]")
+    p.add_argument("--child", nargs=2, metavar=("MOCK_URL", "CPU"), help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+# ---- the child: one tree's app, driven over ASGI -------------------------------------------------------------
+
+
+def child(args: argparse.Namespace) -> None:
+    """Runs with the tree under test as its working directory (its `gateway` is the one imported)."""
+    mock_url, cpu = args.child
+    os.sched_setaffinity(0, {int(cpu)})
+    work = Path(tempfile.mkdtemp(prefix="tiergate-inproc-"))
+    tiers, plans = work / "tiers.yaml", work / "plans.yaml"
+    tiers.write_text("tiers:\n" + "".join(TIER.format(name=t, url=mock_url, pin=PRICES[t][0], pout=PRICES[t][1],
+                                                      hw=PRICES[t][2]) for t in TIERS))
+    plans.write_text(PLANS)
+    os.environ.setdefault("TIERGATE_BUILD_MISSING_MODELS", "0")
+    os.environ.setdefault("TIERGATE_MODELS_DIR", str(Path.home() / ".local" / "share" / "tiergate" / "models"))
+    os.environ |= {"TIERGATE_DATA_DIR": str(work / "data"), "TIERGATE_TIERS_FILE": str(tiers),
+                   "TIERGATE_PLANS_FILE": str(plans)}
+    import logging
+
+    logging.basicConfig(level=logging.WARNING)
+    from gateway.app import create_app, load_config
+    from gateway.bootstrap import ensure_bootstrap
+    from gateway.settings import Settings
+    from gateway.stores import open_tenant_store
+
+    settings = Settings()
+    store = open_tenant_store(settings)
+    ensure_bootstrap(store, load_config(settings)[1], settings.data_dir)
+    store.create_tenant("bench", "bench")
+    _, key = store.issue_key("bench", name="bench")
+    store.close()
+    app = create_app(settings)
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    asyncio.run(_drive(app, key, args))
+
+
+async def _drive(app: Any, key: str, args: argparse.Namespace) -> None:
+    startup: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+    replies: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+    await startup.put({"type": "lifespan.startup"})
+    lifespan = asyncio.create_task(app({"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}},
+                                       startup.get, replies.put))
+    started = await replies.get()
+    if started["type"] != "lifespan.startup.complete":
+        raise SystemExit(f"the app did not start: {started}")
+    nonce = itertools.count(int(time.time()) % 100_000 * 100_000)
+    statuses: dict[int, int] = {}
+
+    def body(path: str) -> bytes:
+        if path == "a":
+            question = f"Give one practical tip about {next(nonce)} in a short sentence."
+            return json.dumps({"model": "auto", "max_tokens": args.tokens,
+                               "messages": [{"role": "user", "content": question}]}).encode()
+        return json.dumps({"model": "auto", "max_tokens": args.tokens, "temperature": 0,
+                           "messages": [{"role": "user", "content": FIXED}]}).encode()
+
+    async def one(path: str) -> None:
+        data = body(path)
+        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+                 "method": "POST", "scheme": "http", "path": "/v1/chat/completions",
+                 "raw_path": b"/v1/chat/completions", "query_string": b"", "root_path": "",
+                 "headers": [(b"host", b"127.0.0.1:8080"), (b"authorization", f"Bearer {key}".encode()),
+                             (b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())],
+                 "client": ("127.0.0.1", 50000), "server": ("127.0.0.1", 8080), "state": {}}
+        answered = asyncio.Event()
+        sent = False
+        status = 0
+
+        async def receive() -> dict[str, Any]:
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": data, "more_body": False}
+            await answered.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict[str, Any]) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+
+        await app(scope, receive, send)
+        answered.set()
+        statuses[status] = statuses.get(status, 0) + 1
+
+    async def run(path: str, count: int) -> None:
+        left = iter(range(count))
+
+        async def client() -> None:
+            for _ in left:
+                await one(path)
+
+        await asyncio.gather(*(client() for _ in range(args.concurrency)))
+
+    for path in args.paths:
+        await run(path, 500)  # warm-up (and path b's first answer, kept by the cache)
+    print(json.dumps({"ready": True}), flush=True)
+    loop = asyncio.get_running_loop()
+    for path in args.paths:
+        for _ in range(args.rounds):
+            await loop.run_in_executor(None, sys.stdin.readline)  # the parent starts both processes' rounds together
+            statuses.clear()
+            cpu0, t0 = time.process_time(), time.perf_counter()
+            await run(path, args.requests)
+            cpu_us = (time.process_time() - cpu0) * 1e6 / args.requests
+            print(json.dumps({"path": path, "cpu_us": round(cpu_us, 1),
+                              "rps": round(args.requests / (time.perf_counter() - t0)), "statuses": statuses}),
+                  flush=True)
+    await startup.put({"type": "lifespan.shutdown"})
+    await replies.get()
+    await lifespan
+
+
+# ---- the parent: two children at once, rounds started together ---------------------------------------------------
+
+
+def spawn_child(tree: Path, mock_url: str, cpu: int, args: argparse.Namespace, log: Path) -> subprocess.Popen[str]:
+    argv = ["--child", mock_url, str(cpu), "--paths", args.paths, "--concurrency", str(args.concurrency),
+            "--requests", str(args.requests), "--rounds", str(args.rounds), "--tokens", str(args.tokens)]
+    # run from `tree` (its packages imported, `-c` puts the working directory first on sys.path), with this file's
+    # child code, which the other tree may not have
+    code = (f"import runpy, sys; sys.argv = ['gateway_inproc', *{argv!r}]; "
+            f"runpy.run_path({str(Path(__file__))!r}, run_name='__main__')")
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)
+    with log.open("w") as err:
+        proc = subprocess.Popen([sys.executable, "-c", code], cwd=tree, env=env, stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=err, text=True)
+    proc.log = log  # type: ignore[attr-defined]
+    return proc
+
+
+def read_json(proc: subprocess.Popen[str]) -> dict[str, Any]:
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith("{"):
+            return json.loads(line)
+    tail = proc.log.read_text(errors="replace")[-3000:]  # type: ignore[attr-defined]
+    raise SystemExit(f"a child process ended early (exit {proc.wait()}):\n{tail}")
+
+
+def extract(ref: str, parent: Path) -> tuple[Path, str]:
+    commit = subprocess.run(["git", "rev-parse", "--short", f"{ref}^{{commit}}"], cwd=REPO, capture_output=True,
+                            text=True, check=True).stdout.strip()
+    tree = parent / f"ref-{commit}"
+    tree.mkdir()
+    archive = subprocess.run(["git", "archive", commit], cwd=REPO, capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+    return tree, commit
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.child:
+        child(args)
+        return
+    from bench.gateway_report import machine_info
+    from bench.gateway_targets import head_label, start_mock
+
+    cpus = sorted(os.sched_getaffinity(0))
+    load, gw = cpus[0], cpus[-1]
+    os.sched_setaffinity(0, {load})
+    info = machine_info([load], [gw])
+    with tempfile.TemporaryDirectory(prefix="tiergate-inproc-") as tmp:
+        if args.other is not None:
+            other, other_label = args.other.resolve(), str(args.other)
+        else:
+            other, other_label = extract(args.ref or "HEAD", Path(tmp))
+        mine = head_label() or REPO.name
+        mock = start_mock(Path(tmp), args.tokens)
+        results: dict[str, dict[str, list[float]]] = {p: {"this": [], "other": []} for p in args.paths}
+        try:
+            for pair in range(args.pairs):
+                procs = {"this": spawn_child(REPO, mock.url, gw, args, Path(tmp) / f"this-{pair}.log"),
+                         "other": spawn_child(other, mock.url, gw, args, Path(tmp) / f"other-{pair}.log")}
+                try:
+                    for proc in procs.values():
+                        read_json(proc)  # ready
+                    for path in args.paths:
+                        for _ in range(args.rounds):
+                            for proc in procs.values():
+                                assert proc.stdin is not None
+                                proc.stdin.write("go\n")
+                                proc.stdin.flush()
+                            got = {name: read_json(proc) for name, proc in procs.items()}
+                            for name, row in got.items():
+                                bad = {s: n for s, n in row["statuses"].items() if s != "200"}
+                                if bad:
+                                    raise SystemExit(f"{name} answered {bad} (path {path})")
+                                results[path][name].append(row["cpu_us"])
+                            print(f"pair {pair + 1} path {path}: this {got['this']['cpu_us']:.0f} µs "
+                                  f"({got['this']['rps']} req/s), other {got['other']['cpu_us']:.0f} µs "
+                                  f"({got['other']['rps']} req/s)", file=sys.stderr, flush=True)
+                finally:
+                    for proc in procs.values():
+                        proc.wait(timeout=120)
+        finally:
+            mock.stop()
+    print(f"`python -m bench.gateway_inproc {' '.join(sys.argv[1:] if argv is None else argv)}` — {info['date']}; "
+          f"CPU: {info['cpu']}, both on CPU {gw}, the mock on CPU {load}; load average {info['loadavg_at_start']} at "
+          f"the start, {round(os.getloadavg()[0], 2)} at the end\n")
+    print(f"| path | c | {mine}: CPU µs/request, each round | {other_label}: each round | medians | "
+          f"{other_label} over {mine} |\n|---|---|---|---|---|---|")
+    for path in args.paths:
+        this, ref = results[path]["this"], results[path]["other"]
+        a, b = statistics.median(this), statistics.median(ref)
+        print(f"| ({path}) | {args.concurrency} | {', '.join(f'{x:.0f}' for x in this)} | "
+              f"{', '.join(f'{x:.0f}' for x in ref)} | {a:.0f} / {b:.0f} | {b / a:.3f}x |")
+
+
+if __name__ == "__main__":
+    main()
