@@ -103,12 +103,13 @@ __all__ = ["SEMANTIC_MAX_CHARS", "Bypass", "CacheStats", "Hit", "LookupResult", 
 class _Plan:
     """A cacheable request's lookup, between its steps."""
 
-    __slots__ = ("key", "now", "partition", "policy", "scope")
+    __slots__ = ("key", "now", "partition", "policy", "scope", "scope_id")
 
     def __init__(self, scope: CacheScope, policy: TenantPolicy, request: Mapping[str, Any], now: float):
         self.scope, self.policy, self.now = scope, policy, now
+        self.scope_id = scope.scope_id  # a hash of the scope's fields: computed once for the lookup's steps
         self.key = request_key(request)
-        self.partition = f"{scope.scope_id}:{self.key.history_hash}"
+        self.partition = f"{self.scope_id}:{self.key.history_hash}"
 
     def probe(self, vector: np.ndarray | None = None) -> Probe:
         return Probe(self.key, self.partition, vector)
@@ -170,6 +171,17 @@ class SemanticCache:
 
     # -- lookup ---------------------------------------------------------------------------------------
 
+    def bypass(self, request: Mapping[str, Any], *, headers: Mapping[str, str] | None = None,
+               policy: TenantPolicy | None = None) -> Bypass | None:
+        """Why `request` may not be looked up at all (the tenant's policy, `request_key.decide`), counted as a
+        bypass; None when it may. What `lookup` answers such a request, known before any scope or key: a caller
+        asks it first to skip building the scope of a request that bypasses (then `lookup(..., admitted=True)`)."""
+        policy = policy or self.default_policy
+        if not policy.enabled:
+            return self._bypass("bypass: tenant opted out")
+        decision = decide(request, headers, pure_tools=policy.pure_tools)
+        return None if decision.lookup else self._bypass(decision.reason)
+
     def lookup(self, scope: CacheScope, request: Mapping[str, Any], *, headers: Mapping[str, str] | None = None,
                policy: TenantPolicy | None = None) -> LookupResult:
         """A cached answer for `request` in `scope`, or why there is none."""
@@ -182,13 +194,15 @@ class SemanticCache:
         return self._semantic(plan, self.vectors.get(plan.key.embedding_text, owner=plan.scope.tenant))
 
     async def alookup(self, scope: CacheScope, request: Mapping[str, Any], *,
-                      headers: Mapping[str, str] | None = None, policy: TenantPolicy | None = None) -> LookupResult:
+                      headers: Mapping[str, str] | None = None, policy: TenantPolicy | None = None,
+                      admitted: bool = False) -> LookupResult:
         """`lookup` for the event loop: the embedding is batched with other requests', blocking I/O and the
-        faiss search run in worker threads, and an answer this process is still writing is served at once."""
+        faiss search run in worker threads, and an answer this process is still writing is served at once.
+        `admitted`: the caller asked `bypass` of this request, policy and headers, and was told None."""
         if conversation_chars(request) <= KEYS_ON_LOOP_MAX_CHARS:
-            plan = self._begin(scope, request, headers, policy)
+            plan = self._begin(scope, request, headers, policy, admitted)
         else:
-            plan = await self._threads(scope.tenant, self._begin, scope, request, headers, policy)
+            plan = await self._threads(scope.tenant, self._begin, scope, request, headers, policy, admitted)
         if not isinstance(plan, _Plan):
             return plan
         with self.batcher.announce() as coming:  # lookups arriving together embed together
@@ -199,18 +213,15 @@ class SemanticCache:
         return await self._threads(scope.tenant, self._semantic, plan, vector)
 
     def _begin(self, scope: CacheScope, request: Mapping[str, Any], headers: Mapping[str, str] | None,
-               policy: TenantPolicy | None) -> LookupResult | _Plan:
-        """Policy, cacheability, keys, and the answers this process has not finished writing. No I/O."""
-        policy = policy or self.default_policy
-        if not policy.enabled:
-            return self._bypass("bypass: tenant opted out")
-        decision = decide(request, headers, pure_tools=policy.pure_tools)
-        if not decision.lookup:
-            return self._bypass(decision.reason)
-        plan = _Plan(scope, policy, request, self.clock())
-        entry = self.pending.get(scope.scope_id, plan.key.exact_key)
+               policy: TenantPolicy | None, admitted: bool = False) -> LookupResult | _Plan:
+        """Policy, cacheability (unless `admitted`: see `alookup`), keys, and the answers this process has not
+        finished writing. No I/O."""
+        if not admitted and (refused := self.bypass(request, headers=headers, policy=policy)) is not None:
+            return refused
+        plan = _Plan(scope, policy or self.default_policy, request, self.clock())
+        entry = self.pending.get(plan.scope_id, plan.key.exact_key)
         if entry is None and self.feed.recent():
-            entry = self.recent.get(scope.scope_id, plan.key.exact_key, plan.now)  # deletions elsewhere applied
+            entry = self.recent.get(plan.scope_id, plan.key.exact_key, plan.now)  # deletions elsewhere applied
         if entry is not None and (entry.expires_at is None or entry.expires_at > plan.now):
             self.stats.exact_hits += 1
             return Hit(entry, "exact", 1.0)
@@ -221,7 +232,7 @@ class SemanticCache:
         if not self.feed.recent():
             self.sync()  # writes the LRU marks of hits served from memory
             self._checkpoint_soon()
-        entry = self.entries.find_exact(plan.scope.scope_id, plan.key.exact_key)
+        entry = self.entries.find_exact(plan.scope_id, plan.key.exact_key)
         if entry is not None and self._alive(entry, plan.now):
             self.entries.touch(entry.entry_id, plan.now)
             self._checkpoint_soon()
@@ -290,7 +301,7 @@ class SemanticCache:
             return candidates[0], ""
         return first_accepted(self.meaning, guards.comparable(plan.key.last_user_text),
                               [(guards.comparable(c[0].semantic_text), c) for c in candidates],
-                              scope=plan.scope.scope_id, owner=plan.scope.tenant, refused=self.stats.refused)
+                              scope=plan.scope_id, owner=plan.scope.tenant, refused=self.stats.refused)
 
     def label(self, result: LookupResult, policy: TenantPolicy, fresh: str) -> bool | None:
         """Teach the tenant's bound whether the candidate the lookup found was right, by the tier's fresh answer
@@ -315,9 +326,10 @@ class SemanticCache:
         key = probe.key if probe is not None else request_key(request)
         now = self.clock()
         ttl = ttl_s if ttl_s is not None else policy.ttl_s
-        entry = Entry(entry_id=uuid.uuid4().hex, scope_id=scope.scope_id, tenant=scope.tenant,
+        scope_id = scope.scope_id
+        entry = Entry(entry_id=uuid.uuid4().hex, scope_id=scope_id, tenant=scope.tenant,
                       data_version=str(scope.data_version), model_version=scope.model_version,
-                      exact_key=key.exact_key, partition=f"{scope.scope_id}:{key.history_hash}",
+                      exact_key=key.exact_key, partition=f"{scope_id}:{key.history_hash}",
                       semantic_text=key.last_user_text, response=response, usage=dict(usage or {}),
                       metadata=dict(metadata or {}), created_at=now, expires_at=None if ttl is None else now + ttl,
                       last_used=now, embedding=probe.vector if probe is not None else None)

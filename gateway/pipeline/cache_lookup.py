@@ -104,7 +104,7 @@ def check_data_version(headers: Mapping[str, str]) -> None:
 @dataclass(frozen=True)
 class CacheLookup:
     result: LookupResult  # Hit | Miss | Bypass
-    scope: CacheScope | None  # None: nothing may be stored (the cache is off)
+    scope: CacheScope | None  # None: nothing may be stored (the cache is off, or the request bypasses it)
     policy: TenantPolicy | None
     body: Mapping[str, Any]  # the request as the cache keyed it
     headers: Mapping[str, str]
@@ -142,12 +142,16 @@ class CacheStage:
             return CacheLookup(Bypass("bypass: the cache is off"), None, None, body, ctx.headers, ())
         policy, applied = self._policy(ctx, degr)
         accepted_by = _cascaded(ctx, req)
+        if (bypass := self.cache.bypass(body, headers=ctx.headers, policy=policy)) is not None:
+            # no scope for a request that may not use the cache (temperature unset: the common case): nothing of it
+            # is looked up or kept, and its scope cost hashes of the request and the tier
+            return CacheLookup(bypass, None, policy, body, ctx.headers, applied, req.output_cap, accepted_by)
         scope = self._scope(ctx, req, tier, body)
         if accepted_by is not None:  # apart from the tier's answers that no check accepted
             scope = with_artifact(replace(scope, context_hash=f"{scope.context_hash}|accepted_by={accepted_by}"),
                                   artifact)
         try:
-            result = await self.cache.alookup(scope, body, headers=ctx.headers, policy=policy)
+            result = await self.cache.alookup(scope, body, headers=ctx.headers, policy=policy, admitted=True)
         except (CacheStoreError, EmbedderError) as exc:
             log.warning("cache lookup failed, served as a miss: %s", exc)
             result = Miss(f"cache unavailable: {exc}")
