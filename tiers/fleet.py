@@ -28,6 +28,7 @@ import hashlib
 import logging
 import os
 from collections.abc import Callable, Sequence
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -341,11 +342,18 @@ def declared_version(tier: TierSpec) -> str:
     no host or credential in a URL lands in cache records). A model name alone says little of what a remote server
     runs: two tiers naming the same model may serve it from other weights or precisions, and must not share a
     cache scope."""
-    declared = f"{tier.backend}:{tier.model}:{tier.quantize or 'none'}:{tier.dtype}"
-    if tier.backend != "openai":
+    return _declared_version(tier.backend, tier.model, tier.quantize, tier.dtype, tier.name, tuple(tier.urls))
+
+
+@lru_cache(maxsize=1024)
+def _declared_version(backend: str, model: str, quantize: str | None, dtype: str, name: str,
+                      urls: tuple[str, ...]) -> str:
+    """`declared_version` from the fields it reads (a cache scope reads it every request: ~3 us, now a lookup)."""
+    declared = f"{backend}:{model}:{quantize or 'none'}:{dtype}"
+    if backend != "openai":
         return declared
-    urls = "\n".join(sorted({url.rstrip("/") for url in tier.urls}))
-    return f"{declared}:{tier.name}:{hashlib.sha256(urls.encode()).hexdigest()[:12]}"
+    joined = "\n".join(sorted({url.rstrip("/") for url in urls}))
+    return f"{declared}:{name}:{hashlib.sha256(joined.encode()).hexdigest()[:12]}"
 
 
 def public_reason(rep: Replica) -> str:

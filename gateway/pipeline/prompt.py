@@ -65,6 +65,7 @@ class PromptStage:
         # where long prompts are counted, tenants in turn: not asyncio's default threads, which every tenant's cache
         # lookups use (a temperature-0 request waited seconds behind another tenant's long prompts there)
         self.threads = FairThreads(COUNTING_THREADS, "tiergate-count")
+        self._counters: dict[str, TokenCounter] = {}  # tokenizer source -> its counter, once loaded
 
     async def measure(self, req: ChatCompletionRequest, tier: TierSpec, degr: Degradation, *,
                       owner: Hashable = None) -> Prompt:
@@ -112,12 +113,17 @@ class PromptStage:
 
     def _counter(self, tier: TierSpec) -> TokenCounter:
         source = tokenizer_source(tier)
+        counter = self._counters.get(source)  # (the model's path resolved and hashed cost ~3 us a request)
+        if counter is not None:
+            return counter
         try:
-            return token_counter(resolve_model(source, self.models_dir))
+            counter = token_counter(resolve_model(source, self.models_dir))
         except (OSError, ValueError) as exc:
             raise Unavailable(
                 f"the tokenizer of tier {tier.name!r} ({source}) is not prepared: {exc}; run "
                 f"`tiergate models fetch --model {source}`", code="tokenizer_unavailable", retry_after=30) from exc
+        self._counters[source] = counter  # only a loaded one: a tokenizer not prepared yet is looked for again
+        return counter
 
 
 def _count_bounded(counter: TokenCounter, originals: list[ChatMessage], messages: list[dict[str, Any]],
