@@ -39,15 +39,18 @@ async def answer(request: Request[Any, Any, Any], framing: Framing) -> Response[
     # and one dependency with its own ~4% (the route's `security` documents the key in the OpenAPI schema)
     services: Services = request.app.state.services
     principal = await tenant_principal_async(request, services.store)  # a key id not cached: off the loop
-    ctx = RequestContext(request.state.request_id, principal,
+    # the request's state as the middleware wrote it (gateway/middleware.py): `request.state` builds a new State
+    # (with its own lock) at every read, ~2 us each
+    state = request.scope["state"]
+    ctx = RequestContext(state["request_id"], principal,
                          services.plans.plans[principal.tenant.plan],  # type: ignore[union-attr]
-                         {k.lower(): v for k, v in request.headers.items()}, time.time(), request.state.t0)
+                         {k.lower(): v for k, v in request.headers.items()}, time.time(), state["t0"])
     events = while_key_active(services.pipeline.handle(ctx, await request.body(), framing.parse), services.store,
                               presented_key(request) or "")  # a key revoked mid-answer ends it
     watch = ClientWatch(request)
     try:
         head = await watch.run(anext(events))
-        request.state.tier = head.model
+        state["tier"] = head.model
         if head.stream:
             return Stream(framing.stream(head, events), media_type="text/event-stream",
                           headers={**head.headers, "cache-control": "no-cache"})
