@@ -143,11 +143,17 @@ class RequestKey:
         return embedding_text(self.last_user_text)
 
 
-def request_key(request: Mapping[str, Any]) -> RequestKey:
-    """The exact key, the history hash and the last user turn's compared text of a chat request."""
+def exact_key(request: Mapping[str, Any]) -> str:
+    """The exact key alone (`request_key`'s first field): all an exact hit in this process's memory needs."""
+    return _digest([KEY_VERSION, [_turn(m) for m in _messages(request)]])[:32]
+
+
+def request_key(request: Mapping[str, Any], exact: str | None = None) -> RequestKey:
+    """The exact key, the history hash and the last user turn's compared text of a chat request. `exact`: the
+    request's `exact_key`, where the caller has it already."""
     messages = _messages(request)
     turns = [_turn(m) for m in messages]
-    exact = _digest([KEY_VERSION, turns])[:32]
+    exact = _digest([KEY_VERSION, turns])[:32] if exact is None else exact
     last_user = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=None)
     if last_user is None or not (text := compared_text(request, messages[last_user])):
         # nothing compared by meaning: the history is the whole conversation

@@ -65,7 +65,7 @@ from cache.meaning_check import MeaningCheck
 from cache.meaning_gate import MEANING_CHECKED, MEANING_DIFFERS, first_accepted
 from cache.pending import PendingWrites
 from cache.recent import RecentEntries
-from cache.request_key import conversation_chars, decide, embedding_text, request_key
+from cache.request_key import RequestKey, conversation_chars, decide, embedding_text, exact_key, request_key
 from cache.results import Bypass, CacheStats, Hit, LookupResult, Miss, Near, Probe, TenantPolicy
 from cache.scope import CacheScope
 from cache.stale_versions import StaleVersions
@@ -103,13 +103,25 @@ __all__ = ["SEMANTIC_MAX_CHARS", "Bypass", "CacheStats", "Hit", "LookupResult", 
 class _Plan:
     """A cacheable request's lookup, between its steps."""
 
-    __slots__ = ("key", "now", "partition", "policy", "scope", "scope_id")
+    __slots__ = ("_key", "exact_key", "now", "policy", "request", "scope", "scope_id")
 
     def __init__(self, scope: CacheScope, policy: TenantPolicy, request: Mapping[str, Any], now: float):
-        self.scope, self.policy, self.now = scope, policy, now
+        self.scope, self.policy, self.request, self.now = scope, policy, request, now
         self.scope_id = scope.scope_id  # a hash of the scope's fields: computed once for the lookup's steps
-        self.key = request_key(request)
-        self.partition = f"{self.scope_id}:{self.key.history_hash}"
+        self.exact_key = exact_key(request)
+        self._key: RequestKey | None = None
+
+    @property
+    def key(self) -> RequestKey:
+        """Every key of the request, its history hash too: hashed on first use, past the exact layer (an exact hit
+        in this process's memory, the fast path, needs the exact key alone)."""
+        if self._key is None:
+            self._key = request_key(self.request, self.exact_key)
+        return self._key
+
+    @property
+    def partition(self) -> str:
+        return f"{self.scope_id}:{self.key.history_hash}"
 
     def probe(self, vector: np.ndarray | None = None) -> Probe:
         return Probe(self.key, self.partition, vector)
@@ -219,9 +231,9 @@ class SemanticCache:
         if not admitted and (refused := self.bypass(request, headers=headers, policy=policy)) is not None:
             return refused
         plan = _Plan(scope, policy or self.default_policy, request, self.clock())
-        entry = self.pending.get(plan.scope_id, plan.key.exact_key)
+        entry = self.pending.get(plan.scope_id, plan.exact_key)
         if entry is None and self.feed.recent():
-            entry = self.recent.get(plan.scope_id, plan.key.exact_key, plan.now)  # deletions elsewhere applied
+            entry = self.recent.get(plan.scope_id, plan.exact_key, plan.now)  # deletions elsewhere applied
         if entry is not None and (entry.expires_at is None or entry.expires_at > plan.now):
             self.stats.exact_hits += 1
             return Hit(entry, "exact", 1.0)
@@ -232,7 +244,7 @@ class SemanticCache:
         if not self.feed.recent():
             self.sync()  # writes the LRU marks of hits served from memory
             self._checkpoint_soon()
-        entry = self.entries.find_exact(plan.scope_id, plan.key.exact_key)
+        entry = self.entries.find_exact(plan.scope_id, plan.exact_key)
         if entry is not None and self._alive(entry, plan.now):
             self.entries.touch(entry.entry_id, plan.now)
             self._checkpoint_soon()
