@@ -100,12 +100,34 @@ class QuotaService:
         if reservation.settled:
             return
         reservation.settled = True
+        self._follow_row(reservation, price, row)
+        await self.backend.settle(reservation.request, tokens=tokens, money_pico=to_pico(price))
+        self._settled(reservation)
+
+    @property
+    def settles_at_once(self) -> bool:
+        """The backend settles without suspending (the in-process one): `settle_now` may be called instead."""
+        return self.backend.settles_at_once()
+
+    def settle_now(self, reservation: Reservation, *, tokens: int, price: Decimal,
+                   row: asyncio.Future[None] | None = None) -> None:
+        """`settle` with no await, where `settles_at_once`: the same settlement, once per reservation."""
+        if reservation.settled:
+            return
+        reservation.settled = True
+        self._follow_row(reservation, price, row)
+        self.backend.settle_now(reservation.request, tokens=tokens, money_pico=to_pico(price))
+        self._settled(reservation)
+
+    def _follow_row(self, reservation: Reservation, price: Decimal, row: asyncio.Future[None] | None) -> None:
         req, mark = reservation.request, reservation.decision.fallback
         if row is not None and mark is not None:
             refused = fallback_row(req.request_id, req.tenant, to_pico(price), mark)
             row.add_done_callback(lambda written: self._row_ended(written, refused))
-        await self.backend.settle(reservation.request, tokens=tokens, money_pico=to_pico(price))
+
+    def _settled(self, reservation: Reservation) -> None:
         if self.on_settled is not None:
+            req = reservation.request
             self.on_settled(req.tenant, tuple(s.scope for s in req.scopes))
 
     def _row_ended(self, written: asyncio.Future[None], row: FallbackRow) -> None:

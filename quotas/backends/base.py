@@ -42,6 +42,15 @@ class QuotaBackend(ABC):
     async def reserve(self, req: ReservationRequest) -> Decision:
         """Check every scope's limits and, if all pass, charge them all."""
 
+    def settles_at_once(self) -> bool:
+        """Whether `settle_now` does what `settle` does without ever suspending (an in-process store): a caller may
+        then settle where it stands, with no task of its own."""
+        return False
+
+    def settle_now(self, req: ReservationRequest, *, tokens: int, money_pico: int) -> None:
+        """`settle` without an await, where `settles_at_once` says so."""
+        raise NotImplementedError(f"{type(self).__name__} settles only with `await settle`")
+
     @abstractmethod
     async def settle(self, req: ReservationRequest, *, tokens: int, money_pico: int) -> None:
         """Replace the reservation's tokens and money by what was really used; free its concurrency slot.

@@ -134,6 +134,9 @@ class MemoryBackend(QuotaBackend):
     async def settle(self, req: ReservationRequest, *, tokens: int, money_pico: int) -> None:
         self.settle_now(req, tokens=tokens, money_pico=money_pico)
 
+    def settles_at_once(self) -> bool:
+        return type(self).settle is MemoryBackend.settle  # a subclass's own `settle` may await: it is what runs
+
     def settle_now(self, req: ReservationRequest, *, tokens: int, money_pico: int) -> None:
         req = self._dated(req)  # where nothing is held: billed on the day its reserve dated it
         rid = req.request_id
