@@ -43,6 +43,8 @@ SHORT_TEXT_CHARS = 8192  # counted with `encode` (GIL held, no hand-off); longer
 RECENT_PROMPTS = 256  # short prompts whose counts are remembered, per owner
 RECENT_PIECES = 1024  # pieces of short prompts (between added tokens) whose counts are remembered, per owner
 RECENT_CHARS = 1 << 18  # and the characters of each memo's texts, per owner (at most 1 MiB of str: 4 bytes a char)
+REPEATED_PROMPTS = 64  # short prompts sent again whose counts are remembered by their turns (no render), per owner
+REPEATED_CHARS = 1 << 16  # and their rendered characters, per owner
 
 
 class TokenCounter:
@@ -70,6 +72,7 @@ class TokenCounter:
         self.max_token_chars = max(1, max(map(len, self.tokenizer.get_vocab(with_added_tokens=True))))
         self._overhead: dict[str, int] = {}
         self._recent = OwnerMemo(RECENT_PROMPTS, RECENT_CHARS)  # short rendered prompts -> tokens
+        self._repeated = OwnerMemo(REPEATED_PROMPTS, REPEATED_CHARS)  # their turns (`_turns_key`) -> tokens
         self._pieces = OwnerMemo(RECENT_PIECES, RECENT_CHARS)  # pieces between added tokens -> tokens
         self._cut = _added_token_cut(self.tokenizer)
         self._words = ByteLevelWords.for_tokenizer(self.tokenizer)
@@ -87,7 +90,12 @@ class TokenCounter:
 
     def prompt_tokens(self, messages: Messages, owner: Hashable = None) -> int:
         """Tokens of the rendered prompt. A short one's count, and its pieces', are remembered for `owner` (the
-        tenant that sent it; None: the gateway's own texts) and only ever reused for the same owner."""
+        tenant that sent it; None: the gateway's own texts) and only ever reused for the same owner. A short prompt
+        sent a third time with the same turns is not even rendered again (the template's render, ~11 µs, was most of
+        a repeated prompt's count): the render is a function of the turns alone."""
+        turns = _turns_key(messages)
+        if turns is not None and (counted := self._repeated.get(owner, turns)) is not None:
+            return counted
         text = self.render(messages)
         if len(text) > SHORT_TEXT_CHARS:
             return self.count(text)
@@ -95,6 +103,8 @@ class TokenCounter:
         if counted is None:  # a repeated prompt (a retry, a shared system prompt and question) is counted once
             counted = self.count(text) if self._cut is None else self._count_pieces(text, owner)
             self._recent.put(owner, text, counted)
+        elif turns is not None:  # sent again: from now on, not rendered either (a new prompt stores nothing more)
+            self._repeated.put(owner, turns, counted, size=len(text))
         return counted
 
     def _count_pieces(self, text: str, owner: Hashable = None) -> int:
@@ -132,6 +142,17 @@ class TokenCounter:
         return self._overhead[role]
 
 
+def _turns_key(messages: Messages) -> tuple[tuple[tuple[str, Any], ...], ...] | None:
+    """The turns as a key: every field of every turn, in order (what the template reads); None when a value cannot
+    be a key (a list), and then the prompt is rendered as before."""
+    try:
+        key = tuple(tuple(m.items()) for m in messages)
+        hash(key)
+    except (TypeError, AttributeError):
+        return None
+    return key
+
+
 def _added_token_cut(tokenizer: Tokenizer) -> re.Pattern[str] | None:
     """A pattern that cuts a text where `tokenizer` does, at its added tokens (leftmost, then longest, as its
     matcher does); None when a piece's count would depend on its neighbours (a normalizer, an added token with
@@ -152,26 +173,29 @@ class OwnerMemo:
     def __init__(self, entries: int, chars: int) -> None:
         self.entries = entries
         self.chars = chars
-        self._shelves: dict[Hashable, tuple[dict[str, int], list[int]]] = {}  # owner -> (text -> count, [chars])
+        # owner -> (text -> (count, its characters), [characters in all])
+        self._shelves: dict[Hashable, tuple[dict[Hashable, tuple[int, int]], list[int]]] = {}
         self._lock = threading.Lock()  # worker threads count too
 
-    def get(self, owner: Hashable, text: str) -> int | None:
+    def get(self, owner: Hashable, text: Hashable) -> int | None:
         shelf = self._shelves.get(owner)
-        return None if shelf is None else shelf[0].get(text)
+        found = None if shelf is None else shelf[0].get(text)
+        return None if found is None else found[0]
 
-    def put(self, owner: Hashable, text: str, count: int) -> None:
-        if len(text) > self.chars:
+    def put(self, owner: Hashable, text: Hashable, count: int, size: int | None = None) -> None:
+        """`size`: the characters `text` stands for, where it is not a str (its length)."""
+        chars = len(text) if size is None else size  # type: ignore[arg-type]
+        if chars > self.chars:
             return
         with self._lock:
-            memo, size = self._shelves.setdefault(owner, ({}, [0]))
+            memo, total = self._shelves.setdefault(owner, ({}, [0]))
             if text in memo:
                 return
-            memo[text] = count
-            size[0] += len(text)
-            while len(memo) > self.entries or size[0] > self.chars:
+            memo[text] = (count, chars)
+            total[0] += chars
+            while len(memo) > self.entries or total[0] > self.chars:
                 oldest = next(iter(memo))
-                del memo[oldest]
-                size[0] -= len(oldest)
+                total[0] -= memo.pop(oldest)[1]
 
     def texts(self, owner: Hashable) -> list[str]:
         """What is remembered for `owner`, oldest first (for tests)."""
