@@ -18,13 +18,9 @@ worker thread; the embedding goes through `EmbeddingBatcher`, one forward pass f
 store in flight. A missed lookup hands its keys and vector to the store of the answer (`Miss.probe`), so a miss
 is embedded once, not twice. Storing has two steps: `remember` (synchronous, microseconds) makes the answer an
 exact hit for this process at once, so a repeat sent right after the answer is served from it; `apersist`
-(in the background) embeds it and writes it to the store and the index, after which every replica sees it. The
-writes queue per tenant for the cache's one writer thread, which takes the tenants in turns
-(cache/tenant_writes.py): another tenant's flood delays a write by one of its writes, not by all of them; a
-tenant with `writes_queued_per_tenant` writes queued loses its oldest queued one (`stats.dropped_writes`).
-The writer thread also runs the store's checkpoints (`CacheStore.checkpoint`: SQLite's WAL into its file), after
-its own writes and, for the LRU marks and deletions lookups write, when a lookup finds one due; a lookup never
-runs one itself (SQLite's own, inside whichever commit crossed its threshold, are off: cache/sqlite_store.py).
+(in the background) embeds it and writes it to the store and the index, after which every replica sees it.
+Writes, deletions, the store's checkpoints and other processes' changes are cache/entry_writes.py's (`EntryWriter`:
+one writer thread, tenants in turns, a tenant's oldest queued write dropped past `writes_queued_per_tenant`).
 
 Versions: a scope carries the data and model versions, so a bumped version makes older entries unreachable at
 once; `bump_data_version` deletes the tenant's older entries, and `reclaim` (a little on every store) those of a
@@ -35,20 +31,18 @@ tools; all calls are thread-safe.
 Locks: one tenant's writes must never stall another tenant's lookups. A lookup's faiss search takes no lock
 of this class, only its own partition's, briefly; a partition's rebuild (a quarter of it dead, or the switch
 to HNSW; seconds at 25k entries) runs in the index's builder thread with no lock a search takes
-(cache/index.py), so no write holds any lock through a rebuild. `self._lock` orders a write's store put,
+(cache/index.py), so no write holds any lock through a rebuild. `EntryWriter.lock` orders a write's store put,
 index update and pending-entry bookkeeping against purges and version bumps (a lookup takes it only to delete
-an expired entry or apply the change log, short writes like any other). The search needs no part of it: the
+an expired entry, a short write like any other). The search needs no part of it: the
 store is the truth and the index only proposes candidates; a candidate the store no longer has is skipped, an
 entry removed from the index is never proposed once `remove` returns, and one added is proposed once `add`
-returns, which is before `_write` returns (read your own writes).
+returns, which is before `EntryWriter.write` returns (read your own writes).
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import random
-import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Hashable, Mapping
@@ -57,8 +51,9 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 
 from cache import guards
-from cache.change_feed import Change, ChangeFeed
+from cache.change_feed import ChangeFeed
 from cache.embedder import Embedder
+from cache.entry_writes import EntryWriter
 from cache.error_bound import TenantBounds
 from cache.index import PartitionedIndex
 from cache.meaning_check import MeaningCheck
@@ -69,8 +64,7 @@ from cache.request_key import RequestKey, conversation_chars, decide, embedding_
 from cache.results import Bypass, CacheStats, Hit, LookupResult, Miss, Near, Probe, TenantPolicy
 from cache.scope import CacheScope
 from cache.stale_versions import StaleVersions
-from cache.store import CacheStore, CacheStoreError, Entry
-from cache.tenant_writes import TenantWriteQueue
+from cache.store import CacheStore, Entry
 from cache.vectors import SEMANTIC_MAX_CHARS, TurnVectors
 
 # Characters of conversation above which computing a request's keys (hashing every turn) leaves the event loop.
@@ -79,7 +73,6 @@ KEYS_ON_LOOP_MAX_CHARS = 32_768
 # best-effort): at ~1 ms a write, a backlog of well under a second for the flooder, and none for anyone else.
 WRITES_QUEUED_PER_TENANT = 256
 
-log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
@@ -94,7 +87,7 @@ class OwnerThreads(Protocol):
 async def _to_thread(owner: Hashable, fn: Callable[..., T], *args: Any) -> T:
     """Without OwnerThreads: asyncio's executor, owners not told apart."""
     return await asyncio.to_thread(fn, *args)
-_CHECKPOINT = ("checkpoint",)  # the writer queue's key of checkpoint jobs (no tenant's: tenants are strings)
+
 
 __all__ = ["SEMANTIC_MAX_CHARS", "Bypass", "CacheStats", "Hit", "LookupResult", "Miss", "Probe", "SemanticCache",
            "TenantPolicy"]
@@ -151,31 +144,32 @@ class SemanticCache:
         self.fallback_margin = fallback_margin
         self.default_policy = default_policy or TenantPolicy()
         self.clock = clock
-        self.reclaim_batch = reclaim_batch
         self.stats = CacheStats()
         self.vectors = TurnVectors(embedder, max_batch=embed_batch, max_wait_s=embed_wait_s)
         self.batcher = self.vectors.batcher
         self._hnsw_from = hnsw_from
-        # Orders writes, deletions and the pending writes' fate (never taken by a lookup: the index locks itself).
-        self._lock = threading.Lock()
-        # apersist's writes run here, not in the loop's default executor, which every lookup's steps share: writes
-        # queued behind the locks above (a tenant's flood of new answers) held its few threads, and every tenant's
-        # lookups queued behind them. One thread: `_write` runs under `_lock`, so more would only wait on it. Its
-        # queue is per tenant, taken in turns: first come first served, one tenant's flood delayed every other
-        # tenant's writes (and the moment they became every replica's hits) by the whole flood.
-        self._writes = TenantWriteQueue(writes_queued_per_tenant, on_drop=self._dropped,
-                                        name="tiergate-cache-write")
-        self._checkpoint_queued = False  # a checkpoint a lookup asked for is waiting for the writer thread
         self._owner_threads = threads
         self._threads: Callable[..., Awaitable[Any]] = threads.run if threads is not None else _to_thread
         self.pending = PendingWrites()  # answers remembered, not yet written: this process serves them
         self.recent = RecentEntries()  # answers written or found lately: exact hits without a store round trip
         self.bounds = TenantBounds()  # each tenant's learned semantic threshold (cache/error_bound.py)
         self.rng = random.Random()  # which semantic hits are checked (seed it for a repeatable run)
-        self.stale = StaleVersions()  # bumped data and retired model versions whose entries are to be reclaimed
         self.sync_interval_s = sync_interval_s  # how often lookups apply other processes' writes (shared stores)
         self.feed = ChangeFeed(store, sync_interval_s)  # made before the index is loaded: no write in between lost
-        self.index = self._load_index()
+        # writes, deletions, checkpoints; the writer thread (one tenant's flood of new answers waits there, in turns)
+        self.writes = EntryWriter(store, self._load_index(), load_index=self._load_index, pending=self.pending,
+                                  recent=self.recent, stats=self.stats, clock=clock, reclaim_batch=reclaim_batch,
+                                  per_tenant=writes_queued_per_tenant)
+
+    @property
+    def index(self) -> PartitionedIndex:
+        """The faiss partitions (the writer's: replaced whole when the change log was cut past this process)."""
+        return self.writes.index
+
+    @property
+    def stale(self) -> StaleVersions:
+        """Bumped data and retired model versions whose entries are to be reclaimed."""
+        return self.writes.stale
 
     def _load_index(self) -> PartitionedIndex:
         """The faiss partitions rebuilt from the store's vectors (after a restart, or a change log cut short)."""
@@ -243,11 +237,11 @@ class SemanticCache:
         """The store's exact entry, or a miss when there is nothing to compare by meaning; None: go semantic."""
         if not self.feed.recent():
             self.sync()  # writes the LRU marks of hits served from memory
-            self._checkpoint_soon()
+            self.writes.checkpoint_soon()
         entry = self.entries.find_exact(plan.scope_id, plan.exact_key)
-        if entry is not None and self._alive(entry, plan.now):
+        if entry is not None and self.writes.alive(entry, plan.now):
             self.entries.touch(entry.entry_id, plan.now)
-            self._checkpoint_soon()
+            self.writes.checkpoint_soon()
             self.recent.put(entry)
             self.stats.exact_hits += 1
             return Hit(entry, "exact", 1.0)
@@ -260,7 +254,7 @@ class SemanticCache:
             # no text compared by meaning (request_key.compared_text: too long, several parts, a raw prompt)
             reason = "no entry (too long to match by meaning)" if plan.key.last_user_text else "no entry"
             return self._miss(reason, probe=plan.probe())
-        candidates = self.index.search(plan.partition, vector, self.top_k)  # not under self._lock: see the docstring
+        candidates = self.index.search(plan.partition, vector, self.top_k)  # no lock of the writer: see the docstring
         if not candidates:
             return self._miss("no entry", probe=plan.probe(vector))
         policy = plan.policy
@@ -276,7 +270,7 @@ class SemanticCache:
             if similarity < floor or similarity < best - self.fallback_margin:
                 break
             entry = self.entries.get(entry_id)
-            if entry is None or not self._alive(entry, plan.now):
+            if entry is None or not self.writes.alive(entry, plan.now):
                 continue
             reason = guards.check(plan.key.last_user_text, entry.semantic_text)
             if reason is not None:
@@ -298,7 +292,7 @@ class SemanticCache:
             if chosen is not None:
                 entry, similarity = chosen
                 self.entries.touch(entry.entry_id, plan.now)
-                self._checkpoint_soon()
+                self.writes.checkpoint_soon()
                 self.stats.semantic_hits += 1
                 sampled = bound is not None and self.rng.random() < policy.shadow_rate
                 return Hit(entry, "semantic", similarity, shadow_rate=policy.shadow_rate if sampled else 0.0)
@@ -352,7 +346,7 @@ class SemanticCache:
         """Embed a remembered entry (unless its lookup did) and write it; None if it was purged meanwhile."""
         if entry.embedding is None:
             entry.embedding = self.vectors.get(embedding_text(entry.semantic_text), owner=entry.tenant)
-        return self._write(entry)
+        return self.writes.write(entry)
 
     async def apersist(self, entry: Entry) -> Entry | None:
         """`persist` for the event loop: the embedding batched with others', the write in the cache's own writer
@@ -361,7 +355,7 @@ class SemanticCache:
         try:
             if entry.embedding is None:
                 entry.embedding = await self.vectors.aget(embedding_text(entry.semantic_text), owner=entry.tenant)
-            return await asyncio.wrap_future(self._writes.submit(entry.tenant, self._write, entry))
+            return await asyncio.wrap_future(self.writes.submit(entry))
         finally:
             self.pending.forget(entry)
 
@@ -381,138 +375,41 @@ class SemanticCache:
         entry = self.remember(scope, request, response, usage, **kwargs)
         return await self.apersist(entry) if entry is not None else None
 
-    def _write(self, entry: Entry) -> Entry | None:
-        if entry.embedding is None:
-            entry.semantic_text = ""  # exact-only: nothing kept that only the guards would read
-        with self._lock:  # a purge or bump cancels pending entries under this lock, before selecting what to delete
-            if self.pending.cancelled(entry):
-                return None
-            if self.stale.written_too_late(entry):
-                return None  # answered from data the tenant has since replaced
-            self._mark_used()  # the store evicts by these marks
-            displaced = self.entries.put(entry)
-            self.index.remove(displaced)
-            self.recent.drop_ids(displaced)
-            self.recent.put(entry)
-            if entry.embedding is not None:
-                self.index.add(entry.partition, [entry.entry_id], entry.embedding[None, :])
-            self.pending.forget(entry)
-        self.stats.stored += 1
-        self.reclaim(self.reclaim_batch)
-        self._checkpoint()  # if due; in the writer thread (or a synchronous `store`'s caller's)
-        return entry
-
     # -- versions, purge, reclaim ---------------------------------------------------------------------
 
     def bump_data_version(self, tenant: str, current: int | str) -> int:
         """The tenant's data is now at version `current`: delete its entries stored before now at any other
         version (in batches). Entries stored later are kept whatever their version (it may combine the counter
         with a per-request header), and scopes already keep old versions unreachable. Returns how many went."""
-        current = str(current)
-        with self._lock:
-            bumped_at = self.clock()
-            self.stale.bump_data(tenant, current, bumped_at)
-            self.pending.cancel_where(lambda e: e.tenant == tenant and e.data_version != current)
-            self.recent.drop_where(lambda e: e.tenant == tenant and e.data_version != current)
-        gone = self.entries.drop_data_versions(tenant, current, bumped_at)
-        with self._lock:
-            self.index.remove(gone)
-        return len(gone)
+        return self.writes.bump_data_version(tenant, str(current))
 
     def retire_model_version(self, model_version: str) -> None:
         """A tier's weights, quantization or engine changed: entries of the old fingerprint will be reclaimed."""
-        with self._lock:
-            self.stale.retire_model(model_version)
-            self.pending.cancel_where(lambda e: e.model_version == model_version)
-            self.recent.drop_where(lambda e: e.model_version == model_version)
+        self.writes.retire_model_version(model_version)
 
     def purge(self, tenant: str | None = None) -> int:
         """Delete every entry of `tenant` (or of everyone, with None) now. Returns how many."""
-        with self._lock:
-            self.pending.cancel_where(lambda e: tenant is None or e.tenant == tenant)
-            self.recent.drop_where(lambda e: tenant is None or e.tenant == tenant)
-        return self._delete(self.entries.ids_of_tenant(tenant))
+        return self.writes.purge(tenant)
 
     def reclaim(self, limit: int = 1000) -> int:
         """Delete up to `limit` expired or stale-version entries. Returns how many."""
-        n = self._delete(self.stale.to_reclaim(self.entries, self.clock(), limit))
-        self.stats.reclaimed += n
-        return n
+        return self.writes.reclaim(limit)
 
     def sync(self) -> int:
         """Apply the entries other processes stored or deleted since the last sync to the local faiss index.
 
         Lookups call it every `sync_interval_s`. Returns how many changes were applied.
         """
-        return self.feed.catch_up(self._apply, before=self._mark_used)  # 0 while another thread is at it
-
-    def _apply(self, change: Change) -> None:
-        op, entry_id, partition = change
-        if op == "reset":  # the log was cut past our cursor: rebuild from the store
-            self.recent.clear()
-            index = self._load_index()
-            with self._lock:
-                self.index = index
-        # A change another process made: not under self._lock (a lookup's sync would wait behind this process's
-        # writes, a tenant's flood of them; the index locks itself). An id deleted meanwhile may be added back
-        # dead until its own "del" is applied: a lookup that proposes it finds nothing in the store and skips it.
-        elif op == "del":
-            self.recent.drop_ids([entry_id])
-            self.index.remove([entry_id])
-        elif entry_id not in self.index:
-            entry = self.entries.get(entry_id)
-            if entry is not None and entry.embedding is not None:
-                self.index.add(partition, [entry_id], entry.embedding[None, :])
+        return self.feed.catch_up(self.writes.apply, before=self.writes.mark_used)  # 0 while another is at it
 
     def close(self) -> None:
-        self._writes.close()
+        self.writes.close()
         if self._owner_threads is not None:
             self._owner_threads.close()
         self.vectors.close()
         self.entries.close()
 
     # -- helpers --------------------------------------------------------------------------------------
-
-    def _mark_used(self) -> None:
-        """Write the LRU marks of the exact hits served from memory since the last call."""
-        for entry_id, used in self.recent.take_used().items():
-            self.entries.touch(entry_id, used)
-
-    def _delete(self, ids: list[str]) -> int:
-        self.recent.drop_ids(ids)
-        with self._lock:
-            gone = self.entries.delete(ids)
-            self.index.remove(gone)
-        return len(gone)
-
-    def _alive(self, entry: Entry, now: float) -> bool:
-        if entry.expires_at is not None and entry.expires_at <= now:
-            self._delete([entry.entry_id])
-            return False
-        return True
-
-    def _checkpoint_soon(self) -> None:
-        """On a lookup's path, after it wrote (an LRU mark, an expired entry's deletion): when the store wants a
-        checkpoint, queue one for the writer thread, so a workload of hits alone keeps the WAL bounded too."""
-        if self._checkpoint_queued or not self.entries.checkpoint_due():
-            return
-        self._checkpoint_queued = True
-        try:
-            self._writes.submit(_CHECKPOINT, self._checkpoint)
-        except RuntimeError:  # closed
-            self._checkpoint_queued = False
-
-    def _checkpoint(self) -> None:
-        """The store's checkpoint if it wants one, in the writer thread."""
-        self._checkpoint_queued = False
-        try:
-            if self.entries.checkpoint_due():  # not if a write ran one meanwhile
-                self.entries.checkpoint()
-        except CacheStoreError as exc:  # the next one tries again; what was written stays written either way
-            log.warning("cache store checkpoint failed: %s", exc)
-
-    def _dropped(self, tenant: object) -> None:
-        self.stats.dropped_writes[str(tenant)] += 1
 
     def _bypass(self, reason: str) -> Bypass:
         self.stats.bypasses += 1

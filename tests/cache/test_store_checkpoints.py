@@ -66,7 +66,7 @@ async def test_the_writer_thread_checkpoints_and_keeps_the_wal_bounded(tmp_path:
     for i in range(len(bodies)):
         hit = await cache.alookup(scopes[i % 3], bodies[i])
         assert isinstance(hit, Hit)
-    await asyncio.to_thread(cache._writes.close)  # what the lookups queued has run
+    await asyncio.to_thread(cache.writes.close)  # what the lookups queued has run
     # (how many depends on how the marks fall between writes: 3 in one loaded run, ~15 alone; at least one)
     assert ran_in and set(ran_in) == {"tiergate-cache-write"}, ran_in[:5]
     assert wal_size(path) < WAL_BOUND, wal_size(path)
