@@ -14,10 +14,11 @@ lock, so more would only wait on it.
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future
 from typing import Any
+
+from cache.owner_lanes import OwnerLanes
 
 Job = tuple["Future[Any]", Callable[..., Any], tuple[Any, ...]]
 
@@ -33,7 +34,8 @@ class TenantWriteQueue:
         self.per_key = per_key
         self.on_drop = on_drop
         self.name = name
-        self._queues: OrderedDict[Hashable, deque[Job]] = OrderedDict()  # keys in line, each its jobs in order
+        # keys in line, each its jobs in order, the oldest dropped past per_key; touched under _cond only
+        self._queues: OwnerLanes[Job] = OwnerLanes(per_key)
         self._cond = threading.Condition(threading.Lock())
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -41,7 +43,7 @@ class TenantWriteQueue:
     def queued(self, key: Hashable) -> int:
         """Jobs of `key` waiting (not the one running)."""
         with self._cond:
-            return len(self._queues.get(key, ()))
+            return self._queues.queued(key)
 
     def submit(self, key: Hashable, fn: Callable[..., Any], *args: Any) -> Future[Any]:
         """Queue `fn(*args)` under `key`; its future. May drop `key`'s oldest queued job (see the module)."""
@@ -49,11 +51,7 @@ class TenantWriteQueue:
         with self._cond:
             if self._closed:
                 raise RuntimeError("cannot queue a write after close")
-            jobs = self._queues.get(key)
-            if jobs is None:
-                jobs = self._queues[key] = deque()
-            jobs.append((future, fn, args))
-            dropped = jobs.popleft() if len(jobs) > self.per_key else None
+            dropped = self._queues.add(key, (future, fn, args))
             if self._thread is None:
                 # a daemon: a cache never closed must not hold the interpreter at exit (a write cut short there is
                 # rolled back, and a cache write is best-effort)
@@ -82,12 +80,7 @@ class TenantWriteQueue:
                     self._cond.wait()
                 if not self._queues:
                     return  # closed, and nothing left
-                key, jobs = next(iter(self._queues.items()))
-                future, fn, args = jobs.popleft()
-                if jobs:
-                    self._queues.move_to_end(key)  # the other keys' turns first
-                else:
-                    del self._queues[key]
+                future, fn, args = self._queues.take()  # the key goes behind the others if it has more
             if not future.set_running_or_notify_cancel():
                 continue  # cancelled while queued (its apersist was)
             try:
