@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future as ThreadFuture
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
+
+from cache.owner_lanes import OwnerLanes
 
 T = TypeVar("T")
 Job = tuple[Callable[..., Any], tuple[Any, ...], "asyncio.Future[Any]", asyncio.AbstractEventLoop]
@@ -32,7 +33,7 @@ class FairThreads:
             raise ValueError("threads must be at least 1")
         self.threads = threads
         self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=name)
-        self._lanes: OrderedDict[Hashable, deque[Job]] = OrderedDict()  # owner -> its jobs, next owner first
+        self._lanes: OwnerLanes[Job] = OwnerLanes()  # owner -> its jobs, next owner first; the event loop's only
         self._running = 0  # jobs in the threads
         self._lock = threading.Lock()  # over `_running`, which a thread whose loop has ended also changes
         self._closed = False
@@ -43,30 +44,25 @@ class FairThreads:
             raise RuntimeError("these threads are closed")
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
-        self._lanes.setdefault(owner, deque()).append((fn, args, future, loop))
+        self._lanes.add(owner, (fn, args, future, loop))  # unbounded: each job has its caller awaiting it
         self._start()
         return await future
 
     @property
     def queued(self) -> int:
         """Jobs waiting for a thread (for tests and metrics)."""
-        return sum(len(lane) for lane in self._lanes.values())
+        return len(self._lanes)
 
     def close(self) -> None:
         """Jobs not started are cancelled; running ones end in their threads."""
         self._closed = True
-        for lane in self._lanes.values():
-            for _, _, future, _ in lane:
-                future.cancel()
-        self._lanes.clear()
+        for _, _, future, _ in self._lanes.drain():
+            future.cancel()
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     def _start(self) -> None:
         while self._running < self.threads and self._lanes:
-            owner, lane = self._lanes.popitem(last=False)
-            fn, args, future, loop = lane.popleft()
-            if lane:
-                self._lanes[owner] = lane  # its next job goes behind every other owner's
+            fn, args, future, loop = self._lanes.take()  # its owner's next job goes behind every other owner's
             if future.done() or loop.is_closed():  # its caller left before its turn
                 continue
             with self._lock:
