@@ -119,8 +119,8 @@ def test_tool_choice_none_leaves_the_answer_alone_and_the_format_follows_the_cho
 
 async def test_the_engine_streams_a_call_whose_last_piece_ends_the_answer() -> None:
     """The engine's stream framing: the output that finishes the answer also carries its last text."""
+    from engine.answer_frames import chat_frames, sse_events
     from engine.llm_engine import RequestOutput
-    from engine.server import _chat_frames, _sse
 
     texts = ['Sure. <tool_call>{"name": "add", ', '"arguments": {"a": 1, "b": 2}}', "</tool_call>"]
 
@@ -129,7 +129,7 @@ async def test_the_engine_streams_a_call_whose_last_piece_ends_the_answer() -> N
             last = i == len(texts) - 1
             yield RequestOutput("r", text, [i], last, "stop" if last else None, 5, i + 1, 0.0)
 
-    events = [e async for e in _sse(outputs(), "r", "m", False, False, _chat_frames(None, ToolAnswer(request())))]
+    events = [e async for e in sse_events(outputs(), "r", "m", False, False, chat_frames(None, ToolAnswer(request())))]
     chunks = [json.loads(e[6:]) for e in events if e != b"data: [DONE]\n\n"]
     deltas = [c["choices"][0]["delta"] for c in chunks]
     assert "".join(d.get("content") or "" for d in deltas).strip() == "Sure."

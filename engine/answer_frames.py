@@ -1,0 +1,184 @@
+"""How the engine's server frames a request's outputs as OpenAI's answers: chat (`message`, `delta`, tool calls
+shaped by engine/tool_calls.py) or legacy text (`text`), whole or as server-sent events, with the logprobs the
+request asked for; and an engine's failure as OpenAI's error shape (a request that failed by its own content, its
+response_format, is a 400 no breaker counts: wire.errors.REQUEST_FAULT_CODES).
+
+A stream's failure after its headers are sent is its last event before `[DONE]`, never a cut connection; a framing
+bug aborts the request's generation (slot and KV blocks go back).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from litestar import Response
+
+from engine.llm_engine import EngineDeadError, RequestOutput
+from engine.tool_calls import ToolAnswer
+from wire import responses
+from wire.errors import REQUEST_FAULT_CODES, error_body
+
+log = logging.getLogger("tiergate.engine")
+
+
+def engine_error(out: RequestOutput) -> dict[str, Any]:
+    if out.error_code in REQUEST_FAULT_CODES:  # the request's own content failed it (its response_format)
+        return error_body(out.error or "the request failed", param="response_format", code=out.error_code)
+    return error_body(out.error or "the engine failed on this request", "api_error",
+                      code=out.error_code or "engine_error")
+
+
+def error_status(out: RequestOutput) -> int:
+    if out.error_code in REQUEST_FAULT_CODES:
+        return 400
+    return 503 if out.error_code == "engine_dead" else 500
+
+
+FAILED = error_body("the engine failed on this request", "api_error", code="engine_error")
+
+
+def _logprobs(tokenizer: Any, out: RequestOutput) -> list[dict[str, Any]] | None:
+    """OpenAI's `logprobs.content` entries for the tokens of `out`, when the request asked for them."""
+    if out.logprobs is None:
+        return None
+
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        text = tokenizer.decode([token_id])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return [entry(t, lp) | {"top_logprobs": [entry(i, v) for i, v in top]}
+            for t, (lp, top) in zip(out.token_ids, out.logprobs, strict=True)]
+
+
+def _legacy_logprobs(tokenizer: Any, out: RequestOutput, offset: int) -> dict[str, Any] | None:
+    """The legacy API's `logprobs` for the tokens of `out`: `text_offset` counts characters of prompt and
+    completion, as OpenAI's did; `offset` is where `out`'s first token starts."""
+    if out.logprobs is None:
+        return None
+    made: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for token_id, (logprob, top) in zip(out.token_ids, out.logprobs, strict=True):
+        text = tokenizer.decode([token_id])
+        made["tokens"].append(text)
+        made["token_logprobs"].append(logprob)
+        made["top_logprobs"].append({tokenizer.decode([i]): v for i, v in top})
+        made["text_offset"].append(offset)
+        offset += len(text)
+    return made
+
+
+@dataclass(frozen=True)
+class Frames:
+    """How an endpoint frames a request's outputs: chat (`message`, `delta`) or legacy text (`text`)."""
+
+    whole: Callable[..., dict[str, Any]]  # the non-streamed answer
+    # the stream chunks' fields for the next (text, logprobs); with `always`, at least one chunk
+    pieces: Callable[[str, Any, bool], list[dict[str, Any]]]
+    end: Callable[[str | None], tuple[list[dict[str, Any]], str | None]]  # chunks due at the end, finish reason
+    chunk: Callable[..., dict[str, Any]]
+    usage_chunk: Callable[..., dict[str, Any]]
+    logprobs: Callable[[RequestOutput, int], Any]  # (output, characters before it) -> its logprobs or None
+    opening: dict[str, Any]  # the first chunk's fields, sent at once (before the prefill: the request is live)
+    finish: dict[str, Any]  # the fields of the chunk that carries the finish reason
+
+    def merge(self, so_far: Any, more: Any) -> Any:
+        if more is None:
+            return so_far
+        if isinstance(more, list):
+            return (so_far or []) + more
+        return {k: (so_far or {}).get(k, []) + v for k, v in more.items()}
+
+
+def _one_piece(field: str) -> Callable[[str, Any, bool], list[dict[str, Any]]]:
+    """A chunk for each piece of text (`delta.content` or `text`); none for an empty one unless `always`."""
+
+    def pieces(text: str, lps: Any, always: bool) -> list[dict[str, Any]]:
+        if not (text or lps or always):
+            return []
+        return [{field: {"content": text} if field == "delta" else text, "logprobs": lps}]
+
+    return pieces
+
+
+def _no_end(reason: str | None) -> tuple[list[dict[str, Any]], str | None]:
+    return [], reason
+
+
+def chat_frames(tokenizer: Any, tools: ToolAnswer | None) -> Frames:
+    """Chat's frames; a request that offers tools has its answer shaped into tool calls by `tools`."""
+    return Frames(whole=tools.completion if tools else responses.completion,
+                   pieces=tools.pieces if tools else _one_piece("delta"), end=tools.end if tools else _no_end,
+                   chunk=responses.chunk, usage_chunk=responses.usage_chunk,
+                   logprobs=lambda out, _: _logprobs(tokenizer, out),
+                   opening={"delta": {"role": "assistant", "content": ""}}, finish={"delta": {}})
+
+
+def text_frames(tokenizer: Any, prompt_chars: int) -> Frames:
+    return Frames(whole=responses.text_completion, pieces=_one_piece("text"), end=_no_end,
+                   chunk=responses.text_chunk, usage_chunk=responses.text_usage_chunk,
+                   logprobs=lambda out, before: _legacy_logprobs(tokenizer, out, prompt_chars + before),
+                   opening={"text": ""}, finish={"text": ""})
+
+
+async def collect(outputs: AsyncIterator[RequestOutput], rid: str, model: str, frames: Frames) -> Response[Any]:
+    parts: list[str] = []
+    num_chars = 0
+    last: RequestOutput | None = None
+    logprobs: Any = None
+    async for out in outputs:
+        if out.error is not None:
+            return Response(engine_error(out), status_code=error_status(out))
+        logprobs = frames.merge(logprobs, frames.logprobs(out, num_chars))
+        parts.append(out.text)
+        num_chars += len(out.text)
+        last = out
+    assert last is not None
+    return Response(frames.whole(
+        id_=rid, created=int(time.time()), model=model, text="".join(parts), finish_reason=last.finish_reason,
+        prompt_tokens=last.num_prompt_tokens, completion_tokens=last.num_output_tokens, logprobs=logprobs,
+        x_tiergate={"busy_s": last.busy_s}))
+
+
+async def sse_events(outputs: AsyncIterator[RequestOutput], rid: str, model: str,
+               include_usage: bool, continuous_usage: bool, frames: Frames) -> AsyncIterator[bytes]:
+    ids = {"id_": rid, "created": int(time.time()), "model": model}
+    num_chars = 0
+
+    def events(out: RequestOutput) -> list[bytes]:
+        nonlocal num_chars
+        lps = frames.logprobs(out, num_chars)
+        num_chars += len(out.text)
+        busy = {"x_tiergate": {"busy_s": out.busy_s}}
+        if not out.finished:
+            if continuous_usage:
+                usage = responses.usage(out.num_prompt_tokens, out.num_output_tokens)
+                return [responses.sse(frames.chunk(**ids, **piece, usage=usage, **busy))
+                        for piece in frames.pieces(out.text, lps, True)]
+            return [responses.sse(frames.chunk(**ids, **piece)) for piece in frames.pieces(out.text, lps, False)]
+        pieces = frames.pieces(out.text, lps, False)
+        tail, reason = frames.end(out.finish_reason)  # after the last piece: a held tool call is parsed whole
+        made = [responses.sse(frames.chunk(**ids, **piece)) for piece in [*pieces, *tail]]
+        made.append(responses.sse(frames.chunk(**ids, **frames.finish, finish_reason=reason, **busy)))
+        if include_usage:
+            made.append(responses.sse(frames.usage_chunk(**ids, prompt_tokens=out.num_prompt_tokens,
+                                                         completion_tokens=out.num_output_tokens, **busy)))
+        return made
+
+    yield responses.sse(frames.chunk(**ids, **frames.opening))
+    try:
+        async for out in outputs:
+            if out.error is not None:  # the headers are sent: the error is the stream's last event
+                yield responses.sse(engine_error(out))
+                break
+            for event in events(out):
+                yield event
+    except EngineDeadError as exc:  # the loop stopped between the request's check and its start
+        yield responses.sse(error_body(str(exc), "api_error", code="engine_dead"))
+    except Exception:  # framing failed (a bug): the stream ends with an error event, not a cut connection
+        log.exception("streaming %s failed", rid)
+        await outputs.aclose()  # its generation stops: slot and KV blocks go back
+        yield responses.sse(FAILED)
+    yield responses.SSE_DONE
