@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-import engine.server
+import engine.answer_frames
 from engine.llm_engine import LLMEngine
 from engine.server import create_engine_app
 from engine.tool_calls import ToolAnswer
@@ -149,7 +149,7 @@ def test_a_failure_framing_an_answer_is_an_openai_500_or_the_streams_last_event(
     def broken(*_: Any) -> None:
         raise RuntimeError("a framing bug")
 
-    monkeypatch.setattr(engine.server, "_logprobs", broken)
+    monkeypatch.setattr(engine.answer_frames, "_logprobs", broken)
     body = {"model": "tiny", "messages": MSG, "logprobs": True, "max_tokens": 400}
     r = httpx.post(f"{url}/v1/chat/completions", json=body)
     assert r.status_code == 500 and r.json()["error"]["type"] == "api_error"
