@@ -36,32 +36,6 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 FIXED = "Give one practical tip about writing clear commit messages in a short sentence."
-TIERS = ("small", "mid", "full")
-PRICES = {"small": ("0.00005", "0.0001", "0.02"), "mid": ("0.0001", "0.0002", "0.04"),
-          "full": ("0.0003", "0.0006", "0.08")}
-TIER = """  {name}:
-    backend: openai
-    model: mock
-    urls: ["{url}"]
-    max_concurrency: 256
-    price_per_1k_input: "{pin}"
-    price_per_1k_output: "{pout}"
-    hardware_cost_per_hour: "{hw}"
-    context_limit: 8192
-"""
-PLANS = """default_plan: bench
-plans:
-  bench:
-    priority: standard
-    allowed_tiers: [small, mid, full]
-    default_tier: mid
-    allow_upgrade: true
-    max_queue_wait_s: 10
-    shed_to_cheaper: true
-    limits: {rpm: 100000000, tpm: 100000000000, max_concurrent: 100000, budget_day_usd: "100000000",
-             budget_month_usd: "1000000000"}
-"""
-
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -73,7 +47,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=4, help="rounds per path in one pair of processes [4]")
     p.add_argument("--pairs", type=int, default=2, help="pairs of processes, one after another [2]")
     p.add_argument("--tokens", type=int, default=8, help="tokens per answer [8]")
-    p.add_argument("--child", nargs=2, metavar=("MOCK_URL", "CPU"), help=argparse.SUPPRESS)
+    p.add_argument("--child", nargs=2, metavar=("CONFIG_DIR", "CPU"), help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -82,13 +56,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def child(args: argparse.Namespace) -> None:
     """Runs with the tree under test as its working directory (its `gateway` is the one imported)."""
-    mock_url, cpu = args.child
+    config, cpu = args.child  # the tiers and plans the parent wrote (bench.gateway_targets' own)
     os.sched_setaffinity(0, {int(cpu)})
     work = Path(tempfile.mkdtemp(prefix="tiergate-inproc-"))
-    tiers, plans = work / "tiers.yaml", work / "plans.yaml"
-    tiers.write_text("tiers:\n" + "".join(TIER.format(name=t, url=mock_url, pin=PRICES[t][0], pout=PRICES[t][1],
-                                                      hw=PRICES[t][2]) for t in TIERS))
-    plans.write_text(PLANS)
+    tiers, plans = Path(config) / "tiers.yaml", Path(config) / "plans.yaml"
     os.environ.setdefault("TIERGATE_BUILD_MISSING_MODELS", "0")
     os.environ.setdefault("TIERGATE_MODELS_DIR", str(Path.home() / ".local" / "share" / "tiergate" / "models"))
     os.environ |= {"TIERGATE_DATA_DIR": str(work / "data"), "TIERGATE_TIERS_FILE": str(tiers),
@@ -197,8 +168,8 @@ async def _drive(app: Any, key: str, args: argparse.Namespace) -> None:
 # ---- the parent: two children at once, rounds started together ---------------------------------------------------
 
 
-def spawn_child(tree: Path, mock_url: str, cpu: int, args: argparse.Namespace, log: Path) -> subprocess.Popen[str]:
-    argv = ["--child", mock_url, str(cpu), "--paths", args.paths, "--concurrency", str(args.concurrency),
+def spawn_child(tree: Path, config: Path, cpu: int, args: argparse.Namespace, log: Path) -> subprocess.Popen[str]:
+    argv = ["--child", str(config), str(cpu), "--paths", args.paths, "--concurrency", str(args.concurrency),
             "--requests", str(args.requests), "--rounds", str(args.rounds), "--tokens", str(args.tokens)]
     # run from `tree` (its packages imported, `-c` puts the working directory first on sys.path), with this file's
     # child code, which the other tree may not have
@@ -238,7 +209,7 @@ def main(argv: list[str] | None = None) -> None:
         child(args)
         return
     from bench.gateway_report import machine_info
-    from bench.gateway_targets import head_label, start_mock
+    from bench.gateway_targets import head_label, start_mock, write_bench_config
 
     cpus = sorted(os.sched_getaffinity(0))
     load, gw = cpus[0], cpus[-1]
@@ -251,11 +222,13 @@ def main(argv: list[str] | None = None) -> None:
             other, other_label = extract(args.ref or "HEAD", Path(tmp))
         mine = head_label() or REPO.name
         mock = start_mock(Path(tmp), args.tokens)
+        config = Path(tmp) / "config"
+        write_bench_config(config, mock.url)
         results: dict[str, dict[str, list[float]]] = {p: {"this": [], "other": []} for p in args.paths}
         try:
             for pair in range(args.pairs):
-                procs = {"this": spawn_child(REPO, mock.url, gw, args, Path(tmp) / f"this-{pair}.log"),
-                         "other": spawn_child(other, mock.url, gw, args, Path(tmp) / f"other-{pair}.log")}
+                procs = {"this": spawn_child(REPO, config, gw, args, Path(tmp) / f"this-{pair}.log"),
+                         "other": spawn_child(other, config, gw, args, Path(tmp) / f"other-{pair}.log")}
                 try:
                     for proc in procs.values():
                         read_json(proc)  # ready

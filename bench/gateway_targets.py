@@ -206,15 +206,22 @@ def start_redis(workdir: Path) -> Server:
     raise SystemExit(f"redis-server did not answer on port {port}:\n{server.log_tail()}")
 
 
+def write_bench_config(workdir: Path, mock_url: str) -> tuple[Path, Path]:
+    """The benchmark's tiers (every one at the mock) and plans, written in `workdir`: their two paths."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    tiers, plans = workdir / "tiers.yaml", workdir / "plans.yaml"
+    tiers.write_text("tiers:\n" + "".join(TIER.format(name=t, url=mock_url, pin=p[0], pout=p[1], hw=p[2])
+                                           for t, p in PRICES.items()))
+    plans.write_text(PLANS)
+    return tiers, plans
+
+
 def start_tiergate(name: str, repo: Path, workdir: Path, mock_url: str, cpus: list[int], workers: int,
                    redis_url: str | None = None) -> Server:
     """`tiergate serve` from `repo` on `cpus`, every tier pointed at the mock; a tenant `bench` and its key.
     `redis_url`: quotas, cache and ladder there (what `--workers` above 1 needs), else the embedded stores."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    tiers, plans, data_dir = workdir / "tiers.yaml", workdir / "plans.yaml", workdir / "data"
-    tiers.write_text("tiers:\n" + "".join(TIER.format(name=t, url=mock_url, pin=p[0], pout=p[1], hw=p[2])
-                                           for t, p in PRICES.items()))
-    plans.write_text(PLANS)
+    tiers, plans = write_bench_config(workdir, mock_url)
+    data_dir = workdir / "data"
     port = free_port()
     env = tiergate_env(repo, data_dir, tiers, plans, port)
     if redis_url:
