@@ -32,7 +32,7 @@ from cache.stale_versions import StaleVersions
 from cache.store import CacheStore, CacheStoreError, Entry
 from cache.tenant_writes import TenantWriteQueue
 
-log = logging.getLogger("cache.semantic_cache")
+log = logging.getLogger(__name__)
 _CHECKPOINT = ("checkpoint",)  # the writer queue's key of checkpoint jobs (no tenant's: tenants are strings)
 
 
