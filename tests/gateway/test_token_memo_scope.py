@@ -118,3 +118,25 @@ def test_a_memo_keeps_to_its_bound_in_characters() -> None:
     memo.put("a", "x" * 51, 1)  # longer than the bound: not remembered
     assert memo.get("a", "x" * 51) is None and memo.get("b", "9" * 20) is None
     assert tc.RECENT_CHARS * 4 <= 1 << 20  # a tenant's memo: at most a MiB of text, however wide its characters
+
+
+def test_a_prompt_sent_again_is_not_rendered_again_for_its_tenant_only(
+        stage: PromptStage, counted: tuple[TokenCounter, list[str]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """From its third send a tenant's prompt is counted from its turns, without the template's render; another
+    tenant's same turns are rendered and tokenized afresh (no count of alice's reused for mallory)."""
+    counter, pieces = counted
+    renders: list[object] = []
+    real = counter.render
+    monkeypatch.setattr(counter, "render", lambda messages: renders.append(messages) or real(messages))
+    text = secret()
+    messages = [{"role": "user", "content": text}]
+    first = measure(stage, "alice", messages)
+    assert measure(stage, "alice", messages) == first and len(renders) == 2  # the second: rendered, then remembered
+    renders.clear()
+    pieces.clear()
+    assert measure(stage, "alice", messages) == first and renders == [] and pieces == []  # the third: from its turns
+    assert measure(stage, "mallory", messages) == first
+    assert len(renders) == 1 and sum(text in p for p in pieces) == 1  # mallory's: rendered and tokenized
+    renders.clear()
+    other = [{"role": "user", "content": text + " and more"}]
+    assert measure(stage, "alice", other) != first and len(renders) == 1  # other turns: rendered

@@ -1,0 +1,39 @@
+"""With the in-process quota store, a request settles its quota in its own task once its ledger row is durable
+(gateway/pipeline/settle.py); when the row is not durable within the ledger's wait (a slow disk), the request is
+told 503 and its reservation is still settled then, not left held until the row commits or the reaper runs."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from gateway.settings import Settings
+from quotas.backends.memory import MemoryBackend
+from tests.conftest import Gateway, running_gateway
+from tests.gateway.test_idempotency_ledger_late import MSG, WAIT_S, SlowDisk
+from tests.stubs import ServerThread, StubState
+
+
+@pytest.fixture
+def gw(gateway_settings: Settings, stub: tuple[ServerThread, StubState]) -> Iterator[Gateway]:
+    with running_gateway(gateway_settings, stub[1]) as gateway:
+        yield gateway
+
+
+def test_a_row_late_past_the_wait_still_settles_the_quota_at_once(gw: Gateway) -> None:
+    quotas = gw.app.state.services.pipeline.settler.quotas
+    backend = quotas.backend
+    assert isinstance(backend, MemoryBackend) and quotas.settles_at_once  # the path under test
+    disk = SlowDisk(gw).arm()
+    started = time.monotonic()
+    with gw.client(gw.tenant_key) as c:
+        r = c.post("/v1/chat/completions", json={"model": "mid", "messages": MSG})
+    assert r.status_code == 503, r.text  # the row was not durable in time
+    rid = r.headers["x-tiergate-request-id"]
+    assert not disk.done.is_set(), "the slow disk let the row through before the check"
+    assert rid not in backend._held and rid in backend._done  # settled while its row is still being written
+    assert time.monotonic() - started < WAIT_S + 1.0
+    assert disk.done.wait(10)
+    assert any(row.request_id == rid for row in gw.ledger_rows())  # the row committed late, once
