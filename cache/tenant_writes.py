@@ -31,7 +31,6 @@ class TenantWriteQueue:
                  name: str = "tiergate-cache-write") -> None:
         if per_key < 1:
             raise ValueError("per_key must be at least 1")
-        self.per_key = per_key
         self.on_drop = on_drop
         self.name = name
         # keys in line, each its jobs in order, the oldest dropped past per_key; touched under _cond only
