@@ -40,8 +40,10 @@ pass on ONNX Runtime where installed), `vectors` (which turns are embedded, a me
 pass for concurrent requests), `index` (faiss partitions), `store` (the store boundary), `sqlite_store` (the
 entries in SQLite: TTL, LRU bounds overall and per tenant, persistence, a change log), `redis_store` (the same
 in Redis, shared by replicas), `pending` (answers not yet written, served to their own process),
-`tenant_writes` (the one writer thread, taking tenants' writes in turns), `results` (what a lookup answers),
-`semantic_cache` (the facade).
+`tenant_writes` (the one writer thread, taking tenants' writes in turns), `owner_lanes` (per-owner queues taken
+in turns, which it and the gateway's FairThreads keep), `entry_writes` (what changes the entries: writes,
+deletions, checkpoints, other processes' changes), `results` (what a lookup answers), `semantic_cache` (the
+facade: lookups).
 
 Several processes may share one store (a SQLite file, or a Redis with `redis_url`): each one's faiss index
 applies the others' writes and deletes (the CLI's too) from the store's change log within `sync_interval_s`
