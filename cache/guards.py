@@ -12,8 +12,12 @@ served the query and the candidate must agree on:
   lower-case names such as programming languages); every entity of either side must occur in both,
 - where a directional word is present (than, vs, from, into, convert...), the order of those anchors,
   so "is Paris bigger than London" never answers "is London bigger than Paris",
-- and the layout of a text of several lines: its line breaks and each line's indentation (blank lines and code
-  fences aside), so a snippet whose `print(x)` moved out of its loop never answers the one where it is inside.
+- the layout of a text of several lines: its line breaks and each line's indentation (blank lines and code
+  fences aside), so a snippet whose `print(x)` moved out of its loop never answers the one where it is inside,
+- and what it quotes, as sent: the text between double quotes (straight or curly), backticks, or single quotes
+  that are not apostrophes, on one line. Each side's quotes must occur, character for character, in the other:
+  `print("a  b")` never answers `print("a b")` (one line's spacing is otherwise prose, collapsed), nor
+  `"abc".upper()` `"abd".upper()`.
 
 The guards get the turns as sent and read them through `comparable`: NFKC (full-width, ligature and font variants
 read as their plain letters and digits) with collapsed whitespace, except that superscripts, subscripts, vulgar
@@ -46,6 +50,7 @@ from functools import lru_cache
 MAX_CHARS = 2048
 TOO_LONG = "text too long to compare"
 LAYOUT_DIFFERS = "layout differs"
+QUOTES_DIFFER = "quoted text differs"
 
 # Compatibility characters NFKC would run into their neighbours' digits: a run of superscripts or of subscripts is
 # read as "^(...)" or "_(...)"; any other character whose NFKC form holds a digit, except full-width and font
@@ -144,6 +149,10 @@ _SPACES = re.compile(r"\s+")
 _ACRONYM = re.compile(r"\b[A-Z]{2,5}\b")
 _CAPITALIZED_RUN = re.compile(r"[A-Z][a-zA-Z]*+(?:[ \t]++[A-Z][a-zA-Z]*+)*+")
 _SENTENCE_START = re.compile(r"(?:^|[.!?:;\n]\s*|[\"“(]\s*)$")
+# Where a quote may open: ", “, `, or ' not inside a word (not the apostrophes of "don't ... isn't"); its closing
+# quote, on the same line.
+_QUOTE_OPENS = re.compile(r"[\"“`]|(?<![\w'])'")
+_QUOTE_CLOSES = {'"': '"', "“": "”", "`": "`", "'": "'"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -373,7 +382,46 @@ def check(query: str, candidate: str) -> str | None:
         return "order of entities differs"
     if layout(query) != layout(candidate):
         return LAYOUT_DIFFERS
+    if _quotes_disagree(query, candidate):
+        return QUOTES_DIFFER
     return None
+
+
+def quoted(text: str) -> tuple[str, ...]:
+    """What `text` (as sent) quotes on one line, in order, empty quotes left out: `print("a  b")` -> ("a  b",).
+
+    Linear: a closed quote's text is read once, and a closing quote missing from the rest of a line is searched for
+    once per line (a pattern that ran on to the line's end from every unclosed quote was quadratic)."""
+    out: list[str] = []
+    pos, line_end = 0, -1
+    missing: dict[str, int] = {}  # closing quote -> the end of the line it is known missing from
+    while (opening := _QUOTE_OPENS.search(text, pos)) is not None:
+        start = opening.start()
+        if start > line_end:
+            line_end = text.find("\n", start)
+            line_end = len(text) if line_end < 0 else line_end
+        close = _QUOTE_CLOSES[opening.group()]
+        pos = start + 1
+        if missing.get(close) == line_end:
+            continue
+        end = text.find(close, pos, line_end)
+        if end < 0:
+            missing[close] = line_end
+            continue
+        if close == "'" and end + 1 < len(text) and (text[end + 1].isalnum() or text[end + 1] == "_"):
+            continue  # 'it's: an apostrophe, not a closing quote
+        if end > pos:
+            out.append(text[pos:end])
+        pos = end + 1
+    return tuple(out)
+
+
+def _quotes_disagree(a: str, b: str) -> bool:
+    """A quote of either text (as sent) missing, character for character, from the other. A quote the other text
+    has unquoted agrees ("what is `ls -la`" / "what is ls -la"), and so do quotes in another order: paraphrases
+    reorder the names they quote (27 of GPTCache's 999 pairs); a swap of roles is the anchors' to see."""
+    qa, qb = quoted(a), quoted(b)
+    return qa != qb and (any(q not in b for q in set(qa)) or any(q not in a for q in set(qb)))
 
 
 def _shared_order(a: tuple[str, ...], b: tuple[str, ...]) -> bool:

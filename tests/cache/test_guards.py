@@ -113,6 +113,8 @@ ADVERSARIAL: dict[str, Callable[[int], str]] = {
     "hyphenated number and unit words": lambda n: "-".join(["km", "five", "miles", "ten"] * (n // 16)),
     "blanks": lambda n: " " * n + "x",
     "mixed": lambda n: "12 km ,3 Paris ML from 5 " * (n // 25),
+    "quotes never closed": lambda n: '"a `b \'c “d ' * (n // 12),
+    "empty quotes": lambda n: '""\'\'``' * (n // 6),
 }
 
 
@@ -123,6 +125,8 @@ def test_extraction_is_linear_even_without_the_window(make: Callable[[int], str]
     times the work; a quadratic pattern takes a hundred times, and seconds)."""
     monkeypatch.setattr(guards, "MAX_CHARS", 10**9)
     small, large = _best_time(extract, make(20_000)), _best_time(extract, make(200_000))
+    assert large < 30 * small + 0.01, (small, large)
+    small, large = _best_time(guards.quoted, make(20_000)), _best_time(guards.quoted, make(200_000))
     assert large < 30 * small + 0.01, (small, large)
 
 

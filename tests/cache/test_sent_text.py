@@ -14,6 +14,7 @@ from tests.cache.conftest import chat, scope
 
 keys = importlib.import_module("cache.request_key")  # the module (`cache.request_key` is also the function)
 LAYOUT_DIFFERS = "layout differs"
+QUOTES_DIFFER = "quoted text differs"
 
 LOOP_INSIDE = "What does this Python print?\nfor i in range(3):\n    x = i\n    print(x)"
 LOOP_AFTER = "What does this Python print?\nfor i in range(3):\n    x = i\nprint(x)"
@@ -23,8 +24,9 @@ FOLDED_APART = [
     ("Is 2³ a prime number?", "Is 23 a prime number?"),
     ("What is 10² in decimal?", "What is 102 in decimal?"),
     (LOOP_INSIDE, LOOP_AFTER),
+    ('What does print("a  b") show?', 'What does print("a b") show?'),
 ]
-IDS = ["superscript-3", "superscript-2", "indentation"]
+IDS = ["superscript-3", "superscript-2", "indentation", "spaces-in-a-string"]
 
 
 @pytest.mark.parametrize(("stored", "asked"), FOLDED_APART, ids=IDS)
@@ -104,6 +106,10 @@ def test_the_guards_read_superscripts_and_fractions_apart(text: str, read: str) 
     (LOOP_AFTER, LOOP_INSIDE, LAYOUT_DIFFERS),
     ("Run:\nif x:\n\ty()", "Run:\nif x:\n    y()", LAYOUT_DIFFERS),  # a tab is not four spaces
     ("x = 1\ny = 2\nprint(x)", "x = 1 y = 2 print(x)", LAYOUT_DIFFERS),
+    ('Split "a\tb" on whitespace', 'Split "a b" on whitespace', QUOTES_DIFFER),  # one line, quoted: as sent
+    ("What does `echo  hi` print?", "What does `echo hi` print?", QUOTES_DIFFER),
+    ("Is 'a  b' == 'a b' in Python?", "Is 'a b' == 'a b' in Python?", QUOTES_DIFFER),
+    ('What is "abc".upper()?', 'What is "abd".upper()?', QUOTES_DIFFER),
 ])
 def test_the_guards_refuse_what_only_normalization_made_equal(query: str, candidate: str, reason: str) -> None:
     assert guards.check(query, candidate) == reason
@@ -116,6 +122,10 @@ def test_the_guards_refuse_what_only_normalization_made_equal(query: str, candid
     ("What is Ｐａｒｉｓ famous for?", "What is Paris famous for?"),
     ("What is the capital of France?\n", "  What is the capital of  France?"),  # one line: its spacing is prose
     ("Fix this:\n```\nfor i in x:\n    f(i)\n```", "Fix this:\n\nfor i in x:\n    f(i)"),  # fences, blanks
+    ("What does `ls -la` do?", "What does ls -la do?"),  # quoted on one side only, the same characters
+    ("What does 'carpe diem' mean?", 'What does "carpe diem" mean?'),  # quoted either way
+    ("I don't know what 'idempotent' means", "What does 'idempotent' mean? I don't know"),  # apostrophes
+    ("Use `fs.ls` with the instance `fs`", "With the instance `fs`, use `fs.ls`"),  # reordered (GPTCache's pair)
 ])
 def test_the_guards_pass_what_means_the_same(query: str, candidate: str) -> None:
     assert guards.check(query, candidate) is None
@@ -140,7 +150,7 @@ def test_neither_layer_serves_one_for_the_other(cache: SemanticCache, stored: st
     # the two embed identically: the guards, not the threshold, refused it
     assert result.best_similarity is not None and result.best_similarity > 0.999
     assert result.reason.startswith("refused near miss: "), result.reason
-    assert any(r in result.reason for r in ("numbers differ", LAYOUT_DIFFERS)), result.reason
+    assert any(r in result.reason for r in ("numbers differ", LAYOUT_DIFFERS, QUOTES_DIFFER)), result.reason
 
 
 def test_a_spacing_variant_of_prose_is_served_by_meaning(cache: SemanticCache) -> None:
