@@ -23,7 +23,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from wire.fields import drop_nulls, nullable_optionals
-from wire.schema_alternatives import check_alternatives
+from wire.schema_alternatives import check_alternatives, may_intersect
 
 MAX_SCHEMA_BYTES = 32 * 1024  # the schema as compact JSON
 MAX_SCHEMA_DEPTH = 32  # nested objects and arrays, the schema itself being the first
@@ -49,10 +49,12 @@ def check_schema_bounds(schema: dict[str, Any]) -> None:
             values = node.values() if isinstance(node, dict) else node
             nested.extend(v for v in values if isinstance(v, dict | list))
         level = nested
-    size = len(json.dumps(schema, separators=(",", ":"), ensure_ascii=False).encode())
+    text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+    size = len(text.encode())
     if size > MAX_SCHEMA_BYTES:
         raise ValueError(f"the schema has {size} bytes as compact JSON; at most {MAX_SCHEMA_BYTES} are allowed")
-    check_alternatives(schema)  # what its allOfs would make a grammar compiler intersect
+    if may_intersect(text):
+        check_alternatives(schema)  # what its allOfs would make a grammar compiler intersect
 
 
 class JsonSchemaSpec(BaseModel):

@@ -23,6 +23,10 @@ A `$ref` must be a JSON pointer into the schema itself (`#`, `#/$defs/x`, escape
 standard says); any other is refused, as a reference the count cannot follow. One pass, each node counted once
 (remembered by identity); a reference back to a node being counted adds nothing (compilers do not expand
 recursion); at most MAX_REFERENCE_HOPS references and MAX_PATH_LENGTH nested subschemas on one path.
+
+`may_intersect` reads the schema's compact JSON first: a schema that names no `allOf`, `oneOf` or `$ref` cannot
+intersect (an `anyOf` alone is one factor) nor point anywhere, so the count would find nothing to refuse and a
+weight of 0; it is not walked (1.7 of the 2.9 ms a 29 KB response_format cost the gateway's event loop).
 """
 
 from __future__ import annotations
@@ -39,6 +43,17 @@ _ALTERNATIVES = ("anyOf", "oneOf")
 _SKIPPED = frozenset({"allOf", "$ref", "anyOf", "oneOf", "$defs", "definitions", "enum", "const", "examples",
                       "default", "required"})  # counted apart, or values that are not subschemas
 _MAPS = frozenset({"properties", "patternProperties", "dependentSchemas"})  # names to subschemas
+# The keys an intersection or a reference needs, as compact JSON writes them (a string's own quotes are escaped
+# inside it, so these occur only as a key, or as a string value that is exactly the word: then the count runs)
+_INTERSECTING = tuple(f'"{key}"' for key in ("allOf", "oneOf", "$ref"))
+_INTERSECTING_BYTES = tuple(key.encode() for key in _INTERSECTING)
+
+
+def may_intersect(compact_json: str | bytes) -> bool:
+    """False when the schema, as JSON, names no `allOf`, `oneOf` or `$ref`: `check_alternatives` would then return 0
+    and refuse nothing (its nesting is bounded by `check_schema_bounds`' depth, far below MAX_PATH_LENGTH)."""
+    keys = _INTERSECTING_BYTES if isinstance(compact_json, bytes) else _INTERSECTING
+    return any(key in compact_json for key in keys)  # type: ignore[operator]
 
 
 def check_alternatives(schema: dict[str, Any]) -> int:

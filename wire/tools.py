@@ -25,7 +25,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 
 from wire.fields import drop_nulls, nullable_optionals
 from wire.response_format import MAX_DESCRIPTION_CHARS, SCHEMA_BOUNDS, check_schema_bounds
-from wire.schema_alternatives import MAX_INTERSECTION_WEIGHT, check_alternatives
+from wire.schema_alternatives import MAX_INTERSECTION_WEIGHT, check_alternatives, may_intersect
 
 MAX_TOOLS = 128  # as OpenAI's
 MAX_TOOLS_BYTES = 256 * 1024  # every tool as compact JSON, together: a tool-calling prompt of this size is ~64K tokens
@@ -92,7 +92,8 @@ def _tools_bytes_bounded(value: Any) -> Any:
 def _tools_intersections_bounded(tools: list[Tool]) -> list[Tool]:
     """The tools' schemas' intersections together (a required or named tool_choice compiles them as one grammar):
     each tool within its own bound, twelve of them took a compiler 3.9 s (wire/schema_alternatives.py)."""
-    weight = sum(check_alternatives(t.function.parameters) for t in tools if t.function.parameters is not None)
+    weight = sum(check_alternatives(t.function.parameters) for t in tools
+                 if t.function.parameters is not None and may_intersect(msgspec.json.encode(t.function.parameters)))
     if weight > MAX_INTERSECTION_WEIGHT:
         raise ValueError(f"the tools' parameters intersect {weight} alternatives together; at most "
                          f"{MAX_INTERSECTION_WEIGHT} are allowed")

@@ -8,13 +8,22 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from bench.structured_output import NESTED_SCHEMA
+from wire import response_format
 from wire.chat_request import ChatCompletionRequest
 from wire.response_format import ResponseFormat
-from wire.schema_alternatives import MAX_INTERSECTED_ALTERNATIVES, MAX_INTERSECTION_WEIGHT, check_alternatives
+from wire.schema_alternatives import (
+    MAX_INTERSECTED_ALTERNATIVES,
+    MAX_INTERSECTION_WEIGHT,
+    check_alternatives,
+    may_intersect,
+)
 
 
 def patterns(k: int, tag: str) -> dict[str, Any]:
@@ -116,3 +125,42 @@ def test_a_long_chain_of_references_is_refused_not_followed_without_end() -> Non
     with pytest.raises(ValueError, match="more than 64 references"):
         check_alternatives({"$defs": defs, "$ref": "#/$defs/d0"})
     assert len(json.dumps(defs)) < 32 * 1024  # within the size bound: only this check stops it
+
+
+# -- the shortcut: a schema naming no allOf, oneOf or $ref is not walked ------------------------------------------
+
+_KEYS = st.sampled_from(["anyOf", "properties", "items", "type", "enum", "$defs", "allOf", "oneOf", "$ref",
+                         "not", "prefixItems", "description"])
+_SCHEMAS = st.recursive(
+    st.sampled_from([{"type": "string"}, {"type": "integer"}, {"$ref": "#"}, {"$ref": "#/nowhere"}, {}]),
+    lambda inner: st.one_of(
+        st.dictionaries(_KEYS, st.one_of(inner, st.lists(inner, min_size=1, max_size=4),
+                                         st.dictionaries(st.sampled_from(["a", "b", "allOf"]), inner, max_size=3)),
+                        max_size=4),
+        st.builds(lambda bs: {"anyOf": bs}, st.lists(inner, min_size=1, max_size=6))),
+    max_leaves=40)
+
+
+@settings(max_examples=400, deadline=None)
+@given(_SCHEMAS)
+def test_a_schema_that_cannot_intersect_is_known_by_its_json(schema: dict[str, Any]) -> None:
+    """The shortcut changes no answer: where the JSON names none of the three keys, the count refuses nothing and
+    weighs 0 (whatever else the schema nests: anyOfs of anyOfs, maps, lists)."""
+    text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+    if not may_intersect(text):
+        assert check_alternatives(schema) == 0
+    assert may_intersect(text) == may_intersect(msgspec.json.encode(schema))  # the tools' way, as bytes
+
+
+def test_only_a_schema_that_names_an_intersection_is_walked(monkeypatch: pytest.MonkeyPatch) -> None:
+    walked: list[dict[str, Any]] = []
+    monkeypatch.setattr(response_format, "check_alternatives", lambda s: walked.append(s) or 0)
+    wide = {"type": "object", "properties": {f"p{i}": {"anyOf": [{"type": "integer"}, {"type": "null"}]}
+                                             for i in range(500)}}
+    response_format.check_schema_bounds(wide)
+    assert walked == []
+    for key in ("allOf", "oneOf", "$ref"):
+        named = wide | {"properties": wide["properties"] | {"x": {key: "#" if key == "$ref" else [{}]}}}
+        response_format.check_schema_bounds(named)
+        assert walked[-1] is named
+    assert may_intersect('{"description":"say \\"allOf\\" twice"}') is False  # inside a string: escaped quotes
