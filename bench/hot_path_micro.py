@@ -12,7 +12,10 @@ What `bench.gateway_profile` pointed at, timed alone (best of `--repeat` runs of
 - a prometheus-client child looked up with `labels()` at every call against the one remembered
   (gateway/metrics.py `GatewayMetrics.child`);
 - `TierSpec.version_name` read through pydantic's private-attribute `__getattr__` against the property that reads
-  `__pydantic_private__` (tiers/catalogue.py).
+  `__pydantic_private__` (tiers/catalogue.py);
+- a chat body with a 29 KB response_format schema (hostile_tenant's: an object of 1,000 integer properties) parsed
+  by the gateway (`parse_request`, on its event loop) with the schema's intersection count always walked against
+  walked only where its JSON names allOf, oneOf or $ref (wire/schema_alternatives.py `may_intersect`).
 
 Pinned to one CPU (`--cpu`, the last one by default) so the figures are one core's, as the gateway's are in
 bench/gateway.py. Prints the CPU model and flags and Python's version with the table.
@@ -38,8 +41,10 @@ from bench.structured_output import cpu_model
 from gateway.bpe_words import ByteLevelWords
 from gateway.config_files import load_yaml
 from gateway.metrics import GatewayMetrics
+from gateway.pipeline.handle import parse_request
 from gateway.settings import Settings
 from tiers.catalogue import TierCatalogue
+from wire import response_format
 from wire.responses import sse
 
 QUESTION = "How do I make a Python script read a CSV file, skip the header row, and sum the third column quickly?"
@@ -116,6 +121,22 @@ def spec_rows(repeat: int) -> list[tuple[str, float, float]]:
              best_us(lambda: spec.version_name, repeat, 20000))]
 
 
+def schema_rows(repeat: int) -> list[tuple[str, float, float]]:
+    schema = {"type": "object", "additionalProperties": False,
+              "properties": {f"p{i}": {"type": "integer"} for i in range(1000)}}
+    body = json.dumps({"model": "mid", "messages": [{"role": "user", "content": "Give me JSON."}], "max_tokens": 16,
+                       "response_format": {"type": "json_schema",
+                                           "json_schema": {"name": "x", "strict": True, "schema": schema}}}).encode()
+    shortcut = response_format.may_intersect
+    response_format.may_intersect = lambda text: True  # type: ignore[assignment]  # the count always walked
+    try:
+        before = best_us(lambda: parse_request(body), repeat, 50)
+    finally:
+        response_format.may_intersect = shortcut
+    return [(f"a chat body with a {len(body) // 1024} KB response_format schema parsed", before,
+             best_us(lambda: parse_request(body), repeat, 50))]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeat", type=int, default=7, help="timeit runs per figure; the fastest is kept [7]")
@@ -128,7 +149,7 @@ def main() -> None:
     model_dir = settings.resolved_models_dir / "smollm2-135m-instruct"
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     rows = (token_rows(tokenizer, args.repeat) + json_rows(args.repeat) + metric_rows(args.repeat)
-            + spec_rows(args.repeat))
+            + spec_rows(args.repeat) + schema_rows(args.repeat))
     print(f"`python -m bench.hot_path_micro --repeat {args.repeat}` — {cpu_model()}; pinned to CPU {cpu}; Python "
           f"{platform.python_version()}; best of {args.repeat} timeit runs, µs per call\n")
     print("| what | before (what it replaced) | now | ratio |")
