@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
+import httpx
 import pytest
 
 from gateway.settings import Settings
@@ -37,3 +38,26 @@ def test_a_row_late_past_the_wait_still_settles_the_quota_at_once(gw: Gateway) -
     assert time.monotonic() - started < WAIT_S + 1.0
     assert disk.done.wait(10)
     assert any(row.request_id == rid for row in gw.ledger_rows())  # the row committed late, once
+
+
+def test_a_client_that_leaves_while_its_row_is_written_hands_the_settle_off(gw: Gateway) -> None:
+    """The branch where the request's task is cancelled during the row's wait: its client left. The quota is not
+    settled before the row is durable (a settled quota never lacks its row) and is settled once it is, by the
+    handed-off settle, not left held until the reaper returns it."""
+    quotas = gw.app.state.services.pipeline.settler.quotas
+    backend = quotas.backend
+    assert isinstance(backend, MemoryBackend) and quotas.settles_at_once  # the path under test
+    disk = SlowDisk(gw).arm()
+    disk.ledger.record_timeout_s = 10.0  # the request waits for its row longer than its client does
+    with gw.client(gw.tenant_key) as c, pytest.raises(httpx.ReadTimeout):
+        c.post("/v1/chat/completions", json={"model": "mid", "messages": MSG}, timeout=httpx.Timeout(5, read=0.5))
+    deadline = time.monotonic() + 5
+    while not backend._held and time.monotonic() < deadline:
+        time.sleep(0.01)
+    [rid] = backend._held  # reserved, answered, its row held by the slow disk
+    assert not disk.done.is_set() and rid not in backend._done  # not settled before its row is durable
+    assert disk.done.wait(10)
+    while rid in backend._held and time.monotonic() < deadline + 10:
+        time.sleep(0.01)
+    assert rid not in backend._held and rid in backend._done  # settled once the row was, by the handed-off settle
+    assert [row.request_id for row in gw.ledger_rows()].count(rid) == 1
