@@ -173,7 +173,9 @@ class RedisIdempotency(IdempotencyStore):
         self._begin = self._redis.register_script(_BEGIN)
         self._finish = self._redis.register_script(_FINISH)
         self._abandon = self._redis.register_script(_ABANDON)
-        self._owed: dict[tuple[str, str], _Owed] = {}  # by (tenant, key)
+        # an answer by (tenant, key), so that a retry here replays it; a give-up by (tenant, key, owner): each request's
+        # claim its own, so a retry's give-up (which may delete nothing) never replaces an earlier request's
+        self._owed: dict[tuple[str, ...], _Owed] = {}
         self._owed_bytes = 0
         self._worker: asyncio.Task[None] | None = None
         self._following: dict[Claim, int] = {}  # answers whose ledger row is pending, and their bytes
@@ -279,21 +281,27 @@ class RedisIdempotency(IdempotencyStore):
         raise AssertionError("unreachable")
 
     def _owe(self, tenant: str, key: str, owed: _Owed) -> None:
-        """Keep `owed` for the background worker (an owed answer is never replaced by a give-up)."""
-        held = self._owed.get((tenant, key))
-        if held is not None and held.what == "finish" and owed.what != "finish":
-            return
+        """Keep `owed` for the background worker (an owed answer is never replaced by its own claim's give-up)."""
+        owner = owed.args[1] if owed.what == "finish" else owed.args[0]
+        if owed.what != "finish":
+            answer = self._owed.get((tenant, key))
+            if answer is not None and answer.args[1] == owner:
+                return
+        elif (given_up := self._owed.get((tenant, key, owner))) is not None:  # the answer supersedes it
+            self._forget((tenant, key, owner), given_up)
+        at = (tenant, key) if owed.what == "finish" else (tenant, key, owner)
+        held = self._owed.get(at)
         grown = owed.size - (held.size if held is not None else 0)
         if (held is None and len(self._owed) >= MAX_OWED) or self._owed_bytes + grown > MAX_OWED_BYTES:
             log.error("too many idempotency writes owed to Redis: the %s of key %r (tenant %s) is dropped; its claim "
                       "stays running until its lease ends", owed.what, key, tenant)
             return
-        self._owed[(tenant, key)] = owed
+        self._owed[at] = owed
         self._owed_bytes += grown
         if self._worker is None or self._worker.done():
             self._worker = asyncio.get_running_loop().create_task(self._repay())
 
-    def _forget(self, at: tuple[str, str], owed: _Owed) -> None:
+    def _forget(self, at: tuple[str, ...], owed: _Owed) -> None:
         if self._owed.get(at) is owed:
             del self._owed[at]
             self._owed_bytes -= owed.size

@@ -138,3 +138,25 @@ async def test_a_give_up_redis_refuses_is_owed(replicas: tuple[RedisIdempotency,
         return isinstance(await b.begin("acme", "k", "fp", "req-2", lease_s=60), Claim)
 
     await eventually(free)
+
+
+async def test_each_lost_claim_of_one_key_is_given_up_not_only_the_last(
+        replicas: tuple[RedisIdempotency, RedisIdempotency]) -> None:
+    """Redis slow then down: req-1's claim ran but its replies were lost, and the client's retry (req-2) was refused
+    outright. Both give-ups are owed; req-2's (which deletes nothing) must not replace req-1's, or req-1's claim holds
+    the key for its whole lease and every retry is told 409 meanwhile."""
+    a, b = replicas
+    begin, abandon = a._begin, a._abandon
+    a._abandon = Faulty(abandon, 10**9)  # Redis refuses the give-ups too while it is down
+    a._begin = Faulty(begin, 2, ran=True)  # each try claimed it, and each reply was lost
+    with pytest.raises(LedgerUnavailable):
+        await a.begin("acme", "k", "fp", "req-1", lease_s=60)
+    a._begin = Faulty(begin, 2)  # the SDK's retry: refused, nothing claimed
+    with pytest.raises(LedgerUnavailable):
+        await a.begin("acme", "k", "fp", "req-2", lease_s=60)
+    a._begin, a._abandon = begin, abandon  # Redis answers again
+
+    async def free() -> bool:  # req-1's claim is given up once Redis answers: the next retry runs
+        return isinstance(await b.begin("acme", "k", "fp", "req-3", lease_s=60), Claim)
+
+    await eventually(free, within_s=10.0)
