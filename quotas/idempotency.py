@@ -51,6 +51,7 @@ from typing import Any
 
 import msgspec
 
+from quotas.idempotency_give_ups import GIVE_UP_FOR_S, At, GiveUps
 from quotas.idempotency_totals import migrate_sqlite
 from quotas.ledger import LedgerUnavailable, Statement
 
@@ -202,6 +203,7 @@ class SQLiteIdempotency(IdempotencyStore):
         migrate_sqlite(self._conn)
         self._claims = 0
         self._fault: str | None = None  # why claims are refused, since the first refused (logged once)
+        self._give_ups = GiveUps(self._abandon_at)  # give-ups SQLite could not take, deleted once it can
 
     def _connect(self) -> sqlite3.Connection:
         conn = sqlite3.connect(self._path, isolation_level=None, timeout=5.0, check_same_thread=False)
@@ -296,14 +298,34 @@ class SQLiteIdempotency(IdempotencyStore):
                                            claim.owner)),)
 
     async def abandon(self, claim: Claim) -> None:
-        await asyncio.get_running_loop().run_in_executor(self._pool, self._abandon, claim)
+        """Give the claim up; one SQLite cannot take now (busy past its timeout, locked, full...) is owed and given up
+        in the background once it can (quotas/idempotency_give_ups.py, as PostgreSQL's), never left to hold the key
+        for its lease, every retry told 409 meanwhile."""
+        at = (claim.tenant, claim.key, claim.owner)
+        try:
+            await self._abandon_at(at)
+        except LedgerUnavailable:
+            self._give_ups.owe(at, GIVE_UP_FOR_S)
 
-    def _abandon(self, claim: Claim) -> None:
-        self._conn = self._conn or self._connect()
-        self._conn.execute("DELETE FROM idempotency WHERE tenant = ? AND key = ? AND owner = ? AND state = "
-                           "'running'", (claim.tenant, claim.key, claim.owner))
+    async def _abandon_at(self, at: At) -> None:
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._pool, self._abandon, at)
+        except (sqlite3.Error, MemoryError) as exc:
+            if (found := _sqlite_fault(exc)) is None:
+                raise
+            raise LedgerUnavailable(f"an idempotency claim cannot be given up now: {found[0]}") from exc
+
+    def _abandon(self, at: At) -> None:
+        conn = self._conn = self._conn or self._connect()
+        try:
+            conn.execute("DELETE FROM idempotency WHERE tenant = ? AND key = ? AND owner = ? AND state = 'running'",
+                         at)
+        except BaseException:
+            self._roll_back(conn)
+            raise
 
     async def close(self) -> None:
+        await self._give_ups.close()
         self._pool.shutdown(wait=True)
         if self._conn is not None:
             self._conn.close()

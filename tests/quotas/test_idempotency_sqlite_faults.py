@@ -7,16 +7,18 @@ file overwritten, and SQLite's own heap limit (tests/quotas/test_idempotency_sql
 from __future__ import annotations
 
 import _sqlite3
+import asyncio
 import ctypes
 import logging
 import sqlite3
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
-from quotas.idempotency import Claim, SQLiteIdempotency
+from quotas.idempotency import Claim, Running, SQLiteIdempotency
 from quotas.ledger import LedgerUnavailable
 
 
@@ -100,5 +102,31 @@ async def test_out_of_memory_is_unavailable_and_leaves_no_write_lock(tmp_path: P
         assert await store.begin("acme", "k1", "body", "r2", lease_s=60) == Claim("acme", "k1", "body", "r2")
         assert store._conn is not None
         assert store._conn.execute("SELECT key, owner FROM idempotency").fetchall() == [("k1", "r2")]
+    finally:
+        await store.close()
+
+
+async def test_a_give_up_sqlite_cannot_take_now_is_owed_not_left_to_the_lease(tmp_path: Path) -> None:
+    """A request that failed gives its claim up; SQLite busy past its timeout then (another writer holds the lock) must
+    not leave the claim running for its lease, every retry told 409 meanwhile: it is given up once SQLite can take it,
+    as PostgreSQL's and Redis's give-ups are, and the retry runs."""
+    path = tmp_path / "ledger.db"
+    store = SQLiteIdempotency(path)
+    try:
+        claim = await store.begin("acme", "k", "body", "r1", lease_s=600)
+        assert isinstance(claim, Claim)
+        assert store._conn is not None
+        store._conn.execute("PRAGMA busy_timeout = 50")  # its 5 s, shorter
+        writer = sqlite3.connect(path, isolation_level=None)
+        writer.execute("BEGIN IMMEDIATE")  # the write lock held past the give-up's timeout
+        try:
+            await store.abandon(claim)  # no error on top of the request's own
+        finally:
+            writer.execute("ROLLBACK")
+            writer.close()
+        deadline = time.monotonic() + 10
+        while not isinstance(begun := await store.begin("acme", "k", "body", "r2", lease_s=600), Claim):
+            assert begun == Running() and time.monotonic() < deadline, "the failed request's claim is still held"
+            await asyncio.sleep(0.05)
     finally:
         await store.close()
