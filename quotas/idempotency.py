@@ -156,6 +156,11 @@ class IdempotencyStore(ABC):
     async def finish(self, claim: Claim, answer: dict[str, Any], ttl_s: float) -> None:  # noqa: B027
         """Store the answer, for stores that cannot commit with the ledger row (called once it is durable)."""
 
+    async def finish_alone(self, claim: Claim, answer: dict[str, Any], ttl_s: float) -> None:
+        """Store an answer whose ledger row is already durable without it, in a write of its own (a cascade's first
+        answer, which stands when its retry failed: gateway/pipeline/cascade.py). Raises if the store cannot."""
+        await self.finish(claim, answer, ttl_s)
+
     @abstractmethod
     async def abandon(self, claim: Claim) -> None:
         """The request failed or its client left: a retry runs again."""
@@ -296,6 +301,19 @@ class SQLiteIdempotency(IdempotencyStore):
         return (("UPDATE idempotency SET state = 'done', answer = ?, size = ?, expires = ? WHERE tenant = ? AND "
                  "key = ? AND owner = ?", (text, size, self._clock() + ttl_s, claim.tenant, claim.key,
                                            claim.owner)),)
+
+    async def finish_alone(self, claim: Claim, answer: dict[str, Any], ttl_s: float) -> None:
+        statements = self.finish_with_row(claim, answer, ttl_s)
+        await asyncio.get_running_loop().run_in_executor(self._pool, self._execute, statements)
+
+    def _execute(self, statements: tuple[Statement, ...]) -> None:
+        conn = self._conn = self._conn or self._connect()
+        try:
+            for sql, args in statements:
+                conn.execute(sql, args)
+        except BaseException:
+            self._roll_back(conn)
+            raise
 
     async def abandon(self, claim: Claim) -> None:
         """Give the claim up; one SQLite cannot take now (busy past its timeout, locked, full...) is owed and given up

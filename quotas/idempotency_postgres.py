@@ -175,6 +175,10 @@ class PostgresIdempotency(IdempotencyStore):
             return ((_PG_ABANDON, (claim.tenant, claim.key, claim.owner)),)
         return ((_PG_FINISH, (text, self._clock() + ttl_s, claim.tenant, claim.key, claim.owner)),)
 
+    async def finish_alone(self, claim: Claim, answer: dict[str, Any], ttl_s: float) -> None:
+        for sql, args in self.finish_with_row(claim, answer, ttl_s):
+            await self._run(sql, args)
+
     async def abandon(self, claim: Claim) -> None:
         try:
             await self._run(_PG_ABANDON, (claim.tenant, claim.key, claim.owner))

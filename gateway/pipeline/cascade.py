@@ -19,8 +19,9 @@ still run on the whole.
 The check runs before the first attempt settles, and the second attempt is reserved then too, so the first
 row can say whether the cascade happened, and why not when it did not (no dearer tier, the ladder, a
 refused reservation). Under an Idempotency-Key the answer stored is the one the client gets: the second
-attempt's; if that one fails, the first answer stands but is not stored (a retry runs again); if the first was
-cut short, the client gets the second's error.
+attempt's; if that one fails, the first answer stands and is stored then, by itself (its ledger row is durable
+already), before the client reads it, so the SDK's retry replays it (it was not stored: the retry ran, and was billed,
+again); if the first was cut short, the client gets the second's error.
 
 Streams: a stream's tokens are the client's as they come, so it can be judged only before any is sent. Under a
 plan's `cascade_streams`, and only with a look-ahead in the artifact, the stream's first events are held until
@@ -35,6 +36,8 @@ only when the look-ahead judged it and the plain checks pass on the whole. The s
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
@@ -45,8 +48,8 @@ from gateway.errors import TiergateError
 from gateway.pipeline.attempt import Attempt, Prepared
 from gateway.pipeline.cache_lookup import CacheLookup, artifact_version, cascade_acceptance, with_artifact
 from gateway.pipeline.context import RequestContext
-from gateway.pipeline.events import Event, Head
-from gateway.pipeline.idempotency import Keep
+from gateway.pipeline.events import Delta, Event, Head
+from gateway.pipeline.idempotency import IdempotencyStage, Keep
 from gateway.pipeline.meter import Meter, Outcome, Reading
 from gateway.pipeline.route import RouteDecision, RouteStage
 from gateway.pipeline.settle import Settler
@@ -61,6 +64,7 @@ class Pipeline(Protocol):
 
     route: RouteStage
     settler: Settler
+    idempotency: IdempotencyStage | None
 
     def answer(self, ctx: RequestContext, prepared: Prepared, *, judge: Any = None,
                headers: dict[str, str] | None = None, reading: Reading | None = None,
@@ -123,8 +127,11 @@ async def cascade(pipeline: Pipeline, ctx: RequestContext, prepared: Prepared) -
         cut = step.second is not None and not stopped
         return cut
 
+    answered: Outcome | None = None  # the first answer, as judged
+
     async def judge(attempt: Attempt, outcome: Outcome) -> Attempt:
-        nonlocal step
+        nonlocal step, answered
+        answered = outcome
         if step is None:
             step = (Step(_streamed(ctx, attempt, outcome, early, check), None) if stream
                     else await _judge(pipeline, ctx, prepared, attempt, outcome, check, early))
@@ -171,8 +178,11 @@ async def cascade(pipeline: Pipeline, ctx: RequestContext, prepared: Prepared) -
         except TiergateError as err:  # the retry failed (and is settled as such): the first answer stands
             if cut:  # ... unless it was cut short: then the client gets the retry's error, not half an answer
                 raise
-            failed = {"x-tiergate-cascade": f"{step.label} failed ({err.code})"}
-            yield pipeline.head(ctx, prepared.req, step.attempt, failed)
+            head = pipeline.head(ctx, prepared.req, step.attempt,
+                                 {"x-tiergate-cascade": f"{step.label} failed ({err.code})"})
+            if answered is not None:
+                await _keep_standing(pipeline, ctx, prepared, head, answered, held)
+            yield head
             for event in held[1:]:
                 yield event
             return
@@ -182,6 +192,30 @@ async def cascade(pipeline: Pipeline, ctx: RequestContext, prepared: Prepared) -
         if step is not None and step.second is not None and not started:
             await pipeline.settler.settle(ctx, step.second.attempt, Meter(ctx.t0).outcome("cancelled", 499), None,
                                           wait=False)
+
+
+async def _keep_standing(pipeline: Pipeline, ctx: RequestContext, prepared: Prepared, head: Head, first: Outcome,
+                         held: list[Event]) -> None:
+    """Under an Idempotency-Key, the first answer that stands (its retry failed) is the key's answer: stored by itself
+    (its row is durable: it was settled before the retry ran), before the client reads it, so a retry replays it; a
+    store that cannot keep it gives the claim up (a retry runs again). Its write ends even if the client leaves."""
+    keep, stage = prepared.keep, pipeline.idempotency
+    if keep is None or stage is None or keep.stored:
+        return
+    logprobs = [entry for event in held if isinstance(event, Delta) for entry in event.logprobs or ()]
+    answer = IdempotencyStage.answer(head, first, logprobs if prepared.req.logprobs else None)
+    keep.stored = True  # the claim is the answer's from here: given up by `_store_alone` only if it cannot be kept
+    kept = pipeline.settler.hand_off(_store_alone(stage, keep, answer, ctx.plan.idempotency_ttl_s))
+    with contextlib.suppress(Exception):  # logged by the hand-off; the answer is still the client's
+        await asyncio.shield(kept)
+
+
+async def _store_alone(stage: IdempotencyStage, keep: Keep, answer: dict[str, Any], ttl_s: float) -> None:
+    try:
+        await stage.store.finish_alone(keep.claim, answer, ttl_s)
+    except Exception:
+        await stage.store.abandon(keep.claim)
+        raise
 
 
 async def _judge(pipeline: Pipeline, ctx: RequestContext, prepared: Prepared, attempt: Attempt, outcome: Outcome,

@@ -64,6 +64,24 @@ async def test_a_key_is_claimed_once_and_its_answer_replayed(stores: tuple[Idemp
     assert await store.begin("acme", "k1", "body-b", "r4", lease_s=60) == Mismatch()
 
 
+async def test_an_answer_whose_row_is_durable_is_stored_alone_and_its_size_counted(
+        stores: tuple[IdempotencyStore, Ledger, Clock]) -> None:
+    """`finish_alone` (a cascade's first answer that stands when its retry failed): stored in a write of its own, as a
+    `done` record whose size counts towards the tenant's bound, and replayed; too large, the claim is given up."""
+    store, _, _ = stores
+    store.limits = Limits(bytes=16, answer_bytes=64)
+    large = await store.begin("acme", "k2", "body", "r1", lease_s=60)
+    assert isinstance(large, Claim)
+    await store.finish_alone(large, {"text": "x" * 100}, 3600)  # over the bound: not kept, a retry runs again
+    assert isinstance(await store.begin("acme", "k2", "body", "r2", lease_s=60), Claim)
+    claim = await store.begin("acme", "k1", "body", "r3", lease_s=60)
+    assert isinstance(claim, Claim)
+    answer = {"id": "chatcmpl-r3", "text": "Hello"}
+    await store.finish_alone(claim, answer, 3600)
+    assert await store.begin("acme", "k1", "body", "r4", lease_s=60) == Replay(answer)
+    assert isinstance(await store.begin("acme", "k3", "body", "r5", lease_s=60), Full)  # its bytes count
+
+
 async def test_the_answer_is_stored_with_its_ledger_row_or_not_at_all(stores: tuple[IdempotencyStore, Ledger,
                                                                                      Clock]) -> None:
     store, ledger, _ = stores

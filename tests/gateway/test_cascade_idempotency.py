@@ -1,0 +1,44 @@
+"""A cascade under an Idempotency-Key: the answer the client got is the one its key keeps. When the dearer tier's retry
+fails, the first answer stands (answered 200, billed with the retry's refusal); the SDK's retry with the key, that
+answer lost on the way, is its replay, charged nothing, not a second run billed again (it ran again: the first answer
+was not kept, and its claim was given up)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from gateway.settings import Settings
+from quotas.backends.memory import _day_month
+from quotas.money import to_pico
+from tests.conftest import running_gateway
+from tests.gateway.test_cascade_logprobs import engine_small, settings  # noqa: F401 (fixtures)
+from tests.gateway.test_routing_api import with_difficulty_model
+from tests.stubs import StubState
+
+BODY = {"model": "auto", "messages": [{"role": "user", "content": "easy STUB:400"}]}  # small answers, mid refuses
+
+
+def test_a_first_answer_that_stands_when_its_retry_fails_is_replayed_not_run_and_billed_again(
+        settings: tuple[Settings, StubState], tmp_path: Path) -> None:  # noqa: F811
+    with running_gateway(settings[0], settings[1], plan="unsure") as gw:
+        with_difficulty_model(gw, tmp_path)
+        with gw.client(gw.tenant_key) as c:
+            first = c.post("/v1/chat/completions", json=BODY, headers={"idempotency-key": "order-7"})
+            assert first.status_code == 200, first.text
+            assert first.headers["x-tiergate-cascade"].startswith("small->mid failed")
+            assert first.json()["choices"][0]["message"]["content"] == "unsure."
+            ran = len(gw.ledger_rows())  # the first answer's row and the refused retry's
+            again = c.post("/v1/chat/completions", json=BODY, headers={"idempotency-key": "order-7"})
+        assert again.status_code == 200, again.text
+        assert again.headers.get("x-tiergate-idempotent-replay") == "true"
+        assert again.json()["id"] == first.json()["id"]
+        assert again.json()["choices"] == first.json()["choices"] and again.json()["usage"] == first.json()["usage"]
+        rows = gw.ledger_rows()
+        assert len(rows) == ran == 2 and len(settings[1].requests) == 1  # ran once, billed once
+        backend = gw.app.state.services.quota_backend
+        deadline = time.monotonic() + 5
+        while backend._held and time.monotonic() < deadline:
+            time.sleep(0.05)
+        day, month = _day_month(time.time())
+        assert backend.spend_of("acme", "t", day, month)[0] == sum(to_pico(r.price_usd) for r in rows)
