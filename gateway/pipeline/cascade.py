@@ -26,8 +26,11 @@ again); if the first was cut short, the client gets the second's error.
 Streams: a stream's tokens are the client's as they come, so it can be judged only before any is sent. Under a
 plan's `cascade_streams`, and only with a look-ahead in the artifact, the stream's first events are held until
 the look-ahead has judged: a kept stream then sends what was held and goes on live (its head's route reason
-carries the verdict), a failed one is cut and the dearer tier's answer streams instead. The plain checks of
-the whole answer cannot retry a stream (it has been sent). Without a look-ahead a stream is not checked.
+carries the verdict), a failed one is cut and the dearer tier's answer streams instead. A stream shorter than the
+look-ahead is held whole and judged at its end: if its retry fails before its first byte, the whole answer held
+stands and is sent, as a JSON answer's does (the client got the retry's error, billed for an answer it never saw).
+The plain checks of the whole answer cannot retry a stream (it has been sent). Without a look-ahead a stream is not
+checked.
 
 The cache: a cascaded `auto` request was looked up among the answers the check accepted (cache_lookup.py's
 `accepted_by`), and its first answer is kept there only when the check ran and accepted it (`_accepted`): a stream
@@ -169,14 +172,11 @@ async def cascade(pipeline: Pipeline, ctx: RequestContext, prepared: Prepared) -
             return
         labelled = {"x-tiergate-cascade": step.label}
         started = True  # from here the pipeline settles the second attempt, whatever happens
-        if stream:  # the retry streams live; nothing of the first was sent, so its errors are the client's
-            async for event in pipeline.answer(ctx, step.second, headers=labelled):
-                yield event
-            return
-        try:
-            second = [event async for event in pipeline.answer(ctx, step.second, headers=labelled)]
-        except TiergateError as err:  # the retry failed (and is settled as such): the first answer stands
-            if cut:  # ... unless it was cut short: then the client gets the retry's error, not half an answer
+        retry = pipeline.answer(ctx, step.second, headers=labelled)
+        try:  # a stream's retry goes live from its head (its errors after that are the client's); JSON's is read whole
+            second = [await anext(retry)] if stream else [event async for event in retry]
+        except TiergateError as err:  # the retry failed (settled as such) before any of it was sent: the first answer
+            if cut:  # stands, unless it was cut short: then the client gets the retry's error, not half an answer
                 raise
             head = pipeline.head(ctx, prepared.req, step.attempt,
                                  {"x-tiergate-cascade": f"{step.label} failed ({err.code})"})
@@ -187,6 +187,8 @@ async def cascade(pipeline: Pipeline, ctx: RequestContext, prepared: Prepared) -
                 yield event
             return
         for event in second:
+            yield event
+        async for event in retry:  # a stream's, live (a JSON answer's was read whole)
             yield event
     finally:  # a second attempt reserved and never started (the client left, the first's row failed) is settled
         if step is not None and step.second is not None and not started:
