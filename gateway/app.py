@@ -49,7 +49,7 @@ from gateway.routes.dashboard import dashboard
 from gateway.routes.degrade import degrade_router
 from gateway.routes.embeddings import create_embeddings
 from gateway.routes.health import health, metrics
-from gateway.routes.models import list_models
+from gateway.routes.models import list_models, retrieve_model
 from gateway.routes.openapi import WireSchemaPlugin, openapi_config, openapi_document
 from gateway.routes.ops import ops
 from gateway.routes.rollouts import rollouts_router
@@ -285,9 +285,9 @@ def create_app(settings: Settings | None = None) -> Litestar:
             services.rollouts.store.close()
 
     return Litestar(
-        route_handlers=[chat_completions, text_completions, create_embeddings, list_models, health, metrics,
-                        admin_router, degrade_router, rollouts_router, admin_report, tenant_report, ops, dashboard,
-                        openapi_document],
+        route_handlers=[chat_completions, text_completions, create_embeddings, list_models, retrieve_model, health,
+                        metrics, admin_router, degrade_router, rollouts_router, admin_report, tenant_report, ops,
+                        dashboard, openapi_document],
         lifespan=[lifespan, embeddings_lifespan],
         dependencies={name: Provide(provider, sync_to_thread=False) for name, provider in _PROVIDERS.items()},
         middleware=[request_id_middleware],

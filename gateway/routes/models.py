@@ -1,5 +1,9 @@
 """GET /v1/models: the tiers a key may use, `auto`, the embedding model, whether each is ready, and what each
-can do (`capabilities`: the endpoints that serve it, and `tools` where chat answers tool calls)."""
+can do (`capabilities`: the endpoints that serve it, and `tools` where chat answers tool calls).
+
+GET /v1/models/{model}: one entry of that list, as the OpenAI SDKs' `models.retrieve` reads it; a model the key does
+not see is OpenAI's 404 `model_not_found`, in the same words for a name that is no tier and for a tier the key's plan
+leaves out (neither tells a tenant the names of tiers its plan does not offer)."""
 
 from __future__ import annotations
 
@@ -8,15 +12,17 @@ from typing import Any
 from litestar import get
 from litestar.di import NamedDependency, Provide
 from litestar.openapi import ResponseSpec
+from litestar.params import FromPath
 
 from gateway.auth import provide_principal
+from gateway.errors import NotFound
 from gateway.routes.openapi import BEARER, errors
 from gateway.tenants.store import Principal
 from quotas.plans import PlanBook
 from tiers.fleet import Fleet
 from tiers.routing import AUTO
 from wire.embeddings import EMBEDDING_DIM
-from wire.response_models import ModelList
+from wire.response_models import Model, ModelList
 
 # the endpoints a chat tier answers on through this gateway
 TIER_CAPABILITIES = ["chat.completions", "completions"]
@@ -29,7 +35,26 @@ TOOLS = "tools"  # the tier answers `tools` (tiers/catalogue.py's TierSpec.tools
                                  **errors(401, 500)})
 async def list_models(principal: NamedDependency[Principal], fleet: NamedDependency[Fleet],
                       plans: NamedDependency[PlanBook]) -> dict[str, Any]:
-    """The tiers the key's plan allows, `auto`, and the embedding model; an admin key sees every tier.
+    """The tiers the key's plan allows, `auto`, and the embedding model; an admin key sees every tier."""
+    return {"object": "list", "data": _entries(principal, fleet, plans)}
+
+
+@get("/v1/models/{model_id:str}", dependencies={"principal": Provide(provide_principal)}, tags=["OpenAI"],
+     summary="Retrieve a model", security=BEARER,
+     responses={200: ResponseSpec(Model, generate_examples=False, description="The model, as /v1/models lists it"),
+                **errors(401, 404, 500)})
+async def retrieve_model(model_id: FromPath[str], principal: NamedDependency[Principal], fleet: NamedDependency[Fleet],
+                         plans: NamedDependency[PlanBook]) -> dict[str, Any]:
+    """One model the key sees, as /v1/models lists it."""
+    for entry in _entries(principal, fleet, plans):
+        if entry["id"] == model_id:
+            return entry
+    raise NotFound(f"the model {model_id[:256]!r} does not exist or you do not have access to it", param="model",
+                   code="model_not_found")
+
+
+def _entries(principal: Principal, fleet: Fleet, plans: PlanBook) -> list[dict[str, Any]]:
+    """The models `principal` sees, as /v1/models lists them.
 
     `unavailable_reason` is in words any key may read ("starting", "the tier's backend could not be reached",
     "circuit breaker open on every healthy replica"...), never a replica's own reason, which names the upstream's URL
@@ -59,4 +84,4 @@ async def list_models(principal: NamedDependency[Principal], fleet: NamedDepende
                      "description": embeddings.description, "available": True, "dimensions": EMBEDDING_DIM,
                      "pricing": {"input_per_1k_usd": str(embeddings.price_per_1k_input)},
                      "capabilities": EMBEDDING_CAPABILITIES})
-    return {"object": "list", "data": data}
+    return data
