@@ -21,8 +21,8 @@ OpenAI's request fields, one by one (`OPENAI_FIELDS` lists them; a test sends ea
 - honoured for the one value we serve: n (1), presence_penalty and frequency_penalty (0: no penalty is applied),
   stream_options.include_obfuscation (false: stream events are not padded), store (false: nothing is stored for
   later retrieval), service_tier (auto or default: a tenant's priority and tiers come from its plan),
-  prompt_cache_retention (in-memory: the engines' prefix cache), verbosity (medium, the default), modalities
-  (["text"]), logit_bias ({}).
+  prompt_cache_retention (in_memory, or in-memory as OpenAI first spelt it: the engines' prefix cache), verbosity
+  (medium, the default), modalities (["text"]), logit_bias ({}).
 - accepted, bounded, as hints that change no answer: prompt_cache_key (OpenAI's prefix-cache routing hint; our
   engines' prefix cache needs none), safety_identifier (the end user's id for abuse detection; `end_user` gives it
   where `user` is absent), metadata (16 pairs, keys of at most 64 characters, values of at most 512, as OpenAI's;
@@ -286,8 +286,10 @@ class ChatCompletionRequest(GenerationRequest):
     service_tier: Annotated[Literal["auto", "default"], only(
         "auto", "default", reason="only 'auto' and 'default': your plan sets your priority and tiers")] | None = None
     prompt_cache_key: Annotated[str, Field(max_length=256)] | None = None
-    prompt_cache_retention: Annotated[Literal["in-memory"], only(
-        "in-memory", reason="only 'in-memory': the prefix cache lives in the engines' memory")] | None = None
+    # "in_memory" as the OpenAI SDKs type it, "in-memory" as OpenAI's API reference first wrote it
+    prompt_cache_retention: Annotated[Literal["in_memory", "in-memory"], only(
+        "in_memory", "in-memory", reason="only 'in_memory': the prefix cache lives in the engines' memory",
+    )] | None = None
     safety_identifier: Annotated[str, Field(max_length=64)] | None = None
     verbosity: Annotated[Literal["medium"], only("medium", reason="verbosity control is not supported; "
                                                  "only 'medium' (the default)")] | None = None
