@@ -52,6 +52,7 @@ from collections.abc import Callable
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, WithJsonSchema, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from wire.body_width import MAX_MESSAGES, check_width
 from wire.fields import drop_nulls, integral, nullable_optionals, only
@@ -89,6 +90,7 @@ _ECHOED_MESSAGE_FIELDS = ("refusal", "annotations", "audio", "function_call")
 _UNSET_WHEN_EMPTY = (*_ECHOED_MESSAGE_FIELDS, "tool_calls")  # `"tool_calls": []` is no call
 _EMPTY = {"anyOf": [{"type": "null"}, {"const": ""}, {"type": "array", "maxItems": 0},
                     {"type": "object", "maxProperties": 0}]}
+_HAS_CONTENT = {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}}
 
 
 def _message_schema(schema: dict[str, Any]) -> None:
@@ -103,6 +105,10 @@ def _message_schema(schema: dict[str, Any]) -> None:
          "else": {"properties": {"tool_call_id": {"type": "null"}}}},
         {"if": {"properties": {"role": {"not": {"const": "assistant"}}}},
          "then": {"properties": {"tool_calls": {"anyOf": [{"type": "null"}, {"type": "array", "maxItems": 0}]}}}},
+        # `_content_with_its_role` and `_tool_fields_with_their_roles`: content, or an assistant's tool calls
+        {"if": {"properties": {"role": {"not": {"const": "assistant"}}}}, "then": _HAS_CONTENT,
+         "else": {"anyOf": [_HAS_CONTENT, {"required": ["tool_calls"],
+                                           "properties": {"tool_calls": {"type": "array", "minItems": 1}}}]}},
     ]
 
 
@@ -113,11 +119,15 @@ class TextPart(BaseModel):
     text: str
 
 
+ContentParts = Annotated[list[TextPart], Field(min_length=1, max_length=MAX_CONTENT_PARTS, fail_fast=True)]
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid", json_schema_extra=_message_schema)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | Annotated[list[TextPart], Field(max_length=MAX_CONTENT_PARTS, fail_fast=True)] | None = None
+    # required but for an assistant message with tool calls (`_content_with_its_role`, `_tool_fields_with_their_roles`)
+    content: Annotated[str | ContentParts | None, Field(validate_default=True)] = None
     # the participant's name: honoured where the model's chat template writes it, refused by name where not
     # (wire/tool_calls.py's `unrendered_name`, checked by our engines)
     name: Annotated[str, Field(max_length=256)] | None = None
@@ -129,10 +139,21 @@ class ChatMessage(BaseModel):
     def _nulls_are_unset(cls, data: Any) -> Any:
         return drop_nulls(data, _UNSET_WHEN_EMPTY)
 
+    @field_validator("content")
+    @classmethod
+    def _content_with_its_role(cls, value: Any, info: ValidationInfo) -> Any:
+        # OpenAI requires it; a message without it was answered as if it had said nothing (`role` absent: it failed)
+        role = info.data.get("role", "assistant")
+        if value is None and role != "assistant":
+            raise PydanticCustomError("missing", "a {role} message needs `content`", {"role": role})
+        return value
+
     @model_validator(mode="after")
     def _tool_fields_with_their_roles(self) -> ChatMessage:
         if self.tool_calls is not None and self.role != "assistant":
             raise ValueError("only an assistant message has `tool_calls`")
+        if self.role == "assistant" and self.content is None and not self.tool_calls:
+            raise ValueError("an assistant message needs `content` or `tool_calls`")
         if (self.tool_call_id is not None) != (self.role == "tool"):
             raise ValueError("a tool message needs `tool_call_id`, and only a tool message has one")
         return self
