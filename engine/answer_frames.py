@@ -10,6 +10,7 @@ bug aborts the request's generation (slot and KV blocks go back).
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -41,14 +42,45 @@ def error_status(out: RequestOutput) -> int:
 FAILED = error_body("the engine failed on this request", "api_error", code="engine_error")
 
 
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's characters (GPT-2's `bytes_to_unicode`, SmolLM2's and Llama 3's vocabularies) -> the byte each
+    stands for: printable Latin-1 stands for itself, every other byte for a character from U+0100 on."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    moved = [b for b in range(256) if b not in kept]
+    return {chr(b): b for b in kept} | {chr(256 + n): b for n, b in enumerate(moved)}
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte tokens (Llama 2, Mistral)
+
+
+def token_bytes(tokenizer: Any, token_id: int, text: str) -> bytes:
+    """The bytes token `token_id` stands for (`text`: it decoded alone). A token that holds part of a character's
+    UTF-8 decodes alone to U+FFFD, so its bytes are read from its vocabulary entry (byte-level BPE, or a
+    SentencePiece byte token), where that entry spells them; otherwise they are the text's."""
+    if "\ufffd" not in text:
+        return text.encode()
+    convert = getattr(tokenizer, "convert_ids_to_tokens", None)
+    piece = convert(token_id) if convert is not None else None
+    if isinstance(piece, str) and piece:
+        if (byte := _BYTE_FALLBACK.fullmatch(piece)) is not None:
+            return bytes([int(byte[1], 16)])
+        if all(c in _BYTE_LEVEL for c in piece):
+            raw = bytes(_BYTE_LEVEL[c] for c in piece)
+            if raw.decode("utf-8", "replace") == text:  # the entry is byte-level: it decodes as the token did
+                return raw
+    return text.encode()
+
+
 def _logprobs(tokenizer: Any, out: RequestOutput) -> list[dict[str, Any]] | None:
-    """OpenAI's `logprobs.content` entries for the tokens of `out`, when the request asked for them."""
+    """OpenAI's `logprobs.content` entries for the tokens of `out`, when the request asked for them; `bytes` are the
+    token's own (`token_bytes`), so those of a character split over tokens join into its UTF-8."""
     if out.logprobs is None:
         return None
 
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
         text = tokenizer.decode([token_id])
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        return {"token": text, "logprob": logprob, "bytes": list(token_bytes(tokenizer, token_id, text))}
 
     return [entry(t, lp) | {"top_logprobs": [entry(i, v) for i, v in top]}
             for t, (lp, top) in zip(out.token_ids, out.logprobs, strict=True)]
