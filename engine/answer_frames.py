@@ -86,20 +86,28 @@ def _logprobs(tokenizer: Any, out: RequestOutput) -> list[dict[str, Any]] | None
             for t, (lp, top) in zip(out.token_ids, out.logprobs, strict=True)]
 
 
-def _legacy_logprobs(tokenizer: Any, out: RequestOutput, offset: int) -> dict[str, Any] | None:
-    """The legacy API's `logprobs` for the tokens of `out`: `text_offset` counts characters of prompt and
-    completion, as OpenAI's did; `offset` is where `out`'s first token starts."""
-    if out.logprobs is None:
-        return None
-    made: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for token_id, (logprob, top) in zip(out.token_ids, out.logprobs, strict=True):
-        text = tokenizer.decode([token_id])
-        made["tokens"].append(text)
-        made["token_logprobs"].append(logprob)
-        made["top_logprobs"].append({tokenizer.decode([i]): v for i, v in top})
-        made["text_offset"].append(offset)
-        offset += len(text)
-    return made
+def _legacy_logprobs(tokenizer: Any, prompt_chars: int) -> Callable[[RequestOutput], dict[str, Any] | None]:
+    """The legacy API's `logprobs` for the tokens of each output of one request, in order: `text_offset` counts
+    characters of prompt and completion, as OpenAI's did. Each token starts where the one before it ended, counted by
+    the tokens' own text, not by the text sent so far: text held back (it may still become a stop string) is sent
+    with a later output, and its tokens would all have started where the holding began."""
+    offset = prompt_chars  # where the next token starts
+
+    def made_of(out: RequestOutput) -> dict[str, Any] | None:
+        nonlocal offset
+        if out.logprobs is None:
+            return None
+        made: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for token_id, (logprob, top) in zip(out.token_ids, out.logprobs, strict=True):
+            text = tokenizer.decode([token_id])
+            made["tokens"].append(text)
+            made["token_logprobs"].append(logprob)
+            made["top_logprobs"].append({tokenizer.decode([i]): v for i, v in top})
+            made["text_offset"].append(offset)
+            offset += len(text)
+        return made
+
+    return made_of
 
 
 @dataclass(frozen=True)
@@ -112,7 +120,7 @@ class Frames:
     end: Callable[[str | None], tuple[list[dict[str, Any]], str | None]]  # chunks due at the end, finish reason
     chunk: Callable[..., dict[str, Any]]
     usage_chunk: Callable[..., dict[str, Any]]
-    logprobs: Callable[[RequestOutput, int], Any]  # (output, characters before it) -> its logprobs or None
+    logprobs: Callable[[RequestOutput], Any]  # each output of the request, in order -> its logprobs or None
     opening: dict[str, Any]  # the first chunk's fields, sent at once (before the prefill: the request is live)
     finish: dict[str, Any]  # the fields of the chunk that carries the finish reason
 
@@ -144,28 +152,26 @@ def chat_frames(tokenizer: Any, tools: ToolAnswer | None) -> Frames:
     return Frames(whole=tools.completion if tools else responses.completion,
                    pieces=tools.pieces if tools else _one_piece("delta"), end=tools.end if tools else _no_end,
                    chunk=responses.chunk, usage_chunk=responses.usage_chunk,
-                   logprobs=lambda out, _: _logprobs(tokenizer, out),
+                   logprobs=lambda out: _logprobs(tokenizer, out),
                    opening={"delta": {"role": "assistant", "content": ""}}, finish={"delta": {}})
 
 
 def text_frames(tokenizer: Any, prompt_chars: int) -> Frames:
     return Frames(whole=responses.text_completion, pieces=_one_piece("text"), end=_no_end,
                    chunk=responses.text_chunk, usage_chunk=responses.text_usage_chunk,
-                   logprobs=lambda out, before: _legacy_logprobs(tokenizer, out, prompt_chars + before),
+                   logprobs=_legacy_logprobs(tokenizer, prompt_chars),
                    opening={"text": ""}, finish={"text": ""})
 
 
 async def collect(outputs: AsyncIterator[RequestOutput], rid: str, model: str, frames: Frames) -> Response[Any]:
     parts: list[str] = []
-    num_chars = 0
     last: RequestOutput | None = None
     logprobs: Any = None
     async for out in outputs:
         if out.error is not None:
             return Response(engine_error(out), status_code=error_status(out))
-        logprobs = frames.merge(logprobs, frames.logprobs(out, num_chars))
+        logprobs = frames.merge(logprobs, frames.logprobs(out))
         parts.append(out.text)
-        num_chars += len(out.text)
         last = out
     assert last is not None
     return Response(frames.whole(
@@ -177,12 +183,9 @@ async def collect(outputs: AsyncIterator[RequestOutput], rid: str, model: str, f
 async def sse_events(outputs: AsyncIterator[RequestOutput], rid: str, model: str,
                include_usage: bool, continuous_usage: bool, frames: Frames) -> AsyncIterator[bytes]:
     ids = {"id_": rid, "created": int(time.time()), "model": model}
-    num_chars = 0
 
     def events(out: RequestOutput) -> list[bytes]:
-        nonlocal num_chars
-        lps = frames.logprobs(out, num_chars)
-        num_chars += len(out.text)
+        lps = frames.logprobs(out)
         busy = {"x_tiergate": {"busy_s": out.busy_s}}
         if not out.finished:
             if continuous_usage:
