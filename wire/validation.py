@@ -25,6 +25,11 @@ NOT_JSON = "we could not parse the JSON body of your request"
 UNREADABLE = (msgspec.DecodeError, msgspec.ValidationError, RecursionError)  # msgspec's refusals of a body
 _AT_BYTE = re.compile(r"\(byte (\d+)\)$")  # where msgspec's DecodeError says the body went wrong
 _NON_FINITE = (b"NaN", b"Infinity")  # `-Infinity`: msgspec points past its sign
+# a `\uXXXX` escape of a UTF-16 surrogate, with the low one that may follow it: a high one with its low one is a
+# character, any other is half of one (`_lone_surrogate` looks at the first few, each with a short look back)
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD]([89a-fA-F])[0-9a-fA-F]{2}(\\u[dD][c-fC-F][0-9a-fA-F]{2})?")
+_MAX_SURROGATE_LOOKS = 64
+_MAX_BACKSLASH_RUN = 1024
 
 
 @dataclass(frozen=True)
@@ -69,7 +74,29 @@ def unreadable(body: bytes, exc: Exception) -> BodyError:
     if where is not None and body.startswith(_NON_FINITE, int(where[1])):
         return BodyError(f"{NOT_JSON}: NaN, Infinity and -Infinity are not JSON numbers (RFC 8259), at byte "
                          f"{where[1]}; send a number, or null", None, "invalid_json")
+    # msgspec's words for half a surrogate pair are "Input data was truncated" or a bad hex escape after it
+    if (alone := _lone_surrogate(body)) is not None and (where is None or int(where[1]) >= alone):
+        return BodyError(f"{NOT_JSON}: the \\u escape at byte {alone} is half of a UTF-16 surrogate pair, which alone "
+                         "is not a character (a string cut inside an emoji?); send whole characters", None,
+                         "invalid_json")
     return BodyError(f"{NOT_JSON}: {exc}", None, "invalid_json")
+
+
+def _lone_surrogate(body: bytes) -> int | None:
+    """Where the first escape of half a UTF-16 surrogate pair in `body` starts (a high one without its low one, or a
+    low one alone), or None, also when it cannot tell cheaply: it only words a refusal, so it looks at the first
+    _MAX_SURROGATE_LOOKS escapes and _MAX_BACKSLASH_RUN bytes back from each (a search as fast as msgspec's read)."""
+    for k, escape in enumerate(_SURROGATE_ESCAPE.finditer(body)):
+        if k == _MAX_SURROGATE_LOOKS:
+            return None
+        start = escape.start()
+        before = body[max(0, start - _MAX_BACKSLASH_RUN):start]
+        run = len(before) - len(before.rstrip(b"\\"))  # backslashes just before it
+        if run == _MAX_BACKSLASH_RUN:
+            return None
+        if run % 2 == 0 and (escape[1] not in b"89abAB" or escape[2] is None):  # odd: `\\u`, text
+            return start
+    return None
 
 
 def describe(exc: ValidationError, unsupported: dict[str, str] | None = None) -> BodyError:
