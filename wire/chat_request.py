@@ -28,7 +28,7 @@ OpenAI's request fields, one by one (`OPENAI_FIELDS` lists them; a test sends ea
   where `user` is absent), metadata (16 pairs, keys of at most 64 characters, values of at most 512, as OpenAI's;
   as at OpenAI with `store` off, it labels nothing).
 - refused by name (`UNSUPPORTED_FIELDS`): functions, function_call (the deprecated forms of tools), audio,
-  prediction, web_search_options, reasoning_effort.
+  prediction, web_search_options, reasoning_effort, moderation, prompt_cache_options.
 - any other field is refused by name, vLLM's `top_k` and `priority` excepted (our engines honour them; through the
   gateway a plan sets the priority, so it refuses `priority`).
 
@@ -75,15 +75,19 @@ UNSUPPORTED_FIELDS = {
     "prediction": "predicted outputs are not supported",
     "web_search_options": "web search is not supported",
     "reasoning_effort": "reasoning models are not served here",
+    "moderation": "moderation of the input and output is not run here",
+    "prompt_cache_options": "prompt cache breakpoints and lifetimes are not supported; the engines' prefix cache "
+                            "needs none",
 }
 # Every field of OpenAI's chat-completions request (its API reference, 2026): each is a field of
 # ChatCompletionRequest (honoured, or restricted to the values we serve) or in UNSUPPORTED_FIELDS.
 OPENAI_FIELDS = (
     "messages", "model", "audio", "frequency_penalty", "function_call", "functions", "logit_bias", "logprobs",
-    "max_completion_tokens", "max_tokens", "metadata", "modalities", "n", "parallel_tool_calls", "prediction",
-    "presence_penalty", "prompt_cache_key", "prompt_cache_retention", "reasoning_effort", "response_format",
-    "safety_identifier", "seed", "service_tier", "stop", "store", "stream", "stream_options", "temperature",
-    "tool_choice", "tools", "top_logprobs", "top_p", "user", "verbosity", "web_search_options",
+    "max_completion_tokens", "max_tokens", "metadata", "modalities", "moderation", "n", "parallel_tool_calls",
+    "prediction", "presence_penalty", "prompt_cache_key", "prompt_cache_options", "prompt_cache_retention",
+    "reasoning_effort", "response_format", "safety_identifier", "seed", "service_tier", "stop", "store", "stream",
+    "stream_options", "temperature", "tool_choice", "tools", "top_logprobs", "top_p", "user", "verbosity",
+    "web_search_options",
 )
 # Fields of an assistant message as OpenAI returns it, harmless when a client sends them back empty.
 _ECHOED_MESSAGE_FIELDS = ("refusal", "annotations", "audio", "function_call")
