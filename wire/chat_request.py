@@ -35,7 +35,9 @@ OpenAI's request fields, one by one (`OPENAI_FIELDS` lists them; a test sends ea
 A refused field is a 400 with `param` naming it and code `unsupported_parameter`; a refused value of a field we
 know is a 400 with code `unsupported_value`. A field that needs another is refused, naming it, without it, as
 OpenAI refuses it: `stream_options` without `stream: true`, `parallel_tool_calls` without `tools`, `top_logprobs`
-(above 0) without `logprobs: true`; and `max_completion_tokens` that disagrees with `max_tokens`.
+(above 0) without `logprobs: true`; and `max_completion_tokens` that disagrees with `max_tokens`. A message without
+`content` (null, absent, or no content parts) is refused naming `messages.<i>.content`, as OpenAI refuses it, but for
+an assistant message that has `tool_calls`.
 
 Choices where OpenAI's own limits are looser or unstated:
 - `seed` must lie in 0..2^64-1 (what a 64-bit generator takes); any other integer is a 400 naming `seed`.
