@@ -252,6 +252,23 @@ def test_a_worker_that_dies_is_replaced_and_the_port_keeps_answering(served: Ser
     assert answers == [200] * 10 and len(replaced) == 2
 
 
+def _refused(s: Served) -> None:
+    """Nothing answers on the port: a connection refused. One reset instead is a listening socket of a worker
+    still being torn down (seen once after SIGKILL, the suite loaded), asked again for up to 5 s; an answer fails."""
+    deadline = time.time() + 5
+    while True:
+        try:
+            s.get("/health")
+        except httpx.ConnectError:
+            return
+        except httpx.ReadError:
+            if time.time() > deadline:
+                raise
+            time.sleep(0.1)
+        else:
+            pytest.fail("a request was answered after every worker had stopped")
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
 def test_stopping_the_parent_leaves_no_worker_behind(sig: signal.Signals, tmp_path: Path, redis_server: RedisServer,
                                                      stub_url: str, prepared_models: Path) -> None:
@@ -264,8 +281,7 @@ def test_stopping_the_parent_leaves_no_worker_behind(sig: signal.Signals, tmp_pa
         while any(alive(pid) for pid in workers) and time.time() < deadline:
             time.sleep(0.1)
         assert not [pid for pid in workers if alive(pid)]
-        with pytest.raises(httpx.ConnectError):
-            s.get("/health")
+        _refused(s)
     if sig == signal.SIGTERM:  # a clean stop: every worker wrote its ledger, the engines file is gone
         assert rc == 0
         assert not (s.settings.data_dir / "engines.json").exists()
