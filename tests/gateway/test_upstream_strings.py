@@ -164,3 +164,26 @@ def test_an_upstream_rejection_reads_as_one_escaped_bounded_line(caplog: pytest.
     assert type(err) is UpstreamError and err.message == "the tier's backend answered 503"
     (record,) = caplog.records
     assert clean(record.getMessage(), 400), record.getMessage()[:300]
+
+
+def test_an_upstream_4xx_about_the_tier_is_the_gateways_502_not_the_tenants_400(cascading_to_hostile: Gateway,
+                                                                                 hostile: Hostile) -> None:
+    """A remote tier whose model name, path or key is wrong answers every request 404, 405, 401...: that is how the
+    tier is configured, not the tenant's request (it was the tenant's 400, "The model ... does not exist")."""
+    gw = cascading_to_hostile
+    hostile.error = {"message": "The model `smollm2-mid` does not exist.", "type": "NotFoundError",
+                     "param": "model", "code": "model_not_found"}
+    for status in (404, 405, 401, 415):
+        hostile.status = status
+        r = chat(gw, "mid")
+        err = r.json()["error"]
+        assert r.status_code == 502 and err["code"] == "upstream_error", (status, err)
+        assert "does not exist" not in err["message"] and err["param"] is None, (status, err)  # the log's, not theirs
+    hostile.error = {"message": "the prompt is too long", "type": "invalid_request_error", "param": "messages",
+                     "code": "context_length_exceeded"}
+    for status in (400, 413, 422):  # about the request: the tenant's, in the upstream's words
+        hostile.status = status
+        r = chat(gw, "mid")
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["code"] == "context_length_exceeded", (status, err)
+        assert err["message"] == "the prompt is too long" and err["param"] == "messages", (status, err)
