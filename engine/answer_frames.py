@@ -9,6 +9,7 @@ bug aborts the request's generation (slot and KV blocks go back).
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import time
@@ -42,15 +43,14 @@ def error_status(out: RequestOutput) -> int:
 FAILED = error_body("the engine failed on this request", "api_error", code="engine_error")
 
 
-def _byte_level_alphabet() -> dict[str, int]:
-    """Byte-level BPE's characters (GPT-2's `bytes_to_unicode`, SmolLM2's and Llama 3's vocabularies) -> the byte each
-    stands for: printable Latin-1 stands for itself, every other byte for a character from U+0100 on."""
-    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    moved = [b for b in range(256) if b not in kept]
-    return {chr(b): b for b in kept} | {chr(256 + n): b for n, b in enumerate(moved)}
+@functools.cache
+def _byte_level() -> dict[str, int]:
+    """Byte-level BPE's characters (SmolLM2's and Llama 3's vocabularies) -> the byte each stands for: transformers'
+    `bytes_to_unicode` turned round (imported on the first partial character: it costs the import ~0.5 s)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+    return {char: byte for byte, char in bytes_to_unicode().items()}
 
 
-_BYTE_LEVEL = _byte_level_alphabet()
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte tokens (Llama 2, Mistral)
 
 
@@ -65,8 +65,9 @@ def token_bytes(tokenizer: Any, token_id: int, text: str) -> bytes:
     if isinstance(piece, str) and piece:
         if (byte := _BYTE_FALLBACK.fullmatch(piece)) is not None:
             return bytes([int(byte[1], 16)])
-        if all(c in _BYTE_LEVEL for c in piece):
-            raw = bytes(_BYTE_LEVEL[c] for c in piece)
+        alphabet = _byte_level()
+        if all(c in alphabet for c in piece):
+            raw = bytes(alphabet[c] for c in piece)
             if raw.decode("utf-8", "replace") == text:  # the entry is byte-level: it decodes as the token did
                 return raw
     return text.encode()
