@@ -197,6 +197,10 @@ def _followed(task: asyncio.Task[None]) -> None:
         log.error("keeping or giving up an Idempotency-Key after its late ledger row failed: %s", exc)
 
 
+# a running claim given up (its request failed, its answer not kept): a retry runs again
+_SQLITE_ABANDON = "DELETE FROM idempotency WHERE tenant = ? AND key = ? AND owner = ? AND state = 'running'"
+
+
 class SQLiteIdempotency(IdempotencyStore):
     def __init__(self, path: Path, *, clock: Any = time.time, limits: Limits = DEFAULT_LIMITS) -> None:
         self._clock = clock
@@ -296,8 +300,7 @@ class SQLiteIdempotency(IdempotencyStore):
     def finish_with_row(self, claim: Claim, answer: dict[str, Any], ttl_s: float) -> tuple[Statement, ...]:
         text, size = _encoded(answer)
         if size > self.limits.answer_bytes:  # not kept: the claim is given up with the row
-            return (("DELETE FROM idempotency WHERE tenant = ? AND key = ? AND owner = ? AND state = 'running'",
-                     (claim.tenant, claim.key, claim.owner)),)
+            return ((_SQLITE_ABANDON, (claim.tenant, claim.key, claim.owner)),)
         return (("UPDATE idempotency SET state = 'done', answer = ?, size = ?, expires = ? WHERE tenant = ? AND "
                  "key = ? AND owner = ?", (text, size, self._clock() + ttl_s, claim.tenant, claim.key,
                                            claim.owner)),)
@@ -307,6 +310,7 @@ class SQLiteIdempotency(IdempotencyStore):
         await asyncio.get_running_loop().run_in_executor(self._pool, self._execute, statements)
 
     def _execute(self, statements: tuple[Statement, ...]) -> None:
+        """`statements` on this store's connection (in the pool's one thread), rolled back if one fails."""
         conn = self._conn = self._conn or self._connect()
         try:
             for sql, args in statements:
@@ -327,20 +331,11 @@ class SQLiteIdempotency(IdempotencyStore):
 
     async def _abandon_at(self, at: At) -> None:
         try:
-            await asyncio.get_running_loop().run_in_executor(self._pool, self._abandon, at)
+            await asyncio.get_running_loop().run_in_executor(self._pool, self._execute, ((_SQLITE_ABANDON, at),))
         except (sqlite3.Error, MemoryError) as exc:
             if (found := _sqlite_fault(exc)) is None:
                 raise
             raise LedgerUnavailable(f"an idempotency claim cannot be given up now: {found[0]}") from exc
-
-    def _abandon(self, at: At) -> None:
-        conn = self._conn = self._conn or self._connect()
-        try:
-            conn.execute("DELETE FROM idempotency WHERE tenant = ? AND key = ? AND owner = ? AND state = 'running'",
-                         at)
-        except BaseException:
-            self._roll_back(conn)
-            raise
 
     async def close(self) -> None:
         await self._give_ups.close()
