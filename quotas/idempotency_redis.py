@@ -161,6 +161,12 @@ class _Owed:
     answer: str | None = None  # a finish's answer, replayed from here meanwhile
     size: int = 0  # its bytes
 
+    @property
+    def owner(self) -> str:
+        """The request whose claim it is: the scripts' arguments, `finish`'s [fingerprint, owner, ...] and
+        `abandon`'s [owner, key]."""
+        return str(self.args[1] if self.what == "finish" else self.args[0])
+
 
 class RedisIdempotency(IdempotencyStore):
     def __init__(self, url: str, *, timeout_s: float = 1.0, limits: Limits = DEFAULT_LIMITS,
@@ -282,10 +288,10 @@ class RedisIdempotency(IdempotencyStore):
 
     def _owe(self, tenant: str, key: str, owed: _Owed) -> None:
         """Keep `owed` for the background worker (an owed answer is never replaced by its own claim's give-up)."""
-        owner = owed.args[1] if owed.what == "finish" else owed.args[0]
+        owner = owed.owner
         if owed.what != "finish":
             answer = self._owed.get((tenant, key))
-            if answer is not None and answer.args[1] == owner:
+            if answer is not None and answer.owner == owner:
                 return
         elif (given_up := self._owed.get((tenant, key, owner))) is not None:  # the answer supersedes it
             self._forget((tenant, key, owner), given_up)
