@@ -26,7 +26,8 @@ recursion); at most MAX_REFERENCE_HOPS references and MAX_PATH_LENGTH nested sub
 
 `may_intersect` reads the schema's compact JSON first: a schema that names no `allOf`, `oneOf` or `$ref` cannot
 intersect (an `anyOf` alone is one factor) nor point anywhere, so the count would find nothing to refuse and a
-weight of 0; it is not walked (1.7 of the 2.9 ms a 29 KB response_format cost the gateway's event loop).
+weight of 0; it is not walked (a 28 KB response_format parsed on the gateway's event loop in 2.3x less time:
+`python -m bench.hot_path_micro`).
 """
 
 from __future__ import annotations
