@@ -18,6 +18,7 @@ import pytest
 from click.testing import CliRunner
 
 from gateway.cli.main import cli
+from gateway.rollout.assign import BUCKETS, bucket, conversation_id
 from gateway.settings import Settings
 from tests.conftest import PLANS_YAML, Gateway, running_gateway
 from tests.stubs import ServerThread, StubState, free_port, stub_app
@@ -118,9 +119,16 @@ def test_a_canary_sends_its_share_of_new_conversations_and_later_turns_follow_th
     with ThreadPoolExecutor(8) as pool:
         turns = list(pool.map(conversation, range(CONVERSATIONS)))
     assert all(first == later for first, later in turns)  # no conversation changes version mid-way
+    # exactly the conversations whose bucket, salted by this rollout's id, is below the share: the id is drawn at
+    # random, so the count alone varies from run to run (a 3-sigma bound on it failed in 0.22% of runs); that the
+    # buckets are uniform, so this is the share of conversations, is tests/gateway/rollout/test_assign.py's
+    rollout_id = r.json()["id"]
+    chosen = [bucket(conversation_id("many", first_turn(i)), rollout_id) < SHARE * BUCKETS
+              for i in range(CONVERSATIONS)]
+    assert [first == "v2" for first, _ in turns] == chosen
     on_new = sum(first == "v2" for first, _ in turns)
     sigma = (CONVERSATIONS * SHARE * (1 - SHARE)) ** 0.5  # binomial: 80 expected, sigma 8
-    assert abs(on_new - CONVERSATIONS * SHARE) <= 3 * sigma, on_new
+    assert abs(on_new - CONVERSATIONS * SHARE) <= 5 * sigma, on_new  # and about the share (outside: 8e-7 of runs)
     assert len(new.requests) == 2 * on_new  # the candidate's own upstream answered them, and only them
     assert all(body["model"] == "stub-mid-2" for body in new.requests)
     rows = [row for row in gw.ledger_rows() if row.tenant == "many"]
