@@ -224,13 +224,6 @@ def _invalid_parameter(extra: Any) -> InvalidRequest | None:
     return InvalidRequest(f"{key}: {text} ({where})", param=key, code="invalid_value")
 
 
-# An upstream's 4xx that is about the request the tenant sent (our engine's validation, a body too large, a schema
-# a framework refused): the tenant's 400, in the upstream's words. Any other (404: a wrong path or model name, 401
-# and 403: the tier's key, 405, 415...) is how the tier is configured, the gateway's fault, never the tenant's: a
-# misconfigured remote tier read as "your request is invalid" to every tenant, and as no error to a rollout's guard.
-REQUEST_FAULT_STATUSES = frozenset({400, 413, 422})
-
-
 def _tier_error(exc: tier_errors.TierError) -> TiergateError:
     """A tier error as the tenant sees it. The text of an upstream's failure (its URL, host and port, the exception
     the client library raised) stays in the log; the tenant reads what failed, in general words. An upstream's 4xx
@@ -243,15 +236,16 @@ def _tier_error(exc: tier_errors.TierError) -> TiergateError:
         case tier_errors.NoTierAvailable():
             return Unavailable(_public(exc, "no tier can serve this request now"), code="no_tier_available",
                                retry_after=5)
-        case tier_errors.UpstreamRejected() if exc.status == 429 and exc.error.get("code") == COMPILES_BUSY:
+        case tier_errors.UpstreamRejected() if exc.replica_failed:
+            # the tier's fault (its key, path or model name, a 5xx), which the replica's breaker counts too
+            return _logged(exc, UpstreamError(f"the tier's backend answered {exc.status}", retry_after=2))
+        case tier_errors.UpstreamRejected() if exc.compiles_busy:
             # our engine's compile queue is full (engine/compile_queue.py): the tenant retries later, as after a 429
             return RateLimited(_upstream_message(exc), param="response_format", code=COMPILES_BUSY,
                                retry_after=COMPILES_BUSY_RETRY_AFTER_S)
-        case tier_errors.UpstreamRejected() if exc.status in REQUEST_FAULT_STATUSES:
+        case tier_errors.UpstreamRejected():  # about the tenant's request (tiers.errors.REQUEST_FAULT_STATUSES)
             return InvalidRequest(_upstream_message(exc), param=_upstream_param(exc.error.get("param")),
                                   code=_upstream_code(exc.error.get("code")))
-        case tier_errors.UpstreamRejected():
-            return _logged(exc, UpstreamError(f"the tier's backend answered {exc.status}", retry_after=2))
         case tier_errors.UpstreamTimedOut():
             return _logged(exc, UpstreamTimeout("the tier's backend did not answer in time", retry_after=2))
         case tier_errors.UpstreamUnreachable():

@@ -10,7 +10,10 @@ handful of failures. States:
 - half_open: after the cool-down, exactly one request (the probe) is let through. Its success closes the
   breaker; its failure opens it again for another cool-down.
 
-Only failures of the replica count (unreachable, timed out, 5xx, a broken stream), never a client's 4xx.
+Only failures of the replica count (unreachable, timed out, 5xx, a broken stream, and a 4xx about the tier itself:
+its key refused, 401 or 403, its path or model name unknown, 404, its account over a rate limit, 429), never an
+answer about the tenant's own request (400, 413, 422; our engine's full compile queue): the rule is
+`UpstreamRejected.replica_failed` (tiers/errors.py), the same that makes the tenant's answer the gateway's 502.
 Every state change is reported once through `on_change` (the fleet logs it; metrics read `state`).
 
 One tenant's failures do not open it while the replica works for the others. A tenant can send what makes a

@@ -170,7 +170,9 @@ class TierCaller:
                 yield chunk
             verdict = True
         except UpstreamRejected as exc:
-            verdict = exc.status < 500  # a client error is a healthy replica's answer
+            # an answer about the tenant's request is a healthy replica's; anything the tenant reads as our 502
+            # (a 5xx, the tier's key, path or model name refused) is the replica's failure (`replica_failed`)
+            verdict = not exc.replica_failed
             if not verdict:
                 replica.breaker.failure(f"answered {exc.status}", tenant)
             raise
