@@ -6,7 +6,10 @@ local engines and remote ones alike. Each response also carries `x_tiergate.busy
 time attributed to the request, which the gateway turns into compute cost.
 
 Failures keep OpenAI's error shape. Bad input is a 400 naming the field (the wire model validates, the
-engine checks again). A request the engine fails is a 500 `engine_error`, or, once a stream has begun, a
+engine checks again). The engine serves one model, under the name it was started with (`--served-name`: the tier's
+name when the gateway's supervisor starts it, which is the `model` the gateway sends a local tier, every version of
+it alike); a request naming any other is a 404 `model_not_found` (param `model`), as OpenAI's and vLLM's, before
+anything is tokenized or generated. A request the engine fails is a 500 `engine_error`, or, once a stream has begun, a
 last `data: {"error": ...}` event before `[DONE]`; one that fails by its own content (its response_format's
 grammar could not go on) is the same with 400 `response_format_failed`, which no breaker counts against the
 replica (wire.errors.REQUEST_FAULT_CODES); a stopped engine loop answers 503 `engine_dead`, and so
@@ -210,6 +213,8 @@ def create_engine_app(engine: LLMEngine, *, model_name: str, model_version: str)
             req = parse_body(await request.body(), kind)
         except BodyError as exc:
             return Response(error_body(exc.message, param=exc.param, code=exc.code), status_code=400)
+        if req.model != model_name:
+            return _unknown_model(req.model, model_name)
         salt = request.headers.get(CACHE_SALT_HEADER)
         if salt is not None and not _SALT.fullmatch(salt):
             return Response(error_body(f"{CACHE_SALT_HEADER}: 1-64 of A-Za-z0-9._:-", param=CACHE_SALT_HEADER),
@@ -311,6 +316,12 @@ def max_prompt_chars_for(tokenizer: Any, max_model_len: int) -> int | None:
         return None
     vocab = get_vocab()
     return max_model_len * max(map(len, vocab), default=1) if vocab else None
+
+
+def _unknown_model(asked: str, served: str) -> Response[Any]:
+    """A request for a model this engine does not serve: 404 as OpenAI's and vLLM's, before anything is tokenized."""
+    return Response(error_body(f"The model `{asked}` does not exist; this engine serves `{served}`",
+                               param="model", code="model_not_found"), status_code=404)
 
 
 def _dead(reason: str) -> Response[Any]:

@@ -120,7 +120,8 @@ def engine() -> None:
 
 @engine.command("serve")
 @click.option("--model", required=True, help="A built-in model name or a local HF model directory.")
-@click.option("--served-name", default=None, help="The model id the server answers to [default: the model's name].")
+@click.option("--served-name", default=None,
+              help="The model id the server answers to; a request naming another is a 404 [default: the model's name].")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8000, show_default=True, type=int)
 @click.option("--quantize", type=click.Choice(["int8"]), default=None, help="int8 weights, per-channel scales.")

@@ -327,3 +327,35 @@ def test_text_completion_limits_name_the_prompt(served: tuple[str, LLMEngine, Sc
         "message": "", "type": "invalid_request_error", "param": "prompt", "code": "context_length_exceeded"}
     r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": ""})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("model", ["gpt-4o", "TINY", "tiny ", "tiny@v2", "mid"])
+def test_a_model_the_engine_does_not_serve_is_a_404_and_nothing_runs(
+        served: tuple[str, LLMEngine, ScriptedRunner], path: str, stream: bool, model: str) -> None:
+    """The engine serves its one model (`--served-name`, the tier's name when the gateway starts it), as vLLM and
+    OpenAI do: any other name is refused before anything is tokenized or generated, not answered by this model."""
+    url, eng, runner = served
+    body = {"model": model, "max_tokens": 3, "stream": stream,
+            **({"messages": MSG} if "chat" in path else {"prompt": "capital"})}
+    r = httpx.post(f"{url}{path}", json=body)
+    assert r.status_code == 404 and r.headers["content-type"].startswith("application/json"), r.text
+    err = r.json()["error"]
+    assert err | {"message": ""} == {"message": "", "type": "invalid_request_error", "param": "model",
+                                     "code": "model_not_found"}
+    assert f"`{model}`" in err["message"] and "`tiny`" in err["message"]  # what was asked, what is served
+    assert not runner.steps and eng.stats().num_prompt_tokens_total == 0
+    body["model"] = "tiny"  # the served name answers as before
+    assert httpx.post(f"{url}{path}", json=body).status_code == 200
+
+
+def test_the_openai_sdk_reads_an_unknown_model_as_not_found(served: tuple[str, LLMEngine, ScriptedRunner]) -> None:
+    url, _, runner = served
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    with pytest.raises(openai.NotFoundError) as info:
+        client.chat.completions.create(model="gpt-4o", messages=MSG)
+    assert info.value.code == "model_not_found" and info.value.param == "model"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4o", prompt="capital")
+    assert not runner.steps

@@ -16,11 +16,14 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from gateway.pipeline.text_completion import parse_completion
+from gateway.pipeline.tier_call import upstream_body
 from tiers.catalogue import TierCatalogue
 from tiers.client import TierClient
 from tiers.engines_file import read_published, write_document
 from tiers.fleet import Fleet
 from tiers.supervisor import EngineProcess
+from wire.chat_request import ChatCompletionRequest
 
 MID: dict[str, Any] = {"backend": "openai", "model": "m1", "urls": ["http://a:1"], "price_per_1k_input": "0.001",
                        "price_per_1k_output": "0.002", "hardware_cost_per_hour": "1", "context_limit": 4096}
@@ -145,6 +148,20 @@ def test_every_local_version_runs_engines_of_its_own(tmp_path: Path) -> None:
     assert len({e.log_path for e in engines.values()}) == 4  # one log each: engine-mid@v2-1.log
     assert [r.tier for r in fleet.replicas_of(fleet.catalogue.tiers["mid"].variant("v2"))] == ["mid@v2", "mid@v2"]
 
+
+
+def test_each_local_versions_engine_serves_the_model_the_gateway_names(tmp_path: Path) -> None:
+    """Our engine refuses a `model` other than its `--served-name` (404 `model_not_found`): the name the gateway
+    sends a local tier, chat or text completion, is the one every version's engine was started with."""
+    fleet = local_fleet(local(replicas=2), tmp_path)
+    chat = ChatCompletionRequest.model_validate({"model": "mid", "messages": [{"role": "user", "content": "hi"}]})
+    text = parse_completion(b'{"model": "mid", "prompt": "once upon"}')  # /v1/completions, as the gateway carries it
+    for engine in fleet._engines:
+        served = flag(engine.command(9000), "--served-name")
+        for req in (chat, text):
+            body = upstream_body(req, engine.spec, max_tokens=4, priority=1, logprobs=False)
+            assert ("prompt" in body) is (req is text)
+            assert body["model"] == served == "mid", (engine.replica.tier, body)
 
 @pytest.mark.parametrize(("budget", "cores", "expected"), [
     # more replicas than cores: `full` (the dearest) keeps its core, mid's two versions share the other
