@@ -205,7 +205,9 @@ def test_two_gateway_replicas_follow_one_level_through_redis(gateway_settings: S
     f = tmp_path / "ladder.yaml"
     f.write_text(LADDER)
     try:
-        base = gateway_settings.model_copy(update={"ladder_file": f, "redis_url": redis.url})
+        # a 0.1 s tick (the default is 0.5 s): the second replica followed in ~0.49 s, half the bound below, which a
+        # loaded CI machine could pass; at 0.1 s the bound holds ten ticks
+        base = gateway_settings.model_copy(update={"ladder_file": f, "redis_url": redis.url, "ladder_tick_s": 0.1})
         one = base.model_copy(update={"data_dir": tmp_path / "one"})
         two = base.model_copy(update={"data_dir": tmp_path / "two"})
         with running_gateway(one, stub[1]) as a, running_gateway(two, stub[1]) as b:
