@@ -163,11 +163,16 @@ class ServerThread:
     """Runs an ASGI app with uvicorn on a free loopback port until `stop`."""
 
     def __init__(self, app: Any, http: Any = "auto") -> None:
-        self.port = free_port()
+        # the socket is bound here and handed to uvicorn: a port found free, closed and bound again later could be
+        # taken meanwhile by another xdist worker's server
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = int(self.sock.getsockname()[1])
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
                                                     lifespan="on", http=http))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     def start(self) -> ServerThread:
         self.thread.start()
@@ -181,6 +186,7 @@ class ServerThread:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=10)
+        self.sock.close()
 
     def __enter__(self) -> ServerThread:  # `with ServerThread(app).start() as server:` stops it at the block's end
         return self
