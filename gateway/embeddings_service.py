@@ -59,7 +59,7 @@ from litestar.datastructures import State
 
 from cache.batcher import EmbeddingBatcher
 from cache.embedder import Embedder, default_embedder
-from gateway.errors import InvalidRequest, NotFound, Unavailable, client_error
+from gateway.errors import InvalidRequest, NotFound, TiergateError, Unavailable, client_error
 from gateway.fair_threads import FairThreads
 from gateway.ladder.apply import Degradation
 from gateway.ladder.controller import LadderController
@@ -151,8 +151,15 @@ class EmbeddingsService:
         with self.refusals.counted(ctx):
             entry = self.gate.enter(scopes_of(ctx.tenant, ctx.key_id, ctx.plan.limits, ctx.principal.key.limits))
         keep: Keep | None = None
+
+        def charge(_: TiergateError) -> None:
+            """A refusal of the request's own fault (a body that does not parse, a model not served, an
+            Idempotency-Key reused...): it cost its parse and charges nothing else, so it is charged to the tenant's
+            bucket of refused requests (gate.py), headers and all, as chat's are (handle.py)."""
+            self.gate.body_refused(ctx.tenant, refused_size(body, ctx.headers))
+
         try:
-            with self.refusals.counted(ctx):
+            with self.refusals.counted(ctx, charge):
                 req = self._parse(ctx, body)
                 begun = await self._begin(ctx, req)
                 if isinstance(begun, Replay):  # answered before: the same answer, charged nothing, written nowhere
@@ -173,11 +180,7 @@ class EmbeddingsService:
         """The cheapest checks first: readiness, the body, the model."""
         if (why := self.ledger.not_ready_reason) is not None:
             raise Unavailable(f"the gateway cannot take requests now: {why}", code="not_ready", retry_after=5)
-        try:
-            req = parse_body(body, EmbeddingRequest)
-        except InvalidRequest:  # its parse cost the event loop and charges nothing: the gate counts it, as for chat,
-            self.gate.body_refused(ctx.tenant, refused_size(body, ctx.headers))  # headers and all
-            raise
+        req = parse_body(body, EmbeddingRequest)
         if not self.spec.enabled or req.model != self.spec.model:
             served = f"; this gateway serves {self.spec.model!r}" if self.spec.enabled else ""
             raise NotFound(f"no embedding model {req.model!r}{served}", param="model", code="model_not_found")

@@ -130,6 +130,20 @@ def test_refused_bodies_empty_the_same_bucket_as_chat(gateway: Gateway) -> None:
     assert third.status_code == 429 and third.json()["error"]["code"] == "rate_limit_invalid_requests"
 
 
+def test_refusals_after_the_parse_are_charged_as_on_chat(gateway: Gateway) -> None:
+    """A request refused as its own fault after its body parsed (a model not served, an Idempotency-Key reused with
+    another body) cost the gateway that parse and charged nothing else, as chat's (gateway/pipeline/refusals.py's
+    `tenants_fault`): charged nothing here either, a tenant could have 4 MiB bodies of 2,048 texts parsed and refused
+    without end, never throttled."""
+    gate = gateway.app.state.services.pipeline.gate
+    gate.refused_bytes_burst, gate.refused_bytes_per_s = 4096, 1e-3  # a bucket that does not refill in the test
+    wrong = {"model": "mid", "input": ["x" * 2500, "y" * 2500]}  # valid, but no embedding model of that name
+    with httpx.Client(base_url=gateway.url, headers={"authorization": f"Bearer {gateway.tenant_key}"}) as c:
+        first, second = (c.post("/v1/embeddings", json=wrong) for _ in range(2))
+    assert first.status_code == 404 and first.json()["error"]["code"] == "model_not_found"
+    assert second.status_code == 429 and second.json()["error"]["code"] == "rate_limit_invalid_requests"
+
+
 def test_a_refused_body_is_charged_its_headers_too(gateway: Gateway) -> None:
     """As on the chat route (gateway/pipeline/gate.py's `refused_size`): a refused body of a few bytes under 5 KB of
     headers cost the gateway the headers too, and was charged the body only."""
