@@ -53,7 +53,10 @@ async def chat_completions(request: Request[Any, Any, Any]) -> Response[Any]:
 async def _whole(head: Head, events: AsyncIterator[Event]) -> dict[str, Any]:
     text: list[str] = []
     logprobs: list[dict[str, Any]] | None = None
-    calls: dict[int, dict[str, Any]] = {}  # index -> the call, its arguments' pieces joined
+    calls: dict[int, dict[str, Any]] = {}  # index -> the call, its arguments joined at the end
+    # index -> the call's arguments in the pieces they came in (appended to the string so far, each piece copied it:
+    # quadratic in a call whose length the tenant chooses)
+    arguments: dict[int, list[str]] = {}
     done = Done(None, 0, 0)
     async for event in events:
         if isinstance(event, Delta):
@@ -62,14 +65,17 @@ async def _whole(head: Head, events: AsyncIterator[Event]) -> dict[str, Any]:
                 logprobs = logprobs if logprobs is not None else []
                 logprobs.extend(event.logprobs)
             for entry in event.tool_calls or ():
-                call = calls.setdefault(entry.get("index", 0), {"id": None, "type": "function",
-                                                                "function": {"name": None, "arguments": ""}})
+                index = entry.get("index", 0)
+                call = calls.setdefault(index, {"id": None, "type": "function",
+                                                "function": {"name": None, "arguments": ""}})
                 call["id"] = entry.get("id") or call["id"]
                 fn = entry.get("function") or {}
                 call["function"]["name"] = fn.get("name") or call["function"]["name"]
-                call["function"]["arguments"] += fn.get("arguments") or ""
+                arguments.setdefault(index, []).append(fn.get("arguments") or "")
         elif isinstance(event, Done):
             done = event
+    for index, pieces in arguments.items():
+        calls[index]["function"]["arguments"] = "".join(pieces)
     content = "".join(text)
     return responses.completion(id_=head.response_id, created=head.created, model=head.model,
                                 text=content if content or not calls else None, finish_reason=done.finish_reason,

@@ -267,3 +267,38 @@ def test_a_local_tier_streams_a_call_s_arguments_in_pieces(served: Served) -> No
     jsonschema.validate(json.loads("".join(e.function.arguments or "" for e in entries)),  # type: ignore[union-attr]
                         SCHEMAS["get_weather"])
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+
+
+def test_a_json_answers_tool_call_is_joined_in_time_linear_in_its_arguments() -> None:
+    """The chat route's JSON answer joins each call's streamed argument pieces; appended to the string so far, each
+    piece copied it (quadratic in a call whose length the tenant chooses, on the event loop)."""
+    import time
+
+    from gateway.pipeline.events import Delta, Done, Head
+    from gateway.routes.chat import _whole
+
+    def events(n: int, calls: bool) -> AsyncIterator[Any]:
+        async def gen() -> AsyncIterator[Any]:
+            for i in range(n):
+                if calls:
+                    fn = {"name": "f", "arguments": "abcd"} if i == 0 else {"arguments": "abcd"}
+                    yield Delta("", None, [{"index": 0, **({"id": "call_1"} if i == 0 else {}), "function": fn}])
+                else:
+                    yield Delta("abcd", None)
+            yield Done("tool_calls" if calls else "stop", 1, n)
+        return gen()
+
+    head = Head("chatcmpl-x", 0, "mid", {}, stream=False, include_usage=False)
+
+    def timed(n: int, calls: bool) -> tuple[float, dict[str, Any]]:
+        t0 = time.perf_counter()
+        answer = asyncio.run(_whole(head, events(n, calls)))
+        return time.perf_counter() - t0, answer
+
+    n = 128_000
+    timed(1000, True)  # warm
+    as_text, _ = timed(n, False)
+    as_calls, answer = timed(n, True)
+    call = answer["choices"][0]["message"]["tool_calls"][0]
+    assert call["id"] == "call_1" and call["function"] == {"name": "f", "arguments": "abcd" * n}
+    assert as_calls < 3 * as_text + 0.05, (as_calls, as_text)
