@@ -297,8 +297,10 @@ def test_a_json_answers_tool_call_is_joined_in_time_linear_in_its_arguments() ->
 
     n = 128_000
     timed(1000, True)  # warm
-    as_text, _ = timed(n, False)
-    as_calls, answer = timed(n, True)
+    # the best of three each: a pause of the machine (another test's process, a GC) lengthens one run, not all three
+    as_text = min(timed(n, False)[0] for _ in range(3))
+    as_calls = min(timed(n, True)[0] for _ in range(3))
+    answer = timed(n, True)[1]
     call = answer["choices"][0]["message"]["tool_calls"][0]
     assert call["id"] == "call_1" and call["function"] == {"name": "f", "arguments": "abcd" * n}
     assert as_calls < 3 * as_text + 0.05, (as_calls, as_text)

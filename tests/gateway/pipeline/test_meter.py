@@ -63,7 +63,9 @@ def test_a_tool_calls_arguments_are_joined_in_time_linear_in_the_answer() -> Non
         for i in range(n)]
     text = [chunk("abcd") for _ in range(n)]
     _seconds_to_add(text[:1000])  # warm
-    as_text, _ = _seconds_to_add(text)
-    as_calls, out = _seconds_to_add(calls)
+    # the best of three each: a pause of the machine (another test's process, a GC) lengthens one run, not all three
+    as_text = min(_seconds_to_add(text)[0] for _ in range(3))
+    as_calls = min(_seconds_to_add(calls)[0] for _ in range(3))
+    out = _seconds_to_add(calls)[1]
     assert out.tool_calls[0]["function"] == {"name": "f", "arguments": "abcd" * n}
     assert as_calls < 3 * as_text + 0.05, (as_calls, as_text)
