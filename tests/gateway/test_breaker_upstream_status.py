@@ -18,6 +18,7 @@ import pytest
 from gateway.errors import UpstreamError, client_error
 from gateway.settings import Settings
 from tests.conftest import Gateway, running_gateway
+from tests.gateway import test_upstream_strings
 from tests.gateway.test_routing_api import LADDER, PLANS, empty_stub, tiers_yaml, with_difficulty_model
 from tests.gateway.test_upstream_strings import Hostile
 from tests.stubs import ServerThread, StubState, stub_app
@@ -32,14 +33,8 @@ TOO_LONG = {"message": "the prompt is too long", "type": "invalid_request_error"
 SLOW_DOWN = {"message": "Rate limit reached for requests", "type": "requests", "code": "rate_limit_exceeded"}
 COMPILES_BUSY = {"message": "8 new response formats of yours are already compiling", "type": "rate_limit_error",
                  "param": "response_format", "code": RESPONSE_FORMAT_COMPILES_BUSY}
+hostile = test_upstream_strings.hostile  # the fixture: a Hostile upstream, stopped after the test
 FELL_BACK = "full unavailable (circuit breaker open on every healthy replica); fell back to mid"
-
-
-@pytest.fixture
-def hostile() -> Iterator[Hostile]:
-    h = Hostile()
-    yield h
-    h.server.stop()
 
 
 @pytest.fixture
