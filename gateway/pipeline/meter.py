@@ -37,6 +37,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from gateway.pipeline.tool_call_pieces import ToolCallPieces
 from tiers.cascade import AnswerSignals, sum_logprobs
 
 
@@ -116,10 +117,7 @@ class Meter:
         self._parts: list[str] = []
         self._logprob_sum = 0.0
         self._logprob_n = 0
-        self._calls: dict[int, dict[str, Any]] = {}  # index -> the call so far (its arguments joined at the outcome)
-        # index -> the call's arguments, in the pieces they came in: a piece appended to the string so far copied it
-        # (64,000 pieces of a long call, whose length the tenant chooses, took the event loop 0.5-2.5 s)
-        self._arguments: dict[int, list[str]] = {}
+        self._calls = ToolCallPieces()
         self.lookahead = reading.lookahead if reading is not None else None
         self.signals = AnswerSignals() if reading is not None else None
         self.first = AnswerSignals() if self.lookahead is not None else None  # of the first `lookahead` tokens
@@ -215,21 +213,8 @@ class Meter:
             return []
         kept = [e for e in entries if isinstance(e, dict) and isinstance(e.get("index", 0), int)]
         for entry in kept:
-            call = self._calls.setdefault(entry.get("index", 0), {"id": None, "type": "function",
-                                                                  "function": {"name": None, "arguments": ""}})
-            fn = entry.get("function") if isinstance(entry.get("function"), dict) else {}
-            call["id"] = entry.get("id") or call["id"]
-            call["type"] = entry.get("type") or call["type"]
-            call["function"]["name"] = fn.get("name") or call["function"]["name"]
-            if isinstance(fn.get("arguments"), str):
-                self._arguments.setdefault(entry.get("index", 0), []).append(fn["arguments"])
+            self._calls.add(entry)
         return kept
-
-    def _tool_calls_so_far(self) -> tuple[dict[str, Any], ...]:
-        """The whole calls, in index order, each with its arguments joined."""
-        for index, pieces in self._arguments.items():
-            self._calls[index]["function"]["arguments"] = "".join(pieces)
-        return tuple(self._calls[i] for i in sorted(self._calls))
 
     @property
     def past_lookahead(self) -> bool:
@@ -267,4 +252,4 @@ class Meter:
         output = self.output_tokens if output_delivered else 0
         return Outcome(status, http_status, error_code, self.input_tokens, output, self.finish_reason,
                        "".join(self._parts), self.ttft_s, self.upstream_s, self.busy_s, mean,
-                       self._tool_calls_so_far(), self.signals)
+                       tuple(self._calls.calls()), self.signals)

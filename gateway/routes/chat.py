@@ -15,6 +15,7 @@ from pydantic import ConfigDict
 from gateway.errors import TiergateError
 from gateway.pipeline.events import Delta, Done, Event, Head
 from gateway.pipeline.handle import parse_request
+from gateway.pipeline.tool_call_pieces import ToolCallPieces
 from gateway.routes.answering import Framing, answer
 from gateway.routes.openapi import BEARER, MODEL_ERRORS, also, body, errors
 from gateway.validation import ServedStreamOptions
@@ -53,10 +54,7 @@ async def chat_completions(request: Request[Any, Any, Any]) -> Response[Any]:
 async def _whole(head: Head, events: AsyncIterator[Event]) -> dict[str, Any]:
     text: list[str] = []
     logprobs: list[dict[str, Any]] | None = None
-    calls: dict[int, dict[str, Any]] = {}  # index -> the call, its arguments joined at the end
-    # index -> the call's arguments in the pieces they came in (appended to the string so far, each piece copied it:
-    # quadratic in a call whose length the tenant chooses)
-    arguments: dict[int, list[str]] = {}
+    calls = ToolCallPieces()
     done = Done(None, 0, 0)
     async for event in events:
         if isinstance(event, Delta):
@@ -65,22 +63,14 @@ async def _whole(head: Head, events: AsyncIterator[Event]) -> dict[str, Any]:
                 logprobs = logprobs if logprobs is not None else []
                 logprobs.extend(event.logprobs)
             for entry in event.tool_calls or ():
-                index = entry.get("index", 0)
-                call = calls.setdefault(index, {"id": None, "type": "function",
-                                                "function": {"name": None, "arguments": ""}})
-                call["id"] = entry.get("id") or call["id"]
-                fn = entry.get("function") or {}
-                call["function"]["name"] = fn.get("name") or call["function"]["name"]
-                arguments.setdefault(index, []).append(fn.get("arguments") or "")
+                calls.add(entry)
         elif isinstance(event, Done):
             done = event
-    for index, pieces in arguments.items():
-        calls[index]["function"]["arguments"] = "".join(pieces)
     content = "".join(text)
     return responses.completion(id_=head.response_id, created=head.created, model=head.model,
                                 text=content if content or not calls else None, finish_reason=done.finish_reason,
                                 prompt_tokens=done.prompt_tokens, completion_tokens=done.completion_tokens,
-                                logprobs=logprobs, tool_calls=[calls[i] for i in sorted(calls)] or None)
+                                logprobs=logprobs, tool_calls=calls.calls() or None)
 
 
 async def _sse(head: Head, events: AsyncIterator[Event]) -> AsyncIterator[bytes]:

@@ -304,3 +304,20 @@ def test_a_json_answers_tool_call_is_joined_in_time_linear_in_its_arguments() ->
     call = answer["choices"][0]["message"]["tool_calls"][0]
     assert call["id"] == "call_1" and call["function"] == {"name": "f", "arguments": "abcd" * n}
     assert as_calls < 3 * as_text + 0.05, (as_calls, as_text)
+
+
+def test_a_json_answer_reads_an_upstream_entry_whose_function_is_no_object() -> None:
+    """The meter keeps any entry with an int index; the JSON answer read `function` as an object and raised on a
+    remote tier's `"function": "x"` (an AttributeError mid-answer). Both now read entries one way
+    (gateway/pipeline/tool_call_pieces.py)."""
+    from gateway.pipeline.events import Delta, Done, Head
+    from gateway.routes.chat import _whole
+
+    async def events() -> AsyncIterator[Any]:
+        yield Delta("", None, [{"index": 0, "id": "call_1", "function": "x"}])
+        yield Delta("", None, [{"index": 0, "function": {"name": "f", "arguments": "{}"}}])
+        yield Done("tool_calls", 1, 2)
+
+    head = Head("chatcmpl-x", 0, "mid", {}, stream=False, include_usage=False)
+    call = asyncio.run(_whole(head, events()))["choices"][0]["message"]["tool_calls"][0]
+    assert call["id"] == "call_1" and call["function"] == {"name": "f", "arguments": "{}"}
