@@ -155,10 +155,10 @@ def _text_with_calls(m: ChatMessage) -> str:
     blocks = []
     for call in m.tool_calls:
         try:
-            arguments: Any = json.loads(call.function.arguments)
-        except (ValueError, RecursionError):
-            arguments = call.function.arguments  # as the client sent it
-        blocks.append(f"{OPEN}\n{json_text({'name': call.function.name, 'arguments': arguments})}\n{CLOSE}")
+            block = json_text({"name": call.function.name, "arguments": json.loads(call.function.arguments)})
+        except (ValueError, RecursionError):  # not JSON, or too deep to write back: as the client sent it
+            block = json_text({"name": call.function.name, "arguments": call.function.arguments})
+        blocks.append(f"{OPEN}\n{block}\n{CLOSE}")
     return "\n".join([m.text(), *blocks]) if m.text() else "\n".join(blocks)
 
 
@@ -216,15 +216,25 @@ def as_call(obj: Any, names: set[str]) -> Call | None:
             return None
     if not isinstance(arguments, dict):
         return None
-    return Call(obj["name"], json_text(arguments))
+    try:
+        return Call(obj["name"], json_text(arguments))
+    except ValueError:  # too deep to write back: no call
+        return None
 
 
 def json_text(obj: Any) -> str:
     """`obj` as JSON, non-ASCII characters as they are, except where its strings hold a lone UTF-16 surrogate (a
     model's or a client's `"\\ud800"` escape, which `json.loads` takes): then all escaped, as no UTF-8 encoder takes
     such a character (a response body that cannot be encoded was a 500; a prompt holding one, a tokenizer's
-    TypeError)."""
-    text = json.dumps(obj, ensure_ascii=False)
+    TypeError).
+
+    ValueError where `obj` is nested too deeply to write: `json.loads` reads JSON nested up to about the recursion
+    limit, and `json.dumps`, called a few frames deeper, failed on what it had read with RecursionError (a 500: the
+    engine's prompt of an earlier call's arguments, or a call the model wrote, nested 984 or 970 levels deep)."""
+    try:
+        text = json.dumps(obj, ensure_ascii=False)
+    except RecursionError:
+        raise ValueError("nested too deeply to write as JSON") from None
     try:
         text.encode()
     except UnicodeEncodeError:
