@@ -39,6 +39,7 @@ import json
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import groupby
 from typing import Any
 
 from wire.chat_request import ChatCompletionRequest, ChatMessage, normalized_role
@@ -83,16 +84,15 @@ def tools_preamble(tools: list[Tool], *, parallel: bool = True) -> str:
 
 def render_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
     """The conversation as a chat template without tool syntax takes it: `{"role", "content"}` strings only, the
-    offered tools in the system message, calls and results as text (consecutive results in one user turn)."""
+    offered tools in the system message, calls and results as text (consecutive results in one user turn, joined
+    once: added one by one, each copied the turn so far, 0.35 s for 2,047 results in a 10 MB body)."""
     messages: list[dict[str, str]] = []
-    results = False  # the last turn holds tool results
-    for m in req.messages:
-        rendered = turn(m)
-        if m.role == "tool" and results:
-            messages[-1]["content"] += "\n" + rendered["content"]
+    for results, group in groupby(req.messages, key=lambda m: m.role == "tool"):
+        turns = [turn(m) for m in group]
+        if results:
+            messages.append({"role": "user", "content": "\n".join(t["content"] for t in turns)})
         else:
-            messages.append(rendered)
-        results = m.role == "tool"
+            messages.extend(turns)
     return with_preamble(messages, preamble(req))
 
 
