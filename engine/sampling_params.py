@@ -84,6 +84,8 @@ class SamplingParams:
             _refuse("stop", "must be a list of strings", type(self.stop).__name__)
         if len(self.stop) > MAX_STOP_SEQUENCES:
             _refuse("stop", f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed", len(self.stop))
+        if not all(self.stop):  # it would stop nowhere: refused, not dropped (the detokenizer skips it)
+            _refuse("stop", "a stop sequence may not be empty", self.stop)
         if any(len(s) > MAX_STOP_CHARS for s in self.stop):
             _refuse("stop", f"each stop sequence may have at most {MAX_STOP_CHARS} characters",
                     max(len(s) for s in self.stop))

@@ -43,7 +43,8 @@ Choices where OpenAI's own limits are looser or unstated:
 - `seed` must lie in 0..2^64-1 (what a 64-bit generator takes); any other integer is a 400 naming `seed`.
 - `temperature` is 0 (greedy) or at least MIN_TEMPERATURE: below it, logits divided by the temperature
   leave float32's range and sampling is greedy anyway.
-- `stop`: at most MAX_STOP_SEQUENCES strings of at most MAX_STOP_CHARS characters each.
+- `stop`: at most MAX_STOP_SEQUENCES strings of 1 to MAX_STOP_CHARS characters each (an empty one stops nowhere;
+  it was dropped unsaid, where vLLM, behind a remote tier, refuses it).
 - `messages`: at most MAX_MESSAGES, with at most wire/body_width.MAX_ITEMS content parts and tool calls in all
   (looked at before validation: `look_before_validating`); the first bad item ends validation.
 """
@@ -187,7 +188,7 @@ class StreamOptions(BaseModel):
         return drop_nulls(data)
 
 
-StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]  # empty: stops nowhere (vLLM refuses it)
 MetadataKey = Annotated[str, Field(max_length=64)]
 MetadataValue = Annotated[str, Field(max_length=512)]
 ZeroPenalty = Annotated[float, Field(ge=0.0, le=0.0), only(0, reason="only 0 is supported: no penalty is applied")]

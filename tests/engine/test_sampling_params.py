@@ -30,6 +30,8 @@ BAD = [
     ("max_tokens", {"max_tokens": 0}),
     ("stop", {"stop": ["x"] * (MAX_STOP_SEQUENCES + 1)}),
     ("stop", {"stop": ["x" * (MAX_STOP_CHARS + 1)]}),
+    ("stop", {"stop": [""]}),  # was dropped unsaid (the detokenizer skips it); vLLM refuses it
+    ("stop", {"stop": ["x", ""]}),
     ("logprobs", {"logprobs": -1}),
     ("logprobs", {"logprobs": 21}),
 ]

@@ -91,6 +91,18 @@ def test_errors(served: tuple[str, LLMEngine, ScriptedRunner]) -> None:
         assert name in metrics
 
 
+@pytest.mark.parametrize("stop", ["", ["x", ""]])
+def test_an_empty_stop_string_is_a_400_naming_stop(served: tuple[str, LLMEngine, ScriptedRunner],
+                                                    stop: str | list[str]) -> None:
+    """It stops nowhere, and was dropped unsaid (the answer ran on as without it); vLLM refuses it, so a tier on
+    vLLM answered the same request with a 400."""
+    url, _, _ = served
+    for path, body in (("chat/completions", {"messages": MSG}), ("completions", {"prompt": "capital of"})):
+        r = httpx.post(f"{url}/v1/{path}", json={"model": "tiny", **body, "stop": stop, "max_tokens": 5})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == ("stop" if stop == "" else "stop.1")
+
+
 def test_a_request_larger_than_the_kv_cache_is_a_400_not_a_crash() -> None:
     runner = ScriptedRunner(max_model_len=4096, num_kv_blocks=4, block_size=16)  # 64 tokens of KV in all
     eng = LLMEngine(runner, CharTokenizer())
