@@ -83,14 +83,18 @@ def ends_at_first_call(req: ChatCompletionRequest) -> bool:
 async def one_call(outputs: AsyncIterator[RequestOutput], req: ChatCompletionRequest) -> AsyncIterator[RequestOutput]:
     """`outputs` up to the one whose text makes the answer's first call whole, given as the last ("stop"), and the
     generation aborted there (closing `outputs` aborts the request: its slot and KV blocks go back). The text is
-    parsed again only when an output brings a `</tool_call>`, from the first `<tool_call>` on."""
+    parsed again only when an output brings a `</tool_call>`, from the first `<tool_call>` on, which is looked for in
+    the new text only (looked for in all of it each output, 8,192 outputs of 29 characters cost the event loop
+    0.67 s; now 5 ms, what iterating them costs)."""
     names = {t.function.name for t in offered_tools(req.tools, req.tool_choice)}
     text = ""
+    at = -1  # where the first `<tool_call>` begins, once it has come
     try:
         async for out in outputs:
             before = len(text)
-            text += out.text
-            at = text.find(OPEN)
+            text += out.text  # in place: CPython grows a string no one else holds (measured linear)
+            if at < 0:  # an opening may straddle the last output and this one
+                at = text.find(OPEN, max(0, before - len(OPEN) + 1))
             if not out.finished and out.error is None and at >= 0 \
                     and text.find(CLOSE, max(at, before - len(CLOSE))) >= 0 and parse_answer(
                         text[at:], names, parallel=False)[1]:
@@ -110,8 +114,11 @@ class ToolAnswer:
         self.parallel = req.parallel_tool_calls is not False  # OpenAI's default: several calls allowed
         self._text: list[str] = []
         self._ids: list[str] = []  # streamed calls' ids, in order
-        # free answers: text not yet sent (a possible start of `<tool_call>`), and whether a block has begun
+        # free answers: text not yet sent (a possible start of `<tool_call>`), and once a block has begun, the pieces
+        # held from it on, joined when the answer ends (added to one string, each copied all held before it: 8,192
+        # pieces of 29 characters took 0.13 s, now 1.4 ms)
         self._pending = ""
+        self._held: list[str] = []
         self._holding = False
         # constrained answers: where the scan is ("between" calls, in a call's "header", in its "args", "done" after
         # the one call `parallel_tool_calls: false` allows), or "lost" when the text is not the expected shape (the
@@ -158,7 +165,7 @@ class ToolAnswer:
             return [], _finish(finish_reason, calls or [])
         if not self._holding:
             return ([{"content": self._pending}] if self._pending else []), finish_reason
-        held = self._pending  # from the first `<tool_call>` on
+        held = "".join(self._held)  # from the first `<tool_call>` on
         content, calls = parse_answer(held, self.names, parallel=self.parallel)
         if not calls:
             return [{"content": held}], finish_reason
@@ -194,13 +201,14 @@ class ToolAnswer:
         return [{"delta": d} for d in deltas], reason
 
     def _free(self, text: str) -> list[dict[str, Any]]:
-        self._pending += text
         if self._holding:
+            self._held.append(text)
             return []
+        self._pending += text  # what was held back is shorter than `<tool_call>`
         at = self._pending.find(OPEN)
         if at >= 0:
             self._holding = True
-            sent, self._pending = self._pending[:at], self._pending[at:]
+            sent, self._held, self._pending = self._pending[:at], [self._pending[at:]], ""
             return [{"content": sent}] if sent else []
         keep = _partial_opening(self._pending)
         sent = self._pending[:len(self._pending) - keep]

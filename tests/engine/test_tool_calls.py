@@ -21,6 +21,7 @@ import pytest
 from engine.sampling_params import EngineInputError
 from engine.tool_calls import MAX_CALL_SCHEMA_BYTES, ToolAnswer, answer_format
 from wire.chat_request import ChatCompletionRequest
+from wire.tool_calls import parse_answer
 from wire.tools import Tool
 
 WEATHER = {"type": "function", "function": {
@@ -168,6 +169,53 @@ def test_a_free_answer_without_parallel_calls_ends_at_its_first_call() -> None:
     content, calls, _ = ToolAnswer(single).whole(broken, "stop")
     assert calls is not None and [c["function"]["name"] for c in calls] == ["add"]
     assert content == '<tool_call>{"name": "rm", "arguments": {}}</tool_call> Checking.'
+
+
+FREE_ANSWERS = [TWO_CALLS, "plain text, then <tool b", "a <tool_call>{not json}</tool_call> b", TWO_CALLS[:60],
+                '<tool_call>{"name": "rm", "arguments": {}}</tool_call> ' + TWO_CALLS,
+                "<tool_call><tool_call>" + TWO_CALLS]
+STEPS = (1, 2, 3, 7, 11, 1000)  # the characters of each piece fed; 1000: the answer in one
+
+
+def test_a_free_answer_fed_in_pieces_of_any_size_is_the_answer_in_one_piece() -> None:
+    """A held block is kept as its pieces and joined once, when the answer ends: the same content, calls and finish
+    reason whatever the pieces' sizes, and the calls those of the whole answer."""
+    for parallel in (True, False):
+        req = request(parallel_tool_calls=parallel)
+        for text in FREE_ANSWERS:
+            calls = [(c["function"]["name"], c["function"]["arguments"]) for c in ToolAnswer(req).whole(text, "stop")[1]
+                     or []]
+            shaped = set()
+            for step in STEPS:
+                deltas, finish = stream(ToolAnswer(req), text, list(range(step, len(text), step)))
+                assert [(c["name"], c["arguments"]) for c in joined(deltas).values()] == calls, (parallel, text, step)
+                shaped.add(("".join(d.get("content", "") for d in deltas), finish))
+            assert len(shaped) == 1, (parallel, text, shaped)
+
+
+async def test_one_call_ends_at_the_output_that_makes_the_first_call_whole_whatever_the_outputs() -> None:
+    """`one_call` looks for the opening in each output's new text (it may straddle two): the answer ends at the same
+    place for outputs of any size, the output that brings the first call's `</tool_call>`."""
+    from engine.llm_engine import RequestOutput
+    from engine.tool_calls import one_call
+
+    req = request(parallel_tool_calls=False)
+    for text in FREE_ANSWERS:
+        _, calls = parse_answer(text, {"add", "get_weather"}, parallel=False)
+        first = text.index("</tool_call>", text.index(calls[0].arguments)) + len("</tool_call>") if calls else None
+        for step in STEPS:
+            pieces = [text[a:a + step] for a in range(0, len(text), step)]
+
+            async def outputs(pieces: list[str] = pieces) -> Any:
+                for i, piece in enumerate(pieces):
+                    last = i == len(pieces) - 1
+                    yield RequestOutput("r", piece, [i], last, "length" if last else None, 5, i + 1, 0.0)
+
+            made = [out async for out in one_call(outputs(), req)]
+            end = len(text) if first is None else min(len(text), -(-first // step) * step)
+            assert "".join(out.text for out in made) == text[:end], (text, step)
+            # cut before the last output: "stop"; the last one is the engine's own end
+            assert made[-1].finished and made[-1].finish_reason == ("stop" if end < len(text) else "length")
 
 
 def test_a_constrained_answer_without_parallel_calls_has_one_call() -> None:
