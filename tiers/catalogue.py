@@ -18,11 +18,14 @@ Money = Annotated[Decimal, Field(ge=0, max_digits=18, decimal_places=12)]
 #   vllm-priority  ...and the plan's priority class as `priority` (a vLLM started with `--scheduling-policy
 #                  priority`; any other refuses a non-zero priority with a 400)
 #   tiergate       our own engine: both (local tiers always speak it)
+# All but `openai` sample by vLLM's `top_k` (SGLang's too); OpenAI's API has no such field, so an `openai` tier never
+# answers a request that sets it (gateway/pipeline/needs.py): OpenAI refuses it, a lenient server ignores it.
 Dialect = Literal["openai", "vllm", "vllm-priority", "tiergate"]
 VERSION_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 CONTINUOUS_USAGE: frozenset[str] = frozenset({"vllm", "vllm-priority", "tiergate"})
 PRIORITY: frozenset[str] = frozenset({"vllm-priority", "tiergate"})
 CACHE_SALT_FIELD: frozenset[str] = frozenset({"vllm", "vllm-priority"})  # our engine takes it as a header instead
+TOP_K: frozenset[str] = frozenset({"vllm", "vllm-priority", "tiergate"})
 # What a version of a local tier may not change: where a remote server is and how to talk to it (a local version
 # runs its own engine, which speaks `tiergate`)
 REMOTE_VERSION_FIELDS = ("urls", "api_key_env", "dialect")
@@ -231,6 +234,11 @@ class TierSpec(BaseModel):
     def sends_priority(self) -> bool:
         """Its server schedules by vLLM's `priority` field (lower first)."""
         return self.dialect in PRIORITY
+
+    @property
+    def samples_top_k(self) -> bool:
+        """Its server samples by vLLM's `top_k` (the `k` most likely tokens only)."""
+        return self.dialect in TOP_K
 
     @property
     def sends_cache_salt(self) -> bool:

@@ -30,7 +30,8 @@ OpenAI's request fields, one by one (`OPENAI_FIELDS` lists them; a test sends ea
 - refused by name (`UNSUPPORTED_FIELDS`): functions, function_call (the deprecated forms of tools), audio,
   prediction, web_search_options, reasoning_effort, moderation, prompt_cache_options.
 - any other field is refused by name, vLLM's `top_k` and `priority` excepted (our engines honour them; through the
-  gateway a plan sets the priority, so it refuses `priority`).
+  gateway a plan sets the priority, so it refuses `priority`, and `top_k` above 0 goes only to tiers whose server
+  samples by it, refused by name for a tier that does not: -1 and 0 turn it off).
 
 A refused field is a 400 with `param` naming it and code `unsupported_parameter`; a refused value of a field we
 know is a 400 with code `unsupported_value`. A field that needs another is refused, naming it, without it, as

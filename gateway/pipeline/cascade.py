@@ -264,7 +264,9 @@ async def _escalate(pipeline: Pipeline, ctx: RequestContext, prepared: Prepared,
                     verdict: Verdict) -> Step:
     """The retry of a failed answer on the next dearer tier, reserved; or why there is none."""
     tier, fleet = attempt.route.tier, pipeline.route.fleet
-    target = next_dearer(fleet.catalogue, tier, ctx.plan.allowed_tiers, fleet.unavailable(), verdict)
+    # never a tier that cannot honour the request (its `unable`: vLLM's top_k on a plain OpenAI server)
+    target = next_dearer(fleet.catalogue, tier, ctx.plan.allowed_tiers, fleet.unavailable() | attempt.route.unable,
+                         verdict)
     degr = attempt.route.degradation
     unkept = replace(attempt.lookup, scope=None)  # an answer that failed its check is not worth keeping
     if target is None:
@@ -309,8 +311,8 @@ async def _check(pipeline: Pipeline, ctx: RequestContext, prepared: Prepared) ->
     if floor is None or source is None:
         return Check(fixed, None, None, artifact_version(source))
     fleet = pipeline.route.fleet
-    target = next_dearer(fleet.catalogue, attempt.route.tier, ctx.plan.allowed_tiers, fleet.unavailable(),
-                         Verdict("low_confidence", ""))
+    target = next_dearer(fleet.catalogue, attempt.route.tier, ctx.plan.allowed_tiers,
+                         fleet.unavailable() | attempt.route.unable, Verdict("low_confidence", ""))
     calibration = await source.calibration()
     artifact = artifact_version(source)  # the calibration's own: nothing awaited in between
     if target is None or calibration is None:

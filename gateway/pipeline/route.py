@@ -9,9 +9,10 @@ a tier the plan leaves out, a dearer one only with `allow_upgrade`, else a 503 n
 tier is over its wait limit, the route without load is still returned, with the overload: a cached answer may serve
 it anyway.
 
-A request with tools (or tool calls and results in its messages) goes only to tiers that can call tools
-(`TierSpec.tools`): `auto` and every fallback skip the others, and naming one is a 400 naming `tools`. Its answer is
-not cascaded: a tool call is not prose the cascade's checks can judge.
+A request that needs something of its tier (needs.py: tools, or tool calls and results in its messages; vLLM's
+`top_k`) goes only to tiers that have it: `auto` and every fallback skip the others (and so does a cascade, through
+the decision's `unable`), and naming one is a 400 naming the field. An answer with tools is not cascaded: a tool
+call is not prose the cascade's checks can judge.
 
 Last, the version: on a tier with versions, the rollout in progress (gateway/rollout) picks the one that answers
 this conversation; the decision's tier is then that version's spec, whose replicas the call uses and whose model
@@ -23,12 +24,13 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
-from gateway.errors import InvalidRequest, Unavailable, client_error
+from gateway.errors import Unavailable, client_error
 from gateway.ladder.apply import Degradation, RemapRefused
 from gateway.pipeline.context import RequestContext
 from gateway.pipeline.dispatch import DispatchStage
+from gateway.pipeline.needs import Need, able, check_named, needs_of, unable
 from gateway.rollout.assign import conversation_id
 from gateway.rollout.service import RolloutService
 from quotas.backends.base import QuotaBackendError
@@ -61,6 +63,8 @@ class RouteDecision:
     requested_tier: str  # what the request named, or the plan's default for `auto`
     overloaded: TierOverloaded | None  # every allowed tier is over its wait limit
     applied: tuple[str, ...]  # the ladder's actions that changed the route
+    # tier name -> why it cannot answer this request (needs.py), whatever its health: a cascade passes them over
+    unable: dict[str, str] = field(default_factory=dict)
 
     @property
     def tier(self) -> TierSpec:
@@ -110,14 +114,16 @@ class RouteStage:
                            max_wait_s=plan.max_queue_wait_s, quality_floor=floor, floor_reason=floor_reason,
                            policy=routing.policy, cascade=routing.cascade)
         unavailable = self.fleet.unavailable()
-        if req.uses_tools:
-            # the plan's refusal first, as without tools: a 400 saying "tier X cannot call tools" would confirm
+        cannot: dict[str, str] = {}
+        if needs := needs_of(req):
+            # the plan's refusal first, as without them: a 400 saying "tier X cannot call tools" would confirm
             # to the tenant that X is a tier when its plan does not offer it
             try:
                 check_model(req.model, catalogue=self.fleet.catalogue, allowed=rules.allowed)
             except TierError as exc:
                 raise client_error(exc) from exc
-            rules, unavailable = self._tool_tiers(req, rules, unavailable)
+            rules, cannot = self._able_tiers(req, needs, rules)
+            unavailable = unavailable | cannot
         waits = self.dispatch.predicted_waits(plan, ctx.tenant) if plan.max_queue_wait_s is not None else {}
         overloaded: TierOverloaded | None = None
         try:
@@ -137,7 +143,7 @@ class RouteStage:
         if self.rollouts is not None:
             route = self._version(ctx, req, route)
         requested = plan.default_tier if req.model == AUTO else req.model
-        return RouteDecision(route, degr, requested, overloaded, applied)
+        return RouteDecision(route, degr, requested, overloaded, applied, cannot)
 
     def on_version(self, ctx: RequestContext, req: ChatCompletionRequest, decision: RouteDecision) -> RouteDecision:
         """The decision on the version its tier's rollout gives this conversation (a cascade's second attempt)."""
@@ -173,22 +179,15 @@ class RouteStage:
         # the tenant reads it (x-tiergate-route-reason): the replicas' public reasons, never their own (URLs)
         return "; ".join(sorted({public_reason(r) for r in reps})) or "circuit breaker open on every replica"
 
-    def _tool_tiers(self, req: ChatCompletionRequest, rules: RouteRules,
-                    unavailable: dict[str, str]) -> tuple[RouteRules, dict[str, str]]:
-        """The rules and conditions of a request with tools: only tiers that can call tools; a 400 naming `tools`
-        when the request names another, or when the plan allows none."""
-        tiers = self.fleet.catalogue.tiers
-        if req.model in tiers and not tiers[req.model].tools:
-            raise InvalidRequest(f"tools: tier {req.model!r} cannot call tools; send the request to a tier that can "
-                                 "(or `auto`), or leave tools and tool messages out", param="tools",
-                                 code="unsupported_parameter")
-        able = [t.name for t in self.fleet.catalogue.by_price() if t.name in rules.allowed and t.tools]
-        if not able:
-            raise InvalidRequest("tools: none of the tiers your plan allows can call tools", param="tools",
-                                 code="unsupported_parameter")
-        default = rules.default if rules.default in able else able[0]
-        unable = {name: "it cannot call tools" for name, tier in tiers.items() if not tier.tools}
-        return replace(rules, allowed=able, default=default), unavailable | unable
+    def _able_tiers(self, req: ChatCompletionRequest, needs: tuple[Need, ...],
+                    rules: RouteRules) -> tuple[RouteRules, dict[str, str]]:
+        """The rules of a request with `needs`: only tiers that have them, and why each other tier cannot answer;
+        a 400 naming the field when the request names a tier without it, or when the plan allows none with it."""
+        catalogue = self.fleet.catalogue
+        check_named(catalogue.tiers.get(req.model), needs)
+        names = [t.name for t in able((t for t in catalogue.by_price() if t.name in rules.allowed), needs)]
+        default = rules.default if rules.default in names else names[0]
+        return replace(rules, allowed=names, default=default), unable(catalogue.tiers.values(), needs)
 
     def _remap(self, degr: Degradation, route: Route, rules: RouteRules,
                unavailable: dict[str, str]) -> tuple[Route, tuple[str, ...]]:

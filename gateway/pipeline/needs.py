@@ -1,0 +1,80 @@
+"""What a request needs of the tier that answers it: fields that only some tiers' servers honour.
+
+A field we do not honour is refused by name, never dropped (wire/chat_request.py), and which tier answers decides
+whether it is honoured. So a request that needs something of its tier never goes to a tier that cannot give it:
+`auto`, every fallback and the ladder's remap pass such tiers over (route.py), and so does a cascade's second attempt
+(the decision's `unable`); naming one is a 400 naming the field, and so is a plan none of whose tiers can. All of it
+before anything is reserved or sent.
+
+- `tools`, or tool calls and results in the messages: tiers that can call tools (`TierSpec.tools`).
+- vLLM's `top_k` above 0: tiers whose server samples by it (`TierSpec.samples_top_k`: our engines, vLLM, SGLang).
+  OpenAI's API has no such field: OpenAI refuses it (a 400 the tenant got as the tier's), a lenient server ignores
+  it, and either way the answer is not sampled as asked. -1 and 0 turn it off, every server's default: they need
+  nothing (tier_call.upstream_body leaves them out).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from gateway.errors import InvalidRequest
+from tiers.catalogue import TierSpec
+from wire.chat_request import ChatCompletionRequest
+
+
+@dataclass(frozen=True)
+class Need:
+    param: str  # the request's field, as a refusal names it
+    can: str  # what a tier that has it does ("can call tools")
+    cannot: str  # and one that has not ("cannot call tools"): the route reason of a tier passed over
+    without: str  # what the request leaves out to go to any tier
+    has: Callable[[TierSpec], bool]
+
+    def named(self, tier: str) -> InvalidRequest:
+        """The 400 for a request that names a tier without it."""
+        return InvalidRequest(f"{self.param}: tier {tier!r} {self.cannot}; send the request to a tier that can "
+                              f"(or `auto`), or {self.without}", param=self.param, code="unsupported_parameter")
+
+    def nowhere(self) -> InvalidRequest:
+        """The 400 for a request none of whose plan's tiers has it."""
+        return InvalidRequest(f"{self.param}: none of the tiers your plan allows {self.can}", param=self.param,
+                              code="unsupported_parameter")
+
+
+TOOLS = Need("tools", "can call tools", "cannot call tools", "leave tools and tool messages out", lambda t: t.tools)
+TOP_K = Need("top_k", "can sample by top_k", "cannot sample by top_k (its server does not take it)",
+             "leave top_k out (or send -1: off)", lambda t: t.samples_top_k)
+
+
+def needs_of(req: ChatCompletionRequest) -> tuple[Need, ...]:
+    """What `req` needs of its tier (none, for most requests)."""
+    needs = (TOOLS,) if req.uses_tools else ()
+    if req.top_k is not None and req.top_k > 0:
+        needs = (*needs, TOP_K)
+    return needs
+
+
+def able(tiers: Iterable[TierSpec], needs: tuple[Need, ...]) -> list[TierSpec]:
+    """The tiers (in the order given) that have every need; a 400 naming the first need that leaves none."""
+    left = list(tiers)
+    for need in needs:
+        left = [t for t in left if need.has(t)]
+        if not left:
+            raise need.nowhere()
+    return left
+
+
+def unable(tiers: Iterable[TierSpec], needs: tuple[Need, ...]) -> dict[str, str]:
+    """Tier name -> why it cannot answer (the first need it lacks), for the tiers that lack one."""
+    out: dict[str, str] = {}
+    for tier in tiers:
+        if (lacking := next((n for n in needs if not n.has(tier)), None)) is not None:
+            out[tier.name] = f"it {lacking.cannot}"
+    return out
+
+
+def check_named(tier: TierSpec | None, needs: tuple[Need, ...]) -> None:
+    """A 400 naming the first need the named `tier` lacks (None: `auto`, or no such tier, refused elsewhere)."""
+    if tier is not None and (lacking := next((n for n in needs if not n.has(tier)), None)) is not None:
+        raise lacking.named(tier.name)
