@@ -78,12 +78,13 @@ class PromptStage:
         messages = [turn(m) for m in req.messages]
         tools = preamble(req)
         chars = sum(len(m["content"]) for m in messages) + len(tools)
+        tokenized: int | None = None  # characters tokenized to count it (None: a short prompt's, found on refusal)
         if chars <= INLINE_CHARS and len(messages) <= INLINE_MESSAGES and degr.input_cap is None:
             rendered = with_preamble(messages, tools)
             kept, applied, num_tokens = list(req.messages), (), counter.prompt_tokens(rendered, owner)
         else:
             args = (counter, list(req.messages), messages, tier, degr.input_cap, tools, owner)
-            kept, applied, num_tokens = await self.threads.run(owner, _count_bounded, *args)
+            kept, applied, num_tokens, tokenized = await self.threads.run(owner, _count_bounded, *args)
         room = tier.context_limit - num_tokens
         cap = req.output_cap or max(1, min(self.default_max_tokens, room))
         by_context = req.output_cap is None and cap == room
@@ -91,8 +92,8 @@ class PromptStage:
         if action is not None:
             applied = (*applied, action)
         if num_tokens + capped > tier.context_limit:
-            # tokenized: about the prompt kept (counted once, or a prefix and then all of it: at most twice that)
-            tokenized = sum(len(m.text()) for m in kept) + len(tools)
+            if tokenized is None:  # a short prompt (at most INLINE_MESSAGES turns): rendered again in microseconds
+                tokenized = len(counter.render(rendered))
             raise _too_long(tier, f"{num_tokens} prompt tokens + {capped} output tokens", tokenized)
         return Prompt(tuple(kept), num_tokens, capped, by_context and capped == cap, applied)
 
@@ -131,10 +132,12 @@ class PromptStage:
 
 def _count_bounded(counter: TokenCounter, originals: list[ChatMessage], messages: list[dict[str, Any]],
                    tier: TierSpec, input_cap: int | None, tools: str = "", owner: Hashable = None
-                   ) -> tuple[list[ChatMessage], tuple[str, ...], int]:
-    """(messages kept, actions applied, prompt tokens), reading at most what could fit (worker thread). `tools`:
-    the system-message text that offers the request's tools, counted with the system message; `owner`: the tenant
-    whose remembered counts may be reused."""
+                   ) -> tuple[list[ChatMessage], tuple[str, ...], int, int]:
+    """(messages kept, actions applied, prompt tokens, characters tokenized), reading at most what could fit
+    (worker thread). `tools`: the system-message text that offers the request's tools, counted with the system
+    message; `owner`: the tenant whose remembered counts may be reused. The characters tokenized are the rendered
+    prompt's, the template's markers included (what a refusal is charged: 2,048 empty messages have no content
+    but are 57 KB rendered), and its prefix's where that was counted first."""
     applied: tuple[str, ...] = ()
     if input_cap is not None:
         keep = _trim(counter, messages, input_cap, tools, owner)
@@ -148,9 +151,10 @@ def _count_bounded(counter: TokenCounter, originals: list[ChatMessage], messages
         raise _too_long(tier, f"{chars} characters, more than {limit} tokens can hold", 0)  # read no further
     text = counter.render(with_preamble(messages, tools))
     prefix_chars = limit * PREFIX_CHARS_PER_TOKEN
-    if len(text) > prefix_chars and counter.count(text[:prefix_chars]) > limit + PREFIX_MARGIN_TOKENS:
+    prefixed = len(text) > prefix_chars
+    if prefixed and counter.count(text[:prefix_chars]) > limit + PREFIX_MARGIN_TOKENS:
         raise _too_long(tier, f"more than {limit} tokens in its first {prefix_chars} characters", prefix_chars)
-    return originals, applied, counter.count(text)
+    return originals, applied, counter.count(text), len(text) + (prefix_chars if prefixed else 0)
 
 
 def _trim(counter: TokenCounter, messages: list[dict[str, Any]], cap: int, tools: str = "",

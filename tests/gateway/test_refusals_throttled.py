@@ -70,6 +70,17 @@ def test_a_prompt_counted_in_full_is_charged_for_its_count(gw: Gateway) -> None:
     assert after.status_code == 429 and after.json()["error"]["code"] == "rate_limit_invalid_requests"
 
 
+def test_a_prompt_of_many_empty_messages_is_charged_its_rendered_count(gw: Gateway) -> None:
+    """Empty messages have no content to charge, but the chat template writes its markers around each, and those were
+    tokenized too: 400 of them are a 13 KB body and an 11 KB prompt (181 KB charged for its count)."""
+    messages = [{"role": "user", "content": ""} for _ in range(400)]  # ~2,000 tokens: it fits, not with max_tokens
+    with gw.client(gw.tenant_key) as c:
+        first = c.post("/v1/chat/completions", json={"model": "mid", "max_tokens": CONTEXT, "messages": messages})
+        after = c.post("/v1/chat/completions", json={"model": "mid", "messages": [{"role": "user", "content": "hi"}]})
+    assert first.json()["error"]["code"] == "context_length_exceeded"  # its body alone is far from 64 KB
+    assert after.status_code == 429 and after.json()["error"]["code"] == "rate_limit_invalid_requests"
+
+
 def test_a_prompt_refused_unread_is_charged_its_bytes_only(gw: Gateway) -> None:
     max_token_chars = token_counter(resolve_model(DEFAULT_MODEL, MODELS_DIR)).max_token_chars  # tier mid's tokenizer
     unread = "9" * (CONTEXT * max_token_chars + 1)  # more than the context can hold: never tokenized

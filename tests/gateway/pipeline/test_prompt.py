@@ -15,7 +15,7 @@ from gateway.errors import InvalidRequest, Unavailable
 from gateway.ladder.apply import NORMAL, Degradation
 from gateway.ladder.config import CapInputTokens
 from gateway.pipeline import prompt as prompt_module
-from gateway.pipeline.prompt import MAX_RECOUNTS, PromptStage, _trim
+from gateway.pipeline.prompt import MAX_RECOUNTS, ContextTooLong, PromptStage, _trim
 from gateway.token_counter import TokenCounter, token_counter
 from tests.conftest import MODELS_DIR
 from tiers.catalogue import TierSpec
@@ -182,3 +182,18 @@ def test_a_prompt_of_many_short_messages_is_counted_off_the_event_loop(
     got = asyncio.run(stage.measure(req, tier(32768), NORMAL, owner="acme"))
     assert got.num_tokens > 10_000
     assert on_loop == []
+
+
+@pytest.mark.parametrize("turns", [prompt_module.INLINE_MESSAGES, 2048], ids=["inline", "worker-thread"])
+def test_a_prompt_refused_after_its_count_is_charged_what_was_rendered(counter: TokenCounter, turns: int) -> None:
+    """A prompt that fits, but not with its max_tokens, is refused after a full count, and charged (to the tenant's
+    refused-work allowance, gate.py) the characters tokenized: the rendered prompt, the template's markers and default
+    system prompt included. Many tiny messages are almost no content (2 characters each was all they were charged)
+    and ~30 characters each rendered."""
+    stage = PromptStage(models_dir=MODELS_DIR, default_max_tokens=64)
+    messages = [{"role": "user", "content": "hi"} for _ in range(turns)]
+    req = ChatCompletionRequest.model_validate({"model": "mid", "max_tokens": 32768, "messages": messages})
+    with pytest.raises(ContextTooLong) as err:
+        asyncio.run(stage.measure(req, tier(32768), NORMAL, owner="acme"))
+    assert "prompt tokens + 32768 output tokens" in str(err.value)  # counted in full, then refused
+    assert err.value.tokenized_chars >= len(counter.render(messages)) > 10 * turns
