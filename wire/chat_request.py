@@ -44,8 +44,10 @@ Choices where OpenAI's own limits are looser or unstated:
 - `seed` must lie in 0..2^64-1 (what a 64-bit generator takes); any other integer is a 400 naming `seed`.
 - `temperature` is 0 (greedy) or at least MIN_TEMPERATURE: below it, logits divided by the temperature
   leave float32's range and sampling is greedy anyway.
-- `stop`: at most MAX_STOP_SEQUENCES strings of 1 to MAX_STOP_CHARS characters each (an empty one stops nowhere;
-  it was dropped unsaid, where vLLM, behind a remote tier, refuses it).
+- `stop`: at most MAX_STOP_SEQUENCES strings of 1 to MAX_STOP_CHARS characters each. An empty one is refused by
+  name (`_no_empty_stop`): servers do not agree on what it means (our engine matched it nowhere, vLLM refuses it, a
+  server that looks for it in the text finds it at once and stops), so whichever tier answered, the answer depended
+  on a field the tenant could not see honoured. Refused, it means the same on every tier.
 - `messages`: at most MAX_MESSAGES, with at most wire/body_width.MAX_ITEMS content parts and tool calls in all
   (looked at before validation: `look_before_validating`); the first bad item ends validation.
 """
@@ -55,7 +57,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, WithJsonSchema, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from wire.body_width import MAX_MESSAGES, check_width
@@ -189,7 +200,15 @@ class StreamOptions(BaseModel):
         return drop_nulls(data)
 
 
-StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]  # empty: stops nowhere (vLLM refuses it)
+def _no_empty_stop(value: Any) -> Any:
+    """An empty stop string, refused in words (pydantic's own would say "at least 1 character")."""
+    if value == "":
+        raise PydanticCustomError("string_too_short", "a stop string may not be empty (it would stop nothing on one "
+                                  "server and everything at once on another); remove it")
+    return value
+
+
+StopString = Annotated[str, BeforeValidator(_no_empty_stop), Field(min_length=1, max_length=MAX_STOP_CHARS)]
 MetadataKey = Annotated[str, Field(max_length=64)]
 MetadataValue = Annotated[str, Field(max_length=512)]
 ZeroPenalty = Annotated[float, Field(ge=0.0, le=0.0), only(0, reason="only 0 is supported: no penalty is applied")]
