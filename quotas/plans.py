@@ -6,17 +6,43 @@ import re
 from decimal import Decimal
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, WithJsonSchema, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    ValidationInfo,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
 
 PriorityClass = Literal["interactive", "standard", "batch"]
 PRIORITY_ORDER: dict[str, int] = {"interactive": 0, "standard": 1, "batch": 2}  # lower is served first
 
 
 # US dollars, exact: a JSON number, or a string of digits with an optional fraction (what `_exact` takes, as the
-# published document says)
+# published document says); written as such a string, so that what is stored (a key's limits) reads back
 USD_TEXT = re.compile(r"[0-9]+(\.[0-9]+)?")
-UsdBudget = Annotated[Decimal, Field(ge=0), WithJsonSchema({"anyOf": [
-    {"type": "number", "minimum": 0}, {"type": "string", "pattern": r"^[0-9]+(\.[0-9]+)?$", "maxLength": 64}]})]
+MAX_USD_CHARS = 64
+# a budget given as a JSON number: 0, or in [MIN, MAX), so that written out it has at most 64 characters too (a float's
+# 17 digits after 45 zeros, or 63 digits): 1e308, 10**400 and 1e-320 were taken, and their key could not be read back
+USD_NUMBER_MIN, USD_NUMBER_MAX = 1e-46, 1e63
+_USD_RULE = (f"a budget is a number of dollars, or a string of at most {MAX_USD_CHARS} digits with an optional "
+             "fraction (\"12.50\")")
+
+
+def usd_text(value: Decimal) -> str:
+    """A budget as it is written: digits with an optional fraction, never an exponent (`str` of 0.0000001 is `1E-7`,
+    which USD_TEXT refused when the store read the key back: a 500 for the key and for every listing of keys)."""
+    return format(value, "f")
+
+
+UsdBudget = Annotated[Decimal, Field(ge=0), PlainSerializer(usd_text, return_type=str, when_used="json"),
+                      WithJsonSchema({"anyOf": [
+                          {"type": "number", "const": 0},
+                          {"type": "number", "minimum": USD_NUMBER_MIN, "exclusiveMaximum": USD_NUMBER_MAX},
+                          {"type": "string", "pattern": r"^[0-9]+(\.[0-9]+)?$", "maxLength": MAX_USD_CHARS}]})]
 
 
 class Limits(BaseModel):
@@ -33,10 +59,16 @@ class Limits(BaseModel):
     @field_validator("budget_day_usd", "budget_month_usd", mode="before")
     @classmethod
     def _exact(cls, value: object) -> object:
-        if isinstance(value, str) and (len(value) > 64 or not USD_TEXT.fullmatch(value)):
-            raise ValueError("a budget is a number of dollars, or a string of at most 64 digits with an optional "
-                             "fraction (\"12.50\")")
-        return repr(value) if isinstance(value, float) else value
+        if isinstance(value, str) and (len(value) > MAX_USD_CHARS or not USD_TEXT.fullmatch(value)):
+            raise ValueError(_USD_RULE)
+        if isinstance(value, int | float) and not isinstance(value, bool) and (
+                0 < value < USD_NUMBER_MIN or value >= USD_NUMBER_MAX):
+            raise ValueError(f"a budget given as a number is 0 or from {USD_NUMBER_MIN:g} to under "
+                             f"{USD_NUMBER_MAX:g} dollars; write a longer one as a string of at most {MAX_USD_CHARS} "
+                             "digits")
+        if isinstance(value, float):  # its shortest repr, exact; -0.0 is 0.0 (`-0.0` is no USD_TEXT)
+            return repr(0.0 if value == 0 else value)
+        return value
 
 
 class CachePlan(BaseModel):
