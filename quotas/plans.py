@@ -17,6 +17,8 @@ from pydantic import (
     model_validator,
 )
 
+from wire.fields import integral
+
 PriorityClass = Literal["interactive", "standard", "batch"]
 PRIORITY_ORDER: dict[str, int] = {"interactive": 0, "standard": 1, "batch": 2}  # lower is served first
 
@@ -50,11 +52,17 @@ class Limits(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    rpm: Annotated[int, Field(ge=0)] | None = None
-    tpm: Annotated[int, Field(ge=0)] | None = None
-    max_concurrent: Annotated[int, Field(ge=0)] | None = None
+    # integers as given (strict: the admin API's `rpm: true` was a limit of 1, `tpm: "100"` one of 100); 5.0 is 5
+    rpm: Annotated[int, Field(ge=0, strict=True)] | None = None
+    tpm: Annotated[int, Field(ge=0, strict=True)] | None = None
+    max_concurrent: Annotated[int, Field(ge=0, strict=True)] | None = None
     budget_day_usd: UsdBudget | None = None
     budget_month_usd: UsdBudget | None = None
+
+    @field_validator("rpm", "tpm", "max_concurrent", mode="before")
+    @classmethod
+    def _integral(cls, value: object) -> object:
+        return integral(value)
 
     @field_validator("budget_day_usd", "budget_month_usd", mode="before")
     @classmethod
