@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from gateway.auth import require_admin
 from gateway.errors import InvalidRequest
 from gateway.pipeline.cache_lookup import CacheStage
+from gateway.query_params import QUERY_OPT, only_declared_query
 from gateway.routes.openapi import BEARER, also, body, errors
 from gateway.tenants.keys import MAX_GRACE_S, MAX_TTL_S
 from gateway.tenants.store import ADMIN, NAME_RE, TenantStore
@@ -55,7 +56,7 @@ class RotateKey(BaseModel):
 ADMIN_ERRORS = errors(400, 401, 403, 404, 409, 413, 500)
 
 
-@get("/tenants", responses=errors(401, 403, 500))
+@get("/tenants", responses=errors(400, 401, 403, 500))
 async def list_tenants(store: NamedDependency[TenantStore]) -> dict[str, Any]:
     return {"data": [vars(t) for t in store.list_tenants()]}
 
@@ -80,7 +81,7 @@ async def bump_data_version(store: NamedDependency[TenantStore], cache: NamedDep
     return {"tenant": name, "data_version": version}
 
 
-@get("/keys", responses=errors(400, 401, 403, 500))
+@get("/keys", responses=errors(400, 401, 403, 500), opt={QUERY_OPT: ("tenant",)})
 async def list_keys(store: NamedDependency[TenantStore], tenant: FromQuery[str | None] = None) -> dict[str, Any]:
     return {"data": [k.public() for k in store.list_keys(tenant)]}
 
@@ -109,6 +110,6 @@ async def rotate_key(request: Request[Any, Any, Any], store: NamedDependency[Ten
 
 
 admin_router = Router(
-    path="/admin", guards=[require_admin], tags=["admin"], security=BEARER,
+    path="/admin", guards=[require_admin, only_declared_query], tags=["admin"], security=BEARER,
     route_handlers=[list_tenants, create_tenant, bump_data_version, list_keys, issue_key, revoke_key, rotate_key],
 )

@@ -20,6 +20,7 @@ from gateway.errors import InvalidRequest, TiergateError
 from gateway.ladder.config import unknown_tiers
 from gateway.ladder.controller import MIN_TTL_S, REASON_PATTERN, LadderChangeError, LadderController
 from gateway.ladder.state import event_dict
+from gateway.query_params import QUERY_OPT, only_declared_query
 from gateway.routes.openapi import BEARER, body, errors
 from gateway.settings import Settings
 from gateway.tenants.keys import MAX_TTL_S
@@ -57,7 +58,7 @@ async def _changing(ladder: LadderController, change: Callable[..., None], *args
         raise
 
 
-@get("/", responses=errors(401, 403, 500))
+@get("/", responses=errors(400, 401, 403, 500))
 async def status(ladder: NamedDependency[LadderController]) -> dict[str, Any]:
     return ladder.status()
 
@@ -74,13 +75,13 @@ async def set_level(request: Request[Any, Any, Any], ladder: NamedDependency[Lad
     return ladder.status()
 
 
-@post("/auto", status_code=200, responses=errors(401, 403, 500, 503))
+@post("/auto", status_code=200, responses=errors(400, 401, 403, 500, 503))
 async def set_auto(request: Request[Any, Any, Any], ladder: NamedDependency[LadderController]) -> dict[str, Any]:
     await _changing(ladder, ladder.set_auto, who=request.state.key_id)
     return ladder.status()
 
 
-@get("/history", responses=errors(400, 401, 403, 500, 503))
+@get("/history", responses=errors(400, 401, 403, 500, 503), opt={QUERY_OPT: ("limit",)})
 async def history(ladder: NamedDependency[LadderController], limit: HistoryLimit = 100) -> dict[str, Any]:
     events = await asyncio.to_thread(ladder.store.history, limit)
     return {"data": [event_dict(e) for e in events]}
@@ -101,5 +102,5 @@ async def reload(ladder: NamedDependency[LadderController], settings: NamedDepen
     return {**ladder.status(), "unknown_tiers": unknown_tiers(ladder.ladder, tiers)}
 
 
-degrade_router = Router(path="/admin/degrade", guards=[require_admin], tags=["admin"], security=BEARER,
-                        route_handlers=[status, set_level, set_auto, history, reload])
+degrade_router = Router(path="/admin/degrade", guards=[require_admin, only_declared_query], tags=["admin"],
+                        security=BEARER, route_handlers=[status, set_level, set_auto, history, reload])

@@ -12,6 +12,7 @@ from litestar.di import NamedDependency
 
 from gateway.auth import require_admin
 from gateway.ladder.controller import LadderController
+from gateway.query_params import only_declared_query
 from gateway.routes.openapi import BEARER, errors
 from quotas.dispatch import TierQueue
 from quotas.ledger import Ledger
@@ -27,7 +28,8 @@ def _pct(values: list[float], q: float) -> float | None:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-@get("/admin/ops", guards=[require_admin], tags=["admin"], security=BEARER, responses=errors(401, 403, 500))
+@get("/admin/ops", guards=[require_admin, only_declared_query], tags=["admin"], security=BEARER,
+     responses=errors(400, 401, 403, 500))
 async def ops(ledger: NamedDependency[Ledger], queues: NamedDependency[dict[str, TierQueue]],
               fleet: NamedDependency[Fleet], ladder: NamedDependency[LadderController]) -> dict[str, Any]:
     now = time.time()

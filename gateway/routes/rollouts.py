@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.auth import require_admin
 from gateway.ladder.controller import REASON_PATTERN
+from gateway.query_params import QUERY_OPT, only_declared_query
 from gateway.rollout.guards import Guards
 from gateway.rollout.service import RolloutService
 from gateway.routes.degrade import HistoryLimit
@@ -53,7 +54,7 @@ class Change(BaseModel):
 CHANGE_ERRORS = errors(400, 401, 403, 404, 409, 413, 500)
 
 
-@get("/", responses=errors(401, 403, 500))
+@get("/", responses=errors(400, 401, 403, 500))
 async def status(rollouts: NamedDependency[RolloutService]) -> dict[str, Any]:
     """Each tier's latest rollout: stage, share, named tenants, who changed it and why, and each version's requests
     and errors since it started (as this gateway process counted them)."""
@@ -98,7 +99,7 @@ async def rollback(request: Request[Any, Any, Any], rollouts: NamedDependency[Ro
     return r.public()
 
 
-@get("/history", responses=errors(400, 401, 403, 500))
+@get("/history", responses=errors(400, 401, 403, 500), opt={QUERY_OPT: ("tier", "limit")})
 async def history(rollouts: NamedDependency[RolloutService], tier: FromQuery[str | None] = None,
                   limit: HistoryLimit = 100) -> dict[str, Any]:
     """The audit trail, latest first: every start, promotion, pause and rollback, with who and why."""
@@ -106,5 +107,5 @@ async def history(rollouts: NamedDependency[RolloutService], tier: FromQuery[str
     return {"data": [e.public() for e in events]}
 
 
-rollouts_router = Router(path="/admin/rollouts", guards=[require_admin], tags=["admin"], security=BEARER,
-                         route_handlers=[status, start, promote, pause, rollback, history])
+rollouts_router = Router(path="/admin/rollouts", guards=[require_admin, only_declared_query], tags=["admin"],
+                         security=BEARER, route_handlers=[status, start, promote, pause, rollback, history])

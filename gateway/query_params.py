@@ -1,0 +1,34 @@
+"""Query parameters a route does not take are refused by name, never ignored.
+
+Litestar ignores a query parameter no handler parameter names, and on an admin route that answered something else than
+asked: `GET /admin/keys?tenat=acme` (a typo) listed every tenant's keys, and `POST /admin/keys/{id}/rotate?grace_s=3600`
+revoked the old key at once (the grace period is a body field), both with a 200. A route says what it takes in its
+`opt` (`opt={"query": ("tenant",)}`; none when absent), and `only_declared_query` guards it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from litestar.connection import ASGIConnection
+from litestar.handlers import BaseRouteHandler
+
+from gateway.errors import InvalidRequest
+
+QUERY_OPT = "query"  # the route handler's `opt` entry naming the query parameters it takes
+
+
+def refuse_unknown(names: Iterable[str], known: tuple[str, ...]) -> None:
+    """An InvalidRequest naming the first of `names` that is not `known`, if any."""
+    for name in names:
+        if name not in known:
+            takes = f"this route takes {', '.join(known)}" if known else "this route takes none"
+            raise InvalidRequest(f"{name[:64]}: unsupported query parameter ({takes}); remove it", param=name[:64],
+                                 code="unsupported_parameter")
+
+
+async def only_declared_query(connection: ASGIConnection[Any, Any, Any, Any], handler: BaseRouteHandler) -> None:
+    """Guard: a 400 for a query parameter the route does not declare in its `opt` (after the admin guard, so that a
+    key that may not use the route learns nothing of what it takes)."""
+    refuse_unknown(connection.query_params.keys(), tuple(handler.opt.get(QUERY_OPT, ())))
