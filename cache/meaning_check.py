@@ -111,7 +111,9 @@ class MeaningCheck:
     def score(self, cached: str, new: str, *, scope: str = "", owner: str = "") -> float:
         if len(cached) > MAX_CHARS or len(new) > MAX_CHARS:
             return UNREAD
-        key = hashlib.blake2b(f"{cached}\0{new}".encode("utf-8", "surrogatepass"), digest_size=16).digest()
+        # the first question's length first: a NUL between them let (a, "b\0c") and ("a\0b", c) share a score
+        pair = f"{len(cached)}:{cached}{new}"
+        key = hashlib.blake2b(pair.encode("utf-8", "surrogatepass"), digest_size=16).digest()
         with self._memo_lock:
             found = self._memo.get(scope, key)
         if found is None:

@@ -98,6 +98,15 @@ def test_one_scopes_flood_evicts_only_its_own_scores(monkeypatch: pytest.MonkeyP
     assert runs == [(STORED, f"{PARAPHRASE} #0")]
 
 
+def test_a_remembered_score_is_never_another_pairs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Questions may hold a NUL (JSON's \\u0000 passes the wire): the remembered score of (STORED, "x\\0y") is not
+    served for (STORED + "\\0x", "y"), a pair the model reads otherwise (its digest read "STORED\\0x\\0y" for both)."""
+    scores = {(STORED, f"{SWAPPED}\0{PARAPHRASE}"): 5.0, (f"{STORED}\0{SWAPPED}", PARAPHRASE): -9.0}
+    check = MeaningCheck()  # no model: each pair's own score is known
+    monkeypatch.setattr(check, "_run", lambda a, b, owner: scores[(a, b)])
+    assert [check.score(a, b, scope="tenant-a") for a, b in scores] == list(scores.values())
+
+
 def test_a_failing_or_busy_check_makes_a_miss_never_an_error(checked_cache: SemanticCache,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     def fail(*args: object) -> None:
