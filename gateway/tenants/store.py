@@ -131,7 +131,7 @@ class TenantStore(ABC):
     # ---- tenants ----
 
     def create_tenant(self, name: str, plan: str) -> Tenant:
-        if not NAME_RE.match(name):
+        if not NAME_RE.fullmatch(name):  # `match` let a final newline through: `$` matches before one
             raise InvalidRequest("tenant names are 1-64 characters of a-z, 0-9, '.', '_' and '-'",
                                  param="name")
         tenant = Tenant(name, plan, time.time())

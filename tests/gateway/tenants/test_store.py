@@ -132,6 +132,15 @@ def test_admin_keys_and_validation(store: TenantStore) -> None:
     assert [t.name for t in store.list_tenants()] == ["acme"]
 
 
+@pytest.mark.parametrize("name", ["acme\n", "beta\n", "a" * 64 + "\n"])
+def test_a_tenant_name_ending_in_a_newline_is_refused(store: TenantStore, name: str) -> None:
+    """`$` matched before a final newline: the CLI made "acme\n", a second tenant that logs, reports and metrics
+    show as acme (the admin route's pattern, read by pydantic, refused it already)."""
+    with pytest.raises(InvalidRequest):
+        store.create_tenant(name, "standard")
+    assert [t.name for t in store.list_tenants()] == ["acme"]
+
+
 def test_data_versions_bump_and_are_seen_by_other_connections(store: TenantStore, backend: Backend) -> None:
     assert store.data_version("acme") == 0  # now cached
     cli = backend.open()
