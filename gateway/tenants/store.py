@@ -28,11 +28,14 @@ import time
 from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Any
 
 from gateway.errors import Conflict, InvalidRequest, NotFound
 from gateway.tenants.keys import MAX_GRACE_S, MAX_TTL_S, check_seconds, hash_secret, new_key, parse_key, verify
 from quotas.plans import Limits
+
+BUDGET_FIELDS = ("budget_day_usd", "budget_month_usd")  # strings of exact dollars, as stored
 
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
 ADMIN = "admin"
@@ -356,4 +359,16 @@ _KEY_COLUMNS = "key_id, tenant, name, roles, created_at, expires_at, revoked_at,
 def _key(row: tuple) -> ApiKey:  # type: ignore[type-arg]
     key_id, tenant, name, roles, created_at, expires_at, revoked_at, replaced_by, limits = row
     return ApiKey(key_id, tenant, name, tuple(json.loads(roles)), created_at, expires_at, revoked_at, replaced_by,
-                  Limits.model_validate_json(limits) if limits else None)
+                  _stored_limits(limits) if limits else None)
+
+
+def _stored_limits(text: str) -> Limits:
+    """A key's limits as the store holds them. A budget written before budgets were written as plain digits may be
+    in a Decimal's exponent form (`1E-7`, or 1e308's digits), which the API's rule refuses: read as the exact Decimal
+    it was written from, never refused (that key, and every listing of keys, answered 500) and never dropped (that
+    would lift its budget)."""
+    data = json.loads(text)
+    for name in BUDGET_FIELDS:
+        if isinstance(data.get(name), str):
+            data[name] = Decimal(data[name])
+    return Limits.model_validate(data)

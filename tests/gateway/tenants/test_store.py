@@ -8,6 +8,7 @@ import math
 import sqlite3
 import time
 from collections.abc import Callable, Iterator
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from gateway.tenants.keys import MAX_TTL_S, hash_secret, parse_key
 from gateway.tenants.store import ADMIN, TenantStore
 from gateway.tenants.store_postgres import PostgresTenantStore
 from gateway.tenants.store_sqlite import FOLLOW_EVERY_S
+from quotas.plans import Limits
 
 
 class Backend:
@@ -283,3 +285,17 @@ def test_a_flood_of_made_up_key_ids_does_not_empty_the_real_keys_cache(store: Te
     for i in range(200):  # four times what each cache holds
         assert store.authenticate(f"tg-{i:012x}-" + "x" * 43) is None
     assert len(queries) == 200 and cached()  # each made-up id asked once; the real key is still cached
+
+
+@pytest.mark.parametrize("written", ["1E-7", "1E+308"])
+def test_a_budget_stored_in_exponent_form_reads_back_exactly(backend: Backend, store: TenantStore,
+                                                              written: str) -> None:
+    """Budgets were written as Decimal's `str` (0.0000001 as `1E-7`) before they were written as plain digits, and the
+    API's rule refused that text on the read: the key, and every listing of keys, answered 500. A store that holds
+    such a row reads it as the exact budget it was written from (dropping it would lift the key's budget)."""
+    key, _ = store.issue_key("acme", limits=Limits(budget_day_usd=Decimal("1"), rpm=5))
+    backend.sql(f"""UPDATE api_keys SET limits = '{{"rpm": 5, "budget_day_usd": "{written}"}}'
+                    WHERE key_id = '{key.key_id}'""")
+    other = backend.open()  # another replica: nothing of the first one's cache
+    (listed,) = other.list_keys("acme")
+    assert listed.limits == Limits(budget_day_usd=Decimal(written), rpm=5)
