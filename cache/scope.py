@@ -18,7 +18,11 @@ from typing import Any
 
 from cache.request_key import context_hash, sampling_class
 
-_SEP = "\x1f"  # a separator no field value contains after strip(); keeps ("a", "bc") apart from ("ab", "c")
+# keeps ("a", "bc") apart from ("ab", "c"). Only the identity can hold it (an end user's id, as the tenant sends it);
+# no other field can (tenant names, data versions as the header's pattern allows, digests), so a joined string still
+# splits one way only: the tenant is what comes before the first separator, the four fields after the identity what
+# comes after the last four, and the identity what is left between
+_SEP = "\x1f"
 
 
 def identity_snapshot(roles: Iterable[str] = (), end_user: str | None = None,
