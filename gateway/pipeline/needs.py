@@ -6,6 +6,10 @@ whether it is honoured. So a request that needs something of its tier never goes
 (the decision's `unable`); naming one is a 400 naming the field, and so is a plan none of whose tiers can. All of it
 before anything is reserved or sent.
 
+What a tier has is what the version answering it has (route.py asks the rollout: `RolloutService.steady`), and a
+rollout's candidate that lacks a need does not answer the request: its baseline does (gateway/rollout/service.py
+says why).
+
 - `tools`, or tool calls and results in the messages: tiers that can call tools (`TierSpec.tools`).
 - vLLM's `top_k` above 0: tiers whose server samples by it (`TierSpec.samples_top_k`: our engines, vLLM, SGLang).
   OpenAI's API has no such field: OpenAI refuses it (a 400 the tenant got as the tier's), a lenient server ignores
@@ -65,16 +69,17 @@ def able(tiers: Iterable[TierSpec], needs: tuple[Need, ...]) -> list[TierSpec]:
     return left
 
 
+def lacking(tier: TierSpec, needs: tuple[Need, ...]) -> Need | None:
+    """The first of `needs` the tier (one version's spec) lacks; None if it has them all."""
+    return next((n for n in needs if not n.has(tier)), None)
+
+
 def unable(tiers: Iterable[TierSpec], needs: tuple[Need, ...]) -> dict[str, str]:
     """Tier name -> why it cannot answer (the first need it lacks), for the tiers that lack one."""
-    out: dict[str, str] = {}
-    for tier in tiers:
-        if (lacking := next((n for n in needs if not n.has(tier)), None)) is not None:
-            out[tier.name] = f"it {lacking.cannot}"
-    return out
+    return {tier.name: f"it {need.cannot}" for tier in tiers if (need := lacking(tier, needs)) is not None}
 
 
 def check_named(tier: TierSpec | None, needs: tuple[Need, ...]) -> None:
     """A 400 naming the first need the named `tier` lacks (None: `auto`, or no such tier, refused elsewhere)."""
-    if tier is not None and (lacking := next((n for n in needs if not n.has(tier)), None)) is not None:
-        raise lacking.named(tier.name)
+    if tier is not None and (need := lacking(tier, needs)) is not None:
+        raise need.named(tier.name)

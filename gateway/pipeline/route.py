@@ -17,7 +17,10 @@ call is not prose the cascade's checks can judge.
 Last, the version: on a tier with versions, the rollout in progress (gateway/rollout) picks the one that answers
 this conversation; the decision's tier is then that version's spec, whose replicas the call uses and whose model
 version scopes the cache. A candidate none of whose replicas can take a request now is passed over for the
-baseline (the rollout counts it as the candidate's error, for its guards).
+baseline (the rollout counts it as the candidate's error, for its guards). What a tier offers a request with needs is
+what its version outside the canary has (`RolloutService.steady`: the one a `full` rollout put everyone on, say),
+and a candidate that lacks one of the request's needs is passed over for the baseline too (not its error: it was
+never asked).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from gateway.errors import Unavailable, client_error
 from gateway.ladder.apply import Degradation, RemapRefused
 from gateway.pipeline.context import RequestContext
 from gateway.pipeline.dispatch import DispatchStage
-from gateway.pipeline.needs import Need, able, check_named, needs_of, unable
+from gateway.pipeline.needs import Need, able, check_named, lacking, needs_of, unable
 from gateway.rollout.assign import conversation_id
 from gateway.rollout.service import RolloutService
 from quotas.backends.base import QuotaBackendError
@@ -141,23 +144,30 @@ class RouteStage:
         if req.uses_tools:  # never cascaded (only `auto` routes are; the tier `auto` chose answers)
             route = replace(route, auto=False, cascade=False)
         if self.rollouts is not None:
-            route = self._version(ctx, req, route)
+            route = self._version(ctx, req, route, needs)
         requested = plan.default_tier if req.model == AUTO else req.model
         return RouteDecision(route, degr, requested, overloaded, applied, cannot)
 
     def on_version(self, ctx: RequestContext, req: ChatCompletionRequest, decision: RouteDecision) -> RouteDecision:
         """The decision on the version its tier's rollout gives this conversation (a cascade's second attempt)."""
-        return decision if self.rollouts is None else replace(decision, route=self._version(ctx, req, decision.route))
+        if self.rollouts is None:
+            return decision
+        return replace(decision, route=self._version(ctx, req, decision.route, needs_of(req)))
 
-    def _version(self, ctx: RequestContext, req: ChatCompletionRequest, route: Route) -> Route:
-        """The route on the version the tier's rollout gives this conversation."""
+    def _version(self, ctx: RequestContext, req: ChatCompletionRequest, route: Route, needs: tuple[Need, ...]) -> Route:
+        """The route on the version the tier's rollout gives this conversation (one that has the request's
+        `needs`)."""
         assert self.rollouts is not None
+
+        def lacks(spec: TierSpec) -> str | None:
+            need = lacking(spec, needs)
+            return None if need is None else need.cannot
 
         def conversation() -> str:
             return conversation_id(ctx.tenant, [{"role": normalized_role(m.role), "content": m.text()}
                                                 for m in req.messages], ctx.headers.get(SESSION_HEADER))
 
-        spec, why = self.rollouts.choose(route.tier, ctx.tenant, conversation, self._down)
+        spec, why = self.rollouts.choose(route.tier, ctx.tenant, conversation, self._down, lacks)
         return route if why is None else replace(route, tier=spec, reason=f"{route.reason}; {why}")
 
     def fall_back(self, decision: RouteDecision) -> RouteDecision | None:
@@ -183,11 +193,16 @@ class RouteStage:
                     rules: RouteRules) -> tuple[RouteRules, dict[str, str]]:
         """The rules of a request with `needs`: only tiers that have them, and why each other tier cannot answer;
         a 400 naming the field when the request names a tier without it, or when the plan allows none with it."""
-        catalogue = self.fleet.catalogue
-        check_named(catalogue.tiers.get(req.model), needs)
-        names = [t.name for t in able((t for t in catalogue.by_price() if t.name in rules.allowed), needs)]
+        catalogue, steady = self.fleet.catalogue, self._steady
+        named = catalogue.tiers.get(req.model)
+        check_named(None if named is None else steady(named), needs)
+        names = [t.name for t in able((steady(t) for t in catalogue.by_price() if t.name in rules.allowed), needs)]
         default = rules.default if rules.default in names else names[0]
-        return replace(rules, allowed=names, default=default), unable(catalogue.tiers.values(), needs)
+        return replace(rules, allowed=names, default=default), unable(map(steady, catalogue.tiers.values()), needs)
+
+    def _steady(self, tier: TierSpec) -> TierSpec:
+        """The version whose abilities are the tier's (the one answering outside a canary's share)."""
+        return tier if self.rollouts is None else self.rollouts.steady(tier)
 
     def _remap(self, degr: Degradation, route: Route, rules: RouteRules,
                unavailable: dict[str, str]) -> tuple[Route, tuple[str, ...]]:

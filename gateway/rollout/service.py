@@ -14,6 +14,12 @@ the windows in the audit event. With several gateway processes each judges what 
 wins the store's compare-and-set and the others follow it. Each outcome carries its tenant and prompt size: a guard
 compares latency per prompt size and lets no one tenant's outcomes decide alone (guards.py says why and how); the
 candidate's errors counted when the gateway finds it down are its own, no tenant's.
+
+A request that needs something of its version (gateway/pipeline/needs.py: tool calls, vLLM's `top_k`) is never
+answered by one that lacks it (a remote version on a plain `openai` dialect under a vLLM tier, or `tools: false`):
+routing judges a tier by its `steady` version (the baseline while a rollout runs), and `choose` gives the baseline a
+request the candidate lacks something for (`lacks`): the same for every turn that needs it, counted as the
+baseline's outcome and never as the candidate's error (it was never asked).
 """
 
 from __future__ import annotations
@@ -55,10 +61,12 @@ class RolloutService:
     # ---- the request path ----
 
     def choose(self, tier: TierSpec, tenant: str, conversation: Callable[[], str],
-               down: Callable[[TierSpec], str | None] = lambda spec: None) -> tuple[TierSpec, str | None]:
+               down: Callable[[TierSpec], str | None] = lambda spec: None,
+               lacks: Callable[[TierSpec], str | None] = lambda spec: None) -> tuple[TierSpec, str | None]:
         """The spec of the version that answers this request, and a note for the route reason (None when the tier
         has no rollout). `conversation` is called only when a canary needs it; `down` says why a version's
-        replicas cannot take a request now (None: they can)."""
+        replicas cannot take a request now (None: they can); `lacks` why a version cannot answer this request as
+        asked (None: it can; the route stage sends such a request only to a tier whose `steady` version can)."""
         rollout = self._rollouts.get(tier.name)
         if rollout is None or tier.version_name is None:
             return tier, None
@@ -66,11 +74,25 @@ class RolloutService:
         spec = tier.variants.get(version)
         if spec is None:  # the tiers file no longer declares it: the serving version answers
             return tier, f"version {tier.version_name} ({version} is not declared)"
+        if rollout.stage in RUNNING and version == rollout.candidate and (why := lacks(spec)) is not None:
+            baseline = self._variant(tier.name, rollout.baseline)
+            if baseline is not None:  # not the candidate's error: it was never asked
+                return baseline, f"version {rollout.baseline} (candidate {version}: {why})"
         if rollout.stage in RUNNING and version == rollout.candidate and (why := down(spec)) is not None:
             fallback = self.fall_back(tier, rollout.candidate)
             if fallback is not None:
                 return fallback, f"version {rollout.baseline} (candidate {version} is down: {why})"
         return spec, f"version {version} (rollout {rollout.stage}{_share(rollout)})"
+
+    def steady(self, tier: TierSpec) -> TierSpec:
+        """The version that answers the tier's requests outside a canary's share: the baseline while a rollout runs
+        (or after it rolled back), the candidate once it is `full`, the tier's serving version without a rollout
+        (or when the tiers file no longer declares the version). What the tier offers a request (needs.py) is
+        what this version has."""
+        rollout = self._rollouts.get(tier.name)
+        if rollout is None or tier.version_name is None:
+            return tier
+        return tier.variants.get(rollout.candidate if rollout.stage == "full" else rollout.baseline, tier)
 
     def fall_back(self, tier: TierSpec, version: str | None) -> TierSpec | None:
         """The baseline's spec for a request the running rollout's candidate `version` cannot take, counted as an

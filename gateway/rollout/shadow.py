@@ -13,7 +13,9 @@ Its outcome goes to the rollout (`RolloutService.observe_shadow`): errors, time 
 order, 1: nothing in common), computed in a worker thread (difflib is quadratic in the worst case).
 
 Streamed requests are shadowed too: the gateway always streams from the tier and the meter keeps the text the
-client got, so a streamed answer compares as a whole one does.
+client got, so a streamed answer compares as a whole one does. A request that needs something the candidate lacks
+(gateway/pipeline/needs.py: tools, vLLM's `top_k`; a start refuses such a candidate, a tiers file edited since may
+make one) is not copied.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import logging
 from typing import Any
 
 from gateway.metrics import GatewayMetrics
+from gateway.pipeline.needs import lacking, needs_of
 from gateway.pipeline.off_path import OffPathTasks, answer_off_path
 from gateway.pipeline.tier_call import TierCaller, upstream_body
 from gateway.rollout.service import RolloutService
@@ -61,6 +64,8 @@ class Shadow:
         if found is None:
             return
         rollout, candidate = found
+        if lacking(candidate, needs_of(req)) is not None:
+            return  # it would not be answered as asked (needs.py): its answer would judge the request, not the version
         body = upstream_body(req, candidate, max_tokens=max_tokens, priority=PRIORITY_ORDER["batch"],
                              logprobs=False)
         if not self.tasks.start(self._run(rollout, candidate, body, served, tenant)):
