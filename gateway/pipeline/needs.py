@@ -8,7 +8,7 @@ before anything is reserved or sent.
 
 What a tier has is what the version answering it has (route.py asks the rollout: `RolloutService.steady`), and a
 rollout's candidate that lacks a need does not answer the request: its baseline does (gateway/rollout/service.py
-says why).
+says why, and why a start refuses such a candidate in the first place: `taken_away`).
 
 - `tools`, or tool calls and results in the messages: tiers that can call tools (`TierSpec.tools`).
 - vLLM's `top_k` above 0: tiers whose server samples by it (`TierSpec.samples_top_k`: our engines, vLLM, SGLang).
@@ -51,6 +51,9 @@ TOP_K = Need("top_k", "can sample by top_k", "cannot sample by top_k (its server
              "leave top_k out (or send -1: off)", lambda t: t.samples_top_k)
 
 
+NEEDS = (TOOLS, TOP_K)  # every need, in the order a refusal names them
+
+
 def needs_of(req: ChatCompletionRequest) -> tuple[Need, ...]:
     """What `req` needs of its tier (none, for most requests)."""
     needs = (TOOLS,) if req.uses_tools else ()
@@ -72,6 +75,11 @@ def able(tiers: Iterable[TierSpec], needs: tuple[Need, ...]) -> list[TierSpec]:
 def lacking(tier: TierSpec, needs: tuple[Need, ...]) -> Need | None:
     """The first of `needs` the tier (one version's spec) lacks; None if it has them all."""
     return next((n for n in needs if not n.has(tier)), None)
+
+
+def taken_away(before: TierSpec, after: TierSpec) -> list[Need]:
+    """What `before` has and `after` lacks: what a request would lose if `after` answered in `before`'s place."""
+    return [n for n in NEEDS if n.has(before) and not n.has(after)]
 
 
 def unable(tiers: Iterable[TierSpec], needs: tuple[Need, ...]) -> dict[str, str]:

@@ -20,7 +20,7 @@ version scopes the cache. A candidate none of whose replicas can take a request 
 baseline (the rollout counts it as the candidate's error, for its guards). What a tier offers a request with needs is
 what its version outside the canary has (`RolloutService.steady`: the one a `full` rollout put everyone on, say),
 and a candidate that lacks one of the request's needs is passed over for the baseline too (not its error: it was
-never asked).
+never asked; the rollout service's docstring says why a start refuses such a candidate, and why this stays).
 """
 
 from __future__ import annotations

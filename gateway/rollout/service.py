@@ -15,11 +15,15 @@ wins the store's compare-and-set and the others follow it. Each outcome carries 
 compares latency per prompt size and lets no one tenant's outcomes decide alone (guards.py says why and how); the
 candidate's errors counted when the gateway finds it down are its own, no tenant's.
 
-A request that needs something of its version (gateway/pipeline/needs.py: tool calls, vLLM's `top_k`) is never
-answered by one that lacks it (a remote version on a plain `openai` dialect under a vLLM tier, or `tools: false`):
-routing judges a tier by its `steady` version (the baseline while a rollout runs), and `choose` gives the baseline a
-request the candidate lacks something for (`lacks`): the same for every turn that needs it, counted as the
-baseline's outcome and never as the candidate's error (it was never asked).
+A version may not take away what the tier offers a request (gateway/pipeline/needs.py: tool calls, vLLM's `top_k`):
+`start` refuses a candidate that lacks what the version answering now has (a remote version on a plain `openai`
+dialect under a vLLM tier, or `tools: false`). Letting it run would either answer such requests wrongly (OpenAI
+refuses `top_k`, a lenient server drops it) or keep them on the baseline, and then the two versions no longer answer
+the same mix of requests, which the guards' comparisons assume (guards.py). An operator who means to take it away
+names the new version `serving` in the tiers file, which routing reads. A rollout that lacks it anyway (stored
+before this check, or under a tiers file edited since) still answers correctly: routing judges a tier by its
+`steady` version, and `choose` gives the baseline a request the candidate lacks something for (`lacks`), the same
+for every turn that needs it, counted as the baseline's outcome and never as the candidate's error.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from typing import Any
 from gateway.errors import Conflict, InvalidRequest, NotFound, TiergateError
 from gateway.ladder.controller import LadderChangeError, check_reason
 from gateway.metrics import GatewayMetrics
+from gateway.pipeline.needs import taken_away
 from gateway.rollout.assign import sampled, version_for
 from gateway.rollout.guards import Guards, Verdict, Watch, tier_guards_error
 from gateway.rollout.state import RUNNING, Action, Rollout, RolloutEvent, RolloutStore, Stage
@@ -201,6 +206,12 @@ class RolloutService:
         if version == baseline:
             raise Conflict(f"version {version!r} already answers tier {tier!r}", param="version",
                            code="version_already_serving")
+        if lost := taken_away(spec.variants[baseline], spec.variants[version]):
+            raise InvalidRequest(
+                f"version {version!r} {' and '.join(n.cannot for n in lost)}, which version {baseline!r} answering "
+                f"tier {tier!r} can: requests that need it would never reach the candidate, so the rollout could "
+                f"not judge it on them; to take it away from the tier, name {version!r} `serving` in the tiers file",
+                param="version", code="version_lacks_capability")
         now = self.clock()
         rollout = Rollout(uuid.uuid4().hex[:16], tier, version, baseline, "canary" if shadow is None else "shadow",
                           share, tuple(dict.fromkeys(tenants)), now, who, now, who, reason,

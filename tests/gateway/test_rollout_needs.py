@@ -1,9 +1,10 @@
 """A tier's version never takes away what routing promised a request (gateway/pipeline/needs.py: vLLM's `top_k`,
-tool calls). Routing picks the tier, then its rollout the version: a running rollout whose candidate lacks a need
-gives such requests to the baseline, every turn alike and not as the candidate's errors, and copies none to a
-shadow; once `full`, the tier offers what the candidate has. The cascade's second attempt too. Through a real
-gateway in front of stubs that record the bodies they get: `mid` is a vLLM whose v2 is a plain OpenAI server and
-whose v3 cannot call tools."""
+tool calls). Routing picks the tier, then its rollout the version: a start refuses a candidate that lacks what the
+version answering has, and a running rollout whose candidate lacks a need anyway (stored before that check, or under
+a tiers file edited since) gives such requests to the baseline, every turn alike and not as the candidate's errors,
+and copies none to a shadow; once `full`, the tier offers what the candidate has. The cascade's second attempt too.
+Through a real gateway in front of stubs that record the bodies they get: `mid` is a vLLM whose v2 is a plain OpenAI
+server and whose v3 cannot call tools."""
 
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ def gw(tmp_path: Path, prepared_models: Path) -> Iterator[Gateway]:
 
 
 def stored(gw: Gateway, candidate: str, stage: Stage, share: float = 1.0) -> None:
-    """A rollout of `candidate` on `mid` as the store holds it."""
+    """A rollout of `candidate` on `mid` as a store may hold one that no start of today's would accept."""
     rollouts = gw.app.state.services.rollouts
     now = time.time()
     r = Rollout("r1", "mid", candidate, "v1", stage, share, (), now, "cli", now, "cli", "before the check", 1)
@@ -66,6 +67,17 @@ def stored(gw: Gateway, candidate: str, stage: Stage, share: float = 1.0) -> Non
 def post(gw: Gateway, body: dict[str, Any], key: str | None = None) -> Any:
     with gw.client(key or gw.tenant_key) as c:
         return c.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 3, **body})
+
+
+@pytest.mark.parametrize("candidate", ["v2", "v3"])
+def test_a_start_refuses_a_candidate_that_lacks_what_the_tier_offers(gw: Gateway, candidate: str) -> None:
+    with gw.client(gw.admin_key) as c:
+        r = c.post("/admin/rollouts", json={"tier": "mid", "version": candidate, "share": 0.2, "reason": "r"})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert (error["param"], error["code"]) == ("version", "version_lacks_capability"), error
+        assert NEEDS[candidate][0] in error["message"] and "'v1'" in error["message"]
+        assert c.get("/admin/rollouts").json()["data"] == []  # nothing started
 
 
 @pytest.mark.parametrize("candidate", ["v2", "v3"])

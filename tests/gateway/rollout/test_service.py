@@ -116,3 +116,27 @@ def test_a_bad_rollout_guard_in_the_tiers_file_stops_the_gateway_with_its_name(t
             RolloutService(catalogue, store)
     finally:
         store.close()
+
+
+def test_a_start_refuses_a_candidate_that_takes_away_what_the_answering_version_offers(tmp_path: Path) -> None:
+    """Under a vLLM tier: a plain `openai` version cannot sample by top_k, a `tools: false` one cannot call tools; a
+    version that keeps both (another vLLM dialect) or adds one starts."""
+    versions = [{"name": "v1"}, {"name": "openai", "dialect": "openai"}, {"name": "notools", "tools": False},
+                {"name": "priority", "dialect": "vllm-priority"}]
+    catalogue = TierCatalogue.model_validate({"tiers": {"mid": TIER | {"dialect": "vllm", "serving": "v1",
+                                                                       "versions": versions}}})
+    store = SqliteRolloutStore(tmp_path / "state.db")
+    try:
+        s = RolloutService(catalogue, store)
+        for version, lost in (("openai", "top_k"), ("notools", "tools")):
+            with pytest.raises(InvalidRequest, match=lost) as exc:
+                s.start("mid", version, share=0.2, who="k", reason="r")
+            assert (exc.value.param, exc.value.code) == ("version", "version_lacks_capability")
+        assert s.status() == [] and s.history() == []
+        s.start("mid", "priority", share=0.2, who="k", reason="r")
+        s.promote("mid", who="k", reason="r")
+        assert s.steady(catalogue.tiers["mid"]).version_name == "priority"  # the tier now offers what it has
+        with pytest.raises(InvalidRequest, match="'priority'"):  # the version answering now is the baseline
+            s.start("mid", "openai", share=0.2, who="k", reason="r")
+    finally:
+        store.close()
