@@ -295,9 +295,15 @@ class LLMEngine:
 
     def _take_speculated(self, out: SchedulerOutput, speculated: list[list[int]], step_s: float) -> None:
         """Hand each sequence its tokens of a speculative step one at a time, as plain steps would: EOS, the length
-        cap and stop strings end it at the token that reaches them, and the tokens after that are dropped."""
+        cap and stop strings end it at the token that reaches them, and the tokens after that are dropped. A sequence
+        whose sampling raised in the step (the decoder's `last_errors`) made no token and fails alone."""
         made = 0
+        errors = self.speculative.last_errors if self.speculative is not None else {}
         for seq, tokens in zip(out.seqs, speculated, strict=True):
+            if seq.request_id in errors:
+                log.error("sampling for %s failed in a speculative step: %s", seq.request_id, errors[seq.request_id])
+                self._fail(seq, errors[seq.request_id])
+                continue
             for token_id in tokens:
                 if seq.is_finished:
                     break

@@ -103,6 +103,7 @@ class _Plan:
     draft_probs: list[torch.Tensor | None]  # per draft token: the draft's distribution (None: greedy)
     left: int = 0  # the tokens the sequence may still make
     catch_up: int = 0  # a sequence still catching up (k = 0): the tokens the draft reads for it this step
+    error: str | None = None  # why its sampling raised this step (it then makes no token and is left out of the rest)
 
 
 def _seeded(plan: _Plan) -> bool:
@@ -133,6 +134,9 @@ class SpeculativeDecoder:
         self.num_steps = 0
         self.num_draft_tokens = 0  # proposed
         self.num_accepted_tokens = 0  # of those, kept
+        # request id -> why its sampling raised in the last `run` (it made no token): the engine fails it alone, as the
+        # model runner's `last_errors` after a plain step
+        self.last_errors: dict[str, str] = {}
 
     def applies(self, out: SchedulerOutput) -> bool:
         return (0 < len(out.seqs) <= self.config.max_batch and all(n == 1 for n in out.num_scheduled_tokens)
@@ -149,7 +153,9 @@ class SpeculativeDecoder:
         """The tokens each sequence of `out` makes this step (1 to k + 1 each, in order), or None when the caller is
         to run a plain step: the target's KV cache has no room for the verification rows, or no sequence drafts
         (drafting does not pay for any, or those that would are still catching up: the draft has read its share of
-        their tokens)."""
+        their tokens). A sequence whose sampling raises (drawing a draft token, or the target's) makes no token and
+        is named in `last_errors`; the others of the step go on."""
+        self.last_errors = {}
         plans = []
         for seq in out.seqs:
             left = min(seq.params.max_tokens - seq.num_output_tokens, max_model_len - seq.num_tokens)
@@ -218,7 +224,7 @@ class SpeculativeDecoder:
             return
         self._propose(active, logits)
         for j in range(1, max(p.k for p in active)):  # rounds 2..k: the previous draft token, one row each
-            going = [p for p in active if p.k > j]
+            going = [p for p in active if p.k > j and p.error is None]
             rows = [(p.drafts[-1], p.seq.num_tokens + j - 1, self._states[p.seq.request_id].block_table)
                     for p in going]
             self._propose(going, self._draft_rows(rows, list(range(len(rows)))))
@@ -271,29 +277,44 @@ class SpeculativeDecoder:
     def _propose(self, plans: list[_Plan], logits: torch.Tensor) -> None:
         for p, row in zip(plans, logits, strict=True):
             params = p.seq.params
-            if params.temperature == 0.0:
-                p.drafts.append(int(torch.argmax(row)))
-                p.draft_probs.append(None)
-            else:
-                q = Sampler.distribution(row, params)
-                p.drafts.append(Sampler.draw(q, self.sampler.generator(p.seq.request_id, params)))
-                p.draft_probs.append(q)
+            try:
+                if params.temperature == 0.0:
+                    p.drafts.append(int(torch.argmax(row)))
+                    p.draft_probs.append(None)
+                else:
+                    q = Sampler.distribution(row, params)
+                    p.drafts.append(Sampler.draw(q, self.sampler.generator(p.seq.request_id, params)))
+                    p.draft_probs.append(q)
+            except Exception as exc:  # this sequence's own: it drafts no further and is not verified
+                self._failed(p, exc)
+
+    def _failed(self, p: _Plan, exc: Exception) -> None:
+        p.error = self.last_errors[p.seq.request_id] = f"{type(exc).__name__}: {exc}"
 
     # ---- the target ----
 
-    def _verify(self, plans: list[_Plan]) -> list[list[int]]:
-        """Score [last token, d1..dk] of every plan in one target step; apply the acceptance rule."""
+    def _verify(self, every: list[_Plan]) -> list[list[int]]:
+        """Score [last token, d1..dk] of every plan in one target step; apply the acceptance rule. A plan whose
+        sampling failed makes no token."""
+        plans = [p for p in every if p.error is None]
         tokens, positions, tables = [], [], []
         for p in plans:
             start = p.seq.num_tokens - 1
             tokens += [p.seq.last_token_id, *p.drafts]
             positions += range(start, start + p.k + 1)
             tables += [p.seq.block_table] * (p.k + 1)
+        if not plans:
+            return [[] for _ in every]
         logits = self.target.logits_of_rows(tokens, positions, tables, list(range(len(tokens))))
-        emitted, row = [], 0
+        made_by: dict[int, list[int]] = {}  # id(plan) -> the tokens it makes
+        row = 0
         for p in plans:
-            made = self._accept(p, logits[row:row + p.k + 1])
-            row += p.k + 1
+            rows, row = logits[row:row + p.k + 1], row + p.k + 1
+            try:
+                made = self._accept(p, rows)
+            except Exception as exc:  # this sequence's own sampling: the others keep their tokens
+                self._failed(p, exc)
+                continue
             accepted = len(made) - 1
             self.num_draft_tokens += p.k
             self.num_accepted_tokens += accepted
@@ -301,8 +322,8 @@ class SpeculativeDecoder:
                 drafted, kept = self._tallies.get(p.seq.request_id, (0, 0))
                 self._tallies[p.seq.request_id] = (drafted + p.k, kept + accepted)
                 self._states[p.seq.request_id].num_computed_tokens = p.seq.num_tokens + min(accepted, p.k - 1)
-            emitted.append(made)
-        return emitted
+            made_by[id(p)] = made
+        return [made_by.get(id(p), []) for p in every]
 
     def _accept(self, p: _Plan, logits: torch.Tensor) -> list[int]:
         """The tokens the plan makes: its kept draft tokens, then the target's own (a replacement or one more)."""
