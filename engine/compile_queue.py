@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -73,6 +74,7 @@ class CompileQueue:
         self._starts = 0
         self._running: set[Tenant] = set()
         self._waiters: dict[Future[Any], int] = {}  # a job -> its callers awaiting it in `join`
+        self._began: dict[Future[Any], float] = {}  # a running job -> when it started (monotonic)
         self._threads: list[threading.Thread] = []
         self._closed = False
         self.num_refused = 0
@@ -134,6 +136,13 @@ class CompileQueue:
                         self._last_start.pop(tenant, None)
                     return
 
+    def longest_running_s(self) -> float:
+        """How long the compile running longest has run (0 when none runs): the engine's health reads it, a compile
+        thread being one that cannot be stopped."""
+        with self._cond:  # held only for bookkeeping, never across a compile
+            oldest = min(self._began.values(), default=None)
+        return 0.0 if oldest is None else time.monotonic() - oldest
+
     def close(self) -> None:
         """No more submits; the threads end once the compiles queued have run."""
         with self._cond:
@@ -173,6 +182,8 @@ class CompileQueue:
                 self._running.add(tenant)
             try:
                 if future.set_running_or_notify_cancel():  # False: its caller left before it started
+                    with self._cond:
+                        self._began[future] = time.monotonic()
                     try:
                         result = fn()
                     except BaseException as exc:
@@ -181,6 +192,7 @@ class CompileQueue:
                         future.set_result(result)
             finally:
                 with self._cond:
+                    self._began.pop(future, None)
                     self._running.discard(tenant)
                     self._pending[tenant] -= 1
                     if not self._pending[tenant]:

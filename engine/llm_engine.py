@@ -11,7 +11,9 @@ Failures stay as small as they can be. A sequence whose sampling, log-probabilit
 raise fails alone; a forward pass that raises fails the sequences of its step; either way each failed
 request gets a last output carrying `error` and its KV blocks go back, and the loop goes on. An exception
 anywhere else (the scheduler, the bookkeeping) ends the loop: every request in flight then gets an
-`engine_dead` error at once, `generate` refuses new ones with EngineDeadError, and `dead_reason` says why.
+`engine_dead` error at once, `generate` refuses new ones with EngineDeadError, and `dead_reason` says why. A loop
+that is alive but wedged (one step, or one grammar compile, running far past any honest one) is named by
+`health_problem`, which /health answers with, so the supervisor restarts it.
 
 Locking: the lock guards only what callers and the loop share (the inbox, the aborts, the output sinks)
 and is held for a few dictionary operations, never across a step. Everything else is the loop thread's
@@ -51,6 +53,13 @@ from wire.errors import RESPONSE_FORMAT_FAILED
 __all__ = ["EngineBusyError", "EngineDeadError", "EngineInputError", "EngineStats", "LLMEngine", "RequestOutput"]
 
 THROUGHPUT_WINDOW_S = 10.0  # tokens/s in stats is measured over this trailing window
+# One step running longer than this is a wedged loop (a forward pass hung in a native call), not a slow one: the
+# slowest honest step, a 512-token prompt chunk late in an 8K context on one shared core, takes a few seconds
+STUCK_STEP_S = 30.0
+# A grammar compile running longer than this is wedged: llguidance's compiles are bounded (milliseconds, a few seconds
+# for the worst schemas the wire lets through), and a thread cannot be stopped, so each wedged one holds one of the
+# compile queue's few threads for good
+STUCK_COMPILE_S = 60.0
 IDLE_WAIT_S = 0.5  # an idle loop wakes this often (and on every new request)
 log = logging.getLogger("tiergate.engine")
 
@@ -71,8 +80,13 @@ class _Sink:
 class LLMEngine:
     def __init__(self, runner: Any, tokenizer: Any, *, max_num_seqs: int = 8, max_num_batched_tokens: int = 512,
                  policy: SchedulingPolicy = SchedulingPolicy.PRIORITY, enable_prefix_caching: bool = True,
-                 speculative: SpeculativeDecoder | None = None) -> None:
-        """`speculative`: a draft model's decoder (engine/speculative.py) for the decode steps it applies to."""
+                 speculative: SpeculativeDecoder | None = None, stuck_after_s: float = STUCK_STEP_S,
+                 compile_stuck_after_s: float = STUCK_COMPILE_S) -> None:
+        """`speculative`: a draft model's decoder (engine/speculative.py) for the decode steps it applies to.
+        `stuck_after_s`, `compile_stuck_after_s`: how long one step, one grammar compile, may run before
+        `health_problem` calls the engine wedged."""
+        self.stuck_after_s = stuck_after_s
+        self.compile_stuck_after_s = compile_stuck_after_s
         self.model_runner = runner
         self.speculative = speculative
         self.tokenizer = tokenizer
@@ -100,6 +114,7 @@ class LLMEngine:
         # the loop thread's own
         self._wake = threading.Event()
         self._stopping = False
+        self._step_began: float | None = None  # when the step running now began (None between steps): health_problem
         self._seqs: dict[str, Sequence] = {}  # every unfinished request the scheduler knows, by id
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._counter = itertools.count()
@@ -133,6 +148,21 @@ class LLMEngine:
         if self._dead_reason is None and self._thread.ident is not None and not self._thread.is_alive():
             return "the engine loop thread has stopped"
         return self._dead_reason
+
+    @property
+    def health_problem(self) -> str | None:
+        """Why this engine cannot serve now, or None; what /health answers (the supervisor restarts an engine that
+        is not ok). Its loop has stopped (`dead_reason`), or it runs but is wedged: one step has run past
+        `stuck_after_s` (every request waits behind it), or a grammar compile past `compile_stuck_after_s`. Read
+        without the lock, as `stats`: never waits on a step."""
+        if (reason := self.dead_reason) is not None:
+            return reason
+        began = self._step_began
+        if began is not None and (held := time.monotonic() - began) > self.stuck_after_s:
+            return f"the engine loop has been in one step for {held:.0f}s (wedged)"
+        if (held := self.compiles.longest_running_s()) > self.compile_stuck_after_s:
+            return f"a grammar compile has run for {held:.0f}s (wedged)"
+        return None
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise EngineInputError (naming the field) for a request this engine can never serve.
@@ -256,7 +286,10 @@ class LLMEngine:
         try:
             while not self._stopping:
                 self._wake.clear()
-                if not self.step():
+                self._step_began = time.monotonic()
+                ran = self.step()
+                self._step_began = None
+                if not ran:
                     self._wake.wait(timeout=IDLE_WAIT_S)
                     self._count_made(0)  # let an idle engine's tokens/s decay
         except BaseException as exc:

@@ -13,7 +13,10 @@ anything is tokenized or generated. A request the engine fails is a 500 `engine_
 last `data: {"error": ...}` event before `[DONE]`; one that fails by its own content (its response_format's
 grammar could not go on) is the same with 400 `response_format_failed`, which no breaker counts against the
 replica (wire.errors.REQUEST_FAULT_CODES); a stopped engine loop answers 503 `engine_dead`, and so
-does /health, within a second and without waiting on a step. /health also reports `instance`, the nonce
+does /health, within a second and without waiting on a step. /health is a 503 too (`"status": "unhealthy"`) while
+the loop is alive but wedged: one step running past its bound, or a grammar compile past its own
+(LLMEngine.health_problem), so the supervisor restarts an engine that would hold every request while reporting ok.
+/health also reports `instance`, the nonce
 the supervisor gave this process (TIERGATE_ENGINE_INSTANCE), so a probe can tell it from a stranger that
 took the port.
 
@@ -267,9 +270,10 @@ def create_engine_app(engine: LLMEngine, *, model_name: str, model_version: str)
 
     @get("/health")
     async def health() -> Response[dict[str, Any]]:
-        # never waits on the engine: dead_reason and stats() read without a lock
-        if (reason := engine.dead_reason) is not None:
-            return Response({"status": "dead", "reason": reason, "model": model_name,
+        # never waits on the engine: health_problem and stats() read without the engine's lock
+        if (reason := engine.health_problem) is not None:  # dead, or alive but wedged: not ok either way
+            status = "dead" if engine.dead_reason is not None else "unhealthy"
+            return Response({"status": status, "reason": reason, "model": model_name,
                              "model_version": model_version, "instance": instance}, status_code=503)
         # `stats` is what the gateway's supervisor reads into its per-replica engine gauges
         s = engine.stats()

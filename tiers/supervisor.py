@@ -5,15 +5,15 @@ An engine crash is a tier outage (its replica turns unhealthy and the router goe
 gateway crash. A tier whose model is not built yet (the distilled student) waits, marked unavailable,
 and starts by itself once its model directory appears.
 
-Health policy. Until its first ready an engine has `start_timeout_s` to answer /health (loading a model
-takes a while); after that the deadline no longer applies and only the probes decide. A probe fails on a
-connection error, on no answer within PROBE_TIMEOUT_S, on any status but 200 (an engine whose loop died
-answers 503 {"status": "dead"}), or on a body that is not this start's instance. An engine is killed and
-restarted after HEALTH_FAILURES_TO_KILL (3) failed probes in a row, at one probe every HEALTH_EVERY_S (1 s):
-about 3 s for an engine that refuses or answers 503, about 9 s for one that hangs. Fewer failures mark
-nothing down: the replica stays ready, and routed to, with the failures counted in its reason, because one
-slow probe (a long prefill, a pause) is not an outage, and requests that do fail trip the replica's circuit
-breaker on their own. The replica is marked down when the engine is killed.
+Health policy. Until its first ready an engine has `start_timeout_s` to answer /health (loading a model takes a
+while); after that the deadline no longer applies and only the probes decide. A probe fails on a connection error,
+on no answer within PROBE_TIMEOUT_S, on any status but 200 (an engine whose loop died answers 503 {"status":
+"dead"}, one wedged in a step or a grammar compile 503 {"status": "unhealthy"}), or on a body that is not this
+start's instance. An engine is killed and restarted after HEALTH_FAILURES_TO_KILL (3) failed probes in a row, at one
+probe every HEALTH_EVERY_S (1 s): about 3 s for an engine that refuses or answers 503, about 9 s for one that hangs.
+Fewer failures mark nothing down: the replica stays ready, and routed to, with the failures counted in its reason,
+because one slow probe (a long prefill, a pause) is not an outage, and requests that do fail trip the replica's
+circuit breaker on their own. The replica is marked down when the engine is killed.
 
 Trust. Each start gets a random nonce, passed in ENGINE_INSTANCE_ENV; a /health counts only when its JSON
 says `"instance"` is that nonce, so a stranger that took the port in the race between `free_port` and the
