@@ -128,6 +128,9 @@ class ModelRunner:
         rows = torch.tensor([last_index[batch_pos[i]] for i in samplers], device=self.device)
         logits = self.model.compute_logits(hidden[rows]).float().cpu()  # [S, V]
         greedy = logits.argmax(dim=-1).tolist()
+        # a row holding NaN (a numeric fault in the forward pass) has no next token: argmax and the sampler's draw
+        # would each pick an arbitrary index from it and go on, so its sequence fails instead (alone, below)
+        nan_rows = logits.isnan().any(dim=-1).tolist()  # [S]
         token_of = {}
         self.last_logprobs = {}
         self.last_errors: dict[str, str] = {}  # request id -> why its sampling failed, this step
@@ -137,6 +140,8 @@ class ModelRunner:
             # one sequence's failure (its sampler, its logprobs) is its own: it gets token -1 and its error in
             # `last_errors`, and the engine fails it alone while the others keep their tokens
             try:
+                if nan_rows[row]:
+                    raise FloatingPointError("the model's logits for this sequence hold NaN")
                 token_of[i] = greedy[row] if seq.params.greedy else \
                     self.sampler.sample(seq.request_id, logits[row], seq.params)
                 if seq.params.logprobs is not None:
