@@ -17,7 +17,6 @@ import httpx
 import pytest
 from hypothesis import settings
 
-
 from assets.model_source import DEFAULT_MODEL, prepare_model
 from gateway import http_limits
 from gateway.app import create_app
