@@ -32,6 +32,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
+from contextlib import suppress
 from typing import Any, TypeVar
 
 from wire.errors import COMPILES_BUSY_RETRY_AFTER_S, RESPONSE_FORMAT_COMPILES_BUSY
@@ -74,7 +75,8 @@ class CompileQueue:
         self._starts = 0
         self._running: set[Tenant] = set()
         self._waiters: dict[Future[Any], int] = {}  # a job -> its callers awaiting it in `join`
-        self._began: dict[Future[Any], float] = {}  # a running job -> when it started (monotonic)
+        # a running job -> its thread's CPU clock and that clock's reading when the job started (longest_running_cpu_s)
+        self._began: dict[Future[Any], tuple[int, float]] = {}
         self._threads: list[threading.Thread] = []
         self._closed = False
         self.num_refused = 0
@@ -136,12 +138,19 @@ class CompileQueue:
                         self._last_start.pop(tenant, None)
                     return
 
-    def longest_running_s(self) -> float:
-        """How long the compile running longest has run (0 when none runs): the engine's health reads it, a compile
-        thread being one that cannot be stopped."""
+    def longest_running_cpu_s(self) -> float:
+        """The most CPU time one running compile has used so far (0 when none runs, or where threads have no CPU clock
+        of their own): the engine's health reads it, a compile thread being one that cannot be stopped. CPU time, not
+        time since it began: compile threads run at a lower priority, so under a busy engine a compile of 0.17 s of
+        CPU can take minutes of wall time, and an engine restarted for that would be an outage any tenant could cause
+        by sending a schema when the engine is busy. A compile that spins for ever uses CPU all along."""
         with self._cond:  # held only for bookkeeping, never across a compile
-            oldest = min(self._began.values(), default=None)
-        return 0.0 if oldest is None else time.monotonic() - oldest
+            running = list(self._began.values())
+        used = 0.0
+        for clock, start in running:
+            with suppress(OSError):  # the thread ended meanwhile: its compile is over
+                used = max(used, time.clock_gettime(clock) - start)
+        return used
 
     def close(self) -> None:
         """No more submits; the threads end once the compiles queued have run."""
@@ -182,8 +191,9 @@ class CompileQueue:
                 self._running.add(tenant)
             try:
                 if future.set_running_or_notify_cancel():  # False: its caller left before it started
-                    with self._cond:
-                        self._began[future] = time.monotonic()
+                    if (clock := _cpu_clock()) is not None:
+                        with self._cond:
+                            self._began[future] = (clock, time.clock_gettime(clock))
                     try:
                         result = fn()
                     except BaseException as exc:
@@ -199,3 +209,11 @@ class CompileQueue:
                         del self._pending[tenant]
                         self._last_start.pop(tenant, None)
                     self._cond.notify_all()
+
+
+def _cpu_clock() -> int | None:
+    """The calling thread's CPU-time clock (POSIX), or None where there is none."""
+    try:
+        return time.pthread_getcpuclockid(threading.get_ident())
+    except (AttributeError, OSError):
+        return None

@@ -56,9 +56,10 @@ THROUGHPUT_WINDOW_S = 10.0  # tokens/s in stats is measured over this trailing w
 # One step running longer than this is a wedged loop (a forward pass hung in a native call), not a slow one: the
 # slowest honest step, a 512-token prompt chunk late in an 8K context on one shared core, takes a few seconds
 STUCK_STEP_S = 30.0
-# A grammar compile running longer than this is wedged: llguidance's compiles are bounded (milliseconds, a few seconds
-# for the worst schemas the wire lets through), and a thread cannot be stopped, so each wedged one holds one of the
-# compile queue's few threads for good
+# A grammar compile that has used more CPU than this is wedged: llguidance's compiles are bounded (milliseconds, a few
+# seconds of CPU for the worst schemas the wire lets through), and a thread cannot be stopped, so each wedged one holds
+# one of the compile queue's few threads for good. CPU, not wall time: compile threads yield to the steps
+# (engine/compile_queue.py), so a busy engine's compile may wait minutes without being wedged
 STUCK_COMPILE_S = 60.0
 IDLE_WAIT_S = 0.5  # an idle loop wakes this often (and on every new request)
 log = logging.getLogger("tiergate.engine")
@@ -83,8 +84,8 @@ class LLMEngine:
                  speculative: SpeculativeDecoder | None = None, stuck_after_s: float = STUCK_STEP_S,
                  compile_stuck_after_s: float = STUCK_COMPILE_S) -> None:
         """`speculative`: a draft model's decoder (engine/speculative.py) for the decode steps it applies to.
-        `stuck_after_s`, `compile_stuck_after_s`: how long one step, one grammar compile, may run before
-        `health_problem` calls the engine wedged."""
+        `stuck_after_s`, `compile_stuck_after_s`: how long one step may run, and how much CPU one grammar compile may
+        use, before `health_problem` calls the engine wedged."""
         self.stuck_after_s = stuck_after_s
         self.compile_stuck_after_s = compile_stuck_after_s
         self.model_runner = runner
@@ -153,15 +154,15 @@ class LLMEngine:
     def health_problem(self) -> str | None:
         """Why this engine cannot serve now, or None; what /health answers (the supervisor restarts an engine that
         is not ok). Its loop has stopped (`dead_reason`), or it runs but is wedged: one step has run past
-        `stuck_after_s` (every request waits behind it), or a grammar compile past `compile_stuck_after_s`. Read
-        without the lock, as `stats`: never waits on a step."""
+        `stuck_after_s` (every request waits behind it), or a grammar compile has used more than
+        `compile_stuck_after_s` of CPU. Read without the lock, as `stats`: never waits on a step."""
         if (reason := self.dead_reason) is not None:
             return reason
         began = self._step_began
         if began is not None and (held := time.monotonic() - began) > self.stuck_after_s:
             return f"the engine loop has been in one step for {held:.0f}s (wedged)"
-        if (held := self.compiles.longest_running_s()) > self.compile_stuck_after_s:
-            return f"a grammar compile has run for {held:.0f}s (wedged)"
+        if (used := self.compiles.longest_running_cpu_s()) > self.compile_stuck_after_s:
+            return f"a grammar compile has used {used:.0f}s of CPU (wedged)"
         return None
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
