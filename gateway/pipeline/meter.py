@@ -25,8 +25,11 @@ A tier's usage is its word, and it is checked before it is billed (`reported_tok
 (negative, a bool, a float with a fraction, a string) or is absurd is taken as unreported, and that field is billed on
 our own count as above. The output is billed at most the output cap the gateway sent as `max_tokens` (the reservation
 covers no more), whatever the tier says or streams; a prompt reported at more than `PROMPT_SLACK` times the counted
-prompt plus `PROMPT_MARGIN` tokens (a chat template, a tokenizer's version) is taken as unreported too, and the counted
-prompt is billed.
+prompt plus `PROMPT_MARGIN` tokens (a chat template, a tokenizer's version), or at less than the counted prompt less
+`PROMPT_MARGIN` over `PROMPT_SLACK` (or 0: no prompt is empty), is taken as unreported too, and the counted prompt is
+billed. The output is billed at least one token per content chunk streamed, whatever the tier reports: each carried
+at least one new token, and a server that reports zeros (some fill `usage` with them when they do not count) or
+less gave its answers away.
 """
 
 from __future__ import annotations
@@ -88,6 +91,11 @@ def reported_tokens(value: Any) -> int | None:
     if not isinstance(value, int) or not 0 <= value <= MAX_REPORTED_TOKENS:
         return None
     return value
+
+
+def _plausible_prompt(reported: int, counted: int) -> bool:
+    """A reported prompt the counted one can be (another tokenizer's count, a chat template's tokens)."""
+    return (counted - PROMPT_MARGIN) / PROMPT_SLACK <= reported <= PROMPT_SLACK * counted + PROMPT_MARGIN
 
 
 class Meter:
@@ -183,12 +191,15 @@ class Meter:
         (or, if nothing did, is billed on our count, `outcome`). A zero keeps an earlier count, as a field left out
         does."""
         prompt = reported_tokens(usage.get("prompt_tokens"))
-        if prompt is not None and self.counted_input and prompt > PROMPT_SLACK * self.counted_input + PROMPT_MARGIN:
+        if prompt == 0 and self.counted_input:  # no prompt is empty: a zero is a count left out, as it is below
+            prompt = None
+        elif prompt is not None and self.counted_input and not _plausible_prompt(prompt, self.counted_input):
+            self._distrust("prompt_tokens", prompt)
             prompt = None
         if prompt is not None:
             self.input_reported = True
             self.input_tokens = prompt or self.input_tokens
-        elif usage.get("prompt_tokens") is not None:
+        elif usage.get("prompt_tokens") is not None and reported_tokens(usage["prompt_tokens"]) is None:
             self._distrust("prompt_tokens", usage["prompt_tokens"])
         output = reported_tokens(usage.get("completion_tokens"))
         if output is not None:
@@ -244,7 +255,7 @@ class Meter:
         if self.chunks or (status == "cancelled" and sent):  # billable: what the tier did not count, we count
             if not self.input_reported:
                 self.input_tokens = self.counted_input
-            if not self.output_reported:
+            if not self.output_reported or self.output_tokens < self.content_chunks:  # a chunk is a token at least
                 self.output_tokens = self.content_chunks
         if self.output_cap is not None:  # the most the tier was asked for, and the reservation covers
             self.output_tokens = min(self.output_tokens, self.output_cap)

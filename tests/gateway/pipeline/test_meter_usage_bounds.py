@@ -65,3 +65,19 @@ def test_a_bad_report_keeps_the_last_good_one() -> None:
 
 def test_no_cap_given_keeps_what_the_tier_reports() -> None:
     assert billed({"prompt_tokens": 12, "completion_tokens": 4000}, cap=None) == (12, 4000)
+
+
+def test_an_answer_reported_as_zeros_is_billed_on_our_count() -> None:
+    # some servers fill `usage` with zeros when they do not count: the answer streamed was not free
+    assert billed({"prompt_tokens": 0, "completion_tokens": 0}) == (12, 2)
+    assert billed({"prompt_tokens": 0, "completion_tokens": 0}, counted=0) == (0, 2)  # nothing counted to bill
+
+
+def test_output_is_billed_at_least_a_token_per_content_chunk() -> None:
+    assert billed({"prompt_tokens": 12, "completion_tokens": 1}, pieces=("a", "b", "c")) == (12, 3)
+    assert billed({"prompt_tokens": 12, "completion_tokens": 1}, pieces=tuple("abcdef")) == (12, 4)  # the cap still
+
+
+def test_a_prompt_far_below_the_counted_one_is_not_believed() -> None:
+    assert billed({"prompt_tokens": 10, "completion_tokens": 2}, counted=5000) == (5000, 2)
+    assert billed({"prompt_tokens": 2000, "completion_tokens": 2}, counted=5000) == (2000, 2)  # another tokenizer's
