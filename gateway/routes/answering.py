@@ -9,6 +9,7 @@ is produced ends it the same way (gateway/auth.py, `while_key_active`), with a 4
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -20,11 +21,15 @@ from litestar.serialization import get_serializer
 from litestar.types import ASGIApp, Receive, Scope, Send
 
 from gateway.auth import presented_key, tenant_principal_async, while_key_active
+from gateway.errors import InternalError, TiergateError, client_error
 from gateway.pipeline.context import RequestContext
 from gateway.pipeline.events import Event, Head
 from gateway.services import Services
+from wire import responses
 from wire.chat_request import ChatCompletionRequest
 from wire.client_watch import CLIENT_CLOSED, ClientLeft, ClientWatch
+
+log = logging.getLogger("tiergate.answering")
 
 
 @dataclass(frozen=True)
@@ -62,6 +67,17 @@ async def answer(request: Request[Any, Any, Any], framing: Framing) -> Response[
         return Response(None, status_code=CLIENT_CLOSED)
     finally:
         watch.close()
+
+
+def stream_error(head: Head, exc: Exception) -> bytes:
+    """The last event of a stream that failed after its first byte: `exc` in OpenAI's shape, as a JSON answer's error
+    would be (gateway/app.py maps those). Not only our own errors: the answer's ledger row not durable in time (the
+    settle's `LedgerUnavailable`, raised once every token is sent) broke the connection mid-body, the client told
+    nothing of it but a protocol error, uvicorn logging an ASGI exception."""
+    err = client_error(exc)
+    if isinstance(err, InternalError) and not isinstance(exc, TiergateError):
+        log.error("unexpected error in the stream of %s", head.response_id, exc_info=exc)
+    return responses.sse(err.body())
 
 
 JSON = "application/json"

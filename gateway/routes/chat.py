@@ -12,11 +12,10 @@ from litestar import Request, Response, post
 from litestar.openapi import ResponseSpec
 from pydantic import ConfigDict
 
-from gateway.errors import TiergateError
 from gateway.pipeline.events import Delta, Done, Event, Head
 from gateway.pipeline.handle import parse_request
 from gateway.pipeline.tool_call_pieces import ToolCallPieces
-from gateway.routes.answering import Framing, answer
+from gateway.routes.answering import Framing, answer, stream_error
 from gateway.routes.openapi import BEARER, MODEL_ERRORS, also, body, errors
 from gateway.validation import ServedStreamOptions
 from wire import responses
@@ -90,8 +89,8 @@ async def _sse(head: Head, events: AsyncIterator[Event]) -> AsyncIterator[bytes]
                 if head.include_usage:
                     yield responses.sse(responses.usage_chunk(**ids, prompt_tokens=event.prompt_tokens,
                                                               completion_tokens=event.completion_tokens))
-    except TiergateError as err:
-        yield responses.sse(err.body())
+    except Exception as exc:  # every failure after the first byte is the stream's last event
+        yield stream_error(head, exc)
         return
     finally:
         await events.aclose()  # a client that left mid-stream: the pipeline settles it as cancelled

@@ -61,3 +61,21 @@ def test_a_client_that_leaves_while_its_row_is_written_hands_the_settle_off(gw: 
         time.sleep(0.01)
     assert rid not in backend._held and rid in backend._done  # settled once the row was, by the handed-off settle
     assert [row.request_id for row in gw.ledger_rows()].count(rid) == 1
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_a_stream_whose_row_is_late_ends_with_the_error_event_and_settles(gw: Gateway, path: str) -> None:
+    """A stream has sent every token when its row's wait runs out: its last event says so (503's error, then no
+    [DONE]), where the connection was broken mid-body; the quota is settled and the row commits late, once."""
+    backend = gw.app.state.services.pipeline.settler.quotas.backend
+    disk = SlowDisk(gw).arm()
+    body = {"model": "mid", "stream": True} | ({"messages": MSG} if "chat" in path else {"prompt": "hello there"})
+    with gw.client(gw.tenant_key) as c:
+        r = c.post(path, json=body)
+    assert r.status_code == 200
+    last = [line for line in r.text.splitlines() if line.startswith("data:")][-1]
+    assert '"code":"ledger_unavailable"' in last, r.text
+    rid = r.headers["x-tiergate-request-id"]
+    assert rid not in backend._held and rid in backend._done
+    assert disk.done.wait(10)
+    assert [row.request_id for row in gw.ledger_rows()].count(rid) == 1
