@@ -29,7 +29,10 @@ prompt plus `PROMPT_MARGIN` tokens (a chat template, a tokenizer's version), or 
 `PROMPT_MARGIN` over `PROMPT_SLACK` (or 0: no prompt is empty), is taken as unreported too, and the counted prompt is
 billed. The output is billed at least one token per content chunk streamed, whatever the tier reports: each carried
 at least one new token, and a server that reports zeros (some fill `usage` with them when they do not count) or
-less gave its answers away.
+less gave its answers away. The engine's busy time (what the row's compute cost is priced on) is believed only as a
+duration from 0 up to the request's time on the tier (`BUSY_LEEWAY_S` more): a negative one made the row's compute
+cost negative (and the cost metric's counter refuse it), a huge one made one row's cost swamp a day's report; an
+unbelievable one is priced on the wall time instead.
 """
 
 from __future__ import annotations
@@ -77,6 +80,7 @@ log = logging.getLogger(__name__)
 MAX_REPORTED_TOKENS = 100_000_000  # more than any context holds: a count past it is absurd, not a count
 PROMPT_SLACK = 2  # a reported prompt over PROMPT_SLACK * counted + PROMPT_MARGIN is not the prompt we sent
 PROMPT_MARGIN = 1024
+BUSY_LEEWAY_S = 1.0  # an engine's busy time may pass our time on the tier by this much (its clock, its rounding)
 
 
 def reported_tokens(value: Any) -> int | None:
@@ -91,6 +95,14 @@ def reported_tokens(value: Any) -> int | None:
     if not isinstance(value, int) or not 0 <= value <= MAX_REPORTED_TOKENS:
         return None
     return value
+
+
+def reported_seconds(value: Any) -> float | None:
+    """A tier's reported busy time, or None where it is not a duration: a finite number (not a bool) from 0."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    seconds = float(value)
+    return seconds if math.isfinite(seconds) and seconds >= 0 else None
 
 
 def _plausible_prompt(reported: int, counted: int) -> bool:
@@ -150,8 +162,8 @@ class Meter:
             self.usage_reported = True
             self._read_usage(usage)
         ext = chunk.get("x_tiergate")
-        if isinstance(ext, dict) and isinstance(ext.get("busy_s"), int | float):
-            self.busy_s = float(ext["busy_s"])
+        if isinstance(ext, dict) and (busy := reported_seconds(ext.get("busy_s"))) is not None:
+            self.busy_s = busy
         content, logprobs, has_choice, calls = "", None, False, []
         for choice in chunk.get("choices") or []:
             if not isinstance(choice, dict):
@@ -259,8 +271,12 @@ class Meter:
                 self.output_tokens = self.content_chunks
         if self.output_cap is not None:  # the most the tier was asked for, and the reservation covers
             self.output_tokens = min(self.output_tokens, self.output_cap)
+        busy = self.busy_s
+        if busy is not None and self.upstream_s is not None and busy > self.upstream_s + BUSY_LEEWAY_S:
+            self._distrust("busy_s", busy)
+            busy = None  # the compute cost is the request's time on the tier (`wall`), not an engine's absurd word
         mean = self._logprob_sum / self._logprob_n if self._logprob_n else None
         output = self.output_tokens if output_delivered else 0
         return Outcome(status, http_status, error_code, self.input_tokens, output, self.finish_reason,
-                       "".join(self._parts), self.ttft_s, self.upstream_s, self.busy_s, mean,
+                       "".join(self._parts), self.ttft_s, self.upstream_s, busy, mean,
                        tuple(self._calls.calls()), self.signals)

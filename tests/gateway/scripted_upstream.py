@@ -14,8 +14,9 @@ from tests.stubs import StubState, health_routes
 
 
 def chunk(content: str | None = None, *, finish: str | None = None, usage: dict[str, Any] | None = None,
-          choices: bool = True) -> bytes:
-    data: dict[str, Any] = {"id": "s", "object": "chat.completion.chunk", "created": 0, "model": "remote"}
+          choices: bool = True, **extra: Any) -> bytes:
+    """One `data:` event: a chat chunk with `content` (or none), its finish reason and usage, and `extra` fields."""
+    data: dict[str, Any] = {"id": "s", "object": "chat.completion.chunk", "created": 0, "model": "remote", **extra}
     data["choices"] = [{"index": 0, "delta": {"content": content} if content is not None else {},
                         "finish_reason": finish}] if choices else []
     if usage is not None:

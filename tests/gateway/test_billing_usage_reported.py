@@ -1,12 +1,15 @@
 """What a tier reports as its usage is checked before it is billed, through a real gateway: an upstream that fills
 `usage` with zeros (as some OpenAI-compatible servers do when they do not count) or reports fewer output tokens than
 the content chunks it streamed is billed on our own count, and the ledger row, the budget and the tokens-per-minute
-window all say the same. Such an answer was billed nothing (or one token), row and counters alike."""
+window all say the same. Such an answer was billed nothing (or one token), row and counters alike. So is the engine's
+busy time, which prices the row's compute cost: a negative or absurd one is priced on the wall time instead (a
+negative cost was written, and a huge one swamped the day's report)."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -72,3 +75,24 @@ def test_an_answer_is_billed_at_least_what_it_streamed(env: tuple[Gateway, Scrip
     assert row.price_usd > 0 and spent == to_pico(row.price_usd) and tokens == row.input_tokens + row.output_tokens
     if not stream:
         assert r.json()["usage"]["completion_tokens"] == 4  # what the client is told is what it pays
+
+
+@pytest.mark.parametrize("busy", [-5.0, 1e15, True])
+def test_a_busy_time_that_is_not_one_prices_the_compute_cost_on_the_wall_time(env: tuple[Gateway, Script],
+                                                                          busy: object) -> None:
+    gw, script = env
+    script.lines = [chunk("Paris", usage=usage(5, 1), x_tiergate={"busy_s": busy}), chunk(finish="stop"), DONE]
+    with gw.client(gw.tenant_key) as c:
+        r = c.post("/v1/chat/completions", json={"model": "mid", "messages": MSG, "max_tokens": 10})
+    assert r.status_code == 200, r.text
+    row, _, _ = settled(gw)
+    assert row.cost_basis == "wall" and Decimal(0) <= row.compute_cost_usd < Decimal("0.01")
+
+
+def test_a_believable_busy_time_prices_the_compute_cost(env: tuple[Gateway, Script]) -> None:
+    gw, script = env
+    script.lines = [chunk("Paris", usage=usage(5, 1), x_tiergate={"busy_s": 0.36}), chunk(finish="stop"), DONE]
+    with gw.client(gw.tenant_key) as c:
+        assert c.post("/v1/chat/completions", json={"model": "mid", "messages": MSG}).status_code == 200
+    row, _, _ = settled(gw)
+    assert row.cost_basis == "engine" and row.compute_cost_usd == Decimal("0.0001")  # 0.36 s at $1 an hour
