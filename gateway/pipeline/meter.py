@@ -25,11 +25,13 @@ A tier's usage is its word, and it is checked before it is billed (`reported_tok
 (negative, a bool, a float with a fraction, a string) or is absurd is taken as unreported, and that field is billed on
 our own count as above. The output is billed at most the output cap the gateway sent as `max_tokens` (the reservation
 covers no more), whatever the tier says or streams; a prompt reported at more than `PROMPT_SLACK` times the counted
-prompt plus `PROMPT_MARGIN` tokens (a chat template, a tokenizer's version), or at less than the counted prompt less
-`PROMPT_MARGIN` over `PROMPT_SLACK` (or 0: no prompt is empty), is taken as unreported too, and the counted prompt is
-billed. The output is billed at least one token per content chunk streamed, whatever the tier reports: each carried
-at least one new token, and a server that reports zeros (some fill `usage` with them when they do not count) or
-less gave its answers away. The engine's busy time (what the row's compute cost is priced on) is believed only as a
+prompt plus `PROMPT_MARGIN` tokens (a chat template, a tokenizer's version), or at 0 (no prompt is empty), is taken as
+unreported too, and the counted prompt is billed. A prompt reported below the counted one is believed: a remote tier's
+model may have another tokenizer than the one counting (a remote tier's `tokenizer` is an estimate), which can need
+several times fewer tokens for the same text, and billing our count over its word would overcharge the tenant. The
+output is billed at least one token per content chunk streamed, whatever the tier reports: each carried at least one
+new token, and a server that reports zeros (some fill `usage` with them when they do not count) or less gave its
+answers away. The engine's busy time (what the row's compute cost is priced on) is believed only as a
 duration from 0 up to the request's time on the tier (`BUSY_LEEWAY_S` more): a negative one made the row's compute
 cost negative (and the cost metric's counter refuse it), a huge one made one row's cost swamp a day's report; an
 unbelievable one is priced on the wall time instead.
@@ -106,8 +108,9 @@ def reported_seconds(value: Any) -> float | None:
 
 
 def _plausible_prompt(reported: int, counted: int) -> bool:
-    """A reported prompt the counted one can be (another tokenizer's count, a chat template's tokens)."""
-    return (counted - PROMPT_MARGIN) / PROMPT_SLACK <= reported <= PROMPT_SLACK * counted + PROMPT_MARGIN
+    """A reported prompt the counted one can be (another tokenizer's count, a chat template's tokens); any count
+    below ours is (the module's docstring says why)."""
+    return reported <= PROMPT_SLACK * counted + PROMPT_MARGIN
 
 
 class Meter:
