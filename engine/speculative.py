@@ -104,6 +104,7 @@ class _Plan:
     left: int = 0  # the tokens the sequence may still make
     catch_up: int = 0  # a sequence still catching up (k = 0): the tokens the draft reads for it this step
     error: str | None = None  # why its sampling raised this step (it then makes no token and is left out of the rest)
+    cut: int = 0  # of its k, the tokens the draft did not propose: its logits held NaN (the draft ended there)
 
 
 def _seeded(plan: _Plan) -> bool:
@@ -153,8 +154,9 @@ class SpeculativeDecoder:
         """The tokens each sequence of `out` makes this step (1 to k + 1 each, in order), or None when the caller is
         to run a plain step: the target's KV cache has no room for the verification rows, or no sequence drafts
         (drafting does not pay for any, or those that would are still catching up: the draft has read its share of
-        their tokens). A sequence whose sampling raises (drawing a draft token, or the target's) makes no token and
-        is named in `last_errors`; the others of the step go on."""
+        their tokens). A sequence whose sampling raises (drawing a draft token, or the target's), or whose target
+        logits hold NaN where it draws, makes no token and is named in `last_errors`; the others of the step go on.
+        (NaN in the draft's logits only ends that sequence's draft: `_propose`.)"""
         self.last_errors = {}
         plans = []
         for seq in out.seqs:
@@ -225,6 +227,8 @@ class SpeculativeDecoder:
         self._propose(active, logits)
         for j in range(1, max(p.k for p in active)):  # rounds 2..k: the previous draft token, one row each
             going = [p for p in active if p.k > j and p.error is None]
+            if not going:  # the drafts still going this round all ended (NaN)
+                break
             rows = [(p.drafts[-1], p.seq.num_tokens + j - 1, self._states[p.seq.request_id].block_table)
                     for p in going]
             self._propose(going, self._draft_rows(rows, list(range(len(rows)))))
@@ -275,8 +279,17 @@ class SpeculativeDecoder:
         return torch.cat(out)
 
     def _propose(self, plans: list[_Plan], logits: torch.Tensor) -> None:
-        for p, row in zip(plans, logits, strict=True):
+        """Each plan's next draft token from its row. A row holding NaN (a numeric fault in the draft) proposes
+        nothing: the plan's draft ends before it, and the target checks the tokens drafted so far and draws the next
+        itself. The acceptance rule keeps the target's distribution for any draft, of any length, that the target's
+        draws do not decide, so the sequence's tokens stay distributed exactly as the target's (failing it instead
+        would fail a request the target can serve)."""
+        nan_rows = logits.isnan().any(dim=-1).tolist()
+        for p, row, nan in zip(plans, logits, nan_rows, strict=True):
             params = p.seq.params
+            if nan:
+                p.k, p.cut = len(p.drafts), p.k - len(p.drafts)
+                continue
             try:
                 if params.temperature == 0.0:
                     p.drafts.append(int(torch.argmax(row)))
@@ -318,28 +331,44 @@ class SpeculativeDecoder:
             accepted = len(made) - 1
             self.num_draft_tokens += p.k
             self.num_accepted_tokens += accepted
-            if p.k:  # the draft's K/V are valid up to its last kept token that it has computed
+            if p.k or p.cut:  # tokens the draft could not propose count as refused: a draft that keeps failing stops
+                # paying for the sequence (engine/draft_cost.py)
                 drafted, kept = self._tallies.get(p.seq.request_id, (0, 0))
-                self._tallies[p.seq.request_id] = (drafted + p.k, kept + accepted)
-                self._states[p.seq.request_id].num_computed_tokens = p.seq.num_tokens + min(accepted, p.k - 1)
+                self._tallies[p.seq.request_id] = (drafted + p.k + p.cut, kept + accepted)
+                # the draft's K/V are valid up to its last kept token that it has computed: it read each draft token
+                # but the last, and the last too when its draft ended on a NaN row (that round read it)
+                computed = p.k if p.cut else p.k - 1
+                self._states[p.seq.request_id].num_computed_tokens = p.seq.num_tokens + min(accepted, computed)
             made_by[id(p)] = made
         return [made_by.get(id(p), []) for p in every]
 
     def _accept(self, p: _Plan, logits: torch.Tensor) -> list[int]:
-        """The tokens the plan makes: its kept draft tokens, then the target's own (a replacement or one more)."""
+        """The tokens the plan makes: its kept draft tokens, then the target's own (a replacement or one more).
+
+        A row of the target's logits holding NaN has no next token (argmax and the draw would each pick an arbitrary
+        index from it): reaching one raises FloatingPointError, and the sequence fails alone, as in a plain step
+        (engine/model_runner.py). A row after a refused draft token is never reached, as a plain step never computes
+        it."""
         params, rid = p.seq.params, p.seq.request_id
+        nan_rows = logits.isnan().any(dim=-1).tolist()
+
+        def row(i: int) -> torch.Tensor:
+            if nan_rows[i]:
+                raise FloatingPointError("the model's logits for this sequence hold NaN")
+            return logits[i]
+
         if params.temperature == 0.0:
             target = logits.argmax(dim=-1).tolist()
             made = []
-            for d, t in zip(p.drafts, target, strict=False):
-                if d != t:
-                    break
-                made.append(d)
-            return [*made, target[len(made)]]
+            for i in range(p.k + 1):
+                row(i)
+                if i == p.k or p.drafts[i] != target[i]:
+                    return [*made, target[i]]
+                made.append(p.drafts[i])
         gen = self.sampler.generator(rid, params)
         made = []
         for i, d in enumerate(p.drafts):
-            probs, q = Sampler.distribution(logits[i], params), p.draft_probs[i]
+            probs, q = Sampler.distribution(row(i), params), p.draft_probs[i]
             assert q is not None
             if float(torch.rand((), generator=gen)) * float(q[d]) <= float(probs[d]):
                 made.append(d)
@@ -348,5 +377,5 @@ class SpeculativeDecoder:
             total = float(residual.sum())
             pick = residual / total if total > 0 else probs
             return [*made, Sampler.draw(pick, gen)]
-        probs = Sampler.distribution(logits[p.k], params)
+        probs = Sampler.distribution(row(p.k), params)
         return [*made, Sampler.draw(probs, gen)]
