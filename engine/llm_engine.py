@@ -462,9 +462,12 @@ class LLMEngine:
             sink = self._sinks.pop(seq.request_id, None) if finished else self._sinks.get(seq.request_id)
         if sink is None:
             return
-        _send(sink, RequestOutput(seq.request_id, text, new_ids, finished, seq.finish_reason,
-                                  seq.num_prompt_tokens, seq.num_output_tokens, seq.busy_s,
-                                  seq.num_cached_tokens, logprobs, error, error_code))
+        sent = _send(sink, RequestOutput(seq.request_id, text, new_ids, finished, seq.finish_reason,
+                                         seq.num_prompt_tokens, seq.num_output_tokens, seq.busy_s,
+                                         seq.num_cached_tokens, logprobs, error, error_code))
+        if not sent and not finished:  # its caller's loop has closed: nobody reads on, so it stops as if aborted
+            with self._lock:
+                self._aborts.add(seq.request_id)
 
     def _end(self, reason: str) -> None:
         """The loop is over: refuse new requests and end every one in flight with `engine_dead`, at once."""
@@ -480,7 +483,14 @@ class LLMEngine:
                                       error=f"the engine has stopped: {reason}", error_code="engine_dead"))
 
 
-def _send(sink: _Sink, out: RequestOutput) -> None:
-    """Hand `out` to its caller's event loop (thread-safe; a closed loop means the caller is gone)."""
-    if not sink.loop.is_closed():
+def _send(sink: _Sink, out: RequestOutput) -> bool:
+    """Hand `out` to its caller's event loop (thread-safe); False when that loop has closed: the caller is gone.
+
+    The call itself is the check: the loop can close between `is_closed()` and the call, which then raises
+    RuntimeError in the engine's thread, and one departed caller ended the loop for every request (from `_fail`,
+    called inside an `except`, nothing caught it)."""
+    try:
         sink.loop.call_soon_threadsafe(sink.queue.put_nowait, out)
+    except RuntimeError:  # "Event loop is closed"
+        return False
+    return True
