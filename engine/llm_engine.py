@@ -109,7 +109,8 @@ class LLMEngine:
         # shared with callers, under the lock
         self._lock = threading.Lock()
         self._inbox: list[Sequence] = []
-        self._aborts: set[str] = set()
+        # the requests to abort, each the very request asked for: a new one reusing the id of one that ended is not it
+        self._aborts: list[Sequence] = []
         self._sinks: dict[str, _Sink] = {}
         self._dead_reason: str | None = None
         # the loop thread's own
@@ -253,12 +254,19 @@ class LLMEngine:
                     return
         finally:
             if not finished:
-                self.abort(request_id)
+                self._abort(request_id, seq)
 
     def abort(self, request_id: str) -> None:
+        """Abort the request living under `request_id` now, if any (not one that reuses the id later)."""
+        self._abort(request_id, None)
+
+    def _abort(self, request_id: str, seq: Sequence | None) -> None:
+        """Abort the request under `request_id`; with `seq`, only if it is that one: a stream left late, after its
+        request ended and a new one took its id, aborts nothing."""
         with self._lock:
-            if request_id in self._sinks:
-                self._aborts.add(request_id)
+            sink = self._sinks.get(request_id)
+            if sink is not None and (seq is None or sink.seq is seq):
+                self._aborts.append(sink.seq)
         self._wake.set()
 
     def stats(self) -> EngineStats:
@@ -360,14 +368,13 @@ class LLMEngine:
         """Admit new requests to the scheduler, apply aborts."""
         with self._lock:
             inbox, self._inbox = self._inbox, []
-            aborts, self._aborts = self._aborts, set()
+            aborts, self._aborts = self._aborts, []
         for seq in inbox:
             self._seqs[seq.request_id] = seq
             self._detok[seq.request_id] = IncrementalDetokenizer(self.tokenizer, seq.params.stop)
             self.scheduler.add_request(seq)
-        for request_id in aborts:
-            seq = self._seqs.get(request_id)
-            if seq is not None:
+        for seq in aborts:
+            if self._seqs.get(seq.request_id) is seq:  # not ended since (nor followed by another under its id)
                 self.scheduler.finish(seq, "abort")
                 self._release(seq)
                 self._emit(seq, "", [], finished=True)
@@ -467,7 +474,7 @@ class LLMEngine:
                                          seq.num_cached_tokens, logprobs, error, error_code))
         if not sent and not finished:  # its caller's loop has closed: nobody reads on, so it stops as if aborted
             with self._lock:
-                self._aborts.add(seq.request_id)
+                self._aborts.append(seq)
 
     def _end(self, reason: str) -> None:
         """The loop is over: refuse new requests and end every one in flight with `engine_dead`, at once."""
