@@ -142,7 +142,8 @@ def build_engine(model: str, models_dir: Path, *, dtype: str = "auto", quantize:
 def serve(model: str, models_dir: Path, *, host: str, port: int, served_name: str | None = None,
           dtype: str = "auto", quantize: str | None = None, device: str = "cpu", max_num_seqs: int | None = None,
           threads: int | None = None, kv_cache_bytes: int | None = None, max_num_batched_tokens: int = 512,
-          kv_cache_dtype: str = "auto", draft: DraftModel | None = None) -> None:
+          kv_cache_dtype: str = "auto", draft: DraftModel | None = None, max_body_bytes: int | None = None) -> None:
+    """`max_body_bytes`: the largest request body served (None: engine/server.py's default, the gateway's)."""
     import uvicorn
 
     from engine.server import create_engine_app
@@ -154,7 +155,8 @@ def serve(model: str, models_dir: Path, *, host: str, port: int, served_name: st
                                    max_num_batched_tokens=max_num_batched_tokens, kv_cache_dtype=kv_cache_dtype,
                                    draft=draft)
     name = served_name or Path(model).name
-    app = create_engine_app(engine, model_name=name, model_version=version)
+    limit = {} if max_body_bytes is None else {"max_body_bytes": max_body_bytes}
+    app = create_engine_app(engine, model_name=name, model_version=version, **limit)
     engine.start()
     try:
         uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=2)

@@ -77,7 +77,7 @@ from wire.chat_request import ChatCompletionRequest
 from wire.client_watch import CLIENT_CLOSED, ClientLeft, ClientWatch
 from wire.completion_request import DEFAULT_MAX_TOKENS as DEFAULT_TEXT_MAX_TOKENS
 from wire.completion_request import CompletionRequest
-from wire.errors import CACHE_SALT_HEADER, error_body
+from wire.errors import CACHE_SALT_HEADER, MAX_BODY_BYTES, PAYLOAD_TOO_LARGE, error_body
 from wire.tool_calls import named_roles, render_messages, unrendered_name
 from wire.validation import BodyError, parse_body
 
@@ -155,7 +155,10 @@ class EngineMetrics:
             yield c
 
 
-def create_engine_app(engine: LLMEngine, *, model_name: str, model_version: str) -> Litestar:
+def create_engine_app(engine: LLMEngine, *, model_name: str, model_version: str,
+                      max_body_bytes: int = MAX_BODY_BYTES) -> Litestar:
+    """`max_body_bytes`: a larger request body is a 413 before it is read whole (the gateway's limit by default, not
+    Litestar's 10 MB: a body the gateway would refuse is not parsed here either)."""
     tokenizer = engine.tokenizer
     registry = CollectorRegistry()
     registry.register(EngineMetrics(engine, model_name))
@@ -305,7 +308,8 @@ def create_engine_app(engine: LLMEngine, *, model_name: str, model_version: str)
         return await serve(request, CompletionRequest)
 
     return Litestar(route_handlers=[health, models, metrics, chat, completions],
-                    exception_handlers={HTTPException: _http_error, Exception: _unexpected})
+                    exception_handlers={HTTPException: _http_error, Exception: _unexpected},
+                    request_max_body_size=max_body_bytes)
 
 
 def max_prompt_chars_for(tokenizer: Any, max_model_len: int) -> int | None:
@@ -333,7 +337,11 @@ def _dead(reason: str) -> Response[Any]:
                     headers={"retry-after": "1"})
 
 
-def _http_error(_: Request[Any, Any, Any], exc: HTTPException) -> Response[Any]:
+def _http_error(request: Request[Any, Any, Any], exc: HTTPException) -> Response[Any]:
+    if exc.status_code == 413:
+        return Response(error_body(f"the request body is larger than this engine accepts "
+                                   f"({request.app.request_max_body_size} bytes)", code=PAYLOAD_TOO_LARGE),
+                        status_code=413)
     if exc.status_code >= 500:
         return Response(error_body(str(exc.detail), "api_error", code="engine_error"), status_code=exc.status_code)
     return Response(error_body(str(exc.detail)), status_code=exc.status_code)

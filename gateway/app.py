@@ -110,7 +110,8 @@ def build_services(settings: Settings) -> Services:
     client = TierClient(connect_timeout_s=settings.upstream_connect_timeout_s,
                         read_timeout_s=settings.upstream_read_timeout_s)
     fleet = Fleet(catalogue, client, models_dir=settings.resolved_models_dir, log_dir=settings.data_dir / "logs",
-                  start_timeout_s=settings.engine_start_timeout_s, engines_file=settings.engines_file)
+                  start_timeout_s=settings.engine_start_timeout_s, engines_file=settings.engines_file,
+                  max_body_bytes=settings.max_body_bytes)
     metrics_ = gateway_metrics(fleet)  # summed over the workers of `tiergate serve --workers N`
     ledger = open_ledger(settings)
     store = open_tenant_store(settings)

@@ -9,6 +9,7 @@ from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from gateway.connection_cap import MAX_CONNECTIONS
+from wire.errors import MAX_BODY_BYTES
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -51,7 +52,7 @@ class Settings(BaseSettings):
     cache_embed_max_batch: int = 32  # texts per embedding forward pass (1: one at a time, the ablation)
     cache_embed_max_wait_ms: float = 3.0  # the longest a text waits for others to share its forward pass
     ladder_tick_s: float = 0.5  # how often the ladder follows shared changes and evaluates its triggers
-    max_body_bytes: int = 4 * 1024 * 1024  # larger bodies get 413 before anything is parsed
+    max_body_bytes: int = MAX_BODY_BYTES  # larger bodies get 413 before anything is parsed (local engines: too)
     # a request (line, headers, body) must arrive whole within this, from its connection or the previous answer's
     # end, or its connection is closed (gateway/http_limits.py: slow clients cannot hold connections for ever)
     request_receipt_timeout_s: float = Field(30.0, gt=0)

@@ -198,7 +198,8 @@ class _Parent:
             loop.add_signal_handler(sig, stop.set)
         client = TierClient(connect_timeout_s=s.upstream_connect_timeout_s, read_timeout_s=s.upstream_read_timeout_s)
         fleet = Fleet(self.catalogue, client, models_dir=s.resolved_models_dir, log_dir=s.data_dir / "logs",
-                      start_timeout_s=s.engine_start_timeout_s, core_budget=host_core_budget(workers=s.workers))
+                      start_timeout_s=s.engine_start_timeout_s, core_budget=host_core_budget(workers=s.workers),
+                      max_body_bytes=s.max_body_bytes)
         write_document(self.engines_file, fleet.published())  # before any worker reads it
         cores = gateway_cores(self.catalogue, fleet.core_budget)
         worker_settings = s.model_copy(update={"engines_file": self.engines_file})

@@ -98,8 +98,9 @@ def plan_cores(replicas: Sequence[tuple[str, float]], cores: Sequence[int]) -> l
 class Fleet:
     def __init__(self, catalogue: TierCatalogue, client: TierClient, *, models_dir: Path, log_dir: Path,
                  start_timeout_s: float = 600.0, core_budget: Sequence[int] | bool | None = True,
-                 engines_file: Path | None = None) -> None:
-        """`core_budget`: the CPUs local engines split (True: `host_core_budget()` from this process's
+                 engines_file: Path | None = None, max_body_bytes: int | None = None) -> None:
+        """`max_body_bytes`: the gateway's body limit, which its local engines' follow (None: their default).
+        `core_budget`: the CPUs local engines split (True: `host_core_budget()` from this process's
         affinity and the environment; None: no budget, engines unpinned). `engines_file`: another process
         supervises the local engines and publishes them there; this fleet follows them and starts none."""
         self.catalogue = catalogue
@@ -137,7 +138,7 @@ class Fleet:
         self.core_shares = self._plan(local, budget, quiet=engines_file is not None)
         if engines_file is None:
             self._engines = [EngineProcess(variant, rep, models_dir=models_dir, log_dir=log_dir, client=client,
-                                           start_timeout_s=start_timeout_s,
+                                           start_timeout_s=start_timeout_s, max_body_bytes=max_body_bytes,
                                            cores=self.core_shares.get((rep.tier, rep.index))) for variant, rep in local]
         else:
             self._follower = EngineFollower(engines_file, [rep for _, rep in local], client)

@@ -66,6 +66,9 @@ MAX_NUM_SEQS_CAP = 256
 ENGINE_KV_CACHE_BYTES = 512 << 20
 KV_BLOCK_SIZE = 16
 UNSIZED_MAX_NUM_SEQS = 8  # a model not built yet (the student) has no config to size from
+# An engine's body limit is the gateway's plus this: the body the gateway forwards is its tenant's re-encoded, with
+# fields of its own set, so one at the gateway's limit may come out a little longer (the engine's 413 would be a 502)
+FORWARD_MARGIN_BYTES = 64 << 10
 
 
 @dataclass(frozen=True)
@@ -115,8 +118,10 @@ class EngineProcess:
     def __init__(self, spec: TierSpec, replica: Replica, *, models_dir: Path, log_dir: Path,
                  client: TierClient, start_timeout_s: float, health_every_s: float = HEALTH_EVERY_S,
                  probe_timeout_s: float = PROBE_TIMEOUT_S, failures_to_kill: int = HEALTH_FAILURES_TO_KILL,
-                 cores: CoreShare | None = None) -> None:
-        """`cores` None: no affinity, and torch's own thread count (the core budget is off)."""
+                 cores: CoreShare | None = None, max_body_bytes: int | None = None) -> None:
+        """`cores` None: no affinity, and torch's own thread count (the core budget is off). `max_body_bytes`: the
+        gateway's body limit, which the engine's follows (None: the engine's default, the gateway's default)."""
+        self.max_body_bytes = max_body_bytes
         self.spec = spec
         self.replica = replica
         self.models_dir = models_dir
@@ -154,6 +159,8 @@ class EngineProcess:
                     "--speculative-max-batch", str(spec.speculative.max_batch)]
             if draft.quantize:
                 cmd += ["--draft-quantize", draft.quantize]
+        if self.max_body_bytes is not None:
+            cmd += ["--max-body-bytes", str(self.max_body_bytes + FORWARD_MARGIN_BYTES)]
         return cmd
 
     def _models(self) -> list[str]:

@@ -16,6 +16,10 @@ COMPILES_BUSY_RETRY_AFTER_S = 1
 # The gateway's per-tenant namespace for a local engine's prefix cache (engine/block_manager.py `root_hash`): a
 # header the gateway sets on its own calls to its engines, never taken from a tenant's request.
 CACHE_SALT_HEADER = "x-tiergate-cache-salt"
+# The largest request body the gateway takes by default (gateway/settings.py `max_body_bytes`) and an engine's default
+# (engine/server.py): a larger one is a 413 with this code, before anything is parsed.
+MAX_BODY_BYTES = 4 * 1024 * 1024
+PAYLOAD_TOO_LARGE = "payload_too_large"
 
 
 def error_body(message: str, type_: str = "invalid_request_error", *, param: str | None = None,

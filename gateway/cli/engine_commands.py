@@ -9,6 +9,7 @@ import click
 
 from assets.model_source import BUILTIN_MODELS, DEFAULT_MODEL, ModelSourceError, prepare_model
 from gateway.cli.options import data_dir_option, settings_from
+from wire.errors import MAX_BODY_BYTES
 
 
 @click.group()
@@ -149,13 +150,16 @@ def engine() -> None:
               help="Tokens the draft proposes per step.")
 @click.option("--speculative-max-batch", default=4, show_default=True, type=click.IntRange(1, 256),
               help="Speculate only while at most this many sequences decode (above it, plain steps are cheaper).")
+@click.option("--max-body-bytes", default=MAX_BODY_BYTES, show_default=True, type=click.IntRange(min=1),
+              help="A larger request body is a 413 before it is parsed (the gateway's default limit; its supervisor "
+                   "passes the gateway's own).")
 @click.option("--models-dir", type=click.Path(path_type=Path), default=None)
 @data_dir_option
 def engine_serve(model: str, served_name: str | None, host: str, port: int, quantize: str | None, dtype: str,
                  device: str, max_num_seqs: int | None, threads: int | None, kv_cache_bytes: int | None,
                  kv_cache_dtype: str, max_num_batched_tokens: int, draft_model: str | None,
                  draft_quantize: str | None, draft_dtype: str, speculative_k: int, speculative_max_batch: int,
-                 models_dir: Path | None, data_dir: Path | None) -> None:
+                 max_body_bytes: int, models_dir: Path | None, data_dir: Path | None) -> None:
     """Serve one model over an OpenAI-compatible API (/v1/chat/completions, /v1/models, /health, /metrics)."""
     from engine.launch import DraftModel
     from engine.launch import serve as serve_engine
@@ -171,7 +175,7 @@ def engine_serve(model: str, served_name: str | None, host: str, port: int, quan
         serve_engine(model, settings.resolved_models_dir, host=host, port=port, served_name=served_name,
                      dtype=dtype, quantize=quantize, device=device, max_num_seqs=max_num_seqs, threads=threads,
                      kv_cache_bytes=kv_cache_bytes, max_num_batched_tokens=max_num_batched_tokens,
-                     kv_cache_dtype=kv_cache_dtype, draft=draft)
+                     kv_cache_dtype=kv_cache_dtype, draft=draft, max_body_bytes=max_body_bytes)
     except (ModelSourceError, ValueError) as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)
