@@ -47,8 +47,8 @@ class BlockManager:
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # evict from front
         self.hash_to_block_id: dict[int, int] = {}
         self.num_prefix_query_tokens = 0  # prompt tokens looked up in the prefix cache
-        # blocks in use by cache salt (the gateway's per-tenant digest): a block is shared only between sequences of
-        # one salt (its hash chain starts from the salt), so each used block is one salt's
+        # blocks in use by the salt's tenant (sequence.salt_tenant: the gateway's per-tenant digest): a block is shared
+        # only between sequences of one salt (its hash chain starts from the salt), so each used block is one tenant's
         self.used_by_salt: dict[str | None, int] = {}
         self.num_prefix_hit_tokens = 0  # of those, tokens whose K/V were reused
 
@@ -119,7 +119,7 @@ class BlockManager:
             block = self.blocks[block_id]
             if block.ref_count == 0:
                 del self.free_block_ids[block_id]
-                self._hold(seq.cache_salt, 1)
+                self._hold(seq.tenant, 1)
             block.ref_count += 1
             seq.block_table.append(block_id)
             seq.block_hashes.append(block.block_hash)  # type: ignore[arg-type]
@@ -128,7 +128,7 @@ class BlockManager:
         for _ in range(max(num_needed, 0)):
             seq.block_table.append(self._take_free_block())
         if num_needed > 0:
-            self._hold(seq.cache_salt, num_needed)
+            self._hold(seq.tenant, num_needed)
         return True
 
     def cache_full_blocks(self, seq: Sequence) -> None:
@@ -154,7 +154,7 @@ class BlockManager:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.free_block_ids[block_id] = None
-                self._hold(seq.cache_salt, -1)
+                self._hold(seq.tenant, -1)
         seq.block_table.clear()
         seq.block_hashes.clear()
         seq.num_computed_tokens = 0

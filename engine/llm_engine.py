@@ -46,7 +46,7 @@ from engine.outputs import EngineStats, RequestOutput
 from engine.request_queue import SchedulingPolicy
 from engine.sampling_params import EngineInputError, SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
-from engine.sequence import Sequence
+from engine.sequence import Sequence, salt_tenant
 from engine.speculative import SpeculativeDecoder
 from wire.errors import RESPONSE_FORMAT_FAILED
 
@@ -228,11 +228,11 @@ class LLMEngine:
         Raises EngineInputError for a request that can never run, EngineDeadError once the loop has stopped,
         EngineBusyError when its response format is new and the compile queue is full. A request the engine fails
         later ends with an output whose `error` is set. A response format not compiled yet is compiled on the
-        compile queue (`compiled_grammar`, the tenant being `cache_salt`), unless `params.grammar` already holds it.
+        compile queue (`compiled_grammar`, the tenant being `cache_salt`'s, `salt_tenant`), unless `params.grammar` already holds it.
         """
         self.validate(prompt_token_ids, params)
         if params.output_format is not None and params.grammar is None:  # the engine's own copy carries the grammar
-            params = dataclasses.replace(params, grammar=await self.compiled_grammar(params, cache_salt))
+            params = dataclasses.replace(params, grammar=await self.compiled_grammar(params, salt_tenant(cache_salt)))
         request_id = request_id or f"req-{next(self._counter)}"
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         seq = Sequence(request_id, list(prompt_token_ids), params, priority=priority, cache_salt=cache_salt)

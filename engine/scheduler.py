@@ -7,8 +7,8 @@ and budget last. A long prompt is therefore cut into chunks instead of stalling 
 other sequences wait behind it (later running ones, or waiting ones), a prompt's chunk leaves SHARED_TOKENS of
 the budget to them: their decodes and a short prompt's admission go on in the same step.
 
-Tenants. A sequence's tenant is its prefix-cache salt (the gateway's per-tenant digest; no salt is a tenant of its
-own). A sequence makes one token a step, and on one core a step costs ~1 ms a prompt token (2.5 ms late in a
+Tenants. A sequence's tenant is its prefix-cache salt's tenant (the gateway's per-tenant digest, before any end
+user's part: sequence.salt_tenant; no salt is a tenant of its own). A sequence makes one token a step, and on one core a step costs ~1 ms a prompt token (2.5 ms late in a
 1,500-token prompt) against 3-7 ms a decode, so with one tenant's prompts filling every step (384-512 tokens,
 0.5-1 s) another tenant's short request (8 tokens) took 5.3-7.6 s at p50 against 0.11 s alone, under eight
 1,500-token prompts through the gateway. While more than one tenant has sequences here, a step's prompt chunks
@@ -65,7 +65,7 @@ MIN_SHARED_CHUNK = 32
 # many decodes cannot shrink another tenant's prompt reading to a sliver of each step
 DECODE_COST = 6
 
-Tenant = str | None  # a sequence's prefix-cache salt (the gateway's per-tenant digest); None is a tenant too
+Tenant = str | None  # a sequence's salt's tenant (sequence.salt_tenant: the gateway's per-tenant digest); None is one
 
 
 @dataclass
@@ -175,8 +175,8 @@ class Scheduler:
                 self.waiting.remove_request(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            shares.num_running[seq.cache_salt] += 1
-            shares.num_waiting[seq.cache_salt] -= 1
+            shares.num_running[seq.tenant] += 1
+            shares.num_waiting[seq.tenant] -= 1
             if chunk:
                 shares.charge(key, n, cached)
             self._add(out, seq, n)
@@ -273,8 +273,8 @@ class Scheduler:
                 per_tenant[tenant] = per_tenant.get(tenant, 0.0) + _cost(left, seq.num_computed_tokens)
             else:
                 num_decodes += 1
-        shares = _Shares(len(best) > 1, Counter(seq.cache_salt for seq in self.running),
-                         Counter(seq.cache_salt for seq in waiting), -(-self.max_num_seqs // max(1, len(best))),
+        shares = _Shares(len(best) > 1, Counter(seq.tenant for seq in self.running),
+                         Counter(seq.tenant for seq in waiting), -(-self.max_num_seqs // max(1, len(best))),
                          self.min_shared_chunk)
         if not shares.shared:
             return shares
@@ -289,7 +289,7 @@ class Scheduler:
 
     def _key(self, seq: Sequence) -> tuple[Tenant, int]:
         """Its tenant and its priority (all one priority under FCFS)."""
-        return seq.cache_salt, seq.priority if self.policy is SchedulingPolicy.PRIORITY else 0
+        return seq.tenant, seq.priority if self.policy is SchedulingPolicy.PRIORITY else 0
 
     def _next_waiting(self, shares: _Shares, passed: set[int]) -> Sequence | None:
         """The waiting sequence to admit next: the head; while tenants share the engine, the first (of the head's
@@ -301,9 +301,9 @@ class Scheduler:
         best, fewest = None, 0
         num_free_slots = self.max_num_seqs - len(self.running)
         for seq in self._admissible():
-            load = shares.num_running[seq.cache_salt]
+            load = shares.num_running[seq.tenant]
             if (id(seq) not in passed and shares.can_take(self._key(seq)) and (best is None or load < fewest)
-                    and shares.may_admit(seq.cache_salt, num_free_slots)):
+                    and shares.may_admit(seq.tenant, num_free_slots)):
                 best, fewest = seq, load
         return best
 
@@ -331,20 +331,20 @@ class Scheduler:
         if len(self.running) < self.max_num_seqs or not len(self.waiting):
             return
         level = self.waiting.peek_request().priority
-        num_running = Counter(seq.cache_salt for seq in self.running)
-        num_waiting = Counter(seq.cache_salt for seq in self._admissible())  # tenants in queue order
+        num_running = Counter(seq.tenant for seq in self.running)
+        num_waiting = Counter(seq.tenant for seq in self._admissible())  # tenants in queue order
         while num_waiting:
             tenant = min(num_waiting, key=num_running.__getitem__)  # the first in the queue among equals
             most = max(num_running.values())
             if most < num_running[tenant] + 2:  # a swap would not even the counts out
                 return
-            victim = next(seq for seq in reversed(self.running) if num_running[seq.cache_salt] == most)
+            victim = next(seq for seq in reversed(self.running) if num_running[seq.tenant] == most)
             if self.policy is SchedulingPolicy.PRIORITY and victim.priority < level:
                 return
             self.running.remove(victim)
             self._preempt(victim, out)
             out.preempted.remove(victim)  # a slot handed over; newcomers are admitted this step
-            num_running[victim.cache_salt] -= 1
+            num_running[victim.tenant] -= 1
             num_running[tenant] += 1
             num_waiting[tenant] -= 1
             if not num_waiting[tenant]:

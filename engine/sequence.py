@@ -16,6 +16,13 @@ class SequenceStatus(Enum):
     FINISHED = auto()
 
 
+def salt_tenant(salt: str | None) -> str | None:
+    """The tenant of a cache salt: what comes before its first '.'. The gateway salts a plan's isolated end users'
+    prompts apart (`<tenant digest>.<end user digest>`), but the scheduler's, block and compile shares stay the
+    tenant's: a tenant naming many end users does not take many tenants' shares of the engine."""
+    return salt if salt is None else salt.split(".", 1)[0]
+
+
 @dataclass
 class Sequence:
     request_id: str
@@ -33,9 +40,15 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_tokens: int = 0  # of those, tokens found in the prefix cache at admission
     num_preemptions: int = 0
-    # the prefix cache's namespace (the gateway's per-tenant salt): blocks are shared only between sequences with
-    # the same salt, so one tenant cannot time another's prompts out of the cache (engine/block_manager.py)
+    # the prefix cache's namespace (the gateway's per-tenant salt, or per end user: `salt_tenant`): blocks are shared
+    # only between sequences with the same salt, so one tenant cannot time another's prompts out of the cache
+    # (engine/block_manager.py)
     cache_salt: str | None = None
+
+    @property
+    def tenant(self) -> str | None:
+        """Whose share of the engine this sequence takes (`salt_tenant`)."""
+        return salt_tenant(self.cache_salt)
 
     @property
     def token_ids(self) -> list[int]:

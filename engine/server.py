@@ -72,6 +72,7 @@ from assets.parent_watch import ENGINE_INSTANCE_ENV
 from engine.answer_frames import FAILED, chat_frames, collect, sse_events, text_frames
 from engine.llm_engine import EngineBusyError, EngineDeadError, EngineInputError, LLMEngine
 from engine.sampling_params import SamplingParams
+from engine.sequence import salt_tenant
 from engine.tool_calls import ToolAnswer, answer_format, ends_at_first_call, one_call, tools_param
 from wire.chat_request import ChatCompletionRequest
 from wire.client_watch import CLIENT_CLOSED, ClientLeft, ClientWatch
@@ -237,7 +238,7 @@ def create_engine_app(engine: LLMEngine, *, model_name: str, model_version: str,
         try:
             ids, params = await asyncio.to_thread(prepare)
             if params.output_format is not None:  # compiled on the compile queue, in the tenant's turn
-                params = dataclasses.replace(params, grammar=await engine.compiled_grammar(params, salt))
+                params = dataclasses.replace(params, grammar=await engine.compiled_grammar(params, salt_tenant(salt)))
         except EngineBusyError as exc:
             return Response(error_body(str(exc), "rate_limit_error", param=exc.param, code=exc.code), status_code=429,
                             headers={"retry-after": str(exc.retry_after_s)})

@@ -106,6 +106,18 @@ def test_blocks_are_shared_only_within_one_cache_salt() -> None:
     assert bm.get_computed_blocks(again) == mine.block_table[:2]  # the same tenant still shares its own
 
 
+def test_an_end_users_salt_keeps_its_blocks_apart_but_counts_them_for_its_tenant() -> None:
+    """`<tenant>.<end user>` salts (a plan isolating its end users): one end user's prefix is never another's hit,
+    and the blocks in use count for the tenant (the ladder's KV trigger reads tenants, not end users)."""
+    bm = BlockManager(num_blocks=32, block_size=4)
+    alice = salted(list(range(10)), "acme.alice", "a")
+    run_prefill(bm, alice)
+    assert bm.get_computed_blocks(salted(list(range(10)), "acme.bob", "b")) == []
+    assert bm.get_computed_blocks(salted(list(range(10)), "acme", "t")) == []
+    assert bm.get_computed_blocks(salted(list(range(10)), "acme.alice", "a2")) == alice.block_table[:2]
+    assert bm.used_by_salt == {"acme": 3}
+
+
 def salted(tokens: list[int], salt: str | None, rid: str) -> Sequence:
     s = seq(tokens, rid)
     s.cache_salt = salt

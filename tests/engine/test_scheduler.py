@@ -328,6 +328,22 @@ def test_slots_even_out_between_tenants_and_a_lone_tenant_uses_them_all() -> Non
     assert num_running(sched) == {"A": 8}  # alone again: every slot again
 
 
+def test_a_tenants_end_users_take_one_tenants_share_of_the_slots() -> None:
+    """The gateway salts an isolating plan's end users apart (`<tenant>.<end user>`): the prefix cache is theirs
+    alone, but the slots are still shared by tenant (before, each end user's salt took a tenant's share)."""
+    sched = make(max_num_seqs=8, budget=64, num_blocks=256)
+    for k in range(12):
+        sched.add_request(seq(f"a{k}", 4, max_tokens=50, t=k, salt=f"A.user{k}", first=10 * (k + 1)))
+    for k in range(6):
+        sched.add_request(seq(f"v{k}", 4, max_tokens=5, t=100 + k, salt="V", first=1000 + 10 * k))
+    step(sched)
+    step(sched)
+    running: dict[str | None, int] = {}
+    for s in sched.running:
+        running[s.tenant] = running.get(s.tenant, 0) + 1
+    assert running == {"A": 4, "V": 4}
+
+
 def test_a_slot_another_tenant_needs_is_not_given_away_beyond_a_fair_share() -> None:
     """With a slot free and another tenant's request waiting (its tenant's prompt share spent this step), a tenant
     at its fair share is not admitted: it would take the slot and lose it to a preemption the step after, each step."""
