@@ -228,7 +228,8 @@ class LLMEngine:
         Raises EngineInputError for a request that can never run, EngineDeadError once the loop has stopped,
         EngineBusyError when its response format is new and the compile queue is full. A request the engine fails
         later ends with an output whose `error` is set. A response format not compiled yet is compiled on the
-        compile queue (`compiled_grammar`, the tenant being `cache_salt`'s, `salt_tenant`), unless `params.grammar` already holds it.
+        compile queue (`compiled_grammar`, the tenant being `cache_salt`'s: `salt_tenant`), unless `params.grammar`
+        already holds it.
         """
         self.validate(prompt_token_ids, params)
         if params.output_format is not None and params.grammar is None:  # the engine's own copy carries the grammar

@@ -8,19 +8,20 @@ other sequences wait behind it (later running ones, or waiting ones), a prompt's
 the budget to them: their decodes and a short prompt's admission go on in the same step.
 
 Tenants. A sequence's tenant is its prefix-cache salt's tenant (the gateway's per-tenant digest, before any end
-user's part: sequence.salt_tenant; no salt is a tenant of its own). A sequence makes one token a step, and on one core a step costs ~1 ms a prompt token (2.5 ms late in a
-1,500-token prompt) against 3-7 ms a decode, so with one tenant's prompts filling every step (384-512 tokens,
-0.5-1 s) another tenant's short request (8 tokens) took 5.3-7.6 s at p50 against 0.11 s alone, under eight
-1,500-token prompts through the gateway. While more than one tenant has sequences here, a step's prompt chunks
-together cost at most SHARED_STEP_COST (or as much as the step's decodes, DECODE_COST each, if more), where a
-prompt token read after c others costs 1 + c / CONTEXT_COST_TOKENS; that cost is shared equally among the
-tenants with prompts to read (one that needs less leaves the rest to the others), a tenant's first chunk of
-the step is never cut below MIN_SHARED_CHUNK tokens, and among waiting sequences of the head's priority the
-tenant with the fewest running ones is admitted first. A tenant's prompts are held so only for another tenant
-with a sequence of the same or a higher priority. A tenant alone here keeps the whole budget. Measured through the
-gateway: the steps beside the victim take 0.08 s on average (0.5-0.6 s before), and its p50 under the eight prompts
-is 1.0-1.05 s (p95 1.35 s), most of the rest being the in-flight step it arrives behind. What the shorter steps cost
-the tenant with the long prompts is measured at SHARED_STEP_COST; tests/engine/test_scheduler.py pins the policy.
+user's part: sequence.salt_tenant; no salt is a tenant of its own). A sequence makes one token a step, and on one
+core a step costs ~1 ms a prompt token (2.5 ms late in a 1,500-token prompt) against 3-7 ms a decode, so with one
+tenant's prompts filling every step (384-512 tokens, 0.5-1 s) another tenant's short request (8 tokens) took 5.3-7.6
+s at p50 against 0.11 s alone, under eight 1,500-token prompts through the gateway. While more than one tenant has
+sequences here, a step's prompt chunks together cost at most SHARED_STEP_COST (or as much as the step's decodes,
+DECODE_COST each, if more), where a prompt token read after c others costs 1 + c / CONTEXT_COST_TOKENS; that cost is
+shared equally among the tenants with prompts to read (one that needs less leaves the rest to the others), a
+tenant's first chunk of the step is never cut below MIN_SHARED_CHUNK tokens, and among waiting sequences of the
+head's priority the tenant with the fewest running ones is admitted first. A tenant's prompts are held so only for
+another tenant with a sequence of the same or a higher priority. A tenant alone here keeps the whole budget.
+Measured through the gateway: the steps beside the victim take 0.08 s on average (0.5-0.6 s before), and its p50
+under the eight prompts is 1.0-1.05 s (p95 1.35 s), most of the rest being the in-flight step it arrives behind.
+What the shorter steps cost the tenant with the long prompts is measured at SHARED_STEP_COST;
+tests/engine/test_scheduler.py pins the policy.
 
 Running slots are shared too: one tenant's long answers filling the batch (max_num_seqs) held another tenant's request
 until one ended (SmolLM2, 8 slots of 256-token answers, 2 cores: first token after 2.6-3.5 s; now 0.03-0.05 s). While
