@@ -56,7 +56,7 @@ from cache.embedder import Embedder, EmbedderError, default_embedder
 from cache.redis_store import RedisStore
 from cache.request_key import Cacheability, RequestKey, decide, request_key
 from cache.results import Bypass, CacheStats, Hit, LookupResult, Miss, Probe, TenantPolicy
-from cache.scope import CacheScope, identity_snapshot
+from cache.scope import CacheScope, end_user_snapshot, identity_snapshot
 from cache.semantic_cache import SemanticCache
 from cache.sqlite_store import SQLiteStore
 from cache.store import CacheStore, CacheStoreError, Entry, open_cache_store
@@ -64,6 +64,6 @@ from cache.store import CacheStore, CacheStoreError, Entry, open_cache_store
 __all__ = [
     "Bypass", "CacheScope", "CacheStats", "CacheStore", "CacheStoreError", "Cacheability", "Embedder",
     "EmbedderError", "Entry", "Hit", "LookupResult", "Miss", "Probe", "RedisStore", "RequestKey", "SQLiteStore",
-    "SemanticCache", "TenantPolicy", "decide", "default_embedder", "identity_snapshot", "open_cache_store",
-    "request_key",
+    "SemanticCache", "TenantPolicy", "decide", "default_embedder", "end_user_snapshot", "identity_snapshot",
+    "open_cache_store", "request_key",
 ]

@@ -38,6 +38,15 @@ def identity_snapshot(roles: Iterable[str] = (), end_user: str | None = None,
     return f"roles={parts};user={end_user}" if end_user is not None else f"roles={parts}"
 
 
+def end_user_snapshot(end_user: str | None = None, safety_identifier: str | None = None) -> str | None:
+    """The end user alone, as `identity_snapshot` names them (None: the request names none). Where a plan isolates
+    its users, what a request leaves behind that makes a later one faster (a remembered vector or count, a prefix
+    in an engine's cache) is kept for the tenant and this end user: another end user could time it."""
+    if safety_identifier is not None:
+        return f"users={json.dumps([end_user, safety_identifier])}"
+    return f"user={end_user}" if end_user is not None else None
+
+
 @dataclass(frozen=True, slots=True)
 class CacheScope:
     """Everything besides the conversation that an answer depends on; entries never cross scopes."""
@@ -48,6 +57,7 @@ class CacheScope:
     model_version: str  # fingerprint of the tier's weights, quantization and engine version
     context_hash: str  # system prompt, tools and output-shaping parameters (request_key.context_hash)
     sampling_class: str  # "greedy" or "seed:<n>:t=<temperature>:p=<top_p>" (request_key.sampling_class)
+    end_user: str | None = None  # end_user_snapshot() where the identity holds one (already in `identity`)
 
     @property
     def scope_id(self) -> str:
@@ -64,4 +74,5 @@ class CacheScope:
         return cls(tenant=tenant, identity=identity_snapshot(roles, end_user, safety_identifier),
                    data_version=data_version,
                    model_version=model_version, context_hash=context_hash(request),
-                   sampling_class=sampling_class(request))
+                   sampling_class=sampling_class(request),
+                   end_user=end_user_snapshot(end_user, safety_identifier))

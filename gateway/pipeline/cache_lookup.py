@@ -46,6 +46,7 @@ from cache import (
     Miss,
     SemanticCache,
     TenantPolicy,
+    end_user_snapshot,
 )
 from gateway.errors import InvalidRequest
 from gateway.ladder.apply import Degradation, shaped_answer
@@ -100,6 +101,16 @@ def check_data_version(headers: Mapping[str, str]) -> None:
     if value and DATA_VERSION_PATTERN.fullmatch(value) is None:  # an empty one is no version, as before
         raise InvalidRequest("X-Tiergate-Data-Version must be 1 to 64 letters, digits or . _ : -",
                              param="x-tiergate-data-version", code="invalid_header")
+
+
+def isolated_user(ctx: RequestContext, req: ChatCompletionRequest) -> str | None:
+    """The end user the plan keeps apart from the tenant's others (`end_user_snapshot` of the request's `user` and
+    `safety_identifier`), as the cache scope does; None where the plan shares among them or the request names none.
+    What one request leaves behind to make another faster (remembered counts, an engine's cached prefix) is kept
+    for the tenant and this end user."""
+    if not ctx.plan.cache.isolate_users:
+        return None
+    return end_user_snapshot(req.user, req.safety_identifier)
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from gateway.ladder.apply import NORMAL, Degradation
 from gateway.ladder.controller import LadderController
 from gateway.pipeline.attempt import Attempt, Prepared
 from gateway.pipeline.cache_check import CacheChecks
-from gateway.pipeline.cache_lookup import CacheLookup, CacheStage, artifact_version, check_data_version
+from gateway.pipeline.cache_lookup import CacheLookup, CacheStage, artifact_version, check_data_version, isolated_user
 from gateway.pipeline.cascade import cascade
 from gateway.pipeline.context import RequestContext
 from gateway.pipeline.dispatch import DispatchStage
@@ -267,9 +267,11 @@ class Pipeline:
         try:
             affinity = affinity_key(ctx.tenant, [{"role": normalized_role(m.role), "content": m.text()}
                                                  for m in req.messages], ctx.headers.get(SESSION_HEADER))
+            user = isolated_user(ctx, req)  # its own prefix-cache namespace, where the plan isolates end users
             try:  # the meter's upstream starts as the request is written to the tier, not while it connects
                 return (ticket, await self.tier.open(tier, self._body(ctx, prepared, tier, reading), affinity=affinity,
-                                                     tenant=ctx.tenant, on_sent=meter.upstream_started), attempt)
+                                                     tenant=ctx.tenant, end_user=user, on_sent=meter.upstream_started),
+                        attempt)
             except (UpstreamUnreachable, NoTierAvailable):
                 if (fallback := self.route.fall_back(attempt.route)) is None:
                     raise

@@ -7,14 +7,17 @@ cannot be reached gets one retry on another replica of the tier; any other failu
 Replica choice (tiers/replica_choice.py) keeps a conversation on the replica that served its earlier
 turns; each call's outcome feeds that replica's circuit breaker and latency average.
 
-Tenants share a remote tier's server (one upstream account, one prefix cache), so what names a tenant's users
-or caches is not forwarded as the tenant wrote it (`forwarded`): `user`, `safety_identifier` and
-`prompt_cache_key` become a keyed hash of (tenant, value), stable for one tenant and apart across tenants (no
-tenant can choose another's cache key, nor get another's end user blocked upstream), and a vLLM gets the tenant's
-prefix-cache namespace as `cache_salt`. The hash's key comes from TIERGATE_HINT_SECRET, which every replica must
-share (any value, kept from the upstream); unset, the hashes are still per tenant and stable, but an upstream that
-guesses a tenant's name and a user id can check the guess. Local engines get the body as it is, and the
-tenant's namespace as a header (`cache_salt`).
+Tenants share a remote tier's server (one upstream account, one prefix cache), so what names a tenant's users or
+caches is not forwarded as the tenant wrote it (`forwarded`): `user`, `safety_identifier` and `prompt_cache_key`
+become a keyed hash of (tenant, value), stable for one tenant and apart across tenants (no tenant can choose
+another's cache key, nor get another's end user blocked upstream), and a vLLM gets the tenant's prefix-cache
+namespace as `cache_salt`; under a plan isolating its end users (`isolated_user`), a namespace per end user of the
+tenant (a prefix cached for one is not a hit for another, whose time to first token would tell what the first sent),
+`<tenant digest>.<end user's keyed digest>`: our engine shares its slots by what comes before the '.'
+(engine/sequence.py's salt_tenant), so the end users still take one tenant's share. The hash's key comes from
+TIERGATE_HINT_SECRET, which every replica must share (any value, kept from the upstream); unset, the hashes are
+still per tenant and stable, but an upstream that guesses a tenant's name and a user id can check the guess. Local
+engines get the body as it is, and the tenant's namespace as a header (`cache_salt`).
 """
 
 from __future__ import annotations
@@ -39,17 +42,24 @@ HINT_SECRET_ENV = "TIERGATE_HINT_SECRET"
 HINTS = ("user", "safety_identifier", "prompt_cache_key")  # a tenant's names for its users and its caches
 
 
-def tenant_salt(tenant: str) -> str:
-    """The tenant's prefix-cache namespace on an engine (a digest: the engine never reads a tenant's name)."""
-    return hashlib.blake2b(tenant.encode(), digest_size=16, person=b"tiergate-salt").hexdigest()
+def tenant_salt(tenant: str, end_user: str | None = None, key: bytes = b"") -> str:
+    """The tenant's prefix-cache namespace on an engine (a digest: the engine never reads a tenant's name), or its
+    `end_user`'s (`isolated_user`): the tenant's digest, '.', and a digest of the end user keyed by `key` (the
+    hints' key: an upstream cannot check a guessed user id), 57 characters within our engine's 64."""
+    salt = hashlib.blake2b(tenant.encode(), digest_size=16, person=b"tiergate-salt").hexdigest()
+    if end_user is None:
+        return salt
+    message = f"{len(tenant)}:{tenant}{end_user}".encode()  # the length: no two (tenant, end user) pairs meet
+    return f"{salt}.{hashlib.blake2b(message, key=key, digest_size=12, person=b'tiergate-usalt').hexdigest()}"
 
 
-def cache_salt(tier: TierSpec, tenant: str | None) -> str | None:
-    """The tenant's namespace in our engine's prefix cache, sent as a header to a tier speaking `tiergate`; None for
-    any other tier (a vLLM gets it in the body: `forwarded`) and for our own calls (shadow and cache checks)."""
+def cache_salt(tier: TierSpec, tenant: str | None, end_user: str | None = None, key: bytes = b"") -> str | None:
+    """The tenant's (or its isolated end user's) namespace in our engine's prefix cache, sent as a header to a tier
+    speaking `tiergate`; None for any other tier (a vLLM gets it in the body: `forwarded`) and for our own calls
+    (shadow and cache checks)."""
     if tenant is None or not (tier.backend == "local" or tier.dialect == "tiergate"):
         return None
-    return tenant_salt(tenant)
+    return tenant_salt(tenant, end_user, key)
 
 
 def hint_key(secret: str | None = None) -> bytes:
@@ -58,10 +68,11 @@ def hint_key(secret: str | None = None) -> bytes:
     return hashlib.blake2b(secret.encode(), digest_size=32, person=b"tiergate-hints").digest()
 
 
-def forwarded(body: dict[str, Any], tier: TierSpec, tenant: str | None, key: bytes) -> dict[str, Any]:
+def forwarded(body: dict[str, Any], tier: TierSpec, tenant: str | None, key: bytes,
+              end_user: str | None = None) -> dict[str, Any]:
     """The body as a remote tier gets it from `tenant`: its hints hashed with `key` (32 hex digits, within OpenAI's
-    64-character `safety_identifier`), a vLLM's `cache_salt` added. Our own calls (`tenant` None) carry no hints.
-    A local tier's body is returned as it is."""
+    64-character `safety_identifier`), a vLLM's `cache_salt` added (the isolated `end_user`'s, `tenant_salt`). Our own
+    calls (`tenant` None) carry no hints. A local tier's body is returned as it is."""
     if tier.backend == "local":
         return body
     out = {k: v for k, v in body.items() if k not in HINTS}
@@ -71,7 +82,7 @@ def forwarded(body: dict[str, Any], tier: TierSpec, tenant: str | None, key: byt
                 message = f"{len(tenant)}:{tenant}{value}".encode()  # the length: no two (tenant, value) pairs meet
                 out[field] = hmac.digest(key, message, "sha256")[:16].hex()
         if tier.sends_cache_salt:
-            out["cache_salt"] = tenant_salt(tenant)
+            out["cache_salt"] = tenant_salt(tenant, end_user, key)
     return out
 
 
@@ -132,12 +143,16 @@ class TierCaller:
         self.hint_key = hint_key(hint_secret)  # what hashes the tenants' hints for remote tiers (`forwarded`)
 
     async def open(self, tier: TierSpec, body: dict[str, Any], *, affinity: str | None,
-                   tenant: str | None = None, on_sent: Callable[[], None] | None = None) -> Upstream:
-        """The tier's stream with its first chunk read, so a failure surfaces before any byte is sent. `tenant`: a
-        tier then keeps the request's prompt in that tenant's own prefix cache namespace, and a remote tier gets the
-        tenant's hints hashed (`forwarded`). `on_sent()`: called as the request is written to a replica's connection
-        (TierClient.stream_chat), not while the gateway still connects."""
-        body = forwarded(body, tier, tenant, self.hint_key)
+                   tenant: str | None = None, end_user: str | None = None,
+                   on_sent: Callable[[], None] | None = None) -> Upstream:
+        """The tier's stream with its first chunk read, so a failure surfaces before any byte is sent. `tenant`: a tier
+        then keeps the request's prompt in that tenant's own prefix cache namespace, and a remote tier gets the
+        tenant's hints hashed (`forwarded`); `end_user`: the end user the tenant's plan isolates
+        (`isolated_user`), whose prompts get a namespace of their own within the tenant's. `on_sent()`: called
+        as the request is written to a replica's connection (TierClient.stream_chat), not while the gateway
+        still connects."""
+        body = forwarded(body, tier, tenant, self.hint_key, end_user)
+        salt = cache_salt(tier, tenant, end_user, self.hint_key)
         tried: set[int] = set()
         last: TierError | None = None
         for _ in range(MAX_REPLICAS_TRIED):
@@ -147,7 +162,7 @@ class TierCaller:
             except NoTierAvailable as exc:
                 raise (last or exc) from None
             tried.add(replica.index)
-            chunks = self._chunks(replica, tier, body, affinity, cache_salt(tier, tenant), tenant or "", on_sent)
+            chunks = self._chunks(replica, tier, body, affinity, salt, tenant or "", on_sent)
             try:
                 return Upstream(replica, chunks, await anext(chunks, None))
             except UpstreamUnreachable as exc:

@@ -5,13 +5,15 @@ prefix-cache namespace as `cache_salt`. Through a real gateway in front of a stu
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from gateway.pipeline.tier_call import forwarded, hint_key
+from engine.sequence import salt_tenant
+from gateway.pipeline.tier_call import cache_salt, forwarded, hint_key, tenant_salt
 from tests.conftest import Gateway, running_gateway
 from tests.stubs import ServerThread, StubState, openai_tiers, write_settings
 from tiers.catalogue import TierSpec
@@ -83,3 +85,47 @@ def test_local_tiers_keep_the_body_and_our_own_calls_carry_no_hints() -> None:
     # the gateway's secret keys the hash: the same on every replica gives the same hashes
     assert forwarded(body, vllm, "acme", hint_key("s"))["user"] == forwarded(body, vllm, "acme", hint_key("s"))["user"]
     assert forwarded(body, vllm, "acme", hint_key("s"))["user"] != forwarded(body, vllm, "acme", hint_key("t"))["user"]
+
+
+ISOLATING = PLANS + """
+  isolating:
+    allowed_tiers: [small, mid, full]
+    default_tier: mid
+    cache: {isolate_users: true}
+"""
+
+
+def test_a_plan_isolating_its_end_users_salts_each_ones_prefixes_apart(
+        tmp_path: Path, stub: tuple[ServerThread, StubState], prepared_models: Path) -> None:
+    """A prefix cached for one end user made another's time to first token shorter: under `isolate_users` each end
+    user (as the cache scope names them) gets a namespace of its own within the tenant's; other plans keep one."""
+    dialects = {"small": "vllm-priority", "mid": "vllm", "full": "openai"}
+    tiers = openai_tiers({name: {"dialect": dialect} for name, dialect in dialects.items()}, url=stub[0].url)
+    with running_gateway(write_settings(tmp_path, prepared_models, tiers, ISOLATING), stub[1], plan="hinted") as gw:
+        gw.store.create_tenant("clinic", "isolating")
+        _, clinic = gw.store.issue_key("clinic", name="test")
+
+        def salt(key: str, **who: str) -> str:
+            with gw.client(key) as c:
+                r = c.post("/v1/chat/completions", json={"model": "mid", "max_tokens": 2, **who,
+                                                         "messages": [{"role": "user", "content": "hello"}]})
+            assert r.status_code == 200, r.text
+            return gw.stub.requests[-1]["cache_salt"]
+
+        alice, bob = salt(clinic, user="alice"), salt(clinic, user="bob")
+        nobody = salt(clinic)
+        assert alice == salt(clinic, user="alice") and len({alice, bob, nobody}) == 3
+        assert salt(clinic, safety_identifier="alice") not in (alice, bob, nobody)  # as the scope tells them apart
+        assert alice.split(".")[0] == bob.split(".")[0] == nobody  # one tenant: our engine's share (salt_tenant)
+        assert len(alice) <= 64 and "alice" not in alice
+        shared = salt(gw.tenant_key, user="alice")  # a plan sharing among its end users: one namespace
+        assert shared == salt(gw.tenant_key, user="bob") == salt(gw.tenant_key) and "." not in shared
+
+
+def test_our_engine_gets_an_isolated_end_users_salt_as_a_header_in_its_tenants_share() -> None:
+    local = TierSpec(name="mid", backend="local", model="smollm2-135m-instruct", **PRICES)
+    alice = cache_salt(local, "clinic", "user=alice", hint_key("s"))
+    assert alice is not None and re.fullmatch(r"[A-Za-z0-9._:-]{1,64}", alice)  # what the engine accepts
+    assert alice != cache_salt(local, "clinic", "user=bob", hint_key("s"))
+    assert alice != cache_salt(local, "clinic", "user=alice", hint_key("t"))  # keyed: a guess cannot be checked
+    assert salt_tenant(alice) == cache_salt(local, "clinic") == tenant_salt("clinic")
