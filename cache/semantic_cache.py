@@ -197,7 +197,8 @@ class SemanticCache:
         found = self._exact(plan)
         if found is not None:
             return found
-        return self._semantic(plan, self.vectors.get(plan.key.embedding_text, owner=plan.scope.tenant))
+        vector = self.vectors.get(plan.key.embedding_text, owner=plan.scope.tenant, user=plan.scope.end_user)
+        return self._semantic(plan, vector)
 
     async def alookup(self, scope: CacheScope, request: Mapping[str, Any], *,
                       headers: Mapping[str, str] | None = None, policy: TenantPolicy | None = None,
@@ -215,7 +216,7 @@ class SemanticCache:
             found = await self._threads(scope.tenant, self._exact, plan)
             if found is not None:
                 return found
-            vector = await self.vectors.aget(plan.key.embedding_text, coming, owner=scope.tenant)
+            vector = await self.vectors.aget(plan.key.embedding_text, coming, owner=scope.tenant, user=scope.end_user)
         return await self._threads(scope.tenant, self._semantic, plan, vector)
 
     def _begin(self, scope: CacheScope, request: Mapping[str, Any], headers: Mapping[str, str] | None,
@@ -338,14 +339,15 @@ class SemanticCache:
                       exact_key=key.exact_key, partition=f"{scope_id}:{key.history_hash}",
                       semantic_text=key.last_user_text, response=response, usage=dict(usage or {}),
                       metadata=dict(metadata or {}), created_at=now, expires_at=None if ttl is None else now + ttl,
-                      last_used=now, embedding=probe.vector if probe is not None else None)
+                      last_used=now, embedding=probe.vector if probe is not None else None, end_user=scope.end_user)
         self.pending.add(entry)
         return entry
 
     def persist(self, entry: Entry) -> Entry | None:
         """Embed a remembered entry (unless its lookup did) and write it; None if it was purged meanwhile."""
         if entry.embedding is None:
-            entry.embedding = self.vectors.get(embedding_text(entry.semantic_text), owner=entry.tenant)
+            entry.embedding = self.vectors.get(embedding_text(entry.semantic_text), owner=entry.tenant,
+                                               user=entry.end_user)
         return self.writes.write(entry)
 
     async def apersist(self, entry: Entry) -> Entry | None:
@@ -354,7 +356,8 @@ class SemanticCache:
         in its tenant's turn. None also when the write was dropped (its tenant had too many queued)."""
         try:
             if entry.embedding is None:
-                entry.embedding = await self.vectors.aget(embedding_text(entry.semantic_text), owner=entry.tenant)
+                entry.embedding = await self.vectors.aget(embedding_text(entry.semantic_text), owner=entry.tenant,
+                                                           user=entry.end_user)
             return await asyncio.wrap_future(self.writes.submit(entry))
         finally:
             self.pending.forget(entry)

@@ -46,6 +46,8 @@ class Entry:
     expires_at: float | None = None  # None: no TTL
     last_used: float = 0.0
     embedding: np.ndarray | None = None  # [dim] float32, None when the entry is exact-only
+    # the end user its scope isolates (CacheScope.end_user), whose memo alone its embedding may fill (not stored)
+    end_user: str | None = field(default=None, compare=False)
 
 
 class CacheStore(ABC):

@@ -11,7 +11,10 @@ The memo is kept per owner (the tenant): a recent vector skips the batcher's wai
 shared by every tenant would let one time its own misses and learn which questions another asked lately. Each
 owner's memo is an LRU of its own (MEMO_PER_OWNER); the owners are an LRU of MEMO_OWNERS whole memos, so a tenant's
 flood of texts evicts only its own vectors (only as many other active tenants as MEMO_OWNERS drop a tenant's memo).
-A caller that names no owner gets no memo at all: a forward pass every time, never a vector another left.
+Where a plan isolates its end users, a vector is remembered for the end user too (`user`, the scope's `end_user`),
+within the tenant's memo: another end user of the tenant never reads it, and however many end users a tenant names,
+they share its one memo (MEMO_PER_OWNER) and evict no other tenant's. A caller that names no owner gets no memo at
+all: a forward pass every time, never a vector another left.
 """
 
 from __future__ import annotations
@@ -48,17 +51,18 @@ class TurnVectors:
         limit = self.embedder.max_tokens
         return len(text) < limit - 2 or self.embedder.num_tokens(text) <= limit
 
-    def recent(self, text: str, owner: Hashable = None) -> np.ndarray | None:
-        """`owner`'s recent vector of `text` (None for no owner: nothing is shared between callers)."""
+    def recent(self, text: str, owner: Hashable = None, user: Hashable = None) -> np.ndarray | None:
+        """`owner`'s recent vector of `text`, remembered for its end user `user` (None: the tenant's own; None for no
+        owner: nothing is shared between callers)."""
         if owner is None:
             return None
         with self._lock:
-            return self._memo.get(owner, text)
+            return self._memo.get(owner, text if user is None else (user, text))
 
-    def _remember(self, text: str, owner: Hashable, vector: np.ndarray | None) -> None:
+    def _remember(self, text: str, owner: Hashable, vector: np.ndarray | None, user: Hashable = None) -> None:
         if owner is not None and vector is not None:
             with self._lock:
-                self._memo.put(owner, text, vector)
+                self._memo.put(owner, text if user is None else (user, text), vector)
 
     def encode_many(self, texts: list[str]) -> list[np.ndarray | None]:
         """One forward pass for the embeddable texts (None for the others); runs in the caller's thread (the
@@ -70,25 +74,27 @@ class TurnVectors:
                 out[i] = vector
         return out
 
-    def get(self, text: str, *, owner: Hashable = None) -> np.ndarray | None:
-        """Synchronously, in the caller's thread: `owner`'s recent vector, else a forward pass."""
-        if (vector := self.recent(text, owner)) is not None:
+    def get(self, text: str, *, owner: Hashable = None, user: Hashable = None) -> np.ndarray | None:
+        """Synchronously, in the caller's thread: `owner`'s (and end user `user`'s) recent vector, else a forward
+        pass."""
+        if (vector := self.recent(text, owner, user)) is not None:
             return vector
         vector = self.encode_many([text])[0]
-        self._remember(text, owner, vector)
+        self._remember(text, owner, vector, user)
         return vector
 
     async def aget(self, text: str, coming: Announcement | None = None, *, owner: Hashable = None,
-                   ) -> np.ndarray | None:
+                   user: Hashable = None) -> np.ndarray | None:
         """On the event loop: `owner`'s recent vector at once, else through the batcher (`coming`: this lookup's
         announcement, closed once its text is queued; `owner`: the tenant, whose texts take turns with others' and
-        whose memo alone is read and filled)."""
-        if (vector := self.recent(text, owner)) is not None:
+        whose memo alone is read and filled; `user`: its end user, where its plan isolates them, whose part of that
+        memo alone is)."""
+        if (vector := self.recent(text, owner, user)) is not None:
             return vector
         if not text or len(text) > SEMANTIC_MAX_CHARS:
             return None
-        vector = await self.batcher.embed(text, coming, owner=owner)
-        self._remember(text, owner, vector)
+        vector = await self.batcher.embed(text, coming, owner=owner)  # the tenant's turn: not one per end user
+        self._remember(text, owner, vector, user)
         return vector
 
     def close(self) -> None:
