@@ -19,7 +19,9 @@ the spaces beside it or matches only whole words; otherwise the whole text is co
 What is remembered is remembered for its owner (the tenant) only, within a bound of its own (`OwnerMemo`): a count
 remembered across tenants answered faster for a text another tenant had sent (a refused probe of 3,000 characters
 took 2.3 ms against 5.0 ms, right 52 times in 60), and one tenant's texts evicted another's. A conversation's earlier
-turns and the template's own pieces are still counted once per tenant.
+turns and the template's own pieces are still counted once per tenant. Where a plan isolates its end users, a
+count is remembered for the end user too (`user`), within the tenant's memo: another end user of the tenant could
+time it the same way, and a tenant's many end users keep to the tenant's one bound.
 """
 
 from __future__ import annotations
@@ -88,26 +90,27 @@ class TokenCounter:
             return len(self.tokenizer.encode(text, add_special_tokens=False).ids)
         return len(self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids)
 
-    def prompt_tokens(self, messages: Messages, owner: Hashable = None) -> int:
+    def prompt_tokens(self, messages: Messages, owner: Hashable = None, user: Hashable = None) -> int:
         """Tokens of the rendered prompt. A short one's count, and its pieces', are remembered for `owner` (the
         tenant that sent it; None: the gateway's own texts) and only ever reused for the same owner. A short prompt
         sent a third time with the same turns is not even rendered again (the template's render, ~11 µs, was most of
-        a repeated prompt's count): the render is a function of the turns alone."""
+        a repeated prompt's count): the render is a function of the turns alone. `user`: the end user `owner`'s plan
+        isolates, for whom alone its counts are remembered."""
         turns = _turns_key(messages)
-        if turns is not None and (counted := self._repeated.get(owner, turns)) is not None:
+        if turns is not None and (counted := self._repeated.get(owner, turns, user)) is not None:
             return counted
         text = self.render(messages)
         if len(text) > SHORT_TEXT_CHARS:
             return self.count(text)
-        counted = self._recent.get(owner, text)
+        counted = self._recent.get(owner, text, user)
         if counted is None:  # a repeated prompt (a retry, a shared system prompt and question) is counted once
-            counted = self.count(text) if self._cut is None else self._count_pieces(text, owner)
-            self._recent.put(owner, text, counted)
+            counted = self.count(text) if self._cut is None else self._count_pieces(text, owner, user)
+            self._recent.put(owner, text, counted, user=user)
         elif turns is not None:  # sent again: from now on, not rendered either (a new prompt stores nothing more)
-            self._repeated.put(owner, turns, counted, size=len(text))
+            self._repeated.put(owner, turns, counted, size=len(text), user=user)
         return counted
 
-    def _count_pieces(self, text: str, owner: Hashable = None) -> int:
+    def _count_pieces(self, text: str, owner: Hashable = None, user: Hashable = None) -> int:
         """The count of a short text as its added tokens (one each) and its pieces between them (remembered for
         `owner`)."""
         assert self._cut is not None
@@ -115,10 +118,10 @@ class TokenCounter:
         total = len(parts) // 2
         for piece in parts[::2]:
             if piece:
-                counted = self._pieces.get(owner, piece)
+                counted = self._pieces.get(owner, piece, user)
                 if counted is None:
                     counted = self._piece_tokens(piece)
-                    self._pieces.put(owner, piece, counted)
+                    self._pieces.put(owner, piece, counted, user=user)
                 total += counted
         return total
 
@@ -168,7 +171,8 @@ class OwnerMemo:
     """Counts of texts, remembered per owner: an owner's lookups see only what its own counts remembered, and its
     entries are evicted only by its own (oldest first, past `entries` texts or `chars` characters of them). No
     memory is shared, so no owner's timing depends on another's traffic; the memory is `chars` (at most 4 bytes a
-    character) for each owner that has counted, and owners are the gateway's tenants."""
+    character) for each owner that has counted, and owners are the gateway's tenants. A text counted for an end user
+    (`user`: where the tenant's plan isolates them) is remembered for that end user within the owner's bounds."""
 
     def __init__(self, entries: int, chars: int) -> None:
         self.entries = entries
@@ -177,16 +181,17 @@ class OwnerMemo:
         self._shelves: dict[Hashable, tuple[dict[Hashable, tuple[int, int]], list[int]]] = {}
         self._lock = threading.Lock()  # worker threads count too
 
-    def get(self, owner: Hashable, text: Hashable) -> int | None:
+    def get(self, owner: Hashable, text: Hashable, user: Hashable = None) -> int | None:
         shelf = self._shelves.get(owner)
-        found = None if shelf is None else shelf[0].get(text)
+        found = None if shelf is None else shelf[0].get(text if user is None else (user, text))
         return None if found is None else found[0]
 
-    def put(self, owner: Hashable, text: Hashable, count: int, size: int | None = None) -> None:
+    def put(self, owner: Hashable, text: Hashable, count: int, size: int | None = None, user: Hashable = None) -> None:
         """`size`: the characters `text` stands for, where it is not a str (its length)."""
         chars = len(text) if size is None else size  # type: ignore[arg-type]
         if chars > self.chars:
             return
+        text = text if user is None else (user, text)
         with self._lock:
             memo, total = self._shelves.setdefault(owner, ({}, [0]))
             if text in memo:

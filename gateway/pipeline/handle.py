@@ -151,7 +151,8 @@ class Pipeline:
         """The prompt counted for the route's tier; None when the tier's tokenizer is not prepared (a cached answer
         may still serve the request; a miss is refused by `prepare_on`'s count)."""
         try:
-            return await self.prompt.measure(req, route.tier, route.degradation, owner=ctx.tenant)
+            return await self.prompt.measure(req, route.tier, route.degradation, owner=ctx.tenant,
+                                           user=isolated_user(ctx, req))
         except Unavailable:
             return None
 
@@ -160,7 +161,8 @@ class Pipeline:
                          keep: Keep | None = None, prompt: Prompt | None = None) -> Prepared:
         """Count the prompt for the route's tier (unless `prompt` has it) and reserve (a cascade's second attempt
         enters here too)."""
-        prompt = prompt or await self.prompt.measure(req, route.tier, route.degradation, owner=ctx.tenant)
+        prompt = prompt or await self.prompt.measure(req, route.tier, route.degradation, owner=ctx.tenant,
+                                                     user=isolated_user(ctx, req))
         tier = route.tier
         reservation = await self.reserve.reserve(ctx, request_id, tokens=prompt.num_tokens + prompt.output_cap,
                                                  price=tier.price(prompt.num_tokens, prompt.output_cap))

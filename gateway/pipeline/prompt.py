@@ -71,9 +71,10 @@ class PromptStage:
         self._counters: dict[str, TokenCounter] = {}  # tokenizer source -> its counter, once loaded
 
     async def measure(self, req: ChatCompletionRequest, tier: TierSpec, degr: Degradation, *,
-                      owner: Hashable = None) -> Prompt:
+                      owner: Hashable = None, user: Hashable = None) -> Prompt:
         """The prompt as `tier` will read it; a long one is counted in `owner`'s turn (the tenant's). Counts the
-        counter remembers are `owner`'s own (gateway/token_counter.py): never another tenant's."""
+        counter remembers are `owner`'s own (gateway/token_counter.py): never another tenant's, nor, for the end
+        user `user` a plan isolates (`isolated_user`), another end user's."""
         counter = self._counter(tier)
         messages = [turn(m) for m in req.messages]
         tools = preamble(req)
@@ -81,9 +82,9 @@ class PromptStage:
         tokenized: int | None = None  # characters tokenized to count it (None: a short prompt's, found on refusal)
         if chars <= INLINE_CHARS and len(messages) <= INLINE_MESSAGES and degr.input_cap is None:
             rendered = with_preamble(messages, tools)
-            kept, applied, num_tokens = list(req.messages), (), counter.prompt_tokens(rendered, owner)
+            kept, applied, num_tokens = list(req.messages), (), counter.prompt_tokens(rendered, owner, user)
         else:
-            args = (counter, list(req.messages), messages, tier, degr.input_cap, tools, owner)
+            args = (counter, list(req.messages), messages, tier, degr.input_cap, tools, owner, user)
             kept, applied, num_tokens, tokenized = await self.threads.run(owner, _count_bounded, *args)
         room = tier.context_limit - num_tokens
         cap = req.output_cap or max(1, min(self.default_max_tokens, room))
@@ -131,16 +132,16 @@ class PromptStage:
 
 
 def _count_bounded(counter: TokenCounter, originals: list[ChatMessage], messages: list[dict[str, Any]],
-                   tier: TierSpec, input_cap: int | None, tools: str = "", owner: Hashable = None
-                   ) -> tuple[list[ChatMessage], tuple[str, ...], int, int]:
-    """(messages kept, actions applied, prompt tokens, characters tokenized), reading at most what could fit
-    (worker thread). `tools`: the system-message text that offers the request's tools, counted with the system
-    message; `owner`: the tenant whose remembered counts may be reused. The characters tokenized are the rendered
-    prompt's, the template's markers included (what a refusal is charged: 2,048 empty messages have no content
-    but are 57 KB rendered), and its prefix's where that was counted first."""
+                   tier: TierSpec, input_cap: int | None, tools: str = "", owner: Hashable = None,
+                   user: Hashable = None) -> tuple[list[ChatMessage], tuple[str, ...], int, int]:
+    """(messages kept, actions applied, prompt tokens, characters tokenized), reading at most what could fit (worker
+    thread). `tools`: the system-message text that offers the request's tools, counted with the system message;
+    `owner`: the tenant whose remembered counts (its end user `user`'s) may be reused. The characters tokenized
+    are the rendered prompt's, the template's markers included (what a refusal is charged: 2,048 empty messages
+    have no content but are 57 KB rendered), and its prefix's where that was counted first."""
     applied: tuple[str, ...] = ()
     if input_cap is not None:
-        keep = _trim(counter, messages, input_cap, tools, owner)
+        keep = _trim(counter, messages, input_cap, tools, owner, user)
         if len(keep) < len(messages):
             applied = (f"cap_input_tokens({input_cap},dropped={len(messages) - len(keep)})",)
             originals = [originals[i] for i in keep]
@@ -158,7 +159,7 @@ def _count_bounded(counter: TokenCounter, originals: list[ChatMessage], messages
 
 
 def _trim(counter: TokenCounter, messages: list[dict[str, Any]], cap: int, tools: str = "",
-          owner: Hashable = None) -> list[int]:
+          owner: Hashable = None, user: Hashable = None) -> list[int]:
     """Indexes of the messages kept when the oldest turns (never a system message, never the last message)
     are dropped until the prompt has at most `cap` tokens, or nothing more may be dropped."""
     droppable = [i for i, m in enumerate(messages[:-1]) if m["role"] != "system"]
@@ -179,7 +180,7 @@ def _trim(counter: TokenCounter, messages: list[dict[str, Any]], cap: int, tools
     estimate = dict(zip(candidates, (n + counter.message_overhead(messages[i]["role"])
                                      for i, n in zip(candidates, counts, strict=True)), strict=True))
     kept = sorted(fixed + candidates)
-    total = counter.prompt_tokens(with_preamble([messages[i] for i in kept], tools), owner)
+    total = counter.prompt_tokens(with_preamble([messages[i] for i in kept], tools), owner, user)
     dropped, recounts = 0, 0
     while total > cap and dropped < len(candidates):
         # drop by the estimate, then check exactly; an estimate that was short drops one turn more (and
@@ -191,7 +192,7 @@ def _trim(counter: TokenCounter, messages: list[dict[str, Any]], cap: int, tools
         if recounts >= MAX_RECOUNTS:
             dropped = len(candidates)
         kept = sorted(fixed + candidates[dropped:])
-        total = counter.prompt_tokens(with_preamble([messages[i] for i in kept], tools), owner)
+        total = counter.prompt_tokens(with_preamble([messages[i] for i in kept], tools), owner, user)
     return kept
 
 

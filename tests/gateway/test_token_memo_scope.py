@@ -140,3 +140,26 @@ def test_a_prompt_sent_again_is_not_rendered_again_for_its_tenant_only(
     renders.clear()
     other = [{"role": "user", "content": text + " and more"}]
     assert measure(stage, "alice", other) != first and len(renders) == 1  # other turns: rendered
+
+
+@pytest.mark.parametrize("degr", [NORMAL, Degradation(2, (CapInputTokens(cap_input_tokens=4000),))])
+def test_an_isolated_end_users_counts_are_remembered_for_that_end_user(
+        stage: PromptStage, counted: tuple[TokenCounter, list[str]], degr: Degradation) -> None:
+    """Under a plan isolating its end users, another end user of the tenant timed its count of a text one had sent;
+    counts are remembered for the tenant and the end user (the tenant's own, none named, stay shared), in the
+    tenant's one memo, which no number of end users grows."""
+    counter, pieces = counted
+    text = secret()
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+                {"role": "user", "content": text}]  # a turn the cap may drop: counted by `_trim`, in a worker thread
+
+    def measured(user: str | None) -> int:
+        req = ChatCompletionRequest.model_validate({"model": "mid", "messages": messages})
+        return asyncio.run(stage.measure(req, TIER, degr, owner="clinic", user=user)).num_tokens
+
+    first = measured("user=alice")
+    assert measured("user=alice") == first and sum(text in p for p in pieces) == 1  # her own: remembered
+    assert measured("user=bob") == first and sum(text in p for p in pieces) == 2  # bob's: counted afresh
+    assert measured(None) == first and sum(text in p for p in pieces) == 3
+    assert measured(None) == first and sum(text in p for p in pieces) == 3
+    assert set(counter._pieces._shelves) - {None} == {"clinic"}  # one tenant's bound, whoever its end users are
