@@ -29,7 +29,7 @@ lookup misses) rather than holding the shared threads. The exported graph fixes 
 loaded with that dimension made free, so a pair runs at its own length. Pairs are never padded into batches: the
 int8 graph quantizes its activations per tensor, padding included, so a margin would depend on what it was batched
 with. A pair longer than the model's 160 tokens (or a question over MAX_CHARS characters) is refused unread: cut,
-a long shared context would hide an edit at its end. Recent scores are remembered per scope.
+a long shared context would hide an edit at its end. Recent scores are remembered per scope, in its tenant's share.
 """
 
 from __future__ import annotations
@@ -51,8 +51,11 @@ from cache.owner_memo import OwnerMemo
 ACCEPT_MARGIN = -1.35
 MAX_TOKENS = 160  # the model's sequence, as exported; a pair longer than this is not read, so it is refused
 MAX_CHARS = 1000  # per question: longer ones cannot fit MAX_TOKENS with the other, refused before tokenizing
-REMEMBERED = 256  # recent scores per scope (a tenant), by a digest of (cached question, new question)
-REMEMBERED_SCOPES = 128  # scopes with remembered scores at once (the least recently active one's dropped)
+# recent scores per owner (the tenant), by its scope and a digest of (cached question, new question): owned by the
+# tenant, not by the scope, so a tenant with many scopes (end users under isolate_users, system prompts) evicts its
+# own scores only, never the other tenants' (a memo per scope let one tenant's 128 scopes push out everyone's)
+REMEMBERED = 256
+REMEMBERED_SCOPES = 128  # owners with remembered scores at once (the least recently active one's dropped)
 MAX_CONCURRENT = 2  # passes at once in a process, tenants in turn (cache/fair_slots.py)
 WAIT_S = 0.5  # the longest a pass waits for its turn; then the candidate is refused (a miss), not waited for
 UNREAD = float("-inf")  # the score of a pair too long to read whole
@@ -99,9 +102,9 @@ class MeaningCheck:
     def margins(self, pairs: Sequence[tuple[str, str]], *, scope: str = "", owner: str = "") -> np.ndarray:
         """The score of each (cached, new) pair: the smaller of its two entailment margins, [N] float; UNREAD for
         a pair too long to read whole. Scores are remembered per `scope` (a tenant never learns from another's
-        timing which pairs were scored lately); passes wait for a slot in `owner`'s turn (the tenant: another
-        tenant's flood of passes does not take every slot as it frees). Raises MeaningUnavailable (MeaningBusy
-        when no slot freed)."""
+        timing which pairs were scored lately), within `owner`'s bounded share (REMEMBERED); passes wait for a slot
+        in `owner`'s turn (the tenant: another tenant's flood of passes does not take every slot as it frees).
+        Raises MeaningUnavailable (MeaningBusy when no slot freed)."""
         return np.array([self.score(a, b, scope=scope, owner=owner) for a, b in pairs], dtype=np.float64)
 
     def accepts(self, cached: str, new: str, *, scope: str = "", owner: str = "") -> bool:
@@ -114,12 +117,13 @@ class MeaningCheck:
         # the first question's length first: a NUL between them let (a, "b\0c") and ("a\0b", c) share a score
         pair = f"{len(cached)}:{cached}{new}"
         key = hashlib.blake2b(pair.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+        remembered = (scope, key)  # in the scope's own entries: a tenant never learns from another's timing
         with self._memo_lock:
-            found = self._memo.get(scope, key)
+            found = self._memo.get(owner or scope, remembered)
         if found is None:
             found = self._run(cached, new, owner)
             with self._memo_lock:
-                self._memo.put(scope, key, found)
+                self._memo.put(owner or scope, remembered, found)
         return found
 
     def _run(self, cached: str, new: str, owner: str) -> float:

@@ -98,6 +98,22 @@ def test_one_scopes_flood_evicts_only_its_own_scores(monkeypatch: pytest.MonkeyP
     assert runs == [(STORED, f"{PARAPHRASE} #0")]
 
 
+def test_one_tenants_many_scopes_evict_only_its_own_scores(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tenant with many scopes (an end user each under isolate_users, or many system prompts) used to fill the memo's
+    128 scopes and push every other tenant's scores out; its scores are now its own share. Within one tenant, one
+    scope's score still does not answer another's."""
+    runs: list[tuple[str, str]] = []
+    check = MeaningCheck()  # no model: the passes are counted, not run
+    monkeypatch.setattr(check, "_run", lambda a, b, owner: runs.append((a, b)) or 1.0)
+    check.score(STORED, PARAPHRASE, scope="b-scope", owner="tenant-b")
+    for i in range(500):
+        check.score(STORED, PARAPHRASE, scope=f"a-user-{i}", owner="tenant-a")
+    assert len(runs) == 501  # each of a's scopes computes its own
+    runs.clear()
+    check.score(STORED, PARAPHRASE, scope="b-scope", owner="tenant-b")
+    assert runs == []  # b's score is still remembered
+
+
 def test_a_remembered_score_is_never_another_pairs(monkeypatch: pytest.MonkeyPatch) -> None:
     """Questions may hold a NUL (JSON's \\u0000 passes the wire): the remembered score of (STORED, "x\\0y") is not
     served for (STORED + "\\0x", "y"), a pair the model reads otherwise (its digest read "STORED\\0x\\0y" for both)."""
