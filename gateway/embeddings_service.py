@@ -59,7 +59,7 @@ from litestar.datastructures import State
 
 from cache.batcher import EmbeddingBatcher
 from cache.embedder import Embedder, default_embedder
-from gateway.errors import InvalidRequest, NotFound, TiergateError, Unavailable, client_error
+from gateway.errors import InvalidRequest, NotFound, TiergateError, Unavailable, client_error, not_ready
 from gateway.fair_threads import FairThreads
 from gateway.ladder.apply import Degradation
 from gateway.ladder.controller import LadderController
@@ -164,7 +164,7 @@ class EmbeddingsService:
                 begun = await self._begin(ctx, req)
                 if isinstance(begun, Replay):  # answered before: the same answer, charged nothing, written nowhere
                     return await self._replay(ctx, req, begun)
-                keep = Keep(begun) if begun is not None else None
+                keep = Keep(begun, self.idempotency.renewing(begun)) if begun is not None and self.idempotency else None
                 self._refuse_if_degraded(ctx)
                 counts = await self.counting.run(ctx.tenant, self._num_tokens, req.texts)
                 reservation = await self.reserve.reserve(ctx, ctx.request_id, tokens=sum(counts),
@@ -172,14 +172,18 @@ class EmbeddingsService:
             answer = await self._answer(ctx, req, counts, reservation, keep)
             return answer, ratelimit_headers(ctx.plan, reservation.decision)
         finally:
+            if keep is not None:
+                keep.settle()
             if keep is not None and not keep.stored and self.idempotency is not None:  # a retry runs again
                 self._hand_off(self.idempotency.store.abandon(keep.claim))
             entry.leave()
 
     def _parse(self, ctx: RequestContext, body: bytes) -> EmbeddingRequest:
         """The cheapest checks first: readiness, the body, the model."""
-        if (why := self.ledger.not_ready_reason) is not None:
-            raise Unavailable(f"the gateway cannot take requests now: {why}", code="not_ready", retry_after=5)
+        # a request with a key is let on while the ledger cannot write: its stored answer is replayed (`_begin`)
+        if (why := self.ledger.not_ready_reason) is not None and (
+                self.idempotency is None or IDEMPOTENCY_HEADER not in ctx.headers):
+            raise not_ready(why)
         req = parse_body(body, EmbeddingRequest)
         if not self.spec.enabled or req.model != self.spec.model:
             served = f"; this gateway serves {self.spec.model!r}" if self.spec.enabled else ""
@@ -193,6 +197,10 @@ class EmbeddingsService:
                 raise InvalidRequest("Idempotency-Key is not supported on this gateway's embeddings",
                                      param="Idempotency-Key", code="unsupported_parameter")
             return None
+        if (why := self.ledger.not_ready_reason) is not None:  # a replay writes no row: nothing else starts
+            if (stored := await self.idempotency.stored(ctx, req, route=ROUTE)) is None:
+                raise not_ready(why)
+            return stored
         return await self.idempotency.begin(ctx, req, route=ROUTE)
 
     async def _replay(self, ctx: RequestContext, req: EmbeddingRequest,

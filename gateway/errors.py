@@ -129,6 +129,11 @@ class Unavailable(TiergateError):
     error_type = "service_unavailable"
 
 
+def not_ready(why: str) -> Unavailable:
+    """The refusal of work while the ledger cannot write (a 503 with Retry-After): chat's and embeddings' alike."""
+    return Unavailable(f"the gateway cannot take requests now: {why}", code="not_ready", retry_after=5)
+
+
 class UpstreamError(TiergateError):
     """A tier's backend failed or answered with nonsense."""
 

@@ -165,6 +165,20 @@ class IdempotencyStore(ABC):
     async def abandon(self, claim: Claim) -> None:
         """The request failed or its client left: a retry runs again."""
 
+    async def renew(self, claim: Claim, lease_s: float) -> bool:
+        """Extend `claim`'s lease to `lease_s` from now while its request runs, if the record is still its running
+        claim (False when not: answered, given up, or taken over by another request after it expired). Without it an
+        answer running past its lease (a long stream) let a retry with its key take the key over, run and be charged a
+        second time (gateway/pipeline/idempotency.py renews it every third of the lease). A store that cannot renew
+        says False: its claims keep the lease they were made with."""
+        return False
+
+    async def stored(self, tenant: str, key: str, fingerprint: str) -> Replay | Mismatch | None:
+        """The key's stored answer (or Mismatch for another body), read only: nothing is claimed or written, so it is
+        asked while the ledger cannot write (a replay writes no row); None when the key holds no answer (new, running
+        or expired). A store that cannot read without writing says None: the request is refused as any other."""
+        return None
+
     def finish_when_written(self, written: asyncio.Future[None], claim: Claim, answer: dict[str, Any],
                             ttl_s: float) -> None:
         """Follow the ledger row of `claim`'s answer (`written`, the ledger's future for it) still pending after the
@@ -199,6 +213,8 @@ def _followed(task: asyncio.Task[None]) -> None:
 
 # a running claim given up (its request failed, its answer not kept): a retry runs again
 _SQLITE_ABANDON = "DELETE FROM idempotency WHERE tenant = ? AND key = ? AND owner = ? AND state = 'running'"
+# a running claim's lease extended by its owner (still its owner: an expired claim taken over has another)
+_SQLITE_RENEW = "UPDATE idempotency SET expires = ? WHERE tenant = ? AND key = ? AND owner = ? AND state = 'running'"
 
 
 class SQLiteIdempotency(IdempotencyStore):
@@ -318,6 +334,24 @@ class SQLiteIdempotency(IdempotencyStore):
         except BaseException:
             self._roll_back(conn)
             raise
+
+    async def renew(self, claim: Claim, lease_s: float) -> bool:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self._renew, claim, lease_s)
+
+    def _renew(self, claim: Claim, lease_s: float) -> bool:
+        conn = self._conn = self._conn or self._connect()
+        args = (self._clock() + lease_s, claim.tenant, claim.key, claim.owner)
+        return conn.execute(_SQLITE_RENEW, args).rowcount > 0
+
+    async def stored(self, tenant: str, key: str, fingerprint: str) -> Replay | Mismatch | None:
+        found = await asyncio.get_running_loop().run_in_executor(self._pool, self._stored, tenant, key)
+        if found is None or found[1] != "done" or found[3] <= self._clock():
+            return None
+        return _decoded(found[2]) if found[0] == fingerprint else Mismatch()
+
+    def _stored(self, tenant: str, key: str) -> tuple[Any, ...] | None:
+        conn = self._conn = self._conn or self._connect()
+        return conn.execute(_SELECT, (tenant, key)).fetchone()
 
     async def abandon(self, claim: Claim) -> None:
         """Give the claim up; one SQLite cannot take now (busy past its timeout, locked, full...) is owed and given up

@@ -29,6 +29,7 @@ from quotas.idempotency import (
     IdempotencyStore,
     Limits,
     Mismatch,
+    Replay,
     Running,
     _decoded,
     _encoded,
@@ -86,6 +87,9 @@ SENDS = 2  # a statement's sends at most, when its reply was lost
 RESEND_DELAY_S = 0.05
 _PG_FINISH = ("UPDATE idempotency SET state = 'done', answer = %s, expires = %s WHERE tenant = %s AND key = %s "
               "AND owner = %s")
+_PG_RENEW = ("UPDATE idempotency SET expires = %s WHERE tenant = %s AND key = %s AND owner = %s AND state = 'running' "
+             "RETURNING 1")
+_PG_STORED = "SELECT fingerprint, state, answer, expires FROM idempotency WHERE tenant = %s AND key = %s"
 _PG_ABANDON = "DELETE FROM idempotency WHERE tenant = %s AND key = %s AND owner = %s AND state = 'running'"
 
 
@@ -178,6 +182,16 @@ class PostgresIdempotency(IdempotencyStore):
     async def finish_alone(self, claim: Claim, answer: dict[str, Any], ttl_s: float) -> None:
         for sql, args in self.finish_with_row(claim, answer, ttl_s):
             await self._run(sql, args)
+
+    async def renew(self, claim: Claim, lease_s: float) -> bool:
+        """Its lease extended (the statement changes no size: the totals' trigger locks nothing)."""
+        return await self._run(_PG_RENEW, (self._clock() + lease_s, claim.tenant, claim.key, claim.owner)) is not None
+
+    async def stored(self, tenant: str, key: str, fingerprint: str) -> Replay | Mismatch | None:
+        found = await self._run(_PG_STORED, (tenant, key))
+        if found is None or found[1] != "done" or found[3] <= self._clock():
+            return None
+        return _decoded(found[2]) if found[0] == fingerprint else Mismatch()
 
     async def abandon(self, claim: Claim) -> None:
         try:

@@ -26,11 +26,12 @@ whose reply was lost is simply made again:
   (`finish_when_written`), however late: stored once the row commits, as the SQL stores keep it (there it commits
   with the row), its claim given up if the row is refused for good. Before, the gateway stopped following a row after
   120 s: a row committed later billed the tenant with no answer kept, and a retry after the claim's lease ran and was
-  billed again. Nothing lives longer for it: the `running` record keeps the TTL its claim set (its lease) and is
-  never extended, so a claim whose owner died frees its key when its lease ends, as before; what is held is this
-  process's memory, bounded with the owed work's bounds (`MAX_OWED` answers, `MAX_OWED_BYTES`; beyond them logged and
-  dropped, the claim left to its lease), released when the row's future settles (the ledger settles every one: it
-  commits, is refused, or fails as the ledger closes) and lost, logged, at `close`. A row committed after the lease
+  billed again. Nothing lives longer for it: the `running` record keeps the TTL its claim set (its lease), renewed
+  only while its request runs (`renew`), never for this, so a claim whose owner died frees its key when its lease
+  ends, as before; what is held is this process's memory, bounded with the owed work's bounds (`MAX_OWED` answers,
+  `MAX_OWED_BYTES`; beyond them logged and dropped, the claim left to its lease), released when the row's future
+  settles (the ledger settles every one: it commits, is refused, or fails as the ledger closes) and lost, logged, at
+  `close`. A row committed after the lease
   still stores its answer (over nothing, as SQLite's `done` update lands on an expired record not yet pruned),
   unless another request claimed the key meanwhile (logged: it ran again), as in the SQL stores.
 Owed work is bounded (`MAX_OWED` entries, `MAX_OWED_BYTES` of answers); beyond that it is logged and dropped: the
@@ -42,6 +43,7 @@ database that cannot be reached for a claim is a 503 (PostgreSQL: `LedgerUnavail
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -57,6 +59,7 @@ from quotas.idempotency import (
     IdempotencyStore,
     Limits,
     Mismatch,
+    Replay,
     Running,
     _decoded,
     _encoded,
@@ -135,6 +138,17 @@ resize(ARGV[5], tonumber(ARGV[6]))
 hold(tonumber(ARGV[4]))
 return 1
 """
+# a running claim's lease extended by its owner (1), or 0: answered, given up, or another request's since it expired
+_RENEW = _HELD + """
+local found = redis.call('GET', KEYS[1])
+if not found then return 0 end
+local rec = cjson.decode(found)
+if rec.owner ~= ARGV[1] or rec.state ~= 'running' then return 0 end
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+redis.call('ZADD', KEYS[2], now_ms() + tonumber(ARGV[2]), ARGV[3])
+hold(tonumber(ARGV[2]))
+return 1
+"""
 _ABANDON = _HELD + """
 local found = redis.call('GET', KEYS[1])
 if found then
@@ -179,6 +193,7 @@ class RedisIdempotency(IdempotencyStore):
         self._begin = self._redis.register_script(_BEGIN)
         self._finish = self._redis.register_script(_FINISH)
         self._abandon = self._redis.register_script(_ABANDON)
+        self._renew = self._redis.register_script(_RENEW)
         # an answer by (tenant, key), so that a retry here replays it; a give-up by (tenant, key, owner): each request's
         # claim its own, so a retry's give-up (which may delete nothing) never replaces an earlier request's
         self._owed: dict[tuple[str, ...], _Owed] = {}
@@ -233,6 +248,20 @@ class RedisIdempotency(IdempotencyStore):
             return
         if not stored:
             _ran_again(claim.owner, claim.tenant)
+
+    async def renew(self, claim: Claim, lease_s: float) -> bool:
+        """Its lease extended, tried once (the next renewal is a third of the lease away); Redis failing raises."""
+        keys = self._keys(claim.tenant, claim.key)
+        return bool(await self._renew(keys=keys, args=[claim.owner, int(lease_s * 1000), claim.key]))
+
+    async def stored(self, tenant: str, key: str, fingerprint: str) -> Replay | Mismatch | None:
+        owed = self._owed.get((tenant, key))
+        if owed is not None and owed.answer is not None:  # answered here, not yet in Redis
+            return _decoded(owed.answer) if owed.fingerprint == fingerprint else Mismatch()
+        found = await self._redis.get(self._keys(tenant, key)[0])
+        if found is None or (rec := json.loads(found)).get("state") != "done":
+            return None
+        return _decoded(rec["answer"]) if rec["fp"] == fingerprint else Mismatch()
 
     async def abandon(self, claim: Claim) -> None:
         keys, args = self._keys(claim.tenant, claim.key), [claim.owner, claim.key]

@@ -21,7 +21,7 @@ from dataclasses import replace
 from decimal import Decimal
 from typing import Any
 
-from gateway.errors import InvalidRequest, TiergateError, Unavailable, client_error
+from gateway.errors import InvalidRequest, TiergateError, Unavailable, client_error, not_ready
 from gateway.ladder.apply import NORMAL, Degradation
 from gateway.ladder.controller import LadderController
 from gateway.pipeline.attempt import Attempt, Prepared
@@ -32,7 +32,7 @@ from gateway.pipeline.context import RequestContext
 from gateway.pipeline.dispatch import DispatchStage
 from gateway.pipeline.events import Delta, Done, Event, Head
 from gateway.pipeline.gate import TenantGate, refused_size, scopes_of
-from gateway.pipeline.idempotency import IdempotencyStage, Keep, keep_when_written
+from gateway.pipeline.idempotency import HEADER, IdempotencyStage, Keep, keep_when_written
 from gateway.pipeline.meter import Meter, Outcome, Reading
 from gateway.pipeline.prompt import ContextTooLong, Prompt, PromptStage
 from gateway.pipeline.refusals import RefusalLog
@@ -89,19 +89,26 @@ class Pipeline:
 
         try:
             with self.refusals.counted(ctx, charge):
-                if self.ready is not None and (why := self.ready()) is not None:
-                    raise Unavailable(f"the gateway cannot take requests now: {why}", code="not_ready",
-                                      retry_after=5)
+                # the ledger cannot write: no new work starts (nor a claim), but a stored answer is replayed, as it
+                # writes no row; refused before, a client retrying a lost answer was told 503 for what it had paid
+                why = self.ready() if self.ready is not None else None
+                if why is not None and (self.idempotency is None or HEADER not in ctx.headers):
+                    raise not_ready(why)
                 check_data_version(ctx.headers)
                 req = (parse or parse_request)(body)
-                begun = await self.idempotency.begin(ctx, req) if self.idempotency is not None else None
+                if why is not None:
+                    assert self.idempotency is not None
+                    if (begun := await self.idempotency.stored(ctx, req)) is None:
+                        raise not_ready(why)
+                else:
+                    begun = await self.idempotency.begin(ctx, req) if self.idempotency is not None else None
                 if isinstance(begun, Replay):
                     await self._count_replay(ctx)
             if isinstance(begun, Replay):  # answered before: the same answer, charged nothing, written nowhere
                 for event in IdempotencyStage.replay(req, begun.answer):
                     yield event
                 return
-            keep = Keep(begun) if begun is not None else None
+            keep = Keep(begun, self.idempotency.renewing(begun)) if begun is not None and self.idempotency else None
             with self.refusals.counted(ctx, charge):
                 prepared = await self._prepare(ctx, req, keep)
             events = cascade(self, ctx, prepared) if _cascades(ctx, prepared) else self.answer(ctx, prepared)
@@ -115,6 +122,8 @@ class Pipeline:
                     charge(exc)
                 raise
         finally:
+            if keep is not None:
+                keep.settle()
             if keep is not None and not keep.stored and self.idempotency is not None:  # a retry runs again
                 self.settler.hand_off(self.idempotency.store.abandon(keep.claim))
             entry.leave()
@@ -350,3 +359,4 @@ async def _close_quietly(upstream: Upstream) -> None:
     """Close the tier's stream (which tells the engine to stop); never raises into a settlement."""
     with contextlib.suppress(Exception):  # the connection is being dropped anyway
         await upstream.aclose()
+

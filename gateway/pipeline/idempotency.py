@@ -63,9 +63,16 @@ class Keep:
     claim is the answer's, never given up); a claim whose answer was not stored when the request ends is given up
     (gateway/pipeline/handle.py)."""
 
-    def __init__(self, claim: Claim) -> None:
+    def __init__(self, claim: Claim, renewal: asyncio.Task[None] | None = None) -> None:
         self.claim = claim
         self.stored = False
+        self.renewal = renewal  # the claim's lease renewed while the request runs (`IdempotencyStage.renewing`)
+
+    def settle(self) -> None:
+        """The request is over: its lease is renewed no more (a kept answer's record is `done`; a claim given up, or
+        one whose gateway died, frees its key when its lease ends)."""
+        if self.renewal is not None:
+            self.renewal.cancel()
 
 
 KEEP_FOR_S = 120.0  # how long a kept claim waits for its row's final outcome here, then its store follows the row
@@ -116,9 +123,41 @@ class IdempotencyStage:
         """Wait for claims of requests that left to be given up (shutdown, tests)."""
         await self._handed.drain()
 
-    async def begin(self, ctx: RequestContext, req: BaseModel, *, route: str | None = None) -> Claim | Replay | None:
-        """None without the header; else this request's claim, or the stored answer to replay. `route`: what the
-        fingerprint says the request is (a chat request's own route when None; "embeddings" for that route's)."""
+    def renewing(self, claim: Claim) -> asyncio.Task[None]:
+        """Renew `claim`'s lease every third of it while its request runs, off the request's path, until the request
+        settles (`Keep.settle` cancels it) or the record is no longer its running claim. Without it an answer running
+        longer than the lease (a long stream) let a retry with its key find the lease expired, take the key over, run
+        and be charged again; renewed, the retry waits for it or gets 409, and a gateway that dies stops renewing, so
+        its key is freed a lease later, as before."""
+        return asyncio.get_running_loop().create_task(self._renew(claim))
+
+    async def _renew(self, claim: Claim) -> None:
+        while True:
+            await asyncio.sleep(self.lease_s / 3)
+            try:
+                if not await self.store.renew(claim, self.lease_s):
+                    return
+            except Exception as exc:  # the store failing for now: the next try is a third away
+                log.warning("renewing the lease of Idempotency-Key %r (tenant %s) failed: %s", claim.key,
+                            claim.tenant, exc)
+
+    async def stored(self, ctx: RequestContext, req: BaseModel, *, route: str | None = None) -> Replay | None:
+        """The key's stored answer, read only (nothing claimed, nothing written), or None: without the header, a key
+        with no answer, another body, or the store failing. Asked while the ledger cannot write, when nothing that
+        would write a row may start, but a replay writes none (gateway/pipeline/handle.py)."""
+        keyed = self._keyed(ctx, req, route)
+        if keyed is None:
+            return None
+        try:
+            found = await self.store.stored(ctx.tenant, *keyed)
+        except Exception as exc:  # the request is refused as it would be without the lookup
+            log.warning("reading Idempotency-Key %r (tenant %s) while the ledger is not ready failed: %s", keyed[0],
+                        ctx.tenant, exc)
+            return None
+        return found if isinstance(found, Replay) else None
+
+    def _keyed(self, ctx: RequestContext, req: BaseModel, route: str | None) -> tuple[str, str] | None:
+        """The request's key and fingerprint, or None without the header."""
         key = ctx.headers.get(HEADER)
         if key is None:
             return None
@@ -140,6 +179,15 @@ class IdempotencyStage:
         who = "" if identity == identity_snapshot() else f"{identity}\n"
         fingerprint = hashlib.sha256(
             f"{who}{route}\n{req.model_dump_json(exclude_unset=True)}".encode()).hexdigest()
+        return key, fingerprint
+
+    async def begin(self, ctx: RequestContext, req: BaseModel, *, route: str | None = None) -> Claim | Replay | None:
+        """None without the header; else this request's claim, or the stored answer to replay. `route`: what the
+        fingerprint says the request is (a chat request's own route when None; "embeddings" for that route's)."""
+        keyed = self._keyed(ctx, req, route)
+        if keyed is None:
+            return None
+        key, fingerprint = keyed
         deadline = time.monotonic() + self.wait_s
         while True:
             # shielded: a client that leaves while the store claims the key (SQLite's thread commits it, Redis has

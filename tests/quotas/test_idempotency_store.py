@@ -256,3 +256,43 @@ async def test_redis_bounds_a_tenant_as_the_databases_do(redis_url: str) -> None
         assert isinstance(await store.begin("acme", "third", "body", "r8", lease_s=60), Claim)
     finally:
         await store.close()
+
+
+async def test_a_running_claim_is_renewed_by_its_owner_only(stores: tuple[IdempotencyStore, Ledger, Clock]) -> None:
+    """`renew` extends a running claim's lease (its request still runs), never another owner's claim or an answer;
+    `stored` reads an answer without claiming anything (the gateway's replay while its ledger cannot write)."""
+    store, ledger, clock = stores
+    claim = await store.begin("acme", "k1", "body", "r1", lease_s=60)
+    assert isinstance(claim, Claim) and await store.stored("acme", "k1", "body") is None
+    clock.t += 50
+    assert await store.renew(claim, 60)
+    clock.t += 50  # past the first lease, within the renewed one
+    assert await store.begin("acme", "k1", "body", "r2", lease_s=60) == Running()
+    clock.t += 61  # not renewed since (its owner died): the key is taken over, and the old owner renews nothing
+    taken = await store.begin("acme", "k1", "body", "r2", lease_s=60)
+    assert isinstance(taken, Claim) and not await store.renew(claim, 60)
+    await ledger.wait_durable(ledger.submit(row(1), with_row=store.finish_with_row(taken, {"text": "ok"}, 100)))
+    assert not await store.renew(taken, 60)  # answered: its record is the answer's, for the TTL
+    assert await store.stored("acme", "k1", "body") == Replay({"text": "ok"})
+    assert await store.stored("acme", "k1", "other") == Mismatch()
+    assert await store.stored("acme", "nope", "body") is None
+
+
+async def test_redis_renews_a_running_claim_by_its_owner_only(redis_url: str) -> None:
+    store = RedisIdempotency(redis_url)
+    try:
+        claim = await store.begin("acme", "renew-1", "body", "r1", lease_s=0.3)
+        assert isinstance(claim, Claim) and await store.stored("acme", "renew-1", "body") is None
+        for _ in range(3):  # 0.6 s in all: twice the lease
+            await asyncio.sleep(0.2)
+            assert await store.renew(claim, 0.3)
+        assert await store.begin("acme", "renew-1", "body", "r2", lease_s=0.3) == Running()
+        await asyncio.sleep(0.4)  # not renewed: the lease ends, the key is taken over
+        taken = await store.begin("acme", "renew-1", "body", "r2", lease_s=60)
+        assert isinstance(taken, Claim) and not await store.renew(claim, 0.3)
+        await store.finish(taken, {"text": "ok"}, 100)
+        assert not await store.renew(taken, 60)
+        assert await store.stored("acme", "renew-1", "body") == Replay({"text": "ok"})
+        assert await store.stored("acme", "renew-1", "other") == Mismatch()
+    finally:
+        await store.close()
