@@ -8,7 +8,12 @@ the fingerprint, storing its vectors compactly (gateway/embeddings_service.py). 
 - a retry after that gets the stored answer (the same id, body and usage; as JSON, or replayed as a stream),
   with `x-tiergate-idempotent-replay: true`, charged nothing and written nowhere, but counted in the tenant's
   request rate as any request (handle.py's `_count_replay`);
-- a retry while the first still runs waits for it, up to `wait_s`, then gets 409 with Retry-After;
+- a retry while the first still runs waits for it, up to `wait_s`, then gets 409 with Retry-After. The first's
+  claim has a lease (`lease_s`, so a claim whose gateway died frees its key), renewed every third of it while the
+  request runs (`IdempotencyStage.renewing`): not renewed, an answer longer than its lease (a long stream) let a retry
+  take the key over, run and be charged a second time;
+- while the ledger cannot write (its readiness, gateway/pipeline/handle.py), a stored answer is still replayed, read
+  only (`IdempotencyStage.stored`: a replay writes no row); anything else, a new claim included, is a 503;
 - the same key with another body is a 422 naming the header;
 - an answer that failed, or whose client left, is not stored: the claim is given up and a retry runs again;
 - an answer whose ledger row was not durable in time (the ledger's wait ran out: a slow disk, a database that
