@@ -50,6 +50,11 @@ class ReservationRequest:
     # MAX_DATING_LAG_S before it, or after it, is moved to that bound. None: dated when it is asked (`now`; on
     # Redis, by Redis' clock).
     dated_at: float | None = None
+    # The attempt of the same client request this one continues (a cascade's retry on a dearer tier), or None. One
+    # client request holds one place in the requests-per-minute window and one concurrency slot for its whole life:
+    # a follow-on takes no new place (nor is it refused for rpm), and takes over that attempt's slot where it still
+    # holds one (where it does not, it takes a slot as any request does). Its tokens and money count as any attempt's.
+    follows: str | None = None
 
     @property
     def day_number(self) -> int:

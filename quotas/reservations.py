@@ -60,13 +60,14 @@ class QuotaService:
         return tuple(out)
 
     async def reserve(self, *, request_id: str, tenant: str, plan: Plan, key_id: str, key_limits: Limits | None,
-                      tokens: int, price: Decimal, dated_at: float | None = None
+                      tokens: int, price: Decimal, dated_at: float | None = None, follows: str | None = None
                       ) -> tuple[Decision, Reservation | None]:
         """`dated_at`: the instant whose day and month its money counts for, reserve and settle alike: the
         request's arrival, which also dates its ledger row; the backend bounds it by its own clock (see
-        `ReservationRequest.dated_at`)."""
+        `ReservationRequest.dated_at`). `follows`: the reserved attempt of the same client request this one
+        continues (a cascade's retry), whose rpm place and concurrency slot it keeps (`ReservationRequest.follows`)."""
         req = ReservationRequest(request_id, tenant, self.scopes(plan, key_id, key_limits), tokens, to_pico(price),
-                                 lease_s=self.lease_s, dated_at=dated_at)
+                                 lease_s=self.lease_s, dated_at=dated_at, follows=follows)
         decision = await self.backend.reserve(req)
         return decision, (Reservation(req, decision) if decision.admitted else None)
 

@@ -18,7 +18,10 @@ still run on the whole.
 
 The check runs before the first attempt settles, and the second attempt is reserved then too, so the first
 row can say whether the cascade happened, and why not when it did not (no dearer tier, the ladder, a
-refused reservation). Under an Idempotency-Key the answer stored is the one the client gets: the second
+refused reservation). The second attempt continues the client's one request (reserve.py's `follows`): it takes over
+the first's concurrency slot and takes no second place in the requests-per-minute window, while both attempts' tokens
+and money are billed; a retry refused (for money, say) leaves the first its slot, freed when it settles. Under an
+Idempotency-Key the answer stored is the one the client gets: the second
 attempt's; if that one fails, the first answer stands and is stored then, by itself (its ledger row is durable
 already), before the client reads it, so the SDK's retry replays it (it was not stored: the retry ran, and was billed,
 again); if the first was cut short, the client gets the second's error.

@@ -174,7 +174,8 @@ class Pipeline:
                                                      user=isolated_user(ctx, req))
         tier = route.tier
         reservation = await self.reserve.reserve(ctx, request_id, tokens=prompt.num_tokens + prompt.output_cap,
-                                                 price=tier.price(prompt.num_tokens, prompt.output_cap))
+                                                 price=tier.price(prompt.num_tokens, prompt.output_cap),
+                                                 follows=cascade_of)  # a retry keeps its request's slot and place
         if len(prompt.messages) != len(req.messages):
             req = req.model_copy(update={"messages": list(prompt.messages)})
         attempt = Attempt(request_id, route, reservation, lookup, route.applied + lookup.applied + prompt.applied,

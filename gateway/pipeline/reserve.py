@@ -39,11 +39,16 @@ class ReserveStage:
         # reserves whose request left, and their give-backs
         self._handed = HandedOff(log, "giving back the reservation of a request that left failed")
 
-    async def reserve(self, ctx: RequestContext, request_id: str, *, tokens: int, price: Decimal) -> Reservation:
+    async def reserve(self, ctx: RequestContext, request_id: str, *, tokens: int, price: Decimal,
+                      follows: str | None = None) -> Reservation:
+        """`follows`: the reserved attempt this one continues (a cascade's retry): the client's request keeps the one
+        rpm place and concurrency slot it was admitted with (under `max_concurrent: 1` a retry that took a slot of
+        its own was always refused, and one that took a place counted the request twice against rpm)."""
         work = asyncio.ensure_future(self.quotas.reserve(
             request_id=request_id, tenant=ctx.tenant, plan=ctx.plan, key_id=ctx.key_id,
             key_limits=ctx.principal.key.limits, tokens=tokens, price=price,
-            dated_at=ctx.arrived))  # the instant that dates the ledger row dates the money too
+            dated_at=ctx.arrived,  # the instant that dates the ledger row dates the money too
+            follows=follows))
         try:
             decision, reservation = await asyncio.shield(work)
         except asyncio.CancelledError:  # the request left: what the reserve admits is nobody's, so it is given back

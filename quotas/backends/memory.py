@@ -117,7 +117,10 @@ class MemoryBackend(QuotaBackend):
                 return refusal
         usage = {}
         for lim, st in states:
-            st.requests.append((now, req.request_id))
+            if req.follows is None:
+                st.requests.append((now, req.request_id))
+            else:  # the client request's place and slot are the attempt's it continues (see `ReservationRequest`)
+                st.inflight.pop(req.follows, None)
             st.token_log.append((now, req.request_id))
             st.tokens[req.request_id] = req.tokens
             st.token_sum += req.tokens
@@ -125,7 +128,8 @@ class MemoryBackend(QuotaBackend):
             st.next_deadline = min(st.next_deadline, now + req.lease_s)
             st.spent_day[req.day] = st.spent_day.get(req.day, 0) + req.money_pico
             st.spent_month[req.month] = st.spent_month.get(req.month, 0) + req.money_pico
-            usage[lim.scope] = Usage(len(st.requests), st.token_sum, st.requests[0][0] + WINDOW_S - now,
+            usage[lim.scope] = Usage(len(st.requests), st.token_sum,
+                                     (st.requests[0][0] if st.requests else now) + WINDOW_S - now,
                                      st.token_log[0][0] + WINDOW_S - now)
         self._held[req.request_id] = _Held(req.tenant, tuple(lim.scope for lim in req.scopes), req.tokens,
                                            req.money_pico, req.day, req.month, now + req.lease_s)
@@ -239,12 +243,13 @@ class MemoryBackend(QuotaBackend):
 
 def _check(lim: ScopeLimits, st: _ScopeState, req: ReservationRequest) -> Decision | None:
     now = req.now
-    if lim.rpm is not None and len(st.requests) + 1 > lim.rpm:
+    if lim.rpm is not None and req.follows is None and len(st.requests) + 1 > lim.rpm:
         wait = st.requests[0][0] + WINDOW_S - now if st.requests else WINDOW_S
         return Decision(False, "rpm", lim.scope, wait)
     if lim.tpm is not None and st.token_sum + req.tokens > lim.tpm:
         return Decision(False, "tpm", lim.scope, st.tokens_retry_after(req.tokens, lim.tpm, now))
-    if lim.max_concurrent is not None and len(st.inflight) + 1 > lim.max_concurrent:
+    slot = 0 if req.follows is not None and req.follows in st.inflight else 1  # a slot taken over is no new one
+    if lim.max_concurrent is not None and len(st.inflight) + slot > lim.max_concurrent:
         return Decision(False, "concurrency", lim.scope, 1.0)
     # a budget's period is the one its money is dated in (the request's arrival, clamped by `_dated`), which may
     # end before `now`: no wait then

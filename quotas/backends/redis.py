@@ -184,6 +184,7 @@ class RedisBackend(RedisRecovery, QuotaBackend):
             keys += [f"{base}:rpm", f"{base}:tpm", f"{base}:tpmv", f"{base}:tpmsum", f"{base}:inflight"]
             args += [base, _limit(lim.rpm), _limit(lim.tpm), _limit(lim.max_concurrent),
                      _limit(lim.budget_day_pico), _limit(lim.budget_month_pico)]
+        args.append(req.follows or "")  # a cascade's retry: the client request's rpm place and slot are its first's
         if self._tenant_spend is None:
             return _decision(req, await self._reserve_script(req, keys, args))
         keys.append(self.seeded_key(req.tenant))

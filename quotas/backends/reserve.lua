@@ -7,6 +7,9 @@
 --       instant that dates its money is the arrival moved into [TIME - lag, TIME] (shared.lua `clock`), then 6 per
 --       scope: the scope's key base (its money counters are <base>:day:<YYYYMMDD> and
 --       <base>:month:<YYYYMM>) and its limits (rpm, tpm, concurrent, day, month; -1 = unlimited)
+--       then the id of the attempt this one continues ('' for none: see ReservationRequest.follows in
+--       quotas/limits.py): a follow-on takes no place in the rpm window (nor is refused for rpm) and takes over that
+--       attempt's inflight slot where it still holds one (else it takes one as any request does)
 --       Optionally, after the scopes' keys, the tenant's seeded sentinel (reseed.lua): where it is missing, Redis
 --       lost the tenant's money counters (a restart without persistence, a failover to a lagging replica) and
 --       nothing is charged until they are raised to the ledger's totals: the answer is {2, now ms}
@@ -16,6 +19,8 @@ local rid, tokens, money = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local lease, window, n = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
 local c = clock(tonumber(ARGV[7]), tonumber(ARGV[8]))
 local now, cutoff = c.now, c.now - window
+local follows = ARGV[9 + 6 * n]
+if follows == '' then follows = nil end
 local day_keys, month_keys, spent_day, spent_month = {}, {}, {}, {}
 for i = 0, n - 1 do
   local base = ARGV[9 + 6 * i]
@@ -77,7 +82,7 @@ for i = 0, n - 1 do
   local day, month = tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4])
   expire(k)
   local nreq = redis.call('ZCARD', KEYS[k + 1])
-  if rpm >= 0 and nreq + 1 > rpm then
+  if rpm >= 0 and not follows and nreq + 1 > rpm then
     local oldest = redis.call('ZRANGE', KEYS[k + 1], 0, 0, 'WITHSCORES')
     local wait = window
     if #oldest > 0 then wait = tonumber(oldest[2]) + window - now end
@@ -93,7 +98,9 @@ for i = 0, n - 1 do
     end
     return refuse('tpm', i, wait)
   end
-  if conc >= 0 and redis.call('ZCARD', KEYS[k + 5]) + 1 > conc then
+  local slot = 1
+  if follows and redis.call('ZSCORE', KEYS[k + 5], follows) then slot = 0 end  -- a slot taken over is no new one
+  if conc >= 0 and redis.call('ZCARD', KEYS[k + 5]) + slot > conc then
     return refuse('concurrency', i, 1000)
   end
   -- the budget's period is the dated instant's, which may have ended (an arrival before midnight): no wait then
@@ -108,7 +115,7 @@ end
 local record = {'st', 'r', 'tok', tokens, 'pico', money, 'day', c.day, 'month', c.month, 'n', n}
 for i = 0, n - 1 do
   local k = 2 + 5 * i
-  redis.call('ZADD', KEYS[k + 1], now, rid)
+  if follows then redis.call('ZREM', KEYS[k + 5], follows) else redis.call('ZADD', KEYS[k + 1], now, rid) end
   redis.call('ZADD', KEYS[k + 2], now, rid)
   redis.call('HSET', KEYS[k + 3], rid, tokens)
   redis.call('INCRBY', KEYS[k + 4], tokens)
