@@ -127,10 +127,14 @@ class ModelRunner:
         batch_pos = {i: k for k, i in enumerate(order)}
         rows = torch.tensor([last_index[batch_pos[i]] for i in samplers], device=self.device)
         logits = self.model.compute_logits(hidden[rows]).float().cpu()  # [S, V]
-        greedy = logits.argmax(dim=-1).tolist()
+        best = logits.argmax(dim=-1)  # [S]
+        greedy = best.tolist()
         # a row holding NaN (a numeric fault in the forward pass) has no next token: argmax and the sampler's draw
-        # would each pick an arbitrary index from it and go on, so its sequence fails instead (alone, below)
-        nan_rows = logits.isnan().any(dim=-1).tolist()  # [S]
+        # would each pick an arbitrary index from it and go on, so its sequence fails instead (alone, below). argmax
+        # propagates NaN (torch's max does: the index is a NaN's), so the row's maximum is NaN exactly when the row
+        # holds one: read at S indices, where `isnan().any()` over [S, V] cost as much again as the argmax (0.87 ms
+        # against 0.66 at 16 rows of SmolLM2's 49,152 on one core; 5 us this way)
+        nan_rows = logits.gather(1, best.unsqueeze(1)).squeeze(1).isnan().tolist()  # [S]
         token_of = {}
         self.last_logprobs = {}
         self.last_errors: dict[str, str] = {}  # request id -> why its sampling failed, this step

@@ -17,9 +17,11 @@ from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 
 
+# the whole row NaN, or one entry of it (the runner reads a row's NaN where argmax puts its maximum: anywhere)
+@pytest.mark.parametrize("where", [slice(None), 0, 17, -1], ids=["row", "first", "one", "last"])
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_a_row_of_nan_logits_fails_its_sequence_alone(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch,
-                                                      temperature: float) -> None:
+                                                      temperature: float, where: Any) -> None:
     def first_step(nan_row: int | None) -> tuple[list[int], ModelRunner]:
         runner = ModelRunner(tiny_llama, dtype="fp32", kv_cache_bytes=1 << 20)
         sched = Scheduler(BlockManager(runner.num_kv_blocks, runner.block_size), max_num_seqs=4,
@@ -32,7 +34,7 @@ def test_a_row_of_nan_logits_fails_its_sequence_alone(tiny_llama: Path, monkeypa
         def with_nan(hidden: Any) -> torch.Tensor:
             logits = logits_of(hidden)
             if nan_row is not None:
-                logits[nan_row] = float("nan")
+                logits[nan_row, where] = float("nan")
             return logits
 
         monkeypatch.setattr(runner.model, "compute_logits", with_nan)
