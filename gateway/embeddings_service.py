@@ -174,8 +174,8 @@ class EmbeddingsService:
         finally:
             if keep is not None:
                 keep.settle()
-            if keep is not None and not keep.stored and self.idempotency is not None:  # a retry runs again
-                self._hand_off(self.idempotency.store.abandon(keep.claim))
+                if not keep.stored and self.idempotency is not None:  # a retry runs again
+                    self._hand_off(self.idempotency.store.abandon(keep.claim))
             entry.leave()
 
     def _parse(self, ctx: RequestContext, body: bytes) -> EmbeddingRequest:

@@ -96,12 +96,12 @@ class Pipeline:
                     raise not_ready(why)
                 check_data_version(ctx.headers)
                 req = (parse or parse_request)(body)
-                if why is not None:
-                    assert self.idempotency is not None
-                    if (begun := await self.idempotency.stored(ctx, req)) is None:
-                        raise not_ready(why)
-                else:
-                    begun = await self.idempotency.begin(ctx, req) if self.idempotency is not None else None
+                if self.idempotency is None:
+                    begun = None
+                elif why is None:
+                    begun = await self.idempotency.begin(ctx, req)
+                elif (begun := await self.idempotency.stored(ctx, req)) is None:
+                    raise not_ready(why)
                 if isinstance(begun, Replay):
                     await self._count_replay(ctx)
             if isinstance(begun, Replay):  # answered before: the same answer, charged nothing, written nowhere
@@ -124,8 +124,8 @@ class Pipeline:
         finally:
             if keep is not None:
                 keep.settle()
-            if keep is not None and not keep.stored and self.idempotency is not None:  # a retry runs again
-                self.settler.hand_off(self.idempotency.store.abandon(keep.claim))
+                if not keep.stored and self.idempotency is not None:  # a retry runs again
+                    self.settler.hand_off(self.idempotency.store.abandon(keep.claim))
             entry.leave()
 
     async def _count_replay(self, ctx: RequestContext) -> None:
@@ -360,4 +360,3 @@ async def _close_quietly(upstream: Upstream) -> None:
     """Close the tier's stream (which tells the engine to stop); never raises into a settlement."""
     with contextlib.suppress(Exception):  # the connection is being dropped anyway
         await upstream.aclose()
-
