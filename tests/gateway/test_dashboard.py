@@ -60,6 +60,8 @@ def test_dashboard_renders_ledger_data_and_changes_the_level(gateway: Gateway, b
     wait.until(lambda b: len(b.find_elements(By.CSS_SELECTOR, "#cost-chart path.series")) == 4)
     legend = browser.find_element(By.ID, "cost-legend").text
     assert "acme / full" in legend and "acme / mid" in legend
+    # the table is filled from a second report request, after the chart is drawn
+    wait.until(lambda b: len(b.find_elements(By.CSS_SELECTOR, "#finance-table tbody tr")) == 2)
     rows = browser.find_elements(By.CSS_SELECTOR, "#finance-table tbody tr")
     cells = {r.find_elements(By.TAG_NAME, "td")[1].text: [td.text for td in r.find_elements(By.TAG_NAME, "td")]
              for r in rows}
