@@ -7,8 +7,8 @@ characters (more than the sockets between a client and the gateway hold), `STUB:
 then our engine's error event for a response_format whose grammar could not go on (`response_format_failed`).
 
 Also what the tests that start a gateway in front of such upstreams share: the routes every upstream answers
-(`health_routes`), a tiers file of OpenAI-compatible tiers (`openai_tiers`) and the settings of a gateway that reads
-it (`write_settings`).
+(`health_routes`), a tiers file of OpenAI-compatible tiers (`openai_tiers`), a ladder of three such tiers and plans
+over it (`LADDER_PRICES`, `LADDER_PLANS`) and the settings of a gateway that reads them (`write_settings`).
 """
 
 from __future__ import annotations
@@ -135,6 +135,31 @@ async def _sse(state: StubState, body: dict[str, Any], words: list[str], prompt_
 # what every tier of `openai_tiers` has unless it says otherwise
 TIER_DEFAULTS: dict[str, Any] = {"backend": "openai", "price_per_1k_input": "0.001", "price_per_1k_output": "0.002",
                                  "hardware_cost_per_hour": "1", "context_limit": 4096}
+
+
+# the prices of `small`, `mid` and `full`, cheapest first (`mid` at TIER_DEFAULTS'), which `auto` and a cascade climb
+LADDER_PRICES: dict[str, dict[str, Any]] = {
+    "small": {"price_per_1k_input": "0.0001", "price_per_1k_output": "0.0002"},
+    "mid": {},
+    "full": {"price_per_1k_input": "0.003", "price_per_1k_output": "0.006"}}
+# plans over that ladder: `standard` (mid by default), `plain` (mid alone), `cascading` (small first, and a weak
+# answer climbs); no cache where a test counts what reaches the tiers
+LADDER_PLANS = """
+default_plan: standard
+plans:
+  standard:
+    allowed_tiers: [small, mid, full]
+    default_tier: mid
+    cache: {enabled: false}
+  plain:
+    allowed_tiers: [mid]
+    default_tier: mid
+  cascading:
+    allowed_tiers: [small, mid, full]
+    default_tier: small
+    cache: {enabled: false}
+    routing: {quality_floor: 0.8, policy: cascade}
+"""
 
 
 def openai_tiers(tiers: dict[str, dict[str, Any]], **common: Any) -> str:

@@ -17,21 +17,8 @@ import pytest
 
 from gateway.rollout.state import Rollout, RolloutEvent, Stage
 from tests.conftest import Gateway, running_gateway
-from tests.stubs import ServerThread, StubState, openai_tiers, stub_app, write_settings
+from tests.stubs import LADDER_PLANS, LADDER_PRICES, ServerThread, StubState, openai_tiers, stub_app, write_settings
 
-PLANS = """
-default_plan: standard
-plans:
-  standard:
-    allowed_tiers: [small, mid, full]
-    default_tier: mid
-    cache: {enabled: false}
-  cascading:
-    allowed_tiers: [small, mid, full]
-    default_tier: small
-    cache: {enabled: false}
-    routing: {quality_floor: 0.8, policy: cascade}
-"""
 USER = [{"role": "user", "content": "hello"}]
 TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}}
 NEEDS = {"v2": ("top_k", {"top_k": 5}), "v3": ("tools", {"tools": [TOOL]})}
@@ -46,10 +33,10 @@ def gw(tmp_path: Path, prepared_models: Path) -> Iterator[Gateway]:
             ServerThread(stub_app(mute, reply="")).start() as empty:
         versions = [{"name": "v1"}, {"name": "v2", "dialect": "openai", "urls": [v2.url], "model": "stub-mid-2"},
                     {"name": "v3", "tools": False, "urls": [v2.url], "model": "stub-mid-3"}]
-        tiers = {"small": {"url": empty.url, "price_per_1k_input": "0.0001", "price_per_1k_output": "0.0002"},
+        tiers = {"small": {**LADDER_PRICES["small"], "url": empty.url},
                  "mid": {"url": v1.url, "serving": "v1", "versions": versions},
-                 "full": {"url": v1.url, "price_per_1k_input": "0.003", "price_per_1k_output": "0.006"}}
-        settings = write_settings(tmp_path, prepared_models, openai_tiers(tiers, dialect="vllm"), PLANS)
+                 "full": {**LADDER_PRICES["full"], "url": v1.url}}
+        settings = write_settings(tmp_path, prepared_models, openai_tiers(tiers, dialect="vllm"), LADDER_PLANS)
         with running_gateway(settings, old) as gateway:
             gateway.new, gateway.mute = new, mute  # type: ignore[attr-defined]
             yield gateway

@@ -14,28 +14,11 @@ from typing import Any
 import pytest
 
 from tests.conftest import Gateway, running_gateway
-from tests.stubs import ServerThread, StubState, openai_tiers, stub_app, write_settings
+from tests.stubs import LADDER_PLANS, LADDER_PRICES, ServerThread, StubState, openai_tiers, stub_app, write_settings
 
-# cheapest first: `small` and `full` are vLLMs, `mid` (the plans' default) a plain OpenAI-compatible server
-TIERS = {"small": {"dialect": "vllm", "price_per_1k_input": "0.0001", "price_per_1k_output": "0.0002"},
-         "mid": {"dialect": "openai"},
-         "full": {"dialect": "vllm", "price_per_1k_input": "0.003", "price_per_1k_output": "0.006"}}
-PLANS = """
-default_plan: standard
-plans:
-  standard:
-    allowed_tiers: [small, mid, full]
-    default_tier: mid
-    cache: {enabled: false}
-  plain:
-    allowed_tiers: [mid]
-    default_tier: mid
-  cascading:
-    allowed_tiers: [small, mid, full]
-    default_tier: small
-    cache: {enabled: false}
-    routing: {quality_floor: 0.8, policy: cascade}
-"""
+# `small` and `full` are vLLMs, `mid` (the plans' default) a plain OpenAI-compatible server
+DIALECTS = {"small": "vllm", "mid": "openai", "full": "vllm"}
+TIERS = {name: {**LADDER_PRICES[name], "dialect": dialect} for name, dialect in DIALECTS.items()}
 USER = [{"role": "user", "content": "hello"}]
 
 
@@ -45,7 +28,7 @@ def gw(tmp_path: Path, prepared_models: Path) -> Iterator[Gateway]:
     state, mute = StubState(), StubState()
     with ServerThread(stub_app(state)).start() as stub, ServerThread(stub_app(mute, reply="")).start() as empty:
         tiers = {name: {**own, "url": empty.url if name == "small" else stub.url} for name, own in TIERS.items()}
-        settings = write_settings(tmp_path, prepared_models, openai_tiers(tiers), PLANS)
+        settings = write_settings(tmp_path, prepared_models, openai_tiers(tiers), LADDER_PLANS)
         with running_gateway(settings, state) as gateway:
             gateway.mute = mute  # type: ignore[attr-defined]
             yield gateway
