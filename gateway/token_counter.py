@@ -16,7 +16,7 @@ each piece's count, and the pieces every request repeats (the template's default
 counted once and remembered. Only where that cut is the whole story: no normalizer, and no added token that eats
 the spaces beside it or matches only whole words; otherwise the whole text is counted.
 
-What is remembered is remembered for its owner (the tenant) only, within a bound of its own (`OwnerMemo`): a count
+What is remembered is remembered for its owner (the tenant) only, within a bound of its own (`CountMemo`): a count
 remembered across tenants answered faster for a text another tenant had sent (a refused probe of 3,000 characters
 took 2.3 ms against 5.0 ms, right 52 times in 60), and one tenant's texts evicted another's. A conversation's earlier
 turns and the template's own pieces are still counted once per tenant. Where a plan isolates its end users, a
@@ -73,9 +73,9 @@ class TokenCounter:
         # symbol per byte, and a character is at least one byte
         self.max_token_chars = max(1, max(map(len, self.tokenizer.get_vocab(with_added_tokens=True))))
         self._overhead: dict[str, int] = {}
-        self._recent = OwnerMemo(RECENT_PROMPTS, RECENT_CHARS)  # short rendered prompts -> tokens
-        self._repeated = OwnerMemo(REPEATED_PROMPTS, REPEATED_CHARS)  # their turns (`_turns_key`) -> tokens
-        self._pieces = OwnerMemo(RECENT_PIECES, RECENT_CHARS)  # pieces between added tokens -> tokens
+        self._recent = CountMemo(RECENT_PROMPTS, RECENT_CHARS)  # short rendered prompts -> tokens
+        self._repeated = CountMemo(REPEATED_PROMPTS, REPEATED_CHARS)  # their turns (`_turns_key`) -> tokens
+        self._pieces = CountMemo(RECENT_PIECES, RECENT_CHARS)  # pieces between added tokens -> tokens
         self._cut = _added_token_cut(self.tokenizer)
         self._words = ByteLevelWords.for_tokenizer(self.tokenizer)
 
@@ -167,12 +167,16 @@ def _added_token_cut(tokenizer: Tokenizer) -> re.Pattern[str] | None:
     return re.compile("(" + "|".join(map(re.escape, contents)) + ")")
 
 
-class OwnerMemo:
+class CountMemo:
     """Counts of texts, remembered per owner: an owner's lookups see only what its own counts remembered, and its
     entries are evicted only by its own (oldest first, past `entries` texts or `chars` characters of them). No
     memory is shared, so no owner's timing depends on another's traffic; the memory is `chars` (at most 4 bytes a
     character) for each owner that has counted, and owners are the gateway's tenants. A text counted for an end user
-    (`user`: where the tenant's plan isolates them) is remembered for that end user within the owner's bounds."""
+    (`user`: where the tenant's plan isolates them) is remembered for that end user within the owner's bounds.
+
+    Not cache/owner_memo.py's `OwnerMemo` (entries and owners bounded, the least recently used out first, callers
+    lock): here a key stands for a text of up to SHORT_TEXT_CHARS, so characters are bounded too, a lookup does not
+    make a text newer, and worker threads put counts in under the memo's own lock."""
 
     def __init__(self, entries: int, chars: int) -> None:
         self.entries = entries

@@ -1,5 +1,5 @@
 """The token counter remembers counts for the tenant that sent the text only (gateway/token_counter.py's
-`OwnerMemo`): another tenant's count of the same text is counted afresh (a remembered one answered faster: a timing
+`CountMemo`): another tenant's count of the same text is counted afresh (a remembered one answered faster: a timing
 oracle of other tenants' prompts), one tenant's texts never evict another's, and a tenant's own conversation still
 has its earlier turns counted once. Checked by the tokenizing calls made, not by timing."""
 
@@ -111,7 +111,7 @@ def test_one_tenant_cannot_evict_anothers_counts(counted: tuple[TokenCounter, li
 
 
 def test_a_memo_keeps_to_its_bound_in_characters() -> None:
-    memo = tc.OwnerMemo(entries=100, chars=50)
+    memo = tc.CountMemo(entries=100, chars=50)
     for i in range(10):
         memo.put("a", f"{i}" * 20, i)
     assert memo.texts("a") == ["8" * 20, "9" * 20]  # the newest that fit in 50 characters
