@@ -6,16 +6,24 @@ limits: a 30-byte pattern that costs xgrammar 5 s of CPU compiles in 0.5 ms), it
 millisecond, and a token's mask and masking cost about 0.2 ms, under 2% of a decode token at 16 streams (our
 engine's tokens/s measured the same with and without a schema).
 
-- `GrammarCache`: compiles each format once (a bounded LRU keyed by the canonical JSON of its schema) and hands
-  out `CompiledGrammar`s. A schema llguidance cannot compile is an EngineInputError (a 400) before anything
-  streams, and is remembered (a bounded LRU of refusals): a compile can take seconds before it fails (an allOf
-  of anyOfs of patterns, refused at the wire since, wire/schema_alternatives.py), and a repeat must not pay it
-  again. Compiles run where the caller runs them: the engine looks a format up first (`known`) and runs `compile`
-  on threads of its own, shared fairly between tenants with a bounded queue (engine/compile_queue.py), off its step
-  loop, the event loop and the event loop's default executor; concurrent requests for one new schema wait for one
-  compile. A grammar that fails later, mid-answer (an object of a thousand optional properties: "max_items_in_row"
-  at its second token), fails its sequence alone with `response_format_failed`, the request's own error
-  (engine/model_runner.py), which the gateway never counts against the replica's health.
+- `GrammarCache`: compiles each format once per tenant and hands out `CompiledGrammar`s, keyed by the canonical JSON
+  of its schema. A schema llguidance cannot compile is an EngineInputError (a 400) before anything streams, and is
+  remembered: a compile can take seconds before it fails (an allOf of anyOfs of patterns, refused at the wire since,
+  wire/schema_alternatives.py), and a repeat must not pay it again. Grammars and refusals are remembered for the
+  tenant that asked (the request's cache salt's, `salt_tenant`; a request with no salt is an anonymous tenant of its
+  own), in a `TenantMemo` each (engine/tenant_memo.py): GRAMMARS_PER_TENANT a tenant, evicted by its own only, for
+  the GRAMMAR_TENANTS most recently active tenants, so at most 32 x 16 = 512 grammars and as many refusals (a grammar
+  holds 0.13 MiB for a 30-property schema, 0.4 MiB for a 200-property one: about 70-200 MiB at most). One cache
+  shared by every tenant was a timing side channel: a hit costs nothing, a compile a millisecond or more, a remembered
+  refusal answers at once, so a tenant timing its own `response_format` requests learnt which schemas another had
+  used lately, and its flood of schemas evicted everyone's. Another tenant's schema is compiled again, at its cost.
+  Compiles run where the caller runs them: the engine looks a format up first (`known`) and runs `compile` on threads
+  of its own, shared fairly between tenants with a bounded queue (engine/compile_queue.py), off its step loop, the
+  event loop and the event loop's default executor; a tenant's concurrent requests for one new schema wait for one
+  compile (another tenant's never wait for it). A grammar that fails later, mid-answer (an object of a thousand
+  optional properties: "max_items_in_row" at its second token), fails its sequence alone with
+  `response_format_failed`, the request's own error (engine/model_runner.py), which the gateway never counts against
+  the replica's health.
 - `GrammarMatcher`: one sequence's place in its grammar. The sampler (engine/sampler.py) asks it for the logits
   with every token the grammar refuses at -inf (EOS included until the answer is complete) and tells it each
   token chosen.
@@ -29,7 +37,6 @@ from __future__ import annotations
 
 import json
 import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,9 +45,11 @@ import numpy as np
 import torch
 
 from engine.sampling_params import EngineInputError
+from engine.tenant_memo import TenantMemo
 from wire.response_format import ResponseFormat
 
-MAX_CACHED_GRAMMARS = 256
+GRAMMARS_PER_TENANT = 32  # grammars (and as many refusals) remembered for one tenant
+GRAMMAR_TENANTS = 16  # tenants whose grammars are remembered, the most recently active
 ANY_JSON_OBJECT: dict[str, Any] = {"type": "object"}
 # our separators override any `x-guidance` options a schema carries
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -48,6 +57,9 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 
 class GrammarError(RuntimeError):
     """A sequence's grammar refused the token it was given, or ran past its limits; the sequence fails alone."""
+
+
+Tenant = str | None  # a request's cache salt's tenant (engine/sequence.py, `salt_tenant`); None: no salt
 
 
 def grammar_key(fmt: ResponseFormat) -> str:
@@ -94,19 +106,19 @@ class CompiledGrammar:
 
 
 class GrammarCache:
-    """Compiles response formats for one tokenizer, once each; thread-safe."""
+    """Compiles response formats for one tokenizer, once each per tenant; thread-safe."""
 
     def __init__(self, tokenizer: Any, *, vocab_size: int | None, eos_token_ids: list[int],
-                 capacity: int = MAX_CACHED_GRAMMARS) -> None:
-        """`vocab_size`: the model's logits' width [default: the tokenizer's length]."""
+                 per_tenant: int = GRAMMARS_PER_TENANT, tenants: int = GRAMMAR_TENANTS) -> None:
+        """`vocab_size`: the model's logits' width [default: the tokenizer's length]. `per_tenant`, `tenants`: the
+        grammars (and refusals) remembered for one tenant, and for how many tenants."""
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._eos_token_ids = sorted(eos_token_ids)
-        self.capacity = capacity
         self._lock = threading.Lock()
-        self._grammars: OrderedDict[str, CompiledGrammar] = OrderedDict()
-        self._refused: OrderedDict[str, str] = OrderedDict()  # key -> why it cannot be compiled (an LRU)
-        self._compiling: dict[str, threading.Lock] = {}  # key -> held while one thread compiles it
+        self._grammars: TenantMemo[CompiledGrammar] = TenantMemo(per_tenant, tenants)  # (tenant, key) -> its grammar
+        self._refused: TenantMemo[str] = TenantMemo(per_tenant, tenants)  # (tenant, key) -> why it cannot be compiled
+        self._compiling: dict[tuple[Tenant, str], threading.Lock] = {}  # held while one thread compiles it
         self._lltok: llguidance.LLTokenizer | None = None
         self._lltok_lock = threading.Lock()
         self._limits = llguidance.LLParserLimits(verbose_errors=False)
@@ -116,58 +128,49 @@ class GrammarCache:
     def vocab_size(self) -> int:
         return self._vocab_size if self._vocab_size is not None else len(self._tokenizer)
 
-    def cached(self, fmt: ResponseFormat) -> CompiledGrammar | None:
-        with self._lock:
-            return self._grammars.get(grammar_key(fmt))
-
-    def known(self, fmt: ResponseFormat) -> CompiledGrammar | None:
-        """The compiled grammar of a format compiled before, None for one never compiled; EngineInputError for one
-        refused before. Never compiles."""
+    def known(self, fmt: ResponseFormat, tenant: Tenant) -> CompiledGrammar | None:
+        """The compiled grammar of a format `tenant` compiled before, None for one it never compiled (whoever else
+        did); EngineInputError for one refused to it before. Never compiles."""
         key = grammar_key(fmt)
         with self._lock:
-            if (hit := self._grammars.get(key)) is not None:
-                self._grammars.move_to_end(key)
+            return self._known(tenant, key)
+
+    def compile(self, fmt: ResponseFormat, tenant: Tenant) -> CompiledGrammar:
+        """The compiled grammar of `fmt` (json_object or json_schema) for `tenant`, compiling it on a miss;
+        EngineInputError naming `response_format` for a schema that cannot be compiled."""
+        key = grammar_key(fmt)
+        with self._lock:
+            if (hit := self._known(tenant, key)) is not None:
                 return hit
-            self._raise_if_refused(key)
-        return None
-
-    def compile(self, fmt: ResponseFormat) -> CompiledGrammar:
-        """The compiled grammar of `fmt` (json_object or json_schema), compiling it on a miss; EngineInputError
-        naming `response_format` for a schema that cannot be compiled."""
-        if (hit := self.known(fmt)) is not None:
-            return hit
-        key = grammar_key(fmt)
-        with self._lock:
-            gate = self._compiling.setdefault(key, threading.Lock())
+            gate = self._compiling.setdefault((tenant, key), threading.Lock())
         with gate:
             try:
                 with self._lock:
-                    if (hit := self._grammars.get(key)) is not None:  # compiled while this thread waited
+                    if (hit := self._known(tenant, key)) is not None:  # compiled while this thread waited
                         return hit
-                    self._raise_if_refused(key)
                 try:
                     compiled = CompiledGrammar(key, self._build(fmt), self.vocab_size)
                 except EngineInputError as exc:
                     with self._lock:
-                        self._refused[key] = str(exc)
-                        while len(self._refused) > self.capacity:
-                            self._refused.popitem(last=False)
+                        self._refused.put(tenant, key, str(exc))
                     raise
                 with self._lock:
                     self.num_compiles += 1
-                    self._grammars[key] = compiled
-                    while len(self._grammars) > self.capacity:
-                        self._grammars.popitem(last=False)
+                    self._grammars.put(tenant, key, compiled)
                 return compiled
             finally:
-                with self._lock:
-                    self._compiling.pop(key, None)
+                with self._lock:  # not a gate a later thread made after this one's was taken out
+                    if self._compiling.get((tenant, key)) is gate:
+                        del self._compiling[(tenant, key)]
 
-    def _raise_if_refused(self, key: str) -> None:
-        """Under the lock: a format refused before is refused again at once."""
-        if (why := self._refused.get(key)) is not None:
-            self._refused.move_to_end(key)
+    def _known(self, tenant: Tenant, key: str) -> CompiledGrammar | None:
+        """Under the lock: the tenant's grammar of `key`, or None; a format refused to it before is refused again at
+        once."""
+        if (hit := self._grammars.get(tenant, key)) is not None:
+            return hit
+        if (why := self._refused.get(tenant, key)) is not None:
             raise EngineInputError(why, param="response_format")
+        return None
 
     def _build(self, fmt: ResponseFormat) -> llguidance.LLMatcher:
         spec = fmt.json_schema

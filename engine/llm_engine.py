@@ -166,10 +166,10 @@ class LLMEngine:
             return f"a grammar compile has used {used:.0f}s of CPU (wedged)"
         return None
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams, tenant: str | None) -> None:
         """Raise EngineInputError (naming the field) for a request this engine can never serve.
 
-        A response format refused before is refused here again; one never compiled is compiled by
+        A response format refused to `tenant` before is refused here again; one it never compiled is compiled by
         `compiled_grammar` (a schema that cannot be compiled is an EngineInputError there).
         """
         params.check()  # again: the dataclass may have been changed since it was built
@@ -194,16 +194,17 @@ class LLMEngine:
                 param="messages", code="context_length_exceeded",
             )
         if (fmt := params.output_format) is not None:
-            self.grammars.known(fmt)
+            self.grammars.known(fmt, tenant)
 
     async def compiled_grammar(self, params: SamplingParams, tenant: str | None) -> CompiledGrammar | None:
-        """The compiled grammar of the request's response format (None without one): a format compiled before at
-        once, a new one compiled on the compile queue's threads, `tenant`'s turn among the tenants waiting (the
-        caller waits without holding a thread). EngineInputError for a schema that cannot be compiled,
-        EngineBusyError when the queue has no room for it, EngineDeadError once the loop has stopped."""
+        """The compiled grammar of the request's response format (None without one): a format `tenant` compiled
+        before at once (grammars are cached per tenant: engine/grammar.py), a new one compiled on the compile queue's
+        threads, `tenant`'s turn among the tenants waiting (the caller waits without holding a thread).
+        EngineInputError for a schema that cannot be compiled, EngineBusyError when the queue has no room for it,
+        EngineDeadError once the loop has stopped."""
         if (fmt := params.output_format) is None:
             return None
-        if (hit := self.grammars.known(fmt)) is not None:
+        if (hit := self.grammars.known(fmt, tenant)) is not None:
             return hit
         if (reason := self.dead_reason) is not None:  # nothing will run it: no compile either
             raise EngineDeadError(f"the engine has stopped: {reason}")
@@ -211,8 +212,8 @@ class LLMEngine:
         if (running := self._compiling.get(key)) is None:  # one compile a tenant's schema: the same new one asked for
             # at once (a client's burst) waits for it and takes no place of its own in the queue; per tenant, so that
             # another tenant asking for a schema queued behind a flood is not put at the flood's place in line (its
-            # own job compiles, or finds the schema compiled: GrammarCache compiles a schema once)
-            running = self.compiles.submit(tenant, lambda: self.grammars.compile(fmt))
+            # own job compiles it: each tenant's grammars are its own)
+            running = self.compiles.submit(tenant, lambda: self.grammars.compile(fmt, tenant))
             self._compiling[key] = running
             running.add_done_callback(lambda done: self._compiling.pop(key, None) if self._compiling.get(key) is done
                                       else None)
@@ -231,9 +232,10 @@ class LLMEngine:
         compile queue (`compiled_grammar`, the tenant being `cache_salt`'s: `salt_tenant`), unless `params.grammar`
         already holds it.
         """
-        self.validate(prompt_token_ids, params)
+        tenant = salt_tenant(cache_salt)
+        self.validate(prompt_token_ids, params, tenant)
         if params.output_format is not None and params.grammar is None:  # the engine's own copy carries the grammar
-            params = dataclasses.replace(params, grammar=await self.compiled_grammar(params, salt_tenant(cache_salt)))
+            params = dataclasses.replace(params, grammar=await self.compiled_grammar(params, tenant))
         request_id = request_id or f"req-{next(self._counter)}"
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         seq = Sequence(request_id, list(prompt_token_ids), params, priority=priority, cache_salt=cache_salt)

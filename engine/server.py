@@ -232,7 +232,7 @@ def create_engine_app(engine: LLMEngine, *, model_name: str, model_version: str,
             """Tokenize and validate (a response format refused before is refused here; none is compiled)."""
             ids = prompt_ids(req) if chat else text_prompt_ids(req)  # type: ignore[arg-type]
             params = sampling_params_for(req, len(ids), engine.max_model_len)
-            engine.validate(ids, params)
+            engine.validate(ids, params, salt_tenant(salt))
             return ids, params
 
         try:

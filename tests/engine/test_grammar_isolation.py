@@ -32,27 +32,27 @@ def fmt(title: str) -> dict[str, Any]:
 
 
 class FakeCompiles:
-    """Stands in for GrammarCache.compile: compiles each schema once (a repeat is a cache hit, as there), recording
-    the thread each compile ran on; the attacker's ("slow…") sleep."""
+    """Stands in for GrammarCache.compile: compiles each schema once per tenant (a repeat is a cache hit, as there),
+    recording the thread each compile ran on; the attacker's ("slow…") sleep."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.threads: list[str] = []
         self.done: dict[str, float] = {}  # schema title -> when its compile ended
-        self._compiled: dict[str, object] = {}
+        self._compiled: dict[tuple[str | None, str], object] = {}
         self._lock = threading.Lock()
         engine.grammars.compile = self  # type: ignore[method-assign]
 
-    def __call__(self, f: Any) -> object:
+    def __call__(self, f: Any, tenant: str | None) -> object:
         title = f.json_schema.schema_["title"]
         with self._lock:
-            if title in self._compiled:
-                return self._compiled[title]
+            if (tenant, title) in self._compiled:
+                return self._compiled[tenant, title]
         self.threads.append(threading.current_thread().name)
         if title.startswith("slow"):
             time.sleep(SLOW_S)
         with self._lock:
             self.done[title] = time.perf_counter()
-            return self._compiled.setdefault(title, object())  # the scripted runner never masks with it
+            return self._compiled.setdefault((tenant, title), object())  # the scripted runner never masks with it
 
 
 def on_default_executor(name: str) -> bool:

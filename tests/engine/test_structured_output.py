@@ -185,10 +185,10 @@ def test_each_schema_is_compiled_once(engine: LLMEngine, tokenizer: Any) -> None
 
 
 def test_the_cache_is_bounded(tokenizer: Any) -> None:
-    cache = GrammarCache(tokenizer, vocab_size=VOCAB, eos_token_ids=[EOS], capacity=2)
+    cache = GrammarCache(tokenizer, vocab_size=VOCAB, eos_token_ids=[EOS], per_tenant=2)
     fmts = [SamplingParams(response_format=json_schema({"const": i})).output_format for i in range(3)]
     for fmt in [*fmts, fmts[2], fmts[1], fmts[0]]:
-        cache.compile(fmt)  # type: ignore[arg-type]
+        cache.compile(fmt, "t")  # type: ignore[arg-type]
     # 0, 1, 2 (0 evicted), 2 and 1 hit, 0 again (compiled anew)
     assert cache.num_compiles == 4
 
@@ -201,17 +201,17 @@ def test_a_refused_schema_is_remembered_not_compiled_again(tokenizer: Any, monke
     bad = SamplingParams(response_format=json_schema({"type": "strin"})).output_format
     for _ in range(3):
         with pytest.raises(EngineInputError, match="strin") as caught:
-            cache.compile(bad)  # type: ignore[arg-type]
+            cache.compile(bad, "t")  # type: ignore[arg-type]
         assert caught.value.param == "response_format"
     assert len(builds) == 1
-    cache.compile(SamplingParams(response_format=json_schema(SMALL_SCHEMA)).output_format)  # type: ignore[arg-type]
+    cache.compile(SamplingParams(response_format=json_schema(SMALL_SCHEMA)).output_format, "t")  # type: ignore[arg-type]
     assert len(builds) == 2 and cache.num_compiles == 1
 
 
 def test_eos_is_refused_until_the_json_is_complete(tokenizer: Any) -> None:
     """Logits that put EOS first at every step: the grammar alone keeps the answer going until it is whole."""
     grammar = GrammarCache(tokenizer, vocab_size=VOCAB, eos_token_ids=[EOS]).compile(
-        SamplingParams(response_format=json_schema(SMALL_SCHEMA)).output_format)  # type: ignore[arg-type]
+        SamplingParams(response_format=json_schema(SMALL_SCHEMA)).output_format, None)  # type: ignore[arg-type]
     gen = torch.Generator().manual_seed(0)
     for params in (SamplingParams(temperature=0.0, grammar=grammar),
                    SamplingParams(temperature=1.0, top_k=50, seed=3, grammar=grammar)):
