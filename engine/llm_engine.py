@@ -12,12 +12,12 @@ raise fails alone; a forward pass that raises fails the sequences of its step; e
 request gets a last output carrying `error` and its KV blocks go back, and the loop goes on. An exception
 anywhere else (the scheduler, the bookkeeping) ends the loop: every request in flight then gets an
 `engine_dead` error at once, `generate` refuses new ones with EngineDeadError, and `dead_reason` says why. A loop
-that is alive but wedged (one step, or one grammar compile, running far past any honest one) is named by
-`health_problem`, which /health answers with, so the supervisor restarts it.
+that is alive but wedged (one step, or one grammar compile, running far past any honest one: engine/liveness.py) is
+named by `health_problem`, which /health answers with, so the supervisor restarts it.
 
-Locking: the lock guards only what callers and the loop share (the inbox, the aborts, the output sinks)
-and is held for a few dictionary operations, never across a step. Everything else is the loop thread's
-own. `stats()` takes no lock: it reads counters, container lengths and a published throughput tuple,
+Locking: the lock guards only what callers and the loop share (the inbox, the aborts, the output sinks of
+engine/output_sink.py) and is held for a few dictionary operations, never across a step. Everything else is the loop
+thread's own. `stats()` takes no lock: it reads counters, container lengths and a published throughput tuple,
 each one attribute or `len()` read, which the GIL makes atomic; the numbers of one snapshot may come
 from two neighbouring steps, which is consistent enough for gauges and means /health never waits on a
 step however slow it is.
@@ -34,14 +34,15 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any
 
 from engine.block_manager import BlockManager
 from engine.compile_queue import CompileQueue, EngineBusyError
 from engine.detokenizer import IncrementalDetokenizer
 from engine.grammar import CompiledGrammar, GrammarCache, grammar_key
+from engine.liveness import STUCK_COMPILE_S, STUCK_STEP_S, Liveness
 from engine.openmp import release_thread_pool
+from engine.output_sink import OutputSink
 from engine.outputs import EngineStats, RequestOutput
 from engine.request_queue import SchedulingPolicy
 from engine.sampling_params import EngineInputError, SamplingParams
@@ -53,29 +54,12 @@ from wire.errors import RESPONSE_FORMAT_FAILED
 __all__ = ["EngineBusyError", "EngineDeadError", "EngineInputError", "EngineStats", "LLMEngine", "RequestOutput"]
 
 THROUGHPUT_WINDOW_S = 10.0  # tokens/s in stats is measured over this trailing window
-# One step running longer than this is a wedged loop (a forward pass hung in a native call), not a slow one: the
-# slowest honest step, a 512-token prompt chunk late in an 8K context on one shared core, takes a few seconds
-STUCK_STEP_S = 30.0
-# A grammar compile that has used more CPU than this is wedged: llguidance's compiles are bounded (milliseconds, a few
-# seconds of CPU for the worst schemas the wire lets through), and a thread cannot be stopped, so each wedged one holds
-# one of the compile queue's few threads for good. CPU, not wall time: compile threads yield to the steps
-# (engine/compile_queue.py), so a busy engine's compile may wait minutes without being wedged
-STUCK_COMPILE_S = 60.0
 IDLE_WAIT_S = 0.5  # an idle loop wakes this often (and on every new request)
 log = logging.getLogger("tiergate.engine")
 
 
 class EngineDeadError(RuntimeError):
     """The engine's loop has stopped: nothing more will be generated; maps to HTTP 503."""
-
-
-@dataclass
-class _Sink:
-    """Where a request's outputs go: a queue read on its caller's event loop."""
-
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[RequestOutput]
-    seq: Sequence
 
 
 class LLMEngine:
@@ -85,9 +69,7 @@ class LLMEngine:
                  compile_stuck_after_s: float = STUCK_COMPILE_S) -> None:
         """`speculative`: a draft model's decoder (engine/speculative.py) for the decode steps it applies to.
         `stuck_after_s`, `compile_stuck_after_s`: how long one step may run, and how much CPU one grammar compile may
-        use, before `health_problem` calls the engine wedged."""
-        self.stuck_after_s = stuck_after_s
-        self.compile_stuck_after_s = compile_stuck_after_s
+        use, before `health_problem` calls the engine wedged (engine/liveness.py)."""
         self.model_runner = runner
         self.speculative = speculative
         self.tokenizer = tokenizer
@@ -104,6 +86,8 @@ class LLMEngine:
         # between tenants (engine/compile_queue.py)
         self.grammars = GrammarCache(tokenizer, vocab_size=self.vocab_size, eos_token_ids=list(runner.eos_token_ids))
         self.compiles = CompileQueue()
+        self.liveness = Liveness(self.compiles, stuck_after_s=stuck_after_s,
+                                 compile_stuck_after_s=compile_stuck_after_s)
         self._compiling: dict[tuple[str | None, str], Future[CompiledGrammar]] = {}  # (tenant, grammar key) ->
         # its compile, queued or running
         # shared with callers, under the lock
@@ -111,12 +95,11 @@ class LLMEngine:
         self._inbox: list[Sequence] = []
         # the requests to abort, each the very request asked for: a new one reusing the id of one that ended is not it
         self._aborts: list[Sequence] = []
-        self._sinks: dict[str, _Sink] = {}
+        self._sinks: dict[str, OutputSink] = {}
         self._dead_reason: str | None = None
         # the loop thread's own
         self._wake = threading.Event()
         self._stopping = False
-        self._step_began: float | None = None  # when the step running now began (None between steps): health_problem
         self._seqs: dict[str, Sequence] = {}  # every unfinished request the scheduler knows, by id
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._counter = itertools.count()
@@ -154,17 +137,12 @@ class LLMEngine:
     @property
     def health_problem(self) -> str | None:
         """Why this engine cannot serve now, or None; what /health answers (the supervisor restarts an engine that
-        is not ok). Its loop has stopped (`dead_reason`), or it runs but is wedged: one step has run past
-        `stuck_after_s` (every request waits behind it), or a grammar compile has used more than
-        `compile_stuck_after_s` of CPU. Read without the lock, as `stats`: never waits on a step."""
+        is not ok). Its loop has stopped (`dead_reason`), or it runs but is wedged (`Liveness.problem`: a step past
+        its bound, or a grammar compile past its CPU bound). Read without the lock, as `stats`: never waits on a
+        step."""
         if (reason := self.dead_reason) is not None:
             return reason
-        began = self._step_began
-        if began is not None and (held := time.monotonic() - began) > self.stuck_after_s:
-            return f"the engine loop has been in one step for {held:.0f}s (wedged)"
-        if (used := self.compiles.longest_running_cpu_s()) > self.compile_stuck_after_s:
-            return f"a grammar compile has used {used:.0f}s of CPU (wedged)"
-        return None
+        return self.liveness.problem()
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams, tenant: str | None) -> None:
         """Raise EngineInputError (naming the field) for a request this engine can never serve.
@@ -244,7 +222,7 @@ class LLMEngine:
                 raise EngineDeadError(f"the engine has stopped: {reason}")
             if request_id in self._sinks:
                 raise EngineInputError(f"request id {request_id!r} is already running", param="request_id")
-            self._sinks[request_id] = _Sink(asyncio.get_running_loop(), queue, seq)
+            self._sinks[request_id] = OutputSink(asyncio.get_running_loop(), queue, seq)
             self._inbox.append(seq)
         self._wake.set()
         finished = False
@@ -298,9 +276,9 @@ class LLMEngine:
         try:
             while not self._stopping:
                 self._wake.clear()
-                self._step_began = time.monotonic()
+                self.liveness.step_began()
                 ran = self.step()
-                self._step_began = None
+                self.liveness.step_ended()
                 if not ran:
                     self._wake.wait(timeout=IDLE_WAIT_S)
                     self._count_made(0)  # let an idle engine's tokens/s decay
@@ -472,9 +450,9 @@ class LLMEngine:
             sink = self._sinks.pop(seq.request_id, None) if finished else self._sinks.get(seq.request_id)
         if sink is None:
             return
-        sent = _send(sink, RequestOutput(seq.request_id, text, new_ids, finished, seq.finish_reason,
-                                         seq.num_prompt_tokens, seq.num_output_tokens, seq.busy_s,
-                                         seq.num_cached_tokens, logprobs, error, error_code))
+        sent = sink.send(RequestOutput(seq.request_id, text, new_ids, finished, seq.finish_reason,
+                                       seq.num_prompt_tokens, seq.num_output_tokens, seq.busy_s,
+                                       seq.num_cached_tokens, logprobs, error, error_code))
         if not sent and not finished:  # its caller's loop has closed: nobody reads on, so it stops as if aborted
             with self._lock:
                 self._aborts.append(seq)
@@ -488,19 +466,6 @@ class LLMEngine:
             self._inbox.clear()
         for sink in sinks:
             seq = sink.seq
-            _send(sink, RequestOutput(seq.request_id, "", [], True, "error", seq.num_prompt_tokens,
-                                      seq.num_output_tokens, seq.busy_s, seq.num_cached_tokens,
-                                      error=f"the engine has stopped: {reason}", error_code="engine_dead"))
-
-
-def _send(sink: _Sink, out: RequestOutput) -> bool:
-    """Hand `out` to its caller's event loop (thread-safe); False when that loop has closed: the caller is gone.
-
-    The call itself is the check: the loop can close between `is_closed()` and the call, which then raises
-    RuntimeError in the engine's thread, and one departed caller ended the loop for every request (from `_fail`,
-    called inside an `except`, nothing caught it)."""
-    try:
-        sink.loop.call_soon_threadsafe(sink.queue.put_nowait, out)
-    except RuntimeError:  # "Event loop is closed"
-        return False
-    return True
+            sink.send(RequestOutput(seq.request_id, "", [], True, "error", seq.num_prompt_tokens,
+                                    seq.num_output_tokens, seq.busy_s, seq.num_cached_tokens,
+                                    error=f"the engine has stopped: {reason}", error_code="engine_dead"))
