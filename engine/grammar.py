@@ -11,12 +11,13 @@ engine's tokens/s measured the same with and without a schema).
   remembered: a compile can take seconds before it fails (an allOf of anyOfs of patterns, refused at the wire since,
   wire/schema_alternatives.py), and a repeat must not pay it again. Grammars and refusals are remembered for the
   tenant that asked (the request's cache salt's, `salt_tenant`; a request with no salt is an anonymous tenant of its
-  own), in a `TenantMemo` each (engine/tenant_memo.py): GRAMMARS_PER_TENANT a tenant, evicted by its own only, for
-  the GRAMMAR_TENANTS most recently active tenants, so at most 32 x 16 = 512 grammars and as many refusals (a grammar
-  holds 0.13 MiB for a 30-property schema, 0.4 MiB for a 200-property one: about 70-200 MiB at most). One cache
-  shared by every tenant was a timing side channel: a hit costs nothing, a compile a millisecond or more, a remembered
-  refusal answers at once, so a tenant timing its own `response_format` requests learnt which schemas another had
-  used lately, and its flood of schemas evicted everyone's. Another tenant's schema is compiled again, at its cost.
+  own), in an `OwnerMemo` each (engine/owner_memo.py): GRAMMARS_PER_TENANT a tenant, evicted by its own only, for
+  the GRAMMAR_TENANTS most recently active tenants, so at most 16 x 16 = 256 grammars (the one shared cache's bound
+  before) and as many refusals (a grammar holds 0.13 MiB for a 30-property schema, 0.4 MiB for a 200-property one:
+  about 35-100 MiB at most). One cache shared by every tenant was a timing side channel: a hit costs nothing, a
+  compile a millisecond or more, a remembered refusal answers at once, so a tenant timing its own `response_format`
+  requests learnt which schemas another had used lately, and its flood of schemas evicted everyone's. Another
+  tenant's schema is compiled again, at its cost.
   Compiles run where the caller runs them: the engine looks a format up first (`known`) and runs `compile` on threads
   of its own, shared fairly between tenants with a bounded queue (engine/compile_queue.py), off its step loop, the
   event loop and the event loop's default executor; a tenant's concurrent requests for one new schema wait for one
@@ -44,11 +45,11 @@ import llguidance
 import numpy as np
 import torch
 
+from engine.owner_memo import OwnerMemo
 from engine.sampling_params import EngineInputError
-from engine.tenant_memo import TenantMemo
 from wire.response_format import ResponseFormat
 
-GRAMMARS_PER_TENANT = 32  # grammars (and as many refusals) remembered for one tenant
+GRAMMARS_PER_TENANT = 16  # grammars (and as many refusals) remembered for one tenant
 GRAMMAR_TENANTS = 16  # tenants whose grammars are remembered, the most recently active
 ANY_JSON_OBJECT: dict[str, Any] = {"type": "object"}
 # our separators override any `x-guidance` options a schema carries
@@ -116,8 +117,8 @@ class GrammarCache:
         self._vocab_size = vocab_size
         self._eos_token_ids = sorted(eos_token_ids)
         self._lock = threading.Lock()
-        self._grammars: TenantMemo[CompiledGrammar] = TenantMemo(per_tenant, tenants)  # (tenant, key) -> its grammar
-        self._refused: TenantMemo[str] = TenantMemo(per_tenant, tenants)  # (tenant, key) -> why it cannot be compiled
+        self._grammars: OwnerMemo[CompiledGrammar] = OwnerMemo(per_tenant, tenants)  # (tenant, key) -> its grammar
+        self._refused: OwnerMemo[str] = OwnerMemo(per_tenant, tenants)  # (tenant, key) -> why it cannot be compiled
         self._compiling: dict[tuple[Tenant, str], threading.Lock] = {}  # held while one thread compiles it
         self._lltok: llguidance.LLTokenizer | None = None
         self._lltok_lock = threading.Lock()

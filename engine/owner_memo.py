@@ -1,5 +1,9 @@
 """Recent values per owner (a tenant): one LRU per owner, owners in LRU order.
 
+Used by the engine's grammar cache (engine/grammar.py) and by the cache's meaning-check and embedding memos
+(cache/meaning_check.py, cache/vectors.py). It lives in `engine/`, the lowest of the packages that use it: the
+engine knows no package above it (DESIGN.md, "The path of one request"), and `cache/` may import from below.
+
 A memo shared by every tenant lets one time its own requests and learn what another asked lately (a remembered
 value is faster), and lets one tenant's flood evict everyone's values. Here each owner's values are evicted only by
 its own (`per_owner`), and whole memos by the `owners` most recently active owners. Not thread-safe: callers lock.
