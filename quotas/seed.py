@@ -12,6 +12,7 @@ import asyncio
 import calendar
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from quotas.backends.base import Billed
 from quotas.backends.failover import LedgerSpend
@@ -114,7 +115,9 @@ def _sums(ledger: Ledger, now: float) -> tuple[dict[tuple[str, str], Spend],
     day_start = calendar.timegm((t.tm_year, t.tm_mon, t.tm_mday, 0, 0, 0))
     day, month = time.strftime("%Y%m%d", t), time.strftime("%Y%m", t)
     sums: dict[tuple[str, str], list[int]] = {}
-    recent: dict[tuple[str, str], list[tuple[float, str, int]]] = {}
+    # (tenant, scope) -> request id -> [ts, request id, tokens]: the last minute's client requests
+    recent: dict[tuple[str, str], dict[str, list[Any]]] = {}
+    follow_ons: list[tuple[tuple[str, str], str, str]] = []  # (key, a cascade's retry, the attempt it continues)
     rows = 0
     for row in ledger.each_row(since=month_start):  # the month's rows a batch at a time, not all at once
         rows += 1
@@ -126,6 +129,16 @@ def _sums(ledger: Ledger, now: float) -> tuple[dict[tuple[str, str], Spend],
             if row.ts >= day_start:
                 s[0] += pico
             if row.ts > now - WINDOW_S:
-                recent.setdefault(key, []).append((row.ts, row.request_id, row.input_tokens + row.output_tokens))
+                recent.setdefault(key, {})[row.request_id] = [row.ts, row.request_id,
+                                                              row.input_tokens + row.output_tokens]
+                if row.cascade_of is not None:
+                    follow_ons.append((key, row.request_id, row.cascade_of))
+    # a cascade's retry took no place of its own in the live window (ReservationRequest.follows): its tokens join its
+    # first attempt's entry, where that is in the window (else it keeps its own, erring towards the limit)
+    for key, rid, first in follow_ons:
+        entries = recent[key]
+        if first in entries and rid in entries:
+            entries[first][2] += entries.pop(rid)[2]
     spend = {key: Spend(day, month, d, m) for key, (d, m) in sums.items()}
-    return spend, recent, rows
+    return spend, {key: [(ts, rid, tokens) for ts, rid, tokens in entries.values()]
+                   for key, entries in recent.items()}, rows
