@@ -67,7 +67,8 @@ ENGINE_KV_CACHE_BYTES = 512 << 20
 KV_BLOCK_SIZE = 16
 UNSIZED_MAX_NUM_SEQS = 8  # a model not built yet (the student) has no config to size from
 # An engine's body limit is the gateway's plus this: the body the gateway forwards is its tenant's re-encoded, with
-# fields of its own set, so one at the gateway's limit may come out a little longer (the engine's 413 would be a 502)
+# fields of its own set, so one at the gateway's limit may come out a little longer (the engine's 413 would reach the
+# tenant as a 400 naming the engine's limit, tiers/errors.py REQUEST_FAULT_STATUSES, for a body the gateway took)
 FORWARD_MARGIN_BYTES = 64 << 10
 
 
