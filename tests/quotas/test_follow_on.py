@@ -45,3 +45,20 @@ async def test_a_refused_or_cancelled_follow_on_leaves_the_first_its_slot(backen
     after = res(lim, money=100)
     assert (await backend.reserve(after)).admitted  # the slot was freed exactly once: one request admitted
     assert (await backend.reserve(res(lim))).reason == "concurrency"
+
+
+async def test_a_follow_on_whose_first_holds_no_slot_here_takes_one(backend: QuotaBackend) -> None:
+    """The first attempt holds no slot in this store (reserved on another: Redis before it failed, the fail-open
+    fallback before Redis came back; or settled): the retry takes a slot as any request does, refused where none is
+    free, and still no place in the window."""
+    lim = ScopeLimits("t", rpm=1, max_concurrent=1)
+    other = res(lim)
+    assert (await backend.reserve(other)).admitted
+    retry = replace(res(lim), follows="elsewhere")
+    d = await backend.reserve(retry)
+    assert not d.admitted and d.reason == "concurrency", d
+    await backend.settle(other, tokens=1, money_pico=1)
+    d = await backend.reserve(retry)
+    assert d.admitted and d.usage["t"].requests == 1, d  # a slot of its own; rpm 1 holds the other request alone
+    assert (await backend.reserve(res(lim))).reason == "rpm"
+    await backend.settle(retry, tokens=1, money_pico=1)
