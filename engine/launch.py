@@ -12,6 +12,7 @@ from typing import Any
 from assets import offline_hub
 from assets.model_source import prepare_model
 from assets.parent_watch import ENGINE_INSTANCE_ENV, exit_when_orphaned
+from engine.engine_auth import ENGINE_API_KEY_ENV, check_exposure
 from engine.llm_engine import LLMEngine
 from engine.weight_digest import weights_digest
 
@@ -142,12 +143,17 @@ def build_engine(model: str, models_dir: Path, *, dtype: str = "auto", quantize:
 def serve(model: str, models_dir: Path, *, host: str, port: int, served_name: str | None = None,
           dtype: str = "auto", quantize: str | None = None, device: str = "cpu", max_num_seqs: int | None = None,
           threads: int | None = None, kv_cache_bytes: int | None = None, max_num_batched_tokens: int = 512,
-          kv_cache_dtype: str = "auto", draft: DraftModel | None = None, max_body_bytes: int | None = None) -> None:
-    """`max_body_bytes`: the largest request body served (None: engine/server.py's default, the gateway's)."""
+          kv_cache_dtype: str = "auto", draft: DraftModel | None = None, max_body_bytes: int | None = None,
+          api_key_env: str = ENGINE_API_KEY_ENV, allow_unauthenticated: bool = False) -> None:
+    """`max_body_bytes`: the largest request body served (None: engine/server.py's default, the gateway's).
+    `api_key_env`: the environment variable holding the key every route but /health requires; unset, a host beyond
+    this machine is refused unless `allow_unauthenticated` (engine/engine_auth.py). Checked before the model loads."""
     import uvicorn
 
     from engine.server import create_engine_app
 
+    api_key = os.environ.get(api_key_env) or None
+    check_exposure(host, api_key, allow_unauthenticated=allow_unauthenticated, key_env=api_key_env)
     if os.environ.get(ENGINE_INSTANCE_ENV):  # started by the gateway's supervisor: never outlive it
         exit_when_orphaned()
     engine, version = build_engine(model, models_dir, dtype=dtype, quantize=quantize, device=device,
@@ -156,7 +162,7 @@ def serve(model: str, models_dir: Path, *, host: str, port: int, served_name: st
                                    draft=draft)
     name = served_name or Path(model).name
     limit = {} if max_body_bytes is None else {"max_body_bytes": max_body_bytes}
-    app = create_engine_app(engine, model_name=name, model_version=version, **limit)
+    app = create_engine_app(engine, model_name=name, model_version=version, api_key=api_key, **limit)
     engine.start()
     try:
         uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=2)

@@ -70,6 +70,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from assets.parent_watch import ENGINE_INSTANCE_ENV
 from engine.answer_frames import FAILED, chat_frames, collect, sse_events, text_frames
+from engine.engine_auth import key_guard
 from engine.llm_engine import EngineBusyError, EngineDeadError, EngineInputError, LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.sequence import salt_tenant
@@ -157,9 +158,10 @@ class EngineMetrics:
 
 
 def create_engine_app(engine: LLMEngine, *, model_name: str, model_version: str,
-                      max_body_bytes: int = MAX_BODY_BYTES) -> Litestar:
+                      max_body_bytes: int = MAX_BODY_BYTES, api_key: str | None = None) -> Litestar:
     """`max_body_bytes`: a larger request body is a 413 before it is read whole (the gateway's limit by default, not
-    Litestar's 10 MB: a body the gateway would refuse is not parsed here either)."""
+    Litestar's 10 MB: a body the gateway would refuse is not parsed here either). `api_key`: every route but /health
+    needs it as a Bearer token (engine/engine_auth.py; None: open, for an engine only this host reaches)."""
     tokenizer = engine.tokenizer
     registry = CollectorRegistry()
     registry.register(EngineMetrics(engine, model_name))
@@ -310,7 +312,7 @@ def create_engine_app(engine: LLMEngine, *, model_name: str, model_version: str,
 
     return Litestar(route_handlers=[health, models, metrics, chat, completions],
                     exception_handlers={HTTPException: _http_error, Exception: _unexpected},
-                    request_max_body_size=max_body_bytes)
+                    request_max_body_size=max_body_bytes, before_request=key_guard(api_key))
 
 
 def max_prompt_chars_for(tokenizer: Any, max_model_len: int) -> int | None:

@@ -45,6 +45,7 @@ from assets.builds import build_progress
 from assets.model_dtype import auto_dtype
 from assets.model_source import is_prepared, resolve_model
 from assets.parent_watch import ENGINE_INSTANCE_ENV, die_with_parent
+from engine.engine_auth import ENGINE_API_KEY_ENV
 from tiers.catalogue import TierSpec
 from tiers.client import TierClient
 from tiers.errors import TierError, UpstreamRejected
@@ -176,9 +177,11 @@ class EngineProcess:
 
     def env(self) -> dict[str, str]:
         """The child's environment: ours, this start's nonce, and thread pools (libgomp, MKL) the engine's size,
-        set before torch reads them."""
+        set before torch reads them. Not the engine key a gateway may hold for a remote engine: a local engine
+        serves 127.0.0.1 with no key, and the gateway sends its local tiers none."""
         pools = {"OMP_NUM_THREADS": str(self.threads), "MKL_NUM_THREADS": str(self.threads)} if self.threads else {}
-        return os.environ | pools | {ENGINE_INSTANCE_ENV: self.instance}
+        ours = {k: v for k, v in os.environ.items() if k != ENGINE_API_KEY_ENV}
+        return ours | pools | {ENGINE_INSTANCE_ENV: self.instance}
 
     def preexec(self) -> Callable[[], None] | None:
         """Runs in the child before the engine: die with the gateway, and stay on this share's cores."""

@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from assets.model_source import BUILTIN_MODELS, DEFAULT_MODEL, ModelSourceError, prepare_model
+from engine.engine_auth import ENGINE_API_KEY_ENV
 from gateway.cli.options import data_dir_option, settings_from
 from wire.errors import MAX_BODY_BYTES
 
@@ -153,13 +154,20 @@ def engine() -> None:
 @click.option("--max-body-bytes", default=MAX_BODY_BYTES, show_default=True, type=click.IntRange(min=1),
               help="A larger request body is a 413 before it is parsed (the gateway's default limit; its supervisor "
                    "passes the gateway's own).")
+@click.option("--api-key-env", default=ENGINE_API_KEY_ENV, show_default=True,
+              help="The environment variable holding the key every route but /health requires (Bearer); the "
+                   "gateway sends it from the tier's api_key_env. Unset: an open engine, refused on a --host beyond "
+                   "this machine.")
+@click.option("--allow-unauthenticated", is_flag=True, default=False,
+              help="Serve a --host beyond this machine with no key (where the network controls access).")
 @click.option("--models-dir", type=click.Path(path_type=Path), default=None)
 @data_dir_option
 def engine_serve(model: str, served_name: str | None, host: str, port: int, quantize: str | None, dtype: str,
                  device: str, max_num_seqs: int | None, threads: int | None, kv_cache_bytes: int | None,
                  kv_cache_dtype: str, max_num_batched_tokens: int, draft_model: str | None,
                  draft_quantize: str | None, draft_dtype: str, speculative_k: int, speculative_max_batch: int,
-                 max_body_bytes: int, models_dir: Path | None, data_dir: Path | None) -> None:
+                 max_body_bytes: int, api_key_env: str, allow_unauthenticated: bool, models_dir: Path | None,
+                 data_dir: Path | None) -> None:
     """Serve one model over an OpenAI-compatible API (/v1/chat/completions, /v1/models, /health, /metrics)."""
     from engine.launch import DraftModel
     from engine.launch import serve as serve_engine
@@ -175,7 +183,8 @@ def engine_serve(model: str, served_name: str | None, host: str, port: int, quan
         serve_engine(model, settings.resolved_models_dir, host=host, port=port, served_name=served_name,
                      dtype=dtype, quantize=quantize, device=device, max_num_seqs=max_num_seqs, threads=threads,
                      kv_cache_bytes=kv_cache_bytes, max_num_batched_tokens=max_num_batched_tokens,
-                     kv_cache_dtype=kv_cache_dtype, draft=draft, max_body_bytes=max_body_bytes)
+                     kv_cache_dtype=kv_cache_dtype, draft=draft, max_body_bytes=max_body_bytes,
+                     api_key_env=api_key_env, allow_unauthenticated=allow_unauthenticated)
     except (ModelSourceError, ValueError) as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)
