@@ -37,6 +37,7 @@ tool_choice becomes a json_schema format of the call (engine/tool_calls.py), com
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -49,6 +50,7 @@ from engine.owner_memo import OwnerMemo
 from engine.sampling_params import EngineInputError
 from wire.response_format import ResponseFormat
 
+log = logging.getLogger("tiergate.engine.grammar")
 GRAMMARS_PER_TENANT = 16  # grammars (and as many refusals) remembered for one tenant
 GRAMMAR_TENANTS = 16  # tenants whose grammars are remembered, the most recently active
 ANY_JSON_OBJECT: dict[str, Any] = {"type": "object"}
@@ -188,8 +190,19 @@ class GrammarCache:
                                    param="response_format")
         return matcher
 
+    def warm(self) -> None:
+        """Build llguidance's view of the vocabulary now (0.24 s and 9 MiB for SmolLM2's 49,152 tokens, measured
+        2026-12-06), not on the first compile: built there, the first tenant to send a `response_format` waited for
+        it, and any tenant timing its first compile learnt whether anyone had compiled one since the engine
+        started. The engine calls it on a thread of its own at start; a tokenizer llguidance cannot read fails here
+        quietly and again, as before, at the first compile."""
+        try:
+            self._llguidance_tokenizer()
+        except Exception as exc:  # the first compile reports it to its request
+            log.debug("grammar: llguidance's tokenizer not built ahead: %r", exc)
+
     def _llguidance_tokenizer(self) -> llguidance.LLTokenizer:
-        """Built once, on the first compile (about a second: it reads the whole vocabulary)."""
+        """Built once: ahead by `warm`, or on the first compile if that comes first."""
         with self._lltok_lock:
             if self._lltok is None:
                 text = self._tokenizer.backend_tokenizer.to_str()  # the fast tokenizer's JSON, added tokens included

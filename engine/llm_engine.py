@@ -120,6 +120,7 @@ class LLMEngine:
         # between parallel regions (engine/openmp.py: 8-9% of a decode step on 2 cores)
         release_thread_pool()
         self._thread.start()
+        threading.Thread(target=self.grammars.warm, name="grammar-warm", daemon=True).start()
 
     def shutdown(self) -> None:
         self._stopping = True

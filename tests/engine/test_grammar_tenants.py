@@ -170,3 +170,23 @@ async def test_the_engine_caches_for_the_salts_tenant(monkeypatch: pytest.Monkey
         assert len(builds) == 5  # a's second refusal from memory, b's compiled
     finally:
         engine.shutdown()
+
+
+@pytest.mark.model
+def test_the_vocabulary_is_read_when_the_engine_starts_not_on_a_tenants_first_compile(tokenizer: Any) -> None:
+    """Read on the first compile, it made that tenant wait for it and told a tenant timing its first compile whether
+    anyone had compiled one since the engine started."""
+    cache = GrammarCache(tokenizer, vocab_size=VOCAB, eos_token_ids=[EOS])
+    assert cache._lltok is None
+    cache.warm()
+    assert cache._lltok is not None
+    eng = LLMEngine(ScriptedRunner(max_model_len=64), CharTokenizer())  # a tokenizer llguidance cannot read
+    eng.grammars.warm()  # fails quietly: the first compile says why, to its own request
+    assert eng.grammars._lltok is None
+    warmed = threading.Event()
+    eng.grammars.warm = warmed.set  # type: ignore[method-assign]
+    eng.start()
+    try:
+        assert warmed.wait(timeout=10)  # the engine's start asked for it
+    finally:
+        eng.shutdown()
