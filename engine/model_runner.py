@@ -146,8 +146,9 @@ class ModelRunner:
             try:
                 if nan_rows[row]:
                     raise FloatingPointError("the model's logits for this sequence hold NaN")
+                # the sampler gets the output so far (what penalties count); logits[row] stays the model's (logprobs)
                 token_of[i] = greedy[row] if seq.params.greedy else \
-                    self.sampler.sample(seq.request_id, logits[row], seq.params)
+                    self.sampler.sample(seq.request_id, logits[row], seq.params, seq.output_token_ids)
                 if seq.params.logprobs is not None:
                     self.last_logprobs[seq.request_id] = _logprobs(logits[row], token_of[i], seq.params.logprobs)
             except Exception as exc:

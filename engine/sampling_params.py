@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from wire.chat_request import MAX_SEED, MAX_STOP_CHARS, MAX_STOP_SEQUENCES, MIN_TEMPERATURE
+from wire.chat_request import MAX_PENALTY, MAX_SEED, MAX_STOP_CHARS, MAX_STOP_SEQUENCES, MIN_TEMPERATURE
 from wire.response_format import ResponseFormat
 
 MAX_TEMPERATURE = 2.0
@@ -42,6 +42,11 @@ class SamplingParams:
     top_k: int = -1  # -1 (or 0) means off
     max_tokens: int = 256
     seed: int | None = None  # a seeded request samples the same tokens every time
+    # OpenAI's penalties, each within [-MAX_PENALTY, MAX_PENALTY]: before any sampling rule, each token's logit less
+    # frequency_penalty times its count in the output so far, less presence_penalty if that count is above 0
+    # (engine/sampler.py's `penalize`; the prompt's tokens are not counted, as OpenAI documents and vLLM does)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; N: each made token's log-probability and the N most likely others
@@ -59,8 +64,13 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         """True when the next token is the argmax of the model's logits as they are (the runner's shortcut): greedy,
-        and no grammar masks them."""
-        return self.temperature == 0.0 and self.grammar is None
+        no grammar masks them and no penalty changes them."""
+        return self.temperature == 0.0 and self.grammar is None and not self.penalized
+
+    @property
+    def penalized(self) -> bool:
+        """True when a presence or frequency penalty changes the logits the sampling rule reads."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @property
     def output_format(self) -> ResponseFormat | None:
@@ -76,6 +86,10 @@ class SamplingParams:
             _refuse("top_p", "must be within (0, 1]", self.top_p)
         if not _is_int(self.top_k) or self.top_k < -1:
             _refuse("top_k", "must be -1 (off), 0 (off) or a positive integer", self.top_k)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
+                _refuse(name, f"must be a number within [{-MAX_PENALTY}, {MAX_PENALTY}]", value)
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             _refuse("max_tokens", "must be an integer of at least 1", self.max_tokens)
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):

@@ -11,11 +11,12 @@ Both distributions go through the request's own temperature, top-k and top-p (en
 request draws every random number from its own generator.
 
 What it runs on: a step the scheduler made of decodes only (one new token per sequence), at most `max_batch`
-sequences, none with a response format or logprobs (those take the plain step). Above `max_batch` the k + 1
-rows per sequence cost more than the draft saves (BENCHMARKS.md, "Speculative decoding"). The draft keeps its
-own paged KV cache and block manager; each sequence's draft state is the number of its tokens whose draft K/V
-are valid, which only ever grows along the sequence's tokens, so a preempted sequence keeps it. Rejected rows
-leave K/V past the accepted tokens in both caches; those slots are written again before anything reads them.
+sequences, none with a response format, logprobs or a presence or frequency penalty (those take the plain step: a
+step with one of them is plain for all). Above `max_batch` the k + 1 rows per sequence cost more than the draft
+saves (BENCHMARKS.md, "Speculative decoding"). The draft keeps its own paged KV cache and block manager; each
+sequence's draft state is the number of its tokens whose draft K/V are valid, which only ever grows along the
+sequence's tokens, so a preempted sequence keeps it. Rejected rows leave K/V past the accepted tokens in both caches;
+those slots are written again before anything reads them.
 
 Catching up. Before it drafts, the draft reads every token of the sequence it has not read yet: a whole prompt the
 first time. A step's catch-up rows cost at most CATCH_UP_ROWS rows read at a sequence's start (a row read after c
@@ -114,8 +115,10 @@ def _seeded(plan: _Plan) -> bool:
 
 
 def eligible(params: SamplingParams) -> bool:
-    """Requests whose tokens the acceptance rule can check: no grammar mask, no log-probabilities to report."""
-    return params.grammar is None and params.logprobs is None
+    """Requests whose tokens the acceptance rule can check: no grammar mask, no log-probabilities to report, and no
+    presence or frequency penalty (each position's would count the drafts before it: such a request takes the plain
+    step, whose sampler applies them)."""
+    return params.grammar is None and params.logprobs is None and not params.penalized
 
 
 class SpeculativeDecoder:

@@ -76,6 +76,7 @@ from wire.tools import ToolCallId, ToolCalls, ToolChoice, Tools, check_tool_choi
 
 MAX_SEED = 2**64 - 1
 MIN_TEMPERATURE = 0.01
+MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty lie within [-MAX_PENALTY, MAX_PENALTY], as OpenAI's
 MAX_STOP_SEQUENCES = 4
 MAX_STOP_CHARS = 256
 MAX_CONTENT_PARTS = 256

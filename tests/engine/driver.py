@@ -17,14 +17,16 @@ NEAR_TIE = 1e-4  # top-2 logit gap in the reference below which a different gree
 
 def generate_greedy(runner: Any, prompts: list[list[int]], max_tokens: int, *, arrivals: list[int] | None = None,
                     max_num_seqs: int = 16, max_num_batched_tokens: int = 64,
-                    num_kv_blocks: int | None = None) -> tuple[list[list[int]], Scheduler]:
-    """Greedy outputs per prompt, and the scheduler; prompt i joins at step `arrivals[i]`."""
+                    num_kv_blocks: int | None = None, params: SamplingParams | None = None,
+                    ) -> tuple[list[list[int]], Scheduler]:
+    """Greedy outputs per prompt, and the scheduler; prompt i joins at step `arrivals[i]`. `params`: each request's
+    (plain greedy to `max_tokens`, EOS ignored, by default)."""
     bm = BlockManager(num_kv_blocks or runner.num_kv_blocks, runner.block_size)
     sched = Scheduler(bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                       max_model_len=runner.max_model_len, eos_token_ids=set())
     arrivals = arrivals or [0] * len(prompts)
-    seqs = [Sequence(f"r{i}", p, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
-                     arrival_time=float(i)) for i, p in enumerate(prompts)]
+    params = params or SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    seqs = [Sequence(f"r{i}", p, params, arrival_time=float(i)) for i, p in enumerate(prompts)]
     step = 0
     while step <= max(arrivals) or sched.has_unfinished_requests():
         for seq, at in zip(seqs, arrivals, strict=True):

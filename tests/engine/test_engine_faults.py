@@ -117,10 +117,10 @@ def test_the_model_runner_fails_only_the_sequence_whose_sampling_raises(tiny_lla
                                                                          logprobs=1)))
         sample = runner.sampler.sample
 
-        def failing(request_id: str, logits: Any, params: SamplingParams) -> int:
+        def failing(request_id: str, logits: Any, params: SamplingParams, *output: Any) -> int:
             if request_id == fail:
                 raise ValueError("bad logits")
-            return sample(request_id, logits, params)
+            return sample(request_id, logits, params, *output)
 
         monkeypatch.setattr(runner.sampler, "sample", failing)
         return runner.run(sched.schedule()), runner
@@ -141,10 +141,10 @@ def test_a_grammar_that_cannot_go_on_is_the_requests_own_failure(tiny_llama: Pat
         sched.add_request(Sequence(rid, [1, 2, 3, 4], SamplingParams(temperature=0.8, seed=7, max_tokens=4)))
     sample = runner.sampler.sample
 
-    def failing(request_id: str, logits: Any, params: SamplingParams) -> int:
+    def failing(request_id: str, logits: Any, params: SamplingParams, *output: Any) -> int:
         if request_id == "b":
             raise GrammarError("the response_format grammar failed: Current row has 3999 items; max is 2000")
-        return sample(request_id, logits, params)
+        return sample(request_id, logits, params, *output)
 
     monkeypatch.setattr(runner.sampler, "sample", failing)
     tokens = runner.run(sched.schedule())

@@ -34,6 +34,16 @@ BAD = [
     ("stop", {"stop": ["x", ""]}),
     ("logprobs", {"logprobs": -1}),
     ("logprobs", {"logprobs": 21}),
+    ("presence_penalty", {"presence_penalty": 2.5}),
+    ("presence_penalty", {"presence_penalty": -3}),
+    ("presence_penalty", {"presence_penalty": "0.5"}),
+    ("presence_penalty", {"presence_penalty": True}),
+    ("presence_penalty", {"presence_penalty": float("nan")}),
+    ("frequency_penalty", {"frequency_penalty": 2.0000001}),
+    ("frequency_penalty", {"frequency_penalty": -2.5}),
+    ("frequency_penalty", {"frequency_penalty": "1"}),
+    ("frequency_penalty", {"frequency_penalty": False}),
+    ("frequency_penalty", {"frequency_penalty": float("-inf")}),
 ]
 
 
@@ -47,7 +57,9 @@ def test_a_bad_parameter_is_refused_naming_it(param: str, fields: dict[str, Any]
 def test_the_bounds_themselves_are_accepted() -> None:
     for fields in ({"seed": 0}, {"seed": MAX_SEED}, {"seed": 2**63}, {"temperature": 0}, {"temperature": 2.0},
                    {"temperature": MIN_TEMPERATURE}, {"top_p": 1.0}, {"top_k": -1}, {"top_k": 0}, {"max_tokens": 1},
-                   {"stop": ["x" * MAX_STOP_CHARS] * MAX_STOP_SEQUENCES}, {"logprobs": 0}, {"logprobs": 20}):
+                   {"stop": ["x" * MAX_STOP_CHARS] * MAX_STOP_SEQUENCES}, {"logprobs": 0}, {"logprobs": 20},
+                   {"presence_penalty": -2.0}, {"presence_penalty": 2}, {"frequency_penalty": -2},
+                   {"frequency_penalty": 2.0}):
         SamplingParams(**fields)
 
 

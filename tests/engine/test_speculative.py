@@ -175,6 +175,8 @@ def test_what_it_does_not_apply_to() -> None:
     assert not spec.applies(SchedulerOutput(seqs, [1, 1, 1], [True] * 3))  # above max_batch
     assert not spec.applies(SchedulerOutput(seqs[:1], [2], [True]))  # a prompt chunk
     assert not spec.applies(SchedulerOutput([Sequence("l", [1, 2], SamplingParams(logprobs=2))], [1], [True]))
+    penalized = Sequence("p", [1, 2], SamplingParams(temperature=0.0, frequency_penalty=0.5))  # a plain step's sampler
+    assert not spec.applies(SchedulerOutput([seqs[0], penalized], [1, 1], [True, True]))  # applies them
     assert not spec.applies(SchedulerOutput([], [], []))
 
 
