@@ -104,6 +104,8 @@ def sampling_params_for(req: ChatCompletionRequest | CompletionRequest, num_prom
         top_k=-1 if req.top_k is None else req.top_k,
         max_tokens=(req.output_cap if chat else req.max_tokens) or default_cap,
         seed=req.seed,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
         stop=req.stop_list,
         logprobs=((req.top_logprobs or 0) if req.logprobs else None) if chat else req.logprobs,
         response_format=answer_format(req) if chat else req.response_format,

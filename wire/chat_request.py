@@ -10,19 +10,20 @@ gateway's OpenAPI document) says all of this: what it accepts is what is served.
 OpenAI's request fields, one by one (`OPENAI_FIELDS` lists them; a test sends each through the gateway):
 
 - honoured: model, messages, stream, max_tokens, max_completion_tokens, temperature, top_p, stop, seed, logprobs,
-  top_logprobs, user; stream_options.include_usage (and vLLM's continuous_usage_stats); response_format (text,
-  json_object, json_schema: wire/response_format.py; our engines enforce it by grammar-constrained decoding, remote
-  tiers get it as it was sent); tools, tool_choice, parallel_tool_calls, and assistant `tool_calls` and `tool`
-  messages (wire/tools.py: our engines render them into the prompt and parse the answer back into tool calls,
-  at most one call per answer under `parallel_tool_calls: false`, wire/tool_calls.py; remote tiers get them as they
-  were sent); a message's `name` (our engines hand it to the model's chat template, and refuse it, 400 naming
-  `messages.<i>.name`, where that template does not write names into the prompt, as SmolLM2's does not; remote
-  tiers get it as it was sent).
-- honoured for the one value we serve: n (1), presence_penalty and frequency_penalty (0: no penalty is applied),
-  stream_options.include_obfuscation (false: stream events are not padded), store (false: nothing is stored for
-  later retrieval), service_tier (auto or default: a tenant's priority and tiers come from its plan),
-  prompt_cache_retention (in_memory, or in-memory as OpenAI first spelt it: the engines' prefix cache), verbosity
-  (medium, the default), modalities (["text"]), logit_bias ({}).
+  top_logprobs, user; presence_penalty and frequency_penalty (each within [-2, 2], as OpenAI's: our engines lower a
+  token's logit by frequency_penalty times its count in the answer so far, and by presence_penalty once it is in it;
+  every tier's server takes both, and gets them as they were sent, left out where 0); stream_options.include_usage
+  (and vLLM's continuous_usage_stats); response_format (text, json_object, json_schema: wire/response_format.py; our
+  engines enforce it by grammar-constrained decoding, remote tiers get it as it was sent); tools, tool_choice,
+  parallel_tool_calls, and assistant `tool_calls` and `tool` messages (wire/tools.py: our engines render them into
+  the prompt and parse the answer back into tool calls, at most one call per answer under `parallel_tool_calls:
+  false`, wire/tool_calls.py; remote tiers get them as they were sent); a message's `name` (our engines hand it to
+  the model's chat template, and refuse it, 400 naming `messages.<i>.name`, where that template does not write names
+  into the prompt, as SmolLM2's does not; remote tiers get it as it was sent).
+- honoured for the one value we serve: n (1), stream_options.include_obfuscation (false: stream events are not
+  padded), store (false: nothing is stored for later retrieval), service_tier (auto or default: a tenant's priority
+  and tiers come from its plan), prompt_cache_retention (in_memory, or in-memory as OpenAI first spelt it: the
+  engines' prefix cache), verbosity (medium, the default), modalities (["text"]), logit_bias ({}).
 - accepted, bounded, as hints that change no answer: prompt_cache_key (OpenAI's prefix-cache routing hint; our
   engines' prefix cache needs none), safety_identifier (the end user's id for abuse detection; `end_user` gives it
   where `user` is absent), metadata (16 pairs, keys of at most 64 characters, values of at most 512, as OpenAI's;
@@ -212,7 +213,8 @@ def _no_empty_stop(value: Any) -> Any:
 StopString = Annotated[str, BeforeValidator(_no_empty_stop), Field(min_length=1, max_length=MAX_STOP_CHARS)]
 MetadataKey = Annotated[str, Field(max_length=64)]
 MetadataValue = Annotated[str, Field(max_length=512)]
-ZeroPenalty = Annotated[float, Field(ge=0.0, le=0.0), only(0, reason="only 0 is supported: no penalty is applied")]
+# presence_penalty, frequency_penalty: OpenAI's range (a positive one makes a token already in the answer less likely)
+Penalty = Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)]
 # 0 (greedy) or at least MIN_TEMPERATURE (`_temperature_is_safe`), and the document says so
 Temperature = Annotated[float, Field(ge=0.0, le=2.0), WithJsonSchema({"anyOf": [
     {"type": "number", "minimum": 0, "maximum": 0}, {"type": "number", "minimum": MIN_TEMPERATURE, "maximum": 2}]})]
@@ -257,11 +259,13 @@ class GenerationRequest(BaseModel):
     def _nulls_are_unset(cls, data: Any) -> Any:
         return drop_nulls(data)
 
-    @field_validator("temperature", "top_p", mode="before", check_fields=False)
+    @field_validator("temperature", "top_p", "presence_penalty", "frequency_penalty", mode="before",
+                     check_fields=False)
     @classmethod
     def _ints_are_numbers(cls, value: object) -> object:
-        # JSON has one number type; `"temperature": 0` is as valid as 0.0 (bools are not numbers)
-        if isinstance(value, int) and not isinstance(value, bool):
+        # JSON has one number type; `"temperature": 0` is as valid as 0.0 (bools are not numbers). An integer past
+        # float's range stays one, for the field's bound to refuse (float() raised OverflowError: a 500)
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) < 2**1023:
             return float(value)
         return value
 
@@ -328,8 +332,8 @@ class ChatCompletionRequest(GenerationRequest):
     priority: Annotated[int, Field(ge=-(2**31), le=2**31 - 1)] = 0
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    presence_penalty: ZeroPenalty | None = None
-    frequency_penalty: ZeroPenalty | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
     metadata: Annotated[dict[MetadataKey, MetadataValue], Field(max_length=MAX_METADATA_PAIRS)] | None = None
     store: Annotated[Literal[False], only(False, reason="completions are not stored here; send false")] | None = None
     service_tier: Annotated[Literal["auto", "default"], only(

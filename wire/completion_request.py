@@ -9,8 +9,8 @@ prompt is sent to the model as it is: no chat template. What the legacy API has 
 - `logprobs` is the legacy integer: the log-probabilities of that many most likely tokens at each position
   (0 to MAX_LOGPROBS, OpenAI's bound), returned in the legacy shape (`tokens`, `token_logprobs`, `top_logprobs`,
   `text_offset`).
-- `echo` only `false`, `suffix` refused (no fill-in-the-middle), `n` and `best_of` only 1, penalties only 0,
-  `logit_bias` only `{}`.
+- `echo` only `false`, `suffix` refused (no fill-in-the-middle), `n` and `best_of` only 1, `logit_bias` only `{}`;
+  `presence_penalty` and `frequency_penalty` within [-2, 2], honoured as on the chat endpoint.
 - vLLM's `top_k` and `priority`, as on the chat endpoint, and vLLM's `response_format` (the chat endpoint's
   shapes, wire/response_format.py): the completion is then JSON.
 """
@@ -27,10 +27,10 @@ from wire.chat_request import (
     MAX_TOKENS_BOUND,
     STREAM_OPTIONS_NEED_STREAM,
     GenerationRequest,
+    Penalty,
     StopString,
     StreamOptions,
     Temperature,
-    ZeroPenalty,
 )
 from wire.fields import UNSUPPORTED_VALUE, nullable_optionals, only
 from wire.response_format import ResponseFormat
@@ -85,8 +85,8 @@ class CompletionRequest(GenerationRequest):
     echo: Annotated[Literal[False], only(False, reason="echoing the prompt is not supported; send false")] = False
     n: Annotated[int, Field(ge=1, le=1), only(1, reason="one choice per request (n: 1)")] = 1
     best_of: Annotated[int, Field(ge=1, le=1), only(1, reason="best_of is not supported; send 1")] = 1
-    presence_penalty: ZeroPenalty | None = None
-    frequency_penalty: ZeroPenalty | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
     logit_bias: Annotated[dict[str, int], Field(max_length=0),
                           only({}, reason="logit_bias is not supported; send {} or leave it out")] | None = None
     user: Annotated[str, Field(max_length=256)] | None = None

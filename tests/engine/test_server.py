@@ -45,6 +45,25 @@ def test_non_stream_and_stream_with_the_openai_client(served: tuple[str, LLMEngi
     assert [m.id for m in client.models.list()] == ["tiny"]
 
 
+def test_penalties_reach_the_sampler_and_a_bad_one_is_a_400_naming_it(
+        served: tuple[str, LLMEngine, ScriptedRunner]) -> None:
+    url, _, runner = served
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+    client.chat.completions.create(model="tiny", messages=MSG, max_tokens=2, presence_penalty=0.5,
+                                   frequency_penalty=-1.25)
+    params = runner.steps[-1].seqs[0].params
+    assert (params.presence_penalty, params.frequency_penalty) == (0.5, -1.25) and params.penalized
+    client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, frequency_penalty=2)
+    params = runner.steps[-1].seqs[0].params
+    assert (params.presence_penalty, params.frequency_penalty) == (0.0, 2.0)
+    client.chat.completions.create(model="tiny", messages=MSG, max_tokens=2)
+    assert not runner.steps[-1].seqs[0].params.penalized
+    for value in (2.5, -3, "0.5", True):
+        r = httpx.post(f"{url}/v1/chat/completions",
+                       json={"model": "tiny", "messages": MSG, "frequency_penalty": value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "frequency_penalty", r.text
+
+
 def test_continuous_usage_and_busy_time(served: tuple[str, LLMEngine, ScriptedRunner]) -> None:
     url, _, _ = served
     body = {"model": "tiny", "messages": MSG, "stream": True, "max_tokens": 3,
@@ -322,7 +341,7 @@ def test_continuous_usage_of_a_text_stream(served: tuple[str, LLMEngine, Scripte
     ("best_of", 2, "unsupported_value"), ("n", 2, "unsupported_value"), ("logprobs", 6, "less_than_equal"),
     ("prompt", [1, 2, 3], "unsupported_value"), ("prompt", ["a", "b"], "unsupported_value"),
     ("seed", -1, "greater_than_equal"), ("stop", ["x"] * 5, "too_long"), ("messages", MSG, "unsupported_parameter"),
-    ("logit_bias", {"5": 1}, "unsupported_value"), ("presence_penalty", 0.5, "unsupported_value"),
+    ("logit_bias", {"5": 1}, "unsupported_value"), ("presence_penalty", 2.5, "less_than_equal"),
 ])
 def test_a_text_completion_parameter_we_do_not_serve_is_a_400_naming_it(
         served: tuple[str, LLMEngine, ScriptedRunner], field: str, value: object, code: str) -> None:
