@@ -92,12 +92,16 @@ def upstream_body(req: ChatCompletionRequest, tier: TierSpec, *, max_tokens: int
     server accepts (the tier's `dialect`: usage in every chunk, the plan's priority); a plain OpenAI-compatible
     server gets OpenAI's fields only, since a strict one refuses what it does not know. vLLM's `top_k` reaches only
     tiers that sample by it (routing keeps a request that sets it off the others: needs.py); turned off (-1, 0, every
-    server's default) it is left out. `top_logprobs`: the alternatives per token a check of ours reads (never set
-    over the client's own choice)."""
+    server's default) it is left out. `presence_penalty` and `frequency_penalty` reach every tier (OpenAI's, vLLM's
+    and llama.cpp's servers take both), left out where 0. `top_logprobs`: the alternatives per token a check of ours
+    reads (never set over the client's own choice)."""
     body = req.model_dump(exclude_none=True, exclude={"model", "stream", "stream_options", "priority",
                                                       "max_completion_tokens", "max_tokens", "prompt_format"})
     if body.get("top_k", 1) <= 0:
         del body["top_k"]
+    for penalty in ("presence_penalty", "frequency_penalty"):  # every server takes them; 0 is every server's default
+        if body.get(penalty) == 0:
+            del body[penalty]
     raw = is_raw(req)
     if raw:  # a text completion: its prompt as it was sent, to the tier's /v1/completions (`TierCaller._chunks`)
         body["prompt"] = body.pop("messages")[0]["content"]

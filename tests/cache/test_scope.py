@@ -25,6 +25,10 @@ def test_every_field_changes_the_scope_id() -> None:
         scope(chat("x", system="You are a pirate.")),
         scope(chat("x", temperature=0.5, seed=7)),
         scope(chat("x", max_tokens=5)),
+        scope(chat("x", presence_penalty=0.5)),
+        scope(chat("x", frequency_penalty=0.5)),
+        scope(chat("x", frequency_penalty=-0.5)),
+        scope(chat("x", presence_penalty=0.5, frequency_penalty=0.5)),
     ]
     ids = {v.scope_id for v in variants}
     assert base.scope_id not in ids

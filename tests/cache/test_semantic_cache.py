@@ -131,6 +131,20 @@ def test_nondeterministic_requests_bypass(cache: SemanticCache) -> None:
     assert cache.lookup(scope(other_seed), other_seed).status == "miss"
 
 
+@pytest.mark.parametrize("penalties", [{"frequency_penalty": 0.5}, {"presence_penalty": 0.5},
+                                       {"frequency_penalty": -1.0, "presence_penalty": 2.0}])
+def test_a_hit_never_crosses_penalties(cache: SemanticCache, penalties: dict) -> None:
+    """An answer made under other presence or frequency penalties (none, or other values) is another answer."""
+    _stored(cache)
+    for question in (Q, PARAPHRASE):
+        asked = chat(question, **penalties)
+        assert cache.lookup(scope(asked), asked).status == "miss", (penalties, question)
+    _stored(cache, chat(Q, **penalties))
+    assert cache.lookup(scope(chat(PARAPHRASE, **penalties)), chat(PARAPHRASE, **penalties)).status == "hit"
+    other = chat(PARAPHRASE, frequency_penalty=1.5)
+    assert cache.lookup(scope(other), other).status == "miss"
+
+
 def test_tenant_policy_opt_out_threshold_and_exact_only(cache: SemanticCache) -> None:
     _stored(cache)
     para = chat(PARAPHRASE)
