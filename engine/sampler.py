@@ -3,9 +3,10 @@ top-p, seeded.
 
 OpenAI's presence and frequency penalties (`penalize`) read the sequence's output so far, which the caller hands
 over (`Sequence.output_token_ids`): each token's logit is lowered by frequency_penalty times its count there, and by
-presence_penalty once it is there; the prompt's tokens are not counted, as OpenAI documents and vLLM does. Counted
-from the output each step (`torch.unique` over at most max_tokens ids, then a write at the distinct ones), nothing is
-kept between steps, so a preempted request resumes with the counts of the output it has.
+presence_penalty once it is there; the prompt's tokens are not counted, as OpenAI documents and vLLM does. The counts
+are kept per request ([V] float32, exact to 2^24) and extended by the tokens made since its last step, so a step
+costs a few passes over the vocabulary whatever the output's length (counted whole each step, an 8K-token answer cost
+8K list-to-tensor copies of up to 8K ids); a preempted request keeps its output, and so its counts, until `release`.
 
 A seeded request gets its own torch.Generator, which takes any seed in 0..2^64-1 (SamplingParams checks
 the range, so the generator never sees a seed it would refuse).
@@ -39,13 +40,14 @@ class Sampler:
     def __init__(self) -> None:
         self._generators: dict[str, torch.Generator] = {}
         self._matchers: dict[str, Any] = {}  # request id -> engine/grammar.py's GrammarMatcher
+        self._counts: dict[str, tuple[int, torch.Tensor]] = {}  # request id -> (output tokens counted, counts [V])
 
     def sample(self, request_id: str, logits: torch.Tensor, params: SamplingParams,
                output_token_ids: list[int] | None = None) -> int:
         """The next token from `logits` [V] float32, for a request whose output so far is `output_token_ids` (what
         its penalties count). The caller's logits are never changed: they stay the model's (logprobs)."""
         if params.penalized:
-            logits = penalize(logits, output_token_ids or [], params)  # a new tensor
+            logits = penalize(logits, self._output_counts(request_id, output_token_ids or [], logits.numel()), params)
         matcher = self._matcher(request_id, params)
         if matcher is not None:
             logits = matcher.mask(logits)  # a new tensor
@@ -88,6 +90,19 @@ class Sampler:
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
         self._matchers.pop(request_id, None)
+        self._counts.pop(request_id, None)
+
+    def _output_counts(self, request_id: str, output_token_ids: list[int], size: int) -> torch.Tensor:
+        """How often each token occurs in the request's output so far, [size]: its counts from the last step plus the
+        tokens made since (counted afresh if the output is not the one counted so far grown at its end)."""
+        counted, counts = self._counts.get(request_id, (0, None))
+        if counts is None or counted > len(output_token_ids) or counts.numel() != size:
+            counted, counts = 0, torch.zeros(size)
+        if len(output_token_ids) > counted:
+            new = torch.tensor(output_token_ids[counted:], dtype=torch.long)
+            counts.index_add_(0, new, torch.ones(new.numel()))
+        self._counts[request_id] = (len(output_token_ids), counts)
+        return counts
 
     def generator(self, request_id: str, params: SamplingParams) -> torch.Generator | None:
         """The request's own generator when it is seeded (kept until `release`); None: torch's global one."""
@@ -108,16 +123,19 @@ class Sampler:
         return matcher
 
 
-def penalize(logits: torch.Tensor, output_token_ids: list[int], params: SamplingParams) -> torch.Tensor:
-    """`logits` [V] less OpenAI's penalties, as a new tensor: logit[j] - frequency_penalty * count[j] -
-    presence_penalty * (count[j] > 0), count[j] being how often token j occurs in `output_token_ids` (a negative
-    penalty raises the logit). O(n log n) in the output's length n, plus one copy of the row."""
-    out = logits.clone()
-    if not output_token_ids:
-        return out
-    ids, counts = torch.unique(torch.tensor(output_token_ids, dtype=torch.long), return_counts=True)  # [U], [U]
-    out[ids] -= params.frequency_penalty * counts.to(out.dtype) + params.presence_penalty
-    return out
+def penalize(logits: torch.Tensor, counts: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """`logits` [V] less OpenAI's penalties, as a new tensor: logit[j] - (frequency_penalty * count[j] +
+    presence_penalty * (count[j] > 0)), `counts` [V] being how often each token occurs in the output so far
+    (`count_tokens`; a negative penalty raises the logit). A few passes over the vocabulary."""
+    return logits - (params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(counts.dtype))
+
+
+def count_tokens(token_ids: list[int], size: int) -> torch.Tensor:
+    """How often each of `size` tokens occurs in `token_ids`, [size] float32."""
+    counts = torch.zeros(size)
+    if token_ids:
+        counts.index_add_(0, torch.tensor(token_ids, dtype=torch.long), torch.ones(len(token_ids)))
+    return counts
 
 
 def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:

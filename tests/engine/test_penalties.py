@@ -10,7 +10,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from engine.model_runner import ModelRunner
-from engine.sampler import Sampler, penalize
+from engine.sampler import Sampler, count_tokens, penalize
 from engine.sampling_params import SamplingParams
 from engine.speculative import eligible
 from tests.engine.driver import generate_greedy
@@ -21,7 +21,7 @@ NEAR_TIE = 1e-4
 def test_each_token_is_lowered_by_its_count_and_once_for_being_there() -> None:
     logits = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0])
     params = SamplingParams(temperature=0, frequency_penalty=0.5, presence_penalty=0.25)
-    got = penalize(logits, [3, 1, 3, 3], params)
+    got = penalize(logits, count_tokens([3, 1, 3, 3], 5), params)
     # token 3 three times: 4 - 3 * 0.5 - 0.25; token 1 once: 2 - 0.5 - 0.25; the others untouched
     assert got.tolist() == [1.0, 1.25, 3.0, 2.25, 5.0]
     assert logits.tolist() == [1.0, 2.0, 3.0, 4.0, 5.0]  # the caller's row stays the model's
@@ -29,14 +29,14 @@ def test_each_token_is_lowered_by_its_count_and_once_for_being_there() -> None:
 
 def test_negative_penalties_raise_the_tokens_already_made() -> None:
     logits = torch.zeros(4)
-    got = penalize(logits, [2, 2], SamplingParams(frequency_penalty=-1.5, presence_penalty=-2.0))
+    got = penalize(logits, count_tokens([2, 2], 4), SamplingParams(frequency_penalty=-1.5, presence_penalty=-2.0))
     assert got.tolist() == [0.0, 0.0, 5.0, 0.0]
 
 
 def test_only_the_output_counts_and_none_changes_nothing() -> None:
     logits = torch.tensor([0.5, -1.0, 2.0])
     params = SamplingParams(frequency_penalty=2.0, presence_penalty=2.0)
-    assert penalize(logits, [], params).tolist() == logits.tolist()
+    assert penalize(logits, count_tokens([], 3), params).tolist() == logits.tolist()
     assert not SamplingParams(temperature=0, presence_penalty=0.0, frequency_penalty=0).penalized
 
 
@@ -73,7 +73,8 @@ def _reference(ref: LlamaForCausalLM, prompt: list[int], n: int, params: Samplin
     out: list[int] = []
     with torch.no_grad():
         for _ in range(n):
-            row = penalize(ref(torch.tensor([prompt + out])).logits[0, -1], out, params)
+            row = ref(torch.tensor([prompt + out])).logits[0, -1]
+            row = penalize(row, count_tokens(out, row.numel()), params)
             top2 = torch.topk(row, 2)
             gap = float(top2.values[0] - top2.values[1])
             out.append(int(top2.indices[0]) if gap >= NEAR_TIE else -1)
@@ -120,3 +121,20 @@ def test_strong_penalties_make_smollm2_repeat_itself_less(prepared_models: Path)
 
     assert penalized != plain
     assert repeats(penalized) < repeats(plain) // 2, (tok.decode(plain), tok.decode(penalized))
+
+
+def test_the_counts_kept_between_steps_are_the_outputs_counted_whole() -> None:
+    """The sampler extends a request's counts by the tokens made since its last step; each step's penalized row is the
+    rule's on the whole output, bit for bit, and a request released and reused starts afresh."""
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(64, generator=gen)
+    params = SamplingParams(temperature=0, frequency_penalty=0.7, presence_penalty=-0.3)
+    s, out = Sampler(), []
+    for step in range(40):
+        out.append(int(torch.randint(0, 64, (1,), generator=gen)))
+        kept = s._output_counts("r", out, 64)
+        assert torch.equal(penalize(logits, kept, params), penalize(logits, count_tokens(out, 64), params)), step
+    s.release("r")
+    assert torch.equal(s._output_counts("r", [3], 64), count_tokens([3], 64))
+    assert torch.equal(s._output_counts("q", out[:5], 64), count_tokens(out[:5], 64))
+    assert torch.equal(s._output_counts("q", out[:2], 64), count_tokens(out[:2], 64))  # not the counted one grown
