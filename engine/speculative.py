@@ -48,6 +48,8 @@ the order its numbers are drawn in depends on how it drafts, and its answer must
 
 from __future__ import annotations
 
+import logging
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -63,6 +65,7 @@ from engine.sequence import Sequence
 if TYPE_CHECKING:
     from engine.model_runner import ModelRunner
 
+log = logging.getLogger("tiergate.engine.speculative")
 MAX_K = 8
 MAX_ROWS = 512  # rows per draft call (a step's first call holds its catch-up rows and each sequence's last token)
 # A step's catch-up rows cost at most this many rows read at a sequence's start. Measured on one core, the int8 draft
@@ -282,11 +285,13 @@ class SpeculativeDecoder:
         return torch.cat(out)
 
     def _propose(self, plans: list[_Plan], logits: torch.Tensor) -> None:
-        """Each plan's next draft token from its row. A row holding NaN (a numeric fault in the draft) proposes
+        """Each plan's next draft token from its row. A row holding NaN (a numeric fault in the draft), or one whose
+        distribution is not finite (+inf: inf - inf is NaN in the rule's shift), or whose sampling raises, proposes
         nothing: the plan's draft ends before it, and the target checks the tokens drafted so far and draws the next
-        itself. The acceptance rule keeps the target's distribution for any draft, of any length, that the target's
-        draws do not decide, so the sequence's tokens stay distributed exactly as the target's (failing it instead
-        would fail a request the target can serve)."""
+        itself (whose own sampling fails the sequence if the fault is the request's, as in a plain step). The acceptance
+        rule keeps the target's distribution for any draft, of any length, that the target's draws do not decide, so the
+        sequence's tokens stay distributed exactly as the target's (failing it instead would fail a request the target
+        can serve)."""
         nan_rows = _nan_rows(logits)
         for p, row, nan in zip(plans, logits, nan_rows, strict=True):
             params = p.seq.params
@@ -299,10 +304,13 @@ class SpeculativeDecoder:
                     p.draft_probs.append(None)
                 else:
                     q = Sampler.distribution(row, params)
+                    if not math.isfinite(float(q.sum())):  # +inf in the row: the rule's shift made it NaN (inf - inf)
+                        raise FloatingPointError("the draft's distribution is not finite")
                     p.drafts.append(Sampler.draw(q, self.sampler.generator(p.seq.request_id, params)))
                     p.draft_probs.append(q)
-            except Exception as exc:  # this sequence's own: it drafts no further and is not verified
-                self._failed(p, exc)
+            except Exception as exc:  # the draft's fault (a row its sampling cannot read: +inf), as NaN's above
+                log.debug("speculative: %s's draft ends at a row its sampling refused: %r", p.seq.request_id, exc)
+                p.k, p.cut = len(p.drafts), p.k - len(p.drafts)
 
     def _failed(self, p: _Plan, exc: Exception) -> None:
         p.error = self.last_errors[p.seq.request_id] = f"{type(exc).__name__}: {exc}"

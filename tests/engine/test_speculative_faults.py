@@ -146,3 +146,25 @@ def test_a_draft_whose_logits_are_nan_leaves_the_output_the_targets_distribution
     assert draft.rows < 2000 + 10
     counts = torch.bincount(torch.tensor([t for s in steps for t in s]), minlength=5).float()
     assert chi2(counts, P) < CHI2_4DOF_P001, counts
+
+
+class InfFrom(NaNFrom):
+    """NaNFrom's rows at +inf instead: the sampling rule's shift makes them NaN (inf - inf), which no NaN check of the
+    logits sees."""
+
+    def logits_of_rows(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]],
+                       wanted: list[int]) -> torch.Tensor:
+        out = ConstantRunner.logits_of_rows(self, token_ids, positions, block_tables, wanted)
+        for r, w in enumerate(wanted):
+            if positions[w] >= self.nan_from:
+                out[r] = float("inf")
+        return out
+
+
+def test_a_draft_row_its_sampling_cannot_read_ends_the_draft_and_fails_nothing() -> None:
+    """b's draft rows are +inf from its second draft token on: as with NaN, b drafts one token and the target decides,
+    and nothing fails. Before, b proposed three more tokens drawn from a NaN distribution (the vocabulary's last), each
+    then kept or refused by NaN arithmetic against the target's p."""
+    spec, made = one_step(ConstantRunner(P, None), InfFrom(P, None, nan_from=40), SAMPLED)
+    assert spec.last_errors == {} and spec.num_draft_tokens == 4 + 1
+    assert 1 <= len(made[1]) <= 2 and len(made[0]) >= 1
