@@ -80,9 +80,10 @@ class RolloutService:
         if spec is None:  # the tiers file no longer declares it: the serving version answers
             return tier, f"version {tier.version_name} ({version} is not declared)"
         if rollout.stage in RUNNING and version == rollout.candidate and (why := lacks(spec)) is not None:
-            baseline = self._variant(tier.name, rollout.baseline)
-            if baseline is not None:  # not the candidate's error: it was never asked
-                return baseline, f"version {rollout.baseline} (candidate {version}: {why})"
+            # not the candidate's error: it was never asked. Its baseline answers, or, where the tiers file no longer
+            # declares that, the serving version (what `steady` judged the tier by)
+            baseline = self._variant(tier.name, rollout.baseline) or tier
+            return baseline, f"version {baseline.version_name} (candidate {version}: {why})"
         if rollout.stage in RUNNING and version == rollout.candidate and (why := down(spec)) is not None:
             fallback = self.fall_back(tier, rollout.candidate)
             if fallback is not None:

@@ -140,3 +140,25 @@ def test_a_start_refuses_a_candidate_that_takes_away_what_the_answering_version_
             s.start("mid", "openai", share=0.2, who="k", reason="r")
     finally:
         store.close()
+
+
+def test_a_candidate_lacking_a_need_passes_to_the_serving_version_when_its_baseline_is_gone(tmp_path: Path) -> None:
+    """A rollout whose baseline the tiers file no longer declares, and whose candidate cannot do what a request
+    needs (its file changed since the start): the request goes to the tier's serving version, which the route stage
+    judged it by (`steady`). Before, with no baseline to pass it to, the candidate answered it anyway."""
+    store = SqliteRolloutStore(tmp_path / "state.db")
+    try:
+        before = TierCatalogue.model_validate({"tiers": {"mid": TIER | {"serving": "v1", "versions": [
+            {"name": "v1"}, {"name": "v2", "urls": ["http://b:1"]}]}}})
+        RolloutService(before, store).start("mid", "v2", share=1.0, who="k", reason="r")
+        after = TierCatalogue.model_validate({"tiers": {"mid": TIER | {"serving": "v3", "versions": [
+            {"name": "v3", "urls": ["http://c:1"]}, {"name": "v2", "urls": ["http://b:1"], "tools": False}]}}})
+        s, tier = RolloutService(after, store), after.tiers["mid"]
+        assert s.steady(tier).version_name == "v3"
+        lacks = {"v2": "tools"}.get
+        plain, _ = s.choose(tier, "acme", lambda: "c1")
+        assert plain.version_name == "v2"  # the canary takes what it can do
+        spec, note = s.choose(tier, "acme", lambda: "c1", lacks=lambda v: lacks(v.version_name))
+        assert spec.version_name == "v3" and "candidate v2: tools" in (note or "")
+    finally:
+        store.close()
