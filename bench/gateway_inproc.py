@@ -12,9 +12,13 @@ own CPU (all its threads: the ledger writer's too) per request, round by round, 
 together. Whatever else the machine runs falls on both alike: two copies of one tree measured so agree within 2%
 round by round (their rates move together by 2x with the machine's load), where alternating runs did not.
 
-Paths as `bench.gateway`'s: (a) temperature unset, a new prompt per request (the cache is bypassed, the mock
-answers 8 tokens, streamed to the gateway as every tier call is); (b) one deterministic request, repeated (an
-exact cache hit after the first). `--ref` is extracted with `git archive` into a temporary directory (no worktree).
+Paths as `bench.gateway`'s: (a) temperature unset, a new prompt per request (the cache is bypassed, the mock answers
+8 tokens, streamed to the gateway as every tier call is); (b) one deterministic request, repeated (an exact cache
+hit after the first); (c) temperature 0, a new prompt per request, worded as bench/gateway.lua words it (a counter
+and six words of its list, the same sequence in both processes): a miss that embeds, searches and stores, its rounds
+a few hundred requests (about 100 a second a core). `--ref` is extracted with `git archive` into a temporary
+directory (no worktree).
+
 The report gives each round's CPU µs per request for both, the medians and their ratio (ref over this tree: above
 1 means this tree spends less).
 """
@@ -26,6 +30,7 @@ import asyncio
 import itertools
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -36,12 +41,21 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 FIXED = "Give one practical tip about writing clear commit messages in a short sentence."
+WORDS = (  # bench/gateway.lua's
+    "amber", "basalt", "cedar", "delta", "ember", "fjord", "garnet", "harbor", "indigo", "juniper", "kelp",
+    "lantern", "meadow", "nectar", "obsidian", "pepper", "quartz", "raven", "saffron", "tundra", "umber", "velvet",
+    "walnut", "xenon", "yarrow", "zephyr", "anchor", "bramble", "cobalt", "dune", "estuary", "falcon", "glacier",
+    "hazel", "iris", "jasper", "kestrel", "lichen", "marble", "nettle", "orchid", "pylon", "quiver", "reef",
+    "sorrel", "thistle", "urchin", "vortex", "willow", "yucca", "zinnia", "compiler", "tariff", "sonnet", "enzyme",
+    "ledger", "piston", "opera", "satellite", "mortgage", "volcano", "algebra", "pastry", "voltage",
+)
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ref", default=None, help="the other tree: a commit of this repository [HEAD]")
     p.add_argument("--other", type=Path, default=None, help="the other tree: a directory (instead of --ref)")
-    p.add_argument("--paths", default="ab", help="which paths, of a and b [ab]")
+    p.add_argument("--paths", default="ab", help="which paths, of a, b and c [ab]")
     p.add_argument("--concurrency", type=int, default=16, help="requests in flight [16]")
     p.add_argument("--requests", type=int, default=2000, help="requests per round [2000]")
     p.add_argument("--rounds", type=int, default=4, help="rounds per path in one pair of processes [4]")
@@ -98,12 +112,18 @@ async def _drive(app: Any, key: str, args: argparse.Namespace) -> None:
     if started["type"] != "lifespan.startup.complete":
         raise SystemExit(f"the app did not start: {started}")
     nonce = itertools.count(int(time.time()) % 100_000 * 100_000)
+    words = random.Random(18)  # path c's texts: the same in both processes, new to each one's cache
     statuses: dict[int, int] = {}
 
     def body(path: str) -> bytes:
         if path == "a":
             question = f"Give one practical tip about {next(nonce)} in a short sentence."
             return json.dumps({"model": "auto", "max_tokens": args.tokens,
+                               "messages": [{"role": "user", "content": question}]}).encode()
+        if path == "c":
+            question = (f"Give one practical tip about ask {next(nonce)}-1-1: "
+                        f"{' '.join(words.choice(WORDS) for _ in range(6))} in a short sentence.")
+            return json.dumps({"model": "auto", "max_tokens": args.tokens, "temperature": 0,
                                "messages": [{"role": "user", "content": question}]}).encode()
         return json.dumps({"model": "auto", "max_tokens": args.tokens, "temperature": 0,
                            "messages": [{"role": "user", "content": FIXED}]}).encode()
