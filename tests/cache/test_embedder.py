@@ -69,3 +69,15 @@ def test_one_thread_turns_the_tokenizers_pool_off_unless_told(monkeypatch: pytes
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", "true")
     Embedder(num_threads=1)
     assert os.environ["TOKENIZERS_PARALLELISM"] == "true"
+
+
+def test_length_groups_pad_little_and_pass_few() -> None:
+    from cache.onnx_runtime import _length_groups
+
+    lengths = [12, 200, 30, 31, 12, 29, 199, 33]
+    groups = _length_groups(lengths, batch_size=64)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))  # every text once
+    assert [sorted(lengths[i] for i in g) for g in groups] == [[199, 200], [29, 30, 31, 33], [12, 12]]
+    assert all(lengths[g[0]] == max(lengths[i] for i in g) for g in groups)  # the first is the longest
+    assert sorted(len(g) for g in _length_groups([30] * 100, batch_size=32)) == [4, 32, 32, 32]  # fewest passes
+    assert _length_groups([], batch_size=32) == []
