@@ -58,13 +58,8 @@ class Embedder:
         """`num_threads` sets torch's (process-wide) thread count and ONNX Runtime's; None leaves torch's alone.
         One thread by default: a one-query forward pass is too small to split, and on a busy machine OpenMP
         threads waiting for each other turned a 20 ms embedding into 700 ms in our measurements. Batch jobs pass
-        more. With one thread the tokenizers' thread pool is turned off too (TOKENIZERS_PARALLELISM, process-wide,
-        unless set already; set here, before the embedder's threads run): it handed each batch of a few short
-        texts to a pool thread and back, 0.10-0.14 ms of CPU and 3 thread switches a deterministic miss in the
-        gateway (BENCHMARKS.md, session 38). `runtime` defaults to $TIERGATE_EMBEDDER_RUNTIME, else "auto";
-        `export_dir` is where the ONNX export is kept (`cache.onnx_runtime.default_export_dir`)."""
-        if num_threads == 1:
-            os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        more. `runtime` defaults to $TIERGATE_EMBEDDER_RUNTIME, else "auto"; `export_dir` is where the ONNX
+        export is kept (`cache.onnx_runtime.default_export_dir`)."""
         self._path = Path(model_path) if model_path else None
         self._device = device
         self._num_threads = num_threads

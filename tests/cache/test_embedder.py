@@ -3,8 +3,6 @@ Runtime gives the torch model's vectors (or is not used)."""
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 
@@ -58,17 +56,6 @@ def test_without_onnx_runtime_auto_falls_back_to_torch(monkeypatch: pytest.Monke
         Embedder(runtime="onnx").encode_one("x")
     with pytest.raises(EmbedderError, match="unknown embedder runtime"):
         Embedder(runtime="tensorflow")  # type: ignore[arg-type]
-
-
-def test_one_thread_turns_the_tokenizers_pool_off_unless_told(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
-    Embedder(num_threads=4)
-    assert "TOKENIZERS_PARALLELISM" not in os.environ
-    Embedder(num_threads=1)
-    assert os.environ["TOKENIZERS_PARALLELISM"] == "false"
-    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "true")
-    Embedder(num_threads=1)
-    assert os.environ["TOKENIZERS_PARALLELISM"] == "true"
 
 
 def test_length_groups_pad_little_and_pass_few() -> None:
