@@ -284,6 +284,7 @@ def create_app(settings: Settings | None = None) -> Litestar:
             services.ledger.close()
             services.store.close()
             services.rollouts.store.close()
+            services.ladder.store.close()
 
     return Litestar(
         route_handlers=[chat_completions, text_completions, create_embeddings, list_models, retrieve_model, health,
