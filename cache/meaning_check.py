@@ -42,8 +42,8 @@ from typing import Any
 
 import numpy as np
 
+from assets.owner_memo import OwnerMemo
 from cache.fair_slots import FairSlots
-from engine.owner_memo import OwnerMemo
 
 # `python -m bench.meaning_threshold` (2026-12-02): the smallest score letting at most 2% of the training split's
 # edits through; there it let 2.0% of 803 edits through and accepted 86.5% of 539 paraphrases (10 of them, longer

@@ -24,10 +24,10 @@ from collections.abc import Hashable
 
 import numpy as np
 
+from assets.owner_memo import OwnerMemo
 from cache import guards
 from cache.batcher import Announcement, EmbeddingBatcher
 from cache.embedder import Embedder
-from engine.owner_memo import OwnerMemo
 
 SEMANTIC_MAX_CHARS = guards.MAX_CHARS  # the longest last user turn matched by meaning
 MEMO_PER_OWNER = 64  # recent turns whose vectors are kept for one owner (a lookup's, then its store's)

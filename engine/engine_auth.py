@@ -28,7 +28,6 @@ from litestar import Request, Response
 
 from wire.errors import error_body
 
-ENGINE_API_KEY_ENV = "TIERGATE_ENGINE_API_KEY"
 OPEN_PATHS = frozenset({"/health"})
 
 

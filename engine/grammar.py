@@ -11,7 +11,7 @@ engine's tokens/s measured the same with and without a schema).
   remembered: a compile can take seconds before it fails (an allOf of anyOfs of patterns, refused at the wire since,
   wire/schema_alternatives.py), and a repeat must not pay it again. Grammars and refusals are remembered for the
   tenant that asked (the request's cache salt's, `salt_tenant`; a request with no salt is an anonymous tenant of its
-  own), in an `OwnerMemo` each (engine/owner_memo.py): GRAMMARS_PER_TENANT a tenant, evicted by its own only, for
+  own), in an `OwnerMemo` each (assets/owner_memo.py): GRAMMARS_PER_TENANT a tenant, evicted by its own only, for
   the GRAMMAR_TENANTS most recently active tenants, so at most 16 x 16 = 256 grammars (the one shared cache's bound
   before) and as many refusals (a grammar holds 0.13 MiB for a 30-property schema, 0.4 MiB for a 200-property one:
   about 35-100 MiB at most). One cache shared by every tenant was a timing side channel: a hit costs nothing, a
@@ -46,7 +46,7 @@ import llguidance
 import numpy as np
 import torch
 
-from engine.owner_memo import OwnerMemo
+from assets.owner_memo import OwnerMemo
 from engine.sampling_params import EngineInputError
 from wire.response_format import ResponseFormat
 

@@ -10,9 +10,10 @@ from pathlib import Path
 from typing import Any
 
 from assets import offline_hub
+from assets.engine_key import ENGINE_API_KEY_ENV
 from assets.model_source import prepare_model
 from assets.parent_watch import ENGINE_INSTANCE_ENV, exit_when_orphaned
-from engine.engine_auth import ENGINE_API_KEY_ENV, check_exposure
+from engine.engine_auth import check_exposure
 from engine.llm_engine import LLMEngine
 from engine.weight_digest import weights_digest
 

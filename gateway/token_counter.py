@@ -174,7 +174,7 @@ class CountMemo:
     character) for each owner that has counted, and owners are the gateway's tenants. A text counted for an end user
     (`user`: where the tenant's plan isolates them) is remembered for that end user within the owner's bounds.
 
-    Not engine/owner_memo.py's `OwnerMemo` (entries and owners bounded, the least recently used out first, callers
+    Not assets/owner_memo.py's `OwnerMemo` (entries and owners bounded, the least recently used out first, callers
     lock): here a key stands for a text of up to SHORT_TEXT_CHARS, so characters are bounded too, a lookup does not
     make a text newer, and worker threads put counts in under the memo's own lock."""
 

@@ -42,10 +42,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from assets.builds import build_progress
+from assets.engine_key import ENGINE_API_KEY_ENV
 from assets.model_dtype import auto_dtype
 from assets.model_source import is_prepared, resolve_model
 from assets.parent_watch import ENGINE_INSTANCE_ENV, die_with_parent
-from engine.engine_auth import ENGINE_API_KEY_ENV
 from tiers.catalogue import TierSpec
 from tiers.client import TierClient
 from tiers.errors import TierError, UpstreamRejected

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import click
 
+from assets.engine_key import ENGINE_API_KEY_ENV
 from assets.model_source import BUILTIN_MODELS, DEFAULT_MODEL, ModelSourceError, prepare_model
-from engine.engine_auth import ENGINE_API_KEY_ENV
 from gateway.cli.options import data_dir_option, settings_from
 from wire.errors import MAX_BODY_BYTES
 

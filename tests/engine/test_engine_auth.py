@@ -12,7 +12,8 @@ import httpx
 import pytest
 from click.testing import CliRunner
 
-from engine.engine_auth import ENGINE_API_KEY_ENV, ExposureError, check_exposure
+from assets.engine_key import ENGINE_API_KEY_ENV
+from engine.engine_auth import ExposureError, check_exposure
 from engine.llm_engine import LLMEngine
 from engine.server import create_engine_app
 from gateway.cli.main import cli

@@ -1,8 +1,8 @@
 """Recent values per owner (a tenant): one LRU per owner, owners in LRU order.
 
 Used by the engine's grammar cache (engine/grammar.py) and by the cache's meaning-check and embedding memos
-(cache/meaning_check.py, cache/vectors.py). It lives in `engine/`, the lowest of the packages that use it: the
-engine knows no package above it (DESIGN.md, "The path of one request"), and `cache/` may import from below.
+(cache/meaning_check.py, cache/vectors.py). It lives in `assets/`, the one package below both that either may import
+(tests/test_import_rules.py: the engine imports only `wire/` and `assets/`, and `cache/` never the engine).
 
 A memo shared by every tenant lets one time its own requests and learn what another asked lately (a remembered
 value is faster), and lets one tenant's flood evict everyone's values. Here each owner's values are evicted only by
