@@ -7,10 +7,14 @@ sets) and time the prefix cache and the grammar memo as that tenant. So:
 
 - with a key in the environment (`TIERGATE_ENGINE_API_KEY`, or the variable `--api-key-env` names: never on the
   command line, where `ps` shows it), every route but /health needs `Authorization: Bearer <key>`, compared in
-  constant time (`hmac.compare_digest` on the bytes), and a missing or wrong one is a 401 `invalid_api_key` in
-  OpenAI's shape, before the body is read. The gateway sends it from the tier's `api_key_env`, as to any remote
-  OpenAI-compatible server. /health stays open: it is what a load balancer or supervisor probes, and says nothing of
-  any tenant;
+  constant time (`hmac.compare_digest` of the two SHA-256 digests, so not even the key's length shows), and a missing
+  or wrong one is a 401 `invalid_api_key` in OpenAI's shape, before the body is read. The gateway sends it from the
+  tier's `api_key_env`, as to any remote OpenAI-compatible server. A path or method no route serves is a 404 or 405
+  first (Litestar routes before this check): that shows only the public list of routes. /health stays open, as a load
+  balancer or supervisor probes it, with its status only: its `stats` (load, and the KV share of everyone but the
+  largest tenant, from which the largest one's follows) go to callers with the key;
+- the key must be visible ASCII (what an HTTP header carries as sent): another was a key no caller could send, the
+  gateway's client included, so `check_exposure` refuses it at start, naming the variable;
 - without one, `check_exposure` refuses a host other than a loopback address, unless the operator says
   `--allow-unauthenticated` (a private network that does its own access control).
 
@@ -19,9 +23,9 @@ The key is never logged; a refusal says what was wrong, not what was sent.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import ipaddress
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 from litestar import Request, Response
@@ -32,7 +36,7 @@ OPEN_PATHS = frozenset({"/health"})
 
 
 class ExposureError(ValueError):
-    """An engine would serve beyond this host with no key."""
+    """An engine would serve beyond this host with no key, or with a key no caller can send."""
 
 
 def is_loopback(host: str) -> bool:
@@ -46,6 +50,9 @@ def is_loopback(host: str) -> bool:
 
 
 def check_exposure(host: str, api_key: str | None, *, allow_unauthenticated: bool, key_env: str) -> None:
+    if api_key and not all("!" <= c <= "~" for c in api_key):
+        raise ExposureError(f"{key_env} holds characters an HTTP header cannot carry as sent (only visible ASCII, "
+                            f"without spaces): no caller could send that key")
     if api_key or allow_unauthenticated or is_loopback(host):
         return
     raise ExposureError(f"--host {host} serves beyond this machine and {key_env} is not set: anyone who reaches the "
@@ -54,21 +61,25 @@ def check_exposure(host: str, api_key: str | None, *, allow_unauthenticated: boo
                         f"controls access")
 
 
-def key_guard(api_key: str | None) -> Callable[[Request[Any, Any, Any]], Awaitable[Response[Any] | None]] | None:
-    """A Litestar `before_request` hook that refuses a request without `api_key` (None: no key, no hook)."""
-    if not api_key:
-        return None
-    expected = api_key.encode()
+class KeyCheck:
+    """Whether a request carries the engine's key, and the Litestar `before_request` hook that refuses one without."""
 
-    async def guard(request: Request[Any, Any, Any]) -> Response[Any] | None:
-        if request.url.path in OPEN_PATHS:
+    def __init__(self, api_key: str) -> None:
+        self._digest = hashlib.sha256(api_key.encode()).digest()
+
+    def holds(self, request: Request[Any, Any, Any]) -> bool:
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")  # the scheme's case is free
+        sent = hashlib.sha256(token.encode("utf-8", "surrogateescape")).digest()
+        return hmac.compare_digest(sent, self._digest) and scheme.lower() == "bearer"
+
+    async def guard(self, request: Request[Any, Any, Any]) -> Response[Any] | None:
+        if request.url.path in OPEN_PATHS or self.holds(request):
             return None
-        sent = request.headers.get("authorization", "")
-        scheme, _, token = sent.partition(" ")  # the scheme's case is free (RFC 9110), the key's is not
-        if scheme.lower() == "bearer" and hmac.compare_digest(token.encode("utf-8", "surrogateescape"), expected):
-            return None
-        reason = "no API key was sent" if not sent else "the API key is not this engine's"
+        reason = "the API key is not this engine's" if request.headers.get("authorization") else "no API key was sent"
         return Response(error_body(f"{reason}: send `Authorization: Bearer <key>`", code="invalid_api_key"),
                         status_code=401, headers={"www-authenticate": "Bearer"})
 
-    return guard
+
+def key_check(api_key: str | None) -> KeyCheck | None:
+    """The check of `api_key` (None: no key, an open engine)."""
+    return KeyCheck(api_key) if api_key else None

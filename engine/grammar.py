@@ -17,7 +17,9 @@ engine's tokens/s measured the same with and without a schema).
   about 35-100 MiB at most). One cache shared by every tenant was a timing side channel: a hit costs nothing, a
   compile a millisecond or more, a remembered refusal answers at once, so a tenant timing its own `response_format`
   requests learnt which schemas another had used lately, and its flood of schemas evicted everyone's. Another
-  tenant's schema is compiled again, at its cost.
+  tenant's schema is compiled again, at its cost. What is left is activity, not content: a tenant with 16 accounts
+  of its own can tell whether any other tenant sent a `response_format` lately (it evicts its own probe's grammar);
+  accepted, as the compile threads and the engine-wide queue bound show the same.
   Compiles run where the caller runs them: the engine looks a format up first (`known`) and runs `compile` on threads
   of its own, shared fairly between tenants with a bounded queue (engine/compile_queue.py), off its step loop, the
   event loop and the event loop's default executor; a tenant's concurrent requests for one new schema wait for one

@@ -70,7 +70,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from assets.parent_watch import ENGINE_INSTANCE_ENV
 from engine.answer_frames import FAILED, chat_frames, collect, sse_events, text_frames
-from engine.engine_auth import key_guard
+from engine.engine_auth import key_check
 from engine.llm_engine import EngineBusyError, EngineDeadError, EngineInputError, LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.sequence import salt_tenant
@@ -165,6 +165,7 @@ def create_engine_app(engine: LLMEngine, *, model_name: str, model_version: str,
     Litestar's 10 MB: a body the gateway would refuse is not parsed here either). `api_key`: every route but /health
     needs it as a Bearer token (engine/engine_auth.py; None: open, for an engine only this host reaches)."""
     tokenizer = engine.tokenizer
+    keyed = key_check(api_key)
     registry = CollectorRegistry()
     registry.register(EngineMetrics(engine, model_name))
     instance = os.environ.get(ENGINE_INSTANCE_ENV)
@@ -277,12 +278,15 @@ def create_engine_app(engine: LLMEngine, *, model_name: str, model_version: str,
             watch.close()
 
     @get("/health")
-    async def health() -> Response[dict[str, Any]]:
+    async def health(request: Request[Any, Any, Any]) -> Response[dict[str, Any]]:
         # never waits on the engine: health_problem and stats() read without the engine's lock
         if (reason := engine.health_problem) is not None:  # dead, or alive but wedged: not ok either way
             status = "dead" if engine.dead_reason is not None else "unhealthy"
             return Response({"status": status, "reason": reason, "model": model_name,
                              "model_version": model_version, "instance": instance}, status_code=503)
+        head = {"status": "ok", "model": model_name, "model_version": model_version, "instance": instance}
+        if keyed is not None and not keyed.holds(request):  # open to all: the status, not the load
+            return Response(head)
         # `stats` is what the gateway's supervisor reads into its per-replica engine gauges
         s = engine.stats()
         total = s.num_kv_blocks_total or 1
@@ -290,8 +294,7 @@ def create_engine_app(engine: LLMEngine, *, model_name: str, model_version: str,
                  "kv_utilisation_others": s.num_kv_blocks_used_by_others / total,  # the ladder's: no one tenant's
                  "tokens_per_s": s.generation_tokens_per_s, "num_running": s.num_running,
                  "num_waiting": s.num_waiting, "prefix_cache_hit_rate": s.prefix_cache_hit_rate}
-        return Response({"status": "ok", "model": model_name, "model_version": model_version, "instance": instance,
-                         "stats": stats})
+        return Response({**head, "stats": stats})
 
     @get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -314,7 +317,7 @@ def create_engine_app(engine: LLMEngine, *, model_name: str, model_version: str,
 
     return Litestar(route_handlers=[health, models, metrics, chat, completions],
                     exception_handlers={HTTPException: _http_error, Exception: _unexpected},
-                    request_max_body_size=max_body_bytes, before_request=key_guard(api_key))
+                    request_max_body_size=max_body_bytes, before_request=keyed.guard if keyed else None)
 
 
 def max_prompt_chars_for(tokenizer: Any, max_model_len: int) -> int | None:

@@ -68,7 +68,9 @@ def test_a_keyed_engine_serves_its_key_and_leaves_health_open(engine_url: str) -
                        timeout=10)
     assert lower.status_code == 200, lower.text  # the scheme's case is free
     assert httpx.get(f"{engine_url}/v1/models", headers=auth, timeout=10).json()["data"][0]["id"] == "tiny"
-    assert httpx.get(f"{engine_url}/health", timeout=10).json()["status"] == "ok"
+    open_health = httpx.get(f"{engine_url}/health", timeout=10).json()
+    assert open_health["status"] == "ok" and "stats" not in open_health  # the load: for callers with the key
+    assert "kv_utilisation_others" in httpx.get(f"{engine_url}/health", headers=auth, timeout=10).json()["stats"]
 
 
 def test_the_key_is_checked_before_the_body_is_read(engine_url: str) -> None:
@@ -90,6 +92,16 @@ def test_an_engine_without_a_key_refuses_to_serve_beyond_this_host(host: str) ->
         check_exposure(host, None, allow_unauthenticated=False, key_env=ENGINE_API_KEY_ENV)
     check_exposure(host, KEY, allow_unauthenticated=False, key_env=ENGINE_API_KEY_ENV)
     check_exposure(host, None, allow_unauthenticated=True, key_env=ENGINE_API_KEY_ENV)
+
+
+@pytest.mark.parametrize("key", ["clé-secret", "two words", "tab\tkey", "\x7fdel"])
+def test_a_key_no_header_can_carry_as_sent_is_refused_at_start(key: str) -> None:
+    """A UTF-8 key never matched (the header arrives as latin-1) and the gateway's client cannot send one at all:
+    every caller was locked out of an engine that started fine."""
+    for host in ("127.0.0.1", "0.0.0.0"):
+        with pytest.raises(ExposureError, match=ENGINE_API_KEY_ENV) as exc:
+            check_exposure(host, key, allow_unauthenticated=False, key_env=ENGINE_API_KEY_ENV)
+        assert key not in str(exc.value)  # the variable is named, the value never shown
 
 
 def test_engine_serve_on_the_network_without_a_key_exits_before_loading_the_model(tmp_path: Path) -> None:
