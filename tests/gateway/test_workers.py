@@ -85,11 +85,22 @@ def worker_pids(parent: int) -> set[int]:
 
 
 def alive(pid: int) -> bool:
+    """Whether any thread of `pid` is still running. Not the leader's state alone: a SIGKILLed process of several
+    threads shows its leader as a zombie while its other threads still exit, and its files (the listening socket,
+    whose queued connections are reset when it closes) close only as the last of them exits (seen once: a reset right
+    after the leader's "Z"). An exited thread leaves the task list, or stays as its zombie leader."""
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        tasks = os.listdir(f"/proc/{pid}/task")
     except OSError:
         return False
-    return state != "Z"
+    for task in tasks:
+        try:
+            state = Path(f"/proc/{pid}/task/{task}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:  # exited while listed
+            continue
+        if state not in ("Z", "X"):
+            return True
+    return False
 
 
 @contextmanager
