@@ -55,6 +55,10 @@ OUTPUT_PARAMS = ("max_tokens", "max_completion_tokens", "stop", "response_format
                  "top_logprobs", "n", "presence_penalty", "frequency_penalty", "tool_choice",
                  "parallel_tool_calls", "reasoning_effort", "seed_offset",
                  "prompt_format")  # "raw": a text completion's prompt (gateway/pipeline/text_completion.py)
+# Of OUTPUT_PARAMS, those whose 0 (0.0, -0.0) is no value: every tier's server reads an absent penalty as 0, and
+# gateway/pipeline/tier_call.upstream_body leaves a zero one out, so a request that sends 0 is the same request
+# upstream as one that leaves the field out, and is keyed as it (no KEY_VERSION bump: no other request's hash moves).
+_ZERO_IS_UNSET = frozenset({"presence_penalty", "frequency_penalty"})
 
 _WS = re.compile(r"\s+")
 _LAST_USER = "<last-user>"  # in the history hash, where the last user turn's content was
@@ -113,19 +117,23 @@ def context_hash(request: Mapping[str, Any]) -> str:
     """Hash of the system prompt(s), tools and output-shaping parameters: what besides the turns shapes the answer.
     (Where each system message sits is in the exact key and the history hash, with every other message.)"""
     system = [_turn(m) for m in _messages(request) if m.get("role") in SYSTEM_ROLES]
-    params = {k: request[k] for k in OUTPUT_PARAMS if request.get(k) is not None}
+    params = {k: v for k in OUTPUT_PARAMS
+              if (v := request.get(k)) is not None and not (k in _ZERO_IS_UNSET and v == 0)}
     return _digest([KEY_VERSION, system, request.get("tools") or [], params])[:32]
 
 
 def sampling_class(request: Mapping[str, Any]) -> str:
     """'greedy' for temperature 0, else the seed with the parameters a seeded sample depends on (vLLM's `top_k`
-    too: our engines honour it)."""
+    too: our engines honour it). A `top_k` of -1 or 0 (off) is no `top_k`: upstream_body leaves it out, so the tier
+    gets the same request as without it."""
     temperature = request.get("temperature", 1.0)
     if temperature is not None and float(temperature) == 0.0:
         return "greedy"
     seed = request.get("seed")
     top_p = request.get("top_p", 1.0)
     top_k = request.get("top_k")
+    if isinstance(top_k, int) and top_k <= 0:
+        top_k = None
     return f"seed:{seed}:t={temperature}:p={top_p}:k={top_k}" if seed is not None else "sampled"
 
 

@@ -145,6 +145,36 @@ def test_a_hit_never_crosses_penalties(cache: SemanticCache, penalties: dict) ->
     assert cache.lookup(scope(other), other).status == "miss"
 
 
+@pytest.mark.parametrize("zero", [{"presence_penalty": 0}, {"frequency_penalty": 0.0},
+                                  {"presence_penalty": -0.0, "frequency_penalty": 0}])
+def test_a_zero_penalty_is_no_penalty(cache: SemanticCache, zero: dict) -> None:
+    """A zero penalty is what every server does without one, and the tier gets no penalty field for it
+    (upstream_body): the same request as one leaving the fields out, and the same key, both ways."""
+    _stored(cache)
+    asked = chat(Q, **zero)
+    hit = cache.lookup(scope(asked), asked)
+    assert isinstance(hit, Hit) and hit.kind == "exact" and hit.response == "3.1 miles", zero
+    _stored(cache, chat(PARAPHRASE, **zero))
+    hit = cache.lookup(scope(chat(PARAPHRASE)), chat(PARAPHRASE))
+    assert isinstance(hit, Hit) and hit.kind == "exact", zero
+    for field in zero:  # a penalty that is not zero is still another answer
+        other = chat(Q, **{**zero, field: 0.5})
+        assert cache.lookup(scope(other), other).status == "miss", (zero, field)
+
+
+@pytest.mark.parametrize("off", [-1, 0])
+def test_top_k_off_is_no_top_k(cache: SemanticCache, off: int) -> None:
+    """A seeded sample's `top_k` of -1 or 0 is off: the tier gets no top_k for it (upstream_body), so it is the
+    request without one. A `top_k` above 0 samples otherwise."""
+    seeded = chat(Q, temperature=0.8, seed=42)
+    cache.store(scope(seeded), seeded, "seeded answer")
+    asked = chat(Q, temperature=0.8, seed=42, top_k=off)
+    hit = cache.lookup(scope(asked), asked)
+    assert isinstance(hit, Hit) and hit.kind == "exact" and hit.response == "seeded answer"
+    sampled = chat(Q, temperature=0.8, seed=42, top_k=5)
+    assert cache.lookup(scope(sampled), sampled).status == "miss"
+
+
 def test_tenant_policy_opt_out_threshold_and_exact_only(cache: SemanticCache) -> None:
     _stored(cache)
     para = chat(PARAPHRASE)

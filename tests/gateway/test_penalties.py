@@ -83,6 +83,22 @@ def test_the_exact_cache_keeps_each_penalty_its_own_answer(gw: Gateway) -> None:
     assert {k: v for k, v in gw.stub.requests[-1].items() if k.endswith("_penalty")} == {"presence_penalty": -0.5}
 
 
+def test_a_zero_penalty_is_an_exact_hit_for_none(gw: Gateway) -> None:
+    """A zero penalty is no penalty (the tier gets neither field: `test_a_zero_penalty_is_left_out`), so the answer
+    kept without penalties answers it, and it keeps its answer for the request without them."""
+    assert ask(gw, "Name a prime.").headers["x-tiergate-cache"] == "miss"
+    assert ask(gw, "What colour is the sky on Mars?", presence_penalty=0, frequency_penalty=-0.0).headers[
+        "x-tiergate-cache"] == "miss"
+    calls = len(gw.stub.requests)
+    for question, penalties in [("Name a prime.", {"presence_penalty": 0}), ("Name a prime.", {"frequency_penalty": 0}),
+                                ("What colour is the sky on Mars?", {})]:
+        r = ask(gw, question, **penalties)
+        assert (r.headers["x-tiergate-cache"], r.headers["x-tiergate-cache-kind"]) == ("hit", "exact"), penalties
+    assert len(gw.stub.requests) == calls
+    assert ask(gw, "Name a prime.", presence_penalty=0.5).headers["x-tiergate-cache"] == "miss"
+    assert gw.stub.requests[-1]["presence_penalty"] == 0.5
+
+
 def test_the_semantic_cache_never_answers_under_other_penalties(gw: Gateway) -> None:
     paraphrase = "What's the capital of France?"
     assert ask(gw).headers["x-tiergate-cache"] == "miss"
