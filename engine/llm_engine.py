@@ -44,6 +44,7 @@ from engine.liveness import STUCK_COMPILE_S, STUCK_STEP_S, Liveness
 from engine.openmp import release_thread_pool
 from engine.output_sink import OutputSink
 from engine.outputs import EngineStats, RequestOutput
+from engine.request_checks import check_request
 from engine.request_queue import SchedulingPolicy
 from engine.sampling_params import EngineInputError, SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
@@ -146,34 +147,10 @@ class LLMEngine:
         return self.liveness.problem()
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams, tenant: str | None) -> None:
-        """Raise EngineInputError (naming the field) for a request this engine can never serve.
-
-        A response format refused to `tenant` before is refused here again; one it never compiled is compiled by
-        `compiled_grammar` (a schema that cannot be compiled is an EngineInputError there).
-        """
-        params.check()  # again: the dataclass may have been changed since it was built
-        if not prompt_token_ids:
-            raise EngineInputError("the prompt is empty", param="messages")
-        low, high = min(prompt_token_ids), max(prompt_token_ids)
-        if low < 0 or (self.vocab_size is not None and high >= self.vocab_size):
-            raise EngineInputError(f"prompt token ids must lie within 0..{(self.vocab_size or 0) - 1}",
-                                   param="prompt_token_ids")
-        total = len(prompt_token_ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise EngineInputError(
-                f"this model's maximum context length is {self.max_model_len} tokens; the request "
-                f"needs {len(prompt_token_ids)} prompt tokens + {params.max_tokens} output tokens = {total}",
-                param="messages", code="context_length_exceeded",
-            )
-        bm = self.block_manager
-        if bm.num_blocks_for(total) > bm.num_blocks:
-            raise EngineInputError(
-                f"this engine's KV cache holds {bm.num_blocks * bm.block_size} tokens; the request "
-                f"needs {len(prompt_token_ids)} prompt tokens + {params.max_tokens} output tokens = {total}",
-                param="messages", code="context_length_exceeded",
-            )
-        if (fmt := params.output_format) is not None:
-            self.grammars.known(fmt, tenant)
+        """Raise EngineInputError (naming the field) for a request this engine can never serve
+        (engine/request_checks.py)."""
+        check_request(prompt_token_ids, params, tenant, vocab_size=self.vocab_size,
+                      max_model_len=self.max_model_len, block_manager=self.block_manager, grammars=self.grammars)
 
     async def compiled_grammar(self, params: SamplingParams, tenant: str | None) -> CompiledGrammar | None:
         """The compiled grammar of the request's response format (None without one): a format `tenant` compiled

@@ -1,0 +1,49 @@
+"""The checks of one request before the engine takes it: what `LLMEngine.validate` runs, for `generate` and for
+the HTTP server before it answers (engine/server.py), so a request this engine can never serve is a 400 naming the
+field, never a failure in the loop.
+
+The sampling parameters are checked again (the dataclass may have been changed since it was built), then the prompt
+against the model (token ids within its vocabulary) and against this engine's room (prompt plus output within the
+model's context and within the whole KV cache), and a response format against the formats refused to the tenant.
+"""
+
+from __future__ import annotations
+
+from engine.block_manager import BlockManager
+from engine.grammar import GrammarCache
+from engine.sampling_params import EngineInputError, SamplingParams
+
+
+def check_request(prompt_token_ids: list[int], params: SamplingParams, tenant: str | None, *,
+                  vocab_size: int | None, max_model_len: int, block_manager: BlockManager,
+                  grammars: GrammarCache) -> None:
+    """Raise EngineInputError (naming the field) for a request this engine can never serve.
+
+    `vocab_size`: the model's (None: unknown, a test double's); `max_model_len`: its context; `block_manager`: the
+    engine's KV cache. A response format refused to `tenant` before is refused here again (`grammars`); one it
+    never compiled is compiled by `LLMEngine.compiled_grammar` (a schema that cannot be compiled is an
+    EngineInputError there).
+    """
+    params.check()  # again: the dataclass may have been changed since it was built
+    if not prompt_token_ids:
+        raise EngineInputError("the prompt is empty", param="messages")
+    low, high = min(prompt_token_ids), max(prompt_token_ids)
+    if low < 0 or (vocab_size is not None and high >= vocab_size):
+        raise EngineInputError(f"prompt token ids must lie within 0..{(vocab_size or 0) - 1}",
+                               param="prompt_token_ids")
+    total = len(prompt_token_ids) + params.max_tokens
+    if total > max_model_len:
+        raise EngineInputError(
+            f"this model's maximum context length is {max_model_len} tokens; the request "
+            f"needs {len(prompt_token_ids)} prompt tokens + {params.max_tokens} output tokens = {total}",
+            param="messages", code="context_length_exceeded",
+        )
+    bm = block_manager
+    if bm.num_blocks_for(total) > bm.num_blocks:
+        raise EngineInputError(
+            f"this engine's KV cache holds {bm.num_blocks * bm.block_size} tokens; the request "
+            f"needs {len(prompt_token_ids)} prompt tokens + {params.max_tokens} output tokens = {total}",
+            param="messages", code="context_length_exceeded",
+        )
+    if (fmt := params.output_format) is not None:
+        grammars.known(fmt, tenant)
