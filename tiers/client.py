@@ -24,7 +24,7 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from tiers.errors import UpstreamProtocolError, UpstreamRejected, UpstreamTimedOut, UpstreamUnreachable
+from tiers.errors import UpstreamProtocolError, UpstreamRejected, UpstreamTimedOut, UpstreamUnreachable, quoted
 from wire.errors import CACHE_SALT_HEADER, REQUEST_FAULT_CODES
 
 MAX_LINE_BYTES = 1 << 20  # one SSE line (a chunk with 20 top log-probabilities per token is a few KB)
@@ -78,7 +78,7 @@ class TierClient:
         except TimeoutError as exc:
             raise UpstreamTimedOut(f"{url}: no answer in {timeout_s}s") from exc
         except aiohttp.ClientError as exc:
-            raise UpstreamUnreachable(f"{url}: {exc!r}") from exc
+            raise UpstreamUnreachable(_failure(url, exc)) from exc
         if resp.status != 200:
             raise UpstreamRejected(resp.status, _json_or_text(content))
         try:
@@ -160,7 +160,7 @@ class TierClient:
         except TimeoutError as exc:
             raise UpstreamTimedOut(f"{url}: no data in {self._timeout.sock_read}s") from exc
         except aiohttp.ClientError as exc:
-            raise UpstreamUnreachable(f"{url}: {exc!r}") from exc
+            raise UpstreamUnreachable(_failure(url, exc)) from exc
 
     async def _post(self, url: str, data: bytes, headers: dict[str, str]) -> aiohttp.ClientResponse:
         """The upstream's response; a pooled connection the upstream had just closed (the request could not be
@@ -190,6 +190,16 @@ def as_chat_chunk(chunk: dict[str, Any]) -> dict[str, Any]:
                     if isinstance(logprob, int | float)]}
         choices.append(choice)
     return {**chunk, "choices": choices}
+
+
+def _failure(url: str, exc: aiohttp.ClientError) -> str:
+    """aiohttp's error as one line, without the request it was about. A ClientResponseError (an answer whose head
+    cannot be read, a redirect loop) holds that request in its repr, headers and all: the tier's API key, which
+    this text took into the log and into the replica's reason on /health and the dashboard. Its message is the
+    upstream's bytes as aiohttp words them, over several lines: `quoted`, as any upstream's text."""
+    if isinstance(exc, aiohttp.ClientResponseError):
+        return f"{url}: {type(exc).__name__}(status={exc.status}, message={quoted(exc.message)})"
+    return f"{url}: {exc!r}"
 
 
 def _auth(api_key: str | None) -> dict[str, str]:
