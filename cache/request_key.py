@@ -47,7 +47,8 @@ from wire.chat_request import SYSTEM_ROLES
 # alice, or to a conversation whose system message came later, was served to bob or to the reordered one), content
 # parts as parts (k2 joined them with "\n": ["Is 12", "3 prime?"] had the key of "Is 12\n3 prime?"), line ends as
 # sent (k2 made CRLF LF). "k2": the texts as sent (k1, unversioned, hashed NFKC with collapsed whitespace and served
-# "Is 23 prime?" the answer to "Is 2³ prime?").
+# "Is 23 prime?" the answer to "Is 2³ prime?"). Not bumped when a seeded sample's sampling class took a new form
+# (sampling_class): only seeded scopes moved, and the new form equals no old one.
 KEY_VERSION = "k3"
 
 # Request fields that change what the model answers (besides messages and sampling); part of the scope.
@@ -122,19 +123,36 @@ def context_hash(request: Mapping[str, Any]) -> str:
     return _digest([KEY_VERSION, system, request.get("tools") or [], params])[:32]
 
 
+def _sent(value: Any) -> str:
+    """A sampling parameter as the tier gets it: 'unset' where the request leaves it out (or null: upstream_body
+    drops nulls), else its number as a float, so 1 and 1.0 (one JSON number) key alike."""
+    return "unset" if value is None else repr(float(value))
+
+
 def sampling_class(request: Mapping[str, Any]) -> str:
-    """'greedy' for temperature 0, else the seed with the parameters a seeded sample depends on (vLLM's `top_k`
-    too: our engines honour it). A `top_k` of -1 or 0 (off) is no `top_k`: upstream_body leaves it out, so the tier
-    gets the same request as without it."""
-    temperature = request.get("temperature", 1.0)
+    """'greedy' for temperature 0 (0, 0.0, -0.0), whatever else is sent; else the seed with the parameters a seeded
+    sample depends on, as the tier is sent them (vLLM's `top_k` too: our engines honour it).
+
+    An absent temperature or top_p is its own value, not 1.0: upstream_body sends the tier no field for it, and a
+    remote tier then samples with its own default (vLLM the model's generation_config, llama.cpp's server 0.8 and
+    0.95), so an answer sampled without them is no answer to a request that sends 1.0, nor the reverse. A `top_k` of
+    -1 or 0 (off) is no `top_k`: upstream_body leaves it out, so the tier gets the same request as without it.
+
+    The seeded form names its fields in full ("temperature=", not the "t=" of before) so that no class equals one
+    of the old form, which read an absent temperature or top_p as 1.0: an entry an absent-temperature request
+    stored under "t=1.0" is never found by a request that sends 1.0. Greedy entries keep their class (KEY_VERSION
+    stays: greedy and every other hash read as before)."""
+    temperature = request.get("temperature")
     if temperature is not None and float(temperature) == 0.0:
         return "greedy"
     seed = request.get("seed")
-    top_p = request.get("top_p", 1.0)
+    if seed is None:
+        return "sampled"
     top_k = request.get("top_k")
     if isinstance(top_k, int) and top_k <= 0:
         top_k = None
-    return f"seed:{seed}:t={temperature}:p={top_p}:k={top_k}" if seed is not None else "sampled"
+    return (f"seed:{seed}:temperature={_sent(temperature)}:top_p={_sent(request.get('top_p'))}"
+            f":top_k={'unset' if top_k is None else top_k}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -56,7 +56,7 @@ class CacheScope:
     data_version: int | str  # the tenant's data version (admin bump, or X-Tiergate-Data-Version)
     model_version: str  # fingerprint of the tier's weights, quantization and engine version
     context_hash: str  # system prompt, tools and output-shaping parameters (request_key.context_hash)
-    sampling_class: str  # "greedy" or "seed:<n>:t=<temperature>:p=<top_p>" (request_key.sampling_class)
+    sampling_class: str  # "greedy" or "seed:<n>:temperature=<t>:top_p=<p>:top_k=<k>" (request_key.sampling_class)
     end_user: str | None = None  # end_user_snapshot() where the identity holds one (already in `identity`)
 
     @property

@@ -44,7 +44,10 @@ def test_system_prompt_goes_to_context_and_exact_key_output_params_to_context() 
 
 def test_sampling_class() -> None:
     assert sampling_class(chat("q")) == "greedy"
-    assert sampling_class(chat("q", temperature=0.7, seed=3)) == "seed:3:t=0.7:p=1.0:k=None"
+    assert sampling_class(chat("q", temperature=0.7, seed=3)) == "seed:3:temperature=0.7:top_p=unset:top_k=unset"
+    assert sampling_class(chat("q", temperature=1, seed=3, top_p=1, top_k=5)) == \
+        "seed:3:temperature=1.0:top_p=1.0:top_k=5"  # numbers as floats: 1 is the JSON number 1.0
+    assert sampling_class({"messages": [], "seed": 3}) == "seed:3:temperature=unset:top_p=unset:top_k=unset"
     assert sampling_class({"messages": []}) == "sampled"  # OpenAI's default temperature is 1
     seeded = chat("q", temperature=0.8, seed=1, top_k=5)
     assert sampling_class(seeded) != sampling_class({**seeded, "top_k": 50})  # vLLM's top_k changes the sample

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -173,6 +174,67 @@ def test_top_k_off_is_no_top_k(cache: SemanticCache, off: int) -> None:
     assert isinstance(hit, Hit) and hit.kind == "exact" and hit.response == "seeded answer"
     sampled = chat(Q, temperature=0.8, seed=42, top_k=5)
     assert cache.lookup(scope(sampled), sampled).status == "miss"
+
+
+def _seeded(question: str, **sent: object) -> dict:
+    """A request seeded 42 with the sampling parameters `sent` and no others (chat() sends temperature 0)."""
+    body = chat(question, seed=42, **sent)
+    if "temperature" not in sent:
+        del body["temperature"]
+    return body
+
+
+SENT_OTHERWISE = {  # (stored, asked): what the tier is sent differs
+    "t-absent-vs-1": ({}, {"temperature": 1.0}), "t-1-vs-absent": ({"temperature": 1.0}, {}),
+    "p-absent-vs-1": ({}, {"top_p": 1.0}), "p-1-vs-absent": ({"top_p": 1.0}, {}),
+    "p-absent-vs-1-with-t": ({"temperature": 1.0}, {"temperature": 1.0, "top_p": 1.0}),
+    "p-absent-vs-int-1": ({"temperature": 0.8}, {"temperature": 0.8, "top_p": 1}),
+}
+SENT_ALIKE = {  # (stored, asked): the tier is sent the same request
+    "absent": ({}, {}), "null-is-absent": ({}, {"temperature": None, "top_p": None}),
+    "int-is-float": ({"temperature": 1, "top_p": 1}, {"temperature": 1.0, "top_p": 1.0}),
+    "same-values": ({"temperature": 0.8, "top_p": 0.5}, {"temperature": 0.8, "top_p": 0.5}),
+}
+
+
+@pytest.mark.parametrize(("stored", "asked"), SENT_OTHERWISE.values(), ids=SENT_OTHERWISE.keys())
+def test_a_seeded_sample_without_temperature_or_top_p_is_not_one_with_1(cache: SemanticCache, stored: dict,
+                                                                        asked: dict) -> None:
+    """The tier gets no temperature or top_p where the request sends none (upstream_body) and samples with its own
+    default then (llama.cpp's server 0.8 and 0.95, vLLM the model's generation_config), so an answer sampled so is
+    no answer to a request that sends 1.0, nor the reverse, exactly or by meaning."""
+    cache.store(scope(_seeded(Q, **stored)), _seeded(Q, **stored), "seeded answer")
+    for question in (Q, PARAPHRASE):
+        body = _seeded(question, **asked)
+        assert cache.lookup(scope(body), body).status == "miss", (stored, asked, question)
+    hit = cache.lookup(scope(_seeded(Q, **stored)), _seeded(Q, **stored))  # what is sent alike still hits
+    assert isinstance(hit, Hit) and hit.kind == "exact" and hit.response == "seeded answer"
+
+
+@pytest.mark.parametrize(("stored", "asked"), SENT_ALIKE.values(), ids=SENT_ALIKE.keys())
+def test_seeded_samples_sent_alike_hit(cache: SemanticCache, stored: dict, asked: dict) -> None:
+    """A null is not sent (upstream_body drops it) and 1 is the JSON number 1.0: the tier gets the same request."""
+    cache.store(scope(_seeded(Q, **stored)), _seeded(Q, **stored), "seeded answer")
+    hit = cache.lookup(scope(_seeded(Q, **asked)), _seeded(Q, **asked))
+    assert isinstance(hit, Hit) and hit.kind == "exact" and hit.response == "seeded answer", (stored, asked)
+
+
+@pytest.mark.parametrize("zero", [0, 0.0, -0.0])
+def test_temperature_0_is_greedy_whatever_else_is_sent(cache: SemanticCache, zero: float) -> None:
+    _stored(cache)  # temperature 0, nothing else
+    for asked in (chat(Q, temperature=zero), chat(Q, temperature=zero, seed=42, top_p=0.5, top_k=5)):
+        hit = cache.lookup(scope(asked), asked)
+        assert isinstance(hit, Hit) and hit.kind == "exact" and hit.response == "3.1 miles", asked
+
+
+def test_seeded_entries_of_the_old_form_are_never_found(cache: SemanticCache) -> None:
+    """The old form read an absent temperature and top_p as 1.0: an answer a request without them stored (sampled
+    at the tier's defaults) is not found by one that sends 1.0."""
+    stored_so = replace(scope(_seeded(Q)), sampling_class="seed:42:t=1.0:p=1.0:k=None")
+    assert cache.store(stored_so, _seeded(Q), "sampled at the tier's defaults") is not None
+    for question in (Q, PARAPHRASE):
+        asked = _seeded(question, temperature=1.0, top_p=1.0)
+        assert cache.lookup(scope(asked), asked).status == "miss", question
 
 
 def test_tenant_policy_opt_out_threshold_and_exact_only(cache: SemanticCache) -> None:
