@@ -169,8 +169,8 @@ class IdempotencyStore(ABC):
         """Extend `claim`'s lease to `lease_s` from now while its request runs, if the record is still its running
         claim (False when not: answered, given up, or taken over by another request after it expired). Without it an
         answer running past its lease (a long stream) let a retry with its key take the key over, run and be charged a
-        second time (gateway/pipeline/idempotency.py renews it every third of the lease). A store that cannot renew
-        says False: its claims keep the lease they were made with."""
+        second time (gateway/pipeline/idempotency.py renews it every third of the lease, and a renewal that raised a
+        thirtieth later). A store that cannot renew says False: its claims keep the lease they were made with."""
         return False
 
     async def stored(self, tenant: str, key: str, fingerprint: str) -> Replay | Mismatch | None:

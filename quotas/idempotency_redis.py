@@ -250,7 +250,8 @@ class RedisIdempotency(IdempotencyStore):
             _ran_again(claim.owner, claim.tenant)
 
     async def renew(self, claim: Claim, lease_s: float) -> bool:
-        """Its lease extended, tried once (the next renewal is a third of the lease away); Redis failing raises."""
+        """Its lease extended, tried once (one that raised is tried again a thirtieth of the lease later, by
+        gateway/pipeline/idempotency.py); Redis failing raises."""
         keys = self._keys(claim.tenant, claim.key)
         return bool(await self._renew(keys=keys, args=[claim.owner, int(lease_s * 1000), claim.key]))
 

@@ -10,8 +10,9 @@ the fingerprint, storing its vectors compactly (gateway/embeddings_service.py). 
   request rate as any request (handle.py's `_count_replay`);
 - a retry while the first still runs waits for it, up to `wait_s`, then gets 409 with Retry-After. The first's
   claim has a lease (`lease_s`, so a claim whose gateway died frees its key), renewed every third of it while the
-  request runs (`IdempotencyStage.renewing`): not renewed, an answer longer than its lease (a long stream) let a retry
-  take the key over, run and be charged a second time;
+  request runs (`IdempotencyStage.renewing`), and a renewal that failed is tried again every thirtieth of it until one
+  succeeds: not renewed, an answer longer than its lease (a long stream) let a retry take the key over, run and be
+  charged a second time;
 - while the ledger cannot write (its readiness, gateway/pipeline/handle.py), a stored answer is still replayed, read
   only (`IdempotencyStage.stored`: a replay writes no row); anything else, a new claim included, is a 503;
 - the same key with another body is a 422 naming the header;
@@ -61,6 +62,7 @@ HEADER = "idempotency-key"
 REPLAY_HEADER = "x-tiergate-idempotent-replay"
 log = logging.getLogger("tiergate.idempotency")
 MAX_KEY_CHARS = 255
+RENEW_RETRY_PARTS = 30  # a renewal that failed is tried again this part of the lease later (20 s of the default 600)
 
 
 class Keep:
@@ -133,18 +135,29 @@ class IdempotencyStage:
         settles (`Keep.settle` cancels it) or the record is no longer its running claim. Without it an answer running
         longer than the lease (a long stream) let a retry with its key find the lease expired, take the key over, run
         and be charged again; renewed, the retry waits for it or gets 409, and a gateway that dies stops renewing, so
-        its key is freed a lease later, as before."""
+        its key is freed a lease later, as before. A renewal the store failed (busy, unreachable) is tried again a
+        thirtieth of the lease later, not a third: a lease renewed on time has two thirds of itself left at the
+        failure, some twenty tries, where two failures in a row let it end while its request still ran."""
         return asyncio.get_running_loop().create_task(self._renew(claim))
 
     async def _renew(self, claim: Claim) -> None:
+        failed = 0  # renewals failed in a row
         while True:
-            await asyncio.sleep(self.lease_s / 3)
+            await asyncio.sleep(self.lease_s / (RENEW_RETRY_PARTS if failed else 3))
             try:
-                if not await self.store.renew(claim, self.lease_s):
-                    return
-            except Exception as exc:  # the store failing for now: the next try is a third away
-                log.warning("renewing the lease of Idempotency-Key %r (tenant %s) failed: %s", claim.key,
-                            claim.tenant, exc)
+                renewed = await self.store.renew(claim, self.lease_s)
+            except Exception as exc:  # the store failing for now: tried again soon, logged once a run of failures
+                if not failed:
+                    log.warning("renewing the lease of Idempotency-Key %r (tenant %s) failed, tried again every %g s "
+                                "until it is: %s", claim.key, claim.tenant, self.lease_s / RENEW_RETRY_PARTS, exc)
+                failed += 1
+                continue
+            if not renewed:
+                return
+            if failed:
+                log.warning("the lease of Idempotency-Key %r (tenant %s) renewed after %d failed tries", claim.key,
+                            claim.tenant, failed)
+            failed = 0
 
     async def stored(self, ctx: RequestContext, req: BaseModel, *, route: str | None = None) -> Replay | None:
         """The key's stored answer, read only (nothing claimed, nothing written), or None: without the header, a key
