@@ -7,9 +7,13 @@ canonical body, so the same key with another body is told apart.
 
 Three stores behind one interface:
 - `SQLiteIdempotency` (embedded): a table in the ledger's database; a claim is written at once (one worker
-  thread owns the connection), and a `done` record commits in the same transaction as the answer's ledger
+  thread owns the writes' connection), and a `done` record commits in the same transaction as the answer's ledger
   row (`finish_with_row` gives the statement the ledger runs with the row), so a row and its stored answer
-  are durable together or not at all.
+  are durable together or not at all. Reads (a replay, `stored`) and renewals each have a thread and connection
+  of their own: a write waiting on the database's lock (up to its 5 s busy timeout) held up every call behind it
+  on one thread, another tenant's replay (which needs no lock under WAL) and renewals too, so that a renewal
+  queued behind claims could end past its lease. A renewal waits for the lock briefly (`RENEW_BUSY_S`): failed,
+  it is tried again soon (gateway/pipeline/idempotency.py).
 - `PostgresIdempotency` (a fleet, quotas/idempotency_postgres.py): the same table in the fleet database, beside the
   ledger's tables; a claim is one statement on a connection of the async pool, and the `done` record commits with the
   ledger row, as in SQLite, so any replica replays an answer whose row any replica wrote.
@@ -72,6 +76,8 @@ CREATE TABLE IF NOT EXISTS idempotency (
 CREATE INDEX IF NOT EXISTS idempotency_expires ON idempotency(expires);
 """
 PRUNE_EVERY = 1000  # claims between deletions of expired records
+BUSY_S = 5.0  # how long a claim, an answer or a give-up waits for the database's write lock
+RENEW_BUSY_S = 0.5  # how long a renewal does (the renewals behind it wait no longer); one that failed is tried soon
 # a tenant's bounds (the gateway's Settings do not carry them yet: these constants are what it runs with)
 MAX_RECORDS_PER_TENANT = 10_000  # live keys (running or done)
 MAX_BYTES_PER_TENANT = 256 * 1024 * 1024  # stored answers of its live keys (UTF-8 JSON)
@@ -222,24 +228,35 @@ class SQLiteIdempotency(IdempotencyStore):
         self._clock = clock
         self.limits = limits
         self._path = path
+        # writes (claims, answers, give-ups) on one thread and connection; reads and renewals each on their own, so
+        # that neither waits behind a write waiting on the lock (see the module's doc)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="idempotency")
+        self._reads = ThreadPoolExecutor(max_workers=1, thread_name_prefix="idempotency-reads")
+        self._renewals = ThreadPoolExecutor(max_workers=1, thread_name_prefix="idempotency-renewals")
         self._conn: sqlite3.Connection | None = self._connect()
+        self._read_conn: sqlite3.Connection | None = None  # opened by the first read, in its thread
+        self._renew_conn: sqlite3.Connection | None = None  # opened by the first renewal, in its thread
         self._conn.executescript(SCHEMA)
         migrate_sqlite(self._conn)
         self._claims = 0
         self._fault: str | None = None  # why claims are refused, since the first refused (logged once)
         self._give_ups = GiveUps(self._abandon_at)  # give-ups SQLite could not take, deleted once it can
 
-    def _connect(self) -> sqlite3.Connection:
-        conn = sqlite3.connect(self._path, isolation_level=None, timeout=5.0, check_same_thread=False)
+    def _connect(self, busy_s: float = BUSY_S) -> sqlite3.Connection:
+        conn = sqlite3.connect(self._path, isolation_level=None, timeout=busy_s, check_same_thread=False)
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=NORMAL")
         return conn
 
     async def begin(self, tenant: str, key: str, fingerprint: str, owner: str, *, lease_s: float) -> Begun:
+        loop = asyncio.get_running_loop()
         try:
-            begun = await asyncio.get_running_loop().run_in_executor(
-                self._pool, self._begin, tenant, key, fingerprint, owner, lease_s)
+            # a stored answer is read on the reads' thread, without the database's write lock (a done record changes
+            # only when it expires), and decoded there: a replay waits neither for writes waiting on the lock nor
+            # holds up the ledger's commits
+            begun: Begun | None = await loop.run_in_executor(self._reads, self._replay, tenant, key, fingerprint)
+            if begun is None:
+                begun = await loop.run_in_executor(self._pool, self._begin, tenant, key, fingerprint, owner, lease_s)
         except (sqlite3.Error, MemoryError) as exc:
             if (found := _sqlite_fault(exc)) is None:
                 raise
@@ -253,14 +270,20 @@ class SQLiteIdempotency(IdempotencyStore):
             self._fault = None
         return begun
 
+    def _replay(self, tenant: str, key: str, fingerprint: str) -> Replay | Mismatch | None:
+        """The key's live stored answer (or Mismatch for another body), or None: it is claimed, if it can be."""
+        found = self._read(tenant, key)
+        if found is not None and found[1] == "done" and found[3] > self._clock():
+            return _decoded(found[2]) if found[0] == fingerprint else Mismatch()
+        return None
+
+    def _read(self, tenant: str, key: str) -> tuple[Any, ...] | None:
+        conn = self._read_conn = self._read_conn or self._connect()
+        return conn.execute(_SELECT, (tenant, key)).fetchone()
+
     def _begin(self, tenant: str, key: str, fingerprint: str, owner: str, lease_s: float) -> Begun:
         now = self._clock()
         conn = self._conn = self._conn or self._connect()
-        # a stored answer is read without the database's write lock (a done record changes only when it expires),
-        # and decoded after: replays of a large answer must not hold up the ledger's commits
-        found = conn.execute(_SELECT, (tenant, key)).fetchone()
-        if found is not None and found[1] == "done" and found[3] > now:
-            return _decoded(found[2]) if found[0] == fingerprint else Mismatch()
         conn.execute("BEGIN IMMEDIATE")
         try:
             found = conn.execute(_SELECT, (tenant, key)).fetchone()
@@ -326,7 +349,7 @@ class SQLiteIdempotency(IdempotencyStore):
         await asyncio.get_running_loop().run_in_executor(self._pool, self._execute, statements)
 
     def _execute(self, statements: tuple[Statement, ...]) -> None:
-        """`statements` on this store's connection (in the pool's one thread), rolled back if one fails."""
+        """`statements` on the writes' connection (in their one thread), rolled back if one fails."""
         conn = self._conn = self._conn or self._connect()
         try:
             for sql, args in statements:
@@ -336,22 +359,25 @@ class SQLiteIdempotency(IdempotencyStore):
             raise
 
     async def renew(self, claim: Claim, lease_s: float) -> bool:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self._renew, claim, lease_s)
+        """On the renewals' thread, waiting `RENEW_BUSY_S` at most for the lock; `LedgerUnavailable` when SQLite
+        cannot take it now (the next try is soon: gateway/pipeline/idempotency.py)."""
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._renewals, self._renew, claim, lease_s)
+        except (sqlite3.Error, MemoryError) as exc:
+            if (found := _sqlite_fault(exc)) is None:
+                raise
+            raise LedgerUnavailable(f"an idempotency claim's lease cannot be renewed now: {found[0]}") from exc
 
     def _renew(self, claim: Claim, lease_s: float) -> bool:
-        conn = self._conn = self._conn or self._connect()
+        conn = self._renew_conn = self._renew_conn or self._connect(RENEW_BUSY_S)
         args = (self._clock() + lease_s, claim.tenant, claim.key, claim.owner)
         return conn.execute(_SQLITE_RENEW, args).rowcount > 0
 
     async def stored(self, tenant: str, key: str, fingerprint: str) -> Replay | Mismatch | None:
-        found = await asyncio.get_running_loop().run_in_executor(self._pool, self._stored, tenant, key)
+        found = await asyncio.get_running_loop().run_in_executor(self._reads, self._read, tenant, key)
         if found is None or found[1] != "done" or found[3] <= self._clock():
             return None
         return _decoded(found[2]) if found[0] == fingerprint else Mismatch()
-
-    def _stored(self, tenant: str, key: str) -> tuple[Any, ...] | None:
-        conn = self._conn = self._conn or self._connect()
-        return conn.execute(_SELECT, (tenant, key)).fetchone()
 
     async def abandon(self, claim: Claim) -> None:
         """Give the claim up; one SQLite cannot take now (busy past its timeout, locked, full...) is owed and given up
@@ -373,9 +399,11 @@ class SQLiteIdempotency(IdempotencyStore):
 
     async def close(self) -> None:
         await self._give_ups.close()
-        self._pool.shutdown(wait=True)
-        if self._conn is not None:
-            self._conn.close()
+        for pool in (self._pool, self._reads, self._renewals):
+            pool.shutdown(wait=True)
+        for conn in (self._conn, self._read_conn, self._renew_conn):
+            if conn is not None:
+                conn.close()
 
 
 def _sqlite_fault(exc: BaseException) -> tuple[str, int] | None:
