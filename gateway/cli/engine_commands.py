@@ -168,7 +168,8 @@ def engine_serve(model: str, served_name: str | None, host: str, port: int, quan
                  draft_quantize: str | None, draft_dtype: str, speculative_k: int, speculative_max_batch: int,
                  max_body_bytes: int, api_key_env: str, allow_unauthenticated: bool, models_dir: Path | None,
                  data_dir: Path | None) -> None:
-    """Serve one model over an OpenAI-compatible API (/v1/chat/completions, /v1/models, /health, /metrics)."""
+    """Serve one model over an OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models,
+    /health, /metrics)."""
     from engine.launch import DraftModel
     from engine.launch import serve as serve_engine
 
