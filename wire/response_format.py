@@ -33,10 +33,14 @@ SCHEMA_BOUNDS = (f"a JSON Schema object of at most {MAX_SCHEMA_BYTES} bytes (com
 
 
 def check_schema_bounds(schema: dict[str, Any]) -> None:
-    """Raise ValueError when `schema` is nested deeper than MAX_SCHEMA_DEPTH or larger than MAX_SCHEMA_BYTES.
+    """Raise ValueError when `schema` is nested deeper than MAX_SCHEMA_DEPTH, larger than MAX_SCHEMA_BYTES, or holds
+    a number past float64's range.
 
     Iterative (no recursion a deep schema could exhaust); the depth pass visits each node once and stops at the
     first level too deep, and the size is measured only then, by the JSON encoder, on a schema known to be shallow.
+    A number past float64's range (`1e999`: JSON by RFC 8259's grammar, infinity once the body is read) is refused
+    there too: the grammar compiler got it as `null` (`{"const": 1e999}` constrained the answer to `null`, a
+    `maximum` of it was refused in the compiler's words), and the gateway sent it to a remote tier as `null`.
     """
     level: list[Any] = [schema]
     depth = 0
@@ -49,7 +53,11 @@ def check_schema_bounds(schema: dict[str, Any]) -> None:
             values = node.values() if isinstance(node, dict) else node
             nested.extend(v for v in values if isinstance(v, dict | list))
         level = nested
-    text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+    try:
+        text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    except ValueError:  # a number past float64's range (1e999): JSON, but read as infinity
+        raise ValueError("the schema holds a number too large for a 64-bit float (such as 1e999 or -1e999), which "
+                         "would be read as infinity; send a finite number") from None
     size = len(text.encode())
     if size > MAX_SCHEMA_BYTES:
         raise ValueError(f"the schema has {size} bytes as compact JSON; at most {MAX_SCHEMA_BYTES} are allowed")

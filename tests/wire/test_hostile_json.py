@@ -72,3 +72,18 @@ def test_a_wide_body_the_width_check_cannot_read_is_refused_not_skipped(raw: byt
     with pytest.raises(BodyError) as refused:
         check_width(raw)
     assert refused.value.code == "invalid_json"
+
+
+@pytest.mark.parametrize(("extra", "param"), [
+    ('"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {"const": 1e999}}}',
+     "response_format.json_schema.schema"),
+    ('"tools": [{"type": "function", "function": {"name": "f", "parameters": {"maximum": -1e400}}}]',
+     "tools.0.function.parameters"),
+])
+def test_a_schema_number_past_float64s_range_is_refused_naming_the_schema(extra: str, param: str) -> None:
+    """`1e999` is JSON, but read as infinity, which the gateway sent a remote tier as `null` (msgspec's encoding):
+    the tier constrained the answer with a schema other than the tenant's."""
+    body = '{"model": "mid", "messages": [{"role": "user", "content": "hi"}], ' + extra + "}"
+    with pytest.raises(InvalidRequest) as refused:
+        parse_request(body.encode())
+    assert refused.value.param == param and "1e999" in refused.value.message

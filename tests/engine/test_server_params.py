@@ -1,0 +1,107 @@
+"""Every parameter the engine's HTTP API takes is checked there again, whoever calls it: a remote engine is called by
+another machine's gateway, or by anyone holding its key, not only through this gateway. A hostile value is a 400 in
+OpenAI's shape naming the field, and nothing is generated (the scripted runner runs no step)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from engine.llm_engine import LLMEngine
+from engine.server import create_engine_app
+from tests.engine.fakes import CharTokenizer, ScriptedRunner
+from tests.engine.test_server import byte_level_tokenizer
+from tests.stubs import ServerThread
+
+MSG = [{"role": "user", "content": "hi"}]
+TOOL = '{"type": "function", "function": {"name": "f", "parameters": %s}}'
+CHAT = {"model": "tiny", "messages": MSG, "max_tokens": 3}
+TEXT = {"model": "tiny", "prompt": "hi", "max_tokens": 3}
+
+
+def serve(tokenizer: object) -> Iterator[tuple[str, LLMEngine, ScriptedRunner]]:
+    runner = ScriptedRunner(reply='{"a": 1}', max_model_len=4096, num_kv_blocks=512)  # the tools' preamble is long
+    eng = LLMEngine(runner, tokenizer)
+    eng.start()
+    server = ServerThread(create_engine_app(eng, model_name="tiny", model_version="v1")).start()
+    yield server.url, eng, runner
+    server.stop()
+    eng.shutdown()
+
+
+@pytest.fixture
+def served() -> Iterator[tuple[str, LLMEngine, ScriptedRunner]]:
+    yield from serve(CharTokenizer())
+
+
+@pytest.fixture
+def compiling() -> Iterator[tuple[str, LLMEngine, ScriptedRunner]]:
+    """With a real (byte-level) tokenizer, so a response format is compiled by llguidance as on a model."""
+    yield from serve(byte_level_tokenizer())
+
+
+def post(url: str, path: str, body: dict[str, object], extra: str = "", headers: object = None) -> httpx.Response:
+    """`body` with `extra` (raw JSON members: a literal json.dumps cannot write, such as 1e999) added."""
+    raw = json.dumps(body)[:-1] + (", " + extra if extra else "") + "}"
+    return httpx.post(f"{url}/v1/{path}", content=raw.encode(), headers=headers or {"content-type": "application/json"})
+
+
+def refused(r: httpx.Response, param: str, runner: ScriptedRunner) -> None:
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+    assert error["param"] == param, error
+    assert not runner.steps  # nothing generated
+
+
+SCHEMA = '{"type": "json_schema", "json_schema": {"name": "n", "schema": %s}}'
+
+
+@pytest.mark.parametrize("schema", ['{"const": 1e999}', '{"type": "number", "maximum": -1e999}',
+                                    '{"type": "array", "items": {"enum": [1, 1e400]}}'])
+@pytest.mark.parametrize(("path", "body"), [("chat/completions", CHAT), ("completions", TEXT)])
+def test_a_schema_number_past_float64s_range_is_a_400_naming_the_schema(
+        compiling: tuple[str, LLMEngine, ScriptedRunner], schema: str, path: str, body: dict[str, object]) -> None:
+    """1e999 is JSON, read as infinity: llguidance got it as null, so `{"const": 1e999}` was answered (200) under
+    `{"const": null}`, a schema other than the one sent."""
+    url, eng, runner = compiling
+    r = post(url, path, body, '"response_format": ' + SCHEMA % schema)
+    refused(r, "response_format.json_schema.schema", runner)
+    assert "1e999" in r.json()["error"]["message"] and eng.dead_reason is None
+
+
+@pytest.mark.parametrize("choice", ['"auto"', '"required"'])
+def test_a_tools_parameters_number_past_float64s_range_is_a_400_naming_them(
+        compiling: tuple[str, LLMEngine, ScriptedRunner], choice: str) -> None:
+    """Under "auto" the parameters were written into the prompt as `Infinity` and answered (200)."""
+    url, _, runner = compiling
+    tools = "[" + TOOL % '{"type": "object", "properties": {"a": {"type": "integer", "minimum": 1e999}}}' + "]"
+    r = post(url, "chat/completions", CHAT, f'"tools": {tools}, "tool_choice": {choice}')
+    refused(r, "tools.0.function.parameters", runner)
+
+
+@pytest.mark.parametrize(("field", "raw", "param"), [
+    # the engine's own extensions (vLLM's): past their bounds, not integers, huge
+    ("top_k", "-2", "top_k"), ("top_k", "2147483648", "top_k"), ("top_k", "1e999", "top_k"), ("top_k", "2.5", "top_k"),
+    ("priority", "2147483648", "priority"), ("priority", "-2147483649", "priority"), ("priority", '"1"', "priority"),
+    ("priority", "18446744073709551616", "priority"), ("priority", "true", "priority"),
+    # floats past float64's range (read as infinity), and integers past every bound
+    ("temperature", "1e999", "temperature"), ("top_p", "-1e999", "top_p"), ("presence_penalty", "1e999",
+                                                                            "presence_penalty"),
+    ("max_tokens", "18446744073709551616", "max_tokens"), ("max_tokens", "-1", "max_tokens"),
+    ("seed", "1e999", "seed"), ("top_k", "-0.5", "top_k"),
+    # unknown fields, nested ones too, refused by name
+    ("ignore_eos", "true", "ignore_eos"), ("min_tokens", "1", "min_tokens"), ("guided_json", "{}", "guided_json"),
+    ("stream_options", '{"include_usage": true, "x": 1}', "stream_options.x"),
+    ("response_format", '{"type": "json_object", "schema": {}}', "response_format.schema"),
+])
+@pytest.mark.parametrize(("path", "body"), [("chat/completions", CHAT), ("completions", TEXT)])
+def test_a_hostile_value_of_a_field_both_endpoints_take_is_a_400_naming_it(
+        served: tuple[str, LLMEngine, ScriptedRunner], field: str, raw: str, param: str, path: str,
+        body: dict[str, object]) -> None:
+    url, _, runner = served
+    stream = ', "stream": true' if field == "stream_options" else ""
+    refused(post(url, path, body, f'"{field}": {raw}{stream}'), param, runner)
