@@ -227,7 +227,11 @@ def create_engine_app(engine: LLMEngine, *, model_name: str, model_version: str,
             return Response(error_body(exc.message, param=exc.param, code=exc.code), status_code=400)
         if req.model != model_name:
             return _unknown_model(req.model, model_name)
-        salt = request.headers.get(CACHE_SALT_HEADER)
+        salts = request.headers.getall(CACHE_SALT_HEADER, [])
+        if len(salts) > 1:  # the first was used and the others were never checked: no one of them is the request's
+            return Response(error_body(f"{CACHE_SALT_HEADER}: sent {len(salts)} times; send it once",
+                                       param=CACHE_SALT_HEADER), status_code=400)
+        salt = salts[0] if salts else None
         if salt is not None and not _SALT.fullmatch(salt):
             return Response(error_body(f"{CACHE_SALT_HEADER}: 1-64 of A-Za-z0-9._:-", param=CACHE_SALT_HEADER),
                             status_code=400)

@@ -15,6 +15,7 @@ from engine.server import create_engine_app
 from tests.engine.fakes import CharTokenizer, ScriptedRunner
 from tests.engine.test_server import byte_level_tokenizer
 from tests.stubs import ServerThread
+from wire.errors import CACHE_SALT_HEADER
 
 MSG = [{"role": "user", "content": "hi"}]
 TOOL = '{"type": "function", "function": {"name": "f", "parameters": %s}}'
@@ -81,6 +82,20 @@ def test_a_tools_parameters_number_past_float64s_range_is_a_400_naming_them(
     tools = "[" + TOOL % '{"type": "object", "properties": {"a": {"type": "integer", "minimum": 1e999}}}' + "]"
     r = post(url, "chat/completions", CHAT, f'"tools": {tools}, "tool_choice": {choice}')
     refused(r, "tools.0.function.parameters", runner)
+
+
+@pytest.mark.parametrize("salts", [["a", "b c"], ["t1", "t2"], ["t1", "t1"]])
+@pytest.mark.parametrize(("path", "body"), [("chat/completions", CHAT), ("completions", TEXT)])
+def test_a_cache_salt_sent_more_than_once_is_a_400_naming_it(
+        served: tuple[str, LLMEngine, ScriptedRunner], salts: list[str], path: str, body: dict[str, object]) -> None:
+    """The first was used and the others never checked (a malformed second one too): whose prefix cache, and
+    whose grammar and scheduling shares, the request took depended on the headers' order."""
+    url, _, runner = served
+    headers = [("content-type", "application/json"), *((CACHE_SALT_HEADER, s) for s in salts)]
+    r = post(url, path, body, headers=headers)
+    refused(r, CACHE_SALT_HEADER, runner)
+    assert "sent 2 times" in r.json()["error"]["message"]
+    assert post(url, path, body, headers=headers[:2]).status_code == 200  # one is served as before
 
 
 @pytest.mark.parametrize(("field", "raw", "param"), [
