@@ -181,9 +181,9 @@ class EmbeddingsService:
     def _parse(self, ctx: RequestContext, body: bytes) -> EmbeddingRequest:
         """The cheapest checks first: readiness, the body, the model."""
         # a request with a key is let on while the ledger cannot write: its stored answer is replayed (`_begin`)
-        if (why := self.ledger.not_ready_reason) is not None and (
+        if self.ledger.not_ready_reason is not None and (
                 self.idempotency is None or IDEMPOTENCY_HEADER not in ctx.headers):
-            raise not_ready(why)
+            raise not_ready()
         req = parse_body(body, EmbeddingRequest)
         if not self.spec.enabled or req.model != self.spec.model:
             served = f"; this gateway serves {self.spec.model!r}" if self.spec.enabled else ""
@@ -197,9 +197,9 @@ class EmbeddingsService:
                 raise InvalidRequest("Idempotency-Key is not supported on this gateway's embeddings",
                                      param="Idempotency-Key", code="unsupported_parameter")
             return None
-        if (why := self.ledger.not_ready_reason) is not None:  # a replay writes no row: nothing else starts
+        if self.ledger.not_ready_reason is not None:  # a replay writes no row: nothing else starts
             if (stored := await self.idempotency.stored(ctx, req, route=ROUTE)) is None:
-                raise not_ready(why)
+                raise not_ready()
             return stored
         return await self.idempotency.begin(ctx, req, route=ROUTE)
 

@@ -129,9 +129,17 @@ class Unavailable(TiergateError):
     error_type = "service_unavailable"
 
 
-def not_ready(why: str) -> Unavailable:
+# What a tenant reads while the ledger cannot write, and when its request's row was not durable in time: fixed
+# sentences. Why the ledger cannot write (the database driver's error: for PostgreSQL its host, port, user and the
+# DETAIL and CONTEXT lines) is an operator's to read: the ledger logs it once a fault, and /health shows it to an
+# admin key (gateway/routes/health.py); the tenant has the Retry-After and the request id to quote.
+NOT_READY_MESSAGE = "the gateway cannot record usage now, so it takes no new requests; retry later"
+LEDGER_UNAVAILABLE_MESSAGE = "the gateway cannot record usage now; retry later"
+
+
+def not_ready() -> Unavailable:
     """The refusal of work while the ledger cannot write (a 503 with Retry-After): chat's and embeddings' alike."""
-    return Unavailable(f"the gateway cannot take requests now: {why}", code="not_ready", retry_after=5)
+    return Unavailable(NOT_READY_MESSAGE, code="not_ready", retry_after=5)
 
 
 class UpstreamError(TiergateError):
@@ -175,8 +183,9 @@ def client_error(exc: BaseException) -> TiergateError:
         case tier_errors.TierError():
             return _tier_error(exc)
         case LedgerUnavailable():
-            return Unavailable(f"the usage ledger cannot record requests now: {exc}", code="ledger_unavailable",
-                               retry_after=5)
+            # its text holds the ledger's fault, the database driver's words: the log's, not the tenant's
+            log.warning("usage not recorded in time, answered 503 ledger_unavailable: %s", exc)
+            return Unavailable(LEDGER_UNAVAILABLE_MESSAGE, code="ledger_unavailable", retry_after=5)
         case _:
             return InternalError("internal error; it has been logged")
 

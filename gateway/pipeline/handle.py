@@ -93,7 +93,7 @@ class Pipeline:
                 # writes no row; refused before, a client retrying a lost answer was told 503 for what it had paid
                 why = self.ready() if self.ready is not None else None
                 if why is not None and (self.idempotency is None or HEADER not in ctx.headers):
-                    raise not_ready(why)
+                    raise not_ready()
                 check_data_version(ctx.headers)
                 req = (parse or parse_request)(body)
                 if self.idempotency is None:
@@ -101,7 +101,7 @@ class Pipeline:
                 elif why is None:
                     begun = await self.idempotency.begin(ctx, req)
                 elif (begun := await self.idempotency.stored(ctx, req)) is None:
-                    raise not_ready(why)
+                    raise not_ready()
                 if isinstance(begun, Replay):
                     await self._count_replay(ctx)
             if isinstance(begun, Replay):  # answered before: the same answer, charged nothing, written nowhere

@@ -9,6 +9,7 @@ from typing import Any
 import httpx
 import pytest
 
+from gateway.errors import NOT_READY_MESSAGE
 from gateway.pipeline.tier_call import TierCaller
 from tests.conftest import Gateway, running_gateway
 from tests.stubs import REPLY
@@ -109,17 +110,30 @@ def test_the_gate_remembers_a_rate_refusal_with_the_exact_checks_retry_time(gate
     assert gateway.stub.requests == []
 
 
+# why a PostgreSQL ledger could not commit, in the driver's words (quotas/ledger.py's `_fault`): an operator's to read
+DRIVER_FAULT = ('ledger cannot commit: connection to server at "10.20.30.40", port 5432 failed: FATAL: could not '
+                'extend file "base/16384/16385": disk full\nDETAIL: user "tiergate_ledger" (OperationalError)')
+
+
 def test_a_ledger_that_cannot_write_makes_the_gateway_refuse_new_work(
         gateway: Gateway, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tenant reads a fixed sentence, the Retry-After and its request id; why (the database driver's error, with
+    the server's address and user) is the admin's, on /health, and the log's."""
     ledger = gateway.app.state.services.ledger
-    monkeypatch.setattr(type(ledger), "not_ready_reason", property(lambda self: "disk full"), raising=False)
+    monkeypatch.setattr(type(ledger), "not_ready_reason", property(lambda self: DRIVER_FAULT), raising=False)
     with gateway.client(gateway.tenant_key) as c:
-        r = c.post("/v1/chat/completions", json={"model": "mid", "messages": [{"role": "user", "content": "hi"}]})
-    assert r.status_code == 503 and r.json()["error"]["code"] == "not_ready" and "disk full" in r.text
+        chat = c.post("/v1/chat/completions", json={"model": "mid", "messages": [{"role": "user", "content": "hi"}]})
+        embeddings = c.post("/v1/embeddings", json={"model": "all-MiniLM-L6-v2", "input": ["hi"]})
+    for r in (chat, embeddings):
+        assert r.status_code == 503 and r.json()["error"]["code"] == "not_ready"
+        assert r.json()["error"]["message"] == NOT_READY_MESSAGE and r.headers["retry-after"] == "5"
+        assert r.headers["x-tiergate-request-id"]
+        assert "disk full" not in r.text and "10.20.30.40" not in r.text and "tiergate_ledger" not in r.text
     assert gateway.stub.requests == []
     with gateway.client() as anonymous, gateway.client(gateway.admin_key) as admin:
         assert anonymous.get("/health").status_code == 503  # load balancers stop sending work here
-        assert admin.get("/health").json()["ledger"] == "disk full"
+        assert "disk full" not in anonymous.get("/health").text
+        assert admin.get("/health").json()["ledger"] == DRIVER_FAULT
 
 
 def test_a_json_answer_that_fails_midway_bills_the_prompt_only(gateway: Gateway) -> None:
