@@ -173,13 +173,17 @@ class PostgresTenantStore(TenantStore):
             yield conn
             return
         if time.monotonic() < self._broken_until:
-            raise _unavailable("it failed less than a second ago")
+            raise _unavailable()
         try:
             with self._pool.connection() as conn:
                 yield conn
         except (psycopg.OperationalError, PoolTimeout) as exc:
             self._broken_until = time.monotonic() + BREAKER_S
-            raise _unavailable(str(exc).strip()) from exc
+            # the driver's words (the server's host and port, the user, its DETAIL lines) are the log's, not the
+            # tenant's: about one line a BREAKER_S, as the queries in between fail at once without asking
+            log.error("tenant store: the fleet database cannot be reached, requests get 503 for %g s: %s",
+                      BREAKER_S, str(exc).strip())
+            raise _unavailable() from exc
 
     def _fetchone(self, sql: str, args: tuple[Any, ...] = ()) -> tuple[Any, ...] | None:
         with self._connection() as conn:
@@ -235,5 +239,9 @@ class PostgresTenantStore(TenantStore):
                 backoff = min(2.0, backoff * 2)
 
 
-def _unavailable(why: str) -> Unavailable:
-    return Unavailable(f"the fleet database cannot be reached: {why}", code="database_unavailable", retry_after=2)
+# what a tenant (or an admin) reads while the fleet database cannot be reached; why is in the log (`_connection`)
+UNAVAILABLE_MESSAGE = "the gateway cannot check API keys or tenants now; retry shortly"
+
+
+def _unavailable() -> Unavailable:
+    return Unavailable(UNAVAILABLE_MESSAGE, code="database_unavailable", retry_after=2)

@@ -15,10 +15,10 @@ from typing import Any
 import psycopg
 import pytest
 
-from gateway.errors import Conflict, InvalidRequest, NotFound
+from gateway.errors import Conflict, InvalidRequest, NotFound, Unavailable
 from gateway.tenants.keys import MAX_TTL_S, hash_secret, parse_key
 from gateway.tenants.store import ADMIN, TenantStore
-from gateway.tenants.store_postgres import PostgresTenantStore
+from gateway.tenants.store_postgres import UNAVAILABLE_MESSAGE, PostgresTenantStore
 from gateway.tenants.store_sqlite import FOLLOW_EVERY_S
 from quotas.plans import Limits
 
@@ -299,3 +299,28 @@ def test_a_budget_stored_in_exponent_form_reads_back_exactly(backend: Backend, s
     other = backend.open()  # another replica: nothing of the first one's cache
     (listed,) = other.list_keys("acme")
     assert listed.limits == Limits(budget_day_usd=Decimal(written), rpm=5)
+
+
+def test_an_unreachable_fleet_database_is_a_fixed_503_and_its_error_goes_to_the_log(
+        database_url: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A key's lookup while the fleet database cannot be reached: the tenant reads a fixed sentence, never the
+    driver's words (the server's address, the user); the log has them."""
+    store = PostgresTenantStore(database_url)
+    try:
+        refused = ('connection failed: connection to server at "10.20.30.40", port 5432 failed: FATAL: password '
+                   'authentication failed for user "tiergate_fleet"')
+
+        def unreachable(*args: Any, **kwargs: Any) -> Any:
+            raise psycopg.OperationalError(refused)
+
+        monkeypatch.setattr(store._pool, "connection", unreachable)
+        with caplog.at_level(logging.ERROR, logger="tiergate.tenants"):
+            for _ in range(2):  # the query that failed, then one refused at once (the breaker)
+                with pytest.raises(Unavailable) as caught:
+                    store.authenticate("tg-0123456789ab-" + "x" * 43)
+                err = caught.value
+                assert err.code == "database_unavailable" and err.retry_after == 2
+                assert err.message == UNAVAILABLE_MESSAGE
+        assert caplog.text.count("10.20.30.40") == 1 and "tiergate_fleet" in caplog.text
+    finally:
+        store.close()
