@@ -69,6 +69,7 @@ class PromptStage:
         # lookups use (a temperature-0 request waited seconds behind another tenant's long prompts there)
         self.threads = FairThreads(COUNTING_THREADS, "tiergate-count")
         self._counters: dict[str, TokenCounter] = {}  # tokenizer source -> its counter, once loaded
+        self._unprepared: dict[str, str] = {}  # tokenizer source -> why it last failed to load, as logged
 
     async def measure(self, req: ChatCompletionRequest, tier: TierSpec, degr: Degradation, *,
                       owner: Hashable = None, user: Hashable = None) -> Prompt:
@@ -124,9 +125,15 @@ class PromptStage:
         try:
             counter = token_counter(resolve_model(source, self.models_dir))
         except (OSError, ValueError) as exc:
-            raise Unavailable(
-                f"the tokenizer of tier {tier.name!r} ({source}) is not prepared: {exc}; run "
-                f"`tiergate models fetch --model {source}`", code="tokenizer_unavailable", retry_after=30) from exc
+            # why (the file's path in the models directory, the loader's words) and what to run are the operator's:
+            # logged once a fault, not once a request; the tenant reads which tier cannot take its request
+            why = f"{exc}; run `tiergate models fetch --model {source}`"
+            if self._unprepared.get(source) != why:
+                self._unprepared[source] = why
+                log.error("the tokenizer of tier %r (%s) is not prepared: %s", tier.name, source, why)
+            raise Unavailable(f"tier {tier.name!r} cannot take requests now: its model is not prepared on this "
+                              "gateway; retry later", code="tokenizer_unavailable", retry_after=30) from exc
+        self._unprepared.pop(source, None)
         self._counters[source] = counter  # only a loaded one: a tokenizer not prepared yet is looked for again
         return counter
 

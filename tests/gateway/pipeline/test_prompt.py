@@ -4,6 +4,7 @@ with a bounded number of exact counts, and text that cannot fit is refused witho
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import threading
 from pathlib import Path
@@ -135,6 +136,26 @@ def test_warm_loads_each_tiers_tokenizer_once_and_leaves_an_unprepared_one_to_th
     with pytest.raises(Unavailable, match="not prepared"):  # the request still says why: a 503, not a bare Exception
         asyncio.run(stage.measure(ChatCompletionRequest.model_validate(
             {"model": "gone", "messages": [{"role": "user", "content": "hi"}]}), missing, NORMAL))
+
+
+def test_an_unprepared_tokenizer_tells_the_tenant_which_tier_and_the_log_why(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The tenant reads which tier cannot take its request; the models directory's paths, the loader's words and the
+    command to run are the operator's, logged once, not once a request."""
+    missing = TierSpec.model_validate({"name": "gone", "backend": "local", "model": "no-such-model",
+                                       "price_per_1k_input": "0.001", "price_per_1k_output": "0.002",
+                                       "hardware_cost_per_hour": "1", "context_limit": 8192})
+    stage = PromptStage(models_dir=tmp_path / "models", default_max_tokens=64)
+    req = ChatCompletionRequest.model_validate({"model": "gone", "messages": [{"role": "user", "content": "hi"}]})
+    with caplog.at_level(logging.ERROR, logger="tiergate.prompt"):
+        for _ in range(2):
+            with pytest.raises(Unavailable) as caught:
+                asyncio.run(stage.measure(req, missing, NORMAL))
+            err = caught.value
+            assert err.code == "tokenizer_unavailable" and err.retry_after == 30
+            assert err.message == ("tier 'gone' cannot take requests now: its model is not prepared on this gateway; "
+                                   "retry later")
+    assert len(caplog.records) == 1 and "tiergate models fetch --model no-such-model" in caplog.text
 
 
 def test_a_started_gateway_has_its_tiers_tokenizers_before_its_first_request(gateway_settings: Any, stub: Any) -> None:
