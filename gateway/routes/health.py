@@ -1,4 +1,5 @@
-"""GET /health (no key: for load balancers) and GET /metrics (admin key: it names tenants)."""
+"""GET /health (no key: for load balancers) and GET /metrics (admin key: it names tenants; it takes no query, and a
+parameter sent is refused by name, as on every admin route, not ignored)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from litestar.openapi import ResponseSpec
 from gateway.auth import presented_key, require_admin
 from gateway.errors import Unavailable
 from gateway.metrics import GatewayMetrics
+from gateway.query_params import only_declared_query
 from gateway.routes.openapi import BEARER, errors
 from gateway.tenants.store import TenantStore
 from quotas.ledger import Ledger
@@ -58,7 +60,7 @@ def readiness(fleet: Fleet, ledger: Ledger) -> tuple[bool, dict[str, Any]]:
         "ledger": ledger_reason}
 
 
-@get("/metrics", guards=[require_admin], tags=["operations"], security=BEARER, media_type="text/plain",
-     responses=errors(401, 403, 500))
+@get("/metrics", guards=[require_admin, only_declared_query], tags=["operations"], security=BEARER,
+     media_type="text/plain", responses=errors(400, 401, 403, 500))
 async def metrics(metrics: NamedDependency[GatewayMetrics]) -> Response[bytes]:
     return Response(metrics.render(), media_type="text/plain; version=0.0.4")
