@@ -81,8 +81,12 @@ async def bump_data_version(store: NamedDependency[TenantStore], cache: NamedDep
     return {"tenant": name, "data_version": version}
 
 
-@get("/keys", responses=errors(400, 401, 403, 500), opt={QUERY_OPT: ("tenant",)})
+@get("/keys", responses=errors(400, 401, 403, 404, 500), opt={QUERY_OPT: ("tenant",)})
 async def list_keys(store: NamedDependency[TenantStore], tenant: FromQuery[str | None] = None) -> dict[str, Any]:
+    """Every key, or `tenant`'s: a tenant the store does not have is a 404 naming it (a misspelt name answered an
+    empty list, which reads as a tenant without keys)."""
+    if tenant is not None:
+        store.get_tenant(tenant)
     return {"data": [k.public() for k in store.list_keys(tenant)]}
 
 

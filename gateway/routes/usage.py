@@ -14,7 +14,7 @@ from gateway.report_format import to_csv
 from gateway.report_gate import ADMIN_SLOT, ReportGate
 from gateway.report_params import BY_PATTERN, DAY_PATTERN, ReportParamError, parse_by_query, parse_day
 from gateway.routes.openapi import BEARER, also, errors
-from gateway.tenants.store import Principal
+from gateway.tenants.store import Principal, TenantStore
 from quotas.ledger import Ledger
 from quotas.report import jsonable
 
@@ -60,14 +60,19 @@ async def _report(ledger: Ledger, gate: ReportGate, who: str, *, tenant: str | N
 
 
 @get("/admin/usage/report", guards=[require_admin], tags=["admin"], security=BEARER,
-     responses=errors(400, 401, 403, 429, 500), operation_class=also("text/csv"))
+     responses=errors(400, 401, 403, 404, 429, 500), operation_class=also("text/csv"))
 async def admin_report(request: Request[Any, Any, Any], ledger: NamedDependency[Ledger],
-                       reports: NamedDependency[ReportGate],
+                       reports: NamedDependency[ReportGate], store: NamedDependency[TenantStore],
                        tenant: FromQuery[str | None] = None,
                        to: Day = None, by: By = None,
                        format: Format = "json") -> Response[Any]:
-    """Query: from, to (YYYY-MM-DD, UTC, inclusive), by (tenant,tier,day,key_id), tenant, format (json|csv)."""
+    """Query: from, to (YYYY-MM-DD, UTC, inclusive), by (tenant,tier,day,key_id), tenant, format (json|csv).
+
+    A `tenant` the store does not have is a 404 naming it: a misspelt name (`Acme`, `acme `) answered a report of
+    no usage, which finance reads as a tenant that used nothing."""
     _refuse_unknown(request, (*_QUERY, "tenant"))
+    if tenant is not None:
+        store.get_tenant(tenant)
     return await _report(ledger, reports, ADMIN_SLOT, tenant=tenant, since=request.query_params.get("from"),
                          until=to, by=by, fmt=format)
 
