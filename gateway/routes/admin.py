@@ -15,7 +15,7 @@ from gateway.pipeline.cache_lookup import CacheStage
 from gateway.query_params import QUERY_OPT, only_declared_query
 from gateway.routes.openapi import BEARER, also, body, errors
 from gateway.tenants.keys import MAX_GRACE_S, MAX_TTL_S
-from gateway.tenants.store import ADMIN, NAME_RE, TenantStore
+from gateway.tenants.store import ADMIN, KEY_NAME_PATTERN, NAME_RE, TenantStore
 from gateway.validation import parse_body
 from quotas.plans import Limits, PlanBook
 
@@ -41,7 +41,7 @@ def _tenant_or_admin(schema: dict[str, Any]) -> None:
 class IssueKey(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid", json_schema_extra=_tenant_or_admin)
     tenant: str | None = None  # exactly one of a tenant or `admin`: an admin key belongs to no tenant
-    name: Annotated[str, Field(max_length=128)] = ""
+    name: Annotated[str, Field(max_length=128, json_schema_extra={"pattern": KEY_NAME_PATTERN})] = ""  # the store's
     admin: bool = False
     ttl_s: TtlSeconds | None = None
     limits: Limits | None = None  # this key's own limits, on top of the tenant's plan

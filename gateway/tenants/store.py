@@ -39,6 +39,11 @@ BUDGET_FIELDS = ("budget_day_usd", "budget_month_usd")  # strings of exact dolla
 
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
 ADMIN = "admin"
+# a key's name (a label) is one line of `tiergate keys list`'s tab-separated table and of the admin API's answers: no
+# tab, newline or other C0 or C1 control, nor Unicode's line and paragraph separators (a name holding "\n<id>\tacme\t
+# active" printed a row for a key that does not exist), at most 128 characters
+KEY_NAME_PATTERN = r"^[^\x00-\x1f\x7f-\x9f\u2028\u2029]{0,128}$"
+_KEY_NAME = re.compile(KEY_NAME_PATTERN)
 MAX_CACHED = 100_000  # cached key ids of each kind (keys, unknown ids); past it that cache starts again (bounded)
 
 
@@ -196,6 +201,9 @@ class TenantStore(ABC):
                                  "key", param="tenant", code="admin_key_with_tenant")
         if tenant is None and ADMIN not in roles:
             raise InvalidRequest("a key without a tenant must be an admin key", param="tenant")
+        if not isinstance(name, str) or not _KEY_NAME.fullmatch(name):
+            raise InvalidRequest("name: at most 128 characters on one line, without tabs or other control characters",
+                                 param="name", code="invalid_value")
         now = time.time()
         if ttl_s is not None:
             if expires_at is not None:
@@ -256,8 +264,8 @@ class TenantStore(ABC):
             # a key from before expiries were bounded is brought within the bound, never past its own end
             cap = now + MAX_TTL_S if old.expires_at is not None else None
             expires_at = _earliest(old.expires_at, cap, now + ttl_s if ttl_s is not None else None)
-            new, plaintext = self.issue_key(old.tenant, name=old.name, roles=old.roles, expires_at=expires_at,
-                                            limits=old.limits)
+            new, plaintext = self.issue_key(old.tenant, name=_one_line(old.name), roles=old.roles,
+                                            expires_at=expires_at, limits=old.limits)
             if grace_s > 0:
                 self._execute("UPDATE api_keys SET expires_at = ?, replaced_by = ? WHERE key_id = ?",
                               (_earliest(old.expires_at, now + grace_s), new.key_id, key_id))
@@ -338,6 +346,11 @@ def _principal(presented: str, entry: _Entry | None) -> Principal | None:
         return None
     _, key, tenant = entry
     return Principal(key, tenant) if key.active(time.time()) else None
+
+
+def _one_line(name: str) -> str:
+    """A name issued before KEY_NAME_PATTERN, as its replacement's: each control a space, cut at 128 characters."""
+    return re.sub(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]", " ", name)[:128]
 
 
 def _seconds(value: object, param: str, maximum: float, *, allow_zero: bool = False) -> float:
