@@ -16,7 +16,7 @@ from gateway.errors import TiergateError
 from gateway.rollout.guards import guards_from
 from gateway.rollout.service import RolloutService
 from gateway.rollout.state import Rollout
-from gateway.stores import open_rollout_store
+from gateway.stores import open_rollout_store, open_tenant_store
 from tiers.catalogue import TierCatalogue
 
 tiers_option = click.option("--tiers", "tiers_file", type=click.Path(path_type=Path), default=None,
@@ -79,6 +79,12 @@ def rollout_start(tier: str, version: str, share: float, tenants: tuple[str, ...
     """A canary of VERSION on TIER (a share of new conversations, and every named tenant), or a shadow; its guards
     roll it back by themselves."""
     with _service(data_dir, tiers_file) as s:
+        if tenants:  # a named tenant must exist, as the admin route checks
+            store = open_tenant_store(settings_from(data_dir=data_dir))
+            try:
+                store.require_tenants(tenants, "tenants")
+            finally:
+                store.close()
         limits = guards_from({k: v for k, v in guards.items() if v is not None})
         _say(s.start(tier, version, share=share, tenants=tenants, who="cli", reason=reason, shadow=shadow,
                      guards=limits))

@@ -19,7 +19,7 @@ from gateway.rollout.guards import Guards
 from gateway.rollout.service import RolloutService
 from gateway.routes.degrade import HistoryLimit
 from gateway.routes.openapi import BEARER, body, errors
-from gateway.tenants.store import NAME_RE
+from gateway.tenants.store import NAME_RE, TenantStore
 from gateway.validation import parse_body
 from tiers.catalogue import VERSION_NAME
 
@@ -62,11 +62,14 @@ async def status(rollouts: NamedDependency[RolloutService]) -> dict[str, Any]:
 
 
 @post("/", status_code=201, dependencies={"openapi_body": body(StartRollout)}, responses=CHANGE_ERRORS)
-async def start(request: Request[Any, Any, Any], rollouts: NamedDependency[RolloutService]) -> dict[str, Any]:
+async def start(request: Request[Any, Any, Any], rollouts: NamedDependency[RolloutService],
+                store: NamedDependency[TenantStore]) -> dict[str, Any]:
     """A canary: `share` of new conversations, and every named tenant, on `version`; or with `shadow`, a shadow
     (the serving version answers everyone; that share of requests is also sent to `version`, never returned or
-    billed). `guards` roll it back by themselves. 409 while one is running."""
+    billed). `guards` roll it back by themselves. 409 while one is running; 404 for a named tenant that does not
+    exist."""
     b = parse_body(await request.body(), StartRollout)
+    store.require_tenants(b.tenants, "tenants")  # before anything changes
     r = await asyncio.to_thread(rollouts.start, b.tier, b.version, share=b.share, tenants=tuple(b.tenants),
                                 who=request.state.key_id, reason=b.reason, shadow=b.shadow, guards=b.guards)
     return r.public()

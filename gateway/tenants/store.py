@@ -26,6 +26,7 @@ import json
 import re
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from decimal import Decimal
@@ -163,6 +164,13 @@ class TenantStore(ABC):
         if row is None:
             raise NotFound(f"no tenant {name!r}", param="tenant", code="tenant_not_found")
         return Tenant(*row)
+
+    def require_tenants(self, names: Iterable[str], param: str) -> None:
+        """A 404 naming the first of `names` the store does not have (`param`.index): what an admin names (a
+        canary's tenants) must exist, or a misspelt name is taken and names no one."""
+        for i, name in enumerate(names):
+            if self._fetchone("SELECT 1 FROM tenants WHERE name = ?", (name,)) is None:
+                raise NotFound(f"no tenant {name[:64]!r}", param=f"{param}.{i}", code="tenant_not_found")
 
     def list_tenants(self) -> list[Tenant]:
         return [Tenant(*r) for r in self._fetchall("SELECT name, plan, created_at FROM tenants ORDER BY name")]
