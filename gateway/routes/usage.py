@@ -68,8 +68,8 @@ async def admin_report(request: Request[Any, Any, Any], ledger: NamedDependency[
                        format: Format = "json") -> Response[Any]:
     """Query: from, to (YYYY-MM-DD, UTC, inclusive), by (tenant,tier,day,key_id), tenant, format (json|csv).
 
-    A `tenant` the store does not have is a 404 naming it: a misspelt name (`Acme`, `acme `) answered a report of
-    no usage, which finance reads as a tenant that used nothing."""
+    A `tenant` the store does not have is a 404 naming it: a misspelt name (a capital, a trailing space) answered
+    a report of no usage, which finance reads as a tenant that used nothing."""
     _refuse_unknown(request, (*_QUERY, "tenant"))
     if tenant is not None:
         store.get_tenant(tenant)
