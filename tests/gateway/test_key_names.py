@@ -4,6 +4,7 @@ a name holding "\\n<id>\\t<tenant>\\tactive" as a row for a key that does not ex
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ BAD_NAMES = [FORGED, "a\tb", "a\rb", "nul\x00", "esc\x1b[31m", "del\x7f", "nel\x
 
 
 @pytest.fixture
-def store(tmp_path: Path) -> TenantStore:
+def store(tmp_path: Path) -> Iterator[TenantStore]:
     s = TenantStore(Settings(data_dir=tmp_path).state_db)
     s.create_tenant("acme", "standard")
     yield s
