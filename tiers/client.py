@@ -28,6 +28,8 @@ from tiers.errors import UpstreamProtocolError, UpstreamRejected, UpstreamTimedO
 from wire.errors import CACHE_SALT_HEADER, REQUEST_FAULT_CODES
 
 MAX_LINE_BYTES = 1 << 20  # one SSE line (a chunk with 20 top log-probabilities per token is a few KB)
+MAX_ERROR_BYTES = 64 << 10  # what is read of an upstream's error answer (its message is cut far shorter anyway)
+MAX_JSON_BYTES = 4 << 20  # a JSON answer (`get_json`: a replica's /health, a remote server's /v1/models)
 # an idle pooled connection is dropped before the upstream drops it (uvicorn's default keep-alive is 5 s), so
 # a request is rarely written into a connection the other side is closing
 KEEPALIVE_S = 4.0
@@ -74,16 +76,18 @@ class TierClient:
         try:
             async with self._http().get(url, headers=_auth(api_key),
                                         timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-                content = await resp.read()
+                content = await _read_at_most(resp, MAX_ERROR_BYTES if resp.status != 200 else MAX_JSON_BYTES + 1)
         except TimeoutError as exc:
             raise UpstreamTimedOut(f"{url}: no answer in {timeout_s}s") from exc
         except aiohttp.ClientError as exc:
             raise UpstreamUnreachable(_failure(url, exc)) from exc
         if resp.status != 200:
             raise UpstreamRejected(resp.status, _json_or_text(content))
+        if len(content) > MAX_JSON_BYTES:
+            raise UpstreamProtocolError(f"{url}: the answer is longer than {MAX_JSON_BYTES} bytes")
         try:
             body = json.loads(content)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # RecursionError: nested deeper than the parser goes
             raise UpstreamProtocolError(f"{url}: the answer is not JSON: {content[:200]!r}") from exc
         if not isinstance(body, dict):
             raise UpstreamProtocolError(f"{url}: the answer is not a JSON object")
@@ -124,7 +128,7 @@ class TierClient:
                 _ON_SENT.reset(sending)
             async with response as resp:
                 if resp.status != 200:
-                    raise UpstreamRejected(resp.status, _json_or_text(await resp.read()))
+                    raise UpstreamRejected(resp.status, _json_or_text(await _read_at_most(resp, MAX_ERROR_BYTES)))
                 try:
                     pending: list[bytes] = []  # the pieces of an unfinished last line
                     pending_bytes = 0
@@ -206,10 +210,24 @@ def _auth(api_key: str | None) -> dict[str, str]:
     return {"authorization": f"Bearer {api_key}"} if api_key else {}
 
 
+async def _read_at_most(resp: aiohttp.ClientResponse, limit: int) -> bytes:
+    """The body's first `limit` bytes (all of it if shorter). The rest is never read: an upstream's body of any
+    length, or one that never ends, is neither held in memory nor waited for; a connection left with unread bytes is
+    closed, not pooled."""
+    parts: list[bytes] = []
+    size = 0
+    while size < limit and (got := await resp.content.read(limit - size)):
+        parts.append(got)
+        size += len(got)
+    if not resp.content.at_eof():
+        resp.close()
+    return b"".join(parts)
+
+
 def _chunk(url: str, data: bytes) -> dict[str, Any]:
     try:
         chunk = _decode(data)
-    except msgspec.DecodeError as exc:  # not JSON, or not UTF-8
+    except (msgspec.DecodeError, RecursionError) as exc:  # not JSON, not UTF-8, or nested past the decoder's depth
         raise UpstreamProtocolError(f"{url}: a stream chunk is not JSON: {data[:200]!r}") from exc
     if not isinstance(chunk, dict):
         raise UpstreamProtocolError(f"{url}: a stream chunk is not a JSON object: {data[:200]!r}")
@@ -235,7 +253,7 @@ def _json_or_text(content: bytes) -> dict[str, Any]:
         body = json.loads(content)
         if isinstance(body, dict):
             return body
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON (or cut at MAX_ERROR_BYTES), or nested past the parser's depth
         pass
     return {"error": {"message": content.decode(errors="replace")[:500], "type": "api_error"}}
 

@@ -1,0 +1,112 @@
+"""A hostile or broken upstream, byte by byte: whatever it answers, the tier client raises one of `tiers.errors` (which
+the gateway maps to an OpenAI-shaped error and the breaker counts), reads a bounded amount, and returns in bounded
+time. The server is a raw socket server, so the test decides every byte, the status line and the headers included."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+
+import tiers.client as client_module
+from tiers.client import TierClient
+from tiers.errors import UpstreamProtocolError, UpstreamRejected
+
+Writer = Callable[[asyncio.StreamWriter], Any]
+DEEP = b"[" * 100_000 + b"]" * 100_000  # nested past any parser's recursion limit
+SSE_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n"
+
+
+def head(status: int, content_type: bytes = b"application/json") -> bytes:
+    return b"HTTP/1.1 %d X\r\ncontent-type: %s\r\nconnection: close\r\n\r\n" % (status, content_type)
+
+
+def once(data: bytes) -> Writer:
+    async def write(writer: asyncio.StreamWriter) -> None:
+        writer.write(data)
+        await writer.drain()
+    return write
+
+
+def endless(start: bytes, piece: bytes) -> Writer:
+    """`start`, then `piece` again and again until the client goes."""
+    async def write(writer: asyncio.StreamWriter) -> None:
+        writer.write(start)
+        while True:
+            writer.write(piece)
+            await writer.drain()
+    return write
+
+
+@contextlib.asynccontextmanager
+async def upstream(write: Writer) -> AsyncIterator[str]:
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError):
+            request_head = await reader.readuntil(b"\r\n\r\n")
+            length = next((int(line.split(b":")[1]) for line in request_head.split(b"\r\n")
+                           if line.lower().startswith(b"content-length")), 0)
+            await reader.readexactly(length)
+            await write(writer)
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+async def stream(write: Writer, body: dict[str, Any] | None = None, **client: Any) -> list[dict[str, Any]]:
+    """The chunks the client yields, in at most 10 s (an unbounded read fails the test, not hangs it)."""
+    async with upstream(write) as url:
+        tier = TierClient(**client)
+        try:
+            async def read() -> list[dict[str, Any]]:
+                return [c async for c in tier.stream_chat(url, body or {"model": "m", "messages": []})]
+            return await asyncio.wait_for(read(), 10)
+        finally:
+            await tier.aclose()
+
+
+async def get_json(write: Writer) -> dict[str, Any]:
+    async with upstream(write) as url:
+        tier = TierClient()
+        try:
+            return await asyncio.wait_for(tier.get_json(url, timeout_s=8), 10)
+        finally:
+            await tier.aclose()
+
+
+async def test_a_chunk_nested_past_the_decoders_depth_is_a_protocol_error() -> None:
+    # was a RecursionError: no TierError, so the tenant read the gateway's own 500 and no breaker counted it
+    with pytest.raises(UpstreamProtocolError, match="not JSON"):
+        await stream(once(SSE_HEAD + b"data: " + DEEP + b"\n\ndata: [DONE]\n\n"))
+    with pytest.raises(UpstreamProtocolError, match="not JSON"):
+        await stream(once(SSE_HEAD + b'data: {"choices": ' + DEEP + b"}\n\ndata: [DONE]\n\n"))
+
+
+async def test_an_error_body_nested_past_the_parsers_depth_is_the_upstreams_error_in_its_words() -> None:
+    with pytest.raises(UpstreamRejected) as err:
+        await stream(once(head(500) + DEEP))
+    assert err.value.status == 500 and err.value.replica_failed
+    with pytest.raises(UpstreamProtocolError, match="not JSON"):
+        await get_json(once(head(200) + DEEP))
+
+
+async def test_an_error_body_that_never_ends_is_read_only_to_its_bound() -> None:
+    # was read whole: an endless (or many-MB) error answer held the request and grew the gateway's memory
+    with pytest.raises(UpstreamRejected) as err:
+        await stream(endless(head(503, b"text/plain"), b"e" * 65536))
+    assert err.value.status == 503 and len(err.value.message) <= client_module.MAX_ERROR_BYTES
+    with pytest.raises(UpstreamRejected):
+        await get_json(endless(head(500, b"text/plain"), b"e" * 65536))
+
+
+async def test_a_json_answer_that_never_ends_is_a_protocol_error() -> None:
+    with pytest.raises(UpstreamProtocolError, match="longer than"):
+        await get_json(endless(head(200) + b'{"data": ["', b"m" * 65536))
+    assert await get_json(once(head(200) + b'{"object": "list", "data": []}')) == {"object": "list", "data": []}
