@@ -17,6 +17,7 @@ per second with aiohttp's client than with httpx's default transport at 1 connec
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import AsyncIterator, Callable
 from contextvars import ContextVar
 from typing import Any
@@ -28,6 +29,12 @@ from tiers.errors import UpstreamProtocolError, UpstreamRejected, UpstreamTimedO
 from wire.errors import CACHE_SALT_HEADER, REQUEST_FAULT_CODES
 
 MAX_LINE_BYTES = 1 << 20  # one SSE line (a chunk with 20 top log-probabilities per token is a few KB)
+# a stream's data events past CHUNKS_PER_TOKEN * max_tokens + CHUNK_SLACK are an error: a server sends one per step
+# of its engine (a token or more each), a few more that carry none (the role, the finish, the usage), and our engine
+# up to three for a token that closes a tool call and opens the next (engine/tool_calls.py); an upstream that sends
+# more would never end, only at the pace it chooses
+CHUNKS_PER_TOKEN = 4
+CHUNK_SLACK = 16
 MAX_ERROR_BYTES = 64 << 10  # what is read of an upstream's error answer (its message is cut far shorter anyway)
 MAX_JSON_BYTES = 4 << 20  # a JSON answer (`get_json`: a replica's /health, a remote server's /v1/models)
 # an idle pooled connection is dropped before the upstream drops it (uvicorn's default keep-alive is 5 s), so
@@ -53,7 +60,8 @@ class _SentRequest(aiohttp.ClientRequest):
 class TierClient:
     def __init__(self, *, connect_timeout_s: float = 5.0, read_timeout_s: float = 600.0,
                  max_connections: int = 1024) -> None:
-        # a silent upstream fails after read_timeout_s between two reads, however long the whole answer
+        # a silent upstream fails after read_timeout_s without data, however long the whole answer: between two
+        # reads (aiohttp's sock_read), and between two data events of a stream whatever comes between (`_stream`)
         self._timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout_s, sock_read=read_timeout_s)
         self._max_connections = max_connections
         self._session: aiohttp.ClientSession | None = None
@@ -115,11 +123,18 @@ class TierClient:
                       on_sent: Callable[[], None] | None = None) -> AsyncIterator[dict[str, Any]]:
         """The stream's `data:` payloads as dicts, up to `[DONE]`. What has arrived is read at once and cut into
         lines here (not one await of aiohttp's line reader per line: two a chunk, most of a chunk's cost); a line
-        still unfinished after MAX_LINE_BYTES is an error, as it was with aiohttp's reader."""
+        still unfinished after MAX_LINE_BYTES is an error, as it was with aiohttp's reader. What an upstream may
+        send is bounded in time and size: comments and blank lines (an SSE keep-alive) are no data, and a stream
+        with none for the read timeout has timed out, however often they come; data events past what the body's
+        `max_tokens` allows (CHUNK_SLACK) are an error."""
         headers = {"content-type": "application/json", **_auth(api_key)}
         if cache_salt is not None:
             headers[CACHE_SALT_HEADER] = cache_salt
         done = False
+        read_timeout = self._timeout.sock_read
+        max_tokens = body.get("max_tokens")
+        chunks_left = CHUNKS_PER_TOKEN * max_tokens + CHUNK_SLACK if isinstance(max_tokens, int) else None
+        clock = time.monotonic
         try:
             sending = _ON_SENT.set(on_sent)
             try:
@@ -132,8 +147,11 @@ class TierClient:
                 try:
                     pending: list[bytes] = []  # the pieces of an unfinished last line
                     pending_bytes = 0
+                    quiet = 0.0  # seconds spent waiting for bytes since the last data event
                     while not done:
+                        waited = clock()
                         got = await resp.content.readany()
+                        quiet += clock() - waited
                         lines: list[bytes] = []
                         if got and b"\n" not in got:  # more of one line: kept, joined once its end comes
                             pending.append(got)
@@ -149,9 +167,18 @@ class TierClient:
                             if data == b"[DONE]":
                                 done = True
                                 break
+                            quiet = 0.0
+                            if chunks_left is not None:
+                                chunks_left -= 1
+                                if chunks_left < 0:
+                                    raise UpstreamProtocolError(f"{url}: the stream sent more events than "
+                                                                f"max_tokens={max_tokens} allows")
                             yield _chunk(url, data)
                         if not got:
                             break
+                        if read_timeout is not None and quiet > read_timeout and not done:
+                            raise UpstreamTimedOut(f"{url}: no data in {read_timeout}s (only comments or blank "
+                                                   "lines)")
                         if pending_bytes > MAX_LINE_BYTES and not done:
                             raise UpstreamProtocolError(f"{url}: a line of the stream is longer than "
                                                         f"{MAX_LINE_BYTES} bytes")

@@ -13,7 +13,7 @@ import pytest
 
 import tiers.client as client_module
 from tiers.client import TierClient
-from tiers.errors import UpstreamProtocolError, UpstreamRejected
+from tiers.errors import UpstreamProtocolError, UpstreamRejected, UpstreamTimedOut
 
 Writer = Callable[[asyncio.StreamWriter], Any]
 DEEP = b"[" * 100_000 + b"]" * 100_000  # nested past any parser's recursion limit
@@ -110,3 +110,39 @@ async def test_a_json_answer_that_never_ends_is_a_protocol_error() -> None:
     with pytest.raises(UpstreamProtocolError, match="longer than"):
         await get_json(endless(head(200) + b'{"data": ["', b"m" * 65536))
     assert await get_json(once(head(200) + b'{"object": "list", "data": []}')) == {"object": "list", "data": []}
+
+
+def paced(pieces: list[tuple[bytes, float]]) -> Writer:
+    """Each piece, then a pause of its seconds: the upstream's pace is what these tests are about."""
+    async def write(writer: asyncio.StreamWriter) -> None:
+        writer.write(SSE_HEAD)
+        for piece, pause in pieces:
+            writer.write(piece)
+            await writer.drain()
+            await asyncio.sleep(pause)
+    return write
+
+
+CHUNK = b'data: {"choices": [{"index": 0, "delta": {"content": "x"}}]}\n\n'
+
+
+async def test_keep_alive_comments_without_data_time_out() -> None:
+    # was never: each comment reset the read timeout, so a stream of only keep-alives held its request for ever
+    with pytest.raises(UpstreamTimedOut, match=r"no data in 0\.5s"):
+        await stream(paced([(CHUNK, 0)] + [(b": keep-alive\n\n", 0.05)] * 1000), read_timeout_s=0.5)
+    # the bound is on the time between data events, not on the answer's: keep-alives between them are fine
+    pinged = [(CHUNK, 0)] + [(b": ping\r\n\r\n", 0.05), (CHUNK, 0)] * 40 + [(b"data: [DONE]\n\n", 0)]
+    chunks = await stream(paced(pinged), read_timeout_s=0.5)
+    assert len(chunks) == 41
+
+
+@pytest.mark.parametrize("event", [b'data: {"choices": []}\n\n', b'data: {"choices": [{"index": 0, "delta": {}}]}\n\n',
+                                   CHUNK])
+async def test_a_stream_past_what_max_tokens_allows_is_a_protocol_error(event: bytes) -> None:
+    # was never ending: an upstream sending events with nothing (or anything) in them held its request for ever
+    with pytest.raises(UpstreamProtocolError, match="more events than max_tokens=4 allows"):
+        await stream(endless(SSE_HEAD, event), {"model": "m", "messages": [], "max_tokens": 4})
+    allowed = client_module.CHUNKS_PER_TOKEN * 4 + client_module.CHUNK_SLACK
+    chunks = await stream(once(SSE_HEAD + event * allowed + b"data: [DONE]\n\n"),
+                          {"model": "m", "messages": [], "max_tokens": 4})
+    assert len(chunks) == allowed
