@@ -209,6 +209,9 @@ class Pipeline:
                 yield self.head(ctx, req, attempt, headers)  # the version that answers, if a candidate fell back
                 async for chunk in upstream:
                     content, logprobs, _, calls = meter.add(chunk)
+                    if meter.overran:  # past the max_tokens the tier was sent: the answer ends at its cap
+                        meter.stop_reading("length")
+                        break
                     if content or calls or (logprobs and req.logprobs):  # logprobs not asked for stay ours
                         yield Delta(content, logprobs if req.logprobs else None, calls or None)
                     if look is not None and meter.past_lookahead:

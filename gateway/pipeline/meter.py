@@ -35,6 +35,13 @@ answers away. The engine's busy time (what the row's compute cost is priced on) 
 duration from 0 up to the request's time on the tier (`BUSY_LEEWAY_S` more): a negative one made the row's compute
 cost negative (and the cost metric's counter refuse it), a huge one made one row's cost swamp a day's report; an
 unbelievable one is priced on the wall time instead.
+
+What the tenant is sent is bounded the same way (`overran`): a tier that streams past the `max_tokens` it was sent
+(more content chunks than the cap, each a token at least; more characters than MAX_TOKEN_CHARS a token; more
+log-probability entries than tokens) has its answer end at the chunk before, as an answer cut at its cap
+(`finish_reason` "length"); the rest is never relayed, kept or billed. Before, it was all relayed, and all held in
+memory (the answer's text, a JSON answer's body) for as long as the tier kept streaming. Only the one choice asked
+for (index 0: a request has `n` 1) is read; another is not the tenant's answer.
 """
 
 from __future__ import annotations
@@ -82,6 +89,9 @@ log = logging.getLogger(__name__)
 MAX_REPORTED_TOKENS = 100_000_000  # more than any context holds: a count past it is absurd, not a count
 PROMPT_SLACK = 2  # a reported prompt over PROMPT_SLACK * counted + PROMPT_MARGIN is not the prompt we sent
 PROMPT_MARGIN = 1024
+# the most characters (text and tool calls' names and arguments) an answer may bring a token of its cap: a token of the
+# longest vocabularies' is tens of characters (a run of spaces), an answer's average is about four
+MAX_TOKEN_CHARS = 1024
 BUSY_LEEWAY_S = 1.0  # an engine's busy time may pass our time on the tier by this much (its clock, its rounding)
 
 
@@ -127,6 +137,9 @@ class Meter:
         self.output_reported = False  # ... a believable output count
         self.distrusted: set[str] = set()  # usage fields the tier sent that were not believed
         self.content_chunks = 0
+        self.output_chars = 0  # characters of content and tool calls read (`overran`)
+        self.logprob_entries = 0
+        self.overran = False  # the tier streamed past the output cap: the answer ends before that chunk
         self.chunks = 0  # chunks the tier sent: it answered
         self.keep_logprobs = keep_logprobs  # the client asked for them: they are part of its answer
         self.logprobs: list[dict[str, Any]] = []
@@ -168,9 +181,10 @@ class Meter:
         if isinstance(ext, dict) and (busy := reported_seconds(ext.get("busy_s"))) is not None:
             self.busy_s = busy
         content, logprobs, has_choice, calls = "", None, False, []
-        for choice in chunk.get("choices") or []:
-            if not isinstance(choice, dict):
-                continue
+        choices = [c for c in chunk.get("choices") or () if isinstance(c, dict) and c.get("index") in (0, None)]
+        if choices and self.output_cap is not None and self._past_cap(choices):
+            return content, logprobs, has_choice, calls
+        for choice in choices:
             delta = choice.get("delta") or {}
             piece = delta.get("content") if isinstance(delta, dict) else None
             calls += self._tool_calls(delta)
@@ -200,6 +214,36 @@ class Meter:
             if self.ttft_s is None:
                 self.ttft_s = time.perf_counter() - self.t0
         return content, logprobs, has_choice or bool(calls), calls
+
+    def _past_cap(self, choices: list[dict[str, Any]]) -> bool:
+        """Whether `choices` would take the answer past the output cap (the module's docstring); if so the meter has
+        `overran`, and they are not counted. Otherwise their size is."""
+        chars = entries = 0
+        output = False
+        for choice in choices:
+            delta = choice.get("delta")
+            if isinstance(delta, dict):
+                if isinstance(piece := delta.get("content"), str) and piece:
+                    chars += len(piece)
+                    output = True
+                if isinstance(calls := delta.get("tool_calls"), list) and calls:
+                    chars += len(repr(calls))  # bounded by the line it came in (tiers.client.MAX_LINE_BYTES)
+                    output = True
+            if isinstance(lp := choice.get("logprobs"), dict) and isinstance(lp.get("content"), list):
+                entries += len(lp["content"])
+        cap = self.output_cap
+        assert cap is not None
+        if (output and self.content_chunks >= cap) or self.output_chars + chars > cap * MAX_TOKEN_CHARS \
+                or self.logprob_entries + entries > cap:
+            if not self.overran:
+                log.warning("tier streamed past the output cap %d (%d content chunks, %d characters, %d "
+                            "log-probability entries so far): its answer ends there", cap, self.content_chunks,
+                            self.output_chars, self.logprob_entries)
+            self.overran = True
+            return True
+        self.output_chars += chars
+        self.logprob_entries += entries
+        return False
 
     def _read_usage(self, usage: dict[str, Any]) -> None:
         """The chunk's usage, each field as far as it is believable; a field that is not keeps what came before
@@ -247,10 +291,11 @@ class Meter:
         """The answer has a token beyond the look-ahead: its first tokens are all in, and it did not stop there."""
         return self.lookahead is not None and self.signals is not None and self.signals.num_tokens > self.lookahead
 
-    def stop_reading(self) -> None:
-        """The gateway judged the answer before its end and stops reading it (billed for what came)."""
+    def stop_reading(self, finish_reason: str = "cascaded") -> None:
+        """The gateway stops reading the answer before its end (billed for what came): the cascade judged it early,
+        or the tier went past its cap (`overran`, "length")."""
         self.cut = True
-        self.finish_reason = "cascaded"
+        self.finish_reason = finish_reason
 
     def add_cached(self, text: str, usage: dict[str, Any]) -> None:
         """A cached answer: its usage as stored, no tier."""

@@ -82,3 +82,14 @@ def test_a_prompt_below_the_counted_one_is_believed() -> None:
     # a remote model's tokenizer may need several times fewer tokens than the one counting: its word is billed
     assert billed({"prompt_tokens": 10, "completion_tokens": 2}, counted=5000) == (10, 2)
     assert billed({"prompt_tokens": 2000, "completion_tokens": 2}, counted=5000) == (2000, 2)
+
+
+def test_log_probabilities_past_the_cap_end_the_answer() -> None:
+    # a token has one entry: more entries than the cap (in chunks with no content, or all in one) are past it
+    entry = {"token": "a", "logprob": -0.1, "bytes": None, "top_logprobs": []}
+    meter = Meter(time.perf_counter(), counted_input=12, keep_logprobs=True, output_cap=4)
+    meter.add({"choices": [{"index": 0, "delta": {"content": "ab"}, "logprobs": {"content": [entry] * 2}}]})
+    assert not meter.overran
+    assert meter.add({"choices": [{"index": 0, "delta": {}, "logprobs": {"content": [entry] * 3}}]}) == ("", None,
+                                                                                                        False, [])
+    assert meter.overran and len(meter.logprobs) == 2 and meter.outcome("ok", 200).text == "ab"
