@@ -3,11 +3,12 @@
 What crosses this boundary: an OpenAI chat-completions body goes in; parsed stream chunks (dicts) come
 out, in order, ending after the upstream's `[DONE]`. aiohttp's errors become `tiers.errors` exceptions
 here and nowhere else, and so does an error event inside a stream (`data: {"error": {...}}`, what an
-upstream sends when it fails after the headers): UpstreamRejected with that body, never content. Closing
-the iterator early closes the upstream connection, which tells the engine to abort the request; a stream
-read to its end leaves its connection in the pool for the next request. When an upstream's connection
-drops mid-stream, aiohttp raises before handing over bytes it had buffered but not yet delivered, so an
-answer that dies is billed for the chunks the gateway had read (at an engine's pace, all but the last).
+upstream sends when it fails after the headers, or the data of an event named `error`): UpstreamRejected
+with that body, never content. Closing the iterator early closes the upstream connection, which tells the
+engine to abort the request; a stream read to its end leaves its connection in the pool for the next request.
+When an upstream's connection drops mid-stream, aiohttp raises before handing over bytes it had buffered but
+not yet delivered, so an answer that dies is billed for the chunks the gateway had read (at an engine's pace,
+all but the last).
 
 Why aiohttp: this is the gateway's hot path, and on one core a forwarding app made about 2x the requests
 per second with aiohttp's client than with httpx's default transport at 1 connection, and 4-7x at 16-64
@@ -148,6 +149,7 @@ class TierClient:
                     pending: list[bytes] = []  # the pieces of an unfinished last line
                     pending_bytes = 0
                     quiet = 0.0  # seconds spent waiting for bytes since the last data event
+                    failed = False  # the event being read is named `error`
                     while not done:
                         waited = clock()
                         got = await resp.content.readany()
@@ -162,8 +164,15 @@ class TierClient:
                             pending, pending_bytes = ([last], len(last)) if last else ([], 0)
                         for line in lines:
                             if not line.startswith(b"data:"):
-                                continue  # a blank line between events, a comment, an `event:` field
+                                # a blank line ends an event; a comment or another field is not data
+                                if line.startswith(b"event:"):
+                                    failed = line[6:].strip() == b"error"
+                                elif not line.strip():
+                                    failed = False
+                                continue
                             data = line[5:].strip()
+                            if failed:  # `event: error`: its data is the upstream's error, whatever its shape
+                                raise UpstreamRejected(*_error_event(data))
                             if data == b"[DONE]":
                                 done = True
                                 break
@@ -262,6 +271,16 @@ def _chunk(url: str, data: bytes) -> dict[str, Any]:
         # the upstream failed after the headers were sent: an error event, not content
         raise UpstreamRejected(_stream_error_status(chunk), chunk)
     return chunk
+
+
+def _error_event(data: bytes) -> tuple[int, dict[str, Any]]:
+    """The status and OpenAI-shaped body of an `event: error`'s data: an error object as an error chunk's, any other
+    data as an error's message (500: the tier failed)."""
+    body = _json_or_text(data)
+    if not isinstance(body.get("error"), dict):
+        message = body.get("message") if isinstance(body.get("message"), str) else data.decode(errors="replace")
+        body = {"error": {"message": message[:500], "type": "api_error"}}
+    return _stream_error_status(body), body
 
 
 def _stream_error_status(chunk: dict[str, Any]) -> int:

@@ -146,3 +146,16 @@ async def test_a_stream_past_what_max_tokens_allows_is_a_protocol_error(event: b
     chunks = await stream(once(SSE_HEAD + event * allowed + b"data: [DONE]\n\n"),
                           {"model": "m", "messages": [], "max_tokens": 4})
     assert len(chunks) == allowed
+
+
+@pytest.mark.parametrize("data", [b'{"message": "overloaded"}', CHUNK[6:-2], b"overloaded", b'"overloaded"'])
+async def test_the_data_of_an_event_named_error_is_the_upstreams_error(data: bytes) -> None:
+    # was read as a chunk: content relayed, or an empty answer billed for its prompt
+    for eol in (b"\n", b"\r\n"):
+        with pytest.raises(UpstreamRejected) as err:
+            await stream(once(SSE_HEAD + CHUNK + b"event: error" + eol + b"data:" + data + eol + eol
+                              + b"data: [DONE]" + eol + eol))
+        assert err.value.status == 500 and err.value.replica_failed and err.value.message
+    # the name is the event's own: the next event is data again
+    chunks = await stream(once(SSE_HEAD + b"event: error\n: no data\n\nevent: message\n" + CHUNK + b"data: [DONE]\n\n"))
+    assert len(chunks) == 1
