@@ -267,6 +267,8 @@ def _chunk(url: str, data: bytes) -> dict[str, Any]:
         raise UpstreamProtocolError(f"{url}: a stream chunk is not JSON: {data[:200]!r}") from exc
     if not isinstance(chunk, dict):
         raise UpstreamProtocolError(f"{url}: a stream chunk is not a JSON object: {data[:200]!r}")
+    if not isinstance(chunk.get("choices") or (), list | tuple):  # every reader iterates it (a number raised TypeError)
+        raise UpstreamProtocolError(f"{url}: a stream chunk's choices are not a list: {data[:200]!r}")
     if chunk.get("error") is not None:
         # the upstream failed after the headers were sent: an error event, not content
         raise UpstreamRejected(_stream_error_status(chunk), chunk)

@@ -159,3 +159,13 @@ async def test_the_data_of_an_event_named_error_is_the_upstreams_error(data: byt
     # the name is the event's own: the next event is data again
     chunks = await stream(once(SSE_HEAD + b"event: error\n: no data\n\nevent: message\n" + CHUNK + b"data: [DONE]\n\n"))
     assert len(chunks) == 1
+
+
+@pytest.mark.parametrize("choices", [b"5", b"true", b'"abc"', b'{"0": {}}'])
+async def test_choices_that_are_not_a_list_are_a_protocol_error(choices: bytes) -> None:
+    # were read as they came: a number raised TypeError where the gateway iterates them (the tenant read the
+    # gateway's own 500, no breaker counted it), a string or an object was iterated as one
+    with pytest.raises(UpstreamProtocolError, match="choices are not a list"):
+        await stream(once(SSE_HEAD + b'data: {"choices": ' + choices + b"}\n\ndata: [DONE]\n\n"))
+    assert await stream(once(SSE_HEAD + b'data: {"choices": null}\n\ndata:{"usage": {}}\r\n\r\ndata: [DONE]\n\n')) \
+        == [{"choices": None}, {"usage": {}}]  # null, or none, is no choice; `data:` needs no space
