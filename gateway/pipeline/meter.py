@@ -41,13 +41,15 @@ What the tenant is sent is bounded the same way (`overran`): a tier that streams
 log-probability entries than tokens) has its answer end at the chunk before, as an answer cut at its cap
 (`finish_reason` "length"); the rest is never relayed, kept or billed. Before, it was all relayed, and all held in
 memory (the answer's text, a JSON answer's body) for as long as the tier kept streaming. Only the one choice asked
-for (index 0: a request has `n` 1) is read; another is not the tenant's answer.
+for (index 0: a request has `n` 1) is read; another is not the tenant's answer. A finish reason that is not a short
+token (`_FINISH_REASON`) is none.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -93,6 +95,10 @@ PROMPT_MARGIN = 1024
 # longest vocabularies' is tens of characters (a run of spaces), an answer's average is about four
 MAX_TOKEN_CHARS = 1024
 BUSY_LEEWAY_S = 1.0  # an engine's busy time may pass our time on the tier by this much (its clock, its rounding)
+# a tier's finish reason is kept only as a short token (OpenAI's, vLLM's "abort"): it reaches the tenant, the ledger
+# row, the cache and the idempotency store, and an upstream's other text is not trusted there (gateway/errors.py's
+# `_upstream_code`); one that is not is no finish reason (null)
+_FINISH_REASON = re.compile(r"[a-z0-9_]{1,40}")
 
 
 def reported_tokens(value: Any) -> int | None:
@@ -192,8 +198,8 @@ class Meter:
                 content += piece
                 if self.ttft_s is None:
                     self.ttft_s = time.perf_counter() - self.t0
-            if choice.get("finish_reason"):
-                self.finish_reason = str(choice["finish_reason"])
+            if reason := choice.get("finish_reason"):
+                self.finish_reason = reason if isinstance(reason, str) and _FINISH_REASON.fullmatch(reason) else None
             lp = choice.get("logprobs")
             if isinstance(lp, dict) and isinstance(lp.get("content"), list):
                 logprobs = (logprobs or []) + lp["content"]

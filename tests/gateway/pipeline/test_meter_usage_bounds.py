@@ -93,3 +93,18 @@ def test_log_probabilities_past_the_cap_end_the_answer() -> None:
     assert meter.add({"choices": [{"index": 0, "delta": {}, "logprobs": {"content": [entry] * 3}}]}) == ("", None,
                                                                                                         False, [])
     assert meter.overran and len(meter.logprobs) == 2 and meter.outcome("ok", 200).text == "ab"
+
+
+@pytest.mark.parametrize("reason", ["x" * 100_000, "stop\r\nx-injected: 1", {"a": 1}, ["stop"], 1, "Stop"])
+def test_a_finish_reason_that_is_not_a_short_token_is_none(reason: object) -> None:
+    # was kept as str(reason): a megabyte, or control characters, into the tenant's answer and the ledger row
+    meter = Meter(time.perf_counter(), counted_input=12, output_cap=4)
+    meter.add({"choices": [{"index": 0, "delta": {"content": "ok"}, "finish_reason": reason}]})
+    assert meter.outcome("ok", 200).finish_reason is None
+
+
+@pytest.mark.parametrize("reason", ["stop", "length", "tool_calls", "content_filter", "abort"])
+def test_a_finish_reason_that_is_a_token_is_kept(reason: str) -> None:
+    meter = Meter(time.perf_counter(), counted_input=12, output_cap=4)
+    meter.add({"choices": [{"index": 0, "delta": {"content": "ok"}, "finish_reason": reason}]})
+    assert meter.outcome("ok", 200).finish_reason == reason
