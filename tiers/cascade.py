@@ -171,7 +171,8 @@ class AnswerSignals:
                 return
             if not isinstance(tok, dict) or not isinstance(tok.get("logprob"), int | float):
                 continue
-            top = [float(t["logprob"]) for t in tok.get("top_logprobs") or []
+            alternatives = tok.get("top_logprobs")  # an upstream's: anything but a list is none
+            top = [float(t["logprob"]) for t in (alternatives if isinstance(alternatives, list) else ())
                    if isinstance(t, dict) and isinstance(t.get("logprob"), int | float)]
             self.add(float(tok["logprob"]), top)
 

@@ -223,10 +223,11 @@ def as_chat_chunk(chunk: dict[str, Any]) -> dict[str, Any]:
             text = choice.pop("text", None)
             choice["delta"] = {"content": text} if isinstance(text, str) else {}
             legacy = choice.pop("logprobs", None)
-            if isinstance(legacy, dict) and isinstance(legacy.get("tokens"), list):
+            if isinstance(legacy, dict) and isinstance(legacy.get("tokens"), list) \
+                    and isinstance(logprobs := legacy.get("token_logprobs"), list):
                 choice["logprobs"] = {"content": [
                     {"token": token, "logprob": logprob, "bytes": None, "top_logprobs": []}
-                    for token, logprob in zip(legacy["tokens"], legacy.get("token_logprobs") or [], strict=False)
+                    for token, logprob in zip(legacy["tokens"], logprobs, strict=False)
                     if isinstance(logprob, int | float)]}
         choices.append(choice)
     return {**chunk, "choices": choices}

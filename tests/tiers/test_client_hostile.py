@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 
 import tiers.client as client_module
-from tiers.client import TierClient
+from tiers.cascade import AnswerSignals
+from tiers.client import TierClient, as_chat_chunk
 from tiers.errors import UpstreamProtocolError, UpstreamRejected, UpstreamTimedOut
 
 Writer = Callable[[asyncio.StreamWriter], Any]
@@ -169,3 +170,13 @@ async def test_choices_that_are_not_a_list_are_a_protocol_error(choices: bytes) 
         await stream(once(SSE_HEAD + b'data: {"choices": ' + choices + b"}\n\ndata: [DONE]\n\n"))
     assert await stream(once(SSE_HEAD + b'data: {"choices": null}\n\ndata:{"usage": {}}\r\n\r\ndata: [DONE]\n\n')) \
         == [{"choices": None}, {"usage": {}}]  # null, or none, is no choice; `data:` needs no space
+
+
+@pytest.mark.parametrize("bad", [5, "abc", {"a": 1}, None])
+def test_log_probabilities_of_the_wrong_shape_are_none(bad: object) -> None:
+    # a number raised TypeError (the gateway's own 500 for the tenant, no breaker counting it)
+    legacy = {"choices": [{"index": 0, "text": "a", "logprobs": {"tokens": ["a"], "token_logprobs": bad}}]}
+    assert "logprobs" not in as_chat_chunk(legacy)["choices"][0]
+    signals = AnswerSignals()
+    signals.add_openai({"content": [{"token": "a", "logprob": -0.5, "top_logprobs": bad}]})
+    assert signals.num_tokens == 1 and not signals.has_alternatives
