@@ -18,6 +18,7 @@ per second with aiohttp's client than with httpx's default transport at 1 connec
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from contextvars import ContextVar
@@ -126,15 +127,16 @@ class TierClient:
         lines here (not one await of aiohttp's line reader per line: two a chunk, most of a chunk's cost); a line
         still unfinished after MAX_LINE_BYTES is an error, as it was with aiohttp's reader. What an upstream may
         send is bounded in time and size: comments and blank lines (an SSE keep-alive) are no data, and a stream
-        with none for the read timeout has timed out, however often they come; data events past what the body's
-        `max_tokens` allows (CHUNK_SLACK) are an error."""
+        with none for the read timeout has timed out, however often they come; more than MAX_LINE_BYTES read
+        without data (sent as fast as the network goes, each line parsed on the event loop) is an error, and so
+        are data events past what the body's `max_tokens` allows (CHUNKS_PER_TOKEN)."""
         headers = {"content-type": "application/json", **_auth(api_key)}
         if cache_salt is not None:
             headers[CACHE_SALT_HEADER] = cache_salt
         done = False
         read_timeout = self._timeout.sock_read
         max_tokens = body.get("max_tokens")
-        chunks_left = CHUNKS_PER_TOKEN * max_tokens + CHUNK_SLACK if isinstance(max_tokens, int) else None
+        max_events = CHUNKS_PER_TOKEN * max_tokens + CHUNK_SLACK if isinstance(max_tokens, int) else sys.maxsize
         clock = time.monotonic
         try:
             sending = _ON_SENT.set(on_sent)
@@ -148,12 +150,16 @@ class TierClient:
                 try:
                     pending: list[bytes] = []  # the pieces of an unfinished last line
                     pending_bytes = 0
-                    quiet = 0.0  # seconds spent waiting for bytes since the last data event
+                    events = 0  # data events read
                     failed = False  # the event being read is named `error`
+                    quiet = 0.0  # seconds spent waiting for bytes since the last data event
+                    filler = 0  # bytes read since the last data event
                     while not done:
                         waited = clock()
                         got = await resp.content.readany()
                         quiet += clock() - waited
+                        filler += len(got)
+                        seen = events
                         lines: list[bytes] = []
                         if got and b"\n" not in got:  # more of one line: kept, joined once its end comes
                             pending.append(got)
@@ -163,11 +169,10 @@ class TierClient:
                             last = lines.pop() if got else b""  # at the end, an unfinished line is a line
                             pending, pending_bytes = ([last], len(last)) if last else ([], 0)
                         for line in lines:
-                            if not line.startswith(b"data:"):
-                                # a blank line ends an event; a comment or another field is not data
-                                if line.startswith(b"event:"):
+                            if not line.startswith(b"data:"):  # a comment, another field, a blank line
+                                if line.startswith(b"event:"):  # the event's name
                                     failed = line[6:].strip() == b"error"
-                                elif not line.strip():
+                                elif failed and not line.strip():  # a blank line ends an event
                                     failed = False
                                 continue
                             data = line[5:].strip()
@@ -176,19 +181,22 @@ class TierClient:
                             if data == b"[DONE]":
                                 done = True
                                 break
-                            quiet = 0.0
-                            if chunks_left is not None:
-                                chunks_left -= 1
-                                if chunks_left < 0:
-                                    raise UpstreamProtocolError(f"{url}: the stream sent more events than "
-                                                                f"max_tokens={max_tokens} allows")
+                            events += 1
+                            if events > max_events:
+                                raise UpstreamProtocolError(f"{url}: the stream sent more events than "
+                                                            f"max_tokens={max_tokens} allows")
                             yield _chunk(url, data)
-                        if not got:
+                        if not got or done:
                             break
-                        if read_timeout is not None and quiet > read_timeout and not done:
+                        if events != seen:
+                            quiet, filler = 0.0, 0
+                        elif read_timeout is not None and quiet > read_timeout:
                             raise UpstreamTimedOut(f"{url}: no data in {read_timeout}s (only comments or blank "
                                                    "lines)")
-                        if pending_bytes > MAX_LINE_BYTES and not done:
+                        elif filler - pending_bytes > MAX_LINE_BYTES:  # not counting a data line still coming
+                            raise UpstreamProtocolError(f"{url}: more than {MAX_LINE_BYTES} bytes of the stream "
+                                                        "without data")
+                        if pending_bytes > MAX_LINE_BYTES:
                             raise UpstreamProtocolError(f"{url}: a line of the stream is longer than "
                                                         f"{MAX_LINE_BYTES} bytes")
                     if not done:
@@ -268,7 +276,7 @@ def _chunk(url: str, data: bytes) -> dict[str, Any]:
         raise UpstreamProtocolError(f"{url}: a stream chunk is not JSON: {data[:200]!r}") from exc
     if not isinstance(chunk, dict):
         raise UpstreamProtocolError(f"{url}: a stream chunk is not a JSON object: {data[:200]!r}")
-    if not isinstance(chunk.get("choices") or (), list | tuple):  # every reader iterates it (a number raised TypeError)
+    if (choices := chunk.get("choices")) and not isinstance(choices, list):  # every reader iterates them
         raise UpstreamProtocolError(f"{url}: a stream chunk's choices are not a list: {data[:200]!r}")
     if chunk.get("error") is not None:
         # the upstream failed after the headers were sent: an error event, not content

@@ -137,6 +137,13 @@ async def test_keep_alive_comments_without_data_time_out() -> None:
     assert len(chunks) == 41
 
 
+@pytest.mark.parametrize("filler", [b"\n", b"\r\n", b": keep-alive\n", b"event: message\n", b"id: 1\n"])
+async def test_lines_without_data_sent_as_fast_as_they_go_are_a_protocol_error(filler: bytes) -> None:
+    # were parsed on the event loop until the read timeout (600 s by default), as fast as the upstream sent them
+    with pytest.raises(UpstreamProtocolError, match="bytes of the stream without data"):
+        await stream(endless(SSE_HEAD + CHUNK, filler * 4096))
+
+
 @pytest.mark.parametrize("event", [b'data: {"choices": []}\n\n', b'data: {"choices": [{"index": 0, "delta": {}}]}\n\n',
                                    CHUNK])
 async def test_a_stream_past_what_max_tokens_allows_is_a_protocol_error(event: bytes) -> None:
