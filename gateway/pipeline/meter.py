@@ -37,12 +37,15 @@ cost negative (and the cost metric's counter refuse it), a huge one made one row
 unbelievable one is priced on the wall time instead.
 
 What the tenant is sent is bounded the same way (`overran`): a tier that streams past the `max_tokens` it was sent
-(more content chunks than the cap, each a token at least; more characters than MAX_TOKEN_CHARS a token; more
+(more chunks of text than the cap, each a token at least; more characters than MAX_TOKEN_CHARS a token; more
 log-probability entries than tokens) has its answer end at the chunk before, as an answer cut at its cap
 (`finish_reason` "length"); the rest is never relayed, kept or billed. Before, it was all relayed, and all held in
 memory (the answer's text, a JSON answer's body) for as long as the tier kept streaming. Only the one choice asked
 for (index 0: a request has `n` 1) is read; another is not the tenant's answer. A finish reason that is not a short
-token (`_FINISH_REASON`) is none.
+token (`_FINISH_REASON`) is none. A chunk of tool-call deltas alone is not counted as a token: an engine may send
+several for one token (ours closes a call's arguments and opens the next in one, engine/tool_calls.py, and sends a
+free answer's calls at its end), so they are bounded by their characters, and their number by the client's bound on
+a stream's events (tiers/client.py `CHUNKS_PER_TOKEN`).
 """
 
 from __future__ import annotations
@@ -143,6 +146,7 @@ class Meter:
         self.output_reported = False  # ... a believable output count
         self.distrusted: set[str] = set()  # usage fields the tier sent that were not believed
         self.content_chunks = 0
+        self.text_chunks = 0  # chunks with text (`overran`: each a token at least; tool-call deltas may not be)
         self.output_chars = 0  # characters of content and tool calls read (`overran`)
         self.logprob_entries = 0
         self.overran = False  # the tier streamed past the output cap: the answer ends before that chunk
@@ -215,6 +219,7 @@ class Meter:
             has_choice = has_choice or bool(piece) or bool(choice.get("finish_reason"))
         if content:
             self._parts.append(content)
+            self.text_chunks += 1
         if content or calls:
             self.content_chunks += 1
             if self.ttft_s is None:
@@ -225,21 +230,20 @@ class Meter:
         """Whether `choices` would take the answer past the output cap (the module's docstring); if so the meter has
         `overran`, and they are not counted. Otherwise their size is."""
         chars = entries = 0
-        output = False
+        text = False
         for choice in choices:
             delta = choice.get("delta")
             if isinstance(delta, dict):
                 if isinstance(piece := delta.get("content"), str) and piece:
                     chars += len(piece)
-                    output = True
+                    text = True
                 if isinstance(calls := delta.get("tool_calls"), list) and calls:
                     chars += len(repr(calls))  # bounded by the line it came in (tiers.client.MAX_LINE_BYTES)
-                    output = True
             if isinstance(lp := choice.get("logprobs"), dict) and isinstance(lp.get("content"), list):
                 entries += len(lp["content"])
         cap = self.output_cap
         assert cap is not None
-        if (output and self.content_chunks >= cap) or self.output_chars + chars > cap * MAX_TOKEN_CHARS \
+        if (text and self.text_chunks >= cap) or self.output_chars + chars > cap * MAX_TOKEN_CHARS \
                 or self.logprob_entries + entries > cap:
             if not self.overran:
                 log.warning("tier streamed past the output cap %d (%d content chunks, %d characters, %d "

@@ -108,3 +108,18 @@ def test_a_finish_reason_that_is_a_token_is_kept(reason: str) -> None:
     meter = Meter(time.perf_counter(), counted_input=12, output_cap=4)
     meter.add({"choices": [{"index": 0, "delta": {"content": "ok"}, "finish_reason": reason}]})
     assert meter.outcome("ok", 200).finish_reason == reason
+
+
+def test_tool_call_chunks_are_not_counted_as_tokens_of_the_cap() -> None:
+    # an engine may send several chunks of tool-call deltas for one token (ours: a call's last arguments and the next
+    # call's header; a free answer's calls all at its end): within the cap's characters they are all relayed
+    meter = Meter(time.perf_counter(), counted_input=12, output_cap=2)
+    meter.add({"choices": [{"index": 0, "delta": {"content": "Calling."}}]})
+    for i in range(4):
+        call = {"index": i, "id": f"call_{i}", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+        _, _, _, calls = meter.add({"choices": [{"index": 0, "delta": {"tool_calls": [call]}}]})
+        assert calls and not meter.overran
+    meter.add({"choices": [{"index": 0, "delta": {"content": " Done."}}]})
+    assert not meter.overran
+    assert meter.add({"choices": [{"index": 0, "delta": {"content": " More."}}]}) == ("", None, False, [])
+    assert meter.overran and meter.outcome("ok", 200).text == "Calling. Done."
