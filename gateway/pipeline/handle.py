@@ -121,6 +121,8 @@ class Pipeline:
                 if isinstance(exc.__cause__, UpstreamRejected):
                     charge(exc)
                 raise
+            finally:  # closed here when this is (a client gone at a `yield`), not when the collector frees it
+                await events.aclose()
         finally:
             if keep is not None:
                 keep.settle()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,8 +59,8 @@ async def answer(request: Request[Any, Any, Any], framing: Framing) -> Response[
         head = await watch.run(anext(events))
         state["tier"] = head.model
         if head.stream:
-            return Stream(framing.stream(head, events), media_type="text/event-stream",
-                          headers={**head.headers, "cache-control": "no-cache"})
+            return StreamedAnswer(framing.stream(head, events), events, media_type="text/event-stream",
+                                  headers={**head.headers, "cache-control": "no-cache"})
         return WholeAnswer(await watch.run(framing.whole(head, events)), headers=dict(head.headers))
     except ClientLeft:
         await events.aclose()
@@ -78,6 +78,37 @@ def stream_error(head: Head, exc: Exception) -> bytes:
     if isinstance(err, InternalError) and not isinstance(exc, TiergateError):
         log.error("unexpected error in the stream of %s", head.response_id, exc_info=exc)
     return responses.sse(err.body())
+
+
+class StreamedAnswer(Stream):
+    """A streamed answer whose events are closed when its response ends, however it ends: the pipeline's `finally`
+    (the settle, the gate's place, the upstream's connection) runs then, not when the garbage collector frees the
+    generators. Litestar's streaming response cancels its sending task when the client disconnects and leaves the
+    iterator as it was; a client that left while a chunk waited to be sent (a slow reader, the server's flow control
+    holding the send) left it suspended at a `yield`, in a reference cycle through the cancellation's traceback, and
+    until a collection its request held the tenant's concurrency slot (a tenant allowed one request at a time was
+    refused 429), the tier's dispatch slot and its reservation, the upstream went on generating, and no row was
+    written (tests/gateway/test_stream_slow_client_leaves.py)."""
+
+    __slots__ = ("events",)
+
+    def __init__(self, content: AsyncIterator[bytes], events: AsyncGenerator[Event, None], **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self.events = events  # what `content` frames: closed too, in case `content` never started
+
+    def to_asgi_response(self, *args: Any, **kwargs: Any) -> ASGIApp:
+        respond = super().to_asgi_response(*args, **kwargs)
+        frames, events = self.iterator, self.events
+
+        async def respond_then_close(scope: Scope, receive: Receive, send: Send) -> None:
+            try:
+                await respond(scope, receive, send)
+            finally:
+                try:
+                    await frames.aclose()  # type: ignore[union-attr]  # an async generator (the framing's)
+                finally:
+                    await events.aclose()
+        return respond_then_close
 
 
 JSON = "application/json"
