@@ -191,12 +191,35 @@ class Meter:
         if isinstance(ext, dict) and (busy := reported_seconds(ext.get("busy_s"))) is not None:
             self.busy_s = busy
         content, logprobs, has_choice, calls = "", None, False, []
-        choices = [c for c in chunk.get("choices") or () if isinstance(c, dict) and c.get("index") in (0, None)]
-        if choices and self.output_cap is not None and self._past_cap(choices):
-            return content, logprobs, has_choice, calls
-        for choice in choices:
-            delta = choice.get("delta") or {}
-            piece = delta.get("content") if isinstance(delta, dict) else None
+        picked = []  # the choice asked for (index 0: `n` is 1), each with what it brings, read once
+        chars = entries = 0
+        text = False
+        for choice in chunk.get("choices") or ():
+            if not isinstance(choice, dict) or choice.get("index") not in (0, None):
+                continue
+            delta = choice.get("delta")
+            if not isinstance(delta, dict):
+                delta = {}
+            piece = delta.get("content")
+            if isinstance(piece, str) and piece:
+                chars += len(piece)
+                text = True
+            if (tool_calls := delta.get("tool_calls")) and isinstance(tool_calls, list):
+                chars += len(repr(tool_calls))  # bounded by the line it came in (tiers.client.MAX_LINE_BYTES)
+            lp = choice.get("logprobs")
+            if isinstance(lp, dict) and isinstance(lp.get("content"), list):
+                entries += len(lp["content"])
+            else:
+                lp = None
+            picked.append((choice, delta, piece, lp))
+        if picked and (cap := self.output_cap) is not None:  # the cap's check, inline: it runs for every chunk
+            if (text and self.text_chunks >= cap) or self.output_chars + chars > cap * MAX_TOKEN_CHARS \
+                    or self.logprob_entries + entries > cap:
+                self._overrun(cap)
+                return content, logprobs, has_choice, calls
+            self.output_chars += chars
+            self.logprob_entries += entries
+        for choice, delta, piece, lp in picked:
             calls += self._tool_calls(delta)
             if isinstance(piece, str) and piece:
                 content += piece
@@ -204,8 +227,7 @@ class Meter:
                     self.ttft_s = time.perf_counter() - self.t0
             if reason := choice.get("finish_reason"):
                 self.finish_reason = reason if isinstance(reason, str) and _FINISH_REASON.fullmatch(reason) else None
-            lp = choice.get("logprobs")
-            if isinstance(lp, dict) and isinstance(lp.get("content"), list):
+            if lp is not None:
                 logprobs = (logprobs or []) + lp["content"]
                 if self.keep_logprobs:
                     self.logprobs.extend(lp["content"])
@@ -226,34 +248,13 @@ class Meter:
                 self.ttft_s = time.perf_counter() - self.t0
         return content, logprobs, has_choice or bool(calls), calls
 
-    def _past_cap(self, choices: list[dict[str, Any]]) -> bool:
-        """Whether `choices` would take the answer past the output cap (the module's docstring); if so the meter has
-        `overran`, and they are not counted. Otherwise their size is."""
-        chars = entries = 0
-        text = False
-        for choice in choices:
-            delta = choice.get("delta")
-            if isinstance(delta, dict):
-                if isinstance(piece := delta.get("content"), str) and piece:
-                    chars += len(piece)
-                    text = True
-                if isinstance(calls := delta.get("tool_calls"), list) and calls:
-                    chars += len(repr(calls))  # bounded by the line it came in (tiers.client.MAX_LINE_BYTES)
-            if isinstance(lp := choice.get("logprobs"), dict) and isinstance(lp.get("content"), list):
-                entries += len(lp["content"])
-        cap = self.output_cap
-        assert cap is not None
-        if (text and self.text_chunks >= cap) or self.output_chars + chars > cap * MAX_TOKEN_CHARS \
-                or self.logprob_entries + entries > cap:
-            if not self.overran:
-                log.warning("tier streamed past the output cap %d (%d content chunks, %d characters, %d "
-                            "log-probability entries so far): its answer ends there", cap, self.content_chunks,
-                            self.output_chars, self.logprob_entries)
-            self.overran = True
-            return True
-        self.output_chars += chars
-        self.logprob_entries += entries
-        return False
+    def _overrun(self, cap: int) -> None:
+        """A chunk would take the answer past the output cap (the module's docstring): the answer ends before it."""
+        if not self.overran:
+            log.warning("tier streamed past the output cap %d (%d content chunks, %d characters, %d log-probability "
+                        "entries so far): its answer ends there", cap, self.content_chunks, self.output_chars,
+                        self.logprob_entries)
+        self.overran = True
 
     def _read_usage(self, usage: dict[str, Any]) -> None:
         """The chunk's usage, each field as far as it is believable; a field that is not keeps what came before
