@@ -2,8 +2,9 @@
 
 The stub answers with a fixed sentence, one word per chunk, and reports usage and busy time the way our
 engine does. Message content can steer it: `STUB:400` answers 400, `STUB:slow` streams slowly (for
-cancellation), `STUB:die` drops the connection mid-stream, `STUB:big` answers up to 200 pieces of 100,000
-characters (more than the sockets between a client and the gateway hold), `STUB:schema-fail` streams two words and
+cancellation), `STUB:die` drops the connection mid-stream, `STUB:big` answers up to 50,000 pieces of 1,000
+characters (more than the sockets between a client and the gateway hold; a piece a token, within what the gateway
+relays a token, gateway/pipeline/meter.py MAX_TOKEN_CHARS), `STUB:schema-fail` streams two words and
 then our engine's error event for a response_format whose grammar could not go on (`response_format_failed`).
 
 Also what the tests that start a gateway in front of such upstreams share: the routes every upstream answers
@@ -70,12 +71,12 @@ def stub_app(state: StubState, reply: str = REPLY) -> Litestar:
             return Response({"error": {"message": "stub says the prompt is too long", "type": "invalid_request_error",
                                        "param": "messages", "code": "context_length_exceeded"}}, status_code=400)
         prompt_tokens = len(text.split())
-        words = ["y" * 100_000] * 200 if "STUB:big" in text else reply.split()
+        words = ["y" * 1_000] * 50_000 if "STUB:big" in text else reply.split()
         words = words[: body.get("max_tokens") or body.get("max_completion_tokens") or 99]
         # a dying stream writes at an engine's pace, so the gateway has read what came before the death
-        delay = 0.2 if "STUB:slow" in text else 0.02 if "STUB:die" in text else 0.01 if "STUB:big" in text else 0.0
+        delay = 0.2 if "STUB:slow" in text else 0.02 if "STUB:die" in text else 0.0
         return Stream(_sse(state, body, words, prompt_tokens, delay, die="STUB:die" in text,
-                           whole=200 if "STUB:big" in text else len(reply.split()),
+                           whole=50_000 if "STUB:big" in text else len(reply.split()),
                            schema_fail="STUB:schema-fail" in text), media_type="text/event-stream")
 
     @post("/v1/completions", status_code=200)

@@ -23,7 +23,11 @@ DEADLINE_S = 1.0
 
 @pytest.fixture
 def slow_gateway(gateway_settings: Settings, stub: tuple[ServerThread, StubState]) -> Iterator[Gateway]:
-    settings = gateway_settings.model_copy(update={"request_receipt_timeout_s": DEADLINE_S,
+    # tiers with room for an answer of 50,000 tokens (`STUB:big`'s, more than the sockets between the client and the
+    # gateway hold, in pieces no larger than a token may bring: gateway/pipeline/meter.py MAX_TOKEN_CHARS)
+    tiers = gateway_settings.tiers_file.with_name("tiers-roomy.yaml")
+    tiers.write_text(gateway_settings.tiers_file.read_text().replace("context_limit: 4096", "context_limit: 65536"))
+    settings = gateway_settings.model_copy(update={"request_receipt_timeout_s": DEADLINE_S, "tiers_file": tiers,
                                                    "response_stall_timeout_s": DEADLINE_S, "max_body_bytes": 1 << 20})
     with running_gateway(settings, stub[1]) as gw:
         yield gw
@@ -136,10 +140,11 @@ def test_an_answer_longer_than_the_deadline_is_not_cut_and_the_connection_serves
 
 
 def test_a_client_that_stops_reading_is_cut_off_and_its_request_ends(slow_gateway: Gateway) -> None:
-    """20 MB of answer, never read: the gateway's writes pause, and after the stall limit the connection is
+    """50 MB of answer, never read: the gateway's writes pause, and after the stall limit the connection is
     aborted, the upstream closed and the request settled (before: it waited on its client for ever, holding its
-    place in the tier's queue)."""
-    body = json.dumps({"model": "mid", "stream": True, "max_tokens": 200,
+    place in the tier's queue). 50,000 pieces of 1,000 characters: the 200 of 100,000 it was are past what a token
+    may bring, and the gateway now ends such an answer at the cap's characters (gateway/pipeline/meter.py)."""
+    body = json.dumps({"model": "mid", "stream": True, "max_tokens": 50_000,
                        "messages": [{"role": "user", "content": "STUB:big"}]}).encode()
     sock = connect(slow_gateway, (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                                   f"Authorization: Bearer {slow_gateway.tenant_key}\r\n"
@@ -148,7 +153,7 @@ def test_a_client_that_stops_reading_is_cut_off_and_its_request_ends(slow_gatewa
     while not slow_gateway.ledger_rows() and time.monotonic() < deadline:
         time.sleep(0.1)
     rows = slow_gateway.ledger_rows()
-    assert len(rows) == 1 and rows[0].status == "cancelled" and 0 < rows[0].output_tokens < 200
+    assert len(rows) == 1 and rows[0].status == "cancelled" and 0 < rows[0].output_tokens < 50_000
     assert slow_gateway.stub.finished == ["disconnected"]  # the upstream was closed, not read to its end
     sock.close()
 
