@@ -13,6 +13,9 @@ What `bench.gateway_profile` pointed at, timed alone (best of `--repeat` runs of
   (gateway/metrics.py `GatewayMetrics.child`);
 - `TierSpec.version_name` read through pydantic's private-attribute `__getattr__` against the property that reads
   `__pydantic_private__` (tiers/catalogue.py);
+- a tier's stream chunk metered (gateway/pipeline/meter.py `Meter.add`, per chunk of a 10-chunk answer) without an
+  output cap against with one: the check every chunk pays that the tier has not streamed past the request's
+  `max_tokens` (there is nothing it replaced: "before" is the meter without it);
 - a chat body with a 29 KB response_format schema (hostile_tenant's: an object of 1,000 integer properties) parsed
   by the gateway (`parse_request`, on its event loop) with the schema's intersection count always walked against
   walked only where its JSON names allOf, oneOf or $ref (wire/schema_alternatives.py `may_intersect`).
@@ -42,6 +45,7 @@ from gateway.bpe_words import ByteLevelWords
 from gateway.config_files import load_yaml
 from gateway.metrics import GatewayMetrics
 from gateway.pipeline.handle import parse_request
+from gateway.pipeline.meter import Meter
 from gateway.settings import Settings
 from tiers.catalogue import TierCatalogue
 from wire import response_format
@@ -121,6 +125,22 @@ def spec_rows(repeat: int) -> list[tuple[str, float, float]]:
              best_us(lambda: spec.version_name, repeat, 20000))]
 
 
+def meter_rows(repeat: int) -> list[tuple[str, float, float]]:
+    chunk = {"id": "chatcmpl-5f1d2c", "object": "chat.completion.chunk", "created": 1764660000, "model": "full",
+             "choices": [{"index": 0, "delta": {"content": " column"}, "finish_reason": None}]}
+
+    def answer(cap: int | None) -> Callable[[], None]:
+        def metered() -> None:
+            meter = Meter(0.0, counted_input=12, output_cap=cap)
+            for _ in range(10):
+                meter.add(chunk)
+            assert not meter.overran
+        return metered
+
+    return [("a stream chunk metered, without / with the output cap's check (µs a chunk)",
+             best_us(answer(None), repeat, 2000) / 10, best_us(answer(64), repeat, 2000) / 10)]
+
+
 def schema_rows(repeat: int) -> list[tuple[str, float, float]]:
     schema = {"type": "object", "additionalProperties": False,
               "properties": {f"p{i}": {"type": "integer"} for i in range(1000)}}
@@ -149,7 +169,7 @@ def main() -> None:
     model_dir = settings.resolved_models_dir / "smollm2-135m-instruct"
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     rows = (token_rows(tokenizer, args.repeat) + json_rows(args.repeat) + metric_rows(args.repeat)
-            + spec_rows(args.repeat) + schema_rows(args.repeat))
+            + spec_rows(args.repeat) + meter_rows(args.repeat) + schema_rows(args.repeat))
     print(f"`python -m bench.hot_path_micro --repeat {args.repeat}` — {cpu_model()}; pinned to CPU {cpu}; Python "
           f"{platform.python_version()}; best of {args.repeat} timeit runs, µs per call\n")
     print("| what | before (what it replaced) | now | ratio |")
