@@ -135,6 +135,7 @@ class Unavailable(TiergateError):
 # admin key (gateway/routes/health.py); the tenant has the Retry-After and the request id to quote.
 NOT_READY_MESSAGE = "the gateway cannot record usage now, so it takes no new requests; retry later"
 LEDGER_UNAVAILABLE_MESSAGE = "the gateway cannot record usage now; retry later"
+_ledger_fault_logged: str | None = None  # the last ledger fault `client_error` logged (each is logged once in a row)
 
 
 def not_ready() -> Unavailable:
@@ -183,8 +184,12 @@ def client_error(exc: BaseException) -> TiergateError:
         case tier_errors.TierError():
             return _tier_error(exc)
         case LedgerUnavailable():
-            # its text holds the ledger's fault, the database driver's words: the log's, not the tenant's
-            log.warning("usage not recorded in time, answered 503 ledger_unavailable: %s", exc)
+            # its text holds the ledger's fault, the database driver's words: the log's, not the tenant's; logged once
+            # a fault, not once a request (every request refused in an outage would write the same line)
+            global _ledger_fault_logged
+            if (fault := str(exc)) != _ledger_fault_logged:
+                _ledger_fault_logged = fault
+                log.warning("usage not recorded in time, answered 503 ledger_unavailable: %s", fault)
             return Unavailable(LEDGER_UNAVAILABLE_MESSAGE, code="ledger_unavailable", retry_after=5)
         case _:
             return InternalError("internal error; it has been logged")

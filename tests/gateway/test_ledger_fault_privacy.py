@@ -12,7 +12,8 @@ from typing import Any
 import psycopg
 import pytest
 
-from gateway.errors import LEDGER_UNAVAILABLE_MESSAGE, NOT_READY_MESSAGE
+from gateway.errors import LEDGER_UNAVAILABLE_MESSAGE, NOT_READY_MESSAGE, client_error
+from quotas.ledger import LedgerUnavailable
 from tests.conftest import Gateway
 
 MSG = [{"role": "user", "content": "hello there"}]
@@ -82,3 +83,12 @@ def test_a_row_the_database_cannot_write_is_a_fixed_503_and_the_fault_stays_with
     disk.heal()
     assert disk.healed.wait(10)  # the row the tenant was told of is written once the database can take it
     assert [row.request_id for row in gateway.ledger_rows()] == [r.headers["x-tiergate-request-id"]]
+
+
+def test_a_ledger_fault_is_logged_once_not_once_a_request(caplog: pytest.LogCaptureFixture) -> None:
+    # every request refused in an outage answers the same fault: one log line for it, another for a new fault
+    with caplog.at_level(logging.WARNING, logger="tiergate"):
+        for fault in ("disk full at 10.20.30.40",) * 3 + ("server closed the connection",) * 2:
+            assert client_error(LedgerUnavailable(fault)).message == LEDGER_UNAVAILABLE_MESSAGE
+    logged = [r.getMessage() for r in caplog.records if "ledger_unavailable" in r.getMessage()]
+    assert len(logged) == 2 and "10.20.30.40" in logged[0] and "server closed" in logged[1]
