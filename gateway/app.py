@@ -48,12 +48,12 @@ from gateway.routes.completions import text_completions
 from gateway.routes.dashboard import dashboard
 from gateway.routes.degrade import degrade_router
 from gateway.routes.embeddings import create_embeddings
-from gateway.routes.health import health, metrics
+from gateway.routes.health import health, metrics_router
 from gateway.routes.models import list_models, retrieve_model
 from gateway.routes.openapi import WireSchemaPlugin, openapi_config, openapi_document
-from gateway.routes.ops import ops
+from gateway.routes.ops import ops_router
 from gateway.routes.rollouts import rollouts_router
-from gateway.routes.usage import admin_report, tenant_report
+from gateway.routes.usage import admin_report_router, tenant_report
 from gateway.services import Services
 from gateway.settings import Settings
 from gateway.stores import (
@@ -288,7 +288,8 @@ def create_app(settings: Settings | None = None) -> Litestar:
 
     return Litestar(
         route_handlers=[chat_completions, text_completions, create_embeddings, list_models, retrieve_model, health,
-                        metrics, admin_router, degrade_router, rollouts_router, admin_report, tenant_report, ops,
+                        metrics_router, admin_router, degrade_router, rollouts_router, admin_report_router,
+                        tenant_report, ops_router,
                         dashboard, openapi_document],
         lifespan=[lifespan, embeddings_lifespan],
         dependencies={name: Provide(provider, sync_to_thread=False) for name, provider in _PROVIDERS.items()},

@@ -9,10 +9,10 @@ from litestar import Request, Response, get
 from litestar.di import NamedDependency
 from litestar.openapi import ResponseSpec
 
-from gateway.auth import presented_key, require_admin
+from gateway.auth import presented_key
 from gateway.errors import Unavailable
 from gateway.metrics import GatewayMetrics
-from gateway.query_params import only_declared_query
+from gateway.routes.guarded import admin_only
 from gateway.routes.openapi import BEARER, errors
 from gateway.tenants.store import TenantStore
 from quotas.ledger import Ledger
@@ -60,7 +60,10 @@ def readiness(fleet: Fleet, ledger: Ledger) -> tuple[bool, dict[str, Any]]:
         "ledger": ledger_reason}
 
 
-@get("/metrics", guards=[require_admin, only_declared_query], tags=["operations"], security=BEARER,
+@get("/metrics", tags=["operations"], security=BEARER,
      media_type="text/plain", responses=errors(400, 401, 403, 500))
 async def metrics(metrics: NamedDependency[GatewayMetrics]) -> Response[bytes]:
     return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+
+metrics_router = admin_only(metrics)

@@ -10,9 +10,8 @@ from typing import Any
 from litestar import get
 from litestar.di import NamedDependency
 
-from gateway.auth import require_admin
 from gateway.ladder.controller import LadderController
-from gateway.query_params import only_declared_query
+from gateway.routes.guarded import admin_only
 from gateway.routes.openapi import BEARER, errors
 from quotas.dispatch import TierQueue
 from quotas.ledger import Ledger
@@ -28,7 +27,7 @@ def _pct(values: list[float], q: float) -> float | None:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-@get("/admin/ops", guards=[require_admin, only_declared_query], tags=["admin"], security=BEARER,
+@get("/admin/ops", tags=["admin"], security=BEARER,
      responses=errors(400, 401, 403, 500))
 async def ops(ledger: NamedDependency[Ledger], queues: NamedDependency[dict[str, TierQueue]],
               fleet: NamedDependency[Fleet], ladder: NamedDependency[LadderController]) -> dict[str, Any]:
@@ -52,3 +51,6 @@ async def ops(ledger: NamedDependency[Ledger], queues: NamedDependency[dict[str,
         "tiers": fleet.status(),
         "degrade": ladder.status(),
     }
+
+
+ops_router = admin_only(ops)
