@@ -1,9 +1,12 @@
-"""Query parameters a route does not take are refused by name, never ignored.
+"""Query parameters a route does not take, and a parameter sent twice, are refused by name, never ignored.
 
 Litestar ignores a query parameter no handler parameter names, and on an admin route that answered something else than
 asked: `GET /admin/keys?tenat=acme` (a typo) listed every tenant's keys, and `POST /admin/keys/{id}/rotate?grace_s=3600`
 revoked the old key at once (the grace period is a body field), both with a 200. A route says what it takes in its
 `opt` (`opt={"query": ("tenant",)}`; none when absent), and `only_declared_query` guards it.
+
+Every query parameter of ours takes one value, and of one sent twice Litestar used one silently:
+`GET /admin/usage/report?tenant=a&tenant=b` reported on one of the two tenants with a 200.
 """
 
 from __future__ import annotations
@@ -20,15 +23,26 @@ QUERY_OPT = "query"  # the route handler's `opt` entry naming the query paramete
 
 
 def refuse_unknown(names: Iterable[str], known: tuple[str, ...]) -> None:
-    """An InvalidRequest naming the first of `names` that is not `known`, if any."""
+    """An InvalidRequest naming the first of `names` (every parameter of the query, in order, each as often as it was
+    sent) that is not `known`, or that was sent before, if any."""
+    seen: set[str] = set()
     for name in names:
         if name not in known:
             takes = f"this route takes {', '.join(known)}" if known else "this route takes none"
             raise InvalidRequest(f"{name[:64]}: unsupported query parameter ({takes}); remove it", param=name[:64],
                                  code="unsupported_parameter")
+        if name in seen:
+            raise InvalidRequest(f"{name}: sent more than once; it takes one value", param=name,
+                                 code="duplicate_parameter")
+        seen.add(name)
 
 
 async def only_declared_query(connection: ASGIConnection[Any, Any, Any, Any], handler: BaseRouteHandler) -> None:
     """Guard: a 400 for a query parameter the route does not declare in its `opt` (after the admin guard, so that a
     key that may not use the route learns nothing of what it takes)."""
-    refuse_unknown(connection.query_params.keys(), tuple(handler.opt.get(QUERY_OPT, ())))
+    refuse_unknown(query_names(connection), tuple(handler.opt.get(QUERY_OPT, ())))
+
+
+def query_names(connection: ASGIConnection[Any, Any, Any, Any]) -> list[str]:
+    """The names of the query's parameters, in order, each as often as it was sent."""
+    return [name for name, _ in connection.query_params.multi_items()]

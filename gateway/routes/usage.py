@@ -10,7 +10,7 @@ from litestar.params import FromQuery, QueryParameter
 
 from gateway.auth import provide_tenant
 from gateway.errors import InvalidRequest
-from gateway.query_params import QUERY_OPT
+from gateway.query_params import QUERY_OPT, query_names, refuse_unknown
 from gateway.report_format import to_csv
 from gateway.report_gate import ADMIN_SLOT, ReportGate
 from gateway.report_params import BY_PATTERN, DAY_PATTERN, ReportParamError, parse_by_query, parse_day
@@ -30,15 +30,6 @@ Format = FromQuery[Literal["json", "csv"]]
 
 
 _QUERY = ("from", "to", "by", "format")  # the query parameters of a tenant's report; an admin's adds `tenant`
-
-
-def _refuse_unknown(request: Request[Any, Any, Any], known: tuple[str, ...]) -> None:
-    """A query parameter the report does not take is refused by name, never ignored (`?tenant=` on a tenant's
-    report, `?form=` for `from`: a report of something else than asked)."""
-    for name in request.query_params:
-        if name not in known:
-            raise InvalidRequest(f"{name}: unsupported query parameter (this report takes {', '.join(known)}); "
-                                 "remove it", param=name, code="unsupported_parameter")
 
 
 async def _report(ledger: Ledger, gate: ReportGate, who: str, *, tenant: str | None, since: str | None,
@@ -88,7 +79,9 @@ async def tenant_report(request: Request[Any, Any, Any], principal: NamedDepende
                         to: Day = None, by: By = None,
                         format: Format = "json") -> Response[Any]:
     """The caller's own tenant only; same query as the admin report."""
-    _refuse_unknown(request, _QUERY)
+    # as only_declared_query does on the admin report, after the key (a dependency here): a query parameter the report
+    # does not take (`?tenant=` on a tenant's report, `?form=` for `from`) or one sent twice is refused by name
+    refuse_unknown(query_names(request), _QUERY)
     tenant = principal.tenant.name  # type: ignore[union-attr]
     return await _report(ledger, reports, tenant, tenant=tenant, since=request.query_params.get("from"), until=to,
                          by=by, fmt=format)

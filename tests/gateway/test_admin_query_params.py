@@ -46,3 +46,33 @@ def test_every_admin_route_refuses_an_unknown_parameter_and_a_tenant_still_gets_
         assert admin.get("/admin/degrade/").json()["level"] == level
         assert admin.get("/admin/degrade/history").json()["data"] == []
         assert {t["name"] for t in admin.get("/admin/tenants").json()["data"]} == {"acme"}
+
+
+REPEATED = [  # (key, path, query with one parameter twice): every route that takes a query, the parameter it takes
+    ("admin", "/admin/usage/report", [("tenant", "acme"), ("tenant", "globex")]),
+    ("admin", "/admin/usage/report", [("by", "tier"), ("from", "2026-01-01"), ("by", "tenant")]),
+    ("admin", "/admin/usage/report", [("format", "json"), ("format", "csv")]),
+    ("admin", "/admin/keys", [("tenant", "acme"), ("tenant", "globex")]),
+    ("admin", "/admin/degrade/history", [("limit", "1"), ("limit", "2")]),
+    ("admin", "/admin/rollouts/history", [("tier", "mid"), ("tier", "small")]),
+    ("tenant", "/v1/usage", [("to", "2026-01-01"), ("to", "2026-12-31")]),
+    ("tenant", "/v1/usage", [("by", "tier"), ("by", "tier")]),  # the same value twice too: one value each
+]
+
+
+def test_a_parameter_sent_twice_is_refused_by_name_not_one_of_its_values_used(gateway: Gateway) -> None:
+    """`?tenant=acme&tenant=globex` reported on one of the two, whichever Litestar took, with a 200: a report of
+    another tenant than finance read in its own URL. Each of these parameters takes one value."""
+    gateway.store.create_tenant("globex", "standard")
+    keys = {"admin": gateway.admin_key, "tenant": gateway.tenant_key}
+    for who, path, query in REPEATED:
+        with gateway.client(keys[who]) as c:
+            r = c.get(path, params=query)
+            assert r.status_code == 400, (path, query, r.status_code, r.text)
+            error = r.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"}, r.text
+            named = next(name for i, (name, _) in enumerate(query) if name in {n for n, _ in query[:i]})
+            assert (error["type"], error["param"], error["code"]) == (
+                "invalid_request_error", named, "duplicate_parameter"), (path, query, r.text)
+            assert named in error["message"] and "globex" not in error["message"], r.text
+            assert c.get(path, params=query[:1]).status_code == 200, (path, query[:1])  # once is fine
