@@ -38,6 +38,7 @@ MAX_LINE_BYTES = 1 << 20  # one SSE line (a chunk with 20 top log-probabilities 
 CHUNKS_PER_TOKEN = 4
 CHUNK_SLACK = 16
 MAX_ERROR_BYTES = 64 << 10  # what is read of an upstream's error answer (its message is cut far shorter anyway)
+MAX_MESSAGE_CHARS = 500  # what is kept of an upstream's error message that is not an OpenAI error object
 MAX_JSON_BYTES = 4 << 20  # a JSON answer (`get_json`: a replica's /health, a remote server's /v1/models)
 # an idle pooled connection is dropped before the upstream drops it (uvicorn's default keep-alive is 5 s), so
 # a request is rarely written into a connection the other side is closing
@@ -177,7 +178,7 @@ class TierClient:
                                 continue
                             data = line[5:].strip()
                             if failed:  # `event: error`: its data is the upstream's error, whatever its shape
-                                raise UpstreamRejected(*_error_event(data))
+                                raise UpstreamRejected(*_error_event(url, data))
                             if data == b"[DONE]":
                                 done = True
                                 break
@@ -284,13 +285,17 @@ def _chunk(url: str, data: bytes) -> dict[str, Any]:
     return chunk
 
 
-def _error_event(data: bytes) -> tuple[int, dict[str, Any]]:
+def _error_event(url: str, data: bytes) -> tuple[int, dict[str, Any]]:
     """The status and OpenAI-shaped body of an `event: error`'s data: an error object as an error chunk's, any other
-    data as an error's message (500: the tier failed)."""
+    data as an error's message (500: the tier failed). Data longer than MAX_ERROR_BYTES, what is read of an error
+    answer's body, is a protocol error, not parsed: a line may be up to MAX_LINE_BYTES, and each was parsed and
+    decoded whole on the event loop for a message cut at MAX_MESSAGE_CHARS."""
+    if len(data) > MAX_ERROR_BYTES:
+        raise UpstreamProtocolError(f"{url}: an error event longer than {MAX_ERROR_BYTES} bytes")
     body = _json_or_text(data)
     if not isinstance(body.get("error"), dict):
-        message = body.get("message") if isinstance(body.get("message"), str) else data.decode(errors="replace")
-        body = {"error": {"message": message[:500], "type": "api_error"}}
+        message = body.get("message") if isinstance(body.get("message"), str) else _text(data)
+        body = {"error": {"message": message[:MAX_MESSAGE_CHARS], "type": "api_error"}}
     return _stream_error_status(body), body
 
 
@@ -312,5 +317,11 @@ def _json_or_text(content: bytes) -> dict[str, Any]:
             return body
     except (ValueError, RecursionError):  # not JSON (or cut at MAX_ERROR_BYTES), or nested past the parser's depth
         pass
-    return {"error": {"message": content.decode(errors="replace")[:500], "type": "api_error"}}
+    return {"error": {"message": _text(content), "type": "api_error"}}
+
+
+def _text(content: bytes) -> str:
+    """The first MAX_MESSAGE_CHARS characters of `content`, decoded from no more bytes than they can take (4 each in
+    UTF-8): a character cut at the end of those bytes lies past them."""
+    return content[:4 * MAX_MESSAGE_CHARS].decode(errors="replace")[:MAX_MESSAGE_CHARS]
 

@@ -187,3 +187,26 @@ def test_log_probabilities_of_the_wrong_shape_are_none(bad: object) -> None:
     signals = AnswerSignals()
     signals.add_openai({"content": [{"token": "a", "logprob": -0.5, "top_logprobs": bad}]})
     assert signals.num_tokens == 1 and not signals.has_alternatives
+
+
+async def test_an_error_event_longer_than_the_error_bound_is_a_protocol_error_not_parsed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # was parsed whole (a line may hold up to MAX_LINE_BYTES, 1 MiB) and decoded whole again for a message of 500
+    # characters: a hostile upstream had the event loop read a megabyte for each error it sent
+    parsed: list[int] = []
+    real = client_module._json_or_text
+    monkeypatch.setattr(client_module, "_json_or_text", lambda data: parsed.append(len(data)) or real(data))
+    bound = client_module.MAX_ERROR_BYTES
+    for data in (b'{"message": "' + b"x" * (client_module.MAX_LINE_BYTES - 1000) + b'"}',
+                 b"\xc3\xa9" * (bound // 2 + 1), b'{"error": {"message": "' + b"x" * bound + b'"}}'):
+        with pytest.raises(UpstreamProtocolError, match=f"longer than {bound} bytes") as err:
+            await stream(once(SSE_HEAD + CHUNK + b"event: error\ndata: " + data + b"\n\ndata: [DONE]\n\n"))
+        assert len(str(err.value)) < 200
+    assert parsed == []
+    # up to the bound it is the upstream's error, its message cut short as any error's
+    for data, message in ((b'{"message": "' + b"x" * (bound - 20) + b'"}', "x" * 500),
+                          (b"\xc3\xa9" * (bound // 2), "\xe9" * 500)):
+        with pytest.raises(UpstreamRejected) as rejected:
+            await stream(once(SSE_HEAD + CHUNK + b"event: error\ndata: " + data + b"\n\ndata: [DONE]\n\n"))
+        assert rejected.value.status == 500 and rejected.value.message == message
+    assert all(size <= bound for size in parsed) and len(parsed) == 2
