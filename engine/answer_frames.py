@@ -148,6 +148,21 @@ def _no_end(reason: str | None) -> tuple[list[dict[str, Any]], str | None]:
     return [], reason
 
 
+def _with_tail(pieces: list[dict[str, Any]], tail: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The last output's chunks, then those due at the answer's end, the end's first text joined to the last output's
+    text where both are a chunk's only delta. That text was held back (a possible start of `<tool_call>`, a block that
+    made no call: engine/tool_calls.py) from tokens already counted, and a client counts a chunk of text as a token at
+    least: in a chunk of its own, an answer ending at max_tokens read as one token past it, and the gateway's meter
+    (gateway/pipeline/meter.py) ended the answer before it, without those characters."""
+    if pieces and tail:
+        last, first = pieces[-1].get("delta"), tail[0].get("delta")
+        if isinstance(last, dict) and isinstance(first, dict) and set(last) == set(first) == {"content"} \
+                and set(tail[0]) == {"delta"}:
+            joined = {**pieces[-1], "delta": {"content": last["content"] + first["content"]}}
+            return [*pieces[:-1], joined, *tail[1:]]
+    return [*pieces, *tail]
+
+
 def chat_frames(tokenizer: Any, tools: ToolAnswer | None) -> Frames:
     """Chat's frames; a request that offers tools has its answer shaped into tool calls by `tools`."""
     return Frames(whole=tools.completion if tools else responses.completion,
@@ -196,7 +211,7 @@ async def sse_events(outputs: AsyncIterator[RequestOutput], rid: str, model: str
             return [responses.sse(frames.chunk(**ids, **piece)) for piece in frames.pieces(out.text, lps, False)]
         pieces = frames.pieces(out.text, lps, False)
         tail, reason = frames.end(out.finish_reason)  # after the last piece: a held tool call is parsed whole
-        made = [responses.sse(frames.chunk(**ids, **piece)) for piece in [*pieces, *tail]]
+        made = [responses.sse(frames.chunk(**ids, **piece)) for piece in _with_tail(pieces, tail)]
         made.append(responses.sse(frames.chunk(**ids, **frames.finish, finish_reason=reason, **busy)))
         if include_usage:
             made.append(responses.sse(frames.usage_chunk(**ids, prompt_tokens=out.num_prompt_tokens,

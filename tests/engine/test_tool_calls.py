@@ -138,6 +138,34 @@ async def test_the_engine_streams_a_call_whose_last_piece_ends_the_answer() -> N
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
 
+@pytest.mark.parametrize("continuous_usage", [False, True])
+@pytest.mark.parametrize("texts", [["Hi", " there", " x<"], ["Hi", " a", " b<tool_call>c"], ["Hi", " <", "tool"],
+                                   ["Hi", " a<", "<"]])
+async def test_text_held_back_to_the_end_of_an_answer_at_its_cap_reaches_the_client(texts: list[str],
+                                                                                    continuous_usage: bool) -> None:
+    """An answer cut at max_tokens whose last characters were held back (a possible `<tool_call>`, a block that did not
+    become a call) sends them with its last token's text: in a chunk of their own they read as one token more than
+    max_tokens, and the gateway's meter ended the answer before them (the client lost them)."""
+    from engine.answer_frames import chat_frames, sse_events
+    from engine.llm_engine import RequestOutput
+    from gateway.pipeline.meter import Meter
+
+    async def outputs() -> Any:
+        for i, text in enumerate(texts):  # a token each, the last one at the cap
+            last = i == len(texts) - 1
+            yield RequestOutput("r", text, [i], last, "length" if last else None, 5, i + 1, 0.0)
+
+    frames = chat_frames(None, ToolAnswer(request()))
+    events = [e async for e in sse_events(outputs(), "r", "m", True, continuous_usage, frames)]
+    meter = Meter(0.0, counted_input=5, output_cap=len(texts))
+    for event in events[:-1]:
+        meter.add(json.loads(event[6:]))
+        assert not meter.overran, events
+    assert events[-1] == b"data: [DONE]\n\n"
+    outcome = meter.outcome("ok", 200)
+    assert (outcome.text, outcome.finish_reason, outcome.output_tokens) == ("".join(texts), "length", len(texts))
+
+
 # ---- parallel_tool_calls: false (at most one call per answer) ----
 
 TWO_CALLS = ('Checking. <tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>\nAnd then '
