@@ -13,7 +13,10 @@ Three stores behind one interface:
   of their own: a write waiting on the database's lock (up to its 5 s busy timeout) held up every call behind it
   on one thread, another tenant's replay (which needs no lock under WAL) and renewals too, so that a renewal
   queued behind claims could end past its lease. A renewal waits for the lock briefly (`RENEW_BUSY_S`): failed,
-  it is tried again soon (gateway/pipeline/idempotency.py).
+  it is tried again soon (gateway/pipeline/idempotency.py). A claim waits for the lock until its own deadline, the
+  busy timeout from when it was asked, whatever its turn on the writes' thread: each waited the whole timeout from its
+  turn, so in a lock-out longer than that (another process's long transaction) claims were refused one per 5 s, the
+  tenth after 50 s. One whose deadline passed while it queued tries the lock once, without waiting.
 - `PostgresIdempotency` (a fleet, quotas/idempotency_postgres.py): the same table in the fleet database, beside the
   ledger's tables; a claim is one statement on a connection of the async pool, and the `done` record commits with the
   ledger row, as in SQLite, so any replica replays an answer whose row any replica wrote.
@@ -224,10 +227,12 @@ _SQLITE_RENEW = "UPDATE idempotency SET expires = ? WHERE tenant = ? AND key = ?
 
 
 class SQLiteIdempotency(IdempotencyStore):
-    def __init__(self, path: Path, *, clock: Any = time.time, limits: Limits = DEFAULT_LIMITS) -> None:
+    def __init__(self, path: Path, *, clock: Any = time.time, limits: Limits = DEFAULT_LIMITS,
+                 busy_s: float = BUSY_S) -> None:
         self._clock = clock
         self.limits = limits
         self._path = path
+        self._busy_s = busy_s  # how long a claim waits for the write lock, from when it was asked (the module's doc)
         # writes (claims, answers, give-ups) on one thread and connection; reads and renewals each on their own, so
         # that neither waits behind a write waiting on the lock (see the module's doc)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="idempotency")
@@ -242,21 +247,24 @@ class SQLiteIdempotency(IdempotencyStore):
         self._fault: str | None = None  # why claims are refused, since the first refused (logged once)
         self._give_ups = GiveUps(self._abandon_at)  # give-ups SQLite could not take, deleted once it can
 
-    def _connect(self, busy_s: float = BUSY_S) -> sqlite3.Connection:
-        conn = sqlite3.connect(self._path, isolation_level=None, timeout=busy_s, check_same_thread=False)
+    def _connect(self, busy_s: float | None = None) -> sqlite3.Connection:
+        conn = sqlite3.connect(self._path, isolation_level=None, timeout=self._busy_s if busy_s is None else busy_s,
+                               check_same_thread=False)
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=NORMAL")
         return conn
 
     async def begin(self, tenant: str, key: str, fingerprint: str, owner: str, *, lease_s: float) -> Begun:
         loop = asyncio.get_running_loop()
+        deadline = time.monotonic() + self._busy_s  # its own, however many claims are ahead of it on the thread
         try:
             # a stored answer is read on the reads' thread, without the database's write lock (a done record changes
             # only when it expires), and decoded there: a replay waits neither for writes waiting on the lock nor
             # holds up the ledger's commits
             begun: Begun | None = await loop.run_in_executor(self._reads, self._replay, tenant, key, fingerprint)
             if begun is None:
-                begun = await loop.run_in_executor(self._pool, self._begin, tenant, key, fingerprint, owner, lease_s)
+                begun = await loop.run_in_executor(self._pool, self._begin, tenant, key, fingerprint, owner, lease_s,
+                                                   deadline)
         except (sqlite3.Error, MemoryError) as exc:
             if (found := _sqlite_fault(exc)) is None:
                 raise
@@ -281,9 +289,9 @@ class SQLiteIdempotency(IdempotencyStore):
         conn = self._read_conn = self._read_conn or self._connect()
         return conn.execute(_SELECT, (tenant, key)).fetchone()
 
-    def _begin(self, tenant: str, key: str, fingerprint: str, owner: str, lease_s: float) -> Begun:
+    def _begin(self, tenant: str, key: str, fingerprint: str, owner: str, lease_s: float, deadline: float) -> Begun:
         now = self._clock()
-        conn = self._conn = self._conn or self._connect()
+        conn = self._writer(deadline - time.monotonic())  # past its deadline: one try, no wait
         conn.execute("BEGIN IMMEDIATE")
         try:
             found = conn.execute(_SELECT, (tenant, key)).fetchone()
@@ -308,6 +316,12 @@ class SQLiteIdempotency(IdempotencyStore):
             self._roll_back(conn)
             raise
         return _decoded(begun) if isinstance(begun, str) else begun
+
+    def _writer(self, busy_s: float) -> sqlite3.Connection:
+        """The writes' connection, its next statement waiting `busy_s` at most for the database's lock (none if 0)."""
+        conn = self._conn = self._conn or self._connect()
+        conn.execute(f"PRAGMA busy_timeout = {max(0, round(busy_s * 1000))}")
+        return conn
 
     def _roll_back(self, conn: sqlite3.Connection) -> None:
         """Roll back a claim that failed, if SQLite did not (it does for a full disk, an I/O error). A rollback that
@@ -350,7 +364,7 @@ class SQLiteIdempotency(IdempotencyStore):
 
     def _execute(self, statements: tuple[Statement, ...]) -> None:
         """`statements` on the writes' connection (in their one thread), rolled back if one fails."""
-        conn = self._conn = self._conn or self._connect()
+        conn = self._writer(self._busy_s)
         try:
             for sql, args in statements:
                 conn.execute(sql, args)

@@ -90,3 +90,25 @@ async def test_a_renewal_does_not_wait_behind_a_claim_waiting_on_the_lock(store:
             await prompt(store.renew(acme, 60), within_s=2.0)  # its own wait for the lock is shorter
     assert await store.renew(acme, 60)
     assert isinstance(await claiming, Claim)  # the claim went on once the lock was released
+
+
+async def test_claims_queued_in_a_lock_out_each_fail_within_their_own_busy_timeout(tmp_path: Path) -> None:
+    """A lock-out longer than the busy timeout: claims queue on the writes' thread, and each waited the whole timeout
+    from its turn, so the tenth was refused after ten timeouts (50 s at the gateway's 5 s). Each is refused
+    (LedgerUnavailable: the stage's 503 `idempotency_unavailable`) by its own deadline, and claims nothing."""
+    busy_s, claims = 0.2, 10
+    store = SQLiteIdempotency(tmp_path / "ledger.db", busy_s=busy_s)
+    try:
+        with write_locked(tmp_path / "ledger.db"):
+            try:  # one after another, the last is refused after claims * busy_s
+                refused = await asyncio.wait_for(asyncio.gather(
+                    *(store.begin("acme", f"k{i}", "body", f"a{i}", lease_s=60) for i in range(claims)),
+                    return_exceptions=True), claims * busy_s / 2)
+            except TimeoutError:
+                raise AssertionError("the claims were refused one busy timeout after another") from None
+        assert all(isinstance(r, LedgerUnavailable) for r in refused), refused
+        for i in range(claims):  # nothing was claimed: the keys are free for another request
+            again = await store.begin("acme", f"k{i}", "body", f"b{i}", lease_s=60)
+            assert isinstance(again, Claim) and again.owner == f"b{i}"
+    finally:
+        await store.close()
