@@ -68,7 +68,7 @@ from gateway.pipeline.context import RequestContext
 from gateway.pipeline.gate import TenantGate, refused_size, scopes_of
 from gateway.pipeline.handed_off import HandedOff
 from gateway.pipeline.idempotency import HEADER as IDEMPOTENCY_HEADER
-from gateway.pipeline.idempotency import REPLAY_HEADER, IdempotencyStage, Keep, keep_when_written
+from gateway.pipeline.idempotency import REPLAY_HEADER, IdempotencyStage, Keep, keep_when_written, lease_lost
 from gateway.pipeline.refusals import RefusalLog
 from gateway.pipeline.reserve import ReserveStage, ratelimit_headers
 from gateway.services import Services
@@ -171,6 +171,10 @@ class EmbeddingsService:
                                                          price=self.spec.price(sum(counts)))
             answer = await self._answer(ctx, req, counts, reservation, keep)
             return answer, ratelimit_headers(ctx.plan, reservation.decision)
+        except asyncio.CancelledError:
+            if keep is not None and keep.stopped():  # its Idempotency-Key's lease lost: settled as cancelled
+                raise lease_lost() from None
+            raise
         finally:
             if keep is not None:
                 keep.settle()

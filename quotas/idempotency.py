@@ -179,7 +179,8 @@ class IdempotencyStore(ABC):
         claim (False when not: answered, given up, or taken over by another request after it expired). Without it an
         answer running past its lease (a long stream) let a retry with its key take the key over, run and be charged a
         second time (gateway/pipeline/idempotency.py renews it every third of the lease, and a renewal that raised a
-        thirtieth later). A store that cannot renew says False: its claims keep the lease they were made with."""
+        thirtieth later). False, or no renewal before the lease may end, and the gateway stops the request: a retry
+        may take the key over. A store that cannot renew says False."""
         return False
 
     async def stored(self, tenant: str, key: str, fingerprint: str) -> Replay | Mismatch | None:

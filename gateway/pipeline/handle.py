@@ -32,7 +32,7 @@ from gateway.pipeline.context import RequestContext
 from gateway.pipeline.dispatch import DispatchStage
 from gateway.pipeline.events import Delta, Done, Event, Head
 from gateway.pipeline.gate import TenantGate, refused_size, scopes_of
-from gateway.pipeline.idempotency import HEADER, IdempotencyStage, Keep, keep_when_written
+from gateway.pipeline.idempotency import HEADER, IdempotencyStage, Keep, keep_when_written, lease_lost
 from gateway.pipeline.meter import Meter, Outcome, Reading
 from gateway.pipeline.prompt import ContextTooLong, Prompt, PromptStage
 from gateway.pipeline.refusals import RefusalLog
@@ -114,7 +114,11 @@ class Pipeline:
             events = cascade(self, ctx, prepared) if _cascades(ctx, prepared) else self.answer(ctx, prepared)
             try:
                 async for event in events:
+                    if keep is not None:  # its task is the consumer's while it waits at the `yield` (`Keep`)
+                        keep.suspend()
                     yield event
+                    if keep is not None:  # stopped here if its lease was lost meanwhile
+                        keep.resume()
             except InvalidRequest as exc:
                 # the tier refused the request as the tenant's fault (our engine's validation: a prompt too long):
                 # it cost what a refused parse costs and more, charged nothing, and counts as one
@@ -123,6 +127,10 @@ class Pipeline:
                 raise
             finally:  # closed here when this is (a client gone at a `yield`), not when the collector frees it
                 await events.aclose()
+        except asyncio.CancelledError:
+            if keep is not None and keep.stopped():  # its lease lost: settled as cancelled, and its client told so
+                raise lease_lost() from None
+            raise
         finally:
             if keep is not None:
                 keep.settle()

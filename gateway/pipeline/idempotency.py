@@ -12,7 +12,9 @@ the fingerprint, storing its vectors compactly (gateway/embeddings_service.py). 
   claim has a lease (`lease_s`, so a claim whose gateway died frees its key), renewed every third of it while the
   request runs (`IdempotencyStage.renewing`), and a renewal that failed is tried again every thirtieth of it until one
   succeeds: not renewed, an answer longer than its lease (a long stream) let a retry take the key over, run and be
-  charged a second time;
+  charged a second time. A lease that could not be renewed before it may end (the store failing all that while) is
+  lost: its request is stopped (`Keep`), settled as a client that left is (billed for what ran), and its client told
+  503 `idempotency_lease_lost`; it went on, and a retry that took the key over ran and was charged too;
 - while the ledger cannot write (its readiness, gateway/pipeline/handle.py), a stored answer is still replayed, read
   only (`IdempotencyStage.stored`: a replay writes no row); anything else, a new claim included, is a 503;
 - the same key with another body is a 422 naming the header;
@@ -63,23 +65,85 @@ REPLAY_HEADER = "x-tiergate-idempotent-replay"
 log = logging.getLogger("tiergate.idempotency")
 MAX_KEY_CHARS = 255
 RENEW_RETRY_PARTS = 30  # a renewal that failed is tried again this part of the lease later (20 s of the default 600)
+# a lease is counted on until this part of it before it can end by this gateway's clock (20 s of the default 600): the
+# margin for a store whose leases other replicas judge by their own clocks (PostgreSQL's), or a wall clock stepped
+LEASE_MARGIN_PARTS = 30
+
+
+def lease_lost() -> Unavailable:
+    """What the client of a request stopped for its lost lease is told (`Keep`)."""
+    return Unavailable("Idempotency-Key: this request's claim on its key could not be renewed before it could end (the "
+                       "idempotency records could not be reached), so the request was stopped, lest a retry with the "
+                       "key run it a second time; what it ran is billed; retry with the same key",
+                       param="Idempotency-Key", code="idempotency_lease_lost", retry_after=1)
 
 
 class Keep:
     """A request's claim on its Idempotency-Key, and whether its answer has been handed to the store (from then on the
     claim is the answer's, never given up); a claim whose answer was not stored when the request ends is given up
-    (gateway/pipeline/handle.py)."""
+    (gateway/pipeline/handle.py).
 
-    def __init__(self, claim: Claim, renewal: asyncio.Task[None] | None = None) -> None:
+    Its lease is renewed while the request runs (`renewal`, `IdempotencyStage.renewing`); a renewal task that ends by
+    itself has lost the lease (it may have ended: a retry with the key may claim it and run). The request is then
+    stopped unless its answer is stored already: the task running its code is cancelled, which settles it as a client
+    that left is (billed for what ran), and `stopped` tells the request that cancel was this, to answer `lease_lost()`.
+    Which task runs its code: the one that made the Keep, and for an async generator (handle.py) the one that resumed it
+    last; none while it is suspended at a `yield` (`suspend`; the task then runs its consumer's code, never cancelled
+    for this), when a lease lost meanwhile stops the request as it resumes (`resume`)."""
+
+    def __init__(self, claim: Claim, renewal: asyncio.Task[str] | None = None) -> None:
         self.claim = claim
         self.stored = False
         self.renewal = renewal  # the claim's lease renewed while the request runs (`IdempotencyStage.renewing`)
+        self.lost = False  # the lease may have ended while the request ran
+        self._runs: asyncio.Task[Any] | None = asyncio.current_task()  # the task running the request's code now
+        self._cancelled: asyncio.Task[Any] | None = None  # the task cancelled for the lost lease, not yet told
+        self._settled = False
+        if renewal is not None:
+            renewal.add_done_callback(self._renewal_ended)
 
     def settle(self) -> None:
         """The request is over: its lease is renewed no more (a kept answer's record is `done`; a claim given up, or
-        one whose gateway died, frees its key when its lease ends)."""
+        one whose gateway died, frees its key when its lease ends), nor is it stopped for its lease."""
+        self._runs, self._settled = None, True
         if self.renewal is not None:
             self.renewal.cancel()
+
+    def suspend(self) -> None:
+        """The request's code is suspended (a generator at its `yield`): its task is its consumer's until `resume`."""
+        self._runs = None
+
+    def resume(self) -> None:
+        """The request's code runs again, in the current task; `lease_lost()` raised if its lease was lost meanwhile."""
+        self._runs = asyncio.current_task()
+        if self.lost and not self.stored:
+            if self._cancelled is not None:  # a cancel swallowed on the way: taken back, the error said instead
+                self._cancelled.uncancel()
+                self._cancelled = None
+            raise lease_lost()
+
+    def stopped(self) -> bool:
+        """Asked of a CancelledError the request caught: True when it is this Keep's cancel for a lost lease and
+        nothing else cancels the task (taken back then: the caller raises `lease_lost()` instead)."""
+        task = asyncio.current_task()
+        if task is None or self._cancelled is not task:
+            return False
+        self._cancelled = None
+        return task.uncancel() == 0
+
+    def _renewal_ended(self, renewal: asyncio.Task[str]) -> None:
+        if renewal.cancelled() or self._settled:  # the request is over
+            return
+        self.lost = True
+        exc = renewal.exception()  # a bug: the lease is not renewed any more, so it is lost
+        if self.stored:  # answered: its claim is the answer's now, whatever its lease
+            return
+        log.error("Idempotency-Key %r (tenant %s): %s; its request is stopped, lest the key run twice", self.claim.key,
+                  self.claim.tenant, "its renewals failed" if exc else renewal.result(), exc_info=exc)
+        if self._runs is None:  # suspended: stopped as it resumes (`resume`)
+            return
+        self._cancelled = self._runs
+        self._runs.cancel()
 
 
 KEEP_FOR_S = 120.0  # how long a kept claim waits for its row's final outcome here, then its store follows the row
@@ -119,6 +183,7 @@ class IdempotencyStage:
         self.poll_s = poll_s
         # claims whose request left, and their abandons
         self._handed = HandedOff(log, "giving up the Idempotency-Key claim of a request that left failed")
+        self._asked: dict[Claim, float] = {}  # when each claim `begin` returned was asked of the store (monotonic)
 
     def _give_up(self, work: asyncio.Future[Any]) -> None:
         """A claim made for a request that left before it was told: given up (handed off), so a retry runs."""
@@ -130,30 +195,46 @@ class IdempotencyStage:
         """Wait for claims of requests that left to be given up (shutdown, tests)."""
         await self._handed.drain()
 
-    def renewing(self, claim: Claim) -> asyncio.Task[None]:
+    def renewing(self, claim: Claim) -> asyncio.Task[str]:
         """Renew `claim`'s lease every third of it while its request runs, off the request's path, until the request
-        settles (`Keep.settle` cancels it) or the record is no longer its running claim. Without it an answer running
-        longer than the lease (a long stream) let a retry with its key find the lease expired, take the key over, run
-        and be charged again; renewed, the retry waits for it or gets 409, and a gateway that dies stops renewing, so
-        its key is freed a lease later, as before. A renewal the store failed (busy, unreachable) is tried again a
-        thirtieth of the lease later, not a third: a lease renewed on time has two thirds of itself left at the
-        failure, some twenty tries, where two failures in a row let it end while its request still ran."""
-        return asyncio.get_running_loop().create_task(self._renew(claim))
+        settles (`Keep.settle` cancels it). Without it an answer running longer than the lease (a long stream) let a
+        retry with its key find the lease expired, take the key over, run and be charged again; renewed, the retry
+        waits for it or gets 409, and a gateway that dies stops renewing, so its key is freed a lease later, as before.
+        A renewal the store failed (busy, unreachable) is tried again a thirtieth of the lease later, not a third: a
+        lease renewed on time has two thirds of itself left at the failure, some twenty tries, where two failures in a
+        row let it end while its request still ran.
 
-    async def _renew(self, claim: Claim) -> None:
-        failed = 0  # renewals failed in a row
+        The task ends by itself when the lease is lost (`Keep` then stops the request): no renewal has succeeded by the
+        time it may end, or the store says the record is not this claim's running one any more (taken over by another
+        request once it expired). When it may end is measured on this gateway's monotonic clock from when the last
+        renewal that succeeded (or the claim) was asked of the store, as every store dates a lease no earlier than
+        that (SQLite and PostgreSQL from the clock of the gateway that asks, Redis from its own on receipt), less a
+        thirtieth of the lease (`LEASE_MARGIN_PARTS`): other replicas judge a PostgreSQL lease by their own clocks."""
+        asked = self._asked.pop(claim, None)  # a claim `begin` did not return (a test's): its lease from now
+        return asyncio.get_running_loop().create_task(self._renew(claim, time.monotonic() if asked is None else asked))
+
+    async def _renew(self, claim: Claim, asked: float) -> str:
+        """Renewals until the lease is lost: why, returned (`renewing`)."""
+        held_s = self.lease_s * (1 - 1 / LEASE_MARGIN_PARTS)
+        held, failed = asked + held_s, 0  # until when the lease is surely the claim's; renewals failed in a row
         while True:
-            await asyncio.sleep(self.lease_s / (RENEW_RETRY_PARTS if failed else 3))
+            await asyncio.sleep(min(self.lease_s / (RENEW_RETRY_PARTS if failed else 3), held - time.monotonic()))
+            asked = time.monotonic()
+            if asked >= held:
+                return f"its lease could not be renewed before it may end ({failed} tries failed)"
             try:
-                renewed = await self.store.renew(claim, self.lease_s)
+                renewed = await asyncio.wait_for(self.store.renew(claim, self.lease_s), held - asked)
             except Exception as exc:  # the store failing for now: tried again soon, logged once a run of failures
+                if time.monotonic() >= held:  # its wait for the store cut short by the lease's end
+                    return f"its lease could not be renewed before it may end ({failed + 1} tries failed)"
                 if not failed:
                     log.warning("renewing the lease of Idempotency-Key %r (tenant %s) failed, tried again every %g s "
                                 "until it is: %s", claim.key, claim.tenant, self.lease_s / RENEW_RETRY_PARTS, exc)
                 failed += 1
                 continue
-            if not renewed:
-                return
+            if not renewed:  # answered (the request no longer runs for it), or another request's since it expired
+                return "the store holds it as the claim of no running request"
+            held = asked + held_s
             if failed:
                 log.warning("the lease of Idempotency-Key %r (tenant %s) renewed after %d failed tries", claim.key,
                             claim.tenant, failed)
@@ -211,6 +292,7 @@ class IdempotencyStage:
             # shielded: a client that leaves while the store claims the key (SQLite's thread commits it, Redis has
             # run its script) leaves a claim no Keep owns yet; it is given up once the claim ends, never held for the
             # lease (a retry would wait, then get 409, for 10 minutes)
+            asked = time.monotonic()
             work = asyncio.ensure_future(
                 self.store.begin(ctx.tenant, key, fingerprint, ctx.request_id, lease_s=self.lease_s))
             try:
@@ -222,7 +304,10 @@ class IdempotencyStage:
                 raise Unavailable("Idempotency-Key: the idempotency records cannot be reached now; nothing was run or "
                                   "charged; retry shortly with the same key", param="Idempotency-Key",
                                   code="idempotency_unavailable", retry_after=1) from exc
-            if isinstance(begun, Claim | Replay):
+            if isinstance(begun, Claim):
+                self._asked[begun] = asked  # its lease dates from no earlier (`renewing`)
+                return begun
+            if isinstance(begun, Replay):
                 return begun
             if isinstance(begun, Mismatch):
                 raise Unprocessable("Idempotency-Key: this key was used with another request body; use a new key "
