@@ -117,3 +117,41 @@ async def test_equal_texts_of_different_owners_are_embedded_apart() -> None:
     assert encoder.batches == [["same", "same"]]  # a's two once, b's apart
     assert all(r is not None and r[0] == 4 for r in results)
     batcher.close()
+
+
+class CountedOwner:
+    """An owner that counts how often it is hashed: each time the batcher files or finds one of its texts."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.hashed = 0
+
+    def __hash__(self) -> int:
+        self.hashed += 1
+        return hash(self.name)
+
+
+async def test_a_batch_costs_its_own_texts_not_the_queue_behind_it() -> None:
+    """The event loop's work for a queue of N texts is linear in N: a batch looks at the texts it takes (and those
+    whose callers left), never at all the others queued. The queue was one list split into lanes again for every
+    batch, N^2 / max_batch in all: 10 requests of 2,048 texts queued cost the loop 8.6 ms a batch, 5.5 s in all."""
+    encoder = FakeEncoder()
+    batcher = EmbeddingBatcher(encoder, max_batch=8, max_wait_s=0.0)
+    owners = [CountedOwner("a"), CountedOwner("b")]
+    encoder.gate.clear()
+    first = asyncio.create_task(batcher.embed("held", owner=owners[0]))  # in the worker while the rest queue
+    await asyncio.sleep(0.05)
+    texts = 2048
+    tasks = [asyncio.create_task(batcher.embed(f"t{i}", owner=owners[i % 2])) for i in range(texts)]
+    leaving = [asyncio.create_task(batcher.embed(f"gone{i}", owner=owners[0])) for i in range(64)]
+    await asyncio.sleep(0.05)
+    for task in leaving:
+        task.cancel()
+    encoder.gate.set()
+    vectors = await asyncio.wait_for(asyncio.gather(first, *tasks), timeout=30)
+    assert [v[0] for v in vectors[1:]] == [len(f"t{i}") for i in range(texts)]  # type: ignore[index]
+    assert sum(len(b) for b in encoder.batches) == texts + 1 and all(len(b) <= 8 for b in encoder.batches)
+    assert not any(t.startswith("gone") for b in encoder.batches for t in b)
+    # a few lookups per text (filed, taken, its vector found); the old queue: 256 batches x 2,112 texts
+    assert sum(o.hashed for o in owners) < 10 * (texts + 64 + 1), [o.hashed for o in owners]
+    batcher.close()
