@@ -48,8 +48,8 @@ UNSUPPORTED_FIELDS = {
 def _one_text_prompt(value: Any) -> Any:
     """`prompt` as the legacy API allows it, refused by name where it is a batch, token ids or empty (no token to
     continue from: the engine refused it, after the gateway had routed, reserved and sent it)."""
-    if isinstance(value, list):
-        if any(isinstance(v, int | list) and not isinstance(v, bool) for v in value):
+    if isinstance(value, list):  # its first item says what it is: the rest is not looked at (a million of them was)
+        if value and isinstance(value[0], int | list) and not isinstance(value[0], bool):
             raise PydanticCustomError(UNSUPPORTED_VALUE, "token-id prompts are not supported; send the text")
         if len(value) > 1:
             raise PydanticCustomError(UNSUPPORTED_VALUE, "one prompt per request: send a string (or a list of one)")

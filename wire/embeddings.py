@@ -38,10 +38,20 @@ PIECE_ROWS = 16  # rows of an answer encoded in one call (about 100 KB of JSON f
 Text = Annotated[str, Field(min_length=1, max_length=MAX_INPUT_CHARS)]
 
 
+def _token_ids(value: Any) -> bool:
+    return isinstance(value, int | list) and not isinstance(value, bool)
+
+
 def _text_inputs(value: Any) -> Any:
-    """Refuse token-id inputs by name (the type check would only say "not a string")."""
+    """Refuse token-id inputs by name (the type check would only say "not a string"), and a list of more than
+    MAX_INPUTS before any of its items is looked at: its items were each validated first, a refusal for each that
+    was not a text, then the list refused for its length (a body of a million `{}` cost the event loop 434 ms)."""
     items = value if isinstance(value, list) else [value]
-    if any(isinstance(v, int | list) and not isinstance(v, bool) for v in items):
+    if items and _token_ids(items[0]):
+        raise PydanticCustomError(UNSUPPORTED_VALUE, "token-id inputs are not supported; send the text")
+    if len(items) > MAX_INPUTS:
+        raise PydanticCustomError("too_long", f"at most {MAX_INPUTS} inputs in one request")
+    if any(_token_ids(v) for v in items):
         raise PydanticCustomError(UNSUPPORTED_VALUE, "token-id inputs are not supported; send the text")
     return value
 
