@@ -125,6 +125,11 @@ def replay_body(stored: dict[str, Any], encoding_format: str) -> bytes:
                           prompt_tokens=stored["prompt_tokens"], encoding_format=encoding_format)
 
 
+def _mark_ready(ready: list[bool], i: int, future: asyncio.Future[np.ndarray | None]) -> None:
+    """Text i's vector came (its failure is read here, so a pass that failed every text of a batch logs nothing)."""
+    ready[i] = not future.cancelled() and future.exception() is None
+
+
 class EmbeddingsService:
     def __init__(self, *, spec: EmbeddingSpec, embedder: Embedder, gate: TenantGate, reserve: ReserveStage,
                  refusals: RefusalLog, ledger: Ledger, quotas: QuotaService, metrics: GatewayMetrics,
@@ -290,22 +295,18 @@ class EmbeddingsService:
                                                                  encoding_format=encoding_format, pack=pack))
 
     async def _vectors(self, texts: list[str], tenant: str, ready: list[bool]) -> np.ndarray:
-        """[N, 384]: the texts go to the batcher together (announced first, so their pass waits for all); its
-        batches take turns between tenants, so a tenant's 2,048 texts hold up another's one for a batch, not all.
-        `ready[i]` is set as text i's vector comes. Cancelled (the client left), the texts still queued are dropped
-        from the batches to come (the batcher skips a text whose caller has gone)."""
-        announced = [self.batcher.announce() for _ in texts]
-
-        async def one(i: int) -> np.ndarray | None:
-            row = await self.batcher.embed(texts[i], announced[i], owner=tenant)
-            ready[i] = True
-            return row
-
+        """[N, 384]: the texts go to the batcher together, in one call (`embed_many`); its batches take turns between
+        tenants, so a tenant's 2,048 texts hold up another's one for a batch, not all. `ready[i]` is set as text i's
+        vector comes. Cancelled (the client left), the texts still queued are dropped from the batches to come (the
+        batcher skips a text whose future is cancelled)."""
+        futures = self.batcher.embed_many(texts, owner=tenant)
+        for i, future in enumerate(futures):
+            future.add_done_callback(functools.partial(_mark_ready, ready, i))
         try:
-            rows = await asyncio.gather(*(one(i) for i in range(len(texts))))
+            rows = await asyncio.gather(*futures)
         finally:
-            for announcement in announced:
-                announcement.close()
+            for future in futures:  # those still queued (the client left, or another text's pass failed)
+                future.cancel()
         return np.stack(rows)  # type: ignore[arg-type]  # `_encode_many` gives every text a vector
 
     async def _settle(self, ctx: RequestContext, reservation: Reservation, tokens: int, status: str,
