@@ -9,9 +9,13 @@ stream. What differs from chat:
   gateway. Its forward passes go through an `EmbeddingBatcher` of their own, so concurrent requests' texts
   share passes, and a large embeddings request never waits in line with (or holds up) the cache's lookups.
 - Tokens are MiniLM's word pieces, the two special tokens included, up to the `max_tokens` the model reads:
-  what it ran on. They are counted before the reservation (in a worker thread; the wire model bounds the
+  what it ran on. They are counted before the reservation (in the counting threads; the wire model bounds the
   texts), so the reservation is exact and settles to the same count (less, for a client that leaves; nothing
-  for a request that failed).
+  for a request that failed). A request's texts are counted COUNT_PIECE_CHARS characters at a time, each piece a
+  job of its own in the tenant's turn, as a chat prompt's count is about as long (gateway/pipeline/prompt.py): counted
+  in one job, a body of 4 MiB held one of the two threads for all of it (512 texts of 8,192 characters: 2.6-3.6 s of
+  ordinary words, 11-19 s of words the tokenizer splits slowly), and every other tenant's long prompts, embeddings
+  and answer bodies waited behind it, or behind two.
 - Price: the catalogue's `embeddings.price_per_1k_input` (tiers/catalogue.py says why it lives there). Compute
   cost: the catalogue's hardware rate over the wall time of the request's forward passes (`cost_basis`
   "wall", as for a remote tier that reports no busy time).
@@ -80,6 +84,7 @@ from tiers.catalogue import EmbeddingSpec
 from wire.embeddings import EmbeddingRequest, embedding_body
 
 TIER = "embeddings"  # the ledger's `tier` for these rows
+COUNT_PIECE_CHARS = 1 << 16  # characters of a request's texts counted in one job of the counting threads
 ROUTE = "embeddings"  # what the route adds to an Idempotency-Key's fingerprint (chat's is "chat" or "completion")
 
 log = logging.getLogger("tiergate.embeddings")
@@ -171,7 +176,7 @@ class EmbeddingsService:
                     return await self._replay(ctx, req, begun)
                 keep = Keep(begun, self.idempotency.renewing(begun)) if begun is not None and self.idempotency else None
                 self._refuse_if_degraded(ctx)
-                counts = await self.counting.run(ctx.tenant, self._num_tokens, req.texts)
+                counts = await self._count(ctx.tenant, req.texts)
                 reservation = await self.reserve.reserve(ctx, ctx.request_id, tokens=sum(counts),
                                                          price=self.spec.price(sum(counts)))
             answer = await self._answer(ctx, req, counts, reservation, keep)
@@ -236,6 +241,22 @@ class EmbeddingsService:
             raise Unavailable(f"degradation level {degr.level}: {priority} traffic is answered from cache only, "
                               "and embeddings are never cached", code="degraded_cache_only", retry_after=30,
                               headers={"x-tiergate-degrade-actions": f"cache_only({priority})"})
+
+    async def _count(self, tenant: str, texts: list[str]) -> list[int]:
+        """`_num_tokens` of the texts, in the counting threads, a piece of about COUNT_PIECE_CHARS characters at a
+        time (a text is never split), each in the tenant's turn: another tenant's job waits for a piece, not all."""
+        counts: list[int] = []
+        piece: list[str] = []
+        chars = 0
+        for text in texts:
+            piece.append(text)
+            chars += len(text)
+            if chars >= COUNT_PIECE_CHARS:
+                counts += await self.counting.run(tenant, self._num_tokens, piece)
+                piece, chars = [], 0
+        if piece:
+            counts += await self.counting.run(tenant, self._num_tokens, piece)
+        return counts
 
     def _num_tokens(self, texts: list[str]) -> list[int]:
         """Word pieces the model reads of each text (special tokens included)."""
