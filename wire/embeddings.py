@@ -1,12 +1,16 @@
 """The OpenAI embeddings request (POST /v1/embeddings) and its answer.
 
 `input` is one string or a list of at most MAX_INPUTS strings (OpenAI's limit), none empty and none longer than
-MAX_INPUT_CHARS characters: the sentence embedder reads no more than that of a text (cache/embedder.py), so a
-longer text would get the vector of its beginning, silently. Token-id inputs (a list of integers, or of lists of
-integers) are refused by name: our model's tokenizer is not OpenAI's, so ids from a client mean nothing here.
-`dimensions` is accepted only as the model's own (`EMBEDDING_DIM`): MiniLM's vectors cannot be shortened
-without changing what they measure. `encoding_format` is `float` (the default) or `base64` (little-endian
-float32, what the OpenAI SDKs ask for and decode).
+MAX_INPUT_CHARS characters: the sentence embedder hands no more than that of a text to its tokenizer
+(cache/embedder.py), which splits the whole of what it is given. The model itself reads a text's first 256 word
+pieces (about 1,500 characters of ordinary text): a longer text gets the vector of that beginning and is billed for
+the word pieces read (gateway/embeddings_service.py), as sentence-transformers truncates, where OpenAI refuses an
+input past its model's context. Token-id inputs (a list of integers, or of lists of integers) are refused by name:
+our model's tokenizer is not OpenAI's, so ids from a client mean nothing here. `dimensions` is accepted only as the
+model's own (`EMBEDDING_DIM`): MiniLM's vectors cannot be shortened without changing what they measure.
+`encoding_format` is `float` (the default) or `base64` (little-endian float32, what the OpenAI SDKs ask for and
+decode). `user` is OpenAI's name for the tenant's end user, a hint that changes no vector (as chat's
+`safety_identifier`); where the tenant's plan keeps its users apart, it is part of an Idempotency-Key's identity.
 
 The answer's JSON (`embedding_body`) is built a piece of rows at a time, in a worker thread: for 2,048 vectors it is
 about 16.6 MB and 100 ms of work that holds the GIL. One C call (a `tolist`, an encoder's) keeps it to its end, so a
