@@ -8,6 +8,7 @@ import pytest
 
 from gateway.app import create_app, load_config
 from gateway.config_files import ConfigFileError, load_yaml
+from gateway.ladder.config import Ladder
 from gateway.settings import REPO_ROOT, Settings
 from quotas.plans import PlanBook
 from tiers.catalogue import TierCatalogue
@@ -66,3 +67,46 @@ def test_a_bad_rollout_guard_stops_the_app_naming_the_tier_and_field(tmp_path: P
         create_app(Settings(data_dir=tmp_path / "d", tiers_file=f))
     assert "tiers.mid.rollout_guards" in exc.value.reason and "max_error_rate" in exc.value.reason
     assert str(f) in str(exc.value) and not (tmp_path / "d").exists()  # nothing was created
+
+
+def test_a_key_given_twice_is_refused_naming_both_lines(tmp_path: Path) -> None:
+    """YAML keeps the last of a repeated key without a word: a second `context_limit:`, or a second tier of one
+    name, replaced the first."""
+    shipped = (REPO_ROOT / "tiers" / "tiers.yaml").read_text()
+    f = tmp_path / "tiers.yaml"
+    f.write_text(shipped.replace("    context_limit: 8192\n", "    context_limit: 8192\n    context_limit: 512\n", 1))
+    with pytest.raises(ConfigFileError) as exc:
+        load_yaml(f, TierCatalogue)
+    first = shipped.splitlines().index("    context_limit: 8192") + 1
+    assert exc.value.line == first + 1 and "'context_limit' is given twice" in exc.value.reason
+    assert f"lines {first} and {first + 1}" in exc.value.reason
+    plans = tmp_path / "plans.yaml"
+    plans.write_text("default_plan: p\nplans:\n  p: {allowed_tiers: [mid], default_tier: mid}\n"
+                     "  p: {allowed_tiers: [full], default_tier: full}\n")
+    with pytest.raises(ConfigFileError) as exc:
+        load_yaml(plans, PlanBook)
+    assert exc.value.line == 4 and "'p' is given twice" in exc.value.reason
+    merged = tmp_path / "merged.yaml"  # YAML's merge key may be followed by the keys it does not replace
+    merged.write_text("default_plan: p\nplans:\n  p: &p {allowed_tiers: [mid], default_tier: mid}\n"
+                      "  q: {<<: *p, priority: batch}\n")
+    assert load_yaml(merged, PlanBook).plans["q"].priority == "batch"
+
+
+def test_a_huge_deep_or_binary_file_is_a_config_error_not_a_hang_or_a_crash(tmp_path: Path) -> None:
+    shipped = (REPO_ROOT / "degrade_ladder.yaml").read_text()
+    huge = tmp_path / "huge.yaml"
+    huge.write_text(shipped + "#" * (2 << 20) + "\n")  # valid YAML, but 2 MiB is no one's ladder
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("levels: " + "[" * 5000 + "]" * 5000 + "\n")  # past PyYAML's own recursion: no line
+    deeper = tmp_path / "deeper.yaml"
+    deeper.write_text("levels:\n" + "".join("  " * i + "- \n" for i in range(1, 100)))
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"levels:\n  - {level: 0, name: \xff\xfe}\n")
+    for path, line, reason in ((huge, None, "larger than 1048576 bytes"),
+                               (Path("/dev/zero"), None, "larger than"),
+                               (deep, None, "nested more than"), (deeper, 65, "nested more than"),
+                               (binary, 2, "not UTF-8")):
+        with pytest.raises(ConfigFileError) as exc:
+            load_yaml(path, Ladder)
+        assert exc.value.line == line and reason in exc.value.reason, (path, exc.value)
+
