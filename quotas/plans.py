@@ -176,7 +176,9 @@ class Plan(BaseModel):
 
     name: str = ""  # filled from the mapping key
     priority: PriorityClass = "standard"
-    weight: Annotated[float, Field(gt=0)] = 1.0  # fair-share weight inside the priority class
+    # fair-share weight inside the priority class; finite: `.inf` counted none of the tenant's tokens, so it was
+    # always served first in its class
+    weight: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 1.0
     allowed_tiers: Annotated[list[str], Field(min_length=1)]
     default_tier: str  # what `auto` means while there is no difficulty model
     allow_upgrade: bool = False  # may an unavailable tier (down, circuit open) fall back to a dearer one?

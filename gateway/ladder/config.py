@@ -13,7 +13,7 @@ from collections.abc import Collection
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from gateway.config_files import load_yaml
 
@@ -66,12 +66,18 @@ class LowerSemanticThreshold(_Action):
 Action = RemapTiers | CapOutputTokens | CapInputTokens | CacheOnly | Shed | DisableCascade | LowerSemanticThreshold
 
 
+# a threshold or a duration is a finite number: a NaN threshold never held and `.inf` seconds never passed, so a
+# level with one never entered or never left, silently
+Finite = Annotated[float, Field(allow_inf_nan=False)]
+Seconds = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+
+
 class Condition(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     metric: Metric
-    above: float | None = None
-    below: float | None = None
+    above: Finite | None = None
+    below: Finite | None = None
 
     @model_validator(mode="after")
     def _one_bound(self) -> Condition:
@@ -89,7 +95,7 @@ class Trigger(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     any: Annotated[list[Condition], Field(min_length=1)]
-    for_s: Annotated[float, Field(ge=0)] = 30.0
+    for_s: Seconds = 30.0
 
 
 class Level(BaseModel):
@@ -101,7 +107,16 @@ class Level(BaseModel):
     actions: list[Action] = Field(default_factory=list)
     enter: Trigger | None = None  # rise to this level when it holds
     exit: Trigger | None = None  # leave it (one level down) when this holds: the hysteresis
-    min_dwell_s: Annotated[float, Field(ge=0)] = 60.0
+    min_dwell_s: Seconds = 60.0
+
+    @field_validator("actions")
+    @classmethod
+    def _one_of_each(cls, actions: list[Action]) -> list[Action]:
+        # a request reads the first action of each kind (apply.py): a second one was ignored without a word
+        kinds = [next(iter(type(a).model_fields)) for a in actions]  # each action's first field names it
+        if twice := sorted({k for k in kinds if kinds.count(k) > 1}):
+            raise ValueError(f"more than one {', '.join(twice)} action; give each once")
+        return actions
 
 
 class Ladder(BaseModel):

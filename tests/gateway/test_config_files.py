@@ -110,3 +110,11 @@ def test_a_huge_deep_or_binary_file_is_a_config_error_not_a_hang_or_a_crash(tmp_
             load_yaml(path, Ladder)
         assert exc.value.line == line and reason in exc.value.reason, (path, exc.value)
 
+
+def test_a_plan_weight_is_finite(tmp_path: Path) -> None:
+    """A weight of `.inf` counted none of the tenant's tokens in the fair share: always first in its class."""
+    f = tmp_path / "plans.yaml"
+    f.write_text("default_plan: p\nplans:\n  p:\n    allowed_tiers: [mid]\n    default_tier: mid\n    weight: .inf\n")
+    with pytest.raises(ConfigFileError) as exc:
+        load_yaml(f, PlanBook)
+    assert exc.value.line == 6 and "plans.p.weight: Input should be a finite number" in exc.value.reason

@@ -153,6 +153,25 @@ def test_file_rules() -> None:
                                           {"level": 1, "name": "b", "actions": [{"semantic_threshold_delta": -0.3}]}]})
 
 
+@pytest.mark.parametrize(("old", "new", "reason"), [
+    # a request reads the first action of a kind: the second was ignored without a word
+    ("[{cap_output_tokens: 100}]", "[{cap_output_tokens: 100}, {cap_output_tokens: 5}]",
+     "levels.1.actions: Value error, more than one cap_output_tokens action"),
+    # a NaN threshold never holds, and `.inf` seconds never pass: the level never entered, or never left
+    ("above: 2.0", "above: .nan", "levels.1.enter.any.0.above: Input should be a finite number"),
+    ("for_s: 10}\n    exit", "for_s: .inf}\n    exit", "levels.1.enter.for_s: Input should be a finite number"),
+    ("min_dwell_s: 60", "min_dwell_s: .inf", "levels.1.min_dwell_s: Input should be a finite number"),
+])
+def test_a_level_that_cannot_act_as_written_is_refused_with_its_line(tmp_path: Path, old: str, new: str,
+                                                                     reason: str) -> None:
+    assert old in LADDER
+    f = tmp_path / "ladder.yaml"
+    f.write_text(LADDER.replace(old, new, 1))
+    with pytest.raises(ConfigFileError) as exc:
+        load_yaml(f, Ladder)
+    assert reason in exc.value.reason and exc.value.line in range(5, 10), exc.value
+
+
 def test_two_replicas_share_the_level_through_redis(tmp_path: Path, redis_url: str) -> None:
     a, _, _, _ = make(tmp_path / "a", RedisLadderStore(redis_url, SqliteLadderStore(tmp_path / "a.db")))
     b, _, _, _ = make(tmp_path / "b", RedisLadderStore(redis_url, SqliteLadderStore(tmp_path / "b.db")))
