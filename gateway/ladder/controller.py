@@ -5,12 +5,17 @@ time, once the current level's `exit` trigger has held for its duration and the 
 for `min_dwell_s`. Separate enter and exit thresholds are the hysteresis: a metric hovering near one
 threshold cannot make the level flap. A manual level outranks the triggers until its TTL ends or `auto`
 is set; the triggers keep tracking underneath, so handing back is immediate and correct.
+
+The tick and on-call's changes run in worker threads, one at a time (`_lock`): each reads the shared state, changes
+it and saves it, and a tick between another change's read and its save put back the state it had read (an override
+set in that moment was answered 200 and lost).
 """
 
 from __future__ import annotations
 
 import logging
 import re
+import threading
 import time
 from collections.abc import Callable, Collection
 from pathlib import Path
@@ -66,6 +71,7 @@ class LadderController:
         self.state: LadderState = store.load()
         self._held_since: dict[tuple[int, str], float] = {}
         self.level, self.source = self.state.effective(clock())
+        self._lock = threading.Lock()  # one read-change-save at a time (the module's docstring)
 
     # ---- reading ----
 
@@ -92,47 +98,57 @@ class LadderController:
         if ttl_s is not None and not MIN_TTL_S <= ttl_s <= MAX_TTL_S:  # NaN fails both
             raise LadderChangeError(f"ttl_s is from {MIN_TTL_S:g} second to {MAX_TTL_S:.0f} seconds (10 years), "
                                     f"not {ttl_s!r}", param="ttl_s", code="invalid_value")
-        now = self.clock()
-        self.state = self.store.load()
-        self.state.manual_level, self.state.manual_by, self.state.manual_reason = level, who, reason
-        self.state.manual_until = now + ttl_s if ttl_s is not None else None
-        ttl = f" for {ttl_s:.0f}s" if ttl_s is not None else ""
-        self._commit(who, f"manual{ttl}: {reason}", {})
+        with self._lock:
+            now = self.clock()
+            state = self.store.load()
+            state.manual_level, state.manual_by, state.manual_reason = level, who, reason
+            state.manual_until = now + ttl_s if ttl_s is not None else None
+            ttl = f" for {ttl_s:.0f}s" if ttl_s is not None else ""
+            self._commit(state, who, f"manual{ttl}: {reason}", {})
 
     def set_auto(self, *, who: str, reason: str = "handed back to the triggers") -> None:
-        self.state = self.store.load()
-        self.state.manual_level = self.state.manual_until = self.state.manual_by = self.state.manual_reason = None
-        self._commit(who, reason, {})
+        with self._lock:
+            state = self.store.load()
+            state.manual_level = state.manual_until = state.manual_by = state.manual_reason = None
+            self._commit(state, who, reason, {})
 
     def reload(self, path: Path, tiers: Collection[str] | None = None) -> None:
         """Swap in a new ladder file; a bad one raises ConfigFileError and changes nothing (a remap naming a tier
-        not in `tiers`, when given, is logged: gateway/ladder/config.py's `load_ladder`)."""
+        not in `tiers`, when given, is logged: gateway/ladder/config.py's `load_ladder`). A level the new file does
+        not have (the triggers' or on-call's) is lowered to its top, saved before the swap: a store that cannot be
+        written raises and the running ladder stays (it was swapped in while the answer said nothing changed)."""
         ladder = load_yaml(path, Ladder) if tiers is None else load_ladder(path, tiers)
-        self.ladder = ladder
-        self._held_since.clear()
-        if self.level > ladder.top:
-            self.state = self.store.load()
-            self.state.auto_level = min(self.state.auto_level, ladder.top)
-            if self.state.manual_level is not None:
-                self.state.manual_level = min(self.state.manual_level, ladder.top)
-            self._commit("reload", f"{path} has {ladder.top + 1} levels", {})
+        with self._lock:
+            s = self.state
+            if s.auto_level > ladder.top or (s.manual_level is not None and s.manual_level > ladder.top):
+                state = self.store.load()
+                state.auto_level = min(state.auto_level, ladder.top)
+                if state.manual_level is not None:
+                    state.manual_level = min(state.manual_level, ladder.top)
+                self._commit(state, "reload", f"{path} has {ladder.top + 1} levels", {})
+            self.ladder = ladder
+            self._held_since.clear()
 
     # ---- the loop ----
 
     def tick(self) -> None:
         """Re-read the shared state, expire an override, evaluate the triggers (called about once a second)."""
+        with self._lock:
+            self._tick()
+
+    def _tick(self) -> None:
         now = self.clock()
         self.state = self.store.load()
         s = self.state
         if s.manual_level is not None and s.manual_until is not None and now >= s.manual_until:
             self.state.manual_level = self.state.manual_until = self.state.manual_by = self.state.manual_reason = None
-            self._commit("auto", "manual override expired", {})
+            self._commit(self.state, "auto", "manual override expired", {})
         metrics = self.signals.read()
         target = self._target(now, metrics)
         if target is not None and target != self.state.auto_level:
             why = self._why(target, metrics)
             self.state.auto_level, self.state.auto_since = target, now
-            self._commit("auto", why, metrics)
+            self._commit(self.state, "auto", why, metrics)
         else:
             self._refresh(now)
 
@@ -170,13 +186,14 @@ class LadderController:
                 for c in trig.any if c.holds(metrics[c.metric])]
         return f"{' or '.join(held)} for {trig.for_s:.0f}s"
 
-    def _commit(self, who: str, reason: str, metrics: dict[str, float]) -> None:
+    def _commit(self, state: LadderState, who: str, reason: str, metrics: dict[str, float]) -> None:
+        """Save `state` with its event; only then is it this controller's (a save that fails leaves it as it was)."""
         now = self.clock()
         before = self.level
-        after, source = self.state.effective(now)
+        after, source = state.effective(now)
         event = DegradeEvent(now, before, after, who, reason, metrics)
-        self.store.save(self.state, event)
-        self.level, self.source = after, source
+        self.store.save(state, event)
+        self.state, self.level, self.source = state, after, source
         log.warning("degrade level %d -> %d by %s: %r", before, after, who, reason)  # quoted: one line, whatever in it
         if self.on_change is not None:
             self.on_change(event)

@@ -1,7 +1,8 @@
 """On-call control of the degradation ladder (admin key): status, set, auto, history, reload.
 
 A change whose shared state cannot be written (Redis or the fleet database down, after a retry) is a 503 in OpenAI's
-shape that says so, with Retry-After; this replica's view of the state is put back as it was (`_changing`)."""
+shape that says so, with Retry-After; this replica's view of the state stays as it was (the controller takes a state
+only once it is saved)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from gateway.auth import require_admin
 from gateway.config_files import ConfigFileError
-from gateway.errors import InvalidRequest, TiergateError
+from gateway.errors import InvalidRequest
 from gateway.ladder.config import unknown_tiers
 from gateway.ladder.controller import MIN_TTL_S, REASON_PATTERN, LadderChangeError, LadderController
 from gateway.ladder.state import event_dict
@@ -47,15 +48,10 @@ class SetLevel(BaseModel):
         return integral(value)
 
 
-async def _changing(ladder: LadderController, change: Callable[..., None], *args: Any, **kwargs: Any) -> None:
-    """Run `change` in a worker thread; if it fails (a store that cannot be written: 503), the controller's state is
-    the one from before, not the change that was not saved, until its next tick reads the shared one."""
-    before = ladder.state
-    try:
-        await asyncio.to_thread(change, *args, **kwargs)
-    except (TiergateError, ConfigFileError, ValueError):
-        ladder.state = before
-        raise
+async def _changing(change: Callable[..., None], *args: Any, **kwargs: Any) -> None:
+    """Run `change` in a worker thread (it reads and writes the shared store). If it fails (a store that cannot be
+    written: 503), the controller's state is the one from before: it takes a state only once it is saved."""
+    await asyncio.to_thread(change, *args, **kwargs)
 
 
 @get("/", responses=errors(400, 401, 403, 500))
@@ -68,7 +64,7 @@ async def status(ladder: NamedDependency[LadderController]) -> dict[str, Any]:
 async def set_level(request: Request[Any, Any, Any], ladder: NamedDependency[LadderController]) -> dict[str, Any]:
     body = parse_body(await request.body(), SetLevel)
     try:
-        await _changing(ladder, ladder.set_manual, body.level, reason=body.reason, who=request.state.key_id,
+        await _changing(ladder.set_manual, body.level, reason=body.reason, who=request.state.key_id,
                         ttl_s=body.ttl_s)
     except LadderChangeError as exc:
         raise InvalidRequest(str(exc), param=exc.param, code=exc.code) from exc
@@ -77,7 +73,7 @@ async def set_level(request: Request[Any, Any, Any], ladder: NamedDependency[Lad
 
 @post("/auto", status_code=200, responses=errors(400, 401, 403, 500, 503))
 async def set_auto(request: Request[Any, Any, Any], ladder: NamedDependency[LadderController]) -> dict[str, Any]:
-    await _changing(ladder, ladder.set_auto, who=request.state.key_id)
+    await _changing(ladder.set_auto, who=request.state.key_id)
     return ladder.status()
 
 
@@ -96,7 +92,7 @@ async def reload(ladder: NamedDependency[LadderController], settings: NamedDepen
     path = settings.ladder_file
     tiers = list(fleet.catalogue.tiers)
     try:
-        await _changing(ladder, ladder.reload, path, tiers)
+        await _changing(ladder.reload, path, tiers)
     except ConfigFileError as exc:
         raise InvalidRequest(f"ladder not reloaded, the running one stays: {exc}", code="invalid_ladder_file") from exc
     return {**ladder.status(), "unknown_tiers": unknown_tiers(ladder.ladder, tiers)}

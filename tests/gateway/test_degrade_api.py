@@ -151,6 +151,16 @@ def test_reload_refuses_a_bad_file_and_keeps_the_ladder(laddered: Gateway) -> No
         r = c.post("/admin/degrade/reload")
         assert r.status_code == 400 and f"{f}:5" in r.json()["error"]["message"]
         assert len(c.get("/admin/degrade/").json()["levels"]) == 7
+        # bytes that are not UTF-8 and nesting past PyYAML's recursion were a 500 (UnicodeDecodeError,
+        # RecursionError); a key given twice was taken, the last one winning
+        for bad, why in ((LADDER.encode() + b"# \xff\n", "not UTF-8"),
+                         (b"levels: " + b"[" * 5000 + b"]" * 5000, "nested more than 64 levels"),
+                         (LADDER.replace("name: short,", "name: short, name: long,").encode(), "given twice")):
+            f.write_bytes(bad)
+            r = c.post("/admin/degrade/reload")
+            assert r.status_code == 400 and why in r.json()["error"]["message"], r.text
+            assert r.json()["error"]["code"] == "invalid_ladder_file"
+            assert len(c.get("/admin/degrade/").json()["levels"]) == 7
         f.write_text(LADDER.replace("cap_output_tokens: 3", "cap_output_tokens: 4"))
         assert c.post("/admin/degrade/reload").status_code == 200
     set_level(laddered, 2)

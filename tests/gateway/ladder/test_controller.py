@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import re
+import threading
 from pathlib import Path
 
 import pytest
 
 from gateway.config_files import ConfigFileError, load_yaml
+from gateway.errors import Unavailable
 from gateway.ladder.config import Ladder
 from gateway.ladder.controller import REASON_PATTERN, LadderChangeError, LadderController, check_reason
 from gateway.ladder.signals import Signals
@@ -142,6 +144,77 @@ def test_bad_reload_keeps_the_running_ladder(tmp_path: Path) -> None:
     with pytest.raises(ConfigFileError) as exc:
         c.reload(broken)
     assert exc.value.line is not None
+
+
+class FailingSaves(SqliteLadderStore):
+    """A store whose writes fail while `down` (Redis or the fleet database unreachable)."""
+
+    down = False
+
+    def save(self, state, event=None):  # type: ignore[no-untyped-def]
+        if self.down:
+            raise Unavailable("the ladder's shared state could not be written", code="ladder_state_unavailable")
+        super().save(state, event)
+
+
+def test_a_reload_whose_lowered_level_cannot_be_saved_keeps_the_running_ladder(tmp_path: Path) -> None:
+    """The reload is answered 503 when the level it lowers cannot be saved: the new ladder was in force all the same,
+    with the old level, while the answer said nothing had changed."""
+    store = FailingSaves(tmp_path / "state.db")
+    c, _, _, _ = make(tmp_path, store)
+    c.set_manual(2, reason="incident", who="k1")
+    two = tmp_path / "two.yaml"
+    two.write_text(LADDER[:LADDER.index("  - level: 2")])
+    store.down = True
+    with pytest.raises(Unavailable):
+        c.reload(two)
+    assert c.ladder.top == 2 and c.level == 2 and c.actions()[0].model_dump() == {"shed": ["batch"],
+                                                                                   "retry_after_s": 30}
+    store.down = False
+    c.reload(two)
+    assert c.ladder.top == 1 and c.level == 1 and c.store.load().manual_level == 1
+
+
+def test_a_reload_lowers_the_triggers_level_under_a_lower_override(tmp_path: Path) -> None:
+    """The triggers' level was lowered only when it was the one in force: under an override of 0 it stayed at 2 in a
+    2-level ladder, and handing back to the triggers put a level in force that the ladder did not have."""
+    c, clock, signals, _ = make(tmp_path)
+    run(c, clock, signals, 11, 9.0)
+    c.set_manual(0, reason="false alarm", who="k1")
+    two = tmp_path / "two.yaml"
+    two.write_text(LADDER[:LADDER.index("  - level: 2")])
+    c.reload(two)
+    assert c.state.auto_level == 1 and c.store.load().auto_level == 1 and c.level == 0
+    c.set_auto(who="k1")
+    assert c.level == 1 and c.status()["level"] == 1
+
+
+def test_a_tick_between_an_overrides_read_and_its_save_does_not_undo_it(tmp_path: Path) -> None:
+    """The tick (a worker thread, every second) replaced the state an override had read and changed, before it was
+    saved: the override was answered 200 and lost."""
+    c, clock, _, _ = make(tmp_path)
+    paused, go, calls = threading.Event(), threading.Event(), []
+
+    def pausing_clock() -> float:  # the override's second reading of the clock is after its change, before its save
+        if threading.current_thread().name == "override":
+            calls.append(clock.t)
+            if len(calls) == 2:
+                paused.set()
+                go.wait(10)
+        return clock.t
+
+    c.clock = pausing_clock
+    override = threading.Thread(target=c.set_manual, args=(2,), kwargs={"reason": "incident", "who": "k1"},
+                                name="override")
+    override.start()
+    assert paused.wait(10)
+    ticker = threading.Thread(target=c.tick)
+    ticker.start()
+    ticker.join(1.0)  # the old code's tick ran to its end here; now it waits for the override
+    go.set()
+    override.join(10)
+    ticker.join(10)
+    assert c.store.load().manual_level == 2 and c.level == 2 and c.source == "manual"
 
 
 def test_file_rules() -> None:
