@@ -63,6 +63,7 @@ from gateway.stores import (
     open_rollout_store,
     open_tenant_store,
 )
+from gateway.tenant_plans import check_tenant_plans
 from gateway.worker_metrics import gateway_metrics
 from quotas.backends.base import QuotaBackend
 from quotas.backends.failover import FailoverBackend
@@ -232,6 +233,11 @@ def _settle_heap() -> None:
 def create_app(settings: Settings | None = None) -> Litestar:
     settings = settings or Settings()
     catalogue, plans = load_config(settings)  # fail fast, before anything starts
+    store = open_tenant_store(settings)
+    try:  # a plan taken out of the plans file while tenants are on it
+        check_tenant_plans(store, plans, settings.plans_file)
+    finally:
+        store.close()
     del catalogue, plans
 
     @asynccontextmanager

@@ -23,6 +23,7 @@ from gateway.pipeline.prompt import tokenizer_source
 from gateway.routes.health import readiness
 from gateway.settings import Settings
 from gateway.stores import open_tenant_store
+from gateway.tenant_plans import check_tenant_plans
 from gateway.workers import require_shared_quotas, run_workers
 
 
@@ -74,6 +75,9 @@ def serve(host: str | None, port: int | None, tiers_file: Path | None, plans_fil
     store = open_tenant_store(settings)
     try:
         keys = ensure_bootstrap(store, plans, settings.data_dir)
+        check_tenant_plans(store, plans, settings.plans_file)  # before any worker starts
+    except ConfigFileError as exc:
+        raise click.ClickException(str(exc)) from exc
     finally:
         store.close()
     if settings.workers > 1:

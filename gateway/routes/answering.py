@@ -25,6 +25,7 @@ from gateway.errors import InternalError, TiergateError, client_error
 from gateway.pipeline.context import RequestContext
 from gateway.pipeline.events import Event, Head
 from gateway.services import Services
+from gateway.tenant_plans import tenant_plan
 from wire import responses
 from wire.chat_request import ChatCompletionRequest
 from wire.client_watch import CLIENT_CLOSED, ClientLeft, ClientWatch
@@ -49,8 +50,7 @@ async def answer(request: Request[Any, Any, Any], framing: Framing) -> Response[
     # the request's state as the middleware wrote it (gateway/middleware.py): `request.state` builds a new State
     # (with its own lock) at every read, ~2 us each
     state = request.scope["state"]
-    ctx = RequestContext(state["request_id"], principal,
-                         services.plans.plans[principal.tenant.plan],  # type: ignore[union-attr]
+    ctx = RequestContext(state["request_id"], principal, tenant_plan(services.plans, principal),
                          {k.lower(): v for k, v in request.headers.items()}, time.time(), state["t0"])
     events = while_key_active(services.pipeline.handle(ctx, await request.body(), framing.parse), services.store,
                               presented_key(request) or "")  # a key revoked mid-answer ends it

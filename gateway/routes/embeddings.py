@@ -14,6 +14,7 @@ from gateway.auth import provide_tenant
 from gateway.embeddings_service import TIER, EmbeddingsService
 from gateway.pipeline.context import RequestContext
 from gateway.routes.openapi import BEARER, body, errors
+from gateway.tenant_plans import tenant_plan
 from gateway.tenants.store import Principal
 from quotas.plans import PlanBook
 from wire.client_watch import CLIENT_CLOSED, ClientLeft, ClientWatch
@@ -29,7 +30,7 @@ async def create_embeddings(request: Request[Any, Any, Any], principal: NamedDep
                             embeddings: NamedDependency[EmbeddingsService],
                             plans: NamedDependency[PlanBook]) -> Response[Any]:
     """OpenAI's embeddings, by the gateway's all-MiniLM-L6-v2 (normalized, 384 dimensions), billed per token."""
-    ctx = RequestContext(request.state.request_id, principal, plans.plans[principal.tenant.plan],  # type: ignore[union-attr]
+    ctx = RequestContext(request.state.request_id, principal, tenant_plan(plans, principal),
                          {k.lower(): v for k, v in request.headers.items()}, time.time(), request.state.t0)
     request.state.tier = TIER
     raw = await request.body()

@@ -17,6 +17,7 @@ from litestar.params import FromPath
 from gateway.auth import provide_principal
 from gateway.errors import NotFound
 from gateway.routes.openapi import BEARER, errors
+from gateway.tenant_plans import tenant_plan
 from gateway.tenants.store import Principal
 from quotas.plans import PlanBook
 from tiers.fleet import Fleet
@@ -32,7 +33,7 @@ TOOLS = "tools"  # the tier answers `tools` (tiers/catalogue.py's TierSpec.tools
 
 @get("/v1/models", dependencies={"principal": Provide(provide_principal)}, tags=["OpenAI"], summary="List models",
      security=BEARER, responses={200: ResponseSpec(ModelList, generate_examples=False, description="The models"),
-                                 **errors(401, 500)})
+                                 **errors(401, 500, 503)})
 async def list_models(principal: NamedDependency[Principal], fleet: NamedDependency[Fleet],
                       plans: NamedDependency[PlanBook]) -> dict[str, Any]:
     """The tiers the key's plan allows, `auto`, and the embedding model; an admin key sees every tier."""
@@ -42,7 +43,7 @@ async def list_models(principal: NamedDependency[Principal], fleet: NamedDepende
 @get("/v1/models/{model_id:str}", dependencies={"principal": Provide(provide_principal)}, tags=["OpenAI"],
      summary="Retrieve a model", security=BEARER,
      responses={200: ResponseSpec(Model, generate_examples=False, description="The model, as /v1/models lists it"),
-                **errors(401, 404, 500)})
+                **errors(401, 404, 500, 503)})
 async def retrieve_model(model_id: FromPath[str], principal: NamedDependency[Principal], fleet: NamedDependency[Fleet],
                          plans: NamedDependency[PlanBook]) -> dict[str, Any]:
     """One model the key sees, as /v1/models lists it."""
@@ -61,7 +62,7 @@ def _entries(principal: Principal, fleet: Fleet, plans: PlanBook) -> list[dict[s
     and the exception; an operator reads those on the admin /health and /admin/ops."""
     unavailable = fleet.unavailable(detail=False)
     if principal.tenant is not None:
-        plan = plans.plans[principal.tenant.plan]
+        plan = tenant_plan(plans, principal)
         names, default = plan.allowed_tiers, plan.default_tier
     else:
         names, default = list(fleet.catalogue.tiers), None
