@@ -212,15 +212,18 @@ def gateway(gateway_settings: Settings, stub: tuple[ServerThread, StubState]) ->
 
 
 @contextmanager
-def running_gateway(settings: Settings, stub: StubState, plan: str = "standard") -> Iterator[Gateway]:
-    """A gateway on uvicorn with tenant `acme` on `plan` (created unless the state already has it)."""
+def running_gateway(settings: Settings, stub: StubState, plan: str = "standard",
+                    send_buffer: int | None = None) -> Iterator[Gateway]:
+    """A gateway on uvicorn with tenant `acme` on `plan` (created unless the state already has it); `send_buffer`:
+    its client connections' send buffer, fixed (`ServerThread`)."""
     store = open_tenant_store(settings)
     if "acme" not in {t.name for t in store.list_tenants()}:
         store.create_tenant("acme", plan)
     _, tenant_key = store.issue_key("acme", name="test")
     _, admin_key = store.issue_key(None, roles=(ADMIN,))
     app = create_app(settings)
-    server = ServerThread(app, http=http_limits.for_settings(settings)).start()  # as `serve` has
+    server = ServerThread(app, http=http_limits.for_settings(settings),  # as `serve` has
+                          send_buffer=send_buffer).start()
     gw = Gateway(server.url, settings, stub, store, tenant_key, admin_key, app)
     try:
         _wait_for_tiers(gw, {"mid", "full"})

@@ -188,11 +188,13 @@ def write_settings(directory: Path, models_dir: Path, tiers: str, plans: str, **
 class ServerThread:
     """Runs an ASGI app with uvicorn on a free loopback port until `stop`."""
 
-    def __init__(self, app: Any, http: Any = "auto") -> None:
+    def __init__(self, app: Any, http: Any = "auto", send_buffer: int | None = None) -> None:
         # the socket is bound here and handed to uvicorn: a port found free, closed and bound again later could be
         # taken meanwhile by another xdist worker's server
         self.sock = socket.socket()
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if send_buffer is not None:  # the send buffer of every connection it accepts, fixed (Linux grows one else)
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
         self.sock.bind(("127.0.0.1", 0))
         self.port = int(self.sock.getsockname()[1])
         self.url = f"http://127.0.0.1:{self.port}"

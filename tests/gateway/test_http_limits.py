@@ -21,15 +21,30 @@ from tests.stubs import ServerThread, StubState
 DEADLINE_S = 1.0
 
 
-@pytest.fixture
-def slow_gateway(gateway_settings: Settings, stub: tuple[ServerThread, StubState]) -> Iterator[Gateway]:
-    # tiers with room for an answer of 50,000 tokens (`STUB:big`'s, more than the sockets between the client and the
-    # gateway hold, in pieces no larger than a token may bring: gateway/pipeline/meter.py MAX_TOKEN_CHARS)
+def limited_settings(gateway_settings: Settings, stall_s: float = DEADLINE_S) -> Settings:
+    """The deadline, a write stall limit of `stall_s`, and tiers with room for an answer of 50,000 tokens (`STUB:big`'s,
+    more than the sockets between the client and the gateway hold, in pieces no larger than a token may bring:
+    gateway/pipeline/meter.py MAX_TOKEN_CHARS)."""
     tiers = gateway_settings.tiers_file.with_name("tiers-roomy.yaml")
     tiers.write_text(gateway_settings.tiers_file.read_text().replace("context_limit: 4096", "context_limit: 65536"))
-    settings = gateway_settings.model_copy(update={"request_receipt_timeout_s": DEADLINE_S, "tiers_file": tiers,
-                                                   "response_stall_timeout_s": DEADLINE_S, "max_body_bytes": 1 << 20})
-    with running_gateway(settings, stub[1]) as gw:
+    return gateway_settings.model_copy(update={"request_receipt_timeout_s": DEADLINE_S, "tiers_file": tiers,
+                                               "response_stall_timeout_s": stall_s, "max_body_bytes": 1 << 20})
+
+
+@pytest.fixture
+def slow_gateway(gateway_settings: Settings, stub: tuple[ServerThread, StubState]) -> Iterator[Gateway]:
+    with running_gateway(limited_settings(gateway_settings), stub[1]) as gw:
+        yield gw
+
+
+SEND_BUFFER = 64 * 1024  # the kernel's send buffer of a client connection of `unread_gateway` (Linux doubles it)
+
+
+@pytest.fixture
+def unread_gateway(gateway_settings: Settings, stub: tuple[ServerThread, StubState]) -> Iterator[Gateway]:
+    """`slow_gateway` whose client connections have a fixed send buffer: what the kernel holds of an answer nobody
+    reads is known (Linux grows one of loopback's up to tcp_wmem's largest, 4 MB here, otherwise)."""
+    with running_gateway(limited_settings(gateway_settings), stub[1], send_buffer=SEND_BUFFER) as gw:
         yield gw
 
 
@@ -139,23 +154,48 @@ def test_an_answer_longer_than_the_deadline_is_not_cut_and_the_connection_serves
         assert again.status_code == 200
 
 
+PIECE_BYTES = 1_000  # what a piece of `STUB:big` brings (each relayed as an event of a little more)
+
+
+def ask_big_and_read_nothing(gw: Gateway) -> socket.socket:
+    """A connection that asked for `STUB:big`'s 50,000 pieces of 1,000 characters (50 MB) and reads none of it."""
+    body = json.dumps({"model": "mid", "stream": True, "max_tokens": 50_000,
+                       "messages": [{"role": "user", "content": "STUB:big"}]}).encode()
+    return connect(gw, (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                        f"Authorization: Bearer {gw.tenant_key}\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+                   + body, receive_buffer=16384)
+
+
+def wait_for_rows(gw: Gateway, n: int, timeout_s: float = 20) -> list:
+    deadline = time.monotonic() + timeout_s
+    while len(rows := gw.ledger_rows()) < n and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return rows
+
+
 def test_a_client_that_stops_reading_is_cut_off_and_its_request_ends(slow_gateway: Gateway) -> None:
     """50 MB of answer, never read: the gateway's writes pause, and after the stall limit the connection is
     aborted, the upstream closed and the request settled (before: it waited on its client for ever, holding its
     place in the tier's queue). 50,000 pieces of 1,000 characters: the 200 of 100,000 it was are past what a token
     may bring, and the gateway now ends such an answer at the cap's characters (gateway/pipeline/meter.py)."""
-    body = json.dumps({"model": "mid", "stream": True, "max_tokens": 50_000,
-                       "messages": [{"role": "user", "content": "STUB:big"}]}).encode()
-    sock = connect(slow_gateway, (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                                  f"Authorization: Bearer {slow_gateway.tenant_key}\r\n"
-                                  f"Content-Length: {len(body)}\r\n\r\n").encode() + body, receive_buffer=16384)
-    deadline = time.monotonic() + 20
-    while not slow_gateway.ledger_rows() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    rows = slow_gateway.ledger_rows()
+    sock = ask_big_and_read_nothing(slow_gateway)
+    rows = wait_for_rows(slow_gateway, 1)
     assert len(rows) == 1 and rows[0].status == "cancelled" and 0 < rows[0].output_tokens < 50_000
     assert slow_gateway.stub.finished == ["disconnected"]  # the upstream was closed, not read to its end
     sock.close()
+
+
+def test_a_client_cut_off_is_billed_for_what_was_sent_not_for_more_read_after(unread_gateway: Gateway) -> None:
+    """Once the client is cut off, nothing more is read from the tier. uvicorn drops, without an error, what is sent
+    to a connection that has gone, and Litestar's cancellation of its sending task did not reach it while the tier's
+    bytes kept coming: the gateway went on reading the answer, metering it and dropping it, 9-15 MB (10,000 pieces
+    and more, all billed) where 3.9 MB had been sent (gateway/routes/answering.py StreamedAnswer). What the client
+    was sent is about what its connection's buffers hold: here 130 KB of the gateway's, 32 KB of the client's."""
+    sock = ask_big_and_read_nothing(unread_gateway)
+    rows = wait_for_rows(unread_gateway, 1)
+    sock.close()
+    assert len(rows) == 1 and rows[0].status == "cancelled"
+    assert 0 < rows[0].output_tokens * PIECE_BYTES < 1_000_000, rows[0].output_tokens  # about 200 pieces
 
 
 def test_a_request_answered_before_its_body_came_keeps_the_deadline(slow_gateway: Gateway) -> None:
