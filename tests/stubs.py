@@ -71,8 +71,8 @@ def stub_app(state: StubState, reply: str = REPLY) -> Litestar:
             return Response({"error": {"message": "stub says the prompt is too long", "type": "invalid_request_error",
                                        "param": "messages", "code": "context_length_exceeded"}}, status_code=400)
         prompt_tokens = len(text.split())
-        words = ["y" * 1_000] * 50_000 if "STUB:big" in text else reply.split()
-        words = words[: body.get("max_tokens") or body.get("max_completion_tokens") or 99]
+        cap = body.get("max_tokens") or body.get("max_completion_tokens") or 99
+        words = ["y" * 1_000] * min(cap, 50_000) if "STUB:big" in text else reply.split()[:cap]
         # a dying stream writes at an engine's pace, so the gateway has read what came before the death
         delay = 0.2 if "STUB:slow" in text else 0.02 if "STUB:die" in text else 0.0
         return Stream(_sse(state, body, words, prompt_tokens, delay, die="STUB:die" in text,

@@ -31,6 +31,11 @@ from tiers.errors import UpstreamProtocolError, UpstreamRejected, UpstreamTimedO
 from wire.errors import CACHE_SALT_HEADER, REQUEST_FAULT_CODES
 
 MAX_LINE_BYTES = 1 << 20  # one SSE line (a chunk with 20 top log-probabilities per token is a few KB)
+# what a stream holds of the tier's bytes ahead of its reader: aiohttp stops reading the socket once its buffer passes
+# twice this (the kernel's buffers and TCP's window then hold the tier back), and one read takes at most this. Behind
+# a client that does not read its answer, 130 KB wait here (a socket's read more at most); with aiohttp's buffer sized
+# MAX_LINE_BYTES, as it was, 2.1 MB did, and a read took all that had come (tests/gateway/test_http_limits.py)
+READ_BYTES = 64 << 10
 # a stream's data events past CHUNKS_PER_TOKEN * max_tokens + CHUNK_SLACK are an error: a server sends one per step
 # of its engine (a token or more each), a few more that carry none (the role, the finish, the usage), and our engine
 # up to three for a token that closes a tool call and opens the next (engine/tool_calls.py); an upstream that sends
@@ -75,7 +80,7 @@ class TierClient:
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=self._max_connections, limit_per_host=0,
                                                keepalive_timeout=KEEPALIVE_S),
-                request_class=_SentRequest, timeout=self._timeout, read_bufsize=MAX_LINE_BYTES, auto_decompress=False)
+                request_class=_SentRequest, timeout=self._timeout, read_bufsize=READ_BYTES, auto_decompress=False)
         return self._session
 
     async def aclose(self) -> None:
@@ -157,7 +162,7 @@ class TierClient:
                     filler = 0  # bytes read since the last data event
                     while not done:
                         waited = clock()
-                        got = await resp.content.readany()
+                        got = await resp.content.read(READ_BYTES)
                         quiet += clock() - waited
                         filler += len(got)
                         seen = events
