@@ -34,9 +34,9 @@ body) gets a 415 `unsupported_content_encoding` as its headers are read, not a 4
 **Reading.** An answer bigger than the sockets' buffers (a long stream with top log-probabilities is megabytes)
 waits on its client: uvicorn pauses the app's writes until the client reads, with no limit. A tenant whose client
 stops reading held the request, and with it a place in the tier's dispatch queue every tenant shares, for as long
-as it liked. Here a connection whose writes stay paused for `stall_s` is aborted (its unsent bytes dropped): the
-app sees its client gone, so the request is cancelled, its upstream closed and its place freed, and it is billed
-for what ran, as any client that leaves.
+as it liked. Here a connection whose writes stay paused for `stall_s` is reset (its unsent bytes dropped, the
+kernel's too: `_reset`): the app sees its client gone, so the request is cancelled, its upstream closed and its place
+freed, and it is billed for what ran, as any client that leaves.
 
 **Connections.** A process keeps at most a number of client connections, below its open-file limit, closing the
 one idle longest to make room (gateway/connection_cap.py): idle sockets cannot take the descriptors every tenant's
@@ -49,8 +49,11 @@ and `send_timeout`) is still the place for per-address connection limits.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import socket
+import struct
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -262,8 +265,25 @@ class LimitedProtocol(HttpToolsProtocol):
         if self.transport.is_closing() and not self.flow.write_paused:
             return
         type(self).stalled += 1
-        log.debug("aborted a connection from %s: its answer unread for %.0f s", self.client, self.stall_s)
-        self.transport.abort()  # close() would wait to send what the client does not read
+        log.debug("reset a connection from %s: its answer unread for %.0f s", self.client, self.stall_s)
+        _reset(self.transport)
+
+
+_RESET_ON_CLOSE = struct.pack("ii", 1, 0)  # SO_LINGER on, for 0 s: a close resets the connection
+
+
+def _reset(transport: asyncio.Transport) -> None:
+    """Abort `transport` and reset its connection: what the kernel still holds unsent is dropped too. An abort (uvloop's
+    as asyncio's) drops only what the transport buffers and closes the socket, and a socket closed with bytes unsent
+    goes on sending them, then its end: behind a client that reads nothing, the kernel kept 3.8 MB queued (a send
+    buffer Linux grows to tcp_wmem's largest) in FIN-WAIT-1, outside the connection cap, for as long as the client
+    kept its window shut and answered the kernel's probes (still there after 3 minutes, measured), and the client
+    could read it all and then an orderly end, as if the answer had ended there."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):  # already closed by the peer: nothing left to reset
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET_ON_CLOSE)
+    transport.abort()
 
 
 def _cancelled(timer: asyncio.TimerHandle | None) -> None:

@@ -199,6 +199,21 @@ def test_a_client_cut_off_is_billed_for_what_was_sent_not_for_more_read_after(un
     assert 0 < rows[0].output_tokens * PIECE_BYTES < 1_000_000, rows[0].output_tokens  # about 200 pieces
 
 
+def test_a_client_cut_off_has_its_connection_reset_and_nothing_more_sent(unread_gateway: Gateway) -> None:
+    """The cut drops what the kernel holds for the client too: its connection is reset. An abort drops only the
+    transport's buffer, and the socket's close left the kernel sending the rest (4 MB here, with the send buffer
+    Linux grows) to a client that read none of it, the socket in FIN-WAIT-1, outside the connection cap, for as
+    long as the client kept its window shut (gateway/http_limits.py `_reset`); the client could then read it all and
+    an orderly end, as if the answer had ended there."""
+    sock = ask_big_and_read_nothing(unread_gateway)
+    wait_for_rows(unread_gateway, 1)
+    got = 0
+    with pytest.raises(ConnectionResetError), contextlib.closing(sock):  # what it had received, then the reset
+        while chunk := sock.recv(65536):
+            got += len(chunk)
+    assert got <= 64 * 1024
+
+
 def test_clients_that_stop_reading_hold_little_of_the_gateways_memory(
         gateway_settings: Settings, stub: tuple[ServerThread, StubState]) -> None:
     """What the gateway holds of a tier's answer ahead of a client that does not read it is bounded (tiers/client.py
