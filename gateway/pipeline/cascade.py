@@ -144,27 +144,33 @@ async def cascade(pipeline: Pipeline, ctx: RequestContext, prepared: Prepared) -
         return step.attempt
 
     started = False  # the reserved second attempt was handed to the pipeline, which settles it
+    # Each attempt's `answer` is closed here when the cascade is (a client gone at a `yield`), as handle.py closes the
+    # cascade: left suspended, its `finally` (the settle, the dispatch slot, the upstream's connection) waited for the
+    # garbage collector, held in a cycle through the cancellation's traceback, and the tenant's slot with it.
     try:
         lookahead = check.reading is not None and check.reading.lookahead is not None
         if stream and not lookahead:  # a stream can be judged only before any of it is sent: by a look-ahead
             # (unjudged, its answer is not kept for `auto`: its lookup was never `accepted`)
-            async for event in pipeline.answer(ctx, prepared):
-                yield event
+            async with contextlib.aclosing(pipeline.answer(ctx, prepared)) as only:
+                async for event in only:
+                    yield event
             return
         held: list[Event] = []  # the first answer's events until it is judged (all of them, when not streamed)
-        async for event in pipeline.answer(ctx, prepared, judge=judge, reading=check.reading,
-                                           look=look if lookahead else None):
-            if not stream or not looked or (step is not None and step.second is not None):
-                held.append(event)
-                continue
-            if held:  # a stream that passed the look-ahead (or cannot be retried): what was held, then live
-                assert isinstance(held[0], Head)
-                attempt = step.attempt if step is not None else seen
-                yield pipeline.head(ctx, prepared.req, replace(attempt, extra_reason=(early,)) if early else attempt)
-                for kept in held[1:]:
-                    yield kept
-                held = []
-            yield event
+        async with contextlib.aclosing(pipeline.answer(ctx, prepared, judge=judge, reading=check.reading,
+                                                       look=look if lookahead else None)) as first:
+            async for event in first:
+                if not stream or not looked or (step is not None and step.second is not None):
+                    held.append(event)
+                    continue
+                if held:  # a stream that passed the look-ahead (or cannot be retried): what was held, then live
+                    assert isinstance(held[0], Head)
+                    attempt = step.attempt if step is not None else seen
+                    yield pipeline.head(ctx, prepared.req,
+                                        replace(attempt, extra_reason=(early,)) if early else attempt)
+                    for kept in held[1:]:
+                        yield kept
+                    held = []
+                yield event
         assert step is not None
         if step.second is None:
             if held:
@@ -175,24 +181,24 @@ async def cascade(pipeline: Pipeline, ctx: RequestContext, prepared: Prepared) -
             return
         labelled = {"x-tiergate-cascade": step.label}
         started = True  # from here the pipeline settles the second attempt, whatever happens
-        retry = pipeline.answer(ctx, step.second, headers=labelled)
-        try:  # a stream's retry goes live from its head (its errors after that are the client's); JSON's is read whole
-            second = [await anext(retry)] if stream else [event async for event in retry]
-        except TiergateError as err:  # the retry failed (settled as such) before any of it was sent: the first answer
-            if cut:  # stands, unless it was cut short: then the client gets the retry's error, not half an answer
-                raise
-            head = pipeline.head(ctx, prepared.req, step.attempt,
-                                 {"x-tiergate-cascade": f"{step.label} failed ({err.code})"})
-            if answered is not None:
-                await _keep_standing(pipeline, ctx, prepared, head, answered, held)
-            yield head
-            for event in held[1:]:
+        async with contextlib.aclosing(pipeline.answer(ctx, step.second, headers=labelled)) as retry:
+            try:  # a stream's retry goes live from its head (its errors after that are the client's); JSON's is whole
+                second = [await anext(retry)] if stream else [event async for event in retry]
+            except TiergateError as err:  # the retry failed (settled as such) before any of it was sent: the first
+                if cut:  # answer stands, unless it was cut short: then the client gets the retry's error
+                    raise
+                head = pipeline.head(ctx, prepared.req, step.attempt,
+                                     {"x-tiergate-cascade": f"{step.label} failed ({err.code})"})
+                if answered is not None:
+                    await _keep_standing(pipeline, ctx, prepared, head, answered, held)
+                yield head
+                for event in held[1:]:
+                    yield event
+                return
+            for event in second:
                 yield event
-            return
-        for event in second:
-            yield event
-        async for event in retry:  # a stream's, live (a JSON answer's was read whole)
-            yield event
+            async for event in retry:  # a stream's, live (a JSON answer's was read whole)
+                yield event
     finally:  # a second attempt reserved and never started (the client left, the first's row failed) is settled
         if step is not None and step.second is not None and not started:
             await pipeline.settler.settle(ctx, step.second.attempt, Meter(ctx.t0).outcome("cancelled", 499), None,

@@ -208,9 +208,11 @@ class Answer:
 class InProcessGateway:
     """The gateway's app and an upstream, both in the running event loop; `request` drives one chat request."""
 
-    def __init__(self, tmp_path: Path, models_dir: Path) -> None:
+    def __init__(self, tmp_path: Path, models_dir: Path, plans: str = PLANS) -> None:
+        """`plans`: the plans file (its default plan, `swept`, is the tenant's; every tier is `mid`)."""
         self.tmp_path = tmp_path
         self.models_dir = models_dir
+        self.plans = plans
         self.calls: list[dict[str, Any]] = []
         self.loop_errors: list[dict[str, Any]] = []  # what the event loop reported (a task exception never retrieved)
         self.key = ""
@@ -230,7 +232,7 @@ class InProcessGateway:
         while not self._upstream.started:
             await asyncio.sleep(0.01)
         (self.tmp_path / "tiers.yaml").write_text(tiers(url))
-        (self.tmp_path / "plans.yaml").write_text(PLANS)
+        (self.tmp_path / "plans.yaml").write_text(self.plans)
         self.settings = Settings(data_dir=self.tmp_path / "data", models_dir=self.models_dir,
                                  tiers_file=self.tmp_path / "tiers.yaml", plans_file=self.tmp_path / "plans.yaml")
         store = open_tenant_store(self.settings)
