@@ -123,7 +123,8 @@ async def replica(redis_url: str, ledger_path: Path, name: str, workers: int, le
     redis = RedisBackend(redis_url, replica_ttl_s=max(2.0, 4 * reap_every_s), reap_claim_s=1.0)
     backend = FailoverBackend(redis, mode="open", ledger_spend=ledger_spend_source(ledger))
     quotas = QuotaService(backend, lease_s=lease_s)
-    reaper = asyncio.create_task(run_reaper(backend, every_s=reap_every_s, billed=ledger_billing(ledger)))
+    reaper = asyncio.create_task(run_reaper(backend, every_s=reap_every_s, billed=ledger_billing(ledger),
+                                            renew=quotas.renew_leases))  # as the gateway's (gateway/app.py)
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
     stats: Counter[str] = Counter()

@@ -118,7 +118,7 @@ def build_services(settings: Settings) -> Services:
     store = open_tenant_store(settings)
     backend = build_quota_backend(settings, ledger, metrics_)
     gate = TenantGate()
-    quotas = QuotaService(backend, on_settled=gate.settled)
+    quotas = QuotaService(backend, lease_s=settings.quota_lease_s, on_settled=gate.settled)
     queues = {name: TierQueue(name, tier_capacity(spec, settings), policy=settings.dispatch_policy)
               for name, spec in catalogue.tiers.items()}
     metrics_.queues = queues
@@ -258,9 +258,11 @@ def create_app(settings: Settings | None = None) -> Litestar:
         follower = asyncio.create_task(_every(ROLLOUT_FOLLOW_S, services.rollouts.follow, "following rollouts"))
         guards = asyncio.create_task(_every(settings.ladder_tick_s, services.rollouts.evaluate,
                                             "evaluating rollout guards"))
-        # returns reservations whose lease ran out (a replica died before settling): billed from the ledger
+        # returns reservations whose lease ran out (a replica died before settling): billed from the ledger; the
+        # leases of this replica's requests still running are renewed first
         reaper = asyncio.create_task(run_reaper(services.quota_backend, every_s=settings.quota_reap_every_s,
-                                                billed=ledger_billing(services.ledger)))
+                                                billed=ledger_billing(services.ledger),
+                                                renew=services.pipeline.reserve.quotas.renew_leases))
         try:
             yield
         finally:

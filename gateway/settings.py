@@ -42,6 +42,9 @@ class Settings(BaseSettings):
     redis_max_connections: int = 64  # per replica; a request waits for a free one (back-pressure, not an outage)
     redis_pool_wait_s: float = 2.0  # ...this long at most, then a retryable 503
     quota_reap_every_s: float = 5.0  # how often each replica returns reservations whose lease ran out
+    # a reservation's lease: a request still running past a third of it renews it at each reap round, so it runs out
+    # only for a replica that died (or lost the store) before settling
+    quota_lease_s: float = Field(900.0, gt=0)
     quota_settle_retry_s: float = 600.0  # a settle Redis did not answer is retried in the background this long
     default_max_tokens: int = 1024  # the output cap reserved when a request sets none
     remote_max_concurrency: int = 64  # dispatch slots per replica of an `openai` tier

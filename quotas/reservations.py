@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from decimal import Decimal
@@ -48,6 +50,10 @@ class QuotaService:
         self.backend = backend
         self.lease_s = lease_s  # a reservation not settled within this is returned by the reaper
         self.on_settled = on_settled
+        # the reservations not yet settled, each while its request holds it: `renew_leases` pushes their leases ahead,
+        # so a request that runs longer than its lease (a long stream) keeps its money reserved and its slot; one whose
+        # request ended without settling it (a bug) drops out, and the reaper returns it when its lease runs out
+        self._open: weakref.WeakValueDictionary[str, Reservation] = weakref.WeakValueDictionary()
 
     @staticmethod
     def scopes(plan: Plan, key_id: str, key_limits: Limits | None) -> tuple[ScopeLimits, ...]:
@@ -69,7 +75,20 @@ class QuotaService:
         req = ReservationRequest(request_id, tenant, self.scopes(plan, key_id, key_limits), tokens, to_pico(price),
                                  lease_s=self.lease_s, dated_at=dated_at, follows=follows)
         decision = await self.backend.reserve(req)
-        return decision, (Reservation(req, decision) if decision.admitted else None)
+        if not decision.admitted:
+            return decision, None
+        reservation = self._open[request_id] = Reservation(req, decision)
+        return decision, reservation
+
+    async def renew_leases(self) -> int:
+        """Push ahead the leases of the open reservations reserved more than a third of their lease ago (their requests
+        still run: a live replica's reservation must not be reaped as a dead one's, its money refunded and its slot
+        freed mid-answer); how many were renewed. Each reaper round runs it before reaping (quotas/reaper.py)."""
+        cutoff = time.time() - self.lease_s / 3
+        due = [r.request for r in list(self._open.values()) if not r.settled and r.request.now <= cutoff]
+        if due:
+            await self.backend.renew(due)
+        return len(due)
 
     async def budget_left(self, *, tenant: str, plan: Plan, key_id: str, key_limits: Limits | None,
                           now: float) -> float | None:
@@ -101,6 +120,7 @@ class QuotaService:
         if reservation.settled:
             return
         reservation.settled = True
+        self._open.pop(reservation.request.request_id, None)
         self._follow_row(reservation, price, row)
         await self.backend.settle(reservation.request, tokens=tokens, money_pico=to_pico(price))
         self._settled(reservation)
@@ -116,6 +136,7 @@ class QuotaService:
         if reservation.settled:
             return
         reservation.settled = True
+        self._open.pop(reservation.request.request_id, None)
         self._follow_row(reservation, price, row)
         self.backend.settle_now(reservation.request, tokens=tokens, money_pico=to_pico(price))
         self._settled(reservation)

@@ -7,9 +7,10 @@ together, or nothing is charged at all.
 
 Every reservation comes back. A reservation carries its own amounts and a lease; `reap` returns those
 whose lease ran out (a replica was killed between reserve and settle) exactly once, billing what the
-ledger recorded for them if anything, else nothing. `settle` is idempotent: sent twice (an answer lost on
-the way back), it changes nothing the second time; sent for a reaped or unknown reservation, it adds the
-real use instead of replacing a reservation.
+ledger recorded for them if anything, else nothing. A request that runs longer than a part of its lease
+has it pushed ahead (`renew`) by its live replica, so a long answer is never taken for a dead replica's.
+`settle` is idempotent: sent twice (an answer lost on the way back), it changes nothing the second time;
+sent for a reaped or unknown reservation, it adds the real use instead of replacing a reservation.
 """
 
 from __future__ import annotations
@@ -63,6 +64,11 @@ class QuotaBackend(ABC):
     async def reap(self, billed: Billed | None = None) -> int:
         """Return reservations whose lease ran out (money, tokens, slot), each once; the number returned."""
         return 0
+
+    async def renew(self, reqs: Sequence[ReservationRequest]) -> None:  # noqa: B027 (no lease: nothing to renew)
+        """Push the lease of these open reservations (and their concurrency slots) to `lease_s` from now: their
+        requests still run on this live replica. One no longer held (settled, reaped, cancelled; a slot a follow-on
+        took over) is left as it is: a renewal never brings anything back."""
 
     async def spent(self, tenant: str, scopes: Sequence[str], now: float) -> dict[str, tuple[int, int]] | None:
         """Picodollars each scope has spent (reservations included) on `now`'s day and month, in one read;

@@ -306,6 +306,16 @@ class FailoverBackend(QuotaBackend):
             await self.flush_journal()
         return returned
 
+    async def renew(self, reqs: Sequence[ReservationRequest]) -> None:
+        """The fallback's reservations as it holds them, on Redis' clock as last seen; Redis' while it is up (or due
+        a try, as `reap`: a lease Redis holds runs out only where Redis' reaper runs)."""
+        local = [self._local[r.request_id][0] for r in reqs if r.request_id in self._local]
+        if local:
+            self.local.renew_now(local, now=time.time() + self._clock_offset_s)
+        shared = [r for r in reqs if r.request_id not in self._local]
+        if shared and (self.up or time.monotonic() >= self._retry_at):
+            await self.primary.renew(shared)
+
     async def spent(self, tenant: str, scopes: Sequence[str], now: float) -> dict[str, tuple[int, int]] | None:
         """The primary's figures while it answers; while it is down, the local ones (from the last known). When
         the primary fails to answer while up, the spend its last reserve for the tenant answered (raises only

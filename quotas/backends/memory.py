@@ -3,12 +3,12 @@
 Reservations and settlements run on the event loop without awaiting in between, so each is atomic.
 Budgets survive restarts because the gateway seeds them from the durable ledger at start-up (`seed`).
 
-Each open reservation is held with its own amounts and lease (`_Held`), so a settle replaces exactly what
-was reserved, whatever the caller passes, and `reap` returns one whose lease ran out: billed what the ledger
-recorded for it, or refunded (a late settle then bills its real use). Settled ids are remembered for a
-while, so a settle sent twice changes nothing. A killed embedded gateway loses its open reservations with
-its memory: the restart seeds spend from the ledger alone, where a run that was never settled has no row,
-so it is neither billed nor counted twice.
+Each open reservation is held with its own amounts and lease (`_Held`), so a settle replaces exactly what was
+reserved, whatever the caller passes, and `reap` returns one whose lease ran out (`renew` pushes it ahead while
+its request runs): billed what the ledger recorded for it, or refunded (a late settle then bills its real use).
+Settled ids are remembered for a while, so a settle sent twice changes nothing. A killed embedded gateway loses
+its open reservations with its memory: the restart seeds spend from the ledger alone, where a run that was never
+settled has no row, so it is neither billed nor counted twice.
 """
 
 from __future__ import annotations
@@ -161,6 +161,24 @@ class MemoryBackend(QuotaBackend):
         if at is None or req.now - self.max_dating_lag_s <= at <= req.now:
             return req
         return replace(req, dated_at=dating_instant(at, req.now, self.max_dating_lag_s))
+
+    async def renew(self, reqs: Sequence[ReservationRequest]) -> None:
+        self.renew_now(reqs)
+
+    def renew_now(self, reqs: Sequence[ReservationRequest], *, now: float | None = None) -> None:
+        """`renew` where it stands (`now`: the store's clock; the failover's fallback runs on Redis' as last seen).
+        A later deadline keeps each scope's `next_deadline` a lower bound."""
+        now = time.time() if now is None else now
+        for req in reqs:
+            rid = req.request_id
+            if (held := self._held.get(rid)) is None:
+                continue
+            deadline = now + req.lease_s
+            self._held[rid] = replace(held, deadline=max(held.deadline, deadline))
+            for scope in held.scopes:
+                st = self._state.get((held.tenant, scope))
+                if st is not None and rid in st.inflight:
+                    st.inflight[rid] = max(st.inflight[rid], deadline)
 
     def expired(self, now: float) -> list[str]:
         """Open reservations whose lease ran out (a settle that never came)."""

@@ -12,7 +12,8 @@ or a day to come. A request without an arrival is dated by Redis' clock.
 
 A reservation is a record (`<tag>:res:<request id>`: its tokens, money, day, month and scopes) plus an entry
 in the tenant's leases. settle.lua finishes it exactly once; `reap` (any replica, any number at once) claims
-those whose lease ran out, a replica having died between reserve and settle, and returns them. Calls time
+those whose lease ran out, a replica having died between reserve and settle, and returns them (a live replica
+renews the leases of its requests still running: `renew`). Calls time
 out quickly (50 ms by default); failures surface as `QuotaBackendError`. A settle that fails is retried in
 the background with bounded backoff until Redis answers, so one lost answer never leaves the upper bound
 charged and the slot held. Waiting for a free connection is back-pressure, bounded by `pool_wait_s`, not an
@@ -67,7 +68,7 @@ _HERE = Path(__file__).parent
 _SHARED = (_HERE / "shared.lua").read_text()
 SCRIPTS = {name: (_SHARED if name in ("reserve", "settle", "spent", "journal", "journal_rows", "reseed") else "") +
            (_HERE / f"{name}.lua").read_text() for name in ("reserve", "settle", "reap", "spent", "journal",
-                                                            "journal_rows", "heartbeat", "reseed")}
+                                                            "journal_rows", "heartbeat", "reseed", "renew")}
 
 
 def _limit(v: int | None) -> int:
@@ -371,6 +372,17 @@ class RedisBackend(RedisRecovery, QuotaBackend):
             log.warning("returned %d reservations whose lease ran out (%d billed from the ledger)", returned,
                         sum(1 for _, rid in expired if rid in amounts))
         return returned
+
+    async def renew(self, reqs: Sequence[ReservationRequest]) -> None:
+        """Each reservation's lease and slots pushed ahead (renew.lua), a script a reservation, with the reaper's share
+        of the connections (only requests older than a part of their lease are renewed: few)."""
+        for i in range(0, len(reqs), REAP_BATCH):
+            await asyncio.gather(*(self._reaping(self._renew_one(req)) for req in reqs[i:i + REAP_BATCH]))
+
+    async def _renew_one(self, req: ReservationRequest) -> None:
+        keys = [self.record_key(req.tenant, req.request_id), self.leases_key(req.tenant),
+                *(f"{self.base(req.tenant, lim.scope)}:inflight" for lim in req.scopes)]
+        await self._run("renew", keys, [req.request_id, int(req.lease_s * 1000), int(WINDOW_S * 1000)])
 
     async def _claim(self, tenant: str) -> list[Any]:
         async with self._turn():
