@@ -30,7 +30,7 @@ import contextlib
 import json
 import socket
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -78,7 +78,8 @@ tiers:
 
 def upstream_app(calls: list[dict[str, Any]]) -> Litestar:
     """An OpenAI-compatible upstream answering WORDS, usage in every chunk. A message containing `FAIL:500` is
-    answered HTTP 500 before any byte; `FAIL:mid` streams two words, then an error event (a 5xx: `internal_error`)."""
+    answered HTTP 500 before any byte; `FAIL:mid` streams two words, then an error event (a 5xx: `internal_error`);
+    `CASCADE` is answered nothing (an empty answer, which a cascade retries) when asked of model `stub-mid`."""
     @post("/v1/chat/completions", status_code=200)
     async def chat(request: Request[Any, Any, Any]) -> Response[Any]:
         body = json.loads(await request.body())
@@ -86,17 +87,19 @@ def upstream_app(calls: list[dict[str, Any]]) -> Litestar:
         text = " ".join(m.get("content") or "" for m in body["messages"])
         if "FAIL:500" in text:
             return Response({"error": {"message": "the upstream failed", "type": "server_error"}}, status_code=500)
-        return Stream(_events(body, len(text.split()), fail_after=2 if "FAIL:mid" in text else None),
+        return Stream(_events(body, len(text.split()), fail_after=2 if "FAIL:mid" in text else None,
+                              empty="CASCADE" in text and body["model"] == "stub-mid"),
                       media_type="text/event-stream")
 
     return Litestar([*health_routes("stub-mid"), chat])
 
 
-async def _events(body: dict[str, Any], prompt_tokens: int, fail_after: int | None) -> AsyncIterator[bytes]:
+async def _events(body: dict[str, Any], prompt_tokens: int, fail_after: int | None,
+                  empty: bool = False) -> AsyncIterator[bytes]:
     def event(data: dict[str, Any]) -> bytes:
         return f"data: {json.dumps(data)}\n\n".encode()
 
-    words = WORDS[: body.get("max_tokens") or len(WORDS)]
+    words = [] if empty else WORDS[: body.get("max_tokens") or len(WORDS)]
     yield event({"id": "u", "object": "chat.completion.chunk", "created": 0, "model": body["model"],
                  "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
     for i, word in enumerate(words):
@@ -110,7 +113,7 @@ async def _events(body: dict[str, Any], prompt_tokens: int, fail_after: int | No
         yield event({"id": "u", "object": "chat.completion.chunk", "created": 0, "model": body["model"],
                      "choices": [{"index": 0, "delta": {"content": (" " if i else "") + word}, "finish_reason": None}],
                      "usage": usage})
-    finish = "stop" if len(words) == len(WORDS) else "length"
+    finish = "stop" if empty or len(words) == len(WORDS) else "length"
     usage = {"prompt_tokens": prompt_tokens, "completion_tokens": len(words),
              "total_tokens": prompt_tokens + len(words)}
     yield event({"id": "u", "object": "chat.completion.chunk", "created": 0, "model": body["model"],
@@ -208,11 +211,14 @@ class Answer:
 class InProcessGateway:
     """The gateway's app and an upstream, both in the running event loop; `request` drives one chat request."""
 
-    def __init__(self, tmp_path: Path, models_dir: Path, plans: str = PLANS) -> None:
-        """`plans`: the plans file (its default plan, `swept`, is the tenant's; every tier is `mid`)."""
+    def __init__(self, tmp_path: Path, models_dir: Path, plans: str = PLANS,
+                 tiers_file: Callable[[str], str] = tiers) -> None:
+        """`plans`: the plans file (its default plan, `swept`, is the tenant's); `tiers_file`: the tiers file for the
+        upstream's URL (every tier's replica is the one upstream; `mid` is the one there by default)."""
         self.tmp_path = tmp_path
         self.models_dir = models_dir
         self.plans = plans
+        self.tiers_file = tiers_file
         self.calls: list[dict[str, Any]] = []
         self.loop_errors: list[dict[str, Any]] = []  # what the event loop reported (a task exception never retrieved)
         self.key = ""
@@ -231,7 +237,7 @@ class InProcessGateway:
         self._upstream_task = asyncio.create_task(self._upstream.serve(sockets=[self._sock]))
         while not self._upstream.started:
             await asyncio.sleep(0.01)
-        (self.tmp_path / "tiers.yaml").write_text(tiers(url))
+        (self.tmp_path / "tiers.yaml").write_text(self.tiers_file(url))
         (self.tmp_path / "plans.yaml").write_text(self.plans)
         self.settings = Settings(data_dir=self.tmp_path / "data", models_dir=self.models_dir,
                                  tiers_file=self.tmp_path / "tiers.yaml", plans_file=self.tmp_path / "plans.yaml")
@@ -253,9 +259,10 @@ class InProcessGateway:
             if readiness(self.services.fleet, self.services.ledger)[0]:
                 break
             await asyncio.sleep(0.02)
-        for replica in self.services.fleet.replicas_of(self.services.catalogue.tiers["mid"]):
-            # the upstream fails on purpose, every other request of a sweep: that must not take the tier away
-            replica.breaker.config = BreakerConfig(failures_to_open=1 << 30, failure_rate_to_open=2.0)
+        for spec in self.services.catalogue.tiers.values():
+            for replica in self.services.fleet.replicas_of(spec):
+                # the upstream fails on purpose, every other request of a sweep: that must not take a tier away
+                replica.breaker.config = BreakerConfig(failures_to_open=1 << 30, failure_rate_to_open=2.0)
         loop.set_task_factory(_factory)
         return self
 
