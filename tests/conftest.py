@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import socket
@@ -178,6 +179,18 @@ def native_kernels() -> None:
     from engine.kernels import native
 
     native.load()
+
+
+@pytest.fixture
+def no_collections() -> Iterator[None]:
+    """The garbage collector off for the test: what a request leaves in a reference cycle stays there, so a test
+    sees whether it was freed by its own code (a closed generator, a settle in a `finally`) or only by a collection."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 @pytest.fixture(scope="session")

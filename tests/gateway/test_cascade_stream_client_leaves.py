@@ -10,8 +10,7 @@ still held (a plan allowing one request at a time refused it, 429), and shutdown
 
 from __future__ import annotations
 
-import gc
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -37,16 +36,6 @@ plans:
 async def gw(tmp_path_factory: pytest.TempPathFactory, prepared_models: Path) -> AsyncIterator[InProcessGateway]:
     async with InProcessGateway(tmp_path_factory.mktemp("cascade"), prepared_models, plans=PLANS) as gateway:
         yield gateway
-
-
-@pytest.fixture
-def no_collections() -> Iterator[None]:
-    gc.collect()
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
 
 
 @pytest.mark.parametrize("leave_at", range(1, len(WORDS) + 3))  # the role chunk, each word, the finish (then [DONE])

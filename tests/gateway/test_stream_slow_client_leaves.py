@@ -11,8 +11,7 @@ The garbage collector is off during the test so that it cannot settle the reques
 
 from __future__ import annotations
 
-import gc
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -27,16 +26,6 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 async def gw(tmp_path_factory: pytest.TempPathFactory, prepared_models: Path) -> AsyncIterator[InProcessGateway]:
     async with InProcessGateway(tmp_path_factory.mktemp("slow"), prepared_models) as gateway:
         yield gateway
-
-
-@pytest.fixture
-def no_collections() -> Iterator[None]:
-    gc.collect()
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
 
 
 @pytest.mark.parametrize("leave_at", range(1, len(WORDS) + 3))  # the role chunk, each word, the finish (then [DONE])
