@@ -5,13 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from gateway.connection_cap import MAX_CONNECTIONS
 from wire.errors import MAX_BODY_BYTES
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+LEASE_REAP_ROUNDS = 3  # TIERGATE_QUOTA_LEASE_S is at least this many TIERGATE_QUOTA_REAP_EVERY_S
 
 
 def _default_data_dir() -> Path:
@@ -41,7 +42,7 @@ class Settings(BaseSettings):
     redis_failure_mode: Literal["open", "closed"] = "open"  # open: local limits; closed: 503
     redis_max_connections: int = 64  # per replica; a request waits for a free one (back-pressure, not an outage)
     redis_pool_wait_s: float = 2.0  # ...this long at most, then a retryable 503
-    quota_reap_every_s: float = 5.0  # how often each replica returns reservations whose lease ran out
+    quota_reap_every_s: float = Field(5.0, gt=0)  # how often each replica returns reservations whose lease ran out
     # a reservation's lease: a request still running past a third of it renews it at each reap round, so it runs out
     # only for a replica that died (or lost the store) before settling
     quota_lease_s: float = Field(900.0, gt=0)
@@ -86,6 +87,17 @@ class Settings(BaseSettings):
         if url and url.split("://", 1)[0] not in ("postgresql", "postgres"):
             raise ValueError("TIERGATE_DATABASE_URL must be a postgresql:// URL (unset: SQLite in the data directory)")
         return url or None
+
+    @model_validator(mode="after")
+    def _lease_outlasts_reap_rounds(self) -> Settings:
+        # a running request's lease is renewed once a reap round, from a third of it on: a lease under three rounds
+        # can run out between two renewals, and a live request is then reaped (refunded, its slot freed) mid-answer
+        if self.quota_lease_s < LEASE_REAP_ROUNDS * self.quota_reap_every_s:
+            raise ValueError(f"TIERGATE_QUOTA_LEASE_S ({self.quota_lease_s:g} s) must be at least "
+                             f"{LEASE_REAP_ROUNDS} x TIERGATE_QUOTA_REAP_EVERY_S ({self.quota_reap_every_s:g} s), "
+                             f"{LEASE_REAP_ROUNDS * self.quota_reap_every_s:g} s: the reaper renews running requests' "
+                             "leases once a round, and a shorter lease lets a live request be reaped")
+        return self
 
     @property
     def resolved_models_dir(self) -> Path:
