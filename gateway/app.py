@@ -20,7 +20,7 @@ from cache.meaning_check import model_dir as meaning_model_dir
 from gateway.cache_bound_metrics import CacheBoundCollector
 from gateway.config_files import ConfigFileError, load_yaml
 from gateway.embeddings_service import embeddings_lifespan, provide_embeddings
-from gateway.errors import InternalError, PayloadTooLarge, client_error
+from gateway.errors import InternalError, PayloadTooLarge, Unavailable, client_error
 from gateway.fair_threads import FairThreads
 from gateway.ladder.config import load_ladder
 from gateway.ladder.controller import LadderController
@@ -70,6 +70,7 @@ from quotas.backends.failover import FailoverBackend
 from quotas.backends.memory import MemoryBackend
 from quotas.backends.redis import RedisBackend
 from quotas.dispatch import TierQueue
+from quotas.fault_log import STORE_ERRORS, FaultLog
 from quotas.ledger import Ledger
 from quotas.plans import PlanBook
 from quotas.reaper import run_reaper
@@ -325,13 +326,17 @@ _PROVIDERS["embeddings"] = provide_embeddings
 
 async def _every(every_s: float, work: Callable[[], object], what: str) -> None:
     """Run `work` in a worker thread every `every_s`, off the request path; a failure is logged and the next round
-    tries again (the ladder keeps its last level, the rollouts read last stay in force)."""
+    tries again (the ladder keeps its last level, the rollouts read last stay in force). In a store's outage each
+    distinct fault is logged once, then one line when a round works again (quotas/fault_log.py)."""
+    faults = FaultLog(log, what, known=(*STORE_ERRORS, Unavailable))
     while True:
         await asyncio.sleep(every_s)
         try:
             await asyncio.to_thread(work)
-        except Exception:
-            log.exception("%s failed", what)
+        except Exception as exc:
+            faults.failed(exc)
+        else:
+            faults.ok()
 
 
 def _error_response(request: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
