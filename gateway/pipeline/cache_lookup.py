@@ -53,6 +53,7 @@ from gateway.ladder.apply import Degradation, shaped_answer
 from gateway.pipeline.context import RequestContext
 from gateway.pipeline.meter import Outcome
 from gateway.tenants.store import TenantStore
+from quotas.fault_log import FaultLog
 from quotas.plans import RoutingPlan
 from tiers.catalogue import TierSpec
 from tiers.fleet import Fleet
@@ -143,6 +144,10 @@ class CacheStage:
         self.store = store
         self.fleet = fleet
         self._background: set[asyncio.Task[Any]] = set()
+        # in a store's outage every request fails the same way: each fault logged once, then its recovery
+        known = (CacheStoreError, EmbedderError)
+        self._lookup_faults = FaultLog(log, "cache lookup (served as a miss)", known=known, rounds="lookups")
+        self._store_faults = FaultLog(log, "cache store", known=known, rounds="stores")
 
     async def lookup(self, ctx: RequestContext, req: ChatCompletionRequest, tier: TierSpec,
                      degr: Degradation, artifact: str | None = None) -> CacheLookup:
@@ -165,8 +170,10 @@ class CacheStage:
         try:
             result = await self.cache.alookup(scope, body, headers=ctx.headers, policy=policy, admitted=True)
         except (CacheStoreError, EmbedderError) as exc:
-            log.warning("cache lookup failed, served as a miss: %s", exc)
+            self._lookup_faults.failed(exc)
             result = Miss(f"cache unavailable: {exc}")
+        else:
+            self._lookup_faults.ok()
         return CacheLookup(result, scope, policy, body, ctx.headers, applied, req.output_cap, accepted_by)
 
     def save(self, lookup: CacheLookup, outcome: Outcome, applied: tuple[str, ...]) -> None:
@@ -236,7 +243,9 @@ class CacheStage:
         try:
             await self.cache.apersist(entry)  # type: ignore[union-attr]
         except (CacheStoreError, EmbedderError) as exc:
-            log.warning("cache store failed: %s", exc)
+            self._store_faults.failed(exc)
+        else:
+            self._store_faults.ok()
 
 
 @lru_cache(maxsize=1024)
