@@ -35,6 +35,27 @@ DIM = 384  # all-MiniLM-L6-v2
 MAX_INPUT_CHARS = 8192
 
 
+# A bound of `Embedder.num_tokens(text)` that reads no more than `len` and `isascii` (the tokenizer is not run):
+# `len(text) + SPECIAL_TOKENS` for ASCII text, `MAX_EXPANSION * len(text) + SPECIAL_TOKENS` for any other. Why it
+# holds for MiniLM's tokenizer (BertNormalizer: clean text, spaces around CJK ideographs, NFD and accent strip,
+# lowercase; BertPreTokenizer; WordPiece): the pre-tokenizer cuts the normalized text into words at whitespace
+# and punctuation, and WordPiece makes of each word either pieces that are non-empty, disjoint substrings of it or
+# one [UNK] (a word it cannot split, or one over 100 characters): never more pieces than the word has characters.
+# The normalizer works a character at a time (what it adds, spaces, makes no piece; it drops control characters
+# and combining marks), so the pieces number at most the sum over the text's code points of the non-space
+# characters each one normalizes to. Every code point (all 1,112,064, through this tokenizer's own normalizer) gives
+# at most MAX_EXPANSION: 3 for a Hangul syllable (NFD's jamo), 2 for 432 others (Indic two-part vowel signs,
+# some musical symbols), 1 or 0 for all others, ASCII included. tests/cache/test_token_bound.py checks the
+# table and hostile texts (CJK, emoji and their joiners, combining marks, Hangul, "İ", punctuation runs).
+SPECIAL_TOKENS = 2  # [CLS] and [SEP]
+MAX_EXPANSION = 3
+
+
+def token_bound(text: str) -> int:
+    """At least `Embedder.num_tokens(text)`, in constant time (the comment above says why)."""
+    return (len(text) if text.isascii() else MAX_EXPANSION * len(text)) + SPECIAL_TOKENS
+
+
 class EmbedderError(Exception):
     """The embedding model could not be found or loaded."""
 
