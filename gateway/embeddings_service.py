@@ -1,5 +1,5 @@
-"""POST /v1/embeddings behind the same admission as chat: gate → parse → Idempotency-Key → degrade → count → reserve →
-embed → ledger row → settle.
+"""POST /v1/embeddings behind the same admission as chat: gate → parse → Idempotency-Key → degrade → reserve a bound
+→ count → embed → ledger row → settle.
 
 It reuses the chat pipeline's parts directly (the gate, `ReserveStage`, `RefusalLog`, the ledger, the quota
 service) rather than the pipeline itself, whose route, cache, dispatch and settle stages are about a tier's
@@ -9,13 +9,25 @@ stream. What differs from chat:
   gateway. Its forward passes go through an `EmbeddingBatcher` of their own, so concurrent requests' texts
   share passes, and a large embeddings request never waits in line with (or holds up) the cache's lookups.
 - Tokens are MiniLM's word pieces, the two special tokens included, up to the `max_tokens` the model reads:
-  what it ran on. They are counted before the reservation (in the counting threads; the wire model bounds the
-  texts), so the reservation is exact and settles to the same count (less, for a client that leaves; nothing
-  for a request that failed). A request's texts are counted COUNT_PIECE_CHARS characters at a time, each piece a
-  job of its own in the tenant's turn, as a chat prompt's count is about as long (gateway/pipeline/prompt.py): counted
-  in one job, a body of 4 MiB held one of the two threads for all of it (512 texts of 8,192 characters: 2.6-3.6 s of
-  ordinary words, 11-19 s of words the tokenizer splits slowly), and every other tenant's long prompts, embeddings
-  and answer bodies waited behind it, or behind two.
+  what it ran on. Cheap refusals come first: the reservation is made before any text is counted, of an upper bound
+  that costs nothing to compute (per text, the lesser of `max_tokens` and `cache.embedder.token_bound`, which reads
+  only the text's length and whether it is ASCII; that module says why it is one), at its price. A tenant over its
+  rpm, tpm, concurrency or budget is refused there (429, or 402 for a spent budget), its texts never counted:
+  counted first, a body of 4 MiB cost up to 19 s of the counting threads' CPU before its 429. Admitted, the texts
+  are counted exactly and the request settles to that count, as chat settles prompt + max_tokens to its use (less,
+  for a client that leaves; nothing for a request that failed; a client that leaves during the count, or a count
+  that fails, is a row of its own at no tokens). A bound refused for tpm or a budget may be the bound's fault, not
+  the tenant's (short texts are about a quarter of it): then `_count_first` reserves the floor (the two special
+  tokens a text), which a tenant with no room left is refused for, still before any count; admitted, the texts
+  are counted, the floor given back and the exact count reserved (taking no second rpm place: `follows`), or
+  refused (429) as before. So a request whose exact count fits is never refused for its bound; a tenant with a
+  little room left can still have a large body counted and refused, at the cost of an rpm place and a concurrency
+  slot a time, as any request admitted.
+- A request's texts are counted COUNT_PIECE_CHARS characters at a time, each piece a job of its own in the tenant's
+  turn, as a chat prompt's count is about as long (gateway/pipeline/prompt.py): counted in one job, a body of 4 MiB
+  held one of the two threads for all of it (512 texts of 8,192 characters: 2.6-3.6 s of ordinary words, 11-19 s of
+  words the tokenizer splits slowly), and every other tenant's long prompts, embeddings and answer bodies waited
+  behind it, or behind two.
 - Price: the catalogue's `embeddings.price_per_1k_input` (tiers/catalogue.py says why it lives there). Compute
   cost: the catalogue's hardware rate over the wall time of the request's forward passes (`cost_basis`
   "wall", as for a remote tier that reports no busy time).
@@ -62,7 +74,7 @@ from litestar import Litestar
 from litestar.datastructures import State
 
 from cache.batcher import EmbeddingBatcher
-from cache.embedder import Embedder, default_embedder
+from cache.embedder import SPECIAL_TOKENS, Embedder, default_embedder, token_bound
 from gateway.errors import InvalidRequest, NotFound, TiergateError, Unavailable, client_error, not_ready
 from gateway.fair_threads import FairThreads
 from gateway.ladder.apply import Degradation
@@ -86,6 +98,9 @@ from wire.embeddings import EmbeddingRequest, embedding_body
 TIER = "embeddings"  # the ledger's `tier` for these rows
 COUNT_PIECE_CHARS = 1 << 16  # characters of a request's texts counted in one job of the counting threads
 ROUTE = "embeddings"  # what the route adds to an Idempotency-Key's fingerprint (chat's is "chat" or "completion")
+FLOOR_SUFFIX = ":floor"  # the quota request id of `_count_first`'s floor reservation: the request's id and this
+# a bound refused for these may be refused for the bound alone, where the exact count would fit (`_count_first`)
+TOKEN_REASONS = frozenset({"tpm", "budget_day", "budget_month"})
 
 log = logging.getLogger("tiergate.embeddings")
 
@@ -176,9 +191,7 @@ class EmbeddingsService:
                     return await self._replay(ctx, req, begun)
                 keep = Keep(begun, self.idempotency.renewing(begun)) if begun is not None and self.idempotency else None
                 self._refuse_if_degraded(ctx)
-                counts = await self._count(ctx.tenant, req.texts)
-                reservation = await self.reserve.reserve(ctx, ctx.request_id, tokens=sum(counts),
-                                                         price=self.spec.price(sum(counts)))
+                reservation, counts = await self._admit(ctx, req.texts)
             answer = await self._answer(ctx, req, counts, reservation, keep)
             return answer, ratelimit_headers(ctx.plan, reservation.decision)
         except asyncio.CancelledError:
@@ -242,6 +255,36 @@ class EmbeddingsService:
                               "and embeddings are never cached", code="degraded_cache_only", retry_after=30,
                               headers={"x-tiergate-degrade-actions": f"cache_only({priority})"})
 
+    async def _admit(self, ctx: RequestContext, texts: list[str]) -> tuple[Reservation, list[int] | None]:
+        """The request's reservation, of its bound before any text is counted (counts None: `_answer` counts them),
+        or of its exact count where only the bound was refused (`_count_first`); else its refusal."""
+        limit = self.embedder.max_tokens
+        bound = sum(min(limit, token_bound(text)) for text in texts)
+        decision, reservation = await self.reserve.attempt(ctx, ctx.request_id, tokens=bound,
+                                                           price=self.spec.price(bound))
+        if reservation is not None:
+            return reservation, None
+        if decision.reason not in TOKEN_REASONS:  # rpm, concurrency: the same however many tokens it has
+            raise self.reserve.refused(ctx, decision)
+        return await self._count_first(ctx, texts)
+
+    async def _count_first(self, ctx: RequestContext, texts: list[str]) -> tuple[Reservation, list[int]]:
+        """Where the bound did not fit the tenant's tokens or money: the floor (the special tokens of each text, what
+        no text has fewer of) reserved first, refused to a tenant without room for even that, still uncounted; then
+        the texts counted, the floor given back, and the exact count reserved in its place (its rpm place kept)."""
+        floor_id = ctx.request_id + FLOOR_SUFFIX
+        floor = SPECIAL_TOKENS * len(texts)
+        held = await self.reserve.reserve(ctx, floor_id, tokens=floor, price=self.spec.price(floor))
+        try:
+            counts = await self._count(ctx.tenant, texts)
+        finally:  # a cancel too: handed off, so it is given back whatever happens to the request
+            given_back = self._hand_off(self.quotas.settle(held, tokens=0, price=Decimal(0)))
+        await asyncio.shield(given_back)  # before the exact reserve: the floor's tokens must not count against it
+        tokens = sum(counts)
+        reservation = await self.reserve.reserve(ctx, ctx.request_id, tokens=tokens, price=self.spec.price(tokens),
+                                                 follows=floor_id)
+        return reservation, counts
+
     async def _count(self, tenant: str, texts: list[str]) -> list[int]:
         """`_num_tokens` of the texts, in the counting threads, a piece of about COUNT_PIECE_CHARS characters at a
         time (a text is never split), each in the tenant's turn: another tenant's job waits for a piece, not all."""
@@ -266,17 +309,21 @@ class EmbeddingsService:
     def _encode_many(self, texts: list[str]) -> list[np.ndarray | None]:
         return list(self.embedder.encode(texts))
 
-    async def _answer(self, ctx: RequestContext, req: EmbeddingRequest, counts: list[int], reservation: Reservation,
-                      keep: Keep | None) -> bytes:
-        """Embed the texts and build the answer's body, and settle once, whatever ends it: all of them (ok), an error
-        (nothing billed: no vector was sent and the failure is ours), or the client leaving (cancelled: billed for the
-        texts embedded)."""
-        tokens = sum(counts)
-        ready = [False] * len(counts)  # which texts have their vector
+    async def _answer(self, ctx: RequestContext, req: EmbeddingRequest, counts: list[int] | None,
+                      reservation: Reservation, keep: Keep | None) -> bytes:
+        """Count the texts (unless `counts` has them: `_admit`), embed them and build the answer's body, and settle
+        once, whatever ends it: all of them (ok), an error (nothing billed: no vector was sent and the failure is
+        ours), or the client leaving (cancelled: billed for the texts embedded; nothing while they are counted)."""
+        tokens = 0
+        ready = [False] * len(req.texts)  # which texts have their vector
         status, http_status, error_code, stored = "cancelled", 499, None, None
         t0 = time.perf_counter()
         wall_s: float | None = None  # the forward passes' (the compute cost's basis), the body's building not included
         try:
+            if counts is None:
+                counts = await self._count(ctx.tenant, req.texts)
+            tokens = sum(counts)
+            t0 = time.perf_counter()
             vectors = await self._vectors(req.texts, ctx.tenant, ready)
             wall_s = time.perf_counter() - t0
             # packed and built before the answer counts as ready: a client that leaves meanwhile is 499
@@ -295,7 +342,7 @@ class EmbeddingsService:
         finally:
             if status == "ok":
                 used = tokens
-            elif status == "cancelled":  # what ran for it: the texts whose vectors were ready
+            elif status == "cancelled" and counts is not None:  # what ran for it: the texts whose vectors were ready
                 used = sum(n for n, r in zip(counts, ready, strict=True) if r)
             else:
                 used = 0

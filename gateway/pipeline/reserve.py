@@ -44,6 +44,16 @@ class ReserveStage:
         """`follows`: the reserved attempt this one continues (a cascade's retry): the client's request keeps the one
         rpm place and concurrency slot it was admitted with (under `max_concurrent: 1` a retry that took a slot of
         its own was always refused, and one that took a place counted the request twice against rpm)."""
+        decision, reservation = await self.attempt(ctx, request_id, tokens=tokens, price=price, follows=follows)
+        if reservation is None:
+            raise self.refused(ctx, decision)
+        return reservation
+
+    async def attempt(self, ctx: RequestContext, request_id: str, *, tokens: int, price: Decimal,
+                      follows: str | None = None) -> tuple[Decision, Reservation | None]:
+        """`reserve`, with a refusal answered (its decision), not raised nor told to the gate: for a caller whose
+        refusal may be its estimate's, not the tenant's (embeddings' bound before counting); `refused` makes it
+        the tenant's."""
         work = asyncio.ensure_future(self.quotas.reserve(
             request_id=request_id, tenant=ctx.tenant, plan=ctx.plan, key_id=ctx.key_id,
             key_limits=ctx.principal.key.limits, tokens=tokens, price=price,
@@ -57,12 +67,15 @@ class ReserveStage:
         except QuotaBackendError as exc:
             raise Unavailable("the quota service is unavailable; retry shortly", code="quota_backend_unavailable",
                               retry_after=1) from exc
-        if reservation is None:
-            if decision.reason in REMEMBERED_REASONS and decision.scope is not None:
-                scope = ctx.tenant if decision.scope == "t" else f"{ctx.tenant}/{decision.scope}"
-                self.gate.rate_refused(scope, decision.retry_after_s, decision.reason)
-            raise refusal(ctx.plan, decision)
-        return reservation
+        return decision, reservation
+
+    def refused(self, ctx: RequestContext, decision: Decision) -> TiergateError:
+        """The refusal of a reservation `decision` denied, told to the gate (which refuses the scope cheaply for a
+        while)."""
+        if decision.reason in REMEMBERED_REASONS and decision.scope is not None:
+            scope = ctx.tenant if decision.scope == "t" else f"{ctx.tenant}/{decision.scope}"
+            self.gate.rate_refused(scope, decision.retry_after_s, decision.reason)
+        return refusal(ctx.plan, decision)
 
     def _give_back(self, work: asyncio.Future[tuple[Decision, Reservation | None]]) -> None:
         """A reserve whose request left before it ended: a reservation it made is settled at zero use (handed off)."""
