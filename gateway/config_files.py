@@ -17,6 +17,7 @@ from pydantic import BaseModel, ValidationError
 M = TypeVar("M", bound=BaseModel)
 MAX_CONFIG_BYTES = 1 << 20  # 1 MiB: the shipped files are a few KB; a plans file of thousands of plans fits
 MAX_DEPTH = 64  # nested mappings and lists: the schemas need fewer than 10
+_SHAPE_ERRORS = ("missing", "extra_forbidden")
 _MERGE = "<<"  # YAML's merge key (`<<: *defaults`) may follow keys it does not replace
 
 
@@ -49,7 +50,10 @@ def load_yaml(path: Path, model: type[M], context: dict[str, Any] | None = None)
     try:
         return model.model_validate(data if data is not None else {}, context=context)
     except ValidationError as exc:
-        err = exc.errors()[0]
+        errors = exc.errors()
+        # of a union's members (the ladder's actions), the one whose own field is wrong says more than the others'
+        # missing and unknown fields ("cap_output_tokens: true" is no "remap_tiers: Field required")
+        err = next((e for e in errors if e["type"] not in _SHAPE_ERRORS), errors[0])
         loc = [p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-"))]
         where = ".".join(str(p) for p in loc)
         reason = f"{where}: {err['msg']}" if where else err["msg"]

@@ -7,7 +7,6 @@ from decimal import Decimal
 from typing import Annotated, Literal
 
 from pydantic import (
-    BaseModel,
     ConfigDict,
     Field,
     PlainSerializer,
@@ -17,7 +16,7 @@ from pydantic import (
     model_validator,
 )
 
-from wire.fields import integral
+from wire.fields import NoBoolNumbers, integral
 
 PriorityClass = Literal["interactive", "standard", "batch"]
 PRIORITY_ORDER: dict[str, int] = {"interactive": 0, "standard": 1, "batch": 2}  # lower is served first
@@ -47,7 +46,7 @@ UsdBudget = Annotated[Decimal, Field(ge=0), PlainSerializer(usd_text, return_typ
                           {"type": "string", "pattern": r"^[0-9]+(\.[0-9]+)?$", "maxLength": MAX_USD_CHARS}]})]
 
 
-class Limits(BaseModel):
+class Limits(NoBoolNumbers):
     """Per-tenant limits (a key may override them); None means unlimited."""
 
     model_config = ConfigDict(extra="forbid")
@@ -79,7 +78,7 @@ class Limits(BaseModel):
         return value
 
 
-class CachePlan(BaseModel):
+class CachePlan(NoBoolNumbers):
     """How the answer cache treats a plan's tenants."""
 
     model_config = ConfigDict(extra="forbid")
@@ -105,7 +104,7 @@ class CachePlan(BaseModel):
         return repr(value) if isinstance(value, float) else value
 
 
-class BudgetThreshold(BaseModel):
+class BudgetThreshold(NoBoolNumbers):
     """Below this share of budget left, `auto` accepts answers of lower predicted quality."""
 
     model_config = ConfigDict(extra="forbid")
@@ -114,7 +113,7 @@ class BudgetThreshold(BaseModel):
     quality_floor: Annotated[float, Field(ge=0, le=1)]
 
 
-class RoutingPlan(BaseModel):
+class RoutingPlan(NoBoolNumbers):
     """How `auto` trades quality for cost, load and budget for a plan's tenants (see tiers/routing.py).
 
     `quality_floor` is the predicted fidelity (0-1, the full tier's answer being 1) a tier must reach for
@@ -171,7 +170,7 @@ class RoutingPlan(BaseModel):
         return floor, why
 
 
-class Plan(BaseModel):
+class Plan(NoBoolNumbers):
     model_config = ConfigDict(extra="forbid")
 
     name: str = ""  # filled from the mapping key
@@ -197,7 +196,7 @@ class Plan(BaseModel):
         return self
 
 
-class PlanBook(BaseModel):
+class PlanBook(NoBoolNumbers):
     model_config = ConfigDict(extra="forbid")
 
     plans: Annotated[dict[str, Plan], Field(min_length=1)]

@@ -5,9 +5,10 @@ from __future__ import annotations
 from decimal import Decimal
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from assets.builds import BudgetError, parse_budget
+from wire.fields import NoBoolNumbers
 
 Money = Annotated[Decimal, Field(ge=0, max_digits=18, decimal_places=12)]
 # What a tier's server accepts beyond OpenAI's API (README.md, "Remote tiers"). Every dialect is asked for
@@ -31,7 +32,7 @@ TOP_K: frozenset[str] = frozenset({"vllm", "vllm-priority", "tiergate"})
 REMOTE_VERSION_FIELDS = ("urls", "api_key_env", "dialect")
 
 
-class DistillSpec(BaseModel):
+class DistillSpec(NoBoolNumbers):
     """How a tier's model is built when missing: a student distilled from another tier's model."""
 
     model_config = ConfigDict(extra="forbid")
@@ -54,7 +55,7 @@ class DistillSpec(BaseModel):
         return f"tiergate models distill --teacher {self.teacher} --layers {self.layers} --budget {self.budget}"
 
 
-class SpeculativeSpec(BaseModel):
+class SpeculativeSpec(NoBoolNumbers):
     """Speculative decoding for a local tier (engine/speculative.py): another local tier's model, with the same
     tokenizer, drafts `k` tokens that this tier's model checks in one step, while at most `max_batch` sequences
     decode. Greedy answers are unchanged; sampled ones come from the same distribution."""
@@ -66,7 +67,7 @@ class SpeculativeSpec(BaseModel):
     max_batch: Annotated[int, Field(ge=1, le=256)] = 4
 
 
-class TierVersion(BaseModel):
+class TierVersion(NoBoolNumbers):
     """One version of a tier (`versions:` in tiers.yaml): a name and the fields that differ from the tier's; every
     field left out is the tier's. A field given as `null` is overridden to null (`quantize: null`). A version of a
     local tier runs engines of its own (model, precision, engine flags, `cores` weight); one of a remote tier points
@@ -94,7 +95,7 @@ class TierVersion(BaseModel):
         return {name: getattr(self, name) for name in self.model_fields_set - {"name"}}
 
 
-class TierSpec(BaseModel):
+class TierSpec(NoBoolNumbers):
     model_config = ConfigDict(extra="forbid")
 
     name: str = ""  # filled from the mapping key
@@ -254,7 +255,7 @@ class TierSpec(BaseModel):
         return self.hardware_cost_per_hour * Decimal(repr(busy_s)) / 3600
 
 
-class EmbeddingSpec(BaseModel):
+class EmbeddingSpec(NoBoolNumbers):
     """The embedding model of POST /v1/embeddings: the semantic cache's MiniLM, run in the gateway process.
 
     Its price sits here, beside the tiers' prices, because it is a model's price: the same for every plan, read by
@@ -282,7 +283,7 @@ class EmbeddingSpec(BaseModel):
         return self.hardware_cost_per_hour * Decimal(repr(busy_s)) / 3600
 
 
-class TierCatalogue(BaseModel):
+class TierCatalogue(NoBoolNumbers):
     model_config = ConfigDict(extra="forbid")
 
     tiers: Annotated[dict[str, TierSpec], Field(min_length=1)]

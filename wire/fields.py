@@ -7,13 +7,16 @@ schemas that say both, so the published OpenAPI document accepts exactly what th
   comes from the annotated type (a `Literal`, a bounded list); any other value is refused with code
   `unsupported_value` and `reason`, and the check is type-exact (JSON `0` is not `false`, as it is to pydantic's
   `Literal[False]`).
+- `NoBoolNumbers`: a base model whose number fields refuse `true` and `false`, which pydantic reads as 1 and 0.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import types
+from decimal import Decimal
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
-from pydantic import BeforeValidator
+from pydantic import BaseModel, BeforeValidator, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
 UNSUPPORTED_VALUE = "unsupported_value"
@@ -76,3 +79,54 @@ def integral(value: Any) -> Any:
     if type(value) is float and value.is_integer():
         return int(value)
     return value
+
+
+class NoBoolNumbers(BaseModel):
+    """A base for models read from files (the tiers, the plans, the ladder): a field that takes a number (int, float,
+    Decimal) and not a bool refuses `true` and `false`, also inside its lists and mappings. Pydantic's lax mode reads
+    YAML's `true` as 1: `replicas: true` was one replica, `cap_output_tokens: true` one-token answers. Whatever else
+    a field takes (a quoted "100" where lax mode reads it) it takes as before; a field that takes a bool keeps it."""
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bools(cls, value: Any, info: ValidationInfo) -> Any:
+        found = bool_as_number(value, cls.model_fields[info.field_name].annotation) if info.field_name else None
+        if found is not None:
+            given, path = found
+            raise PydanticCustomError("bool_not_number", "{inside}Input should be a number, not a boolean ({given})",
+                                      {"inside": f"{path[1:]}: " if path else "", "given": given})
+        return value
+
+
+def bool_as_number(value: Any, annotation: Any) -> tuple[str, str] | None:
+    """Where in `value` a bool stands that `annotation` would read as a number: (`true`/`false`, the path into the
+    value: "" for the value itself, ".key" or ".0" inside a mapping or list), or None."""
+    members = _members(annotation)
+    if isinstance(value, bool):
+        takes_bool = any(m is bool or (get_origin(m) is Literal and any(type(a) is bool for a in get_args(m)))
+                         for m in members)
+        takes_number = any(m in (int, float, Decimal) for m in members)
+        return (str(value).lower(), "") if takes_number and not takes_bool else None
+    for m in members:
+        origin, args = get_origin(m), get_args(m)
+        if origin is dict and isinstance(value, dict) and len(args) == 2:
+            items: Any = value.items()
+            inner = args[1]
+        elif origin is list and isinstance(value, list) and args:
+            items, inner = enumerate(value), args[0]
+        else:
+            continue
+        for key, item in items:
+            if (found := bool_as_number(item, inner)) is not None:
+                return found[0], f".{key}{found[1]}"
+    return None
+
+
+def _members(annotation: Any) -> list[Any]:
+    """The types a field's annotation takes, without `Annotated`'s metadata and flattened out of unions."""
+    origin = get_origin(annotation)
+    if origin is Annotated:
+        return _members(get_args(annotation)[0])
+    if origin is Union or origin is types.UnionType:
+        return [m for arg in get_args(annotation) for m in _members(arg)]
+    return [annotation]

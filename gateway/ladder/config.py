@@ -13,9 +13,10 @@ from collections.abc import Collection
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from gateway.config_files import load_yaml
+from wire.fields import NoBoolNumbers
 
 PriorityClass = Literal["interactive", "standard", "batch"]
 Metric = Literal["queue_wait_p95_s", "error_rate", "tiers_down", "redis_down", "kv_utilisation"]
@@ -23,7 +24,7 @@ log = logging.getLogger("tiergate.ladder")
 MAX_THRESHOLD_DROP = 0.05  # the semantic cache's threshold may be lowered at most this much
 
 
-class _Action(BaseModel):
+class _Action(NoBoolNumbers):
     model_config = ConfigDict(extra="forbid")
 
 
@@ -72,7 +73,7 @@ Finite = Annotated[float, Field(allow_inf_nan=False)]
 Seconds = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 
 
-class Condition(BaseModel):
+class Condition(NoBoolNumbers):
     model_config = ConfigDict(extra="forbid")
 
     metric: Metric
@@ -89,7 +90,7 @@ class Condition(BaseModel):
         return value > self.above if self.above is not None else value < self.below  # type: ignore[operator]
 
 
-class Trigger(BaseModel):
+class Trigger(NoBoolNumbers):
     """Conditions (any of them) that must hold continuously for `for_s` seconds."""
 
     model_config = ConfigDict(extra="forbid")
@@ -98,7 +99,7 @@ class Trigger(BaseModel):
     for_s: Seconds = 30.0
 
 
-class Level(BaseModel):
+class Level(NoBoolNumbers):
     model_config = ConfigDict(extra="forbid")
 
     level: Annotated[int, Field(ge=0)]
@@ -119,7 +120,7 @@ class Level(BaseModel):
         return actions
 
 
-class Ladder(BaseModel):
+class Ladder(NoBoolNumbers):
     model_config = ConfigDict(extra="forbid")
 
     levels: Annotated[list[Level], Field(min_length=1)]
