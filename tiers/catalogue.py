@@ -21,12 +21,15 @@ Money = Annotated[Decimal, Field(ge=0, max_digits=18, decimal_places=12)]
 #   tiergate       our own engine: both (local tiers always speak it)
 # All but `openai` sample by vLLM's `top_k` (SGLang's too); OpenAI's API has no such field, so an `openai` tier never
 # answers a request that sets it (gateway/pipeline/needs.py): OpenAI refuses it, a lenient server ignores it.
+# Likewise `response_format` on the legacy /v1/completions: vLLM's and our engine's take it (the completion is then
+# JSON), OpenAI's legacy API has no such field, so an `openai` tier never answers a text completion that sets one.
 Dialect = Literal["openai", "vllm", "vllm-priority", "tiergate"]
 VERSION_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 CONTINUOUS_USAGE: frozenset[str] = frozenset({"vllm", "vllm-priority", "tiergate"})
 PRIORITY: frozenset[str] = frozenset({"vllm-priority", "tiergate"})
 CACHE_SALT_FIELD: frozenset[str] = frozenset({"vllm", "vllm-priority"})  # our engine takes it as a header instead
 TOP_K: frozenset[str] = frozenset({"vllm", "vllm-priority", "tiergate"})
+COMPLETION_RESPONSE_FORMAT: frozenset[str] = frozenset({"vllm", "vllm-priority", "tiergate"})
 # What a version of a local tier may not change: where a remote server is and how to talk to it (a local version
 # runs its own engine, which speaks `tiergate`)
 REMOTE_VERSION_FIELDS = ("urls", "api_key_env", "dialect")
@@ -240,6 +243,11 @@ class TierSpec(NoBoolNumbers):
     def samples_top_k(self) -> bool:
         """Its server samples by vLLM's `top_k` (the `k` most likely tokens only)."""
         return self.dialect in TOP_K
+
+    @property
+    def formats_completions(self) -> bool:
+        """Its server's /v1/completions takes `response_format` (vLLM's field; OpenAI's legacy API has none)."""
+        return self.dialect in COMPLETION_RESPONSE_FORMAT
 
     @property
     def sends_cache_salt(self) -> bool:

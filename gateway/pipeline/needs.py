@@ -15,6 +15,11 @@ says why, and why a start refuses such a candidate in the first place: `taken_aw
   OpenAI's API has no such field: OpenAI refuses it (a 400 the tenant got as the tier's), a lenient server ignores
   it, and either way the answer is not sampled as asked. -1 and 0 turn it off, every server's default: they need
   nothing (tier_call.upstream_body leaves them out).
+- `response_format` on a text completion (POST /v1/completions), other than `text`: tiers whose server's
+  /v1/completions takes it (`TierSpec.formats_completions`: our engines, vLLM). OpenAI's legacy completions API has
+  no such field: a strict server refuses it, a lenient one ignores it, and the tenant's JSON constraint was dropped
+  unsaid. `text` asks for nothing (the answer unconstrained): it needs nothing and is left out of the body. On chat,
+  `response_format` is OpenAI's own field, and every tier gets it.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from gateway.errors import InvalidRequest
+from gateway.pipeline.text_completion import is_raw
 from tiers.catalogue import TierSpec
 from wire.chat_request import ChatCompletionRequest
 
@@ -50,8 +56,13 @@ TOOLS = Need("tools", "can call tools", "cannot call tools", "leave tools and to
 TOP_K = Need("top_k", "can sample by top_k", "cannot sample by top_k (its server does not take it)",
              "leave top_k out (or send -1: off)", lambda t: t.samples_top_k)
 
+RESPONSE_FORMAT = Need("response_format", "can constrain a text completion by response_format",
+                       "cannot constrain a text completion by response_format (its server's /v1/completions does not "
+                       "take it)", "leave response_format out (or use /v1/chat/completions)",
+                       lambda t: t.formats_completions)
 
-NEEDS = (TOOLS, TOP_K)  # every need, in the order a refusal names them
+
+NEEDS = (TOOLS, TOP_K, RESPONSE_FORMAT)  # every need, in the order a refusal names them
 
 
 def needs_of(req: ChatCompletionRequest) -> tuple[Need, ...]:
@@ -59,6 +70,8 @@ def needs_of(req: ChatCompletionRequest) -> tuple[Need, ...]:
     needs = (TOOLS,) if req.uses_tools else ()
     if req.top_k is not None and req.top_k > 0:
         needs = (*needs, TOP_K)
+    if req.response_format is not None and req.response_format.type != "text" and is_raw(req):
+        needs = (*needs, RESPONSE_FORMAT)
     return needs
 
 

@@ -10,9 +10,9 @@ tier is over its wait limit, the route without load is still returned, with the 
 it anyway.
 
 A request that needs something of its tier (needs.py: tools, or tool calls and results in its messages; vLLM's
-`top_k`) goes only to tiers that have it: `auto` and every fallback skip the others (and so does a cascade, through
-the decision's `unable`), and naming one is a 400 naming the field. An answer with tools is not cascaded: a tool
-call is not prose the cascade's checks can judge.
+`top_k`; `response_format` on a text completion) goes only to tiers that have it: `auto` and every fallback skip
+the others (and so does a cascade, through the decision's `unable`), and naming one is a 400 naming the field. An
+answer with tools is not cascaded: a tool call is not prose the cascade's checks can judge.
 
 Last, the version: on a tier with versions, the rollout in progress (gateway/rollout) picks the one that answers
 this conversation; the decision's tier is then that version's spec, whose replicas the call uses and whose model

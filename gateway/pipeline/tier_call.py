@@ -92,9 +92,10 @@ def upstream_body(req: ChatCompletionRequest, tier: TierSpec, *, max_tokens: int
     server accepts (the tier's `dialect`: usage in every chunk, the plan's priority); a plain OpenAI-compatible
     server gets OpenAI's fields only, since a strict one refuses what it does not know. vLLM's `top_k` reaches only
     tiers that sample by it (routing keeps a request that sets it off the others: needs.py); turned off (-1, 0, every
-    server's default) it is left out. `presence_penalty` and `frequency_penalty` reach every tier (OpenAI's, vLLM's
-    and llama.cpp's servers take both), left out where 0. `top_logprobs`: the alternatives per token a check of ours
-    reads (never set over the client's own choice)."""
+    server's default) it is left out. A text completion's `response_format` likewise reaches only tiers whose
+    /v1/completions takes it, and is left out where it is `text`. `presence_penalty` and `frequency_penalty` reach
+    every tier (OpenAI's, vLLM's and llama.cpp's servers take both), left out where 0. `top_logprobs`: the
+    alternatives per token a check of ours reads (never set over the client's own choice)."""
     body = req.model_dump(exclude_none=True, exclude={"model", "stream", "stream_options", "priority",
                                                       "max_completion_tokens", "max_tokens", "prompt_format"})
     if body.get("top_k", 1) <= 0:
@@ -106,6 +107,8 @@ def upstream_body(req: ChatCompletionRequest, tier: TierSpec, *, max_tokens: int
     if raw:  # a text completion: its prompt as it was sent, to the tier's /v1/completions (`TierCaller._chunks`)
         body["prompt"] = body.pop("messages")[0]["content"]
         body.pop("logprobs", None)  # chat's boolean; the legacy field is an integer, set below when wanted
+        if body.get("response_format", {}).get("type") == "text":  # no constraint, and not OpenAI's legacy field
+            del body["response_format"]
     body["model"] = tier.name if tier.backend == "local" else tier.model
     body["max_tokens"] = max_tokens  # never more than the reservation covers
     body["stream"] = True
