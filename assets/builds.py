@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import math
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -99,7 +100,7 @@ def parse_budget(text: str) -> tuple[float | None, int | None]:
                 value = float(number)
             except ValueError:
                 break
-            if value <= 0:
+            if not math.isfinite(value) or value <= 0:  # nan, inf (and 1e999) are no budget
                 break
             if scale is None:
                 if value != int(value):

@@ -25,7 +25,7 @@ class Settings(BaseSettings):
     data_dir: Path = Field(default_factory=_default_data_dir)  # state, ledger and prepared models
     models_dir: Path | None = None  # defaults to <data_dir>/models
     host: str = "127.0.0.1"
-    port: int = 8080
+    port: int = Field(default=8080, ge=1, le=65535)
     tiers_file: Path = REPO_ROOT / "tiers" / "tiers.yaml"
     plans_file: Path = REPO_ROOT / "quotas" / "plans.yaml"
     ladder_file: Path = REPO_ROOT / "degrade_ladder.yaml"
@@ -98,6 +98,13 @@ class Settings(BaseSettings):
                              f"{LEASE_REAP_ROUNDS * self.quota_reap_every_s:g} s: the reaper renews running requests' "
                              "leases once a round, and a shorter lease lets a live request be reaped")
         return self
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_only(cls, url: str | None) -> str | None:
+        if url and url.split("://", 1)[0] not in ("redis", "rediss", "unix"):
+            raise ValueError("TIERGATE_REDIS_URL must be a redis://, rediss:// or unix:// URL (unset: no Redis)")
+        return url or None
 
     @property
     def resolved_models_dir(self) -> Path:

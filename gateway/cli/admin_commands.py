@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 from pydantic import ValidationError
 
-from gateway.cli.options import data_dir_option, settings_from
+from gateway.cli.options import data_dir_option, existing_data_dir, settings_from
 from gateway.config_files import ConfigFileError, load_yaml
 from gateway.errors import TiergateError
 from gateway.report_format import to_csv, to_json, to_table
@@ -24,10 +24,14 @@ from quotas.report import usage_report
 
 
 @contextmanager
-def _store(data_dir: Path | None) -> Iterator[TenantStore]:
-    """The store the gateway uses: the data directory's SQLite file, or TIERGATE_DATABASE_URL's PostgreSQL."""
+def _store(data_dir: Path | None, *, create: bool = False) -> Iterator[TenantStore]:
+    """The store the gateway uses: the data directory's SQLite file, or TIERGATE_DATABASE_URL's PostgreSQL.
+
+    Only a command that makes something from nothing (`create`: a tenant, an admin key) may start a new data
+    directory."""
+    settings = settings_from(data_dir=data_dir)
     try:
-        store = open_tenant_store(settings_from(data_dir=data_dir))
+        store = open_tenant_store(settings if create else existing_data_dir(settings))
     except TiergateError as exc:
         raise click.ClickException(exc.message) from exc
     try:
@@ -71,7 +75,7 @@ def _utc(t: float) -> str:
 
 @click.group()
 def tenants() -> None:
-    """Create and list tenants."""
+    """Create and list tenants, move one to another plan, bump one's data version."""
 
 
 @tenants.command("create")
@@ -90,7 +94,7 @@ def tenants_create(name: str, plan: str | None, plans_file: Path | None, data_di
     plan = plan or book.default_plan
     if plan not in book.plans:
         raise click.ClickException(f"no plan {plan!r}; plans: {', '.join(book.plans)}")
-    with _store(data_dir) as store:
+    with _store(data_dir, create=True) as store:
         tenant = store.create_tenant(name, plan)
     click.echo(f"created tenant {tenant.name} on plan {tenant.plan}")
 
@@ -98,7 +102,7 @@ def tenants_create(name: str, plan: str | None, plans_file: Path | None, data_di
 @tenants.command("list")
 @data_dir_option
 def tenants_list(data_dir: Path | None) -> None:
-    """List tenants."""
+    """List tenants: name, plan and creation time (UTC), one a line, tab-separated."""
     with _store(data_dir) as store:
         for t in store.list_tenants():
             click.echo(f"{t.name}\t{t.plan}\t{time.strftime('%Y-%m-%d %H:%M', time.gmtime(t.created_at))}")
@@ -187,14 +191,14 @@ def keys_issue(tenant: str | None, admin: bool, name: str, ttl_s: float | None, 
                         budget_month_usd=budget_month)
     except ValidationError as exc:
         raise click.UsageError(str(exc.errors()[0]["msg"])) from exc
-    with _store(data_dir) as store:
+    with _store(data_dir, create=admin) as store:
         key, plaintext = store.issue_key(tenant, name=name, roles=(ADMIN,) if admin else (), ttl_s=ttl_s,
                                          limits=None if limits == Limits() else limits)
     _echo_key(key.public(), plaintext)
 
 
 @keys.command("list")
-@click.option("--tenant", default=None)
+@click.option("--tenant", default=None, help="Only this tenant's keys [default: every key, admin keys too].")
 @data_dir_option
 def keys_list(tenant: str | None, data_dir: Path | None) -> None:
     """List keys (ids and state, never secrets)."""
@@ -208,7 +212,7 @@ def keys_list(tenant: str | None, data_dir: Path | None) -> None:
 @click.argument("key_id")
 @data_dir_option
 def keys_revoke(key_id: str, data_dir: Path | None) -> None:
-    """Revoke KEY_ID at once."""
+    """Revoke KEY_ID (its id, from `keys list`): running gateways refuse it within a second."""
     with _store(data_dir) as store:
         store.revoke_key(key_id)
     click.echo(f"revoked {key_id}")
@@ -243,7 +247,8 @@ def usage(ctx: click.Context, tenant: str | None, data_dir: Path | None) -> None
 @click.option("--to", "until", default=None, help="Last day (YYYY-MM-DD, UTC), included.")
 @click.option("--by", default="tenant,tier", show_default=True, help="Comma list of tenant, tier, day, key_id.")
 @click.option("--tenant", default=None, help="Only this tenant.")
-@click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]), default="table", show_default=True)
+@click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]), default="table", show_default=True,
+              help="A table to read, or CSV or JSON for a spreadsheet or a script.")
 @data_dir_option
 def usage_report_cmd(since: str | None, until: str | None, by: str, tenant: str | None, fmt: str,
                      data_dir: Path | None) -> None:
@@ -257,7 +262,7 @@ def _print_report(data_dir: Path | None, *, tenant: str | None, since: str | Non
         groups, start, end = parse_by(by), parse_day(since), parse_day(until, end=True)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
-    ledger = open_ledger(settings_from(data_dir=data_dir))
+    ledger = open_ledger(existing_data_dir(settings_from(data_dir=data_dir)))
     try:
         rows = usage_report(ledger, by=groups, since=start, until=end, tenant=tenant)
     finally:

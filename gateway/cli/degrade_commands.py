@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from gateway.cli.options import data_dir_option, settings_from
+from gateway.cli.options import data_dir_option, existing_data_dir, settings_from
 from gateway.config_files import ConfigFileError, load_yaml
 from gateway.ladder.config import Ladder
 from gateway.ladder.controller import LadderController
@@ -18,7 +18,7 @@ from gateway.stores import open_ladder_store
 
 
 def _controller(data_dir: Path | None, ladder_file: Path | None) -> LadderController:
-    settings = settings_from(data_dir=data_dir, ladder_file=ladder_file)
+    settings = existing_data_dir(settings_from(data_dir=data_dir, ladder_file=ladder_file))
     try:
         ladder = load_yaml(settings.ladder_file, Ladder)
     except ConfigFileError as exc:
@@ -92,7 +92,8 @@ def degrade_auto(ladder_file: Path | None, data_dir: Path | None) -> None:
 
 
 @degrade.command("history")
-@click.option("--limit", default=20, show_default=True)
+@click.option("--limit", default=20, show_default=True, type=click.IntRange(1, 10_000),
+              help="The latest this many changes, newest first.")
 @ladder_option
 @data_dir_option
 def degrade_history(limit: int, ladder_file: Path | None, data_dir: Path | None) -> None:

@@ -9,8 +9,20 @@ import click
 
 from assets.engine_key import ENGINE_API_KEY_ENV
 from assets.model_source import BUILTIN_MODELS, DEFAULT_MODEL, ModelSourceError, prepare_model
-from gateway.cli.options import data_dir_option, settings_from
+from gateway.cli.options import THREADS, FiniteFloat, data_dir_option, settings_from
 from wire.errors import MAX_BODY_BYTES
+
+
+def _budget(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """Refused here, before the teacher is loaded (or downloaded), not minutes later."""
+    from assets.builds import BudgetError, parse_budget
+
+    if value is not None:
+        try:
+            parse_budget(value)
+        except BudgetError as exc:
+            raise click.BadParameter(str(exc)) from exc
+    return value
 
 
 @click.group()
@@ -42,26 +54,30 @@ def fetch(source: str, models_dir: Path | None, data_dir: Path | None) -> None:
 @models.command("distill")
 @click.option("--teacher", default="full", show_default=True,
               help="The tier (from the tier catalogue) or model directory whose model the student imitates.")
-@click.option("--layers", type=int, default=None,
+@click.option("--layers", type=click.IntRange(min=1), default=None,
               help="Student layers, started from a subset of the teacher's [default: the student tier's, else 8].")
-@click.option("--budget", default=None,
+@click.option("--budget", default=None, callback=_budget,
               help="Training time (10m, 90s, 1h) or steps (500steps), summed over resumes "
               "[default: the tier's, else 10m].")
 @click.option("--out", type=click.Path(path_type=Path), default=None,
               help="Model directory to write [default: the model of the tier distilled from --teacher].")
 @click.option("--keep", default=None, help="Teacher layers to start from, e.g. 0,1,2,7,13,18,24,29 [default: the "
               "frozen prefix, then spread evenly to the last].")
-@click.option("--frozen-prefix", default=3, show_default=True, type=int,
+@click.option("--frozen-prefix", default=3, show_default=True, type=click.IntRange(min=0),
               help="The student's first layers stay the teacher's, frozen (their forward is shared: cheaper steps).")
-@click.option("--batch-size", default=4, show_default=True, type=int)
-@click.option("--seq-len", default=128, show_default=True, type=int, help="Tokens per training window.")
-@click.option("--lr", default=2e-3, show_default=True, type=float, help="Peak learning rate (AdamW, cosine decay).")
-@click.option("--temperature", default=1.0, show_default=True, type=float, help="KL temperature.")
-@click.option("--greedy-weight", default=0.8, show_default=True, type=float,
+@click.option("--batch-size", default=4, show_default=True, type=click.IntRange(min=1),
+              help="Training windows per step.")
+@click.option("--seq-len", default=128, show_default=True, type=click.IntRange(min=2),
+              help="Tokens per training window.")
+@click.option("--lr", default=2e-3, show_default=True, type=FiniteFloat(min=0, min_open=True),
+              help="Peak learning rate (AdamW, cosine decay).")
+@click.option("--temperature", default=1.0, show_default=True, type=FiniteFloat(min=0, min_open=True),
+              help="KL temperature.")
+@click.option("--greedy-weight", default=0.8, show_default=True, type=FiniteFloat(0, 1),
               help="Mix in cross-entropy toward the teacher's greedy next token (0: KL only, 1: greedy only).")
 @click.option("--seed", default=None, type=int, help="Data order and initialisation [default: the tier's, else 0].")
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda[:N] (bf16 autocast on CUDA).")
-@click.option("--threads", default=None, type=int, help="torch threads [default: torch's choice].")
+@click.option("--threads", default=None, type=THREADS, help="torch threads [default: torch's choice].")
 @click.option("--restart", is_flag=True, help="Discard an earlier run's checkpoint instead of resuming it.")
 @click.option("--tiers", "tiers_file", type=click.Path(path_type=Path), default=None,
               help="Tier catalogue [env TIERGATE_TIERS_FILE; default tiers/tiers.yaml].")
@@ -124,8 +140,8 @@ def engine() -> None:
 @click.option("--model", required=True, help="A built-in model name or a local HF model directory.")
 @click.option("--served-name", default=None,
               help="The model id the server answers to; a request naming another is a 404 [default: the model's name].")
-@click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", default=8000, show_default=True, type=int)
+@click.option("--host", default="127.0.0.1", show_default=True, help="Bind address.")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(1, 65535), help="Port.")
 @click.option("--quantize", type=click.Choice(["int8"]), default=None, help="int8 weights, per-channel scales.")
 @click.option("--dtype", type=click.Choice(["auto", "fp32", "bf16", "fp16"]), default="auto", show_default=True,
               help="auto: bf16 on CUDA and on CPUs with fast bf16, else fp32.")
@@ -133,13 +149,13 @@ def engine() -> None:
 @click.option("--max-num-seqs", default="auto", show_default=True, callback=_max_num_seqs,
               help="Sequences generated at once; auto: as many as the KV cache holds at 1,024 tokens each (at most "
                    "256).")
-@click.option("--threads", default=None, type=int, help="torch threads [default: torch's choice].")
-@click.option("--kv-cache-bytes", default=None, type=int,
+@click.option("--threads", default=None, type=THREADS, help="torch threads [default: torch's choice].")
+@click.option("--kv-cache-bytes", default=None, type=click.IntRange(min=1),
               help="KV cache budget, allocated once [default: 512 MiB]; a request that cannot fit gets a 400.")
 @click.option("--kv-cache-dtype", type=click.Choice(["auto", "bf16"]), default="auto", show_default=True,
               help="auto: the model's dtype (fp32 output then equals transformers'); bf16 under an fp32 model "
                    "halves what each decode step reads and doubles the tokens the budget holds.")
-@click.option("--max-num-batched-tokens", default=512, show_default=True, type=int,
+@click.option("--max-num-batched-tokens", default=512, show_default=True, type=click.IntRange(min=1),
               help="Tokens per engine step (chunked prefill keeps long prompts from stalling decodes).")
 @click.option("--draft-model", default=None,
               help="Speculative decoding: a model with the same tokenizer proposes tokens this one checks in one "
@@ -160,7 +176,8 @@ def engine() -> None:
                    "this machine.")
 @click.option("--allow-unauthenticated", is_flag=True, default=False,
               help="Serve a --host beyond this machine with no key (where the network controls access).")
-@click.option("--models-dir", type=click.Path(path_type=Path), default=None)
+@click.option("--models-dir", type=click.Path(path_type=Path), default=None,
+              help="Where prepared models live [default <data dir>/models].")
 @data_dir_option
 def engine_serve(model: str, served_name: str | None, host: str, port: int, quantize: str | None, dtype: str,
                  device: str, max_num_seqs: int | None, threads: int | None, kv_cache_bytes: int | None,

@@ -7,12 +7,13 @@ import click
 from gateway.cli.admin_commands import keys, tenants, usage
 from gateway.cli.degrade_commands import degrade
 from gateway.cli.engine_commands import engine, models
+from gateway.cli.errors import TiergateGroup
 from gateway.cli.rollout_commands import rollout
 from gateway.cli.router_commands import router
 from gateway.cli.serve import serve
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.group(cls=TiergateGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 def cli() -> None:
     """Tiergate: a cost-aware, multi-tenant, OpenAI-compatible gateway for language models.
 

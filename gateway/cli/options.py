@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,34 @@ def data_dir_option(fn: Callable[..., Any]) -> Callable[..., Any]:
                         help="State and prepared models [env TIERGATE_DATA_DIR; default ~/.local/share/tiergate].")(fn)
 
 
+class FiniteFloat(click.FloatRange):
+    """click's FloatRange, less NaN and infinity (which pass its bounds: every comparison with NaN is false)."""
+
+    def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return number
+
+
+THREADS = click.IntRange(min=1)  # torch refuses 0 or fewer threads only once the model is loaded
+
+
 def settings_from(**overrides: Any) -> Settings:
     """Settings from the environment, with the flags the user gave on top."""
     return Settings(**{k: v for k, v in overrides.items() if v is not None})
+
+
+def existing_data_dir(settings: Settings) -> Settings:
+    """`settings`, once its data directory is known to exist where the state lives there (no database URL).
+
+    A command that reads or changes what is there never makes a new, empty one: a mistyped --data-dir (or a
+    TIERGATE_DATA_DIR not set in this shell) would answer "no tenants", "no key" or "no usage", and leave a
+    directory behind.
+    """
+    path = settings.data_dir
+    if not settings.database_url and not path.is_dir():
+        what = "is not a directory" if path.exists() else "does not exist"
+        raise click.ClickException(f"data directory {path} {what}: give the gateway's with --data-dir or "
+                                   "TIERGATE_DATA_DIR")
+    return settings

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from gateway.cli.options import data_dir_option, settings_from
+from gateway.cli.options import data_dir_option, existing_data_dir, settings_from
 from gateway.config_files import ConfigFileError, load_yaml
 from gateway.errors import TiergateError
 from gateway.rollout.guards import guards_from
@@ -27,7 +27,7 @@ reason_option = click.option("--reason", required=True, help="Why (kept in the a
 @contextmanager
 def _service(data_dir: Path | None, tiers_file: Path | None) -> Iterator[RolloutService]:
     """The rollouts over the gateway's store; a refused change is the command's error, in one line."""
-    settings = settings_from(data_dir=data_dir, tiers_file=tiers_file)
+    settings = existing_data_dir(settings_from(data_dir=data_dir, tiers_file=tiers_file))
     try:
         catalogue = load_yaml(settings.tiers_file, TierCatalogue)
     except ConfigFileError as exc:
@@ -147,7 +147,8 @@ def rollout_rollback(tier: str, reason: str, tiers_file: Path | None, data_dir: 
 
 @rollout.command("history")
 @click.option("--tier", default=None, help="One tier's changes only.")
-@click.option("--limit", default=20, show_default=True)
+@click.option("--limit", default=20, show_default=True, type=click.IntRange(1, 10_000),
+              help="The latest this many changes, newest first.")
 @tiers_option
 @data_dir_option
 def rollout_history(tier: str | None, limit: int, tiers_file: Path | None, data_dir: Path | None) -> None:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from gateway.cli.options import data_dir_option, settings_from
+from gateway.cli.options import THREADS, data_dir_option, settings_from
 
 
 @click.group()
@@ -31,7 +31,7 @@ def router() -> None:
 @click.option("--work-dir", type=click.Path(path_type=Path), default=None,
               help="Cache of answers and scores, so re-runs only compute what is missing "
                    "[default <data dir>/router/work].")
-@click.option("--threads", default=None, type=int, help="torch threads [default: torch's choice].")
+@click.option("--threads", default=None, type=THREADS, help="torch threads [default: torch's choice].")
 @click.option("--batch", "max_num_seqs", default=32, show_default=True, type=click.IntRange(1),
               help="Sequences each engine generates at once.")
 @click.option("--catalogue", "tiers_file", type=click.Path(path_type=Path, exists=True), default=None,

@@ -236,7 +236,10 @@ class TenantStore(ABC):
     def get_key(self, key_id: str) -> ApiKey:
         row = self._fetchone(f"SELECT {_KEY_COLUMNS} FROM api_keys WHERE key_id = ?", (key_id,))
         if row is None:
-            raise NotFound(f"no key {key_id!r}", param="key_id", code="key_not_found")
+            whole = parse_key(key_id)  # a whole key pasted where its id goes: never echo its secret
+            raise NotFound(f"no key {key_id!r}" if whole is None else
+                           f"no key with that id: give a key's id ({whole[0]!r} in that key), not the key itself",
+                           param="key_id", code="key_not_found")
         return _key(row)
 
     def list_keys(self, tenant: str | None = None) -> list[ApiKey]:
