@@ -50,8 +50,11 @@ def settings_error(exc: ValidationError) -> str:
     for e in exc.errors():
         where = ".".join(str(p) for p in e["loc"])
         msg = e["msg"].removeprefix("Value error, ")
-        parts.append(f"setting {where} (TIERGATE_{where.upper()}): {msg}" if exc.title == "Settings" else
-                     f"{where}: {msg}")
+        if not where:  # a rule across settings (it names them itself)
+            parts.append(msg)
+        else:
+            parts.append(f"setting {where} (TIERGATE_{where.upper()}): {msg}" if exc.title == "Settings" else
+                         f"{where}: {msg}")
     return "; ".join(parts)
 
 

@@ -117,6 +117,12 @@ def test_serve_refuses_a_port_that_cannot_be_before_preparing_anything(tmp_path:
             "TIERGATE_PORT", "65535")
 
 
+def test_a_rule_across_settings_is_one_line_naming_them(tmp_path: Path) -> None:
+    out = refused(run(["serve", "--data-dir", str(tmp_path)], TIERGATE_QUOTA_LEASE_S="1"),
+                  "TIERGATE_QUOTA_LEASE_S", "TIERGATE_QUOTA_REAP_EVERY_S")
+    assert "setting  (" not in out and "(TIERGATE_)" not in out, out  # no empty setting name before the rule's text
+
+
 def _commands(group: click.Group, path: str = "") -> list[tuple[str, click.Command]]:
     out: list[tuple[str, click.Command]] = []
     for name, command in group.commands.items():
