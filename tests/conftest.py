@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -289,6 +290,17 @@ class RedisServer:
         with socket.create_connection(("127.0.0.1", self.port), timeout=1) as s:
             s.sendall(b"FLUSHALL\r\n")
             s.recv(16)
+
+
+@pytest.fixture
+def own_redis() -> Iterator[RedisServer]:
+    """A redis-server of the test's own, which it may freeze (SIGSTOP), kill or restart (not the session's
+    `redis_server`, which other tests share)."""
+    server = RedisServer().start()
+    yield server
+    if server.proc is not None:
+        os.kill(server.proc.pid, signal.SIGCONT)
+    server.stop()
 
 
 @pytest.fixture(scope="session")

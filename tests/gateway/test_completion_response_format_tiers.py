@@ -14,31 +14,17 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import Gateway, running_gateway
-from tests.stubs import LADDER_PLANS, LADDER_PRICES, ServerThread, StubState, openai_tiers, stub_app, write_settings
+from tests.conftest import Gateway
+from tests.gateway.dialect_tiers import dialect_gateway, key_of
 
-# `small` and `full` are vLLMs, `mid` (the plans' default) a plain OpenAI-compatible server
-DIALECTS = {"small": "vllm", "mid": "openai", "full": "vllm"}
-TIERS = {name: {**LADDER_PRICES[name], "dialect": dialect} for name, dialect in DIALECTS.items()}
 JSON = {"type": "json_object"}
 SCHEMA = {"type": "json_schema", "json_schema": {"name": "answer", "schema": {"type": "object"}}}
 
 
 @pytest.fixture
 def gw(tmp_path: Path, prepared_models: Path) -> Iterator[Gateway]:
-    """Every tier the recording stub; `small` has one of its own."""
-    state, mute = StubState(), StubState()
-    with ServerThread(stub_app(state)).start() as stub, ServerThread(stub_app(mute, reply="")).start() as empty:
-        tiers = {name: {**own, "url": empty.url if name == "small" else stub.url} for name, own in TIERS.items()}
-        settings = write_settings(tmp_path, prepared_models, openai_tiers(tiers), LADDER_PLANS)
-        with running_gateway(settings, state) as gateway:
-            gateway.mute = mute  # type: ignore[attr-defined]
-            yield gateway
-
-
-def key_of(gw: Gateway, plan: str) -> str:
-    gw.store.create_tenant(plan, plan)
-    return gw.store.issue_key(plan, name="test")[1]
+    with dialect_gateway(tmp_path, prepared_models) as gateway:
+        yield gateway
 
 
 def complete(gw: Gateway, body: dict[str, Any], key: str | None = None, path: str = "/v1/completions") -> Any:

@@ -10,7 +10,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -22,16 +22,6 @@ from quotas.reaper import run_reaper
 from tests.conftest import RedisServer
 
 ROUNDS = 12
-
-
-@pytest.fixture
-def own_redis() -> Iterator[RedisServer]:
-    """A redis-server this test alone stalls or kills (not the session's, which other tests share)."""
-    server = RedisServer().start()
-    yield server
-    if server.proc is not None:
-        os.kill(server.proc.pid, signal.SIGCONT)
-    server.stop()
 
 
 async def _until(cond: Callable[[], bool], timeout_s: float = 20.0) -> None:

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import os
-import signal
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import pytest
 
 from quotas.backends.base import QuotaBackend
 from quotas.backends.memory import MemoryBackend
 from quotas.backends.redis import RedisBackend
-from tests.conftest import RedisServer
 
 
 @pytest.fixture(params=["memory", "redis"])
@@ -22,13 +19,3 @@ async def backend(request: pytest.FixtureRequest) -> AsyncIterator[QuotaBackend]
     b = RedisBackend(request.getfixturevalue("redis_url"), timeout_s=0.5)
     yield b
     await b.close()
-
-
-@pytest.fixture
-def own_redis() -> Iterator[RedisServer]:
-    """A redis-server of the test's own, which it may freeze (SIGSTOP), kill or restart."""
-    server = RedisServer().start()
-    yield server
-    if server.proc is not None:
-        os.kill(server.proc.pid, signal.SIGCONT)
-    server.stop()
