@@ -88,6 +88,13 @@ class Ledger(LedgerReads, ABC):
         """One transaction for the rows (each with its statements) and counts, rolled back on any error; with
         `isolate`, each row in its own savepoint, so its own error undoes only it. Returns each row's error."""
 
+    def _landed(self, conn: Any, rows: list[Pending]) -> list[bool] | None:
+        """Asked on a new connection after a commit failed, before its rows are sent again: None if it did not
+        commit, else which of its `rows` it wrote (it committed, and its reply was lost on the way back: sent
+        again, each would be refused as a duplicate of itself). Raises while the database cannot tell yet. A
+        SQLite commit is local: one that raised did not commit."""
+        return None
+
     @abstractmethod
     def _is_db_fault(self, exc: BaseException) -> bool:
         """A fault of the database or its disk (retry later), not one the row's values caused (refuse the row)."""
@@ -202,6 +209,7 @@ class Ledger(LedgerReads, ABC):
         rows: list[Pending] = []
         counts: Counter[CountKey] = Counter()
         backoff, stopping, give_up_at = 0.0, False, math.inf
+        doubt: tuple[int, Counter[CountKey]] | None = None  # the failed commit's rows (the first n) and counts
         while True:
             try:
                 if backoff:
@@ -211,10 +219,15 @@ class Ledger(LedgerReads, ABC):
                 with self._refusals_lock:
                     counts.update(self._refusals)
                     self._refusals.clear()
+                if conn is None and doubt is not None:  # what the failed commit wrote is not sent again
+                    conn = self._connect()
+                    rows, counts = self._after_doubt(conn, rows, counts, doubt)
+                    doubt = None
                 if rows or counts:
                     conn = conn or self._connect()
+                    doubt = (len(rows), counts.copy())
                     self._flush(conn, rows, counts)
-                    rows, counts, backoff = [], Counter(), 0.0
+                    rows, counts, backoff, doubt = [], Counter(), 0.0, None
                 if stopping and not rows and not counts:
                     break
             except Exception as exc:  # keep every pending row; retry with backoff; never die
@@ -234,6 +247,22 @@ class Ledger(LedgerReads, ABC):
                         self._resolve([fut for _, fut, _ in rows], [LedgerUnavailable(reason)] * len(rows))
                         break
         _close_quietly(conn)
+
+    def _after_doubt(self, conn: Any, rows: list[Pending], counts: Counter[CountKey],
+                     doubt: tuple[int, Counter[CountKey]]) -> tuple[list[Pending], Counter[CountKey]]:
+        """The rows and counts still to write once the failed commit's fate is known: if it committed, its
+        counts and the rows it wrote are done (their waiters told they are durable), the others kept."""
+        n, sent = doubt
+        wrote = self._landed(conn, rows[:n])
+        if wrote is None:
+            return rows, counts
+        done = [p for p, w in zip(rows[:n], wrote, strict=True) if w]
+        log.warning("ledger: a commit whose reply was lost had committed; its %d rows are not written again",
+                    len(done))
+        if self._fault is not None:  # ready again before any waiter hears its row is durable
+            self._fault = None
+        self._resolve([fut for _, fut, _ in done], [None] * len(done))
+        return [p for p, w in zip(rows[:n], wrote, strict=True) if not w] + rows[n:], counts - sent
 
     def _take(self, rows: list[Pending], *, block: bool) -> bool:
         """Move queued rows into `rows`, about GROUP_MAX at most; True once the stop sentinel was taken."""

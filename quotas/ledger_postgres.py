@@ -9,7 +9,10 @@ and the writer's loop, retries and backoff stay the ones SQLite's ledger has, wi
 count is durable no later than the next row; rows become durable in the order they were queued). A second
 writer thread would overlap two commits' WAL flushes, but would break both promises. A commit returns once
 PostgreSQL has made it durable as its `synchronous_commit` says (on by default: the WAL is flushed to disk),
-so an answer's row survives a killed gateway and a crashed database.
+so an answer's row survives a killed gateway and a crashed database. A commit whose reply was lost (the
+connection cut after the server committed) is not sent again blind: the next connection asks the server what
+became of its transaction (`pg_xact_status` of the id read before its COMMIT), and what it wrote is not written
+again (each row would be refused as a duplicate of itself, its refusal counts added twice).
 
 Reads (reports, the dashboard, the reaper's billing look-ups) take a connection from a small pool. Reports sum
 in SQL: money is NUMERIC here, so its sums are exact where they are taken; `PostgresReader` reads the same
@@ -152,6 +155,7 @@ UPSERT_COUNT = ("INSERT INTO refusal_counts VALUES (%s, %s, %s, %s, %s, %s) "
                 "ON CONFLICT (minute, tenant, key_id, reason, http_status) "
                 "DO UPDATE SET count = refusal_counts.count + excluded.count")
 PRUNE = "DELETE FROM refusal_counts WHERE minute < %s"
+_XID = "SELECT pg_current_xact_id()::text"  # the group's transaction id (PostgreSQL 13+)
 _TENANT = COLUMNS.index("tenant")
 
 
@@ -197,6 +201,7 @@ class PostgresLedger(PostgresReads, Ledger):
         super().__init__(record_timeout_s=record_timeout_s, busy_timeout_s=busy_timeout_s,
                          refusal_retention_days=refusal_retention_days)
         self.url = url
+        self._xid: str | None = None  # the writer's last commit's transaction id, known before its COMMIT was sent
         open_schema(url)
         self._pool = ConnectionPool(url, min_size=1, max_size=max_read_connections, open=True,
                                     kwargs={"autocommit": True, "connect_timeout": CONNECT_TIMEOUT_S},
@@ -214,8 +219,10 @@ class PostgresLedger(PostgresReads, Ledger):
         # the rows' statements in tenant order: what they change in a tenant's idempotency totals (a trigger's lock
         # on its row, held to the commit) is locked in one order by every replica's group commit, so none deadlock
         order = sorted(range(len(rows)), key=lambda i: rows[i][0][_TENANT])  # code points: COLLATE "C"
-        with conn.transaction(), conn.cursor() as cur:
+        self._xid = None  # known before its COMMIT is sent: asked after, if its reply is lost (`_landed`)
+        with conn.transaction(), conn.cursor() as cur, conn.cursor() as xid:
             if isolate:
+                self._xid = xid.execute(_XID).fetchone()[0]  # type: ignore[index]
                 for i in order:
                     values, _, with_row = rows[i]
                     errors[i] = _isolated(conn, ((INSERT, values), *with_row))
@@ -224,15 +231,32 @@ class PostgresLedger(PostgresReads, Ledger):
                         log.error("ledger: refusal count %s dropped: %r", key, error)
             else:
                 with conn.pipeline():
+                    xid.execute(_XID)
                     cur.executemany(INSERT, [values for values, _, _ in rows])
                     for i in order:
                         for sql, params in rows[i][2]:
                             cur.execute(sql, params)
                     if counts:
                         cur.executemany(UPSERT_COUNT, _count_rows(counts))
+                self._xid = xid.fetchone()[0]  # type: ignore[index]
             if prune:
                 cur.execute(PRUNE, (self._prune_before(),))
         return errors
+
+    def _landed(self, conn: psycopg.Connection[Any], rows: list[Pending]) -> list[bool] | None:
+        """The failed commit's transaction as the server knows it (`pg_xact_status`): committed, its rows found by
+        id; aborted (or never sent: no id), None. Still in progress (its backend not yet gone), asked again."""
+        if self._xid is None:
+            return None
+        (status,) = conn.execute("SELECT pg_xact_status(%s::xid8)", (self._xid,)).fetchone()  # type: ignore[misc]
+        if status == "in progress":
+            raise psycopg.OperationalError("the commit whose reply was lost is still in progress")
+        self._xid = None
+        if status != "committed":
+            return None
+        ids = [values[0] for values, _, _ in rows]
+        found = {r for (r,) in conn.execute("SELECT request_id FROM requests WHERE request_id = ANY(%s)", (ids,))}
+        return [rid in found for rid in ids]
 
     def _is_db_fault(self, exc: BaseException) -> bool:
         return is_db_fault(exc)

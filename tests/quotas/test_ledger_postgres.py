@@ -15,6 +15,7 @@ from psycopg import errors as pg_errors
 from quotas.ledger import LedgerUnavailable
 from quotas.ledger_postgres import PostgresLedger
 from tests.postgres import PostgresServer
+from tests.quotas.test_idempotency_sql_faults import PgProxy
 from tests.quotas.test_ledger import row
 
 
@@ -129,4 +130,38 @@ def test_refusal_counts_are_added_to_in_key_order_so_two_replicas_never_deadlock
         assert counts == {"a-first": 2, "b-second": 2}
     finally:
         other.close()
+        ledger.close()
+
+
+@pytest.fixture
+def pg_proxy(postgres_server: PostgresServer) -> Iterator[PgProxy]:
+    proxy = PgProxy(postgres_server).start()
+    yield proxy
+    proxy.stop()
+
+
+async def test_a_group_commit_whose_reply_was_lost_is_written_once_and_its_waiters_told_it_is_durable(
+        pg_proxy: PgProxy, database_url: str) -> None:
+    """The server commits a group, and the connection is cut as its reply comes: the writer cannot tell from the
+    error whether it landed. Sent again, its rows were refused as duplicates of themselves (each waiter told its row
+    was refused, a 500 for an answer that is billed) and its refusal counts added twice; the writer asks the server
+    what became of the transaction instead."""
+    from quotas.ledger_rows import Refusal
+
+    ledger = PostgresLedger(pg_proxy.url(database_url))
+    written = [ledger.submit(row(i)) for i in range(3)]
+    await asyncio.sleep(0)  # queued: one group with the refusal
+    ledger.submit_refusal(Refusal("x0", 1_800_000_000, "acme", "k", "rpm", 429))
+    pg_proxy.lose = b"COMMIT"  # the group's commit: its migrations are committed already
+    ledger.start()
+    try:
+        assert await asyncio.wait_for(asyncio.gather(*written, return_exceptions=True), 10) == [None] * 3
+        assert pg_proxy.lost == 1
+        await ledger.record(row(3))  # the writer goes on, ready
+        assert ledger.ready
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            assert conn.execute("SELECT request_id FROM requests ORDER BY 1").fetchall() == [("r0",), ("r1",), ("r2",),
+                                                                                           ("r3",)]
+            assert conn.execute("SELECT sum(count) FROM refusal_counts").fetchone() == (1,)
+    finally:
         ledger.close()
