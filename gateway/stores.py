@@ -8,6 +8,9 @@ rollouts of model versions in PostgreSQL, whatever Redis holds (README, "Deploym
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 from gateway.ladder.state import LadderStore, open_store
 from gateway.rollout.state import RolloutStore
 from gateway.rollout.state import open_store as open_rollouts
@@ -19,11 +22,31 @@ from quotas.idempotency_redis import RedisIdempotency
 from quotas.ledger import Ledger
 
 
+class DatabaseUnreachable(Exception):
+    """The fleet database could not be reached to open a store (it is down, or the URL is wrong): start-up stops
+    with one line that says why, not a driver's traceback."""
+
+
+@contextmanager
+def _reaching() -> Iterator[None]:
+    """A store opened on the fleet database (each migrates its tables on open, libpq's connect_timeout bounds the
+    wait): its connection failing is `DatabaseUnreachable`, with the driver's first line (host and port, never
+    the URL's password: libpq does not repeat it)."""
+    import psycopg
+
+    try:
+        yield
+    except psycopg.OperationalError as exc:
+        why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise DatabaseUnreachable(f"the fleet database (TIERGATE_DATABASE_URL) cannot be reached: {why}") from exc
+
+
 def open_tenant_store(settings: Settings) -> TenantStore:
     if settings.database_url:
         from gateway.tenants.store_postgres import PostgresTenantStore
 
-        return PostgresTenantStore(settings.database_url)
+        with _reaching():
+            return PostgresTenantStore(settings.database_url)
     return TenantStore(settings.state_db)  # SQLite
 
 
@@ -31,7 +54,8 @@ def open_ledger(settings: Settings) -> Ledger:
     if settings.database_url:
         from quotas.ledger_postgres import PostgresLedger
 
-        return PostgresLedger(settings.database_url)
+        with _reaching():
+            return PostgresLedger(settings.database_url)
     return Ledger(settings.ledger_db, sync=settings.ledger_sync)
 
 
@@ -39,15 +63,18 @@ def open_idempotency(settings: Settings) -> IdempotencyStore:
     """Beside the ledger when it is in a database (a `done` record commits with its ledger row), else Redis for
     replicas sharing one, else the ledger's SQLite file."""
     if settings.database_url:
-        return PostgresIdempotency(settings.database_url, max_connections=settings.database_max_connections)
+        with _reaching():
+            return PostgresIdempotency(settings.database_url, max_connections=settings.database_max_connections)
     if settings.redis_url:
         return RedisIdempotency(settings.redis_url)
     return SQLiteIdempotency(settings.ledger_db)
 
 
 def open_ladder_store(settings: Settings) -> LadderStore:
-    return open_store(settings.data_dir, settings.redis_url, settings.database_url)
+    with _reaching():
+        return open_store(settings.data_dir, settings.redis_url, settings.database_url)
 
 
 def open_rollout_store(settings: Settings) -> RolloutStore:
-    return open_rollouts(settings.data_dir, settings.database_url)
+    with _reaching():
+        return open_rollouts(settings.data_dir, settings.database_url)

@@ -22,7 +22,7 @@ from gateway.config_files import ConfigFileError
 from gateway.pipeline.prompt import tokenizer_source
 from gateway.routes.health import readiness
 from gateway.settings import Settings
-from gateway.stores import open_tenant_store
+from gateway.stores import DatabaseUnreachable, open_tenant_store
 from gateway.tenant_plans import check_tenant_plans
 from gateway.workers import require_shared_quotas, run_workers
 
@@ -72,7 +72,10 @@ def serve(host: str | None, port: int | None, tiers_file: Path | None, plans_fil
             # a child process, so the gateway itself never imports torch
             subprocess.run([sys.executable, "-m", "gateway.cli.main", "models", "fetch", "--model", source,
                             "--models-dir", str(settings.resolved_models_dir)], check=True)
-    store = open_tenant_store(settings)
+    try:
+        store = open_tenant_store(settings)
+    except DatabaseUnreachable as exc:
+        raise click.ClickException(str(exc)) from exc
     try:
         keys = ensure_bootstrap(store, plans, settings.data_dir)
         check_tenant_plans(store, plans, settings.plans_file)  # before any worker starts
@@ -84,7 +87,10 @@ def serve(host: str | None, port: int | None, tiers_file: Path | None, plans_fil
         start_background_builds(settings, catalogue)
         run_workers(settings, catalogue, keys)
         return
-    app = create_app(settings)
+    try:
+        app = create_app(settings)
+    except DatabaseUnreachable as exc:  # gone since the store above was opened
+        raise click.ClickException(str(exc)) from exc
     threading.Thread(target=_announce_when_ready, args=(app, settings, keys), daemon=True).start()
     start_background_builds(settings, catalogue)
 
