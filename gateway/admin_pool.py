@@ -10,18 +10,21 @@ from typing import Any
 
 from gateway.errors import Unavailable
 
+TIMEOUT_S = 5.0  # for the connection, then for each statement (one waiting on a lock: a 503)
+
 
 class AdminPool:
     def __init__(self, url: str, *, component: str, migrations: Sequence[str], name: str) -> None:
         import psycopg
         from psycopg_pool import ConnectionPool, PoolTimeout
 
-        from quotas.fleet_db import CONNECT_TIMEOUT_S, connect, migrate
+        from quotas.fleet_db import CONNECT_TIMEOUT_S, bounded, connect, migrate
 
         with connect(url) as conn:
             migrate(conn, component, migrations)
-        self._pool = ConnectionPool(url, min_size=1, max_size=1, open=True, timeout=5.0,
+        self._pool = ConnectionPool(url, min_size=1, max_size=1, open=True, timeout=TIMEOUT_S,
                                     kwargs={"autocommit": True, "connect_timeout": CONNECT_TIMEOUT_S},
+                                    configure=bounded(TIMEOUT_S),
                                     check=ConnectionPool.check_connection, name=name)
         self._unreachable = (psycopg.OperationalError, PoolTimeout)
 

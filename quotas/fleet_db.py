@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -76,6 +76,24 @@ def is_postgres_url(url: str | None) -> bool:
 def connect(url: str, **kwargs: Any) -> psycopg.Connection[Any]:
     """A connection in autocommit mode (transactions are explicit), failing after CONNECT_TIMEOUT_S."""
     return psycopg.connect(url, autocommit=True, connect_timeout=CONNECT_TIMEOUT_S, **kwargs)
+
+
+def bound_statements(timeout_s: float) -> str:
+    """`SET statement_timeout` for a pool's connections (its `configure`): a statement waiting on a lock another
+    session holds (an operator's LOCK TABLE, a long ALTER) is cancelled after `timeout_s` (SQLSTATE 57014, an
+    OperationalError: a retryable 503) instead of holding its request, and its connection, without end. Set per
+    connection, not in the URL's `options`, which the URL's own would clobber."""
+    return f"SET statement_timeout = {max(1, int(timeout_s * 1000))}"
+
+
+def bounded(timeout_s: float) -> Callable[[psycopg.Connection[Any]], None]:
+    """A sync pool's `configure`: its connections' statements bounded by `timeout_s` (`bound_statements`)."""
+    sql = bound_statements(timeout_s)
+
+    def configure(conn: psycopg.Connection[Any]) -> None:
+        conn.execute(sql)
+
+    return configure
 
 
 @lru_cache(maxsize=256)

@@ -101,16 +101,22 @@ class PostgresIdempotency(IdempotencyStore):
         import psycopg
         from psycopg_pool import AsyncConnectionPool
 
-        from quotas.fleet_db import CONNECT_TIMEOUT_S
+        from quotas.fleet_db import CONNECT_TIMEOUT_S, bound_statements
         from quotas.ledger_postgres import open_schema
 
         open_schema(url)
         self._clock = clock
         self.limits = limits
         self._errors = psycopg.Error
+        bound = bound_statements(timeout_s)  # a claim waiting on a lock is a 503 after as long as one for a connection
+
+        async def configure(conn: Any) -> None:
+            await conn.execute(bound)
+
         self._pool = AsyncConnectionPool(url, min_size=1, max_size=max_connections, open=False, timeout=timeout_s,
                                          kwargs={"autocommit": True, "connect_timeout": CONNECT_TIMEOUT_S},
-                                         check=AsyncConnectionPool.check_connection, name="idempotency")
+                                         configure=configure, check=AsyncConnectionPool.check_connection,
+                                         name="idempotency")
         self._opened = False
         self._claims = 0
         self._give_ups = GiveUps(self._abandon_at)  # claims this replica's requests will not run, deleted once it can

@@ -39,7 +39,7 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 
 from gateway.errors import Unavailable
 from gateway.tenants.store import MAX_CACHED, TenantStore, _Entry
-from quotas.fleet_db import CONNECT_TIMEOUT_S, connect, migrate, pg
+from quotas.fleet_db import CONNECT_TIMEOUT_S, bounded, connect, migrate, pg
 
 log = logging.getLogger("tiergate.tenants")
 
@@ -48,6 +48,7 @@ CHANNEL = "tiergate_fleet"
 POLL_S = 0.5  # the listener reads the change counter at least this often, notification or not
 BREAKER_S = 1.0  # after a failed query, queries fail at once for this long
 LOOKUP_THREADS = 2  # threads for the event loop's key lookups; the pool keeps the rest of its connections
+STATEMENT_TIMEOUT_S = 5.0  # a query (a lookup, an admin change, a rotation's lock) waits no longer
 MAX_LOOKUPS = 64  # key ids looked up or waiting at once; past it a lookup is a 503 (a flood, or the database slow)
 _ROTATION_LOCK = 0x726F74617465  # "rotate"
 # 1: the tables of the release before the fleet store (as in SQLite); 2: the change counter and its triggers
@@ -115,6 +116,7 @@ class PostgresTenantStore(TenantStore):
         open_schema(url)
         self._pool = ConnectionPool(url, min_size=1, max_size=max_connections, open=True, timeout=timeout_s,
                                     kwargs={"autocommit": True, "connect_timeout": CONNECT_TIMEOUT_S},
+                                    configure=bounded(STATEMENT_TIMEOUT_S),  # a lookup waiting on a lock: a 503
                                     check=ConnectionPool.check_connection, name="tenants")
         self._tx = threading.local()  # the connection of this thread's open transaction, if any
         self._seen: int | None = None  # the change counter as the listener last read it; None: unknown

@@ -257,3 +257,19 @@ async def test_a_claim_the_server_refused_is_not_sent_again_nor_given_up(closing
     assert pg_proxy.counted == 1  # sent once
     assert len(store._give_ups) == 0 and records(database_url) == [("warm", "r0", "running")]
     assert await store.begin("acme", "k1", "body", "r2", lease_s=600) == Claim("acme", "k1", "body", "r2")
+
+
+async def test_a_claim_waiting_on_a_lock_another_session_holds_is_unavailable_in_bounded_time(
+        closing: Keep, database_url: str) -> None:
+    """Another session holds the records' table (an operator's LOCK TABLE, a long ALTER): a claim waited for it without
+    end, its request (and a pooled connection) held; the pool's statement timeout makes it a retryable 503."""
+    store = closing(PostgresIdempotency(database_url, timeout_s=0.3))
+    blocker = psycopg.connect(database_url)
+    try:
+        blocker.execute("LOCK TABLE idempotency IN ACCESS EXCLUSIVE MODE")
+        with pytest.raises(LedgerUnavailable, match="statement timeout"):
+            await asyncio.wait_for(store.begin("acme", "k1", "fp", "r1", lease_s=60), 10)
+        blocker.rollback()
+        assert isinstance(await store.begin("acme", "k1", "fp", "r1", lease_s=60), Claim)  # and then it claims
+    finally:
+        blocker.close()

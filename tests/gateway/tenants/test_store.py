@@ -324,3 +324,38 @@ def test_an_unreachable_fleet_database_is_a_fixed_503_and_its_error_goes_to_the_
         assert caplog.text.count("10.20.30.40") == 1 and "tiergate_fleet" in caplog.text
     finally:
         store.close()
+
+
+def test_a_lookup_waiting_on_a_lock_another_session_holds_is_a_503_not_a_hang(
+        database_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another session holds the keys table (an operator's LOCK TABLE, a long ALTER): a key's lookup waited for it
+    without end, its request (and a pool connection) held; its statement timeout makes it a retryable 503."""
+    import threading
+
+    from gateway.tenants import store_postgres
+
+    monkeypatch.setattr(store_postgres, "STATEMENT_TIMEOUT_S", 0.3, raising=False)
+    store = PostgresTenantStore(database_url)
+    blocker = psycopg.connect(database_url)
+    try:
+        blocker.execute("LOCK TABLE api_keys IN ACCESS EXCLUSIVE MODE")
+        raised: list[BaseException] = []
+
+        def look_up() -> None:
+            try:
+                store.authenticate("tg-0123456789ab-" + "x" * 43)
+            except BaseException as exc:  # what the lookup ended with is the test's
+                raised.append(exc)
+
+        lookup = threading.Thread(target=look_up, daemon=True)
+        lookup.start()
+        lookup.join(10)
+        hung = lookup.is_alive()
+        blocker.rollback()
+        lookup.join(10)
+        assert not hung
+        assert len(raised) == 1 and isinstance(raised[0], Unavailable)
+        assert raised[0].message == UNAVAILABLE_MESSAGE and raised[0].retry_after == 2
+    finally:
+        blocker.close()
+        store.close()
