@@ -25,10 +25,14 @@ def describe(exc: BaseException) -> str | None:
     from psycopg import Error as PostgresError
     from redis.exceptions import RedisError
 
+    from gateway.stores import DatabaseUnreachable
+
     if isinstance(exc, click.ClickException | click.exceptions.Exit | click.exceptions.Abort):
         return None
     if isinstance(exc, TiergateError):
         text = exc.message
+    elif isinstance(exc, DatabaseUnreachable):  # a store opened on the fleet database (it says which setting)
+        text = f"PostgreSQL: {exc}; nothing was changed"
     elif isinstance(exc, sqlite3.Error):
         text = _sqlite(exc)
     elif isinstance(exc, PostgresError):
