@@ -203,6 +203,8 @@ def keys_issue(tenant: str | None, admin: bool, name: str, ttl_s: float | None, 
 def keys_list(tenant: str | None, data_dir: Path | None) -> None:
     """List keys (ids and state, never secrets)."""
     with _store(data_dir) as store:
+        if tenant is not None:  # a misspelt name is no tenant, not one without keys
+            store.get_tenant(tenant)
         for k in store.list_keys(tenant):
             state = "revoked" if k.revoked_at else ("expired" if not k.active(time.time()) else "active")
             click.echo(f"{k.key_id}\t{k.tenant or '(admin)'}\t{state}\t{k.name}")
@@ -262,6 +264,11 @@ def _print_report(data_dir: Path | None, *, tenant: str | None, since: str | Non
         groups, start, end = parse_by(by), parse_day(since), parse_day(until, end=True)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
+    if start is not None and end is not None and start >= end:  # an empty report, read as no use (end: exclusive)
+        raise click.UsageError(f"--from {since} is after --to {until}")
+    if tenant is not None:  # a misspelt name is no tenant, not one that used nothing (as the admin API's 404)
+        with _store(data_dir) as store:
+            store.get_tenant(tenant)
     ledger = open_ledger(existing_data_dir(settings_from(data_dir=data_dir)))
     try:
         rows = usage_report(ledger, by=groups, since=start, until=end, tenant=tenant)

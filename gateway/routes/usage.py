@@ -40,6 +40,8 @@ async def _report(ledger: Ledger, gate: ReportGate, who: str, *, tenant: str | N
         groups, since_s, until_s = parse_by_query(by), parse_day(since), parse_day(until, end=True)
     except ReportParamError as exc:
         raise InvalidRequest(f"{exc.param}: {exc}", param=exc.param, code=exc.code) from exc
+    if since_s is not None and until_s is not None and since_s >= until_s:  # an empty report, read as no use
+        raise InvalidRequest(f"from: {since} is after to ({until})", param="from", code="invalid_value")
     try:
         # read and summed in a report process, waited on by a report thread, one report per tenant at a time: a
         # tenant's history grows with every request, and neither the event loop, nor the request path's threads,

@@ -71,6 +71,21 @@ def test_a_new_data_dir_is_still_made_by_what_creates_from_nothing(tmp_path: Pat
     assert run(["keys", "issue", "--admin", "--data-dir", str(tmp_path / "b")]).exit_code == 0
 
 
+@pytest.mark.parametrize("args", [["keys", "list", "--tenant", "acmee"], ["usage", "--tenant", "acmee"],
+                                  ["usage", "report", "--tenant", "acmee"]])
+def test_a_misspelt_tenant_is_no_tenant_not_one_without_keys_or_use(tmp_path: Path, args: list[str]) -> None:
+    assert run(["tenants", "create", "acme", "--data-dir", str(tmp_path)]).exit_code == 0
+    refused(run([*args, "--data-dir", str(tmp_path)]), "acmee")
+
+
+def test_a_report_from_after_to_is_refused_not_empty(tmp_path: Path) -> None:
+    assert run(["tenants", "create", "acme", "--data-dir", str(tmp_path)]).exit_code == 0
+    r = run(["usage", "report", "--from", "2026-12-07", "--to", "2026-12-06", "--data-dir", str(tmp_path)])
+    assert r.exit_code == 2 and "after --to" in r.output, r.output
+    assert run(["usage", "report", "--from", "2026-12-06", "--to", "2026-12-06",
+                "--data-dir", str(tmp_path)]).exit_code == 0  # one day
+
+
 @pytest.mark.parametrize("command", ["revoke", "rotate"])
 def test_a_whole_key_given_for_its_id_is_never_echoed(tmp_path: Path, command: str) -> None:
     run(["tenants", "create", "acme", "--data-dir", str(tmp_path)])

@@ -172,3 +172,12 @@ def test_each_group_once_in_any_order_is_a_report(gateway: Gateway) -> None:
         r = c.get("/v1/usage", params={"by": "key_id, day,tier , tenant"})
     assert r.status_code == 200, r.text
     assert r.json()["by"] == ["key_id", "day", "tier", "tenant"]
+
+
+def test_a_report_from_after_to_is_a_400_not_an_empty_report(gateway: Gateway) -> None:
+    with gateway.client(gateway.admin_key) as admin:
+        r = admin.get("/admin/usage/report", params={"from": "2026-12-07", "to": "2026-12-06"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "from", r.text
+        assert admin.get("/admin/usage/report", params={"from": "2026-12-06", "to": "2026-12-06"}).status_code == 200
+    with gateway.client(gateway.tenant_key) as c:
+        assert c.get("/v1/usage", params={"from": "2026-12-07", "to": "2026-12-06"}).status_code == 400
