@@ -19,7 +19,7 @@ import pytest
 from litestar import Response
 from litestar.enums import MediaType
 
-import gateway.embeddings_service as embeddings_service
+import gateway.embedding_bodies as embedding_bodies
 import wire.embeddings as wire_embeddings
 from gateway.embeddings_service import EmbeddingsService
 from tests.conftest import Gateway
@@ -81,10 +81,10 @@ def recorded(monkeypatch: pytest.MonkeyPatch) -> dict[str, Calls]:
     every unpack of a stored answer, with the thread each ran in."""
     calls = {"encode": Calls(msgspec.json.encode, when=lambda out: b'"object":"embedding"' in out),
              "b64": Calls(base64.b64encode, when=lambda out: len(out) == 2048),  # a vector's (1,536 bytes)
-             "unpack": Calls(embeddings_service.unpack_vectors)}
+             "unpack": Calls(embedding_bodies.unpack_vectors)}
     monkeypatch.setattr(msgspec.json, "encode", calls["encode"])  # Litestar's `encode_json` calls it by this name
     monkeypatch.setattr(base64, "b64encode", calls["b64"])
-    monkeypatch.setattr(embeddings_service, "unpack_vectors", calls["unpack"])
+    monkeypatch.setattr(embedding_bodies, "unpack_vectors", calls["unpack"])
     return calls
 
 
@@ -139,7 +139,7 @@ class Held:
     """`embedding_body`, held in its thread (up to `hold_s`) until `release` is set, once `begun` says it started."""
 
     def __init__(self, hold_s: float = 5.0) -> None:
-        self.real = embeddings_service.embedding_body
+        self.real = embedding_bodies.embedding_body
         self.hold_s = hold_s
         self.begun, self.release, self.done = threading.Event(), threading.Event(), threading.Event()
 
@@ -160,7 +160,7 @@ def held(gateway: Gateway, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Em
         assert c.post("/v1/embeddings", json={"model": MODEL, "input": "warm up"}).status_code == 200
     svc: EmbeddingsService = gateway.app.state.embeddings
     builds = Held()
-    monkeypatch.setattr(embeddings_service, "embedding_body", builds)
+    monkeypatch.setattr(embedding_bodies, "embedding_body", builds)
     settles: list[str] = []
     real = svc._settle
 

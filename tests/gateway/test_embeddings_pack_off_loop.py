@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-import gateway.embeddings_service as embeddings_service
+import gateway.embedding_bodies as embedding_bodies
 from gateway.embeddings_service import EmbeddingsService
 from tests.conftest import Gateway
 from tests.gateway.embeddings_leaving import rows_not_ok, send_and_leave
@@ -29,7 +29,7 @@ class Packs:
     `hold_s`) until `release` is set, once `begun` says it started."""
 
     def __init__(self, *, hold: bool = False, hold_s: float = 5.0) -> None:
-        self.real = embeddings_service.pack_vectors
+        self.real = embedding_bodies.pack_vectors
         self.on_loop: list[bool] = []
         self.hold, self.hold_s = hold, hold_s
         self.begun = threading.Event()
@@ -76,7 +76,7 @@ def settles(svc: EmbeddingsService, monkeypatch: pytest.MonkeyPatch) -> list[str
 @pytest.fixture
 def held(monkeypatch: pytest.MonkeyPatch) -> Iterator[Packs]:
     packs = Packs(hold=True)
-    monkeypatch.setattr(embeddings_service, "pack_vectors", packs)
+    monkeypatch.setattr(embedding_bodies, "pack_vectors", packs)
     yield packs
     packs.release.set()
 
@@ -84,7 +84,7 @@ def held(monkeypatch: pytest.MonkeyPatch) -> Iterator[Packs]:
 def test_an_answer_is_packed_off_the_event_loop(gateway: Gateway, svc: EmbeddingsService,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     packs = Packs()
-    monkeypatch.setattr(embeddings_service, "pack_vectors", packs)
+    monkeypatch.setattr(embedding_bodies, "pack_vectors", packs)
     with gateway.client(gateway.tenant_key) as c:
         first = c.post("/v1/embeddings", json={"model": MODEL, "input": TEXTS}, headers={"Idempotency-Key": "p-1"})
         again = c.post("/v1/embeddings", json={"model": MODEL, "input": TEXTS}, headers={"Idempotency-Key": "p-1"})

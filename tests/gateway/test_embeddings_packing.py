@@ -7,7 +7,7 @@ import base64
 
 import numpy as np
 
-from gateway.embeddings_service import pack_vectors, unpack_vectors
+from gateway.embedding_bodies import pack_vectors, unpack_vectors
 
 
 def test_vectors_are_packed_as_base85_bit_for_bit() -> None:
