@@ -115,34 +115,27 @@ def stop_processes(procs: list[subprocess.Popen[Any]], timeout_s: float = 20.0) 
             p.wait()
 
 
+# the stub tiers' prices and costs (USD), as the tests' tiers files give them
+STUB_TIERS = {
+    "small": ("0.0001", "0.0002", "0.01"),
+    "mid": ("0.0010", "0.0020", "3.60"),
+    "full": ("0.0030", "0.0060", "7.20"),
+}
+
+
+def stub_tiers_yaml(**urls: str) -> str:
+    """A tiers file with the named stub tiers (`small`, `mid`, `full`), each an OpenAI-compatible server at its url."""
+    out = ["", "tiers:"]
+    for name, url in urls.items():
+        into, outof, hardware = STUB_TIERS[name]
+        out += [f"  {name}:", "    backend: openai", f"    model: stub-{name}", f'    urls: ["{url}"]',
+                f'    price_per_1k_input: "{into}"', f'    price_per_1k_output: "{outof}"',
+                f'    hardware_cost_per_hour: "{hardware}"', "    context_limit: 4096"]
+    return "\n".join(out) + "\n"
+
+
 def tiers_yaml(stub_url: str, dead_url: str) -> str:
-    return f"""
-tiers:
-  small:
-    backend: openai
-    model: stub-small
-    urls: ["{dead_url}"]
-    price_per_1k_input: "0.0001"
-    price_per_1k_output: "0.0002"
-    hardware_cost_per_hour: "0.01"
-    context_limit: 4096
-  mid:
-    backend: openai
-    model: stub-mid
-    urls: ["{stub_url}"]
-    price_per_1k_input: "0.0010"
-    price_per_1k_output: "0.0020"
-    hardware_cost_per_hour: "3.60"
-    context_limit: 4096
-  full:
-    backend: openai
-    model: stub-full
-    urls: ["{stub_url}"]
-    price_per_1k_input: "0.0030"
-    price_per_1k_output: "0.0060"
-    hardware_cost_per_hour: "7.20"
-    context_limit: 4096
-"""
+    return stub_tiers_yaml(small=dead_url, mid=stub_url, full=stub_url)
 
 
 @dataclass

@@ -43,6 +43,7 @@ from gateway.app import create_app
 from gateway.routes.health import readiness
 from gateway.settings import Settings
 from gateway.stores import open_tenant_store
+from tests.conftest import stub_tiers_yaml
 from tests.stubs import health_routes
 from tiers.breaker import BreakerConfig
 
@@ -60,17 +61,7 @@ plans:
 
 
 def tiers(url: str) -> str:
-    return f"""
-tiers:
-  mid:
-    backend: openai
-    model: stub-mid
-    urls: ["{url}"]
-    price_per_1k_input: "0.0010"
-    price_per_1k_output: "0.0020"
-    hardware_cost_per_hour: "3.60"
-    context_limit: 4096
-"""
+    return stub_tiers_yaml(mid=url)
 
 
 # ---- the upstream ---------------------------------------------------------------------------------------------
@@ -351,6 +342,22 @@ class InProcessGateway:
         steps.root = steps.fault = task = None
         answer.request_id, answer.steps, answer.fired = state.get("request_id", ""), steps.count, steps.fired
         return answer
+
+    def assert_nothing_held(self, tenant: str = "acme") -> None:
+        """Nothing held for `tenant`: no place at the gate, no tier queue's slot or wait, no reservation open."""
+        services = self.services
+        assert services.pipeline.gate.in_flight(tenant) == 0
+        for name, queue in services.queues.items():
+            assert (queue.in_flight, queue.num_waiting) == (0, 0), name
+        assert services.quota_backend.expired(float("inf")) == []  # no reservation open
+
+    async def assert_left_settled(self, answer: Answer) -> None:
+        """A client left mid-stream: what its request handed off has ended, nothing is held, and its row says it was
+        cancelled or answered whole."""
+        await self.quiesce()
+        self.assert_nothing_held()
+        row = self.services.ledger.get(answer.request_id)
+        assert row is not None and row.status in ("cancelled", "ok"), row
 
     async def quiesce(self) -> None:
         """Wait for everything the requests handed off: settlements (their ledger rows durable first), reservations

@@ -44,13 +44,7 @@ async def test_a_cascaded_stream_whose_client_leaves_is_settled_with_its_respons
     answer = await gw.request({"model": "auto", "stream": True, "messages": [
         {"role": "user", "content": f"a cascaded stream left at {leave_at}"}]}, leave_at_body=leave_at)
     assert answer.status == 200
-    await gw.quiesce()  # what the request handed off (its settle among it) has ended
-    services = gw.services
-    assert services.pipeline.gate.in_flight("acme") == 0
-    assert services.queues["mid"].in_flight == 0
-    assert services.quota_backend.expired(float("inf")) == []  # no reservation open
-    row = services.ledger.get(answer.request_id)
-    assert row is not None and row.status in ("cancelled", "ok"), row
+    await gw.assert_left_settled(answer)
     again = await gw.request({"model": "auto", "stream": True, "messages": [
         {"role": "user", "content": "and the next one"}]})
     assert again.status == 200 and again.complete, again.body  # one request at a time: the slot is free

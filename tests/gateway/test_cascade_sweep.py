@@ -22,6 +22,7 @@ import pytest_asyncio
 
 from quotas.ledger import LedgerRow
 from quotas.money import to_pico
+from tests.conftest import stub_tiers_yaml
 from tests.gateway.cancel_sweep import WORDS, InProcessGateway
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -40,25 +41,7 @@ _n = itertools.count()
 
 
 def tiers(url: str) -> str:
-    return f"""
-tiers:
-  mid:
-    backend: openai
-    model: stub-mid
-    urls: ["{url}"]
-    price_per_1k_input: "0.0010"
-    price_per_1k_output: "0.0020"
-    hardware_cost_per_hour: "3.60"
-    context_limit: 4096
-  full:
-    backend: openai
-    model: stub-full
-    urls: ["{url}"]
-    price_per_1k_input: "0.0030"
-    price_per_1k_output: "0.0060"
-    hardware_cost_per_hour: "7.20"
-    context_limit: 4096
-"""
+    return stub_tiers_yaml(mid=url, full=url)
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
@@ -90,11 +73,7 @@ async def quiet(gw: InProcessGateway) -> None:
     await gw.quiesce()
     assert gw.last is not None
     assert all(t.done() for t in gw.last.tasks), [t for t in gw.last.tasks if not t.done()]
-    services = gw.services
-    assert services.pipeline.gate.in_flight("acme") == 0
-    for name, queue in services.queues.items():
-        assert (queue.in_flight, queue.num_waiting) == (0, 0), name
-    assert services.quota_backend.expired(float("inf")) == []  # no reservation open
+    gw.assert_nothing_held()
 
 
 def check_rows(gw: InProcessGateway, rows: list[LedgerRow], whole: dict[str, Any] | None) -> None:

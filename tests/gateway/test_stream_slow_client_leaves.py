@@ -34,12 +34,6 @@ async def test_a_slow_client_leaving_mid_stream_is_settled_with_its_response(gw:
     answer = await gw.request({"model": "mid", "stream": True, "messages": [
         {"role": "user", "content": f"a slow reader leaving at {leave_at}"}]}, leave_at_body=leave_at)
     assert answer.status == 200
-    await gw.quiesce()
-    services = gw.services
-    assert services.pipeline.gate.in_flight("acme") == 0
-    assert services.queues["mid"].in_flight == 0
-    assert services.quota_backend.expired(float("inf")) == []  # no reservation open
-    row = services.ledger.get(answer.request_id)
-    assert row is not None and row.status in ("cancelled", "ok"), row
+    await gw.assert_left_settled(answer)
     again = await gw.request({"model": "mid", "messages": [{"role": "user", "content": "and the next one"}]})
     assert again.status == 200, again.body  # the plan allows one request at a time: the slot is free
