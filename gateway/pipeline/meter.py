@@ -45,7 +45,10 @@ for (index 0: a request has `n` 1) is read; another is not the tenant's answer. 
 token (`_FINISH_REASON`) is none. A chunk of tool-call deltas alone is not counted as a token: an engine may send
 several for one token (ours closes a call's arguments and opens the next in one, engine/tool_calls.py, and sends a
 free answer's calls at its end), so they are bounded by their characters, and their number by the client's bound on
-a stream's events (tiers/client.py `CHUNKS_PER_TOKEN`).
+a stream's events (tiers/client.py `CHUNKS_PER_TOKEN`). Nor is the answer's end that a server held back (the last
+text, a stop string's partial match it kept) and sends with its finish reason after its last token's chunk: at the
+cap, the one chunk that carries the finish reason is the end of what was paid for, not a token past it, and is
+relayed (`_held_back_end`); text after it is past the cap. Before, that end was cut, and the answer ended "length".
 """
 
 from __future__ import annotations
@@ -213,7 +216,8 @@ class Meter:
                 lp = None
             picked.append((choice, delta, piece, lp))
         if picked and (cap := self.output_cap) is not None:  # the cap's check, inline: it runs for every chunk
-            if (text and self.text_chunks >= cap) or self.output_chars + chars > cap * MAX_TOKEN_CHARS \
+            if (text and self.text_chunks >= cap and not self._held_back_end(picked, cap)) \
+                    or self.output_chars + chars > cap * MAX_TOKEN_CHARS \
                     or self.logprob_entries + entries > cap:
                 self._overrun(cap)
                 return content, logprobs, has_choice, calls
@@ -247,6 +251,12 @@ class Meter:
             if self.ttft_s is None:
                 self.ttft_s = time.perf_counter() - self.t0
         return content, logprobs, has_choice or bool(calls), calls
+
+    def _held_back_end(self, picked: list[tuple[Any, ...]], cap: int) -> bool:
+        """The chunk of text right after the cap's last token chunk carries the finish reason: the end of the answer
+        a server held back and sends with its finish (the module's docstring), no new token. Once: any text after it
+        is past the cap."""
+        return self.text_chunks == cap and any(choice.get("finish_reason") for choice, *_ in picked)
 
     def _overrun(self, cap: int) -> None:
         """A chunk would take the answer past the output cap (the module's docstring): the answer ends before it."""

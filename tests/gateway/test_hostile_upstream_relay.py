@@ -78,3 +78,42 @@ def test_a_choice_the_tenant_did_not_ask_for_is_not_its_answer(env: tuple[Gatewa
     assert (text, finish) == ("The end", "stop")
     row, _, _ = settled(gw)
     assert row.output_tokens == 2
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_held_back_end_after_the_last_token_is_relayed(env: tuple[Gateway, Script], stream: bool) -> None:
+    # an OpenAI-compatible server that holds back the answer's end (a stop string's partial match) sends it with its
+    # finish reason after its last token's chunk: within what was paid for. It was cut at the cap: the tenant lost
+    # the end, told "length"
+    gw, script = env
+    script.lines = [chunk(f"w{i} ") for i in range(3)] + [chunk("end.", finish="stop"), DONE]
+    text, finish, told = ask(gw, stream=stream, max_tokens=3)
+    assert (text, finish) == ("w0 w1 w2 end.", "stop")
+    row, _, _ = settled(gw)
+    assert row.output_tokens == 3 and told is not None and told["completion_tokens"] == 3
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_tool_calls_last_arguments_after_the_last_token_are_relayed(env: tuple[Gateway, Script],
+                                                                      stream: bool) -> None:
+    gw, script = env
+    call = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a": '}}
+    end = {"index": 0, "function": {"arguments": "1}"}}
+
+    def line(delta: dict[str, Any], finish: str | None = None) -> bytes:
+        return f"data: {json.dumps({'choices': [{'index': 0, 'delta': delta, 'finish_reason': finish}]})}\n\n".encode()
+
+    script.lines = [chunk("a"), chunk("b"), line({"tool_calls": [call]}), line({"tool_calls": [end]}, "tool_calls"),
+                    DONE]
+    body = {"model": "mid", "messages": MSG, "max_tokens": 2, "stream": stream,
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}
+    with gw.client(gw.tenant_key) as c:
+        r = c.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    if stream:
+        events = [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: {")]
+        args = "".join(t["function"].get("arguments") or "" for e in events for ch in e["choices"]
+                       for t in ch["delta"].get("tool_calls") or ())
+    else:
+        args = r.json()["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"]
+    assert args == '{"a": 1}'

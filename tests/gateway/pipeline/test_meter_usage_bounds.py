@@ -123,3 +123,34 @@ def test_tool_call_chunks_are_not_counted_as_tokens_of_the_cap() -> None:
     assert not meter.overran
     assert meter.add({"choices": [{"index": 0, "delta": {"content": " More."}}]}) == ("", None, False, [])
     assert meter.overran and meter.outcome("ok", 200).text == "Calling. Done."
+
+
+@pytest.mark.parametrize("end", [{"content": "."}, {"content": "", "tool_calls": [
+    {"index": 0, "function": {"arguments": "}"}}]}, {"content": " end.", "tool_calls": None}])
+def test_the_held_back_end_sent_with_the_finish_after_the_cap_is_relayed(end: dict) -> None:
+    # a server that holds back the answer's end (a stop string's partial match, a parser's last arguments) sends it
+    # with its finish reason after the cap's last token: no new token, the end of what was paid for. It was cut
+    # (the answer ended "length", without its end)
+    meter = Meter(time.perf_counter(), counted_input=12, output_cap=3)
+    for piece in ("a", "b", "c"):
+        meter.add(chunk(piece))
+    content, _, _, _ = meter.add({"choices": [{"index": 0, "delta": end, "finish_reason": "stop"}]})
+    assert not meter.overran and content == (end.get("content") or "")
+    out = meter.outcome("ok", 200)
+    assert (out.text, out.finish_reason, out.output_tokens) == ("abc" + content, "stop", 3)
+
+
+def test_text_past_the_held_back_end_is_past_the_cap() -> None:
+    # once: the end's chunk is let through, not a second one, nor text without a finish reason
+    meter = Meter(time.perf_counter(), counted_input=12, output_cap=2)
+    meter.add(chunk("a"))
+    meter.add(chunk("b"))
+    meter.add(chunk("c"))
+    assert meter.overran and meter.outcome("ok", 200).text == "ab"
+    meter = Meter(time.perf_counter(), counted_input=12, output_cap=2)
+    for piece in ("a", "b"):
+        meter.add(chunk(piece))
+    meter.add(chunk("c", finish="length"))
+    assert not meter.overran
+    assert meter.add(chunk("d", finish="stop")) == ("", None, False, [])
+    assert meter.overran and meter.outcome("ok", 200).text == "abc"
