@@ -184,11 +184,9 @@ class CacheStage:
         so it is never stored: a later request at normal service must not get it. Nor is an answer that is not
         whole (`storable`), or a cascaded `auto` answer its check did not accept.
         """
-        if self.cache is None or lookup.scope is None or not isinstance(lookup.result, Miss):
+        if not self.may_save(lookup, applied) or outcome.tool_calls:  # the store keeps text: not a tool call's
             return
-        if shaped_answer(applied) or outcome.tool_calls:  # the store keeps text: a tool call would lose its calls
-            return
-        if not storable(outcome, lookup.client_cap) or (lookup.accepted_by is not None and not lookup.accepted):
+        if not storable(outcome, lookup.client_cap):
             return
         if lookup.policy is not None and lookup.result.near is not None:  # a near miss's label, for the bound
             self.cache.label(lookup.result, lookup.policy, outcome.text)
@@ -201,6 +199,12 @@ class CacheStage:
         task = asyncio.get_running_loop().create_task(self._persist(entry))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+    def may_save(self, lookup: CacheLookup, applied: tuple[str, ...]) -> bool:
+        """Whether `save` may keep the attempt's answer, as far as its lookup says before the answer (its text is
+        then kept for it: Meter.keep_text). A cascade's judge may yet accept it (`accepted`), and keeps the text."""
+        return (self.cache is not None and lookup.scope is not None and isinstance(lookup.result, Miss)
+                and not shaped_answer(applied) and (lookup.accepted_by is None or lookup.accepted))
 
     async def bump_data_version(self, tenant: str, version: int) -> int:
         """The tenant's data version is now `version`: delete the cached answers of older ones (this process's

@@ -216,6 +216,7 @@ class Pipeline:
                 yield Delta(attempt.lookup.hit.response, None)
             else:
                 ticket, upstream, attempt = await self._call(ctx, prepared, meter, reading)
+                meter.keep_text = self._reads_text(attempt, keep, judge)
                 yield self.head(ctx, req, attempt, headers)  # the version that answers, if a candidate fell back
                 async for chunk in upstream:
                     content, logprobs, _, calls = meter.add(chunk)
@@ -268,7 +269,8 @@ class Pipeline:
             finally:  # a task cancelled again while the stream closes still settles
                 await self.settler.settle(ctx, attempt, outcome or meter.outcome("cancelled", 499), ticket,
                                           wait=wait, with_row=with_row, on_queued=keep_with_row)
-        if self.shadow is not None and attempt.final and prepared.prompt is not None and not attempt.is_cache_hit:
+        if self.shadow is not None and attempt.final and prepared.prompt is not None and not attempt.is_cache_hit \
+                and meter.keep_text:  # (not kept: the rollout was not sampling it when the call started)
             self.shadow.send(attempt.route.tier, attempt.request_id, req, prepared.prompt.output_cap, outcome.text,
                              tenant=ctx.tenant)
         if self.cache_checks is not None and (hit := attempt.lookup.hit) is not None:
@@ -280,6 +282,15 @@ class Pipeline:
             with contextlib.suppress(Exception):
                 await asyncio.shield(kept)
         yield Done(outcome.finish_reason, outcome.input_tokens, outcome.output_tokens)
+
+    def _reads_text(self, attempt: Attempt, keep: Keep | None, judge: Any) -> bool:
+        """Whether anything reads the answer's whole text (`Outcome.text`) once it ends: the cascade's check, an
+        Idempotency-Key's stored answer, the cache's store, a rollout's shadow. Otherwise the meter keeps only its
+        counts (the bill's): a JSON answer's body is the route's own, built from the deltas."""
+        return (judge is not None or (keep is not None and self.idempotency is not None)
+                or self.cache.may_save(attempt.lookup, attempt.applied)
+                or (self.shadow is not None and attempt.final
+                    and self.shadow.samples(attempt.route.tier, attempt.request_id)))
 
     async def _call(self, ctx: RequestContext, prepared: Prepared, meter: Meter,
                     reading: Reading | None) -> tuple[Ticket, Upstream, Attempt]:

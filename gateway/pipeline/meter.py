@@ -49,6 +49,12 @@ a stream's events (tiers/client.py `CHUNKS_PER_TOKEN`). Nor is the answer's end 
 text, a stop string's partial match it kept) and sends with its finish reason after its last token's chunk: at the
 cap, the one chunk that carries the finish reason is the end of what was paid for, not a token past it, and is
 relayed (`_held_back_end`); text after it is past the cap. Before, that end was cut, and the answer ended "length".
+
+The answer's whole text (`Outcome.text`) is kept only where something reads it once the answer ends (`keep_text`:
+the cache's store, an Idempotency-Key's stored answer, the cascade's check, a rollout's shadow; handle.py says which).
+Otherwise only its counts are (what the bill and the cap need): a JSON answer's body is the route's own, built from
+the deltas, and a stream's text is the client's once relayed. Kept, a long stream's pieces held about 60 bytes a
+chunk for the request's life (2 MB for 32k tokens), then as much again joined.
 """
 
 from __future__ import annotations
@@ -83,7 +89,7 @@ class Outcome:
     input_tokens: int
     output_tokens: int
     finish_reason: str | None
-    text: str  # the answer as far as it went
+    text: str  # the answer as far as it went; empty where nothing was to read it (`Meter.keep_text`)
     ttft_s: float | None  # from arrival to the first content
     upstream_s: float | None  # time spent on the tier (None: no tier was called)
     busy_s: float | None  # engine compute time the tier reported for it
@@ -137,10 +143,11 @@ def _plausible_prompt(reported: int, counted: int) -> bool:
 
 class Meter:
     def __init__(self, t0: float, *, keep_logprobs: bool = False, counted_input: int = 0,
-                 reading: Reading | None = None, output_cap: int | None = None) -> None:
+                 reading: Reading | None = None, output_cap: int | None = None, keep_text: bool = True) -> None:
         """`counted_input`: the prompt's tokens as the gateway counted them, billed if the tier reports none (or
         none believable). `output_cap`: the `max_tokens` the gateway sent the tier, the most output billed (None:
-        no cap known)."""
+        no cap known). `keep_text`: the answer's text is kept for the outcome (False: its `text` is empty; it may
+        be set until the first chunk is added)."""
         self.t0 = t0
         self.counted_input = counted_input
         self.output_cap = output_cap
@@ -163,7 +170,8 @@ class Meter:
         self.ttft_s: float | None = None
         self.upstream_t0: float | None = None
         self.upstream_s: float | None = None
-        self._parts: list[str] = []
+        self.keep_text = keep_text
+        self._parts: list[str] = []  # the answer's text, where it is kept (`keep_text`)
         self._logprob_sum = 0.0
         self._logprob_n = 0
         self._calls = ToolCallPieces()
@@ -244,7 +252,8 @@ class Meter:
                     self.first.add_openai(lp, limit=self.lookahead)
             has_choice = has_choice or bool(piece) or bool(choice.get("finish_reason"))
         if content:
-            self._parts.append(content)
+            if self.keep_text:
+                self._parts.append(content)
             self.text_chunks += 1
         if content or calls:
             self.content_chunks += 1

@@ -13,7 +13,8 @@ Its outcome goes to the rollout (`RolloutService.observe_shadow`): errors, time 
 order, 1: nothing in common), computed in a worker thread (difflib is quadratic in the worst case).
 
 Streamed requests are shadowed too: the gateway always streams from the tier and the meter keeps the text the
-client got, so a streamed answer compares as a whole one does. A request that needs something the candidate lacks
+client got for a request the shadow samples (`samples`, asked as the call starts), so a streamed answer compares as a
+whole one does. A request that needs something the candidate lacks
 (gateway/pipeline/needs.py: tools, vLLM's `top_k`; a start refuses such a candidate, a tiers file edited since may
 make one) is not copied.
 """
@@ -55,6 +56,10 @@ class Shadow:
         self.caller = caller
         self.metrics = metrics
         self.tasks = OffPathTasks(max_in_flight)
+
+    def samples(self, tier: TierSpec, request_id: str) -> bool:
+        """Whether `send` would copy this request (as the rollouts stand now): its answer's text is kept for it."""
+        return self.rollouts.shadow_of(tier, request_id) is not None
 
     def send(self, tier: TierSpec, request_id: str, req: ChatCompletionRequest, max_tokens: int,
              served: str, tenant: str | None = None) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import tracemalloc
 
 from gateway.pipeline.meter import Meter, Outcome
 
@@ -69,3 +70,28 @@ def test_a_tool_calls_arguments_are_joined_in_time_linear_in_the_answer() -> Non
     out = _seconds_to_add(calls)[1]
     assert out.tool_calls[0]["function"] == {"name": "f", "arguments": "abcd" * n}
     assert as_calls < 3 * as_text + 0.05, (as_calls, as_text)
+
+
+def test_a_stream_whose_text_nothing_reads_is_not_kept() -> None:
+    # `keep_text` False (handle.py: no cache store, Idempotency-Key, cascade check or shadow reads it): only the counts
+    # are kept. The pieces were all held for the request's life: 20,000 chunks, about 1.3 MB (60 bytes a chunk)
+    n = 20_000
+    tracemalloc.start()
+    try:
+        meter = Meter(time.perf_counter(), counted_input=10, output_cap=n, keep_text=False)
+        base = tracemalloc.get_traced_memory()[0]
+        for i in range(n):
+            meter.add(chunk(f" w{i % 1000:03d}"))
+        held = tracemalloc.get_traced_memory()[0] - base
+    finally:
+        tracemalloc.stop()
+    assert held < 100_000, held  # the few objects an attempt keeps, not a piece a chunk
+    out = meter.outcome("ok", 200)
+    assert (out.text, out.output_tokens, meter.text_chunks) == ("", n, n)  # billed a token a chunk, as before
+
+
+def test_the_text_is_kept_by_default() -> None:
+    meter = Meter(time.perf_counter())
+    for piece in ("Par", "is"):
+        meter.add(chunk(piece))
+    assert meter.outcome("ok", 200).text == "Paris"
