@@ -49,8 +49,8 @@ plans:
     allow_upgrade: true
     max_queue_wait_s: 10
     shed_to_cheaper: true
-    limits: {rpm: 100000000, tpm: 100000000000, max_concurrent: 100000, budget_day_usd: "100000000",
-             budget_month_usd: "1000000000"}
+    limits: {rpm: 100000000, tpm: 100000000000, max_concurrent: 100000, budget_day_usd: "9000000",
+             budget_month_usd: "9000000"}  # the most a budget may be (quotas/plans.py)
 """
 
 

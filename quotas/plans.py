@@ -7,6 +7,7 @@ from decimal import Decimal
 from typing import Annotated, Literal
 
 from pydantic import (
+    AfterValidator,
     ConfigDict,
     Field,
     PlainSerializer,
@@ -15,6 +16,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 from wire.fields import NoBoolNumbers, integral
 
@@ -22,15 +24,42 @@ PriorityClass = Literal["interactive", "standard", "batch"]
 PRIORITY_ORDER: dict[str, int] = {"interactive": 0, "standard": 1, "batch": 2}  # lower is served first
 
 
+# The most an operator may set each limit to (README, "Limits"): what every quota backend counts exactly. Redis'
+# scripts compare in Lua, whose numbers are doubles (exact integers up to 2**53; `--rpm` 10**400 was infinity there,
+# so no limit at all), and count money in int64 picodollars (INCRBY), which hold 9.22 million dollars. A larger limit
+# is no limit in all but name: it is refused, and a scope without a limit leaves the field out.
+MAX_RPM = 10**9
+MAX_TPM = 10**12
+MAX_CONCURRENT = 10**6
+MAX_BUDGET_USD = Decimal(9_000_000)
+# validation context of limits read back from a store: a key issued before these maxima keeps what it was given
+# (refusing it would answer 500 for that key and every listing of keys)
+STORED = "stored"
+
+
+def _at_most(maximum: int | Decimal) -> AfterValidator:
+    """A limit's maximum, where an operator sets it (not where a store reads back what it holds: `STORED`)."""
+
+    def check(value: int | Decimal, info: ValidationInfo) -> int | Decimal:
+        if value > maximum and not (info.context or {}).get(STORED):
+            raise PydanticCustomError("less_than_equal", "Input should be at most {le}, the most every quota "
+                                      "backend counts exactly; leave the limit out for none", {"le": f"{maximum:,}"})
+        return value
+
+    return AfterValidator(check)
+
+
 # US dollars, exact: a JSON number, or a string of digits with an optional fraction (what `_exact` takes, as the
 # published document says); written as such a string, so that what is stored (a key's limits) reads back
 USD_TEXT = re.compile(r"[0-9]+(\.[0-9]+)?")
 MAX_USD_CHARS = 64
-# a budget given as a JSON number: 0, or in [MIN, MAX), so that written out it has at most 64 characters too (a float's
-# 17 digits after 45 zeros, or 63 digits): 1e308, 10**400 and 1e-320 were taken, and their key could not be read back
-USD_NUMBER_MIN, USD_NUMBER_MAX = 1e-46, 1e63
+# a budget given as a JSON number: 0, or at least MIN, so that written out it has at most 64 characters too (a
+# float's 17 digits after 45 zeros): 1e-320 was taken, and its key could not be read back
+USD_NUMBER_MIN = 1e-46
 _USD_RULE = (f"a budget is a number of dollars, or a string of at most {MAX_USD_CHARS} digits with an optional "
              "fraction (\"12.50\")")
+# the strings of at most MAX_BUDGET_USD dollars, for the published document
+_USD_TEXT_AT_MOST_MAX = r"^0*([0-8]?[0-9]{1,6}(\.[0-9]+)?|9000000(\.0+)?)$"  # 9,000,000 spelt out
 
 
 def usd_text(value: Decimal) -> str:
@@ -39,24 +68,39 @@ def usd_text(value: Decimal) -> str:
     return format(value, "f")
 
 
-UsdBudget = Annotated[Decimal, Field(ge=0), PlainSerializer(usd_text, return_type=str, when_used="json"),
+UsdBudget = Annotated[Decimal, Field(ge=0), _at_most(MAX_BUDGET_USD),
+                      PlainSerializer(usd_text, return_type=str, when_used="json"),
                       WithJsonSchema({"anyOf": [
                           {"type": "number", "const": 0},
-                          {"type": "number", "minimum": USD_NUMBER_MIN, "exclusiveMaximum": USD_NUMBER_MAX},
-                          {"type": "string", "pattern": r"^[0-9]+(\.[0-9]+)?$", "maxLength": MAX_USD_CHARS}]})]
+                          {"type": "number", "minimum": USD_NUMBER_MIN, "maximum": float(MAX_BUDGET_USD)},
+                          {"type": "string", "pattern": _USD_TEXT_AT_MOST_MAX, "maxLength": MAX_USD_CHARS}]})]
+
+
+# a limit that counts: a JSON integer in [0, its maximum], strict (the admin API's `rpm: true` was a limit of 1,
+# `tpm: "100"` one of 100); 5.0 is 5 (`Limits._integral`)
+Rpm = Annotated[int, Field(ge=0, strict=True, json_schema_extra={"maximum": MAX_RPM}), _at_most(MAX_RPM)]
+Tpm = Annotated[int, Field(ge=0, strict=True, json_schema_extra={"maximum": MAX_TPM}), _at_most(MAX_TPM)]
+Concurrent = Annotated[int, Field(ge=0, strict=True, json_schema_extra={"maximum": MAX_CONCURRENT}),
+                       _at_most(MAX_CONCURRENT)]
 
 
 class Limits(NoBoolNumbers):
-    """Per-tenant limits (a key may override them); None means unlimited."""
+    """Per-tenant limits (a key may override them); None means unlimited. Each is at most what every quota backend
+    counts exactly: 1,000,000,000 requests and 1,000,000,000,000 tokens a minute, 1,000,000 concurrent requests,
+    $9,000,000 a day or a month."""
 
     model_config = ConfigDict(extra="forbid")
 
-    # integers as given (strict: the admin API's `rpm: true` was a limit of 1, `tpm: "100"` one of 100); 5.0 is 5
-    rpm: Annotated[int, Field(ge=0, strict=True)] | None = None
-    tpm: Annotated[int, Field(ge=0, strict=True)] | None = None
-    max_concurrent: Annotated[int, Field(ge=0, strict=True)] | None = None
+    rpm: Rpm | None = None
+    tpm: Tpm | None = None
+    max_concurrent: Concurrent | None = None
     budget_day_usd: UsdBudget | None = None
     budget_month_usd: UsdBudget | None = None
+
+    @classmethod
+    def stored(cls, data: object) -> Limits:
+        """Limits as a store holds them: as they were issued, above today's maxima too."""
+        return cls.model_validate(data, context={STORED: True})
 
     @field_validator("rpm", "tpm", "max_concurrent", mode="before")
     @classmethod
@@ -68,11 +112,8 @@ class Limits(NoBoolNumbers):
     def _exact(cls, value: object) -> object:
         if isinstance(value, str) and (len(value) > MAX_USD_CHARS or not USD_TEXT.fullmatch(value)):
             raise ValueError(_USD_RULE)
-        if isinstance(value, int | float) and not isinstance(value, bool) and (
-                0 < value < USD_NUMBER_MIN or value >= USD_NUMBER_MAX):
-            raise ValueError(f"a budget given as a number is 0 or from {USD_NUMBER_MIN:g} to under "
-                             f"{USD_NUMBER_MAX:g} dollars; write a longer one as a string of at most {MAX_USD_CHARS} "
-                             "digits")
+        if isinstance(value, int | float) and not isinstance(value, bool) and 0 < value < USD_NUMBER_MIN:
+            raise ValueError(f"a budget given as a number is 0 or at least {USD_NUMBER_MIN:g} dollars")
         if isinstance(value, float):  # its shortest repr, exact; -0.0 is 0.0 (`-0.0` is no USD_TEXT)
             return repr(0.0 if value == 0 else value)
         return value

@@ -19,7 +19,7 @@ from gateway.settings import Settings
 from gateway.stores import open_ledger, open_tenant_store
 from gateway.tenants.keys import MAX_GRACE_S, MAX_TTL_S, check_seconds, parse_duration
 from gateway.tenants.store import ADMIN, TenantStore
-from quotas.plans import Limits, PlanBook
+from quotas.plans import MAX_BUDGET_USD, MAX_CONCURRENT, MAX_RPM, MAX_TPM, Limits, PlanBook
 from quotas.report import usage_report
 
 
@@ -166,17 +166,25 @@ def keys() -> None:
     """Issue, list, revoke and rotate API keys."""
 
 
+# the option that sets each of a key's Limits
+_LIMIT_OPTIONS = {"rpm": "--rpm", "tpm": "--tpm", "max_concurrent": "--max-concurrent",
+                  "budget_day_usd": "--budget-day", "budget_month_usd": "--budget-month"}
+
+
 @keys.command("issue")
 @click.option("--tenant", default=None, help="The tenant the key belongs to.")
 @click.option("--admin", is_flag=True, help="An admin key (no tenant): manages the gateway.")
 @click.option("--name", default="", help="A label for the key.")
 @click.option("--ttl", "ttl_s", type=Duration(MAX_TTL_S), default=None,
               help="Time until the key expires: seconds or 90m, 12h, 30d (at most 10 years).")
-@click.option("--rpm", type=int, default=None, help="This key's own requests per minute.")
-@click.option("--tpm", type=int, default=None, help="This key's own tokens per minute.")
-@click.option("--max-concurrent", type=int, default=None, help="This key's own concurrent requests.")
-@click.option("--budget-day", type=str, default=None, help="This key's own daily budget, USD.")
-@click.option("--budget-month", type=str, default=None, help="This key's own monthly budget, USD.")
+@click.option("--rpm", type=int, default=None, help=f"This key's own requests per minute (at most {MAX_RPM:,}).")
+@click.option("--tpm", type=int, default=None, help=f"This key's own tokens per minute (at most {MAX_TPM:,}).")
+@click.option("--max-concurrent", type=int, default=None,
+              help=f"This key's own concurrent requests (at most {MAX_CONCURRENT:,}).")
+@click.option("--budget-day", type=str, default=None,
+              help=f"This key's own daily budget, USD (at most {MAX_BUDGET_USD:,}).")
+@click.option("--budget-month", type=str, default=None,
+              help=f"This key's own monthly budget, USD (at most {MAX_BUDGET_USD:,}).")
 @data_dir_option
 def keys_issue(tenant: str | None, admin: bool, name: str, ttl_s: float | None, rpm: int | None, tpm: int | None,
                max_concurrent: int | None, budget_day: str | None, budget_month: str | None,
@@ -189,8 +197,10 @@ def keys_issue(tenant: str | None, admin: bool, name: str, ttl_s: float | None, 
     try:
         limits = Limits(rpm=rpm, tpm=tpm, max_concurrent=max_concurrent, budget_day_usd=budget_day,
                         budget_month_usd=budget_month)
-    except ValidationError as exc:
-        raise click.UsageError(str(exc.errors()[0]["msg"])) from exc
+    except ValidationError as exc:  # one line naming the option: "Invalid value for '--rpm': ..."
+        error = exc.errors()[0]
+        raise click.BadParameter(error["msg"].removeprefix("Value error, "),
+                                 param_hint=f"'{_LIMIT_OPTIONS[error['loc'][0]]}'") from exc
     with _store(data_dir, create=admin) as store:
         key, plaintext = store.issue_key(tenant, name=name, roles=(ADMIN,) if admin else (), ttl_s=ttl_s,
                                          limits=None if limits == Limits() else limits)

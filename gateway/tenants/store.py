@@ -395,4 +395,4 @@ def _stored_limits(text: str) -> Limits:
     for name in BUDGET_FIELDS:
         if isinstance(data.get(name), str):
             data[name] = Decimal(data[name])
-    return Limits.model_validate(data)
+    return Limits.stored(data)  # above today's maxima too: what it was issued with

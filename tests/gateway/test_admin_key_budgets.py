@@ -1,7 +1,8 @@
 """A key's budget given through the admin API is stored as the store reads it back. A small budget ("0.0000001", or
 the JSON number 1e-7) was written as `1E-7`, which the read refused: from then on that key answered 500, and so did
 every listing of keys (GET /admin/keys, whichever tenant it named). A budget longer than 64 digits written out
-(1e308, 10**400, 1e-320) was taken too, with the same end; it is refused by name, and no key is issued."""
+(1e308, 10**400, 1e-320) was taken too, with the same end; it is refused by name, and no key is issued (as is one
+above $9,000,000, quotas/plans.py MAX_BUDGET_USD: tests/gateway/test_limit_maxima.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ MSG = [{"role": "user", "content": "hi"}]
 # (budget as given, as listed, the status of a chat request: a ten-millionth of a dollar, or nothing, pays for none)
 @pytest.mark.parametrize(("given", "shown", "status"), [
     ("0.0000001", "0.0000001", 429), (1e-7, "0.0000001", 429), (-0.0, "0.0", 429),
-    (1e16, "10000000000000000", 200), ("12.50", "12.50", 200)])
+    (9e6, "9000000.0", 200), ("12.50", "12.50", 200)])
 def test_a_small_or_large_budget_is_kept_as_given_and_the_key_works(gateway: Gateway, given: object, shown: str,
                                                                     status: int) -> None:
     with gateway.client(gateway.admin_key) as admin:
