@@ -32,6 +32,11 @@ MAX_RPM = 10**9
 MAX_TPM = 10**12
 MAX_CONCURRENT = 10**6
 MAX_BUDGET_USD = Decimal(9_000_000)
+# a plan's other numbers (README, "Plans")
+MIN_WEIGHT, MAX_WEIGHT = 0.01, 100.0  # one tenant's tokens count at most 10,000 times another's
+MAX_QUEUE_WAIT_S = 3600.0
+MAX_CACHE_TTL_S = 365 * 86400.0
+MAX_HIT_PRICE_PER_1K_USD = Decimal(10)  # the dearest models' output is under $1 per 1K tokens
 # validation context of limits read back from a store: a key issued before these maxima keeps what it was given
 # (refusing it would answer 500 for that key and every listing of keys)
 STORED = "stored"
@@ -127,9 +132,12 @@ class CachePlan(NoBoolNumbers):
     enabled: bool = True  # False: the tenant opts out (nothing looked up or stored)
     semantic: bool = True  # False: exact hits only
     similarity_threshold: Annotated[float, Field(ge=0.5, le=1.0)] = 0.8
-    ttl_s: Annotated[float, Field(gt=0)] | None = 86_400.0
+    # finite and at most a year: `.inf` and 1e300 were taken, an expiry that is "never" in disguise (null says it)
+    ttl_s: Annotated[float, Field(gt=0, le=MAX_CACHE_TTL_S, allow_inf_nan=False)] | None = 86_400.0
     isolate_users: bool = False  # entries are per end user (the request's `user`), not shared in the tenant
-    hit_price_per_1k: Annotated[Decimal, Field(ge=0)] = Decimal("0")  # a hit's price per 1K tokens
+    # a hit's price per 1K tokens, at most MAX_HIT_PRICE_PER_1K_USD: 1e300 was taken, and on Redis a request's
+    # money of $100,000 or more is an error (its scripts' INCRBY), so every hit would have failed instead of billing
+    hit_price_per_1k: Annotated[Decimal, Field(ge=0, le=MAX_HIT_PRICE_PER_1K_USD)] = Decimal("0")
     # the share of semantic hits allowed to be wrong: the threshold is learned from the tenant's traffic to hold
     # it (cache/error_bound.py); null: the static threshold and the near-miss guards alone decide
     max_error_rate: Annotated[float, Field(gt=0, lt=1)] | None = 0.01
@@ -177,7 +185,8 @@ class RoutingPlan(NoBoolNumbers):
     allow_dearer_on_load: bool = False  # may an overloaded tier's request go to a dearer tier (at its price)?
     policy: Literal["predict", "cascade"] = "predict"  # how `auto` picks the first tier
     cascade: bool = False  # retry a failed cheap answer once on the next dearer tier (both billed)
-    cascade_min_mean_logprob: Annotated[float, Field(le=0)] | None = None  # ...or one less sure than this
+    # ...or one less sure than this (finite: `-.inf` was taken, "never" in disguise: null says it)
+    cascade_min_mean_logprob: Annotated[float, Field(le=0, allow_inf_nan=False)] | None = None
     # hold a streamed `auto` answer for the router artifact's look-ahead (its first tokens) and retry it on the
     # dearer tier when it falls short: streams are then checked too, at the cost of that many of the cheap
     # tier's tokens added to their time to first token
@@ -216,13 +225,15 @@ class Plan(NoBoolNumbers):
 
     name: str = ""  # filled from the mapping key
     priority: PriorityClass = "standard"
-    # fair-share weight inside the priority class; finite: `.inf` counted none of the tenant's tokens, so it was
-    # always served first in its class
-    weight: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 1.0
+    # fair-share weight inside the priority class, in [MIN_WEIGHT, MAX_WEIGHT]: `.inf` counted none of the tenant's
+    # tokens, so it was always served first in its class, and 1e300 counted them as near none (1e-300, each of its
+    # tokens as 1e300 of another's)
+    weight: Annotated[float, Field(ge=MIN_WEIGHT, le=MAX_WEIGHT, allow_inf_nan=False)] = 1.0
     allowed_tiers: Annotated[list[str], Field(min_length=1)]
     default_tier: str  # what `auto` means while there is no difficulty model
     allow_upgrade: bool = False  # may an unavailable tier (down, circuit open) fall back to a dearer one?
-    max_queue_wait_s: Annotated[float, Field(gt=0)] | None = None  # predicted wait above this: refuse (503)
+    # predicted wait above this: refuse (503); finite and at most an hour (`.inf` was taken: no limit, as null is)
+    max_queue_wait_s: Annotated[float, Field(gt=0, le=MAX_QUEUE_WAIT_S, allow_inf_nan=False)] | None = None
     shed_to_cheaper: bool = False  # ...or, instead, skip to the closest cheaper allowed tier within the wait
     routing: RoutingPlan = Field(default_factory=RoutingPlan)
     limits: Limits = Field(default_factory=Limits)
