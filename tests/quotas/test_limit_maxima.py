@@ -56,3 +56,11 @@ async def test_the_largest_rpm_and_concurrency_are_no_limit_to_a_few_requests(ba
     decisions = [await backend.reserve(_request(limits)) for _ in range(3)]
     assert all(d.admitted for d in decisions)
     assert decisions[-1].usage["t"].requests == 3
+
+
+@pytest.mark.parametrize("limits", [Limits(rpm=0), Limits(tpm=0), Limits(max_concurrent=0), Limits(budget_day_usd=0),
+                                    Limits(budget_month_usd=Decimal("0"))], ids=str)
+async def test_a_limit_of_zero_admits_nothing(backend: QuotaBackend, limits: Limits) -> None:
+    """0 is a limit (a paused plan or key), never read as "no limit"."""
+    decision = await backend.reserve(_request(limits, tokens=1, money=1))
+    assert not decision.admitted and decision.reason in ("rpm", "tpm", "concurrency", "budget_day", "budget_month")
