@@ -10,8 +10,10 @@ response the client received is never missing, even if the gateway is killed rig
 dies and drops no row it could still write: a row the database refuses (a duplicate id, a value it cannot
 hold) fails only its own future, as a failed group is retried row by row; a fault of the database (disk
 full, locked, connection lost, I/O error) keeps every pending row and makes the ledger not ready until a
-retry, with backoff, commits, so the gateway refuses new work rather than serve unbilled. Refusals are
-counted per minute, tenant, key, reason and status, not stored one by one, with a retention.
+retry, with backoff, commits, so the gateway refuses new work rather than serve unbilled. A row whose client
+will be told only an error if it is late (a JSON answer) is withdrawn when its wait runs out, unless its commit is
+already under way: then that commit decides (`wait_durable`), so the client's answer never contradicts the bill.
+Refusals are counted per minute, tenant, key, reason and status, not stored one by one, with a retention.
 
 What an implementation supplies: a writer connection, one group's transaction, which errors are the
 database's fault, and the reads (quotas/ledger_reads.py, which read-only readers in other processes share).
@@ -33,6 +35,7 @@ from typing import Any
 
 from quotas.ledger_reads import LedgerReads, ReadSource
 from quotas.ledger_rows import CountKey, LedgerRow, Refusal, count_key, to_db
+from quotas.ledger_withdrawals import LedgerUnavailable, RowWithdrawn, Withdrawals, until
 
 log = logging.getLogger("tiergate.ledger")
 Statement = tuple[str, tuple[Any, ...]]  # SQL and its parameters
@@ -43,10 +46,6 @@ _WAKE, _STOP = "wake", "stop"
 GROUP_MAX = 512  # rows taken from the queue per commit at most
 BACKOFF_MIN_S, BACKOFF_MAX_S = 0.05, 2.0  # between retries while the ledger cannot commit
 PRUNE_EVERY_S = 3600.0  # refusal counts past their retention are deleted at most this often
-
-
-class LedgerUnavailable(Exception):
-    """The ledger could not make a row durable in time (disk full, database locked or down, I/O error)."""
 
 
 class Ledger(LedgerReads, ABC):
@@ -75,6 +74,7 @@ class Ledger(LedgerReads, ABC):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._fault: str | None = None  # why the last commit failed, until one succeeds
         self._next_prune = 0.0
+        self._withdrawals = Withdrawals()  # which pending rows `wait_durable` may still withdraw
 
     # ---- what an implementation supplies ----
 
@@ -87,6 +87,9 @@ class Ledger(LedgerReads, ABC):
                 isolate: bool) -> list[Exception | None]:
         """One transaction for the rows (each with its statements) and counts, rolled back on any error; with
         `isolate`, each row in its own savepoint, so its own error undoes only it. Returns each row's error."""
+
+    # whether a commit that raised may have committed all the same (its reply lost on the way back: `_landed`)
+    COMMIT_IN_DOUBT_AFTER_FAILURE = False
 
     def _landed(self, conn: Any, rows: list[Pending]) -> list[bool] | None:
         """Asked on a new connection after a commit failed, before its rows are sent again: None if it did not
@@ -149,29 +152,39 @@ class Ledger(LedgerReads, ABC):
         """Write `row`; returns once it is durable (see `wait_durable` for the errors)."""
         await self.wait_durable(self.submit(row), timeout_s=timeout_s)
 
-    async def wait_durable(self, written: asyncio.Future[None], *, timeout_s: float | None = None) -> None:
+    async def wait_durable(self, written: asyncio.Future[None], *, timeout_s: float | None = None,
+                           withdraw: bool = False) -> None:
         """Wait for a row `submit` queued; returns once it is durable.
 
-        Raises `LedgerUnavailable` when it is not durable within `timeout_s` (default: `record_timeout_s`);
-        the row stays queued and is written once the ledger can commit again. Raises the row's own error when
-        the database refuses it (a duplicate request id, a value it cannot hold). Cancelling the caller never
-        cancels the row.
+        Raises `LedgerUnavailable` when it is not durable within `timeout_s` (default: `record_timeout_s`): the row
+        stays queued and is written once the ledger can commit again, for a caller whose client has what the row
+        bills (a stream's tokens). Raises the row's own error when the database refuses it (a duplicate request id,
+        a value it cannot hold). Cancelling the caller never cancels the row.
+
+        With `withdraw` (a caller whose client gets only an error if this raises: a JSON answer), the row not durable
+        in time is withdrawn, so that the error never contradicts the bill: still queued, it is taken out of the
+        batches to come and never commits (`RowWithdrawn`); already sent to commit, its commit decides and this
+        waits for it, however long: committed, this returns (the client gets the answer it is billed for); not
+        committed, it is withdrawn then (`RowWithdrawn`). A commit that raised is in doubt where the database may
+        have committed it as its reply was lost (PostgreSQL: `_landed`): it stays the commit's until the writer
+        has asked, and this waits for that too. Waiting on is the only answer that cannot contradict a commit whose
+        fate nobody knows yet; a row still queued is withdrawn at once, and only the rows of one commit can be in
+        flight at a time. Everything that follows the row's future (an Idempotency-Key's answer committed with it,
+        a fallback reservation's money) sees the withdrawal as a row that failed: nothing was written.
+
+        A row whose withdrawal is pending (asked while it was in flight) is waited for to its end by any caller,
+        whatever `timeout_s`: its fate is the commit's, and what settles with it must not guess.
         """
         timeout_s = self.record_timeout_s if timeout_s is None else timeout_s
-        loop = asyncio.get_running_loop()
-        # one waiter woken by the row or by a timer: costs what `shield` alone did (asyncio.timeout on top of
-        # it added about 15 µs a call here)
-        waiter: asyncio.Future[None] = loop.create_future()
-        written.add_done_callback(lambda _: _wake(waiter))
-        timer = loop.call_later(timeout_s, _wake, waiter)
-        try:
-            await waiter
-        finally:
-            timer.cancel()
+        await until(written, timeout_s)
+        if not written.done() and withdraw:
+            self._withdrawals.withdraw(written)
+        if not written.done() and self._withdrawals.pending(written):
+            await until(written, None)
         if not written.done():
             why = self.not_ready_reason or "the ledger writer is behind"
             raise LedgerUnavailable(f"a usage row was not durable after {timeout_s:g} s: {why}")
-        written.result()  # the row's own error, if the database refused it
+        written.result()  # the row's own error, if the database refused it (or `RowWithdrawn`)
 
     def submit(self, row: LedgerRow, *, with_row: tuple[Statement, ...] = ()) -> asyncio.Future[None]:
         """Queue `row` for the next group commit; the future resolves once it is durable (`wait_durable`).
@@ -223,7 +236,10 @@ class Ledger(LedgerReads, ABC):
                     conn = self._connect()
                     rows, counts = self._after_doubt(conn, rows, counts, doubt)
                     doubt = None
-                if rows or counts:
+                rows = self._withdrawals.claim(rows)  # in flight from here: their commit decides
+                # nothing left to write after a failure (its rows withdrawn): an empty commit tells when the
+                # ledger can commit again, or it would stay not ready, refusing the work that would write a row
+                if rows or counts or (backoff and not stopping):
                     conn = conn or self._connect()
                     doubt = (len(rows), counts.copy())
                     self._flush(conn, rows, counts)
@@ -231,6 +247,9 @@ class Ledger(LedgerReads, ABC):
                 if stopping and not rows and not counts:
                     break
             except Exception as exc:  # keep every pending row; retry with backoff; never die
+                if doubt is None or not self.COMMIT_IN_DOUBT_AFTER_FAILURE:  # nothing of it committed
+                    doubt = None
+                    rows = self._returned(rows)
                 backoff = min(BACKOFF_MAX_S, max(BACKOFF_MIN_S, backoff * 2))
                 reason = f"ledger cannot commit: {str(exc).strip()} ({self._fault_name(exc)})"
                 if reason != self._fault:
@@ -255,14 +274,23 @@ class Ledger(LedgerReads, ABC):
         n, sent = doubt
         wrote = self._landed(conn, rows[:n])
         if wrote is None:
-            return rows, counts
+            return self._returned(rows[:n]) + rows[n:], counts
         done = [p for p, w in zip(rows[:n], wrote, strict=True) if w]
         log.warning("ledger: a commit whose reply was lost had committed; its %d rows are not written again",
                     len(done))
         if self._fault is not None:  # ready again before any waiter hears its row is durable
             self._fault = None
         self._resolve([fut for _, fut, _ in done], [None] * len(done))
-        return [p for p, w in zip(rows[:n], wrote, strict=True) if not w] + rows[n:], counts - sent
+        return self._returned([p for p, w in zip(rows[:n], wrote, strict=True) if not w]) + rows[n:], counts - sent
+
+    def _returned(self, rows: list[Pending]) -> list[Pending]:
+        """Rows back from a commit that did not write them, queued again; those whose withdrawal was asked meanwhile
+        are withdrawn now (their futures fail with `RowWithdrawn`)."""
+        back, gone = self._withdrawals.returned(rows)
+        if gone:
+            log.warning("ledger: %d rows not durable in time were withdrawn after their commit failed", len(gone))
+            self._resolve(list(gone), [RowWithdrawn("a usage row was withdrawn: its commit failed") for _ in gone])
+        return back
 
     def _take(self, rows: list[Pending], *, block: bool) -> bool:
         """Move queued rows into `rows`, about GROUP_MAX at most; True once the stop sentinel was taken."""
@@ -315,18 +343,18 @@ class Ledger(LedgerReads, ABC):
         if loop is None or loop.is_closed():
             return
         with suppress(RuntimeError):  # the loop closed meanwhile: nobody waits on them any more
-            loop.call_soon_threadsafe(_settle, futures, errors)
+            loop.call_soon_threadsafe(self._settle_on_loop, futures, errors)
+
+    def _settle_on_loop(self, futures: list[asyncio.Future[None] | None], errors: list[Exception | None]) -> None:
+        """The futures settled, and no longer in flight: in one turn of the loop, so no withdrawal comes between."""
+        _settle(futures, errors)
+        self._withdrawals.settled(futures)
 
 
 def _close_quietly(conn: Any) -> None:
     if conn is not None:
         with suppress(Exception):
             conn.close()  # rolls back what it had begun
-
-
-def _wake(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
-        waiter.set_result(None)
 
 
 def _settle(futures: list[asyncio.Future[None] | None], errors: list[Exception | None]) -> None:

@@ -195,6 +195,8 @@ class PostgresReads(LedgerReads):
 class PostgresLedger(PostgresReads, Ledger):
     """The ledger in the fleet database at `url` (postgresql://…); its tables are migrated on open."""
 
+    COMMIT_IN_DOUBT_AFTER_FAILURE = True  # a COMMIT whose reply was lost may have committed (`_landed` asks)
+
     def __init__(self, url: str, *, record_timeout_s: float = 10.0, busy_timeout_s: float = 5.0,
                  refusal_retention_days: float = 90.0, max_read_connections: int = 4) -> None:
         """`busy_timeout_s` bounds how long one commit may wait on a lock (its statement timeout)."""
