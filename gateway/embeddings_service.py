@@ -92,6 +92,7 @@ from gateway.services import Services
 from gateway.validation import parse_body
 from quotas.idempotency import Claim, Replay
 from quotas.ledger import Ledger, LedgerRow, Statement
+from quotas.ledger_withdrawals import withdrawn
 from quotas.reservations import QuotaService, Reservation
 from tiers.catalogue import EmbeddingSpec
 from wire.embeddings import EmbeddingRequest
@@ -343,7 +344,12 @@ class EmbeddingsService:
         """The request's ledger row (with its answer for its Idempotency-Key, where the store commits it with the
         row), then its quota settled to what it used; durable before return if `wait` (a cancelled request must not
         await: its writes are handed off). Everything that holds money or a key is queued or handed off before the
-        first await, so a cancel during the wait loses none of it."""
+        first await, or as the await is cancelled, so a cancel during the wait loses none of it.
+
+        A row not durable within the ledger's wait is withdrawn, as a JSON chat answer's is (gateway/pipeline/
+        settle.py says why): still queued, it never commits, and the client's 503 spends nothing (the quota's
+        reservation given back, the key's answer not kept, so a retry runs once); its commit under way, the request
+        waits for that commit and is answered as it decides."""
         price = self.spec.price(tokens)
         row = LedgerRow(
             request_id=ctx.request_id, ts=ctx.arrived, tenant=ctx.tenant, key_id=ctx.key_id, tier=TIER,
@@ -360,7 +366,6 @@ class EmbeddingsService:
                 log.exception("Idempotency-Key %r: the answer cannot be stored; a retry runs again", keep.claim.key)
                 stored = None
         written = self.ledger.submit(row, with_row=with_row)
-        settled = self._hand_off(self._settle_quota(written, reservation, tokens, row))
         kept = None
         if stored is not None and keep is not None and self.idempotency is not None:
             # the claim is the answer's now, never given up (a retry must replay it, not run and be billed again)
@@ -368,18 +373,33 @@ class EmbeddingsService:
             kept = self._hand_off(self._keep(written, keep, stored, ctx.plan.idempotency_ttl_s))
         with contextlib.suppress(Exception):  # metrics are not worth a lost settlement
             self.metrics.finished(row, None)
-        if wait:
-            await self.ledger.wait_durable(written)
-            await asyncio.shield(settled)
-            if kept is not None:  # stored (in Redis too) before the client reads the answer; its failure is logged
-                with contextlib.suppress(Exception):
-                    await asyncio.shield(kept)
+        if not wait:
+            self._hand_off(self._settle_quota(written, reservation, tokens, row))
+            return
+        try:
+            await self.ledger.wait_durable(written, withdraw=True)  # a JSON answer: its client gets only the error
+        except asyncio.CancelledError:  # left while the row was being written: settled once it is, handed off
+            self._hand_off(self._settle_quota(written, reservation, tokens, row))
+            raise
+        except Exception:  # withdrawn (nothing spent) or refused: settled as its fate says
+            self._hand_off(self._settle_quota(written, reservation, tokens, row, waited=True))
+            raise
+        await asyncio.shield(self._hand_off(self._settle_quota(written, reservation, tokens, row, waited=True)))
+        if kept is not None:  # stored (in Redis too) before the client reads the answer; its failure is logged
+            with contextlib.suppress(Exception):
+                await asyncio.shield(kept)
 
     async def _settle_quota(self, written: asyncio.Future[None], reservation: Reservation, tokens: int,
-                            row: LedgerRow) -> None:
-        with contextlib.suppress(Exception):  # the row's fate is the caller's; the quota settles anyway
-            await self.ledger.wait_durable(written)
-        await self.quotas.settle(reservation, tokens=tokens, price=row.price_usd, row=written)
+                            row: LedgerRow, *, waited: bool = False) -> None:
+        """The quota settled once the row is durable, or its wait is over (`waited`: the request's was); given back,
+        at nothing, where the row was withdrawn."""
+        if not waited:
+            with contextlib.suppress(Exception):  # the row's fate is the caller's; the quota settles anyway
+                await self.ledger.wait_durable(written)  # a row whose withdrawal is pending: until its commit decides
+        if withdrawn(written):
+            await self.quotas.settle(reservation, tokens=0, price=Decimal(0))
+        else:
+            await self.quotas.settle(reservation, tokens=tokens, price=row.price_usd, row=written)
 
     async def _keep(self, written: asyncio.Future[None], keep: Keep, stored: dict[str, Any], ttl_s: float) -> None:
         """Store the answer once its row is durable (a store that commits it with the row has done so: its `finish`

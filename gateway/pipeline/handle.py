@@ -255,8 +255,9 @@ class Pipeline:
 
             def keep_with_row(written: asyncio.Future[None]) -> None:
                 # answered: the claim is the answer's row's from its queueing on, never given up while the row may
-                # still commit (a row late past the wait below still bills: a retry must replay its answer, not run
-                # and be billed again); kept once the row commits, given up only if it is refused for good
+                # still commit (a stream's row late past the wait below still bills: a retry must replay its answer,
+                # not run and be billed again); kept once the row commits, given up if it is refused for good or
+                # withdrawn (a JSON answer's, late: settle.py)
                 nonlocal kept
                 if stored is not None and keep is not None and self.idempotency is not None:
                     keep.stored = True
@@ -268,7 +269,8 @@ class Pipeline:
                     await _close_quietly(upstream)
             finally:  # a task cancelled again while the stream closes still settles
                 await self.settler.settle(ctx, attempt, outcome or meter.outcome("cancelled", 499), ticket,
-                                          wait=wait, with_row=with_row, on_queued=keep_with_row)
+                                          wait=wait, with_row=with_row, on_queued=keep_with_row,
+                                          withdraw=not req.stream)  # a JSON answer's client gets only the error
         if self.shadow is not None and attempt.final and prepared.prompt is not None and not attempt.is_cache_hit \
                 and meter.keep_text:  # (not kept: the rollout was not sampling it when the call started)
             self.shadow.send(attempt.route.tier, attempt.request_id, req, prepared.prompt.output_cap, outcome.text,

@@ -27,6 +27,7 @@ from gateway.pipeline.meter import Outcome
 from gateway.rollout.service import RolloutService
 from quotas.dispatch import Ticket
 from quotas.ledger import Ledger, LedgerRow, Statement
+from quotas.ledger_withdrawals import withdrawn
 from quotas.reservations import QuotaService
 from tiers.catalogue import TierCatalogue
 
@@ -50,15 +51,29 @@ class Settler:
 
     async def settle(self, ctx: RequestContext, attempt: Attempt, outcome: Outcome, ticket: Ticket | None, *,
                      wait: bool, with_row: tuple[Statement, ...] = (),
-                     on_queued: Callable[[asyncio.Future[None]], object] | None = None) -> LedgerRow:
+                     on_queued: Callable[[asyncio.Future[None]], object] | None = None,
+                     withdraw: bool = False) -> LedgerRow:
         """Write the attempt's row and release what it held; durable before return unless `wait` is False.
         `on_queued` is given the row's future (the ledger's) as soon as it is queued, before any await: what
         depends on the row's final outcome, not on this wait for it (an Idempotency-Key's claim), follows it.
 
         What holds money or capacity comes first and cannot be skipped by a failure after it: the row is
         queued, the slot freed and the quota settled whatever the metrics or the cache do. The quota is
-        settled once the row is durable: a gateway killed in between leaves a reservation that the quota
+        settled once the row's fate is known: a gateway killed in between leaves a reservation that the quota
         reaper bills from the ledger row, never a settled quota without its row.
+
+        A row not durable within the ledger's wait raises `LedgerUnavailable` (a 503). What the client was told
+        and what it is billed then agree:
+        - `withdraw` (a JSON answer: the client gets the error instead of the answer): the row still queued is
+          withdrawn (quotas/ledger.py `wait_durable`), the 503 spends nothing: no row ever commits, the quota's
+          reservation is given back (settled at nothing, not at the answer's price), and an Idempotency-Key's
+          answer, committed with the row or kept once it commits, is not kept, so its claim is given up and a retry
+          runs (and is billed) once. A row whose commit is under way is that commit's: the request waits for it
+          (for a commit in doubt, until the writer knows), and returns, answered and billed, if it committed, or
+          raises `RowWithdrawn`, nothing spent, if it did not. Withdrawing a row in flight could not be done
+          (its commit may land), and telling the client 503 while it may land is the bill contradicting the answer.
+        - not `withdraw` (a stream, whose client has the tokens already): the row stays queued and commits once
+          the ledger can, billed for what the client received; the quota settles at its price now.
         """
         row = self.row(ctx, attempt, outcome)
         written = self.ledger.submit(row, with_row=with_row)
@@ -67,42 +82,47 @@ class Settler:
         if ticket is not None:
             self.dispatch.release(attempt.route.tier.name, ticket, outcome.input_tokens + outcome.output_tokens)
         used = 0 if attempt.is_cache_hit else outcome.input_tokens + outcome.output_tokens  # a hit runs no model
-        # the in-process quota store settles without an await: where the caller waits anyway, it settles here once
-        # the row is durable (or could not be made so in time), with no task and no shield of its own (~8 us)
-        here = wait and self.quotas.settles_at_once
-        quota = None if here else self.hand_off(self._settle_quota(written, attempt, used, row.price_usd))
         try:
             self._observe(attempt, outcome, row)
         except Exception:  # metrics and the cache are not worth a lost settlement
             log.exception("observing request %s failed", row.request_id)
-        if here:
-            try:
-                await self.ledger.wait_durable(written)
-            except asyncio.CancelledError:  # left while the row was being written: settled once it is, handed off
-                self.hand_off(self._settle_quota(written, attempt, used, row.price_usd))
-                raise
-            except Exception:  # not durable in time, or refused: the quota settles all the same, as `_settle_quota`
-                self._settle_now(written, attempt, used, row.price_usd)
-                raise
-            self._settle_now(written, attempt, used, row.price_usd)
-        elif wait:
-            await self.ledger.wait_durable(written)
-            await asyncio.shield(quota)  # type: ignore[arg-type]
+        if not wait:
+            self.hand_off(self._settle_quota(written, attempt, used, row.price_usd))
+            return row
+        try:
+            await self.ledger.wait_durable(written, withdraw=withdraw)
+        except asyncio.CancelledError:  # left while the row was being written: settled once it is, handed off
+            self.hand_off(self._settle_quota(written, attempt, used, row.price_usd))
+            raise
+        except Exception:  # not durable in time (withdrawn or not), or refused: settled as its fate says
+            self._settle_ended(written, attempt, used, row.price_usd)
+            raise
+        if (settled := self._settle_ended(written, attempt, used, row.price_usd)) is not None:
+            await asyncio.shield(settled)
         return row
 
-    def _settle_now(self, written: asyncio.Future[None], attempt: Attempt, tokens: int, price: Decimal) -> None:
-        """`_settle_quota`'s settlement, where the quota store settles at once and the row's wait is over."""
+    def _settle_ended(self, written: asyncio.Future[None], attempt: Attempt, tokens: int,
+                      price: Decimal) -> asyncio.Future[None] | None:
+        """The quota settled where the request's wait for its row is over: at once where the quota store settles
+        without an await (no task and no shield of its own, ~8 us), else handed off (its future returned)."""
+        if not self.quotas.settles_at_once:
+            return self.hand_off(self._settle_quota(written, attempt, tokens, price, waited=True))
+        tokens, price, row = _terms(written, tokens, price)
         try:
-            self.quotas.settle_now(attempt.reservation, tokens=tokens, price=price, row=written)
+            self.quotas.settle_now(attempt.reservation, tokens=tokens, price=price, row=row)
         except Exception as exc:  # as a handed-off settle's failure is: logged, and the caller hears of it
             log.error("work handed off by a request failed: %s", exc)
             raise
+        return None
 
     async def _settle_quota(self, written: asyncio.Future[None], attempt: Attempt, tokens: int,
-                            price: Decimal) -> None:
-        with contextlib.suppress(Exception):  # the row's own fate is the caller's; the quota settles anyway
-            await self.ledger.wait_durable(written)
-        await self.quotas.settle(attempt.reservation, tokens=tokens, price=price, row=written)
+                            price: Decimal, *, waited: bool = False) -> None:
+        """The quota settled once the row is durable, or its wait is over (`waited`: the request's was)."""
+        if not waited:
+            with contextlib.suppress(Exception):  # the row's own fate is the caller's; the quota settles anyway
+                await self.ledger.wait_durable(written)  # a row whose withdrawal is pending: until its commit decides
+        tokens, price, row = _terms(written, tokens, price)
+        await self.quotas.settle(attempt.reservation, tokens=tokens, price=price, row=row)
 
     def _observe(self, attempt: Attempt, outcome: Outcome, row: LedgerRow) -> None:
         if outcome.status == "ok" and not attempt.is_cache_hit:
@@ -162,6 +182,13 @@ class Settler:
     async def drain(self) -> None:
         """Wait for handed-off settlements (shutdown, tests)."""
         await self._handed.drain()
+
+
+def _terms(written: asyncio.Future[None], tokens: int, price: Decimal
+           ) -> tuple[int, Decimal, asyncio.Future[None] | None]:
+    """What the quota settles to: the row's use and price, followed by its row; nothing for a row withdrawn (its
+    reservation given back, and no row for a fallback reservation's money to follow)."""
+    return (0, Decimal(0), None) if withdrawn(written) else (tokens, price, written)
 
 
 def tpot(row: LedgerRow) -> float | None:

@@ -1,10 +1,15 @@
-"""An Idempotency-Key never bills twice when the answer's ledger row is late: a row not durable within the ledger's
-wait (a slow disk, here its commit held past `record_timeout_s`) fails the request (the client is told 503), but the
-row is still queued and commits later, with the stored answer (SQLite, PostgreSQL: in its transaction; Redis: once
-it is durable). The claim was given up at once: the row billed the tenant, the answer was not kept, and the client's
-retry with the same key ran and was billed again (two rows for one key). Now the claim waits for the row's final
-outcome: a retry meanwhile waits (or gets 409), then the replay once the row commits (one row); a row refused for good
-gives the claim up, so the retry runs (one row in all). Chat and embeddings alike, on every store."""
+"""An Idempotency-Key never bills twice, and its stored answer agrees with what the client was told, when the
+answer's ledger row is late (not durable within the ledger's wait, `record_timeout_s`), on every store (SQLite,
+PostgreSQL: the answer commits in the row's transaction; Redis: stored once the row commits):
+
+- the row still queued behind a slow commit is withdrawn (gateway/pipeline/settle.py): the client is told 503, no
+  row and no answer commit, the claim is given up, and the client's retry with the same key runs, billed once;
+- the row's own commit under way is waited for: committed, the client gets the answer it is billed for, and a
+  retry its replay; refused by the database, nothing is written, the claim is given up and the retry runs once.
+
+Before, the client was told 503 in both cases while the row (and the answer with it) still committed later: billed
+for an answer it never received, replayed to a retry with the key, and billed again on a retry without one. Chat
+and embeddings alike."""
 
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ import httpx
 import pytest
 
 from gateway.settings import Settings
+from quotas.ledger_rows import Refusal
 from tests.conftest import Gateway, running_gateway
 from tests.stubs import ServerThread, StubState
 
@@ -72,6 +78,36 @@ class SlowDisk:
         return self
 
 
+class StuckWriter:
+    """The gateway's ledger writer held in a commit of refusal counts alone (a slow disk) until the block ends: the
+    rows submitted meanwhile stay queued behind it, past the ledger's wait (`WAIT_S`)."""
+
+    def __init__(self, gw: Gateway) -> None:
+        self.ledger = gw.app.state.services.pipeline.settler.ledger
+        self.ledger.record_timeout_s = WAIT_S
+        self.stuck, self.released = threading.Event(), threading.Event()
+        self.armed = False
+        real = self.ledger._commit
+
+        def commit(conn: Any, rows: list[Any], counts: Any, **kwargs: Any) -> list[Exception | None]:
+            if self.armed and not rows:
+                self.armed = False
+                self.stuck.set()
+                assert self.released.wait(15)
+            return real(conn, rows, counts, **kwargs)
+
+        self.ledger._commit = commit
+
+    def __enter__(self) -> StuckWriter:
+        self.armed = True
+        self.ledger.submit_refusal(Refusal("stuck", time.time(), "t", "k", "rpm", 429))  # wakes the writer
+        assert self.stuck.wait(5)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.released.set()
+
+
 def chat(gw: Gateway, key: str) -> httpx.Response:
     with gw.client(gw.tenant_key) as c:
         return c.post("/v1/chat/completions", json={"model": "mid", "messages": MSG}, headers={"idempotency-key": key})
@@ -110,37 +146,42 @@ ROUTES = {"chat": (chat, "mid"), "embeddings": (embed, "embeddings")}
 
 
 @pytest.mark.parametrize("route", ["chat", "embeddings"])
-def test_a_late_row_that_commits_is_replayed_to_the_retry_and_billed_once(gw: Gateway, route: str) -> None:
+def test_a_late_row_under_way_that_commits_is_the_answer_and_replayed_to_the_retry(gw: Gateway, route: str) -> None:
     send, tier = ROUTES[route]
     if route == "embeddings":
         warm_embeddings(gw)
-    disk = SlowDisk(gw).arm()
+    disk = SlowDisk(gw).arm()  # the row's own commit held past the wait, then committed
     r = send(gw, "order-1")
-    assert r.status_code == 503, r.text  # the row was not durable in time: the client is told so
-    assert disk.done.wait(10)  # the row committed late, with its answer (SQL) or before it is kept (Redis)
-    wait_until(lambda: len(rows_of(gw, tier)) == 1)
+    assert disk.done.is_set()
+    assert r.status_code == 200, r.text  # the answer the row bills, once it committed: not a 503
+    assert [row.request_id for row in rows_of(gw, tier)] == [r.headers["x-tiergate-request-id"]]
     again = send(gw, "order-1")  # the client's retry with the same key
     assert again.status_code == 200, again.text
-    rows = rows_of(gw, tier)
-    assert len(rows) == 1, f"billed {len(rows)} times for one key: {[(r.status, r.price_usd) for r in rows]}"
     assert again.headers.get(REPLAY) == "true"  # the answer the tenant was billed for, not a second run
+    assert len(rows_of(gw, tier)) == 1
     if route == "chat":
         assert len(gw.stub.requests) == 1
 
 
 @pytest.mark.parametrize("route", ["chat", "embeddings"])
-def test_a_retry_while_the_late_row_is_pending_waits_for_it_and_is_replayed(gw: Gateway, route: str) -> None:
+def test_a_late_row_still_queued_is_withdrawn_and_the_retry_runs_billed_once(gw: Gateway, route: str) -> None:
     send, tier = ROUTES[route]
     if route == "embeddings":
         warm_embeddings(gw)
-    disk = SlowDisk(gw).arm()
-    assert send(gw, "order-2").status_code == 503
-    assert not disk.done.is_set()  # the row is still on its way
-    again = send(gw, "order-2")  # waits while the claim is the late row's, then replays its answer
+    with StuckWriter(gw):
+        r = send(gw, "order-2")
+        assert r.status_code == 503, r.text  # the row was not durable in time: withdrawn, the client told so
+        assert r.json()["error"]["code"] == "ledger_unavailable"
+    again = send(gw, "order-2")  # the retry with the same key runs: nothing of the first was kept (a wait at most)
     assert again.status_code == 200, again.text
+    assert again.headers.get(REPLAY) is None
     rows = rows_of(gw, tier)
-    assert len(rows) == 1, f"billed {len(rows)} times for one key: {[(r.status, r.price_usd) for r in rows]}"
-    assert again.headers.get(REPLAY) == "true"
+    assert [row.request_id for row in rows] == [again.headers["x-tiergate-request-id"]], \
+        f"billed {len(rows)} times for one key: {[(row.status, row.price_usd) for row in rows]}"
+    if route == "chat":
+        assert len(gw.stub.requests) == 2
+    replay = send(gw, "order-2")
+    assert replay.status_code == 200 and replay.headers.get(REPLAY) == "true"  # the retry's answer is the key's
 
 
 @pytest.mark.parametrize("route", ["chat", "embeddings"])
@@ -148,9 +189,11 @@ def test_a_late_row_refused_for_good_gives_the_claim_up_and_the_retry_runs_once(
     send, tier = ROUTES[route]
     if route == "embeddings":
         warm_embeddings(gw)
-    disk = SlowDisk(gw, fail=True).arm()
-    assert send(gw, "order-3").status_code == 503
-    assert disk.done.wait(10)
+    disk = SlowDisk(gw, fail=True).arm()  # the row's own commit under way past the wait, then refused
+    r = send(gw, "order-3")
+    assert disk.done.is_set()
+    assert r.status_code == 500, r.text  # the row's own error (not ours to retry), with nothing billed
+    assert rows_of(gw, tier) == []
     again = send(gw, "order-3")  # the row never was: the claim is given up, and the retry runs (a wait at most)
     assert again.status_code == 200, again.text
     assert again.headers.get(REPLAY) is None

@@ -1,6 +1,10 @@
-"""With the in-process quota store, a request settles its quota in its own task once its ledger row is durable
-(gateway/pipeline/settle.py); when the row is not durable within the ledger's wait (a slow disk), the request is
-told 503 and its reservation is still settled then, not left held until the row commits or the reaper runs."""
+"""With the in-process quota store, a request settles its quota in its own task once its ledger row's fate is known
+(gateway/pipeline/settle.py). A JSON answer's row not durable within the ledger's wait (a slow disk) and still
+queued is withdrawn: the client is told 503 and nothing is spent, the reservation given back at once (not settled at
+the answer's price, nor held until the store catches up), and no row commits later. Its row's own commit under way,
+the request waits for that commit and is answered (and billed) as it decides. Before, the client was told 503 at
+once and the reservation settled at the answer's price, and the row committed once the store caught up: billed for
+an answer it never received."""
 
 from __future__ import annotations
 
@@ -13,7 +17,16 @@ import pytest
 from gateway.settings import Settings
 from quotas.backends.memory import MemoryBackend
 from tests.conftest import Gateway, running_gateway
-from tests.gateway.test_idempotency_ledger_late import MSG, WAIT_S, SlowDisk
+from tests.gateway.test_idempotency_ledger_late import (
+    MSG,
+    ROUTES,
+    WAIT_S,
+    SlowDisk,
+    StuckWriter,
+    rows_of,
+    wait_until,
+    warm_embeddings,
+)
 from tests.stubs import ServerThread, StubState
 
 
@@ -23,21 +36,54 @@ def gw(gateway_settings: Settings, stub: tuple[ServerThread, StubState]) -> Iter
         yield gateway
 
 
-def test_a_row_late_past_the_wait_still_settles_the_quota_at_once(gw: Gateway) -> None:
+def spent_pico(backend: MemoryBackend) -> int:
+    """Money the quota store has charged today, all scopes (the test's one tenant)."""
+    return sum(sum(st.spent_day.values()) for st in backend._state.values())
+
+
+@pytest.mark.parametrize("route", ["chat", "embeddings"])
+def test_a_row_queued_past_the_wait_is_withdrawn_and_nothing_is_spent(gw: Gateway, route: str) -> None:
+    send, tier = ROUTES[route]
+    if route == "embeddings":
+        warm_embeddings(gw)
     quotas = gw.app.state.services.pipeline.settler.quotas
     backend = quotas.backend
     assert isinstance(backend, MemoryBackend) and quotas.settles_at_once  # the path under test
-    disk = SlowDisk(gw).arm()
+    before = spent_pico(backend)
     started = time.monotonic()
-    with gw.client(gw.tenant_key) as c:
-        r = c.post("/v1/chat/completions", json={"model": "mid", "messages": MSG})
-    assert r.status_code == 503, r.text  # the row was not durable in time
+    with StuckWriter(gw):
+        r = send(gw, "order-w1")
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["code"] == "ledger_unavailable"
+        assert time.monotonic() - started < WAIT_S + 1.0
+        rid = r.headers["x-tiergate-request-id"]
+        wait_until(lambda: rid in backend._done)  # given back while the store is still slow
+        assert rid not in backend._held
+        assert spent_pico(backend) == before, "the quota charged for an answer the client never received"
+    again = send(gw, "order-w1")  # after the store caught up: the first row is not among those it wrote
+    assert again.status_code == 200, again.text
+    rows = rows_of(gw, tier)
+    assert [row.request_id for row in rows] == [again.headers["x-tiergate-request-id"]], \
+        f"billed {len(rows)} times: {[(row.status, row.price_usd) for row in rows]}"
+    assert spent_pico(backend) - before == int(rows[0].price_usd * 10**12)  # the retry's, once
+
+
+@pytest.mark.parametrize("route", ["chat", "embeddings"])
+def test_a_row_whose_commit_is_under_way_past_the_wait_is_answered_and_billed_as_it_commits(
+        gw: Gateway, route: str) -> None:
+    send, tier = ROUTES[route]
+    if route == "embeddings":
+        warm_embeddings(gw)
+    backend = gw.app.state.services.pipeline.settler.quotas.backend
+    before = spent_pico(backend)
+    disk = SlowDisk(gw).arm()  # the row's own commit, held past the wait, then committed
+    r = send(gw, "order-w2")
+    assert disk.done.is_set()
+    assert r.status_code == 200, r.text  # the client gets the answer it is billed for
     rid = r.headers["x-tiergate-request-id"]
-    assert not disk.done.is_set(), "the slow disk let the row through before the check"
-    assert rid not in backend._held and rid in backend._done  # settled while its row is still being written
-    assert time.monotonic() - started < WAIT_S + 1.0
-    assert disk.done.wait(10)
-    assert any(row.request_id == rid for row in gw.ledger_rows())  # the row committed late, once
+    [row] = rows_of(gw, tier)
+    assert row.request_id == rid
+    assert rid not in backend._held and spent_pico(backend) - before == int(row.price_usd * 10**12)
 
 
 def test_a_client_that_leaves_while_its_row_is_written_hands_the_settle_off(gw: Gateway) -> None:
