@@ -1,16 +1,27 @@
 """The fleet database as an admin store uses it (the ladder's state and audit, the rollouts'): its migrations run
 once when it opens, one connection at a time, and an unreachable database is a retryable 503 for whoever asked
-(on-call's change fails cleanly; a follower logs it and keeps what it read last)."""
+(on-call's change fails cleanly; a follower logs it and keeps what it read last).
+
+The 503 says a fixed sentence: the driver's words (the server's host and port, the user, a statement, its DETAIL
+lines) are the log's, not the client's, even an admin's. A fault is logged once, not once a request, until the
+pool answers again (or another fault follows it)."""
 
 from __future__ import annotations
 
+import logging
+import re
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 from gateway.errors import Unavailable
 
+log = logging.getLogger("tiergate.fleet_db")
+
 TIMEOUT_S = 5.0  # for the connection, then for each statement (one waiting on a lock: a 503)
+# what an admin reads while the fleet database cannot be reached; why is in the log
+UNAVAILABLE_MESSAGE = "the fleet database cannot be reached now; nothing was changed; retry shortly"
+_PASSWORD = re.compile(r"(://[^:/@\s]*:)[^@\s]*@")  # a URL's `user:password@`, should a driver ever repeat one
 
 
 class AdminPool:
@@ -22,11 +33,13 @@ class AdminPool:
 
         with connect(url) as conn:
             migrate(conn, component, migrations)
+        self.name = name
         self._pool = ConnectionPool(url, min_size=1, max_size=1, open=True, timeout=TIMEOUT_S,
                                     kwargs={"autocommit": True, "connect_timeout": CONNECT_TIMEOUT_S},
                                     configure=bounded(TIMEOUT_S),
                                     check=ConnectionPool.check_connection, name=name)
         self._unreachable = (psycopg.OperationalError, PoolTimeout)
+        self._logged: str | None = None  # the fault last logged; None once the pool answered again
 
     @contextmanager
     def connection(self) -> Iterator[Any]:
@@ -34,8 +47,18 @@ class AdminPool:
             with self._pool.connection() as conn:
                 yield conn
         except self._unreachable as exc:
-            raise Unavailable(f"the fleet database cannot be reached: {str(exc).strip()}",
-                              code="database_unavailable", retry_after=2) from exc
+            self._log(exc)
+            raise Unavailable(UNAVAILABLE_MESSAGE, code="database_unavailable", retry_after=2) from exc
+        self._logged = None
+
+    def _log(self, exc: BaseException) -> None:
+        from quotas.fleet_db import fault_name
+
+        why = _PASSWORD.sub(r"\1***@", " ".join(str(exc).split())) or type(exc).__name__
+        if why != self._logged:
+            self._logged = why
+            log.error("%s store: the fleet database cannot be reached, admin requests get 503 (%s): %s", self.name,
+                      fault_name(exc), why)
 
     def close(self) -> None:
         self._pool.close()
