@@ -19,7 +19,11 @@ the caches, and a flood must not then lock every tenant out: theirs wait at most
 
 While the database cannot be reached the caches are not trusted, since a revocation could be missed:
 requests get a retryable 503 (fail closed; the ledger could not record them either), and a query that
-failed makes the next ones fail at once for BREAKER_S rather than each waiting on the network.
+failed makes the next ones fail at once for BREAKER_S rather than each waiting on the network. Every connection
+of the pool lent out (a burst of lookups, an admin's listing) is not such a fault: a request that waited the
+pool's timeout for one gets a retryable 503 of its own (`database_busy`) and the breaker stays closed, as it
+opened for every tenant on a burst of legitimate traffic. A pool that timed out with connections to spare could
+not make one: that is a fault, and opens it.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NoReturn
 
 import psycopg
 from psycopg import errors as pg_errors
@@ -122,6 +126,10 @@ class PostgresTenantStore(TenantStore):
         self._seen: int | None = None  # the change counter as the listener last read it; None: unknown
         self._filled_at: int | None = None  # ...and as it was when the caches were last emptied
         self._broken_until = 0.0
+        self._max_connections = max_connections
+        self._lent = 0  # pool connections our queries hold now (`_connection`)
+        self._lent_lock = threading.Lock()
+        self._busy_logged = 0.0  # when an exhausted pool was last logged (once a BREAKER_S at most)
         self._stop = threading.Event()
         self._listener: threading.Thread | None = None
         self._lookups = ThreadPoolExecutor(LOOKUP_THREADS, thread_name_prefix="tenant-lookup")
@@ -176,16 +184,43 @@ class PostgresTenantStore(TenantStore):
             return
         if time.monotonic() < self._broken_until:
             raise _unavailable()
+        full = self._lent >= self._max_connections  # every connection lent as this one starts to wait
         try:
-            with self._pool.connection() as conn:
+            with self._pool.connection() as conn, self._lending():
                 yield conn
-        except (psycopg.OperationalError, PoolTimeout) as exc:
-            self._broken_until = time.monotonic() + BREAKER_S
-            # the driver's words (the server's host and port, the user, its DETAIL lines) are the log's, not the
-            # tenant's: about one line a BREAKER_S, as the queries in between fail at once without asking
-            log.error("tenant store: the fleet database cannot be reached, requests get 503 for %g s: %s",
-                      BREAKER_S, str(exc).strip())
-            raise _unavailable() from exc
+        except PoolTimeout as exc:
+            if full or self._lent >= self._max_connections:  # overload: the queries holding them are answered
+                self._log_busy()
+                raise _busy() from exc
+            self._trip(exc)  # connections to spare, yet none came: the pool cannot make one
+        except psycopg.OperationalError as exc:
+            self._trip(exc)
+
+    @contextmanager
+    def _lending(self) -> Iterator[None]:
+        with self._lent_lock:
+            self._lent += 1
+        try:
+            yield
+        finally:
+            with self._lent_lock:
+                self._lent -= 1
+
+    def _log_busy(self) -> None:
+        now = time.monotonic()
+        if now - self._busy_logged >= BREAKER_S:
+            self._busy_logged = now
+            log.warning("tenant store: all %d connections of its pool were busy for %g s; a request got 503 (the "
+                        "breaker stays closed)", self._max_connections, self._pool.timeout)
+
+    def _trip(self, exc: BaseException) -> NoReturn:
+        """A fault of the database or the way to it: queries fail at once for BREAKER_S."""
+        self._broken_until = time.monotonic() + BREAKER_S
+        # the driver's words (the server's host and port, the user, its DETAIL lines) are the log's, not the
+        # tenant's: about one line a BREAKER_S, as the queries in between fail at once without asking
+        log.error("tenant store: the fleet database cannot be reached, requests get 503 for %g s: %s",
+                  BREAKER_S, str(exc).strip())
+        raise _unavailable() from exc
 
     def _fetchone(self, sql: str, args: tuple[Any, ...] = ()) -> tuple[Any, ...] | None:
         with self._connection() as conn:
@@ -247,3 +282,11 @@ UNAVAILABLE_MESSAGE = "the gateway cannot check API keys or tenants now; retry s
 
 def _unavailable() -> Unavailable:
     return Unavailable(UNAVAILABLE_MESSAGE, code="database_unavailable", retry_after=2)
+
+
+# what a request reads when every connection to the fleet database was busy for the pool's timeout (a burst)
+BUSY_MESSAGE = "the gateway is busy checking API keys and tenants; retry shortly"
+
+
+def _busy() -> Unavailable:
+    return Unavailable(BUSY_MESSAGE, code="database_busy", retry_after=1)
