@@ -12,7 +12,10 @@ An index on a table the gateway writes on its hot path is a `ConcurrentIndex`: b
 outside a transaction, so the table's writes go on while it builds (CREATE INDEX in a transaction blocks them until
 it commits). The lock is then a session's, not a transaction's, and a replica waiting for it polls
 (`pg_try_advisory_lock`) rather than wait in a statement: the build waits for every transaction with an older
-snapshot to end, and a statement waiting for the lock would hold one, a deadlock.
+snapshot to end, and a statement waiting for the lock would hold one, a deadlock. The wait is bounded
+(LOCK_WAIT_S): a session that holds the lock and never lets go (a replica hung mid-migration, an operator's psql
+left open) stops start-up with `MigrationLockTimeout`, naming that session (its pid, application, client, state,
+statement), rather than hold the process forever with nothing in its log.
 
 The stores share this module's conventions: SQL is written once with `?` placeholders, as SQLite takes them,
 and `pg` turns them into psycopg's `%s`; `is_db_fault` tells a fault of the database (retry later) from one a
@@ -43,6 +46,11 @@ CREATE TABLE IF NOT EXISTS tiergate_migrations (
 )"""
 _MIGRATION_LOCK = 0x7469657267617465  # "tiergate": one advisory lock for every component's migrations
 LOCK_POLL_S = 0.05  # between tries for it, while another replica migrates
+LOCK_WAIT_S = 300.0  # ...for at most this long (an index built concurrently on a long table takes minutes)
+
+
+class MigrationLockTimeout(psycopg.Error):
+    """Another session held the migration lock longer than LOCK_WAIT_S: start-up stops, naming it."""
 
 
 @dataclass(frozen=True)
@@ -108,7 +116,13 @@ def migrate(conn: psycopg.Connection[Any], component: str, migrations: Sequence[
     version it is at. A database already past what this code knows (a newer release) is left as it is. `conn` is
     in autocommit mode (a `ConcurrentIndex` runs outside a transaction)."""
     target = len(migrations) if upto is None else upto
+    deadline = time.monotonic() + LOCK_WAIT_S
     while not conn.execute("SELECT pg_try_advisory_lock(%s)", (_MIGRATION_LOCK,)).fetchone()[0]:  # type: ignore[index]
+        if time.monotonic() >= deadline:
+            raise MigrationLockTimeout(f"{component}'s migrations waited {LOCK_WAIT_S:g} s for the fleet database's "
+                                       f"migration lock (advisory lock {_MIGRATION_LOCK}), held by "
+                                       f"{_lock_holder(conn)}; if that session is stuck, end it with "
+                                       "pg_terminate_backend(its pid) and start again")
         time.sleep(LOCK_POLL_S)
     try:
         conn.execute(_MIGRATIONS_TABLE)
@@ -134,6 +148,23 @@ def migrate(conn: psycopg.Connection[Any], component: str, migrations: Sequence[
         log.warning("fleet database: %s is at version %d, newer than this release knows (%d); its additions are "
                     "ignored", component, newest, len(migrations))
     return newest
+
+
+def _lock_holder(conn: psycopg.Connection[Any]) -> str:
+    """Who holds the migration lock, in words: its backend's pid, application, client, state and last statement
+    (what pg_stat_activity shows this user), or that it was let go meanwhile."""
+    row = conn.execute(
+        "SELECT a.pid, a.application_name, host(a.client_addr), a.state, "
+        "EXTRACT(EPOCH FROM now() - a.state_change)::int, left(regexp_replace(a.query, '\\s+', ' ', 'g'), 200) "
+        "FROM pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid WHERE l.locktype = 'advisory' AND l.granted "
+        "AND l.classid::bigint = %s AND l.objid::bigint = %s AND l.objsubid = 1 LIMIT 1",
+        (_MIGRATION_LOCK >> 32, _MIGRATION_LOCK & 0xFFFFFFFF)).fetchone()
+    if row is None:
+        return "a session that has let it go since (start again)"
+    pid, app, client, state, for_s, query = row
+    return (f"PostgreSQL backend pid {pid} (application {app or '-'!r}, client {client or 'local'}, "
+            f"{state or 'state unknown'}{f' for {for_s} s' if for_s is not None else ''}, last statement: "
+            f"{query or 'not shown to this user'!r})")
 
 
 def _applied(conn: psycopg.Connection[Any], component: str, version: int) -> None:

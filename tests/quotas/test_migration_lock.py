@@ -1,0 +1,46 @@
+"""The wait for the fleet database's migration lock (quotas/fleet_db.py) is bounded: a session that holds it and never
+lets go (a replica hung mid-migration, an operator's psql left open) stops a starting replica with an error that
+names that session, where the replica waited without end and logged nothing."""
+
+from __future__ import annotations
+
+import threading
+
+import psycopg
+import pytest
+
+from gateway.cli.errors import describe
+from quotas import fleet_db
+from quotas.fleet_db import _MIGRATION_LOCK, MigrationLockTimeout
+from quotas.ledger_postgres import MIGRATIONS, open_schema
+
+
+def test_a_migration_lock_held_without_end_stops_start_up_naming_its_holder(
+        database_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fleet_db, "LOCK_WAIT_S", 0.5, raising=False)
+    holder = psycopg.connect(database_url, autocommit=True, application_name="stuck-migration")
+    try:
+        pid = holder.info.backend_pid
+        holder.execute("SELECT pg_advisory_lock(%s)", (_MIGRATION_LOCK,))
+        ended: list[BaseException | int] = []
+
+        def start() -> None:
+            try:
+                ended.append(open_schema(database_url))
+            except BaseException as exc:  # what start-up ended with is the test's
+                ended.append(exc)
+
+        starting = threading.Thread(target=start, daemon=True)
+        starting.start()
+        starting.join(10)
+        hung = starting.is_alive()
+        holder.execute("SELECT pg_advisory_unlock(%s)", (_MIGRATION_LOCK,))  # lets a hung one finish
+        starting.join(10)
+        assert not hung and len(ended) == 1 and isinstance(ended[0], MigrationLockTimeout)
+        text = str(ended[0])
+        assert f"pid {pid}" in text and "'stuck-migration'" in text and "pg_advisory_lock" in text
+        line = describe(ended[0])  # the CLI's one line, no traceback
+        assert line is not None and line.startswith("PostgreSQL (TIERGATE_DATABASE_URL): ledger's migrations waited")
+        assert open_schema(database_url) == len(MIGRATIONS)  # the lock let go: the next start migrates
+    finally:
+        holder.close()
