@@ -33,6 +33,8 @@ from quotas.fleet_db import (
     CONNECT_TIMEOUT_S,
     ConcurrentIndex,
     Migration,
+    bound_statements,
+    bounded,
     connect,
     fault_name,
     is_db_fault,
@@ -41,7 +43,7 @@ from quotas.fleet_db import (
 )
 from quotas.idempotency_totals import IDEMPOTENCY_TOTALS
 from quotas.ledger import Ledger, Pending, Statement, log
-from quotas.ledger_reads import LedgerReads, Reader, ReadSource
+from quotas.ledger_reads import READ_TIMEOUT_S, LedgerReads, Reader, ReadSource
 from quotas.ledger_rows import CARRY_PENDING, COLUMNS, CountKey, LedgerRow, Refusal, RequestTotals, count_key, to_db
 
 COMPONENT = "ledger"
@@ -208,7 +210,7 @@ class PostgresLedger(PostgresReads, Ledger):
         self._pool = ConnectionPool(url, min_size=1, max_size=max_read_connections, open=True,
                                     kwargs={"autocommit": True, "connect_timeout": CONNECT_TIMEOUT_S},
                                     check=ConnectionPool.check_connection, timeout=record_timeout_s,
-                                    name="ledger-reads")
+                                    configure=bounded(READ_TIMEOUT_S), name="ledger-reads")
 
     def _connect(self) -> psycopg.Connection[Any]:
         conn = connect(self.url)
@@ -305,6 +307,7 @@ class PostgresReader(PostgresReads, Reader):
 
     def __init__(self, url: str) -> None:
         self._conn = connect(url, options="-c default_transaction_read_only=on")
+        self._conn.execute(bound_statements(READ_TIMEOUT_S))
 
     def _query(self, sql: str, args: tuple[Any, ...]) -> list[tuple[Any, ...]]:
         return self._conn.execute(pg(sql), args).fetchall()

@@ -29,6 +29,10 @@ from quotas.ledger_rows import (
 )
 
 READ_BATCH = 5000  # rows a streamed read (`each_row`) holds at once
+# a read statement on PostgreSQL (a report's sum, the dashboard's rows, a streamed read's each batch) runs at most
+# this long: one slower (a report over a huge range, a read waiting on an operator's LOCK TABLE) is cancelled
+# (SQLSTATE 57014) rather than holding one of the ledger's few read connections, or a report process, without end
+READ_TIMEOUT_S = 60.0
 REPORT_GROUPS = ("tenant", "tier", "day", "key_id")
 # additions and subtractions of money with no rounding (the default context keeps 28 digits): exact to the last
 # digit, however many rows are summed. Not for division (a third has no end).
