@@ -15,7 +15,11 @@ it commits). The lock is then a session's, not a transaction's, and a replica wa
 snapshot to end, and a statement waiting for the lock would hold one, a deadlock. The wait is bounded
 (LOCK_WAIT_S): a session that holds the lock and never lets go (a replica hung mid-migration, an operator's psql
 left open) stops start-up with `MigrationLockTimeout`, naming that session (its pid, application, client, state,
-statement), rather than hold the process forever with nothing in its log.
+statement), rather than hold the process forever with nothing in its log. A migration in a transaction waits
+at most TABLE_LOCK_WAIT_S for a table another session's transaction holds (`lock_timeout`), then lets go and tries
+again, TABLE_LOCK_TRIES times in all: while an ALTER TABLE waits for its lock every statement on that table queues
+behind it, the request path's too, so it must not wait long; after the last try start-up stops, naming the
+oldest open transactions.
 
 The stores share this module's conventions: SQL is written once with `?` placeholders, as SQLite takes them,
 and `pg` turns them into psycopg's `%s`; `is_db_fault` tells a fault of the database (retry later) from one a
@@ -47,6 +51,8 @@ CREATE TABLE IF NOT EXISTS tiergate_migrations (
 _MIGRATION_LOCK = 0x7469657267617465  # "tiergate": one advisory lock for every component's migrations
 LOCK_POLL_S = 0.05  # between tries for it, while another replica migrates
 LOCK_WAIT_S = 300.0  # ...for at most this long (an index built concurrently on a long table takes minutes)
+TABLE_LOCK_WAIT_S = 2.0  # a migration's wait for a table's lock, each try (what the tables' statements queue behind)
+TABLE_LOCK_TRIES = 10
 
 
 class MigrationLockTimeout(psycopg.Error):
@@ -135,9 +141,7 @@ def migrate(conn: psycopg.Connection[Any], component: str, migrations: Sequence[
                 migration.apply(conn)
                 _applied(conn, component, version)
             else:
-                with conn.transaction():
-                    conn.execute(migration)  # several statements, no parameters
-                    _applied(conn, component, version)
+                _apply(conn, component, version, migration)
             log.warning("fleet database: %s migrated to version %d", component, version)
             done.add(version)
     finally:
@@ -148,6 +152,35 @@ def migrate(conn: psycopg.Connection[Any], component: str, migrations: Sequence[
         log.warning("fleet database: %s is at version %d, newer than this release knows (%d); its additions are "
                     "ignored", component, newest, len(migrations))
     return newest
+
+
+def _apply(conn: psycopg.Connection[Any], component: str, version: int, migration: str) -> None:
+    """`migration` and its version's row in one transaction, its waits for table locks bounded (module docstring)."""
+    for attempt in range(1, TABLE_LOCK_TRIES + 1):
+        try:
+            with conn.transaction():
+                conn.execute(f"SET LOCAL lock_timeout = {max(1, int(TABLE_LOCK_WAIT_S * 1000))}")
+                conn.execute(migration)  # several statements, no parameters
+                _applied(conn, component, version)
+            return
+        except pg_errors.LockNotAvailable as exc:
+            if attempt == TABLE_LOCK_TRIES:
+                raise MigrationLockTimeout(
+                    f"{component}'s migration {version} could not lock its tables: another session's transaction "
+                    f"held them through {TABLE_LOCK_TRIES} tries of {TABLE_LOCK_WAIT_S:g} s; nothing of it was "
+                    f"applied. The oldest open transactions: {_oldest_transactions(conn)}") from exc
+            log.warning("fleet database: %s's migration %d waited %g s for a table another session holds; trying "
+                        "again (%d of %d)", component, version, TABLE_LOCK_WAIT_S, attempt + 1, TABLE_LOCK_TRIES)
+            time.sleep(LOCK_POLL_S * 10)  # what queued behind the ALTER runs meanwhile
+
+
+def _oldest_transactions(conn: psycopg.Connection[Any]) -> str:
+    rows = conn.execute(
+        "SELECT pid, application_name, state, EXTRACT(EPOCH FROM now() - xact_start)::int, "
+        "left(regexp_replace(query, '\\s+', ' ', 'g'), 200) FROM pg_stat_activity WHERE datname = current_database() "
+        "AND pid <> pg_backend_pid() AND xact_start IS NOT NULL ORDER BY xact_start LIMIT 3").fetchall()
+    return "; ".join(f"pid {pid} (application {app or '-'!r}, {state}, open {age} s, last statement: {query!r})"
+                     for pid, app, state, age, query in rows) or "none now (start again)"
 
 
 def _lock_holder(conn: psycopg.Connection[Any]) -> str:

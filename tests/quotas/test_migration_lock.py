@@ -44,3 +44,40 @@ def test_a_migration_lock_held_without_end_stops_start_up_naming_its_holder(
         assert open_schema(database_url) == len(MIGRATIONS)  # the lock let go: the next start migrates
     finally:
         holder.close()
+
+
+def test_a_migration_waiting_on_a_table_another_transaction_holds_gives_up_and_names_it(
+        database_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A transaction left open on the ledger's table (a psql session, a stuck report) during an upgrade: the ALTER
+    TABLE of migration 3 waited for it without end, and every statement on the table queued behind it (the gateway's
+    writes too). Its wait is bounded, tried again, then start-up stops naming the open transaction; nothing of that
+    migration is applied, and the next start, the table free, applies it."""
+    monkeypatch.setattr(fleet_db, "TABLE_LOCK_WAIT_S", 0.2, raising=False)
+    monkeypatch.setattr(fleet_db, "TABLE_LOCK_TRIES", 2, raising=False)
+    assert open_schema(database_url, upto=2) == 2
+    holder = psycopg.connect(database_url, application_name="open-psql")  # not autocommit: its transaction stays
+    try:
+        pid = holder.info.backend_pid
+        holder.execute("SELECT count(*) FROM requests")
+        ended: list[BaseException | int] = []
+
+        def start() -> None:
+            try:
+                ended.append(open_schema(database_url))
+            except BaseException as exc:  # what start-up ended with is the test's
+                ended.append(exc)
+
+        starting = threading.Thread(target=start, daemon=True)
+        starting.start()
+        starting.join(10)
+        hung = starting.is_alive()
+        holder.rollback()  # lets a hung one finish
+        starting.join(10)
+        assert not hung and len(ended) == 1 and isinstance(ended[0], MigrationLockTimeout)
+        assert "ledger's migration 3 could not lock its tables" in str(ended[0])
+        assert f"pid {pid}" in str(ended[0]) and "'open-psql'" in str(ended[0])
+        with psycopg.connect(database_url) as conn:
+            assert conn.execute("SELECT max(version) FROM tiergate_migrations").fetchone() == (2,)
+        assert open_schema(database_url) == len(MIGRATIONS)
+    finally:
+        holder.close()
