@@ -187,7 +187,7 @@ def _lock_holder(conn: psycopg.Connection[Any]) -> str:
     """Who holds the migration lock, in words: its backend's pid, application, client, state and last statement
     (what pg_stat_activity shows this user), or that it was let go meanwhile."""
     row = conn.execute(
-        "SELECT a.pid, a.application_name, host(a.client_addr), a.state, "
+        "SELECT l.pid, a.application_name, host(a.client_addr), a.state, "
         "EXTRACT(EPOCH FROM now() - a.state_change)::int, left(regexp_replace(a.query, '\\s+', ' ', 'g'), 200) "
         "FROM pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid WHERE l.locktype = 'advisory' AND l.granted "
         "AND l.classid::bigint = %s AND l.objid::bigint = %s AND l.objsubid = 1 LIMIT 1",
