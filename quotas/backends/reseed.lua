@@ -9,7 +9,7 @@ local function raise(key, total, ttl)
   if total <= 0 then return end
   local held = tonumber(redis.call('GET', key) or '0')
   if held < total then
-    redis.call('SET', key, total)
+    redis.call('SET', key, pico(total))
   end
   redis.call('EXPIRE', key, ttl)
 end

@@ -112,7 +112,7 @@ for i = 0, n - 1 do
   end
 end
 
-local record = {'st', 'r', 'tok', tokens, 'pico', money, 'day', c.day, 'month', c.month, 'n', n}
+local record = {'st', 'r', 'tok', tokens, 'pico', pico(money), 'day', c.day, 'month', c.month, 'n', n}
 for i = 0, n - 1 do
   local k = 2 + 5 * i
   if follows then redis.call('ZREM', KEYS[k + 5], follows) else redis.call('ZADD', KEYS[k + 1], now, rid) end
@@ -124,8 +124,8 @@ for i = 0, n - 1 do
   spent_day[i] = spent_day[i] + money
   spent_month[i] = spent_month[i] + money
   if money ~= 0 then
-    redis.call('INCRBY', day_keys[i], money)
-    redis.call('INCRBY', month_keys[i], money)
+    redis.call('INCRBY', day_keys[i], pico(money))
+    redis.call('INCRBY', month_keys[i], pico(money))
   end
   redis.call('EXPIRE', day_keys[i], DAY_TTL)
   redis.call('EXPIRE', month_keys[i], MONTH_TTL)

@@ -49,11 +49,18 @@ local function clock(at, lag)
   return c
 end
 
+-- a whole number of picodollars as Redis must be handed it: its digits. Redis writes a Lua number with 17
+-- significant digits, so 1.2e17 ($120,000) went as '1.2e+17', which INCRBY refuses and which, SET, left a counter
+-- no later INCRBY could add to. (A double holds picodollars exactly to 2**53, $9,007; past it, to 1024 of them.)
+local function pico(n)
+  return string.format('%d', n)
+end
+
 -- add `delta` to a money counter and keep it `ttl` seconds; a refund to a counter that is gone (its period
 -- ended long ago, or Redis lost it) is dropped rather than leaving a negative counter behind
 local function add_money(key, delta, ttl)
   if delta == 0 or (delta < 0 and redis.call('EXISTS', key) == 0) then return end
-  redis.call('INCRBY', key, delta)
+  redis.call('INCRBY', key, pico(delta))
   redis.call('EXPIRE', key, ttl)
 end
 

@@ -203,3 +203,27 @@ async def test_a_tenant_the_ledger_never_saw_is_seeded_once(own_redis: RedisServ
         assert reads == 1 and await counters(own_redis.url, "new") == (300, 300)
     finally:
         await b.close()
+
+
+BIG = ScopeLimits("t", budget_day_pico=10**18, budget_month_pico=10**18)  # $1,000,000
+
+
+async def test_money_past_17_digits_stays_an_integer_in_redis(own_redis: RedisServer, ledger: Ledger) -> None:
+    """Lua writes a number with 17 significant digits: 1.2e17 picodollars ($120,000) went to Redis as '1.2e+17',
+    which INCRBY refuses as no integer. Every script now hands Redis money as the integer's digits: a request of
+    $120,000 reserves and settles, and a re-seed to a ledger's total of $120,000.000001 leaves a counter that
+    later spend can still be added to."""
+    b = RedisBackend(own_redis.url, timeout_s=0.5, tenant_spend=tenant_spend_source(ledger))
+    try:
+        big = 120_000 * 10**12
+        r = ReservationRequest(f"rs{next(_n)}", "acme", (BIG,), 10, big)
+        assert (await b.reserve(r)).admitted
+        await ledger.record(_row(r.request_id, Decimal(big + 10**6) / 10**12))
+        await b.settle(r, tokens=1, money_pico=big + 10**6)
+        assert await counters(own_redis.url) == (big + 10**6, big + 10**6)
+        own_redis.flush()  # lost: the next reserve re-seeds from the ledger's total
+        again = ReservationRequest(f"rs{next(_n)}", "acme", (BIG,), 10, 10**6)  # (a multiple of 2**6: Lua reads
+        assert (await b.reserve(again)).admitted                                 # it back exactly at this size)
+        assert await counters(own_redis.url) == (big + 2 * 10**6, big + 2 * 10**6)
+    finally:
+        await b.close()
