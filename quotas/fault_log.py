@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import sqlite3
+import threading
 
 import psycopg
 from redis.exceptions import RedisError
@@ -25,27 +26,33 @@ MAX_DISTINCT = 20  # distinct faults logged in one outage; past that, only the r
 
 class FaultLog:
     """`failed(exc)` at each failed round, `ok()` at each round that worked; `rounds` names them in the recovery
-    line ("requests" for a path every request takes). Called from one thread (the event loop's)."""
+    line ("requests" for a path every request takes). Safe to call from several threads (a store's query threads);
+    a fault's text is one line (a driver's message may hold several: its DETAIL and HINT)."""
 
     def __init__(self, log: logging.Logger, what: str, *, known: tuple[type[BaseException], ...] = STORE_ERRORS,
                  level: int = logging.WARNING, rounds: str = "rounds") -> None:
         self.log, self.what, self.known, self.level, self.rounds = log, what, known, level, rounds
         self.failures = 0  # failed rounds since the last that worked
         self._seen: set[str] = set()
+        self._lock = threading.Lock()
 
     def failed(self, exc: BaseException) -> None:
-        self.failures += 1
-        fault = f"{type(exc).__name__}: {exc}"
-        if fault in self._seen or len(self._seen) >= MAX_DISTINCT:
-            return
-        self._seen.add(fault)
+        fault = " ".join(f"{type(exc).__name__}: {exc}".split())
+        with self._lock:
+            self.failures += 1
+            if fault in self._seen or len(self._seen) >= MAX_DISTINCT:
+                return
+            self._seen.add(fault)
         if isinstance(exc, self.known):
             self.log.log(self.level, "%s failed (logged once until it works again): %s", self.what, fault)
         else:  # a bug: its traceback
             self.log.error("%s failed", self.what, exc_info=exc)
 
     def ok(self) -> None:
-        if self.failures:
-            self.log.log(self.level, "%s recovered after %d failed %s", self.what, self.failures, self.rounds)
-            self.failures = 0
+        if not self.failures:  # the common case, read without the lock
+            return
+        with self._lock:
+            failures, self.failures = self.failures, 0
             self._seen.clear()
+        if failures:
+            self.log.log(self.level, "%s recovered after %d failed %s", self.what, failures, self.rounds)

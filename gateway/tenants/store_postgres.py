@@ -43,6 +43,7 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 
 from gateway.errors import Unavailable
 from gateway.tenants.store import MAX_CACHED, TenantStore, _Entry
+from quotas.fault_log import FaultLog
 from quotas.fleet_db import CONNECT_TIMEOUT_S, bounded, connect, migrate, pg
 
 log = logging.getLogger("tiergate.tenants")
@@ -51,6 +52,7 @@ COMPONENT = "tenants"
 CHANNEL = "tiergate_fleet"
 POLL_S = 0.5  # the listener reads the change counter at least this often, notification or not
 BREAKER_S = 1.0  # after a failed query, queries fail at once for this long
+LISTEN_BACKOFF_S = (0.1, 2.0)  # the listener's reconnects while the database is down: first wait, doubling to the last
 LOOKUP_THREADS = 2  # threads for the event loop's key lookups; the pool keeps the rest of its connections
 STATEMENT_TIMEOUT_S = 5.0  # a query (a lookup, an admin change, a rotation's lock) waits no longer
 MAX_LOOKUPS = 64  # key ids looked up or waiting at once; past it a lookup is a 503 (a flood, or the database slow)
@@ -135,6 +137,11 @@ class PostgresTenantStore(TenantStore):
         self._lookups = ThreadPoolExecutor(LOOKUP_THREADS, thread_name_prefix="tenant-lookup")
         self._pending: dict[str, asyncio.Future[_Entry | None]] = {}  # key id -> its lookup in flight
         self._real: dict[str, None] = {}  # ids found to be keys, kept when the caches are emptied (not made up)
+        # an outage in the log: each fault once, then one line when it works again (not one a BREAKER_S, a reconnect)
+        self._query_faults = FaultLog(log, "tenant store: reaching the fleet database (requests get 503)",
+                                      level=logging.ERROR, rounds="queries")
+        self._listen_faults = FaultLog(log, "tenant store: listening for the fleet database's changes (requests get "
+                                            "503 until it reads them again)", level=logging.ERROR, rounds="reconnects")
 
     def close(self) -> None:
         self._stop.set()
@@ -187,6 +194,7 @@ class PostgresTenantStore(TenantStore):
         full = self._lent >= self._max_connections  # every connection lent as this one starts to wait
         try:
             with self._pool.connection() as conn, self._lending():
+                self._query_faults.ok()
                 yield conn
         except PoolTimeout as exc:
             if full or self._lent >= self._max_connections:  # overload: the queries holding them are answered
@@ -217,9 +225,8 @@ class PostgresTenantStore(TenantStore):
         """A fault of the database or the way to it: queries fail at once for BREAKER_S."""
         self._broken_until = time.monotonic() + BREAKER_S
         # the driver's words (the server's host and port, the user, its DETAIL lines) are the log's, not the
-        # tenant's: about one line a BREAKER_S, as the queries in between fail at once without asking
-        log.error("tenant store: the fleet database cannot be reached, requests get 503 for %g s: %s",
-                  BREAKER_S, str(exc).strip())
+        # tenant's: once an outage, as the queries in between fail at once without asking (the breaker)
+        self._query_faults.failed(exc)
         raise _unavailable() from exc
 
     def _fetchone(self, sql: str, args: tuple[Any, ...] = ()) -> tuple[Any, ...] | None:
@@ -257,23 +264,25 @@ class PostgresTenantStore(TenantStore):
         return False
 
     def _listen(self) -> None:
-        """LISTEN for changes and read the counter after each, and every POLL_S; reconnect with backoff."""
-        backoff = 0.1
+        """LISTEN for changes and read the counter after each, and every POLL_S; reconnect with backoff. Whatever
+        fails (the database, or a bug) leaves the caches untrusted (`_seen` None) and the thread alive."""
+        first, most = LISTEN_BACKOFF_S
+        backoff = first
         while not self._stop.is_set():
             try:
                 with connect(self.url) as conn:
                     conn.execute(f"LISTEN {CHANNEL}")
                     while not self._stop.is_set():
                         row = conn.execute("SELECT version FROM fleet_changes WHERE id = 1").fetchone()
-                        self._seen, backoff = int(row[0]) if row else None, 0.1
+                        self._seen, backoff = int(row[0]) if row else None, first
+                        self._listen_faults.ok()
                         for _ in conn.notifies(timeout=POLL_S, stop_after=1):
                             pass
-            except psycopg.Error as exc:
-                if self._seen is not None:
-                    log.error("tenant store: lost the fleet database, requests get 503 until it is back: %s", exc)
+            except Exception as exc:
                 self._seen = None
+                self._listen_faults.failed(exc)
                 self._stop.wait(backoff)
-                backoff = min(2.0, backoff * 2)
+                backoff = min(most, backoff * 2)
 
 
 # what a tenant (or an admin) reads while the fleet database cannot be reached; why is in the log (`_connection`)
