@@ -32,6 +32,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from quotas.fault_log import FaultLog
 from tiers.breaker import State
 from tiers.catalogue import TierCatalogue, TierSpec
 from tiers.client import TierClient
@@ -143,6 +144,7 @@ class Fleet:
         else:
             self._follower = EngineFollower(engines_file, [rep for _, rep in local], client)
         self.affinity = AffinityMap()
+        self._no_replica: dict[str, FaultLog] = {}  # per label: a tier outage logged once, not per request
         self.hardware_groups = self._groups(budget is not None)
 
     def _plan(self, local: Sequence[tuple[TierSpec, Replica]], budget: Sequence[int] | None, *,
@@ -276,11 +278,17 @@ class Fleet:
         label = reps[0].tier if reps else tier
         preferred = self.affinity.get(affinity, label, tenant) if affinity is not None else None
         replica, why = choose_replica(reps, exclude=exclude, preferred=preferred)
+        faults = self._no_replica.get(label)
         if replica is None:  # the message reaches the tenant: the replicas' public reasons, not their own
             named = f"tier {tier!r}" if label == tier else f"tier {tier!r} version {version!r}"
-            log.info("%s has no replica that can take a request: %s", named, why)
+            if faults is None:
+                faults = self._no_replica[label] = FaultLog(log, f"{named}: choosing a replica", level=logging.INFO,
+                                                            known=(NoTierAvailable,), rounds="requests")
+            faults.failed(NoTierAvailable(f"no replica can take a request: {why}"))
             raise NoTierAvailable(f"{named} has no replica that can take a request: "
                                   f"{_why_none_public(reps, exclude or set())}")
+        if faults is not None:
+            faults.ok()
         replica.breaker.begin()
         return replica, why
 

@@ -46,12 +46,17 @@ from assets.engine_key import ENGINE_API_KEY_ENV
 from assets.model_dtype import auto_dtype
 from assets.model_source import is_prepared, resolve_model
 from assets.parent_watch import ENGINE_INSTANCE_ENV, die_with_parent
+from quotas.fault_log import FaultLog
 from tiers.catalogue import TierSpec
 from tiers.client import TierClient
 from tiers.errors import TierError, UpstreamRejected
 from tiers.replica import Replica
 
 log = logging.getLogger("tiergate.supervisor")
+
+
+class EngineDown(Exception):
+    """Why an engine's run ended (it exited, or was killed), as its crash loop's FaultLog logs it."""
 BACKOFF_START_S = 1.0
 BACKOFF_MAX_S = 30.0
 STABLE_AFTER_S = 60.0  # an engine up this long resets the backoff
@@ -140,6 +145,9 @@ class EngineProcess:
         self.instance = ""  # this start's nonce, which the engine's /health must report
         self._kill_reason: str | None = None
         self._stopping = False
+        # a crash loop in the log: each reason once, then one line when it is ready again (not a line a restart)
+        self._crashes = FaultLog(log, f"tier {self.label} replica {replica.index}: its engine", known=(EngineDown,),
+                                 rounds="starts")
 
     def command(self, port: int) -> list[str]:
         spec = self.spec
@@ -213,8 +221,8 @@ class EngineProcess:
             self.replica.restarts += 1
             why = self._kill_reason or f"engine exited with code {rc}"
             self.replica.mark("down", f"{why}; restarting in {backoff:.0f}s")
-            log.warning("tier %s replica %d: %s; restart %d in %.0fs (log: %s)", self.label,
-                        self.replica.index, why, self.replica.restarts, backoff, self.log_path)
+            self._crashes.failed(EngineDown(f"{why}; restarting with backoff up to {BACKOFF_MAX_S:g}s "
+                                            f"(log: {self.log_path})"))
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, BACKOFF_MAX_S)
 
@@ -269,12 +277,14 @@ class EngineProcess:
         failures = 0
         while not waiter.done() and self._kill_reason is None:
             problem = await self._probe()
-            if waiter.done():  # it exited while being probed: run() reports its exit code
-                break
+            if waiter.done() or self._stopping:  # it exited while being probed (run() reports its exit code), or
+                break  # is being stopped: a probe failing now is no fault
             if problem is None:
                 failures = 0
                 if not self.replica.healthy or self.replica.reason:
-                    if not ready_once:
+                    if not ready_once and self._crashes.failures:
+                        self._crashes.ok()  # the line that ends a crash loop's
+                    elif not ready_once:
                         log.info("tier %s replica %d ready at %s", self.label, self.replica.index,
                                  self.replica.url)
                     self.replica.mark("ready", "")
@@ -295,7 +305,7 @@ class EngineProcess:
         await waiter
 
     def _kill(self, proc: asyncio.subprocess.Process, reason: str) -> None:
-        log.error("tier %s replica %d: %s; killing it", self.label, self.replica.index, reason)
+        """Logged as `run` restarts it (once in a crash loop: `_crashes`)."""
         self._kill_reason = f"engine killed: {reason}"
         self.replica.mark("down", self._kill_reason)
         with contextlib.suppress(ProcessLookupError):
