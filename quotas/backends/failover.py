@@ -51,6 +51,7 @@ from quotas.backends.base import Billed, QuotaBackend, QuotaBackendError
 from quotas.backends.journal import FallbackRow, FallbackRows, OutageJournal, fallback_mark
 from quotas.backends.memory import MemoryBackend
 from quotas.backends.redis import RedisBackend
+from quotas.fault_log import FaultLog
 from quotas.limits import Decision, ReservationRequest, ScopeLimits, Spend, dating_instant, utc_dates
 
 log = logging.getLogger("tiergate.quotas")
@@ -99,6 +100,12 @@ class FailoverBackend(QuotaBackend):
         self._seeding: asyncio.Task[None] | None = None
         self._flushing = asyncio.Lock()
         self._tasks: set[asyncio.Task[None]] = set()
+        # in the log once per fault, then one line when it works again: a flush after each local settle, a ledger
+        # read at each outage's start (a flapping Redis begins many)
+        self._flush_faults = FaultLog(log, "applying the quota fallback's outage journal to Redis (retried later)",
+                                      level=logging.INFO, rounds="flushes")
+        self._seed_faults = FaultLog(log, "reading the ledger's spend for the quota fallback (the last figures from "
+                                          "Redis hold)", rounds="reads")
         primary.before_reseed = self.flush_journal  # a Redis that lost its data: the journal before the ledger read
 
     @property
@@ -177,9 +184,10 @@ class FailoverBackend(QuotaBackend):
     async def _seed_from_ledger(self) -> None:
         try:
             totals = await self._ledger_spend(time.time() + self._clock_offset_s)  # type: ignore[misc]
-        except Exception:  # the last figures from Redis still hold; the outage must not fail on the ledger
-            log.exception("reading the ledger's spend for the quota fallback failed")
+        except Exception as exc:  # the last figures from Redis still hold; the outage must not fail on the ledger
+            self._seed_faults.failed(exc)
             return
+        self._seed_faults.ok()
         for (tenant, scope), s in totals.items():
             self.local.seed_spend(tenant, scope, day=s.day, month=s.month, day_pico=s.day_pico,
                                   month_pico=s.month_pico)
@@ -350,7 +358,9 @@ class FailoverBackend(QuotaBackend):
     def _done(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
         if not task.cancelled() and (exc := task.exception()) is not None:
-            log.info("quota fallback background work failed (retried later): %s", exc)
+            self._flush_faults.failed(exc)
+        elif not task.cancelled():
+            self._flush_faults.ok()
 
     async def close(self) -> None:
         if len(self.journal):

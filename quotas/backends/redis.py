@@ -41,6 +41,7 @@ from redis.exceptions import TimeoutError as RedisTimeout
 
 from quotas.backends.base import Billed, QuotaBackend, QuotaBackendError
 from quotas.backends.redis_recovery import RedisRecovery, TenantSpend
+from quotas.fault_log import FaultLog
 from quotas.limits import MAX_DATING_LAG_S, WINDOW_S, Decision, ReservationRequest, Spend, Usage
 
 log = logging.getLogger("tiergate.quotas")
@@ -123,6 +124,10 @@ class RedisBackend(RedisRecovery, QuotaBackend):
         self.max_dating_lag_s = max_dating_lag_s  # the most an arrival may date money before Redis' clock
         self.replica_id = uuid.uuid4().hex[:16]
         self.num_settle_retries = 0  # settles that failed once and went to the background
+        # an outage's failed settles (every request in flight as it began) in the log once, then one line when one
+        # works again: not a line each, and another each as its retries give up
+        self._settle_faults = FaultLog(log, "settling reservations in Redis (retried in the background)",
+                                       rounds="settles")
         self.num_reaped = 0  # reservations this replica's reaper returned
         self.num_late_timeouts = 0  # reserve and spent tries repeated because this process read their answer late
         self.num_register_timeouts = 0  # registrations in the reapers' list that timed out (retried by later requests)
@@ -240,8 +245,10 @@ class RedisBackend(RedisRecovery, QuotaBackend):
             await self._finish(req, tokens=tokens, money_pico=money_pico, kind="settle")
         except QuotaBackendError as exc:
             self.num_settle_retries += 1
-            log.warning("settling %s failed (%s); retrying in the background", req.request_id, exc)
+            self._settle_faults.failed(exc)
             self._spawn(self._retry_settle(req, tokens, money_pico))
+        else:
+            self._settle_faults.ok()
 
     async def cancel(self, req: ReservationRequest) -> None:
         """Undo `req`'s reservation (request, tokens, money, lease) if it was made; harmless if it was not."""
@@ -291,11 +298,12 @@ class RedisBackend(RedisRecovery, QuotaBackend):
             await asyncio.sleep(wait)
             try:
                 await self._finish(req, tokens=tokens, money_pico=money_pico, kind="settle")
+                self._settle_faults.ok()
                 return
             except QuotaBackendError:
                 wait = min(2 * wait, SETTLE_BACKOFF_S[1])
-        log.error("could not settle %s for %.0fs: its lease's reaper returns it", req.request_id,
-                  self.settle_retry_s)
+        self._settle_faults.failed(QuotaBackendError(
+            f"a settle retried for {self.settle_retry_s:g}s is given up: its lease's reaper returns it"))
 
     async def _cancel_lost(self, req: ReservationRequest) -> None:
         """One try now; if Redis does not answer, once a second in the background."""
@@ -312,8 +320,8 @@ class RedisBackend(RedisRecovery, QuotaBackend):
                 return
             except QuotaBackendError:
                 pass
-        log.warning("could not undo reservation %s after a timeout: its lease's reaper returns it",
-                    req.request_id)
+        self._settle_faults.failed(QuotaBackendError(
+            "undoing a reservation whose answer was lost is given up: its lease's reaper returns it"))
 
     async def _register(self, tenant: str) -> None:
         """Put the tenant in the list the reapers walk (once per reaper round per process). A timeout here is not
