@@ -2,8 +2,9 @@
 
 Several gateway processes share one cache store; each keeps its own faiss index and its own map of recent
 entries, so each applies the others' writes and deletes from the store's change log (`CacheStore.changes_since`).
-Lookups catch up at most every `interval_s`; while the last catch-up is that recent, the cache may trust its map
-of recent entries (cache/recent.py), as no deletion elsewhere is older than it and still unapplied.
+Lookups catch up at most every `interval_s` (`due`); while the last catch-up that worked is that recent, the cache
+may trust its map of recent entries (cache/recent.py), as no deletion elsewhere is older than it and still
+unapplied. One that failed (the store down or locked) is tried again after `interval_s` too, but earns no trust.
 """
 
 from __future__ import annotations
@@ -26,12 +27,16 @@ class ChangeFeed:
         self.store = store
         self.interval_s = interval_s
         self._cursor = store.change_cursor()
-        self._last = time.monotonic()
+        self._last = self._tried = time.monotonic()  # when the last catch-up that worked, and the last one, began
         self._lock = threading.Lock()
 
     def recent(self) -> bool:
-        """True while the last catch-up is less than `interval_s` old."""
+        """True while the last catch-up that worked began less than `interval_s` ago."""
         return time.monotonic() - self._last < self.interval_s
+
+    def due(self) -> bool:
+        """True once the last catch-up, whether it worked or not, began `interval_s` ago or more."""
+        return time.monotonic() - self._tried >= self.interval_s
 
     def catch_up(self, apply: Callable[[Change], None], before: Callable[[], None] = lambda: None) -> int:
         """Call `apply` on every change since the cursor, in order, then move the cursor past them. Returns how
@@ -40,12 +45,13 @@ class ChangeFeed:
         if not self._lock.acquire(blocking=False):
             return 0
         try:
-            self._last = time.monotonic()
+            began = self._tried = time.monotonic()
             before()
             applied = 0
             while True:
                 cursor, changes = self.store.changes_since(self._cursor)
                 if not changes:
+                    self._last = began
                     return applied
                 for change in changes:
                     apply(change)

@@ -236,7 +236,7 @@ class SemanticCache:
 
     def _exact(self, plan: _Plan) -> LookupResult | None:
         """The store's exact entry, or a miss when there is nothing to compare by meaning; None: go semantic."""
-        if not self.feed.recent():
+        if self.feed.due():
             self.sync()  # writes the LRU marks of hits served from memory
             self.writes.checkpoint_soon()
         entry = self.entries.find_exact(plan.scope_id, plan.exact_key)

@@ -3,6 +3,9 @@ store no longer holds once the change log has been read."""
 
 from __future__ import annotations
 
+import contextlib
+import math
+import sqlite3
 import time
 from pathlib import Path
 
@@ -87,3 +90,41 @@ def test_recent_entries_are_bounded_and_least_recently_used_goes_first() -> None
     assert recent.get("s", "k0", now=3.0) is None
     recent.put(_entry(9, expires_at=5.0))
     assert recent.get("s", "k9", now=5.0) is None and len(recent) == 2  # expired: dropped on sight
+
+
+class LockedLogStore(SQLiteStore):
+    """SQLiteStore whose change log cannot be read while `locked` (another process holds the file)."""
+
+    locked = False
+    refused = 0
+
+    def changes_since(self, cursor: int) -> tuple[int, list[tuple[str, str, str]]]:
+        if self.locked:
+            self.refused += 1
+            raise sqlite3.OperationalError("database is locked")
+        return super().changes_since(cursor)  # type: ignore[return-value]
+
+
+def test_a_catch_up_that_failed_earns_no_trust_in_remembered_entries(tmp_path: Path, embedder: Embedder,
+                                                                     clock: FakeClock) -> None:
+    """Another process purged an entry; this one's catch-up then failed: the failed try counted as a catch-up, so
+    for `sync_interval_s` after each failure the entry was served from memory, deleted, and a store locked again and
+    again kept it so. Now a failed catch-up trusts nothing: the lookup asks the store, which has no entry."""
+    path = tmp_path / "cache.sqlite3"
+    store = LockedLogStore(path)
+    replica = SemanticCache(store, embedder, clock=clock, sync_interval_s=60.0)
+    body = chat(Q)
+    replica.store(scope(body), body, "3.1 miles")
+    assert replica.lookup(scope(body), body).status == "hit"
+    other = SemanticCache(SQLiteStore(path), embedder, clock=clock, sync_interval_s=60.0)
+    assert other.purge("acme") == 1
+    replica.feed._last = replica.feed._tried = -math.inf  # a minute on: the replica's catch-up is due
+    store.locked = True
+    with contextlib.suppress(sqlite3.OperationalError):  # the lookup that tried (the gateway serves it as a miss)
+        replica.lookup(scope(body), body)
+    store.locked = False
+    assert store.refused == 1
+    assert replica.lookup(scope(body), body).status == "miss"  # was a hit: the purged entry, from memory
+    assert not replica.feed.recent()
+    for c in (replica, other):
+        c.close()
