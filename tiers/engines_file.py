@@ -18,17 +18,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from quotas.fault_log import FaultLog
 from tiers.client import TierClient
 from tiers.replica import Replica
 from tiers.supervisor import HEALTH_EVERY_S, HEALTH_FAILURES_TO_KILL, PROBE_TIMEOUT_S, EngineProcess, probe_engine
 
 ENGINES_FILE = "engines.json"  # in the data directory
+log = logging.getLogger("tiergate.supervisor")
+
 PUBLISH_EVERY_S = 0.25  # how often the parent looks for a change to publish
 
 
@@ -67,13 +71,21 @@ def write_document(path: Path, document: dict[str, Any]) -> None:
 
 
 async def publish_engines(path: Path, document: Any, every_s: float = PUBLISH_EVERY_S) -> None:
-    """Rewrite `path` whenever `document()` changes (the parent's task, until cancelled)."""
+    """Rewrite `path` whenever `document()` changes (the parent's task, until cancelled). A write that fails (a full
+    disk, a read-only data directory) is tried again next round, logged once until one works: it ended the task, and
+    the workers then followed no restart of an engine again."""
     last: dict[str, Any] | None = None
+    faults = FaultLog(log, f"publishing the local engines to {path} (the workers follow it)")
     while True:
         current = document()
         if current != last:
-            await asyncio.to_thread(write_document, path, current)
-            last = current
+            try:
+                await asyncio.to_thread(write_document, path, current)
+            except OSError as exc:
+                faults.failed(exc)
+            else:
+                faults.ok()
+                last = current
         await asyncio.sleep(every_s)
 
 

@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 
 from tests.tiers.test_supervisor import StubEngineProcess, built_model, spec, wait_until
-from tiers import supervisor
+from tiers import engines_file, supervisor
 from tiers.catalogue import TierCatalogue
 from tiers.client import TierClient
+from tiers.engines_file import publish_engines, write_document
 from tiers.errors import NoTierAvailable
 from tiers.fleet import Fleet
 from tiers.replica import Replica
@@ -75,3 +76,32 @@ def test_a_tier_with_no_replica_up_logs_once_not_per_request(tmp_path: Path,
     assert len(lines) == 2, lines
     assert "replica 0 down (health check failed: connection refused)" in lines[0]
     assert lines[1] == "tier 'mid': choosing a replica recovered after 50 failed requests"
+
+
+async def test_publishing_the_engines_outlives_a_full_disk_and_says_so_once(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch,
+                                                                            caplog: pytest.LogCaptureFixture) -> None:
+    """The parent's writes of the engines file fail 30 rounds (a full disk), then work: the task went on (it ended at
+    the first, and the workers then never heard of an engine's restart), one line, then one, and the file is there."""
+    path = tmp_path / "engines.json"
+    failures = 30
+
+    def write(to: Path, document: object) -> None:
+        nonlocal failures
+        if failures:
+            failures -= 1
+            raise OSError(28, "No space left on device")
+        write_document(to, document)
+
+    monkeypatch.setattr(engines_file, "write_document", write)
+    with caplog.at_level(logging.INFO, logger="tiergate.supervisor"):
+        task = asyncio.create_task(publish_engines(path, lambda: {"core_budget": None, "replicas": []}, every_s=0))
+        try:
+            await wait_until(lambda: path.exists() or task.done())
+            assert not task.done()
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    got = [r.getMessage() for r in caplog.records if r.name == "tiergate.supervisor"]
+    assert len(got) == 2, got
+    assert "No space left on device" in got[0] and got[1].endswith("recovered after 30 failed rounds")
