@@ -33,6 +33,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import secrets
 import socket
 import sys
@@ -221,10 +222,16 @@ class EngineProcess:
             self.replica.restarts += 1
             why = self._kill_reason or f"engine exited with code {rc}"
             self.replica.mark("down", f"{why}; restarting in {backoff:.0f}s")
-            self._crashes.failed(EngineDown(f"{why}; restarting with backoff up to {BACKOFF_MAX_S:g}s "
-                                            f"(log: {self.log_path})"))
+            self._crashes.failed(EngineDown(f"{self._portless(why)}; restarting with backoff up to "
+                                            f"{BACKOFF_MAX_S:g}s (log: {self.log_path})"))
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, BACKOFF_MAX_S)
+
+    def _portless(self, text: str) -> str:
+        """`text` without this start's port (each start takes a free one), so the same fault reads the same in the
+        crash loop's log (`_crashes`: once)."""
+        port = (self.replica.url or "").rpartition(":")[2]
+        return re.sub(rf"\b{port}\b", "<port>", text) if port.isdigit() else text
 
     def _mark_unbuilt(self) -> None:
         """Preparing (a build is running: say how far) or unavailable (say which command builds it)."""

@@ -105,3 +105,39 @@ async def test_publishing_the_engines_outlives_a_full_disk_and_says_so_once(tmp_
     got = [r.getMessage() for r in caplog.records if r.name == "tiergate.supervisor"]
     assert len(got) == 2, got
     assert "No space left on device" in got[0] and got[1].endswith("recovered after 30 failed rounds")
+
+
+class SilentEngine(StubEngineProcess):
+    """Never answers its port (killed at the start-up deadline) until `kills` runs have; then the stub engine."""
+
+    kills = 5
+
+    def command(self, port: int) -> list[str]:
+        if self.replica.restarts < self.kills:
+            return [sys.executable, "-c", "import time; time.sleep(60)"]
+        return super().command(port)
+
+
+async def test_an_engine_killed_at_each_start_is_one_line_though_each_start_has_its_own_port(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Each start's probe failures name its port: the same fault, logged once (was a kill line and a restart line
+    each start)."""
+    monkeypatch.setattr(supervisor, "BACKOFF_START_S", 0.01)
+    monkeypatch.setattr(supervisor, "BACKOFF_MAX_S", 0.02)
+    client = TierClient()
+    replica = Replica("mid", 0)
+    proc = SilentEngine(spec(str(built_model(tmp_path))), replica, models_dir=tmp_path, log_dir=tmp_path / "logs",
+                        client=client, start_timeout_s=0.3, health_every_s=0.05, probe_timeout_s=0.2)
+    task = asyncio.create_task(proc.run())
+    try:
+        with caplog.at_level(logging.INFO, logger="tiergate.supervisor"):
+            await wait_until(lambda: replica.healthy)
+    finally:
+        await proc.stop()
+        task.cancel()
+        await client.aclose()
+    lines = [r.getMessage() for r in caplog.records if r.name == "tiergate.supervisor"]
+    assert replica.restarts == 5
+    assert len(lines) == 2, lines
+    assert "engine not ready after" in lines[0] and "<port>" in lines[0]
+    assert lines[1] == "tier mid replica 0: its engine recovered after 5 failed starts"
