@@ -80,6 +80,13 @@ class Pipeline:
             entry = self.gate.enter(scopes_of(ctx.tenant, ctx.key_id, ctx.plan.limits, ctx.principal.key.limits))
         keep: Keep | None = None
 
+        def release() -> None:
+            """The request is over (or stopped for its lost lease): its claim, unless answered, is given up (a retry
+            runs again) and its place in the tenant's gate freed; once."""
+            if keep is not None and keep.settle() and not keep.stored and self.idempotency is not None:
+                self.settler.hand_off(self.idempotency.store.abandon(keep.claim))
+            entry.leave()
+
         def charge(err: TiergateError) -> None:
             """A refusal of the request's own fault (a body that does not parse, a model not allowed, a prompt too
             long...): it cost the event loop its parse, and maybe a count, and charges nothing else, so the gate
@@ -112,12 +119,18 @@ class Pipeline:
             with self.refusals.counted(ctx, charge):
                 prepared = await self._prepare(ctx, req, keep)
             events = cascade(self, ctx, prepared) if _cascades(ctx, prepared) else self.answer(ctx, prepared)
+
+            async def stop() -> None:
+                """Its lease lost while it waits at the `yield` (a client not reading): its work ends now, settled as
+                a client's that left (`Keep.suspend`), and its slots and claim are freed; its client is told later."""
+                await events.aclose()
+                release()
             try:
                 async for event in events:
                     if keep is not None:  # its task is the consumer's while it waits at the `yield` (`Keep`)
-                        keep.suspend()
+                        keep.suspend(stop)
                     yield event
-                    if keep is not None:  # stopped here if its lease was lost meanwhile
+                    if keep is not None:  # its client told here if its lease was lost meanwhile
                         keep.resume()
             except InvalidRequest as exc:
                 # the tier refused the request as the tenant's fault (our engine's validation: a prompt too long):
@@ -126,17 +139,15 @@ class Pipeline:
                     charge(exc)
                 raise
             finally:  # closed here when this is (a client gone at a `yield`), not when the collector frees it
+                if keep is not None:  # unless a lost lease's stop is closing them
+                    await keep.halted()
                 await events.aclose()
         except asyncio.CancelledError:
             if keep is not None and keep.stopped():  # its lease lost: settled as cancelled, and its client told so
                 raise lease_lost() from None
             raise
         finally:
-            if keep is not None:
-                keep.settle()
-                if not keep.stored and self.idempotency is not None:  # a retry runs again
-                    self.settler.hand_off(self.idempotency.store.abandon(keep.claim))
-            entry.leave()
+            release()
 
     async def _count_replay(self, ctx: RequestContext) -> None:
         """A replay is a request like any other to the tenant's request rate: it takes its place in the window (or is

@@ -46,6 +46,7 @@ import hashlib
 import logging
 import math
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from pydantic import BaseModel
@@ -89,7 +90,11 @@ class Keep:
     that left is (billed for what ran), and `stopped` tells the request that cancel was this, to answer `lease_lost()`.
     Which task runs its code: the one that made the Keep, and for an async generator (handle.py) the one that resumed it
     last; none while it is suspended at a `yield` (`suspend`; the task then runs its consumer's code, never cancelled
-    for this), when a lease lost meanwhile stops the request as it resumes (`resume`)."""
+    for this). A lease lost while it is suspended stops its work at once, in a task of its own (`suspend`'s `stop`:
+    handle.py closes the answer's events, which settles it as a client that left is, frees the tier's and the tenant's
+    slots and gives the claim up), and its client is told `lease_lost()` as it resumes (`resume`). Stopped only as it
+    resumed, a stream whose client did not read (the send held by flow control, until the stall cut's 60 s) kept its
+    slots and its claim meanwhile, while a retry could take the expired key over and run."""
 
     def __init__(self, claim: Claim, renewal: asyncio.Task[str] | None = None) -> None:
         self.claim = claim
@@ -98,24 +103,38 @@ class Keep:
         self.lost = False  # the lease may have ended while the request ran
         self._runs: asyncio.Task[Any] | None = asyncio.current_task()  # the task running the request's code now
         self._cancelled: asyncio.Task[Any] | None = None  # the task cancelled for the lost lease, not yet told
+        self._stop: Callable[[], Awaitable[None]] | None = None  # ends its work while it is suspended (`suspend`)
+        self._stopping: asyncio.Task[None] | None = None  # that stop, begun for a lease lost while suspended
         self._settled = False
         if renewal is not None:
             renewal.add_done_callback(self._renewal_ended)
 
-    def settle(self) -> None:
+    def settle(self) -> bool:
         """The request is over: its lease is renewed no more (a kept answer's record is `done`; a claim given up, or
-        one whose gateway died, frees its key when its lease ends), nor is it stopped for its lease."""
-        self._runs, self._settled = None, True
+        one whose gateway died, frees its key when its lease ends), nor is it stopped for its lease. True the first
+        time (the caller gives an unstored claim up then: once, whether the request ended or its `stop` ended it)."""
+        first = not self._settled
+        self._runs, self._stop, self._settled = None, None, True
         if self.renewal is not None:
             self.renewal.cancel()
+        return first
 
-    def suspend(self) -> None:
-        """The request's code is suspended (a generator at its `yield`): its task is its consumer's until `resume`."""
-        self._runs = None
+    def suspend(self, stop: Callable[[], Awaitable[None]] | None = None) -> None:
+        """The request's code is suspended (a generator at its `yield`): its task is its consumer's until `resume`.
+        `stop`: what ends its work should its lease be lost meanwhile, run then in a task of its own; nothing else may
+        touch what it closes until `halted`."""
+        self._runs, self._stop = None, stop
+
+    async def halted(self) -> None:
+        """Wait for the `stop` a lease lost while the request was suspended began, if it did (what it closes is
+        closed then). Its failure was logged by it."""
+        if self._stopping is not None:
+            await asyncio.shield(self._stopping)
 
     def resume(self) -> None:
-        """The request's code runs again, in the current task; `lease_lost()` raised if its lease was lost meanwhile."""
-        self._runs = asyncio.current_task()
+        """The request's code runs again, in the current task; `lease_lost()` raised if its lease was lost meanwhile
+        (its `stop` may still run: the caller awaits `halted` before it touches what that closes)."""
+        self._runs, self._stop = asyncio.current_task(), None
         if self.lost and not self.stored:
             if self._cancelled is not None:  # a cancel swallowed on the way: taken back, the error said instead
                 self._cancelled.uncancel()
@@ -140,10 +159,21 @@ class Keep:
             return
         log.error("Idempotency-Key %r (tenant %s): %s; its request is stopped, lest the key run twice", self.claim.key,
                   self.claim.tenant, "its renewals failed" if exc else renewal.result(), exc_info=exc)
-        if self._runs is None:  # suspended: stopped as it resumes (`resume`)
+        if self._runs is None:  # suspended: its work stopped now, its client told as it resumes (`resume`)
+            if self._stop is not None:
+                self._stopping = asyncio.get_running_loop().create_task(self._stopped(self._stop))
+                self._stop = None
             return
         self._cancelled = self._runs
         self._runs.cancel()
+
+    async def _stopped(self, stop: Callable[[], Awaitable[None]]) -> None:
+        """`stop`, for a lease lost while the request was suspended (`suspend`)."""
+        try:
+            await stop()
+        except Exception:
+            log.exception("stopping the request of Idempotency-Key %r (tenant %s) for its lost lease failed",
+                          self.claim.key, self.claim.tenant)
 
 
 KEEP_FOR_S = 120.0  # how long a kept claim waits for its row's final outcome here, then its store follows the row
