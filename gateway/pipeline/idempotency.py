@@ -127,7 +127,9 @@ class Keep:
 
     async def halted(self) -> None:
         """Wait for the `stop` a lease lost while the request was suspended began, if it did (what it closes is
-        closed then). Its failure was logged by it."""
+        closed then); none begins after this is asked (the request closes what it would). Its failure was logged by
+        it."""
+        self._stop = None
         if self._stopping is not None:
             await asyncio.shield(self._stopping)
 
