@@ -27,8 +27,11 @@ What one tenant may hold is bounded (`Limits`), on every store: every key stores
 (24 h), and a cached answer repeated under fresh keys is free, so without a bound one tenant's records could fill
 the disk the ledger writes to, for every tenant. A new key is refused (`Full`, a 429 before any work) while the
 tenant's live records reach `records`, or their stored answers `bytes`; expired records do not count, and a
-replay or a retry of a key already held is never refused. An answer over `answer_bytes` is not stored: its claim
-is given up with its ledger row, so the request is answered and a retry with its key runs (and is charged) again.
+replay or a retry of a key already held is never refused. An answer over `answer_bytes` is not stored, but its key
+is kept as answered: a small record (`NOT_KEPT`, with the answer's size) takes the answer's place, committed with its
+ledger row, so a retry with the key is told it ran and was too large to keep (the gateway's 409), never run and
+charged again. Given up instead, as it was, every retry of such an answer (a long one with log-probabilities) ran
+and was charged once more.
 The count is kept where a new key is claimed, so it costs the hot path no scan: SQLite keeps per-tenant totals by
 triggers, Redis a per-tenant sorted set of live keys and a hash of their sizes, PostgreSQL a totals row per tenant
 kept by triggers, which a claim of a new key locks while it checks and inserts (quotas/idempotency_totals.py). Each
@@ -133,8 +136,8 @@ Begun = Claim | Replay | Running | Mismatch | Full
 @dataclass(frozen=True)
 class Limits:
     """What one tenant may hold: a new key is refused at `records` live records or `bytes` stored; an answer over
-    `answer_bytes` is not stored. The bytes may be passed by the answers of claims in flight (each under
-    `answer_bytes`): a claim is checked before its answer exists."""
+    `answer_bytes` is not stored (`NOT_KEPT` stands in for it). The bytes may be passed by the answers of claims in
+    flight (each under `answer_bytes`): a claim is checked before its answer exists."""
 
     records: int = MAX_RECORDS_PER_TENANT
     bytes: int = MAX_BYTES_PER_TENANT
@@ -145,6 +148,13 @@ class Limits:
 
 
 DEFAULT_LIMITS = Limits()
+# what a `done` record holds in place of an answer over `Limits.answer_bytes`: {NOT_KEPT: its size in bytes}
+NOT_KEPT = "tiergate_answer_not_kept"
+
+
+def not_kept(answer: dict[str, Any]) -> int | None:
+    """The size of the answer a stored record stands in for (`NOT_KEPT`), or None: the record is the answer."""
+    return answer.get(NOT_KEPT)
 
 
 def _full(now: float, first_expires: float | None) -> Full:
@@ -352,9 +362,7 @@ class SQLiteIdempotency(IdempotencyStore):
         return _full(now, first[0] if first else None)
 
     def finish_with_row(self, claim: Claim, answer: dict[str, Any], ttl_s: float) -> tuple[Statement, ...]:
-        text, size = _encoded(answer)
-        if size > self.limits.answer_bytes:  # not kept: the claim is given up with the row
-            return ((_SQLITE_ABANDON, (claim.tenant, claim.key, claim.owner)),)
+        text, size = _kept(answer, self.limits)
         return (("UPDATE idempotency SET state = 'done', answer = ?, size = ?, expires = ? WHERE tenant = ? AND "
                  "key = ? AND owner = ?", (text, size, self._clock() + ttl_s, claim.tenant, claim.key,
                                            claim.owner)),)
@@ -437,6 +445,13 @@ def _sqlite_fault(exc: BaseException) -> tuple[str, int] | None:
 def _decoded(stored: str | bytes) -> Replay:
     """A stored answer to replay (msgspec: several times json.loads' speed on megabytes of logprobs)."""
     return Replay(msgspec.json.decode(stored))
+
+
+def _kept(answer: dict[str, Any], limits: Limits) -> tuple[str, int]:
+    """What a `done` record stores of `answer`, as JSON text, and its size: the answer, or over `limits.answer_bytes`
+    the record that stands in for it (`NOT_KEPT`)."""
+    text, size = _encoded(answer)
+    return _encoded({NOT_KEPT: size}) if size > limits.answer_bytes else (text, size)
 
 
 def _encoded(answer: dict[str, Any]) -> tuple[str, int]:

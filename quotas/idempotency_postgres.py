@@ -32,8 +32,8 @@ from quotas.idempotency import (
     Replay,
     Running,
     _decoded,
-    _encoded,
     _full,
+    _kept,
 )
 from quotas.idempotency_give_ups import GIVE_UP_FOR_S, At, GiveUps
 from quotas.ledger import LedgerUnavailable, Statement
@@ -180,9 +180,7 @@ class PostgresIdempotency(IdempotencyStore):
         return Running() if room else _full(now, first)  # each try's room taken by claims at once: the key's too
 
     def finish_with_row(self, claim: Claim, answer: dict[str, Any], ttl_s: float) -> tuple[Statement, ...]:
-        text, size = _encoded(answer)
-        if size > self.limits.answer_bytes:  # not kept: the claim is given up with the row
-            return ((_PG_ABANDON, (claim.tenant, claim.key, claim.owner)),)
+        text, _ = _kept(answer, self.limits)
         return ((_PG_FINISH, (text, self._clock() + ttl_s, claim.tenant, claim.key, claim.owner)),)
 
     async def finish_alone(self, claim: Claim, answer: dict[str, Any], ttl_s: float) -> None:

@@ -64,6 +64,7 @@ from quotas.idempotency import (
     _decoded,
     _encoded,
     _follow,
+    _kept,
 )
 from quotas.ledger import LedgerUnavailable
 
@@ -231,10 +232,7 @@ class RedisIdempotency(IdempotencyStore):
 
     async def finish(self, claim: Claim, answer: dict[str, Any], ttl_s: float) -> None:
         """Store the answer; never raises for Redis: what cannot be written now is owed (see the module's doc)."""
-        text, size = _encoded(answer)
-        if size > self.limits.answer_bytes:  # not kept: a retry runs again
-            await self.abandon(claim)
-            return
+        text, size = _kept(answer, self.limits)  # over the bound, what stands in for it: a retry is told, not run
         keys = self._keys(claim.tenant, claim.key)
         args = [claim.fingerprint, claim.owner, text, int(ttl_s * 1000), claim.key, size]
         try:

@@ -29,7 +29,8 @@ the fingerprint, storing its vectors compactly (gateway/embeddings_service.py). 
   at the bound a new key is refused with 429 `idempotency_key_limit` and a Retry-After (until its first record
   expires), here, before anything is counted, charged or stored; a replay, or a key already held, still answers.
   Without it, a cached answer repeated under fresh keys, free, stored a copy per key for 24 h and filled the
-  ledger's disk for every tenant. An answer over 4 MiB is answered but not stored (a retry runs again);
+  ledger's disk for every tenant. An answer over 4 MiB is answered but not stored: its key is kept as answered, and a
+  retry is told so (409 `idempotency_answer_not_kept`, `_replayable`), never run and charged again;
 - the records' store failing to claim a key is a 503 `idempotency_unavailable` with Retry-After, before anything is
   counted, charged or run, on every store (its `LedgerUnavailable`: Redis unreachable, quotas/idempotency_redis.py;
   SQLite busy, read-only, full or failing its I/O; PostgreSQL unreachable, deadlocked, timed out or read-only, a
@@ -57,7 +58,7 @@ from gateway.pipeline.context import RequestContext
 from gateway.pipeline.events import Delta, Done, Event, Head
 from gateway.pipeline.handed_off import HandedOff
 from gateway.pipeline.meter import Outcome
-from quotas.idempotency import Claim, Full, IdempotencyStore, Mismatch, Replay, Running
+from quotas.idempotency import Claim, Full, IdempotencyStore, Mismatch, Replay, Running, not_kept
 from quotas.ledger import LedgerUnavailable
 from wire.chat_request import ChatCompletionRequest
 
@@ -77,6 +78,17 @@ def lease_lost() -> Unavailable:
                        "idempotency records could not be reached), so the request was stopped, lest a retry with the "
                        "key run it a second time; what it ran is billed; retry with the same key",
                        param="Idempotency-Key", code="idempotency_lease_lost", retry_after=1)
+
+
+def _replayable(replay: Replay) -> Replay:
+    """The stored answer, or a 409 where the store kept only that the key's request ran and answered (its answer was
+    over the store's bound for one: `NOT_KEPT`): it is neither replayed nor run again, which billed it a second time."""
+    size = not_kept(replay.answer)
+    if size is None:
+        return replay
+    raise Conflict(f"Idempotency-Key: the request with this key ran, was answered and billed, but its answer "
+                   f"({size / 2**20:.1f} MiB) was too large to keep for a replay; send the request with a new key to "
+                   "run it again", param="Idempotency-Key", code="idempotency_answer_not_kept")
 
 
 class Keep:
@@ -285,7 +297,7 @@ class IdempotencyStage:
             log.warning("reading Idempotency-Key %r (tenant %s) while the ledger is not ready failed: %s", keyed[0],
                         ctx.tenant, exc)
             return None
-        return found if isinstance(found, Replay) else None
+        return _replayable(found) if isinstance(found, Replay) else None
 
     def _keyed(self, ctx: RequestContext, req: BaseModel, route: str | None) -> tuple[str, str] | None:
         """The request's key and fingerprint, or None without the header."""
@@ -340,7 +352,7 @@ class IdempotencyStage:
                 self._asked[begun] = asked  # its lease dates from no earlier (`renewing`)
                 return begun
             if isinstance(begun, Replay):
-                return begun
+                return _replayable(begun)
             if isinstance(begun, Mismatch):
                 raise Unprocessable("Idempotency-Key: this key was used with another request body; use a new key "
                                     "for a new request", param="Idempotency-Key", code="idempotency_key_reused")

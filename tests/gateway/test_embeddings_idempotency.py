@@ -137,10 +137,10 @@ def test_a_retry_while_the_first_runs_waits_for_it_or_gets_a_409(
     assert len(begun) == 1 and len(gateway.ledger_rows()) == 2  # the warm-up's and the key's
 
 
-def test_the_largest_answer_is_kept_and_one_over_the_stores_bound_runs_again(gateway: Gateway) -> None:
+def test_the_largest_answer_is_kept_and_one_over_the_stores_bound_is_not_run_again(gateway: Gateway) -> None:
     """2,048 vectors are 4 MiB as base64 and about 16 as JSON floats: stored as base85 they fit the store's bound
-    for one answer (4 MiB). An answer over a bound set smaller is answered, not stored, and a retry runs again (and
-    is billed again), as a chat answer over it is."""
+    for one answer (4 MiB). An answer over a bound set smaller is answered, not stored, and a retry is told so (409
+    `idempotency_answer_not_kept`), neither run nor billed again, as a chat answer over it is."""
     body = {"model": MODEL, "input": [f"text {i % 7}" for i in range(2048)], "encoding_format": "base64"}
     first, again = post(gateway, body, "big"), post(gateway, body, "big")
     assert first.status_code == again.status_code == 200, first.text
@@ -150,6 +150,6 @@ def test_the_largest_answer_is_kept_and_one_over_the_stores_bound_runs_again(gat
     gateway.app.state.services.pipeline.idempotency.store.limits = Limits(answer_bytes=1000)
     small = {"model": MODEL, "input": TEXTS}
     runs = [post(gateway, small, "over") for _ in range(2)]
-    assert [r.status_code for r in runs] == [200, 200] and not any(REPLAY in r.headers for r in runs)
-    assert runs[0].json() == runs[1].json()
-    assert len(gateway.ledger_rows()) == 3
+    assert [r.status_code for r in runs] == [200, 409] and not any(REPLAY in r.headers for r in runs)
+    assert runs[1].json()["error"]["code"] == "idempotency_answer_not_kept"
+    assert len(gateway.ledger_rows()) == 2

@@ -1,7 +1,8 @@
 """Idempotency-Key records, on SQLite and on PostgreSQL: the first request claims a key, a retry replays its
 answer, another body is told apart, a crashed owner's lease ends, and a `done` record is durable with its
 ledger row or not at all. What one tenant holds is bounded, there and on Redis: at its bound a new key is refused,
-another tenant is not, expired records free room, and an answer too large is not stored."""
+another tenant is not, expired records free room, and an answer too large is not stored (its key is kept as
+answered: a retry is told so, never run again)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from quotas.idempotency import (
+    NOT_KEPT,
     Claim,
     Full,
     IdempotencyStore,
@@ -20,6 +22,7 @@ from quotas.idempotency import (
     Replay,
     Running,
     SQLiteIdempotency,
+    not_kept,
 )
 from quotas.idempotency_postgres import PostgresIdempotency
 from quotas.idempotency_redis import RedisIdempotency
@@ -67,13 +70,14 @@ async def test_a_key_is_claimed_once_and_its_answer_replayed(stores: tuple[Idemp
 async def test_an_answer_whose_row_is_durable_is_stored_alone_and_its_size_counted(
         stores: tuple[IdempotencyStore, Ledger, Clock]) -> None:
     """`finish_alone` (a cascade's first answer that stands when its retry failed): stored in a write of its own, as a
-    `done` record whose size counts towards the tenant's bound, and replayed; too large, the claim is given up."""
+    `done` record whose size counts towards the tenant's bound, and replayed; too large, the record that stands in for
+    it (`NOT_KEPT`) is stored instead: a retry is told, not run again."""
     store, _, _ = stores
-    store.limits = Limits(bytes=16, answer_bytes=64)
+    store.limits = Limits(bytes=64, answer_bytes=64)
     large = await store.begin("acme", "k2", "body", "r1", lease_s=60)
     assert isinstance(large, Claim)
-    await store.finish_alone(large, {"text": "x" * 100}, 3600)  # over the bound: not kept, a retry runs again
-    assert isinstance(await store.begin("acme", "k2", "body", "r2", lease_s=60), Claim)
+    await store.finish_alone(large, {"text": "x" * 100}, 3600)  # over the bound: not kept, but the key is answered
+    assert await store.begin("acme", "k2", "body", "r2", lease_s=60) == Replay({NOT_KEPT: 111})
     claim = await store.begin("acme", "k1", "body", "r3", lease_s=60)
     assert isinstance(claim, Claim)
     answer = {"id": "chatcmpl-r3", "text": "Hello"}
@@ -199,7 +203,9 @@ async def test_stored_bytes_are_bounded_and_a_too_large_answer_is_not_stored(
     assert isinstance(big, Claim)
     await ledger.wait_durable(ledger.submit(row(1), with_row=store.finish_with_row(big, {"text": "x" * 700}, 3600)))
     assert [r.request_id for r in ledger.rows()] == ["r1"]  # the request was answered and charged
-    assert isinstance(await store.begin("acme", "big", "body", "r2", lease_s=60), Claim)  # a retry runs again
+    retry = await store.begin("acme", "big", "body", "r2", lease_s=60)  # told it ran: never run and charged again
+    assert isinstance(retry, Replay) and not_kept(retry.answer) == 711
+    assert await store.stored("acme", "big", "body") == retry
     for i in range(2):  # two answers of ~500 bytes reach the bound
         claim = await store.begin("acme", f"k{i}", "body", f"s{i}", lease_s=60)
         assert isinstance(claim, Claim)
@@ -244,9 +250,11 @@ async def test_redis_bounds_a_tenant_as_the_databases_do(redis_url: str) -> None
         await asyncio.sleep(0.4)  # the lease ended: its record no longer counts
         big = await store.begin("acme", "new", "body", "r3", lease_s=60)
         assert isinstance(big, Claim)
-        await store.finish(big, {"text": "x" * 700}, 3600)  # too large: not stored, and its place is free again
-        assert isinstance(await store.begin("acme", "new", "body", "r6", lease_s=60), Claim)
-        await store.abandon(Claim("acme", "new", "body", "r6"))
+        await store.finish(big, {"text": "x" * 700}, 3600)  # too large: not stored, but the key is answered
+        assert await store.begin("acme", "new", "body", "r6", lease_s=60) == Replay({NOT_KEPT: 711})
+        await store.abandon(Claim("acme", "new", "body", "r6"))  # another request's: gives nothing up
+        assert await store.stored("acme", "new", "body") == Replay({NOT_KEPT: 711})
+        store.limits = Limits(records=3, bytes=1000, answer_bytes=600)  # the two keys held, a third may come
         second = await store.begin("acme", "second", "body", "r7", lease_s=60)
         assert isinstance(second, Claim)
         await store.finish(second, {"text": "z" * 500}, 3600)  # ~1000 bytes stored: the bound in bytes

@@ -54,7 +54,7 @@ async def test_concurrent_claims_from_several_replicas_hold_the_bound_exactly(da
 
 async def test_every_change_of_the_records_keeps_the_totals_exact(database_url: str,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """Claims, answers stored by group commits of several tenants (and one too large, given up with its row), an
+    """Claims, answers stored by group commits of several tenants (and one too large, a record standing in for it), an
     abandon, a takeover of an expired key, a tenant at its bound pruning its own and the periodic prune: after each,
     the totals are what counting the records says."""
     monkeypatch.setattr(idempotency_postgres, "PRUNE_EVERY", 7)
@@ -73,10 +73,10 @@ async def test_every_change_of_the_records_keeps_the_totals_exact(database_url: 
         assert len(claims) == 9
         exact()
         answers = {c: {"text": "é" * (50 * n)} for n, c in enumerate(claims[::-1])}  # one group, tenants mixed
-        answers[claims[4]] = {"text": "x" * 1000}  # too large: not stored, its claim given up with its row
+        answers[claims[4]] = {"text": "x" * 1000}  # too large: not stored, a small record in its place
         await asyncio.gather(*(ledger.wait_durable(ledger.submit(row(next(ids)), with_row=store.finish_with_row(
             c, a, 100 if c.tenant == "acme" else 3600))) for c, a in answers.items()))
-        assert sql(database_url, "SELECT count(*) FROM idempotency")[0] == (8,)
+        assert sql(database_url, "SELECT count(*) FROM idempotency")[0] == (9,)
         exact()
         failed = await store.begin("initech", "k9", "body", "r9", lease_s=60)
         assert isinstance(failed, Claim)
