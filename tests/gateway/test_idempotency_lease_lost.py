@@ -108,6 +108,26 @@ async def test_a_request_suspended_when_its_lease_is_lost_is_stopped_as_it_resum
     keep.settle()
 
 
+async def test_a_request_suspended_when_its_lease_is_lost_has_its_work_stopped_then() -> None:
+    """Its `stop` (handle.py: its answer closed, its slots and claim freed) runs as the lease is lost, not when its
+    consumer resumes it (a client not reading may not for a minute); its client is told as it resumes."""
+    stage = IdempotencyStage(LeaseOnlyStore(), lease_s=LEASE_S)
+    claim = await stage.begin(ctx("r1"), Body(text="hi"), route="test")
+    assert isinstance(claim, Claim)
+    keep = Keep(claim, stage.renewing(claim))
+    stopped = asyncio.Event()
+
+    async def stop() -> None:
+        stopped.set()
+
+    keep.suspend(stop)
+    await asyncio.wait_for(stopped.wait(), 10 * LEASE_S)  # never resumed meanwhile
+    await keep.halted()
+    with pytest.raises(Unavailable, match="could not be renewed"):
+        keep.resume()
+    keep.settle()
+
+
 async def test_an_answered_request_is_not_stopped_for_its_lease() -> None:
     """Its answer is the claim's: the client gets it (what a retry replays)."""
     stage = IdempotencyStage(LeaseOnlyStore(taken_over=True), lease_s=LEASE_S)
