@@ -27,7 +27,7 @@ from gateway.stores import open_ledger, open_tenant_store
 from gateway.tenants.store import ADMIN, TenantStore
 from tests.stubs import ServerThread, StubState, free_port, stub_app
 
-pytest_plugins = ["tests.postgres"]  # the `postgres_server` and `database_url` fixtures
+pytest_plugins = ["tests.postgres", "tests.pg_proxy"]  # fixtures: `postgres_server`, `database_url`, `pg_proxy`
 
 # Property tests draw the same examples on every run: a submission lands only on a green CI, so a test must not
 # pass or fail by the luck of its draw. `--hypothesis-profile explore` draws new examples (and remembers the

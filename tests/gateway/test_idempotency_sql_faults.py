@@ -10,25 +10,15 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 import time
-from collections.abc import Iterator
-
-import pytest
 
 from gateway.settings import Settings
 from tests.conftest import running_gateway
-from tests.postgres import PostgresServer
-from tests.quotas.test_idempotency_sql_faults import CLAIM, PgProxy
+from tests.pg_proxy import PgProxy
+from tests.quotas.test_idempotency_sql_faults import CLAIM
 from tests.quotas.test_idempotency_sqlite_faults import damage_key_index
 from tests.stubs import ServerThread, StubState
 
 MSG = [{"role": "user", "content": "hello there"}]
-
-
-@pytest.fixture
-def pg_proxy(postgres_server: PostgresServer) -> Iterator[PgProxy]:
-    proxy = PgProxy(postgres_server).start()
-    yield proxy
-    proxy.stop()
 
 
 def test_sqlite_busy_claim_is_a_retryable_503_that_runs_and_charges_nothing(

@@ -14,8 +14,8 @@ from psycopg import errors as pg_errors
 
 from quotas.ledger import LedgerUnavailable
 from quotas.ledger_postgres import PostgresLedger
+from tests.pg_proxy import PgProxy
 from tests.postgres import PostgresServer
-from tests.quotas.test_idempotency_sql_faults import PgProxy
 from tests.quotas.test_ledger import row
 
 
@@ -131,13 +131,6 @@ def test_refusal_counts_are_added_to_in_key_order_so_two_replicas_never_deadlock
     finally:
         other.close()
         ledger.close()
-
-
-@pytest.fixture
-def pg_proxy(postgres_server: PostgresServer) -> Iterator[PgProxy]:
-    proxy = PgProxy(postgres_server).start()
-    yield proxy
-    proxy.stop()
 
 
 async def test_a_group_commit_whose_reply_was_lost_is_written_once_and_its_waiters_told_it_is_durable(

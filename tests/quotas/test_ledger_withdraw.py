@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +18,7 @@ import pytest
 from quotas.ledger import Ledger, LedgerUnavailable, RowWithdrawn
 from quotas.ledger_postgres import PostgresLedger
 from quotas.ledger_withdrawals import withdrawn
-from tests.postgres import PostgresServer
-from tests.quotas.test_idempotency_sql_faults import PgProxy
+from tests.pg_proxy import PgProxy
 from tests.quotas.test_ledger import row
 
 WAIT_S = 0.2
@@ -170,13 +169,6 @@ async def test_a_ledger_whose_only_rows_were_withdrawn_is_ready_again_once_it_ca
     assert ids(ledger) == ["r0"]
     blocker.close()
     ledger.close()
-
-
-@pytest.fixture
-def pg_proxy(postgres_server: PostgresServer) -> Iterator[PgProxy]:
-    proxy = PgProxy(postgres_server).start()
-    yield proxy
-    proxy.stop()
 
 
 async def test_postgres_a_row_whose_commit_landed_as_its_reply_was_lost_is_durable_not_withdrawn(

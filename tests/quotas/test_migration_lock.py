@@ -5,6 +5,7 @@ names that session, where the replica waited without end and logged nothing."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import psycopg
 import pytest
@@ -15,6 +16,26 @@ from quotas.fleet_db import _MIGRATION_LOCK, MigrationLockTimeout
 from quotas.ledger_postgres import MIGRATIONS, open_schema
 
 
+def _start_while_held(database_url: str, let_go: Callable[[], object]) -> tuple[list[BaseException | int], bool]:
+    """A replica's start-up (`open_schema`) in a thread, given 10 s; then `let_go` (what it waited on) and 10 s more
+    for a hung one to finish. What start-up ended with (its migrations' count or its error), and whether it hung."""
+    ended: list[BaseException | int] = []
+
+    def start() -> None:
+        try:
+            ended.append(open_schema(database_url))
+        except BaseException as exc:  # what start-up ended with is the test's
+            ended.append(exc)
+
+    starting = threading.Thread(target=start, daemon=True)
+    starting.start()
+    starting.join(10)
+    hung = starting.is_alive()
+    let_go()
+    starting.join(10)
+    return ended, hung
+
+
 def test_a_migration_lock_held_without_end_stops_start_up_naming_its_holder(
         database_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(fleet_db, "LOCK_WAIT_S", 0.5, raising=False)
@@ -22,20 +43,8 @@ def test_a_migration_lock_held_without_end_stops_start_up_naming_its_holder(
     try:
         pid = holder.info.backend_pid
         holder.execute("SELECT pg_advisory_lock(%s)", (_MIGRATION_LOCK,))
-        ended: list[BaseException | int] = []
-
-        def start() -> None:
-            try:
-                ended.append(open_schema(database_url))
-            except BaseException as exc:  # what start-up ended with is the test's
-                ended.append(exc)
-
-        starting = threading.Thread(target=start, daemon=True)
-        starting.start()
-        starting.join(10)
-        hung = starting.is_alive()
-        holder.execute("SELECT pg_advisory_unlock(%s)", (_MIGRATION_LOCK,))  # lets a hung one finish
-        starting.join(10)
+        ended, hung = _start_while_held(database_url, lambda: holder.execute(
+            "SELECT pg_advisory_unlock(%s)", (_MIGRATION_LOCK,)))  # lets a hung one finish
         assert not hung and len(ended) == 1 and isinstance(ended[0], MigrationLockTimeout)
         text = str(ended[0])
         assert f"pid {pid}" in text and "'stuck-migration'" in text and "pg_advisory_lock" in text
@@ -59,20 +68,7 @@ def test_a_migration_waiting_on_a_table_another_transaction_holds_gives_up_and_n
     try:
         pid = holder.info.backend_pid
         holder.execute("SELECT count(*) FROM requests")
-        ended: list[BaseException | int] = []
-
-        def start() -> None:
-            try:
-                ended.append(open_schema(database_url))
-            except BaseException as exc:  # what start-up ended with is the test's
-                ended.append(exc)
-
-        starting = threading.Thread(target=start, daemon=True)
-        starting.start()
-        starting.join(10)
-        hung = starting.is_alive()
-        holder.rollback()  # lets a hung one finish
-        starting.join(10)
+        ended, hung = _start_while_held(database_url, holder.rollback)  # the rollback lets a hung one finish
         assert not hung and len(ended) == 1 and isinstance(ended[0], MigrationLockTimeout)
         assert "ledger's migration 3 could not lock its tables" in str(ended[0])
         assert f"pid {pid}" in str(ended[0]) and "'open-psql'" in str(ended[0])

@@ -34,14 +34,16 @@ class CrashingEngine(StubEngineProcess):
         return super().command(port)
 
 
-async def test_a_crash_loop_is_one_line_then_one_line_when_ready(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                                 caplog: pytest.LogCaptureFixture) -> None:
+async def _run_until_ready(engine: type[StubEngineProcess], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                           caplog: pytest.LogCaptureFixture, **timeouts: float
+                           ) -> tuple[Replica, StubEngineProcess, list[str]]:
+    """Supervise `engine` (its restarts 10-20 ms apart) until its replica is healthy; the supervisor's log lines."""
     monkeypatch.setattr(supervisor, "BACKOFF_START_S", 0.01)
     monkeypatch.setattr(supervisor, "BACKOFF_MAX_S", 0.02)
     client = TierClient()
     replica = Replica("mid", 0)
-    proc = CrashingEngine(spec(str(built_model(tmp_path))), replica, models_dir=tmp_path, log_dir=tmp_path / "logs",
-                          client=client, start_timeout_s=30, health_every_s=0.05)
+    proc = engine(spec(str(built_model(tmp_path))), replica, models_dir=tmp_path, log_dir=tmp_path / "logs",
+                  client=client, health_every_s=0.05, **timeouts)
     task = asyncio.create_task(proc.run())
     try:
         with caplog.at_level(logging.INFO, logger="tiergate.supervisor"):
@@ -50,7 +52,12 @@ async def test_a_crash_loop_is_one_line_then_one_line_when_ready(tmp_path: Path,
         await proc.stop()
         task.cancel()
         await client.aclose()
-    lines = [r.getMessage() for r in caplog.records if r.name == "tiergate.supervisor"]
+    return replica, proc, [r.getMessage() for r in caplog.records if r.name == "tiergate.supervisor"]
+
+
+async def test_a_crash_loop_is_one_line_then_one_line_when_ready(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    replica, proc, lines = await _run_until_ready(CrashingEngine, tmp_path, monkeypatch, caplog, start_timeout_s=30)
     assert replica.restarts == 8
     assert len(lines) == 2, lines
     assert "engine exited with code 3" in lines[0] and str(proc.log_path) in lines[0]
@@ -122,21 +129,8 @@ async def test_an_engine_killed_at_each_start_is_one_line_though_each_start_has_
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """Each start's probe failures name its port: the same fault, logged once (was a kill line and a restart line
     each start)."""
-    monkeypatch.setattr(supervisor, "BACKOFF_START_S", 0.01)
-    monkeypatch.setattr(supervisor, "BACKOFF_MAX_S", 0.02)
-    client = TierClient()
-    replica = Replica("mid", 0)
-    proc = SilentEngine(spec(str(built_model(tmp_path))), replica, models_dir=tmp_path, log_dir=tmp_path / "logs",
-                        client=client, start_timeout_s=0.3, health_every_s=0.05, probe_timeout_s=0.2)
-    task = asyncio.create_task(proc.run())
-    try:
-        with caplog.at_level(logging.INFO, logger="tiergate.supervisor"):
-            await wait_until(lambda: replica.healthy)
-    finally:
-        await proc.stop()
-        task.cancel()
-        await client.aclose()
-    lines = [r.getMessage() for r in caplog.records if r.name == "tiergate.supervisor"]
+    replica, _, lines = await _run_until_ready(SilentEngine, tmp_path, monkeypatch, caplog, start_timeout_s=0.3,
+                                               probe_timeout_s=0.2)
     assert replica.restarts == 5
     assert len(lines) == 2, lines
     assert "engine not ready after" in lines[0] and "<port>" in lines[0]
