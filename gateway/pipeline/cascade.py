@@ -22,7 +22,9 @@ refused reservation). The second attempt continues the client's one request (res
 the first's concurrency slot and takes no second place in the requests-per-minute window, while both attempts' tokens
 and money are billed; a retry refused (for money, say) leaves the first its slot, freed when it settles. Under an
 Idempotency-Key the answer stored is the one the client gets: the second
-attempt's; if that one fails, the first answer stands and is stored then, by itself (its ledger row is durable
+attempt's; if that one fails, or its ledger row is withdrawn (not durable within the ledger's wait: settle.py; the
+retry is billed nothing, and a 503 would leave the client billed for the first answer it never got), the first answer
+stands and is stored then, by itself (its ledger row is durable
 already), before the client reads it, so the SDK's retry replays it (it was not stored: the retry ran, and was billed,
 again); if the first was cut short, the client gets the second's error.
 
@@ -59,6 +61,7 @@ from gateway.pipeline.idempotency import IdempotencyStage, Keep
 from gateway.pipeline.meter import Meter, Outcome, Reading
 from gateway.pipeline.route import RouteDecision, RouteStage
 from gateway.pipeline.settle import Settler
+from quotas.ledger_withdrawals import RowWithdrawn
 from tiers.cascade import AnswerSignals, Verdict, check_answer, check_confidence, next_dearer, outcome_values, values_of
 from wire.chat_request import ChatCompletionRequest
 
@@ -184,11 +187,14 @@ async def cascade(pipeline: Pipeline, ctx: RequestContext, prepared: Prepared) -
         async with contextlib.aclosing(pipeline.answer(ctx, step.second, headers=labelled)) as retry:
             try:  # a stream's retry goes live from its head (its errors after that are the client's); JSON's is whole
                 second = [await anext(retry)] if stream else [event async for event in retry]
-            except TiergateError as err:  # the retry failed (settled as such) before any of it was sent: the first
-                if cut:  # answer stands, unless it was cut short: then the client gets the retry's error
+            except (TiergateError, RowWithdrawn) as err:  # the retry failed (settled as such) before any of it was
+                # sent, or its row was withdrawn (late past the ledger's wait: the retry is billed nothing): the first
+                # answer, billed already, stands, unless it was cut short: then the client gets the retry's error
+                if cut:
                     raise
+                code = err.code if isinstance(err, TiergateError) else "ledger_unavailable"
                 head = pipeline.head(ctx, prepared.req, step.attempt,
-                                     {"x-tiergate-cascade": f"{step.label} failed ({err.code})"})
+                                     {"x-tiergate-cascade": f"{step.label} failed ({code})"})
                 if answered is not None:
                     await _keep_standing(pipeline, ctx, prepared, head, answered, held)
                 yield head
@@ -209,7 +215,9 @@ async def _keep_standing(pipeline: Pipeline, ctx: RequestContext, prepared: Prep
                          held: list[Event]) -> None:
     """Under an Idempotency-Key, the first answer that stands (its retry failed) is the key's answer: stored by itself
     (its row is durable: it was settled before the retry ran), before the client reads it, so a retry replays it; a
-    store that cannot keep it gives the claim up (a retry runs again). Its write ends even if the client leaves."""
+    store that cannot keep it gives the claim up (a retry runs again). Its write ends even if the client leaves.
+    Not stored where the retry's row was withdrawn: the retry's answer was the key's (`keep.stored`), and its claim is
+    given up with its row (handle.py's follower, handed off), so a retry with the key runs again."""
     keep, stage = prepared.keep, pipeline.idempotency
     if keep is None or stage is None or keep.stored:
         return
