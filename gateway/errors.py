@@ -135,7 +135,39 @@ class Unavailable(TiergateError):
 # admin key (gateway/routes/health.py); the tenant has the Retry-After and the request id to quote.
 NOT_READY_MESSAGE = "the gateway cannot record usage now, so it takes no new requests; retry later"
 LEDGER_UNAVAILABLE_MESSAGE = "the gateway cannot record usage now; retry later"
+# A stream's last event when its row was not durable within the ledger's wait: the client has every token, and the
+# row stays queued and commits (billed) once the ledger can (gateway/pipeline/settle.py). "retry later" was false
+# advice there: a retry without an Idempotency-Key runs and is billed again.
+USAGE_LATE_MESSAGE = ("the answer above is complete and is billed: its usage could not be recorded in time and is "
+                      "recorded later; do not retry this request (a retry is billed again)")
 _ledger_fault_logged: str | None = None  # the last ledger fault `client_error` logged (each is logged once in a row)
+
+
+class UsageRecordedLate(TiergateError):
+    """A stream sent whole whose ledger row was late (not withdrawn: it commits, billed): its last event."""
+
+    status_code = 500  # never a status: the stream's 200 has been sent
+    error_type = "api_error"
+    code = "usage_recorded_late"
+
+
+def stream_client_error(exc: BaseException) -> TiergateError:
+    """The error a stream's last event carries for `exc`, raised after its first byte: `client_error`'s, except for
+    the ledger's own wait running out on the stream's row (`LedgerUnavailable` itself: a stream's row is never
+    withdrawn, and stays queued to commit), which is `UsageRecordedLate`, never the 503's "retry later"."""
+    if type(exc) is LedgerUnavailable:
+        _log_ledger_fault(exc, "usage_recorded_late")
+        return UsageRecordedLate(USAGE_LATE_MESSAGE)
+    return client_error(exc)
+
+
+def _log_ledger_fault(exc: LedgerUnavailable, answered: str) -> None:
+    """Its text holds the ledger's fault, the database driver's words: the log's, not the tenant's; logged once a
+    fault, not once a request (every request refused in an outage would write the same line)."""
+    global _ledger_fault_logged
+    if (fault := str(exc)) != _ledger_fault_logged:
+        _ledger_fault_logged = fault
+        log.warning("usage not recorded in time, answered %s: %s", answered, fault)
 
 
 def not_ready() -> Unavailable:
@@ -186,10 +218,7 @@ def client_error(exc: BaseException) -> TiergateError:
         case LedgerUnavailable():
             # its text holds the ledger's fault, the database driver's words: the log's, not the tenant's; logged once
             # a fault, not once a request (every request refused in an outage would write the same line)
-            global _ledger_fault_logged
-            if (fault := str(exc)) != _ledger_fault_logged:
-                _ledger_fault_logged = fault
-                log.warning("usage not recorded in time, answered 503 ledger_unavailable: %s", fault)
+            _log_ledger_fault(exc, "503 ledger_unavailable")
             return Unavailable(LEDGER_UNAVAILABLE_MESSAGE, code="ledger_unavailable", retry_after=5)
         case _:
             return InternalError("internal error; it has been logged")

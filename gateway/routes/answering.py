@@ -21,7 +21,7 @@ from litestar.serialization import get_serializer
 from litestar.types import ASGIApp, Receive, ReceiveMessage, Scope, Send
 
 from gateway.auth import presented_key, tenant_principal_async, while_key_active
-from gateway.errors import InternalError, TiergateError, client_error
+from gateway.errors import InternalError, TiergateError, stream_client_error
 from gateway.pipeline.context import RequestContext
 from gateway.pipeline.events import Event, Head
 from gateway.services import Services
@@ -73,8 +73,9 @@ def stream_error(head: Head, exc: Exception) -> bytes:
     """The last event of a stream that failed after its first byte: `exc` in OpenAI's shape, as a JSON answer's error
     would be (gateway/app.py maps those). Not only our own errors: the answer's ledger row not durable in time (the
     settle's `LedgerUnavailable`, raised once every token is sent) broke the connection mid-body, the client told
-    nothing of it but a protocol error, uvicorn logging an ASGI exception."""
-    err = client_error(exc)
+    nothing of it but a protocol error, uvicorn logging an ASGI exception. That row stays queued and commits, billed:
+    the event says so (`UsageRecordedLate`: do not retry), not the JSON answer's 503 "retry later"."""
+    err = stream_client_error(exc)
     if isinstance(err, InternalError) and not isinstance(exc, TiergateError):
         log.error("unexpected error in the stream of %s", head.response_id, exc_info=exc)
     return responses.sse(err.body())

@@ -13,7 +13,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from gateway.errors import LEDGER_UNAVAILABLE_MESSAGE, NOT_READY_MESSAGE, client_error
+from gateway.errors import LEDGER_UNAVAILABLE_MESSAGE, NOT_READY_MESSAGE, USAGE_LATE_MESSAGE, client_error
 from quotas.ledger import LedgerUnavailable
 from tests.conftest import Gateway
 
@@ -69,7 +69,10 @@ def test_a_row_the_database_cannot_write_is_a_fixed_503_and_the_fault_stays_with
         r = c.post("/v1/chat/completions", json={"model": "mid", "messages": MSG, "stream": stream})
         error = _error_of(r, stream)  # a stream has sent its tokens: its last event says the row was not written
         assert r.status_code == (200 if stream else 503), r.text
-        assert error["code"] == "ledger_unavailable" and error["message"] == LEDGER_UNAVAILABLE_MESSAGE
+        if stream:  # the stream's row is billed once written: the event says so, never "retry later"
+            assert error["code"] == "usage_recorded_late" and error["message"] == USAGE_LATE_MESSAGE
+        else:
+            assert error["code"] == "ledger_unavailable" and error["message"] == LEDGER_UNAVAILABLE_MESSAGE
         assert stream or r.headers["retry-after"] == "5"
         assert r.headers["x-tiergate-request-id"]
         assert [s for s in LEAKS if s in r.text] == []

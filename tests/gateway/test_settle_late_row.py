@@ -8,12 +8,14 @@ an answer it never received."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
 
+from gateway.errors import USAGE_LATE_MESSAGE
 from gateway.settings import Settings
 from quotas.backends.memory import MemoryBackend
 from tests.conftest import Gateway, running_gateway
@@ -111,8 +113,10 @@ def test_a_client_that_leaves_while_its_row_is_written_hands_the_settle_off(gw: 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
 def test_a_stream_whose_row_is_late_ends_with_the_error_event_and_settles(gw: Gateway, path: str) -> None:
-    """A stream has sent every token when its row's wait runs out: its last event says so (503's error, then no
-    [DONE]), where the connection was broken mid-body; the quota is settled and the row commits late, once."""
+    """A stream has sent every token when its row's wait runs out: its last event says so (an error event, then no
+    [DONE]), where the connection was broken mid-body; the quota is settled and the row commits late, once. The event
+    tells the truth: the answer is complete and billed, do not retry (it said "cannot record usage now; retry later",
+    the JSON 503's words, and a client that retried without an Idempotency-Key was billed twice)."""
     backend = gw.app.state.services.pipeline.settler.quotas.backend
     disk = SlowDisk(gw).arm()
     body = {"model": "mid", "stream": True} | ({"messages": MSG} if "chat" in path else {"prompt": "hello there"})
@@ -120,7 +124,10 @@ def test_a_stream_whose_row_is_late_ends_with_the_error_event_and_settles(gw: Ga
         r = c.post(path, json=body)
     assert r.status_code == 200
     last = [line for line in r.text.splitlines() if line.startswith("data:")][-1]
-    assert '"code":"ledger_unavailable"' in last, r.text
+    error = json.loads(last.removeprefix("data:"))["error"]
+    assert error == {"message": USAGE_LATE_MESSAGE, "type": "api_error", "param": None,
+                     "code": "usage_recorded_late"}, error
+    assert "do not retry" in error["message"] and "retry later" not in error["message"]
     rid = r.headers["x-tiergate-request-id"]
     assert rid not in backend._held and rid in backend._done
     assert disk.done.wait(10)
