@@ -11,12 +11,16 @@ also an audit event. Where they go (`open_store`):
 
 A shared store that cannot be reached is a retryable 503 (`Unavailable`) for on-call's change, in OpenAI's error
 shape, and the level stays as it was; the ladder's tick logs it and keeps its level. Redis (0.5 s timeout) is tried
-twice first: one slow or dropped call does not fail a change.
+twice first: one slow or dropped call does not fail a change. The 503 says a fixed sentence: Redis's own words (its
+host and port) are the log's, logged once a fault, never a client's, even an admin's (as gateway/admin_pool.py does for
+the fleet database).
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import re
 import sqlite3
 import threading
 from abc import ABC, abstractmethod
@@ -28,6 +32,15 @@ from redis.exceptions import RedisError
 
 from gateway.admin_pool import AdminPool
 from gateway.errors import Unavailable
+
+log = logging.getLogger("tiergate.ladder")
+
+# what an admin reads while the ladder's Redis cannot be reached; why is in the log
+READ_MESSAGE = "the ladder's shared state could not be read (Redis failed); nothing was changed; retry"
+WRITE_MESSAGE = ("the ladder's shared state could not be written (Redis failed); retry (GET /admin/degrade shows the "
+                 "level in force)")
+HISTORY_MESSAGE = "the ladder's shared history could not be read (Redis failed); retry"
+_PASSWORD = re.compile(r"(://[^:/@\s]*:)[^@\s]*@")  # a URL's `user:password@`, should a driver ever repeat one
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS degrade_state (
@@ -140,13 +153,14 @@ class RedisLadderStore(LadderStore):
         self.redis = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         self.local = local
         self.state_key, self.events_key = f"{prefix}:degrade:state", f"{prefix}:degrade:events"
+        self._logged: str | None = None  # the Redis fault last logged; None once a read worked again
 
     def load(self) -> LadderState:
         try:
             raw = self._twice(lambda _: self.redis.get(self.state_key))
         except RedisError as exc:
-            raise Unavailable(f"the ladder's shared state could not be read (Redis: {exc}); nothing was changed; retry",
-                              code="ladder_state_unavailable", retry_after=2) from exc
+            raise self._unavailable(exc, READ_MESSAGE) from exc
+        self._logged = None  # read every tick: Redis answers again
         return LadderState(**json.loads(raw)) if raw else LadderState()
 
     def save(self, state: LadderState, event: DegradeEvent | None = None) -> None:
@@ -165,11 +179,17 @@ class RedisLadderStore(LadderStore):
         try:
             self._twice(write)
         except RedisError as exc:
-            raise Unavailable(f"the ladder's shared state could not be written (Redis: {exc}); retry (GET "
-                              "/admin/degrade shows the level in force)", code="ladder_state_unavailable",
-                              retry_after=2) from exc
+            raise self._unavailable(exc, WRITE_MESSAGE) from exc
         if event is not None:
             self.local.append(event)
+
+    def _unavailable(self, exc: RedisError, message: str) -> Unavailable:
+        """The 503 for a Redis fault: `message`, fixed; Redis's words logged, once a fault until it answers again."""
+        why = _PASSWORD.sub(r"\1***@", " ".join(str(exc).split())) or type(exc).__name__
+        if why != self._logged:
+            self._logged = why
+            log.error("ladder store: Redis failed, admin changes get 503 (%s): %s", type(exc).__name__, why)
+        return Unavailable(message, code="ladder_state_unavailable", retry_after=2)
 
     @staticmethod
     def _twice(call: Any) -> Any:
@@ -188,8 +208,7 @@ class RedisLadderStore(LadderStore):
         try:
             raw = self._twice(lambda _: self.redis.lrange(self.events_key, 0, limit - 1))
         except RedisError as exc:
-            raise Unavailable(f"the ladder's shared history could not be read (Redis: {exc}); retry",
-                              code="ladder_state_unavailable", retry_after=2) from exc
+            raise self._unavailable(exc, HISTORY_MESSAGE) from exc
         return [DegradeEvent(**json.loads(x)) for x in raw]
 
     def close(self) -> None:

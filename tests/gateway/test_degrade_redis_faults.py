@@ -7,6 +7,7 @@ live store's Redis calls."""
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeout
 
+from gateway.ladder.state import HISTORY_MESSAGE, READ_MESSAGE, WRITE_MESSAGE
 from gateway.settings import Settings
 from tests.conftest import Gateway, running_gateway
 from tests.gateway.test_degrade_api import LADDER
@@ -100,3 +102,30 @@ def test_redis_failing_a_change_is_a_503_that_says_so_and_changes_nothing(ladder
         status = c.get("/admin/degrade/").json()
     assert status["level"] == 0 and status["manual"] is None  # this replica's view: as before
     assert store.redis.get(store.state_key) is None  # the shared state: never written
+
+
+def test_a_redis_fault_is_a_fixed_503_and_its_words_stay_with_operators(
+        laddered: Gateway, caplog: pytest.LogCaptureFixture) -> None:
+    """Redis's own words (its host and port) never reach the admin's client: the 503 says a fixed sentence, and the
+    fault is logged once (not once a request). They were in each message: `(Redis: Timeout reading from ...)`."""
+    store = ladder_store(laddered)
+    refused = "Error 111 connecting to 10.20.30.40:6379. Connection refused."
+
+    def down(*args: Any, **kwargs: Any) -> Any:
+        raise RedisConnectionError(refused)
+
+    failing_writes(store, 10**9)  # a write: "Timeout reading from 127.0.0.1:6379"
+    with caplog.at_level(logging.WARNING, logger="tiergate"):
+        written = post(laddered, "/", {"level": 3, "reason": "incident"})
+        assert written.status_code == 503 and written.json()["error"]["message"] == WRITE_MESSAGE, written.text
+        store.redis.get = store.redis.lrange = down
+        answers = [post(laddered, "/auto"), post(laddered, "/auto")]
+        with laddered.client(laddered.admin_key) as c:
+            answers.append(c.get("/admin/degrade/history"))
+    for r in [*answers, written]:
+        assert r.status_code == 503 and r.json()["error"]["code"] == "ladder_state_unavailable", r.text
+        assert [leak for leak in ("10.20.30.40", "6379", "127.0.0.1", "Timeout", "Error 111") if leak in r.text] == []
+    assert [r.json()["error"]["message"] for r in answers] == [READ_MESSAGE, READ_MESSAGE, HISTORY_MESSAGE]
+    logged = [rec.getMessage() for rec in caplog.records if "ladder store" in rec.getMessage()]
+    assert len(logged) == 2, logged  # each fault once: the write's timeout, then the refused connection
+    assert "127.0.0.1:6379" in logged[0] and "10.20.30.40:6379" in logged[1]
