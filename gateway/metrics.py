@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -18,6 +20,7 @@ ENGINE_STATS = (
     ("num_waiting", "tiergate_engine_waiting", "Sequences waiting inside the engine."),
 )
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+log = logging.getLogger("tiergate.metrics")
 OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 
 
@@ -176,23 +179,49 @@ class GatewayMetrics:
             found = self._children[key] = metric.labels(*labels)
         return found
 
-    def finished(self, row: LedgerRow, overhead_s: float | None) -> None:
+    def finished(self, row: LedgerRow, overhead_s: float | None, *, billed: bool = True) -> None:
+        """A finished request: its count and latencies; what it bills too, unless `billed` is False (the caller
+        counts that with `billed` once its ledger row is durable)."""
         tier = row.tier or "none"
         child = self.child
         child(self.requests, row.tenant, tier, row.status).inc()
-        child(self.tokens, row.tenant, tier, "input").inc(row.input_tokens)
-        child(self.tokens, row.tenant, tier, "output").inc(row.output_tokens)
-        child(self.price, row.tenant, tier).inc(float(row.price_usd))
-        child(self.compute_cost, row.tenant, tier).inc(float(row.compute_cost_usd))
+        if billed:
+            self.billed(row)
         if row.ttft_s is not None:
             child(self.ttft, tier).observe(row.ttft_s)
             if row.output_tokens > 1:
                 child(self.tpot, tier).observe((row.total_s - row.ttft_s) / (row.output_tokens - 1))
-        if row.route_saving_usd > 0:
-            child(self.route_savings, row.tenant).inc(float(row.route_saving_usd))
         child(self.total, tier).observe(row.total_s)
         if overhead_s is not None:
             self.overhead.observe(max(0.0, overhead_s))
+
+    def billed(self, row: LedgerRow) -> None:
+        """What `row` bills (tokens, price, compute cost, savings): the ledger's, counted once the row is in it, so the
+        counters never hold a row withdrawn or refused (gateway/pipeline/settle.py)."""
+        tier = row.tier or "none"
+        child = self.child
+        child(self.tokens, row.tenant, tier, "input").inc(row.input_tokens)
+        child(self.tokens, row.tenant, tier, "output").inc(row.output_tokens)
+        child(self.price, row.tenant, tier).inc(float(row.price_usd))
+        child(self.compute_cost, row.tenant, tier).inc(float(row.compute_cost_usd))
+        if row.route_saving_usd > 0:
+            child(self.route_savings, row.tenant).inc(float(row.route_saving_usd))
+        if row.cache_saving_usd > 0:
+            child(self.cache_savings, row.tenant).inc(float(row.cache_saving_usd))
+
+    def billed_when_written(self, row: LedgerRow, written: asyncio.Future[None]) -> None:
+        """`billed(row)` once its ledger future (`written`) says it is durable; never if it was withdrawn or refused."""
+        def count(done: asyncio.Future[None]) -> None:
+            if not done.cancelled() and done.exception() is None:
+                try:
+                    self.billed(row)
+                except Exception:  # a metric is not worth a traceback on the loop
+                    log.exception("counting the bill of request %s failed", row.request_id)
+
+        if written.done():
+            count(written)
+        else:
+            written.add_done_callback(count)
 
     def version_finished(self, tier: str, version: str, *, failed: bool, ttft_s: float | None) -> None:
         self.version_requests.labels(tier, version, "error" if failed else "ok").inc()

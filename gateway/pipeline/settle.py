@@ -74,6 +74,9 @@ class Settler:
           (its commit may land), and telling the client 503 while it may land is the bill contradicting the answer.
         - not `withdraw` (a stream, whose client has the tokens already): the row stays queued and commits once
           the ledger can, billed for what the client received; the quota settles at its price now.
+        The metrics' bill (tokens, price, compute cost, savings) follows the row too: counted once it is durable
+        (right after the wait; by its future's callback where the wait ended otherwise), never for a row withdrawn
+        or refused. The request's count and latencies are counted at once.
         """
         row = self.row(ctx, attempt, outcome)
         written = self.ledger.submit(row, with_row=with_row)
@@ -88,15 +91,22 @@ class Settler:
             log.exception("observing request %s failed", row.request_id)
         if not wait:
             self.hand_off(self._settle_quota(written, attempt, used, row.price_usd))
+            self._bill_when_written(row, written)
             return row
         try:
             await self.ledger.wait_durable(written, withdraw=withdraw)
         except asyncio.CancelledError:  # left while the row was being written: settled once it is, handed off
             self.hand_off(self._settle_quota(written, attempt, used, row.price_usd))
+            self._bill_when_written(row, written)
             raise
         except Exception:  # not durable in time (withdrawn or not), or refused: settled as its fate says
             self._settle_ended(written, attempt, used, row.price_usd)
+            self._bill_when_written(row, written)
             raise
+        try:  # durable: its bill in the metrics, now (no callback on the path every answer takes)
+            self.metrics.billed(row)
+        except Exception:
+            log.exception("counting the bill of request %s failed", row.request_id)
         if (settled := self._settle_ended(written, attempt, used, row.price_usd)) is not None:
             await asyncio.shield(settled)
         return row
@@ -135,11 +145,17 @@ class Settler:
             self.rollouts.observe(row.tier or "", version, error=failed, ttft_s=row.ttft_s, tpot_s=tpot(row),
                                   tenant=row.tenant, prompt_tokens=row.input_tokens)  # no one tenant decides
         overhead = row.total_s - outcome.upstream_s if outcome.upstream_s is not None else None
-        self.metrics.finished(row, overhead)
+        self.metrics.finished(row, overhead, billed=False)  # its bill is counted once its row is durable (`settle`)
         if row.cache_status is not None:
             self.metrics.child(self.metrics.cache, row.tenant, row.cache_status).inc()
-        if row.cache_saving_usd > 0:
-            self.metrics.child(self.metrics.cache_savings, row.tenant).inc(float(row.cache_saving_usd))
+
+    def _bill_when_written(self, row: LedgerRow, written: asyncio.Future[None]) -> None:
+        """The row's bill in the metrics once the ledger says it is durable: never for a row withdrawn or refused,
+        which the ledger does not hold (a JSON answer's row late past the wait: its client got a 503)."""
+        try:
+            self.metrics.billed_when_written(row, written)
+        except Exception:
+            log.exception("counting the bill of request %s failed", row.request_id)
 
     def row(self, ctx: RequestContext, attempt: Attempt, outcome: Outcome) -> LedgerRow:
         tier = attempt.route.tier

@@ -132,3 +132,38 @@ def test_a_stream_whose_row_is_late_ends_with_the_error_event_and_settles(gw: Ga
     assert rid not in backend._held and rid in backend._done
     assert disk.done.wait(10)
     assert [row.request_id for row in gw.ledger_rows()].count(rid) == 1
+
+
+def billed_metrics(gw: Gateway) -> dict[str, float]:
+    """The tenant's spend and token counters as /metrics exports them (every tier summed)."""
+    with gw.client(gw.admin_key) as admin:
+        text = admin.get("/metrics").text
+    sums = {"tiergate_price_usd_total": 0.0, "tiergate_tokens_total": 0.0, "tiergate_compute_cost_usd_total": 0.0}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0]
+        if name in sums and 'tenant="acme"' in line:
+            sums[name] += float(line.rsplit(" ", 1)[1])
+    return sums
+
+
+def test_a_withdrawn_row_is_not_in_the_spend_metrics(gw: Gateway) -> None:
+    """The tenant's price, token and compute-cost counters follow the ledger: a JSON answer whose row was withdrawn
+    (its client got 503, nothing billed) adds nothing to them, a row written adds its own. They counted the
+    withdrawn answer's price and tokens, before its row's wait: overstating what the ledger holds."""
+    before = billed_metrics(gw)
+    with StuckWriter(gw):
+        r = send_chat(gw)
+        assert r.status_code == 503, r.text
+    assert billed_metrics(gw) == before, "the metrics billed an answer whose row was withdrawn"
+    ok = send_chat(gw)
+    assert ok.status_code == 200, ok.text
+    [row] = rows_of(gw, "mid")
+    after = billed_metrics(gw)
+    assert after["tiergate_price_usd_total"] - before["tiergate_price_usd_total"] == pytest.approx(
+        float(row.price_usd))
+    assert after["tiergate_tokens_total"] - before["tiergate_tokens_total"] == row.input_tokens + row.output_tokens
+
+
+def send_chat(gw: Gateway) -> httpx.Response:
+    with gw.client(gw.tenant_key) as c:
+        return c.post("/v1/chat/completions", json={"model": "mid", "messages": MSG})
