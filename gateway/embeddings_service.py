@@ -371,8 +371,9 @@ class EmbeddingsService:
             # the claim is the answer's now, never given up (a retry must replay it, not run and be billed again)
             keep.stored = True
             kept = self._hand_off(self._keep(written, keep, stored, ctx.plan.idempotency_ttl_s))
-        with contextlib.suppress(Exception):  # metrics are not worth a lost settlement
-            self.metrics.finished(row, None)
+        with contextlib.suppress(Exception):  # metrics are not worth a lost settlement; the bill once it is durable
+            self.metrics.finished(row, None, billed=False)
+            self.metrics.billed_when_written(row, written)
         if not wait:
             self._hand_off(self._settle_quota(written, reservation, tokens, row))
             return

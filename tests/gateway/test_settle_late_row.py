@@ -146,24 +146,23 @@ def billed_metrics(gw: Gateway) -> dict[str, float]:
     return sums
 
 
-def test_a_withdrawn_row_is_not_in_the_spend_metrics(gw: Gateway) -> None:
+@pytest.mark.parametrize("route", ["chat", "embeddings"])
+def test_a_withdrawn_row_is_not_in_the_spend_metrics(gw: Gateway, route: str) -> None:
     """The tenant's price, token and compute-cost counters follow the ledger: a JSON answer whose row was withdrawn
     (its client got 503, nothing billed) adds nothing to them, a row written adds its own. They counted the
     withdrawn answer's price and tokens, before its row's wait: overstating what the ledger holds."""
+    send, tier = ROUTES[route]
+    if route == "embeddings":
+        warm_embeddings(gw)
     before = billed_metrics(gw)
     with StuckWriter(gw):
-        r = send_chat(gw)
+        r = send(gw, f"metrics-{route}-1")
         assert r.status_code == 503, r.text
     assert billed_metrics(gw) == before, "the metrics billed an answer whose row was withdrawn"
-    ok = send_chat(gw)
+    ok = send(gw, f"metrics-{route}-2")
     assert ok.status_code == 200, ok.text
-    [row] = rows_of(gw, "mid")
+    [row] = rows_of(gw, tier)
     after = billed_metrics(gw)
     assert after["tiergate_price_usd_total"] - before["tiergate_price_usd_total"] == pytest.approx(
         float(row.price_usd))
     assert after["tiergate_tokens_total"] - before["tiergate_tokens_total"] == row.input_tokens + row.output_tokens
-
-
-def send_chat(gw: Gateway) -> httpx.Response:
-    with gw.client(gw.tenant_key) as c:
-        return c.post("/v1/chat/completions", json={"model": "mid", "messages": MSG})
