@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from decimal import Decimal
 from typing import Annotated, Literal
+from urllib.parse import urlsplit
 
-from pydantic import ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from assets.builds import BudgetError, parse_budget
 from wire.fields import NoBoolNumbers
@@ -33,6 +34,32 @@ COMPLETION_RESPONSE_FORMAT: frozenset[str] = frozenset({"vllm", "vllm-priority",
 # What a version of a local tier may not change: where a remote server is and how to talk to it (a local version
 # runs its own engine, which speaks `tiergate`)
 REMOTE_VERSION_FIELDS = ("urls", "api_key_env", "dialect")
+
+
+def _base_url(url: str) -> str:
+    """Refuse a tier URL that carries a secret or more than a base URL. A URL is logged with each health check and
+    tier error, shown as a replica's reason on the admin /health and the dashboard, and hashed into model versions:
+    credentials in it (`https://user:key@host`) or a key in its query (`?api-key=...`) would be written there. The
+    key belongs in the environment variable `api_key_env` names; a query or fragment would be lost anyway, as the
+    client appends `/v1/chat/completions` to the URL. The message never repeats the URL (nor does the error: the
+    models hide their input in errors)."""
+    try:
+        parts = urlsplit(url)
+        userinfo = parts.username is not None or parts.password is not None
+    except ValueError:  # an unparsable port or host
+        raise ValueError("a tier URL is a base URL (scheme://host:port/path); this one cannot be parsed") from None
+    if userinfo:
+        raise ValueError("a tier URL may not hold credentials (user:password@): they would be written to logs and "
+                         "/health; put the upstream's key in an environment variable and name it in `api_key_env`")
+    if "?" in url or "#" in url:
+        raise ValueError("a tier URL is a base URL (scheme://host:port/path), without a query string or fragment: "
+                         "a key there would be written to logs and /health, and the client appends "
+                         "/v1/chat/completions to the URL; put the upstream's key in an environment variable and "
+                         "name it in `api_key_env`")
+    return url
+
+
+BaseUrl = Annotated[str, AfterValidator(_base_url)]
 
 
 class DistillSpec(NoBoolNumbers):
@@ -76,13 +103,13 @@ class TierVersion(NoBoolNumbers):
     local tier runs engines of its own (model, precision, engine flags, `cores` weight); one of a remote tier points
     at its own servers (`urls`, `api_key_env`, `dialect`)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", hide_input_in_errors=True)  # a URL may hold a secret (_base_url)
 
     name: Annotated[str, Field(min_length=1, max_length=64, pattern=VERSION_NAME)]
     model: str | None = None
     quantize: Literal["int8"] | None = None
     dtype: Literal["auto", "fp32", "bf16", "fp16"] | None = None
-    urls: list[str] | None = None
+    urls: list[BaseUrl] | None = None
     api_key_env: str | None = None
     dialect: Dialect | None = None
     tools: bool | None = None
@@ -99,7 +126,7 @@ class TierVersion(NoBoolNumbers):
 
 
 class TierSpec(NoBoolNumbers):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", hide_input_in_errors=True)  # a URL may hold a secret (_base_url)
 
     name: str = ""  # filled from the mapping key
     description: str = ""
@@ -111,7 +138,7 @@ class TierSpec(NoBoolNumbers):
     dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     device: str = "cpu"
     replicas: Annotated[int, Field(ge=1, le=64)] = 1  # local engine processes
-    urls: list[str] = Field(default_factory=list)  # openai backend: one URL per replica
+    urls: list[BaseUrl] = Field(default_factory=list)  # openai backend: one URL per replica
     api_key_env: str | None = None  # openai backend: env var that holds the upstream's key
     # openai backend: the extensions its server accepts [default: none beyond OpenAI's API]; local: tiergate
     dialect: Dialect | None = None
@@ -292,7 +319,7 @@ class EmbeddingSpec(NoBoolNumbers):
 
 
 class TierCatalogue(NoBoolNumbers):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", hide_input_in_errors=True)  # a URL may hold a secret (_base_url)
 
     tiers: Annotated[dict[str, TierSpec], Field(min_length=1)]
     embeddings: EmbeddingSpec = Field(default_factory=EmbeddingSpec)
