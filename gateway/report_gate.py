@@ -17,23 +17,33 @@ looped its `/v1/usage`.
 
 A slot is held until the report's thread is done with it, not until its client leaves: a client that
 disconnects and asks again does not stack reports behind the first.
+
+A ledger read the database cannot answer now (`quotas.ledger_reads.read_fault`: PostgreSQL down, a read cancelled at
+its statement timeout, SQLite's file locked) is a 503 `ledger_unavailable` with Retry-After (`read`), for reports and
+/admin/ops alike, not a 500; the driver's words go to the log, once an outage (quotas/fault_log.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any, TypeVar
 
-from gateway.errors import RateLimited
+from gateway.errors import RateLimited, Unavailable
+from quotas.fault_log import FaultLog
 from quotas.ledger import Ledger
+from quotas.ledger_reads import read_fault
 from quotas.report_worker import TASKS_PER_PROCESS, ReportProcesses
 
 T = TypeVar("T")
 ADMIN_SLOT = "*admin*"  # admin reports (any tenant, or all) share one slot, outside the tenants' limit
+LEDGER_READ_MESSAGE = "the usage ledger cannot be read now; retry shortly"  # a fixed sentence: no driver's words
+LEDGER_READ_RETRY_S = 5
+log = logging.getLogger("tiergate.report")
 
 
 class ReportGate:
@@ -46,10 +56,24 @@ class ReportGate:
         self._held: set[str] = set()  # tenants (and ADMIN_SLOT) whose report runs or waits
         self._lock = threading.Lock()  # the slots are released from the report's own thread
         self.processes = ReportProcesses(tasks=tasks_per_process)
+        self._read_faults = FaultLog(log, "reading the usage ledger (usage reports, /admin/ops)", rounds="reads")
 
     async def report(self, who: str, ledger: Ledger, **query: Any) -> list[dict[str, Any]]:
         """`usage_report(ledger, **query)` once `who` holds its slot (see `run`), in a report process."""
-        return await self.run(who, partial(self.processes.report, ledger.read_source(), **query))
+        return await self.read(self.run(who, partial(self.processes.report, ledger.read_source(), **query)))
+
+    async def read(self, reading: Awaitable[T]) -> T:
+        """`reading`'s result; a database fault of the ledger's read (`read_fault`) as Unavailable: a 503
+        `ledger_unavailable` with Retry-After and a fixed sentence, the fault logged once an outage."""
+        try:
+            result = await reading
+        except Exception as exc:
+            if not read_fault(exc):
+                raise
+            self._read_faults.failed(exc)
+            raise Unavailable(LEDGER_READ_MESSAGE, code="ledger_unavailable", retry_after=LEDGER_READ_RETRY_S) from None
+        self._read_faults.ok()
+        return result
 
     async def run(self, who: str, work: Callable[[], T]) -> T:
         """`work()` on a report thread, once `who` (a tenant, or ADMIN_SLOT) holds its slot; RateLimited if not."""

@@ -4,6 +4,9 @@ A reader (`open_reader`) is what a usage report runs on in a process of its own 
 opens its own connection to the database a ledger names (`Ledger.read_source()`: the SQLite file or the
 PostgreSQL URL), reads and never writes, and has none of the ledger's writer.
 
+A read the database cannot answer now (down, busy, locked, or cancelled at READ_TIMEOUT_S) is told from a bug by
+`read_fault`: the gateway answers it with a retryable 503 (gateway/report_gate.py), never the driver's words.
+
 Reports read totals, not rows: refusal counts summed in SQL per UTC day, tenant, key and reason (integers: exact
 anywhere); request rows summed per report group, in SQL on PostgreSQL (NUMERIC money: exact sums) and where
 they are read on SQLite (money is TEXT there: summed as exact decimals, never as floats).
@@ -13,10 +16,13 @@ from __future__ import annotations
 
 import math
 import os
+import sqlite3
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from decimal import MAX_EMAX, MAX_PREC, MIN_EMIN, Context, Decimal
 from typing import Any, NamedTuple
+
+import psycopg
 
 from quotas.ledger_rows import (
     COLUMNS,
@@ -28,6 +34,7 @@ from quotas.ledger_rows import (
     from_db,
 )
 
+SQLITE_ERROR = 1  # SQLite's primary result code for an SQL error (no such table, a syntax error): a bug, not a fault
 READ_BATCH = 5000  # rows a streamed read (`each_row`) holds at once
 # a read statement on PostgreSQL (a report's sum, the dashboard's rows, a streamed read's each batch) runs at most
 # this long: one slower (a report over a huge range, a read waiting on an operator's LOCK TABLE) is cancelled
@@ -170,6 +177,18 @@ class LedgerReads(ABC):
     def get(self, request_id: str) -> LedgerRow | None:
         found = self._query(f"SELECT {', '.join(COLUMNS)} FROM requests WHERE request_id = ?", (request_id,))
         return from_db(found[0]) if found else None
+
+
+def read_fault(exc: BaseException) -> bool:
+    """Whether a read's exception is the database failing it for now, so that the same read later may work: PostgreSQL
+    down or restarting, the pool's connections all taken (psycopg_pool's PoolTimeout), a statement cancelled at
+    READ_TIMEOUT_S (QueryCanceled) or by an operator (psycopg's OperationalError, all of them); SQLite's file locked,
+    busy, unreadable or not opened (an OperationalError whose code is not an SQL error). Not one: anything else, a
+    bug (an SQL error, a value a row cannot be read as). It may have crossed a report process's pipe (pickled: its
+    class, text and SQLite code are kept)."""
+    if isinstance(exc, sqlite3.OperationalError):
+        return (getattr(exc, "sqlite_errorcode", None) or 0) & 0xFF != SQLITE_ERROR
+    return isinstance(exc, psycopg.OperationalError)
 
 
 def open_reader(source: ReadSource) -> Reader:

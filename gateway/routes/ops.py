@@ -11,6 +11,7 @@ from litestar import get
 from litestar.di import NamedDependency
 
 from gateway.ladder.controller import LadderController
+from gateway.report_gate import ReportGate
 from gateway.routes.guarded import admin_only
 from gateway.routes.openapi import BEARER, errors
 from quotas.dispatch import TierQueue
@@ -28,12 +29,14 @@ def _pct(values: list[float], q: float) -> float | None:
 
 
 @get("/admin/ops", tags=["admin"], security=BEARER,
-     responses=errors(400, 401, 403, 500))
+     responses=errors(400, 401, 403, 500, 503))
 async def ops(ledger: NamedDependency[Ledger], queues: NamedDependency[dict[str, TierQueue]],
-              fleet: NamedDependency[Fleet], ladder: NamedDependency[LadderController]) -> dict[str, Any]:
+              fleet: NamedDependency[Fleet], ladder: NamedDependency[LadderController],
+              reports: NamedDependency[ReportGate]) -> dict[str, Any]:
     now = time.time()
-    rows, counts = await asyncio.to_thread(
-        lambda: (ledger.rows(since=now - WINDOW_S), ledger.refusal_counts(since=now - 3600)))
+    # a ledger that cannot be read now (locked, its database down, a read past its statement timeout) is a 503
+    rows, counts = await reports.read(asyncio.to_thread(
+        lambda: (ledger.rows(since=now - WINDOW_S), ledger.refusal_counts(since=now - 3600))))
     ttft = [r.ttft_s for r in rows if r.ttft_s is not None]
     total = [r.total_s for r in rows]
     refusals: Counter[str] = Counter()

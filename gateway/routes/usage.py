@@ -55,7 +55,7 @@ async def _report(ledger: Ledger, gate: ReportGate, who: str, *, tenant: str | N
 
 
 @get("/admin/usage/report", tags=["admin"], security=BEARER, opt={QUERY_OPT: (*_QUERY, "tenant")},
-     responses=errors(400, 401, 403, 404, 429, 500), operation_class=also("text/csv"))
+     responses=errors(400, 401, 403, 404, 429, 500, 503), operation_class=also("text/csv"))
 async def admin_report(request: Request[Any, Any, Any], ledger: NamedDependency[Ledger],
                        reports: NamedDependency[ReportGate], store: NamedDependency[TenantStore],
                        tenant: FromQuery[str | None] = None,
@@ -75,7 +75,7 @@ admin_report_router = admin_only(admin_report)
 
 
 @get("/v1/usage", dependencies={"principal": Provide(provide_tenant)}, tags=["usage"], security=BEARER,
-     responses=errors(400, 401, 403, 429, 500), operation_class=also("text/csv"))
+     responses=errors(400, 401, 403, 429, 500, 503), operation_class=also("text/csv"))
 async def tenant_report(request: Request[Any, Any, Any], principal: NamedDependency[Principal],
                         ledger: NamedDependency[Ledger], reports: NamedDependency[ReportGate],
                         to: Day = None, by: By = None,
