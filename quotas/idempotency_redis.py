@@ -36,10 +36,7 @@ whose reply was lost is simply made again:
   unless another request claimed the key meanwhile (logged: it ran again), as in the SQL stores.
 Owed work is bounded (`MAX_OWED` entries, `MAX_OWED_BYTES` of answers); beyond that it is dropped: the claim then
 stays `running` until its lease ends. Work still owed when the store closes is logged and lost.
-An outage is logged as one (`FaultLog`): its first fault once, the first write lost (given up or dropped) once, and
-when Redis answers again one line that it recovered and one that counts the writes lost meanwhile (answers, whose
-keys a retry may run again; give-ups; drops), not a line per request (each owed write gave up with its own ERROR:
-10,000 at once after a long outage). Each write lost is named, key and tenant, at DEBUG.
+An outage is logged as one, with a count of the writes it lost (quotas/idempotency_outage.py), not a line a write.
 The SQL stores need none of this: their answer commits with the ledger row (one transaction, or neither), and a
 database that cannot be reached for a claim is a 503 (PostgreSQL: `LedgerUnavailable`).
 """
@@ -50,13 +47,11 @@ import asyncio
 import json
 import logging
 import time
-from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
 from redis.exceptions import RedisError
 
-from quotas.fault_log import FaultLog
 from quotas.idempotency import (
     DEFAULT_LIMITS,
     Begun,
@@ -72,6 +67,7 @@ from quotas.idempotency import (
     _follow,
     _kept,
 )
+from quotas.idempotency_outage import OutageLog
 from quotas.ledger import LedgerUnavailable
 
 log = logging.getLogger("tiergate.idempotency")
@@ -209,10 +205,7 @@ class RedisIdempotency(IdempotencyStore):
         self._following: dict[Claim, int] = {}  # answers whose ledger row is pending, and their bytes
         self._following_bytes = 0
         self._closed = False
-        # an outage in the log: its faults once each, then one line when Redis answers again (quotas/fault_log.py)
-        self._faults = FaultLog(log, "writing idempotency records to Redis (owed writes retried in the background)",
-                                rounds="tries")
-        self._lost: Counter[str] = Counter()  # writes lost in this outage, by why (`_LOST`); counted until it ends
+        self._outage = OutageLog(log, keep_trying_s)  # an outage in the log as one, and the writes it lost
 
     @staticmethod
     def _keys(tenant: str, key: str) -> list[str]:
@@ -228,11 +221,11 @@ class RedisIdempotency(IdempotencyStore):
             got = await self._tries(self._begin, keys, [fingerprint, owner, int(lease_s * 1000), key,
                                                         self.limits.records, self.limits.bytes], BEGIN_TRIES)
         except RedisError as exc:  # a try may have claimed it before its reply was lost: given up when Redis answers
-            self._faults.failed(exc)
+            self._outage.failed(exc)
             self._owe(tenant, key, _Owed("abandon", keys, [owner, key],
                                          time.monotonic() + min(lease_s, self.keep_trying_s)))
             raise IdempotencyUnavailable(f"the idempotency records (Redis) cannot be reached: {exc}") from exc
-        self._answered()
+        self._outage.answered()
         kind = got[0].decode() if isinstance(got[0], bytes) else got[0]
         if kind == "claim":
             return Claim(tenant, key, fingerprint, owner)
@@ -250,14 +243,14 @@ class RedisIdempotency(IdempotencyStore):
         try:
             stored = await self._tries(self._finish, keys, args, FINISH_TRIES)
         except RedisError as exc:
-            self._faults.failed(exc)
+            self._outage.failed(exc)
             log.debug("the answer to %s (tenant %s) could not be stored in Redis, retrying in the background: %s",
                       claim.owner, claim.tenant, exc)
             self._owe(claim.tenant, claim.key, _Owed("finish", keys, args,
                                                      time.monotonic() + min(ttl_s, self.keep_trying_s),
                                                      claim.fingerprint, text, size))
             return
-        self._answered()
+        self._outage.answered()
         if not stored:
             _ran_again(claim.owner, claim.tenant)
 
@@ -281,11 +274,11 @@ class RedisIdempotency(IdempotencyStore):
         try:
             await self._tries(self._abandon, keys, args, ABANDON_TRIES)
         except RedisError as exc:
-            self._faults.failed(exc)
+            self._outage.failed(exc)
             self._owe(claim.tenant, claim.key, _Owed("abandon", keys, args,
                                                      time.monotonic() + self.keep_trying_s))
         else:
-            self._answered()
+            self._outage.answered()
 
     def finish_when_written(self, written: asyncio.Future[None], claim: Claim, answer: dict[str, Any],
                             ttl_s: float) -> None:
@@ -317,8 +310,8 @@ class RedisIdempotency(IdempotencyStore):
         if self._owed:
             log.error("closing with %d idempotency writes Redis refused: lost (their keys may run again)",
                       len(self._owed))
-        if self._lost:
-            log.error("closing while Redis refuses idempotency writes: %s", self._lost_words())
+        if lost := self._outage.lost_words():
+            log.error("closing while Redis refuses idempotency writes: %s", lost)
         await self._redis.aclose()
 
     @staticmethod
@@ -346,8 +339,8 @@ class RedisIdempotency(IdempotencyStore):
         held = self._owed.get(at)
         grown = owed.size - (held.size if held is not None else 0)
         if (held is None and len(self._owed) >= MAX_OWED) or self._owed_bytes + grown > MAX_OWED_BYTES:
-            self._lose("dropped", f"too many idempotency writes owed to Redis: the {owed.what} of key {key!r} (tenant "
-                                  f"{tenant}) is dropped; its claim stays running until its lease ends")
+            self._outage.lost("dropped", f"too many idempotency writes owed to Redis: the {owed.what} of key {key!r} "
+                                         f"(tenant {tenant}) is dropped; its claim stays running until its lease ends")
             return
         self._owed[at] = owed
         self._owed_bytes += grown
@@ -367,22 +360,22 @@ class RedisIdempotency(IdempotencyStore):
             for at, owed in list(self._owed.items()):
                 if owed.until <= time.monotonic():
                     self._forget(at, owed)
-                    self._lose(owed.what, f"gave up the {owed.what} of idempotency key {at[1]!r} (tenant {at[0]}): "
-                                          f"Redis refused it for too long"
-                                          f"{'; a retry may run again' if owed.what == 'finish' else ''}")
+                    self._outage.lost(owed.what, f"gave up the {owed.what} of idempotency key {at[1]!r} (tenant "
+                                                 f"{at[0]}): Redis refused it for too long"
+                                                 f"{'; a retry may run again' if owed.what == 'finish' else ''}")
                     continue
                 try:
                     script = self._finish if owed.what == "finish" else self._abandon
                     done = await script(keys=owed.keys, args=owed.args)
                 except RedisError as exc:
-                    self._faults.failed(exc)
+                    self._outage.failed(exc)
                     failed = True
                     break
                 except Exception:  # not Redis refusing: trying again will not help
                     log.exception("the %s of idempotency key %r (tenant %s) failed", owed.what, at[1], at[0])
                     done = True
                 else:
-                    self._answered()
+                    self._outage.answered()
                 self._forget(at, owed)
                 if owed.what == "finish" and not done:
                     _ran_again(owed.args[1], at[0])
@@ -391,38 +384,6 @@ class RedisIdempotency(IdempotencyStore):
                 delay = min(delay * 2, MAX_RETRY_DELAY_S)
             else:
                 delay = RETRY_DELAYS_S[0]
-
-    def _lose(self, why: str, detail: str) -> None:
-        """A write lost (`why`: a `_LOST` key): named at DEBUG, counted, and the outage's first loss logged."""
-        log.debug("%s", detail)
-        if not self._lost:
-            log.error("idempotency writes Redis refused are being lost (given up after %gs owed, or dropped past the "
-                      "bound on owed writes): counted, not logged each, until Redis answers again", self.keep_trying_s)
-        self._lost[why] += 1
-
-    def _answered(self) -> None:
-        """Redis ran a script: an outage logged ends with one line, and one more that counts the writes it lost."""
-        if not self._faults.failures and not self._lost:  # the common case
-            return
-        self._faults.ok()
-        if self._lost:
-            log.error("while Redis refused idempotency writes, %s", self._lost_words())
-            self._lost.clear()
-
-    def _lost_words(self) -> str:
-        """The outage's lost writes, counted by why."""
-        total = sum(self._lost.values())
-        parts = "; ".join(f"{n} {_LOST[why]}" for why, n in self._lost.items())
-        return f"{total} were lost: {parts}"
-
-
-# why an owed write is lost, as its count is worded
-_LOST = {
-    "finish": "answers given up (a retry of their keys may run and be billed again)",
-    "abandon": "give-ups of failed requests' claims given up (their keys stay running until their leases end)",
-    "dropped": f"writes dropped past the bound on owed writes ({MAX_OWED} writes, {MAX_OWED_BYTES} bytes; their "
-               "claims stay running until their leases end)",
-}
 
 
 def _ran_again(owner: str, tenant: str) -> None:
