@@ -1,8 +1,9 @@
 """The cheap per-tenant check every request passes before any work that costs: microseconds, in process.
 
 The exact limits live in the quota backend (Redis across replicas) and are checked at reservation, after
-routing, the cache lookup and token counting, which cost milliseconds. A tenant flooding the gateway must
-not buy that work for free, so before it:
+routing, the cache lookup and token counting, which cost milliseconds (a long prompt's count holds a floor of its
+tokens reserved first: gateway/pipeline/reserve.py's `floor`). A tenant flooding the gateway must not buy that work
+for free, so before it:
 
 - **Concurrency**: requests of a scope (the tenant, and a key with its own limits) in progress on this
   replica. This replica's count is a lower bound of the fleet's, so refusing at the limit refuses only

@@ -6,8 +6,15 @@
 Each stage is a module of this package and returns a frozen result the next one takes. Nothing is charged
 before `reserve`; every refusal before it is counted once (`RefusalLog`), and one of the request's own fault is
 charged to the tenant's bucket of refused requests (gate.py), with the work it cost. The prompt is counted before
-the cache is looked up, so a request that cannot fit is refused before a lookup embeds anything. From `reserve` on,
-an attempt settles exactly once, in the `finally` of `_answer`, whatever ends it: its answer, an upstream error, the
+the cache is looked up, so a request that cannot fit is refused before a lookup embeds anything. A prompt long to
+count (prompt.py's `Unread.inline`: more than a few kilobytes or turns) is counted holding its floor, the fewest
+tokens it can need (reserve.py's `floor`), so a tenant over its request rate, its concurrency, a spent budget or a
+tpm too small for even the floor is refused, the 429 of its exact reservation, before its count: counted first,
+each such refusal cost up to the body limit's tokenizing, free and without end. The floor's place in the request
+rate is the request's (kept by its exact reservation, or a cache hit's; and by a refusal after the count, a prompt
+too long), and its tokens are given back before the exact reservation: what is reserved and settled is the exact
+count, as for a short prompt, which is counted first (microseconds) and reserved once. From `reserve` on, an
+attempt settles exactly once, in the `finally` of `_answer`, whatever ends it: its answer, an upstream error, the
 client leaving, or a bug. Streamed and non-streamed requests share every stage; the route only frames the
 events differently. A plan's cascade (cascade.py) wraps `auto` answers (streamed ones only with a look-ahead).
 """
@@ -163,40 +170,48 @@ class Pipeline:
         route = await self.route.choose(ctx, req, degr)
         # counted, and refused if it cannot fit, before the cache is looked up: a lookup may embed the last turn on
         # the embedding queue every tenant shares, which a request that can never run must not hold up
-        prompt = await self._measure_early(ctx, req, route)
+        prompt, held = await self._measure_early(ctx, req, route)
         lookup = await self.cache.lookup(ctx, req, route.tier, degr, artifact_version(self.route.predictor))
         if (hit := lookup.hit) is not None:  # a cached answer needs no tier, however busy
             tokens = int(hit.usage.get("prompt_tokens", 0)) + int(hit.usage.get("completion_tokens", 0))
             price = ctx.plan.cache.hit_price_per_1k * tokens / 1000
-            reservation = await self.reserve.reserve(ctx, ctx.request_id, tokens=0, price=price)
+            reservation = await self.reserve.reserve(ctx, ctx.request_id, tokens=0, price=price, follows=held)
             return Prepared(req, Attempt(ctx.request_id, route, reservation, lookup,
                                          route.applied + lookup.applied, hit_price=price), None, keep)
         self._refuse_cache_only(ctx, degr, route, lookup)
         if (overloaded := route.overload_refusal()) is not None:
             raise overloaded
-        return await self.prepare_on(ctx, req, route, lookup, ctx.request_id, keep=keep, prompt=prompt)
+        return await self.prepare_on(ctx, req, route, lookup, ctx.request_id, keep=keep, prompt=prompt, held=held)
 
     async def _measure_early(self, ctx: RequestContext, req: ChatCompletionRequest, route: RouteDecision
-                             ) -> Prompt | None:
+                             ) -> tuple[Prompt | None, str | None]:
         """The prompt counted for the route's tier; None when the tier's tokenizer is not prepared (a cached answer
-        may still serve the request; a miss is refused by `prepare_on`'s count)."""
+        may still serve the request; a miss is refused by `prepare_on`'s count). A prompt long to count is counted
+        holding its floor (reserve.py's `floor`, whose id is returned): a tenant that cannot have even that is
+        refused before its count, with the 429 its exact reservation would get."""
+        tier, degr, user = route.tier, route.degradation, isolated_user(ctx, req)
         try:
-            return await self.prompt.measure(req, route.tier, route.degradation, owner=ctx.tenant,
-                                           user=isolated_user(ctx, req))
+            unread = self.prompt.size(req, tier, degr)  # (its tokenizer loaded: `measure` raises no Unavailable)
         except Unavailable:
-            return None
+            return None, None
+        if unread.inline:  # microseconds: counted first, and reserved once, at its count
+            return await self.prompt.measure(req, tier, degr, owner=ctx.tenant, user=user, unread=unread), None
+        async with self.reserve.floor(ctx, tokens=unread.floor,
+                                      price=tier.price(unread.floor_input, unread.floor_output)) as held:
+            return await self.prompt.measure(req, tier, degr, owner=ctx.tenant, user=user, unread=unread), held
 
     async def prepare_on(self, ctx: RequestContext, req: ChatCompletionRequest, route: RouteDecision,
                          lookup: CacheLookup, request_id: str, cascade_of: str | None = None,
-                         keep: Keep | None = None, prompt: Prompt | None = None) -> Prepared:
+                         keep: Keep | None = None, prompt: Prompt | None = None, held: str | None = None
+                         ) -> Prepared:
         """Count the prompt for the route's tier (unless `prompt` has it) and reserve (a cascade's second attempt
-        enters here too)."""
+        enters here too). `held`: the floor the count held (`_measure_early`), whose rpm place is the request's."""
         prompt = prompt or await self.prompt.measure(req, route.tier, route.degradation, owner=ctx.tenant,
                                                      user=isolated_user(ctx, req))
         tier = route.tier
         reservation = await self.reserve.reserve(ctx, request_id, tokens=prompt.num_tokens + prompt.output_cap,
                                                  price=tier.price(prompt.num_tokens, prompt.output_cap),
-                                                 follows=cascade_of)  # a retry keeps its request's slot and place
+                                                 follows=cascade_of or held)  # a retry keeps its request's place
         if len(prompt.messages) != len(req.messages):
             req = req.model_copy(update={"messages": list(prompt.messages)})
         attempt = Attempt(request_id, route, reservation, lookup, route.applied + lookup.applied + prompt.applied,

@@ -12,6 +12,10 @@ Counting reads everything the tenant sent, so it is bounded and linear, and runs
   releases the GIL (gateway/token_counter.py), so the event loop serves other requests meanwhile. Small is few
   characters and few messages: the template writes its markers around every message, so 2,048 empty messages
   (a 70 KB body) are a 57 KB prompt of 10k tokens, which took the event loop 27-42 ms to render and count.
+- `size`, before any of that, reads only lengths: whether the count is short (inline), and a long prompt's floor
+  (a token covers at most `max_token_chars` characters; its max_tokens as capped), which the pipeline holds
+  reserved while it is counted, so a tenant that cannot have even the floor is refused before its count
+  (gateway/pipeline/handle.py).
 
 Tools count as our engine renders them (wire/tool_calls.py): the functions' JSON in the system message, calls and
 results as text, one turn per message (the engine joins consecutive results into one turn, a few tokens fewer).
@@ -56,6 +60,22 @@ class Prompt:
     applied: tuple[str, ...]  # the ladder's actions that changed it
 
 
+@dataclass(frozen=True, slots=True)
+class Unread:
+    """A prompt before its count (`PromptStage.size`): its turns as the template reads them, and what counting costs."""
+
+    messages: list[dict[str, Any]]  # `turn` of each message
+    tools: str  # the system-message text that offers the request's tools
+    chars: int  # its turns' and tools' characters
+    inline: bool  # short: counted on the event loop in microseconds, as cheap as a reservation
+    floor_input: int  # a long one's fewest prompt tokens (a token covers at most `max_token_chars` characters)
+    floor_output: int  # and output tokens (its max_tokens as the ladder caps it; else 1): 0 for a short one
+
+    @property
+    def floor(self) -> int:
+        return self.floor_input + self.floor_output
+
+
 def tokenizer_source(tier: TierSpec) -> str:
     """The model whose tokenizer counts this tier's prompts: its own for local tiers, else the default's."""
     return tier.tokenizer or (tier.model if tier.backend == "local" else DEFAULT_MODEL)
@@ -71,17 +91,36 @@ class PromptStage:
         self._counters: dict[str, TokenCounter] = {}  # tokenizer source -> its counter, once loaded
         self._unprepared: dict[str, str] = {}  # tokenizer source -> why it last failed to load, as logged
 
-    async def measure(self, req: ChatCompletionRequest, tier: TierSpec, degr: Degradation, *,
-                      owner: Hashable = None, user: Hashable = None) -> Prompt:
-        """The prompt as `tier` will read it; a long one is counted in `owner`'s turn (the tenant's). Counts the
-        counter remembers are `owner`'s own (gateway/token_counter.py): never another tenant's, nor, for the end
-        user `user` a plan isolates (`isolated_user`), another end user's."""
+    def size(self, req: ChatCompletionRequest, tier: TierSpec, degr: Degradation) -> Unread:
+        """The prompt before its count: whether counting it is cheap, and, for one that is not, the fewest tokens its
+        reservation can hold (`Unread.floor_input`, `floor_output`). A prompt that cannot fit by its length alone is
+        refused here, unread. Costs a pass over the turns' lengths, which `measure` then reuses."""
         counter = self._counter(tier)
         messages = [turn(m) for m in req.messages]
         tools = preamble(req)
         chars = sum(len(m["content"]) for m in messages) + len(tools)
+        if chars <= INLINE_CHARS and len(messages) <= INLINE_MESSAGES:
+            return Unread(messages, tools, chars, True, 0, 0)
+        limit = tier.context_limit
+        kept = chars  # the characters no input cap drops: its system turns, its last turn and its tools
+        if degr.input_cap is not None:
+            kept = sum(len(m["content"]) for m in messages[:-1] if m["role"] == "system") + len(tools)
+            kept += len(messages[-1]["content"]) if messages else 0
+        elif chars > limit * counter.max_token_chars:
+            raise _too_long(tier, f"{chars} characters, more than {limit} tokens can hold", 0)  # read no further
+        output = degr.cap_output(req.output_cap)[0] if req.output_cap else 1
+        return Unread(messages, tools, chars, False, -(-kept // counter.max_token_chars), output)
+
+    async def measure(self, req: ChatCompletionRequest, tier: TierSpec, degr: Degradation, *,
+                      owner: Hashable = None, user: Hashable = None, unread: Unread | None = None) -> Prompt:
+        """The prompt as `tier` will read it; a long one is counted in `owner`'s turn (the tenant's). Counts the
+        counter remembers are `owner`'s own (gateway/token_counter.py): never another tenant's, nor, for the end
+        user `user` a plan isolates (`isolated_user`), another end user's. `unread`: its `size` for this tier."""
+        unread = unread or self.size(req, tier, degr)
+        counter = self._counter(tier)
+        messages, tools = unread.messages, unread.tools
         tokenized: int | None = None  # characters tokenized to count it (None: a short prompt's, found on refusal)
-        if chars <= INLINE_CHARS and len(messages) <= INLINE_MESSAGES and degr.input_cap is None:
+        if unread.inline and degr.input_cap is None:
             rendered = with_preamble(messages, tools)
             kept, applied, num_tokens = list(req.messages), (), counter.prompt_tokens(rendered, owner, user)
         else:

@@ -8,6 +8,13 @@ clock skewed by more) is dated that long before the store's clock instead. The r
 by the settle stage, exactly once. A refusal for requests or tokens per minute or a spent budget is also told to
 the gate, which then refuses the scope cheaply for up to a second (gateway/pipeline/gate.py).
 
+A request whose exact count is dear (a long prompt, gateway/pipeline/handle.py; many texts, the embeddings service)
+first holds a floor of its tokens, the fewest it can need, while it is counted (`floor`): a tenant over its request
+rate, its concurrency, a budget already spent, or tokens per minute too few for even the floor, is refused there,
+its text never counted. The floor is given back at no use once the count ends, before the exact reservation, which
+takes no second place in the request rate (`follows` the floor): what is settled is the exact reservation, as for a
+request counted first.
+
 The store's reserve runs shielded from the request: a client that leaves while it runs (Redis has run the script,
 its reply not yet read) leaves a reservation no `finally` owns yet, so it is settled at zero use once the reserve
 ends, handed off, never held for its lease (a tenant at its concurrency limit refused meanwhile).
@@ -17,6 +24,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from decimal import Decimal
 
 from gateway.errors import TiergateError, Unavailable
@@ -30,6 +39,8 @@ from quotas.plans import Plan
 from quotas.reservations import QuotaService, Reservation
 
 log = logging.getLogger("tiergate.reserve")
+FLOOR_SUFFIX = ":floor"  # a floor's quota request id: its request's id and this
+GIVE_BACK_FLOOR_FAILED = "giving back the floor a request held while it was counted failed"
 
 
 class ReserveStage:
@@ -68,6 +79,23 @@ class ReserveStage:
             raise Unavailable("the quota service is unavailable; retry shortly", code="quota_backend_unavailable",
                               retry_after=1) from exc
         return decision, reservation
+
+    @asynccontextmanager
+    async def floor(self, ctx: RequestContext, *, tokens: int, price: Decimal) -> AsyncIterator[str]:
+        """Hold `tokens` at `price` (the fewest the request can reserve: nothing its count can go below) while the
+        block counts it, or raise the refusal `reserve` raises; yields the floor's id, which the exact reservation
+        follows (its rpm place is the request's). Given back at no use as the block ends, whatever ends it: awaited
+        after a count (the exact reservation must not find its tokens still held), handed off after a failure or a
+        cancel."""
+        floor_id = ctx.request_id + FLOOR_SUFFIX
+        held = await self.reserve(ctx, floor_id, tokens=tokens, price=price)
+        try:
+            yield floor_id
+        except BaseException:
+            self._handed.run(self.quotas.settle(held, tokens=0, price=Decimal(0)), GIVE_BACK_FLOOR_FAILED)
+            raise
+        await asyncio.shield(self._handed.run(self.quotas.settle(held, tokens=0, price=Decimal(0)),
+                                              GIVE_BACK_FLOOR_FAILED))
 
     def refused(self, ctx: RequestContext, decision: Decision) -> TiergateError:
         """The refusal of a reservation `decision` denied, told to the gate (which refuses the scope cheaply for a

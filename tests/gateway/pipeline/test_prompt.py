@@ -218,3 +218,38 @@ def test_a_prompt_refused_after_its_count_is_charged_what_was_rendered(counter: 
         asyncio.run(stage.measure(req, tier(32768), NORMAL, owner="acme"))
     assert "prompt tokens + 32768 output tokens" in str(err.value)  # counted in full, then refused
     assert err.value.tokenized_chars >= len(counter.render(messages)) > 10 * turns
+
+
+def test_a_long_prompts_floor_is_never_above_its_count(counter: TokenCounter) -> None:
+    """`size`'s floor is what the pipeline holds while a long prompt is counted (handle.py): above the count, a
+    request that fits would be refused for its floor. Random conversations, with and without the input cap and
+    max_tokens; the short ones are counted inline and hold none."""
+    stage = PromptStage(models_dir=MODELS_DIR, default_max_tokens=64)
+    rng = random.Random(11)
+    capped = Degradation(2, (CapInputTokens(cap_input_tokens=300),))
+    longs = 0
+    for _ in range(60):
+        body: dict[str, Any] = {"model": "mid", "messages": conversation(rng, rng.randint(1, 120))}
+        if rng.random() < 0.5:
+            body["max_tokens"] = rng.randint(1, 200)
+        req = ChatCompletionRequest.model_validate(body)
+        for degr in (NORMAL, capped):
+            unread = stage.size(req, tier(), degr)
+            got = asyncio.run(stage.measure(req, tier(), degr, unread=unread))
+            if unread.inline:
+                assert unread.floor == 0
+                continue
+            longs += 1
+            assert unread.floor_input <= got.num_tokens and 0 < unread.floor_output <= got.output_cap
+    assert longs > 40
+
+
+def test_size_refuses_text_that_cannot_fit_unread(counter: TokenCounter, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Refused by its length before anything is held or read: not even rendered."""
+    monkeypatch.setattr(TokenCounter, "render", lambda *a: pytest.fail("rendered text that cannot fit"))
+    stage = PromptStage(models_dir=MODELS_DIR, default_max_tokens=64)
+    req = ChatCompletionRequest.model_validate(
+        {"model": "mid", "messages": [{"role": "user", "content": "9" * (256 * counter.max_token_chars + 1)}]})
+    with pytest.raises(ContextTooLong) as err:
+        stage.size(req, tier(256), NORMAL)
+    assert err.value.code == "context_length_exceeded" and err.value.tokenized_chars == 0
