@@ -100,7 +100,6 @@ from wire.embeddings import EmbeddingRequest
 TIER = "embeddings"  # the ledger's `tier` for these rows
 COUNT_PIECE_CHARS = 1 << 16  # characters of a request's texts counted in one job of the counting threads
 ROUTE = "embeddings"  # what the route adds to an Idempotency-Key's fingerprint (chat's is "chat" or "completion")
-FLOOR_SUFFIX = ":floor"  # the quota request id of `_count_first`'s floor reservation: the request's id and this
 # a bound refused for these may be refused for the bound alone, where the exact count would fit (`_count_first`)
 TOKEN_REASONS = frozenset({"tpm", "budget_day", "budget_month"})
 
@@ -231,16 +230,12 @@ class EmbeddingsService:
 
     async def _count_first(self, ctx: RequestContext, texts: list[str]) -> tuple[Reservation, list[int]]:
         """Where the bound did not fit the tenant's tokens or money: the floor (the special tokens of each text, what
-        no text has fewer of) reserved first, refused to a tenant without room for even that, still uncounted; then
-        the texts counted, the floor given back, and the exact count reserved in its place (its rpm place kept)."""
-        floor_id = ctx.request_id + FLOOR_SUFFIX
+        no text has fewer of) held while the texts are counted (`ReserveStage.floor`, as chat's long prompts hold
+        theirs), refused to a tenant without room for even that, still uncounted; then the floor given back, and the
+        exact count reserved in its place (its rpm place kept)."""
         floor = SPECIAL_TOKENS * len(texts)
-        held = await self.reserve.reserve(ctx, floor_id, tokens=floor, price=self.spec.price(floor))
-        try:
+        async with self.reserve.floor(ctx, tokens=floor, price=self.spec.price(floor)) as floor_id:
             counts = await self._count(ctx.tenant, texts)
-        finally:  # a cancel too: handed off, so it is given back whatever happens to the request
-            given_back = self._hand_off(self.quotas.settle(held, tokens=0, price=Decimal(0)))
-        await asyncio.shield(given_back)  # before the exact reserve: the floor's tokens must not count against it
         tokens = sum(counts)
         reservation = await self.reserve.reserve(ctx, ctx.request_id, tokens=tokens, price=self.spec.price(tokens),
                                                  follows=floor_id)
