@@ -29,7 +29,7 @@ import logging
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from assets.model_source import DEFAULT_MODEL, resolve_model
 from gateway.errors import InvalidRequest, Unavailable
@@ -60,10 +60,10 @@ class Prompt:
     applied: tuple[str, ...]  # the ladder's actions that changed it
 
 
-@dataclass(frozen=True, slots=True)
-class Unread:
+class Unread(NamedTuple):  # (a tuple: built for every request, in half a dataclass's time)
     """A prompt before its count (`PromptStage.size`): its turns as the template reads them, and what counting costs."""
 
+    counter: TokenCounter  # its tier's
     messages: list[dict[str, Any]]  # `turn` of each message
     tools: str  # the system-message text that offers the request's tools
     chars: int  # its turns' and tools' characters
@@ -100,7 +100,7 @@ class PromptStage:
         tools = preamble(req)
         chars = sum(len(m["content"]) for m in messages) + len(tools)
         if chars <= INLINE_CHARS and len(messages) <= INLINE_MESSAGES:
-            return Unread(messages, tools, chars, True, 0, 0)
+            return Unread(counter, messages, tools, chars, True, 0, 0)
         limit = tier.context_limit
         kept = chars  # the characters no input cap drops: its system turns, its last turn and its tools
         if degr.input_cap is not None:
@@ -109,7 +109,7 @@ class PromptStage:
         elif chars > limit * counter.max_token_chars:
             raise _too_long(tier, f"{chars} characters, more than {limit} tokens can hold", 0)  # read no further
         output = degr.cap_output(req.output_cap)[0] if req.output_cap else 1
-        return Unread(messages, tools, chars, False, -(-kept // counter.max_token_chars), output)
+        return Unread(counter, messages, tools, chars, False, -(-kept // counter.max_token_chars), output)
 
     async def measure(self, req: ChatCompletionRequest, tier: TierSpec, degr: Degradation, *,
                       owner: Hashable = None, user: Hashable = None, unread: Unread | None = None) -> Prompt:
@@ -117,8 +117,7 @@ class PromptStage:
         counter remembers are `owner`'s own (gateway/token_counter.py): never another tenant's, nor, for the end
         user `user` a plan isolates (`isolated_user`), another end user's. `unread`: its `size` for this tier."""
         unread = unread or self.size(req, tier, degr)
-        counter = self._counter(tier)
-        messages, tools = unread.messages, unread.tools
+        counter, messages, tools = unread.counter, unread.messages, unread.tools
         tokenized: int | None = None  # characters tokenized to count it (None: a short prompt's, found on refusal)
         if unread.inline and degr.input_cap is None:
             rendered = with_preamble(messages, tools)
