@@ -8,14 +8,17 @@ and the checks that cost nothing (a model unknown, a parameter refused, a plan m
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 from decimal import Decimal
 from typing import Any
 
 import pytest
 
 from gateway.pipeline import prompt as prompt_module
+from gateway.settings import Settings
 from quotas.plans import Limits
-from tests.conftest import Gateway
+from tests.conftest import Gateway, running_gateway
+from tests.stubs import StubState
 
 LONG = "The gateway counts every prompt with the tier's own tokenizer before it reserves. " * 200  # 16 KB, 3,000 tokens
 
@@ -69,6 +72,17 @@ def counts(monkeypatch: pytest.MonkeyPatch) -> Counts:
     return Counts(monkeypatch)
 
 
+@pytest.fixture(params=["memory", "redis"])
+def either(request: pytest.FixtureRequest, gateway_settings: Settings,
+           stub: tuple[Any, StubState]) -> Iterator[Gateway]:
+    """A gateway on the embedded quota store, or on Redis (its Lua reserve and settle)."""
+    settings = gateway_settings
+    if request.param == "redis":
+        settings = settings.model_copy(update={"redis_url": request.getfixturevalue("redis_url")})
+    with running_gateway(settings, stub[1]) as gw:
+        yield gw
+
+
 def key_with(gateway: Gateway, limits: Limits) -> tuple[str, str]:
     key, secret = gateway.store.issue_key("acme", name="limited", limits=limits)
     return key.key_id, secret
@@ -80,10 +94,10 @@ def chat(gateway: Gateway, key: str, content: str, **fields: Any) -> Any:
                                                     "max_tokens": 8, **fields}, timeout=60)
 
 
-def test_a_key_over_its_rpm_is_refused_before_its_prompt_is_counted(gateway: Gateway, counts: Counts) -> None:
-    _, key = key_with(gateway, Limits(rpm=1))
-    assert chat(gateway, key, "hi").status_code == 200
-    refused = chat(gateway, key, LONG)
+def test_a_key_over_its_rpm_is_refused_before_its_prompt_is_counted(either: Gateway, counts: Counts) -> None:
+    _, key = key_with(either, Limits(rpm=1))
+    assert chat(either, key, "hi").status_code == 200
+    refused = chat(either, key, LONG)
     assert refused.status_code == 429, refused.text
     assert refused.json()["error"]["code"] == "rate_limit_rpm"
     assert counts.calls == 0
@@ -100,21 +114,21 @@ def test_a_text_completion_over_its_rpm_is_refused_before_its_prompt_is_counted(
     assert counts.calls == 0
 
 
-def test_a_key_with_its_budget_spent_is_refused_before_its_prompt_is_counted(gateway: Gateway,
+def test_a_key_with_its_budget_spent_is_refused_before_its_prompt_is_counted(either: Gateway,
                                                                             counts: Counts) -> None:
-    _, key = key_with(gateway, Limits(budget_day_usd=Decimal("0")))
-    refused = chat(gateway, key, LONG)
+    _, key = key_with(either, Limits(budget_day_usd=Decimal("0")))
+    refused = chat(either, key, LONG)
     assert refused.status_code == 429, refused.text
     assert refused.json()["error"]["code"] == "insufficient_quota"
     assert counts.calls == 0
-    assert gateway.ledger_rows() == []
+    assert either.ledger_rows() == []
 
 
 def test_a_key_whose_tpm_cannot_hold_even_the_floor_is_refused_before_its_prompt_is_counted(
-        gateway: Gateway, counts: Counts) -> None:
-    _, key = key_with(gateway, Limits(tpm=150))
-    assert chat(gateway, key, "hi").status_code == 200  # settled to its use: a few tokens of the 150 taken
-    refused = chat(gateway, key, LONG)  # 16 KB: at least 16,400 / 81 characters a token + 8 = 211 tokens
+        either: Gateway, counts: Counts) -> None:
+    _, key = key_with(either, Limits(tpm=150))
+    assert chat(either, key, "hi").status_code == 200  # settled to its use: a few tokens of the 150 taken
+    refused = chat(either, key, LONG)  # 16 KB: at least 16,400 / 81 characters a token + 8 = 211 tokens
     assert refused.status_code == 429, refused.text
     assert refused.json()["error"]["code"] == "rate_limit_tpm"
     assert counts.calls == 0
@@ -136,21 +150,21 @@ def test_a_key_at_its_concurrency_on_another_replica_is_refused_before_its_promp
     assert counts.calls == 0
 
 
-def test_a_long_prompt_that_fits_is_reserved_and_settled_at_its_exact_count(gateway: Gateway,
+def test_a_long_prompt_that_fits_is_reserved_and_settled_at_its_exact_count(either: Gateway,
                                                                            counts: Counts) -> None:
-    spy = Reserves(gateway)
-    _, key = key_with(gateway, Limits(tpm=100_000))
-    answer = chat(gateway, key, LONG)
+    spy = Reserves(either)
+    _, key = key_with(either, Limits(tpm=100_000))
+    answer = chat(either, key, LONG)
     assert answer.status_code == 200, answer.text
     assert counts.calls == 1
     floor, exact = spy.asked
-    counted = gateway.app.state.services.pipeline.prompt._counter(
-        gateway.app.state.services.catalogue.tiers["mid"]).prompt_tokens([{"role": "user", "content": LONG}])
+    counted = either.app.state.services.pipeline.prompt._counter(
+        either.app.state.services.catalogue.tiers["mid"]).prompt_tokens([{"role": "user", "content": LONG}])
     assert exact == ("exact", counted + 8, True)  # the prompt's exact count and its max_tokens, as before
     assert floor == ("floor", -(-len(LONG) // 81) + 8, True)  # its characters over the longest token's, and its cap
     assert spy.settled[0] == ("floor", 0)  # the floor given back, nothing of it used
-    assert spy.settled[-1][0] == "exact"  # the exact reservation is the one settled to the answer's use
-    assert len(spy.settled) == 2
+    row = either.ledger_rows()[-1]  # the exact reservation is the one settled, to the answer's use
+    assert spy.settled[1:] == [("exact", row.input_tokens + row.output_tokens)]
 
 
 def test_a_short_prompt_is_reserved_once_at_its_exact_count(gateway: Gateway) -> None:
