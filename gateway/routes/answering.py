@@ -24,6 +24,7 @@ from gateway.auth import presented_key, tenant_principal_async, while_key_active
 from gateway.errors import InternalError, TiergateError, stream_client_error
 from gateway.pipeline.context import RequestContext
 from gateway.pipeline.events import Event, Head
+from gateway.request_headers import request_headers
 from gateway.services import Services
 from gateway.tenant_plans import tenant_plan
 from wire import responses
@@ -51,7 +52,7 @@ async def answer(request: Request[Any, Any, Any], framing: Framing) -> Response[
     # (with its own lock) at every read, ~2 us each
     state = request.scope["state"]
     ctx = RequestContext(state["request_id"], principal, tenant_plan(services.plans, principal),
-                         {k.lower(): v for k, v in request.headers.items()}, time.time(), state["t0"])
+                         request_headers(request), time.time(), state["t0"])
     events = while_key_active(services.pipeline.handle(ctx, await request.body(), framing.parse), services.store,
                               presented_key(request) or "")  # a key revoked mid-answer ends it
     watch = ClientWatch(request)

@@ -1,0 +1,42 @@
+"""A model request's headers as the pipeline reads them (`RequestContext.headers`): one value a name.
+
+A name sent more than once was read two ways: the pipeline's dict kept its last value, Litestar's `headers.get` (which
+the key's check uses) its first. So `Idempotency-Key: a` then `Idempotency-Key: b` keyed the request on `b` silently,
+and `Cache-Control: no-store` followed by a second Cache-Control line was lost: the answer was stored. A header that
+takes one value and is sent more than once is refused by name (400 `duplicate_header`, before anything is spent);
+Cache-Control, whose directives HTTP lets a client split across lines (RFC 9110 section 5.3), is joined with commas.
+Other repeated names keep their last value: nothing of ours reads them.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+from gateway.errors import InvalidRequest
+
+# the headers a model route reads that take one value (the key, Idempotency-Key, the data version, the session)
+SINGLE = ("authorization", "x-api-key", "idempotency-key", "x-tiergate-data-version", "x-tiergate-session")
+JOINED = ("cache-control",)  # a list of directives, which a client may send on several lines
+
+
+def request_headers(request: Any) -> dict[str, str]:
+    """The request's headers by lower-case name; a 400 if one of SINGLE was sent more than once."""
+    headers = {k.lower(): v for k, v in request.headers.items()}
+    raw = request.scope["headers"]
+    if len(headers) != len(raw):  # a name sent twice (rare): one pass more over the head
+        _repeated(raw, headers)
+    return headers
+
+
+def _repeated(raw: Sequence[tuple[bytes, bytes]], headers: dict[str, str]) -> None:
+    counts = Counter(name.decode("latin-1").lower() for name, _ in raw)
+    for name in SINGLE:
+        if counts[name] > 1:
+            raise InvalidRequest(f"the {name} header was sent {counts[name]} times; it takes one value: send it once",
+                                 param=name, code="duplicate_header")
+    for name in JOINED:
+        if counts[name] > 1:
+            headers[name] = ", ".join(value.decode("latin-1") for key, value in raw
+                                      if key.decode("latin-1").lower() == name)

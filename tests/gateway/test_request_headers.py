@@ -1,0 +1,31 @@
+"""A header the gateway reads sent twice (gateway/request_headers.py): one that takes one value is refused by name
+before anything is spent; Cache-Control's lines are joined. Both were read as their last line (and the key's check as
+its first): `Idempotency-Key` keyed the request on the second of two keys, and `no-store` on a first line was lost."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import Gateway
+from tests.gateway.test_cache_api import ask
+
+MSG = [{"role": "user", "content": "hello there"}]
+
+
+@pytest.mark.parametrize("name", ["Idempotency-Key", "X-Tiergate-Data-Version", "X-Tiergate-Session"])
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/embeddings"])
+def test_a_single_value_header_sent_twice_is_refused_by_name(gateway: Gateway, name: str, route: str) -> None:
+    body = {"model": "mid", "messages": MSG} if route.endswith("completions") else {
+        "model": "all-MiniLM-L6-v2", "input": "hello there"}
+    with gateway.client(gateway.tenant_key) as c:
+        r = c.post(route, json=body, headers=[(name, "a"), ("content-type", "application/json"), (name, "b")])
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["code"] == "duplicate_header" and error["param"] == name.lower(), error
+    assert not gateway.stub.requests and not gateway.ledger_rows()
+
+
+def test_cache_control_on_two_lines_is_read_whole(gateway: Gateway) -> None:
+    r = ask(gateway, headers=[("cache-control", "no-store"), ("cache-control", "max-age=60")])  # type: ignore[arg-type]
+    assert r.status_code == 200 and r.headers["x-tiergate-cache"] == "miss"
+    assert ask(gateway).headers["x-tiergate-cache"] == "miss"  # the no-store answer was not kept
