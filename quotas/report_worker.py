@@ -48,6 +48,7 @@ def main() -> None:
     """Answer reports until stdin closes: each request is (ReadSource, usage_report's keywords); each answer is
     ("ok", rows) or ("error", exception), and the process's resident memory after it."""
     from assets.parent_watch import exit_when_orphaned
+    from quotas.ledger_reads import read_fault
     from quotas.report import report_at
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a ^C in the gateway's terminal: the gateway says when to stop
@@ -62,7 +63,9 @@ def main() -> None:
         try:
             answer: tuple[str, Any] = ("ok", report_at(ReadSource(*source), **query))
         except Exception as exc:
-            if not isinstance(exc, ValueError):
+            # a refused query (ValueError) is the caller's to say; a read the database cannot answer now (its outage)
+            # is logged once by the gateway's ReportGate, not with a traceback a report here
+            if not isinstance(exc, ValueError) and not read_fault(exc):
                 log.exception("usage report failed")
             answer = ("error", exc)
         try:

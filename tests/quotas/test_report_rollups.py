@@ -20,7 +20,7 @@ import pytest
 
 from quotas import report
 from quotas.ledger import Ledger, LedgerRow, Refusal
-from quotas.ledger_reads import store_identity
+from quotas.ledger_reads import ReadSource, store_identity
 from quotas.report import jsonable, report_at, usage_report
 from quotas.report_rollups import DayRollups
 from quotas.report_worker import ReportProcesses
@@ -250,3 +250,17 @@ def test_a_tenants_report_goes_to_the_process_that_kept_its_days(tmp_path: Path)
     finally:
         processes.close()
     ledger.close()
+
+
+def test_a_report_process_logs_no_traceback_for_a_ledger_it_cannot_reach(capfd: pytest.CaptureFixture[str]) -> None:
+    """The database down (here a port nothing listens on): the report's error reaches the caller, which logs the
+    outage once (gateway/report_gate.py), and the report process writes nothing; it logged a traceback a report."""
+    processes = ReportProcesses()
+    try:
+        for _ in range(3):
+            with pytest.raises(psycopg.OperationalError):
+                processes.report(ReadSource("postgres", "postgresql://u@127.0.0.1:9/x?connect_timeout=2"),
+                                 by=("tenant",))
+    finally:
+        processes.close()
+    assert "usage report failed" not in capfd.readouterr().err
