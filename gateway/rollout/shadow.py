@@ -4,8 +4,11 @@ After an attempt on the version answering everyone has settled (its row written,
 its way), `Shadow.send` copies the request to the candidate in a task the client never waits for: the same body
 as the tier got (the same output cap, at batch priority), on the candidate's own replicas, without a dispatch slot,
 a reservation, a ledger row or the cache. The tenant is billed nothing for it and never sees it; what it costs us is
-counted in `tiergate_rollout_shadow_cost_usd`. At most `max_in_flight` shadow calls run at once; a request sampled
-beyond that is dropped and counted, so a slow candidate cannot pile up work in the gateway.
+counted in `tiergate_rollout_shadow_cost_usd`. At most `max_in_flight` shadow calls run at once, and at most
+`max_per_tenant` of one tenant's; a request sampled beyond that is dropped and counted, so a slow candidate cannot pile
+up work in the gateway, and one tenant's flood cannot take every place and leave the candidate judged on its requests
+alone (the guards let one tenant's outcomes decide only where the others have too few: guards.py). Of the answer the
+client got, a call keeps only its first DIVERGENCE_WORDS words (all the comparison reads), not the whole text.
 
 Its outcome goes to the rollout (`RolloutService.observe_shadow`): errors, time to first token and per output token
 (as the candidate's own, for the guards), and the divergence of its answer from the one the client got:
@@ -39,11 +42,17 @@ from wire.chat_request import ChatCompletionRequest
 log = logging.getLogger("tiergate.rollout")
 DIVERGENCE_WORDS = 256  # of each answer: bounds the comparison's work whatever the answers' length
 MAX_IN_FLIGHT = 16
+MAX_PER_TENANT = 4  # of those, one tenant's
+
+
+def first_words(text: str) -> list[str]:
+    """The text's first DIVERGENCE_WORDS words (the split stops there: a long answer is not split whole)."""
+    return text.split(maxsplit=DIVERGENCE_WORDS)[:DIVERGENCE_WORDS]
 
 
 def divergence(served: str, shadowed: str) -> float:
     """1 - the similarity of the two answers' first words (difflib's ratio over word sequences), 0 to 1."""
-    a, b = served.split()[:DIVERGENCE_WORDS], shadowed.split()[:DIVERGENCE_WORDS]
+    a, b = first_words(served), first_words(shadowed)
     if not a and not b:
         return 0.0
     return 1.0 - difflib.SequenceMatcher(None, a, b, autojunk=False).ratio()
@@ -51,11 +60,11 @@ def divergence(served: str, shadowed: str) -> float:
 
 class Shadow:
     def __init__(self, *, rollouts: RolloutService, caller: TierCaller, metrics: GatewayMetrics,
-                 max_in_flight: int = MAX_IN_FLIGHT) -> None:
+                 max_in_flight: int = MAX_IN_FLIGHT, max_per_tenant: int = MAX_PER_TENANT) -> None:
         self.rollouts = rollouts
         self.caller = caller
         self.metrics = metrics
-        self.tasks = OffPathTasks(max_in_flight)
+        self.tasks = OffPathTasks(max_in_flight, max_per_tenant)
 
     def samples(self, tier: TierSpec, request_id: str) -> bool:
         """Whether `send` would copy this request (as the rollouts stand now): its answer's text is kept for it."""
@@ -73,7 +82,8 @@ class Shadow:
             return  # it would not be answered as asked (needs.py): its answer would judge the request, not the version
         body = upstream_body(req, candidate, max_tokens=max_tokens, priority=PRIORITY_ORDER["batch"],
                              logprobs=False)
-        if not self.tasks.start(self._run(rollout, candidate, body, served, tenant)):
+        kept = " ".join(first_words(served))  # all the comparison reads, held while the candidate answers
+        if not self.tasks.start(self._run(rollout, candidate, body, kept, tenant), owner=tenant):
             self.metrics.rollout_shadow.labels(rollout.tier, rollout.candidate, "dropped").inc()
 
     async def _run(self, rollout: Rollout, candidate: TierSpec, body: dict[str, Any], served: str,

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from gateway.metrics import GatewayMetrics
-from gateway.rollout.shadow import Shadow, divergence
+from gateway.rollout.shadow import DIVERGENCE_WORDS, Shadow, divergence
 from tests.gateway.rollout.test_service import CATALOGUE
 from tests.gateway.test_rollout import admin, first_turn, tenant_key, two_versions  # noqa: F401 (a fixture)
 from tests.stubs import REPLY, ServerThread, StubState, stub_app
@@ -144,3 +144,72 @@ def test_shadow_calls_beyond_the_limit_are_dropped_and_counted() -> None:
     opened, observed, text = asyncio.run(scenario())
     assert opened == 3 and observed == [0.0, 0.0, 0.0]
     assert 'tiergate_rollout_shadow_requests_total{result="dropped",tier="mid",version="v2"} 7.0' in text
+
+
+class _Rollouts:
+    """A shadow sampling every request; what it observed, by tenant."""
+
+    rollout = type("R", (), {"tier": "mid", "candidate": "v2"})()
+
+    def __init__(self) -> None:
+        self.tenants: list[str | None] = []
+
+    def shadow_of(self, tier: Any, request_id: str) -> Any:
+        return self.rollout, tier
+
+    def observe_shadow(self, rollout: Any, **kw: Any) -> None:
+        self.tenants.append(kw["tenant"])
+
+
+class _HeldCaller:
+    """A candidate that answers once released."""
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+
+    async def open(self, tier: Any, body: Any, affinity: Any) -> Any:
+        await self.release.wait()
+
+        async def chunks() -> Any:
+            yield {"choices": [{"delta": {"content": REPLY}, "finish_reason": "stop"}]}
+        return chunks()
+
+
+def test_one_tenants_flood_cannot_take_every_shadow_place() -> None:
+    """A tenant flooding a shadowed tier took all the places, every other tenant's copy dropped: the candidate was
+    then judged on the flooder's requests alone (the others too few to hold its breach)."""
+    async def scenario() -> list[str | None]:
+        rollouts, caller = _Rollouts(), _HeldCaller()
+        shadow = Shadow(rollouts=rollouts, caller=caller, metrics=GatewayMetrics(),  # type: ignore[arg-type]
+                        max_in_flight=8)
+        req = ChatCompletionRequest.model_validate({"model": "mid", "messages": first_turn(1)})
+        for i in range(20):
+            shadow.send(CATALOGUE.tiers["mid"], f"a{i}", req, 8, REPLY, tenant="flooder")
+        shadow.send(CATALOGUE.tiers["mid"], "b0", req, 8, REPLY, tenant="other")
+        caller.release.set()
+        await shadow.tasks.drain()
+        return rollouts.tenants
+
+    tenants = asyncio.run(scenario())
+    assert "other" in tenants
+    assert tenants.count("flooder") == 4  # MAX_PER_TENANT
+
+
+def test_a_shadow_keeps_only_the_words_it_compares_of_the_served_answer() -> None:
+    """Each call in flight held the whole answer the client got (up to its output cap), while the comparison reads
+    only its first DIVERGENCE_WORDS words."""
+    held: list[str] = []
+
+    class Recording(Shadow):
+        async def _run(self, rollout: Any, candidate: Any, body: Any, served: str, tenant: str | None = None) -> None:
+            held.append(served)
+
+    async def scenario() -> None:
+        shadow = Recording(rollouts=_Rollouts(), caller=_HeldCaller(), metrics=GatewayMetrics())  # type: ignore[arg-type]
+        req = ChatCompletionRequest.model_validate({"model": "mid", "messages": first_turn(1)})
+        shadow.send(CATALOGUE.tiers["mid"], "r0", req, 8, "word " * 1_000_000, tenant="t")
+        await shadow.tasks.drain()
+
+    asyncio.run(scenario())
+    assert held and held[0].split() == ["word"] * DIVERGENCE_WORDS
+    assert divergence("x " * 300 + "y", "x " * 300 + "z") == 0.0  # the same first words: the same comparison
