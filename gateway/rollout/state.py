@@ -11,15 +11,28 @@ at once cannot both win, and at most one rollout per tier runs.
 from __future__ import annotations
 
 import json
+import logging
 import sqlite3
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
 from gateway.admin_pool import AdminPool
+from gateway.errors import Unavailable
 from gateway.rollout.guards import Guards
+
+log = logging.getLogger("tiergate.rollout")
+# what an admin (or the CLI) reads while the data directory's state file cannot be used: why, in fixed words (the
+# driver's own are the log's)
+SQLITE_UNAVAILABLE = "the state database (state.db) {why}; nothing was changed; retry shortly"
+SQLITE_WHY = (("locked", "is held by another writer (a running gateway, the CLI)"),
+              ("busy", "is held by another writer (a running gateway, the CLI)"),
+              ("readonly", "is read-only: the data directory and its files must be writable by this user"),
+              ("full", "cannot be written: the disk is full"))
 
 Stage = Literal["shadow", "canary", "paused", "full", "rolled_back"]
 RUNNING: frozenset[str] = frozenset({"shadow", "canary", "paused"})  # a tier with one of these has a rollout running
@@ -128,42 +141,58 @@ class RolloutStore(ABC):
 
 
 class SqliteRolloutStore(RolloutStore):
-    def __init__(self, path: Path) -> None:
+    """Rollouts in the data directory's SQLite file. A file that cannot be read or written now (locked past
+    `timeout_s` by another writer, the disk full or read-only) is a retryable 503 with nothing changed, as the
+    fleet database's outage is; the driver's words are the log's."""
+
+    def __init__(self, path: Path, timeout_s: float = 5.0) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        self._conn = sqlite3.connect(path, isolation_level=None, timeout=5.0, check_same_thread=False)
+        self._conn = sqlite3.connect(path, isolation_level=None, timeout=timeout_s, check_same_thread=False)
         self._conn.execute("PRAGMA journal_mode=WAL")
         self._conn.executescript(SCHEMA)
         self._lock = threading.Lock()
 
-    def load(self) -> dict[str, Rollout]:
+    @contextmanager
+    def _turn(self) -> Iterator[sqlite3.Connection]:
         with self._lock:
-            rows = self._conn.execute("SELECT tier, state FROM rollouts").fetchall()
+            try:
+                yield self._conn
+            except sqlite3.OperationalError as exc:
+                log.error("rollout store: the state database cannot be used, admin changes get 503: %s", exc)
+                why = next((words for key, words in SQLITE_WHY if key in str(exc)), "cannot be used now")
+                raise Unavailable(SQLITE_UNAVAILABLE.format(why=why), code="database_unavailable",
+                                  retry_after=2) from exc
+
+    def load(self) -> dict[str, Rollout]:
+        with self._turn() as conn:
+            rows = conn.execute("SELECT tier, state FROM rollouts").fetchall()
         return {tier: _rollout(state) for tier, state in rows}
 
     def save(self, rollout: Rollout, event: RolloutEvent) -> bool:
-        with self._lock:
-            self._conn.execute("BEGIN IMMEDIATE")  # the revision read and the write in one writer's turn
+        with self._turn() as conn:
+            conn.execute("BEGIN IMMEDIATE")  # the revision read and the write in one writer's turn
             try:
-                row = self._conn.execute("SELECT revision FROM rollouts WHERE tier = ?", (rollout.tier,)).fetchone()
+                row = conn.execute("SELECT revision FROM rollouts WHERE tier = ?", (rollout.tier,)).fetchone()
                 if (row[0] if row else 0) != rollout.revision - 1:
-                    self._conn.execute("ROLLBACK")
+                    conn.execute("ROLLBACK")
                     return False
-                self._conn.execute("INSERT INTO rollouts(tier, revision, state) VALUES (?, ?, ?) ON CONFLICT(tier) "
-                                   "DO UPDATE SET revision = excluded.revision, state = excluded.state",
-                                   (rollout.tier, rollout.revision, rollout.dumps()))
-                self._conn.execute("INSERT INTO rollout_events(ts, tier, event) VALUES (?, ?, ?)",
-                                   (event.ts, event.tier, json.dumps(asdict(event))))
-                self._conn.execute("COMMIT")
+                conn.execute("INSERT INTO rollouts(tier, revision, state) VALUES (?, ?, ?) ON CONFLICT(tier) "
+                             "DO UPDATE SET revision = excluded.revision, state = excluded.state",
+                             (rollout.tier, rollout.revision, rollout.dumps()))
+                conn.execute("INSERT INTO rollout_events(ts, tier, event) VALUES (?, ?, ?)",
+                             (event.ts, event.tier, json.dumps(asdict(event))))
+                conn.execute("COMMIT")
                 return True
             except BaseException:
-                self._conn.execute("ROLLBACK")
+                if conn.in_transaction:  # (a failed COMMIT may have ended it already)
+                    conn.execute("ROLLBACK")
                 raise
 
     def history(self, tier: str | None = None, limit: int = 100) -> list[RolloutEvent]:
         where, args = ("WHERE tier = ?", (tier,)) if tier is not None else ("", ())
-        with self._lock:
-            rows = self._conn.execute(f"SELECT event FROM rollout_events {where} ORDER BY ts DESC, rowid DESC "
-                                      "LIMIT ?", (*args, limit)).fetchall()
+        with self._turn() as conn:
+            rows = conn.execute(f"SELECT event FROM rollout_events {where} ORDER BY ts DESC, rowid DESC "
+                                "LIMIT ?", (*args, limit)).fetchall()
         return [_event(r[0]) for r in rows]
 
     def close(self) -> None:

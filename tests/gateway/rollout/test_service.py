@@ -3,12 +3,13 @@ tier, each change audited with who and why, and refused changes leave nothing be
 
 from __future__ import annotations
 
+import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from gateway.errors import Conflict, InvalidRequest, NotFound, TiergateError
+from gateway.errors import Conflict, InvalidRequest, NotFound, TiergateError, Unavailable
 from gateway.rollout.service import RolloutService
 from gateway.rollout.state import PostgresRolloutStore, RolloutEvent, RolloutStore, SqliteRolloutStore
 from tiers.catalogue import TierCatalogue
@@ -162,3 +163,27 @@ def test_a_candidate_lacking_a_need_passes_to_the_serving_version_when_its_basel
         assert spec.version_name == "v3" and "candidate v2: tools" in (note or "")
     finally:
         store.close()
+
+
+def test_a_state_file_another_writer_holds_is_a_503_and_changes_nothing(tmp_path: Path) -> None:
+    """The data directory's state file locked past its timeout (the CLI or another process writing, a disk that
+    stalls) was a sqlite3 error, a 500 with a traceback; it is a retryable 503 in OpenAI's shape, nothing written."""
+    path = tmp_path / "state.db"
+    s = RolloutService(CATALOGUE, SqliteRolloutStore(path, timeout_s=0.05))
+    s.start("mid", "v2", share=0.2, who="k", reason="canary")
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")
+    try:
+        for change in (lambda: s.promote("mid", who="k", reason="all"), lambda: s.rollback("mid", who="k", reason="r")):
+            with pytest.raises(Unavailable) as caught:
+                change()
+            err = caught.value
+            assert (err.status_code, err.code, err.retry_after) == (503, "database_unavailable", 2)
+            assert "another writer" in err.message and "nothing was changed" in err.message
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    other = RolloutService(CATALOGUE, SqliteRolloutStore(path))
+    assert [(x["stage"], x["share"]) for x in other.status()] == [("canary", 0.2)]
+    assert [e.action for e in other.history("mid")] == ["start"]
+    assert s.promote("mid", who="k", reason="all").stage == "full"  # once the file is free again
