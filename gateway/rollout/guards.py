@@ -1,7 +1,8 @@
 """Guards of a rollout: declared thresholds on the candidate's recent outcomes that roll it back by themselves.
 
-Each version's outcomes during a rollout go into a fixed-size ring (`Window`: the newest MAX_SAMPLES, read over the
-rollout's `window_s`), so memory is bounded whatever the traffic, and recording one is an append. About once a
+Each version's outcomes during a rollout go into bounded rings (`Window`: at most MAX_SAMPLES, read over the
+rollout's `window_s`; past the bound the tenant holding the most gives up its oldest, so one tenant's flood cannot
+push the others' out), so memory is bounded whatever the traffic, and recording one is an append. About once a
 second, off the request path, `Watch.evaluate` reads the candidate's window against the guards (and the baseline's,
 for the latency ratios) and says which guard is breached.
 
@@ -41,7 +42,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated, Any, Generic, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -51,7 +52,7 @@ from tiers.catalogue import TierCatalogue
 from wire.fields import integral
 from wire.validation import describe
 
-MAX_SAMPLES = 4096  # per version and rollout: the newest outcomes a guard reads (a ring, not a growing list)
+MAX_SAMPLES = 4096  # per version and rollout: the outcomes a guard reads (bounded rings, not a growing list)
 # a latency ratio breaches only when the p95s also differ by more than this: milliseconds of jitter on a fast tier
 # are no regression anyone notices, and would otherwise flap a ratio guard
 TTFT_SLACK_S, TPOT_SLACK_S = 0.05, 0.005
@@ -138,26 +139,62 @@ EMPTY = Reading(0, 0, None, None, None, 0)
 
 Outcome = tuple[float, bool, float | None, float | None, Tenant, int]  # when, server error, TTFT, TPOT, tenant, band
 Diverged = tuple[float, float, Tenant]  # when, divergence, tenant
+T = TypeVar("T")
+
+
+class Rings(Generic[T]):
+    """At most `bound` items, each in its tenant's ring. Past the bound, the tenant holding the most gives up its
+    oldest: one tenant's flood pushes out its own outcomes, never the others' (which the guards need to hold its
+    breach: a shared ring of the newest left only the flooder's, and it judged alone). A tenant holding more than
+    the average gives up its own (O(1)); for another, the largest ring gives up one (one pass over the rings; with
+    every ring alike, the first tenant's)."""
+
+    def __init__(self, bound: int = MAX_SAMPLES) -> None:
+        self.bound = bound
+        self._rings: dict[Tenant, deque[T]] = {}
+        self._size = 0
+
+    def append(self, tenant: Tenant, item: T) -> None:
+        ring = self._rings.get(tenant)
+        if ring is None:
+            ring = self._rings[tenant] = deque()
+        ring.append(item)
+        self._size += 1
+        if self._size <= self.bound:
+            return
+        owner = tenant
+        if len(ring) * len(self._rings) <= self._size:  # not above the average: the largest gives up its oldest
+            owner = max(self._rings, key=lambda t: len(self._rings[t]))
+            ring = self._rings[owner]
+        ring.popleft()
+        self._size -= 1
+        if not ring:
+            del self._rings[owner]
+
+    def items(self) -> list[T]:
+        """Every item (list(): C-level copies, safe off the loop while `append` runs on it)."""
+        return [item for ring in list(self._rings.values()) for item in list(ring)]
 
 
 class Window:
     """A version's newest outcomes: (when, server error, TTFT, TPOT, tenant, prompt band) and shadow divergences,
-    each ring bounded."""
+    each at most MAX_SAMPLES, shared out by tenant (`Rings`)."""
 
     def __init__(self) -> None:
-        self._outcomes: deque[Outcome] = deque(maxlen=MAX_SAMPLES)
-        self._divergence: deque[Diverged] = deque(maxlen=MAX_SAMPLES)
+        self._outcomes: Rings[Outcome] = Rings()
+        self._divergence: Rings[Diverged] = Rings()
 
     def add(self, now: float, *, error: bool, ttft_s: float | None, tpot_s: float | None, tenant: Tenant = None,
             prompt_tokens: int | None = None) -> None:
-        self._outcomes.append((now, error, ttft_s, tpot_s, tenant, band(prompt_tokens)))
+        self._outcomes.append(tenant, (now, error, ttft_s, tpot_s, tenant, band(prompt_tokens)))
 
     def add_divergence(self, now: float, divergence: float, tenant: Tenant = None) -> None:
-        self._divergence.append((now, divergence, tenant))
+        self._divergence.append(tenant, (now, divergence, tenant))
 
     def recent(self, since: float) -> tuple[list[Outcome], list[Diverged]]:
-        """The outcomes and divergences from `since` on (list(): one C-level copy, safe off the loop)."""
-        return [o for o in list(self._outcomes) if o[0] >= since], [d for d in list(self._divergence) if d[0] >= since]
+        """The outcomes and divergences from `since` on."""
+        return ([o for o in self._outcomes.items() if o[0] >= since],
+                [d for d in self._divergence.items() if d[0] >= since])
 
     def read(self, since: float) -> Reading:
         return _reading(*self.recent(since))

@@ -10,12 +10,13 @@ says too. Assignment here is the real one (`RolloutService.choose`), outcomes ar
 from __future__ import annotations
 
 import random
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
 from gateway.rollout.assign import conversation_id
-from gateway.rollout.guards import Guards, Ranked, Side, band, judge, p95
+from gateway.rollout.guards import MAX_SAMPLES, Guards, Ranked, Rings, Side, Window, band, judge, p95
 from gateway.rollout.service import RolloutService
 from gateway.rollout.state import SqliteRolloutStore
 from tests.gateway.rollout.test_service import CATALOGUE
@@ -122,6 +123,38 @@ def test_one_tenant_steering_server_errors_onto_the_canary_does_not_roll_it_back
     assert service.status()[0]["guard"]["held"][0].startswith("max_error_rate: ")
 
 
+def test_one_tenants_flood_cannot_push_the_others_outcomes_out_of_the_window(service: RolloutService) -> None:
+    """The window kept its newest 4,096 outcomes whoever's they were: a tenant sending that many slow requests to the
+    candidate pushed every other tenant's out, and then judged alone as if it were the tier's only tenant. Past the
+    bound, the tenant holding the most now gives up its own oldest."""
+    start(service)
+    victim = ordinary(service, "victim", 300)
+    assert victim["v2"] >= 10
+    for i, conv in enumerate(candidate_sessions(service, "attacker", 4) * 1100):  # 4,400 slow requests, all on v2
+        assert ask(service, "attacker", conv, SLOW * (1 + i / 10_000)) == "v2"
+    assert run_guards(service) == "canary"
+    guard = service.status()[0]["guard"]
+    assert "held by tenant 'attacker' alone" in guard["held"][0]
+    assert guard["versions"]["v2"]["requests"] <= MAX_SAMPLES and guard["versions"]["v2"]["tenants"] == 2
+
+
+def test_a_window_past_its_bound_takes_from_the_tenant_holding_the_most() -> None:
+    window = Window()
+    for i in range(30):
+        window.add(float(i), error=False, ttft_s=0.1, tpot_s=None, tenant="quiet")
+    for i in range(MAX_SAMPLES * 2):
+        window.add(100.0 + i, error=True, ttft_s=1.0, tpot_s=None, tenant="loud")
+    window.add(1e6, error=False, ttft_s=0.1, tpot_s=None, tenant="late")
+    outcomes, _ = window.recent(0.0)
+    by = Counter(o[4] for o in outcomes)
+    assert len(outcomes) == MAX_SAMPLES and by["quiet"] == 30 and by["late"] == 1
+    assert min(o[0] for o in outcomes if o[4] == "loud") == 100.0 + MAX_SAMPLES * 2 - by["loud"]  # its newest kept
+    for i in range(MAX_SAMPLES):
+        window.add_divergence(float(i), 1.0, "loud")
+    window.add_divergence(1e6, 0.0, "quiet")
+    assert Counter(d[2] for d in window.recent(0.0)[1]) == {"loud": MAX_SAMPLES - 1, "quiet": 1}
+
+
 def test_a_candidate_slower_for_everyone_still_rolls_back(service: RolloutService) -> None:
     start(service)
     for tenant in ("victim", "attacker", "third"):
@@ -200,3 +233,10 @@ def test_a_p95_without_one_tenant_is_the_p95_of_the_others() -> None:
         for tenant in "abcde":
             assert ranked.p95(tenant) == p95([v for v, t in samples if t != tenant])
             assert ranked.size(tenant) == sum(t != tenant for _, t in samples)
+
+
+def test_a_new_tenant_in_a_full_window_of_tenants_alike_is_kept() -> None:
+    rings: Rings[int] = Rings(bound=3)
+    for i, tenant in enumerate(("a", "b", "c", "d")):
+        rings.append(tenant, i)
+    assert sorted(rings.items()) == [1, 2, 3]  # the first tenant's gave way, not the newcomer's
