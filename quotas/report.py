@@ -150,5 +150,6 @@ def _file_changed(source: ReadSource, identity: Any) -> bool:
 
 
 def jsonable(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Money as strings (exact), the rest as is."""
-    return [{k: str(v) if isinstance(v, Decimal) else v for k, v in r.items()} for r in rows]
+    """Money as strings (exact), in plain digits as the CSV and the CLI write it ("0.00000006", never str()'s
+    "6E-8", which a spreadsheet or a script that parses a decimal without exponents misreads); the rest as is."""
+    return [{k: format(v, "f") if isinstance(v, Decimal) else v for k, v in r.items()} for r in rows]

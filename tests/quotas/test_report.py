@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from quotas.ledger import Ledger, LedgerRow, Refusal
-from quotas.report import usage_report
+from quotas.report import jsonable, usage_report
 
 DAY1, DAY2 = 1_800_000_000.0, 1_800_000_000.0 + 86400
 
@@ -83,3 +83,15 @@ def test_a_report_reads_the_ledger_a_batch_at_a_time(ledger: Ledger, monkeypatch
     assert sizes == [3, 1]
     first = next(ledger.each_row())  # taken as they are read: one batch fetched for the first row
     assert first.request_id == "a" and sizes == [3, 1, 3]
+
+
+def test_json_money_is_plain_digits_as_in_the_csv(tmp_path: Path) -> None:
+    """An embeddings request of 6 tokens at $0.00001 per 1K costs $6E-8: `/v1/usage` wrote "6E-8" (str of the
+    Decimal) where the CSV and the CLI write "0.00000006"."""
+    ledger = Ledger(tmp_path / "ledger.db")
+    ledger.record_now([row("a", "acme", "embeddings", DAY1, "0.00000006", "0.00000004716677220939244444444444444")])
+    (got,) = jsonable(usage_report(ledger, by=("tenant", "tier")))
+    assert got["price_usd"] == "0.00000006"
+    assert got["compute_cost_usd"] == "0.00000004716677220939244444444444444"
+    assert all("E" not in v for v in got.values() if isinstance(v, str))
+    assert Decimal(got["price_usd"]) == Decimal("6E-8")
