@@ -12,9 +12,10 @@ import click
 from gateway.cli.options import data_dir_option, existing_data_dir, settings_from
 from gateway.config_files import ConfigFileError, load_yaml
 from gateway.ladder.config import Ladder
-from gateway.ladder.controller import LadderController
+from gateway.ladder.controller import MIN_TTL_S, LadderController
 from gateway.ladder.signals import Signals
 from gateway.stores import open_ladder_store
+from gateway.tenants.keys import MAX_TTL_S
 
 
 def _controller(data_dir: Path | None, ladder_file: Path | None) -> LadderController:
@@ -27,16 +28,43 @@ def _controller(data_dir: Path | None, ladder_file: Path | None) -> LadderContro
 
 
 def parse_ttl(text: str | None) -> float | None:
-    """`90s`, `30m`, `2h`, `1h30m` or plain seconds."""
+    """`90s`, `30m`, `2h`, `1d`, `1h30m` or plain seconds."""
     if text is None:
         return None
     if re.fullmatch(r"\d+(\.\d+)?", text):
         return float(text)
-    parts = re.fullmatch(r"(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?", text)
+    parts = re.fullmatch(r"(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?", text)
     if not parts or not any(parts.groups()):
-        raise click.BadParameter(f"{text!r}: use 90s, 30m, 2h or 1h30m")
-    h, m, s = (int(x or 0) for x in parts.groups())
-    return float(h * 3600 + m * 60 + s)
+        raise click.BadParameter(f"{text!r}: use 90s, 30m, 2h, 1d or 1h30m")
+    d, h, m, s = (int(x or 0) for x in parts.groups())
+    return float(d * 86400 + h * 3600 + m * 60 + s)
+
+
+class Ttl(click.ParamType):
+    """A manual level's TTL, checked where it is given: a refusal names `--ttl` (the controller's said `ttl_s`)."""
+
+    name = "duration"
+
+    def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        if isinstance(value, float):
+            return value
+        try:
+            seconds = parse_ttl(str(value))
+        except click.BadParameter as exc:
+            self.fail(exc.message, param, ctx)
+        assert seconds is not None
+        if not MIN_TTL_S <= seconds <= MAX_TTL_S:
+            self.fail(f"{value!r} is not from 1s to 10 years (3650d)", param, ctx)
+        return seconds
+
+
+def _level(ladder: Ladder, text: str) -> int:
+    """LEVEL as on-call types it: the level's number or its name in the ladder file."""
+    for lv in ladder.levels:
+        if text.strip().lower() in (str(lv.level), lv.name.lower()):
+            return lv.level
+    levels = ", ".join(f"{lv.level} {lv.name}" for lv in ladder.levels)
+    raise click.BadParameter(f"no level {text!r} in the ladder; levels: {levels}", param_hint="'LEVEL'")
 
 
 ladder_option = click.option("--ladder", "ladder_file", type=click.Path(path_type=Path), default=None,
@@ -58,27 +86,41 @@ def degrade_status(ladder_file: Path | None, data_dir: Path | None) -> None:
     click.echo(f"level {s['level']} ({s['name']}), set by {s['source']}")
     if s["manual"]:
         m = s["manual"]
-        until = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(m["until"])) if m["until"] else "until `auto`"
+        until = f"until {_utc(m['until'])}" if m["until"] else "until `auto`"
         click.echo(f"  manual: level {m['level']} by {m['by']} ({m['reason']}), {until}")
     click.echo(f"  triggers alone would choose level {s['auto_level']}")
     for action in s["actions"]:
         click.echo(f"  action: {json.dumps(action)}")
+    click.echo("levels (`tiergate degrade set LEVEL --reason R` holds one):")
+    for lv in c.ladder.levels:
+        mark = "*" if lv.level == s["level"] else " "
+        about = f": {lv.description}" if lv.description else ""
+        click.echo(f" {mark} {lv.level} {lv.name}{about}")
 
 
 @degrade.command("set")
-@click.argument("level", type=int)
-@click.option("--reason", required=True, help="Why (kept in the audit trail).")
-@click.option("--ttl", default=None, help="How long the override lasts (90s, 30m, 2h); default: until `auto`.")
+@click.argument("level")
+@click.option("--reason", required=True, help="Why, one line (kept in the audit trail).")
+@click.option("--ttl", type=Ttl(), default=None,
+              help="How long the level is held: seconds or 90s, 30m, 2h, 1d, 1h30m (1s to 10 years) "
+                   "[default: until `tiergate degrade auto`].")
 @ladder_option
 @data_dir_option
-def degrade_set(level: int, reason: str, ttl: str | None, ladder_file: Path | None, data_dir: Path | None) -> None:
-    """Hold the ladder at LEVEL; it outranks the triggers until the TTL ends or `auto` is set."""
+def degrade_set(level: str, reason: str, ttl: float | None, ladder_file: Path | None, data_dir: Path | None) -> None:
+    """Hold the ladder at LEVEL (its number or name: `degrade status` lists them); it outranks the triggers until
+    the TTL ends or `auto` is set."""
     c = _controller(data_dir, ladder_file)
+    number = _level(c.ladder, level)
     try:
-        c.set_manual(level, reason=reason, who="cli", ttl_s=parse_ttl(ttl))
+        c.set_manual(number, reason=reason, who="cli", ttl_s=ttl)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from exc
-    click.echo(f"level {c.level} set")
+    until = _utc(time.time() + ttl) if ttl is not None else "`tiergate degrade auto`"
+    click.echo(f"level {number} ({c.ladder.levels[number].name}) held until {until}")
+
+
+def _utc(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t))
 
 
 @degrade.command("auto")
