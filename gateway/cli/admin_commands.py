@@ -82,7 +82,7 @@ def tenants() -> None:
 @click.argument("name")
 @click.option("--plan", default=None, help="A plan from the plans file [default: its default_plan].")
 @click.option("--plans", "plans_file", type=click.Path(path_type=Path), default=None,
-              help="Plans file [env TIERGATE_PLANS_FILE].")
+              help="Plans file [env TIERGATE_PLANS_FILE; default quotas/plans.yaml].")
 @data_dir_option
 def tenants_create(name: str, plan: str | None, plans_file: Path | None, data_dir: Path | None) -> None:
     """Create tenant NAME on a plan."""
@@ -112,7 +112,7 @@ def tenants_list(data_dir: Path | None) -> None:
 @click.argument("name")
 @click.argument("plan")
 @click.option("--plans", "plans_file", type=click.Path(path_type=Path), default=None,
-              help="Plans file [env TIERGATE_PLANS_FILE].")
+              help="Plans file [env TIERGATE_PLANS_FILE; default quotas/plans.yaml].")
 @data_dir_option
 def tenants_set_plan(name: str, plan: str, plans_file: Path | None, data_dir: Path | None) -> None:
     """Move tenant NAME to PLAN; running gateways (every replica) follow within a second."""
@@ -172,19 +172,21 @@ _LIMIT_OPTIONS = {"rpm": "--rpm", "tpm": "--tpm", "max_concurrent": "--max-concu
 
 
 @keys.command("issue")
-@click.option("--tenant", default=None, help="The tenant the key belongs to.")
+@click.option("--tenant", default=None, help="The tenant the key belongs to (this or --admin is required).")
 @click.option("--admin", is_flag=True, help="An admin key (no tenant): manages the gateway.")
-@click.option("--name", default="", help="A label for the key.")
+@click.option("--name", default="", help="A label for the key, shown by `keys list` [default: none].")
 @click.option("--ttl", "ttl_s", type=Duration(MAX_TTL_S), default=None,
-              help="Time until the key expires: seconds or 90m, 12h, 30d (at most 10 years).")
-@click.option("--rpm", type=int, default=None, help=f"This key's own requests per minute (at most {MAX_RPM:,}).")
-@click.option("--tpm", type=int, default=None, help=f"This key's own tokens per minute (at most {MAX_TPM:,}).")
+              help="Time until the key expires: seconds or 90m, 12h, 30d (at most 10 years) [default: never].")
+@click.option("--rpm", type=int, default=None,
+              help=f"This key's own requests per minute (at most {MAX_RPM:,}) [default: the plan's only].")
+@click.option("--tpm", type=int, default=None,
+              help=f"This key's own tokens per minute (at most {MAX_TPM:,}) [default: the plan's only].")
 @click.option("--max-concurrent", type=int, default=None,
-              help=f"This key's own concurrent requests (at most {MAX_CONCURRENT:,}).")
+              help=f"This key's own concurrent requests (at most {MAX_CONCURRENT:,}) [default: the plan's only].")
 @click.option("--budget-day", type=str, default=None,
-              help=f"This key's own daily budget, USD (at most {MAX_BUDGET_USD:,}).")
+              help=f"This key's own daily budget, USD (at most {MAX_BUDGET_USD:,}) [default: the plan's only].")
 @click.option("--budget-month", type=str, default=None,
-              help=f"This key's own monthly budget, USD (at most {MAX_BUDGET_USD:,}).")
+              help=f"This key's own monthly budget, USD (at most {MAX_BUDGET_USD:,}) [default: the plan's only].")
 @data_dir_option
 def keys_issue(tenant: str | None, admin: bool, name: str, ttl_s: float | None, rpm: int | None, tpm: int | None,
                max_concurrent: int | None, budget_day: str | None, budget_month: str | None,
@@ -235,7 +237,8 @@ def keys_revoke(key_id: str, data_dir: Path | None) -> None:
 @click.option("--grace", "grace_s", type=Duration(MAX_GRACE_S, allow_zero=True), default=0.0, show_default=True,
               help="How long the old key keeps working (never past its own expiry; at most 7 days).")
 @click.option("--ttl", "ttl_s", type=Duration(MAX_TTL_S), default=None,
-              help="The new key's time to live; it never expires later than the old key would have.")
+              help="The new key's time to live; it never expires later than the old key would have "
+                   "[default: when the old key would have].")
 @data_dir_option
 def keys_rotate(key_id: str, grace_s: float, ttl_s: float | None, data_dir: Path | None) -> None:
     """Replace KEY_ID by a new key with the same tenant, roles and limits, expiring no later than KEY_ID."""
@@ -245,7 +248,7 @@ def keys_rotate(key_id: str, grace_s: float, ttl_s: float | None, data_dir: Path
 
 
 @click.group(invoke_without_command=True)
-@click.option("--tenant", default=None, help="Only this tenant.")
+@click.option("--tenant", default=None, help="Only this tenant [default: every tenant].")
 @data_dir_option
 @click.pass_context
 def usage(ctx: click.Context, tenant: str | None, data_dir: Path | None) -> None:
@@ -255,10 +258,12 @@ def usage(ctx: click.Context, tenant: str | None, data_dir: Path | None) -> None
 
 
 @usage.command("report")
-@click.option("--from", "since", default=None, help="First day (YYYY-MM-DD, UTC), included.")
-@click.option("--to", "until", default=None, help="Last day (YYYY-MM-DD, UTC), included.")
+@click.option("--from", "since", default=None,
+              help="First day (YYYY-MM-DD, UTC), included [default: the ledger's first].")
+@click.option("--to", "until", default=None,
+              help="Last day (YYYY-MM-DD, UTC), included [default: the ledger's last].")
 @click.option("--by", default="tenant,tier", show_default=True, help="Comma list of tenant, tier, day, key_id.")
-@click.option("--tenant", default=None, help="Only this tenant.")
+@click.option("--tenant", default=None, help="Only this tenant [default: every tenant].")
 @click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]), default="table", show_default=True,
               help="A table to read, or CSV or JSON for a spreadsheet or a script.")
 @data_dir_option

@@ -142,7 +142,8 @@ def engine() -> None:
               help="The model id the server answers to; a request naming another is a 404 [default: the model's name].")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Bind address.")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(1, 65535), help="Port.")
-@click.option("--quantize", type=click.Choice(["int8"]), default=None, help="int8 weights, per-channel scales.")
+@click.option("--quantize", type=click.Choice(["int8"]), default=None,
+              help="int8 weights, per-channel scales [default: none, the model's own].")
 @click.option("--dtype", type=click.Choice(["auto", "fp32", "bf16", "fp16"]), default="auto", show_default=True,
               help="auto: bf16 on CUDA and on CPUs with fast bf16, else fp32.")
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda[:N].")
@@ -160,7 +161,8 @@ def engine() -> None:
 @click.option("--draft-model", default=None,
               help="Speculative decoding: a model with the same tokenizer proposes tokens this one checks in one "
                    "step (greedy answers unchanged, sampled ones from the same distribution) [default: off].")
-@click.option("--draft-quantize", type=click.Choice(["int8"]), default=None, help="The draft's quantization.")
+@click.option("--draft-quantize", type=click.Choice(["int8"]), default=None,
+              help="The draft's quantization [default: none].")
 @click.option("--draft-dtype", type=click.Choice(["auto", "fp32", "bf16", "fp16"]), default="auto",
               show_default=True, help="The draft's dtype.")
 @click.option("--speculative-k", default=4, show_default=True, type=click.IntRange(1, 8),

@@ -58,19 +58,24 @@ def rollout() -> None:
 @click.argument("version")
 @click.option("--share", type=click.FloatRange(0, 1), default=0.0, show_default=True,
               help="Share of new conversations on VERSION (0 to 1).")
-@click.option("--tenant", "tenants", multiple=True, help="A tenant always on VERSION (repeatable).")
+@click.option("--tenant", "tenants", multiple=True, help="A tenant always on VERSION (repeatable) [default: none].")
 @click.option("--shadow", type=click.FloatRange(0, 1), default=None,
-              help="A shadow instead of a canary: this share of requests is also sent to VERSION (never returned).")
-@click.option("--max-error-rate", type=float, default=None, help="Guard: the candidate's 5xx rate [0.05].")
+              help="A shadow instead of a canary: this share of requests is also sent to VERSION (never returned) "
+                   "[default: a canary].")
+@click.option("--max-error-rate", type=float, default=None,
+              help="Guard: the candidate's 5xx rate [default: the tier's rollout_guards, else 0.05].")
 @click.option("--max-ttft-ratio", "max_ttft_p95_ratio", type=float, default=None,
-              help="Guard: its p95 TTFT over the baseline's [1.5].")
+              help="Guard: its p95 TTFT over the baseline's [default: the tier's, else 1.5].")
 @click.option("--max-tpot-ratio", "max_tpot_p95_ratio", type=float, default=None,
-              help="Guard: its p95 TPOT over the baseline's [1.5].")
-@click.option("--max-divergence", type=float, default=None, help="Guard: shadowed answers' mean divergence [off].")
-@click.option("--min-requests", type=int, default=None, help="Candidate requests in the window before judging [50].")
-@click.option("--window", "window_s", type=float, default=None, help="Seconds of outcomes a guard reads [300].")
+              help="Guard: its p95 TPOT over the baseline's [default: the tier's, else 1.5].")
+@click.option("--max-divergence", type=float, default=None,
+              help="Guard: shadowed answers' mean divergence [default: the tier's, else off].")
+@click.option("--min-requests", type=int, default=None,
+              help="Candidate requests in the window before judging [default: the tier's, else 50].")
+@click.option("--window", "window_s", type=float, default=None,
+              help="Seconds of outcomes a guard reads [default: the tier's, else 300].")
 @click.option("--breach-for", "breach_for_s", type=float, default=None,
-              help="Seconds a guard must stay breached before it rolls back [30].")
+              help="Seconds a guard must stay breached before it rolls back [default: the tier's, else 30].")
 @reason_option
 @tiers_option
 @data_dir_option
@@ -112,7 +117,7 @@ def rollout_status(tiers_file: Path | None, data_dir: Path | None) -> None:
 @rollout.command("promote")
 @click.argument("tier")
 @click.option("--share", type=click.FloatRange(0, 1), default=None,
-              help="A larger canary share instead of everyone (never smaller).")
+              help="A larger canary share instead of everyone (never smaller) [default: everyone].")
 @reason_option
 @tiers_option
 @data_dir_option
@@ -146,7 +151,7 @@ def rollout_rollback(tier: str, reason: str, tiers_file: Path | None, data_dir: 
 
 
 @rollout.command("history")
-@click.option("--tier", default=None, help="One tier's changes only.")
+@click.option("--tier", default=None, help="One tier's changes only [default: every tier].")
 @click.option("--limit", default=20, show_default=True, type=click.IntRange(1, 10_000),
               help="The latest this many changes, newest first.")
 @tiers_option

@@ -153,3 +153,14 @@ def test_every_command_and_option_says_what_it_does(path: str, command: click.Co
     for param in command.params:
         if isinstance(param, click.Option) and not param.hidden:
             assert param.help, f"{path} {param.opts[0]} has no help"
+
+
+@pytest.mark.parametrize(("path", "command"), _commands(cli), ids=[p for p, _ in _commands(cli)])
+def test_every_option_says_its_default(path: str, command: click.Command) -> None:
+    """What an option left out means (`keys issue --ttl`: never expires; `usage report --from`: the ledger's first
+    day; a rollout guard: the tier's, else a number) is in its help, shown by click or written in words."""
+    for param in command.params:
+        if isinstance(param, click.Option) and not param.hidden and not param.is_flag and not param.required:
+            words = (param.help or "").lower()
+            assert param.show_default or "default" in words or "required" in words, \
+                f"{path} {param.opts[0]}: its help does not say what leaving it out means"
