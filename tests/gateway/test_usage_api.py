@@ -167,6 +167,16 @@ def test_a_report_filter_that_cannot_be_read_is_refused_by_name(gateway: Gateway
             assert len(error["message"]) < 300  # the query is not echoed whole
 
 
+def test_a_format_the_report_has_not_names_the_two_it_has(gateway: Gateway) -> None:
+    """`format=xml` said "Invalid enum value 'xml'", not what to send instead."""
+    with gateway.client(gateway.tenant_key) as c, gateway.client(gateway.admin_key) as admin:
+        for r in (c.get("/v1/usage", params={"format": "xml"}),
+                  admin.get("/admin/usage/report", params={"format": "xml"})):
+            assert r.status_code == 400, r.text
+            assert "json or csv" in r.json()["error"]["message"], r.text
+        assert c.get("/v1/usage", params={"format": "csv"}).headers["content-type"].startswith("text/csv")
+
+
 def test_each_group_once_in_any_order_is_a_report(gateway: Gateway) -> None:
     with gateway.client(gateway.tenant_key) as c:
         r = c.get("/v1/usage", params={"by": "key_id, day,tier , tenant"})
