@@ -213,13 +213,16 @@ def keys_issue(tenant: str | None, admin: bool, name: str, ttl_s: float | None, 
 @click.option("--tenant", default=None, help="Only this tenant's keys [default: every key, admin keys too].")
 @data_dir_option
 def keys_list(tenant: str | None, data_dir: Path | None) -> None:
-    """List keys (ids and state, never secrets)."""
+    """List keys, never their secrets: one a line, tab-separated: id, tenant, state, name, expiry (UTC, or never)
+    and the key that replaced it (`keys rotate`; - for none)."""
     with _store(data_dir) as store:
         if tenant is not None:  # a misspelt name is no tenant, not one without keys
             store.get_tenant(tenant)
         for k in store.list_keys(tenant):
             state = "revoked" if k.revoked_at else ("expired" if not k.active(time.time()) else "active")
-            click.echo(f"{k.key_id}\t{k.tenant or '(admin)'}\t{state}\t{k.name}")
+            # a rotated key stays active for its grace period: its expiry and successor say it is on its way out
+            expires = _utc(k.expires_at) if k.expires_at is not None else "never"
+            click.echo(f"{k.key_id}\t{k.tenant or '(admin)'}\t{state}\t{k.name}\t{expires}\t{k.replaced_by or '-'}")
 
 
 @keys.command("revoke")

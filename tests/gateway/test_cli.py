@@ -105,3 +105,22 @@ def test_cli_rotation_never_extends_a_key_life(tmp_path) -> None:  # type: ignor
         assert given.expires_at is not None and given.expires_at <= given.created_at + 3600
     finally:
         store.close()
+
+
+def test_cli_keys_list_shows_a_rotated_key_going_away(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """After `keys rotate --grace 1h`, `keys list` said only "active" of the old key: not that it expires within the
+    hour, nor which key replaced it."""
+    runner = CliRunner()
+    env = {"TIERGATE_DATA_DIR": str(tmp_path)}
+    assert runner.invoke(cli, ["tenants", "create", "acme"], env=env).exit_code == 0
+    old_id = _issued_id(runner.invoke(cli, ["keys", "issue", "--tenant", "acme"], env=env).output)
+    new_id = _issued_id(runner.invoke(cli, ["keys", "rotate", old_id, "--grace", "1h"], env=env).output)
+    rows = {line.split("\t")[0]: line.split("\t") for line in
+            runner.invoke(cli, ["keys", "list"], env=env).output.splitlines()}
+    store = TenantStore(Settings(data_dir=tmp_path).state_db)
+    try:
+        until = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(store.get_key(old_id).expires_at))
+    finally:
+        store.close()
+    assert rows[old_id][1:] == ["acme", "active", "", until, new_id]
+    assert rows[new_id][1:] == ["acme", "active", "", "never", "-"]

@@ -67,4 +67,4 @@ def test_the_cli_refuses_it_and_lists_one_row_a_key(tmp_path: Path) -> None:
     assert r.exit_code == 1 and "name" in r.output and "key id" not in r.output, r.output
     assert runner.invoke(cli, ["keys", "issue", "--tenant", "acme", "--name", "ci"], env=env).exit_code == 0
     listed = runner.invoke(cli, ["keys", "list"], env=env).output.splitlines()
-    assert len(listed) == 1 and listed[0].split("\t")[1:] == ["acme", "active", "ci"], listed
+    assert len(listed) == 1 and listed[0].split("\t")[1:] == ["acme", "active", "ci", "never", "-"], listed
