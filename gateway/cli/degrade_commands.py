@@ -141,7 +141,10 @@ def degrade_auto(ladder_file: Path | None, data_dir: Path | None) -> None:
 def degrade_history(limit: int, ladder_file: Path | None, data_dir: Path | None) -> None:
     """Every change: when, from, to, who, why, and the metrics that triggered it."""
     c = _controller(data_dir, ladder_file)
-    for e in c.store.history(limit):
+    events = c.store.history(limit)
+    if not events:
+        click.echo("no level changes recorded")
+    for e in events:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(e.ts))
         metrics = f" {json.dumps(e.metrics)}" if e.metrics else ""
         click.echo(f"{when}  {e.from_level} -> {e.to_level}  by {e.who}: {e.reason}{metrics}")

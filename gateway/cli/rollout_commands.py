@@ -159,7 +159,13 @@ def rollout_rollback(tier: str, reason: str, tiers_file: Path | None, data_dir: 
 def rollout_history(tier: str | None, limit: int, tiers_file: Path | None, data_dir: Path | None) -> None:
     """Every change: when, which tier and version, the stage and share it left, who and why."""
     with _service(data_dir, tiers_file) as s:
-        for e in s.history(tier, limit):
+        events = s.history(tier, limit)
+        if not events and tier is not None and tier not in s.catalogue.tiers:  # misspelt: no tier, not no changes
+            raise click.ClickException(f"no tier {tier!r} in the tiers file, nor rollouts of one; tiers: "
+                                       f"{', '.join(s.catalogue.tiers)}")
+        if not events:
+            click.echo(f"no rollout changes{f' of tier {tier}' if tier else ''}")
+        for e in events:
             when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(e.ts))
             click.echo(f"{when}  {e.tier} {e.action} {e.candidate}: {e.stage} share {e.share:.2%}  "
                        f"by {e.who}: {e.reason}")

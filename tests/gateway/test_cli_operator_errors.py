@@ -138,6 +138,15 @@ def test_a_rule_across_settings_is_one_line_naming_them(tmp_path: Path) -> None:
     assert "setting  (" not in out and "(TIERGATE_)" not in out, out  # no empty setting name before the rule's text
 
 
+def test_rollout_history_says_when_it_is_empty_and_names_a_misspelt_tier(tmp_path: Path) -> None:
+    """It printed nothing for no changes, and nothing for `--tier mdi`: read as "no rollout ever" either way."""
+    out = run(["rollout", "history", "--data-dir", str(tmp_path)])
+    assert out.exit_code == 0 and out.output.strip() == "no rollout changes", out.output
+    out = run(["rollout", "history", "--tier", "mid", "--data-dir", str(tmp_path)])
+    assert out.exit_code == 0 and out.output.strip() == "no rollout changes of tier mid", out.output
+    refused(run(["rollout", "history", "--tier", "mdi", "--data-dir", str(tmp_path)]), "no tier 'mdi'", "mid")
+
+
 def _commands(group: click.Group, path: str = "") -> list[tuple[str, click.Command]]:
     out: list[tuple[str, click.Command]] = []
     for name, command in group.commands.items():

@@ -52,3 +52,8 @@ def test_a_bad_ttl_names_the_option_and_sets_nothing(tmp_path: Path) -> None:
         assert r.exit_code == 2 and "'--ttl'" in last_line(r), r.output
         assert "ttl_s" not in r.output
     assert run(tmp_path, "status").output.startswith("level 0 (normal), set by auto")
+
+
+def test_an_empty_history_says_so(tmp_path: Path) -> None:
+    r = run(tmp_path, "history")
+    assert r.exit_code == 0 and r.output.strip() == "no level changes recorded", r.output
