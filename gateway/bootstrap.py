@@ -2,16 +2,20 @@
 
 The store keeps only hashes. So that `make run` can print a working example on later runs too, the
 first run also writes the two keys to `<data dir>/bootstrap-keys.json` (mode 0600), the operator's own
-copy, which they may delete at any time; nothing in the gateway reads keys from it.
+copy, which they may delete at any time; nothing in the gateway reads keys from it. A key of that copy which the
+store no longer honours (revoked, rotated past its grace, expired) is left out of what is printed: its example
+request would answer 401.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
-from gateway.errors import Conflict
+from gateway.errors import Conflict, NotFound
+from gateway.tenants.keys import parse_key
 from gateway.tenants.store import ADMIN, TenantStore
 from quotas.plans import PlanBook
 
@@ -31,7 +35,7 @@ def ensure_bootstrap(store: TenantStore, plans: PlanBook, data_dir: Path) -> dic
         try:
             store.create_tenant(DEMO_TENANT, plans.default_plan)
         except Conflict:  # another replica sharing this data directory got there first
-            return saved or None
+            return _honoured(store, saved)
         _, saved["demo_key"] = store.issue_key(DEMO_TENANT, name="demo")
         created = True
     if created:
@@ -39,13 +43,31 @@ def ensure_bootstrap(store: TenantStore, plans: PlanBook, data_dir: Path) -> dic
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as fh:
             json.dump(saved, fh, indent=2)
-    return saved or None
+    return _honoured(store, saved)
+
+
+def _honoured(store: TenantStore, saved: dict[str, str]) -> dict[str, str] | None:
+    """The saved keys the store still takes: an operator who revoked the demo key was shown it again, with an example
+    request that answered 401."""
+    now = time.time()
+    kept: dict[str, str] = {}
+    for name, key in saved.items():
+        parsed = parse_key(key) if isinstance(key, str) else None
+        if parsed is None:
+            continue
+        try:
+            if store.get_key(parsed[0]).active(now):
+                kept[name] = key
+        except NotFound:
+            continue
+    return kept or None
 
 
 def banner(keys: dict[str, str] | None, *, host: str, port: int, data_dir: Path) -> str:
     base = f"http://{host}:{port}"
     if not keys or "demo_key" not in keys:
-        return (f"Tiergate is serving at {base}. The first-run keys are no longer in {data_dir / FILE_NAME};\n"
+        return (f"Tiergate is serving at {base}. The first-run demo key is no longer in {data_dir / FILE_NAME}, "
+                "or no longer valid;\n"
                 "issue new ones with `tiergate keys issue --tenant demo` (and `--admin` for an admin key).")
     lines = [
         f"Tiergate is serving at {base}",
