@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import logging
+import socket
 import subprocess
 import sys
 import threading
@@ -58,6 +60,7 @@ def serve(host: str | None, port: int | None, tiers_file: Path | None, plans_fil
     settings = settings_from(host=host, port=port, tiers_file=tiers_file, plans_file=plans_file,
                              ladder_file=ladder_file, models_dir=models_dir, workers=workers, data_dir=data_dir)
     require_shared_quotas(settings)
+    _check_listen(settings.host, settings.port)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health probe is noise
     try:
@@ -100,6 +103,22 @@ def serve(host: str | None, port: int | None, tiers_file: Path | None, plans_fil
 
     uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning", timeout_graceful_shutdown=5,
                 http=http_limits.for_settings(settings))
+
+
+def _check_listen(host: str, port: int) -> None:
+    """Refuse a host and port that cannot be listened on (one taken by a gateway already running, most often) before
+    anything is prepared: uvicorn found it out only once engines had started, the embedder loaded and first-use
+    builds begun, and said so in a log line among theirs."""
+    try:
+        # the family and address as uvicorn's own bind takes them (IPv6 only for a host with a colon)
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no refusal
+            probe.bind((host, port))
+    except OSError as exc:
+        taken = " (another process listens there: a gateway already running?)" if \
+            getattr(exc, "errno", None) == errno.EADDRINUSE else ""
+        raise click.ClickException(f"cannot listen on {host}:{port}: {exc.strerror or exc}{taken}; give another "
+                                   "--port or --host (TIERGATE_PORT, TIERGATE_HOST)") from exc
 
 
 def _announce_when_ready(app: Litestar, settings: Settings, keys: dict[str, str] | None) -> None:

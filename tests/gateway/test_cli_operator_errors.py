@@ -3,6 +3,7 @@ new empty data directory; every option says what it is; bad numbers are refused 
 
 from __future__ import annotations
 
+import socket
 import sqlite3
 from pathlib import Path
 
@@ -130,6 +131,19 @@ def test_serve_refuses_a_port_that_cannot_be_before_preparing_anything(tmp_path:
     (tmp_path / "broken.yaml").write_text("tiers: [\n")  # without the check, the run ends here instead
     refused(run(["serve", "--port", "99999", "--tiers", str(tmp_path / "broken.yaml"), "--data-dir", str(tmp_path)]),
             "TIERGATE_PORT", "65535")
+
+
+def test_serve_refuses_a_port_in_use_before_preparing_anything(tmp_path: Path) -> None:
+    """A second `serve` on a gateway's port started engines, loaded the embedder and began first-use builds before
+    uvicorn's bind failed, in a log line among theirs."""
+    (tmp_path / "broken.yaml").write_text("tiers: [\n")  # without the check, the run ends here instead
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        args = ["serve", "--host", "127.0.0.1", "--port", str(port), "--tiers", str(tmp_path / "broken.yaml")]
+        out = refused(run([*args, "--data-dir", str(tmp_path)]), f"127.0.0.1:{port}", "in use", "--port")
+    assert "broken.yaml" not in out
 
 
 def test_a_rule_across_settings_is_one_line_naming_them(tmp_path: Path) -> None:
