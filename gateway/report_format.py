@@ -14,6 +14,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+from collections.abc import Sequence
 from decimal import Decimal
 from typing import Any
 
@@ -38,12 +39,14 @@ def _csv_cell(v: Any) -> str:
     return "'" + text if text.startswith(_FORMULA_START) else text
 
 
-def to_csv(rows: list[dict[str, Any]]) -> str:
-    if not rows:
+def to_csv(rows: list[dict[str, Any]], header: Sequence[str] = ()) -> str:
+    """The rows under their column names; no rows is `header` alone (a spreadsheet or a script reading a period of
+    no use finds its columns, where an empty body had none)."""
+    if not rows and not header:
         return ""
     out = io.StringIO()
     writer = csv.writer(out)
-    writer.writerow(_csv_cell(k) for k in rows[0])
+    writer.writerow(_csv_cell(k) for k in (rows[0] if rows else header))
     for r in rows:
         writer.writerow(_csv_cell(v) for v in r.values())
     return out.getvalue()

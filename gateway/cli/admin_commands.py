@@ -20,7 +20,7 @@ from gateway.stores import open_ledger, open_tenant_store
 from gateway.tenants.keys import MAX_GRACE_S, MAX_TTL_S, check_seconds, parse_duration
 from gateway.tenants.store import ADMIN, TenantStore
 from quotas.plans import MAX_BUDGET_USD, MAX_CONCURRENT, MAX_RPM, MAX_TPM, Limits, PlanBook
-from quotas.report import usage_report
+from quotas.report import COLUMNS, usage_report
 
 
 @contextmanager
@@ -292,4 +292,7 @@ def _print_report(data_dir: Path | None, *, tenant: str | None, since: str | Non
         rows = usage_report(ledger, by=groups, since=start, until=end, tenant=tenant)
     finally:
         ledger.close()
-    click.echo({"table": to_table, "csv": to_csv, "json": to_json}[fmt](rows))
+    if fmt == "csv":
+        click.echo(to_csv(rows, header=(*groups, *COLUMNS)), nl=False)
+    else:
+        click.echo({"table": to_table, "json": to_json}[fmt](rows))

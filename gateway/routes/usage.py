@@ -18,7 +18,7 @@ from gateway.routes.guarded import admin_only
 from gateway.routes.openapi import BEARER, also, errors
 from gateway.tenants.store import Principal, TenantStore
 from quotas.ledger import Ledger
-from quotas.report import jsonable
+from quotas.report import COLUMNS, jsonable
 
 # what the document says of the query, as `_report` parses it: a comma list of distinct groups (`day` 5,000 times
 # was a 500, SQLite's "too many columns"), checked by parse_by_query, whose refusals say what is wrong; a day
@@ -53,7 +53,7 @@ async def _report(ledger: Ledger, gate: ReportGate, who: str, *, tenant: str | N
     except ValueError as exc:
         raise InvalidRequest(str(exc), code="invalid_value") from exc
     if fmt == "csv":
-        return Response(to_csv(rows), media_type="text/csv")
+        return Response(to_csv(rows, header=(*groups, *COLUMNS)), media_type="text/csv")
     return Response({"object": "list", "by": list(groups), "data": jsonable(rows)})
 
 

@@ -124,3 +124,13 @@ def test_cli_keys_list_shows_a_rotated_key_going_away(tmp_path) -> None:  # type
         store.close()
     assert rows[old_id][1:] == ["acme", "active", "", until, new_id]
     assert rows[new_id][1:] == ["acme", "active", "", "never", "-"]
+
+
+
+def test_cli_csv_report_of_no_use_has_its_header(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    runner = CliRunner()
+    env = {"TIERGATE_DATA_DIR": str(tmp_path)}
+    assert runner.invoke(cli, ["tenants", "create", "acme"], env=env).exit_code == 0
+    r = runner.invoke(cli, ["usage", "report", "--by", "tenant,day", "--format", "csv"], env=env)
+    assert r.exit_code == 0 and r.output.startswith("tenant,day,requests,input_tokens,"), r.output
+    assert r.output.count("\n") == 1, r.output

@@ -33,3 +33,9 @@ def test_commas_quotes_and_line_ends_stay_in_their_cell() -> None:
     rows = [{"tenant": 'a,"b"\r\nc', "tier": None, "refusals": {"rate_limit_rpm": 2}}]
     (_, row) = list(csv.reader(io.StringIO(to_csv(rows), newline="")))
     assert row == ['a,"b"\r\nc', "-", "rate_limit_rpm=2"]
+
+
+def test_no_rows_is_the_header_alone() -> None:
+    """A period of no use was an empty CSV body: a script or a spreadsheet found no columns to read."""
+    assert to_csv([], header=("tenant", "requests")) == "tenant,requests\r\n"
+    assert to_csv([]) == ""

@@ -174,7 +174,9 @@ def test_a_format_the_report_has_not_names_the_two_it_has(gateway: Gateway) -> N
                   admin.get("/admin/usage/report", params={"format": "xml"})):
             assert r.status_code == 400, r.text
             assert "json or csv" in r.json()["error"]["message"], r.text
-        assert c.get("/v1/usage", params={"format": "csv"}).headers["content-type"].startswith("text/csv")
+        csv = c.get("/v1/usage", params={"format": "csv"})
+        assert csv.headers["content-type"].startswith("text/csv")
+        assert csv.text.startswith("tenant,tier,requests,"), csv.text  # with no use too: its header
 
 
 def test_each_group_once_in_any_order_is_a_report(gateway: Gateway) -> None:
