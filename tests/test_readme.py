@@ -111,6 +111,24 @@ def test_every_command_and_flag_the_readme_shows_exists() -> None:
     assert not problems, "\n".join(problems)
 
 
+def _options(group: click.Group, path: str = "tiergate") -> list[tuple[str, str]]:
+    out: list[tuple[str, str]] = []
+    for name, cmd in group.commands.items():
+        if isinstance(cmd, click.Group):
+            out += _options(cmd, f"{path} {name}")
+        out += [(f"{path} {name}", opt) for p in cmd.params if isinstance(p, click.Option) and not p.hidden
+                for opt in p.opts if opt.startswith("--") and opt not in ("--help", "--data-dir")]
+    return out
+
+
+def test_every_flag_a_command_takes_is_in_the_command_line_summary() -> None:
+    """The reverse of the check above: `engine serve --kv-cache-bytes`, `router train --reference` and a dozen more
+    were in --help only (--data-dir is every command's, and said once)."""
+    block = README.split("## Command line", 1)[1].split("## Security", 1)[0]
+    missing = [f"{path} {opt}" for path, opt in _options(cli) if not re.search(rf"(?<![\w-]){opt}(?![\w-])", block)]
+    assert not missing, "add to README.md's Command line: " + ", ".join(missing)
+
+
 def test_the_command_check_catches_a_wrong_name() -> None:
     assert check_command_line("tiergate degrade status | set LEVEL --reason R | auto | history") == []
     assert check_command_line("tiergate keys issue --tenant NAME | --admin [--ttl 30d|SECONDS]") == []
