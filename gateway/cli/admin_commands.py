@@ -203,6 +203,10 @@ def keys_issue(tenant: str | None, admin: bool, name: str, ttl_s: float | None, 
         error = exc.errors()[0]
         raise click.BadParameter(error["msg"].removeprefix("Value error, "),
                                  param_hint=f"'{_LIMIT_OPTIONS[error['loc'][0]]}'") from exc
+    if admin and limits != Limits():  # an admin key calls no model: its limits would never apply
+        given = [option for field, option in _LIMIT_OPTIONS.items() if getattr(limits, field) is not None]
+        raise click.UsageError(f"{', '.join(given)}: an admin key calls no models, so its limits would never apply; "
+                               "leave them out, or issue a --tenant key")
     with _store(data_dir, create=admin) as store:
         key, plaintext = store.issue_key(tenant, name=name, roles=(ADMIN,) if admin else (), ttl_s=ttl_s,
                                          limits=None if limits == Limits() else limits)

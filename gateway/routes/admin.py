@@ -93,6 +93,10 @@ async def list_keys(store: NamedDependency[TenantStore], tenant: FromQuery[str |
 @post("/keys", status_code=201, dependencies={"openapi_body": body(IssueKey)}, responses=ADMIN_ERRORS)
 async def issue_key(request: Request[Any, Any, Any], store: NamedDependency[TenantStore]) -> dict[str, Any]:
     body = parse_body(await request.body(), IssueKey)
+    if body.admin and body.limits is not None and body.limits != Limits():
+        # an admin key calls no model, so its limits would never apply: the caller meant a tenant key, or nothing
+        raise InvalidRequest("an admin key calls no models, so limits would never apply to it; leave them out, or "
+                             "issue a tenant key", param="limits", code="admin_key_with_limits")
     key, plaintext = store.issue_key(
         body.tenant, name=body.name, roles=(ADMIN,) if body.admin else (), ttl_s=body.ttl_s, limits=body.limits)
     return key.public() | {"key": plaintext, "note": "shown once; store it now"}

@@ -86,6 +86,17 @@ def test_an_admin_key_cannot_belong_to_a_tenant(gateway: Gateway) -> None:
         assert admin.get("/admin/keys").json()["data"] == before  # nothing was issued
 
 
+def test_an_admin_key_with_limits_is_refused(gateway: Gateway) -> None:
+    """An admin key calls no model: `{"admin": true, "limits": {"rpm": 5}}` issued a key whose limits never applied."""
+    with gateway.client(gateway.admin_key) as admin:
+        before = admin.get("/admin/keys").json()["data"]
+        r = admin.post("/admin/keys", json={"admin": True, "limits": {"rpm": 5}})
+        assert r.status_code == 400, r.text
+        assert (r.json()["error"]["param"], r.json()["error"]["code"]) == ("limits", "admin_key_with_limits")
+        assert admin.get("/admin/keys").json()["data"] == before  # nothing was issued
+        assert admin.post("/admin/keys", json={"admin": True, "limits": {}}).status_code == 201
+
+
 NON_FINITE = (b"NaN", b"Infinity")
 
 

@@ -134,3 +134,13 @@ def test_cli_csv_report_of_no_use_has_its_header(tmp_path) -> None:  # type: ign
     r = runner.invoke(cli, ["usage", "report", "--by", "tenant,day", "--format", "csv"], env=env)
     assert r.exit_code == 0 and r.output.startswith("tenant,day,requests,input_tokens,"), r.output
     assert r.output.count("\n") == 1, r.output
+
+
+
+def test_cli_refuses_limits_on_an_admin_key(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """`keys issue --admin --rpm 5 --budget-day 3` issued an admin key whose limits never applied: it calls no model."""
+    runner = CliRunner()
+    env = {"TIERGATE_DATA_DIR": str(tmp_path)}
+    r = runner.invoke(cli, ["keys", "issue", "--admin", "--rpm", "5", "--budget-day", "3"], env=env)
+    assert r.exit_code == 2 and "--rpm, --budget-day: an admin key calls no models" in r.output, r.output
+    assert "key id" not in r.output and not (tmp_path / "state.db").exists()
