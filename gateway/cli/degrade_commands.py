@@ -73,7 +73,12 @@ ladder_option = click.option("--ladder", "ladder_file", type=click.Path(path_typ
 
 @click.group()
 def degrade() -> None:
-    """The degradation ladder: status, set LEVEL, auto, history."""
+    """The degradation ladder: levels that trade answers' quality for capacity under load (degrade_ladder.yaml).
+
+    The gateway climbs and descends it by its triggers; on-call reads it (`status`: the level in force and every
+    level's meaning), holds a level (`set LEVEL --reason R [--ttl 30m]`), hands it back to the triggers (`auto`)
+    and reads every change (`history`). A running gateway follows within half a second.
+    """
 
 
 @degrade.command("status")
