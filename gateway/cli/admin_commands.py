@@ -251,7 +251,13 @@ def keys_rotate(key_id: str, grace_s: float, ttl_s: float | None, data_dir: Path
     """Replace KEY_ID by a new key with the same tenant, roles and limits, expiring no later than KEY_ID."""
     with _store(data_dir) as store:
         key, plaintext = store.rotate_key(key_id, grace_s=grace_s, ttl_s=ttl_s)
+        old = store.get_key(key_id)
     _echo_key(key.public(), plaintext)
+    # when the key it replaces stops working: the operator's deadline for handing the new one out
+    if old.revoked_at is not None:
+        click.echo(f"old key {old.key_id}: revoked (no --grace)", err=True)
+    elif old.expires_at is not None:
+        click.echo(f"old key {old.key_id}: works until {_utc(old.expires_at)} (--grace)", err=True)
 
 
 @click.group(invoke_without_command=True)

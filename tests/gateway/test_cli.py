@@ -114,7 +114,8 @@ def test_cli_keys_list_shows_a_rotated_key_going_away(tmp_path) -> None:  # type
     env = {"TIERGATE_DATA_DIR": str(tmp_path)}
     assert runner.invoke(cli, ["tenants", "create", "acme"], env=env).exit_code == 0
     old_id = _issued_id(runner.invoke(cli, ["keys", "issue", "--tenant", "acme"], env=env).output)
-    new_id = _issued_id(runner.invoke(cli, ["keys", "rotate", old_id, "--grace", "1h"], env=env).output)
+    rotated = runner.invoke(cli, ["keys", "rotate", old_id, "--grace", "1h"], env=env)
+    new_id = _issued_id(rotated.output)
     rows = {line.split("\t")[0]: line.split("\t") for line in
             runner.invoke(cli, ["keys", "list"], env=env).output.splitlines()}
     store = TenantStore(Settings(data_dir=tmp_path).state_db)
@@ -123,6 +124,9 @@ def test_cli_keys_list_shows_a_rotated_key_going_away(tmp_path) -> None:  # type
     finally:
         store.close()
     assert rows[old_id][1:] == ["acme", "active", "", until, new_id]
+    assert f"old key {old_id}: works until {until} (--grace)" in rotated.output, rotated.output  # its deadline
+    other = _issued_id(runner.invoke(cli, ["keys", "issue", "--tenant", "acme"], env=env).output)
+    assert f"old key {other}: revoked" in runner.invoke(cli, ["keys", "rotate", other], env=env).output
     assert rows[new_id][1:] == ["acme", "active", "", "never", "-"]
 
 
