@@ -92,7 +92,8 @@ class LadderController:
 
     def set_manual(self, level: int, *, reason: str, who: str, ttl_s: float | None = None) -> None:
         if not 0 <= level <= self.ladder.top:
-            raise LadderChangeError(f"level must be between 0 and {self.ladder.top}", param="level",
+            levels = ", ".join(f"{lv.level} {lv.name}" for lv in self.ladder.levels)
+            raise LadderChangeError(f"level must be between 0 and {self.ladder.top}; levels: {levels}", param="level",
                                     code="level_not_found")
         check_reason(reason)
         if ttl_s is not None and not MIN_TTL_S <= ttl_s <= MAX_TTL_S:  # NaN fails both

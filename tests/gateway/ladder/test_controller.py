@@ -317,3 +317,13 @@ def test_a_reason_is_logged_on_one_line(tmp_path: Path, caplog: pytest.LogCaptur
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 2 and all("\n" not in line for line in lines)
     assert lines[0].endswith("'manual: incident 42'") and "\\nlevel 0 -> 3" in lines[1]
+
+
+def test_a_level_the_ladder_has_not_is_refused_with_the_levels_it_has(tmp_path: Path) -> None:
+    """`POST /admin/degrade/ {"level": 7}` said only "between 0 and N": on-call had to find the ladder file to learn
+    what each level does."""
+    c, _, _, _ = make(tmp_path)
+    with pytest.raises(LadderChangeError) as caught:
+        c.set_manual(7, reason="x", who="k")
+    names = ", ".join(f"{lv.level} {lv.name}" for lv in c.ladder.levels)
+    assert str(caught.value).endswith(f"levels: {names}") and len(c.ladder.levels) > 1
