@@ -153,7 +153,7 @@ class EmbeddingsService:
                 self._refuse_if_degraded(ctx)
                 reservation, counts = await self._admit(ctx, req.texts)
             answer = await self._answer(ctx, req, counts, reservation, keep)
-            return answer, ratelimit_headers(ctx.plan, reservation.decision)
+            return answer, ratelimit_headers(ctx.plan, reservation.decision, ctx.principal.key.limits)
         except asyncio.CancelledError:
             if keep is not None and keep.stopped():  # its Idempotency-Key's lease lost: settled as cancelled
                 raise lease_lost() from None
@@ -198,7 +198,8 @@ class EmbeddingsService:
         reservation = await self.reserve.reserve(ctx, ctx.request_id, tokens=0, price=Decimal(0))
         self._hand_off(self.quotas.settle(reservation, tokens=0, price=Decimal(0)))
         answer = await self.counting.run(ctx.tenant, replay_body, replay.answer, req.encoding_format)
-        return answer, {**ratelimit_headers(ctx.plan, reservation.decision), REPLAY_HEADER: "true"}
+        headers = ratelimit_headers(ctx.plan, reservation.decision, ctx.principal.key.limits)
+        return answer, {**headers, REPLAY_HEADER: "true"}
 
     def _refuse_if_degraded(self, ctx: RequestContext) -> None:
         """A priority class the ladder sheds, or answers from cache only, gets no fresh compute here either."""

@@ -114,6 +114,12 @@ class RateLimited(TiergateError):
     code = "rate_limit_exceeded"
 
 
+class TokensRateLimited(RateLimited):
+    """Over a tokens-per-minute limit: OpenAI's type for it is `tokens`."""
+
+    error_type = "tokens"
+
+
 class QuotaExceeded(TiergateError):
     """The tenant's (or key's) money budget for the day or month is spent."""
 

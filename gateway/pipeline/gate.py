@@ -70,7 +70,6 @@ class Scope:
     name: str  # "<tenant>" or "<tenant>/k:<key id>"
     label: str  # "your tenant" or "your key", for messages
     limits: Limits
-    tenant: bool = True  # the tenant's own scope (its refusals carry the plan's `x-ratelimit-*` headers)
 
 
 class Pass:
@@ -113,11 +112,11 @@ class TenantGate:
             if refused is not None:
                 recheck, until, reason = refused
                 if now < recheck:
-                    raise limit_refusal(scope.label, reason, until - now, scope.limits if scope.tenant else None)
+                    raise limit_refusal(scope.label, reason, until - now, scope.limits)
                 del self._rate_refused[scope.name]
             limit = scope.limits.max_concurrent
             if limit is not None and self._in_flight.get(scope.name, 0) >= limit:
-                raise limit_refusal(scope.label, "concurrency", 1, scope.limits if scope.tenant else None)
+                raise limit_refusal(scope.label, "concurrency", 1, scope.limits)
         for scope in scopes:
             self._in_flight[scope.name] = self._in_flight.get(scope.name, 0) + 1
         return Pass(self, scopes)
@@ -173,5 +172,5 @@ def scopes_of(tenant: str, key_id: str, plan_limits: Limits, key_limits: Limits 
     """The tenant's scope and, where the key has limits of its own, the key's."""
     scopes = [Scope(tenant, "your tenant", plan_limits)]
     if key_limits is not None:
-        scopes.append(Scope(f"{tenant}/k:{key_id}", "your key", key_limits, tenant=False))
+        scopes.append(Scope(f"{tenant}/k:{key_id}", "your key", key_limits))
     return tuple(scopes)

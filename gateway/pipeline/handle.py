@@ -363,7 +363,8 @@ class Pipeline:
              extra: dict[str, str] | None = None) -> Head:
         reason = "; ".join((attempt.route.reason, *attempt.extra_reason))
         headers = {"x-tiergate-tier": attempt.route.tier.name, "x-tiergate-route-reason": reason,
-                   **ratelimit_headers(ctx.plan, attempt.reservation.decision), **attempt.lookup.response_headers()}
+                   **ratelimit_headers(ctx.plan, attempt.reservation.decision, ctx.principal.key.limits),
+                   **attempt.lookup.response_headers()}
         if attempt.applied:
             headers["x-tiergate-degrade-actions"] = ",".join(attempt.applied)
         if attempt.route.tier.version_name is not None:  # a tier with versions: the one that answered

@@ -1,12 +1,19 @@
 """The 429 for a scope over one of its limits, worded once for the two places that refuse: the exact check at
 reservation (gateway/pipeline/reserve.py) and the gate that remembers its refusals (gateway/pipeline/gate.py). A
-client reads the same message, code, `Retry-After` and OpenAI's `x-ratelimit-*` headers from either."""
+client reads the same message, code, `Retry-After` and OpenAI's `x-ratelimit-*` headers (of the scope refused: the
+tenant's or its key's) from either.
+
+A request that alone needs more than a scope's tokens per minute, or may cost more than a whole budget, can never be
+admitted: `too_large` says so, without a Retry-After (waiting does not help; it said "retry in 60s"). The gate still
+remembers it for a second, as it does every such refusal, so a flood of them is refused before its cache lookups."""
 
 from __future__ import annotations
 
 import math
+from decimal import Decimal
 
-from gateway.errors import QuotaExceeded, RateLimited, TiergateError
+from gateway.errors import QuotaExceeded, RateLimited, TiergateError, TokensRateLimited
+from quotas.money import to_pico
 from quotas.plans import Limits
 
 _WHAT = {"rpm": "requests per minute", "tpm": "tokens per minute", "concurrency": "concurrent requests"}
@@ -14,7 +21,7 @@ _WHAT = {"rpm": "requests per minute", "tpm": "tokens per minute", "concurrency"
 
 def limit_refusal(label: str, reason: str, retry_after_s: float, limits: Limits | None) -> TiergateError:
     """`label` is "your tenant" or "your key"; `reason` the limit ("rpm", "tpm", "concurrency", "budget_day",
-    "budget_month"); `limits`, the tenant scope's plan limits (None for a key's own scope), adds the headers."""
+    "budget_month"); `limits`, the refused scope's (the plan's, or the key's own), adds the headers."""
     retry = max(1, math.ceil(retry_after_s))
     if reason in ("budget_day", "budget_month"):
         period = "daily" if reason == "budget_day" else "monthly"
@@ -29,8 +36,33 @@ def limit_refusal(label: str, reason: str, retry_after_s: float, limits: Limits 
             headers |= {"x-ratelimit-remaining-requests": "0", "x-ratelimit-reset-requests": reset_duration(retry)}
         if reason == "tpm":
             headers |= {"x-ratelimit-remaining-tokens": "0", "x-ratelimit-reset-tokens": reset_duration(retry)}
-    return RateLimited(f"rate limit of {label} reached: {_WHAT.get(reason, reason)}; retry in {retry}s",
-                       code=f"rate_limit_{reason}", retry_after=retry, headers=headers)
+    kind = TokensRateLimited if reason == "tpm" else RateLimited
+    return kind(f"rate limit of {label} reached: {_WHAT.get(reason, reason)}; retry in {retry}s",
+                code=f"rate_limit_{reason}", retry_after=retry, headers=headers)
+
+
+def too_large(scopes: tuple[tuple[str, Limits | None], ...], tokens: int, price: Decimal
+              ) -> tuple[int, str, TiergateError] | None:
+    """The refusal of a request that no minute, day or month can admit in one of `scopes` ((label, limits)): its
+    `tokens` (prompt and max_tokens) over the scope's tokens per minute, or its most `price` over a whole budget
+    (compared as the quota stores count, in picodollars); with the index of the scope and the limit ("tpm",
+    "budget_day", "budget_month"). None if each could admit it."""
+    for i, (label, limits) in enumerate(scopes):
+        if limits is None:
+            continue
+        if limits.tpm is not None and tokens > limits.tpm:
+            return i, "tpm", TokensRateLimited(
+                f"this request needs {tokens} tokens (its prompt and max_tokens), more than the {limits.tpm} tokens "
+                f"per minute of {label}: it can never be admitted; shorten the prompt or lower max_tokens",
+                code="rate_limit_tpm", headers={"x-ratelimit-limit-tokens": str(limits.tpm)})
+        for reason, budget in (("budget_day", limits.budget_day_usd), ("budget_month", limits.budget_month_usd)):
+            if budget is not None and price > budget and to_pico(price) > to_pico(budget):
+                period = "daily" if reason == "budget_day" else "monthly"
+                return i, reason, QuotaExceeded(
+                    f"this request may cost up to ${price:f} (its prompt and max_tokens), more than the {period} "
+                    f"budget of {label} (${budget:f}): it can never be admitted; lower max_tokens or shorten the "
+                    "prompt")
+    return None
 
 
 def reset_duration(seconds: float) -> str:

@@ -30,12 +30,12 @@ from decimal import Decimal
 
 from gateway.errors import TiergateError, Unavailable
 from gateway.pipeline.context import RequestContext
-from gateway.pipeline.gate import REMEMBERED_REASONS, TenantGate
+from gateway.pipeline.gate import RATE_RECHECK_S, REMEMBERED_REASONS, TenantGate
 from gateway.pipeline.handed_off import HandedOff
-from gateway.pipeline.limit_errors import limit_refusal, reset_duration
+from gateway.pipeline.limit_errors import limit_refusal, reset_duration, too_large
 from quotas.backends.base import QuotaBackendError
 from quotas.limits import Decision
-from quotas.plans import Plan
+from quotas.plans import Limits, Plan
 from quotas.reservations import QuotaService, Reservation
 
 log = logging.getLogger("tiergate.reserve")
@@ -54,7 +54,15 @@ class ReserveStage:
                       follows: str | None = None) -> Reservation:
         """`follows`: the reserved attempt this one continues (a cascade's retry): the client's request keeps the one
         rpm place and concurrency slot it was admitted with (under `max_concurrent: 1` a retry that took a slot of
-        its own was always refused, and one that took a place counted the request twice against rpm)."""
+        its own was always refused, and one that took a place counted the request twice against rpm). A request no
+        window or period could ever admit (more tokens than a tokens-per-minute limit, a price over a whole budget)
+        is refused first, saying so, without asking the store (limit_errors.py `too_large`)."""
+        key_limits = ctx.principal.key.limits
+        if (never := too_large((("your tenant", ctx.plan.limits), ("your key", key_limits)), tokens, price)):
+            which, reason, error = never  # remembered by the gate for a second, as the store's refusals are
+            self.gate.rate_refused(ctx.tenant if which == 0 else f"{ctx.tenant}/k:{ctx.key_id}", RATE_RECHECK_S,
+                                  reason)
+            raise error
         decision, reservation = await self.attempt(ctx, request_id, tokens=tokens, price=price, follows=follows)
         if reservation is None:
             raise self.refused(ctx, decision)
@@ -103,7 +111,7 @@ class ReserveStage:
         if decision.reason in REMEMBERED_REASONS and decision.scope is not None:
             scope = ctx.tenant if decision.scope == "t" else f"{ctx.tenant}/{decision.scope}"
             self.gate.rate_refused(scope, decision.retry_after_s, decision.reason)
-        return refusal(ctx.plan, decision)
+        return refusal(ctx.plan, decision, ctx.principal.key.limits)
 
     def _give_back(self, work: asyncio.Future[tuple[Decision, Reservation | None]]) -> None:
         """A reserve whose request left before it ended: a reservation it made is settled at zero use (handed off)."""
@@ -118,27 +126,31 @@ class ReserveStage:
         await self._handed.drain()
 
 
-def refusal(plan: Plan, decision: Decision) -> TiergateError:
-    """The 429 for a refused reservation, with OpenAI's `x-ratelimit-*` headers for the tenant's scope."""
-    scope = "your key" if decision.scope and decision.scope.startswith("k:") else "your tenant"
-    return limit_refusal(scope, decision.reason or "limit", decision.retry_after_s,
-                         plan.limits if decision.scope == "t" else None)
+def refusal(plan: Plan, decision: Decision, key_limits: Limits | None = None) -> TiergateError:
+    """The 429 for a refused reservation, with OpenAI's `x-ratelimit-*` headers for the scope refused (the tenant's
+    plan, or the key's own `key_limits`)."""
+    if decision.scope and decision.scope.startswith("k:"):
+        return limit_refusal("your key", decision.reason or "limit", decision.retry_after_s, key_limits)
+    return limit_refusal("your tenant", decision.reason or "limit", decision.retry_after_s, plan.limits)
 
 
-def ratelimit_headers(plan: Plan, decision: Decision) -> dict[str, str]:
-    """OpenAI's `x-ratelimit-*` headers for an admitted request: the tenant scope's limits and what is left."""
-    usage = decision.usage.get("t")
-    limits = plan.limits
-    if usage is None:
-        return {}
-    headers = {}
-    if limits.rpm is not None:
-        headers |= {"x-ratelimit-limit-requests": str(limits.rpm),
-                    "x-ratelimit-remaining-requests": str(max(0, limits.rpm - usage.requests)),
-                    "x-ratelimit-reset-requests": reset_duration(usage.reset_requests_s)}
-    if limits.tpm is not None:
-        headers |= {"x-ratelimit-limit-tokens": str(limits.tpm),
-                    "x-ratelimit-remaining-tokens": str(max(0, limits.tpm - usage.tokens)),
-                    "x-ratelimit-reset-tokens": reset_duration(usage.reset_tokens_s)}
+def ratelimit_headers(plan: Plan, decision: Decision, key_limits: Limits | None = None) -> dict[str, str]:
+    """OpenAI's `x-ratelimit-*` headers for an admitted request: for requests and for tokens, the scope with the
+    least left (the tenant's, or its key's own limits: a key of rpm 1 under a plan of 600 was told 599 left)."""
+    scopes = [(plan.limits, decision.usage.get("t"))]
+    if key_limits is not None:
+        scopes += [(key_limits, usage) for scope, usage in decision.usage.items() if scope.startswith("k:")]
+    requests = [(max(0, lim.rpm - use.requests), lim.rpm, use.reset_requests_s) for lim, use in scopes
+                if use is not None and lim.rpm is not None]
+    tokens = [(max(0, lim.tpm - use.tokens), lim.tpm, use.reset_tokens_s) for lim, use in scopes
+              if use is not None and lim.tpm is not None]
+    headers: dict[str, str] = {}
+    if requests:
+        left, limit, reset = min(requests)
+        headers |= {"x-ratelimit-limit-requests": str(limit), "x-ratelimit-remaining-requests": str(left),
+                    "x-ratelimit-reset-requests": reset_duration(reset)}
+    if tokens:
+        left, limit, reset = min(tokens)
+        headers |= {"x-ratelimit-limit-tokens": str(limit), "x-ratelimit-remaining-tokens": str(left),
+                    "x-ratelimit-reset-tokens": reset_duration(reset)}
     return headers
-
