@@ -94,8 +94,8 @@ async def until(written: Future, timeout_s: float | None) -> None:
         return
     loop = asyncio.get_running_loop()
     waiter: Future = loop.create_future()
-    written.add_done_callback(lambda _: _wake(waiter))
-    timer = None if timeout_s is None else loop.call_later(timeout_s, _wake, waiter)
+    written.add_done_callback(lambda _: wake(waiter))
+    timer = None if timeout_s is None else loop.call_later(timeout_s, wake, waiter)
     try:
         await waiter
     finally:
@@ -108,7 +108,7 @@ def withdrawn(written: Future) -> bool:
     return written.done() and not written.cancelled() and isinstance(written.exception(), RowWithdrawn)
 
 
-def _wake(waiter: Future) -> None:
+def wake(waiter: Future) -> None:
     if not waiter.done():
         waiter.set_result(None)
 
