@@ -212,7 +212,18 @@ class RedisStore(CacheStore):
         return last[0][0].decode() if last else "0-0"
 
     def changes_since(self, cursor: str, limit: int = 1000) -> tuple[str, list[tuple[str, str, str]]]:
-        rows = self._call(self.redis.xrange, self.prefix + "log", "(" + cursor, "+", count=limit)
+        """As `CacheStore.changes_since`. The log is trimmed to about 100,000 events (and is gone with a Redis that
+        came back empty): a process whose cursor's own event is no longer in it may have missed others after it (a
+        deletion its map of recent entries would go on serving, a write its index would never propose), so it gets
+        a 'reset' and reloads every vector, as the SQLite store's log says when trimmed past a cursor."""
+        cursor = cursor or "0-0"
+        # from the cursor's own event on (inclusive), while the log still holds it: proof that nothing after it was cut
+        rows = self._call(self.redis.xrange, self.prefix + "log", cursor, "+", count=limit + 1)
+        if cursor != "0-0":
+            if not rows or rows[0][0].decode() != cursor:
+                return self.change_cursor(), [("reset", "", "")]  # the cursor read first: nothing after it missed
+            rows = rows[1:]
+        rows = rows[:limit]
         changes = [(f[b"op"].decode(), f[b"id"].decode(), f[b"partition"].decode()) for _, f in rows]
         return (rows[-1][0].decode() if rows else cursor), changes
 

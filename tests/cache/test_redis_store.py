@@ -11,7 +11,7 @@ PARAPHRASE = "How can I convert 5 kilometers into miles?"
 
 def _replica(url: str, embedder: Embedder, clock: FakeClock, **kwargs: object) -> SemanticCache:
     return SemanticCache(RedisStore(url, max_entries=kwargs.pop("max_entries", 100)), embedder, clock=clock,
-                         sync_interval_s=0.0, **kwargs)
+                         sync_interval_s=kwargs.pop("sync_interval_s", 0.0), **kwargs)
 
 
 def test_a_write_on_one_replica_is_served_by_another(redis_url: str, embedder: Embedder, clock: FakeClock) -> None:
@@ -60,3 +60,50 @@ def test_ttl_in_redis(redis_url: str, embedder: Embedder, clock: FakeClock) -> N
     clock.now += 11
     assert a.lookup(scope(chat(Q)), chat(Q)).status == "miss"
     assert len(a.entries) == 0 and len(a.index) == 0
+
+
+def _replicas_after_a_write(url: str, embedder: Embedder, clock: FakeClock,
+                            **kwargs: object) -> tuple[SemanticCache, SemanticCache]:
+    """Two replicas, made once the log holds an event (where a replica's cursor then stands)."""
+    a = _replica(url, embedder, clock)
+    first = chat("What is the tallest mountain?")
+    a.store(scope(first, tenant="initech"), first, "Everest")
+    return a, _replica(url, embedder, clock, **kwargs)
+
+
+def _trim_log(replica: SemanticCache) -> None:
+    """Cut the change log to its last event, as Redis's MAXLEN trimming does to a replica far behind."""
+    store = replica.entries
+    assert isinstance(store, RedisStore)
+    store.redis.xtrim(store.prefix + "log", maxlen=1, approximate=False)
+
+
+def test_a_replica_behind_a_trimmed_log_reloads_its_index(redis_url: str, embedder: Embedder,
+                                                          clock: FakeClock) -> None:
+    a, b = _replicas_after_a_write(redis_url, embedder, clock)
+    for q in (Q, "Who wrote Hamlet?", "What is the boiling point of water?"):
+        a.store(scope(chat(q)), chat(q), f"answer to {q}")
+    _trim_log(a)  # b never read the first two writes' events
+    b.sync()
+    assert len(b.index) == 4
+    para = b.lookup(scope(chat(PARAPHRASE)), chat(PARAPHRASE))
+    assert isinstance(para, Hit) and para.kind == "semantic"
+    a.close()
+    b.close()
+
+
+def test_a_deletion_cut_from_the_log_is_not_served_from_a_replicas_memory(redis_url: str, embedder: Embedder,
+                                                                        clock: FakeClock) -> None:
+    # b syncs by hand here, and serves exact hits from its map of recent entries while its last sync is recent
+    a, b = _replicas_after_a_write(redis_url, embedder, clock, sync_interval_s=60.0)
+    body = chat(Q)
+    a.store(scope(body), body, "3.1 miles")
+    assert b.lookup(scope(body), body).status == "hit"  # b keeps it in its map of recent entries
+    assert a.purge("acme") == 1
+    other = chat("Who wrote Hamlet?")
+    a.store(scope(other, tenant="globex"), other, "Shakespeare")
+    _trim_log(a)  # the purge's event is gone before b read it
+    b.sync()
+    assert b.lookup(scope(body), body).status == "miss"
+    a.close()
+    b.close()
