@@ -93,6 +93,13 @@ __all__ = ["SEMANTIC_MAX_CHARS", "Bypass", "CacheStats", "Hit", "LookupResult", 
            "TenantPolicy"]
 
 
+def within_ttl(entry: Entry, policy: TenantPolicy, now: float) -> bool:
+    """Whether `entry` is younger than the tenant's TTL now. An entry's own expiry is its TTL when it was stored: a
+    plan whose `ttl_s` was lowered since (or set, where it had none) serves nothing older than its new TTL, though
+    the entry stays (a plan changed back serves it again) until its own expiry or eviction."""
+    return policy.ttl_s is None or entry.created_at + policy.ttl_s > now
+
+
 class _Plan:
     """A cacheable request's lookup, between its steps."""
 
@@ -229,7 +236,8 @@ class SemanticCache:
         entry = self.pending.get(plan.scope_id, plan.exact_key)
         if entry is None and self.feed.recent():
             entry = self.recent.get(plan.scope_id, plan.exact_key, plan.now)  # deletions elsewhere applied
-        if entry is not None and (entry.expires_at is None or entry.expires_at > plan.now):
+        if entry is not None and (entry.expires_at is None or entry.expires_at > plan.now) \
+                and within_ttl(entry, plan.policy, plan.now):
             self.stats.exact_hits += 1
             return Hit(entry, "exact", 1.0)
         return plan
@@ -240,7 +248,7 @@ class SemanticCache:
             self.sync()  # writes the LRU marks of hits served from memory
             self.writes.checkpoint_soon()
         entry = self.entries.find_exact(plan.scope_id, plan.exact_key)
-        if entry is not None and self.writes.alive(entry, plan.now):
+        if entry is not None and self.writes.alive(entry, plan.now) and within_ttl(entry, plan.policy, plan.now):
             self.entries.touch(entry.entry_id, plan.now)
             self.writes.checkpoint_soon()
             self.recent.put(entry)
@@ -271,7 +279,7 @@ class SemanticCache:
             if similarity < floor or similarity < best - self.fallback_margin:
                 break
             entry = self.entries.get(entry_id)
-            if entry is None or not self.writes.alive(entry, plan.now):
+            if entry is None or not self.writes.alive(entry, plan.now) or not within_ttl(entry, policy, plan.now):
                 continue
             reason = guards.check(plan.key.last_user_text, entry.semantic_text)
             if reason is not None:

@@ -437,3 +437,19 @@ def test_turns_too_long_to_compare_whole_are_exact_only_and_never_embedded(embed
         assert isinstance(hit, Hit) and hit.kind == "exact"
         assert time.perf_counter() - start < 1.0
     assert recording.longest <= SEMANTIC_MAX_CHARS and len(cache.index) == 1
+
+
+def test_a_lowered_ttl_serves_nothing_older_than_itself(cache: SemanticCache, clock: FakeClock) -> None:
+    """A plan's TTL lowered (or set where it had none) after entries were stored under the old one: those older
+    than the new TTL are not served, exact or semantic, from the store or this process's memory."""
+    body = chat(Q)
+    cache.store(scope(body), body, "a", policy=TenantPolicy(ttl_s=None))
+    assert cache.lookup(scope(body), body).status == "hit"  # now in the map of recent entries too
+    clock.now += 120
+    lowered = TenantPolicy(ttl_s=60)
+    assert cache.lookup(scope(body), body, policy=lowered).status == "miss"
+    assert cache.lookup(scope(chat(PARAPHRASE)), chat(PARAPHRASE), policy=lowered).status == "miss"
+    assert cache.lookup(scope(body), body, policy=TenantPolicy(ttl_s=3600)).status == "hit"  # changed back
+    fresh = cache.remember(scope(body), body, "b", policy=lowered)  # a new answer, pending: within the TTL
+    assert fresh is not None
+    assert cache.lookup(scope(body), body, policy=lowered).response == "b"
