@@ -125,6 +125,7 @@ class CacheLookup:
     client_cap: int | None = None  # the output cap the request asked for (max_tokens), None: the gateway's
     accepted_by: str | None = None  # the cascade check its answer must pass to be kept (`cascade_acceptance`)
     accepted: bool = False  # the cascade's check ran on the answer and accepted it as `accepted_by` says
+    tier: TierSpec | None = None  # the tier the scope's model version is of (None: no scope)
 
     @property
     def hit(self) -> Hit | None:
@@ -174,7 +175,7 @@ class CacheStage:
             result = Miss(f"cache unavailable: {exc}")
         else:
             self._lookup_faults.ok()
-        return CacheLookup(result, scope, policy, body, ctx.headers, applied, req.output_cap, accepted_by)
+        return CacheLookup(result, scope, policy, body, ctx.headers, applied, req.output_cap, accepted_by, tier=tier)
 
     def save(self, lookup: CacheLookup, outcome: Outcome, applied: tuple[str, ...]) -> None:
         """Keep a fresh answer: a repeat of the request is an exact hit from now on (read your own writes),
@@ -204,7 +205,15 @@ class CacheStage:
         """Whether `save` may keep the attempt's answer, as far as its lookup says before the answer (its text is
         then kept for it: Meter.keep_text). A cascade's judge may yet accept it (`accepted`), and keeps the text."""
         return (self.cache is not None and lookup.scope is not None and isinstance(lookup.result, Miss)
-                and not shaped_answer(applied) and (lookup.accepted_by is None or lookup.accepted))
+                and not shaped_answer(applied) and (lookup.accepted_by is None or lookup.accepted)
+                and self._same_model(lookup))
+
+    def _same_model(self, lookup: CacheLookup) -> bool:
+        """Whether the tier's model version is still the one its lookup scoped: a replica that came back with other
+        weights while the request waited (for a dispatch slot, a fall-back) may have answered it, and an answer
+        kept under the old version would be served once the tier is rolled back to it."""
+        return lookup.tier is None or lookup.scope is None or \
+            self.fleet.model_version(lookup.tier) == lookup.scope.model_version
 
     async def bump_data_version(self, tenant: str, version: int) -> int:
         """The tenant's data version is now `version`: delete the cached answers of older ones (this process's
