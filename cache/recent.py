@@ -9,7 +9,9 @@ entry deleted elsewhere is served from here for at most that long. The LRU marks
 memory are kept here and written to the store at the next sync. Bounded: the least recently used entry goes
 when `limit` is reached, and a tenant's own least recently used one when it holds `per_tenant`: one tenant's
 flood of new answers pushes out its own entries, not every other tenant's (whose exact hits would then each pay
-a worker thread and a store round trip).
+a worker thread and a store round trip). The same holds of their size (`store.entry_bytes`): `max_bytes` in all,
+`per_tenant_bytes` of one tenant's (an entry larger than that is not kept here at all). Counted alone, 10,000
+answers of 100 KB (one tenant asking for long ones) held a gigabyte.
 """
 
 from __future__ import annotations
@@ -18,20 +20,29 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
-from cache.store import Entry
+from cache.store import Entry, entry_bytes
+
+MAX_BYTES = 64 << 20  # what the entries kept here hold at most, all tenants' (`store.entry_bytes`)
+PER_TENANT_BYTES = 16 << 20  # of which one tenant's
 
 
 class RecentEntries:
     """A bounded LRU of entries by (scope id, exact key), and their pending LRU marks. Thread-safe; each call
     holds a lock for microseconds (except `drop_where`, linear in the map, run on rare admin changes)."""
 
-    def __init__(self, limit: int = 10_000, per_tenant: int = 2_500) -> None:
-        if limit < 1 or per_tenant < 1:
-            raise ValueError("limit and per_tenant must be at least 1")
+    def __init__(self, limit: int = 10_000, per_tenant: int = 2_500, *, max_bytes: int = MAX_BYTES,
+                 per_tenant_bytes: int = PER_TENANT_BYTES) -> None:
+        if min(limit, per_tenant, max_bytes, per_tenant_bytes) < 1:
+            raise ValueError("limit, per_tenant and the byte bounds must be at least 1")
         self.limit = limit
         self.per_tenant = per_tenant
+        self.max_bytes = max_bytes
+        self.per_tenant_bytes = per_tenant_bytes
+        self.num_bytes = 0  # of the entries kept (`entry_bytes`)
+        self._tenant_bytes: dict[str, int] = {}
         self._entries: OrderedDict[tuple[str, str], Entry] = OrderedDict()
-        self._of_tenant: dict[str, OrderedDict[tuple[str, str], None]] = {}  # each tenant's keys, least recent first
+        # each tenant's keys, least recent first, with each entry's size (`entry_bytes`, as it was put)
+        self._of_tenant: dict[str, OrderedDict[tuple[str, str], int]] = {}
         self._keys: dict[str, tuple[str, str]] = {}  # entry id -> its key in _entries
         self._used: dict[str, float] = {}  # entry id -> when it was last served from here
         self._lock = threading.Lock()
@@ -58,21 +69,25 @@ class RecentEntries:
     def put(self, entry: Entry) -> None:
         key = (entry.scope_id, entry.exact_key)
         with self._lock:
-            old = self._entries.get(key)
-            if old is not None and old.entry_id != entry.entry_id:
-                self._keys.pop(old.entry_id, None)
-                self._used.pop(old.entry_id, None)
-            if old is not None and old.tenant != entry.tenant:  # a scope is one tenant's: not expected
+            used = self._used.get(entry.entry_id)  # the same entry again keeps its mark
+            if key in self._entries:  # counted anew (a scope is one tenant's)
                 self._drop_locked(key)
+            if used is not None:
+                self._used[entry.entry_id] = used
+            size = entry_bytes(entry)
+            if size > min(self.per_tenant_bytes, self.max_bytes):
+                return  # the store serves it: alone, it would push out every other entry of its tenant
             self._entries[key] = entry
             self._entries.move_to_end(key)
             self._keys[entry.entry_id] = key
             own = self._of_tenant.setdefault(entry.tenant, OrderedDict())
-            own[key] = None
+            own[key] = size
             own.move_to_end(key)
-            if len(own) > self.per_tenant:
+            self.num_bytes += size
+            self._tenant_bytes[entry.tenant] = self._tenant_bytes.get(entry.tenant, 0) + size
+            while len(own) > self.per_tenant or self._tenant_bytes[entry.tenant] > self.per_tenant_bytes:
                 self._drop_locked(next(iter(own)))
-            while len(self._entries) > self.limit:
+            while len(self._entries) > self.limit or self.num_bytes > self.max_bytes:
                 self._drop_locked(next(iter(self._entries)))
 
     def drop_ids(self, entry_ids: Iterable[str]) -> None:
@@ -93,6 +108,8 @@ class RecentEntries:
             self._keys.clear()
             self._used.clear()
             self._of_tenant.clear()
+            self._tenant_bytes.clear()
+            self.num_bytes = 0
 
     def take_used(self) -> dict[str, float]:
         """The LRU marks gathered since the last call (entry id -> last use), for the store."""
@@ -105,6 +122,9 @@ class RecentEntries:
         self._keys.pop(entry.entry_id, None)
         self._used.pop(entry.entry_id, None)
         own = self._of_tenant[entry.tenant]
-        del own[key]
+        size = own.pop(key)
+        self.num_bytes -= size
+        self._tenant_bytes[entry.tenant] -= size
         if not own:
             del self._of_tenant[entry.tenant]
+            del self._tenant_bytes[entry.tenant]

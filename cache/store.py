@@ -50,6 +50,14 @@ class Entry:
     end_user: str | None = field(default=None, compare=False)
 
 
+def entry_bytes(entry: Entry) -> int:
+    """About what an entry holds in memory: its texts (a character counted as a byte) and its vector, plus its keys
+    and fields. What the in-memory maps of entries (cache/recent.py, cache/pending.py) bound besides their counts:
+    an answer may be hundreds of kilobytes, and a count alone let one tenant's long answers hold gigabytes."""
+    vector = 0 if entry.embedding is None else int(entry.embedding.nbytes)
+    return len(entry.response) + len(entry.semantic_text) + vector + 512
+
+
 class CacheStore(ABC):
     """Entries by id and by (scope, exact key), bounded by LRU, selectable by tenant and version."""
 

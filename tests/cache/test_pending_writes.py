@@ -62,3 +62,19 @@ def test_pending_entries_are_counted_per_tenant_as_they_come_and_go() -> None:
 def test_the_bounds_must_be_positive() -> None:
     with pytest.raises(ValueError):
         PendingWrites(limit=10, per_tenant=0)
+
+
+def test_one_tenants_long_pending_answers_are_bounded_in_bytes() -> None:
+    pending = PendingWrites()  # the cache's defaults
+    for n in range(200):  # 200 answers of 1 MB in flight: under the count bound, 200 MB held before
+        entry = _entry("flood", n)
+        entry.response = "x" * (1 << 20)
+        pending.add(entry)
+    assert pending.pending_of("flood") <= 16  # its first 15 (16 MiB a tenant)
+    assert pending.num_bytes <= pending.per_tenant_bytes
+    assert pending.get("s-flood", "k0") is not None and pending.get("s-flood", "k199") is None
+    mine = _entry("acme", 0)
+    pending.add(mine)
+    assert pending.get("s-acme", "k0") is mine
+    pending.cancel_where(lambda e: e.tenant == "flood")
+    assert len(pending) == 1 and 0 < pending.num_bytes < 4096

@@ -52,3 +52,25 @@ def test_each_tenants_least_recently_used_goes_first_and_the_process_bound_holds
 def test_the_bounds_must_be_positive() -> None:
     with pytest.raises(ValueError):
         RecentEntries(per_tenant=0)
+
+
+def _long(tenant: str, n: int, size: int) -> Entry:
+    entry = _entry(tenant, n)
+    entry.response = "x" * size
+    return entry
+
+
+def test_one_tenants_long_answers_are_bounded_in_bytes_and_evict_only_its_own() -> None:
+    recent = RecentEntries()  # the cache's defaults
+    mine = _entry("acme", 0)
+    recent.put(mine)
+    for n in range(200):  # 200 answers of 1 MB: under the count bound, 200 MB held before
+        recent.put(_long("flood", n, 1 << 20))
+    assert len(recent) <= 1 + 16  # the flood's newest 15 (16 MiB a tenant), and acme's one
+    assert recent.num_bytes <= recent.per_tenant_bytes + 4096
+    assert recent.get("s-acme", "k0", now=0.0) is mine
+    assert recent.get("s-flood", "k199", now=0.0) is not None and recent.get("s-flood", "k0", now=0.0) is None
+    recent.put(_long("flood", 500, recent.per_tenant_bytes + 1))  # larger than a tenant's share: not kept here
+    assert recent.get("s-flood", "k500", now=0.0) is None and recent.get("s-flood", "k199", now=0.0) is not None
+    recent.drop_where(lambda e: e.tenant == "flood")
+    assert len(recent) == 1 and 0 < recent.num_bytes < 4096
