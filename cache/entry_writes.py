@@ -79,6 +79,9 @@ class EntryWriter:
                 return None  # answered from data the tenant has since replaced
             self.mark_used()  # the store evicts by these marks
             displaced = self.entries.put(entry)
+            if displaced is None:  # its data was bumped past it, by another process (the store's record of it)
+                self.pending.forget(entry)
+                return None
             self.index.remove(displaced)
             self.recent.drop_ids(displaced)
             self.recent.put(entry)

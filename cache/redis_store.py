@@ -7,6 +7,7 @@ Keys, under `prefix` (default `tg:cache`):
 - `t:<tenant>`        set: the tenant's entry ids (purge, version reclaim)
 - `l:<tenant>`        sorted set: the tenant's ids by last use (its own bound, and eviction from the largest)
 - `sizes`             sorted set: tenant by number of entries
+- `bumpv`, `bumpt`    hashes: tenant -> its data version at its last bump, and when (`put` refuses older answers)
 - `log`               stream of `put` / `del` events: how every replica's faiss index follows the others
 
 Writes and deletes are Lua scripts, so the keys of one entry never disagree and both size bounds (per tenant,
@@ -58,15 +59,20 @@ end
 """
 
 # ARGV: prefix, id, scope_id, exact_key, tenant, partition, last_used, expires_at ('' = none), max_entries,
-#       max_entries_per_tenant, then field/value pairs of the entry hash
+#       max_entries_per_tenant, data_version, created_at, then field/value pairs of the entry hash.
+# Returns false (None) for an entry made before its tenant's data was bumped past its version.
 _PUT = _DEL + """
 local prefix, id, tenant = ARGV[1], ARGV[2], ARGV[5]
+local bumped = redis.call('HGET', prefix .. 'bumpv', tenant)
+if bumped and bumped ~= ARGV[11] and tonumber(redis.call('HGET', prefix .. 'bumpt', tenant)) > tonumber(ARGV[12]) then
+  return false
+end
 local xk = prefix .. 'x:' .. ARGV[3] .. ':' .. ARGV[4]
 local displaced = {}
 local old = redis.call('GET', xk)
 if old and del(prefix, old) == 1 then table.insert(displaced, old) end
 local fields = {}
-for i = 11, #ARGV do table.insert(fields, ARGV[i]) end
+for i = 13, #ARGV do table.insert(fields, ARGV[i]) end
 redis.call('HSET', prefix .. 'e:' .. id, unpack(fields))
 redis.call('SET', xk, id)
 redis.call('ZADD', prefix .. 'lru', ARGV[7], id)
@@ -135,7 +141,7 @@ class RedisStore(CacheStore):
     def __len__(self) -> int:
         return int(self._call(self.redis.zcard, self.prefix + "lru"))
 
-    def put(self, entry: Entry) -> list[str]:
+    def put(self, entry: Entry) -> list[str] | None:
         blob = b"" if entry.embedding is None else np.asarray(entry.embedding, dtype=np.float32).tobytes()
         expires = "" if entry.expires_at is None else repr(entry.expires_at)
         values = {"scope_id": entry.scope_id, "tenant": entry.tenant, "data_version": entry.data_version,
@@ -145,8 +151,10 @@ class RedisStore(CacheStore):
                   "expires_at": expires, "last_used": repr(entry.last_used), "embedding": blob}
         flat: list[Any] = [x for kv in values.items() for x in kv]
         args = [self.prefix, entry.entry_id, entry.scope_id, entry.exact_key, entry.tenant, entry.partition,
-                repr(entry.last_used), expires, self.max_entries, self.max_entries_per_tenant, *flat]
-        return [d.decode() for d in self._call(self._put, keys=[], args=args)]
+                repr(entry.last_used), expires, self.max_entries, self.max_entries_per_tenant, entry.data_version,
+                repr(entry.created_at), *flat]
+        displaced = self._call(self._put, keys=[], args=args)
+        return None if displaced is None else [d.decode() for d in displaced]
 
     def get(self, entry_id: str) -> Entry | None:
         raw = self._call(self.redis.hgetall, self.prefix + "e:" + entry_id)
@@ -187,7 +195,12 @@ class RedisStore(CacheStore):
                 if v is not None and c is not None and v != data_version and float(c) < created_before][:limit]
 
     def drop_data_versions(self, tenant: str, current: str, created_before: float, batch: int = 500) -> list[str]:
-        """One pass over the tenant's entries (the batched default rescans them for every batch)."""
+        """One pass over the tenant's entries (the batched default rescans them for every batch), once the bump is
+        recorded for `put`: a write after it is refused, one before it is in the pass."""
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hset(self.prefix + "bumpv", tenant, current)
+        pipe.hset(self.prefix + "bumpt", tenant, repr(created_before))
+        self._call(pipe.execute)
         return self.delete(self.ids_not_at_data_version(tenant, current, created_before, 1 << 62))
 
     def ids_of_model_version(self, model_version: str, limit: int) -> list[str]:

@@ -66,6 +66,7 @@ CREATE TABLE IF NOT EXISTS changes (
     partition TEXT NOT NULL
 );
 CREATE TABLE IF NOT EXISTS tenant_sizes (tenant TEXT PRIMARY KEY, n INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS data_bumps (tenant TEXT PRIMARY KEY, version TEXT NOT NULL, bumped_at REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS entry_count (id INTEGER PRIMARY KEY CHECK (id = 0), n INTEGER NOT NULL);
 INSERT INTO tenant_sizes (tenant, n) SELECT tenant, COUNT(*) FROM entries
     WHERE NOT EXISTS (SELECT 1 FROM entry_count) GROUP BY tenant;
@@ -188,9 +189,10 @@ class SQLiteStore(CacheStore):
         rows = self._read(sql, args)
         return rows[0][0] if rows else None
 
-    def put(self, entry: Entry) -> list[str]:
+    def put(self, entry: Entry) -> list[str] | None:
         """Insert `entry` (replacing one with the same scope and exact key). Returns the ids it displaced:
-        the replaced entry, and those evicted to stay within the tenant's bound and the store's."""
+        the replaced entry, and those evicted to stay within the tenant's bound and the store's; None when its
+        tenant's data was bumped past it (`CacheStore.put`)."""
         blob = None if entry.embedding is None else np.asarray(entry.embedding, dtype=np.float32).tobytes()
         row = (entry.entry_id, entry.scope_id, entry.tenant, entry.data_version, entry.model_version, entry.exact_key,
                entry.partition, entry.semantic_text, entry.response, json.dumps(entry.usage),
@@ -199,6 +201,10 @@ class SQLiteStore(CacheStore):
             self._run("BEGIN IMMEDIATE")
             try:
                 self._write_marks_locked()  # before evicting by them
+                if self._one("SELECT 1 FROM data_bumps WHERE tenant=? AND version != ? AND bumped_at > ?",
+                             (entry.tenant, entry.data_version, entry.created_at)):
+                    self._run("COMMIT")  # the marks only
+                    return None
                 replaced = [r[0] for r in self._run(
                     "SELECT entry_id FROM entries WHERE (scope_id=? AND exact_key=?) OR entry_id=?",
                     (entry.scope_id, entry.exact_key, entry.entry_id))]
@@ -320,12 +326,22 @@ class SQLiteStore(CacheStore):
         return self._select_ids("model_version = ?", (model_version,), limit)
 
     def drop_data_versions(self, tenant: str, current: str, created_before: float, batch: int = 500) -> list[str]:
-        """One statement over the tenant's index range (the batched default rescans it for every batch)."""
+        """One statement over the tenant's index range (the batched default rescans it for every batch), in the
+        transaction that records the bump for `put`."""
         with self._lock:
-            gone = [r[0] for r in self._run(
-                "DELETE FROM entries WHERE tenant = ? AND data_version != ? AND created_at < ? RETURNING entry_id",
-                (tenant, current, created_before)).fetchall()]
-            self._written += len(gone)
+            self._run("BEGIN IMMEDIATE")
+            try:
+                self._run("INSERT INTO data_bumps (tenant, version, bumped_at) VALUES (?, ?, ?) ON CONFLICT (tenant) "
+                          "DO UPDATE SET version = excluded.version, bumped_at = excluded.bumped_at "
+                          "WHERE excluded.bumped_at >= data_bumps.bumped_at", (tenant, current, created_before))
+                gone = [r[0] for r in self._run(
+                    "DELETE FROM entries WHERE tenant = ? AND data_version != ? AND created_at < ? RETURNING entry_id",
+                    (tenant, current, created_before)).fetchall()]
+                self._run("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._written += len(gone) + 1
             return gone
 
     def expired(self, now: float, limit: int = 1000) -> list[str]:

@@ -68,8 +68,10 @@ class CacheStore(ABC):
     def __len__(self) -> int: ...
 
     @abstractmethod
-    def put(self, entry: Entry) -> list[str]:
-        """Insert `entry`, replacing the one with the same scope and exact key; return every id displaced."""
+    def put(self, entry: Entry) -> list[str] | None:
+        """Insert `entry`, replacing the one with the same scope and exact key; return every id displaced. None: not
+        written, as it was made before its tenant's data was bumped past its version (`drop_data_versions`, by any
+        process: an answer still being written elsewhere then must not land after the deletion)."""
 
     @abstractmethod
     def get(self, entry_id: str) -> Entry | None: ...
@@ -126,7 +128,8 @@ class CacheStore(ABC):
 
     def drop_data_versions(self, tenant: str, current: str, created_before: float, batch: int = 500) -> list[str]:
         """Delete the tenant's entries created before `created_before` at another data version than `current`
-        (after a data-version bump), in batches. Returns the ids deleted."""
+        (after a data-version bump), in batches, and refuse such entries from now on (`put`: every process's late
+        writes). Returns the ids deleted."""
         gone: list[str] = []
         while ids := self.ids_not_at_data_version(tenant, current, created_before, batch):
             deleted = self.delete(ids)

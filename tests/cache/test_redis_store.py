@@ -107,3 +107,18 @@ def test_a_deletion_cut_from_the_log_is_not_served_from_a_replicas_memory(redis_
     assert b.lookup(scope(body), body).status == "miss"
     a.close()
     b.close()
+
+
+def test_a_bump_on_one_replica_stops_another_replicas_late_write_of_old_data(
+        redis_url: str, embedder: Embedder, clock: FakeClock) -> None:
+    a, b = _replica(redis_url, embedder, clock), _replica(redis_url, embedder, clock)
+    body = chat(Q)
+    old = scope(body, data_version=1)
+    late = b.remember(old, body, "answer from the old data")  # b is still writing it when a bumps the version
+    assert late is not None
+    clock.now += 1
+    a.bump_data_version("acme", 2)
+    assert b.persist(late) is None
+    assert len(a.entries) == 0 and b.lookup(old, body).status == "miss"
+    a.close()
+    b.close()

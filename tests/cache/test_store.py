@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -174,3 +175,20 @@ def test_expired_selection(make_store: MakeStore) -> None:
     store.put(short)
     store.put(forever)
     assert store.expired(99.0) == [] and store.expired(100.0) == ["e1"]
+
+
+def test_a_data_version_bump_refuses_answers_made_before_it_from_any_process(make_store: MakeStore) -> None:
+    """Another process's answer from the replaced data, still being written when the bump deleted the old entries
+    (its own process never heard of the bump), must not land after the deletion."""
+    store = make_store()
+    store.put(entry(1))  # data version 1, made at 1.0
+    assert store.drop_data_versions("acme", "2", created_before=5.0) == ["e1"]
+    late = entry(2)  # made at 1.0 at version 1, written now
+    assert store.put(late) is None
+    assert store.get("e2") is None and store.find_exact("s", "k2") is None and len(store) == 0
+    current = replace(entry(3), data_version="2")
+    assert store.put(current) == []  # the current version, whenever made
+    after = replace(entry(4), data_version="1", created_at=6.0)  # made after the bump (a header's version): kept
+    assert store.put(after) == []
+    assert store.put(replace(entry(5), tenant="globex")) == []  # another tenant's: no bump of its own
+    assert sorted(store.ids_of_tenant(None)) == ["e3", "e4", "e5"]
