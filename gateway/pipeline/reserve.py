@@ -34,7 +34,7 @@ from gateway.pipeline.gate import RATE_RECHECK_S, REMEMBERED_REASONS, TenantGate
 from gateway.pipeline.handed_off import HandedOff
 from gateway.pipeline.limit_errors import limit_refusal, reset_duration, too_large
 from quotas.backends.base import QuotaBackendError
-from quotas.limits import Decision
+from quotas.limits import Decision, Usage
 from quotas.plans import Limits, Plan
 from quotas.reservations import QuotaService, Reservation
 
@@ -57,8 +57,12 @@ class ReserveStage:
         its own was always refused, and one that took a place counted the request twice against rpm). A request no
         window or period could ever admit (more tokens than a tokens-per-minute limit, a price over a whole budget)
         is refused first, saying so, without asking the store (limit_errors.py `too_large`)."""
-        key_limits = ctx.principal.key.limits
-        if (never := too_large((("your tenant", ctx.plan.limits), ("your key", key_limits)), tokens, price)):
+        key_limits, limits = ctx.principal.key.limits, ctx.plan.limits
+        # (the plan's own checks inline first: every request passes here, and most keys have no limits of their own)
+        if (key_limits is not None or (limits.tpm is not None and tokens > limits.tpm)
+                or (limits.budget_day_usd is not None and price > limits.budget_day_usd)
+                or (limits.budget_month_usd is not None and price > limits.budget_month_usd)) \
+                and (never := too_large((("your tenant", limits), ("your key", key_limits)), tokens, price)):
             which, reason, error = never  # remembered by the gate for a second, as the store's refusals are
             self.gate.rate_refused(ctx.tenant if which == 0 else f"{ctx.tenant}/k:{ctx.key_id}", RATE_RECHECK_S,
                                   reason)
@@ -137,9 +141,10 @@ def refusal(plan: Plan, decision: Decision, key_limits: Limits | None = None) ->
 def ratelimit_headers(plan: Plan, decision: Decision, key_limits: Limits | None = None) -> dict[str, str]:
     """OpenAI's `x-ratelimit-*` headers for an admitted request: for requests and for tokens, the scope with the
     least left (the tenant's, or its key's own limits: a key of rpm 1 under a plan of 600 was told 599 left)."""
+    if key_limits is None:  # the tenant's scope alone (most keys): as before keys' limits were read here
+        return _tenant_headers(plan.limits, decision.usage.get("t"))
     scopes = [(plan.limits, decision.usage.get("t"))]
-    if key_limits is not None:
-        scopes += [(key_limits, usage) for scope, usage in decision.usage.items() if scope.startswith("k:")]
+    scopes += [(key_limits, usage) for scope, usage in decision.usage.items() if scope.startswith("k:")]
     requests = [(max(0, lim.rpm - use.requests), lim.rpm, use.reset_requests_s) for lim, use in scopes
                 if use is not None and lim.rpm is not None]
     tokens = [(max(0, lim.tpm - use.tokens), lim.tpm, use.reset_tokens_s) for lim, use in scopes
@@ -153,4 +158,20 @@ def ratelimit_headers(plan: Plan, decision: Decision, key_limits: Limits | None 
         left, limit, reset = min(tokens)
         headers |= {"x-ratelimit-limit-tokens": str(limit), "x-ratelimit-remaining-tokens": str(left),
                     "x-ratelimit-reset-tokens": reset_duration(reset)}
+    return headers
+
+
+def _tenant_headers(limits: Limits, usage: Usage | None) -> dict[str, str]:
+    """`ratelimit_headers` for the tenant's scope alone."""
+    if usage is None:
+        return {}
+    headers = {}
+    if limits.rpm is not None:
+        headers |= {"x-ratelimit-limit-requests": str(limits.rpm),
+                    "x-ratelimit-remaining-requests": str(max(0, limits.rpm - usage.requests)),
+                    "x-ratelimit-reset-requests": reset_duration(usage.reset_requests_s)}
+    if limits.tpm is not None:
+        headers |= {"x-ratelimit-limit-tokens": str(limits.tpm),
+                    "x-ratelimit-remaining-tokens": str(max(0, limits.tpm - usage.tokens)),
+                    "x-ratelimit-reset-tokens": reset_duration(usage.reset_tokens_s)}
     return headers
