@@ -165,10 +165,14 @@ class PromptStage:
         except (OSError, ValueError) as exc:
             # why (the file's path in the models directory, the loader's words) and what to run are the operator's:
             # logged once a fault, not once a request; the tenant reads which tier cannot take its request
-            why = f"{exc}; run `tiergate models fetch --model {source}`"
+            # the command that prepares it: a distilled student's build (`serve` starts it on first use, so until
+            # it ends this is expected: a warning), else the fetch of its files
+            built = tier.distill is not None and source == tier.model and tier.prepared_by
+            why = f"{exc}; run `{built or f'tiergate models fetch --model {source}'}`"
             if self._unprepared.get(source) != why:
                 self._unprepared[source] = why
-                log.error("the tokenizer of tier %r (%s) is not prepared: %s", tier.name, source, why)
+                log.log(logging.WARNING if built else logging.ERROR, "the tokenizer of tier %r (%s) is not prepared%s: "
+                        "%s", tier.name, source, " (its student model is built on first use)" if built else "", why)
             raise Unavailable(f"tier {tier.name!r} cannot take requests now: its model is not prepared on this "
                               "gateway; retry later", code="tokenizer_unavailable", retry_after=30) from exc
         self._unprepared.pop(source, None)

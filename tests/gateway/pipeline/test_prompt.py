@@ -253,3 +253,21 @@ def test_size_refuses_text_that_cannot_fit_unread(counter: TokenCounter, monkeyp
     with pytest.raises(ContextTooLong) as err:
         stage.size(req, tier(256), NORMAL)
     assert err.value.code == "context_length_exceeded" and err.value.tokenized_chars == 0
+
+
+def test_a_distilled_student_not_built_yet_names_its_build_command_as_a_warning(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The `small` tier on a first `make run`: its student is being built (serve starts the distill), so its tokenizer
+    is missing for a while. The log said ERROR and `tiergate models fetch --model students/...`, a command that cannot
+    fetch a student; it now names the tier's own build command, as a warning."""
+    student = TierSpec.model_validate({"name": "small", "backend": "local", "model": "students/no-such-student",
+                                       "distill": {"teacher": "mid", "layers": 4, "budget": "10m"},
+                                       "price_per_1k_input": "0.001", "price_per_1k_output": "0.002",
+                                       "hardware_cost_per_hour": "1", "context_limit": 8192})
+    stage = PromptStage(models_dir=tmp_path / "models", default_max_tokens=64)
+    req = ChatCompletionRequest.model_validate({"model": "small", "messages": [{"role": "user", "content": "hi"}]})
+    with caplog.at_level(logging.INFO, logger="tiergate.prompt"), pytest.raises(Unavailable):
+        asyncio.run(stage.measure(req, student, NORMAL))
+    [record] = caplog.records
+    assert record.levelno == logging.WARNING and "models fetch" not in record.getMessage()
+    assert "tiergate models distill --teacher mid --layers 4" in record.getMessage()
