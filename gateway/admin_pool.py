@@ -9,19 +9,18 @@ pool answers again (or another fault follows it)."""
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 from gateway.errors import Unavailable
+from quotas.fault_log import FaultLog
 
 log = logging.getLogger("tiergate.fleet_db")
 
 TIMEOUT_S = 5.0  # for the connection, then for each statement (one waiting on a lock: a 503)
 # what an admin reads while the fleet database cannot be reached; why is in the log
 UNAVAILABLE_MESSAGE = "the fleet database cannot be reached now; nothing was changed; retry shortly"
-_PASSWORD = re.compile(r"(://[^:/@\s]*:)[^@\s]*@")  # a URL's `user:password@`, should a driver ever repeat one
 
 
 class AdminPool:
@@ -33,13 +32,14 @@ class AdminPool:
 
         with connect(url) as conn:
             migrate(conn, component, migrations)
-        self.name = name
         self._pool = ConnectionPool(url, min_size=1, max_size=1, open=True, timeout=TIMEOUT_S,
                                     kwargs={"autocommit": True, "connect_timeout": CONNECT_TIMEOUT_S},
                                     configure=bounded(TIMEOUT_S),
                                     check=ConnectionPool.check_connection, name=name)
         self._unreachable = (psycopg.OperationalError, PoolTimeout)
-        self._logged: str | None = None  # the fault last logged; None once the pool answered again
+        # a fault logged once (the driver's words, a URL's password blanked), then one line when the pool answers
+        self._faults = FaultLog(log, f"{name} store: the fleet database (admin requests get 503)", level=logging.ERROR,
+                                rounds="admin requests")
 
     @contextmanager
     def connection(self) -> Iterator[Any]:
@@ -47,18 +47,9 @@ class AdminPool:
             with self._pool.connection() as conn:
                 yield conn
         except self._unreachable as exc:
-            self._log(exc)
+            self._faults.failed(exc)
             raise Unavailable(UNAVAILABLE_MESSAGE, code="database_unavailable", retry_after=2) from exc
-        self._logged = None
-
-    def _log(self, exc: BaseException) -> None:
-        from quotas.fleet_db import fault_name
-
-        why = _PASSWORD.sub(r"\1***@", " ".join(str(exc).split())) or type(exc).__name__
-        if why != self._logged:
-            self._logged = why
-            log.error("%s store: the fleet database cannot be reached, admin requests get 503 (%s): %s", self.name,
-                      fault_name(exc), why)
+        self._faults.ok()
 
     def close(self) -> None:
         self._pool.close()

@@ -9,6 +9,7 @@ other exception is a bug, logged with its traceback, once per distinct message i
 from __future__ import annotations
 
 import logging
+import re
 import sqlite3
 import threading
 
@@ -22,12 +23,19 @@ from quotas.ledger import LedgerUnavailable
 STORE_ERRORS: tuple[type[BaseException], ...] = (RedisError, sqlite3.OperationalError, psycopg.OperationalError,
                                                  QuotaBackendError, LedgerUnavailable, OSError, TimeoutError)
 MAX_DISTINCT = 20  # distinct faults logged in one outage; past that, only the recovery line (its count) follows
+_PASSWORD = re.compile(r"(://[^:/@\s]*:)[^@\s]*@")  # a URL's `user:password@`, should a driver repeat one
+
+
+def redacted(text: str) -> str:
+    """`text` on one line (a driver's message may hold several: its DETAIL and HINT), a URL's password blanked: what a
+    log line or an operator's one-line error may say of a store's fault."""
+    return _PASSWORD.sub(r"\1***@", " ".join(text.split()))
 
 
 class FaultLog:
     """`failed(exc)` at each failed round, `ok()` at each round that worked; `rounds` names them in the recovery
     line ("requests" for a path every request takes). Safe to call from several threads (a store's query threads);
-    a fault's text is one line (a driver's message may hold several: its DETAIL and HINT)."""
+    a fault's text is one line, a URL's password blanked (`redacted`)."""
 
     def __init__(self, log: logging.Logger, what: str, *, known: tuple[type[BaseException], ...] = STORE_ERRORS,
                  level: int = logging.WARNING, rounds: str = "rounds") -> None:
@@ -37,7 +45,7 @@ class FaultLog:
         self._lock = threading.Lock()
 
     def failed(self, exc: BaseException) -> None:
-        fault = " ".join(f"{type(exc).__name__}: {exc}".split())
+        fault = redacted(f"{type(exc).__name__}: {exc}")
         with self._lock:
             self.failures += 1
             if fault in self._seen or len(self._seen) >= MAX_DISTINCT:

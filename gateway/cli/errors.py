@@ -8,7 +8,6 @@ traceback.
 
 from __future__ import annotations
 
-import re
 import sqlite3
 from typing import Any
 
@@ -17,8 +16,6 @@ from pydantic import ValidationError
 
 from gateway.errors import TiergateError
 
-_PASSWORD = re.compile(r"(://[^:/@\s]*:)[^@\s]*@")
-
 
 def describe(exc: BaseException) -> str | None:
     """One line for an error the operator can act on; None for anything else (a bug: let it show)."""
@@ -26,6 +23,7 @@ def describe(exc: BaseException) -> str | None:
     from redis.exceptions import RedisError
 
     from gateway.stores import DatabaseUnreachable
+    from quotas.fault_log import redacted
 
     if isinstance(exc, click.ClickException | click.exceptions.Exit | click.exceptions.Abort):
         return None
@@ -45,7 +43,7 @@ def describe(exc: BaseException) -> str | None:
         text = f"{exc.strerror or exc}: {exc.filename}" if exc.filename else str(exc)
     else:
         return None
-    return _PASSWORD.sub(r"\1***@", " ".join(text.split()))
+    return redacted(text)
 
 
 def settings_error(exc: ValidationError) -> str:

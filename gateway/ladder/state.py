@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import sqlite3
 import threading
 from abc import ABC, abstractmethod
@@ -32,6 +31,7 @@ from redis.exceptions import RedisError
 
 from gateway.admin_pool import AdminPool
 from gateway.errors import Unavailable
+from quotas.fault_log import redacted
 
 log = logging.getLogger("tiergate.ladder")
 
@@ -40,7 +40,6 @@ READ_MESSAGE = "the ladder's shared state could not be read (Redis failed); noth
 WRITE_MESSAGE = ("the ladder's shared state could not be written (Redis failed); retry (GET /admin/degrade shows the "
                  "level in force)")
 HISTORY_MESSAGE = "the ladder's shared history could not be read (Redis failed); retry"
-_PASSWORD = re.compile(r"(://[^:/@\s]*:)[^@\s]*@")  # a URL's `user:password@`, should a driver ever repeat one
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS degrade_state (
@@ -185,7 +184,7 @@ class RedisLadderStore(LadderStore):
 
     def _unavailable(self, exc: RedisError, message: str) -> Unavailable:
         """The 503 for a Redis fault: `message`, fixed; Redis's words logged, once a fault until it answers again."""
-        why = _PASSWORD.sub(r"\1***@", " ".join(str(exc).split())) or type(exc).__name__
+        why = redacted(str(exc)) or type(exc).__name__
         if why != self._logged:
             self._logged = why
             log.error("ladder store: Redis failed, admin changes get 503 (%s): %s", type(exc).__name__, why)

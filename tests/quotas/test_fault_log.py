@@ -36,3 +36,12 @@ def test_a_bug_keeps_its_traceback_and_distinct_faults_are_bounded(caplog: pytes
             faults.failed(ValueError(f"bug {i % (2 * MAX_DISTINCT)}"))
     assert len(caplog.records) == MAX_DISTINCT
     assert all(r.levelno == logging.ERROR and r.exc_info is not None for r in caplog.records)
+
+
+def test_a_url_password_in_a_fault_is_blanked_in_its_line(caplog: pytest.LogCaptureFixture) -> None:
+    """Every store's fault line goes through `redacted` (the CLI's one-line errors, the admin pool's and the ladder's
+    too): a driver repeating its connection URL never puts the password in the log."""
+    faults = FaultLog(logging.getLogger("tiergate.test"), "the store")
+    with caplog.at_level(logging.WARNING, logger="tiergate.test"):
+        faults.failed(OSError("cannot reach postgresql://tiergate:s3cret@db:5432/fleet\nDETAIL: refused"))
+    assert "s3cret" not in caplog.text and "postgresql://tiergate:***@db:5432/fleet DETAIL: refused" in caplog.text
