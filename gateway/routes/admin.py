@@ -34,7 +34,10 @@ def _tenant_or_admin(schema: dict[str, Any]) -> None:
     """The document says what the store enforces: a tenant's key, or an admin key that belongs to no tenant."""
     schema["oneOf"] = [
         {"required": ["tenant"], "properties": {"tenant": {"type": "string"}, "admin": {"const": False}}},
-        {"required": ["admin"], "properties": {"admin": {"const": True}, "tenant": {"type": "null"}}},
+        # an admin key calls no model: limits would never apply to it, so it has none (`issue_key` refuses them)
+        {"required": ["admin"], "properties": {"admin": {"const": True}, "tenant": {"type": "null"}, "limits": {
+            "anyOf": [{"type": "null"}, {"type": "object", "additionalProperties": False,
+                                         "properties": {name: {"type": "null"} for name in Limits.model_fields}}]}}},
     ]
 
 

@@ -42,3 +42,18 @@ def test_a_budget_longer_than_64_digits_is_refused_by_name_and_issues_nothing(ga
         assert r.json()["error"]["param"] == "limits.budget_month_usd"
         after = admin.get("/admin/keys")
         assert after.status_code == 200 and after.json()["data"] == before
+
+
+def test_the_document_says_an_admin_key_takes_no_limits(gateway: Gateway) -> None:
+    """The API refuses an admin key with limits (400 admin_key_with_limits); the OpenAPI document must say so, or a
+    client following it (and the suite's fuzzer, which found this) sends a body the document calls valid."""
+    import jsonschema
+
+    with gateway.client(gateway.admin_key) as admin:
+        document = admin.get("/openapi.json").json()
+    schema = document["paths"]["/admin/keys"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    resolver = {"components": document.get("components", {}), **schema}
+    body = {"admin": True, "tenant": None, "limits": {"budget_month_usd": "0"}}
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(body, resolver)
+    jsonschema.validate({"admin": True, "tenant": None, "limits": {}}, resolver)  # no limits: valid, as issued
