@@ -39,15 +39,15 @@ Hysteresis, in the ladder's shape: a guard rolls back only once it has been brea
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Annotated, Any, Generic, TypeVar
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from gateway.errors import InvalidRequest
 from gateway.quantiles import Ranked, p95
+from gateway.rollout.rings import Rings, Tenant
 from tiers.catalogue import TierCatalogue
 from wire.fields import integral
 from wire.validation import describe
@@ -110,9 +110,6 @@ def band(prompt_tokens: int | None) -> int:
     return prompt_tokens.bit_length() - BAND_TOKENS.bit_length() + 1
 
 
-Tenant = str | None  # whose request an outcome was; None: the gateway's own observation (a candidate found down)
-
-
 @dataclass(frozen=True)
 class Reading:
     """One version's window, as a guard reads it."""
@@ -139,50 +136,15 @@ EMPTY = Reading(0, 0, None, None, None, 0)
 
 Outcome = tuple[float, bool, float | None, float | None, Tenant, int]  # when, server error, TTFT, TPOT, tenant, band
 Diverged = tuple[float, float, Tenant]  # when, divergence, tenant
-T = TypeVar("T")
-
-
-class Rings(Generic[T]):
-    """At most `bound` items, each in its tenant's ring. Past the bound, the tenant holding the most gives up its
-    oldest: one tenant's flood pushes out its own outcomes, never the others' (which the guards need to hold its
-    breach: a shared ring of the newest left only the flooder's, and it judged alone). A tenant holding more than
-    the average gives up its own (O(1)); for another, the largest ring gives up one (one pass over the rings; with
-    every ring alike, the first tenant's)."""
-
-    def __init__(self, bound: int = MAX_SAMPLES) -> None:
-        self.bound = bound
-        self._rings: dict[Tenant, deque[T]] = {}
-        self._size = 0
-
-    def append(self, tenant: Tenant, item: T) -> None:
-        ring = self._rings.get(tenant)
-        if ring is None:
-            ring = self._rings[tenant] = deque()
-        ring.append(item)
-        self._size += 1
-        if self._size <= self.bound:
-            return
-        owner = tenant
-        if len(ring) * len(self._rings) <= self._size:  # not above the average: the largest gives up its oldest
-            owner = max(self._rings, key=lambda t: len(self._rings[t]))
-            ring = self._rings[owner]
-        ring.popleft()
-        self._size -= 1
-        if not ring:
-            del self._rings[owner]
-
-    def items(self) -> list[T]:
-        """Every item (list(): C-level copies, safe off the loop while `append` runs on it)."""
-        return [item for ring in list(self._rings.values()) for item in list(ring)]
 
 
 class Window:
     """A version's newest outcomes: (when, server error, TTFT, TPOT, tenant, prompt band) and shadow divergences,
-    each at most MAX_SAMPLES, shared out by tenant (`Rings`)."""
+    each at most MAX_SAMPLES, shared out by tenant (`Rings`, gateway/rollout/rings.py)."""
 
     def __init__(self) -> None:
-        self._outcomes: Rings[Outcome] = Rings()
-        self._divergence: Rings[Diverged] = Rings()
+        self._outcomes: Rings[Outcome] = Rings(MAX_SAMPLES)
+        self._divergence: Rings[Diverged] = Rings(MAX_SAMPLES)
 
     def add(self, now: float, *, error: bool, ttft_s: float | None, tpot_s: float | None, tenant: Tenant = None,
             prompt_tokens: int | None = None) -> None:
