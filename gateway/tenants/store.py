@@ -166,11 +166,13 @@ class TenantStore(ABC):
         return Tenant(*row)
 
     def require_tenants(self, names: Iterable[str], param: str) -> None:
-        """A 404 naming the first of `names` the store does not have (`param`.index): what an admin names (a
-        canary's tenants) must exist, or a misspelt name is taken and names no one."""
+        """A 400 naming the first of `names` the store does not have (`param`.index): what an admin names in a body
+        (a canary's tenants) must exist, or a misspelt name is taken and names no one. A 400, not a 404: the route
+        exists, and the name is bad input in the body, as any other field's bad value is."""
         for i, name in enumerate(names):
             if self._fetchone("SELECT 1 FROM tenants WHERE name = ?", (name,)) is None:
-                raise NotFound(f"no tenant {name[:64]!r}", param=f"{param}.{i}", code="tenant_not_found")
+                raise InvalidRequest(f"{param}.{i}: no tenant {name[:64]!r}", param=f"{param}.{i}",
+                                     code="tenant_not_found")
 
     def list_tenants(self) -> list[Tenant]:
         return [Tenant(*r) for r in self._fetchall("SELECT name, plan, created_at FROM tenants ORDER BY name")]

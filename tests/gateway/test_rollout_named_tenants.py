@@ -1,7 +1,7 @@
-"""A canary's named tenants must exist: a name the tenant store does not have is a 404 `tenant_not_found` naming
+"""A canary's named tenants must exist: a name the tenant store does not have is a 400 `tenant_not_found` naming
 its place (`tenants.1`) from the admin API, and a refusal from the CLI, and no rollout starts. Both were taken, and
 the canary started with a misspelt tenant that no request ever matches, while the tenant meant stayed on the old
-version."""
+version. A 400, not the 404 it was: the route exists, and the name is bad input in the body."""
 
 from __future__ import annotations
 
@@ -20,9 +20,10 @@ def test_a_canary_naming_a_tenant_that_does_not_exist_is_refused(
     for tenants, place in ((["vip", "vlp"], "tenants.1"), (["vip.x"], "tenants.0"), (["ghost"], "tenants.0")):
         r = admin(gw, "/admin/rollouts", {"tier": "mid", "version": "v2", "share": 0.0, "tenants": tenants,
                                           "reason": "vip tries it"})
-        assert r.status_code == 404, r.text
+        assert r.status_code == 400, r.text
         error = r.json()["error"]
         assert (error["param"], error["code"], error["type"]) == (place, "tenant_not_found", "invalid_request_error")
+        assert set(error) == {"message", "type", "param", "code"} and place in error["message"], error
     assert admin(gw, "/admin/rollouts").json()["data"] == []
     assert admin(gw, "/admin/rollouts/history").json()["data"] == []
     where = ["--data-dir", str(gw.settings.data_dir), "--tiers", str(gw.settings.tiers_file)]
