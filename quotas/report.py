@@ -17,6 +17,7 @@ from decimal import Decimal, localcontext
 from typing import Any
 
 from quotas.ledger_reads import EXACT, REPORT_GROUPS, LedgerReads, Reader, ReadSource, open_reader, store_identity
+from quotas.money import round_cost
 from quotas.report_rollups import DayRollups
 
 log = logging.getLogger("tiergate.report")
@@ -75,6 +76,7 @@ def usage_report(ledger: LedgerReads, *, by: tuple[str, ...] = ("tenant", "tier"
     out = []
     for key, g in sorted(groups.items(), key=lambda kv: tuple(str(x) for x in kv[0])):
         tokens = g["input_tokens"] + g["output_tokens"]
+        g["compute_cost_usd"] = round_cost(g["compute_cost_usd"])  # rows written before costs were rounded
         with localcontext(EXACT):
             g["margin_usd"] = g["price_usd"] - g["compute_cost_usd"]
         g["price_per_1k_usd"] = (g["price_usd"] * 1000 / tokens).quantize(PER_1K_PLACES) if tokens else Decimal(0)

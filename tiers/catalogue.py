@@ -9,6 +9,7 @@ from urllib.parse import urlsplit
 from pydantic import AfterValidator, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from assets.builds import BudgetError, parse_budget
+from quotas.money import round_cost
 from wire.fields import NoBoolNumbers
 
 Money = Annotated[Decimal, Field(ge=0, max_digits=18, decimal_places=12)]
@@ -286,8 +287,8 @@ class TierSpec(NoBoolNumbers):
         return (self.price_per_1k_input * input_tokens + self.price_per_1k_output * output_tokens) / 1000
 
     def compute_cost(self, busy_s: float) -> Decimal:
-        """What `busy_s` seconds of this tier's hardware cost us."""
-        return self.hardware_cost_per_hour * Decimal(repr(busy_s)) / 3600
+        """What `busy_s` seconds of this tier's hardware cost us, to the picodollar (quotas/money.py `round_cost`)."""
+        return round_cost(self.hardware_cost_per_hour * Decimal(repr(busy_s)) / 3600)
 
 
 class EmbeddingSpec(NoBoolNumbers):
@@ -315,7 +316,7 @@ class EmbeddingSpec(NoBoolNumbers):
         return self.price_per_1k_input * tokens / 1000
 
     def compute_cost(self, busy_s: float) -> Decimal:
-        return self.hardware_cost_per_hour * Decimal(repr(busy_s)) / 3600
+        return round_cost(self.hardware_cost_per_hour * Decimal(repr(busy_s)) / 3600)
 
 
 class TierCatalogue(NoBoolNumbers):

@@ -96,3 +96,17 @@ def test_a_believable_busy_time_prices_the_compute_cost(env: tuple[Gateway, Scri
         assert c.post("/v1/chat/completions", json={"model": "mid", "messages": MSG}).status_code == 200
     row, _, _ = settled(gw)
     assert row.cost_basis == "engine" and row.compute_cost_usd == Decimal("0.0001")  # 0.36 s at $1 an hour
+
+
+def test_a_compute_cost_is_written_and_reported_to_the_picodollar(env: tuple[Gateway, Script]) -> None:
+    """0.37 s at $1 an hour is $0.000102777...: the row held, and every report printed, 28 significant digits."""
+    gw, script = env
+    script.lines = [chunk("Paris", usage=usage(5, 1), x_tiergate={"busy_s": 0.37}), chunk(finish="stop"), DONE]
+    with gw.client(gw.tenant_key) as c:
+        assert c.post("/v1/chat/completions", json={"model": "mid", "messages": MSG}).status_code == 200
+    row, _, _ = settled(gw)
+    assert row.cost_basis == "engine" and str(row.compute_cost_usd) == "0.000102777778", row.compute_cost_usd
+    with gw.client(gw.admin_key) as admin:
+        (report,) = admin.get("/admin/usage/report", params={"by": "tenant"}).json()["data"]
+        csv = admin.get("/admin/usage/report", params={"by": "tenant", "format": "csv"}).text
+    assert report["compute_cost_usd"] == "0.000102777778" and ",0.000102777778," in csv, (report, csv)

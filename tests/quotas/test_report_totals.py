@@ -19,6 +19,7 @@ import psycopg
 import pytest
 
 from quotas.ledger import Ledger, LedgerRow, Refusal
+from quotas.money import round_cost
 from quotas.report import COLUMNS, GROUPS, PER_1K_PLACES, day_of, jsonable, usage_report
 from tests.postgres import LedgerStore
 
@@ -87,6 +88,7 @@ def report_by_summing_rows(ledger: Ledger, *, by: tuple[str, ...], since: float 
     out = []
     for k, g in sorted(groups.items(), key=lambda kv: tuple(str(x) for x in kv[0])):
         tokens = g["input_tokens"] + g["output_tokens"]
+        g["compute_cost_usd"] = round_cost(g["compute_cost_usd"])  # a report's cost sum to the picodollar
         g["margin_usd"] = g["price_usd"] - g["compute_cost_usd"]
         g["price_per_1k_usd"] = (g["price_usd"] * 1000 / tokens).quantize(PER_1K_PLACES) if tokens else Decimal(0)
         g["cost_per_1k_usd"] = (g["compute_cost_usd"] * 1000 / tokens).quantize(PER_1K_PLACES) if tokens else Decimal(0)
