@@ -88,6 +88,7 @@ from gateway.pipeline.idempotency import HEADER as IDEMPOTENCY_HEADER
 from gateway.pipeline.idempotency import REPLAY_HEADER, IdempotencyStage, Keep, keep_when_written, lease_lost
 from gateway.pipeline.refusals import RefusalLog
 from gateway.pipeline.reserve import ReserveStage, ratelimit_headers
+from gateway.pipeline.settle import answered_instead
 from gateway.services import Services
 from gateway.validation import parse_body
 from quotas.idempotency import Claim, Replay
@@ -345,7 +346,8 @@ class EmbeddingsService:
         A row not durable within the ledger's wait is withdrawn, as a JSON chat answer's is (gateway/pipeline/
         settle.py says why): still queued, it never commits, and the client's 503 spends nothing (the quota's
         reservation given back, the key's answer not kept, so a retry runs once); its commit under way, the request
-        waits for that commit and is answered as it decides."""
+        waits for that commit and is answered as it decides. The metrics count the request as its client got it, once
+        the wait is over: the 503 of a row withdrawn or refused (status `error`), never the answer it did not get."""
         price = self.spec.price(tokens)
         row = LedgerRow(
             request_id=ctx.request_id, ts=ctx.arrived, tenant=ctx.tenant, key_id=ctx.key_id, tier=TIER,
@@ -368,23 +370,32 @@ class EmbeddingsService:
             keep.stored = True
             kept = self._hand_off(self._keep(written, keep, stored, ctx.plan.idempotency_ttl_s))
         with contextlib.suppress(Exception):  # metrics are not worth a lost settlement; the bill once it is durable
-            self.metrics.finished(row, None, billed=False)
             self.metrics.billed_when_written(row, written)
         if not wait:
+            self._counted(row)
             self._hand_off(self._settle_quota(written, reservation, tokens, row))
             return
         try:
             await self.ledger.wait_durable(written, withdraw=True)  # a JSON answer: its client gets only the error
         except asyncio.CancelledError:  # left while the row was being written: settled once it is, handed off
+            self._counted(row)
             self._hand_off(self._settle_quota(written, reservation, tokens, row))
             raise
-        except Exception:  # withdrawn (nothing spent) or refused: settled as its fate says
+        except Exception as exc:  # withdrawn (nothing spent) or refused: settled as its fate says
+            self._counted(answered_instead(row, exc, ctx.t0))  # the client gets the error instead of the answer
             self._hand_off(self._settle_quota(written, reservation, tokens, row, waited=True))
             raise
+        self._counted(row)
         await asyncio.shield(self._hand_off(self._settle_quota(written, reservation, tokens, row, waited=True)))
         if kept is not None:  # stored (in Redis too) before the client reads the answer; its failure is logged
             with contextlib.suppress(Exception):
                 await asyncio.shield(kept)
+
+    def _counted(self, told: LedgerRow) -> None:
+        """The request in the metrics as its client got it (its bill is counted once its row is durable): once its
+        row's wait is over, for the answer may be withheld then (`answered_instead`: its client gets the 503)."""
+        with contextlib.suppress(Exception):  # metrics are not worth a lost settlement
+            self.metrics.finished(told, None, billed=False)
 
     async def _settle_quota(self, written: asyncio.Future[None], reservation: Reservation, tokens: int,
                             row: LedgerRow, *, waited: bool = False) -> None:

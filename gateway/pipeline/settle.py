@@ -13,9 +13,11 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Coroutine
+from dataclasses import replace
 from decimal import Decimal
 from typing import Any
 
+from gateway.errors import client_error
 from gateway.ladder.signals import Signals
 from gateway.metrics import GatewayMetrics
 from gateway.pipeline.attempt import Attempt
@@ -76,7 +78,10 @@ class Settler:
           the ledger can, billed for what the client received; the quota settles at its price now.
         The metrics' bill (tokens, price, compute cost, savings) follows the row too: counted once it is durable
         (right after the wait; by its future's callback where the wait ended otherwise), never for a row withdrawn
-        or refused. The request's count and latencies are counted at once.
+        or refused. The request's count and latencies, the ladder's signal and the cache's store follow what the
+        client got: at once where that is known already (a stream, whose tokens are sent; a request not waiting);
+        after the wait for a JSON answer (`withdraw`), whose client gets the answer only if its row is durable in
+        time, and the 503 instead otherwise, counted as that error (`answered_instead`) and never kept in the cache.
         """
         row = self.row(ctx, attempt, outcome)
         written = self.ledger.submit(row, with_row=with_row)
@@ -85,10 +90,9 @@ class Settler:
         if ticket is not None:
             self.dispatch.release(attempt.route.tier.name, ticket, outcome.input_tokens + outcome.output_tokens)
         used = 0 if attempt.is_cache_hit else outcome.input_tokens + outcome.output_tokens  # a hit runs no model
-        try:
+        after_wait = wait and withdraw  # what the client gets waits for the row: its answer, or the error instead
+        if not after_wait:
             self._observe(attempt, outcome, row)
-        except Exception:  # metrics and the cache are not worth a lost settlement
-            log.exception("observing request %s failed", row.request_id)
         if not wait:
             self.hand_off(self._settle_quota(written, attempt, used, row.price_usd))
             self._bill_when_written(row, written)
@@ -96,13 +100,19 @@ class Settler:
         try:
             await self.ledger.wait_durable(written, withdraw=withdraw)
         except asyncio.CancelledError:  # left while the row was being written: settled once it is, handed off
+            if after_wait:  # its client left during the wait: counted as the attempt ended (its row commits, billed)
+                self._observe(attempt, outcome, row)
             self.hand_off(self._settle_quota(written, attempt, used, row.price_usd))
             self._bill_when_written(row, written)
             raise
-        except Exception:  # not durable in time (withdrawn or not), or refused: settled as its fate says
+        except Exception as exc:  # not durable in time (withdrawn or not), or refused: settled as its fate says
+            if after_wait:  # its client gets the error instead of the answer: counted as that, never cached
+                self._observe(attempt, outcome, row, instead=answered_instead(row, exc, ctx.t0))
             self._settle_ended(written, attempt, used, row.price_usd)
             self._bill_when_written(row, written)
             raise
+        if after_wait:
+            self._observe(attempt, outcome, row)
         try:  # durable: its bill in the metrics, now (no callback on the path every answer takes)
             self.metrics.billed(row)
         except Exception:
@@ -134,18 +144,31 @@ class Settler:
         tokens, price, row = _terms(written, tokens, price)
         await self.quotas.settle(attempt.reservation, tokens=tokens, price=price, row=row)
 
-    def _observe(self, attempt: Attempt, outcome: Outcome, row: LedgerRow) -> None:
-        if outcome.status == "ok" and not attempt.is_cache_hit:
+    def _observe(self, attempt: Attempt, outcome: Outcome, row: LedgerRow, *,
+                 instead: LedgerRow | None = None) -> None:
+        """The attempt's end in the metrics, the ladder's signals, a rollout's counts and the cache; never raises (none
+        of them is worth a lost settlement). `instead`: what the client got instead of the answer `row` holds (the
+        error of a row not durable in time: `answered_instead`), which the metrics and the ladder count, and the
+        cache never keeps."""
+        try:
+            self._observe_now(attempt, outcome, row, instead)
+        except Exception:
+            log.exception("observing request %s failed", row.request_id)
+
+    def _observe_now(self, attempt: Attempt, outcome: Outcome, row: LedgerRow, instead: LedgerRow | None) -> None:
+        told = instead or row  # what the client got
+        if outcome.status == "ok" and instead is None and not attempt.is_cache_hit:
             self.cache.save(attempt.lookup, outcome, attempt.applied)
-        self.signals.outcome(outcome.http_status, row.tenant or "")  # one tenant's 5xx do not move the ladder
+        self.signals.outcome(told.http_status, row.tenant or "")  # one tenant's 5xx do not move the ladder
         version = attempt.route.tier.version_name
         if self.rollouts is not None and version is not None and not attempt.is_cache_hit \
                 and outcome.status != "cancelled":  # a server error is the version's; a 4xx is the request's
+            # the version's own result: an answer it gave whole, withheld for the ledger's fault, is not its error
             failed = outcome.status == "error" and outcome.http_status >= 500
             self.rollouts.observe(row.tier or "", version, error=failed, ttft_s=row.ttft_s, tpot_s=tpot(row),
                                   tenant=row.tenant, prompt_tokens=row.input_tokens)  # no one tenant decides
-        overhead = row.total_s - outcome.upstream_s if outcome.upstream_s is not None else None
-        self.metrics.finished(row, overhead, billed=False)  # its bill is counted once its row is durable (`settle`)
+        overhead = told.total_s - outcome.upstream_s if outcome.upstream_s is not None else None
+        self.metrics.finished(told, overhead, billed=False)  # its bill is counted once its row is durable (`settle`)
         if row.cache_status is not None:
             self.metrics.child(self.metrics.cache, row.tenant, row.cache_status).inc()
 
@@ -205,6 +228,15 @@ def _terms(written: asyncio.Future[None], tokens: int, price: Decimal
     """What the quota settles to: the row's use and price, followed by its row; nothing for a row withdrawn (its
     reservation given back, and no row for a fallback reservation's money to follow)."""
     return (0, Decimal(0), None) if withdrawn(written) else (tokens, price, written)
+
+
+def answered_instead(row: LedgerRow, exc: BaseException, t0: float) -> LedgerRow:
+    """What a JSON answer's client got when its row was not durable in time (`exc`, from the ledger's wait): the error
+    (a 503 `ledger_unavailable`) instead of the answer, at the end of that wait, with no output (as `Meter.outcome`
+    counts an error a JSON client got instead of its answer). For the metrics and the ladder, never for the ledger."""
+    err = client_error(exc)
+    return replace(row, status="error", http_status=err.status_code, error_code=err.code, output_tokens=0,
+                   total_s=time.perf_counter() - t0)
 
 
 def tpot(row: LedgerRow) -> float | None:
