@@ -2,7 +2,8 @@
 client as a 503 `ledger_unavailable`, billed nothing. Everything that counts the request counts that 503, not the
 answer it never got: `tiergate_requests_total` (status `error`), the degradation ladder's 5xx signal, and the cache,
 which never keeps the withheld answer (a repeat is answered afresh, not from the cache). Before, the answer was
-counted `ok`, a 200 to the ladder, and kept in the cache, all before its row's wait ended. Chat and embeddings."""
+counted `ok`, a 200 to the ladder, and kept in the cache, all before its row's wait ended. Chat, text completions
+and embeddings."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import re
 from collections import Counter
 from collections.abc import Iterator
 
+import httpx
 import pytest
 
 from gateway.settings import Settings
@@ -18,6 +20,15 @@ from tests.gateway.test_cache_api import ask
 from tests.gateway.test_idempotency_ledger_late import ROUTES, StuckWriter, warm_embeddings
 from tests.stubs import ServerThread, StubState
 
+
+def complete(gw: Gateway, key: str) -> httpx.Response:
+    """A legacy text completion (the chat pipeline's path, framed as /v1/completions)."""
+    with gw.client(gw.tenant_key) as c:
+        return c.post("/v1/completions", json={"model": "mid", "prompt": "hello there"},
+                      headers={"idempotency-key": key})
+
+
+SENDERS = ROUTES | {"completions": (complete, "mid")}
 _REQUESTS = re.compile(r'^tiergate_requests_total\{(?P<labels>[^}]*)\} (?P<value>\S+)$')
 
 
@@ -41,9 +52,9 @@ def requests_by_status(gw: Gateway, tier: str) -> Counter[str]:
     return counts
 
 
-@pytest.mark.parametrize("route", ["chat", "embeddings"])
+@pytest.mark.parametrize("route", ["chat", "completions", "embeddings"])
 def test_a_withdrawn_answer_counts_as_the_503_its_client_got(gw: Gateway, route: str) -> None:
-    send, tier = ROUTES[route]
+    send, tier = SENDERS[route]
     if route == "embeddings":
         warm_embeddings(gw)
     before = requests_by_status(gw, tier)
