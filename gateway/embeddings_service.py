@@ -367,7 +367,7 @@ class EmbeddingsService:
         kept = None
         if stored is not None and keep is not None and self.idempotency is not None:
             # the claim is the answer's now, never given up (a retry must replay it, not run and be billed again)
-            keep.stored = True
+            keep.kept_with(written)
             kept = self._hand_off(self._keep(written, keep, stored, ctx.plan.idempotency_ttl_s))
         with contextlib.suppress(Exception):  # metrics are not worth a lost settlement; the bill once it is durable
             self.metrics.billed_when_written(row, written)
@@ -415,7 +415,7 @@ class EmbeddingsService:
         outcome, not the request's wait for it: a row late past that wait still commits, billed, and a retry must
         replay its answer, not run again (gateway/pipeline/idempotency.py's `keep_when_written`)."""
         assert self.idempotency is not None
-        await keep_when_written(self.idempotency.store, written, keep.claim, stored, ttl_s)
+        await keep_when_written(self.idempotency.store, written, keep, stored, ttl_s)
 
     def _hand_off(self, work: Coroutine[Any, Any, None]) -> asyncio.Future[None]:
         """Run `work` to its end even if the request is cancelled; its failure is logged."""

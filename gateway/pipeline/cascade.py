@@ -216,8 +216,9 @@ async def _keep_standing(pipeline: Pipeline, ctx: RequestContext, prepared: Prep
     """Under an Idempotency-Key, the first answer that stands (its retry failed) is the key's answer: stored by itself
     (its row is durable: it was settled before the retry ran), before the client reads it, so a retry replays it; a
     store that cannot keep it gives the claim up (a retry runs again). Its write ends even if the client leaves.
-    Not stored where the retry's row was withdrawn: the retry's answer was the key's (`keep.stored`), and its claim is
-    given up with its row (handle.py's follower, handed off), so a retry with the key runs again."""
+    So too where the retry's row was withdrawn: the retry's answer, handed to the store with that row, went with it,
+    and the claim came back to the request (`Keep.row_withdrawn`, before the retry's error reached here), never given
+    up meanwhile: given up, a retry with the key ran again and was billed again."""
     keep, stage = prepared.keep, pipeline.idempotency
     if keep is None or stage is None or keep.stored:
         return

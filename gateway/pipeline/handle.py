@@ -51,6 +51,7 @@ from gateway.rollout.shadow import Shadow
 from gateway.validation import parse_body, refuse_engine_only
 from quotas.dispatch import Ticket
 from quotas.idempotency import Replay
+from quotas.ledger_withdrawals import RowWithdrawn
 from quotas.plans import PRIORITY_ORDER
 from tiers.catalogue import TierSpec
 from tiers.errors import NoTierAvailable, UpstreamRejected, UpstreamUnreachable
@@ -278,25 +279,32 @@ class Pipeline:
             raise err from exc
         finally:
             kept: asyncio.Task[None] | None = None
+            row: asyncio.Future[None] | None = None
 
             def keep_with_row(written: asyncio.Future[None]) -> None:
                 # answered: the claim is the answer's row's from its queueing on, never given up while the row may
                 # still commit (a stream's row late past the wait below still bills: a retry must replay its answer,
-                # not run and be billed again); kept once the row commits, given up if it is refused for good or
-                # withdrawn (a JSON answer's, late: settle.py)
-                nonlocal kept
+                # not run and be billed again); kept once the row commits, given up if it is refused for good;
+                # withdrawn (a JSON answer's, late: settle.py), the request's again (`Keep.row_withdrawn`)
+                nonlocal kept, row
                 if stored is not None and keep is not None and self.idempotency is not None:
-                    keep.stored = True
+                    keep.kept_with(written)
+                    row = written
                     kept = self.settler.hand_off(keep_when_written(
-                        self.idempotency.store, written, keep.claim, stored, ctx.plan.idempotency_ttl_s))
+                        self.idempotency.store, written, keep, stored, ctx.plan.idempotency_ttl_s))
 
             try:
                 if upstream is not None and outcome is not None and (outcome.status != "ok" or meter.cut):
                     await _close_quietly(upstream)
             finally:  # a task cancelled again while the stream closes still settles
-                await self.settler.settle(ctx, attempt, outcome or meter.outcome("cancelled", 499), ticket,
-                                          wait=wait, with_row=with_row, on_queued=keep_with_row,
-                                          withdraw=not req.stream)  # a JSON answer's client gets only the error
+                try:
+                    await self.settler.settle(ctx, attempt, outcome or meter.outcome("cancelled", 499), ticket,
+                                              wait=wait, with_row=with_row, on_queued=keep_with_row,
+                                              withdraw=not req.stream)  # a JSON answer's client gets only the error
+                except RowWithdrawn:  # its answer was not kept: the claim is this request's again, before any await
+                    if keep is not None and row is not None:  # (a cascade's first answer that stands takes it)
+                        keep.row_withdrawn(row)
+                    raise
         if self.shadow is not None and attempt.final and prepared.prompt is not None and not attempt.is_cache_hit \
                 and meter.keep_text:  # (not kept: the rollout was not sampling it when the call started)
             self.shadow.send(attempt.route.tier, attempt.request_id, req, prepared.prompt.output_cap, outcome.text,

@@ -60,6 +60,7 @@ from gateway.pipeline.handed_off import HandedOff
 from gateway.pipeline.meter import Outcome
 from quotas.idempotency import Claim, Full, IdempotencyStore, Mismatch, Replay, Running, not_kept
 from quotas.ledger import LedgerUnavailable
+from quotas.ledger_withdrawals import withdrawn
 from wire.chat_request import ChatCompletionRequest
 
 HEADER = "idempotency-key"
@@ -111,6 +112,7 @@ class Keep:
     def __init__(self, claim: Claim, renewal: asyncio.Task[str] | None = None) -> None:
         self.claim = claim
         self.stored = False
+        self._row: asyncio.Future[None] | None = None  # the ledger row the stored answer goes with (`kept_with`)
         self.renewal = renewal  # the claim's lease renewed while the request runs (`IdempotencyStage.renewing`)
         self.lost = False  # the lease may have ended while the request ran
         self._runs: asyncio.Task[Any] | None = asyncio.current_task()  # the task running the request's code now
@@ -120,6 +122,23 @@ class Keep:
         self._settled = False
         if renewal is not None:
             renewal.add_done_callback(self._renewal_ended)
+
+    def kept_with(self, written: asyncio.Future[None]) -> None:
+        """The answer is handed to the store with its ledger row (`written`, the ledger's future for it): the claim is
+        the answer's from here (`keep_when_written` follows the row), unless the row is withdrawn (`row_withdrawn`)."""
+        self.stored, self._row = True, written
+
+    def row_withdrawn(self, written: asyncio.Future[None]) -> bool:
+        """The row `written` was withdrawn (a JSON answer's, late past the ledger's wait), its answer with it: the
+        claim is no longer that answer's. Said by the request that saw the withdrawal and by `keep_when_written`,
+        whichever comes first. While the request runs, the claim is its own again (`stored` False): given up as it
+        ends, or the key's answer another one the client gets (a cascade's first answer, which stands:
+        gateway/pipeline/cascade.py). True where the request is over and the claim still the row's: the caller gives it
+        up (nothing else will). A claim some other answer took since (`stored` again) is left alone."""
+        if self._row is not written:
+            return False
+        self.stored, self._row = False, None
+        return self._settled
 
     def settle(self) -> bool:
         """The request is over: its lease is renewed no more (a kept answer's record is `done`; a claim given up, or
@@ -193,22 +212,28 @@ class Keep:
 KEEP_FOR_S = 120.0  # how long a kept claim waits for its row's final outcome here, then its store follows the row
 
 
-async def keep_when_written(store: IdempotencyStore, written: asyncio.Future[None], claim: Claim,
+async def keep_when_written(store: IdempotencyStore, written: asyncio.Future[None], keep: Keep,
                             answer: dict[str, Any], ttl_s: float, *, for_s: float = KEEP_FOR_S) -> None:
     """The claim of an answer whose ledger row was queued (`written`, the ledger's future for it), once the row's fate
     is final, not when the request's wait for it ends: committed, the answer is kept (`finish`: a store that commits it
     with the row, SQLite and PostgreSQL, has done so); refused for good (the database refused the row, or the ledger
     closed with it unwritten), the row and the answer committed with it are not, and the claim is given up so that a
-    retry runs. Until then the key stays claimed (a retry waits, or gets 409): a row late past the request's wait is
-    still written, billed, and its answer must be what a retry gets. A row still pending after `for_s` (the ledger
-    down that long) is handed to the store (`finish_when_written`), which follows it however late, with no task held
-    open (a shutdown does not wait on it): SQLite and PostgreSQL commit the answer with the row, Redis stores it once
-    the row commits. Run it handed off: it outlives the request."""
+    retry runs; withdrawn (`Keep.row_withdrawn`), the claim is the request's again while it runs, and given up here
+    only once it is over. Until then the key stays claimed (a retry waits, or gets 409): a row late past the request's
+    wait is still written, billed, and its answer must be what a retry gets. A row still pending after `for_s` (the
+    ledger down that long) is handed to the store (`finish_when_written`), which follows it however late, with no task
+    held open (a shutdown does not wait on it): SQLite and PostgreSQL commit the answer with the row, Redis stores it
+    once the row commits. Run it handed off: it outlives the request."""
+    claim = keep.claim
     await asyncio.wait((written,), timeout=for_s)  # never cancels the ledger's future (the writer settles it)
     if not written.done():  # the store follows the row from here, however late it commits (no task held open)
         log.warning("Idempotency-Key %r (tenant %s): its ledger row is not written after %g s; its store keeps the "
                     "answer once it commits", claim.key, claim.tenant, for_s)
         store.finish_when_written(written, claim, answer, ttl_s)
+        return
+    if withdrawn(written):  # the request's, if it still runs (a cascade's first answer may be the key's now)
+        if keep.row_withdrawn(written):
+            await store.abandon(claim)
         return
     if written.cancelled() or written.exception() is not None:
         await store.abandon(claim)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from gateway.pipeline.idempotency import keep_when_written
+from gateway.pipeline.idempotency import Keep, keep_when_written
 from quotas import idempotency
 from quotas.idempotency import Claim, Replay
 from quotas.idempotency_redis import RedisIdempotency
@@ -21,7 +21,7 @@ async def test_a_row_committed_after_the_wait_keeps_its_answer_on_redis(redis_ur
         claim = await store.begin("acme", "order-1", "fp", "req-1", lease_s=LEASE_S)
         assert isinstance(claim, Claim)
         row: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        await keep_when_written(store, row, claim, ANSWER, 60, for_s=0.05)  # the wait ends, the row still pending
+        await keep_when_written(store, row, Keep(claim), ANSWER, 60, for_s=0.05)  # the wait ends, the row still pending
         await asyncio.sleep(LEASE_S + 0.1)
         row.set_result(None)  # committed, billed, after the wait and the lease
         await asyncio.sleep(0)
