@@ -16,9 +16,10 @@ from gateway.rollout.state import RolloutStore
 from gateway.rollout.state import open_store as open_rollouts
 from gateway.settings import Settings
 from gateway.tenants.store import TenantStore
-from quotas.idempotency import IdempotencyStore, SQLiteIdempotency
+from quotas.idempotency import IdempotencyStore
 from quotas.idempotency_postgres import PostgresIdempotency
 from quotas.idempotency_redis import RedisIdempotency
+from quotas.idempotency_sqlite import SQLiteIdempotency
 from quotas.ledger import Ledger
 
 

@@ -33,11 +33,11 @@ the fingerprint, storing its vectors compactly (gateway/embeddings_service.py). 
   retry is told so (409 `idempotency_answer_not_kept`, `_replayable`), never run and charged again;
 - the records' store failing to claim a key is a 503 `idempotency_unavailable` with Retry-After, before anything is
   counted, charged or run, on every store (its `LedgerUnavailable`: Redis unreachable, quotas/idempotency_redis.py;
-  SQLite busy, read-only, full or failing its I/O; PostgreSQL unreachable, deadlocked, timed out or read-only, a
-  claim whose reply was lost given up: quotas/idempotency.py). Once a request is answered, written and settled, its
-  answer is handed to the store and its claim never given up: a store that fails then does not fail the answer (Redis
-  owes the write and keeps the key claimed meanwhile, see its module), so a retry replays it or waits, never runs and
-  is billed again.
+  SQLite busy, read-only, full or failing its I/O, quotas/idempotency_sqlite.py; PostgreSQL unreachable, deadlocked,
+  timed out or read-only, a claim whose reply was lost given up, quotas/idempotency_postgres.py). Once a request is
+  answered, written and settled, its answer is handed to the store and its claim never given up: a store that fails then
+  does not fail the answer (Redis owes the write and keeps the key claimed meanwhile, see its module), so a retry
+  replays it or waits, never runs and is billed again.
 """
 
 from __future__ import annotations

@@ -18,7 +18,8 @@ from gateway.errors import Conflict
 from gateway.pipeline.context import RequestContext
 from gateway.pipeline.idempotency import IdempotencyStage
 from gateway.tenants.store import ApiKey, Principal, Tenant
-from quotas.idempotency import Claim, SQLiteIdempotency
+from quotas.idempotency import Claim
+from quotas.idempotency_sqlite import SQLiteIdempotency
 from quotas.plans import Plan
 from tests.conftest import Gateway
 

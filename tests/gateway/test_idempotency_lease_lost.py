@@ -16,7 +16,8 @@ import pytest
 
 from gateway.errors import Unavailable
 from gateway.pipeline.idempotency import IdempotencyStage, Keep, lease_lost
-from quotas.idempotency import Begun, Claim, IdempotencyStore, Running, SQLiteIdempotency
+from quotas.idempotency import Begun, Claim, IdempotencyStore, Running
+from quotas.idempotency_sqlite import SQLiteIdempotency
 from quotas.ledger import LedgerUnavailable
 from tests.gateway.test_idempotency_claim_cancel import Body, ctx
 

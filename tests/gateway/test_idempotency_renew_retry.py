@@ -14,7 +14,8 @@ import pytest
 
 from gateway.errors import Conflict
 from gateway.pipeline.idempotency import IdempotencyStage, Keep
-from quotas.idempotency import Claim, SQLiteIdempotency
+from quotas.idempotency import Claim
+from quotas.idempotency_sqlite import SQLiteIdempotency
 from quotas.ledger import LedgerUnavailable
 from tests.gateway.test_idempotency_claim_cancel import Body, ctx
 

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 from quotas import idempotency, idempotency_redis
-from quotas.idempotency import Claim, Replay, Running, SQLiteIdempotency
+from quotas.idempotency import Claim, Replay, Running
 from quotas.idempotency_redis import RedisIdempotency
+from quotas.idempotency_sqlite import SQLiteIdempotency
 
 LEASE_S = 0.3
 ANSWER = {"id": "chatcmpl-1", "text": "hello"}

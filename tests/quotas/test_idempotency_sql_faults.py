@@ -19,8 +19,9 @@ from typing import Any
 import psycopg
 import pytest
 
-from quotas.idempotency import Claim, Running, SQLiteIdempotency
+from quotas.idempotency import Claim, Running
 from quotas.idempotency_postgres import PostgresIdempotency
+from quotas.idempotency_sqlite import SQLiteIdempotency
 from quotas.ledger import LedgerUnavailable
 from tests.pg_proxy import PgProxy
 from tests.postgres import PostgresServer

@@ -16,7 +16,8 @@ from typing import Any, TypeVar
 
 import pytest
 
-from quotas.idempotency import Claim, Replay, SQLiteIdempotency
+from quotas.idempotency import Claim, Replay
+from quotas.idempotency_sqlite import SQLiteIdempotency
 from quotas.ledger import LedgerUnavailable
 
 T = TypeVar("T")

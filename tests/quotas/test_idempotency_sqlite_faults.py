@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from quotas.idempotency import Claim, Running, SQLiteIdempotency
+from quotas.idempotency import Claim, Running
+from quotas.idempotency_sqlite import SQLiteIdempotency
 from quotas.ledger import LedgerUnavailable
 
 

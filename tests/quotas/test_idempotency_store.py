@@ -21,11 +21,11 @@ from quotas.idempotency import (
     Mismatch,
     Replay,
     Running,
-    SQLiteIdempotency,
     not_kept,
 )
 from quotas.idempotency_postgres import PostgresIdempotency
 from quotas.idempotency_redis import RedisIdempotency
+from quotas.idempotency_sqlite import SQLiteIdempotency
 from quotas.ledger import Ledger
 from tests.postgres import LedgerStore
 from tests.quotas.test_ledger import row

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from quotas.idempotency import Claim, IdempotencyStore, Mismatch, Replay, Running, SQLiteIdempotency
+from quotas.idempotency import Claim, IdempotencyStore, Mismatch, Replay, Running
 from quotas.idempotency_postgres import PostgresIdempotency
 from quotas.idempotency_redis import RedisIdempotency
+from quotas.idempotency_sqlite import SQLiteIdempotency
 from quotas.ledger import Ledger
 from tests.postgres import open_ledger_at
 from tests.quotas.test_ledger import row
