@@ -38,8 +38,8 @@ Modules, one job each: `scope` (what an answer depends on), `request_key` (exact
 turn, cacheability rules), `guards` (near-miss refusal), `embedder` (MiniLM; `onnx_runtime` runs its forward
 pass on ONNX Runtime where installed), `vectors` (which turns are embedded, a memo) and `batcher` (one forward
 pass for concurrent requests), `index` (faiss partitions), `store` (the store boundary), `sqlite_store` (the
-entries in SQLite: TTL, LRU bounds overall and per tenant, persistence, a change log), `redis_store` (the same
-in Redis, shared by replicas), `pending` (answers not yet written, served to their own process),
+entries in SQLite: TTL, LRU bounds overall and per tenant (entries and bytes), persistence, a change log),
+`redis_store` (the same in Redis, shared by replicas), `pending` (answers not yet written, served to their own process),
 `tenant_writes` (the one writer thread, taking tenants' writes in turns), `owner_lanes` (per-owner queues taken
 in turns, which it and the gateway's FairThreads keep), `entry_writes` (what changes the entries: writes,
 deletions, checkpoints, other processes' changes), `results` (what a lookup answers), `semantic_cache` (the

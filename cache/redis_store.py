@@ -7,14 +7,16 @@ Keys, under `prefix` (default `tg:cache`):
 - `t:<tenant>`        set: the tenant's entry ids (purge, version reclaim)
 - `l:<tenant>`        sorted set: the tenant's ids by last use (its own bound, and eviction from the largest)
 - `sizes`             sorted set: tenant by number of entries
+- `bytes`             hash: tenant -> what its entries hold (`stored_bytes`, the entry's `size` field; an entry
+                      written before the byte budget has none and counts nothing)
 - `bumpv`, `bumpt`    hashes: tenant -> its data version at its last bump, and when (`put` refuses older answers)
 - `log`               stream of `put` / `del` events: how every replica's faiss index follows the others
 
-Writes and deletes are Lua scripts, so the keys of one entry never disagree and both size bounds (per tenant,
-and overall, evicting from the largest tenant; see `cache.store`) hold under any number of replicas. The
-scripts build keys from their arguments, which a single Redis (or a replicated primary) allows; Redis Cluster
-would need all keys under one hash tag. Redis errors surface as
-`CacheStoreError`; the caller treats them as a miss.
+Writes and deletes are Lua scripts, so the keys of one entry never disagree and the size bounds (per tenant, in
+entries and in bytes, and overall, evicting from the largest tenant; see `cache.store`) hold under any number of
+replicas. The scripts build keys from their arguments, which a single Redis (or a replicated primary) allows;
+Redis Cluster would need all keys under one hash tag. Redis errors surface as `CacheStoreError`; the caller treats
+them as a miss.
 """
 
 from __future__ import annotations
@@ -27,12 +29,13 @@ import numpy as np
 import redis
 from redis.exceptions import RedisError
 
-from cache.store import CacheStore, CacheStoreError, Entry
+from cache.store import MAX_BYTES_PER_TENANT, CacheStore, CacheStoreError, Entry, check_bounds, stored_bytes
 
 _DEL = """
 local function del(prefix, eid)
-  local f = redis.call('HMGET', prefix .. 'e:' .. eid, 'scope_id', 'exact_key', 'tenant', 'partition')
+  local f = redis.call('HMGET', prefix .. 'e:' .. eid, 'scope_id', 'exact_key', 'tenant', 'partition', 'size')
   if not f[1] then return 0 end
+  if f[5] then redis.call('HINCRBY', prefix .. 'bytes', f[3], -tonumber(f[5])) end
   redis.call('DEL', prefix .. 'e:' .. eid)
   local xk = prefix .. 'x:' .. f[1] .. ':' .. f[2]
   if redis.call('GET', xk) == eid then redis.call('DEL', xk) end
@@ -59,7 +62,8 @@ end
 """
 
 # ARGV: prefix, id, scope_id, exact_key, tenant, partition, last_used, expires_at ('' = none), max_entries,
-#       max_entries_per_tenant, data_version, created_at, then field/value pairs of the entry hash.
+#       max_entries_per_tenant, data_version, created_at, size, max_bytes_per_tenant ('' = none), then field/value
+#       pairs of the entry hash (its `size` among them).
 # Returns false (None) for an entry made before its tenant's data was bumped past its version.
 _PUT = _DEL + """
 local prefix, id, tenant = ARGV[1], ARGV[2], ARGV[5]
@@ -70,10 +74,12 @@ end
 local xk = prefix .. 'x:' .. ARGV[3] .. ':' .. ARGV[4]
 local displaced = {}
 local old = redis.call('GET', xk)
-if old and del(prefix, old) == 1 then table.insert(displaced, old) end
+if old and old ~= id and del(prefix, old) == 1 then table.insert(displaced, old) end
+del(prefix, id)  -- the same id written again: its old size and keys go first
 local fields = {}
-for i = 13, #ARGV do table.insert(fields, ARGV[i]) end
+for i = 15, #ARGV do table.insert(fields, ARGV[i]) end
 redis.call('HSET', prefix .. 'e:' .. id, unpack(fields))
+redis.call('HINCRBY', prefix .. 'bytes', tenant, ARGV[13])
 redis.call('SET', xk, id)
 redis.call('ZADD', prefix .. 'lru', ARGV[7], id)
 if ARGV[8] ~= '' then redis.call('ZADD', prefix .. 'exp', ARGV[8], id) end
@@ -84,6 +90,12 @@ end
 redis.call('XADD', prefix .. 'log', 'MAXLEN', '~', '100000', '*', 'op', 'put', 'id', id, 'partition', ARGV[6])
 local own = prefix .. 'l:' .. tenant
 evict(prefix, own, redis.call('ZCARD', own) - tonumber(ARGV[10]), id, displaced)
+if ARGV[14] ~= '' then  -- the tenant's own least recently used, until its entries fit its byte budget
+  local budget = tonumber(ARGV[14])
+  while tonumber(redis.call('HGET', prefix .. 'bytes', tenant) or '0') > budget do
+    if evict(prefix, own, 1, id, displaced) == 0 then break end
+  end
+end
 local over = redis.call('ZCARD', prefix .. 'lru') - tonumber(ARGV[9])
 while over > 0 do
   local largest = redis.call('ZREVRANGE', prefix .. 'sizes', 0, 0)[1]
@@ -117,15 +129,16 @@ _FIELDS = ("scope_id", "tenant", "data_version", "model_version", "exact_key", "
 
 
 class RedisStore(CacheStore):
-    """Entries in one Redis, at most `max_entries` of them across all replicas and `max_entries_per_tenant` of
-    one tenant's (None: no bound of its own), LRU-evicted."""
+    """Entries in one Redis, at most `max_entries` of them across all replicas, and `max_entries_per_tenant` and
+    `max_bytes_per_tenant` (`stored_bytes`) of one tenant's (None: no bound of its own), LRU-evicted."""
 
     def __init__(self, url: str, *, max_entries: int = 100_000, max_entries_per_tenant: int | None = None,
-                 prefix: str = "tg:cache", timeout_s: float = 1.0):
-        if max_entries < 1 or (max_entries_per_tenant is not None and max_entries_per_tenant < 1):
-            raise ValueError("max_entries and max_entries_per_tenant must be at least 1")
+                 max_bytes_per_tenant: int | None = MAX_BYTES_PER_TENANT, prefix: str = "tg:cache",
+                 timeout_s: float = 1.0):
+        check_bounds(max_entries, max_entries_per_tenant, max_bytes_per_tenant)
         self.max_entries = max_entries
         self.max_entries_per_tenant = max_entries_per_tenant or max_entries
+        self.max_bytes_per_tenant = max_bytes_per_tenant
         self.prefix = prefix + ":"
         self.redis = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         self._put = self.redis.register_script(_PUT)
@@ -142,17 +155,21 @@ class RedisStore(CacheStore):
         return int(self._call(self.redis.zcard, self.prefix + "lru"))
 
     def put(self, entry: Entry) -> list[str] | None:
+        size = stored_bytes(entry)
+        if self.max_bytes_per_tenant is not None and size > self.max_bytes_per_tenant:
+            return None  # larger than its tenant's whole budget: it would evict everything else and still be over
         blob = b"" if entry.embedding is None else np.asarray(entry.embedding, dtype=np.float32).tobytes()
         expires = "" if entry.expires_at is None else repr(entry.expires_at)
         values = {"scope_id": entry.scope_id, "tenant": entry.tenant, "data_version": entry.data_version,
                   "model_version": entry.model_version, "exact_key": entry.exact_key, "partition": entry.partition,
                   "semantic_text": entry.semantic_text, "response": entry.response, "usage": json.dumps(entry.usage),
                   "metadata": json.dumps(entry.metadata), "created_at": repr(entry.created_at),
-                  "expires_at": expires, "last_used": repr(entry.last_used), "embedding": blob}
+                  "expires_at": expires, "last_used": repr(entry.last_used), "embedding": blob, "size": str(size)}
         flat: list[Any] = [x for kv in values.items() for x in kv]
         args = [self.prefix, entry.entry_id, entry.scope_id, entry.exact_key, entry.tenant, entry.partition,
                 repr(entry.last_used), expires, self.max_entries, self.max_entries_per_tenant, entry.data_version,
-                repr(entry.created_at), *flat]
+                repr(entry.created_at), size,
+                "" if self.max_bytes_per_tenant is None else self.max_bytes_per_tenant, *flat]
         displaced = self._call(self._put, keys=[], args=args)
         return None if displaced is None else [d.decode() for d in displaced]
 

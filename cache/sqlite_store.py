@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from cache.store import CacheStore, CacheStoreError, Entry
+from cache.store import MAX_BYTES_PER_TENANT, CacheStore, CacheStoreError, Entry, check_bounds, stored_bytes
 
 _SCHEMA = """
 BEGIN IMMEDIATE;
@@ -52,7 +52,8 @@ CREATE TABLE IF NOT EXISTS entries (
     created_at REAL NOT NULL,
     expires_at REAL,
     last_used REAL NOT NULL,
-    embedding BLOB
+    embedding BLOB,
+    size INTEGER NOT NULL DEFAULT 0
 );
 CREATE UNIQUE INDEX IF NOT EXISTS entries_exact ON entries (scope_id, exact_key);
 CREATE INDEX IF NOT EXISTS entries_lru ON entries (last_used);
@@ -65,24 +66,41 @@ CREATE TABLE IF NOT EXISTS changes (
     entry_id TEXT NOT NULL,
     partition TEXT NOT NULL
 );
-CREATE TABLE IF NOT EXISTS tenant_sizes (tenant TEXT PRIMARY KEY, n INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS tenant_sizes (tenant TEXT PRIMARY KEY, n INTEGER NOT NULL, bytes INTEGER NOT NULL DEFAULT 0);
 CREATE TABLE IF NOT EXISTS data_bumps (tenant TEXT PRIMARY KEY, version TEXT NOT NULL, bumped_at REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS entry_count (id INTEGER PRIMARY KEY CHECK (id = 0), n INTEGER NOT NULL);
-INSERT INTO tenant_sizes (tenant, n) SELECT tenant, COUNT(*) FROM entries
+INSERT INTO tenant_sizes (tenant, n, bytes) SELECT tenant, COUNT(*), SUM(size) FROM entries
     WHERE NOT EXISTS (SELECT 1 FROM entry_count) GROUP BY tenant;
 INSERT OR IGNORE INTO entry_count (id, n) SELECT 0, COUNT(*) FROM entries;
 CREATE TRIGGER IF NOT EXISTS entries_put AFTER INSERT ON entries BEGIN
-    INSERT INTO tenant_sizes (tenant, n) VALUES (NEW.tenant, 1) ON CONFLICT (tenant) DO UPDATE SET n = n + 1;
+    INSERT INTO tenant_sizes (tenant, n, bytes) VALUES (NEW.tenant, 1, NEW.size)
+        ON CONFLICT (tenant) DO UPDATE SET n = n + 1, bytes = bytes + NEW.size;
     UPDATE entry_count SET n = n + 1;
     INSERT INTO changes (op, entry_id, partition) SELECT 'put', NEW.entry_id, NEW.partition
         WHERE NEW.embedding IS NOT NULL;
 END;
 CREATE TRIGGER IF NOT EXISTS entries_del AFTER DELETE ON entries BEGIN
-    UPDATE tenant_sizes SET n = n - 1 WHERE tenant = OLD.tenant;
+    UPDATE tenant_sizes SET n = n - 1, bytes = bytes - OLD.size WHERE tenant = OLD.tenant;
     UPDATE entry_count SET n = n - 1;
     INSERT INTO changes (op, entry_id, partition) VALUES ('del', OLD.entry_id, OLD.partition);
 END;
 COMMIT;
+"""
+
+# Files written before the byte budget: each row's size (`stored_bytes`, counted in SQL) and each tenant's total, once;
+# their triggers are dropped, for the schema's to count sizes too.
+_TEXT_COLUMNS = ("entry_id", "scope_id", "tenant", "data_version", "model_version", "exact_key", "partition",
+                 "semantic_text", "response", "usage", "metadata")
+_SIZE_SQL = " + ".join([f"length(CAST({c} AS BLOB))" for c in _TEXT_COLUMNS] + ["COALESCE(length(embedding), 0)"])
+_ADD_SIZES = f"""
+ALTER TABLE entries ADD COLUMN size INTEGER NOT NULL DEFAULT 0;
+UPDATE entries SET size = {_SIZE_SQL};
+DROP TRIGGER IF EXISTS entries_put;
+DROP TRIGGER IF EXISTS entries_del;
+"""
+_ADD_TENANT_BYTES = """
+ALTER TABLE tenant_sizes ADD COLUMN bytes INTEGER NOT NULL DEFAULT 0;
+UPDATE tenant_sizes SET bytes = (SELECT COALESCE(SUM(size), 0) FROM entries WHERE entries.tenant = tenant_sizes.tenant);
 """
 
 _COLUMNS = ("entry_id, scope_id, tenant, data_version, model_version, exact_key, partition, semantic_text, "
@@ -95,16 +113,18 @@ CHECKPOINT_EVERY = 100
 
 
 class SQLiteStore(CacheStore):
-    """Entries in one SQLite file (or `:memory:`), at most `max_entries` of them and `max_entries_per_tenant` of
-    one tenant's (None: no bound of its own), LRU-evicted. Thread-safe; several processes may share the file.
-    Writes go through one connection under `_lock`; reads (of a file) through idle read connections, without it."""
+    """Entries in one SQLite file (or `:memory:`), at most `max_entries` of them, and `max_entries_per_tenant` and
+    `max_bytes_per_tenant` (`stored_bytes`) of one tenant's (None: no bound of its own), LRU-evicted. Thread-safe;
+    several processes may share the file. Writes go through one connection under `_lock`; reads (of a file) through
+    idle read connections, without it."""
 
     def __init__(self, path: str | Path = ":memory:", *, max_entries: int = 100_000,
-                 max_entries_per_tenant: int | None = None, checkpoint_every: int = CHECKPOINT_EVERY):
-        if max_entries < 1 or (max_entries_per_tenant is not None and max_entries_per_tenant < 1):
-            raise ValueError("max_entries and max_entries_per_tenant must be at least 1")
+                 max_entries_per_tenant: int | None = None, max_bytes_per_tenant: int | None = MAX_BYTES_PER_TENANT,
+                 checkpoint_every: int = CHECKPOINT_EVERY):
+        check_bounds(max_entries, max_entries_per_tenant, max_bytes_per_tenant)
         self.max_entries = max_entries
         self.max_entries_per_tenant = max_entries_per_tenant or max_entries
+        self.max_bytes_per_tenant = max_bytes_per_tenant
         self._path = str(path)
         self._memory = self._path == ":memory:"  # one connection: its reads take _lock too
         self._lock = threading.RLock()  # the write connection, shared by threads
@@ -122,12 +142,33 @@ class SQLiteStore(CacheStore):
             self._db = self._connect()
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
+            self._add_sizes()
             self._db.executescript(_SCHEMA)
         except sqlite3.Error as exc:
             raise CacheStoreError(f"cannot open cache store {path}: {exc}") from exc
 
     def __len__(self) -> int:
         return int(self._read_one("SELECT n FROM entry_count") or 0)
+
+    def _add_sizes(self) -> None:
+        """Count sizes in a file written before the byte budget (`_ADD_SIZES`), in one transaction."""
+        def columns(table: str) -> set[str]:
+            return {row[1] for row in self._db.execute(f"PRAGMA table_info({table})")}
+
+        if "size" in columns("entries") or not columns("entries"):
+            return
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            if "size" not in columns("entries"):  # not added meanwhile by another process
+                for statement in filter(str.strip, _ADD_SIZES.split(";")):
+                    self._db.execute(statement)
+                if columns("tenant_sizes") and "bytes" not in columns("tenant_sizes"):
+                    for statement in filter(str.strip, _ADD_TENANT_BYTES.split(";")):
+                        self._db.execute(statement)
+            self._db.execute("COMMIT")
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
 
     def _connect(self) -> sqlite3.Connection:
         db = sqlite3.connect(self._path, check_same_thread=False, isolation_level=None, timeout=BUSY_TIMEOUT_MS / 1000)
@@ -191,12 +232,15 @@ class SQLiteStore(CacheStore):
 
     def put(self, entry: Entry) -> list[str] | None:
         """Insert `entry` (replacing one with the same scope and exact key). Returns the ids it displaced:
-        the replaced entry, and those evicted to stay within the tenant's bound and the store's; None when its
-        tenant's data was bumped past it (`CacheStore.put`)."""
+        the replaced entry, and those evicted to stay within the tenant's bounds and the store's; None when its
+        tenant's data was bumped past it, or it alone is larger than its tenant's byte budget (`CacheStore.put`)."""
+        size = stored_bytes(entry)
+        if self.max_bytes_per_tenant is not None and size > self.max_bytes_per_tenant:
+            return None  # larger than its tenant's whole budget: it would evict everything else and still be over
         blob = None if entry.embedding is None else np.asarray(entry.embedding, dtype=np.float32).tobytes()
         row = (entry.entry_id, entry.scope_id, entry.tenant, entry.data_version, entry.model_version, entry.exact_key,
                entry.partition, entry.semantic_text, entry.response, json.dumps(entry.usage),
-               json.dumps(entry.metadata), entry.created_at, entry.expires_at, entry.last_used, blob)
+               json.dumps(entry.metadata), entry.created_at, entry.expires_at, entry.last_used, blob, size)
         with self._lock:
             self._run("BEGIN IMMEDIATE")
             try:
@@ -209,7 +253,7 @@ class SQLiteStore(CacheStore):
                     "SELECT entry_id FROM entries WHERE (scope_id=? AND exact_key=?) OR entry_id=?",
                     (entry.scope_id, entry.exact_key, entry.entry_id))]
                 self._delete_locked(replaced)
-                self._run(f"INSERT INTO entries ({_COLUMNS}) VALUES ({','.join('?' * 15)})", row)
+                self._run(f"INSERT INTO entries ({_COLUMNS}, size) VALUES ({','.join('?' * 16)})", row)
                 evicted = self._evict_locked(entry)
                 self._num_puts += 1
                 if self._num_puts % 1024 == 0:
@@ -223,8 +267,8 @@ class SQLiteStore(CacheStore):
         return [r for r in replaced if r != entry.entry_id] + evicted
 
     def _evict_locked(self, entry: Entry) -> list[str]:
-        """The tenant's own least recently used beyond its bound, then, beyond the store's, the least recently
-        used of whichever tenant holds the most."""
+        """The tenant's own least recently used beyond its bounds (count, then bytes), then, beyond the store's,
+        the least recently used of whichever tenant holds the most."""
         evicted: list[str] = []
         over = (self._one("SELECT n FROM tenant_sizes WHERE tenant=?", (entry.tenant,)) or 0) \
             - self.max_entries_per_tenant
@@ -232,6 +276,11 @@ class SQLiteStore(CacheStore):
             evicted += self._delete_locked([r[0] for r in self._run(
                 "SELECT entry_id FROM entries WHERE tenant=? AND entry_id != ? ORDER BY last_used LIMIT ?",
                 (entry.tenant, entry.entry_id, over))])
+        if self.max_bytes_per_tenant is not None:
+            over = (self._one("SELECT bytes FROM tenant_sizes WHERE tenant=?", (entry.tenant,)) or 0) \
+                - self.max_bytes_per_tenant
+            if over > 0:
+                evicted += self._delete_locked(self._oldest_holding(entry, over))
         while (over := (self._one("SELECT n FROM entry_count") or 0) - self.max_entries) > 0:
             largest = self._one("SELECT tenant FROM tenant_sizes ORDER BY n DESC LIMIT 1")
             victims = [r[0] for r in self._run(
@@ -246,6 +295,22 @@ class SQLiteStore(CacheStore):
             if not gone:
                 break
         return evicted
+
+    def _oldest_holding(self, entry: Entry, num_bytes: int) -> list[str]:
+        """The tenant's least recently used entries (never `entry`) that together hold at least `num_bytes`."""
+        cursor = self._run("SELECT entry_id, size FROM entries WHERE tenant=? AND entry_id != ? ORDER BY last_used",
+                           (entry.tenant, entry.entry_id))
+        ids: list[str] = []
+        try:
+            while num_bytes > 0 and (rows := cursor.fetchmany(64)):
+                for entry_id, size in rows:
+                    ids.append(entry_id)
+                    num_bytes -= size
+                    if num_bytes <= 0:
+                        break
+        finally:
+            cursor.close()
+        return ids
 
     def get(self, entry_id: str) -> Entry | None:
         rows = self._read(f"SELECT {_COLUMNS} FROM entries WHERE entry_id=?", (entry_id,))

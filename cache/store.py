@@ -7,13 +7,16 @@ vector index. The vector of each entry is stored with it, so a restarted process
 from the store without re-embedding anything. A shared (Redis) store implements the same methods;
 `SQLiteStore(":memory:")` serves tests and benchmarks.
 
-Two bounds, so one tenant cannot evict everyone's answers: a tenant over `max_entries_per_tenant` loses its own
-least recently used entries, and a store over `max_entries` evicts from the tenant holding the most (its least
-recently used first). A flooding tenant thus evicts only itself once it is the largest.
+Two bounds, so one tenant cannot evict everyone's answers: a tenant over `max_entries_per_tenant` entries or over
+`max_bytes_per_tenant` bytes (`stored_bytes`: a count alone let a tenant of long answers hold gigabytes) loses its
+own least recently used entries, and a store over `max_entries` evicts from the tenant holding the most (its least
+recently used first). A flooding tenant thus evicts only itself once it is the largest. An entry larger than its
+tenant's byte budget on its own is not written.
 """
 
 from __future__ import annotations
 
+import json
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -21,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+MAX_BYTES_PER_TENANT = 256 << 20  # one tenant's entries at most (`stored_bytes`): ~25,000 answers of 10 KB
 
 
 class CacheStoreError(Exception):
@@ -58,11 +63,22 @@ def entry_bytes(entry: Entry) -> int:
     return len(entry.response) + len(entry.semantic_text) + vector + 512
 
 
+def stored_bytes(entry: Entry) -> int:
+    """What an entry takes in a store, the measure of `max_bytes_per_tenant`: the UTF-8 bytes of its texts (its ids,
+    keys, versions, question and answer, its usage and metadata as JSON) and its vector's. A store's own overhead
+    per row is left out; `max_entries_per_tenant` bounds that."""
+    texts = (entry.entry_id, entry.scope_id, entry.tenant, entry.data_version, entry.model_version, entry.exact_key,
+             entry.partition, entry.semantic_text, entry.response, json.dumps(entry.usage), json.dumps(entry.metadata))
+    vector = 0 if entry.embedding is None else int(np.asarray(entry.embedding, dtype=np.float32).nbytes)
+    return sum(len(t.encode("utf-8", "replace")) for t in texts) + vector
+
+
 class CacheStore(ABC):
     """Entries by id and by (scope, exact key), bounded by LRU, selectable by tenant and version."""
 
     max_entries: int
     max_entries_per_tenant: int
+    max_bytes_per_tenant: int | None  # None: no byte bound
 
     @abstractmethod
     def __len__(self) -> int: ...
@@ -71,7 +87,8 @@ class CacheStore(ABC):
     def put(self, entry: Entry) -> list[str] | None:
         """Insert `entry`, replacing the one with the same scope and exact key; return every id displaced. None: not
         written, as it was made before its tenant's data was bumped past its version (`drop_data_versions`, by any
-        process: an answer still being written elsewhere then must not land after the deletion)."""
+        process: an answer still being written elsewhere then must not land after the deletion), or as it is larger
+        than its tenant's byte budget on its own (`stored_bytes`)."""
 
     @abstractmethod
     def get(self, entry_id: str) -> Entry | None: ...
@@ -140,13 +157,23 @@ class CacheStore(ABC):
 
 
 def open_cache_store(*, sqlite_path: str | Path, redis_url: str | None = None, max_entries: int = 100_000,
-                     max_entries_per_tenant: int | None = None) -> CacheStore:
+                     max_entries_per_tenant: int | None = None,
+                     max_bytes_per_tenant: int | None = MAX_BYTES_PER_TENANT) -> CacheStore:
     """The store a deployment shares: Redis when `redis_url` is set, else the SQLite file (the gateway and the
     CLI open the same one)."""
     if redis_url:
         from cache.redis_store import RedisStore
 
-        return RedisStore(redis_url, max_entries=max_entries, max_entries_per_tenant=max_entries_per_tenant)
+        return RedisStore(redis_url, max_entries=max_entries, max_entries_per_tenant=max_entries_per_tenant,
+                          max_bytes_per_tenant=max_bytes_per_tenant)
     from cache.sqlite_store import SQLiteStore
 
-    return SQLiteStore(sqlite_path, max_entries=max_entries, max_entries_per_tenant=max_entries_per_tenant)
+    return SQLiteStore(sqlite_path, max_entries=max_entries, max_entries_per_tenant=max_entries_per_tenant,
+                       max_bytes_per_tenant=max_bytes_per_tenant)
+
+
+def check_bounds(max_entries: int, max_entries_per_tenant: int | None, max_bytes_per_tenant: int | None) -> None:
+    """A store's bounds, each at least 1 (None: that bound is off)."""
+    if max_entries < 1 or any(bound is not None and bound < 1 for bound in (max_entries_per_tenant,
+                                                                            max_bytes_per_tenant)):
+        raise ValueError("max_entries, max_entries_per_tenant and max_bytes_per_tenant must be at least 1")

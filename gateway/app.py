@@ -174,7 +174,8 @@ def build_cache(settings: Settings, plans: PlanBook) -> SemanticCache | None:
         return None
     entries = open_cache_store(sqlite_path=settings.data_dir / "cache.sqlite3", redis_url=settings.redis_url,
                                max_entries=settings.cache_max_entries,
-                               max_entries_per_tenant=settings.cache_max_entries_per_tenant)
+                               max_entries_per_tenant=settings.cache_max_entries_per_tenant,
+                               max_bytes_per_tenant=settings.cache_max_bytes_per_tenant)
     meaning = MeaningCheck()
     if any(plan.cache.meaning_check for plan in plans.plans.values()):
         try:

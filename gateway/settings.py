@@ -53,6 +53,8 @@ class Settings(BaseSettings):
     cache_enabled: bool = True  # the answer cache (plans and headers decide per request)
     cache_max_entries: int = 100_000  # beyond it, the tenant holding the most entries loses its least recently used
     cache_max_entries_per_tenant: int = 25_000  # one tenant's own bound: it evicts only its own entries beyond it
+    # ...and what one tenant's entries may hold in bytes (cache.store.stored_bytes: texts and vectors), likewise
+    cache_max_bytes_per_tenant: int = Field(256 << 20, gt=0)  # cache.store.MAX_BYTES_PER_TENANT
     cache_embed_max_batch: int = 32  # texts per embedding forward pass (1: one at a time, the ablation)
     cache_embed_max_wait_ms: float = 3.0  # the longest a text waits for others to share its forward pass
     ladder_tick_s: float = 0.5  # how often the ladder follows shared changes and evaluates its triggers

@@ -151,7 +151,8 @@ def _drop_cached_answers(settings: Settings, tenant: str, version: int) -> int:
     try:
         store = open_cache_store(sqlite_path=path, redis_url=settings.redis_url,
                                  max_entries=settings.cache_max_entries,
-                                 max_entries_per_tenant=settings.cache_max_entries_per_tenant)
+                                 max_entries_per_tenant=settings.cache_max_entries_per_tenant,
+                                 max_bytes_per_tenant=settings.cache_max_bytes_per_tenant)
         try:
             return len(store.drop_data_versions(tenant, str(version), time.time()))
         finally:
