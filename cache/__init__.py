@@ -24,7 +24,8 @@ The gateway's calls, in request order::
     # a semantic hit with result.shadow_rate > 0: ask the tier too, off the response's path, and label it the same way
 
     cache.bump_data_version(tenant, new_version)   # after the admin bump: deletes the older versions' entries
-    cache.retire_model_version(old_fingerprint)    # when a tier's weights or engine change
+    cache.retire_model_version(old_fingerprint)    # no tier serves it any more: deletes its entries
+    cache.serve_model_version(fingerprint)         # a tier serves it (again, after a rollback): keeps its answers
     cache.purge(tenant)                            # admin purge (None: everything)
 
 What the caller decides: `data_version` is the tenant's counter, combined with an `X-Tiergate-Data-Version`

@@ -107,12 +107,18 @@ class EntryWriter:
             self.index.remove(gone)
         return len(gone)
 
-    def retire_model_version(self, model_version: str) -> None:
+    def retire_model_version(self, model_version: str) -> int:
         """`SemanticCache.retire_model_version`."""
         with self.lock:
             self.stale.retire_model(model_version)
             self.pending.cancel_where(lambda e: e.model_version == model_version)
             self.recent.drop_where(lambda e: e.model_version == model_version)
+        # one pass (a Redis store reads every entry's version to find them); what lands later, `reclaim` finds
+        return self.delete(self.entries.ids_of_model_version(model_version, 1 << 62))
+
+    def serve_model_version(self, model_version: str) -> None:
+        """`SemanticCache.serve_model_version`."""
+        self.stale.serve_model(model_version)
 
     def purge(self, tenant: str | None) -> int:
         """`SemanticCache.purge`."""

@@ -224,6 +224,9 @@ class RedisStore(CacheStore):
         ids = self._all_ids()  # O(entries): reclaim of a retired model is rare and runs in batches
         return [i for i, v in zip(ids, self._field(ids, "model_version"), strict=True) if v == model_version][:limit]
 
+    def model_versions(self) -> set[str]:
+        return {v for v in self._field(self._all_ids(), "model_version") if v is not None}
+
     def expired(self, now: float, limit: int = 1000) -> list[str]:
         return [i.decode() for i in self._call(self.redis.zrangebyscore, self.prefix + "exp", "-inf", now,
                                                start=0, num=limit)]

@@ -394,9 +394,19 @@ class SemanticCache:
         with a per-request header), and scopes already keep old versions unreachable. Returns how many went."""
         return self.writes.bump_data_version(tenant, str(current))
 
-    def retire_model_version(self, model_version: str) -> None:
-        """A tier's weights, quantization or engine changed: entries of the old fingerprint will be reclaimed."""
-        self.writes.retire_model_version(model_version)
+    def retire_model_version(self, model_version: str) -> int:
+        """No tier serves `model_version` any more (its weights, quantization or engine changed, or a rollout moved
+        the tier to another version): delete its entries now, and drop its answers still being written. Returns
+        how many went."""
+        return self.writes.retire_model_version(model_version)
+
+    def model_versions(self) -> set[str]:
+        """The model versions the store holds entries of (every process's; a scan of the store)."""
+        return self.entries.model_versions()
+
+    def serve_model_version(self, model_version: str) -> None:
+        """A tier serves `model_version` (again, after a rollback): its new answers are kept."""
+        self.writes.serve_model_version(model_version)
 
     def purge(self, tenant: str | None = None) -> int:
         """Delete every entry of `tenant` (or of everyone, with None) now. Returns how many."""

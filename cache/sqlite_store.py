@@ -390,6 +390,9 @@ class SQLiteStore(CacheStore):
     def ids_of_model_version(self, model_version: str, limit: int) -> list[str]:
         return self._select_ids("model_version = ?", (model_version,), limit)
 
+    def model_versions(self) -> set[str]:
+        return {row[0] for row in self._read("SELECT DISTINCT model_version FROM entries")}
+
     def drop_data_versions(self, tenant: str, current: str, created_before: float, batch: int = 500) -> list[str]:
         """One statement over the tenant's index range (the batched default rescans it for every batch), in the
         transaction that records the bump for `put`."""

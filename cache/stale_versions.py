@@ -7,7 +7,10 @@ dropped: an answer still being written when its tenant's data was bumped was ans
 - data: tenant -> (the current data version, when it was bumped). Entries created before the bump at any other
   version are stale; entries created later are kept whatever their version (a version may combine the counter
   with a per-request header). A rule is dropped once the store holds nothing it names.
-- models: retired model versions (a tier's weights, quantization or engine changed); their entries are stale.
+- models: retired model versions (no tier serves them any more: its weights, quantization or engine changed, or a
+  rollout moved it to another version); their entries are stale, and a late write of one is dropped. A version
+  served again is no longer retired. Its reclaim ends once the store holds none of it (each write's reclaim would
+  otherwise scan the store for it for ever).
 
 Thread-safe; the store is asked only outside the lock.
 """
@@ -25,7 +28,8 @@ class StaleVersions:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._data: dict[str, tuple[str, float]] = {}  # tenant -> (current data version, bumped at)
-        self._models: set[str] = set()
+        self._models: set[str] = set()  # retired: their late writes are dropped
+        self._reclaiming: set[str] = set()  # retired ones the store may still hold entries of
 
     def bump_data(self, tenant: str, current: str, bumped_at: float) -> None:
         with self._lock:
@@ -34,18 +38,27 @@ class StaleVersions:
     def retire_model(self, model_version: str) -> None:
         with self._lock:
             self._models.add(model_version)
+            self._reclaiming.add(model_version)
+
+    def serve_model(self, model_version: str) -> None:
+        """A model version is served again (a rollback): its new answers are kept."""
+        with self._lock:
+            self._models.discard(model_version)
+            self._reclaiming.discard(model_version)
 
     def written_too_late(self, entry: Entry) -> bool:
-        """True for an answer created before its tenant's data was bumped past its version."""
+        """True for an answer created before its tenant's data was bumped past its version, or of a retired model
+        version (a request that was still running when its tier stopped serving it)."""
         with self._lock:
             rule = self._data.get(entry.tenant)
-        return rule is not None and entry.data_version != rule[0] and entry.created_at < rule[1]
+            retired = entry.model_version in self._models
+        return retired or (rule is not None and entry.data_version != rule[0] and entry.created_at < rule[1])
 
     def to_reclaim(self, store: CacheStore, now: float, limit: int) -> list[str]:
         """Up to `limit` ids: expired entries first, then those of bumped data and of retired model versions."""
         ids = store.expired(now, limit)
         with self._lock:
-            data_rules, model_versions = list(self._data.items()), list(self._models)
+            data_rules, model_versions = list(self._data.items()), list(self._reclaiming)
         for tenant, rule in data_rules:
             if len(ids) >= limit:
                 break
@@ -58,5 +71,9 @@ class StaleVersions:
         for model_version in model_versions:
             if len(ids) >= limit:
                 break
-            ids += store.ids_of_model_version(model_version, limit - len(ids))
+            found = store.ids_of_model_version(model_version, limit - len(ids))
+            ids += found
+            if not found:
+                with self._lock:
+                    self._reclaiming.discard(model_version)
         return ids

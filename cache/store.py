@@ -116,6 +116,10 @@ class CacheStore(ABC):
     def ids_of_model_version(self, model_version: str, limit: int) -> list[str]: ...
 
     @abstractmethod
+    def model_versions(self) -> set[str]:
+        """The model versions of every entry (a scan of the store: once at start-up, not per request)."""
+
+    @abstractmethod
     def expired(self, now: float, limit: int = 1000) -> list[str]: ...
 
     @abstractmethod

@@ -27,6 +27,8 @@ from gateway.ladder.controller import LadderController
 from gateway.ladder.signals import Signals
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import request_id_middleware
+from gateway.model_versions import EVERY_S as MODEL_VERSIONS_EVERY_S
+from gateway.model_versions import ModelVersions, served_versions
 from gateway.pipeline.cache_check import CacheChecks
 from gateway.pipeline.cache_lookup import CacheStage
 from gateway.pipeline.dispatch import DispatchStage
@@ -265,6 +267,10 @@ def create_app(settings: Settings | None = None) -> Litestar:
         reaper = asyncio.create_task(run_reaper(services.quota_backend, every_s=settings.quota_reap_every_s,
                                                 billed=ledger_billing(services.ledger),
                                                 renew=services.pipeline.reserve.quotas.renew_leases))
+        # the cache deletes the answers of model versions no tier serves any more (a rollout, new weights)
+        retiring = None if services.cache.cache is None else asyncio.create_task(_every(
+            MODEL_VERSIONS_EVERY_S, ModelVersions(services.cache.cache, served_versions(
+                services.catalogue, services.fleet, services.rollouts)).check, "retiring cached model versions"))
         try:
             yield
         finally:
@@ -272,6 +278,8 @@ def create_app(settings: Settings | None = None) -> Litestar:
             follower.cancel()
             guards.cancel()
             reaper.cancel()
+            if retiring is not None:
+                retiring.cancel()
             await services.fleet.stop()
             if services.pipeline.shadow is not None:  # shadow calls nobody waits for end with the gateway
                 services.pipeline.shadow.cancel()

@@ -251,6 +251,12 @@ class Fleet:
         found = "|".join(versions) if versions else declared_version(tier)
         return found if tier.version_name is None else f"{found}@{tier.version_name}"
 
+    def model_version_known(self, tier: TierSpec) -> bool:
+        """Whether `model_version` says what the tier's engines run: always for a remote tier (what it declares is all
+        there is); for a local one once a replica has reported its fingerprint (until then it says what the tier
+        declares, which no answer of its engines was stored under)."""
+        return tier.backend != "local" or any(r.model_version for r in self.replicas_of(tier))
+
     def max_kv_utilisation(self) -> float:
         """The fullest engine KV cache among healthy local replicas (0 to 1), as their /health reports it, leaving out
         the blocks of the tenant holding the most where other tenants hold some (`kv_utilisation_others`; an engine

@@ -100,6 +100,17 @@ class RolloutService:
             return tier
         return tier.variants.get(rollout.candidate if rollout.stage == "full" else rollout.baseline, tier)
 
+    def serving(self, tier: TierSpec) -> list[TierSpec]:
+        """The versions that may answer the tier's requests now: its `steady` one and a running rollout's candidate
+        (a canary's share and named tenants; a paused one's, which may resume). The cache keeps their answers and
+        retires the others' (gateway/model_versions.py)."""
+        steady = self.steady(tier)
+        rollout = self._rollouts.get(tier.name)
+        if rollout is None or tier.version_name is None or rollout.stage not in RUNNING:
+            return [steady]
+        candidate = tier.variants.get(rollout.candidate)
+        return [steady] if candidate is None or candidate is steady else [steady, candidate]
+
     def fall_back(self, tier: TierSpec, version: str | None) -> TierSpec | None:
         """The baseline's spec for a request the running rollout's candidate `version` cannot take, counted as an
         error of the candidate; None if `version` is not a running rollout's candidate."""

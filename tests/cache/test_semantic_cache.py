@@ -289,11 +289,11 @@ def test_bump_deletes_the_old_versions_entries(cache: SemanticCache, clock: Fake
     assert cache.lookup(scope(hamlet, data_version="2:pinned-by-header"), hamlet).status == "hit"
 
 
-def test_retired_model_version_is_reclaimed(cache: SemanticCache) -> None:
+def test_retired_model_version_is_deleted(cache: SemanticCache) -> None:
     _stored(cache, model_version="m1")
     _stored(cache, model_version="m2")
-    cache.retire_model_version("m1")
-    assert cache.reclaim() == 1
+    assert cache.retire_model_version("m1") == 1  # now, not at a later write's reclaim
+    assert cache.reclaim() == 0 and len(cache.entries) == 1
     assert cache.lookup(scope(chat(Q), model_version="m2"), chat(Q)).status == "hit"
 
 

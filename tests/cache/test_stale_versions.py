@@ -40,6 +40,23 @@ def test_a_late_write_from_replaced_data_is_recognised() -> None:
     assert not stale.written_too_late(replace(_entry(1, created_at=19.0), tenant="globex"))
 
 
+def test_a_retired_model_is_reclaimed_until_none_is_left_and_served_again_is_kept() -> None:
+    store, stale = SQLiteStore(), StaleVersions()
+    store.put(_entry(1, model="old"))
+    stale.retire_model("old")
+    assert stale.written_too_late(_entry(2, model="old"))  # a late answer of it is not written
+    assert stale.to_reclaim(store, now=10.0, limit=10) == ["e1"]
+    store.delete(["e1"])
+    assert stale.to_reclaim(store, now=10.0, limit=10) == []
+    store.put(_entry(3, model="old"))  # the store is no longer scanned for it once none was left
+    assert stale.to_reclaim(store, now=10.0, limit=10) == []
+    stale.retire_model("again")
+    stale.serve_model("again")  # rolled back to: its answers are kept
+    store.put(_entry(4, model="again"))
+    assert not stale.written_too_late(_entry(4, model="again"))
+    assert stale.to_reclaim(store, now=10.0, limit=10) == []
+
+
 def test_expired_come_first_then_retired_models_within_the_limit() -> None:
     store, stale = SQLiteStore(), StaleVersions()
     store.put(_entry(1, expires_at=5.0))

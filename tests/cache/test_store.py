@@ -70,6 +70,14 @@ def test_least_recently_used_is_evicted_at_the_bound(make_store: MakeStore) -> N
     assert store.get("e1") is None and store.get("e0") is not None
 
 
+def test_model_versions_of_every_entry(make_store: MakeStore) -> None:
+    store = make_store()
+    assert store.model_versions() == set()
+    for i, version in enumerate(("m", "m", "m2")):
+        store.put(replace(entry(i), model_version=version))
+    assert store.model_versions() == {"m", "m2"}
+
+
 def test_a_tenant_over_its_own_bound_evicts_only_its_own_entries(make_store: MakeStore) -> None:
     store = make_store(max_entries=100, max_entries_per_tenant=3)
     store.put(entry(0, tenant="globex", last_used=0.0))  # the oldest entry of all

@@ -199,6 +199,36 @@ def test_a_cached_answer_is_never_served_from_another_version(
     assert (back.headers["x-tiergate-model-version"], back.headers["x-tiergate-cache"]) == ("v1", "hit")
 
 
+def cached_versions(gw: Gateway, expected: set[str]) -> set[str]:
+    """The versions of tier mid whose answers the cache holds, once they are `expected` (within 10 s: writes and
+    retirements run in the background)."""
+    entries = gw.app.state.services.cache.cache.entries
+    deadline = time.time() + 10
+    while True:
+        found = {e.model_version.rsplit("@", 1)[-1] for i in entries.ids_of_tenant(None) if (e := entries.get(i))}
+        if found == expected or time.time() > deadline:
+            return found
+        time.sleep(0.05)
+
+
+def test_a_version_no_longer_served_loses_its_cached_answers(
+        two_versions: tuple[Gateway, StubState, StubState]) -> None:
+    gw, _, _ = two_versions
+    messages = [{"role": "user", "content": "What is the capital of France?"}]  # acme's plan caches
+    assert ask(gw, gw.tenant_key, messages).headers["x-tiergate-cache"] == "miss"
+    admin(gw, "/admin/rollouts", {"tier": "mid", "version": "v2", "tenants": ["acme"], "reason": "acme first"})
+    assert ask(gw, gw.tenant_key, messages).headers["x-tiergate-model-version"] == "v2"
+    assert cached_versions(gw, {"v1", "v2"}) == {"v1", "v2"}  # both serve during the canary
+    admin(gw, "/admin/rollouts/mid/promote", {"reason": "v2 is good"})
+    assert cached_versions(gw, {"v2"}) == {"v2"}  # no one is sent to v1 any more: its answers go, not at their TTL
+    admin(gw, "/admin/rollouts/mid/rollback", {"reason": "back"})
+    assert cached_versions(gw, set()) == set()
+    back = ask(gw, gw.tenant_key, messages)  # v1's answer went with its promotion
+    assert (back.headers["x-tiergate-model-version"], back.headers["x-tiergate-cache"]) == ("v1", "miss")
+    assert cached_versions(gw, {"v1"}) == {"v1"}  # and v1, served again, keeps its new one
+    assert ask(gw, gw.tenant_key, messages).headers["x-tiergate-cache"] == "hit"
+
+
 def test_bad_admin_input_is_refused_and_changes_nothing(two_versions: tuple[Gateway, StubState, StubState]) -> None:
     gw, _, _ = two_versions
     assert admin(gw, "/admin/rollouts", {"tier": "mid", "version": "v2", "share": 0.1, "reason": "r"}).status_code \

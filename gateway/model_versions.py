@@ -1,0 +1,79 @@
+"""Retiring the cache's answers of model versions no tier serves any more.
+
+A cache scope carries the model version of the tier that answers (`Fleet.model_version`: its engines' fingerprint,
+or what a remote tier declares, and the version's name for a tier with versions), so once a tier stops serving a
+version its entries can never be served again; left alone they hold the store's room until their TTL. A version
+stops being served when a rollout moves a tier (a promotion to `full`, a rollback: `RolloutService.serving`), when
+a tier's engines come back with other weights (their /health fingerprint, read by the supervisor or, in a worker
+of `tiergate serve --workers N`, by its probes of the engines file's replicas), and when the gateway restarts with
+another tiers file.
+
+`ModelVersions.check`, run every `EVERY_S` off the request path, compares the versions served now with those of its
+last round: each one gone is retired (`SemanticCache.retire_model_version`: its entries deleted, its late writes
+dropped), each new one is served (a version rolled back to keeps its new answers). Its first round with every
+tier's version known (each local tier's engines have reported their fingerprint: before, a tier reads as what it
+declares) also retires whatever else the store holds: versions of the gateway before a restart. A replica whose
+engine is down keeps its last fingerprint, so a restart of the same weights retires nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from cache import CacheStoreError, SemanticCache
+from gateway.rollout.service import RolloutService
+from tiers.catalogue import TierCatalogue
+from tiers.fleet import Fleet
+
+log = logging.getLogger("tiergate.cache")
+EVERY_S = 1.0  # how often the served versions are compared (a few dictionary reads per tier)
+
+Served = Callable[[], tuple[set[str], bool]]  # (the model versions served now, whether each is known)
+
+
+def served_versions(catalogue: TierCatalogue, fleet: Fleet, rollouts: RolloutService) -> Served:
+    """What every tier serves now: each version a rollout may send a request to, as its cache scopes name it."""
+    def served() -> tuple[set[str], bool]:
+        specs = [spec for tier in catalogue.tiers.values() for spec in rollouts.serving(tier)]
+        return {fleet.model_version(spec) for spec in specs}, all(fleet.model_version_known(s) for s in specs)
+
+    return served
+
+
+class ModelVersions:
+    """Follows the served model versions and retires, in the cache, each one no tier serves any more."""
+
+    def __init__(self, cache: SemanticCache, served: Served) -> None:
+        self.cache = cache
+        self.served = served
+        self._last: set[str] = set()  # served at the last round
+        self._swept = False  # the store's versions of before this process were looked at
+
+    def check(self) -> list[str]:
+        """One round (blocking: run it in a worker thread). Returns the versions retired. A store fault is raised
+        after the round (the caller logs it once); what it left undone is tried again next round."""
+        now, known = self.served()
+        for version in now - self._last:
+            self.cache.serve_model_version(version)
+        gone, self._last = self._last - now, set(now)
+        fault: CacheStoreError | None = None
+        if known and not self._swept:
+            try:
+                gone |= self.cache.model_versions() - now
+                self._swept = True
+            except CacheStoreError as exc:
+                fault = exc
+        retired = []
+        for version in sorted(gone):
+            try:
+                deleted = self.cache.retire_model_version(version)
+            except CacheStoreError as exc:
+                self._last.add(version)  # gone again next round
+                fault = exc
+                continue
+            retired.append(version)
+            log.info("model version %s is no longer served: deleted its %d cached answers", version, deleted)
+        if fault is not None:
+            raise fault
+        return retired

@@ -1,0 +1,70 @@
+"""The cache loses the answers of a model version once no tier serves it (gateway/model_versions.py), keeps those of a
+version served again, and, once every tier's version is known, those a gateway before a restart left of versions no
+tier serves now."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from cache import SemanticCache, SQLiteStore
+from gateway.model_versions import ModelVersions
+from tests.cache.conftest import chat, scope
+from tests.cache.test_vectors_scope import CountingEmbedder
+
+
+class Served:
+    """What the tiers serve, set by the test: (versions, whether each is known)."""
+
+    def __init__(self, *versions: str, known: bool = True) -> None:
+        self.versions, self.known = set(versions), known
+
+    def __call__(self) -> tuple[set[str], bool]:
+        return set(self.versions), self.known
+
+
+@pytest.fixture
+def cache() -> Iterator[SemanticCache]:
+    c = SemanticCache(SQLiteStore(":memory:"), CountingEmbedder())  # type: ignore[arg-type]
+    yield c
+    c.close()
+
+
+def store(cache: SemanticCache, version: str, question: str = "What is 2 + 2?") -> bool:
+    """Whether an answer of `version` was written."""
+    return cache.store(scope(chat(question), model_version=version), chat(question), "4") is not None
+
+
+def versions(cache: SemanticCache) -> list[str]:
+    return sorted(e.model_version for i in cache.entries.ids_of_tenant(None) if (e := cache.entries.get(i)))
+
+
+def test_a_version_no_tier_serves_any_more_loses_its_answers_and_a_served_one_keeps_them(
+        cache: SemanticCache) -> None:
+    served = Served("v1", "other")
+    watch = ModelVersions(cache, served)
+    assert watch.check() == []
+    store(cache, "v1")
+    store(cache, "other")
+    served.versions = {"v2", "other"}  # the tier moved to v2 (a promotion, new weights)
+    assert watch.check() == ["v1"]
+    assert versions(cache) == ["other"]
+    assert not store(cache, "v1", "What is 3 + 3?")  # a request still running on v1 when it went: not kept
+    served.versions = {"v1", "other"}  # rolled back: v1's new answers are kept
+    assert watch.check() == ["v2"]
+    assert store(cache, "v1")
+    cache.reclaim()
+    assert versions(cache) == ["other", "v1"]
+
+
+def test_the_versions_of_before_a_restart_go_once_every_tier_is_known(cache: SemanticCache) -> None:
+    store(cache, "old-weights")  # a gateway before the restart ran these
+    store(cache, "v1", "What is 3 + 3?")
+    served = Served("declared", known=False)  # a local tier whose engine has not reported its fingerprint yet
+    watch = ModelVersions(cache, served)
+    assert watch.check() == []
+    assert versions(cache) == ["old-weights", "v1"]  # nothing is known to be unserved yet
+    served.versions, served.known = {"v1"}, True
+    assert sorted(watch.check()) == ["declared", "old-weights"]
+    assert versions(cache) == ["v1"]
