@@ -73,7 +73,9 @@ class ModelVersions:
                 fault = exc
                 continue
             retired.append(version)
-            log.info("model version %s is no longer served: deleted its %d cached answers", version, deleted)
+            # INFO when it deleted something (a local tier's declared version, before its fingerprint, never has)
+            log.log(logging.INFO if deleted else logging.DEBUG, "model version %s is no longer served: deleted its "
+                    "%d cached answers", version, deleted)
         if fault is not None:
             raise fault
         return retired

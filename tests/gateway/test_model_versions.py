@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from cache import SemanticCache, SQLiteStore
+from cache import CacheStoreError, SemanticCache, SQLiteStore
 from gateway.model_versions import ModelVersions
 from tests.cache.conftest import chat, scope
 from tests.cache.test_vectors_scope import CountingEmbedder
@@ -68,3 +68,35 @@ def test_the_versions_of_before_a_restart_go_once_every_tier_is_known(cache: Sem
     served.versions, served.known = {"v1"}, True
     assert sorted(watch.check()) == ["declared", "old-weights"]
     assert versions(cache) == ["v1"]
+
+
+class _FailingOnce:
+    """A cache whose store fails the first retirement."""
+
+    def __init__(self) -> None:
+        self.retired: list[str] = []
+        self.failed = False
+
+    def model_versions(self) -> set[str]:
+        return set()
+
+    def serve_model_version(self, version: str) -> None:
+        pass
+
+    def retire_model_version(self, version: str) -> int:
+        if not self.failed:
+            self.failed = True
+            raise CacheStoreError("database is locked")
+        self.retired.append(version)
+        return 1
+
+
+def test_a_retirement_the_store_failed_is_tried_again_next_round() -> None:
+    cache, served = _FailingOnce(), Served("v1")
+    watch = ModelVersions(cache, served)  # type: ignore[arg-type]
+    watch.check()
+    served.versions = {"v2"}
+    with pytest.raises(CacheStoreError):  # raised for the caller to log (once, gateway/app.py's _every)
+        watch.check()
+    assert watch.check() == ["v1"] and cache.retired == ["v1"]
+    assert watch.check() == []
