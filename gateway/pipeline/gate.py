@@ -22,6 +22,9 @@ for free, so before it:
   the cache (an embedding on the queue every tenant shares) and then refused, uncharged and without end: 37 ms of
   CPU each, and another tenant's cache-path p50 went from 9.5 to 107 ms. Here a smaller request that would have
   fit, or one after another replica's settlement, may wait up to a second too: a policy, like the bucket below.
+  A request no window or budget could ever admit (limit_errors.py `too_large`) is remembered the same way, so a
+  flood of them skips its cache lookups, but as itself ("never_admitted"): the requests refused meanwhile are told
+  why, not that a limit they did not reach was used up.
 
 - **Refused bodies**: a body the validation refuses costs the event loop its parse (50-130 ms for one near the
   4 MiB limit) and charges nothing, so a tenant could send them without end. Each tenant has a bucket of
@@ -93,7 +96,8 @@ class TenantGate:
                  refused_bytes_burst: float = REFUSED_BYTES_BURST) -> None:
         self._clock = clock
         self._in_flight: dict[str, int] = {}
-        # scope -> (ask the exact check again at, retry at, why: "rpm", "tpm", "budget_day" or "budget_month")
+        # scope -> (ask the exact check again at, retry at, why: "rpm", "tpm", "budget_day", "budget_month" or
+        # "never_admitted")
         self._rate_refused: dict[str, tuple[float, float, str]] = {}
         self.refused_bytes_per_s = refused_bytes_per_s
         self.refused_bytes_burst = refused_bytes_burst
@@ -122,7 +126,8 @@ class TenantGate:
         return Pass(self, scopes)
 
     def rate_refused(self, scope_name: str, retry_after_s: float, reason: str = "rpm") -> None:
-        """The exact check refused `scope_name` for `reason` (REMEMBERED_REASONS) until `retry_after_s` from now."""
+        """The exact check refused `scope_name` for `reason` (REMEMBERED_REASONS, or limit_errors.NEVER_ADMITTED: a
+        request of it no window or budget could admit) until `retry_after_s` from now."""
         now = self._clock()
         self._rate_refused[scope_name] = (now + min(retry_after_s, RATE_RECHECK_S), now + retry_after_s, reason)
 

@@ -5,7 +5,9 @@ tenant's or its key's) from either.
 
 A request that alone needs more than a scope's tokens per minute, or may cost more than a whole budget, can never be
 admitted: `too_large` says so, without a Retry-After (waiting does not help; it said "retry in 60s"). The gate still
-remembers it for a second, as it does every such refusal, so a flood of them is refused before its cache lookups."""
+remembers it for a second, so a flood of them is refused before its cache lookups, but as what it was (NEVER_ADMITTED):
+the requests it refuses meanwhile are told that, not that the scope's tokens per minute are used up or its budget
+spent (they were told "the daily budget of your tenant is spent", which was false)."""
 
 from __future__ import annotations
 
@@ -16,13 +18,18 @@ from gateway.errors import QuotaExceeded, RateLimited, TiergateError, TokensRate
 from quotas.money import to_pico
 from quotas.plans import Limits
 
+NEVER_ADMITTED = "never_admitted"  # the gate's reason after a `too_large` refusal
 _WHAT = {"rpm": "requests per minute", "tpm": "tokens per minute", "concurrency": "concurrent requests"}
 
 
 def limit_refusal(label: str, reason: str, retry_after_s: float, limits: Limits | None) -> TiergateError:
     """`label` is "your tenant" or "your key"; `reason` the limit ("rpm", "tpm", "concurrency", "budget_day",
-    "budget_month"); `limits`, the refused scope's (the plan's, or the key's own), adds the headers."""
+    "budget_month", NEVER_ADMITTED); `limits`, the refused scope's (the plan's, or the key's own), adds the headers."""
     retry = max(1, math.ceil(retry_after_s))
+    if reason == NEVER_ADMITTED:  # nothing of the scope is used up: it is the gate's second after such a request
+        return RateLimited(f"rate limit of {label} reached: a request of {label} that can never be admitted was "
+                           f"refused just now, and requests of {label} are refused for a second after one; retry in "
+                           f"{retry}s", code="rate_limit_never_admitted", retry_after=retry)
     if reason in ("budget_day", "budget_month"):
         period = "daily" if reason == "budget_day" else "monthly"
         return QuotaExceeded(f"the {period} budget of {label} is spent; it renews in {retry}s", retry_after=retry)

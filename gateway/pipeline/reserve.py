@@ -32,7 +32,7 @@ from gateway.errors import TiergateError, Unavailable
 from gateway.pipeline.context import RequestContext
 from gateway.pipeline.gate import RATE_RECHECK_S, REMEMBERED_REASONS, TenantGate
 from gateway.pipeline.handed_off import HandedOff
-from gateway.pipeline.limit_errors import limit_refusal, reset_duration, too_large
+from gateway.pipeline.limit_errors import NEVER_ADMITTED, limit_refusal, reset_duration, too_large
 from quotas.backends.base import QuotaBackendError
 from quotas.limits import Decision, Usage
 from quotas.plans import Limits, Plan
@@ -63,9 +63,9 @@ class ReserveStage:
                 or (limits.budget_day_usd is not None and price > limits.budget_day_usd)
                 or (limits.budget_month_usd is not None and price > limits.budget_month_usd)) \
                 and (never := too_large((("your tenant", limits), ("your key", key_limits)), tokens, price)):
-            which, reason, error = never  # remembered by the gate for a second, as the store's refusals are
+            which, _, error = never  # remembered by the gate for a second as what it was, no limit's use
             self.gate.rate_refused(ctx.tenant if which == 0 else f"{ctx.tenant}/k:{ctx.key_id}", RATE_RECHECK_S,
-                                  reason)
+                                  NEVER_ADMITTED)
             raise error
         decision, reservation = await self.attempt(ctx, request_id, tokens=tokens, price=price, follows=follows)
         if reservation is None:

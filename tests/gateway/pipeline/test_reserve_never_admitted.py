@@ -1,0 +1,67 @@
+"""A request no window or budget could ever admit (limit_errors.py `too_large`) is remembered by the gate for a
+second, so a flood of them skips its cache lookups; the normal-sized requests it refuses meanwhile are told that, not
+that the scope's budget is spent or its tokens per minute used up. Before: the request after a 'may cost more than
+the whole daily budget' refusal was told 'the daily budget of your tenant is spent', with nothing spent."""
+
+from __future__ import annotations
+
+import time
+from decimal import Decimal
+
+import pytest
+
+from gateway.errors import TiergateError
+from gateway.pipeline.context import RequestContext
+from gateway.pipeline.gate import RATE_RECHECK_S, TenantGate, scopes_of
+from gateway.pipeline.reserve import ReserveStage
+from gateway.tenants.store import ApiKey, Principal, Tenant
+from quotas.backends.memory import MemoryBackend
+from quotas.plans import Limits, Plan
+from quotas.reservations import QuotaService
+
+LIMITS = Limits(tpm=1000, budget_day_usd=Decimal("1"), budget_month_usd=Decimal("10"))
+PLAN = Plan(allowed_tiers=["mid"], default_tier="mid", limits=LIMITS)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def ctx(request_id: str, key_limits: Limits | None) -> RequestContext:
+    key = ApiKey("k1", "acme", "k", ("user",), 0.0, None, None, None, limits=key_limits)
+    return RequestContext(request_id, Principal(key, Tenant("acme", "pro", 0.0)), PLAN, {}, time.time(),
+                          time.perf_counter())
+
+
+@pytest.mark.parametrize(("tokens", "price", "key_limits", "label"), [
+    (10, Decimal("2"), None, "your tenant"),  # over the tenant's daily budget
+    (10, Decimal("20"), None, "your tenant"),  # over its monthly budget
+    (5000, Decimal("0"), None, "your tenant"),  # over its tokens per minute
+    (10, Decimal("0.5"), Limits(budget_day_usd=Decimal("0.1")), "your key"),  # over the key's own daily budget
+])
+async def test_the_requests_refused_after_one_never_admitted_are_told_so(
+        tokens: int, price: Decimal, key_limits: Limits | None, label: str) -> None:
+    clock = Clock()
+    gate = TenantGate(clock)
+    stage = ReserveStage(quotas=QuotaService(MemoryBackend()), gate=gate)
+    with pytest.raises(TiergateError) as never:
+        await stage.reserve(ctx("r1", key_limits), "r1", tokens=tokens, price=price)
+    assert "can never be admitted" in never.value.message and never.value.retry_after is None
+    scopes = scopes_of("acme", "k1", LIMITS, key_limits)
+    with pytest.raises(TiergateError) as err:  # a normal-sized request, within the second the gate remembers it
+        gate.enter(scopes)
+    refused = err.value
+    assert refused.status_code == 429 and refused.code == "rate_limit_never_admitted", refused.message
+    assert "spent" not in refused.message and "tokens per minute" not in refused.message, refused.message
+    assert f"a request of {label} that can never be admitted" in refused.message and refused.retry_after == 1
+    assert not any(name.startswith("x-ratelimit-remaining") for name in refused.headers), refused.headers
+    clock.now += RATE_RECHECK_S + 0.01  # then the exact check decides, and admits it: nothing was used up
+    entry = gate.enter(scopes)
+    held = await stage.reserve(ctx("r2", key_limits), "r2", tokens=10, price=Decimal("0.01"))
+    assert held.decision.admitted
+    await stage.quotas.settle(held, tokens=10, price=Decimal("0.01"))
+    entry.leave()
