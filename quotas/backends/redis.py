@@ -30,7 +30,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Coroutine, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -58,7 +58,7 @@ RESERVE_ATTEMPTS = 3
 # (bench/gateway.py --workers 2), whose event loop stalled 100 ms and more at its p99.
 LATE_FACTOR = 2.0
 LATE_BUDGET_S = 0.5
-CANCEL_ATTEMPTS = 20  # undoing a reservation whose answer was lost, once a second until Redis answers
+CANCEL_ATTEMPTS = 20  # undoing a reservation whose answer was lost: tries a second apart, then as a settle's retries
 SETTLE_BACKOFF_S = (0.05, 5.0)  # first and longest wait between a failed settle's retries
 DONE_MARGIN_S = 300  # a settled reservation's tombstone outlives the settle's retries by this much
 REAPED_TTL_S = 86_400  # a reaped one waits this long for a late settle to bill its real use
@@ -293,26 +293,25 @@ class RedisBackend(RedisRecovery, QuotaBackend):
     async def _retry_settle(self, req: ReservationRequest, tokens: int, money_pico: int) -> None:
         """Until Redis answers (settle.lua makes a repeat harmless), waiting twice as long each time up to
         SETTLE_BACKOFF_S[1]; after `settle_retry_s` the reservation is left to the reaper."""
-        wait, deadline = SETTLE_BACKOFF_S[0], time.monotonic() + self.settle_retry_s
-        while time.monotonic() < deadline:
-            await asyncio.sleep(wait)
-            try:
-                await self._finish(req, tokens=tokens, money_pico=money_pico, kind="settle")
-                self._settle_faults.ok()
-                return
-            except QuotaBackendError:
-                wait = min(2 * wait, SETTLE_BACKOFF_S[1])
-        self._settle_faults.failed(QuotaBackendError(
-            f"a settle retried for {self.settle_retry_s:g}s is given up: its lease's reaper returns it"))
+        if await self._retry(lambda: self._finish(req, tokens=tokens, money_pico=money_pico, kind="settle"),
+                             SETTLE_BACKOFF_S[0], self.settle_retry_s):
+            self._settle_faults.ok()
+        else:
+            self._settle_faults.failed(QuotaBackendError(
+                f"a settle retried for {self.settle_retry_s:g}s is given up: its lease's reaper returns it"))
 
     async def _cancel_lost(self, req: ReservationRequest) -> None:
-        """One try now; if Redis does not answer, once a second in the background."""
+        """One try now; if Redis does not answer, retried in the background (`_retry_cancel`)."""
         try:
             await self.cancel(req)
         except QuotaBackendError:
             self._spawn(self._retry_cancel(req))
 
     async def _retry_cancel(self, req: ReservationRequest) -> None:
+        """CANCEL_ATTEMPTS tries a second apart, then with a settle's backoff, for as long as a settle is retried and
+        at least a window (WINDOW_S). Given up after its 20 tries (an outage of over 20 s), the request's rpm place
+        and tokens stayed taken until the window passed, and its concurrency slot and money until its lease ran out
+        (the reaper's return, which leaves the rpm window alone): capacity of a request never admitted."""
         for _ in range(CANCEL_ATTEMPTS):
             await asyncio.sleep(1.0)
             try:
@@ -320,8 +319,23 @@ class RedisBackend(RedisRecovery, QuotaBackend):
                 return
             except QuotaBackendError:
                 pass
-        self._settle_faults.failed(QuotaBackendError(
-            "undoing a reservation whose answer was lost is given up: its lease's reaper returns it"))
+        if not await self._retry(lambda: self.cancel(req), 1.0, max(self.settle_retry_s, WINDOW_S)):
+            self._settle_faults.failed(QuotaBackendError(
+                "undoing a reservation whose answer was lost is given up: its lease's reaper returns it"))
+
+    async def _retry(self, call: Callable[[], Awaitable[Any]], wait: float, for_s: float) -> bool:
+        """`call` until it works (True), waiting `wait` first and twice as long each time up to SETTLE_BACKOFF_S[1],
+        for `for_s` seconds (False after)."""
+        deadline = time.monotonic() + for_s
+        while time.monotonic() < deadline:
+            await asyncio.sleep(wait)
+            try:
+                await call()
+            except QuotaBackendError:
+                wait = min(2 * wait, SETTLE_BACKOFF_S[1])
+            else:
+                return True
+        return False
 
     async def _register(self, tenant: str) -> None:
         """Put the tenant in the list the reapers walk (once per reaper round per process). A timeout here is not

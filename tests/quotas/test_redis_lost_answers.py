@@ -7,13 +7,14 @@ the limit (the lost reservations used up the window). Real redis-server.
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
 from redis.exceptions import TimeoutError as RedisTimeout
 
 from quotas.backends.base import QuotaBackendError
-from quotas.backends.redis import LATE_BUDGET_S, RESERVE_ATTEMPTS, RedisBackend
+from quotas.backends.redis import CANCEL_ATTEMPTS, LATE_BUDGET_S, RESERVE_ATTEMPTS, RedisBackend
 from quotas.limits import ReservationRequest, ScopeLimits
 
 NOW = 1_800_000_000.0
@@ -95,6 +96,46 @@ async def test_a_reservation_whose_answer_was_lost_is_undone(redis_url: str,
         monkeypatch.setitem(b._scripts, "reserve", real)
         # the client's retry gets the one concurrency slot the lost reservation would otherwise hold
         assert (await b.reserve(req("retry"))).admitted
+    finally:
+        await b.close()
+
+
+async def test_a_lost_reservation_is_undone_however_long_redis_takes_to_answer_the_cancel(
+        redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Redis ran the reserve, its answer was lost, and the cancel that undoes it is not answered for longer than
+    CANCEL_ATTEMPTS tries a second apart (an outage of over 20 s): it is still undone once Redis answers. Before, the
+    cancel was given up after its 20 tries, and the tenant's rpm place and tokens stayed taken until the window passed
+    (60 s), its concurrency slot and money until the lease's reaper (15 minutes), for a request never admitted."""
+    b = RedisBackend(redis_url, timeout_s=0.5, prefix="tg-lost-long")
+    real, real_cancel, real_sleep = b._scripts["reserve"], b.cancel, asyncio.sleep
+    unanswered = CANCEL_ATTEMPTS + 5  # cancels Redis does not answer
+
+    async def ran_then_timed_out(*, keys: list[str], args: list) -> object:  # type: ignore[type-arg]
+        await real(keys=keys, args=args)
+        raise RedisTimeout("Timeout reading from socket")
+
+    async def cancel(r: ReservationRequest) -> None:
+        nonlocal unanswered
+        if unanswered:
+            unanswered -= 1
+            raise QuotaBackendError("redis: Timeout reading from socket", transient=True)
+        await real_cancel(r)
+
+    async def no_wait(_seconds: float, *args: object) -> object:  # the retries' waits, not the outage's length
+        return await real_sleep(0, *args)
+
+    try:
+        monkeypatch.setitem(b._scripts, "reserve", ran_then_timed_out)
+        monkeypatch.setattr(b, "cancel", cancel)
+        monkeypatch.setattr(asyncio, "sleep", no_wait)
+        with pytest.raises(QuotaBackendError):
+            await b.reserve(req("lost"))
+        assert b._background  # Redis held the reservation, and did not answer its cancel: retried in the background
+        await asyncio.wait(set(b._background))
+        assert await spent(b) == (0, 0, 0, 0)  # its rpm place, tokens, slot and money are the tenant's again
+        assert unanswered == 0
+        monkeypatch.setitem(b._scripts, "reserve", real)
+        assert (await b.reserve(req("retry"))).admitted  # the client's retry gets the one concurrency slot
     finally:
         await b.close()
 
