@@ -66,22 +66,27 @@ def test_a_tenant_over_its_budget_is_refused_before_the_cache_lookup_after_the_f
         metered: Gateway) -> None:
     """A budget refusal fills no request window: before, each of a flood of them was routed, counted and looked
     up in the cache (an embedding on the queue every tenant shares), then refused, uncharged. Now the gate
-    remembers it for a second; then the exact check is asked again."""
+    remembers it for a second; then the exact check is asked again. (The budget is spent here by an answer of 2,000
+    tokens, $0.004 of $0.005: the flood's requests would fit a budget not spent. Before, they each cost more than the
+    whole budget, refused as never admitted, and the gate told the ones after the first that the budget was spent.)"""
     lookups = metered.app.state.services.cache.cache.stats
+    spend = chat(metered, max_tokens=2000, messages=[{"role": "user", "content": "STUB:big"}])
+    assert spend.status_code == 200 and spend.json()["usage"]["completion_tokens"] == 2000
 
-    def over_budget(i: int):  # type: ignore[no-untyped-def]  # mid's 3,000-token cap reserves $0.006 of $0.005
-        return chat(metered, max_tokens=3000, temperature=0,
+    def over_budget(i: int):  # type: ignore[no-untyped-def]  # mid's 1,000-token cap reserves $0.002 of $0.001 left
+        return chat(metered, max_tokens=1000, temperature=0,
                     messages=[{"role": "user", "content": f"question number {i} about the weather"}])
 
     before = lookups.misses
     refused = [over_budget(i) for i in range(6)]
     assert all(r.status_code == 429 and r.json()["error"]["code"] == "insufficient_quota" for r in refused)
-    assert lookups.misses == before + 1 and not metered.stub.requests  # one lookup, no tier call, no charge
+    assert all("is spent" in r.json()["error"]["message"] for r in refused)
+    assert lookups.misses == before + 1 and len(metered.stub.requests) == 1  # one lookup, no tier call, no charge
     time.sleep(1.1)  # RATE_RECHECK_S: the exact check is asked again
     assert over_budget(7).status_code == 429 and lookups.misses == before + 2
     assert chat(metered).status_code == 429  # a small request too waits out the second: the policy's price
     time.sleep(1.1)
-    assert chat(metered).status_code == 200 and len(metered.ledger_rows()) == 1
+    assert chat(metered).status_code == 200 and len(metered.ledger_rows()) == 2
 
 
 def test_key_limits_apply_on_top_of_the_plan(metered: Gateway) -> None:
