@@ -13,11 +13,12 @@ or a day to come. A request without an arrival is dated by Redis' clock.
 A reservation is a record (`<tag>:res:<request id>`: its tokens, money, day, month and scopes) plus an entry
 in the tenant's leases. settle.lua finishes it exactly once; `reap` (any replica, any number at once) claims
 those whose lease ran out, a replica having died between reserve and settle, and returns them (a live replica
-renews the leases of its requests still running: `renew`). Calls time
-out quickly (50 ms by default); failures surface as `QuotaBackendError`. A settle that fails is retried in
-the background with bounded backoff until Redis answers, so one lost answer never leaves the upper bound
-charged and the slot held. Waiting for a free connection is back-pressure, bounded by `pool_wait_s`, not an
-outage: callers take turns first come, first served (`_turn`), so none waits longer than the queue ahead of it.
+renews the leases of its requests still running: `renew`). Calls time out quickly (50 ms by default); failures
+surface as `QuotaBackendError`. A settle that fails, and the cancel of a reserve whose answer was lost, are retried
+in the background until Redis answers (quotas/backends/redis_retries.py, `RedisRetries`, mixed in), so one lost
+answer never leaves the upper bound charged and the slot held. Waiting for a free connection is back-pressure,
+bounded by `pool_wait_s`, not an outage: callers take turns first come, first served (`_turn`), so none waits
+longer than the queue ahead of it.
 
 A Redis that lost its data must not reset every budget, and money a replica settled on its fallback during an
 outage must reach the counters once: both are quotas/backends/redis_recovery.py's (`RedisRecovery`, mixed in).
@@ -28,9 +29,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Coroutine, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -41,7 +41,7 @@ from redis.exceptions import TimeoutError as RedisTimeout
 
 from quotas.backends.base import Billed, QuotaBackend, QuotaBackendError
 from quotas.backends.redis_recovery import RedisRecovery, TenantSpend
-from quotas.fault_log import FaultLog
+from quotas.backends.redis_retries import RedisRetries
 from quotas.limits import MAX_DATING_LAG_S, WINDOW_S, Decision, ReservationRequest, Spend, Usage
 
 log = logging.getLogger("tiergate.quotas")
@@ -58,8 +58,6 @@ RESERVE_ATTEMPTS = 3
 # (bench/gateway.py --workers 2), whose event loop stalled 100 ms and more at its p99.
 LATE_FACTOR = 2.0
 LATE_BUDGET_S = 0.5
-CANCEL_ATTEMPTS = 20  # undoing a reservation whose answer was lost: tries a second apart, then as a settle's retries
-SETTLE_BACKOFF_S = (0.05, 5.0)  # first and longest wait between a failed settle's retries
 DONE_MARGIN_S = 300  # a settled reservation's tombstone outlives the settle's retries by this much
 REAPED_TTL_S = 86_400  # a reaped one waits this long for a late settle to bill its real use
 REAP_BATCH = 100  # tenants claimed from, and reservations finished, per round of concurrent calls
@@ -94,7 +92,7 @@ def backend_error(exc: RedisError) -> QuotaBackendError:
     return QuotaBackendError(f"redis: {exc}", transient=isinstance(exc, RedisTimeout))
 
 
-class RedisBackend(RedisRecovery, QuotaBackend):
+class RedisBackend(RedisRetries, RedisRecovery, QuotaBackend):
     name = "redis"
 
     def __init__(self, url: str, *, timeout_s: float = 0.05, prefix: str = "tg", max_connections: int = 64,
@@ -118,23 +116,17 @@ class RedisBackend(RedisRecovery, QuotaBackend):
         self.pool_wait_s = pool_wait_s
         self.prefix = prefix
         self.timeout_s = timeout_s
-        self.settle_retry_s = settle_retry_s
         self.replica_ttl_s = replica_ttl_s
         self.reap_claim_s = reap_claim_s
         self.max_dating_lag_s = max_dating_lag_s  # the most an arrival may date money before Redis' clock
         self.replica_id = uuid.uuid4().hex[:16]
-        self.num_settle_retries = 0  # settles that failed once and went to the background
-        # an outage's failed settles (every request in flight as it began) in the log once, then one line when one
-        # works again: not a line each, and another each as its retries give up
-        self._settle_faults = FaultLog(log, "settling reservations in Redis (retried in the background)",
-                                       rounds="settles")
         self.num_reaped = 0  # reservations this replica's reaper returned
         self.num_late_timeouts = 0  # reserve and spent tries repeated because this process read their answer late
         self.num_register_timeouts = 0  # registrations in the reapers' list that timed out (retried by later requests)
         self._scripts = {name: self.redis.register_script(text) for name, text in SCRIPTS.items()}
-        self._background: set[asyncio.Task[None]] = set()  # held so they are not collected before they finish
         self._registered: set[str] = set()  # tenants this process has put in the reapers' list lately
-        super().__init__(tenant_spend)  # RedisRecovery's: re-seeds, and the failover's `before_reseed`
+        RedisRetries.__init__(self, settle_retry_s)  # settles and cancels Redis did not answer, retried
+        RedisRecovery.__init__(self, tenant_spend)  # re-seeds, and the failover's `before_reseed`
 
     # ---- key names ----
 
@@ -239,17 +231,6 @@ class RedisBackend(RedisRecovery, QuotaBackend):
             return True
         return False
 
-    async def settle(self, req: ReservationRequest, *, tokens: int, money_pico: int) -> None:
-        """One try now; if Redis does not answer, retries in the background (see `_retry_settle`)."""
-        try:
-            await self._finish(req, tokens=tokens, money_pico=money_pico, kind="settle")
-        except QuotaBackendError as exc:
-            self.num_settle_retries += 1
-            self._settle_faults.failed(exc)
-            self._spawn(self._retry_settle(req, tokens, money_pico))
-        else:
-            self._settle_faults.ok()
-
     async def cancel(self, req: ReservationRequest) -> None:
         """Undo `req`'s reservation (request, tokens, money, lease) if it was made; harmless if it was not."""
         await self._finish(req, tokens=0, money_pico=0, kind="cancel")
@@ -290,53 +271,6 @@ class RedisBackend(RedisRecovery, QuotaBackend):
         except RedisError as exc:
             raise backend_error(exc) from exc
 
-    async def _retry_settle(self, req: ReservationRequest, tokens: int, money_pico: int) -> None:
-        """Until Redis answers (settle.lua makes a repeat harmless), waiting twice as long each time up to
-        SETTLE_BACKOFF_S[1]; after `settle_retry_s` the reservation is left to the reaper."""
-        if await self._retry(lambda: self._finish(req, tokens=tokens, money_pico=money_pico, kind="settle"),
-                             SETTLE_BACKOFF_S[0], self.settle_retry_s):
-            self._settle_faults.ok()
-        else:
-            self._settle_faults.failed(QuotaBackendError(
-                f"a settle retried for {self.settle_retry_s:g}s is given up: its lease's reaper returns it"))
-
-    async def _cancel_lost(self, req: ReservationRequest) -> None:
-        """One try now; if Redis does not answer, retried in the background (`_retry_cancel`)."""
-        try:
-            await self.cancel(req)
-        except QuotaBackendError:
-            self._spawn(self._retry_cancel(req))
-
-    async def _retry_cancel(self, req: ReservationRequest) -> None:
-        """CANCEL_ATTEMPTS tries a second apart, then with a settle's backoff, for as long as a settle is retried and
-        at least a window (WINDOW_S). Given up after its 20 tries (an outage of over 20 s), the request's rpm place
-        and tokens stayed taken until the window passed, and its concurrency slot and money until its lease ran out
-        (the reaper's return, which leaves the rpm window alone): capacity of a request never admitted."""
-        for _ in range(CANCEL_ATTEMPTS):
-            await asyncio.sleep(1.0)
-            try:
-                await self.cancel(req)
-                return
-            except QuotaBackendError:
-                pass
-        if not await self._retry(lambda: self.cancel(req), 1.0, max(self.settle_retry_s, WINDOW_S)):
-            self._settle_faults.failed(QuotaBackendError(
-                "undoing a reservation whose answer was lost is given up: its lease's reaper returns it"))
-
-    async def _retry(self, call: Callable[[], Awaitable[Any]], wait: float, for_s: float) -> bool:
-        """`call` until it works (True), waiting `wait` first and twice as long each time up to SETTLE_BACKOFF_S[1],
-        for `for_s` seconds (False after)."""
-        deadline = time.monotonic() + for_s
-        while time.monotonic() < deadline:
-            await asyncio.sleep(wait)
-            try:
-                await call()
-            except QuotaBackendError:
-                wait = min(2 * wait, SETTLE_BACKOFF_S[1])
-            else:
-                return True
-        return False
-
     async def _register(self, tenant: str) -> None:
         """Put the tenant in the list the reapers walk (once per reaper round per process). A timeout here is not
         the request's failure: the tenant is in the list from before unless Redis lost it, the reserve that follows
@@ -355,11 +289,6 @@ class RedisBackend(RedisRecovery, QuotaBackend):
             self.num_register_timeouts += 1
             return
         self._registered.add(tenant)
-
-    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.get_running_loop().create_task(work)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
 
     # ---- reaping, reads ----
 

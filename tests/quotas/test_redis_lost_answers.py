@@ -14,7 +14,8 @@ import pytest
 from redis.exceptions import TimeoutError as RedisTimeout
 
 from quotas.backends.base import QuotaBackendError
-from quotas.backends.redis import CANCEL_ATTEMPTS, LATE_BUDGET_S, RESERVE_ATTEMPTS, RedisBackend
+from quotas.backends.redis import LATE_BUDGET_S, RESERVE_ATTEMPTS, RedisBackend
+from quotas.backends.redis_retries import CANCEL_ATTEMPTS
 from quotas.limits import ReservationRequest, ScopeLimits
 
 NOW = 1_800_000_000.0
