@@ -32,7 +32,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from wire.fields import UNSUPPORTED_VALUE, drop_nulls, nullable_optionals, only
+from wire.fields import UNSUPPORTED_VALUE, drop_nulls, nullable_optionals, one_unknown, only
 
 MAX_INPUTS = 2048
 MAX_INPUT_CHARS = 8192
@@ -78,7 +78,7 @@ class EmbeddingRequest(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _nulls_are_unset(cls, data: Any) -> Any:
-        return drop_nulls(data)
+        return one_unknown(drop_nulls(data), cls)
 
     @field_validator("input", mode="before")
     @classmethod

@@ -23,7 +23,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
-from wire.fields import drop_nulls, nullable_optionals
+from wire.fields import drop_nulls, nullable_optionals, one_unknown
 from wire.response_format import MAX_DESCRIPTION_CHARS, SCHEMA_BOUNDS, check_schema_bounds
 from wire.schema_alternatives import MAX_INTERSECTION_WEIGHT, check_alternatives, may_intersect
 
@@ -43,7 +43,7 @@ class _Model(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _nulls_are_unset(cls, data: Any) -> Any:
-        return drop_nulls(data)
+        return one_unknown(drop_nulls(data), cls)
 
 
 class FunctionDefinition(_Model):
