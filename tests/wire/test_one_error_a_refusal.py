@@ -2,8 +2,9 @@
 does not know and of every bad pair of a mapping: a request with 380,000 unknown fields (at its top, in a message,
 a content part, a tool call, stream_options, response_format, tool_choice; on every endpoint) or a `metadata` of
 400,000 pairs cost the event loop 0.8-0.9 s to refuse, four times what any other body of that size costs, and the
-refused-bodies bucket (gateway/pipeline/gate.py) charges by size. Now an object keeps its first unknown field only
-(the one the refusal names, as before) and `metadata` is refused for its length before its pairs are looked at.
+refused-bodies bucket (gateway/pipeline/gate.py) charges by size. Now an object of more than 64 fields keeps its first
+unknown field only (the one the refusal names, as before) and `metadata` is refused for its length before its pairs
+are looked at.
 
 A schema (response_format's, a tool's parameters) far past its size is refused before it is walked: a million `[1]`
 in one was walked node by node (0.6 s) before its size was measured."""
