@@ -20,6 +20,7 @@ from pydantic import BaseModel, ValidationError
 
 M = TypeVar("M", bound=BaseModel)
 UNKNOWN_FIELD = "this endpoint does not know it"
+MAX_NAME_CHARS = 64  # of a name in a refusal's `param` and message (OpenAI's longest field names are under 30)
 _UNION_MEMBER = re.compile(r"str|int|float|bool|none|[\w-]+\[.*\]|(function|constrained)-.*")
 NOT_JSON = "we could not parse the JSON body of your request"
 UNREADABLE = (msgspec.DecodeError, msgspec.ValidationError, RecursionError)  # msgspec's refusals of a body
@@ -110,8 +111,14 @@ def describe(exc: ValidationError, unsupported: dict[str, str] | None = None) ->
                          f"{err.get('ctx', {}).get('error', err['msg'])}", None, "invalid_json")
     if kind == "model_type" and not err["loc"]:
         return BodyError("the request body must be a JSON object", None, "invalid_json")
-    # pydantic names union members in the location ("str", "list[...]", "function-after[...]"); drop them
-    loc = [str(p) for p in err["loc"] if not _UNION_MEMBER.fullmatch(str(p)) and p != "[key]"]
+    # pydantic names union members in the location ("str", "list[...]", "function-after[...]"); drop them, but for
+    # the field an object does not know, which is the client's own name, whatever it is ("str" was not named)
+    where = err["loc"]
+    named = len(where) - 1 if kind == "extra_forbidden" else len(where)
+    # and a name of the client's is cut to MAX_NAME_CHARS: an unknown field of 4 MB was sent back twice (param and
+    # message), an 8 MB answer to a refused body
+    loc = [str(p)[:MAX_NAME_CHARS] for i, p in enumerate(where)
+           if i == named or (not _UNION_MEMBER.fullmatch(str(p)) and p != "[key]")]
     param = ".".join(loc) or None
     if kind == "extra_forbidden" and param is not None:
         name = loc[-1]

@@ -7,7 +7,10 @@ unknown field only (the one the refusal names, as before) and `metadata` is refu
 are looked at.
 
 A schema (response_format's, a tool's parameters) far past its size is refused before it is walked: a million `[1]`
-in one was walked node by node (0.6 s) before its size was measured."""
+in one was walked node by node (0.6 s) before its size was measured.
+
+And a refusal names the client's unknown field whatever its name (one that read as a pydantic union member, `str`,
+was not named), cut to 64 characters (a 4 MB name was sent back twice)."""
 
 from __future__ import annotations
 
@@ -126,3 +129,27 @@ def test_a_schema_under_its_size_is_checked_as_before() -> None:
     with pytest.raises(ValueError, match="too large for a 64-bit float"):
         check_schema_bounds({"type": "number", "maximum": float("inf")})
     check_schema_bounds(deep(10))
+
+
+@pytest.mark.parametrize("name", ["str", "none", "a[b]", "function-x", "list[int]"])
+def test_an_unknown_field_is_named_whatever_its_name(name: str) -> None:
+    """A name that reads as one of pydantic's union members was dropped from the location: the refusal named nothing
+    ("Extra inputs are not permitted", param null)."""
+    for body, param in ((CHAT | {name: 1}, name), (CHAT | {"messages": [USER | {name: 1}]}, f"messages.0.{name}")):
+        with pytest.raises(BodyError) as refused:
+            parse_body(json.dumps(body).encode(), ChatCompletionRequest)
+        assert (refused.value.param, refused.value.code) == (param, "unsupported_parameter")
+        assert refused.value.message.startswith(f"{param}: unsupported parameter")
+
+
+@pytest.mark.parametrize("body", [
+    CHAT | {"A" * 100_000: 1},
+    CHAT | {"messages": [USER | {"B" * 100_000: 1}]},
+    CHAT | {"metadata": {"k" * 100_000: "v"}},
+], ids=["request", "message", "metadata-key"])
+def test_a_long_name_of_the_clients_is_cut_in_the_refusal(body: dict[str, Any]) -> None:
+    """The refusal named the field in full, twice (param and message): 4 MB of name made an 8 MB answer."""
+    with pytest.raises(BodyError) as refused:
+        parse_body(json.dumps(body).encode(), ChatCompletionRequest)
+    assert refused.value.param is not None and len(refused.value.param) <= 64 + len("messages.0.")
+    assert len(refused.value.message) < 300 and refused.value.message.startswith(refused.value.param)
