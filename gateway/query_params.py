@@ -7,12 +7,17 @@ revoked the old key at once (the grace period is a body field), both with a 200.
 
 Every query parameter of ours takes one value, and of one sent twice Litestar used one silently:
 `GET /admin/usage/report?tenant=a&tenant=b` reported on one of the two tenants with a 200.
+
+The OpenAI routes (chat and text completions, embeddings, models) take none (`refuse_query`): what a client put in
+the query was dropped and the request answered as if it had not asked (`?stream=true` answered whole, `?user=u` kept
+no end user apart, `?api-version=...` answered as some version).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from typing import Any
+from urllib.parse import parse_qsl
 
 from litestar.connection import ASGIConnection
 from litestar.handlers import BaseRouteHandler
@@ -43,6 +48,16 @@ async def only_declared_query(connection: ASGIConnection[Any, Any, Any, Any], ha
     refuse_unknown(query_names(connection), tuple(handler.opt.get(QUERY_OPT, ())))
 
 
+def refuse_query(connection: ASGIConnection[Any, Any, Any, Any]) -> None:
+    """A 400 naming the first query parameter of a request to a route that takes none (a look at the raw query
+    string: nothing is parsed for a request without one)."""
+    if connection.scope["query_string"]:
+        refuse_unknown(query_names(connection), ())
+
+
 def query_names(connection: ASGIConnection[Any, Any, Any, Any]) -> list[str]:
-    """The names of the query's parameters, in order, each as often as it was sent."""
-    return [name for name, _ in connection.query_params.multi_items()]
+    """The names of the query's parameters, in order, each as often as it was sent (read from the query string as
+    Litestar reads it: its `query_params` group the names in an order that changes from one process to the next, so
+    which of two unknown names a refusal named did too)."""
+    query = connection.scope.get("query_string", b"").decode("latin-1")
+    return [name for name, _ in parse_qsl(query, keep_blank_values=True)]

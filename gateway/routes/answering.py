@@ -24,6 +24,7 @@ from gateway.auth import presented_key, tenant_principal_async, while_key_active
 from gateway.errors import InternalError, TiergateError, stream_client_error
 from gateway.pipeline.context import RequestContext
 from gateway.pipeline.events import Event, Head
+from gateway.query_params import refuse_query
 from gateway.request_headers import request_headers
 from gateway.services import Services
 from gateway.tenant_plans import tenant_plan
@@ -48,6 +49,7 @@ async def answer(request: Request[Any, Any, Any], framing: Framing) -> Response[
     # and one dependency with its own ~4% (the route's `security` documents the key in the OpenAPI schema)
     services: Services = request.app.state.services
     principal = await tenant_principal_async(request, services.store)  # a key id not cached: off the loop
+    refuse_query(request)  # the body says everything; a query would be dropped
     # the request's state as the middleware wrote it (gateway/middleware.py): `request.state` builds a new State
     # (with its own lock) at every read, ~2 us each
     state = request.scope["state"]

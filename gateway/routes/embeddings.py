@@ -13,6 +13,7 @@ from litestar.openapi import ResponseSpec
 from gateway.auth import provide_tenant
 from gateway.embeddings_service import TIER, EmbeddingsService
 from gateway.pipeline.context import RequestContext
+from gateway.query_params import refuse_query
 from gateway.request_headers import request_headers
 from gateway.routes.openapi import BEARER, body, errors
 from gateway.tenant_plans import tenant_plan
@@ -31,6 +32,7 @@ async def create_embeddings(request: Request[Any, Any, Any], principal: NamedDep
                             embeddings: NamedDependency[EmbeddingsService],
                             plans: NamedDependency[PlanBook]) -> Response[Any]:
     """OpenAI's embeddings, by the gateway's all-MiniLM-L6-v2 (normalized, 384 dimensions), billed per token."""
+    refuse_query(request)
     ctx = RequestContext(request.state.request_id, principal, tenant_plan(plans, principal),
                          request_headers(request), time.time(), request.state.t0)
     request.state.tier = TIER

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from litestar import get
+from litestar import Request, get
 from litestar.di import NamedDependency, Provide
 from litestar.openapi import ResponseSpec
 from litestar.params import FromPath
 
 from gateway.auth import provide_principal
 from gateway.errors import NotFound
+from gateway.query_params import refuse_query
 from gateway.routes.openapi import BEARER, errors
 from gateway.tenant_plans import tenant_plan
 from gateway.tenants.store import Principal
@@ -34,9 +35,10 @@ TOOLS = "tools"  # the tier answers `tools` (tiers/catalogue.py's TierSpec.tools
 @get("/v1/models", dependencies={"principal": Provide(provide_principal)}, tags=["OpenAI"], summary="List models",
      security=BEARER, responses={200: ResponseSpec(ModelList, generate_examples=False, description="The models"),
                                  **errors(401, 500, 503)})
-async def list_models(principal: NamedDependency[Principal], fleet: NamedDependency[Fleet],
-                      plans: NamedDependency[PlanBook]) -> dict[str, Any]:
+async def list_models(request: Request[Any, Any, Any], principal: NamedDependency[Principal],
+                      fleet: NamedDependency[Fleet], plans: NamedDependency[PlanBook]) -> dict[str, Any]:
     """The tiers the key's plan allows, `auto`, and the embedding model; an admin key sees every tier."""
+    refuse_query(request)
     return {"object": "list", "data": _entries(principal, fleet, plans)}
 
 
@@ -44,9 +46,11 @@ async def list_models(principal: NamedDependency[Principal], fleet: NamedDepende
      summary="Retrieve a model", security=BEARER,
      responses={200: ResponseSpec(Model, generate_examples=False, description="The model, as /v1/models lists it"),
                 **errors(401, 404, 500, 503)})
-async def retrieve_model(model_id: FromPath[str], principal: NamedDependency[Principal], fleet: NamedDependency[Fleet],
+async def retrieve_model(request: Request[Any, Any, Any], model_id: FromPath[str],
+                         principal: NamedDependency[Principal], fleet: NamedDependency[Fleet],
                          plans: NamedDependency[PlanBook]) -> dict[str, Any]:
     """One model the key sees, as /v1/models lists it."""
+    refuse_query(request)
     for entry in _entries(principal, fleet, plans):
         if entry["id"] == model_id:
             return entry
