@@ -22,8 +22,10 @@ from engine.weight_digest import weights_digest
 # activations around bf16 matmuls (engine/model_runner.py); 0.6: a speculative tier's draft catches up with a long
 # prompt a share a step, the sequence decoding plainly meanwhile (engine/speculative.py): a seeded sampled answer to
 # a long prompt draws its numbers in another order; 0.7: a speculative tier's sequence drafts only where it pays
-# (engine/draft_cost.py): a seeded sampled answer to a long prompt, or a short answer, draws as plain decoding does
-ENGINE_VERSION = "tiergate-engine/0.7"
+# (engine/draft_cost.py): a seeded sampled answer to a long prompt, or a short answer, draws as plain decoding does;
+# 0.8: a seeded request draws from numpy's PCG64, seeded by all 64 bits (engine/sampler.py), not torch's mt19937,
+# seeded by the low 32: every seeded sampled answer draws other numbers
+ENGINE_VERSION = "tiergate-engine/0.8"
 # the int8 tier's activation scheme: each token mapped onto [0, 1] before fbgemm (engine/int8_dynamic.py), since
 # 2026-12-02; its answers differ from the scheme before, so its versions do
 INT8_SCHEME = "rows-onto-0-1"

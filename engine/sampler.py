@@ -8,8 +8,10 @@ are kept per request ([V] float32, exact to 2^24) and extended by the tokens mad
 costs a few passes over the vocabulary whatever the output's length (counted whole each step, an 8K-token answer cost
 8K list-to-tensor copies of up to 8K ids); a preempted request keeps its output, and so its counts, until `release`.
 
-A seeded request gets its own torch.Generator, which takes any seed in 0..2^64-1 (SamplingParams checks
-the range, so the generator never sees a seed it would refuse).
+A seeded request gets its own generator: numpy's PCG64, whose seeding (a SeedSequence) uses every bit of any seed in
+0..2^64-1 (SamplingParams checks the range). torch's CPU generator (mt19937) seeds from a seed's low 32 bits only:
+seeds 0, 2^32 and 2^63 drew the same numbers, so distinct seeds gave the same answer. An unseeded request draws from
+torch's global generator.
 
 A request with a response format (`params.grammar`, set by the engine) gets its own grammar matcher
 (engine/grammar.py) on its first token: each token, every token its grammar refuses is set to -inf before the
@@ -38,7 +40,7 @@ TOP_P_FIRST = 256  # candidates top-p looks at first; all of them, sorted, when 
 
 class Sampler:
     def __init__(self) -> None:
-        self._generators: dict[str, torch.Generator] = {}
+        self._generators: dict[str, np.random.Generator] = {}
         self._matchers: dict[str, Any] = {}  # request id -> engine/grammar.py's GrammarMatcher
         self._counts: dict[str, tuple[int, torch.Tensor]] = {}  # request id -> (output tokens counted, counts [V])
 
@@ -77,11 +79,11 @@ class Sampler:
         return probs
 
     @staticmethod
-    def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    def draw(probs: torch.Tensor, generator: np.random.Generator | None) -> int:
         """One token drawn from `probs` [V] (not negative, not all zero): the first whose cumulative mass passes
         a uniform draw scaled to the total. A token of probability 0 is never drawn."""
         cumulative = torch.cumsum(probs, 0, dtype=torch.float64)
-        u = torch.rand(1, generator=generator, dtype=torch.float64) * cumulative[-1]
+        u = torch.tensor([uniform(generator)], dtype=torch.float64) * cumulative[-1]
         index = int(torch.searchsorted(cumulative, u, right=True))
         if index >= probs.numel():  # u rounded up to the total: the last token that has a probability
             index = int(torch.nonzero(probs)[-1])
@@ -104,13 +106,13 @@ class Sampler:
         self._counts[request_id] = (len(output_token_ids), counts)
         return counts
 
-    def generator(self, request_id: str, params: SamplingParams) -> torch.Generator | None:
+    def generator(self, request_id: str, params: SamplingParams) -> np.random.Generator | None:
         """The request's own generator when it is seeded (kept until `release`); None: torch's global one."""
         if params.seed is None:
             return None
         gen = self._generators.get(request_id)
         if gen is None:
-            gen = torch.Generator().manual_seed(params.seed)
+            gen = np.random.Generator(np.random.PCG64(params.seed))
             self._generators[request_id] = gen
         return gen
 
@@ -121,6 +123,13 @@ class Sampler:
         if matcher is None:
             matcher = self._matchers[request_id] = params.grammar.matcher()
         return matcher
+
+
+def uniform(generator: np.random.Generator | None) -> float:
+    """A number drawn uniformly from [0, 1): from a seeded request's own generator, else from torch's global one."""
+    if generator is None:
+        return float(torch.rand(1, dtype=torch.float64))
+    return float(generator.random())
 
 
 def penalize(logits: torch.Tensor, counts: torch.Tensor, params: SamplingParams) -> torch.Tensor:

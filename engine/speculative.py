@@ -57,7 +57,7 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.draft_cost import DraftCosts, kept_share
-from engine.sampler import Sampler
+from engine.sampler import Sampler, uniform
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence
@@ -381,7 +381,7 @@ class SpeculativeDecoder:
         for i, d in enumerate(p.drafts):
             probs, q = Sampler.distribution(row(i), params), p.draft_probs[i]
             assert q is not None
-            if float(torch.rand((), generator=gen)) * float(q[d]) <= float(probs[d]):
+            if uniform(gen) * float(q[d]) <= float(probs[d]):
                 made.append(d)
                 continue
             residual = (probs - q).clamp_min(0.0)

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -54,6 +55,20 @@ def test_any_seed_in_range_samples_and_repeats(seed: int) -> None:
     assert len(set(first)) == 1 and 0 <= first[0] < 100
 
 
+@pytest.mark.parametrize(("seed", "other"), [(0, 2**32), (0, 2**63), (1, 2**32 + 1), (2**32 - 1, 2**64 - 1)])
+def test_seeds_that_differ_only_above_32_bits_sample_differently(seed: int, other: int) -> None:
+    """torch's CPU generator seeds from a seed's low 32 bits: seed 2^63 answered exactly as seed 0 (on SmolLM2, through
+    the engine's server, the same text), so two requests asking for different seeds got the same sample."""
+    logits = torch.zeros(1000)  # flat: 40 draws of two generators agree by chance with probability 1000^-40
+
+    def draws(s: int) -> list[int]:
+        sampler = Sampler()
+        return [sampler.sample("r", logits, SamplingParams(temperature=1.0, seed=s)) for _ in range(40)]
+
+    assert draws(seed) == draws(seed)  # each still repeats
+    assert draws(seed) != draws(other)
+
+
 def test_sampling_is_overflow_safe_even_below_the_checked_temperature() -> None:
     # SamplingParams refuses such a temperature; the sampler must not depend on it: divided unshifted,
     # 5 / 1e-40 is inf in float32 and softmax turns inf - inf into NaN
@@ -85,7 +100,7 @@ def test_top_p_keeps_what_sorting_the_whole_vocabulary_keeps(spread: float, top_
 def test_draws_follow_the_probabilities_and_never_pick_a_zero() -> None:
     probs = torch.zeros(1000)
     probs[[3, 10, 500, 998]] = torch.tensor([0.1, 0.2, 0.3, 0.4])
-    gen = torch.Generator().manual_seed(5)
+    gen = np.random.Generator(np.random.PCG64(5))  # a seeded request's (Sampler.generator)
     n = 20000
     counts = torch.bincount(torch.tensor([Sampler.draw(probs, gen) for _ in range(n)]), minlength=1000)
     assert set(torch.nonzero(counts).flatten().tolist()) == {3, 10, 500, 998}
