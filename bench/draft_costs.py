@@ -88,7 +88,7 @@ def main() -> None:
     logits = target.logits_of_rows(text_ids, list(range(len(text_ids))), [s.block_table] * len(text_ids),
                                    list(range(100, len(text_ids))))
     sampled = SamplingParams(temperature=0.8, top_p=0.95, seed=1)
-    gen = torch.Generator().manual_seed(1)
+    gen = Sampler().generator("bench", sampled)  # the seeded request's own generator
     times = []
     for row_logits in logits:
         t0 = time.perf_counter()

@@ -84,6 +84,7 @@ def main() -> None:
     ap.add_argument("--positions", type=int, default=16, help="logit rows per prompt (its last positions)")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
+    import numpy as np
     import torch
 
     from engine.sampler import TOP_P_FIRST, Sampler
@@ -94,7 +95,8 @@ def main() -> None:
           f"(vocabulary {rows[0].numel():,})\n")
     print("| setting | before µs/token | now µs/token | before / now | distributions differing | "
           f"rows past {TOP_P_FIRST} candidates |\n|---|---|---|---|---|---|")
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(0)  # the old rule's (torch's multinomial)
+    seeded = np.random.Generator(np.random.PCG64(0))  # a seeded request's, as the sampler now draws (Sampler.generator)
     for label, temperature, top_k, top_p in SETTINGS:
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=1)
         times: dict[str, list[float]] = {"before": [], "now": []}
@@ -105,7 +107,7 @@ def main() -> None:
                 if name == "before":
                     before(row, params, gen)
                 else:
-                    Sampler.draw(Sampler.distribution(row, params), gen)
+                    Sampler.draw(Sampler.distribution(row, params), seeded)
                 times[name].append(time.perf_counter() - t0)
             now = Sampler.distribution(row, params)
             differing += not torch.equal(now, distribution_by_sort(row, params))
