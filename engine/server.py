@@ -28,7 +28,9 @@ tenant being the gateway's cache salt); when that queue is full for the tenant o
 Tools are rendered into the prompt (wire/tool_calls.py) and the answer is shaped into `tool_calls`
 (engine/tool_calls.py: a "required" or named tool_choice is enforced by the same grammar path).
 
-The prompt is rendered and tokenized in a worker thread (with the request's checks; never a grammar compile):
+A body larger than PARSE_ON_LOOP_BYTES is validated in a worker thread too, so a hostile one that is slow to validate
+and refuse holds no other request and no /health probe behind it. The prompt is rendered and tokenized in a worker
+thread (with the request's checks; never a grammar compile):
 transformers' fast tokenizer call runs
 `tokenizers`' `encode_batch`, which releases the GIL (measured: 1.5 MB of text, 1.1 s to tokenize, the event
 loop kept running with at most 34 ms between its turns, against 1.16 s with `Tokenizer.encode`). Text
@@ -86,6 +88,10 @@ from wire.validation import BodyError, parse_body
 DEFAULT_MAX_TOKENS = 1024  # without max_tokens: up to this, or what the context has left
 PREFIX_CHARS_PER_TOKEN = 8  # a prompt longer than this many characters per context token is counted in pieces first
 PREFIX_MARGIN_TOKENS = 16  # a piece cut inside a word may count a few tokens more than the whole has there
+# a body up to this size is validated on the event loop (microseconds); a larger one in a worker thread: a 4 MB body of
+# a schema with 290K properties took 1.3 s to validate and refuse (wire/response_format.py walks it), the loop and
+# /health held meanwhile (a longest pause of 0.5 s in the thread: pydantic-core's own part keeps the GIL)
+PARSE_ON_LOOP_BYTES = 64 << 10
 
 
 _SALT = re.compile(r"[A-Za-z0-9._:-]{1,64}")
@@ -221,8 +227,10 @@ def create_engine_app(engine: LLMEngine, *, model_name: str, model_version: str,
         """Validate, tokenize, generate; the answer framed as the endpoint's API frames it."""
         if (reason := engine.dead_reason) is not None:
             return _dead(reason)
-        try:
-            req = parse_body(await request.body(), kind)
+        body = await request.body()
+        try:  # a large body is validated in a worker thread: the event loop (/health among it) keeps its turns
+            req = (parse_body(body, kind) if len(body) <= PARSE_ON_LOOP_BYTES
+                   else await asyncio.to_thread(parse_body, body, kind))
         except BodyError as exc:
             return Response(error_body(exc.message, param=exc.param, code=exc.code), status_code=400)
         if req.model != model_name:

@@ -4,12 +4,15 @@ and the gateway's supervisor passes its own setting (a body the gateway takes, i
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
 import pytest
 
+import engine.server
 from engine.llm_engine import LLMEngine
 from engine.server import create_engine_app
 from tests.engine.fakes import CharTokenizer, ScriptedRunner
@@ -61,3 +64,30 @@ def test_the_limit_is_the_engines_to_set(serve: Any) -> None:
     assert r.status_code == 413 and r.json()["error"]["code"] == "payload_too_large"
     assert httpx.post(f"{url}/v1/chat/completions", content=body_of(1000),
                       headers={"content-type": "application/json"}, timeout=10).status_code == 200
+
+
+def test_a_large_body_slow_to_validate_holds_no_health_probe(serve: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 4 MB body of a json_schema with 290K properties took 1.3 s to validate and refuse, on the engine's event loop:
+    /health and every other request waited behind it, and a few such bodies at once outlast a supervisor's probe.
+    Here the validation of a large body (1 MiB, well above what is validated on the loop) waits until /health has
+    answered: validated on the loop, /health could not answer."""
+    real, started, release = engine.server.parse_body, threading.Event(), threading.Event()
+
+    def slow(body: bytes, kind: Any) -> Any:
+        if len(body) >= 1 << 20:
+            started.set()
+            release.wait(timeout=30)
+        return real(body, kind)
+
+    monkeypatch.setattr(engine.server, "parse_body", slow)
+    url = serve()
+    with ThreadPoolExecutor(1) as pool:
+        big = pool.submit(httpx.post, f"{url}/v1/chat/completions", content=body_of(1 << 20),
+                          headers={"content-type": "application/json"}, timeout=60)
+        try:
+            assert started.wait(timeout=10)
+            health = httpx.get(f"{url}/health", timeout=5)
+        finally:
+            release.set()
+        assert health.status_code == 200 and health.json()["status"] == "ok"
+        assert big.result().status_code == 200  # then validated and answered as before
