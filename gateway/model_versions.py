@@ -48,15 +48,18 @@ class ModelVersions:
         self.cache = cache
         self.served = served
         self._last: set[str] = set()  # served at the last round
+        self._failed: set[str] = set()  # retirements the store failed: tried again next round, unless served again
         self._swept = False  # the store's versions of before this process were looked at
 
     def check(self) -> list[str]:
         """One round (blocking: run it in a worker thread). Returns the versions retired. A store fault is raised
         after the round (the caller logs it once); what it left undone is tried again next round."""
         now, known = self.served()
-        for version in now - self._last:
+        # a failed retirement left its version retired in the cache (its late writes dropped): served again, it is
+        # served here too, or its answers were dropped for as long as it was served
+        for version in (now - self._last) | (now & self._failed):
             self.cache.serve_model_version(version)
-        gone, self._last = self._last - now, set(now)
+        gone, self._last, self._failed = (self._last | self._failed) - now, set(now), set()
         fault: CacheStoreError | None = None
         if known and not self._swept:
             try:
@@ -69,7 +72,7 @@ class ModelVersions:
             try:
                 deleted = self.cache.retire_model_version(version)
             except CacheStoreError as exc:
-                self._last.add(version)  # gone again next round
+                self._failed.add(version)  # gone again next round, unless served again by then
                 fault = exc
                 continue
             retired.append(version)

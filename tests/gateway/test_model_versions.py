@@ -100,3 +100,31 @@ def test_a_retirement_the_store_failed_is_tried_again_next_round() -> None:
         watch.check()
     assert watch.check() == ["v1"] and cache.retired == ["v1"]
     assert watch.check() == []
+
+
+class _FailingStore(SQLiteStore):
+    """A store whose search for a version's entries fails while `failing`."""
+
+    failing = False
+
+    def ids_of_model_version(self, model_version: str, limit: int) -> list[str]:
+        if self.failing:
+            raise CacheStoreError("database is locked")
+        return super().ids_of_model_version(model_version, limit)
+
+
+def test_a_version_whose_retirement_failed_and_is_served_again_keeps_its_new_answers() -> None:
+    entries = _FailingStore(":memory:")
+    cache = SemanticCache(entries, CountingEmbedder())  # type: ignore[arg-type]
+    try:
+        served = Served("v1")
+        watch = ModelVersions(cache, served)
+        watch.check()
+        served.versions, entries.failing = {"v2"}, True  # promoted; the store fails as v1 is retired
+        with pytest.raises(CacheStoreError):
+            watch.check()
+        served.versions, entries.failing = {"v1"}, False  # rolled back before the next round
+        assert watch.check() == ["v2"]
+        assert store(cache, "v1")  # served: its answers are kept, not dropped as a retired version's
+    finally:
+        cache.close()
