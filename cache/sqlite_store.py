@@ -72,23 +72,24 @@ CREATE TABLE IF NOT EXISTS entry_count (id INTEGER PRIMARY KEY CHECK (id = 0), n
 INSERT INTO tenant_sizes (tenant, n, bytes) SELECT tenant, COUNT(*), SUM(size) FROM entries
     WHERE NOT EXISTS (SELECT 1 FROM entry_count) GROUP BY tenant;
 INSERT OR IGNORE INTO entry_count (id, n) SELECT 0, COUNT(*) FROM entries;
-CREATE TRIGGER IF NOT EXISTS entries_put AFTER INSERT ON entries BEGIN
+"""
+# What keeps each tenant's size and the change log: one statement each (`_add_sizes` runs them one by one too)
+_TRIGGERS = ("""CREATE TRIGGER IF NOT EXISTS entries_put AFTER INSERT ON entries BEGIN
     INSERT INTO tenant_sizes (tenant, n, bytes) VALUES (NEW.tenant, 1, NEW.size)
         ON CONFLICT (tenant) DO UPDATE SET n = n + 1, bytes = bytes + NEW.size;
     UPDATE entry_count SET n = n + 1;
     INSERT INTO changes (op, entry_id, partition) SELECT 'put', NEW.entry_id, NEW.partition
         WHERE NEW.embedding IS NOT NULL;
-END;
-CREATE TRIGGER IF NOT EXISTS entries_del AFTER DELETE ON entries BEGIN
+END""", """CREATE TRIGGER IF NOT EXISTS entries_del AFTER DELETE ON entries BEGIN
     UPDATE tenant_sizes SET n = n - 1, bytes = bytes - OLD.size WHERE tenant = OLD.tenant;
     UPDATE entry_count SET n = n - 1;
     INSERT INTO changes (op, entry_id, partition) VALUES ('del', OLD.entry_id, OLD.partition);
-END;
-COMMIT;
-"""
+END""")
+_SCHEMA += "".join(f"{trigger};\n" for trigger in _TRIGGERS) + "COMMIT;\n"
 
 # Files written before the byte budget: each row's size (`stored_bytes`, counted in SQL) and each tenant's total, once;
-# their triggers are dropped, for the schema's to count sizes too.
+# their triggers are replaced by the schema's, which count sizes too, in the same transaction (dropped alone, until
+# `_SCHEMA` made them again, a write by another process, a gateway of before still running, counted nothing).
 _TEXT_COLUMNS = ("entry_id", "scope_id", "tenant", "data_version", "model_version", "exact_key", "partition",
                  "semantic_text", "response", "usage", "metadata")
 _SIZE_SQL = " + ".join([f"length(CAST({c} AS BLOB))" for c in _TEXT_COLUMNS] + ["COALESCE(length(embedding), 0)"])
@@ -165,6 +166,9 @@ class SQLiteStore(CacheStore):
                 if columns("tenant_sizes") and "bytes" not in columns("tenant_sizes"):
                     for statement in filter(str.strip, _ADD_TENANT_BYTES.split(";")):
                         self._db.execute(statement)
+                if all(columns(table) for table in ("tenant_sizes", "entry_count", "changes")):
+                    for trigger in _TRIGGERS:  # what they count exists: counted from this commit on
+                        self._db.execute(trigger)
             self._db.execute("COMMIT")
         except BaseException:
             self._db.execute("ROLLBACK")

@@ -89,12 +89,10 @@ def test_an_entry_larger_than_the_whole_budget_is_not_written(make_store: MakeSt
     assert store.get(eid(9)) is None and sorted(store.ids_of_tenant("acme")) == [eid(1), eid(2), eid(3)]
 
 
-def test_a_file_from_before_the_budget_counts_its_entries(tmp_path: Path) -> None:
-    """A cache file written before sizes were stored: its rows are measured on open, and count from then on."""
-    path = tmp_path / "cache.sqlite3"
-    size = stored_bytes(entry(1, answer=ANSWER))
+def _file_from_before(path: Path, entries: int) -> None:
+    """A cache file of `entries` long answers, written before sizes were stored."""
     old = SQLiteStore(path, max_bytes_per_tenant=None)
-    for i in range(1, 5):
+    for i in range(1, entries + 1):
         old.put(entry(i, answer=ANSWER))
     old.close()
     db = sqlite3.connect(path)  # the schema as it was: no sizes, triggers that count entries only
@@ -110,7 +108,39 @@ def test_a_file_from_before_the_budget_counts_its_entries(tmp_path: Path) -> Non
             UPDATE entry_count SET n = n - 1;
         END;""")
     db.close()
+
+
+def test_a_file_from_before_the_budget_counts_its_entries(tmp_path: Path) -> None:
+    """A cache file written before sizes were stored: its rows are measured on open, and count from then on."""
+    path = tmp_path / "cache.sqlite3"
+    size = stored_bytes(entry(1, answer=ANSWER))
+    _file_from_before(path, 4)
     store = SQLiteStore(path, max_bytes_per_tenant=3 * size)
     assert store.put(entry(5, answer=ANSWER)) == [eid(1), eid(2)]
     assert sorted(store.ids_of_tenant("acme")) == [eid(3), eid(4), eid(5)]
     store.close()
+
+
+def test_a_write_by_a_gateway_of_before_while_the_file_is_measured_is_counted(tmp_path: Path) -> None:
+    """Measuring a file from before replaces its triggers in one transaction: a gateway of before, still running on
+    the file, writes just after it (before the schema's statements ran, its triggers were dropped then)."""
+    path = tmp_path / "cache.sqlite3"
+    _file_from_before(path, 2)
+
+    class Opening(SQLiteStore):
+        def _add_sizes(self) -> None:
+            super()._add_sizes()
+            other = sqlite3.connect(path)  # the old gateway's insert: no size column in it
+            other.execute("INSERT INTO entries (entry_id, scope_id, tenant, data_version, model_version, exact_key, "
+                          "partition, semantic_text, response, usage, metadata, created_at, expires_at, last_used, "
+                          "embedding) VALUES ('e009', 's:acme', 'acme', '1', 'm', 'k009', 'p', 'q', 'a', '{}', '{}', "
+                          "1.0, NULL, 9.0, x'00000000')")
+            other.commit()
+            other.close()
+
+    store = Opening(path)
+    try:
+        assert len(store) == 3  # the entry count and the tenant's follow the insert
+        assert store.changes_since("")[1][-1] == ("put", "e009", "p")  # and other processes' indexes see it
+    finally:
+        store.close()
