@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -158,25 +159,30 @@ class IdempotencyStore(ABC):
         return None
 
     def finish_when_written(self, written: asyncio.Future[None], claim: Claim, answer: dict[str, Any],
-                            ttl_s: float) -> None:
+                            ttl_s: float, *, give_up: GiveUp = None) -> None:
         """Follow the ledger row of `claim`'s answer (`written`, the ledger's future for it) still pending after the
         gateway's wait for it (gateway/pipeline/idempotency.py's `keep_when_written`), however late its fate is
         final, with no task held open meanwhile (a shutdown does not wait on it): a row that commits keeps the answer
         (`finish`; SQLite and PostgreSQL committed it with the row), a row refused for good gives the claim up, so a
-        retry runs. The ledger settles every row's future: committed, refused, or failed as it closes."""
-        written.add_done_callback(lambda row: _follow(self, row, claim, answer, ttl_s))
+        retry runs, unless `give_up(row)` says the claim is no longer the row's (a withdrawn row's, whose request
+        still runs). The ledger settles every row's future: committed, refused, or failed as it closes."""
+        written.add_done_callback(lambda row: _follow(self, row, claim, answer, ttl_s, give_up))
 
     async def close(self) -> None:  # noqa: B027
         """Release connections."""
 
 
+# Whether a claim whose ledger row was refused is to be given up by the store's follower (`finish_when_written`)
+GiveUp = Callable[[asyncio.Future[None]], bool] | None
 _FOLLOWING: set[asyncio.Task[None]] = set()  # `finish_when_written`'s work, held until it ends
 
 
 def _follow(store: IdempotencyStore, row: asyncio.Future[None], claim: Claim, answer: dict[str, Any],
-            ttl_s: float) -> None:
+            ttl_s: float, give_up: GiveUp = None) -> None:
     """`finish_when_written`'s end: the row's fate is final."""
     refused = row.cancelled() or row.exception() is not None
+    if refused and give_up is not None and not give_up(row):
+        return  # the claim is another's to keep or give up (its request's)
     task = asyncio.get_running_loop().create_task(store.abandon(claim) if refused else
                                                   store.finish(claim, answer, ttl_s))
     _FOLLOWING.add(task)

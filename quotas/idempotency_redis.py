@@ -57,6 +57,7 @@ from quotas.idempotency import (
     Begun,
     Claim,
     Full,
+    GiveUp,
     IdempotencyStore,
     Limits,
     Mismatch,
@@ -281,7 +282,7 @@ class RedisIdempotency(IdempotencyStore):
             self._outage.answered()
 
     def finish_when_written(self, written: asyncio.Future[None], claim: Claim, answer: dict[str, Any],
-                            ttl_s: float) -> None:
+                            ttl_s: float, *, give_up: GiveUp = None) -> None:
         """Hold the answer until its row's fate is final, then store it or give the claim up (see the module's doc:
         bounded as owed work is; the claim's TTL is not extended)."""
         size = _encoded(answer)[1]
@@ -295,7 +296,7 @@ class RedisIdempotency(IdempotencyStore):
         def final(row: asyncio.Future[None]) -> None:
             self._following_bytes -= self._following.pop(claim, 0)
             if not self._closed:
-                _follow(self, row, claim, answer, ttl_s)
+                _follow(self, row, claim, answer, ttl_s, give_up)
 
         written.add_done_callback(final)
 

@@ -229,7 +229,10 @@ async def keep_when_written(store: IdempotencyStore, written: asyncio.Future[Non
     if not written.done():  # the store follows the row from here, however late it commits (no task held open)
         log.warning("Idempotency-Key %r (tenant %s): its ledger row is not written after %g s; its store keeps the "
                     "answer once it commits", claim.key, claim.tenant, for_s)
-        store.finish_when_written(written, claim, answer, ttl_s)
+        # withdrawn later, the claim is given up there only as it would be here (`Keep.row_withdrawn`): while the
+        # request runs it is the request's (a cascade's first answer may be the key's), and given up as it ends
+        store.finish_when_written(written, claim, answer, ttl_s,
+                                  give_up=lambda row: not withdrawn(row) or keep.row_withdrawn(row))
         return
     if withdrawn(written):  # the request's, if it still runs (a cascade's first answer may be the key's now)
         if keep.row_withdrawn(written):
