@@ -267,10 +267,12 @@ def create_app(settings: Settings | None = None) -> Litestar:
         reaper = asyncio.create_task(run_reaper(services.quota_backend, every_s=settings.quota_reap_every_s,
                                                 billed=ledger_billing(services.ledger),
                                                 renew=services.pipeline.reserve.quotas.renew_leases))
-        # the cache deletes the answers of model versions no tier serves any more (a rollout, new weights)
+        # the cache deletes the answers of model versions no tier serves any more (a rollout, new weights); what
+        # else the store holds is swept only from this host's own SQLite file, never from a fleet's Redis
         retiring = None if services.cache.cache is None else asyncio.create_task(_every(
             MODEL_VERSIONS_EVERY_S, ModelVersions(services.cache.cache, served_versions(
-                services.catalogue, services.fleet, services.rollouts)).check, "retiring cached model versions"))
+                services.catalogue, services.fleet, services.rollouts), sweep_store=not settings.redis_url).check,
+            "retiring cached model versions"))
         try:
             yield
         finally:

@@ -13,7 +13,11 @@ last round: each one gone is retired (`SemanticCache.retire_model_version`: its 
 dropped), each new one is served (a version rolled back to keeps its new answers). Its first round with every
 tier's version known (each local tier's engines have reported their fingerprint: before, a tier reads as what it
 declares) also retires whatever else the store holds: versions of the gateway before a restart. A replica whose
-engine is down keeps its last fingerprint, so a restart of the same weights retires nothing.
+engine is down keeps its last fingerprint, so a restart of the same weights retires nothing. That sweep runs only on
+a store this host's gateway owns (`sweep_store`: the SQLite file its workers share, of one tiers file): a Redis
+store is a fleet's, whose replicas may serve other versions for a while (a rolling deploy, hosts with other
+weights), and a sweep deleted their answers, then kept deleting each one they wrote (the version stayed retired
+here). There, what was served before a restart ends at its TTL.
 """
 
 from __future__ import annotations
@@ -44,9 +48,10 @@ def served_versions(catalogue: TierCatalogue, fleet: Fleet, rollouts: RolloutSer
 class ModelVersions:
     """Follows the served model versions and retires, in the cache, each one no tier serves any more."""
 
-    def __init__(self, cache: SemanticCache, served: Served) -> None:
+    def __init__(self, cache: SemanticCache, served: Served, *, sweep_store: bool = True) -> None:
         self.cache = cache
         self.served = served
+        self.sweep_store = sweep_store  # whether the first round retires what else the store holds (the docstring)
         self._last: set[str] = set()  # served at the last round
         self._failed: set[str] = set()  # retirements the store failed: tried again next round, unless served again
         self._swept = False  # the store's versions of before this process were looked at
@@ -61,7 +66,7 @@ class ModelVersions:
             self.cache.serve_model_version(version)
         gone, self._last, self._failed = (self._last | self._failed) - now, set(now), set()
         fault: CacheStoreError | None = None
-        if known and not self._swept:
+        if known and self.sweep_store and not self._swept:
             try:
                 gone |= self.cache.model_versions() - now
                 self._swept = True

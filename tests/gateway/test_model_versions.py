@@ -70,6 +70,19 @@ def test_the_versions_of_before_a_restart_go_once_every_tier_is_known(cache: Sem
     assert versions(cache) == ["v1"]
 
 
+def test_a_fleet_store_is_not_swept_of_the_versions_other_replicas_may_serve(cache: SemanticCache) -> None:
+    store(cache, "other-replica")  # another replica of the fleet, on other weights for a while (a rolling deploy)
+    store(cache, "v1", "What is 3 + 3?")
+    served = Served("v1")
+    watch = ModelVersions(cache, served, sweep_store=False)  # gateway/app.py: a Redis store is the fleet's
+    assert watch.check() == []
+    assert versions(cache) == ["other-replica", "v1"]
+    assert store(cache, "other-replica", "What is 4 + 4?")  # its next answers are kept, not deleted again
+    served.versions = {"v2"}  # what this replica itself stops serving is still retired
+    assert watch.check() == ["v1"]
+    assert versions(cache) == ["other-replica", "other-replica"]
+
+
 class _FailingOnce:
     """A cache whose store fails the first retirement."""
 
