@@ -10,8 +10,13 @@ request deadline, and again after). Most hosts start a service with a soft limit
 So the process first raises its soft limit to the hard one (systemd's default hard limit is 524,288), then keeps
 at most `cap` client connections, `FD_RESERVE` descriptors below the limit. A connection past the cap makes room
 by closing the connection idle longest: one that has not sent a byte, or a kept-alive one between requests
-(clients open a new one for their next request). A connection with a request in progress is never closed for
-room; if none is idle, the new one is closed at once.
+(clients open a new one for their next request). When none is idle, it closes the one that began its request's
+line and headers longest ago and has not finished them: such a request has not reached the app, nor shown a key.
+Counted as busy, one client with no key held the whole cap with a byte on each connection ("P", one per
+request deadline): every other tenant's new connection was closed at once, for as long as it went on (a probe
+with a cap of 20: 20 such connections, and a tenant's request got a reset). A connection whose request's head is
+whole (the app is reading its body or answering it) is never closed for room; if none of the others is left, the
+new one is closed at once.
 """
 
 from __future__ import annotations
@@ -48,36 +53,47 @@ class Closable(Protocol):
 
 
 class ConnectionTable:
-    """A process's open client connections, and which are idle, oldest idle first."""
+    """A process's open client connections, and which may be closed for room: the idle ones, oldest idle first,
+    then those still sending their request's head, the one that began it first."""
 
     def __init__(self, cap: int) -> None:
         self.cap = cap
         self.open = 0
         self._idle: dict[Closable, None] = {}  # in the order they became idle
+        self._heads: dict[Closable, None] = {}  # sending a request's line and headers, in the order they began
         self.made_room = 0  # idle connections closed for a new one
         self.refused = 0  # new connections closed: the cap reached, none idle
 
     def opened(self, conn: Closable) -> bool:
         """A new connection, idle until its request begins; False when it must be closed (the cap reached and
-        nothing idle to close in its place)."""
+        nothing idle, nor any request head unfinished, to close in its place)."""
         self.open += 1
         if self.open > self.cap:
-            oldest = next(iter(self._idle), None)
+            waiting = self._idle or self._heads
+            oldest = next(iter(waiting), None)
             if oldest is None:
                 self.refused += 1
                 return False
-            del self._idle[oldest]
+            del waiting[oldest]
             self.made_room += 1
             oldest.close_for_room()
         self._idle[conn] = None
         return True
 
+    def heading(self, conn: Closable) -> None:
+        """`conn` began a request: closable for room, after every idle one, until its head is whole (`busy`)."""
+        self._idle.pop(conn, None)
+        self._heads[conn] = None
+
     def busy(self, conn: Closable) -> None:
         self._idle.pop(conn, None)
+        self._heads.pop(conn, None)
 
     def idle(self, conn: Closable) -> None:
+        self._heads.pop(conn, None)
         self._idle[conn] = None
 
     def closed(self, conn: Closable) -> None:
         self.open -= 1
         self._idle.pop(conn, None)
+        self._heads.pop(conn, None)

@@ -39,8 +39,9 @@ kernel's too: `_reset`): the app sees its client gone, so the request is cancell
 freed, and it is billed for what ran, as any client that leaves.
 
 **Connections.** A process keeps at most a number of client connections, below its open-file limit, closing the
-one idle longest to make room (gateway/connection_cap.py): idle sockets cannot take the descriptors every tenant's
-requests need.
+one idle longest to make room, else the one whose request's line and headers began longest ago and are not whole
+(gateway/connection_cap.py): sockets idle, or that send a request's first bytes and stop, cannot take the
+descriptors every tenant's requests need.
 
 This bounds what one slow client holds; a proxy in front (nginx's `client_header_timeout`, `client_body_timeout`
 and `send_timeout`) is still the place for per-address connection limits.
@@ -184,6 +185,7 @@ class LimitedProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._in_head = False
+        self.client_connections.busy(self)  # its app is about to run: never closed for room from here
         super().on_headers_complete()
         if self.cycle is not None:  # what the app itself logs through uvicorn (its tracebacks) is never limited
             self.cycle.logger = APP_LOG
@@ -197,8 +199,9 @@ class LimitedProtocol(HttpToolsProtocol):
         self._arm()
 
     def close_for_room(self) -> None:
-        """Closed, idle, for a new connection (`ConnectionTable`)."""
-        log.debug("closed an idle connection from %s to make room for a new one", self.client)
+        """Closed, idle or its request's head unfinished, for a new connection (`ConnectionTable`)."""
+        log.debug("closed a connection from %s (idle or its request's head unfinished) to make room for a new one",
+                  self.client)
         self.transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -219,7 +222,8 @@ class LimitedProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         self._begun, self._in_head, self._head_bytes, self._head_parsed = True, True, 0, 0
-        self.client_connections.busy(self)
+        if self._idle():  # closable for room until its head is whole; a pipelined one's connection is answering
+            self.client_connections.heading(self)
         super().on_message_begin()
 
     def on_message_complete(self) -> None:

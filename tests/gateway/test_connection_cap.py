@@ -50,6 +50,23 @@ def test_the_table_closes_the_connection_idle_longest_and_never_a_busy_one() -> 
     assert (table.open, table.made_room, table.refused) == (3, 2, 1) and not a.closed
 
 
+def test_the_table_closes_an_unfinished_request_head_when_none_is_idle() -> None:
+    table = ConnectionTable(3)
+    a, b, c, d, e, f = (Conn(n) for n in "abcdef")
+    for conn in (a, b, c):
+        assert table.opened(conn)
+    table.heading(a)  # a request's first bytes, no more
+    table.heading(b)
+    assert table.opened(d) and c.closed and not a.closed  # an idle one goes first
+    table.closed(c)
+    table.busy(d)  # a whole head: its app runs
+    assert table.opened(e) and a.closed and not b.closed  # none idle: the head begun first
+    table.closed(a)
+    table.busy(b)  # its head came whole
+    table.busy(e)
+    assert not table.opened(f) and not any(x.closed for x in (b, d, e))  # busy ones are never closed
+
+
 def test_the_cap_stays_below_the_open_file_limit() -> None:
     assert connection_cap(1024, 10_000) == 1024 - FD_RESERVE
     assert connection_cap(256, 10_000) == 128  # at most half the limit kept back
@@ -100,4 +117,36 @@ def test_idle_sockets_past_the_cap_leave_other_tenants_served(capped_gateway: Ga
         assert busy.recv(65536).startswith(b"HTTP/1.1 200 ")
     finally:
         for s in [*idle, busy]:
+            s.close()
+
+
+def test_request_heads_begun_and_never_finished_past_the_cap_leave_other_tenants_served(
+        capped_gateway: Gateway) -> None:
+    """A client with no key sends one byte of a request on each of more connections than the cap: the ones whose
+    heads began first make room for new ones. They counted as busy, so the cap's worth of them closed every other
+    tenant's new connection at once (the tenant's request got a reset) until the request deadline."""
+    url = urlparse(capped_gateway.url)
+    body = json.dumps({"model": "mid", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}).encode()
+    busy = socket.create_connection((url.hostname, url.port))  # a whole head, its body not all sent
+    busy.sendall((f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  f"Authorization: Bearer {capped_gateway.tenant_key}\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+                 + body[:5])
+    with capped_gateway.client(capped_gateway.tenant_key) as c:
+        assert c.get("/v1/models").status_code == 200  # the busy request's head has been read by now
+    begun = []
+    try:
+        for _ in range(2 * CAP):
+            sock = socket.create_connection((url.hostname, url.port))
+            sock.sendall(b"P")
+            begun.append(sock)
+        with capped_gateway.client(capped_gateway.tenant_key) as c:
+            for _ in range(5):
+                assert c.post("/v1/chat/completions", content=body,
+                              headers={"content-type": "application/json"}).status_code == 200
+        closed = [_closed_by_peer(s) for s in begun]
+        assert all(closed[:CAP]) and not all(closed), closed  # the heads begun first made room
+        busy.sendall(body[5:])  # the request whose head was whole was never closed for room
+        assert busy.recv(65536).startswith(b"HTTP/1.1 200 ")
+    finally:
+        for s in [*begun, busy]:
             s.close()
