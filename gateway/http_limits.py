@@ -119,6 +119,7 @@ class LimitedProtocol(HttpToolsProtocol):
         self._refusal: bytes | None = None  # the answer to a request refused at a header (`_refuse`)
         self._lingering: asyncio.TimerHandle | None = None  # refused, closing: when to stop reading (`_close_refused`)
         self._lingered = 0  # bytes read and dropped since
+        self._ended = False  # a request ended in the bytes being parsed
 
     def data_received(self, data: bytes) -> None:
         if self._lingering is not None:  # a refused request's rest: read and dropped (`_close_refused`)
@@ -127,10 +128,13 @@ class LimitedProtocol(HttpToolsProtocol):
                 self.transport.abort()
             return
         # parsed first: a chunk that ends the headers is not counted as head here (it may carry the body); what the
-        # parser hands over of it is (`_parsed`)
+        # parser hands over of it is (`_parsed`). Nor is one that ends a request and begins the next (pipelined):
+        # most of it was the ended request's, and all of it was counted as the new head's, so a client pipelining
+        # more than the limit in one write had its connection closed under it, its requests unanswered and reset
+        self._ended = False
         super().data_received(data)
         if self._in_head and not self.transport.is_closing() and self._lingering is None:
-            self._head_bytes += len(data)
+            self._head_bytes += self._head_parsed if self._ended else len(data)
             if self._head_bytes > self.max_head_bytes:
                 log.debug("closed a connection from %s: request head over %d bytes", self.client, self.max_head_bytes)
                 self._close_refused(_TOO_LARGE_RESPONSE)
@@ -227,6 +231,7 @@ class LimitedProtocol(HttpToolsProtocol):
         super().on_message_begin()
 
     def on_message_complete(self) -> None:
+        self._ended = True
         if not self._idle():  # the request being answered is whole; one answered early (a 401 before its body
             self._disarm()    # came) keeps the deadline its answer's end set, or its sender could stall for ever
         super().on_message_complete()

@@ -319,3 +319,15 @@ def test_a_client_cannot_write_a_log_line_per_request(slow_gateway: Gateway) -> 
         logging.getLogger("uvicorn.error").removeHandler(records)
     assert sum("Invalid HTTP request" in m for m in records.messages) <= 1
     assert sum("Unsupported upgrade" in m for m in records.messages) <= 1
+
+
+def test_requests_pipelined_past_the_head_limit_in_one_write_are_all_answered(slow_gateway: Gateway) -> None:
+    """200 requests of 1 KB sent in one write (and the start of one more, finished later): each head is small, but
+    a read that ended one request and began the next counted all of its bytes as the new head's, so the connection
+    was closed as if one head had passed 64 KiB (reset, no request answered)."""
+    one = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * 1000 + b"\r\n\r\n"
+    sock = connect(slow_gateway, one * 200 + one[:20])
+    sock.sendall(one[20:] + b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    got, _ = read_until_closed(sock)
+    assert got.count(b"HTTP/1.1 401 ") == 202, got[:300]
+    assert got.endswith(b'"code":"missing_api_key"}}')
