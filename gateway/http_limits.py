@@ -31,6 +31,11 @@ sending a 512 KiB header in one write read a reset after it).
 **Encoding.** A body is read as it is sent: a request with a `Content-Encoding` other than `identity` (a gzipped
 body) gets a 415 `unsupported_content_encoding` as its headers are read, not a 400 that says its JSON is broken.
 
+**Framing.** A request the parser refuses (not HTTP; both Content-Length and Transfer-Encoding, a second
+Content-Length, a bad chunk size: the ways to smuggle a request past a proxy) gets a 400 `invalid_http_request` in
+OpenAI's error shape, its connection closed lingering, nothing after it read as a request; uvicorn answered it in
+plain text and closed with the rest unread.
+
 **Reading.** An answer bigger than the sockets' buffers (a long stream with top log-probabilities is megabytes)
 waits on its client: uvicorn pauses the app's writes until the client reads, with no limit. A tenant whose client
 stops reading held the request, and with it a place in the tier's dispatch queue every tenant shares, for as long
@@ -86,6 +91,9 @@ _TOO_MANY_RESPONSE = _error(b"431 Request Header Fields Too Large",
                             f"the request has more than {MAX_HEADERS} headers", "too_many_headers")
 _ENCODED_RESPONSE = _error(b"415 Unsupported Media Type", "a Content-Encoding other than identity is not supported; "
                            "send the body uncompressed", "unsupported_content_encoding")
+_INVALID_RESPONSE = _error(b"400 Bad Request", "the request is not valid HTTP (its line, a header, both "
+                           "Content-Length and Transfer-Encoding, or its chunked framing); nothing was run",
+                           "invalid_http_request")
 _PLAIN = (b"", b"identity")  # the Content-Encoding values of a body read as it is
 
 
@@ -164,11 +172,20 @@ class LimitedProtocol(HttpToolsProtocol):
         raise _Refused
 
     def send_400_response(self, msg: str) -> None:
-        if self._refusal is None:
-            super().send_400_response(msg)
+        """A request the parser refused (`_refuse`'s, or one that is not HTTP: uvicorn answered those in plain
+        text, "Invalid HTTP request received.", and closed with the rest unread) in OpenAI's error shape, closed
+        lingering. Both Content-Length and Transfer-Encoding (request smuggling's way in), a second
+        Content-Length, an invalid chunk size: the parser refuses each, so nothing after it is read as a request."""
+        log.debug("closed a connection from %s: request refused by the parser", self.client)
+        cycle = self.cycle
+        if self._refusal is None and cycle is not None and not cycle.response_started:
+            # its body's framing broke (a bad chunk) while its app waits on the body: the app sees its client gone,
+            # the client the 400
+            cycle.disconnected = True
+            cycle.message_event.set()
+            self._linger(_INVALID_RESPONSE)
             return
-        log.debug("closed a connection from %s: request refused at a header", self.client)
-        self._close_refused(self._refusal)
+        self._close_refused(self._refusal or _INVALID_RESPONSE)
 
     def _close_refused(self, response: bytes) -> None:
         """Answer a request refused before its end with `response` and close the connection, lingering: the answer
@@ -179,6 +196,10 @@ class LimitedProtocol(HttpToolsProtocol):
         if not self._idle():  # never into an answer still being sent (a pipelined request's)
             self.transport.close()
             return
+        self._linger(response)
+
+    def _linger(self, response: bytes) -> None:
+        """`_close_refused` once nothing else is being said on the connection."""
         self._disarm()
         self.transport.write(response)
         if not self.transport.can_write_eof():

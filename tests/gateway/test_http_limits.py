@@ -331,3 +331,20 @@ def test_requests_pipelined_past_the_head_limit_in_one_write_are_all_answered(sl
     got, _ = read_until_closed(sock)
     assert got.count(b"HTTP/1.1 401 ") == 202, got[:300]
     assert got.endswith(b'"code":"missing_api_key"}}')
+
+
+@pytest.mark.parametrize("raw", [
+    b"POST /v1/models HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+    b"POST /v1/models HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nContent-Length: 45\r\n\r\n0\r\n\r\n",
+    b"POST /v1/models HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n" + b"f" * 40 + b"\r\n",
+    b"NOT HTTP AT ALL\r\n\r\n"], ids=["cl-and-te", "two-cl", "chunk-size", "garbage"])
+def test_a_request_the_parser_refuses_gets_a_400_in_openais_shape_and_nothing_after_it_runs(
+        slow_gateway: Gateway, raw: bytes) -> None:
+    """uvicorn answered these "Invalid HTTP request received." in plain text; what follows (a smuggled request) is
+    never answered."""
+    sock = connect(slow_gateway, raw + b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+    got, _ = read_until_closed(sock)
+    assert got.startswith(b"HTTP/1.1 400 ") and got.count(b"HTTP/1.1 ") == 1, got[:300]
+    error = json.loads(got.split(b"\r\n\r\n", 1)[1])["error"]
+    assert error["code"] == "invalid_http_request" and error["type"] == "invalid_request_error"
+    assert set(error) == {"message", "type", "param", "code"}
