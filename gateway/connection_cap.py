@@ -11,12 +11,13 @@ So the process first raises its soft limit to the hard one (systemd's default ha
 at most `cap` client connections, `FD_RESERVE` descriptors below the limit. A connection past the cap makes room
 by closing the connection idle longest: one that has not sent a byte, or a kept-alive one between requests
 (clients open a new one for their next request). When none is idle, it closes the one that began its request's
-line and headers longest ago and has not finished them: such a request has not reached the app, nor shown a key.
-Counted as busy, one client with no key held the whole cap with a byte on each connection ("P", one per
-request deadline): every other tenant's new connection was closed at once, for as long as it went on (a probe
-with a cap of 20: 20 such connections, and a tenant's request got a reset). A connection whose request's head is
-whole (the app is reading its body or answering it) is never closed for room; if none of the others is left, the
-new one is closed at once.
+line and headers longest ago and has not finished them (such a request has not reached the app, nor shown a key);
+when there is none of those either, the one whose request's body began longest ago and has not all come (its app
+has spent nothing on it yet: it sees its client gone). Counted as busy, one client held the whole cap for every
+tenant: with no key, a byte on each connection ("P", one per request deadline); with a key, a head whole and a
+body that never came (probes with a cap of 20: 20 such connections, and another tenant's request got a reset).
+A connection whose request is whole (being answered) is never closed for room; if none of the others is left,
+the new one is closed at once.
 """
 
 from __future__ import annotations
@@ -53,23 +54,25 @@ class Closable(Protocol):
 
 
 class ConnectionTable:
-    """A process's open client connections, and which may be closed for room: the idle ones, oldest idle first,
-    then those still sending their request's head, the one that began it first."""
+    """A process's open client connections, and which may be closed for room, in this order: the idle ones, oldest
+    idle first; then those still sending their request's head, the one that began it first; then those still
+    sending their request's body, the one whose body began first."""
 
     def __init__(self, cap: int) -> None:
         self.cap = cap
         self.open = 0
         self._idle: dict[Closable, None] = {}  # in the order they became idle
         self._heads: dict[Closable, None] = {}  # sending a request's line and headers, in the order they began
-        self.made_room = 0  # idle connections closed for a new one
-        self.refused = 0  # new connections closed: the cap reached, none idle
+        self._bodies: dict[Closable, None] = {}  # sending a request's body, in the order their bodies began
+        self.made_room = 0  # connections closed for a new one
+        self.refused = 0  # new connections closed: the cap reached, none closable
 
     def opened(self, conn: Closable) -> bool:
-        """A new connection, idle until its request begins; False when it must be closed (the cap reached and
-        nothing idle, nor any request head unfinished, to close in its place)."""
+        """A new connection, idle until its request begins; False when it must be closed (the cap reached and no
+        connection idle or still sending its request to close in its place)."""
         self.open += 1
         if self.open > self.cap:
-            waiting = self._idle or self._heads
+            waiting = self._idle or self._heads or self._bodies
             oldest = next(iter(waiting), None)
             if oldest is None:
                 self.refused += 1
@@ -81,19 +84,27 @@ class ConnectionTable:
         return True
 
     def heading(self, conn: Closable) -> None:
-        """`conn` began a request: closable for room, after every idle one, until its head is whole (`busy`)."""
-        self._idle.pop(conn, None)
-        self._heads[conn] = None
+        """`conn` began a request: closable for room, after every idle one, until its head is whole."""
+        self._move(conn, self._heads)
+
+    def receiving(self, conn: Closable) -> None:
+        """`conn`'s request head is whole, its body is not: closable for room after every idle one and every
+        unfinished head, until its request is whole (`busy`)."""
+        self._move(conn, self._bodies)
 
     def busy(self, conn: Closable) -> None:
-        self._idle.pop(conn, None)
-        self._heads.pop(conn, None)
+        """`conn`'s request is whole and being answered: never closed for room."""
+        self._move(conn, None)
 
     def idle(self, conn: Closable) -> None:
-        self._heads.pop(conn, None)
-        self._idle[conn] = None
+        self._move(conn, self._idle)
 
     def closed(self, conn: Closable) -> None:
         self.open -= 1
-        self._idle.pop(conn, None)
-        self._heads.pop(conn, None)
+        self._move(conn, None)
+
+    def _move(self, conn: Closable, into: dict[Closable, None] | None) -> None:
+        for stage in (self._idle, self._heads, self._bodies):
+            stage.pop(conn, None)
+        if into is not None:
+            into[conn] = None

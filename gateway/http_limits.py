@@ -44,9 +44,9 @@ kernel's too: `_reset`): the app sees its client gone, so the request is cancell
 freed, and it is billed for what ran, as any client that leaves.
 
 **Connections.** A process keeps at most a number of client connections, below its open-file limit, closing the
-one idle longest to make room, else the one whose request's line and headers began longest ago and are not whole
-(gateway/connection_cap.py): sockets idle, or that send a request's first bytes and stop, cannot take the
-descriptors every tenant's requests need.
+one idle longest to make room, else the one whose request's head (then body) began longest ago and has not all come
+(gateway/connection_cap.py): sockets idle, or that send part of a request and stop, cannot take the descriptors
+every tenant's requests need.
 
 This bounds what one slow client holds; a proxy in front (nginx's `client_header_timeout`, `client_body_timeout`
 and `send_timeout`) is still the place for per-address connection limits.
@@ -210,7 +210,8 @@ class LimitedProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._in_head = False
-        self.client_connections.busy(self)  # its app is about to run: never closed for room from here
+        if self._idle():  # its app is about to read the body: closable for room until the request is whole
+            self.client_connections.receiving(self)
         super().on_headers_complete()
         if self.cycle is not None:  # what the app itself logs through uvicorn (its tracebacks) is never limited
             self.cycle.logger = APP_LOG
@@ -255,6 +256,7 @@ class LimitedProtocol(HttpToolsProtocol):
         self._ended = True
         if not self._idle():  # the request being answered is whole; one answered early (a 401 before its body
             self._disarm()    # came) keeps the deadline its answer's end set, or its sender could stall for ever
+            self.client_connections.busy(self)  # and is never closed for room
         super().on_message_complete()
 
     def on_response_complete(self) -> None:

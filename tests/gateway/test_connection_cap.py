@@ -50,7 +50,7 @@ def test_the_table_closes_the_connection_idle_longest_and_never_a_busy_one() -> 
     assert (table.open, table.made_room, table.refused) == (3, 2, 1) and not a.closed
 
 
-def test_the_table_closes_an_unfinished_request_head_when_none_is_idle() -> None:
+def test_the_table_closes_an_unfinished_head_when_none_is_idle_then_an_unfinished_body() -> None:
     table = ConnectionTable(3)
     a, b, c, d, e, f = (Conn(n) for n in "abcdef")
     for conn in (a, b, c):
@@ -62,9 +62,12 @@ def test_the_table_closes_an_unfinished_request_head_when_none_is_idle() -> None
     table.busy(d)  # a whole head: its app runs
     assert table.opened(e) and a.closed and not b.closed  # none idle: the head begun first
     table.closed(a)
-    table.busy(b)  # its head came whole
+    table.receiving(b)  # its head came whole, its body has not
     table.busy(e)
-    assert not table.opened(f) and not any(x.closed for x in (b, d, e))  # busy ones are never closed
+    assert table.opened(f) and b.closed and not d.closed and not e.closed  # then the body begun first
+    table.closed(b)
+    table.busy(f)
+    assert not table.opened(Conn("g")) and not any(x.closed for x in (d, e, f))  # whole requests are never closed
 
 
 def test_the_cap_stays_below_the_open_file_limit() -> None:
@@ -149,4 +152,43 @@ def test_request_heads_begun_and_never_finished_past_the_cap_leave_other_tenants
         assert busy.recv(65536).startswith(b"HTTP/1.1 200 ")
     finally:
         for s in [*begun, busy]:
+            s.close()
+
+
+def test_request_bodies_begun_and_never_finished_past_the_cap_leave_other_tenants_served(
+        capped_gateway: Gateway) -> None:
+    """A tenant sends a whole head with its key and a body that never comes on more connections than the cap: the
+    ones whose bodies began first make room for new ones (their requests have spent nothing). They counted as busy,
+    so the cap's worth of them closed every other tenant's new connection at once until the request deadline. A
+    request that is whole and being answered (a stream) is never closed for room."""
+    url = urlparse(capped_gateway.url)
+    body = json.dumps({"model": "mid", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}).encode()
+    slow = json.dumps({"model": "mid", "stream": True, "max_tokens": 6,
+                       "messages": [{"role": "user", "content": "STUB:slow hi"}]}).encode()
+
+    def head(length: int) -> bytes:
+        return (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                f"Authorization: Bearer {capped_gateway.tenant_key}\r\nContent-Length: {length}\r\n\r\n").encode()
+
+    answering = socket.create_connection((url.hostname, url.port))
+    answering.sendall(head(len(slow)) + slow)
+    answered = answering.recv(65536)
+    assert answered.startswith(b"HTTP/1.1 200 ")  # its stream has begun
+    begun = []
+    try:
+        for _ in range(2 * CAP):
+            sock = socket.create_connection((url.hostname, url.port))
+            sock.sendall(head(1000) + b"{")
+            begun.append(sock)
+        with capped_gateway.client(capped_gateway.tenant_key) as c:
+            for _ in range(5):
+                assert c.post("/v1/chat/completions", content=body,
+                              headers={"content-type": "application/json"}).status_code == 200
+        closed = [_closed_by_peer(s) for s in begun]
+        assert all(closed[:CAP - 1]) and not all(closed), closed  # the bodies begun first made room
+        while b"data: [DONE]" not in answered and (chunk := answering.recv(65536)):
+            answered += chunk
+        assert b"data: [DONE]" in answered  # the stream was never closed for room
+    finally:
+        for s in [*begun, answering]:
             s.close()
