@@ -36,6 +36,10 @@ Content-Length, a bad chunk size: the ways to smuggle a request past a proxy) ge
 OpenAI's error shape, its connection closed lingering, nothing after it read as a request; uvicorn answered it in
 plain text and closed with the rest unread.
 
+**Body framing.** The app's body limit (`max_body_bytes`) counts a body's data, not its chunked framing: one
+chunk's extension may go on for ever, and carries no data. A request's bytes after its head may be `FRAMING_FACTOR`
+(4) times that limit (and 64 KiB of trailers); past it, it gets a 413 and its connection is closed lingering.
+
 **Reading.** An answer bigger than the sockets' buffers (a long stream with top log-probabilities is megabytes)
 waits on its client: uvicorn pauses the app's writes until the client reads, with no limit. A tenant whose client
 stops reading held the request, and with it a place in the tier's dispatch queue every tenant shares, for as long
@@ -66,6 +70,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from gateway.connection_cap import MAX_CONNECTIONS, ConnectionTable, connection_cap, raised_fd_limit
 from gateway.log_limits import access_logger, client_logger
+from wire.errors import MAX_BODY_BYTES
 
 log = logging.getLogger("tiergate.http")
 CLIENT_LOG = client_logger()  # the protocol's own lines: what a client's bytes make it say
@@ -94,7 +99,11 @@ _ENCODED_RESPONSE = _error(b"415 Unsupported Media Type", "a Content-Encoding ot
 _INVALID_RESPONSE = _error(b"400 Bad Request", "the request is not valid HTTP (its line, a header, both "
                            "Content-Length and Transfer-Encoding, or its chunked framing); nothing was run",
                            "invalid_http_request")
+_FRAMING_RESPONSE = _error(b"413 Request Entity Too Large", "the request body, with its chunked framing, passes "
+                           "what this gateway reads of one request; send it in fewer, larger chunks",
+                           "payload_too_large")
 _PLAIN = (b"", b"identity")  # the Content-Encoding values of a body read as it is
+FRAMING_FACTOR = 4  # a request's bytes after its head may be this many times the body limit (chunks' framing)
 
 
 class _Refused(Exception):
@@ -111,6 +120,7 @@ class LimitedProtocol(HttpToolsProtocol):
     max_headers = MAX_HEADERS
     timed_out = 0  # connections closed for a late request, by this process (for tests and logs)
     stalled = 0  # connections aborted for not reading their answer
+    max_body_wire_bytes = FRAMING_FACTOR * MAX_BODY_BYTES + MAX_HEAD_BYTES  # a request's bytes after its head
     linger_s = 2.0  # how long a refused request's rest is read and dropped before its connection is closed
     linger_bytes = 1 << 20  # ...and how much of it
     client_connections = ConnectionTable(MAX_CONNECTIONS)  # this server's; `limited_protocol` gives each server its own
@@ -128,6 +138,8 @@ class LimitedProtocol(HttpToolsProtocol):
         self._lingering: asyncio.TimerHandle | None = None  # refused, closing: when to stop reading (`_close_refused`)
         self._lingered = 0  # bytes read and dropped since
         self._ended = False  # a request ended in the bytes being parsed
+        self._in_body = False  # the current request's head is whole, its body has not all come
+        self._body_bytes = 0  # bytes received since, in reads that did not end the request
 
     def data_received(self, data: bytes) -> None:
         if self._lingering is not None:  # a refused request's rest: read and dropped (`_close_refused`)
@@ -141,6 +153,10 @@ class LimitedProtocol(HttpToolsProtocol):
         # more than the limit in one write had its connection closed under it, its requests unanswered and reset
         self._ended = False
         super().data_received(data)
+        if self._in_body and not self._ended and not self.transport.is_closing() and self._lingering is None:
+            self._body_bytes += len(data)
+            if self._body_bytes > self.max_body_wire_bytes:
+                self._body_overflow()
         if self._in_head and not self.transport.is_closing() and self._lingering is None:
             self._head_bytes += self._head_parsed if self._ended else len(data)
             if self._head_bytes > self.max_head_bytes:
@@ -187,6 +203,25 @@ class LimitedProtocol(HttpToolsProtocol):
             return
         self._close_refused(self._refusal or _INVALID_RESPONSE)
 
+    def _body_overflow(self) -> None:
+        """A request's bytes after its head passed `max_body_wire_bytes` and it has not ended: a body in chunks
+        whose extensions or size lines never end, or of bytes one a chunk, or one sent after an early answer. The
+        app's body limit counts only a body's data, so a client with a key sent 1.7 GB of one chunk's extension in
+        3 s to an app waiting on the body, and one with none the same after its 401: parsed at a core's pace, until
+        the request deadline. Its app, if waiting, sees its client gone and the client a 413; an answer sent
+        already is the last; the connection closes lingering."""
+        log.debug("closed a connection from %s: request body framing over %d bytes", self.client,
+                  self.max_body_wire_bytes)
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_started:
+            cycle.disconnected = True
+            cycle.message_event.set()
+            self._linger(_FRAMING_RESPONSE)
+        elif self._idle():
+            self._linger(b"")
+        else:
+            self.transport.close()
+
     def _close_refused(self, response: bytes) -> None:
         """Answer a request refused before its end with `response` and close the connection, lingering: the answer
         and then the end of our side are sent, and what the client still sends of its request is read and dropped,
@@ -209,7 +244,7 @@ class LimitedProtocol(HttpToolsProtocol):
         self._lingering = self.loop.call_later(self.linger_s, self.transport.abort)
 
     def on_headers_complete(self) -> None:
-        self._in_head = False
+        self._in_head, self._in_body, self._body_bytes = False, True, 0
         if self._idle():  # its app is about to read the body: closable for room until the request is whole
             self.client_connections.receiving(self)
         super().on_headers_complete()
@@ -253,7 +288,7 @@ class LimitedProtocol(HttpToolsProtocol):
         super().on_message_begin()
 
     def on_message_complete(self) -> None:
-        self._ended = True
+        self._ended, self._in_body = True, False
         if not self._idle():  # the request being answered is whole; one answered early (a 401 before its body
             self._disarm()    # came) keeps the deadline its answer's end set, or its sender could stall for ever
             self.client_connections.busy(self)  # and is never closed for room
@@ -324,13 +359,18 @@ def _cancelled(timer: asyncio.TimerHandle | None) -> None:
         timer.cancel()
 
 
-def limited_protocol(timeout_s: float, stall_s: float, max_connections: int = MAX_CONNECTIONS) -> type[LimitedProtocol]:
+def limited_protocol(timeout_s: float, stall_s: float, max_connections: int = MAX_CONNECTIONS,
+                     max_body_bytes: int | None = None) -> type[LimitedProtocol]:
     """The protocol class to hand uvicorn's `Config(http=...)`: requests whole within `timeout_s`, answers read
-    with no pause longer than `stall_s`, at most `max_connections` open (`ConnectionTable`)."""
+    with no pause longer than `stall_s`, at most `max_connections` open (`ConnectionTable`), at most
+    `FRAMING_FACTOR` times `max_body_bytes` (the app's body limit) read of a request after its head."""
     if timeout_s <= 0 or stall_s <= 0 or max_connections <= 0:
         raise ValueError("the request deadline, the write stall limit and the connection cap must be positive")
-    return type("LimitedProtocol", (LimitedProtocol,), {"timeout_s": float(timeout_s), "stall_s": float(stall_s),
-                                                        "client_connections": ConnectionTable(max_connections)})
+    attrs = {"timeout_s": float(timeout_s), "stall_s": float(stall_s),
+             "client_connections": ConnectionTable(max_connections)}
+    if max_body_bytes is not None:
+        attrs["max_body_wire_bytes"] = FRAMING_FACTOR * max_body_bytes + MAX_HEAD_BYTES
+    return type("LimitedProtocol", (LimitedProtocol,), attrs)
 
 
 def for_settings(settings: Any) -> type[LimitedProtocol]:
@@ -338,4 +378,5 @@ def for_settings(settings: Any) -> type[LimitedProtocol]:
     `max_connections`), for a server in this process: its open-file limit is raised to the hard limit first, and
     the connection cap kept below it (gateway/connection_cap.py)."""
     cap = connection_cap(raised_fd_limit(), settings.max_connections)
-    return limited_protocol(settings.request_receipt_timeout_s, settings.response_stall_timeout_s, cap)
+    return limited_protocol(settings.request_receipt_timeout_s, settings.response_stall_timeout_s, cap,
+                            settings.max_body_bytes)

@@ -348,3 +348,18 @@ def test_a_request_the_parser_refuses_gets_a_400_in_openais_shape_and_nothing_af
     error = json.loads(got.split(b"\r\n\r\n", 1)[1])["error"]
     assert error["code"] == "invalid_http_request" and error["type"] == "invalid_request_error"
     assert set(error) == {"message", "type", "param", "code"}
+
+
+def test_a_chunked_body_whose_framing_never_ends_gets_a_413_and_the_connection_closed(slow_gateway: Gateway) -> None:
+    """One chunk's extension, 4.5 MiB of it, to an app waiting on the body: the app's limit counts only the body's
+    data (none here), so the gateway read and parsed it all, for as long as the client sent (1.7 GB in 3 s, a
+    probe), and said nothing. Now past 4 times the body limit (1 MiB here) the client gets a 413 and the end."""
+    sock = connect(slow_gateway, (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                                  f"Authorization: Bearer {slow_gateway.tenant_key}\r\n"
+                                  f"Transfer-Encoding: chunked\r\n\r\n1;").encode())
+    with contextlib.suppress(OSError):
+        sock.sendall(b"a" * (4 * (1 << 20) + 512 * 1024))
+    got, _ = read_until_closed(sock)
+    assert got.startswith(b"HTTP/1.1 413 "), got[:300]
+    assert json.loads(got.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "payload_too_large"
+    assert slow_gateway.ledger_rows() == []  # nothing ran, nothing billed
