@@ -18,7 +18,7 @@ from litestar.connection import ASGIConnection
 from litestar.di import NamedDependency
 from litestar.handlers import BaseRouteHandler
 
-from gateway.errors import Forbidden, Unauthenticated, Unavailable
+from gateway.errors import Forbidden, InvalidRequest, Unauthenticated, Unavailable
 from gateway.tenants.store import Principal, TenantStore
 
 KEY_RECHECK_S = 1.0  # an open answer looks at its key again at most this often
@@ -41,10 +41,26 @@ async def authenticate_async(request: ASGIConnection[Any, Any, Any, Any], store:
 
 
 def _required_key(request: ASGIConnection[Any, Any, Any, Any]) -> str:
+    _sent_once(request)
     key = presented_key(request)
     if key is None:
         raise Unauthenticated("no API key: send `Authorization: Bearer tg-…`", code="missing_api_key")
     return key
+
+
+def _sent_once(request: ASGIConnection[Any, Any, Any, Any]) -> None:
+    """A 400 `duplicate_header` when the key's header (Authorization, X-API-Key) was sent more than once. The first
+    was read and the rest ignored, so `Authorization: Bearer <valid>` then `Authorization: Bearer <other>` was the
+    valid key's request on every route but the model routes (which refuse a repeated one after the key's check):
+    what a proxy in front that reads the last line took for one caller, the gateway took for another."""
+    names = [name for name, _ in request.scope["headers"] if name in _KEY_HEADERS]
+    if len(names) > 1 and len(set(names)) < len(names):
+        name = max(set(names), key=names.count).decode()
+        raise InvalidRequest(f"the {name} header was sent {names.count(name.encode())} times; it takes one value: "
+                             "send it once", param=name, code="duplicate_header")
+
+
+_KEY_HEADERS = (b"authorization", b"x-api-key")  # as uvicorn hands them over: lower case
 
 
 def _checked(request: ASGIConnection[Any, Any, Any, Any], principal: Principal | None) -> Principal:

@@ -29,3 +29,20 @@ def test_cache_control_on_two_lines_is_read_whole(gateway: Gateway) -> None:
     r = ask(gateway, headers=[("cache-control", "no-store"), ("cache-control", "max-age=60")])  # type: ignore[arg-type]
     assert r.status_code == 200 and r.headers["x-tiergate-cache"] == "miss"
     assert ask(gateway).headers["x-tiergate-cache"] == "miss"  # the no-store answer was not kept
+
+
+@pytest.mark.parametrize("route", ["/v1/models", "/admin/tenants", "/v1/usage"])
+@pytest.mark.parametrize("name", ["Authorization", "X-API-Key"])
+def test_the_keys_header_sent_twice_is_refused_on_every_route(gateway: Gateway, route: str, name: str) -> None:
+    """The first of two was read and the second ignored: a valid key then any other was the valid key's request on
+    every route but the model routes (what a proxy reading the last line took for one caller, the gateway took for
+    another)."""
+    key = gateway.admin_key if route.startswith("/admin") else gateway.tenant_key
+    value = f"Bearer {key}" if name == "Authorization" else key
+    with gateway.client(None) as c:
+        r = c.get(route, headers=[(name, value), (name, value.replace(key[-4:], "0000"))])
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["code"] == "duplicate_header" and error["param"] == name.lower(), error
+    with gateway.client(None) as c:  # sent once, it is the key
+        assert c.get(route, headers=[(name, value)]).status_code == 200
