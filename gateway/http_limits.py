@@ -36,6 +36,9 @@ Content-Length, a bad chunk size: the ways to smuggle a request past a proxy) ge
 OpenAI's error shape, its connection closed lingering, nothing after it read as a request; uvicorn answered it in
 plain text and closed with the rest unread.
 
+**Pipelining.** At most `max_pipelined` (32) requests are parsed and queued behind the one being answered on a
+connection; past that, the parser stops, those queued are answered, the last closing the connection.
+
 **Body framing.** The app's body limit (`max_body_bytes`) counts a body's data, not its chunked framing: one
 chunk's extension may go on for ever, and carries no data. A request's bytes after its head may be `FRAMING_FACTOR`
 (4) times that limit (and 64 KiB of trailers); past it, it gets a 413 and its connection is closed lingering.
@@ -78,6 +81,7 @@ access_logger()  # access lines, if an operator turns them on, without query str
 APP_LOG = logging.getLogger("uvicorn.error")  # a request cycle's: the app's errors
 MAX_HEAD_BYTES = 64 * 1024  # a request's line and headers
 MAX_HEADERS = 100  # a request's header lines
+MAX_PIPELINED = 32  # requests queued on one connection behind the one being answered
 
 
 def _error(status: bytes, message: str, code: str) -> bytes:
@@ -106,6 +110,10 @@ _PLAIN = (b"", b"identity")  # the Content-Encoding values of a body read as it 
 FRAMING_FACTOR = 4  # a request's bytes after its head may be this many times the body limit (chunks' framing)
 
 
+# `_refusal` of a request past MAX_PIPELINED: never sent; those queued are answered, then the end
+_PIPELINE_FULL = b"(never sent)"
+
+
 class _Refused(Exception):
     """Stops the parser at a header: the request is refused with `LimitedProtocol._refusal`, its app never run."""
 
@@ -118,6 +126,7 @@ class LimitedProtocol(HttpToolsProtocol):
     stall_s = 60.0
     max_head_bytes = MAX_HEAD_BYTES
     max_headers = MAX_HEADERS
+    max_pipelined = MAX_PIPELINED
     timed_out = 0  # connections closed for a late request, by this process (for tests and logs)
     stalled = 0  # connections aborted for not reading their answer
     max_body_wire_bytes = FRAMING_FACTOR * MAX_BODY_BYTES + MAX_HEAD_BYTES  # a request's bytes after its head
@@ -138,10 +147,13 @@ class LimitedProtocol(HttpToolsProtocol):
         self._lingering: asyncio.TimerHandle | None = None  # refused, closing: when to stop reading (`_close_refused`)
         self._lingered = 0  # bytes read and dropped since
         self._ended = False  # a request ended in the bytes being parsed
+        self._dropping = False  # past MAX_PIPELINED: what comes is dropped while the queued requests are answered
         self._in_body = False  # the current request's head is whole, its body has not all come
         self._body_bytes = 0  # bytes received since, in reads that did not end the request
 
     def data_received(self, data: bytes) -> None:
+        if self._dropping:  # past MAX_PIPELINED: the parser has stopped; the queued requests are being answered
+            return
         if self._lingering is not None:  # a refused request's rest: read and dropped (`_close_refused`)
             self._lingered += len(data)
             if self._lingered > self.linger_bytes:
@@ -192,6 +204,9 @@ class LimitedProtocol(HttpToolsProtocol):
         text, "Invalid HTTP request received.", and closed with the rest unread) in OpenAI's error shape, closed
         lingering. Both Content-Length and Transfer-Encoding (request smuggling's way in), a second
         Content-Length, an invalid chunk size: the parser refuses each, so nothing after it is read as a request."""
+        if self._refusal is _PIPELINE_FULL:
+            self._end_pipeline()
+            return
         log.debug("closed a connection from %s: request refused by the parser", self.client)
         cycle = self.cycle
         if self._refusal is None and cycle is not None and not cycle.response_started:
@@ -202,6 +217,21 @@ class LimitedProtocol(HttpToolsProtocol):
             self._linger(_INVALID_RESPONSE)
             return
         self._close_refused(self._refusal or _INVALID_RESPONSE)
+
+    def _end_pipeline(self) -> None:
+        """More than `max_pipelined` requests queued behind the one being answered: uvicorn parsed all a read brought
+        (256 KiB: 14,000 requests of 18 bytes, none with a key) into a request cycle each, queued, answered one by one:
+        20 such connections took 620 MB and left another tenant's request waiting 12 s (a probe). Now the parser
+        stops there; the requests queued are answered, the last closing the connection (a client sends the rest
+        again, as after any close), and what else comes is dropped."""
+        log.debug("closing a connection from %s: more than %d requests pipelined", self.client, self.max_pipelined)
+        self._dropping = True
+        if self.pipeline:
+            self.pipeline[0][0].keep_alive = False  # the newest queued: its answer says so and closes
+        elif self._idle():
+            self.transport.close()
+        else:
+            self.cycle.keep_alive = False  # type: ignore[union-attr]
 
     def _body_overflow(self) -> None:
         """A request's bytes after its head passed `max_body_wire_bytes` and it has not ended: a body in chunks
@@ -244,6 +274,8 @@ class LimitedProtocol(HttpToolsProtocol):
         self._lingering = self.loop.call_later(self.linger_s, self.transport.abort)
 
     def on_headers_complete(self) -> None:
+        if len(self.pipeline) >= self.max_pipelined:  # this one would be queued too
+            self._refuse(_PIPELINE_FULL)
         self._in_head, self._in_body, self._body_bytes = False, True, 0
         if self._idle():  # its app is about to read the body: closable for room until the request is whole
             self.client_connections.receiving(self)
