@@ -199,10 +199,12 @@ class RolloutService:
         """A canary of `version` on `tier`: `share` of new conversations and every named tenant; or, with `shadow`,
         a shadow: the serving version answers everyone, and that share of requests is also sent to `version`."""
         reason = _reason(reason)
-        spec = self._tier(tier)
+        # the tier and the version are named in the body: one that does not exist is bad input, a 400 (a 404 is
+        # for a tier in the path, as promote's)
+        spec = self._tier(tier, missing=InvalidRequest)
         if version not in spec.variants:
-            raise NotFound(f"tier {tier!r} has no version {version!r}; it has {', '.join(spec.variants)}",
-                           param="version", code="version_not_found")
+            raise InvalidRequest(f"tier {tier!r} has no version {version!r}; it has {', '.join(spec.variants)}",
+                                 param="version", code="version_not_found")
         _check_share(share)
         if shadow is not None:
             _check_share(shadow, "shadow")
@@ -284,14 +286,16 @@ class RolloutService:
 
     # ---- helpers ----
 
-    def _tier(self, tier: str) -> TierSpec:
+    def _tier(self, tier: str, *, missing: type[TiergateError] = NotFound) -> TierSpec:
+        """The tier's spec; a tier that does not exist, or declares no versions, is a `missing` (a 404 by default:
+        a tier in the path)."""
         spec = self.catalogue.tiers.get(tier)
         if spec is None:
-            raise NotFound(f"no tier {tier!r}; tiers: {', '.join(self.catalogue.tiers)}", param="tier",
-                           code="tier_not_found")
+            raise missing(f"no tier {tier!r}; tiers: {', '.join(self.catalogue.tiers)}", param="tier",
+                          code="tier_not_found")
         if spec.version_name is None:
-            raise NotFound(f"tier {tier!r} declares no `versions` in the tiers file", param="tier",
-                           code="tier_has_no_versions")
+            raise missing(f"tier {tier!r} declares no `versions` in the tiers file", param="tier",
+                          code="tier_has_no_versions")
         return spec
 
     def _variant(self, tier: str, version: str) -> TierSpec | None:

@@ -70,7 +70,8 @@ async def create_tenant(request: Request[Any, Any, Any], store: NamedDependency[
     body = parse_body(await request.body(), CreateTenant)
     plan = body.plan or plans.default_plan
     if plan not in plans.plans:
-        raise InvalidRequest(f"no plan {plan!r}; plans: {', '.join(plans.plans)}", param="plan")
+        raise InvalidRequest(f"no plan {plan[:64]!r}; plans: {', '.join(plans.plans)}", param="plan",
+                             code="plan_not_found")
     return vars(store.create_tenant(body.name, plan))
 
 

@@ -66,8 +66,8 @@ async def start(request: Request[Any, Any, Any], rollouts: NamedDependency[Rollo
                 store: NamedDependency[TenantStore]) -> dict[str, Any]:
     """A canary: `share` of new conversations, and every named tenant, on `version`; or with `shadow`, a shadow
     (the serving version answers everyone; that share of requests is also sent to `version`, never returned or
-    billed). `guards` roll it back by themselves. 409 while one is running; 400 for a named tenant that does not
-    exist (`param` `tenants.<index>`)."""
+    billed). `guards` roll it back by themselves. 409 while one is running; 400 for a `tier`, `version` or named
+    tenant that does not exist (`param` `tier`, `version` or `tenants.<index>`): names in the body, not the path."""
     b = parse_body(await request.body(), StartRollout)
     store.require_tenants(b.tenants, "tenants")  # before anything changes
     r = await asyncio.to_thread(rollouts.start, b.tier, b.version, share=b.share, tenants=tuple(b.tenants),

@@ -165,14 +165,17 @@ class TenantStore(ABC):
             raise NotFound(f"no tenant {name!r}", param="tenant", code="tenant_not_found")
         return Tenant(*row)
 
-    def require_tenants(self, names: Iterable[str], param: str) -> None:
-        """A 400 naming the first of `names` the store does not have (`param`.index): what an admin names in a body
-        (a canary's tenants) must exist, or a misspelt name is taken and names no one. A 400, not a 404: the route
+    def require_tenant(self, name: str, param: str) -> None:
+        """A 400 naming `param` if the store has no tenant `name`: what an admin names in a body (a key's tenant, a
+        canary's tenants) must exist, or a misspelt name is taken and names no one. A 400, not a 404: the route
         exists, and the name is bad input in the body, as any other field's bad value is."""
+        if self._fetchone("SELECT 1 FROM tenants WHERE name = ?", (name,)) is None:
+            raise InvalidRequest(f"{param}: no tenant {name[:64]!r}", param=param, code="tenant_not_found")
+
+    def require_tenants(self, names: Iterable[str], param: str) -> None:
+        """`require_tenant` for each of `names`: the first the store does not have is named `param`.index."""
         for i, name in enumerate(names):
-            if self._fetchone("SELECT 1 FROM tenants WHERE name = ?", (name,)) is None:
-                raise InvalidRequest(f"{param}.{i}: no tenant {name[:64]!r}", param=f"{param}.{i}",
-                                     code="tenant_not_found")
+            self.require_tenant(name, f"{param}.{i}")
 
     def list_tenants(self) -> list[Tenant]:
         return [Tenant(*r) for r in self._fetchall("SELECT name, plan, created_at FROM tenants ORDER BY name")]
@@ -224,7 +227,7 @@ class TenantStore(ABC):
             raise InvalidRequest(f"expires_at: must be a time in the future, at most {MAX_TTL_S / 86400:.0f} days "
                                  "ahead", param="expires_at", code="invalid_duration")
         if tenant is not None:
-            self.get_tenant(tenant)
+            self.require_tenant(tenant, "tenant")  # a 400: the caller named it, in a body or a CLI option
         key_id, plaintext = new_key()
         key = ApiKey(key_id, tenant, name, roles, now, expires_at, None, None, limits)
         self._execute(

@@ -241,9 +241,9 @@ def test_bad_admin_input_is_refused_and_changes_nothing(two_versions: tuple[Gate
     before = state()
     forged = "drill\nrollout of v1 on tier mid: rolled_back by admin (forged)"  # was taken, and logged as it was
     refused = [
-        ("/admin/rollouts", {"tier": "nope", "version": "v2", "reason": "r"}, 404, "tier", "tier_not_found"),
-        ("/admin/rollouts", {"tier": "full", "version": "v2", "reason": "r"}, 404, "tier", "tier_has_no_versions"),
-        ("/admin/rollouts", {"tier": "mid", "version": "v9", "reason": "r"}, 404, "version", "version_not_found"),
+        ("/admin/rollouts", {"tier": "nope", "version": "v2", "reason": "r"}, 400, "tier", "tier_not_found"),
+        ("/admin/rollouts", {"tier": "full", "version": "v2", "reason": "r"}, 400, "tier", "tier_has_no_versions"),
+        ("/admin/rollouts", {"tier": "mid", "version": "v9", "reason": "r"}, 400, "version", "version_not_found"),
         ("/admin/rollouts", {"tier": "mid", "version": "v2", "share": 1.5, "reason": "r"}, 400, "share",
          "less_than_equal"),
         ("/admin/rollouts", {"tier": "mid", "version": "v2", "reason": ""}, 400, "reason", "string_too_short"),

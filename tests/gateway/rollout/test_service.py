@@ -50,9 +50,9 @@ def test_a_rollout_from_canary_to_full_then_the_next_one(store: RolloutStore) ->
 
 
 @pytest.mark.parametrize(("call", "error"), [
-    (lambda s: s.start("nope", "v2", share=0.2, who="k", reason="r"), NotFound),
-    (lambda s: s.start("full", "v2", share=0.2, who="k", reason="r"), NotFound),  # no versions
-    (lambda s: s.start("mid", "v9", share=0.2, who="k", reason="r"), NotFound),
+    (lambda s: s.start("nope", "v2", share=0.2, who="k", reason="r"), InvalidRequest),
+    (lambda s: s.start("full", "v2", share=0.2, who="k", reason="r"), InvalidRequest),  # no versions
+    (lambda s: s.start("mid", "v9", share=0.2, who="k", reason="r"), InvalidRequest),
     (lambda s: s.start("mid", "v1", share=0.2, who="k", reason="r"), Conflict),  # it answers already
     (lambda s: s.start("mid", "v3", share=0.2, who="k", reason="r"), Conflict),  # one at a time
     (lambda s: s.start("mid", "v2", share=1.5, who="k", reason="r"), InvalidRequest),

@@ -125,8 +125,9 @@ def test_admin_keys_and_validation(store: TenantStore) -> None:
     assert p.key.is_admin and p.tenant is None
     with pytest.raises(InvalidRequest):
         store.issue_key(None)
-    with pytest.raises(NotFound):
+    with pytest.raises(InvalidRequest) as refused:  # named by the caller: a 400 naming the field, not a 404
         store.issue_key("nobody")
+    assert (refused.value.param, refused.value.code) == ("tenant", "tenant_not_found")
     with pytest.raises(Conflict):
         store.create_tenant("acme", "standard")
     with pytest.raises(InvalidRequest):
