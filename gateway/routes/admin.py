@@ -1,4 +1,7 @@
-"""Admin routes (admin key required): tenants, keys, usage. The CLI does the same on the same state."""
+"""Admin routes (admin key required): tenants, keys, usage. The CLI does the same on the same state.
+
+Each store call goes through `TenantStore.admin` (off the event loop): a write that waits for another writer's lock
+waits there, while every tenant's requests are served."""
 
 from __future__ import annotations
 
@@ -61,7 +64,7 @@ ADMIN_ERRORS = errors(400, 401, 403, 404, 409, 413, 500)
 
 @get("/tenants", responses=errors(400, 401, 403, 500))
 async def list_tenants(store: NamedDependency[TenantStore]) -> dict[str, Any]:
-    return {"data": [vars(t) for t in store.list_tenants()]}
+    return {"data": [vars(t) for t in await store.admin(store.list_tenants)]}
 
 
 @post("/tenants", status_code=201, dependencies={"openapi_body": body(CreateTenant)}, responses=ADMIN_ERRORS)
@@ -72,7 +75,7 @@ async def create_tenant(request: Request[Any, Any, Any], store: NamedDependency[
     if plan not in plans.plans:
         raise InvalidRequest(f"no plan {plan[:64]!r}; plans: {', '.join(plans.plans)}", param="plan",
                              code="plan_not_found")
-    return vars(store.create_tenant(body.name, plan))
+    return vars(await store.admin(store.create_tenant, body.name, plan))
 
 
 @post("/tenants/{name:str}/data-version", status_code=200, responses=errors(400, 401, 403, 404, 500))
@@ -80,7 +83,7 @@ async def bump_data_version(store: NamedDependency[TenantStore], cache: NamedDep
                             name: FromPath[str]) -> dict[str, Any]:
     """The tenant's data changed: cached answers made from the old data become unreachable at once, and are
     deleted (from the store every process shares, and from each process's index as it follows the store)."""
-    version = store.bump_data_version(name)
+    version = await store.admin(store.bump_data_version, name)
     await cache.bump_data_version(name, version)
     return {"tenant": name, "data_version": version}
 
@@ -89,9 +92,13 @@ async def bump_data_version(store: NamedDependency[TenantStore], cache: NamedDep
 async def list_keys(store: NamedDependency[TenantStore], tenant: FromQuery[str | None] = None) -> dict[str, Any]:
     """Every key, or `tenant`'s: a tenant the store does not have is a 404 naming it (a misspelt name answered an
     empty list, which reads as a tenant without keys)."""
+    return {"data": await store.admin(_keys, store, tenant)}
+
+
+def _keys(store: TenantStore, tenant: str | None) -> list[dict[str, object]]:
     if tenant is not None:
         store.get_tenant(tenant)
-    return {"data": [k.public() for k in store.list_keys(tenant)]}
+    return [k.public() for k in store.list_keys(tenant)]
 
 
 @post("/keys", status_code=201, dependencies={"openapi_body": body(IssueKey)}, responses=ADMIN_ERRORS)
@@ -101,14 +108,15 @@ async def issue_key(request: Request[Any, Any, Any], store: NamedDependency[Tena
         # an admin key calls no model, so its limits would never apply: the caller meant a tenant key, or nothing
         raise InvalidRequest("an admin key calls no models, so limits would never apply to it; leave them out, or "
                              "issue a tenant key", param="limits", code="admin_key_with_limits")
-    key, plaintext = store.issue_key(
-        body.tenant, name=body.name, roles=(ADMIN,) if body.admin else (), ttl_s=body.ttl_s, limits=body.limits)
+    key, plaintext = await store.admin(
+        store.issue_key, body.tenant, name=body.name, roles=(ADMIN,) if body.admin else (), ttl_s=body.ttl_s,
+        limits=body.limits)
     return key.public() | {"key": plaintext, "note": "shown once; store it now"}
 
 
 @post("/keys/{key_id:str}/revoke", status_code=200, responses=errors(400, 401, 403, 404, 500))
 async def revoke_key(store: NamedDependency[TenantStore], key_id: FromPath[str]) -> dict[str, Any]:
-    return store.revoke_key(key_id).public()
+    return (await store.admin(store.revoke_key, key_id)).public()
 
 
 @post("/keys/{key_id:str}/rotate", status_code=201, dependencies={"openapi_body": body(RotateKey)},
@@ -117,7 +125,7 @@ async def rotate_key(request: Request[Any, Any, Any], store: NamedDependency[Ten
                      key_id: FromPath[str]) -> dict[str, Any]:
     raw = await request.body()
     body = parse_body(raw, RotateKey) if raw.strip() else RotateKey()
-    key, plaintext = store.rotate_key(key_id, grace_s=body.grace_s, ttl_s=body.ttl_s)
+    key, plaintext = await store.admin(store.rotate_key, key_id, grace_s=body.grace_s, ttl_s=body.ttl_s)
     return key.public() | {"key": plaintext, "replaces": key_id, "note": "shown once; store it now"}
 
 

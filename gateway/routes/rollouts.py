@@ -69,7 +69,7 @@ async def start(request: Request[Any, Any, Any], rollouts: NamedDependency[Rollo
     billed). `guards` roll it back by themselves. 409 while one is running; 400 for a `tier`, `version` or named
     tenant that does not exist (`param` `tier`, `version` or `tenants.<index>`): names in the body, not the path."""
     b = parse_body(await request.body(), StartRollout)
-    store.require_tenants(b.tenants, "tenants")  # before anything changes
+    await store.admin(store.require_tenants, b.tenants, "tenants")  # before anything changes
     r = await asyncio.to_thread(rollouts.start, b.tier, b.version, share=b.share, tenants=tuple(b.tenants),
                                 who=request.state.key_id, reason=b.reason, shadow=b.shadow, guards=b.guards)
     return r.public()

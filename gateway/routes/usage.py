@@ -69,7 +69,7 @@ async def admin_report(request: Request[Any, Any, Any], ledger: NamedDependency[
     A `tenant` the store does not have is a 404 naming it: a misspelt name (a capital, a trailing space) answered
     a report of no usage, which finance reads as a tenant that used nothing."""
     if tenant is not None:
-        store.get_tenant(tenant)
+        await store.admin(store.get_tenant, tenant)
     return await _report(ledger, reports, ADMIN_SLOT, tenant=tenant, since=request.query_params.get("from"),
                          until=to, by=by, fmt=format)
 

@@ -15,6 +15,11 @@ id not cached (a key's first use, or one made up: no key is needed to send one) 
 `authenticate_async` off the event loop wherever that query waits on a network (PostgreSQL), so a flood of
 made-up ids never stalls the loop that serves everyone else.
 
+The admin routes call the store through `admin`: on a thread of the store's own, one call at a time, with a
+connection of that thread's own where the store's connection is one (SQLite). A write waits there for another
+writer's lock (the CLI, another process: SQLite's busy timeout, PostgreSQL's statement timeout, seconds), while the
+loop goes on serving every tenant.
+
 Key rules the store enforces, whichever door a key comes through (admin API, CLI, bootstrap): an admin key
 belongs to no tenant (one key never both calls models and administers); every expiry is finite and at most
 `MAX_TTL_S` ahead; a rotation never lets either key outlive the one it replaces.
@@ -22,15 +27,18 @@ belongs to no tenant (one key never both calls models and administers); every ex
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import json
 import re
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from decimal import Decimal
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 from gateway.errors import Conflict, InvalidRequest, NotFound
 from gateway.tenants.keys import MAX_GRACE_S, MAX_TTL_S, check_seconds, hash_secret, new_key, parse_key, verify
@@ -46,6 +54,9 @@ ADMIN = "admin"
 KEY_NAME_PATTERN = r"^[^\x00-\x1f\x7f-\x9f\u2028\u2029]{0,128}$"
 _KEY_NAME = re.compile(KEY_NAME_PATTERN)
 MAX_CACHED = 100_000  # cached key ids of each kind (keys, unknown ids); past it that cache starts again (bounded)
+
+P = ParamSpec("P")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -114,6 +125,7 @@ class TenantStore(ABC):
         self._unknown: dict[str, None] = {}
         self._versions: dict[str, int] = {}
         self._generation = 0  # bumped at each emptying, so a read that raced one is not cached
+        self._admin_thread: ThreadPoolExecutor | None = None  # `admin`'s, started on its first call
 
     # ---- what an implementation supplies ----
 
@@ -135,7 +147,34 @@ class TenantStore(ABC):
         """Whether another connection committed since this was last asked (True when it cannot tell)."""
 
     @abstractmethod
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Close the connections; an implementation calls `_close_admin` first."""
+
+    def _as_admin(self, action: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
+        """Run `action` on the admin thread: a store whose connection is one gives the thread its own, and may turn
+        its driver's errors into ours here; a store with a pool (PostgreSQL) lends the thread its connections."""
+        return action(*args, **kwargs)
+
+    # ---- the admin routes' calls ----
+
+    async def admin(self, action: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
+        """`action(*args, **kwargs)`, one of this store's methods (or a function of them), for the event loop: run on
+        the store's admin thread, one call at a time, while the loop serves everyone else. A write that waits for
+        another writer's lock waits there, never on the loop. A call that has started runs whole (a transaction,
+        where the method has one), even if its caller leaves."""
+        generation = self._generation
+        if self._admin_thread is None:
+            self._admin_thread = ThreadPoolExecutor(1, thread_name_prefix="tenant-admin")
+        call = functools.partial(self._as_admin, action, *args, **kwargs)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._admin_thread, call)
+        finally:
+            if generation != self._generation:  # it wrote: what the loop cached meanwhile is dropped as well
+                self._invalidate()
+
+    def _close_admin(self) -> None:
+        if self._admin_thread is not None:
+            self._admin_thread.shutdown(wait=True, cancel_futures=True)
 
     # ---- tenants ----
 
@@ -199,7 +238,8 @@ class TenantStore(ABC):
         self._execute("INSERT INTO tenant_data_versions(tenant, version) VALUES (?, 1) "
                       "ON CONFLICT(tenant) DO UPDATE SET version = tenant_data_versions.version + 1", (tenant,))
         self._invalidate()
-        return self.data_version(tenant)
+        row = self._fetchone("SELECT version FROM tenant_data_versions WHERE tenant = ?", (tenant,))
+        return int(row[0]) if row else 0  # read, not cached: this may run on the admin thread
 
     # ---- keys ----
 

@@ -24,6 +24,10 @@ of the pool lent out (a burst of lookups, an admin's listing) is not such a faul
 pool's timeout for one gets a retryable 503 of its own (`database_busy`) and the breaker stays closed, as it
 opened for every tenant on a burst of legitimate traffic. A pool that timed out with connections to spare could
 not make one: that is a fault, and opens it.
+
+The admin routes' calls (`TenantStore.admin`) run on the store's admin thread, one at a time, so an admin's query
+waiting on a lock (its statement timeout) or for a connection of the pool (its timeout) waits there, not on the
+event loop, and holds one connection of the pool at most.
 """
 
 from __future__ import annotations
@@ -144,6 +148,7 @@ class PostgresTenantStore(TenantStore):
                                             "503 until it reads them again)", level=logging.ERROR, rounds="reconnects")
 
     def close(self) -> None:
+        self._close_admin()
         self._stop.set()
         if self._listener is not None:
             self._listener.join(timeout=POLL_S + CONNECT_TIMEOUT_S + 1)
