@@ -27,7 +27,9 @@ not make one: that is a fault, and opens it.
 
 The admin routes' calls (`TenantStore.admin`) run on the store's admin thread, one at a time, so an admin's query
 waiting on a lock (its statement timeout) or for a connection of the pool (its timeout) waits there, not on the
-event loop, and holds one connection of the pool at most.
+event loop, and holds one connection of the pool at most. An admin's change that waited out its statement timeout
+on another session's lock is the admin's retryable 503 (`database_busy`), not a fault: the database answered, and
+the breaker stays closed for every tenant.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, NoReturn
@@ -46,7 +48,7 @@ from psycopg import errors as pg_errors
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from gateway.errors import Unavailable
-from gateway.tenants.store import MAX_CACHED, TenantStore, _Entry
+from gateway.tenants.store import MAX_CACHED, P, T, TenantStore, _Entry
 from quotas.fault_log import FaultLog
 from quotas.fleet_db import CONNECT_TIMEOUT_S, bounded, connect, migrate, pg
 
@@ -185,6 +187,13 @@ class PostgresTenantStore(TenantStore):
                 self._real.clear()
             self._real[key_id] = None
 
+    def _as_admin(self, action: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
+        self._tx.admin = True  # the admin thread's, for `_connection`
+        try:
+            return action(*args, **kwargs)
+        finally:
+            self._tx.admin = False
+
     # ---- statements ----
 
     @contextmanager
@@ -206,6 +215,14 @@ class PostgresTenantStore(TenantStore):
                 self._log_busy()
                 raise _busy() from exc
             self._trip(exc)  # connections to spare, yet none came: the pool cannot make one
+        except pg_errors.QueryCanceled as exc:
+            if not getattr(self._tx, "admin", False):
+                self._trip(exc)
+            # an admin's change waited out its statement timeout on another session's lock: no fault of the
+            # database, so no breaker for every tenant; the server's words are the log's
+            log.warning("tenant store: an admin change waited %g s on another session's lock and was not made: %s",
+                        STATEMENT_TIMEOUT_S, exc)
+            raise _admin_busy() from exc
         except psycopg.OperationalError as exc:
             self._trip(exc)
 
@@ -304,3 +321,9 @@ BUSY_MESSAGE = "the gateway is busy checking API keys and tenants; retry shortly
 
 def _busy() -> Unavailable:
     return Unavailable(BUSY_MESSAGE, code="database_busy", retry_after=1)
+
+
+def _admin_busy() -> Unavailable:
+    return Unavailable(f"the tenant store is busy: another session held what this change needs for "
+                       f"{STATEMENT_TIMEOUT_S:g} s; nothing was changed, retry shortly", code="database_busy",
+                       retry_after=1)
