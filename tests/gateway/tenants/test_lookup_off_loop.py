@@ -30,8 +30,10 @@ FLOOD = 200  # made-up keys sent at once: on the event loop, 200 round trips = a
 
 
 def request(key: str) -> Any:
-    """What gateway/auth.py reads of a request: its headers, and its state (where the key id goes)."""
-    return SimpleNamespace(headers={"authorization": f"Bearer {key}"}, state=SimpleNamespace())
+    """What gateway/auth.py reads of a request: its headers (and as the ASGI scope has them: a repeated key header
+    is refused), and its state (where the key id goes)."""
+    return SimpleNamespace(headers={"authorization": f"Bearer {key}"}, state=SimpleNamespace(),
+                           scope={"headers": [(b"authorization", f"Bearer {key}".encode())]})
 
 
 def made_up_key() -> str:
