@@ -164,7 +164,7 @@ class CacheStage:
             # no scope for a request that may not use the cache (temperature unset: the common case): nothing of it
             # is looked up or kept, and its scope cost hashes of the request and the tier
             return CacheLookup(bypass, None, policy, body, ctx.headers, applied, req.output_cap, accepted_by)
-        scope = self._scope(ctx, req, tier, body)
+        scope = await self._scope(ctx, req, tier, body)
         if accepted_by is not None:  # apart from the tier's answers that no check accepted
             scope = with_artifact(replace(scope, context_hash=f"{scope.context_hash}|accepted_by={accepted_by}"),
                                   artifact)
@@ -240,9 +240,11 @@ class CacheStage:
         return _tenant_policy(c.enabled, c.semantic, c.similarity_threshold, c.ttl_s, c.max_error_rate,
                               c.shadow_check_rate, delta, c.meaning_check), applied
 
-    def _scope(self, ctx: RequestContext, req: ChatCompletionRequest, tier: TierSpec,
-               body: Mapping[str, Any]) -> CacheScope:
-        version: int | str = self.store.data_version(ctx.tenant, follow=False)  # authenticate followed
+    async def _scope(self, ctx: RequestContext, req: ChatCompletionRequest, tier: TierSpec,
+                     body: Mapping[str, Any]) -> CacheScope:
+        # authenticate followed the store's changes; a version not cached is read off the loop where that waits on a
+        # network (PostgreSQL): every write empties every tenant's, and the loop serves them all
+        version: int | str = await self.store.data_version_async(ctx.tenant)
         if ctx.headers.get(DATA_VERSION_HEADER):
             version = f"{version}:{ctx.headers[DATA_VERSION_HEADER]}"
         isolate = ctx.plan.cache.isolate_users  # by `user` and `safety_identifier` (one may name the end user alone)

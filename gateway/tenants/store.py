@@ -13,7 +13,8 @@ another gateway process) commits, so a revocation takes effect on the next reque
 hear of each change through LISTEN/NOTIFY and a change counter, within milliseconds (a second at most). A key
 id not cached (a key's first use, or one made up: no key is needed to send one) is looked up by
 `authenticate_async` off the event loop wherever that query waits on a network (PostgreSQL), so a flood of
-made-up ids never stalls the loop that serves everyone else.
+made-up ids never stalls the loop that serves everyone else. So is a tenant's data version not cached
+(`data_version_async`, the cache stage's): every write empties every tenant's, and each reads it again.
 
 The admin routes call the store through `admin`: on a thread of the store's own, one call at a time, with a
 connection of that thread's own where the store's connection is one (SQLite). A write waits there for another
@@ -221,16 +222,43 @@ class TenantStore(ABC):
 
     def data_version(self, tenant: str, *, follow: bool = True) -> int:
         """The tenant's data version: cached answers from an older one are never served. `follow=False` skips
-        asking whether another connection committed, for a caller that just did (the request's `authenticate`)."""
+        asking whether another connection committed, for a caller that just did. A version not cached is a query on
+        the calling thread: from the event loop, `data_version_async` is the one to call."""
         if follow:
             self._follow()
-        if tenant not in self._versions:  # emptied with the key cache whenever anyone writes
-            generation = self._generation
-            row = self._fetchone("SELECT version FROM tenant_data_versions WHERE tenant = ?", (tenant,))
-            if generation != self._generation:
-                return int(row[0]) if row else 0
-            self._versions[tenant] = int(row[0]) if row else 0
-        return self._versions[tenant]
+        version = self._versions.get(tenant)  # emptied with the key cache whenever anyone writes
+        return self._load_version(tenant) if version is None else version
+
+    async def data_version_async(self, tenant: str) -> int:
+        """`data_version` for the event loop, without following (the request's `authenticate_async` just did): a
+        cached version costs no await; one not cached is `_version_lookup`'s, which a store whose queries wait on a
+        network runs off the loop. Any write empties every tenant's cached version, so after each one every tenant's
+        next cacheable request asks: on the loop, one waiting on a lock (seconds) stalled every tenant's requests."""
+        version = self._versions.get(tenant)
+        return await self._version_lookup(tenant) if version is None else version
+
+    async def _version_lookup(self, tenant: str) -> int:
+        """A version not cached, read for the event loop: here on it (SQLite's query is local, ~0.1 ms)."""
+        return self._load_version(tenant)
+
+    def _load_version(self, tenant: str) -> int:
+        generation = self._generation
+        version = self._fetch_version(tenant)
+        self._keep_version(tenant, version, generation)
+        return version
+
+    def _fetch_version(self, tenant: str) -> int:
+        """The tenant's data version as stored (0 before its first bump): a query only (any thread may run it)."""
+        row = self._fetchone("SELECT version FROM tenant_data_versions WHERE tenant = ?", (tenant,))
+        return int(row[0]) if row else 0
+
+    def _keep_version(self, tenant: str, version: int, generation: int) -> None:
+        """Cache a version read, unless someone committed since the read began (`generation` is from then): it may
+        be older than theirs."""
+        if generation == self._generation:
+            if len(self._versions) >= MAX_CACHED:
+                self._versions.clear()
+            self._versions[tenant] = version
 
     def bump_data_version(self, tenant: str) -> int:
         """The tenant's data changed: a new version, which makes every cached answer of theirs unreachable."""
@@ -238,8 +266,7 @@ class TenantStore(ABC):
         self._execute("INSERT INTO tenant_data_versions(tenant, version) VALUES (?, 1) "
                       "ON CONFLICT(tenant) DO UPDATE SET version = tenant_data_versions.version + 1", (tenant,))
         self._invalidate()
-        row = self._fetchone("SELECT version FROM tenant_data_versions WHERE tenant = ?", (tenant,))
-        return int(row[0]) if row else 0  # read, not cached: this may run on the admin thread
+        return self._fetch_version(tenant)  # read, not cached: this may run on the admin thread
 
     # ---- keys ----
 

@@ -9,13 +9,16 @@ compares that counter with the one its caches were filled at, which costs no que
 tenant, a plan change or a data-version bump thus reaches every replica's next request within milliseconds,
 within POLL_S + a query at worst.
 
-Reads that miss the cache are synchronous queries on a small pool; the cache makes them rare (a key's first
-use, a change). All but one: a key id is the client's to choose, so a flood of made-up ids is a query each.
-The gateway authenticates with `authenticate_async`, which runs such a lookup on LOOKUP_THREADS threads of
+Reads that miss the cache are queries on a small pool; the cache makes them rare (a key's first use, a change),
+but not rare enough for the event loop: a key id is the client's to choose, so a flood of made-up ids is a query
+each. The gateway authenticates with `authenticate_async`, which runs such a lookup on LOOKUP_THREADS threads of
 its own, never on the event loop (a round trip there stalls every request); concurrent lookups of one id
 share one query, and past MAX_LOOKUPS ids waiting at once a lookup is refused with a retryable 503 at once
 rather than queued without end; not that of an id this replica has found a key for before (a change empties
-the caches, and a flood must not then lock every tenant out: theirs wait at most MAX_LOOKUPS queries).
+the caches, and a flood must not then lock every tenant out: theirs wait at most MAX_LOOKUPS queries). A change
+empties every tenant's cached data version too, and each tenant's next cacheable request reads it again: on the
+same threads (`data_version_async`), so a read waiting on a lock (a migration, an operator's LOCK TABLE: up to the
+statement timeout) holds up that tenant's request, never the loop.
 
 While the database cannot be reached the caches are not trusted, since a revocation could be missed:
 requests get a retryable 503 (fail closed; the ledger could not record them either), and a query that
@@ -143,6 +146,7 @@ class PostgresTenantStore(TenantStore):
         self._lookups = ThreadPoolExecutor(LOOKUP_THREADS, thread_name_prefix="tenant-lookup")
         self._pending: dict[str, asyncio.Future[_Entry | None]] = {}  # key id -> its lookup in flight
         self._real: dict[str, None] = {}  # ids found to be keys, kept when the caches are emptied (not made up)
+        self._pending_versions: dict[str, tuple[int, asyncio.Future[int]]] = {}  # tenant -> (generation, its read)
         # an outage in the log: each fault once, then one line when it works again (not one a BREAKER_S, a reconnect)
         self._query_faults = FaultLog(log, "tenant store: reaching the fleet database (requests get 503)",
                                       level=logging.ERROR, rounds="queries")
@@ -179,6 +183,29 @@ class PostgresTenantStore(TenantStore):
             del self._pending[key_id]
         if not done.cancelled() and done.exception() is None:
             self._keep(key_id, done.result(), generation)
+
+    async def _version_lookup(self, tenant: str) -> int:
+        """The tenant's data version, queried on a lookup thread: the loop only waits, serving everyone else (any
+        write empties every tenant's version, and one read waiting on a lock held its statement timeout froze every
+        tenant's requests). Reads of one tenant share one query, begun since the caches were last emptied: one begun
+        before may have missed the change that emptied them, which this request must see. What is read is cached
+        on the loop (`_keep_version`, in the future's callback). Not bounded as key lookups are: the tenant is the
+        one a key was found for, never a name the client made up."""
+        loop = asyncio.get_running_loop()
+        generation = self._generation
+        pending = self._pending_versions.get(tenant)
+        if pending is None or pending[0] != generation or pending[1].get_loop() is not loop:
+            read = loop.run_in_executor(self._lookups, self._fetch_version, tenant)
+            pending = self._pending_versions[tenant] = (generation, read)
+            read.add_done_callback(lambda done: self._version_read(tenant, done, generation))
+        return await asyncio.shield(pending[1])  # a waiter that leaves does not cancel the others' query
+
+    def _version_read(self, tenant: str, done: asyncio.Future[int], generation: int) -> None:
+        pending = self._pending_versions.get(tenant)
+        if pending is not None and pending[1] is done:
+            del self._pending_versions[tenant]
+        if not done.cancelled() and done.exception() is None:
+            self._keep_version(tenant, done.result(), generation)
 
     def _keep(self, key_id: str, entry: _Entry | None, generation: int) -> None:
         super()._keep(key_id, entry, generation)

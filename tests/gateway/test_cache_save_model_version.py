@@ -31,7 +31,7 @@ def _answer(text: str) -> Outcome:
 
 
 class _Tenants:
-    def data_version(self, tenant: str, *, follow: bool = True) -> int:
+    async def data_version_async(self, tenant: str) -> int:
         return 1
 
 
