@@ -144,7 +144,7 @@ class PostgresTenantStore(TenantStore):
         self._stop = threading.Event()
         self._listener: threading.Thread | None = None
         self._lookups = ThreadPoolExecutor(LOOKUP_THREADS, thread_name_prefix="tenant-lookup")
-        self._pending: dict[str, asyncio.Future[_Entry | None]] = {}  # key id -> its lookup in flight
+        self._pending: dict[str, tuple[int, asyncio.Future[_Entry | None]]] = {}  # key id -> (generation, lookup)
         self._real: dict[str, None] = {}  # ids found to be keys, kept when the caches are emptied (not made up)
         self._pending_versions: dict[str, tuple[int, asyncio.Future[int]]] = {}  # tenant -> (generation, its read)
         # an outage in the log: each fault once, then one line when it works again (not one a BREAKER_S, a reconnect)
@@ -165,21 +165,24 @@ class PostgresTenantStore(TenantStore):
 
     async def _lookup(self, key_id: str) -> _Entry | None:
         """The key id's entry, queried on a lookup thread: the loop only waits, serving everyone else. What is
-        found is cached on the loop (`_keep`, in the future's callback), where the caches are emptied too."""
+        found is cached on the loop (`_keep`, in the future's callback), where the caches are emptied too. Lookups
+        of one id share one query begun since the caches were last emptied: one begun before may have read the key
+        before its revocation, which this request must see."""
         loop = asyncio.get_running_loop()
+        generation = self._generation
         pending = self._pending.get(key_id)
-        if pending is None or pending.get_loop() is not loop:
+        if pending is None or pending[0] != generation or pending[1].get_loop() is not loop:
             if len(self._pending) >= MAX_LOOKUPS and key_id not in self._real:
                 raise Unavailable("too many API keys are being looked up at once; retry shortly",
                                   code="key_lookups_busy", retry_after=1)
-            generation = self._generation
-            pending = loop.run_in_executor(self._lookups, self._fetch_entry, key_id)
-            self._pending[key_id] = pending
-            pending.add_done_callback(lambda done: self._looked_up(key_id, done, generation))
-        return await asyncio.shield(pending)  # a waiter that leaves does not cancel the others' query
+            lookup = loop.run_in_executor(self._lookups, self._fetch_entry, key_id)
+            pending = self._pending[key_id] = (generation, lookup)
+            lookup.add_done_callback(lambda done: self._looked_up(key_id, done, generation))
+        return await asyncio.shield(pending[1])  # a waiter that leaves does not cancel the others' query
 
     def _looked_up(self, key_id: str, done: asyncio.Future[_Entry | None], generation: int) -> None:
-        if self._pending.get(key_id) is done:
+        pending = self._pending.get(key_id)
+        if pending is not None and pending[1] is done:
             del self._pending[key_id]
         if not done.cancelled() and done.exception() is None:
             self._keep(key_id, done.result(), generation)

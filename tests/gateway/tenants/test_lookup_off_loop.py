@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -193,3 +194,36 @@ def test_the_model_routes_and_health_never_look_a_key_up_synchronously(gateway: 
         assert c.post("/v1/chat/completions", json={"model": "mid", "messages": []}).status_code == 401
     with gateway.client(gateway.admin_key) as c:
         assert "tiers" in c.get("/health").json()
+
+
+async def test_a_lookup_begun_before_a_revocation_is_not_joined_by_a_request_after_it(database_url: str) -> None:
+    """Concurrent lookups of one id share one query, but not across a change: a lookup that began before the key was
+    revoked may have read it active, and a request sent after the revocation (heard: the caches emptied) joined it and
+    was let in. Its own lookup reads the key revoked: a 401; what the earlier one read is not cached either."""
+    store = PostgresTenantStore(database_url)
+    try:
+        store.create_tenant("acme", "standard")
+        key, plaintext = store.issue_key("acme")
+        began, let_go = threading.Event(), threading.Event()
+        fetch = store._fetch_entry
+        reads: list[str] = []
+
+        def first_held(key_id: str) -> Any:
+            entry = fetch(key_id)
+            reads.append(key_id)
+            if len(reads) == 1:  # read before the revocation below, answered after it
+                began.set()
+                let_go.wait(20)
+            return entry
+
+        store._fetch_entry = first_held  # type: ignore[method-assign]
+        early = asyncio.ensure_future(store.authenticate_async(plaintext))
+        assert await asyncio.to_thread(began.wait, 20)
+        await store.admin(store.revoke_key, key.key_id)
+        late = asyncio.ensure_future(store.authenticate_async(plaintext))
+        let_go.set()
+        assert await late is None, "a request after the revocation was let in by a lookup begun before it"
+        assert await early is not None  # its request came before the revocation
+        assert await store.authenticate_async(plaintext) is None
+    finally:
+        store.close()
