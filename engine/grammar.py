@@ -9,7 +9,9 @@ engine's tokens/s measured the same with and without a schema).
 - `GrammarCache`: compiles each format once per tenant and hands out `CompiledGrammar`s, keyed by the canonical JSON
   of its schema. A schema llguidance cannot compile is an EngineInputError (a 400) before anything streams, and is
   remembered: a compile can take seconds before it fails (an allOf of anyOfs of patterns, refused at the wire since,
-  wire/schema_alternatives.py), and a repeat must not pay it again. Grammars and refusals are remembered for the
+  wire/schema_alternatives.py), and a repeat must not pay it again. What llguidance takes at once and pays for (or
+  fails on) only when a sequence reaches it, a pattern repeating too much or a schema referring to itself in place,
+  is refused at the wire before (wire/schema_costs.py). Grammars and refusals are remembered for the
   tenant that asked (the request's cache salt's, `salt_tenant`; a request with no salt is an anonymous tenant of its
   own), in an `OwnerMemo` each (assets/owner_memo.py): GRAMMARS_PER_TENANT a tenant, evicted by its own only, for
   the GRAMMAR_TENANTS most recently active tenants, so at most 16 x 16 = 256 grammars (the one shared cache's bound

@@ -10,9 +10,11 @@ Three shapes, as OpenAI's API has them:
 
 The schema is a tenant's bytes that a grammar compiler will read, so it is bounded before anything walks it: at most
 MAX_SCHEMA_BYTES of JSON and MAX_SCHEMA_DEPTH nested arrays and objects, checked in one pass that stops at the first
-bound it passes, and then what its `allOf`s intersect (wire/schema_alternatives.py: a small schema can cost a
-compiler seconds). Everything else (name, description) has OpenAI's limits. Anything else is a 400 whose `param`
-starts with `response_format`.
+bound it passes, then what its `allOf`s intersect (wire/schema_alternatives.py: a small schema can cost a
+compiler seconds), then its patterns' repetitions and its references to itself (wire/schema_costs.py: what the
+compiler takes at once and fails on at the first token, after the request was admitted); such a refusal names the
+keyword (`response_format.json_schema.schema.properties.a.pattern`). Everything else (name, description) has
+OpenAI's limits. Anything else is a 400 whose `param` starts with `response_format`.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from wire.fields import drop_nulls, nullable_optionals, one_unknown
 from wire.schema_alternatives import check_alternatives, may_intersect
+from wire.schema_costs import check_patterns, check_self_references
 
 MAX_SCHEMA_BYTES = 32 * 1024  # the schema as compact JSON
 MAX_SCHEMA_DEPTH = 32  # nested objects and arrays, the schema itself being the first
@@ -66,6 +69,18 @@ def check_schema_bounds(schema: dict[str, Any]) -> None:
     _refuse_size(len(text.encode()))
     if may_intersect(text):
         check_alternatives(schema)  # what its allOfs would make a grammar compiler intersect
+    check_costs(schema, text)
+
+
+def check_costs(schema: dict[str, Any], compact_json: str | bytes) -> None:
+    """What only decoding would find (wire/schema_costs.py): a pattern that repeats too much, a schema that refers
+    to itself in place. Walked only where its JSON names a pattern or a `$ref`. A ValidationError located inside the
+    schema."""
+    pattern, ref = ('"pattern', '"$ref"') if isinstance(compact_json, str) else (b'"pattern', b'"$ref"')
+    if pattern in compact_json:  # type: ignore[operator]
+        check_patterns(schema)
+    if ref in compact_json:  # type: ignore[operator]
+        check_self_references(schema)
 
 
 def _size_bounded(schema: dict[str, Any]) -> None:

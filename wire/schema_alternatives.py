@@ -84,7 +84,7 @@ def check_alternatives(schema: dict[str, Any]) -> int:
         if "$ref" in node:
             if hops >= MAX_REFERENCE_HOPS:
                 raise ValueError(f"the schema follows more than {MAX_REFERENCE_HOPS} references on one path")
-            factors.append(alternatives(_resolve(schema, node["$ref"]), hops + 1, length + 1))
+            factors.append(alternatives(resolve_ref(schema, node["$ref"]), hops + 1, length + 1))
         own = math.prod(factors)
         if sum(f > 1 for f in factors) >= 2:  # an intersection: its sides' alternatives meet
             if own > MAX_INTERSECTED_ALTERNATIVES:
@@ -109,7 +109,7 @@ def check_alternatives(schema: dict[str, Any]) -> int:
     return weight
 
 
-def _resolve(root: dict[str, Any], ref: Any) -> Any:
+def resolve_ref(root: dict[str, Any], ref: Any) -> Any:
     """The subschema a local JSON pointer names (RFC 6901 in a URI fragment: percent-decoded, then ~1 and ~0)."""
     if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
         raise ValueError(f"the schema's $ref {str(ref)[:80]!r} does not point inside it (a JSON pointer: #/...)")

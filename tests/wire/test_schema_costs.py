@@ -1,0 +1,109 @@
+"""wire/schema_costs.py: a schema whose pattern repeats too much, or that refers to itself in place, is refused at
+validation naming the keyword (response_format's and tools' alike), before a grammar compiler sees it. Each refused
+shape compiled in llguidance in a millisecond and failed (or held the engine's step loop 0.2-0.75 s) at the first
+token, after admission. Patterns and recursive schemas as people write them pass."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from bench.structured_output import NESTED_SCHEMA
+from wire.chat_request import ChatCompletionRequest
+from wire.schema_costs import MAX_PATTERN_WEIGHT, pattern_weight
+from wire.validation import BodyError, parse_body
+
+SCHEMA = "response_format.json_schema.schema"
+
+
+def refusal(schema: dict[str, Any], *, tools: bool = False) -> BodyError | None:
+    """The 400 a chat request with `schema` as its response_format's (or its one tool's parameters) gets, or None."""
+    body: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    if tools:
+        body["tools"] = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
+    else:
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    try:
+        parse_body(json.dumps(body).encode(), ChatCompletionRequest)
+    except BodyError as exc:
+        return exc
+    return None
+
+
+def string(pattern: str) -> dict[str, Any]:
+    return {"type": "object", "properties": {"a": {"type": "string", "pattern": pattern}}}
+
+
+@pytest.mark.parametrize("pattern", [
+    "^(a{1000}){1000}$",  # 0.75 s and 185 MiB of the step loop, then "too many expressions constructed"
+    "^a{1000000}$",  # 0.26 s, 58 MiB, then the same
+    "^a{100000}$",  # passed, at 0.22 s a token for the whole batch
+    "^(a+){1000}$",  # failed at once
+    "^(?:[a-z]{100}){101}$",
+    "^\\d{99999999999999999999}$",  # a count too long for any bound is never turned into a number
+])
+def test_a_pattern_that_repeats_too_much_is_refused_naming_it(pattern: str) -> None:
+    for tools, where in ((False, SCHEMA), (True, "tools.0.function.parameters")):
+        err = refusal(string(pattern), tools=tools)
+        assert err is not None and err.param == f"{where}.properties.a.pattern", err
+        assert "repeats too much" in err.message and err.message.startswith(f"{where}.properties.a.pattern: ")
+
+
+def test_patterns_are_found_wherever_a_subschema_can_hold_one() -> None:
+    heavy = "^x{20000}$"
+    cases = [
+        ({"type": "object", "patternProperties": {heavy: {"type": "string"}}}, f"patternProperties.{heavy}"),
+        ({"type": "array", "items": {"anyOf": [{"type": "integer"}, {"pattern": heavy}]}}, "items.anyOf.1.pattern"),
+        ({"$defs": {"d": {"pattern": heavy}}, "$ref": "#/$defs/d"}, "$defs.d.pattern"),
+        ({"type": "object", "propertyNames": {"pattern": heavy}}, "propertyNames.pattern"),
+    ]
+    for schema, where in cases:
+        err = refusal(schema)
+        assert err is not None and err.param == f"{SCHEMA}.{where}", (schema, err)
+
+
+@pytest.mark.parametrize("pattern", [
+    "^[a-z]{1,64}$", r"^\d{4}-\d{2}-\d{2}$", r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$",
+    r"^[^@\s]+@[^@\s]+\.[a-z]{2,}$", r"^\p{Lu}{2}\u{1F600}{3}$", "^(a+){100}$", "^a{10000}$", "^(a{100}){100}$",
+    "x{", "a{,", "^[^]]{5}$", "(a|b|c){10}",
+])
+def test_patterns_as_people_write_them_pass(pattern: str) -> None:
+    assert pattern_weight(pattern) <= MAX_PATTERN_WEIGHT
+    assert refusal(string(pattern)) is None
+
+
+def test_values_are_not_read_as_schemas() -> None:
+    """A `pattern` inside an enum's, a const's or a default's value is data, and a property named `pattern` a name."""
+    value = {"pattern": "^a{100000}$"}
+    schema = {"type": "object", "properties": {"pattern": {"type": "string", "maxLength": 5}},
+              "enum": [value], "const": value, "default": value, "examples": [value]}
+    assert refusal(schema) is None
+
+
+@pytest.mark.parametrize(("schema", "where"), [
+    ({"allOf": [{"$ref": "#"}]}, "allOf.0.$ref"),
+    ({"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}, "$defs.a.$ref"),
+    ({"anyOf": [{"$ref": "#"}]}, "anyOf.0.$ref"),
+    ({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"not": {"$ref": "#/$defs/a"}}},
+      "type": "object", "properties": {"x": {"$ref": "#/$defs/a"}}}, "$defs.b.not.$ref"),
+    ({"type": "object", "properties": {"x": {"if": {"$ref": "#/properties/x"}}}}, "properties.x.if.$ref"),
+    ({"$ref": "#", "type": "object"}, "$ref"),  # llguidance: "circular references with sibling keys are not supported"
+])
+def test_a_schema_that_refers_to_itself_in_place_is_refused_naming_the_ref(schema: dict[str, Any], where: str) -> None:
+    for tools, at in ((False, SCHEMA), (True, "tools.0.function.parameters")):
+        err = refusal(schema, tools=tools)
+        assert err is not None and err.param == f"{at}.{where}", err
+        assert "refers to itself" in err.message
+
+
+def test_recursion_through_properties_and_items_passes() -> None:
+    tree = {"$defs": {"n": {"type": "object", "properties": {
+        "children": {"type": "array", "items": {"$ref": "#/$defs/n"}},
+        "parent": {"anyOf": [{"$ref": "#/$defs/n"}, {"type": "null"}]}}}}, "$ref": "#/$defs/n"}
+    assert refusal(tree) is None
+    assert refusal({"type": "object", "properties": {"next": {"$ref": "#"}}}) is None
+    twice = {"$defs": {"a": {"type": "string"}}, "allOf": [{"$ref": "#/$defs/a"}, {"$ref": "#/$defs/a"}]}
+    assert refusal(twice) is None  # one subschema reached twice is no cycle
+    assert refusal(NESTED_SCHEMA) is None

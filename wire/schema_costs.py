@@ -1,0 +1,243 @@
+"""What a JSON Schema's patterns and references would cost a grammar compiler, refused before it compiles.
+
+A schema passes our size, depth and intersection bounds (wire/response_format.py, wire/schema_alternatives.py) and
+can still fail only once an engine decodes with it: llguidance (engine/grammar.py) compiles lazily, in about a
+millisecond whatever the schema, and pays for a pattern's counted repetitions when a sequence first reaches it, on
+the engine's step loop, for every sequence of the batch. Measured on SmolLM2's vocabulary (one core, 2026-12-06):
+`^(a{1000}){1000}$` held the step loop 0.75 s and 185 MiB, `^a{1000000}$` 0.26 s and 58 MiB, then each failed
+("too many expressions constructed"); `^a{100000}$` passed but took 0.22 s a token; `^(a+){1000}$` failed at once.
+And a schema that refers to itself without going into a property or an item (`{"allOf": [{"$ref": "#"}]}`,
+`{"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}`) compiled and failed at the first token. Each was a
+400 `response_format_failed` only after the request had been admitted: quota reserved, a queue place, a batch slot.
+
+Two checks, one pass each, linear in the schema's size:
+- `check_patterns`: every `pattern` (and `patternProperties` name) weighs its atoms, each times the counts of the
+  repetitions around it (`{m,n}` counts max(m, n); `*`, `+` and `?` once, but a counted repetition of a group that
+  itself repeats without bound counts its count squared: `(a+){1000}`). A pattern may weigh at most
+  MAX_PATTERN_WEIGHT (10,000: `^a{10000}$` and `^(a{100}){100}$` masked in under 40 ms a token), or its own length
+  where that is more (a long pattern that repeats nothing weighs what a `const` that long does). The scan reads
+  ECMA-262 regexes as llguidance does closely enough to weigh them; it never decides whether one is valid (the
+  compiler says so, as before).
+- `check_self_references`: no `$ref` may lead back to a subschema that reached it through in-place keywords only
+  (`allOf`, `anyOf`, `oneOf`, `not`, `if`/`then`/`else`, `dependentSchemas`, `$ref`): such recursion never nests
+  into the value: a validator following it never ends, and llguidance failed on the first token (or at compile
+  time, "circular references with sibling keys"). Recursion through `properties`, `items` and the like (a tree)
+  passes. A cycle with a way out (`{"anyOf": [{"type": "string"}, {"$ref": "#"}]}`, which llguidance takes) is
+  refused too: it says no more than its way out does.
+
+A refusal is a pydantic ValidationError whose location goes on from the schema's (`...schema.properties.a.pattern`),
+so the 400 names the keyword itself (wire/validation.py `describe`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import unquote
+
+from pydantic_core import InitErrorDetails, PydanticCustomError, ValidationError
+
+from wire.schema_alternatives import resolve_ref
+
+MAX_PATTERN_WEIGHT = 10_000  # a pattern's atoms, each times the repetition counts around it
+_VALUES = frozenset({"enum", "const", "default", "examples"})  # instances, not subschemas: never read as schemas
+_IN_PLACE_LISTS = ("allOf", "anyOf", "oneOf")
+_IN_PLACE_ONE = ("not", "if", "then", "else")
+_BRACED_ESCAPES = frozenset("pPux")  # `\p{L}`, `\u{1F600}`, `\x{41}`: the braces are the escape's, not a count
+
+Path = tuple[str | int, ...]
+
+
+def refuse(path: Path, message: str) -> ValidationError:
+    """A refusal located at `path` inside the schema, with `message` as its text (code `value_error`, as the other
+    schema bounds)."""
+    error = PydanticCustomError("value_error", "{reason}", {"reason": message})
+    return ValidationError.from_exception_data("schema", [InitErrorDetails(type=error, loc=path, input=None)])
+
+
+def pattern_limit(pattern: str) -> int:
+    """The most `pattern` may weigh: MAX_PATTERN_WEIGHT, or its own length where that is more (a long pattern that
+    repeats nothing costs what a `const` of its length does, which the schema's size bounds)."""
+    return max(MAX_PATTERN_WEIGHT, len(pattern))
+
+
+def pattern_weight(pattern: str) -> int:
+    """The weight of an ECMA-262 pattern (see the module), capped just past its `pattern_limit`. One pass."""
+    cap = pattern_limit(pattern) + 1
+    # a frame per open group: [weight so far, whether it repeats without bound inside]
+    frames: list[list[Any]] = [[0, False]]
+    last = 0  # the weight of the last atom or group, which a quantifier multiplies
+    last_unbounded = False
+    i, n = 0, len(pattern)
+    while i < n:
+        c = pattern[i]
+        quantified = False
+        if c == "\\":
+            i += 2
+            if pattern[i - 1:i] in _BRACED_ESCAPES and pattern[i:i + 1] == "{":
+                i = _after(pattern, i, "}")
+            last, last_unbounded = 1, False
+        elif c == "[":
+            i = _class_end(pattern, i)
+            last, last_unbounded = 1, False
+        elif c == "(":
+            frames.append([0, False])
+            i += 1
+            continue
+        elif c == ")" and len(frames) > 1:
+            last, last_unbounded = frames.pop()
+            i += 1
+        elif c == "|":
+            i += 1
+            continue  # the alternatives' weights add up in their frame
+        elif c in "*+?":
+            quantified, count = True, 1
+            unbounded = c != "?"
+            i += 1
+        elif c == "{" and (counted := _count(pattern, i)) is not None:
+            quantified, (count, unbounded, i) = True, counted
+        else:
+            last, last_unbounded = int(c not in "^$"), False  # an anchor matches no character
+            i += 1
+        frame = frames[-1]
+        if quantified:
+            if pattern[i:i + 1] in ("?", "+"):  # lazy or possessive: the same repetition
+                i += 1
+            factor = count * count if last_unbounded and count > 1 else count
+            frame[0] = min(frame[0] - last + last * factor, cap)  # the atom was added once; now `factor` times
+            frame[1] = frame[1] or unbounded or last_unbounded
+            last, last_unbounded = 0, False  # a quantifier after a quantifier quantifies nothing new
+        else:
+            frame[0] = min(frame[0] + last, cap)
+            frame[1] = frame[1] or last_unbounded
+    while len(frames) > 1:  # an unclosed group: the compiler refuses it; weigh what is there
+        weight, _ = frames.pop()
+        frames[-1][0] = min(frames[-1][0] + weight, cap)
+    return frames[0][0]
+
+
+def _after(pattern: str, i: int, close: str) -> int:
+    """The index after the first `close` from `i` (the end when there is none)."""
+    end = pattern.find(close, i)
+    return len(pattern) if end < 0 else end + 1
+
+
+def _class_end(pattern: str, i: int) -> int:
+    """The index after the character class opening at `i` (nested classes, as llguidance's syntax has them)."""
+    depth, i = 0, i
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            i += 2
+            continue
+        if c == "[":
+            depth += 1
+        elif c == "]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+        i += 1
+    return i
+
+
+def _count(pattern: str, i: int) -> tuple[int, bool, int] | None:
+    """The counted repetition `{m}`, `{m,}` or `{m,n}` at `i`: (its count, whether it is unbounded, the index after
+    it); None where the brace is a literal."""
+    end = pattern.find("}", i)
+    if end < 0:
+        return None
+    low, comma, high = pattern[i + 1:end].partition(",")
+    if not low.isascii() or not low.isdigit() or (high and not (high.isascii() and high.isdigit())):
+        return None
+    # digits past ten are past any bound: never turned into a number that long
+    m = int(low[:10]) if len(low) <= 10 else MAX_PATTERN_WEIGHT + 1
+    k = (int(high[:10]) if len(high) <= 10 else MAX_PATTERN_WEIGHT + 1) if high else 0
+    unbounded = bool(comma) and not high
+    return max(m + unbounded, k, 1), unbounded, end + 1
+
+
+def check_patterns(schema: dict[str, Any]) -> None:
+    """Raise a ValidationError located at the first `pattern` (or `patternProperties` name) that weighs more than
+    MAX_PATTERN_WEIGHT. Iterative; each node visited once."""
+    stack: list[tuple[Any, Path]] = [(schema, ())]
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, list):
+            stack.extend((v, (*path, j)) for j, v in enumerate(node) if isinstance(v, dict | list))
+            continue
+        if isinstance(pattern := node.get("pattern"), str):
+            _check_pattern(pattern, (*path, "pattern"))
+        if isinstance(named := node.get("patternProperties"), dict):
+            for name in named:
+                _check_pattern(name, (*path, "patternProperties", name))
+        stack.extend((v, (*path, k)) for k, v in node.items() if k not in _VALUES and isinstance(v, dict | list))
+
+
+def _check_pattern(pattern: str, path: Path) -> None:
+    if "{" not in pattern:  # no counted repetition: every factor is 1, so it weighs at most its length
+        return
+    if pattern_weight(pattern) > (limit := pattern_limit(pattern)):
+        raise refuse(path, f"the pattern repeats too much for a grammar: its characters, each times the repetition "
+                           f"counts around it, weigh more than {limit:,} (at most {MAX_PATTERN_WEIGHT:,}, or the "
+                           f"pattern's length); use smaller counts, or `maxLength` for a string's length")
+
+
+def check_self_references(schema: dict[str, Any]) -> None:
+    """Raise a ValidationError located at the first `$ref` (or in-place keyword) that leads back, through in-place
+    keywords only, to a subschema on its own path. Every subschema starts a depth-first walk of the in-place
+    keywords unless an earlier walk entered it; iterative, each subschema entered once (by identity)."""
+    done: set[int] = set()
+    pending: list[tuple[Any, Path]] = [(schema, ())]
+    while pending:
+        node, path = pending.pop()
+        if isinstance(node, list):
+            pending.extend((v, (*path, j)) for j, v in enumerate(node) if isinstance(v, dict | list))
+            continue
+        if id(node) not in done:
+            _walk_in_place(schema, node, path, done)
+        pending.extend((v, (*path, k)) for k, v in node.items() if k not in _VALUES and isinstance(v, dict | list))
+
+
+def _in_place(root: dict[str, Any], node: dict[str, Any], path: Path) -> list[tuple[Any, Path, Path]]:
+    """The subschemas `node` applies to its own value: each with its own path, and the path of the keyword that
+    leads to it (for a `$ref`, the `$ref` itself; its target's path is where the pointer points)."""
+    children: list[tuple[Any, Path, Path]] = []
+    for key in _IN_PLACE_LISTS:
+        if isinstance(branches := node.get(key), list):
+            children += [(b, (*path, key, j), (*path, key, j)) for j, b in enumerate(branches) if isinstance(b, dict)]
+    for key in _IN_PLACE_ONE:
+        if isinstance(sub := node.get(key), dict):
+            children.append((sub, (*path, key), (*path, key)))
+    if isinstance(named := node.get("dependentSchemas"), dict):
+        children += [(s, (*path, "dependentSchemas", k), (*path, "dependentSchemas", k))
+                     for k, s in named.items() if isinstance(s, dict)]
+    if isinstance(ref := node.get("$ref"), str):
+        try:
+            target = resolve_ref(root, ref)
+        except ValueError as exc:
+            raise refuse((*path, "$ref"), str(exc)) from None
+        if isinstance(target, dict):
+            where = tuple(unquote(t).replace("~1", "/").replace("~0", "~") for t in ref[2:].split("/")) \
+                if ref != "#" else ()
+            children.append((target, where, (*path, "$ref")))
+    return children
+
+
+def _walk_in_place(root: dict[str, Any], start: dict[str, Any], path: Path, done: set[int]) -> None:
+    """The depth-first walk of `check_self_references` from `start`, marking what it enters `done`."""
+    on_path: set[int] = {id(start)}
+    stack: list[tuple[Any, list[tuple[Any, Path, Path]]]] = [(start, _in_place(root, start, path))]
+    while stack:
+        node, children = stack[-1]
+        if not children:
+            stack.pop()
+            on_path.discard(id(node))
+            done.add(id(node))
+            continue
+        child, child_path, via = children.pop()
+        if id(child) in on_path:
+            raise refuse(via, "the schema refers to itself without going into a property or an item (through allOf, "
+                              "anyOf, oneOf, not, if/then/else or $ref only): no value can satisfy it, and a grammar "
+                              "cannot be built for it")
+        if id(child) not in done:
+            on_path.add(id(child))
+            stack.append((child, _in_place(root, child, child_path)))
