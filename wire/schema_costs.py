@@ -39,7 +39,9 @@ from pydantic_core import InitErrorDetails, PydanticCustomError, ValidationError
 from wire.schema_alternatives import resolve_ref
 
 MAX_PATTERN_WEIGHT = 10_000  # a pattern's atoms, each times the repetition counts around it
-_VALUES = frozenset({"enum", "const", "default", "examples"})  # instances, not subschemas: never read as schemas
+VALUES = frozenset({"enum", "const", "default", "examples"})  # instances, not subschemas: never read as schemas
+# names to subschemas: a name is never read as a keyword (a property named `enum` or `pattern` is a subschema)
+NAMED = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
 _IN_PLACE_LISTS = ("allOf", "anyOf", "oneOf")
 _IN_PLACE_ONE = ("not", "if", "then", "else")
 _BRACED_ESCAPES = frozenset("pPux")  # `\p{L}`, `\u{1F600}`, `\x{41}`: the braces are the escape's, not a count
@@ -164,12 +166,24 @@ def check_patterns(schema: dict[str, Any]) -> None:
         if isinstance(node, list):
             stack.extend((v, (*path, j)) for j, v in enumerate(node) if isinstance(v, dict | list))
             continue
+        stack += subschemas(node, path)
         if isinstance(pattern := node.get("pattern"), str):
             _check_pattern(pattern, (*path, "pattern"))
         if isinstance(named := node.get("patternProperties"), dict):
             for name in named:
                 _check_pattern(name, (*path, "patternProperties", name))
-        stack.extend((v, (*path, k)) for k, v in node.items() if k not in _VALUES and isinstance(v, dict | list))
+
+
+def subschemas(node: dict[str, Any], path: Path) -> list[tuple[Any, Path]]:
+    """What a schema object holds that may be, or hold, subschemas, with their paths: every value but an instance's
+    (`enum`, `const`...), and each named subschema of a map of names (`properties`...), whatever its name."""
+    found: list[tuple[Any, Path]] = []
+    for key, value in node.items():
+        if key in NAMED and isinstance(value, dict):
+            found += [(v, (*path, key, name)) for name, v in value.items() if isinstance(v, dict | list)]
+        elif key not in VALUES and isinstance(value, dict | list):
+            found.append((value, (*path, key)))
+    return found
 
 
 def _check_pattern(pattern: str, path: Path) -> None:
@@ -194,7 +208,7 @@ def check_self_references(schema: dict[str, Any]) -> None:
             continue
         if id(node) not in done:
             _walk_in_place(schema, node, path, done)
-        pending.extend((v, (*path, k)) for k, v in node.items() if k not in _VALUES and isinstance(v, dict | list))
+        pending += subschemas(node, path)
 
 
 def _in_place(root: dict[str, Any], node: dict[str, Any], path: Path) -> list[tuple[Any, Path, Path]]:

@@ -58,6 +58,8 @@ def test_patterns_are_found_wherever_a_subschema_can_hold_one() -> None:
         ({"type": "array", "items": {"anyOf": [{"type": "integer"}, {"pattern": heavy}]}}, "items.anyOf.1.pattern"),
         ({"$defs": {"d": {"pattern": heavy}}, "$ref": "#/$defs/d"}, "$defs.d.pattern"),
         ({"type": "object", "propertyNames": {"pattern": heavy}}, "propertyNames.pattern"),
+        # a property named like a keyword whose value is data is a subschema all the same
+        ({"type": "object", "properties": {"enum": {"type": "string", "pattern": heavy}}}, "properties.enum.pattern"),
     ]
     for schema, where in cases:
         err = refusal(schema)
@@ -89,7 +91,9 @@ def test_values_are_not_read_as_schemas() -> None:
     ({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"not": {"$ref": "#/$defs/a"}}},
       "type": "object", "properties": {"x": {"$ref": "#/$defs/a"}}}, "$defs.b.not.$ref"),
     ({"type": "object", "properties": {"x": {"if": {"$ref": "#/properties/x"}}}}, "properties.x.if.$ref"),
-    ({"$ref": "#", "type": "object"}, "$ref"),  # llguidance: "circular references with sibling keys are not supported"
+    ({"$ref": "#", "type": "object"}, "$ref"),
+    ({"type": "object", "properties": {"const": {"allOf": [{"$ref": "#/properties/const"}]}}},
+     "properties.const.allOf.0.$ref"),  # llguidance: "circular references with sibling keys are not supported"
 ])
 def test_a_schema_that_refers_to_itself_in_place_is_refused_naming_the_ref(schema: dict[str, Any], where: str) -> None:
     for tools, at in ((False, SCHEMA), (True, "tools.0.function.parameters")):
