@@ -43,6 +43,7 @@ from itertools import groupby
 from typing import Any
 
 from wire.chat_request import ChatCompletionRequest, ChatMessage, normalized_role
+from wire.schema_costs import NAMED, VALUES
 from wire.tools import Tool, must_call, offered_tools
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -250,15 +251,40 @@ def _skip_space(text: str, pos: int) -> int:
 
 def call_schema(req: ChatCompletionRequest) -> dict[str, Any] | None:
     """The JSON Schema a constrained answer ("required", a named function) must match, or None when the answer
-    is free: one call of one of the offered functions, its arguments valid against that function's parameters."""
+    is free: one call of one of the offered functions, its arguments valid against that function's parameters.
+    A function's local `$ref`s (`#`, `#/$defs/x`: pydantic's and the OpenAI SDK's nested models) were written
+    against its parameters' root; they are moved to where the parameters sit in the call schema (read against the
+    call schema's root, `#/$defs/x` pointed at nothing and every required call of such a tool was a 400, and `#`
+    meant the call object)."""
     if not must_call(req.tool_choice):
         return None
+    offered = offered_tools(req.tools, req.tool_choice)
+    at = ["#/properties/arguments"] if len(offered) == 1 else [f"#/anyOf/{i}/properties/arguments"
+                                                               for i in range(len(offered))]
     calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
               "properties": {"name": {"const": t.function.name},
-                             "arguments": t.function.parameters if t.function.parameters is not None
+                             "arguments": _moved(t.function.parameters, base) if t.function.parameters is not None
                              else NO_PARAMETERS}}
-             for t in offered_tools(req.tools, req.tool_choice)]
+             for t, base in zip(offered, at, strict=True)]
     return calls[0] if len(calls) == 1 else {"anyOf": calls}
+
+
+def _moved(schema: Any, base: str) -> Any:
+    """A copy of `schema` whose local `$ref`s point where `schema` sits: at `base`, a JSON pointer fragment. Its
+    nesting is bounded by wire's schema bounds."""
+    if isinstance(schema, list):
+        return [_moved(v, base) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    moved: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
+            moved[key] = base + value[1:]
+        elif key in NAMED and isinstance(value, dict):  # names, each to a subschema (whatever the name)
+            moved[key] = {name: _moved(sub, base) for name, sub in value.items()}
+        else:  # an instance (enum, const...) is copied as it is
+            moved[key] = value if key in VALUES else _moved(value, base)
+    return moved
 
 
 def strict_calls(req: ChatCompletionRequest) -> bool:
