@@ -48,6 +48,8 @@ def check_schema_bounds(schema: dict[str, Any]) -> None:
     A number past float64's range (`1e999`: JSON by RFC 8259's grammar, infinity once the body is read) is refused
     there too: the grammar compiler got it as `null` (`{"const": 1e999}` constrained the answer to `null`, a
     `maximum` of it was refused in the compiler's words), and the gateway sent it to a remote tier as `null`.
+    A pattern that repeats too much or a reference to itself in place (`check_costs`) is a pydantic ValidationError
+    (a ValueError) located at its keyword inside the schema.
     """
     _size_bounded(schema)
     level: list[Any] = [schema]
