@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from wire.fields import drop_nulls, nullable_optionals, one_unknown
 from wire.schema_alternatives import check_alternatives, may_intersect
-from wire.schema_costs import check_patterns, check_self_references
+from wire.schema_costs import check_answer_length, check_patterns, check_self_references
 
 MAX_SCHEMA_BYTES = 32 * 1024  # the schema as compact JSON
 MAX_SCHEMA_DEPTH = 32  # nested objects and arrays, the schema itself being the first
@@ -76,13 +76,15 @@ def check_schema_bounds(schema: dict[str, Any]) -> None:
 
 def check_costs(schema: dict[str, Any], compact_json: str | bytes) -> None:
     """What only decoding would find (wire/schema_costs.py): a pattern that repeats too much, a schema that refers
-    to itself in place. Walked only where its JSON names a pattern or a `$ref`. A ValidationError located inside the
-    schema."""
-    pattern, ref = ('"pattern', '"$ref"') if isinstance(compact_json, str) else (b'"pattern', b'"$ref"')
-    if pattern in compact_json:  # type: ignore[operator]
+    to itself in place, a schema whose every answer is too long to write. Walked only where its JSON names what
+    each needs. A ValidationError located inside the schema."""
+    text = compact_json if isinstance(compact_json, str) else compact_json.decode()
+    if '"pattern' in text:
         check_patterns(schema)
-    if ref in compact_json:  # type: ignore[operator]
+    if '"$ref"' in text:
         check_self_references(schema)
+    if any(key in text for key in ('"pattern"', '"minItems"', '"minLength"')):  # what makes an answer long
+        check_answer_length(schema)
 
 
 def _size_bounded(schema: dict[str, Any]) -> None:

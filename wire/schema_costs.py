@@ -10,7 +10,7 @@ And a schema that refers to itself without going into a property or an item (`{"
 `{"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}`) compiled and failed at the first token. Each was a
 400 `response_format_failed` only after the request had been admitted: quota reserved, a queue place, a batch slot.
 
-Two checks, one pass each, linear in the schema's size:
+Three checks, one pass each, linear in the schema's size:
 - `check_patterns`: every `pattern` (and `patternProperties` name) weighs its atoms, each times the counts of the
   repetitions around it (`{m,n}` counts max(m, n); `*`, `+` and `?` once, but a counted repetition of a group that
   itself repeats without bound counts its count squared: `(a+){1000}`). A pattern may weigh at most
@@ -24,6 +24,11 @@ Two checks, one pass each, linear in the schema's size:
   time, "circular references with sibling keys"). Recursion through `properties`, `items` and the like (a tree)
   passes. A cycle with a way out (`{"anyOf": [{"type": "string"}, {"$ref": "#"}]}`, which llguidance takes) is
   refused too: it says no more than its way out does.
+- `check_answer_length`: the fewest characters any answer valid against the schema holds (a lower bound: minItems
+  times its items', minLength, a pattern's fewest characters, required properties, consts; the fewest of an anyOf's
+  branches) may be at most MAX_ANSWER_CHARS (100,000). llguidance computes what a schema forces ahead, on the step
+  loop: 1,000 required strings of `^a{5000}$` cost 2.3 s and 289 MiB a token, 100,000 of them 29.5 s and 2 GiB and
+  then a failure, a million required `"x"` failed at the first token; and no model writes an answer that long.
 
 A refusal is a pydantic ValidationError whose location goes on from the schema's (`...schema.properties.a.pattern`),
 so the 400 names the keyword itself (wire/validation.py `describe`).
@@ -31,6 +36,7 @@ so the 400 names the keyword itself (wire/validation.py `describe`).
 
 from __future__ import annotations
 
+import json
 from typing import Any
 from urllib.parse import unquote
 
@@ -39,6 +45,7 @@ from pydantic_core import InitErrorDetails, PydanticCustomError, ValidationError
 from wire.schema_alternatives import resolve_ref
 
 MAX_PATTERN_WEIGHT = 10_000  # a pattern's atoms, each times the repetition counts around it
+MAX_ANSWER_CHARS = 100_000  # the fewest characters an answer valid against the schema may hold
 VALUES = frozenset({"enum", "const", "default", "examples"})  # instances, not subschemas: never read as schemas
 # names to subschemas: a name is never read as a keyword (a property named `enum` or `pattern` is a subschema)
 NAMED = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
@@ -96,7 +103,7 @@ def pattern_weight(pattern: str) -> int:
             unbounded = c != "?"
             i += 1
         elif c == "{" and (counted := _count(pattern, i)) is not None:
-            quantified, (count, unbounded, i) = True, counted
+            quantified, (count, unbounded, i, _) = True, counted
         else:
             last, last_unbounded = int(c not in "^$"), False  # an anchor matches no character
             i += 1
@@ -141,9 +148,9 @@ def _class_end(pattern: str, i: int) -> int:
     return i
 
 
-def _count(pattern: str, i: int) -> tuple[int, bool, int] | None:
+def _count(pattern: str, i: int) -> tuple[int, bool, int, int] | None:
     """The counted repetition `{m}`, `{m,}` or `{m,n}` at `i`: (its count, whether it is unbounded, the index after
-    it); None where the brace is a literal."""
+    it, its least count m); None where the brace is a literal."""
     end = pattern.find("}", i)
     if end < 0:
         return None
@@ -154,7 +161,7 @@ def _count(pattern: str, i: int) -> tuple[int, bool, int] | None:
     m = int(low[:10]) if len(low) <= 10 else MAX_PATTERN_WEIGHT + 1
     k = (int(high[:10]) if len(high) <= 10 else MAX_PATTERN_WEIGHT + 1) if high else 0
     unbounded = bool(comma) and not high
-    return max(m + unbounded, k, 1), unbounded, end + 1
+    return max(m + unbounded, k, 1), unbounded, end + 1, m
 
 
 def check_patterns(schema: dict[str, Any]) -> None:
@@ -255,3 +262,105 @@ def _walk_in_place(root: dict[str, Any], start: dict[str, Any], path: Path, done
         if id(child) not in done:
             on_path.add(id(child))
             stack.append((child, _in_place(root, child, child_path)))
+
+
+def pattern_min_chars(pattern: str) -> int:
+    """The fewest characters a string matching `pattern` holds (a lower bound; capped past MAX_ANSWER_CHARS)."""
+    cap = MAX_ANSWER_CHARS + 1
+    frames: list[list[int]] = [[0, cap]]  # per open group: [this alternative's count, the fewest of those closed]
+    last, i, n = 0, 0, len(pattern)
+    while i < n:
+        c = pattern[i]
+        count = None
+        if c == "\\":
+            i += 2
+            if pattern[i - 1:i] in _BRACED_ESCAPES and pattern[i:i + 1] == "{":
+                i = _after(pattern, i, "}")
+            last = int(pattern[i - 1:i] not in ("b", "B"))
+        elif c == "[":
+            i, last = _class_end(pattern, i), 1
+        elif c == "(":
+            frames.append([0, cap])
+            i += 1
+            continue
+        elif c == ")" and len(frames) > 1:
+            alt, fewest = frames.pop()
+            last = min(alt, fewest)
+            i += 1
+        elif c == "|":
+            frame = frames[-1]
+            frame[1], frame[0] = min(frame[1], frame[0]), 0
+            i += 1
+            continue
+        elif c in "*?":
+            count, i = 0, i + 1
+        elif c == "+":
+            count, i = 1, i + 1
+        elif c == "{" and (counted := _count(pattern, i)) is not None:
+            count, i = counted[3], counted[2]
+        else:
+            last, i = int(c not in "^$"), i + 1
+        frame = frames[-1]
+        if count is not None:
+            if pattern[i:i + 1] in ("?", "+"):
+                i += 1
+            frame[0] = min(frame[0] - last + last * count, cap)
+            last = 0
+        else:
+            frame[0] = min(frame[0] + last, cap)
+    while len(frames) > 1:
+        alt, fewest = frames.pop()
+        frames[-1][0] = min(frames[-1][0] + min(alt, fewest), cap)
+    return min(frames[0][0], frames[0][1])
+
+
+def answer_min_chars(schema: Any) -> int:
+    """A lower bound of the characters of any JSON value valid against `schema`, as our grammars write JSON (", "
+    and ": "), capped past MAX_ANSWER_CHARS: the longest of what its own keywords and its `allOf` force, the fewest
+    of its `anyOf`'s or `oneOf`'s; a `$ref` counts 0 (a lower bound, and no reference is followed). Recursive on a
+    schema whose depth wire's bounds cap; each subschema counted once."""
+    if not isinstance(schema, dict):
+        return 0
+    cap = MAX_ANSWER_CHARS + 1
+    bounds = [0]
+    if "const" in schema:
+        bounds.append(len(json.dumps(schema["const"], ensure_ascii=False)))
+    if isinstance(values := schema.get("enum"), list) and values:
+        bounds.append(min(len(json.dumps(v, ensure_ascii=False)) for v in values))
+    for key in ("anyOf", "oneOf"):
+        if isinstance(branches := schema.get(key), list) and branches:
+            bounds.append(min(answer_min_chars(b) for b in branches))
+    if isinstance(branches := schema.get("allOf"), list):
+        bounds += [answer_min_chars(b) for b in branches]
+    kind = schema.get("type")
+    if kind == "string":
+        pattern = schema.get("pattern")
+        bounds.append(2 + max(_int(schema.get("minLength")),
+                              pattern_min_chars(pattern) if isinstance(pattern, str) else 0))
+    elif kind == "array":
+        items = min(_int(schema.get("minItems")), cap)
+        prefix = schema.get("prefixItems") if isinstance(schema.get("prefixItems"), list) else []
+        each = [answer_min_chars(p) + 2 for p in prefix[:items]]
+        rest = (items - len(each)) * (answer_min_chars(schema.get("items")) + 2) if items > len(each) else 0
+        bounds.append(2 + sum(each) + rest)
+    elif kind == "object":
+        props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+        required = schema.get("required") if isinstance(schema.get("required"), list) else []
+        bounds.append(2 + sum(len(name) + 6 + answer_min_chars(props.get(name))
+                              for name in dict.fromkeys(required) if isinstance(name, str)))
+    return min(max(bounds), cap)
+
+
+def _int(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
+def check_answer_length(schema: dict[str, Any]) -> None:
+    """Raise a ValidationError (at the schema) when every answer valid against it holds more than MAX_ANSWER_CHARS:
+    llguidance computes the characters such a schema forces ahead, on the engine's step loop (an array of at least
+    1,000 strings of `^a{5000}$`: 2.3 s and 289 MiB a token, for the whole batch; 100,000 of them: 29.5 s and 2 GiB,
+    then a failure), and no answer that long fits any model's output."""
+    if answer_min_chars(schema) > MAX_ANSWER_CHARS:
+        raise refuse((), f"every answer this schema allows holds more than {MAX_ANSWER_CHARS:,} characters (its "
+                         f"minItems, minLength, patterns and required properties together); no model writes an "
+                         f"answer that long, and a grammar would force it ahead")

@@ -111,3 +111,32 @@ def test_recursion_through_properties_and_items_passes() -> None:
     twice = {"$defs": {"a": {"type": "string"}}, "allOf": [{"$ref": "#/$defs/a"}, {"$ref": "#/$defs/a"}]}
     assert refusal(twice) is None  # one subschema reached twice is no cycle
     assert refusal(NESTED_SCHEMA) is None
+
+
+def strings(n: int, pattern: str) -> dict[str, Any]:
+    return {"type": "array", "items": {"type": "string", "pattern": pattern}, "minItems": n}
+
+
+@pytest.mark.parametrize("schema", [
+    strings(1000, "^a{5000}$"),  # 2.3 s and 289 MiB of the step loop a token, for the whole batch
+    strings(100_000, "^a{5000}$"),  # 29.5 s and 2 GiB, then "Too many items"
+    {"type": "array", "items": {"const": "x"}, "minItems": 1_000_000},  # failed at the first token
+    {"type": "object", "required": [f"p{i}" for i in range(20)],
+     "properties": {f"p{i}": {"type": "string", "pattern": "^a{9999}$"} for i in range(20)}},
+    {"type": "array", "prefixItems": [{"type": "string", "minLength": 60_000}] * 2, "minItems": 2},
+])
+def test_a_schema_whose_every_answer_is_too_long_to_write_is_refused(schema: dict[str, Any]) -> None:
+    for tools, at in ((False, SCHEMA), (True, "tools.0.function.parameters")):
+        err = refusal(schema, tools=tools)
+        assert err is not None and err.param == at and "more than 100,000 characters" in err.message, err
+
+
+@pytest.mark.parametrize("schema", [
+    strings(3, "^a{5000}$"),
+    {"type": "array", "items": {"type": "integer"}, "minItems": 10_000},
+    {"anyOf": [{"type": "string", "minLength": 1_000_000}, {"type": "null"}]},  # the null answer is short
+    {"type": "string", "minLength": 99_000},
+    {"type": "array", "items": {"type": "string", "pattern": "^(a{5000})?$"}, "minItems": 1000},  # "" is an item
+])
+def test_a_schema_that_allows_a_short_enough_answer_passes(schema: dict[str, Any]) -> None:
+    assert refusal(schema) is None
