@@ -17,7 +17,9 @@ Three checks, one pass each, linear in the schema's size:
   MAX_PATTERN_WEIGHT (10,000: `^a{10000}$` and `^(a{100}){100}$` masked in under 40 ms a token), or its own length
   where that is more (a long pattern that repeats nothing weighs what a `const` that long does). The scan reads
   ECMA-262 regexes as llguidance does closely enough to weigh them; it never decides whether one is valid (the
-  compiler says so, as before).
+  compiler says so, as before). A `minLength` beside a pattern may be at most MAX_MIN_LENGTH_BESIDE_PATTERN (2,000):
+  llguidance meets the two character by character (`^a*$` with minLength 3,000: 48 ms a token; 5,000: "too many
+  expressions constructed" at the first token).
 - `check_self_references`: no `$ref` may lead back to a subschema that reached it through in-place keywords only
   (`allOf`, `anyOf`, `oneOf`, `not`, `if`/`then`/`else`, `dependentSchemas`, `$ref`): such recursion never nests
   into the value: a validator following it never ends, and llguidance failed on the first token (or at compile
@@ -46,6 +48,7 @@ from wire.schema_alternatives import resolve_ref
 
 MAX_PATTERN_WEIGHT = 10_000  # a pattern's atoms, each times the repetition counts around it
 MAX_ANSWER_CHARS = 100_000  # the fewest characters an answer valid against the schema may hold
+MAX_MIN_LENGTH_BESIDE_PATTERN = 2_000  # a string's minLength where it has a pattern too
 VALUES = frozenset({"enum", "const", "default", "examples"})  # instances, not subschemas: never read as schemas
 # names to subschemas: a name is never read as a keyword (a property named `enum` or `pattern` is a subschema)
 NAMED = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
@@ -176,6 +179,10 @@ def check_patterns(schema: dict[str, Any]) -> None:
         stack += subschemas(node, path)
         if isinstance(pattern := node.get("pattern"), str):
             _check_pattern(pattern, (*path, "pattern"))
+            if _int(node.get("minLength")) > MAX_MIN_LENGTH_BESIDE_PATTERN:
+                raise refuse((*path, "minLength"), f"a minLength beside a pattern may be at most "
+                                                   f"{MAX_MIN_LENGTH_BESIDE_PATTERN:,}: a grammar meets the two "
+                                                   f"character by character")
         if isinstance(named := node.get("patternProperties"), dict):
             for name in named:
                 _check_pattern(name, (*path, "patternProperties", name))

@@ -140,3 +140,13 @@ def test_a_schema_whose_every_answer_is_too_long_to_write_is_refused(schema: dic
 ])
 def test_a_schema_that_allows_a_short_enough_answer_passes(schema: dict[str, Any]) -> None:
     assert refusal(schema) is None
+
+
+def test_a_long_min_length_beside_a_pattern_is_refused_naming_it() -> None:
+    """`^a*$` with minLength 5,000: "too many expressions constructed" at the first token; without the pattern, or
+    with a shorter minLength, it passes."""
+    heavy = {"type": "object", "properties": {"s": {"type": "string", "pattern": "^a*$", "minLength": 5000}}}
+    err = refusal(heavy)
+    assert err is not None and err.param == f"{SCHEMA}.properties.s.minLength", err
+    assert refusal({"type": "string", "minLength": 5000}) is None
+    assert refusal({"type": "string", "pattern": "^a*$", "minLength": 2000, "maxLength": 50_000}) is None
