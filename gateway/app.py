@@ -41,6 +41,7 @@ from gateway.pipeline.reserve import ReserveStage
 from gateway.pipeline.route import RouteStage
 from gateway.pipeline.settle import Settler
 from gateway.pipeline.tier_call import TierCaller
+from gateway.redis_eviction import check_redis_eviction
 from gateway.rollout.guards import tier_guards_error
 from gateway.rollout.service import RolloutService
 from gateway.rollout.shadow import Shadow
@@ -234,9 +235,13 @@ def _settle_heap() -> None:
     gc.set_threshold(GC_GEN0_THRESHOLD, 10, 10)
 
 
-def create_app(settings: Settings | None = None) -> Litestar:
+def create_app(settings: Settings | None = None, *, check_redis: bool = True) -> Litestar:
+    """The gateway's app; raises before anything starts on a bad config file, a tenant on a missing plan, or a Redis
+    that may evict keys (`check_redis`: False where the caller checked it: `tiergate serve`, its workers)."""
     settings = settings or Settings()
     catalogue, plans = load_config(settings)  # fail fast, before anything starts
+    if check_redis:
+        check_redis_eviction(settings)
     store = open_tenant_store(settings)
     try:  # a plan taken out of the plans file while tenants are on it
         check_tenant_plans(store, plans, settings.plans_file)

@@ -42,6 +42,8 @@ class Settings(BaseSettings):
     redis_failure_mode: Literal["open", "closed"] = "open"  # open: local limits; closed: 503
     redis_max_connections: int = 64  # per replica; a request waits for a free one (back-pressure, not an outage)
     redis_pool_wait_s: float = 2.0  # ...this long at most, then a retryable 503
+    # start even when that Redis may evict keys (a maxmemory with a policy but noeviction): gateway/redis_eviction.py
+    redis_allow_eviction: bool = False
     quota_reap_every_s: float = Field(5.0, gt=0)  # how often each replica returns reservations whose lease ran out
     # a reservation's lease: a request still running past a third of it renews it at each reap round, so it runs out
     # only for a replica that died (or lost the store) before settling

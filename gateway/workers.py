@@ -267,9 +267,9 @@ def worker_main() -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     exit_when_orphaned()
     sock = worker_socket(settings.host, settings.port)
-    server = uvicorn.Server(uvicorn.Config(create_app(settings), log_level="warning", timeout_graceful_shutdown=5,
-                                           backlog=LISTEN_BACKLOG,
-                                           http=http_limits.for_settings(settings)))
+    app = create_app(settings, check_redis=False)  # the parent checked its Redis once for every worker
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5,
+                                           backlog=LISTEN_BACKLOG, http=http_limits.for_settings(settings)))
     server.run(sockets=[sock])
     sys.exit(0 if server.started else STARTUP_FAILURE)
 

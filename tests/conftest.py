@@ -252,22 +252,25 @@ def _wait_for_tiers(gw: Gateway, names: set[str], timeout_s: float = 20.0) -> No
 
 
 class RedisServer:
-    """A real redis-server on a free loopback port, for the Redis backend's tests."""
+    """A real redis-server on a free loopback port, for the Redis backend's tests; `args`: more of its options
+    (`--maxmemory-policy allkeys-lru`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *args: str) -> None:
         self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.args = args
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> RedisServer:
         self.proc = subprocess.Popen(["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                      "--appendonly", "no", *self.args],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.time() + 10
         while time.time() < deadline:
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
                     s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
+                    if s.recv(16).startswith((b"+PONG", b"-NOAUTH")):  # up (with --requirepass: locked)
                         return self
             except OSError:
                 time.sleep(0.05)

@@ -22,6 +22,7 @@ from gateway.cli.first_use import start_background_builds
 from gateway.cli.options import data_dir_option, settings_from
 from gateway.config_files import ConfigFileError
 from gateway.pipeline.prompt import tokenizer_source
+from gateway.redis_eviction import RedisEvicts, check_redis_eviction
 from gateway.routes.health import readiness
 from gateway.settings import Settings
 from gateway.stores import DatabaseUnreachable, open_tenant_store
@@ -65,7 +66,8 @@ def serve(host: str | None, port: int | None, tiers_file: Path | None, plans_fil
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health probe is noise
     try:
         catalogue, plans = load_config(settings)
-    except ConfigFileError as exc:
+        check_redis_eviction(settings)  # once, for every worker, before models are prepared
+    except (ConfigFileError, RedisEvicts) as exc:
         raise click.ClickException(str(exc)) from exc
     versions = [v for t in catalogue.tiers.values() for v in (t.variants.values() or [t])]  # every version runs
     sources = {v.model for v in versions if v.backend == "local"}
@@ -91,7 +93,7 @@ def serve(host: str | None, port: int | None, tiers_file: Path | None, plans_fil
         run_workers(settings, catalogue, keys)
         return
     try:
-        app = create_app(settings)
+        app = create_app(settings, check_redis=False)
     except DatabaseUnreachable as exc:  # gone since the store above was opened
         raise click.ClickException(str(exc)) from exc
     threading.Thread(target=_announce_when_ready, args=(app, settings, keys), daemon=True).start()
