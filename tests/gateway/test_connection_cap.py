@@ -99,13 +99,20 @@ def _closed_by_peer(sock: socket.socket) -> bool:
     return bool(ready) and sock.recv(1, socket.MSG_PEEK) == b""
 
 
+_BODY = json.dumps({"model": "mid", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}).encode()
+
+
+def _head(key: str, length: int) -> bytes:
+    """A chat request's line and headers, with `key`, for a body of `length` bytes."""
+    return (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Authorization: Bearer {key}\r\nContent-Length: {length}\r\n\r\n").encode()
+
+
 def test_idle_sockets_past_the_cap_leave_other_tenants_served(capped_gateway: Gateway) -> None:
     url = urlparse(capped_gateway.url)
-    body = json.dumps({"model": "mid", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}).encode()
+    body = _BODY
     busy = socket.create_connection((url.hostname, url.port))  # a request begun, its body not all sent
-    busy.sendall((f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  f"Authorization: Bearer {capped_gateway.tenant_key}\r\nContent-Length: {len(body)}\r\n\r\n").encode()
-                 + body[:5])
+    busy.sendall(_head(capped_gateway.tenant_key, len(body)) + body[:5])
     with capped_gateway.client(capped_gateway.tenant_key) as c:
         assert c.get("/v1/models").status_code == 200  # the busy request's head has been read by now
     idle = [socket.create_connection((url.hostname, url.port)) for _ in range(3 * CAP)]
@@ -129,11 +136,9 @@ def test_request_heads_begun_and_never_finished_past_the_cap_leave_other_tenants
     heads began first make room for new ones. They counted as busy, so the cap's worth of them closed every other
     tenant's new connection at once (the tenant's request got a reset) until the request deadline."""
     url = urlparse(capped_gateway.url)
-    body = json.dumps({"model": "mid", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}).encode()
+    body = _BODY
     busy = socket.create_connection((url.hostname, url.port))  # a whole head, its body not all sent
-    busy.sendall((f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  f"Authorization: Bearer {capped_gateway.tenant_key}\r\nContent-Length: {len(body)}\r\n\r\n").encode()
-                 + body[:5])
+    busy.sendall(_head(capped_gateway.tenant_key, len(body)) + body[:5])
     with capped_gateway.client(capped_gateway.tenant_key) as c:
         assert c.get("/v1/models").status_code == 200  # the busy request's head has been read by now
     begun = []
@@ -162,13 +167,12 @@ def test_request_bodies_begun_and_never_finished_past_the_cap_leave_other_tenant
     so the cap's worth of them closed every other tenant's new connection at once until the request deadline. A
     request that is whole and being answered (a stream) is never closed for room."""
     url = urlparse(capped_gateway.url)
-    body = json.dumps({"model": "mid", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}).encode()
+    body = _BODY
     slow = json.dumps({"model": "mid", "stream": True, "max_tokens": 6,
                        "messages": [{"role": "user", "content": "STUB:slow hi"}]}).encode()
 
     def head(length: int) -> bytes:
-        return (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                f"Authorization: Bearer {capped_gateway.tenant_key}\r\nContent-Length: {length}\r\n\r\n").encode()
+        return _head(capped_gateway.tenant_key, length)
 
     answering = socket.create_connection((url.hostname, url.port))
     answering.sendall(head(len(slow)) + slow)
