@@ -27,10 +27,11 @@ Three checks, one pass each, linear in the schema's size:
   passes. A cycle with a way out (`{"anyOf": [{"type": "string"}, {"$ref": "#"}]}`, which llguidance takes) is
   refused too: it says no more than its way out does.
 - `check_answer_length`: the fewest characters any answer valid against the schema holds (a lower bound: minItems
-  times its items', minLength, a pattern's fewest characters, required properties, consts; the fewest of an anyOf's
-  branches) may be at most MAX_ANSWER_CHARS (100,000). llguidance computes what a schema forces ahead, on the step
-  loop: 1,000 required strings of `^a{5000}$` cost 2.3 s and 289 MiB a token, 100,000 of them 29.5 s and 2 GiB and
-  then a failure, a million required `"x"` failed at the first token; and no model writes an answer that long.
+  times its items', minLength, a pattern's fewest characters, required properties, consts, what a `$ref` points
+  to; the fewest of an anyOf's branches) may be at most MAX_ANSWER_CHARS (100,000). llguidance computes what a
+  schema forces ahead, on the step loop: 1,000 required strings of `^a{5000}$` cost 2.3 s and 289 MiB a token,
+  100,000 of them 29.5 s and 2 GiB and then a failure, a million required `"x"` failed at the first token; and no
+  model writes an answer that long.
 
 A refusal is a pydantic ValidationError whose location goes on from the schema's (`...schema.properties.a.pattern`),
 so the 400 names the keyword itself (wire/validation.py `describe`).
@@ -321,24 +322,43 @@ def pattern_min_chars(pattern: str) -> int:
     return min(frames[0][0], frames[0][1])
 
 
-def answer_min_chars(schema: Any) -> int:
+def answer_min_chars(schema: Any, root: Any = None, _refs: dict[int, int] | None = None) -> int:
     """A lower bound of the characters of any JSON value valid against `schema`, as our grammars write JSON (", "
-    and ": "), capped past MAX_ANSWER_CHARS: the longest of what its own keywords and its `allOf` force, the fewest
-    of its `anyOf`'s or `oneOf`'s; a `$ref` counts 0 (a lower bound, and no reference is followed). Recursive on a
-    schema whose depth wire's bounds cap; each subschema counted once."""
+    and ": "), capped past MAX_ANSWER_CHARS: the longest of what its own keywords, its `allOf` and its local `$ref`
+    force, the fewest of its `anyOf`'s or `oneOf`'s. A `$ref` is read against `root` (`schema` itself by default),
+    each target counted once (`_refs`), and one reached again while it is being counted counts 0: a lower bound
+    still (a `$ref` that counted 0 let `{"items": {"$ref": "#/$defs/s"}, "minItems": 1000}` of `^a{5000}$` strings
+    through, which forces what the same items written in place do). Recursive on a schema whose depth wire's bounds
+    cap."""
     if not isinstance(schema, dict):
         return 0
+    root = schema if root is None else root
+    refs: dict[int, int] = {} if _refs is None else _refs
+
+    def fewest(sub: Any) -> int:
+        return answer_min_chars(sub, root, refs)
+
     cap = MAX_ANSWER_CHARS + 1
     bounds = [0]
+    if isinstance(ref := schema.get("$ref"), str):
+        try:
+            target = resolve_ref(root, ref)
+        except ValueError:  # refused by check_self_references where it runs; a lower bound here
+            target = None
+        if isinstance(target, dict):
+            if id(target) not in refs:
+                refs[id(target)] = 0  # reached again while being counted: 0
+                refs[id(target)] = fewest(target)
+            bounds.append(refs[id(target)])
     if "const" in schema:
         bounds.append(len(json.dumps(schema["const"], ensure_ascii=False)))
     if isinstance(values := schema.get("enum"), list) and values:
         bounds.append(min(len(json.dumps(v, ensure_ascii=False)) for v in values))
     for key in ("anyOf", "oneOf"):
         if isinstance(branches := schema.get(key), list) and branches:
-            bounds.append(min(answer_min_chars(b) for b in branches))
+            bounds.append(min(fewest(b) for b in branches))
     if isinstance(branches := schema.get("allOf"), list):
-        bounds += [answer_min_chars(b) for b in branches]
+        bounds += [fewest(b) for b in branches]
     kind = schema.get("type")
     if kind == "string":
         pattern = schema.get("pattern")
@@ -347,13 +367,13 @@ def answer_min_chars(schema: Any) -> int:
     elif kind == "array":
         items = min(_int(schema.get("minItems")), cap)
         prefix = schema.get("prefixItems") if isinstance(schema.get("prefixItems"), list) else []
-        each = [answer_min_chars(p) + 2 for p in prefix[:items]]
-        rest = (items - len(each)) * (answer_min_chars(schema.get("items")) + 2) if items > len(each) else 0
+        each = [fewest(p) + 2 for p in prefix[:items]]
+        rest = (items - len(each)) * (fewest(schema.get("items")) + 2) if items > len(each) else 0
         bounds.append(2 + sum(each) + rest)
     elif kind == "object":
         props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
         required = schema.get("required") if isinstance(schema.get("required"), list) else []
-        bounds.append(2 + sum(len(name) + 6 + answer_min_chars(props.get(name))
+        bounds.append(2 + sum(len(name) + 6 + fewest(props.get(name))
                               for name in dict.fromkeys(required) if isinstance(name, str)))
     return min(max(bounds), cap)
 

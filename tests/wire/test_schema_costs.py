@@ -124,6 +124,12 @@ def strings(n: int, pattern: str) -> dict[str, Any]:
     {"type": "object", "required": [f"p{i}" for i in range(20)],
      "properties": {f"p{i}": {"type": "string", "pattern": "^a{9999}$"} for i in range(20)}},
     {"type": "array", "prefixItems": [{"type": "string", "minLength": 60_000}] * 2, "minItems": 2},
+    # the same through a $ref (which counted 0): llguidance forces what it points to as it forces the same in place
+    {"$defs": {"s": {"type": "string", "pattern": "^a{5000}$"}}, "type": "array", "items": {"$ref": "#/$defs/s"},
+     "minItems": 1000},
+    {"$defs": {"s": {"type": "string", "pattern": "^a{9999}$"}}, "type": "object",
+     "required": [f"p{i}" for i in range(20)], "properties": {f"p{i}": {"$ref": "#/$defs/s"} for i in range(20)}},
+    {"$defs": {"a": {"type": "array", "items": {"const": "x"}, "minItems": 40_000}}, "$ref": "#/$defs/a"},
 ])
 def test_a_schema_whose_every_answer_is_too_long_to_write_is_refused(schema: dict[str, Any]) -> None:
     for tools, at in ((False, SCHEMA), (True, "tools.0.function.parameters")):
@@ -137,6 +143,11 @@ def test_a_schema_whose_every_answer_is_too_long_to_write_is_refused(schema: dic
     {"anyOf": [{"type": "string", "minLength": 1_000_000}, {"type": "null"}]},  # the null answer is short
     {"type": "string", "minLength": 99_000},
     {"type": "array", "items": {"type": "string", "pattern": "^(a{5000})?$"}, "minItems": 1000},  # "" is an item
+    {"$defs": {"s": {"type": "string", "pattern": "^a{5000}$"}}, "type": "array", "items": {"$ref": "#/$defs/s"},
+     "minItems": 3},
+    # a reference reached again while it is counted counts 0 (the walk ends)
+    {"$defs": {"n": {"type": "object", "required": ["next"], "properties": {"next": {"$ref": "#/$defs/n"}}}},
+     "$ref": "#/$defs/n", "minItems": 1},
 ])
 def test_a_schema_that_allows_a_short_enough_answer_passes(schema: dict[str, Any]) -> None:
     assert refusal(schema) is None
