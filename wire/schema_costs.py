@@ -40,6 +40,7 @@ so the 400 names the keyword itself (wire/validation.py `describe`).
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 from urllib.parse import unquote
 
@@ -76,6 +77,7 @@ def pattern_limit(pattern: str) -> int:
 def pattern_weight(pattern: str) -> int:
     """The weight of an ECMA-262 pattern (see the module), capped just past its `pattern_limit`. One pass."""
     cap = pattern_limit(pattern) + 1
+    verbose = _verbose(pattern)
     # a frame per open group: [weight so far, whether it repeats without bound inside]
     frames: list[list[Any]] = [[0, False]]
     last = 0  # the weight of the last atom or group, which a quantifier multiplies
@@ -108,6 +110,9 @@ def pattern_weight(pattern: str) -> int:
             i += 1
         elif c == "{" and (counted := _count(pattern, i)) is not None:
             quantified, (count, unbounded, i, _) = True, counted
+        elif verbose and c.isspace():  # the x flag: whitespace is no atom (`(a{1000}) {1000}` repeats the group)
+            i += 1
+            continue
         else:
             last, last_unbounded = int(c not in "^$"), False  # an anchor matches no character
             i += 1
@@ -118,7 +123,9 @@ def pattern_weight(pattern: str) -> int:
             factor = count * count if last_unbounded and count > 1 else count
             frame[0] = min(frame[0] - last + last * factor, cap)  # the atom was added once; now `factor` times
             frame[1] = frame[1] or unbounded or last_unbounded
-            last, last_unbounded = 0, False  # a quantifier after a quantifier quantifies nothing new
+            # what it repeated, repeated: a quantifier after it repeats that again (`a{1000}{1000}` is a million a's
+            # to llguidance, which held the step loop 0.83 s and then failed)
+            last, last_unbounded = min(last * factor, cap), unbounded or last_unbounded
         else:
             frame[0] = min(frame[0] + last, cap)
             frame[1] = frame[1] or last_unbounded
@@ -158,7 +165,8 @@ def _count(pattern: str, i: int) -> tuple[int, bool, int, int] | None:
     end = pattern.find("}", i)
     if end < 0:
         return None
-    low, comma, high = pattern[i + 1:end].partition(",")
+    # spaces inside are the count's (`a{ 1000000 }` is a count to llguidance: 0.28 s, then a failure)
+    low, comma, high = "".join(pattern[i + 1:end].split()).partition(",")
     if not low.isascii() or not low.isdigit() or (high and not (high.isascii() and high.isdigit())):
         return None
     # digits past ten are past any bound: never turned into a number that long
@@ -166,6 +174,26 @@ def _count(pattern: str, i: int) -> tuple[int, bool, int, int] | None:
     k = (int(high[:10]) if len(high) <= 10 else MAX_PATTERN_WEIGHT + 1) if high else 0
     unbounded = bool(comma) and not high
     return max(m + unbounded, k, 1), unbounded, end + 1, m
+
+
+def _verbose(pattern: str) -> bool:
+    """Whether `pattern` turns on the x flag (`(?x)`, `(?ix:...)`), which no ECMA-262 pattern has and llguidance
+    reads: its whitespace is then no atom."""
+    i, n = 0, len(pattern)
+    while i < n:
+        c = pattern[i]
+        if c == "\\":
+            i += 2
+        elif c == "[":
+            i = _class_end(pattern, i)
+        elif c == "(" and (flags := _FLAGS.match(pattern, i)) is not None and "x" in flags.group(1):
+            return True
+        else:
+            i += 1
+    return False
+
+
+_FLAGS = re.compile(r"\(\?([A-Za-z]*)")  # a group's flags turned on: `(?ix`, `(?i-x` (x off), `(?:` (none)
 
 
 def check_patterns(schema: dict[str, Any]) -> None:
