@@ -198,8 +198,10 @@ _FLAGS = re.compile(r"\(\?([A-Za-z]*)")  # a group's flags turned on: `(?ix`, `(
 
 def check_patterns(schema: dict[str, Any]) -> None:
     """Raise a ValidationError located at the first `pattern` (or `patternProperties` name) that weighs more than
-    MAX_PATTERN_WEIGHT. Iterative; each node visited once."""
+    MAX_PATTERN_WEIGHT, or at a minLength past MAX_MIN_LENGTH_BESIDE_PATTERN that one string must meet with a
+    pattern (beside it, or joined to it by `allOf` or `$ref`). Iterative; each node visited once."""
     stack: list[tuple[Any, Path]] = [(schema, ())]
+    long_min: list[tuple[dict[str, Any], Path]] = []  # schemas with a minLength past the bound, and no pattern
     while stack:
         node, path = stack.pop()
         if isinstance(node, list):
@@ -208,13 +210,64 @@ def check_patterns(schema: dict[str, Any]) -> None:
         stack += subschemas(node, path)
         if isinstance(pattern := node.get("pattern"), str):
             _check_pattern(pattern, (*path, "pattern"))
-            if _int(node.get("minLength")) > MAX_MIN_LENGTH_BESIDE_PATTERN:
-                raise refuse((*path, "minLength"), f"a minLength beside a pattern may be at most "
-                                                   f"{MAX_MIN_LENGTH_BESIDE_PATTERN:,}: a grammar meets the two "
-                                                   f"character by character")
+        if _int(node.get("minLength")) > MAX_MIN_LENGTH_BESIDE_PATTERN:
+            long_min.append((node, path))
         if isinstance(named := node.get("patternProperties"), dict):
             for name in named:
                 _check_pattern(name, (*path, "patternProperties", name))
+    _check_min_length_beside_pattern(schema, long_min)
+
+
+def _check_min_length_beside_pattern(root: dict[str, Any], long_min: list[tuple[dict[str, Any], Path]]) -> None:
+    """Refuse the first of `long_min` that one string must meet with a pattern: its own, or one joined to it by
+    `allOf` or `$ref`, which llguidance merges into the string's (`{"allOf": [{"pattern": "^a*$"}, {"minLength":
+    5000}]}`, or a `$ref` to a patterned string beside the minLength: "too many expressions constructed" at the first
+    token, as beside it). A schema is joined to what it reaches that way and to what reaches it (one member of an
+    allOf meets its siblings)."""
+    if not long_min:
+        return
+    # the schemas joined by allOf and $ref, each group one string: a union-find over them, by identity
+    parent: dict[int, int] = {}
+
+    def find(key: int) -> int:
+        while (up := parent.get(key, key)) != key:
+            parent[key] = parent.get(up, up)  # halving the path: many schemas joined to one stay cheap to find
+            key = up
+        return key
+
+    def join(a: dict[str, Any], b: dict[str, Any]) -> None:
+        parent[find(id(a))] = find(id(b))
+
+    patterned: list[int] = []
+    seen: set[int] = set()
+    stack: list[Any] = [root]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(v for v in node if isinstance(v, dict | list))
+            continue
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        stack += [v for v, _ in subschemas(node, ())]
+        if isinstance(node.get("pattern"), str):
+            patterned.append(id(node))
+        for branch in node.get("allOf") if isinstance(node.get("allOf"), list) else ():
+            if isinstance(branch, dict):
+                join(branch, node)
+        if isinstance(ref := node.get("$ref"), str):
+            try:
+                target = resolve_ref(root, ref)
+            except ValueError:  # refused by check_self_references
+                continue
+            if isinstance(target, dict):
+                join(target, node)
+    with_pattern = {find(key) for key in patterned}
+    for node, path in long_min:
+        if find(id(node)) in with_pattern:
+            raise refuse((*path, "minLength"), f"a minLength beside a pattern may be at most "
+                                               f"{MAX_MIN_LENGTH_BESIDE_PATTERN:,}: a grammar meets the two "
+                                               f"character by character")
 
 
 def subschemas(node: dict[str, Any], path: Path) -> list[tuple[Any, Path]]:

@@ -164,3 +164,24 @@ def test_a_long_min_length_beside_a_pattern_is_refused_naming_it() -> None:
     assert err is not None and err.param == f"{SCHEMA}.properties.s.minLength", err
     assert refusal({"type": "string", "minLength": 5000}) is None
     assert refusal({"type": "string", "pattern": "^a*$", "minLength": 2000, "maxLength": 50_000}) is None
+
+
+@pytest.mark.parametrize(("schema", "where"), [
+    ({"allOf": [{"type": "string", "pattern": "^a*$"}, {"minLength": 5000}]}, "allOf.1.minLength"),
+    ({"$defs": {"p": {"type": "string", "pattern": "^a*$"}}, "$ref": "#/$defs/p", "minLength": 5000}, "minLength"),
+    ({"$defs": {"m": {"minLength": 5000}}, "type": "object", "properties": {
+        "s": {"type": "string", "pattern": "^a*$", "allOf": [{"$ref": "#/$defs/m"}]}}}, "$defs.m.minLength"),
+])
+def test_a_long_min_length_joined_to_a_pattern_by_all_of_or_ref_is_refused(schema: dict[str, Any], where: str) -> None:
+    """llguidance merges what allOf and $ref join into one string's: each of these failed at the first token ("too
+    many expressions constructed", probe), as the pattern and minLength side by side do; they passed."""
+    err = refusal(schema)
+    assert err is not None and err.param == f"{SCHEMA}.{where}", err
+
+
+def test_a_long_min_length_in_another_branch_than_the_pattern_passes() -> None:
+    """Alternatives are not merged (llguidance took these at a millisecond a token), nor are separate properties."""
+    assert refusal({"anyOf": [{"type": "string", "pattern": "^a*$"}, {"type": "string", "minLength": 5000}]}) is None
+    assert refusal({"type": "string", "minLength": 5000, "anyOf": [{"pattern": "^a*$"}, {"pattern": "^b*$"}]}) is None
+    assert refusal({"type": "object", "properties": {"a": {"type": "string", "pattern": "^a*$"},
+                                                     "b": {"type": "string", "minLength": 5000}}}) is None
