@@ -17,7 +17,8 @@ Three checks, one pass each, linear in the schema's size:
   MAX_PATTERN_WEIGHT (10,000: `^a{10000}$` and `^(a{100}){100}$` masked in under 40 ms a token), or its own length
   where that is more (a long pattern that repeats nothing weighs what a `const` that long does). The scan reads
   ECMA-262 regexes as llguidance does closely enough to weigh them; it never decides whether one is valid (the
-  compiler says so, as before). A `minLength` beside a pattern may be at most MAX_MIN_LENGTH_BESIDE_PATTERN (2,000):
+  compiler says so, as before). A `minLength` beside a pattern (or joined to one by `allOf` or `$ref`,
+  which llguidance merges) may be at most MAX_MIN_LENGTH_BESIDE_PATTERN (2,000):
   llguidance meets the two character by character (`^a*$` with minLength 3,000: 48 ms a token; 5,000: "too many
   expressions constructed" at the first token).
 - `check_self_references`: no `$ref` may lead back to a subschema that reached it through in-place keywords only
