@@ -150,6 +150,7 @@ class LimitedProtocol(HttpToolsProtocol):
         self._dropping = False  # past MAX_PIPELINED: what comes is dropped while the queued requests are answered
         self._in_body = False  # the current request's head is whole, its body has not all come
         self._body_bytes = 0  # bytes received since, in reads that did not end the request
+        self._queued_behind: Any = None  # the request cycle before the one being read (`_drop_queued`)
 
     def data_received(self, data: bytes) -> None:
         if self._dropping:  # past MAX_PIPELINED: the parser has stopped; the queued requests are being answered
@@ -208,6 +209,8 @@ class LimitedProtocol(HttpToolsProtocol):
             self._end_pipeline()
             return
         log.debug("closed a connection from %s: request refused by the parser", self.client)
+        if self._refusal is None and self._drop_queued():
+            return
         cycle = self.cycle
         if self._refusal is None and cycle is not None and not cycle.response_started:
             # its body's framing broke (a bad chunk) while its app waits on the body: the app sees its client gone,
@@ -233,6 +236,18 @@ class LimitedProtocol(HttpToolsProtocol):
         else:
             self.cycle.keep_alive = False  # type: ignore[union-attr]
 
+    def _drop_queued(self) -> bool:
+        """Whether the request being read, its body broken (a bad chunk, its framing past the bound), was queued
+        behind one being answered (pipelined): then it is dropped, unanswered, those before it are answered, the
+        last closing the connection, and what else comes is dropped. Its refusal written at once went out ahead of
+        the answer being made (its client read the 400 as that answer), and the end after it cut that answer."""
+        if not (self.pipeline and self.pipeline[0][0] is self.cycle):
+            return False
+        self.pipeline.popleft()
+        self.cycle = self._queued_behind  # the newest request before it: queued too, or being answered
+        self._end_pipeline()
+        return True
+
     def _body_overflow(self) -> None:
         """A request's bytes after its head passed `max_body_wire_bytes` and it has not ended: a body in chunks
         whose extensions or size lines never end, or of bytes one a chunk, or one sent after an early answer. The
@@ -242,6 +257,8 @@ class LimitedProtocol(HttpToolsProtocol):
         already is the last; the connection closes lingering."""
         log.debug("closed a connection from %s: request body framing over %d bytes", self.client,
                   self.max_body_wire_bytes)
+        if self._drop_queued():
+            return
         cycle = self.cycle
         if cycle is not None and not cycle.response_started:
             cycle.disconnected = True
@@ -279,6 +296,7 @@ class LimitedProtocol(HttpToolsProtocol):
         self._in_head, self._in_body, self._body_bytes = False, True, 0
         if self._idle():  # its app is about to read the body: closable for room until the request is whole
             self.client_connections.receiving(self)
+        self._queued_behind = self.cycle  # uvicorn's `cycle` becomes this request's, queued or not
         super().on_headers_complete()
         if self.cycle is not None:  # what the app itself logs through uvicorn (its tracebacks) is never limited
             self.cycle.logger = APP_LOG

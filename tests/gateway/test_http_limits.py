@@ -377,3 +377,17 @@ def test_requests_pipelined_past_the_limit_are_not_parsed_and_the_queued_ones_ar
     assert 0 < answers <= MAX_PIPELINED + 1, answers
     last_head = got[got.rindex(b"HTTP/1.1 "):].split(b"\r\n\r\n", 1)[0].lower()
     assert b"connection: close" in last_head, last_head
+
+
+def test_a_queued_request_whose_chunks_break_does_not_answer_ahead_of_the_one_before(slow_gateway: Gateway) -> None:
+    """A whole request, and behind it in the same write one whose chunk size is not valid: the 400 for the second
+    was written at once, ahead of the first's answer, and the connection's end after it left the first unanswered
+    (its client read the 400 as its answer). Now the first is answered, the broken one dropped, then the end."""
+    first = f"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {slow_gateway.tenant_key}\r\n\r\n".encode()
+    broken = b"POST /v1/models HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n" + b"f" * 40 + b"\r\n"
+    sock = connect(slow_gateway, first + broken + b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+    got, _ = read_until_closed(sock)
+    assert got.startswith(b"HTTP/1.1 200 "), got[:300]
+    assert got.count(b"HTTP/1.1 ") == 1, got[:600]  # nothing after the broken one is read as a request
+    head, _, body = got.partition(b"\r\n\r\n")
+    assert b"connection: close" in head.lower() and json.loads(body)["object"] == "list"
