@@ -41,15 +41,14 @@ so the 400 names the keyword itself (wire/validation.py `describe`).
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
 from urllib.parse import unquote
 
 from pydantic_core import InitErrorDetails, PydanticCustomError, ValidationError
 
+from wire.regex_costs import MAX_PATTERN_WEIGHT, pattern_limit, pattern_min_chars, pattern_weight
 from wire.schema_alternatives import resolve_ref
 
-MAX_PATTERN_WEIGHT = 10_000  # a pattern's atoms, each times the repetition counts around it
 MAX_ANSWER_CHARS = 100_000  # the fewest characters an answer valid against the schema may hold
 MAX_MIN_LENGTH_BESIDE_PATTERN = 2_000  # a string's minLength where it has a pattern too
 VALUES = frozenset({"enum", "const", "default", "examples"})  # instances, not subschemas: never read as schemas
@@ -57,7 +56,6 @@ VALUES = frozenset({"enum", "const", "default", "examples"})  # instances, not s
 NAMED = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
 _IN_PLACE_LISTS = ("allOf", "anyOf", "oneOf")
 _IN_PLACE_ONE = ("not", "if", "then", "else")
-_BRACED_ESCAPES = frozenset("pPux")  # `\p{L}`, `\u{1F600}`, `\x{41}`: the braces are the escape's, not a count
 
 Path = tuple[str | int, ...]
 
@@ -67,134 +65,6 @@ def refuse(path: Path, message: str) -> ValidationError:
     schema bounds)."""
     error = PydanticCustomError("value_error", "{reason}", {"reason": message})
     return ValidationError.from_exception_data("schema", [InitErrorDetails(type=error, loc=path, input=None)])
-
-
-def pattern_limit(pattern: str) -> int:
-    """The most `pattern` may weigh: MAX_PATTERN_WEIGHT, or its own length where that is more (a long pattern that
-    repeats nothing costs what a `const` of its length does, which the schema's size bounds)."""
-    return max(MAX_PATTERN_WEIGHT, len(pattern))
-
-
-def pattern_weight(pattern: str) -> int:
-    """The weight of an ECMA-262 pattern (see the module), capped just past its `pattern_limit`. One pass."""
-    cap = pattern_limit(pattern) + 1
-    verbose = _verbose(pattern)
-    # a frame per open group: [weight so far, whether it repeats without bound inside]
-    frames: list[list[Any]] = [[0, False]]
-    last = 0  # the weight of the last atom or group, which a quantifier multiplies
-    last_unbounded = False
-    i, n = 0, len(pattern)
-    while i < n:
-        c = pattern[i]
-        quantified = False
-        if c == "\\":
-            i += 2
-            if pattern[i - 1:i] in _BRACED_ESCAPES and pattern[i:i + 1] == "{":
-                i = _after(pattern, i, "}")
-            last, last_unbounded = 1, False
-        elif c == "[":
-            i = _class_end(pattern, i)
-            last, last_unbounded = 1, False
-        elif c == "(":
-            frames.append([0, False])
-            i += 1
-            continue
-        elif c == ")" and len(frames) > 1:
-            last, last_unbounded = frames.pop()
-            i += 1
-        elif c == "|":
-            i += 1
-            continue  # the alternatives' weights add up in their frame
-        elif c in "*+?":
-            quantified, count = True, 1
-            unbounded = c != "?"
-            i += 1
-        elif c == "{" and (counted := _count(pattern, i)) is not None:
-            quantified, (count, unbounded, i, _) = True, counted
-        elif verbose and c.isspace():  # the x flag: whitespace is no atom (`(a{1000}) {1000}` repeats the group)
-            i += 1
-            continue
-        else:
-            last, last_unbounded = int(c not in "^$"), False  # an anchor matches no character
-            i += 1
-        frame = frames[-1]
-        if quantified:
-            if pattern[i:i + 1] in ("?", "+"):  # lazy or possessive: the same repetition
-                i += 1
-            factor = count * count if last_unbounded and count > 1 else count
-            frame[0] = min(frame[0] - last + last * factor, cap)  # the atom was added once; now `factor` times
-            frame[1] = frame[1] or unbounded or last_unbounded
-            # what it repeated, repeated: a quantifier after it repeats that again (`a{1000}{1000}` is a million a's
-            # to llguidance, which held the step loop 0.83 s and then failed)
-            last, last_unbounded = min(last * factor, cap), unbounded or last_unbounded
-        else:
-            frame[0] = min(frame[0] + last, cap)
-            frame[1] = frame[1] or last_unbounded
-    while len(frames) > 1:  # an unclosed group: the compiler refuses it; weigh what is there
-        weight, _ = frames.pop()
-        frames[-1][0] = min(frames[-1][0] + weight, cap)
-    return frames[0][0]
-
-
-def _after(pattern: str, i: int, close: str) -> int:
-    """The index after the first `close` from `i` (the end when there is none)."""
-    end = pattern.find(close, i)
-    return len(pattern) if end < 0 else end + 1
-
-
-def _class_end(pattern: str, i: int) -> int:
-    """The index after the character class opening at `i` (nested classes, as llguidance's syntax has them)."""
-    depth, i = 0, i
-    while i < len(pattern):
-        c = pattern[i]
-        if c == "\\":
-            i += 2
-            continue
-        if c == "[":
-            depth += 1
-        elif c == "]":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-        i += 1
-    return i
-
-
-def _count(pattern: str, i: int) -> tuple[int, bool, int, int] | None:
-    """The counted repetition `{m}`, `{m,}` or `{m,n}` at `i`: (its count, whether it is unbounded, the index after
-    it, its least count m); None where the brace is a literal."""
-    end = pattern.find("}", i)
-    if end < 0:
-        return None
-    # spaces inside are the count's (`a{ 1000000 }` is a count to llguidance: 0.28 s, then a failure)
-    low, comma, high = "".join(pattern[i + 1:end].split()).partition(",")
-    if not low.isascii() or not low.isdigit() or (high and not (high.isascii() and high.isdigit())):
-        return None
-    # digits past ten are past any bound: never turned into a number that long
-    m = int(low[:10]) if len(low) <= 10 else MAX_PATTERN_WEIGHT + 1
-    k = (int(high[:10]) if len(high) <= 10 else MAX_PATTERN_WEIGHT + 1) if high else 0
-    unbounded = bool(comma) and not high
-    return max(m + unbounded, k, 1), unbounded, end + 1, m
-
-
-def _verbose(pattern: str) -> bool:
-    """Whether `pattern` turns on the x flag (`(?x)`, `(?ix:...)`), which no ECMA-262 pattern has and llguidance
-    reads: its whitespace is then no atom."""
-    i, n = 0, len(pattern)
-    while i < n:
-        c = pattern[i]
-        if c == "\\":
-            i += 2
-        elif c == "[":
-            i = _class_end(pattern, i)
-        elif c == "(" and (flags := _FLAGS.match(pattern, i)) is not None and "x" in flags.group(1):
-            return True
-        else:
-            i += 1
-    return False
-
-
-_FLAGS = re.compile(r"\(\?([A-Za-z]*)")  # a group's flags turned on: `(?ix`, `(?i-x` (x off), `(?:` (none)
 
 
 def check_patterns(schema: dict[str, Any]) -> None:
@@ -354,56 +224,6 @@ def _walk_in_place(root: dict[str, Any], start: dict[str, Any], path: Path, done
             stack.append((child, _in_place(root, child, child_path)))
 
 
-def pattern_min_chars(pattern: str) -> int:
-    """The fewest characters a string matching `pattern` holds (a lower bound; capped past MAX_ANSWER_CHARS)."""
-    cap = MAX_ANSWER_CHARS + 1
-    frames: list[list[int]] = [[0, cap]]  # per open group: [this alternative's count, the fewest of those closed]
-    last, i, n = 0, 0, len(pattern)
-    while i < n:
-        c = pattern[i]
-        count = None
-        if c == "\\":
-            i += 2
-            if pattern[i - 1:i] in _BRACED_ESCAPES and pattern[i:i + 1] == "{":
-                i = _after(pattern, i, "}")
-            last = int(pattern[i - 1:i] not in ("b", "B"))
-        elif c == "[":
-            i, last = _class_end(pattern, i), 1
-        elif c == "(":
-            frames.append([0, cap])
-            i += 1
-            continue
-        elif c == ")" and len(frames) > 1:
-            alt, fewest = frames.pop()
-            last = min(alt, fewest)
-            i += 1
-        elif c == "|":
-            frame = frames[-1]
-            frame[1], frame[0] = min(frame[1], frame[0]), 0
-            i += 1
-            continue
-        elif c in "*?":
-            count, i = 0, i + 1
-        elif c == "+":
-            count, i = 1, i + 1
-        elif c == "{" and (counted := _count(pattern, i)) is not None:
-            count, i = counted[3], counted[2]
-        else:
-            last, i = int(c not in "^$"), i + 1
-        frame = frames[-1]
-        if count is not None:
-            if pattern[i:i + 1] in ("?", "+"):
-                i += 1
-            frame[0] = min(frame[0] - last + last * count, cap)
-            last = 0
-        else:
-            frame[0] = min(frame[0] + last, cap)
-    while len(frames) > 1:
-        alt, fewest = frames.pop()
-        frames[-1][0] = min(frames[-1][0] + min(alt, fewest), cap)
-    return min(frames[0][0], frames[0][1])
-
-
 def answer_min_chars(schema: Any, root: Any = None, _refs: dict[int, int] | None = None) -> int:
     """A lower bound of the characters of any JSON value valid against `schema`, as our grammars write JSON (", "
     and ": "), capped past MAX_ANSWER_CHARS: the longest of what its own keywords, its `allOf` and its local `$ref`
@@ -445,7 +265,7 @@ def answer_min_chars(schema: Any, root: Any = None, _refs: dict[int, int] | None
     if kind == "string":
         pattern = schema.get("pattern")
         bounds.append(2 + max(_int(schema.get("minLength")),
-                              pattern_min_chars(pattern) if isinstance(pattern, str) else 0))
+                              pattern_min_chars(pattern, MAX_ANSWER_CHARS) if isinstance(pattern, str) else 0))
     elif kind == "array":
         items = min(_int(schema.get("minItems")), cap)
         prefix = schema.get("prefixItems") if isinstance(schema.get("prefixItems"), list) else []

@@ -12,7 +12,7 @@ import pytest
 
 from bench.structured_output import NESTED_SCHEMA
 from wire.chat_request import ChatCompletionRequest
-from wire.schema_costs import MAX_PATTERN_WEIGHT, pattern_weight
+from wire.regex_costs import MAX_PATTERN_WEIGHT, pattern_weight
 from wire.validation import BodyError, parse_body
 
 SCHEMA = "response_format.json_schema.schema"
