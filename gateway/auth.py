@@ -45,6 +45,12 @@ def _required_key(request: ASGIConnection[Any, Any, Any, Any]) -> str:
     key = presented_key(request)
     if key is None:
         raise Unauthenticated("no API key: send `Authorization: Bearer tg-…`", code="missing_api_key")
+    other = request.headers.get("x-api-key")
+    if other is not None and other != key and request.headers.get("authorization") is not None:
+        # two keys, one in each header: the Authorization one was read and the other ignored, so a caller was
+        # whoever a proxy in front did not take it for, as with a header sent twice (`_sent_once`)
+        raise InvalidRequest("the Authorization and X-API-Key headers carry different keys; send one key, in one "
+                             "of them", param="x-api-key", code="conflicting_api_keys")
     return key
 
 

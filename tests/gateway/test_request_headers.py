@@ -46,3 +46,18 @@ def test_the_keys_header_sent_twice_is_refused_on_every_route(gateway: Gateway, 
     assert error["code"] == "duplicate_header" and error["param"] == name.lower(), error
     with gateway.client(None) as c:  # sent once, it is the key
         assert c.get(route, headers=[(name, value)]).status_code == 200
+
+
+@pytest.mark.parametrize("route", ["/v1/models", "/admin/tenants", "/v1/usage"])
+def test_two_different_keys_in_the_two_key_headers_are_refused(gateway: Gateway, route: str) -> None:
+    """Authorization was read and X-API-Key ignored when both came with different keys: a valid key beside any
+    other was the valid key's request, whichever header a proxy in front read. The same key in both is one key."""
+    key = gateway.admin_key if route.startswith("/admin") else gateway.tenant_key
+    other = key.replace(key[-4:], "0000")
+    with gateway.client(None) as c:
+        for headers in ([("Authorization", f"Bearer {key}"), ("X-API-Key", other)],
+                        [("Authorization", f"Bearer {other}"), ("X-API-Key", key)]):
+            r = c.get(route, headers=headers)
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["code"] == "conflicting_api_keys", r.text
+        assert c.get(route, headers=[("Authorization", f"Bearer {key}"), ("X-API-Key", key)]).status_code == 200
