@@ -63,7 +63,7 @@ BODIES = {
     "/admin/rollouts": {"tier": "mid", "version": "v2", "share": 1.0, "reason": "forged"},
     "/admin/rollouts/{tier:str}/promote": {"reason": "forged"},
 }
-ERROR_TYPES = {401: "authentication_error", 403: "permission_error"}
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error"}
 HIDDEN = "zq7-hidden-tenant"  # a tenant of the gateway below that nothing public may name
 
 
@@ -156,8 +156,9 @@ def _refusals(gateway: Gateway, dead: dict[str, str]) -> list[tuple[str, dict[st
         ("a tenant's key", {"authorization": f"Bearer {tenant}"}, 403),
         ("a tenant's key, lower-case scheme", {"authorization": f"bearer {tenant}"}, 403),
         ("a tenant's key as X-API-Key", {"x-api-key": tenant}, 403),
+        # two keys in the two headers: refused as conflicting before either is looked up (gateway/auth.py)
         ("a tenant's bearer key beside the admin key as X-API-Key", {"authorization": f"Bearer {tenant}",
-                                                                     "x-api-key": admin}, 403),
+                                                                     "x-api-key": admin}, 400),
     ]
 
 

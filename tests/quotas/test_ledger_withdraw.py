@@ -202,7 +202,8 @@ async def test_postgres_a_row_withdrawn_while_the_table_is_locked_is_never_writt
         blocker.execute("LOCK TABLE requests IN ACCESS EXCLUSIVE MODE")
         with pytest.raises(RowWithdrawn):
             await ledger.wait_durable(ledger.submit(row(1)), withdraw=True)
-        assert not ledger.ready
+        # not asserted: `not ledger.ready` here. The writer, left with no rows, probes with an empty commit, which the
+        # table's lock does not hold up, so it may be ready again already (the full run lost that race once)
         blocker.rollback()
         blocker.close()
         for _ in range(100):  # ready again with nothing of its own to write (an empty commit told it)
