@@ -42,3 +42,8 @@ class OwnerMemo(Generic[V]):
         memo.move_to_end(key)
         while len(memo) > self.per_owner:
             memo.popitem(last=False)
+
+    def pop(self, owner: Hashable, key: Hashable) -> V | None:
+        """Forget `owner`'s value of `key`; the value, or None if none was kept."""
+        memo = self._memos.get(owner)
+        return memo.pop(key, None) if memo is not None else None

@@ -357,6 +357,9 @@ class LLMEngine:
                 code = codes.get(seq.request_id, "engine_error")
                 if code == "engine_error":
                     log.error("sampling for %s failed: %s", seq.request_id, errors[seq.request_id])
+                if seq.request_id in self.model_runner.last_grammar_limits and seq.params.output_format is not None:
+                    self.grammars.ran_past_limits(seq.params.output_format, seq.tenant,
+                                                 errors[seq.request_id].split(': ', 1)[-1])
                 self._fail(seq, errors[seq.request_id], code)
             else:
                 kept.append(token_id)
@@ -408,7 +411,7 @@ class LLMEngine:
         self._release(seq)
         self._failed_total += 1
         message = (f"response_format: the answer could not go on within the schema "
-                   f"({reason.removeprefix('GrammarError: ')})"
+                   f"({reason.split(': ', 1)[-1]})"
                    if code == RESPONSE_FORMAT_FAILED else f"the engine failed on this request ({reason})")
         self._emit(seq, "", [], finished=True, error=message, error_code=code)
 

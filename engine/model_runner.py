@@ -19,7 +19,7 @@ from assets.model_dtype import auto_dtype
 from engine import int8_dynamic, onednn_linear
 from engine.attention import AttentionMetadata
 from engine.decode_step import NativeDecodeStep
-from engine.grammar import GrammarError
+from engine.grammar import GrammarError, GrammarLimitError
 from engine.kernels import native as native_kernels
 from engine.layer_ops import NativeLayerOps
 from engine.models.llama import LlamaConfig, LlamaForCausalLM
@@ -109,6 +109,7 @@ class ModelRunner:
         self.last_errors: dict[str, str] = {}  # request id -> why its sampling failed, in the last `run`
         # request id -> the error code of a failure that is the request's own (its grammar), in the last `run`
         self.last_error_codes: dict[str, str] = {}
+        self.last_grammar_limits: set[str] = set()  # request ids whose grammar ran past its limits, in the last `run`
 
     @torch.inference_mode()
     def run(self, out: SchedulerOutput) -> list[int]:
@@ -139,6 +140,7 @@ class ModelRunner:
         self.last_logprobs = {}
         self.last_errors: dict[str, str] = {}  # request id -> why its sampling failed, this step
         self.last_error_codes = {}
+        self.last_grammar_limits = set()
         for row, i in enumerate(samplers):
             seq = out.seqs[i]
             # one sequence's failure (its sampler, its logprobs) is its own: it gets token -1 and its error in
@@ -156,6 +158,8 @@ class ModelRunner:
                 self.last_errors[seq.request_id] = f"{type(exc).__name__}: {exc}"
                 if isinstance(exc, GrammarError):  # the tenant's schema, not the engine, could not go on
                     self.last_error_codes[seq.request_id] = RESPONSE_FORMAT_FAILED
+                if isinstance(exc, GrammarLimitError):  # the schema's fault: its later requests are refused early
+                    self.last_grammar_limits.add(seq.request_id)
         return [token_of[i] for i in sorted(samplers)]
 
     @torch.inference_mode()

@@ -55,6 +55,7 @@ class ScriptedRunner:
         self.last_logprobs: dict[str, tuple[float, list[tuple[int, float]]]] = {}
         self.last_errors: dict[str, str] = {}
         self.last_error_codes: dict[str, str] = {}
+        self.last_grammar_limits: set[str] = set()
 
     def run(self, out: SchedulerOutput) -> list[int]:
         if self.step_s:
@@ -101,6 +102,7 @@ class FaultyRunner(ScriptedRunner):
         made = super().run(out)
         self.last_errors = {}
         self.last_error_codes = {}
+        self.last_grammar_limits = set()
         sampled = [seq for seq, do_sample in zip(out.seqs, out.do_sample, strict=True) if do_sample]
         for k, seq in enumerate(sampled):
             if "SAMPLE-FAIL" in prompt_text(seq):
@@ -110,6 +112,11 @@ class FaultyRunner(ScriptedRunner):
                 made[k] = -1
                 self.last_errors[seq.request_id] = "GrammarError: the response_format grammar failed"
                 self.last_error_codes[seq.request_id] = RESPONSE_FORMAT_FAILED
+            if "GRAMMAR-LIMIT" in prompt_text(seq):  # ... because the grammar ran past its limits
+                made[k] = -1
+                self.last_errors[seq.request_id] = "GrammarLimitError: the response_format grammar failed: 3999 items"
+                self.last_error_codes[seq.request_id] = RESPONSE_FORMAT_FAILED
+                self.last_grammar_limits.add(seq.request_id)
         return made
 
 

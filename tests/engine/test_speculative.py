@@ -66,6 +66,7 @@ class ChainRunner(ConstantRunner):
         self.last_logprobs: dict[str, Any] = {}
         self.last_errors: dict[str, str] = {}
         self.last_error_codes: dict[str, str] = {}
+        self.last_grammar_limits: set[str] = set()
 
     def run(self, out: SchedulerOutput) -> list[int]:
         assert self.chain is not None
