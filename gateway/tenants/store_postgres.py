@@ -26,7 +26,10 @@ failed makes the next ones fail at once for BREAKER_S rather than each waiting o
 of the pool lent out (a burst of lookups, an admin's listing) is not such a fault: a request that waited the
 pool's timeout for one gets a retryable 503 of its own (`database_busy`) and the breaker stays closed, as it
 opened for every tenant on a burst of legitimate traffic. A pool that timed out with connections to spare could
-not make one: that is a fault, and opens it.
+not make one: that is a fault, and opens it. Nor is a lookup (or a data-version read) that waited out its statement
+timeout, on another session's lock (an operator's LOCK TABLE, a long ALTER) or the database slow: the database
+answered, and that request gets `database_busy` too, the breaker closed (it opened for every tenant, with an outage
+in the log, as one query waited on one table).
 
 The admin routes' calls (`TenantStore.admin`) run on the store's admin thread, one at a time, so an admin's query
 waiting on a lock (its statement timeout) or for a connection of the pool (its timeout) waits there, not on the
@@ -141,6 +144,7 @@ class PostgresTenantStore(TenantStore):
         self._lent = 0  # pool connections our queries hold now (`_connection`)
         self._lent_lock = threading.Lock()
         self._busy_logged = 0.0  # when an exhausted pool was last logged (once a BREAKER_S at most)
+        self._cancel_logged = float("-inf")  # when a query cancelled by its statement timeout was last logged
         self._stop = threading.Event()
         self._listener: threading.Thread | None = None
         self._lookups = ThreadPoolExecutor(LOOKUP_THREADS, thread_name_prefix="tenant-lookup")
@@ -246,13 +250,16 @@ class PostgresTenantStore(TenantStore):
                 raise _busy() from exc
             self._trip(exc)  # connections to spare, yet none came: the pool cannot make one
         except pg_errors.QueryCanceled as exc:
-            if not getattr(self._tx, "admin", False):
-                self._trip(exc)
-            # an admin's change waited out its statement timeout on another session's lock: no fault of the
-            # database, so no breaker for every tenant; the server's words are the log's
-            log.warning("tenant store: an admin change waited %g s on another session's lock and was not made: %s",
-                        STATEMENT_TIMEOUT_S, exc)
-            raise _admin_busy() from exc
+            # a statement waited out its timeout (another session's lock, a slow moment) or an operator cancelled
+            # it: the database answered, so this is its caller's retryable 503 and the breaker stays closed for
+            # every tenant (an outage is a connection's fault: OperationalError, below); the server's words are
+            # the log's
+            if getattr(self._tx, "admin", False):
+                log.warning("tenant store: an admin change waited %g s on another session's lock and was not "
+                            "made: %s", STATEMENT_TIMEOUT_S, exc)
+                raise _admin_busy() from exc
+            self._log_cancelled(exc)
+            raise _busy() from exc
         except psycopg.OperationalError as exc:
             self._trip(exc)
 
@@ -272,6 +279,14 @@ class PostgresTenantStore(TenantStore):
             self._busy_logged = now
             log.warning("tenant store: all %d connections of its pool were busy for %g s; a request got 503 (the "
                         "breaker stays closed)", self._max_connections, self._pool.timeout)
+
+    def _log_cancelled(self, exc: BaseException) -> None:
+        now = time.monotonic()
+        if now - self._cancel_logged >= BREAKER_S:  # a table held locked cancels every lookup: a line a BREAKER_S
+            self._cancel_logged = now
+            log.warning("tenant store: a query (a key lookup, a data-version read) waited %g s, its statement "
+                        "timeout, and was cancelled; its request got 503 (the breaker stays closed): %s",
+                        STATEMENT_TIMEOUT_S, exc)
 
     def _trip(self, exc: BaseException) -> NoReturn:
         """A fault of the database or the way to it: queries fail at once for BREAKER_S."""

@@ -18,7 +18,7 @@ import pytest
 from gateway.errors import Conflict, InvalidRequest, NotFound, Unavailable
 from gateway.tenants.keys import MAX_TTL_S, hash_secret, parse_key
 from gateway.tenants.store import ADMIN, TenantStore
-from gateway.tenants.store_postgres import UNAVAILABLE_MESSAGE, PostgresTenantStore
+from gateway.tenants.store_postgres import BUSY_MESSAGE, UNAVAILABLE_MESSAGE, PostgresTenantStore
 from gateway.tenants.store_sqlite import FOLLOW_EVERY_S
 from quotas.plans import Limits
 
@@ -330,7 +330,8 @@ def test_an_unreachable_fleet_database_is_a_fixed_503_and_its_error_goes_to_the_
 def test_a_lookup_waiting_on_a_lock_another_session_holds_is_a_503_not_a_hang(
         database_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Another session holds the keys table (an operator's LOCK TABLE, a long ALTER): a key's lookup waited for it
-    without end, its request (and a pool connection) held; its statement timeout makes it a retryable 503."""
+    without end, its request (and a pool connection) held; its statement timeout makes it a retryable 503 of its own
+    (`database_busy`: the database answered, so no outage; tests/gateway/tenants/test_lookup_timeout.py)."""
     import threading
 
     from gateway.tenants import store_postgres
@@ -356,7 +357,7 @@ def test_a_lookup_waiting_on_a_lock_another_session_holds_is_a_503_not_a_hang(
         lookup.join(10)
         assert not hung
         assert len(raised) == 1 and isinstance(raised[0], Unavailable)
-        assert raised[0].message == UNAVAILABLE_MESSAGE and raised[0].retry_after == 2
+        assert (raised[0].code, raised[0].message, raised[0].retry_after) == ("database_busy", BUSY_MESSAGE, 1)
     finally:
         blocker.close()
         store.close()
