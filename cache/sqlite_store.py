@@ -1,17 +1,18 @@
 """`SQLiteStore`: cache entries in one SQLite file (or `:memory:`), the embedded `CacheStore` (cache/store.py).
 
 Every process that opens the same SQLite file (gateway workers, the CLI) writes through triggers that keep the
-per-tenant counts and a change log (`changes_since`), which each process's faiss index follows, as with Redis.
+per-tenant counts and a change log (`changes_since`), which each process's faiss index follows, as with Redis
+(the tables and triggers, and the measuring of a file from before the byte budget: cache/sqlite_schema.py).
 SQLite runs in WAL mode with `synchronous=NORMAL`: a crash may lose the last few cache writes, which only
 costs a later miss, never a wrong answer.
 
 Reads never wait for writes, so one tenant's stores (each a transaction that may evict) never stall another
 tenant's lookups: a file store writes through one connection under `_lock` and reads through a small pool of
-other connections, which WAL lets read the last committed state while a write transaction is open, in this
-process or another. A write is visible to every read that starts after its commit (read your own writes). A
-lookup's one write, `touch` (an LRU mark), does not wait either: while a write is in progress the mark is kept and
-written by the next write (a `put` writes the marks before it evicts by them). `:memory:` has one connection, so
-its reads still take `_lock`: tests and benchmarks only.
+other connections (`Readers`, cache/sqlite_readers.py), which WAL lets read the last committed state while a write
+transaction is open, in this process or another. A write is visible to every read that starts after its commit
+(read your own writes). A lookup's one write, `touch` (an LRU mark), does not wait either: while a write is in
+progress the mark is kept and written by the next write (a `put` writes the marks before it evicts by them).
+`:memory:` has one connection, so its reads still take `_lock`: tests and benchmarks only.
 
 SQLite's own checkpoints are off (`wal_autocheckpoint=0` on every connection): SQLite ran one inside whichever
 COMMIT took the WAL past 1,000 pages, a lookup's `touch` as often as a put, and that lookup waited out the copy of
@@ -23,7 +24,6 @@ writes about 12 pages) and no lookup ever pays for it.
 
 from __future__ import annotations
 
-import json
 import sqlite3
 import threading
 from collections.abc import Iterable, Iterator
@@ -33,81 +33,11 @@ from typing import Any
 
 import numpy as np
 
+from cache.sqlite_readers import Readers
+from cache.sqlite_schema import COLUMNS, SCHEMA, add_sizes, entry_of, entry_row
 from cache.store import MAX_BYTES_PER_TENANT, CacheStore, CacheStoreError, Entry, check_bounds, stored_bytes
 
-_SCHEMA = """
-BEGIN IMMEDIATE;
-CREATE TABLE IF NOT EXISTS entries (
-    entry_id TEXT PRIMARY KEY,
-    scope_id TEXT NOT NULL,
-    tenant TEXT NOT NULL,
-    data_version TEXT NOT NULL,
-    model_version TEXT NOT NULL,
-    exact_key TEXT NOT NULL,
-    partition TEXT NOT NULL,
-    semantic_text TEXT NOT NULL,
-    response TEXT NOT NULL,
-    usage TEXT NOT NULL,
-    metadata TEXT NOT NULL,
-    created_at REAL NOT NULL,
-    expires_at REAL,
-    last_used REAL NOT NULL,
-    embedding BLOB,
-    size INTEGER NOT NULL DEFAULT 0
-);
-CREATE UNIQUE INDEX IF NOT EXISTS entries_exact ON entries (scope_id, exact_key);
-CREATE INDEX IF NOT EXISTS entries_lru ON entries (last_used);
-CREATE INDEX IF NOT EXISTS entries_tenant ON entries (tenant, data_version);
-CREATE INDEX IF NOT EXISTS entries_tenant_lru ON entries (tenant, last_used);
-CREATE INDEX IF NOT EXISTS entries_expiry ON entries (expires_at) WHERE expires_at IS NOT NULL;
-CREATE TABLE IF NOT EXISTS changes (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT,
-    op TEXT NOT NULL,
-    entry_id TEXT NOT NULL,
-    partition TEXT NOT NULL
-);
-CREATE TABLE IF NOT EXISTS tenant_sizes (tenant TEXT PRIMARY KEY, n INTEGER NOT NULL, bytes INTEGER NOT NULL DEFAULT 0);
-CREATE TABLE IF NOT EXISTS data_bumps (tenant TEXT PRIMARY KEY, version TEXT NOT NULL, bumped_at REAL NOT NULL);
-CREATE TABLE IF NOT EXISTS entry_count (id INTEGER PRIMARY KEY CHECK (id = 0), n INTEGER NOT NULL);
-INSERT INTO tenant_sizes (tenant, n, bytes) SELECT tenant, COUNT(*), SUM(size) FROM entries
-    WHERE NOT EXISTS (SELECT 1 FROM entry_count) GROUP BY tenant;
-INSERT OR IGNORE INTO entry_count (id, n) SELECT 0, COUNT(*) FROM entries;
-"""
-# What keeps each tenant's size and the change log: one statement each (`_add_sizes` runs them one by one too)
-_TRIGGERS = ("""CREATE TRIGGER IF NOT EXISTS entries_put AFTER INSERT ON entries BEGIN
-    INSERT INTO tenant_sizes (tenant, n, bytes) VALUES (NEW.tenant, 1, NEW.size)
-        ON CONFLICT (tenant) DO UPDATE SET n = n + 1, bytes = bytes + NEW.size;
-    UPDATE entry_count SET n = n + 1;
-    INSERT INTO changes (op, entry_id, partition) SELECT 'put', NEW.entry_id, NEW.partition
-        WHERE NEW.embedding IS NOT NULL;
-END""", """CREATE TRIGGER IF NOT EXISTS entries_del AFTER DELETE ON entries BEGIN
-    UPDATE tenant_sizes SET n = n - 1, bytes = bytes - OLD.size WHERE tenant = OLD.tenant;
-    UPDATE entry_count SET n = n - 1;
-    INSERT INTO changes (op, entry_id, partition) VALUES ('del', OLD.entry_id, OLD.partition);
-END""")
-_SCHEMA += "".join(f"{trigger};\n" for trigger in _TRIGGERS) + "COMMIT;\n"
-
-# Files written before the byte budget: each row's size (`stored_bytes`, counted in SQL) and each tenant's total, once;
-# their triggers are replaced by the schema's, which count sizes too, in the same transaction (dropped alone, until
-# `_SCHEMA` made them again, a write by another process, a gateway of before still running, counted nothing).
-_TEXT_COLUMNS = ("entry_id", "scope_id", "tenant", "data_version", "model_version", "exact_key", "partition",
-                 "semantic_text", "response", "usage", "metadata")
-_SIZE_SQL = " + ".join([f"length(CAST({c} AS BLOB))" for c in _TEXT_COLUMNS] + ["COALESCE(length(embedding), 0)"])
-_ADD_SIZES = f"""
-ALTER TABLE entries ADD COLUMN size INTEGER NOT NULL DEFAULT 0;
-UPDATE entries SET size = {_SIZE_SQL};
-DROP TRIGGER IF EXISTS entries_put;
-DROP TRIGGER IF EXISTS entries_del;
-"""
-_ADD_TENANT_BYTES = """
-ALTER TABLE tenant_sizes ADD COLUMN bytes INTEGER NOT NULL DEFAULT 0;
-UPDATE tenant_sizes SET bytes = (SELECT COALESCE(SUM(size), 0) FROM entries WHERE entries.tenant = tenant_sizes.tenant);
-"""
-
-_COLUMNS = ("entry_id, scope_id, tenant, data_version, model_version, exact_key, partition, semantic_text, "
-            "response, usage, metadata, created_at, expires_at, last_used, embedding")
 MAX_CHANGES = 100_000  # change-log rows kept; a process further behind reloads its index (a 'reset')
-IDLE_READERS = 8  # read connections kept open between reads; more are opened while more threads read at once
 BUSY_TIMEOUT_MS = 5000  # how long a statement waits for another process's write lock
 # Rows written (put, touched, deleted) between checkpoints: ~1,200 WAL pages at ~12 a put (SQLite's own: 1,000).
 CHECKPOINT_EVERY = 100
@@ -129,9 +59,7 @@ class SQLiteStore(CacheStore):
         self._path = str(path)
         self._memory = self._path == ":memory:"  # one connection: its reads take _lock too
         self._lock = threading.RLock()  # the write connection, shared by threads
-        self._idle: list[sqlite3.Connection] = []  # read connections not in use (a file store's)
-        self._idle_lock = threading.Lock()
-        self._closed = False
+        self._readers = Readers(self._path, _connect)  # a file store's read connections
         self._marks: dict[str, float] = {}  # LRU marks not yet written (touched while a write was in progress)
         self._marks_lock = threading.Lock()
         self._num_puts = 0
@@ -140,11 +68,11 @@ class SQLiteStore(CacheStore):
         try:
             if not self._memory:
                 Path(path).parent.mkdir(parents=True, exist_ok=True)
-            self._db = self._connect()
+            self._db = _connect(self._path)
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._add_sizes()
-            self._db.executescript(_SCHEMA)
+            self._db.executescript(SCHEMA)
         except sqlite3.Error as exc:
             raise CacheStoreError(f"cannot open cache store {path}: {exc}") from exc
 
@@ -152,32 +80,8 @@ class SQLiteStore(CacheStore):
         return int(self._read_one("SELECT n FROM entry_count") or 0)
 
     def _add_sizes(self) -> None:
-        """Count sizes in a file written before the byte budget (`_ADD_SIZES`), in one transaction."""
-        def columns(table: str) -> set[str]:
-            return {row[1] for row in self._db.execute(f"PRAGMA table_info({table})")}
-
-        if "size" in columns("entries") or not columns("entries"):
-            return
-        self._db.execute("BEGIN IMMEDIATE")
-        try:
-            if "size" not in columns("entries"):  # not added meanwhile by another process
-                for statement in filter(str.strip, _ADD_SIZES.split(";")):
-                    self._db.execute(statement)
-                if columns("tenant_sizes") and "bytes" not in columns("tenant_sizes"):
-                    for statement in filter(str.strip, _ADD_TENANT_BYTES.split(";")):
-                        self._db.execute(statement)
-                if all(columns(table) for table in ("tenant_sizes", "entry_count", "changes")):
-                    for trigger in _TRIGGERS:  # what they count exists: counted from this commit on
-                        self._db.execute(trigger)
-            self._db.execute("COMMIT")
-        except BaseException:
-            self._db.execute("ROLLBACK")
-            raise
-
-    def _connect(self) -> sqlite3.Connection:
-        db = sqlite3.connect(self._path, check_same_thread=False, isolation_level=None, timeout=BUSY_TIMEOUT_MS / 1000)
-        db.execute("PRAGMA wal_autocheckpoint=0")  # `checkpoint` instead, in the writer thread: see the module
-        return db
+        """Count sizes in a file written before the byte budget (cache/sqlite_schema.py), in one transaction."""
+        add_sizes(self._db)
 
     # -- the write connection (under _lock) -------------------------------------------------------------
 
@@ -202,25 +106,8 @@ class SQLiteStore(CacheStore):
             with self._lock:
                 yield self._db
             return
-        with self._idle_lock:
-            if self._closed:
-                raise CacheStoreError("cache store closed")
-            db = self._idle.pop() if self._idle else None
-        try:
-            if db is None:
-                db = self._connect()
-                db.execute("PRAGMA query_only=1")
-        except sqlite3.Error as exc:
-            raise CacheStoreError(f"cannot open cache store {self._path}: {exc}") from exc
-        try:
+        with self._readers.connection() as db:
             yield db
-        finally:
-            with self._idle_lock:
-                keep = not self._closed and len(self._idle) < IDLE_READERS
-                if keep:
-                    self._idle.append(db)
-            if not keep:
-                db.close()
 
     def _read(self, sql: str, args: Iterable[Any] = ()) -> list[Any]:
         """Every row of a query, read in one statement of its own: what was committed when it started."""
@@ -241,10 +128,7 @@ class SQLiteStore(CacheStore):
         size = stored_bytes(entry)
         if self.max_bytes_per_tenant is not None and size > self.max_bytes_per_tenant:
             return None  # larger than its tenant's whole budget: it would evict everything else and still be over
-        blob = None if entry.embedding is None else np.asarray(entry.embedding, dtype=np.float32).tobytes()
-        row = (entry.entry_id, entry.scope_id, entry.tenant, entry.data_version, entry.model_version, entry.exact_key,
-               entry.partition, entry.semantic_text, entry.response, json.dumps(entry.usage),
-               json.dumps(entry.metadata), entry.created_at, entry.expires_at, entry.last_used, blob, size)
+        row = entry_row(entry, size)
         with self._lock:
             self._run("BEGIN IMMEDIATE")
             try:
@@ -257,7 +141,7 @@ class SQLiteStore(CacheStore):
                     "SELECT entry_id FROM entries WHERE (scope_id=? AND exact_key=?) OR entry_id=?",
                     (entry.scope_id, entry.exact_key, entry.entry_id))]
                 self._delete_locked(replaced)
-                self._run(f"INSERT INTO entries ({_COLUMNS}, size) VALUES ({','.join('?' * 16)})", row)
+                self._run(f"INSERT INTO entries ({COLUMNS}, size) VALUES ({','.join('?' * 16)})", row)
                 evicted = self._evict_locked(entry)
                 self._num_puts += 1
                 if self._num_puts % 1024 == 0:
@@ -317,12 +201,12 @@ class SQLiteStore(CacheStore):
         return ids
 
     def get(self, entry_id: str) -> Entry | None:
-        rows = self._read(f"SELECT {_COLUMNS} FROM entries WHERE entry_id=?", (entry_id,))
-        return _entry(rows[0]) if rows else None
+        rows = self._read(f"SELECT {COLUMNS} FROM entries WHERE entry_id=?", (entry_id,))
+        return entry_of(rows[0]) if rows else None
 
     def find_exact(self, scope_id: str, exact_key: str) -> Entry | None:
-        rows = self._read(f"SELECT {_COLUMNS} FROM entries WHERE scope_id=? AND exact_key=?", (scope_id, exact_key))
-        return _entry(rows[0]) if rows else None
+        rows = self._read(f"SELECT {COLUMNS} FROM entries WHERE scope_id=? AND exact_key=?", (scope_id, exact_key))
+        return entry_of(rows[0]) if rows else None
 
     def touch(self, entry_id: str, now: float) -> None:
         """Mark an entry used (for LRU eviction). Never waits for a write in progress, in this process or
@@ -439,7 +323,7 @@ class SQLiteStore(CacheStore):
         mark for later, as during a put. The new WAL's first commit syncs its header: done here too, not in the
         next commit, which may be a lookup's `touch`."""
         with self._lock:
-            if self._memory or self._closed:
+            if self._memory or self._readers.closed:
                 return
             self._written = 0
             try:
@@ -483,17 +367,10 @@ class SQLiteStore(CacheStore):
                     if self._db.in_transaction:
                         self._db.execute("ROLLBACK")
             self._db.close()
-        with self._idle_lock:
-            self._closed = True
-            idle, self._idle = self._idle, []
-        for db in idle:
-            db.close()
+        self._readers.close()
 
 
-
-def _entry(row: tuple[Any, ...]) -> Entry:
-    blob = row[14]
-    return Entry(entry_id=row[0], scope_id=row[1], tenant=row[2], data_version=row[3], model_version=row[4],
-                 exact_key=row[5], partition=row[6], semantic_text=row[7], response=row[8], usage=json.loads(row[9]),
-                 metadata=json.loads(row[10]), created_at=row[11], expires_at=row[12], last_used=row[13],
-                 embedding=None if blob is None else np.frombuffer(blob, dtype=np.float32))
+def _connect(path: str) -> sqlite3.Connection:
+    db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=BUSY_TIMEOUT_MS / 1000)
+    db.execute("PRAGMA wal_autocheckpoint=0")  # `checkpoint` instead, in the writer thread: see the module
+    return db
