@@ -75,7 +75,6 @@ from litestar.datastructures import State
 from cache.batcher import EmbeddingBatcher
 from cache.embedder import SPECIAL_TOKENS, Embedder, default_embedder, token_bound
 from gateway.embedding_bodies import answer_body, replay_body
-from gateway.embeddings_settle import TIER as TIER  # re-exported: gateway/routes/embeddings.py reads it here
 from gateway.embeddings_settle import EmbeddingsSettlement
 from gateway.errors import InvalidRequest, NotFound, TiergateError, Unavailable, client_error, not_ready
 from gateway.fair_threads import FairThreads

@@ -3,7 +3,7 @@ is logged, and shutdown waits for it (`drain`) before the stores it uses close.
 
 The request path hands off what must not be lost with the request's task: a quota settle (settle.py), giving back
 what a reserve or an Idempotency-Key claim admitted after its request left (reserve.py, idempotency.py), an
-embeddings answer's settle and kept answer (gateway/embeddings_service.py). Each holds its tasks here: a task
+embeddings answer's settle and kept answer (gateway/embeddings_settle.py). Each holds its tasks here: a task
 nobody holds may be collected before it ends, and a failure nobody retrieves is never seen.
 """
 

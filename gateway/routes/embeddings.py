@@ -11,7 +11,8 @@ from litestar.enums import MediaType
 from litestar.openapi import ResponseSpec
 
 from gateway.auth import provide_tenant
-from gateway.embeddings_service import TIER, EmbeddingsService
+from gateway.embeddings_service import EmbeddingsService
+from gateway.embeddings_settle import TIER
 from gateway.pipeline.context import RequestContext
 from gateway.query_params import refuse_query
 from gateway.request_headers import request_headers

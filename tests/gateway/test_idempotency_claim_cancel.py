@@ -112,7 +112,7 @@ def test_an_answer_that_failed_as_it_was_stored_is_not_kept(gateway: Gateway) ->
 
 
 def test_an_embeddings_answer_that_cannot_be_stored_is_still_written_and_settled(gateway: Gateway) -> None:
-    """gateway/embeddings_service.py: `finish_with_row` failing skipped the row and the quota's settle (held for its
+    """gateway/embeddings_settle.py: `finish_with_row` failing skipped the row and the quota's settle (held for its
     lease); now the answer is written, settled and answered, not kept, and a retry runs again."""
     store = gateway.app.state.services.pipeline.idempotency.store
     finish_with_row, calls = store.finish_with_row, []
