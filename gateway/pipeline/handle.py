@@ -37,7 +37,7 @@ from gateway.pipeline.cache_lookup import CacheLookup, CacheStage, artifact_vers
 from gateway.pipeline.cascade import cascade
 from gateway.pipeline.context import RequestContext
 from gateway.pipeline.dispatch import DispatchStage
-from gateway.pipeline.events import Delta, Done, Event, Head
+from gateway.pipeline.events import Delivery, Delta, Done, Event, Head
 from gateway.pipeline.gate import TenantGate, refused_size, scopes_of
 from gateway.pipeline.idempotency import HEADER, IdempotencyStage, Keep, keep_when_written, lease_lost
 from gateway.pipeline.meter import Meter, Outcome, Reading
@@ -236,6 +236,7 @@ class Pipeline:
         upstream: Upstream | None = None
         outcome: Outcome | None = None
         wait, with_row, stored = True, (), None
+        delivery: Delivery | None = None  # a JSON answer's, told at its `Done` before it settles
         try:
             if attempt.lookup.hit is not None:
                 meter.add_cached(attempt.lookup.hit.response, attempt.lookup.hit.usage)
@@ -267,6 +268,13 @@ class Pipeline:
                                                    meter.logprobs if req.logprobs else None)
                 with_row = self.idempotency.store.finish_with_row(keep.claim, answered, ctx.plan.idempotency_ttl_s)
                 stored = answered  # only now: an answer that failed here is not kept (its claim is given up)
+            if not req.stream and judge is None:  # a JSON answer its route builds now, before it settles (a judged
+                # one is read whole by the cascade first: its `Done` comes after, as a stream's)
+                delivery = Delivery()
+                yield Done(outcome.finish_reason, outcome.input_tokens, outcome.output_tokens, delivery)
+                if delivery.failed is not None:  # its body failed: settled as that error, its answer never kept
+                    with_row, stored = (), None
+                    raise delivery.failed
         except (asyncio.CancelledError, GeneratorExit):
             outcome, wait = meter.outcome("cancelled", 499), False  # a leaving client's task must not wait
             raise
@@ -274,6 +282,8 @@ class Pipeline:
             err = client_error(exc)
             # a stream's client has the text so far; a JSON answer's client gets only the error
             outcome = meter.outcome("error", err.status_code, err.code, output_delivered=req.stream)
+            if delivery is not None and exc is delivery.failed:  # the route's fault, after a whole answer: not billed
+                outcome = replace(outcome, input_tokens=0)
             if err is exc:
                 raise
             raise err from exc
@@ -317,7 +327,8 @@ class Pipeline:
             # owes the write, and keeps the key claimed) does not fail an answered request: the hand-off logs it.
             with contextlib.suppress(Exception):
                 await asyncio.shield(kept)
-        yield Done(outcome.finish_reason, outcome.input_tokens, outcome.output_tokens)
+        if delivery is None:  # (a JSON answer's came before its settle)
+            yield Done(outcome.finish_reason, outcome.input_tokens, outcome.output_tokens)
 
     def _reads_text(self, attempt: Attempt, keep: Keep | None, judge: Any) -> bool:
         """Whether anything reads the answer's whole text (`Outcome.text`) once it ends: the cascade's check, an

@@ -51,10 +51,13 @@ async def chat_completions(request: Request[Any, Any, Any]) -> Response[Any]:
 
 
 async def _whole(head: Head, events: AsyncIterator[Event]) -> dict[str, Any]:
+    """The answer as one `chat.completion`, built at its `Done`, before its attempt settles: a body that fails to
+    build is told to the pipeline (`Done.not_sent`), which settles the attempt as that error, billed nothing."""
     text: list[str] = []
     logprobs: list[dict[str, Any]] | None = None
     calls = ToolCallPieces()
-    done = Done(None, 0, 0)
+    body: dict[str, Any] | None = None
+    failed: Exception | None = None  # what kept the body from being built
     async for event in events:
         if isinstance(event, Delta):
             text.append(event.content)
@@ -64,7 +67,17 @@ async def _whole(head: Head, events: AsyncIterator[Event]) -> dict[str, Any]:
             for entry in event.tool_calls or ():
                 calls.add(entry)
         elif isinstance(event, Done):
-            done = event
+            try:
+                body = _completion(head, text, logprobs, calls, event)
+            except Exception as exc:  # read on: the pipeline settles the attempt, and raises its error
+                failed = event.not_sent(exc)
+    if failed is not None:
+        raise failed
+    return body if body is not None else _completion(head, text, logprobs, calls, Done(None, 0, 0))
+
+
+def _completion(head: Head, text: list[str], logprobs: list[dict[str, Any]] | None, calls: ToolCallPieces,
+                done: Done) -> dict[str, Any]:
     content = "".join(text)
     return responses.completion(id_=head.response_id, created=head.created, model=head.model,
                                 text=content if content or not calls else None, finish_reason=done.finish_reason,

@@ -59,13 +59,24 @@ def _id(head: Head) -> str:
 
 
 async def _whole(head: Head, events: AsyncIterator[Event]) -> dict[str, Any]:
+    """The answer as one `text_completion`, built at its `Done`, before its attempt settles, as chat's is."""
     text: list[str] = []
-    done = Done(None, 0, 0)
+    body: dict[str, Any] | None = None
+    failed: Exception | None = None  # what kept the body from being built
     async for event in events:
         if isinstance(event, Delta):
             text.append(event.content)
         elif isinstance(event, Done):
-            done = event
+            try:
+                body = _completion(head, text, event)
+            except Exception as exc:  # read on: the pipeline settles the attempt, and raises its error
+                failed = event.not_sent(exc)
+    if failed is not None:
+        raise failed
+    return body if body is not None else _completion(head, text, Done(None, 0, 0))
+
+
+def _completion(head: Head, text: list[str], done: Done) -> dict[str, Any]:
     return responses.text_completion(id_=_id(head), created=head.created, model=head.model, text="".join(text),
                                      finish_reason=done.finish_reason, prompt_tokens=done.prompt_tokens,
                                      completion_tokens=done.completion_tokens)
