@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from decimal import Decimal
@@ -57,6 +58,8 @@ from tiers.catalogue import TierSpec
 from tiers.errors import NoTierAvailable, UpstreamRejected, UpstreamUnreachable
 from tiers.replica_choice import SESSION_HEADER, affinity_key
 from wire.chat_request import ChatCompletionRequest, normalized_role
+
+log = logging.getLogger("tiergate.pipeline")
 
 
 class Pipeline:
@@ -315,12 +318,16 @@ class Pipeline:
                     if keep is not None and row is not None:  # (a cascade's first answer that stands takes it)
                         keep.row_withdrawn(row)
                     raise
-        if self.shadow is not None and attempt.final and prepared.prompt is not None and not attempt.is_cache_hit \
-                and meter.keep_text:  # (not kept: the rollout was not sampling it when the call started)
-            self.shadow.send(attempt.route.tier, attempt.request_id, req, prepared.prompt.output_cap, outcome.text,
-                             tenant=ctx.tenant)
-        if self.cache_checks is not None and (hit := attempt.lookup.hit) is not None:
-            self.cache_checks.send(ctx.tenant, attempt.route.tier, req, hit, attempt.lookup.policy)
+        try:  # copies of a settled answer, off its path: one that fails is logged, never the client's error
+            if self.shadow is not None and attempt.final and prepared.prompt is not None \
+                    and not attempt.is_cache_hit and meter.keep_text:  # (not kept: the rollout was not sampling it
+                # when the call started)
+                self.shadow.send(attempt.route.tier, attempt.request_id, req, prepared.prompt.output_cap,
+                                 outcome.text, tenant=ctx.tenant)
+            if self.cache_checks is not None and (hit := attempt.lookup.hit) is not None:
+                self.cache_checks.send(ctx.tenant, attempt.route.tier, req, hit, attempt.lookup.policy)
+        except Exception:
+            log.exception("copying the answer of request %s off its path failed", attempt.request_id)
         if kept is not None:
             # answered, written and settled: the answer is kept (its store's write ends even if the client leaves),
             # durable with its row (or in Redis) before the client reads the end. A store that fails here (Redis

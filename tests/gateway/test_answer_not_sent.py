@@ -4,7 +4,11 @@ it, as for a JSON answer whose ledger row was withdrawn (gateway/pipeline/settle
 the quota spends nothing, the metrics count the 500, the cache does not keep the answer, and an Idempotency-Key is
 not left replaying an answer its client never got (the client's retry with the key runs). Before, the attempt had
 settled `ok` before the body was built: billed for the answer, counted ok, cached and stored for replay, while its
-client was told 500. Chat and text completions."""
+client was told 500. Chat and text completions.
+
+A copy of a settled answer made off its path once it is settled (a sample of cache hits checked against the tier, a
+rollout's shadow) that fails is logged, never the client's error: the answer is billed already. Before, the client
+got a 500 for an answer it was billed for."""
 
 from __future__ import annotations
 
@@ -103,3 +107,23 @@ def test_an_answer_that_fails_to_build_is_a_500_billed_nothing(gw: Gateway, monk
     assert [row.request_id for row in rows] == [again.headers["x-tiergate-request-id"]]
     assert spent_pico(backend) - spent == int(rows[0].price_usd * 10**12)  # the retry's, once
 
+
+def test_a_copy_off_the_path_that_fails_leaves_the_answer_its_client_is_billed_for(
+        gw: Gateway, monkeypatch: pytest.MonkeyPatch) -> None:
+    checks, sent = gw.app.state.services.pipeline.cache_checks, []  # the sampler of cache hits to check, failing
+
+    def send(*args: Any) -> None:
+        sent.append(1)
+        raise Bug("secret detail of the broken sampler")
+
+    assert checks is not None
+    monkeypatch.setattr(checks, "send", send)
+    first = chat(gw, "copied-1")
+    assert first.status_code == 200, first.text
+    hit = chat(gw, "copied-2")  # the same question: a cache hit, which the sampler is asked to copy
+    assert sent == [1]
+    assert hit.status_code == 200, hit.text
+    assert hit.headers["x-tiergate-cache"] == "hit"
+    assert hit.json()["choices"][0]["message"]["content"] == first.json()["choices"][0]["message"]["content"]
+    row = next(row for row in gw.ledger_rows() if row.request_id == hit.headers["x-tiergate-request-id"])
+    assert (row.status, row.http_status) == ("ok", 200)
