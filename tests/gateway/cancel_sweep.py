@@ -6,7 +6,9 @@ A step is one run of one of the request's tasks, from a suspension point to the 
 call) and every task it starts, transitively (Litestar's streaming task, the client watch's listener, what the
 pipeline hands off while the request runs). Counting steps, not turns of the loop, makes k name the same place from
 one run to the next whatever the worker threads (SQLite, the tokenizer, the embedder) take: a turn spent waiting on a
-thread steps none of the request's tasks. After the k-th step one of three faults is injected:
+thread steps none of the request's tasks. The one choice on a request's path that the clock makes, whether the cache
+finds a kept answer in this process's map of recent ones or in its store (a thread's wait more: two steps more), is
+pinned (`InProcessGateway.read_hits_from_store`). After the k-th step one of three faults is injected:
 
 - `cancel`: the handler's task is cancelled while it waits, as a server cancels an app call (and as `ClientWatch`
   cancels the handler when its client leaves);
@@ -28,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import socket
 import weakref
 from collections.abc import AsyncIterator, Callable
@@ -246,6 +249,7 @@ class InProcessGateway:
         assert started["type"] == "lifespan.startup.complete", started
         self.services = self.app.state.services
         self.services.pipeline.idempotency.wait_s = 0.5  # a key left claimed is a 409 soon, not after 10 s
+        self.read_hits_from_store(False)
         for _ in range(500):
             if readiness(self.services.fleet, self.services.ledger)[0]:
                 break
@@ -267,6 +271,16 @@ class InProcessGateway:
         await self._upstream_task
         self._sock.close()
         loop.set_exception_handler(self._old_handler)
+
+    def read_hits_from_store(self, store: bool) -> None:
+        """Pin where a lookup finds a kept answer: this process's map of recent answers (False) or, every time, the
+        store in a worker thread (True). Left to the clock, the map serves while the cache's change feed caught up less
+        than `sync_interval_s` (0.5 s) ago, and the first lookup after reads the store (and catches up): a hit's k-th
+        step was before its row in one request and after it in the next, as the wall clock went (a loaded run's hit
+        sweep saw its stop of k = 4 land before the row, read from the store, and its k = 5 find the request ended,
+        read from the map: every stop before the row)."""
+        assert self.services.cache.cache is not None
+        self.services.cache.cache.feed.interval_s = 0.0 if store else math.inf  # 0: never recent, always due
 
     async def request(self, body: dict[str, Any], *, headers: dict[str, str] | None = None, at: int | None = None,
                       fault: str = "cancel", slow: bool = False, leave_at_body: int | None = None) -> Answer:

@@ -1,12 +1,12 @@
 """A request stopped at every one of its suspension points in turn still settles exactly once, and money stays exact.
 
 handle.py promises that from the reservation on an attempt settles exactly once whatever ends it, the client leaving
-included. Here one chat request of each shape (JSON and stream; the cache bypassed, missed and hit; with an
-Idempotency-Key; a stream read by a slow client, each chunk's send held a moment; an upstream failing with a 5xx
-before its first byte or in the middle of its stream) is driven through the real app (tests/gateway/cancel_sweep.py)
-and stopped after its k-th step, for every k from 1 until it ends first: its handler cancelled while it waits, or as
-what it waited for ends (its result lost), or its client disconnecting. After each, once the gateway is quiet (its
-own hooks drained, no sleeps):
+included. Here one chat request of each shape (JSON and stream; the cache bypassed, missed and hit, the hit found in
+the process's map of recent answers or in the cache's store; with an Idempotency-Key; a stream read by a slow client,
+each chunk's send held a moment; an upstream failing with a 5xx before its first byte or in the middle of its stream)
+is driven through the real app (tests/gateway/cancel_sweep.py) and stopped after its k-th step, for every k from 1
+until it ends first: its handler cancelled while it waits, or as what it waited for ends (its result lost), or its
+client disconnecting. After each, once the gateway is quiet (its own hooks drained, no sleeps):
 
 - nothing is held: no open reservation, the gate's and the tier queue's in-flight counts at zero;
 - at most one ledger row for the request, priced exactly at its tokens (a hit at the plan's hit price), billing no
@@ -150,6 +150,7 @@ async def sweep(gw: InProcessGateway, shape: str, fault: str,
     stream = "stream" in shape
     keyed = "key" in shape
     hit = shape.startswith("hit")
+    gw.read_hits_from_store("store" in shape)  # the same path for every request of the sweep, whatever the clock
     ledger = Ledger(gw)
     if hit:  # the answer every request of the sweep hits
         first = await gw.request(body("hit", 0))
@@ -199,7 +200,8 @@ async def sweep(gw: InProcessGateway, shape: str, fault: str,
 
 
 NEXT = {"fail500": "plain", "fail500-stream": "plain-stream", "failmid": "plain", "failmid-stream": "plain-stream"}
-SHAPES = ["plain", "plain-stream", "miss", "miss-stream", "hit", "hit-stream", "key", "key-stream",
+SHAPES = ["plain", "plain-stream", "miss", "miss-stream", "hit", "hit-stream", "hit-store", "hit-stream-store",
+          "key", "key-stream",
           "plain-stream-slow", "key-stream-slow", "fail500", "fail500-stream", "failmid", "failmid-stream"]
 
 
