@@ -37,7 +37,9 @@ OpenAI's error shape, its connection closed lingering, nothing after it read as 
 plain text and closed with the rest unread.
 
 **Pipelining.** At most `max_pipelined` (32) requests are parsed and queued behind the one being answered on a
-connection; past that, the parser stops, those queued are answered, the last closing the connection.
+connection; past that, the parser stops, those queued are answered, the last closing the connection. A request
+refused at its head (a 431, a 415, a 400) behind answers still being made is answered after them, in order, and then
+the connection closes: nothing after it is read as a request.
 
 **Body framing.** The app's body limit (`max_body_bytes`) counts a body's data, not its chunked framing: one
 chunk's extension may go on for ever, and carries no data. A request's bytes after its head may be `FRAMING_FACTOR`
@@ -147,13 +149,14 @@ class LimitedProtocol(HttpToolsProtocol):
         self._lingering: asyncio.TimerHandle | None = None  # refused, closing: when to stop reading (`_close_refused`)
         self._lingered = 0  # bytes read and dropped since
         self._ended = False  # a request ended in the bytes being parsed
-        self._dropping = False  # past MAX_PIPELINED: what comes is dropped while the queued requests are answered
+        self._dropping = False  # past MAX_PIPELINED, or refused behind an answer: what comes is dropped meanwhile
         self._in_body = False  # the current request's head is whole, its body has not all come
         self._body_bytes = 0  # bytes received since, in reads that did not end the request
         self._queued_behind: Any = None  # the request cycle before the one being read (`_drop_queued`)
+        self._refused_after: bytes | None = None  # a refusal waiting on the answers before it (`_close_refused`)
 
     def data_received(self, data: bytes) -> None:
-        if self._dropping:  # past MAX_PIPELINED: the parser has stopped; the queued requests are being answered
+        if self._dropping:  # the parser has stopped (`_end_pipeline`, `_close_refused`): the answers queued go on
             return
         if self._lingering is not None:  # a refused request's rest: read and dropped (`_close_refused`)
             self._lingered += len(data)
@@ -166,7 +169,9 @@ class LimitedProtocol(HttpToolsProtocol):
         # more than the limit in one write had its connection closed under it, its requests unanswered and reset
         self._ended = False
         super().data_received(data)
-        if self._in_body and not self._ended and not self.transport.is_closing() and self._lingering is None:
+        if self.transport.is_closing() or self._lingering is not None or self._dropping:  # refused, or stopped
+            return
+        if self._in_body and not self._ended:
             self._body_bytes += len(data)
             if self._body_bytes > self.max_body_wire_bytes:
                 self._body_overflow()
@@ -212,9 +217,9 @@ class LimitedProtocol(HttpToolsProtocol):
         if self._refusal is None and self._drop_queued():
             return
         cycle = self.cycle
-        if self._refusal is None and cycle is not None and not cycle.response_started:
+        if self._refusal is None and cycle is not None and cycle.more_body and not cycle.response_started:
             # its body's framing broke (a bad chunk) while its app waits on the body: the app sees its client gone,
-            # the client the 400
+            # the client the 400. A request whole (its body ended) is not the one refused: the next one's head is
             cycle.disconnected = True
             cycle.message_event.set()
             self._linger(_INVALID_RESPONSE)
@@ -274,9 +279,13 @@ class LimitedProtocol(HttpToolsProtocol):
         and then the end of our side are sent, and what the client still sends of its request is read and dropped,
         for at most `linger_s` and `linger_bytes`, before the connection is closed. Closed at once, with the rest of
         the request unread, the connection would be reset, and a client still sending gets a broken connection
-        where it should read the refusal (nginx's `lingering_close`)."""
-        if not self._idle():  # never into an answer still being sent (a pipelined request's)
-            self.transport.close()
+        where it should read the refusal (nginx's `lingering_close`).
+
+        Refused behind an answer being made (pipelined), it waits: nothing more is read as a request, the answers
+        before it are sent whole, in order, then it (`on_response_complete`). Written at once, it went ahead of them
+        (the client read it as their answer); closing at once cut them."""
+        if not self._idle():
+            self._dropping, self._refused_after = True, response
             return
         self._linger(response)
 
@@ -346,6 +355,11 @@ class LimitedProtocol(HttpToolsProtocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
+        if self._refused_after is not None:  # a request refused behind the answers: said once they all have ended
+            if self._idle() and not self.transport.is_closing():
+                self._dropping = False  # what comes now is the refused request's rest, lingered on (`_linger`)
+                self._linger(self._refused_after)
+            return
         cycle = self.cycle  # a pipelined request that had come whole is answered now: no deadline for it
         if not self.transport.is_closing() and (cycle is None or cycle.response_complete or cycle.more_body):
             self._arm()  # the next request on this connection has the same time

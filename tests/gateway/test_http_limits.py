@@ -391,3 +391,46 @@ def test_a_queued_request_whose_chunks_break_does_not_answer_ahead_of_the_one_be
     assert got.count(b"HTTP/1.1 ") == 1, got[:600]  # nothing after the broken one is read as a request
     head, _, body = got.partition(b"\r\n\r\n")
     assert b"connection: close" in head.lower() and json.loads(body)["object"] == "list"
+
+
+def _slow_stream(gw: Gateway) -> bytes:
+    """A whole chat request whose streamed answer takes about 1.2 s (six words, 0.2 s apart)."""
+    body = json.dumps({"model": "mid", "max_tokens": 8, "stream": True,
+                       "messages": [{"role": "user", "content": "STUB:slow hello"}]}).encode()
+    return (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Authorization: Bearer {gw.tenant_key}\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
+
+
+_REFUSED_BEHIND = {  # a request refused at its head, and what it is answered
+    "large": (b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 100_000 + b"\r\n\r\n", b"431",
+              "headers_too_large"),
+    "many": (b"GET /v1/models HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-%d: a\r\n" % i for i in range(200)) + b"\r\n",
+             b"431", "too_many_headers"),
+    "encoded": (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Encoding: gzip\r\nContent-Length: 2\r\n\r\n"
+                b"{}", b"415", "unsupported_content_encoding"),
+    "garbage": (b"NOT HTTP AT ALL\r\n\r\n", b"400", "invalid_http_request"),
+    "cl-and-te": (b"POST /v1/models HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n"
+                  b"0\r\n\r\n", b"400", "invalid_http_request"),
+}
+
+
+@pytest.mark.parametrize("refused", [*_REFUSED_BEHIND, "large-unended"])
+def test_a_request_refused_behind_one_being_answered_is_answered_after_it(slow_gateway: Gateway, refused: str) -> None:
+    """A slow stream and, pipelined behind it on the same connection, a request refused at its head (a 431, a 415,
+    a 400 the parser gives): the stream is answered whole, then the refusal, then the connection ends (HTTP/1.1
+    answers requests in order). The connection was closed at once, cutting the stream (or, for the parser's 400s,
+    the stream's request was cancelled and the 400 read as its answer)."""
+    if refused == "large-unended":  # a head passing the limit in reads that never end it
+        sock = connect(slow_gateway, _slow_stream(slow_gateway) + b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Big: ")
+        time.sleep(0.1)
+        sock.sendall(b"a" * 100_000)
+        status, code = b"431", "headers_too_large"
+    else:
+        request, status, code = _REFUSED_BEHIND[refused]
+        sock = connect(slow_gateway, _slow_stream(slow_gateway) + request)
+    got, _ = read_until_closed(sock)
+    first, _, rest = got.partition(b"0\r\n\r\n")  # the stream's chunked body ends with an empty chunk
+    assert first.startswith(b"HTTP/1.1 200 ") and b"data: [DONE]" in first, got[:300]
+    assert rest.startswith(b"HTTP/1.1 " + status + b" "), rest[:300]
+    assert json.loads(rest.split(b"\r\n\r\n", 1)[1])["error"]["code"] == code
+    assert slow_gateway.ledger_rows()[0].status == "ok"  # the stream's request ran to its end
