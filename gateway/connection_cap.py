@@ -16,8 +16,9 @@ when there is none of those either, the one whose request's body began longest a
 has spent nothing on it yet: it sees its client gone). Counted as busy, one client held the whole cap for every
 tenant: with no key, a byte on each connection ("P", one per request deadline); with a key, a head whole and a
 body that never came (probes with a cap of 20: 20 such connections, and another tenant's request got a reset).
-A connection whose request is whole (being answered) is never closed for room; if none of the others is left,
-the new one is closed at once.
+A connection whose request is whole (being answered) is never closed for room, nor one whose app began to answer
+before its body all came and has not ended (an early answer that spans an await, as one whose write is paused between
+its start and its body: it was closed mid-answer); if none of the others is left, the new one is closed at once.
 """
 
 from __future__ import annotations
@@ -52,11 +53,15 @@ def connection_cap(fd_limit: int, configured: int) -> int:
 class Closable(Protocol):
     def close_for_room(self) -> None: ...
 
+    def answering(self) -> bool:
+        """Whether an answer to its request has begun and not ended (never closed for room)."""
+        ...
+
 
 class ConnectionTable:
     """A process's open client connections, and which may be closed for room, in this order: the idle ones, oldest
     idle first; then those still sending their request's head, the one that began it first; then those still
-    sending their request's body, the one whose body began first."""
+    sending their request's body and not being answered, the one whose body began first."""
 
     def __init__(self, cap: int) -> None:
         self.cap = cap
@@ -72,6 +77,8 @@ class ConnectionTable:
         connection idle or still sending its request to close in its place)."""
         self.open += 1
         if self.open > self.cap:
+            while self._bodies and (first := next(iter(self._bodies))).answering():
+                del self._bodies[first]  # answered before its body came: busy until that answer ends (`idle`)
             waiting = self._idle or self._heads or self._bodies
             oldest = next(iter(waiting), None)
             if oldest is None:

@@ -324,6 +324,10 @@ class LimitedProtocol(HttpToolsProtocol):
                   self.client)
         self.transport.close()
 
+    def answering(self) -> bool:
+        """An answer has begun on this connection and not ended (`ConnectionTable`: never closed for room)."""
+        return self.cycle is not None and self.cycle.response_started and not self.cycle.response_complete
+
     def connection_lost(self, exc: Exception | None) -> None:
         self.client_connections.closed(self)
         self._disarm()

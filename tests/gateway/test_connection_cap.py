@@ -30,6 +30,9 @@ class Conn:
     def close_for_room(self) -> None:
         self.closed = True
 
+    def answering(self) -> bool:
+        return False
+
 
 def test_the_table_closes_the_connection_idle_longest_and_never_a_busy_one() -> None:
     table = ConnectionTable(3)
@@ -196,3 +199,54 @@ def test_request_bodies_begun_and_never_finished_past_the_cap_leave_other_tenant
     finally:
         for s in [*begun, answering]:
             s.close()
+
+
+def test_a_connection_answered_before_its_body_came_is_not_closed_for_room_mid_answer() -> None:
+    """A request whose app answers before reading its body (a 401, a route that reads none) stays among the unfinished
+    bodies, closable for room, until its body comes: one whose answer had begun (here its first part sent, the rest
+    after a wait) was closed as one whose app had spent nothing, its answer cut. Now a connection being answered is
+    kept (the new one is refused), as a whole request's is. A real uvicorn server with the gateway's protocol and an
+    app whose answer spans an await (in the gateway: a write paused between an answer's start and its body)."""
+    import asyncio
+    import threading
+
+    from gateway import http_limits
+
+    release = threading.Event()
+
+    async def app(scope: dict, receive: object, send: object) -> None:
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":  # type: ignore[operator]
+                await send({"type": "lifespan.startup.complete"})  # type: ignore[operator]
+            await send({"type": "lifespan.shutdown.complete"})  # type: ignore[operator]
+            return
+        await send({"type": "http.response.start", "status": 200,  # type: ignore[operator]
+                    "headers": [(b"content-length", b"10")]})
+        await send({"type": "http.response.body", "body": b"first", "more_body": True})  # type: ignore[operator]
+        while not release.is_set():
+            await asyncio.sleep(0.01)
+        await send({"type": "http.response.body", "body": b"-rest"})  # type: ignore[operator]
+
+    with ServerThread(app, http=http_limits.limited_protocol(30, 60, max_connections=1)).start() as server:
+        url = urlparse(server.url)
+        answered = socket.create_connection((url.hostname, url.port))
+        answered.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{")  # its body never all comes
+        answered.settimeout(10)
+        got = b""
+        while b"first" not in got and (chunk := answered.recv(65536)):
+            got += chunk
+        assert got.endswith(b"first"), got  # its answer has begun
+        new = socket.create_connection((url.hostname, url.port))  # past the cap of 1
+        try:
+            refused = _closed_by_peer(new)
+            release.set()
+            while chunk := answered.recv(65536):
+                got += chunk
+                if got.endswith(b"first-rest"):
+                    break
+            assert got.endswith(b"first-rest"), got  # answered whole
+            assert refused  # nothing else to close: the new connection is
+        finally:
+            release.set()
+            answered.close()
+            new.close()
