@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import weakref
 from collections.abc import Callable
@@ -10,11 +11,15 @@ from dataclasses import dataclass
 from decimal import Decimal
 from functools import lru_cache
 
-from quotas.backends.base import QuotaBackend
+from quotas.backends.base import QuotaBackend, QuotaBackendError
 from quotas.backends.journal import FallbackRow, fallback_row
+from quotas.backends.redis_retries import SETTLE_BACKOFF_S, retry
+from quotas.fault_log import FaultLog
 from quotas.limits import Decision, ReservationRequest, ScopeLimits
 from quotas.money import to_pico
 from quotas.plans import Limits, Plan
+
+log = logging.getLogger("tiergate.quotas")
 
 
 def scope_limits(scope: str, limits: Limits) -> ScopeLimits:
@@ -54,6 +59,9 @@ class QuotaService:
         # so a request that runs longer than its lease (a long stream) keeps its money reserved and its slot; one whose
         # request ended without settling it (a bug) drops out, and the reaper returns it when its lease runs out
         self._open: weakref.WeakValueDictionary[str, Reservation] = weakref.WeakValueDictionary()
+        # settles the backend raised on, retried in the background (`_settle_later`): held so they are not collected
+        self._retrying: set[asyncio.Task[None]] = set()
+        self._settle_faults = FaultLog(log, "settling reservations (retried in the background)", rounds="settles")
 
     @staticmethod
     def scopes(plan: Plan, key_id: str, key_limits: Limits | None) -> tuple[ScopeLimits, ...]:
@@ -112,7 +120,10 @@ class QuotaService:
     async def settle(self, reservation: Reservation, *, tokens: int, price: Decimal,
                      row: asyncio.Future[None] | None = None) -> None:
         """Once per reservation. Returns after one try at the store: the backend retries a failed settle in
-        the background (bounded backoff, idempotent), so the caller never waits on an outage.
+        the background (bounded backoff, idempotent), so the caller never waits on an outage. A backend's settle that
+        raises all the same (one that retries nothing of its own, or a fault of the backend's) never raises here:
+        its ledger row may be durable already, its answer sent and billed; it is retried in the background
+        (`_settle_later`), and past that the reaper bills the reservation from its row once its lease ends.
 
         `row`: its ledger row's future (`Ledger.submit`), where one was written at `price`. A reservation admitted
         with a fallback mark counts on that row to carry its money to the shared counters; if the ledger refuses it,
@@ -122,7 +133,11 @@ class QuotaService:
         reservation.settled = True
         self._open.pop(reservation.request.request_id, None)
         self._follow_row(reservation, price, row)
-        await self.backend.settle(reservation.request, tokens=tokens, money_pico=to_pico(price))
+        try:
+            await self.backend.settle(reservation.request, tokens=tokens, money_pico=to_pico(price))
+        except Exception as exc:
+            self._settle_later(reservation, tokens, to_pico(price), exc)
+            return
         self._settled(reservation)
 
     @property
@@ -132,14 +147,40 @@ class QuotaService:
 
     def settle_now(self, reservation: Reservation, *, tokens: int, price: Decimal,
                    row: asyncio.Future[None] | None = None) -> None:
-        """`settle` with no await, where `settles_at_once`: the same settlement, once per reservation."""
+        """`settle` with no await, where `settles_at_once`: the same settlement, once per reservation (a failure
+        retried in the background as `settle`'s)."""
         if reservation.settled:
             return
         reservation.settled = True
         self._open.pop(reservation.request.request_id, None)
         self._follow_row(reservation, price, row)
-        self.backend.settle_now(reservation.request, tokens=tokens, money_pico=to_pico(price))
+        try:
+            self.backend.settle_now(reservation.request, tokens=tokens, money_pico=to_pico(price))
+        except Exception as exc:
+            self._settle_later(reservation, tokens, to_pico(price), exc)
+            return
         self._settled(reservation)
+
+    def _settle_later(self, reservation: Reservation, tokens: int, money_pico: int, exc: Exception) -> None:
+        """The backend's settle raised (`exc`): logged (once an outage), and sent again in the background with a
+        settle's backoff (quotas/backends/redis_retries.py `retry`; the backend's settle is idempotent) for as long as
+        the reservation's lease. Given up after that, the reservation is the reaper's: not renewed (no longer open),
+        it is returned when its lease ends, billed what its ledger row says (`QuotaBackend.reap`)."""
+        self._settle_faults.failed(exc)
+        req = reservation.request
+
+        async def again() -> None:
+            if await retry(lambda: self.backend.settle(req, tokens=tokens, money_pico=money_pico),
+                           SETTLE_BACKOFF_S[0], self.lease_s, retried=(Exception,)):
+                self._settle_faults.ok()
+                self._settled(reservation)
+            else:
+                self._settle_faults.failed(QuotaBackendError(
+                    f"a settle retried for {self.lease_s:g}s is given up: its lease's reaper returns it"))
+
+        task = asyncio.get_running_loop().create_task(again())
+        self._retrying.add(task)
+        task.add_done_callback(self._retrying.discard)
 
     def _follow_row(self, reservation: Reservation, price: Decimal, row: asyncio.Future[None] | None) -> None:
         req, mark = reservation.request, reservation.decision.fallback

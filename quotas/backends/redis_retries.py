@@ -27,6 +27,23 @@ CANCEL_ATTEMPTS = 20  # undoing a reservation whose answer was lost: tries a sec
 SETTLE_BACKOFF_S = (0.05, 5.0)  # first and longest wait between a failed settle's retries
 
 
+async def retry(call: Callable[[], Awaitable[Any]], wait: float, for_s: float, *,
+                retried: tuple[type[Exception], ...] = (QuotaBackendError,)) -> bool:
+    """`call` until it works (True), waiting `wait` first and twice as long each time up to SETTLE_BACKOFF_S[1],
+    for `for_s` seconds (False after); a failure other than `retried` raises. (Also quotas/reservations.py's, for a
+    backend's settle that raised all the same.)"""
+    deadline = time.monotonic() + for_s
+    while time.monotonic() < deadline:
+        await asyncio.sleep(wait)
+        try:
+            await call()
+        except retried:
+            wait = min(2 * wait, SETTLE_BACKOFF_S[1])
+        else:
+            return True
+    return False
+
+
 class RedisRetries:
     """Mixed into `RedisBackend`, whose settles (`_finish`) and cancels (`cancel`) it retries."""
 
@@ -87,18 +104,7 @@ class RedisRetries:
                 "undoing a reservation whose answer was lost is given up: its lease's reaper returns it"))
 
     async def _retry(self, call: Callable[[], Awaitable[Any]], wait: float, for_s: float) -> bool:
-        """`call` until it works (True), waiting `wait` first and twice as long each time up to SETTLE_BACKOFF_S[1],
-        for `for_s` seconds (False after)."""
-        deadline = time.monotonic() + for_s
-        while time.monotonic() < deadline:
-            await asyncio.sleep(wait)
-            try:
-                await call()
-            except QuotaBackendError:
-                wait = min(2 * wait, SETTLE_BACKOFF_S[1])
-            else:
-                return True
-        return False
+        return await retry(call, wait, for_s)
 
     def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(work)
