@@ -62,7 +62,8 @@ class Settler:
         What holds money or capacity comes first and cannot be skipped by a failure after it: the row is
         queued, the slot freed and the quota settled whatever the metrics or the cache do. The quota is
         settled once the row's fate is known: a gateway killed in between leaves a reservation that the quota
-        reaper bills from the ledger row, never a settled quota without its row.
+        reaper bills from the ledger row, never a settled quota without its row. A quota settle that fails is
+        never the client's error (`_settle_ended`): it is retried, and the row is what the client is billed.
 
         A row not durable within the ledger's wait raises `LedgerUnavailable` (a 503). What the client was told
         and what it is billed then agree:
@@ -118,21 +119,27 @@ class Settler:
         except Exception:
             log.exception("counting the bill of request %s failed", row.request_id)
         if (settled := self._settle_ended(written, attempt, used, row.price_usd)) is not None:
-            await asyncio.shield(settled)
+            with contextlib.suppress(Exception):  # the row is durable, the answer billed: a failure is logged only
+                await asyncio.shield(settled)
         return row
 
     def _settle_ended(self, written: asyncio.Future[None], attempt: Attempt, tokens: int,
                       price: Decimal) -> asyncio.Future[None] | None:
         """The quota settled where the request's wait for its row is over: at once where the quota store settles
-        without an await (no task and no shield of its own, ~8 us), else handed off (its future returned)."""
+        without an await (no task and no shield of its own, ~8 us), else handed off (its future returned).
+
+        Never raises, and the caller ignores its future's failure (the hand-off logs it): the row's fate is what the
+        client is told (a row durable is an answer billed; a 5xx for it sends a client, or the OpenAI SDK, to retry
+        and pay twice), and the quota follows the row whatever its store does: a store's settle that failed is
+        retried in the background (`QuotaService.settle`), and what is left the reaper bills from the row once the
+        reservation's lease ends."""
         if not self.quotas.settles_at_once:
             return self.hand_off(self._settle_quota(written, attempt, tokens, price, waited=True))
         tokens, price, row = _terms(written, tokens, price)
         try:
             self.quotas.settle_now(attempt.reservation, tokens=tokens, price=price, row=row)
-        except Exception as exc:  # as a handed-off settle's failure is: logged, and the caller hears of it
+        except Exception as exc:  # as a handed-off settle's failure is: logged
             log.error("work handed off by a request failed: %s", exc)
-            raise
         return None
 
     async def _settle_quota(self, written: asyncio.Future[None], attempt: Attempt, tokens: int,

@@ -166,3 +166,24 @@ def test_on_redis_a_settle_that_raises_is_retried_and_the_answer_stands(
         assert calls == ["raised", "settle"]
         assert redis_state(redis_url)[0] == billed_pico(gw), "Redis' spend is not the row's price"
 
+
+def test_a_quota_settle_that_raises_past_its_store_leaves_the_answer_billed_once(
+        gw: Gateway, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fault in the quota settle past its store (what it tells the gate once settled) is logged by the settle stage,
+    never the client's error: the row is durable, the answer billed (gateway/pipeline/settle.py)."""
+    backend, quotas = gw.app.state.services.quota_backend, gw.app.state.services.pipeline.settler.quotas
+    assert isinstance(backend, MemoryBackend)
+    spent, real, calls = spent_pico(backend), quotas.on_settled, []
+
+    def on_settled(tenant: str, scopes: tuple[str, ...]) -> None:
+        if not calls:
+            calls.append(tenant)
+            raise Bug("secret detail of the gate")
+        real(tenant, scopes)
+
+    monkeypatch.setattr(quotas, "on_settled", on_settled)
+    r = chat(gw, None)
+    assert calls == ["acme"]
+    assert r.status_code == 200, f"a 5xx for an answer produced and billed: {r.text}"
+    assert rows_of(gw, r.headers["x-tiergate-request-id"]) == [("ok", 200, True)]
+    assert not backend._held and spent_pico(backend) - spent == billed_pico(gw)
