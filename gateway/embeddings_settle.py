@@ -52,7 +52,11 @@ class EmbeddingsSettlement:
         settle.py says why): still queued, it never commits, and the client's 503 spends nothing (the quota's
         reservation given back, the key's answer not kept, so a retry runs once); its commit under way, the request
         waits for that commit and is answered as it decides. The metrics count the request as its client got it, once
-        the wait is over: the 503 of a row withdrawn or refused (status `error`), never the answer it did not get."""
+        the wait is over: the 503 of a row withdrawn or refused (status `error`), never the answer it did not get.
+
+        Once the row is durable, a quota settle that fails is never the client's error (as gateway/pipeline/settle.py's
+        `_settle_ended`): the hand-off logs it, the store's settle is retried (`QuotaService.settle`) and the reaper
+        bills what is left from the row; a 5xx for an answer billed sends a client, or the OpenAI SDK, to pay twice."""
         price = self.spec.price(tokens)
         row = LedgerRow(
             request_id=ctx.request_id, ts=ctx.arrived, tenant=ctx.tenant, key_id=ctx.key_id, tier=TIER,
@@ -91,7 +95,8 @@ class EmbeddingsSettlement:
             self._hand_off(self._settle_quota(written, reservation, tokens, row, waited=True))
             raise
         self._counted(row)
-        await asyncio.shield(self._hand_off(self._settle_quota(written, reservation, tokens, row, waited=True)))
+        with contextlib.suppress(Exception):  # the row is durable, the answer billed: a failure is logged only
+            await asyncio.shield(self._hand_off(self._settle_quota(written, reservation, tokens, row, waited=True)))
         if kept is not None:  # stored (in Redis too) before the client reads the answer; its failure is logged
             with contextlib.suppress(Exception):
                 await asyncio.shield(kept)

@@ -187,3 +187,30 @@ def test_a_quota_settle_that_raises_past_its_store_leaves_the_answer_billed_once
     assert r.status_code == 200, f"a 5xx for an answer produced and billed: {r.text}"
     assert rows_of(gw, r.headers["x-tiergate-request-id"]) == [("ok", 200, True)]
     assert not backend._held and spent_pico(backend) - spent == billed_pico(gw)
+
+
+def test_an_embeddings_quota_settle_that_raises_past_its_store_leaves_the_answer_billed_once(
+        gw: Gateway, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same fault on the embeddings route: its settle (gateway/embeddings_settle.py) logs it once the row is
+    durable, never the client's error; the answer is billed once and kept under its Idempotency-Key for a retry."""
+    warm_embeddings(gw)
+    backend, quotas = gw.app.state.services.quota_backend, gw.app.state.services.pipeline.settler.quotas
+    assert isinstance(backend, MemoryBackend)
+    wait_until(lambda: not backend._held, timeout_s=10)
+    spent, billed, real, calls = spent_pico(backend), billed_pico(gw), quotas.on_settled, []
+
+    def on_settled(tenant: str, scopes: tuple[str, ...]) -> None:
+        if not calls:
+            calls.append(tenant)
+            raise Bug("secret detail of the gate")
+        real(tenant, scopes)
+
+    monkeypatch.setattr(quotas, "on_settled", on_settled)
+    r = embed(gw, "embeddings-gate-fails")
+    assert calls == ["acme"]
+    assert r.status_code == 200, f"a 5xx for an answer produced and billed: {r.text}"
+    assert rows_of(gw, r.headers["x-tiergate-request-id"]) == [("ok", 200, True)]
+    assert not backend._held and spent_pico(backend) - spent == billed_pico(gw) - billed > 0
+    again = embed(gw, "embeddings-gate-fails")  # the retry with its key replays the answer: billed nothing more
+    assert again.status_code == 200 and again.headers.get(REPLAY) == "true", again.text
+    assert billed_pico(gw) - billed == spent_pico(backend) - spent
