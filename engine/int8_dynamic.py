@@ -19,6 +19,12 @@ ShareGPT text; `python -m bench.int8_variants`):
   exactly [0, 1] (x - min) / (max - min), so the tensor's range is [0, 1] whatever is batched together: every
   token is quantized over its own range, alone, and the product is undone as y * span + min * (the int8
   weights' row sums).
+- Without the native kernels, the fp32 outlier product ran as one BLAS matmul (addmm), whose kernel, and with it
+  each sum's order, MKL picks by the number of rows (measured: 1, 2, 3, 5 or 7 rows summed otherwise than 4, 8
+  or 37): a prompt's last token came out one ulp apart prefilled whole or after a prefix-cache hit, enough to move
+  a later int8 rounding (SmolLM2 answered "L'Étoile" once, then Paris). It runs on fbgemm's fp16 kernel instead,
+  which sums each output in the same order whatever the rows: the fp32 weights split into an fp16 high part and an
+  fp16 remainder (scaled by a power of two into fp16's range), side by side along the inputs, ~fp32's precision.
 Calibration reads ShareGPT first turns (not the held-out tail the benchmark measures on).
 """
 
@@ -62,6 +68,7 @@ class Int8DynamicLinear(nn.Module):
         self.register_buffer("outliers", outliers.clone())
         self.register_buffer("keep", keep.float())  # multiplies the activations: 0 at the fp32 channels
         self.register_buffer("w_outliers", w[:, outliers].t().contiguous())  # [k, out]
+        self.outliers_fp16, self.outliers_scale = _pack_fp32_as_fp16_pair(w[:, outliers])  # the torch ops' side matmul
         # the per-token steps and the outlier side matmul fused in C++ (engine/kernels/int8_rows.cpp) where it exists
         self.kernels = native_kernels.load() if per_token and w.device.type == "cpu" else None
         w_int = w * keep
@@ -94,10 +101,26 @@ class Int8DynamicLinear(nn.Module):
             y = (y.double() * span.double() + (lo * self.w_rowsum).double()).float()
         else:
             y = torch.ops.quantized.linear_dynamic(xm, self.packed, self.reduce_range)
-        y.addmm_(x.index_select(1, self.outliers), self.w_outliers)
+        if self.outliers_fp16 is not None:  # row by row the same sums, whatever is batched beside a row
+            kept = x.index_select(1, self.outliers)
+            side = torch.ops.quantized.linear_dynamic_fp16(torch.cat((kept, kept), dim=1), self.outliers_fp16)
+            y.add_(side, alpha=self.outliers_scale)  # a power of two: exact, fused or not
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*shape[:-1], self.out_features)
+
+
+def _pack_fp32_as_fp16_pair(w: torch.Tensor) -> tuple[object | None, float]:
+    """fbgemm's packed fp16 weight [out, 2 k] for fp32 `w` [out, k] and the power of two to multiply its products
+    by: w / scale = high + low, high its fp16 rounding, low the fp16 rounding of what is left (22-odd bits
+    together); the input goes in twice, [x, x]. None for no columns."""
+    if w.shape[1] == 0:
+        return None, 1.0
+    scale = 2.0 ** int(torch.frexp(w.abs().amax().clamp(min=1e-30)).exponent)  # |w / scale| < 1: fp16 holds it
+    scaled = w / scale
+    high = scaled.half().float()
+    low = (scaled - high).half().float()
+    return torch.ops.quantized.linear_prepack_fp16(torch.cat((high, low), dim=1).contiguous(), None), scale
 
 
 class Fp16Linear(nn.Module):
