@@ -4,8 +4,9 @@ The cache holds K/V in the model's dtype, or in bf16 under an fp32 model (half t
 attention itself computes in the model's dtype either way.
 
 The runner orders a step's tokens with single-token sequences (decodes) first, then prompt chunks. The
-decodes are attended in one call: on CPU by the native kernel that reads their blocks in place
-(engine/kernels), otherwise by SDPA over their gathered, padded contexts; each prompt chunk is
+decodes are attended on CPU by the native kernel that reads their blocks in place (engine/kernels), in one call;
+otherwise by SDPA: on CUDA in one call over their gathered, padded contexts, on CPU one by one over each
+context alone (a decode's sums then do not depend on what is batched beside it, as in the kernel); each prompt chunk is
 attended on its own (its causal mask is offset by the tokens already cached). K/V of every new token are
 written to their slots first (by the layer's rope step, engine/layer_ops.py), so a chunk sees its own tokens
 and its cached prefix the same way.
@@ -51,6 +52,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if b and meta.decode_kernel is not None:
         out[:b] = meta.decode_kernel.paged_decode_attention(q[:b], k_cache, v_cache, meta.decode_block_tables,
                                                             meta.decode_context_lens, scale)
+    elif b and q.device.type == "cpu":
+        out[:b] = _decodes_one_by_one(q[:b], k_cache, v_cache, meta, scale)
     elif b:
         # gather each decode's context: [B * max_blocks, block_size, KV, D] -> [B, KV, ctx, D]
         ctx = meta.decode_context_len
@@ -76,4 +79,22 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             mask = torch.arange(ctx, device=q.device)[None, :] <= pos_q[:, None]  # [T, ctx]
             o = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=scale)
         out[start:start + qlen] = o[0].transpose(0, 1)
+    return out
+
+
+def _decodes_one_by_one(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                        scale: float) -> torch.Tensor:
+    """The decodes [B, H, D] on CPU without the native kernel, each over its own context alone, as that kernel reads
+    them: SDPA's CPU kernel blocks the context by its length, so a decode padded to a batch's longest context (and
+    masked) summed its scores otherwise than alone, an ulp or two apart with whatever was batched beside it."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    out = torch.empty_like(q)
+    for i, ctx in enumerate(meta.decode_context_lens.tolist()):
+        blocks = meta.decode_block_tables[i, :-(-ctx // block_size)]
+        k = k_cache.index_select(0, blocks).flatten(0, 1)[:ctx].transpose(0, 1).to(q.dtype)  # [KV, ctx, D]
+        v = v_cache.index_select(0, blocks).flatten(0, 1)[:ctx].transpose(0, 1).to(q.dtype)
+        qd = q[i].view(1, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [1, KV, rep, D]
+        o = F.scaled_dot_product_attention(qd, k[None], v[None], scale=scale)
+        out[i] = o.reshape(num_heads, head_dim)
     return out
