@@ -186,6 +186,9 @@ def test_the_same_question_gets_the_same_greedy_answer_from_the_prefix_cache(
         asyncio.run(answer("What is 2+2?"))  # shares the system prompt's blocks
         again = asyncio.run(answer("What is the capital of France?"))
         assert engine.stats().num_prefix_hit_tokens_total > 0  # the second asking came from the prefix cache
-        assert again == first and "Paris" in first, (first, again)
+        assert again == first, (first, again)
+        # the native path's first token leads by 0.115 nats here; the torch ops' by 0.007 on an AMD Zen 4, a near
+        # tie that another CPU's BLAS may turn either way (the same both times: what this test is about)
+        assert kernels == "torch" or "Paris" in first, first
     finally:
         engine.shutdown()
