@@ -167,13 +167,9 @@ def test_on_redis_a_settle_that_raises_is_retried_and_the_answer_stands(
         assert redis_state(redis_url)[0] == billed_pico(gw), "Redis' spend is not the row's price"
 
 
-def test_a_quota_settle_that_raises_past_its_store_leaves_the_answer_billed_once(
-        gw: Gateway, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A fault in the quota settle past its store (what it tells the gate once settled) is logged by the settle stage,
-    never the client's error: the row is durable, the answer billed (gateway/pipeline/settle.py)."""
-    backend, quotas = gw.app.state.services.quota_backend, gw.app.state.services.pipeline.settler.quotas
-    assert isinstance(backend, MemoryBackend)
-    spent, real, calls = spent_pico(backend), quotas.on_settled, []
+def gate_fails_once(quotas: Any, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """`quotas` telling the gate a reservation settled raises the first time; the tenants it was told of, listed."""
+    real, calls = quotas.on_settled, []
 
     def on_settled(tenant: str, scopes: tuple[str, ...]) -> None:
         if not calls:
@@ -182,6 +178,16 @@ def test_a_quota_settle_that_raises_past_its_store_leaves_the_answer_billed_once
         real(tenant, scopes)
 
     monkeypatch.setattr(quotas, "on_settled", on_settled)
+    return calls
+
+
+def test_a_quota_settle_that_raises_past_its_store_leaves_the_answer_billed_once(
+        gw: Gateway, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fault in the quota settle past its store (what it tells the gate once settled) is logged by the settle stage,
+    never the client's error: the row is durable, the answer billed (gateway/pipeline/settle.py)."""
+    backend, quotas = gw.app.state.services.quota_backend, gw.app.state.services.pipeline.settler.quotas
+    assert isinstance(backend, MemoryBackend)
+    spent, calls = spent_pico(backend), gate_fails_once(quotas, monkeypatch)
     r = chat(gw, None)
     assert calls == ["acme"]
     assert r.status_code == 200, f"a 5xx for an answer produced and billed: {r.text}"
@@ -197,15 +203,7 @@ def test_an_embeddings_quota_settle_that_raises_past_its_store_leaves_the_answer
     backend, quotas = gw.app.state.services.quota_backend, gw.app.state.services.pipeline.settler.quotas
     assert isinstance(backend, MemoryBackend)
     wait_until(lambda: not backend._held, timeout_s=10)
-    spent, billed, real, calls = spent_pico(backend), billed_pico(gw), quotas.on_settled, []
-
-    def on_settled(tenant: str, scopes: tuple[str, ...]) -> None:
-        if not calls:
-            calls.append(tenant)
-            raise Bug("secret detail of the gate")
-        real(tenant, scopes)
-
-    monkeypatch.setattr(quotas, "on_settled", on_settled)
+    spent, billed, calls = spent_pico(backend), billed_pico(gw), gate_fails_once(quotas, monkeypatch)
     r = embed(gw, "embeddings-gate-fails")
     assert calls == ["acme"]
     assert r.status_code == 200, f"a 5xx for an answer produced and billed: {r.text}"
