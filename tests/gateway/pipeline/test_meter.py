@@ -69,7 +69,9 @@ def test_a_tool_calls_arguments_are_joined_in_time_linear_in_the_answer() -> Non
     as_calls = min(_seconds_to_add(calls)[0] for _ in range(3))
     out = _seconds_to_add(calls)[1]
     assert out.tool_calls[0]["function"] == {"name": "f", "arguments": "abcd" * n}
-    assert as_calls < 3 * as_text + 0.05, (as_calls, as_text)
+    # quadratic joining took 0.5-2.5 s at half these pieces (2-10 s here); linear takes about as long as the text,
+    # up to 3.4x it on a machine running more processes than it has cores (a full run beside other tests)
+    assert as_calls < 5 * as_text + 0.1, (as_calls, as_text)
 
 
 def test_a_stream_whose_text_nothing_reads_is_not_kept() -> None:
