@@ -230,15 +230,14 @@ class GrammarCache:
                                        f"limits at the answer's second token ({after.get_error()})",
                                        param="response_format")
 
-    def ran_past_limits(self, fmt: ResponseFormat, tenant: Tenant, why: str) -> None:
-        """A sequence of `tenant`'s with `fmt` failed mid-answer on the grammar's limits (GrammarLimitError): its
-        later requests with `fmt` are refused before they run (`known`), as a schema that cannot be compiled is,
-        not each given a prefill, the step loop's masks and the same 400."""
-        key = grammar_key(fmt)
+    def ran_past_limits(self, key: str, tenant: Tenant, why: str) -> None:
+        """A sequence of `tenant`'s with the grammar of `key` (`CompiledGrammar.key`) failed mid-answer on its limits
+        (GrammarLimitError): its later requests with that format are refused before they run (`known`), as a schema
+        that cannot be compiled is, not each given a prefill, the step loop's masks and the same 400."""
         with self._lock:
             self._grammars.pop(tenant, key)
             self._refused.put(tenant, key, f"response_format: the schema cannot be enforced: an answer ran past its "
-                                           f"grammar's limits ({why})")
+                                           f"grammar's limits ({why.removeprefix('GrammarLimitError: ')})")
 
     def warm(self) -> None:
         """Build llguidance's view of the vocabulary now (0.24 s and 9 MiB for SmolLM2's 49,152 tokens, measured

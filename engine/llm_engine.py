@@ -357,9 +357,8 @@ class LLMEngine:
                 code = codes.get(seq.request_id, "engine_error")
                 if code == "engine_error":
                     log.error("sampling for %s failed: %s", seq.request_id, errors[seq.request_id])
-                if seq.request_id in self.model_runner.last_grammar_limits and seq.params.output_format is not None:
-                    self.grammars.ran_past_limits(seq.params.output_format, seq.tenant,
-                                                 errors[seq.request_id].split(': ', 1)[-1])
+                if seq.request_id in self.model_runner.last_grammar_limits and seq.params.grammar is not None:
+                    self.grammars.ran_past_limits(seq.params.grammar.key, seq.tenant, errors[seq.request_id])
                 self._fail(seq, errors[seq.request_id], code)
             else:
                 kept.append(token_id)

@@ -68,7 +68,7 @@ def test_a_grammar_that_runs_past_its_limits_mid_answer_is_refused_to_its_tenant
             matcher.accept(token)
         matcher.mask(torch.from_numpy(logits))
     assert cache.known(deep, "a") is not None  # compiled and kept until an answer fails on it
-    cache.ran_past_limits(deep, "a", str(failed.value))
+    cache.ran_past_limits(cache.compile(deep, "a").key, "a", str(failed.value))
     with pytest.raises(EngineInputError, match="ran past its grammar's limits") as refused:
         cache.known(deep, "a")
     assert refused.value.param == "response_format"
