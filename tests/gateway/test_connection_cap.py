@@ -105,6 +105,14 @@ def _closed_by_peer(sock: socket.socket) -> bool:
 _BODY = json.dumps({"model": "mid", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}).encode()
 
 
+def _five_answered(gateway: Gateway, body: bytes) -> None:
+    """Five requests of the tenant's, past the cap, all answered."""
+    with gateway.client(gateway.tenant_key) as c:
+        for _ in range(5):
+            assert c.post("/v1/chat/completions", content=body,
+                          headers={"content-type": "application/json"}).status_code == 200
+
+
 def _head(key: str, length: int) -> bytes:
     """A chat request's line and headers, with `key`, for a body of `length` bytes."""
     return (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -120,10 +128,7 @@ def test_idle_sockets_past_the_cap_leave_other_tenants_served(capped_gateway: Ga
         assert c.get("/v1/models").status_code == 200  # the busy request's head has been read by now
     idle = [socket.create_connection((url.hostname, url.port)) for _ in range(3 * CAP)]
     try:
-        with capped_gateway.client(capped_gateway.tenant_key) as c:
-            for _ in range(5):
-                assert c.post("/v1/chat/completions", content=body,
-                              headers={"content-type": "application/json"}).status_code == 200
+        _five_answered(capped_gateway, body)
         closed = [_closed_by_peer(s) for s in idle]
         assert all(closed[:CAP]) and not all(closed), closed  # the oldest idle ones made room; not every one
         busy.sendall(body[5:])  # the request in progress was never closed for room
@@ -150,10 +155,7 @@ def test_request_heads_begun_and_never_finished_past_the_cap_leave_other_tenants
             sock = socket.create_connection((url.hostname, url.port))
             sock.sendall(b"P")
             begun.append(sock)
-        with capped_gateway.client(capped_gateway.tenant_key) as c:
-            for _ in range(5):
-                assert c.post("/v1/chat/completions", content=body,
-                              headers={"content-type": "application/json"}).status_code == 200
+        _five_answered(capped_gateway, body)
         closed = [_closed_by_peer(s) for s in begun]
         assert all(closed[:CAP]) and not all(closed), closed  # the heads begun first made room
         busy.sendall(body[5:])  # the request whose head was whole was never closed for room
@@ -187,10 +189,7 @@ def test_request_bodies_begun_and_never_finished_past_the_cap_leave_other_tenant
             sock = socket.create_connection((url.hostname, url.port))
             sock.sendall(head(1000) + b"{")
             begun.append(sock)
-        with capped_gateway.client(capped_gateway.tenant_key) as c:
-            for _ in range(5):
-                assert c.post("/v1/chat/completions", content=body,
-                              headers={"content-type": "application/json"}).status_code == 200
+        _five_answered(capped_gateway, body)
         closed = [_closed_by_peer(s) for s in begun]
         assert all(closed[:CAP - 1]) and not all(closed), closed  # the bodies begun first made room
         while b"data: [DONE]" not in answered and (chunk := answering.recv(65536)):

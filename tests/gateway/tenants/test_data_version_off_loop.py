@@ -26,6 +26,7 @@ from gateway.settings import Settings
 from gateway.tenants.store import TenantStore
 from gateway.tenants.store_postgres import PostgresTenantStore
 from tests.conftest import Gateway
+from tests.gateway.tenants.held_reads import hold_first
 
 MSG = [{"role": "user", "content": "hi"}]
 CACHEABLE = {"model": "mid", "messages": MSG, "temperature": 0}  # deterministic: its scope names the data version
@@ -93,27 +94,15 @@ async def test_a_version_read_begun_before_a_change_is_neither_joined_nor_cached
     store = PostgresTenantStore(database_url)
     try:
         store.create_tenant("acme", "standard")
-        began, let_go = threading.Event(), threading.Event()
-        fetch = store._fetch_version
-        reads: list[int] = []
-
-        def first_held(tenant: str) -> int:
-            version = fetch(tenant)
-            reads.append(version)
-            if len(reads) == 1:  # read before the bump below, answered after it
-                began.set()
-                let_go.wait(20)
-            return version
-
-        store._fetch_version = first_held  # type: ignore[method-assign]
+        held = hold_first(store, "_fetch_version")  # read before the bump below, answered after it
         early = asyncio.ensure_future(store.data_version_async("acme"))
-        assert await asyncio.to_thread(began.wait, 20)
+        assert await asyncio.to_thread(held.began.wait, 20)
         assert await store.admin(store.bump_data_version, "acme") == 1
         assert await store.data_version_async("acme") == 1  # not the read in flight: that one may hold 0
-        let_go.set()
+        held.let_go.set()
         assert await early == 0  # its request began before the bump
-        read = len(reads)
-        assert await store.data_version_async("acme") == 1 and len(reads) == read  # 1 is cached, 0 was not
+        read = held.calls
+        assert await store.data_version_async("acme") == 1 and held.calls == read  # 1 is cached, 0 was not
     finally:
         store.close()
 

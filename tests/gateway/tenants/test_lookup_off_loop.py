@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +24,7 @@ from gateway.auth import provide_principal, provide_tenant
 from gateway.errors import Unauthenticated, Unavailable
 from gateway.tenants.store import TenantStore
 from gateway.tenants.store_postgres import PostgresTenantStore
+from tests.gateway.tenants.held_reads import hold_first
 
 DELAY_S = 0.005  # each query's round trip
 FLOOD = 200  # made-up keys sent at once: on the event loop, 200 round trips = a second of nobody served
@@ -204,24 +204,12 @@ async def test_a_lookup_begun_before_a_revocation_is_not_joined_by_a_request_aft
     try:
         store.create_tenant("acme", "standard")
         key, plaintext = store.issue_key("acme")
-        began, let_go = threading.Event(), threading.Event()
-        fetch = store._fetch_entry
-        reads: list[str] = []
-
-        def first_held(key_id: str) -> Any:
-            entry = fetch(key_id)
-            reads.append(key_id)
-            if len(reads) == 1:  # read before the revocation below, answered after it
-                began.set()
-                let_go.wait(20)
-            return entry
-
-        store._fetch_entry = first_held  # type: ignore[method-assign]
+        held = hold_first(store, "_fetch_entry")  # read before the revocation below, answered after it
         early = asyncio.ensure_future(store.authenticate_async(plaintext))
-        assert await asyncio.to_thread(began.wait, 20)
+        assert await asyncio.to_thread(held.began.wait, 20)
         await store.admin(store.revoke_key, key.key_id)
         late = asyncio.ensure_future(store.authenticate_async(plaintext))
-        let_go.set()
+        held.let_go.set()
         assert await late is None, "a request after the revocation was let in by a lookup begun before it"
         assert await early is not None  # its request came before the revocation
         assert await store.authenticate_async(plaintext) is None
