@@ -105,6 +105,17 @@ def _closed_by_peer(sock: socket.socket) -> bool:
 _BODY = json.dumps({"model": "mid", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}).encode()
 
 
+def _begun(gateway: Gateway, body: bytes) -> socket.socket:
+    """A connection with a request's whole head and the start of its body (the rest is the caller's to send), its head
+    read by the gateway by the time this returns."""
+    url = urlparse(gateway.url)
+    busy = socket.create_connection((url.hostname, url.port))
+    busy.sendall(_head(gateway.tenant_key, len(body)) + body[:5])
+    with gateway.client(gateway.tenant_key) as c:
+        assert c.get("/v1/models").status_code == 200  # the busy request's head has been read by now
+    return busy
+
+
 def _five_answered(gateway: Gateway, body: bytes) -> None:
     """Five requests of the tenant's, past the cap, all answered."""
     with gateway.client(gateway.tenant_key) as c:
@@ -122,10 +133,7 @@ def _head(key: str, length: int) -> bytes:
 def test_idle_sockets_past_the_cap_leave_other_tenants_served(capped_gateway: Gateway) -> None:
     url = urlparse(capped_gateway.url)
     body = _BODY
-    busy = socket.create_connection((url.hostname, url.port))  # a request begun, its body not all sent
-    busy.sendall(_head(capped_gateway.tenant_key, len(body)) + body[:5])
-    with capped_gateway.client(capped_gateway.tenant_key) as c:
-        assert c.get("/v1/models").status_code == 200  # the busy request's head has been read by now
+    busy = _begun(capped_gateway, body)
     idle = [socket.create_connection((url.hostname, url.port)) for _ in range(3 * CAP)]
     try:
         _five_answered(capped_gateway, body)
@@ -145,10 +153,7 @@ def test_request_heads_begun_and_never_finished_past_the_cap_leave_other_tenants
     tenant's new connection at once (the tenant's request got a reset) until the request deadline."""
     url = urlparse(capped_gateway.url)
     body = _BODY
-    busy = socket.create_connection((url.hostname, url.port))  # a whole head, its body not all sent
-    busy.sendall(_head(capped_gateway.tenant_key, len(body)) + body[:5])
-    with capped_gateway.client(capped_gateway.tenant_key) as c:
-        assert c.get("/v1/models").status_code == 200  # the busy request's head has been read by now
+    busy = _begun(capped_gateway, body)
     begun = []
     try:
         for _ in range(2 * CAP):
