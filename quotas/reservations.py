@@ -13,7 +13,7 @@ from functools import lru_cache
 
 from quotas.backends.base import QuotaBackend, QuotaBackendError
 from quotas.backends.journal import FallbackRow, fallback_row
-from quotas.backends.redis_retries import SETTLE_BACKOFF_S, retry
+from quotas.backends.settle_backoff import SETTLE_BACKOFF_S, retry
 from quotas.fault_log import FaultLog
 from quotas.limits import Decision, ReservationRequest, ScopeLimits
 from quotas.money import to_pico
@@ -163,7 +163,7 @@ class QuotaService:
 
     def _settle_later(self, reservation: Reservation, tokens: int, money_pico: int, exc: Exception) -> None:
         """The backend's settle raised (`exc`): logged (once an outage), and sent again in the background with a
-        settle's backoff (quotas/backends/redis_retries.py `retry`; the backend's settle is idempotent) for as long as
+        settle's backoff (quotas/backends/settle_backoff.py `retry`; the backend's settle is idempotent) for as long as
         the reservation's lease. Given up after that, the reservation is the reaper's: not renewed (no longer open),
         it is returned when its lease ends, billed what its ledger row says (`QuotaBackend.reap`)."""
         self._settle_faults.failed(exc)

@@ -4,19 +4,19 @@ reserve whose answer was lost (the script may have run: what it holds is undone,
 rpm place, tokens, slot and money free). settle.lua makes a repeat of either harmless, in any order with the other
 and with a settle of the same id from a replica's fallback (quotas/backends/failover.py).
 
-Retries wait twice as long each time, up to SETTLE_BACKOFF_S[1], for `settle_retry_s`; after that a reservation
-still held is the reaper's, once its lease runs out. An outage's failures are logged once, then one line when a
-settle works again (FaultLog), not a line a request.
+Retries wait twice as long each time, up to SETTLE_BACKOFF_S[1] (quotas/backends/settle_backoff.py), for
+`settle_retry_s`; after that a reservation still held is the reaper's, once its lease runs out. An outage's failures
+are logged once, then one line when a settle works again (FaultLog), not a line a request.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
+from quotas.backends import settle_backoff
 from quotas.backends.base import QuotaBackendError
 from quotas.fault_log import FaultLog
 from quotas.limits import WINDOW_S, ReservationRequest
@@ -24,24 +24,6 @@ from quotas.limits import WINDOW_S, ReservationRequest
 log = logging.getLogger("tiergate.quotas")
 
 CANCEL_ATTEMPTS = 20  # undoing a reservation whose answer was lost: tries a second apart, then as a settle's retries
-SETTLE_BACKOFF_S = (0.05, 5.0)  # first and longest wait between a failed settle's retries
-
-
-async def retry(call: Callable[[], Awaitable[Any]], wait: float, for_s: float, *,
-                retried: tuple[type[Exception], ...] = (QuotaBackendError,)) -> bool:
-    """`call` until it works (True), waiting `wait` first and twice as long each time up to SETTLE_BACKOFF_S[1],
-    for `for_s` seconds (False after); a failure other than `retried` raises. (Also quotas/reservations.py's, for a
-    backend's settle that raised all the same.)"""
-    deadline = time.monotonic() + for_s
-    while time.monotonic() < deadline:
-        await asyncio.sleep(wait)
-        try:
-            await call()
-        except retried:
-            wait = min(2 * wait, SETTLE_BACKOFF_S[1])
-        else:
-            return True
-    return False
 
 
 class RedisRetries:
@@ -74,7 +56,7 @@ class RedisRetries:
         """Until Redis answers (settle.lua makes a repeat harmless), waiting twice as long each time up to
         SETTLE_BACKOFF_S[1]; after `settle_retry_s` the reservation is left to the reaper."""
         if await self._retry(lambda: self._finish(req, tokens=tokens, money_pico=money_pico, kind="settle"),
-                             SETTLE_BACKOFF_S[0], self.settle_retry_s):
+                             settle_backoff.SETTLE_BACKOFF_S[0], self.settle_retry_s):
             self._settle_faults.ok()
         else:
             self._settle_faults.failed(QuotaBackendError(
@@ -104,7 +86,7 @@ class RedisRetries:
                 "undoing a reservation whose answer was lost is given up: its lease's reaper returns it"))
 
     async def _retry(self, call: Callable[[], Awaitable[Any]], wait: float, for_s: float) -> bool:
-        return await retry(call, wait, for_s)
+        return await settle_backoff.retry(call, wait, for_s)
 
     def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(work)

@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from quotas.backends import redis_retries
+from quotas.backends import settle_backoff
 from quotas.backends.base import QuotaBackendError
 from quotas.backends.failover import FailoverBackend
 from quotas.backends.redis import RedisBackend
@@ -25,7 +25,7 @@ async def test_settles_of_the_requests_in_flight_as_redis_stops_are_one_line_the
     """20 requests reserved on Redis settle while it is stopped, their retries give up, Redis is back: a line for
     each fault (the connection closed, then refused; the retries given up), one when a settle works (was 20
     warnings and 20 errors)."""
-    monkeypatch.setattr(redis_retries, "SETTLE_BACKOFF_S", (0.01, 0.02))
+    monkeypatch.setattr(settle_backoff, "SETTLE_BACKOFF_S", (0.01, 0.02))
     b = failover(own_redis.url)
     b.primary.settle_retry_s = 0.2
     try:
