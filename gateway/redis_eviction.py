@@ -27,6 +27,9 @@ log = logging.getLogger("tiergate.gateway")
 
 CHECK_TIMEOUT_S = 2.0  # connect and answer; one round trip at start-up, not a request's budget (redis_timeout_s)
 SAFE_POLICY = "noeviction"
+# the fix a refusal names (start-up's error; the running gateway's not-ready reason)
+FIX = ("set `maxmemory-policy noeviction` on that Redis (redis.conf, or CONFIG SET maxmemory-policy noeviction), or "
+       "TIERGATE_REDIS_ALLOW_EVICTION=1 to run anyway")
 
 
 class RedisEvicts(Exception):
@@ -55,16 +58,23 @@ def check_redis_eviction(settings: Settings) -> None:
         log.warning("could not check the maxmemory-policy of Redis at %s (CONFIG GET did not return it); it must be "
                     "`noeviction`", where)
         return
-    if policy == SAFE_POLICY or maxmemory == 0:  # no limit: nothing is ever evicted
+    problem = eviction_problem(where, policy, maxmemory)
+    if problem is None:
         return
-    problem = (f"Redis at {where} (TIERGATE_REDIS_URL) runs with maxmemory {maxmemory} and maxmemory-policy "
-               f"{policy}: when full it evicts quota counters, reservations, idempotency records and cache entries, "
-               "forgiving spend and leaving cache counts wrong")
     if settings.redis_allow_eviction:
         log.warning("%s; starting anyway (TIERGATE_REDIS_ALLOW_EVICTION=1)", problem)
         return
-    raise RedisEvicts(f"{problem}; set `maxmemory-policy noeviction` on that Redis (redis.conf, or CONFIG SET "
-                      "maxmemory-policy noeviction), or TIERGATE_REDIS_ALLOW_EVICTION=1 to start anyway")
+    raise RedisEvicts(f"{problem}; {FIX}")
+
+
+def eviction_problem(where: str, policy: str, maxmemory: int) -> str | None:
+    """What is wrong with a Redis running `policy` under `maxmemory` bytes (one line, `where` already redacted), or
+    None when it never evicts: start-up and the running gateway's watch (redis_eviction_watch.py) judge alike."""
+    if policy == SAFE_POLICY or maxmemory == 0:  # no limit: nothing is ever evicted
+        return None
+    return (f"Redis at {where} (TIERGATE_REDIS_URL) runs with maxmemory {maxmemory} and maxmemory-policy {policy}: "
+            "when full it evicts quota counters, reservations, idempotency records and cache entries, forgiving "
+            "spend and leaving cache counts wrong")
 
 
 def _read_policy(url: str) -> tuple[str | None, int | None]:
@@ -72,8 +82,12 @@ def _read_policy(url: str) -> tuple[str | None, int | None]:
     client = redis.Redis.from_url(url, socket_timeout=CHECK_TIMEOUT_S, socket_connect_timeout=CHECK_TIMEOUT_S,
                                   decode_responses=True)
     try:
-        policy = client.config_get("maxmemory-policy").get("maxmemory-policy")
-        maxmemory = client.config_get("maxmemory").get("maxmemory")
+        return parse_policy(client.config_get("maxmemory*"))
     finally:
         client.close()
-    return policy, int(maxmemory) if maxmemory is not None and maxmemory.isdigit() else None
+
+
+def parse_policy(config: dict[str, str]) -> tuple[str | None, int | None]:
+    """(maxmemory-policy, maxmemory in bytes) from a CONFIG GET answer; None for one it lacks (some proxies)."""
+    maxmemory = config.get("maxmemory")
+    return config.get("maxmemory-policy"), int(maxmemory) if maxmemory is not None and maxmemory.isdigit() else None
