@@ -42,6 +42,7 @@ from gateway.pipeline.route import RouteStage
 from gateway.pipeline.settle import Settler
 from gateway.pipeline.tier_call import TierCaller
 from gateway.redis_eviction import check_redis_eviction
+from gateway.redis_eviction_watch import eviction_watch
 from gateway.rollout.guards import tier_guards_error
 from gateway.rollout.service import RolloutService
 from gateway.rollout.shadow import Shadow
@@ -157,7 +158,8 @@ def build_services(settings: Settings) -> Services:
                                                                   registry=metrics_.registry))
     return Services(settings=settings, catalogue=catalogue, plans=plans, store=store, ledger=ledger, client=client,
                     fleet=fleet, metrics=metrics_, pipeline=pipeline, queues=queues, quota_backend=backend,
-                    ladder=ladder, cache=cache, rollouts=rollouts)
+                    ladder=ladder, cache=cache, rollouts=rollouts,
+                    redis_eviction=eviction_watch(settings, metrics_.registry))
 
 
 # Threads for the cache's lookups (store reads, faiss searches, meaning-check passes), tenants in turn: as many as
@@ -278,6 +280,8 @@ def create_app(settings: Settings | None = None, *, check_redis: bool = True) ->
             MODEL_VERSIONS_EVERY_S, ModelVersions(services.cache.cache, served_versions(
                 services.catalogue, services.fleet, services.rollouts), sweep_store=not settings.redis_url).check,
             "retiring cached model versions"))
+        if services.redis_eviction is not None:  # a policy changed while we run is seen (redis_eviction_watch.py)
+            await services.redis_eviction.start()
         try:
             yield
         finally:
@@ -287,6 +291,8 @@ def create_app(settings: Settings | None = None, *, check_redis: bool = True) ->
             reaper.cancel()
             if retiring is not None:
                 retiring.cancel()
+            if services.redis_eviction is not None:
+                await services.redis_eviction.stop()
             await services.fleet.stop()
             if services.pipeline.shadow is not None:  # shadow calls nobody waits for end with the gateway
                 services.pipeline.shadow.cancel()
@@ -336,7 +342,7 @@ def _service(name: str) -> Any:
 # what handlers may ask for by name; each is built once per app in `build_services` (embeddings on first use)
 _PROVIDERS = {name: _service(name) for name in ("pipeline", "plans", "catalogue", "store", "ledger", "fleet",
                                                  "metrics", "ladder", "cache", "queues", "settings",
-                                                 "rollouts", "reports")}
+                                                 "rollouts", "reports", "redis_eviction")}
 _PROVIDERS["embeddings"] = provide_embeddings
 
 

@@ -9,6 +9,7 @@ from gateway.ladder.controller import LadderController
 from gateway.metrics import GatewayMetrics
 from gateway.pipeline.cache_lookup import CacheStage
 from gateway.pipeline.handle import Pipeline
+from gateway.redis_eviction_watch import RedisEvictionWatch
 from gateway.report_gate import ReportGate
 from gateway.rollout.service import RolloutService
 from gateway.settings import Settings
@@ -38,4 +39,5 @@ class Services:
     ladder: LadderController
     cache: CacheStage
     rollouts: RolloutService
+    redis_eviction: RedisEvictionWatch | None = None  # with TIERGATE_REDIS_URL: its policy, read again
     reports: ReportGate = field(default_factory=ReportGate)  # usage reports' own threads (gateway/report_gate.py)

@@ -44,6 +44,9 @@ class Settings(BaseSettings):
     redis_pool_wait_s: float = 2.0  # ...this long at most, then a retryable 503
     # start even when that Redis may evict keys (a maxmemory with a policy but noeviction): gateway/redis_eviction.py
     redis_allow_eviction: bool = False
+    # how often the running gateway reads that policy again (gateway/redis_eviction_watch.py): a change shows in the
+    # log, /metrics and /health within this
+    redis_eviction_check_s: float = Field(30.0, gt=0)
     quota_reap_every_s: float = Field(5.0, gt=0)  # how often each replica returns reservations whose lease ran out
     # a reservation's lease: a request still running past a third of it renews it at each reap round, so it runs out
     # only for a replica that died (or lost the store) before settling

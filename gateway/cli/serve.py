@@ -137,13 +137,16 @@ def _announce_when_ready(app: Litestar, settings: Settings, keys: dict[str, str]
             continue
         if services is None:
             continue
-        ready, details = readiness(services.fleet, services.ledger)
+        ready, details = readiness(services.fleet, services.ledger, services.redis_eviction)
         if ready:
             for name, why in details["not_ready"].items():
                 click.echo(f"note: tier {name} is not available: {why}", err=True)
             click.echo(banner(keys, host=settings.host, port=settings.port, data_dir=settings.data_dir))
             return
-        waiting = ", ".join(sorted(details["not_ready"]))
+        # Redis's policy changed since start-up's check (redis_eviction_watch.py): its reason, not a tier's
+        redis_reason = details.get("redis", {}).get("not_ready")
+        waiting = f"not ready: {redis_reason}" if redis_reason else \
+            f"waiting for tiers to load: {', '.join(sorted(details['not_ready']))}"
         if waiting != last:
-            click.echo(f"waiting for tiers to load: {waiting}", err=True)
+            click.echo(waiting, err=True)
             last = waiting

@@ -12,6 +12,7 @@ from litestar.openapi import ResponseSpec
 from gateway.auth import presented_key
 from gateway.errors import Unavailable
 from gateway.metrics import GatewayMetrics
+from gateway.redis_eviction_watch import RedisEvictionWatch
 from gateway.routes.guarded import admin_only
 from gateway.routes.openapi import BEARER, errors
 from gateway.tenants.store import TenantStore
@@ -24,7 +25,8 @@ from tiers.fleet import Fleet
                       description='Not ready: `{"status": "starting"}` (and, for an admin key, why)'),
     **errors(500)})
 async def health(request: Request[Any, Any, Any], fleet: NamedDependency[Fleet],
-                 store: NamedDependency[TenantStore], ledger: NamedDependency[Ledger]) -> Response[dict[str, Any]]:
+                 store: NamedDependency[TenantStore], ledger: NamedDependency[Ledger],
+                 redis_eviction: NamedDependency[RedisEvictionWatch | None]) -> Response[dict[str, Any]]:
     """200 {"status": "ok"} when every tier that can run is ready; 503 {"status": "starting"} while any is starting
     or down.
 
@@ -33,9 +35,9 @@ async def health(request: Request[Any, Any, Any], fleet: NamedDependency[Fleet],
     key gets the short answer, never a 401, so a load balancer's probe needs no key.
 
     A tier whose model is not built yet (or is being built) is reported but does not hold readiness back: the gateway
-    routes around it.
+    routes around it. A Redis that may now evict keys does, unless allowed (gateway/redis_eviction_watch.py).
     """
-    ready, details = readiness(fleet, ledger)
+    ready, details = readiness(fleet, ledger, redis_eviction)
     body: dict[str, Any] = {"status": "ok" if ready else "starting"}
     key = presented_key(request)
     try:  # a made-up key id is looked up off the event loop, as on the model routes
@@ -47,17 +49,23 @@ async def health(request: Request[Any, Any, Any], fleet: NamedDependency[Fleet],
     return Response(body, status_code=200 if ready else 503)
 
 
-def readiness(fleet: Fleet, ledger: Ledger) -> tuple[bool, dict[str, Any]]:
-    """Whether the gateway can take work (every tier that can run is ready, and the ledger can write), and the
-    details: each tier's status, why a tier is not ready, and why the ledger is not (null when it is)."""
+def readiness(fleet: Fleet, ledger: Ledger,
+              redis_eviction: RedisEvictionWatch | None = None) -> tuple[bool, dict[str, Any]]:
+    """Whether the gateway can take work (every tier that can run is ready, the ledger can write, and its Redis may
+    not evict keys unless allowed), and the details: each tier's status, why a tier is not ready, why the ledger is
+    not (null when it is), and what was last read of Redis's eviction policy (with TIERGATE_REDIS_URL)."""
     tiers = fleet.status()
     waiting = {name: s for name, s in tiers.items()
                if not s["ready"] and any(r["status"] not in ("unavailable", "preparing") for r in s["replicas"])}
     unavailable = fleet.unavailable(detail=True)  # shown to an admin key only
     ledger_reason = ledger.not_ready_reason
-    return not waiting and ledger_reason is None, {
+    redis_reason = None if redis_eviction is None else redis_eviction.not_ready_reason
+    details: dict[str, Any] = {
         "tiers": tiers, "not_ready": {name: unavailable.get(name) for name in tiers if not tiers[name]["ready"]},
         "ledger": ledger_reason}
+    if redis_eviction is not None:
+        details["redis"] = redis_eviction.details() | {"not_ready": redis_reason}
+    return not waiting and ledger_reason is None and redis_reason is None, details
 
 
 @get("/metrics", tags=["operations"], security=BEARER,
