@@ -192,3 +192,27 @@ def test_evicted_keys_are_counted_and_logged_once_a_spell(redis_with, caplog: py
     spells = logged(caplog, logging.WARNING, "has evicted keys")
     assert len(spells) == 2 and all("INFO stats evicted_keys" in s for s in spells)
     assert watch.not_ready_reason is None  # allowed: readiness kept
+
+
+def test_config_denied_later_then_redis_down_keeps_the_last_verdict(redis_with,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """A failover to a replica that refuses CONFIG (a managed one), then an outage: each said once, and /health
+    keeps what was last read, here that the Redis may evict."""
+    caplog.set_level(logging.INFO, logger="tiergate.gateway")
+    server = redis_with(*LIMITED, "--maxmemory-policy", "allkeys-lru")
+
+    def change(i: int) -> None:
+        if i == 1:
+            with operator(server.url) as cli:
+                cli.acl_setuser("default", enabled=True, nopass=True, commands=["-config"])
+        elif i == 4:
+            server.stop()
+
+    watch = watch_rounds(server.url, 7, change)
+    assert watch.may_evict is True and watch.not_ready_reason is not None
+    assert watch.unread is not None and "CONFIG GET answered" in watch.unread
+    [denied] = logged(caplog, logging.WARNING, "any more")
+    assert "noeviction" in denied
+    down = [r.getMessage() for r in caplog.records if "failed (logged once" in r.getMessage()]
+    assert down and len(down) == len(set(down)) < 3  # 3 rounds failed: each distinct fault once (closed, refused)
+    assert all("ConnectionError" in line for line in down)
