@@ -39,7 +39,9 @@ plain text and closed with the rest unread.
 **Pipelining.** At most `max_pipelined` (32) requests are parsed and queued behind the one being answered on a
 connection; past that, the parser stops, those queued are answered, the last closing the connection. A request
 refused at its head (a 431, a 415, a 400) behind answers still being made is answered after them, in order, and then
-the connection closes: nothing after it is read as a request.
+the connection closes: nothing after it is read as a request. What the client sends meanwhile is read and dropped up
+to `linger_bytes`, then no more is read until the connection closes (it was read for as long as the answers took: a
+client sent 256 MiB behind one held answer, all read).
 
 **Body framing.** The app's body limit (`max_body_bytes`) counts a body's data, not its chunked framing: one
 chunk's extension may go on for ever, and carries no data. A request's bytes after its head may be `FRAMING_FACTOR`
@@ -71,6 +73,7 @@ import socket
 import struct
 from typing import Any
 
+from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from gateway.connection_cap import MAX_CONNECTIONS, ConnectionTable, connection_cap, raised_fd_limit
@@ -116,6 +119,22 @@ FRAMING_FACTOR = 4  # a request's bytes after its head may be this many times th
 _PIPELINE_FULL = b"(never sent)"
 
 
+class _HeldFlow(FlowControl):
+    """uvicorn's flow control, whose reading can be paused for good (`hold`): uvicorn resumes reading as each answer
+    ends and as the app waits on its request's body, which would undo a plain pause."""
+
+    held = False
+
+    def hold(self) -> None:
+        """Read nothing more from this connection (until it closes)."""
+        self.held = True
+        self.pause_reading()
+
+    def resume_reading(self) -> None:
+        if not self.held:
+            super().resume_reading()
+
+
 class _Refused(Exception):
     """Stops the parser at a header: the request is refused with `LimitedProtocol._refusal`, its app never run."""
 
@@ -147,7 +166,7 @@ class LimitedProtocol(HttpToolsProtocol):
         self._head_parsed = 0  # bytes of the request line and headers the parser has handed over
         self._refusal: bytes | None = None  # the answer to a request refused at a header (`_refuse`)
         self._lingering: asyncio.TimerHandle | None = None  # refused, closing: when to stop reading (`_close_refused`)
-        self._lingered = 0  # bytes read and dropped since
+        self._lingered = 0  # bytes read and dropped since, or while the refusal waits (`_dropping`)
         self._ended = False  # a request ended in the bytes being parsed
         self._dropping = False  # past MAX_PIPELINED, or refused behind an answer: what comes is dropped meanwhile
         self._in_body = False  # the current request's head is whole, its body has not all come
@@ -157,6 +176,9 @@ class LimitedProtocol(HttpToolsProtocol):
 
     def data_received(self, data: bytes) -> None:
         if self._dropping:  # the parser has stopped (`_end_pipeline`, `_close_refused`): the answers queued go on
+            self._lingered += len(data)
+            if self._lingered > self.linger_bytes:  # read no more: the answers go on, the client's bytes wait
+                self.flow.hold()
             return
         if self._lingering is not None:  # a refused request's rest: read and dropped (`_close_refused`)
             self._lingered += len(data)
@@ -283,7 +305,9 @@ class LimitedProtocol(HttpToolsProtocol):
 
         Refused behind an answer being made (pipelined), it waits: nothing more is read as a request, the answers
         before it are sent whole, in order, then it (`on_response_complete`). Written at once, it went ahead of them
-        (the client read it as their answer); closing at once cut them."""
+        (the client read it as their answer); closing at once cut them. Meanwhile what comes is dropped, and past
+        `linger_bytes` of it no more is read (`_HeldFlow`): dropped as it came, one client kept the gateway reading
+        for as long as an answer took."""
         if not self._idle():
             self._dropping, self._refused_after = True, response
             return
@@ -312,6 +336,7 @@ class LimitedProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self.flow = _HeldFlow(transport)  # before any request cycle is handed it
         if not self.client_connections.opened(self):
             log.debug("closed a new connection from %s: %d open, none idle", self.client, self.client_connections.cap)
             transport.close()

@@ -4,10 +4,12 @@ limit; a client that stops reading its answer is cut off, and its request ends a
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
 import socket
+import threading
 import time
 import tracemalloc
 from collections.abc import Iterator
@@ -15,6 +17,7 @@ from urllib.parse import urlparse
 
 import pytest
 
+from gateway import http_limits
 from gateway.http_limits import MAX_PIPELINED
 from gateway.settings import Settings
 from tests.conftest import Gateway, running_gateway
@@ -434,3 +437,60 @@ def test_a_request_refused_behind_one_being_answered_is_answered_after_it(slow_g
     assert rest.startswith(b"HTTP/1.1 " + status + b" "), rest[:300]
     assert json.loads(rest.split(b"\r\n\r\n", 1)[1])["error"]["code"] == code
     assert slow_gateway.ledger_rows()[0].status == "ok"  # the stream's request ran to its end
+
+
+def _held_answer(release: threading.Event) -> object:
+    """An ASGI app whose answer, to any request, is "first" at once and "-rest" once `release` is set."""
+    async def app(scope: dict, receive: object, send: object) -> None:
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":  # type: ignore[operator]
+                await send({"type": "lifespan.startup.complete"})  # type: ignore[operator]
+            await send({"type": "lifespan.shutdown.complete"})  # type: ignore[operator]
+            return
+        await send({"type": "http.response.start", "status": 200,  # type: ignore[operator]
+                    "headers": [(b"content-length", b"10")]})
+        await send({"type": "http.response.body", "body": b"first", "more_body": True})  # type: ignore[operator]
+        while not release.is_set():
+            await asyncio.sleep(0.01)
+        await send({"type": "http.response.body", "body": b"-rest"})  # type: ignore[operator]
+
+    return app
+
+
+def test_what_comes_behind_a_refusal_waiting_on_an_answer_is_read_only_up_to_a_bound() -> None:
+    """A request being answered (held until the test releases it) and, pipelined behind it, one refused at its head
+    (not HTTP): the refusal waits for the answer, and the bytes the client sends meanwhile were read and dropped for
+    as long as the answer took (256 MiB here, all of it). Now past `linger_bytes` (1 MiB) the gateway reads no more:
+    the client's sends block once the sockets' buffers are full. The answer is still sent whole, then the 400."""
+    release = threading.Event()
+    flood, offered = b"a" * (1 << 20), 256 << 20
+    with ServerThread(_held_answer(release), http=http_limits.limited_protocol(30, 60)).start() as server:
+        url = urlparse(server.url)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 * 1024)
+        sock.connect((url.hostname, url.port))
+        try:
+            sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\nNOT HTTP AT ALL\r\n\r\n")
+            sock.settimeout(10)
+            got = b""
+            while b"first" not in got and (chunk := sock.recv(65536)):
+                got += chunk
+            assert got.endswith(b"first"), got  # the answer has begun; the refusal waits behind it
+            sent = 0
+            sock.settimeout(2)
+            with contextlib.suppress(TimeoutError):  # the gateway reads no more: the sockets' buffers fill
+                while sent < offered:
+                    sock.sendall(flood)
+                    sent += len(flood)
+            release.set()
+            assert sent < offered // 4, f"{sent >> 20} MiB read behind the refusal"
+            sock.settimeout(10)
+            with contextlib.suppress(ConnectionResetError):  # closed with the client's bytes unread: a reset after
+                while chunk := sock.recv(65536):
+                    got += chunk
+            assert got.split(b"\r\n\r\n", 1)[1].startswith(b"first-rest"), got[:300]  # the answer whole
+            refusal = got[got.index(b"first-rest") + len(b"first-rest"):]
+            assert refusal.startswith(b"HTTP/1.1 400 ") and b'"invalid_http_request"' in refusal, refusal[:300]
+        finally:
+            release.set()
+            sock.close()
