@@ -57,10 +57,11 @@ freed, and it is billed for what ran, as any client that leaves.
 **Connections.** A process keeps at most a number of client connections, below its open-file limit, closing the
 one idle longest to make room, else the one whose request's head (then body) began longest ago and has not all come
 (gateway/connection_cap.py): sockets idle, or that send part of a request and stop, cannot take the descriptors
-every tenant's requests need.
+every tenant's requests need. All open, an address holding more than its share of them makes room among its own, and
+others make room among its first.
 
 This bounds what one slow client holds; a proxy in front (nginx's `client_header_timeout`, `client_body_timeout`
-and `send_timeout`) is still the place for per-address connection limits.
+and `send_timeout`) is still the place for hard per-address connection limits.
 """
 
 from __future__ import annotations
@@ -76,7 +77,14 @@ from typing import Any
 from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from gateway.connection_cap import MAX_CONNECTIONS, ConnectionTable, connection_cap, raised_fd_limit
+from gateway.connection_cap import (
+    ADDRESS_SHARE,
+    MAX_CONNECTIONS,
+    ConnectionTable,
+    connection_cap,
+    peer,
+    raised_fd_limit,
+)
 from gateway.log_limits import access_logger, client_logger
 from wire.errors import MAX_BODY_BYTES
 
@@ -337,8 +345,9 @@ class LimitedProtocol(HttpToolsProtocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self.flow = _HeldFlow(transport)  # before any request cycle is handed it
-        if not self.client_connections.opened(self):
-            log.debug("closed a new connection from %s: %d open, none idle", self.client, self.client_connections.cap)
+        if not self.client_connections.opened(self, peer(self.client)):  # closed at once, as the cap closes any
+            log.debug("closed a new connection from %s: %d open, none closable for it (none idle, or its address's "
+                      "share taken)", self.client, self.client_connections.cap)
             transport.close()
             return
         self._arm()
@@ -453,14 +462,16 @@ def _cancelled(timer: asyncio.TimerHandle | None) -> None:
 
 
 def limited_protocol(timeout_s: float, stall_s: float, max_connections: int = MAX_CONNECTIONS,
-                     max_body_bytes: int | None = None) -> type[LimitedProtocol]:
+                     max_body_bytes: int | None = None, address_share: float = ADDRESS_SHARE) -> type[LimitedProtocol]:
     """The protocol class to hand uvicorn's `Config(http=...)`: requests whole within `timeout_s`, answers read
-    with no pause longer than `stall_s`, at most `max_connections` open (`ConnectionTable`), at most
-    `FRAMING_FACTOR` times `max_body_bytes` (the app's body limit) read of a request after its head."""
-    if timeout_s <= 0 or stall_s <= 0 or max_connections <= 0:
-        raise ValueError("the request deadline, the write stall limit and the connection cap must be positive")
+    with no pause longer than `stall_s`, at most `max_connections` open (`ConnectionTable`), an address past
+    `address_share` of them making room among its own when they are all open, at most `FRAMING_FACTOR` times
+    `max_body_bytes` (the app's body limit) read of a request after its head."""
+    if timeout_s <= 0 or stall_s <= 0 or max_connections <= 0 or not 0 < address_share <= 1:
+        raise ValueError("the request deadline, the write stall limit and the connection cap must be positive, "
+                         "an address's share of the cap in (0, 1]")
     attrs = {"timeout_s": float(timeout_s), "stall_s": float(stall_s),
-             "client_connections": ConnectionTable(max_connections)}
+             "client_connections": ConnectionTable(max_connections, address_share)}
     if max_body_bytes is not None:
         attrs["max_body_wire_bytes"] = FRAMING_FACTOR * max_body_bytes + MAX_HEAD_BYTES
     return type("LimitedProtocol", (LimitedProtocol,), attrs)
@@ -468,8 +479,8 @@ def limited_protocol(timeout_s: float, stall_s: float, max_connections: int = MA
 
 def for_settings(settings: Any) -> type[LimitedProtocol]:
     """The protocol for a gateway's settings (`request_receipt_timeout_s`, `response_stall_timeout_s`,
-    `max_connections`), for a server in this process: its open-file limit is raised to the hard limit first, and
-    the connection cap kept below it (gateway/connection_cap.py)."""
+    `max_connections`, `connection_share_per_address`), for a server in this process: its open-file limit is raised to
+    the hard limit first, and the connection cap kept below it (gateway/connection_cap.py)."""
     cap = connection_cap(raised_fd_limit(), settings.max_connections)
     return limited_protocol(settings.request_receipt_timeout_s, settings.response_stall_timeout_s, cap,
-                            settings.max_body_bytes)
+                            settings.max_body_bytes, settings.connection_share_per_address)

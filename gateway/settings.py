@@ -8,7 +8,7 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from gateway.connection_cap import MAX_CONNECTIONS
+from gateway.connection_cap import ADDRESS_SHARE, MAX_CONNECTIONS
 from wire.errors import MAX_BODY_BYTES
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -72,6 +72,9 @@ class Settings(BaseSettings):
     # client connections a process keeps (fewer where its open-file limit is low): past it, the one idle longest is
     # closed for a new one (gateway/connection_cap.py: idle sockets cannot take the descriptors requests need)
     max_connections: int = Field(MAX_CONNECTIONS, gt=0)
+    # ...and with all of them open, one peer address holding more than this share of them makes room only among its
+    # own (refused when none of its own is idle or unfinished), others among its first (1: ages alone decide)
+    connection_share_per_address: float = Field(ADDRESS_SHARE, gt=0, le=1)
     # normal: a ledger commit reaches the OS before the response ends (survives a killed gateway);
     # full: it reaches the disk too (survives a power cut; an fsync per group commit, ~4 ms here).
     # SQLite only: with a database_url a commit is as durable as PostgreSQL's synchronous_commit (on: the disk)

@@ -5,19 +5,23 @@ unanswered and a tier marked down (a probe, quoted in the commit that added the 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import select
 import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from urllib.parse import urlparse
 
 import pytest
 
+from gateway import http_limits
 from gateway.connection_cap import FD_RESERVE, ConnectionTable, connection_cap
 from gateway.settings import Settings
 from tests.conftest import Gateway, running_gateway
+from tests.gateway.held_answer import held_answer
 from tests.stubs import ServerThread, StubState
 
 CAP = 16
@@ -71,6 +75,30 @@ def test_the_table_closes_an_unfinished_head_when_none_is_idle_then_an_unfinishe
     table.closed(b)
     table.busy(f)
     assert not table.opened(Conn("g")) and not any(x.closed for x in (d, e, f))  # whole requests are never closed
+
+
+def test_a_full_table_makes_room_for_an_address_past_its_share_among_its_own_connections() -> None:
+    """A cap of 4, an address's share 2: one address past it makes room only among its own, or is refused; another
+    address makes room among the crowded one's first. By age alone, the other address's connection, idle longest,
+    was closed for the crowded one's, and a new address's closed it too."""
+    table = ConnectionTable(4, share=0.5)
+    other, a, b, c, d, e = (Conn(n) for n in "oabcde")
+    assert table.opened(other, "10.0.0.2")  # idle longest
+    for conn in (a, b, c):
+        assert table.opened(conn, "10.0.0.1")  # three of four: past its share, while there was room
+    assert table.opened(d, "10.0.0.1") and a.closed and not other.closed  # its own idle longest, not the other's
+    table.closed(a)
+    table.busy(b)
+    table.busy(c)
+    table.heading(d)  # a request begun: after every idle one, by age alone
+    assert table.opened(e, "10.0.0.3") and d.closed and not other.closed  # within its share: the crowded one's first
+    table.closed(d)
+    f = Conn("f")
+    assert not table.opened(f, "10.0.0.1") and not other.closed  # past its share, none of its own closable: refused
+    table.closed(f)
+    assert (table.made_room, table.refused, table.refused_for_address) == (2, 1, 1)
+    g = Conn("g")
+    assert table.opened(g, "10.0.0.4") and other.closed  # the crowded one's all answering: by age alone again
 
 
 def test_the_cap_stays_below_the_open_file_limit() -> None:
@@ -211,27 +239,9 @@ def test_a_connection_answered_before_its_body_came_is_not_closed_for_room_mid_a
     after a wait) was closed as one whose app had spent nothing, its answer cut. Now a connection being answered is
     kept (the new one is refused), as a whole request's is. A real uvicorn server with the gateway's protocol and an
     app whose answer spans an await (in the gateway: a write paused between an answer's start and its body)."""
-    import asyncio
-    import threading
-
-    from gateway import http_limits
-
     release = threading.Event()
-
-    async def app(scope: dict, receive: object, send: object) -> None:
-        if scope["type"] == "lifespan":
-            while (await receive())["type"] != "lifespan.shutdown":  # type: ignore[operator]
-                await send({"type": "lifespan.startup.complete"})  # type: ignore[operator]
-            await send({"type": "lifespan.shutdown.complete"})  # type: ignore[operator]
-            return
-        await send({"type": "http.response.start", "status": 200,  # type: ignore[operator]
-                    "headers": [(b"content-length", b"10")]})
-        await send({"type": "http.response.body", "body": b"first", "more_body": True})  # type: ignore[operator]
-        while not release.is_set():
-            await asyncio.sleep(0.01)
-        await send({"type": "http.response.body", "body": b"-rest"})  # type: ignore[operator]
-
-    with ServerThread(app, http=http_limits.limited_protocol(30, 60, max_connections=1)).start() as server:
+    protocol = http_limits.limited_protocol(30, 60, max_connections=1)
+    with ServerThread(held_answer(release), http=protocol).start() as server:
         url = urlparse(server.url)
         answered = socket.create_connection((url.hostname, url.port))
         answered.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{")  # its body never all comes
@@ -254,3 +264,81 @@ def test_a_connection_answered_before_its_body_came_is_not_closed_for_room_mid_a
             release.set()
             answered.close()
             new.close()
+
+
+def _from(gateway_url: str, source: str) -> socket.socket:
+    """A connection to the gateway from the loopback address `source` (every 127.x.y.z is this host's)."""
+    url = urlparse(gateway_url)
+    return socket.create_connection((url.hostname, url.port), source_address=(source, 0))
+
+
+def _models(sock: socket.socket, key: str) -> bytes:
+    """GET /v1/models on `sock`, kept alive: the answer's head and body (b"" if the gateway closed the connection)."""
+    sock.sendall(f"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n\r\n".encode())
+    sock.settimeout(10)
+    got = b""
+    with contextlib.suppress(ConnectionResetError):
+        while b"\r\n\r\n" not in got and (chunk := sock.recv(65536)):
+            got += chunk
+        if not got:
+            return got
+        head, _, body = got.partition(b"\r\n\r\n")
+        length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                       if line.lower().startswith(b"content-length:")), 0)
+        while len(body) < length and (chunk := sock.recv(65536)):
+            body += chunk
+        got = head + b"\r\n\r\n" + body
+    return got
+
+
+def test_one_address_opening_past_the_cap_closes_only_its_own_connections(capped_gateway: Gateway) -> None:
+    """Another address's four kept-alive connections, idle longest, and one address opening three times the cap of
+    sockets that send nothing: its new ones make room among its own (its share, half the cap, passed), so the other
+    address's connections serve again. By age alone they were the first closed for its new ones."""
+    others = [_from(capped_gateway.url, "127.0.0.2") for _ in range(4)]
+    flood: list[socket.socket] = []
+    try:
+        for sock in others:
+            assert _models(sock, capped_gateway.tenant_key).startswith(b"HTTP/1.1 200 ")
+        flood += [_from(capped_gateway.url, "127.0.0.1") for _ in range(3 * CAP)]
+        _five_answered(capped_gateway, _BODY)  # from 127.0.0.1 too, after every one of them
+        assert all(_closed_by_peer(s) for s in flood[:CAP])  # its oldest made room for its newer ones
+        for sock in others:
+            got = _models(sock, capped_gateway.tenant_key)
+            assert got.startswith(b"HTTP/1.1 200 "), got[:200]  # never closed for its connections
+    finally:
+        for s in [*others, *flood]:
+            s.close()
+
+
+def test_an_address_past_its_share_with_every_connection_answering_is_refused_not_another() -> None:
+    """A cap of 4: another address's connection, idle since it opened, and three of one address's being answered
+    (their answers held): that address's next connection is closed at once, as the cap closes any (none of its own
+    may be closed for it, and it holds more than its share, 2), and the other's connection still serves. By age
+    alone the other's was closed for it. A real uvicorn server with the gateway's protocol."""
+    release = threading.Event()
+
+    def answer_begun(sock: socket.socket) -> bytes:
+        sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        sock.settimeout(10)
+        got = b""
+        while b"first" not in got and (chunk := sock.recv(65536)):
+            got += chunk
+        return got
+
+    protocol = http_limits.limited_protocol(30, 60, max_connections=4)
+    with ServerThread(held_answer(release), http=protocol).start() as server:
+        other = _from(server.url, "127.0.0.2")
+        answering = [_from(server.url, "127.0.0.1") for _ in range(3)]
+        new = None
+        try:
+            for sock in answering:
+                assert answer_begun(sock).endswith(b"first")
+            new = _from(server.url, "127.0.0.1")
+            assert _closed_by_peer(new)  # refused
+            got = answer_begun(other)
+            assert got.endswith(b"first"), got  # the other address's connection was kept
+        finally:
+            release.set()
+            for s in [other, *answering, *([new] if new else [])]:
+                s.close()

@@ -4,7 +4,6 @@ limit; a client that stops reading its answer is cut off, and its request ends a
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
@@ -21,6 +20,7 @@ from gateway import http_limits
 from gateway.http_limits import MAX_PIPELINED
 from gateway.settings import Settings
 from tests.conftest import Gateway, running_gateway
+from tests.gateway.held_answer import held_answer
 from tests.stubs import ServerThread, StubState
 
 DEADLINE_S = 1.0
@@ -439,24 +439,6 @@ def test_a_request_refused_behind_one_being_answered_is_answered_after_it(slow_g
     assert slow_gateway.ledger_rows()[0].status == "ok"  # the stream's request ran to its end
 
 
-def _held_answer(release: threading.Event) -> object:
-    """An ASGI app whose answer, to any request, is "first" at once and "-rest" once `release` is set."""
-    async def app(scope: dict, receive: object, send: object) -> None:
-        if scope["type"] == "lifespan":
-            while (await receive())["type"] != "lifespan.shutdown":  # type: ignore[operator]
-                await send({"type": "lifespan.startup.complete"})  # type: ignore[operator]
-            await send({"type": "lifespan.shutdown.complete"})  # type: ignore[operator]
-            return
-        await send({"type": "http.response.start", "status": 200,  # type: ignore[operator]
-                    "headers": [(b"content-length", b"10")]})
-        await send({"type": "http.response.body", "body": b"first", "more_body": True})  # type: ignore[operator]
-        while not release.is_set():
-            await asyncio.sleep(0.01)
-        await send({"type": "http.response.body", "body": b"-rest"})  # type: ignore[operator]
-
-    return app
-
-
 def test_what_comes_behind_a_refusal_waiting_on_an_answer_is_read_only_up_to_a_bound() -> None:
     """A request being answered (held until the test releases it) and, pipelined behind it, one refused at its head
     (not HTTP): the refusal waits for the answer, and the bytes the client sends meanwhile were read and dropped for
@@ -464,7 +446,7 @@ def test_what_comes_behind_a_refusal_waiting_on_an_answer_is_read_only_up_to_a_b
     the client's sends block once the sockets' buffers are full. The answer is still sent whole, then the 400."""
     release = threading.Event()
     flood, offered = b"a" * (1 << 20), 256 << 20
-    with ServerThread(_held_answer(release), http=http_limits.limited_protocol(30, 60)).start() as server:
+    with ServerThread(held_answer(release), http=http_limits.limited_protocol(30, 60)).start() as server:
         url = urlparse(server.url)
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 * 1024)
