@@ -18,7 +18,7 @@ from urllib.parse import urlparse
 import pytest
 
 from gateway import http_limits
-from gateway.connection_cap import FD_RESERVE, ConnectionTable, connection_cap
+from gateway.connection_cap import FD_RESERVE, ConnectionTable, connection_cap, peer
 from gateway.settings import Settings
 from tests.conftest import Gateway, running_gateway
 from tests.gateway.held_answer import held_answer
@@ -99,6 +99,15 @@ def test_a_full_table_makes_room_for_an_address_past_its_share_among_its_own_con
     assert (table.made_room, table.refused, table.refused_for_address) == (2, 1, 1)
     g = Conn("g")
     assert table.opened(g, "10.0.0.4") and other.closed  # the crowded one's all answering: by age alone again
+
+
+def test_an_address_counts_by_its_host_and_an_ipv6_one_by_its_64() -> None:
+    """A host is given a /64 of IPv6 addresses: counted one by one, one client would be 2**64 addresses."""
+    assert peer(("203.0.113.7", 5000)) == "203.0.113.7"
+    assert peer(("2001:db8:1:2:aaaa::1", 5000)) == peer(("2001:db8:1:2:bbbb::2", 6000)) == "2001:db8:1:2::/64"
+    assert peer(("2001:db8:1:3::1", 5000)) != peer(("2001:db8:1:2::1", 5000))
+    assert peer(("::ffff:203.0.113.7", 5000)) == "203.0.113.7"  # IPv4 on a dual-stack socket
+    assert peer(None) == ""  # a Unix socket's peer: one address
 
 
 def test_the_cap_stays_below_the_open_file_limit() -> None:
