@@ -35,6 +35,10 @@ class Settings(BaseSettings):
     # "Deployment"); unset: SQLite files in the data directory
     database_url: str | None = None
     database_max_connections: int = 10  # per replica, for idempotency records (the ledger and tenants have their own)
+    # a key lookup's (or data-version read's) longest wait for another session's table lock (an operator's LOCK TABLE,
+    # an ALTER), then a retryable 503 `database_busy`, rather than its 5 s statement timeout on one of two lookup
+    # threads (gateway/tenants/store_postgres.py); 0: no bound but the statement timeout
+    tenant_lookup_lock_timeout_s: float = Field(0.2, ge=0)
     # keys the hash of what names a tenant's users and caches (user, safety_identifier, prompt_cache_key) before a
     # remote tier gets it (gateway/pipeline/tier_call.py); the same on every replica, never shown to an upstream
     hint_secret: SecretStr = SecretStr("")

@@ -47,7 +47,7 @@ def open_tenant_store(settings: Settings) -> TenantStore:
         from gateway.tenants.store_postgres import PostgresTenantStore
 
         with _reaching():
-            return PostgresTenantStore(settings.database_url)
+            return PostgresTenantStore(settings.database_url, lock_timeout_s=settings.tenant_lookup_lock_timeout_s)
     return TenantStore(settings.state_db)  # SQLite
 
 

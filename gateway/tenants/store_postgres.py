@@ -31,6 +31,12 @@ timeout, on another session's lock (an operator's LOCK TABLE, a long ALTER) or t
 answered, and that request gets `database_busy` too, the breaker closed (it opened for every tenant, with an outage
 in the log, as one query waited on one table).
 
+A lookup (or data-version read) waits for another session's lock (a LOCK TABLE, an ALTER) at most its `lock_timeout`
+(TIERGATE_TENANT_LOOKUP_LOCK_TIMEOUT_S, 0.2 s), then is `database_busy` too (LockNotAvailable): each waited its 5 s
+statement timeout on one of the LOOKUP_THREADS, so the queue backed up and every tenant whose key was not cached
+waited; a slow query not blocked keeps its statement timeout. Other queries (an admin's change, a rotation's
+advisory lock, the CLI) wait for locks as before (`_lock_wait`).
+
 The admin routes' calls (`TenantStore.admin`) run on the store's admin thread, one at a time, so an admin's query
 waiting on a lock (its statement timeout) or for a connection of the pool (its timeout) waits there, not on the
 event loop, and holds one connection of the pool at most. An admin's change that waited out its statement timeout
@@ -67,7 +73,10 @@ BREAKER_S = 1.0  # after a failed query, queries fail at once for this long
 LISTEN_BACKOFF_S = (0.1, 2.0)  # the listener's reconnects while the database is down: first wait, doubling to the last
 LOOKUP_THREADS = 2  # threads for the event loop's key lookups; the pool keeps the rest of its connections
 STATEMENT_TIMEOUT_S = 5.0  # a query (a lookup, an admin change, a rotation's lock) waits no longer
+LOCK_TIMEOUT_S = 0.2  # ...and a lookup no longer for another session's lock (the setting's default; 0: no bound)
 MAX_LOOKUPS = 64  # key ids looked up or waiting at once; past it a lookup is a 503 (a flood, or the database slow)
+# a query the database gave up on: its statement timeout (or a cancel), a lookup's lock timeout; its caller's 503
+_WAITED_OUT = (pg_errors.QueryCanceled, pg_errors.LockNotAvailable)
 _ROTATION_LOCK = 0x726F74617465  # "rotate"
 # 1: the tables of the release before the fleet store (as in SQLite); 2: the change counter and its triggers
 MIGRATIONS = [
@@ -128,15 +137,19 @@ class PostgresTenantStore(TenantStore):
 
     _conflict = (pg_errors.UniqueViolation,)
 
-    def __init__(self, url: str, *, max_connections: int = 4, timeout_s: float = 2.0) -> None:
+    def __init__(self, url: str, *, max_connections: int = 4, timeout_s: float = 2.0,
+                 lock_timeout_s: float = LOCK_TIMEOUT_S) -> None:
         super().__init__()
         self.url = url
         open_schema(url)
+        self._lock_timeout_s = lock_timeout_s
+        # the lookups' bound on a lock wait, which every pool connection carries (`_lock_wait`); None: none
+        self._lock_sql = f"SET lock_timeout = {max(1, int(lock_timeout_s * 1000))}" if lock_timeout_s > 0 else None
+        self._bound = bounded(STATEMENT_TIMEOUT_S)  # a lookup waiting on a lock, or slow: a 503
         self._pool = ConnectionPool(url, min_size=1, max_size=max_connections, open=True, timeout=timeout_s,
                                     kwargs={"autocommit": True, "connect_timeout": CONNECT_TIMEOUT_S},
-                                    configure=bounded(STATEMENT_TIMEOUT_S),  # a lookup waiting on a lock: a 503
-                                    check=ConnectionPool.check_connection, name="tenants")
-        self._tx = threading.local()  # the connection of this thread's open transaction, if any
+                                    configure=self._configure, check=ConnectionPool.check_connection, name="tenants")
+        self._tx = threading.local()  # this thread's open transaction's connection, if any; a lookup thread's flag
         self._seen: int | None = None  # the change counter as the listener last read it; None: unknown
         self._filled_at: int | None = None  # ...and as it was when the caches were last emptied
         self._broken_until = 0.0
@@ -144,10 +157,11 @@ class PostgresTenantStore(TenantStore):
         self._lent = 0  # pool connections our queries hold now (`_connection`)
         self._lent_lock = threading.Lock()
         self._busy_logged = 0.0  # when an exhausted pool was last logged (once a BREAKER_S at most)
-        self._cancel_logged = float("-inf")  # when a query cancelled by its statement timeout was last logged
+        self._cancel_logged = float("-inf")  # when a query cancelled by its statement or lock timeout was last logged
         self._stop = threading.Event()
         self._listener: threading.Thread | None = None
-        self._lookups = ThreadPoolExecutor(LOOKUP_THREADS, thread_name_prefix="tenant-lookup")
+        self._lookups = ThreadPoolExecutor(LOOKUP_THREADS, thread_name_prefix="tenant-lookup",
+                                           initializer=self._on_lookup_thread)
         self._pending: dict[str, tuple[int, asyncio.Future[_Entry | None]]] = {}  # key id -> (generation, lookup)
         self._real: dict[str, None] = {}  # ids found to be keys, kept when the caches are emptied (not made up)
         self._pending_versions: dict[str, tuple[int, asyncio.Future[int]]] = {}  # tenant -> (generation, its read)
@@ -230,6 +244,30 @@ class PostgresTenantStore(TenantStore):
 
     # ---- statements ----
 
+    def _configure(self, conn: psycopg.Connection[Any]) -> None:
+        """A new pool connection: its statement timeout, and the lookups' lock timeout (`_lock_wait`)."""
+        self._bound(conn)
+        if self._lock_sql is not None:
+            conn.execute(self._lock_sql)
+
+    def _on_lookup_thread(self) -> None:
+        self._tx.lookup = True  # its queries keep the pool's lock timeout (`_lock_wait`)
+
+    @contextmanager
+    def _lock_wait(self, conn: psycopg.Connection[Any]) -> Iterator[None]:
+        """Every pool connection carries the lookups' lock timeout; a query of any other thread (an admin's change,
+        a rotation's advisory lock, the CLI) has it RESET (the database's default: up to its statement timeout) and
+        set again before the connection goes back (autocommit: each SET outside any transaction, so it holds)."""
+        if self._lock_sql is None or getattr(self._tx, "lookup", False):
+            yield
+            return
+        conn.execute("RESET lock_timeout")
+        try:
+            yield
+        finally:
+            if not conn.closed and not conn.broken:
+                conn.execute(self._lock_sql)
+
     @contextmanager
     def _connection(self) -> Iterator[psycopg.Connection[Any]]:
         """This thread's transaction's connection, else one from the pool; unreachable means a 503."""
@@ -241,7 +279,7 @@ class PostgresTenantStore(TenantStore):
             raise _unavailable()
         full = self._lent >= self._max_connections  # every connection lent as this one starts to wait
         try:
-            with self._pool.connection() as conn, self._lending():
+            with self._pool.connection() as conn, self._lending(), self._lock_wait(conn):
                 self._query_faults.ok()
                 yield conn
         except PoolTimeout as exc:
@@ -249,11 +287,11 @@ class PostgresTenantStore(TenantStore):
                 self._log_busy()
                 raise _busy() from exc
             self._trip(exc)  # connections to spare, yet none came: the pool cannot make one
-        except pg_errors.QueryCanceled as exc:
-            # a statement waited out its timeout (another session's lock, a slow moment) or an operator cancelled
-            # it: the database answered, so this is its caller's retryable 503 and the breaker stays closed for
-            # every tenant (an outage is a connection's fault: OperationalError, below); the server's words are
-            # the log's
+        except _WAITED_OUT as exc:
+            # a statement waited out its timeout (another session's lock, a slow moment), a lookup its lock
+            # timeout, or an operator cancelled it: the database answered, so this is its caller's retryable 503
+            # and the breaker stays closed for every tenant (an outage is a connection's fault: OperationalError,
+            # below); the server's words are the log's
             if getattr(self._tx, "admin", False):
                 log.warning("tenant store: an admin change waited %g s on another session's lock and was not "
                             "made: %s", STATEMENT_TIMEOUT_S, exc)
@@ -282,8 +320,14 @@ class PostgresTenantStore(TenantStore):
 
     def _log_cancelled(self, exc: BaseException) -> None:
         now = time.monotonic()
-        if now - self._cancel_logged >= BREAKER_S:  # a table held locked cancels every lookup: a line a BREAKER_S
-            self._cancel_logged = now
+        if now - self._cancel_logged < BREAKER_S:  # a table held locked cancels every lookup: a line a BREAKER_S
+            return
+        self._cancel_logged = now
+        if isinstance(exc, pg_errors.LockNotAvailable):
+            log.warning("tenant store: a query (a key lookup, a data-version read) waited %g s, its lock timeout, "
+                        "for another session's lock and gave up; its request got 503 (the breaker stays closed): %s",
+                        self._lock_timeout_s, exc)
+        else:
             log.warning("tenant store: a query (a key lookup, a data-version read) waited %g s, its statement "
                         "timeout, and was cancelled; its request got 503 (the breaker stays closed): %s",
                         STATEMENT_TIMEOUT_S, exc)

@@ -27,10 +27,13 @@ UNCACHEABLE = {"model": "mid", "messages": [{"role": "user", "content": "hi"}]}
 @pytest.fixture
 def gateway_settings(gateway_settings: Settings, database_url: str, monkeypatch: pytest.MonkeyPatch) -> Settings:
     """conftest's settings with the tenant store in PostgreSQL, its statements bounded at 0.3 s (set before the
-    gateway's store makes its pool) and a breaker that, once open, stays open for the rest of the test."""
+    gateway's store makes its pool) and its lookups' lock waits by that alone (a lock timeout cuts them shorter:
+    tests/gateway/tenants/test_lookup_lock_timeout.py), a breaker that, once open, stays open for the rest of the
+    test, and no answer cache (no embedder to load at start-up)."""
     monkeypatch.setattr(store_postgres, "STATEMENT_TIMEOUT_S", 0.3)
     monkeypatch.setattr(store_postgres, "BREAKER_S", 60.0)
-    return gateway_settings.model_copy(update={"database_url": database_url})
+    return gateway_settings.model_copy(update={"database_url": database_url, "tenant_lookup_lock_timeout_s": 0,
+                                               "cache_enabled": False})
 
 
 @pytest.fixture
