@@ -34,8 +34,10 @@ in the log, as one query waited on one table).
 A lookup (or data-version read) waits for another session's lock (a LOCK TABLE, an ALTER) at most its `lock_timeout`
 (TIERGATE_TENANT_LOOKUP_LOCK_TIMEOUT_S, 0.2 s), then is `database_busy` too (LockNotAvailable): each waited its 5 s
 statement timeout on one of the LOOKUP_THREADS, so the queue backed up and every tenant whose key was not cached
-waited; a slow query not blocked keeps its statement timeout. Other queries (an admin's change, a rotation's
-advisory lock, the CLI) wait for locks as before (`_lock_wait`).
+waited; a slow query not blocked keeps its statement timeout. A key refused so is refused again without a query
+for its Retry-After (BUSY_RETRY_AFTER_S: a hot key held a thread back to back); only a refusal is remembered, never
+a key found. Other queries (an admin's change, a rotation's advisory lock, the CLI) wait for locks as before
+(`_lock_wait`).
 
 The admin routes' calls (`TenantStore.admin`) run on the store's admin thread, one at a time, so an admin's query
 waiting on a lock (its statement timeout) or for a connection of the pool (its timeout) waits there, not on the
@@ -74,6 +76,7 @@ LISTEN_BACKOFF_S = (0.1, 2.0)  # the listener's reconnects while the database is
 LOOKUP_THREADS = 2  # threads for the event loop's key lookups; the pool keeps the rest of its connections
 STATEMENT_TIMEOUT_S = 5.0  # a query (a lookup, an admin change, a rotation's lock) waits no longer
 LOCK_TIMEOUT_S = 0.2  # ...and a lookup no longer for another session's lock (the setting's default; 0: no bound)
+BUSY_RETRY_AFTER_S = 1  # a `database_busy` 503's Retry-After; a key refused for a lock wait is refused this long
 MAX_LOOKUPS = 64  # key ids looked up or waiting at once; past it a lookup is a 503 (a flood, or the database slow)
 # a query the database gave up on: its statement timeout (or a cancel), a lookup's lock timeout; its caller's 503
 _WAITED_OUT = (pg_errors.QueryCanceled, pg_errors.LockNotAvailable)
@@ -164,6 +167,7 @@ class PostgresTenantStore(TenantStore):
                                            initializer=self._on_lookup_thread)
         self._pending: dict[str, tuple[int, asyncio.Future[_Entry | None]]] = {}  # key id -> (generation, lookup)
         self._real: dict[str, None] = {}  # ids found to be keys, kept when the caches are emptied (not made up)
+        self._refused: dict[str, float] = {}  # key id -> until when its lookups are refused (its last waited out)
         self._pending_versions: dict[str, tuple[int, asyncio.Future[int]]] = {}  # tenant -> (generation, its read)
         # an outage in the log: each fault once, then one line when it works again (not one a BREAKER_S, a reconnect)
         self._query_faults = FaultLog(log, "tenant store: reaching the fleet database (requests get 503)",
@@ -190,6 +194,8 @@ class PostgresTenantStore(TenantStore):
         generation = self._generation
         pending = self._pending.get(key_id)
         if pending is None or pending[0] != generation or pending[1].get_loop() is not loop:
+            if self._refused.get(key_id, 0.0) > time.monotonic():  # its last lookup waited out a lock: not again yet
+                raise _busy()
             if len(self._pending) >= MAX_LOOKUPS and key_id not in self._real:
                 raise Unavailable("too many API keys are being looked up at once; retry shortly",
                                   code="key_lookups_busy", retry_after=1)
@@ -202,8 +208,16 @@ class PostgresTenantStore(TenantStore):
         pending = self._pending.get(key_id)
         if pending is not None and pending[1] is done:
             del self._pending[key_id]
-        if not done.cancelled() and done.exception() is None:
+        if done.cancelled():
+            return
+        failed = done.exception()
+        if failed is None:
+            self._refused.pop(key_id, None)
             self._keep(key_id, done.result(), generation)
+        elif isinstance(failed.__cause__, _WAITED_OUT):  # a refusal, remembered (`_lookup`); never a key found
+            if len(self._refused) >= MAX_CACHED:
+                self._refused.clear()
+            self._refused[key_id] = time.monotonic() + BUSY_RETRY_AFTER_S
 
     async def _version_lookup(self, tenant: str) -> int:
         """The tenant's data version, queried on a lookup thread: the loop only waits, serving everyone else (any
@@ -409,7 +423,7 @@ BUSY_MESSAGE = "the gateway is busy checking API keys and tenants; retry shortly
 
 
 def _busy() -> Unavailable:
-    return Unavailable(BUSY_MESSAGE, code="database_busy", retry_after=1)
+    return Unavailable(BUSY_MESSAGE, code="database_busy", retry_after=BUSY_RETRY_AFTER_S)
 
 
 def _admin_busy() -> Unavailable:

@@ -5,7 +5,8 @@ The lookups run on two threads of the store's own (gateway/tenants/store_postgre
 or a long ALTER held api_keys, each lookup of a key not cached waited its statement timeout (5 s) on one of them, so
 the queue backed up: N tenants whose keys were not cached waited up to N x 2.5 s for their 503s, and the tenants behind
 them as long. A lookup now waits for a lock at most TIERGATE_TENANT_LOOKUP_LOCK_TIMEOUT_S (0.2 s), the same
-`database_busy` 503, and an admin's change still waits for a lock up to its statement timeout."""
+`database_busy` 503; an admin's change still waits for a lock up to its statement timeout; and a key refused so is
+refused again at once, without a query, for its Retry-After."""
 
 from __future__ import annotations
 
@@ -69,6 +70,35 @@ def test_lookups_blocked_by_a_lock_are_refused_at_their_lock_timeout_not_their_s
     logged = [r for r in caplog.records if r.name == "tiergate.tenants"]
     assert not [r for r in logged if r.levelno >= logging.ERROR], caplog.text  # no outage in the log
     assert any("lock timeout" in r.getMessage() for r in logged), caplog.text
+
+
+def test_a_key_refused_for_a_lock_is_refused_again_without_a_query_until_its_retry_after(
+        gateway: Gateway, blocker: psycopg.Connection[Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    # long enough for the requests below on a busy machine (raising=False: the old code had no such window)
+    monkeypatch.setattr(store_postgres, "BUSY_RETRY_AFTER_S", 3, raising=False)
+    store = gateway.app.state.services.store
+    asked: list[str] = []
+    fetch = store._fetch_entry
+
+    def counted(key_id: str) -> Any:
+        asked.append(key_id)
+        return fetch(key_id)
+
+    monkeypatch.setattr(store, "_fetch_entry", counted)
+    (hot_row, hot), (_, other) = (gateway.store.issue_key("acme", name=name) for name in ("hot", "other"))
+    blocker.execute("LOCK TABLE api_keys IN ACCESS EXCLUSIVE MODE")
+    first = _post(gateway, hot)
+    again = _post(gateway, hot)  # within its Retry-After: refused from the first's failure
+    another = _post(gateway, other)  # another key is still asked
+    blocker.rollback()
+    released = _post(gateway, hot)  # the lock let go, but still within the hot key's Retry-After
+    assert asked.count(hot_row.key_id) == 1 and len(asked) == 2, asked
+    for refusal in (first, again, another, released):
+        assert refusal.status_code == 503 and refusal.json() == BUSY, refusal.text
+        assert refusal.headers["retry-after"] == "3"
+    time.sleep(3)
+    assert _post(gateway, hot).status_code == 200  # its Retry-After passed: asked again, and found
+    assert asked.count(hot_row.key_id) == 2
 
 
 async def test_an_admin_change_still_waits_for_a_lock_and_a_lookup_after_it_does_not(
