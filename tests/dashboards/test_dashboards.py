@@ -18,6 +18,7 @@ from cache.results import CacheStats
 from gateway.cache_bound_metrics import CacheBoundCollector
 from gateway.metrics import GatewayMetrics
 from gateway.pipeline.cache_check import CacheChecks
+from gateway.redis_eviction_watch import EvictionCollector, RedisEvictionWatch
 from tiers.catalogue import TierCatalogue
 from tiers.client import TierClient
 from tiers.fleet import Fleet
@@ -41,6 +42,9 @@ def exported() -> tuple[set[str], set[str]]:
     cache.bounds.get("acme", 0.01, 0.8)
     metrics.registry.register(CacheBoundCollector(cache))  # type: ignore[arg-type]
     CacheChecks(cache=cache, caller=None, registry=metrics.registry)  # type: ignore[arg-type]
+    # the Redis eviction watch's gauges (with TIERGATE_REDIS_URL; the watch is not started, nothing connects)
+    metrics.registry.register(EvictionCollector(RedisEvictionWatch("redis://127.0.0.1:1", every_s=30,
+                                                                   allow_eviction=False)))
     samples, families = set(), set()
     for family in metrics.registry.collect():
         families.add(family.name)
