@@ -22,9 +22,12 @@ for free, so before it:
   the cache (an embedding on the queue every tenant shares) and then refused, uncharged and without end: 37 ms of
   CPU each, and another tenant's cache-path p50 went from 9.5 to 107 ms. Here a smaller request that would have
   fit, or one after another replica's settlement, may wait up to a second too: a policy, like the bucket below.
-  A request no window or budget could ever admit (limit_errors.py `too_large`) is remembered the same way, so a
-  flood of them skips its cache lookups, but as itself ("never_admitted"): the requests refused meanwhile are told
-  why, not that a limit they did not reach was used up.
+  A request no window or budget could ever admit (limit_errors.py `too_large`) is not remembered: it used nothing
+  of the scope up, and here, before the parse, nothing tells it from the tenant's other requests, so remembering it
+  (as "never_admitted", for a second) refused them all: one oversized request made the tenant's ordinary ones fail
+  429 for a second. It is refused by its own size as soon as its prompt is counted, before its cache lookup
+  (gateway/pipeline/handle.py), and charged to the bucket below as the tenant's fault, so a flood of them costs a
+  parse and a count each, paid for, as a flood of prompts too long for the context does.
 
 - **Refused bodies**: a body the validation refuses costs the event loop its parse (50-130 ms for one near the
   4 MiB limit) and charges nothing, so a tenant could send them without end. Each tenant has a bucket of
@@ -35,14 +38,15 @@ for free, so before it:
   (`refused_size`: a body of `{}` under 60 KB of headers cost the app more than its body), and a request the tier
   refuses as the tenant's fault (a 4xx of its validation the gateway relays) is charged as one the gateway refused.
   So is every refusal of the request's own fault after its parse (gateway/pipeline/refusals.py's `tenants_fault`:
-  a model not found or not allowed, a prompt too long for the context, an idempotency conflict): those charged
-  nothing either and filled no request window (that is charged at reservation), and a tenant with an RPM of 3 had
-  40 bodies of 4 MiB parsed and refused in 0.6 s, and prompts of 331k spaces counted in full (163 ms of CPU each)
-  and refused, without end, while another tenant's p95 went from 15 to 168 ms. A prompt tokenized before it was
-  refused is charged TOKENIZED_CHAR_BYTES bytes a character tokenized besides its body (tokenizing a character costs
-  0.5-2 us, parsing a byte about 1 ns): a bucket refilling at 1 MiB/s then pays for about 65k characters of refused
-  counts a second (a few percent of a core), and 331k spaces empty most of it at once, while a client's occasional
-  prompt too long (its prefix of at most `context x 8` characters counted) costs it a few hundred kilobytes.
+  a model not found or not allowed, a prompt too long for the context, an idempotency conflict, a request no window
+  or budget could ever admit): those charged nothing either and filled no request window (that is charged at
+  reservation), and a tenant with an RPM of 3 had 40 bodies of 4 MiB parsed and refused in 0.6 s, and prompts of
+  331k spaces counted in full (163 ms of CPU each) and refused, without end, while another tenant's p95 went from
+  15 to 168 ms. A prompt tokenized before it was refused is charged TOKENIZED_CHAR_BYTES bytes a character
+  tokenized besides its body (tokenizing a character costs 0.5-2 us, parsing a byte about 1 ns): a bucket refilling
+  at 1 MiB/s then pays for about 65k characters of refused counts a second (a few percent of a core), and 331k
+  spaces empty most of it at once, while a client's occasional prompt too long (its prefix of at most `context x 8`
+  characters counted) costs it a few hundred kilobytes.
 
 A refusal here costs a dictionary lookup and charges nothing; it is the exact check's 429, headers and all
 (gateway/pipeline/limit_errors.py).
@@ -96,8 +100,7 @@ class TenantGate:
                  refused_bytes_burst: float = REFUSED_BYTES_BURST) -> None:
         self._clock = clock
         self._in_flight: dict[str, int] = {}
-        # scope -> (ask the exact check again at, retry at, why: "rpm", "tpm", "budget_day", "budget_month" or
-        # "never_admitted")
+        # scope -> (ask the exact check again at, retry at, why: "rpm", "tpm", "budget_day" or "budget_month")
         self._rate_refused: dict[str, tuple[float, float, str]] = {}
         self.refused_bytes_per_s = refused_bytes_per_s
         self.refused_bytes_burst = refused_bytes_burst
@@ -126,8 +129,8 @@ class TenantGate:
         return Pass(self, scopes)
 
     def rate_refused(self, scope_name: str, retry_after_s: float, reason: str = "rpm") -> None:
-        """The exact check refused `scope_name` for `reason` (REMEMBERED_REASONS, or limit_errors.NEVER_ADMITTED: a
-        request of it no window or budget could admit) until `retry_after_s` from now."""
+        """The exact check refused `scope_name` for `reason` (REMEMBERED_REASONS: a limit used up) until
+        `retry_after_s` from now."""
         now = self._clock()
         self._rate_refused[scope_name] = (now + min(retry_after_s, RATE_RECHECK_S), now + retry_after_s, reason)
 

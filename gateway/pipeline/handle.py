@@ -6,7 +6,8 @@
 Each stage is a module of this package and returns a frozen result the next one takes. Nothing is charged
 before `reserve`; every refusal before it is counted once (`RefusalLog`), and one of the request's own fault is
 charged to the tenant's bucket of refused requests (gate.py), with the work it cost. The prompt is counted before
-the cache is looked up, so a request that cannot fit is refused before a lookup embeds anything. A prompt long to
+the cache is looked up, so a request that cannot fit (the context, or a whole tokens-per-minute limit or budget:
+reserve.py's `refuse_too_large`) is refused before a lookup embeds anything. A prompt long to
 count (prompt.py's `Unread.inline`: more than a few kilobytes or turns) is counted holding its floor, the fewest
 tokens it can need (reserve.py's `floor`), so a tenant over its request rate, its concurrency, a spent budget or a
 tpm too small for even the floor is refused, the 429 of its exact reservation, before its count: counted first,
@@ -41,10 +42,11 @@ from gateway.pipeline.dispatch import DispatchStage
 from gateway.pipeline.events import Delivery, Delta, Done, Event, Head
 from gateway.pipeline.gate import TenantGate, refused_size, scopes_of
 from gateway.pipeline.idempotency import HEADER, IdempotencyStage, Keep, keep_when_written, lease_lost
+from gateway.pipeline.limit_errors import NeverAdmitted
 from gateway.pipeline.meter import Meter, Outcome, Reading
 from gateway.pipeline.prompt import ContextTooLong, Prompt, PromptStage
 from gateway.pipeline.refusals import RefusalLog
-from gateway.pipeline.reserve import ReserveStage, ratelimit_headers
+from gateway.pipeline.reserve import ReserveStage, ratelimit_headers, refuse_too_large
 from gateway.pipeline.route import RouteDecision, RouteStage
 from gateway.pipeline.settle import Settler
 from gateway.pipeline.tier_call import TierCaller, Upstream, upstream_body
@@ -102,7 +104,7 @@ class Pipeline:
             """A refusal of the request's own fault (a body that does not parse, a model not allowed, a prompt too
             long...): it cost the event loop its parse, and maybe a count, and charges nothing else, so the gate
             charges it to the tenant's bucket of refused requests (gate.py): a flood of them is refused there."""
-            tokenized = err.tokenized_chars if isinstance(err, ContextTooLong) else 0
+            tokenized = err.tokenized_chars if isinstance(err, ContextTooLong | NeverAdmitted) else 0
             self.gate.body_refused(ctx.tenant, refused_size(body, ctx.headers, tokenized))
 
         try:
@@ -192,17 +194,24 @@ class Pipeline:
         """The prompt counted for the route's tier; None when the tier's tokenizer is not prepared (a cached answer
         may still serve the request; a miss is refused by `prepare_on`'s count). A prompt long to count is counted
         holding its floor (reserve.py's `floor`, whose id is returned): a tenant that cannot have even that is
-        refused before its count, with the 429 its exact reservation would get."""
+        refused before its count, with the 429 its exact reservation would get. Counted, a request no window or budget
+        of its tenant could ever admit is refused (`refuse_too_large`), charged its characters counted (about: its
+        turns' and tools'), before its lookup."""
         tier, degr, user = route.tier, route.degradation, isolated_user(ctx, req)
         try:
             unread = self.prompt.size(req, tier, degr)  # (its tokenizer loaded: `measure` raises no Unavailable)
         except Unavailable:
             return None, None
+        held: str | None = None
         if unread.inline:  # microseconds: counted first, and reserved once, at its count
-            return await self.prompt.measure(req, tier, degr, owner=ctx.tenant, user=user, unread=unread), None
-        async with self.reserve.floor(ctx, tokens=unread.floor,
-                                      price=tier.price(unread.floor_input, unread.floor_output)) as held:
-            return await self.prompt.measure(req, tier, degr, owner=ctx.tenant, user=user, unread=unread), held
+            prompt = await self.prompt.measure(req, tier, degr, owner=ctx.tenant, user=user, unread=unread)
+        else:
+            async with self.reserve.floor(ctx, tokens=unread.floor,
+                                          price=tier.price(unread.floor_input, unread.floor_output)) as held:
+                prompt = await self.prompt.measure(req, tier, degr, owner=ctx.tenant, user=user, unread=unread)
+        refuse_too_large(ctx, prompt.num_tokens + prompt.output_cap, tier.price(prompt.num_tokens, prompt.output_cap),
+                         unread.chars)
+        return prompt, held
 
     async def prepare_on(self, ctx: RequestContext, req: ChatCompletionRequest, route: RouteDecision,
                          lookup: CacheLookup, request_id: str, cascade_of: str | None = None,

@@ -4,10 +4,13 @@ client reads the same message, code, `Retry-After` and OpenAI's `x-ratelimit-*` 
 tenant's or its key's) from either.
 
 A request that alone needs more than a scope's tokens per minute, or may cost more than a whole budget, can never be
-admitted: `too_large` says so, without a Retry-After (waiting does not help; it said "retry in 60s"). The gate still
-remembers it for a second, so a flood of them is refused before its cache lookups, but as what it was (NEVER_ADMITTED):
-the requests it refuses meanwhile are told that, not that the scope's tokens per minute are used up or its budget
-spent (they were told "the daily budget of your tenant is spent", which was false)."""
+admitted: `too_large` says so, without a Retry-After (waiting does not help; it said "retry in 60s"). Its refusal is a
+`NeverAdmitted`: the request's own fault, not a limit used up, so it is charged to its tenant's bucket of refused
+requests (gateway/pipeline/refusals.py `tenants_fault`), like a prompt too long for the context, and nothing of the
+scope is remembered against the tenant's other requests. The gate once remembered it for a second as the scope's
+("never_admitted"), so a flood of them skipped its cache lookups, but that refused every request of the tenant
+meanwhile: one oversized request made its ordinary ones fail with 429 for a second. A flood is now refused before its
+lookup by its own size (gateway/pipeline/handle.py checks it as soon as the prompt is counted) and charged."""
 
 from __future__ import annotations
 
@@ -18,18 +21,13 @@ from gateway.errors import QuotaExceeded, RateLimited, TiergateError, TokensRate
 from quotas.money import to_pico
 from quotas.plans import Limits
 
-NEVER_ADMITTED = "never_admitted"  # the gate's reason after a `too_large` refusal
 _WHAT = {"rpm": "requests per minute", "tpm": "tokens per minute", "concurrency": "concurrent requests"}
 
 
 def limit_refusal(label: str, reason: str, retry_after_s: float, limits: Limits | None) -> TiergateError:
     """`label` is "your tenant" or "your key"; `reason` the limit ("rpm", "tpm", "concurrency", "budget_day",
-    "budget_month", NEVER_ADMITTED); `limits`, the refused scope's (the plan's, or the key's own), adds the headers."""
+    "budget_month"); `limits`, the refused scope's (the plan's, or the key's own), adds the headers."""
     retry = max(1, math.ceil(retry_after_s))
-    if reason == NEVER_ADMITTED:  # nothing of the scope is used up: it is the gate's second after such a request
-        return RateLimited(f"rate limit of {label} reached: a request of {label} that can never be admitted was "
-                           f"refused just now, and requests of {label} are refused for a second after one; retry in "
-                           f"{retry}s", code="rate_limit_never_admitted", retry_after=retry)
     if reason in ("budget_day", "budget_month"):
         period = "daily" if reason == "budget_day" else "monthly"
         return QuotaExceeded(f"the {period} budget of {label} is spent; it renews in {retry}s", retry_after=retry)
@@ -48,8 +46,23 @@ def limit_refusal(label: str, reason: str, retry_after_s: float, limits: Limits 
                 code=f"rate_limit_{reason}", retry_after=retry, headers=headers)
 
 
+class NeverAdmitted:
+    """Marks a `too_large` refusal: the request's own fault (refusals.py `tenants_fault`), charged with the characters
+    tokenized to know it (`tokenized_chars`, set where a count came before it), as a prompt too long is."""
+
+    tokenized_chars = 0
+
+
+class TokensNeverAdmitted(TokensRateLimited, NeverAdmitted):
+    """More tokens than a whole tokens-per-minute limit."""
+
+
+class BudgetNeverAdmitted(QuotaExceeded, NeverAdmitted):
+    """A price over a whole daily or monthly budget."""
+
+
 def too_large(scopes: tuple[tuple[str, Limits | None], ...], tokens: int, price: Decimal
-              ) -> tuple[int, str, TiergateError] | None:
+              ) -> tuple[int, str, TokensNeverAdmitted | BudgetNeverAdmitted] | None:
     """The refusal of a request that no minute, day or month can admit in one of `scopes` ((label, limits)): its
     `tokens` (prompt and max_tokens) over the scope's tokens per minute, or its most `price` over a whole budget
     (compared as the quota stores count, in picodollars); with the index of the scope and the limit ("tpm",
@@ -58,14 +71,14 @@ def too_large(scopes: tuple[tuple[str, Limits | None], ...], tokens: int, price:
         if limits is None:
             continue
         if limits.tpm is not None and tokens > limits.tpm:
-            return i, "tpm", TokensRateLimited(
+            return i, "tpm", TokensNeverAdmitted(
                 f"this request needs {tokens} tokens (its prompt and max_tokens), more than the {limits.tpm} tokens "
                 f"per minute of {label}: it can never be admitted; shorten the prompt or lower max_tokens",
                 code="rate_limit_tpm", headers={"x-ratelimit-limit-tokens": str(limits.tpm)})
         for reason, budget in (("budget_day", limits.budget_day_usd), ("budget_month", limits.budget_month_usd)):
             if budget is not None and price > budget and to_pico(price) > to_pico(budget):
                 period = "daily" if reason == "budget_day" else "monthly"
-                return i, reason, QuotaExceeded(
+                return i, reason, BudgetNeverAdmitted(
                     f"this request may cost up to ${price:f} (its prompt and max_tokens), more than the {period} "
                     f"budget of {label} (${budget:f}): it can never be admitted; lower max_tokens or shorten the "
                     "prompt")

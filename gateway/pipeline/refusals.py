@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from gateway.errors import TiergateError, client_error
 from gateway.metrics import GatewayMetrics
 from gateway.pipeline.context import RequestContext
+from gateway.pipeline.limit_errors import NeverAdmitted
 from quotas.ledger import Ledger, Refusal
 
 
@@ -44,5 +45,8 @@ class RefusalLog:
 
 def tenants_fault(err: TiergateError) -> bool:
     """A refusal the request itself earned: any 4xx but a 401 (no tenant to charge) and a 429 (a limit's own
-    refusal, which its limit already counts)."""
-    return 400 <= err.status_code < 500 and err.status_code not in (401, 429)
+    refusal, which its limit already counts); and the 429 of a request no window or budget could ever admit
+    (limit_errors.py `NeverAdmitted`), which no limit counts: it uses nothing up, so its scope's other requests go on
+    (the gate no longer refuses them for a second after one), and a flood of them empties the tenant's bucket here
+    as a flood of prompts too long for the context does."""
+    return (400 <= err.status_code < 500 and err.status_code not in (401, 429)) or isinstance(err, NeverAdmitted)

@@ -8,6 +8,13 @@ clock skewed by more) is dated that long before the store's clock instead. The r
 by the settle stage, exactly once. A refusal for requests or tokens per minute or a spent budget is also told to
 the gate, which then refuses the scope cheaply for up to a second (gateway/pipeline/gate.py).
 
+A request no window or budget could ever admit (limit_errors.py `too_large`) is refused without asking the store
+(`refuse_too_large`), and is not told to the gate: nothing of the scope is used up, and the gate's second refused
+every request of the tenant after one, its ordinary ones too. It is the request's own fault, charged to the tenant's
+bucket of refused requests (refusals.py `tenants_fault`), and the pipeline checks it as soon as the prompt is counted,
+before the cache lookup (gateway/pipeline/handle.py), so a flood of them costs what a flood of prompts too long for
+the context costs (a parse and a count, charged), never a lookup.
+
 A request whose exact count is dear (a long prompt, gateway/pipeline/handle.py; many texts, the embeddings service)
 first holds a floor of its tokens, the fewest it can need, while it is counted (`floor`): a tenant over its request
 rate, its concurrency, a budget already spent, or tokens per minute too few for even the floor, is refused there,
@@ -30,9 +37,9 @@ from decimal import Decimal
 
 from gateway.errors import TiergateError, Unavailable
 from gateway.pipeline.context import RequestContext
-from gateway.pipeline.gate import RATE_RECHECK_S, REMEMBERED_REASONS, TenantGate
+from gateway.pipeline.gate import REMEMBERED_REASONS, TenantGate
 from gateway.pipeline.handed_off import HandedOff
-from gateway.pipeline.limit_errors import NEVER_ADMITTED, limit_refusal, reset_duration, too_large
+from gateway.pipeline.limit_errors import limit_refusal, reset_duration, too_large
 from quotas.backends.base import QuotaBackendError
 from quotas.limits import Decision, Usage
 from quotas.plans import Limits, Plan
@@ -56,17 +63,8 @@ class ReserveStage:
         rpm place and concurrency slot it was admitted with (under `max_concurrent: 1` a retry that took a slot of
         its own was always refused, and one that took a place counted the request twice against rpm). A request no
         window or period could ever admit (more tokens than a tokens-per-minute limit, a price over a whole budget)
-        is refused first, saying so, without asking the store (limit_errors.py `too_large`)."""
-        key_limits, limits = ctx.principal.key.limits, ctx.plan.limits
-        # (the plan's own checks inline first: every request passes here, and most keys have no limits of their own)
-        if (key_limits is not None or (limits.tpm is not None and tokens > limits.tpm)
-                or (limits.budget_day_usd is not None and price > limits.budget_day_usd)
-                or (limits.budget_month_usd is not None and price > limits.budget_month_usd)) \
-                and (never := too_large((("your tenant", limits), ("your key", key_limits)), tokens, price)):
-            which, _, error = never  # remembered by the gate for a second as what it was, no limit's use
-            self.gate.rate_refused(ctx.tenant if which == 0 else f"{ctx.tenant}/k:{ctx.key_id}", RATE_RECHECK_S,
-                                  NEVER_ADMITTED)
-            raise error
+        is refused first, saying so, without asking the store (`refuse_too_large`)."""
+        refuse_too_large(ctx, tokens, price)
         decision, reservation = await self.attempt(ctx, request_id, tokens=tokens, price=price, follows=follows)
         if reservation is None:
             raise self.refused(ctx, decision)
@@ -128,6 +126,22 @@ class ReserveStage:
     async def drain(self) -> None:
         """Wait for reservations of requests that left to be given back (shutdown, tests)."""
         await self._handed.drain()
+
+
+def refuse_too_large(ctx: RequestContext, tokens: int, price: Decimal, tokenized_chars: int = 0) -> None:
+    """Raise `too_large`'s refusal (a `NeverAdmitted`, carrying `tokenized_chars`: the characters counted to know its
+    `tokens`, which its charge includes) if no window or budget of the request's scopes could admit `tokens` at
+    `price`. Told to no gate: a request of the same tenant that fits is admitted at once (the gate once refused every
+    request of the scope for a second after one)."""
+    key_limits, limits = ctx.principal.key.limits, ctx.plan.limits
+    # (the plan's own checks inline first: every request passes here, and most keys have no limits of their own)
+    if (key_limits is not None or (limits.tpm is not None and tokens > limits.tpm)
+            or (limits.budget_day_usd is not None and price > limits.budget_day_usd)
+            or (limits.budget_month_usd is not None and price > limits.budget_month_usd)) \
+            and (never := too_large((("your tenant", limits), ("your key", key_limits)), tokens, price)):
+        error = never[2]
+        error.tokenized_chars = tokenized_chars
+        raise error
 
 
 def refusal(plan: Plan, decision: Decision, key_limits: Limits | None = None) -> TiergateError:
