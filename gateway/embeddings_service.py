@@ -86,8 +86,9 @@ from gateway.pipeline.gate import TenantGate, refused_size, scopes_of
 from gateway.pipeline.handed_off import HandedOff
 from gateway.pipeline.idempotency import HEADER as IDEMPOTENCY_HEADER
 from gateway.pipeline.idempotency import REPLAY_HEADER, IdempotencyStage, Keep, lease_lost
+from gateway.pipeline.limit_errors import NeverAdmitted
 from gateway.pipeline.refusals import RefusalLog
-from gateway.pipeline.reserve import ReserveStage, ratelimit_headers
+from gateway.pipeline.reserve import ReserveStage, ratelimit_headers, refuse_too_large
 from gateway.services import Services
 from gateway.validation import parse_body
 from quotas.idempotency import Claim, Replay
@@ -138,11 +139,13 @@ class EmbeddingsService(EmbeddingsSettlement):
             entry = self.gate.enter(scopes_of(ctx.tenant, ctx.key_id, ctx.plan.limits, ctx.principal.key.limits))
         keep: Keep | None = None
 
-        def charge(_: TiergateError) -> None:
+        def charge(err: TiergateError) -> None:
             """A refusal of the request's own fault (a body that does not parse, a model not served, an
-            Idempotency-Key reused...): it cost its parse and charges nothing else, so it is charged to the tenant's
-            bucket of refused requests (gate.py), headers and all, as chat's are (handle.py)."""
-            self.gate.body_refused(ctx.tenant, refused_size(body, ctx.headers))
+            Idempotency-Key reused, texts no window or budget could ever admit...): it cost its parse, maybe a count,
+            and charges nothing else, so it is charged to the tenant's bucket of refused requests (gate.py), headers
+            and all, and the characters counted, as chat's are (handle.py)."""
+            tokenized = err.tokenized_chars if isinstance(err, NeverAdmitted) else 0
+            self.gate.body_refused(ctx.tenant, refused_size(body, ctx.headers, tokenized))
 
         try:
             with self.refusals.counted(ctx, charge):
@@ -239,6 +242,8 @@ class EmbeddingsService(EmbeddingsSettlement):
         async with self.reserve.floor(ctx, tokens=floor, price=self.spec.price(floor)) as floor_id:
             counts = await self._count(ctx.tenant, texts)
         tokens = sum(counts)
+        # more than a whole tpm or budget: charged (`charge`) the characters it had counted
+        refuse_too_large(ctx, tokens, self.spec.price(tokens), sum(map(len, texts)))
         reservation = await self.reserve.reserve(ctx, ctx.request_id, tokens=tokens, price=self.spec.price(tokens),
                                                  follows=floor_id)
         return reservation, counts

@@ -12,10 +12,12 @@ import httpx
 import pytest
 
 from gateway.settings import Settings
+from quotas.plans import Limits
 from tests.conftest import Gateway, running_gateway
 from tests.stubs import ServerThread, StubState
 
 MSG = [{"role": "user", "content": "what is the weather like"}]
+EMBEDDING_MODEL = "all-MiniLM-L6-v2"
 
 
 @pytest.fixture
@@ -65,3 +67,17 @@ def test_a_flood_of_requests_that_never_fit_is_never_looked_up_and_is_throttled(
     assert refused >= 1 and set(codes[:refused]) == {"rate_limit_tpm"}, codes
     assert set(codes[refused:]) == {"rate_limit_invalid_requests"}, codes  # every one after, refused at the gate
     assert lookups.misses == before and gw.stub.requests == []  # none looked up in the cache, none sent to a tier
+
+
+def test_embeddings_that_never_fit_are_charged_the_characters_they_had_counted(gw: Gateway) -> None:
+    """Their bound refused, texts are counted before their exact count is refused as never admitted
+    (gateway/embeddings_service.py `_count_first`): a flood of them must pay for the counts, as chat's prompts do. Here
+    8 KB of texts, charged about 16 times that for the count, empty a bucket their bytes alone would not."""
+    gw.app.state.services.pipeline.gate.refused_bytes_burst = 40_000
+    key = gw.store.issue_key("acme", name="limited", limits=Limits(tpm=300))[1]
+    texts = ["Embeddings map text to vectors; similar meanings land close together. " * 30] * 4  # 256 tokens each
+    with gw.client(key) as c:
+        never = c.post("/v1/embeddings", json={"model": EMBEDDING_MODEL, "input": texts})
+        after = c.post("/v1/embeddings", json={"model": EMBEDDING_MODEL, "input": "hi"})
+    assert never.status_code == 429 and "can never be admitted" in never.json()["error"]["message"], never.text
+    assert after.status_code == 429 and after.json()["error"]["code"] == "rate_limit_invalid_requests", after.text
