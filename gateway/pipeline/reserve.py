@@ -13,7 +13,8 @@ A request no window or budget could ever admit (limit_errors.py `too_large`) is 
 every request of the tenant after one, its ordinary ones too. It is the request's own fault, charged to the tenant's
 bucket of refused requests (refusals.py `tenants_fault`), and the pipeline checks it as soon as the prompt is counted,
 before the cache lookup (gateway/pipeline/handle.py), so a flood of them costs what a flood of prompts too long for
-the context costs (a parse and a count, charged), never a lookup.
+the context costs (a parse and a count, charged), not a lookup (but where the tier's tokenizer was not ready to count
+it first: then it is counted, and refused here, after its lookup).
 
 A request whose exact count is dear (a long prompt, gateway/pipeline/handle.py; many texts, the embeddings service)
 first holds a floor of its tokens, the fewest it can need, while it is counted (`floor`): a tenant over its request
