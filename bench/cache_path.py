@@ -39,7 +39,8 @@ from gateway.ladder.apply import NORMAL
 from gateway.pipeline.cache_lookup import CacheStage
 from gateway.pipeline.context import RequestContext
 from gateway.pipeline.meter import Outcome
-from gateway.tenants.store import Principal, TenantStore
+from gateway.tenants.records import Principal
+from gateway.tenants.store import TenantStore
 from quotas.plans import Plan
 from wire.chat_request import ChatCompletionRequest
 

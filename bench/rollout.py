@@ -33,7 +33,8 @@ from assets.model_source import DEFAULT_MODEL, prepare_model
 from bench.fixed_latency_upstream import fixed_latency_app
 from gateway.app import create_app
 from gateway.settings import Settings
-from gateway.tenants.store import ADMIN, TenantStore
+from gateway.tenants.records import ADMIN
+from gateway.tenants.store import TenantStore
 
 CONCURRENCY = 16
 TIERS = """

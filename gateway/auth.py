@@ -19,7 +19,8 @@ from litestar.di import NamedDependency
 from litestar.handlers import BaseRouteHandler
 
 from gateway.errors import Forbidden, InvalidRequest, Unauthenticated, Unavailable
-from gateway.tenants.store import Principal, TenantStore
+from gateway.tenants.records import Principal
+from gateway.tenants.store import TenantStore
 
 KEY_RECHECK_S = 1.0  # an open answer looks at its key again at most this often
 T = TypeVar("T")

@@ -16,7 +16,8 @@ from pathlib import Path
 
 from gateway.errors import Conflict, NotFound
 from gateway.tenants.keys import parse_key
-from gateway.tenants.store import ADMIN, TenantStore
+from gateway.tenants.records import ADMIN
+from gateway.tenants.store import TenantStore
 from quotas.plans import PlanBook
 
 DEMO_TENANT = "demo"

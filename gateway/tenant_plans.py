@@ -15,7 +15,8 @@ from pathlib import Path
 
 from gateway.config_files import ConfigFileError
 from gateway.errors import Unavailable
-from gateway.tenants.store import Principal, TenantStore
+from gateway.tenants.records import Principal
+from gateway.tenants.store import TenantStore
 from quotas.plans import Plan, PlanBook
 
 log = logging.getLogger("tiergate.plans")

@@ -24,7 +24,8 @@ from gateway import http_limits
 from gateway.app import create_app
 from gateway.settings import Settings
 from gateway.stores import open_ledger, open_tenant_store
-from gateway.tenants.store import ADMIN, TenantStore
+from gateway.tenants.records import ADMIN
+from gateway.tenants.store import TenantStore
 from tests.stubs import ServerThread, StubState, free_port, stub_app
 
 pytest_plugins = ["tests.postgres", "tests.pg_proxy"]  # fixtures: `postgres_server`, `database_url`, `pg_proxy`

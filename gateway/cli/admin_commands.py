@@ -18,7 +18,8 @@ from gateway.report_params import parse_by, parse_day
 from gateway.settings import Settings
 from gateway.stores import open_ledger, open_tenant_store
 from gateway.tenants.keys import MAX_GRACE_S, MAX_TTL_S, check_seconds, parse_duration
-from gateway.tenants.store import ADMIN, TenantStore
+from gateway.tenants.records import ADMIN
+from gateway.tenants.store import TenantStore
 from quotas.plans import MAX_BUDGET_USD, MAX_CONCURRENT, MAX_RPM, MAX_TPM, Limits, PlanBook
 from quotas.report import COLUMNS, usage_report
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from gateway.tenants.store import Principal
+from gateway.tenants.records import Principal
 from quotas.plans import Plan
 
 

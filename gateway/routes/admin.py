@@ -18,7 +18,9 @@ from gateway.pipeline.cache_lookup import CacheStage
 from gateway.query_params import QUERY_OPT, only_declared_query
 from gateway.routes.openapi import BEARER, also, body, errors
 from gateway.tenants.keys import MAX_GRACE_S, MAX_TTL_S
-from gateway.tenants.store import ADMIN, KEY_NAME_PATTERN, NAME_RE, TenantStore
+from gateway.tenants.records import ADMIN
+from gateway.tenants.rules import KEY_NAME_PATTERN, NAME_RE
+from gateway.tenants.store import TenantStore
 from gateway.validation import parse_body
 from quotas.plans import Limits, PlanBook
 

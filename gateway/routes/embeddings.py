@@ -18,7 +18,7 @@ from gateway.query_params import refuse_query
 from gateway.request_headers import request_headers
 from gateway.routes.openapi import BEARER, body, errors
 from gateway.tenant_plans import tenant_plan
-from gateway.tenants.store import Principal
+from gateway.tenants.records import Principal
 from quotas.plans import PlanBook
 from wire.client_watch import CLIENT_CLOSED, ClientLeft, ClientWatch
 from wire.embeddings import EmbeddingRequest

@@ -19,7 +19,7 @@ from gateway.errors import NotFound
 from gateway.query_params import refuse_query
 from gateway.routes.openapi import BEARER, errors
 from gateway.tenant_plans import tenant_plan
-from gateway.tenants.store import Principal
+from gateway.tenants.records import Principal
 from quotas.plans import PlanBook
 from tiers.fleet import Fleet
 from tiers.routing import AUTO

@@ -19,7 +19,8 @@ from gateway.rollout.guards import Guards
 from gateway.rollout.service import RolloutService
 from gateway.routes.degrade import HistoryLimit
 from gateway.routes.openapi import BEARER, body, errors
-from gateway.tenants.store import NAME_RE, TenantStore
+from gateway.tenants.rules import NAME_RE
+from gateway.tenants.store import TenantStore
 from gateway.validation import parse_body
 from tiers.catalogue import VERSION_NAME
 

@@ -16,7 +16,8 @@ from gateway.report_gate import ADMIN_SLOT, ReportGate
 from gateway.report_params import BY_PATTERN, DAY_PATTERN, ReportParamError, parse_by_query, parse_day
 from gateway.routes.guarded import admin_only
 from gateway.routes.openapi import BEARER, also, errors
-from gateway.tenants.store import Principal, TenantStore
+from gateway.tenants.records import Principal
+from gateway.tenants.store import TenantStore
 from quotas.ledger import Ledger
 from quotas.report import COLUMNS, jsonable
 

@@ -62,7 +62,8 @@ from psycopg import errors as pg_errors
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from gateway.errors import Unavailable
-from gateway.tenants.store import MAX_CACHED, P, T, TenantStore, _Entry
+from gateway.tenants.read_cache import MAX_CACHED, _Entry
+from gateway.tenants.store import P, T, TenantStore
 from quotas.fault_log import FaultLog
 from quotas.fleet_db import CONNECT_TIMEOUT_S, bounded, connect, migrate, pg
 

@@ -28,7 +28,7 @@ import pytest
 
 from gateway.settings import Settings
 from gateway.stores import open_ledger, open_tenant_store
-from gateway.tenants.store import ADMIN
+from gateway.tenants.records import ADMIN
 from tests.conftest import RedisServer, stop_processes
 from tests.postgres import PostgresServer
 from tests.stubs import free_port

@@ -17,7 +17,7 @@ from pydantic import BaseModel
 from gateway.errors import Conflict
 from gateway.pipeline.context import RequestContext
 from gateway.pipeline.idempotency import IdempotencyStage
-from gateway.tenants.store import ApiKey, Principal, Tenant
+from gateway.tenants.records import ApiKey, Principal, Tenant
 from quotas.idempotency import Claim
 from quotas.idempotency_sqlite import SQLiteIdempotency
 from quotas.plans import Plan

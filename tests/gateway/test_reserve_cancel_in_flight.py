@@ -16,7 +16,7 @@ from gateway.errors import TiergateError
 from gateway.pipeline.context import RequestContext
 from gateway.pipeline.gate import TenantGate
 from gateway.pipeline.reserve import ReserveStage
-from gateway.tenants.store import ApiKey, Principal, Tenant
+from gateway.tenants.records import ApiKey, Principal, Tenant
 from quotas.backends.redis import RedisBackend
 from quotas.plans import Limits, Plan
 from quotas.reservations import QuotaService

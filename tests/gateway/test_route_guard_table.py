@@ -20,7 +20,7 @@ import pytest
 from gateway.app import create_app
 from gateway.auth import require_admin
 from gateway.settings import Settings
-from gateway.tenants.store import ADMIN
+from gateway.tenants.records import ADMIN
 from tests.conftest import PLANS_YAML, Gateway, running_gateway, tiers_yaml
 from tests.stubs import ServerThread, StubState, free_port, stub_app
 

@@ -24,7 +24,8 @@ import pytest
 
 from gateway.pipeline.idempotency import REPLAY_HEADER
 from gateway.settings import Settings
-from gateway.tenants.store import ADMIN, TenantStore
+from gateway.tenants.records import ADMIN
+from gateway.tenants.store import TenantStore
 from quotas.ledger import Ledger
 from tests.conftest import RedisServer, mid_stub_tier_yaml
 from tests.stubs import ServerThread, StubState, free_port, stub_app

@@ -19,7 +19,7 @@ import pytest
 from gateway.pipeline.context import RequestContext
 from gateway.pipeline.gate import TenantGate
 from gateway.pipeline.reserve import ReserveStage
-from gateway.tenants.store import ApiKey, Principal, Tenant
+from gateway.tenants.records import ApiKey, Principal, Tenant
 from quotas.backends.base import QuotaBackend
 from quotas.backends.memory import MemoryBackend
 from quotas.backends.redis import RedisBackend

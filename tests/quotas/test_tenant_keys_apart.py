@@ -15,7 +15,7 @@ import pytest
 import redis
 
 from cache import Entry, RedisStore
-from gateway.tenants.store import NAME_RE
+from gateway.tenants.rules import NAME_RE
 from quotas.backends.redis import RedisBackend
 from quotas.idempotency import Claim, Replay
 from quotas.idempotency_redis import RedisIdempotency

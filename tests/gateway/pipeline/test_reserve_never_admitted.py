@@ -17,7 +17,7 @@ from gateway.pipeline.gate import TenantGate, scopes_of
 from gateway.pipeline.limit_errors import NeverAdmitted
 from gateway.pipeline.refusals import tenants_fault
 from gateway.pipeline.reserve import ReserveStage
-from gateway.tenants.store import ApiKey, Principal, Tenant
+from gateway.tenants.records import ApiKey, Principal, Tenant
 from quotas.backends.memory import MemoryBackend
 from quotas.plans import Limits, Plan
 from quotas.reservations import QuotaService

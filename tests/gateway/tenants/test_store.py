@@ -17,7 +17,8 @@ import pytest
 
 from gateway.errors import Conflict, InvalidRequest, NotFound, Unavailable
 from gateway.tenants.keys import MAX_TTL_S, hash_secret, parse_key
-from gateway.tenants.store import ADMIN, TenantStore
+from gateway.tenants.records import ADMIN
+from gateway.tenants.store import TenantStore
 from gateway.tenants.store_postgres import BUSY_MESSAGE, UNAVAILABLE_MESSAGE, PostgresTenantStore
 from gateway.tenants.store_sqlite import FOLLOW_EVERY_S
 from quotas.plans import Limits
@@ -267,7 +268,7 @@ def test_secrets_never_reach_the_logs(store: TenantStore, caplog: pytest.LogCapt
 def test_a_flood_of_made_up_key_ids_does_not_empty_the_real_keys_cache(store: TenantStore,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """Unknown ids are cached apart: sending more of them than the cache holds costs the real keys nothing."""
-    monkeypatch.setattr("gateway.tenants.store.MAX_CACHED", 50)
+    monkeypatch.setattr("gateway.tenants.read_cache.MAX_CACHED", 50)
     _, plaintext = store.issue_key("acme")
     eventually(lambda: store.authenticate(plaintext) is not None)
     queries: list[str] = []
