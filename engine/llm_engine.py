@@ -17,10 +17,8 @@ named by `health_problem`, which /health answers with, so the supervisor restart
 
 Locking: the lock guards only what callers and the loop share (the inbox, the aborts, the output sinks of
 engine/output_sink.py) and is held for a few dictionary operations, never across a step. Everything else is the loop
-thread's own. `stats()` takes no lock: it reads counters, container lengths and a published throughput tuple,
-each one attribute or `len()` read, which the GIL makes atomic; the numbers of one snapshot may come
-from two neighbouring steps, which is consistent enough for gauges and means /health never waits on a
-step however slow it is.
+thread's own. `stats()` takes no lock: the loop's counters (engine/engine_counters.py) are read as they are, so
+/health never waits on a step however slow it is.
 """
 
 from __future__ import annotations
@@ -31,7 +29,6 @@ import itertools
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import AsyncIterator
 from concurrent.futures import Future
 from typing import Any
@@ -39,6 +36,7 @@ from typing import Any
 from engine.block_manager import BlockManager
 from engine.compile_queue import CompileQueue, EngineBusyError
 from engine.detokenizer import IncrementalDetokenizer
+from engine.engine_counters import EngineCounters
 from engine.grammar import CompiledGrammar, GrammarCache, grammar_key
 from engine.liveness import STUCK_COMPILE_S, STUCK_STEP_S, Liveness
 from engine.openmp import release_thread_pool
@@ -54,7 +52,6 @@ from wire.errors import RESPONSE_FORMAT_FAILED
 
 __all__ = ["EngineBusyError", "EngineDeadError", "EngineInputError", "EngineStats", "LLMEngine", "RequestOutput"]
 
-THROUGHPUT_WINDOW_S = 10.0  # tokens/s in stats is measured over this trailing window
 IDLE_WAIT_S = 0.5  # an idle loop wakes this often (and on every new request)
 log = logging.getLogger("tiergate.engine")
 
@@ -104,14 +101,7 @@ class LLMEngine:
         self._seqs: dict[str, Sequence] = {}  # every unfinished request the scheduler knows, by id
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._counter = itertools.count()
-        self._prompt_tokens_total = 0
-        self._generation_tokens_total = 0
-        self._busy_s_total = 0.0
-        self._finished_total = 0
-        self._failed_total = 0
-        self._recent: deque[tuple[float, int]] = deque()  # (time, tokens made) per step, for tokens/s
-        self._recent_tokens = 0  # sum of the tokens in `_recent`
-        self._tokens_per_s = 0.0  # published for stats() after each step and each idle wake
+        self._counters = EngineCounters()  # read by stats() without the lock
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
 
     # ---- caller side (event loop thread) ----
@@ -230,23 +220,7 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         """A lock-free snapshot (see the module docstring): never waits for a step."""
-        bm, spec = self.block_manager, self.speculative
-        num_used = bm.num_used_blocks
-        return EngineStats(
-            len(self.scheduler.running), len(self.scheduler.waiting) + len(self._inbox),
-            self._prompt_tokens_total, self._generation_tokens_total, self._busy_s_total, self._finished_total,
-            num_kv_blocks_total=bm.num_blocks, num_kv_blocks_used=num_used,
-            num_kv_blocks_free=bm.num_blocks - num_used,
-            num_kv_blocks_used_by_others=bm.num_used_blocks_but_largest,
-            num_prefix_query_tokens_total=bm.num_prefix_query_tokens,
-            num_prefix_hit_tokens_total=bm.num_prefix_hit_tokens,
-            num_preemptions_total=self.scheduler.num_preemptions_total,
-            generation_tokens_per_s=self._tokens_per_s,
-            num_requests_failed=self._failed_total,
-            num_speculative_steps_total=spec.num_steps if spec else 0,
-            num_draft_tokens_total=spec.num_draft_tokens if spec else 0,
-            num_accepted_draft_tokens_total=spec.num_accepted_tokens if spec else 0,
-        )
+        return self._counters.snapshot(self.scheduler, self.block_manager, self.speculative, len(self._inbox))
 
     # ---- engine side (loop thread) ----
 
@@ -259,7 +233,7 @@ class LLMEngine:
                 self.liveness.step_ended()
                 if not ran:
                     self._wake.wait(timeout=IDLE_WAIT_S)
-                    self._count_made(0)  # let an idle engine's tokens/s decay
+                    self._counters.count_made(0)  # let an idle engine's tokens/s decay
         except BaseException as exc:
             log.exception("the engine loop died; every request in flight fails")
             self._end(f"{type(exc).__name__}: {exc}")
@@ -289,7 +263,7 @@ class LLMEngine:
             self._take_speculated(out, speculated, step_s)
             return True
         made = self.scheduler.postprocess(out, self._without_failed(out, token_ids))
-        self._account(out, step_s, len(made))
+        self._counters.account(out, step_s, len(made))
         for seq, token_id in made:
             self._stream_or_fail(seq, token_id)
         return True
@@ -313,7 +287,7 @@ class LLMEngine:
                 self._stream_or_fail(seq, token_id)
             if not seq.is_finished:  # every token but the newest has its K/V in the cache
                 self.scheduler.computed_up_to(seq, seq.num_tokens - 1)
-        self._account(out, step_s, made)
+        self._counters.account(out, step_s, made)
 
     def _stream_or_fail(self, seq: Sequence, token_id: int) -> None:
         """Stream one made token; a sequence whose detokenizing raises fails alone."""
@@ -364,29 +338,10 @@ class LLMEngine:
                 kept.append(token_id)
         return kept
 
-    def _account(self, out: SchedulerOutput, step_s: float, num_made: int) -> None:
-        """Share the step's compute time among its sequences by their tokens (the ledger's compute cost)."""
-        total = out.total_num_scheduled_tokens
-        for seq, n in zip(out.seqs, out.num_scheduled_tokens, strict=True):
-            seq.busy_s += step_s * n / total
-        self._busy_s_total += step_s
-        self._generation_tokens_total += num_made
-        self._count_made(num_made)
-
-    def _count_made(self, num_made: int) -> None:
-        """Slide the throughput window and publish tokens/s (one float, read by stats() without a lock)."""
-        now = time.monotonic()
-        if num_made:
-            self._recent.append((now, num_made))
-            self._recent_tokens += num_made
-        while self._recent and now - self._recent[0][0] > THROUGHPUT_WINDOW_S:
-            self._recent_tokens -= self._recent.popleft()[1]
-        self._tokens_per_s = self._recent_tokens / THROUGHPUT_WINDOW_S
-
     def _stream(self, seq: Sequence, token_id: int) -> None:
         """Detokenize one new token, apply stop strings, send the output."""
         if seq.num_output_tokens == 1:
-            self._prompt_tokens_total += seq.num_prompt_tokens
+            self._counters.num_prompt_tokens_total += seq.num_prompt_tokens
         lp = self.model_runner.last_logprobs.get(seq.request_id)  # before release forgets it
         detok = self._detok[seq.request_id]
         text = ""
@@ -408,7 +363,7 @@ class LLMEngine:
         self.scheduler.finish(seq, "error")
         seq.finish_reason = "error"
         self._release(seq)
-        self._failed_total += 1
+        self._counters.num_requests_failed += 1
         message = (f"response_format: the answer could not go on within the schema "
                    f"({reason.split(': ', 1)[-1]})"
                    if code == RESPONSE_FORMAT_FAILED else f"the engine failed on this request ({reason})")
@@ -418,7 +373,7 @@ class LLMEngine:
         if self._seqs.pop(seq.request_id, None) is None:
             return
         self._detok.pop(seq.request_id, None)
-        self._finished_total += 1
+        self._counters.num_requests_finished += 1
         self.model_runner.release(seq.request_id)
         if self.speculative is not None:
             self.speculative.release(seq.request_id)
