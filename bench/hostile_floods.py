@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import httpx
 
-from gateway.http_limits import MAX_HEAD_BYTES, MAX_HEADERS
+from gateway.http_responses import MAX_HEAD_BYTES, MAX_HEADERS
 
 BIG_HEADER = 8 * MAX_HEAD_BYTES  # the header flood's one header past the size limit (see header_flood)
 HEADER_FLOOD = (f"a header flood ({MAX_HEADERS} headers in {MAX_HEAD_BYTES // 1024 - 4} KiB, "

@@ -12,7 +12,7 @@ import pytest
 
 from bench.hostile_floods import header_flood, nan_wide
 from bench.hostile_tenant import Attack, Served, attacks, run_phase
-from gateway.http_limits import MAX_HEAD_BYTES, MAX_HEADERS
+from gateway.http_responses import MAX_HEAD_BYTES, MAX_HEADERS
 from tests.conftest import Gateway
 from wire.body_width import MAX_ITEMS, MAX_MESSAGES
 

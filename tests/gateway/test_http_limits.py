@@ -17,7 +17,7 @@ from urllib.parse import urlparse
 import pytest
 
 from gateway import http_limits
-from gateway.http_limits import MAX_PIPELINED
+from gateway.http_refusals import MAX_PIPELINED
 from gateway.settings import Settings
 from tests.conftest import Gateway, running_gateway
 from tests.gateway.held_answer import held_answer
