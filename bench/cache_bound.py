@@ -1,7 +1,7 @@
 """The cache's error bound on held-out near misses and paraphrases: a static threshold and learned ones, side by side.
 
     .venv/bin/python -m bench.cache_bound [--per-kind 400] [--passes 6] [--edit-share 0.1]
-        [--vectors-cache /tmp/bound_vectors.npz]
+        [--vectors-cache /tmp/bound_vectors.npz] [--show-false-hits KIND ... [--show-arm ARM ...]]
 
 Sets: bench/near_miss_sets.py (meaning-changing edits of held-out ShareGPT questions in 8 kinds, GPTCache's
 held-out paraphrase pairs, rule-based rewrites), fixed before the bound existed and not tuned on it.
@@ -36,6 +36,10 @@ false-hit rate); paraphrase recall = right hits / reachable paraphrases (cosine 
 precision = right / all paraphrase hits; the learned threshold at the end of each pass (`cache.bounds.states()`),
 the labels the window holds, and how many near misses and shadow checks were labelled (a shadow check is a tier
 call billed to us).
+
+`--show-false-hits KIND` (repeatable) also lists, for the arms of `--show-arm` (default: static + meaning), the
+wrong hits of that kind served in any pass: the edited query, the original whose answer it got, and in how many
+passes. It is for reading what slips through, by category; it does not change the figures.
 """
 
 from __future__ import annotations
@@ -83,12 +87,15 @@ class Tally:
     shadow_labels: int = 0
     threshold: str = ""  # at the end of the lookups counted
     window_labels: int = 0
+    wrong_pairs: dict[str, Counter[tuple[str, str]]] = field(default_factory=dict)  # kind -> (query, served's original)
 
     def add(self, other: Tally) -> None:
         for name in ("lookups", "served", "wrong", "reachable", "right_reachable"):
             getattr(self, name).update(getattr(other, name))
         self.near_labels += other.near_labels
         self.shadow_labels += other.shadow_labels
+        for kind, pairs in other.wrong_pairs.items():
+            self.wrong_pairs.setdefault(kind, Counter()).update(pairs)
         self.threshold, self.window_labels = other.threshold, other.window_labels
 
     def count(self, item: Lookup, right: bool | None) -> None:
@@ -141,8 +148,11 @@ def threshold_of(cache: SemanticCache) -> tuple[str, int]:
 
 
 def run_arm(name: str, policy: TenantPolicy, embedder: MemoEmbedder, originals: dict[str, str],
-            lookups: list[Lookup], orders: list[list[int]], seed: int, window: int) -> tuple[list[Tally], list[str]]:
-    """One arm's stream: a Tally per pass, and the threshold after every `window` lookups."""
+            lookups: list[Lookup], orders: list[list[int]], seed: int, window: int,
+            show: frozenset[str] = frozenset()) -> tuple[list[Tally], list[str]]:
+    """One arm's stream: a Tally per pass, and the threshold after every `window` lookups. For the kinds in `show`,
+    each Tally also keeps the wrong hits served: (query, the original whose answer was served)."""
+    asked = {answer: question for question, answer in originals.items()}
     cache, scope = new_cache(embedder)
     if policy.meaning_check:
         cache.meaning.load()  # fail loudly: without its model every candidate would be refused, quietly
@@ -156,6 +166,9 @@ def run_arm(name: str, policy: TenantPolicy, embedder: MemoEmbedder, originals: 
             item = lookups[i]
             result = cache.lookup(scope, chat(item.case.query), policy=policy)
             tally.count(item, result.response == item.answer if isinstance(result, Hit) else None)
+            if item.case.kind in show and isinstance(result, Hit) and result.response != item.answer:
+                served = asked.get(result.response, result.response)
+                tally.wrong_pairs.setdefault(item.case.kind, Counter())[(item.case.query, served)] += 1
             checked = (isinstance(result, Hit) and result.shadow_rate > 0) or (isinstance(result, Miss) and result.near)
             if checked and cache.label(result, policy, item.answer) is not None:
                 tally.near_labels += isinstance(result, Miss)
@@ -282,6 +295,23 @@ def report(results: dict[str, tuple[list[Tally], list[str]]], window: int) -> li
     return lines
 
 
+def false_hits(results: dict[str, tuple[list[Tally], list[str]]], arms: list[str], kinds: list[str]) -> list[str]:
+    """The wrong hits each shown arm served, per kind asked for: the query, the original whose answer it got, and
+    in how many of the passes (every pass sends each lookup once)."""
+    if not kinds:
+        return []
+    lines = []
+    for arm in arms:
+        total = Tally()
+        for t in results[arm][0]:
+            total.add(t)
+        for kind in kinds:
+            pairs = total.wrong_pairs.get(kind, Counter())
+            lines += ["", f"### Wrong hits served, {arm}, {kind}: {len(pairs)} distinct queries", ""]
+            lines += [f"- {n}x: {query!r}  <-  {original!r}" for (query, original), n in sorted(pairs.items())]
+    return lines
+
+
 def cpu_model() -> str:
     info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
     found = re.search(r"^model name\s*:\s*(.+)$", info, re.M)
@@ -300,6 +330,10 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--window", type=int, default=500, help="lookups between two threshold readings")
     parser.add_argument("--seed", type=int, default=0, help="stream order and shadow-check draws")
     parser.add_argument("--vectors-cache", type=Path, default=None, help="reuse batch embeddings across runs")
+    parser.add_argument("--show-false-hits", action="append", default=[], metavar="KIND", choices=[*KINDS, *SOURCES],
+                        help="print the wrong hits served for this kind (repeatable), per arm of --show-arm")
+    parser.add_argument("--show-arm", action="append", default=None, choices=list(ARMS),
+                        help="the arm(s) whose wrong hits --show-false-hits prints (default: static + meaning)")
     args = parser.parse_args(argv)
     offline_hub()
     t0 = time.perf_counter()
@@ -324,7 +358,9 @@ def main(argv: list[str] | None = None) -> str:
         orders.append(order)
     memo = MemoEmbedder(batch, vectors)
     swept = sweep(memo, originals, lookups, orders[0])
-    results = {arm: run_arm(arm, policy, memo, originals, lookups, orders, args.seed, args.window)
+    shown_arms = args.show_arm or ["static + meaning"]
+    results = {arm: run_arm(arm, policy, memo, originals, lookups, orders, args.seed, args.window,
+                            frozenset(args.show_false_hits) if arm in shown_arms else frozenset())
                for arm, policy in ARMS.items()}
     counts = Counter(c.kind for c in cases)
     head = [f"{len(orders[0])} held-out lookups per pass ({pct(len(orders[0]) - len(paraphrases), len(orders[0]))} "
@@ -334,7 +370,8 @@ def main(argv: list[str] | None = None) -> str:
             f"CPU: {cpu_model()}, {len(os.sched_getaffinity(0))} cores; embedder runtime "
             f"{batch.runtime}; seed {args.seed}; {time.perf_counter() - t0:.0f} s in all.", ""]
     sweep_head = ["### Any static threshold, pass 1 (hits at similarity >= t; guards on)", ""]
-    text = "\n".join(head + sweep_head + swept + [""] + report(results, args.window))
+    text = "\n".join(head + sweep_head + swept + [""] + report(results, args.window)
+                     + false_hits(results, shown_arms, args.show_false_hits))
     print(text)
     return text
 
