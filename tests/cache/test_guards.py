@@ -56,6 +56,35 @@ def test_paraphrases_pass(query: str, candidate: str) -> None:
     assert check(query, candidate) is None
 
 
+@pytest.mark.parametrize(("query", "candidate"), [
+    ("Summarize this article in 100 words", "Summarize this article in 100 sentences"),
+    ("Explain quantum computing in 3 paragraphs", "Explain quantum computing in 3 pages"),
+    ("Write an essay of 500 words on climate change", "Write an essay of 500 pages on climate change"),
+    ("List the key ideas in five bullet points", "List the key ideas in five short paragraphs"),
+    ("Write a tweet of at most 280 characters about AI", "Write a tweet of at most 280 words about AI"),
+    ("Explain recursion in one sentence", "Explain recursion in one line"),
+    ("How many tokens are in this prompt?", "How many words are in this prompt?"),
+    ("What is the token limit of the API?", "What is the character limit of the API?"),
+])
+def test_text_size_units_are_compared(query: str, candidate: str) -> None:
+    """The units a prompt sizes text in: the same count of other units asks for another answer."""
+    assert check(query, candidate) == "units differ"
+    assert check(candidate, query) == "units differ"
+
+
+@pytest.mark.parametrize(("query", "candidate"), [
+    ("Write about 300 words on sleep", "Write roughly 300 words about sleep"),
+    ("Summarize it in 3 short paragraphs", "Summarize it in three paragraphs"),
+    ("Give me 5 bullet points on sleep", "Give me five points on sleep"),
+    ("What is a word for happy?", "What's another term for happy?"),  # not a size: no count before it
+    ("In other words, what does it do?", "Put simply, what does it do?"),
+    ("How do I open a page in a new tab?", "How can I open a link in a new tab?"),
+    ("Which one of these lines is wrong?", "Which of these is wrong?"),  # "one of": a part, not a size
+])
+def test_text_size_words_without_a_count_are_not_units(query: str, candidate: str) -> None:
+    assert check(query, candidate) is None
+
+
 def test_features() -> None:
     f = extract("Is it 1,500.50 USD or 20% more in Berlin than in Tokyo? I don't know.")
     assert f.numbers == ("1500.5", "20")
@@ -117,6 +146,7 @@ ADVERSARIAL: dict[str, Callable[[int], str]] = {
     "mixed": lambda n: "12 km ,3 Paris ML from 5 " * (n // 25),
     "quotes never closed": lambda n: '"a `b \'c “d ' * (n // 12),
     "empty quotes": lambda n: '""\'\'``' * (n // 6),
+    "counts before text-size words": lambda n: "how many number of 5 short words count " * (n // 39),
 }
 
 
