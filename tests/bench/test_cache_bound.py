@@ -11,7 +11,8 @@ import pytest
 from bench import cache_bound
 from bench.near_miss_sets import KINDS, build, is_training_gptcache_origin, is_training_question
 
-ARGS = ["--per-kind", "3", "--rule-paraphrases", "6", "--gptcache-pairs", "12", "--passes", "2", "--window", "10"]
+ARGS = ["--per-kind", "3", "--rule-paraphrases", "6", "--gptcache-pairs", "12", "--passes", "2", "--window", "10",
+        "--show-false-hits", "unit", "--show-false-hits", "antonym", "--show-arm", "static", "--show-arm", "bound 5%"]
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +58,22 @@ def test_the_targets_table_judges_every_arm(report: str) -> None:
     table = rows(report, "### Against the issue's targets")
     assert [r[0] for r in table] == list(cache_bound.ARMS)
     assert "CPU:" in report and "Learned threshold after every 10 lookups" in report
+
+
+def test_the_wrong_hits_asked_for_are_listed(report: str) -> None:
+    """One list per arm and kind asked for; each wrong hit served in one pass or both, and an edit is never listed
+    as served its own text."""
+    for arm in ("static", "bound 5%"):
+        for kind in ("unit", "antonym"):
+            section = report.split(f"### Wrong hits served, {arm}, {kind}: ", 1)[1].split("\n### ", 1)[0]
+            listed = int(section.split(" ", 1)[0])
+            lines = [line for line in section.splitlines() if line.startswith("- ")]
+            assert len(lines) == listed
+            for line in lines:
+                found = re.match(r"- ([12])x: (.+)  <-  (.+)$", line)
+                assert found is not None, line
+                assert found.group(2) != found.group(3)
+    assert "### Wrong hits served, static + meaning" not in report
 
 
 def test_the_held_out_sets_never_hold_a_training_question() -> None:
