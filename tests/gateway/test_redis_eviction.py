@@ -5,7 +5,6 @@ with one warning when the operator allows eviction or when the server refuses CO
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -16,24 +15,11 @@ from gateway.cli.main import cli
 from gateway.redis_eviction import RedisEvicts
 from gateway.settings import Settings
 from gateway.stores import open_tenant_store
-from tests.conftest import RedisServer
 from tests.stubs import free_port
 
 EVICTING = ("--maxmemory", "100mb", "--maxmemory-policy", "allkeys-lru")
 
 
-@pytest.fixture
-def redis_with() -> Iterator[Callable[..., RedisServer]]:
-    """Starts a redis-server with the options given; each is stopped at the test's end."""
-    servers: list[RedisServer] = []
-
-    def start(*args: str) -> RedisServer:
-        servers.append(RedisServer(*args).start())
-        return servers[-1]
-
-    yield start
-    for server in servers:
-        server.stop()
 
 
 def warnings(caplog: pytest.LogCaptureFixture) -> list[str]:

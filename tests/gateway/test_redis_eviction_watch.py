@@ -17,7 +17,7 @@ import redis
 
 from gateway.redis_eviction_watch import RedisEvictionWatch
 from gateway.settings import Settings
-from tests.conftest import Gateway, RedisServer, StubState, running_gateway, stub_tiers_yaml
+from tests.conftest import Gateway, StubState, running_gateway, stub_tiers_yaml
 from tests.stubs import ServerThread
 
 EVERY_S = 0.1  # the test's interval: the default is 30 s
@@ -30,17 +30,6 @@ def operator(url: str) -> redis.Redis:
     return redis.Redis.from_url(url, socket_timeout=5, decode_responses=True)
 
 
-@pytest.fixture
-def redis_with() -> Iterator[Callable[..., RedisServer]]:
-    servers: list[RedisServer] = []
-
-    def start(*args: str) -> RedisServer:
-        servers.append(RedisServer(*args).start())
-        return servers[-1]
-
-    yield start
-    for server in servers:
-        server.stop()
 
 
 @pytest.fixture
