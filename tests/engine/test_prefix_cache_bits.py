@@ -7,8 +7,6 @@ same as the whole prompt's. The cached blocks come from another, shorter prompt 
 remainder of one token runs as a decode. A chunked prefill (a small step budget) is held to the same bits. Before
 every CPU row was attended as a decode (engine/model_runner.py), SDPA's fused kernel summed a chunk's rows
 otherwise than the whole prompt's, a few ulps apart: the same greedy request sent twice could get two answers.
-The int8 tier through the torch ops (no compiler) still differs (17 of 35 pairs, from its linear layers, not
-attention): marked as an expected failure until engine/int8_dynamic.py's torch ops are row-invariant.
 """
 
 from __future__ import annotations
@@ -74,13 +72,9 @@ def _runner(model_dir: Path, kernels: str, quantize: str | None, monkeypatch: py
 
 @pytest.mark.parametrize("quantize", [None, "int8"])
 def test_a_prefix_cache_hit_of_any_length_gives_the_whole_prompts_bits(
-        prepared_models: Path, kernels: str, quantize: str | None, monkeypatch: pytest.MonkeyPatch,
-        request: pytest.FixtureRequest) -> None:
+        prepared_models: Path, kernels: str, quantize: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
     if quantize == "int8" and not int8_dynamic.available(torch.device("cpu"), torch.float32):
         pytest.skip("no fbgemm: the int8 tier is weight-only here")
-    if quantize == "int8" and kernels == "torch":  # attention is row-invariant; the torch ops' int8 linears are not
-        request.applymarker(pytest.mark.xfail(strict=True, reason="the int8 tier's torch ops (engine/int8_dynamic.py) "
-                                              "still round a row otherwise with the rows beside it"))
     asker = Asker(_runner(prepared_models / "smollm2-135m-instruct", kernels, quantize, monkeypatch))
     bm = asker.block_manager
     g = torch.Generator().manual_seed(0)
