@@ -6,7 +6,8 @@ served the query and the candidate must agree on:
 
 - numbers (digits, decimals, thousands separators, and number words: "five" == "5"),
 - units (a canonical name per unit: "km" == "kilometres"), and the units a prompt sizes text in, where a count
-  comes before them: "in 500 words" never answers "in 500 sentences", nor "5 bullet points" "5 paragraphs",
+  comes before them: "in 500 words" never answers "in 500 sentences", nor "5 bullet points" "5 paragraphs"
+  (cache/size_units.py),
 - negations (how many: not, no, never, n't, without...),
 - comparatives and superlatives (more/less, bigger/smaller, best/worst, any "<word>er than"),
 - named entities (capitalized or mixed-case tokens not at a sentence start, acronyms, and a gazetteer of
@@ -45,6 +46,8 @@ from collections import Counter
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
+
+from cache.size_units import size_units
 
 # The most of a text the guards read. The semantic cache serves by meaning only texts this short (and within the
 # embedder's 256 word pieces), so the guards always see the whole of both texts they compare.
@@ -97,25 +100,6 @@ _UNITS_SHORT = {
 }
 _UNIT_WORD = {w: canon for canon, words in _UNITS_LONG.items() for w in words.split()}
 
-# The units a prompt sizes text in: what an LLM is asked to write, or asked about, is measured in these, so "in 500
-# words" and "in 500 sentences" ask for different answers although they embed as near twins. Written for the
-# gateway from what prompts ask of a model (length limits, summaries, lists, poems, slides), before any failure of
-# the held-out sets (bench/near_miss_sets.py) was read, and without reading that file's unit lexicon. They are
-# common words ("in other words", "command line", "a web page", "the point"), so one counts only where a count comes
-# just before it: a number (digits or a number word, or "one"/"single"), "how many", "the number of", "count the",
-# with at most two words between ("3 short paragraphs", "a 500-word essay", "5 key bullet points"), or where a
-# "count"/"limit"/"length" follows it ("word count", "token limit"). The first such unit after a count is counted.
-_TEXT_SIZE_UNITS = {
-    "word": "word words", "sentence": "sentence sentences", "paragraph": "paragraph paragraphs para paras",
-    "page": "page pages", "line": "line lines", "character": "character characters char chars",
-    "token": "token tokens", "point": "point points bullet bullets", "letter": "letter letters",
-    "syllable": "syllable syllables", "verse": "verse verses stanza stanzas", "section": "section sections",
-    "chapter": "chapter chapters", "slide": "slide slides",
-}
-_SIZE_WORD = {w: f"text {canon}" for canon, words in _TEXT_SIZE_UNITS.items() for w in words.split()}
-_SIZE_COUNT_WORDS = frozenset({*_NUMBER_WORDS, "one", "single", "count", "counts", "counting"})
-_SIZE_AFTER = frozenset({"count", "counts", "limit", "limits", "length", "lengths"})  # "word count", "token limit"
-_SIZE_GAP = 2  # words between a count and its unit
 _CURRENCY_SYMBOL = {"$": "usd", "€": "eur", "£": "gbp", "¥": "jpy"}
 
 _NEGATIONS = {"not", "no", "never", "none", "nobody", "nothing", "neither", "nor", "without", "cannot",
@@ -167,7 +151,6 @@ _SYMBOL_AFTER = re.compile(r"\s?+(°?[A-Za-z]{1,4})\b|\s?+(%)")  # a unit right 
 _ER_THAN = re.compile(r"\b(\w+er)\s++than\b", re.IGNORECASE)
 _FROM_TO = re.compile(r"\bfrom\s++\S++(?:\s++\S++){0,3}?\s++to\b")
 _SPACES = re.compile(r"\s+")
-_SIZE_TOKEN = re.compile(r"\d++(?:[.,]\d++)*+|[a-z]++|[.;:!?()\[\]{}\n]")  # numbers, words, and what ends a phrase
 _ACRONYM = re.compile(r"\b[A-Z]{2,5}\b")
 _CAPITALIZED_RUN = re.compile(r"[A-Z][a-zA-Z]*+(?:[ \t]++[A-Z][a-zA-Z]*+)*+")
 _SENTENCE_START = re.compile(r"(?:^|[.!?:;\n]\s*|[\"“(]\s*)$")
@@ -314,7 +297,7 @@ def _extract(text: str) -> Features:
         if _is_entity(token, low, text, m.start()):
             entities.add(low)
             anchors[m.start()] = low
-    units.extend(_size_units(text))
+    units.extend(size_units(text, _NUMBER_WORDS))
     for m in _ER_THAN.finditer(text):
         if m.group(1).lower() not in _COMPARATIVES:
             comparatives.add((m.group(1).lower(), 1))
@@ -329,30 +312,6 @@ def _extract(text: str) -> Features:
                     frozenset(_ACRONYM.findall(text)), expansions,
                     tuple(anchors[k] for k in sorted(anchors)), directional,
                     frozenset(i for i, _ in expansions), {w: frozenset(i) for w, i in initials_of.items()})
-
-
-def _size_units(text: str) -> list[str]:
-    """The units `text` sizes text in (`_TEXT_SIZE_UNITS`), each counted once where a count comes before it or a
-    "count"/"limit" after it: "write 3 short paragraphs" -> ["text paragraph"], "in other words" -> [].
-
-    One pass over the words; each count looks at most `_SIZE_GAP` + 1 words ahead, so the work is linear."""
-    tokens = _SIZE_TOKEN.findall(text.lower())
-    found: set[int] = set()  # the positions of the units counted
-    for i, token in enumerate(tokens):
-        if token in _SIZE_WORD and i + 1 < len(tokens) and tokens[i + 1] in _SIZE_AFTER:
-            found.add(i)
-            continue
-        number_of = token == "number" and i + 1 < len(tokens) and tokens[i + 1] == "of"
-        if not (token[0].isdigit() or token in _SIZE_COUNT_WORDS or number_of
-                or (token == "many" and i and tokens[i - 1] == "how")):
-            continue
-        for j in range(i + 1 + number_of, min(i + 2 + number_of + _SIZE_GAP, len(tokens))):
-            if tokens[j] in _SIZE_WORD:
-                found.add(j)
-                break
-            if tokens[j][0].isdigit() or not tokens[j].isalpha() or tokens[j] == "of":
-                break  # another count, the phrase ended, or "one of the ...": a part, not a size
-    return [_SIZE_WORD[tokens[i]] for i in sorted(found)]
 
 
 def _expansions(text: str) -> frozenset[tuple[str, str]]:
