@@ -144,27 +144,39 @@ _FLAGS = re.compile(r"\(\?([A-Za-z]*)")  # a group's flags turned on: `(?ix`, `(
 
 
 def pattern_min_chars(pattern: str, most: int) -> int:
-    """The fewest characters a string matching `pattern` holds (a lower bound; capped just past `most`)."""
+    """The fewest characters a string matching `pattern` holds (a lower bound; capped just past `most`).
+
+    A group's opening is no character: `(?:`, `(?<name>`, `(?P<name>`, and flags, `(?i)` or `(?x:`; a lookaround
+    (`(?=...)`, `(?<!...)`) holds none. Where the x flag is on (`(?x)` to its group's end, `(?x:...)` within), as
+    llguidance reads it, whitespace and `#` comments to the line's end are no characters: `(?x) a b c` holds 3."""
     cap = most + 1
-    frames: list[list[int]] = [[0, cap]]  # per open group: [this alternative's count, the fewest of those closed]
+    # per open group: [this alternative's count, the fewest of those closed, the x flag, whether it is a lookaround]
+    frames: list[list[int]] = [[0, cap, 0, 0]]
     last, i, n = 0, 0, len(pattern)
     while i < n:
         c = pattern[i]
         count = None
+        if frames[-1][2] and (c.isspace() or c == "#"):  # the x flag: no atom (a quantifier after still repeats last)
+            i = _after(pattern, i, "\n") if c == "#" else i + 1
+            continue
         if c == "\\":
             i += 2
             if pattern[i - 1:i] in _BRACED_ESCAPES and pattern[i:i + 1] == "{":
                 i = _after(pattern, i, "}")
-            last = int(pattern[i - 1:i] not in ("b", "B"))
+            last = int(pattern[i - 1:i] not in _ZERO_WIDTH_ESCAPES)
         elif c == "[":
             i, last = _class_end(pattern, i), 1
         elif c == "(":
-            frames.append([0, cap])
-            i += 1
+            verbose, lookaround, flags_only, i = _group_opening(pattern, i, frames[-1][2])
+            last = 0
+            if flags_only:  # `(?x)`: the flags hold to the end of the group it is in
+                frames[-1][2] = verbose
+                continue
+            frames.append([0, cap, verbose, lookaround])
             continue
         elif c == ")" and len(frames) > 1:
-            alt, fewest = frames.pop()
-            last = min(alt, fewest)
+            alt, fewest, _, lookaround = frames.pop()
+            last = 0 if lookaround else min(alt, fewest)
             i += 1
         elif c == "|":
             frame = frames[-1]
@@ -188,6 +200,31 @@ def pattern_min_chars(pattern: str, most: int) -> int:
         else:
             frame[0] = min(frame[0] + last, cap)
     while len(frames) > 1:
-        alt, fewest = frames.pop()
-        frames[-1][0] = min(frames[-1][0] + min(alt, fewest), cap)
+        alt, fewest, _, lookaround = frames.pop()
+        frames[-1][0] = min(frames[-1][0] + (0 if lookaround else min(alt, fewest)), cap)
     return min(frames[0][0], frames[0][1])
+
+
+_ZERO_WIDTH_ESCAPES = frozenset("bBAz")  # word boundaries, and the text's start and end (`\A`, `\z`)
+# a group's opening past "(": flags on and off then ":" or ")" (`?:` has none), a name, or a lookaround
+_GROUP_FLAGS = re.compile(r"\?([A-Za-z]*)(?:-([A-Za-z]*))?([:)])")
+_GROUP_NAME = re.compile(r"\?P?<[\w.\[\]]*+>")  # a run of name characters: each read once
+_LOOKAROUND = re.compile(r"\?(?:[=!]|<[=!])")
+
+
+def _group_opening(pattern: str, i: int, verbose: int) -> tuple[int, int, bool, int]:
+    """The group opening at `i` (a "("): (whether the x flag is on past it, whether it is a lookaround, whether it
+    sets flags only (`(?x)`: no group), the index past it). The x flag is `verbose` unless the opening turns it on or
+    off. An opening read as none of these (`(?P=name)`, `(?#`) is read as a lookaround: it counts no character, a
+    lower bound still."""
+    if pattern[i + 1:i + 2] != "?":
+        return verbose, 0, False, i + 1
+    if (flags := _GROUP_FLAGS.match(pattern, i + 1)) is not None:
+        on, off, end = flags.group(1), flags.group(2) or "", flags.group(3)
+        verbose = 0 if "x" in off else 1 if "x" in on else verbose
+        return verbose, 0, end == ")", flags.end()
+    if (name := _GROUP_NAME.match(pattern, i + 1)) is not None:
+        return verbose, 0, False, name.end()
+    if (around := _LOOKAROUND.match(pattern, i + 1)) is not None:
+        return verbose, 1, False, around.end()
+    return verbose, 1, False, i + 2

@@ -133,6 +133,7 @@ def strings(n: int, pattern: str) -> dict[str, Any]:
     {"$defs": {"s": {"type": "string", "pattern": "^a{9999}$"}}, "type": "object",
      "required": [f"p{i}" for i in range(20)], "properties": {f"p{i}": {"$ref": "#/$defs/s"} for i in range(20)}},
     {"$defs": {"a": {"type": "array", "items": {"const": "x"}, "minItems": 40_000}}, "$ref": "#/$defs/a"},
+    strings(1000, "^(?x) a{5000}  # five thousand a's\n$"),  # the x flag's comment is no character, the a's are
 ])
 def test_a_schema_whose_every_answer_is_too_long_to_write_is_refused(schema: dict[str, Any]) -> None:
     for tools, at in ((False, SCHEMA), (True, "tools.0.function.parameters")):
@@ -151,6 +152,10 @@ def test_a_schema_whose_every_answer_is_too_long_to_write_is_refused(schema: dic
     # a reference reached again while it is counted counts 0 (the walk ends)
     {"$defs": {"n": {"type": "object", "required": ["next"], "properties": {"next": {"$ref": "#/$defs/n"}}}},
      "$ref": "#/$defs/n", "minItems": 1},
+    # 84,002 characters at least; a group's opening and the x flag's comments were counted as characters (100,001)
+    strings(1000, "^(?:ab){40}$"),
+    strings(1000, "^(?<pair>ab){40}$"),
+    strings(1000, "^(?x) (?: a  # one a\n b ){40} $"),
 ])
 def test_a_schema_that_allows_a_short_enough_answer_passes(schema: dict[str, Any]) -> None:
     assert refusal(schema) is None
