@@ -1,13 +1,13 @@
-"""Tenants, keys (hashes) and data versions in the fleet's PostgreSQL, shared by replicas on any host.
+"""`PostgresTenantStore`: tenants, keys (hashes) and data versions in the fleet's PostgreSQL, shared by replicas on
+any host.
 
-The rules are gateway/tenants/store.py's `TenantStore`; this supplies the statements, the exclusive
-transaction (an advisory lock: key rotations are serialised fleet-wide) and how a replica hears that another
-committed: every write to the three tables bumps a change counter and sends a NOTIFY in the same
-transaction (triggers, so a change made with psql is heard too). A listener thread per replica waits on
-LISTEN and reads the counter, at the latest every POLL_S even when a notification is lost; each request
-compares that counter with the one its caches were filled at, which costs no query. A revoked key, a new
-tenant, a plan change or a data-version bump thus reaches every replica's next request within milliseconds,
-within POLL_S + a query at worst.
+The rules are gateway/tenants/store.py's `TenantStore`; this supplies the statements, the exclusive transaction (an
+advisory lock: key rotations are serialised fleet-wide) and how a replica hears that another committed: every write
+to the three tables bumps a change counter and sends a NOTIFY (gateway/tenants/postgres_schema.py). A listener thread
+per replica waits on LISTEN and reads the counter, at the latest every POLL_S even when a notification is lost; each
+request compares that counter with the one its caches were filled at, which costs no query. A revoked key, a new
+tenant, a plan change or a data-version bump thus reaches every replica's next request within milliseconds, within
+POLL_S + a query at worst.
 
 Reads that miss the cache are queries on a small pool; the cache makes them rare (a key's first use, a change),
 but not rare enough for the event loop: a key id is the client's to choose, so a flood of made-up ids is a query
@@ -20,24 +20,15 @@ empties every tenant's cached data version too, and each tenant's next cacheable
 same threads (`data_version_async`), so a read waiting on a lock (a migration, an operator's LOCK TABLE: up to the
 statement timeout) holds up that tenant's request, never the loop.
 
-While the database cannot be reached the caches are not trusted, since a revocation could be missed:
-requests get a retryable 503 (fail closed; the ledger could not record them either), and a query that
-failed makes the next ones fail at once for BREAKER_S rather than each waiting on the network. Every connection
-of the pool lent out (a burst of lookups, an admin's listing) is not such a fault: a request that waited the
-pool's timeout for one gets a retryable 503 of its own (`database_busy`) and the breaker stays closed, as it
-opened for every tenant on a burst of legitimate traffic. A pool that timed out with connections to spare could
-not make one: that is a fault, and opens it. Nor is a lookup (or a data-version read) that waited out its statement
-timeout, on another session's lock (an operator's LOCK TABLE, a long ALTER) or the database slow: the database
-answered, and that request gets `database_busy` too, the breaker closed (it opened for every tenant, with an outage
-in the log, as one query waited on one table).
-
-A lookup (or data-version read) waits for another session's lock (a LOCK TABLE, an ALTER) at most its `lock_timeout`
-(TIERGATE_TENANT_LOOKUP_LOCK_TIMEOUT_S, 0.2 s), then is `database_busy` too (LockNotAvailable): each waited its 5 s
-statement timeout on one of the LOOKUP_THREADS, so the queue backed up and every tenant whose key was not cached
-waited; a slow query not blocked keeps its statement timeout. A key refused so is refused again without a query
-for its Retry-After (BUSY_RETRY_AFTER_S: a hot key held a thread back to back); only a refusal is remembered, never
-a key found. Other queries (an admin's change, a rotation's advisory lock, the CLI) wait for locks as before
-(`_lock_wait`).
+While the database cannot be reached the caches are not trusted, since a revocation could be missed: requests get
+a retryable 503 (fail closed; the ledger could not record them either), and a query that failed makes the next ones
+fail at once for BREAKER_S rather than each waiting on the network. A database that answered, but not with rows, is
+no such fault: every connection of the pool lent out (a burst; a pool that timed out with connections to spare could
+not make one, and that is a fault), a query that waited out its statement timeout or (a lookup) its short lock
+timeout on another session's lock: that request gets a 503 of its own (`database_busy`) and the breaker stays closed
+for every tenant. What each 503 says, and the key ids refused again for their Retry-After without a query, are
+gateway/tenants/postgres_refusals.py's; the lookups' bound on a lock wait (LOCK_TIMEOUT_S) is
+gateway/tenants/postgres_lock_timeout.py's.
 
 The admin routes' calls (`TenantStore.admin`) run on the store's admin thread, one at a time, so an admin's query
 waiting on a lock (its statement timeout) or for a connection of the pool (its timeout) waits there, not on the
@@ -62,15 +53,28 @@ from psycopg import errors as pg_errors
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from gateway.errors import Unavailable
+from gateway.tenants.postgres_lock_timeout import LookupLockTimeout
+from gateway.tenants.postgres_refusals import (
+    BUSY_MESSAGE,
+    UNAVAILABLE_MESSAGE,
+    WAITED_OUT,
+    BusyLog,
+    RefusedKeys,
+    admin_busy,
+    busy,
+    unavailable,
+)
+from gateway.tenants.postgres_schema import CHANGE_COUNTER_SQL, CHANNEL, MIGRATIONS, open_schema
 from gateway.tenants.read_cache import MAX_CACHED, _Entry
 from gateway.tenants.store import P, T, TenantStore
 from quotas.fault_log import FaultLog
-from quotas.fleet_db import CONNECT_TIMEOUT_S, bounded, connect, migrate, pg
+from quotas.fleet_db import CONNECT_TIMEOUT_S, bounded, connect, pg
+
+# what callers and tests import from here: the messages, the schema
+__all__ = ["BUSY_MESSAGE", "MIGRATIONS", "UNAVAILABLE_MESSAGE", "PostgresTenantStore", "open_schema"]
 
 log = logging.getLogger("tiergate.tenants")
 
-COMPONENT = "tenants"
-CHANNEL = "tiergate_fleet"
 POLL_S = 0.5  # the listener reads the change counter at least this often, notification or not
 BREAKER_S = 1.0  # after a failed query, queries fail at once for this long
 LISTEN_BACKOFF_S = (0.1, 2.0)  # the listener's reconnects while the database is down: first wait, doubling to the last
@@ -79,61 +83,7 @@ STATEMENT_TIMEOUT_S = 5.0  # a query (a lookup, an admin change, a rotation's lo
 LOCK_TIMEOUT_S = 0.2  # ...and a lookup no longer for another session's lock (the setting's default; 0: no bound)
 BUSY_RETRY_AFTER_S = 1  # a `database_busy` 503's Retry-After; a key refused for a lock wait is refused this long
 MAX_LOOKUPS = 64  # key ids looked up or waiting at once; past it a lookup is a 503 (a flood, or the database slow)
-# a query the database gave up on: its statement timeout (or a cancel), a lookup's lock timeout; its caller's 503
-_WAITED_OUT = (pg_errors.QueryCanceled, pg_errors.LockNotAvailable)
 _ROTATION_LOCK = 0x726F74617465  # "rotate"
-# 1: the tables of the release before the fleet store (as in SQLite); 2: the change counter and its triggers
-MIGRATIONS = [
-    """
-    CREATE TABLE tenants (
-        name TEXT PRIMARY KEY,
-        plan TEXT NOT NULL,
-        created_at DOUBLE PRECISION NOT NULL
-    );
-    CREATE TABLE api_keys (
-        key_id TEXT PRIMARY KEY,
-        tenant TEXT REFERENCES tenants(name),
-        name TEXT NOT NULL DEFAULT '',
-        key_sha256 TEXT NOT NULL,
-        roles TEXT NOT NULL DEFAULT '[]',
-        created_at DOUBLE PRECISION NOT NULL,
-        expires_at DOUBLE PRECISION,
-        revoked_at DOUBLE PRECISION,
-        replaced_by TEXT,
-        limits TEXT
-    );
-    CREATE INDEX api_keys_tenant ON api_keys(tenant);
-    CREATE TABLE tenant_data_versions (
-        tenant TEXT PRIMARY KEY REFERENCES tenants(name),
-        version BIGINT NOT NULL
-    );
-    """,
-    f"""
-    CREATE TABLE fleet_changes (
-        id INTEGER PRIMARY KEY CHECK (id = 1),
-        version BIGINT NOT NULL
-    );
-    INSERT INTO fleet_changes VALUES (1, 0);
-    CREATE FUNCTION tiergate_fleet_changed() RETURNS trigger LANGUAGE plpgsql AS $$
-    BEGIN
-        UPDATE fleet_changes SET version = version + 1 WHERE id = 1;
-        PERFORM pg_notify('{CHANNEL}', '');
-        RETURN NULL;
-    END $$;
-    CREATE TRIGGER tenants_changed AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON tenants
-        FOR EACH STATEMENT EXECUTE FUNCTION tiergate_fleet_changed();
-    CREATE TRIGGER api_keys_changed AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON api_keys
-        FOR EACH STATEMENT EXECUTE FUNCTION tiergate_fleet_changed();
-    CREATE TRIGGER tenant_data_versions_changed AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON tenant_data_versions
-        FOR EACH STATEMENT EXECUTE FUNCTION tiergate_fleet_changed();
-    """,
-]
-
-
-def open_schema(url: str, *, upto: int | None = None) -> int:
-    """Bring the tenant tables to this release's version (or to `upto`); returns the version."""
-    with connect(url) as conn:
-        return migrate(conn, COMPONENT, MIGRATIONS, upto=upto)
 
 
 class PostgresTenantStore(TenantStore):
@@ -146,29 +96,26 @@ class PostgresTenantStore(TenantStore):
         super().__init__()
         self.url = url
         open_schema(url)
-        self._lock_timeout_s = lock_timeout_s
-        # the lookups' bound on a lock wait, which every pool connection carries (`_lock_wait`); None: none
-        self._lock_sql = f"SET lock_timeout = {max(1, int(lock_timeout_s * 1000))}" if lock_timeout_s > 0 else None
+        self._lock_timeout = LookupLockTimeout(lock_timeout_s)  # the lookups' bound on a lock wait
         self._bound = bounded(STATEMENT_TIMEOUT_S)  # a lookup waiting on a lock, or slow: a 503
         self._pool = ConnectionPool(url, min_size=1, max_size=max_connections, open=True, timeout=timeout_s,
                                     kwargs={"autocommit": True, "connect_timeout": CONNECT_TIMEOUT_S},
                                     configure=self._configure, check=ConnectionPool.check_connection, name="tenants")
-        self._tx = threading.local()  # this thread's open transaction's connection, if any; a lookup thread's flag
+        self._tx = threading.local()  # this thread's open transaction's connection, if any; the admin thread's flag
         self._seen: int | None = None  # the change counter as the listener last read it; None: unknown
         self._filled_at: int | None = None  # ...and as it was when the caches were last emptied
         self._broken_until = 0.0
         self._max_connections = max_connections
         self._lent = 0  # pool connections our queries hold now (`_connection`)
         self._lent_lock = threading.Lock()
-        self._busy_logged = 0.0  # when an exhausted pool was last logged (once a BREAKER_S at most)
-        self._cancel_logged = float("-inf")  # when a query cancelled by its statement or lock timeout was last logged
+        self._busy_log = BusyLog(log)  # a 503 that is no outage: a line a BREAKER_S at most
         self._stop = threading.Event()
         self._listener: threading.Thread | None = None
         self._lookups = ThreadPoolExecutor(LOOKUP_THREADS, thread_name_prefix="tenant-lookup",
-                                           initializer=self._on_lookup_thread)
+                                           initializer=self._lock_timeout.on_lookup_thread)
         self._pending: dict[str, tuple[int, asyncio.Future[_Entry | None]]] = {}  # key id -> (generation, lookup)
         self._real: dict[str, None] = {}  # ids found to be keys, kept when the caches are emptied (not made up)
-        self._refused: dict[str, float] = {}  # key id -> until when its lookups are refused (its last waited out)
+        self._refused = RefusedKeys()  # ids whose last lookup waited out a lock: refused for their Retry-After
         self._pending_versions: dict[str, tuple[int, asyncio.Future[int]]] = {}  # tenant -> (generation, its read)
         # an outage in the log: each fault once, then one line when it works again (not one a BREAKER_S, a reconnect)
         self._query_faults = FaultLog(log, "tenant store: reaching the fleet database (requests get 503)",
@@ -195,8 +142,8 @@ class PostgresTenantStore(TenantStore):
         generation = self._generation
         pending = self._pending.get(key_id)
         if pending is None or pending[0] != generation or pending[1].get_loop() is not loop:
-            if self._refused.get(key_id, 0.0) > time.monotonic():  # its last lookup waited out a lock: not again yet
-                raise _busy()
+            if self._refused.refused(key_id):  # its last lookup waited out a lock: not again yet
+                raise busy(BUSY_RETRY_AFTER_S)
             if len(self._pending) >= MAX_LOOKUPS and key_id not in self._real:
                 raise Unavailable("too many API keys are being looked up at once; retry shortly",
                                   code="key_lookups_busy", retry_after=1)
@@ -213,12 +160,10 @@ class PostgresTenantStore(TenantStore):
             return
         failed = done.exception()
         if failed is None:
-            self._refused.pop(key_id, None)
+            self._refused.forget(key_id)
             self._keep(key_id, done.result(), generation)
-        elif isinstance(failed.__cause__, _WAITED_OUT):  # a refusal, remembered (`_lookup`); never a key found
-            if len(self._refused) >= MAX_CACHED:
-                self._refused.clear()
-            self._refused[key_id] = time.monotonic() + BUSY_RETRY_AFTER_S
+        elif isinstance(failed.__cause__, WAITED_OUT):  # a refusal, remembered (`_lookup`); never a key found
+            self._refused.refuse(key_id, BUSY_RETRY_AFTER_S)
 
     async def _version_lookup(self, tenant: str) -> int:
         """The tenant's data version, queried on a lookup thread: the loop only waits, serving everyone else (any
@@ -260,28 +205,9 @@ class PostgresTenantStore(TenantStore):
     # ---- statements ----
 
     def _configure(self, conn: psycopg.Connection[Any]) -> None:
-        """A new pool connection: its statement timeout, and the lookups' lock timeout (`_lock_wait`)."""
+        """A new pool connection: its statement timeout, and the lookups' lock timeout (`LookupLockTimeout`)."""
         self._bound(conn)
-        if self._lock_sql is not None:
-            conn.execute(self._lock_sql)
-
-    def _on_lookup_thread(self) -> None:
-        self._tx.lookup = True  # its queries keep the pool's lock timeout (`_lock_wait`)
-
-    @contextmanager
-    def _lock_wait(self, conn: psycopg.Connection[Any]) -> Iterator[None]:
-        """Every pool connection carries the lookups' lock timeout; a query of any other thread (an admin's change,
-        a rotation's advisory lock, the CLI) has it RESET (the database's default: up to its statement timeout) and
-        set again before the connection goes back (autocommit: each SET outside any transaction, so it holds)."""
-        if self._lock_sql is None or getattr(self._tx, "lookup", False):
-            yield
-            return
-        conn.execute("RESET lock_timeout")
-        try:
-            yield
-        finally:
-            if not conn.closed and not conn.broken:
-                conn.execute(self._lock_sql)
+        self._lock_timeout.configure(conn)
 
     @contextmanager
     def _connection(self) -> Iterator[psycopg.Connection[Any]]:
@@ -291,18 +217,18 @@ class PostgresTenantStore(TenantStore):
             yield conn
             return
         if time.monotonic() < self._broken_until:
-            raise _unavailable()
+            raise unavailable()
         full = self._lent >= self._max_connections  # every connection lent as this one starts to wait
         try:
-            with self._pool.connection() as conn, self._lending(), self._lock_wait(conn):
+            with self._pool.connection() as conn, self._lending(), self._lock_timeout.lifted(conn):
                 self._query_faults.ok()
                 yield conn
         except PoolTimeout as exc:
             if full or self._lent >= self._max_connections:  # overload: the queries holding them are answered
-                self._log_busy()
-                raise _busy() from exc
+                self._busy_log.pool_busy(self._max_connections, self._pool.timeout, every_s=BREAKER_S)
+                raise busy(BUSY_RETRY_AFTER_S) from exc
             self._trip(exc)  # connections to spare, yet none came: the pool cannot make one
-        except _WAITED_OUT as exc:
+        except WAITED_OUT as exc:
             # a statement waited out its timeout (another session's lock, a slow moment), a lookup its lock
             # timeout, or an operator cancelled it: the database answered, so this is its caller's retryable 503
             # and the breaker stays closed for every tenant (an outage is a connection's fault: OperationalError,
@@ -310,9 +236,10 @@ class PostgresTenantStore(TenantStore):
             if getattr(self._tx, "admin", False):
                 log.warning("tenant store: an admin change waited %g s on another session's lock and was not "
                             "made: %s", STATEMENT_TIMEOUT_S, exc)
-                raise _admin_busy() from exc
-            self._log_cancelled(exc)
-            raise _busy() from exc
+                raise admin_busy(STATEMENT_TIMEOUT_S) from exc
+            self._busy_log.cancelled(exc, lock_timeout_s=self._lock_timeout.seconds,
+                                     statement_timeout_s=STATEMENT_TIMEOUT_S, every_s=BREAKER_S)
+            raise busy(BUSY_RETRY_AFTER_S) from exc
         except psycopg.OperationalError as exc:
             self._trip(exc)
 
@@ -326,34 +253,13 @@ class PostgresTenantStore(TenantStore):
             with self._lent_lock:
                 self._lent -= 1
 
-    def _log_busy(self) -> None:
-        now = time.monotonic()
-        if now - self._busy_logged >= BREAKER_S:
-            self._busy_logged = now
-            log.warning("tenant store: all %d connections of its pool were busy for %g s; a request got 503 (the "
-                        "breaker stays closed)", self._max_connections, self._pool.timeout)
-
-    def _log_cancelled(self, exc: BaseException) -> None:
-        now = time.monotonic()
-        if now - self._cancel_logged < BREAKER_S:  # a table held locked cancels every lookup: a line a BREAKER_S
-            return
-        self._cancel_logged = now
-        if isinstance(exc, pg_errors.LockNotAvailable):
-            log.warning("tenant store: a query (a key lookup, a data-version read) waited %g s, its lock timeout, "
-                        "for another session's lock and gave up; its request got 503 (the breaker stays closed): %s",
-                        self._lock_timeout_s, exc)
-        else:
-            log.warning("tenant store: a query (a key lookup, a data-version read) waited %g s, its statement "
-                        "timeout, and was cancelled; its request got 503 (the breaker stays closed): %s",
-                        STATEMENT_TIMEOUT_S, exc)
-
     def _trip(self, exc: BaseException) -> NoReturn:
         """A fault of the database or the way to it: queries fail at once for BREAKER_S."""
         self._broken_until = time.monotonic() + BREAKER_S
         # the driver's words (the server's host and port, the user, its DETAIL lines) are the log's, not the
         # tenant's: once an outage, as the queries in between fail at once without asking (the breaker)
         self._query_faults.failed(exc)
-        raise _unavailable() from exc
+        raise unavailable() from exc
 
     def _fetchone(self, sql: str, args: tuple[Any, ...] = ()) -> tuple[Any, ...] | None:
         with self._connection() as conn:
@@ -399,7 +305,7 @@ class PostgresTenantStore(TenantStore):
                 with connect(self.url) as conn:
                     conn.execute(f"LISTEN {CHANNEL}")
                     while not self._stop.is_set():
-                        row = conn.execute("SELECT version FROM fleet_changes WHERE id = 1").fetchone()
+                        row = conn.execute(CHANGE_COUNTER_SQL).fetchone()
                         self._seen, backoff = int(row[0]) if row else None, first
                         self._listen_faults.ok()
                         for _ in conn.notifies(timeout=POLL_S, stop_after=1):
@@ -410,24 +316,3 @@ class PostgresTenantStore(TenantStore):
                 self._stop.wait(backoff)
                 backoff = min(most, backoff * 2)
 
-
-# what a tenant (or an admin) reads while the fleet database cannot be reached; why is in the log (`_connection`)
-UNAVAILABLE_MESSAGE = "the gateway cannot check API keys or tenants now; retry shortly"
-
-
-def _unavailable() -> Unavailable:
-    return Unavailable(UNAVAILABLE_MESSAGE, code="database_unavailable", retry_after=2)
-
-
-# what a request reads when every connection to the fleet database was busy for the pool's timeout (a burst)
-BUSY_MESSAGE = "the gateway is busy checking API keys and tenants; retry shortly"
-
-
-def _busy() -> Unavailable:
-    return Unavailable(BUSY_MESSAGE, code="database_busy", retry_after=BUSY_RETRY_AFTER_S)
-
-
-def _admin_busy() -> Unavailable:
-    return Unavailable(f"the tenant store is busy: another session held what this change needs for "
-                       f"{STATEMENT_TIMEOUT_S:g} s; nothing was changed, retry shortly", code="database_busy",
-                       retry_after=1)
