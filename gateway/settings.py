@@ -39,6 +39,10 @@ class Settings(BaseSettings):
     # an ALTER), then a retryable 503 `database_busy`, rather than its 5 s statement timeout on one of two lookup
     # threads (gateway/tenants/store_postgres.py); 0: no bound but the statement timeout
     tenant_lookup_lock_timeout_s: float = Field(0.2, ge=0)
+    # a ledger read a request waits on (re-seeding a Redis that lost a tenant's counters, quotas/seed.py): its longest
+    # wait for another session's table lock, then a retryable 503 `quota_backend_unavailable` with nothing charged,
+    # rather than its 60 s statement timeout; 0: no bound but the statement timeout
+    ledger_read_lock_timeout_s: float = Field(0.5, ge=0)
     # keys the hash of what names a tenant's users and caches (user, safety_identifier, prompt_cache_key) before a
     # remote tier gets it (gateway/pipeline/tier_call.py); the same on every replica, never shown to an upstream
     hint_secret: SecretStr = SecretStr("")

@@ -56,7 +56,7 @@ def open_ledger(settings: Settings) -> Ledger:
         from quotas.ledger_postgres import PostgresLedger
 
         with _reaching():
-            return PostgresLedger(settings.database_url)
+            return PostgresLedger(settings.database_url, read_lock_timeout_s=settings.ledger_read_lock_timeout_s)
     return Ledger(settings.ledger_db, sync=settings.ledger_sync)
 
 

@@ -30,7 +30,7 @@ import time
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from contextlib import suppress
+from contextlib import AbstractContextManager, nullcontext, suppress
 from typing import Any
 
 from quotas.ledger_reads import LedgerReads, ReadSource
@@ -46,6 +46,11 @@ _WAKE, _STOP = "wake", "stop"
 GROUP_MAX = 512  # rows taken from the queue per commit at most
 BACKOFF_MIN_S, BACKOFF_MAX_S = 0.05, 2.0  # between retries while the ledger cannot commit
 PRUNE_EVERY_S = 3600.0  # refusal counts past their retention are deleted at most this often
+
+
+class LedgerReadLocked(Exception):
+    """A read under `Ledger.lock_bounded_reads` gave up waiting for another session's lock on the ledger's tables (an
+    operator's LOCK TABLE, an ALTER): nothing was read or changed, and the same read later may work."""
 
 
 class Ledger(LedgerReads, ABC):
@@ -121,6 +126,11 @@ class Ledger(LedgerReads, ABC):
 
     def _fault_name(self, exc: BaseException) -> str:
         return type(exc).__name__
+
+    def lock_bounded_reads(self) -> AbstractContextManager[None]:
+        """Reads on this thread within it wait for another session's table lock at most a short bound, then raise
+        `LedgerReadLocked` (PostgreSQL, quotas/ledger_postgres.py); SQLite's are as ever (no table locks there)."""
+        return nullcontext()
 
     # ---- running ----
 

@@ -16,17 +16,26 @@ again (each row would be refused as a duplicate of itself, its refusal counts ad
 
 Reads (reports, the dashboard, the reaper's billing look-ups) take a connection from a small pool. Reports sum
 in SQL: money is NUMERIC here, so its sums are exact where they are taken; `PostgresReader` reads the same
-tables read-only on a connection of its own (a report's process, quotas/report_worker.py).
+tables read-only on a connection of its own (a report's process, quotas/report_worker.py). A read's statement runs
+at most READ_TIMEOUT_S (60 s). Reads under `lock_bounded_reads` (a re-seed of a Redis that lost a tenant's counters,
+quotas/seed.py: a request waits on it) also wait for another session's lock on a table (an operator's LOCK TABLE, an
+ALTER) at most `read_lock_timeout_s` (TIERGATE_LEDGER_READ_LOCK_TIMEOUT_S, READ_LOCK_TIMEOUT_S), then raise
+`LedgerReadLocked`: `SET lock_timeout` on the pooled connection for that read, `RESET` before it goes back. Writes
+(the writer's commits, `record_now`, `mark_fallback_applied`) and idempotency claims never get it: they wait on real
+row locks by design.
 """
 
 from __future__ import annotations
 
+import threading
 import uuid
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import psycopg
+from psycopg import errors as pg_errors
 from psycopg_pool import ConnectionPool
 
 from quotas.fleet_db import (
@@ -42,11 +51,12 @@ from quotas.fleet_db import (
     pg,
 )
 from quotas.idempotency_totals import IDEMPOTENCY_TOTALS
-from quotas.ledger import Ledger, Pending, Statement, log
+from quotas.ledger import Ledger, LedgerReadLocked, Pending, Statement, log
 from quotas.ledger_reads import READ_TIMEOUT_S, LedgerReads, Reader, ReadSource
 from quotas.ledger_rows import CARRY_PENDING, COLUMNS, CountKey, LedgerRow, Refusal, RequestTotals, count_key, to_db
 
 COMPONENT = "ledger"
+READ_LOCK_TIMEOUT_S = 0.5  # a lock-bounded read's wait for another session's table lock (the setting's default)
 # the ledger's tables, one migration each release that changed them; 1 is the schema of the release before the
 # fleet store (the SQLite tables of quotas/ledger_rows.py), 2 adds the Idempotency-Key records, 3 the version of
 # the tier that answered, 4 an index to find one tenant's refusal counts (a report read every tenant's), 5 each
@@ -200,12 +210,16 @@ class PostgresLedger(PostgresReads, Ledger):
     COMMIT_IN_DOUBT_AFTER_FAILURE = True  # a COMMIT whose reply was lost may have committed (`_landed` asks)
 
     def __init__(self, url: str, *, record_timeout_s: float = 10.0, busy_timeout_s: float = 5.0,
-                 refusal_retention_days: float = 90.0, max_read_connections: int = 4) -> None:
-        """`busy_timeout_s` bounds how long one commit may wait on a lock (its statement timeout)."""
+                 refusal_retention_days: float = 90.0, max_read_connections: int = 4,
+                 read_lock_timeout_s: float = READ_LOCK_TIMEOUT_S) -> None:
+        """`busy_timeout_s` bounds how long one commit may wait on a lock (its statement timeout);
+        `read_lock_timeout_s` how long a read under `lock_bounded_reads` may (0: its statement timeout)."""
         super().__init__(record_timeout_s=record_timeout_s, busy_timeout_s=busy_timeout_s,
                          refusal_retention_days=refusal_retention_days)
         self.url = url
         self._xid: str | None = None  # the writer's last commit's transaction id, known before its COMMIT was sent
+        self.read_lock_timeout_s = read_lock_timeout_s
+        self._lock_bounded = threading.local()  # `on`: this thread's reads are under `lock_bounded_reads`
         open_schema(url)
         self._pool = ConnectionPool(url, min_size=1, max_size=max_read_connections, open=True,
                                     kwargs={"autocommit": True, "connect_timeout": CONNECT_TIMEOUT_S},
@@ -277,14 +291,43 @@ class PostgresLedger(PostgresReads, Ledger):
     def read_source(self) -> ReadSource:
         return ReadSource("postgres", self.url)
 
+    @contextmanager
+    def lock_bounded_reads(self) -> Iterator[None]:
+        if self.read_lock_timeout_s <= 0:
+            yield
+            return
+        was = getattr(self._lock_bounded, "on", False)
+        self._lock_bounded.on = True
+        try:
+            yield
+        finally:
+            self._lock_bounded.on = was
+
+    @contextmanager
+    def _lock_wait(self, conn: psycopg.Connection[Any]) -> Iterator[None]:
+        """A read on the pooled `conn` (autocommit: a SET outside any transaction holds until RESET): under
+        `lock_bounded_reads`, with the lock timeout, lifted again before the connection goes back to the pool."""
+        if not getattr(self._lock_bounded, "on", False):
+            yield
+            return
+        conn.execute(f"SET lock_timeout = {max(1, int(self.read_lock_timeout_s * 1000))}")
+        try:
+            yield
+        except pg_errors.LockNotAvailable as exc:
+            raise LedgerReadLocked(f"a ledger read waited {self.read_lock_timeout_s:g} s for another session's "
+                                   f"lock on the ledger's tables and gave up: {exc}") from exc
+        finally:
+            if not conn.closed and not conn.broken:
+                conn.execute("RESET lock_timeout")
+
     def _query(self, sql: str, args: tuple[Any, ...]) -> list[tuple[Any, ...]]:
-        with self._pool.connection() as conn:
+        with self._pool.connection() as conn, self._lock_wait(conn):
             return conn.execute(pg(sql), args).fetchall()
 
     def _stream(self, sql: str, args: tuple[Any, ...], size: int) -> Iterator[list[tuple[Any, ...]]]:
         """A server-side cursor (the database holds the result; a batch at a time comes over), in a transaction of
         its own on a pooled connection held until the read ends."""
-        with (self._pool.connection() as conn, conn.transaction(),
+        with (self._pool.connection() as conn, self._lock_wait(conn), conn.transaction(),
               conn.cursor(name=f"tiergate_read_{uuid.uuid4().hex}") as cur):
             cur.execute(pg(sql), args)
             while batch := cur.fetchmany(size):
