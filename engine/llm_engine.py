@@ -5,7 +5,8 @@ Callers see `generate` (an async iterator of outputs), `abort`, `validate`, `com
 step is schedule → run → postprocess: the scheduler picks sequences and token counts, the model runner
 computes them all in one batched forward and samples, the scheduler advances them; the engine then
 detokenizes, applies stop strings and streams. Requests and aborts cross from the event loop through a
-locked inbox that the loop drains at the start of each step, so an abort takes effect within one step.
+locked inbox that the loop drains at the start of each step, so an abort takes effect within one step
+(engine/handoff.py).
 
 Failures stay as small as they can be. A sequence whose sampling, log-probabilities or detokenization
 raise fails alone; a forward pass that raises fails the sequences of its step; either way each failed
@@ -15,10 +16,10 @@ anywhere else (the scheduler, the bookkeeping) ends the loop: every request in f
 that is alive but wedged (one step, or one grammar compile, running far past any honest one: engine/liveness.py) is
 named by `health_problem`, which /health answers with, so the supervisor restarts it.
 
-Locking: the lock guards only what callers and the loop share (the inbox, the aborts, the output sinks of
-engine/output_sink.py) and is held for a few dictionary operations, never across a step. Everything else is the loop
-thread's own. `stats()` takes no lock: the loop's counters (engine/engine_counters.py) are read as they are, so
-/health never waits on a step however slow it is.
+Locking: the handoff's lock (engine/handoff.py) guards only what callers and the loop share (the inbox, the aborts,
+the output sinks of engine/output_sink.py) and is held for a few dictionary operations, never across a step.
+Everything else is the loop thread's own. `stats()` takes no lock: the loop's counters (engine/engine_counters.py)
+are read as they are, so /health never waits on a step however slow it is.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from engine.compile_queue import CompileQueue, EngineBusyError
 from engine.detokenizer import IncrementalDetokenizer
 from engine.engine_counters import EngineCounters
 from engine.grammar import CompiledGrammar, GrammarCache, grammar_key
+from engine.handoff import EngineDeadError, Handoff
 from engine.liveness import STUCK_COMPILE_S, STUCK_STEP_S, Liveness
 from engine.openmp import release_thread_pool
 from engine.output_sink import OutputSink
@@ -54,10 +56,6 @@ __all__ = ["EngineBusyError", "EngineDeadError", "EngineInputError", "EngineStat
 
 IDLE_WAIT_S = 0.5  # an idle loop wakes this often (and on every new request)
 log = logging.getLogger("tiergate.engine")
-
-
-class EngineDeadError(RuntimeError):
-    """The engine's loop has stopped: nothing more will be generated; maps to HTTP 503."""
 
 
 class LLMEngine:
@@ -88,13 +86,7 @@ class LLMEngine:
                                  compile_stuck_after_s=compile_stuck_after_s)
         self._compiling: dict[tuple[str | None, str], Future[CompiledGrammar]] = {}  # (tenant, grammar key) ->
         # its compile, queued or running
-        # shared with callers, under the lock
-        self._lock = threading.Lock()
-        self._inbox: list[Sequence] = []
-        # the requests to abort, each the very request asked for: a new one reusing the id of one that ended is not it
-        self._aborts: list[Sequence] = []
-        self._sinks: dict[str, OutputSink] = {}
-        self._dead_reason: str | None = None
+        self.handoff = Handoff()  # shared with callers, under its lock: new requests, aborts, output sinks
         # the loop thread's own
         self._wake = threading.Event()
         self._stopping = False
@@ -122,9 +114,9 @@ class LLMEngine:
     @property
     def dead_reason(self) -> str | None:
         """Why the loop has stopped, or None while it runs (or has not been started)."""
-        if self._dead_reason is None and self._thread.ident is not None and not self._thread.is_alive():
+        if self.handoff.dead_reason is None and self._thread.ident is not None and not self._thread.is_alive():
             return "the engine loop thread has stopped"
-        return self._dead_reason
+        return self.handoff.dead_reason
 
     @property
     def health_problem(self) -> str | None:
@@ -185,13 +177,7 @@ class LLMEngine:
         request_id = request_id or f"req-{next(self._counter)}"
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         seq = Sequence(request_id, list(prompt_token_ids), params, priority=priority, cache_salt=cache_salt)
-        with self._lock:
-            if (reason := self.dead_reason) is not None:
-                raise EngineDeadError(f"the engine has stopped: {reason}")
-            if request_id in self._sinks:
-                raise EngineInputError(f"request id {request_id!r} is already running", param="request_id")
-            self._sinks[request_id] = OutputSink(asyncio.get_running_loop(), queue, seq)
-            self._inbox.append(seq)
+        self.handoff.submit(seq, OutputSink(asyncio.get_running_loop(), queue, seq), lambda: self.dead_reason)
         self._wake.set()
         finished = False
         try:
@@ -212,15 +198,12 @@ class LLMEngine:
     def _abort(self, request_id: str, seq: Sequence | None) -> None:
         """Abort the request under `request_id`; with `seq`, only if it is that one: a stream left late, after its
         request ended and a new one took its id, aborts nothing."""
-        with self._lock:
-            sink = self._sinks.get(request_id)
-            if sink is not None and (seq is None or sink.seq is seq):
-                self._aborts.append(sink.seq)
+        self.handoff.abort(request_id, seq)
         self._wake.set()
 
     def stats(self) -> EngineStats:
         """A lock-free snapshot (see the module docstring): never waits for a step."""
-        return self._counters.snapshot(self.scheduler, self.block_manager, self.speculative, len(self._inbox))
+        return self._counters.snapshot(self.scheduler, self.block_manager, self.speculative, self.handoff.num_waiting)
 
     # ---- engine side (loop thread) ----
 
@@ -236,9 +219,9 @@ class LLMEngine:
                     self._counters.count_made(0)  # let an idle engine's tokens/s decay
         except BaseException as exc:
             log.exception("the engine loop died; every request in flight fails")
-            self._end(f"{type(exc).__name__}: {exc}")
+            self.handoff.end(f"{type(exc).__name__}: {exc}")
             return
-        self._end("the engine was shut down")
+        self.handoff.end("the engine was shut down")
 
     def step(self) -> bool:
         """One engine step; False when there was nothing to run."""
@@ -299,9 +282,7 @@ class LLMEngine:
 
     def _drain_inbox(self) -> None:
         """Admit new requests to the scheduler, apply aborts."""
-        with self._lock:
-            inbox, self._inbox = self._inbox, []
-            aborts, self._aborts = self._aborts, []
+        inbox, aborts = self.handoff.take()
         for seq in inbox:
             self._seqs[seq.request_id] = seq
             self._detok[seq.request_id] = IncrementalDetokenizer(self.tokenizer, seq.params.stop)
@@ -358,7 +339,7 @@ class LLMEngine:
     def _fail(self, seq: Sequence, reason: str, code: str = "engine_error") -> None:
         """End one sequence with an engine error: its blocks go back, its caller gets the error. `code` is
         "engine_error", or RESPONSE_FORMAT_FAILED when the request's own grammar could not go on."""
-        if seq.request_id not in self._seqs and seq.request_id not in self._sinks:
+        if seq.request_id not in self._seqs and seq.request_id not in self.handoff.sinks:
             return  # already ended, released and answered
         self.scheduler.finish(seq, "error")
         seq.finish_reason = "error"
@@ -381,26 +362,11 @@ class LLMEngine:
     def _emit(self, seq: Sequence, text: str, new_ids: list[int], *, finished: bool,
               logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None,
               error: str | None = None, error_code: str | None = None) -> None:
-        with self._lock:
-            sink = self._sinks.pop(seq.request_id, None) if finished else self._sinks.get(seq.request_id)
+        sink = self.handoff.sink(seq.request_id, finished=finished)
         if sink is None:
             return
         sent = sink.send(RequestOutput(seq.request_id, text, new_ids, finished, seq.finish_reason,
                                        seq.num_prompt_tokens, seq.num_output_tokens, seq.busy_s,
                                        seq.num_cached_tokens, logprobs, error, error_code))
         if not sent and not finished:  # its caller's loop has closed: nobody reads on, so it stops as if aborted
-            with self._lock:
-                self._aborts.append(seq)
-
-    def _end(self, reason: str) -> None:
-        """The loop is over: refuse new requests and end every one in flight with `engine_dead`, at once."""
-        with self._lock:
-            self._dead_reason = reason
-            sinks = list(self._sinks.values())
-            self._sinks.clear()
-            self._inbox.clear()
-        for sink in sinks:
-            seq = sink.seq
-            sink.send(RequestOutput(seq.request_id, "", [], True, "error", seq.num_prompt_tokens,
-                                    seq.num_output_tokens, seq.busy_s, seq.num_cached_tokens,
-                                    error=f"the engine has stopped: {reason}", error_code="engine_dead"))
+            self.handoff.abort_later(seq)

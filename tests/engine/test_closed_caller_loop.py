@@ -46,7 +46,7 @@ async def test_a_caller_whose_loop_closed_is_dropped_and_the_others_finish() -> 
              for p in ("live", "gone", "gone SAMPLE-FAIL")}
     await asyncio.sleep(0.05)  # all registered and queued before the loop starts: they share its first step
     for rid in ("gone", "gone SAMPLE-FAIL"):
-        eng._sinks[rid].loop = ClosedLoop()  # type: ignore[assignment]
+        eng.handoff.sinks[rid].loop = ClosedLoop()  # type: ignore[assignment]
     eng.start()
     try:
         text, last = await asyncio.wait_for(tasks["live"], 5)
@@ -55,7 +55,7 @@ async def test_a_caller_whose_loop_closed_is_dropped_and_the_others_finish() -> 
             if eng.stats().num_kv_blocks_used == 0:
                 break
             await asyncio.sleep(0.01)
-        assert eng.stats().num_kv_blocks_used == 0 and eng._sinks == {}
+        assert eng.stats().num_kv_blocks_used == 0 and eng.handoff.sinks == {}
         assert set(runner.released) == {"live", "gone", "gone SAMPLE-FAIL"}
         assert sum(1 for s in runner.steps for q in s.seqs if q.request_id == "gone") < 5  # stopped, not run out
         text, _ = await asyncio.wait_for(collect(eng.generate([ord(c) for c in "again"], GREEDY)), 5)
