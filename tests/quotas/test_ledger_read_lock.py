@@ -23,6 +23,8 @@ import pytest
 import redis.asyncio as aioredis
 
 from gateway.errors import client_error
+from gateway.settings import Settings
+from gateway.stores import open_ledger
 from quotas.backends.base import QuotaBackendError
 from quotas.backends.failover import FailoverBackend
 from quotas.backends.redis import RedisBackend
@@ -127,3 +129,13 @@ async def test_the_fallback_rows_read_before_a_reseed_is_refused_at_its_lock_tim
     finally:
         await asyncio.to_thread(blocker.rollback)
     assert await rows.pending(10) == []
+
+
+def test_the_setting_bounds_the_fleet_ledger_the_gateway_opens(database_url: str,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TIERGATE_LEDGER_READ_LOCK_TIMEOUT_S", "0.25")
+    ledger = open_ledger(Settings(database_url=database_url))
+    try:
+        assert isinstance(ledger, PostgresLedger) and ledger.read_lock_timeout_s == 0.25
+    finally:
+        ledger.close()
