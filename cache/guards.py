@@ -25,7 +25,8 @@ The guards get the turns as sent and read them through `comparable`: NFKC (full-
 read as their plain letters and digits) with collapsed whitespace, except that superscripts, subscripts, vulgar
 fractions and the like keep apart from their neighbours ("2³" reads "2^(3)", "10²" "10^(2)", "1⅛" "1(1⁄8)"), so the
 numbers guard tells "Is 2³ prime?" from "Is 23 prime?" although the two embed identically (the embedding reads plain
-NFKC, cache/request_key.py's `embedding_text`). The layout is read from the text as sent.
+NFKC, cache/request_key.py's `embedding_text`). The layout and the quotes are read from the text as sent
+(cache/layout_quotes.py).
 
 All of this is cheap regex and set work on the two texts (tens of microseconds); it is a heuristic that
 errs on refusing: a refused paraphrase costs one model call, a wrong hit costs a wrong answer.
@@ -47,6 +48,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+from cache.layout_quotes import layout, quotes_disagree
+from cache.layout_quotes import quoted as quoted  # re-exported: callers and tests read guards.quoted
 from cache.size_units import size_units
 
 # The most of a text the guards read. The semantic cache serves by meaning only texts this short (and within the
@@ -61,7 +64,6 @@ QUOTES_DIFFER = "quoted text differs"
 # variants (which are digits as their neighbours are: "１２" is 12), as "(...)": ⅛ "(1⁄8)", ① "(1)", ⒈ "(1.)".
 _RUN_MARKS = {"<super>": "^", "<sub>": "_"}
 _PLAIN_DIGIT_TAGS = {"<wide>", "<font>", "<narrow>"}
-_FENCES = ("```", "~~~")  # a Markdown code fence line: whether a snippet is fenced does not change what it does
 
 _NUMBER_WORDS = {
     "zero": "0", "two": "2", "three": "3", "four": "4", "five": "5", "six": "6", "seven": "7",
@@ -154,10 +156,6 @@ _SPACES = re.compile(r"\s+")
 _ACRONYM = re.compile(r"\b[A-Z]{2,5}\b")
 _CAPITALIZED_RUN = re.compile(r"[A-Z][a-zA-Z]*+(?:[ \t]++[A-Z][a-zA-Z]*+)*+")
 _SENTENCE_START = re.compile(r"(?:^|[.!?:;\n]\s*|[\"“(]\s*)$")
-# Where a quote may open: ", “, `, or ' not inside a word (not the apostrophes of "don't ... isn't"); its closing
-# quote, on the same line.
-_QUOTE_OPENS = re.compile(r"[\"“`]|(?<![\w'])'")
-_QUOTE_CLOSES = {'"': '"', "“": "”", "`": "`", "'": "'"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,19 +232,6 @@ def _marked(text: str) -> str:
     if run:
         out.append(f"{run_mark}({''.join(run)})")
     return "".join(out)
-
-
-def layout(text: str) -> tuple[str, ...]:
-    """The indentation of each line of `text` (as sent, ends stripped) but blank lines and Markdown code fences
-    (markup, not content); () for a text of one line.
-
-    Two texts of several lines agree on it only with the same line breaks and the same indentation, character for
-    character (a tab is not four spaces): in code, either changes what runs."""
-    lines = text.replace("\r\n", "\n").strip().split("\n")
-    if len(lines) == 1:
-        return ()
-    return tuple(line[:len(line) - len(line.lstrip())] for line in lines
-                 if line.strip() and not line.lstrip().startswith(_FENCES))
 
 
 def extract(text: str) -> Features:
@@ -388,46 +373,9 @@ def check(query: str, candidate: str) -> str | None:
         return "order of entities differs"
     if layout(query) != layout(candidate):
         return LAYOUT_DIFFERS
-    if _quotes_disagree(query, candidate):
+    if quotes_disagree(query, candidate):
         return QUOTES_DIFFER
     return None
-
-
-def quoted(text: str) -> tuple[str, ...]:
-    """What `text` (as sent) quotes on one line, in order, empty quotes left out: `print("a  b")` -> ("a  b",).
-
-    Linear: a closed quote's text is read once, and a closing quote missing from the rest of a line is searched for
-    once per line (a pattern that ran on to the line's end from every unclosed quote was quadratic)."""
-    out: list[str] = []
-    pos, line_end = 0, -1
-    missing: dict[str, int] = {}  # closing quote -> the end of the line it is known missing from
-    while (opening := _QUOTE_OPENS.search(text, pos)) is not None:
-        start = opening.start()
-        if start > line_end:
-            line_end = text.find("\n", start)
-            line_end = len(text) if line_end < 0 else line_end
-        close = _QUOTE_CLOSES[opening.group()]
-        pos = start + 1
-        if missing.get(close) == line_end:
-            continue
-        end = text.find(close, pos, line_end)
-        if end < 0:
-            missing[close] = line_end
-            continue
-        if close == "'" and end + 1 < len(text) and (text[end + 1].isalnum() or text[end + 1] == "_"):
-            continue  # 'it's: an apostrophe, not a closing quote
-        if end > pos:
-            out.append(text[pos:end])
-        pos = end + 1
-    return tuple(out)
-
-
-def _quotes_disagree(a: str, b: str) -> bool:
-    """A quote of either text (as sent) missing, character for character, from the other. A quote the other text
-    has unquoted agrees ("what is `ls -la`" / "what is ls -la"), and so do quotes in another order: paraphrases
-    reorder the names they quote (27 of GPTCache's 999 pairs); a swap of roles is the anchors' to see."""
-    qa, qb = quoted(a), quoted(b)
-    return qa != qb and (any(q not in b for q in set(qa)) or any(q not in a for q in set(qb)))
 
 
 def _shared_order(a: tuple[str, ...], b: tuple[str, ...]) -> bool:
