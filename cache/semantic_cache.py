@@ -4,8 +4,8 @@ A lookup goes: tenant policy and cacheability (`request_key.decide`) -> exact la
 whole conversation as sent: first this process's answers still being written or written and read lately
 (`cache.recent`), then the store) -> semantic
 layer (embed the last user turn, NFKC with collapsed whitespace (`request_key.embedding_text`), if it is short
-enough to be compared whole, `SEMANTIC_MAX_CHARS`; search the
-faiss partition of its scope and history, take the nearest candidates above the tenant's threshold and within
+enough to be compared whole, `SEMANTIC_MAX_CHARS`; search the faiss partition of its scope and history, take
+(cache/candidates.py) the nearest candidates above the tenant's threshold and within
 `fallback_margin` of the nearest, and serve the first one the near-miss guards accept (they read both turns as
 sent, so "2³" is not "23" to them, nor an indented line an unindented one, though both pairs embed alike) and, for a
 plan with `meaning_check`, the meaning check too, on the texts as the guards read them (`guards.comparable`):
@@ -46,21 +46,24 @@ import random
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Hashable, Mapping
+from functools import partial
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
 from cache import guards
+from cache.candidates import screen
 from cache.change_feed import ChangeFeed
 from cache.embedder import Embedder
 from cache.entry_writes import EntryWriter
 from cache.error_bound import TenantBounds
 from cache.index import PartitionedIndex
+from cache.lookup_plan import LookupPlan, within_ttl
 from cache.meaning_check import MeaningCheck
-from cache.meaning_gate import MEANING_CHECKED, MEANING_DIFFERS, first_accepted
+from cache.meaning_gate import MEANING_DIFFERS, first_accepted
 from cache.pending import PendingWrites
 from cache.recent import RecentEntries
-from cache.request_key import RequestKey, conversation_chars, decide, embedding_text, exact_key, request_key
+from cache.request_key import conversation_chars, decide, embedding_text, request_key
 from cache.results import Bypass, CacheStats, Hit, LookupResult, Miss, Near, Probe, TenantPolicy
 from cache.scope import CacheScope
 from cache.stale_versions import StaleVersions
@@ -91,40 +94,6 @@ async def _to_thread(owner: Hashable, fn: Callable[..., T], *args: Any) -> T:
 
 __all__ = ["SEMANTIC_MAX_CHARS", "Bypass", "CacheStats", "Hit", "LookupResult", "Miss", "Probe", "SemanticCache",
            "TenantPolicy"]
-
-
-def within_ttl(entry: Entry, policy: TenantPolicy, now: float) -> bool:
-    """Whether `entry` is younger than the tenant's TTL now. An entry's own expiry is its TTL when it was stored: a
-    plan whose `ttl_s` was lowered since (or set, where it had none) serves nothing older than its new TTL, though
-    the entry stays (a plan changed back serves it again) until its own expiry or eviction."""
-    return policy.ttl_s is None or entry.created_at + policy.ttl_s > now
-
-
-class _Plan:
-    """A cacheable request's lookup, between its steps."""
-
-    __slots__ = ("_key", "exact_key", "now", "policy", "request", "scope", "scope_id")
-
-    def __init__(self, scope: CacheScope, policy: TenantPolicy, request: Mapping[str, Any], now: float):
-        self.scope, self.policy, self.request, self.now = scope, policy, request, now
-        self.scope_id = scope.scope_id  # a hash of the scope's fields: computed once for the lookup's steps
-        self.exact_key = exact_key(request)
-        self._key: RequestKey | None = None
-
-    @property
-    def key(self) -> RequestKey:
-        """Every key of the request, its history hash too: hashed on first use, past the exact layer (an exact hit
-        in this process's memory, the fast path, needs the exact key alone)."""
-        if self._key is None:
-            self._key = request_key(self.request, self.exact_key)
-        return self._key
-
-    @property
-    def partition(self) -> str:
-        return f"{self.scope_id}:{self.key.history_hash}"
-
-    def probe(self, vector: np.ndarray | None = None) -> Probe:
-        return Probe(self.key, self.partition, vector)
 
 
 class SemanticCache:
@@ -199,7 +168,7 @@ class SemanticCache:
                policy: TenantPolicy | None = None) -> LookupResult:
         """A cached answer for `request` in `scope`, or why there is none."""
         plan = self._begin(scope, request, headers, policy)
-        if not isinstance(plan, _Plan):
+        if not isinstance(plan, LookupPlan):
             return plan
         found = self._exact(plan)
         if found is not None:
@@ -217,7 +186,7 @@ class SemanticCache:
             plan = self._begin(scope, request, headers, policy, admitted)
         else:
             plan = await self._threads(scope.tenant, self._begin, scope, request, headers, policy, admitted)
-        if not isinstance(plan, _Plan):
+        if not isinstance(plan, LookupPlan):
             return plan
         with self.batcher.announce() as coming:  # lookups arriving together embed together
             found = await self._threads(scope.tenant, self._exact, plan)
@@ -227,12 +196,12 @@ class SemanticCache:
         return await self._threads(scope.tenant, self._semantic, plan, vector)
 
     def _begin(self, scope: CacheScope, request: Mapping[str, Any], headers: Mapping[str, str] | None,
-               policy: TenantPolicy | None, admitted: bool = False) -> LookupResult | _Plan:
+               policy: TenantPolicy | None, admitted: bool = False) -> LookupResult | LookupPlan:
         """Policy, cacheability (unless `admitted`: see `alookup`), keys, and the answers this process has not
         finished writing. No I/O."""
         if not admitted and (refused := self.bypass(request, headers=headers, policy=policy)) is not None:
             return refused
-        plan = _Plan(scope, policy or self.default_policy, request, self.clock())
+        plan = LookupPlan(scope, policy or self.default_policy, request, self.clock())
         entry = self.pending.get(plan.scope_id, plan.exact_key)
         if entry is None and self.feed.recent():
             entry = self.recent.get(plan.scope_id, plan.exact_key, plan.now)  # deletions elsewhere applied
@@ -242,7 +211,7 @@ class SemanticCache:
             return Hit(entry, "exact", 1.0)
         return plan
 
-    def _exact(self, plan: _Plan) -> LookupResult | None:
+    def _exact(self, plan: LookupPlan) -> LookupResult | None:
         """The store's exact entry, or a miss when there is nothing to compare by meaning; None: go semantic."""
         if self.feed.due():
             self.sync()  # writes the LRU marks of hits served from memory
@@ -258,7 +227,7 @@ class SemanticCache:
             return self._miss("no entry", probe=plan.probe())  # nothing to compare with: no embedding
         return None
 
-    def _semantic(self, plan: _Plan, vector: np.ndarray | None) -> LookupResult:
+    def _semantic(self, plan: LookupPlan, vector: np.ndarray | None) -> LookupResult:
         if vector is None:
             # no text compared by meaning (request_key.compared_text: too long, several parts, a raw prompt)
             reason = "no entry (too long to match by meaning)" if plan.key.last_user_text else "no entry"
@@ -272,30 +241,11 @@ class SemanticCache:
         threshold = policy.similarity_threshold if bound is None else bound.threshold(policy.similarity_threshold)
         threshold += policy.threshold_delta
         floor = threshold if bound is None else min(threshold, bound.floor)  # near misses to label, down to here
-        best = candidates[0][1]
-        refusal, near = f"below threshold (best {best:.3f})", None
-        servable: list[tuple[Entry, float]] = []  # above the threshold and past the guards, nearest first
-        for entry_id, similarity in candidates:
-            if similarity < floor or similarity < best - self.fallback_margin:
-                break
-            entry = self.entries.get(entry_id)
-            if entry is None or not self.writes.alive(entry, plan.now) or not within_ttl(entry, policy, plan.now):
-                continue
-            reason = guards.check(plan.key.last_user_text, entry.semantic_text)
-            if reason is not None:
-                self.stats.refused[reason] += 1
-                if refusal.startswith("below"):
-                    refusal = f"refused near miss: {reason} ({similarity:.3f})"
-                continue
-            if similarity < threshold:  # the tier answers; its answer labels this candidate for the bound
-                # (under the meaning check, only a candidate it accepts: the bound learns the error of what the
-                # threshold and the check would serve together)
-                if not servable and self._checked(plan, [(entry, similarity)])[0] is not None:
-                    near = Near(plan.scope.tenant, similarity, entry.response)
-                break
-            servable.append((entry, similarity))
-            if not policy.meaning_check or len(servable) >= MEANING_CHECKED:  # no more need reading
-                break
+        found = screen(candidates, plan.key.last_user_text, threshold=threshold, floor=floor,
+                       fallback_margin=self.fallback_margin, meaning_check=policy.meaning_check,
+                       tenant=plan.scope.tenant, fetch=partial(self._servable, plan),
+                       checked=partial(self._checked, plan), refused=self.stats.refused)
+        servable, refusal = found.servable, found.refusal
         if servable:
             chosen, reason = self._checked(plan, servable)
             if chosen is not None:
@@ -307,9 +257,17 @@ class SemanticCache:
                 return Hit(entry, "semantic", similarity, shadow_rate=policy.shadow_rate if sampled else 0.0)
             refusal = f"refused near miss: {reason}" + (f" ({servable[0][1]:.3f})" if reason == MEANING_DIFFERS
                                                          else "")
-        return self._miss(refusal, best, probe=plan.probe(vector), near=near)
+        return self._miss(refusal, candidates[0][1], probe=plan.probe(vector), near=found.near)
 
-    def _checked(self, plan: _Plan, candidates: list[tuple[Entry, float]]) -> tuple[tuple[Entry, float] | None, str]:
+    def _servable(self, plan: LookupPlan, entry_id: str) -> Entry | None:
+        """The stored entry `entry_id` if the lookup may serve it (not deleted, not expired, within the TTL)."""
+        entry = self.entries.get(entry_id)
+        if entry is None or not self.writes.alive(entry, plan.now) or not within_ttl(entry, plan.policy, plan.now):
+            return None
+        return entry
+
+    def _checked(self, plan: LookupPlan,
+                 candidates: list[tuple[Entry, float]]) -> tuple[tuple[Entry, float] | None, str]:
         """The candidate to serve: the first, or under the plan's meaning check the first it accepts (and why none
         was), cache/meaning_gate.py."""
         if not plan.policy.meaning_check:
