@@ -1,15 +1,8 @@
 """The running fleet: every tier's replicas, their health, and which one takes the next request.
 
-Co-located engines share one core budget. The budget is every CPU the gateway may run on
-(`os.sched_getaffinity`), less TIERGATE_GATEWAY_CORES kept for the gateway itself (default: none below 4
-CPUs, where one would cost the engines half or a third of the machine; one from 4 up, so the gateway's event
-loop never waits behind an engine's spinning threads). `plan_cores` splits it among the local replicas by
-each tier's `cores` weight into disjoint core sets; each engine runs pinned to its set with as many threads
-as it has cores. With more replicas than cores, replicas share cores (one thread each), and the log and
-/health say which. Tiers whose engines share cores form a hardware group: the router sheds an overloaded
-tier's requests only to a tier outside its group, because moving work onto the same cores adds no capacity.
-TIERGATE_CORE_BUDGET=off starts engines unpinned with torch's own thread counts (every local tier then shares
-every core: one group).
+Co-located engines share one core budget, split among the local replicas into core sets (tiers/core_plan.py);
+tiers whose engines share cores form a hardware group, and the router sheds an overloaded tier's requests only to a
+tier outside its group.
 
 With `tiergate serve --workers N` the gateway keeps N cores by default (the workers run there), and only the
 parent process supervises engines: it publishes them (tiers/engines_file.py) and each worker's Fleet follows
@@ -36,6 +29,8 @@ from quotas.fault_log import FaultLog
 from tiers.breaker import State
 from tiers.catalogue import TierCatalogue, TierSpec
 from tiers.client import TierClient
+from tiers.core_plan import SHARED_HOST as SHARED_HOST  # re-exported: tests read fleet.SHARED_HOST
+from tiers.core_plan import hardware_groups, host_core_budget, plan_cores
 from tiers.engines_file import EngineFollower, engines_document, read_published
 from tiers.errors import NoTierAvailable, TierError
 from tiers.replica import Replica
@@ -44,56 +39,6 @@ from tiers.supervisor import CoreShare, EngineProcess
 
 log = logging.getLogger("tiergate.fleet")
 REMOTE_HEALTH_EVERY_S = 5.0
-SHARED_HOST = "cpu:all"  # the hardware group of local CPU tiers when the core budget is off
-
-
-def host_core_budget(cores: Sequence[int] | None = None, *, workers: int = 1) -> list[int] | None:
-    """The CPUs local engines may share out (TIERGATE_CORE_BUDGET, TIERGATE_GATEWAY_CORES), or None when the
-    budget is off. `cores`: the gateway's own CPUs [default: its affinity]; `workers`: its processes, each of which
-    the default keeps a core for when there are several."""
-    if os.environ.get("TIERGATE_CORE_BUDGET", "on").strip().lower() in ("off", "0", "false", "no"):
-        return None
-    cores = sorted(os.sched_getaffinity(0) if cores is None else cores)
-    keep = os.environ.get("TIERGATE_GATEWAY_CORES", "").strip()
-    if keep and not keep.isdigit():
-        raise ValueError(f"TIERGATE_GATEWAY_CORES is the number of cores kept for the gateway, not {keep!r}")
-    reserve = int(keep) if keep else workers if workers > 1 else (0 if len(cores) < 4 else 1)
-    reserve = max(0, min(reserve, len(cores) - 1))  # the engines keep at least one
-    return cores[reserve:]
-
-
-def plan_cores(replicas: Sequence[tuple[str, float]], cores: Sequence[int]) -> list[CoreShare]:
-    """Each replica's share of `cores`, in order. `replicas`: (label, weight), first the one that should keep
-    its cores to itself when there are more replicas than cores (the fleet puts the dearest tier first).
-
-    Up to one replica per core: disjoint, contiguous sets sized by weight (largest remainder, at least one
-    core each). More replicas than cores: consecutive replicas share one core each, in groups whose sizes
-    differ by at most one, the larger groups last (the cheapest tiers)."""
-    n, c = len(replicas), len(cores)
-    if n == 0:
-        return []
-    if n > c:
-        shares: list[CoreShare] = []
-        for j in range(c):
-            start = j * (n // c) + max(0, j - (c - n % c))
-            size = n // c + (1 if j >= c - n % c else 0)
-            group = [label for label, _ in replicas[start:start + size]]
-            shares += [CoreShare((cores[j],), 1, tuple(g for g in group if g != label)) for label in group]
-        return shares
-    total = sum(w for _, w in replicas)
-    ideal = [c * w / total for _, w in replicas]
-    counts = [max(1, int(x)) for x in ideal]
-    while sum(counts) > c:  # the at-least-one rule overspent: take from whoever got most over their ideal
-        i = max((i for i in range(n) if counts[i] > 1), key=lambda i: counts[i] - ideal[i])
-        counts[i] -= 1
-    while sum(counts) < c:  # hand out what rounding down left, furthest below its ideal first
-        i = max(range(n), key=lambda i: (ideal[i] - counts[i], -i))
-        counts[i] += 1
-    shares, start = [], 0
-    for count in counts:
-        shares.append(CoreShare(tuple(cores[start:start + count]), count))
-        start += count
-    return shares
 
 
 class Fleet:
@@ -145,7 +90,8 @@ class Fleet:
             self._follower = EngineFollower(engines_file, [rep for _, rep in local], client)
         self.affinity = AffinityMap()
         self._no_replica: dict[str, FaultLog] = {}  # per label: a tier outage logged once, not per request
-        self.hardware_groups = self._groups(budget is not None)
+        self.hardware_groups = hardware_groups(self.catalogue.tiers.values(), self.core_shares, self._local_tier,
+                                               budgeted=budget is not None)
 
     def _plan(self, local: Sequence[tuple[TierSpec, Replica]], budget: Sequence[int] | None, *,
               quiet: bool = False) -> dict[tuple[str, int], CoreShare]:
@@ -167,35 +113,6 @@ class Fleet:
             log.log(level, "tier %s replica %d: cores %s, %d threads%s", label, i,
                     ",".join(map(str, share.cores)), share.threads, also)
         return plan
-
-    def _groups(self, budgeted: bool) -> dict[str, str]:
-        """Local tier -> its hardware group: tiers whose engines (any version's) share cores (or a device) are in
-        one."""
-        local = [spec for spec in self.catalogue.tiers.values() if spec.backend == "local"]
-        groups = {spec.name: f"device:{spec.device}" for spec in local if spec.device != "cpu"}
-        cpu = [spec.name for spec in local if spec.device == "cpu"]
-        if not budgeted:
-            return groups | dict.fromkeys(cpu, SHARED_HOST)
-        parent = {name: name for name in cpu}  # union-find over tiers with a core in common
-
-        def root(name: str) -> str:
-            while parent[name] != name:
-                name = parent[name]
-            return name
-
-        owner: dict[int, str] = {}
-        for (label, _), share in self.core_shares.items():
-            tier = self._local_tier[label]
-            if tier not in parent:
-                continue
-            for core in share.cores:
-                if core in owner:
-                    parent[root(tier)] = root(owner[core])
-                owner.setdefault(core, tier)
-        members: dict[str, list[str]] = {}
-        for name in cpu:
-            members.setdefault(root(name), []).append(name)
-        return groups | {name: "cpu:" + "+".join(sorted(members[root(name)])) for name in cpu}
 
     async def start(self) -> None:
         self._tasks = [asyncio.create_task(e.run(), name=f"engine-{e.replica.tier}-{e.replica.index}")
