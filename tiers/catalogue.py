@@ -154,7 +154,7 @@ class TierSpec(NoBoolNumbers):
     kv_cache_dtype: Literal["auto", "bf16"] = "auto"  # bf16: half the KV bytes under an fp32 model
     threads: Annotated[int, Field(ge=1)] | None = None  # torch threads per engine [default: its share of cores]
     # local: this tier's weight, per replica, when the host's cores are split among local replicas (a tier with
-    # `cores: 2` gets twice the cores of one with 1) [default 1: equal shares]; tiers/fleet.py's plan_cores
+    # `cores: 2` gets twice the cores of one with 1) [default 1: equal shares]; tiers/core_plan.py's plan_cores
     cores: Annotated[float, Field(gt=0, le=1024)] | None = None
     prepared_by: str | None = None  # the command that builds this tier's model when it is missing
     distill: DistillSpec | None = None  # built by distilling another tier's model (serve does it when missing)

@@ -81,7 +81,7 @@ FORWARD_MARGIN_BYTES = 64 << 10
 
 @dataclass(frozen=True)
 class CoreShare:
-    """The CPUs one engine may run on and the threads it runs there (tiers/fleet.py's `plan_cores`)."""
+    """The CPUs one engine may run on and the threads it runs there (tiers/core_plan.py's `plan_cores`)."""
 
     cores: tuple[int, ...]  # CPU ids, set as the child's affinity before it starts
     threads: int  # torch and OpenMP threads: the share's size (1 where replicas share a core)
