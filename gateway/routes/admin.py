@@ -31,8 +31,12 @@ class CreateTenant(BaseModel):
     plan: str | None = None
 
 
-# seconds a key lives: finite (JSON's NaN, Infinity and 1e400 are refused), positive, at most ten years
-TtlSeconds = Annotated[float, Field(gt=0, le=MAX_TTL_S, allow_inf_nan=False)]
+# seconds a key lives: finite (JSON's NaN, Infinity and 1e400 are refused), at least a second (as a degrade level's
+# TTL), at most ten years. Any positive number was taken: 1e-300 issued a key whose `expires_at` was its `created_at`,
+# dead when shown "once; store it now", and a rotation with it revoked the old key after its grace for a new one
+# that never worked
+MIN_KEY_TTL_S = 1.0
+TtlSeconds = Annotated[float, Field(ge=MIN_KEY_TTL_S, le=MAX_TTL_S, allow_inf_nan=False)]
 
 
 def _tenant_or_admin(schema: dict[str, Any]) -> None:
