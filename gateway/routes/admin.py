@@ -16,6 +16,7 @@ from gateway.auth import require_admin
 from gateway.errors import InvalidRequest
 from gateway.pipeline.cache_lookup import CacheStage
 from gateway.query_params import QUERY_OPT, only_declared_query
+from gateway.routes.bodiless import refuse_body
 from gateway.routes.openapi import BEARER, also, body, errors
 from gateway.tenants.keys import MAX_GRACE_S, MAX_TTL_S
 from gateway.tenants.records import ADMIN
@@ -85,10 +86,11 @@ async def create_tenant(request: Request[Any, Any, Any], store: NamedDependency[
 
 
 @post("/tenants/{name:str}/data-version", status_code=200, responses=errors(400, 401, 403, 404, 500))
-async def bump_data_version(store: NamedDependency[TenantStore], cache: NamedDependency[CacheStage],
-                            name: FromPath[str]) -> dict[str, Any]:
+async def bump_data_version(request: Request[Any, Any, Any], store: NamedDependency[TenantStore],
+                            cache: NamedDependency[CacheStage], name: FromPath[str]) -> dict[str, Any]:
     """The tenant's data changed: cached answers made from the old data become unreachable at once, and are
     deleted (from the store every process shares, and from each process's index as it follows the store)."""
+    await refuse_body(request)
     version = await store.admin(store.bump_data_version, name)
     await cache.bump_data_version(name, version)
     return {"tenant": name, "data_version": version}
@@ -121,7 +123,9 @@ async def issue_key(request: Request[Any, Any, Any], store: NamedDependency[Tena
 
 
 @post("/keys/{key_id:str}/revoke", status_code=200, responses=errors(400, 401, 403, 404, 500))
-async def revoke_key(store: NamedDependency[TenantStore], key_id: FromPath[str]) -> dict[str, Any]:
+async def revoke_key(request: Request[Any, Any, Any], store: NamedDependency[TenantStore],
+                     key_id: FromPath[str]) -> dict[str, Any]:
+    await refuse_body(request)
     return (await store.admin(store.revoke_key, key_id)).public()
 
 

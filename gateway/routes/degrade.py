@@ -22,6 +22,7 @@ from gateway.ladder.config import unknown_tiers
 from gateway.ladder.controller import MIN_TTL_S, REASON_PATTERN, LadderChangeError, LadderController
 from gateway.ladder.state import event_dict
 from gateway.query_params import QUERY_OPT, only_declared_query
+from gateway.routes.bodiless import refuse_body
 from gateway.routes.openapi import BEARER, body, errors
 from gateway.settings import Settings
 from gateway.tenants.keys import MAX_TTL_S
@@ -73,6 +74,7 @@ async def set_level(request: Request[Any, Any, Any], ladder: NamedDependency[Lad
 
 @post("/auto", status_code=200, responses=errors(400, 401, 403, 500, 503))
 async def set_auto(request: Request[Any, Any, Any], ladder: NamedDependency[LadderController]) -> dict[str, Any]:
+    await refuse_body(request)
     await _changing(ladder.set_auto, who=request.state.key_id)
     return ladder.status()
 
@@ -84,11 +86,12 @@ async def history(ladder: NamedDependency[LadderController], limit: HistoryLimit
 
 
 @post("/reload", status_code=200, responses=errors(400, 401, 403, 500, 503))
-async def reload(ladder: NamedDependency[LadderController], settings: NamedDependency[Settings],
-                 fleet: NamedDependency[Fleet]) -> dict[str, Any]:
-    """Re-read the ladder file; a bad file is refused with its line, and the running ladder stays. The answer is the
-    new status, with `unknown_tiers`: the tier names its remaps use that the tiers file does not have (a misspelt
-    name?), empty when none."""
+async def reload(request: Request[Any, Any, Any], ladder: NamedDependency[LadderController],
+                 settings: NamedDependency[Settings], fleet: NamedDependency[Fleet]) -> dict[str, Any]:
+    """Re-read the ladder file (the configured one: the route takes no body); a bad file is refused with its line,
+    and the running ladder stays. The answer is the new status, with `unknown_tiers`: the tier names its remaps use
+    that the tiers file does not have (a misspelt name?), empty when none."""
+    await refuse_body(request)
     path = settings.ladder_file
     tiers = list(fleet.catalogue.tiers)
     try:
