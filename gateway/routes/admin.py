@@ -78,7 +78,9 @@ async def list_tenants(store: NamedDependency[TenantStore]) -> dict[str, Any]:
 async def create_tenant(request: Request[Any, Any, Any], store: NamedDependency[TenantStore],
                         plans: NamedDependency[PlanBook]) -> dict[str, Any]:
     body = parse_body(await request.body(), CreateTenant)
-    plan = body.plan or plans.default_plan
+    # left out or null: the default plan; "" is a plan name like any other, refused below (it became the default
+    # plan, a tenant created on a plan the caller did not ask for)
+    plan = body.plan if body.plan is not None else plans.default_plan
     if plan not in plans.plans:
         raise InvalidRequest(f"no plan {plan[:64]!r}; plans: {', '.join(plans.plans)}", param="plan",
                              code="plan_not_found")
