@@ -13,6 +13,7 @@ from litestar.params import FromPath, FromQuery
 from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.auth import require_admin
+from gateway.errors import NotFound
 from gateway.ladder.controller import REASON_PATTERN
 from gateway.query_params import QUERY_OPT, only_declared_query
 from gateway.rollout.guards import Guards
@@ -103,11 +104,16 @@ async def rollback(request: Request[Any, Any, Any], rollouts: NamedDependency[Ro
     return r.public()
 
 
-@get("/history", responses=errors(400, 401, 403, 500), opt={QUERY_OPT: ("tier", "limit")})
+@get("/history", responses=errors(400, 401, 403, 404, 500), opt={QUERY_OPT: ("tier", "limit")})
 async def history(rollouts: NamedDependency[RolloutService], tier: FromQuery[str | None] = None,
                   limit: HistoryLimit = 100) -> dict[str, Any]:
-    """The audit trail, latest first: every start, promotion, pause and rollback, with who and why."""
+    """The audit trail, latest first: every start, promotion, pause and rollback, with who and why. A `tier` that
+    is no tier and has no history is a 404 naming it: a misspelt name (`Mid`) answered an empty trail, which reads
+    as a tier never rolled out. A tier the tiers file no longer has keeps its trail."""
     events = await asyncio.to_thread(rollouts.history, tier, limit)
+    if tier is not None and not events and tier not in rollouts.catalogue.tiers:
+        raise NotFound(f"no tier {tier[:128]!r}; tiers: {', '.join(rollouts.catalogue.tiers)}", param="tier",
+                       code="tier_not_found")
     return {"data": [e.public() for e in events]}
 
 
