@@ -17,7 +17,7 @@ from gateway.report_format import to_csv, to_json, to_table
 from gateway.report_params import parse_by, parse_day
 from gateway.settings import Settings
 from gateway.stores import open_ledger, open_tenant_store
-from gateway.tenants.keys import MAX_GRACE_S, MAX_TTL_S, check_seconds, parse_duration
+from gateway.tenants.keys import MAX_GRACE_S, MAX_TTL_S, MIN_KEY_TTL_S, check_seconds, parse_duration
 from gateway.tenants.records import ADMIN
 from gateway.tenants.store import TenantStore
 from quotas.plans import MAX_BUDGET_USD, MAX_CONCURRENT, MAX_RPM, MAX_TPM, Limits, PlanBook
@@ -57,15 +57,16 @@ class Duration(click.ParamType):
 
     name = "duration"
 
-    def __init__(self, maximum: float, *, allow_zero: bool = False) -> None:
-        self.maximum = maximum
+    def __init__(self, maximum: float, *, minimum: float = 0.0, allow_zero: bool = False) -> None:
+        self.maximum, self.minimum = maximum, minimum
         self.allow_zero = allow_zero
 
     def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> float:
         if isinstance(value, float):  # a default
             return value
         try:
-            return check_seconds(parse_duration(str(value)), maximum=self.maximum, allow_zero=self.allow_zero)
+            return check_seconds(parse_duration(str(value)), maximum=self.maximum, minimum=self.minimum,
+                                 allow_zero=self.allow_zero)
         except ValueError as exc:
             self.fail(str(exc), param, ctx)
 
@@ -177,7 +178,7 @@ _LIMIT_OPTIONS = {"rpm": "--rpm", "tpm": "--tpm", "max_concurrent": "--max-concu
 @click.option("--tenant", default=None, help="The tenant the key belongs to (this or --admin is required).")
 @click.option("--admin", is_flag=True, help="An admin key (no tenant): manages the gateway.")
 @click.option("--name", default="", help="A label for the key, shown by `keys list` [default: none].")
-@click.option("--ttl", "ttl_s", type=Duration(MAX_TTL_S), default=None,
+@click.option("--ttl", "ttl_s", type=Duration(MAX_TTL_S, minimum=MIN_KEY_TTL_S), default=None,
               help="Time until the key expires: seconds or 90m, 12h, 30d (at most 10 years) [default: never].")
 @click.option("--rpm", type=int, default=None,
               help=f"This key's own requests per minute (at most {MAX_RPM:,}) [default: the plan's only].")
@@ -245,7 +246,7 @@ def keys_revoke(key_id: str, data_dir: Path | None) -> None:
 @click.argument("key_id")
 @click.option("--grace", "grace_s", type=Duration(MAX_GRACE_S, allow_zero=True), default=0.0, show_default=True,
               help="How long the old key keeps working (never past its own expiry; at most 7 days).")
-@click.option("--ttl", "ttl_s", type=Duration(MAX_TTL_S), default=None,
+@click.option("--ttl", "ttl_s", type=Duration(MAX_TTL_S, minimum=MIN_KEY_TTL_S), default=None,
               help="The new key's time to live; it never expires later than the old key would have "
                    "[default: when the old key would have].")
 @data_dir_option

@@ -18,7 +18,7 @@ from gateway.pipeline.cache_lookup import CacheStage
 from gateway.query_params import QUERY_OPT, only_declared_query
 from gateway.routes.bodiless import refuse_body
 from gateway.routes.openapi import BEARER, also, body, errors
-from gateway.tenants.keys import MAX_GRACE_S, MAX_TTL_S
+from gateway.tenants.keys import MAX_GRACE_S, MAX_TTL_S, MIN_KEY_TTL_S
 from gateway.tenants.records import ADMIN
 from gateway.tenants.rules import KEY_NAME_PATTERN, NAME_RE
 from gateway.tenants.store import TenantStore
@@ -35,8 +35,7 @@ class CreateTenant(BaseModel):
 # seconds a key lives: finite (JSON's NaN, Infinity and 1e400 are refused), at least a second (as a degrade level's
 # TTL), at most ten years. Any positive number was taken: 1e-300 issued a key whose `expires_at` was its `created_at`,
 # dead when shown "once; store it now", and a rotation with it revoked the old key after its grace for a new one
-# that never worked
-MIN_KEY_TTL_S = 1.0
+# that never worked (gateway/tenants/keys.py)
 TtlSeconds = Annotated[float, Field(ge=MIN_KEY_TTL_S, le=MAX_TTL_S, allow_inf_nan=False)]
 
 

@@ -5,8 +5,9 @@ admin API); the secret is 256 random bits, stored only as its SHA-256 (a fast ha
 secrets: there is nothing to brute-force) and compared with `hmac.compare_digest`. Neither the key nor its
 secret is ever logged or put in an error message; the key id is what names a key.
 
-Lifetimes are finite: a time to live is a positive number of seconds up to `MAX_TTL_S`, so that NaN,
-infinity or a century cannot pass for "expires" while meaning "never".
+Lifetimes are finite: a time to live is a number of seconds from `MIN_KEY_TTL_S` up to `MAX_TTL_S`, so that NaN,
+infinity or a century cannot pass for "expires" while meaning "never", nor 1e-300 for a key (issued, or rotated to)
+that is dead when it is shown "once; store it now".
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import secrets
 PREFIX = "tg-"
 _DUMMY_HASH = hashlib.sha256(b"tiergate-no-such-key").hexdigest()
 
+MIN_KEY_TTL_S = 1.0  # a key lives at least a second (as a degrade level's TTL), through every way one is issued
 MAX_TTL_S = 10 * 365 * 86400.0  # ten years: a longer "expiry" is a key that never expires, in disguise
 MAX_GRACE_S = 7 * 86400.0  # how long a rotated key may keep working beside its successor (Stripe's bound too)
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -60,14 +62,17 @@ def parse_duration(text: str) -> float:
     return float(match[1]) * _UNITS[match[2]]
 
 
-def check_seconds(value: object, *, maximum: float, allow_zero: bool = False) -> float:
-    """`value` as a finite number of seconds in (0, maximum] (or [0, maximum]); ValueError saying why not."""
+def check_seconds(value: object, *, maximum: float, minimum: float = 0.0, allow_zero: bool = False) -> float:
+    """`value` as a finite number of seconds in (0, maximum] (or [0, maximum]), and at least `minimum` where it is
+    not 0; ValueError saying why not."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ValueError("must be a number of seconds")
     if not math.isfinite(value):
         raise ValueError("must be a finite number of seconds")
     if value < 0 or (value == 0 and not allow_zero):
         raise ValueError("must be greater than 0" if not allow_zero else "must not be negative")
+    if 0 < value < minimum:
+        raise ValueError(f"must be at least {minimum:g} second{'s' if minimum != 1 else ''}")
     if value > maximum:
         raise ValueError(f"must be at most {maximum:.0f} seconds ({maximum / 86400:.0f} days)")
     return float(value)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 
 from gateway.errors import InvalidRequest
-from gateway.tenants.keys import MAX_GRACE_S, MAX_TTL_S, check_seconds
+from gateway.tenants.keys import MAX_GRACE_S, MAX_TTL_S, MIN_KEY_TTL_S, check_seconds
 from gateway.tenants.records import ADMIN
 
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
@@ -45,18 +45,18 @@ def new_key_expiry(now: float, ttl_s: float | None, expires_at: float | None) ->
     if ttl_s is not None:
         if expires_at is not None:
             raise InvalidRequest("give a time to live or an expiry time, not both", param="ttl_s")
-        return now + seconds(ttl_s, "ttl_s", MAX_TTL_S)
+        return now + seconds(ttl_s, "ttl_s", MAX_TTL_S, minimum=MIN_KEY_TTL_S)
     if expires_at is not None and not (isinstance(expires_at, int | float)
-                                       and now < expires_at <= now + MAX_TTL_S):  # NaN fails both
-        raise InvalidRequest(f"expires_at: must be a time in the future, at most {MAX_TTL_S / 86400:.0f} days "
-                             "ahead", param="expires_at", code="invalid_duration")
+                                       and now + MIN_KEY_TTL_S <= expires_at <= now + MAX_TTL_S):  # NaN fails both
+        raise InvalidRequest(f"expires_at: must be a time at least {MIN_KEY_TTL_S:g} second in the future, at most "
+                             f"{MAX_TTL_S / 86400:.0f} days ahead", param="expires_at", code="invalid_duration")
     return expires_at
 
 
 def rotation_spans(grace_s: float, ttl_s: float | None) -> tuple[float, float | None]:
     """A rotation's grace period (0 for none) and its new key's time to live (None: the old key's), checked."""
     return (seconds(grace_s, "grace_s", MAX_GRACE_S, allow_zero=True),
-            seconds(ttl_s, "ttl_s", MAX_TTL_S) if ttl_s is not None else None)
+            seconds(ttl_s, "ttl_s", MAX_TTL_S, minimum=MIN_KEY_TTL_S) if ttl_s is not None else None)
 
 
 def replacement_expiry(old_expires_at: float | None, now: float, ttl_s: float | None) -> float | None:
@@ -72,10 +72,10 @@ def one_line(name: str) -> str:
     return re.sub(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]", " ", name)[:128]
 
 
-def seconds(value: object, param: str, maximum: float, *, allow_zero: bool = False) -> float:
+def seconds(value: object, param: str, maximum: float, *, minimum: float = 0.0, allow_zero: bool = False) -> float:
     """`value` checked as a finite span of seconds, or a 400 naming `param`."""
     try:
-        return check_seconds(value, maximum=maximum, allow_zero=allow_zero)
+        return check_seconds(value, maximum=maximum, minimum=minimum, allow_zero=allow_zero)
     except ValueError as exc:
         raise InvalidRequest(f"{param}: {exc}", param=param, code="invalid_duration") from exc
 
