@@ -291,7 +291,7 @@ class RolloutService:
         a tier in the path)."""
         spec = self.catalogue.tiers.get(tier)
         if spec is None:
-            raise missing(f"no tier {tier!r}; tiers: {', '.join(self.catalogue.tiers)}", param="tier",
+            raise missing(f"no tier {tier[:128]!r}; tiers: {', '.join(self.catalogue.tiers)}", param="tier",
                           code="tier_not_found")
         if spec.version_name is None:
             raise missing(f"tier {tier!r} declares no `versions` in the tiers file", param="tier",

@@ -132,7 +132,7 @@ class TenantStore(ReadCache):
     def get_tenant(self, name: str) -> Tenant:
         row = self._fetchone("SELECT name, plan, created_at FROM tenants WHERE name = ?", (name,))
         if row is None:
-            raise NotFound(f"no tenant {name!r}", param="tenant", code="tenant_not_found")
+            raise NotFound(f"no tenant {name[:128]!r}", param="tenant", code="tenant_not_found")
         return Tenant(*row)
 
     def require_tenant(self, name: str, param: str) -> None:
@@ -185,7 +185,7 @@ class TenantStore(ReadCache):
         row = self._fetchone(f"SELECT {KEY_COLUMNS} FROM api_keys WHERE key_id = ?", (key_id,))
         if row is None:
             whole = parse_key(key_id)  # a whole key pasted where its id goes: never echo its secret
-            raise NotFound(f"no key {key_id!r}" if whole is None else
+            raise NotFound(f"no key {key_id[:128]!r}" if whole is None else
                            f"no key with that id: give a key's id ({whole[0]!r} in that key), not the key itself",
                            param="key_id", code="key_not_found")
         return key_from_row(row)
@@ -217,7 +217,7 @@ class TenantStore(ReadCache):
             old = self.get_key(key_id)
             now = time.time()
             if not old.active(now):
-                raise Conflict(f"key {key_id!r} is revoked or expired; issue a new one", code="key_inactive")
+                raise Conflict(f"key {key_id[:128]!r} is revoked or expired; issue a new one", code="key_inactive")
             expires_at = replacement_expiry(old.expires_at, now, ttl_s)
             new, plaintext = self.issue_key(old.tenant, name=one_line(old.name), roles=old.roles,
                                             expires_at=expires_at, limits=old.limits)
