@@ -46,17 +46,26 @@ def _token_ids(value: Any) -> bool:
     return isinstance(value, int | list) and not isinstance(value, bool)
 
 
+def _not_text(value: Any) -> PydanticCustomError:
+    """The refusal of an input that is token ids, or a list of texts inside the list (`[["a"]]`, told it sent token
+    ids before): its first item says which; nothing more of it is read."""
+    if isinstance(value, list) and value and isinstance(value[0], str):
+        return PydanticCustomError(UNSUPPORTED_VALUE, "a list of texts inside the list is not an input; send a text "
+                                   "or one flat list of texts")
+    return PydanticCustomError(UNSUPPORTED_VALUE, "token-id inputs are not supported; send the text")
+
+
 def _text_inputs(value: Any) -> Any:
     """Refuse token-id inputs by name (the type check would only say "not a string"), and a list of more than
     MAX_INPUTS before any of its items is looked at: its items were each validated first, a refusal for each that
     was not a text, then the list refused for its length (a body of a million `{}` cost the event loop 434 ms)."""
     items = value if isinstance(value, list) else [value]
     if items and _token_ids(items[0]):
-        raise PydanticCustomError(UNSUPPORTED_VALUE, "token-id inputs are not supported; send the text")
+        raise _not_text(items[0])
     if len(items) > MAX_INPUTS:
         raise PydanticCustomError("too_long", f"at most {MAX_INPUTS} inputs in one request")
-    if any(_token_ids(v) for v in items):
-        raise PydanticCustomError(UNSUPPORTED_VALUE, "token-id inputs are not supported; send the text")
+    if (first := next((v for v in items if _token_ids(v)), None)) is not None:
+        raise _not_text(first)
     return value
 
 

@@ -63,3 +63,11 @@ def test_token_ids_are_still_refused_as_token_ids(model: type[BaseModel], field:
     with pytest.raises(BodyError) as refused:
         parse_body(json.dumps({"model": "m", field: value}).encode(), model)
     assert (refused.value.param, refused.value.code) == (field, code) and "token-id" in refused.value.message
+
+
+@pytest.mark.parametrize("value", [[["a"]], ["a", ["b", "c"]]])
+def test_a_list_of_texts_inside_the_list_is_not_called_token_ids(value: Any) -> None:
+    with pytest.raises(BodyError) as refused:
+        parse_body(json.dumps({"model": "m", "input": value}).encode(), EmbeddingRequest)
+    assert (refused.value.param, refused.value.code) == ("input", "unsupported_value")
+    assert "token-id" not in refused.value.message and "flat list of texts" in refused.value.message
