@@ -40,6 +40,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+# how long a server's startup may take: a gateway's loads the embedder (a few seconds alone, past 20 s on a 2-core
+# machine running other tests, which made "server did not start" the suite's one flaky error); a startup that fails
+# ends sooner, its thread dead
+START_TIMEOUT_S = 90.0
+
+
 class StubState:
     def __init__(self) -> None:
         self.requests: list[dict[str, Any]] = []
@@ -204,7 +210,7 @@ class ServerThread:
 
     def start(self) -> ServerThread:
         self.thread.start()
-        deadline = time.time() + 20
+        deadline = time.time() + START_TIMEOUT_S
         while not self.server.started:
             if time.time() > deadline or not self.thread.is_alive():
                 raise RuntimeError("server did not start")
