@@ -18,6 +18,8 @@ count, as for a short prompt, which is counted first (microseconds) and reserved
 attempt settles exactly once, in the `finally` of `_answer`, whatever ends it: its answer, an upstream error, the
 client leaving, or a bug. Streamed and non-streamed requests share every stage; the route only frames the
 events differently. A plan's cascade (cascade.py) wraps `auto` answers (streamed ones only with a look-ahead).
+The refusals before the reservation that are no stage's own (the ladder's shed and cache-only classes, the early
+count) are refuse_early.py's, and an attempt's way onto its tier (a dispatch slot, the stream opened) open_tier.py's.
 """
 
 from __future__ import annotations
@@ -30,8 +32,7 @@ from dataclasses import replace
 from decimal import Decimal
 from typing import Any
 
-from gateway.errors import InvalidRequest, TiergateError, Unavailable, client_error, not_ready
-from gateway.ladder.apply import NORMAL, Degradation
+from gateway.errors import InvalidRequest, TiergateError, client_error, not_ready
 from gateway.ladder.controller import LadderController
 from gateway.pipeline.attempt import Attempt, Prepared
 from gateway.pipeline.cache_check import CacheChecks
@@ -44,22 +45,21 @@ from gateway.pipeline.gate import TenantGate, refused_size, scopes_of
 from gateway.pipeline.idempotency import HEADER, IdempotencyStage, Keep, keep_when_written, lease_lost
 from gateway.pipeline.limit_errors import NeverAdmitted
 from gateway.pipeline.meter import Meter, Outcome, Reading
+from gateway.pipeline.open_tier import open_tier
 from gateway.pipeline.prompt import ContextTooLong, Prompt, PromptStage
 from gateway.pipeline.refusals import RefusalLog
-from gateway.pipeline.reserve import ReserveStage, ratelimit_headers, refuse_too_large
+from gateway.pipeline.refuse_early import degradation, measure_early, refuse_cache_only
+from gateway.pipeline.reserve import ReserveStage, ratelimit_headers
 from gateway.pipeline.route import RouteDecision, RouteStage
 from gateway.pipeline.settle import Settler
-from gateway.pipeline.tier_call import TierCaller, Upstream, upstream_body
+from gateway.pipeline.tier_call import TierCaller, Upstream
 from gateway.rollout.shadow import Shadow
 from gateway.validation import parse_body, refuse_engine_only
 from quotas.dispatch import Ticket
 from quotas.idempotency import Replay
 from quotas.ledger_withdrawals import RowWithdrawn
-from quotas.plans import PRIORITY_ORDER
-from tiers.catalogue import TierSpec
-from tiers.errors import NoTierAvailable, UpstreamRejected, UpstreamUnreachable
-from tiers.replica_choice import SESSION_HEADER, affinity_key
-from wire.chat_request import ChatCompletionRequest, normalized_role
+from tiers.errors import UpstreamRejected
+from wire.chat_request import ChatCompletionRequest
 
 log = logging.getLogger("tiergate.pipeline")
 
@@ -172,11 +172,11 @@ class Pipeline:
 
     async def _prepare(self, ctx: RequestContext, req: ChatCompletionRequest, keep: Keep | None) -> Prepared:
         """Every check, cheapest first, then the reservation: nothing is charged if any check refuses."""
-        degr = self._degradation(ctx)
+        degr = degradation(self.ladder, ctx)
         route = await self.route.choose(ctx, req, degr)
         # counted, and refused if it cannot fit, before the cache is looked up: a lookup may embed the last turn on
         # the embedding queue every tenant shares, which a request that can never run must not hold up
-        prompt, held = await self._measure_early(ctx, req, route)
+        prompt, held = await measure_early(self.prompt, self.reserve, ctx, req, route)
         lookup = await self.cache.lookup(ctx, req, route.tier, degr, artifact_version(self.route.predictor))
         if (hit := lookup.hit) is not None:  # a cached answer needs no tier, however busy
             tokens = int(hit.usage.get("prompt_tokens", 0)) + int(hit.usage.get("completion_tokens", 0))
@@ -184,41 +184,18 @@ class Pipeline:
             reservation = await self.reserve.reserve(ctx, ctx.request_id, tokens=0, price=price, follows=held)
             return Prepared(req, Attempt(ctx.request_id, route, reservation, lookup,
                                          route.applied + lookup.applied, hit_price=price), None, keep)
-        self._refuse_cache_only(ctx, degr, route, lookup)
+        refuse_cache_only(ctx, degr, route, lookup)
         if (overloaded := route.overload_refusal()) is not None:
             raise overloaded
         return await self.prepare_on(ctx, req, route, lookup, ctx.request_id, keep=keep, prompt=prompt, held=held)
-
-    async def _measure_early(self, ctx: RequestContext, req: ChatCompletionRequest, route: RouteDecision
-                             ) -> tuple[Prompt | None, str | None]:
-        """The prompt counted for the route's tier; None when the tier's tokenizer is not prepared (a cached answer
-        may still serve the request; a miss is refused by `prepare_on`'s count). A prompt long to count is counted
-        holding its floor (reserve.py's `floor`, whose id is returned): a tenant that cannot have even that is
-        refused before its count, with the 429 its exact reservation would get. Counted, a request no window or budget
-        of its tenant could ever admit is refused (`refuse_too_large`), charged its characters counted (about: its
-        turns' and tools'), before its lookup."""
-        tier, degr, user = route.tier, route.degradation, isolated_user(ctx, req)
-        try:
-            unread = self.prompt.size(req, tier, degr)  # (its tokenizer loaded: `measure` raises no Unavailable)
-        except Unavailable:
-            return None, None
-        held: str | None = None
-        if unread.inline:  # microseconds: counted first, and reserved once, at its count
-            prompt = await self.prompt.measure(req, tier, degr, owner=ctx.tenant, user=user, unread=unread)
-        else:
-            async with self.reserve.floor(ctx, tokens=unread.floor,
-                                          price=tier.price(unread.floor_input, unread.floor_output)) as held:
-                prompt = await self.prompt.measure(req, tier, degr, owner=ctx.tenant, user=user, unread=unread)
-        refuse_too_large(ctx, prompt.num_tokens + prompt.output_cap, tier.price(prompt.num_tokens, prompt.output_cap),
-                         unread.chars)
-        return prompt, held
 
     async def prepare_on(self, ctx: RequestContext, req: ChatCompletionRequest, route: RouteDecision,
                          lookup: CacheLookup, request_id: str, cascade_of: str | None = None,
                          keep: Keep | None = None, prompt: Prompt | None = None, held: str | None = None
                          ) -> Prepared:
         """Count the prompt for the route's tier (unless `prompt` has it) and reserve (a cascade's second attempt
-        enters here too). `held`: the floor the count held (`_measure_early`), whose rpm place is the request's."""
+        enters here too). `held`: the floor the count held (refuse_early.py's `measure_early`), whose rpm place is
+        the request's."""
         prompt = prompt or await self.prompt.measure(req, route.tier, route.degradation, owner=ctx.tenant,
                                                      user=isolated_user(ctx, req))
         tier = route.tier
@@ -255,7 +232,8 @@ class Pipeline:
                 yield self.head(ctx, req, attempt, headers)
                 yield Delta(attempt.lookup.hit.response, None)
             else:
-                ticket, upstream, attempt = await self._call(ctx, prepared, meter, reading)
+                ticket, upstream, attempt = await open_tier(self.dispatch, self.tier, self.route, ctx, prepared,
+                                                            meter, reading)
                 meter.keep_text = self._reads_text(attempt, keep, judge)
                 yield self.head(ctx, req, attempt, headers)  # the version that answers, if a candidate fell back
                 async for chunk in upstream:
@@ -355,45 +333,6 @@ class Pipeline:
                 or (self.shadow is not None and attempt.final
                     and self.shadow.samples(attempt.route.tier, attempt.request_id)))
 
-    async def _call(self, ctx: RequestContext, prepared: Prepared, meter: Meter,
-                    reading: Reading | None) -> tuple[Ticket, Upstream, Attempt]:
-        """Wait for a dispatch slot, then open the tier's stream; the slot is the caller's to release. A rollout's
-        candidate that cannot be reached is passed over for its baseline (the attempt returned says so)."""
-        attempt, prompt, req = prepared.attempt, prepared.prompt, prepared.req
-        assert prompt is not None
-        tier = attempt.route.tier
-        ticket = await self.dispatch.acquire(ctx.tenant, ctx.plan, tier.name, prompt.num_tokens + prompt.output_cap)
-        try:
-            affinity = affinity_key(ctx.tenant, [{"role": normalized_role(m.role), "content": m.text()}
-                                                 for m in req.messages], ctx.headers.get(SESSION_HEADER))
-            user = isolated_user(ctx, req)  # its own prefix-cache namespace, where the plan isolates end users
-            try:  # the meter's upstream starts as the request is written to the tier, not while it connects
-                return (ticket, await self.tier.open(tier, self._body(ctx, prepared, tier, reading), affinity=affinity,
-                                                     tenant=ctx.tenant, end_user=user, on_sent=meter.upstream_started),
-                        attempt)
-            except (UpstreamUnreachable, NoTierAvailable):
-                if (fallback := self.route.fall_back(attempt.route)) is None:
-                    raise
-            attempt = replace(attempt, route=fallback,  # looked up in the candidate's scope: its answer not kept
-                              lookup=replace(attempt.lookup, scope=None))
-            return ticket, await self.tier.open(fallback.tier, self._body(ctx, prepared, fallback.tier, reading),
-                                                affinity=affinity, tenant=ctx.tenant,
-                                                on_sent=meter.upstream_started), attempt
-        except BaseException:
-            meter.upstream_ended()
-            self.dispatch.release(tier.name, ticket, 0)
-            raise
-
-    @staticmethod
-    def _body(ctx: RequestContext, prepared: Prepared, tier: TierSpec, reading: Reading | None) -> dict[str, Any]:
-        """The tier's body; log-probabilities asked for where the client or a check (`reading`) wants them, with
-        the check's alternatives unless the client chose its own."""
-        assert prepared.prompt is not None
-        top = reading.top_logprobs if reading is not None and not prepared.req.logprobs else None
-        return upstream_body(prepared.req, tier, max_tokens=prepared.prompt.output_cap,
-                             priority=PRIORITY_ORDER[ctx.plan.priority],
-                             logprobs=prepared.req.logprobs or reading is not None, top_logprobs=top or None)
-
     def head(self, ctx: RequestContext, req: ChatCompletionRequest, attempt: Attempt,
              extra: dict[str, str] | None = None) -> Head:
         reason = "; ".join((attempt.route.reason, *attempt.extra_reason))
@@ -406,27 +345,6 @@ class Pipeline:
             headers["x-tiergate-model-version"] = attempt.route.tier.version_name
         return Head(f"chatcmpl-{ctx.request_id}", int(ctx.arrived), attempt.route.tier.name, headers | (extra or {}),
                     stream=req.stream, include_usage=req.include_usage)
-
-    def _degradation(self, ctx: RequestContext) -> Degradation:
-        """The ladder's level in force, read once; its shed classes are refused here, before any work."""
-        if self.ladder is None:
-            return NORMAL
-        degr = Degradation(self.ladder.level, tuple(self.ladder.actions()))
-        shed = degr.shed(ctx.plan.priority)
-        if shed is not None:
-            raise Unavailable(f"degradation level {degr.level}: {ctx.plan.priority} traffic is shed; retry later",
-                              code="degraded_shed", retry_after=shed.retry_after_s,
-                              headers={"x-tiergate-degrade-actions": f"shed({ctx.plan.priority})"})
-        return degr
-
-    @staticmethod
-    def _refuse_cache_only(ctx: RequestContext, degr: Degradation, route: RouteDecision, lookup: CacheLookup) -> None:
-        """Cache-only classes get 503 when the cache had no answer for them."""
-        if degr.cache_only(ctx.plan.priority):
-            applied = (*route.applied, *lookup.applied, f"cache_only({ctx.plan.priority})")
-            raise Unavailable(f"degradation level {degr.level}: {ctx.plan.priority} traffic is answered from cache "
-                              "only, and there is no cached answer for this request", code="degraded_cache_only",
-                              retry_after=30, headers={"x-tiergate-degrade-actions": ",".join(applied)})
 
 
 def _cascades(ctx: RequestContext, prepared: Prepared) -> bool:
