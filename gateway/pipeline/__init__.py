@@ -9,7 +9,7 @@ One non-streamed `auto` request, from the route to the ledger:
    remembered requests-per-minute refusal; microseconds, before anything costs.
 3. handle.py's `parse_request` (wire/validation.py) — the body as a `ChatCompletionRequest`
    (wire/chat_request.py), every field bounded, unsupported ones refused by name.
-4. handle.py's `_degradation` — the ladder's level read once as a frozen `Degradation`
+4. refuse_early.py's `degradation` — the ladder's level read once as a frozen `Degradation`
    (gateway/ladder/apply.py); a shed priority class is refused here.
 5. route.py — `RouteStage.choose` → `RouteDecision`: explicit tier or `auto` (difficulty model, budget
    floor), around unavailable and overloaded tiers, the ladder's remap, then the version of the tier that a
