@@ -22,9 +22,17 @@ ShareGPT text; `python -m bench.int8_variants`):
 - Without the native kernels, the fp32 outlier product ran as one BLAS matmul (addmm), whose kernel, and with it
   each sum's order, MKL picks by the number of rows (measured: 1, 2, 3, 5 or 7 rows summed otherwise than 4, 8
   or 37): a prompt's last token came out one ulp apart prefilled whole or after a prefix-cache hit, enough to move
-  a later int8 rounding (SmolLM2 answered "L'Étoile" once, then Paris). It runs on fbgemm's fp16 kernel instead,
-  which sums each output in the same order whatever the rows: the fp32 weights split into an fp16 high part and an
-  fp16 remainder (scaled by a power of two into fp16's range), side by side along the inputs, ~fp32's precision.
+  a later int8 rounding (SmolLM2 answered "L'Étoile" once, then Paris). It runs on fbgemm's fp16 kernel instead
+  (but see its kernel sizes below): the fp32 weights split into an fp16 high part and an fp16 remainder (scaled
+  by a power of two into fp16's range), side by side along the inputs, ~fp32's precision.
+- fbgemm's fp16 kernel does not sum alike for every number of rows either: it cuts a call's rows into kernels of
+  1 to 6 rows (14 with AVX-512) by a fixed table, and on an AMD Zen 3 (AVX2) its 1- and 2-row kernels round
+  otherwise than its 3- to 6-row ones (one row alone, 2 rows, or the 1 or 2 left over of 7, 14, 31, 32, 37 or 38
+  rows: measured over 1 to 40 rows). A prompt's rows came out apart prefilled whole or after a prefix-cache hit
+  (17 of 35 (prompt, cached) lengths answered otherwise on the torch ops). The side matmul's rows are now padded
+  with zero rows to a multiple of 6, which that table cuts into 6-row kernels only (120-row blocks included): each
+  row is summed by the same kernel whatever is batched beside it, at the same precision (measured cost in
+  `python -m bench.int8_rows`).
 Calibration reads ShareGPT first turns (not the held-out tail the benchmark measures on).
 """
 
@@ -45,6 +53,7 @@ DEFAULT_OUTLIERS = 32
 WEIGHT_QMAX = 63  # 7-bit weights: u8 x s8 pair sums stay inside int16 with 8-bit activations
 CALIBRATION_TOKENS = 2048
 CHUNK = 512
+FP16_KERNEL_ROWS = 6  # rows per fbgemm fp16 kernel: the torch ops' side matmul is padded to a multiple of it
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -102,12 +111,23 @@ class Int8DynamicLinear(nn.Module):
         else:
             y = torch.ops.quantized.linear_dynamic(xm, self.packed, self.reduce_range)
         if self.outliers_fp16 is not None:  # row by row the same sums, whatever is batched beside a row
-            kept = x.index_select(1, self.outliers)
-            side = torch.ops.quantized.linear_dynamic_fp16(torch.cat((kept, kept), dim=1), self.outliers_fp16)
+            kept = x.index_select(1, self.outliers)  # [N, k]
+            side = _fp16_matmul_in_whole_kernels(kept, self.outliers_fp16)
             y.add_(side, alpha=self.outliers_scale)  # a power of two: exact, fused or not
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*shape[:-1], self.out_features)
+
+
+def _fp16_matmul_in_whole_kernels(kept: torch.Tensor, packed: object) -> torch.Tensor:
+    """[kept, kept] @ the packed fp16 pair (`_pack_fp32_as_fp16_pair`): [N, out] for `kept` [N, k], its rows padded
+    with zero rows to a multiple of FP16_KERNEL_ROWS, so that fbgemm sums every row in a 6-row kernel (the module's
+    docstring) and a row's result does not depend on how many rows came with it."""
+    n, k = kept.shape
+    rows = kept.new_zeros(-(-n // FP16_KERNEL_ROWS) * FP16_KERNEL_ROWS, 2 * k)
+    rows[:n, :k] = kept
+    rows[:n, k:] = kept
+    return torch.ops.quantized.linear_dynamic_fp16(rows, packed)[:n]
 
 
 def _pack_fp32_as_fp16_pair(w: torch.Tensor) -> tuple[object | None, float]:

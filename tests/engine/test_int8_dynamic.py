@@ -136,6 +136,29 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(fused: bool) -> Non
     assert rel_error(whole, want) < 0.02  # and still the product it stands for
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_row_gets_the_same_bits_alone_and_in_a_batch_of_any_size(fused: bool) -> None:
+    """At SmolLM2's sizes (576 inputs, 32 outlier channels), each row alone and within 1 to 40, 121 and 128 rows.
+    fbgemm's fp16 kernel (the torch ops' outlier matmul) cuts a call's rows into kernels of 1 to 6 rows by their
+    number, and on an AMD Zen 3 its 1- and 2-row kernels rounded otherwise than the others: the rows of every batch
+    of 2 or more differed from the same rows alone (a prompt's answer after a prefix-cache hit changed)."""
+    from engine.kernels import native
+
+    if fused and native.load() is None:
+        pytest.skip("no C++ toolchain: the torch ops are the only path")
+    torch.manual_seed(6)
+    w = torch.randn(960, 576) * 0.05
+    outliers = torch.randperm(576)[:32].sort().values
+    q = Int8DynamicLinear(w, torch.randn(960), outliers)
+    if not fused:
+        q.kernels = None
+    x = torch.randn(131, 576) * torch.logspace(-1, 1, 131)[:, None]
+    x[:, outliers[:4]] *= 30.0  # outlier channels as large as SmoothQuant leaves them
+    alone = torch.cat([q(x[i:i + 1]) for i in range(len(x))])
+    differ = [m for m in [*range(1, 41), 121, 128] if not torch.equal(q(x[3:3 + m]), alone[3:3 + m])]
+    assert not differ, f"batch sizes whose rows differ from the same rows alone: {differ}"
+
+
 def test_the_fallbacks_outlier_product_keeps_fp32_precision() -> None:
     """The torch ops' outlier channels run on fbgemm's fp16 kernel as a high and a low fp16 part: fp32's
     precision, for weights past fp16's range and below its normal numbers too."""
