@@ -3,7 +3,8 @@
 The cache holds K/V in the model's dtype, or in bf16 under an fp32 model (half the bytes each decode reads);
 attention itself computes in the model's dtype either way.
 
-The runner orders a step's tokens with single-token sequences (decodes) first, then prompt chunks. The
+The runner orders a step's tokens with single-token sequences (decodes) first, then prompt chunks (on CPU it hands
+every prompt row over as a decode of its own). The
 decodes are attended on CPU by the native kernel that reads their blocks in place (engine/kernels), in one call;
 otherwise by SDPA: on CUDA in one call over their gathered, padded contexts, on CPU one by one over each
 context alone (a decode's sums then do not depend on what is batched beside it, as in the kernel); each prompt chunk is
@@ -26,8 +27,10 @@ class AttentionMetadata:
     """Where a step's tokens live in the paged cache; built once per step, shared by every layer."""
 
     slot_mapping: torch.Tensor  # [N] cache slot (block_id * block_size + offset) of each new token
-    num_decode_seqs: int  # the first this-many sequences (and tokens) have one new token each
-    decode_block_tables: torch.Tensor  # [B, max_blocks] block ids of the decodes, padded with 0 (cut by ctx)
+    # the first this-many tokens are attended as decodes, each over its own context: one-token sequences, and on CPU
+    # every prompt row too (engine/model_runner.py: a row's sums then do not depend on how its prompt was cut)
+    num_decode_seqs: int
+    decode_block_tables: torch.Tensor  # [B, max_blocks] block ids of the decodes, padded with 0
     decode_mask: torch.Tensor | None  # [B, 1, 1, max_blocks * block_size] True where a slot is in the context
     decode_context_len: int  # the longest decode context; slots past it are cut before attention
     decode_context_lens: torch.Tensor  # [B] int64: each decode's context, its new token included

@@ -6,6 +6,16 @@ out indices into it. Each step the runner puts single-token sequences (decodes) 
 batch them, flattens all new tokens into one [N] batch for the linear layers, and computes logits only
 for the sequences that sample. A step of decodes only, on a CPU model with oneDNN-packed fp32 layers or the
 int8 tier's, runs every layer in one native call (engine/decode_step.py).
+
+On CPU every row of a step, a prompt's as well as a decode's, is attended as a decode: over its own context alone,
+by the same code (the native decode kernel, or SDPA one row at a time). A row's sums then do not depend on how its
+prompt was cut: prefilled whole, in chunks, after a prefix-cache hit of any length (its K/V from a prompt of
+another length) or, for a one-token remainder, in a decode step, it comes out bit for bit the same, so the same
+greedy request asked twice gets the same answer. SDPA's fused kernel over a whole chunk sized its query and key
+blocks by the chunk's and the context's lengths and masked a later chunk otherwise than a whole prompt, one to a
+few ulps apart (enough to change an int8 answer; tests/engine/test_prefix_cache_bits.py). Attending row by row
+costs long prompts time (a row reads its K/V alone, where the fused kernel shared them); CUDA keeps one SDPA call
+per prompt chunk.
 """
 
 from __future__ import annotations
@@ -118,7 +128,7 @@ class ModelRunner:
         seqs = [out.seqs[i] for i in order]
         counts = [out.num_scheduled_tokens[i] for i in order]
         input_ids, positions, meta, last_index = self._prepare(seqs, counts)
-        if self.native_decode is not None and meta.num_decode_seqs == len(seqs):
+        if self.native_decode is not None and meta.num_decode_seqs == len(input_ids):  # every row attended as a decode
             hidden = self.native_decode(input_ids, positions, self.kv_cache, meta)  # [N, hidden]
         else:
             hidden = self.model(input_ids, positions, self.kv_cache, meta)
@@ -175,7 +185,7 @@ class ModelRunner:
         """
         bs = self.block_size
         slots = [table[p // bs] * bs + p % bs for table, p in zip(block_tables, positions, strict=True)]
-        meta = self._metadata(slots, block_tables, [p + 1 for p in positions])
+        meta = self._metadata(slots, [(table, [p + 1]) for table, p in zip(block_tables, positions, strict=True)])
         ids = torch.tensor(token_ids, device=self.device)
         pos = torch.tensor(positions, device=self.device)
         if self.native_decode is not None:
@@ -193,16 +203,19 @@ class ModelRunner:
     def _prepare(self, seqs: list[Sequence], counts: list[int]
                  ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         bs = self.block_size
+        rows_alone = self.device.type == "cpu"  # every row attended as a decode (the module's docstring)
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         last_index: list[int] = []
-        num_decodes = sum(1 for n in counts if n == 1)
+        decodes: list[tuple[list[int], list[int]]] = []
         starts, lens, tables, ctxs = [], [], [], []
         for seq, n in zip(seqs, counts, strict=True):
             start = seq.num_computed_tokens
             tokens = seq.token_ids[start:start + n]
-            if n > 1:
+            if n == 1 or rows_alone:
+                decodes.append((seq.block_table, list(range(start + 1, start + n + 1))))
+            else:
                 starts.append(len(input_ids))
                 lens.append(n)
                 tables.append(torch.tensor(seq.block_table[:-(-(start + n) // bs)], device=self.device))
@@ -211,30 +224,33 @@ class ModelRunner:
             positions += range(start, start + n)
             slots += [seq.block_table[p // bs] * bs + p % bs for p in range(start, start + n)]
             last_index.append(len(input_ids) - 1)
-        decodes = seqs[:num_decodes]
-        meta = self._metadata(slots, [s.block_table for s in decodes], [s.num_computed_tokens + 1 for s in decodes],
-                              (starts, lens, tables, ctxs))
+        meta = self._metadata(slots, decodes, (starts, lens, tables, ctxs))
         return (torch.tensor(input_ids, device=self.device), torch.tensor(positions, device=self.device), meta,
                 last_index)
 
-    def _metadata(self, slots: list[int], decode_tables: list[list[int]], context_lens: list[int],
+    def _metadata(self, slots: list[int], decodes: list[tuple[list[int], list[int]]],
                   prefills: tuple[list[int], list[int], list[torch.Tensor], list[int]] = ([], [], [], [])
                   ) -> AttentionMetadata:
-        """The step's attention metadata: its decodes' block tables (each row cut to its context) and prompt chunks."""
+        """The step's attention metadata. `decodes`: the rows attended as decodes (the step's first rows), as each
+        sequence's block table with its rows' contexts (rows of one sequence share its table, cut to their longest
+        context); `prefills`: the prompt chunks attended whole (CUDA)."""
         bs = self.block_size
+        context_lens = [ctx for _, row_ctxs in decodes for ctx in row_ctxs]
         max_ctx = max(context_lens, default=0)
-        table = torch.zeros(len(decode_tables), -(-max_ctx // bs), dtype=torch.long)
-        for row, blocks in enumerate(decode_tables):
-            used = -(-context_lens[row] // bs)
-            table[row, :used] = torch.tensor(blocks[:used])
+        table = torch.zeros(len(context_lens), -(-max_ctx // bs), dtype=torch.long)
+        row = 0
+        for blocks, row_ctxs in decodes:
+            used = -(-max(row_ctxs) // bs)
+            table[row:row + len(row_ctxs), :used] = torch.tensor(blocks[:used])
+            row += len(row_ctxs)
         mask = None
-        # SDPA's padding mask; none when every context is as long, or when the kernel reads each context's own length
-        if self.decode_kernel is None and any(n != max_ctx for n in context_lens):
+        # the padding mask of CUDA's batched SDPA; none when every context is as long (CPU attends each row alone)
+        if self.device.type != "cpu" and any(n != max_ctx for n in context_lens):
             mask = torch.arange(max_ctx)[None, :] < torch.tensor(context_lens)[:, None]  # [B, ctx]
             mask = mask[:, None, None, :].to(self.device)
         starts, lens, tables, ctxs = prefills
         return AttentionMetadata(
-            slot_mapping=torch.tensor(slots, device=self.device), num_decode_seqs=len(decode_tables),
+            slot_mapping=torch.tensor(slots, device=self.device), num_decode_seqs=len(context_lens),
             decode_block_tables=table.to(self.device), decode_mask=mask, decode_context_len=max_ctx,
             decode_context_lens=torch.tensor(context_lens, dtype=torch.long, device=self.device),
             decode_kernel=self.decode_kernel,
