@@ -128,7 +128,7 @@ class ModelRunner:
         seqs = [out.seqs[i] for i in order]
         counts = [out.num_scheduled_tokens[i] for i in order]
         input_ids, positions, meta, last_index = self._prepare(seqs, counts)
-        if self.native_decode is not None and meta.num_decode_seqs == len(input_ids):  # every row attended as a decode
+        if self.native_decode is not None and len(input_ids) == len(seqs):  # decodes only
             hidden = self.native_decode(input_ids, positions, self.kv_cache, meta)  # [N, hidden]
         else:
             hidden = self.model(input_ids, positions, self.kv_cache, meta)
