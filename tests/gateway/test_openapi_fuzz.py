@@ -10,7 +10,9 @@ ladder's level, and a rollout's tier and version (the tiers file's); for them a 
 level, tier or version that does not exist may be refused (400 naming it), and that alone is not checked. A key's
 tenant is one the store holds: a generated key request that names a tenant names acme, the gateway's (a tenant that
 does not exist is a 400 naming `tenant`). One chat field depends on another in a way JSON Schema cannot say: a
-named `tool_choice` must name one of `tools`; a generated request that offers tools names the first of them."""
+named `tool_choice` must name one of `tools`; a generated request that offers tools names the first of them. So does
+a usage report's range: its `from` day may not come after its `to` (an empty range is refused, not read as no use);
+a generated report asking both gets them in order."""
 
 from __future__ import annotations
 
@@ -78,10 +80,18 @@ def fuzzed(tmp_path_factory: pytest.TempPathFactory, prepared_models: Path) -> I
 def test_no_answer_contradicts_the_document(case: Any, fuzzed: Gateway) -> None:
     configured = (case.method.upper(), case.path) in CONFIGURED
     _name_an_offered_tool(case.body)
+    _days_in_order(case.query)
     if (case.method.upper(), case.path) == ("POST", "/admin/keys") and isinstance(case.body, dict) and \
             isinstance(case.body.get("tenant"), str):
         case.body["tenant"] = "acme"  # the store's tenant: a string the schema allows either way
     case.call_and_validate(base_url=fuzzed.url, excluded_checks=[positive_data_acceptance] if configured else None)
+
+
+def _days_in_order(query: Any) -> None:
+    """A report's `from` and `to` (YYYY-MM-DD: in order as text), both given, are put in order."""
+    if isinstance(query, dict) and all(isinstance(query.get(k), str) for k in ("from", "to")) and \
+            query["from"] > query["to"]:
+        query["from"], query["to"] = query["to"], query["from"]
 
 
 def _name_an_offered_tool(body: Any) -> None:
