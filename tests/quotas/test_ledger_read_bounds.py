@@ -18,8 +18,8 @@ from quotas.ledger_reads import ReadSource, open_reader
 from tests.quotas.test_ledger import row
 
 
-def ended_with(read: Callable[[], Any]) -> BaseException | None:
-    """What `read` raised, or None if it returned; a read still running after 10 s fails the test (it hung)."""
+def ended_with(read: Callable[[], Any], bound_s: float = 10.0) -> BaseException | None:
+    """What `read` raised, or None if it returned; a read still running after `bound_s` fails the test (it hung)."""
     ended: list[BaseException | None] = []
 
     def run() -> None:
@@ -31,8 +31,8 @@ def ended_with(read: Callable[[], Any]) -> BaseException | None:
 
     reading = threading.Thread(target=run, daemon=True)
     reading.start()
-    reading.join(10)
-    assert ended, "the read was still waiting after 10 s"
+    reading.join(bound_s)
+    assert ended, f"the read was still waiting after {bound_s:g} s"
     return ended[0]
 
 

@@ -12,7 +12,6 @@ Real PostgreSQL and redis-server."""
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections.abc import Callable, Iterator
 from decimal import Decimal
@@ -33,27 +32,15 @@ from quotas.ledger_postgres import PostgresLedger
 from quotas.seed import LedgerFallbackRows, ledger_spend_source, tenant_spend, tenant_spend_source
 from tests.conftest import RedisServer
 from tests.quotas.test_leases import _row
+from tests.quotas.test_ledger_read_bounds import ended_with as read_ended_with
 from tests.quotas.test_redis_reseed import req, spend_settled
 
 BOUND_S = 5.0  # far past the 0.5 s lock timeout, far short of the 60 s statement timeout the reads waited before
 
 
 def ended_with(read: Callable[[], Any]) -> BaseException | None:
-    """What `read` raised, or None if it returned; a read still waiting after BOUND_S fails the test (it hung)."""
-    ended: list[BaseException | None] = []
-
-    def run() -> None:
-        try:
-            read()
-            ended.append(None)
-        except BaseException as exc:  # what the read ended with is the test's
-            ended.append(exc)
-
-    reading = threading.Thread(target=run, daemon=True)
-    reading.start()
-    reading.join(BOUND_S)
-    assert ended, f"the read was still waiting for the lock after {BOUND_S:g} s"
-    return ended[0]
+    """What `read` raised, or None if it returned; a read still waiting for the lock after BOUND_S fails the test."""
+    return read_ended_with(read, BOUND_S)
 
 
 @pytest.fixture
