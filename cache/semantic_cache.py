@@ -2,15 +2,14 @@
 
 A lookup goes: tenant policy and cacheability (`request_key.decide`) -> exact layer (the scope and the
 whole conversation as sent: first this process's answers still being written or written and read lately
-(`cache.recent`), then the store) -> semantic
-layer (embed the last user turn, NFKC with collapsed whitespace (`request_key.embedding_text`), if it is short
-enough to be compared whole, `SEMANTIC_MAX_CHARS`; search the faiss partition of its scope and history, take
-(cache/candidates.py) the nearest candidates above the tenant's threshold and within
-`fallback_margin` of the nearest, and serve the first one the near-miss guards accept (they read both turns as
-sent, so "2³" is not "23" to them, nor an indented line an unindented one, though both pairs embed alike) and, for a
-plan with `meaning_check`, the meaning check too, on the texts as the guards read them (`guards.comparable`):
-cache/meaning_check.py, one forward pass for each such candidate). Every
-result says why, so the gateway can put it in `x-tiergate-cache` and in metrics.
+(`cache.recent`), then the store) -> semantic layer (embed the last user turn, NFKC with collapsed whitespace
+(`request_key.embedding_text`), if it is short enough to be compared whole, `SEMANTIC_MAX_CHARS`; search the faiss
+partition of its scope and history, take (cache/candidates.py) the nearest candidates above the tenant's threshold
+and within `fallback_margin` of the nearest, and serve the first one the near-miss guards accept (they read both
+turns as sent, so "2³" is not "23" to them, nor an indented line an unindented one, though both pairs embed alike)
+and, for a plan with `meaning_check`, the meaning check too, on the texts as the guards read them
+(`guards.comparable`): cache/meaning_check.py, one forward pass for each such candidate). Every result says why, so
+the gateway can put it in `x-tiergate-cache` and in metrics.
 
 The async path is built for many concurrent requests on one event loop. Policy, keys and the in-memory exact
 check run on the loop (no thread for them); the store's exact probe, the faiss search and the guards run in a
