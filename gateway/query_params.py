@@ -11,20 +11,27 @@ Every query parameter of ours takes one value, and of one sent twice Litestar us
 The OpenAI routes (chat and text completions, embeddings, models) take none (`refuse_query`): what a client put in
 the query was dropped and the request answered as if it had not asked (`?stream=true` answered whole, `?user=u` kept
 no end user apart, `?api-version=...` answered as some version).
+
+An integer parameter (`limit`) takes an integer's digits only, as JSON writes one (`-?(0|[1-9][0-9]*)`): msgspec,
+which Litestar reads it with, takes a float's text whose value is whole, so `?limit=1e3` answered a thousand events
+and `?limit=1.0` one, with a 200. Anything else is refused by name (400 `invalid_value`), before the route parses it.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from typing import Any
 from urllib.parse import parse_qsl
 
 from litestar.connection import ASGIConnection
 from litestar.handlers import BaseRouteHandler
+from litestar.params import ParameterKwarg
 
 from gateway.errors import InvalidRequest
 
 QUERY_OPT = "query"  # the route handler's `opt` entry naming the query parameters it takes
+_INTEGER = re.compile(r"-?(0|[1-9][0-9]*)")  # JSON's integer: ASCII digits, a minus at most, no leading zero
 
 
 def refuse_unknown(names: Iterable[str], known: tuple[str, ...]) -> None:
@@ -45,7 +52,31 @@ def refuse_unknown(names: Iterable[str], known: tuple[str, ...]) -> None:
 async def only_declared_query(connection: ASGIConnection[Any, Any, Any, Any], handler: BaseRouteHandler) -> None:
     """Guard: a 400 for a query parameter the route does not declare in its `opt` (after the admin guard, so that a
     key that may not use the route learns nothing of what it takes)."""
-    refuse_unknown(query_names(connection), tuple(handler.opt.get(QUERY_OPT, ())))
+    query = query_pairs(connection)
+    refuse_unknown([name for name, _ in query], tuple(handler.opt.get(QUERY_OPT, ())))
+    if query:
+        refuse_non_integers(query, integer_names(handler))
+
+
+def refuse_non_integers(query: list[tuple[str, str]], integers: frozenset[str]) -> None:
+    """An InvalidRequest naming the first parameter of `integers` whose value in `query` is not an integer's digits
+    (`1e3`, `1.0`, `+5`, ` 5`, `0x10`, `1_000`, `٥` and the like: what msgspec or int() reads as a number and a
+    client would not mean as this one). The route's own bounds (`ge`, `le`) still apply after."""
+    for name, value in query:
+        if name in integers and _INTEGER.fullmatch(value) is None:
+            shown = repr(value) if len(value) <= 40 else f"{value[:40]!r}..."
+            raise InvalidRequest(f"{name}: {shown} is not an integer; give its digits, as {name}=100", param=name,
+                                 code="invalid_value")
+
+
+def integer_names(handler: BaseRouteHandler) -> frozenset[str]:
+    """The query parameters `handler` reads as integers (`int` or `int | None`), by the name the query sends."""
+    names = set()
+    for field_name, field in handler.parsed_fn_signature.parameters.items():
+        if field.is_subclass_of(int) or (field.is_optional and field.has_inner_subclass_of(int)):
+            kwarg = field.kwarg_definition
+            names.add(kwarg.name or field_name if isinstance(kwarg, ParameterKwarg) else field_name)
+    return frozenset(names)
 
 
 def refuse_query(connection: ASGIConnection[Any, Any, Any, Any]) -> None:
@@ -56,8 +87,13 @@ def refuse_query(connection: ASGIConnection[Any, Any, Any, Any]) -> None:
 
 
 def query_names(connection: ASGIConnection[Any, Any, Any, Any]) -> list[str]:
-    """The names of the query's parameters, in order, each as often as it was sent (read from the query string as
-    Litestar reads it: its `query_params` group the names in an order that changes from one process to the next, so
-    which of two unknown names a refusal named did too)."""
+    """The names of the query's parameters, in order, each as often as it was sent (`query_pairs`)."""
+    return [name for name, _ in query_pairs(connection)]
+
+
+def query_pairs(connection: ASGIConnection[Any, Any, Any, Any]) -> list[tuple[str, str]]:
+    """The query's parameters and their values, in order, each name as often as it was sent (read from the query
+    string as Litestar reads it: its `query_params` group the names in an order that changes from one process to the
+    next, so which of two unknown names a refusal named did too)."""
     query = connection.scope.get("query_string", b"").decode("latin-1")
-    return [name for name, _ in parse_qsl(query, keep_blank_values=True)]
+    return parse_qsl(query, keep_blank_values=True)
