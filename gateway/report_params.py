@@ -12,7 +12,11 @@ from collections import Counter
 
 from quotas.report import GROUPS
 
-DAY_PATTERN = r"([1-9][0-9]{3})-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])"  # years 1000-9999, days 01-31
+# a calendar day of the years 1000-9999 (UTC, proleptic Gregorian), and nothing else: a day past its month's end
+# (`2026-02-31`, `2023-02-29`, `3016-11-31`) is no day, and the published pattern refuses it as parse_day does
+_LEAP_YEAR = "(?:[1-9][0-9](?:0[48]|[2468][048]|[13579][26])|(?:[2468][048]|[13579][26])00)"  # by 4, centuries by 400
+DAY_PATTERN = ("(?:[1-9][0-9]{3}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)"
+               f"|02-(?:0[1-9]|1[0-9]|2[0-8]))|{_LEAP_YEAR}-02-29)")
 _DAY = re.compile(DAY_PATTERN)
 
 
@@ -34,15 +38,15 @@ class ReportParamError(ValueError):
 
 
 def parse_day(text: str | None, *, end: bool = False) -> float | None:
-    """`YYYY-MM-DD` (UTC) to epoch seconds; an `end` day includes the whole day. A day past its month's end
-    stands for the month's last day (`2026-02-31` is 28 February), as the report's pattern lets it through."""
+    """`YYYY-MM-DD` (UTC) to epoch seconds; an `end` day includes the whole day. A day past its month's end is
+    refused as any other that is not a date (DAY_PATTERN): `2026-02-31` stood for 28 February, a report of other days
+    than asked, with a 200."""
     if not text:
         return None
-    match = _DAY.fullmatch(text)
-    if match is None:
-        raise ReportParamError(f"{_shown(text)} is not a date like 2026-11-30", param="to" if end else "from")
-    year, month, day = (int(part) for part in match.groups())
-    day = min(day, calendar.monthrange(year, month)[1])
+    if _DAY.fullmatch(text) is None:
+        raise ReportParamError(f"{_shown(text)} is not a date like 2026-11-30 (a day of its month, years 1000-9999)",
+                               param="to" if end else "from")
+    year, month, day = (int(part) for part in text.split("-"))
     start = calendar.timegm((year, month, day, 0, 0, 0))
     return float(start + 86400 if end else start)
 
