@@ -4,6 +4,15 @@
 (a count after a count, spaces inside a count and the `x` flag's whitespace read as it reads them);
 `pattern_min_chars`: the fewest characters a match holds. Neither decides whether a pattern is valid: the compiler
 says so, as before.
+
+Both read what is no pattern as Python's `re` (sre_parse) does: where the x flag is on, whitespace and a `#` comment
+to the line's end; and a `(?#...)` comment, which ends at its first `)` not escaped by a backslash (`(?#a)b)` is the
+comment `a`, then `b`, then a stray `)`), whatever its text holds (`(`, `[`, `|`, counts). The weight counted both
+as pattern (`(?x)a # b{20000}` weighed 20,001 and was refused); the fewest characters read a comment's `(`, `[` or
+escaped `)` as syntax. One reading differs from re's on purpose: an x-flag comment ends at the first newline,
+escaped or not, as llguidance ends it (re reads a backslash and a newline as one escape, inside the comment); the
+compiler's reading is what a pattern costs. llguidance refuses `(?#` itself ("unrecognized flag"); reading it as re
+does only keeps the weight and the fewest characters from reading its text.
 """
 
 from __future__ import annotations
@@ -24,15 +33,20 @@ def pattern_limit(pattern: str) -> int:
 def pattern_weight(pattern: str) -> int:
     """The weight of an ECMA-262 pattern (see the module), capped just past its `pattern_limit`. One pass."""
     cap = pattern_limit(pattern) + 1
-    verbose = _verbose(pattern)
-    # a frame per open group: [weight so far, whether it repeats without bound inside]
-    frames: list[list[Any]] = [[0, False]]
+    # a frame per open group: [weight so far, whether it repeats without bound inside, whether the x flag is on]
+    frames: list[list[Any]] = [[0, False, 0]]
     last = 0  # the weight of the last atom or group, which a quantifier multiplies
     last_unbounded = False
     i, n = 0, len(pattern)
     while i < n:
         c = pattern[i]
         quantified = False
+        if frames[-1][2] and (c.isspace() or c == "#"):  # the x flag: no atom (`(a{1000}) {1000}` repeats the group)
+            i = _after(pattern, i, "\n") if c == "#" else i + 1
+            continue
+        if pattern.startswith("(?#", i):  # a comment: no atom, and a quantifier after it repeats the last one
+            i = _comment_end(pattern, i)
+            continue
         if c == "\\":
             i += 2
             if pattern[i - 1:i] in _BRACED_ESCAPES and pattern[i:i + 1] == "{":
@@ -41,12 +55,15 @@ def pattern_weight(pattern: str) -> int:
         elif c == "[":
             i = _class_end(pattern, i)
             last, last_unbounded = 1, False
-        elif c == "(":
-            frames.append([0, False])
-            i += 1
+        elif c == "(":  # its opening weighs nothing (`(?:`, `(?P<name>`, flags), and flags alone open no group
+            verbose, _, flags_only, i = _group_opening(pattern, i, frames[-1][2])
+            if flags_only:
+                frames[-1][2] = verbose
+            else:
+                frames.append([0, False, verbose])
             continue
         elif c == ")" and len(frames) > 1:
-            last, last_unbounded = frames.pop()
+            last, last_unbounded, _ = frames.pop()
             i += 1
         elif c == "|":
             i += 1
@@ -57,9 +74,6 @@ def pattern_weight(pattern: str) -> int:
             i += 1
         elif c == "{" and (counted := _count(pattern, i)) is not None:
             quantified, (count, unbounded, i, _) = True, counted
-        elif verbose and c.isspace():  # the x flag: whitespace is no atom (`(a{1000}) {1000}` repeats the group)
-            i += 1
-            continue
         else:
             last, last_unbounded = int(c not in "^$"), False  # an anchor matches no character
             i += 1
@@ -77,7 +91,7 @@ def pattern_weight(pattern: str) -> int:
             frame[0] = min(frame[0] + last, cap)
             frame[1] = frame[1] or last_unbounded
     while len(frames) > 1:  # an unclosed group: the compiler refuses it; weigh what is there
-        weight, _ = frames.pop()
+        weight = frames.pop()[0]
         frames[-1][0] = min(frames[-1][0] + weight, cap)
     return frames[0][0]
 
@@ -86,6 +100,20 @@ def _after(pattern: str, i: int, close: str) -> int:
     """The index after the first `close` from `i` (the end when there is none)."""
     end = pattern.find(close, i)
     return len(pattern) if end < 0 else end + 1
+
+
+def _comment_end(pattern: str, i: int) -> int:
+    """The index after the `(?#...)` comment opening at `i`: after its first `)` that no backslash escapes, as
+    sre_parse reads it (the end when there is none, which re refuses)."""
+    i, n = i + 3, len(pattern)
+    while i < n:
+        if pattern[i] == "\\":
+            i += 2
+        elif pattern[i] == ")":
+            return i + 1
+        else:
+            i += 1
+    return n
 
 
 def _class_end(pattern: str, i: int) -> int:
@@ -123,26 +151,6 @@ def _count(pattern: str, i: int) -> tuple[int, bool, int, int] | None:
     return max(m + unbounded, k, 1), unbounded, end + 1, m
 
 
-def _verbose(pattern: str) -> bool:
-    """Whether `pattern` turns on the x flag (`(?x)`, `(?ix:...)`), which no ECMA-262 pattern has and llguidance
-    reads: its whitespace is then no atom."""
-    i, n = 0, len(pattern)
-    while i < n:
-        c = pattern[i]
-        if c == "\\":
-            i += 2
-        elif c == "[":
-            i = _class_end(pattern, i)
-        elif c == "(" and (flags := _FLAGS.match(pattern, i)) is not None and "x" in flags.group(1):
-            return True
-        else:
-            i += 1
-    return False
-
-
-_FLAGS = re.compile(r"\(\?([A-Za-z]*)")  # a group's flags turned on: `(?ix`, `(?i-x` (x off), `(?:` (none)
-
-
 def pattern_min_chars(pattern: str, most: int) -> int:
     """The fewest characters a string matching `pattern` holds (a lower bound; capped just past `most`).
 
@@ -158,6 +166,9 @@ def pattern_min_chars(pattern: str, most: int) -> int:
         count = None
         if frames[-1][2] and (c.isspace() or c == "#"):  # the x flag: no atom (a quantifier after still repeats last)
             i = _after(pattern, i, "\n") if c == "#" else i + 1
+            continue
+        if pattern.startswith("(?#", i):  # a comment, as the x flag's: no character, `last` still the one before
+            i = _comment_end(pattern, i)
             continue
         if c == "\\":
             i += 2
@@ -215,8 +226,8 @@ _LOOKAROUND = re.compile(r"\?(?:[=!]|<[=!])")
 def _group_opening(pattern: str, i: int, verbose: int) -> tuple[int, int, bool, int]:
     """The group opening at `i` (a "("): (whether the x flag is on past it, whether it is a lookaround, whether it
     sets flags only (`(?x)`: no group), the index past it). The x flag is `verbose` unless the opening turns it on or
-    off. An opening read as none of these (`(?P=name)`, `(?#`) is read as a lookaround: it counts no character, a
-    lower bound still."""
+    off. An opening read as none of these (`(?P=name)`) is read as a lookaround: it counts no character, a lower
+    bound still. A `(?#` comment is no group: the callers skip it (`_comment_end`) before they come here."""
     if pattern[i + 1:i + 2] != "?":
         return verbose, 0, False, i + 1
     if (flags := _GROUP_FLAGS.match(pattern, i + 1)) is not None:
