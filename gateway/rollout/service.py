@@ -206,6 +206,7 @@ class RolloutService:
             raise InvalidRequest(f"tier {tier!r} has no version {version!r}; it has {', '.join(spec.variants)}",
                                  param="version", code="version_not_found")
         _check_share(share)
+        _named_once(tenants)
         if shadow is not None:
             _check_share(shadow, "shadow")
             if share or tenants:
@@ -228,7 +229,7 @@ class RolloutService:
                 param="version", code="version_lacks_capability")
         now = self.clock()
         rollout = Rollout(uuid.uuid4().hex[:16], tier, version, baseline, "canary" if shadow is None else "shadow",
-                          share, tuple(dict.fromkeys(tenants)), now, who, now, who, reason,
+                          share, tuple(tenants), now, who, now, who, reason,
                           (current.revision if current else 0) + 1, _guards(spec, guards), shadow or 0.0)
         return self._save("start", rollout)
 
@@ -350,6 +351,18 @@ def _guards(spec: TierSpec, given: Guards | None) -> Guards:
 def _check_share(share: float, param: str = "share") -> None:
     if not 0.0 <= share <= 1.0:  # the routes' schema says so too; the CLI comes here directly
         raise InvalidRequest(f"{param} is a fraction from 0 to 1, not {share}", param=param, code="invalid_value")
+
+
+def _named_once(tenants: tuple[str, ...]) -> None:
+    """A 400 `duplicate_tenant` naming the place of a tenant named again (`tenants.2`), as a report's group or a
+    query parameter sent twice is refused: it was dropped in silence, and the start's audit kept another list than
+    the one sent."""
+    seen: dict[str, int] = {}
+    for i, name in enumerate(tenants):
+        if name in seen:
+            raise InvalidRequest(f"tenants.{i}: {name!r} is named already (tenants.{seen[name]}); name each tenant "
+                                 "once", param=f"tenants.{i}", code="duplicate_tenant")
+        seen[name] = i
 
 
 def _reason(reason: str) -> str:

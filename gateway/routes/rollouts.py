@@ -36,7 +36,9 @@ class StartRollout(BaseModel):
     tier: Annotated[str, Field(min_length=1, max_length=128)]
     version: Annotated[str, Field(min_length=1, max_length=64, pattern=VERSION_NAME)]
     share: Share = 0.0
-    tenants: Annotated[list[Annotated[str, Field(pattern=NAME_RE.pattern)]], Field(max_length=100)] = []
+    # each once (the service refuses a repeat by its place, `tenants.2`; the document says so as uniqueItems)
+    tenants: Annotated[list[Annotated[str, Field(pattern=NAME_RE.pattern)]],
+                       Field(max_length=100, json_schema_extra={"uniqueItems": True})] = []
     reason: Reason
     shadow: Share | None = None  # a shadow instead of a canary: this share of requests also sent to `version`
     guards: Guards = Guards()  # thresholds that roll it back by themselves (each field defaults; null: off)
@@ -69,7 +71,8 @@ async def start(request: Request[Any, Any, Any], rollouts: NamedDependency[Rollo
     """A canary: `share` of new conversations, and every named tenant, on `version`; or with `shadow`, a shadow
     (the serving version answers everyone; that share of requests is also sent to `version`, never returned or
     billed). `guards` roll it back by themselves. 409 while one is running; 400 for a `tier`, `version` or named
-    tenant that does not exist (`param` `tier`, `version` or `tenants.<index>`): names in the body, not the path."""
+    tenant that does not exist (`param` `tier`, `version` or `tenants.<index>`): names in the body, not the path;
+    400 `duplicate_tenant` for a tenant named twice (`tenants.<index>` of the repeat)."""
     b = parse_body(await request.body(), StartRollout)
     await store.admin(store.require_tenants, b.tenants, "tenants")  # before anything changes
     r = await asyncio.to_thread(rollouts.start, b.tier, b.version, share=b.share, tenants=tuple(b.tenants),
