@@ -33,17 +33,24 @@ When blocks run out, the lowest-priority running sequence is preempted: its bloc
 waits to be recomputed from its tokens (its own freed blocks usually come back as prefix-cache hits).
 A waiting sequence of higher priority than a running one may preempt it the same way, and so may a waiting tenant
 short of running sequences (above) one of the same or a lower priority. Greedy output is unchanged by a preemption.
+
+The shares' arithmetic (a prompt's cost, the equal split, what a tenant may still spend) is engine/tenant_shares.py;
+what a step hands the runner, engine/scheduler_output.py.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.request_queue import SchedulingPolicy, create_request_queue
+from engine.scheduler_output import SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
+from engine.tenant_shares import CONTEXT_COST_TOKENS, Tenant, TenantShares, prompt_cost, water_fill
+
+__all__ = ["CONTEXT_COST_TOKENS", "DECODE_COST", "MIN_SHARED_CHUNK", "SHARED_STEP_COST", "SHARED_TOKENS", "Scheduler",
+           "SchedulerOutput", "Tenant"]  # what callers and tests import from here (two of them now live elsewhere)
 
 SHARED_TOKENS = 128  # a short prompt, or the decodes of every running sequence
 # While more than one tenant has sequences in the engine, the prompt chunks of one step cost at most this many
@@ -53,9 +60,6 @@ SHARED_TOKENS = 128  # a short prompt, or the decodes of every running sequence
 # victim requests done); at 96, 0.76 s and 11.2-11.6 s (16); at 128, 0.96-0.99 s and 10.5-11.5 s (13); before,
 # 1.8-2.1 s (p95 7.1 s) and 9.3-10.4 s (4). Alone, the prompts take 9.5-10.5 s either way
 SHARED_STEP_COST = 64
-# A prompt token read after this many earlier ones costs about twice one at the start: measured on one core,
-# 0.9-1.1 ms a token at the start, 1.3-1.6 ms after 512, 1.8-2.2 after 1,024, 2.4-2.9 after 1,536 (mid and full)
-CONTEXT_COST_TOKENS = 1000
 # A tenant's first chunk in a shared step is never cut below this many tokens: reading late in a long prompt, each
 # chunk first gathers its whole context, so smaller chunks cost more in all (1,536 tokens in chunks of 32: 2.7-2.8 s
 # on one core against 2.1-2.5 s in chunks of 64 to 512; 3,000 tokens: 8.5-9.8 s against 6.2-6.8 s in chunks of 512)
@@ -65,31 +69,6 @@ MIN_SHARED_CHUNK = 32
 # prompts may cost as much as the step's decodes together, when that is more than SHARED_STEP_COST: one tenant's
 # many decodes cannot shrink another tenant's prompt reading to a sliver of each step
 DECODE_COST = 6
-
-Tenant = str | None  # a sequence's salt's tenant (sequence.salt_tenant: the gateway's per-tenant digest); None is one
-
-
-@dataclass
-class SchedulerOutput:
-    """What the model runner computes in one step."""
-
-    # sequences to run, in batch order
-    seqs: list[Sequence] = field(default_factory=list)
-    # new tokens per sequence: seq.token_ids[seq.num_computed_tokens : seq.num_computed_tokens + n]
-    num_scheduled_tokens: list[int] = field(default_factory=list)
-    # per sequence: True when this step reaches its last token, so a next token is sampled from it
-    do_sample: list[bool] = field(default_factory=list)
-    # sequences whose blocks were taken back this step (they wait to be recomputed)
-    preempted: list[Sequence] = field(default_factory=list)
-
-    @property
-    def total_num_scheduled_tokens(self) -> int:
-        return sum(self.num_scheduled_tokens)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.seqs
-
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
@@ -254,7 +233,7 @@ class Scheduler:
                 return
             yield seq
 
-    def _tenant_shares(self) -> _Shares:
+    def _tenant_shares(self) -> TenantShares:
         """This step's prompt cost per tenant and priority, while more than one tenant has sequences here.
 
         A tenant's prompts of some priority are held to a share only for the sake of another tenant with a sequence
@@ -271,10 +250,10 @@ class Scheduler:
             left = seq.num_tokens - seq.num_computed_tokens
             if left > 1:
                 per_tenant = demand.setdefault(level, {})
-                per_tenant[tenant] = per_tenant.get(tenant, 0.0) + _cost(left, seq.num_computed_tokens)
+                per_tenant[tenant] = per_tenant.get(tenant, 0.0) + prompt_cost(left, seq.num_computed_tokens)
             else:
                 num_decodes += 1
-        shares = _Shares(len(best) > 1, Counter(seq.tenant for seq in self.running),
+        shares = TenantShares(len(best) > 1, Counter(seq.tenant for seq in self.running),
                          Counter(seq.tenant for seq in waiting), -(-self.max_num_seqs // max(1, len(best))),
                          self.min_shared_chunk)
         if not shares.shared:
@@ -283,7 +262,7 @@ class Scheduler:
         for level in sorted(demand):
             held = {tenant: cost for tenant, cost in demand[level].items()
                     if any(b <= level for other, b in best.items() if other != tenant)}
-            for tenant, share in _water_fill(held, total).items():
+            for tenant, share in water_fill(held, total).items():
                 shares.left[tenant, level] = share
                 total -= share
         return shares
@@ -292,10 +271,10 @@ class Scheduler:
         """Its tenant and its priority (all one priority under FCFS)."""
         return seq.tenant, seq.priority if self.policy is SchedulingPolicy.PRIORITY else 0
 
-    def _next_waiting(self, shares: _Shares, passed: set[int]) -> Sequence | None:
+    def _next_waiting(self, shares: TenantShares, passed: set[int]) -> Sequence | None:
         """The waiting sequence to admit next: the head; while tenants share the engine, the first (of the head's
         priority) of the tenant with the fewest running sequences, among those whose share is not spent, whose
-        tenant may take a slot (`_Shares.may_admit`) and not `passed` over this step."""
+        tenant may take a slot (`TenantShares.may_admit`) and not `passed` over this step."""
         if not shares.shared:
             head = self.waiting.peek_request()
             return None if id(head) in passed else head
@@ -354,58 +333,3 @@ class Scheduler:
 
 def _rank(seq: Sequence) -> tuple[int, float]:
     return seq.priority, seq.arrival_time
-
-
-@dataclass
-class _Shares:
-    """One step's prompt cost per (tenant, priority) held to a share while tenants share the engine (see `_cost`)."""
-
-    shared: bool  # more than one tenant has sequences here
-    num_running: Counter[Tenant]  # running sequences per tenant, this step's admissions included
-    num_waiting: Counter[Tenant]  # waiting sequences of the head's priority per tenant, this step's admissions out
-    max_running: int  # a tenant's fair share of the batch's slots: max_num_seqs over the tenants here, rounded up
-    min_chunk: int  # a held tenant's first chunk of a priority in the step is never cut below this
-    left: dict[tuple[Tenant, int], float] = field(default_factory=dict)  # what held chunks may still cost
-    started: set[tuple[Tenant, int]] = field(default_factory=set)  # held ones with a chunk in this step
-
-    def holds(self, key: tuple[Tenant, int]) -> bool:
-        return key in self.left
-
-    def grant(self, key: tuple[Tenant, int], n: int, context: int) -> int:
-        """How many of `n` prompt tokens read after `context` earlier ones a held share allows (0: none)."""
-        fit = int(self.left[key] * CONTEXT_COST_TOKENS // (CONTEXT_COST_TOKENS + context))
-        if key not in self.started:
-            fit = max(fit, self.min_chunk)
-        return min(n, fit)
-
-    def charge(self, key: tuple[Tenant, int], n: int, context: int) -> None:
-        if key in self.left:
-            self.left[key] -= _cost(n, context)
-            self.started.add(key)
-
-    def can_take(self, key: tuple[Tenant, int]) -> bool:
-        return key not in self.left or key not in self.started or self.left[key] >= 1
-
-    def may_admit(self, tenant: Tenant, num_free_slots: int) -> bool:
-        """Whether `tenant` may take a free slot: within its fair share always; beyond it only if the slots left still
-        hold what the other tenants' waiting sequences need to reach theirs (a lone tenant takes every slot)."""
-        if self.num_running[tenant] < self.max_running:
-            return True
-        needed = sum(min(n, max(0, self.max_running - self.num_running[other]))
-                     for other, n in self.num_waiting.items() if other != tenant)
-        return num_free_slots > needed
-
-
-def _cost(n: int, context: int) -> float:
-    """What reading `n` prompt tokens after `context` earlier ones costs, in tokens read at a prompt's start."""
-    return n * (CONTEXT_COST_TOKENS + context) / CONTEXT_COST_TOKENS
-
-
-def _water_fill(demand: dict[Tenant, float], total: float) -> dict[Tenant, float]:
-    """Share `total` equally among the tenants; one that needs less than its part leaves the rest to the others."""
-    shares: dict[Tenant, float] = {}
-    order = sorted(demand, key=demand.__getitem__)  # stable: equal demands keep their order
-    for k, tenant in enumerate(order):
-        shares[tenant] = min(demand[tenant], total / (len(order) - k))
-        total -= shares[tenant]
-    return shares
