@@ -23,7 +23,7 @@ from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence
 from engine.speculative import SpeculativeConfig, SpeculativeDecoder
 from tests.engine.fakes import CharTokenizer, collect
-from tests.engine.test_speculative import (
+from tests.engine.speculative_runners import (
     CHI2_4DOF_P001,
     DRAFT_CHAIN,
     TARGET_CHAIN,
