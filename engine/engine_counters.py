@@ -14,7 +14,8 @@ from collections import deque
 
 from engine.block_manager import BlockManager
 from engine.outputs import EngineStats
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduler import Scheduler
+from engine.scheduler_output import SchedulerOutput
 from engine.speculative import SpeculativeDecoder
 
 THROUGHPUT_WINDOW_S = 10.0  # tokens/s in stats is measured over this trailing window

@@ -47,7 +47,8 @@ from engine.outputs import EngineStats, RequestOutput
 from engine.request_checks import check_request
 from engine.request_queue import SchedulingPolicy
 from engine.sampling_params import EngineInputError, SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduler import Scheduler
+from engine.scheduler_output import SchedulerOutput
 from engine.sequence import Sequence, salt_tenant
 from engine.speculative import SpeculativeDecoder
 from wire.errors import RESPONSE_FORMAT_FAILED

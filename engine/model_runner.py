@@ -35,7 +35,7 @@ from engine.layer_ops import NativeLayerOps
 from engine.models.llama import LlamaConfig, LlamaForCausalLM
 from engine.quantize import quantize_int8_
 from engine.sampler import Sampler
-from engine.scheduler import SchedulerOutput
+from engine.scheduler_output import SchedulerOutput
 from engine.sequence import Sequence
 from wire.errors import RESPONSE_FORMAT_FAILED
 

@@ -47,10 +47,7 @@ from engine.block_manager import BlockManager
 from engine.request_queue import SchedulingPolicy, create_request_queue
 from engine.scheduler_output import SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
-from engine.tenant_shares import CONTEXT_COST_TOKENS, Tenant, TenantShares, prompt_cost, water_fill
-
-__all__ = ["CONTEXT_COST_TOKENS", "DECODE_COST", "MIN_SHARED_CHUNK", "SHARED_STEP_COST", "SHARED_TOKENS", "Scheduler",
-           "SchedulerOutput", "Tenant"]  # what callers and tests import from here (two of them now live elsewhere)
+from engine.tenant_shares import Tenant, TenantShares, prompt_cost, water_fill
 
 SHARED_TOKENS = 128  # a short prompt, or the decodes of every running sequence
 # While more than one tenant has sequences in the engine, the prompt chunks of one step cost at most this many

@@ -59,7 +59,7 @@ from engine.block_manager import BlockManager
 from engine.draft_cost import DraftCosts, kept_share
 from engine.sampler import Sampler, uniform
 from engine.sampling_params import SamplingParams
-from engine.scheduler import SchedulerOutput
+from engine.scheduler_output import SchedulerOutput
 from engine.sequence import Sequence
 
 if TYPE_CHECKING:

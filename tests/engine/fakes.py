@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from engine.scheduler import SchedulerOutput
+from engine.scheduler_output import SchedulerOutput
 from wire.errors import RESPONSE_FORMAT_FAILED
 
 EOS = 0

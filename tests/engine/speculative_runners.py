@@ -15,7 +15,7 @@ from engine.draft_cost import DraftCosts
 from engine.llm_engine import LLMEngine
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
-from engine.scheduler import SchedulerOutput
+from engine.scheduler_output import SchedulerOutput
 from engine.sequence import Sequence
 from engine.speculative import DEFAULT_COSTS, SpeculativeConfig, SpeculativeDecoder
 from tests.engine.fakes import CharTokenizer, collect

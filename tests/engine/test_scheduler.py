@@ -6,14 +6,14 @@ from engine.block_manager import BlockManager
 from engine.request_queue import SchedulingPolicy
 from engine.sampling_params import SamplingParams
 from engine.scheduler import (
-    CONTEXT_COST_TOKENS,
     DECODE_COST,
     MIN_SHARED_CHUNK,
     SHARED_STEP_COST,
     Scheduler,
-    SchedulerOutput,
 )
+from engine.scheduler_output import SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
+from engine.tenant_shares import CONTEXT_COST_TOKENS
 
 EOS = 0
 

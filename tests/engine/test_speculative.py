@@ -14,7 +14,7 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.sampling_params import SamplingParams
-from engine.scheduler import SchedulerOutput
+from engine.scheduler_output import SchedulerOutput
 from engine.sequence import Sequence
 from engine.speculative import SpeculativeConfig, SpeculativeDecoder
 from tests.engine.speculative_runners import (

@@ -12,7 +12,7 @@ import torch
 from engine.block_manager import BlockManager
 from engine.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
-from engine.scheduler import SchedulerOutput
+from engine.scheduler_output import SchedulerOutput
 from engine.sequence import Sequence
 from engine.speculative import CATCH_UP_ROWS, SpeculativeConfig, SpeculativeDecoder
 from tests.engine.driver import generate_greedy

@@ -11,7 +11,7 @@ from typing import Any
 from engine.block_manager import BlockManager
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
-from engine.scheduler import SchedulerOutput
+from engine.scheduler_output import SchedulerOutput
 from engine.sequence import Sequence
 from engine.speculative import SpeculativeConfig, SpeculativeDecoder
 from tests.engine.fakes import CharTokenizer, collect
