@@ -7,7 +7,10 @@ served the query and the candidate must agree on:
 - numbers (digits, decimals, thousands separators, and number words: "five" == "5"),
 - units (a canonical name per unit: "km" == "kilometres"), and the units a prompt sizes text in, where a count
   comes before them: "in 500 words" never answers "in 500 sentences", nor "5 bullet points" "5 paragraphs"
-  (cache/size_units.py),
+  (cache/size_units.py); and a unit swapped for another of its dimension, counted or not: a text that names a unit
+  the other does not, where the other names one of the same dimension this one does not, asks for another quantity
+  ("a list of words" / "a list of sentences", "in bullet points" / "in paragraphs"; the measurement units' long
+  names are compared wherever they stand already),
 - negations (how many: not, no, never, n't, without...),
 - comparatives and superlatives (more/less, bigger/smaller, best/worst, any "<word>er than"),
 - named entities (capitalized or mixed-case tokens not at a sentence start, acronyms, and a gazetteer of
@@ -50,7 +53,7 @@ from functools import lru_cache
 
 from cache.layout_quotes import layout, quotes_disagree
 from cache.layout_quotes import quoted as quoted  # re-exported: callers and tests read guards.quoted
-from cache.size_units import size_units
+from cache.size_units import size_mentions, size_units
 
 # The most of a text the guards read. The semantic cache serves by meaning only texts this short (and within the
 # embedder's 256 word pieces), so the guards always see the whole of both texts they compare.
@@ -172,6 +175,7 @@ class Features:
     acronyms: frozenset[str]  # all-capital words of 2-5 letters: ML, TS, NASA
     expansions: frozenset[tuple[str, str]]  # (initials, word) of capitalized runs: ("ML", "machine")
     anchors: tuple[str, ...]  # numbers, units and entities in order of appearance
+    size_named: frozenset[str]  # the text-size units named anywhere, counted or not (cache/size_units.py)
     directional: bool
     # the expansions indexed both ways, so checking an entity is a lookup, not a scan
     initials: frozenset[str] = frozenset()  # {"ML"}
@@ -295,7 +299,7 @@ def _extract(text: str) -> Features:
     return Features(tuple(sorted(numbers)), tuple(sorted(units)), negations, frozenset(comparatives),
                     frozenset(entities), frozenset(words), _SPACES.sub("", lowered),
                     frozenset(_ACRONYM.findall(text)), expansions,
-                    tuple(anchors[k] for k in sorted(anchors)), directional,
+                    tuple(anchors[k] for k in sorted(anchors)), size_mentions(text), directional,
                     frozenset(i for i, _ in expansions), {w: frozenset(i) for w, i in initials_of.items()})
 
 
@@ -360,7 +364,7 @@ def check(query: str, candidate: str) -> str | None:
     q, c = extract(query_read), extract(candidate_read)
     if q.numbers != c.numbers:
         return "numbers differ"
-    if q.units != c.units:
+    if q.units != c.units or _unit_swapped(q.size_named, c.size_named):
         return "units differ"
     if q.negations != c.negations:
         return "negation differs"
@@ -376,6 +380,13 @@ def check(query: str, candidate: str) -> str | None:
     if quotes_disagree(query, candidate):
         return QUOTES_DIFFER
     return None
+
+
+def _unit_swapped(a: frozenset[str], b: frozenset[str]) -> bool:
+    """Each side names a unit of one dimension (here the text-size units, all one dimension) that the other does
+    not: one unit was put in another's place. A unit named on one side only, with nothing in its place ("in other
+    words, ..." / "..."), is not a swap: it changes no quantity unless counted, which `units` compares."""
+    return bool(a - b) and bool(b - a)
 
 
 def _shared_order(a: tuple[str, ...], b: tuple[str, ...]) -> bool:

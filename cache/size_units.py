@@ -62,3 +62,13 @@ def size_units(text: str, number_words: Container[str]) -> list[str]:
             if tokens[j][0].isdigit() or not tokens[j].isalpha() or tokens[j] == "of":
                 break  # another count, the phrase ended, or "one of the ...": a part, not a size
     return [_SIZE_WORD[tokens[i]] for i in sorted(found)]
+
+
+def size_mentions(text: str) -> frozenset[str]:
+    """Every unit of `_TEXT_SIZE_UNITS` that `text` names, counted or not: "avoid complex words" -> {"text word"}.
+
+    For the guards' swap rule (cache/guards.py `check`): a text that names one of these units where the other names
+    a different one ("a list of words" / "a list of sentences", "in bullet points" / "in paragraphs") asks for
+    another size of text, counted or not. An uncounted mention alone ("in other words" on one side only) changes
+    nothing, so `size_units`' count is still what the guards compare as a quantity."""
+    return frozenset(_SIZE_WORD[t] for t in _SIZE_TOKEN.findall(text.lower()) if t in _SIZE_WORD)

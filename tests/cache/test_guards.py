@@ -85,6 +85,28 @@ def test_text_size_words_without_a_count_are_not_units(query: str, candidate: st
     assert check(query, candidate) is None
 
 
+@pytest.mark.parametrize(("query", "candidate"), [
+    ("Rewrite this text in simpler words", "Rewrite this text in simpler sentences"),
+    ("Summarize each chapter of the book", "Summarize each page of the book"),
+    ("Make a list of the lines that rhyme", "Make a list of the verses that rhyme"),
+    ("Split the prompt into tokens", "Split the prompt into characters"),
+])
+def test_a_text_size_unit_swapped_for_another_is_refused_without_a_count(query: str, candidate: str) -> None:
+    """Uncounted, a unit put in another's place still asks for another size of text (issue 21: the meaning check
+    served such swaps)."""
+    assert check(query, candidate) == "units differ"
+    assert check(candidate, query) == "units differ"
+
+
+@pytest.mark.parametrize(("query", "candidate"), [
+    ("Explain the point of this paragraph", "Explain the purpose of this paragraph"),  # nothing in its place
+    ("In other words, what does this section say?", "Put simply, what does this section say?"),
+    ("Translate these sentences, word by word", "Translate these sentences word for word"),
+])
+def test_a_text_size_unit_named_on_one_side_only_is_no_swap(query: str, candidate: str) -> None:
+    assert check(query, candidate) is None
+
+
 def test_features() -> None:
     f = extract("Is it 1,500.50 USD or 20% more in Berlin than in Tokyo? I don't know.")
     assert f.numbers == ("1500.5", "20")
