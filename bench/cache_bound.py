@@ -1,7 +1,7 @@
 """The cache's error bound on held-out near misses and paraphrases: a static threshold and learned ones, side by side.
 
     .venv/bin/python -m bench.cache_bound [--per-kind 400] [--passes 6] [--edit-share 0.1]
-        [--vectors-cache /tmp/bound_vectors.npz] [--show-false-hits KIND ... [--show-arm ARM ...]]
+        [--vectors-cache /tmp/bound_vectors.npz] [--show-false-hits KIND ... [--show-arm ARM ...]] [--arm ARM ...]
 
 Sets: bench/near_miss_sets.py (meaning-changing edits of held-out ShareGPT questions in 8 kinds, GPTCache's
 held-out paraphrase pairs, rule-based rewrites), fixed before the bound existed and not tuned on it.
@@ -40,6 +40,10 @@ call billed to us).
 `--show-false-hits KIND` (repeatable) also lists, for the arms of `--show-arm` (default: static + meaning), the
 wrong hits of that kind served in any pass: the edited query, the original whose answer it got, and in how many
 passes. It is for reading what slips through, by category; it does not change the figures.
+
+`--arm ARM` (repeatable) runs only those arms (default: all). The static arms learn nothing, so their passes 2-N
+repeat pass 1's decisions: `--arm static --arm "static + meaning" --passes 2` gives their figures of a full run in
+a fraction of its time.
 """
 
 from __future__ import annotations
@@ -334,6 +338,8 @@ def main(argv: list[str] | None = None) -> str:
                         help="print the wrong hits served for this kind (repeatable), per arm of --show-arm")
     parser.add_argument("--show-arm", action="append", default=None, choices=list(ARMS),
                         help="the arm(s) whose wrong hits --show-false-hits prints (default: static + meaning)")
+    parser.add_argument("--arm", action="append", default=None, choices=list(ARMS),
+                        help="run only this arm (repeatable; default: every arm)")
     args = parser.parse_args(argv)
     offline_hub()
     t0 = time.perf_counter()
@@ -358,10 +364,10 @@ def main(argv: list[str] | None = None) -> str:
         orders.append(order)
     memo = MemoEmbedder(batch, vectors)
     swept = sweep(memo, originals, lookups, orders[0])
-    shown_arms = args.show_arm or ["static + meaning"]
+    shown_arms = [a for a in args.show_arm or ["static + meaning"] if args.arm is None or a in args.arm]
     results = {arm: run_arm(arm, policy, memo, originals, lookups, orders, args.seed, args.window,
                             frozenset(args.show_false_hits) if arm in shown_arms else frozenset())
-               for arm, policy in ARMS.items()}
+               for arm, policy in ARMS.items() if args.arm is None or arm in args.arm}
     counts = Counter(c.kind for c in cases)
     head = [f"{len(orders[0])} held-out lookups per pass ({pct(len(orders[0]) - len(paraphrases), len(orders[0]))} "
             f"edits) x {args.passes} passes (reshuffled; nothing new stored), {len(originals)} originals in one "
