@@ -59,6 +59,28 @@ def test_scores_separate_edits_from_paraphrases(meaning: MeaningCheck) -> None:
     assert np.array_equal(MeaningCheck().load().margins(pairs[::-1])[::-1], scores)  # nothing carried over
 
 
+@pytest.mark.parametrize(("cached", "new"), [
+    ("Write a story for a 7 year old boy", "Write a story for a 7 year young boy"),
+    ("What will this shell script output?", "What will this shell script input?"),
+])
+def test_a_pair_that_differs_in_one_place_is_also_read_there(meaning: MeaningCheck, cached: str, new: str) -> None:
+    """Read whole, two near-identical questions score as the same (the overlap pulls the model there: it accepted
+    these); read where they differ (cache/nli_span.py), the changed word is refused."""
+    assert meaning.score(cached, new) < meaning.accept_margin
+    assert meaning.score(new, cached) < meaning.accept_margin
+    assert meaning._margin(cached, new) >= meaning.accept_margin  # the whole pair alone: accepted, as before
+
+
+@pytest.mark.parametrize(("cached", "new"), [
+    ("Explain this joke to me", "Describe this joke to me"),
+    ("Create a landing page for my bakery", "Make a landing page for my bakery"),
+    ("Can you help me write a poem about autumn?", "Could you help me write a poem about autumn?"),
+])
+def test_a_paraphrase_that_differs_in_one_place_is_still_served(meaning: MeaningCheck, cached: str,
+                                                                new: str) -> None:
+    assert meaning.score(cached, new) >= meaning.accept_margin
+
+
 def test_a_pair_too_long_to_read_whole_is_refused_unread(meaning: MeaningCheck,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """Cut to the model's 160 tokens, a long shared context would hide an edit at its end: refused instead."""
