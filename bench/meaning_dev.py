@@ -1,13 +1,19 @@
 """What the cache's defences do with the development set's pairs (bench/meaning_dev_sets.py), pair by pair.
 
-    .venv/bin/python -m bench.meaning_dev [--out /tmp/meaning_dev.json] [--per-kind 300]
+    .venv/bin/python -m bench.meaning_dev [--out /tmp/meaning_dev.json] [--reuse OLD.json] [--per-kind 300]
 
 For each (original, query) pair: MiniLM's cosine (the cache's threshold is 0.8), the near-miss guards' verdict
-(cache/guards.py `check`), and, for the pairs both let through, the meaning check's two entailment margins
-(cached -> new and new -> cached; the check serves at min >= ACCEPT_MARGIN). Prints, per kind, how many pairs each
-stage lets through, and writes every pair's figures as JSON for reading the failures. The pair is scored alone
-(the cache's lookup may meet other candidates first); it is for diagnosis, not for the issue's figures, which
-bench/cache_bound.py measures on the held-out sets.
+(cache/guards.py `check`), and, for the pairs both let through, the meaning check's whole-pair entailment margins
+(cached -> new and new -> cached; the check takes the smaller) and, for a minimal pair (cache/nli_span.py), the
+margin of its changed place read with 1, 2 and 3 words of context. Prints, per kind, how many pairs each stage lets
+through, with the whole reading alone (the check before session 46) and with the place's reading too (as served),
+and the calibration of the place's margin (`SPAN_ACCEPT_MARGIN`), by a rule fixed before it was run: among the
+minimal pairs the whole reading accepts, the score keeping 98% of the paraphrases, rounded down to 0.05; then the
+context letting the fewest edits through. Writes every pair's figures as JSON for reading the failures
+(`--reuse` takes the cosines and whole margins of an earlier JSON, so only the guards and the places are redone).
+
+The pair is scored alone (the cache's lookup may meet other candidates first): it is for diagnosis and for choosing,
+never for the issue's figures, which bench/cache_bound.py measures on the held-out sets.
 """
 
 from __future__ import annotations
@@ -24,60 +30,93 @@ from assets import offline_hub
 from bench.meaning_dev_sets import build
 from cache import Embedder
 from cache.guards import check
-from cache.meaning_check import ACCEPT_MARGIN, MeaningCheck
+from cache.meaning_check import ACCEPT_MARGIN, SPAN_ACCEPT_MARGIN, MeaningCheck
+from cache.nli_span import minimal_pair
 
 THRESHOLD = 0.8
+CONTEXTS = (1, 2, 3)
+KEEP = 0.98  # of the one-place paraphrases the whole reading accepts
 
 
-def score(cases: list, nli: MeaningCheck) -> list[dict]:
-    embedder = Embedder(num_threads=2)
-    texts = list(dict.fromkeys([c.original for c in cases] + [c.query for c in cases]))
-    vectors = dict(zip(texts, embedder.encode(texts, batch_size=64), strict=True))
+def score(cases: list, nli: MeaningCheck, reuse: dict[tuple[str, str], dict]) -> list[dict]:
+    todo = [c for c in cases if (c.original, c.query) not in reuse]
+    vectors = {}
+    if todo:
+        texts = list(dict.fromkeys([c.original for c in todo] + [c.query for c in todo]))
+        vectors = dict(zip(texts, Embedder(num_threads=2).encode(texts, batch_size=64), strict=True))
     rows = []
     for c in cases:
-        cosine = float(vectors[c.original] @ vectors[c.query])
-        guard = check(c.query, c.original)
-        row = {"kind": c.kind, "original": c.original, "query": c.query, "cosine": round(cosine, 4), "guard": guard}
-        if cosine >= THRESHOLD and guard is None:
-            forward, backward = _directions(nli, c.original, c.query)
-            row |= {"forward": round(forward, 3), "backward": round(backward, 3)}
+        old = reuse.get((c.original, c.query))
+        cosine = old["cosine"] if old else round(float(vectors[c.original] @ vectors[c.query]), 4)
+        row = {"kind": c.kind, "original": c.original, "query": c.query, "cosine": cosine,
+               "guard": check(c.query, c.original)}
+        if cosine >= THRESHOLD and row["guard"] is None:
+            if old and "forward" in old:
+                row |= {"forward": old["forward"], "backward": old["backward"]}
+            else:
+                forward, backward = _directions(nli, c.original, c.query)
+                row |= {"forward": round(forward, 3), "backward": round(backward, 3)}
+            for k in CONTEXTS:
+                if (place := minimal_pair(c.original, c.query, k)) is not None:
+                    row[f"place{k}"] = round(nli._margin(*place), 3)
         rows.append(row)
     return rows
 
 
 def _directions(nli: MeaningCheck, cached: str, new: str) -> tuple[float, float]:
-    tokenizer, session = nli._tokenizer, nli._session
-    a, b = tokenizer.encode_batch([(cached, new), (new, cached)])
+    a, b = nli._tokenizer.encode_batch([(cached, new), (new, cached)])
     ids = np.array([a.ids, b.ids], dtype=np.int64)
-    logits = session.run(None, {"input_ids": ids, "attention_mask": np.ones_like(ids)})[0]
+    logits = nli._session.run(None, {"input_ids": ids, "attention_mask": np.ones_like(ids)})[0]
     margins = logits[:, 0] - logits[:, 1]
     return float(margins[0]), float(margins[1])
 
 
-def summary(rows: list[dict], margin: float = ACCEPT_MARGIN) -> list[str]:
-    lines = ["| kind | pairs | cosine >= 0.8 | and guards pass | and meaning accepts |", "|---|---|---|---|---|"]
-    kinds = list(dict.fromkeys(r["kind"] for r in rows))
-    for kind in kinds:
+def accepted(row: dict, span_margin: float | None, context: int = 1) -> bool:
+    if row["cosine"] < THRESHOLD or row["guard"] is not None or min(row["forward"], row["backward"]) < ACCEPT_MARGIN:
+        return False
+    return span_margin is None or row.get(f"place{context}", np.inf) >= span_margin
+
+
+def summary(rows: list[dict]) -> list[str]:
+    lines = ["| kind | pairs | cosine >= 0.8 | and guards pass | meaning, whole only | meaning, whole and place |",
+             "|---|---|---|---|---|---|"]
+    for kind in dict.fromkeys(r["kind"] for r in rows):
         of = [r for r in rows if r["kind"] == kind]
         near = [r for r in of if r["cosine"] >= THRESHOLD]
         guarded = [r for r in near if r["guard"] is None]
-        served = [r for r in guarded if min(r["forward"], r["backward"]) >= margin]
-        lines.append(f"| {kind} | {len(of)} | {len(near)} | {len(guarded)} | {len(served)} "
-                     f"({100 * len(served) / len(of):.1f}%) |")
+        whole = sum(accepted(r, None) for r in of)
+        both = sum(accepted(r, SPAN_ACCEPT_MARGIN) for r in of)
+        lines.append(f"| {kind} | {len(of)} | {len(near)} | {len(guarded)} | {whole} ({100 * whole / len(of):.1f}%) "
+                     f"| {both} ({100 * both / len(of):.1f}%) |")
+    return lines
+
+
+def calibrate(rows: list[dict]) -> list[str]:
+    lines = ["| context words | margin (keeps 98% of one-place paraphrases) | paraphrases kept | edits let through |",
+             "|---|---|---|---|"]
+    for k in CONTEXTS:
+        pairs = [r for r in rows if accepted(r, None) and f"place{k}" in r]
+        para = [r[f"place{k}"] for r in pairs if r["kind"].startswith("paraphrase")]
+        edits = [r[f"place{k}"] for r in pairs if not r["kind"].startswith("paraphrase")]
+        margin = float(np.floor(np.quantile(para, 1 - KEEP, method="lower") / 0.05 + 1e-9) * 0.05)
+        lines.append(f"| {k} | {margin:.2f} | {sum(p >= margin for p in para)} of {len(para)} "
+                     f"| {sum(e >= margin for e in edits)} of {len(edits)} |")
     return lines
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("/tmp/meaning_dev.json"))
+    ap.add_argument("--reuse", type=Path, default=None, help="an earlier --out: its cosines and whole margins")
     ap.add_argument("--per-kind", type=int, default=300)
     args = ap.parse_args()
     offline_hub()
     t0 = time.perf_counter()
     nli = MeaningCheck().load()
-    rows = score(build(args.per_kind), nli)
+    reuse = {(r["original"], r["query"]): r for r in json.loads(args.reuse.read_text())} if args.reuse else {}
+    rows = score(build(args.per_kind), nli, reuse)
     args.out.write_text(json.dumps(rows, indent=1))
-    print("\n".join(summary(rows)))
+    print("\n".join([*summary(rows), "", *calibrate(rows)]))
     print(f"{len(rows)} pairs in {time.perf_counter() - t0:.0f} s; guards' refusals: "
           f"{dict(Counter(r['guard'] for r in rows if r['guard']))}")
 

@@ -29,8 +29,8 @@ CONTEXT = 1  # words of shared context kept on each side of the change
 _WORDS = re.compile(r"\w+(?:['’]\w+)*+|[^\w\s]")
 
 
-def minimal_pair(a: str, b: str) -> tuple[str, str] | None:
-    """(a's changed place, b's changed place), each with `CONTEXT` shared words around it, when `a` and `b` differ in
+def minimal_pair(a: str, b: str, context: int = CONTEXT) -> tuple[str, str] | None:
+    """(a's changed place, b's changed place), each with `context` shared words around it, when `a` and `b` differ in
     one place of at most `MAX_CHANGED` words on each side; None when they differ more, or not at all (case aside)."""
     x, y = _WORDS.findall(a), _WORDS.findall(b)
     xl, yl = [w.casefold() for w in x], [w.casefold() for w in y]
@@ -44,5 +44,5 @@ def minimal_pair(a: str, b: str) -> tuple[str, str] | None:
     changed_x, changed_y = len(x) - start - end, len(y) - start - end
     if max(changed_x, changed_y) == 0 or max(changed_x, changed_y) > MAX_CHANGED:
         return None
-    lo = max(0, start - CONTEXT)
-    return " ".join(x[lo:len(x) - end + CONTEXT]), " ".join(y[lo:len(y) - end + CONTEXT])
+    lo = max(0, start - context)
+    return " ".join(x[lo:len(x) - end + context]), " ".join(y[lo:len(y) - end + context])
