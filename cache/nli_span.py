@@ -4,9 +4,10 @@ Two questions that differ in one place ("how do I play a game" / "how do I displ
 young version") are what the near-miss edits look like, and what the meaning check reads worst: its NLI model sees
 two almost identical texts, and the overlap pulls its score towards "same" whatever the changed word is (the known
 lexical-overlap bias of NLI models). On the development set (bench/meaning_dev_sets.py, questions of the training
-side of the split) the check accepted 59 such one-place edits of 1,050 edits of antonym and unit kinds, all of them
-at scores where paraphrases also sit (-1.35 to 0), read either way round; the margin cannot separate them, and
-neither can the pair's order (the check already takes the smaller of the two directions).
+side of the split; the guards before session 46) the check accepted 59 such one-place edits of 929 antonym and unit
+edits, all at scores where paraphrases also sit (-1.35 to 0), read either way round: the margin cannot separate
+them (medians -0.87 and -0.75; at -1.0 it still let 41 through and refused a fifth of those paraphrases), nor can
+the pair's order (the check already takes the smaller of the two directions).
 
 Read alone, with one word of context on each side ("the old version" / "the young version"), the changed place
 carries the pair's whole difference, and the model scores it on its own. `minimal_pair` finds that place: the
