@@ -35,7 +35,6 @@ from typing import Any
 
 from quotas.ledger_reads import LedgerReads, ReadSource
 from quotas.ledger_rows import CountKey, LedgerRow, Refusal, count_key, to_db
-from quotas.ledger_wakeups import LoopHandBack, Nudges
 from quotas.ledger_withdrawals import LedgerUnavailable, RowWithdrawn, Withdrawals, until, wake
 
 log = logging.getLogger("tiergate.ledger")
@@ -78,9 +77,6 @@ class Ledger(LedgerReads, ABC):
         self._refusals_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        # the wake-ups both ways, with the GIL let go (ledger_wakeups.py): the loop's rows queued, the writer's commits
-        self._nudges: Nudges | None = None
-        self._hand_back: LoopHandBack | None = None
         self._fault: str | None = None  # why the last commit failed, until one succeeds
         self._next_prune = 0.0
         self._withdrawals = Withdrawals()  # which pending rows `wait_durable` may still withdraw
@@ -150,8 +146,6 @@ class Ledger(LedgerReads, ABC):
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._nudges = Nudges()
-        self._hand_back = LoopHandBack(self._loop, self._settle_on_loop)
         self._thread = threading.Thread(target=self._writer, name="ledger-writer", daemon=True)
         self._thread.start()
 
@@ -160,11 +154,7 @@ class Ledger(LedgerReads, ABC):
         if self._thread is not None:
             self._post()
             self._queue.put(_STOP)
-            self._nudge()
             self._thread.join(timeout=self.record_timeout_s + self.busy_timeout_s + 5)
-            if not self._thread.is_alive() and self._nudges and self._hand_back:  # else the writer may use them
-                self._nudges.close()
-                self._hand_back.close()
             self._thread = None
         self._close_reads()
 
@@ -236,11 +226,6 @@ class Ledger(LedgerReads, ABC):
         rows, self._outbox = self._outbox, []
         if rows:
             self._queue.put(rows)
-            self._nudge()
-
-    def _nudge(self) -> None:
-        if self._nudges is not None:
-            self._nudges.nudge()
 
     def submit_refusal(self, refusal: Refusal) -> None:
         """Count a refusal, durable with the next commit: at the latest with the next row submitted."""
@@ -250,7 +235,6 @@ class Ledger(LedgerReads, ABC):
             self._refusals[key] += 1
         if wake:
             self._queue.put(_WAKE)
-            self._nudge()
 
     # ---- the writer thread ----
 
@@ -334,15 +318,9 @@ class Ledger(LedgerReads, ABC):
         first = True
         while len(rows) < GROUP_MAX:
             try:
-                item = self._queue.get_nowait()
+                item = self._queue.get(block=block and first)
             except queue.Empty:
-                if not (block and first):
-                    break
-                if self._nudges is None:  # (never while the writer runs: made before it starts)
-                    item = self._queue.get()
-                else:
-                    self._nudges.wait()  # until the loop nudges, after its put: then get again
-                    continue
+                break
             first = False
             if item == _STOP:
                 return True
@@ -381,11 +359,12 @@ class Ledger(LedgerReads, ABC):
         return time.time() - self.refusal_retention_days * 86400
 
     def _resolve(self, futures: list[asyncio.Future[None] | None], errors: list[Exception | None]) -> None:
-        """Settle a group's futures on their loop, in one hand-over (one wake-up of the loop, not one a row), which
-        lets the GIL go as it wakes the loop (quotas/loop_handback.py); nothing once the loop is closed."""
-        hand_back = self._hand_back
-        if hand_back is not None:
-            hand_back.send(futures, errors)
+        """Settle a group's futures on their loop, in one hand-over (one wake-up of the loop, not one a row)."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        with suppress(RuntimeError):  # the loop closed meanwhile: nobody waits on them any more
+            loop.call_soon_threadsafe(self._settle_on_loop, futures, errors)
 
     def _settle_on_loop(self, futures: list[asyncio.Future[None] | None], errors: list[Exception | None]) -> None:
         """The futures settled, and no longer in flight: in one turn of the loop, so no withdrawal comes between."""
