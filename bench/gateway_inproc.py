@@ -2,6 +2,7 @@
 
     .venv/bin/python -m bench.gateway_inproc --ref d262770                     # paths a and b, c=16, 2 pairs
     .venv/bin/python -m bench.gateway_inproc --ref HEAD~1 --paths a --concurrency 1 --pairs 3
+    .venv/bin/python -m bench.gateway_inproc --ref HEAD~1 --paths b --concurrency 1 --turns   # latency at c=1
 
 On a machine where other work runs, `bench.gateway`'s cells move by 10-30% between runs with nothing changed, so a
 change worth a few per cent of the gateway's CPU does not show through it. Here each tree's app (`create_app`, the
@@ -20,7 +21,10 @@ a few hundred requests (about 100 a second a core). `--ref` is extracted with `g
 directory (no worktree).
 
 The report gives each round's CPU µs per request for both, the medians and their ratio (ref over this tree: above
-1 means this tree spends less).
+1 means this tree spends less); then the same for each round's p50 latency (the app's call to its return) and the
+context switches a request (every thread's, voluntary and not). At c=1 two processes at once on one CPU wait on each
+other, so their latencies are one figure: `--turns` runs their rounds one after the other instead (each first in
+half of them), for latency, at the price of whatever else the machine runs falling on one more than the other.
 """
 
 from __future__ import annotations
@@ -29,8 +33,10 @@ import argparse
 import asyncio
 import itertools
 import json
+import math
 import os
 import random
+import resource
 import statistics
 import subprocess
 import sys
@@ -61,6 +67,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=4, help="rounds per path in one pair of processes [4]")
     p.add_argument("--pairs", type=int, default=2, help="pairs of processes, one after another [2]")
     p.add_argument("--tokens", type=int, default=8, help="tokens per answer [8]")
+    p.add_argument("--turns", action="store_true",
+                   help="the two take turns round by round instead of running at once: for latency (each round's "
+                        "p50), which two processes on one CPU would share")
     p.add_argument("--child", nargs=2, metavar=("CONFIG_DIR", "CPU"), help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -114,6 +123,7 @@ async def _drive(app: Any, key: str, args: argparse.Namespace) -> None:
     nonce = itertools.count(int(time.time()) % 100_000 * 100_000)
     words = random.Random(18)  # path c's texts: the same in both processes, new to each one's cache
     statuses: dict[int, int] = {}
+    latencies: list[float] = []  # each request's wall time, from the app's call to its return
 
     def body(path: str) -> bytes:
         if path == "a":
@@ -153,7 +163,9 @@ async def _drive(app: Any, key: str, args: argparse.Namespace) -> None:
             if message["type"] == "http.response.start":
                 status = message["status"]
 
+        t0 = time.perf_counter()
         await app(scope, receive, send)
+        latencies.append(time.perf_counter() - t0)
         answered.set()
         statuses[status] = statuses.get(status, 0) + 1
 
@@ -174,11 +186,16 @@ async def _drive(app: Any, key: str, args: argparse.Namespace) -> None:
         for _ in range(args.rounds):
             await loop.run_in_executor(None, sys.stdin.readline)  # the parent starts both processes' rounds together
             statuses.clear()
-            cpu0, t0 = time.process_time(), time.perf_counter()
+            latencies.clear()
+            cpu0, t0, ru0 = time.process_time(), time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
             await run(path, args.requests)
             cpu_us = (time.process_time() - cpu0) * 1e6 / args.requests
+            ru1 = resource.getrusage(resource.RUSAGE_SELF)  # context switches of all its threads
+            switches = (ru1.ru_nvcsw - ru0.ru_nvcsw + ru1.ru_nivcsw - ru0.ru_nivcsw) / args.requests
             print(json.dumps({"path": path, "cpu_us": round(cpu_us, 1),
-                              "rps": round(args.requests / (time.perf_counter() - t0)), "statuses": statuses}),
+                              "rps": round(args.requests / (time.perf_counter() - t0)),
+                              "p50_us": round(statistics.median(latencies) * 1e6, 1),
+                              "switches": round(switches, 2), "statuses": statuses}),
                   flush=True)
     await startup.put({"type": "lifespan.shutdown"})
     await replies.get()
@@ -245,6 +262,8 @@ def main(argv: list[str] | None = None) -> None:
         config = Path(tmp) / "config"
         write_bench_config(config, mock.url)
         results: dict[str, dict[str, list[float]]] = {p: {"this": [], "other": []} for p in args.paths}
+        p50s: dict[str, dict[str, list[float]]] = {p: {"this": [], "other": []} for p in args.paths}
+        switches: dict[str, dict[str, list[float]]] = {p: {"this": [], "other": []} for p in args.paths}
         try:
             for pair in range(args.pairs):
                 procs = {"this": spawn_child(REPO, config, gw, args, Path(tmp) / f"this-{pair}.log"),
@@ -253,17 +272,23 @@ def main(argv: list[str] | None = None) -> None:
                     for proc in procs.values():
                         read_json(proc)  # ready
                     for path in args.paths:
-                        for _ in range(args.rounds):
-                            for proc in procs.values():
+                        for turn in range(args.rounds):
+                            got = {}
+                            order = list(procs.items())  # each goes first in half the rounds
+                            for name, proc in order[::-1] if turn % 2 else order:
                                 assert proc.stdin is not None
                                 proc.stdin.write("go\n")
                                 proc.stdin.flush()
-                            got = {name: read_json(proc) for name, proc in procs.items()}
+                                if args.turns:
+                                    got[name] = read_json(proc)
+                            got = got or {name: read_json(proc) for name, proc in procs.items()}
                             for name, row in got.items():
                                 bad = {s: n for s, n in row["statuses"].items() if s != "200"}
                                 if bad:
                                     raise SystemExit(f"{name} answered {bad} (path {path})")
                                 results[path][name].append(row["cpu_us"])
+                                p50s[path][name].append(row.get("p50_us", math.nan))
+                                switches[path][name].append(row.get("switches", math.nan))
                             print(f"pair {pair + 1} path {path}: this {got['this']['cpu_us']:.0f} µs "
                                   f"({got['this']['rps']} req/s), other {got['other']['cpu_us']:.0f} µs "
                                   f"({got['other']['rps']} req/s)", file=sys.stderr, flush=True)
@@ -282,6 +307,15 @@ def main(argv: list[str] | None = None) -> None:
         a, b = statistics.median(this), statistics.median(ref)
         print(f"| ({path}) | {args.concurrency} | {', '.join(f'{x:.0f}' for x in this)} | "
               f"{', '.join(f'{x:.0f}' for x in ref)} | {a:.0f} / {b:.0f} | {b / a:.3f}x |")
+    for what, table, digits in (("p50 µs/request", p50s, 0), ("context switches/request", switches, 2)):
+        print(f"\n| path | c | {mine}: {what}, each round | {other_label}: each round | medians | "
+              f"{other_label} over {mine} |\n|---|---|---|---|---|---|")
+        for path in args.paths:
+            this, ref = table[path]["this"], table[path]["other"]
+            a, b = statistics.median(this), statistics.median(ref)
+            print(f"| ({path}) | {args.concurrency} | {', '.join(f'{x:.{digits}f}' for x in this)} | "
+                  f"{', '.join(f'{x:.{digits}f}' for x in ref)} | {a:.{digits}f} / {b:.{digits}f} | "
+                  f"{b / a:.3f}x |")
 
 
 if __name__ == "__main__":
