@@ -20,7 +20,12 @@ for the kinds it adds, in its edit vocabulary and procedure:
   (near_miss_sets.edit_antonym, edit_unit) on these training-side questions: other questions, same vocabulary. A
   fix must not be a word added from that vocabulary (none is);
 - paraphrases: GPTCache's training-side pairs (`is_training_gptcache_origin`) and the held-out generator's rule
-  rewrites of these training-side questions.
+  rewrites of these training-side questions;
+- "direction (split)", "number (split)", "negation (split)", "comparative (split)", "entity (split)", "time
+  (split)": the held-out generator's other six kinds on these questions (session 46, GPTCache's paraphrases), so
+  that a change to the meaning check is seen against every kind the issue bounds, including the edits that are not
+  one-place changes (direction swaps: "from c++ to fsharp" / "from fsharp to c++"). Drawn after every case above,
+  with their own rng, so the cases above are the same pairs as before they were added.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from assets.datasets import sharegpt_first_turns
+from bench.near_miss_sets import EDITORS as NEAR_MISS_EDITORS
 from bench.near_miss_sets import (
     GPTCACHE,
     Case,
@@ -44,7 +50,8 @@ from bench.near_miss_sets import (
 )
 
 SEED = 4621
-KINDS = ("antonym (prefix)", "antonym (split)", "unit (registry)", "unit (split)")
+KINDS = ("antonym (prefix)", "antonym (split)", "unit (registry)", "unit (split)", "direction (split)",
+         "number (split)", "negation (split)", "comparative (split)", "entity (split)", "time (split)")
 _PREFIXES = ("un", "dis", "non", "in", "im")
 _ADJECTIVE_END = ("able", "ible", "al", "ent", "ant", "ive", "ect", "ete", "ure", "ate", "ite", "ar")
 
@@ -124,6 +131,10 @@ def edit_antonym_prefix(q: str, rng: random.Random) -> str | None:
 
 EDITORS = {"antonym (prefix)": edit_antonym_prefix, "antonym (split)": edit_antonym,
            "unit (registry)": edit_unit_registry, "unit (split)": edit_unit}
+# the held-out generator's other kinds on these questions (session 46, GPTCache's paraphrases): drawn after every
+# case above, with their own rng (seed SEED + 1), so the pairs above are the same as before they were added
+MORE_EDITORS = {f"{kind} (split)": NEAR_MISS_EDITORS[kind]
+                for kind in ("direction", "number", "negation", "comparative", "entity", "time")}
 
 
 def development_questions(seed: int = SEED) -> list[str]:
@@ -137,16 +148,7 @@ def build(per_kind: int = 300, num_rule_paraphrases: int = 300, seed: int = SEED
     """Edits of `KINDS` (up to `per_kind` each), rule rewrites, and GPTCache's training-side pairs."""
     rng = random.Random(seed)
     questions = development_questions(seed)
-    cases: list[Case] = []
-    for kind, edit in EDITORS.items():
-        found = 0
-        for q in questions:
-            if found >= per_kind:
-                break
-            edited = edit(q, rng)
-            if edited and edited.strip().lower() != q.lower():
-                cases.append(Case(q, edited.strip(), kind))
-                found += 1
+    cases = _edits(EDITORS, questions, per_kind, rng)
     found = 0
     for q in questions:
         if found >= num_rule_paraphrases:
@@ -156,6 +158,20 @@ def build(per_kind: int = 300, num_rule_paraphrases: int = 300, seed: int = SEED
             found += 1
     cases += [Case(p["origin"], p["similar"], "paraphrase:gptcache") for p in json.loads(GPTCACHE.read_text())
               if is_training_gptcache_origin(p["origin"])]
+    return cases + _edits(MORE_EDITORS, questions, per_kind, random.Random(seed + 1))
+
+
+def _edits(editors: dict, questions: list[str], per_kind: int, rng: random.Random) -> list[Case]:
+    cases: list[Case] = []
+    for kind, edit in editors.items():
+        found = 0
+        for q in questions:
+            if found >= per_kind:
+                break
+            edited = edit(q, rng)
+            if edited and edited.strip().lower() != q.lower():
+                cases.append(Case(q, edited.strip(), kind))
+                found += 1
     return cases
 
 
