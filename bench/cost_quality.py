@@ -3,8 +3,9 @@
 Each policy is swept from every request on weak to every request moved to strong; a point is (share on strong,
 mean cost per request, mean quality). Routing moves a request to strong alone; a cascade runs every request on
 weak and retries the moved ones on strong, billed for both (a look-ahead cascade pays only weak's first tokens for
-a retried request). APGR is RouteLLM's area under the performance gap recovered (random mixing 0.5); the same
-area over cost charges a cascade for its double billing.
+a retried request; a cascade that stops at a near tie pays for the tokens made until it stopped). APGR is
+RouteLLM's area under the performance gap recovered (random mixing 0.5); the same area over cost charges a
+cascade for its double billing.
 """
 
 from __future__ import annotations
@@ -47,6 +48,29 @@ def cascade_curve(order: np.ndarray, q_weak: np.ndarray, q_strong: np.ndarray, c
     """`c_first`: what a retried request's weak attempt cost (its whole answer unless a look-ahead cut it)."""
     first = c_weak if c_first is None else c_first
     return policy_curve(order, q_weak, q_strong, c_weak, np.asarray(first) + np.asarray(c_strong))
+
+
+def stop_curve(gap: np.ndarray, thresholds: np.ndarray, q_weak: np.ndarray, q_strong: np.ndarray,
+               c_weak: np.ndarray, c_strong: np.ndarray, c_upto: np.ndarray) -> Curve:
+    """A cascade that stops weak's answer at its first token whose `gap` is below the threshold and retries on
+    strong; one point per threshold (ascending), after the all-on-weak point. The retried set and what each
+    retried attempt cost both change with the threshold, so this is not a policy_curve over one order.
+
+    gap: [N, T] per token (+inf past an answer's end: never stops there); c_upto: [N, T] what weak's attempt
+    costs when stopped at token t (its prompt and tokens 0..t)."""
+    gap = np.asarray(gap, dtype=np.float64)
+    n = len(gap)
+    qw, qs, cw, cs = (np.asarray(a, dtype=np.float64) for a in (q_weak, q_strong, c_weak, c_strong))
+    share, cost, quality = [0.0], [float(cw.mean())], [float(qw.mean())]
+    rows = np.arange(n)
+    for threshold in np.asarray(thresholds, dtype=np.float64):
+        hit = gap < threshold  # [N, T]
+        stopped = hit.any(axis=1)
+        first = np.asarray(c_upto)[rows, hit.argmax(axis=1)]
+        share.append(float(stopped.mean()))
+        cost.append(float(np.where(stopped, first + cs, cw).mean()))
+        quality.append(float(np.where(stopped, qs, qw).mean()))
+    return Curve(np.array(share), np.array(cost), np.array(quality))
 
 
 def ascending(score: np.ndarray) -> np.ndarray:
@@ -103,7 +127,7 @@ def random_quality(cost: np.ndarray, c_weak: float, c_strong: float, q_weak: flo
 class PairEval:
     """Every policy of one pair on one measure."""
 
-    curves: dict[str, Curve]  # router, cascade, lookahead, oracle
+    curves: dict[str, Curve]  # router, cascade, lookahead, oracle (and tie_stop where measured)
     c_weak: float
     c_strong: float
     q_weak: float

@@ -22,14 +22,16 @@ from bench.cost_quality import (
     evaluate_pair,
     quality_at,
     random_quality,
+    stop_curve,
 )
+from bench.router import tie_gaps, tie_thresholds
 from gateway.cli.main import cli
 from tests.tiers.test_difficulty import HashEmbedder
 from tiers.catalogue import TierCatalogue
 from tiers.difficulty import default_artifact_path, load_difficulty_model
 from training.router_prompts import is_heldout, sharegpt_prompts
 from training.router_training import RouterTrainingError, ensure_difficulty_model, train
-from training.tier_answers import runnable_tiers
+from training.tier_answers import Answer, runnable_tiers
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -254,3 +256,30 @@ def test_a_stream_look_ahead_pays_only_for_the_tokens_it_read() -> None:
     early = cascade_curve(np.array([0, 1]), fid, strong, np.full(2, 2.0), np.full(2, 6.0), np.full(2, 0.5))
     assert whole.cost[1] == pytest.approx((2 + 8) / 2) and early.cost[1] == pytest.approx((2 + 6.5) / 2)
     assert early.quality[1] == whole.quality[1] == 1.0
+
+
+def test_a_near_tie_stop_pays_for_the_tokens_made_until_it_stopped() -> None:
+    # two requests of 3 tokens: the first has a near tie (gap 0.1) at its token 1, the second none below 2.0
+    gap = np.array([[3.0, 0.1, 0.5], [2.0, 2.5, np.inf]])
+    c_upto = np.array([[1.0, 2.0, 3.0], [1.0, 2.0, 3.0]])
+    fid, strong, cw, cs = np.array([0.2, 1.0]), np.ones(2), np.full(2, 3.0), np.full(2, 9.0)
+    curve = stop_curve(gap, tie_thresholds(gap), fid, strong, cw, cs, c_upto)
+    assert tie_thresholds(gap) == pytest.approx([0.1, 2.0, 3.0], abs=1e-6)  # where a stop moves
+    # at 0.1+: the first stops at token 1 (pays 2 of weak, 9 of strong), the second keeps its whole answer
+    assert curve.pct_strong[1] == 0.5 and curve.cost[1] == pytest.approx((11 + 3) / 2)
+    assert curve.quality[1] == pytest.approx(1.0)
+    # at 3.0+: both stop at their token 0
+    assert curve.cost[-1] == pytest.approx((1 + 9) * 2 / 2) and curve.pct_strong[-1] == 1.0
+
+
+def test_tie_gaps_read_the_margin_and_give_later_tokens_slack() -> None:
+    tier = TierCatalogue.model_validate({"tiers": {"mid": {
+        "backend": "local", "model": "m", "price_per_1k_input": "1", "price_per_1k_output": "2",
+        "hardware_cost_per_hour": "0", "context_limit": 100}}}).tiers["mid"]
+    answers = [Answer(10, "hi there", [5, 6], "stop", [(-0.1, [-0.1, -0.3]), (-0.01, [-0.01, -5.0])]),
+               Answer(10, "", [2], "stop", [(-0.2, [-0.2, -2.0])])]
+    gap, cost = tie_gaps(answers, tier, 0.5, 4)
+    assert gap[0, :2] == pytest.approx([0.2, 4.99 + 0.5])
+    assert np.isinf(gap[0, 2:]).all() and gap[0, 2] > 0  # past the answer's end: never stops there
+    assert gap[1, 0] == -np.inf  # an empty answer is always retried, at its first token
+    assert cost[0, :2] == pytest.approx([(10 + 2 * 1) / 1000, (10 + 2 * 2) / 1000])
