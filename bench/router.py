@@ -27,6 +27,10 @@
      there. Why: `mid` is `full` quantized, so their greedy answers part where `full` sees a near tie, and
      how much of the answer is left after it is what fidelity loses. The slope is chosen on the training
      answers (the most saved at 95% of strong's quality), the threshold swept on the held-out ones;
+   - cascade, stop at a divergence risk: the same stop, where the risk that weak has parted from strong so far
+     (the sum over its tokens of the rate at which answers parted at a token of that margin on the training
+     answers, each weighted by the share of the answer still to come, to a power chosen on the training
+     answers) passes a threshold swept on the held-out ones;
    - oracle: requests moved in order of true gain (what no predictor can beat; no double billing).
 4. Report, per pair and measure: quality at 11 cost points (0%–100% of the way from always-weak's cost to
    always-strong's), APGR (RouteLLM: the area under the performance gap recovered, (quality − weak) /
@@ -43,6 +47,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +64,7 @@ from bench.cost_quality import (
     random_quality,
     stop_curve,
 )
+from bench.stop_cascade import HAZARD_EDGES, fit_risk, fit_tie_slope, risk_gaps, tie_gaps, tie_thresholds
 
 offline_hub()
 
@@ -68,8 +74,8 @@ PLAN_FLOORS = (0.8, 0.9)  # the shipped standard and enterprise plans'
 # ---- the report ----
 
 POLICIES = (("random", "random mixing"), ("router", "difficulty router"), ("cascade", "cascade"),
-            ("lookahead", "cascade, look-ahead"), ("tie_stop", "cascade, stop at a near tie"), ("oracle", "oracle"))
-TIE_SLOPES = (0.0, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2)  # nats per token the near-tie threshold falls by
+            ("lookahead", "cascade, look-ahead"), ("tie_stop", "cascade, stop at a near tie"),
+            ("risk_stop", "cascade, stop at a divergence risk"), ("oracle", "oracle"))
 
 
 def _pct(v: float | None) -> str:
@@ -100,7 +106,7 @@ def pair_table(ev: PairEval, *, title: str, unit: str, floors: dict[float, tuple
         f"- cost saved vs always-strong at {QUALITY_TARGET:.0%} of its quality: "
         + ", ".join(f"{k} **{_pct(ev.saving(k))}**" for k, _ in names),
     ]
-    for key in ("cascade", "lookahead", "tie_stop"):
+    for key in ("cascade", "lookahead", "tie_stop", "risk_stop"):
         if key in ev.curves:
             below, of, worst = ev.below_random(key)
             verdict = "yes" if below == 0 else f"no ({below} of {of} points below)"
@@ -197,7 +203,8 @@ def run(args: argparse.Namespace, command: str) -> list[str]:
                              **kw)}
     look, lookahead = _lookahead_heads(model, trained, args.lookahead, args.seed)
     pairs = [(t, "full") for t in tiers if t != "full"] + ([("small", "mid")] if {"small", "mid"} <= set(tiers) else [])
-    slopes = {pair: _tie_slope(trained, *pair, catalogue, args.max_tokens) for pair in pairs}
+    slopes = {pair: fit_tie_slope(trained, *pair, catalogue, args.max_tokens) for pair in pairs}
+    risks = {pair: fit_risk(trained, *pair, catalogue, args.max_tokens) for pair in pairs}
     lines = [f"Router: `auto`'s policies on held-out prompts, tiers {', '.join(tiers)}. `{command}`", "",
              f"Artifact {model.version}: difficulty heads and cascade calibration from {len(trained.prompts)} "
              f"training-split ShareGPT prompts; greedy answers of {args.max_tokens} tokens (prompts cut to "
@@ -227,6 +234,10 @@ def run(args: argparse.Namespace, command: str) -> list[str]:
             gap, c_upto = tie_gaps(col.answers[weak], catalogue.tiers[weak], slopes[weak, strong], args.max_tokens)
             ev.curves["tie_stop"] = stop_curve(gap, tie_thresholds(gap), quality[weak], quality[strong], cost[weak],
                                                cost[strong], c_upto)
+            hazard, power = risks[weak, strong]
+            gap, c_upto = risk_gaps(col.answers[weak], catalogue.tiers[weak], hazard, power, args.max_tokens)
+            ev.curves["risk_stop"] = stop_curve(gap, tie_thresholds(gap), quality[weak], quality[strong], cost[weak],
+                                                cost[strong], c_upto)
             floors = {}
             pair = model.cascade.pair(weak, strong) if model.cascade else None
             if pair is not None:
@@ -243,7 +254,12 @@ def run(args: argparse.Namespace, command: str) -> list[str]:
             title = f"{weak} → {strong}, {len(col.prompts)} {what}"
             lines += [*pair_table(ev, title=title, unit=unit, floors=floors), ""]
     lines += [f"Stop at a near tie: slope chosen on the training answers, {weak} → {strong}: {slope:g} nats per token"
-              for (weak, strong), slope in slopes.items()] + [""]
+              for (weak, strong), slope in slopes.items()]
+    bins = list(pairwise(HAZARD_EDGES))
+    lines += [f"Stop at a divergence risk, {weak} → {strong}: power {power:g} (chosen on the training answers); "
+              "the rate at which answers parted per margin bin " + ", ".join(
+                  f"[{lo:g}, {hi:g}) {h:.3f}" for (lo, hi), h in zip(bins, hazard, strict=True))
+              for (weak, strong), (hazard, power) in risks.items()] + [""]
     lines += _predictor_lines(model, sets["ShareGPT"], trained)
     lines += _signal_lines(trained, lookahead, args.seed)
     return lines
@@ -272,57 +288,6 @@ def _lookahead_heads(model: Any, trained: Any, lookahead: int | None, seed: int)
                 if (v := signal_values(a, first_tokens=lookahead)) is not None]
         heads[tier] = fit_confidence([v for v, _ in rows], np.array([f for _, f in rows]), seed=seed)[0]
     return heads, lookahead
-
-
-def tie_gaps(answers: Sequence[Any], tier: Any, slope: float, max_tokens: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per answer and token: how far its margin (nats between its two most likely tokens) is above a near tie,
-    counting a later token's slack (margin + slope x position), and what the answer cost stopped there.
-
-    Returns gap [N, T] (+inf past an answer's end or where a token came without two alternatives: no stop
-    there; -inf at token 0 for an answer without text or log-probabilities, which a cascade always retries)
-    and cost [N, T] (the tier's price for the prompt and tokens 0..t)."""
-    n, width = len(answers), max(max_tokens, 1)
-    gap = np.full((n, width), np.inf)
-    cost = np.zeros((n, width))
-    for i, a in enumerate(answers):
-        cost[i] = [float(tier.price(a.num_prompt_tokens, min(t + 1, max(len(a.token_ids), 1)))) for t in range(width)]
-        if not a.text.strip() or not a.logprobs:
-            gap[i, 0] = -np.inf
-            continue
-        for t, (_, top) in enumerate(a.logprobs[:width]):
-            if len(top) >= 2:
-                gap[i, t] = top[0] - top[1] + slope * t
-    return gap, cost
-
-
-def tie_thresholds(gap: np.ndarray) -> np.ndarray:
-    """Every threshold at which some answer's stop moves (just above each running minimum of its gaps),
-    ascending: the sweep then has a point wherever the policy changes."""
-    finite = np.where(np.isfinite(gap), gap, np.nan)
-    records = np.fmin.accumulate(finite, axis=1)
-    values = np.unique(records[np.isfinite(records)])
-    return values + 1e-9
-
-
-def _tie_slope(trained: Any, weak: str, strong: str, catalogue: Any, max_tokens: int) -> float:
-    """The slope of TIE_SLOPES that saves most at QUALITY_TARGET on the training answers (ties: the smaller)."""
-    from bench.cost_quality import PairEval
-
-    fid = trained.fidelity
-    q_weak = fid[weak]
-    q_strong = fid.get(strong, np.ones(len(q_weak)))
-    cost = {t: np.array([float(catalogue.tiers[t].price(a.num_prompt_tokens, len(a.token_ids)))
-                         for a in trained.answers[t]]) for t in (weak, strong)}
-    best, best_saving = TIE_SLOPES[0], -np.inf
-    for slope in TIE_SLOPES:
-        gap, c_upto = tie_gaps(trained.answers[weak], catalogue.tiers[weak], slope, max_tokens)
-        curve = stop_curve(gap, tie_thresholds(gap), q_weak, q_strong, cost[weak], cost[strong], c_upto)
-        ev = PairEval({"tie_stop": curve}, float(cost[weak].mean()), float(cost[strong].mean()),
-                      float(q_weak.mean()), float(q_strong.mean()))
-        saving = ev.saving("tie_stop")
-        if saving is not None and saving > best_saving + 1e-12:
-            best, best_saving = slope, saving
-    return best
 
 
 def _spearman(a: np.ndarray, b: np.ndarray) -> float:

@@ -24,7 +24,7 @@ from bench.cost_quality import (
     random_quality,
     stop_curve,
 )
-from bench.router import tie_gaps, tie_thresholds
+from bench.stop_cascade import divergence_hazard, risk_gaps, tie_gaps, tie_thresholds
 from gateway.cli.main import cli
 from tests.tiers.test_difficulty import HashEmbedder
 from tiers.catalogue import TierCatalogue
@@ -283,3 +283,19 @@ def test_tie_gaps_read_the_margin_and_give_later_tokens_slack() -> None:
     assert np.isinf(gap[0, 2:]).all() and gap[0, 2] > 0  # past the answer's end: never stops there
     assert gap[1, 0] == -np.inf  # an empty answer is always retried, at its first token
     assert cost[0, :2] == pytest.approx([(10 + 2 * 1) / 1000, (10 + 2 * 2) / 1000])
+
+
+def test_divergence_risk_grows_with_near_ties_and_counts_late_ones_less() -> None:
+    top = {"tie": [-0.7, -0.71], "sure": [-0.01, -6.0]}
+    weak = [Answer(4, "a b", [1, 2], "stop", [(-0.7, top["tie"]), (-0.01, top["sure"])]),
+            Answer(4, "c d", [3, 4], "stop", [(-0.01, top["sure"]), (-0.7, top["tie"])])]
+    strong = [Answer(4, "x", [9, 2], "stop"), Answer(4, "c", [3, 4], "stop")]
+    hazard = divergence_hazard(weak, strong)
+    # the first pair parted at its near tie (margin 0.01, bin [0, 0.02)); the second never did
+    assert hazard[0] == pytest.approx(1.1 / 3.0) and hazard[0] > hazard[-2]
+    tier = TierCatalogue.model_validate({"tiers": {"mid": {
+        "backend": "local", "model": "m", "price_per_1k_input": "1", "price_per_1k_output": "2",
+        "hardware_cost_per_hour": "0", "context_limit": 100}}}).tiers["mid"]
+    gap, _ = risk_gaps(weak, tier, hazard, 1.0, 2)
+    assert (np.diff(gap, axis=1) <= 0).all()  # the risk so far only grows
+    assert gap[0, 0] < gap[1, 1]  # an early near tie risks more of the answer than a late one

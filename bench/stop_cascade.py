@@ -1,0 +1,133 @@
+"""The cascades of bench/router.py that stop the cheap tier's answer while it is made, at a token its own
+top-2 margin marks, and retry on the strong tier: what each stop costs and where it happens.
+
+Why margins: `mid` is `full` quantized, so their greedy answers are the same until a token where the two
+most likely next tokens are close enough for int8's error to swap them; how much of the answer comes after
+that token is what fidelity loses. A stream can be stopped there, paying for the prompt and the tokens made.
+
+- near tie: stop at the first token whose margin is below a threshold that falls by `slope` nats per token
+  (a late near tie costs less of the answer);
+- divergence risk: stop where the summed risk of having parted passes a threshold: per token, the rate at
+  which answers parted at tokens of that margin on the training answers (`divergence_hazard`), weighted by
+  the share of the answer still to come to a power.
+
+Slope and power are chosen on the training answers (the most saved at QUALITY_TARGET); the threshold is what
+the benchmark sweeps (bench/cost_quality.py's `stop_curve`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from bench.cost_quality import PairEval, stop_curve
+
+TIE_SLOPES = (0.0, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2)  # nats per token the near-tie threshold falls by
+# margin bins (nats) of the divergence hazard, and the powers of the share still to come that weigh it
+HAZARD_EDGES = (0.0, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.8, 1.2, 2.0, 4.0, np.inf)
+RISK_POWERS = (0.0, 1.0, 2.0, 3.0)
+
+
+def tie_gaps(answers: Sequence[Any], tier: Any, slope: float, max_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per answer and token: how far its margin (nats between its two most likely tokens) is above a near tie,
+    counting a later token's slack (margin + slope x position), and what the answer cost stopped there.
+
+    Returns gap [N, T] (+inf past an answer's end or where a token came without two alternatives: no stop
+    there; -inf at token 0 for an answer without text or log-probabilities, which a cascade always retries)
+    and cost [N, T] (the tier's price for the prompt and tokens 0..t)."""
+    n, width = len(answers), max(max_tokens, 1)
+    gap = np.full((n, width), np.inf)
+    cost = np.zeros((n, width))
+    for i, a in enumerate(answers):
+        cost[i] = [float(tier.price(a.num_prompt_tokens, min(t + 1, max(len(a.token_ids), 1)))) for t in range(width)]
+        if not a.text.strip() or not a.logprobs:
+            gap[i, 0] = -np.inf
+            continue
+        for t, (_, top) in enumerate(a.logprobs[:width]):
+            if len(top) >= 2:
+                gap[i, t] = top[0] - top[1] + slope * t
+    return gap, cost
+
+
+def tie_thresholds(gap: np.ndarray) -> np.ndarray:
+    """Every threshold at which some answer's stop moves (just above each running minimum of its gaps),
+    ascending: the sweep then has a point wherever the policy changes."""
+    finite = np.where(np.isfinite(gap), gap, np.nan)
+    records = np.fmin.accumulate(finite, axis=1)
+    values = np.unique(records[np.isfinite(records)])
+    return values + 1e-9
+
+
+def fit_tie_slope(trained: Any, weak: str, strong: str, catalogue: Any, max_tokens: int) -> float:
+    """The slope of TIE_SLOPES that saves most at QUALITY_TARGET on the training answers (ties: the smaller)."""
+    fid = trained.fidelity
+    q_weak = fid[weak]
+    q_strong = fid.get(strong, np.ones(len(q_weak)))
+    cost = {t: np.array([float(catalogue.tiers[t].price(a.num_prompt_tokens, len(a.token_ids)))
+                         for a in trained.answers[t]]) for t in (weak, strong)}
+    best, best_saving = TIE_SLOPES[0], -np.inf
+    for slope in TIE_SLOPES:
+        gap, c_upto = tie_gaps(trained.answers[weak], catalogue.tiers[weak], slope, max_tokens)
+        curve = stop_curve(gap, tie_thresholds(gap), q_weak, q_strong, cost[weak], cost[strong], c_upto)
+        ev = PairEval({"tie_stop": curve}, float(cost[weak].mean()), float(cost[strong].mean()),
+                      float(q_weak.mean()), float(q_strong.mean()))
+        saving = ev.saving("tie_stop")
+        if saving is not None and saving > best_saving + 1e-12:
+            best, best_saving = slope, saving
+    return best
+
+
+def divergence_hazard(weak: Sequence[Any], strong: Sequence[Any]) -> np.ndarray:
+    """Per HAZARD_EDGES margin bin: the share of weak's tokens, while its greedy answer still equals strong's,
+    at which the two parted (a Laplace-smoothed rate), from pairs of answers to the same prompts."""
+    edges = np.asarray(HAZARD_EDGES)
+    parted, seen = np.zeros(len(edges) - 1), np.zeros(len(edges) - 1)
+    for a, b in zip(weak, strong, strict=True):
+        for t, (_, top) in enumerate((a.logprobs or [])[:min(len(a.token_ids), len(b.token_ids))]):
+            if len(top) < 2:
+                break
+            k = int(np.searchsorted(edges, top[0] - top[1], side="right")) - 1
+            seen[k] += 1
+            if a.token_ids[t] != b.token_ids[t]:
+                parted[k] += 1
+                break
+    return (parted + 0.1) / (seen + 1.0)
+
+
+def risk_gaps(answers: Sequence[Any], tier: Any, hazard: np.ndarray, power: float,
+              max_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """tie_gaps' shapes for the divergence risk: gap [N, T] = −(the risk so far), which falls token by token,
+    so stop_curve stops an answer at the first token where its risk passes the threshold."""
+    n, width = len(answers), max(max_tokens, 1)
+    edges = np.asarray(HAZARD_EDGES)
+    gap = np.full((n, width), np.inf)
+    cost = np.zeros((n, width))
+    for i, a in enumerate(answers):
+        cost[i] = [float(tier.price(a.num_prompt_tokens, min(t + 1, max(len(a.token_ids), 1)))) for t in range(width)]
+        if not a.text.strip() or not a.logprobs:
+            gap[i, 0] = -np.inf
+            continue
+        margins = np.array([top[0] - top[1] if len(top) >= 2 else np.inf for _, top in a.logprobs[:width]])
+        to_come = ((width - np.arange(len(margins))) / width) ** power
+        gap[i, :len(margins)] = -np.cumsum(hazard[np.searchsorted(edges, margins, side="right") - 1] * to_come)
+    return gap, cost
+
+
+def fit_risk(trained: Any, weak: str, strong: str, catalogue: Any, max_tokens: int) -> tuple[np.ndarray, float]:
+    """The hazard and the power of RISK_POWERS that saves most at QUALITY_TARGET on the training answers."""
+    hazard = divergence_hazard(trained.answers[weak], trained.answers[strong])
+    q_weak = trained.fidelity[weak]
+    q_strong = trained.fidelity.get(strong, np.ones(len(q_weak)))
+    cost = {t: np.array([float(catalogue.tiers[t].price(a.num_prompt_tokens, len(a.token_ids)))
+                         for a in trained.answers[t]]) for t in (weak, strong)}
+    best, best_saving = RISK_POWERS[0], -np.inf
+    for power in RISK_POWERS:
+        gap, c_upto = risk_gaps(trained.answers[weak], catalogue.tiers[weak], hazard, power, max_tokens)
+        curve = stop_curve(gap, tie_thresholds(gap), q_weak, q_strong, cost[weak], cost[strong], c_upto)
+        saving = PairEval({"r": curve}, float(cost[weak].mean()), float(cost[strong].mean()), float(q_weak.mean()),
+                          float(q_strong.mean())).saving("r")
+        if saving is not None and saving > best_saving + 1e-12:
+            best, best_saving = power, saving
+    return hazard, best
