@@ -51,3 +51,23 @@ def assert_same_or_near_tie(ref: Any, prompt: list[int], ours: list[int], expect
     gap = float(top2[0] - top2[1])
     assert gap < NEAR_TIE, f"diverged at output token {t} with a reference top-2 gap of {gap:.2e}: {ours} != {expected}"
     warnings.warn(f"near-tie divergence at output token {t} (gap {gap:.1e})", stacklevel=2)
+
+
+def assert_reference_greedy(ref: Any, prompt: list[int], ours: list[int]) -> None:
+    """`ours` is the reference's greedy continuation of `prompt`, checked in one forward pass over prompt + ours
+    (teacher-forced) instead of the reference's own generate (a forward per token): at every step our token is
+    the reference's top one given the prompt and our tokens before it, so by induction the two sequences are
+    equal. A step may differ only where the reference's top two nearly tie and ours is one of them (reported);
+    the tokens after it follow another context and are not compared."""
+    with torch.no_grad():  # the logits of the last len(ours) positions: the prompt's last, then ours but the last
+        logits = ref(torch.tensor([prompt + ours[:-1]]), logits_to_keep=len(ours)).logits[0]
+    for t, (row, token) in enumerate(zip(logits, ours, strict=True)):
+        top2 = torch.topk(row, 2)
+        if int(top2.indices[0]) == token:
+            continue
+        gap, behind = float(top2.values[0] - top2.values[1]), float(top2.values[0] - row[token])
+        assert gap < NEAR_TIE and behind < NEAR_TIE, (
+            f"output token {t} is {token}, {behind:.2e} below the reference's top token {int(top2.indices[0])} "
+            f"(top-2 gap {gap:.2e}): {ours}")
+        warnings.warn(f"near-tie divergence at output token {t} (gap {gap:.1e})", stacklevel=2)
+        return
