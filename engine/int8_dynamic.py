@@ -174,6 +174,13 @@ def prefill_logits(model: nn.Module, ids: torch.Tensor, block_size: int = 16,
                    kv_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Every position's logits [n, vocab] for one token sequence [n], through a scratch paged cache (in the
     model's dtype, or `kv_dtype`)."""
+    return model.compute_logits(prefill_hidden(model, ids, block_size, kv_dtype))
+
+
+@torch.inference_mode()
+def prefill_hidden(model: nn.Module, ids: torch.Tensor, block_size: int = 16,
+                   kv_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Every position's last hidden state [n, hidden] (before the final norm), as `prefill_logits` reads them."""
     cfg = model.config
     n = len(ids)
     blocks = -(-n // block_size)
@@ -184,24 +191,29 @@ def prefill_logits(model: nn.Module, ids: torch.Tensor, block_size: int = 16,
         decode_mask=None, decode_context_len=0, decode_context_lens=torch.zeros(0, dtype=torch.long),
         prefill_query_starts=[0], prefill_query_lens=[n], prefill_block_tables=[torch.arange(blocks)],
         prefill_context_lens=[n])
-    return model.compute_logits(model(ids, torch.arange(n), kv, meta))
+    return model(ids, torch.arange(n), kv, meta)
 
 
 @torch.inference_mode()
 def activation_ranges(model: nn.Module, chunks: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Per input channel, the largest |activation| every nn.Linear of our Llama sees over the chunks."""
+    """Per input channel, the largest |activation| every nn.Linear of our Llama sees over the chunks. The head's
+    input (the final norm's output) is read without running the head: its [n, vocab] product was a fifth of the
+    calibration's arithmetic, for a range no one needs but bench/int8_variants.py."""
     ranges: dict[str, torch.Tensor] = {}
+
+    def seen(name: str, x: torch.Tensor) -> None:
+        a = x.detach().reshape(-1, x.shape[-1]).abs().amax(dim=0).float()
+        ranges[name] = a if name not in ranges else torch.maximum(ranges[name], a)
 
     def record(name: str) -> Callable[..., None]:
         def hook(_module: nn.Module, inputs: tuple[torch.Tensor, ...], _output: torch.Tensor) -> None:
-            a = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).abs().amax(dim=0).float()
-            ranges[name] = a if name not in ranges else torch.maximum(ranges[name], a)
+            seen(name, inputs[0])
         return hook
 
     hooks = [m.register_forward_hook(record(n)) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     try:
         for ids in chunks:
-            prefill_logits(model, ids)
+            seen("lm_head", model.norm(prefill_hidden(model, ids)))
     finally:
         for h in hooks:
             h.remove()

@@ -3,6 +3,7 @@ leaves the model's function unchanged. Its agreement with fp32 on SmolLM2 is mea
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -64,6 +65,32 @@ def test_fp16_head_is_close() -> None:
 def chunks(seed: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(2, 250, (48,), generator=g) for _ in range(3)]
+
+
+def test_the_ranges_are_every_linears_input_range_the_head_included(tiny_llama: Path) -> None:
+    """activation_ranges reads the head's input without running the head: the same figures as hooks on every
+    nn.Linear through whole prefills (the head's included), to the bit."""
+    model = OurLlama.empty(OurConfig.from_dir(tiny_llama), torch.float32)
+    model.load_weights(tiny_llama)
+    seen: dict[str, torch.Tensor] = {}
+
+    def hook(name: str) -> Callable[..., None]:
+        def record(_m: torch.nn.Module, inputs: tuple[torch.Tensor, ...], _out: torch.Tensor) -> None:
+            a = inputs[0].reshape(-1, inputs[0].shape[-1]).abs().amax(dim=0).float()
+            seen[name] = a if name not in seen else torch.maximum(seen[name], a)
+        return record
+
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert "lm_head" in linears
+    handles = [m.register_forward_hook(hook(n)) for n, m in linears.items()]
+    for ids in chunks(3):
+        prefill_logits(model, ids)
+    for h in handles:
+        h.remove()
+    ranges = activation_ranges(model, chunks(3))
+    assert ranges.keys() == seen.keys()
+    for name, want in seen.items():
+        assert torch.equal(ranges[name], want), name
 
 
 def test_smoothing_leaves_the_model_unchanged(tiny_llama: Path) -> None:
