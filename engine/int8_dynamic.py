@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from engine.attention import AttentionMetadata
+from engine.int8_ranges import cached_ranges
 from engine.kernels import native as native_kernels
 
 SMOOTH_ALPHA = 0.5
@@ -248,10 +249,12 @@ def smooth_(model: nn.Module, ranges: dict[str, torch.Tensor]) -> None:
 
 
 @torch.inference_mode()
-def quantize_int8_dynamic_(model: nn.Module, chunks: list[torch.Tensor]) -> int:
-    """Calibrate on `chunks`, smooth, then swap every decoder projection for Int8DynamicLinear and the head for
-    Fp16Linear, in place; returns how many int8 projections there are."""
-    ranges = activation_ranges(model, chunks)
+def quantize_int8_dynamic_(model: nn.Module, chunks: list[torch.Tensor], model_dir: Path | None = None) -> int:
+    """Calibrate on `chunks` (the ranges kept in `model_dir` when it has them for these inputs: engine/int8_ranges.py),
+    smooth, then swap every decoder projection for Int8DynamicLinear and the head for Fp16Linear, in place; returns
+    how many int8 projections there are."""
+    ranges = activation_ranges(model, chunks) if model_dir is None else \
+        cached_ranges(model_dir, chunks, lambda: activation_ranges(model, chunks))
     smooth_(model, ranges)
     model.lm_head = Fp16Linear(model.lm_head)  # the embeddings stay fp32 (a tied head is unaffected)
     count = 0

@@ -85,7 +85,7 @@ class ModelRunner:
         model.load_weights(model_dir)
         if quantize == "int8" and int8_dynamic.available(self.device, self.dtype):
             # fbgemm with per-token activations (x86 CPUs), calibrated on ShareGPT text
-            int8_dynamic.quantize_int8_dynamic_(model, int8_dynamic.calibration_chunks(model_dir))
+            int8_dynamic.quantize_int8_dynamic_(model, int8_dynamic.calibration_chunks(model_dir), model_dir)
         elif quantize == "int8":
             quantize_int8_(model)  # weight-only, dequantized into the matmul (CUDA, other CPUs)
         elif quantize is not None:

@@ -1,0 +1,102 @@
+"""The int8 tier's calibrated activation ranges, computed once and kept beside the model's weights.
+
+Building an int8 runner calibrates it first (engine/int8_dynamic.py `activation_ranges`): four 512-token prefills of
+the fp32 model, 7-30 s of CPU for SmolLM2-135M on two cores, paid again at every start of a `mid` engine, of a
+speculative draft, and by the restart that replaces a crashed engine (its tier is out meanwhile). The ranges are a
+pure function of what goes in, so they are kept in the model directory, keyed on every input they depend on, and a
+later build with the same inputs reads them back: the same tensors to the bit, so the same int8 model.
+
+The key: the weights' content digest (engine/weight_digest.py), the calibration tokens, the source of every module
+of the engine package (the forward that produces the activations), torch's version, its thread count and the CPU
+path it takes (the bits of a matmul may depend on both), and the settings that pick engine paths. A key that
+matches nothing computes and writes; the directory keeps the `KEEP` most recent entries. A directory we may not
+write into, or an unreadable entry, only costs the calibration, as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import pickle
+import tempfile
+from collections.abc import Callable
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from engine.weight_digest import weights_digest
+
+PREFIX = "tiergate-int8-ranges-"
+KEEP = 8
+ENGINE_SETTINGS = ("TIERGATE_NATIVE_KERNELS", "TIERGATE_ONEDNN", "TIERGATE_ONEDNN_AMX")
+log = logging.getLogger("tiergate.engine")
+
+Ranges = dict[str, torch.Tensor]
+
+
+def cached_ranges(model_dir: Path, chunks: list[torch.Tensor], compute: Callable[[], Ranges]) -> Ranges:
+    """The ranges for this model, these chunks and this process's engine: read back when kept, else `compute()`d
+    and kept."""
+    path = model_dir / f"{PREFIX}{ranges_key(model_dir, chunks)}.pt"
+    with contextlib.suppress(OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError):
+        kept = torch.load(path, weights_only=True)
+        if isinstance(kept, dict) and all(isinstance(v, torch.Tensor) for v in kept.values()):
+            os.utime(path)  # most recently used: kept longest
+            return kept
+    ranges = compute()
+    _keep(path, ranges)
+    return ranges
+
+
+def ranges_key(model_dir: Path, chunks: list[torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    h.update(weights_digest(model_dir).encode())
+    for ids in chunks:
+        h.update(ids.to(torch.int64).numpy().tobytes() + b"|")
+    h.update(_engine_source_digest().encode())
+    settings = [f"{name}={os.environ.get(name)}" for name in ENGINE_SETTINGS]
+    h.update(f"{torch.__version__}|{torch.get_num_threads()}|{torch.backends.cpu.get_cpu_capability()}|"
+             f"{settings}".encode())
+    return h.hexdigest()[:32]
+
+
+@cache
+def _engine_source_digest() -> str:
+    """sha256 over the engine package's Python sources (a change to the forward is a change to the ranges)."""
+    root = Path(__file__).resolve().parent
+    h = hashlib.sha256()
+    for f in sorted(root.rglob("*.py")):
+        h.update(f"{f.relative_to(root)}\n".encode() + f.read_bytes())
+    return h.hexdigest()
+
+
+def _keep(path: Path, ranges: Ranges) -> None:
+    """Write atomically (a reader sees a whole entry or none), then drop all but the KEEP most recent entries."""
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{PREFIX}", suffix=".tmp")
+    except OSError as exc:
+        log.info("int8 ranges not kept (%s): the next start calibrates again", exc)
+        return
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(ranges, f)
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.info("int8 ranges not kept (%s): the next start calibrates again", exc)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        return
+    entries = sorted(path.parent.glob(f"{PREFIX}*.pt"), key=_mtime, reverse=True)
+    for old in entries[KEEP:]:
+        with contextlib.suppress(OSError):
+            old.unlink()
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
