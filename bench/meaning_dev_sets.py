@@ -43,10 +43,11 @@ from bench.near_miss_sets import (
     GPTCACHE,
     Case,
     edit_antonym,
+    edit_cases,
     edit_unit,
     is_training_gptcache_origin,
     is_training_question,
-    paraphrase,
+    rule_paraphrases,
 )
 
 SEED = 4621
@@ -148,31 +149,10 @@ def build(per_kind: int = 300, num_rule_paraphrases: int = 300, seed: int = SEED
     """Edits of `KINDS` (up to `per_kind` each), rule rewrites, and GPTCache's training-side pairs."""
     rng = random.Random(seed)
     questions = development_questions(seed)
-    cases = _edits(EDITORS, questions, per_kind, rng)
-    found = 0
-    for q in questions:
-        if found >= num_rule_paraphrases:
-            break
-        if p := paraphrase(q, rng):
-            cases.append(Case(q, p, "paraphrase:rules"))
-            found += 1
+    cases = edit_cases(EDITORS, questions, per_kind, rng) + rule_paraphrases(questions, num_rule_paraphrases, rng)
     cases += [Case(p["origin"], p["similar"], "paraphrase:gptcache") for p in json.loads(GPTCACHE.read_text())
               if is_training_gptcache_origin(p["origin"])]
-    return cases + _edits(MORE_EDITORS, questions, per_kind, random.Random(seed + 1))
-
-
-def _edits(editors: dict, questions: list[str], per_kind: int, rng: random.Random) -> list[Case]:
-    cases: list[Case] = []
-    for kind, edit in editors.items():
-        found = 0
-        for q in questions:
-            if found >= per_kind:
-                break
-            edited = edit(q, rng)
-            if edited and edited.strip().lower() != q.lower():
-                cases.append(Case(q, edited.strip(), kind))
-                found += 1
-    return cases
+    return cases + edit_cases(MORE_EDITORS, questions, per_kind, random.Random(seed + 1))
 
 
 if __name__ == "__main__":

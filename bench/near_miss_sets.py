@@ -316,12 +316,11 @@ def heldout_questions(seed: int = SEED) -> list[str]:
     return questions
 
 
-def build(per_kind: int = 200, num_rule_paraphrases: int = 400, seed: int = SEED) -> list[Case]:
-    """Edits (up to `per_kind` per kind), GPTCache's held-out pairs and rule-based paraphrases."""
-    rng = random.Random(seed)
-    questions = heldout_questions(seed)
+def edit_cases(editors: dict, questions: list[str], per_kind: int, rng: random.Random) -> list[Case]:
+    """Up to `per_kind` edits of each kind, the questions tried in order (an edit that changes nothing is skipped);
+    also bench/meaning_dev_sets.py's, on other questions."""
     cases: list[Case] = []
-    for kind, edit in EDITORS.items():
+    for kind, edit in editors.items():
         found = 0
         for q in questions:
             if found >= per_kind:
@@ -330,14 +329,25 @@ def build(per_kind: int = 200, num_rule_paraphrases: int = 400, seed: int = SEED
             if edited and edited.strip() and edited.strip().lower() != q.lower():
                 cases.append(Case(q, edited.strip(), kind))
                 found += 1
-    found = 0
+    return cases
+
+
+def rule_paraphrases(questions: list[str], count: int, rng: random.Random) -> list[Case]:
+    """Up to `count` rule rewrites (`paraphrase`), the questions tried in order."""
+    cases: list[Case] = []
     for q in questions:
-        if found >= num_rule_paraphrases:
+        if len(cases) >= count:
             break
-        p = paraphrase(q, rng)
-        if p:
+        if p := paraphrase(q, rng):
             cases.append(Case(q, p, "paraphrase:rules"))
-            found += 1
+    return cases
+
+
+def build(per_kind: int = 200, num_rule_paraphrases: int = 400, seed: int = SEED) -> list[Case]:
+    """Edits (up to `per_kind` per kind), GPTCache's held-out pairs and rule-based paraphrases."""
+    rng = random.Random(seed)
+    questions = heldout_questions(seed)
+    cases = edit_cases(EDITORS, questions, per_kind, rng) + rule_paraphrases(questions, num_rule_paraphrases, rng)
     for pair in json.loads(GPTCACHE.read_text()):
         if not is_training_gptcache_origin(pair["origin"]):
             cases.append(Case(pair["origin"], pair["similar"], "paraphrase:gptcache"))
