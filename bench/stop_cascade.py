@@ -17,7 +17,7 @@ the benchmark sweeps (bench/cost_quality.py's `stop_curve`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -37,6 +37,16 @@ def tie_gaps(answers: Sequence[Any], tier: Any, slope: float, max_tokens: int) -
     Returns gap [N, T] (+inf past an answer's end or where a token came without two alternatives: no stop
     there; -inf at token 0 for an answer without text or log-probabilities, which a cascade always retries)
     and cost [N, T] (the tier's price for the prompt and tokens 0..t)."""
+    def gaps(a: Any, width: int) -> np.ndarray:
+        return np.array([top[0] - top[1] + slope * t if len(top) >= 2 else np.inf
+                         for t, (_, top) in enumerate(a.logprobs[:width])])
+
+    return _stop_gaps(answers, tier, max_tokens, gaps)
+
+
+def _stop_gaps(answers: Sequence[Any], tier: Any, max_tokens: int,
+               gaps: Callable[[Any, int], np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """gap [N, T] and cost [N, T] as tie_gaps says, an answer's gaps from `gaps(answer, T)` (one per token it has)."""
     n, width = len(answers), max(max_tokens, 1)
     gap = np.full((n, width), np.inf)
     cost = np.zeros((n, width))
@@ -45,9 +55,8 @@ def tie_gaps(answers: Sequence[Any], tier: Any, slope: float, max_tokens: int) -
         if not a.text.strip() or not a.logprobs:
             gap[i, 0] = -np.inf
             continue
-        for t, (_, top) in enumerate(a.logprobs[:width]):
-            if len(top) >= 2:
-                gap[i, t] = top[0] - top[1] + slope * t
+        row = gaps(a, width)
+        gap[i, :len(row)] = row
     return gap, cost
 
 
@@ -100,19 +109,14 @@ def risk_gaps(answers: Sequence[Any], tier: Any, hazard: np.ndarray, power: floa
               max_tokens: int) -> tuple[np.ndarray, np.ndarray]:
     """tie_gaps' shapes for the divergence risk: gap [N, T] = −(the risk so far), which falls token by token,
     so stop_curve stops an answer at the first token where its risk passes the threshold."""
-    n, width = len(answers), max(max_tokens, 1)
     edges = np.asarray(HAZARD_EDGES)
-    gap = np.full((n, width), np.inf)
-    cost = np.zeros((n, width))
-    for i, a in enumerate(answers):
-        cost[i] = [float(tier.price(a.num_prompt_tokens, min(t + 1, max(len(a.token_ids), 1)))) for t in range(width)]
-        if not a.text.strip() or not a.logprobs:
-            gap[i, 0] = -np.inf
-            continue
+
+    def gaps(a: Any, width: int) -> np.ndarray:
         margins = np.array([top[0] - top[1] if len(top) >= 2 else np.inf for _, top in a.logprobs[:width]])
         to_come = ((width - np.arange(len(margins))) / width) ** power
-        gap[i, :len(margins)] = -np.cumsum(hazard[np.searchsorted(edges, margins, side="right") - 1] * to_come)
-    return gap, cost
+        return -np.cumsum(hazard[np.searchsorted(edges, margins, side="right") - 1] * to_come)
+
+    return _stop_gaps(answers, tier, max_tokens, gaps)
 
 
 def fit_risk(trained: Any, weak: str, strong: str, catalogue: Any, max_tokens: int) -> tuple[np.ndarray, float]:
