@@ -300,15 +300,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"`python -m bench.gateway_inproc {' '.join(sys.argv[1:] if argv is None else argv)}` — {info['date']}; "
           f"CPU: {info['cpu']}, both on CPU {gw}, the mock on CPU {load}; load average {info['loadavg_at_start']} at "
           f"the start, {round(os.getloadavg()[0], 2)} at the end\n")
-    print(f"| path | c | {mine}: CPU µs/request, each round | {other_label}: each round | medians | "
-          f"{other_label} over {mine} |\n|---|---|---|---|---|---|")
-    for path in args.paths:
-        this, ref = results[path]["this"], results[path]["other"]
-        a, b = statistics.median(this), statistics.median(ref)
-        print(f"| ({path}) | {args.concurrency} | {', '.join(f'{x:.0f}' for x in this)} | "
-              f"{', '.join(f'{x:.0f}' for x in ref)} | {a:.0f} / {b:.0f} | {b / a:.3f}x |")
-    for what, table, digits in (("p50 µs/request", p50s, 0), ("context switches/request", switches, 2)):
-        print(f"\n| path | c | {mine}: {what}, each round | {other_label}: each round | medians | "
+    tables = (("CPU µs/request", results, 0), ("p50 µs/request", p50s, 0), ("context switches/request", switches, 2))
+    for n, (what, table, digits) in enumerate(tables):
+        gap = "\n" if n else ""  # a blank line between tables
+        print(f"{gap}| path | c | {mine}: {what}, each round | {other_label}: each round | medians | "
               f"{other_label} over {mine} |\n|---|---|---|---|---|---|")
         for path in args.paths:
             this, ref = table[path]["this"], table[path]["other"]
