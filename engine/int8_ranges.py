@@ -6,11 +6,11 @@ speculative draft, and by the restart that replaces a crashed engine (its tier i
 pure function of what goes in, so they are kept in the model directory, keyed on every input they depend on, and a
 later build with the same inputs reads them back: the same tensors to the bit, so the same int8 model.
 
-The key: the weights' content digest (engine/weight_digest.py), the calibration tokens, the source of every module
-of the engine package (the forward that produces the activations), torch's version, its thread count and the CPU
-path it takes (the bits of a matmul may depend on both), and the settings that pick engine paths. A key that
-matches nothing computes and writes; the directory keeps the `KEEP` most recent entries. A directory we may not
-write into, or an unreadable entry, only costs the calibration, as before.
+The key: the weights' content digest (engine/weight_digest.py), the calibration tokens, the sources of the engine
+package, its C++ kernels' included (the forward that produces the activations), torch's version, its thread count
+and the CPU path it takes (the bits of a matmul may depend on both), and the settings that pick engine paths. A key
+that matches nothing computes and writes; the directory keeps the `KEEP` most recent entries. A directory we may
+not write into, or an unreadable entry, only costs the calibration, as before.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from engine.weight_digest import weights_digest
 
 PREFIX = "tiergate-int8-ranges-"
 KEEP = 8
+SOURCE_SUFFIXES = (".py", ".cpp", ".h", ".cu")
 ENGINE_SETTINGS = ("TIERGATE_NATIVE_KERNELS", "TIERGATE_ONEDNN", "TIERGATE_ONEDNN_AMX")
 log = logging.getLogger("tiergate.engine")
 
@@ -65,10 +66,11 @@ def ranges_key(model_dir: Path, chunks: list[torch.Tensor]) -> str:
 
 @cache
 def _engine_source_digest() -> str:
-    """sha256 over the engine package's Python sources (a change to the forward is a change to the ranges)."""
+    """sha256 over the engine package's sources, its native kernels' C++ too (a change to the forward is a change to
+    the ranges)."""
     root = Path(__file__).resolve().parent
     h = hashlib.sha256()
-    for f in sorted(root.rglob("*.py")):
+    for f in sorted(p for p in root.rglob("*") if p.suffix in SOURCE_SUFFIXES and p.is_file()):
         h.update(f"{f.relative_to(root)}\n".encode() + f.read_bytes())
     return h.hexdigest()
 
