@@ -1,10 +1,12 @@
 """The int8 tier's calibrated activation ranges, computed once and kept beside the model's weights.
 
 Building an int8 runner calibrates it first (engine/int8_dynamic.py `activation_ranges`): four 512-token prefills of
-the fp32 model, 7-30 s of CPU for SmolLM2-135M on two cores, paid again at every start of a `mid` engine, of a
-speculative draft, and by the restart that replaces a crashed engine (its tier is out meanwhile). The ranges are a
-pure function of what goes in, so they are kept in the model directory, keyed on every input they depend on, and a
-later build with the same inputs reads them back: the same tensors to the bit, so the same int8 model.
+the fp32 model, paid at every start of a `mid` engine, of a speculative draft, and by the restart that replaces a
+crashed engine (its tier is out meanwhile). SmolLM2-135M's int8 runner took 12.4 s to build, 3.3 s with the ranges
+kept (`python -m bench.int8_calibration`, two quiet Zen 3 cores; 47 s against 3.3 s on a loaded machine). The
+ranges are a pure function of what goes in, so they are kept in the model directory, keyed on every input they
+depend on, and a later build with the same inputs reads them back: the same tensors to the bit, so the same int8
+model.
 
 The key: the weights' content digest (engine/weight_digest.py), the calibration tokens, the sources of the engine
 package, its C++ kernels' included (the forward that produces the activations), torch's version, its thread count
@@ -20,13 +22,13 @@ import hashlib
 import logging
 import os
 import pickle
-import tempfile
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 
 import torch
 
+from engine.atomic_file import write_atomically
 from engine.weight_digest import weights_digest
 
 PREFIX = "tiergate-int8-ranges-"
@@ -76,20 +78,9 @@ def _engine_source_digest() -> str:
 
 
 def _keep(path: Path, ranges: Ranges) -> None:
-    """Write atomically (a reader sees a whole entry or none), then drop all but the KEEP most recent entries."""
-    try:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{PREFIX}", suffix=".tmp")
-    except OSError as exc:
+    """Write the entry whole or not at all, then drop all but the KEEP most recent entries."""
+    if (exc := write_atomically(path, lambda out: torch.save(ranges, out))) is not None:
         log.info("int8 ranges not kept (%s): the next start calibrates again", exc)
-        return
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(ranges, f)
-        os.replace(tmp, path)
-    except OSError as exc:
-        log.info("int8 ranges not kept (%s): the next start calibrates again", exc)
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
         return
     entries = sorted(path.parent.glob(f"{PREFIX}*.pt"), key=_mtime, reverse=True)
     for old in entries[KEEP:]:

@@ -18,14 +18,13 @@ into is hashed whole at every start.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from engine.atomic_file import write_atomically
 
 RECORD = "tiergate-weight-digests.json"
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin")
@@ -85,17 +84,7 @@ def _read_record(model_dir: Path) -> dict[str, Any]:
 
 def _write_record(model_dir: Path, record: dict[str, Any]) -> None:
     """Atomically (two engines starting together each write a whole record); a read-only directory is left be."""
-    try:
-        fd, tmp = tempfile.mkstemp(dir=model_dir, prefix=f".{RECORD}.")
-    except OSError as exc:
+    text = json.dumps(record, indent=1, sort_keys=True).encode()
+    if (exc := write_atomically(model_dir / RECORD, lambda out: out.write(text))) is not None:
         log.warning("cannot record the weights' digests in %s (%s): they are hashed again at every start",
                     model_dir, exc)
-        return
-    try:
-        with os.fdopen(fd, "w") as out:
-            json.dump(record, out, indent=1, sort_keys=True)
-        os.replace(tmp, model_dir / RECORD)
-    except OSError as exc:
-        log.warning("cannot record the weights' digests in %s (%s)", model_dir, exc)
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import int8_dynamic, int8_ranges
+from engine import atomic_file, int8_dynamic
 from engine.int8_ranges import KEEP, PREFIX, cached_ranges
 from engine.model_runner import ModelRunner
 
@@ -73,7 +73,7 @@ def test_a_broken_entry_or_a_read_only_directory_only_costs_the_calibration(mode
     def refused(**_kw: object) -> None:
         raise PermissionError(13, "Permission denied")  # a directory we may not write into (root may write anywhere)
 
-    monkeypatch.setattr(int8_ranges.tempfile, "mkstemp", refused)
+    monkeypatch.setattr(atomic_file.tempfile, "mkstemp", refused)
     locked = Counting(7.0)
     assert float(cached_ranges(model_dir, chunks(3), locked)["layers.0.mlp.down_proj"][0]) == 7.0
     assert locked.calls == 1 and len(list(model_dir.glob(f"{PREFIX}*.pt"))) == 1  # only the entry kept before
