@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from functools import cache
 from typing import Any
 from urllib.parse import parse_qsl
 
@@ -69,6 +70,7 @@ def refuse_non_integers(query: list[tuple[str, str]], integers: frozenset[str]) 
                                  code="invalid_value")
 
 
+@cache  # a route's signature does not change: read once per route, not per request
 def integer_names(handler: BaseRouteHandler) -> frozenset[str]:
     """The query parameters `handler` reads as integers (`int` or `int | None`), by the name the query sends."""
     names = set()
