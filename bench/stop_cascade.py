@@ -71,20 +71,26 @@ def tie_thresholds(gap: np.ndarray) -> np.ndarray:
 
 def fit_tie_slope(trained: Any, weak: str, strong: str, catalogue: Any, max_tokens: int) -> float:
     """The slope of TIE_SLOPES that saves most at QUALITY_TARGET on the training answers (ties: the smaller)."""
-    fid = trained.fidelity
-    q_weak = fid[weak]
-    q_strong = fid.get(strong, np.ones(len(q_weak)))
+    return _best_setting(TIE_SLOPES, lambda slope: tie_gaps(trained.answers[weak], catalogue.tiers[weak], slope,
+                                                           max_tokens), trained, weak, strong, catalogue)
+
+
+def _best_setting(grid: Sequence[float], gaps_of: Callable[[float], tuple[np.ndarray, np.ndarray]], trained: Any,
+                  weak: str, strong: str, catalogue: Any) -> float:
+    """The setting of `grid` whose stops (`gaps_of(setting)`: gap, cost) save most at QUALITY_TARGET on the training
+    answers (ties: the first)."""
+    q_weak = trained.fidelity[weak]
+    q_strong = trained.fidelity.get(strong, np.ones(len(q_weak)))
     cost = {t: np.array([float(catalogue.tiers[t].price(a.num_prompt_tokens, len(a.token_ids)))
                          for a in trained.answers[t]]) for t in (weak, strong)}
-    best, best_saving = TIE_SLOPES[0], -np.inf
-    for slope in TIE_SLOPES:
-        gap, c_upto = tie_gaps(trained.answers[weak], catalogue.tiers[weak], slope, max_tokens)
+    best, best_saving = grid[0], -np.inf
+    for setting in grid:
+        gap, c_upto = gaps_of(setting)
         curve = stop_curve(gap, tie_thresholds(gap), q_weak, q_strong, cost[weak], cost[strong], c_upto)
-        ev = PairEval({"tie_stop": curve}, float(cost[weak].mean()), float(cost[strong].mean()),
-                      float(q_weak.mean()), float(q_strong.mean()))
-        saving = ev.saving("tie_stop")
+        saving = PairEval({"stop": curve}, float(cost[weak].mean()), float(cost[strong].mean()),
+                          float(q_weak.mean()), float(q_strong.mean())).saving("stop")
         if saving is not None and saving > best_saving + 1e-12:
-            best, best_saving = slope, saving
+            best, best_saving = setting, saving
     return best
 
 
@@ -122,16 +128,6 @@ def risk_gaps(answers: Sequence[Any], tier: Any, hazard: np.ndarray, power: floa
 def fit_risk(trained: Any, weak: str, strong: str, catalogue: Any, max_tokens: int) -> tuple[np.ndarray, float]:
     """The hazard and the power of RISK_POWERS that saves most at QUALITY_TARGET on the training answers."""
     hazard = divergence_hazard(trained.answers[weak], trained.answers[strong])
-    q_weak = trained.fidelity[weak]
-    q_strong = trained.fidelity.get(strong, np.ones(len(q_weak)))
-    cost = {t: np.array([float(catalogue.tiers[t].price(a.num_prompt_tokens, len(a.token_ids)))
-                         for a in trained.answers[t]]) for t in (weak, strong)}
-    best, best_saving = RISK_POWERS[0], -np.inf
-    for power in RISK_POWERS:
-        gap, c_upto = risk_gaps(trained.answers[weak], catalogue.tiers[weak], hazard, power, max_tokens)
-        curve = stop_curve(gap, tie_thresholds(gap), q_weak, q_strong, cost[weak], cost[strong], c_upto)
-        saving = PairEval({"r": curve}, float(cost[weak].mean()), float(cost[strong].mean()), float(q_weak.mean()),
-                          float(q_strong.mean())).saving("r")
-        if saving is not None and saving > best_saving + 1e-12:
-            best, best_saving = power, saving
-    return hazard, best
+    return hazard, _best_setting(RISK_POWERS, lambda power: risk_gaps(trained.answers[weak], catalogue.tiers[weak],
+                                                                       hazard, power, max_tokens),
+                                 trained, weak, strong, catalogue)
