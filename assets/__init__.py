@@ -2,9 +2,9 @@
 
 The model catalogue and its one-time preparation (`assets.model_source`), ShareGPT read item by item
 (`assets.datasets`), a model build's lock, progress and budget as the server sees them (`assets.builds`),
-an exclusive file lock (`assets.locks`), children that die with their parent (`assets.parent_watch`) and
-`offline_hub()`. The engine, the tiers, the gateway, training and the benchmarks import from here; this
-package imports none of them.
+an exclusive file lock (`assets.locks`), files written whole or not at all (`assets.atomic_file`), children that
+die with their parent (`assets.parent_watch`) and `offline_hub()`. The engine, the tiers, the cache, the gateway,
+training and the benchmarks import from here; this package imports none of them.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from engine.atomic_file import write_atomically
+from assets.atomic_file import write_atomically
 from engine.weight_digest import weights_digest
 
 PREFIX = "tiergate-int8-ranges-"

@@ -24,7 +24,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from engine.atomic_file import write_atomically
+from assets.atomic_file import write_atomically
 
 RECORD = "tiergate-weight-digests.json"
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin")

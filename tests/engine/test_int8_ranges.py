@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import atomic_file, int8_dynamic
+from assets import atomic_file
+from engine import int8_dynamic
 from engine.int8_ranges import KEEP, PREFIX, cached_ranges
 from engine.model_runner import ModelRunner
 
