@@ -20,7 +20,6 @@ import hashlib
 import importlib.metadata
 import logging
 import os
-import tempfile
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from assets.atomic_file import leftovers, replacing
 from assets.locks import file_lock
 
 log = logging.getLogger("tiergate.cache")
@@ -138,22 +138,16 @@ def _export_checked(model_dir: Path, target: Path) -> None:
         if target.exists():
             return
         model = SentenceTransformer(str(model_dir), device="cpu")
-        for stale in target.parent.glob(".partial-*.onnx"):  # left by a process killed mid-export
+        for stale in leftovers(target):  # left by a process killed mid-export
             stale.unlink(missing_ok=True)
-        fd, tmp_name = tempfile.mkstemp(prefix=".partial-", suffix=".onnx", dir=target.parent)
-        os.close(fd)
-        tmp = Path(tmp_name)
         try:
-            _export(model, tmp)
-            _check(model, tmp)
-            tmp.chmod(0o644)  # mkstemp made it private; every process of the machine may read it
-            os.replace(tmp, target)
+            with replacing(target, mode=0o644) as tmp:  # every process of the machine may read it
+                _export(model, tmp)
+                _check(model, tmp)
         except OnnxUnavailable:
             raise
         except Exception as exc:  # torch.onnx and onnxruntime raise many kinds; any of them means "not here"
             raise OnnxUnavailable(f"exporting the embedder to ONNX failed: {exc}") from exc
-        finally:
-            tmp.unlink(missing_ok=True)
     log.info("embedder exported to ONNX: %s", target)
 
 

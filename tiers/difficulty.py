@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from assets.atomic_file import replacing
 from tiers.router_features import EMBEDDING, EMBEDDING_DIM, FEATURE_VERSION, SIMPLE_FEATURES, FeatureExtractor
 
 ARTIFACT_FORMAT = "tiergate-difficulty/2"  # /2: `beats_mean` per head and the cascade's calibration
@@ -288,20 +287,11 @@ class DifficultyModel:
         }
 
     def save(self, path: Path) -> None:
-        """Write the artifact atomically (a temporary file renamed over `path`)."""
+        """Write the artifact atomically (a temporary file renamed over `path`), on disk before it is in place."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as fh:
-                json.dump(self.to_json(), fh)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.chmod(tmp, 0o644)  # mkstemp makes it private; the artifact is no secret
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        with replacing(path, mode=0o644, sync=True) as tmp:  # the artifact is no secret
+            tmp.write_text(json.dumps(self.to_json()), encoding="utf-8")
 
 
 def feature_spec() -> dict[str, Any]:

@@ -19,12 +19,12 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from assets.atomic_file import replacing
 from quotas.fault_log import FaultLog
 from tiers.client import TierClient
 from tiers.replica import Replica
@@ -63,11 +63,8 @@ def engines_document(core_budget: Iterable[int] | None, engines: Iterable[Engine
 def write_document(path: Path, document: dict[str, Any]) -> None:
     """Replace `path` atomically: a reader sees the old document or the new one, never part of one."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(document, f, sort_keys=True)
-    os.replace(tmp, path)
+    with replacing(path, mode=0o600) as tmp:  # owner-only from the start: it holds the nonces
+        tmp.write_text(json.dumps(document, sort_keys=True), encoding="utf-8")
 
 
 async def publish_engines(path: Path, document: Any, every_s: float = PUBLISH_EVERY_S) -> None:

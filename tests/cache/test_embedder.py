@@ -3,6 +3,8 @@ Runtime gives the torch model's vectors (or is not used)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -56,6 +58,33 @@ def test_without_onnx_runtime_auto_falls_back_to_torch(monkeypatch: pytest.Monke
         Embedder(runtime="onnx").encode_one("x")
     with pytest.raises(EmbedderError, match="unknown embedder runtime"):
         Embedder(runtime="tensorflow")  # type: ignore[arg-type]
+
+
+def test_an_export_is_in_place_only_once_checked_and_a_failed_one_leaves_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Written beside its place, checked there, then renamed (readable by every process of the machine); a failed
+    check, or an exporter killed before (its temporary file), leaves no file to trip over."""
+    import sentence_transformers
+
+    from cache import onnx_runtime
+
+    monkeypatch.setattr(sentence_transformers, "SentenceTransformer", lambda *args, **kwargs: "model")
+    monkeypatch.setattr(onnx_runtime, "_export", lambda model, path: path.write_bytes(b"graph"))
+
+    def differs(model: object, path: Path) -> None:
+        assert path.read_bytes() == b"graph" and path.parent == tmp_path
+        raise onnx_runtime.OnnxUnavailable("the ONNX export differs from the torch model")
+
+    monkeypatch.setattr(onnx_runtime, "_check", differs)
+    target = tmp_path / "minilm-abc.onnx"
+    (tmp_path / f".{target.name}.killed.tmp").write_bytes(b"gra")  # a process killed mid-export
+    with pytest.raises(onnx_runtime.OnnxUnavailable, match="differs"):
+        onnx_runtime._export_checked(tmp_path / "model", target)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".export.lock"]
+    monkeypatch.setattr(onnx_runtime, "_check", lambda model, path: None)
+    onnx_runtime._export_checked(tmp_path / "model", target)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".export.lock", target.name]
+    assert target.read_bytes() == b"graph" and target.stat().st_mode & 0o777 == 0o644
 
 
 def test_length_groups_pad_little_and_pass_few() -> None:

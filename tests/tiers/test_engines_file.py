@@ -136,6 +136,18 @@ def test_a_workers_fleet_starts_no_engine_and_plans_the_parents_core_shares(tmp_
     assert oct(path.stat().st_mode & 0o777) == "0o600"  # it holds the engines' nonces
 
 
+def test_a_document_that_cannot_be_written_leaves_the_last_one_and_no_temporary_file(tmp_path: Path) -> None:
+    """The parent rewrites the file for as long as it runs; a write that fails part-way left its temporary file (with
+    part of the nonces) in the data directory."""
+    path = tmp_path / "engines.json"
+    publish(path, "http://127.0.0.1:1", "n1")
+    with pytest.raises(TypeError):
+        write_document(path, {"core_budget": None, "replicas": [{"tier": "mid", "instance": object()}]})
+    published = read_published(path)
+    assert published is not None and published.replicas[("mid", 0)].instance == "n1"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["engines.json"]
+
+
 def _answers(url: str) -> bool:
     import httpx
 
