@@ -84,19 +84,34 @@ def test_tenants_take_turns() -> None:
     assert jobs.started == ["x", "a0", "b0", "None0", "a1", "b1", "None1", "a2", "b2", "None2"]
 
 
+class WatchedCondition(threading.Condition):
+    """The queue's condition, counting the waits on it of the thread that made it (the test's, which submits)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.owner, self.owner_waits = threading.get_ident(), 0
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if threading.get_ident() == self.owner:
+            self.owner_waits += 1
+        return super().wait(timeout)
+
+
 def test_a_full_queue_refuses_at_once() -> None:
+    """Refused while every job holding a place is still held at its gate, and without waiting on the queue: a
+    submit that waited for a place would be let in once a0's gate gave up (WAIT_S), one that waited a while and then
+    refused waits on the queue's condition."""
     q, jobs = CompileQueue(workers=1, per_tenant=3, total=5), Jobs()
-    for i in range(3):
-        q.submit("a", jobs.job(f"a{i}"))
-    t0 = time.perf_counter()
+    q._cond = watched = WatchedCondition()
+    held = [q.submit("a", jobs.job(f"a{i}")) for i in range(3)]
     with pytest.raises(EngineBusyError, match="tenant's") as exc:
         q.submit("a", jobs.job("a3"))
     assert exc.value.param == "response_format" and exc.value.retry_after_s >= 1
-    q.submit("b", jobs.job("b0"))
-    q.submit("c", jobs.job("c0"))
+    held += [q.submit("b", jobs.job("b0")), q.submit("c", jobs.job("c0"))]
     with pytest.raises(EngineBusyError, match="engine's"):
         q.submit("d", jobs.job("d0"))
-    assert time.perf_counter() - t0 < 0.5 and q.num_refused == 2  # never waits
+    assert q.num_refused == 2 and watched.owner_waits == 0  # never waits
+    assert not any(f.done() for f in held) and jobs.started in ([], ["a0"])  # no place freed before the refusals
     jobs.wait_started(1)
     jobs.gates["a0"].set()
     jobs.wait_started(2)  # a0 done: one place free again
