@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from assets import offline_hub
+from assets.atomic_file import replacing
 from assets.builds import work_dir_for
 from training.model_card import PROVENANCE, render
 
@@ -145,11 +146,11 @@ def distill(teacher_dir: Path, out_dir: Path, config: DistillConfig, *, work_dir
     def save_checkpoint() -> None:
         work_dir.mkdir(parents=True, exist_ok=True)
         own = {k: v for k, v in student.state_dict().items() if _is_trainable_key(k, prefix)}
-        tmp = ckpt_path.with_suffix(".tmp")
-        torch.save({"identity": config.identity(), "teacher": str(teacher_dir), "student": own,
-                    "optimizer": optimizer.state_dict(), "step": step, "train_s": train_s, "total_steps": total_steps,
-                    "history": history, "windows": windows.used, "rng": torch.get_rng_state()}, tmp)
-        tmp.replace(ckpt_path)
+        with replacing(ckpt_path, mode=0o644) as tmp:  # a resume finds the last one whole; as readable as before
+            torch.save({"identity": config.identity(), "teacher": str(teacher_dir), "student": own,
+                        "optimizer": optimizer.state_dict(), "step": step, "train_s": train_s,
+                        "total_steps": total_steps, "history": history, "windows": windows.used,
+                        "rng": torch.get_rng_state()}, tmp)
 
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
     T = config.temperature

@@ -95,6 +95,30 @@ def test_an_interrupted_run_resumes_to_the_uninterrupted_result(teacher_dir: Pat
                 progress=False)
 
 
+def test_a_checkpoint_write_that_fails_leaves_the_last_one_whole_and_nothing_else(
+        teacher_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The disk fills during the second checkpoint: the first stays in place, no half-written file is left in the
+    work directory (before, its fixed-name temporary file stayed), and the next run resumes from the first."""
+    config, work = tiny_config(steps=4, checkpoint_every_s=0.0), tmp_path / "work"
+    save, saves = torch.save, []
+
+    def full_disk(obj: object, path: Path) -> None:
+        saves.append(path)
+        if len(saves) == 2:
+            Path(path).write_bytes(b"half a checkpoint")
+            raise OSError(28, "No space left on device")
+        save(obj, path)
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        distill(teacher_dir, tmp_path / "student", config, work_dir=work, progress=False)
+    monkeypatch.setattr(torch, "save", save)
+    assert [p.name for p in work.iterdir()] == ["checkpoint.pt"]
+    assert torch.load(work / "checkpoint.pt", weights_only=False)["step"] == 1
+    resumed = distill(teacher_dir, tmp_path / "student", config, work_dir=work, progress=False)
+    assert [h["step"] for h in resumed.history] == [1, 2, 3, 4]
+
+
 def test_the_student_loads_in_transformers_and_in_our_engine(teacher_dir: Path, tmp_path: Path) -> None:
     result = distill(teacher_dir, tmp_path / "student", tiny_config(steps=3), progress=False)
     out = result.out_dir
