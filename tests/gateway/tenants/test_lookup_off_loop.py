@@ -2,18 +2,22 @@
 
 Anyone can send `Authorization: Bearer tg-<made-up id>-…`, a new id each time; with the fleet database each was a
 synchronous query on the gateway's event loop, so a flood of them stalled every tenant's requests. Here the
-database is slowed (each query waits DELAY_S on the calling thread, as a round trip to a remote database does)
-and the gateway's authentication (gateway/auth.py, as the routes call it) is flooded with made-up keys: the loop
-stays responsive, a cached tenant is answered at once, made-up keys get 401 (or a quick 503 past the bound on
-lookups at once), real keys still authenticate, and concurrent lookups of one id share one query.
+database's answers are held (each query waits on the calling thread, as for a remote database's round trip, until
+the test lets it answer) and the gateway's authentication (gateway/auth.py, as the routes call it) is flooded with
+made-up keys: while every query waits, the loop goes on, a cached tenant is answered and the lookups past the
+bound on lookups at once get their 503; once answered, made-up keys get 401, real keys still authenticate, and
+concurrent lookups of one id share one query. What is checked is what happens before the database answers, never
+how long anything took (a loaded machine makes any bound on that a flake).
 """
 
 from __future__ import annotations
 
 import asyncio
 import secrets
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -22,12 +26,13 @@ import pytest
 
 from gateway.auth import provide_principal, provide_tenant
 from gateway.errors import Unauthenticated, Unavailable
+from gateway.tenants.keys import parse_key
 from gateway.tenants.store import TenantStore
-from gateway.tenants.store_postgres import PostgresTenantStore
+from gateway.tenants.store_postgres import LOOKUP_THREADS, MAX_LOOKUPS, PostgresTenantStore
 from tests.gateway.tenants.held_reads import hold_first
 
-DELAY_S = 0.005  # each query's round trip
 FLOOD = 200  # made-up keys sent at once: on the event loop, 200 round trips = a second of nobody served
+GUARD_S = 10.0  # a bound on waiting for what must happen, never reached when it works: a failure, not a hang
 
 
 def request(key: str) -> Any:
@@ -41,34 +46,50 @@ def made_up_key() -> str:
     return f"tg-{secrets.token_hex(6)}-{secrets.token_urlsafe(32)}"
 
 
+@dataclass
+class Database:
+    """A PostgreSQL store with tenant acme's `key` cached, whose queries wait while `answering` is clear."""
+
+    store: PostgresTenantStore
+    key: str
+    queries: list[tuple[str, tuple[Any, ...]]] = field(default_factory=list)  # each query as it begins
+    answering: threading.Event = field(default_factory=threading.Event)  # set: queries answer; clear: they wait
+    gave_up: bool = False  # a query waited GUARD_S and answered anyway: something held the test up
+
+
 @pytest.fixture
-def slow_store(database_url: str) -> Iterator[tuple[PostgresTenantStore, list[str], str]]:
-    """A PostgreSQL store whose every query takes DELAY_S more (counted), with tenant acme's key cached."""
+def db(database_url: str) -> Iterator[Database]:
     store = PostgresTenantStore(database_url)
     store.create_tenant("acme", "standard")
     _, key = store.issue_key("acme")
-    queries: list[str] = []
+    database = Database(store, key)
+    database.answering.set()
     real = store._fetchone
 
-    def counted(sql: str, args: tuple[Any, ...] = ()) -> Any:
-        queries.append(sql)
+    def held(sql: str, args: tuple[Any, ...] = ()) -> Any:
+        database.queries.append((sql, args))
+        if not database.answering.wait(GUARD_S):
+            database.gave_up = True
+            database.answering.set()  # the queries after it answer at once: the test fails rather than hangs
         return real(sql, args)
 
-    store._fetchone = counted  # type: ignore[method-assign]
-    deadline = time.monotonic() + 2
-    while queries or store.authenticate(key) is None or queries:  # cached, once the listener follows the changes
-        assert time.monotonic() < deadline, "the key was not cached within 2 s"
-        queries.clear()
+    store._fetchone = held  # type: ignore[method-assign]
+    deadline = time.monotonic() + GUARD_S  # cached, once the listener follows the changes: no query asked
+    while database.queries or store.authenticate(key) is None or database.queries:
+        assert time.monotonic() < deadline, f"the key was not cached within {GUARD_S} s"
+        database.queries.clear()
         time.sleep(0.01)
-
-    def slow(sql: str, args: tuple[Any, ...] = ()) -> Any:
-        queries.append(sql)
-        time.sleep(DELAY_S)
-        return real(sql, args)
-
-    store._fetchone = slow  # type: ignore[method-assign]
-    yield store, queries, key
+    yield database
+    database.answering.set()
     store.close()
+
+
+async def until(done: Callable[[], bool], what: str) -> None:
+    """Wait on the loop (other tasks run meanwhile) until `done()`, GUARD_S at most: a failure, not a hang."""
+    deadline = time.monotonic() + GUARD_S
+    while not done():
+        assert time.monotonic() < deadline, f"not within {GUARD_S} s: {what}"
+        await asyncio.sleep(0.001)
 
 
 async def status(key: str, store: TenantStore) -> int:
@@ -82,44 +103,36 @@ async def status(key: str, store: TenantStore) -> int:
     return 200
 
 
-async def test_a_flood_of_made_up_keys_does_not_stall_the_event_loop(
-        slow_store: tuple[PostgresTenantStore, list[str], str]) -> None:
-    store, _, key = slow_store
-    loop = asyncio.get_running_loop()
-    lags: list[float] = []
-    flooding = True
-
-    async def probe() -> None:  # how late the loop wakes a sleeper
-        while flooding:
-            t = loop.time()
-            await asyncio.sleep(0.001)
-            lags.append(loop.time() - t - 0.001)
-
-    probing = asyncio.create_task(probe())
-    await asyncio.sleep(0.01)
-    t0 = time.monotonic()
+async def test_a_flood_of_made_up_keys_does_not_stall_the_event_loop(db: Database) -> None:
+    """The flood's queries wait for the database, which answers only when the test lets it: meanwhile a cached
+    tenant is answered, the lookups past the bound are refused, and the loop runs the test's own polling. On the
+    loop, the first query would hold all of it until its guard (GUARD_S) gave up."""
+    store = db.store
+    db.answering.clear()
     flood = [asyncio.create_task(status(made_up_key(), store)) for _ in range(FLOOD)]
-    victim = asyncio.create_task(provide_tenant(request(key), store))  # type: ignore[arg-type]
-    principal = await victim
-    victim_s = time.monotonic() - t0
-    codes = await asyncio.gather(*flood)
-    flooding = False
-    await probing
+    victim = asyncio.create_task(provide_tenant(request(db.key), store))  # type: ignore[arg-type]
+    await until(victim.done, "a cached tenant answered")
+    await until(lambda: len(db.queries) >= LOOKUP_THREADS, "a query begun on each lookup thread")
+    refused = [t.result() for t in flood if t.done()]
+    assert not db.answering.is_set(), "a query held the event loop (it answered only when its guard gave up)"
+    principal = victim.result()  # answered while every query waited: not behind the flood
     assert principal.tenant is not None and principal.tenant.name == "acme"
-    assert victim_s < 0.1, f"a cached tenant waited {victim_s * 1000:.0f} ms behind the flood"
-    assert max(lags) < 0.1, f"the event loop stalled for {max(lags) * 1000:.0f} ms"
-    assert set(codes) <= {401, 503} and 401 in codes  # never let in; refused quickly past the bound
+    assert refused == [503] * (FLOOD - MAX_LOOKUPS)  # past the bound: refused before any query answered
+    db.answering.set()
+    codes = await asyncio.gather(*flood)
+    assert sorted(codes) == [401] * MAX_LOOKUPS + [503] * (FLOOD - MAX_LOOKUPS)  # never let in
     assert await status(made_up_key(), store) == 401  # the flood over, an unknown key is a plain 401 again
     _, fresh = store.issue_key("acme")  # a real key not cached yet: looked up off the loop, and let in
-    assert await status(fresh, store) == 200 and await status(key, store) == 200
+    assert await status(fresh, store) == 200 and await status(db.key, store) == 200
+    assert not db.gave_up
 
 
-async def test_after_a_change_a_flood_does_not_lock_real_keys_out(
-        slow_store: tuple[PostgresTenantStore, list[str], str]) -> None:
+async def test_after_a_change_a_flood_does_not_lock_real_keys_out(db: Database) -> None:
     """A change empties the caches: a tenant's next request is a lookup again, among the flood's, and still gets
-    in (the bound on lookups at once is for ids never found to be keys), after a wait of a few queries at most."""
-    store, _, key = slow_store
-    flooding = True
+    in (the bound on lookups at once is for ids never found to be keys), after at most MAX_LOOKUPS queries ahead of
+    its own: counted, with the flood's lookups at their bound and held there until the tenant's is queued."""
+    store, flooding = db.store, True
+    db.answering.clear()
 
     async def attacker() -> set[int]:  # a made-up key again as soon as the last one is answered
         codes = set()
@@ -129,33 +142,41 @@ async def test_after_a_change_a_flood_does_not_lock_real_keys_out(
         return codes
 
     attackers = [asyncio.create_task(attacker()) for _ in range(FLOOD)]
-    await asyncio.sleep(0.05)  # the lookups at once at their bound, all of made-up ids
+    await until(lambda: len(store._pending) == MAX_LOOKUPS, "the lookups at once at their bound")
     store._invalidate()  # as when anyone commits a change
-    t0 = time.monotonic()
-    code = await status(key, store)
-    waited_s = time.monotonic() - t0
+    asked_before, key_id = len(db.queries), parse_key(db.key)[0]  # type: ignore[index]
+    tenant = asyncio.create_task(status(db.key, store))
+    await until(lambda: tenant.done() or key_id in store._pending, "its lookup queued behind the flood's")
+    db.answering.set()
+    code = await tenant
     flooding = False
     assert set().union(*await asyncio.gather(*attackers)) == {401, 503}
-    assert code == 200 and waited_s < 1.0, f"a real key got {code} after {waited_s * 1000:.0f} ms"
+    assert code == 200, f"a real key got {code}"
+    own = next(i for i, (_, args) in enumerate(db.queries) if args == (key_id,))
+    assert own - asked_before <= MAX_LOOKUPS, f"a real key waited for {own - asked_before} queries of the flood"
+    assert not db.gave_up
 
 
-async def test_concurrent_lookups_of_one_key_id_share_one_query(
-        slow_store: tuple[PostgresTenantStore, list[str], str]) -> None:
-    store, queries, _ = slow_store
-    probe = made_up_key()
-    queries.clear()
-    assert await asyncio.gather(*(status(probe, store) for _ in range(20))) == [401] * 20
-    assert len(queries) == 1
-    assert await status(probe, store) == 401 and len(queries) == 1  # and then answered from the cache
+async def test_concurrent_lookups_of_one_key_id_share_one_query(db: Database) -> None:
+    store, probe = db.store, made_up_key()
+    db.queries.clear()
+    assert await asyncio.gather(*(status(probe, store) for _ in range(20))) == [401] * 20  # all come before it ends
+    assert len(db.queries) == 1
+    assert await status(probe, store) == 401 and len(db.queries) == 1  # and then answered from the cache
 
 
 async def test_past_the_bound_a_lookup_is_refused_at_once_and_a_waiter_leaving_cancels_nothing(
-        slow_store: tuple[PostgresTenantStore, list[str], str], monkeypatch: pytest.MonkeyPatch) -> None:
-    store, _, key = slow_store
+        db: Database, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past the bound a lookup is refused before any query is answered, not queued behind them."""
+    store, key = db.store, db.key
     monkeypatch.setattr("gateway.tenants.store_postgres.MAX_LOOKUPS", 4)
-    t0 = time.monotonic()
-    codes = await asyncio.gather(*(status(made_up_key(), store) for _ in range(10)))
-    assert sorted(codes) == [401] * 4 + [503] * 6 and time.monotonic() - t0 < 1.0
+    db.answering.clear()
+    lookups = [asyncio.create_task(status(made_up_key(), store)) for _ in range(10)]
+    await until(lambda: sum(t.done() for t in lookups) >= 6, "six refused")
+    assert not db.answering.is_set(), "the refusals waited for the database (a query held the event loop)"
+    assert [t.result() for t in lookups if t.done()] == [503] * 6
+    db.answering.set()
+    assert sorted(await asyncio.gather(*lookups)) == [401] * 4 + [503] * 6
     probe = made_up_key()
     leaving = asyncio.create_task(status(probe, store))
     staying = asyncio.create_task(status(probe, store))
