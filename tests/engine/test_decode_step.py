@@ -4,7 +4,7 @@ tests against transformers also go through it: their decode steps take this path
 
 from __future__ import annotations
 
-import itertools
+import sys
 import threading
 import time
 from pathlib import Path
@@ -20,6 +20,8 @@ from engine.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
+
+GUARD_S = 10.0  # a bound on waiting for what must happen, never reached when it works: a failure, not a hang
 
 pytestmark = pytest.mark.skipif(native.load() is None or not torch.backends.mkldnn.is_available(),
                                 reason="no C++ toolchain or no oneDNN: the Python forward is the only path")
@@ -140,18 +142,31 @@ def test_a_layer_missing_its_linears_is_refused() -> None:
 
 
 def test_other_python_threads_run_during_a_step(tiny_llama: Path) -> None:
-    """A step holds no GIL: the server's event loop keeps serving while the engine thread computes."""
+    """A step holds no GIL: the server's event loop keeps serving while the engine thread computes. With a switch
+    interval longer than the test, a thread that waits for the GIL gets it only when its holder lets it go: the main
+    thread sets `ran` while the worker runs steps only if a step lets it go; holding it, every step the worker runs
+    until its guard (GUARD_S) gives up would end before the main thread ran at all."""
     runner = ModelRunner(tiny_llama, dtype="fp32", kv_cache_bytes=1 << 20)
-    rows = 60_000
+    rows = 8192  # the tiny model's 2 layers' qkv, o, gate_up and down, on many rows: one call of some length
     inputs = [torch.randn(rows, 64), torch.randn(rows, 64), torch.randn(rows, 64), torch.randn(rows, 128)] * 2
-    t0 = time.perf_counter()  # the tiny model's 2 layers' qkv, o, gate_up and down, on many rows: one long call
-    runner.native_decode.layers.run_linears(inputs)
-    call_s = time.perf_counter() - t0
-    worker = threading.Thread(target=lambda: [runner.native_decode.layers.run_linears(inputs) for _ in range(3)])
-    ticks = []
-    worker.start()
-    while worker.is_alive():
-        ticks.append(time.perf_counter())
-    worker.join()
-    gaps = [b - a for a, b in itertools.pairwise(ticks)]
-    assert len(ticks) > 100 and max(gaps) < 0.5 * call_s  # holding it, a call would stop this loop for all of it
+    ran = threading.Event()
+    steps_until_ran: list[int | None] = []
+
+    def steps() -> None:
+        deadline, n = time.monotonic() + GUARD_S, 0
+        while not ran.is_set() and time.monotonic() < deadline:
+            runner.native_decode.layers.run_linears(inputs)
+            n += 1
+        steps_until_ran.append(n if ran.is_set() else None)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(10 * GUARD_S)
+    try:
+        worker = threading.Thread(target=steps)
+        worker.start()  # returns once the worker lets the GIL go
+        ran.set()
+        worker.join(2 * GUARD_S)
+    finally:
+        sys.setswitchinterval(interval)
+    assert not worker.is_alive()
+    assert steps_until_ran != [None], "the main thread ran only after the steps: a step held the GIL"
