@@ -6,7 +6,9 @@ local engines and remote ones alike. Each response also carries `x_tiergate.busy
 time attributed to the request, which the gateway turns into compute cost.
 
 Failures keep OpenAI's error shape. Bad input is a 400 naming the field (the wire model validates, the
-engine checks again). The engine serves one model, under the name it was started with (`--served-name`: the tier's
+engine checks again). The OpenAI routes take no query parameter, as the gateway's take none: one is a 400 naming it
+(`unsupported_parameter`), before the body is read (Litestar dropped it: `?stream=true` was answered whole, `?top_k=1`
+sampled as if unsent). The engine serves one model, under the name it was started with (`--served-name`: the tier's
 name when the gateway's supervisor starts it, which is the `model` the gateway sends a local tier, every version of
 it alike); a request naming any other is a 404 `model_not_found` (param `model`), as OpenAI's and vLLM's, before
 anything is tokenized or generated. A request the engine fails is a 500 `engine_error`, or, once a stream has begun, a
@@ -62,6 +64,7 @@ import os
 import re
 import uuid
 from typing import Any
+from urllib.parse import parse_qsl
 
 from jinja2 import TemplateError
 from litestar import Litestar, Request, Response, get, post
@@ -227,6 +230,8 @@ def create_engine_app(engine: LLMEngine, *, model_name: str, model_version: str,
         """Validate, tokenize, generate; the answer framed as the endpoint's API frames it."""
         if (reason := engine.dead_reason) is not None:
             return _dead(reason)
+        if (refused := _query_refusal(request)) is not None:
+            return refused
         body = await request.body()
         try:  # a large body is validated in a worker thread: the event loop (/health among it) keeps its turns
             req = (parse_body(body, kind) if len(body) <= PARSE_ON_LOOP_BYTES
@@ -309,7 +314,9 @@ def create_engine_app(engine: LLMEngine, *, model_name: str, model_version: str,
         return Response({**head, "stats": stats})
 
     @get("/v1/models")
-    async def models() -> dict[str, Any]:
+    async def models(request: Request[Any, Any, Any]) -> Any:
+        if (refused := _query_refusal(request)) is not None:
+            return refused
         return {"object": "list", "data": [{
             "id": model_name, "object": "model", "created": 0, "owned_by": "tiergate-engine",
             "max_model_len": engine.max_model_len, "model_version": model_version,
@@ -350,6 +357,18 @@ def _unknown_model(asked: str, served: str) -> Response[Any]:
     """A request for a model this engine does not serve: 404 as OpenAI's and vLLM's, before anything is tokenized."""
     return Response(error_body(f"The model `{asked}` does not exist; this engine serves `{served}`",
                                param="model", code="model_not_found"), status_code=404)
+
+
+def _query_refusal(request: Request[Any, Any, Any]) -> Response[Any] | None:
+    """A 400 naming the first parameter of the request's query (these routes take none), or None without one."""
+    query = request.scope.get("query_string", b"")
+    pairs = parse_qsl(query.decode("latin-1"), keep_blank_values=True) if query else []
+    if not pairs:
+        return None
+    name = pairs[0][0][:64]
+    return Response(error_body(f"{name}: unsupported query parameter (this route takes none: a request's parameters "
+                               "go in its JSON body); remove it", param=name, code="unsupported_parameter"),
+                    status_code=400)
 
 
 def _dead(reason: str) -> Response[Any]:
