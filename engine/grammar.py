@@ -66,7 +66,8 @@ GRAMMAR_TENANTS = 16  # tenants whose grammars are remembered, the most recently
 # 9 ms and a 400 each time it was asked (measured 2026-12-06)
 PROBE_TOKENS = 8
 ANY_JSON_OBJECT: dict[str, Any] = {"type": "object"}
-# our separators override any `x-guidance` options a schema carries
+# our separators, over any `x-guidance` options a schema carries (wire refuses them by name; a format built without
+# its validation keeps ours)
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 

@@ -13,8 +13,11 @@ MAX_SCHEMA_BYTES of JSON and MAX_SCHEMA_DEPTH nested arrays and objects, checked
 bound it passes, then what its `allOf`s intersect (wire/schema_alternatives.py: a small schema can cost a
 compiler seconds), then its patterns' repetitions and its references to itself (wire/schema_costs.py: what the
 compiler takes at once and fails on at the first token, after the request was admitted); such a refusal names the
-keyword (`response_format.json_schema.schema.properties.a.pattern`). Everything else (name, description) has
-OpenAI's limits. Anything else is a 400 whose `param` starts with `response_format`.
+keyword (`response_format.json_schema.schema.properties.a.pattern`). A schema's `x-guidance` (llguidance's compile
+options, which it reads at a schema's root) is refused by name: our engines set their own separators, whitespace
+and leniency over it, so `"whitespace_flexible": true` was dropped without a word, the rest changed how our engines
+compiled the schema, and a remote tier's server reads it or not, as its own grammar library does. Everything else
+(name, description) has OpenAI's limits. Anything else is a 400 whose `param` starts with `response_format`.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError, ValidationError
 
 from wire.fields import drop_nulls, nullable_optionals, one_unknown
 from wire.schema_alternatives import check_alternatives, may_intersect
@@ -35,6 +39,7 @@ MAX_DESCRIPTION_CHARS = 1024
 # the integers a schema may hold: a 64-bit one, signed or not (llguidance reads no other: a wider one failed its
 # compile, after the gateway had routed and reserved the request, and went to a remote tier as it was)
 MIN_SCHEMA_INT, MAX_SCHEMA_INT = -(2**63), 2**64 - 1
+COMPILER_OPTIONS = "x-guidance"  # llguidance's compile options, at a schema's root: refused by name
 SCHEMA_BOUNDS = (f"a JSON Schema object of at most {MAX_SCHEMA_BYTES} bytes (compact JSON) and "
                  f"{MAX_SCHEMA_DEPTH} levels of nesting")
 
@@ -55,8 +60,14 @@ def check_schema_bounds(schema: dict[str, Any]) -> None:
     int once read) is refused by the depth pass: the gateway accepted it and routed the request, and our engine's
     compile refused it only then ("Value is not JSON serializable", naming `response_format`).
     A pattern that repeats too much or a reference to itself in place (`check_costs`) is a pydantic ValidationError
-    (a ValueError) located at its keyword inside the schema.
+    (a ValueError) located at its keyword inside the schema, and so is COMPILER_OPTIONS (the module's docstring).
     """
+    if COMPILER_OPTIONS in schema:
+        raise ValidationError.from_exception_data("schema", [InitErrorDetails(
+            type=PydanticCustomError("unsupported_parameter", "unsupported parameter (llguidance's compile options: "
+                                     "our engines set their own, so the answer would depend on the tier that "
+                                     "gave it); remove it"),
+            loc=(COMPILER_OPTIONS,), input=None)])
     _size_bounded(schema)
     level: list[Any] = [schema]
     depth = 0

@@ -123,6 +123,9 @@ def test_a_cache_salt_sent_more_than_once_is_a_400_naming_it(
     ("ignore_eos", "true", "ignore_eos"), ("min_tokens", "1", "min_tokens"), ("guided_json", "{}", "guided_json"),
     ("stream_options", '{"include_usage": true, "x": 1}', "stream_options.x"),
     ("response_format", '{"type": "json_object", "schema": {}}', "response_format.schema"),
+    # llguidance's compile options, which the engine's own overrode or took from the tenant
+    ("response_format", '{"type": "json_schema", "json_schema": {"name": "n", "schema": {"x-guidance": '
+                        '{"whitespace_flexible": true}}}}', "response_format.json_schema.schema.x-guidance"),
 ])
 @pytest.mark.parametrize(("path", "body"), [("chat/completions", CHAT), ("completions", TEXT)])
 def test_a_hostile_value_of_a_field_both_endpoints_take_is_a_400_naming_it(
