@@ -85,6 +85,7 @@ from wire.client_watch import CLIENT_CLOSED, ClientLeft, ClientWatch
 from wire.completion_request import DEFAULT_MAX_TOKENS as DEFAULT_TEXT_MAX_TOKENS
 from wire.completion_request import CompletionRequest
 from wire.errors import CACHE_SALT_HEADER, MAX_BODY_BYTES, PAYLOAD_TOO_LARGE, error_body
+from wire.response_format import ResponseFormat
 from wire.tool_calls import named_roles, render_messages, unrendered_name
 from wire.validation import BodyError, parse_body
 
@@ -102,8 +103,9 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 log = logging.getLogger("tiergate.engine")
 
 def sampling_params_for(req: ChatCompletionRequest | CompletionRequest, num_prompt_tokens: int,
-                        max_model_len: int) -> SamplingParams:
-    """A chat request's (`top_logprobs` when `logprobs`) or a legacy text completion's (`logprobs`: how many)."""
+                        max_model_len: int, output_format: ResponseFormat | None) -> SamplingParams:
+    """A chat request's (`top_logprobs` when `logprobs`) or a legacy text completion's (`logprobs`: how many);
+    `output_format`: what constrains its answer (`answer_format` of a chat request, else its response_format)."""
     chat = isinstance(req, ChatCompletionRequest)
     default = DEFAULT_MAX_TOKENS if chat else DEFAULT_TEXT_MAX_TOKENS
     default_cap = max(1, min(default, max_model_len - num_prompt_tokens))
@@ -117,7 +119,7 @@ def sampling_params_for(req: ChatCompletionRequest | CompletionRequest, num_prom
         frequency_penalty=req.frequency_penalty or 0.0,
         stop=req.stop_list,
         logprobs=((req.top_logprobs or 0) if req.logprobs else None) if chat else req.logprobs,
-        response_format=answer_format(req) if chat else req.response_format,
+        response_format=output_format,
     )
 
 
@@ -251,9 +253,14 @@ def create_engine_app(engine: LLMEngine, *, model_name: str, model_version: str,
         chat = isinstance(req, ChatCompletionRequest)
 
         def prepare() -> tuple[list[int], SamplingParams]:
-            """Tokenize and validate (a response format refused before is refused here; none is compiled)."""
+            """Tokenize and validate; none is compiled. What needs no prompt is refused before it is rendered and
+            tokenized (up to a second of a tokenizer thread for a long one): a format the answer's free tool calls
+            rule out, and one refused to the tenant before."""
+            fmt = answer_format(req) if chat else req.response_format  # type: ignore[arg-type]
+            if fmt is not None and fmt.constrains:
+                engine.grammars.known(fmt, salt_tenant(salt))
             ids = prompt_ids(req) if chat else text_prompt_ids(req)  # type: ignore[arg-type]
-            params = sampling_params_for(req, len(ids), engine.max_model_len)
+            params = sampling_params_for(req, len(ids), engine.max_model_len, fmt)
             engine.validate(ids, params, salt_tenant(salt))
             return ids, params
 

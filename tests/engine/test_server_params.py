@@ -149,3 +149,43 @@ def test_a_query_parameter_is_a_400_naming_it(served: tuple[str, LLMEngine, Scri
     assert r.status_code == 400 and r.json()["error"]["param"] == query.split("&")[0].split("=")[0]
     assert httpx.post(f"{url}/v1/{path}", json=body).status_code == 200  # without one, served as before
     assert httpx.get(f"{url}/v1/models").status_code == 200
+
+
+def rendered(monkeypatch: pytest.MonkeyPatch, eng: LLMEngine) -> list[int]:
+    """A list that grows by one each time the engine renders a conversation with its chat template (before
+    tokenizing it)."""
+    calls: list[int] = []
+    render = eng.tokenizer.apply_chat_template
+
+    def counted(*args: object, **kwargs: object) -> object:
+        calls.append(1)
+        return render(*args, **kwargs)
+
+    monkeypatch.setattr(eng.tokenizer, "apply_chat_template", counted)
+    return calls
+
+
+def test_a_format_with_free_tool_calls_is_refused_before_the_prompt_is_rendered(
+        served: tuple[str, LLMEngine, ScriptedRunner], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The refusal needs no prompt: it came after the conversation was rendered and tokenized (a long prompt cost a
+    tokenizer thread up to a second for it), and the gateway relays it as the tenant's 400, billed nothing."""
+    url, eng, runner = served
+    calls = rendered(monkeypatch, eng)
+    tools = "[" + TOOL % '{"type": "object"}' + "]"
+    r = post(url, "chat/completions", CHAT, f'"tools": {tools}, "response_format": {{"type": "json_object"}}')
+    refused(r, "response_format", runner)
+    assert not calls
+    assert post(url, "chat/completions", CHAT, f'"tools": {tools}').status_code == 200 and calls  # rendered then
+
+
+def test_a_format_refused_to_the_tenant_before_is_refused_before_the_prompt_is_rendered(
+        compiling: tuple[str, LLMEngine, ScriptedRunner], monkeypatch: pytest.MonkeyPatch) -> None:
+    url, eng, runner = compiling
+    lookaround = '"response_format": ' + SCHEMA % '{"type": "string", "pattern": "(?=a)b"}'  # llguidance refuses it
+    headers = {"content-type": "application/json", CACHE_SALT_HEADER: "t1"}
+    refused(post(url, "chat/completions", CHAT, lookaround, headers=headers), "response_format", runner)
+    calls = rendered(monkeypatch, eng)
+    r = post(url, "chat/completions", CHAT, lookaround, headers=headers)  # remembered: refused at once
+    refused(r, "response_format", runner)
+    assert not calls and eng.grammars.num_compiles == 0
+    assert post(url, "chat/completions", CHAT, headers=headers).status_code == 200 and calls
