@@ -36,9 +36,6 @@ from wire.schema_costs import check_answer_length, check_patterns, check_self_re
 MAX_SCHEMA_BYTES = 32 * 1024  # the schema as compact JSON
 MAX_SCHEMA_DEPTH = 32  # nested objects and arrays, the schema itself being the first
 MAX_DESCRIPTION_CHARS = 1024
-# the integers a schema may hold: a 64-bit one, signed or not (llguidance reads no other: a wider one failed its
-# compile, after the gateway had routed and reserved the request, and went to a remote tier as it was)
-MIN_SCHEMA_INT, MAX_SCHEMA_INT = -(2**63), 2**64 - 1
 COMPILER_OPTIONS = "x-guidance"  # llguidance's compile options, at a schema's root: refused by name
 SCHEMA_BOUNDS = (f"a JSON Schema object of at most {MAX_SCHEMA_BYTES} bytes (compact JSON) and "
                  f"{MAX_SCHEMA_DEPTH} levels of nesting")
@@ -46,7 +43,7 @@ SCHEMA_BOUNDS = (f"a JSON Schema object of at most {MAX_SCHEMA_BYTES} bytes (com
 
 def check_schema_bounds(schema: dict[str, Any]) -> None:
     """Raise ValueError when `schema` is nested deeper than MAX_SCHEMA_DEPTH, larger than MAX_SCHEMA_BYTES, or holds
-    a number past float64's range or an integer past 64 bits.
+    a number past float64's range.
 
     Iterative (no recursion a deep schema could exhaust); the depth pass visits each node once and stops at the
     first level too deep, and the exact size is measured only then, by the JSON encoder, on a schema known to be
@@ -56,9 +53,6 @@ def check_schema_bounds(schema: dict[str, Any]) -> None:
     A number past float64's range (`1e999`: JSON by RFC 8259's grammar, infinity once the body is read) is refused
     there too: the grammar compiler got it as `null` (`{"const": 1e999}` constrained the answer to `null`, a
     `maximum` of it was refused in the compiler's words), and the gateway sent it to a remote tier as `null`.
-    An integer outside MIN_SCHEMA_INT..MAX_SCHEMA_INT (`"minimum": 1000…0` of 70 digits: JSON, and an exact Python
-    int once read) is refused by the depth pass: the gateway accepted it and routed the request, and our engine's
-    compile refused it only then ("Value is not JSON serializable", naming `response_format`).
     A pattern that repeats too much or a reference to itself in place (`check_costs`) is a pydantic ValidationError
     (a ValueError) located at its keyword inside the schema, and so is COMPILER_OPTIONS (the module's docstring).
     """
@@ -77,11 +71,8 @@ def check_schema_bounds(schema: dict[str, Any]) -> None:
             raise ValueError(f"the schema is nested more than {MAX_SCHEMA_DEPTH} levels deep")
         nested: list[Any] = []
         for node in level:
-            for value in node.values() if isinstance(node, dict) else node:
-                if isinstance(value, dict | list):
-                    nested.append(value)
-                elif type(value) is int and not MIN_SCHEMA_INT <= value <= MAX_SCHEMA_INT:
-                    raise ValueError(_WIDE_INT)
+            values = node.values() if isinstance(node, dict) else node
+            nested.extend(v for v in values if isinstance(v, dict | list))
         level = nested
     try:
         text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
@@ -92,10 +83,6 @@ def check_schema_bounds(schema: dict[str, Any]) -> None:
     if may_intersect(text):
         check_alternatives(schema)  # what its allOfs would make a grammar compiler intersect
     check_costs(schema, text)
-
-
-_WIDE_INT = (f"the schema holds an integer past 64 bits (outside {MIN_SCHEMA_INT}..{MAX_SCHEMA_INT}), which a grammar "
-             "compiler cannot read; send a smaller one")
 
 
 def check_costs(schema: dict[str, Any], compact_json: str | bytes) -> None:

@@ -74,17 +74,6 @@ def test_a_schema_number_past_float64s_range_is_a_400_naming_the_schema(
     assert "1e999" in r.json()["error"]["message"] and eng.dead_reason is None
 
 
-@pytest.mark.parametrize(("path", "body"), [("chat/completions", CHAT), ("completions", TEXT)])
-def test_a_schema_integer_past_64_bits_is_a_400_naming_the_schema_before_any_compile(
-        compiling: tuple[str, LLMEngine, ScriptedRunner], path: str, body: dict[str, object]) -> None:
-    """llguidance reads no integer past 64 bits: the compile refused it, naming `response_format`, "Value is not JSON
-    serializable"; now the body's validation refuses it, as the gateway's does."""
-    url, eng, runner = compiling
-    r = post(url, path, body, '"response_format": ' + SCHEMA % f'{{"type": "integer", "minimum": {10**70}}}')
-    refused(r, "response_format.json_schema.schema", runner)
-    assert "integer past 64 bits" in r.json()["error"]["message"] and eng.grammars.num_compiles == 0
-
-
 @pytest.mark.parametrize("choice", ['"auto"', '"required"'])
 def test_a_tools_parameters_number_past_float64s_range_is_a_400_naming_them(
         compiling: tuple[str, LLMEngine, ScriptedRunner], choice: str) -> None:
