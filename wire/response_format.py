@@ -37,6 +37,7 @@ MAX_SCHEMA_BYTES = 32 * 1024  # the schema as compact JSON
 MAX_SCHEMA_DEPTH = 32  # nested objects and arrays, the schema itself being the first
 MAX_DESCRIPTION_CHARS = 1024
 COMPILER_OPTIONS = "x-guidance"  # llguidance's compile options, at a schema's root: refused by name
+NO_COMPILER_OPTIONS = {"not": {"required": [COMPILER_OPTIONS]}}  # and the published document says so
 SCHEMA_BOUNDS = (f"a JSON Schema object of at most {MAX_SCHEMA_BYTES} bytes (compact JSON) and "
                  f"{MAX_SCHEMA_DEPTH} levels of nesting")
 
@@ -122,7 +123,8 @@ class JsonSchemaSpec(BaseModel):
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$",
                                description="a-z, A-Z, 0-9, underscores and dashes, at most 64 characters")]
     description: Annotated[str, Field(max_length=MAX_DESCRIPTION_CHARS)] | None = None
-    schema_: Annotated[dict[str, Any], Field(alias="schema", description=SCHEMA_BOUNDS)]
+    schema_: Annotated[dict[str, Any], Field(alias="schema", description=SCHEMA_BOUNDS,
+                                             json_schema_extra=NO_COMPILER_OPTIONS)]
     strict: bool | None = None
 
     @model_validator(mode="before")

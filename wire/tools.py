@@ -24,7 +24,7 @@ import msgspec
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from wire.fields import drop_nulls, nullable_optionals, one_unknown
-from wire.response_format import MAX_DESCRIPTION_CHARS, SCHEMA_BOUNDS, check_schema_bounds
+from wire.response_format import MAX_DESCRIPTION_CHARS, NO_COMPILER_OPTIONS, SCHEMA_BOUNDS, check_schema_bounds
 from wire.schema_alternatives import MAX_INTERSECTION_WEIGHT, check_alternatives, may_intersect
 
 MAX_TOOLS = 128  # as OpenAI's
@@ -49,7 +49,8 @@ class _Model(BaseModel):
 class FunctionDefinition(_Model):
     name: FunctionName
     description: Annotated[str, Field(max_length=MAX_DESCRIPTION_CHARS)] | None = None
-    parameters: Annotated[dict[str, Any], Field(description=SCHEMA_BOUNDS)] | None = None
+    parameters: Annotated[dict[str, Any], Field(description=SCHEMA_BOUNDS,
+                                                json_schema_extra=NO_COMPILER_OPTIONS)] | None = None
     strict: bool | None = None
 
     @field_validator("parameters")

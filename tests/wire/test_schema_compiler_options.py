@@ -5,10 +5,14 @@ library does. A property of that name is a property like any other."""
 
 from __future__ import annotations
 
+import json
+
+import jsonschema
 import pytest
 
 from gateway.errors import InvalidRequest
 from gateway.pipeline.handle import parse_request
+from wire.chat_request import ChatCompletionRequest
 from wire.completion_request import CompletionRequest
 from wire.validation import BodyError, parse_body
 
@@ -43,3 +47,12 @@ def test_a_property_of_that_name_is_taken() -> None:
     schema = '{"type": "object", "properties": {"x-guidance": {"type": "string"}}, "required": ["x-guidance"]}'
     req = parse_request(chat(FORMAT % schema))
     assert req.response_format is not None and req.response_format.json_schema is not None
+
+
+@pytest.mark.parametrize("extra", [FORMAT, TOOLS], ids=["format", "tools"])
+def test_the_published_schema_says_so(extra: str) -> None:
+    """The document a client reads (the request's JSON schema) refuses what the wire refuses, and takes the rest."""
+    document = ChatCompletionRequest.model_json_schema()
+    body = json.loads(chat(extra % '{"type": "object", "x-guidance": {}}'))
+    assert not jsonschema.Draft202012Validator(document).is_valid(body)
+    assert jsonschema.Draft202012Validator(document).is_valid(json.loads(chat(extra % '{"type": "object"}')))
