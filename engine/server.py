@@ -8,7 +8,9 @@ time attributed to the request, which the gateway turns into compute cost.
 Failures keep OpenAI's error shape. Bad input is a 400 naming the field (the wire model validates, the
 engine checks again). The OpenAI routes take no query parameter, as the gateway's take none: one is a 400 naming it
 (`unsupported_parameter`), before the body is read (Litestar dropped it: `?stream=true` was answered whole, `?top_k=1`
-sampled as if unsent). The engine serves one model, under the name it was started with (`--served-name`: the tier's
+sampled as if unsent). A body sent with a Content-Encoding other than identity is a 415
+`unsupported_content_encoding`, as at the gateway, before it is read (it was read as it came, and a gzipped one
+refused as broken JSON). The engine serves one model, under the name it was started with (`--served-name`: the tier's
 name when the gateway's supervisor starts it, which is the `model` the gateway sends a local tier, every version of
 it alike); a request naming any other is a 404 `model_not_found` (param `model`), as OpenAI's and vLLM's, before
 anything is tokenized or generated. A request the engine fails is a 500 `engine_error`, or, once a stream has begun, a
@@ -232,7 +234,7 @@ def create_engine_app(engine: LLMEngine, *, model_name: str, model_version: str,
         """Validate, tokenize, generate; the answer framed as the endpoint's API frames it."""
         if (reason := engine.dead_reason) is not None:
             return _dead(reason)
-        if (refused := _query_refusal(request)) is not None:
+        if (refused := _query_refusal(request) or _encoding_refusal(request)) is not None:
             return refused
         body = await request.body()
         try:  # a large body is validated in a worker thread: the event loop (/health among it) keeps its turns
@@ -376,6 +378,15 @@ def _query_refusal(request: Request[Any, Any, Any]) -> Response[Any] | None:
     return Response(error_body(f"{name}: unsupported query parameter (this route takes none: a request's parameters "
                                "go in its JSON body); remove it", param=name, code="unsupported_parameter"),
                     status_code=400)
+
+
+def _encoding_refusal(request: Request[Any, Any, Any]) -> Response[Any] | None:
+    """A 415 for a body sent encoded (gzip, deflate...): it is read as it comes, so it could only be refused as broken
+    JSON; None for one sent as it is."""
+    if request.headers.get("content-encoding", "identity").strip(" \t").lower() in ("", "identity"):
+        return None
+    return Response(error_body("a Content-Encoding other than identity is not supported; send the body uncompressed",
+                               code="unsupported_content_encoding"), status_code=415)
 
 
 def _dead(reason: str) -> Response[Any]:

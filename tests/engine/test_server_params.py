@@ -4,6 +4,7 @@ OpenAI's shape naming the field, and nothing is generated (the scripted runner r
 
 from __future__ import annotations
 
+import gzip
 import json
 from collections.abc import Iterator
 
@@ -178,3 +179,18 @@ def test_a_format_refused_to_the_tenant_before_is_refused_before_the_prompt_is_r
     refused(r, "response_format", runner)
     assert not calls and eng.grammars.num_compiles == 0
     assert post(url, "chat/completions", CHAT, headers=headers).status_code == 200 and calls
+
+
+@pytest.mark.parametrize(("path", "body"), [("chat/completions", CHAT), ("completions", TEXT)])
+def test_an_encoded_body_is_a_415_as_at_the_gateway(served: tuple[str, LLMEngine, ScriptedRunner], path: str,
+                                                    body: dict[str, object]) -> None:
+    """It was read as it came and refused as JSON that could not be parsed (400 invalid_json)."""
+    url, _, runner = served
+    raw = json.dumps(body).encode()
+    r = httpx.post(f"{url}/v1/{path}", content=gzip.compress(raw),
+                   headers={"content-type": "application/json", "content-encoding": "gzip"})
+    assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_content_encoding", r.text
+    assert not runner.steps
+    r = httpx.post(f"{url}/v1/{path}", content=raw, headers={"content-type": "application/json",
+                                                             "content-encoding": "identity"})
+    assert r.status_code == 200
