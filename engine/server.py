@@ -88,7 +88,7 @@ from wire.completion_request import DEFAULT_MAX_TOKENS as DEFAULT_TEXT_MAX_TOKEN
 from wire.completion_request import CompletionRequest
 from wire.errors import CACHE_SALT_HEADER, MAX_BODY_BYTES, PAYLOAD_TOO_LARGE, error_body
 from wire.response_format import ResponseFormat
-from wire.tool_calls import named_roles, render_messages, unrendered_name
+from wire.tool_calls import named_roles, render_messages, stray_result, unrendered_name
 from wire.validation import BodyError, parse_body
 
 DEFAULT_MAX_TOKENS = 1024  # without max_tokens: up to this, or what the context has left
@@ -218,6 +218,12 @@ def create_engine_app(engine: LLMEngine, *, model_name: str, model_version: str,
                 f"messages.{i}.name: this model's chat template does not write a {req.messages[i].role} message's "
                 "name into the prompt, so the model could not tell who sent it; remove it (or put the name in the "
                 "content)", param=f"messages.{i}.name", code="unsupported_parameter")
+        if (i := stray_result(req)) is not None:
+            raise EngineInputError(
+                f"messages.{i}.tool_call_id: answers no call of the assistant message before its results (an id that "
+                "message did not make, or one answered already); this model's prompt places each result after the "
+                "calls without ids, so it would read as another call's answer. Send each result once, after the "
+                "assistant message that made its call", param=f"messages.{i}.tool_call_id")
         try:
             text = tokenizer.apply_chat_template(render_messages(req), add_generation_prompt=True, tokenize=False)
         except TemplateError as exc:  # the template's own refusal of this conversation (its `raise_exception`)

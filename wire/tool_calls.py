@@ -86,15 +86,38 @@ def tools_preamble(tools: list[Tool], *, parallel: bool = True) -> str:
 def render_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
     """The conversation as a chat template without tool syntax takes it: `{"role", "content"}` strings only, the
     offered tools in the system message, calls and results as text (consecutive results in one user turn, joined
-    once: added one by one, each copied the turn so far, 0.35 s for 2,047 results in a 10 MB body)."""
+    once: added one by one, each copied the turn so far, 0.35 s for 2,047 results in a 10 MB body). A turn of results
+    holds them in the order of the calls they answer: the prompt holds no ids, so a result reads as the answer to the
+    call at its place (results sent as their calls finished were each read as another call's); one that answers no
+    call comes after, where it was (the engine refuses it: `stray_result`)."""
     messages: list[dict[str, str]] = []
+    made: dict[str, int] = {}  # the last calls' ids, each at its place among them (its first, if made twice)
     for results, group in groupby(req.messages, key=lambda m: m.role == "tool"):
-        turns = [turn(m) for m in group]
         if results:
-            messages.append({"role": "user", "content": "\n".join(t["content"] for t in turns)})
+            ordered = sorted(group, key=lambda m: made.get(m.tool_call_id or "", len(made)))
+            messages.append({"role": "user", "content": "\n".join(turn(m)["content"] for m in ordered)})
         else:
-            messages.extend(turns)
+            said = list(group)
+            messages.extend(turn(m) for m in said)
+            calls = said[-1].tool_calls or []
+            made = {c.id: k for k, c in reversed(list(enumerate(calls)))}
     return with_preamble(messages, preamble(req))
+
+
+def stray_result(req: ChatCompletionRequest) -> int | None:
+    """The index of the first tool result that answers no call of the assistant message its turn of results follows
+    (an id that message did not make, one answered before, or results after a message that made no call), or None.
+    The prompt holds no ids (`render_messages`), so such a result cannot be rendered as what it is: our engines
+    refuse it, as OpenAI does, rather than hand it to the model as the answer to some other call."""
+    pending: set[str] = set()
+    for i, m in enumerate(req.messages):
+        if m.role != "tool":
+            pending = {c.id for c in m.tool_calls or ()}  # only an assistant message has calls (wire's check)
+        elif m.tool_call_id in pending:
+            pending.discard(m.tool_call_id)
+        else:
+            return i
+    return None
 
 
 def turn(m: ChatMessage) -> dict[str, str]:
