@@ -25,9 +25,7 @@ request counted first.
 
 The store's reserve runs shielded from the request: a client that leaves while it runs (Redis has run the script,
 its reply not yet read) leaves a reservation no `finally` owns yet, so it is settled at zero use once the reserve
-ends, handed off, never held for its lease (a tenant at its concurrency limit refused meanwhile). The in-process
-store's reserve never suspends (`reserves_at_once`): no cancellation can land inside it, so it runs in the request's
-own task, without the shield's task, future and loop turn (each request paid them for nothing there).
+ends, handed off, never held for its lease (a tenant at its concurrency limit refused meanwhile).
 """
 
 from __future__ import annotations
@@ -44,7 +42,6 @@ from gateway.pipeline.gate import REMEMBERED_REASONS, TenantGate
 from gateway.pipeline.handed_off import HandedOff
 from gateway.pipeline.limit_errors import limit_refusal, reset_duration, too_large
 from quotas.backends.base import QuotaBackendError
-from quotas.backends.memory import MemoryBackend
 from quotas.limits import Decision, Usage
 from quotas.plans import Limits, Plan
 from quotas.reservations import QuotaService, Reservation
@@ -79,23 +76,20 @@ class ReserveStage:
         """`reserve`, with a refusal answered (its decision), not raised nor told to the gate: for a caller whose
         refusal may be its estimate's, not the tenant's (embeddings' bound before counting); `refused` makes it
         the tenant's."""
-        reserving = self.quotas.reserve(
+        work = asyncio.ensure_future(self.quotas.reserve(
             request_id=request_id, tenant=ctx.tenant, plan=ctx.plan, key_id=ctx.key_id,
             key_limits=ctx.principal.key.limits, tokens=tokens, price=price,
             dated_at=ctx.arrived,  # the instant that dates the ledger row dates the money too
-            follows=follows)
+            follows=follows))
         try:
-            if reserves_at_once(self.quotas):  # never suspends: nothing it admits can be a request's that left
-                return await reserving
-            work = asyncio.ensure_future(reserving)
-            try:
-                return await asyncio.shield(work)
-            except asyncio.CancelledError:  # the request left: what the reserve admits is nobody's, so it is given back
-                self._handed.adopt(work, self._give_back)
-                raise
+            decision, reservation = await asyncio.shield(work)
+        except asyncio.CancelledError:  # the request left: what the reserve admits is nobody's, so it is given back
+            self._handed.adopt(work, self._give_back)
+            raise
         except QuotaBackendError as exc:
             raise Unavailable("the quota service is unavailable; retry shortly", code="quota_backend_unavailable",
                               retry_after=1) from exc
+        return decision, reservation
 
     @asynccontextmanager
     async def floor(self, ctx: RequestContext, *, tokens: int, price: Decimal) -> AsyncIterator[str]:
@@ -157,15 +151,6 @@ def refusal(plan: Plan, decision: Decision, key_limits: Limits | None = None) ->
     if decision.scope and decision.scope.startswith("k:"):
         return limit_refusal("your key", decision.reason or "limit", decision.retry_after_s, key_limits)
     return limit_refusal("your tenant", decision.reason or "limit", decision.retry_after_s, plan.limits)
-
-
-def reserves_at_once(quotas: QuotaService) -> bool:
-    """Whether the store's reserve answers without ever suspending: the in-process store, whose `reserve` returns
-    `reserve_now`'s decision, unless a subclass of it (or of the quota service) reserves otherwise, which may await.
-    (The backend's own `settles_at_once` says the same of its settle; quotas/ has no such word for the reserve.)"""
-    backend = quotas.backend
-    return (type(backend).reserve is MemoryBackend.reserve and isinstance(backend, MemoryBackend)
-            and type(quotas).reserve is QuotaService.reserve)
 
 
 def ratelimit_headers(plan: Plan, decision: Decision, key_limits: Limits | None = None) -> dict[str, str]:
