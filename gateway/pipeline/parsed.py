@@ -27,6 +27,7 @@ from wire.chat_request import ChatCompletionRequest
 
 ENTRIES = 512  # parsed requests kept, all keys'
 MAX_BODY = 16 * 1024  # bytes: longer bodies are parsed every time
+# at most ENTRIES * MAX_BODY = 8 MB of bodies held, and their parsed requests (their texts again, about as much)
 
 Parse = Callable[[bytes], ChatCompletionRequest]
 
