@@ -96,8 +96,14 @@ def compared_text(request: Mapping[str, Any], message: Mapping[str, Any]) -> str
     return ""
 
 
+# `json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)`, the same bytes, with its encoder built once:
+# `json.dumps` builds a new JSONEncoder at every call that passes an option (half its ~5 us on a short chat body),
+# and an exact hit hashes twice (the context hash and the exact key)
+_ENCODE = json.JSONEncoder(sort_keys=True, separators=(",", ":"), default=str).encode
+
+
 def _digest(obj: Any) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str).encode()).hexdigest()
+    return hashlib.sha256(_ENCODE(obj).encode()).hexdigest()
 
 
 def _fields(message: Mapping[str, Any]) -> dict[str, Any]:

@@ -46,6 +46,7 @@ from gateway.pipeline.idempotency import HEADER, IdempotencyStage, Keep, keep_wh
 from gateway.pipeline.limit_errors import NeverAdmitted
 from gateway.pipeline.meter import Meter, Outcome, Reading
 from gateway.pipeline.open_tier import open_tier
+from gateway.pipeline.parsed import ParsedBodies
 from gateway.pipeline.prompt import ContextTooLong, Prompt, PromptStage
 from gateway.pipeline.refusals import RefusalLog
 from gateway.pipeline.refuse_early import degradation, measure_early, refuse_cache_only
@@ -84,6 +85,7 @@ class Pipeline:
         self.idempotency = idempotency
         self.shadow = shadow  # a rollout's shadow: a sample of answered requests copied to its candidate
         self.cache_checks = cache_checks  # a sample of semantic hits asked of the tier too (the cache's error bound)
+        self.parsed = ParsedBodies()  # a deterministic body its key sent lately, parsed once (parsed.py)
 
     async def handle(self, ctx: RequestContext, body: bytes,
                      parse: Callable[[bytes], ChatCompletionRequest] | None = None) -> AsyncIterator[Event]:
@@ -115,7 +117,7 @@ class Pipeline:
                 if why is not None and (self.idempotency is None or HEADER not in ctx.headers):
                     raise not_ready()
                 check_data_version(ctx.headers)
-                req = (parse or parse_request)(body)
+                req = self.parsed.parse(ctx.key_id, parse or parse_request, body)
                 if self.idempotency is None:
                     begun = None
                 elif why is None:

@@ -9,8 +9,8 @@ do that work for it without end."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from types import TracebackType
 
 from gateway.errors import TiergateError, client_error
 from gateway.metrics import GatewayMetrics
@@ -24,23 +24,44 @@ class RefusalLog:
         self.ledger = ledger
         self.metrics = metrics
 
-    @contextmanager
-    def counted(self, ctx: RequestContext, charge: Callable[[TiergateError], None] | None = None) -> Iterator[None]:
+    def counted(self, ctx: RequestContext, charge: Callable[[TiergateError], None] | None = None) -> Counted:
         """Count a refusal raised inside the block, and raise it as the client's error; `charge(err)` it first
         when it is the tenant's fault."""
-        try:
-            yield
-        except Exception as exc:
-            err = client_error(exc)
-            if charge is not None and tenants_fault(err):
-                charge(err)
-            reason = err.code or type(err).__name__
-            self.metrics.refused(reason)
-            self.ledger.submit_refusal(Refusal(ctx.request_id, time.time(), ctx.tenant, ctx.key_id, reason,
-                                               err.status_code))
-            if err is exc:
-                raise
-            raise err from exc
+        return Counted(self, ctx, charge)
+
+    def refuse(self, ctx: RequestContext, exc: Exception, charge: Callable[[TiergateError], None] | None) -> \
+            TiergateError:
+        """`exc` counted as a refusal (charged to the tenant where it is its fault): the client's error for it."""
+        err = client_error(exc)
+        if charge is not None and tenants_fault(err):
+            charge(err)
+        reason = err.code or type(err).__name__
+        self.metrics.refused(reason)
+        self.ledger.submit_refusal(Refusal(ctx.request_id, time.time(), ctx.tenant, ctx.key_id, reason,
+                                           err.status_code))
+        return err
+
+
+class Counted:
+    """`RefusalLog.counted`'s block: a class rather than a `contextmanager` generator, which cost every request
+    a generator and its helper object per block (three blocks a request, ~1.5 us each, on the path every answer
+    takes); the same refusals counted and raised."""
+
+    __slots__ = ("charge", "ctx", "log")
+
+    def __init__(self, log: RefusalLog, ctx: RequestContext, charge: Callable[[TiergateError], None] | None) -> None:
+        self.log, self.ctx, self.charge = log, ctx, charge
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> bool:
+        if not isinstance(exc, Exception):  # none, or a cancellation or exit: not a refusal
+            return False
+        err = self.log.refuse(self.ctx, exc, self.charge)
+        if err is exc:
+            return False  # raised on as it is
+        raise err from exc
 
 
 def tenants_fault(err: TiergateError) -> bool:

@@ -78,3 +78,23 @@ def test_cache_control_headers() -> None:
     assert (d.lookup, d.store) == (True, False)
     d = decide(chat("q"), {"cache-control": "no-store, no-cache"})
     assert d.bypass
+
+
+def test_keys_stay_those_entries_were_stored_under() -> None:
+    """The keys of a request with every kind of field a hash reads (non-ASCII text, CRLF, a name, tool calls, a
+    content part, floats, nested parameters out of order), pinned to what KEY_VERSION "k3" computed when they were
+    written: a faster encoding of the same hashes must give the same bytes, or every stored entry is unreachable."""
+    req = {"model": "auto", "temperature": 0, "max_tokens": 64, "stop": ["\n\n"], "presence_penalty": 0.5,
+           "response_format": {"type": "json_object"},
+           "tools": [{"type": "function", "function": {"name": "f", "parameters": {"b": 1, "a": 2.5}}}],
+           "messages": [{"role": "system", "content": "Réponds en français, s'il te plaît ✓"},
+                        {"role": "user", "content": "Quelle est la température à Paris ?\r\n", "name": "alice"},
+                        {"role": "assistant", "content": None,
+                         "tool_calls": [{"id": "c1", "type": "function",
+                                         "function": {"name": "f", "arguments": "{}"}}]},
+                        {"role": "tool", "content": "20 °C", "tool_call_id": "c1"},
+                        {"role": "user", "content": [{"type": "text", "text": "Et à Rome ? 2³"}]}]}
+    key = request_key(req)
+    assert key.exact_key == "98724eaf1f7c1486e06dd88ab2c44af2"
+    assert key.history_hash == "ee596d36478c82bf99d7315c8c6732ed"
+    assert context_hash(req) == "2815d61fd6844b8eedd8bad54fd9be1a"

@@ -1,0 +1,67 @@
+"""A deterministic request sent again by the same key is parsed once: the repeats that exact cache hits answer.
+
+Parsing a chat body (pydantic's validation, with the body read as JSON first: wire/validation.py) is the largest
+single cost an exact hit pays of its own, ~15-25 us of a short body on one core, and a repeat of the same bytes
+parses to the same request every time. The parsed requests of the last `ENTRIES` deterministic bodies (temperature 0
+or a seed: the requests the cache may answer) are kept, each by the key that sent it, the parser that read it and
+the body's bytes, and a repeat gets a copy of the kept request.
+
+- By key: one key's bodies are never another's, so whether a body was sent lately is not told across keys (a hit
+  here answers some microseconds sooner) and a tenant's flood of new bodies pushes out what it and others sent, and
+  nothing else.
+- A copy (`model_copy`): what a request's stages assign on theirs is not the next one's. Nothing in the pipeline
+  changes a request in place (a stage that needs another builds it: `model_copy(update=...)`), which is what makes
+  sharing the nested values safe.
+- Only what parsed: a body refused (400) is parsed, and refused, again at every try. Bodies over `MAX_BODY` bytes
+  are parsed every time (the dict's hash of a long body would cost a part of what it saves, for what is rarely sent
+  twice), and so are those the cache never answers (temperature unset or above 0 without a seed: nothing a repeat
+  could save them but their parse).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+
+from wire.chat_request import ChatCompletionRequest
+
+ENTRIES = 512  # parsed requests kept, all keys'
+MAX_BODY = 16 * 1024  # bytes: longer bodies are parsed every time
+# at most ENTRIES * MAX_BODY = 8 MB of bodies held, and their parsed requests (their texts again, about as much)
+
+Parse = Callable[[bytes], ChatCompletionRequest]
+
+
+class ParsedBodies:
+    """The requests parsed from the last deterministic bodies, by (key id, parser, body). Event loop only."""
+
+    def __init__(self, entries: int = ENTRIES, max_body: int = MAX_BODY) -> None:
+        if entries < 1:
+            raise ValueError("entries must be at least 1")
+        self.entries = entries
+        self.max_body = max_body
+        self._kept: OrderedDict[tuple[str, Parse, bytes], ChatCompletionRequest] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def parse(self, key_id: str, parse: Parse, body: bytes) -> ChatCompletionRequest:
+        """`parse(body)`, or a copy of what it gave for the same key and bytes lately; raises what `parse` raises."""
+        if len(body) > self.max_body:
+            return parse(body)
+        key = (key_id, parse, body)
+        kept = self._kept.get(key)
+        if kept is not None:
+            self._kept.move_to_end(key)
+            return kept.model_copy()
+        req = parse(body)
+        if _deterministic(req):
+            self._kept[key] = req.model_copy()  # what the caller gets is its own too
+            if len(self._kept) > self.entries:
+                self._kept.popitem(last=False)
+        return req
+
+
+def _deterministic(req: ChatCompletionRequest) -> bool:
+    """A request the cache may answer (cache/request_key.py `sampling_class`: greedy, or seeded)."""
+    return req.seed is not None or (req.temperature is not None and req.temperature == 0)

@@ -1,0 +1,94 @@
+"""A deterministic body sent again by the same key is parsed once (gateway/pipeline/parsed.py); each request gets
+its own copy, a key never gets another key's, and what did not parse is parsed (and refused) at every try."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gateway import validation
+from gateway.errors import InvalidRequest
+from gateway.pipeline.handle import parse_request
+from gateway.pipeline.parsed import ParsedBodies
+from tests.conftest import Gateway
+
+
+def body(content: str = "What is 2+2?", **extra: object) -> bytes:
+    return json.dumps({"model": "mid", "messages": [{"role": "user", "content": content}], "temperature": 0}
+                      | extra).encode()
+
+
+class Counting:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, raw: bytes):  # type: ignore[no-untyped-def]
+        self.calls += 1
+        return parse_request(raw)
+
+
+def test_a_repeat_by_the_same_key_is_parsed_once_and_gets_its_own_copy() -> None:
+    parsed, parse = ParsedBodies(), Counting()
+    first = parsed.parse("k1", parse, body())
+    second = parsed.parse("k1", parse, body())
+    assert parse.calls == 1
+    assert second == first and second is not first
+    second.user = "changed"  # a stage's assignment on its request stays its own
+    assert parsed.parse("k1", parse, body()).user is None and first.user is None
+
+
+def test_keys_bodies_and_parsers_are_kept_apart() -> None:
+    parsed, parse, other = ParsedBodies(), Counting(), Counting()
+    parsed.parse("k1", parse, body())
+    parsed.parse("k2", parse, body())  # another key: parsed again, never handed k1's
+    parsed.parse("k1", parse, body("What is 2+3?"))
+    parsed.parse("k1", other, body())  # another parser (a text completion's reads the bytes otherwise)
+    assert (parse.calls, other.calls) == (3, 1)
+
+
+def test_what_the_cache_never_answers_or_did_not_parse_is_parsed_every_time() -> None:
+    parsed, parse = ParsedBodies(max_body=400), Counting()
+    sampled = json.dumps({"model": "mid", "messages": [{"role": "user", "content": "hi"}]}).encode()
+    seeded = body(temperature=0.7, seed=3)
+    long = body("x" * 500)
+    for raw in (sampled, sampled, seeded, seeded, long, long):
+        parsed.parse("k1", parse, raw)
+    assert parse.calls == 5  # the seeded one is kept: the cache may answer it
+    bad = body(max_tokens=-1)
+    for _ in range(2):
+        with pytest.raises(InvalidRequest):
+            parsed.parse("k1", parse, bad)
+    assert parse.calls == 7 and len(parsed) == 1
+
+
+def test_the_least_recently_used_body_goes_first() -> None:
+    parsed, parse = ParsedBodies(entries=2), Counting()
+    a, b, c = body("a"), body("b"), body("c")
+    for raw in (a, b, a, c):  # c pushes out b, the least recently used
+        parsed.parse("k1", parse, raw)
+    assert parse.calls == 3 and len(parsed) == 2
+    parsed.parse("k1", parse, a)
+    assert parse.calls == 3
+    parsed.parse("k1", parse, b)
+    assert parse.calls == 4
+
+
+def test_an_exact_hit_through_the_api_does_not_parse_its_body_again(gateway: Gateway,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    parse_wire_body = validation.parse_wire_body
+
+    def counting(raw: bytes, model: type) -> object:
+        calls.append(model.__name__)
+        return parse_wire_body(raw, model)
+
+    monkeypatch.setattr(validation, "parse_wire_body", counting)
+    request = {"model": "mid", "messages": [{"role": "user", "content": "What is the capital of France?"}],
+               "temperature": 0}
+    with gateway.client(gateway.tenant_key) as c:
+        first = c.post("/v1/chat/completions", json=request)
+        second = c.post("/v1/chat/completions", json=request)
+    assert first.status_code == second.status_code == 200
+    assert second.json()["choices"] == first.json()["choices"]
+    assert calls == ["ChatCompletionRequest"]
