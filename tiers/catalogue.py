@@ -32,6 +32,10 @@ PRIORITY: frozenset[str] = frozenset({"vllm-priority", "tiergate"})
 CACHE_SALT_FIELD: frozenset[str] = frozenset({"vllm", "vllm-priority"})  # our engine takes it as a header instead
 TOP_K: frozenset[str] = frozenset({"vllm", "vllm-priority", "tiergate"})
 COMPLETION_RESPONSE_FORMAT: frozenset[str] = frozenset({"vllm", "vllm-priority", "tiergate"})
+# A chat answer constrained by `response_format` while the model may still call tools (tool_choice `auto`): OpenAI's
+# API takes the two together, and vLLM's server does; our engine cannot (one grammar per answer: a call's or the
+# format's, engine/tool_calls.py `answer_format`), so a `tiergate` tier never answers such a request
+FORMAT_WITH_FREE_CALLS: frozenset[str] = frozenset({"openai", "vllm", "vllm-priority"})
 # What a version of a local tier may not change: where a remote server is and how to talk to it (a local version
 # runs its own engine, which speaks `tiergate`)
 REMOTE_VERSION_FIELDS = ("urls", "api_key_env", "dialect")
@@ -276,6 +280,12 @@ class TierSpec(NoBoolNumbers):
     def formats_completions(self) -> bool:
         """Its server's /v1/completions takes `response_format` (vLLM's field; OpenAI's legacy API has none)."""
         return self.dialect in COMPLETION_RESPONSE_FORMAT
+
+    @property
+    def formats_with_free_calls(self) -> bool:
+        """Its server constrains a chat answer by `response_format` while the model may call tools (tool_choice
+        `auto`; FORMAT_WITH_FREE_CALLS)."""
+        return self.dialect in FORMAT_WITH_FREE_CALLS
 
     @property
     def sends_cache_salt(self) -> bool:

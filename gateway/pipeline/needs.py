@@ -20,6 +20,10 @@ says why, and why a start refuses such a candidate in the first place: `taken_aw
   no such field: a strict server refuses it, a lenient one ignores it, and the tenant's JSON constraint was dropped
   unsaid. `text` asks for nothing (the answer unconstrained): it needs nothing and is left out of the body. On chat,
   `response_format` is OpenAI's own field, and every tier gets it.
+- `response_format` (json_object, json_schema) on a chat request whose model may still call tools (`tools` offered
+  under tool_choice `auto`): tiers whose server constrains the two together (`TierSpec.formats_with_free_calls`:
+  OpenAI, vLLM). Our engine enforces one grammar an answer, a call's or the format's, and refused the request with a
+  400 only once the gateway had routed and reserved it (engine/tool_calls.py `answer_format`).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from gateway.errors import InvalidRequest
 from gateway.pipeline.text_completion import is_raw
 from tiers.catalogue import TierSpec
 from wire.chat_request import ChatCompletionRequest
+from wire.tools import must_call, offered_tools
 
 
 @dataclass(frozen=True)
@@ -62,7 +67,12 @@ RESPONSE_FORMAT = Need("response_format", "can constrain a text completion by re
                        lambda t: t.formats_completions)
 
 
-NEEDS = (TOOLS, TOP_K, RESPONSE_FORMAT)  # every need, in the order a refusal names them
+FORMAT_WITH_FREE_CALLS = Need("response_format", "can constrain the answer's format while the model may call tools",
+                              "cannot constrain the answer's format while the model may call tools (tool_choice "
+                              "'auto')", "send tool_choice 'none' or 'required', or leave response_format out",
+                              lambda t: t.formats_with_free_calls)
+
+NEEDS = (TOOLS, TOP_K, RESPONSE_FORMAT, FORMAT_WITH_FREE_CALLS)  # every need, in the order a refusal names them
 
 
 def needs_of(req: ChatCompletionRequest) -> tuple[Need, ...]:
@@ -70,8 +80,11 @@ def needs_of(req: ChatCompletionRequest) -> tuple[Need, ...]:
     needs = (TOOLS,) if req.uses_tools else ()
     if req.top_k is not None and req.top_k > 0:
         needs = (*needs, TOP_K)
-    if req.response_format is not None and req.response_format.type != "text" and is_raw(req):
-        needs = (*needs, RESPONSE_FORMAT)
+    if req.response_format is not None and req.response_format.constrains:
+        if is_raw(req):
+            needs = (*needs, RESPONSE_FORMAT)
+        elif offered_tools(req.tools, req.tool_choice) and not must_call(req.tool_choice):
+            needs = (*needs, FORMAT_WITH_FREE_CALLS)
     return needs
 
 

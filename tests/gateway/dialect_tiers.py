@@ -13,15 +13,17 @@ from tests.conftest import Gateway, running_gateway
 from tests.stubs import LADDER_PLANS, LADDER_PRICES, ServerThread, StubState, openai_tiers, stub_app, write_settings
 
 DIALECTS = {"small": "vllm", "mid": "openai", "full": "vllm"}
-TIERS = {name: {**LADDER_PRICES[name], "dialect": dialect} for name, dialect in DIALECTS.items()}
 
 
 @contextmanager
-def dialect_gateway(tmp_path: Path, prepared_models: Path) -> Iterator[Gateway]:
-    """The gateway; `gateway.mute` is the state of `small`'s stub."""
+def dialect_gateway(tmp_path: Path, prepared_models: Path,
+                    dialects: dict[str, str] | None = None) -> Iterator[Gateway]:
+    """The gateway (its tiers' dialects DIALECTS, or `dialects`); `gateway.mute` is the state of `small`'s stub."""
     state, mute = StubState(), StubState()
+    spoken = DIALECTS if dialects is None else dialects
     with ServerThread(stub_app(state)).start() as stub, ServerThread(stub_app(mute, reply="")).start() as empty:
-        tiers = {name: {**own, "url": empty.url if name == "small" else stub.url} for name, own in TIERS.items()}
+        tiers = {name: {**LADDER_PRICES[name], "dialect": dialect, "url": empty.url if name == "small" else stub.url}
+                 for name, dialect in spoken.items()}
         settings = write_settings(tmp_path, prepared_models, openai_tiers(tiers), LADDER_PLANS)
         with running_gateway(settings, state) as gateway:
             gateway.mute = mute  # type: ignore[attr-defined]
