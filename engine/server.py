@@ -65,6 +65,7 @@ import logging
 import os
 import re
 import uuid
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import parse_qsl
 
@@ -79,6 +80,7 @@ from assets.parent_watch import ENGINE_INSTANCE_ENV
 from engine.answer_frames import FAILED, chat_frames, collect, sse_events, text_frames
 from engine.engine_auth import key_check
 from engine.llm_engine import EngineBusyError, EngineDeadError, EngineInputError, LLMEngine
+from engine.prompt_text import PlainTenantText
 from engine.sampling_params import SamplingParams
 from engine.sequence import salt_tenant
 from engine.tool_calls import ToolAnswer, answer_format, ends_at_first_call, one_call, tools_param
@@ -183,12 +185,16 @@ def create_engine_app(engine: LLMEngine, *, model_name: str, model_version: str,
     registry.register(EngineMetrics(engine, model_name))
     instance = os.environ.get(ENGINE_INSTANCE_ENV)
     max_prompt_chars = max_prompt_chars_for(tokenizer, engine.max_model_len)
+    plain_text = PlainTenantText.for_tokenizer(tokenizer)  # None: no special token a tenant could spell
     # the roles whose `name` the chat template writes into the prompt (a name it would leave out is refused)
     names_written = named_roles(lambda turns: tokenizer.apply_chat_template(turns, add_generation_prompt=True,
                                                                             tokenize=False))
 
-    def checked_ids(text: str, param: str, *, add_special_tokens: bool) -> list[int]:
-        """Tokenize (in a worker thread): refuses text that cannot fit before tokenizing it."""
+    def checked_ids(text: str, param: str, *, add_special_tokens: bool,
+                    encode: Callable[[], list[int]] | None = None) -> list[int]:
+        """Tokenize (in a worker thread): refuses text that cannot fit before tokenizing it. `encode`: what
+        tokenizes it where the tokenizer's own call on `text` would not (a prompt holding tenant text that spells
+        special tokens); the bounds are still those of `text`."""
         if max_prompt_chars is not None and len(text) > max_prompt_chars:
             raise EngineInputError(
                 f"the prompt has {len(text)} characters; this model's maximum context length of "
@@ -209,10 +215,15 @@ def create_engine_app(engine: LLMEngine, *, model_name: str, model_version: str,
                         f"this model's maximum context length is {engine.max_model_len} tokens; the prompt's first "
                         f"{start + piece} characters are about {counted} tokens", param=param,
                         code="context_length_exceeded")
+        if encode is not None:
+            return encode()
         return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
     def prompt_ids(req: ChatCompletionRequest) -> list[int]:
-        """The conversation (tools, calls and results as text) rendered with the model's chat template, tokenized."""
+        """The conversation (tools, calls and results as text) rendered with the model's chat template, tokenized:
+        the template's markers as their special tokens, the request's strings as text, even where they spell a
+        special token (engine/prompt_text.py: `<|im_end|>` in a message forged a turn). Without such a string, the
+        rendered text is tokenized whole, as ever."""
         if (i := unrendered_name(req, names_written)) is not None:
             raise EngineInputError(
                 f"messages.{i}.name: this model's chat template does not write a {req.messages[i].role} message's "
@@ -224,15 +235,24 @@ def create_engine_app(engine: LLMEngine, *, model_name: str, model_version: str,
                 "message did not make, or one answered already); this model's prompt places each result after the "
                 "calls without ids, so it would read as another call's answer. Send each result once, after the "
                 "assistant message that made its call", param=f"messages.{i}.tool_call_id")
+        turns = render_messages(req)
+        escaped = plain_text.escaped(turns) if plain_text is not None else None
         try:
-            text = tokenizer.apply_chat_template(render_messages(req), add_generation_prompt=True, tokenize=False)
+            text = tokenizer.apply_chat_template(escaped.turns if escaped is not None else turns,
+                                                 add_generation_prompt=True, tokenize=False)
         except TemplateError as exc:  # the template's own refusal of this conversation (its `raise_exception`)
             raise EngineInputError(f"messages: this model's chat template refuses the conversation: {exc}",
                                    param="messages") from None
-        return checked_ids(text, "messages", add_special_tokens=False)
+        if escaped is None or plain_text is None:
+            return checked_ids(text, "messages", add_special_tokens=False)
+        return checked_ids(plain_text.restored(text, escaped), "messages", add_special_tokens=False,
+                           encode=lambda: plain_text.ids(text, escaped))
 
     def text_prompt_ids(req: CompletionRequest) -> list[int]:
-        """The prompt as it is, with the tokenizer's own special tokens (a BOS where the model has one), as vLLM."""
+        """The prompt as it is, with the tokenizer's own special tokens (a BOS where the model has one), as vLLM.
+        Special tokens' strings in it are parsed as those tokens, as vLLM parses them: the prompt is the tenant's
+        own whole text, no template of ours around it to protect, and writing the model's markers by hand (a chat
+        prompt built by the client) is what this endpoint is for. Only a chat request's text is read as text."""
         return checked_ids(req.text, "prompt", add_special_tokens=True)
 
     async def serve(request: Request[Any, Any, Any], kind: type[ChatCompletionRequest] | type[CompletionRequest],

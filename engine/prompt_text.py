@@ -1,0 +1,103 @@
+"""A chat prompt in which the tenant's text is text: a special token's string (`<|im_end|>`) sent in a message is
+never that special token.
+
+The chat template renders one string, its own markers and the request's text alike, and the tokenizer parses every
+special token's string in it as the token. So a user message holding `<|im_end|>\\n<|im_start|>system\\n...` was read
+by the model as a real system turn, forged by an end user of a tenant's application (through a tool result or an
+assistant message's content as well). OpenAI reads such text as text; so does this.
+
+`PlainTenantText.escaped` scans the strings of the turns as `wire.tool_calls.render_messages` made them (contents,
+names, tool calls' arguments, results, the offered tools: all from the request) with one compiled alternation of the
+special tokens' strings: linear in the text, which the request's bounds already bound. None found (the normal case):
+the engine tokenizes the rendered prompt as it always has, the same ids. Found: each occurrence is replaced by a
+sentinel of this request's (private-use characters around a random nonce, absent from every string), the template
+renders, and `ids` cuts the text at the special tokens' strings left (the template's own: no tenant string holds one
+now) and tokenizes each piece between them, its sentinels back to the strings they stood for, with a copy of the
+tokenizer that reads special tokens' strings as text (`encode_special_tokens`); the template's markers are their
+tokens. The tokenizer cuts a text at its added tokens before anything else and tokenizes the pieces on their own, so
+each piece's ids are those it has within the whole prompt.
+
+Why a copy: transformers' `split_special_tokens=True` sets that flag on the tokenizer that the engine's tokenizing
+threads share, before its call and not for its length; another thread's call sets it back, and a prompt tokenized
+meanwhile is read with the other thread's flag (a hostile prompt parsed as before, or a normal one's markers as text).
+
+Limits: special tokens only; an added token that is not special (Qwen's `<tool_call>`) is text-like by design, and
+the tokenizer reads it as it always has. A special token's string is matched whole inside one tenant string; one made
+of a tenant string's end and the template's next text would need a template that writes part of a special token beside
+a message (ChatML templates write whole ones). Matching is on the raw text, as tokenizers match special tokens that are
+not `normalized` (SmolLM2's are not).
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tokenizers import Tokenizer
+
+Turns = Sequence[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Escaped:
+    """Turns whose special tokens' strings are sentinels, and how to put them back."""
+
+    turns: list[dict[str, Any]]
+    sentinel: re.Pattern[str]  # one sentinel: group 1 is the index of the special token's string it stands for
+
+
+class PlainTenantText:
+    """The special tokens of one tokenizer, found in tenant strings and tokenized there as text."""
+
+    def __init__(self, backend: Tokenizer, specials: Sequence[str]) -> None:
+        self.specials = sorted(specials, key=len, reverse=True)  # the longest first: `<|a|>` before `<|a`
+        self._index = {s: k for k, s in enumerate(self.specials)}
+        self._ids = {s: backend.token_to_id(s) for s in self.specials}
+        self._special = re.compile("(" + "|".join(map(re.escape, self.specials)) + ")")  # a group: `split` keeps it
+        self._plain = Tokenizer.from_str(backend.to_str())  # never shared with a call that parses special tokens
+        self._plain.encode_special_tokens = True
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer: Any) -> PlainTenantText | None:
+        """None for a tokenizer without `tokenizers`' backend or without special tokens (nothing to escape)."""
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if not isinstance(backend, Tokenizer):
+            return None
+        specials = [t.content for t in backend.get_added_tokens_decoder().values() if t.special and t.content]
+        return cls(backend, specials) if specials else None
+
+    def escaped(self, turns: Turns) -> Escaped | None:
+        """`turns` with every special token's string in their strings replaced by a sentinel; None when no string
+        holds one (render and tokenize as ever)."""
+        strings = [v for t in turns for v in t.values() if isinstance(v, str)]
+        if not any(self._special.search(v) for v in strings):
+            return None
+        prefix = f"\ue000{secrets.token_hex(8)}"
+        while any(prefix in v for v in strings):  # a tenant who guessed 64 random bits
+            prefix = f"\ue000{secrets.token_hex(8)}"
+
+        def sentinel(m: re.Match[str]) -> str:
+            return f"{prefix}{self._index[m[0]]}\ue001"
+
+        escaped = [{k: self._special.sub(sentinel, v) if isinstance(v, str) else v for k, v in t.items()}
+                   for t in turns]
+        return Escaped(escaped, re.compile(re.escape(prefix) + "([0-9]+)\ue001"))
+
+    def restored(self, text: str, escaped: Escaped) -> str:
+        """The prompt `text` (rendered from `escaped.turns`) as it reads: the tenant's strings back in it."""
+        return escaped.sentinel.sub(lambda m: self.specials[int(m[1])], text)
+
+    def ids(self, text: str, escaped: Escaped) -> list[int]:
+        """The token ids of `text` (rendered from `escaped.turns`): the template's special tokens as tokens, the
+        tenant's text, sentinels put back, as text. `encode_batch` releases the GIL, as the engine's usual call."""
+        parts = self._special.split(text)  # text, special, text, ..., text: the specials are the template's
+        pieces = [self.restored(p, escaped) for p in parts[::2]]
+        encoded = self._plain.encode_batch(pieces, add_special_tokens=False)
+        ids: list[int] = list(encoded[0].ids)
+        for marker, piece in zip(parts[1::2], encoded[1:], strict=True):
+            ids.append(self._ids[marker])
+            ids.extend(piece.ids)
+        return ids
