@@ -80,7 +80,6 @@ from assets.parent_watch import ENGINE_INSTANCE_ENV
 from engine.answer_frames import FAILED, chat_frames, collect, sse_events, text_frames
 from engine.engine_auth import key_check
 from engine.llm_engine import EngineBusyError, EngineDeadError, EngineInputError, LLMEngine
-from engine.prompt_text import PlainTenantText
 from engine.sampling_params import SamplingParams
 from engine.sequence import salt_tenant
 from engine.tool_calls import ToolAnswer, answer_format, ends_at_first_call, one_call, tools_param
@@ -89,6 +88,7 @@ from wire.client_watch import CLIENT_CLOSED, ClientLeft, ClientWatch
 from wire.completion_request import DEFAULT_MAX_TOKENS as DEFAULT_TEXT_MAX_TOKENS
 from wire.completion_request import CompletionRequest
 from wire.errors import CACHE_SALT_HEADER, MAX_BODY_BYTES, PAYLOAD_TOO_LARGE, error_body
+from wire.prompt_text import PlainTenantText
 from wire.response_format import ResponseFormat
 from wire.tool_calls import named_roles, render_messages, stray_result, unrendered_name
 from wire.validation import BodyError, parse_body
@@ -222,7 +222,7 @@ def create_engine_app(engine: LLMEngine, *, model_name: str, model_version: str,
     def prompt_ids(req: ChatCompletionRequest) -> list[int]:
         """The conversation (tools, calls and results as text) rendered with the model's chat template, tokenized:
         the template's markers as their special tokens, the request's strings as text, even where they spell a
-        special token (engine/prompt_text.py: `<|im_end|>` in a message forged a turn). Without such a string, the
+        special token (wire/prompt_text.py: `<|im_end|>` in a message forged a turn). Without such a string, the
         rendered text is tokenized whole, as ever."""
         if (i := unrendered_name(req, names_written)) is not None:
             raise EngineInputError(

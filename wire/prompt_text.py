@@ -1,5 +1,6 @@
 """A chat prompt in which the tenant's text is text: a special token's string (`<|im_end|>`) sent in a message is
-never that special token.
+never that special token. Our engine tokenizes prompts with it (engine/server.py) and the gateway counts them with it
+(gateway/token_counter.py), so both read such text alike.
 
 The chat template renders one string, its own markers and the request's text alike, and the tokenizer parses every
 special token's string in it as the token. So a user message holding `<|im_end|>\\n<|im_start|>system\\n...` was read
@@ -62,8 +63,9 @@ class PlainTenantText:
 
     @classmethod
     def for_tokenizer(cls, tokenizer: Any) -> PlainTenantText | None:
-        """None for a tokenizer without `tokenizers`' backend or without special tokens (nothing to escape)."""
-        backend = getattr(tokenizer, "backend_tokenizer", None)
+        """`tokenizer`: transformers' fast tokenizer, or `tokenizers`' own. None for one without `tokenizers`' backend
+        or without special tokens (nothing to escape)."""
+        backend = tokenizer if isinstance(tokenizer, Tokenizer) else getattr(tokenizer, "backend_tokenizer", None)
         if not isinstance(backend, Tokenizer):
             return None
         specials = [t.content for t in backend.get_added_tokens_decoder().values() if t.special and t.content]
@@ -89,6 +91,14 @@ class PlainTenantText:
     def restored(self, text: str, escaped: Escaped) -> str:
         """The prompt `text` (rendered from `escaped.turns`) as it reads: the tenant's strings back in it."""
         return escaped.sentinel.sub(lambda m: self.specials[int(m[1])], text)
+
+    def count(self, text: str, escaped: Escaped) -> int:
+        """The number of `ids`."""
+        return len(self.ids(text, escaped))
+
+    def texts_tokens(self, texts: Sequence[str]) -> list[int]:
+        """Tokens of each of `texts` read as text, in one call."""
+        return [len(e.ids) for e in self._plain.encode_batch(list(texts), add_special_tokens=False)]
 
     def ids(self, text: str, escaped: Escaped) -> list[int]:
         """The token ids of `text` (rendered from `escaped.turns`): the template's special tokens as tokens, the
