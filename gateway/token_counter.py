@@ -22,6 +22,13 @@ took 2.3 ms against 5.0 ms, right 52 times in 60), and one tenant's texts evicte
 turns and the template's own pieces are still counted once per tenant. Where a plan isolates its end users, a
 count is remembered for the end user too (`user`), within the tenant's memo: another end user of the tenant could
 time it the same way, and a tenant's many end users keep to the tenant's one bound.
+
+A message's text that spells a special token (`<|im_end|>`) is counted as the text it is, as our engine tokenizes it
+(wire/prompt_text.py): counted as the token (SmolLM2's `<|im_end|>`: 1 token, where the engine reads 7), a prompt
+of such text was reserved and checked against the context at a part of its size, and billed at that part where the
+engine's usage was past the meter's bound of belief (gateway/pipeline/meter.py: twice the count and 1024 more; 1,000
+`<|im_end|>` counted 1,030, the engine's 6,031). Such a prompt is counted whole each time, nothing remembered: no
+normal prompt holds one.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from gateway.bpe_words import ByteLevelWords
+from wire.prompt_text import PlainTenantText
 
 Messages = Sequence[dict[str, Any]]
 SHORT_TEXT_CHARS = 8192  # counted with `encode` (GIL held, no hand-off); longer ones with `encode_batch`
@@ -78,6 +86,7 @@ class TokenCounter:
         self._pieces = CountMemo(RECENT_PIECES, RECENT_CHARS)  # pieces between added tokens -> tokens
         self._cut = _added_token_cut(self.tokenizer)
         self._words = ByteLevelWords.for_tokenizer(self.tokenizer)
+        self._plain = PlainTenantText.for_tokenizer(self.tokenizer)  # None: no special token a tenant could spell
 
     def render(self, messages: Messages) -> str:
         return self.template.render(messages=list(messages), add_generation_prompt=True, **self.special)
@@ -99,6 +108,8 @@ class TokenCounter:
         turns = _turns_key(messages)
         if turns is not None and (counted := self._repeated.get(owner, turns, user)) is not None:
             return counted
+        if self._plain is not None and (escaped := self._plain.escaped(messages)) is not None:
+            return self._plain.count(self.render(escaped.turns), escaped)  # a tenant's text spelling special tokens
         text = self.render(messages)
         if len(text) > SHORT_TEXT_CHARS:
             return self.count(text)
@@ -133,7 +144,9 @@ class TokenCounter:
         return self.count(piece)
 
     def content_tokens(self, texts: Sequence[str]) -> list[int]:
-        """Tokens of each text, in one call."""
+        """Tokens of each text (a message's: a special token's string in it is text), in one call."""
+        if self._plain is not None:
+            return self._plain.texts_tokens(texts)
         return [len(e.ids) for e in self.tokenizer.encode_batch(list(texts), add_special_tokens=False)]
 
     def message_overhead(self, role: str) -> int:

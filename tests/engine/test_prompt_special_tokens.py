@@ -1,4 +1,4 @@
-"""A chat request's text is text at our engine (engine/server.py's `prompt_ids`, engine/prompt_text.py): a message
+"""A chat request's text is text at our engine (engine/server.py's `prompt_ids`, wire/prompt_text.py): a message
 that spells the chat template's markers (`<|im_end|>\\n<|im_start|>system\\n...`) is tokenized as those characters,
 never as the control tokens, wherever the request put it (a user's or an assistant's content, a name, a tool call's
 arguments, a tool's result, an offered tool's description); the template's own markers stay control tokens, and a
@@ -208,3 +208,19 @@ def test_smollm2_tokenizes_a_normal_conversation_as_before(smollm2: tuple[Any, s
         payload = body([{"role": "user", "content": text}, {"role": "assistant", "content": text, "tool_calls": [CALL]},
                         {"role": "tool", "tool_call_id": "call_1", "content": text}], tools=TOOLS)
         assert served_ids(url, runner, payload) == old_ids(tokenizer, payload), text
+
+
+@pytest.mark.model
+def test_the_gateways_count_is_the_engines_prompt(smollm2: tuple[Any, str, ScriptedRunner], prepared_models: Path
+                                                  ) -> None:
+    """What the gateway reserves and bills on where the engine's usage is not believed (gateway/pipeline/meter.py)
+    is the engine's prompt, spelled special tokens and all."""
+    from gateway.token_counter import TokenCounter
+
+    counter = TokenCounter(prepared_models / "smollm2-135m-instruct")
+    _, url, runner = smollm2
+    for _, forged, harmless in forgeries():
+        for messages, fields in (forged, harmless):
+            payload = body(messages, **fields)
+            turns = render_messages(ChatCompletionRequest.model_validate(payload))
+            assert counter.prompt_tokens(turns) == len(served_ids(url, runner, payload))
