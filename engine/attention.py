@@ -15,6 +15,7 @@ and its cached prefix the same way.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,15 +90,27 @@ def _decodes_one_by_one(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         scale: float) -> torch.Tensor:
     """The decodes [B, H, D] on CPU without the native kernel, each over its own context alone, as that kernel reads
     them: SDPA's CPU kernel blocks the context by its length, so a decode padded to a batch's longest context (and
-    masked) summed its scores otherwise than alone, an ulp or two apart with whatever was batched beside it."""
+    masked) summed its scores otherwise than alone, an ulp or two apart with whatever was batched beside it.
+
+    The rows of one prompt chunk (consecutive, one block table, contexts one apart) share one gather of K/V, each
+    row attending a view of its first tokens: a view laid out as its own gather was (the same strides), so SDPA
+    sums it alike, and a chunk of T rows copies its context once rather than T times."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    lens = meta.decode_context_lens
+    tables = meta.decode_block_tables
+    # a row continues the previous row's group when it reads the same blocks one token further
+    same = (tables[1:] == tables[:-1]).all(1) & (lens[1:] == lens[:-1] + 1)
+    starts = [0, *(torch.nonzero(~same).flatten() + 1).tolist(), q.shape[0]]
+    ctxs = lens.tolist()
+    qd = q.view(q.shape[0], 1, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, 1, KV, rep, D]
     out = torch.empty_like(q)
-    for i, ctx in enumerate(meta.decode_context_lens.tolist()):
-        blocks = meta.decode_block_tables[i, :-(-ctx // block_size)]
-        k = k_cache.index_select(0, blocks).flatten(0, 1)[:ctx].transpose(0, 1).to(q.dtype)  # [KV, ctx, D]
-        v = v_cache.index_select(0, blocks).flatten(0, 1)[:ctx].transpose(0, 1).to(q.dtype)
-        qd = q[i].view(1, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [1, KV, rep, D]
-        o = F.scaled_dot_product_attention(qd, k[None], v[None], scale=scale)
-        out[i] = o.reshape(num_heads, head_dim)
+    for first, end in itertools.pairwise(starts):
+        blocks = tables[first, :-(-ctxs[end - 1] // block_size)]
+        # [1, KV, blocks * bs, D]
+        k = k_cache.index_select(0, blocks).flatten(0, 1).transpose(0, 1)[None].to(q.dtype)
+        v = v_cache.index_select(0, blocks).flatten(0, 1).transpose(0, 1)[None].to(q.dtype)
+        rows = [F.scaled_dot_product_attention(qd[i], k[:, :, :ctxs[i]], v[:, :, :ctxs[i]], scale=scale)
+                for i in range(first, end)]
+        out[first:end] = torch.cat(rows).view(end - first, num_heads, head_dim)
     return out

@@ -14,8 +14,9 @@ another length) or, for a one-token remainder, in a decode step, it comes out bi
 greedy request asked twice gets the same answer. SDPA's fused kernel over a whole chunk sized its query and key
 blocks by the chunk's and the context's lengths and masked a later chunk otherwise than a whole prompt, one to a
 few ulps apart (enough to change an int8 answer; tests/engine/test_prefix_cache_bits.py). Attending row by row
-costs long prompts time (a row reads its K/V alone, where the fused kernel shared them); CUDA keeps one SDPA call
-per prompt chunk.
+costs long prompts time (a row reads its K/V alone, where the fused kernel shared them; without the native kernel
+a chunk's rows share one gather of its K/V but each is still its own SDPA call); CUDA keeps one SDPA call per
+prompt chunk.
 """
 
 from __future__ import annotations

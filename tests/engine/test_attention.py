@@ -3,6 +3,7 @@ not depend on what is batched beside it, as the native kernel's does not."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine.attention import AttentionMetadata, paged_attention
@@ -35,3 +36,44 @@ def test_a_decode_attends_the_same_alone_or_in_a_batch() -> None:
                               decode_meta([seqs[i][1] for i in batch], [seqs[i][0] for i in batch]), DIM ** -0.5)
         for row, i in enumerate(batch):
             assert torch.equal(got[row], alone[i]), (batch, i)
+
+
+def step(seqs: list[tuple[list[int], int, int]]) -> tuple[list[list[int]], list[int]]:
+    """The rows of a CPU step as the runner hands them over: per (blocks, cached, new) sequence, one row per new
+    token, each with the sequence's blocks up to its last new token and its own context."""
+    tables, lens = [], []
+    for blocks, cached, new in seqs:
+        used = blocks[:-(-(cached + new) // BLOCK)]
+        for ctx in range(cached + 1, cached + new + 1):
+            tables.append(used)
+            lens.append(ctx)
+    return tables, lens
+
+
+@pytest.mark.parametrize("heads, kv_heads, dim", [(9, 3, 64), (4, 2, 16), (8, 1, 32)])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_a_prompt_row_attends_the_same_alone_or_beside_rows_of_other_contexts(
+        heads: int, kv_heads: int, dim: int, cache_dtype: torch.dtype) -> None:
+    """Every prompt row is attended as a decode on CPU (engine/model_runner.py), so a row's bits must depend on its
+    query and its own context only: not on the chunk it came in, the other prompts beside it, nor their lengths. A
+    row alone is a gather of its own blocks and one SDPA call, as every row was attended before chunks shared a
+    gather: the bits are those."""
+    gen = torch.Generator().manual_seed(1)
+    # every slot holds something (a freed sequence's K/V): what a row must not read is not zero
+    k_cache, v_cache = (torch.randn(64, BLOCK, kv_heads, dim, generator=gen).to(cache_dtype) for _ in range(2))
+    blocks = torch.randperm(64, generator=gen).tolist()
+    # (blocks, cached, new): a whole prompt, chunks after a prefix-cache hit (one inside a block), decodes
+    seqs = [(blocks[0:5], 0, 70), (blocks[12:15], 16, 20), (blocks[16:19], 37, 5), (blocks[19:28], 130, 1),
+            (blocks[28:30], 0, 17), (blocks[30:31], 3, 1)]
+    tables, lens = step(seqs)
+    q = torch.randn(len(lens), heads, dim, generator=gen)
+    scale = dim ** -0.5
+    alone = [paged_attention(q[i:i + 1], k_cache, v_cache, decode_meta([tables[i][:-(-ctx // BLOCK)]], [ctx]),
+                             scale)[0] for i, ctx in enumerate(lens)]
+    first = [sum(n for _, _, n in seqs[:s]) for s in range(len(seqs))]  # each sequence's first row
+    for order in ([0, 1, 2, 3, 4, 5], [5, 3, 1, 0], [2, 4], [0]):
+        tables, lens = step([seqs[s] for s in order])
+        rows = [first[s] + t for s in order for t in range(seqs[s][2])]
+        got = paged_attention(q[rows], k_cache, v_cache, decode_meta(tables, lens), scale)
+        differ = [(rows[r], lens[r]) for r in range(len(rows)) if not torch.equal(got[r], alone[rows[r]])]
+        assert not differ, f"{len(differ)} rows whose bits changed beside {order}, (index, context): {differ[:4]}"
