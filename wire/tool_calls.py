@@ -29,6 +29,10 @@ Answers come back two ways:
   adding calls until max_tokens cuts the JSON (measured on SmolLM2-135M: a list of two functions' calls ran to 80
   tokens; one call closes in about 20). Free answers may make several, unless `parallel_tool_calls` is false.
 
+A json_schema `response_format`'s `description` goes into the system message too (`format_line`), where the answer is
+the JSON that format constrains: with tools offered it is not (a required or named call replaces the answer; free calls
+and a format are refused by our engines), and the tools' text alone is rendered.
+
 Parsing reads model output, which the request's max_tokens bounds; it is linear in it besides, since at most
 MAX_BLOCKS_TRIED openings are tried.
 """
@@ -43,6 +47,7 @@ from itertools import groupby
 from typing import Any
 
 from wire.chat_request import ChatCompletionRequest, ChatMessage, normalized_role
+from wire.response_format import ResponseFormat
 from wire.schema_costs import NAMED, VALUES
 from wire.tools import Tool, must_call, offered_tools
 
@@ -54,6 +59,7 @@ PREAMBLE = ("You may call {how_many} to assist with the user query.\n\n"
             "For each function call, return a json object with function name and arguments within "
             "<tool_call></tool_call> XML tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": "
             "<args-json-object>}}\n</tool_call>")
+FORMAT_LINE = 'Your answer is JSON in the response format "{name}": {description}'  # a json_schema's description
 _DECODER = json.JSONDecoder()
 
 
@@ -158,9 +164,23 @@ def unrendered_name(req: ChatCompletionRequest, roles: frozenset[str]) -> int | 
 
 
 def preamble(req: ChatCompletionRequest) -> str:
-    """The system-message text that offers the request's tools ("" when it offers none)."""
+    """The system-message text that offers the request's tools, or else says what its JSON answer is for
+    (`format_line`); "" when there is neither, so a request without them renders as it always has."""
     offered = offered_tools(req.tools, req.tool_choice)
-    return tools_preamble(offered, parallel=req.parallel_tool_calls is not False) if offered else ""
+    if offered:  # the answer is a call ("required", named), or free with tools, where our engines refuse a format
+        return tools_preamble(offered, parallel=req.parallel_tool_calls is not False)
+    return format_line(req.response_format)
+
+
+def format_line(fmt: ResponseFormat | None) -> str:
+    """What a json_schema answer is for, in the model's prompt: its `description` (OpenAI: "used by the model to
+    determine how to respond in the format") with its `name`, as FORMAT_LINE. The grammar enforces only the schema,
+    so without this line the description never reached the model. "" without a description (or a blank one): the
+    name alone says little, and those prompts (and the answers cached for them) stay what they were."""
+    spec = fmt.json_schema if fmt is not None and fmt.type == "json_schema" else None
+    if spec is None or not spec.description or spec.description.isspace():
+        return ""
+    return FORMAT_LINE.format(name=spec.name, description=spec.description)
 
 
 def with_preamble(turns: list[dict[str, str]], text: str) -> list[dict[str, str]]:
