@@ -18,6 +18,11 @@ options, which it reads at a schema's root) is refused by name: our engines set 
 and leniency over it, so `"whitespace_flexible": true` was dropped without a word, the rest changed how our engines
 compiled the schema, and a remote tier's server reads it or not, as its own grammar library does. Everything else
 (name, description) has OpenAI's limits. Anything else is a 400 whose `param` starts with `response_format`.
+
+The grammar reads only the schema. The `description` (OpenAI: what the format is for, "used by the model to determine
+how to respond") is told to the model on our engines as a line at the end of the system message, with the `name`
+(wire/tool_calls.py's `format_line`), where the format is the answer (not under a required or named tool call); a
+remote tier gets both as sent. A format without a description adds nothing to the prompt.
 """
 
 from __future__ import annotations
