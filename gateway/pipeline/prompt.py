@@ -65,7 +65,7 @@ class Unread(NamedTuple):  # (a tuple: built for every request, in half a datacl
 
     counter: TokenCounter  # its tier's
     messages: list[dict[str, Any]]  # `turn` of each message
-    tools: str  # the system-message text that offers the request's tools
+    tools: str  # the system-message text our engines add (its tools, or its JSON format's description: preamble)
     chars: int  # its turns' and tools' characters
     inline: bool  # short: counted on the event loop in microseconds, as cheap as a reservation
     floor_input: int  # a long one's fewest prompt tokens (a token covers at most `max_token_chars` characters)
@@ -184,7 +184,7 @@ def _count_bounded(counter: TokenCounter, originals: list[ChatMessage], messages
                    tier: TierSpec, input_cap: int | None, tools: str = "", owner: Hashable = None,
                    user: Hashable = None) -> tuple[list[ChatMessage], tuple[str, ...], int, int]:
     """(messages kept, actions applied, prompt tokens, characters tokenized), reading at most what could fit (worker
-    thread). `tools`: the system-message text that offers the request's tools, counted with the system message;
+    thread). `tools`: the system-message text our engines add (`preamble`), counted with the system message;
     `owner`: the tenant whose remembered counts (its end user `user`'s) may be reused. The characters tokenized
     are the rendered prompt's, the template's markers included (what a refusal is charged: 2,048 empty messages
     have no content but are 57 KB rendered), and its prefix's where that was counted first."""
