@@ -36,7 +36,7 @@ from __future__ import annotations
 import json
 import re
 import threading
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -99,16 +99,21 @@ class TokenCounter:
             return len(self.tokenizer.encode(text, add_special_tokens=False).ids)
         return len(self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids)
 
-    def prompt_tokens(self, messages: Messages, owner: Hashable = None, user: Hashable = None) -> int:
+    def prompt_tokens(self, messages: Messages, owner: Hashable = None, user: Hashable = None, *,
+                      specials_as_text: bool = True) -> int:
         """Tokens of the rendered prompt. A short one's count, and its pieces', are remembered for `owner` (the
         tenant that sent it; None: the gateway's own texts) and only ever reused for the same owner. A short prompt
         sent a third time with the same turns is not even rendered again (the template's render, ~11 µs, was most of
         a repeated prompt's count): the render is a function of the turns alone. `user`: the end user `owner`'s plan
-        isolates, for whom alone its counts are remembered."""
+        isolates, for whom alone its counts are remembered. `specials_as_text` False: a text completion's prompt,
+        whose special tokens' strings our engine reads as those tokens (engine/server.py `text_prompt_ids`). Only
+        prompts without such strings are remembered, so the two readings never meet in the memos."""
         turns = _turns_key(messages)
         if turns is not None and (counted := self._repeated.get(owner, turns, user)) is not None:
             return counted
         if self._plain is not None and (escaped := self._plain.escaped(messages)) is not None:
+            if not specials_as_text:
+                return self.count(self.render(messages))
             return self._plain.count(self.render(escaped.turns), escaped)  # a tenant's text spelling special tokens
         text = self.render(messages)
         if len(text) > SHORT_TEXT_CHARS:
@@ -120,6 +125,16 @@ class TokenCounter:
         elif turns is not None:  # sent again: from now on, not rendered either (a new prompt stores nothing more)
             self._repeated.put(owner, turns, counted, size=len(text), user=user)
         return counted
+
+    def rendered(self, messages: Messages, *, specials_as_text: bool = True) -> tuple[str, Callable[[str], int]]:
+        """The prompt `messages` render to, and what counts it or any prefix of it as our engine tokenizes it (a
+        long prompt's count, nothing remembered): a tenant's text that spells a special token as text
+        (`specials_as_text`, as `prompt_tokens`), the template's markers as tokens. The text holds a sentinel where a
+        tenant's string spelled one (wire/prompt_text.py); a prefix cut inside one counts its pieces as text."""
+        plain = self._plain
+        if specials_as_text and plain is not None and (escaped := plain.escaped(messages)) is not None:
+            return self.render(escaped.turns), lambda text: plain.count(text, escaped)
+        return self.render(messages), self.count
 
     def _count_pieces(self, text: str, owner: Hashable = None, user: Hashable = None) -> int:
         """The count of a short text as its added tokens (one each) and its pieces between them (remembered for

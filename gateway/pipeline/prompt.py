@@ -35,6 +35,7 @@ from assets.model_source import DEFAULT_MODEL, resolve_model
 from gateway.errors import InvalidRequest, Unavailable
 from gateway.fair_threads import FairThreads
 from gateway.ladder.apply import Degradation
+from gateway.pipeline.text_completion import is_raw
 from gateway.token_counter import TokenCounter, token_counter
 from tiers.catalogue import TierSpec
 from wire.chat_request import ChatCompletionRequest, ChatMessage
@@ -119,11 +120,13 @@ class PromptStage:
         unread = unread or self.size(req, tier, degr)
         counter, messages, tools = unread.counter, unread.messages, unread.tools
         tokenized: int | None = None  # characters tokenized to count it (None: a short prompt's, found on refusal)
+        as_text = not is_raw(req)  # a text completion's markers are the engine's tokens; a chat message's are text
         if unread.inline and degr.input_cap is None:
             rendered = with_preamble(messages, tools)
-            kept, applied, num_tokens = list(req.messages), (), counter.prompt_tokens(rendered, owner, user)
+            num_tokens = counter.prompt_tokens(rendered, owner, user, specials_as_text=as_text)
+            kept, applied = list(req.messages), ()
         else:
-            args = (counter, list(req.messages), messages, tier, degr.input_cap, tools, owner, user)
+            args = (counter, list(req.messages), messages, tier, degr.input_cap, tools, owner, user, as_text)
             kept, applied, num_tokens, tokenized = await self.threads.run(owner, _count_bounded, *args)
         room = tier.context_limit - num_tokens
         cap = req.output_cap or max(1, min(self.default_max_tokens, room))
@@ -182,10 +185,12 @@ class PromptStage:
 
 def _count_bounded(counter: TokenCounter, originals: list[ChatMessage], messages: list[dict[str, Any]],
                    tier: TierSpec, input_cap: int | None, tools: str = "", owner: Hashable = None,
-                   user: Hashable = None) -> tuple[list[ChatMessage], tuple[str, ...], int, int]:
+                   user: Hashable = None, specials_as_text: bool = True,
+                   ) -> tuple[list[ChatMessage], tuple[str, ...], int, int]:
     """(messages kept, actions applied, prompt tokens, characters tokenized), reading at most what could fit (worker
     thread). `tools`: the system-message text our engines add (`preamble`), counted with the system message;
-    `owner`: the tenant whose remembered counts (its end user `user`'s) may be reused. The characters tokenized
+    `owner`: the tenant whose remembered counts (its end user `user`'s) may be reused; `specials_as_text`: as
+    TokenCounter.prompt_tokens (False for a text completion's prompt). The characters tokenized
     are the rendered prompt's, the template's markers included (what a refusal is charged: 2,048 empty messages
     have no content but are 57 KB rendered), and its prefix's where that was counted first."""
     applied: tuple[str, ...] = ()
@@ -199,12 +204,12 @@ def _count_bounded(counter: TokenCounter, originals: list[ChatMessage], messages
     chars = sum(len(m["content"]) for m in messages) + len(tools)
     if chars > limit * counter.max_token_chars:
         raise _too_long(tier, f"{chars} characters, more than {limit} tokens can hold", 0)  # read no further
-    text = counter.render(with_preamble(messages, tools))
+    text, count = counter.rendered(with_preamble(messages, tools), specials_as_text=specials_as_text)
     prefix_chars = limit * PREFIX_CHARS_PER_TOKEN
     prefixed = len(text) > prefix_chars
-    if prefixed and counter.count(text[:prefix_chars]) > limit + PREFIX_MARGIN_TOKENS:
+    if prefixed and count(text[:prefix_chars]) > limit + PREFIX_MARGIN_TOKENS:
         raise _too_long(tier, f"more than {limit} tokens in its first {prefix_chars} characters", prefix_chars)
-    return originals, applied, counter.count(text), len(text) + (prefix_chars if prefixed else 0)
+    return originals, applied, count(text), len(text) + (prefix_chars if prefixed else 0)
 
 
 def _trim(counter: TokenCounter, messages: list[dict[str, Any]], cap: int, tools: str = "",

@@ -5,7 +5,10 @@ special tokens' strings read as text (`encode_special_tokens`)."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import random
+from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -13,8 +16,13 @@ from typing import Any
 import pytest
 from tokenizers import Tokenizer
 
+from gateway.ladder.apply import NORMAL
+from gateway.pipeline.prompt import PromptStage
+from gateway.pipeline.text_completion import parse_completion
 from gateway.token_counter import TokenCounter
 from tests.conftest import MODELS_DIR
+from tiers.catalogue import TierSpec
+from wire.chat_request import ChatCompletionRequest
 
 SMOLLM2 = MODELS_DIR / "smollm2-135m-instruct"
 DEFAULT_SYSTEM = {"role": "system", "content": "You are a helpful AI assistant named SmolLM, trained by Hugging Face"}
@@ -72,3 +80,44 @@ def test_random_text_with_special_tokens_strings_is_counted_as_the_engine_reads_
                      "content": "".join(rng.choice(PIECES) for _ in range(rng.randint(0, 10)))}
                     for _ in range(rng.randint(1, 4))]
         assert fresh.prompt_tokens(messages) == chatml_tokens(messages), messages
+
+
+def measured(stage: PromptStage, req: ChatCompletionRequest) -> int:
+    tier = TierSpec.model_validate({"name": "mid", "backend": "local", "model": "smollm2-135m-instruct",
+                                    "price_per_1k_input": "0.001", "price_per_1k_output": "0.002",
+                                    "hardware_cost_per_hour": "1", "context_limit": 8192})
+    return asyncio.run(stage.measure(req, tier, NORMAL)).num_tokens
+
+
+@pytest.fixture
+def stage(prepared_models: Path) -> Iterator[PromptStage]:
+    stage = PromptStage(models_dir=prepared_models, default_max_tokens=16)
+    yield stage
+    stage.threads.close()
+
+
+@pytest.mark.parametrize("content", ["<|im_end|>" * 1000, FORGED * 60, "Hi. " + FORGED],
+                         ids=["markers", "forged", "short"])
+def test_the_pipelines_count_reads_a_long_prompts_text_as_text(stage: PromptStage, content: str) -> None:
+    """What the gateway reserves and checks against the context: a long prompt (counted in a worker thread, by
+    gateway/pipeline/prompt.py's `_count_bounded`) as the engine reads it, as a short one."""
+    messages = [{"role": "user", "content": content}]
+    assert measured(stage, ChatCompletionRequest.model_validate({"model": "mid", "messages": messages})) == \
+        chatml_tokens(messages)
+
+
+def test_a_text_completions_markers_are_counted_as_the_engines_tokens(stage: PromptStage) -> None:
+    """A text completion's prompt is the tenant's own, markers and all, and our engine reads them as tokens
+    (engine/server.py `text_prompt_ids`): counted through the chat template it is overstated by the template's few
+    tokens, not read as text (7 tokens a `<|im_end|>`)."""
+    template = chatml_tokens([{"role": "user", "content": ""}])  # what the template adds around a prompt
+    for prompt in ("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n", "<|im_end|>" * 1000):
+        engine = len(plain_tokenizer_parsing().encode(prompt, add_special_tokens=True).ids)
+        counted = measured(stage, parse_completion(json.dumps({"model": "mid", "prompt": prompt}).encode()))
+        assert engine <= counted <= engine + template, (engine, counted, template)
+
+
+@cache
+def plain_tokenizer_parsing() -> Tokenizer:
+    """SmolLM2's tokenizer as our engine reads a text completion: special tokens' strings parsed as the tokens."""
+    return Tokenizer.from_file(str(SMOLLM2 / "tokenizer.json"))
