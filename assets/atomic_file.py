@@ -2,9 +2,10 @@
 
 Small files that processes of one machine share: the weights' digests (engine/weight_digest.py), the int8 tier's
 calibrated ranges (engine/int8_ranges.py), the router's artifact (tiers/difficulty.py), the local engines a gateway
-publishes to its workers (tiers/engines_file.py) and the embedder's ONNX export (cache/onnx_runtime.py). Two
-processes may write the same one, and a reader must never find half of it. Here, not in one of those packages,
-because each of them writes such files and none may import another for it (tests/test_import_rules.py).
+publishes to its workers (tiers/engines_file.py), the embedder's ONNX export (cache/onnx_runtime.py) and a
+distillation's checkpoint (training/distill.py). Two processes may write the same one, and a reader must never find
+half of it. Here, not in one of those packages, because each of them writes such files and none may import another
+for it (tests/test_import_rules.py).
 
 The temporary file is mkstemp's: a name no other writer takes, and owner-only, so a file that holds secrets (the
 engines' nonces) is never readable by others, not even for a moment; one that others read is given its mode before

@@ -138,7 +138,8 @@ def _export_checked(model_dir: Path, target: Path) -> None:
         if target.exists():
             return
         model = SentenceTransformer(str(model_dir), device="cpu")
-        for stale in leftovers(target):  # left by a process killed mid-export
+        # left by a process killed mid-export (`.partial-*.onnx`: by versions before assets/atomic_file.py)
+        for stale in [*leftovers(target), *target.parent.glob(".partial-*.onnx")]:
             stale.unlink(missing_ok=True)
         try:
             with replacing(target, mode=0o644) as tmp:  # every process of the machine may read it

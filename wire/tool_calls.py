@@ -94,8 +94,8 @@ def render_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
     offered tools in the system message, calls and results as text (consecutive results in one user turn, joined
     once: added one by one, each copied the turn so far, 0.35 s for 2,047 results in a 10 MB body). A turn of results
     holds them in the order of the calls they answer: the prompt holds no ids, so a result reads as the answer to the
-    call at its place (results sent as their calls finished were each read as another call's); one that answers no
-    call comes after, where it was (the engine refuses it: `stray_result`)."""
+    call at its place (results sent as their calls finished were each read as another call's); those that answer no
+    call come after them, in the order sent (the engine refuses them: `stray_result`)."""
     messages: list[dict[str, str]] = []
     made: dict[str, int] = {}  # the last calls' ids, each at its place among them (its first, if made twice)
     for results, group in groupby(req.messages, key=lambda m: m.role == "tool"):

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from transformers import AutoTokenizer
 
 from cache.request_key import context_hash
 from gateway.ladder.apply import NORMAL
@@ -116,8 +117,6 @@ def test_the_cache_scope_tells_two_descriptions_apart() -> None:
 
 @pytest.fixture(scope="module")
 def smollm2(prepared_models: Path) -> Iterator[tuple[str, ScriptedRunner]]:
-    from transformers import AutoTokenizer
-
     yield from serve(AutoTokenizer.from_pretrained(prepared_models / "smollm2-135m-instruct"))
 
 

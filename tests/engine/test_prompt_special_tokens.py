@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from engine.llm_engine import LLMEngine
 from engine.server import create_engine_app
@@ -68,8 +68,6 @@ def chatml() -> Iterator[tuple[Any, str, ScriptedRunner]]:
 
 @pytest.fixture(scope="module")
 def smollm2(prepared_models: Path) -> Iterator[tuple[Any, str, ScriptedRunner]]:
-    from transformers import AutoTokenizer
-
     tokenizer = AutoTokenizer.from_pretrained(prepared_models / "smollm2-135m-instruct")
     for url, runner in serve(tokenizer):
         yield tokenizer, url, runner
