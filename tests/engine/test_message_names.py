@@ -15,10 +15,8 @@ from typing import Any
 import httpx
 import pytest
 
-from engine.llm_engine import LLMEngine
-from engine.server import create_engine_app
 from tests.engine.fakes import CharTokenizer, ScriptedRunner, prompt_text
-from tests.stubs import ServerThread
+from tests.engine.test_prompt_special_tokens import serve
 
 CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
 
@@ -34,26 +32,14 @@ class NamingTokenizer(CharTokenizer):
         return "".join(f"<{head(m)}>{m['content']}" for m in messages) + ">"
 
 
-def serve(tokenizer: CharTokenizer) -> Iterator[tuple[str, ScriptedRunner]]:
-    runner = ScriptedRunner(reply="Hi.", max_model_len=512)
-    eng = LLMEngine(runner, tokenizer)
-    eng.start()
-    server = ServerThread(create_engine_app(eng, model_name="tiny", model_version="v1")).start()
-    try:
-        yield server.url, runner
-    finally:
-        server.stop()
-        eng.shutdown()
-
-
 @pytest.fixture
 def unnamed() -> Iterator[tuple[str, ScriptedRunner]]:
-    yield from serve(CharTokenizer())
+    yield from serve(CharTokenizer(), max_model_len=512)
 
 
 @pytest.fixture
 def naming() -> Iterator[tuple[str, ScriptedRunner]]:
-    yield from serve(NamingTokenizer())
+    yield from serve(NamingTokenizer(), max_model_len=512)
 
 
 def post(url: str, messages: list[dict[str, Any]], **fields: Any) -> httpx.Response:
