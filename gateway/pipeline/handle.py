@@ -61,6 +61,7 @@ from quotas.idempotency import Replay
 from quotas.ledger_withdrawals import RowWithdrawn
 from tiers.errors import UpstreamRejected
 from wire.chat_request import ChatCompletionRequest
+from wire.tool_calls import stray_result
 
 log = logging.getLogger("tiergate.pipeline")
 
@@ -358,9 +359,15 @@ def _cascades(ctx: RequestContext, prepared: Prepared) -> bool:
 
 
 def parse_request(body: bytes) -> ChatCompletionRequest:
-    """The body as a chat request (400 naming the field otherwise; vLLM's fields the gateway does not honour too)."""
+    """The body as a chat request (400 naming the field otherwise; vLLM's fields the gateway does not honour too,
+    and a tool result that answers no call of the assistant message before it, as OpenAI refuses it: our engines
+    refused it only once the gateway had routed and reserved it, a remote tier's model read it as some other call's)."""
     req = parse_body(body, ChatCompletionRequest)
     refuse_engine_only(req)
+    if (i := stray_result(req)) is not None:
+        raise InvalidRequest(f"messages.{i}.tool_call_id: answers no call of the assistant message before its results "
+                             "(an id that message did not make, or one answered already); send each result once, "
+                             "after the assistant message that made its call", param=f"messages.{i}.tool_call_id")
     return req
 
 

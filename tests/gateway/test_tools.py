@@ -44,6 +44,8 @@ ADD = {"type": "function", "function": {
 SCHEMAS = {"get_weather": WEATHER["function"]["parameters"], "add": ADD["function"]["parameters"]}
 USER = [{"role": "user", "content": "What is the weather in Paris?"}]
 STUB_ARGUMENTS = '{"city": "Paris", "unit": "celsius"}'
+CALLED = {"role": "assistant", "content": None,  # one call, whose id is "c"
+          "tool_calls": [{"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]}
 STUB_ANSWER = "It is sunny in Paris."
 
 # what differs from tests/stubs.py's TIER_DEFAULTS: every tier is the stub
@@ -175,8 +177,17 @@ def test_tool_requests_that_cannot_be_served_are_400s_naming_the_field(tool_gate
         ({"model": "mid", "tool_choice": "required"}, "tool_choice"),
         ({"model": "mid", "tools": too_many}, "tools"),
         ({"model": "small", "tools": [WEATHER]}, "tools"),  # named, and it cannot
-        ({"model": "small", "messages": [*USER, {"role": "assistant", "content": "x"},  # a tool exchange, even
-                                         {"role": "tool", "tool_call_id": "c", "content": "x"}]}, "tools"),
+        ({"model": "small", "messages": [*USER, CALLED, {"role": "tool", "tool_call_id": "c", "content": "x"}]},
+         "tools"),  # a tool exchange, even without tools
+        ({"model": "mid", "tools": [WEATHER], "messages": [*USER, {"role": "assistant", "content": "x"},
+                                                            {"role": "tool", "tool_call_id": "c", "content": "x"}]},
+         "messages.2.tool_call_id"),  # a result after a message that made no call: OpenAI refuses it too
+        ({"model": "mid", "tools": [WEATHER], "messages": [*USER, CALLED, {"role": "tool", "tool_call_id": "d",
+                                                                           "content": "x"}]},
+         "messages.2.tool_call_id"),  # an id the call before did not make
+        ({"model": "mid", "tools": [WEATHER], "messages": [*USER, CALLED, *[{"role": "tool", "tool_call_id": "c",
+                                                                             "content": "x"}] * 2]},
+         "messages.3.tool_call_id"),  # answered twice
     ]
     with tool_gateway.client(tool_gateway.tenant_key) as c:
         for fields, param in cases:
