@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 
+from cache.request_key import sampling_class
 from wire.chat_request import ChatCompletionRequest
 
 ENTRIES = 512  # parsed requests kept, all keys'
@@ -63,5 +64,5 @@ class ParsedBodies:
 
 
 def _deterministic(req: ChatCompletionRequest) -> bool:
-    """A request the cache may answer (cache/request_key.py `sampling_class`: greedy, or seeded)."""
-    return req.seed is not None or (req.temperature is not None and req.temperature == 0)
+    """A request the cache may answer: one whose sampling class (greedy, or seeded) is not "sampled"."""
+    return sampling_class({"temperature": req.temperature, "seed": req.seed}) != "sampled"
