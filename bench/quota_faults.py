@@ -298,19 +298,29 @@ def run_scenario(workdir: Path, sc: Scenario, log: bool = False) -> Report:
 
 def _kill_holding(redis_url: str, name: str, proc: subprocess.Popen[bytes], timeout_s: float) -> int:
     """SIGKILL a replica the moment Redis shows it holding two reservations or more (one at least, if it
-    never holds two), so the kill interrupts runs between reserve and settle; how many it held."""
+    never holds two), so the kill interrupts runs between reserve and settle; how many it held. The replica is
+    frozen (SIGSTOP) and counted again before the kill: read while it ran, a count could be settled in the moment
+    before the kill, and the runs said interrupted were not (none left for a reaper to bring back)."""
     import redis
 
     client = redis.Redis.from_url(redis_url, socket_timeout=5)
     deadline = time.monotonic() + timeout_s
+
+    def holding() -> int:
+        return sum(rid.startswith(f"{name}-".encode()) for tenant in BUDGETS_USD
+                   for rid in client.zrange(f"{{tg:{tenant}}}:leases", 0, -1))
+
     try:
         while True:
-            held = sum(rid.startswith(f"{name}-".encode()) for tenant in BUDGETS_USD
-                       for rid in client.zrange(f"{{tg:{tenant}}}:leases", 0, -1))
+            held = holding()
             if held >= 2 or (held and time.monotonic() > deadline - timeout_s / 2):
-                proc.kill()
-                proc.wait()
-                return held
+                proc.send_signal(signal.SIGSTOP)
+                time.sleep(0.05)  # a settle it sent before it stopped reaches Redis
+                if (held := holding()) > 0:
+                    proc.kill()
+                    proc.wait()
+                    return held
+                proc.send_signal(signal.SIGCONT)  # it settled them all: wait for others
             assert time.monotonic() < deadline, f"replica {name} never held a reservation"
             time.sleep(0.001)
     finally:
