@@ -5,6 +5,11 @@ field, never a failure in the loop.
 The sampling parameters are checked again (the dataclass may have been changed since it was built), then the prompt
 against the model (token ids within its vocabulary) and against this engine's room (prompt plus output within the
 model's context and within the whole KV cache), and a response format against the formats refused to the tenant.
+
+`check_output_room` is the part of the room check that needs no prompt: a `max_tokens` that leaves no room for even
+the shortest prompt (one token: an empty one is refused) can never be served, whatever the prompt, so the server
+refuses it before rendering and tokenizing one (up to a second of a tokenizer thread for a long prompt, spent on a
+request refused anyway), with the answer the whole check would give: the same code and param.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ from __future__ import annotations
 from engine.block_manager import BlockManager
 from engine.grammar import GrammarCache
 from engine.sampling_params import EngineInputError, SamplingParams
+
+MIN_PROMPT_TOKENS = 1  # the shortest prompt `check_request` takes (an empty one is refused)
 
 
 def check_request(prompt_token_ids: list[int], params: SamplingParams, tenant: str | None, *,
@@ -47,3 +54,22 @@ def check_request(prompt_token_ids: list[int], params: SamplingParams, tenant: s
         )
     if (fmt := params.output_format) is not None:
         grammars.known(fmt, tenant)
+
+
+def check_output_room(max_tokens: int, *, max_model_len: int, block_manager: BlockManager) -> None:
+    """Raise EngineInputError when `max_tokens` output tokens and a prompt of MIN_PROMPT_TOKENS cannot fit the
+    model's context or the whole KV cache, by `check_request`'s own rule: no prompt could make the request fit."""
+    total = MIN_PROMPT_TOKENS + max_tokens
+    if total > max_model_len:
+        raise EngineInputError(
+            f"this model's maximum context length is {max_model_len} tokens; the request asks for {max_tokens} "
+            f"output tokens, which leaves no room for a prompt (at least {MIN_PROMPT_TOKENS} token)",
+            param="messages", code="context_length_exceeded",
+        )
+    bm = block_manager
+    if bm.num_blocks_for(total) > bm.num_blocks:
+        raise EngineInputError(
+            f"this engine's KV cache holds {bm.num_blocks * bm.block_size} tokens; the request asks for "
+            f"{max_tokens} output tokens, which leaves no room for a prompt (at least {MIN_PROMPT_TOKENS} token)",
+            param="messages", code="context_length_exceeded",
+        )

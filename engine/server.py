@@ -80,6 +80,7 @@ from assets.parent_watch import ENGINE_INSTANCE_ENV
 from engine.answer_frames import FAILED, chat_frames, collect, sse_events, text_frames
 from engine.engine_auth import key_check
 from engine.llm_engine import EngineBusyError, EngineDeadError, EngineInputError, LLMEngine
+from engine.request_checks import check_output_room
 from engine.sampling_params import SamplingParams
 from engine.sequence import salt_tenant
 from engine.tool_calls import ToolAnswer, answer_format, ends_at_first_call, one_call, tools_param
@@ -282,8 +283,11 @@ def create_engine_app(engine: LLMEngine, *, model_name: str, model_version: str,
 
         def prepare() -> tuple[list[int], SamplingParams]:
             """Tokenize and validate; none is compiled. What needs no prompt is refused before it is rendered and
-            tokenized (up to a second of a tokenizer thread for a long one): a format the answer's free tool calls
-            rule out, and one refused to the tenant before."""
+            tokenized (up to a second of a tokenizer thread for a long one): a max_tokens no prompt leaves room for
+            (engine/request_checks.py `check_output_room`), a format the answer's free tool calls rule out, and one
+            refused to the tenant before."""
+            if asked := (req.output_cap if chat else req.max_tokens):  # type: ignore[union-attr]
+                check_output_room(asked, max_model_len=engine.max_model_len, block_manager=engine.block_manager)
             fmt = answer_format(req) if chat else req.response_format  # type: ignore[arg-type]
             if fmt is not None and fmt.constrains:
                 engine.grammars.known(fmt, salt_tenant(salt))
