@@ -22,15 +22,25 @@ Why a copy: transformers' `split_special_tokens=True` sets that flag on the toke
 threads share, before its call and not for its length; another thread's call sets it back, and a prompt tokenized
 meanwhile is read with the other thread's flag (a hostile prompt parsed as before, or a normal one's markers as text).
 
-Limits: special tokens only; an added token that is not special (Qwen's `<tool_call>`) is text-like by design, and
-the tokenizer reads it as it always has. A special token's string is matched whole inside one tenant string; one made
-of a tenant string's end and the template's next text would need a template that writes part of a special token beside
-a message (ChatML templates write whole ones). Matching is on the raw text, as tokenizers match special tokens that are
-not `normalized` (SmolLM2's are not).
+Added tokens that are not special are escaped too (Qwen's `<think>`, `<|fim_prefix|>`: special False in its
+added_tokens_decoder): `tokenizers` cuts any text at every added token before its model runs, special or not, and
+`encode_special_tokens` (as transformers' `split_special_tokens`) reads only special ones as text, so the copy calls
+the escaped ones special (`_reading_as_text`). Two kinds are left as they read: an added token of whitespace only (a
+run of spaces, CodeGen's and Phi-2's), which marks nothing and which normal text is full of; and the markers
+wire/tool_calls.py's `render_messages` writes into the turns' strings itself (`RENDERED_MARKERS`: `<tool_call>`,
+`<tool_response>`...), where this class, reading turns, cannot tell ours from a tenant's: escaped, our own blocks would
+be read as text in every request that offers tools. A tenant's `<tool_call>` is still that token where the tokenizer
+has it (Qwen's); reading it as text needs its strings escaped before `render_messages` wraps them.
+
+Limits: a token's string is matched whole inside one tenant string; one made of a tenant string's end and the
+template's next text would need a template that writes part of a token beside a message (ChatML templates write whole
+ones). Matching is on the raw text, as tokenizers match added tokens that are not `normalized` (SmolLM2's are
+not); a normalized one behind a normalizer that changes it (lowercasing) could be spelled otherwise.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import secrets
 from collections.abc import Sequence
@@ -39,6 +49,11 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
+from wire.tool_calls import CLOSE, OPEN
+
+# what wire/tool_calls.py's `render_messages` writes into the turns' strings around the tenant's text (the tools'
+# preamble, calls, results): where a tokenizer has one as an added token that is not special, it is left as it reads
+RENDERED_MARKERS = frozenset({OPEN, CLOSE, "<tools>", "</tools>", "<tool_response>", "</tool_response>"})
 Turns = Sequence[dict[str, Any]]
 
 
@@ -51,24 +66,25 @@ class Escaped:
 
 
 class PlainTenantText:
-    """The special tokens of one tokenizer, found in tenant strings and tokenized there as text."""
+    """The added tokens of one tokenizer (special or not), found in tenant strings and tokenized there as text."""
 
     def __init__(self, backend: Tokenizer, specials: Sequence[str]) -> None:
+        """`specials`: the added tokens' strings read as text in tenant strings (`for_tokenizer`'s choice)."""
         self.specials = sorted(specials, key=len, reverse=True)  # the longest first: `<|a|>` before `<|a`
         self._index = {s: k for k, s in enumerate(self.specials)}
         self._ids = {s: backend.token_to_id(s) for s in self.specials}
         self._special = re.compile("(" + "|".join(map(re.escape, self.specials)) + ")")  # a group: `split` keeps it
-        self._plain = Tokenizer.from_str(backend.to_str())  # never shared with a call that parses special tokens
-        self._plain.encode_special_tokens = True
+        self._plain = _reading_as_text(backend, set(self.specials))  # never shared with a call that parses them
 
     @classmethod
     def for_tokenizer(cls, tokenizer: Any) -> PlainTenantText | None:
         """`tokenizer`: transformers' fast tokenizer, or `tokenizers`' own. None for one without `tokenizers`' backend
-        or without special tokens (nothing to escape)."""
+        or without added tokens to escape (special ones, and those not special but for whitespace and ours)."""
         backend = tokenizer if isinstance(tokenizer, Tokenizer) else getattr(tokenizer, "backend_tokenizer", None)
         if not isinstance(backend, Tokenizer):
             return None
-        specials = [t.content for t in backend.get_added_tokens_decoder().values() if t.special and t.content]
+        specials = [t.content for t in backend.get_added_tokens_decoder().values()
+                    if t.content and (t.special or (t.content.strip() and t.content not in RENDERED_MARKERS))]
         return cls(backend, specials) if specials else None
 
     def escaped(self, turns: Turns) -> Escaped | None:
@@ -111,3 +127,17 @@ class PlainTenantText:
             ids.append(self._ids[marker])
             ids.extend(piece.ids)
         return ids
+
+
+def _reading_as_text(backend: Tokenizer, contents: set[str]) -> Tokenizer:
+    """A copy of `backend` that reads the added tokens of `contents` as text wherever they are. `encode_special_tokens`
+    does so for special tokens only (as transformers' `split_special_tokens`): an added token that is not special is
+    matched in any text before the model's own tokenizing. So the copy calls them special, which changes nothing
+    else it does with them: no post-processor runs (`add_special_tokens=False`) and the copy decodes nothing."""
+    config = json.loads(backend.to_str())
+    for token in config.get("added_tokens", []):
+        if token["content"] in contents:
+            token["special"] = True
+    plain = Tokenizer.from_str(json.dumps(config))
+    plain.encode_special_tokens = True
+    return plain
