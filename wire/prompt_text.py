@@ -32,10 +32,22 @@ wire/tool_calls.py's `render_messages` writes into the turns' strings itself (`R
 be read as text in every request that offers tools. A tenant's `<tool_call>` is still that token where the tokenizer
 has it (Qwen's); reading it as text needs its strings escaped before `render_messages` wraps them.
 
-Limits: a token's string is matched whole inside one tenant string; one made of a tenant string's end and the
-template's next text would need a template that writes part of a token beside a message (ChatML templates write whole
-ones). Matching is on the raw text, as tokenizers match added tokens that are not `normalized` (SmolLM2's are
-not); a normalized one behind a normalizer that changes it (lowercasing) could be spelled otherwise.
+A token can also be made across a string's edge: its end that begins a token's string (`<|im`) and the template's
+text after it (`_end|>`), or the template's text before it and its start that ends one. ChatML's templates write
+whole markers beside a message, and no ChatML token's string ends with the start of another, so none is made there;
+a template that writes part of a marker beside a message, or a vocabulary whose tokens overlap so, would make one the
+template never wrote, read as the token in the whole rendered text. So `escaped` also replaces such an edge of each
+string (`edges`: the longest start that is a proper suffix of a token's string, the longest end that is a proper
+prefix) by a sentinel: the template's text beside it then makes no token, and the edge is read as text in its piece.
+At most the longest token's length is looked at on each side of a string. A string with such an edge and no token
+(one opening with `>`, a quote in Markdown) takes the escaped path, with the same ids: the template writes whole
+markers beside it, and `ids` cuts at them as the tokenizer does. Edges at whitespace are left (a template's `trim`
+would strip the whitespace, not a sentinel).
+
+Limits: a token made of the template's text on both sides of a whole string (`<|im` + `_en` + `d|>`) is not found;
+it needs a template that writes a part of a marker on each side of one string, cut where a whole string fits.
+Matching is on the raw text, as tokenizers match added tokens that are not `normalized` (SmolLM2's are not); a
+normalized one behind a normalizer that changes it (lowercasing) could be spelled otherwise.
 """
 
 from __future__ import annotations
@@ -59,10 +71,12 @@ Turns = Sequence[dict[str, Any]]
 
 @dataclass(frozen=True)
 class Escaped:
-    """Turns whose special tokens' strings are sentinels, and how to put them back."""
+    """Turns whose tokens' strings (and their strings' edges that could begin or end one) are sentinels, and how to
+    put them back."""
 
     turns: list[dict[str, Any]]
-    sentinel: re.Pattern[str]  # one sentinel: group 1 is the index of the special token's string it stands for
+    sentinel: re.Pattern[str]  # one sentinel: group 1 is the index in `texts` of the string it stands for
+    texts: list[str]  # the tokens' strings, then this request's edges
 
 
 class PlainTenantText:
@@ -75,6 +89,15 @@ class PlainTenantText:
         self._ids = {s: backend.token_to_id(s) for s in self.specials}
         self._special = re.compile("(" + "|".join(map(re.escape, self.specials)) + ")")  # a group: `split` keeps it
         self._plain = _reading_as_text(backend, set(self.specials))  # never shared with a call that parses them
+        # the tokens' proper prefixes and suffixes (`edges`), but those at whitespace, which a template's `trim`
+        # could strip from the string: a sentinel there would change the prompt
+        self._heads = {t[:k] for t in self.specials for k in range(1, len(t)) if not t[k - 1].isspace()}
+        self._tails = {t[k:] for t in self.specials for k in range(1, len(t)) if not t[k].isspace()}
+        self._longest = max(map(len, self.specials))
+        # where an edge can begin (a token's first character: `<`) or end (its last: `>`): most strings have none
+        # near their ends, and are passed over with a search of a few characters each side
+        self._begins = _one_of({h[0] for h in self._heads})
+        self._ends = _one_of({t[-1] for t in self._tails})
 
     @classmethod
     def for_tokenizer(cls, tokenizer: Any) -> PlainTenantText | None:
@@ -88,25 +111,60 @@ class PlainTenantText:
         return cls(backend, specials) if specials else None
 
     def escaped(self, turns: Turns) -> Escaped | None:
-        """`turns` with every special token's string in their strings replaced by a sentinel; None when no string
-        holds one (render and tokenize as ever)."""
-        strings = [v for t in turns for v in t.values() if isinstance(v, str)]
-        if not any(self._special.search(v) for v in strings):
+        """`turns` with every escaped token's string in their strings replaced by a sentinel, and each string's
+        `edges` too; None when no string holds one or has one (render and tokenize as ever). A turn's role is ours
+        (wire.chat_request.normalized_role) and templates compare it: its edges are left."""
+        strings = [(k, v) for t in turns for k, v in t.items() if isinstance(v, str)]
+        if not any(self._special.search(v) or (k != "role" and self.edges(v) != (0, 0)) for k, v in strings):
             return None
         prefix = f"\ue000{secrets.token_hex(8)}"
-        while any(prefix in v for v in strings):  # a tenant who guessed 64 random bits
+        while any(prefix in v for _, v in strings):  # a tenant who guessed 64 random bits
             prefix = f"\ue000{secrets.token_hex(8)}"
+        texts = list(self.specials)
 
         def sentinel(m: re.Match[str]) -> str:
             return f"{prefix}{self._index[m[0]]}\ue001"
 
-        escaped = [{k: self._special.sub(sentinel, v) if isinstance(v, str) else v for k, v in t.items()}
-                   for t in turns]
-        return Escaped(escaped, re.compile(re.escape(prefix) + "([0-9]+)\ue001"))
+        def escape(key: str, value: str) -> str:
+            value = self._special.sub(sentinel, value)
+            lead, trail = (0, 0) if key == "role" else self.edges(value)
+            if lead + trail >= len(value) > 0:  # the whole string is one edge or two
+                lead, trail = len(value), 0
+            if not lead and not trail:
+                return value
+            cut = len(value) - trail
+            return mark(value[:lead]) + value[lead:cut] + mark(value[cut:])
+
+        def mark(edge: str) -> str:
+            if not edge:
+                return ""
+            texts.append(edge)
+            return f"{prefix}{len(texts) - 1}\ue001"
+
+        escaped = [{k: escape(k, v) if isinstance(v, str) else v for k, v in t.items()} for t in turns]
+        return Escaped(escaped, re.compile(re.escape(prefix) + "([0-9]+)\ue001"), texts)
+
+    def edges(self, value: str) -> tuple[int, int]:
+        """The lengths of `value`'s longest start that ends an escaped token (a proper suffix of its string) and of
+        its longest end that begins one (a proper prefix), 0 for none: what could make a token with the template's
+        text beside the string, which it never wrote (`<|im` + `_end|>`). At most `_longest` slices each side."""
+        window = self._longest - 1
+        last = max(0, len(value) - window)
+        lead = trail = 0
+        if self._ends.search(value, 0, window):
+            for m in self._ends.finditer(value, 0, window):  # the ends of candidate starts, the shortest first
+                if value[:m.end()] in self._tails:
+                    lead = m.end()
+        if self._begins.search(value, last):
+            for m in self._begins.finditer(value, last):  # candidate ends, the longest first
+                if value[m.start():] in self._heads:
+                    trail = len(value) - m.start()
+                    break
+        return lead, trail
 
     def restored(self, text: str, escaped: Escaped) -> str:
         """The prompt `text` (rendered from `escaped.turns`) as it reads: the tenant's strings back in it."""
-        return escaped.sentinel.sub(lambda m: self.specials[int(m[1])], text)
+        return escaped.sentinel.sub(lambda m: escaped.texts[int(m[1])], text)
 
     def count(self, text: str, escaped: Escaped) -> int:
         """The number of `ids`."""
@@ -127,6 +185,11 @@ class PlainTenantText:
             ids.append(self._ids[marker])
             ids.extend(piece.ids)
         return ids
+
+
+def _one_of(chars: set[str]) -> re.Pattern[str]:
+    """A pattern matching any one of `chars`; none at all for none (every token one character long)."""
+    return re.compile("[" + "".join(map(re.escape, sorted(chars))) + "]" if chars else "(?!)")
 
 
 def _reading_as_text(backend: Tokenizer, contents: set[str]) -> Tokenizer:
