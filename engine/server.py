@@ -37,7 +37,8 @@ and refuse holds no other request and no /health probe behind it. The prompt is 
 thread (with the request's checks; never a grammar compile):
 transformers' fast tokenizer call runs
 `tokenizers`' `encode_batch`, which releases the GIL (measured: 1.5 MB of text, 1.1 s to tokenize, the event
-loop kept running with at most 34 ms between its turns, against 1.16 s with `Tokenizer.encode`). Text
+loop kept running with at most 34 ms between its turns, against 1.16 s with `Tokenizer.encode`). A max_tokens that
+leaves no room for a one-token prompt is refused before the prompt is rendered (engine/request_checks.py). Text
 longer than the context could hold even at the vocabulary's longest token is refused before tokenizing, and a longer
 text than PREFIX_CHARS_PER_TOKEN characters per context token is first counted in pieces of that many characters,
 refused as soon as the pieces counted overflow the context (with PREFIX_MARGIN_TOKENS for each cut, as the gateway's
