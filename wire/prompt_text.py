@@ -41,8 +41,9 @@ string (`edges`: the longest start that is a proper suffix of a token's string, 
 prefix) by a sentinel: the template's text beside it then makes no token, and the edge is read as text in its piece.
 At most the longest token's length is looked at on each side of a string. A string with such an edge and no token
 (one opening with `>`, a quote in Markdown) takes the escaped path, with the same ids: the template writes whole
-markers beside it, and `ids` cuts at them as the tokenizer does. Edges at whitespace are left (a template's `trim`
-would strip the whitespace, not a sentinel).
+markers beside it, and `ids` cuts at them as the tokenizer does. An edge is looked for past the string's whitespace
+(`Hi<|im \n`), which a template's `trim` takes away (Llama 3's, Qwen's); the sentinel is no whitespace, so what
+the template strips is what it stripped.
 
 Limits: a token made of the template's text on both sides of a whole string (`<|im` + `_en` + `d|>`) is not found;
 it needs a template that writes a part of a marker on each side of one string, cut where a whole string fits.
@@ -89,8 +90,8 @@ class PlainTenantText:
         self._ids = {s: backend.token_to_id(s) for s in self.specials}
         self._special = re.compile("(" + "|".join(map(re.escape, self.specials)) + ")")  # a group: `split` keeps it
         self._plain = _reading_as_text(backend, set(self.specials))  # never shared with a call that parses them
-        # the tokens' proper prefixes and suffixes (`edges`), but those at whitespace, which a template's `trim`
-        # could strip from the string: a sentinel there would change the prompt
+        # the tokens' proper prefixes and suffixes (`edges`), but those that begin or end at whitespace: `edges`
+        # looks past a string's whitespace at either end
         self._heads = {t[:k] for t in self.specials for k in range(1, len(t)) if not t[k - 1].isspace()}
         self._tails = {t[k:] for t in self.specials for k in range(1, len(t)) if not t[k].isspace()}
         self._longest = max(map(len, self.specials))
@@ -115,7 +116,7 @@ class PlainTenantText:
         `edges` too; None when no string holds one or has one (render and tokenize as ever). A turn's role is ours
         (wire.chat_request.normalized_role) and templates compare it: its edges are left."""
         strings = [(k, v) for t in turns for k, v in t.items() if isinstance(v, str)]
-        if not any(self._special.search(v) or (k != "role" and self.edges(v) != (0, 0)) for k, v in strings):
+        if not any(self._special.search(v) or (k != "role" and self._has_edge(v)) for k, v in strings):
             return None
         prefix = f"\ue000{secrets.token_hex(8)}"
         while any(prefix in v for _, v in strings):  # a tenant who guessed 64 random bits
@@ -127,13 +128,14 @@ class PlainTenantText:
 
         def escape(key: str, value: str) -> str:
             value = self._special.sub(sentinel, value)
-            lead, trail = (0, 0) if key == "role" else self.edges(value)
-            if lead + trail >= len(value) > 0:  # the whole string is one edge or two
-                lead, trail = len(value), 0
-            if not lead and not trail:
+            if key == "role":
                 return value
-            cut = len(value) - trail
-            return mark(value[:lead]) + value[lead:cut] + mark(value[cut:])
+            a, b, c, d = self.edges(value)
+            if b == a and c == d:
+                return value
+            if b > c:  # the two edges overlap: the string (but its whitespace) is one
+                return value[:a] + mark(value[a:d]) + value[d:]
+            return value[:a] + mark(value[a:b]) + value[b:c] + mark(value[c:d]) + value[d:]
 
         def mark(edge: str) -> str:
             if not edge:
@@ -144,23 +146,28 @@ class PlainTenantText:
         escaped = [{k: escape(k, v) if isinstance(v, str) else v for k, v in t.items()} for t in turns]
         return Escaped(escaped, re.compile(re.escape(prefix) + "([0-9]+)\ue001"), texts)
 
-    def edges(self, value: str) -> tuple[int, int]:
-        """The lengths of `value`'s longest start that ends an escaped token (a proper suffix of its string) and of
-        its longest end that begins one (a proper prefix), 0 for none: what could make a token with the template's
-        text beside the string, which it never wrote (`<|im` + `_end|>`). At most `_longest` slices each side."""
+    def edges(self, value: str) -> tuple[int, int, int, int]:
+        """(a, b, c, d): `value[a:b]`, its longest start that ends an escaped token (a proper suffix of its string),
+        and `value[c:d]`, its longest end that begins one (a proper prefix), each empty for none: what could make a
+        token with the template's text beside the string, which the template never wrote (`<|im` + `_end|>`). The
+        string's whitespace at either end is passed over (a template's `trim` takes it away); at most the longest
+        token's length is looked at on each side."""
+        a = len(value) - len(value.lstrip())
+        d = len(value.rstrip())
+        b, c = a, d
         window = self._longest - 1
-        last = max(0, len(value) - window)
-        lead = trail = 0
-        if self._ends.search(value, 0, window):
-            for m in self._ends.finditer(value, 0, window):  # the ends of candidate starts, the shortest first
-                if value[:m.end()] in self._tails:
-                    lead = m.end()
-        if self._begins.search(value, last):
-            for m in self._begins.finditer(value, last):  # candidate ends, the longest first
-                if value[m.start():] in self._heads:
-                    trail = len(value) - m.start()
-                    break
-        return lead, trail
+        for m in self._ends.finditer(value, a, min(d, a + window)):  # the ends of candidate starts, shortest first
+            if value[a:m.end()] in self._tails:
+                b = m.end()
+        for m in self._begins.finditer(value, max(a, d - window), d):  # candidate ends, the longest first
+            if value[m.start():d] in self._heads:
+                c = m.start()
+                break
+        return a, b, c, d
+
+    def _has_edge(self, value: str) -> bool:
+        a, b, c, d = self.edges(value)
+        return b > a or d > c
 
     def restored(self, text: str, escaped: Escaped) -> str:
         """The prompt `text` (rendered from `escaped.turns`) as it reads: the tenant's strings back in it."""
