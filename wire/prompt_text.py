@@ -40,9 +40,9 @@ template never wrote, read as the token in the whole rendered text. So `escaped`
 string (`edges`: the longest start that is a proper suffix of a token's string, the longest end that is a proper
 prefix) by a sentinel: the template's text beside it then makes no token, and the edge is read as text in its piece.
 At most the longest token's length is looked at on each side of a string. A string with such an edge and no token
-(one opening with `>`, a quote in Markdown) takes the escaped path, with the same ids: the template writes whole
-markers beside it, and `ids` cuts at them as the tokenizer does. An edge is looked for past the string's whitespace
-(`Hi<|im \n`), which a template's `trim` takes away (Llama 3's, Qwen's); the sentinel is no whitespace, so what
+(one opening with `>`, a quote in Markdown) takes the escaped path, with the same ids where the template writes
+whole markers beside it: `ids` cuts at them as the tokenizer does. An edge is looked for past the string's whitespace
+(`Hi<|im \\n`), which a template's `trim` takes away (Llama 3's, Qwen's); the sentinel is no whitespace, so what
 the template strips is what it stripped.
 
 Limits: a token made of the template's text on both sides of a whole string (`<|im` + `_en` + `d|>`) is not found;

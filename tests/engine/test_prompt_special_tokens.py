@@ -2,8 +2,9 @@
 that spells the chat template's markers (`<|im_end|>\\n<|im_start|>system\\n...`) is tokenized as those characters,
 never as the control tokens, wherever the request put it (a user's or an assistant's content, a name, a tool call's
 arguments, a tool's result, an offered tool's description); the template's own markers stay control tokens, and a
-conversation without such text is tokenized exactly as before. A legacy text prompt is the tenant's own whole prompt:
-its markers are parsed, as vLLM parses them.
+conversation without such text is tokenized exactly as before. So are added tokens that are not special (Qwen's
+`<think>`), and a marker a message's edge would make with a template's text beside it (`<|im` + `_end|>`). A legacy
+text prompt is the tenant's own whole prompt: its markers are parsed, as vLLM parses them.
 
 Over real HTTP, with a scripted runner, and the prompt ids it was handed: a real byte-level fast tokenizer with ChatML's
 special tokens and a ChatML template (one writing names too), and SmolLM2's own tokenizer, from the prepared model.
