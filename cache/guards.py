@@ -207,13 +207,24 @@ def _number_units(text: str) -> Iterator[tuple[str, int]]:
             yield symbol.group(1), symbol.start(1)
 
 
-@lru_cache(maxsize=8192)
 def comparable(text: str) -> str:
     """`text` as the guards compare it: NFKC and collapsed whitespace, with compatibility characters that would
-    merge with neighbouring digits marked apart ("2³" -> "2^(3)", "H₂O" -> "H_(2)O", "1⅛" -> "1(1⁄8)")."""
+    merge with neighbouring digits marked apart ("2³" -> "2^(3)", "H₂O" -> "H_(2)O", "1⅛" -> "1(1⁄8)").
+
+    What reads longer than MAX_CHARS is cut to MAX_CHARS + 1 characters: every reader refuses such a text unread
+    (`check`'s TOO_LONG, the meaning check's bound), and the texts are a tenant's. NFKC lengthens a character up to
+    18 times (2,048 of U+FDFA read 36,847 characters, 76 KB), so the memo below is held to what the guards read, not
+    to what a caller hands them (the semantic cache hands them turns whose NFKC form fits MAX_CHARS)."""
+    if len(text) > MAX_CHARS:
+        return text[:MAX_CHARS + 1]  # too long as sent: not remembered either
+    return _comparable(text)
+
+
+@lru_cache(maxsize=8192)
+def _comparable(text: str) -> str:
     if not unicodedata.is_normalized("NFKC", text):
         text = unicodedata.normalize("NFKC", _marked(text))
-    return _SPACES.sub(" ", text).strip()
+    return _SPACES.sub(" ", text).strip()[:MAX_CHARS + 1]
 
 
 def _marked(text: str) -> str:

@@ -180,7 +180,7 @@ def test_four_megabytes_are_read_no_further_than_the_window(make: Callable[[int]
     text = make(4_000_000)
     window = extract(text[:MAX_CHARS])
     guards._extract.cache_clear()
-    guards.comparable.cache_clear()
+    guards._comparable.cache_clear()
     reads = TextReads.watch(monkeypatch, guards, unwatched=("check", "extract"))
     assert extract(text) == window  # the first MAX_CHARS characters, read whole
     assert check(text, "1" * 150) == TOO_LONG
