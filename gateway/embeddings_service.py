@@ -82,7 +82,7 @@ from gateway.ladder.apply import Degradation
 from gateway.ladder.controller import LadderController
 from gateway.metrics import GatewayMetrics
 from gateway.pipeline.context import RequestContext
-from gateway.pipeline.gate import TenantGate, refused_size, scopes_of
+from gateway.pipeline.gate import Pass, TenantGate, refused_size, scopes_of
 from gateway.pipeline.handed_off import HandedOff
 from gateway.pipeline.idempotency import HEADER as IDEMPOTENCY_HEADER
 from gateway.pipeline.idempotency import REPLAY_HEADER, IdempotencyStage, Keep, lease_lost
@@ -131,12 +131,19 @@ class EmbeddingsService(EmbeddingsSettlement):
         self.batcher = EmbeddingBatcher(self._encode_many, max_batch=max_batch, max_wait_s=max_wait_s)
         self._handed = HandedOff(log, "work handed off by an embeddings request failed")
 
-    async def embed(self, ctx: RequestContext, body: bytes) -> tuple[bytes, dict[str, str]]:
+    def admit(self, ctx: RequestContext) -> Pass:
+        """The request's place in its tenant's gate, or the gate's 429, counted: asked before the body is read, as
+        chat's (gateway/pipeline/handle.py `Pipeline.admit`), and handed to `embed`."""
+        with self.refusals.counted(ctx):
+            return self.gate.enter(scopes_of(ctx.tenant, ctx.key_id, ctx.plan.limits, ctx.principal.key.limits))
+
+    async def embed(self, ctx: RequestContext, body: bytes, entry: Pass | None = None) -> tuple[bytes, dict[str, str]]:
         """The answer to one embeddings request (its JSON body) and its headers (OpenAI's `x-ratelimit-*`; the replay
         header for an answer stored under its Idempotency-Key); raises a `TiergateError` (counted as a refusal before
-        the reservation, written to the ledger after it)."""
-        with self.refusals.counted(ctx):
-            entry = self.gate.enter(scopes_of(ctx.tenant, ctx.key_id, ctx.plan.limits, ctx.principal.key.limits))
+        the reservation, written to the ledger after it). `entry`: its place in the gate, `admit`'s (entered here when
+        None), left here once this starts."""
+        entry = self.admit(ctx) if entry is None else entry
+        entry.taken = True
         keep: Keep | None = None
 
         def charge(err: TiergateError) -> None:

@@ -3,10 +3,11 @@
 One non-streamed `auto` request, from the route to the ledger:
 
 1. `gateway/routes/chat.py` — the route. Litestar resolves the key dependency (`gateway/auth.py`: bearer
-   key → `Principal`), builds a `RequestContext` (context.py: who, plan, headers, arrival) and hands it
-   with the body to `Pipeline.handle` (handle.py), listening for the client's disconnect meanwhile.
+   key → `Principal`), builds a `RequestContext` (context.py: who, plan, headers, arrival), passes the gate
+   (step 2, `Pipeline.admit`), reads the body and hands both to `Pipeline.handle` (handle.py), listening for
+   the client's disconnect meanwhile.
 2. gate.py — `TenantGate.enter`: the tenant's (and key's) requests in progress on this replica, and a
-   remembered requests-per-minute refusal; microseconds, before anything costs.
+   remembered requests-per-minute refusal; microseconds, before anything costs, the body's read included.
 3. handle.py's `parse_request` (wire/validation.py) — the body as a `ChatCompletionRequest`
    (wire/chat_request.py), every field bounded, unsupported ones refused by name.
 4. refuse_early.py's `degradation` — the ladder's level read once as a frozen `Degradation`

@@ -80,12 +80,19 @@ class Scope:
 
 
 class Pass:
-    """A request inside the gate; `leave` (exactly once, in a `finally`) frees its concurrency places."""
+    """A request inside the gate; `leave` (exactly once, in a `finally`) frees its concurrency places.
+
+    A route enters the gate before it reads the request's body (`Pipeline.admit`): a tenant's connections past its
+    concurrency are refused there, their bodies unread, where each had its body of up to `max_body_bytes` read into
+    memory first, however many it opened. The request path that it hands the pass to marks it `taken` as it starts,
+    and leaves it in its `finally`; until then (the body not whole, the client gone before the path started) the
+    route leaves it."""
 
     def __init__(self, gate: TenantGate, scopes: tuple[Scope, ...]) -> None:
         self._gate = gate
         self._scopes = scopes
         self._left = False
+        self.taken = False  # the request path owns it now, and leaves it
 
     def leave(self) -> None:
         if self._left:

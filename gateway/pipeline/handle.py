@@ -41,7 +41,7 @@ from gateway.pipeline.cascade import cascade
 from gateway.pipeline.context import RequestContext
 from gateway.pipeline.dispatch import DispatchStage
 from gateway.pipeline.events import Delivery, Delta, Done, Event, Head
-from gateway.pipeline.gate import TenantGate, refused_size, scopes_of
+from gateway.pipeline.gate import Pass, TenantGate, refused_size, scopes_of
 from gateway.pipeline.idempotency import HEADER, IdempotencyStage, Keep, keep_when_written, lease_lost
 from gateway.pipeline.limit_errors import NeverAdmitted
 from gateway.pipeline.meter import Meter, Outcome, Reading
@@ -88,12 +88,20 @@ class Pipeline:
         self.cache_checks = cache_checks  # a sample of semantic hits asked of the tier too (the cache's error bound)
         self.parsed = ParsedBodies()  # a deterministic body its key sent lately, parsed once (parsed.py)
 
-    async def handle(self, ctx: RequestContext, body: bytes,
-                     parse: Callable[[bytes], ChatCompletionRequest] | None = None) -> AsyncIterator[Event]:
-        """The answer to one request, as events; raises a `TiergateError` before its `Head`. `parse` reads the
-        body (a chat request by default; text_completion.parse_completion for POST /v1/completions)."""
+    def admit(self, ctx: RequestContext) -> Pass:
+        """The request's place in its tenant's gate (gate.py), or the gate's 429, counted as a refusal: what a route
+        asks before it reads the body, and hands to `handle`."""
         with self.refusals.counted(ctx):
-            entry = self.gate.enter(scopes_of(ctx.tenant, ctx.key_id, ctx.plan.limits, ctx.principal.key.limits))
+            return self.gate.enter(scopes_of(ctx.tenant, ctx.key_id, ctx.plan.limits, ctx.principal.key.limits))
+
+    async def handle(self, ctx: RequestContext, body: bytes,
+                     parse: Callable[[bytes], ChatCompletionRequest] | None = None,
+                     entry: Pass | None = None) -> AsyncIterator[Event]:
+        """The answer to one request, as events; raises a `TiergateError` before its `Head`. `parse` reads the
+        body (a chat request by default; text_completion.parse_completion for POST /v1/completions). `entry`: its
+        place in the gate, `admit`'s (entered here when None), left here once this starts."""
+        entry = self.admit(ctx) if entry is None else entry
+        entry.taken = True
         keep: Keep | None = None
 
         def release() -> None:

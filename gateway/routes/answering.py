@@ -55,21 +55,28 @@ async def answer(request: Request[Any, Any, Any], framing: Framing) -> Response[
     state = request.scope["state"]
     ctx = RequestContext(state["request_id"], principal, tenant_plan(services.plans, principal),
                          request_headers(request), time.time(), state["t0"])
-    events = while_key_active(services.pipeline.handle(ctx, await request.body(), framing.parse), services.store,
-                              presented_key(request) or "")  # a key revoked mid-answer ends it
-    watch = ClientWatch(request)
+    # the tenant's gate before its body is read: past its concurrency, a connection is refused with its body unread
+    # (gateway/pipeline/gate.py `Pass`); the pipeline leaves the place once it starts, this route until then
+    entry = services.pipeline.admit(ctx)
     try:
-        head = await watch.run(anext(events))
-        state["tier"] = head.model
-        if head.stream:
-            return StreamedAnswer(framing.stream(head, events), events, media_type="text/event-stream",
-                                  headers={**head.headers, "cache-control": "no-cache"})
-        return WholeAnswer(await watch.run(framing.whole(head, events)), headers=dict(head.headers))
-    except ClientLeft:
-        await events.aclose()
-        return Response(None, status_code=CLIENT_CLOSED)
+        events = while_key_active(services.pipeline.handle(ctx, await request.body(), framing.parse, entry),
+                                  services.store, presented_key(request) or "")  # a key revoked mid-answer ends it
+        watch = ClientWatch(request)
+        try:
+            head = await watch.run(anext(events))
+            state["tier"] = head.model
+            if head.stream:
+                return StreamedAnswer(framing.stream(head, events), events, media_type="text/event-stream",
+                                      headers={**head.headers, "cache-control": "no-cache"})
+            return WholeAnswer(await watch.run(framing.whole(head, events)), headers=dict(head.headers))
+        except ClientLeft:
+            await events.aclose()
+            return Response(None, status_code=CLIENT_CLOSED)
+        finally:
+            watch.close()
     finally:
-        watch.close()
+        if not entry.taken:  # the pipeline never started (the body cut short, the client gone first)
+            entry.leave()
 
 
 def stream_error(head: Head, exc: Exception) -> bytes:

@@ -37,12 +37,17 @@ async def create_embeddings(request: Request[Any, Any, Any], principal: NamedDep
     ctx = RequestContext(request.state.request_id, principal, tenant_plan(plans, principal),
                          request_headers(request), time.time(), request.state.t0)
     request.state.tier = TIER
-    raw = await request.body()
-    watch = ClientWatch(request)  # a client that leaves stops its work (embeddings_service.py says what it is billed)
+    entry = embeddings.admit(ctx)  # the tenant's gate before its body is read (gateway/pipeline/gate.py `Pass`)
     try:
-        answer, headers = await watch.run(embeddings.embed(ctx, raw))
-    except ClientLeft:
-        return Response(None, status_code=CLIENT_CLOSED)
+        raw = await request.body()
+        watch = ClientWatch(request)  # a client that leaves stops its work (embeddings_service.py: what it is billed)
+        try:
+            answer, headers = await watch.run(embeddings.embed(ctx, raw, entry))
+        except ClientLeft:
+            return Response(None, status_code=CLIENT_CLOSED)
+        finally:
+            watch.close()
     finally:
-        watch.close()
+        if not entry.taken:  # `embed` never started: its place is the route's to give back
+            entry.leave()
     return Response(answer, media_type=MediaType.JSON, headers=headers)  # its JSON, built off the event loop
