@@ -117,6 +117,13 @@ def cost_at_quality(curve: Curve, target: float) -> float | None:
     return float(c[i - 1] + t * (c[i] - c[i - 1]))
 
 
+def first_reaching(curve: Curve, target: float) -> int | None:
+    """The first point of the curve's sweep whose quality reaches `target` (what `cost_at_quality` interpolates
+    towards), or None: the setting to deploy where one setting must be chosen."""
+    hits = np.nonzero(curve.quality >= target - 1e-12)[0]
+    return int(hits[0]) if len(hits) else None
+
+
 def random_quality(cost: np.ndarray, c_weak: float, c_strong: float, q_weak: float, q_strong: float) -> np.ndarray:
     """Random mixing: sending a share p to the strong tier costs and earns p of the way between the two."""
     p = np.clip((np.asarray(cost) - c_weak) / (c_strong - c_weak), 0.0, 1.0) if c_strong != c_weak else 0.0

@@ -12,7 +12,11 @@ that token is what fidelity loses. A stream can be stopped there, paying for the
   the share of the answer still to come to a power.
 
 Slope and power are chosen on the training answers (the most saved at QUALITY_TARGET); the threshold is what
-the benchmark sweeps (bench/cost_quality.py's `stop_curve`).
+the benchmark sweeps (bench/cost_quality.py's `stop_curve`). For the gateway, `fit_risk_stop` also chooses the
+divergence risk's threshold on the training answers (the cheapest point of their sweep that keeps QUALITY_TARGET of
+the strong tier's quality, the target the power is chosen at) and returns the artifact's stop
+(tiers/divergence.py's `DivergenceStop`): the risk's arithmetic is that module's, so the benchmark measures what
+the gateway runs.
 """
 
 from __future__ import annotations
@@ -22,12 +26,11 @@ from typing import Any
 
 import numpy as np
 
-from bench.cost_quality import PairEval, stop_curve
+from bench.cost_quality import QUALITY_TARGET, PairEval, first_reaching, stop_curve
+from tiers.divergence import HAZARD_EDGES, DivergenceStop, cumulative_risk
 
 TIE_SLOPES = (0.0, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2)  # nats per token the near-tie threshold falls by
-# margin bins (nats) of the divergence hazard, and the powers of the share still to come that weigh it
-HAZARD_EDGES = (0.0, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.8, 1.2, 2.0, 4.0, np.inf)
-RISK_POWERS = (0.0, 1.0, 2.0, 3.0)
+RISK_POWERS = (0.0, 1.0, 2.0, 3.0)  # the powers of the share still to come that weigh the divergence hazard
 
 
 def tie_gaps(answers: Sequence[Any], tier: Any, slope: float, max_tokens: int) -> tuple[np.ndarray, np.ndarray]:
@@ -113,16 +116,22 @@ def divergence_hazard(weak: Sequence[Any], strong: Sequence[Any]) -> np.ndarray:
 
 def risk_gaps(answers: Sequence[Any], tier: Any, hazard: np.ndarray, power: float,
               max_tokens: int) -> tuple[np.ndarray, np.ndarray]:
-    """tie_gaps' shapes for the divergence risk: gap [N, T] = −(the risk so far), which falls token by token,
-    so stop_curve stops an answer at the first token where its risk passes the threshold."""
-    edges = np.asarray(HAZARD_EDGES)
+    """tie_gaps' shapes for the divergence risk: gap [N, T] = −(the risk so far, tiers/divergence.py's
+    `cumulative_risk`, what the gateway sums), which falls token by token, so stop_curve stops an answer at the
+    first token where its risk passes the threshold (the gateway's threshold is −that gap threshold)."""
+    stop = risk_stop(hazard, power, max_tokens, np.inf)
 
     def gaps(a: Any, width: int) -> np.ndarray:
-        margins = np.array([top[0] - top[1] if len(top) >= 2 else np.inf for _, top in a.logprobs[:width]])
-        to_come = ((width - np.arange(len(margins))) / width) ** power
-        return -np.cumsum(hazard[np.searchsorted(edges, margins, side="right") - 1] * to_come)
+        return -np.asarray(cumulative_risk((top for _, top in a.logprobs[:width]), stop))
 
     return _stop_gaps(answers, tier, max_tokens, gaps)
+
+
+def risk_stop(hazard: np.ndarray, power: float, width: int, threshold: float, cheap: str = "weak",
+              strong: str = "strong") -> DivergenceStop:
+    """The stop of these settings (HAZARD_EDGES' bins)."""
+    return DivergenceStop(cheap, strong, tuple(float(e) for e in HAZARD_EDGES), tuple(float(h) for h in hazard),
+                          float(power), max(int(width), 1), float(threshold))
 
 
 def fit_risk(trained: Any, weak: str, strong: str, catalogue: Any, max_tokens: int) -> tuple[np.ndarray, float]:
@@ -131,3 +140,28 @@ def fit_risk(trained: Any, weak: str, strong: str, catalogue: Any, max_tokens: i
     return hazard, _best_setting(RISK_POWERS, lambda power: risk_gaps(trained.answers[weak], catalogue.tiers[weak],
                                                                        hazard, power, max_tokens),
                                  trained, weak, strong, catalogue)
+
+
+def fit_risk_stop(trained: Any, weak: str, strong: str, catalogue: Any,
+                  max_tokens: int) -> tuple[np.ndarray, float, DivergenceStop | None, dict[str, float]]:
+    """The artifact's stop for weak → strong, all chosen on the training answers: the hazard and power of `fit_risk`,
+    and the threshold of the first point of their sweep (fewest stops first) whose quality reaches QUALITY_TARGET
+    of strong's (`first_reaching`; a point, not a mix of two: the gateway runs one threshold). None where weak
+    keeps the target unstopped (nothing to stop) or no threshold reaches it; with what the training answers gave
+    at the threshold (share stopped, quality, saving against always-strong); first the hazard and power."""
+    hazard, power = fit_risk(trained, weak, strong, catalogue, max_tokens)
+    q_weak = trained.fidelity[weak]
+    q_strong = trained.fidelity.get(strong, np.ones(len(q_weak)))
+    cost = {t: np.array([float(catalogue.tiers[t].price(a.num_prompt_tokens, len(a.token_ids)))
+                         for a in trained.answers[t]]) for t in (weak, strong)}
+    gap, c_upto = risk_gaps(trained.answers[weak], catalogue.tiers[weak], hazard, power, max_tokens)
+    thresholds = tie_thresholds(gap)
+    curve = stop_curve(gap, thresholds, q_weak, q_strong, cost[weak], cost[strong], c_upto)
+    i = first_reaching(curve, QUALITY_TARGET * float(np.mean(q_strong)))
+    fit = {"power": float(power), "points": float(len(thresholds))}
+    if i is None or i == 0:
+        return hazard, power, None, fit
+    threshold = max(-float(thresholds[i - 1]), 0.0)  # stop_curve's point i is thresholds[i - 1]
+    fit |= {"stopped": float(curve.pct_strong[i]), "quality": float(curve.quality[i]),
+            "saving": 1.0 - float(curve.cost[i]) / float(np.mean(cost[strong]))}
+    return hazard, power, risk_stop(hazard, power, max_tokens, threshold, weak, strong), fit

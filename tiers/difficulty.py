@@ -19,6 +19,11 @@ answer must clear for each quality floor on a grid of 0.01 (training/confidence.
 Optionally the same again read on an answer's first `lookahead.tokens` tokens (`Lookahead`): the gateway then
 judges the cheap answer as soon as it has that many tokens and, when it falls short, stops it there and retries
 (bench/router.py measured that deciding early pays: the retried answers' cheap attempts cost less).
+Optionally, per tier pair, a stop at a divergence risk (`stops`, tiers/divergence.py's `DivergenceStop`): the
+gateway then sums the risk token by token as a non-streamed cheap answer is made and stops it where the sum
+passes the pair's threshold (bench/router.py fits it on the training answers; an artifact without it loads and
+runs as before). Adding a stop changes the artifact's `version` (`with_stops`): answers the cascade accepted are
+kept in the cache under the version whose check accepted them.
 
 The artifact is one JSON file (about 20 KB per tier): format and version, the feature spec, per-tier
 standardization and weights, how it was trained (prompts, tokens, seed, training-set size, CV error) and
@@ -28,16 +33,18 @@ anything broken or incompatible; it loads no model: MiniLM is loaded on the firs
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from assets.atomic_file import replacing
+from tiers.divergence import DivergenceStop
 from tiers.router_features import EMBEDDING, EMBEDDING_DIM, FEATURE_VERSION, SIMPLE_FEATURES, FeatureExtractor
 
 ARTIFACT_FORMAT = "tiergate-difficulty/2"  # /2: `beats_mean` per head and the cascade's calibration
@@ -188,6 +195,11 @@ class CascadeCalibration:
     pairs: dict[str, PairThresholds]  # "cheap->strong"
     training: dict[str, Any] = field(default_factory=dict)  # prompts, CV errors, what each signal set scored
     lookahead: Lookahead | None = None
+    stops: dict[str, DivergenceStop] = field(default_factory=dict)  # "cheap->strong": its stop at a divergence risk
+
+    def stop(self, cheap: str, strong: str) -> DivergenceStop | None:
+        """The pair's stop at a divergence risk, when the artifact has one."""
+        return self.stops.get(f"{cheap}->{strong}")
 
     def pair(self, cheap: str, strong: str) -> tuple[ConfidenceHead, PairThresholds] | None:
         head, pair = self.heads.get(cheap), self.pairs.get(f"{cheap}->{strong}")
@@ -207,6 +219,8 @@ class CascadeCalibration:
             out["lookahead"] = {"tokens": self.lookahead.tokens,
                                 "tiers": {t: h.to_json() for t, h in self.lookahead.heads.items()},
                                 "pairs": {k: p.to_json() for k, p in self.lookahead.pairs.items()}}
+        if self.stops:
+            out["stops"] = {k: stop.to_json() for k, stop in self.stops.items()}
         return out
 
     @classmethod
@@ -224,7 +238,28 @@ class CascadeCalibration:
             if not isinstance(tokens, int) or isinstance(tokens, bool) or not 1 <= tokens <= MAX_LOOKAHEAD:
                 raise ValueError(f"`lookahead.tokens` must be an integer within 1..{MAX_LOOKAHEAD}")
             lookahead = Lookahead(tokens, *_heads_and_pairs(early, "cascade look-ahead"))
-        return cls(top, heads, pairs, training if isinstance(training, dict) else {}, lookahead)
+        return cls(top, heads, pairs, training if isinstance(training, dict) else {}, lookahead,
+                   _stops(d.get("stops"), top))
+
+
+def _stops(d: Any, top_logprobs: int) -> dict[str, DivergenceStop]:
+    """The `stops` section (absent: none), every entry checked: a bad one refuses the artifact, as a bad head
+    does; the margins it reads need two alternatives per token (`top_logprobs` at least 2)."""
+    if d is None:
+        return {}
+    if not isinstance(d, dict):
+        raise ValueError("`cascade.stops` must be an object of \"cheap->strong\": stop")
+    if d and top_logprobs < 2:
+        raise ValueError("`cascade.stops` reads top-2 margins: `top_logprobs` must be at least 2")
+    stops = {}
+    for key, entry in d.items():
+        try:
+            stops[key] = DivergenceStop.from_json(entry)
+        except ValueError as exc:
+            raise ValueError(f"cascade stop {key!r}: {exc}") from exc
+        if key != f"{stops[key].cheap}->{stops[key].strong}":
+            raise ValueError(f"cascade stop {key!r} names another pair ({stops[key].cheap}->{stops[key].strong})")
+    return stops
 
 
 def _heads_and_pairs(d: dict[str, Any], what: str) -> tuple[dict[str, ConfidenceHead], dict[str, PairThresholds]]:
@@ -285,6 +320,17 @@ class DifficultyModel:
             "tiers": {tier: head.to_json() for tier, head in self.heads.items()},
             "cascade": self.cascade.to_json() if self.cascade is not None else None,
         }
+
+    def with_stops(self, stops: dict[str, DivergenceStop]) -> DifficultyModel:
+        """This model with the cascade's stops replaced by `stops`, under a version of its own (the base version and
+        a hash of the stops: the cache keeps an accepted answer under the version whose check accepted it)."""
+        if self.cascade is None:
+            raise ValueError("a stop needs the cascade's calibration (top_logprobs) in the artifact")
+        cascade = replace(self.cascade, stops=dict(stops))
+        _stops({k: s.to_json() for k, s in stops.items()}, cascade.top_logprobs)  # the checks a load would make
+        base = self.version.split("+stop:")[0]
+        digest = hashlib.sha256(json.dumps(cascade.to_json().get("stops", {}), sort_keys=True).encode()).hexdigest()
+        return replace(self, version=f"{base}+stop:{digest[:12]}" if stops else base, cascade=cascade)
 
     def save(self, path: Path) -> None:
         """Write the artifact atomically (a temporary file renamed over `path`), on disk before it is in place."""
