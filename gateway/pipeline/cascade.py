@@ -16,6 +16,14 @@ retried request pays for a few cheap tokens, not a whole cheap answer thrown awa
 both). An answer that passes the look-ahead stands on it; the plain checks (empty, truncated, fixed threshold)
 still run on the whole.
 
+Where the artifact has a stop at a divergence risk for the pair (tiers/divergence.py, `CascadeCalibration.stops`), a
+non-streamed answer is judged by it instead of the look-ahead and the whole-answer confidence: the meter sums the
+risk token by token as the answer comes, and at the first token where it passes the pair's threshold the answer is
+not read further (billed for its prompt and the tokens made) and goes to the dearer tier, the route reason saying
+where ("divergence risk 0.41 > 0.35 at token 17"). An answer that ends without passing it stands on it ("within"),
+then the plain checks run on the whole. Streams keep the look-ahead: a stop could come at any token, and a stream's
+tokens are the client's as they come (they cannot be taken back), whereas the look-ahead holds only a fixed few.
+
 The check runs before the first attempt settles, and the second attempt is reserved then too, so the first
 row can say whether the cascade happened, and why not when it did not (no dearer tier, the ladder, a
 refused reservation). The second attempt continues the client's one request (reserve.py's `follows`): it takes over
@@ -63,6 +71,7 @@ from gateway.pipeline.route import RouteDecision, RouteStage
 from gateway.pipeline.settle import Settler
 from quotas.ledger_withdrawals import RowWithdrawn
 from tiers.cascade import AnswerSignals, Verdict, check_answer, check_confidence, next_dearer, outcome_values, values_of
+from tiers.divergence import DivergenceRisk
 from wire.chat_request import ChatCompletionRequest
 
 log = logging.getLogger("tiergate.cascade")
@@ -120,14 +129,19 @@ async def cascade(pipeline: Pipeline, ctx: RequestContext, prepared: Prepared) -
     seen = prepared.attempt  # the attempt the look-ahead judged (another version's, if a candidate fell back)
     stream = prepared.req.stream
 
-    async def look(attempt: Attempt, first: AnswerSignals, stopped: bool) -> bool:
-        """The look-ahead: True to stop reading the answer, which happens only once its retry is reserved (an
-        answer that cannot be retried is read to its end and stands, its route reason saying why)."""
+    async def look(attempt: Attempt, first: AnswerSignals | DivergenceRisk, stopped: bool) -> bool:
+        """The look-ahead, or the stop at a divergence risk (`first` is then the risk so far: passed, or the whole
+        answer's): True to stop reading the answer, which happens only once its retry is reserved (an answer that
+        cannot be retried is read to its end and stands, its route reason saying why)."""
         nonlocal step, early, looked, cut, seen
         seen = attempt
-        verdict, note = check_confidence(values_of(first, stopped=stopped), calibration=check.calibration,
-                                         cheap=attempt.route.tier.name, strong=check.strong or "",
-                                         floor=attempt.route.route.floor or 0.0, early=True)
+        if isinstance(first, DivergenceRisk):
+            verdict = Verdict("divergence_risk", first.note()) if first.passed else None
+            note: str | None = first.note()
+        else:
+            verdict, note = check_confidence(values_of(first, stopped=stopped), calibration=check.calibration,
+                                             cheap=attempt.route.tier.name, strong=check.strong or "",
+                                             floor=attempt.route.route.floor or 0.0, early=True)
         looked = True
         if verdict is None:
             early = note or ""
@@ -151,7 +165,8 @@ async def cascade(pipeline: Pipeline, ctx: RequestContext, prepared: Prepared) -
     # cascade: left suspended, its `finally` (the settle, the dispatch slot, the upstream's connection) waited for the
     # garbage collector, held in a cycle through the cancellation's traceback, and the tenant's slot with it.
     try:
-        lookahead = check.reading is not None and check.reading.lookahead is not None
+        reading = check.reading
+        lookahead = reading is not None and (reading.lookahead is not None or reading.stop is not None)
         if stream and not lookahead:  # a stream can be judged only before any of it is sent: by a look-ahead
             # (unjudged, its answer is not kept for `auto`: its lookup was never `accepted`)
             async with contextlib.aclosing(pipeline.answer(ctx, prepared)) as only:
@@ -336,6 +351,9 @@ async def _check(pipeline: Pipeline, ctx: RequestContext, prepared: Prepared) ->
     if target is None or calibration is None:
         return Check(fixed, None, None, artifact)
     cheap = attempt.route.tier.name
+    stop = calibration.stop(cheap, target.name)
+    if stop is not None and not prepared.req.stream:  # a stream keeps the look-ahead (the module's docstring)
+        return Check(Reading(calibration.top_logprobs, stop=stop), target.name, calibration, artifact)
     if calibration.early_pair(cheap, target.name) is not None:
         return Check(Reading(calibration.top_logprobs, calibration.lookahead.tokens), target.name, calibration,
                      artifact)

@@ -8,7 +8,9 @@ OpenAI-compatible servers ignore `stream_options`: llama-cpp-python's) is billed
 tokens the gateway counted to reserve, and one token per streamed content chunk, as such servers stream them.
 
 Where a check reads the engine's signals (the cascade's, `Reading`), the meter gathers them as the tokens come:
-over the whole answer and, for a look-ahead, over its first tokens.
+over the whole answer and, for a look-ahead, over its first tokens; for a stop at a divergence risk
+(tiers/divergence.py), the risk token by token (O(1) each), and the early judgement is due (`past_lookahead`) at the
+first token where it passes the stop's threshold, not at a fixed token.
 
 Who pays the counted prompt when the tier reported no usage:
 - the tier answered (any chunk came): billed, whatever the status;
@@ -68,15 +70,18 @@ from typing import Any
 
 from gateway.pipeline.tool_call_pieces import ToolCallPieces
 from tiers.cascade import AnswerSignals, sum_logprobs
+from tiers.divergence import DivergenceRisk, DivergenceStop
 
 
 @dataclass(frozen=True)
 class Reading:
     """What a check of the answer reads (the cascade's): token log-probabilities with `top_logprobs` alternatives
-    each, and, with `lookahead`, the signals of the first that many tokens apart."""
+    each, and, with `lookahead`, the signals of the first that many tokens apart; with `stop` (no `lookahead`), the
+    divergence risk token by token."""
 
     top_logprobs: int = 0
     lookahead: int | None = None
+    stop: DivergenceStop | None = None
 
 
 @dataclass(frozen=True)
@@ -177,7 +182,11 @@ class Meter:
         self._calls = ToolCallPieces()
         self.lookahead = reading.lookahead if reading is not None else None
         self.signals = AnswerSignals() if reading is not None else None
-        self.first = AnswerSignals() if self.lookahead is not None else None  # of the first `lookahead` tokens
+        # what the early judgement reads (handle.py hands it to the cascade's `look`): the signals of the first
+        # `lookahead` tokens, or the divergence risk so far
+        self.risk = DivergenceRisk(reading.stop) if reading is not None and reading.stop is not None else None
+        self.first: AnswerSignals | DivergenceRisk | None = (AnswerSignals() if self.lookahead is not None
+                                                             else self.risk)
         self.cut = False  # the gateway stopped reading the answer (the cascade judged it early)
 
     def upstream_started(self) -> None:
@@ -248,8 +257,10 @@ class Meter:
                 self._logprob_n += n
                 if self.signals is not None:
                     self.signals.add_openai(lp)
-                if self.first is not None:
+                if self.lookahead is not None and isinstance(self.first, AnswerSignals):
                     self.first.add_openai(lp, limit=self.lookahead)
+                elif self.risk is not None:
+                    self.risk.add_openai(lp)
             has_choice = has_choice or bool(piece) or bool(choice.get("finish_reason"))
         if content:
             if self.keep_text:
@@ -318,7 +329,10 @@ class Meter:
 
     @property
     def past_lookahead(self) -> bool:
-        """The answer has a token beyond the look-ahead: its first tokens are all in, and it did not stop there."""
+        """The early judgement is due: the answer has a token beyond the look-ahead (its first tokens are all in,
+        and it did not stop there), or its divergence risk passed the stop's threshold."""
+        if self.risk is not None:
+            return self.risk.passed
         return self.lookahead is not None and self.signals is not None and self.signals.num_tokens > self.lookahead
 
     def stop_reading(self, finish_reason: str = "cascaded") -> None:
