@@ -30,7 +30,9 @@
    - cascade, stop at a divergence risk: the same stop, where the risk that weak has parted from strong so far
      (the sum over its tokens of the rate at which answers parted at a token of that margin on the training
      answers, each weighted by the share of the answer still to come, to a power chosen on the training
-     answers) passes a threshold swept on the held-out ones;
+     answers) passes a threshold swept on the held-out ones; and at the one threshold chosen on the training
+     answers (the first point of their sweep at 95% of strong's quality), which the artifact stores for the gateway
+     (its `cascade.stops`, tiers/divergence.py; the artifact trained here is rewritten with it, --out);
    - oracle: requests moved in order of true gain (what no predictor can beat; no double billing).
 4. Report, per pair and measure: quality at 11 cost points (0%–100% of the way from always-weak's cost to
    always-strong's), APGR (RouteLLM: the area under the performance gap recovered, (quality − weak) /
@@ -64,7 +66,8 @@ from bench.cost_quality import (
     random_quality,
     stop_curve,
 )
-from bench.stop_cascade import HAZARD_EDGES, fit_risk, fit_tie_slope, risk_gaps, tie_gaps, tie_thresholds
+from bench.stop_cascade import fit_risk_stop, fit_tie_slope, risk_gaps, tie_gaps, tie_thresholds
+from tiers.divergence import HAZARD_EDGES
 
 offline_hub()
 
@@ -146,6 +149,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0, help="picks the training and test prompts and the questions")
     ap.add_argument("--artifact", type=Path, default=None,
                     help="evaluate this trained artifact instead of training one (it must come from the train split)")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="write the artifact with the stops fitted here [default: <work-dir>/bench-difficulty.json "
+                         "when it is trained here; with --artifact, not written]")
     ap.add_argument("--work-dir", type=Path, default=None,
                     help="cache of answers and scores [default <data dir>/router/work, shared with router train]")
     ap.add_argument("--threads", type=int, default=None, help="torch threads [default: torch's choice]")
@@ -204,7 +210,14 @@ def run(args: argparse.Namespace, command: str) -> list[str]:
     look, lookahead = _lookahead_heads(model, trained, args.lookahead, args.seed)
     pairs = [(t, "full") for t in tiers if t != "full"] + ([("small", "mid")] if {"small", "mid"} <= set(tiers) else [])
     slopes = {pair: fit_tie_slope(trained, *pair, catalogue, args.max_tokens) for pair in pairs}
-    risks = {pair: fit_risk(trained, *pair, catalogue, args.max_tokens) for pair in pairs}
+    risks = {pair: fit_risk_stop(trained, *pair, catalogue, args.max_tokens) for pair in pairs}
+    kept = model.cascade.stops if args.artifact and model.cascade is not None else {}
+    if model.cascade is not None and not kept:  # the gateway's stops: fitted on the training answers, stored
+        model = model.with_stops({f"{w}->{s}": stop for (w, s), (*_, stop, _) in risks.items() if stop is not None})
+        out = args.out or (None if args.artifact else work_dir / "bench-difficulty.json")
+        if out is not None:
+            model.save(out)
+            echo(f"saved {model.version} (with its stops) to {out}")
     lines = [f"Router: `auto`'s policies on held-out prompts, tiers {', '.join(tiers)}. `{command}`", "",
              f"Artifact {model.version}: difficulty heads and cascade calibration from {len(trained.prompts)} "
              f"training-split ShareGPT prompts; greedy answers of {args.max_tokens} tokens (prompts cut to "
@@ -234,10 +247,21 @@ def run(args: argparse.Namespace, command: str) -> list[str]:
             gap, c_upto = tie_gaps(col.answers[weak], catalogue.tiers[weak], slopes[weak, strong], args.max_tokens)
             ev.curves["tie_stop"] = stop_curve(gap, tie_thresholds(gap), quality[weak], quality[strong], cost[weak],
                                                cost[strong], c_upto)
-            hazard, power = risks[weak, strong]
+            hazard, power, *_ = risks[weak, strong]
             gap, c_upto = risk_gaps(col.answers[weak], catalogue.tiers[weak], hazard, power, args.max_tokens)
             ev.curves["risk_stop"] = stop_curve(gap, tie_thresholds(gap), quality[weak], quality[strong], cost[weak],
                                                 cost[strong], c_upto)
+            stop = model.cascade.stop(weak, strong) if model.cascade else None
+            stop_line = []
+            if stop is not None:  # the artifact's: its own hazard, power and width
+                gap, c_upto = risk_gaps(col.answers[weak], catalogue.tiers[weak], np.asarray(stop.hazard),
+                                        stop.power, stop.width)
+                at = stop_curve(gap, np.array([-stop.threshold]), quality[weak], quality[strong], cost[weak],
+                                cost[strong], c_upto)
+                stop_line = [f"- risk_stop at the artifact's threshold {stop.threshold:.4f} (power {stop.power:g}, "
+                             f"width {stop.width}, chosen on the training answers): {at.pct_strong[1]:.0%} stopped, "
+                             f"quality {at.quality[1]:.3f} ({at.quality[1] / ev.q_strong:.1%} of strong's), saving "
+                             f"{1 - at.cost[1] / ev.c_strong:.1%}"]
             floors = {}
             pair = model.cascade.pair(weak, strong) if model.cascade else None
             if pair is not None:
@@ -252,14 +276,18 @@ def run(args: argparse.Namespace, command: str) -> list[str]:
             unit = "fidelity to full" if set_name == "ShareGPT" else "accuracy"
             what = "held-out ShareGPT prompts" if set_name == "ShareGPT" else "known-answer questions"
             title = f"{weak} → {strong}, {len(col.prompts)} {what}"
-            lines += [*pair_table(ev, title=title, unit=unit, floors=floors), ""]
+            lines += [*pair_table(ev, title=title, unit=unit, floors=floors), *stop_line, ""]
     lines += [f"Stop at a near tie: slope chosen on the training answers, {weak} → {strong}: {slope:g} nats per token"
               for (weak, strong), slope in slopes.items()]
     bins = list(pairwise(HAZARD_EDGES))
     lines += [f"Stop at a divergence risk, {weak} → {strong}: power {power:g} (chosen on the training answers); "
               "the rate at which answers parted per margin bin " + ", ".join(
                   f"[{lo:g}, {hi:g}) {h:.3f}" for (lo, hi), h in zip(bins, hazard, strict=True))
-              for (weak, strong), (hazard, power) in risks.items()] + [""]
+              for (weak, strong), (hazard, power, *_) in risks.items()]
+    lines += [f"Its threshold, {weak} → {strong}, on the training answers: " + (
+        f"{stop.threshold:.4f}: {fit['stopped']:.0%} stopped, quality {fit['quality']:.3f}, saving {fit['saving']:.1%}"
+        if stop is not None else "none (mid keeps the target unstopped, or no threshold reaches it)")
+        for (weak, strong), (_, _, stop, fit) in risks.items()] + [""]
     lines += _predictor_lines(model, sets["ShareGPT"], trained)
     lines += _signal_lines(trained, lookahead, args.seed)
     return lines
