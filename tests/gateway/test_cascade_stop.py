@@ -51,6 +51,7 @@ def test_an_answer_whose_risk_passes_the_threshold_is_stopped_there_and_answered
         r = chat(gw, "anything", max_tokens=64)
         assert r.status_code == 200 and r.headers["x-tiergate-cascade"] == "small->mid", r.text
         assert r.json()["choices"][0]["message"]["content"] == REPLY
+        assert "cascade from small (divergence risk 0.30 > 0.25 at token 3)" in r.headers["x-tiergate-route-reason"]
         rows = gw.ledger_rows()
         first = next(row for row in rows if row.tier == "small")
         second = next(row for row in rows if row.tier == "mid")
