@@ -128,10 +128,10 @@ def risk_gaps(answers: Sequence[Any], tier: Any, hazard: np.ndarray, power: floa
 
 
 def risk_stop(hazard: np.ndarray, power: float, width: int, threshold: float, cheap: str = "weak",
-              strong: str = "strong") -> DivergenceStop:
-    """The stop of these settings (HAZARD_EDGES' bins)."""
+              strong: str = "strong", quality: float = 1.0) -> DivergenceStop:
+    """The stop of these settings (HAZARD_EDGES' bins), kept for plan floors up to `quality`."""
     return DivergenceStop(cheap, strong, tuple(float(e) for e in HAZARD_EDGES), tuple(float(h) for h in hazard),
-                          float(power), max(int(width), 1), float(threshold))
+                          float(power), max(int(width), 1), float(threshold), float(quality))
 
 
 def fit_risk(trained: Any, weak: str, strong: str, catalogue: Any, max_tokens: int) -> tuple[np.ndarray, float]:
@@ -157,11 +157,12 @@ def fit_risk_stop(trained: Any, weak: str, strong: str, catalogue: Any,
     gap, c_upto = risk_gaps(trained.answers[weak], catalogue.tiers[weak], hazard, power, max_tokens)
     thresholds = tie_thresholds(gap)
     curve = stop_curve(gap, thresholds, q_weak, q_strong, cost[weak], cost[strong], c_upto)
-    i = first_reaching(curve, QUALITY_TARGET * float(np.mean(q_strong)))
+    target = QUALITY_TARGET * float(np.mean(q_strong))  # the mean fidelity the stop keeps: plans' floors up to it
+    i = first_reaching(curve, target)
     fit = {"power": float(power), "points": float(len(thresholds))}
     if i is None or i == 0:
         return hazard, power, None, fit
     threshold = max(-float(thresholds[i - 1]), 0.0)  # stop_curve's point i is thresholds[i - 1]
     fit |= {"stopped": float(curve.pct_strong[i]), "quality": float(curve.quality[i]),
             "saving": 1.0 - float(curve.cost[i]) / float(np.mean(cost[strong]))}
-    return hazard, power, risk_stop(hazard, power, max_tokens, threshold, weak, strong), fit
+    return hazard, power, risk_stop(hazard, power, max_tokens, threshold, weak, strong, target), fit

@@ -49,6 +49,7 @@ class DivergenceStop:
     power: float  # the weight's power of the share still to come (0: every token alike)
     width: int  # the answer length (tokens) the weighting and threshold were fitted at
     threshold: float  # stop where the risk is above this
+    quality: float  # the mean quality (a share of `strong`'s) the threshold kept on the training answers
 
     def rate(self, margin: float) -> float:
         """The parting rate of a token with this top-2 margin (nats; +inf: no margin known)."""
@@ -61,14 +62,15 @@ class DivergenceStop:
 
     def to_json(self) -> dict[str, Any]:
         return {"cheap": self.cheap, "strong": self.strong, "edges": list(self.edges), "hazard": list(self.hazard),
-                "power": self.power, "width": self.width, "threshold": self.threshold}
+                "power": self.power, "width": self.width, "threshold": self.threshold,
+                "quality": self.quality}
 
     @classmethod
     def from_json(cls, d: Any) -> DivergenceStop:
         """Checked field by field: a ValueError names what is wrong (the artifact is refused, not half-read)."""
         if not isinstance(d, dict):
             raise ValueError("a stop must be an object")
-        missing = {"cheap", "strong", "edges", "hazard", "power", "width", "threshold"} - set(d)
+        missing = {"cheap", "strong", "edges", "hazard", "power", "width", "threshold", "quality"} - set(d)
         if missing:
             raise ValueError(f"missing {', '.join(sorted(missing))}")
         cheap, strong = d["cheap"], d["strong"]
@@ -87,7 +89,10 @@ class DivergenceStop:
             raise ValueError("`threshold` must be a finite number >= 0")
         if not isinstance(width, int) or isinstance(width, bool) or not 1 <= width <= MAX_STOP_WIDTH:
             raise ValueError(f"`width` must be an integer within 1..{MAX_STOP_WIDTH}")
-        return cls(cheap, strong, edges, hazard, power, width, threshold)
+        quality = _number(d["quality"], "quality")
+        if not 0.0 <= quality <= 1.0:
+            raise ValueError("`quality` must be a share within [0, 1]")
+        return cls(cheap, strong, edges, hazard, power, width, threshold, quality)
 
 
 def _number(v: Any, name: str) -> float:
@@ -166,7 +171,7 @@ def cumulative_risk(tops: Iterable[Sequence[float]], stop: DivergenceStop) -> li
     """The risk after each token of an answer given by its tokens' alternatives (the benchmark's, over answers
     it made; `stop.threshold` is not applied: every token is counted)."""
     risk = DivergenceRisk(DivergenceStop(stop.cheap, stop.strong, stop.edges, stop.hazard, stop.power, stop.width,
-                                         math.inf))
+                                         math.inf, stop.quality))
     out = []
     for top in tops:
         risk.add(top)

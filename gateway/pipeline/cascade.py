@@ -17,12 +17,14 @@ both). An answer that passes the look-ahead stands on it; the plain checks (empt
 still run on the whole.
 
 Where the artifact has a stop at a divergence risk for the pair (tiers/divergence.py, `CascadeCalibration.stops`), a
-non-streamed answer is judged by it instead of the look-ahead and the whole-answer confidence: the meter sums the
-risk token by token as the answer comes, and at the first token where it passes the pair's threshold the answer is
-not read further (billed for its prompt and the tokens made) and goes to the dearer tier, the route reason saying
-where ("divergence risk 0.41 > 0.35 at token 17"). An answer that ends without passing it stands on it ("within"),
-then the plain checks run on the whole. Streams keep the look-ahead: a stop could come at any token, and a stream's
-tokens are the client's as they come (they cannot be taken back), whereas the look-ahead holds only a fixed few.
+non-streamed answer whose route's floor is at most the mean quality the stop was fitted to keep (`quality`; a
+higher floor keeps the per-floor thresholds below) is judged by it instead of the look-ahead and the whole-answer
+confidence: the meter sums the risk token by token as the answer comes, and at the first token where it passes the
+pair's threshold the answer is not read further (billed for its prompt and the tokens made) and goes to the dearer
+tier, the route reason saying where ("divergence risk 0.41 > 0.35 at token 17"). An answer that ends without passing
+it stands on it ("within"), then the plain checks run on the whole. Streams keep the look-ahead: a stop could come at
+any token, and a stream's tokens are the client's as they come (they cannot be taken back), whereas the look-ahead
+holds only a fixed few.
 
 The check runs before the first attempt settles, and the second attempt is reserved then too, so the first
 row can say whether the cascade happened, and why not when it did not (no dearer tier, the ladder, a
@@ -352,7 +354,9 @@ async def _check(pipeline: Pipeline, ctx: RequestContext, prepared: Prepared) ->
         return Check(fixed, None, None, artifact)
     cheap = attempt.route.tier.name
     stop = calibration.stop(cheap, target.name)
-    if stop is not None and not prepared.req.stream:  # a stream keeps the look-ahead (the module's docstring)
+    # a stream keeps the look-ahead (the module's docstring); a floor above the quality the stop was fitted to keep
+    # takes the per-floor thresholds of the look-ahead or the whole answer's confidence
+    if stop is not None and not prepared.req.stream and floor <= stop.quality:
         return Check(Reading(calibration.top_logprobs, stop=stop), target.name, calibration, artifact)
     if calibration.early_pair(cheap, target.name) is not None:
         return Check(Reading(calibration.top_logprobs, calibration.lookahead.tokens), target.name, calibration,

@@ -29,19 +29,21 @@ from tiers.divergence import HAZARD_EDGES, DivergenceStop
 
 class Stops(ReadsAlternatives):
     """A look-ahead of 2 tokens that every answer of the scripted runner passes (its confidence 0.87 keeps floor
-    0.8), and a stop for small -> mid at `threshold` (0.1 of risk a token)."""
+    0.8), and a stop for small -> mid at `threshold` (0.1 of risk a token), fitted to keep a mean quality of
+    `quality`."""
 
-    def __init__(self, threshold: float) -> None:
+    def __init__(self, threshold: float, quality: float = 0.95) -> None:
         super().__init__(0.4, lookahead=2)
         hazard = tuple(0.1 if lo <= 1.25 < hi else 0.0 for lo, hi in pairwise(HAZARD_EDGES))
-        self.cascade.stops = {"small->mid": DivergenceStop("small", "mid", HAZARD_EDGES, hazard, 0.0, 48, threshold)}
+        self.cascade.stops = {"small->mid": DivergenceStop("small", "mid", HAZARD_EDGES, hazard, 0.0, 48, threshold,
+                                                             quality)}
 
 
 @contextlib.contextmanager
 def stopping(settings: tuple[Settings, StubState], tmp_path: Path, threshold: float,  # noqa: F811
-             plan: str = "checked") -> Iterator[Gateway]:
+             plan: str = "checked", quality: float = 0.95) -> Iterator[Gateway]:
     with running_gateway(settings[0], settings[1], plan=plan) as gw:
-        with_calibrated_model(gw, tmp_path, Stops(threshold))
+        with_calibrated_model(gw, tmp_path, Stops(threshold, quality))
         yield gw
 
 
@@ -84,4 +86,16 @@ def test_a_stream_keeps_the_look_ahead(settings: tuple[Settings, StubState], tmp
         assert status == 200 and text == "unsure." and "x-tiergate-cascade" not in headers
         assert headers["x-tiergate-route-reason"].endswith("; calibrated confidence 0.87 on its first 2 tokens keeps "
                                                            "floor 0.8")
+        assert not settings[1].requests and gw.ledger_rows()[0].output_tokens == 8
+
+
+def test_a_floor_above_the_quality_the_stop_keeps_is_judged_by_the_per_floor_thresholds(
+        settings: tuple[Settings, StubState], tmp_path: Path) -> None:  # noqa: F811
+    """The stop keeps a mean quality (0.7 here) fitted once; a plan whose floor (0.8) asks more is judged by the
+    look-ahead's thresholds for its floor, which this answer passes, though the stop would have cut it at token 3."""
+    with stopping(settings, tmp_path, 0.25, quality=0.7) as gw:
+        r = chat(gw, "anything", max_tokens=64)
+        assert r.status_code == 200 and "x-tiergate-cascade" not in r.headers, r.text
+        assert r.headers["x-tiergate-route-reason"].endswith("; calibrated confidence 0.87 on its first 2 tokens "
+                                                             "keeps floor 0.8")
         assert not settings[1].requests and gw.ledger_rows()[0].output_tokens == 8

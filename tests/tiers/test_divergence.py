@@ -32,7 +32,7 @@ def session46_risk(tokens: list[tuple[float, list[float]]], hazard: np.ndarray, 
 
 
 def stop(threshold: float = 0.5, power: float = 3.0, width: int = 48) -> DivergenceStop:
-    return DivergenceStop("mid", "full", HAZARD_EDGES, tuple(HAZARD.tolist()), power, width, threshold)
+    return DivergenceStop("mid", "full", HAZARD_EDGES, tuple(HAZARD.tolist()), power, width, threshold, 0.95)
 
 
 class PerToken:
@@ -125,7 +125,9 @@ def test_an_artifact_with_a_stop_round_trips_under_a_version_of_its_own(tmp_path
     (stops_doc(power=math.nan), "`power` must be a number"),
     (stops_doc(strong="small"), "names another pair"),
     (stops_doc(strong="mid"), "must be two tier names"),
-    ({"mid->full": {"cheap": "mid", "strong": "full"}}, "missing edges, hazard, power, threshold, width"),
+    (stops_doc(quality=1.2), "`quality` must be a share within [0, 1]"),
+    (stops_doc(quality="high"), "`quality` must be a number"),
+    ({"mid->full": {"cheap": "mid", "strong": "full"}}, "missing edges, hazard, power, quality, threshold, width"),
 ])
 def test_a_malformed_stop_refuses_the_artifact(tmp_path: Path, stops: object, message: str) -> None:
     with pytest.raises(ValueError, match="cascade") as err:

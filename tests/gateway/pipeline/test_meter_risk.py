@@ -8,7 +8,7 @@ import time
 from gateway.pipeline.meter import Meter, Reading
 from tiers.divergence import HAZARD_EDGES, DivergenceRisk, DivergenceStop
 
-STOP = DivergenceStop("mid", "full", HAZARD_EDGES, (0.3,) + (0.0,) * (len(HAZARD_EDGES) - 2), 0.0, 48, 0.5)
+STOP = DivergenceStop("mid", "full", HAZARD_EDGES, (0.3,) + (0.0,) * (len(HAZARD_EDGES) - 2), 0.0, 48, 0.5, 0.95)
 
 
 def token(margin: float) -> dict:
