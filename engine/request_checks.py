@@ -38,20 +38,7 @@ def check_request(prompt_token_ids: list[int], params: SamplingParams, tenant: s
     if low < 0 or (vocab_size is not None and high >= vocab_size):
         raise EngineInputError(f"prompt token ids must lie within 0..{(vocab_size or 0) - 1}",
                                param="prompt_token_ids")
-    total = len(prompt_token_ids) + params.max_tokens
-    if total > max_model_len:
-        raise EngineInputError(
-            f"this model's maximum context length is {max_model_len} tokens; the request "
-            f"needs {len(prompt_token_ids)} prompt tokens + {params.max_tokens} output tokens = {total}",
-            param="messages", code="context_length_exceeded",
-        )
-    bm = block_manager
-    if bm.num_blocks_for(total) > bm.num_blocks:
-        raise EngineInputError(
-            f"this engine's KV cache holds {bm.num_blocks * bm.block_size} tokens; the request "
-            f"needs {len(prompt_token_ids)} prompt tokens + {params.max_tokens} output tokens = {total}",
-            param="messages", code="context_length_exceeded",
-        )
+    _check_room(len(prompt_token_ids), params.max_tokens, max_model_len=max_model_len, block_manager=block_manager)
     if (fmt := params.output_format) is not None:
         grammars.known(fmt, tenant)
 
@@ -59,17 +46,19 @@ def check_request(prompt_token_ids: list[int], params: SamplingParams, tenant: s
 def check_output_room(max_tokens: int, *, max_model_len: int, block_manager: BlockManager) -> None:
     """Raise EngineInputError when `max_tokens` output tokens and a prompt of MIN_PROMPT_TOKENS cannot fit the
     model's context or the whole KV cache, by `check_request`'s own rule: no prompt could make the request fit."""
-    total = MIN_PROMPT_TOKENS + max_tokens
-    if total > max_model_len:
-        raise EngineInputError(
-            f"this model's maximum context length is {max_model_len} tokens; the request asks for {max_tokens} "
-            f"output tokens, which leaves no room for a prompt (at least {MIN_PROMPT_TOKENS} token)",
-            param="messages", code="context_length_exceeded",
-        )
-    bm = block_manager
-    if bm.num_blocks_for(total) > bm.num_blocks:
-        raise EngineInputError(
-            f"this engine's KV cache holds {bm.num_blocks * bm.block_size} tokens; the request asks for "
-            f"{max_tokens} output tokens, which leaves no room for a prompt (at least {MIN_PROMPT_TOKENS} token)",
-            param="messages", code="context_length_exceeded",
-        )
+    _check_room(None, max_tokens, max_model_len=max_model_len, block_manager=block_manager)
+
+
+def _check_room(prompt_tokens: int | None, max_tokens: int, *, max_model_len: int, block_manager: BlockManager) -> None:
+    """The room check of both: a prompt of `prompt_tokens` (None: not read yet, the shortest counted) plus
+    `max_tokens` output tokens within the model's context and within the whole KV cache."""
+    prompt = MIN_PROMPT_TOKENS if prompt_tokens is None else prompt_tokens
+    total, bm = prompt + max_tokens, block_manager
+    if total <= max_model_len and bm.num_blocks_for(total) <= bm.num_blocks:
+        return
+    held = (f"this model's maximum context length is {max_model_len} tokens" if total > max_model_len
+            else f"this engine's KV cache holds {bm.num_blocks * bm.block_size} tokens")
+    needs = (f"needs {prompt} prompt tokens + {max_tokens} output tokens = {total}" if prompt_tokens is not None
+             else f"asks for {max_tokens} output tokens, which leaves no room for a prompt (at least "
+                  f"{MIN_PROMPT_TOKENS} token)")
+    raise EngineInputError(f"{held}; the request {needs}", param="messages", code="context_length_exceeded")
