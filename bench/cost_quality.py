@@ -6,6 +6,10 @@ weak and retries the moved ones on strong, billed for both (a look-ahead cascade
 a retried request; a cascade that stops at a near tie pays for the tokens made until it stopped). APGR is
 RouteLLM's area under the performance gap recovered (random mixing 0.5); the same area over cost charges a
 cascade for its double billing.
+
+A stopped cascade's sweep (`stop_curve`), its saving at QUALITY_TARGET and the point a deployment picks
+(`first_reaching`) are training/divergence_fit.py's, which `tiergate router train` fits the gateway's stop with:
+the benchmark sweeps the same arithmetic, imported from there (its names stay importable from here).
 """
 
 from __future__ import annotations
@@ -14,16 +18,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-QUALITY_TARGET = 0.95  # of the strong tier's quality
-
-
-@dataclass
-class Curve:
-    """One policy swept from nothing moved to strong to everything moved (N + 1 points, in sweep order)."""
-
-    pct_strong: np.ndarray  # share of requests answered by the strong tier
-    cost: np.ndarray  # mean cost per request
-    quality: np.ndarray  # mean quality
+from training.divergence_fit import QUALITY_TARGET, Curve, saving_at_target
+from training.divergence_fit import cost_at_quality as cost_at_quality
+from training.divergence_fit import first_reaching as first_reaching
+from training.divergence_fit import stop_curve as stop_curve
 
 
 def policy_curve(order: np.ndarray, q_weak: np.ndarray, q_strong: np.ndarray, c_kept: np.ndarray,
@@ -48,29 +46,6 @@ def cascade_curve(order: np.ndarray, q_weak: np.ndarray, q_strong: np.ndarray, c
     """`c_first`: what a retried request's weak attempt cost (its whole answer unless a look-ahead cut it)."""
     first = c_weak if c_first is None else c_first
     return policy_curve(order, q_weak, q_strong, c_weak, np.asarray(first) + np.asarray(c_strong))
-
-
-def stop_curve(gap: np.ndarray, thresholds: np.ndarray, q_weak: np.ndarray, q_strong: np.ndarray,
-               c_weak: np.ndarray, c_strong: np.ndarray, c_upto: np.ndarray) -> Curve:
-    """A cascade that stops weak's answer at its first token whose `gap` is below the threshold and retries on
-    strong; one point per threshold (ascending), after the all-on-weak point. The retried set and what each
-    retried attempt cost both change with the threshold, so this is not a policy_curve over one order.
-
-    gap: [N, T] per token (+inf past an answer's end: never stops there); c_upto: [N, T] what weak's attempt
-    costs when stopped at token t (its prompt and tokens 0..t)."""
-    gap = np.asarray(gap, dtype=np.float64)
-    n = len(gap)
-    qw, qs, cw, cs = (np.asarray(a, dtype=np.float64) for a in (q_weak, q_strong, c_weak, c_strong))
-    share, cost, quality = [0.0], [float(cw.mean())], [float(qw.mean())]
-    rows = np.arange(n)
-    for threshold in np.asarray(thresholds, dtype=np.float64):
-        hit = gap < threshold  # [N, T]
-        stopped = hit.any(axis=1)
-        first = np.asarray(c_upto)[rows, hit.argmax(axis=1)]
-        share.append(float(stopped.mean()))
-        cost.append(float(np.where(stopped, first + cs, cw).mean()))
-        quality.append(float(np.where(stopped, qs, qw).mean()))
-    return Curve(np.array(share), np.array(cost), np.array(quality))
 
 
 def ascending(score: np.ndarray) -> np.ndarray:
@@ -104,26 +79,6 @@ def apgr_by_cost(curve: Curve, c_weak: float, c_strong: float, q_weak: float, q_
     return apgr(x, q, q_weak, q_strong)
 
 
-def cost_at_quality(curve: Curve, target: float) -> float | None:
-    """The lowest cost at which the curve reaches `target` quality (linear between points), or None."""
-    q, c = curve.quality, curve.cost
-    hits = np.nonzero(q >= target - 1e-12)[0]
-    if len(hits) == 0:
-        return None
-    i = int(hits[0])
-    if i == 0:
-        return float(c[0])
-    t = (target - q[i - 1]) / (q[i] - q[i - 1])
-    return float(c[i - 1] + t * (c[i] - c[i - 1]))
-
-
-def first_reaching(curve: Curve, target: float) -> int | None:
-    """The first point of the curve's sweep whose quality reaches `target` (what `cost_at_quality` interpolates
-    towards), or None: the setting to deploy where one setting must be chosen."""
-    hits = np.nonzero(curve.quality >= target - 1e-12)[0]
-    return int(hits[0]) if len(hits) else None
-
-
 def random_quality(cost: np.ndarray, c_weak: float, c_strong: float, q_weak: float, q_strong: float) -> np.ndarray:
     """Random mixing: sending a share p to the strong tier costs and earns p of the way between the two."""
     p = np.clip((np.asarray(cost) - c_weak) / (c_strong - c_weak), 0.0, 1.0) if c_strong != c_weak else 0.0
@@ -142,16 +97,11 @@ class PairEval:
 
     def saving(self, name: str) -> float | None:
         """1 − cost / always-strong's cost where `name` first reaches QUALITY_TARGET × strong's quality."""
+        if name != "random":
+            return saving_at_target(self.curves[name], self.c_strong, self.q_strong)
         target = QUALITY_TARGET * self.q_strong
-        if name == "random":
-            share = 0.0 if self.q_weak >= target else (target - self.q_weak) / (self.q_strong - self.q_weak)
-            cost = self.c_weak + share * (self.c_strong - self.c_weak)
-        else:
-            found = cost_at_quality(self.curves[name], target)
-            if found is None:
-                return None
-            cost = found
-        return 1.0 - cost / self.c_strong
+        share = 0.0 if self.q_weak >= target else (target - self.q_weak) / (self.q_strong - self.q_weak)
+        return 1.0 - (self.c_weak + share * (self.c_strong - self.c_weak)) / self.c_strong
 
     def below_random(self, name: str, tolerance: float = 1e-9) -> tuple[int, int, float]:
         """Points of `name`'s sweep (up to always-strong's cost) below random mixing: (count, of, worst margin)."""
