@@ -109,9 +109,9 @@ def first_reaching(curve: Curve, target: float) -> int | None:
 
 def saving_at_target(curve: Curve, c_strong: float, q_strong: float) -> float | None:
     """1 − cost / always-strong's cost (`c_strong`, a mean) where the curve first reaches QUALITY_TARGET × strong's
-    mean quality, or None where it never does."""
+    mean quality, or None where it never does or always-strong costs nothing (nothing to save)."""
     found = cost_at_quality(curve, QUALITY_TARGET * q_strong)
-    return None if found is None else 1.0 - found / c_strong
+    return None if found is None or c_strong <= 0 else 1.0 - found / c_strong
 
 
 def stop_gaps(answers: Sequence[Any], tier: Priced, max_tokens: int,
@@ -222,7 +222,8 @@ def fit_risk_stop(trained: TrainingAnswers, weak: str, strong: str, catalogue: P
     """The artifact's stop for weak → strong, all chosen on the training answers: the hazard and power of `fit_risk`,
     and the threshold of the first point of their sweep (fewest stops first) whose quality reaches QUALITY_TARGET
     of strong's (`first_reaching`; a point, not a mix of two: the gateway runs one threshold). None where weak
-    keeps the target unstopped (nothing to stop) or no threshold reaches it; with what the training answers gave
+    keeps the target unstopped (nothing to stop), no threshold reaches it, or strong's answers cost nothing (a
+    catalogue's free tier: nothing to save); with what the training answers gave
     at the threshold (share stopped, quality, saving against always-strong); first the hazard and power."""
     hazard, power = fit_risk(trained, weak, strong, catalogue, max_tokens)
     q_weak, q_strong = _qualities(trained, weak, strong)
@@ -233,7 +234,7 @@ def fit_risk_stop(trained: TrainingAnswers, weak: str, strong: str, catalogue: P
     target = QUALITY_TARGET * float(np.mean(q_strong))  # the mean fidelity the stop keeps: plans' floors up to it
     i = first_reaching(curve, target)
     fit = {"power": float(power), "points": float(len(thresholds))}
-    if i is None or i == 0:
+    if i is None or i == 0 or float(np.mean(cost[strong])) <= 0:
         return hazard, power, None, fit
     threshold = max(-float(thresholds[i - 1]), 0.0)  # stop_curve's point i is thresholds[i - 1]
     fit |= {"stopped": float(curve.pct_strong[i]), "quality": float(curve.quality[i]),

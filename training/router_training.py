@@ -24,6 +24,12 @@ The pipeline, and why each step is the way it is:
    to that answer's fidelity, calibrated (isotonic), and per tier pair the score thresholds for each quality
    floor (training/confidence.py), on whole answers and on their first LOOKAHEAD tokens (the gateway's
    look-ahead). The answers are collected with `TOP_LOGPROBS` alternatives per token.
+6. Stop: per calibrated pair, the stop at a divergence risk (training/divergence_fit.py: the rate at which the
+   pair's answers parted per top-2 margin bin, the power of the share still to come, and the threshold of the first
+   point of their sweep that keeps 95% of the strong tier's quality at the tiers' prices, fitted at `max_tokens`),
+   stored as the artifact's `cascade.stops` where one is found (not where the cheap tier keeps 95% unstopped, or
+   no threshold does); what each fit gave is in `training["stops"]`. The gateway applies it to non-streamed
+   answers (tiers/divergence.py).
 
 Step 1 lives in training/router_prompts.py, steps 2-3 in training/tier_answers.py (with the answer caches), the
 ridge fit in training/ridge.py; this module collects, fits, versions and saves, and builds the default on first
@@ -49,6 +55,7 @@ from tiers.catalogue import TierCatalogue
 from tiers.difficulty import DifficultyModel, default_artifact_path, load_difficulty_model
 from tiers.router_features import FeatureExtractor
 from training.confidence import LOOKAHEAD, calibrate_cascade
+from training.divergence_fit import QUALITY_TARGET, fit_stops
 from training.ridge import BEATS_MEAN_Z, fit_head
 from training.router_prompts import (
     HELDOUT_PERCENT,
@@ -185,8 +192,11 @@ def train(catalogue: TierCatalogue, models_dir: Path, out: Path | None, *, num_p
               "top_logprobs": TOP_LOGPROBS, "lookahead": LOOKAHEAD, "skipped": collected.skipped}
     config_hashed = dict(config)
     config["tier_fingerprints"] = collected.fingerprints
+    # the stops read the tiers' prices, which the version's hash does not: with_stops versions them by their own hash
+    stops, fits = fit_stops(collected, [(p.cheap, p.strong) for p in cascade.pairs.values()], catalogue, max_tokens)
+    config["stops"] = {"quality_target": QUALITY_TARGET, "width": max_tokens, "pairs": fits}
     model = DifficultyModel(model_version_string(config_hashed, collected), collected.reference, heads, config,
-                            collected.versions, extractor, cascade)
+                            collected.versions, extractor, cascade).with_stops(stops)
     for name, head in heads.items():
         verdict = "beats it" if head.beats_mean else f"does not beat it: `auto` will cascade from {name}"
         echo(f"tier {name}: mean fidelity {head.mean_fidelity:.3f} over {head.num_train} prompts; CV RMSE "
@@ -197,6 +207,12 @@ def train(catalogue: TierCatalogue, models_dir: Path, out: Path | None, *, num_p
                          if pair.cheap == name)
         echo(f"cascade from {name}: confidence CV RMSE {conf.ridge.cv_rmse:.4f} vs {conf.ridge.baseline_rmse:.4f} "
              f"predicting the mean; score thresholds at floor {DEFAULT_FLOOR:g}: {bars}")
+    for key, fit in fits.items():
+        echo(f"cascade stop {key}: " + (
+            f"power {fit['power']:g}, threshold {stops[key].threshold:.4f}: {fit['stopped']:.0%} of the training "
+            f"answers stopped, quality {fit['quality']:.3f}, saving {fit['saving']:.1%} against the strong tier"
+            if key in stops else f"none (the cheap tier keeps {QUALITY_TARGET:.0%} of the strong tier's quality "
+            "unstopped, or no threshold does)"))
     if out is not None:
         model.save(out)
         echo(f"saved {model.version} to {out}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -24,13 +25,14 @@ from bench.cost_quality import (
     random_quality,
     stop_curve,
 )
-from bench.stop_cascade import divergence_hazard, risk_gaps, tie_gaps, tie_thresholds
+from bench.stop_cascade import divergence_hazard, fit_risk_stop, risk_gaps, tie_gaps, tie_thresholds
 from gateway.cli.main import cli
 from tests.tiers.test_difficulty import HashEmbedder
 from tiers.catalogue import TierCatalogue
 from tiers.difficulty import default_artifact_path, load_difficulty_model
+from tiers.divergence import DivergenceRisk
 from training.router_prompts import is_heldout, sharegpt_prompts
-from training.router_training import RouterTrainingError, ensure_difficulty_model, train
+from training.router_training import RouterTrainingError, collect, ensure_difficulty_model, train
 from training.tier_answers import Answer, runnable_tiers
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -63,18 +65,18 @@ def tiny_llama(path: Path, tok: PreTrainedTokenizerFast, seed: int) -> Path:
     return path
 
 
+def tier(model: Path | str, price: str, **extra: str) -> dict:
+    return {"backend": "local", "model": str(model), "dtype": "fp32", "kv_cache_bytes": 1 << 22,
+            "price_per_1k_input": price, "price_per_1k_output": price, "hardware_cost_per_hour": "0",
+            "context_limit": 512, **extra}
+
+
 @pytest.fixture(scope="module")
 def catalogue(tmp_path_factory: pytest.TempPathFactory) -> TierCatalogue:
     tok = tiny_tokenizer()
     root = tmp_path_factory.mktemp("tiny-tiers")
     big = tiny_llama(root / "big", tok, seed=0)
     student = tiny_llama(root / "student", tok, seed=1)
-
-    def tier(model: Path, price: str, **extra: str) -> dict:
-        return {"backend": "local", "model": str(model), "dtype": "fp32", "kv_cache_bytes": 1 << 22,
-                "price_per_1k_input": price, "price_per_1k_output": price, "hardware_cost_per_hour": "0",
-                "context_limit": 512, **extra}
-
     return TierCatalogue.model_validate({"tiers": {
         "small": tier(student, "0.0001"), "mid": tier(big, "0.0002", quantize="int8"), "full": tier(big, "0.0006"),
         "unbuilt": tier(root / "missing", "0.00005"),
@@ -123,6 +125,53 @@ def test_the_artifact_carries_a_calibrated_cascade(catalogue: TierCatalogue, tmp
             rec = json.loads(line)
             assert rec["top_logprobs"] == 5 and len(rec["logprobs"]) == len(rec["token_ids"])
             assert all(len(top) == 5 and top[0] >= lp - 1e-6 for lp, top in rec["logprobs"])
+
+
+def test_training_fits_the_cascade_stop_the_benchmark_fits(catalogue: TierCatalogue, tmp_path: Path) -> None:
+    # small is another random model (its answers part from full's); twin is full's model at a lower price (the same
+    # answers: nothing to stop)
+    tiers = catalogue.tiers
+    priced = TierCatalogue.model_validate({"tiers": {"small": tier(tiers["small"].model, "0.0001"),
+                                                     "twin": tier(tiers["full"].model, "0.0003"),
+                                                     "full": tier(tiers["full"].model, "0.0006")}})
+    prompts = [f"{p} ({i})" for i in range(6) for p in PROMPTS]  # 24: enough for the cascade's heads
+    kw = {"max_tokens": 4, "work_dir": tmp_path / "work", "embedder": HashEmbedder(), "threads": 1, "progress": False}
+    messages: list[str] = []
+    out = tmp_path / "difficulty.json"
+    train(priced, tmp_path / "models", out, prompts=prompts, echo=messages.append, **kw)  # type: ignore[arg-type]
+    model = load_difficulty_model(out, embedder=HashEmbedder())
+    assert model.cascade is not None and {"small->full", "twin->full"} <= set(model.cascade.pairs)
+    stop = model.cascade.stop("small", "full")
+    assert stop is not None and stop.width == 4 and "+stop:" in model.version
+    assert model.cascade.stop("twin", "full") is None  # twin keeps full's quality unstopped
+    fits = model.training["stops"]["pairs"]
+    assert "stopped" not in fits["twin->full"] and 0 < fits["small->full"]["stopped"] <= 1
+    assert fits["small->full"]["quality"] >= stop.quality - 1e-12 and stop.quality == pytest.approx(0.95)
+    assert any(m.startswith("cascade stop small->full: power") for m in messages)
+    # one implementation: the benchmark's fit on the same answers gives the stop training stored
+    collected = collect(priced, tmp_path / "models", prompts, reference="full", **kw)  # type: ignore[arg-type]
+    *_, bench_stop, bench_fit = fit_risk_stop(collected, "small", "full", priced, 4)
+    assert bench_stop == stop and bench_fit == fits["small->full"]
+    # and the gateway's risk, with the stop as loaded, stops the share of the training answers the fit recorded
+    stopped = []
+    for a in collected.answers["small"]:
+        risk = DivergenceRisk(stop)
+        for _, top in a.logprobs:
+            risk.add(top)
+        stopped.append(risk.passed or not a.text.strip())
+    assert np.mean(stopped) == pytest.approx(fits["small->full"]["stopped"])
+
+
+def test_no_stop_where_the_strong_tier_costs_nothing() -> None:
+    sure, parted = [(-0.1, [-0.1, -3.0])] * 3, [(-0.7, [-0.7, -0.71])] * 3
+    weak = [Answer(5, "a b c", [1, 2, 3], "stop", parted if i % 2 else sure) for i in range(6)]
+    strong = [Answer(5, "a b c", [1, 9, 3] if i % 2 else [1, 2, 3], "stop", sure) for i in range(6)]
+    trained = SimpleNamespace(answers={"cheap": weak, "strong": strong}, fidelity={"cheap": np.array([1.0, 0.3] * 3)})
+    free = TierCatalogue.model_validate({"tiers": {"cheap": tier("m", "0"), "strong": tier("m", "0")}})
+    *_, stop, fit = fit_risk_stop(trained, "cheap", "strong", free, 3)
+    assert stop is None and "saving" not in fit
+    priced = TierCatalogue.model_validate({"tiers": {"cheap": tier("m", "1"), "strong": tier("m", "3")}})
+    assert fit_risk_stop(trained, "cheap", "strong", priced, 3)[2] is not None
 
 
 def test_the_int8_tier_is_more_faithful_than_another_model(catalogue: TierCatalogue, tmp_path: Path) -> None:
