@@ -246,12 +246,14 @@ def fit_stops(trained: TrainingAnswers, pairs: Sequence[tuple[str, str]], catalo
               max_tokens: int) -> tuple[dict[str, DivergenceStop], dict[str, dict[str, float]]]:
     """`fit_risk_stop` for every pair (cheap, strong): the stops found, keyed "cheap->strong" as the artifact's
     `cascade.stops`, and per pair what the fit gave on the training answers (power, sweep points, and where a stop
-    was found: the share it stopped, the quality it kept, its saving against always-strong)."""
+    was found: the share it stopped, the quality it kept, its saving against always-strong). A stop that saved
+    nothing on the training answers (retrying costs more than the cheap answers it keeps save) is recorded, not
+    kept: the gateway then judges the pair by its per-floor thresholds."""
     stops, record = {}, {}
     for weak, strong in pairs:
         *_, stop, fit = fit_risk_stop(trained, weak, strong, catalogue, max_tokens)
         key = f"{weak}->{strong}"
         record[key] = fit
-        if stop is not None:
+        if stop is not None and fit["saving"] > 0:
             stops[key] = stop
     return stops, record

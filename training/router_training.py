@@ -211,7 +211,10 @@ def train(catalogue: TierCatalogue, models_dir: Path, out: Path | None, *, num_p
         echo(f"cascade stop {key}: " + (
             f"power {fit['power']:g}, threshold {stops[key].threshold:.4f}: {fit['stopped']:.0%} of the training "
             f"answers stopped, quality {fit['quality']:.3f}, saving {fit['saving']:.1%} against the strong tier"
-            if key in stops else f"none (the cheap tier keeps {QUALITY_TARGET:.0%} of the strong tier's quality "
+            if key in stops else
+            f"none (stopping {fit['stopped']:.0%} of the training answers to keep {QUALITY_TARGET:.0%} of the strong "
+            f"tier's quality would save {fit['saving']:.1%}: the per-floor thresholds judge this pair)"
+            if "saving" in fit else f"none (the cheap tier keeps {QUALITY_TARGET:.0%} of the strong tier's quality "
             "unstopped, or no threshold does)"))
     if out is not None:
         model.save(out)
