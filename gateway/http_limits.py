@@ -39,6 +39,24 @@ as it liked. Here a connection whose writes stay paused for `stall_s` is reset (
 kernel's too: `_reset`): the app sees its client gone, so the request is cancelled, its upstream closed and its place
 freed, and it is billed for what ran, as any client that leaves.
 
+A client that takes a few bytes within each `stall_s`, enough for the paused writes to resume (48 KB, the transport's
+high water mark less its low one, within each minute would do), never stalls one write that long, and held its
+request, its dispatch place and its engine seat, for as long as its answer lasted: hours, for a stream of megabytes.
+So each response also has a budget of paused time: `stall_s`, and a second for every `min_read_bytes_per_s` bytes
+its client took while its writes were paused (the drop of the transport's buffer from each pause to its resume:
+nothing else is written meanwhile, as uvicorn's send waits on the resume). Past it the connection is reset as a
+stalled one is. A client that takes its answer at the least rate or faster while the gateway waits on it never runs
+out; a slower one is cut after about `stall_s / (1 - its rate / the least rate)` s of waiting, and its request holds
+its place for at most `stall_s` and its answer's size at the least rate, the time the app takes to write aside. The
+bytes written are not what is counted: those written before the first pause fill the buffers between the gateway and
+the client (a send buffer the kernel grows to 4 MB, `_reset`, and the client's receive buffer, of its own choosing),
+at 2 KiB/s half an hour and more of pauses for a client that reads none of them. What a client takes while its
+writes are not paused is not counted, nor is that time. The default least rate,
+TIERGATE_RESPONSE_MIN_READ_BYTES_PER_S = 2 KiB/s (16 kbit/s), is below what a GPRS link delivers (20-40 kbit/s, the
+slowest mobile data) and a twentieth of the slowest 3G (384 kbit/s), so a client on any real link that reads what
+it is sent passes; the trickle reader above takes 0.8 KB/s. The budget starts again at each response's end, as the
+request deadline does.
+
 **Connections.** A process keeps at most a number of client connections, below its open-file limit, closing the
 one idle longest to make room, else the one whose request's head (then body) began longest ago and has not all come
 (gateway/connection_cap.py): sockets idle, or that send part of a request and stop, cannot take the descriptors
@@ -82,6 +100,7 @@ CLIENT_LOG = client_logger()  # the protocol's own lines: what a client's bytes 
 access_logger()  # access lines, if an operator turns them on, without query strings (a key sent there)
 APP_LOG = logging.getLogger("uvicorn.error")  # a request cycle's: the app's errors
 
+MIN_READ_BYTES_PER_S = 2048.0  # a paused answer's least read rate (TIERGATE_RESPONSE_MIN_READ_BYTES_PER_S): "Reading"
 _PLAIN = (b"", b"identity")  # the Content-Encoding values of a body read as it is
 
 
@@ -91,17 +110,23 @@ class LimitedProtocol(RefusingProtocol):
 
     timeout_s = 30.0
     stall_s = 60.0
+    min_read_bytes_per_s = MIN_READ_BYTES_PER_S
     max_head_bytes = MAX_HEAD_BYTES
     max_headers = MAX_HEADERS
     timed_out = 0  # connections closed for a late request, by this process (for tests and logs)
-    stalled = 0  # connections aborted for not reading their answer
+    stalled = 0  # connections aborted for not reading their answer (a pause past `stall_s`, or past the budget)
     client_connections = ConnectionTable(MAX_CONNECTIONS)  # this server's; `limited_protocol` gives each server its own
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.logger = CLIENT_LOG  # what clients can make it log, a line of code at most once a minute (not errors)
         self._deadline: asyncio.TimerHandle | None = None
-        self._stall: asyncio.TimerHandle | None = None
+        self._stall: asyncio.TimerHandle | None = None  # while the writes are paused: when the connection is reset
+        self._paused_at = 0.0  # when they paused (the loop's time)
+        self._paused_buffer = 0  # the transport's buffer then, or at the response's start if later
+        self._response_at = 0.0  # when the current response's budget of paused time began (`_new_response`)
+        self._paused_s = 0.0  # the current response's time with its writes paused, in pauses that have ended
+        self._taken = 0  # ...and the bytes its client took during them
         self._begun = False  # a byte of the current request has come
         self._in_head = True  # the current request's line and headers have not all come
         self._head_bytes = 0  # bytes received while they had not
@@ -187,11 +212,36 @@ class LimitedProtocol(RefusingProtocol):
     def pause_writing(self) -> None:
         super().pause_writing()
         if self._stall is None:
-            self._stall = self.loop.call_later(self.stall_s, self._stalled)
+            self._paused_at = self.loop.time()
+            self._paused_buffer = self.transport.get_write_buffer_size()
+            self._time_pause()
 
     def resume_writing(self) -> None:
         super().resume_writing()
+        if self._stall is not None:  # the response is charged the pause, and credited what its client took in it
+            self._paused_s += self.loop.time() - max(self._paused_at, self._response_at)
+            self._taken += max(0, self._paused_buffer - self.transport.get_write_buffer_size())
         self._unstall()
+
+    def _budget_s(self) -> float:
+        """The paused time the current response may still take from now: its budget less the pauses it has had,
+        the one going on included."""
+        paused = self._paused_s + self.loop.time() - max(self._paused_at, self._response_at)
+        return self.stall_s + self._taken / self.min_read_bytes_per_s - paused
+
+    def _time_pause(self) -> None:
+        """(Re)time the reset of the paused writes: at the pause's `stall_s`, or sooner where the response's budget
+        of paused time runs out first."""
+        self._unstall()
+        left = min(self.stall_s - (self.loop.time() - self._paused_at), self._budget_s())
+        self._stall = self.loop.call_later(max(0.0, left), self._stalled)
+
+    def _new_response(self) -> None:
+        """The next response's budget of paused time begins (a pause going on is its from now)."""
+        self._response_at, self._paused_s, self._taken = self.loop.time(), 0.0, 0
+        if self._stall is not None:
+            self._paused_buffer = self.transport.get_write_buffer_size()
+            self._time_pause()
 
     def on_message_begin(self) -> None:
         self._begun, self._in_head, self._head_bytes, self._head_parsed = True, True, 0, 0
@@ -208,6 +258,7 @@ class LimitedProtocol(RefusingProtocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
+        self._new_response()  # the next response's, pipelined and begun at once or not
         if self._refused_behind():  # its refusal is said once the answers before it have all ended
             return
         cycle = self.cycle  # a pipelined request that had come whole is answered now: no deadline for it
@@ -242,7 +293,9 @@ class LimitedProtocol(RefusingProtocol):
         if self.transport.is_closing() and not self.flow.write_paused:
             return
         type(self).stalled += 1
-        log.debug("reset a connection from %s: its answer unread for %.0f s", self.client, self.stall_s)
+        log.debug("reset a connection from %s: its answer unread for %.1f s (this answer's pauses: %.1f s, %d bytes "
+                  "taken in those that ended)", self.client, self.loop.time() - self._paused_at,
+                  self._paused_s + self.loop.time() - max(self._paused_at, self._response_at), self._taken)
         _reset(self.transport)
 
 
@@ -270,15 +323,20 @@ def _cancelled(timer: asyncio.TimerHandle | None) -> None:
 
 
 def limited_protocol(timeout_s: float, stall_s: float, max_connections: int = MAX_CONNECTIONS,
-                     max_body_bytes: int | None = None, address_share: float = ADDRESS_SHARE) -> type[LimitedProtocol]:
+                     max_body_bytes: int | None = None, address_share: float = ADDRESS_SHARE,
+                     min_read_bytes_per_s: float = MIN_READ_BYTES_PER_S) -> type[LimitedProtocol]:
     """The protocol class to hand uvicorn's `Config(http=...)`: requests whole within `timeout_s`, answers read
-    with no pause longer than `stall_s`, at most `max_connections` open (`ConnectionTable`), an address past
-    `address_share` of them making room among its own when they are all open, at most `FRAMING_FACTOR` times
-    `max_body_bytes` (the app's body limit) read of a request after its head."""
+    with no pause longer than `stall_s` and, while paused, at `min_read_bytes_per_s` or faster (a response's budget
+    of paused time), at most `max_connections` open (`ConnectionTable`), an address past `address_share` of them
+    making room among its own when they are all open, at most `FRAMING_FACTOR` times `max_body_bytes` (the app's
+    body limit) read of a request after its head."""
     if timeout_s <= 0 or stall_s <= 0 or max_connections <= 0 or not 0 < address_share <= 1:
         raise ValueError("the request deadline, the write stall limit and the connection cap must be positive, "
                          "an address's share of the cap in (0, 1]")
+    if not min_read_bytes_per_s > 0:  # NaN too
+        raise ValueError(f"the least read rate of a paused answer must be positive bytes/s, not {min_read_bytes_per_s}")
     attrs = {"timeout_s": float(timeout_s), "stall_s": float(stall_s),
+             "min_read_bytes_per_s": float(min_read_bytes_per_s),
              "client_connections": ConnectionTable(max_connections, address_share)}
     if max_body_bytes is not None:
         attrs["max_body_wire_bytes"] = FRAMING_FACTOR * max_body_bytes + MAX_HEAD_BYTES
@@ -287,8 +345,10 @@ def limited_protocol(timeout_s: float, stall_s: float, max_connections: int = MA
 
 def for_settings(settings: Any) -> type[LimitedProtocol]:
     """The protocol for a gateway's settings (`request_receipt_timeout_s`, `response_stall_timeout_s`,
-    `max_connections`, `connection_share_per_address`), for a server in this process: its open-file limit is raised to
-    the hard limit first, and the connection cap kept below it (gateway/connection_cap.py)."""
+    `response_min_read_bytes_per_s`, `max_connections`, `connection_share_per_address`), for a server in this process:
+    its open-file limit is raised to the hard limit first, and the connection cap kept below it
+    (gateway/connection_cap.py)."""
     cap = connection_cap(raised_fd_limit(), settings.max_connections)
     return limited_protocol(settings.request_receipt_timeout_s, settings.response_stall_timeout_s, cap,
-                            settings.max_body_bytes, settings.connection_share_per_address)
+                            settings.max_body_bytes, settings.connection_share_per_address,
+                            settings.response_min_read_bytes_per_s)

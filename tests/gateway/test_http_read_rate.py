@@ -1,0 +1,128 @@
+"""A client that reads its answer, but slower than the gateway's least read rate (gateway/http_limits.py,
+"Reading"): a trickle reader, which takes a few bytes within each stall limit and so never stalls a write for that
+long, is reset as a reader that stops is, and its request ends; one reading steadily above the rate is not.
+
+On a real uvicorn server with the gateway's protocol and an app that writes as fast as it may (its writes paused
+whenever the client's sockets are full). The rule reads only the ratio of what a client takes to the time the
+gateway waits on it, so it is tried here scaled to a short test: a stall limit of 1 s, and least rates of MB/s
+where the setting's default is KiB/s."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from typing import Any
+from urllib.parse import urlparse
+
+import pytest
+from pydantic import ValidationError
+
+from gateway import http_limits
+from gateway.settings import Settings
+from tests.stubs import ServerThread
+
+STALL_S = 1.0
+SEND_BUFFER = 16 * 1024  # the server's and the client's socket buffers, fixed: what they hold is small and known
+CHUNK = 4096  # what the app writes at a time
+
+
+def endless_answer(gone: threading.Event) -> Any:
+    """An app that streams `CHUNK`s for as long as its client is there, and sets `gone` when it sees it leave."""
+    async def app(scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        left = asyncio.ensure_future(receive())  # the request's (empty) body, then http.disconnect
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+        while True:
+            if left.done():
+                if left.result()["type"] == "http.disconnect":
+                    gone.set()
+                    return
+                left = asyncio.ensure_future(receive())
+            await send({"type": "http.response.body", "body": b"x" * CHUNK, "more_body": True})
+            await asyncio.sleep(0)  # uvicorn's send to a client gone returns at once: let the disconnect be heard
+
+    return app
+
+
+def protocol(min_read_bytes_per_s: float, pauses: list[float]) -> type[http_limits.LimitedProtocol]:
+    """The gateway's protocol with `STALL_S` and `min_read_bytes_per_s`, noting when its writes pause."""
+    base = http_limits.limited_protocol(30, STALL_S)
+
+    class Noted(base):  # type: ignore[valid-type, misc]
+        def pause_writing(self) -> None:
+            pauses.append(time.monotonic())
+            super().pause_writing()
+
+    Noted.min_read_bytes_per_s = float(min_read_bytes_per_s)
+    return Noted
+
+
+def read_in_bursts(url: str, burst: int, every_s: float, for_s: float) -> tuple[int, bool]:
+    """Ask for the endless answer and read it `burst` bytes at a time, `every_s` apart, for `for_s`: the bytes read
+    and whether the connection was reset meanwhile."""
+    parts = urlparse(url)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SEND_BUFFER)
+    sock.connect((parts.hostname, parts.port))
+    sock.settimeout(STALL_S + 5)
+    sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    got, end = 0, time.monotonic() + for_s
+    try:
+        while time.monotonic() < end:
+            time.sleep(every_s)
+            want = got + burst
+            while got < want:
+                chunk = sock.recv(want - got)
+                if not chunk:
+                    return got, False  # an orderly end: not what either rule does
+                got += len(chunk)
+    except ConnectionResetError:
+        return got, True
+    finally:
+        sock.close()
+    return got, False
+
+
+def test_a_trickle_reader_is_reset_and_its_request_ends() -> None:
+    """Bursts 0.3 s apart, each more than the sockets' buffers hold, so the paused writes resume each time, well within
+    the 1 s stall limit: before, that reset the stall timer every time, and a client taking 48 KB a minute held its
+    request (its dispatch place, its engine seat) for as long as the answer lasted (hours, for a long stream). Here it
+    takes about 0.6 MB/s where the least rate is 8 MiB/s: the paused time it is allowed (1 s, and 1/8 s a MiB taken)
+    runs out within a few bursts, and it is reset, its app seeing its client gone."""
+    gone, pauses = threading.Event(), []
+    with ServerThread(endless_answer(gone), http=protocol(8 << 20, pauses), send_buffer=SEND_BUFFER).start() as server:
+        got, reset = read_in_bursts(server.url, burst=192 * 1024, every_s=0.3, for_s=4.0)
+        assert reset, f"{got} bytes read in 4 s over {len(pauses)} paused writes, never reset"
+        assert gone.wait(5)  # the request was cancelled: the app heard its client leave
+    assert len(pauses) >= 2  # it had resumed the writes in between, so no single pause reached the stall limit
+
+
+def test_a_reader_well_above_the_rate_is_never_reset() -> None:
+    """64 KiB every 0.05 s (about 1 MB/s, its writes paused between reads) against a least rate of 64 KiB/s: read
+    for 2 s, over many pauses, and never reset."""
+    gone, pauses = threading.Event(), []
+    with ServerThread(endless_answer(gone), http=protocol(64 << 10, pauses), send_buffer=SEND_BUFFER).start() as server:
+        got, reset = read_in_bursts(server.url, burst=64 * 1024, every_s=0.05, for_s=2.0)
+        assert not reset and got >= 20 * 64 * 1024
+    assert len(pauses) >= 10  # the app wrote faster than it read: its writes waited on it, again and again
+
+
+def test_the_least_read_rate_is_set_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert Settings().response_min_read_bytes_per_s == http_limits.MIN_READ_BYTES_PER_S == 2048
+    monkeypatch.setenv("TIERGATE_RESPONSE_MIN_READ_BYTES_PER_S", "512")
+    assert http_limits.for_settings(Settings()).min_read_bytes_per_s == 512
+
+
+@pytest.mark.parametrize("rate", ["0", "-1"])
+def test_a_least_read_rate_that_is_not_positive_is_refused(monkeypatch: pytest.MonkeyPatch, rate: str) -> None:
+    monkeypatch.setenv("TIERGATE_RESPONSE_MIN_READ_BYTES_PER_S", rate)
+    with pytest.raises(ValidationError, match="response_min_read_bytes_per_s"):
+        Settings()
+    with pytest.raises(ValueError, match="least read rate"):
+        http_limits.limited_protocol(30, 60, min_read_bytes_per_s=float(rate))
