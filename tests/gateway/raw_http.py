@@ -1,9 +1,10 @@
 """A gateway with tight HTTP limits, and raw connections to it: what the tests of the HTTP limits
-(test_http_limits.py) and of requests pipelined on one connection (test_http_pipelining.py) share. The gateway
-itself is tests/gateway/conftest.py's `slow_gateway`."""
+(test_http_limits.py), of requests pipelined on one connection (test_http_pipelining.py) and of the least read rate
+(test_http_read_rate.py) share. The gateway itself is tests/gateway/conftest.py's `slow_gateway`."""
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 from urllib.parse import urlparse
@@ -43,3 +44,19 @@ def read_until_closed(sock: socket.socket) -> tuple[bytes, float]:
     while chunk := sock.recv(65536):
         got += chunk
     return got, time.monotonic()
+
+
+def ask_big_and_read_nothing(gw: Gateway) -> socket.socket:
+    """A connection that asked for `STUB:big`'s 50,000 pieces of 1,000 characters (50 MB) and reads none of it."""
+    body = json.dumps({"model": "mid", "stream": True, "max_tokens": 50_000,
+                       "messages": [{"role": "user", "content": "STUB:big"}]}).encode()
+    return connect(gw, (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                        f"Authorization: Bearer {gw.tenant_key}\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+                   + body, receive_buffer=16384)
+
+
+def wait_for_rows(gw: Gateway, n: int, timeout_s: float = 20) -> list:
+    deadline = time.monotonic() + timeout_s
+    while len(rows := gw.ledger_rows()) < n and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return rows

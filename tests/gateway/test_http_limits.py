@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import socket
 import time
 import tracemalloc
 from collections.abc import Iterator
@@ -17,7 +16,14 @@ import pytest
 
 from gateway.settings import Settings
 from tests.conftest import Gateway, running_gateway
-from tests.gateway.raw_http import DEADLINE_S, connect, limited_settings, read_until_closed
+from tests.gateway.raw_http import (
+    DEADLINE_S,
+    ask_big_and_read_nothing,
+    connect,
+    limited_settings,
+    read_until_closed,
+    wait_for_rows,
+)
 from tests.stubs import ServerThread, StubState
 
 SEND_BUFFER = 64 * 1024  # the kernel's send buffer of a client connection of `unread_gateway` (Linux doubles it)
@@ -117,22 +123,6 @@ def test_an_answer_longer_than_the_deadline_is_not_cut_and_the_connection_serves
 
 
 PIECE_BYTES = 1_000  # what a piece of `STUB:big` brings (each relayed as an event of a little more)
-
-
-def ask_big_and_read_nothing(gw: Gateway) -> socket.socket:
-    """A connection that asked for `STUB:big`'s 50,000 pieces of 1,000 characters (50 MB) and reads none of it."""
-    body = json.dumps({"model": "mid", "stream": True, "max_tokens": 50_000,
-                       "messages": [{"role": "user", "content": "STUB:big"}]}).encode()
-    return connect(gw, (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                        f"Authorization: Bearer {gw.tenant_key}\r\nContent-Length: {len(body)}\r\n\r\n").encode()
-                   + body, receive_buffer=16384)
-
-
-def wait_for_rows(gw: Gateway, n: int, timeout_s: float = 20) -> list:
-    deadline = time.monotonic() + timeout_s
-    while len(rows := gw.ledger_rows()) < n and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return rows
 
 
 def test_a_client_that_stops_reading_is_cut_off_and_its_request_ends(slow_gateway: Gateway) -> None:

@@ -21,7 +21,9 @@ from pydantic import ValidationError
 
 from gateway import http_limits
 from gateway.settings import Settings
-from tests.stubs import ServerThread
+from tests.conftest import running_gateway
+from tests.gateway.raw_http import ask_big_and_read_nothing, limited_settings, wait_for_rows
+from tests.stubs import ServerThread, StubState
 
 STALL_S = 1.0
 SEND_BUFFER = 16 * 1024  # the server's and the client's socket buffers, fixed: what they hold is small and known
@@ -63,15 +65,20 @@ def protocol(min_read_bytes_per_s: float, pauses: list[float]) -> type[http_limi
     return Noted
 
 
-def read_in_bursts(url: str, burst: int, every_s: float, for_s: float) -> tuple[int, bool]:
-    """Ask for the endless answer and read it `burst` bytes at a time, `every_s` apart, for `for_s`: the bytes read
-    and whether the connection was reset meanwhile."""
+def ask_endless(url: str) -> socket.socket:
+    """A connection that asked `endless_answer` for its answer, with a small receive buffer."""
     parts = urlparse(url)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SEND_BUFFER)
     sock.connect((parts.hostname, parts.port))
     sock.settimeout(STALL_S + 5)
     sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    return sock
+
+
+def read_in_bursts(sock: socket.socket, burst: int, every_s: float, for_s: float) -> tuple[int, bool]:
+    """Read what `sock` is sent `burst` bytes at a time, `every_s` apart, for `for_s`, then close it: the bytes read
+    and whether the connection was reset meanwhile."""
     got, end = 0, time.monotonic() + for_s
     try:
         while time.monotonic() < end:
@@ -97,10 +104,28 @@ def test_a_trickle_reader_is_reset_and_its_request_ends() -> None:
     runs out within a few bursts, and it is reset, its app seeing its client gone."""
     gone, pauses = threading.Event(), []
     with ServerThread(endless_answer(gone), http=protocol(8 << 20, pauses), send_buffer=SEND_BUFFER).start() as server:
-        got, reset = read_in_bursts(server.url, burst=192 * 1024, every_s=0.3, for_s=4.0)
+        got, reset = read_in_bursts(ask_endless(server.url), burst=192 * 1024, every_s=0.3, for_s=4.0)
         assert reset, f"{got} bytes read in 4 s over {len(pauses)} paused writes, never reset"
         assert gone.wait(5)  # the request was cancelled: the app heard its client leave
     assert len(pauses) >= 2  # it had resumed the writes in between, so no single pause reached the stall limit
+
+
+def test_a_trickle_reader_of_a_stream_is_cut_off_and_billed_for_what_ran(
+        gateway_settings: Settings, stub: tuple[ServerThread, StubState]) -> None:
+    """The same reader on the gateway: a stream of `STUB:big`'s 50 MB, read in bursts that resume its writes within
+    each stall limit. It is reset through the stall's path: the request is cancelled, its upstream closed, and it is
+    billed for what ran (before: it ran on for as long as the answer lasted, its place in the tier's queue held)."""
+    settings = limited_settings(gateway_settings, STALL_S).model_copy(
+        update={"response_min_read_bytes_per_s": float(8 << 20)})
+    with running_gateway(settings, stub[1], send_buffer=SEND_BUFFER) as gw:
+        got, reset = read_in_bursts(ask_big_and_read_nothing(gw), burst=192 * 1024, every_s=0.3, for_s=8.0)
+        assert reset, f"{got} bytes read in 8 s, never reset"
+        rows = wait_for_rows(gw, 1)
+        assert len(rows) == 1 and rows[0].status == "cancelled" and 0 < rows[0].output_tokens < 50_000
+        deadline = time.monotonic() + 10  # the stub hears the close on its own thread, maybe after the row
+        while not gw.stub.finished and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert gw.stub.finished == ["disconnected"]
 
 
 def test_a_reader_well_above_the_rate_is_never_reset() -> None:
@@ -108,7 +133,7 @@ def test_a_reader_well_above_the_rate_is_never_reset() -> None:
     for 2 s, over many pauses, and never reset."""
     gone, pauses = threading.Event(), []
     with ServerThread(endless_answer(gone), http=protocol(64 << 10, pauses), send_buffer=SEND_BUFFER).start() as server:
-        got, reset = read_in_bursts(server.url, burst=64 * 1024, every_s=0.05, for_s=2.0)
+        got, reset = read_in_bursts(ask_endless(server.url), burst=64 * 1024, every_s=0.05, for_s=2.0)
         assert not reset and got >= 20 * 64 * 1024
     assert len(pauses) >= 10  # the app wrote faster than it read: its writes waited on it, again and again
 
