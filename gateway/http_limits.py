@@ -39,23 +39,23 @@ as it liked. Here a connection whose writes stay paused for `stall_s` is reset (
 kernel's too: `_reset`): the app sees its client gone, so the request is cancelled, its upstream closed and its place
 freed, and it is billed for what ran, as any client that leaves.
 
-A client that takes a few bytes within each `stall_s`, enough for the paused writes to resume (48 KB, the transport's
-high water mark less its low one, within each minute would do), never stalls one write that long, and held its
-request, its dispatch place and its engine seat, for as long as its answer lasted: hours, for a stream of megabytes.
-So each response also has a budget of paused time: `stall_s`, and a second for every `min_read_bytes_per_s` bytes
-its client took while its writes were paused (the drop of the transport's buffer from each pause to its resume:
-nothing else is written meanwhile, as uvicorn's send waits on the resume). Past it the connection is reset as a
-stalled one is. A client that takes its answer at the least rate or faster while the gateway waits on it never runs
-out; a slower one is cut after about `stall_s / (1 - its rate / the least rate)` s of waiting, and its request holds
-its place for at most `stall_s` and its answer's size at the least rate, the time the app takes to write aside. The
-bytes written are not what is counted: those written before the first pause fill the buffers between the gateway and
-the client (a send buffer the kernel grows to 4 MB, `_reset`, and the client's receive buffer, of its own choosing),
-at 2 KiB/s half an hour and more of pauses for a client that reads none of them. What a client takes while its
-writes are not paused is not counted, nor is that time. The default least rate,
+A client that takes a few bytes within each `stall_s`, enough for the paused writes to resume (the transport's high
+water mark less its low one, 64 KiB on uvloop and 48 on asyncio, within each minute would do), never stalls one write
+that long, and held its request, its dispatch place and its engine seat, for as long as its answer lasted: hours, for a
+stream of megabytes. So each response also has a budget of paused time: `stall_s`, and a second for every
+`min_read_bytes_per_s` bytes its client took while its writes were paused (the drop of the transport's buffer from each
+pause to its resume: nothing else is written meanwhile, as uvicorn's send waits on the resume). Past it the connection
+is reset as a stalled one is. A client that takes its answer at the least rate or faster while the gateway waits on it
+never runs out; a slower one is cut after about `stall_s / (1 - its rate / the least rate)` s of waiting, and its
+request holds its place for at most `stall_s` and its answer's size at the least rate, the time the app takes to write
+aside. The bytes written are not what is counted: those written before the first pause fill the buffers between the
+gateway and the client (a send buffer the kernel grows to 4 MB, `_reset`, and the client's receive buffer, of its own
+choosing), at 2 KiB/s half an hour and more of pauses for a client that reads none of them. What a client takes while
+its writes are not paused is not counted, nor is that time. The default least rate,
 TIERGATE_RESPONSE_MIN_READ_BYTES_PER_S = 2 KiB/s (16 kbit/s), is below what a GPRS link delivers (20-40 kbit/s, the
-slowest mobile data) and a twentieth of the slowest 3G (384 kbit/s), so a client on any real link that reads what
-it is sent passes; the trickle reader above takes 0.8 KB/s. The budget starts again at each response's end, as the
-request deadline does.
+slowest mobile data) and a twentieth of the slowest 3G (384 kbit/s), so a client on any real link that reads what it is
+sent passes; the trickle reader above takes about 1 KB/s. The budget starts again at each response's end, as the request
+deadline does.
 
 **Connections.** A process keeps at most a number of client connections, below its open-file limit, closing the
 one idle longest to make room, else the one whose request's head (then body) began longest ago and has not all come

@@ -98,7 +98,7 @@ def read_in_bursts(sock: socket.socket, burst: int, every_s: float, for_s: float
 
 def test_a_trickle_reader_is_reset_and_its_request_ends() -> None:
     """Bursts 0.3 s apart, each more than the sockets' buffers hold, so the paused writes resume each time, well within
-    the 1 s stall limit: before, that reset the stall timer every time, and a client taking 48 KB a minute held its
+    the 1 s stall limit: before, that reset the stall timer every time, and a client taking 64 KB a minute held its
     request (its dispatch place, its engine seat) for as long as the answer lasted (hours, for a long stream). Here it
     takes about 0.6 MB/s where the least rate is 8 MiB/s: the paused time it is allowed (1 s, and 1/8 s a MiB taken)
     runs out within a few bursts, and it is reset, its app seeing its client gone."""
