@@ -52,6 +52,21 @@ def endless_answer(gone: threading.Event) -> Any:
     return app
 
 
+def sized_answer(size: int) -> Any:
+    """An app that answers each request with `size` bytes, `CHUNK`s written as fast as the client lets it."""
+    async def app(scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"%d" % size)]})
+        for sent in range(0, size, CHUNK):
+            await send({"type": "http.response.body", "body": b"x" * CHUNK, "more_body": sent + CHUNK < size})
+
+    return app
+
+
 def protocol(min_read_bytes_per_s: float, pauses: list[float]) -> type[http_limits.LimitedProtocol]:
     """The gateway's protocol with `STALL_S` and `min_read_bytes_per_s`, noting when its writes pause."""
     base = http_limits.limited_protocol(30, STALL_S)
@@ -142,6 +157,31 @@ def test_the_least_read_rate_is_set_from_the_environment(monkeypatch: pytest.Mon
     assert Settings().response_min_read_bytes_per_s == http_limits.MIN_READ_BYTES_PER_S == 2048
     monkeypatch.setenv("TIERGATE_RESPONSE_MIN_READ_BYTES_PER_S", "512")
     assert http_limits.for_settings(Settings()).min_read_bytes_per_s == 512
+
+
+def test_each_answer_on_a_kept_alive_connection_has_its_own_budget() -> None:
+    """Two answers of 1 MiB on one connection, each waited on 0.6 s before it is read whole: either fits the 1 s of
+    paused time an answer has (at 8 MiB/s, what it takes earns it little more), and neither is cut, where the two
+    pauses together would be."""
+    pauses: list[float] = []
+    size = 1 << 20
+    with ServerThread(sized_answer(size), http=protocol(8 << 20, pauses), send_buffer=SEND_BUFFER).start() as server:
+        sock = ask_endless(server.url)
+        with sock:
+            for i in range(2):
+                if i:
+                    sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+                time.sleep(0.6)  # the answer's writes pause meanwhile: the sockets hold far less than it
+                head = b""
+                while b"\r\n\r\n" not in head:
+                    head += sock.recv(4096)
+                head, _, body = head.partition(b"\r\n\r\n")
+                assert head.startswith(b"HTTP/1.1 200 "), head
+                got = len(body)
+                while got < size:  # a reset raises ConnectionResetError here
+                    got += len(sock.recv(65536))
+                assert got == size
+    assert len(pauses) >= 2
 
 
 @pytest.mark.parametrize("rate", ["0", "-1"])
