@@ -224,8 +224,9 @@ def create_engine_app(engine: LLMEngine, *, model_name: str, model_version: str,
     def prompt_ids(req: ChatCompletionRequest) -> list[int]:
         """The conversation (tools, calls and results as text) rendered with the model's chat template, tokenized:
         the template's markers as their special tokens, the request's strings as text, even where they spell a
-        special token (wire/prompt_text.py: `<|im_end|>` in a message forged a turn). Without such a string, the
-        rendered text is tokenized whole, as ever."""
+        special token (wire/prompt_text.py: `<|im_end|>` in a message forged a turn), or our own tool markers
+        (`<tool_call>`, escaped before `render_messages` writes ours around them). Without such a string, the rendered
+        text is tokenized whole, as ever."""
         if (i := unrendered_name(req, names_written)) is not None:
             raise EngineInputError(
                 f"messages.{i}.name: this model's chat template does not write a {req.messages[i].role} message's "
@@ -237,8 +238,9 @@ def create_engine_app(engine: LLMEngine, *, model_name: str, model_version: str,
                 "message did not make, or one answered already); this model's prompt places each result after the "
                 "calls without ids, so it would read as another call's answer. Send each result once, after the "
                 "assistant message that made its call", param=f"messages.{i}.tool_call_id")
-        turns = render_messages(req)
-        escaped = plain_text.escaped(turns) if plain_text is not None else None
+        markers = plain_text.marker_escape() if plain_text is not None else None
+        turns = render_messages(req, markers)
+        escaped = plain_text.escaped(turns, markers) if plain_text is not None else None
         try:
             text = tokenizer.apply_chat_template(escaped.turns if escaped is not None else turns,
                                                  add_generation_prompt=True, tokenize=False)

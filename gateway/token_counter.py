@@ -28,7 +28,8 @@ A message's text that spells a special token (`<|im_end|>`) is counted as the te
 of such text was reserved and checked against the context at a part of its size, and billed at that part where the
 engine's usage was past the meter's bound of belief (gateway/pipeline/meter.py: twice the count and 1024 more; 1,000
 `<|im_end|>` counted 1,030, the engine's 6,031). Such a prompt is counted whole each time, nothing remembered: no
-normal prompt holds one.
+normal prompt holds one. So is a tenant's spelling of our own tool markers (`<tool_call>`, where the tokenizer has it
+as a token, as Qwen's): the turns are made with `marker_escape`'s escape, which `prompt_tokens` and `rendered` take.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from gateway.bpe_words import ByteLevelWords
-from wire.prompt_text import PlainTenantText
+from wire.prompt_text import MarkerEscape, PlainTenantText
 
 Messages = Sequence[dict[str, Any]]
 SHORT_TEXT_CHARS = 8192  # counted with `encode` (GIL held, no hand-off); longer ones with `encode_batch`
@@ -99,21 +100,27 @@ class TokenCounter:
             return len(self.tokenizer.encode(text, add_special_tokens=False).ids)
         return len(self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids)
 
+    def marker_escape(self) -> MarkerEscape | None:
+        """A new request's escape of our tool markers in its tenant strings (wire/prompt_text.py), for
+        wire/tool_calls.py's `turn` and `preamble`; None where the tokenizer reads them as text already."""
+        return self._plain.marker_escape() if self._plain is not None else None
+
     def prompt_tokens(self, messages: Messages, owner: Hashable = None, user: Hashable = None, *,
-                      specials_as_text: bool = True) -> int:
+                      specials_as_text: bool = True, markers: MarkerEscape | None = None) -> int:
         """Tokens of the rendered prompt. A short one's count, and its pieces', are remembered for `owner` (the
         tenant that sent it; None: the gateway's own texts) and only ever reused for the same owner. A short prompt
         sent a third time with the same turns is not even rendered again (the template's render, ~11 µs, was most of
         a repeated prompt's count): the render is a function of the turns alone. `user`: the end user `owner`'s plan
         isolates, for whom alone its counts are remembered. `specials_as_text` False: a text completion's prompt,
         whose special tokens' strings our engine reads as those tokens (engine/server.py `text_prompt_ids`). Only
-        prompts without such strings are remembered, so the two readings never meet in the memos."""
+        prompts without such strings are remembered, so the two readings never meet in the memos. `markers`: the
+        escape `messages`' tenant strings were made with (`marker_escape`), if any."""
         turns = _turns_key(messages)
         if turns is not None and (counted := self._repeated.get(owner, turns, user)) is not None:
             return counted
-        if self._plain is not None and (escaped := self._plain.escaped(messages)) is not None:
-            if not specials_as_text:
-                return self.count(self.render(messages))
+        if self._plain is not None and (escaped := self._plain.escaped(messages, markers)) is not None:
+            if not specials_as_text:  # (its markers' sentinels, where it was given any, put back)
+                return self.count(self._plain.restored(self.render(messages), escaped))
             return self._plain.count(self.render(escaped.turns), escaped)  # a tenant's text spelling special tokens
         text = self.render(messages)
         if len(text) > SHORT_TEXT_CHARS:
@@ -126,15 +133,20 @@ class TokenCounter:
             self._repeated.put(owner, turns, counted, size=len(text), user=user)
         return counted
 
-    def rendered(self, messages: Messages, *, specials_as_text: bool = True) -> tuple[str, Callable[[str], int]]:
+    def rendered(self, messages: Messages, *, specials_as_text: bool = True, markers: MarkerEscape | None = None,
+                 ) -> tuple[str, Callable[[str], int]]:
         """The prompt `messages` render to, and what counts it or any prefix of it as our engine tokenizes it (a
         long prompt's count, nothing remembered): a tenant's text that spells a special token as text
         (`specials_as_text`, as `prompt_tokens`), the template's markers as tokens. The text holds a sentinel where a
-        tenant's string spelled one (wire/prompt_text.py); a prefix cut inside one counts its pieces as text."""
+        tenant's string spelled one (wire/prompt_text.py); a prefix cut inside one counts its pieces as text.
+        `markers`: as `prompt_tokens`."""
         plain = self._plain
-        if specials_as_text and plain is not None and (escaped := plain.escaped(messages)) is not None:
+        escaped = plain.escaped(messages, markers) if plain is not None else None
+        if escaped is None or plain is None:
+            return self.render(messages), self.count
+        if specials_as_text:
             return self.render(escaped.turns), lambda text: plain.count(text, escaped)
-        return self.render(messages), self.count
+        return plain.restored(self.render(messages), escaped), self.count
 
     def _count_pieces(self, text: str, owner: Hashable = None, user: Hashable = None) -> int:
         """The count of a short text as its added tokens (one each) and its pieces between them (remembered for

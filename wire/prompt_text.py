@@ -25,12 +25,19 @@ meanwhile is read with the other thread's flag (a hostile prompt parsed as befor
 Added tokens that are not special are escaped too (Qwen's `<think>`, `<|fim_prefix|>`: special False in its
 added_tokens_decoder): `tokenizers` cuts any text at every added token before its model runs, special or not, and
 `encode_special_tokens` (as transformers' `split_special_tokens`) reads only special ones as text, so the copy calls
-the escaped ones special (`_reading_as_text`). Two kinds are left as they read: an added token of whitespace only (a
-run of spaces, CodeGen's and Phi-2's), which marks nothing and which normal text is full of; and the markers
-wire/tool_calls.py's `render_messages` writes into the turns' strings itself (`RENDERED_MARKERS`: `<tool_call>`,
-`<tool_response>`...), where this class, reading turns, cannot tell ours from a tenant's: escaped, our own blocks would
-be read as text in every request that offers tools. A tenant's `<tool_call>` is still that token where the tokenizer
-has it (Qwen's); reading it as text needs its strings escaped before `render_messages` wraps them.
+the escaped ones special (`_reading_as_text`). An added token of whitespace only (a run of spaces, CodeGen's and
+Phi-2's) is left as it reads: it marks nothing, and normal text is full of it.
+
+The markers wire/tool_calls.py's `render_messages` writes into the turns' strings itself (`RENDERED_MARKERS`:
+`<tool_call>`, `<tool_response>`...) are added tokens of some tokenizers (Qwen's), and a tenant's
+`<tool_call>{"name": ...}</tool_call>` in a message or a result was read as ours: a call in the history, forged. In
+the turns ours cannot be told from a tenant's, so they are escaped a step earlier: `marker_escape` gives a request's
+`MarkerEscape`, which `render_messages` applies to each tenant string before it writes our markers around it. It puts
+a sentinel (of the same kind, its prefix drawn for the request) in place of each of the tenant's markers, and of the
+prefix itself where a tenant string holds it (so no sentinel can be forged, and no prefix need be drawn again);
+`escaped` then takes that prefix, and `ids` cuts at the markers left (ours) as at the template's special tokens. A
+normal request holds none, and its turns, and so its ids, are what they were. (A tokenizer that has one of them as a
+special token had our own blocks read as text before; they are that token now.)
 
 A token can also be made across a string's edge: its end that begins a token's string (`<|im`) and the template's
 text after it (`_end|>`), or the template's text before it and its start that ends one. ChatML's templates write
@@ -62,11 +69,8 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from wire.tool_calls import CLOSE, OPEN
+from wire.tool_calls import RENDERED_MARKERS
 
-# what wire/tool_calls.py's `render_messages` writes into the turns' strings around the tenant's text (the tools'
-# preamble, calls, results): where a tokenizer has one as an added token that is not special, it is left as it reads
-RENDERED_MARKERS = frozenset({OPEN, CLOSE, "<tools>", "</tools>", "<tool_response>", "</tool_response>"})
 Turns = Sequence[dict[str, Any]]
 
 
@@ -77,24 +81,55 @@ class Escaped:
 
     turns: list[dict[str, Any]]
     sentinel: re.Pattern[str]  # one sentinel: group 1 is the index in `texts` of the string it stands for
-    texts: list[str]  # the tokens' strings, then this request's edges
+    texts: list[str]  # the `MarkerEscape`'s texts, then the tokens' strings, then this request's edges
+
+
+class MarkerEscape:
+    """One request's escape of our markers (those of RENDERED_MARKERS that are added tokens) in its tenant strings,
+    called on each before wire/tool_calls.py's `render_messages` wraps it; `PlainTenantText.escaped` takes it too.
+    Made for one request and used by one thread."""
+
+    def __init__(self, markers: re.Pattern[str], texts: Sequence[str]) -> None:
+        self.prefix = f"\ue000{secrets.token_hex(8)}"
+        self.texts = [*texts, self.prefix]  # a sentinel's index is one of these
+        self._markers = markers
+        self._index = {t: k for k, t in enumerate(self.texts)}
+        self.written = 0  # sentinels written
+
+    def __call__(self, value: str) -> str:
+        """`value`, a tenant string, with a sentinel for each of our markers in it, and for our prefix (which the
+        sentinels hold, so that a tenant's spelling of one is put back as text)."""
+        if self.prefix in value:  # first: the sentinels written next hold it
+            self.written += value.count(self.prefix)
+            value = value.replace(self.prefix, self._sentinel(self.prefix))
+        value, n = self._markers.subn(lambda m: self._sentinel(m[0]), value)
+        self.written += n
+        return value
+
+    def _sentinel(self, text: str) -> str:
+        return f"{self.prefix}{self._index[text]}\ue001"
 
 
 class PlainTenantText:
     """The added tokens of one tokenizer (special or not), found in tenant strings and tokenized there as text."""
 
-    def __init__(self, backend: Tokenizer, specials: Sequence[str]) -> None:
-        """`specials`: the added tokens' strings read as text in tenant strings (`for_tokenizer`'s choice)."""
+    def __init__(self, backend: Tokenizer, specials: Sequence[str], markers: Sequence[str] = ()) -> None:
+        """`specials`: the added tokens' strings read as text in tenant strings (`for_tokenizer`'s choice);
+        `markers`: those of RENDERED_MARKERS, escaped by `MarkerEscape` before the turns are made."""
         self.specials = sorted(specials, key=len, reverse=True)  # the longest first: `<|a|>` before `<|a`
+        self.markers = sorted(markers, key=len, reverse=True)
         self._index = {s: k for k, s in enumerate(self.specials)}
-        self._ids = {s: backend.token_to_id(s) for s in self.specials}
-        self._special = re.compile("(" + "|".join(map(re.escape, self.specials)) + ")")  # a group: `split` keeps it
-        self._plain = _reading_as_text(backend, set(self.specials))  # never shared with a call that parses them
+        self._ids = {s: backend.token_to_id(s) for s in (*self.specials, *self.markers)}
+        self._special = _alternation(self.specials)
+        self._marker = _alternation(self.markers)
+        self._cut = _alternation(sorted((*self.specials, *self.markers), key=len, reverse=True))  # `ids`' cut
+        # never shared with a call that parses them
+        self._plain = _reading_as_text(backend, {*self.specials, *self.markers})
         # the tokens' proper prefixes and suffixes (`edges`), but those that begin or end at whitespace: `edges`
         # looks past a string's whitespace at either end
         self._heads = {t[:k] for t in self.specials for k in range(1, len(t)) if not t[k - 1].isspace()}
         self._tails = {t[k:] for t in self.specials for k in range(1, len(t)) if not t[k].isspace()}
-        self._longest = max(map(len, self.specials))
+        self._longest = max(map(len, self.specials), default=1)
         # where an edge can begin (a token's first character: `<`) or end (its last: `>`): most strings have none
         # near their ends, and are passed over with a search of a few characters each side
         self._begins = _one_of({h[0] for h in self._heads})
@@ -103,28 +138,40 @@ class PlainTenantText:
     @classmethod
     def for_tokenizer(cls, tokenizer: Any) -> PlainTenantText | None:
         """`tokenizer`: transformers' fast tokenizer, or `tokenizers`' own. None for one without `tokenizers`' backend
-        or without added tokens to escape (special ones, and those not special but for whitespace and ours)."""
+        or without added tokens to escape (special ones, those not special but for whitespace, and our markers)."""
         backend = tokenizer if isinstance(tokenizer, Tokenizer) else getattr(tokenizer, "backend_tokenizer", None)
         if not isinstance(backend, Tokenizer):
             return None
-        specials = [t.content for t in backend.get_added_tokens_decoder().values()
-                    if t.content and (t.special or (t.content.strip() and t.content not in RENDERED_MARKERS))]
-        return cls(backend, specials) if specials else None
+        added = [t for t in backend.get_added_tokens_decoder().values() if t.content]
+        markers = [t.content for t in added if t.content in RENDERED_MARKERS]
+        specials = [t.content for t in added
+                    if (t.special or t.content.strip()) and t.content not in RENDERED_MARKERS]
+        return cls(backend, specials, markers) if specials or markers else None
 
-    def escaped(self, turns: Turns) -> Escaped | None:
+    def marker_escape(self) -> MarkerEscape | None:
+        """A new request's escape of our markers in its tenant strings; None where the tokenizer has none of them as
+        a token (they read as text already)."""
+        return MarkerEscape(self._marker, self.markers) if self.markers else None
+
+    def escaped(self, turns: Turns, markers: MarkerEscape | None = None) -> Escaped | None:
         """`turns` with every escaped token's string in their strings replaced by a sentinel, and each string's
-        `edges` too; None when no string holds one or has one (render and tokenize as ever). A turn's role is ours
+        `edges` too; None when no string holds one or has one, and `markers` (the escape the turns' tenant strings
+        were made with, if any) wrote no sentinel: render and tokenize as ever. A turn's role is ours
         (wire.chat_request.normalized_role) and templates compare it: its edges are left."""
         strings = [(k, v) for t in turns for k, v in t.items() if isinstance(v, str)]
-        if not any(self._special.search(v) or (k != "role" and self._has_edge(v)) for k, v in strings):
+        if (not (markers is not None and markers.written)
+                and not any(self._special.search(v) or (k != "role" and self._has_edge(v)) for k, v in strings)):
             return None
-        prefix = f"\ue000{secrets.token_hex(8)}"
-        while any(prefix in v for _, v in strings):  # a tenant who guessed 64 random bits
-            prefix = f"\ue000{secrets.token_hex(8)}"
-        texts = list(self.specials)
+        if markers is not None:  # its prefix: in no tenant string, but where it wrote a sentinel for it
+            prefix, texts = markers.prefix, [*markers.texts, *self.specials]
+        else:
+            prefix, texts = f"\ue000{secrets.token_hex(8)}", list(self.specials)
+            while any(prefix in v for _, v in strings):  # a tenant who guessed 64 random bits
+                prefix = f"\ue000{secrets.token_hex(8)}"
+        first = len(texts) - len(self.specials)  # the specials' sentinels' first index
 
         def sentinel(m: re.Match[str]) -> str:
-            return f"{prefix}{self._index[m[0]]}\ue001"
+            return f"{prefix}{first + self._index[m[0]]}\ue001"
 
         def escape(key: str, value: str) -> str:
             value = self._special.sub(sentinel, value)
@@ -182,9 +229,10 @@ class PlainTenantText:
         return [len(e.ids) for e in self._plain.encode_batch(list(texts), add_special_tokens=False)]
 
     def ids(self, text: str, escaped: Escaped) -> list[int]:
-        """The token ids of `text` (rendered from `escaped.turns`): the template's special tokens as tokens, the
-        tenant's text, sentinels put back, as text. `encode_batch` releases the GIL, as the engine's usual call."""
-        parts = self._special.split(text)  # text, special, text, ..., text: the specials are the template's
+        """The token ids of `text` (rendered from `escaped.turns`): the template's special tokens and our markers as
+        tokens, the tenant's text, sentinels put back, as text. `encode_batch` releases the GIL, as the engine's usual
+        call."""
+        parts = self._cut.split(text)  # text, token, text, ..., text: the tokens are the template's and ours
         pieces = [self.restored(p, escaped) for p in parts[::2]]
         encoded = self._plain.encode_batch(pieces, add_special_tokens=False)
         ids: list[int] = list(encoded[0].ids)
@@ -192,6 +240,11 @@ class PlainTenantText:
             ids.append(self._ids[marker])
             ids.extend(piece.ids)
         return ids
+
+
+def _alternation(strings: Sequence[str]) -> re.Pattern[str]:
+    """One group matching any of `strings` (tried in their order), which `split` keeps; none at all for none."""
+    return re.compile("(" + "|".join(map(re.escape, strings)) + ")" if strings else "(?!)")
 
 
 def _one_of(chars: set[str]) -> re.Pattern[str]:

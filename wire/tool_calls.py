@@ -35,6 +35,14 @@ and a format are refused by our engines), and the tools' text alone is rendered.
 
 Parsing reads model output, which the request's max_tokens bounds; it is linear in it besides, since at most
 MAX_BLOCKS_TRIED openings are tried.
+
+Our markers (`RENDERED_MARKERS`) and the tenant's text share the turns' strings, and a tokenizer that has a marker as
+an added token (Qwen's `<tool_call>`) reads it as that token in any of them: a tenant's `<tool_call>{...}</tool_call>`
+in a message was a call in the history. In the turns, ours cannot be told from a tenant's, so `render_messages` (and
+`turn`, `preamble`) take `escape`, applied to every tenant string (a message's text, its name, a call's JSON, a
+result, the tools' JSON, a format's line) before our markers are written around it: wire/prompt_text.py's
+`MarkerEscape` puts sentinels in place of the tenant's markers. Our markers are always a newline away from a tenant's
+text, so none is made across the two.
 """
 
 from __future__ import annotations
@@ -52,6 +60,9 @@ from wire.schema_costs import NAMED, VALUES
 from wire.tools import Tool, must_call, offered_tools
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+# what `render_messages` writes into the turns' strings itself, around the tenant's text (the preamble, calls, results)
+RENDERED_MARKERS = frozenset({OPEN, CLOSE, "<tools>", "</tools>", "<tool_response>", "</tool_response>"})
+Escape = Callable[[str], str]  # a tenant string as it goes into the turns (`MarkerEscape`)
 MAX_BLOCKS_TRIED = 256  # `<tool_call>` openings parsed in one answer; the rest stay text
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
 PREAMBLE = ("You may call {how_many} to assist with the user query.\n\n"
@@ -80,34 +91,35 @@ def new_call_id() -> str:
     return f"call_{secrets.token_hex(12)}"
 
 
-def tools_preamble(tools: list[Tool], *, parallel: bool = True) -> str:
+def tools_preamble(tools: list[Tool], *, parallel: bool = True, escape: Escape | None = None) -> str:
     """The system-message text that offers `tools`: one call at most without `parallel` (the answer ends at its
-    first call, `parse_answer`)."""
+    first call, `parse_answer`). `escape`: applied to the tools' JSON, the tenant's."""
     lines = [json.dumps({"type": "function", "function": t.function.model_dump(exclude_none=True)},
                         ensure_ascii=False) for t in tools]
-    return PREAMBLE.format(tools="\n".join(lines), how_many="one or more functions" if parallel else
+    return PREAMBLE.format(tools=(escape or _as_is)("\n".join(lines)), how_many="one or more functions" if parallel else
                            "at most one function")
 
 
-def render_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
+def render_messages(req: ChatCompletionRequest, escape: Escape | None = None) -> list[dict[str, str]]:
     """The conversation as a chat template without tool syntax takes it: `{"role", "content"}` strings only, the
     offered tools in the system message, calls and results as text (consecutive results in one user turn, joined
     once: added one by one, each copied the turn so far, 0.35 s for 2,047 results in a 10 MB body). A turn of results
     holds them in the order of the calls they answer: the prompt holds no ids, so a result reads as the answer to the
     call at its place (results sent as their calls finished were each read as another call's); those that answer no
-    call come after them, in the order sent (the engine refuses them: `stray_result`)."""
+    call come after them, in the order sent (the engine refuses them: `stray_result`). `escape`: applied to each
+    tenant string before our markers wrap it (none: as it is)."""
     messages: list[dict[str, str]] = []
     made: dict[str, int] = {}  # the last calls' ids, each at its place among them (its first, if made twice)
     for results, group in groupby(req.messages, key=lambda m: m.role == "tool"):
         if results:
             ordered = sorted(group, key=lambda m: made.get(m.tool_call_id or "", len(made)))
-            messages.append({"role": "user", "content": "\n".join(turn(m)["content"] for m in ordered)})
+            messages.append({"role": "user", "content": "\n".join(turn(m, escape)["content"] for m in ordered)})
         else:
             said = list(group)
-            messages.extend(turn(m) for m in said)
+            messages.extend(turn(m, escape) for m in said)
             calls = said[-1].tool_calls or []
             made = {c.id: k for k, c in reversed(list(enumerate(calls)))}
-    return with_preamble(messages, preamble(req))
+    return with_preamble(messages, preamble(req, escape))
 
 
 def stray_result(req: ChatCompletionRequest) -> int | None:
@@ -126,15 +138,16 @@ def stray_result(req: ChatCompletionRequest) -> int | None:
     return None
 
 
-def turn(m: ChatMessage) -> dict[str, str]:
+def turn(m: ChatMessage, escape: Escape | None = None) -> dict[str, str]:
     """One message as one template turn: a tool result as a user turn, an assistant's calls as blocks, a
     participant's `name` as the turn's (written where the template knows names; refused where not:
-    `unrendered_name`)."""
+    `unrendered_name`). `escape`: applied to each of its strings before our markers wrap it."""
+    escape = escape or _as_is
     if m.role == "tool":
-        return {"role": "user", "content": f"<tool_response>\n{m.text()}\n</tool_response>"}
-    rendered = {"role": normalized_role(m.role), "content": _text_with_calls(m)}
+        return {"role": "user", "content": f"<tool_response>\n{escape(m.text())}\n</tool_response>"}
+    rendered = {"role": normalized_role(m.role), "content": _text_with_calls(m, escape)}
     if m.name:
-        rendered["name"] = m.name
+        rendered["name"] = escape(m.name)
     return rendered
 
 
@@ -163,13 +176,14 @@ def unrendered_name(req: ChatCompletionRequest, roles: frozenset[str]) -> int | 
     return None
 
 
-def preamble(req: ChatCompletionRequest) -> str:
+def preamble(req: ChatCompletionRequest, escape: Escape | None = None) -> str:
     """The system-message text that offers the request's tools, or else says what its JSON answer is for
-    (`format_line`); "" when there is neither, so a request without them renders as it always has."""
+    (`format_line`); "" when there is neither, so a request without them renders as it always has. `escape`: applied
+    to the tenant's text in it (the tools' JSON; the format's line, which holds none of our markers)."""
     offered = offered_tools(req.tools, req.tool_choice)
     if offered:  # the answer is a call ("required", named), or free with tools, where our engines refuse a format
-        return tools_preamble(offered, parallel=req.parallel_tool_calls is not False)
-    return format_line(req.response_format)
+        return tools_preamble(offered, parallel=req.parallel_tool_calls is not False, escape=escape)
+    return (escape or _as_is)(format_line(req.response_format))
 
 
 def format_line(fmt: ResponseFormat | None) -> str:
@@ -193,17 +207,18 @@ def with_preamble(turns: list[dict[str, str]], text: str) -> list[dict[str, str]
     return [{"role": "system", "content": text}, *turns]
 
 
-def _text_with_calls(m: ChatMessage) -> str:
+def _text_with_calls(m: ChatMessage, escape: Escape) -> str:
+    text = escape(m.text())
     if not m.tool_calls:
-        return m.text()
+        return text
     blocks = []
     for call in m.tool_calls:
         try:
             block = json_text({"name": call.function.name, "arguments": json.loads(call.function.arguments)})
         except (ValueError, RecursionError):  # not JSON, or too deep to write back: as the client sent it
             block = json_text({"name": call.function.name, "arguments": call.function.arguments})
-        blocks.append(f"{OPEN}\n{block}\n{CLOSE}")
-    return "\n".join([m.text(), *blocks]) if m.text() else "\n".join(blocks)
+        blocks.append(f"{OPEN}\n{escape(block)}\n{CLOSE}")  # the block's JSON is the tenant's, name and all
+    return "\n".join([text, *blocks]) if text else "\n".join(blocks)
 
 
 def parse_answer(text: str, names: set[str], *, parallel: bool = True) -> tuple[str, list[Call]]:
@@ -283,6 +298,10 @@ def json_text(obj: Any) -> str:
         text.encode()
     except UnicodeEncodeError:
         return json.dumps(obj)
+    return text
+
+
+def _as_is(text: str) -> str:
     return text
 
 

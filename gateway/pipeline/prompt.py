@@ -20,7 +20,8 @@ Counting reads everything the tenant sent, so it is bounded and linear, and runs
 Tools count as our engine renders them (wire/tool_calls.py): the functions' JSON in the system message, calls and
 results as text, one turn per message (the engine joins consecutive results into one turn, a few tokens fewer).
 A remote tier's own template renders them otherwise; the count is its estimate for the reservation, and what is
-billed is what the tier counted.
+billed is what the tier counted. A tenant's spelling of our markers (`<tool_call>`) is counted as the text our engine
+reads it as: the turns are made with the counter's `marker_escape` (gateway/token_counter.py).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from gateway.pipeline.text_completion import is_raw
 from gateway.token_counter import TokenCounter, token_counter
 from tiers.catalogue import TierSpec
 from wire.chat_request import ChatCompletionRequest, ChatMessage
+from wire.prompt_text import MarkerEscape
 from wire.tool_calls import preamble, turn, with_preamble
 
 PREFIX_CHARS_PER_TOKEN = 8  # a prefix this many characters per context token is counted first
@@ -71,6 +73,7 @@ class Unread(NamedTuple):  # (a tuple: built for every request, in half a datacl
     inline: bool  # short: counted on the event loop in microseconds, as cheap as a reservation
     floor_input: int  # a long one's fewest prompt tokens (a token covers at most `max_token_chars` characters)
     floor_output: int  # and output tokens (its max_tokens as the ladder caps it; else 1): 0 for a short one
+    markers: MarkerEscape | None = None  # what `messages` and `tools` were escaped with (a chat request's, if any)
 
     @property
     def floor(self) -> int:
@@ -97,11 +100,12 @@ class PromptStage:
         reservation can hold (`Unread.floor_input`, `floor_output`). A prompt that cannot fit by its length alone is
         refused here, unread. Costs a pass over the turns' lengths, which `measure` then reuses."""
         counter = self._counter(tier)
-        messages = [turn(m) for m in req.messages]
-        tools = preamble(req)
+        markers = None if is_raw(req) else counter.marker_escape()  # a text completion's markers are the tenant's
+        messages = [turn(m, markers) for m in req.messages]
+        tools = preamble(req, markers)
         chars = sum(len(m["content"]) for m in messages) + len(tools)
         if chars <= INLINE_CHARS and len(messages) <= INLINE_MESSAGES:
-            return Unread(counter, messages, tools, chars, True, 0, 0)
+            return Unread(counter, messages, tools, chars, True, 0, 0, markers)
         limit = tier.context_limit
         kept = chars  # the characters no input cap drops: its system turns, its last turn and its tools
         if degr.input_cap is not None:
@@ -110,7 +114,7 @@ class PromptStage:
         elif chars > limit * counter.max_token_chars:
             raise _too_long(tier, f"{chars} characters, more than {limit} tokens can hold", 0)  # read no further
         output = degr.cap_output(req.output_cap)[0] if req.output_cap else 1
-        return Unread(counter, messages, tools, chars, False, -(-kept // counter.max_token_chars), output)
+        return Unread(counter, messages, tools, chars, False, -(-kept // counter.max_token_chars), output, markers)
 
     async def measure(self, req: ChatCompletionRequest, tier: TierSpec, degr: Degradation, *,
                       owner: Hashable = None, user: Hashable = None, unread: Unread | None = None) -> Prompt:
@@ -123,10 +127,11 @@ class PromptStage:
         as_text = not is_raw(req)  # a text completion's markers are the engine's tokens; a chat message's are text
         if unread.inline and degr.input_cap is None:
             rendered = with_preamble(messages, tools)
-            num_tokens = counter.prompt_tokens(rendered, owner, user, specials_as_text=as_text)
+            num_tokens = counter.prompt_tokens(rendered, owner, user, specials_as_text=as_text, markers=unread.markers)
             kept, applied = list(req.messages), ()
         else:
-            args = (counter, list(req.messages), messages, tier, degr.input_cap, tools, owner, user, as_text)
+            args = (counter, list(req.messages), messages, tier, degr.input_cap, tools, owner, user, as_text,
+                    unread.markers)
             kept, applied, num_tokens, tokenized = await self.threads.run(owner, _count_bounded, *args)
         room = tier.context_limit - num_tokens
         cap = req.output_cap or max(1, min(self.default_max_tokens, room))
@@ -185,17 +190,18 @@ class PromptStage:
 
 def _count_bounded(counter: TokenCounter, originals: list[ChatMessage], messages: list[dict[str, Any]],
                    tier: TierSpec, input_cap: int | None, tools: str = "", owner: Hashable = None,
-                   user: Hashable = None, specials_as_text: bool = True,
+                   user: Hashable = None, specials_as_text: bool = True, markers: MarkerEscape | None = None,
                    ) -> tuple[list[ChatMessage], tuple[str, ...], int, int]:
     """(messages kept, actions applied, prompt tokens, characters tokenized), reading at most what could fit (worker
     thread). `tools`: the system-message text our engines add (`preamble`), counted with the system message;
     `owner`: the tenant whose remembered counts (its end user `user`'s) may be reused; `specials_as_text`: as
-    TokenCounter.prompt_tokens (False for a text completion's prompt). The characters tokenized
+    TokenCounter.prompt_tokens (False for a text completion's prompt); `markers`: what the turns were escaped with
+    (`Unread.markers`). The characters tokenized
     are the rendered prompt's, the template's markers included (what a refusal is charged: 2,048 empty messages
     have no content but are 57 KB rendered), and its prefix's where that was counted first."""
     applied: tuple[str, ...] = ()
     if input_cap is not None:
-        keep = _trim(counter, messages, input_cap, tools, owner, user)
+        keep = _trim(counter, messages, input_cap, tools, owner, user, markers)
         if len(keep) < len(messages):
             applied = (f"cap_input_tokens({input_cap},dropped={len(messages) - len(keep)})",)
             originals = [originals[i] for i in keep]
@@ -204,7 +210,7 @@ def _count_bounded(counter: TokenCounter, originals: list[ChatMessage], messages
     chars = sum(len(m["content"]) for m in messages) + len(tools)
     if chars > limit * counter.max_token_chars:
         raise _too_long(tier, f"{chars} characters, more than {limit} tokens can hold", 0)  # read no further
-    text, count = counter.rendered(with_preamble(messages, tools), specials_as_text=specials_as_text)
+    text, count = counter.rendered(with_preamble(messages, tools), specials_as_text=specials_as_text, markers=markers)
     prefix_chars = limit * PREFIX_CHARS_PER_TOKEN
     prefixed = len(text) > prefix_chars
     if prefixed and count(text[:prefix_chars]) > limit + PREFIX_MARGIN_TOKENS:
@@ -213,7 +219,7 @@ def _count_bounded(counter: TokenCounter, originals: list[ChatMessage], messages
 
 
 def _trim(counter: TokenCounter, messages: list[dict[str, Any]], cap: int, tools: str = "",
-          owner: Hashable = None, user: Hashable = None) -> list[int]:
+          owner: Hashable = None, user: Hashable = None, markers: MarkerEscape | None = None) -> list[int]:
     """Indexes of the messages kept when the oldest turns (never a system message, never the last message)
     are dropped until the prompt has at most `cap` tokens, or nothing more may be dropped."""
     droppable = [i for i, m in enumerate(messages[:-1]) if m["role"] != "system"]
@@ -234,7 +240,7 @@ def _trim(counter: TokenCounter, messages: list[dict[str, Any]], cap: int, tools
     estimate = dict(zip(candidates, (n + counter.message_overhead(messages[i]["role"])
                                      for i, n in zip(candidates, counts, strict=True)), strict=True))
     kept = sorted(fixed + candidates)
-    total = counter.prompt_tokens(with_preamble([messages[i] for i in kept], tools), owner, user)
+    total = counter.prompt_tokens(with_preamble([messages[i] for i in kept], tools), owner, user, markers=markers)
     dropped, recounts = 0, 0
     while total > cap and dropped < len(candidates):
         # drop by the estimate, then check exactly; an estimate that was short drops one turn more (and
@@ -246,7 +252,7 @@ def _trim(counter: TokenCounter, messages: list[dict[str, Any]], cap: int, tools
         if recounts >= MAX_RECOUNTS:
             dropped = len(candidates)
         kept = sorted(fixed + candidates[dropped:])
-        total = counter.prompt_tokens(with_preamble([messages[i] for i in kept], tools), owner, user)
+        total = counter.prompt_tokens(with_preamble([messages[i] for i in kept], tools), owner, user, markers=markers)
     return kept
 
 
