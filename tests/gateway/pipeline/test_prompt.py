@@ -73,10 +73,10 @@ def test_the_input_cap_counts_a_bounded_number_of_times_however_long_the_convers
     calls: list[int] = []
     real, here = TokenCounter.prompt_tokens, threading.get_ident()
 
-    def counted(self: TokenCounter, ms: Any, owner: Any = None, user: Any = None) -> int:
+    def counted(self: TokenCounter, ms: Any, owner: Any = None, user: Any = None, **kw: Any) -> int:
         if threading.get_ident() == here:  # a gateway another test left running in this process counts too
             calls.append(len(ms))
-        return real(self, ms, owner, user)
+        return real(self, ms, owner, user, **kw)
 
     monkeypatch.setattr(TokenCounter, "prompt_tokens", counted)
     rng = random.Random(3)
