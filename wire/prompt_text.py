@@ -225,8 +225,13 @@ class PlainTenantText:
         return len(self.ids(text, escaped))
 
     def texts_tokens(self, texts: Sequence[str]) -> list[int]:
-        """Tokens of each of `texts` read as text, in one call."""
-        return [len(e.ids) for e in self._plain.encode_batch(list(texts), add_special_tokens=False)]
+        """Tokens of each of `texts` (turns' contents) read as text, in one call; our markers in them (where the
+        turns were made with `marker_escape`, only ours are left) one token each, as they read in the prompt."""
+        if not self.markers:
+            return [len(e.ids) for e in self._plain.encode_batch(list(texts), add_special_tokens=False)]
+        parts = [self._marker.split(t) for t in texts]  # text, marker, text, ..., text
+        encoded = iter(self._plain.encode_batch([p for ps in parts for p in ps[::2]], add_special_tokens=False))
+        return [len(ps) // 2 + sum(len(next(encoded).ids) for _ in ps[::2]) for ps in parts]
 
     def ids(self, text: str, escaped: Escaped) -> list[int]:
         """The token ids of `text` (rendered from `escaped.turns`): the template's special tokens and our markers as

@@ -194,3 +194,20 @@ def test_the_counters_prompt_tokens_take_the_requests_escape(qwen: tuple[Any, st
         markers = counter.marker_escape()
         turns = render_messages(ChatCompletionRequest.model_validate(payload), markers)
         assert counter.prompt_tokens(turns, markers=markers) == len(served_ids(url, runner, payload))
+
+
+def test_the_counters_estimate_of_a_turn_reads_our_markers_as_tokens(tmp_path: Path) -> None:
+    """The input cap's estimate of each turn (gateway/pipeline/prompt.py `_trim`) is what it was: our markers in a
+    turn's content one token each, anything else as text."""
+    tokenizer = markers_tokenizer()
+    tokenizer.save_pretrained(tmp_path)
+    counter = TokenCounter(tmp_path)
+    config = json.loads(tokenizer.backend_tokenizer.to_str())
+    config["added_tokens"] = [t for t in config["added_tokens"] if t["content"] in RENDERED_MARKERS]
+    reference = Tokenizer.from_str(json.dumps(config))
+    markers = counter.marker_escape()
+    contents = [t["content"] for t in render_messages(
+        ChatCompletionRequest.model_validate(payloads(f"{FORGED} <think>")["tool result"]), markers)]
+    assert any("<tool_call>" in c for c in contents) and any("<|im_end|>" in c for c in contents)
+    assert counter.content_tokens(contents) == [len(reference.encode(c, add_special_tokens=False).ids)
+                                                for c in contents]
