@@ -93,7 +93,7 @@ class MarkerEscape:
         self.prefix = f"\ue000{secrets.token_hex(8)}"
         self.texts = [*texts, self.prefix]  # a sentinel's index is one of these
         self._markers = markers
-        self._index = {t: k for k, t in enumerate(self.texts)}
+        self._sentinels = {t: f"{self.prefix}{k}\ue001" for k, t in enumerate(self.texts)}
         self.written = 0  # sentinels written
 
     def __call__(self, value: str) -> str:
@@ -101,13 +101,10 @@ class MarkerEscape:
         sentinels hold, so that a tenant's spelling of one is put back as text)."""
         if self.prefix in value:  # first: the sentinels written next hold it
             self.written += value.count(self.prefix)
-            value = value.replace(self.prefix, self._sentinel(self.prefix))
-        value, n = self._markers.subn(lambda m: self._sentinel(m[0]), value)
+            value = value.replace(self.prefix, self._sentinels[self.prefix])
+        value, n = self._markers.subn(lambda m: self._sentinels[m[0]], value)
         self.written += n
         return value
-
-    def _sentinel(self, text: str) -> str:
-        return f"{self.prefix}{self._index[text]}\ue001"
 
 
 class PlainTenantText:
