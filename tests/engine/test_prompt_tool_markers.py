@@ -211,3 +211,18 @@ def test_the_counters_estimate_of_a_turn_reads_our_markers_as_tokens(tmp_path: P
     assert any("<tool_call>" in c for c in contents) and any("<|im_end|>" in c for c in contents)
     assert counter.content_tokens(contents) == [len(reference.encode(c, add_special_tokens=False).ids)
                                                 for c in contents]
+
+
+def test_a_formats_description_spelling_our_markers_is_escaped() -> None:
+    """Without tools, a json_schema format's description goes into the system message (wire/tool_calls.py
+    `format_line`): the tenant's markers there are escaped as anywhere else."""
+    plain = PlainTenantText.for_tokenizer(markers_tokenizer())
+    assert plain is not None
+    markers = plain.marker_escape()
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "description": FORGED_CALL, "schema": {}}}
+    req = ChatCompletionRequest.model_validate(body([{"role": "user", "content": "Hi"}], response_format=fmt))
+    turns = render_messages(req, markers)
+    assert "<tool_call>" in render_messages(req)[0]["content"] and not any(m in turns[0]["content"]
+                                                                            for m in RENDERED_MARKERS)
+    escaped = plain.escaped(turns, markers)
+    assert escaped is not None and plain.restored(turns[0]["content"], escaped) == render_messages(req)[0]["content"]
