@@ -53,7 +53,11 @@ def train(if_missing: bool, num_prompts: int, max_tokens: int, max_prompt_tokens
     against the reference tier's (0.5 x MiniLM similarity of the answers + 0.5 x teacher-forced top-1
     agreement on the reference's tokens), and fits one ridge regression per cheaper tier from the prompt's
     MiniLM embedding and simple features (length, turns, code, script, request type) to that fidelity.
-    A tier whose model is not built yet (small, before `tiergate models distill`) is skipped.
+    From the same answers it calibrates the cascade: per cheaper tier, a confidence head on its own
+    log-probabilities with thresholds per quality floor, and per tier pair a stop at a divergence risk (the
+    token at which a non-streamed cheap answer is cut and retried on the dearer tier; kept only where it
+    saves on the training answers at tiers.yaml's prices). A tier whose model is not built yet (small,
+    before `tiergate models distill`) is skipped.
 
     The artifact is versioned; the gateway loads it at start-up. Time on 2 CPU cores at 48 tokens: roughly
     2 to 3 minutes per 100 prompts for each tier's answers (int8 is slower, a small student faster), plus
