@@ -61,7 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ref", default=None, help="the other tree: a commit of this repository [HEAD]")
     p.add_argument("--other", type=Path, default=None, help="the other tree: a directory (instead of --ref)")
-    p.add_argument("--paths", default="ab", help="which paths, of a, b and c [ab]")
+    p.add_argument("--paths", default="ab", help="which paths, of a, b and c, e.g. ab or a,b [ab]")
     p.add_argument("--concurrency", type=int, default=16, help="requests in flight [16]")
     p.add_argument("--requests", type=int, default=2000, help="requests per round [2000]")
     p.add_argument("--rounds", type=int, default=4, help="rounds per path in one pair of processes [4]")
@@ -71,7 +71,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the two take turns round by round instead of running at once: for latency (each round's "
                         "p50), which two processes on one CPU would share")
     p.add_argument("--child", nargs=2, metavar=("CONFIG_DIR", "CPU"), help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.paths = args.paths.replace(",", "")  # "a,b" ran a path "," too, timing whatever it fell through to
+    if not args.paths or set(args.paths) - set("abc") or len(set(args.paths)) < len(args.paths):
+        p.error(f"--paths: each of a, b and c at most once (e.g. ab or a,b), not {args.paths!r}")
+    return args
 
 
 # ---- the child: one tree's app, driven over ASGI -------------------------------------------------------------
