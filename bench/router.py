@@ -68,6 +68,7 @@ from bench.cost_quality import (
 )
 from bench.stop_cascade import fit_risk_stop, fit_tie_slope, risk_gaps, tie_gaps, tie_thresholds
 from tiers.divergence import HAZARD_EDGES
+from training.divergence_fit import fit_stops
 
 offline_hub()
 
@@ -211,9 +212,10 @@ def run(args: argparse.Namespace, command: str) -> list[str]:
     pairs = [(t, "full") for t in tiers if t != "full"] + ([("small", "mid")] if {"small", "mid"} <= set(tiers) else [])
     slopes = {pair: fit_tie_slope(trained, *pair, catalogue, args.max_tokens) for pair in pairs}
     risks = {pair: fit_risk_stop(trained, *pair, catalogue, args.max_tokens) for pair in pairs}
-    kept = model.cascade.stops if args.artifact and model.cascade is not None else {}
-    if model.cascade is not None and not kept:  # the gateway's stops: fitted on the training answers, stored
-        model = model.with_stops({f"{w}->{s}": stop for (w, s), (*_, stop, _) in risks.items() if stop is not None})
+    if model.cascade is not None and not model.cascade.stops:  # an artifact from before the stops: fitted on the
+        # training answers by the product's own rule (training/divergence_fit.py `fit_stops`, which `train` ran on a
+        # model trained here: its stops are kept as they are), and stored
+        model = model.with_stops(fit_stops(trained, pairs, catalogue, args.max_tokens)[0])
         out = args.out or (None if args.artifact else work_dir / "bench-difficulty.json")
         if out is not None:
             model.save(out)
@@ -286,7 +288,9 @@ def run(args: argparse.Namespace, command: str) -> list[str]:
               for (weak, strong), (hazard, power, *_) in risks.items()]
     lines += [f"Its threshold, {weak} → {strong}, on the training answers: " + (
         f"{stop.threshold:.4f}: {fit['stopped']:.0%} stopped, quality {fit['quality']:.3f}, saving {fit['saving']:.1%}"
-        if stop is not None else "none (mid keeps the target unstopped, or no threshold reaches it)")
+        + ("" if model.cascade and model.cascade.stop(weak, strong) == stop else " (not in the artifact: it saved "
+           "nothing, or the artifact's pairs are others)")
+        if stop is not None else "none (the cheap tier keeps the target unstopped, or no threshold reaches it)")
         for (weak, strong), (_, _, stop, fit) in risks.items()] + [""]
     lines += _predictor_lines(model, sets["ShareGPT"], trained)
     lines += _signal_lines(trained, lookahead, args.seed)

@@ -49,7 +49,9 @@ class DivergenceStop:
     power: float  # the weight's power of the share still to come (0: every token alike)
     width: int  # the answer length (tokens) the weighting and threshold were fitted at
     threshold: float  # stop where the risk is above this
-    quality: float  # the mean quality (a share of `strong`'s) the threshold kept on the training answers
+    quality: float  # the mean quality the threshold was chosen to keep on the training answers (the target it
+    # reached: QUALITY_TARGET times strong's mean, in fidelity to the reference); routes with a floor above it are
+    # judged otherwise
 
     def rate(self, margin: float) -> float:
         """The parting rate of a token with this top-2 margin (nats; +inf: no margin known)."""
@@ -57,8 +59,11 @@ class DivergenceStop:
         return self.hazard[min(k, len(self.hazard) - 1)]
 
     def weight(self, t: int) -> float:
-        """Token t's (from 0) weight: the share of a `width`-token answer still to come, to `power`; 0 past it."""
-        return (max(self.width - t, 0) / self.width) ** self.power
+        """Token t's (from 0) weight: the share of a `width`-token answer still to come, to `power`; 0 past it
+        (at power 0 too, where 0 ** 0 would be 1)."""
+        if t >= self.width:
+            return 0.0
+        return ((self.width - t) / self.width) ** self.power
 
     def to_json(self) -> dict[str, Any]:
         return {"cheap": self.cheap, "strong": self.strong, "edges": list(self.edges), "hazard": list(self.hazard),

@@ -79,4 +79,4 @@ def test_no_stop_where_the_cheap_tier_keeps_the_target_unstopped() -> None:
     trained.fidelity["mid"] = np.full(12, 0.99)
     catalogue = SimpleNamespace(tiers={"mid": Price(0.001), "full": Price(0.003)})
     *_, stop, fit = fit_risk_stop(trained, "mid", "full", catalogue, 16)
-    assert stop is None and "threshold" not in fit
+    assert stop is None and "stopped" not in fit and "saving" not in fit

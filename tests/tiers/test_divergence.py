@@ -66,6 +66,10 @@ def test_past_its_width_a_token_adds_nothing_and_a_token_without_a_margin_the_la
     for _ in range(5):
         risk.add([-0.1, -0.11])  # margin 0.01: the first bin
     assert risk.value == pytest.approx(HAZARD[0] * (1.0 + 0.5)) and risk.num_tokens == 5
+    flat = DivergenceRisk(stop(threshold=100.0, power=0.0, width=2))  # 0 ** 0 is 1: past the width it must be 0
+    for _ in range(5):
+        flat.add([-0.1, -0.11])
+    assert flat.value == pytest.approx(HAZARD[0] * 2) and [short.weight(t) for t in (2, 3)] == [0.0, 0.0]
     bare = DivergenceRisk(stop(threshold=100.0, power=0.0))
     bare.add([-0.3])
     bare.add([])
