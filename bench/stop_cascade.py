@@ -11,10 +11,11 @@ that token is what fidelity loses. A stream can be stopped there, paying for the
   which answers parted at tokens of that margin on the training answers (`divergence_hazard`), weighted by
   the share of the answer still to come to a power.
 
-Slope and power are chosen on the training answers (the most saved at QUALITY_TARGET); the threshold is what
-the benchmark sweeps (`stop_curve`). For the gateway, `fit_risk_stop` also chooses the divergence risk's threshold
-on the training answers (the cheapest point of their sweep that keeps QUALITY_TARGET of the strong tier's quality,
-the target the power is chosen at) and returns the artifact's stop (tiers/divergence.py's `DivergenceStop`).
+Slope and power are chosen on the training answers (the most saved at QUALITY_TARGET); the threshold is what the
+benchmark sweeps (`stop_curve`). For the gateway, `fit_risk_stop` also chooses the divergence risk's threshold on
+the training answers (the first point of their sweep, fewest stops first, that keeps QUALITY_TARGET of the strong
+tier's quality, the target the power is chosen at) and returns the artifact's stop (tiers/divergence.py's
+`DivergenceStop`).
 
 The divergence risk's fit is the product's (training/divergence_fit.py, which `tiergate router train` stores in the
 artifact), imported from there with the sweep it shares with the near tie; the risk's arithmetic is

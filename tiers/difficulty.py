@@ -20,10 +20,11 @@ Optionally the same again read on an answer's first `lookahead.tokens` tokens (`
 judges the cheap answer as soon as it has that many tokens and, when it falls short, stops it there and retries
 (bench/router.py measured that deciding early pays: the retried answers' cheap attempts cost less).
 Optionally, per tier pair, a stop at a divergence risk (`stops`, tiers/divergence.py's `DivergenceStop`): the
-gateway then sums the risk token by token as a non-streamed cheap answer is made and stops it where the sum
-passes the pair's threshold (bench/router.py fits it on the training answers; an artifact without it loads and
-runs as before). Adding a stop changes the artifact's `version` (`with_stops`): answers the cascade accepted are
-kept in the cache under the version whose check accepted them.
+gateway then sums the risk token by token as a non-streamed cheap answer is made and stops it where the sum passes
+the pair's threshold (`tiergate router train` fits it on the training answers, as bench/router.py does,
+training/divergence_fit.py; an artifact without it loads and runs as before). Adding a stop changes the artifact's
+`version` (`with_stops`): answers the cascade accepted are kept in the cache under the version whose check accepted
+them.
 
 The artifact is one JSON file (about 20 KB per tier): format and version, the feature spec, per-tier
 standardization and weights, how it was trained (prompts, tokens, seed, training-set size, CV error) and

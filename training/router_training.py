@@ -215,7 +215,7 @@ def train(catalogue: TierCatalogue, models_dir: Path, out: Path | None, *, num_p
             f"none (stopping {fit['stopped']:.0%} of the training answers to keep {QUALITY_TARGET:.0%} of the strong "
             f"tier's quality would save {fit['saving']:.1%}: the per-floor thresholds judge this pair)"
             if "saving" in fit else f"none (the cheap tier keeps {QUALITY_TARGET:.0%} of the strong tier's quality "
-            "unstopped, or no threshold does)"))
+            "unstopped, no threshold does, or the strong tier costs nothing)"))
     if out is not None:
         model.save(out)
         echo(f"saved {model.version} to {out}")
