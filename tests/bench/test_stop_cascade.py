@@ -3,14 +3,16 @@ QUALITY_TARGET, and the gateway's risk (tiers/divergence.py) stops the same answ
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 
 from bench.cost_quality import QUALITY_TARGET
 from bench.stop_cascade import fit_risk_stop
-from tiers.divergence import DivergenceRisk
+from tiers.divergence import DivergenceRisk, DivergenceStop
 
 
 class Price:
@@ -48,29 +50,31 @@ def trained_set() -> SimpleNamespace:
     return SimpleNamespace(answers={"mid": weak, "full": strong}, fidelity={"mid": np.array(fidelity)})
 
 
+
+def stopped_by(stop: DivergenceStop, answers: Sequence[Any]) -> list[bool]:
+    """Per answer: whether the gateway's risk (tiers/divergence.py, fed token by token as the meter feeds it) passes
+    the stop's threshold within it."""
+    out = []
+    for a in answers:
+        risk = DivergenceRisk(stop)
+        for _, top in a.logprobs:
+            risk.add(top)
+        out.append(risk.passed)
+    return out
+
 def test_the_stored_threshold_keeps_the_target_on_the_training_answers_and_the_gateway_stops_the_same_answers() -> None:
     trained = trained_set()
     catalogue = SimpleNamespace(tiers={"mid": Price(0.001), "full": Price(0.003)})
     _, power, stop, fit = fit_risk_stop(trained, "mid", "full", catalogue, 16)
     assert stop is not None and (stop.cheap, stop.strong, stop.width, stop.power) == ("mid", "full", 16, power)
     assert fit["quality"] >= QUALITY_TARGET - 1e-12 and 0 < fit["stopped"] < 1
-    stopped = []
-    for a in trained.answers["mid"]:
-        risk = DivergenceRisk(stop)
-        for _, top in a.logprobs:
-            risk.add(top)
-        stopped.append(risk.passed)
+    stopped = stopped_by(stop, trained.answers["mid"])
     assert np.mean(stopped) == fit["stopped"]  # the gateway's "passes" is the sweep's point, not one off
     quality = np.where(stopped, 1.0, trained.fidelity["mid"]).mean()
     assert quality == fit["quality"]
     # the first point that reaches the target: a threshold a little above it stops fewer and misses the target
     higher = replace(stop, threshold=stop.threshold + 1e-6)
-    fewer = []
-    for a in trained.answers["mid"]:
-        risk = DivergenceRisk(higher)
-        for _, top in a.logprobs:
-            risk.add(top)
-        fewer.append(risk.passed)
+    fewer = stopped_by(higher, trained.answers["mid"])
     assert np.where(fewer, 1.0, trained.fidelity["mid"]).mean() < QUALITY_TARGET
 
 

@@ -27,10 +27,10 @@ from bench.cost_quality import (
 )
 from bench.stop_cascade import divergence_hazard, fit_risk_stop, risk_gaps, tie_gaps, tie_thresholds
 from gateway.cli.main import cli
+from tests.bench.test_stop_cascade import stopped_by
 from tests.tiers.test_difficulty import HashEmbedder
 from tiers.catalogue import TierCatalogue
 from tiers.difficulty import default_artifact_path, load_difficulty_model
-from tiers.divergence import DivergenceRisk
 from training.divergence_fit import fit_stops
 from training.router_prompts import is_heldout, sharegpt_prompts
 from training.router_training import RouterTrainingError, collect, ensure_difficulty_model, train
@@ -158,12 +158,9 @@ def test_training_fits_the_cascade_stop_the_benchmark_fits(catalogue: TierCatalo
     assert model.cascade.stop("small", "full") == (bench_stop if kept else None)
     assert ("+stop:" in model.version) == kept
     # and the gateway's risk, with that stop, stops the share of the training answers the fit recorded
-    stopped = []
-    for a in collected.answers["small"]:
-        risk = DivergenceRisk(bench_stop)
-        for _, top in a.logprobs:
-            risk.add(top)
-        stopped.append(risk.passed or not a.text.strip())
+    stopped = [passed or not a.text.strip()
+               for passed, a in zip(stopped_by(bench_stop, collected.answers["small"]), collected.answers["small"],
+                                    strict=True)]
     assert np.mean(stopped) == pytest.approx(fits["small->full"]["stopped"])
 
 
