@@ -72,6 +72,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import socket
 import struct
 from typing import Any
@@ -333,8 +334,9 @@ def limited_protocol(timeout_s: float, stall_s: float, max_connections: int = MA
     if timeout_s <= 0 or stall_s <= 0 or max_connections <= 0 or not 0 < address_share <= 1:
         raise ValueError("the request deadline, the write stall limit and the connection cap must be positive, "
                          "an address's share of the cap in (0, 1]")
-    if not min_read_bytes_per_s > 0:  # NaN too
-        raise ValueError(f"the least read rate of a paused answer must be positive bytes/s, not {min_read_bytes_per_s}")
+    if not 0 < min_read_bytes_per_s < math.inf:  # NaN too; at an infinite one no client would earn paused time
+        raise ValueError(f"the least read rate of a paused answer must be finite positive bytes/s, "
+                         f"not {min_read_bytes_per_s}")
     attrs = {"timeout_s": float(timeout_s), "stall_s": float(stall_s),
              "min_read_bytes_per_s": float(min_read_bytes_per_s),
              "client_connections": ConnectionTable(max_connections, address_share)}

@@ -79,7 +79,8 @@ class Settings(BaseSettings):
     response_stall_timeout_s: float = Field(60.0, gt=0)
     # ...and one whose client takes its paused answer slower than this (bytes/s) is too, once the answer's paused
     # time passes the stall limit and a second for each of these bytes taken (a trickle reader: http_limits.py)
-    response_min_read_bytes_per_s: float = Field(2048.0, gt=0)  # gateway/http_limits.py MIN_READ_BYTES_PER_S
+    # gateway/http_limits.py MIN_READ_BYTES_PER_S; finite: at an infinite rate no client would earn paused time
+    response_min_read_bytes_per_s: float = Field(2048.0, gt=0, allow_inf_nan=False)
     # client connections a process keeps (fewer where its open-file limit is low): past it, the one idle longest is
     # closed for a new one (gateway/connection_cap.py: idle sockets cannot take the descriptors requests need)
     max_connections: int = Field(MAX_CONNECTIONS, gt=0)

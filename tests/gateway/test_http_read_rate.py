@@ -184,8 +184,8 @@ def test_each_answer_on_a_kept_alive_connection_has_its_own_budget() -> None:
     assert len(pauses) >= 2
 
 
-@pytest.mark.parametrize("rate", ["0", "-1"])
-def test_a_least_read_rate_that_is_not_positive_is_refused(monkeypatch: pytest.MonkeyPatch, rate: str) -> None:
+@pytest.mark.parametrize("rate", ["0", "-1", "inf", "nan"])
+def test_a_least_read_rate_not_finite_and_positive_is_refused(monkeypatch: pytest.MonkeyPatch, rate: str) -> None:
     monkeypatch.setenv("TIERGATE_RESPONSE_MIN_READ_BYTES_PER_S", rate)
     with pytest.raises(ValidationError, match="response_min_read_bytes_per_s"):
         Settings()
