@@ -22,6 +22,7 @@ from pydantic import ValidationError
 from gateway import http_limits
 from gateway.settings import Settings
 from tests.conftest import running_gateway
+from tests.gateway.held_answer import served
 from tests.gateway.raw_http import ask_big_and_read_nothing, limited_settings, wait_for_rows
 from tests.stubs import ServerThread, StubState
 
@@ -32,12 +33,7 @@ CHUNK = 4096  # what the app writes at a time
 
 def endless_answer(gone: threading.Event) -> Any:
     """An app that streams `CHUNK`s for as long as its client is there, and sets `gone` when it sees it leave."""
-    async def app(scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "lifespan":
-            while (await receive())["type"] != "lifespan.shutdown":
-                await send({"type": "lifespan.startup.complete"})
-            await send({"type": "lifespan.shutdown.complete"})
-            return
+    async def answer(receive: Any, send: Any) -> None:
         left = asyncio.ensure_future(receive())  # the request's (empty) body, then http.disconnect
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
         while True:
@@ -49,22 +45,17 @@ def endless_answer(gone: threading.Event) -> Any:
             await send({"type": "http.response.body", "body": b"x" * CHUNK, "more_body": True})
             await asyncio.sleep(0)  # uvicorn's send to a client gone returns at once: let the disconnect be heard
 
-    return app
+    return served(answer)
 
 
 def sized_answer(size: int) -> Any:
     """An app that answers each request with `size` bytes, `CHUNK`s written as fast as the client lets it."""
-    async def app(scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "lifespan":
-            while (await receive())["type"] != "lifespan.shutdown":
-                await send({"type": "lifespan.startup.complete"})
-            await send({"type": "lifespan.shutdown.complete"})
-            return
+    async def answer(receive: Any, send: Any) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"%d" % size)]})
         for sent in range(0, size, CHUNK):
             await send({"type": "http.response.body", "body": b"x" * CHUNK, "more_body": sent + CHUNK < size})
 
-    return app
+    return served(answer)
 
 
 def protocol(min_read_bytes_per_s: float, pauses: list[float]) -> type[http_limits.LimitedProtocol]:
