@@ -35,27 +35,32 @@ gateway/http_refusals.py, `RefusingProtocol`, which `LimitedProtocol` extends.
 **Reading.** An answer bigger than the sockets' buffers (a long stream with top log-probabilities is megabytes)
 waits on its client: uvicorn pauses the app's writes until the client reads, with no limit. A tenant whose client
 stops reading held the request, and with it a place in the tier's dispatch queue every tenant shares, for as long
-as it liked. Here a connection whose writes stay paused for `stall_s` is reset (its unsent bytes dropped, the
-kernel's too: `_reset`): the app sees its client gone, so the request is cancelled, its upstream closed and its place
-freed, and it is billed for what ran, as any client that leaves.
+as it liked. Here a connection whose writes stay paused with none of its answer taken for `stall_s` is reset (its
+unsent bytes dropped, the kernel's too: `_reset`): the app sees its client gone, so the request is cancelled, its
+upstream closed and its place freed, and it is billed for what ran, as any client that leaves.
 
 A client that takes a few bytes within each `stall_s`, enough for the paused writes to resume (the transport's high
 water mark less its low one, 64 KiB on uvloop and 48 on asyncio, within each minute would do), never stalls one write
 that long, and held its request, its dispatch place and its engine seat, for as long as its answer lasted: hours, for a
 stream of megabytes. So each response also has a budget of paused time: `stall_s`, and a second for every
 `min_read_bytes_per_s` bytes its client took while its writes were paused (the drop of the transport's buffer from each
-pause to its resume: nothing else is written meanwhile, as uvicorn's send waits on the resume). Past it the connection
-is reset as a stalled one is. A client that takes its answer at the least rate or faster while the gateway waits on it
-never runs out; a slower one is cut after about `stall_s / (1 - its rate / the least rate)` s of waiting, and its
-request holds its place for at most `stall_s` and its answer's size at the least rate, the time the app takes to write
-aside. The bytes written are not what is counted: those written before the first pause fill the buffers between the
-gateway and the client (a send buffer the kernel grows to 4 MB, `_reset`, and the client's receive buffer, of its own
-choosing), at 2 KiB/s half an hour and more of pauses for a client that reads none of them. What a client takes while
-its writes are not paused is not counted, nor is that time. The default least rate,
+pause to its resume, and to each look within it: nothing else is written meanwhile, as uvicorn's send waits on the
+resume). Past it the connection is reset as a stalled one is. A pause is looked at `stall_s` after it began or its
+client last took bytes in it, and where the budget would run out: what was taken is credited then, so one long pause
+(a whole JSON answer, or an embeddings body, is a single write) counts as many short ones do, and a client that took
+nothing since the last look is reset. A client that takes its answer at the least rate or faster while the gateway
+waits on it never runs out, in one pause as in many (what it takes is seen as the kernel takes it from the transport's
+buffer, once its send buffer has room for a good part of itself: a client too slow to free that room within `stall_s`
+reads as one that stopped); a slower one is cut after about `stall_s / (1 - its rate / the least rate)` s of waiting,
+and its request holds its place for at most `stall_s` and its answer's size at the least rate, the time the app takes
+to write aside. The bytes written are not what is counted: those written before the first pause fill the buffers
+between the gateway and the client (a send buffer the kernel grows to 4 MB, `_reset`, and the client's receive
+buffer, of its own choosing), at 2 KiB/s half an hour and more of pauses for a client that reads none of them. What
+a client takes while its writes are not paused is not counted, nor is that time. The default least rate,
 TIERGATE_RESPONSE_MIN_READ_BYTES_PER_S = 2 KiB/s (16 kbit/s), is below what a GPRS link delivers (20-40 kbit/s, the
-slowest mobile data) and a twentieth of the slowest 3G (384 kbit/s), so a client on any real link that reads what it is
-sent passes; the trickle reader above takes about 1 KB/s. The budget starts again at each response's end, as the request
-deadline does.
+slowest mobile data) and a twentieth of the slowest 3G (384 kbit/s), so a client on any real link that reads what it
+is sent passes; the trickle reader above takes about 1 KB/s. The budget starts again at each response's end, as the
+request deadline does.
 
 **Connections.** A process keeps at most a number of client connections, below its open-file limit, closing the
 one idle longest to make room, else the one whose request's head (then body) began longest ago and has not all come
@@ -102,6 +107,7 @@ access_logger()  # access lines, if an operator turns them on, without query str
 APP_LOG = logging.getLogger("uvicorn.error")  # a request cycle's: the app's errors
 
 MIN_READ_BYTES_PER_S = 2048.0  # a paused answer's least read rate (TIERGATE_RESPONSE_MIN_READ_BYTES_PER_S): "Reading"
+_LEAST_BUDGET_S = 0.01  # a paused answer's budget below this is spent: not a series of ever shorter timers to its end
 _PLAIN = (b"", b"identity")  # the Content-Encoding values of a body read as it is
 
 
@@ -123,11 +129,11 @@ class LimitedProtocol(RefusingProtocol):
         self.logger = CLIENT_LOG  # what clients can make it log, a line of code at most once a minute (not errors)
         self._deadline: asyncio.TimerHandle | None = None
         self._stall: asyncio.TimerHandle | None = None  # while the writes are paused: when the connection is reset
-        self._paused_at = 0.0  # when they paused (the loop's time)
+        self._paused_at = 0.0  # when they paused, or when their client last took bytes in the pause (the loop's time)
         self._paused_buffer = 0  # the transport's buffer then, or at the response's start if later
         self._response_at = 0.0  # when the current response's budget of paused time began (`_new_response`)
-        self._paused_s = 0.0  # the current response's time with its writes paused, in pauses that have ended
-        self._taken = 0  # ...and the bytes its client took during them
+        self._paused_s = 0.0  # the current response's time with its writes paused, to `_paused_at`
+        self._taken = 0  # ...and the bytes its client took during it
         self._begun = False  # a byte of the current request has come
         self._in_head = True  # the current request's line and headers have not all come
         self._head_bytes = 0  # bytes received while they had not
@@ -219,20 +225,20 @@ class LimitedProtocol(RefusingProtocol):
 
     def resume_writing(self) -> None:
         super().resume_writing()
-        if self._stall is not None:  # the response is charged the pause, and credited what its client took in it
-            self._paused_s += self.loop.time() - max(self._paused_at, self._response_at)
-            self._taken += max(0, self._paused_buffer - self.transport.get_write_buffer_size())
+        if self._stall is not None:  # the response is charged the pause's last stretch, credited what was taken in it
+            self._credit_pause()
+            self._paused_s += self.loop.time() - max(self._paused_at, self._response_at)  # if nothing was: its time
         self._unstall()
 
     def _budget_s(self) -> float:
         """The paused time the current response may still take from now: its budget less the pauses it has had,
-        the one going on included."""
+        the one going on included (its stretch since `_paused_at` not yet charged)."""
         paused = self._paused_s + self.loop.time() - max(self._paused_at, self._response_at)
         return self.stall_s + self._taken / self.min_read_bytes_per_s - paused
 
     def _time_pause(self) -> None:
-        """(Re)time the reset of the paused writes: at the pause's `stall_s`, or sooner where the response's budget
-        of paused time runs out first."""
+        """(Re)time the look at the paused writes (`_stalled`): `stall_s` after the pause began or its client last
+        took bytes in it, or sooner where the response's budget of paused time runs out first."""
         self._unstall()
         left = min(self.stall_s - (self.loop.time() - self._paused_at), self._budget_s())
         self._stall = self.loop.call_later(max(0.0, left), self._stalled)
@@ -290,14 +296,35 @@ class LimitedProtocol(RefusingProtocol):
         self._stall = _cancelled(self._stall)
 
     def _stalled(self) -> None:
+        """The pause's `stall_s` or the response's budget is up: reset, unless its client took bytes since the pause
+        began or since the last look; then those are credited, the pause goes on from now as a new stretch, and the
+        reset is timed anew, where the budget they leave is not spent."""
         self._stall = None
         if self.transport.is_closing() and not self.flow.write_paused:
             return
+        took, left = self._credit_pause(), self._budget_s()
+        if took and left >= _LEAST_BUDGET_S:
+            self._time_pause()
+            return
         type(self).stalled += 1
-        log.debug("reset a connection from %s: its answer unread for %.1f s (this answer's pauses: %.1f s, %d bytes "
-                  "taken in those that ended)", self.client, self.loop.time() - self._paused_at,
+        log.debug("reset a connection from %s: %s (this answer's pauses: %.1f s, %d bytes taken in them)", self.client,
+                  "its budget of paused time spent" if left < _LEAST_BUDGET_S else
+                  f"none of its answer taken for {self.loop.time() - self._paused_at:.1f} s",
                   self._paused_s + self.loop.time() - max(self._paused_at, self._response_at), self._taken)
         _reset(self.transport)
+
+    def _credit_pause(self) -> bool:
+        """Charge the response the pause's stretch so far and credit it what its client took in it, the pause going
+        on from now as a new stretch; whether it took any (a whole answer is one write, one pause for as long as its
+        client takes to read it: credited only at the pause's end, a client reading it at any rate would be cut at
+        `stall_s`)."""
+        now, buffered = self.loop.time(), self.transport.get_write_buffer_size()
+        if buffered >= self._paused_buffer:
+            return False
+        self._paused_s += now - max(self._paused_at, self._response_at)
+        self._taken += self._paused_buffer - buffered
+        self._paused_at, self._paused_buffer = now, buffered
+        return True
 
 
 _RESET_ON_CLOSE = struct.pack("ii", 1, 0)  # SO_LINGER on, for 0 s: a close resets the connection

@@ -48,12 +48,13 @@ def endless_answer(gone: threading.Event) -> Any:
     return served(answer)
 
 
-def sized_answer(size: int) -> Any:
-    """An app that answers each request with `size` bytes, `CHUNK`s written as fast as the client lets it."""
+def sized_answer(size: int, chunk: int = CHUNK) -> Any:
+    """An app that answers each request with `size` bytes, `chunk`s written as fast as the client lets it: one write
+    of them all where `chunk` is `size`, as a JSON answer or an embeddings body is sent."""
     async def answer(receive: Any, send: Any) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"%d" % size)]})
-        for sent in range(0, size, CHUNK):
-            await send({"type": "http.response.body", "body": b"x" * CHUNK, "more_body": sent + CHUNK < size})
+        for sent in range(0, size, chunk):
+            await send({"type": "http.response.body", "body": b"x" * chunk, "more_body": sent + chunk < size})
 
     return served(answer)
 
@@ -82,14 +83,15 @@ def ask_endless(url: str) -> socket.socket:
     return sock
 
 
-def read_in_bursts(sock: socket.socket, burst: int, every_s: float, for_s: float) -> tuple[int, bool]:
-    """Read what `sock` is sent `burst` bytes at a time, `every_s` apart, for `for_s`, then close it: the bytes read
-    and whether the connection was reset meanwhile."""
+def read_in_bursts(sock: socket.socket, burst: int, every_s: float, for_s: float,
+                   upto: int | None = None) -> tuple[int, bool]:
+    """Read what `sock` is sent `burst` bytes at a time, `every_s` apart, for `for_s` or until `upto` bytes are read,
+    then close it: the bytes read and whether the connection was reset meanwhile."""
     got, end = 0, time.monotonic() + for_s
     try:
-        while time.monotonic() < end:
+        while time.monotonic() < end and (upto is None or got < upto):
             time.sleep(every_s)
-            want = got + burst
+            want = got + burst if upto is None else min(got + burst, upto)
             while got < want:
                 chunk = sock.recv(want - got)
                 if not chunk:
@@ -142,6 +144,48 @@ def test_a_reader_well_above_the_rate_is_never_reset() -> None:
         got, reset = read_in_bursts(ask_endless(server.url), burst=64 * 1024, every_s=0.05, for_s=2.0)
         assert not reset and got >= 20 * 64 * 1024
     assert len(pauses) >= 10  # the app wrote faster than it read: its writes waited on it, again and again
+
+
+def test_a_single_write_read_steadily_above_the_rate_for_longer_than_the_stall_limit_is_not_cut() -> None:
+    """A whole answer in one write (a JSON answer, an embeddings body) is one pause for as long as its client takes to
+    read it. Read at about 320 KiB/s against a least rate of 64 KiB/s, 512 KiB take well over the 1 s stall limit: its
+    client took bytes within every second of it, so the pause goes on and it earns more than it spends. Before, what
+    it took was credited only when the pause ended: the pause was cut at 1 s (after about 270 KB), however fast it
+    read."""
+    pauses: list[float] = []
+    size = 512 << 10
+    with ServerThread(sized_answer(size, chunk=size), http=protocol(64 << 10, pauses),
+                      send_buffer=SEND_BUFFER).start() as server:
+        got, reset = read_in_bursts(ask_endless(server.url), burst=16 * 1024, every_s=0.05, for_s=30.0, upto=size)
+        assert not reset and got == size, f"{got} of {size} bytes read, reset: {reset}"
+    assert len(pauses) == 1  # one write, one pause: what the client took was credited within it
+
+
+def test_a_single_write_read_below_the_rate_is_cut_once_its_budget_is_spent() -> None:
+    """The same single write, 2 MiB, read at about 320 KiB/s against a least rate of 8 MiB/s: each second of the
+    pause earns it a twenty-fifth of a second, so it is cut long before its end, its client reading on."""
+    pauses: list[float] = []
+    size = 2 << 20
+    with ServerThread(sized_answer(size, chunk=size), http=protocol(8 << 20, pauses),
+                      send_buffer=SEND_BUFFER).start() as server:
+        got, reset = read_in_bursts(ask_endless(server.url), burst=16 * 1024, every_s=0.05, for_s=4.0, upto=size)
+        assert reset and got < size, f"{got} of {size} bytes read, reset: {reset}"
+
+
+def test_a_client_that_stops_reading_a_single_write_is_cut_at_the_stall_limit() -> None:
+    """Bytes taken within a pause keep it going only while they come: a client that reads the start of a 1 MiB
+    single write and then nothing (well past the stall limit, at any least rate) is reset, the rest never sent."""
+    pauses: list[float] = []
+    size = 1 << 20
+    with ServerThread(sized_answer(size, chunk=size), http=protocol(1, pauses),
+                      send_buffer=SEND_BUFFER).start() as server, ask_endless(server.url) as sock:
+        got = 0
+        while got < 64 * 1024:
+            got += len(sock.recv(64 * 1024 - got))
+        time.sleep(3 * STALL_S)  # credited at the first look, then nothing taken until the next: reset there
+        with pytest.raises(ConnectionResetError):
+            while got < size and (chunk := sock.recv(65536)):
+                got += len(chunk)
 
 
 def test_the_least_read_rate_is_set_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
