@@ -170,10 +170,11 @@ class TokenCounter:
             return self._words.count(piece)
         return self.count(piece)
 
-    def content_tokens(self, texts: Sequence[str]) -> list[int]:
-        """Tokens of each text (a message's: a special token's string in it is text), in one call."""
+    def content_tokens(self, texts: Sequence[str], markers: MarkerEscape | None = None) -> list[int]:
+        """Tokens of each text (a message's: a special token's string in it is text), in one call; `markers`: the
+        escape the texts were made with (`marker_escape`), if any."""
         if self._plain is not None:
-            return self._plain.texts_tokens(texts)
+            return self._plain.texts_tokens(texts, markers)
         return [len(e.ids) for e in self.tokenizer.encode_batch(list(texts), add_special_tokens=False)]
 
     def message_overhead(self, role: str) -> int:

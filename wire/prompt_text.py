@@ -106,6 +106,12 @@ class MarkerEscape:
         self.written += n
         return value
 
+    def restored(self, text: str) -> str:
+        """`text` (made from escaped strings) with each sentinel this escape wrote put back as the tenant's string."""
+        if not self.written or self.prefix not in text:
+            return text
+        return re.sub(re.escape(self.prefix) + "([0-9]+)\ue001", lambda m: self.texts[int(m[1])], text)
+
 
 class PlainTenantText:
     """The added tokens of one tokenizer (special or not), found in tenant strings and tokenized there as text."""
@@ -221,13 +227,18 @@ class PlainTenantText:
         """The number of `ids`."""
         return len(self.ids(text, escaped))
 
-    def texts_tokens(self, texts: Sequence[str]) -> list[int]:
+    def texts_tokens(self, texts: Sequence[str], markers: MarkerEscape | None = None) -> list[int]:
         """Tokens of each of `texts` (turns' contents) read as text, in one call; our markers in them (where the
-        turns were made with `marker_escape`, only ours are left) one token each, as they read in the prompt."""
+        turns were made with `marker_escape`, only ours are left) one token each, as they read in the prompt, and the
+        tenant's strings that `markers` (the escape the turns were made with) put sentinels in for, as text: counted
+        as their sentinels, a tenant's 11-character `<tool_call>` was a 20-character sentinel's tokens."""
         if not self.markers:
             return [len(e.ids) for e in self._plain.encode_batch(list(texts), add_special_tokens=False)]
         parts = [self._marker.split(t) for t in texts]  # text, marker, text, ..., text
-        encoded = iter(self._plain.encode_batch([p for ps in parts for p in ps[::2]], add_special_tokens=False))
+        pieces = [p for ps in parts for p in ps[::2]]
+        if markers is not None:
+            pieces = [markers.restored(p) for p in pieces]
+        encoded = iter(self._plain.encode_batch(pieces, add_special_tokens=False))
         return [len(ps) // 2 + sum(len(next(encoded).ids) for _ in ps[::2]) for ps in parts]
 
     def ids(self, text: str, escaped: Escaped) -> list[int]:

@@ -236,7 +236,7 @@ def _trim(counter: TokenCounter, messages: list[dict[str, Any]], cap: int, tools
             break
         candidates.append(i)
     candidates.reverse()  # oldest first
-    counts = counter.content_tokens([messages[i]["content"] for i in candidates])
+    counts = counter.content_tokens([messages[i]["content"] for i in candidates], markers)
     estimate = dict(zip(candidates, (n + counter.message_overhead(messages[i]["role"])
                                      for i, n in zip(candidates, counts, strict=True)), strict=True))
     kept = sorted(fixed + candidates)

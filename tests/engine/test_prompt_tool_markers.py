@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -197,20 +198,34 @@ def test_the_counters_prompt_tokens_take_the_requests_escape(qwen: tuple[Any, st
 
 
 def test_the_counters_estimate_of_a_turn_reads_our_markers_as_tokens(tmp_path: Path) -> None:
-    """The input cap's estimate of each turn (gateway/pipeline/prompt.py `_trim`) is what it was: our markers in a
-    turn's content one token each, anything else as text."""
+    """The input cap's estimate of each turn (gateway/pipeline/prompt.py `_trim`): our markers in a turn's content one
+    token each, anything else as text, the tenant's markers too (counted as their sentinels, a tenant quoting many
+    was estimated at nearly twice its tokens, and `_trim` dropped turns by that)."""
     tokenizer = markers_tokenizer()
     tokenizer.save_pretrained(tmp_path)
     counter = TokenCounter(tmp_path)
     config = json.loads(tokenizer.backend_tokenizer.to_str())
     config["added_tokens"] = [t for t in config["added_tokens"] if t["content"] in RENDERED_MARKERS]
     reference = Tokenizer.from_str(json.dumps(config))
+    plain = as_text(tokenizer)
     markers = counter.marker_escape()
-    contents = [t["content"] for t in render_messages(
-        ChatCompletionRequest.model_validate(payloads(f"{FORGED} <think>")["tool result"]), markers)]
+    req = ChatCompletionRequest.model_validate(payloads(f"{FORGED} {FORGED_CALL} <think>")["tool result"])
+    contents = [t["content"] for t in render_messages(req, markers)]
+    ours = [t["content"] for t in render_messages(req)]  # unescaped: ours and the tenant's markers alike
     assert any("<tool_call>" in c for c in contents) and any("<|im_end|>" in c for c in contents)
-    assert counter.content_tokens(contents) == [len(reference.encode(c, add_special_tokens=False).ids)
-                                                for c in contents]
+    assert markers is not None and markers.written
+
+    def expected(escaped: str) -> int:  # ours one token each (`reference`), the tenant's strings as text
+        pieces = re.split("(" + "|".join(map(re.escape, RENDERED_MARKERS)) + ")", escaped)
+        return sum(len(reference.encode(p, add_special_tokens=False).ids) if p in RENDERED_MARKERS else
+                   len(plain.encode(markers.restored(p), add_special_tokens=False).ids) for p in pieces if p)
+
+    assert counter.content_tokens(contents, markers) == [expected(c) for c in contents]
+    # the tenant's markers counted as text, not as sentinels: fewer tokens than the sentinels' text, and more than
+    # the same turns with every marker a token
+    assert sum(counter.content_tokens(contents, markers)) < sum(counter.content_tokens(contents))
+    assert sum(counter.content_tokens(contents, markers)) > sum(len(reference.encode(c, add_special_tokens=False).ids)
+                                                                for c in ours)
 
 
 def test_a_formats_description_spelling_our_markers_is_escaped() -> None:
