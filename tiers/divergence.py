@@ -15,7 +15,9 @@ fully as the first token did in training, and the threshold then stops answers i
 past `width` adds nothing (the share is clipped at 0: the training answers had no such token).
 
 A token that came with fewer than two alternatives has no margin: it adds the last bin's rate, as a margin
-above every edge would (the bench's answers always had five; a tier that sends none is "not checked").
+above every edge would (the bench's answers always had five). The risk passes only once a token had a margin: a tier
+that sends none is "not checked", and its answer stands (a fitted hazard is never 0, training/divergence_fit.py's
+smoothing, so its last bin's rate alone would stop every answer of a tier without alternatives past some length).
 
 One implementation serves the gateway (gateway/pipeline/meter.py feeds `DivergenceRisk` the tier's chunks, O(1)
 per token) and the benchmark (bench/stop_cascade.py's `risk_gaps` runs `cumulative_risk` over its answers), so
@@ -144,7 +146,7 @@ class DivergenceRisk:
         margin = first - second if second > -math.inf else math.inf
         self.value += self.stop.rate(margin) * self.stop.weight(self.num_tokens)
         self.num_tokens += 1
-        if self.value > self.stop.threshold:
+        if self.value > self.stop.threshold and self.num_with_top:  # no margin yet: no evidence (the docstring)
             self.passed_at = self.num_tokens
 
     def add_openai(self, logprobs: object) -> None:

@@ -129,7 +129,7 @@ class Unsure(Stops):
                                                              0.95)}
 
 
-@pytest.mark.parametrize("model", [Stops])
+@pytest.mark.parametrize("model", [Stops, Unsure])
 def test_a_tier_that_sends_no_alternatives_is_not_stopped(
         settings: tuple[Settings, StubState], engine_small: tuple[str, ScriptedRunner],  # noqa: F811
         tmp_path: Path, model: type[Stops]) -> None:
