@@ -6,6 +6,8 @@ both attempts once; a tier that sends no alternatives is not stopped on no evide
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 from itertools import pairwise
 from pathlib import Path
@@ -91,11 +93,24 @@ def test_the_ladders_disable_cascade_leaves_a_stopped_answer_standing(
 
 def test_a_client_that_leaves_during_the_retry_settles_both_attempts_once(
         settings: tuple[Settings, StubState], tmp_path: Path) -> None:  # noqa: F811
-    body = BODY | {"messages": [{"role": "user", "content": "anything STUB:slow"}]}  # mid: 0.2 s a word
+    """The client leaves once `mid` has been asked (its stub answers a word each 0.2 s: 1.2 s in all), whatever the
+    machine's load: both attempts settle once, small's stopped and billed, mid's cancelled."""
+    body = BODY | {"messages": [{"role": "user", "content": "anything STUB:slow"}]}
     with stopping(settings, tmp_path, 0.25) as gw:
-        with pytest.raises(httpx.ReadTimeout), httpx.Client(
-                base_url=gw.url, headers={"authorization": f"Bearer {gw.tenant_key}"}, timeout=0.8) as c:
-            c.post("/v1/chat/completions", json=body)
+
+        async def leave_once_mid_is_asked() -> None:
+            async with httpx.AsyncClient(base_url=gw.url, timeout=60,
+                                         headers={"authorization": f"Bearer {gw.tenant_key}"}) as c:
+                asked = asyncio.create_task(c.post("/v1/chat/completions", json=body))
+                deadline = time.monotonic() + 30
+                while not settings[1].requests and not asked.done() and time.monotonic() < deadline:
+                    await asyncio.sleep(0.01)
+                assert not asked.done(), "the answer came before mid was asked and the client could leave"
+                asked.cancel()  # the connection closes: the client is gone
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asked
+
+        asyncio.run(leave_once_mid_is_asked())
         wait_settled(gw, 2)
         time.sleep(0.5)  # a row settled twice would come after
         assert held(gw) == [] and len(settings[1].requests) == 1
