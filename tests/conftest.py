@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai._base_client
 import pytest
 from hypothesis import settings
 
@@ -27,6 +28,13 @@ from gateway.stores import open_ledger, open_tenant_store
 from gateway.tenants.records import ADMIN
 from gateway.tenants.store import TenantStore
 from tests.stubs import ServerThread, StubState, free_port, stub_app
+
+# A test that leaves an `openai.OpenAI` client unclosed has it closed by the garbage collector, in whichever thread
+# allocates at that moment; its close asks logging for a level (httpcore's trace), which takes logging's module lock.
+# Litestar configures logging for every app it builds, holding that lock while it starts a queue listener's thread,
+# and a collection in that thread's start-up deadlocked the two (a test's setup hung 600 s, 2 full runs of 3 in
+# session 48). An unclosed client's sockets are closed by their own finalizers, which log nothing.
+openai._base_client.SyncHttpxClientWrapper.__del__ = lambda self: None  # type: ignore[method-assign]
 
 pytest_plugins = ["tests.postgres", "tests.pg_proxy"]  # fixtures: `postgres_server`, `database_url`, `pg_proxy`
 
