@@ -32,7 +32,7 @@ from tiers.client import TierClient
 from tiers.core_plan import SHARED_HOST as SHARED_HOST  # re-exported: tests read fleet.SHARED_HOST
 from tiers.core_plan import hardware_groups, host_core_budget, plan_cores
 from tiers.engines_file import EngineFollower, engines_document, read_published
-from tiers.errors import NoTierAvailable, TierError
+from tiers.errors import NoTierAvailable, TierError, UpstreamTimedOut
 from tiers.replica import Replica
 from tiers.replica_choice import AffinityMap, choose_replica
 from tiers.supervisor import CoreShare, EngineProcess
@@ -254,18 +254,36 @@ class Fleet:
             await self._check_remote(spec)
 
     async def _check_remote(self, spec: TierSpec) -> None:
-        """One health check of each of a remote tier's replicas (3 s at most each)."""
+        """One health check of each of a remote tier's replicas (3 s at most each).
+
+        A check that times out while requests of ours ran on the replica (when it began or when it gave up) leaves
+        it as it was: a server that runs one request at a time may answer nothing else until that one ends
+        (llama-cpp-python holds its model's lock for /v1/models too), and a busy server is not a dead one. Those
+        requests find out for themselves if it is: a refused connection takes the replica out at once, a timeout
+        counts to its breaker. A refused or broken check marks it down whatever is in flight."""
         key = self.api_key(spec)
         for rep in self.replicas_of(spec):
+            busy = rep.inflight
             try:
                 await self.client.get_json(f"{(rep.url or '').rstrip('/')}/v1/models", timeout_s=3.0, api_key=key)
                 if not rep.healthy:
                     log.info("remote tier %s replica %d is up at %s", rep.tier, rep.index, rep.url)
                 rep.mark("ready", "")
+            except UpstreamTimedOut as exc:
+                busy = max(busy, rep.inflight)
+                if rep.healthy and busy > 0:
+                    log.info("remote tier %s replica %d: health check unanswered while %d request(s) ran there "
+                             "(%s); left ready", rep.tier, rep.index, busy, exc)
+                    continue
+                self._mark_down(rep, exc)
             except TierError as exc:
-                if rep.healthy or rep.status == "starting":
-                    log.warning("remote tier %s replica %d is down: %s", rep.tier, rep.index, exc)
-                rep.mark("down", f"health check failed: {exc}")
+                self._mark_down(rep, exc)
+
+    @staticmethod
+    def _mark_down(rep: Replica, exc: TierError) -> None:
+        if rep.healthy or rep.status == "starting":
+            log.warning("remote tier %s replica %d is down: %s", rep.tier, rep.index, exc)
+        rep.mark("down", f"health check failed: {exc}")
 
 
 def declared_version(tier: TierSpec) -> str:
