@@ -20,6 +20,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import time
 from collections.abc import Callable, Sequence
 from functools import lru_cache
 from pathlib import Path
@@ -39,6 +40,7 @@ from tiers.supervisor import CoreShare, EngineProcess
 
 log = logging.getLogger("tiergate.fleet")
 REMOTE_HEALTH_EVERY_S = 5.0
+BUSY_GRACE_S = 10.0  # an unanswered health check is forgiven this long after the replica last sent us a chunk
 
 
 class Fleet:
@@ -256,11 +258,12 @@ class Fleet:
     async def _check_remote(self, spec: TierSpec) -> None:
         """One health check of each of a remote tier's replicas (3 s at most each).
 
-        A check that times out while requests of ours ran on the replica (when it began or when it gave up) leaves
-        it as it was: a server that runs one request at a time may answer nothing else until that one ends
-        (llama-cpp-python holds its model's lock for /v1/models too), and a busy server is not a dead one. Those
-        requests find out for themselves if it is: a refused connection takes the replica out at once, a timeout
-        counts to its breaker. A refused or broken check marks it down whatever is in flight."""
+        A check that times out while requests of ours ran on the replica (when it began or when it gave up), one of
+        which got a chunk from it in the last BUSY_GRACE_S, leaves it as it was: a server that runs one request at
+        a time may answer nothing else until that one ends (llama-cpp-python holds its model's lock for /v1/models
+        too), and a busy server is not a dead one. A hung one sends nothing: BUSY_GRACE_S after its last chunk, its
+        next unanswered check takes it out however much traffic waits there. A refused or broken check marks it
+        down whatever is in flight."""
         key = self.api_key(spec)
         for rep in self.replicas_of(spec):
             busy = rep.inflight
@@ -271,7 +274,8 @@ class Fleet:
                 rep.mark("ready", "")
             except UpstreamTimedOut as exc:
                 busy = max(busy, rep.inflight)
-                if rep.healthy and busy > 0:
+                heard = rep.last_heard is not None and time.monotonic() - rep.last_heard <= BUSY_GRACE_S
+                if rep.healthy and busy > 0 and heard:
                     log.info("remote tier %s replica %d: health check unanswered while %d request(s) ran there "
                              "(%s); left ready", rep.tier, rep.index, busy, exc)
                     continue

@@ -24,6 +24,7 @@ class Replica:
     model_version: str | None = None  # the engine's fingerprint of weights, quantization, engine version
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     latency_ewma_s: float | None = None  # upstream time per request, smoothed; None until one finishes
+    last_heard: float | None = None  # time.monotonic() of the last chunk one of our requests got from it
 
     def mark(self, status: str, reason: str) -> None:
         self.status = status

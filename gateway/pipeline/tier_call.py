@@ -193,6 +193,7 @@ class TierCaller:
                                       on_sent=on_sent):
                 finished = finished or any(isinstance(c, dict) and c.get("finish_reason")
                                            for c in chunk.get("choices") or [])
+                replica.last_heard = time.monotonic()  # busy, not hung: its health check may wait (tiers/fleet.py)
                 yield chunk
             verdict = True
         except UpstreamRejected as exc:

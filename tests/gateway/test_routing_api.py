@@ -227,6 +227,20 @@ def test_an_unreachable_replica_opens_its_breaker_and_the_request_is_retried(rou
     assert len(fleet3.mid1.requests) == 4
 
 
+def test_a_replica_that_sent_chunks_is_heard_from_and_one_that_did_not_is_not(routed: Gateway,
+                                                                              fleet3: Fleet3) -> None:
+    """What lets a busy replica's unanswered health check pass (tiers/fleet.py `BUSY_GRACE_S`): the time it last
+    sent one of our requests a chunk; a replica that sent nothing was never heard from."""
+    reps = routed.app.state.services.fleet.replicas["mid"]
+    assert [rep.last_heard for rep in reps] == [None, None]
+    before = time.monotonic()
+    assert chat(routed, "", model="mid").status_code == 200
+    served = 0 if fleet3.mid0.requests else 1
+    heard = reps[served].last_heard
+    assert heard is not None and before <= heard <= time.monotonic()
+    assert reps[1 - served].last_heard is None
+
+
 def test_a_schema_that_fails_mid_answer_is_the_tenants_400_and_opens_no_breaker(routed: Gateway,
                                                                                   fleet3: Fleet3) -> None:
     """One tenant's response_format whose grammar cannot go on (our engine's `response_format_failed`) is that
