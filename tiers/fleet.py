@@ -41,6 +41,7 @@ from tiers.supervisor import CoreShare, EngineProcess
 log = logging.getLogger("tiergate.fleet")
 REMOTE_HEALTH_EVERY_S = 5.0
 BUSY_GRACE_S = 10.0  # an unanswered health check is forgiven this long after the replica last sent us a chunk
+UNANSWERED_TO_DOWN = 2  # unanswered health checks in a row that take a replica out (refused: the first)
 
 
 class Fleet:
@@ -258,12 +259,13 @@ class Fleet:
     async def _check_remote(self, spec: TierSpec) -> None:
         """One health check of each of a remote tier's replicas (3 s at most each).
 
-        A check that times out while requests of ours ran on the replica (when it began or when it gave up), one of
-        which got a chunk from it in the last BUSY_GRACE_S, leaves it as it was: a server that runs one request at
-        a time may answer nothing else until that one ends (llama-cpp-python holds its model's lock for /v1/models
-        too), and a busy server is not a dead one. A hung one sends nothing: BUSY_GRACE_S after its last chunk, its
-        next unanswered check takes it out however much traffic waits there. A refused or broken check marks it
-        down whatever is in flight."""
+        A refused or broken check takes a replica out at once. An unanswered one is a strike, and the
+        UNANSWERED_TO_DOWN-th in a row takes it out (a replica not yet up, at once): a loaded host that misses one
+        3 s answer is not an outage, and a hung one is out within two intervals. No strike is counted while
+        requests of ours ran there (when the check began or gave up), one of which got a chunk from it in the
+        last BUSY_GRACE_S: a server that runs one request at a time may answer nothing else until that one ends
+        (llama-cpp-python holds its model's lock for /v1/models too), and a busy server is not a dead one. A hung
+        one sends nothing, and is counted however much traffic waits there."""
         key = self.api_key(spec)
         for rep in self.replicas_of(spec):
             busy = rep.inflight
@@ -271,6 +273,7 @@ class Fleet:
                 await self.client.get_json(f"{(rep.url or '').rstrip('/')}/v1/models", timeout_s=3.0, api_key=key)
                 if not rep.healthy:
                     log.info("remote tier %s replica %d is up at %s", rep.tier, rep.index, rep.url)
+                rep.unanswered = 0
                 rep.mark("ready", "")
             except UpstreamTimedOut as exc:
                 busy = max(busy, rep.inflight)
@@ -278,6 +281,11 @@ class Fleet:
                 if rep.healthy and busy > 0 and heard:
                     log.info("remote tier %s replica %d: health check unanswered while %d request(s) ran there "
                              "(%s); left ready", rep.tier, rep.index, busy, exc)
+                    continue
+                rep.unanswered += 1
+                if rep.healthy and rep.unanswered < UNANSWERED_TO_DOWN:
+                    log.info("remote tier %s replica %d: health check unanswered (%d of %d in a row to be taken "
+                             "out): %s", rep.tier, rep.index, rep.unanswered, UNANSWERED_TO_DOWN, exc)
                     continue
                 self._mark_down(rep, exc)
             except TierError as exc:
@@ -287,6 +295,7 @@ class Fleet:
     def _mark_down(rep: Replica, exc: TierError) -> None:
         if rep.healthy or rep.status == "starting":
             log.warning("remote tier %s replica %d is down: %s", rep.tier, rep.index, exc)
+        rep.unanswered = 0
         rep.mark("down", f"health check failed: {exc}")
 
 

@@ -1,7 +1,7 @@
-"""A remote tier's health check against a server that runs one request at a time: a check left unanswered while
-our own requests run there, and get chunks from it, does not take a busy replica out (llama-cpp-python holds
-/v1/models behind its generation). One unanswered with nothing of ours there, or with our requests getting
-nothing (a hung server), or a refused one, does."""
+"""A remote tier's health checks: a refused one takes a replica out at once; unanswered ones do at the second in a
+row (a loaded host missing one 3 s answer is not an outage), and not at all while our own requests run there and
+get chunks from it (a server that runs one request at a time, as llama-cpp-python does, holds /v1/models behind
+its generation). A hung server, whose requests get nothing, is taken out however much of ours waits there."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 
 from tiers.catalogue import TierCatalogue
 from tiers.errors import TierError, UpstreamTimedOut, UpstreamUnreachable
-from tiers.fleet import BUSY_GRACE_S, Fleet
+from tiers.fleet import BUSY_GRACE_S, UNANSWERED_TO_DOWN, Fleet
 from tiers.replica import Replica
 
 PRICES: dict[str, Any] = {"price_per_1k_input": "0.001", "price_per_1k_output": "0.002",
@@ -49,29 +49,51 @@ def check(fleet: Fleet) -> None:
     asyncio.run(fleet._check_remote(fleet.catalogue.tiers["mid"]))
 
 
-@pytest.mark.parametrize(("failure", "inflight", "heard_s_ago", "after"), [
-    (SILENT, 1, 0.0, "ready"),                       # busy with our request, which hears from it: left as it was
-    (SILENT, 0, 0.0, "down"),                        # nothing of ours there: silent is down
-    (SILENT, 1, None, "down"),                       # our request has heard nothing from it at all
-    (SILENT, 1, BUSY_GRACE_S + 1, "down"),           # nor lately: hung, however much of ours waits there
-    (UpstreamUnreachable("connection refused"), 1, 0.0, "down"),  # refused: down whatever is in flight
+@pytest.mark.parametrize(("failure", "inflight", "heard_s_ago", "checks_to_down"), [
+    (SILENT, 1, 0.0, None),                          # busy with our request, which hears from it: left as it was
+    (SILENT, 0, 0.0, UNANSWERED_TO_DOWN),            # nothing of ours there: silent, twice in a row, is down
+    (SILENT, 1, None, UNANSWERED_TO_DOWN),           # our request has heard nothing from it at all
+    (SILENT, 1, BUSY_GRACE_S + 1, UNANSWERED_TO_DOWN),  # nor lately: hung, however much of ours waits there
+    (UpstreamUnreachable("connection refused"), 1, 0.0, 1),  # refused: down at once, whatever is in flight
 ])
-def test_an_unanswered_check_leaves_a_replica_in_only_while_our_requests_hear_from_it(
-        tmp_path: Path, failure: TierError, inflight: int, heard_s_ago: float | None, after: str) -> None:
+def test_unanswered_checks_take_a_replica_out_only_in_a_row_and_not_while_our_requests_hear_from_it(
+        tmp_path: Path, failure: TierError, inflight: int, heard_s_ago: float | None,
+        checks_to_down: int | None) -> None:
+    assert UNANSWERED_TO_DOWN == 2
     client = CheckAnswers()
     fleet, rep = ready_fleet(tmp_path, client)
     rep.inflight = inflight
     rep.last_heard = None if heard_s_ago is None else time.monotonic() - heard_s_ago
     client.failure = failure
-    check(fleet)
-    assert rep.status == after and rep.healthy == (after == "ready")
-    if after == "down":
-        assert str(failure) in rep.reason
-    # once its requests are over, a check that is still unanswered takes it out
+    statuses = []
+    for _ in range(3):
+        check(fleet)
+        statuses.append(rep.status)
+    down_at = statuses.index("down") + 1 if "down" in statuses else None
+    assert down_at == checks_to_down, statuses
+    if checks_to_down is not None:
+        assert str(failure) in rep.reason and not rep.healthy
+    # once its requests are over, unanswered checks take it out
     rep.inflight = 0
     client.failure = SILENT
-    check(fleet)
+    for _ in range(UNANSWERED_TO_DOWN):
+        check(fleet)
     assert rep.status == "down"
+
+
+def test_an_answered_check_starts_the_count_again_and_a_replica_not_yet_up_is_out_at_once(tmp_path: Path) -> None:
+    client = CheckAnswers()
+    fleet, rep = ready_fleet(tmp_path, client)
+    for answer in (SILENT, None, SILENT, None):  # never two unanswered in a row
+        client.failure = answer
+        check(fleet)
+        assert rep.status == "ready"
+    # a replica starting (never up): its first unanswered check is enough to keep it out
+    starting = Fleet(TierCatalogue.model_validate(CATALOGUE), client,  # type: ignore[arg-type]
+                     models_dir=tmp_path, log_dir=tmp_path, core_budget=None)
+    client.failure = SILENT
+    check(starting)
+    assert starting.replicas["mid"][0].status == "down"
 
 
 def test_a_check_that_began_while_a_request_ran_there_is_not_an_outage_when_that_request_ends_first(
