@@ -86,8 +86,13 @@ def test_the_printed_example_request_works(served: Served) -> None:
     assert "tier small is not available" in text  # said, and routed around
 
 
-def test_openai_client_non_stream_and_stream_answer_paris(served: Served) -> None:
-    client = openai.OpenAI(base_url=f"{served.url}/v1", api_key=served.demo_key, max_retries=0)
+@pytest.fixture
+def client(served: Served) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{served.url}/v1", api_key=served.demo_key, max_retries=0) as sdk:
+        yield sdk
+
+
+def test_openai_client_non_stream_and_stream_answer_paris(client: openai.OpenAI) -> None:
     for tier in ("full", "mid"):
         out = client.chat.completions.create(model=tier, messages=QUESTION, temperature=0, max_tokens=24)
         assert "Paris" in out.choices[0].message.content, (tier, out)
@@ -103,8 +108,7 @@ def test_openai_client_non_stream_and_stream_answer_paris(served: Served) -> Non
     assert models["small"].model_extra["available"] is False and models["full"].model_extra["available"] is True
 
 
-def test_a_named_tool_is_called_with_valid_arguments(served: Served) -> None:
-    client = openai.OpenAI(base_url=f"{served.url}/v1", api_key=served.demo_key, max_retries=0)
+def test_a_named_tool_is_called_with_valid_arguments(client: openai.OpenAI) -> None:
     add = {"type": "function", "function": {"name": "add", "description": "Add two integers", "parameters": {
         "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"],
         "additionalProperties": False}}}
@@ -118,10 +122,9 @@ def test_a_named_tool_is_called_with_valid_arguments(served: Served) -> None:
     assert all("tools" in m.model_extra["capabilities"] for m in client.models.list() if m.id in ("mid", "full"))
 
 
-def test_ledger_tokens_equal_the_tokenizers_count(served: Served) -> None:
+def test_ledger_tokens_equal_the_tokenizers_count(served: Served, client: openai.OpenAI) -> None:
     from transformers import AutoTokenizer
 
-    client = openai.OpenAI(base_url=f"{served.url}/v1", api_key=served.demo_key, max_retries=0)
     raw = client.chat.completions.with_raw_response.create(model="full", messages=QUESTION, temperature=0,
                                                            max_tokens=24, extra_headers={"cache-control": "no-cache"})
     assert raw.headers["x-tiergate-cache"] == "bypass"  # the engine answers, not the cache
@@ -141,10 +144,9 @@ def test_ledger_tokens_equal_the_tokenizers_count(served: Served) -> None:
     assert row.price_usd > 0 and row.compute_cost_usd > 0 and row.cost_basis == "engine"
 
 
-def test_text_completions_continue_the_prompt_untemplated_on_every_local_tier(served: Served) -> None:
+def test_text_completions_continue_the_prompt_untemplated_on_every_local_tier(client: openai.OpenAI) -> None:
     from transformers import AutoTokenizer
 
-    client = openai.OpenAI(base_url=f"{served.url}/v1", api_key=served.demo_key, max_retries=0)
     prompt = "The capital of France is"
     tok = AutoTokenizer.from_pretrained(MODELS_DIR / "smollm2-135m-instruct")
     raw_count = len(tok(prompt, add_special_tokens=False)["input_ids"])  # no chat template around it
@@ -169,12 +171,11 @@ def test_auth_and_model_errors_against_the_real_server(served: Served) -> None:
         assert r.status_code == 401
 
 
-def test_a_crashed_engine_is_restarted_and_routed_around_meanwhile(served: Served) -> None:
+def test_a_crashed_engine_is_restarted_and_routed_around_meanwhile(served: Served, client: openai.OpenAI) -> None:
     # this gateway's own `full` engine: another test running beside this one (pytest -n 2) may run one of its own
     pids = [p.pid for p in psutil.Process(served.proc.pid).children(recursive=True) if _is_engine(p.pid, "full")]
     assert len(pids) == 1
     os.kill(pids[0], signal.SIGKILL)
-    client = openai.OpenAI(base_url=f"{served.url}/v1", api_key=served.demo_key, max_retries=0)
     with httpx.Client(base_url=served.url, headers={"authorization": f"Bearer {served.admin_key}"}) as c:
         deadline = time.time() + 10
         while c.get("/health").json()["tiers"]["full"]["ready"]:

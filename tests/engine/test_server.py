@@ -33,31 +33,31 @@ def served() -> Iterator[tuple[str, LLMEngine, ScriptedRunner]]:
 
 def test_non_stream_and_stream_with_the_openai_client(served: tuple[str, LLMEngine, ScriptedRunner]) -> None:
     url, _, _ = served
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
-    out = client.chat.completions.create(model="tiny", messages=MSG, temperature=0)
-    assert out.choices[0].message.content == "Paris is the capital." and out.choices[0].finish_reason == "stop"
-    assert out.usage.prompt_tokens == len("<user>capital of France?>")
-    stream = client.chat.completions.create(model="tiny", messages=MSG, stream=True, max_tokens=5,
-                                            stream_options={"include_usage": True})
-    chunks = list(stream)
-    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Paris"
-    assert chunks[-1].usage.completion_tokens == 5
-    assert [m.id for m in client.models.list()] == ["tiny"]
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="none") as client:
+        out = client.chat.completions.create(model="tiny", messages=MSG, temperature=0)
+        assert out.choices[0].message.content == "Paris is the capital." and out.choices[0].finish_reason == "stop"
+        assert out.usage.prompt_tokens == len("<user>capital of France?>")
+        stream = client.chat.completions.create(model="tiny", messages=MSG, stream=True, max_tokens=5,
+                                                stream_options={"include_usage": True})
+        chunks = list(stream)
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Paris"
+        assert chunks[-1].usage.completion_tokens == 5
+        assert [m.id for m in client.models.list()] == ["tiny"]
 
 
 def test_penalties_reach_the_sampler_and_a_bad_one_is_a_400_naming_it(
         served: tuple[str, LLMEngine, ScriptedRunner]) -> None:
     url, _, runner = served
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
-    client.chat.completions.create(model="tiny", messages=MSG, max_tokens=2, presence_penalty=0.5,
-                                   frequency_penalty=-1.25)
-    params = runner.steps[-1].seqs[0].params
-    assert (params.presence_penalty, params.frequency_penalty) == (0.5, -1.25) and params.penalized
-    client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, frequency_penalty=2)
-    params = runner.steps[-1].seqs[0].params
-    assert (params.presence_penalty, params.frequency_penalty) == (0.0, 2.0)
-    client.chat.completions.create(model="tiny", messages=MSG, max_tokens=2)
-    assert not runner.steps[-1].seqs[0].params.penalized
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="none") as client:
+        client.chat.completions.create(model="tiny", messages=MSG, max_tokens=2, presence_penalty=0.5,
+                                       frequency_penalty=-1.25)
+        params = runner.steps[-1].seqs[0].params
+        assert (params.presence_penalty, params.frequency_penalty) == (0.5, -1.25) and params.penalized
+        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, frequency_penalty=2)
+        params = runner.steps[-1].seqs[0].params
+        assert (params.presence_penalty, params.frequency_penalty) == (0.0, 2.0)
+        client.chat.completions.create(model="tiny", messages=MSG, max_tokens=2)
+        assert not runner.steps[-1].seqs[0].params.penalized
     for value in (2.5, -3, "0.5", True):
         r = httpx.post(f"{url}/v1/chat/completions",
                        json={"model": "tiny", "messages": MSG, "frequency_penalty": value})
@@ -77,18 +77,18 @@ def test_continuous_usage_and_busy_time(served: tuple[str, LLMEngine, ScriptedRu
 
 def test_logprobs_in_openai_shape_streamed_and_not(served: tuple[str, LLMEngine, ScriptedRunner]) -> None:
     url, _, _ = served
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
-    resp = client.chat.completions.create(model="tiny", messages=MSG, max_tokens=3, logprobs=True, top_logprobs=2)
-    content = resp.choices[0].logprobs.content
-    assert [c.token for c in content] == ["P", "a", "r"]  # the scripted reply's first 3 tokens
-    assert all(c.logprob == -0.25 and len(c.top_logprobs) == 2 for c in content)
-    assert content[0].bytes == list(b"P")
-    plain = client.chat.completions.create(model="tiny", messages=MSG, max_tokens=3)
-    assert plain.choices[0].logprobs is None
-    streamed = [lp.token for ch in client.chat.completions.create(model="tiny", messages=MSG, max_tokens=3,
-                                                                 logprobs=True, stream=True)
-                for c in ch.choices if c.logprobs and c.logprobs.content for lp in c.logprobs.content]
-    assert streamed == ["P", "a", "r"]
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0) as client:
+        resp = client.chat.completions.create(model="tiny", messages=MSG, max_tokens=3, logprobs=True, top_logprobs=2)
+        content = resp.choices[0].logprobs.content
+        assert [c.token for c in content] == ["P", "a", "r"]  # the scripted reply's first 3 tokens
+        assert all(c.logprob == -0.25 and len(c.top_logprobs) == 2 for c in content)
+        assert content[0].bytes == list(b"P")
+        plain = client.chat.completions.create(model="tiny", messages=MSG, max_tokens=3)
+        assert plain.choices[0].logprobs is None
+        streamed = [lp.token for ch in client.chat.completions.create(model="tiny", messages=MSG, max_tokens=3,
+                                                                     logprobs=True, stream=True)
+                    for c in ch.choices if c.logprobs and c.logprobs.content for lp in c.logprobs.content]
+        assert streamed == ["P", "a", "r"]
     bad = httpx.post(f"{url}/v1/chat/completions", json={"model": "tiny", "messages": MSG, "top_logprobs": 2})
     assert bad.status_code == 400 and "top_logprobs needs logprobs" in bad.text
 
@@ -294,35 +294,35 @@ PROMPT = "The capital of France is"
 def test_text_completions_with_the_openai_client_streamed_and_not(
         served: tuple[str, LLMEngine, ScriptedRunner]) -> None:
     url, _, _ = served
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
-    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=50, temperature=0)
-    assert out.object == "text_completion" and out.id.startswith("cmpl-")
-    assert out.choices[0].text == "Paris is the capital." and out.choices[0].finish_reason == "stop"
-    assert out.usage.prompt_tokens == len(PROMPT)  # the prompt as it is: no chat template around it
-    assert out.model_extra["x_tiergate"]["busy_s"] > 0
-    listed = client.completions.create(model="tiny", prompt=[PROMPT], max_tokens=50)  # a list of one prompt
-    assert listed.choices[0].text == "Paris is the capital."
-    default_cap = client.completions.create(model="tiny", prompt=PROMPT)  # the legacy default: 16 tokens
-    assert default_cap.choices[0].text == "Paris is the cap" and default_cap.choices[0].finish_reason == "length"
-    chunks = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=5, stream=True,
-                                            stream_options={"include_usage": True}))
-    assert "".join(c.choices[0].text for c in chunks if c.choices) == "Paris"
-    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
-    assert chunks[-1].usage.completion_tokens == 5 and chunks[-1].usage.prompt_tokens == len(PROMPT)
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0) as client:
+        out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=50, temperature=0)
+        assert out.object == "text_completion" and out.id.startswith("cmpl-")
+        assert out.choices[0].text == "Paris is the capital." and out.choices[0].finish_reason == "stop"
+        assert out.usage.prompt_tokens == len(PROMPT)  # the prompt as it is: no chat template around it
+        assert out.model_extra["x_tiergate"]["busy_s"] > 0
+        listed = client.completions.create(model="tiny", prompt=[PROMPT], max_tokens=50)  # a list of one prompt
+        assert listed.choices[0].text == "Paris is the capital."
+        default_cap = client.completions.create(model="tiny", prompt=PROMPT)  # the legacy default: 16 tokens
+        assert default_cap.choices[0].text == "Paris is the cap" and default_cap.choices[0].finish_reason == "length"
+        chunks = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=5, stream=True,
+                                                stream_options={"include_usage": True}))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == "Paris"
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+        assert chunks[-1].usage.completion_tokens == 5 and chunks[-1].usage.prompt_tokens == len(PROMPT)
 
 
 def test_text_completion_logprobs_in_the_legacy_shape(served: tuple[str, LLMEngine, ScriptedRunner]) -> None:
     url, _, _ = served
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
-    lp = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3, logprobs=2).choices[0].logprobs
-    assert lp.tokens == ["P", "a", "r"] and lp.token_logprobs == [-0.25] * 3
-    assert lp.top_logprobs[0] == {"P": -0.25, "Q": -1.5}  # the scripted token and its neighbour
-    assert lp.text_offset == [len(PROMPT), len(PROMPT) + 1, len(PROMPT) + 2]  # counted from the prompt's start
-    streamed = [c.choices[0].logprobs for c in client.completions.create(
-        model="tiny", prompt=PROMPT, max_tokens=3, logprobs=1, stream=True) if c.choices and c.choices[0].logprobs]
-    assert [t for s in streamed for t in s.tokens] == ["P", "a", "r"]
-    assert [o for s in streamed for o in s.text_offset] == lp.text_offset
-    assert client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3).choices[0].logprobs is None
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0) as client:
+        lp = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3, logprobs=2).choices[0].logprobs
+        assert lp.tokens == ["P", "a", "r"] and lp.token_logprobs == [-0.25] * 3
+        assert lp.top_logprobs[0] == {"P": -0.25, "Q": -1.5}  # the scripted token and its neighbour
+        assert lp.text_offset == [len(PROMPT), len(PROMPT) + 1, len(PROMPT) + 2]  # counted from the prompt's start
+        streamed = [c.choices[0].logprobs for c in client.completions.create(
+            model="tiny", prompt=PROMPT, max_tokens=3, logprobs=1, stream=True) if c.choices and c.choices[0].logprobs]
+        assert [t for s in streamed for t in s.tokens] == ["P", "a", "r"]
+        assert [o for s in streamed for o in s.text_offset] == lp.text_offset
+        assert client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3).choices[0].logprobs is None
 
 
 def test_continuous_usage_of_a_text_stream(served: tuple[str, LLMEngine, ScriptedRunner]) -> None:
@@ -383,10 +383,10 @@ def test_a_model_the_engine_does_not_serve_is_a_404_and_nothing_runs(
 
 def test_the_openai_sdk_reads_an_unknown_model_as_not_found(served: tuple[str, LLMEngine, ScriptedRunner]) -> None:
     url, _, runner = served
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
-    with pytest.raises(openai.NotFoundError) as info:
-        client.chat.completions.create(model="gpt-4o", messages=MSG)
-    assert info.value.code == "model_not_found" and info.value.param == "model"
-    with pytest.raises(openai.NotFoundError):
-        client.completions.create(model="gpt-4o", prompt="capital")
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0) as client:
+        with pytest.raises(openai.NotFoundError) as info:
+            client.chat.completions.create(model="gpt-4o", messages=MSG)
+        assert info.value.code == "model_not_found" and info.value.param == "model"
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="gpt-4o", prompt="capital")
     assert not runner.steps

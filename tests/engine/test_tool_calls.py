@@ -329,24 +329,24 @@ def engine_url(prepared_models: Path) -> Iterator[str]:
 def test_the_engine_answers_required_and_named_choices_with_valid_calls(engine_url: str) -> None:
     import openai
 
-    client = openai.OpenAI(base_url=f"{engine_url}/v1", api_key="none", max_retries=0, timeout=300)
-    for choice, names in (("required", {"get_weather", "add"}), ({"type": "function", "function": {"name": "add"}},
-                                                                {"add"})):
-        answer = client.chat.completions.create(model="m", messages=USER, tools=[WEATHER, ADD],  # type: ignore
-                                                tool_choice=choice, temperature=0, max_tokens=80)  # type: ignore
-        choice0 = answer.choices[0]
-        assert choice0.finish_reason == "tool_calls" and choice0.message.tool_calls, choice0
-        for call in choice0.message.tool_calls:
-            assert call.function.name in names and call.id.startswith("call_")  # type: ignore[union-attr]
-            jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])  # type: ignore
+    with openai.OpenAI(base_url=f"{engine_url}/v1", api_key="none", max_retries=0, timeout=300) as client:
+        for choice, names in (("required", {"get_weather", "add"}), ({"type": "function", "function": {"name": "add"}},
+                                                                    {"add"})):
+            answer = client.chat.completions.create(model="m", messages=USER, tools=[WEATHER, ADD],  # type: ignore
+                                                    tool_choice=choice, temperature=0, max_tokens=80)  # type: ignore
+            choice0 = answer.choices[0]
+            assert choice0.finish_reason == "tool_calls" and choice0.message.tool_calls, choice0
+            for call in choice0.message.tool_calls:
+                assert call.function.name in names and call.id.startswith("call_")  # type: ignore[union-attr]
+                jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])  # type: ignore
 
-    chunks = list(client.chat.completions.create(model="m", messages=USER, tools=[WEATHER], tool_choice="required",
-                                                 temperature=0, max_tokens=80, stream=True))  # type: ignore
-    entries = [e for c in chunks if c.choices for e in c.choices[0].delta.tool_calls or []]
-    assert entries[0].id and entries[0].function.name == "get_weather" and len(entries) > 2  # streamed in pieces
-    arguments = "".join(e.function.arguments or "" for e in entries if e.index == 0)  # type: ignore[union-attr]
-    jsonschema.validate(json.loads(arguments), SCHEMAS["get_weather"])
-    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+        chunks = list(client.chat.completions.create(model="m", messages=USER, tools=[WEATHER], tool_choice="required",
+                                                     temperature=0, max_tokens=80, stream=True))  # type: ignore
+        entries = [e for c in chunks if c.choices for e in c.choices[0].delta.tool_calls or []]
+        assert entries[0].id and entries[0].function.name == "get_weather" and len(entries) > 2  # streamed in pieces
+        arguments = "".join(e.function.arguments or "" for e in entries if e.index == 0)  # type: ignore[union-attr]
+        jsonschema.validate(json.loads(arguments), SCHEMAS["get_weather"])
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
 
 
 def test_without_parallel_calls_generation_stops_at_the_first_whole_call() -> None:

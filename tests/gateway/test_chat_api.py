@@ -75,19 +75,19 @@ def test_stream_with_usage_is_valid_sse_and_ledger_is_written_before_done(gatewa
 
 
 def test_openai_client_stream_and_not(gateway: Gateway) -> None:
-    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=gateway.tenant_key)
-    out = client.chat.completions.create(model="auto", messages=MSG, max_tokens=16)
-    assert out.choices[0].message.content == REPLY and out.usage.completion_tokens == N
-    stream = client.chat.completions.create(model="full", messages=MSG, stream=True,
-                                            stream_options={"include_usage": True})
-    parts, usage = [], None
-    for ch in stream:
-        if ch.choices:
-            parts.append(ch.choices[0].delta.content or "")
-        if ch.usage:
-            usage = ch.usage
-    assert "".join(parts) == REPLY and usage is not None and usage.total_tokens == 2 + N
-    models = {m.id for m in client.models.list()}
+    with openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=gateway.tenant_key) as client:
+        out = client.chat.completions.create(model="auto", messages=MSG, max_tokens=16)
+        assert out.choices[0].message.content == REPLY and out.usage.completion_tokens == N
+        stream = client.chat.completions.create(model="full", messages=MSG, stream=True,
+                                                stream_options={"include_usage": True})
+        parts, usage = [], None
+        for ch in stream:
+            if ch.choices:
+                parts.append(ch.choices[0].delta.content or "")
+            if ch.usage:
+                usage = ch.usage
+        assert "".join(parts) == REPLY and usage is not None and usage.total_tokens == 2 + N
+        models = {m.id for m in client.models.list()}
     assert models == {"auto", "small", "mid", "full", "all-MiniLM-L6-v2"}  # the tiers, `auto` and the embedder
 
 
@@ -212,11 +212,11 @@ def test_client_disconnect_cancels_upstream_and_records_usage_so_far(gateway: Ga
 
 
 def test_openai_client_error_types(gateway: Gateway) -> None:
-    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=gateway.tenant_key, max_retries=0)
-    with pytest.raises(openai.NotFoundError):
+    with (openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=gateway.tenant_key, max_retries=0) as client,
+          pytest.raises(openai.NotFoundError)):
         client.chat.completions.create(model="nope", messages=MSG)
-    bad = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="tg-000000000000-x", max_retries=0)
-    with pytest.raises(openai.AuthenticationError):
+    with (openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="tg-000000000000-x", max_retries=0) as bad,
+          pytest.raises(openai.AuthenticationError)):
         bad.chat.completions.create(model="auto", messages=MSG)
 
 

@@ -5,6 +5,8 @@ fields the gateway does not serve are refused by name with nothing billed."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import openai
 import pytest
 
@@ -14,12 +16,14 @@ from tests.stubs import REPLY, TEXT_REPLY
 PROMPT = "Once upon a time"
 
 
-def client(gateway: Gateway) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=gateway.tenant_key, max_retries=0)
+@pytest.fixture
+def sdk(gateway: Gateway) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=gateway.tenant_key, max_retries=0) as client:
+        yield client
 
 
-def test_a_text_completion_reaches_the_tier_as_its_prompt_and_is_billed(gateway: Gateway) -> None:
-    done = client(gateway).completions.create(model="auto", prompt=PROMPT, max_tokens=4)
+def test_a_text_completion_reaches_the_tier_as_its_prompt_and_is_billed(gateway: Gateway, sdk: openai.OpenAI) -> None:
+    done = sdk.completions.create(model="auto", prompt=PROMPT, max_tokens=4)
     assert done.object == "text_completion" and done.id.startswith("cmpl-")
     assert done.choices[0].text == " ".join(TEXT_REPLY.split()[:4]) and done.choices[0].finish_reason == "length"
     (sent,) = gateway.stub.requests
@@ -30,15 +34,15 @@ def test_a_text_completion_reaches_the_tier_as_its_prompt_and_is_billed(gateway:
     assert done.usage is not None and (done.usage.prompt_tokens, done.usage.completion_tokens) == (4, 4)
 
 
-def test_max_tokens_defaults_to_the_legacy_16(gateway: Gateway) -> None:
-    done = client(gateway).completions.create(model="auto", prompt=PROMPT)
+def test_max_tokens_defaults_to_the_legacy_16(gateway: Gateway, sdk: openai.OpenAI) -> None:
+    done = sdk.completions.create(model="auto", prompt=PROMPT)
     assert gateway.stub.requests[0]["max_tokens"] == 16
     assert done.choices[0].text == TEXT_REPLY and done.choices[0].finish_reason == "stop"
 
 
-def test_a_streamed_text_completion_comes_in_pieces_with_usage_last(gateway: Gateway) -> None:
-    chunks = list(client(gateway).completions.create(model="auto", prompt=PROMPT, stream=True,
-                                                     stream_options={"include_usage": True}))
+def test_a_streamed_text_completion_comes_in_pieces_with_usage_last(gateway: Gateway, sdk: openai.OpenAI) -> None:
+    chunks = list(sdk.completions.create(model="auto", prompt=PROMPT, stream=True,
+                                         stream_options={"include_usage": True}))
     assert all(c.object == "text_completion" for c in chunks)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == TEXT_REPLY
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
@@ -47,17 +51,16 @@ def test_a_streamed_text_completion_comes_in_pieces_with_usage_last(gateway: Gat
     assert len(gateway.ledger_rows()) == 1
 
 
-def test_the_cache_never_answers_a_completion_with_a_chat_answer_or_back(gateway: Gateway) -> None:
+def test_the_cache_never_answers_a_completion_with_a_chat_answer_or_back(gateway: Gateway, sdk: openai.OpenAI) -> None:
     """Same text, same parameters (max_tokens 32, temperature 0): only the route tells them apart."""
-    c = client(gateway)
 
     def chat() -> tuple[str, str | None]:
-        r = c.chat.completions.with_raw_response.create(model="auto", temperature=0, max_tokens=32,
-                                                        messages=[{"role": "user", "content": PROMPT}])
+        r = sdk.chat.completions.with_raw_response.create(model="auto", temperature=0, max_tokens=32,
+                                                          messages=[{"role": "user", "content": PROMPT}])
         return r.headers["x-tiergate-cache"], r.parse().choices[0].message.content
 
     def text() -> tuple[str, str]:
-        r = c.completions.with_raw_response.create(model="auto", prompt=PROMPT, temperature=0, max_tokens=32)
+        r = sdk.completions.with_raw_response.create(model="auto", prompt=PROMPT, temperature=0, max_tokens=32)
         return r.headers["x-tiergate-cache"], r.parse().choices[0].text
 
     assert chat() == ("miss", REPLY)

@@ -42,10 +42,10 @@ def client(gw: Gateway, key: str | None = None) -> openai.OpenAI:
 
 
 def test_the_official_client_gets_sentence_transformers_vectors(gateway: Gateway, reference: np.ndarray) -> None:
-    c = client(gateway)
-    default = c.embeddings.create(model=MODEL, input=TEXTS)  # the SDK asks for base64 and decodes it
-    as_float = c.embeddings.create(model=MODEL, input=TEXTS, encoding_format="float", dimensions=384)
-    one = c.embeddings.create(model=MODEL, input=TEXTS[3])
+    with client(gateway) as c:
+        default = c.embeddings.create(model=MODEL, input=TEXTS)  # the SDK asks for base64 and decodes it
+        as_float = c.embeddings.create(model=MODEL, input=TEXTS, encoding_format="float", dimensions=384)
+        one = c.embeddings.create(model=MODEL, input=TEXTS[3])
     for answer in (default, as_float):
         assert [d.index for d in answer.data] == [0, 1, 2, 3]
         np.testing.assert_allclose(np.array([d.embedding for d in answer.data]), reference, atol=1e-5)
@@ -69,7 +69,8 @@ def test_the_official_client_gets_sentence_transformers_vectors(gateway: Gateway
 
 
 def test_the_model_is_listed_with_its_capability(gateway: Gateway) -> None:
-    models = {m.id: m for m in client(gateway).models.list()}
+    with client(gateway) as c:
+        models = {m.id: m for m in c.models.list()}
     assert models[MODEL].model_extra["capabilities"] == ["embeddings"]
     assert models["mid"].model_extra["capabilities"] == ["chat.completions", "completions", "tools"]
 
@@ -106,17 +107,17 @@ def refusals(gw: Gateway) -> list[tuple[str, int, int]]:
 
 
 def test_limits_apply_as_to_chat(metered: Gateway) -> None:
-    c = client(metered)
-    answers = [c.embeddings.create(model=MODEL, input="hello") for _ in range(3)]
-    assert all(a.data for a in answers)
-    with pytest.raises(openai.RateLimitError) as refused:  # the plan allows 3 requests a minute
-        c.embeddings.create(model=MODEL, input="hello")
+    with client(metered) as c:
+        answers = [c.embeddings.create(model=MODEL, input="hello") for _ in range(3)]
+        assert all(a.data for a in answers)
+        with pytest.raises(openai.RateLimitError) as refused:  # the plan allows 3 requests a minute
+            c.embeddings.create(model=MODEL, input="hello")
     assert refused.value.body["code"] == "rate_limit_rpm" and int(refused.value.response.headers["retry-after"]) >= 1
     assert len(metered.ledger_rows()) == 3
-    with pytest.raises(openai.PermissionDeniedError):  # admin keys do not call models
-        client(metered, metered.admin_key).embeddings.create(model=MODEL, input="hello")
-    with pytest.raises(openai.AuthenticationError):
-        client(metered, "tg-wrong").embeddings.create(model=MODEL, input="hello")
+    with client(metered, metered.admin_key) as admin, pytest.raises(openai.PermissionDeniedError):
+        admin.embeddings.create(model=MODEL, input="hello")  # admin keys do not call models
+    with client(metered, "tg-wrong") as wrong, pytest.raises(openai.AuthenticationError):
+        wrong.embeddings.create(model=MODEL, input="hello")
 
 
 def test_refused_bodies_empty_the_same_bucket_as_chat(gateway: Gateway) -> None:

@@ -52,10 +52,10 @@ def test_a_lost_answer_is_replayed_to_the_sdks_retry_and_billed_once(
     with running_gateway(gateway_settings, stub[1]) as gw:
         proxy = DroppingProxy(int(gw.url.rsplit(":", 1)[1])).start()
         try:
-            sdk = openai.OpenAI(base_url=f"{proxy.url}/v1", api_key=gw.tenant_key, max_retries=2, timeout=60)
-            raw = sdk.embeddings.with_raw_response.create(model=MODEL, input=TEXTS,
-                                                          extra_headers={"Idempotency-Key": "order-42"})
-            out = raw.parse()
+            with openai.OpenAI(base_url=f"{proxy.url}/v1", api_key=gw.tenant_key, max_retries=2, timeout=60) as sdk:
+                raw = sdk.embeddings.with_raw_response.create(model=MODEL, input=TEXTS,
+                                                              extra_headers={"Idempotency-Key": "order-42"})
+                out = raw.parse()
             assert proxy.dropped == 1  # the first answer was lost, the SDK retried
         finally:
             proxy.stop()

@@ -50,27 +50,28 @@ def spent(gateway: Gateway) -> Any:
 
 
 def test_a_lost_answer_is_replayed_to_the_retry_and_charged_once(gateway: Gateway, proxy: DroppingProxy) -> None:
-    client = sdk(proxy.url, gateway.tenant_key)
-    raw = client.chat.completions.with_raw_response.create(
-        model="mid", messages=MSG, extra_headers={"Idempotency-Key": "order-42"})
-    out = raw.parse()
+    with sdk(proxy.url, gateway.tenant_key) as client:
+        raw = client.chat.completions.with_raw_response.create(
+            model="mid", messages=MSG, extra_headers={"Idempotency-Key": "order-42"})
+        out = raw.parse()
     assert proxy.dropped == 1  # the first answer was lost, the SDK retried
     assert raw.headers["x-tiergate-idempotent-replay"] == "true"
     assert out.choices[0].message.content == REPLY and out.usage.completion_tokens == len(REPLY.split())
     (row,) = gateway.ledger_rows()  # one run, one row, charged once
     assert out.id == f"chatcmpl-{row.request_id}" and row.output_tokens == out.usage.completion_tokens
     assert len(gateway.stub.requests) == 1
-    again = sdk(gateway.url, gateway.tenant_key).chat.completions.create(  # later retries: the same answer
-        model="mid", messages=MSG, extra_headers={"Idempotency-Key": "order-42"})
+    with sdk(gateway.url, gateway.tenant_key) as client:
+        again = client.chat.completions.create(  # later retries: the same answer
+            model="mid", messages=MSG, extra_headers={"Idempotency-Key": "order-42"})
     assert again.id == out.id and len(gateway.ledger_rows()) == 1
 
 
 def test_a_lost_stream_is_replayed_as_a_stream(gateway: Gateway, proxy: DroppingProxy) -> None:
-    client = sdk(proxy.url, gateway.tenant_key)
-    stream = client.chat.completions.create(model="mid", messages=MSG, stream=True,
-                                            stream_options={"include_usage": True},
-                                            extra_headers={"Idempotency-Key": "stream-1"})
-    chunks = list(stream)
+    with sdk(proxy.url, gateway.tenant_key) as client:
+        stream = client.chat.completions.create(model="mid", messages=MSG, stream=True,
+                                                stream_options={"include_usage": True},
+                                                extra_headers={"Idempotency-Key": "stream-1"})
+        chunks = list(stream)
     assert proxy.dropped == 1
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     usage = chunks[-1].usage
@@ -164,10 +165,11 @@ def test_a_replica_that_did_not_serve_the_first_request_replays_it(
     a_settings = gateway_settings.model_copy(update={"redis_url": redis_url})
     b_settings = gateway_settings.model_copy(update={"redis_url": redis_url, "data_dir": tmp_path / "b"})
     with running_gateway(a_settings, stub[1]) as a, running_gateway(b_settings, stub[1]) as b:
-        first = sdk(a.url, a.tenant_key).chat.completions.create(
-            model="mid", messages=MSG, extra_headers={"Idempotency-Key": "fleet-1"})
-        raw = sdk(b.url, b.tenant_key).chat.completions.with_raw_response.create(
-            model="mid", messages=MSG, extra_headers={"Idempotency-Key": "fleet-1"})
+        with sdk(a.url, a.tenant_key) as client_a, sdk(b.url, b.tenant_key) as client_b:
+            first = client_a.chat.completions.create(
+                model="mid", messages=MSG, extra_headers={"Idempotency-Key": "fleet-1"})
+            raw = client_b.chat.completions.with_raw_response.create(
+                model="mid", messages=MSG, extra_headers={"Idempotency-Key": "fleet-1"})
         assert raw.headers["x-tiergate-idempotent-replay"] == "true" and raw.parse().id == first.id
         # one row, in a's ledger (each replica has its own file), or in the fleet's (the same for both)
         assert len(a.ledger_rows()) == 1 and len(b.ledger_rows()) == (1 if a_settings.database_url else 0)

@@ -59,10 +59,10 @@ def test_an_answer_redis_refuses_to_store_is_delivered_and_its_retry_is_not_bill
         gateway_settings: Settings, stub: tuple[ServerThread, StubState], redis_url: str, tmp_path: Any) -> None:
     a_settings = gateway_settings.model_copy(update={"redis_url": redis_url})
     b_settings = a_settings.model_copy(update={"data_dir": tmp_path / "b"})
-    with running_gateway(a_settings, stub[1]) as a, running_gateway(b_settings, stub[1]) as b:
+    with (running_gateway(a_settings, stub[1]) as a, running_gateway(b_settings, stub[1]) as b,
+          sdk(a.url, a.tenant_key) as client, sdk(b.url, b.tenant_key) as other):
         store = store_of(a)
         store._finish = refusing(store._finish)
-        client = sdk(a.url, a.tenant_key)
         first = client.chat.completions.create(model="mid", messages=MSG, extra_headers={"Idempotency-Key": "json"})
         assert first.choices[0].message.content == REPLY  # answered, not a 500
         with a.client(a.tenant_key) as c, c.stream(
@@ -80,7 +80,6 @@ def test_an_answer_redis_refuses_to_store_is_delivered_and_its_retry_is_not_bill
         assert raw.headers["x-tiergate-idempotent-replay"] == "true" and raw.parse().id == first.id
         assert len(a.stub.requests) == 2 and len(a.ledger_rows()) == 2  # one run, one row each
         store._finish = store._finish.real  # Redis takes writes again: the owed answers land
-        other = sdk(b.url, b.tenant_key)
         deadline = time.monotonic() + 10
         while True:
             raw = other.chat.completions.with_raw_response.create(

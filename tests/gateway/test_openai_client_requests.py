@@ -11,16 +11,16 @@ from tests.conftest import Gateway
 
 
 def test_the_sdks_in_memory_is_answered(gateway: Gateway) -> None:
-    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=gateway.tenant_key, max_retries=0)
-    out = client.chat.completions.create(model="mid", messages=[{"role": "user", "content": "hi"}],
-                                         prompt_cache_retention="in_memory")
+    with openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=gateway.tenant_key, max_retries=0) as client:
+        out = client.chat.completions.create(model="mid", messages=[{"role": "user", "content": "hi"}],
+                                             prompt_cache_retention="in_memory")
     assert out.choices[0].message.content and out.choices[0].finish_reason == "stop"
     assert gateway.stub.requests[-1]["prompt_cache_retention"] == "in_memory"
 
 
 def test_a_message_without_content_is_refused_before_any_tier(gateway: Gateway) -> None:
-    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=gateway.tenant_key, max_retries=0)
-    with pytest.raises(openai.BadRequestError) as refused:
+    with (openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=gateway.tenant_key, max_retries=0) as client,
+          pytest.raises(openai.BadRequestError) as refused):
         client.chat.completions.create(model="mid", messages=[{"role": "system"}, {"role": "user", "content": "hi"}])
     error = refused.value.response.json()["error"]
     assert error["param"] == "messages.0.content" and error["type"] == "invalid_request_error"

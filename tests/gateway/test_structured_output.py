@@ -138,8 +138,10 @@ def served(tmp_path_factory: pytest.TempPathFactory, prepared_models: Path) -> I
         yield Served(url, tmp / "data", started.demo_key)
 
 
-def client(served: Served) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{served.url}/v1", api_key=served.demo_key, max_retries=0, timeout=300)
+@pytest.fixture
+def client(served: Served) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{served.url}/v1", api_key=served.demo_key, max_retries=0, timeout=300) as sdk:
+        yield sdk
 
 
 @pytest.mark.model
@@ -165,8 +167,8 @@ def test_50_sharegpt_answers_validate_against_a_nested_schema(served: Served) ->
 
 
 @pytest.mark.model
-def test_a_streamed_answer_concatenates_to_valid_json(served: Served) -> None:
-    stream = client(served).chat.completions.create(
+def test_a_streamed_answer_concatenates_to_valid_json(client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(
         model="full", messages=[SYSTEM, {"role": "user", "content": "My printer jams on every page. Help?"}],
         temperature=0, max_tokens=MAX_TOKENS, response_format=FORMAT, stream=True)  # type: ignore[arg-type]
     parts, finish = [], None
@@ -179,9 +181,9 @@ def test_a_streamed_answer_concatenates_to_valid_json(served: Served) -> None:
 
 
 @pytest.mark.model
-def test_the_cache_never_serves_a_json_answer_to_a_prose_request(served: Served) -> None:
+def test_the_cache_never_serves_a_json_answer_to_a_prose_request(client: openai.OpenAI) -> None:
     messages = [{"role": "user", "content": "Name a colour of the sky."}]
-    chat = client(served).chat.completions.with_raw_response
+    chat = client.chat.completions.with_raw_response
     kwargs: dict[str, Any] = {"model": "full", "messages": messages, "temperature": 0, "max_tokens": 48}
     first = chat.create(response_format={"type": "json_object"}, **kwargs)
     again = chat.create(response_format={"type": "json_object"}, **kwargs)

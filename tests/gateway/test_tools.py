@@ -26,7 +26,7 @@ from litestar.response import Stream
 from gateway.ladder.apply import NORMAL
 from gateway.pipeline.prompt import PromptStage
 from tests.conftest import Gateway, running_gateway
-from tests.gateway.test_structured_output import Served, client, served  # noqa: F401 (the served fixture)
+from tests.gateway.test_structured_output import client, served  # noqa: F401 (fixtures: the served gateway, its client)
 from tests.stubs import ServerThread, StubState, health_routes, openai_tiers, write_settings
 from tiers.catalogue import TierSpec
 from wire.chat_request import ChatCompletionRequest
@@ -114,9 +114,16 @@ def openai_client(gw: Gateway, key: str | None = None) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{gw.url}/v1", api_key=key or gw.tenant_key, max_retries=0, timeout=60)
 
 
-def test_a_remote_tier_gets_the_tool_fields_as_sent_and_its_calls_reach_the_client(tool_gateway: Gateway) -> None:
+@pytest.fixture
+def sdk(tool_gateway: Gateway) -> Iterator[openai.OpenAI]:
+    with openai_client(tool_gateway) as c:
+        yield c
+
+
+def test_a_remote_tier_gets_the_tool_fields_as_sent_and_its_calls_reach_the_client(tool_gateway: Gateway,
+                                                                                  sdk: openai.OpenAI) -> None:
     sent = {"tools": [WEATHER, ADD], "tool_choice": "required", "parallel_tool_calls": False}
-    chat = openai_client(tool_gateway).chat.completions
+    chat = sdk.chat.completions
     answer = chat.create(model="mid", messages=USER, **sent)  # type: ignore[call-overload]
     got = tool_gateway.stub.requests[-1]
     assert {k: got[k] for k in sent} == sent  # verbatim: the vendor extension and its null kept
@@ -140,8 +147,8 @@ def test_a_remote_tier_gets_the_tool_fields_as_sent_and_its_calls_reach_the_clie
         {"role": "assistant", "tool_calls": call["tool_calls"]}, messages[2]]
 
 
-def test_an_idempotent_retry_replays_the_tool_calls(tool_gateway: Gateway) -> None:
-    raw = openai_client(tool_gateway).chat.completions.with_raw_response
+def test_an_idempotent_retry_replays_the_tool_calls(tool_gateway: Gateway, sdk: openai.OpenAI) -> None:
+    raw = sdk.chat.completions.with_raw_response
     sent: dict[str, Any] = {"model": "mid", "messages": USER, "tools": [WEATHER], "tool_choice": "required",
                             "extra_headers": {"Idempotency-Key": "weather-1"}}
     first = raw.create(**sent)
@@ -153,15 +160,15 @@ def test_an_idempotent_retry_replays_the_tool_calls(tool_gateway: Gateway) -> No
     assert [(c.id, c.function.name, c.function.arguments) for c in replayed.message.tool_calls or []] == calls
     streamed = {**sent, "stream": True, "extra_headers": {"Idempotency-Key": "weather-2"}}
     for _ in range(2):  # answered, then replayed as a stream
-        chunks = list(openai_client(tool_gateway).chat.completions.create(**streamed))
+        chunks = list(sdk.chat.completions.create(**streamed))
         entries = [e for c in chunks if c.choices for e in c.choices[0].delta.tool_calls or []]
         assert entries[0].function.name == "get_weather"  # type: ignore[union-attr]
         assert "".join(e.function.arguments or "" for e in entries) == STUB_ARGUMENTS  # type: ignore[union-attr]
     assert len(tool_gateway.stub.requests) == 2
 
 
-def test_auto_keeps_tool_requests_off_a_tier_that_cannot_call_tools(tool_gateway: Gateway) -> None:
-    raw = openai_client(tool_gateway).chat.completions.with_raw_response
+def test_auto_keeps_tool_requests_off_a_tier_that_cannot_call_tools(tool_gateway: Gateway, sdk: openai.OpenAI) -> None:
+    raw = sdk.chat.completions.with_raw_response
     plain = raw.create(model="auto", messages=USER)
     assert plain.headers["x-tiergate-tier"] == "small"  # the plan's default
     with_tools = raw.create(model="auto", messages=USER, tools=[WEATHER])  # type: ignore[list-item]
@@ -201,21 +208,20 @@ def test_tool_requests_that_cannot_be_served_are_400s_naming_the_field(tool_gate
 def test_a_plan_whose_tiers_cannot_call_tools_is_refused_by_name(tool_gateway: Gateway) -> None:
     tool_gateway.store.create_tenant("plain", "notools")
     _, key = tool_gateway.store.issue_key("plain", name="test")
-    with pytest.raises(openai.BadRequestError) as err:
-        openai_client(tool_gateway, key).chat.completions.create(model="auto", messages=USER,  # type: ignore
-                                                                  tools=[WEATHER])  # type: ignore[list-item]
+    with openai_client(tool_gateway, key) as c, pytest.raises(openai.BadRequestError) as err:
+        c.chat.completions.create(model="auto", messages=USER, tools=[WEATHER])  # type: ignore
     assert err.value.body["param"] == "tools"  # type: ignore[index]
 
 
-def test_models_say_which_tiers_call_tools(tool_gateway: Gateway) -> None:
-    models = {m.id: m for m in openai_client(tool_gateway).models.list()}
+def test_models_say_which_tiers_call_tools(sdk: openai.OpenAI) -> None:
+    models = {m.id: m for m in sdk.models.list()}
     assert "tools" not in models["small"].model_extra["capabilities"]  # type: ignore[index]
     assert "tools" in models["mid"].model_extra["capabilities"] and "tools" in models["auto"].model_extra[  # type: ignore
         "capabilities"]
 
 
-def test_the_cache_never_answers_across_tools(tool_gateway: Gateway) -> None:
-    raw = openai_client(tool_gateway).chat.completions.with_raw_response
+def test_the_cache_never_answers_across_tools(sdk: openai.OpenAI) -> None:
+    raw = sdk.chat.completions.with_raw_response
     base: dict[str, Any] = {"model": "mid", "messages": USER, "temperature": 0}
 
     def cache(**fields: Any) -> str:
@@ -248,8 +254,8 @@ async def test_tool_definitions_count_toward_the_prompt(prepared_models: Path) -
 
 
 @pytest.mark.model
-def test_a_local_tier_calls_tools_and_answers_their_results(served: Served) -> None:  # noqa: F811
-    chat = client(served).chat.completions
+def test_a_local_tier_calls_tools_and_answers_their_results(client: openai.OpenAI) -> None:  # noqa: F811
+    chat = client.chat.completions
     for choice, names in (("required", {"get_weather", "add"}),
                           ({"type": "function", "function": {"name": "add"}}, {"add"})):
         answer = chat.create(model="full", messages=USER, tools=[WEATHER, ADD], tool_choice=choice,  # type: ignore
@@ -269,8 +275,8 @@ def test_a_local_tier_calls_tools_and_answers_their_results(served: Served) -> N
 
 
 @pytest.mark.model
-def test_a_local_tier_streams_a_call_s_arguments_in_pieces(served: Served) -> None:  # noqa: F811
-    chunks = list(client(served).chat.completions.create(
+def test_a_local_tier_streams_a_call_s_arguments_in_pieces(client: openai.OpenAI) -> None:  # noqa: F811
+    chunks = list(client.chat.completions.create(
         model="full", messages=USER, tools=[WEATHER], tool_choice="required", temperature=0,  # type: ignore
         max_tokens=80, stream=True))
     entries = [e for c in chunks if c.choices for e in c.choices[0].delta.tool_calls or []]

@@ -101,19 +101,21 @@ def tier_ready(gw: Gateway, tier: str = "mid") -> bool:
 def test_whole_and_streamed_answers_carry_llama_cpps_usage_into_the_ledger(
         llama: LlamaCppServer, tmp_path: Path, prepared_models: Path) -> None:
     # what llama.cpp itself answers and counts for this request (greedy, so the gateway's run is the same)
-    direct = openai.OpenAI(base_url=f"{llama.url}/v1", api_key="unused", max_retries=0).chat.completions.create(
-        model=ALIAS, messages=QUESTION, temperature=0, max_tokens=24)
+    with openai.OpenAI(base_url=f"{llama.url}/v1", api_key="unused", max_retries=0) as sdk:
+        direct = sdk.chat.completions.create(model=ALIAS, messages=QUESTION, temperature=0, max_tokens=24)
     assert direct.usage is not None and direct.usage.completion_tokens > 0
     counted = (direct.usage.prompt_tokens, direct.usage.completion_tokens)
     with gateway_on(llama, tmp_path, prepared_models) as gw:
-        whole = client(gw).chat.completions.create(model="mid", messages=QUESTION, temperature=0, max_tokens=24,
-                                                   extra_headers=NO_CACHE)
+        with client(gw) as sdk:
+            whole = sdk.chat.completions.create(model="mid", messages=QUESTION, temperature=0, max_tokens=24,
+                                                extra_headers=NO_CACHE)
         assert whole.choices[0].message.content == direct.choices[0].message.content
         assert whole.usage is not None and (whole.usage.prompt_tokens, whole.usage.completion_tokens) == counted
 
-        chunks = list(client(gw).chat.completions.create(
-            model="mid", messages=QUESTION, temperature=0, max_tokens=24, stream=True,
-            stream_options={"include_usage": True}, extra_headers=NO_CACHE))
+        with client(gw) as sdk:
+            chunks = list(sdk.chat.completions.create(
+                model="mid", messages=QUESTION, temperature=0, max_tokens=24, stream=True,
+                stream_options={"include_usage": True}, extra_headers=NO_CACHE))
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         assert text == direct.choices[0].message.content
         usage = chunks[-1].usage
@@ -128,22 +130,24 @@ def test_whole_and_streamed_answers_carry_llama_cpps_usage_into_the_ledger(
 def test_a_client_that_leaves_stops_llama_cpp_generating(
         llama: LlamaCppServer, tmp_path: Path, prepared_models: Path) -> None:
     with gateway_on(llama, tmp_path, prepared_models) as gw:
-        stream = client(gw).chat.completions.create(model="mid", messages=LONG, temperature=0, max_tokens=1000,
-                                                    stream=True, extra_headers=NO_CACHE)
-        received = 0
-        for chunk in stream:
-            received += bool(chunk.choices and chunk.choices[0].delta.content)
-            if received == 3:
-                break
-        stream.close()  # the client leaves after three pieces of a 1000-token answer
+        with client(gw) as sdk:
+            stream = sdk.chat.completions.create(model="mid", messages=LONG, temperature=0, max_tokens=1000,
+                                                 stream=True, extra_headers=NO_CACHE)
+            received = 0
+            for chunk in stream:
+                received += bool(chunk.choices and chunk.choices[0].delta.content)
+                if received == 3:
+                    break
+            stream.close()  # the client leaves after three pieces of a 1000-token answer
         # llama-cpp-python prints this only from the branch that abandons a stream's generation: it stopped
         wait_until(lambda: LEFT in llama.output(), 30, "llama.cpp's server says the client left")
         wait_until(lambda: len(gw.ledger_rows()) == 1, 10, "the cancelled request's ledger row")
         (row,) = gw.ledger_rows()
         assert row.status == "cancelled" and row.input_tokens > 0 and 3 <= row.output_tokens < 1000
         # and the server is free for the next request (it runs one at a time)
-        after = client(gw).chat.completions.create(model="mid", messages=QUESTION, temperature=0, max_tokens=8,
-                                                   extra_headers=NO_CACHE)
+        with client(gw) as sdk:
+            after = sdk.chat.completions.create(model="mid", messages=QUESTION, temperature=0, max_tokens=8,
+                                                extra_headers=NO_CACHE)
         assert after.choices[0].message.content
 
 
@@ -175,7 +179,8 @@ def test_a_killed_server_is_a_clean_503_and_its_tier_comes_back_when_it_restarts
 
         llama.start()  # on the same port, as a restarted server would be
         wait_until(lambda: tier_ready(gw), REMOTE_HEALTH_EVERY_S + 5, "the health check finds the server again")
-        back = client(gw).chat.completions.create(**ask, extra_headers=NO_CACHE)
+        with client(gw) as sdk:
+            back = sdk.chat.completions.create(**ask, extra_headers=NO_CACHE)
         assert back.choices[0].message.content
         rows = gw.ledger_rows()
     # the refusal before any tier ran is not a row
