@@ -33,7 +33,9 @@ from tests.stubs import ServerThread, StubState, free_port, stub_app
 # allocates at that moment; its close asks logging for a level (httpcore's trace), which takes logging's module lock.
 # Litestar configures logging for every app it builds, holding that lock while it starts a queue listener's thread,
 # and a collection in that thread's start-up deadlocked the two (a test's setup hung 600 s, 2 full runs of 3 in
-# session 48). An unclosed client's sockets are closed by their own finalizers, which log nothing.
+# session 48). The suite's tests now close every client they make (`with openai.OpenAI(...)`, or a fixture that
+# closes it); this no-op stays as a guard, so that a client a future test forgets to close can never deadlock the
+# run: its sockets are closed by their own finalizers, which log nothing.
 openai._base_client.SyncHttpxClientWrapper.__del__ = lambda self: None  # type: ignore[method-assign]
 
 pytest_plugins = ["tests.postgres", "tests.pg_proxy"]  # fixtures: `postgres_server`, `database_url`, `pg_proxy`
