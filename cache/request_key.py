@@ -211,12 +211,59 @@ class Cacheability:
         return not (self.lookup or self.store)
 
 
-def cache_control(headers: Mapping[str, str] | None) -> set[str]:
-    """The request's Cache-Control directives, lower-cased (header names are matched case-insensitively)."""
+# Cache-Control: what a request may send. `no-cache` (not served from the cache; its answer may be kept), `no-store`
+# (its answer not kept) and `max-age=0` (no stored answer is fresh enough: `no-cache`, as a browser's reload sends it),
+# in any case, with spaces around the commas. Any other directive (`only-if-cached`, `max-age=60`, `max-stale`, a
+# misspelt `no-cahce`, `no-cache="x"`) is refused by name, never dropped: a dropped `max-age=0` or `no-cahce` was
+# served a stored answer the client had asked not to get. Bounded: the header is tenant input, read once, linearly.
+CACHE_CONTROL_MAX_CHARS = 256
+CACHE_CONTROL_MAX_ELEMENTS = 8  # list elements, empty ones (ignored, RFC 9110 section 5.6.1) included
+_HONOURED = frozenset({"no-cache", "no-store"})
+_ZERO_AGE = re.compile(r'0+|"0+"')
+_SHOWN = 40  # of a refused directive, echoed in the message
+
+
+class CacheControlRefused(ValueError):
+    """A Cache-Control header with a directive the cache does not honour, or past the bounds; the message names it."""
+
+
+def parse_cache_control(value: str) -> frozenset[str]:
+    """The honoured directives of a Cache-Control value, lower-cased (`max-age=0` read as `no-cache`); raises
+    `CacheControlRefused`, naming the directive, for anything else. Empty list elements are ignored."""
+    if len(value) > CACHE_CONTROL_MAX_CHARS:
+        raise CacheControlRefused(f"Cache-Control is {len(value)} characters; at most {CACHE_CONTROL_MAX_CHARS} are "
+                                  "read: send no-cache, no-store or both")
+    elements = value.split(",", CACHE_CONTROL_MAX_ELEMENTS)  # at most MAX + 1 parts, however many commas
+    if len(elements) > CACHE_CONTROL_MAX_ELEMENTS:
+        raise CacheControlRefused(f"Cache-Control has more than {CACHE_CONTROL_MAX_ELEMENTS} comma-separated "
+                                  "directives: send no-cache, no-store or both")
+    honoured: set[str] = set()
+    for element in elements:
+        if not (directive := element.strip(" \t")):
+            continue
+        name, eq, argument = directive.partition("=")
+        name = name.lower()
+        if name in _HONOURED and not eq:
+            honoured.add(name)
+        elif name == "max-age" and _ZERO_AGE.fullmatch(argument):
+            honoured.add("no-cache")
+        else:
+            shown = directive if len(directive) <= _SHOWN else directive[:_SHOWN] + "..."
+            why = (" (an answer's age is not checked: send no-cache not to be served a stored answer)"
+                   if name == "max-age" else "")
+            raise CacheControlRefused(f"Cache-Control directive '{shown}' is not honoured{why}; the gateway honours "
+                                      "no-cache, no-store and max-age=0 (as no-cache)")
+    return frozenset(honoured)
+
+
+def cache_control(headers: Mapping[str, str] | None) -> frozenset[str]:
+    """The request's honoured Cache-Control directives (header names are matched case-insensitively); raises
+    `CacheControlRefused` for one it does not honour. The gateway refuses such a request before any work
+    (gateway/request_headers.py); a caller of the cache's own API passes only headers this accepts."""
     if not headers:
-        return set()
+        return frozenset()
     value = next((v for k, v in headers.items() if k.lower() == "cache-control"), "")
-    return {d.strip().split("=", 1)[0].lower() for d in value.split(",") if d.strip()}
+    return parse_cache_control(value) if value else frozenset()
 
 
 def decide(request: Mapping[str, Any], headers: Mapping[str, str] | None = None, *,

@@ -5,7 +5,10 @@ the key's check uses) its first. So `Idempotency-Key: a` then `Idempotency-Key: 
 and `Cache-Control: no-store` followed by a second Cache-Control line was lost: the answer was stored. A header that
 takes one value and is sent more than once is refused by name (400 `duplicate_header`, before anything is spent);
 Cache-Control, whose directives HTTP lets a client split across lines (RFC 9110 section 5.3), is joined with commas.
-Other repeated names keep their last value: nothing of ours reads them.
+Other repeated names keep their last value: nothing of ours reads them. Cache-Control, joined, is then read here:
+a directive the cache does not honour (cache/request_key.py `parse_cache_control`: all but `no-cache`, `no-store`,
+`max-age=0`) is refused by name (400 `invalid_header`) before the tenant's gate, the body, the quota or a tier;
+it was dropped, and `max-age=0` or a misspelt `no-cahce` got a stored answer.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
+from cache.request_key import CacheControlRefused, parse_cache_control
 from gateway.errors import InvalidRequest
 
 # the headers a model route reads that take one value (the key, Idempotency-Key, the data version, the session)
@@ -22,11 +26,17 @@ JOINED = ("cache-control",)  # a list of directives, which a client may send on 
 
 
 def request_headers(request: Any) -> dict[str, str]:
-    """The request's headers by lower-case name; a 400 if one of SINGLE was sent more than once."""
+    """The request's headers by lower-case name; a 400 if one of SINGLE was sent more than once, or Cache-Control
+    has a directive the cache does not honour."""
     headers = {k.lower(): v for k, v in request.headers.items()}
     raw = request.scope["headers"]
     if len(headers) != len(raw):  # a name sent twice (rare): one pass more over the head
         _repeated(raw, headers)
+    if value := headers.get("cache-control"):
+        try:
+            parse_cache_control(value)
+        except CacheControlRefused as exc:
+            raise InvalidRequest(str(exc), param="cache-control", code="invalid_header") from None
     return headers
 
 

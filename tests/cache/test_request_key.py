@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
+import pytest
+
 from cache import decide, request_key
-from cache.request_key import context_hash, sampling_class
+from cache.request_key import (
+    CACHE_CONTROL_MAX_CHARS,
+    CACHE_CONTROL_MAX_ELEMENTS,
+    CacheControlRefused,
+    context_hash,
+    parse_cache_control,
+    sampling_class,
+)
 from tests.cache.conftest import chat
 
 
@@ -78,6 +87,23 @@ def test_cache_control_headers() -> None:
     assert (d.lookup, d.store) == (True, False)
     d = decide(chat("q"), {"cache-control": "no-store, no-cache"})
     assert d.bypass
+    d = decide(chat("q"), {"cache-control": "max-age=0"})  # no stored answer is fresh enough: no-cache
+    assert (d.lookup, d.store) == (False, True)
+    with pytest.raises(CacheControlRefused, match="'max-age=60'"):  # refused by name, never dropped
+        decide(chat("q"), {"cache-control": "max-age=60"})
+
+
+def test_cache_control_is_read_in_bounded_work() -> None:
+    """Tenant input: at most CACHE_CONTROL_MAX_CHARS characters and CACHE_CONTROL_MAX_ELEMENTS list elements (empty
+    ones, which are ignored, counted), each split once."""
+    assert parse_cache_control(" NO-cache ,, no-store ") == {"no-cache", "no-store"}
+    assert parse_cache_control(", ".join(["no-cache"] * CACHE_CONTROL_MAX_ELEMENTS)) == {"no-cache"}
+    with pytest.raises(CacheControlRefused, match="more than 8"):
+        parse_cache_control("," * CACHE_CONTROL_MAX_ELEMENTS)
+    with pytest.raises(CacheControlRefused, match="at most 256"):
+        parse_cache_control("no-cache" + " " * CACHE_CONTROL_MAX_CHARS)
+    with pytest.raises(CacheControlRefused, match=r"'xxxx.*\.\.\.' is not honoured"):  # a long name shown cut
+        parse_cache_control("x" * 200)
 
 
 def test_keys_stay_those_entries_were_stored_under() -> None:
