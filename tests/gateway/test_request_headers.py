@@ -4,6 +4,7 @@ its first): `Idempotency-Key` keyed the request on the second of two keys, and `
 
 from __future__ import annotations
 
+import openai
 import pytest
 
 from tests.conftest import Gateway
@@ -22,6 +23,26 @@ def test_a_single_value_header_sent_twice_is_refused_by_name(gateway: Gateway, n
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["code"] == "duplicate_header" and error["param"] == name.lower(), error
+    assert not gateway.stub.requests and not gateway.ledger_rows()
+
+
+@pytest.mark.parametrize(("option", "name"), [("organization", "openai-organization"), ("project", "openai-project")])
+@pytest.mark.parametrize("route", ["chat", "completions", "embeddings"])
+def test_an_openai_organization_or_project_is_refused_by_name(gateway: Gateway, option: str, name: str,
+                                                              route: str) -> None:
+    """What the official client sends when it is given an organization or a project: usage here is not split by
+    them, so a client that expects it is told, and nothing is spent."""
+    with openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=gateway.tenant_key, max_retries=0,
+                       **{option: "proj_or_org_1"}) as sdk, pytest.raises(openai.BadRequestError) as err:
+        if route == "chat":
+            sdk.chat.completions.create(model="mid", messages=MSG)  # type: ignore[arg-type]
+        elif route == "completions":
+            sdk.completions.create(model="mid", prompt="hello there")
+        else:
+            sdk.embeddings.create(model="all-MiniLM-L6-v2", input="hello there")
+    error = err.value.body
+    assert isinstance(error, dict) and error["param"] == name and error["code"] == "unsupported_header", error
+    assert name in error["message"]
     assert not gateway.stub.requests and not gateway.ledger_rows()
 
 
