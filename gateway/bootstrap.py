@@ -80,7 +80,7 @@ def banner(keys: dict[str, str] | None, *, host: str, port: int, data_dir: Path)
         f"  curl -s {base}/v1/chat/completions \\",
         f"    -H 'Authorization: Bearer {keys['demo_key']}' -H 'Content-Type: application/json' \\",
         "    -d '{\"model\": \"auto\", \"messages\": [{\"role\": \"user\", \"content\": "
-        "\"What is the capital of France?\"}], \"max_tokens\": 32, \"temperature\": 0}'",
+        "\"What is the capital of France? Answer in one word.\"}], \"max_tokens\": 32, \"temperature\": 0}'",
         "",
         "Or with the OpenAI Python client:",
         f"  OpenAI(base_url='{base}/v1', api_key='{keys['demo_key']}')",

@@ -31,7 +31,10 @@ from tests.stubs import free_port
 ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.model
-QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+# "... in one word": the bare question's first token is a near tie on SmolLM2-135M ("The" leads "L" by 0.08 nats in
+# fp32), which an AVX-512 CPU's native bf16 and int8 kernels turn the other way ("L'Étoile, la Marseillaise, ...");
+# this one's leads by 0.97 nats or more on every path measured (fp32, bf16 and int8; native kernels and torch ops)
+QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
 
 
 @dataclass

@@ -237,8 +237,11 @@ def test_the_same_question_gets_the_same_greedy_answer_from_the_prefix_cache(
         again = asyncio.run(answer("What is the capital of France?"))
         assert engine.stats().num_prefix_hit_tokens_total > 0  # the second asking came from the prefix cache
         assert again == first, (first, again)
-        # the native path's first token leads by 0.115 nats here; the torch ops' by 0.007 on an AMD Zen 4, a near
-        # tie that another CPU's BLAS may turn either way (the same both times: what this test is about)
-        assert kernels == "torch" or "Paris" in first, first
+        # that question's first token is a near tie, which each path and CPU may turn either way ("The" by 0.115
+        # nats on the native path and 0.007 with the torch ops on an AMD Zen 4; "L'" by 0.001 on the native path on
+        # an AMD EPYC with AVX-512 VNNI, "The" by 0.33 with the torch ops): the same both times is what this test is
+        # about. That the int8 tier still answers sensibly is asked where the answer leads by about a nat or more
+        # on every path measured
+        assert "Paris" in asyncio.run(answer("What is the capital of France? Answer in one word."))
     finally:
         engine.shutdown()
