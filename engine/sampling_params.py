@@ -5,7 +5,9 @@ from wire/chat_request.py, but a direct caller of `LLMEngine.generate` does not 
 sampler cannot handle safely is an `EngineInputError` naming the field, never a dead engine loop.
 
 `response_format` is checked against wire/response_format.py's shapes and bounds; the engine compiles it
-(engine/grammar.py) and sets `grammar` on its own copy of the parameters, which the sampler then applies.
+(engine/grammar.py) and sets `grammar` on its own copy of the parameters, which the sampler then applies. A
+constraining one refuses `stop` (naming it, `unsupported_value`): a stop string matched inside the JSON ended the
+sequence with its grammar unfinished, and the answer read as complete (finish_reason "stop").
 """
 
 from __future__ import annotations
@@ -105,6 +107,12 @@ class SamplingParams:
                     max(len(s) for s in self.stop))
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             _refuse("logprobs", f"must be within 0..{MAX_LOGPROBS}", self.logprobs)
+        if self.stop and self.output_format is not None:  # wire/chat_request.py's `stop_cuts`, for direct callers
+            raise EngineInputError(
+                "stop: a stop sequence would cut the JSON/tool call short: the response_format (json_object, "
+                "json_schema, or the call schema of a required or named tool_choice) makes the answer JSON, and a stop "
+                "string met inside it would end the answer there, unfinished, reading as complete (finish_reason "
+                "\"stop\"); remove stop, or the format", param="stop", code="unsupported_value")
         if self.output_format is not None and self.ignore_eos:
             _refuse("response_format", "cannot be combined with ignore_eos (the answer ends where its JSON does)",
                     self.ignore_eos)

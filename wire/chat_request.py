@@ -49,6 +49,14 @@ Choices where OpenAI's own limits are looser or unstated:
   name (`_no_empty_stop`): servers do not agree on what it means (our engine matched it nowhere, vLLM refuses it, a
   server that looks for it in the text finds it at once and stops), so whichever tier answered, the answer depended
   on a field the tenant could not see honoured. Refused, it means the same on every tier.
+- `stop` (one or more strings) with an answer whose shape the request sets is refused naming `stop`
+  (`unsupported_value`, `_stop_keeps_the_shape`): with response_format json_object or json_schema, and with tools
+  under any tool_choice but "none" ("required", a named function, or "auto", the default). A stop string met inside
+  the JSON or the tool call ended the answer there, unparsed, and it read as complete (finish_reason "stop"): a
+  schema's answer was `{`, a required call's was the start of its JSON as content, and under "auto" the call's
+  `<tool_call>` wrapper was sent as the answer's text. Our engine matches stop strings in all of the text, and
+  cannot tell a call's JSON from prose while it decodes; remote servers differ, so refused, it means the same on
+  every tier. `stop: []`, null, or stop with response_format text or tool_choice "none" are accepted.
 - `messages`: at most MAX_MESSAGES, with at most wire/body_width.MAX_ITEMS content parts and tool calls in all
   (looked at before validation: `look_before_validating`); the first bad item ends validation.
 """
@@ -63,20 +71,21 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    ValidationError,
     ValidationInfo,
     WithJsonSchema,
     field_validator,
     model_validator,
 )
-from pydantic_core import PydanticCustomError
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from wire.body_width import MAX_MESSAGES, check_width
 from wire.chat_messages import SYSTEM_ROLES as SYSTEM_ROLES  # re-exported, as `normalized_role`: callers import them
 from wire.chat_messages import ChatMessage
 from wire.chat_messages import normalized_role as normalized_role
-from wire.fields import drop_nulls, integral, nullable_optionals, one_unknown, only
+from wire.fields import UNSUPPORTED_VALUE, drop_nulls, integral, nullable_optionals, one_unknown, only
 from wire.response_format import ResponseFormat
-from wire.tools import ToolChoice, Tools, check_tool_choice
+from wire.tools import ToolChoice, Tools, check_tool_choice, must_call
 
 MAX_SEED = 2**64 - 1
 MIN_TEMPERATURE = 0.01
@@ -153,13 +162,42 @@ STREAM_OPTIONS_NEED_STREAM = {
     "if": {"required": ["stream_options"], "properties": {"stream_options": {"type": "object"}}},
     "then": {"required": ["stream"], "properties": {"stream": {"const": True}}},
 }
+# the published schema's rule for what `_stop_keeps_the_shape` enforces: no stop string beside a response_format that
+# makes the answer JSON, nor (chat only) beside tools a call may be made of (any tool_choice but "none")
+_SOME_STOP = {"required": ["stop"], "properties": {"stop": {"anyOf": [{"type": "string"},
+                                                                       {"type": "array", "minItems": 1}]}}}
+_JSON_FORMAT = {"required": ["response_format"], "properties": {"response_format": {
+    "type": "object", "required": ["type"], "properties": {"type": {"enum": ["json_object", "json_schema"]}}}}}
+_CALLABLE_TOOLS = {"required": ["tools"], "properties": {"tools": {"type": "array"}},
+                   "not": {"required": ["tool_choice"], "properties": {"tool_choice": {"const": "none"}}}}
+NO_STOP_IN_A_JSON_ANSWER = {"not": {**_SOME_STOP, "anyOf": [_JSON_FORMAT]}}
+NO_STOP_IN_A_SHAPED_ANSWER = {"not": {**_SOME_STOP, "anyOf": [_JSON_FORMAT, _CALLABLE_TOOLS]}}
+
+
+def stop_cuts(response_format: ResponseFormat | None, tools: list[Any] | None, tool_choice: ToolChoice | None) -> \
+        str | None:
+    """Why a stop string would cut this answer short, in words: its response_format makes it JSON, or tools may be
+    called in it; None where neither (a stop string then ends prose, as it should)."""
+    if response_format is not None and response_format.constrains:
+        return (f"a stop sequence would cut the JSON short: response_format {response_format.type} makes the answer "
+                "JSON, and a stop string met inside it would end the answer there, unfinished, reading as complete "
+                "(finish_reason \"stop\"); remove stop, or response_format")
+    if tools and tool_choice != "none":
+        how = ("tool_choice 'required' makes the answer a tool call" if tool_choice == "required" else
+               "a named tool_choice makes the answer a call of that function" if must_call(tool_choice) else
+               "with tools and tool_choice 'auto' (the default) the model may answer with a tool call")
+        return (f"a stop sequence would cut the tool call short: {how}, and a stop string met inside the call's JSON "
+                "would end the answer there, the call unparsed and sent as text, reading as complete "
+                "(finish_reason \"stop\"); remove stop, or send tool_choice 'none'")
+    return None
 
 
 def request_schema(schema: dict[str, Any]) -> None:
     """The request's JSON schema: optional fields take null, what `_top_logprobs_need_logprobs` enforces, tools for
     a tool_choice that needs them, and one output cap (`_one_token_cap` also accepts both when they are equal, as a
     client mirroring them sends them; JSON Schema cannot compare two values, so the document asks for one); then
-    stream_options only with stream, and parallel_tool_calls only with tools."""
+    stream_options only with stream, parallel_tool_calls only with tools, and no stop string in a JSON answer or
+    beside tools that may be called."""
     nullable_optionals(schema)
     schema["allOf"] = [{
         "if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer", "minimum": 1}}},
@@ -174,7 +212,7 @@ def request_schema(schema: dict[str, Any]) -> None:
     }, STREAM_OPTIONS_NEED_STREAM, {
         "if": {"required": ["parallel_tool_calls"], "properties": {"parallel_tool_calls": {"type": "boolean"}}},
         "then": {"required": ["tools"], "properties": {"tools": {"type": "array"}}},
-    }]
+    }, NO_STOP_IN_A_SHAPED_ANSWER]
 
 
 class GenerationRequest(BaseModel):
@@ -217,6 +255,17 @@ class GenerationRequest(BaseModel):
         if value is not None and info.data.get("stream", True) is False:
             raise ValueError("only allowed when stream is true (usage options are for streamed answers)")
         return value
+
+    @model_validator(mode="after")
+    def _stop_keeps_the_shape(self) -> GenerationRequest:
+        # after every field, as it needs three that come after `stop`; refused naming `stop`, the field to drop
+        why = stop_cuts(getattr(self, "response_format", None), getattr(self, "tools", None),
+                        getattr(self, "tool_choice", None)) if self.stop_list else None
+        if why is not None:
+            raise ValidationError.from_exception_data(type(self).__name__, [InitErrorDetails(
+                type=PydanticCustomError(UNSUPPORTED_VALUE, why), loc=("stop",),
+                input=self.stop)])  # type: ignore[attr-defined]
+        return self
 
     @property
     def stop_list(self) -> list[str]:

@@ -12,7 +12,8 @@ prompt is sent to the model as it is: no chat template. What the legacy API has 
 - `echo` only `false`, `suffix` refused (no fill-in-the-middle), `n` and `best_of` only 1, `logit_bias` only `{}`;
   `presence_penalty` and `frequency_penalty` within [-2, 2], honoured as on the chat endpoint.
 - vLLM's `top_k` and `priority`, as on the chat endpoint, and vLLM's `response_format` (the chat endpoint's
-  shapes, wire/response_format.py): the completion is then JSON.
+  shapes, wire/response_format.py): the completion is then JSON, and `stop` beside it is refused naming `stop`, as on
+  the chat endpoint (a stop string would cut the JSON short: wire/chat_request.py's `stop_cuts`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pydantic_core import PydanticCustomError
 from wire.chat_request import (
     MAX_SEED,
     MAX_TOKENS_BOUND,
+    NO_STOP_IN_A_JSON_ANSWER,
     STREAM_OPTIONS_NEED_STREAM,
     GenerationRequest,
     Penalty,
@@ -59,9 +61,10 @@ def _one_text_prompt(value: Any) -> Any:
 
 
 def completion_schema(schema: dict[str, Any]) -> None:
-    """The request's JSON schema: optional fields take null, and stream_options go with stream."""
+    """The request's JSON schema: optional fields take null, stream_options go with stream, and no stop string goes
+    with a response_format that makes the completion JSON."""
     nullable_optionals(schema)
-    schema["allOf"] = [STREAM_OPTIONS_NEED_STREAM]
+    schema["allOf"] = [STREAM_OPTIONS_NEED_STREAM, NO_STOP_IN_A_JSON_ANSWER]
 
 
 class CompletionRequest(GenerationRequest):
