@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from engine.scheduler_output import SchedulerOutput
@@ -122,3 +124,20 @@ class FaultyRunner(ScriptedRunner):
 
 def prompt_text(seq: Any) -> str:
     return "".join(chr(i) for i in seq.prompt_token_ids)
+
+
+@contextmanager
+def scripted_server(runner: ScriptedRunner) -> Iterator[str]:
+    """The engine's HTTP server (model "tiny") on `runner` and a CharTokenizer; yields its URL, then stops both."""
+    from engine.llm_engine import LLMEngine
+    from engine.server import create_engine_app
+    from tests.stubs import ServerThread
+
+    eng = LLMEngine(runner, CharTokenizer())
+    eng.start()
+    server = ServerThread(create_engine_app(eng, model_name="tiny", model_version="v1")).start()
+    try:
+        yield server.url
+    finally:
+        server.stop()
+        eng.shutdown()

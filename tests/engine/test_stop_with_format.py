@@ -17,10 +17,8 @@ import pytest
 
 from engine.llm_engine import EngineInputError, LLMEngine
 from engine.sampling_params import SamplingParams
-from engine.server import create_engine_app
 from engine.tool_calls import answer_format
-from tests.engine.fakes import CharTokenizer, ScriptedRunner
-from tests.stubs import ServerThread
+from tests.engine.fakes import CharTokenizer, ScriptedRunner, scripted_server
 from wire.chat_request import ChatCompletionRequest
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -77,12 +75,8 @@ async def test_a_direct_caller_who_adds_stop_after_the_check_is_refused() -> Non
 @pytest.fixture
 def served() -> Iterator[tuple[str, ScriptedRunner]]:
     runner = ScriptedRunner(reply=CALL, max_model_len=2048)
-    eng = LLMEngine(runner, CharTokenizer())
-    eng.start()
-    server = ServerThread(create_engine_app(eng, model_name="tiny", model_version="v1")).start()
-    yield server.url, runner
-    server.stop()
-    eng.shutdown()
+    with scripted_server(runner) as url:
+        yield url, runner
 
 
 REFUSED = {

@@ -13,10 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from engine.llm_engine import LLMEngine
-from engine.server import create_engine_app
-from tests.engine.fakes import CharTokenizer, ScriptedRunner, prompt_text
-from tests.stubs import ServerThread
+from tests.engine.fakes import ScriptedRunner, prompt_text, scripted_server
 
 TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
 
@@ -36,12 +33,8 @@ ASKED = [{"role": "user", "content": "Weather in Paris and Oslo?"},
 @pytest.fixture
 def served() -> Iterator[tuple[str, ScriptedRunner]]:
     runner = ScriptedRunner(reply="Done.", max_model_len=4096, num_kv_blocks=512)  # the tools' preamble is long
-    eng = LLMEngine(runner, CharTokenizer())
-    eng.start()
-    server = ServerThread(create_engine_app(eng, model_name="tiny", model_version="v1")).start()
-    yield server.url, runner
-    server.stop()
-    eng.shutdown()
+    with scripted_server(runner) as url:
+        yield url, runner
 
 
 def post(url: str, messages: list[dict[str, Any]]) -> httpx.Response:
