@@ -372,10 +372,12 @@ def parse_request(body: bytes) -> ChatCompletionRequest:
     refused it only once the gateway had routed and reserved it, a remote tier's model read it as some other call's)."""
     req = parse_body(body, ChatCompletionRequest)
     refuse_engine_only(req)
-    if (i := stray_result(req)) is not None:
+    if (i := stray_result(req)) is not None:  # `invalid_value`, as the gateway's other refused values: it had no code,
+        # and the refusal counters named it by its class ("InvalidRequest")
         raise InvalidRequest(f"messages.{i}.tool_call_id: answers no call of the assistant message before its results "
                              "(an id that message did not make, or one answered already); send each result once, "
-                             "after the assistant message that made its call", param=f"messages.{i}.tool_call_id")
+                             "after the assistant message that made its call", param=f"messages.{i}.tool_call_id",
+                             code="invalid_value")
     return req
 
 

@@ -201,6 +201,8 @@ def test_tool_requests_that_cannot_be_served_are_400s_naming_the_field(tool_gate
             r = c.post("/v1/chat/completions", json={"messages": USER, **fields})
             assert r.status_code == 400, (fields, r.text)
             assert r.json()["error"]["param"] == param and r.json()["error"]["type"] == "invalid_request_error"
+            if param.endswith("tool_call_id"):  # a result that answers no call: a code of its own, not null
+                assert r.json()["error"]["code"] == "invalid_value", r.text
     assert tool_gateway.stub.requests == []  # nothing was routed
     assert all(row.price_usd == 0 for row in tool_gateway.ledger_rows())
 
