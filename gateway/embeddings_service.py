@@ -141,7 +141,8 @@ class EmbeddingsService(EmbeddingsSettlement):
         """The answer to one embeddings request (its JSON body) and its headers (OpenAI's `x-ratelimit-*`; the replay
         header for an answer stored under its Idempotency-Key); raises a `TiergateError` (counted as a refusal before
         the reservation, written to the ledger after it). `entry`: its place in the gate, `admit`'s (entered here when
-        None), left here once this starts."""
+        None), left here once this starts (and freed where the route holds it only once the answer's body is sent:
+        gateway/middleware.py `hold_until_sent`)."""
         entry = self.admit(ctx) if entry is None else entry
         entry.taken = True
         keep: Keep | None = None

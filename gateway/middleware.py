@@ -1,4 +1,6 @@
-"""Stamps every response with `x-tiergate-request-id` and `x-tiergate-tier` (`none` before routing)."""
+"""Stamps every response with `x-tiergate-request-id` and `x-tiergate-tier` (`none` before routing), and holds what a
+route asked to hold until its answer's body is handed over to the client (`hold_until_sent`).
+"""
 
 from __future__ import annotations
 
@@ -7,9 +9,16 @@ import itertools
 import os
 import secrets
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
+
+if TYPE_CHECKING:
+    from gateway.pipeline.gate import Pass
+
+PIECE = 64 << 10  # a held answer's body is written in pieces of this size, each once the connection takes more
+_HELD = "held_until_sent"  # in the request's state: the `let_go`s to call once its answer's body is handed over
 
 
 class _RequestIds:
@@ -53,6 +62,48 @@ class _RequestIds:
 _ids = _RequestIds()
 
 
+def hold_until_sent(scope: Scope, entry: Pass) -> None:
+    """Keep `entry`'s place in its tenant's gate (gateway/pipeline/gate.py `Pass.hold`) until the request's answer
+    has been handed over to its client, not only made: given back just before the last piece of its body is written
+    (`_send_last`), or when the request ends however it ends (the client gone or reset, an error, a cancellation).
+    An answer is ready, and its request's work over, before its JSON body is written; a whole JSON body is one write
+    to the connection, which uvicorn makes at once and keeps in its transport's buffer until the client takes it. So a
+    tenant allowed one request at a time whose client read nothing had any number of answers of megabytes held in the
+    gateway's memory at once (10 embeddings answers of 16.6 MB each; 50 replays of a stored answer, free of tokens,
+    800 MB), each until its connection was reset as stalled (gateway/http_limits.py, `stall_s`). Held, the body
+    waits on its client in pieces, within the write-pause budget that cuts a client reading too slowly, and the
+    tenant's next request past its concurrency is refused 429. Nothing is held where this middleware does not run (an
+    app built without it): the place is then given back when the request path leaves it, as before."""
+    held = scope.get("state", {}).get(_HELD)
+    if held is not None:
+        entry.hold()
+        held.append(entry.let_go)
+
+
+def _let_go(held: list[Callable[[], None]]) -> None:
+    """Each hold let go once (one that raises leaves the rest to the middleware's `finally`)."""
+    while held:
+        held.pop()()
+
+
+async def _send_last(send: Send, message: Message, held: list[Callable[[], None]]) -> None:
+    """A held answer's last body message: all of it but its last piece written, a piece at a time (uvicorn's send
+    waits while the connection's writes are paused, that is while its transport holds more than its high-water mark,
+    and writes once the client has taken enough), then a wait for the client to take those too (an empty write, which
+    waits as any does), then the holds let go, and the last piece written. So the place is given back while at most
+    a piece and what the sockets hold are left to read, and before the client can have read its whole answer: a client
+    that sends its next request as soon as the last one is read is never refused for the last one. A client that
+    leaves or is reset (gateway/http_limits.py) ends the waits, and the writes after them write nothing."""
+    body = message.get("body", b"")
+    view = memoryview(body)
+    last = (len(view) - 1) // PIECE * PIECE if view else 0  # where the last piece begins
+    for at in range(0, last, PIECE):
+        await send({"type": "http.response.body", "body": view[at:at + PIECE], "more_body": True})
+    await send({"type": "http.response.body", "body": b"", "more_body": True})
+    _let_go(held)
+    await send({**message, "body": view[last:]} if last else message)  # type: ignore[typeddict-item]
+
+
 def request_id_middleware(app: ASGIApp) -> ASGIApp:
     async def middleware(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -61,6 +112,8 @@ def request_id_middleware(app: ASGIApp) -> ASGIApp:
         state: dict[str, Any] = scope.setdefault("state", {})  # type: ignore[typeddict-item]
         state["request_id"] = _ids.next()
         state["t0"] = time.perf_counter()
+        held: list[Callable[[], None]] = []
+        state[_HELD] = held
 
         async def send_with_ids(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -73,8 +126,14 @@ def request_id_middleware(app: ASGIApp) -> ASGIApp:
                 if ladder is not None:
                     headers.append((b"x-tiergate-degrade-level", str(ladder.level).encode()))
                 message["headers"] = headers
+            elif held and message["type"] == "http.response.body" and not message.get("more_body", False):
+                await _send_last(send, message, held)
+                return
             await send(message)
 
-        await app(scope, receive, send_with_ids)
+        try:
+            await app(scope, receive, send_with_ids)
+        finally:  # the request over, its answer sent or not: what is still held is let go
+            _let_go(held)
 
     return middleware

@@ -86,16 +86,37 @@ class Pass:
     concurrency are refused there, their bodies unread, where each had its body of up to `max_body_bytes` read into
     memory first, however many it opened. The request path that it hands the pass to marks it `taken` as it starts,
     and leaves it in its `finally`; until then (the body not whole, the client gone before the path started) the
-    route leaves it."""
+    route leaves it.
+
+    A route may also `hold` it until its answer's body is handed over to the client (gateway/middleware.py
+    `hold_until_sent`): the places are freed once both the path has left and the hold is let go (`let_go`), each
+    once, whichever comes last. The path left as soon as its answer was ready, before a byte of a JSON body was
+    written: a tenant allowed one request at a time whose client read none of its answers had as many answers of
+    megabytes held in the gateway's memory at once as it liked (tests/gateway/test_whole_answer_holds_place.py)."""
 
     def __init__(self, gate: TenantGate, scopes: tuple[Scope, ...]) -> None:
         self._gate = gate
         self._scopes = scopes
-        self._left = False
+        self._left = False  # its places are free
+        self._over = False  # the request path (or the route, before it) has left
+        self._held = False  # a route holds it until its answer's body is sent
         self.taken = False  # the request path owns it now, and leaves it
 
+    def hold(self) -> None:
+        """Keep the places past `leave` until `let_go`; before the path starts."""
+        self._held = True
+
     def leave(self) -> None:
-        if self._left:
+        self._over = True
+        self._free()
+
+    def let_go(self) -> None:
+        """The hold's end (the answer's body handed over, or the request over however it ended)."""
+        self._held = False
+        self._free()
+
+    def _free(self) -> None:
+        if self._left or self._held or not self._over:
             return
         self._left = True
         for scope in self._scopes:

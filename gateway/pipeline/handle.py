@@ -106,7 +106,8 @@ class Pipeline:
 
         def release() -> None:
             """The request is over (or stopped for its lost lease): its claim, unless answered, is given up (a retry
-            runs again) and its place in the tenant's gate freed; once."""
+            runs again) and its place in the tenant's gate left; once (freed then, or where the route holds it, once
+            its answer's body is handed over: gateway/middleware.py `hold_until_sent`)."""
             if keep is not None and keep.settle() and not keep.stored and self.idempotency is not None:
                 self.settler.hand_off(self.idempotency.store.abandon(keep.claim))
             entry.leave()

@@ -4,7 +4,10 @@ The chat and text-completion routes differ only in how they read the body and ho
 (`Framing`). A client that leaves stops its work: until the answer's first byte is sent (for a stream) or until
 the whole answer is ready (otherwise), the handler also listens for the client's disconnect and then cancels the
 pipeline, which settles the request as cancelled and billed for what ran. A key revoked (or expiring) while its answer
-is produced ends it the same way (gateway/auth.py, `while_key_active`), with a 401 `api_key_revoked`.
+is produced ends it the same way (gateway/auth.py, `while_key_active`), with a 401 `api_key_revoked`. The request's
+place in its tenant's concurrency is held until its JSON answer (or error) is handed over to the client, or the
+client is gone (gateway/middleware.py `hold_until_sent`), not only until the answer is made; a stream's, until its
+work ends.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from litestar.types import ASGIApp, Receive, ReceiveMessage, Scope, Send
 
 from gateway.auth import presented_key, tenant_principal_async, while_key_active
 from gateway.errors import InternalError, TiergateError, stream_client_error
+from gateway.middleware import hold_until_sent
 from gateway.pipeline.context import RequestContext
 from gateway.pipeline.events import Event, Head
 from gateway.query_params import refuse_query
@@ -58,6 +62,7 @@ async def answer(request: Request[Any, Any, Any], framing: Framing) -> Response[
     # the tenant's gate before its body is read: past its concurrency, a connection is refused with its body unread
     # (gateway/pipeline/gate.py `Pass`); the pipeline leaves the place once it starts, this route until then
     entry = services.pipeline.admit(ctx)
+    hold_until_sent(request.scope, entry)  # and keeps it until its answer's body is handed over, not only made
     try:
         events = while_key_active(services.pipeline.handle(ctx, await request.body(), framing.parse, entry),
                                   services.store, presented_key(request) or "")  # a key revoked mid-answer ends it
@@ -65,7 +70,9 @@ async def answer(request: Request[Any, Any, Any], framing: Framing) -> Response[
         try:
             head = await watch.run(anext(events))
             state["tier"] = head.model
-            if head.stream:
+            if head.stream:  # its place is its pipeline's, as ever: held while each frame waits on the client (one
+                # at a time, small), given back once its work ends (or is stopped: a lost Idempotency-Key lease)
+                entry.let_go()
                 return StreamedAnswer(framing.stream(head, events), events, media_type="text/event-stream",
                                       headers={**head.headers, "cache-control": "no-cache"})
             return WholeAnswer(await watch.run(framing.whole(head, events)), headers=dict(head.headers))

@@ -13,6 +13,7 @@ from litestar.openapi import ResponseSpec
 from gateway.auth import provide_tenant
 from gateway.embeddings_service import EmbeddingsService
 from gateway.embeddings_settle import TIER
+from gateway.middleware import hold_until_sent
 from gateway.pipeline.context import RequestContext
 from gateway.query_params import refuse_query
 from gateway.request_headers import request_headers
@@ -38,6 +39,7 @@ async def create_embeddings(request: Request[Any, Any, Any], principal: NamedDep
                          request_headers(request), time.time(), request.state.t0)
     request.state.tier = TIER
     entry = embeddings.admit(ctx)  # the tenant's gate before its body is read (gateway/pipeline/gate.py `Pass`)
+    hold_until_sent(request.scope, entry)  # its place held until the answer's body is handed over (middleware.py)
     try:
         raw = await request.body()
         watch = ClientWatch(request)  # a client that leaves stops its work (embeddings_service.py: what it is billed)
