@@ -65,5 +65,6 @@ def test_a_result_that_answers_no_call_is_a_400_naming_its_id(served: tuple[str,
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == f"messages.{index}.tool_call_id" and error["type"] == "invalid_request_error"
+    assert error["code"] == "invalid_value"  # as the gateway's refusal of it (gateway/pipeline/handle.py)
     assert not runner.steps  # nothing generated
     assert post(url, [*ASKED, result("c_paris", "sun"), result("c_oslo", "snow")]).status_code == 200
