@@ -93,15 +93,20 @@ async def _send_last(send: Send, message: Message, held: list[Callable[[], None]
     waits as any does), then the holds let go, and the last piece written. So the place is given back while at most
     a piece and what the sockets hold are left to read, and before the client can have read its whole answer: a client
     that sends its next request as soon as the last one is read is never refused for the last one. A client that
-    leaves or is reset (gateway/http_limits.py) ends the waits, and the writes after them write nothing."""
+    leaves or is reset (gateway/http_limits.py) ends the waits, and the writes after them write nothing. A body of one
+    piece (most answers) is let go and written at once: there is nothing of it before its last piece to wait on."""
     body = message.get("body", b"")
+    if len(body) <= PIECE:
+        _let_go(held)
+        await send(message)
+        return
     view = memoryview(body)
-    last = (len(view) - 1) // PIECE * PIECE if view else 0  # where the last piece begins
+    last = (len(view) - 1) // PIECE * PIECE  # where the last piece begins
     for at in range(0, last, PIECE):
         await send({"type": "http.response.body", "body": view[at:at + PIECE], "more_body": True})
     await send({"type": "http.response.body", "body": b"", "more_body": True})
     _let_go(held)
-    await send({**message, "body": view[last:]} if last else message)  # type: ignore[typeddict-item]
+    await send({**message, "body": view[last:]})  # type: ignore[typeddict-item]
 
 
 def request_id_middleware(app: ASGIApp) -> ASGIApp:
