@@ -23,15 +23,11 @@ from gateway.errors import InvalidRequest
 # the headers a model route reads that take one value (the key, Idempotency-Key, the data version, the session)
 SINGLE = ("authorization", "x-api-key", "idempotency-key", "x-tiergate-data-version", "x-tiergate-session")
 JOINED = ("cache-control",)  # a list of directives, which a client may send on several lines
-# what the OpenAI SDKs send when a client names an organization or a project (OPENAI_ORG_ID, OPENAI_PROJECT_ID):
-# OpenAI's own accounting, which usage here is not split by (a tenant's, by key and `user`). Refused by name, not
-# dropped: a client that set one expects its usage split that way, and would read another's totals as its own
-UNSPLIT = ("openai-organization", "openai-project")
 
 
 def request_headers(request: Any) -> dict[str, str]:
-    """The request's headers by lower-case name; a 400 if one of SINGLE was sent more than once, Cache-Control has a
-    directive the cache does not honour, or one of UNSPLIT was sent."""
+    """The request's headers by lower-case name; a 400 if one of SINGLE was sent more than once, or Cache-Control
+    has a directive the cache does not honour."""
     headers = {k.lower(): v for k, v in request.headers.items()}
     raw = request.scope["headers"]
     if len(headers) != len(raw):  # a name sent twice (rare): one pass more over the head
@@ -41,11 +37,6 @@ def request_headers(request: Any) -> dict[str, str]:
             parse_cache_control(value)
         except CacheControlRefused as exc:
             raise InvalidRequest(str(exc), param="cache-control", code="invalid_header") from None
-    for name in UNSPLIT:
-        if name in headers:
-            raise InvalidRequest(f"the {name} header is not read here: usage is split by tenant and API key, not by "
-                                 "OpenAI organization or project; use a key per project (POST /admin/keys) and "
-                                 "send no such header", param=name, code="unsupported_header")
     return headers
 
 
