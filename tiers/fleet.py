@@ -262,10 +262,11 @@ class Fleet:
         A refused or broken check takes a replica out at once. An unanswered one is a strike, and the
         UNANSWERED_TO_DOWN-th in a row takes it out (a replica not yet up, at once): a loaded host that misses one
         3 s answer is not an outage, and a hung one is out within two intervals. No strike is counted while
-        requests of ours ran there (when the check began or gave up), one of which got a chunk from it in the
-        last BUSY_GRACE_S: a server that runs one request at a time may answer nothing else until that one ends
-        (llama-cpp-python holds its model's lock for /v1/models too), and a busy server is not a dead one. A hung
-        one sends nothing, and is counted however much traffic waits there."""
+        requests of ours ran there (when the check began or gave up) and the replica sent one of them a chunk, or
+        began to be asked, in the last BUSY_GRACE_S (`_lately`): a server that runs one request at a time may
+        answer nothing else until that one ends (llama-cpp-python holds its model's lock for /v1/models too, and
+        sends nothing while it reads a long prompt), and a busy server is not a dead one. A hung one sends nothing:
+        BUSY_GRACE_S after it was first asked or last heard from, it is counted however much traffic waits there."""
         key = self.api_key(spec)
         for rep in self.replicas_of(spec):
             busy = rep.inflight
@@ -277,10 +278,10 @@ class Fleet:
                 rep.mark("ready", "")
             except UpstreamTimedOut as exc:
                 busy = max(busy, rep.inflight)
-                heard = rep.last_heard is not None and time.monotonic() - rep.last_heard <= BUSY_GRACE_S
-                if rep.healthy and busy > 0 and heard:
+                if rep.healthy and busy > 0 and _lately(rep):
                     log.info("remote tier %s replica %d: health check unanswered while %d request(s) ran there "
                              "(%s); left ready", rep.tier, rep.index, busy, exc)
+                    rep.unanswered = 0  # busy and heard from (or just asked): not a strike, nor are those before
                     continue
                 rep.unanswered += 1
                 if rep.healthy and rep.unanswered < UNANSWERED_TO_DOWN:
@@ -297,6 +298,13 @@ class Fleet:
             log.warning("remote tier %s replica %d is down: %s", rep.tier, rep.index, exc)
         rep.unanswered = 0
         rep.mark("down", f"health check failed: {exc}")
+
+
+def _lately(rep: Replica) -> bool:
+    """Whether the replica sent one of our requests a chunk, or its requests in flight began, in the last
+    BUSY_GRACE_S: busy lately, not hung."""
+    latest = max(rep.last_heard or -float("inf"), rep.busy_since or -float("inf"))
+    return time.monotonic() - latest <= BUSY_GRACE_S
 
 
 def declared_version(tier: TierSpec) -> str:

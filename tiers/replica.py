@@ -25,6 +25,7 @@ class Replica:
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     latency_ewma_s: float | None = None  # upstream time per request, smoothed; None until one finishes
     last_heard: float | None = None  # time.monotonic() of the last chunk one of our requests got from it
+    busy_since: float | None = None  # time.monotonic() its requests in flight began (0 to 1); kept after
     unanswered: int = 0  # its health checks unanswered in a row (a remote replica's; tiers/fleet.py)
 
     def mark(self, status: str, reason: str) -> None:

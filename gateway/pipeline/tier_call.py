@@ -183,6 +183,8 @@ class TierCaller:
                       on_sent: Callable[[], None] | None = None) -> AsyncIterator[dict[str, Any]]:
         """The replica's chunks; how the call went is told to its breaker, latency average and affinity."""
         assert replica.url is not None
+        if replica.inflight == 0:
+            replica.busy_since = time.monotonic()  # what a busy replica's health check forgives from (tiers/fleet.py)
         replica.inflight += 1
         finished = False
         verdict: bool | None = None  # True: the replica answered; False: it failed; None: nobody knows

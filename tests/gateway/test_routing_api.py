@@ -229,16 +229,16 @@ def test_an_unreachable_replica_opens_its_breaker_and_the_request_is_retried(rou
 
 def test_a_replica_that_sent_chunks_is_heard_from_and_one_that_did_not_is_not(routed: Gateway,
                                                                               fleet3: Fleet3) -> None:
-    """What lets a busy replica's unanswered health check pass (tiers/fleet.py `BUSY_GRACE_S`): the time it last
-    sent one of our requests a chunk; a replica that sent nothing was never heard from."""
+    """What lets a busy replica's unanswered health check pass (tiers/fleet.py `BUSY_GRACE_S`): when our requests
+    there began and when it last sent one of them a chunk; a replica never asked was never heard from."""
     reps = routed.app.state.services.fleet.replicas["mid"]
     assert [rep.last_heard for rep in reps] == [None, None]
     before = time.monotonic()
     assert chat(routed, "", model="mid").status_code == 200
     served = 0 if fleet3.mid0.requests else 1
-    heard = reps[served].last_heard
-    assert heard is not None and before <= heard <= time.monotonic()
-    assert reps[1 - served].last_heard is None
+    heard, asked = reps[served].last_heard, reps[served].busy_since
+    assert heard is not None and asked is not None and before <= asked <= heard <= time.monotonic()
+    assert reps[1 - served].last_heard is None and reps[1 - served].busy_since is None
 
 
 def test_a_schema_that_fails_mid_answer_is_the_tenants_400_and_opens_no_breaker(routed: Gateway,

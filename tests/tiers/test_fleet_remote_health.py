@@ -49,21 +49,26 @@ def check(fleet: Fleet) -> None:
     asyncio.run(fleet._check_remote(fleet.catalogue.tiers["mid"]))
 
 
-@pytest.mark.parametrize(("failure", "inflight", "heard_s_ago", "checks_to_down"), [
-    (SILENT, 1, 0.0, None),                          # busy with our request, which hears from it: left as it was
-    (SILENT, 0, 0.0, UNANSWERED_TO_DOWN),            # nothing of ours there: silent, twice in a row, is down
-    (SILENT, 1, None, UNANSWERED_TO_DOWN),           # our request has heard nothing from it at all
-    (SILENT, 1, BUSY_GRACE_S + 1, UNANSWERED_TO_DOWN),  # nor lately: hung, however much of ours waits there
-    (UpstreamUnreachable("connection refused"), 1, 0.0, 1),  # refused: down at once, whatever is in flight
+LONG_AGO = BUSY_GRACE_S + 1
+
+
+@pytest.mark.parametrize(("failure", "inflight", "heard_s_ago", "asked_s_ago", "checks_to_down"), [
+    (SILENT, 1, 0.0, LONG_AGO, None),          # busy with our request, which hears from it: left as it was
+    (SILENT, 1, None, 0.0, None),              # asked just now, nothing heard yet (a long prompt read): left
+    (SILENT, 0, 0.0, 0.0, UNANSWERED_TO_DOWN),  # nothing of ours there: silent, twice in a row, is down
+    (SILENT, 1, None, LONG_AGO, UNANSWERED_TO_DOWN),  # asked long ago and never heard from: hung
+    (SILENT, 1, LONG_AGO, LONG_AGO, UNANSWERED_TO_DOWN),  # nor lately, however much of ours waits there
+    (UpstreamUnreachable("connection refused"), 1, 0.0, 0.0, 1),  # refused: down at once, whatever is in flight
 ])
-def test_unanswered_checks_take_a_replica_out_only_in_a_row_and_not_while_our_requests_hear_from_it(
-        tmp_path: Path, failure: TierError, inflight: int, heard_s_ago: float | None,
+def test_unanswered_checks_take_a_replica_out_only_in_a_row_and_not_while_it_is_busy_lately(
+        tmp_path: Path, failure: TierError, inflight: int, heard_s_ago: float | None, asked_s_ago: float,
         checks_to_down: int | None) -> None:
     assert UNANSWERED_TO_DOWN == 2
     client = CheckAnswers()
     fleet, rep = ready_fleet(tmp_path, client)
     rep.inflight = inflight
     rep.last_heard = None if heard_s_ago is None else time.monotonic() - heard_s_ago
+    rep.busy_since = time.monotonic() - asked_s_ago
     client.failure = failure
     statuses = []
     for _ in range(3):
@@ -88,6 +93,16 @@ def test_an_answered_check_starts_the_count_again_and_a_replica_not_yet_up_is_ou
         client.failure = answer
         check(fleet)
         assert rep.status == "ready"
+    # so does one forgiven as busy: an idle strike, a busy check, an idle strike is not two in a row
+    client.failure = SILENT
+    check(fleet)
+    rep.inflight, rep.last_heard = 1, time.monotonic()
+    check(fleet)
+    rep.inflight = 0
+    check(fleet)
+    assert rep.status == "ready"
+    check(fleet)
+    assert rep.status == "down"
     # a replica starting (never up): its first unanswered check is enough to keep it out
     starting = Fleet(TierCatalogue.model_validate(CATALOGUE), client,  # type: ignore[arg-type]
                      models_dir=tmp_path, log_dir=tmp_path, core_budget=None)
