@@ -40,7 +40,8 @@ from tiers.supervisor import CoreShare, EngineProcess
 
 log = logging.getLogger("tiergate.fleet")
 REMOTE_HEALTH_EVERY_S = 5.0
-BUSY_GRACE_S = 10.0  # an unanswered health check is forgiven this long after the replica last sent us a chunk
+BUSY_GRACE_S = 10.0  # an unanswered health check of a busy replica is forgiven this long after it last sent us a
+# chunk or its requests in flight began (`_lately`)
 UNANSWERED_TO_DOWN = 2  # unanswered health checks in a row that take a replica out (refused: the first)
 
 

@@ -40,6 +40,9 @@ BIG_CHAT = {"model": "mid", "messages": [{"role": "user", "content": "STUB:big"}
             "temperature": 0}  # 400 pieces of 1,000 characters: about 400 KB
 BIG_TEXT = {"model": "mid", "prompt": "STUB:big", "max_tokens": 400, "temperature": 0}
 BIG_EMBEDDINGS = {"model": MODEL, "input": [f"text {i}" for i in range(64)]}  # 64 vectors as JSON: about 500 KB
+EVERY_ROUTE = pytest.mark.parametrize(
+    ("path", "body"), [("/v1/chat/completions", BIG_CHAT), ("/v1/completions", BIG_TEXT),
+                       ("/v1/embeddings", BIG_EMBEDDINGS)], ids=["chat", "completions", "embeddings"])
 REPLAY = "x-tiergate-idempotent-replay"
 
 
@@ -146,9 +149,7 @@ def assert_held_then_freed(gw: Gateway, scope: str, secret: str, sock: socket.so
     wait_for(lambda: in_flight(gw, scope) == 0, "a place was left held")
 
 
-@pytest.mark.parametrize(("path", "body"), [("/v1/chat/completions", BIG_CHAT), ("/v1/completions", BIG_TEXT),
-                                            ("/v1/embeddings", BIG_EMBEDDINGS)], ids=["chat", "completions",
-                                                                                       "embeddings"])
+@EVERY_ROUTE
 def test_an_unread_answer_holds_its_place_until_its_client_resets(gateway: Gateway, path: str,
                                                                   body: dict[str, Any]) -> None:
     scope, secret = one_at_a_time(gateway)
@@ -156,9 +157,7 @@ def test_an_unread_answer_holds_its_place_until_its_client_resets(gateway: Gatew
     assert_held_then_freed(gateway, scope, secret, sock, head)
 
 
-@pytest.mark.parametrize(("path", "body"), [("/v1/chat/completions", BIG_CHAT), ("/v1/completions", BIG_TEXT),
-                                            ("/v1/embeddings", BIG_EMBEDDINGS)], ids=["chat", "completions",
-                                                                                       "embeddings"])
+@EVERY_ROUTE
 def test_an_unread_replay_of_a_stored_answer_holds_its_place(gateway: Gateway, path: str,
                                                              body: dict[str, Any]) -> None:
     """A replay costs no tokens: before, a tenant allowed one request at a time had 50 replays of megabytes unread."""
