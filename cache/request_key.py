@@ -256,10 +256,24 @@ def parse_cache_control(value: str) -> frozenset[str]:
     return frozenset(honoured)
 
 
+class ReadHeaders(dict[str, str]):
+    """A request's headers by lower-case name, with its Cache-Control already read: `cache_control` holds what
+    `parse_cache_control` made of it, and `cache_control()` hands that on rather than parsing the value again.
+    The gateway builds one per model request (gateway/request_headers.py, where a directive the cache does not
+    honour is refused) and hands it through the pipeline to the cache's lookup and store."""
+
+    def __init__(self, headers: Mapping[str, str], cache_control: frozenset[str]) -> None:
+        super().__init__(headers)
+        self.cache_control = cache_control  # the honoured directives of headers["cache-control"]; empty without one
+
+
 def cache_control(headers: Mapping[str, str] | None) -> frozenset[str]:
-    """The request's honoured Cache-Control directives (header names are matched case-insensitively); raises
-    `CacheControlRefused` for one it does not honour. The gateway refuses such a request before any work
-    (gateway/request_headers.py); a caller of the cache's own API passes only headers this accepts."""
+    """The request's honoured Cache-Control directives (header names are matched case-insensitively; `ReadHeaders`
+    carry theirs, read once); raises `CacheControlRefused` for one it does not honour. The gateway refuses such a
+    request before any work (gateway/request_headers.py); a caller of the cache's own API passes only headers this
+    accepts."""
+    if isinstance(headers, ReadHeaders):
+        return headers.cache_control
     if not headers:
         return frozenset()
     value = next((v for k, v in headers.items() if k.lower() == "cache-control"), "")

@@ -8,7 +8,9 @@ Cache-Control, whose directives HTTP lets a client split across lines (RFC 9110 
 Other repeated names keep their last value: nothing of ours reads them. Cache-Control, joined, is then read here:
 a directive the cache does not honour (cache/request_key.py `parse_cache_control`: all but `no-cache`, `no-store`,
 `max-age=0`) is refused by name (400 `invalid_header`) before the tenant's gate, the body, the quota or a tier;
-it was dropped, and `max-age=0` or a misspelt `no-cahce` got a stored answer.
+it was dropped, and `max-age=0` or a misspelt `no-cahce` got a stored answer. What it honours is read once, here:
+the headers handed on (`ReadHeaders`) carry the directives to the cache's lookup and store, which read them, not the
+header again.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from cache.request_key import CacheControlRefused, parse_cache_control
+from cache.request_key import CacheControlRefused, ReadHeaders, parse_cache_control
 from gateway.errors import InvalidRequest
 
 # the headers a model route reads that take one value (the key, Idempotency-Key, the data version, the session)
@@ -25,19 +27,19 @@ SINGLE = ("authorization", "x-api-key", "idempotency-key", "x-tiergate-data-vers
 JOINED = ("cache-control",)  # a list of directives, which a client may send on several lines
 
 
-def request_headers(request: Any) -> dict[str, str]:
-    """The request's headers by lower-case name; a 400 if one of SINGLE was sent more than once, or Cache-Control
-    has a directive the cache does not honour."""
+def request_headers(request: Any) -> ReadHeaders:
+    """The request's headers by lower-case name, with Cache-Control's honoured directives (`ReadHeaders`, which the
+    cache reads instead of the header); a 400 if one of SINGLE was sent more than once, or Cache-Control has a
+    directive the cache does not honour."""
     headers = {k.lower(): v for k, v in request.headers.items()}
     raw = request.scope["headers"]
     if len(headers) != len(raw):  # a name sent twice (rare): one pass more over the head
         _repeated(raw, headers)
-    if value := headers.get("cache-control"):
-        try:
-            parse_cache_control(value)
-        except CacheControlRefused as exc:
-            raise InvalidRequest(str(exc), param="cache-control", code="invalid_header") from None
-    return headers
+    try:
+        directives = parse_cache_control(value) if (value := headers.get("cache-control")) else frozenset()
+    except CacheControlRefused as exc:
+        raise InvalidRequest(str(exc), param="cache-control", code="invalid_header") from None
+    return ReadHeaders(headers, directives)  # the directives read here are the cache's: not parsed again
 
 
 def _repeated(raw: Sequence[tuple[bytes, bytes]], headers: dict[str, str]) -> None:

@@ -6,9 +6,12 @@ question went to the tier and was billed."""
 
 from __future__ import annotations
 
+import importlib
+
 import httpx
 import pytest
 
+from cache.request_key import parse_cache_control
 from tests.conftest import Gateway
 from tests.gateway.test_cache_api import Q, ask, upstream_calls
 
@@ -80,3 +83,20 @@ def test_no_cache_and_no_store_in_any_case_and_spacing(gateway: Gateway) -> None
     assert ask(gateway, headers={"cache-control": ", no-store,"}).headers["x-tiergate-cache"] == "hit"  # empty ones
     assert ask(gateway, headers={"cache-control": ""}).headers["x-tiergate-cache"] == "hit"  # no directive at all
     assert upstream_calls(gateway) == 4 and len(gateway.ledger_rows()) == 6
+
+
+def test_the_header_is_read_once_a_request(gateway: Gateway, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The directives read at the door (gateway/request_headers.py) are the ones the cache's lookup and store use,
+    handed on with the headers: the value was parsed there, again for the lookup and again for the store."""
+    read: list[str] = []
+
+    def counted(value: str) -> frozenset[str]:
+        read.append(value)
+        return parse_cache_control(value)
+
+    for module in ("gateway.request_headers", "cache.request_key"):  # `cache` exports a function named request_key
+        monkeypatch.setattr(importlib.import_module(module), "parse_cache_control", counted)
+    r = ask(gateway, "Asked once, not kept.", headers={"cache-control": "no-store"})  # looked up, then not stored
+    assert r.status_code == 200 and r.headers["x-tiergate-cache"] == "miss", r.text
+    assert ask(gateway, "Asked once, not kept.").headers["x-tiergate-cache"] == "miss"  # the no-store was honoured
+    assert read == ["no-store"]
