@@ -11,7 +11,9 @@ llama.cpp's project(): 208 s of wall and 358 s of CPU on an idle 2-core machine,
 minutes), and GGML_NATIVE=OFF, so a cached build never holds an instruction that another CPU sharing the same home
 directory lacks (ggml then still compiles its AVX2/FMA/F16C kernels; how fast a 135M model runs is not what these
 tests look at: their time was the same with either build). A failed build fails the test with pip's last lines:
-nothing is skipped.
+nothing is skipped. The build's marker records its inputs (the version, CMAKE_ARGS, the include file's text); any
+checkout of the repository with the same inputs uses it, wherever it lies: the include's absolute path, which
+CMAKE_ARGS holds, is not compared (it was, and every other worktree rebuilt llama.cpp), and a changed input rebuilds.
 
 Standard library only, so CI can start the build (`python3 -m tests.llama_cpp_build`, in the background) while it
 installs everything else; a test that needs the build meanwhile waits on its lock and then finds it.
@@ -32,10 +34,31 @@ from assets.locks import file_lock
 
 LLAMA_CPP_PYTHON = "0.3.36"
 PROJECT_INCLUDE = Path(__file__).with_name("llama_cpp_build.cmake")  # no `common` library, C++ at -O1
-CMAKE_ARGS = "-DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF " \
-             f"-DCMAKE_PROJECT_llama.cpp_INCLUDE={shlex.quote(str(PROJECT_INCLUDE))}"
+INCLUDE_FLAG = "-DCMAKE_PROJECT_llama.cpp_INCLUDE"
 BUILD_TIMEOUT_S = 3600.0  # the full build took about 25 minutes on a loaded 2-core machine; this one is smaller
 MARKER = "tiergate-built.json"
+
+
+def cmake_args(include: Path) -> str:
+    """pip's CMAKE_ARGS: the include file by its absolute path (llama.cpp's project() reads it from pip's build
+    directory)."""
+    return f"-DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF {INCLUDE_FLAG}={shlex.quote(str(include))}"
+
+
+def build_inputs(include: Path) -> dict[str, str]:
+    """What a build is made of, as its marker records it: the package's version, CMAKE_ARGS and the include's text."""
+    return {"llama-cpp-python": LLAMA_CPP_PYTHON, "cmake_args": cmake_args(include), "include": include.read_text()}
+
+
+def same_build(recorded: dict[str, str], wanted: dict[str, str]) -> bool:
+    """Whether a marker's inputs make the build `wanted` would: all alike but where the include file lay (its text is
+    compared), so a checkout elsewhere (another worktree, CI's) uses the build one made, not rebuilding it (~95 s)."""
+    return _placeless(recorded) == _placeless(wanted)
+
+
+def _placeless(inputs: dict[str, str]) -> dict[str, object]:
+    args = [arg for arg in shlex.split(str(inputs.get("cmake_args", ""))) if not arg.startswith(f"{INCLUDE_FLAG}=")]
+    return {**inputs, "cmake_args": args}
 
 
 def venv_dir() -> Path:
@@ -44,22 +67,23 @@ def venv_dir() -> Path:
     return Path(os.environ.get("TIERGATE_LLAMA_CPP_VENV", default))
 
 
-def ensure_built() -> Path:
-    """The Python of a virtual environment with llama-cpp-python[server] built; builds it the first time."""
+def ensure_built(include: Path = PROJECT_INCLUDE) -> Path:
+    """The Python of a virtual environment with llama-cpp-python[server] built; builds it the first time, and again
+    when an input changed (`same_build`)."""
     venv = venv_dir()
     python = venv / "bin" / "python"
-    want = {"llama-cpp-python": LLAMA_CPP_PYTHON, "cmake_args": CMAKE_ARGS, "include": PROJECT_INCLUDE.read_text()}
+    want = build_inputs(include)
     venv.parent.mkdir(parents=True, exist_ok=True)
     with file_lock(venv.parent / f".{venv.name}.lock"):
         marker = venv / MARKER
-        if marker.is_file() and json.loads(marker.read_text()) == want and python.exists():
+        if marker.is_file() and same_build(json.loads(marker.read_text()), want) and python.exists():
             return python
         shutil.rmtree(venv, ignore_errors=True)
         log = venv.parent / f"{venv.name}.build.log"
         started = time.monotonic()
         print(f"\nbuilding llama-cpp-python {LLAMA_CPP_PYTHON} into {venv} (once per machine; log: {log})",
               file=sys.stderr, flush=True)
-        env = os.environ | {"CMAKE_ARGS": CMAKE_ARGS, "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 1)}
+        env = os.environ | {"CMAKE_ARGS": want["cmake_args"], "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 1)}
         with open(log, "w") as out:
             for cmd in ([sys.executable, "-m", "venv", str(venv)],
                         [str(python), "-m", "pip", "install", "--no-cache-dir", "--disable-pip-version-check",
