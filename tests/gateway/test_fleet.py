@@ -12,6 +12,7 @@ with SIGKILL under load loses no ledger row of an answer its client received.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -144,15 +145,15 @@ def test_a_revoked_or_rotated_key_is_refused_by_every_replica_within_a_second(fl
         issued = admin.post("/admin/keys", json={"tenant": "acme"}).json()
         rotated = admin.post("/admin/keys", json={"tenant": "acme"}).json()
     key, old = issued["key"], rotated["key"]
-    others = [fleet.client(i, key) for i in (1, 2)] + [fleet.client(i, old) for i in (1, 2)]
-    assert [chat(c).status_code for c in others] == [200] * 4  # known, and now cached, on replicas 2 and 3
-    with fleet.client(0, fleet.admin) as admin:
-        assert admin.post(f"/admin/keys/{issued['key_id']}/revoke").status_code == 200
-        t0 = time.monotonic()
-        new = admin.post(f"/admin/keys/{rotated['key_id']}/rotate", json={}).json()["key"]
-    for c in others:
-        within(lambda c=c: chat(c).status_code == 401, 1.0 - (time.monotonic() - t0))
-        c.close()
+    with contextlib.ExitStack() as open_clients:
+        others = [open_clients.enter_context(fleet.client(i, k)) for k in (key, old) for i in (1, 2)]
+        assert [chat(c).status_code for c in others] == [200] * 4  # known, and now cached, on replicas 2 and 3
+        with fleet.client(0, fleet.admin) as admin:
+            assert admin.post(f"/admin/keys/{issued['key_id']}/revoke").status_code == 200
+            t0 = time.monotonic()
+            new = admin.post(f"/admin/keys/{rotated['key_id']}/rotate", json={}).json()["key"]
+        for c in others:
+            within(lambda c=c: chat(c).status_code == 401, 1.0 - (time.monotonic() - t0))
     for i in (1, 2):
         with fleet.client(i, new) as c:
             assert chat(c).status_code == 200  # the replacement works everywhere at once
@@ -162,49 +163,48 @@ def test_a_new_tenant_and_a_plan_change_reach_every_replica(fleet: Fleet) -> Non
     with fleet.client(0, fleet.admin) as admin:
         assert admin.post("/admin/tenants", json={"name": "newco", "plan": "standard"}).status_code == 201
         key = admin.post("/admin/keys", json={"tenant": "newco"}).json()["key"]
-    clients = [fleet.client(i, key) for i in (1, 2)]
-    assert [chat(c).status_code for c in clients] == [200, 200]
-    cli = subprocess.run([sys.executable, "-m", "gateway.cli.main", "tenants", "set-plan", "newco", "fullonly"],
-                         cwd=ROOT, env=fleet.env, capture_output=True, text=True, check=True)
-    assert "newco is on plan fullonly" in cli.stdout
-    for c in clients:  # the CLI committed before it exited: every replica refuses `mid` for the new plan
-        within(lambda c=c: chat(c).status_code == 404)
-        assert chat(c).json()["error"]["code"] == "model_not_found"
-        c.close()
+    with contextlib.ExitStack() as open_clients:
+        clients = [open_clients.enter_context(fleet.client(i, key)) for i in (1, 2)]
+        assert [chat(c).status_code for c in clients] == [200, 200]
+        cli = subprocess.run([sys.executable, "-m", "gateway.cli.main", "tenants", "set-plan", "newco", "fullonly"],
+                             cwd=ROOT, env=fleet.env, capture_output=True, text=True, check=True)
+        assert "newco is on plan fullonly" in cli.stdout
+        for c in clients:  # the CLI committed before it exited: every replica refuses `mid` for the new plan
+            within(lambda c=c: chat(c).status_code == 404)
+            assert chat(c).json()["error"]["code"] == "model_not_found"
 
 
 def test_a_data_version_bump_on_one_replica_makes_the_old_answer_a_miss_on_the_others(fleet: Fleet) -> None:
-    clients = [fleet.client(i, fleet.keys["acme"]) for i in range(3)]
-    # one question per replica that checks, so that one replica's fresh answer is not another's first lookup
-    questions = {i: {"content": f"What is the boiling point of water at {i} km?", "temperature": 0} for i in (0, 2)}
-    for i, question in questions.items():
-        assert chat(clients[1], **question).headers["x-tiergate-cache"] == "miss"  # answered and cached via 2
-        within(lambda i=i, q=question: chat(clients[i], **q).headers["x-tiergate-cache"] == "hit", 5.0)  # shared
-    with fleet.client(1, fleet.admin) as admin:
-        assert admin.post("/admin/tenants/acme/data-version").json()["data_version"] == 1
-        t0 = time.monotonic()
-    for i, question in questions.items():
-        within(lambda i=i, q=question: chat(clients[i], **q).headers["x-tiergate-cache"] == "miss",
-               1.0 - (time.monotonic() - t0))
-    for c in clients:
-        c.close()
+    with contextlib.ExitStack() as open_clients:
+        clients = [open_clients.enter_context(fleet.client(i, fleet.keys["acme"])) for i in range(3)]
+        # one question per replica that checks, so that one replica's fresh answer is not another's first lookup
+        questions = {i: {"content": f"What is the boiling point of water at {i} km?", "temperature": 0}
+                     for i in (0, 2)}
+        for i, question in questions.items():
+            assert chat(clients[1], **question).headers["x-tiergate-cache"] == "miss"  # answered and cached via 2
+            within(lambda i=i, q=question: chat(clients[i], **q).headers["x-tiergate-cache"] == "hit", 5.0)  # shared
+        with fleet.client(1, fleet.admin) as admin:
+            assert admin.post("/admin/tenants/acme/data-version").json()["data_version"] == 1
+            t0 = time.monotonic()
+        for i, question in questions.items():
+            within(lambda i=i, q=question: chat(clients[i], **q).headers["x-tiergate-cache"] == "miss",
+                   1.0 - (time.monotonic() - t0))
 
 
 def test_the_ladder_level_set_on_one_replica_is_in_force_on_the_others_within_a_second(fleet: Fleet) -> None:
-    admins = [fleet.client(i, fleet.admin) for i in range(3)]
-    try:
-        assert admins[0].post("/admin/degrade", json={"level": 1, "reason": "fleet drill"}).status_code == 200
-        t0 = time.monotonic()
-        for a in admins[1:]:
-            within(lambda a=a: a.get("/admin/degrade").json()["level"] == 1, 1.0 - (time.monotonic() - t0))
-        history = admins[2].get("/admin/degrade/history").json()  # the audit, from the fleet database
-        assert "fleet drill" in json.dumps(history)
-    finally:
-        admins[0].post("/admin/degrade/auto")
-        for a in admins[1:]:
-            within(lambda a=a: a.get("/admin/degrade").json()["level"] == 0, 2.0)
-            a.close()
-        admins[0].close()
+    with contextlib.ExitStack() as open_clients:
+        admins = [open_clients.enter_context(fleet.client(i, fleet.admin)) for i in range(3)]
+        try:
+            assert admins[0].post("/admin/degrade", json={"level": 1, "reason": "fleet drill"}).status_code == 200
+            t0 = time.monotonic()
+            for a in admins[1:]:
+                within(lambda a=a: a.get("/admin/degrade").json()["level"] == 1, 1.0 - (time.monotonic() - t0))
+            history = admins[2].get("/admin/degrade/history").json()  # the audit, from the fleet database
+            assert "fleet drill" in json.dumps(history)
+        finally:
+            admins[0].post("/admin/degrade/auto")
+            for a in admins[1:]:
+                within(lambda a=a: a.get("/admin/degrade").json()["level"] == 0, 2.0)
 
 
 def test_a_quota_race_over_every_replica_admits_exactly_the_limit(fleet: Fleet) -> None:

@@ -187,8 +187,12 @@ def beta_waits_two_turns(gateway: Gateway, body: Callable[[str], dict[str, Any]]
         gateway.store.create_tenant("beta", "standard")
         _, beta = gateway.store.issue_key("beta")
         got: list[httpx.Response] = []
-        asks = threading.Thread(target=lambda: got.append(gateway.client(beta).post(
-            "/v1/chat/completions", timeout=20, json=body(LONG.replace("rivers", "lakes")))))
+
+        def ask() -> None:
+            with gateway.client(beta) as c:
+                got.append(c.post("/v1/chat/completions", timeout=20, json=body(LONG.replace("rivers", "lakes"))))
+
+        asks = threading.Thread(target=ask)
         asks.start()
         time.sleep(0.5)  # beta's job is queued behind acme's
         turns.one()

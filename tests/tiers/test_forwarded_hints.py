@@ -65,8 +65,9 @@ def test_a_remote_tier_gets_each_tenants_hints_hashed_apart(gateway: Gateway) ->
     strict = send(gateway, gateway.tenant_key, "full")  # a strict server gets OpenAI's fields only: no cache_salt
     assert "cache_salt" not in strict and strict["user"] == acme[0]["user"]
     assert send(gateway, gateway.tenant_key, "small")["cache_salt"] == acme[0]["cache_salt"]  # vllm-priority too
-    text = gateway.client(gateway.tenant_key).post(  # a text completion's body too
-        "/v1/completions", json={"model": "mid", "prompt": "hello", "max_tokens": 2, "user": HINTS["user"]})
+    with gateway.client(gateway.tenant_key) as c:  # a text completion's body too
+        text = c.post("/v1/completions",
+                      json={"model": "mid", "prompt": "hello", "max_tokens": 2, "user": HINTS["user"]})
     assert text.status_code == 200 and gateway.stub.requests[-1]["user"] == acme[0]["user"]
     assert gateway.stub.requests[-1]["cache_salt"] == acme[0]["cache_salt"]
 
