@@ -104,6 +104,21 @@ async def require_admin(connection: ASGIConnection[Any, Any, Any, Any], _: BaseR
     dependencies in Litestar, so this one reads the store from the app's state."""
     if not (await authenticate_async(connection, connection.app.state.services.store)).key.is_admin:
         raise Forbidden("this route needs an admin key", code="admin_key_required")
+    _no_idempotency_key(connection)
+
+
+def _no_idempotency_key(connection: ASGIConnection[Any, Any, Any, Any]) -> None:
+    """A 400 naming Idempotency-Key on an admin route that changes something: none keeps a key's answer, so a retry
+    of `POST /admin/keys` after a lost answer issued a second live key (and a second rotation), the first one a
+    credential nobody saw. Refused, as embeddings refuse it where no store keeps answers, never dropped."""
+    if connection.scope.get("method") not in _SAFE_METHODS and _IDEMPOTENCY_KEY in connection.headers:
+        raise InvalidRequest("Idempotency-Key is not supported on admin routes: an admin change is not replayed, "
+                             "so a retry runs it again; list what exists (GET) before retrying a lost answer",
+                             param="Idempotency-Key", code="unsupported_parameter")
+
+
+_SAFE_METHODS = ("GET", "HEAD", "OPTIONS")  # they change nothing: a retry is harmless, the header moot
+_IDEMPOTENCY_KEY = "idempotency-key"  # gateway/pipeline/idempotency.py's HEADER
 
 
 async def while_key_active(events: AsyncGenerator[T, None], store: TenantStore,
