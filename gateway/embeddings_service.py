@@ -81,6 +81,7 @@ from gateway.fair_threads import FairThreads
 from gateway.ladder.apply import Degradation
 from gateway.ladder.controller import LadderController
 from gateway.metrics import GatewayMetrics
+from gateway.pipeline.cache_lookup import DATA_VERSION_HEADER
 from gateway.pipeline.context import RequestContext
 from gateway.pipeline.gate import Pass, TenantGate, refused_size, scopes_of
 from gateway.pipeline.handed_off import HandedOff
@@ -95,6 +96,7 @@ from quotas.idempotency import Claim, Replay
 from quotas.ledger import Ledger
 from quotas.reservations import QuotaService, Reservation
 from tiers.catalogue import EmbeddingSpec
+from tiers.replica_choice import SESSION_HEADER
 from wire.embeddings import EmbeddingRequest
 
 COUNT_PIECE_CHARS = 1 << 16  # characters of a request's texts counted in one job of the counting threads
@@ -107,6 +109,20 @@ log = logging.getLogger("tiergate.embeddings")
 def _mark_ready(ready: list[bool], i: int, future: asyncio.Future[np.ndarray | None]) -> None:
     """Text i's vector came (its failure is read here, so a pass that failed every text of a batch logs nothing)."""
     ready[i] = not future.cancelled() and future.exception() is None
+
+
+
+# what chat reads and embeddings cannot: an answer here is never cached (so no data version scopes it) and no tier
+# serves it (so no session routes it). Either was dropped, and an `X-Tiergate-Data-Version` chat refuses was a 200.
+UNREAD_HEADERS = (DATA_VERSION_HEADER, SESSION_HEADER)
+
+
+def _refuse_unread_headers(ctx: RequestContext) -> None:
+    """A 400 naming the first of UNREAD_HEADERS the request sent with a value (an empty one is none, as on chat)."""
+    for name in UNREAD_HEADERS:
+        if ctx.headers.get(name):
+            raise InvalidRequest(f"{name} is not supported on embeddings: they are never cached nor routed by "
+                                 "session; remove it", param=name, code="unsupported_parameter")
 
 
 class EmbeddingsService(EmbeddingsSettlement):
@@ -183,6 +199,7 @@ class EmbeddingsService(EmbeddingsSettlement):
         if self.ledger.not_ready_reason is not None and (
                 self.idempotency is None or IDEMPOTENCY_HEADER not in ctx.headers):
             raise not_ready()
+        _refuse_unread_headers(ctx)
         req = parse_body(body, EmbeddingRequest)
         if not self.spec.enabled or req.model != self.spec.model:
             served = f"; this gateway serves {self.spec.model!r}" if self.spec.enabled else ""
