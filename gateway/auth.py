@@ -27,10 +27,14 @@ T = TypeVar("T")
 
 
 def presented_key(request: ASGIConnection[Any, Any, Any, Any]) -> str | None:
+    """The Authorization header's bearer key, else X-API-Key's; None when there is none, or when an Authorization
+    header carries none (another scheme, no key): it is never passed over for X-API-Key (`_required_key`)."""
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
     if scheme.lower() == "bearer" and token.strip():
         return token.strip()
+    if header.strip():
+        return None
     return request.headers.get("x-api-key") or None
 
 
@@ -44,6 +48,12 @@ async def authenticate_async(request: ASGIConnection[Any, Any, Any, Any], store:
 def _required_key(request: ASGIConnection[Any, Any, Any, Any]) -> str:
     _sent_once(request)
     key = presented_key(request)
+    if key is None and request.headers.get("authorization", "").strip():
+        # `Authorization: Basic …` beside a valid X-API-Key was that key's request, the header dropped: refused as
+        # it is alone. Its value is never echoed (a key sent without its scheme would be the whole of it).
+        raise Unauthenticated("the Authorization header carries no key: its scheme must be Bearer "
+                              "(`Authorization: Bearer tg-…`), or leave it out and send the key in X-API-Key",
+                              param="authorization", code="missing_api_key")
     if key is None:
         raise Unauthenticated("no API key: send `Authorization: Bearer tg-…`", code="missing_api_key")
     other = request.headers.get("x-api-key")
