@@ -81,7 +81,7 @@ from gateway.fair_threads import FairThreads
 from gateway.ladder.apply import Degradation
 from gateway.ladder.controller import LadderController
 from gateway.metrics import GatewayMetrics
-from gateway.pipeline.cache_lookup import DATA_VERSION_HEADER
+from gateway.pipeline.cache_lookup import check_data_version
 from gateway.pipeline.context import RequestContext
 from gateway.pipeline.gate import Pass, TenantGate, refused_size, scopes_of
 from gateway.pipeline.handed_off import HandedOff
@@ -96,7 +96,6 @@ from quotas.idempotency import Claim, Replay
 from quotas.ledger import Ledger
 from quotas.reservations import QuotaService, Reservation
 from tiers.catalogue import EmbeddingSpec
-from tiers.replica_choice import SESSION_HEADER
 from wire.embeddings import EmbeddingRequest
 
 COUNT_PIECE_CHARS = 1 << 16  # characters of a request's texts counted in one job of the counting threads
@@ -111,18 +110,10 @@ def _mark_ready(ready: list[bool], i: int, future: asyncio.Future[np.ndarray | N
     ready[i] = not future.cancelled() and future.exception() is None
 
 
-
-# what chat reads and embeddings cannot: an answer here is never cached (so no data version scopes it) and no tier
-# serves it (so no session routes it). Either was dropped, and an `X-Tiergate-Data-Version` chat refuses was a 200.
-UNREAD_HEADERS = (DATA_VERSION_HEADER, SESSION_HEADER)
-
-
-def _refuse_unread_headers(ctx: RequestContext) -> None:
-    """A 400 naming the first of UNREAD_HEADERS the request sent with a value (an empty one is none, as on chat)."""
-    for name in UNREAD_HEADERS:
-        if ctx.headers.get(name):
-            raise InvalidRequest(f"{name} is not supported on embeddings: they are never cached nor routed by "
-                                 "session; remove it", param=name, code="unsupported_parameter")
+# X-Tiergate-Data-Version and X-Tiergate-Session mean nothing here (an embedding is never cached, so no data version
+# scopes it; no tier serves it, so no session routes it), and a client that sets them on every request (the SDKs'
+# `default_headers`) must not lose its embeddings for it, as with OpenAI-Organization: they are accepted and not
+# read. A data version chat would refuse is refused here too (400 `invalid_header`): it was a 200.
 
 
 class EmbeddingsService(EmbeddingsSettlement):
@@ -199,7 +190,7 @@ class EmbeddingsService(EmbeddingsSettlement):
         if self.ledger.not_ready_reason is not None and (
                 self.idempotency is None or IDEMPOTENCY_HEADER not in ctx.headers):
             raise not_ready()
-        _refuse_unread_headers(ctx)
+        check_data_version(ctx.headers)  # (as chat checks it; not read: see above)
         req = parse_body(body, EmbeddingRequest)
         if not self.spec.enabled or req.model != self.spec.model:
             served = f"; this gateway serves {self.spec.model!r}" if self.spec.enabled else ""
