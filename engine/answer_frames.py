@@ -1,7 +1,10 @@
 """How the engine's server frames a request's outputs as OpenAI's answers: chat (`message`, `delta`, tool calls
 shaped by engine/tool_calls.py) or legacy text (`text`), whole or as server-sent events, with the logprobs the
 request asked for; and an engine's failure as OpenAI's error shape (a request that failed by its own content, its
-response_format, is a 400 no breaker counts: wire.errors.REQUEST_FAULT_CODES).
+response_format, is a 400 no breaker counts: wire.errors.REQUEST_FAULT_CODES). A request `generate` refuses as it
+starts (EngineInputError: its response format refused to its tenant after the server's own checks passed, by another
+of the tenant's requests failing within the schema meanwhile) is the 400 the server's checks would have given
+(`refusal`): a whole answer's status, or, the stream's headers being sent already, the stream's last event.
 
 A stream's failure after its headers are sent is its last event before `[DONE]`, never a cut connection; a framing
 bug aborts the request's generation (slot and KV blocks go back).
@@ -19,7 +22,7 @@ from typing import Any
 
 from litestar import Response
 
-from engine.llm_engine import EngineDeadError, RequestOutput
+from engine.llm_engine import EngineDeadError, EngineInputError, RequestOutput
 from engine.tool_calls import ToolAnswer
 from wire import responses
 from wire.errors import REQUEST_FAULT_CODES, error_body
@@ -41,6 +44,14 @@ def error_status(out: RequestOutput) -> int:
 
 
 FAILED = error_body("the engine failed on this request", "api_error", code="engine_error")
+
+
+def refused(exc: EngineInputError) -> dict[str, Any]:
+    """The 400's body for a request refused by `exc` (the server's own, engine/server.py, renames some params)."""
+    return error_body(str(exc), param=exc.param, code=exc.code)
+
+
+Refusal = Callable[[EngineInputError], dict[str, Any]]
 
 
 @functools.cache
@@ -188,16 +199,21 @@ def text_frames(tokenizer: Any, prompt_chars: int) -> Frames:
                    opening={"text": ""}, finish={"text": ""})
 
 
-async def collect(outputs: AsyncIterator[RequestOutput], rid: str, model: str, frames: Frames) -> Response[Any]:
+async def collect(outputs: AsyncIterator[RequestOutput], rid: str, model: str, frames: Frames,
+                  refusal: Refusal = refused) -> Response[Any]:
+    """The whole answer; a request `generate` refuses as it starts is a 400 (`refusal`: its body)."""
     parts: list[str] = []
     last: RequestOutput | None = None
     logprobs: Any = None
-    async for out in outputs:
-        if out.error is not None:
-            return Response(engine_error(out), status_code=error_status(out))
-        logprobs = frames.merge(logprobs, frames.logprobs(out))
-        parts.append(out.text)
-        last = out
+    try:
+        async for out in outputs:
+            if out.error is not None:
+                return Response(engine_error(out), status_code=error_status(out))
+            logprobs = frames.merge(logprobs, frames.logprobs(out))
+            parts.append(out.text)
+            last = out
+    except EngineInputError as exc:  # refused as it started (the server's checks passed before): nothing generated
+        return Response(refusal(exc), status_code=400)
     assert last is not None
     return Response(frames.whole(
         id_=rid, created=int(time.time()), model=model, text="".join(parts), finish_reason=last.finish_reason,
@@ -206,7 +222,10 @@ async def collect(outputs: AsyncIterator[RequestOutput], rid: str, model: str, f
 
 
 async def sse_events(outputs: AsyncIterator[RequestOutput], rid: str, model: str,
-               include_usage: bool, continuous_usage: bool, frames: Frames) -> AsyncIterator[bytes]:
+               include_usage: bool, continuous_usage: bool, frames: Frames,
+               refusal: Refusal = refused) -> AsyncIterator[bytes]:
+    """The answer as server-sent events; a request `generate` refuses as it starts ends the stream with the 400's body
+    (`refusal`) as its last event (the opening chunk is sent before the request is: its headers are a 200)."""
     ids = {"id_": rid, "created": int(time.time()), "model": model}
 
     def events(out: RequestOutput) -> list[bytes]:
@@ -237,6 +256,8 @@ async def sse_events(outputs: AsyncIterator[RequestOutput], rid: str, model: str
                 yield event
     except EngineDeadError as exc:  # the loop stopped between the request's check and its start
         yield responses.sse(error_body(str(exc), "api_error", code="engine_dead"))
+    except EngineInputError as exc:  # refused as it started (the server's checks passed before): nothing generated
+        yield responses.sse(refusal(exc))
     except Exception:  # framing failed (a bug): the stream ends with an error event, not a cut connection
         log.exception("streaming %s failed", rid)
         await outputs.aclose()  # its generation stops: slot and KV blocks go back

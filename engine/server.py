@@ -6,8 +6,11 @@ local engines and remote ones alike. Each response also carries `x_tiergate.busy
 time attributed to the request, which the gateway turns into compute cost.
 
 Failures keep OpenAI's error shape. Bad input is a 400 naming the field (the wire model validates, the
-engine checks again). The OpenAI routes take no query parameter, as the gateway's take none: one is a 400 naming it
-(`unsupported_parameter`), before the body is read (Litestar dropped it: `?stream=true` was answered whole, `?top_k=1`
+engine checks again; a refusal that comes only as `generate` starts the request, its response format refused to
+the tenant since the server's check by another of its requests failing within the schema, is the same 400, or a
+stream's last event before `[DONE]`, its headers sent: engine/answer_frames.py). The OpenAI routes take no query
+parameter, as the gateway's take none: one is a 400 naming it (`unsupported_parameter`),
+before the body is read (Litestar dropped it: `?stream=true` was answered whole, `?top_k=1`
 sampled as if unsent). A body sent with a Content-Encoding other than identity is a 415
 `unsupported_content_encoding`, as at the gateway, before it is read (it was read as it came, and a gzipped one
 refused as broken JSON). The engine serves one model, under the name it was started with (`--served-name`: the tier's
@@ -284,6 +287,13 @@ def create_engine_app(engine: LLMEngine, *, model_name: str, model_version: str,
                             status_code=400)
         chat = isinstance(req, ChatCompletionRequest)
 
+        def refusal(exc: EngineInputError) -> dict[str, Any]:
+            """The 400's body for `exc`, however late it comes (`prepare`, or `generate` as the request starts:
+            its response format refused to the tenant in between), with the param the tenant wrote."""
+            exc = tools_param(exc, req) if chat else exc  # type: ignore[arg-type]
+            param = exc.param if chat or exc.param != "messages" else "prompt"
+            return error_body(str(exc), param=param, code=exc.code)
+
         def prepare() -> tuple[list[int], SamplingParams]:
             """Tokenize and validate; none is compiled. What needs no prompt is refused before it is rendered and
             tokenized (up to a second of a tokenizer thread for a long one): a max_tokens no prompt leaves room for
@@ -309,9 +319,7 @@ def create_engine_app(engine: LLMEngine, *, model_name: str, model_version: str,
         except EngineDeadError as exc:
             return _dead(str(exc))
         except EngineInputError as exc:
-            exc = tools_param(exc, req) if chat else exc  # type: ignore[arg-type]
-            param = exc.param if chat or exc.param != "messages" else "prompt"
-            return Response(error_body(str(exc), param=param, code=exc.code), status_code=400)
+            return Response(refusal(exc), status_code=400)
         rid = f"chatcmpl-{uuid.uuid4().hex}" if chat else f"cmpl-{uuid.uuid4().hex}"
         frames = (chat_frames(tokenizer, ToolAnswer.for_request(req)) if chat  # type: ignore[arg-type]
                   else text_frames(tokenizer, len(req.text)))  # type: ignore[union-attr]
@@ -319,11 +327,12 @@ def create_engine_app(engine: LLMEngine, *, model_name: str, model_version: str,
         if chat and ends_at_first_call(req):  # type: ignore[arg-type]
             outputs = one_call(outputs, req)  # type: ignore[arg-type]
         if req.stream:
-            return Stream(sse_events(outputs, rid, model_name, req.include_usage, req.continuous_usage, frames),
+            return Stream(sse_events(outputs, rid, model_name, req.include_usage, req.continuous_usage, frames,
+                                     refusal),
                           media_type="text/event-stream", headers={"cache-control": "no-cache"})
         watch = ClientWatch(request)  # a client that leaves before its whole answer stops its generation
         try:
-            return await watch.run(collect(outputs, rid, model_name, frames))
+            return await watch.run(collect(outputs, rid, model_name, frames, refusal))
         except ClientLeft:
             await outputs.aclose()  # leaving the iterator aborts the request: its slot and KV blocks are freed
             return Response(None, status_code=CLIENT_CLOSED)
