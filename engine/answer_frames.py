@@ -4,7 +4,8 @@ request asked for; and an engine's failure as OpenAI's error shape (a request th
 response_format, is a 400 no breaker counts: wire.errors.REQUEST_FAULT_CODES). A request `generate` refuses as it
 starts (EngineInputError: its response format refused to its tenant after the server's own checks passed, by another
 of the tenant's requests failing within the schema meanwhile) is the 400 the server's checks would have given
-(`refusal`): a whole answer's status, or, the stream's headers being sent already, the stream's last event.
+(`refusal`): a whole answer's status, or, the stream's headers being sent already, the stream's last event; one it
+refuses as the engine filled up meanwhile (EngineBusyError) is the 429 the server's own check gives, so too.
 
 A stream's failure after its headers are sent is its last event before `[DONE]`, never a cut connection; a framing
 bug aborts the request's generation (slot and KV blocks go back).
@@ -22,7 +23,7 @@ from typing import Any
 
 from litestar import Response
 
-from engine.llm_engine import EngineDeadError, EngineInputError, RequestOutput
+from engine.llm_engine import EngineBusyError, EngineDeadError, EngineInputError, RequestOutput
 from engine.tool_calls import ToolAnswer
 from wire import responses
 from wire.errors import REQUEST_FAULT_CODES, error_body
@@ -52,6 +53,11 @@ def refused(exc: EngineInputError) -> dict[str, Any]:
 
 
 Refusal = Callable[[EngineInputError], dict[str, Any]]
+
+
+def busy(exc: EngineBusyError) -> dict[str, Any]:
+    """The 429's body: the engine cannot take the request now (engine/llm_engine.py `check_capacity`)."""
+    return error_body(str(exc), "rate_limit_error", param=exc.param, code=exc.code)
 
 
 @functools.cache
@@ -214,6 +220,8 @@ async def collect(outputs: AsyncIterator[RequestOutput], rid: str, model: str, f
             last = out
     except EngineInputError as exc:  # refused as it started (the server's checks passed before): nothing generated
         return Response(refusal(exc), status_code=400)
+    except EngineBusyError as exc:  # the engine filled up since the server's own check
+        return Response(busy(exc), status_code=429, headers={"retry-after": str(exc.retry_after_s)})
     assert last is not None
     return Response(frames.whole(
         id_=rid, created=int(time.time()), model=model, text="".join(parts), finish_reason=last.finish_reason,
@@ -258,6 +266,8 @@ async def sse_events(outputs: AsyncIterator[RequestOutput], rid: str, model: str
         yield responses.sse(error_body(str(exc), "api_error", code="engine_dead"))
     except EngineInputError as exc:  # refused as it started (the server's checks passed before): nothing generated
         yield responses.sse(refusal(exc))
+    except EngineBusyError as exc:  # the engine filled up since the server's own check
+        yield responses.sse(busy(exc))
     except Exception:  # framing failed (a bug): the stream ends with an error event, not a cut connection
         log.exception("streaming %s failed", rid)
         await outputs.aclose()  # its generation stops: slot and KV blocks go back

@@ -99,12 +99,14 @@ def _same_tokenizer(a: Any, b: Any) -> bool:
 def build_engine(model: str, models_dir: Path, *, dtype: str = "auto", quantize: str | None = None,
                  device: str = "cpu", max_num_seqs: int | None = None, threads: int | None = None,
                  kv_cache_bytes: int | None = None, max_num_batched_tokens: int = 512,
-                 kv_cache_dtype: str = "auto", draft: DraftModel | None = None) -> tuple[LLMEngine, str]:
+                 kv_cache_dtype: str = "auto", draft: DraftModel | None = None,
+                 max_waiting: int | None = None) -> tuple[LLMEngine, str]:
     """Load `model` (a built-in name or a local directory); returns the engine and its model version.
 
     `kv_cache_bytes` is the KV cache's fixed budget (default: the runner's, 512 MiB), allocated once;
     `max_num_seqs` None sizes the batch to it (`kv_max_num_seqs`). `draft`: speculative decoding with that model
-    (ValueError when its tokenizer is not the model's).
+    (ValueError when its tokenizer is not the model's). `max_waiting`: requests in flight beyond `max_num_seqs` before
+    a new one is a 429 (None: LLMEngine's default, WAITING_PER_SLOT per slot).
     """
     offline_hub()
     import torch
@@ -131,7 +133,7 @@ def build_engine(model: str, models_dir: Path, *, dtype: str = "auto", quantize:
                                    kv_cache_bytes=draft.kv_cache_bytes)
         speculative = SpeculativeDecoder(runner, draft_runner, SpeculativeConfig(k=draft.k, max_batch=draft.max_batch))
     engine = LLMEngine(runner, tokenizer, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                       speculative=speculative)
+                       speculative=speculative, max_waiting=max_waiting)
     version = model_version(model_dir, dtype=str(runner.dtype).removeprefix("torch."), quantize=quantize,
                             kv_cache_dtype=kv_cache_dtype, draft=draft.describe() if draft else None)
     log.info("engine loaded %s (%s, %s, %d KV blocks of %d tokens, up to %d sequences at once, %d torch threads) "
@@ -147,7 +149,8 @@ def serve(model: str, models_dir: Path, *, host: str, port: int, served_name: st
           dtype: str = "auto", quantize: str | None = None, device: str = "cpu", max_num_seqs: int | None = None,
           threads: int | None = None, kv_cache_bytes: int | None = None, max_num_batched_tokens: int = 512,
           kv_cache_dtype: str = "auto", draft: DraftModel | None = None, max_body_bytes: int | None = None,
-          api_key_env: str = ENGINE_API_KEY_ENV, allow_unauthenticated: bool = False) -> None:
+          api_key_env: str = ENGINE_API_KEY_ENV, allow_unauthenticated: bool = False,
+          max_waiting: int | None = None) -> None:
     """`max_body_bytes`: the largest request body served (None: engine/server.py's default, the gateway's).
     `api_key_env`: the environment variable holding the key every route but /health requires; unset, a host beyond
     this machine is refused unless `allow_unauthenticated` (engine/engine_auth.py). Checked before the model loads."""
@@ -162,7 +165,7 @@ def serve(model: str, models_dir: Path, *, host: str, port: int, served_name: st
     engine, version = build_engine(model, models_dir, dtype=dtype, quantize=quantize, device=device,
                                    max_num_seqs=max_num_seqs, threads=threads, kv_cache_bytes=kv_cache_bytes,
                                    max_num_batched_tokens=max_num_batched_tokens, kv_cache_dtype=kv_cache_dtype,
-                                   draft=draft)
+                                   draft=draft, max_waiting=max_waiting)
     name = served_name or Path(model).name
     limit = {} if max_body_bytes is None else {"max_body_bytes": max_body_bytes}
     app = create_engine_app(engine, model_name=name, model_version=version, api_key=api_key, **limit)

@@ -56,6 +56,13 @@ from wire.errors import RESPONSE_FORMAT_FAILED
 __all__ = ["EngineBusyError", "EngineDeadError", "EngineInputError", "EngineStats", "LLMEngine", "RequestOutput"]
 
 IDLE_WAIT_S = 0.5  # an idle loop wakes this often (and on every new request)
+# Requests that may wait beyond the batch's slots, by default: this many per slot (max_num_seqs). The gateway never
+# sends more than max_num_seqs a replica (its dispatch slots), but the engine's own port takes any caller with its
+# key (or any local process), and each waiting request costs every step a look (the scheduler's tenant shares read
+# all the waiting of the head's priority): 20,000 waiting cost 0.1-0.6 s a step before the cap
+WAITING_PER_SLOT = 16
+ENGINE_OVERLOADED = "engine_overloaded"  # the 429's code past the cap
+OVERLOADED_RETRY_AFTER_S = 1
 log = logging.getLogger("tiergate.engine")
 
 
@@ -63,14 +70,19 @@ class LLMEngine:
     def __init__(self, runner: Any, tokenizer: Any, *, max_num_seqs: int = 8, max_num_batched_tokens: int = 512,
                  policy: SchedulingPolicy = SchedulingPolicy.PRIORITY, enable_prefix_caching: bool = True,
                  speculative: SpeculativeDecoder | None = None, stuck_after_s: float = STUCK_STEP_S,
-                 compile_stuck_after_s: float = STUCK_COMPILE_S) -> None:
+                 compile_stuck_after_s: float = STUCK_COMPILE_S, max_waiting: int | None = None) -> None:
         """`speculative`: a draft model's decoder (engine/speculative.py) for the decode steps it applies to.
         `stuck_after_s`, `compile_stuck_after_s`: how long one step may run, and how much CPU one grammar compile may
-        use, before `health_problem` calls the engine wedged (engine/liveness.py)."""
+        use, before `health_problem` calls the engine wedged (engine/liveness.py). `max_waiting`: how many requests
+        may be in flight beyond the batch's `max_num_seqs` (None: WAITING_PER_SLOT per slot); past that a new one is
+        refused (`check_capacity`)."""
+        if max_waiting is not None and max_waiting < 0:
+            raise ValueError("max_waiting must be 0 or more")
         self.model_runner = runner
         self.speculative = speculative
         self.tokenizer = tokenizer
         self.max_num_seqs = max_num_seqs
+        self.max_waiting = WAITING_PER_SLOT * max_num_seqs if max_waiting is None else max_waiting
         self.max_model_len: int = runner.max_model_len
         # prompt ids must index the model's embeddings (a runner without a config is a test double)
         self.vocab_size: int | None = getattr(getattr(runner, "config", None), "vocab_size", None)
@@ -135,6 +147,17 @@ class LLMEngine:
         check_request(prompt_token_ids, params, tenant, vocab_size=self.vocab_size,
                       max_model_len=self.max_model_len, block_manager=self.block_manager, grammars=self.grammars)
 
+    def check_capacity(self) -> None:
+        """EngineBusyError (HTTP 429 `engine_overloaded`, Retry-After) when `max_num_seqs` + `max_waiting` requests are
+        in flight already (handed over and not ended: running, waiting, or not taken by the loop yet). `generate`
+        checks it as it hands a request over; the server before it renders and tokenizes one."""
+        in_flight = len(self.handoff.sinks)  # read without the lock, as stats(): a dict's length
+        if in_flight >= self.max_num_seqs + self.max_waiting:
+            raise EngineBusyError(
+                f"this engine has {in_flight} requests in flight, as many as it takes ({self.max_num_seqs} running "
+                f"and {self.max_waiting} waiting); try again later", code=ENGINE_OVERLOADED,
+                retry_after_s=OVERLOADED_RETRY_AFTER_S)
+
     async def compiled_grammar(self, params: SamplingParams, tenant: str | None) -> CompiledGrammar | None:
         """The compiled grammar of the request's response format (None without one): a format `tenant` compiled
         before at once (grammars are cached per tenant: engine/grammar.py), a new one compiled on the compile queue's
@@ -166,7 +189,8 @@ class LLMEngine:
         """Stream outputs for one request; leaving the iterator early aborts the request.
 
         Raises EngineInputError for a request that can never run, EngineDeadError once the loop has stopped,
-        EngineBusyError when its response format is new and the compile queue is full. A request the engine fails
+        EngineBusyError when its response format is new and the compile queue is full, or when the engine has as many
+        requests in flight as it takes (`check_capacity`). A request the engine fails
         later ends with an output whose `error` is set. A response format not compiled yet is compiled on the
         compile queue (`compiled_grammar`, the tenant being `cache_salt`'s: `salt_tenant`), unless `params.grammar`
         already holds it.
@@ -175,6 +199,7 @@ class LLMEngine:
         self.validate(prompt_token_ids, params, tenant)
         if params.output_format is not None and params.grammar is None:  # the engine's own copy carries the grammar
             params = dataclasses.replace(params, grammar=await self.compiled_grammar(params, tenant))
+        self.check_capacity()  # after the compile's wait: the count now, with no await before the handover
         request_id = request_id or f"req-{next(self._counter)}"
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         seq = Sequence(request_id, list(prompt_token_ids), params, priority=priority, cache_salt=cache_salt)

@@ -31,7 +31,10 @@ took the port.
 (engine/grammar.py); a schema it cannot compile is a 400 naming `response_format`, before any byte is streamed. A new
 schema is compiled on the engine's compile queue (engine/compile_queue.py: threads of its own, tenants in turn, the
 tenant being the gateway's cache salt); when that queue is full for the tenant or for everyone, the answer is a 429
-`response_format_compiles_busy` with Retry-After, at once.
+`response_format_compiles_busy` with Retry-After, at once. An engine with as many requests in flight as it takes
+(`max_num_seqs` running and `max_waiting` more: LLMEngine.check_capacity) answers a new one 429 `engine_overloaded`
+with Retry-After, before it is rendered (the gateway sends no more than its dispatch slots, but this port takes any
+caller with the key).
 Tools are rendered into the prompt (wire/tool_calls.py) and the answer is shaped into `tool_calls`
 (engine/tool_calls.py: a "required" or named tool_choice is enforced by the same grammar path).
 
@@ -81,7 +84,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from assets.parent_watch import ENGINE_INSTANCE_ENV
-from engine.answer_frames import FAILED, chat_frames, collect, sse_events, text_frames
+from engine.answer_frames import FAILED, busy, chat_frames, collect, sse_events, text_frames
 from engine.engine_auth import key_check
 from engine.llm_engine import EngineBusyError, EngineDeadError, EngineInputError, LLMEngine
 from engine.request_checks import check_output_room
@@ -310,12 +313,12 @@ def create_engine_app(engine: LLMEngine, *, model_name: str, model_version: str,
             return ids, params
 
         try:
+            engine.check_capacity()  # a full engine refuses before rendering and tokenizing (generate checks again)
             ids, params = await asyncio.to_thread(prepare)
             if params.output_format is not None:  # compiled on the compile queue, in the tenant's turn
                 params = dataclasses.replace(params, grammar=await engine.compiled_grammar(params, salt_tenant(salt)))
         except EngineBusyError as exc:
-            return Response(error_body(str(exc), "rate_limit_error", param=exc.param, code=exc.code), status_code=429,
-                            headers={"retry-after": str(exc.retry_after_s)})
+            return Response(busy(exc), status_code=429, headers={"retry-after": str(exc.retry_after_s)})
         except EngineDeadError as exc:
             return _dead(str(exc))
         except EngineInputError as exc:
