@@ -45,10 +45,12 @@ transformers' fast tokenizer call runs
 `tokenizers`' `encode_batch`, which releases the GIL (measured: 1.5 MB of text, 1.1 s to tokenize, the event
 loop kept running with at most 34 ms between its turns, against 1.16 s with `Tokenizer.encode`). A max_tokens that
 leaves no room for a one-token prompt is refused before the prompt is rendered (engine/request_checks.py). Text
-longer than the context could hold even at the vocabulary's longest token is refused before tokenizing, and a longer
-text than PREFIX_CHARS_PER_TOKEN characters per context token is first counted in pieces of that many characters,
-refused as soon as the pieces counted overflow the context (with PREFIX_MARGIN_TOKENS for each cut, as the gateway's
-prefix count has, gateway/pipeline/prompt.py): a hostile prompt just under the first bound (SmolLM2: 236K
+longer than the context could hold even at the vocabulary's longest token is refused before tokenizing (a chat
+request's messages' text alone that long, before its prompt is rendered: 4 MB of `<|im_end|>` held a worker thread
+0.72 s in the escaping, the scan and the template before its refusal), and a longer text than
+PREFIX_CHARS_PER_TOKEN characters per context token is first counted in pieces of that many characters, refused as
+soon as the pieces counted overflow the context (with PREFIX_MARGIN_TOKENS for each cut, as the gateway's prefix
+count has, gateway/pipeline/prompt.py): a hostile prompt just under the first bound (SmolLM2: 236K
 characters, 0.2-0.8 s of tokenizing each) was counted whole before its refusal, and 30 of them held a normal request
 26 s behind them in the tokenizing threads (0.1 s with the pieces). So is text
 that is not Unicode text (a lone UTF-16 surrogate, which a tool call's arguments can spell as a JSON escape: the
@@ -198,16 +200,17 @@ def create_engine_app(engine: LLMEngine, *, model_name: str, model_version: str,
     names_written = named_roles(lambda turns: tokenizer.apply_chat_template(turns, add_generation_prompt=True,
                                                                             tokenize=False))
 
+    def too_long(has: str, param: str) -> EngineInputError:
+        return EngineInputError(f"{has}; this model's maximum context length of {engine.max_model_len} tokens holds "
+                                f"at most {max_prompt_chars}", param=param, code="context_length_exceeded")
+
     def checked_ids(text: str, param: str, *, add_special_tokens: bool,
                     encode: Callable[[], list[int]] | None = None) -> list[int]:
         """Tokenize (in a worker thread): refuses text that cannot fit before tokenizing it. `encode`: what
         tokenizes it where the tokenizer's own call on `text` would not (a prompt holding tenant text that spells
         special tokens); the bounds are still those of `text`."""
         if max_prompt_chars is not None and len(text) > max_prompt_chars:
-            raise EngineInputError(
-                f"the prompt has {len(text)} characters; this model's maximum context length of "
-                f"{engine.max_model_len} tokens holds at most {max_prompt_chars}",
-                param=param, code="context_length_exceeded")
+            raise too_long(f"the prompt has {len(text)} characters", param)
         if (bad := _SURROGATE.search(text)) is not None:
             raise EngineInputError(
                 f"the prompt holds a lone UTF-16 surrogate (U+{ord(bad[0]):04X}, from a \\u escape in a tool call's "
@@ -244,6 +247,12 @@ def create_engine_app(engine: LLMEngine, *, model_name: str, model_version: str,
                 "message did not make, or one answered already); this model's prompt places each result after the "
                 "calls without ids, so it would read as another call's answer. Send each result once, after the "
                 "assistant message that made its call", param=f"messages.{i}.tool_call_id")
+        if max_prompt_chars is not None:  # before escaping, scanning and rendering: 4 MB of `<|im_end|>` held a
+            # worker thread 0.72 s before its refusal. The messages' text is in the prompt as sent (a template that
+            # trims it drops no more than its ends' whitespace): a bound on the prompt's length
+            chars = sum(len(m.text().strip()) for m in req.messages)
+            if chars > max_prompt_chars:
+                raise too_long(f"the messages' text has {chars} characters", "messages")
         markers = plain_text.marker_escape() if plain_text is not None else None
         turns = render_messages(req, markers)
         escaped = plain_text.escaped(turns, markers) if plain_text is not None else None
