@@ -37,19 +37,20 @@ async def open_tier(dispatch: DispatchStage, tiers: TierCaller, route: RouteStag
     try:
         affinity = affinity_key(ctx.tenant, [{"role": normalized_role(m.role), "content": m.text()}
                                              for m in req.messages], ctx.headers.get(SESSION_HEADER))
-        user = isolated_user(ctx, req)  # its own prefix-cache namespace, where the plan isolates end users
-        try:  # the meter's upstream starts as the request is written to the tier, not while it connects
-            return (ticket, await tiers.open(tier, tier_body(ctx, prepared, tier, reading), affinity=affinity,
-                                             tenant=ctx.tenant, end_user=user, on_sent=meter.upstream_started),
-                    attempt)
+        # one set of arguments for the tier and its fallback: the same tenant, and the same end user's own
+        # prefix-cache namespace where the plan isolates end users; the meter's upstream starts as the request is
+        # written to the tier, not while it connects
+        shared: dict[str, Any] = {"affinity": affinity, "tenant": ctx.tenant, "end_user": isolated_user(ctx, req),
+                                  "on_sent": meter.upstream_started}
+        try:
+            return ticket, await tiers.open(tier, tier_body(ctx, prepared, tier, reading), **shared), attempt
         except (UpstreamUnreachable, NoTierAvailable):
             if (fallback := route.fall_back(attempt.route)) is None:
                 raise
         attempt = replace(attempt, route=fallback,  # looked up in the candidate's scope: its answer not kept
                           lookup=replace(attempt.lookup, scope=None))
         return ticket, await tiers.open(fallback.tier, tier_body(ctx, prepared, fallback.tier, reading),
-                                        affinity=affinity, tenant=ctx.tenant,
-                                        on_sent=meter.upstream_started), attempt
+                                        **shared), attempt
     except BaseException:
         meter.upstream_ended()
         dispatch.release(tier.name, ticket, 0)
