@@ -47,6 +47,9 @@ class Hit:
     similarity: float  # 1.0 for exact hits
     status: Literal["hit"] = "hit"
     shadow_rate: float = 0.0  # sampled, at this rate, for a check against a fresh answer (the error bound's evidence)
+    # this request's own prompt tokens, as the caller counted them before the lookup (None: not counted), which
+    # `request_usage` reports instead of the stored ones
+    counted_prompt: int | None = field(default=None, compare=False)
 
     @property
     def response(self) -> str:
@@ -54,7 +57,22 @@ class Hit:
 
     @property
     def usage(self) -> dict[str, Any]:
+        """The usage as stored, of the request that stored the answer: a semantic hit's `prompt_tokens` are another
+        request's. What this request reports and is billed for is `request_usage`."""
         return self.entry.usage
+
+    @property
+    def request_usage(self) -> dict[str, Any]:
+        """This request's usage: its own prompt's tokens, the stored answer's completion tokens and finish reason. An
+        exact hit's prompt is the stored one's (the same request), counted as its tier reported it; a semantic hit's
+        stored prompt is another request's (a paraphrase, of another length), never reported or billed to this one:
+        its own count is (`counted_prompt`; 0 where it was not counted, its tier's tokenizer not prepared)."""
+        stored = self.entry.usage
+        prompt = stored.get("prompt_tokens") if self.kind == "exact" else None
+        if prompt is None:
+            prompt = self.counted_prompt or 0
+        return {"prompt_tokens": int(prompt), "completion_tokens": int(stored.get("completion_tokens", 0)),
+                "finish_reason": stored.get("finish_reason")}
 
     def headers(self) -> dict[str, str]:
         out = {"x-tiergate-cache": "hit", "x-tiergate-cache-kind": self.kind}

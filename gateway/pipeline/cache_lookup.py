@@ -151,10 +151,12 @@ class CacheStage:
         self._store_faults = FaultLog(log, "cache store", known=known, rounds="stores")
 
     async def lookup(self, ctx: RequestContext, req: ChatCompletionRequest, tier: TierSpec,
-                     degr: Degradation, artifact: str | None = None) -> CacheLookup:
+                     degr: Degradation, artifact: str | None = None, *,
+                     counted_prompt: int | None = None) -> CacheLookup:
         """`artifact`: the router artifact loaded now (`artifact_version`); a cascaded request is looked up among
         the answers its check accepted (the cascade stores its accepted answer under the artifact its check read,
-        cascade.py's `_accepted`)."""
+        cascade.py's `_accepted`). `counted_prompt`: the request's prompt tokens as counted for `tier` (None: not
+        counted), which a hit's usage reports and bills (`Hit.request_usage`), not its stored request's."""
         body = req.model_dump(mode="json", exclude_none=True)
         if self.cache is None:
             return CacheLookup(Bypass("bypass: the cache is off"), None, None, body, ctx.headers, ())
@@ -175,6 +177,8 @@ class CacheStage:
             result = Miss(f"cache unavailable: {exc}")
         else:
             self._lookup_faults.ok()
+        if isinstance(result, Hit):
+            result = replace(result, counted_prompt=counted_prompt)
         return CacheLookup(result, scope, policy, body, ctx.headers, applied, req.output_cap, accepted_by, tier=tier)
 
     def save(self, lookup: CacheLookup, outcome: Outcome, applied: tuple[str, ...]) -> None:

@@ -189,9 +189,11 @@ class Pipeline:
         # counted, and refused if it cannot fit, before the cache is looked up: a lookup may embed the last turn on
         # the embedding queue every tenant shares, which a request that can never run must not hold up
         prompt, held = await measure_early(self.prompt, self.reserve, ctx, req, route)
-        lookup = await self.cache.lookup(ctx, req, route.tier, degr, artifact_version(self.route.predictor))
+        lookup = await self.cache.lookup(ctx, req, route.tier, degr, artifact_version(self.route.predictor),
+                                         counted_prompt=prompt.num_tokens if prompt is not None else None)
         if (hit := lookup.hit) is not None:  # a cached answer needs no tier, however busy
-            tokens = int(hit.usage.get("prompt_tokens", 0)) + int(hit.usage.get("completion_tokens", 0))
+            usage = hit.request_usage  # this request's own prompt tokens, not the stored answer's request's
+            tokens = usage["prompt_tokens"] + usage["completion_tokens"]
             price = ctx.plan.cache.hit_price_per_1k * tokens / 1000
             reservation = await self.reserve.reserve(ctx, ctx.request_id, tokens=0, price=price, follows=held)
             return Prepared(req, Attempt(ctx.request_id, route, reservation, lookup,
@@ -240,7 +242,7 @@ class Pipeline:
         delivery: Delivery | None = None  # a JSON answer's, told at its `Done` before it settles
         try:
             if attempt.lookup.hit is not None:
-                meter.add_cached(attempt.lookup.hit.response, attempt.lookup.hit.usage)
+                meter.add_cached(attempt.lookup.hit.response, attempt.lookup.hit.request_usage)
                 yield self.head(ctx, req, attempt, headers)
                 yield Delta(attempt.lookup.hit.response, None)
             else:

@@ -342,7 +342,8 @@ class Meter:
         self.finish_reason = finish_reason
 
     def add_cached(self, text: str, usage: dict[str, Any]) -> None:
-        """A cached answer: its usage as stored, no tier."""
+        """A cached answer, no tier: `usage` is this request's (`Hit.request_usage`: its own prompt tokens, the
+        stored answer's completion tokens and finish reason)."""
         self._parts.append(text)
         self.input_tokens = int(usage.get("prompt_tokens", 0))
         self.output_tokens = int(usage.get("completion_tokens", 0))
