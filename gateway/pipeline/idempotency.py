@@ -56,7 +56,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from cache.scope import identity_snapshot
-from gateway.errors import Conflict, InvalidRequest, RateLimited, Unavailable, Unprocessable
+from gateway.errors import Conflict, RateLimited, Unavailable, Unprocessable
 from gateway.pipeline.context import RequestContext
 from gateway.pipeline.events import Delta, Done, Event, Head
 from gateway.pipeline.handed_off import HandedOff
@@ -64,6 +64,7 @@ from gateway.pipeline.idempotency_keep import Keep as Keep  # re-exported, as th
 from gateway.pipeline.idempotency_keep import keep_when_written as keep_when_written
 from gateway.pipeline.idempotency_keep import lease_lost as lease_lost
 from gateway.pipeline.meter import Outcome
+from gateway.request_headers import check_idempotency_key
 from quotas.idempotency import Claim, Full, IdempotencyStore, Mismatch, Replay, Running, not_kept
 from quotas.ledger import LedgerUnavailable
 from wire.chat_request import ChatCompletionRequest
@@ -71,7 +72,6 @@ from wire.chat_request import ChatCompletionRequest
 HEADER = "idempotency-key"
 REPLAY_HEADER = "x-tiergate-idempotent-replay"
 log = logging.getLogger("tiergate.idempotency")
-MAX_KEY_CHARS = 255
 RENEW_RETRY_PARTS = 30  # a renewal that failed is tried again this part of the lease later (20 s of the default 600)
 # a lease is counted on until this part of it before it can end by this gateway's clock (20 s of the default 600): the
 # margin for a store whose leases other replicas judge by their own clocks (PostgreSQL's), or a wall clock stepped
@@ -175,9 +175,7 @@ class IdempotencyStage:
         key = ctx.headers.get(HEADER)
         if key is None:
             return None
-        if not 1 <= len(key) <= MAX_KEY_CHARS or not key.isascii() or not key.isprintable():
-            raise InvalidRequest(f"Idempotency-Key must be 1 to {MAX_KEY_CHARS} printable ASCII characters",
-                                 param="Idempotency-Key", code="invalid_idempotency_key")
+        check_idempotency_key(key)  # (as at the door, gateway/request_headers.py: for a caller that did not)
         # the route too: a text completion's body and a chat body can dump alike (its prompt_format is a default),
         # and a key used on one route never answers another's request
         route = route or getattr(req, "prompt_format", "chat")

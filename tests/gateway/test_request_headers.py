@@ -77,3 +77,18 @@ def test_two_different_keys_in_the_two_key_headers_are_refused(gateway: Gateway,
             assert r.status_code == 400, r.text
             assert r.json()["error"]["code"] == "conflicting_api_keys", r.text
         assert c.get(route, headers=[("Authorization", f"Bearer {key}"), ("X-API-Key", key)]).status_code == 200
+
+
+@pytest.mark.parametrize("key", ["", "k" * 256, "clé", "a\tb"])
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/embeddings"])
+def test_an_idempotency_key_that_cannot_be_one_is_refused_before_the_body(gateway: Gateway, route: str,
+                                                                          key: str) -> None:
+    """Refused at the door, with the body unread: a body that is not even JSON gets the key's 400, not the body's
+    (it was parsed first, and the key refused only then)."""
+    with gateway.client(gateway.tenant_key) as c:
+        r = c.post(route, content=b"{not json", headers={"Idempotency-Key": key.encode("utf-8"),
+                                                        "content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert (error["code"], error["param"]) == ("invalid_idempotency_key", "Idempotency-Key"), error
+    assert not gateway.stub.requests and not gateway.ledger_rows()
