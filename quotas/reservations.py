@@ -6,10 +6,11 @@ import asyncio
 import logging
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from decimal import Decimal
 from functools import lru_cache
+from typing import Any
 
 from quotas.backends.base import QuotaBackend, QuotaBackendError
 from quotas.backends.journal import FallbackRow, fallback_row
@@ -40,11 +41,14 @@ def _scope_limits(scope: str, rpm: int | None, tpm: int | None, max_concurrent: 
 
 @dataclass
 class Reservation:
-    """A granted reservation of requests, tokens, money and a concurrency slot, to be settled exactly once."""
+    """A granted reservation of requests, tokens, money and a concurrency slot, to be settled exactly once; its slot
+    freed by its settle, or, where it is kept (`QuotaService.keep_slot`), by `QuotaService.release_slot`, once."""
 
     request: ReservationRequest
     decision: Decision
     settled: bool = False
+    slot_kept: bool = False  # its slot outlives its settle: freed by `release_slot`, not by the settle
+    slot_released: bool = False  # `release_slot` has freed it (or is freeing it, in the background)
 
 
 class QuotaService:
@@ -59,9 +63,15 @@ class QuotaService:
         # so a request that runs longer than its lease (a long stream) keeps its money reserved and its slot; one whose
         # request ended without settling it (a bug) drops out, and the reaper returns it when its lease runs out
         self._open: weakref.WeakValueDictionary[str, Reservation] = weakref.WeakValueDictionary()
-        # settles the backend raised on, retried in the background (`_settle_later`): held so they are not collected
+        # the reservations whose slot is kept past their settle (`keep_slot`), until it is released: renewed with the
+        # open ones, so a slot held while a long answer is handed over is not taken for a dead replica's
+        self._kept: weakref.WeakValueDictionary[str, Reservation] = weakref.WeakValueDictionary()
+        # settles and releases the backend raised on, retried in the background (`_settle_later`, `release_slot`):
+        # held so they are not collected
         self._retrying: set[asyncio.Task[None]] = set()
         self._settle_faults = FaultLog(log, "settling reservations (retried in the background)", rounds="settles")
+        self._release_faults = FaultLog(log, "freeing concurrency slots (retried in the background)",
+                                        rounds="releases")
 
     @staticmethod
     def scopes(plan: Plan, key_id: str, key_limits: Limits | None) -> tuple[ScopeLimits, ...]:
@@ -94,6 +104,8 @@ class QuotaService:
         freed mid-answer); how many were renewed. Each reaper round runs it before reaping (quotas/reaper.py)."""
         cutoff = time.time() - self.lease_s / 3
         due = [r.request for r in list(self._open.values()) if not r.settled and r.request.now <= cutoff]
+        due += [r.request for r in list(self._kept.values())
+                if r.settled and not r.slot_released and r.request.now <= cutoff]  # (an open one is in `due`)
         if due:
             await self.backend.renew(due)
         return len(due)
@@ -134,7 +146,8 @@ class QuotaService:
         self._open.pop(reservation.request.request_id, None)
         self._follow_row(reservation, price, row)
         try:
-            await self.backend.settle(reservation.request, tokens=tokens, money_pico=to_pico(price))
+            await self.backend.settle(reservation.request, tokens=tokens, money_pico=to_pico(price),
+                                      keep_slot=reservation.slot_kept)
         except Exception as exc:
             self._settle_later(reservation, tokens, to_pico(price), exc)
             return
@@ -155,7 +168,8 @@ class QuotaService:
         self._open.pop(reservation.request.request_id, None)
         self._follow_row(reservation, price, row)
         try:
-            self.backend.settle_now(reservation.request, tokens=tokens, money_pico=to_pico(price))
+            self.backend.settle_now(reservation.request, tokens=tokens, money_pico=to_pico(price),
+                                    keep_slot=reservation.slot_kept)
         except Exception as exc:
             self._settle_later(reservation, tokens, to_pico(price), exc)
             return
@@ -167,10 +181,10 @@ class QuotaService:
         the reservation's lease. Given up after that, the reservation is the reaper's: not renewed (no longer open),
         it is returned when its lease ends, billed what its ledger row says (`QuotaBackend.reap`)."""
         self._settle_faults.failed(exc)
-        req = reservation.request
+        req, keep_slot = reservation.request, reservation.slot_kept
 
         async def again() -> None:
-            if await retry(lambda: self.backend.settle(req, tokens=tokens, money_pico=money_pico),
+            if await retry(lambda: self.backend.settle(req, tokens=tokens, money_pico=money_pico, keep_slot=keep_slot),
                            SETTLE_BACKOFF_S[0], self.lease_s, retried=(Exception,)):
                 self._settle_faults.ok()
                 self._settled(reservation)
@@ -178,7 +192,58 @@ class QuotaService:
                 self._settle_faults.failed(QuotaBackendError(
                     f"a settle retried for {self.lease_s:g}s is given up: its lease's reaper returns it"))
 
-        task = asyncio.get_running_loop().create_task(again())
+        self._spawn(again())
+
+    def keep_slot(self, reservation: Reservation) -> bool:
+        """Keep `reservation`'s concurrency slot past its settle, until `release_slot`: its request's answer is written
+        down and billed before it is sent, and the request counts toward `max_concurrent` until it is handed over to
+        its client (gateway/pipeline/gate.py `Pass.keeps`), on every replica sharing the store. Only before its settle,
+        and only where a scope has a concurrency limit (else nothing counts the slot, and its release would cost a
+        round trip to the store for nothing); whether it is kept now."""
+        if reservation.settled or reservation.slot_kept \
+                or all(s.max_concurrent is None for s in reservation.request.scopes):
+            return False
+        reservation.slot_kept = True
+        self._kept[reservation.request.request_id] = reservation
+        return True
+
+    def release_slot(self, reservation: Reservation) -> None:
+        """Free a kept slot, once (a second call, or one for a slot not kept, does nothing), settled or not: where the
+        store settles at once, now; else handed to a task and retried in the background as a settle is (the store's
+        release is idempotent) for as long as the reservation's lease, past which the slot's lease frees it. Never
+        raises: the request it ends is answered whatever the store does."""
+        if not reservation.slot_kept or reservation.slot_released:
+            return
+        reservation.slot_released = True
+        self._kept.pop(reservation.request.request_id, None)
+        req = reservation.request
+        if self.backend.settles_at_once():
+            try:
+                self.backend.release_now(req)
+            except Exception as exc:  # (a bug of an in-process store's): tried again as a remote store's release is
+                self._release_faults.failed(exc)
+            else:
+                return
+
+        async def release() -> None:
+            try:
+                await self.backend.release(req)
+            except Exception as exc:
+                self._release_faults.failed(exc)
+            else:
+                self._release_faults.ok()
+                return
+            if await retry(lambda: self.backend.release(req), SETTLE_BACKOFF_S[0], self.lease_s,
+                           retried=(Exception,)):
+                self._release_faults.ok()
+            else:
+                self._release_faults.failed(QuotaBackendError(
+                    f"a slot's release retried for {self.lease_s:g}s is given up: its lease frees it"))
+
+        self._spawn(release())
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
         self._retrying.add(task)
         task.add_done_callback(self._retrying.discard)
 

@@ -11,6 +11,10 @@ ledger recorded for them if anything, else nothing. A request that runs longer t
 has it pushed ahead (`renew`) by its live replica, so a long answer is never taken for a dead replica's.
 `settle` is idempotent: sent twice (an answer lost on the way back), it changes nothing the second time;
 sent for a reaped or unknown reservation, it adds the real use instead of replacing a reservation.
+
+A settle frees the reservation's concurrency slot, unless told to keep it (`keep_slot`: the request's answer is
+written down and billed, but not yet handed over to its client); `release` frees a kept slot then. A slot kept and
+never released (its replica killed) is freed when its lease runs out, as an unsettled one is.
 """
 
 from __future__ import annotations
@@ -48,14 +52,25 @@ class QuotaBackend(ABC):
         then settle where it stands, with no task of its own."""
         return False
 
-    def settle_now(self, req: ReservationRequest, *, tokens: int, money_pico: int) -> None:
+    def settle_now(self, req: ReservationRequest, *, tokens: int, money_pico: int, keep_slot: bool = False) -> None:
         """`settle` without an await, where `settles_at_once` says so."""
         raise NotImplementedError(f"{type(self).__name__} settles only with `await settle`")
 
     @abstractmethod
-    async def settle(self, req: ReservationRequest, *, tokens: int, money_pico: int) -> None:
-        """Replace the reservation's tokens and money by what was really used; free its concurrency slot.
-        Idempotent; where the store does not answer, retried in the background (the caller never waits)."""
+    async def settle(self, req: ReservationRequest, *, tokens: int, money_pico: int, keep_slot: bool = False) -> None:
+        """Replace the reservation's tokens and money by what was really used; free its concurrency slot unless
+        `keep_slot` (then `release` frees it). Idempotent; where the store does not answer, retried in the background
+        (the caller never waits)."""
+
+    async def release(self, req: ReservationRequest) -> None:  # noqa: B027 (a backend without slots has none)
+        """Free `req`'s concurrency slot in each of its scopes, settled or not: one kept past its settle
+        (`keep_slot`), or one whose request ended before its settle ran. Idempotent: a slot already free (released,
+        reaped, cancelled, taken over by a follow-on, its lease run out) is left as it is. Raises
+        `QuotaBackendError` where the store does not answer."""
+
+    def release_now(self, req: ReservationRequest) -> None:
+        """`release` without an await, where `settles_at_once` says so."""
+        raise NotImplementedError(f"{type(self).__name__} releases only with `await release`")
 
     def row_refused(self, row: FallbackRow) -> None:  # noqa: B027 (only a backend that marks decisions has any)
         """The ledger refused the row of a request admitted with a `Decision.fallback` mark, the row that was to carry

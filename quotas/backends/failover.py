@@ -94,6 +94,8 @@ class FailoverBackend(QuotaBackend):
         # reservations held by the fallback, as it holds them, whether their reserve was sent to Redis, and whether
         # their ledger row is to carry their money there (a `fallback_mark`)
         self._local: dict[str, tuple[ReservationRequest, bool, bool]] = {}
+        # the fallback's reservations settled with their slot kept (`keep_slot`), as it holds them, until `release`
+        self._local_slots: dict[str, ReservationRequest] = {}
         self._known: dict[tuple[str, str], Spend] = {}  # (tenant, scope) -> what Redis last said it spent
         self._clock_offset_s = 0.0  # Redis' clock minus ours, as last seen
         self._outage_base: dict[tuple[str, str, str, str], tuple[int, int]] = {}  # spend as this outage began
@@ -230,13 +232,15 @@ class FailoverBackend(QuotaBackend):
         return replace(lim, budget_day_pico=share(lim.budget_day_pico, base_day),
                        budget_month_pico=share(lim.budget_month_pico, base_month))
 
-    async def settle(self, req: ReservationRequest, *, tokens: int, money_pico: int) -> None:
+    async def settle(self, req: ReservationRequest, *, tokens: int, money_pico: int, keep_slot: bool = False) -> None:
         held = self._local.pop(req.request_id, None)
         if held is None:  # a reservation Redis holds: its backend retries until Redis answers
-            await self.primary.settle(req, tokens=tokens, money_pico=money_pico)
+            await self.primary.settle(req, tokens=tokens, money_pico=money_pico, keep_slot=keep_slot)
             return
         local, sent, marked = held
-        await self.local.settle(local, tokens=tokens, money_pico=money_pico)
+        if keep_slot and self.local.holds_slot(local):  # (not one released before its settle)
+            self._local_slots[req.request_id] = local
+        await self.local.settle(local, tokens=tokens, money_pico=money_pico, keep_slot=keep_slot)
         if marked and money_pico:
             pass  # its ledger row, durable before this settle, carries its money (`_flush_rows`)
         elif sent:  # Redis may hold a reservation for it as well: applied by its id (at 0 too: a refund there)
@@ -246,6 +250,20 @@ class FailoverBackend(QuotaBackend):
                              money_pico)
         if self.up:
             self._spawn(self.flush_journal())
+
+    async def release(self, req: ReservationRequest) -> None:
+        """The slot where its reservation was held: the fallback's (settled or not), else Redis'."""
+        local = self._held_here(req.request_id)
+        self._local_slots.pop(req.request_id, None)
+        if local is not None:
+            self.local.release_now(local)
+        else:
+            await self.primary.release(req)
+
+    def _held_here(self, request_id: str) -> ReservationRequest | None:
+        """The fallback's reservation (as it holds it), open or settled with its slot kept; None: Redis holds it."""
+        held = self._local.get(request_id)
+        return held[0] if held is not None else self._local_slots.get(request_id)
 
     async def flush_journal(self) -> None:
         """Add what was settled locally to Redis, each batch once; raises if Redis does not answer (what is
@@ -317,10 +335,11 @@ class FailoverBackend(QuotaBackend):
     async def renew(self, reqs: Sequence[ReservationRequest]) -> None:
         """The fallback's reservations as it holds them, on Redis' clock as last seen; Redis' while it is up (or due
         a try, as `reap`: a lease Redis holds runs out only where Redis' reaper runs)."""
-        local = [self._local[r.request_id][0] for r in reqs if r.request_id in self._local]
+        held = [(r, self._held_here(r.request_id)) for r in reqs]
+        local = [mine for _, mine in held if mine is not None]
         if local:
             self.local.renew_now(local, now=time.time() + self._clock_offset_s)
-        shared = [r for r in reqs if r.request_id not in self._local]
+        shared = [r for r, mine in held if mine is None]
         if shared and (self.up or time.monotonic() >= self._retry_at):
             await self.primary.renew(shared)
 

@@ -135,25 +135,39 @@ class MemoryBackend(QuotaBackend):
                                            req.money_pico, req.day, req.month, now + req.lease_s)
         return Decision(True, usage=usage)
 
-    async def settle(self, req: ReservationRequest, *, tokens: int, money_pico: int) -> None:
-        self.settle_now(req, tokens=tokens, money_pico=money_pico)
+    async def settle(self, req: ReservationRequest, *, tokens: int, money_pico: int, keep_slot: bool = False) -> None:
+        self.settle_now(req, tokens=tokens, money_pico=money_pico, keep_slot=keep_slot)
 
     def settles_at_once(self) -> bool:
         return type(self).settle is MemoryBackend.settle  # a subclass's own `settle` may await: it is what runs
 
-    def settle_now(self, req: ReservationRequest, *, tokens: int, money_pico: int) -> None:
+    def settle_now(self, req: ReservationRequest, *, tokens: int, money_pico: int, keep_slot: bool = False) -> None:
         req = self._dated(req)  # where nothing is held: billed on the day its reserve dated it
         rid = req.request_id
         self._prune(time.time())
         if rid in self._done:
             return
         if (held := self._held.pop(rid, None)) is not None:
-            self._release(rid, held, tokens=tokens, money_delta=money_pico - held.money_pico)
+            self._release(rid, held, tokens=tokens, money_delta=money_pico - held.money_pico, keep_slot=keep_slot)
         elif (reaped := self._reaped.pop(rid, None)) is not None:  # its reservation was refunded: bill the use
             self._charge(reaped.tenant, reaped.scopes, reaped.day, reaped.month, money_pico)
         else:  # nothing held (forgotten): add the real use, replace nothing
             self._charge(req.tenant, tuple(lim.scope for lim in req.scopes), req.day, req.month, money_pico)
         self._remember_done(rid)
+
+    async def release(self, req: ReservationRequest) -> None:
+        self.release_now(req)
+
+    def release_now(self, req: ReservationRequest) -> None:
+        """`req`'s slots freed (`QuotaBackend.release`): whatever holds them, nothing else changed."""
+        for lim in req.scopes:
+            if (st := self._state.get((req.tenant, lim.scope))) is not None:
+                st.inflight.pop(req.request_id, None)
+
+    def holds_slot(self, req: ReservationRequest) -> bool:
+        """Whether a scope of `req` still counts its concurrency slot."""
+        return any(req.request_id in st.inflight for lim in req.scopes
+                   if (st := self._state.get((req.tenant, lim.scope))) is not None)
 
     def _dated(self, req: ReservationRequest) -> ReservationRequest:
         """`req` with its arrival moved into [now - max_dating_lag_s, now] (quotas/limits.py `dating_instant`)."""
@@ -171,12 +185,12 @@ class MemoryBackend(QuotaBackend):
         now = time.time() if now is None else now
         for req in reqs:
             rid = req.request_id
-            if (held := self._held.get(rid)) is None:
-                continue
             deadline = now + req.lease_s
-            self._held[rid] = replace(held, deadline=max(held.deadline, deadline))
-            for scope in held.scopes:
-                st = self._state.get((held.tenant, scope))
+            if (held := self._held.get(rid)) is not None:
+                self._held[rid] = replace(held, deadline=max(held.deadline, deadline))
+            # a slot kept past its settle (`keep_slot`) is renewed as long as it is held, as its reservation was
+            for lim in req.scopes:
+                st = self._state.get((req.tenant, lim.scope))
                 if st is not None and rid in st.inflight:
                     st.inflight[rid] = max(st.inflight[rid], deadline)
 
@@ -203,15 +217,18 @@ class MemoryBackend(QuotaBackend):
                 self._forget_reaped.append((time.time() + REAPED_TTL_S, rid))
         return returned
 
-    def _release(self, rid: str, held: _Held, *, tokens: int | None, money_delta: int) -> None:
-        """Free the slot, set the window's tokens to `tokens` (None: take them out) and move the money."""
+    def _release(self, rid: str, held: _Held, *, tokens: int | None, money_delta: int,
+                 keep_slot: bool = False) -> None:
+        """Free the slot (unless `keep_slot`: `release_now` frees it), set the window's tokens to `tokens` (None: take
+        them out) and move the money."""
         for scope in held.scopes:
             st = self._scope(held.tenant, scope)
             if rid in st.tokens:
                 new = 0 if tokens is None else tokens
                 st.token_sum += new - st.tokens[rid]
                 st.tokens[rid] = new
-            st.inflight.pop(rid, None)
+            if not keep_slot:
+                st.inflight.pop(rid, None)
         self._charge(held.tenant, held.scopes, held.day, held.month, money_delta)
 
     def _charge(self, tenant: str, scopes: Sequence[str], day: str, month: str, pico: int) -> None:

@@ -67,7 +67,8 @@ _HERE = Path(__file__).parent
 _SHARED = (_HERE / "shared.lua").read_text()
 SCRIPTS = {name: (_SHARED if name in ("reserve", "settle", "spent", "journal", "journal_rows", "reseed") else "") +
            (_HERE / f"{name}.lua").read_text() for name in ("reserve", "settle", "reap", "spent", "journal",
-                                                            "journal_rows", "heartbeat", "reseed", "renew")}
+                                                            "journal_rows", "heartbeat", "reseed", "renew",
+                                                            "release")}
 
 
 def _limit(v: int | None) -> int:
@@ -242,26 +243,34 @@ class RedisBackend(RedisRetries, RedisRecovery, QuotaBackend):
         await self._finish(req, tokens=0, money_pico=money_pico, kind="settle", dated=True)
 
     async def _finish(self, req: ReservationRequest, *, tokens: int, money_pico: int, kind: str,
-                      dated: bool = False) -> int:
+                      dated: bool = False, keep_slot: bool = False) -> int:
         """A reservation Redis holds is finished on the day and month its record names. Where it holds none, the
         real use is billed on `req`'s day and month if `dated` (settled on the fallback, which dated it as Redis
         would, by Redis' clock as last seen: billed on the day its local budget counted it, however late the
         outage journal reaches Redis), else on the arrival's as reserve.lua would date it now: clamped against
-        Redis' clock, never by the gateway's alone (a skewed one would bill a long-ended day)."""
+        Redis' clock, never by the gateway's alone (a skewed one would bill a long-ended day). `keep_slot`: a settle
+        that leaves the concurrency slot held (`release` frees it)."""
         bases = [self.base(req.tenant, lim.scope) for lim in req.scopes]
         if dated:
             return await self._finish_id(req.tenant, req.request_id, tokens, money_pico, kind, bases, req.day,
-                                         req.month)
+                                         req.month, keep_slot=keep_slot)
         return await self._finish_id(req.tenant, req.request_id, tokens, money_pico, kind, bases,
-                                     arrival_ms=_ms(req.dated_at))
+                                     arrival_ms=_ms(req.dated_at), keep_slot=keep_slot)
 
     async def _finish_id(self, tenant: str, request_id: str, tokens: int, money_pico: int, kind: str,
-                         bases: Sequence[str] = (), day: str = "", month: str = "", arrival_ms: int = -1) -> int:
+                         bases: Sequence[str] = (), day: str = "", month: str = "", arrival_ms: int = -1,
+                         keep_slot: bool = False) -> int:
         keys = [self.record_key(tenant, request_id), self.leases_key(tenant)]
         done_ttl = int(self.settle_retry_s) + DONE_MARGIN_S  # ~100 bytes each: 90 MB at 1,000 settles/s
         args = [request_id, tokens, money_pico, kind, done_ttl, REAPED_TTL_S, day, month, arrival_ms,
-                int(self.max_dating_lag_s * 1000), len(bases), *bases]
+                int(self.max_dating_lag_s * 1000), len(bases), *bases, "1" if keep_slot else ""]
         return int(await self._run("settle", keys, args))
+
+    async def release(self, req: ReservationRequest) -> None:
+        """`req`'s concurrency slots freed (release.lua), one try: raises `QuotaBackendError` where Redis does not
+        answer (the caller retries: quotas/reservations.py `release_slot`; a slot never freed is its lease's)."""
+        await self._run("release", [f"{self.base(req.tenant, lim.scope)}:inflight" for lim in req.scopes],
+                        [req.request_id])
 
     async def _run(self, script: str, keys: list[str], args: list[Any]) -> Any:
         """One script, one try, in a turn at the pool; a failure as ours (`backend_error`)."""

@@ -41,21 +41,23 @@ class RedisRetries:
                                        rounds="settles")
         self._background: set[asyncio.Task[None]] = set()  # held so they are not collected before they finish
 
-    async def settle(self, req: ReservationRequest, *, tokens: int, money_pico: int) -> None:
+    async def settle(self, req: ReservationRequest, *, tokens: int, money_pico: int, keep_slot: bool = False) -> None:
         """One try now; if Redis does not answer, retries in the background (see `_retry_settle`)."""
         try:
-            await self._finish(req, tokens=tokens, money_pico=money_pico, kind="settle")
+            await self._finish(req, tokens=tokens, money_pico=money_pico, kind="settle", keep_slot=keep_slot)
         except QuotaBackendError as exc:
             self.num_settle_retries += 1
             self._settle_faults.failed(exc)
-            self._spawn(self._retry_settle(req, tokens, money_pico))
+            self._spawn(self._retry_settle(req, tokens, money_pico, keep_slot))
         else:
             self._settle_faults.ok()
 
-    async def _retry_settle(self, req: ReservationRequest, tokens: int, money_pico: int) -> None:
+    async def _retry_settle(self, req: ReservationRequest, tokens: int, money_pico: int, keep_slot: bool) -> None:
         """Until Redis answers (settle.lua makes a repeat harmless), waiting twice as long each time up to
-        SETTLE_BACKOFF_S[1]; after `settle_retry_s` the reservation is left to the reaper."""
-        if await self._retry(lambda: self._finish(req, tokens=tokens, money_pico=money_pico, kind="settle"),
+        SETTLE_BACKOFF_S[1]; after `settle_retry_s` the reservation is left to the reaper. A settle that keeps the
+        slot keeps it on every try: a slot released meanwhile is not there to keep, and none is ever taken."""
+        if await self._retry(lambda: self._finish(req, tokens=tokens, money_pico=money_pico, kind="settle",
+                                                  keep_slot=keep_slot),
                              settle_backoff.SETTLE_BACKOFF_S[0], self.settle_retry_s):
             self._settle_faults.ok()
         else:

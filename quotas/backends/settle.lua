@@ -9,12 +9,14 @@
 -- KEYS: the reservation's record, the tenant's leases
 -- ARGV: request id, real tokens, real picodollars, kind, done ttl s, reaped ttl s, day, month ('': dated by the
 --       arrival and Redis' clock), arrival (epoch ms by the gateway's clock; -1: none), lag ms, number of scopes,
---       their key bases
+--       their key bases, then '1' where a settle keeps the concurrency slot (its answer not yet handed over to its
+--       client: release.lua frees it then, or its lease's end) ('' or absent: the settle frees it)
 -- Answers 0: nothing to do (already finished); 1: a held reservation finished; 2: a reaped one billed;
 --         3: one not held billed
 local rid, tokens, money, kind = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
 local done_ttl, reaped_ttl, day, month = tonumber(ARGV[5]), tonumber(ARGV[6]), ARGV[7], ARGV[8]
 local at, lag, n = tonumber(ARGV[9]), tonumber(ARGV[10]), tonumber(ARGV[11])
+local keep_slot = kind == 'settle' and ARGV[12 + n] == '1'
 local flat = redis.call('HGETALL', KEYS[1])
 local rec = {}
 for j = 1, #flat, 2 do rec[flat[j]] = flat[j + 1] end
@@ -76,7 +78,7 @@ for _, b in ipairs(bases_of_record()) do
     end
   end
   if kind == 'cancel' then redis.call('ZREM', b .. ':rpm', rid) end
-  redis.call('ZREM', b .. ':inflight', rid)
+  if not keep_slot then redis.call('ZREM', b .. ':inflight', rid) end
 end
 local delta = -tonumber(rec.pico)
 if kind == 'settle' then delta = money + delta end

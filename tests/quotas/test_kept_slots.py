@@ -1,0 +1,169 @@
+"""A reservation's concurrency slot kept past its settle (`keep_slot`) until its request's answer is handed over
+(`QuotaService.release_slot`), on memory and a real redis-server: the settle moves the money and the tokens as ever,
+the slot stays taken (on Redis, for every replica) until it is released, once, in either order with the settle; a
+follow-on takes a kept slot over; a kept slot is renewed while it is held, and its lease frees it if it never is; on
+the fail-open fallback (Redis down) the slot is kept and freed there."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from decimal import Decimal
+
+from quotas.backends.base import QuotaBackend
+from quotas.limits import ReservationRequest, ScopeLimits
+from quotas.plans import Limits, Plan
+from quotas.reservations import QuotaService, Reservation
+from tests.conftest import RedisServer
+from tests.quotas.test_failover import failover
+from tests.quotas.test_failover import reserve as reserve_on
+from tests.quotas.test_follow_on_failover import on_fallback
+
+ONE_AT_A_TIME = Limits(max_concurrent=1)
+_n = iter(range(10**9))
+
+
+def plan(limits: Limits = ONE_AT_A_TIME) -> Plan:
+    return Plan(name="single", allowed_tiers=["mid"], default_tier="mid", limits=limits)
+
+
+def counting(backend: QuotaBackend) -> list[str]:
+    """The backend's slot releases, by request id, as they are asked of it."""
+    calls: list[str] = []
+    release, release_now = backend.release, backend.release_now
+
+    async def counted(req: ReservationRequest) -> None:
+        calls.append(req.request_id)
+        await release(req)
+
+    def counted_now(req: ReservationRequest) -> None:
+        calls.append(req.request_id)
+        release_now(req)
+
+    backend.release = counted  # type: ignore[method-assign]
+    backend.release_now = counted_now  # type: ignore[method-assign]
+    return calls
+
+
+async def reserve(quotas: QuotaService, rid: str | None = None, follows: str | None = None,
+                  limits: Limits = ONE_AT_A_TIME) -> Reservation | None:
+    _, reservation = await quotas.reserve(request_id=rid or f"r{next(_n)}", tenant="acme", plan=plan(limits),
+                                          key_id="k1", key_limits=None, tokens=10, price=Decimal("0.001"),
+                                          follows=follows)
+    return reservation
+
+
+async def released(quotas: QuotaService) -> None:
+    """The releases handed to tasks (a store that does not settle at once) done."""
+    while quotas._retrying:
+        await asyncio.gather(*quotas._retrying)
+
+
+async def test_a_kept_slot_outlives_the_settle_and_is_freed_once_by_its_release(backend: QuotaBackend) -> None:
+    calls = counting(backend)
+    quotas = QuotaService(backend)
+    first = await reserve(quotas)
+    assert first is not None and quotas.keep_slot(first)
+    await quotas.settle(first, tokens=5, price=Decimal("0.0005"))
+    spent = await backend.spent("acme", ["t"], time.time())
+    assert spent is not None and spent["t"][0] == 500_000_000  # the money settled to the use, before the release
+    # before: the settle freed the slot, and a second request was admitted while the first's answer was being sent
+    assert await reserve(quotas) is None
+    quotas.release_slot(first)
+    quotas.release_slot(first)  # twice (the path's end and the middleware's): freed once
+    await released(quotas)
+    assert calls == [first.request.request_id]
+    second = await reserve(quotas)
+    assert second is not None
+
+
+async def test_a_slot_released_before_its_settle_stays_free_and_is_released_once(backend: QuotaBackend) -> None:
+    """A client gone while its row was being written: the request ends (its place given back) before its settle,
+    handed off, runs; the settle then neither takes the slot back nor frees it again."""
+    calls = counting(backend)
+    quotas = QuotaService(backend)
+    first = await reserve(quotas)
+    assert first is not None and quotas.keep_slot(first)
+    quotas.release_slot(first)
+    await released(quotas)
+    await quotas.settle(first, tokens=5, price=Decimal("0.0005"))
+    quotas.release_slot(first)
+    await released(quotas)
+    assert calls == [first.request.request_id]
+    assert await reserve(quotas) is not None
+
+
+async def test_a_follow_on_takes_a_kept_slot_over(backend: QuotaBackend) -> None:
+    """A floor (or a cascade's first attempt), settled with its slot kept: the exact reservation that follows it takes
+    the slot over, the floor's release frees nothing, and the request holds one slot until its own release."""
+    calls = counting(backend)
+    quotas = QuotaService(backend)
+    floor = await reserve(quotas)
+    assert floor is not None and quotas.keep_slot(floor)
+    await quotas.settle(floor, tokens=0, price=Decimal(0))
+    exact = await reserve(quotas, follows=floor.request.request_id)
+    assert exact is not None and quotas.keep_slot(exact)
+    await quotas.settle(exact, tokens=5, price=Decimal("0.0005"))
+    quotas.release_slot(floor)
+    await released(quotas)
+    assert await reserve(quotas) is None  # the request's one slot, the exact reservation's now
+    quotas.release_slot(exact)
+    await released(quotas)
+    assert calls == [floor.request.request_id, exact.request.request_id]
+    assert await reserve(quotas) is not None
+
+
+async def test_nothing_is_kept_without_a_concurrency_limit(backend: QuotaBackend) -> None:
+    """No scope counts the slot: the settle frees it as before, and no release costs a round trip to the store."""
+    calls = counting(backend)
+    quotas = QuotaService(backend)
+    free = await reserve(quotas, limits=Limits(rpm=100))
+    assert free is not None and not quotas.keep_slot(free)
+    await quotas.settle(free, tokens=5, price=Decimal("0.0005"))
+    quotas.release_slot(free)
+    assert calls == []
+
+
+async def test_a_kept_slot_is_renewed_while_held_and_its_lease_frees_it_if_never_released(
+        backend: QuotaBackend) -> None:
+    """A long answer handed over slowly keeps its slot past its lease (renewed with the open reservations); one never
+    released (its replica killed mid-send) is freed when its lease runs out, the backstop."""
+    quotas = QuotaService(backend, lease_s=0.6)
+    held = await reserve(quotas)
+    assert held is not None and quotas.keep_slot(held)
+    await quotas.settle(held, tokens=5, price=Decimal("0.0005"))
+    for _ in range(4):  # 1.2 s, two leases, renewed as the reaper would every 0.3 s
+        await asyncio.sleep(0.3)
+        await quotas.renew_leases()
+        assert await reserve(quotas) is None, "a kept slot's lease ran out while it was held"
+    del held  # never released: its request gone with its replica
+    await asyncio.sleep(0.7)
+    await backend.reap()
+    assert await reserve(quotas) is not None
+
+
+
+async def test_a_slot_kept_on_the_fail_open_fallback_is_freed_there_once(own_redis: RedisServer) -> None:
+    """Redis down: the reservation is the replica's fallback's, and so are its kept slot and its release."""
+    backend = failover(own_redis.url)
+    quotas = QuotaService(backend)
+    own_redis.proc.send_signal(signal.SIGSTOP)
+    try:
+        r = ReservationRequest("on-fallback", "acme", (ScopeLimits("t", max_concurrent=1),), 10, 100)
+        decision = await reserve_on(backend, r)
+        assert decision.admitted and "on-fallback" in backend._local
+        held = Reservation(r, decision)
+        assert quotas.keep_slot(held)
+        await quotas.settle(held, tokens=5, price=Decimal(0))
+        assert on_fallback(backend)[1] == {"on-fallback"}  # settled, its slot still counted
+        assert (await reserve_on(backend, ReservationRequest("next", "acme", r.scopes, 10, 100))).reason \
+            == "concurrency"
+        quotas.release_slot(held)
+        quotas.release_slot(held)
+        await released(quotas)
+        assert on_fallback(backend)[1] == set() and backend._local_slots == {}
+        assert (await reserve_on(backend, ReservationRequest("next", "acme", r.scopes, 10, 100))).admitted
+    finally:
+        own_redis.proc.send_signal(signal.SIGCONT)
+        await backend.close()
