@@ -73,10 +73,16 @@ def hold_until_sent(scope: Scope, entry: Pass) -> None:
     800 MB), each until its connection was reset as stalled (gateway/http_limits.py, `stall_s`). Held, the body
     waits on its client in pieces, within the write-pause budget that cuts a client reading too slowly, and the
     tenant's next request past its concurrency is refused 429. Nothing is held where this middleware does not run (an
-    app built without it): the place is then given back when the request path leaves it, as before."""
-    held = scope.get("state", {}).get(_HELD)
+    app built without it): the place is then given back when the request path leaves it, as before.
+
+    Held under the request's id, the pass keeps the quota store's concurrency slots its request reserves too
+    (gateway/pipeline/reserve.py, `Pass.keeps`): freed as the place is, not at the settle, before the body is written,
+    so the limit holds across the replicas that share the store (Redis), not only on this one. A store that does not
+    settle at once (Redis) is told in a task begun as the place is given back, before the last piece is written."""
+    state = scope.get("state", {})
+    held = state.get(_HELD)
     if held is not None:
-        entry.hold()
+        entry.hold(state.get("request_id"))
         held.append(entry.let_go)
 
 

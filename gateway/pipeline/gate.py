@@ -54,6 +54,7 @@ A refusal here costs a dictionary lookup and charges nothing; it is the exact ch
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable, Mapping
@@ -62,6 +63,8 @@ from dataclasses import dataclass
 from gateway.errors import RateLimited
 from gateway.pipeline.limit_errors import limit_refusal
 from quotas.plans import Limits
+
+log = logging.getLogger("tiergate.gate")
 
 RATE_RECHECK_S = 1.0  # the longest a scope is refused here on the exact check's word before it is asked again
 REMEMBERED_REASONS = frozenset({"rpm", "tpm", "budget_day", "budget_month"})  # not concurrency: it frees in moments
@@ -92,7 +95,12 @@ class Pass:
     `hold_until_sent`): the places are freed once both the path has left and the hold is let go (`let_go`), each
     once, whichever comes last. The path left as soon as its answer was ready, before a byte of a JSON body was
     written: a tenant allowed one request at a time whose client read none of its answers had as many answers of
-    megabytes held in the gateway's memory at once as it liked (tests/gateway/test_whole_answer_holds_place.py)."""
+    megabytes held in the gateway's memory at once as it liked (tests/gateway/test_whole_answer_holds_place.py).
+
+    A held pass also keeps its request's concurrency slots in the quota store (`keeps`: Redis, shared by every
+    replica), freed with its places: the gate's places are this replica's alone, and the store's slots, freed at the
+    settle, before the body was written, let a tenant allowed one request at a time have an answer unread on each
+    replica at once (tests/gateway/test_quota_slot_held_until_sent.py)."""
 
     def __init__(self, gate: TenantGate, scopes: tuple[Scope, ...]) -> None:
         self._gate = gate
@@ -100,11 +108,26 @@ class Pass:
         self._left = False  # its places are free
         self._over = False  # the request path (or the route, before it) has left
         self._held = False  # a route holds it until its answer's body is sent
+        self._request_id: str | None = None  # the request it is held for, as the gate knows it (`TenantGate.held`)
+        self._kept: list[Callable[[], None]] = []  # what frees the quota slots it keeps, each called once
         self.taken = False  # the request path owns it now, and leaves it
 
-    def hold(self) -> None:
-        """Keep the places past `leave` until `let_go`; before the path starts."""
+    def hold(self, request_id: str | None = None) -> None:
+        """Keep the places past `leave` until `let_go`; before the path starts. `request_id`: the request's, under
+        which the gate finds it until its places are free (`TenantGate.held`), so the quota slots its request
+        reserves are kept with them (`keeps`)."""
         self._held = True
+        if request_id is not None and not self._left:
+            self._request_id = request_id
+            self._gate._holding[request_id] = self
+
+    def keeps(self, release: Callable[[], None]) -> bool:
+        """Call `release` (which frees a quota slot of its request; it must not raise) once, as its places are freed:
+        whether it will (False: they are free already, and the caller frees the slot itself)."""
+        if self._left:
+            return False
+        self._kept.append(release)
+        return True
 
     def leave(self) -> None:
         self._over = True
@@ -119,8 +142,18 @@ class Pass:
         if self._left or self._held or not self._over:
             return
         self._left = True
-        for scope in self._scopes:
-            self._gate._leave(scope.name)
+        if self._request_id is not None:
+            self._gate._holding.pop(self._request_id, None)
+        try:
+            for scope in self._scopes:
+                self._gate._leave(scope.name)
+        finally:
+            while self._kept:  # each once, whatever another does
+                release = self._kept.pop()
+                try:
+                    release()
+                except Exception:
+                    log.exception("freeing a quota slot of a request that ended failed (its lease frees it)")
 
 
 class TenantGate:
@@ -133,6 +166,7 @@ class TenantGate:
         self.refused_bytes_per_s = refused_bytes_per_s
         self.refused_bytes_burst = refused_bytes_burst
         self._refused: dict[str, tuple[float, float]] = {}  # tenant -> (bytes left in its bucket, when last filled)
+        self._holding: dict[str, Pass] = {}  # request id -> its held pass, until its places are free (`Pass.hold`)
 
     def enter(self, scopes: tuple[Scope, ...]) -> Pass:
         """Admit a request into the gate, or raise the 429 the exact check would give (or the refused bodies')."""
@@ -188,6 +222,11 @@ class TenantGate:
 
     def in_flight(self, scope_name: str) -> int:
         return self._in_flight.get(scope_name, 0)
+
+    def held(self, request_id: str) -> Pass | None:
+        """The pass held for `request_id` (`Pass.hold`) while its places are not free: what keeps the quota slots
+        that request reserves until its answer is handed over (gateway/pipeline/reserve.py)."""
+        return self._holding.get(request_id)
 
     def _leave(self, name: str) -> None:
         left = self._in_flight.get(name, 0) - 1

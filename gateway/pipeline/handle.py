@@ -177,8 +177,9 @@ class Pipeline:
     async def _count_replay(self, ctx: RequestContext) -> None:
         """A replay is a request like any other to the tenant's request rate: it takes its place in the window (or is
         refused, 429, as the exact check refuses), though it costs no tokens or money and writes no row. Free
-        replays of a stored answer of megabytes were a flood no limit saw. (Its concurrency is this replica's gate's,
-        as before: the backend's slot is given back at once.)"""
+        replays of a stored answer of megabytes were a flood no limit saw. Its concurrency slot in the store is kept
+        until the replayed answer is handed over, as any answer's is (reserve.py `_keep_slot`): settled at once, it
+        freed the slot before a byte was sent, and other replicas admitted more."""
         reservation = await self.reserve.reserve(ctx, ctx.request_id, tokens=0, price=Decimal(0))
         self.settler.hand_off(self.reserve.quotas.settle(reservation, tokens=0, price=Decimal(0)))
 

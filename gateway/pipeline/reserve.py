@@ -26,6 +26,12 @@ request counted first.
 The store's reserve runs shielded from the request: a client that leaves while it runs (Redis has run the script,
 its reply not yet read) leaves a reservation no `finally` owns yet, so it is settled at zero use once the reserve
 ends, handed off, never held for its lease (a tenant at its concurrency limit refused meanwhile).
+
+A reservation's concurrency slot is kept past its settle, until its request's answer is handed over to its client,
+where the request's place in the gate is held that long (`_keep_slot`): the settle writes the row and moves the money
+before the answer is sent, as ever, and the store (Redis, shared by every replica) counts the request until its place
+is given back. A floor's slot, and a cascade's first attempt's, are kept too: the reservation that follows takes it
+over (`ReservationRequest.follows`), and their own release then frees nothing.
 """
 
 from __future__ import annotations
@@ -89,7 +95,18 @@ class ReserveStage:
         except QuotaBackendError as exc:
             raise Unavailable("the quota service is unavailable; retry shortly", code="quota_backend_unavailable",
                               retry_after=1) from exc
+        if reservation is not None:
+            self._keep_slot(ctx, reservation)
         return decision, reservation
+
+    def _keep_slot(self, ctx: RequestContext, reservation: Reservation) -> None:
+        """Where the request's place in the gate is held until its answer is handed over (gateway/middleware.py
+        `hold_until_sent`), its reservation's concurrency slot is kept with it: its settle, before the answer's body
+        is written, leaves the slot held, and the place's end frees it, once (`Pass.keeps`). Before the reservation
+        can settle: no await since the store's answer."""
+        entry = self.gate.held(ctx.request_id)
+        if entry is not None and entry.keeps(lambda: self.quotas.release_slot(reservation)):
+            self.quotas.keep_slot(reservation)  # (one no scope limits keeps nothing: its release does nothing)
 
     @asynccontextmanager
     async def floor(self, ctx: RequestContext, *, tokens: int, price: Decimal) -> AsyncIterator[str]:

@@ -3,7 +3,9 @@
 It prices what ran, writes the durable ledger row (price, compute cost, cache and routing savings, degrade
 level), settles the quota reservation to real use, frees the dispatch slot, feeds the ladder's signals and
 the metrics, and hands a fresh answer to the cache. A cancelled attempt (the client left) must not await:
-its writes are handed off, the row still queued synchronously for the next group commit.
+its writes are handed off, the row still queued synchronously for the next group commit. The quota's settle leaves
+the reservation's concurrency slot held where it is kept until the answer is handed over to the client
+(reserve.py `_keep_slot`): the row and the money are settled here, before the answer is sent, as ever.
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ pipeline, which settles the request as cancelled and billed for what ran. A key 
 is produced ends it the same way (gateway/auth.py, `while_key_active`), with a 401 `api_key_revoked`. The request's
 place in its tenant's concurrency is held until its JSON answer (or error) is handed over to the client, or the
 client is gone (gateway/middleware.py `hold_until_sent`), not only until the answer is made; a stream's, until its
-work ends.
+work ends. Its concurrency slot in the quota store (shared by the replicas on Redis) is freed with that place, not at
+its settle (gateway/pipeline/reserve.py `_keep_slot`).
 """
 
 from __future__ import annotations

@@ -9,7 +9,9 @@ minute later. Here a client with a small receive buffer reads the head of a larg
 next request is refused 429 (its concurrency) while that answer waits, and admitted once the client resets the
 connection mid-body. Whole chat and text-completion answers, embeddings, Idempotency-Key replays and cache hits alike;
 a stream held its place already (its frames are written one at a time, each waiting on the client) and still does.
-A client that reads its answer and sends the next request at once is not refused for the last one."""
+A client that reads its answer and sends the next request at once is not refused for the last one. The quota store's
+concurrency slot is held as long and freed once (tests/gateway/test_quota_slot_held_until_sent.py: across replicas).
+"""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import socket
 import struct
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from types import SimpleNamespace
 from typing import Any
 from urllib.parse import urlparse
@@ -28,6 +31,7 @@ import pytest
 from gateway.middleware import PIECE, hold_until_sent, request_id_middleware
 from gateway.pipeline.gate import TenantGate, scopes_of
 from gateway.settings import Settings
+from quotas.backends.memory import MemoryBackend
 from quotas.plans import Limits
 from tests.conftest import Gateway, running_gateway
 from tests.stubs import ServerThread, StubState, _sse, stub_app
@@ -126,21 +130,70 @@ def reset(sock: socket.socket) -> None:
     sock.close()
 
 
-def assert_held_then_freed(gw: Gateway, scope: str, secret: str, sock: socket.socket, head: bytes) -> None:
-    """While `sock`'s answer waits unread, the key's next request is refused for its concurrency; once the client
-    resets the connection, its place is given back (once: the next is admitted, and then none is left held)."""
+def request_id(head: bytes) -> str:
+    """The request's id, from its answer's head (lower-cased)."""
+    line = next(line for line in head.split(b"\r\n") if line.startswith(b"x-tiergate-request-id:"))
+    return line.split(b":", 1)[1].strip().decode()
+
+
+@contextmanager
+def counted_releases(gw: Gateway) -> Iterator[list[str]]:
+    """The request ids whose kept quota slots the gateway's store has freed (`QuotaBackend.release`), each appended
+    once its release has run."""
+    backend = gw.app.state.services.pipeline.reserve.quotas.backend
+    calls: list[str] = []
+    # (none on a store from before kept slots, whose settle freed the slot: then nothing is counted)
+    release, release_now = getattr(type(backend), "release", None), getattr(type(backend), "release_now", None)
+
+    async def counted(req: Any) -> None:
+        assert release is not None
+        await release(backend, req)
+        calls.append(req.request_id)
+
+    def counted_now(req: Any) -> None:
+        assert release_now is not None
+        release_now(backend, req)
+        calls.append(req.request_id)
+
+    backend.release, backend.release_now = counted, counted_now
     try:
-        assert head.startswith(b"http/1.1 200"), head
-        with gw.client(secret) as c:
-            refused = c.post("/v1/chat/completions", json={"model": "mid", "messages": [{"role": "user",
-                                                                                         "content": "hi"}]})
-        # before the fix: 200, the first request's place given back before its body was written
-        assert refused.status_code == 429, refused.text
-        assert refused.json()["error"]["code"] == "rate_limit_concurrency", refused.text
-        assert in_flight(gw, scope) == 1
+        yield calls
     finally:
-        reset(sock)
-    wait_for(lambda: in_flight(gw, scope) == 0, "the place of a request whose client reset it was never given back")
+        del backend.release, backend.release_now
+
+
+def store_slots(gw: Gateway, scope: str) -> int:
+    """The concurrency slots the embedded quota store holds for `scope` ("<tenant>/k:<id>")."""
+    backend = gw.app.state.services.quota_backend
+    assert isinstance(backend, MemoryBackend)
+    tenant, key = scope.split("/")
+    state = backend._state.get((tenant, key))
+    return 0 if state is None else len(state.inflight)
+
+
+def assert_held_then_freed(gw: Gateway, scope: str, secret: str, sock: socket.socket, head: bytes) -> None:
+    """While `sock`'s answer waits unread, the key's next request is refused for its concurrency, and the quota
+    store still holds the first's slot; once the client resets the connection, its place is given back and its slot
+    freed (once each: the next is admitted, and then none is left held)."""
+    rid = request_id(head)
+    with counted_releases(gw) as releases:
+        try:
+            assert head.startswith(b"http/1.1 200"), head
+            with gw.client(secret) as c:
+                refused = c.post("/v1/chat/completions", json={"model": "mid", "messages": [{"role": "user",
+                                                                                             "content": "hi"}]})
+            # before the fix: 200, the first request's place given back before its body was written
+            assert refused.status_code == 429, refused.text
+            assert refused.json()["error"]["code"] == "rate_limit_concurrency", refused.text
+            assert in_flight(gw, scope) == 1
+            # the store's slot too (Redis' is every replica's): before, its settle freed it before the body was written
+            assert store_slots(gw, scope) == 1 and releases == []
+        finally:
+            reset(sock)
+        wait_for(lambda: in_flight(gw, scope) == 0, "the place of a request whose client reset it was never given back")
+        wait_for(lambda: rid in releases, "the store's slot of a request whose client reset it was never freed")
+        assert store_slots(gw, scope) == 0
+        assert releases.count(rid) == 1 and len(set(releases)) == len(releases), releases  # each slot freed once
     with gw.client(secret) as c:
         assert c.post("/v1/chat/completions", json=BIG_CHAT).status_code == 200  # read whole: admitted
         # read whole, and the next sent at once: never refused for the one before
@@ -288,3 +341,30 @@ def test_the_place_is_freed_when_both_the_path_and_the_hold_let_go_in_either_ord
         second()
         second()
         assert gate.in_flight("acme") == 0  # freed once
+
+
+
+@pytest.mark.parametrize("path_first", [True, False])
+def test_the_quota_slots_a_held_pass_keeps_are_freed_once_with_its_places(path_first: bool) -> None:
+    """What frees the store's slots of the request (gateway/pipeline/reserve.py `_keep_slot`) is called once, when the
+    places are freed, whichever of the path and the hold lets go last, and even where another such call raises."""
+    gate = TenantGate()
+    freed: list[str] = []
+
+    def broken() -> None:
+        freed.append("broken")
+        raise RuntimeError("a bug")
+
+    entry = gate.enter(scopes_of("acme", "k1", Limits(max_concurrent=1), None))
+    entry.hold("r1")
+    assert gate.held("r1") is entry
+    assert entry.keeps(lambda: freed.append("floor")) and entry.keeps(broken)
+    assert entry.keeps(lambda: freed.append("exact"))
+    first, second = (entry.leave, entry.let_go) if path_first else (entry.let_go, entry.leave)
+    first()
+    assert freed == [] and gate.held("r1") is entry  # still held by the other
+    second()
+    second()
+    assert sorted(freed) == ["broken", "exact", "floor"]  # each once, the one after a failure too
+    assert gate.held("r1") is None and gate.in_flight("acme") == 0
+    assert not entry.keeps(lambda: freed.append("late"))  # free already: the caller frees its slot itself
