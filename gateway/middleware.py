@@ -4,12 +4,12 @@ route asked to hold until its answer's body is handed over to the client (`hold_
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import itertools
 import os
 import secrets
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
@@ -18,7 +18,10 @@ if TYPE_CHECKING:
     from gateway.pipeline.gate import Pass
 
 PIECE = 64 << 10  # a held answer's body is written in pieces of this size, each once the connection takes more
-_HELD = "held_until_sent"  # in the request's state: the `let_go`s to call once its answer's body is handed over
+_HELD = "held_until_sent"  # in the request's state: the passes to let go once its answer's body is handed over
+# the longest a held answer's last write waits on the quota store's answer to its slots' release (the store's own call
+# timeout ends the wait first: its first try's; a release not landed by then is retried in the background)
+RELEASE_WAIT_S = 1.0
 
 
 class _RequestIds:
@@ -78,32 +81,52 @@ def hold_until_sent(scope: Scope, entry: Pass) -> None:
     Held under the request's id, the pass keeps the quota store's concurrency slots its request reserves too
     (gateway/pipeline/reserve.py, `Pass.keeps`): freed as the place is, not at the settle, before the body is written,
     so the limit holds across the replicas that share the store (Redis), not only on this one. A store that does not
-    settle at once (Redis) is told in a task begun as the place is given back, before the last piece is written."""
+    free it at once (Redis) is told in a task begun as the place is given back, and the last piece of the body (a
+    stream's, each frame written once its work has ended: its `[DONE]`) is written once the store has answered, within
+    its call timeout (at most RELEASE_WAIT_S): a client that sends its next request as soon as it has its answer,
+    through another replica, finds the slot free. A request that ends otherwise (the client gone, an error, a
+    cancellation) waits on nothing: its slots' release is begun, and lands when it lands."""
     state = scope.get("state", {})
     held = state.get(_HELD)
     if held is not None:
         entry.hold(state.get("request_id"))
-        held.append(entry.let_go)
+        held.append(entry)
 
 
-def _let_go(held: list[Callable[[], None]]) -> None:
-    """Each hold let go once (one that raises leaves the rest to the middleware's `finally`)."""
+def _let_go(held: list[Pass]) -> list[asyncio.Future[None]]:
+    """Each hold let go once (one that raises leaves the rest to the middleware's `finally`); the releases of their
+    quota slots that the store has not answered yet (`Pass.releasing`)."""
+    releasing: list[asyncio.Future[None]] = []
     while held:
-        held.pop()()
+        entry = held.pop()
+        entry.let_go()
+        releasing += entry.releasing()
+    return releasing
 
 
-async def _send_last(send: Send, message: Message, held: list[Callable[[], None]]) -> None:
+async def _released(releasing: list[asyncio.Future[None]]) -> None:
+    """Wait until the store has answered `releasing` (whatever it said: one it failed is retried in the background,
+    logged by its FaultLog), at most RELEASE_WAIT_S; none cancelled."""
+    if releasing:
+        await asyncio.wait(releasing, timeout=RELEASE_WAIT_S)
+
+
+async def _send_last(send: Send, message: Message, held: list[Pass]) -> None:
     """A held answer's last body message: all of it but its last piece written, a piece at a time (uvicorn's send
     waits while the connection's writes are paused, that is while its transport holds more than its high-water mark,
     and writes once the client has taken enough), then a wait for the client to take those too (an empty write, which
-    waits as any does), then the holds let go, and the last piece written. So the place is given back while at most
-    a piece and what the sockets hold are left to read, and before the client can have read its whole answer: a client
-    that sends its next request as soon as the last one is read is never refused for the last one. A client that
-    leaves or is reset (gateway/http_limits.py) ends the waits, and the writes after them write nothing. A body of one
-    piece (most answers) is let go and written at once: there is nothing of it before its last piece to wait on."""
+    waits as any does), then the holds let go, a wait for the quota store to answer the releases of the request's
+    slots that this began (Redis: within its call timeout, at most RELEASE_WAIT_S), and the last piece written. So the
+    place is given back while at most a piece and what the sockets hold are left to read, and the slots freed for
+    every replica, before the client can have read its whole answer: a client that sends its next request as soon as
+    the last one is read, to this replica or another, is never refused for the last one (unless the store did not
+    answer in time: then the slot is freed in the background, or by its lease). A client that leaves or is reset
+    (gateway/http_limits.py) ends the waits but the store's, and the writes after them write nothing. A body of one
+    piece (most answers) is let go and written once the store has answered: there is nothing of it before its last
+    piece to wait on."""
     body = message.get("body", b"")
     if len(body) <= PIECE:
-        _let_go(held)
+        await _released(_let_go(held))
         await send(message)
         return
     view = memoryview(body)
@@ -111,7 +134,7 @@ async def _send_last(send: Send, message: Message, held: list[Callable[[], None]
     for at in range(0, last, PIECE):
         await send({"type": "http.response.body", "body": view[at:at + PIECE], "more_body": True})
     await send({"type": "http.response.body", "body": b"", "more_body": True})
-    _let_go(held)
+    await _released(_let_go(held))
     await send({**message, "body": view[last:]})  # type: ignore[typeddict-item]
 
 
@@ -123,7 +146,7 @@ def request_id_middleware(app: ASGIApp) -> ASGIApp:
         state: dict[str, Any] = scope.setdefault("state", {})  # type: ignore[typeddict-item]
         state["request_id"] = _ids.next()
         state["t0"] = time.perf_counter()
-        held: list[Callable[[], None]] = []
+        held: list[Pass] = []
         state[_HELD] = held
 
         async def send_with_ids(message: Message) -> None:
@@ -137,9 +160,13 @@ def request_id_middleware(app: ASGIApp) -> ASGIApp:
                 if ladder is not None:
                     headers.append((b"x-tiergate-degrade-level", str(ladder.level).encode()))
                 message["headers"] = headers
-            elif held and message["type"] == "http.response.body" and not message.get("more_body", False):
-                await _send_last(send, message, held)
-                return
+            elif held and message["type"] == "http.response.body":
+                if not message.get("more_body", False):
+                    await _send_last(send, message, held)
+                    return
+                for entry in held:  # a stream's place, freed as its work ended: its last frames wait on the store too
+                    if releasing := entry.releasing():
+                        await _released(releasing)
             await send(message)
 
         try:

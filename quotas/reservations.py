@@ -207,13 +207,19 @@ class QuotaService:
         self._kept[reservation.request.request_id] = reservation
         return True
 
-    def release_slot(self, reservation: Reservation) -> None:
+    def release_slot(self, reservation: Reservation) -> asyncio.Future[None] | None:
         """Free a kept slot, once (a second call, or one for a slot not kept, does nothing), settled or not: where the
         store settles at once, now; else handed to a task and retried in the background as a settle is (the store's
         release is idempotent) for as long as the reservation's lease, past which the slot's lease frees it. Never
-        raises: the request it ends is answered whatever the store does."""
+        raises: the request it ends is answered whatever the store does.
+
+        What it returns, where it handed the release to a task (else None: freed now, or nothing to free): a future
+        done once the store has answered its first try (the slot freed; or not, and retried in the background), so
+        bounded by the store's own call timeout; never failed. A caller may wait on it (never cancel it) before it
+        tells the client its answer is whole (gateway/middleware.py `_send_last`): a client that sends its next
+        request at once, through another replica, is not refused for this one."""
         if not reservation.slot_kept or reservation.slot_released:
-            return
+            return None
         reservation.slot_released = True
         self._kept.pop(reservation.request.request_id, None)
         req = reservation.request
@@ -223,7 +229,8 @@ class QuotaService:
             except Exception as exc:  # (a bug of an in-process store's): tried again as a remote store's release is
                 self._release_faults.failed(exc)
             else:
-                return
+                return None
+        tried: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
         async def release() -> None:
             try:
@@ -233,6 +240,9 @@ class QuotaService:
             else:
                 self._release_faults.ok()
                 return
+            finally:  # (cancelled too: at shutdown)
+                if not tried.done():
+                    tried.set_result(None)
             if await retry(lambda: self.backend.release(req), SETTLE_BACKOFF_S[0], self.lease_s,
                            retried=(Exception,)):
                 self._release_faults.ok()
@@ -241,6 +251,7 @@ class QuotaService:
                     f"a slot's release retried for {self.lease_s:g}s is given up: its lease frees it"))
 
         self._spawn(release())
+        return tried
 
     def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(work)

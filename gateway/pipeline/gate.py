@@ -54,6 +54,7 @@ A refusal here costs a dictionary lookup and charges nothing; it is the exact ch
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
@@ -100,7 +101,9 @@ class Pass:
     A held pass also keeps its request's concurrency slots in the quota store (`keeps`: Redis, shared by every
     replica), freed with its places: the gate's places are this replica's alone, and the store's slots, freed at the
     settle, before the body was written, let a tenant allowed one request at a time have an answer unread on each
-    replica at once (tests/gateway/test_quota_slot_held_until_sent.py)."""
+    replica at once (tests/gateway/test_quota_slot_held_until_sent.py). A store that does not free a slot at once
+    (Redis) frees it in a task begun as the places are freed; `releasing` says which the store has not answered yet,
+    so that the middleware writes the answer's last piece once it has (gateway/middleware.py `_send_last`)."""
 
     def __init__(self, gate: TenantGate, scopes: tuple[Scope, ...]) -> None:
         self._gate = gate
@@ -109,7 +112,9 @@ class Pass:
         self._over = False  # the request path (or the route, before it) has left
         self._held = False  # a route holds it until its answer's body is sent
         self._request_id: str | None = None  # the request it is held for, as the gate knows it (`TenantGate.held`)
-        self._kept: list[Callable[[], None]] = []  # what frees the quota slots it keeps, each called once
+        # what frees the quota slots it keeps, each called once; and the releases those began, not yet seen done
+        self._kept: list[Callable[[], asyncio.Future[None] | None]] = []
+        self._releasing: list[asyncio.Future[None]] = []
         self.taken = False  # the request path owns it now, and leaves it
 
     def hold(self, request_id: str | None = None) -> None:
@@ -121,9 +126,11 @@ class Pass:
             self._request_id = request_id
             self._gate._holding[request_id] = self
 
-    def keeps(self, release: Callable[[], None]) -> bool:
+    def keeps(self, release: Callable[[], asyncio.Future[None] | None]) -> bool:
         """Call `release` (which frees a quota slot of its request; it must not raise) once, as its places are freed:
-        whether it will (False: they are free already, and the caller frees the slot itself)."""
+        whether it will (False: they are free already, and the caller frees the slot itself). What `release` returns:
+        None (freed), or what is done once the store has answered (`releasing`; never failed, never to be cancelled:
+        quotas/reservations.py `QuotaService.release_slot`)."""
         if self._left:
             return False
         self._kept.append(release)
@@ -138,6 +145,13 @@ class Pass:
         self._held = False
         self._free()
 
+    def releasing(self) -> list[asyncio.Future[None]]:
+        """The releases of its quota slots begun as its places were freed (by `leave` or `let_go`) that the store has
+        not answered yet; none before they are freed."""
+        if self._releasing:
+            self._releasing = [r for r in self._releasing if not r.done()]
+        return self._releasing
+
     def _free(self) -> None:
         if self._left or self._held or not self._over:
             return
@@ -151,9 +165,12 @@ class Pass:
             while self._kept:  # each once, whatever another does
                 release = self._kept.pop()
                 try:
-                    release()
+                    begun = release()
                 except Exception:
                     log.exception("freeing a quota slot of a request that ended failed (its lease frees it)")
+                else:
+                    if begun is not None:
+                        self._releasing.append(begun)
 
 
 class TenantGate:

@@ -28,6 +28,7 @@ from urllib.parse import urlparse
 
 import pytest
 
+from gateway import middleware
 from gateway.middleware import PIECE, hold_until_sent, request_id_middleware
 from gateway.pipeline.gate import TenantGate, scopes_of
 from gateway.settings import Settings
@@ -259,11 +260,14 @@ class Client:
             self.writes.append((len(message["body"]), self.gate.in_flight("acme"), message.get("more_body", False)))
 
 
-def held_app(gate: TenantGate, body: bytes, fail: BaseException | None = None) -> Any:
-    """A route as answering.py's: admitted, the place held until sent, the request path leaving it as it ends."""
+def held_app(gate: TenantGate, body: bytes, fail: BaseException | None = None, release: Any = None) -> Any:
+    """A route as answering.py's: admitted, the place held until sent, the request path leaving it as it ends;
+    `release`: what frees the quota store's slot its request reserved, kept with its place (reserve.py `_keep_slot`)."""
     async def route(scope: dict[str, Any], receive: Any, send: Any) -> None:
         entry = gate.enter(scopes_of("acme", "k1", Limits(max_concurrent=2), None))
         hold_until_sent(scope, entry)  # type: ignore[arg-type]
+        if release is not None:
+            assert entry.keeps(release)
         entry.leave()  # the answer made: the path over
         if fail is not None:
             raise fail
@@ -368,3 +372,115 @@ def test_the_quota_slots_a_held_pass_keeps_are_freed_once_with_its_places(path_f
     assert sorted(freed) == ["broken", "exact", "floor"]  # each once, the one after a failure too
     assert gate.held("r1") is None and gate.in_flight("acme") == 0
     assert not entry.keeps(lambda: freed.append("late"))  # free already: the caller frees its slot itself
+
+
+# the quota store's slots, kept with the place: a store that frees them in a task (Redis) has freed them before the
+# last piece is written, so a client that sends its next request at once, through any replica, is not refused
+
+
+class Release:
+    """What frees a kept quota slot in a store that does not free it at once (quotas/reservations.py
+    `release_slot`): each call begins a release, done once the store answers (`land`)."""
+
+    def __init__(self) -> None:
+        self.begun: list[asyncio.Future[None]] = []
+
+    def __call__(self) -> asyncio.Future[None]:
+        self.begun.append(asyncio.get_running_loop().create_future())
+        return self.begun[-1]
+
+    def landed(self) -> bool:
+        return bool(self.begun) and all(f.done() for f in self.begun)
+
+    async def land(self, turns: int = 5) -> None:
+        """The store answers the release some turns of the event loop after it is begun."""
+        while not self.begun:
+            await asyncio.sleep(0)
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        self.begun[0].set_result(None)
+
+
+class StoreClient(Client):
+    """A `Client` that records, with each body write, whether the release of the request's slot had landed."""
+
+    def __init__(self, gate: TenantGate, release: Release) -> None:
+        super().__init__(gate)
+        self.release = release
+        self.landed: list[bool] = []
+
+    async def send(self, message: dict[str, Any]) -> None:
+        await super().send(message)
+        if message["type"] == "http.response.body":
+            self.landed.append(self.release.landed())
+
+
+@pytest.mark.parametrize("size", [2, 3 * PIECE + 5], ids=["one-piece", "many-pieces"])
+def test_the_last_piece_is_written_once_the_store_has_freed_the_slot(size: int) -> None:
+    """Before: the release was begun as the place was given back and the last piece written at once, before it had
+    landed: the client, its answer whole, was refused its next request by another replica."""
+    gate, release = TenantGate(), Release()
+    client = StoreClient(gate, release)
+
+    async def run() -> None:
+        lander = asyncio.create_task(release.land())
+        await held_app(gate, b"x" * size, release=release)(scope(), noop_receive, client.send)
+        await lander
+
+    asyncio.run(run())
+    assert client.landed[-1] and not any(client.landed[:-1]), client.landed  # the last write only, and after it
+    assert len(release.begun) == 1 and gate.in_flight("acme") == 0
+
+
+def test_a_store_that_does_not_answer_delays_the_last_piece_no_longer_than_its_bound(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(middleware, "RELEASE_WAIT_S", 0.01)
+    gate, release = TenantGate(), Release()
+    client = StoreClient(gate, release)
+    asyncio.run(held_app(gate, b"x" * (2 * PIECE), release=release)(scope(), noop_receive, client.send))
+    assert [n for n, _, _ in client.writes] == [PIECE, 0, PIECE]  # written whole all the same
+    assert len(release.begun) == 1 and not release.landed()  # (its background retries, or its lease, free it)
+
+
+@pytest.mark.parametrize("fail", [RuntimeError("a bug"), asyncio.CancelledError()])
+def test_a_request_that_ends_otherwise_waits_on_no_release(fail: BaseException) -> None:
+    """The client gone, an error, a cancellation: the release is begun and the request ends, without a wait."""
+    gate, release = TenantGate(), Release()
+
+    async def run() -> None:
+        task = asyncio.create_task(held_app(gate, b"{}", fail, release=release)(scope(), noop_receive,
+                                                                                Client(gate).send))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert task.done()  # (a wait on the release would hold it until RELEASE_WAIT_S)
+        with pytest.raises(type(fail)):
+            await task
+
+    asyncio.run(run())
+    assert len(release.begun) == 1 and not release.landed() and gate.in_flight("acme") == 0
+
+
+def test_a_streams_last_frames_are_written_once_the_store_has_freed_the_slot() -> None:
+    """A stream's place is its pipeline's, given back as its work ends, before its `[DONE]` is written
+    (gateway/routes/chat.py `_sse`): the frames after wait on the store's answer too."""
+    gate, release = TenantGate(), Release()
+    client = StoreClient(gate, release)
+
+    async def route(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        entry = gate.enter(scopes_of("acme", "k1", Limits(max_concurrent=2), None))
+        hold_until_sent(scope, entry)  # type: ignore[arg-type]
+        assert entry.keeps(release)
+        entry.let_go()  # a stream's place is its pipeline's (gateway/routes/answering.py)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"data: {}\n\n", "more_body": True})
+        entry.leave()  # its work over
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def run() -> None:
+        lander = asyncio.create_task(release.land())
+        await request_id_middleware(route)(scope(), noop_receive, client.send)
+        await lander
+
+    asyncio.run(run())
+    assert client.landed == [False, True, True]  # its [DONE] once the slot is free

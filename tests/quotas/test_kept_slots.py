@@ -11,7 +11,8 @@ import signal
 import time
 from decimal import Decimal
 
-from quotas.backends.base import QuotaBackend
+from quotas.backends.base import QuotaBackend, QuotaBackendError
+from quotas.backends.redis import RedisBackend
 from quotas.limits import ReservationRequest, ScopeLimits
 from quotas.plans import Limits, Plan
 from quotas.reservations import QuotaService, Reservation
@@ -112,6 +113,56 @@ async def test_a_follow_on_takes_a_kept_slot_over(backend: QuotaBackend) -> None
     await released(quotas)
     assert calls == [floor.request.request_id, exact.request.request_id]
     assert await reserve(quotas) is not None
+
+
+async def test_a_release_begun_in_a_task_says_when_the_store_has_answered(backend: QuotaBackend) -> None:
+    """What the last piece of an answer waits on (gateway/middleware.py `_send_last`): a store that frees the slot at
+    once gives nothing to wait on; Redis' release is a task, and what `release_slot` returns is done once Redis has
+    answered, so the next request, sent at once, is admitted. Once: a second call begins nothing."""
+    quotas = QuotaService(backend)
+    first = await reserve(quotas)
+    assert first is not None and quotas.keep_slot(first)
+    await quotas.settle(first, tokens=5, price=Decimal("0.0005"))
+    begun = quotas.release_slot(first)
+    assert quotas.release_slot(first) is None
+    if backend.settles_at_once():
+        assert begun is None
+    else:
+        assert begun is not None
+        await begun
+    assert await reserve(quotas) is not None
+
+
+async def test_a_release_the_store_fails_is_answered_and_retried_in_the_background(redis_url: str) -> None:
+    """Its first try failed: what `release_slot` returns is done all the same (never failed: the answer's last piece
+    is written), and the release is retried until the store frees the slot."""
+    backend = RedisBackend(redis_url, timeout_s=0.5)
+    try:
+        calls = counting(backend)
+        release = backend.release
+        tries: list[str] = []
+
+        async def fails_once(req: ReservationRequest) -> None:
+            tries.append(req.request_id)
+            if len(tries) == 1:
+                raise QuotaBackendError("Redis did not answer")
+            await release(req)
+
+        backend.release = fails_once  # type: ignore[method-assign]
+        quotas = QuotaService(backend)
+        first = await reserve(quotas)
+        assert first is not None and quotas.keep_slot(first)
+        await quotas.settle(first, tokens=5, price=Decimal("0.0005"))
+        begun = quotas.release_slot(first)
+        assert begun is not None
+        await begun
+        assert begun.exception() is None
+        assert len(tries) == 1 and calls == []  # answered, not freed: retried
+        await released(quotas)
+        assert len(tries) == 2 and calls == [first.request.request_id]
+        assert await reserve(quotas) is not None
+    finally:
+        await backend.close()
 
 
 async def test_nothing_is_kept_without_a_concurrency_limit(backend: QuotaBackend) -> None:
