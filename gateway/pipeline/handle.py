@@ -135,9 +135,9 @@ class Pipeline:
                 elif (begun := await self.idempotency.stored(ctx, req)) is None:
                     raise not_ready()
                 if isinstance(begun, Replay):
-                    await self._count_replay(ctx)
+                    limits = await self._count_replay(ctx)
             if isinstance(begun, Replay):  # answered before: the same answer, charged nothing, written nowhere
-                for event in IdempotencyStage.replay(req, begun.answer):
+                for event in IdempotencyStage.replay(req, begun.answer, limits):
                     yield event
                 return
             keep = Keep(begun, self.idempotency.renewing(begun)) if begun is not None and self.idempotency else None
@@ -174,14 +174,17 @@ class Pipeline:
         finally:
             release()
 
-    async def _count_replay(self, ctx: RequestContext) -> None:
+    async def _count_replay(self, ctx: RequestContext) -> dict[str, str]:
         """A replay is a request like any other to the tenant's request rate: it takes its place in the window (or is
         refused, 429, as the exact check refuses), though it costs no tokens or money and writes no row. Free
         replays of a stored answer of megabytes were a flood no limit saw. Its concurrency slot in the store is kept
         until the replayed answer is handed over, as any answer's is (reserve.py `_keep_slot`): settled at once, it
-        freed the slot before a byte was sent, and other replicas admitted more."""
+        freed the slot before a byte was sent, and other replicas admitted more. Returned: the `x-ratelimit-*`
+        headers of the place it took (its own remaining counts, as a fresh answer's and an embeddings replay's),
+        sent with the replayed answer, JSON or stream (`IdempotencyStage.replay`): it used a place and said none."""
         reservation = await self.reserve.reserve(ctx, ctx.request_id, tokens=0, price=Decimal(0))
         self.settler.hand_off(self.reserve.quotas.settle(reservation, tokens=0, price=Decimal(0)))
+        return ratelimit_headers(ctx.plan, reservation.decision, ctx.principal.key.limits)
 
     async def _prepare(self, ctx: RequestContext, req: ChatCompletionRequest, keep: Keep | None) -> Prepared:
         """Every check, cheapest first, then the reservation: nothing is charged if any check refuses."""

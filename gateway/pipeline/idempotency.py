@@ -7,7 +7,8 @@ the fingerprint, storing its vectors compactly (gateway/embeddings_service.py). 
   for the plan's `idempotency_ttl_s` (24 h by default);
 - a retry after that gets the stored answer (the same id, body and usage; as JSON, or replayed as a stream),
   with `x-tiergate-idempotent-replay: true`, charged nothing and written nowhere, but counted in the tenant's
-  request rate as any request (handle.py's `_count_replay`);
+  request rate as any request (handle.py's `_count_replay`), and told its own `x-ratelimit-*` headers (never the
+  first answer's: they are not stored);
 - a retry while the first still runs waits for it, up to `wait_s`, then gets 409 with Retry-After. The first's
   claim has a lease (`lease_s`, so a claim whose gateway died frees its key), renewed every third of it while the
   request runs (`IdempotencyStage.renewing`), and a renewal that failed is tried again every thirtieth of it until one
@@ -250,8 +251,12 @@ class IdempotencyStage:
                 "tool_calls": [{"index": i, **call} for i, call in enumerate(outcome.tool_calls)] or None}
 
     @staticmethod
-    def replay(req: ChatCompletionRequest, answer: dict[str, Any]) -> list[Event]:
-        headers = {**answer["headers"], REPLAY_HEADER: "true"}
+    def replay(req: ChatCompletionRequest, answer: dict[str, Any], limits: dict[str, str] | None = None) -> list[Event]:
+        """The stored answer's events again. `limits`: the replay's own `x-ratelimit-*` headers (handle.py's
+        `_count_replay`: the place it took in the request rate); the first answer's are never sent again (`answer`
+        stores none, and any a record holds are dropped here), as they told counts of another time."""
+        stored = {k: v for k, v in answer["headers"].items() if not k.startswith("x-ratelimit-")}
+        headers = {**stored, **(limits or {}), REPLAY_HEADER: "true"}
         return [Head(answer["id"], answer["created"], answer["model"], headers, stream=req.stream,
                      include_usage=req.include_usage),
                 Delta(answer["text"], answer.get("logprobs"), answer.get("tool_calls")),
