@@ -2,7 +2,8 @@
 
 Several gateway processes share one cache store; each keeps its own faiss index and its own map of recent
 entries, so each applies the others' writes and deletes from the store's change log (`CacheStore.changes_since`).
-Lookups catch up at most every `interval_s` (`due`); while the last catch-up that worked is that recent, the cache
+The cache catches up at most every `interval_s` (`due`), in its writer thread, never in a lookup's
+(cache/entry_writes.py `sync_soon`); while the last catch-up that worked is that recent, the cache
 may trust its map of recent entries (cache/recent.py), as no deletion elsewhere is older than it and still
 unapplied. One that failed (the store down or locked) is tried again after `interval_s` too, but earns no trust.
 """
@@ -38,13 +39,12 @@ class ChangeFeed:
         """True once the last catch-up, whether it worked or not, began `interval_s` ago or more."""
         return time.monotonic() - self._tried >= self.interval_s
 
-    def catch_up(self, apply: Callable[[Change], None], before: Callable[[], None] = lambda: None) -> int:
-        """Call `apply` on every change since the cursor, in order, then move the cursor past them. Returns how
-        many; 0 at once when another thread is catching up (it applies the same changes). `before` runs first,
-        under the same exclusion."""
-        if not self._lock.acquire(blocking=False):
-            return 0
-        try:
+    def catch_up(self, apply: Callable[[list[Change]], None], before: Callable[[], None] = lambda: None) -> int:
+        """Call `apply` on every change since the cursor, in order, a page of the log at a time (so it can read
+        what the page's puts need in a few batched reads), then move the cursor past them. Returns how many. One
+        thread at a time: a caller waits for a catch-up in progress (the writer thread's), then applies what is left
+        (none of the changes twice). `before` runs first, under the same exclusion."""
+        with self._lock:
             began = self._tried = time.monotonic()
             before()
             applied = 0
@@ -53,9 +53,6 @@ class ChangeFeed:
                 if not changes:
                     self._last = began
                     return applied
-                for change in changes:
-                    apply(change)
+                apply(changes)
                 applied += len(changes)
                 self._cursor = cursor
-        finally:
-            self._lock.release()

@@ -24,7 +24,8 @@ one writer thread, tenants in turns, a tenant's oldest queued write dropped past
 Versions: a scope carries the data and model versions, so a bumped version makes older entries unreachable at
 once; `bump_data_version` deletes the tenant's older entries, and `reclaim` (a little on every store) those of a
 retired model version and expired ones (cache/stale_versions.py). Other processes' writes arrive through the
-store's change log (cache/change_feed.py). The synchronous `lookup` and `store` serve tests, benchmarks and
+store's change log (cache/change_feed.py), applied in the writer thread: a lookup that finds a catch-up due queues
+it and goes on. The synchronous `lookup` and `store` serve tests, benchmarks and
 tools; all calls are thread-safe.
 
 Locks: one tenant's writes must never stall another tenant's lookups. A lookup's faiss search takes no lock
@@ -129,7 +130,7 @@ class SemanticCache:
         self.recent = RecentEntries()  # answers written or found lately: exact hits without a store round trip
         self.bounds = TenantBounds()  # each tenant's learned semantic threshold (cache/error_bound.py)
         self.rng = random.Random()  # which semantic hits are checked (seed it for a repeatable run)
-        self.sync_interval_s = sync_interval_s  # how often lookups apply other processes' writes (shared stores)
+        self.sync_interval_s = sync_interval_s  # how often other processes' writes are applied (shared stores)
         self.feed = ChangeFeed(store, sync_interval_s)  # made before the index is loaded: no write in between lost
         # writes, deletions, checkpoints; the writer thread (one tenant's flood of new answers waits there, in turns)
         self.writes = EntryWriter(store, self._load_index(), load_index=self._load_index, pending=self.pending,
@@ -212,9 +213,8 @@ class SemanticCache:
 
     def _exact(self, plan: LookupPlan) -> LookupResult | None:
         """The store's exact entry, or a miss when there is nothing to compare by meaning; None: go semantic."""
-        if self.feed.due():
-            self.sync()  # writes the LRU marks of hits served from memory
-            self.writes.checkpoint_soon()
+        if self.feed.due():  # queued for the writer thread: this lookup never pays for other processes' writes
+            self.writes.sync_soon(self.sync)
         entry = self.entries.find_exact(plan.scope_id, plan.exact_key)
         if entry is not None and self.writes.alive(entry, plan.now) and within_ttl(entry, plan.policy, plan.now):
             self.entries.touch(entry.entry_id, plan.now)
@@ -374,11 +374,14 @@ class SemanticCache:
         return self.writes.reclaim(limit)
 
     def sync(self) -> int:
-        """Apply the entries other processes stored or deleted since the last sync to the local faiss index.
+        """Apply the entries other processes stored or deleted since the last sync to the local faiss index, and
+        write the LRU marks of hits served from memory.
 
-        Lookups call it every `sync_interval_s`. Returns how many changes were applied.
+        A lookup that finds it due (every `sync_interval_s`) queues it for the writer thread (cache/entry_writes.py
+        `sync_soon`), never runs it itself. Returns how many changes were applied (after waiting out a catch-up in
+        progress).
         """
-        return self.feed.catch_up(self.writes.apply, before=self.writes.mark_used)  # 0 while another is at it
+        return self.feed.catch_up(self.writes.apply, before=self.writes.mark_used)
 
     def close(self) -> None:
         self.writes.close()

@@ -3,7 +3,6 @@ store no longer holds once the change log has been read."""
 
 from __future__ import annotations
 
-import contextlib
 import math
 import sqlite3
 import time
@@ -120,8 +119,8 @@ def test_a_catch_up_that_failed_earns_no_trust_in_remembered_entries(tmp_path: P
     assert other.purge("acme") == 1
     replica.feed._last = replica.feed._tried = -math.inf  # a minute on: the replica's catch-up is due
     store.locked = True
-    with contextlib.suppress(sqlite3.OperationalError):  # the lookup that tried (the gateway serves it as a miss)
-        replica.lookup(scope(body), body)
+    replica.lookup(scope(body), body)  # queues the catch-up for the writer thread, where it fails
+    assert replica.writes.last_sync is not None and replica.writes.last_sync.result(timeout=10) == 0
     store.locked = False
     assert store.refused == 1
     assert replica.lookup(scope(body), body).status == "miss"  # was a hit: the purged entry, from memory

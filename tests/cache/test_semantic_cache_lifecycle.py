@@ -94,12 +94,14 @@ def test_caches_sharing_a_file_follow_each_others_writes_and_deletes(tmp_path: P
     a = SemanticCache(SQLiteStore(path), embedder, clock=clock, sync_interval_s=0.0)
     b = SemanticCache(SQLiteStore(path), embedder, clock=clock, sync_interval_s=0.0)
     _stored(a)
+    b.sync()  # what b's writer thread does once a lookup finds a catch-up due (a lookup only queues it)
     para = b.lookup(scope(chat(PARAPHRASE)), chat(PARAPHRASE))
     assert isinstance(para, Hit) and para.kind == "semantic"  # b's index followed a's write
     clock.now += 1
     cli = SQLiteStore(path)  # `tiergate tenants bump-data-version` opens the same file
     assert len(cli.drop_data_versions("acme", "2", clock.now)) == 1
-    assert b.lookup(scope(chat(Q)), chat(Q)).status == "miss"
+    assert b.lookup(scope(chat(Q)), chat(Q)).status == "miss"  # the store is the truth, before any catch-up
+    b.sync()
     assert len(b.index) == 0  # the CLI's delete reached b's index through the change log
     for c in (a, b, cli):
         c.close()
