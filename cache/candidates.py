@@ -34,11 +34,13 @@ class Screened:
 
 def screen(candidates: Sequence[tuple[str, float]], query: str, *, threshold: float, floor: float,
            fallback_margin: float, meaning_check: bool, tenant: str, fetch: Callable[[str], Entry | None],
-           checked: Checked, refused: Counter[str]) -> Screened:
+           checked: Checked, refused: Counter[str], user: str | None = None) -> Screened:
     """Screen `candidates` (entry id, similarity; nearest first, at least one) for the last user turn `query`, as
     sent. `floor`: the lowest similarity worth labelling as a near miss (at most `threshold`); `fetch`: an entry the
     lookup may serve (stored, alive, within the tenant's TTL) or None; `checked`: the candidate the plan's meaning
-    check would serve of those given (`SemanticCache._checked`); each guard refusal is counted in `refused`."""
+    check would serve of those given (`SemanticCache._checked`); each guard refusal is counted in `refused`. The guards
+    remember what the texts read as for `tenant` and its end user `user` (the scope's, where its plan isolates them)
+    alone (cache/guards.py)."""
     best = candidates[0][1]
     refusal, near = f"below threshold (best {best:.3f})", None
     servable: list[tuple[Entry, float]] = []
@@ -48,7 +50,7 @@ def screen(candidates: Sequence[tuple[str, float]], query: str, *, threshold: fl
         entry = fetch(entry_id)
         if entry is None:
             continue
-        reason = guards.check(query, entry.semantic_text)
+        reason = guards.check(query, entry.semantic_text, owner=tenant, user=user)
         if reason is not None:
             refused[reason] += 1
             if refusal.startswith("below"):

@@ -34,6 +34,14 @@ NFKC, cache/request_key.py's `embedding_text`). The layout and the quotes are re
 All of this is cheap regex and set work on the two texts (tens of microseconds); it is a heuristic that
 errs on refusing: a refused paraphrase costs one model call, a wrong hit costs a wrong answer.
 
+What a text reads as (`comparable`) and its features (`extract`) are remembered per owner, as the vector and
+meaning-check memos are (assets/owner_memo.py): the tenant, and within it the end user where its plan isolates them
+(`user`). A text costs up to ~1.5 ms to read at MAX_CHARS and ~1 µs once remembered, so a memo shared by every
+tenant (as it was: one LRU of 8,192 texts keyed by the text alone) let one tenant time its lookups to learn whether
+another's text was read lately, and one tenant's flood of texts evicted everyone's. Each owner's memo holds
+MEMO_PER_OWNER texts, evicted only by its own; MEMO_OWNERS owners' memos are kept, the least recently active one's
+dropped for a new one. A caller that names no owner gets no memo: the work every time.
+
 The texts are a tenant's, so the work is linear and bounded: the guards read at most `MAX_CHARS` characters
 of a text, `check` refuses a text longer than that, as sent or as read (it cannot vouch for what it did not
 read; NFKC and the marks can lengthen a text), and no pattern
@@ -45,12 +53,14 @@ from __future__ import annotations
 
 import re
 import string
+import threading
 import unicodedata
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from dataclasses import dataclass, field
-from functools import lru_cache
+from typing import TypeVar
 
+from assets.owner_memo import OwnerMemo
 from cache.layout_quotes import layout, quotes_disagree
 from cache.layout_quotes import quoted as quoted  # re-exported: callers and tests read guards.quoted
 from cache.size_units import size_mentions, size_units
@@ -61,6 +71,10 @@ MAX_CHARS = 2048
 TOO_LONG = "text too long to compare"
 LAYOUT_DIFFERS = "layout differs"
 QUOTES_DIFFER = "quoted text differs"
+# Texts remembered for one owner (a tenant: its end users' share it), and owners remembered at once: 8,192 texts in
+# all, as the one shared memo held.
+MEMO_PER_OWNER = 128
+MEMO_OWNERS = 64
 
 # Compatibility characters NFKC would run into their neighbours' digits: a run of superscripts or of subscripts is
 # read as "^(...)" or "_(...)"; any other character whose NFKC form holds a digit, except full-width and font
@@ -207,21 +221,21 @@ def _number_units(text: str) -> Iterator[tuple[str, int]]:
             yield symbol.group(1), symbol.start(1)
 
 
-def comparable(text: str) -> str:
+def comparable(text: str, owner: Hashable = None, user: Hashable = None) -> str:
     """`text` as the guards compare it: NFKC and collapsed whitespace, with compatibility characters that would
     merge with neighbouring digits marked apart ("2³" -> "2^(3)", "H₂O" -> "H_(2)O", "1⅛" -> "1(1⁄8)").
 
     What reads longer than MAX_CHARS is cut to MAX_CHARS + 1 characters: every reader refuses such a text unread
     (`check`'s TOO_LONG, the meaning check's bound), and the texts are a tenant's. NFKC lengthens a character up to
     18 times (2,048 of U+FDFA read 36,847 characters, 76 KB), so the memo below is held to what the guards read, not
-    to what a caller hands them (the semantic cache hands them turns whose NFKC form fits MAX_CHARS)."""
+    to what a caller hands them (the semantic cache hands them turns whose NFKC form fits MAX_CHARS).
+    Remembered for `owner` (and its end user `user`): see the module."""
     if len(text) > MAX_CHARS:
         return text[:MAX_CHARS + 1]  # too long as sent: not remembered either
-    return _comparable(text)
+    return _MEMO.remembered(_MEMO.reads, _read, text, owner, user)
 
 
-@lru_cache(maxsize=8192)
-def _comparable(text: str) -> str:
+def _read(text: str) -> str:
     if not unicodedata.is_normalized("NFKC", text):
         text = unicodedata.normalize("NFKC", _marked(text))
     return _SPACES.sub(" ", text).strip()[:MAX_CHARS + 1]
@@ -249,12 +263,12 @@ def _marked(text: str) -> str:
     return "".join(out)
 
 
-def extract(text: str) -> Features:
-    """The numbers, units, negations, comparatives, entities and anchors of `text`'s first MAX_CHARS characters."""
-    return _extract(text[:MAX_CHARS])
+def extract(text: str, owner: Hashable = None, user: Hashable = None) -> Features:
+    """The numbers, units, negations, comparatives, entities and anchors of `text`'s first MAX_CHARS characters,
+    remembered for `owner` (and its end user `user`): see the module."""
+    return _MEMO.remembered(_MEMO.features, _extract, text[:MAX_CHARS], owner, user)
 
 
-@lru_cache(maxsize=8192)
 def _extract(text: str) -> Features:
     numbers: list[str] = []
     units: list[str] = []
@@ -360,19 +374,20 @@ def _comparatives_disagree(a: frozenset[tuple[str, int]], b: frozenset[tuple[str
         any((dim, -sign) in a and (dim, sign) not in a for dim, sign in b)
 
 
-def check(query: str, candidate: str) -> str | None:
+def check(query: str, candidate: str, *, owner: Hashable = None, user: Hashable = None) -> str | None:
     """None when `candidate` may answer `query` (both as sent); otherwise the reason for refusing, e.g. 'numbers
-    differ'.
+    differ'. `owner` (the tenant) and `user` (its end user, where its plan isolates them): whose memo of what the
+    texts read as is read and filled (the module's end; None: no memo).
 
     A text longer than MAX_CHARS, as sent or as read (`comparable`), is refused (TOO_LONG): a detail past what the
     guards read could change its meaning.
     """
     if len(query) > MAX_CHARS or len(candidate) > MAX_CHARS:
         return TOO_LONG
-    query_read, candidate_read = comparable(query), comparable(candidate)
+    query_read, candidate_read = comparable(query, owner, user), comparable(candidate, owner, user)
     if len(query_read) > MAX_CHARS or len(candidate_read) > MAX_CHARS:
         return TOO_LONG
-    q, c = extract(query_read), extract(candidate_read)
+    q, c = extract(query_read, owner, user), extract(candidate_read, owner, user)
     if q.numbers != c.numbers:
         return "numbers differ"
     if q.units != c.units or _unit_swapped(q.size_named, c.size_named):
@@ -405,3 +420,38 @@ def _shared_order(a: tuple[str, ...], b: tuple[str, ...]) -> bool:
     count_a, count_b = Counter(a), Counter(b)
     shared = {x for x, n in count_a.items() if n == 1 and count_b.get(x) == 1}
     return [x for x in a if x in shared] != [x for x in b if x in shared]
+
+
+R = TypeVar("R")
+
+
+class _Memos:
+    """What texts read as and their features, per owner (OwnerMemo: one LRU per owner, owners in LRU order). The
+    work runs outside the lock; two threads reading one new text may both do it (the same result either way)."""
+
+    def __init__(self) -> None:
+        self.reads: OwnerMemo[str] = OwnerMemo(MEMO_PER_OWNER, MEMO_OWNERS)
+        self.features: OwnerMemo[Features] = OwnerMemo(MEMO_PER_OWNER, MEMO_OWNERS)
+        self._lock = threading.Lock()
+
+    def remembered(self, memo: OwnerMemo[R], work: Callable[[str], R], text: str, owner: Hashable,
+                   user: Hashable) -> R:
+        """`work(text)`, remembered in `memo` for `owner` (under `user` within it); no memo without an owner."""
+        if owner is None:
+            return work(text)
+        key = text if user is None else (user, text)
+        with self._lock:
+            found = memo.get(owner, key)
+        if found is None:
+            found = work(text)
+            with self._lock:
+                memo.put(owner, key, found)
+        return found
+
+    def clear(self) -> None:
+        with self._lock:
+            self.reads = OwnerMemo(MEMO_PER_OWNER, MEMO_OWNERS)
+            self.features = OwnerMemo(MEMO_PER_OWNER, MEMO_OWNERS)
+
+
+_MEMO = _Memos()

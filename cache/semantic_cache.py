@@ -242,7 +242,7 @@ class SemanticCache:
         floor = threshold if bound is None else min(threshold, bound.floor)  # near misses to label, down to here
         found = screen(candidates, plan.key.last_user_text, threshold=threshold, floor=floor,
                        fallback_margin=self.fallback_margin, meaning_check=policy.meaning_check,
-                       tenant=plan.scope.tenant, fetch=partial(self._servable, plan),
+                       tenant=plan.scope.tenant, user=plan.scope.end_user, fetch=partial(self._servable, plan),
                        checked=partial(self._checked, plan), refused=self.stats.refused)
         servable, refusal = found.servable, found.refusal
         if servable:
@@ -271,8 +271,9 @@ class SemanticCache:
         was), cache/meaning_gate.py."""
         if not plan.policy.meaning_check:
             return candidates[0], ""
-        return first_accepted(self.meaning, guards.comparable(plan.key.last_user_text),
-                              [(guards.comparable(c[0].semantic_text), c) for c in candidates],
+        owner, user = plan.scope.tenant, plan.scope.end_user  # whose memo of what texts read as (cache/guards.py)
+        return first_accepted(self.meaning, guards.comparable(plan.key.last_user_text, owner, user),
+                              [(guards.comparable(c[0].semantic_text, owner, user), c) for c in candidates],
                               scope=plan.scope_id, owner=plan.scope.tenant, refused=self.stats.refused)
 
     def label(self, result: LookupResult, policy: TenantPolicy, fresh: str) -> bool | None:
