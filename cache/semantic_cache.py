@@ -42,6 +42,7 @@ returns, which is before `EntryWriter.write` returns (read your own writes).
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import time
 import uuid
@@ -76,6 +77,11 @@ KEYS_ON_LOOP_MAX_CHARS = 32_768
 # best-effort): at ~1 ms a write, a backlog of well under a second for the flooder, and none for anyone else.
 WRITES_QUEUED_PER_TENANT = 256
 
+# The refusal (stats.refused, tiergate_cache_refused_candidates_total) of a candidate the index proposed under a
+# partition the store files it under no longer, or never did: a fault, never served (`_servable`).
+WRONG_PARTITION = "entry of another partition"
+
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
@@ -259,11 +265,24 @@ class SemanticCache:
         return self._miss(refusal, candidates[0][1], probe=plan.probe(vector), near=found.near)
 
     def _servable(self, plan: LookupPlan, entry_id: str) -> Entry | None:
-        """The stored entry `entry_id` if the lookup may serve it (not deleted, not expired, within the TTL)."""
+        """The stored entry `entry_id` if the lookup may serve it (not deleted, not expired, within the TTL, and
+        filed under the lookup's partition: its scope and history)."""
         entry = self.entries.get(entry_id)
-        if entry is None or not self.writes.alive(entry, plan.now) or not within_ttl(entry, plan.policy, plan.now):
+        if entry is None:
+            return None
+        if entry.partition != plan.partition:  # the index's word alone is not the scope check; no path is known
+            self._wrong_partition(entry_id)
+            return None
+        if not self.writes.alive(entry, plan.now) or not within_ttl(entry, plan.policy, plan.now):
             return None
         return entry
+
+    def _wrong_partition(self, entry_id: str) -> None:
+        """Count a candidate of another partition (every one) and log the first this process meets."""
+        self.stats.refused[WRONG_PARTITION] += 1
+        if self.stats.refused[WRONG_PARTITION] == 1:
+            log.error("semantic cache: the index proposed entry %s, which the store files under another partition "
+                      "(not served; counted as %r, not logged again)", entry_id, WRONG_PARTITION)
 
     def _checked(self, plan: LookupPlan,
                  candidates: list[tuple[Entry, float]]) -> tuple[tuple[Entry, float] | None, str]:
