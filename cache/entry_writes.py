@@ -231,13 +231,8 @@ class EntryWriter:
             self.index.add(partition, added, np.stack(vectors))
 
     def _vectors_of(self, entry_ids: list[str]) -> list[tuple[str, str, np.ndarray]]:
-        """(entry id, partition, vector) of those of `entry_ids` stored with a vector: one batched read where the
-        store has `vectors_of` (SQLiteStore, RedisStore; CacheStore does not declare it), else entry by entry."""
-        read = getattr(self.entries, "vectors_of", None)
-        if read is not None:
-            return list(read(entry_ids))
-        entries = [self.entries.get(entry_id) for entry_id in entry_ids]
-        return [(e.entry_id, e.partition, e.embedding) for e in entries if e is not None and e.embedding is not None]
+        """(entry id, partition, vector) of those of `entry_ids` stored with a vector: one batched read."""
+        return list(self.entries.vectors_of(entry_ids))
 
     # -- checkpoints ----------------------------------------------------------------------------------
 

@@ -94,6 +94,11 @@ class CacheStore(ABC):
     def get(self, entry_id: str) -> Entry | None: ...
 
     @abstractmethod
+    def vectors_of(self, entry_ids: Iterable[str]) -> list[tuple[str, str, np.ndarray]]:
+        """(entry id, partition, vector) of those of `entry_ids` stored with a vector, in their order: what another
+        process's writes add to this one's index (cache/entry_writes.py), read in batches, never the entries' texts."""
+
+    @abstractmethod
     def find_exact(self, scope_id: str, exact_key: str) -> Entry | None: ...
 
     @abstractmethod
