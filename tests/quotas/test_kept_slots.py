@@ -180,19 +180,19 @@ async def test_a_kept_slot_is_renewed_while_held_and_its_lease_frees_it_if_never
         backend: QuotaBackend) -> None:
     """A long answer handed over slowly keeps its slot past its lease (renewed with the open reservations); one never
     released (its replica killed mid-send) is freed when its lease runs out, the backstop."""
-    quotas = QuotaService(backend, lease_s=0.6)
+    # a lease of 3 s, renewed every 1.2 s (due past a third of it): a loaded machine may oversleep by up to 1.8 s
+    quotas = QuotaService(backend, lease_s=3.0)
     held = await reserve(quotas)
     assert held is not None and quotas.keep_slot(held)
     await quotas.settle(held, tokens=5, price=Decimal("0.0005"))
-    for _ in range(4):  # 1.2 s, two leases, renewed as the reaper would every 0.3 s
-        await asyncio.sleep(0.3)
+    for _ in range(3):  # 3.6 s, past the lease, renewed as the reaper would
+        await asyncio.sleep(1.2)
         await quotas.renew_leases()
         assert await reserve(quotas) is None, "a kept slot's lease ran out while it was held"
     del held  # never released: its request gone with its replica
-    await asyncio.sleep(0.7)
+    await asyncio.sleep(3.1)
     await backend.reap()
     assert await reserve(quotas) is not None
-
 
 
 async def test_a_slot_kept_on_the_fail_open_fallback_is_freed_there_once(own_redis: RedisServer) -> None:
