@@ -5,7 +5,9 @@ engine does. Message content can steer it: `STUB:400` answers 400, `STUB:slow` s
 cancellation), `STUB:die` drops the connection mid-stream, `STUB:big` answers up to 50,000 pieces of 1,000
 characters (more than the sockets between a client and the gateway hold; a piece a token, within what the gateway
 relays a token, gateway/pipeline/meter.py MAX_TOKEN_CHARS), `STUB:schema-fail` streams two words and
-then our engine's error event for a response_format whose grammar could not go on (`response_format_failed`).
+then our engine's error event for a response_format whose grammar could not go on (`response_format_failed`), and
+`STUB:refused-late` opens its stream and then sends our engine's refusal of a request as it starts (a 400's body,
+`invalid_value`: engine/answer_frames.py, the tenant's format refused in between).
 
 Also what the tests that start a gateway in front of such upstreams share: the routes every upstream answers
 (`health_routes`), a tiers file of OpenAI-compatible tiers (`openai_tiers`), a ladder of three such tiers and plans
@@ -83,7 +85,8 @@ def stub_app(state: StubState, reply: str = REPLY) -> Litestar:
         delay = 0.2 if "STUB:slow" in text else 0.02 if "STUB:die" in text else 0.0
         return Stream(_sse(state, body, words, prompt_tokens, delay, die="STUB:die" in text,
                            whole=50_000 if "STUB:big" in text else len(reply.split()),
-                           schema_fail="STUB:schema-fail" in text), media_type="text/event-stream")
+                           schema_fail="STUB:schema-fail" in text, refused_late="STUB:refused-late" in text),
+                      media_type="text/event-stream")
 
     @post("/v1/completions", status_code=200)
     async def completions(request: Request[Any, Any, Any]) -> Response[Any]:
@@ -99,7 +102,7 @@ def stub_app(state: StubState, reply: str = REPLY) -> Litestar:
 
 async def _sse(state: StubState, body: dict[str, Any], words: list[str], prompt_tokens: int, delay: float,
                die: bool, legacy: bool = False, whole: int | None = None,
-               schema_fail: bool = False) -> AsyncIterator[bytes]:
+               schema_fail: bool = False, refused_late: bool = False) -> AsyncIterator[bytes]:
     def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> bytes:
         data = {"id": "stub", "object": "chat.completion.chunk", "created": 0, "model": body["model"],
                 "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **extra}
@@ -111,6 +114,13 @@ async def _sse(state: StubState, body: dict[str, Any], words: list[str], prompt_
     try:
         if not legacy:
             yield chunk({"role": "assistant", "content": ""})
+        if refused_late:
+            error = {"message": "response_format: refused to this tenant", "type": "invalid_request_error",
+                     "param": "response_format", "code": "invalid_value"}
+            yield f"data: {json.dumps({'error': error})}\n\n".encode()
+            yield b"data: [DONE]\n\n"
+            state.finished.append("done")
+            return
         for i, word in enumerate(words):
             await asyncio.sleep(delay)
             if die and i == 2:

@@ -305,13 +305,18 @@ def _error_event(url: str, data: bytes) -> tuple[int, dict[str, Any]]:
 
 
 def _stream_error_status(chunk: dict[str, Any]) -> int:
-    """The HTTP status an error event stands for: 503 for a stopped engine, 400 for a request that failed by its
-    own content (wire.errors.REQUEST_FAULT_CODES: a healthy replica's answer, which no breaker counts), 500 for
-    any other failure."""
+    """The HTTP status an error event stands for: 503 for a stopped engine; 400 for a request that failed by its
+    own content (wire.errors.REQUEST_FAULT_CODES, or any error of type `invalid_request_error`, as our engine sends a
+    400's body when it refuses a request as it starts: a healthy replica's answer, which no breaker counts); 429 for
+    a `rate_limit_error` (our engine full, `engine_overloaded`: the replica's, as a 429 answer is); 500 for any other
+    failure. A refusal as the request started was a 500, a 502 to the tenant and a failure on the replica's breaker."""
     err = chunk.get("error")
     code = err.get("code") if isinstance(err, dict) else None
-    if code in REQUEST_FAULT_CODES:
+    kind = err.get("type") if isinstance(err, dict) else None
+    if code in REQUEST_FAULT_CODES or kind == "invalid_request_error":
         return 400
+    if kind == "rate_limit_error":
+        return 429
     return 503 if code == "engine_dead" else 500
 
 

@@ -259,6 +259,21 @@ def test_a_schema_that_fails_mid_answer_is_the_tenants_400_and_opens_no_breaker(
     assert r.status_code == 200 and r.headers["x-tiergate-tier"] == "full"
 
 
+def test_a_request_the_engine_refuses_as_it_starts_is_the_tenants_400_and_opens_no_breaker(
+        routed: Gateway, fleet3: Fleet3) -> None:
+    """The engine refuses a request as its stream starts (a 400's body as the stream's error event: its format refused
+    to the tenant in between, engine/answer_frames.py): the tenant's 400, as a refusal before the stream is. It was a
+    500 (only `response_format_failed` read as the tenant's), a 502 and a failure on the replica's breaker."""
+    rep = routed.app.state.services.fleet.replicas["full"][0]
+    rep.breaker = CircuitBreaker(BreakerConfig(failures_to_open=1, cooldown_s=60))
+    for _ in range(2):
+        r = chat(routed, "STUB:refused-late", model="full")
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert (err["type"], err["param"], err["code"]) == ("invalid_request_error", "response_format", "invalid_value")
+    assert rep.breaker.state == "closed" and len(fleet3.full.requests) == 2  # tried once each, not retried
+
+
 def test_a_tier_whose_breakers_are_all_open_is_routed_around(routed: Gateway) -> None:
     for rep in routed.app.state.services.fleet.replicas["full"]:
         for _ in range(rep.breaker.config.failures_to_open):
