@@ -150,6 +150,9 @@ def engine() -> None:
 @click.option("--max-num-seqs", default="auto", show_default=True, callback=_max_num_seqs,
               help="Sequences generated at once; auto: as many as the KV cache holds at 1,024 tokens each (at most "
                    "256).")
+@click.option("--max-waiting", default=None, type=click.IntRange(min=0),
+              help="Requests that may wait beyond --max-num-seqs running; past them a new one is a 429 "
+                   "engine_overloaded [default: 16 x max-num-seqs].")
 @click.option("--threads", default=None, type=THREADS, help="torch threads [default: torch's choice].")
 @click.option("--kv-cache-bytes", default=None, type=click.IntRange(min=1),
               help="KV cache budget, allocated once [default: 512 MiB]; a request that cannot fit gets a 400.")
@@ -182,7 +185,8 @@ def engine() -> None:
               help="Where prepared models live [env TIERGATE_MODELS_DIR; default <data dir>/models].")
 @data_dir_option
 def engine_serve(model: str, served_name: str | None, host: str, port: int, quantize: str | None, dtype: str,
-                 device: str, max_num_seqs: int | None, threads: int | None, kv_cache_bytes: int | None,
+                 device: str, max_num_seqs: int | None, max_waiting: int | None, threads: int | None,
+                 kv_cache_bytes: int | None,
                  kv_cache_dtype: str, max_num_batched_tokens: int, draft_model: str | None,
                  draft_quantize: str | None, draft_dtype: str, speculative_k: int, speculative_max_batch: int,
                  max_body_bytes: int, api_key_env: str, allow_unauthenticated: bool, models_dir: Path | None,
@@ -204,7 +208,7 @@ def engine_serve(model: str, served_name: str | None, host: str, port: int, quan
                      dtype=dtype, quantize=quantize, device=device, max_num_seqs=max_num_seqs, threads=threads,
                      kv_cache_bytes=kv_cache_bytes, max_num_batched_tokens=max_num_batched_tokens,
                      kv_cache_dtype=kv_cache_dtype, draft=draft, max_body_bytes=max_body_bytes,
-                     api_key_env=api_key_env, allow_unauthenticated=allow_unauthenticated)
+                     api_key_env=api_key_env, allow_unauthenticated=allow_unauthenticated, max_waiting=max_waiting)
     except (ModelSourceError, ValueError) as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)

@@ -12,7 +12,9 @@ from typing import Any
 
 import httpx
 import pytest
+from click.testing import CliRunner
 
+from engine import launch
 from engine.block_manager import BlockManager
 from engine.llm_engine import ENGINE_OVERLOADED, EngineBusyError, LLMEngine
 from engine.request_queue import FCFSRequestQueue, PriorityRequestQueue, SchedulingPolicy
@@ -20,6 +22,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.server import create_engine_app
+from gateway.cli.main import cli
 from tests.engine.fakes import CharTokenizer, ScriptedRunner
 from tests.stubs import ServerThread
 
@@ -279,3 +282,16 @@ def test_a_cap_reached_after_the_servers_check_is_the_same_429() -> None:
     finally:
         server.stop()
         eng.compiles.close()
+
+
+def test_engine_serve_takes_max_waiting_to_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`tiergate engine serve --max-waiting N` sets the cap; left out, the engine's default (16 x max_num_seqs)."""
+    served: dict[str, Any] = {}
+    monkeypatch.setattr(launch, "serve", lambda *args, **kwargs: served.update(kwargs))
+    result = CliRunner().invoke(cli, ["engine", "serve", "--model", "x", "--max-waiting", "7"])
+    assert result.exit_code == 0, result.output
+    assert served["max_waiting"] == 7
+    served.clear()
+    assert CliRunner().invoke(cli, ["engine", "serve", "--model", "x"]).exit_code == 0
+    assert served["max_waiting"] is None
+    assert CliRunner().invoke(cli, ["engine", "serve", "--model", "x", "--max-waiting", "-1"]).exit_code == 2
