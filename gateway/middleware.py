@@ -84,8 +84,9 @@ def hold_until_sent(scope: Scope, entry: Pass) -> None:
     free it at once (Redis) is told in a task begun as the place is given back, and the last piece of the body (a
     stream's, each frame written once its work has ended: its `[DONE]`) is written once the store has answered, within
     its call timeout (at most RELEASE_WAIT_S): a client that sends its next request as soon as it has its answer,
-    through another replica, finds the slot free. A request that ends otherwise (the client gone, an error, a
-    cancellation) waits on nothing: its slots' release is begun, and lands when it lands."""
+    through another replica, finds the slot free. A request that ends otherwise (an error, a cancellation) waits on
+    nothing: its slots' release is begun, and lands when it lands; the 499 a route writes for a client gone is an
+    answer like any other, and waits as one."""
     state = scope.get("state", {})
     held = state.get(_HELD)
     if held is not None:

@@ -30,8 +30,8 @@ The check runs before the first attempt settles, and the second attempt is reser
 row can say whether the cascade happened, and why not when it did not (no dearer tier, the ladder, a
 refused reservation). The second attempt continues the client's one request (reserve.py's `follows`): it takes over
 the first's concurrency slot and takes no second place in the requests-per-minute window, while both attempts' tokens
-and money are billed; a retry refused (for money, say) leaves the first its slot, freed when it settles. Under an
-Idempotency-Key the answer stored is the one the client gets: the second
+and money are billed; a retry refused (for money, say) leaves the first its slot, freed when its answer is handed
+over (reserve.py `_keep_slot`). Under an Idempotency-Key the answer stored is the one the client gets: the second
 attempt's; if that one fails, or its ledger row is withdrawn (not durable within the ledger's wait: settle.py; the
 retry is billed nothing, and a 503 would leave the client billed for the first answer it never got), the first answer
 stands and is stored then, by itself (its ledger row is durable
