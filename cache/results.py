@@ -65,12 +65,13 @@ class Hit:
     def request_usage(self) -> dict[str, Any]:
         """This request's usage: its own prompt's tokens, the stored answer's completion tokens and finish reason. An
         exact hit's prompt is the stored one's (the same request), counted as its tier reported it; a semantic hit's
-        stored prompt is another request's (a paraphrase, of another length), never reported or billed to this one:
-        its own count is (`counted_prompt`; 0 where it was not counted, its tier's tokenizer not prepared)."""
+        stored prompt is another request's (a paraphrase, of another length), not reported or billed to this one: its
+        own count is (`counted_prompt`; where it was not counted, its tier's tokenizer not prepared, the stored
+        count stands in: billed nothing for its prompt, it was under-billed)."""
         stored = self.entry.usage
-        prompt = stored.get("prompt_tokens") if self.kind == "exact" else None
-        if prompt is None:
-            prompt = self.counted_prompt or 0
+        prompt = self.counted_prompt if self.kind == "semantic" else None
+        if prompt is None:  # an exact hit; or a semantic one not counted: the stored count, the nearest estimate
+            prompt = stored.get("prompt_tokens") or 0
         return {"prompt_tokens": int(prompt), "completion_tokens": int(stored.get("completion_tokens", 0)),
                 "finish_reason": stored.get("finish_reason")}
 

@@ -108,7 +108,7 @@ def test_an_exact_hit_reports_the_stored_count_of_its_own_prompt(gw: Gateway) ->
 
 @pytest.mark.parametrize(("kind", "counted", "prompt_tokens"), [
     ("semantic", 37, 37),  # its own count
-    ("semantic", None, 0),  # not counted (its tier's tokenizer not prepared): never the stored request's
+    ("semantic", None, STORED_PROMPT_TOKENS),  # not counted (its tier's tokenizer not prepared): the stored estimate
     ("exact", 37, STORED_PROMPT_TOKENS),  # the same prompt, as its tier reported it
 ])
 def test_a_hits_usage_takes_only_the_answer_from_its_entry(kind: str, counted: int | None, prompt_tokens: int) -> None:
