@@ -26,7 +26,7 @@ from litestar import Response
 from engine.llm_engine import EngineBusyError, EngineDeadError, EngineInputError, RequestOutput
 from engine.tool_calls import ToolAnswer
 from wire import responses
-from wire.errors import REQUEST_FAULT_CODES, error_body
+from wire.errors import REQUEST_FAULT_CODES, STREAM_ERROR_STATUS, error_body
 
 log = logging.getLogger("tiergate.engine")
 
@@ -53,6 +53,12 @@ def refused(exc: EngineInputError) -> dict[str, Any]:
 
 
 Refusal = Callable[[EngineInputError], dict[str, Any]]
+
+
+def with_status(body: dict[str, Any], status: int) -> dict[str, Any]:
+    """An error body sent as a stream's event that stands for the answer `status` it would have been before the
+    stream (wire.errors.STREAM_ERROR_STATUS): the gateway reads it so (tiers/client.py), the tenant's 400 or a 429."""
+    return {"error": {**body["error"], STREAM_ERROR_STATUS: status}}
 
 
 def busy(exc: EngineBusyError) -> dict[str, Any]:
@@ -265,9 +271,9 @@ async def sse_events(outputs: AsyncIterator[RequestOutput], rid: str, model: str
     except EngineDeadError as exc:  # the loop stopped between the request's check and its start
         yield responses.sse(error_body(str(exc), "api_error", code="engine_dead"))
     except EngineInputError as exc:  # refused as it started (the server's checks passed before): nothing generated
-        yield responses.sse(refusal(exc))
+        yield responses.sse(with_status(refusal(exc), 400))
     except EngineBusyError as exc:  # the engine filled up since the server's own check
-        yield responses.sse(busy(exc))
+        yield responses.sse(with_status(busy(exc), 429))
     except Exception:  # framing failed (a bug): the stream ends with an error event, not a cut connection
         log.exception("streaming %s failed", rid)
         await outputs.aclose()  # its generation stops: slot and KV blocks go back

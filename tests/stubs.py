@@ -7,7 +7,8 @@ characters (more than the sockets between a client and the gateway hold; a piece
 relays a token, gateway/pipeline/meter.py MAX_TOKEN_CHARS), `STUB:schema-fail` streams two words and
 then our engine's error event for a response_format whose grammar could not go on (`response_format_failed`), and
 `STUB:refused-late` opens its stream and then sends our engine's refusal of a request as it starts (a 400's body,
-`invalid_value`: engine/answer_frames.py, the tenant's format refused in between).
+`invalid_value`, marked `status: 400`: engine/answer_frames.py, the tenant's format refused in between), and
+`STUB:bad-key-event` an upstream's own fault as an error event of type `invalid_request_error` (`invalid_api_key`).
 
 Also what the tests that start a gateway in front of such upstreams share: the routes every upstream answers
 (`health_routes`), a tiers file of OpenAI-compatible tiers (`openai_tiers`), a ladder of three such tiers and plans
@@ -85,7 +86,8 @@ def stub_app(state: StubState, reply: str = REPLY) -> Litestar:
         delay = 0.2 if "STUB:slow" in text else 0.02 if "STUB:die" in text else 0.0
         return Stream(_sse(state, body, words, prompt_tokens, delay, die="STUB:die" in text,
                            whole=50_000 if "STUB:big" in text else len(reply.split()),
-                           schema_fail="STUB:schema-fail" in text, refused_late="STUB:refused-late" in text),
+                           schema_fail="STUB:schema-fail" in text, refused_late="STUB:refused-late" in text,
+                           bad_key_event="STUB:bad-key-event" in text),
                       media_type="text/event-stream")
 
     @post("/v1/completions", status_code=200)
@@ -102,7 +104,8 @@ def stub_app(state: StubState, reply: str = REPLY) -> Litestar:
 
 async def _sse(state: StubState, body: dict[str, Any], words: list[str], prompt_tokens: int, delay: float,
                die: bool, legacy: bool = False, whole: int | None = None,
-               schema_fail: bool = False, refused_late: bool = False) -> AsyncIterator[bytes]:
+               schema_fail: bool = False, refused_late: bool = False,
+               bad_key_event: bool = False) -> AsyncIterator[bytes]:
     def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> bytes:
         data = {"id": "stub", "object": "chat.completion.chunk", "created": 0, "model": body["model"],
                 "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **extra}
@@ -114,9 +117,11 @@ async def _sse(state: StubState, body: dict[str, Any], words: list[str], prompt_
     try:
         if not legacy:
             yield chunk({"role": "assistant", "content": ""})
-        if refused_late:
+        if refused_late or bad_key_event:
             error = {"message": "response_format: refused to this tenant", "type": "invalid_request_error",
-                     "param": "response_format", "code": "invalid_value"}
+                     "param": "response_format", "code": "invalid_value", "status": 400} if refused_late else {
+                "message": "Incorrect API key provided", "type": "invalid_request_error", "param": None,
+                "code": "invalid_api_key"}
             yield f"data: {json.dumps({'error': error})}\n\n".encode()
             yield b"data: [DONE]\n\n"
             state.finished.append("done")

@@ -28,7 +28,7 @@ import aiohttp
 import msgspec
 
 from tiers.errors import UpstreamProtocolError, UpstreamRejected, UpstreamTimedOut, UpstreamUnreachable, quoted
-from wire.errors import CACHE_SALT_HEADER, REQUEST_FAULT_CODES
+from wire.errors import CACHE_SALT_HEADER, REQUEST_FAULT_CODES, STREAM_ERROR_STATUS
 
 MAX_LINE_BYTES = 1 << 20  # one SSE line (a chunk with 20 top log-probabilities per token is a few KB)
 # what a stream holds of the tier's bytes ahead of its reader: aiohttp stops reading the socket once its buffer passes
@@ -306,18 +306,19 @@ def _error_event(url: str, data: bytes) -> tuple[int, dict[str, Any]]:
 
 def _stream_error_status(chunk: dict[str, Any]) -> int:
     """The HTTP status an error event stands for: 503 for a stopped engine; 400 for a request that failed by its
-    own content (wire.errors.REQUEST_FAULT_CODES, or any error of type `invalid_request_error`, as our engine sends a
-    400's body when it refuses a request as it starts: a healthy replica's answer, which no breaker counts); 429 for
-    a `rate_limit_error` (our engine full, `engine_overloaded`: the replica's, as a 429 answer is); 500 for any other
-    failure. A refusal as the request started was a 500, a 502 to the tenant and a failure on the replica's breaker."""
+    own content (wire.errors.REQUEST_FAULT_CODES: a healthy replica's answer, which no breaker counts); the 400 or
+    429 our engine's event says it stands for (wire.errors.STREAM_ERROR_STATUS: a request refused as it starts, or
+    the engine full then); 500 for any other failure. Not by the event's `type`: an upstream's own fault (a bad key,
+    an unknown model) is an `invalid_request_error` too. A refusal as the request started was a 500, a 502 to the
+    tenant and a failure on the replica's breaker."""
     err = chunk.get("error")
-    code = err.get("code") if isinstance(err, dict) else None
-    kind = err.get("type") if isinstance(err, dict) else None
-    if code in REQUEST_FAULT_CODES or kind == "invalid_request_error":
+    if not isinstance(err, dict):
+        return 500
+    if err.get("code") in REQUEST_FAULT_CODES:
         return 400
-    if kind == "rate_limit_error":
-        return 429
-    return 503 if code == "engine_dead" else 500
+    if (status := err.get(STREAM_ERROR_STATUS)) in (400, 429) and type(status) is int:
+        return status
+    return 503 if err.get("code") == "engine_dead" else 500
 
 
 def _json_or_text(content: bytes) -> dict[str, Any]:

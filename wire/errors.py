@@ -9,6 +9,11 @@ from typing import Any
 # against the replica's circuit breaker (one tenant's schema must not take a tier away from everyone).
 RESPONSE_FORMAT_FAILED = "response_format_failed"
 REQUEST_FAULT_CODES = frozenset({RESPONSE_FORMAT_FAILED})
+# The HTTP status our engine's stream error event stands for, where the event is what an answer before the stream
+# would have been (a 400 refusal, a 429 when full, both as the request starts; engine/answer_frames.py): the field of
+# the error object that carries it. An event's `type` does not say whose fault it is (an upstream's bad key is an
+# `invalid_request_error` too), so only this field, and REQUEST_FAULT_CODES, make an event the tenant's 400.
+STREAM_ERROR_STATUS = "status"
 # An engine's 429 when its grammar compile queue has no room for a new response_format (engine/compile_queue.py): a
 # tenant's flood of new schemas, or every tenant's; the gateway relays it as a 429 with Retry-After, not a 502.
 RESPONSE_FORMAT_COMPILES_BUSY = "response_format_compiles_busy"

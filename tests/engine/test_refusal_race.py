@@ -87,4 +87,5 @@ def test_stream_ends_with_the_400s_error(racing: str) -> None:
     events = [line.removeprefix("data: ") for line in r.text.splitlines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     refused_as(json.loads(events[-2])["error"], "response_format")
+    assert json.loads(events[-2])["error"]["status"] == 400  # what the gateway reads it as (tiers/client.py)
     assert all("error" not in json.loads(e) for e in events[:-2])

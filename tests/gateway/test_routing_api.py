@@ -274,6 +274,18 @@ def test_a_request_the_engine_refuses_as_it_starts_is_the_tenants_400_and_opens_
     assert rep.breaker.state == "closed" and len(fleet3.full.requests) == 2  # tried once each, not retried
 
 
+def test_an_upstreams_own_fault_as_an_invalid_request_event_is_the_tiers(routed: Gateway) -> None:
+    """An error event's type is not whose fault it is: an upstream's bad key comes as an `invalid_request_error`
+    too, and it is the tier's failure (a 502, counted by the breaker), never the tenant's 400 with the provider's
+    message."""
+    rep = routed.app.state.services.fleet.replicas["full"][0]
+    rep.breaker = CircuitBreaker(BreakerConfig(failures_to_open=1, cooldown_s=60))
+    r = chat(routed, "STUB:bad-key-event", model="full")
+    assert r.status_code == 502, r.text
+    assert "Incorrect API key" not in r.text
+    assert rep.breaker.state == "open"
+
+
 def test_a_tier_whose_breakers_are_all_open_is_routed_around(routed: Gateway) -> None:
     for rep in routed.app.state.services.fleet.replicas["full"]:
         for _ in range(rep.breaker.config.failures_to_open):
