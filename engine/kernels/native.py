@@ -1,7 +1,8 @@
 """Loads the engine's native CPU kernels, compiling them once per machine: decode attention over the paged
 cache (paged_decode_attention.cpp), the fused steps between a layer's matmuls (layer_ops.cpp) and the
 per-token steps around the int8 tier's matmuls (int8_rows.cpp), and every layer of a decode-only step in one call
-(decode_layers.cpp, which calls the others: the sources are one translation unit, bound in bindings.cpp).
+(decode_layers.cpp, which calls the others: the sources are one translation unit, bound in bindings.cpp; the
+fp32/bf16 row conversions of bf16_rows.cpp come first).
 
 torch.utils.cpp_extension builds it with the machine's C++ compiler and ninja into torch's extension
 cache (~/.cache/torch_extensions, or TORCH_EXTENSIONS_DIR); about a minute on two cores, once. Builds
@@ -25,9 +26,10 @@ log = logging.getLogger("tiergate.engine")
 
 NAME = "tiergate_cpu_kernels"
 SOURCES = [Path(__file__).with_name(name)  # decode_layers.cpp calls the others; bindings.cpp names them all
-           for name in ("paged_decode_attention.cpp", "layer_ops.cpp", "int8_rows.cpp", "decode_layers.cpp",
-                        "bindings.cpp")]
-FUNCTIONS = ["paged_decode_attention", "rms_norm", "add_rms_norm", "rope_write_kv", "silu_mul", "int8_rows_prepare",
+           for name in ("bf16_rows.cpp", "paged_decode_attention.cpp", "layer_ops.cpp", "int8_rows.cpp",
+                        "decode_layers.cpp", "bindings.cpp")]
+FUNCTIONS = ["paged_decode_attention", "paged_decode_attention_bf16", "rms_norm", "rms_norm_bf16", "add_rms_norm",
+             "add_rms_norm_bf16", "rope_write_kv", "silu_mul", "silu_mul_bf16", "int8_rows_prepare",
              "int8_rows_finish_", "DecodeLayers"]  # bound in bindings.cpp
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]  # built where it runs, so native is safe
 

@@ -220,8 +220,9 @@ void values(const float* p, const C* v_cache, const int64_t* table, int64_t ctx,
   values_plain(p, v_cache, table, ctx, block_size, kv_heads, rep, dim, acc);
 }
 
+// out of line: the fp32 and the bf16-output callers below run the same instructions, so the same fp32 values
 template <typename T, typename C>
-void attend_one(const T* q, const C* k_cache, const C* v_cache, const int64_t* table, int64_t ctx,
+__attribute__((noinline)) void attend_one(const T* q, const C* k_cache, const C* v_cache, const int64_t* table, int64_t ctx,
                 int64_t block_size, int64_t kv_heads, int64_t rep, int64_t dim, float scale, T* out, float* probs,
                 float* acc, float* qf) {
   // one sequence, every head: scores [H, ctx], softmax in fp32, then the values summed into acc [H, D] in fp32;
@@ -249,10 +250,13 @@ void attend_one(const T* q, const C* k_cache, const C* v_cache, const int64_t* t
 
 }  // namespace
 
-// q: [B, H, D]; k_cache, v_cache: [num_blocks, block_size, KV, D]; block_tables: [B, max_blocks] int64;
-// context_lens: [B] int64 (the new token included). Returns [B, H, D].
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
+namespace {
+
+// paged_decode_attention below; with narrow (fp32 q and a bf16 cache only) the result rounded to bf16 as torch's
+// .to(torch.bfloat16) rounds it (layer_ops.cpp's narrow_row), for a bf16 matmul (decode_layers.cpp)
+torch::Tensor paged_decode_attention_as(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                        torch::Tensor block_tables, torch::Tensor context_lens, double scale,
+                                        bool narrow) {
   TORCH_CHECK(q.device().is_cpu(), "paged_decode_attention runs on CPU tensors");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "unexpected shapes");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() &&
@@ -276,7 +280,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
     TORCH_CHECK(lens[b] >= 1 && lens[b] <= max_blocks * block_size, "context length out of range");
     max_ctx = std::max(max_ctx, lens[b]);
   }
-  auto out = torch::empty_like(q);
+  auto out = torch::empty_like(q, narrow ? q.options().dtype(at::kBFloat16) : q.options());
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   // sequences are independent: torch's intra-op threads (torch.set_num_threads) share them
   auto run = [&](auto* qp, auto* kp, auto* vp, auto* op) {
@@ -288,12 +292,43 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
     });
   };
   if (q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kBFloat16) {  // fp32 model, bf16 KV cache
-    run(q.data_ptr<float>(), k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(),
-        out.data_ptr<float>());
+    if (!narrow) {
+      run(q.data_ptr<float>(), k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(),
+          out.data_ptr<float>());
+      return out;
+    }
+    const auto* qp = q.data_ptr<float>();
+    const auto *kp = k_cache.data_ptr<at::BFloat16>(), *vp = v_cache.data_ptr<at::BFloat16>();
+    auto* op = out.data_ptr<at::BFloat16>();
+    at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores(heads * max_ctx), acc(heads * dim), qf(heads * dim), o(heads * dim);
+      for (int64_t b = begin; b < end; ++b) {
+        attend_one(qp + b * heads * dim, kp, vp, tables + b * max_blocks, lens[b], block_size, kv_heads, rep, dim,
+                   static_cast<float>(scale), o.data(), scores.data(), acc.data(), qf.data());
+        narrow_row(o.data(), heads * dim, op + b * heads * dim);
+      }
+    });
     return out;
   }
+  TORCH_CHECK(!narrow, "a bf16 result is made for fp32 queries over a bf16 cache only");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
     run(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), out.data_ptr<scalar_t>());
   });
   return out;
+}
+
+}  // namespace
+
+// q: [B, H, D]; k_cache, v_cache: [num_blocks, block_size, KV, D]; block_tables: [B, max_blocks] int64;
+// context_lens: [B] int64 (the new token included). Returns [B, H, D].
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
+  return paged_decode_attention_as(q, k_cache, v_cache, block_tables, context_lens, scale, false);
+}
+
+// the same for fp32 q over a bf16 cache, the result rounded to bf16 (a bf16 matmul's input):
+// paged_decode_attention(...).to(torch.bfloat16), bit for bit
+torch::Tensor paged_decode_attention_bf16(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                          torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
+  return paged_decode_attention_as(q, k_cache, v_cache, block_tables, context_lens, scale, true);
 }

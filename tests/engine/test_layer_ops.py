@@ -65,6 +65,58 @@ def test_silu_times_up(rows: int) -> None:
     torch.testing.assert_close(FUSED.silu_mul(gate_up), TORCH.silu_mul(gate_up), **TOL)
 
 
+BF16 = torch.bfloat16
+
+
+def same_bits(got: torch.Tensor, want: torch.Tensor) -> bool:
+    return got.dtype == want.dtype and torch.equal(got.view(torch.int16 if got.dtype == BF16 else torch.int32),
+                                                   want.view(torch.int16 if want.dtype == BF16 else torch.int32))
+
+
+@pytest.mark.parametrize("rows", [1, 16, 700])  # 700 rows are split over threads
+def test_the_bf16_steps_are_the_fp32_ones_rounded_as_torch_rounds(rows: int) -> None:
+    """The native decode step of bf16 weights makes each matmul's bf16 input in the step before it and takes its bf16
+    result as it comes: the same bits as the fp32 step's result converted by torch, as the Python layers do."""
+    torch.manual_seed(rows)
+    x, delta, weight = torch.randn(rows, 576) * 3, torch.randn(rows, 576), torch.rand(576) + 0.5
+    x[0, 3] = float("nan")  # a NaN row: torch rounds every NaN to 0xffff
+    assert same_bits(KERNELS.rms_norm_bf16(x, weight, 1e-5), KERNELS.rms_norm(x, weight, 1e-5).to(BF16))
+    for d in (delta, delta.to(BF16)):  # the residual add takes a bf16 matmul's result as it is
+        want_sum, got_sum = x.clone(), x.clone()
+        want, _ = KERNELS.add_rms_norm(want_sum, d.float(), weight, 1e-5)
+        got, summed = KERNELS.add_rms_norm_bf16(got_sum, d, weight, 1e-5)
+        assert same_bits(got, want.to(BF16)) and same_bits(got_sum, want_sum)
+        assert summed.data_ptr() == got_sum.data_ptr()
+    gate_up = torch.randn(rows, 2 * 1536) * 4
+    for g in (gate_up, gate_up.to(BF16)):
+        assert same_bits(KERNELS.silu_mul_bf16(g), KERNELS.silu_mul(g.float()).to(BF16))
+
+
+def test_rounding_to_bf16_is_torchs_on_ties_and_near_the_top() -> None:
+    """silu(g) * 1 is g itself for large g: the rounding alone, on chosen bit patterns."""
+    low = [0x0000, 0x7FFF, 0x8000, 0x8001, 0xFFFF]  # the bits rounded away: down, a tie, up
+    bits = [(top << 16) | b for top in (0x4200, 0x4201, 0x7F7F, 0x5F3A) for b in low]  # even and odd tops; FLT_MAX
+    gate = torch.tensor(bits, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    gate_up = torch.cat([gate, torch.ones_like(gate)])[None]
+    assert torch.equal(KERNELS.silu_mul(gate_up), gate[None])
+    assert same_bits(KERNELS.silu_mul_bf16(gate_up), gate[None].to(BF16))
+    assert torch.isinf(KERNELS.silu_mul_bf16(gate_up)).any()  # FLT_MAX's neighbours round up to inf, as torch's do
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_rope_takes_a_bf16_qkv_as_its_fp32_widening(cache_dtype: torch.dtype) -> None:
+    torch.manual_seed(7)
+    heads, kv_heads, dim, rows = 9, 3, 64, 20
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim).to(BF16)
+    angles = torch.rand(rows, dim // 2) * 100
+    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+    slots = torch.randperm(40 * 16)[:rows]
+    caches = [torch.zeros(40, 16, kv_heads, dim, dtype=cache_dtype) for _ in range(4)]
+    want = KERNELS.rope_write_kv(qkv.float(), cos, sin, caches[0], caches[1], slots, heads, kv_heads, dim)
+    got = KERNELS.rope_write_kv(qkv, cos, sin, caches[2], caches[3], slots, heads, kv_heads, dim)
+    assert same_bits(got, want) and same_bits(caches[2], caches[0]) and same_bits(caches[3], caches[1])
+
+
 def test_other_dtypes_take_the_torch_reference() -> None:
     x = torch.randn(4, 64, dtype=torch.bfloat16)
     weight = torch.ones(64, dtype=torch.bfloat16)

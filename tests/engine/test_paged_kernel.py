@@ -42,6 +42,22 @@ def test_kernel_matches_gather_and_sdpa(dtype: torch.dtype, cache_dtype: torch.d
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dim", [64, 16])  # the AVX2 kernels where the CPU has them, and the plain loops
+def test_the_bf16_result_is_the_fp32_one_rounded_as_torch_rounds(dim: int) -> None:
+    """For the native step of bf16 weights (the o projection's input): fp32 queries over a bf16 cache."""
+    gen = torch.Generator().manual_seed(dim)
+    block_size, num_blocks, lens = 16, 80, [1, 17, 100, 300]
+    k_cache = torch.randn(num_blocks, block_size, 3, dim, generator=gen).to(torch.bfloat16)
+    v_cache = torch.randn(num_blocks, block_size, 3, dim, generator=gen).to(torch.bfloat16)
+    tables = torch.randperm(num_blocks, generator=gen)[:len(lens) * 19].view(len(lens), 19)
+    q, ctx = torch.randn(len(lens), 9, dim, generator=gen), torch.tensor(lens)
+    want = KERNEL.paged_decode_attention(q, k_cache, v_cache, tables, ctx, dim ** -0.5).to(torch.bfloat16)
+    got = KERNEL.paged_decode_attention_bf16(q, k_cache, v_cache, tables, ctx, dim ** -0.5)
+    assert got.dtype == torch.bfloat16 and torch.equal(got.view(torch.int16), want.view(torch.int16))
+    with pytest.raises(RuntimeError, match="bf16 cache only"):
+        KERNEL.paged_decode_attention_bf16(q, k_cache.float(), v_cache.float(), tables, ctx, dim ** -0.5)
+
+
 def test_kernel_refuses_a_context_longer_than_its_table() -> None:
     k_cache = torch.zeros(4, 16, 1, 8)
     with pytest.raises(RuntimeError, match="context length out of range"):
