@@ -6,7 +6,9 @@ layer is one the native code can call: oneDNN-packed (engine/onednn_linear.py; f
 of the runner's bf16 on CPU, whose activations are fp32) or the int8 tier's (engine/int8_dynamic.py). It makes
 the same calls in the same order in C++, so the result is bit for bit the same, without the interpreter around
 them: about 25 Python-level calls per layer, 750 a step for SmolLM2 (`python -m bench.engine_ablations` measures
-the difference). Steps with a prompt chunk, models whose activations are not fp32, other linear layers and CUDA
+the difference). With bf16 weights the rounding of each matmul's input to bf16 and the widening of its result are
+made inside the layer steps around it rather than by torch calls of their own (the same bits; BENCHMARKS.md,
+session 50). Steps with a prompt chunk, models whose activations are not fp32, other linear layers and CUDA
 keep the Python forward. The head (compute_logits) stays in Python: one call a step.
 """
 

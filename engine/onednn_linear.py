@@ -90,7 +90,7 @@ class OneDnnLinear(nn.Module):
         if single:  # one row runs as two (see the module's docstring)
             x = torch.cat([x, x])
         if self.weight_dtype is not None:
-            x = x.to(self.weight_dtype)  # the same two conversions decode_layers.cpp makes
+            x = x.to(self.weight_dtype)  # decode_layers.cpp makes the same two inside its layer steps
         y = torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
         if single:
             y = y[:1]
