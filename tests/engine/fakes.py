@@ -127,13 +127,11 @@ def prompt_text(seq: Any) -> str:
 
 
 @contextmanager
-def scripted_server(runner: ScriptedRunner) -> Iterator[str]:
-    """The engine's HTTP server (model "tiny") on `runner` and a CharTokenizer; yields its URL, then stops both."""
-    from engine.llm_engine import LLMEngine
+def serving(eng: Any) -> Iterator[str]:
+    """The engine's HTTP server (model "tiny") on `eng`, started; yields its URL, then stops both."""
     from engine.server import create_engine_app
     from tests.stubs import ServerThread
 
-    eng = LLMEngine(runner, CharTokenizer())
     eng.start()
     server = ServerThread(create_engine_app(eng, model_name="tiny", model_version="v1")).start()
     try:
@@ -141,3 +139,12 @@ def scripted_server(runner: ScriptedRunner) -> Iterator[str]:
     finally:
         server.stop()
         eng.shutdown()
+
+
+@contextmanager
+def scripted_server(runner: ScriptedRunner) -> Iterator[str]:
+    """The engine's HTTP server (model "tiny") on `runner` and a CharTokenizer; yields its URL, then stops both."""
+    from engine.llm_engine import LLMEngine
+
+    with serving(LLMEngine(runner, CharTokenizer())) as url:
+        yield url

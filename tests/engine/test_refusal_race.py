@@ -13,10 +13,8 @@ import httpx
 import pytest
 
 from engine.llm_engine import LLMEngine
-from engine.server import create_engine_app
-from tests.engine.fakes import ScriptedRunner
+from tests.engine.fakes import ScriptedRunner, serving
 from tests.engine.test_server import byte_level_tokenizer
-from tests.stubs import ServerThread
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +22,6 @@ def racing() -> Iterator[str]:
     """An engine whose every new schema is refused to its tenant just after it is compiled: after the server's
     `prepare` and its compile, before `generate`'s own check."""
     eng = LLMEngine(ScriptedRunner(reply='{"a": 1}', max_model_len=4096, num_kv_blocks=512), byte_level_tokenizer())
-    eng.start()
     real = eng.compiled_grammar
 
     async def compiled_then_refused(params: Any, tenant: str | None) -> Any:
@@ -33,12 +30,8 @@ def racing() -> Iterator[str]:
         return grammar
 
     eng.compiled_grammar = compiled_then_refused  # type: ignore[method-assign]
-    server = ServerThread(create_engine_app(eng, model_name="tiny", model_version="v1")).start()
-    try:
-        yield server.url
-    finally:
-        server.stop()
-        eng.shutdown()
+    with serving(eng) as url:
+        yield url
 
 
 def schema(name: str) -> dict[str, Any]:

@@ -241,37 +241,25 @@ def test_a_replica_that_sent_chunks_is_heard_from_and_one_that_did_not_is_not(ro
     assert reps[1 - served].last_heard is None and reps[1 - served].busy_since is None
 
 
-def test_a_schema_that_fails_mid_answer_is_the_tenants_400_and_opens_no_breaker(routed: Gateway,
-                                                                                  fleet3: Fleet3) -> None:
-    """One tenant's response_format whose grammar cannot go on (our engine's `response_format_failed`) is that
-    request's error: before, it was a 500 that the replica's breaker counted, and a few such requests took the
-    tier away from every tenant."""
+@pytest.mark.parametrize(("steer", "code"), [("STUB:schema-fail", "response_format_failed"),
+                                             ("STUB:refused-late", "invalid_value")])
+def test_a_request_that_fails_by_its_own_format_is_the_tenants_400_and_opens_no_breaker(
+        routed: Gateway, fleet3: Fleet3, steer: str, code: str) -> None:
+    """One tenant's response_format whose grammar cannot go on (our engine's `response_format_failed`), or that the
+    engine refuses as its stream starts (a 400's body as the stream's error event, marked with its status: the format
+    refused to the tenant in between, engine/answer_frames.py), is that request's error: before, each was a 500 that
+    the replica's breaker counted (a 502 to the tenant), and a few such requests took the tier away from every
+    tenant."""
     rep = routed.app.state.services.fleet.replicas["full"][0]
     rep.breaker = CircuitBreaker(BreakerConfig(failures_to_open=1, cooldown_s=60))
     for _ in range(3):
-        r = chat(routed, "STUB:schema-fail", model="full")
+        r = chat(routed, steer, model="full")
         assert r.status_code == 400, r.text
         err = r.json()["error"]
-        assert (err["type"], err["param"], err["code"]) == ("invalid_request_error", "response_format",
-                                                            "response_format_failed")
+        assert (err["type"], err["param"], err["code"]) == ("invalid_request_error", "response_format", code)
     assert rep.breaker.state == "closed" and len(fleet3.full.requests) == 3  # tried once each, not retried
     r = chat(routed, "", model="full")
     assert r.status_code == 200 and r.headers["x-tiergate-tier"] == "full"
-
-
-def test_a_request_the_engine_refuses_as_it_starts_is_the_tenants_400_and_opens_no_breaker(
-        routed: Gateway, fleet3: Fleet3) -> None:
-    """The engine refuses a request as its stream starts (a 400's body as the stream's error event: its format refused
-    to the tenant in between, engine/answer_frames.py): the tenant's 400, as a refusal before the stream is. It was a
-    500 (only `response_format_failed` read as the tenant's), a 502 and a failure on the replica's breaker."""
-    rep = routed.app.state.services.fleet.replicas["full"][0]
-    rep.breaker = CircuitBreaker(BreakerConfig(failures_to_open=1, cooldown_s=60))
-    for _ in range(2):
-        r = chat(routed, "STUB:refused-late", model="full")
-        assert r.status_code == 400, r.text
-        err = r.json()["error"]
-        assert (err["type"], err["param"], err["code"]) == ("invalid_request_error", "response_format", "invalid_value")
-    assert rep.breaker.state == "closed" and len(fleet3.full.requests) == 2  # tried once each, not retried
 
 
 def test_an_upstreams_own_fault_as_an_invalid_request_event_is_the_tiers(routed: Gateway) -> None:
