@@ -48,7 +48,9 @@ class Reservation:
     decision: Decision
     settled: bool = False
     slot_kept: bool = False  # its slot outlives its settle: freed by `release_slot`, not by the settle
-    slot_released: bool = False  # `release_slot` has freed it (or is freeing it, in the background)
+    # `release_slot` has freed it (or is freeing it, in the background), or a follow-on took it over in the store
+    # (`QuotaService._taken_over`)
+    slot_released: bool = False
 
 
 class QuotaService:
@@ -89,14 +91,38 @@ class QuotaService:
         """`dated_at`: the instant whose day and month its money counts for, reserve and settle alike: the
         request's arrival, which also dates its ledger row; the backend bounds it by its own clock (see
         `ReservationRequest.dated_at`). `follows`: the reserved attempt of the same client request this one
-        continues (a cascade's retry), whose rpm place and concurrency slot it keeps (`ReservationRequest.follows`)."""
+        continues (a cascade's retry, the exact reservation after a floor), whose rpm place and concurrency slot it
+        keeps (`ReservationRequest.follows`): admitted, it has that attempt's kept slot, whose release is then done
+        here, with no call to the store (`_taken_over`); refused, that attempt keeps its slot, for its release."""
         req = ReservationRequest(request_id, tenant, self.scopes(plan, key_id, key_limits), tokens, to_pico(price),
                                  lease_s=self.lease_s, dated_at=dated_at, follows=follows)
         decision = await self.backend.reserve(req)
         if not decision.admitted:
             return decision, None
+        if follows is not None:
+            self._taken_over(follows, req)
         reservation = self._open[request_id] = Reservation(req, decision)
         return decision, reservation
+
+    def _taken_over(self, follows: str, req: ReservationRequest) -> None:
+        """`req`, just admitted, follows `follows`: where that reservation's slot is kept and not yet released, the
+        store moved it to `req` (it took the slot over in every scope of `req`'s; a slot already free there, its lease
+        run out, was a new one), so it is released here, as done: its release would free nothing and still cost a
+        round trip to Redis, which the answer's last piece waits on (`release_slot`); not renewed either. Kept for its
+        release where the store may not have moved it: a scope of its own that `req` lacks, or a store of two
+        (quotas/backends/failover.py `took_over`: one reservation on the fail-open fallback, the other on Redis).
+        No await since the store's answer: nothing released it meanwhile."""
+        followed = self._kept.get(follows)
+        if followed is None or followed.slot_released:
+            return
+        mine = followed.request
+        if mine.tenant != req.tenant or not {s.scope for s in mine.scopes} <= {s.scope for s in req.scopes}:
+            return
+        took_over = getattr(self.backend, "took_over", None)  # (one store holds both: it moved the slot)
+        if took_over is not None and not took_over(mine, req):
+            return
+        followed.slot_released = True
+        self._kept.pop(follows, None)
 
     async def renew_leases(self) -> int:
         """Push ahead the leases of the open reservations reserved more than a third of their lease ago (their requests
@@ -208,10 +234,10 @@ class QuotaService:
         return True
 
     def release_slot(self, reservation: Reservation) -> asyncio.Future[None] | None:
-        """Free a kept slot, once (a second call, or one for a slot not kept, does nothing), settled or not: where the
-        store settles at once, now; else handed to a task and retried in the background as a settle is (the store's
-        release is idempotent) for as long as the reservation's lease, past which the slot's lease frees it. Never
-        raises: the request it ends is answered whatever the store does.
+        """Free a kept slot, once (a second call, or one for a slot not kept, or taken over by a follow-on admitted
+        since, does nothing), settled or not: where the store settles at once, now; else handed to a task and retried
+        in the background as a settle is (the store's release is idempotent) for as long as the reservation's lease,
+        past which the slot's lease frees it. Never raises: the request it ends is answered whatever the store does.
 
         What it returns, where it handed the release to a task (else None: freed now, or nothing to free): a future
         done once the store has answered its first try (the slot freed; or not, and retried in the background), so

@@ -260,6 +260,17 @@ class FailoverBackend(QuotaBackend):
         else:
             await self.primary.release(req)
 
+    def took_over(self, followed: ReservationRequest, req: ReservationRequest) -> bool:
+        """Whether `req`, a follow-on of `followed` this backend has just admitted (no await since), took over its
+        slot (`ReservationRequest.follows`): where one store holds both, the fallback (which then forgets the slot
+        it kept for `followed`) or Redis. A store never takes over the other's slot: `req` admitted on the fallback
+        while Redis holds `followed`'s slot (or on Redis while the fallback holds it) took one of its own, and
+        `followed`'s is still to be released where it is held (quotas/reservations.py `_taken_over`)."""
+        if (self._held_here(followed.request_id) is not None) != (req.request_id in self._local):
+            return False
+        self._local_slots.pop(followed.request_id, None)
+        return True
+
     def _held_here(self, request_id: str) -> ReservationRequest | None:
         """The fallback's reservation (as it holds it), open or settled with its slot kept; None: Redis holds it."""
         held = self._local.get(request_id)

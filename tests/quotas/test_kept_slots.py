@@ -1,8 +1,9 @@
 """A reservation's concurrency slot kept past its settle (`keep_slot`) until its request's answer is handed over
 (`QuotaService.release_slot`), on memory and a real redis-server: the settle moves the money and the tokens as ever,
 the slot stays taken (on Redis, for every replica) until it is released, once, in either order with the settle; a
-follow-on takes a kept slot over; a kept slot is renewed while it is held, and its lease frees it if it never is; on
-the fail-open fallback (Redis down) the slot is kept and freed there."""
+follow-on admitted takes a kept slot over (the slot it followed then released with no call to the store; on the
+failover, only where one store holds both), a refused one leaves it; a kept slot is renewed while it is held, and its
+lease frees it if it never is; on the fail-open fallback (Redis down) the slot is kept and freed there."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import time
 from decimal import Decimal
 
 from quotas.backends.base import QuotaBackend, QuotaBackendError
+from quotas.backends.failover import FailoverBackend
 from quotas.backends.redis import RedisBackend
 from quotas.limits import ReservationRequest, ScopeLimits
 from quotas.plans import Limits, Plan
@@ -19,7 +21,7 @@ from quotas.reservations import QuotaService, Reservation
 from tests.conftest import RedisServer
 from tests.quotas.test_failover import failover
 from tests.quotas.test_failover import reserve as reserve_on
-from tests.quotas.test_follow_on_failover import on_fallback
+from tests.quotas.test_follow_on_failover import on_fallback, on_redis
 
 ONE_AT_A_TIME = Limits(max_concurrent=1)
 _n = iter(range(10**9))
@@ -48,9 +50,9 @@ def counting(backend: QuotaBackend) -> list[str]:
 
 
 async def reserve(quotas: QuotaService, rid: str | None = None, follows: str | None = None,
-                  limits: Limits = ONE_AT_A_TIME) -> Reservation | None:
+                  limits: Limits = ONE_AT_A_TIME, tokens: int = 10) -> Reservation | None:
     _, reservation = await quotas.reserve(request_id=rid or f"r{next(_n)}", tenant="acme", plan=plan(limits),
-                                          key_id="k1", key_limits=None, tokens=10, price=Decimal("0.001"),
+                                          key_id="k1", key_limits=None, tokens=tokens, price=Decimal("0.001"),
                                           follows=follows)
     return reservation
 
@@ -97,7 +99,8 @@ async def test_a_slot_released_before_its_settle_stays_free_and_is_released_once
 
 async def test_a_follow_on_takes_a_kept_slot_over(backend: QuotaBackend) -> None:
     """A floor (or a cascade's first attempt), settled with its slot kept: the exact reservation that follows it takes
-    the slot over, the floor's release frees nothing, and the request holds one slot until its own release."""
+    the slot over in the store, so the floor's release asks nothing of the store (it would free nothing: on Redis a
+    round trip the answer's last piece waits on), and the request holds one slot until the exact one's release."""
     calls = counting(backend)
     quotas = QuotaService(backend)
     floor = await reserve(quotas)
@@ -106,13 +109,32 @@ async def test_a_follow_on_takes_a_kept_slot_over(backend: QuotaBackend) -> None
     exact = await reserve(quotas, follows=floor.request.request_id)
     assert exact is not None and quotas.keep_slot(exact)
     await quotas.settle(exact, tokens=5, price=Decimal("0.0005"))
-    quotas.release_slot(floor)
+    assert quotas.release_slot(floor) is None
     await released(quotas)
+    assert calls == []  # before: the floor's release went to the store (a round trip to Redis) for nothing
+    assert floor.request.request_id not in quotas._kept  # nor is it renewed
     assert await reserve(quotas) is None  # the request's one slot, the exact reservation's now
     quotas.release_slot(exact)
     await released(quotas)
-    assert calls == [floor.request.request_id, exact.request.request_id]
+    assert calls == [exact.request.request_id]
     assert await reserve(quotas) is not None
+
+
+async def test_a_refused_follow_on_leaves_the_slot_to_the_attempt_it_follows(backend: QuotaBackend) -> None:
+    """A follow-on refused (here for tokens per minute) took nothing over: the attempt it follows keeps its slot, and
+    its release asks the store to free it."""
+    calls = counting(backend)
+    quotas = QuotaService(backend)
+    limits = Limits(max_concurrent=1, tpm=100)
+    first = await reserve(quotas, limits=limits)
+    assert first is not None and quotas.keep_slot(first)
+    await quotas.settle(first, tokens=10, price=Decimal("0.001"))
+    assert await reserve(quotas, follows=first.request.request_id, limits=limits, tokens=95) is None
+    assert await reserve(quotas, limits=limits) is None  # the slot is still the first's
+    quotas.release_slot(first)
+    await released(quotas)
+    assert calls == [first.request.request_id]
+    assert await reserve(quotas, limits=limits) is not None
 
 
 async def test_a_release_begun_in_a_task_says_when_the_store_has_answered(backend: QuotaBackend) -> None:
@@ -217,4 +239,97 @@ async def test_a_slot_kept_on_the_fail_open_fallback_is_freed_there_once(own_red
         assert (await reserve_on(backend, ReservationRequest("next", "acme", r.scopes, 10, 100))).admitted
     finally:
         own_redis.proc.send_signal(signal.SIGCONT)
+        await backend.close()
+
+
+async def down(backend: FailoverBackend) -> None:
+    """Redis (frozen) counted as down: each reserve goes to the fallback, none sent to Redis (tried again only when
+    the test says so)."""
+    backend.retry_every_s = 60.0
+    await reserve_on(backend, ReservationRequest("probe", "other", (ScopeLimits("t", rpm=100),), 1, 1))
+    assert not backend.up
+
+
+async def test_a_follow_on_on_the_fallback_takes_over_the_fallbacks_kept_slot(own_redis: RedisServer) -> None:
+    """Redis down for both attempts: the fallback moved the slot, so the first's release asks nothing of the store
+    and the fallback forgets the slot it kept for it."""
+    assert own_redis.proc is not None
+    backend = failover(own_redis.url)
+    calls = counting(backend)
+    quotas = QuotaService(backend)
+    own_redis.proc.send_signal(signal.SIGSTOP)
+    try:
+        await down(backend)
+        first = await reserve(quotas)
+        assert first is not None and quotas.keep_slot(first)
+        await quotas.settle(first, tokens=0, price=Decimal(0))
+        assert set(backend._local_slots) == {first.request.request_id}
+        exact = await reserve(quotas, follows=first.request.request_id)
+        assert exact is not None and quotas.keep_slot(exact)
+        assert backend._local_slots == {}
+        quotas.release_slot(first)
+        await quotas.settle(exact, tokens=5, price=Decimal(0))
+        assert calls == [] and on_fallback(backend)[1] == {exact.request.request_id}
+        quotas.release_slot(exact)
+        await released(quotas)
+        assert calls == [exact.request.request_id] and on_fallback(backend)[1] == set()
+        assert backend._local_slots == {}
+    finally:
+        own_redis.proc.send_signal(signal.SIGCONT)
+        await backend.close()
+
+
+async def test_a_follow_on_on_the_other_store_leaves_the_first_its_release(own_redis: RedisServer) -> None:
+    """The first attempt's slot on Redis, the follow-on admitted on the fallback (Redis failed between them): the
+    fallback took a slot of its own and Redis' is still the first's, so its release still goes to Redis and frees it
+    there, once Redis answers."""
+    assert own_redis.proc is not None
+    backend = failover(own_redis.url)
+    calls = counting(backend)
+    quotas = QuotaService(backend)
+    try:
+        first = await reserve(quotas)
+        assert first is not None and quotas.keep_slot(first) and backend.up
+        await quotas.settle(first, tokens=0, price=Decimal(0))
+        own_redis.proc.send_signal(signal.SIGSTOP)
+        try:
+            await down(backend)
+            exact = await reserve(quotas, follows=first.request.request_id)
+            assert exact is not None and exact.request.request_id in backend._local
+            assert first.request.request_id in quotas._kept
+        finally:
+            own_redis.proc.send_signal(signal.SIGCONT)
+        quotas.release_slot(first)
+        await released(quotas)
+        assert calls == [first.request.request_id]
+        assert (await on_redis(own_redis.url))[1] == set()
+    finally:
+        await backend.close()
+
+
+async def test_a_follow_on_on_redis_leaves_the_fallbacks_slot_its_release(own_redis: RedisServer) -> None:
+    """The reverse: the first attempt's slot on the fallback, the follow-on admitted on Redis (back between them), which
+    took one of its own: the first's release frees the fallback's slot."""
+    assert own_redis.proc is not None
+    backend = failover(own_redis.url)
+    calls = counting(backend)
+    quotas = QuotaService(backend)
+    try:
+        own_redis.proc.send_signal(signal.SIGSTOP)
+        try:
+            await down(backend)
+            first = await reserve(quotas)
+            assert first is not None and quotas.keep_slot(first)
+            await quotas.settle(first, tokens=0, price=Decimal(0))
+        finally:
+            own_redis.proc.send_signal(signal.SIGCONT)
+        backend._retry_at = 0.0  # Redis is tried again
+        exact = await reserve(quotas, follows=first.request.request_id)
+        assert exact is not None and backend.up and exact.request.request_id not in backend._local
+        assert on_fallback(backend)[1] == {first.request.request_id}
+        quotas.release_slot(first)
+        await released(quotas)
+        assert calls == [first.request.request_id]
+        assert on_fallback(backend)[1] == set() and backend._local_slots == {}
+    finally:
         await backend.close()
