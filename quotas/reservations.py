@@ -118,8 +118,7 @@ class QuotaService:
         mine = followed.request
         if mine.tenant != req.tenant or not {s.scope for s in mine.scopes} <= {s.scope for s in req.scopes}:
             return
-        took_over = getattr(self.backend, "took_over", None)  # (one store holds both: it moved the slot)
-        if took_over is not None and not took_over(mine, req):
+        if not self.backend.took_over(mine, req):  # (a store of two, where one holds each)
             return
         followed.slot_released = True
         self._kept.pop(follows, None)

@@ -72,6 +72,12 @@ class QuotaBackend(ABC):
         """`release` without an await, where `settles_at_once` says so."""
         raise NotImplementedError(f"{type(self).__name__} releases only with `await release`")
 
+    def took_over(self, followed: ReservationRequest, req: ReservationRequest) -> bool:
+        """Whether `req`, a follow-on of `followed` just admitted (no await since), took over its slot, as
+        `ReservationRequest.follows` says a store does: yes, where one store holds both (a backend of two says where
+        not: quotas/backends/failover.py)."""
+        return True
+
     def row_refused(self, row: FallbackRow) -> None:  # noqa: B027 (only a backend that marks decisions has any)
         """The ledger refused the row of a request admitted with a `Decision.fallback` mark, the row that was to carry
         its money (`row.pico`) to the shared counters: the backend carries it itself, once."""
