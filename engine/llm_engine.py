@@ -100,6 +100,11 @@ class LLMEngine:
         self._compiling: dict[tuple[str | None, str], Future[CompiledGrammar]] = {}  # (tenant, grammar key) ->
         # its compile, queued or running
         self.handoff = Handoff()  # shared with callers, under its lock: new requests, aborts, output sinks
+        # requests a caller aborted that the loop has not ended yet, by id (each the very request aborted): their
+        # places under the cap are free at once (`num_in_flight`), their blocks when the loop applies the abort.
+        # Only callers touch it, under its own lock (the loop never takes it); `num_in_flight` forgets the ended ones
+        self._aborting: dict[str, Sequence] = {}
+        self._aborting_lock = threading.Lock()
         # the loop thread's own
         self._wake = threading.Event()
         self._stopping = False
@@ -147,11 +152,30 @@ class LLMEngine:
         check_request(prompt_token_ids, params, tenant, vocab_size=self.vocab_size,
                       max_model_len=self.max_model_len, block_manager=self.block_manager, grammars=self.grammars)
 
+    @property
+    def num_in_flight(self) -> int:
+        """Requests that count toward the cap: handed over and not ended (running, waiting, or not taken by the loop
+        yet), less those aborted: a caller that cancels and retries while a long step runs gets its place back at
+        once, though the aborted one's blocks go back only when the loop applies the abort at its next step.
+
+        Never below the truth, never negative: the handoff's sinks are read without its lock (as stats(): the loop
+        only takes sinks away meanwhile), and an aborted request is subtracted only while its sink is still there
+        (once, however often it was aborted); one whose sink has gone (ended since) is forgotten for good."""
+        with self._aborting_lock:
+            in_flight = len(self.handoff.sinks)
+            for request_id, seq in list(self._aborting.items()):
+                sink = self.handoff.sinks.get(request_id)
+                if sink is not None and sink.seq is seq:
+                    in_flight -= 1
+                else:
+                    del self._aborting[request_id]
+        return in_flight
+
     def check_capacity(self) -> None:
         """EngineBusyError (HTTP 429 `engine_overloaded`, Retry-After) when `max_num_seqs` + `max_waiting` requests are
-        in flight already (handed over and not ended: running, waiting, or not taken by the loop yet). `generate`
-        checks it as it hands a request over; the server before it renders and tokenizes one."""
-        in_flight = len(self.handoff.sinks)  # read without the lock, as stats(): a dict's length
+        in flight already (`num_in_flight`: an aborted one no longer counts). `generate` checks it as it hands a
+        request over; the server before it renders and tokenizes one."""
+        in_flight = self.num_in_flight
         if in_flight >= self.max_num_seqs + self.max_waiting:
             raise EngineBusyError(
                 f"this engine has {in_flight} requests in flight, as many as it takes ({self.max_num_seqs} running "
@@ -223,8 +247,14 @@ class LLMEngine:
 
     def _abort(self, request_id: str, seq: Sequence | None) -> None:
         """Abort the request under `request_id`; with `seq`, only if it is that one: a stream left late, after its
-        request ended and a new one took its id, aborts nothing."""
-        self.handoff.abort(request_id, seq)
+        request ended and a new one took its id, aborts nothing. The request's place under the cap is free at once
+        (`num_in_flight`); the loop ends it, and frees its blocks, at the start of its next step."""
+        sink = self.handoff.sinks.get(request_id)  # without the lock: a dictionary look-up
+        if sink is None or (seq is not None and sink.seq is not seq):
+            return  # ended already, never handed over, or another request's id now: nothing to abort
+        with self._aborting_lock:
+            self._aborting[request_id] = sink.seq
+        self.handoff.abort(request_id, sink.seq)  # only if it is still that request, asked under the lock
         self._wake.set()
 
     def stats(self) -> EngineStats:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import threading
 from collections import deque
 from typing import Any
 
@@ -20,6 +21,7 @@ from engine.llm_engine import ENGINE_OVERLOADED, EngineBusyError, LLMEngine
 from engine.request_queue import FCFSRequestQueue, PriorityRequestQueue, SchedulingPolicy
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.scheduler_output import SchedulerOutput
 from engine.sequence import Sequence
 from engine.server import create_engine_app
 from gateway.cli.main import cli
@@ -282,6 +284,97 @@ def test_a_cap_reached_after_the_servers_check_is_the_same_429() -> None:
     finally:
         server.stop()
         eng.compiles.close()
+
+
+class HeldRunner(ScriptedRunner):
+    """A ScriptedRunner whose steps, once started (`entered`), wait for `go`: a long step (a prefill on CPU), held."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered = threading.Event()
+        self.go = threading.Event()
+
+    def run(self, out: SchedulerOutput) -> list[int]:
+        self.entered.set()
+        self.go.wait()
+        return super().run(out)
+
+
+def test_an_aborted_request_frees_its_place_before_the_loops_next_step() -> None:
+    """A client that cancels and retries while a long step runs is admitted: the aborted request stops counting at
+    once, though the loop ends it (and frees its blocks) only at its next step. On a95f7b5 the retry was a 429."""
+    runner = HeldRunner()
+    eng = LLMEngine(runner, CharTokenizer(), max_num_seqs=2, max_waiting=1)  # 3 in flight at most
+    eng.start()
+
+    async def run() -> None:
+        tasks = await hand_over(eng, 3)
+        assert await asyncio.to_thread(runner.entered.wait, 60)  # a step runs, held (a bound against a hang only)
+        with pytest.raises(EngineBusyError):
+            eng.check_capacity()
+        tasks[0].cancel()  # the client goes: leaving generate aborts its request
+        await asyncio.gather(tasks[0], return_exceptions=True)
+        assert "held-0" in eng.handoff.sinks  # not ended yet: the loop is still in its step
+
+        async def retry() -> str:
+            text = ""
+            async for out in eng.generate([1, 2], SamplingParams(max_tokens=2), request_id="retry"):
+                text += out.text
+            return text
+
+        retried = asyncio.ensure_future(retry())
+        while "retry" not in eng.handoff.sinks and not retried.done():
+            await asyncio.sleep(0)
+        assert not retried.done(), retried.exception()  # admitted, not refused
+        assert not runner.steps and not runner.go.is_set()  # before the held step ended, so before the next one
+        with pytest.raises(EngineBusyError):  # the freed place is taken again
+            eng.check_capacity()
+        runner.go.set()
+        assert await retried == "Pa"
+        await asyncio.gather(*tasks[1:])
+        assert "held-0" in runner.released and eng.num_in_flight == 0
+        assert eng.block_manager.num_free_blocks == runner.num_kv_blocks  # the aborted one's blocks went back too
+
+    try:
+        asyncio.run(run())
+    finally:
+        runner.go.set()
+        eng.shutdown()
+
+
+def test_an_abort_frees_one_place_once() -> None:
+    """Aborting one request twice (by id, then as its caller leaves) frees one place; an unknown id frees none; once
+    the loop has ended it, its abort is forgotten (not subtracted again), and aborting it again does nothing."""
+    eng = LLMEngine(ScriptedRunner(), CharTokenizer(), max_num_seqs=1, max_waiting=1)  # not started: the loop waits
+
+    async def run() -> None:
+        tasks = await hand_over(eng, 2)
+        eng.abort("held-0")
+        eng.abort("held-0")
+        eng.abort("nobody")
+        tasks[0].cancel()  # its caller leaves too: a third abort of the same request
+        await asyncio.gather(tasks[0], return_exceptions=True)
+        retried = asyncio.ensure_future(eng.generate([1, 2], SamplingParams(max_tokens=2),
+                                                     request_id="retry").__anext__())
+        while "retry" not in eng.handoff.sinks and not retried.done():
+            await asyncio.sleep(0)
+        assert not retried.done(), retried.exception()  # admitted, not refused
+        assert eng.num_in_flight == 2
+        with pytest.raises(EngineBusyError):  # one place was freed, not three
+            eng.check_capacity()
+        eng.step()  # the loop's next step: it applies the abort, and held-0's sink goes
+        assert "held-0" not in eng.handoff.sinks and "held-0" in eng.model_runner.released
+        assert eng.num_in_flight == 2  # held-1 and retry: the ended abort is not subtracted again
+        eng.abort("held-0")  # an abort of a request already ended
+        assert eng.num_in_flight == 2
+        with pytest.raises(EngineBusyError):
+            eng.check_capacity()
+        for t in (*tasks[1:], retried):
+            t.cancel()
+        await asyncio.gather(*tasks[1:], retried, return_exceptions=True)
+
+    asyncio.run(run())
+    eng.compiles.close()
 
 
 def test_engine_serve_takes_max_waiting_to_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
