@@ -1,17 +1,18 @@
 """Entries this process wrote or read lately, by (scope id, exact key): an exact hit served from memory.
 
-An exact hit otherwise costs a worker thread and a store round trip (a SQLite query or a Redis call, and a
-write to mark the entry used) for an answer this process very likely handled a moment ago. The cache keeps
-this map in step with the store: its own deletions (purge, version bump, expiry, eviction) drop entries at
-once, and other processes' deletions arrive through the store's change log, which `SemanticCache.sync`
-applies at least every `sync_interval_s`; the cache consults this map only while that sync is recent, so an
-entry deleted elsewhere is served from here for at most that long. The LRU marks of entries served from
-memory are kept here and written to the store at the next sync. Bounded: the least recently used entry goes
-when `limit` is reached, and a tenant's own least recently used one when it holds `per_tenant`: one tenant's
-flood of new answers pushes out its own entries, not every other tenant's (whose exact hits would then each pay
-a worker thread and a store round trip). The same holds of their size (`store.entry_bytes`): `max_bytes` in all,
-`per_tenant_bytes` of one tenant's (an entry larger than that is not kept here at all). Counted alone, 10,000
-answers of 100 KB (one tenant asking for long ones) held a gigabyte.
+An exact hit otherwise costs a worker thread and a store round trip (a SQLite query or a Redis call, and a write to
+mark the entry used) for an answer this process very likely handled a moment ago. The cache keeps this map in step
+with the store: its own deletions (purge, version bump, expiry, eviction) drop entries at once, and other processes'
+deletions arrive through the store's change log, a catch-up with which a lookup queues every `sync_interval_s` and
+the cache's writer thread applies when it reaches it (cache/entry_writes.py `sync_soon`); the cache consults this
+map only while the last catch-up that worked began less than `sync_interval_s` ago (cache/change_feed.py `recent`),
+so an entry deleted elsewhere is served from here for at most that long. The LRU marks of entries served from memory
+are kept here and written to the store at the next catch-up. Bounded: the least recently used entry goes when
+`limit` is reached, and a tenant's own least recently used one when it holds `per_tenant`: one tenant's flood of new
+answers pushes out its own entries, not every other tenant's (whose exact hits would then each pay a worker thread
+and a store round trip). The same holds of their size (`store.entry_bytes`): `max_bytes` in all, `per_tenant_bytes`
+of one tenant's (an entry larger than that is not kept here at all). Counted alone, 10,000 answers of 100 KB (one
+tenant asking for long ones) held a gigabyte.
 """
 
 from __future__ import annotations
