@@ -1,11 +1,13 @@
 """Where one process stands in a shared store's change log, and how recently it caught up.
 
-Several gateway processes share one cache store; each keeps its own faiss index and its own map of recent
-entries, so each applies the others' writes and deletes from the store's change log (`CacheStore.changes_since`).
-The cache catches up at most every `interval_s` (`due`), in its writer thread, never in a lookup's
-(cache/entry_writes.py `sync_soon`); while the last catch-up that worked is that recent, the cache
-may trust its map of recent entries (cache/recent.py), as no deletion elsewhere is older than it and still
-unapplied. One that failed (the store down or locked) is tried again after `interval_s` too, but earns no trust.
+Several gateway processes share one cache store; each keeps its own faiss index and its own map of recent entries,
+so each applies the others' writes and deletes from the store's change log (`CacheStore.changes_since`). The cache
+catches up at most every `interval_s` (`due`), in its writer thread, never in a lookup's (cache/entry_writes.py
+`sync_soon`), a few pages of the log a job (`step`), the tenants' writes queued meanwhile between them; an explicit
+`catch_up` applies every page at once. While the last catch-up that worked is that recent (counted from its first
+step), the cache may trust its map of recent entries (cache/recent.py), as no deletion elsewhere is older than it
+and still unapplied. One that failed (the store down or locked) is tried again after `interval_s` too, but earns no
+trust.
 """
 
 from __future__ import annotations
@@ -18,6 +20,12 @@ from cache.store import CacheStore
 
 # (op, entry id, partition): op is "put", "del", or "reset" (the log was cut past the cursor: rebuild).
 Change = tuple[str, str, str]
+# A catch-up's step in the writer thread applies at most PAGES_PER_JOB pages of PAGE changes: 1,000 other workers'
+# puts took 10-22 ms to apply on a shared 2-core machine (SQLite; deletions about half that), so a long backlog holds
+# the tenants' queued writes that long at a time, not for all of it (6,000 puts: 115 ms in one job). A "reset" (the
+# log cut past the cursor: the whole index reloaded from the store) is one page, so still one job.
+PAGE = 1000
+PAGES_PER_JOB = 1
 
 
 class ChangeFeed:
@@ -27,8 +35,11 @@ class ChangeFeed:
     def __init__(self, store: CacheStore, interval_s: float):
         self.store = store
         self.interval_s = interval_s
+        self.page = PAGE  # changes one read of the log returns at most
+        self.pages_per_job = PAGES_PER_JOB  # pages one `step` applies at most
         self._cursor = store.change_cursor()
-        self._last = self._tried = time.monotonic()  # when the last catch-up that worked, and the last one, began
+        self._last = self._tried = time.monotonic()  # when the last catch-up that worked, and the last step, began
+        self._began: float | None = None  # when the catch-up under way (in `step`s, not yet caught up) began
         self._lock = threading.Lock()
 
     def recent(self) -> bool:
@@ -36,23 +47,43 @@ class ChangeFeed:
         return time.monotonic() - self._last < self.interval_s
 
     def due(self) -> bool:
-        """True once the last catch-up, whether it worked or not, began `interval_s` ago or more."""
+        """True once the last catch-up step, whether it worked or not, began `interval_s` ago or more."""
         return time.monotonic() - self._tried >= self.interval_s
 
     def catch_up(self, apply: Callable[[list[Change]], None], before: Callable[[], None] = lambda: None) -> int:
         """Call `apply` on every change since the cursor, in order, a page of the log at a time (so it can read
-        what the page's puts need in a few batched reads), then move the cursor past them. Returns how many. One
-        thread at a time: a caller waits for a catch-up in progress (the writer thread's), then applies what is left
-        (none of the changes twice). `before` runs first, under the same exclusion."""
+        what the page's puts need in a few batched reads), moving the cursor past each page once applied. Returns
+        how many. One thread at a time: a caller waits for a step in progress (the writer thread's), then applies
+        what is left (none of the changes twice). `before` runs first, under the same exclusion."""
+        return self._catch_up(apply, before, None)[0]
+
+    def step(self, apply: Callable[[list[Change]], None],
+             before: Callable[[], None] = lambda: None) -> tuple[int, bool]:
+        """`catch_up`, but at most `pages_per_job` pages: (changes applied, whether caught up). The writer thread
+        runs a catch-up as such steps, other jobs between them (cache/entry_writes.py `sync_soon`). The catch-up
+        counts as begun when its first step began (`recent`), and each step as a try (`due`)."""
+        return self._catch_up(apply, before, self.pages_per_job)
+
+    def _catch_up(self, apply: Callable[[list[Change]], None], before: Callable[[], None],
+                  pages: int | None) -> tuple[int, bool]:
         with self._lock:
-            began = self._tried = time.monotonic()
-            before()
-            applied = 0
-            while True:
-                cursor, changes = self.store.changes_since(self._cursor)
-                if not changes:
-                    self._last = began
-                    return applied
-                apply(changes)
-                applied += len(changes)
-                self._cursor = cursor
+            self._tried = time.monotonic()
+            if self._began is None:
+                self._began = self._tried
+            try:
+                before()
+                applied = 0
+                while pages is None or pages > 0:
+                    cursor, changes = self.store.changes_since(self._cursor, self.page)
+                    if not changes:
+                        self._last, self._began = self._began, None
+                        return applied, True
+                    apply(changes)  # a "reset" (the whole index reloaded) is one page, so within one step
+                    applied += len(changes)
+                    self._cursor = cursor
+                    if pages is not None:
+                        pages -= 1
+                return applied, False
+            except BaseException:
+                self._began = None  # the next catch-up begins anew (and earns trust from then)
+                raise

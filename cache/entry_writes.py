@@ -11,7 +11,8 @@ lookups write, when a lookup finds one due; a lookup never runs one itself (SQLi
 crossed its threshold, are off: cache/sqlite_store.py).
 
 Other processes' changes (the store's change log, cache/change_feed.py) are applied in the writer thread too, under a
-lane of their own (`sync_soon`): a lookup that finds a catch-up due only queues it. It ran in that lookup's thread, so
+lane of their own (`sync_soon`), at most 1,000 changes a job (`ChangeFeed.step`), the next step queued behind the
+tenants' writes queued meanwhile: a lookup that finds a catch-up due only queues it. It ran in that lookup's thread, so
 one tenant's lookup paid for every entry any tenant had stored on another worker since the last catch-up (94 ms
 after 2,000 of them). The catch-up reads only what the index needs of a new entry, its partition and vector, in
 batches (`vectors_of`: one SELECT or one Redis pipeline per 500 ids), never its texts: each put read the whole
@@ -26,10 +27,11 @@ itself; a synchronous `store`'s write may run beside a catch-up).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 
 import numpy as np
 
@@ -46,6 +48,19 @@ log = logging.getLogger(__name__)
 _CHECKPOINT = ("checkpoint",)  # the writer queue's key of checkpoint jobs (no tenant's: tenants are strings)
 _SYNC = ("sync",)  # and of catch-ups with the change log
 VECTORS_PER_READ = 500  # ids whose vectors one batched read of the store fetches (SQLite's IN list, a pipeline)
+
+
+class _CatchUp:
+    """A catch-up with the change log that a lookup queued, run in the writer thread a step (a few pages) a job."""
+
+    def __init__(self) -> None:
+        self.applied = 0  # changes, by the steps run so far
+        self.done: Future[int] = Future()  # `applied` once it ends
+
+
+def _ran(job: Future[object]) -> bool:
+    """Whether the writer thread ran a `_sync` job (which returns True) rather than skip or drop it."""
+    return not job.cancelled() and job.exception() is None and job.result() is True
 
 
 class EntryWriter:
@@ -73,8 +88,9 @@ class EntryWriter:
         # other tenant's writes (and the moment they became every replica's hits) by the whole flood.
         self._queue = TenantWriteQueue(per_tenant, on_drop=self._dropped, name="tiergate-cache-write")
         self._checkpoint_queued = False  # a checkpoint a lookup asked for is waiting for the writer thread
-        self._sync_queued = False  # a catch-up a lookup asked for is waiting for (or running in) the writer thread
-        self.last_sync: Future[int] | None = None  # the catch-up queued last (tests wait for it)
+        self._catching_up: _CatchUp | None = None  # the catch-up a lookup queued, until it ends (`sync_soon`)
+        self._sync_lock = threading.Lock()  # guards it
+        self.last_sync: Future[int] | None = None  # the catch-up queued last: its changes applied (tests wait for it)
 
     def submit(self, entry: Entry) -> Future[Entry | None]:
         """`write(entry)` in the writer thread, in its tenant's turn; resolves to None also when the write was
@@ -168,31 +184,60 @@ class EntryWriter:
 
     # -- other processes' changes ---------------------------------------------------------------------
 
-    def sync_soon(self, sync: Callable[[], int]) -> None:
-        """On a lookup's path, when a catch-up with the change log is due: queue `sync` (`SemanticCache.sync`) for
-        the writer thread, in a lane of its own, unless one is queued or running already. The lookup goes on with
-        the index as it is: what it lacks costs a miss at worst, and what it holds that is gone from the store is
-        skipped (the store is the truth)."""
-        if self._sync_queued:
-            return
-        self._sync_queued = True
-        try:
-            self.last_sync = self._queue.submit(_SYNC, self._sync, sync)
-        except RuntimeError:  # closed
-            self._sync_queued = False
+    def sync_soon(self, step: Callable[[], tuple[int, bool]]) -> None:
+        """On a lookup's path, when a catch-up with the change log is due: queue it for the writer thread, in a lane
+        of its own, unless one is queued or running already. The lookup goes on with the index as it is: what it
+        lacks costs a miss at worst, and what it holds that is gone from the store is skipped (the store is the
+        truth). `step` (`ChangeFeed.step`) applies a few pages: (changes applied, whether caught up). While not
+        caught up, the job queues the next step behind the jobs queued meanwhile, so every tenant's writes get
+        their turns between the steps of a long backlog (one job for all of it held them, and dropped the oldest
+        past `per_tenant`). `last_sync` resolves to the changes applied in all once caught up, or once a step
+        failed; cancelling it stops the catch-up at its next step."""
+        with self._sync_lock:
+            if self._catching_up is not None:
+                return
+            run = self._catching_up = _CatchUp()
+        self.last_sync = run.done
+        run.done.add_done_callback(lambda done: self._sync_ended(run) if done.cancelled() else None)
+        self._queue_sync(run, step)
 
-    def _sync(self, sync: Callable[[], int]) -> int:
-        """A catch-up in the writer thread; a failure is logged (the next one, `interval_s` later, tries again)."""
+    def _queue_sync(self, run: _CatchUp, step: Callable[[], tuple[int, bool]]) -> None:
         try:
-            return sync()
+            job = self._queue.submit(_SYNC, self._sync, run, step)
+        except RuntimeError:  # closed
+            self._sync_ended(run)
+            return
+        # a job that does not run (cancelled or dropped while queued) ends the catch-up: another can be queued
+        job.add_done_callback(lambda job: None if _ran(job) else self._sync_ended(run))
+
+    def _sync(self, run: _CatchUp, step: Callable[[], tuple[int, bool]]) -> bool:
+        """A step of a catch-up in the writer thread; a failure is logged and ends it (the next one, `interval_s`
+        later, tries again)."""
+        more = False
+        try:
+            if not run.done.done():  # else cancelled: ended already
+                applied, caught_up = step()
+                run.applied += applied
+                more = not caught_up
         except CacheStoreError as exc:
             log.warning("cache change log: catching up failed: %s", exc)
         except Exception:  # not the store's: a bug, with its traceback; the writer thread goes on
             log.exception("cache change log: catching up failed")
         finally:
-            self._sync_queued = False
-            self._checkpoint()  # the marks it wrote (`mark_used`), if the store wants one now
-        return 0
+            if more:
+                self._queue_sync(run, step)  # behind the jobs queued meanwhile
+            else:
+                self._sync_ended(run)
+        self._checkpoint()  # the marks it wrote (`mark_used`), if the store wants one now
+        return True
+
+    def _sync_ended(self, run: _CatchUp) -> None:
+        """`run` is over (caught up, failed, cancelled or not run): a lookup may queue another."""
+        with self._sync_lock:
+            if self._catching_up is run:
+                self._catching_up = None
+        with contextlib.suppress(InvalidStateError):  # resolved or cancelled already
+            run.done.set_result(run.applied)
 
     def apply(self, changes: list[Change]) -> None:
         """Changes another process made (a page of the log, in order), to this process's index and recent entries.

@@ -220,7 +220,7 @@ class SemanticCache:
     def _exact(self, plan: LookupPlan) -> LookupResult | None:
         """The store's exact entry, or a miss when there is nothing to compare by meaning; None: go semantic."""
         if self.feed.due():  # queued for the writer thread: this lookup never pays for other processes' writes
-            self.writes.sync_soon(self.sync)
+            self.writes.sync_soon(self._sync_step)
         entry = self.entries.find_exact(plan.scope_id, plan.exact_key)
         if entry is not None and self.writes.alive(entry, plan.now) and within_ttl(entry, plan.policy, plan.now):
             self.entries.touch(entry.entry_id, plan.now)
@@ -398,10 +398,16 @@ class SemanticCache:
         write the LRU marks of hits served from memory.
 
         A lookup that finds it due (every `sync_interval_s`) queues it for the writer thread (cache/entry_writes.py
-        `sync_soon`), never runs it itself. Returns how many changes were applied (after waiting out a catch-up in
+        `sync_soon`), a few pages a job (`_sync_step`), never runs it itself. This applies every page in the
+        caller's thread, and returns once caught up: how many changes were applied (after waiting out a step in
         progress).
         """
         return self.feed.catch_up(self.writes.apply, before=self.writes.mark_used)
+
+    def _sync_step(self) -> tuple[int, bool]:
+        """One job of the writer thread's catch-up: `sync`, at most `feed.pages_per_job` pages (changes applied,
+        whether caught up)."""
+        return self.feed.step(self.writes.apply, before=self.writes.mark_used)
 
     def close(self) -> None:
         self.writes.close()

@@ -160,3 +160,86 @@ def test_a_put_then_its_deletion_in_one_page_leaves_nothing(workers: tuple[Seman
     assert victim.sync() == 11  # 5 puts, 5 deletions, 1 put
     assert len(victim.index) == 1
     assert victim.lookup(scope(body), body).status == "hit"
+
+
+PAGE, PAGES_PER_JOB = 10, 2  # a small log page and step, so a backlog of a few steps takes 60 writes
+
+
+def _hold_writer_thread(cache: SemanticCache) -> threading.Event:
+    """Hold the cache's writer thread in a job of its own until the event returned is set."""
+    gate, holding = threading.Event(), threading.Event()
+    cache.writes._queue.submit("holder", lambda: holding.set() or gate.wait(30))
+    assert holding.wait(30)
+    return gate
+
+
+def test_a_long_backlog_is_caught_up_a_step_a_job_with_tenants_writes_between(
+        workers: tuple[SemanticCache, SemanticCache]) -> None:
+    """One job applied the whole backlog (a reload of the index, or another worker's flood): every tenant's writes
+    queued behind it, the oldest past the per-tenant bound dropped. Now a job applies `pages_per_job` pages and
+    queues the next step behind the writes queued meanwhile."""
+    writer, victim = workers
+    _flood(writer, 3 * PAGES_PER_JOB * PAGE)
+    victim.feed.page, victim.feed.pages_per_job = PAGE, PAGES_PER_JOB
+    order: list[tuple[str, str]] = []  # (page or write, thread) of the writer thread's work, in order
+    apply, write = victim.writes.apply, victim.writes.write
+
+    def applying(changes: Any) -> None:
+        order.append(("page", threading.current_thread().name))
+        apply(changes)
+
+    def writing(entry: Any) -> Any:
+        order.append(("write", threading.current_thread().name))
+        return write(entry)
+
+    victim.writes.apply = applying  # type: ignore[method-assign]
+    victim.writes.write = writing  # type: ignore[method-assign]
+    gate = _hold_writer_thread(victim)
+    victim.feed._tried = -math.inf  # its catch-up is due: the next lookup queues it
+    asked = chat("what is the weather in Oslo")
+    assert victim.lookup(scope(asked, tenant="victim"), asked).status == "miss"
+    written = []
+    for i in range(3):  # the victim's own answers, queued behind the catch-up
+        body = chat(f"victim question {i}")
+        entry = victim.remember(scope(body, tenant="victim"), body, f"victim answer {i}")
+        assert entry is not None
+        written.append(victim.writes.submit(entry))
+    gate.set()
+    assert victim.writes.last_sync is not None
+    assert victim.writes.last_sync.result(timeout=30) >= 3 * PAGES_PER_JOB * PAGE
+    assert all(w.result(timeout=30) is not None for w in written)
+    assert {thread for _, thread in order} == {WRITER_THREAD}
+    steps = "".join("P" if kind == "page" else "W" for kind, _ in order)
+    assert steps.startswith("PPWPPWPPW")  # was PWWW: all 60 changes in one page, one job, the writes after it
+    assert len(victim.index) == 3 * PAGES_PER_JOB * PAGE  # every flooded entry (the victim's are exact-only)
+    flooded = chat("flood question number 57")
+    assert victim.lookup(scope(flooded, tenant="flooder"), flooded).status == "hit"
+
+
+def test_an_explicit_sync_applies_every_page_before_it_returns(workers: tuple[SemanticCache, SemanticCache]) -> None:
+    writer, victim = workers
+    _flood(writer, 3 * PAGES_PER_JOB * PAGE + 5)
+    victim.feed.page, victim.feed.pages_per_job = PAGE, PAGES_PER_JOB
+    assert victim.sync() == 3 * PAGES_PER_JOB * PAGE + 5
+    assert len(victim.index) == 3 * PAGES_PER_JOB * PAGE + 5 and victim.feed.recent()
+
+
+def test_a_cancelled_catch_up_lets_a_later_lookup_queue_another(workers: tuple[SemanticCache, SemanticCache]) -> None:
+    """A queued catch-up whose future was cancelled was skipped by the writer thread and left its flag set: no
+    lookup queued a catch-up again, and this worker never saw another's writes."""
+    writer, victim = workers
+    gate = _hold_writer_thread(victim)
+    victim.feed._tried = -math.inf
+    body = chat("what is the weather in Oslo")
+    victim.lookup(scope(body, tenant="victim"), body)
+    cancelled = victim.writes.last_sync
+    assert cancelled is not None and cancelled.cancel()
+    gate.set()
+    victim.writes._queue.submit("after", lambda: None).result(timeout=30)  # the writer thread is past it
+    _flood(writer, 5)
+    victim.feed._tried = -math.inf
+    victim.lookup(scope(body, tenant="victim"), body)
+    queued = victim.writes.last_sync
+    assert queued is not cancelled  # none was queued: the cancelled one's flag was still set
+    assert queued is not None and queued.result(timeout=30) == 5
+    assert len(victim.index) == 5

@@ -97,11 +97,11 @@ class LockedLogStore(SQLiteStore):
     locked = False
     refused = 0
 
-    def changes_since(self, cursor: int) -> tuple[int, list[tuple[str, str, str]]]:
+    def changes_since(self, cursor: int, limit: int = 1000) -> tuple[int, list[tuple[str, str, str]]]:
         if self.locked:
             self.refused += 1
             raise sqlite3.OperationalError("database is locked")
-        return super().changes_since(cursor)  # type: ignore[return-value]
+        return super().changes_since(cursor, limit)  # type: ignore[return-value]
 
 
 def test_a_catch_up_that_failed_earns_no_trust_in_remembered_entries(tmp_path: Path, embedder: Embedder,
