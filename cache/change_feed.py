@@ -36,7 +36,7 @@ class ChangeFeed:
         self.store = store
         self.interval_s = interval_s
         self.page = PAGE  # changes one read of the log returns at most
-        self.pages_per_job = PAGES_PER_JOB  # pages one `step` applies at most
+        self.pages_per_job = PAGES_PER_JOB  # pages one `step` applies at most (at least one)
         self._cursor = store.change_cursor()
         self._last = self._tried = time.monotonic()  # when the last catch-up that worked, and the last step, began
         self._began: float | None = None  # when the catch-up under way (in `step`s, not yet caught up) began
@@ -61,8 +61,9 @@ class ChangeFeed:
              before: Callable[[], None] = lambda: None) -> tuple[int, bool]:
         """`catch_up`, but at most `pages_per_job` pages: (changes applied, whether caught up). The writer thread
         runs a catch-up as such steps, other jobs between them (cache/entry_writes.py `sync_soon`). The catch-up
-        counts as begun when its first step began (`recent`), and each step as a try (`due`)."""
-        return self._catch_up(apply, before, self.pages_per_job)
+        counts as begun when its first step began (`recent`), and each step as a try (`due`); a page shorter than
+        `page` (not a reset) ends it: it reached the log's end, so a catch-up of a few changes is one step, not two."""
+        return self._catch_up(apply, before, max(1, self.pages_per_job))
 
     def _catch_up(self, apply: Callable[[list[Change]], None], before: Callable[[], None],
                   pages: int | None) -> tuple[int, bool]:
@@ -81,6 +82,9 @@ class ChangeFeed:
                     apply(changes)  # a "reset" (the whole index reloaded) is one page, so within one step
                     applied += len(changes)
                     self._cursor = cursor
+                    if len(changes) < self.page and changes[-1][0] != "reset":  # the log's end, read after `_began`
+                        self._last, self._began = self._began, None
+                        return applied, True
                     if pages is not None:
                         pages -= 1
                 return applied, False

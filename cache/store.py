@@ -140,7 +140,8 @@ class CacheStore(ABC):
 
     def changes_since(self, cursor: str, limit: int = 1000) -> tuple[str, list[tuple[str, str, str]]]:
         """(new cursor, [(op, entry id, partition)]) written after `cursor` by any process: op 'put' (an entry
-        with a vector), 'del', or 'reset' (the log no longer reaches back to `cursor`: reload every vector)."""
+        with a vector), 'del', or 'reset' (the log no longer reaches back to `cursor`: reload every vector). At most
+        `limit`; fewer only where the log ends (cache/change_feed.py takes a short page as caught up)."""
         return cursor, []
 
     def checkpoint_due(self) -> bool:
