@@ -46,6 +46,11 @@ class RecentEntries:
         self._of_tenant: dict[str, OrderedDict[tuple[str, str], int]] = {}
         self._keys: dict[str, tuple[str, str]] = {}  # entry id -> its key in _entries
         self._used: dict[str, float] = {}  # entry id -> when it was last served from here
+        # counts the drops of deleted entries (`drop_ids`, `drop_where`, `clear`; not evictions): a lookup that read
+        # an entry from the store puts it here only if none came since its read (`put`'s `seen`), or a deletion
+        # applied in between (another process's, by the writer thread) would have nothing to drop yet, and the entry
+        # put after it would be served from here while the feed is trusted
+        self.generation = 0
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -67,9 +72,13 @@ class RecentEntries:
             self._used[entry.entry_id] = now
             return entry
 
-    def put(self, entry: Entry) -> None:
+    def put(self, entry: Entry, seen: int | None = None) -> None:
+        """Remember `entry`; with `seen` (the `generation` read before the entry was read from the store), only if
+        no deletion was dropped since."""
         key = (entry.scope_id, entry.exact_key)
         with self._lock:
+            if seen is not None and seen != self.generation:
+                return  # it may be deleted since it was read: the store serves it next time, if it is still there
             used = self._used.get(entry.entry_id)  # the same entry again keeps its mark
             if key in self._entries:  # counted anew (a scope is one tenant's)
                 self._drop_locked(key)
@@ -93,6 +102,7 @@ class RecentEntries:
 
     def drop_ids(self, entry_ids: Iterable[str]) -> None:
         with self._lock:
+            self.generation += 1  # held or not: one read before now may be putting it
             for entry_id in entry_ids:
                 key = self._keys.get(entry_id)
                 if key is not None:
@@ -100,11 +110,13 @@ class RecentEntries:
 
     def drop_where(self, drop: Callable[[Entry], bool]) -> None:
         with self._lock:
+            self.generation += 1
             for key in [k for k, e in self._entries.items() if drop(e)]:
                 self._drop_locked(key)
 
     def clear(self) -> None:
         with self._lock:
+            self.generation += 1
             self._entries.clear()
             self._keys.clear()
             self._used.clear()

@@ -221,11 +221,12 @@ class SemanticCache:
         """The store's exact entry, or a miss when there is nothing to compare by meaning; None: go semantic."""
         if self.feed.due():  # queued for the writer thread: this lookup never pays for other processes' writes
             self.writes.sync_soon(self._sync_step)
+        seen = self.recent.generation  # before the read: a deletion applied after it keeps the entry out of `recent`
         entry = self.entries.find_exact(plan.scope_id, plan.exact_key)
         if entry is not None and self.writes.alive(entry, plan.now) and within_ttl(entry, plan.policy, plan.now):
             self.entries.touch(entry.entry_id, plan.now)
             self.writes.checkpoint_soon()
-            self.recent.put(entry)
+            self.recent.put(entry, seen=seen)
             self.stats.exact_hits += 1
             return Hit(entry, "exact", 1.0)
         if not (plan.policy.semantic and self.index.partition_size(plan.partition)):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import sqlite3
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from cache import Embedder, SemanticCache, SQLiteStore
@@ -127,3 +128,33 @@ def test_a_catch_up_that_failed_earns_no_trust_in_remembered_entries(tmp_path: P
     assert not replica.feed.recent()
     for c in (replica, other):
         c.close()
+
+
+class RacingStore(SQLiteStore):
+    """A store whose exact read is followed at once by another process's deletion of the entry, applied by this one's
+    writer thread (`recent.drop_ids`), before the lookup can remember what it read."""
+
+    deleted: Callable[[Entry], None] = staticmethod(lambda entry: None)
+
+    def find_exact(self, scope_id: str, exact_key: str) -> Entry | None:
+        found = super().find_exact(scope_id, exact_key)
+        if found is not None:
+            self.deleted(found)
+        return found
+
+
+def test_an_entry_deleted_while_a_lookup_read_it_is_not_remembered(embedder: Embedder, clock: FakeClock) -> None:
+    """The deletion came when the entry was not in the map yet (nothing to drop); put after it, it was served from
+    memory while the change log was trusted, as long as the map kept it."""
+    store = RacingStore()
+    cache = SemanticCache(store, embedder, clock=clock, sync_interval_s=60.0)
+    body = chat(Q)
+    cache.store(scope(body), body, "3.1 miles")
+    cache.recent.clear()  # (as after a restart: only the store holds it)
+    store.deleted = lambda entry: cache.recent.drop_ids([entry.entry_id])
+    assert cache.lookup(scope(body), body).status == "hit"  # read before the deletion: served once
+    assert len(cache.recent) == 0  # but not remembered
+    store.deleted = lambda entry: None
+    assert cache.lookup(scope(body), body).status == "hit"
+    assert len(cache.recent) == 1  # no deletion in between: remembered
+    cache.close()
