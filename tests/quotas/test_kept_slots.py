@@ -250,6 +250,15 @@ async def down(backend: FailoverBackend) -> None:
     assert not backend.up
 
 
+async def kept_on_fallback(backend: FailoverBackend, quotas: QuotaService) -> Reservation:
+    """With Redis frozen: a reservation admitted on the fallback, its slot kept, settled."""
+    await down(backend)
+    first = await reserve(quotas)
+    assert first is not None and quotas.keep_slot(first)
+    await quotas.settle(first, tokens=0, price=Decimal(0))
+    return first
+
+
 async def test_a_follow_on_on_the_fallback_takes_over_the_fallbacks_kept_slot(own_redis: RedisServer) -> None:
     """Redis down for both attempts: the fallback moved the slot, so the first's release asks nothing of the store
     and the fallback forgets the slot it kept for it."""
@@ -259,10 +268,7 @@ async def test_a_follow_on_on_the_fallback_takes_over_the_fallbacks_kept_slot(ow
     quotas = QuotaService(backend)
     own_redis.proc.send_signal(signal.SIGSTOP)
     try:
-        await down(backend)
-        first = await reserve(quotas)
-        assert first is not None and quotas.keep_slot(first)
-        await quotas.settle(first, tokens=0, price=Decimal(0))
+        first = await kept_on_fallback(backend, quotas)
         assert set(backend._local_slots) == {first.request.request_id}
         exact = await reserve(quotas, follows=first.request.request_id)
         assert exact is not None and quotas.keep_slot(exact)
@@ -317,10 +323,7 @@ async def test_a_follow_on_on_redis_leaves_the_fallbacks_slot_its_release(own_re
     try:
         own_redis.proc.send_signal(signal.SIGSTOP)
         try:
-            await down(backend)
-            first = await reserve(quotas)
-            assert first is not None and quotas.keep_slot(first)
-            await quotas.settle(first, tokens=0, price=Decimal(0))
+            first = await kept_on_fallback(backend, quotas)
         finally:
             own_redis.proc.send_signal(signal.SIGCONT)
         backend._retry_at = 0.0  # Redis is tried again
