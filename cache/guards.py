@@ -34,16 +34,9 @@ NFKC, cache/request_key.py's `embedding_text`). The layout and the quotes are re
 All of this is cheap regex and set work on the two texts (tens of microseconds); it is a heuristic that
 errs on refusing: a refused paraphrase costs one model call, a wrong hit costs a wrong answer.
 
-What a text reads as (`comparable`) and its features (`extract`) are remembered per owner, as the vector and
-meaning-check memos are (assets/owner_memo.py): the tenant, and within it the end user where its plan isolates them
-(`user`). A text costs up to ~1.5 ms to read at MAX_CHARS and ~1 µs once remembered, so a memo shared by every
-tenant (as it was: one LRU of 8,192 texts keyed by the text alone) let one tenant time its lookups to learn whether
-another's text was read lately, and one tenant's flood of texts evicted everyone's. Each owner's memo holds
-up to MEMO_PER_OWNER texts, evicted by its own; MEMO_OWNERS owners' memos are kept, the least recently active one's
-dropped for a new one, and MEMO_TEXTS texts in all, past which the least recently active owner's oldest go (so one
-busy tenant is not held to 8,192 / 64 texts, which no hot set fits: an LRU cycled past its size remembers nothing,
-measured at 201 µs a check with 400 texts in turn against ~3 µs remembered). A caller that names no owner gets no
-memo: the work every time.
+What a text reads as (`comparable`) and its features (`extract`) are remembered per owner: the tenant, and within
+it the end user where its plan isolates them (`user`); cache/guard_memos.py says why and how far. A caller that names
+no owner gets no memo: the work every time.
 
 The texts are a tenant's, so the work is linear and bounded: the guards read at most `MAX_CHARS` characters
 of a text, `check` refuses a text longer than that, as sent or as read (it cannot vouch for what it did not
@@ -56,14 +49,12 @@ from __future__ import annotations
 
 import re
 import string
-import threading
 import unicodedata
 from collections import Counter
-from collections.abc import Callable, Hashable, Iterator, Mapping
+from collections.abc import Hashable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TypeVar
 
-from assets.owner_memo import OwnerMemo
+from cache.guard_memos import GuardMemos
 from cache.layout_quotes import layout, quotes_disagree
 from cache.layout_quotes import quoted as quoted  # re-exported: callers and tests read guards.quoted
 from cache.size_units import size_mentions, size_units
@@ -74,11 +65,6 @@ MAX_CHARS = 2048
 TOO_LONG = "text too long to compare"
 LAYOUT_DIFFERS = "layout differs"
 QUOTES_DIFFER = "quoted text differs"
-# Texts remembered for one owner (a tenant: its end users' share it), owners remembered at once, and texts in all
-# (8,192, as the one shared memo held)
-MEMO_PER_OWNER = 2048
-MEMO_OWNERS = 64
-MEMO_TEXTS = 8192
 
 # Compatibility characters NFKC would run into their neighbours' digits: a run of superscripts or of subscripts is
 # read as "^(...)" or "_(...)"; any other character whose NFKC form holds a digit, except full-width and font
@@ -231,8 +217,8 @@ def comparable(text: str, owner: Hashable = None, user: Hashable = None) -> str:
 
     What reads longer than MAX_CHARS is cut to MAX_CHARS + 1 characters: every reader refuses such a text unread
     (`check`'s TOO_LONG, the meaning check's bound), and the texts are a tenant's. NFKC lengthens a character up to
-    18 times (2,048 of U+FDFA read 36,847 characters, 76 KB), so the memo below is held to what the guards read, not
-    to what a caller hands them (the semantic cache hands them turns whose NFKC form fits MAX_CHARS).
+    18 times (2,048 of U+FDFA read 36,847 characters, 76 KB), so the memo (cache/guard_memos.py) is held to what the
+    guards read, not to what a caller hands them (the semantic cache hands them turns whose NFKC form fits MAX_CHARS).
     Remembered for `owner` (and its end user `user`): see the module."""
     if len(text) > MAX_CHARS:
         return text[:MAX_CHARS + 1]  # too long as sent: not remembered either
@@ -381,7 +367,7 @@ def _comparatives_disagree(a: frozenset[tuple[str, int]], b: frozenset[tuple[str
 def check(query: str, candidate: str, *, owner: Hashable = None, user: Hashable = None) -> str | None:
     """None when `candidate` may answer `query` (both as sent); otherwise the reason for refusing, e.g. 'numbers
     differ'. `owner` (the tenant) and `user` (its end user, where its plan isolates them): whose memo of what the
-    texts read as is read and filled (the module's end; None: no memo).
+    texts read as is read and filled (cache/guard_memos.py; None: no memo).
 
     A text longer than MAX_CHARS, as sent or as read (`comparable`), is refused (TOO_LONG): a detail past what the
     guards read could change its meaning.
@@ -426,36 +412,4 @@ def _shared_order(a: tuple[str, ...], b: tuple[str, ...]) -> bool:
     return [x for x in a if x in shared] != [x for x in b if x in shared]
 
 
-R = TypeVar("R")
-
-
-class _Memos:
-    """What texts read as and their features, per owner (OwnerMemo: one LRU per owner, owners in LRU order). The
-    work runs outside the lock; two threads reading one new text may both do it (the same result either way)."""
-
-    def __init__(self) -> None:
-        self.reads: OwnerMemo[str] = OwnerMemo(MEMO_PER_OWNER, MEMO_OWNERS, MEMO_TEXTS)
-        self.features: OwnerMemo[Features] = OwnerMemo(MEMO_PER_OWNER, MEMO_OWNERS, MEMO_TEXTS)
-        self._lock = threading.Lock()
-
-    def remembered(self, memo: OwnerMemo[R], work: Callable[[str], R], text: str, owner: Hashable,
-                   user: Hashable) -> R:
-        """`work(text)`, remembered in `memo` for `owner` (under `user` within it); no memo without an owner."""
-        if owner is None:
-            return work(text)
-        key = text if user is None else (user, text)
-        with self._lock:
-            found = memo.get(owner, key)
-        if found is None:
-            found = work(text)
-            with self._lock:
-                memo.put(owner, key, found)
-        return found
-
-    def clear(self) -> None:
-        with self._lock:
-            self.reads = OwnerMemo(MEMO_PER_OWNER, MEMO_OWNERS, MEMO_TEXTS)
-            self.features = OwnerMemo(MEMO_PER_OWNER, MEMO_OWNERS, MEMO_TEXTS)
-
-
-_MEMO = _Memos()
+_MEMO: GuardMemos[Features] = GuardMemos()

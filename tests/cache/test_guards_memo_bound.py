@@ -12,14 +12,15 @@ from __future__ import annotations
 import tracemalloc
 
 from cache import guards
+from cache.guard_memos import MEMO_PER_OWNER
 
 LIGATURE = "\ufdfa"  # NFKC: 18 characters
-TEXTS = 100  # within one owner's memo (guards.MEMO_PER_OWNER): each read is kept
+TEXTS = 100  # within one owner's memo (MEMO_PER_OWNER): each read is kept
 
 
 def test_a_text_that_reads_long_is_remembered_at_the_guards_bound() -> None:
     texts = [LIGATURE * (guards.MAX_CHARS - 8) + f"{i:08d}" for i in range(TEXTS)]  # each new: a memo entry each
-    assert TEXTS <= guards.MEMO_PER_OWNER
+    assert TEXTS <= MEMO_PER_OWNER
     guards._MEMO.clear()
     tracemalloc.start()
     try:

@@ -1,4 +1,4 @@
-"""The near-miss guards' memos are each tenant's own (cache/guards.py, as assets/owner_memo.py has the vector and
+"""The near-miss guards' memos are each tenant's own (cache/guard_memos.py, as assets/owner_memo.py has the vector and
 meaning-check memos): one memo of 8,192 texts keyed by the text alone let one tenant learn by timing whether another's
 text was read lately (1,550 µs against 1 µs at 2,000 characters) and let one tenant's flood evict everyone's texts.
 Driven through `candidates.screen`, as the semantic cache calls it, counting the guards' own work: `_marked` runs once
