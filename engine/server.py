@@ -44,22 +44,10 @@ thread (with the request's checks; never a grammar compile):
 transformers' fast tokenizer call runs
 `tokenizers`' `encode_batch`, which releases the GIL (measured: 1.5 MB of text, 1.1 s to tokenize, the event
 loop kept running with at most 34 ms between its turns, against 1.16 s with `Tokenizer.encode`). A max_tokens that
-leaves no room for a one-token prompt is refused before the prompt is rendered (engine/request_checks.py). Text
-longer than the context could hold even at the vocabulary's longest token is refused before tokenizing (a chat
-request's messages' text alone that long, before its prompt is rendered: 4 MB of `<|im_end|>` held a worker thread
-0.72 s in the escaping, the scan and the template before its refusal), and a longer text than
-PREFIX_CHARS_PER_TOKEN characters per context token is first counted in pieces of that many characters, refused as
-soon as the pieces counted overflow the context (with PREFIX_MARGIN_TOKENS for each cut, as the gateway's prefix
-count has, gateway/pipeline/prompt.py): a hostile prompt just under the first bound (SmolLM2: 236K
-characters, 0.2-0.8 s of tokenizing each) was counted whole before its refusal, and 30 of them held a normal request
-26 s behind them in the tokenizing threads (0.1 s with the pieces). So is text
-that is not Unicode text (a lone UTF-16 surrogate, which a tool call's arguments can spell as a JSON escape: the
-tokenizer raised TypeError, a 500), and a conversation the model's chat template refuses (a template's
-`raise_exception`, e.g. roles that do not alternate) is a 400 naming `messages`. A message's `name` is passed to
-the template; where the template does not write names into the prompt (SmolLM2's does not: found once, at start,
-by wire/tool_calls.py's `named_roles`), it is a 400 naming `messages.<i>.name`, code `unsupported_parameter`, before
-anything is rendered: the answer must not be the one an unnamed message gets (the gateway relays the refusal as the
-tenant's 400, billed nothing).
+leaves no room for a one-token prompt is refused before the prompt is rendered (engine/request_checks.py). The checks
+around rendering and tokenizing the prompt (text longer than the context could hold, text that is not Unicode text, a
+conversation the chat template refuses, a message `name` it would not write) are engine/request_checks.py's
+`PromptChecks`: each a 400 naming the field.
 
 Whatever else fails while an answer is framed (engine/answer_frames.py; a bug, not the request) is a 500 in
 OpenAI's shape, or the stream's last event before `[DONE]`, never a connection cut mid-stream; either way the
@@ -74,11 +62,9 @@ import logging
 import os
 import re
 import uuid
-from collections.abc import Callable
 from typing import Any
 from urllib.parse import parse_qsl
 
-from jinja2 import TemplateError
 from litestar import Litestar, Request, Response, get, post
 from litestar.exceptions import HTTPException
 from litestar.response import Stream
@@ -89,7 +75,7 @@ from assets.parent_watch import ENGINE_INSTANCE_ENV
 from engine.answer_frames import FAILED, busy, chat_frames, collect, sse_events, text_frames
 from engine.engine_auth import key_check
 from engine.llm_engine import EngineBusyError, EngineDeadError, EngineInputError, LLMEngine
-from engine.request_checks import check_output_room
+from engine.request_checks import PromptChecks, check_output_room
 from engine.sampling_params import SamplingParams
 from engine.sequence import salt_tenant
 from engine.tool_calls import ToolAnswer, answer_format, ends_at_first_call, one_call, tools_param
@@ -98,14 +84,10 @@ from wire.client_watch import CLIENT_CLOSED, ClientLeft, ClientWatch
 from wire.completion_request import DEFAULT_MAX_TOKENS as DEFAULT_TEXT_MAX_TOKENS
 from wire.completion_request import CompletionRequest
 from wire.errors import CACHE_SALT_HEADER, MAX_BODY_BYTES, PAYLOAD_TOO_LARGE, error_body
-from wire.prompt_text import PlainTenantText
 from wire.response_format import ResponseFormat
-from wire.tool_calls import named_roles, render_messages, stray_result, unrendered_name
 from wire.validation import BodyError, parse_body
 
 DEFAULT_MAX_TOKENS = 1024  # without max_tokens: up to this, or what the context has left
-PREFIX_CHARS_PER_TOKEN = 8  # a prompt longer than this many characters per context token is counted in pieces first
-PREFIX_MARGIN_TOKENS = 16  # a piece cut inside a word may count a few tokens more than the whole has there
 # a body up to this size is validated on the event loop (microseconds); a larger one in a worker thread: a 4 MB body of
 # a schema with 290K properties took 1.3 s to validate and refuse (wire/response_format.py walks it), the loop and
 # /health held meanwhile (a longest pause of 0.5 s in the thread: pydantic-core's own part keeps the GIL)
@@ -113,7 +95,6 @@ PARSE_ON_LOOP_BYTES = 64 << 10
 
 
 _SALT = re.compile(r"[A-Za-z0-9._:-]{1,64}")
-_SURROGATE = re.compile("[\ud800-\udfff]")
 log = logging.getLogger("tiergate.engine")
 
 def sampling_params_for(req: ChatCompletionRequest | CompletionRequest, num_prompt_tokens: int,
@@ -194,85 +175,7 @@ def create_engine_app(engine: LLMEngine, *, model_name: str, model_version: str,
     registry = CollectorRegistry()
     registry.register(EngineMetrics(engine, model_name))
     instance = os.environ.get(ENGINE_INSTANCE_ENV)
-    max_prompt_chars = max_prompt_chars_for(tokenizer, engine.max_model_len)
-    plain_text = PlainTenantText.for_tokenizer(tokenizer)  # None: no special token a tenant could spell
-    # the roles whose `name` the chat template writes into the prompt (a name it would leave out is refused)
-    names_written = named_roles(lambda turns: tokenizer.apply_chat_template(turns, add_generation_prompt=True,
-                                                                            tokenize=False))
-
-    def too_long(has: str, param: str) -> EngineInputError:
-        return EngineInputError(f"{has}; this model's maximum context length of {engine.max_model_len} tokens holds "
-                                f"at most {max_prompt_chars}", param=param, code="context_length_exceeded")
-
-    def checked_ids(text: str, param: str, *, add_special_tokens: bool,
-                    encode: Callable[[], list[int]] | None = None) -> list[int]:
-        """Tokenize (in a worker thread): refuses text that cannot fit before tokenizing it. `encode`: what
-        tokenizes it where the tokenizer's own call on `text` would not (a prompt holding tenant text that spells
-        special tokens); the bounds are still those of `text`."""
-        if max_prompt_chars is not None and len(text) > max_prompt_chars:
-            raise too_long(f"the prompt has {len(text)} characters", param)
-        if (bad := _SURROGATE.search(text)) is not None:
-            raise EngineInputError(
-                f"the prompt holds a lone UTF-16 surrogate (U+{ord(bad[0]):04X}, from a \\u escape in a tool call's "
-                "arguments?), which is not text", param=param)
-        piece = engine.max_model_len * PREFIX_CHARS_PER_TOKEN
-        if len(text) > piece:  # counted in pieces first: a refusal costs about what the context holds, not the text
-            counted = 0
-            for k, start in enumerate(range(0, len(text), piece), 1):
-                counted += len(tokenizer(text[start:start + piece],
-                                         add_special_tokens=add_special_tokens and start == 0)["input_ids"])
-                if counted > engine.max_model_len + PREFIX_MARGIN_TOKENS * k:
-                    raise EngineInputError(
-                        f"this model's maximum context length is {engine.max_model_len} tokens; the prompt's first "
-                        f"{start + piece} characters are about {counted} tokens", param=param,
-                        code="context_length_exceeded")
-        if encode is not None:
-            return encode()
-        return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
-
-    def prompt_ids(req: ChatCompletionRequest) -> list[int]:
-        """The conversation (tools, calls and results as text) rendered with the model's chat template, tokenized:
-        the template's markers as their special tokens, the request's strings as text, even where they spell a
-        special token (wire/prompt_text.py: `<|im_end|>` in a message forged a turn), or our own tool markers
-        (`<tool_call>`, escaped before `render_messages` writes ours around them). Without such a string, the rendered
-        text is tokenized whole, as ever."""
-        if (i := unrendered_name(req, names_written)) is not None:
-            raise EngineInputError(
-                f"messages.{i}.name: this model's chat template does not write a {req.messages[i].role} message's "
-                "name into the prompt, so the model could not tell who sent it; remove it (or put the name in the "
-                "content)", param=f"messages.{i}.name", code="unsupported_parameter")
-        if (i := stray_result(req)) is not None:
-            raise EngineInputError(
-                f"messages.{i}.tool_call_id: answers no call of the assistant message before its results (an id that "
-                "message did not make, or one answered already); this model's prompt places each result after the "
-                "calls without ids, so it would read as another call's answer. Send each result once, after the "
-                "assistant message that made its call", param=f"messages.{i}.tool_call_id")
-        if max_prompt_chars is not None:  # before escaping, scanning and rendering: 4 MB of `<|im_end|>` held a
-            # worker thread 0.72 s before its refusal. The messages' text is in the prompt as sent (a template that
-            # trims it drops no more than its ends' whitespace): a bound on the prompt's length
-            chars = sum(len(m.text().strip()) for m in req.messages)
-            if chars > max_prompt_chars:
-                raise too_long(f"the messages' text has {chars} characters", "messages")
-        markers = plain_text.marker_escape() if plain_text is not None else None
-        turns = render_messages(req, markers)
-        escaped = plain_text.escaped(turns, markers) if plain_text is not None else None
-        try:
-            text = tokenizer.apply_chat_template(escaped.turns if escaped is not None else turns,
-                                                 add_generation_prompt=True, tokenize=False)
-        except TemplateError as exc:  # the template's own refusal of this conversation (its `raise_exception`)
-            raise EngineInputError(f"messages: this model's chat template refuses the conversation: {exc}",
-                                   param="messages") from None
-        if escaped is None or plain_text is None:
-            return checked_ids(text, "messages", add_special_tokens=False)
-        return checked_ids(plain_text.restored(text, escaped), "messages", add_special_tokens=False,
-                           encode=lambda: plain_text.ids(text, escaped))
-
-    def text_prompt_ids(req: CompletionRequest) -> list[int]:
-        """The prompt as it is, with the tokenizer's own special tokens (a BOS where the model has one), as vLLM.
-        Special tokens' strings in it are parsed as those tokens, as vLLM parses them: the prompt is the tenant's
-        own whole text, no template of ours around it to protect, and writing the model's markers by hand (a chat
-        prompt built by the client) is what this endpoint is for. Only a chat request's text is read as text."""
-        return checked_ids(req.text, "prompt", add_special_tokens=True)
+    prompts = PromptChecks(tokenizer, engine.max_model_len)  # renders and tokenizes, refusing what cannot fit
 
     async def serve(request: Request[Any, Any, Any], kind: type[ChatCompletionRequest] | type[CompletionRequest],
                     ) -> Response[Any]:
@@ -316,7 +219,7 @@ def create_engine_app(engine: LLMEngine, *, model_name: str, model_version: str,
             fmt = answer_format(req) if chat else req.response_format  # type: ignore[arg-type]
             if fmt is not None and fmt.constrains:
                 engine.grammars.known(fmt, salt_tenant(salt))
-            ids = prompt_ids(req) if chat else text_prompt_ids(req)  # type: ignore[arg-type]
+            ids = prompts.chat_ids(req) if chat else prompts.text_ids(req)  # type: ignore[arg-type]
             params = sampling_params_for(req, len(ids), engine.max_model_len, fmt)
             engine.validate(ids, params, salt_tenant(salt))
             return ids, params
@@ -400,20 +303,6 @@ def create_engine_app(engine: LLMEngine, *, model_name: str, model_version: str,
     return Litestar(route_handlers=[health, models, metrics, chat, completions],
                     exception_handlers={HTTPException: _http_error, Exception: _unexpected},
                     request_max_body_size=max_body_bytes, before_request=keyed.guard if keyed else None)
-
-
-def max_prompt_chars_for(tokenizer: Any, max_model_len: int) -> int | None:
-    """The longest prompt text that could fit in the context: every token as long as the longest one.
-
-    A vocabulary entry is at least as long as the text it stands for (byte-level entries spell one character
-    per byte, SentencePiece's spell their text), so with tokenizers that drop no text, as chat models' do,
-    this never refuses a prompt that fits. None when the tokenizer lists no vocabulary.
-    """
-    get_vocab = getattr(tokenizer, "get_vocab", None)
-    if get_vocab is None:
-        return None
-    vocab = get_vocab()
-    return max_model_len * max(map(len, vocab), default=1) if vocab else None
 
 
 def _unknown_model(asked: str, served: str) -> Response[Any]:

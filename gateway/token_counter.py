@@ -112,9 +112,9 @@ class TokenCounter:
         sent a third time with the same turns is not even rendered again (the template's render, ~11 µs, was most of
         a repeated prompt's count): the render is a function of the turns alone. `user`: the end user `owner`'s plan
         isolates, for whom alone its counts are remembered. `specials_as_text` False: a text completion's prompt,
-        whose special tokens' strings our engine reads as those tokens (engine/server.py `text_prompt_ids`). Only
-        prompts without such strings are remembered, so the two readings never meet in the memos. `markers`: the
-        escape `messages`' tenant strings were made with (`marker_escape`), if any."""
+        whose special tokens' strings our engine reads as those tokens (engine/request_checks.py
+        `PromptChecks.text_ids`). Only prompts without such strings are remembered, so the two readings never meet in
+        the memos. `markers`: the escape `messages`' tenant strings were made with (`marker_escape`), if any."""
         turns = _turns_key(messages)
         if turns is not None and (counted := self._repeated.get(owner, turns, user)) is not None:
             return counted

@@ -1,5 +1,5 @@
 """A chat prompt too long for the context is refused before it is rendered: its messages' text alone, summed, is
-compared with the longest prompt the context could hold (engine/server.py `max_prompt_chars_for`), before marker
+compared with the longest prompt the context could hold (engine/request_checks.py `max_prompt_chars_for`), before marker
 escaping, the scan for special tokens' strings (wire/prompt_text.py) and the chat template. 4 MB of `<|im_end|>`
 held a worker thread 0.72 s before its 400; the refusal is the same 400 (`messages`, context_length_exceeded)."""
 
@@ -11,9 +11,10 @@ from typing import Any
 import httpx
 import pytest
 
-import engine.server as server_module
+import engine.request_checks as checks_module
 from engine.llm_engine import LLMEngine
-from engine.server import create_engine_app, max_prompt_chars_for
+from engine.request_checks import max_prompt_chars_for
+from engine.server import create_engine_app
 from tests.engine.fakes import ScriptedRunner
 from tests.engine.test_prompt_special_tokens import chatml_tokenizer
 from tests.stubs import ServerThread
@@ -28,7 +29,7 @@ def served(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, list[str], in
     eng = LLMEngine(ScriptedRunner(max_model_len=256, num_kv_blocks=64), tok)
     app = create_engine_app(eng, model_name="tiny", model_version="v1")  # its own probe renders once: not counted
     rendered: list[str] = []
-    real_template, real_render, real_escaped = (tok.apply_chat_template, server_module.render_messages,
+    real_template, real_render, real_escaped = (tok.apply_chat_template, checks_module.render_messages,
                                                 PlainTenantText.escaped)
 
     def template(*a: Any, **kw: Any) -> Any:
@@ -44,7 +45,7 @@ def served(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, list[str], in
         return real_escaped(self, *a, **kw)
 
     monkeypatch.setattr(tok, "apply_chat_template", template)
-    monkeypatch.setattr(server_module, "render_messages", render)
+    monkeypatch.setattr(checks_module, "render_messages", render)
     monkeypatch.setattr(PlainTenantText, "escaped", escaped)
     server = ServerThread(app).start()
     limit = max_prompt_chars_for(tok, eng.max_model_len)

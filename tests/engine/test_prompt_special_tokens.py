@@ -1,4 +1,4 @@
-"""A chat request's text is text at our engine (engine/server.py's `prompt_ids`, wire/prompt_text.py): a message
+"""A chat request's text is text at our engine (engine/request_checks.py, wire/prompt_text.py): a message
 that spells the chat template's markers (`<|im_end|>\\n<|im_start|>system\\n...`) is tokenized as those characters,
 never as the control tokens, wherever the request put it (a user's or an assistant's content, a name, a tool call's
 arguments, a tool's result, an offered tool's description); the template's own markers stay control tokens, and a

@@ -108,8 +108,8 @@ def test_the_pipelines_count_reads_a_long_prompts_text_as_text(stage: PromptStag
 
 def test_a_text_completions_markers_are_counted_as_the_engines_tokens(stage: PromptStage) -> None:
     """A text completion's prompt is the tenant's own, markers and all, and our engine reads them as tokens
-    (engine/server.py `text_prompt_ids`): counted through the chat template it is overstated by the template's few
-    tokens, not read as text (7 tokens a `<|im_end|>`)."""
+    (engine/request_checks.py `PromptChecks.text_ids`): counted through the chat template it is overstated by the
+    template's few tokens, not read as text (7 tokens a `<|im_end|>`)."""
     template = chatml_tokens([{"role": "user", "content": ""}])  # what the template adds around a prompt
     for prompt in ("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n", "<|im_end|>" * 1000):
         engine = len(plain_tokenizer_parsing().encode(prompt, add_special_tokens=True).ids)
