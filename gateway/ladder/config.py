@@ -8,12 +8,13 @@ tier the plan allows (gateway/ladder/apply.py); the warning is what catches a mi
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Collection
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import ConfigDict, Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from gateway.config_files import load_yaml
 from wire.fields import NoBoolNumbers
@@ -124,6 +125,7 @@ class Ladder(NoBoolNumbers):
     model_config = ConfigDict(extra="forbid")
 
     levels: Annotated[list[Level], Field(min_length=1)]
+    _source: Path | None = PrivateAttr(None)  # the file it was read from (`read_ladder`); None: not from a file
 
     @model_validator(mode="after")
     def _ordered(self) -> Ladder:
@@ -141,6 +143,17 @@ class Ladder(NoBoolNumbers):
     def top(self) -> int:
         return len(self.levels) - 1
 
+    @property
+    def source(self) -> Path | None:
+        """The file it was read from: where a worker re-reads the ladder another worker's reload put in force."""
+        return self._source
+
+    @property
+    def sha256(self) -> str:
+        """Its identity, the hash of what it says (not of the file's bytes: a comment edited is the same ladder, and
+        it is the hash of what was parsed, not of a file that may have changed since)."""
+        return hashlib.sha256(self.model_dump_json().encode()).hexdigest()
+
 
 def unknown_tiers(ladder: Ladder, tiers: Collection[str]) -> list[str]:
     """The tier names the ladder's remaps use that `tiers` (the tiers file's) does not have, sorted."""
@@ -149,9 +162,16 @@ def unknown_tiers(ladder: Ladder, tiers: Collection[str]) -> list[str]:
     return sorted(named - set(tiers))
 
 
+def read_ladder(path: Path) -> Ladder:
+    """The ladder file (ConfigFileError with file and line), remembering where it was read (`Ladder.source`)."""
+    ladder = load_yaml(path, Ladder)
+    ladder._source = path
+    return ladder
+
+
 def load_ladder(path: Path, tiers: Collection[str]) -> Ladder:
     """The ladder file (ConfigFileError with file and line), a warning logged for remaps naming tiers not in `tiers`."""
-    ladder = load_yaml(path, Ladder)
+    ladder = read_ladder(path)
     if unknown := unknown_tiers(ladder, tiers):
         log.warning("%s: remap_tiers names tiers the tiers file does not have: %s (it has %s); a misspelt name?",
                     path, unknown, sorted(tiers))

@@ -9,6 +9,16 @@ is set; the triggers keep tracking underneath, so handing back is immediate and 
 The tick and on-call's changes run in worker threads, one at a time (`_lock`): each reads the shared state, changes
 it and saves it, and a tick between another change's read and its save put back the state it had read (an override
 set in that moment was answered 200 and lost).
+
+Workers sharing the state (`tiergate serve --workers N`, replicas on one Redis or fleet database) apply one ladder. A
+reload, which one worker answers, writes the new ladder's identity (`Ladder.sha256`) into the shared state; every
+other worker, when its tick or an on-call change reads a new one there, re-reads its own ladder file and takes it if
+it is that ladder. One that cannot (its copy does not parse, cannot be read, or says something else: edited since,
+or another host's copy) keeps its ladder, logs why once and shows it in its status (`ladder.in_sync`, `ladder.error`),
+and tries again each tick. Until it is in sync it moves no trigger (they are the old ladder's); a level beyond its
+ladder (one the others have) it applies as its deepest level, reported as `applied_level`, and it refuses to set one.
+A worker's start reads the file as it is, with nothing to follow until the next reload (a restart with an edited
+file is not out of sync with a reload made before it).
 """
 
 from __future__ import annotations
@@ -20,8 +30,8 @@ import time
 from collections.abc import Callable, Collection
 from pathlib import Path
 
-from gateway.config_files import load_yaml
-from gateway.ladder.config import Action, Ladder, Trigger, load_ladder
+from gateway.config_files import ConfigFileError
+from gateway.ladder.config import Action, Ladder, Trigger, load_ladder, read_ladder
 from gateway.ladder.signals import Signals
 from gateway.ladder.state import DegradeEvent, LadderState, LadderStore
 from gateway.tenants.keys import MAX_TTL_S
@@ -72,8 +82,17 @@ class LadderController:
         self._held_since: dict[tuple[int, str], float] = {}
         self.level, self.source = self.state.effective(clock())
         self._lock = threading.Lock()  # one read-change-save at a time (the module's docstring)
+        self._sha256 = ladder.sha256
+        # the shared ladder identity this worker has dealt with (the module's docstring: its start reads the file)
+        self._followed = self.state.ladder_sha256
+        self.ladder_error: str | None = None  # why this worker cannot take the ladder in force; None: in sync
 
     # ---- reading ----
+
+    @property
+    def in_sync(self) -> bool:
+        """This worker applies the ladder the last reload it saw put in force (the module's docstring)."""
+        return self.ladder_error is None
 
     def actions(self) -> list[Action]:
         return self.ladder.levels[min(self.level, self.ladder.top)].actions
@@ -81,20 +100,23 @@ class LadderController:
     def status(self) -> dict[str, object]:
         lv = self.ladder.levels[min(self.level, self.ladder.top)]
         s = self.state
-        return {"level": self.level, "name": lv.name, "source": self.source, "auto_level": s.auto_level,
+        return {"level": self.level, "applied_level": lv.level, "name": lv.name, "source": self.source,
+                "auto_level": s.auto_level,
                 "manual": None if s.manual_level is None else {
                     "level": s.manual_level, "until": s.manual_until, "by": s.manual_by, "reason": s.manual_reason},
                 "actions": [a.model_dump() for a in lv.actions], "metrics": self.signals.read(),
                 "levels": [{"level": x.level, "name": x.name, "description": x.description}
-                           for x in self.ladder.levels]}
+                           for x in self.ladder.levels],
+                "ladder": {"sha256": self._sha256, "shared_sha256": s.ladder_sha256, "in_sync": self.in_sync,
+                           "error": self.ladder_error}}
 
     # ---- on-call ----
 
     def set_manual(self, level: int, *, reason: str, who: str, ttl_s: float | None = None) -> None:
-        if not 0 <= level <= self.ladder.top:
-            levels = ", ".join(f"{lv.level} {lv.name}" for lv in self.ladder.levels)
-            raise LadderChangeError(f"level must be between 0 and {self.ladder.top}; levels: {levels}", param="level",
-                                    code="level_not_found")
+        """The level is checked against the ladder in force: the shared state is read, and a reload made on another
+        worker followed, first."""
+        if level < 0:
+            self._no_such_level()
         check_reason(reason)
         if ttl_s is not None and not MIN_TTL_S <= ttl_s <= MAX_TTL_S:  # NaN fails both
             raise LadderChangeError(f"ttl_s is from {MIN_TTL_S:g} second to {MAX_TTL_S:.0f} seconds (10 years), "
@@ -102,33 +124,93 @@ class LadderController:
         with self._lock:
             now = self.clock()
             state = self.store.load()
+            self._follow(state)
+            if level > self.ladder.top:
+                self._no_such_level()
             state.manual_level, state.manual_by, state.manual_reason = level, who, reason
             state.manual_until = now + ttl_s if ttl_s is not None else None
             ttl = f" for {ttl_s:.0f}s" if ttl_s is not None else ""
             self._commit(state, who, f"manual{ttl}: {reason}", {})
 
+    def _no_such_level(self) -> None:
+        levels = ", ".join(f"{lv.level} {lv.name}" for lv in self.ladder.levels)
+        stale = "" if self.in_sync else f" (this worker's ladder is not the one in force: {self.ladder_error})"
+        raise LadderChangeError(f"level must be between 0 and {self.ladder.top}; levels: {levels}{stale}",
+                                param="level", code="level_not_found")
+
     def set_auto(self, *, who: str, reason: str = "handed back to the triggers") -> None:
         with self._lock:
             state = self.store.load()
+            self._follow(state)
             state.manual_level = state.manual_until = state.manual_by = state.manual_reason = None
             self._commit(state, who, reason, {})
 
     def reload(self, path: Path, tiers: Collection[str] | None = None) -> None:
         """Swap in a new ladder file; a bad one raises ConfigFileError and changes nothing (a remap naming a tier
-        not in `tiers`, when given, is logged: gateway/ladder/config.py's `load_ladder`). A level the new file does
-        not have (the triggers' or on-call's) is lowered to its top, saved before the swap: a store that cannot be
-        written raises and the running ladder stays (it was swapped in while the answer said nothing changed)."""
-        ladder = load_yaml(path, Ladder) if tiers is None else load_ladder(path, tiers)
+        not in `tiers`, when given, is logged: gateway/ladder/config.py's `load_ladder`). Its identity is written
+        into the shared state, for every other worker to follow (the module's docstring), with a level the new file
+        does not have (the triggers' or on-call's) lowered to its top, before the swap: a store that cannot be
+        written raises and the running ladder stays (it was swapped in while the answer said nothing changed, and
+        the other workers would not have followed)."""
+        ladder = read_ladder(path) if tiers is None else load_ladder(path, tiers)
         with self._lock:
-            s = self.state
-            if s.auto_level > ladder.top or (s.manual_level is not None and s.manual_level > ladder.top):
-                state = self.store.load()
+            state = self.store.load()
+            state.ladder_sha256 = ladder.sha256
+            if state.auto_level > ladder.top or (state.manual_level is not None and state.manual_level > ladder.top):
                 state.auto_level = min(state.auto_level, ladder.top)
                 if state.manual_level is not None:
                     state.manual_level = min(state.manual_level, ladder.top)
                 self._commit(state, "reload", f"{path} has {ladder.top + 1} levels", {})
-            self.ladder = ladder
-            self._held_since.clear()
+            else:
+                self.store.save(state)
+                self.state = state
+                self._refresh(self.clock())
+            self._take(ladder)
+            self._in_sync()
+
+    def _follow(self, state: LadderState) -> None:
+        """Take the ladder a reload on another worker put in force, when `state` names one this worker has not dealt
+        with: its own file re-read, taken if it is that ladder; else the running one stays, and why is logged (once)
+        and shown (the module's docstring)."""
+        shared = state.ladder_sha256
+        if shared is None or shared == self._followed:
+            return
+        if shared == self._sha256:  # a reload of the ladder this worker runs, or its file mended since
+            self._followed = shared
+            self._in_sync()
+            return
+        source = self.ladder.source
+        if source is None:
+            self._out_of_sync("this worker's ladder was not read from a file")
+            return
+        try:
+            ladder = read_ladder(source)
+        except ConfigFileError as exc:
+            self._out_of_sync(str(exc))
+            return
+        if ladder.sha256 != shared:
+            self._out_of_sync(f"{source} is not the ladder reloaded (edited since, or not the same file as the "
+                              "reloading worker's); reload the ladder to put one in force")
+            return
+        self._take(ladder)
+        log.warning("degrade ladder: took %s, reloaded on another worker (%d levels)", source, ladder.top + 1)
+        self._in_sync()
+
+    def _take(self, ladder: Ladder) -> None:
+        self.ladder, self._sha256 = ladder, ladder.sha256
+        self._followed = ladder.sha256
+        self._held_since.clear()
+
+    def _out_of_sync(self, why: str) -> None:
+        if why != self.ladder_error:
+            log.error("degrade ladder: this worker keeps its ladder (%d levels), not the one a reload put in force: "
+                      "%s", self.ladder.top + 1, why)
+        self.ladder_error = why
+
+    def _in_sync(self) -> None:
+        if self.ladder_error is not None:
+            log.warning("degrade ladder: this worker is in sync again, with the ladder in force")
+        self.ladder_error = None
 
     # ---- the loop ----
 
@@ -140,10 +222,15 @@ class LadderController:
     def _tick(self) -> None:
         now = self.clock()
         self.state = self.store.load()
+        self._follow(self.state)
         s = self.state
         if s.manual_level is not None and s.manual_until is not None and now >= s.manual_until:
             self.state.manual_level = self.state.manual_until = self.state.manual_by = self.state.manual_reason = None
             self._commit(self.state, "auto", "manual override expired", {})
+        if not self.in_sync or self.state.auto_level > self.ladder.top:
+            self._held_since.clear()  # the triggers are the workers' in sync, with the ladder of that level
+            self._refresh(now)
+            return
         metrics = self.signals.read()
         target = self._target(now, metrics)
         if target is not None and target != self.state.auto_level:

@@ -66,12 +66,30 @@ class LadderState:
     manual_until: float | None = None  # None: until `auto` is set
     manual_by: str | None = None
     manual_reason: str | None = None
+    # the ladder the last reload put in force (`Ladder.sha256`): every worker sharing the state follows it
+    # (gateway/ladder/controller.py); None: none since the state began
+    ladder_sha256: str | None = None
 
     def effective(self, now: float) -> tuple[int, str]:
         """The level in force and who chose it (`manual` outranks the triggers until its TTL ends)."""
         if self.manual_level is not None and (self.manual_until is None or now < self.manual_until):
             return self.manual_level, "manual"
         return self.auto_level, "auto"
+
+
+def state_json(state: LadderState) -> str:
+    """The state as the stores keep it; without `ladder_sha256` while there is none, as the version before wrote it
+    (whose workers, in a rolling upgrade, refuse a field they do not know)."""
+    fields = asdict(state)
+    if fields["ladder_sha256"] is None:
+        del fields["ladder_sha256"]
+    return json.dumps(fields)
+
+
+def state_from_json(text: str | bytes) -> LadderState:
+    """The state a store kept; a field this version does not know (a later version's) is left out, not a fault."""
+    known = LadderState.__dataclass_fields__
+    return LadderState(**{k: v for k, v in json.loads(text).items() if k in known})
 
 
 @dataclass
@@ -115,12 +133,12 @@ class SqliteLadderStore(LadderStore):
     def load(self) -> LadderState:
         with self._lock:
             row = self._conn.execute("SELECT state FROM degrade_state WHERE id = 1").fetchone()
-        return LadderState(**json.loads(row[0])) if row else LadderState()
+        return state_from_json(row[0]) if row else LadderState()
 
     def save(self, state: LadderState, event: DegradeEvent | None = None) -> None:
         with self._lock, self._conn:
             self._conn.execute("INSERT INTO degrade_state(id, state) VALUES (1, ?) "
-                               "ON CONFLICT(id) DO UPDATE SET state = excluded.state", (json.dumps(asdict(state)),))
+                               "ON CONFLICT(id) DO UPDATE SET state = excluded.state", (state_json(state),))
             if event is not None:
                 self._append(event)
 
@@ -160,10 +178,10 @@ class RedisLadderStore(LadderStore):
         except RedisError as exc:
             raise self._unavailable(exc, READ_MESSAGE) from exc
         self._logged = None  # read every tick: Redis answers again
-        return LadderState(**json.loads(raw)) if raw else LadderState()
+        return state_from_json(raw) if raw else LadderState()
 
     def save(self, state: LadderState, event: DegradeEvent | None = None) -> None:
-        text, record = json.dumps(asdict(state)), json.dumps(asdict(event)) if event is not None else None
+        text, record = state_json(state), json.dumps(asdict(event)) if event is not None else None
 
         def write(again: bool) -> None:
             pipe = self.redis.pipeline()  # MULTI/EXEC: the state and its event, or neither
@@ -228,12 +246,12 @@ class PostgresLadderStore(LadderStore):
     def load(self) -> LadderState:
         with self._db.connection() as conn:
             row = conn.execute("SELECT state FROM degrade_state WHERE id = 1").fetchone()
-        return LadderState(**json.loads(row[0])) if row else LadderState()
+        return state_from_json(row[0]) if row else LadderState()
 
     def save(self, state: LadderState, event: DegradeEvent | None = None) -> None:
         with self._db.connection() as conn, conn.transaction():
             conn.execute("INSERT INTO degrade_state(id, state) VALUES (1, %s) ON CONFLICT (id) "
-                         "DO UPDATE SET state = excluded.state", (json.dumps(asdict(state)),))
+                         "DO UPDATE SET state = excluded.state", (state_json(state),))
             if event is not None:
                 _append(conn, event)
 

@@ -90,7 +90,10 @@ async def reload(request: Request[Any, Any, Any], ladder: NamedDependency[Ladder
                  settings: NamedDependency[Settings], fleet: NamedDependency[Fleet]) -> dict[str, Any]:
     """Re-read the ladder file (the configured one: the route takes no body); a bad file is refused with its line,
     and the running ladder stays. The answer is the new status, with `unknown_tiers`: the tier names its remaps use
-    that the tiers file does not have (a misspelt name?), empty when none."""
+    that the tiers file does not have (a misspelt name?), empty when none. The new ladder's identity goes into the
+    shared state (a 503 when it cannot be written: then nothing changed), and every other worker and replica takes
+    the same ladder from its own copy of the file at its next tick or change; one that cannot says so in its status
+    (`ladder.in_sync`, `ladder.error`) and its log (gateway/ladder/controller.py)."""
     await refuse_body(request)
     path = settings.ladder_file
     tiers = list(fleet.catalogue.tiers)
