@@ -47,7 +47,7 @@ from urllib.parse import unquote
 from pydantic_core import InitErrorDetails, PydanticCustomError, ValidationError
 
 from wire.regex_costs import MAX_PATTERN_WEIGHT, pattern_limit, pattern_min_chars, pattern_weight
-from wire.schema_alternatives import resolve_ref
+from wire.schema_alternatives import MAX_PATH_LENGTH, MAX_REFERENCE_HOPS, resolve_ref
 
 MAX_ANSWER_CHARS = 100_000  # the fewest characters an answer valid against the schema may hold
 MAX_MIN_LENGTH_BESIDE_PATTERN = 2_000  # a string's minLength where it has a pattern too
@@ -224,21 +224,28 @@ def _walk_in_place(root: dict[str, Any], start: dict[str, Any], path: Path, done
             stack.append((child, _in_place(root, child, child_path)))
 
 
-def answer_min_chars(schema: Any, root: Any = None, _refs: dict[int, int] | None = None) -> int:
+def answer_min_chars(schema: Any, root: Any = None, _refs: dict[int, int] | None = None, _hops: int = 0,
+                     _length: int = 0) -> int:
     """A lower bound of the characters of any JSON value valid against `schema`, as our grammars write JSON (", "
     and ": "), capped past MAX_ANSWER_CHARS: the longest of what its own keywords, its `allOf` and its local `$ref`
     force, the fewest of its `anyOf`'s or `oneOf`'s. A `$ref` is read against `root` (`schema` itself by default),
     each target counted once (`_refs`), and one reached again while it is being counted counts 0: a lower bound
     still (a `$ref` that counted 0 let `{"items": {"$ref": "#/$defs/s"}, "minItems": 1000}` of `^a{5000}$` strings
-    through, which forces what the same items written in place do). Recursive on a schema whose depth wire's bounds
-    cap."""
+    through, which forces what the same items written in place do).
+
+    Recursive: a ValidationError (at the schema) past MAX_REFERENCE_HOPS references (`_hops`) or MAX_PATH_LENGTH
+    subschemas and references (`_length`) on one path, the bounds of `check_alternatives`. That count remembers each
+    node it counted, so it let a chain of 1,150 references, each to the one defined before it (28.9 KB), through to
+    here, where it ran past Python's stack: a 500 for every request that sent it."""
     if not isinstance(schema, dict):
         return 0
+    if _length > MAX_PATH_LENGTH:
+        raise refuse((), f"the schema nests more than {MAX_PATH_LENGTH} subschemas and references deep")
     root = schema if root is None else root
     refs: dict[int, int] = {} if _refs is None else _refs
 
-    def fewest(sub: Any) -> int:
-        return answer_min_chars(sub, root, refs)
+    def fewest(sub: Any, hops: int = _hops) -> int:
+        return answer_min_chars(sub, root, refs, hops, _length + 1)
 
     cap = MAX_ANSWER_CHARS + 1
     bounds = [0]
@@ -249,8 +256,10 @@ def answer_min_chars(schema: Any, root: Any = None, _refs: dict[int, int] | None
             target = None
         if isinstance(target, dict):
             if id(target) not in refs:
+                if _hops >= MAX_REFERENCE_HOPS:
+                    raise refuse((), f"the schema follows more than {MAX_REFERENCE_HOPS} references on one path")
                 refs[id(target)] = 0  # reached again while being counted: 0
-                refs[id(target)] = fewest(target)
+                refs[id(target)] = fewest(target, _hops + 1)
             bounds.append(refs[id(target)])
     if "const" in schema:
         bounds.append(len(json.dumps(schema["const"], ensure_ascii=False)))

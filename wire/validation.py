@@ -23,6 +23,10 @@ UNKNOWN_FIELD = "this endpoint does not know it"
 MAX_NAME_CHARS = 64  # of a name in a refusal's `param` and message (OpenAI's longest field names are under 30)
 _UNION_MEMBER = re.compile(r"str|int|float|bool|none|[\w-]+\[.*\]|(function|constrained)-.*")
 NOT_JSON = "we could not parse the JSON body of your request"
+# a validator of ours that recursed past Python's stack: schema_costs bounds what it follows, and this keeps any
+# other shape a 400 rather than a 500 (1,150 `$ref`s, each to the one defined before, were one)
+TOO_DEEP = ("the request nests too deeply to validate (a schema's subschemas and the `$ref`s it follows, one into "
+            "another, count as nesting); send a shallower one")
 UNREADABLE = (msgspec.DecodeError, msgspec.ValidationError, RecursionError)  # msgspec's refusals of a body
 _AT_BYTE = re.compile(r"\(byte (\d+)\)$")  # where msgspec's DecodeError says the body went wrong
 _NON_FINITE = (b"NaN", b"Infinity")  # `-Infinity`: msgspec points past its sign
@@ -63,6 +67,8 @@ def parse_body(body: bytes, model: type[M]) -> M:
         return model.model_validate_json(body)
     except ValidationError as exc:
         raise describe(exc, getattr(model, "unsupported_fields", {})) from exc
+    except RecursionError as exc:  # a check that recursed past the stack (a schema's references): the body's doing
+        raise BodyError(TOO_DEEP, None, "invalid_value") from exc
 
 
 def unreadable(body: bytes, exc: Exception) -> BodyError:

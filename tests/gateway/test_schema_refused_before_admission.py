@@ -14,6 +14,10 @@ from tests.conftest import Gateway
 MSG = [{"role": "user", "content": "hi"}]
 REPEATS = {"type": "object", "properties": {"a": {"type": "string", "pattern": "^(a{1000}){1000}$"}}}
 SELF = {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
+# 1,150 references, each to the one defined before (28.9 KB): counting its answer's length ran past Python's stack,
+# a 500 with a traceback for every request (tests/wire/test_schema_reference_chains.py)
+CHAIN = {"a0": {"type": "string", "minLength": 1}} | {f"a{i}": {"$ref": f"#/a{i - 1}"} for i in range(1, 1150)} | {
+    "type": "object", "properties": {"p": {"$ref": "#/a1149"}}, "required": ["p"]}
 
 
 def reserves(gateway: Gateway) -> list[dict[str, Any]]:
@@ -36,6 +40,10 @@ def reserves(gateway: Gateway) -> list[dict[str, Any]]:
      "response_format.json_schema.schema.allOf.0.$ref"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": SELF}}], "tool_choice": "required"},
      "tools.0.function.parameters.$defs.a.$ref"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": CHAIN}}},
+     "response_format.json_schema.schema"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": CHAIN}}], "tool_choice": "required"},
+     "tools.0.function.parameters"),
 ])
 def test_a_schema_a_grammar_can_only_fail_on_is_refused_before_admission(gateway: Gateway, body: dict[str, Any],
                                                                         param: str) -> None:
