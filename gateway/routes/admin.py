@@ -22,7 +22,7 @@ from gateway.tenants.keys import MAX_GRACE_S, MAX_TTL_S, MIN_KEY_TTL_S
 from gateway.tenants.records import ADMIN
 from gateway.tenants.rules import KEY_NAME_PATTERN, NAME_RE
 from gateway.tenants.store import TenantStore
-from gateway.validation import parse_body
+from gateway.validation import parse_change_body
 from quotas.plans import Limits, PlanBook
 
 
@@ -76,7 +76,7 @@ async def list_tenants(store: NamedDependency[TenantStore]) -> dict[str, Any]:
 @post("/tenants", status_code=201, dependencies={"openapi_body": body(CreateTenant)}, responses=ADMIN_ERRORS)
 async def create_tenant(request: Request[Any, Any, Any], store: NamedDependency[TenantStore],
                         plans: NamedDependency[PlanBook]) -> dict[str, Any]:
-    body = parse_body(await request.body(), CreateTenant)
+    body = parse_change_body(await request.body(), CreateTenant)
     # left out or null: the default plan; "" is a plan name like any other, refused below (it became the default
     # plan, a tenant created on a plan the caller did not ask for)
     plan = body.plan if body.plan is not None else plans.default_plan
@@ -112,7 +112,7 @@ def _keys(store: TenantStore, tenant: str | None) -> list[dict[str, object]]:
 
 @post("/keys", status_code=201, dependencies={"openapi_body": body(IssueKey)}, responses=ADMIN_ERRORS)
 async def issue_key(request: Request[Any, Any, Any], store: NamedDependency[TenantStore]) -> dict[str, Any]:
-    body = parse_body(await request.body(), IssueKey)
+    body = parse_change_body(await request.body(), IssueKey)
     if body.admin and body.limits is not None and body.limits != Limits():
         # an admin key calls no model, so its limits would never apply: the caller meant a tenant key, or nothing
         raise InvalidRequest("an admin key calls no models, so limits would never apply to it; leave them out, or "
@@ -135,7 +135,7 @@ async def revoke_key(request: Request[Any, Any, Any], store: NamedDependency[Ten
 async def rotate_key(request: Request[Any, Any, Any], store: NamedDependency[TenantStore],
                      key_id: FromPath[str]) -> dict[str, Any]:
     raw = await request.body()
-    body = parse_body(raw, RotateKey) if raw.strip() else RotateKey()
+    body = parse_change_body(raw, RotateKey) if raw.strip() else RotateKey()
     key, plaintext = await store.admin(store.rotate_key, key_id, grace_s=body.grace_s, ttl_s=body.ttl_s)
     return key.public() | {"key": plaintext, "replaces": key_id, "note": "shown once; store it now"}
 

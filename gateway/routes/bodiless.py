@@ -14,7 +14,7 @@ from typing import Any
 from litestar import Request
 from pydantic import BaseModel, ConfigDict, model_validator
 
-from gateway.validation import parse_body
+from gateway.validation import parse_change_body
 from wire.fields import one_unknown
 
 
@@ -33,4 +33,4 @@ async def refuse_body(request: Request[Any, Any, Any]) -> None:
     """The 400 (InvalidRequest, as for any refused body) for a body with anything in it; none, or `{}`, passes."""
     raw = await request.body()
     if raw.strip():
-        parse_body(raw, NoBody)
+        parse_change_body(raw, NoBody)

@@ -26,7 +26,7 @@ from gateway.routes.bodiless import refuse_body
 from gateway.routes.openapi import BEARER, body, errors
 from gateway.settings import Settings
 from gateway.tenants.keys import MAX_TTL_S
-from gateway.validation import parse_body
+from gateway.validation import parse_change_body
 from tiers.fleet import Fleet
 from wire.fields import integral
 
@@ -63,7 +63,7 @@ async def status(ladder: NamedDependency[LadderController]) -> dict[str, Any]:
 @post("/", status_code=200, dependencies={"openapi_body": body(SetLevel)},
       responses=errors(400, 401, 403, 413, 500, 503))
 async def set_level(request: Request[Any, Any, Any], ladder: NamedDependency[LadderController]) -> dict[str, Any]:
-    body = parse_body(await request.body(), SetLevel)
+    body = parse_change_body(await request.body(), SetLevel)
     try:
         await _changing(ladder.set_manual, body.level, reason=body.reason, who=request.state.key_id,
                         ttl_s=body.ttl_s)

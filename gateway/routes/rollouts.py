@@ -22,7 +22,7 @@ from gateway.routes.degrade import HistoryLimit
 from gateway.routes.openapi import BEARER, body, errors
 from gateway.tenants.rules import NAME_RE
 from gateway.tenants.store import TenantStore
-from gateway.validation import parse_body
+from gateway.validation import parse_change_body
 from tiers.catalogue import VERSION_NAME
 
 Share = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]  # of new conversations, 0 to 1
@@ -73,7 +73,7 @@ async def start(request: Request[Any, Any, Any], rollouts: NamedDependency[Rollo
     billed). `guards` roll it back by themselves. 409 while one is running; 400 for a `tier`, `version` or named
     tenant that does not exist (`param` `tier`, `version` or `tenants.<index>`): names in the body, not the path;
     400 `duplicate_tenant` for a tenant named twice (`tenants.<index>` of the repeat)."""
-    b = parse_body(await request.body(), StartRollout)
+    b = parse_change_body(await request.body(), StartRollout)
     await store.admin(store.require_tenants, b.tenants, "tenants")  # before anything changes
     r = await asyncio.to_thread(rollouts.start, b.tier, b.version, share=b.share, tenants=tuple(b.tenants),
                                 who=request.state.key_id, reason=b.reason, shadow=b.shadow, guards=b.guards)
@@ -84,7 +84,7 @@ async def start(request: Request[Any, Any, Any], rollouts: NamedDependency[Rollo
 async def promote(request: Request[Any, Any, Any], rollouts: NamedDependency[RolloutService],
                   tier: FromPath[str]) -> dict[str, Any]:
     """Everyone on the candidate (`full`), or, with `share`, a larger canary (never smaller; a shadow becomes one)."""
-    b = parse_body(await request.body(), Promote)
+    b = parse_change_body(await request.body(), Promote)
     r = await asyncio.to_thread(rollouts.promote, tier, share=b.share, who=request.state.key_id, reason=b.reason)
     return r.public()
 
@@ -93,7 +93,7 @@ async def promote(request: Request[Any, Any, Any], rollouts: NamedDependency[Rol
 async def pause(request: Request[Any, Any, Any], rollouts: NamedDependency[RolloutService],
                 tier: FromPath[str]) -> dict[str, Any]:
     """Hold the canary: each conversation stays on its version, and the share is not raised until promoted."""
-    b = parse_body(await request.body(), Change)
+    b = parse_change_body(await request.body(), Change)
     r = await asyncio.to_thread(rollouts.pause, tier, who=request.state.key_id, reason=b.reason)
     return r.public()
 
@@ -102,7 +102,7 @@ async def pause(request: Request[Any, Any, Any], rollouts: NamedDependency[Rollo
 async def rollback(request: Request[Any, Any, Any], rollouts: NamedDependency[RolloutService],
                    tier: FromPath[str]) -> dict[str, Any]:
     """Everyone back on the version that answered before the rollout started."""
-    b = parse_body(await request.body(), Change)
+    b = parse_change_body(await request.body(), Change)
     r = await asyncio.to_thread(rollouts.rollback, tier, who=request.state.key_id, reason=b.reason)
     return r.public()
 
