@@ -70,6 +70,11 @@ class _QueueCollector:
             level = GaugeMetricFamily("tiergate_degrade_level", "The degradation level in force.")
             level.add_metric([], self.metrics.ladder.level)
             yield level
+            in_sync = GaugeMetricFamily("tiergate_degrade_ladder_in_sync",
+                                        "1: this worker applies the ladder the last reload put in force; 0: it keeps "
+                                        "its own (its copy of the file is not that ladder, /admin/degrade/ says why).")
+            in_sync.add_metric([], 1.0 if self.metrics.ladder.in_sync else 0.0)
+            yield in_sync
 
 
 class _RolloutCollector:

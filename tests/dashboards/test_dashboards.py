@@ -37,7 +37,7 @@ def exported() -> tuple[set[str], set[str]]:
     fleet = Fleet(catalogue, TierClient(), models_dir=ROOT, log_dir=ROOT)
     fleet.replicas["mid"][0].stats = {"kv_utilisation": 0.5, "tokens_per_s": 10, "num_running": 1, "num_waiting": 0}
     metrics = GatewayMetrics(fleet)
-    metrics.ladder = type("L", (), {"level": 0})()
+    metrics.ladder = type("L", (), {"level": 0, "in_sync": True})()
     cache = SimpleNamespace(bounds=TenantBounds(), stats=CacheStats())  # what the error bound and checks export
     cache.bounds.get("acme", 0.01, 0.8)
     metrics.registry.register(CacheBoundCollector(cache))  # type: ignore[arg-type]

@@ -139,6 +139,7 @@ def test_on_call_routes_ttl_auto_history_and_metrics(laddered: Gateway) -> None:
         assert c.post("/admin/degrade/", json={"level": 1}).status_code == 400  # a reason is required
         metrics = c.get("/metrics").text
     assert "tiergate_degrade_level 0.0" in metrics
+    assert "tiergate_degrade_ladder_in_sync 1.0" in metrics
     assert 'tiergate_degrade_changes_total{by="manual",to="4"} 1.0' in metrics
     with laddered.client(laddered.tenant_key) as c:
         assert c.get("/admin/degrade/").status_code == 403

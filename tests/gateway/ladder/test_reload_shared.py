@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from prometheus_client import generate_latest
 
 from gateway.ladder.config import load_ladder
 from gateway.ladder.controller import LadderChangeError, LadderController
@@ -20,6 +21,7 @@ from gateway.ladder.state import (
     RedisLadderStore,
     SqliteLadderStore,
 )
+from gateway.metrics import GatewayMetrics
 from tests.gateway.ladder.test_controller import LADDER, Clock
 
 TIERS = ["small", "mid", "full"]
@@ -122,6 +124,9 @@ def test_a_worker_whose_copy_cannot_be_read_keeps_its_ladder_and_says_so(tmp_pat
     assert (status["level"], status["applied_level"], status["name"]) == (4, 2, "protect")
     assert [x.model_dump() for x in b.actions()] == [{"shed": ["batch"], "retry_after_s": 30}]
     assert b.store.load().auto_level == 0  # the old ladder's triggers moved nothing
+    metrics = GatewayMetrics()
+    metrics.ladder = b
+    assert b"tiergate_degrade_ladder_in_sync 0.0" in generate_latest(metrics.registry)  # what on-call's alert reads
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("degrade ladder")]
     assert len(lines) == 1 and str(fb) in lines[0] and "keeps its ladder" in lines[0], lines
     with pytest.raises(LadderChangeError) as refused:
@@ -136,6 +141,7 @@ def test_a_worker_whose_copy_cannot_be_read_keeps_its_ladder_and_says_so(tmp_pat
     with caplog.at_level("WARNING", logger="tiergate.ladder"):
         b.tick()
     assert b.ladder.top == 4 and b.status()["ladder"] == a.status()["ladder"] and b.status()["name"] == "extra"
+    assert b"tiergate_degrade_ladder_in_sync 1.0" in generate_latest(metrics.registry)
     assert "in sync" in caplog.records[-1].getMessage()
 
 
