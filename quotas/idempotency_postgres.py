@@ -18,7 +18,7 @@ told 409 for the lease.
 from __future__ import annotations
 
 import asyncio
-import time
+from collections.abc import Callable
 from typing import Any
 
 from quotas.idempotency import (
@@ -38,65 +38,74 @@ from quotas.idempotency import (
 from quotas.idempotency_give_ups import GIVE_UP_FOR_S, At, GiveUps
 from quotas.ledger import LedgerUnavailable, Statement
 
+# now, by the database's clock (the statement's start: one instant however often a statement reads it), never by the
+# replica's: each replica's own clock judged another's lease, and one whose clock ran ahead (650 s, found in review)
+# took over a claim still running, whose owner's answer then matched no record: both ran and both were billed. Redis
+# and SQLite had one clock already (Redis's own, the one host's). `shift` moves it, for tests that move time
+NOW = "(extract(epoch from statement_timestamp())::float8 + %(shift)s)"
+_NOW = NOW.replace("%(shift)s", "%s")  # in a statement with positional parameters
 # a claim in one statement (a CASE's branches run in order): a live key is not claimed; an expired one is taken over
 # (the tenant holds as many records after: no room needed), its row locked first and read at its newest (still
 # expired?); for a new key, the tenant's totals row is locked (read at its newest) and checked, one row however many
 # records it holds (quotas/idempotency_totals.py); no totals row yet is no room (see _PG_ROOM). Each path takes the
 # record's lock before the totals', as a stored answer's update does (its trigger), or only the totals': no deadlock.
 # Then what the key holds, if not claimed
-_PG_BEGIN = """
+_PG_BEGIN = f"""
 WITH claimed AS (
     INSERT INTO idempotency
-    SELECT %(tenant)s, %(key)s, %(fp)s, %(owner)s, 'running', NULL, %(expires)s
+    SELECT %(tenant)s, %(key)s, %(fp)s, %(owner)s, 'running', NULL, {NOW} + %(lease)s
     WHERE CASE WHEN EXISTS (SELECT 1 FROM idempotency WHERE tenant = %(tenant)s AND key = %(key)s
-                                                        AND expires > %(now)s) THEN false
+                                                        AND expires > {NOW}) THEN false
           WHEN EXISTS (SELECT 1 FROM idempotency WHERE tenant = %(tenant)s AND key = %(key)s)
-               THEN (SELECT expires <= %(now)s FROM idempotency WHERE tenant = %(tenant)s AND key = %(key)s FOR UPDATE)
+               THEN (SELECT expires <= {NOW} FROM idempotency WHERE tenant = %(tenant)s AND key = %(key)s FOR UPDATE)
           ELSE (SELECT records < %(records)s AND bytes < %(bytes)s FROM idempotency_tenants
                 WHERE tenant = %(tenant)s FOR UPDATE) END
     ON CONFLICT (tenant, key) DO UPDATE
         SET fingerprint = excluded.fingerprint, owner = excluded.owner, state = 'running', answer = NULL,
             expires = excluded.expires
-        WHERE idempotency.expires <= %(now)s
+        WHERE idempotency.expires <= {NOW}
     RETURNING 1
 )
-SELECT (SELECT count(*) FROM claimed), i.fingerprint, i.owner, i.state, i.answer, i.expires
+SELECT (SELECT count(*) FROM claimed), i.fingerprint, i.owner, i.state, i.answer, i.expires, {NOW}
 FROM (SELECT 1) AS one LEFT JOIN idempotency AS i ON i.tenant = %(tenant)s AND i.key = %(key)s
 """
 # run only when a new key was not claimed: the tenant's totals row made (its first claim), its expired records
 # deleted (they count until then; the index on (tenant, expires) finds them), whether it had room as of this
-# statement's start (NULL: its totals row was made by a concurrent claim since) and when its first live record expires
-_PG_ROOM = """
+# statement's start (NULL: its totals row was made by a concurrent claim since), when its first live record expires
+# and now
+_PG_ROOM = f"""
 WITH made AS (INSERT INTO idempotency_tenants VALUES (%(tenant)s, 0, 0) ON CONFLICT (tenant) DO NOTHING RETURNING 1),
-     pruned AS (DELETE FROM idempotency WHERE tenant = %(tenant)s AND expires <= %(now)s RETURNING 1)
+     pruned AS (DELETE FROM idempotency WHERE tenant = %(tenant)s AND expires <= {NOW} RETURNING 1)
 SELECT (SELECT count(*) FROM made) + (SELECT count(*) FROM pruned),
        (SELECT records < %(records)s AND bytes < %(bytes)s FROM idempotency_tenants WHERE tenant = %(tenant)s),
-       (SELECT min(expires) FROM idempotency WHERE tenant = %(tenant)s AND expires > %(now)s)
+       (SELECT min(expires) FROM idempotency WHERE tenant = %(tenant)s AND expires > {NOW}), {NOW}
 """
 # every tenant's expired records, their totals rows locked first (in tenant order) as a group commit locks them
 # before the records it updates: a prune that locked a record first, then waited for its tenant's totals row held by
 # a commit that waited for that record, deadlocked (found in review)
-PG_PRUNE = """
-WITH expired AS (SELECT DISTINCT tenant FROM idempotency WHERE expires <= %(now)s),
+PG_PRUNE = f"""
+WITH expired AS (SELECT DISTINCT tenant FROM idempotency WHERE expires <= {NOW}),
      locked AS (SELECT t.tenant FROM idempotency_tenants AS t JOIN expired USING (tenant)
                 ORDER BY t.tenant COLLATE "C" FOR UPDATE OF t)
-DELETE FROM idempotency WHERE expires <= %(now)s AND tenant IN (SELECT tenant FROM locked)
+DELETE FROM idempotency WHERE expires <= {NOW} AND tenant IN (SELECT tenant FROM locked)
 """
 CLAIM_TRIES = 3  # claim statements a begin runs at most (room made or freed, or a key claimed concurrently: again)
 SENDS = 2  # a statement's sends at most, when its reply was lost
 RESEND_DELAY_S = 0.05
-_PG_FINISH = ("UPDATE idempotency SET state = 'done', answer = %s, expires = %s WHERE tenant = %s AND key = %s "
-              "AND owner = %s")
-_PG_RENEW = ("UPDATE idempotency SET expires = %s WHERE tenant = %s AND key = %s AND owner = %s AND state = 'running' "
-             "RETURNING 1")
-_PG_STORED = "SELECT fingerprint, state, answer, expires FROM idempotency WHERE tenant = %s AND key = %s"
+# the database's clock (shift, TTL), tenant, key, owner
+_PG_FINISH = (f"UPDATE idempotency SET state = 'done', answer = %s, expires = {_NOW} + %s WHERE tenant = %s "
+              "AND key = %s AND owner = %s")
+_PG_RENEW = (f"UPDATE idempotency SET expires = {_NOW} + %s WHERE tenant = %s AND key = %s AND owner = %s "
+             "AND state = 'running' RETURNING 1")
+_PG_STORED = (f"SELECT fingerprint, answer FROM idempotency WHERE tenant = %s AND key = %s AND state = 'done' "
+              f"AND expires > {_NOW}")
 _PG_ABANDON = "DELETE FROM idempotency WHERE tenant = %s AND key = %s AND owner = %s AND state = 'running'"
 
 
 class PostgresIdempotency(IdempotencyStore):
     """Records in the fleet database at `url`, the same one the `PostgresLedger` writes (its migrations)."""
 
-    def __init__(self, url: str, *, clock: Any = time.time, max_connections: int = 10,
+    def __init__(self, url: str, *, shift: Callable[[], float] = lambda: 0.0, max_connections: int = 10,
                  timeout_s: float = 5.0, limits: Limits = DEFAULT_LIMITS) -> None:
         import psycopg
         from psycopg_pool import AsyncConnectionPool
@@ -105,7 +114,7 @@ class PostgresIdempotency(IdempotencyStore):
         from quotas.ledger_postgres import open_schema
 
         open_schema(url)
-        self._clock = clock
+        self._shift = shift  # seconds added to the database's clock (tests move time with it): see NOW
         self.limits = limits
         self._errors = psycopg.Error
         bound = bound_statements(timeout_s)  # a claim waiting on a lock is a 503 after as long as one for a connection
@@ -151,15 +160,14 @@ class PostgresIdempotency(IdempotencyStore):
         raise AssertionError("unreachable")
 
     async def begin(self, tenant: str, key: str, fingerprint: str, owner: str, *, lease_s: float) -> Begun:
-        now = self._clock()
-        args = {"tenant": tenant, "key": key, "fp": fingerprint, "owner": owner, "expires": now + lease_s, "now": now,
-                "records": self.limits.records, "bytes": self.limits.bytes}
+        args = {"tenant": tenant, "key": key, "fp": fingerprint, "owner": owner, "lease": lease_s,
+                "shift": self._shift(), "records": self.limits.records, "bytes": self.limits.bytes}
         self._claims += 1
         if self._claims % PRUNE_EVERY == 0:
-            await self._run(PG_PRUNE, {"now": now})
+            await self._run(PG_PRUNE, args)
         try:
             for _ in range(CLAIM_TRIES):
-                claimed, found_fp, found_owner, state, answer, expires = await self._run(_PG_BEGIN, args)
+                claimed, found_fp, found_owner, state, answer, expires, now = await self._run(_PG_BEGIN, args)
                 if claimed:
                     return Claim(tenant, key, fingerprint, owner)
                 if found_fp is not None and expires > now:
@@ -169,7 +177,7 @@ class PostgresIdempotency(IdempotencyStore):
                         return Claim(tenant, key, fingerprint, owner)
                     return _decoded(answer) if state == "done" else Running()
                 # no room (or no totals row yet), or the key claimed by another request since the statement's snapshot
-                changed, room, first = await self._run(_PG_ROOM, args)
+                changed, room, first, now = await self._run(_PG_ROOM, args)
                 if not changed and room is False:
                     return _full(now, first)
         except NotRun:
@@ -181,7 +189,7 @@ class PostgresIdempotency(IdempotencyStore):
 
     def finish_with_row(self, claim: Claim, answer: dict[str, Any], ttl_s: float) -> tuple[Statement, ...]:
         text, _ = _kept(answer, self.limits)
-        return ((_PG_FINISH, (text, self._clock() + ttl_s, claim.tenant, claim.key, claim.owner)),)
+        return ((_PG_FINISH, (text, self._shift(), ttl_s, claim.tenant, claim.key, claim.owner)),)
 
     async def finish_alone(self, claim: Claim, answer: dict[str, Any], ttl_s: float) -> None:
         for sql, args in self.finish_with_row(claim, answer, ttl_s):
@@ -189,13 +197,14 @@ class PostgresIdempotency(IdempotencyStore):
 
     async def renew(self, claim: Claim, lease_s: float) -> bool:
         """Its lease extended (the statement changes no size: the totals' trigger locks nothing)."""
-        return await self._run(_PG_RENEW, (self._clock() + lease_s, claim.tenant, claim.key, claim.owner)) is not None
+        args = (self._shift(), lease_s, claim.tenant, claim.key, claim.owner)
+        return await self._run(_PG_RENEW, args) is not None
 
     async def stored(self, tenant: str, key: str, fingerprint: str) -> Replay | Mismatch | None:
-        found = await self._run(_PG_STORED, (tenant, key))
-        if found is None or found[1] != "done" or found[3] <= self._clock():
+        found = await self._run(_PG_STORED, (tenant, key, self._shift()))
+        if found is None:
             return None
-        return _decoded(found[2]) if found[0] == fingerprint else Mismatch()
+        return _decoded(found[1]) if found[0] == fingerprint else Mismatch()
 
     async def abandon(self, claim: Claim) -> None:
         try:

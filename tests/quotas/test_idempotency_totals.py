@@ -33,7 +33,7 @@ async def test_concurrent_claims_from_several_replicas_hold_the_bound_exactly(da
     """Four replicas (a pool of ten connections each) claim 40 new keys of one tenant at once, for tenants new and
     old: exactly the bound's worth are claimed; every other is refused, not let past it."""
     clock = Clock()
-    replicas = [PostgresIdempotency(database_url, clock=clock, limits=Limits(records=5)) for _ in range(4)]
+    replicas = [PostgresIdempotency(database_url, shift=clock.shift, limits=Limits(records=5)) for _ in range(4)]
     try:
         for round_ in range(5):
             tenant = f"t{round_}"
@@ -60,7 +60,8 @@ async def test_every_change_of_the_records_keeps_the_totals_exact(database_url: 
     monkeypatch.setattr(idempotency_postgres, "PRUNE_EVERY", 7)
     clock = Clock()
     ledger = PostgresLedger(database_url)
-    store = PostgresIdempotency(database_url, clock=clock, limits=Limits(records=4, bytes=10**6, answer_bytes=900))
+    store = PostgresIdempotency(database_url, shift=clock.shift,
+                                limits=Limits(records=4, bytes=10**6, answer_bytes=900))
     ledger.start()
     ids = itertools.count(1)
 
@@ -163,6 +164,7 @@ def test_the_periodic_prune_waits_for_a_group_commit_instead_of_deadlocking_with
 
     open_schema(database_url)
     now = 1000.0
+    shift = now - time.time()  # the database's clock moved back to `now`
     sql(database_url, "INSERT INTO idempotency VALUES ('prune-t','k1','f','o1','running',NULL,1600)")
     sql(database_url, "INSERT INTO idempotency VALUES ('prune-t','k2','f','o2','running',NULL,999)")  # lease over
     commit = psycopg.connect(database_url, autocommit=True)
@@ -170,11 +172,11 @@ def test_the_periodic_prune_waits_for_a_group_commit_instead_of_deadlocking_with
     outcome: dict[str, str] = {}
     try:
         commit.execute("BEGIN")
-        commit.execute(idempotency_postgres._PG_FINISH, ("a" * 10, now + 3600, "prune-t", "k1", "o1"))
+        commit.execute(idempotency_postgres._PG_FINISH, ("a" * 10, shift, 3600, "prune-t", "k1", "o1"))
 
         def run_prune() -> None:
             try:
-                prune.execute(PG_PRUNE, {"now": now})
+                prune.execute(PG_PRUNE, {"shift": shift})
                 outcome["prune"] = "ok"
             except psycopg.Error as exc:
                 outcome["prune"] = repr(exc)
@@ -182,7 +184,7 @@ def test_the_periodic_prune_waits_for_a_group_commit_instead_of_deadlocking_with
         pruning = threading.Thread(target=run_prune)
         pruning.start()
         time.sleep(0.3)
-        commit.execute(idempotency_postgres._PG_FINISH, ("b" * 10, now + 3600, "prune-t", "k2", "o2"))
+        commit.execute(idempotency_postgres._PG_FINISH, ("b" * 10, shift, 3600, "prune-t", "k2", "o2"))
         commit.execute("COMMIT")
         pruning.join(10)
         assert outcome == {"prune": "ok"}
