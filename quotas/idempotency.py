@@ -15,7 +15,9 @@ Three stores behind one interface:
   ledger's tables; a claim is one statement on a connection of the async pool, and the `done` record commits with the
   ledger row, as in SQLite, so any replica replays an answer whose row any replica wrote.
 - `RedisIdempotency` (replicas, quotas/idempotency_redis.py): the record in Redis, claimed and finished by Lua
-  scripts, so a replica that did not serve the first request replays it too.
+  scripts, so a replica that did not serve the first request replays it too. Its answer is stored after its row is
+  durable, not with it: a claim whose owner died in between is looked up in the gateway's ledger (`rows`) once its
+  lease ends, and a retry is told it ran and was billed (`lost()`), never run again.
 
 What one tenant may hold is bounded (`Limits`), on every store: every key stores a copy of its answer for the TTL
 (24 h), and a cached answer repeated under fresh keys is free, so without a bound one tenant's records could fill
@@ -40,11 +42,14 @@ import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from quotas.ledger import Statement
+
+if TYPE_CHECKING:
+    from quotas.ledger_reads import LedgerReads
 
 log = logging.getLogger("tiergate.idempotency")
 
@@ -109,6 +114,15 @@ class Limits:
 DEFAULT_LIMITS = Limits()
 # what a `done` record holds in place of an answer over `Limits.answer_bytes`: {NOT_KEPT: its size in bytes}
 NOT_KEPT = "tiergate_answer_not_kept"
+# what a claim whose owner died after its answer's row committed answers instead (Redis, which stores the answer only
+# after its row: quotas/idempotency_redis.py): {NOT_KEPT: 0, LOST: True}, the same 409 (it ran and was billed; its
+# answer is lost), never run and billed again
+LOST = "tiergate_answer_lost"
+
+
+def lost() -> Replay:
+    """What a retry is told of a key whose request ran and was billed, its answer lost with its gateway."""
+    return Replay({NOT_KEPT: 0, LOST: True})
 
 
 def not_kept(answer: dict[str, Any]) -> int | None:
@@ -122,6 +136,9 @@ def _full(now: float, first_expires: float | None) -> Full:
 
 class IdempotencyStore(ABC):
     limits = DEFAULT_LIMITS  # what one tenant may hold (each store enforces it where a new key is claimed)
+    # the gateway's ledger, set once it is open: where a store that stores an answer only after its row (Redis) looks
+    # for the row of a claim whose owner died (the SQL stores commit the answer with its row: they need none)
+    rows: LedgerReads | None = None
 
     @abstractmethod
     async def begin(self, tenant: str, key: str, fingerprint: str, owner: str, *, lease_s: float) -> Begun:

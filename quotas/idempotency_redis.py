@@ -16,9 +16,11 @@ whose reply was lost is simply made again:
   is not given up: until the write lands, a retry on this replica replays the owed answer from memory, and one on
   another replica finds the key `running` (it waits, then gets the usual 409 with Retry-After) or Redis down (503),
   never a fresh claim. The `running` record itself protects the key for the claim's lease (10 minutes by
-  default); the owed write, when it lands, stores the answer even if that record has expired meanwhile, so only an
-  outage longer than the lease during which a retry reached Redis first can run a key twice, and that is logged
-  (the owed write then finds another request's claim), as is an owed write given up after `keep_trying_s`;
+  default); the owed write, when it lands, stores the answer even if that lease has ended meanwhile, and a retry
+  that finds it ended is told the request was billed (its row is in the ledger: see below), so only an outage longer
+  than the lease during which a retry on a gateway without the ledger reached Redis first can run a key twice, and
+  that is logged (the owed write then finds another request's claim), as is an owed write given up after
+  `keep_trying_s`;
 - a claim given up (`abandon`: the request failed) is tried twice, then owed in the background the same way (until
   then a retry gets 409, then runs);
 - an answer whose ledger row is still pending after the gateway's wait for it (gateway/pipeline/idempotency.py's
@@ -26,14 +28,23 @@ whose reply was lost is simply made again:
   (`finish_when_written`), however late: stored once the row commits, as the SQL stores keep it (there it commits
   with the row), its claim given up if the row is refused for good. Before, the gateway stopped following a row after
   120 s: a row committed later billed the tenant with no answer kept, and a retry after the claim's lease ran and was
-  billed again. Nothing lives longer for it: the `running` record keeps the TTL its claim set (its lease), renewed
-  only while its request runs (`renew`), never for this, so a claim whose owner died frees its key when its lease
-  ends, as before; what is held is this process's memory, bounded with the owed work's bounds (`MAX_OWED` answers,
-  `MAX_OWED_BYTES`; beyond them logged and dropped, the claim left to its lease), released when the row's future
-  settles (the ledger settles every one: it commits, is refused, or fails as the ledger closes) and lost, logged, at
-  `close`. A row committed after the lease
-  still stores its answer (over nothing, as SQLite's `done` update lands on an expired record not yet pruned),
-  unless another request claimed the key meanwhile (logged: it ran again), as in the SQL stores.
+  billed again. Nothing lives longer for it: the `running` record keeps the lease its claim set, renewed only while
+  its request runs (`renew`), never for this, so a claim whose owner died frees its key when its lease ends, as
+  before (but see below: a billed one is not run again); what is held is this process's memory, bounded with the
+  owed work's bounds (`MAX_OWED` answers, `MAX_OWED_BYTES`; beyond them logged and dropped, the claim left to its
+  lease), released when the row's future settles (the ledger settles every one: it commits, is refused, or fails as
+  the ledger closes) and lost, logged, at `close`. A row committed after the lease still stores its answer (over
+  its lapsed claim, as SQLite's `done` update lands on an expired record not yet pruned), unless another request
+  claimed the key meanwhile (logged: it ran again), as in the SQL stores.
+A claim's lease is a field of its record (`lease`, Redis's clock), not the record's expiry: the record is kept
+`CLAIM_KEPT_S` (24 h) past it. The answer is stored only after its row is durable, so a gateway killed in between, or
+while the answer was owed in its memory, left a claim that lapsed with its lease, and the client's retry took the key
+over, ran and was billed again. Now a retry that finds a claim's lease over looks for its owner's row in the gateway's
+ledger (`rows`, set once the ledger is open): a row of an answer (status ok) and the retry is told its request ran and
+was billed, its answer lost (`lost()`: the 409 of an answer not kept), and never runs; no row, or the row of a request
+that failed or whose client left (whose claim it would have given up), and the key is taken over, as before, by a
+script that takes it only from that owner. The ledger failing to say is `IdempotencyUnavailable` (a 503, nothing
+claimed); a store without `rows` takes a lapsed claim over (tools, tests).
 Owed work is bounded (`MAX_OWED` entries, `MAX_OWED_BYTES` of answers); beyond that it is dropped: the claim then
 stays `running` until its lease ends. Work still owed when the store closes is logged and lost.
 An outage is logged as one, with a count of the writes it lost (quotas/idempotency_outage.py), not a line a write.
@@ -67,6 +78,7 @@ from quotas.idempotency import (
     _encoded,
     _follow,
     _kept,
+    lost,
 )
 from quotas.idempotency_outage import OutageLog
 from quotas.ledger import LedgerUnavailable
@@ -79,6 +91,9 @@ ABANDON_TRIES = 2
 RETRY_DELAYS_S = (0.05, 0.2)  # between tries at once
 KEEP_TRYING_S = 900.0  # how long owed work is retried: longer than the gateway's lease (600 s)
 MAX_RETRY_DELAY_S = 5.0  # between background rounds, at most: under the gateway's wait for a running key (10 s)
+# a claim's record is kept this long past its lease (the answers' TTL by default), so that a retry after its owner died
+# is told whether that request was billed (its ledger row committed: its answer was lost) instead of running again
+CLAIM_KEPT_S = 24 * 3600.0
 MAX_OWED = 10_000  # owed writes kept at most
 MAX_OWED_BYTES = 64 * 1024 * 1024  # owed answers kept at most
 
@@ -107,17 +122,23 @@ local function resize(member, size)
   if size ~= old then redis.call('HINCRBY', KEYS[3], '', size - old) end
 end
 """
-# a running record of the same owner is its claim (a claim whose reply was lost, tried again)
+# a running record of the same owner is its claim (a claim whose reply was lost, tried again); one whose lease (its
+# `lease`, Redis's clock in ms; a record written before it had its key's expiry for a lease) has ended is 'lapsed',
+# with its owner and body, unless ARGV[7] names that owner (its row looked for and not found): then taken over
 _BEGIN = _HELD + """
+local now = now_ms()
 local found = redis.call('GET', KEYS[1])
 if found then
   local rec = cjson.decode(found)
-  if rec.fp ~= ARGV[1] then return {'mismatch'} end
-  if rec.state == 'done' then return {'replay', rec.answer} end
-  if rec.owner == ARGV[2] then return {'claim'} end
-  return {'running'}
+  if rec.state == 'running' and rec.owner ~= ARGV[2] and rec.lease ~= nil and rec.lease <= now then
+    if rec.owner ~= ARGV[7] then return {'lapsed', rec.owner, rec.fp} end
+  else
+    if rec.fp ~= ARGV[1] then return {'mismatch'} end
+    if rec.state == 'done' then return {'replay', rec.answer} end
+    if rec.owner == ARGV[2] then return {'claim'} end
+    return {'running'}
+  end
 end
-local now = now_ms()
 for _, gone in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now)) do resize(gone, 0) end
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
 if redis.call('ZCARD', KEYS[2]) >= tonumber(ARGV[5])
@@ -125,7 +146,8 @@ if redis.call('ZCARD', KEYS[2]) >= tonumber(ARGV[5])
   local first = redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')
   return {'full', tostring(first[2] and (tonumber(first[2]) - now) or 1000)}
 end
-redis.call('SET', KEYS[1], cjson.encode({state = 'running', fp = ARGV[1], owner = ARGV[2]}), 'PX', ARGV[3])
+redis.call('SET', KEYS[1], cjson.encode({state = 'running', fp = ARGV[1], owner = ARGV[2],
+                                         lease = now + tonumber(ARGV[3])}), 'PX', tonumber(ARGV[3]) + tonumber(ARGV[8]))
 redis.call('ZADD', KEYS[2], now + tonumber(ARGV[3]), ARGV[4])
 hold(tonumber(ARGV[3]))
 return {'claim'}
@@ -142,14 +164,17 @@ resize(ARGV[5], tonumber(ARGV[6]))
 hold(tonumber(ARGV[4]))
 return 1
 """
-# a running claim's lease extended by its owner (1), or 0: answered, given up, or another request's since it expired
+# a running claim's lease extended by its owner (1), or 0: answered, given up, its lease ended (lost, as it was when
+# the record went with it), or another request's since
 _RENEW = _HELD + """
 local found = redis.call('GET', KEYS[1])
 if not found then return 0 end
 local rec = cjson.decode(found)
-if rec.owner ~= ARGV[1] or rec.state ~= 'running' then return 0 end
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
-redis.call('ZADD', KEYS[2], now_ms() + tonumber(ARGV[2]), ARGV[3])
+local now = now_ms()
+if rec.owner ~= ARGV[1] or rec.state ~= 'running' or (rec.lease ~= nil and rec.lease <= now) then return 0 end
+rec.lease = now + tonumber(ARGV[2])
+redis.call('SET', KEYS[1], cjson.encode(rec), 'PX', tonumber(ARGV[2]) + tonumber(ARGV[4]))
+redis.call('ZADD', KEYS[2], now + tonumber(ARGV[2]), ARGV[3])
 hold(tonumber(ARGV[2]))
 return 1
 """
@@ -217,17 +242,20 @@ class RedisIdempotency(IdempotencyStore):
         owed = self._owed.get((tenant, key))
         if owed is not None and owed.answer is not None:  # answered here, not yet in Redis
             return _decoded(owed.answer) if owed.fingerprint == fingerprint else Mismatch()
-        keys = self._keys(tenant, key)
-        try:
-            got = await self._tries(self._begin, keys, [fingerprint, owner, int(lease_s * 1000), key,
-                                                        self.limits.records, self.limits.bytes], BEGIN_TRIES)
-        except RedisError as exc:  # a try may have claimed it before its reply was lost: given up when Redis answers
-            self._outage.failed(exc)
-            self._owe(tenant, key, _Owed("abandon", keys, [owner, key],
-                                         time.monotonic() + min(lease_s, self.keep_trying_s)))
-            raise IdempotencyUnavailable(f"the idempotency records (Redis) cannot be reached: {exc}") from exc
-        self._outage.answered()
-        kind = got[0].decode() if isinstance(got[0], bytes) else got[0]
+        args = [fingerprint, owner, int(lease_s * 1000), key, self.limits.records, self.limits.bytes, "",
+                int(CLAIM_KEPT_S * 1000)]
+        got = await self._claim(tenant, key, args, lease_s)
+        kind = _text(got[0])
+        if kind == "lapsed":  # its owner's lease ended, its answer not stored: did its row commit (it was billed)?
+            lapsed, fp = _text(got[1]), _text(got[2])
+            if await self._ran(lapsed):
+                log.warning("Idempotency-Key %r (tenant %s): the request that claimed it (%s) was billed, but its "
+                            "answer was never stored (its gateway died); a retry is told so, never run again", key,
+                            tenant, lapsed)
+                return lost() if fp == fingerprint else Mismatch()
+            args[6] = lapsed  # no row: taken over, unless its record changed meanwhile
+            got = await self._claim(tenant, key, args, lease_s)
+            kind = _text(got[0])
         if kind == "claim":
             return Claim(tenant, key, fingerprint, owner)
         if kind == "replay":
@@ -235,6 +263,31 @@ class RedisIdempotency(IdempotencyStore):
         if kind == "full":
             return Full(max(1.0, float(got[1]) / 1000))
         return Mismatch() if kind == "mismatch" else Running()
+
+    async def _claim(self, tenant: str, key: str, args: list[Any], lease_s: float) -> Any:
+        """The claim script's answer, tried `BEGIN_TRIES` times; Redis failing, `IdempotencyUnavailable`."""
+        keys = self._keys(tenant, key)
+        try:
+            got = await self._tries(self._begin, keys, args, BEGIN_TRIES)
+        except RedisError as exc:  # a try may have claimed it before its reply was lost: given up when Redis answers
+            self._outage.failed(exc)
+            self._owe(tenant, key, _Owed("abandon", keys, [args[1], key],
+                                         time.monotonic() + min(lease_s, self.keep_trying_s)))
+            raise IdempotencyUnavailable(f"the idempotency records (Redis) cannot be reached: {exc}") from exc
+        self._outage.answered()
+        return got
+
+    async def _ran(self, owner: str) -> bool:
+        """Whether request `owner`'s ledger row committed as an answer (status ok: a request that failed or whose
+        client left wrote its row and gave its claim up, so a retry runs); False without the gateway's ledger (`rows`).
+        The ledger failing to say, `IdempotencyUnavailable`: nothing is claimed or run."""
+        if self.rows is None:
+            return False
+        try:
+            row = await asyncio.to_thread(self.rows.get, owner)
+        except Exception as exc:
+            raise IdempotencyUnavailable(f"the ledger cannot be read for the row of request {owner}: {exc}") from exc
+        return row is not None and row.status == "ok"
 
     async def finish(self, claim: Claim, answer: dict[str, Any], ttl_s: float) -> None:
         """Store the answer; never raises for Redis: what cannot be written now is owed (see the module's doc)."""
@@ -259,7 +312,8 @@ class RedisIdempotency(IdempotencyStore):
         """Its lease extended, tried once (one that raised is tried again a thirtieth of the lease later, by
         gateway/pipeline/idempotency.py); Redis failing raises."""
         keys = self._keys(claim.tenant, claim.key)
-        return bool(await self._renew(keys=keys, args=[claim.owner, int(lease_s * 1000), claim.key]))
+        return bool(await self._renew(keys=keys, args=[claim.owner, int(lease_s * 1000), claim.key,
+                                                       int(CLAIM_KEPT_S * 1000)]))
 
     async def stored(self, tenant: str, key: str, fingerprint: str) -> Replay | Mismatch | None:
         owed = self._owed.get((tenant, key))
@@ -385,6 +439,10 @@ class RedisIdempotency(IdempotencyStore):
                 delay = min(delay * 2, MAX_RETRY_DELAY_S)
             else:
                 delay = RETRY_DELAYS_S[0]
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value
 
 
 def _ran_again(owner: str, tenant: str) -> None:
