@@ -151,7 +151,7 @@ def build_services(settings: Settings) -> Services:
         settler=Settler(ledger=ledger, quotas=quotas, dispatch=dispatch, cache=cache, metrics=metrics_,
                         signals=signals, catalogue=catalogue, rollouts=rollouts),
         refusals=RefusalLog(ledger=ledger, metrics=metrics_),
-        idempotency=IdempotencyStage(open_idempotency(settings)),
+        idempotency=IdempotencyStage(open_idempotency(settings, ledger)),
         ready=lambda: ledger.not_ready_reason,
         shadow=Shadow(rollouts=rollouts, caller=caller, metrics=metrics_),
         cache_checks=None if cache.cache is None else CacheChecks(cache=cache.cache, caller=caller,

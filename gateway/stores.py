@@ -60,14 +60,17 @@ def open_ledger(settings: Settings) -> Ledger:
     return Ledger(settings.ledger_db, sync=settings.ledger_sync)
 
 
-def open_idempotency(settings: Settings) -> IdempotencyStore:
+def open_idempotency(settings: Settings, ledger: Ledger | None = None) -> IdempotencyStore:
     """Beside the ledger when it is in a database (a `done` record commits with its ledger row), else Redis for
-    replicas sharing one, else the ledger's SQLite file."""
+    replicas sharing one, else the ledger's SQLite file. `ledger`: where Redis keeps the claims, what a claim whose
+    gateway died is looked up in (its row written: the retry is told it ran, never run and billed again)."""
     if settings.database_url:
         with _reaching():
             return PostgresIdempotency(settings.database_url, max_connections=settings.database_max_connections)
     if settings.redis_url:
-        return RedisIdempotency(settings.redis_url)
+        store = RedisIdempotency(settings.redis_url)
+        store.rows = ledger
+        return store
     return SQLiteIdempotency(settings.ledger_db)
 
 

@@ -66,7 +66,7 @@ from gateway.pipeline.idempotency_keep import keep_when_written as keep_when_wri
 from gateway.pipeline.idempotency_keep import lease_lost as lease_lost
 from gateway.pipeline.meter import Outcome
 from gateway.request_headers import check_idempotency_key
-from quotas.idempotency import Claim, Full, IdempotencyStore, Mismatch, Replay, Running, not_kept
+from quotas.idempotency import LOST, Claim, Full, IdempotencyStore, Mismatch, Replay, Running, not_kept
 from quotas.ledger import LedgerUnavailable
 from wire.chat_request import ChatCompletionRequest
 
@@ -75,7 +75,8 @@ REPLAY_HEADER = "x-tiergate-idempotent-replay"
 log = logging.getLogger("tiergate.idempotency")
 RENEW_RETRY_PARTS = 30  # a renewal that failed is tried again this part of the lease later (20 s of the default 600)
 # a lease is counted on until this part of it before it can end by this gateway's clock (20 s of the default 600): the
-# margin for a store whose leases other replicas judge by their own clocks (PostgreSQL's), or a wall clock stepped
+# margin for a store's clock that runs apart from this gateway's (PostgreSQL's and Redis' date leases by their own), or
+# a wall clock stepped
 LEASE_MARGIN_PARTS = 30
 
 
@@ -85,6 +86,10 @@ def _replayable(replay: Replay) -> Replay:
     size = not_kept(replay.answer)
     if size is None:
         return replay
+    if replay.answer.get(LOST):  # its gateway stopped between the row and the answer's record (quotas/idempotency.py)
+        raise Conflict("Idempotency-Key: the request with this key ran and was billed, but its answer was lost (its "
+                       "gateway stopped before keeping it); send the request with a new key to run it again",
+                       param="Idempotency-Key", code="idempotency_answer_not_kept")
     raise Conflict(f"Idempotency-Key: the request with this key ran, was answered and billed, but its answer "
                    f"({size / 2**20:.1f} MiB) was too large to keep for a replay; send the request with a new key to "
                    "run it again", param="Idempotency-Key", code="idempotency_answer_not_kept")
@@ -124,8 +129,8 @@ class IdempotencyStage:
         time it may end, or the store says the record is not this claim's running one any more (taken over by another
         request once it expired). When it may end is measured on this gateway's monotonic clock from when the last
         renewal that succeeded (or the claim) was asked of the store, as every store dates a lease no earlier than
-        that (SQLite and PostgreSQL from the clock of the gateway that asks, Redis from its own on receipt), less a
-        thirtieth of the lease (`LEASE_MARGIN_PARTS`): other replicas judge a PostgreSQL lease by their own clocks."""
+        that (SQLite from the clock of the gateway that asks, PostgreSQL and Redis from their own on receipt), less a
+        thirtieth of the lease (`LEASE_MARGIN_PARTS`): a store's clock may run apart from this gateway's."""
         asked = self._asked.pop(claim, None)  # a claim `begin` did not return (a test's): its lease from now
         return asyncio.get_running_loop().create_task(self._renew(claim, time.monotonic() if asked is None else asked))
 
