@@ -50,19 +50,19 @@ def test_a_ledger_read_that_fails_for_now_is_a_503_ledger_unavailable(
     assert "locked" in str(locked)
     services = gateway.app.state.services
     failing = True
-    real_rows, real_report = services.ledger.rows, services.reports.processes.report
+    real_latencies, real_report = services.ledger.latencies, services.reports.processes.report
 
-    def rows(**kwargs: Any) -> Any:
+    def latencies(**kwargs: Any) -> Any:  # /admin/ops' read, on its thread
         if failing:
             raise locked
-        return real_rows(**kwargs)
+        return real_latencies(**kwargs)
 
     def report(*args: Any, **kwargs: Any) -> Any:  # what a report process sends back, raised on the report thread
         if failing:
             raise locked
         return real_report(*args, **kwargs)
 
-    services.ledger.rows, services.reports.processes.report = rows, report
+    services.ledger.latencies, services.reports.processes.report = latencies, report
     keys = {"admin": gateway.admin_key, "tenant": gateway.tenant_key}
     caplog.set_level(logging.INFO, logger="tiergate.report")
     for who, path in ROUTES:
