@@ -48,9 +48,10 @@ class _FleetCollector:
         for stat, name, doc in ENGINE_STATS:
             g = GaugeMetricFamily(name, doc, labels=["tier", "replica"])
             for tier, reps in self.fleet.replicas.items():
-                for rep in reps:
-                    if stat in rep.stats:
-                        g.add_metric([tier, str(rep.index)], rep.stats[stat])
+                for rep in reps:  # read once: the health poller replaces a replica's stats whole, and a scrape
+                    stats = rep.stats  # renders on its own thread (gateway/routes/health.py)
+                    if stat in stats:
+                        g.add_metric([tier, str(rep.index)], stats[stat])
             yield g
 
 
