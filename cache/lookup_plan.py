@@ -32,10 +32,12 @@ class LookupPlan:
 
     __slots__ = ("_key", "exact_key", "now", "policy", "request", "scope", "scope_id")
 
-    def __init__(self, scope: CacheScope, policy: TenantPolicy, request: Mapping[str, Any], now: float):
+    def __init__(self, scope: CacheScope, policy: TenantPolicy, request: Mapping[str, Any], now: float,
+                 exact: str | None = None):
+        """`exact`: the request's `exact_key`, where the caller has it already."""
         self.scope, self.policy, self.request, self.now = scope, policy, request, now
         self.scope_id = scope.scope_id  # a hash of the scope's fields: computed once for the lookup's steps
-        self.exact_key = exact_key(request)
+        self.exact_key = exact_key(request) if exact is None else exact
         self._key: RequestKey | None = None
 
     @property

@@ -69,10 +69,16 @@ class CacheScope:
     @classmethod
     def for_request(cls, request: Mapping[str, Any], *, tenant: str, roles: Iterable[str] = (),
                     end_user: str | None = None, safety_identifier: str | None = None,
-                    data_version: int | str = 0, model_version: str) -> CacheScope:
-        """The scope of an OpenAI chat request: derives the context hash and sampling class from its body."""
+                    data_version: int | str = 0, model_version: str,
+                    hashed: tuple[str, str] | None = None) -> CacheScope:
+        """The scope of an OpenAI chat request: derives the context hash and sampling class from its body
+        (`hashed`: the two, `body_hashes(request)`, where the caller has them already)."""
+        context, sampling = body_hashes(request) if hashed is None else hashed
         return cls(tenant=tenant, identity=identity_snapshot(roles, end_user, safety_identifier),
-                   data_version=data_version,
-                   model_version=model_version, context_hash=context_hash(request),
-                   sampling_class=sampling_class(request),
-                   end_user=end_user_snapshot(end_user, safety_identifier))
+                   data_version=data_version, model_version=model_version, context_hash=context,
+                   sampling_class=sampling, end_user=end_user_snapshot(end_user, safety_identifier))
+
+
+def body_hashes(request: Mapping[str, Any]) -> tuple[str, str]:
+    """What a request's scope reads of its body: its context hash and sampling class."""
+    return context_hash(request), sampling_class(request)

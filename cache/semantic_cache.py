@@ -184,12 +184,13 @@ class SemanticCache:
 
     async def alookup(self, scope: CacheScope, request: Mapping[str, Any], *,
                       headers: Mapping[str, str] | None = None, policy: TenantPolicy | None = None,
-                      admitted: bool = False) -> LookupResult:
+                      admitted: bool = False, exact: str | None = None) -> LookupResult:
         """`lookup` for the event loop: the embedding is batched with other requests', blocking I/O and the
         faiss search run in worker threads, and an answer this process is still writing is served at once.
-        `admitted`: the caller asked `bypass` of this request, policy and headers, and was told None."""
-        if conversation_chars(request) <= KEYS_ON_LOOP_MAX_CHARS:
-            plan = self._begin(scope, request, headers, policy, admitted)
+        `admitted`: the caller asked `bypass` of this request, policy and headers, and was told None. `exact`: the
+        request's `exact_key`, where the caller has it already (its first steps then hash nothing of the request)."""
+        if exact is not None or conversation_chars(request) <= KEYS_ON_LOOP_MAX_CHARS:
+            plan = self._begin(scope, request, headers, policy, admitted, exact)
         else:
             plan = await self._threads(scope.tenant, self._begin, scope, request, headers, policy, admitted)
         if not isinstance(plan, LookupPlan):
@@ -202,12 +203,13 @@ class SemanticCache:
         return await self._threads(scope.tenant, self._semantic, plan, vector)
 
     def _begin(self, scope: CacheScope, request: Mapping[str, Any], headers: Mapping[str, str] | None,
-               policy: TenantPolicy | None, admitted: bool = False) -> LookupResult | LookupPlan:
+               policy: TenantPolicy | None, admitted: bool = False, exact: str | None = None
+               ) -> LookupResult | LookupPlan:
         """Policy, cacheability (unless `admitted`: see `alookup`), keys, and the answers this process has not
         finished writing. No I/O."""
         if not admitted and (refused := self.bypass(request, headers=headers, policy=policy)) is not None:
             return refused
-        plan = LookupPlan(scope, policy or self.default_policy, request, self.clock())
+        plan = LookupPlan(scope, policy or self.default_policy, request, self.clock(), exact)
         entry = self.pending.get(plan.scope_id, plan.exact_key)
         if entry is None and self.feed.recent():
             entry = self.recent.get(plan.scope_id, plan.exact_key, plan.now)  # deletions elsewhere applied

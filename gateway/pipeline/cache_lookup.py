@@ -48,10 +48,13 @@ from cache import (
     TenantPolicy,
     end_user_snapshot,
 )
+from cache.request_key import exact_key
+from cache.scope import body_hashes
 from gateway.errors import InvalidRequest
 from gateway.ladder.apply import Degradation, shaped_answer
 from gateway.pipeline.context import RequestContext
 from gateway.pipeline.meter import Outcome
+from gateway.pipeline.parsed import Derived
 from gateway.tenants.store import TenantStore
 from quotas.fault_log import FaultLog
 from quotas.plans import RoutingPlan
@@ -74,6 +77,8 @@ def cascade_acceptance(routing: RoutingPlan, floor: float | None) -> str:
     return f"cascade:min_mean_logprob={routing.cascade_min_mean_logprob!r}:floor={floor!r}"
 
 
+# what a kept body's first request leaves its repeats (gateway/pipeline/parsed.py `Derived`)
+_BODY, _HASHED, _EXACT = "cache.body", "cache.hashed", "cache.exact"
 ARTIFACT = "|artifact="  # the last part of a cascaded lookup's scope: the router artifact its check read
 
 
@@ -152,12 +157,20 @@ class CacheStage:
 
     async def lookup(self, ctx: RequestContext, req: ChatCompletionRequest, tier: TierSpec,
                      degr: Degradation, artifact: str | None = None, *,
-                     counted_prompt: int | None = None) -> CacheLookup:
+                     counted_prompt: int | None = None, derived: Derived | None = None) -> CacheLookup:
         """`artifact`: the router artifact loaded now (`artifact_version`); a cascaded request is looked up among
         the answers its check accepted (the cascade stores its accepted answer under the artifact its check read,
         cascade.py's `_accepted`). `counted_prompt`: the request's prompt tokens as counted for `tier` (None: not
-        counted), which a hit's usage reports and bills (`Hit.request_usage`), not its stored request's."""
-        body = req.model_dump(mode="json", exclude_none=True)
+        counted), which a hit's usage reports and bills (`Hit.request_usage`), not its stored request's.
+        `derived`: where `req` is a kept body's (gateway/pipeline/parsed.py), the body as the cache keys it and its
+        hashes are taken from there, made by the body's first request: a repeat (an exact hit) hashes nothing of
+        it again. That body is every repeat's: the cache only reads it."""
+        memo = derived.of(req) if derived is not None else None
+        body = memo.get(_BODY) if memo is not None else None
+        if body is None:
+            body = req.model_dump(mode="json", exclude_none=True)
+            if memo is not None:
+                memo[_BODY] = body
         if self.cache is None:
             return CacheLookup(Bypass("bypass: the cache is off"), None, None, body, ctx.headers, ())
         policy, applied = self._policy(ctx, degr)
@@ -166,12 +179,17 @@ class CacheStage:
             # no scope for a request that may not use the cache (temperature unset: the common case): nothing of it
             # is looked up or kept, and its scope cost hashes of the request and the tier
             return CacheLookup(bypass, None, policy, body, ctx.headers, applied, req.output_cap, accepted_by)
-        scope = await self._scope(ctx, req, tier, body)
+        hashed = exact = None
+        if memo is not None:  # a kept body: short (parsed.py's MAX_BODY), so hashed here on the loop, once
+            hashed = memo.get(_HASHED) or memo.setdefault(_HASHED, body_hashes(body))
+            exact = memo.get(_EXACT) or memo.setdefault(_EXACT, exact_key(body))
+        scope = await self._scope(ctx, req, tier, body, hashed)
         if accepted_by is not None:  # apart from the tier's answers that no check accepted
             scope = with_artifact(replace(scope, context_hash=f"{scope.context_hash}|accepted_by={accepted_by}"),
                                   artifact)
         try:
-            result = await self.cache.alookup(scope, body, headers=ctx.headers, policy=policy, admitted=True)
+            result = await self.cache.alookup(scope, body, headers=ctx.headers, policy=policy, admitted=True,
+                                              exact=exact)
         except (CacheStoreError, EmbedderError) as exc:
             self._lookup_faults.failed(exc)
             result = Miss(f"cache unavailable: {exc}")
@@ -245,7 +263,7 @@ class CacheStage:
                               c.shadow_check_rate, delta, c.meaning_check), applied
 
     async def _scope(self, ctx: RequestContext, req: ChatCompletionRequest, tier: TierSpec,
-                     body: Mapping[str, Any]) -> CacheScope:
+                     body: Mapping[str, Any], hashed: tuple[str, str] | None = None) -> CacheScope:
         # authenticate followed the store's changes; a version not cached is read off the loop where that waits on a
         # network (PostgreSQL): every write empties every tenant's, and the loop serves them all
         version: int | str = await self.store.data_version_async(ctx.tenant)
@@ -256,7 +274,7 @@ class CacheStage:
                                       end_user=req.user if isolate else None,
                                       safety_identifier=req.safety_identifier if isolate else None,
                                       data_version=version,
-                                      model_version=self.fleet.model_version(tier))
+                                      model_version=self.fleet.model_version(tier), hashed=hashed)
 
     async def _persist(self, entry: Entry) -> None:
         try:

@@ -46,7 +46,7 @@ from gateway.pipeline.idempotency import HEADER, IdempotencyStage, Keep, keep_wh
 from gateway.pipeline.limit_errors import NeverAdmitted
 from gateway.pipeline.meter import Meter, Outcome, Reading
 from gateway.pipeline.open_tier import open_tier
-from gateway.pipeline.parsed import ParsedBodies
+from gateway.pipeline.parsed import Derived, ParsedBodies
 from gateway.pipeline.prompt import ContextTooLong, Prompt, PromptStage
 from gateway.pipeline.refusals import RefusalLog
 from gateway.pipeline.refuse_early import degradation, measure_early, refuse_cache_only
@@ -127,7 +127,7 @@ class Pipeline:
                 if why is not None and (self.idempotency is None or HEADER not in ctx.headers):
                     raise not_ready()
                 check_data_version(ctx.headers)
-                req = self.parsed.parse(ctx.key_id, parse or parse_request, body)
+                req, derived = self.parsed.parse_kept(ctx.key_id, parse or parse_request, body)
                 if self.idempotency is None:
                     begun = None
                 elif why is None:
@@ -142,7 +142,7 @@ class Pipeline:
                 return
             keep = Keep(begun, self.idempotency.renewing(begun)) if begun is not None and self.idempotency else None
             with self.refusals.counted(ctx, charge):
-                prepared = await self._prepare(ctx, req, keep)
+                prepared = await self._prepare(ctx, req, keep, derived)
             events = cascade(self, ctx, prepared) if _cascades(ctx, prepared) else self.answer(ctx, prepared)
 
             async def stop() -> None:
@@ -186,15 +186,18 @@ class Pipeline:
         self.settler.hand_off(self.reserve.quotas.settle(reservation, tokens=0, price=Decimal(0)))
         return ratelimit_headers(ctx.plan, reservation.decision, ctx.principal.key.limits)
 
-    async def _prepare(self, ctx: RequestContext, req: ChatCompletionRequest, keep: Keep | None) -> Prepared:
-        """Every check, cheapest first, then the reservation: nothing is charged if any check refuses."""
+    async def _prepare(self, ctx: RequestContext, req: ChatCompletionRequest, keep: Keep | None,
+                       derived: Derived | None = None) -> Prepared:
+        """Every check, cheapest first, then the reservation: nothing is charged if any check refuses. `derived`:
+        what was derived from a kept body once for its repeats (parsed.py), which the cache's lookup reads."""
         degr = degradation(self.ladder, ctx)
         route = await self.route.choose(ctx, req, degr)
         # counted, and refused if it cannot fit, before the cache is looked up: a lookup may embed the last turn on
         # the embedding queue every tenant shares, which a request that can never run must not hold up
         prompt, held = await measure_early(self.prompt, self.reserve, ctx, req, route)
         lookup = await self.cache.lookup(ctx, req, route.tier, degr, artifact_version(self.route.predictor),
-                                         counted_prompt=prompt.num_tokens if prompt is not None else None)
+                                         counted_prompt=prompt.num_tokens if prompt is not None else None,
+                                         derived=derived)
         if (hit := lookup.hit) is not None:  # a cached answer needs no tier, however busy
             usage = hit.request_usage  # this request's own prompt tokens, not the stored answer's request's
             tokens = usage["prompt_tokens"] + usage["completion_tokens"]

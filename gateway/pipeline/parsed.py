@@ -16,12 +16,17 @@ the body's bytes, and a repeat gets a copy of the kept request.
   are parsed every time (the dict's hash of a long body would cost a part of what it saves, for what is rarely sent
   twice), and so are those the cache never answers (temperature unset or above 0 without a seed: nothing a repeat
   could save them but their parse).
+- What a later stage derives from the request alone, once for all its repeats (`Derived`: the cache's keys, ~10 us
+  of an exact hit's hashing, gateway/pipeline/cache_lookup.py), given to a request that holds the kept request's
+  own values: one a stage assigned a field on (none does) is derived anew.
 """
 
 from __future__ import annotations
 
+import operator
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import Any
 
 from cache.request_key import sampling_class
 from wire.chat_request import ChatCompletionRequest
@@ -33,6 +38,25 @@ MAX_BODY = 16 * 1024  # bytes: longer bodies are parsed every time
 Parse = Callable[[bytes], ChatCompletionRequest]
 
 
+class Derived:
+    """What stages derived from a kept request, by name, for every request parsed from its body (`ParsedBodies`):
+    each value a function of the request alone, computed by the first request that needs it."""
+
+    __slots__ = ("_memo", "_values")
+
+    def __init__(self, kept: ChatCompletionRequest) -> None:
+        self._values = tuple(kept.__dict__.values())  # the kept request's, which its copies share (a shallow copy)
+        self._memo: dict[str, Any] = {}
+
+    def of(self, req: ChatCompletionRequest) -> dict[str, Any] | None:
+        """The memo, where `req` holds the kept request's values (each the same object: no field assigned since
+        its copy); None otherwise (derive anew, and keep nothing)."""
+        values = req.__dict__.values()
+        if len(values) == len(self._values) and all(map(operator.is_, values, self._values)):
+            return self._memo
+        return None
+
+
 class ParsedBodies:
     """The requests parsed from the last deterministic bodies, by (key id, parser, body). Event loop only."""
 
@@ -41,26 +65,33 @@ class ParsedBodies:
             raise ValueError("entries must be at least 1")
         self.entries = entries
         self.max_body = max_body
-        self._kept: OrderedDict[tuple[str, Parse, bytes], ChatCompletionRequest] = OrderedDict()
+        self._kept: OrderedDict[tuple[str, Parse, bytes], tuple[ChatCompletionRequest, Derived]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._kept)
 
     def parse(self, key_id: str, parse: Parse, body: bytes) -> ChatCompletionRequest:
         """`parse(body)`, or a copy of what it gave for the same key and bytes lately; raises what `parse` raises."""
+        return self.parse_kept(key_id, parse, body)[0]
+
+    def parse_kept(self, key_id: str, parse: Parse, body: bytes) -> tuple[ChatCompletionRequest, Derived | None]:
+        """`parse`, and what stages derive from the request once for its body's repeats (None: not kept)."""
         if len(body) > self.max_body:
-            return parse(body)
+            return parse(body), None
         key = (key_id, parse, body)
         kept = self._kept.get(key)
         if kept is not None:
             self._kept.move_to_end(key)
-            return kept.model_copy()
+            return kept[0].model_copy(), kept[1]
         req = parse(body)
-        if _deterministic(req):
-            self._kept[key] = req.model_copy()  # what the caller gets is its own too
-            if len(self._kept) > self.entries:
-                self._kept.popitem(last=False)
-        return req
+        if not _deterministic(req):
+            return req, None
+        copy = req.model_copy()  # what the caller gets is its own too
+        derived = Derived(copy)
+        self._kept[key] = copy, derived
+        if len(self._kept) > self.entries:
+            self._kept.popitem(last=False)
+        return req, derived
 
 
 def _deterministic(req: ChatCompletionRequest) -> bool:

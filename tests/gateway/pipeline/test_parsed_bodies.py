@@ -3,6 +3,7 @@ its own copy, a key never gets another key's, and what did not parse is parsed (
 
 from __future__ import annotations
 
+import importlib
 import json
 
 import pytest
@@ -92,3 +93,43 @@ def test_an_exact_hit_through_the_api_does_not_parse_its_body_again(gateway: Gat
     assert first.status_code == second.status_code == 200
     assert second.json()["choices"] == first.json()["choices"]
     assert calls == ["ChatCompletionRequest"]
+
+
+def test_what_is_derived_once_serves_a_repeat_until_a_field_is_assigned() -> None:
+    parsed, parse = ParsedBodies(), Counting()
+    first, derived = parsed.parse_kept("k1", parse, body())
+    second, again = parsed.parse_kept("k1", parse, body())
+    assert derived is not None and again is derived
+    memo = derived.of(first)
+    assert memo is not None and derived.of(second) is memo
+    second.user = "changed"  # an assigned field: what was derived from the body is not this request's
+    assert derived.of(second) is None and derived.of(first) is memo
+    assert parsed.parse_kept("k2", parse, body())[1] is not derived  # another key's body: its own
+    sampled = json.dumps({"model": "mid", "messages": [{"role": "user", "content": "hi"}]}).encode()
+    assert parsed.parse_kept("k1", parse, sampled)[1] is None  # not kept: nothing derived once
+
+
+def test_an_exact_hit_through_the_api_hashes_nothing_of_its_body_again(gateway: Gateway,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    request_key = importlib.import_module("cache.request_key")  # the module (the package's name is its function)
+    digests = []
+    digest = request_key._digest
+
+    def counting(obj: object) -> str:
+        digests.append(obj)
+        return digest(obj)
+
+    monkeypatch.setattr(request_key, "_digest", counting)
+    request = {"model": "mid", "messages": [{"role": "user", "content": "What is the capital of Peru?"}],
+               "temperature": 0}
+    with gateway.client(gateway.tenant_key) as c:
+        first = c.post("/v1/chat/completions", json=request)
+        hashed = len(digests)
+        second = c.post("/v1/chat/completions", json=request)
+        # the same request in other bytes (its fields in another order): another body, hashed anew
+        third = c.post("/v1/chat/completions", json=dict(reversed(request.items())))
+    assert first.status_code == second.status_code == third.status_code == 200
+    assert hashed >= 2  # the context hash and the exact key, at least
+    assert [r.headers["x-tiergate-cache-kind"] for r in (second, third)] == ["exact", "exact"]
+    assert second.json()["choices"] == third.json()["choices"] == first.json()["choices"]
+    assert len(digests) == hashed + 2  # the second request's none; the third's context hash and exact key
