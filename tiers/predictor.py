@@ -122,12 +122,16 @@ class PredictorSource:
             self._checked_at = self._clock()
             self._checking = None
 
-    async def predict(self, messages: list[dict[str, Any]], *, owner: Hashable = None) -> Prediction | str:
+    async def predict(self, messages: list[dict[str, Any]] | Callable[[], list[dict[str, Any]]], *,
+                      owner: Hashable = None) -> Prediction | str:
         """The model's prediction, made in `owner`'s turn (the tenant's), or why there is none (said in the route
-        reason)."""
+        reason). `messages` may be a function that makes them: called only where there is a model to ask (with
+        none, the common case, every `auto` request built its turns' list for nothing)."""
         model = await self.current()
         if model is None:
             return f"difficulty model unusable: {self.error}" if self.error else "no difficulty model yet"
+        if callable(messages):
+            messages = messages()
         try:
             fidelity = await self._threads.run(owner, model.predict, messages)
         except Exception as exc:  # a faulty model must not fail requests: route by the plan's default, loudly

@@ -104,8 +104,8 @@ class RouteStage:
         unpredicted = "no difficulty model yet"
         floor, floor_reason = routing.floor_for(None)
         if req.model == AUTO and routing.policy == PREDICT and self.predictor is not None:
-            got = await self.predictor.predict([{"role": normalized_role(m.role), "content": m.text()}
-                                                for m in req.messages], owner=ctx.tenant)
+            got = await self.predictor.predict(lambda: [{"role": normalized_role(m.role), "content": m.text()}
+                                                        for m in req.messages], owner=ctx.tenant)
             if isinstance(got, Prediction):
                 prediction = got
             else:

@@ -43,16 +43,22 @@ def write(path: Path, body: dict[str, Any], mtime: int) -> None:
 MSG = [{"role": "user", "content": "hi"}]
 
 
+def unasked() -> list[dict[str, Any]]:
+    raise AssertionError("the turns were made with no model to ask")
+
+
 async def test_no_artifact_then_one_appears_then_a_new_version_replaces_it(tmp_path: Path) -> None:
     path = tmp_path / "router" / "difficulty.json"
     clock = Clock()
     source = PredictorSource(path, load, check_every_s=5, clock=clock)
     assert await source.predict(MSG) == "no difficulty model yet"
+    assert await source.predict(unasked) == "no difficulty model yet"  # no model to ask: the turns never made
     path.parent.mkdir()
     write(path, {"version": "v1"}, 1_000_000_000)
     assert await source.predict(MSG) == "no difficulty model yet"  # not looked at again within 5 s
     clock.t = 5
     assert await source.predict(MSG) == Prediction({"small": 0.5, "full": 1.0}, "v1")
+    assert await source.predict(lambda: MSG) == Prediction({"small": 0.5, "full": 1.0}, "v1")  # turns made to ask
     write(path, {"version": "v2"}, 2_000_000_000)
     clock.t = 10
     got = await source.predict(MSG)
