@@ -33,10 +33,11 @@ class LookupPlan:
     __slots__ = ("_key", "exact_key", "now", "policy", "request", "scope", "scope_id")
 
     def __init__(self, scope: CacheScope, policy: TenantPolicy, request: Mapping[str, Any], now: float,
-                 exact: str | None = None):
-        """`exact`: the request's `exact_key`, where the caller has it already."""
+                 exact: str | None = None, scope_id: str | None = None):
+        """`exact`, `scope_id`: the request's `exact_key` and the scope's `scope_id`, where the caller has them."""
         self.scope, self.policy, self.request, self.now = scope, policy, request, now
-        self.scope_id = scope.scope_id  # a hash of the scope's fields: computed once for the lookup's steps
+        # a hash of the scope's fields: computed once for the lookup's steps
+        self.scope_id = scope.scope_id if scope_id is None else scope_id
         self.exact_key = exact_key(request) if exact is None else exact
         self._key: RequestKey | None = None
 

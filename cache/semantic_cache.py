@@ -64,7 +64,7 @@ from cache.meaning_check import MeaningCheck
 from cache.meaning_gate import MEANING_DIFFERS, first_accepted
 from cache.pending import PendingWrites
 from cache.recent import RecentEntries
-from cache.request_key import conversation_chars, decide, embedding_text, request_key
+from cache.request_key import Cacheability, conversation_chars, decide, embedding_text, request_key
 from cache.results import Bypass, CacheStats, Hit, LookupResult, Miss, Near, Probe, TenantPolicy
 from cache.scope import CacheScope
 from cache.stale_versions import StaleVersions
@@ -160,14 +160,17 @@ class SemanticCache:
     # -- lookup ---------------------------------------------------------------------------------------
 
     def bypass(self, request: Mapping[str, Any], *, headers: Mapping[str, str] | None = None,
-               policy: TenantPolicy | None = None) -> Bypass | None:
+               policy: TenantPolicy | None = None, decision: Cacheability | None = None) -> Bypass | None:
         """Why `request` may not be looked up at all (the tenant's policy, `request_key.decide`), counted as a
         bypass; None when it may. What `lookup` answers such a request, known before any scope or key: a caller
-        asks it first to skip building the scope of a request that bypasses (then `lookup(..., admitted=True)`)."""
+        asks it first to skip building the scope of a request that bypasses (then `lookup(..., admitted=True)`).
+        `decision`: `decide`'s answer for this request, headers and the policy's pure tools, where the caller has
+        it already."""
         policy = policy or self.default_policy
         if not policy.enabled:
             return self._bypass("bypass: tenant opted out")
-        decision = decide(request, headers, pure_tools=policy.pure_tools)
+        if decision is None:
+            decision = decide(request, headers, pure_tools=policy.pure_tools)
         return None if decision.lookup else self._bypass(decision.reason)
 
     def lookup(self, scope: CacheScope, request: Mapping[str, Any], *, headers: Mapping[str, str] | None = None,
@@ -184,13 +187,15 @@ class SemanticCache:
 
     async def alookup(self, scope: CacheScope, request: Mapping[str, Any], *,
                       headers: Mapping[str, str] | None = None, policy: TenantPolicy | None = None,
-                      admitted: bool = False, exact: str | None = None) -> LookupResult:
+                      admitted: bool = False, exact: str | None = None, scope_id: str | None = None
+                      ) -> LookupResult:
         """`lookup` for the event loop: the embedding is batched with other requests', blocking I/O and the
         faiss search run in worker threads, and an answer this process is still writing is served at once.
         `admitted`: the caller asked `bypass` of this request, policy and headers, and was told None. `exact`: the
-        request's `exact_key`, where the caller has it already (its first steps then hash nothing of the request)."""
+        request's `exact_key`, where the caller has it already (its first steps then hash nothing of the request);
+        `scope_id`: `scope.scope_id`, likewise."""
         if exact is not None or conversation_chars(request) <= KEYS_ON_LOOP_MAX_CHARS:
-            plan = self._begin(scope, request, headers, policy, admitted, exact)
+            plan = self._begin(scope, request, headers, policy, admitted, exact, scope_id)
         else:
             plan = await self._threads(scope.tenant, self._begin, scope, request, headers, policy, admitted)
         if not isinstance(plan, LookupPlan):
@@ -203,13 +208,13 @@ class SemanticCache:
         return await self._threads(scope.tenant, self._semantic, plan, vector)
 
     def _begin(self, scope: CacheScope, request: Mapping[str, Any], headers: Mapping[str, str] | None,
-               policy: TenantPolicy | None, admitted: bool = False, exact: str | None = None
-               ) -> LookupResult | LookupPlan:
+               policy: TenantPolicy | None, admitted: bool = False, exact: str | None = None,
+               scope_id: str | None = None) -> LookupResult | LookupPlan:
         """Policy, cacheability (unless `admitted`: see `alookup`), keys, and the answers this process has not
         finished writing. No I/O."""
         if not admitted and (refused := self.bypass(request, headers=headers, policy=policy)) is not None:
             return refused
-        plan = LookupPlan(scope, policy or self.default_policy, request, self.clock(), exact)
+        plan = LookupPlan(scope, policy or self.default_policy, request, self.clock(), exact, scope_id)
         entry = self.pending.get(plan.scope_id, plan.exact_key)
         if entry is None and self.feed.recent():
             entry = self.recent.get(plan.scope_id, plan.exact_key, plan.now)  # deletions elsewhere applied

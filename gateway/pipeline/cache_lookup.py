@@ -48,7 +48,7 @@ from cache import (
     TenantPolicy,
     end_user_snapshot,
 )
-from cache.request_key import exact_key
+from cache.request_key import cache_control, decide, exact_key
 from cache.scope import body_hashes
 from gateway.errors import InvalidRequest
 from gateway.ladder.apply import Degradation, shaped_answer
@@ -78,7 +78,7 @@ def cascade_acceptance(routing: RoutingPlan, floor: float | None) -> str:
 
 
 # what a kept body's first request leaves its repeats (gateway/pipeline/parsed.py `Derived`)
-_BODY, _HASHED, _EXACT = "cache.body", "cache.hashed", "cache.exact"
+_BODY, _HASHED, _EXACT, _DECIDED, _SCOPE = "cache.body", "cache.hashed", "cache.exact", "cache.decided", "cache.scope"
 ARTIFACT = "|artifact="  # the last part of a cascaded lookup's scope: the router artifact its check read
 
 
@@ -162,9 +162,10 @@ class CacheStage:
         the answers its check accepted (the cascade stores its accepted answer under the artifact its check read,
         cascade.py's `_accepted`). `counted_prompt`: the request's prompt tokens as counted for `tier` (None: not
         counted), which a hit's usage reports and bills (`Hit.request_usage`), not its stored request's.
-        `derived`: where `req` is a kept body's (gateway/pipeline/parsed.py), the body as the cache keys it and its
-        hashes are taken from there, made by the body's first request: a repeat (an exact hit) hashes nothing of
-        it again. That body is every repeat's: the cache only reads it."""
+        `derived`: where `req` is a kept body's (gateway/pipeline/parsed.py), the body as the cache keys it, its
+        hashes and its cacheability (`decide`, by Cache-Control directives and pure tools) are taken from there,
+        made by the body's first request, and the scope's id where the scope is the last one's: a repeat (an exact
+        hit) hashes nothing of it again. That body is every repeat's: the cache only reads it."""
         memo = derived.of(req) if derived is not None else None
         body = memo.get(_BODY) if memo is not None else None
         if body is None:
@@ -175,7 +176,12 @@ class CacheStage:
             return CacheLookup(Bypass("bypass: the cache is off"), None, None, body, ctx.headers, ())
         policy, applied = self._policy(ctx, degr)
         accepted_by = _cascaded(ctx, req)
-        if (bypass := self.cache.bypass(body, headers=ctx.headers, policy=policy)) is not None:
+        decision = None
+        if memo is not None and policy.enabled:  # a function of the body, the directives and the pure tools
+            decided = (_DECIDED, cache_control(ctx.headers), policy.pure_tools)
+            if (decision := memo.get(decided)) is None:
+                decision = memo[decided] = decide(body, ctx.headers, pure_tools=policy.pure_tools)
+        if (bypass := self.cache.bypass(body, headers=ctx.headers, policy=policy, decision=decision)) is not None:
             # no scope for a request that may not use the cache (temperature unset: the common case): nothing of it
             # is looked up or kept, and its scope cost hashes of the request and the tier
             return CacheLookup(bypass, None, policy, body, ctx.headers, applied, req.output_cap, accepted_by)
@@ -187,9 +193,16 @@ class CacheStage:
         if accepted_by is not None:  # apart from the tier's answers that no check accepted
             scope = with_artifact(replace(scope, context_hash=f"{scope.context_hash}|accepted_by={accepted_by}"),
                                   artifact)
+        scope_id = None
+        if memo is not None:  # the scope's id, hashed again only where a field of the scope changed
+            last = memo.get(_SCOPE)
+            if last is not None and last[0] == scope and type(last[0].data_version) is type(scope.data_version):
+                scope_id = last[1]
+            else:
+                memo[_SCOPE] = scope, (scope_id := scope.scope_id)
         try:
             result = await self.cache.alookup(scope, body, headers=ctx.headers, policy=policy, admitted=True,
-                                              exact=exact)
+                                              exact=exact, scope_id=scope_id)
         except (CacheStoreError, EmbedderError) as exc:
             self._lookup_faults.failed(exc)
             result = Miss(f"cache unavailable: {exc}")

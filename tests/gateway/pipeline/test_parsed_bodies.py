@@ -5,14 +5,20 @@ from __future__ import annotations
 
 import importlib
 import json
+from typing import Any
 
 import pytest
 
+from cache.scope import CacheScope
 from gateway import validation
 from gateway.errors import InvalidRequest
+from gateway.pipeline import cache_lookup
 from gateway.pipeline.handle import parse_request
 from gateway.pipeline.parsed import ParsedBodies
 from tests.conftest import Gateway
+
+request_key = importlib.import_module("cache.request_key")  # the modules (the package's names are functions)
+semantic_cache = importlib.import_module("cache.semantic_cache")
 
 
 def body(content: str = "What is 2+2?", **extra: object) -> bytes:
@@ -111,7 +117,6 @@ def test_what_is_derived_once_serves_a_repeat_until_a_field_is_assigned() -> Non
 
 def test_an_exact_hit_through_the_api_hashes_nothing_of_its_body_again(gateway: Gateway,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    request_key = importlib.import_module("cache.request_key")  # the module (the package's name is its function)
     digests = []
     digest = request_key._digest
 
@@ -133,3 +138,31 @@ def test_an_exact_hit_through_the_api_hashes_nothing_of_its_body_again(gateway: 
     assert [r.headers["x-tiergate-cache-kind"] for r in (second, third)] == ["exact", "exact"]
     assert second.json()["choices"] == third.json()["choices"] == first.json()["choices"]
     assert len(digests) == hashed + 2  # the second request's none; the third's context hash and exact key
+
+
+def test_a_repeat_under_other_directives_or_in_another_scope_is_keyed_anew(gateway: Gateway,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    decided, scoped = [], []
+    scope_id = CacheScope.scope_id
+
+    def counting_decide(*args: Any, **kwargs: Any) -> Any:
+        decided.append(args[0])
+        return request_key.decide(*args, **kwargs)
+
+    monkeypatch.setattr(cache_lookup, "decide", counting_decide, raising=False)  # (the code before: not there)
+    monkeypatch.setattr(semantic_cache, "decide", counting_decide)
+    monkeypatch.setattr(CacheScope, "scope_id", property(lambda s: scoped.append(s) or scope_id.fget(s)))
+    request = {"model": "mid", "messages": [{"role": "user", "content": "What is the capital of Chile?"}],
+               "temperature": 0}
+    with gateway.client(gateway.tenant_key) as c:
+        first = c.post("/v1/chat/completions", json=request)
+        counts = len(decided), len(scoped)
+        second = c.post("/v1/chat/completions", json=request)
+        assert (len(decided), len(scoped)) == counts  # a repeat in the same scope: nothing decided or hashed again
+        no_cache = c.post("/v1/chat/completions", json=request, headers={"Cache-Control": "no-cache"})
+        assert len(decided) > counts[0]  # other directives: decided anew, not the repeat's "cacheable"
+        other = c.post("/v1/chat/completions", json=request, headers={"X-Tiergate-Data-Version": "v2"})
+        assert len(scoped) > counts[1]  # another scope: its id hashed anew
+    assert [r.status_code for r in (first, second, no_cache, other)] == [200] * 4
+    assert [r.headers["x-tiergate-cache"] for r in (first, second, no_cache, other)] == ["miss", "hit", "bypass",
+                                                                                           "miss"]
