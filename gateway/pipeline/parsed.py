@@ -33,7 +33,9 @@ from wire.chat_request import ChatCompletionRequest
 
 ENTRIES = 512  # parsed requests kept, all keys'
 MAX_BODY = 16 * 1024  # bytes: longer bodies are parsed every time
-# at most ENTRIES * MAX_BODY = 8 MB of bodies held, and their parsed requests (their texts again, about as much)
+# at most ENTRIES * MAX_BODY = 8 MB of bodies held, and their parsed requests (their texts again, about as much);
+# what is derived from them (`Derived`: the cache's dump of the request shares its strings, and a few hashes) adds
+# their dicts, not their texts
 
 Parse = Callable[[bytes], ChatCompletionRequest]
 
