@@ -34,7 +34,9 @@ answers in between are blips, and a quiet replica's two failed reserves a minute
 spacing of the tries does not end it: a hung Redis, which accepts connections and never answers, is down for
 a lone client retrying once a second at its `down_after_tries`-th failed try, as for a busy replica, instead
 of answering it retryable 503s for as long as Redis hangs.
-Waiting in vain for a free connection never does: that is back-pressure (a retryable 503), not an outage.
+Waiting in vain for a free connection never does: that is back-pressure (a retryable 503), not an outage. Nor does
+an error a script raised itself (`QuotaScriptError`: one tenant's counter it cannot add to, a bug): Redis answered,
+so that request fails (a retryable 503) and every other goes on sharing Redis' limits.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from typing import Any, Literal
 from quotas.backends.base import Billed, QuotaBackend, QuotaBackendError
 from quotas.backends.journal import FallbackRow, FallbackRows, OutageJournal, fallback_mark
 from quotas.backends.memory import MemoryBackend
-from quotas.backends.redis import RedisBackend
+from quotas.backends.redis import QuotaScriptError, RedisBackend
 from quotas.fault_log import FaultLog
 from quotas.limits import Decision, ReservationRequest, ScopeLimits, Spend, dating_instant, utc_dates
 
@@ -133,6 +135,10 @@ class FailoverBackend(QuotaBackend):
         if self.up or began >= self._retry_at:
             try:
                 decision = await self.primary.reserve(req)
+            except QuotaScriptError:  # Redis answered, with this request's own failure: up, for everyone else
+                self._failing_since = None
+                self._mark(True)
+                raise
             except QuotaBackendError as exc:
                 if exc.back_pressure:  # every connection busy: wait-and-retry for the client, not an outage
                     raise

@@ -25,8 +25,7 @@ local day_keys, month_keys, spent_day, spent_month = {}, {}, {}, {}
 for i = 0, n - 1 do
   local base = ARGV[9 + 6 * i]
   day_keys[i], month_keys[i] = base .. ':day:' .. c.day, base .. ':month:' .. c.month
-  spent_day[i] = tonumber(redis.call('GET', day_keys[i]) or '0')
-  spent_month[i] = tonumber(redis.call('GET', month_keys[i]) or '0')
+  spent_day[i], spent_month[i] = counter(day_keys[i]), counter(month_keys[i])
 end
 
 local function refuse(reason, i, wait)
@@ -44,7 +43,7 @@ local function admitted()
     local k = 2 + 5 * i
     local oldest = redis.call('ZRANGE', KEYS[k + 1], 0, 0, 'WITHSCORES')
     table.insert(out, redis.call('ZCARD', KEYS[k + 1]))
-    table.insert(out, tonumber(redis.call('GET', KEYS[k + 4]) or '0'))
+    table.insert(out, counter(KEYS[k + 4]))
     table.insert(out, tonumber(oldest[2] or now) + window - now)
     table.insert(out, spent_day[i])
     table.insert(out, spent_month[i])
@@ -88,7 +87,7 @@ for i = 0, n - 1 do
     if #oldest > 0 then wait = tonumber(oldest[2]) + window - now end
     return refuse('rpm', i, wait)
   end
-  local sum = tonumber(redis.call('GET', KEYS[k + 4]) or '0')
+  local sum = counter(KEYS[k + 4])
   if tpm >= 0 and sum + tokens > tpm then
     local excess, wait = sum + tokens - tpm, window
     local entries = redis.call('ZRANGE', KEYS[k + 2], 0, -1, 'WITHSCORES')
@@ -108,6 +107,16 @@ for i = 0, n - 1 do
     return refuse('budget_day', i, math.max(0, c.next_day - now))
   end
   if month >= 0 and spent_month[i] + money > month then
+    return refuse('budget_month', i, math.max(0, c.next_month - now))
+  end
+  -- a counter this would raise past COUNTER_MAX (shared.lua) refuses it before anything is written, as its period's
+  -- budget (a scope without one too): its INCRBY would fail after the slots taken and the day charged, with no
+  -- record to return them
+  if not fits(sum, tokens) then return refuse('tpm', i, window) end
+  if money > 0 and not fits(spent_day[i], money) then
+    return refuse('budget_day', i, math.max(0, c.next_day - now))
+  end
+  if money > 0 and not fits(spent_month[i], money) then
     return refuse('budget_month', i, math.max(0, c.next_month - now))
   end
 end

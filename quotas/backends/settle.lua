@@ -70,7 +70,7 @@ for _, b in ipairs(bases_of_record()) do
   if old then
     if kind == 'settle' then
       redis.call('HSET', b .. ':tpmv', rid, tokens)
-      redis.call('INCRBY', b .. ':tpmsum', tokens - tonumber(old))
+      add_capped(b .. ':tpmsum', tokens - tonumber(old))
     else
       redis.call('HDEL', b .. ':tpmv', rid)
       redis.call('DECRBY', b .. ':tpmsum', tonumber(old))

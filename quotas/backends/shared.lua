@@ -56,11 +56,40 @@ local function pico(n)
   return string.format('%d', n)
 end
 
--- add `delta` to a money counter and keep it `ttl` seconds; a refund to a counter that is gone (its period
--- ended long ago, or Redis lost it) is dropped rather than leaving a negative counter behind
-local function add_money(key, delta, ttl)
-  if delta == 0 or (delta < 0 and redis.call('EXISTS', key) == 0) then return end
-  redis.call('INCRBY', key, pico(delta))
-  redis.call('EXPIRE', key, ttl)
+-- The most a counter is meant to hold. Redis' counters are int64: an INCRBY past 2**63 - 1 fails mid-script, after
+-- the writes before it (a reserve's slots taken, its day charged, its record never written). A script checks every
+-- increment against this before its first write (`fits`), on the Lua numbers (doubles) it reads counters as: 4,096
+-- below 2**63, it covers their rounding (512 at most each, near 2**63) and is itself exact. (A tenant with no
+-- budget reaches it at $9.2M spent on a scope in a month.)
+local COUNTER_MAX = 2 ^ 63 - 4096
+
+-- a counter's value as a Lua number (0 where it is missing), never above COUNTER_MAX: Redis turns a Lua number
+-- past 2**63 into a negative integer in an answer
+local function counter(key)
+  return math.min(tonumber(redis.call('GET', key) or '0'), COUNTER_MAX)
 end
 
+-- whether `delta` can be added to a counter holding `held` (as `counter` reads it) without passing int64's end. Not
+-- `held + delta <= COUNTER_MAX`: near 2**63 that sum rounds to a multiple of 1,024 (COUNTER_MAX + 100 is
+-- COUNTER_MAX); the gap, COUNTER_MAX - held, is exact there
+local function fits(held, delta)
+  return delta <= COUNTER_MAX - held
+end
+
+-- add `delta` to a counter; a sum past COUNTER_MAX leaves it at COUNTER_MAX (every budget refuses it) rather than
+-- failing the script halfway: a settle, a journal batch or row applies whole
+local function add_capped(key, delta)
+  if delta > 0 and not fits(counter(key), delta) then
+    redis.call('SET', key, pico(COUNTER_MAX), 'KEEPTTL')
+  else
+    redis.call('INCRBY', key, pico(delta))
+  end
+end
+
+-- add `delta` to a money counter (`add_capped`) and keep it `ttl` seconds; a refund to a counter that is gone (its
+-- period ended long ago, or Redis lost it) is dropped rather than leaving a negative counter behind
+local function add_money(key, delta, ttl)
+  if delta == 0 or (delta < 0 and redis.call('EXISTS', key) == 0) then return end
+  add_capped(key, delta)
+  redis.call('EXPIRE', key, ttl)
+end

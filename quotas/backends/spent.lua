@@ -3,7 +3,7 @@
 local c = clock()
 local out = {c.day, c.month}
 for i = 1, #ARGV do
-  table.insert(out, tonumber(redis.call('GET', ARGV[i] .. ':day:' .. c.day) or '0'))
-  table.insert(out, tonumber(redis.call('GET', ARGV[i] .. ':month:' .. c.month) or '0'))
+  table.insert(out, counter(ARGV[i] .. ':day:' .. c.day))
+  table.insert(out, counter(ARGV[i] .. ':month:' .. c.month))
 end
 return out
