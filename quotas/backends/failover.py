@@ -18,7 +18,7 @@ admits carries a mark (`Decision.fallback`) that its ledger row is written with,
 process's memory, are what reaches Redis (quotas/backends/journal.py): every flush (a reaper round, Redis back, a
 settle, before a re-seed) applies the rows no replica has applied, this one's or a dead one's, each once. A row
 applied whose note in the ledger was lost (a crash in between) is applied again as a no-op: its marker in Redis
-outlives that window (JOURNAL_TTL_S; a by-id row's settle tombstone, `settle_retry_s` + 5 minutes). Where Redis
+outlives that window (JOURNAL_TTL_S, a by-id row's too: settle.lua sets it with the settle). Where Redis
 lost its data, a re-seed raises counters to the ledger's totals, which hold the marked rows: the flush before it
 applies those pending then, and a row written between that flush and the re-seed's read, or whose apply failed
 then, is counted twice on that tenant's day and month (an early refusal, never overspend), bounded by the money

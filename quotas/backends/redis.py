@@ -40,7 +40,7 @@ from redis.exceptions import MaxConnectionsError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeout
 
 from quotas.backends.base import Billed, QuotaBackend, QuotaBackendError
-from quotas.backends.redis_recovery import RedisRecovery, TenantSpend
+from quotas.backends.redis_recovery import JOURNAL_TTL_S, RedisRecovery, TenantSpend
 from quotas.backends.redis_retries import RedisRetries
 from quotas.limits import MAX_DATING_LAG_S, WINDOW_S, Decision, ReservationRequest, Spend, Usage
 
@@ -274,11 +274,15 @@ class RedisBackend(RedisRetries, RedisRecovery, QuotaBackend):
 
     async def _finish_id(self, tenant: str, request_id: str, tokens: int, money_pico: int, kind: str,
                          bases: Sequence[str] = (), day: str = "", month: str = "", arrival_ms: int = -1,
-                         keep_slot: bool = False) -> int:
+                         keep_slot: bool = False, marker: str = "") -> int:
+        """settle.lua; `marker`: a fallback's ledger row's (`jrow:<id>`), which makes a repeat a no-op for
+        JOURNAL_TTL_S (the tombstone alone, for `settle_retry_s` + DONE_MARGIN_S)."""
         keys = [self.record_key(tenant, request_id), self.leases_key(tenant)]
         done_ttl = int(self.settle_retry_s) + DONE_MARGIN_S  # ~100 bytes each: 90 MB at 1,000 settles/s
         args = [request_id, tokens, money_pico, kind, done_ttl, REAPED_TTL_S, day, month, arrival_ms,
-                int(self.max_dating_lag_s * 1000), len(bases), *bases, "1" if keep_slot else ""]
+                int(self.max_dating_lag_s * 1000), len(bases), *bases, "1" if keep_slot else "", JOURNAL_TTL_S]
+        if marker:
+            keys.append(marker)
         return int(await self._run("settle", keys, args))
 
     async def release(self, req: ReservationRequest) -> None:

@@ -4,7 +4,7 @@ that applies the failover's outage journal and re-seeds a tenant whose counters 
 The outage journal. Money a replica settled on its local fallback while Redis was down (quotas/backends/failover.py)
 reaches the counters exactly once: as batches of sums (journal.lua: one marker per batch id), as ledger rows
 (journal_rows.lua: one marker per request id, kept JOURNAL_TTL_S) or, for a request whose reserve Redis may hold, as
-a settle of its id (settle.lua: its tombstone makes a repeat a no-op).
+a settle of its id (settle.lua, which sets the row's marker too: a repeat is a no-op for JOURNAL_TTL_S).
 
 Re-seeding. A Redis that lost its data (restarted without persistence, failed over to a lagging replica, FLUSHALL)
 must not reset every budget. Given a `tenant_spend` source, each tenant has a seeded sentinel (`<tag>:seeded`, no
@@ -88,10 +88,13 @@ class RedisRecovery:
         return int(await self._run("journal_rows", keys, args))
 
     async def settle_row_elsewhere(self, row: FallbackRow) -> bool:
-        """`settle_elsewhere` for a ledger row settled on a fallback whose reserve Redis may hold: by its id, so a
-        repeat (within the settle's tombstone, `settle_retry_s` + DONE_MARGIN_S) changes nothing; False then."""
+        """`settle_elsewhere` for a ledger row settled on a fallback whose reserve Redis may hold: by its id, with its
+        marker (as `apply_rows`', kept JOURNAL_TTL_S, set in the same script), so a repeat changes nothing however
+        late it comes (its note "applied" failed; a crash before the note, restarted after the settle's tombstone
+        expired, 15 minutes); False then."""
         return await self._finish_id(row.tenant, row.request_id, 0, row.pico, "settle",
-                                     [self.base(row.tenant, s) for s in row.scopes], row.day, row.month) != 0
+                                     [self.base(row.tenant, s) for s in row.scopes], row.day, row.month,
+                                     marker=f"{self.tag(row.tenant)}:jrow:{row.request_id}") != 0
 
     # ---- re-seeding from the ledger ----
 

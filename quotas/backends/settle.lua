@@ -6,17 +6,22 @@
 -- changes nothing. A settle that finds no reservation held (none was made, or it was cancelled: the request
 -- ran on a replica's fallback during an outage) adds the real use to the scopes in ARGV, on the day and month
 -- given, else on those of the request's arrival as reserve.lua dates it now (moved into [TIME - lag, TIME]).
--- KEYS: the reservation's record, the tenant's leases
+-- A fallback's ledger row applied by its id names its marker (journal_rows.lua's, `jrow:<id>`, kept as long): a
+-- repeat after the tombstone is gone (the note "applied" lost, a restart 15 minutes later) finds it and changes
+-- nothing.
+-- KEYS: the reservation's record, the tenant's leases, optionally the row's marker
 -- ARGV: request id, real tokens, real picodollars, kind, done ttl s, reaped ttl s, day, month ('': dated by the
 --       arrival and Redis' clock), arrival (epoch ms by the gateway's clock; -1: none), lag ms, number of scopes,
 --       their key bases, then '1' where a settle keeps the concurrency slot (its answer not yet handed over to its
---       client: release.lua frees it then, or its lease's end) ('' or absent: the settle frees it)
--- Answers 0: nothing to do (already finished); 1: a held reservation finished; 2: a reaped one billed;
---         3: one not held billed
+--       client: release.lua frees it then, or its lease's end) ('' or absent: the settle frees it), then the
+--       marker's ttl s (with the marker)
+-- Answers 0: nothing to do (already finished, or the marker's row applied before); 1: a held reservation
+--         finished; 2: a reaped one billed; 3: one not held billed
 local rid, tokens, money, kind = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
 local done_ttl, reaped_ttl, day, month = tonumber(ARGV[5]), tonumber(ARGV[6]), ARGV[7], ARGV[8]
 local at, lag, n = tonumber(ARGV[9]), tonumber(ARGV[10]), tonumber(ARGV[11])
 local keep_slot = kind == 'settle' and ARGV[12 + n] == '1'
+if KEYS[3] and not redis.call('SET', KEYS[3], 1, 'NX', 'EX', tonumber(ARGV[13 + n])) then return 0 end
 local flat = redis.call('HGETALL', KEYS[1])
 local rec = {}
 for j = 1, #flat, 2 do rec[flat[j]] = flat[j + 1] end

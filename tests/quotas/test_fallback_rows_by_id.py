@@ -1,0 +1,44 @@
+"""A fallback's ledger row applied by its request id (its reserve was sent to Redis) reaches Redis' counters once,
+however late it is sent again: when its note "applied" in the ledger keeps failing, or a replica killed between the
+apply and the note restarts after the settle's tombstone expired (15 minutes). Real redis-server."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import pytest
+
+from quotas.backends.failover import FailoverBackend
+from quotas.backends.journal import FallbackRow
+from quotas.backends.redis import RedisBackend
+
+
+class _NoteFails:
+    """Ledger rows whose note "applied" cannot be written (disk full, a read-only standby): pending every flush."""
+
+    def __init__(self, row: FallbackRow) -> None:
+        self.row = row
+
+    async def pending(self, limit: int) -> list[FallbackRow]:
+        return [self.row]
+
+    async def applied(self, request_ids: Sequence[str]) -> None:
+        raise OSError("database or disk is full")
+
+
+async def test_a_by_id_row_sent_again_after_its_tombstone_expired_adds_nothing(redis_url: str) -> None:
+    day = time.strftime("%Y%m%d", time.gmtime())
+    row = FallbackRow("req-1", "acme", ("t",), day, day[:6], 1_000_000, True)
+    fb = FailoverBackend(RedisBackend(redis_url, timeout_s=0.5), rows=_NoteFails(row))
+    r = fb.primary.redis
+    try:
+        for _ in range(3):
+            with pytest.raises(OSError):  # the note failed: the row is pending again next flush
+                await fb.flush_journal()
+            await r.delete(fb.primary.record_key("acme", "req-1"))  # its settle's tombstone expired meanwhile
+            assert int(await r.get(f"{{tg:acme}}:t:month:{day[:6]}")) == 1_000_000
+            assert int(await r.get(f"{{tg:acme}}:t:day:{day}")) == 1_000_000
+        assert fb.num_journal_rows == 1
+    finally:
+        await fb.close()
