@@ -274,13 +274,15 @@ class RedisBackend(RedisRetries, RedisRecovery, QuotaBackend):
 
     async def _finish_id(self, tenant: str, request_id: str, tokens: int, money_pico: int, kind: str,
                          bases: Sequence[str] = (), day: str = "", month: str = "", arrival_ms: int = -1,
-                         keep_slot: bool = False, marker: str = "") -> int:
+                         keep_slot: bool = False, marker: str = "", claimed_until_ms: int = -1) -> int:
         """settle.lua; `marker`: a fallback's ledger row's (`jrow:<id>`), which makes a repeat a no-op for
-        JOURNAL_TTL_S (the tombstone alone, for `settle_retry_s` + DONE_MARGIN_S)."""
+        JOURNAL_TTL_S (the tombstone alone, for `settle_retry_s` + DONE_MARGIN_S); `claimed_until_ms`: a reap's
+        claim's deadline (reap.lua), past which a lease was renewed by its live owner (left to it)."""
         keys = [self.record_key(tenant, request_id), self.leases_key(tenant)]
         done_ttl = int(self.settle_retry_s) + DONE_MARGIN_S  # ~100 bytes each: 90 MB at 1,000 settles/s
         args = [request_id, tokens, money_pico, kind, done_ttl, REAPED_TTL_S, day, month, arrival_ms,
-                int(self.max_dating_lag_s * 1000), len(bases), *bases, "1" if keep_slot else "", JOURNAL_TTL_S]
+                int(self.max_dating_lag_s * 1000), len(bases), *bases, "1" if keep_slot else "", JOURNAL_TTL_S,
+                claimed_until_ms]
         if marker:
             keys.append(marker)
         return int(await self._run("settle", keys, args))
@@ -330,26 +332,28 @@ class RedisBackend(RedisRetries, RedisRecovery, QuotaBackend):
                     keys=[f"{self.prefix}:replicas"], args=[self.replica_id, int(self.replica_ttl_s * 1000)])))
                 self._registered.clear()  # re-register as tenants come back (a restarted Redis lost the list)
                 tenants = [_str(t) async for t in self.redis.sscan_iter(self.tenants_key, count=1000)]
-            expired: list[tuple[str, str]] = []
+            expired: list[tuple[str, str, int]] = []  # (tenant, request id, the claim's deadline)
             for i in range(0, len(tenants), REAP_BATCH):
                 chunk = tenants[i:i + REAP_BATCH]
                 claimed = await asyncio.gather(*(self._reaping(self._claim(t)) for t in chunk))
-                expired += [(t, _str(rid)) for t, ids in zip(chunk, claimed, strict=True) for rid in ids]
+                expired += [(t, _str(rid), until) for t, (until, ids) in zip(chunk, claimed, strict=True)
+                            for rid in ids]
             if not expired:
                 return 0
-            amounts = await billed([rid for _, rid in expired]) if billed is not None else {}
+            amounts = await billed([rid for _, rid, _ in expired]) if billed is not None else {}
             finished = []
             for i in range(0, len(expired), REAP_BATCH):
                 finished += await asyncio.gather(*(self._reaping(
                     self._finish_id(t, rid, 0, amounts[rid], "settle") if rid in amounts
-                    else self._finish_id(t, rid, 0, 0, "reap")) for t, rid in expired[i:i + REAP_BATCH]))
+                    else self._finish_id(t, rid, 0, 0, "reap", claimed_until_ms=until))
+                    for t, rid, until in expired[i:i + REAP_BATCH]))
         except RedisError as exc:
             raise backend_error(exc) from exc
         returned = sum(1 for code in finished if code == 1)
         self.num_reaped += returned
         if returned:
             log.warning("returned %d reservations whose lease ran out (%d billed from the ledger)", returned,
-                        sum(1 for _, rid in expired if rid in amounts))
+                        sum(1 for _, rid, _ in expired if rid in amounts))
         return returned
 
     async def renew(self, reqs: Sequence[ReservationRequest]) -> None:
@@ -363,10 +367,12 @@ class RedisBackend(RedisRetries, RedisRecovery, QuotaBackend):
                 *(f"{self.base(req.tenant, lim.scope)}:inflight" for lim in req.scopes)]
         await self._run("renew", keys, [req.request_id, int(req.lease_s * 1000), int(WINDOW_S * 1000)])
 
-    async def _claim(self, tenant: str) -> list[Any]:
+    async def _claim(self, tenant: str) -> tuple[int, list[Any]]:
+        """The tenant's expired leases claimed: the claim's deadline (ms, Redis' clock) and their ids."""
         async with self._turn():
-            return list(await self._scripts["reap"](keys=[self.leases_key(tenant)],
-                                                    args=[int(self.reap_claim_s * 1000), REAP_BATCH]))
+            out = list(await self._scripts["reap"](keys=[self.leases_key(tenant)],
+                                                   args=[int(self.reap_claim_s * 1000), REAP_BATCH]))
+        return int(out[0]), out[1:]
 
     async def _reaping(self, call: Coroutine[Any, Any, T]) -> T:
         """A call of the reaper's: at most 1/REAP_SHARE of the connections' turns at once, so a round of

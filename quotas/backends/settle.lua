@@ -14,14 +14,21 @@
 --       arrival and Redis' clock), arrival (epoch ms by the gateway's clock; -1: none), lag ms, number of scopes,
 --       their key bases, then '1' where a settle keeps the concurrency slot (its answer not yet handed over to its
 --       client: release.lua frees it then, or its lease's end) ('' or absent: the settle frees it), then the
---       marker's ttl s (with the marker)
--- Answers 0: nothing to do (already finished, or the marker's row applied before); 1: a held reservation
+--       marker's ttl s (with the marker), then (kind 'reap') the reaper's claim's deadline (ms; reap.lua)
+-- Answers 0: nothing to do (already finished, the marker's row applied before, or a reap of a lease renewed since
+--         its claim); 1: a held reservation
 --         finished; 2: a reaped one billed; 3: one not held billed
 local rid, tokens, money, kind = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
 local done_ttl, reaped_ttl, day, month = tonumber(ARGV[5]), tonumber(ARGV[6]), ARGV[7], ARGV[8]
 local at, lag, n = tonumber(ARGV[9]), tonumber(ARGV[10]), tonumber(ARGV[11])
 local keep_slot = kind == 'settle' and ARGV[12 + n] == '1'
 if KEYS[3] and not redis.call('SET', KEYS[3], 1, 'NX', 'EX', tonumber(ARGV[13 + n])) then return 0 end
+if kind == 'reap' then
+  -- its owner renewed it after the reaper's claim (renew.lua pushes the lease past the claim's deadline): alive, its
+  -- owner settles it; another reaper's later claim (the first one's ran out) is that reaper's
+  local lease_at, claimed = redis.call('ZSCORE', KEYS[2], rid), tonumber(ARGV[14 + n] or '-1')
+  if lease_at and claimed >= 0 and tonumber(lease_at) > claimed then return 0 end
+end
 local flat = redis.call('HGETALL', KEYS[1])
 local rec = {}
 for j = 1, #flat, 2 do rec[flat[j]] = flat[j + 1] end
