@@ -9,7 +9,8 @@
 --       <base>:month:<YYYYMM>) and its limits (rpm, tpm, concurrent, day, month; -1 = unlimited)
 --       then the id of the attempt this one continues ('' for none: see ReservationRequest.follows in
 --       quotas/limits.py): a follow-on takes no place in the rpm window (nor is refused for rpm) and takes over that
---       attempt's inflight slot where it still holds one (else it takes one as any request does)
+--       attempt's inflight slot where it still holds one (else it takes one as any request does); its record keeps
+--       the slot taken over, which its cancel (settle.lua) puts back
 --       Optionally, after the scopes' keys, the tenant's seeded sentinel (reseed.lua): where it is missing, Redis
 --       lost the tenant's money counters (a restart without persistence, a failover to a lagging replica) and
 --       nothing is charged until they are raised to the ledger's totals: the answer is {2, now ms}
@@ -122,9 +123,24 @@ for i = 0, n - 1 do
 end
 
 local record = {'st', 'r', 'tok', tokens, 'pico', pico(money), 'day', c.day, 'month', c.month, 'n', n}
+-- a slot taken over is written in the record (`f`, the attempt followed, and `fs<scope>`, its slot's lease there),
+-- so that a cancel of this one (its answer was lost: nothing took it over) gives that attempt its slot back
+if follows then
+  table.insert(record, 'f')
+  table.insert(record, follows)
+end
 for i = 0, n - 1 do
   local k = 2 + 5 * i
-  if follows then redis.call('ZREM', KEYS[k + 5], follows) else redis.call('ZADD', KEYS[k + 1], now, rid) end
+  if follows then
+    local held = redis.call('ZSCORE', KEYS[k + 5], follows)
+    if held then
+      redis.call('ZREM', KEYS[k + 5], follows)
+      table.insert(record, 'fs' .. (i + 1))
+      table.insert(record, held)
+    end
+  else
+    redis.call('ZADD', KEYS[k + 1], now, rid)
+  end
   redis.call('ZADD', KEYS[k + 2], now, rid)
   redis.call('HSET', KEYS[k + 3], rid, tokens)
   redis.call('INCRBY', KEYS[k + 4], tokens)

@@ -1,7 +1,8 @@
 -- Finish one reservation, exactly once (see quotas/backends/redis.py; shared.lua is prepended).
 -- kind 'settle': replace the reservation by the real use; 'reap': its lease ran out and no row billed it, so
 -- return all of it (money, tokens, slot) and keep its record a while, marked reaped, so that a late settle
--- bills the real use; 'cancel': undo it as if it had never been admitted (its reserve's answer was lost).
+-- bills the real use; 'cancel': undo it as if it had never been admitted (its reserve's answer was lost), a
+-- follow-on's slot taken over given back to the attempt it follows.
 -- A settled record stays as a tombstone for `done ttl`, so the same settle sent again (its answer was lost)
 -- changes nothing. A settle that finds no reservation held (none was made, or it was cancelled: the request
 -- ran on a replica's fallback during an outage) adds the real use to the scopes in ARGV, on the day and month
@@ -76,8 +77,17 @@ if rec.st == nil or rec.st == 'c' then
   return 0
 end
 
+-- a follow-on's cancel: the slot it took over from the attempt it follows (reserve.lua `fs<scope>`), back to that
+-- attempt as it was (its lease then; its own release or lease frees it), where the follow-on still held it
+local function give_back_slot(key, j)
+  local at = rec['fs' .. j]
+  if not at then return end
+  redis.call('ZADD', key, 'NX', at, rec.f)
+  if redis.call('PTTL', key) < 0 then redis.call('PEXPIREAT', key, math.floor(tonumber(at)) + 1000) end
+end
+
 -- a held reservation: its own record says what it charged, where, on which day and month
-for _, b in ipairs(bases_of_record()) do
+for j, b in ipairs(bases_of_record()) do
   local old = redis.call('HGET', b .. ':tpmv', rid)
   if old then
     if kind == 'settle' then
@@ -90,7 +100,10 @@ for _, b in ipairs(bases_of_record()) do
     end
   end
   if kind == 'cancel' then redis.call('ZREM', b .. ':rpm', rid) end
-  if not keep_slot then redis.call('ZREM', b .. ':inflight', rid) end
+  if not keep_slot then
+    local freed = redis.call('ZREM', b .. ':inflight', rid)
+    if kind == 'cancel' and freed == 1 then give_back_slot(b .. ':inflight', j) end
+  end
 end
 local delta = -tonumber(rec.pico)
 if kind == 'settle' then delta = money + delta end
