@@ -131,7 +131,7 @@ def build_services(settings: Settings) -> Services:
                       redis_down=lambda: isinstance(backend, FailoverBackend) and not backend.up)
     ladder = LadderController(load_ladder(settings.ladder_file, catalogue.tiers),
                               open_ladder_store(settings), signals,
-                              on_change=metrics_.degrade_changed)
+                              on_change=metrics_.degrade_changed, start_unread=True)  # Redis down: starts at 0
     metrics_.ladder = ladder
     cache = CacheStage(cache=build_cache(settings, plans), store=store, fleet=fleet)
     if cache.cache is not None:

@@ -19,6 +19,12 @@ and tries again each tick. Until it is in sync it moves no trigger (they are the
 ladder (one the others have) it applies as its deepest level, reported as `applied_level`, and it refuses to set one.
 A worker's start reads the file as it is, with nothing to follow until the next reload (a restart with an edited
 file is not out of sync with a reload made before it).
+
+A gateway starts even when the shared state cannot be read (Redis down: TIERGATE_REDIS_FAILURE_MODE's `open` serves
+on local limits, and a restart in an outage must not stop serving): at level 0, its source "unknown", its status
+saying so (`shared_state`), nothing saved over the state it has not read. Each tick tries again, as a running
+controller's tick does in an outage (it fails, is logged, keeps its level); the first read that works is taken as
+its start's would have been. On-call's changes read the state first, so they keep answering 503 meanwhile.
 """
 
 from __future__ import annotations
@@ -28,13 +34,16 @@ import re
 import threading
 import time
 from collections.abc import Callable, Collection
+from dataclasses import replace
 from pathlib import Path
 
 from gateway.config_files import ConfigFileError
+from gateway.errors import TiergateError, Unavailable
 from gateway.ladder.config import Action, Ladder, Trigger, load_ladder, read_ladder
 from gateway.ladder.signals import Signals
 from gateway.ladder.state import DegradeEvent, LadderState, LadderStore
 from gateway.tenants.keys import MAX_TTL_S
+from quotas.fault_log import STORE_ERRORS
 
 log = logging.getLogger("tiergate.ladder")
 
@@ -49,6 +58,8 @@ _CONTROL = re.compile(f"[{_CONTROLS}]")
 # the shortest manual override: a shorter one has ended, or all but, when it is written (1e-300 s was taken, and
 # answered 200 with level 0 in force); the longest is a key's (10 years)
 MIN_TTL_S = 1.0
+# a shared state that cannot be read: the store's 503 (Redis, the fleet database), or a local file locked
+_STORE_FAULTS = (Unavailable, *STORE_ERRORS)
 
 
 class LadderChangeError(ValueError):
@@ -72,22 +83,49 @@ def check_reason(reason: str) -> None:
 class LadderController:
     def __init__(self, ladder: Ladder, store: LadderStore, signals: Signals, *,
                  clock: Callable[[], float] = time.time,
-                 on_change: Callable[[DegradeEvent], None] | None = None) -> None:
+                 on_change: Callable[[DegradeEvent], None] | None = None, start_unread: bool = False) -> None:
+        """Reads the shared state; with `start_unread` (the gateway) a store that cannot be read starts it without:
+        level 0, `source` "unknown", `unread` saying why, until a read works (the module's docstring). Without it (the
+        CLI), the store's fault is raised."""
         self.ladder = ladder
         self.store = store
         self.signals = signals
         self.clock = clock
         self.on_change = on_change
-        self.state: LadderState = store.load()
         self._held_since: dict[tuple[int, str], float] = {}
-        self.level, self.source = self.state.effective(clock())
         self._lock = threading.Lock()  # one read-change-save at a time (the module's docstring)
         self._sha256 = ladder.sha256
-        # the shared ladder identity this worker has dealt with (the module's docstring: its start reads the file)
-        self._followed = self.state.ladder_sha256
         self.ladder_error: str | None = None  # why this worker cannot take the ladder in force; None: in sync
+        # why the shared state has not been read since this worker started; None: it has (the module's docstring)
+        self.unread: str | None = None
+        self.state = LadderState()  # a placeholder, never saved: the first read replaces it (`_read`)
+        self.level, self.source = 0, "unknown"
+        self._followed: str | None = None  # the shared ladder identity this worker has dealt with
+        self._unread_since_start = True
+        try:
+            self._read()
+        except _STORE_FAULTS as exc:
+            if not start_unread:
+                raise
+            self.unread = exc.message if isinstance(exc, TiergateError) else type(exc).__name__
+            log.error("degrade ladder: starting at level 0 without the shared state (%s); each tick reads it again",
+                      self.unread)
 
     # ---- reading ----
+
+    def _read(self) -> LadderState:
+        """The shared state, read; the first read since this worker started also makes it this worker's, with the
+        ladder identity it names dealt with (a start reads the file as it is: the module's docstring)."""
+        state = self.store.load()
+        if self._unread_since_start:
+            self._unread_since_start = False
+            if self.unread is not None:
+                log.warning("degrade ladder: the shared state is read, after a start without it")
+            self.unread = None
+            self._followed = state.ladder_sha256
+            self.state = replace(state)  # a change made on the state read is this worker's once saved (_commit)
+            self._refresh(self.clock())
+        return state
 
     @property
     def in_sync(self) -> bool:
@@ -108,7 +146,9 @@ class LadderController:
                 "levels": [{"level": x.level, "name": x.name, "description": x.description}
                            for x in self.ladder.levels],
                 "ladder": {"sha256": self._sha256, "shared_sha256": s.ladder_sha256, "in_sync": self.in_sync,
-                           "error": self.ladder_error}}
+                           "error": self.ladder_error},
+                "shared_state": {"read": self.unread is None, "error": None if self.unread is None else
+                                 f"not read since this worker started, level 0 applies until it is: {self.unread}"}}
 
     # ---- on-call ----
 
@@ -123,7 +163,7 @@ class LadderController:
                                     f"not {ttl_s!r}", param="ttl_s", code="invalid_value")
         with self._lock:
             now = self.clock()
-            state = self.store.load()
+            state = self._read()
             self._follow(state)
             if level > self.ladder.top:
                 self._no_such_level()
@@ -140,7 +180,7 @@ class LadderController:
 
     def set_auto(self, *, who: str, reason: str = "handed back to the triggers") -> None:
         with self._lock:
-            state = self.store.load()
+            state = self._read()
             self._follow(state)
             state.manual_level = state.manual_until = state.manual_by = state.manual_reason = None
             self._commit(state, who, reason, {})
@@ -154,7 +194,7 @@ class LadderController:
         the other workers would not have followed)."""
         ladder = read_ladder(path) if tiers is None else load_ladder(path, tiers)
         with self._lock:
-            state = self.store.load()
+            state = self._read()
             state.ladder_sha256 = ladder.sha256
             if state.auto_level > ladder.top or (state.manual_level is not None and state.manual_level > ladder.top):
                 state.auto_level = min(state.auto_level, ladder.top)
@@ -221,7 +261,7 @@ class LadderController:
 
     def _tick(self) -> None:
         now = self.clock()
-        self.state = self.store.load()
+        self.state = self._read()
         self._follow(self.state)
         s = self.state
         if s.manual_level is not None and s.manual_until is not None and now >= s.manual_until:
