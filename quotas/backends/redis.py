@@ -155,6 +155,10 @@ class RedisBackend(RedisRetries, RedisRecovery, QuotaBackend):
     def record_key(self, tenant: str, request_id: str) -> str:
         return f"{self.tag(tenant)}:res:{request_id}"
 
+    def released_key(self, tenant: str, request_id: str) -> str:
+        """A request's slot trace: it freed its slot, or found it gone (release.lua, settle.lua)."""
+        return f"{self.tag(tenant)}:released:{request_id}"
+
     def leases_key(self, tenant: str) -> str:
         return f"{self.tag(tenant)}:leases"
 
@@ -248,8 +252,18 @@ class RedisBackend(RedisRetries, RedisRecovery, QuotaBackend):
         return False
 
     async def cancel(self, req: ReservationRequest) -> None:
-        """Undo `req`'s reservation (request, tokens, money, lease) if it was made; harmless if it was not."""
+        """Undo `req`'s reservation (request, tokens, money, lease) if it was made; harmless if it was not. A
+        follow-on's slot taken over goes back to the attempt it follows unless that one's trace says it is done with
+        it (settle.lua `give_back_slot`)."""
         await self._finish(req, tokens=0, money_pico=0, kind="cancel")
+
+    @property
+    def released_ttl_s(self) -> int:
+        """How long a slot's trace is kept (`released_key`): as long as a follow-on's cancel may still come after it
+        (quotas/backends/redis_retries.py `_retry_cancel`: its CANCEL_ATTEMPTS tries a second apart, then for
+        max(settle_retry_s, WINDOW_S)), with DONE_MARGIN_S for the first tries and the last wait. The trace is written
+        after that follow-on's reserve (its slot was taken over), so the whole of the cancel's retries is within it."""
+        return int(max(self.settle_retry_s, WINDOW_S)) + DONE_MARGIN_S
 
     async def settle_elsewhere(self, req: ReservationRequest, *, money_pico: int) -> None:
         """Bill `req`'s real use, settled on a replica's fallback during an outage, on `req`'s day and month;
@@ -266,32 +280,38 @@ class RedisBackend(RedisRetries, RedisRecovery, QuotaBackend):
         Redis' clock, never by the gateway's alone (a skewed one would bill a long-ended day). `keep_slot`: a settle
         that leaves the concurrency slot held (`release` frees it)."""
         bases = [self.base(req.tenant, lim.scope) for lim in req.scopes]
+        follows = req.follows if kind == "cancel" else None
         if dated:
             return await self._finish_id(req.tenant, req.request_id, tokens, money_pico, kind, bases, req.day,
-                                         req.month, keep_slot=keep_slot)
+                                         req.month, keep_slot=keep_slot, follows=follows)
         return await self._finish_id(req.tenant, req.request_id, tokens, money_pico, kind, bases,
-                                     arrival_ms=_ms(req.dated_at), keep_slot=keep_slot)
+                                     arrival_ms=_ms(req.dated_at), keep_slot=keep_slot, follows=follows)
 
     async def _finish_id(self, tenant: str, request_id: str, tokens: int, money_pico: int, kind: str,
                          bases: Sequence[str] = (), day: str = "", month: str = "", arrival_ms: int = -1,
-                         keep_slot: bool = False, marker: str = "", claimed_until_ms: int = -1) -> int:
+                         keep_slot: bool = False, marker: str = "", claimed_until_ms: int = -1,
+                         follows: str | None = None) -> int:
         """settle.lua; `marker`: a fallback's ledger row's (`jrow:<id>`), which makes a repeat a no-op for
         JOURNAL_TTL_S (the tombstone alone, for `settle_retry_s` + DONE_MARGIN_S); `claimed_until_ms`: a reap's
-        claim's deadline (reap.lua), past which a lease was renewed by its live owner (left to it)."""
-        keys = [self.record_key(tenant, request_id), self.leases_key(tenant)]
+        claim's deadline (reap.lua), past which a lease was renewed by its live owner (left to it); `follows`: a
+        cancelled follow-on's attempt followed, whose trace says whether the slot taken over goes back to it."""
+        keys = [self.record_key(tenant, request_id), self.leases_key(tenant), self.released_key(tenant, request_id)]
         done_ttl = int(self.settle_retry_s) + DONE_MARGIN_S  # ~100 bytes each: 90 MB at 1,000 settles/s
         args = [request_id, tokens, money_pico, kind, done_ttl, REAPED_TTL_S, day, month, arrival_ms,
                 int(self.max_dating_lag_s * 1000), len(bases), *bases, "1" if keep_slot else "", JOURNAL_TTL_S,
-                claimed_until_ms]
+                claimed_until_ms, self.released_ttl_s]
         if marker:
             keys.append(marker)
+        elif follows:
+            keys.append(self.released_key(tenant, follows))
         return int(await self._run("settle", keys, args))
 
     async def release(self, req: ReservationRequest) -> None:
         """`req`'s concurrency slots freed (release.lua), one try: raises `QuotaBackendError` where Redis does not
         answer (the caller retries: quotas/reservations.py `release_slot`; a slot never freed is its lease's)."""
-        await self._run("release", [f"{self.base(req.tenant, lim.scope)}:inflight" for lim in req.scopes],
-                        [req.request_id])
+        await self._run("release", [self.released_key(req.tenant, req.request_id),
+                                    *(f"{self.base(req.tenant, lim.scope)}:inflight" for lim in req.scopes)],
+                        [req.request_id, self.released_ttl_s])
 
     async def _run(self, script: str, keys: list[str], args: list[Any]) -> Any:
         """One script, one try, in a turn at the pool; a failure as ours (`backend_error`)."""
