@@ -11,7 +11,8 @@
 -- given, else on those of the request's arrival as reserve.lua dates it now (moved into [TIME - lag, TIME]).
 -- A fallback's ledger row applied by its id names its marker (journal_rows.lua's, `jrow:<id>`, kept as long): a
 -- repeat after the tombstone is gone (the note "applied" lost, a restart 15 minutes later) finds it and changes
--- nothing.
+-- nothing. The marker is the script's last write: Redis keeps a script's writes made before an error, and a marker
+-- set before the row applied would make every retry of a row that failed on the way a no-op.
 -- KEYS: the reservation's record, the tenant's leases, its slot's trace (written where a finish that frees the slot
 --       finds it gone, kept ARGV's last seconds), then optionally: the row's marker (kind 'settle'), or the trace of
 --       the attempt a follow-on follows (kind 'cancel')
@@ -28,9 +29,15 @@ local rid, tokens, money, kind = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), 
 local done_ttl, reaped_ttl, day, month = tonumber(ARGV[5]), tonumber(ARGV[6]), ARGV[7], ARGV[8]
 local at, lag, n = tonumber(ARGV[9]), tonumber(ARGV[10]), tonumber(ARGV[11])
 local keep_slot = kind == 'settle' and ARGV[12 + n] == '1'
-if kind == 'settle' and KEYS[4] and not redis.call('SET', KEYS[4], 1, 'NX', 'EX', tonumber(ARGV[13 + n])) then
-  return 0
+local marker = kind == 'settle' and KEYS[4]
+if marker and redis.call('EXISTS', marker) == 1 then return 0 end
+
+-- the answer of a settle done (or found done before: a tombstone), its row's marker set last
+local function done(code)
+  if marker then redis.call('SET', marker, 1, 'EX', tonumber(ARGV[13 + n])) end
+  return code
 end
+
 if kind == 'reap' then
   -- its owner renewed it after the reaper's claim (renew.lua pushes the lease past the claim's deadline): alive, its
   -- owner settles it; another reaper's later claim (the first one's ran out) is that reaper's
@@ -61,12 +68,12 @@ local function tombstone(state)
   redis.call('EXPIRE', KEYS[1], done_ttl)
 end
 
-if rec.st == 's' then return 0 end
+if rec.st == 's' then return done(0) end
 if rec.st == 'x' then
   if kind ~= 'settle' then return 0 end
   bill(bases_of_record(), rec.day, rec.month, money)
   tombstone('s')
-  return 2
+  return done(2)
 end
 if rec.st == nil or rec.st == 'c' then
   if kind == 'settle' then
@@ -78,7 +85,7 @@ if rec.st == nil or rec.st == 'c' then
     for j = 1, n do bases[j] = ARGV[11 + j] end
     bill(bases, day, month, money)
     tombstone('s')
-    return 3
+    return done(3)
   end
   if kind == 'cancel' then tombstone('c') end  -- a reserve that arrives after its cancel charges nothing
   return 0
@@ -131,4 +138,4 @@ elseif kind == 'settle' then
 else
   tombstone('c')
 end
-return 1
+return done(1)

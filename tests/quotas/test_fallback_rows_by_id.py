@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 import pytest
 
+from quotas.backends.base import QuotaBackendError
 from quotas.backends.failover import FailoverBackend
 from quotas.backends.journal import FallbackRow
 from quotas.backends.redis import RedisBackend
@@ -42,3 +43,23 @@ async def test_a_by_id_row_sent_again_after_its_tombstone_expired_adds_nothing(r
         assert fb.num_journal_rows == 1
     finally:
         await fb.close()
+
+
+async def test_a_row_whose_apply_failed_is_applied_by_its_retry(redis_url: str) -> None:
+    """settle.lua's error after a write keeps that write (Redis does not undo a script's writes): the row's marker,
+    set before the row applied, made every retry a no-op and the row's money was never counted."""
+    day = time.strftime("%Y%m%d", time.gmtime())
+    row = FallbackRow("req-1", "acme", ("t",), day, day[:6], 1_000_000, True)
+    b = RedisBackend(redis_url, timeout_s=0.5)
+    try:
+        await b.redis.set(b.record_key("acme", "req-1"), "x")  # a fault: the record is no hash, the apply fails
+        with pytest.raises(QuotaBackendError):
+            await b.settle_row_elsewhere(row)
+        assert not await b.redis.exists("{tg:acme}:jrow:req-1")
+        await b.redis.delete(b.record_key("acme", "req-1"))
+        assert await b.settle_row_elsewhere(row)  # the retry applies it, once
+        assert not await b.settle_row_elsewhere(row)
+        assert int(await b.redis.get(f"{{tg:acme}}:t:month:{day[:6]}")) == 1_000_000
+        assert await b.redis.ttl("{tg:acme}:jrow:req-1") > 86_400
+    finally:
+        await b.close()
