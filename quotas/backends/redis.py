@@ -91,14 +91,17 @@ class QuotaScriptError(QuotaBackendError):
 
 
 # the codes of errors a script's command can raise that say Redis itself cannot serve (MISCONF: it refuses writes
-# since a save failed), not that this request's keys or arguments are wrong
-_OUTAGE_CODES = frozenset({"MISCONF", "BUSY", "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN"})
+# since a save failed; NOREPLICAS: min-replicas-to-write, too few replicas in touch), not that this request's keys
+# or arguments are wrong. (redis-py raises READONLY, LOADING, OOM, MASTERDOWN, CLUSTERDOWN and TRYAGAIN as
+# ResponseError's subclasses, outages already; NOTBUSY and UNBLOCKED answer SCRIPT KILL and blocked clients, never a
+# script's command.)
+_OUTAGE_CODES = frozenset({"MISCONF", "NOREPLICAS", "BUSY", "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN"})
 
 
 def backend_error(exc: RedisError) -> QuotaBackendError:
     """The one place a Redis failure becomes ours: no free connection is back-pressure, a timeout is
     transient, a script's own error (its line in the answer, `@user_script:`) the request's (`QuotaScriptError`),
-    anything else (refused, reset, READONLY, LOADING, BUSY, OOM) is an outage."""
+    anything else (refused, reset, READONLY, LOADING, BUSY, OOM, MISCONF, NOREPLICAS) is an outage."""
     if isinstance(exc, MaxConnectionsError) or (
             isinstance(exc, RedisConnectionError) and str(exc) == "No connection available."):
         return QuotaBackendError(f"redis: every connection busy ({exc})", transient=True, back_pressure=True)

@@ -84,6 +84,9 @@ def test_only_a_scripts_own_error_is_the_requests() -> None:
                    BusyLoadingError("Redis is loading the dataset in memory"),
                    ResponseError("BUSY Redis is busy running a script.", status_code="BUSY"),
                    ResponseError("MISCONF Redis is configured to save RDB snapshots script: 0f, on @user_script:3.",
-                                 status_code="MISCONF")):
+                                 status_code="MISCONF"),
+                   # min-replicas-to-write: every write refused, a script's as Redis 7 words it
+                   ResponseError("NOREPLICAS Not enough good replicas to write. script: 0f, on @user_script:1.",
+                                 status_code="NOREPLICAS")):
         error = backend_error(outage)
         assert isinstance(error, QuotaBackendError) and not isinstance(error, QuotaScriptError)
