@@ -34,14 +34,21 @@ def main() -> None:
 
     from bench.engine import MODEL_DIR, load_prompts
     from engine.block_manager import BlockManager
-    from engine.model_runner import ModelRunner
+    from engine.model_runner import DEFAULT_KV_CACHE_BYTES, ModelRunner
+    from engine.models.llama import LlamaConfig
     from engine.sampling_params import SamplingParams
     from engine.scheduler import Scheduler
     from engine.sequence import Sequence
 
     torch.set_num_threads(args.threads)
     tok = AutoTokenizer.from_pretrained(MODEL_DIR)
-    runner = ModelRunner(MODEL_DIR, dtype=args.dtype, quantize=args.quantize)
+    # every stream's whole sequence at once, as bench.engine sizes it: the default cache holds 11,800 fp32 tokens,
+    # fewer than 64 streams of 512-token prompts, and then the prefill loop below never sees them all decoding
+    cfg = LlamaConfig.from_dir(MODEL_DIR)
+    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4  # K and V, fp32 at most
+    need = args.streams * (args.prompt_len + args.steps + 100) * per_token
+    runner = ModelRunner(MODEL_DIR, dtype=args.dtype, quantize=args.quantize,
+                         kv_cache_bytes=max(DEFAULT_KV_CACHE_BYTES, need))
     sched = Scheduler(BlockManager(runner.num_kv_blocks, runner.block_size), max_num_seqs=args.streams,
                       max_num_batched_tokens=512, max_model_len=runner.max_model_len, eos_token_ids=set())
     params = SamplingParams(temperature=0, max_tokens=args.steps + 100, ignore_eos=True)
