@@ -8,15 +8,22 @@ catches up at most every `interval_s` (`due`), in its writer thread, never in a 
 step), the cache may trust its map of recent entries (cache/recent.py), as no deletion elsewhere is older than it
 and still unapplied. One that failed (the store down or locked) is tried again after `interval_s` too, but earns no
 trust.
+
+A feed made while its store does not answer (a gateway started during a Redis outage) has no cursor (`started`
+False): it earns no trust, and its first catch-up, due at once, takes the cursor and answers a "reset" (the whole
+index loaded from the store, as for a log cut past a cursor), in the writer thread, once the store answers.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
 
-from cache.store import CacheStore
+from cache.store import CacheStore, CacheStoreError
+
+log = logging.getLogger(__name__)
 
 # (op, entry id, partition): op is "put", "del", or "reset" (the log was cut past the cursor: rebuild).
 Change = tuple[str, str, str]
@@ -30,17 +37,36 @@ PAGES_PER_JOB = 1
 
 class ChangeFeed:
     """A cursor into the store's change log, taken when the feed is made: make it before loading the index, so
-    no write in between is missed."""
+    no write in between is missed. Where the store does not answer then, the feed starts without one (`started`
+    False; see the module's docstring)."""
 
     def __init__(self, store: CacheStore, interval_s: float):
         self.store = store
         self.interval_s = interval_s
         self.page = PAGE  # changes one read of the log returns at most
         self.pages_per_job = PAGES_PER_JOB  # pages one `step` applies at most (at least one)
-        self._cursor = store.change_cursor()
-        self._last = self._tried = time.monotonic()  # when the last catch-up that worked, and the last step, began
+        self._cursor: str | None = None  # None: none taken yet (the next catch-up takes one and reloads)
+        self._last = self._tried = float("-inf")  # when the last catch-up that worked, and the last step, began
         self._began: float | None = None  # when the catch-up under way (in `step`s, not yet caught up) began
         self._lock = threading.Lock()
+        try:
+            self._cursor = store.change_cursor()
+        except CacheStoreError as exc:
+            log.warning("cache change log: no cursor (the index is loaded once the store answers): %s", exc)
+        else:
+            self._last = self._tried = time.monotonic()
+
+    @property
+    def started(self) -> bool:
+        """Whether the feed holds a cursor: the index was loaded from the store after it was taken."""
+        return self._cursor is not None
+
+    def unstart(self) -> None:
+        """Drop the cursor: the index could not be loaded after it was taken (the store stopped answering), so
+        the next catch-up, due at once, takes another and loads the index then."""
+        with self._lock:
+            self._cursor = None
+            self._last = self._tried = float("-inf")
 
     def recent(self) -> bool:
         """True while the last catch-up that worked began less than `interval_s` ago."""
@@ -75,7 +101,7 @@ class ChangeFeed:
                 before()
                 applied = 0
                 while pages is None or pages > 0:
-                    cursor, changes = self.store.changes_since(self._cursor, self.page)
+                    cursor, changes = self._read()
                     if not changes:
                         self._last, self._began = self._began, None
                         return applied, True
@@ -91,3 +117,10 @@ class ChangeFeed:
             except BaseException:
                 self._began = None  # the next catch-up begins anew (and earns trust from then)
                 raise
+
+    def _read(self) -> tuple[str, list[Change]]:
+        """The next page of the log after the cursor; without one, a cursor taken now and a "reset": the whole
+        index loaded from the store after it, so no write in between is missed."""
+        if self._cursor is None:
+            return self.store.change_cursor(), [("reset", "", "")]
+        return self.store.changes_since(self._cursor, self.page)

@@ -25,7 +25,10 @@ Versions: a scope carries the data and model versions, so a bumped version makes
 once; `bump_data_version` deletes the tenant's older entries, and `reclaim` (a little on every store) those of a
 retired model version and expired ones (cache/stale_versions.py). Other processes' writes arrive through the
 store's change log (cache/change_feed.py), applied in the writer thread: a lookup that finds a catch-up due queues
-it and goes on. The synchronous `lookup` and `store` serve tests, benchmarks and
+it and goes on. A cache made while its store does not answer (Redis down at start) starts unloaded (`loaded`):
+an empty index, no cursor and no trust in its map of recent entries, its lookups and writes failing or missing as in
+a running outage; the first catch-up that works (queued by a lookup, in the writer thread) takes the cursor and loads
+the index. The synchronous `lookup` and `store` serve tests, benchmarks and
 tools; all calls are thread-safe.
 
 Locks: one tenant's writes must never stall another tenant's lookups. A lookup's faiss search takes no lock
@@ -68,7 +71,7 @@ from cache.request_key import Cacheability, conversation_chars, decide, embeddin
 from cache.results import Bypass, CacheStats, Hit, LookupResult, Miss, Near, Probe, TenantPolicy
 from cache.scope import CacheScope
 from cache.stale_versions import StaleVersions
-from cache.store import CacheStore, Entry
+from cache.store import CacheStore, CacheStoreError, Entry
 from cache.vectors import SEMANTIC_MAX_CHARS, TurnVectors
 
 # Characters of conversation above which computing a request's keys (hashing every turn) leaves the event loop.
@@ -139,7 +142,7 @@ class SemanticCache:
         self.sync_interval_s = sync_interval_s  # how often other processes' writes are applied (shared stores)
         self.feed = ChangeFeed(store, sync_interval_s)  # made before the index is loaded: no write in between lost
         # writes, deletions, checkpoints; the writer thread (one tenant's flood of new answers waits there, in turns)
-        self.writes = EntryWriter(store, self._load_index(), load_index=self._load_index, pending=self.pending,
+        self.writes = EntryWriter(store, self._first_index(), load_index=self._load_index, pending=self.pending,
                                   recent=self.recent, stats=self.stats, clock=clock, reclaim_batch=reclaim_batch,
                                   per_tenant=writes_queued_per_tenant)
 
@@ -152,6 +155,24 @@ class SemanticCache:
     def stale(self) -> StaleVersions:
         """Bumped data and retired model versions whose entries are to be reclaimed."""
         return self.writes.stale
+
+    @property
+    def loaded(self) -> bool:
+        """Whether the index was loaded from the store: False from a start while the store did not answer (a
+        Redis outage) until the first catch-up that worked after it (in the writer thread, queued by a lookup)."""
+        return self.feed.started
+
+    def _first_index(self) -> PartitionedIndex:
+        """The index at start: loaded from the store, or empty while it does not answer (the cache then starts
+        unloaded: its lookups miss and its writes fail as in a running outage, and the first catch-up that works
+        loads it, `ChangeFeed`'s "reset")."""
+        if self.feed.started:
+            try:
+                return self._load_index()
+            except CacheStoreError as exc:
+                self.feed.unstart()
+                log.warning("semantic cache: starting with an empty index, loaded once the store answers: %s", exc)
+        return PartitionedIndex(self.embedder.dim, hnsw_from=self._hnsw_from)
 
     def _load_index(self) -> PartitionedIndex:
         """The faiss partitions rebuilt from the store's vectors (after a restart, or a change log cut short)."""
