@@ -3,8 +3,8 @@ ladder runs at level 0 with its shared state unknown, and takes the real state a
 up. It did not start: the ladder's constructor read its state from Redis and raised, so `tiergate serve` exited 3 and
 a Redis outage with a restart was a full outage.
 
-The answer cache is off here: its Redis store is read when it is built (its change log's cursor, then every vector
-for the index), which fails start-up the same way, and is another module's to mend."""
+The answer cache is off here, to test the ladder alone: a cache started with its Redis down is
+tests/gateway/test_start_cache_redis_down.py's."""
 
 from __future__ import annotations
 
