@@ -39,6 +39,11 @@ def _scope_limits(scope: str, rpm: int | None, tpm: int | None, max_concurrent: 
         budget_month_pico=None if budget_month_usd is None else to_pico(budget_month_usd))
 
 
+# a price in picodollars, remembered: a reserve and a settle convert one each (~1 us of Decimal arithmetic), and the
+# prices repeat (a plan's cache-hit price, a tier's price of the same prompt length); equal prices, one result
+_pico = lru_cache(maxsize=1024)(to_pico)
+
+
 @dataclass
 class Reservation:
     """A granted reservation of requests, tokens, money and a concurrency slot, to be settled exactly once; its slot
@@ -94,7 +99,7 @@ class QuotaService:
         continues (a cascade's retry, the exact reservation after a floor), whose rpm place and concurrency slot it
         keeps (`ReservationRequest.follows`): admitted, it has that attempt's kept slot, whose release is then done
         here, with no call to the store (`_taken_over`); refused, that attempt keeps its slot, for its release."""
-        req = ReservationRequest(request_id, tenant, self.scopes(plan, key_id, key_limits), tokens, to_pico(price),
+        req = ReservationRequest(request_id, tenant, self.scopes(plan, key_id, key_limits), tokens, _pico(price),
                                  lease_s=self.lease_s, dated_at=dated_at, follows=follows)
         decision = await self.backend.reserve(req)
         if not decision.admitted:
@@ -171,10 +176,10 @@ class QuotaService:
         self._open.pop(reservation.request.request_id, None)
         self._follow_row(reservation, price, row)
         try:
-            await self.backend.settle(reservation.request, tokens=tokens, money_pico=to_pico(price),
+            await self.backend.settle(reservation.request, tokens=tokens, money_pico=_pico(price),
                                       keep_slot=reservation.slot_kept)
         except Exception as exc:
-            self._settle_later(reservation, tokens, to_pico(price), exc)
+            self._settle_later(reservation, tokens, _pico(price), exc)
             return
         self._settled(reservation)
 
@@ -193,10 +198,10 @@ class QuotaService:
         self._open.pop(reservation.request.request_id, None)
         self._follow_row(reservation, price, row)
         try:
-            self.backend.settle_now(reservation.request, tokens=tokens, money_pico=to_pico(price),
+            self.backend.settle_now(reservation.request, tokens=tokens, money_pico=_pico(price),
                                     keep_slot=reservation.slot_kept)
         except Exception as exc:
-            self._settle_later(reservation, tokens, to_pico(price), exc)
+            self._settle_later(reservation, tokens, _pico(price), exc)
             return
         self._settled(reservation)
 

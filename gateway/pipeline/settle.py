@@ -36,6 +36,7 @@ from quotas.reservations import QuotaService
 from tiers.catalogue import TierCatalogue
 
 log = logging.getLogger("tiergate.settle")
+ZERO = Decimal(0)  # (one, shared: immutable; a row built three at every request)
 
 
 class Settler:
@@ -192,22 +193,22 @@ class Settler:
     def row(self, ctx: RequestContext, attempt: Attempt, outcome: Outcome) -> LedgerRow:
         tier = attempt.route.tier
         price = tier.price(outcome.input_tokens, outcome.output_tokens)
-        cache_saving = Decimal(0)
+        cache_saving = ZERO
         if attempt.hit_price is not None:  # no model ran: the plan's hit price, and what the tier would have charged
-            cache_saving = max(Decimal(0), price - attempt.hit_price)
+            cache_saving = max(ZERO, price - attempt.hit_price)
             price = attempt.hit_price
-            compute, basis = Decimal(0), "cache"
+            compute, basis = ZERO, "cache"
         elif outcome.upstream_s is None:
-            compute, basis = Decimal(0), "none"
+            compute, basis = ZERO, "none"
         elif outcome.busy_s is not None:
             compute, basis = tier.compute_cost(outcome.busy_s), "engine"
         else:
             compute, basis = tier.compute_cost(outcome.upstream_s), "wall"
         requested = attempt.route.requested_tier
-        route_saving = Decimal(0)
+        route_saving = ZERO
         if requested in self.catalogue.tiers and requested != tier.name and not attempt.is_cache_hit:
             dearer = self.catalogue.tiers[requested].price(outcome.input_tokens, outcome.output_tokens)
-            route_saving = max(Decimal(0), dearer - price)
+            route_saving = max(ZERO, dearer - price)
         reason = "; ".join((attempt.route.reason, *attempt.extra_reason))
         # `ts` is the arrival, the instant that dated the reservation's money (reserve.py; unless the quota store's
         # clock was more than MAX_DATING_LAG_S past it): the settle adjusts that day's counter, whenever it runs
@@ -236,7 +237,7 @@ def _terms(written: asyncio.Future[None], tokens: int, price: Decimal
            ) -> tuple[int, Decimal, asyncio.Future[None] | None]:
     """What the quota settles to: the row's use and price, followed by its row; nothing for a row withdrawn (its
     reservation given back, and no row for a fallback reservation's money to follow)."""
-    return (0, Decimal(0), None) if withdrawn(written) else (tokens, price, written)
+    return (0, ZERO, None) if withdrawn(written) else (tokens, price, written)
 
 
 def answered_instead(row: LedgerRow, exc: BaseException, t0: float) -> LedgerRow:
