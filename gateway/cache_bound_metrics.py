@@ -11,6 +11,9 @@ bound from the traffic it serves; with several workers a scrape shows the answer
 ("numbers differ", ...) and the meaning check ("meaning differs"; "meaning check busy" and "meaning check
 unavailable" are the ones to alert on), this process's since it started.
 
+`tiergate_cache_index_loaded` is 0 while the cache's index has not been loaded from its store (a gateway started
+during a Redis outage: lookups miss until the first catch-up that works loads it), 1 once it is.
+
 `tiergate_cache_dropped_writes_total{tenant}` counts a tenant's new answers not written to the cache because it
 had `writes_queued_per_tenant` writes waiting for the cache's writer already (its oldest waiting one goes;
 cache/tenant_writes.py): a flood of new answers, which costs that tenant later misses and no one else anything.
@@ -57,4 +60,8 @@ class CacheBoundCollector:
                                       labels=["tenant"])
         for tenant, count in sorted(dict(self.cache.stats.dropped_writes).items()):
             dropped.add_metric([tenant], count)
-        yield from (threshold, error, bound, labels, refused, dropped)
+        loaded = GaugeMetricFamily("tiergate_cache_index_loaded",
+                                   "1: the cache's index is loaded from its store; 0: not yet (started while it "
+                                   "did not answer).")
+        loaded.add_metric([], 1.0 if self.cache.loaded else 0.0)
+        yield from (threshold, error, bound, labels, refused, dropped, loaded)

@@ -38,7 +38,8 @@ def exported() -> tuple[set[str], set[str]]:
     fleet.replicas["mid"][0].stats = {"kv_utilisation": 0.5, "tokens_per_s": 10, "num_running": 1, "num_waiting": 0}
     metrics = GatewayMetrics(fleet)
     metrics.ladder = type("L", (), {"level": 0, "in_sync": True})()
-    cache = SimpleNamespace(bounds=TenantBounds(), stats=CacheStats())  # what the error bound and checks export
+    # what the error bound, the checks and the index's state export
+    cache = SimpleNamespace(bounds=TenantBounds(), stats=CacheStats(), loaded=True)
     cache.bounds.get("acme", 0.01, 0.8)
     metrics.registry.register(CacheBoundCollector(cache))  # type: ignore[arg-type]
     CacheChecks(cache=cache, caller=None, registry=metrics.registry)  # type: ignore[arg-type]

@@ -58,6 +58,8 @@ def test_the_gateway_starts_with_the_caches_redis_down_and_loads_the_cache_when_
     with running_gateway(settings, stub[1]) as gw:  # Redis down: it starts, and serves
         cache = gw.app.state.services.cache.cache
         assert not cache.loaded and len(cache.index) == 0
+        with gw.client(gw.admin_key) as admin:
+            assert "tiergate_cache_index_loaded 0.0" in admin.get("/metrics").text
         assert ask(gw, Q).headers["x-tiergate-cache"] == "miss"
         assert not cache.loaded
 
@@ -70,5 +72,7 @@ def test_the_gateway_starts_with_the_caches_redis_down_and_loads_the_cache_when_
             ask(gw, Q)
             time.sleep(0.05)
         assert cache.loaded and len(cache.index) == 1
+        with gw.client(gw.admin_key) as admin:
+            assert "tiergate_cache_index_loaded 1.0" in admin.get("/metrics").text
         r = ask(gw, PARAPHRASE)
         assert r.headers["x-tiergate-cache"] == "hit" and r.headers["x-tiergate-cache-kind"] == "semantic"
