@@ -24,7 +24,7 @@ class Settings(BaseSettings):
 
     data_dir: Path = Field(default_factory=_default_data_dir)  # state, ledger and prepared models
     models_dir: Path | None = None  # defaults to <data_dir>/models
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # empty is refused: it would listen on every interface (0.0.0.0 and ::)
     port: int = Field(default=8080, ge=1, le=65535)
     tiers_file: Path = REPO_ROOT / "tiers" / "tiers.yaml"
     plans_file: Path = REPO_ROOT / "quotas" / "plans.yaml"
@@ -102,6 +102,25 @@ class Settings(BaseSettings):
     # set in each worker of `tiergate serve --workers N`: the parent supervises the local engines and publishes them
     # here (tiers/engines_file.py); this process follows them and never starts one
     engines_file: Path | None = None
+
+    @field_validator("host", mode="before")
+    @classmethod
+    def _host_given(cls, host: object) -> object:
+        # uvicorn binds an empty host on every interface: an unset variable in a unit or compose template (`${HOST}`)
+        # exposed the gateway where the default is 127.0.0.1
+        if isinstance(host, str) and not host.strip():
+            raise ValueError("empty: it would listen on every interface; unset it for 127.0.0.1, or give 0.0.0.0 "
+                             "(or ::) to listen on every interface")
+        return host
+
+    @field_validator("data_dir", "models_dir", "tiers_file", "plans_file", "ladder_file", "engines_file",
+                     mode="before")
+    @classmethod
+    def _path_given(cls, path: object) -> object:
+        # an empty path is the current directory: `tiergate tenants create` then wrote a new, empty ./state.db
+        if isinstance(path, str) and not path.strip():
+            raise ValueError("empty: it would be the current directory; unset it for the default, or give a path")
+        return path
 
     @field_validator("database_url")
     @classmethod
