@@ -24,7 +24,7 @@ from gateway.config_files import ConfigFileError
 from gateway.pipeline.prompt import tokenizer_source
 from gateway.redis_eviction import RedisEvicts, check_redis_eviction
 from gateway.routes.health import readiness
-from gateway.settings import Settings
+from gateway.settings import MAX_WORKERS, Settings
 from gateway.stores import DatabaseUnreachable, open_tenant_store
 from gateway.tenant_plans import check_tenant_plans
 from gateway.workers import require_shared_quotas, run_workers
@@ -41,7 +41,7 @@ from gateway.workers import require_shared_quotas, run_workers
               help="Degradation ladder [env TIERGATE_LADDER_FILE; default degrade_ladder.yaml].")
 @click.option("--models-dir", type=click.Path(path_type=Path), default=None,
               help="Prepared models [env TIERGATE_MODELS_DIR; default <data dir>/models].")
-@click.option("--workers", type=click.IntRange(min=1), default=None,
+@click.option("--workers", type=click.IntRange(1, MAX_WORKERS), default=None,
               help="Gateway processes on the one port; more than one needs TIERGATE_REDIS_URL, where quotas are "
                    "counted for all [env TIERGATE_WORKERS; default 1].")
 @data_dir_option

@@ -61,3 +61,52 @@ def test_an_empty_data_dir_writes_no_state_db_here(tmp_path: Path, monkeypatch: 
     monkeypatch.chdir(tmp_path)
     refused(run(["tenants", "create", "acme"], TIERGATE_DATA_DIR=""), "TIERGATE_DATA_DIR", "current directory")
     assert list(tmp_path.iterdir()) == []
+
+
+BAD_NUMBERS = [
+    ("TIERGATE_LADDER_TICK_S", "-1"), ("TIERGATE_LADDER_TICK_S", "0"), ("TIERGATE_LADDER_TICK_S", "nan"),
+    ("TIERGATE_LADDER_TICK_S", "inf"), ("TIERGATE_MAX_BODY_BYTES", "-1"), ("TIERGATE_DEFAULT_MAX_TOKENS", "0"),
+    ("TIERGATE_DEFAULT_MAX_TOKENS", "-1"), ("TIERGATE_REMOTE_MAX_CONCURRENCY", "0"),
+    ("TIERGATE_REMOTE_MAX_CONCURRENCY", "-2"), ("TIERGATE_REDIS_TIMEOUT_S", "nan"), ("TIERGATE_REDIS_TIMEOUT_S", "-1"),
+    ("TIERGATE_REDIS_MAX_CONNECTIONS", "0"), ("TIERGATE_REDIS_POOL_WAIT_S", "0"), ("TIERGATE_CACHE_MAX_ENTRIES", "-1"),
+    ("TIERGATE_CACHE_MAX_ENTRIES_PER_TENANT", "0"), ("TIERGATE_CACHE_EMBED_MAX_BATCH", "0"),
+    ("TIERGATE_CACHE_EMBED_MAX_WAIT_MS", "nan"), ("TIERGATE_ENGINE_START_TIMEOUT_S", "0"),
+    ("TIERGATE_UPSTREAM_READ_TIMEOUT_S", "nan"), ("TIERGATE_UPSTREAM_CONNECT_TIMEOUT_S", "-5"),
+    ("TIERGATE_REQUEST_RECEIPT_TIMEOUT_S", "inf"), ("TIERGATE_RESPONSE_STALL_TIMEOUT_S", "nan"),
+    ("TIERGATE_WORKERS", "1000000"), ("TIERGATE_DATABASE_MAX_CONNECTIONS", "0"),
+    ("TIERGATE_QUOTA_SETTLE_RETRY_S", "-1"), ("TIERGATE_QUOTA_LEASE_S", "inf"), ("TIERGATE_QUOTA_REAP_EVERY_S", "nan"),
+    ("TIERGATE_REDIS_EVICTION_CHECK_S", "inf"), ("TIERGATE_TENANT_LOOKUP_LOCK_TIMEOUT_S", "nan"),
+    ("TIERGATE_LEDGER_READ_LOCK_TIMEOUT_S", "-1"), ("TIERGATE_CONNECTION_SHARE_PER_ADDRESS", "nan"),
+]
+
+
+@pytest.mark.parametrize(("name", "value"), BAD_NUMBERS)
+def test_a_number_out_of_its_bounds_is_refused(monkeypatch: pytest.MonkeyPatch, name: str, value: str) -> None:
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValidationError) as caught:
+        Settings()
+    assert [e["loc"] for e in caught.value.errors()] == [(name.removeprefix("TIERGATE_").lower(),)]
+
+
+@pytest.mark.parametrize(("name", "value"), [("TIERGATE_LADDER_TICK_S", "nan"), ("TIERGATE_WORKERS", "1000000")])
+def test_serve_names_the_bad_number_in_one_line(tmp_path: Path, name: str, value: str) -> None:
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("tiers: [\n")  # without the check, the run ends here
+    refused(run(["serve", "--tiers", str(broken), "--port", str(free_port()), "--data-dir", str(tmp_path / "d")],
+                **{name: value}), f"({name})")
+    assert not (tmp_path / "d").exists()
+
+
+def test_every_default_is_within_its_bounds_and_the_bounds_take_sane_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in [n for n, _ in BAD_NUMBERS]:
+        monkeypatch.delenv(name, raising=False)
+    defaults = Settings()
+    assert Settings.model_validate(defaults.model_dump()) == defaults
+    taken = Settings(ladder_tick_s=0.01, workers=64, quota_settle_retry_s=0, cache_embed_max_wait_ms=0,
+                     tenant_lookup_lock_timeout_s=0, cache_embed_max_batch=1, max_body_bytes=1)
+    assert (taken.ladder_tick_s, taken.workers) == (0.01, 64)
+
+
+def test_serve_workers_flag_is_capped_at_the_option(tmp_path: Path) -> None:
+    r = run(["serve", "--workers", "65", "--data-dir", str(tmp_path)])
+    assert r.exit_code == 2 and "'--workers'" in r.output and "64" in r.output, r.output
