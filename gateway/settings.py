@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from gateway.connection_cap import ADDRESS_SHARE, MAX_CONNECTIONS
@@ -17,6 +17,9 @@ MIN_TICK_S = 0.01  # TIERGATE_LADDER_TICK_S: a shorter tick (or 0) only spins a 
 # TIERGATE_WORKERS (and serve --workers): a fixed cap, the same on every host, well above what one host's cores use
 # (each worker is a process with its own connections and caches); a typo (1000000) is refused, not forked
 MAX_WORKERS = 64
+# TIERGATE_CORE_BUDGET's words, as tiers/core_plan.py reads them
+CORE_BUDGET_ON = ("on", "1", "true", "yes", "")
+CORE_BUDGET_OFF = ("off", "0", "false", "no")
 
 
 def _default_data_dir() -> Path:
@@ -115,6 +118,12 @@ class Settings(BaseSettings):
     # set in each worker of `tiergate serve --workers N`: the parent supervises the local engines and publishes them
     # here (tiers/engines_file.py); this process follows them and never starts one
     engines_file: Path | None = None
+    # read from the environment where they act (cache/embedder.py; tiers/core_plan.py), and checked here so that a typo
+    # is one line at start-up, before anything is written, not a traceback once the cache and engines start (or, for
+    # the core budget, a word taken as `on`)
+    embedder_runtime: Literal["auto", "onnx", "torch"] = "auto"  # empty: auto
+    core_budget: str = "on"  # on or off (1/0, true/false, yes/no); empty: on
+    gateway_cores: int | None = Field(None, ge=0)  # cores kept for the gateway; empty: tiers/core_plan.py's default
 
     @field_validator("host", mode="before")
     @classmethod
@@ -134,6 +143,21 @@ class Settings(BaseSettings):
         if isinstance(path, str) and not path.strip():
             raise ValueError("empty: it would be the current directory; unset it for the default, or give a path")
         return path
+
+    @field_validator("embedder_runtime", "gateway_cores", mode="before")
+    @classmethod
+    def _blank_is_default(cls, value: object, info: ValidationInfo) -> object:
+        if isinstance(value, str) and not value.strip():  # as their readers take it
+            return cls.model_fields[info.field_name].default
+        return value.strip() if isinstance(value, str) else value
+
+    @field_validator("core_budget")
+    @classmethod
+    def _core_budget_word(cls, value: str) -> str:
+        word = value.strip().lower()
+        if word not in CORE_BUDGET_ON + CORE_BUDGET_OFF:
+            raise ValueError("on or off (or 1/0, true/false, yes/no; empty: on)")
+        return "off" if word in CORE_BUDGET_OFF else "on"
 
     @field_validator("database_url")
     @classmethod

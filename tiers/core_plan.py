@@ -25,6 +25,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from tiers.catalogue import TierSpec
 from tiers.supervisor import CoreShare
 
+CORE_BUDGET_ON = ("on", "1", "true", "yes", "")  # TIERGATE_CORE_BUDGET's words (gateway/settings.py checks them)
+CORE_BUDGET_OFF = ("off", "0", "false", "no")
 SHARED_HOST = "cpu:all"  # the hardware group of local CPU tiers when the core budget is off
 
 
@@ -32,8 +34,11 @@ def host_core_budget(cores: Sequence[int] | None = None, *, workers: int = 1) ->
     """The CPUs local engines may share out (TIERGATE_CORE_BUDGET, TIERGATE_GATEWAY_CORES), or None when the
     budget is off. `cores`: the gateway's own CPUs [default: its affinity]; `workers`: its processes, each of which
     the default keeps a core for when there are several."""
-    if os.environ.get("TIERGATE_CORE_BUDGET", "on").strip().lower() in ("off", "0", "false", "no"):
+    budget = os.environ.get("TIERGATE_CORE_BUDGET", "on").strip().lower()
+    if budget in CORE_BUDGET_OFF:
         return None
+    if budget not in CORE_BUDGET_ON:  # gateway/settings.py refuses it at start-up; never taken as on
+        raise ValueError(f"TIERGATE_CORE_BUDGET is on or off (or 1/0, true/false, yes/no), not {budget!r}")
     cores = sorted(os.sched_getaffinity(0) if cores is None else cores)
     keep = os.environ.get("TIERGATE_GATEWAY_CORES", "").strip()
     if keep and not keep.isdigit():

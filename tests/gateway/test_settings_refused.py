@@ -12,6 +12,7 @@ from pydantic import ValidationError
 from gateway.cli.main import cli
 from gateway.settings import Settings
 from tests.stubs import free_port
+from tiers.core_plan import host_core_budget
 
 
 def run(args: list[str], **env: str) -> Result:
@@ -110,3 +111,43 @@ def test_every_default_is_within_its_bounds_and_the_bounds_take_sane_values(monk
 def test_serve_workers_flag_is_capped_at_the_option(tmp_path: Path) -> None:
     r = run(["serve", "--workers", "65", "--data-dir", str(tmp_path)])
     assert r.exit_code == 2 and "'--workers'" in r.output and "64" in r.output, r.output
+
+
+@pytest.mark.parametrize(("name", "value"), [
+    ("TIERGATE_CACHE_EMBED_MAX_BATCH", "0"), ("TIERGATE_EMBEDDER_RUNTIME", "bogus"),
+    ("TIERGATE_GATEWAY_CORES", "abc"), ("TIERGATE_GATEWAY_CORES", "-1"), ("TIERGATE_CORE_BUDGET", "bogus"),
+])
+def test_a_setting_read_outside_settings_is_refused_before_anything_is_written(tmp_path: Path, name: str,
+                                                                               value: str) -> None:
+    """They failed once start-up had written state.db, ledger.db and cache.sqlite3 (a 50-line traceback), or, for
+    the core budget, were taken as on."""
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("tiers: [\n")  # without the check, the run ends here
+    refused(run(["serve", "--tiers", str(broken), "--port", str(free_port()), "--data-dir", str(tmp_path / "d")],
+                **{name: value}), f"({name})")
+    assert not (tmp_path / "d").exists()
+
+
+@pytest.mark.parametrize(("env", "expected"), [
+    ({}, ("auto", "on", None)),
+    ({"TIERGATE_EMBEDDER_RUNTIME": "", "TIERGATE_CORE_BUDGET": "", "TIERGATE_GATEWAY_CORES": ""}, ("auto", "on", None)),
+    ({"TIERGATE_EMBEDDER_RUNTIME": "onnx", "TIERGATE_CORE_BUDGET": " OFF ", "TIERGATE_GATEWAY_CORES": "2"},
+     ("onnx", "off", 2)),
+    ({"TIERGATE_CORE_BUDGET": "no"}, ("auto", "off", None)), ({"TIERGATE_CORE_BUDGET": "Yes"}, ("auto", "on", None)),
+])
+def test_what_those_settings_take(monkeypatch: pytest.MonkeyPatch, env: dict[str, str],
+                                  expected: tuple[object, ...]) -> None:
+    for name in ("TIERGATE_EMBEDDER_RUNTIME", "TIERGATE_CORE_BUDGET", "TIERGATE_GATEWAY_CORES"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    s = Settings()
+    assert (s.embedder_runtime, s.core_budget, s.gateway_cores) == expected
+
+
+def test_the_core_plan_never_takes_an_unknown_core_budget_as_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TIERGATE_CORE_BUDGET", "bogus")
+    with pytest.raises(ValueError, match="TIERGATE_CORE_BUDGET"):
+        host_core_budget([0, 1, 2, 3])
+    monkeypatch.setenv("TIERGATE_CORE_BUDGET", "false")
+    assert host_core_budget([0, 1, 2, 3]) is None
