@@ -32,7 +32,7 @@ from gateway.workers import require_shared_quotas, run_workers
 
 @click.command()
 @click.option("--host", default=None, help="Bind address [env TIERGATE_HOST; default 127.0.0.1].")
-@click.option("--port", type=int, default=None, help="Port [env TIERGATE_PORT; default 8080].")
+@click.option("--port", type=click.IntRange(1, 65535), default=None, help="Port [env TIERGATE_PORT; default 8080].")
 @click.option("--tiers", "tiers_file", type=click.Path(path_type=Path), default=None,
               help="Tier catalogue [env TIERGATE_TIERS_FILE; default tiers/tiers.yaml].")
 @click.option("--plans", "plans_file", type=click.Path(path_type=Path), default=None,
@@ -74,9 +74,12 @@ def serve(host: str | None, port: int | None, tiers_file: Path | None, plans_fil
     sources |= {tokenizer_source(v) for v in versions}
     for source in sorted(sources):
         if source in BUILTIN_MODELS and not is_prepared(source, settings.resolved_models_dir):
-            # a child process, so the gateway itself never imports torch
-            subprocess.run([sys.executable, "-m", "gateway.cli.main", "models", "fetch", "--model", source,
-                            "--models-dir", str(settings.resolved_models_dir)], check=True)
+            # a child process, so the gateway itself never imports torch; it says what went wrong itself
+            try:
+                subprocess.run([sys.executable, "-m", "gateway.cli.main", "models", "fetch", "--model", source,
+                                "--models-dir", str(settings.resolved_models_dir)], check=True)
+            except subprocess.CalledProcessError as exc:
+                raise click.ClickException(f"preparing model {source} failed (see above)") from exc
     try:
         store = open_tenant_store(settings)
     except DatabaseUnreachable as exc:

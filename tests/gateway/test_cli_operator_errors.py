@@ -127,10 +127,15 @@ def test_bad_numbers_are_refused_before_any_work(tmp_path: Path, args: list[str]
     assert r.exit_code == 2 and f"'{option}'" in r.output, r.output
 
 
-def test_serve_refuses_a_port_that_cannot_be_before_preparing_anything(tmp_path: Path) -> None:
+@pytest.mark.parametrize("port", ["99999", "-1", "0"])
+def test_serve_refuses_a_port_that_cannot_be_before_preparing_anything(tmp_path: Path, port: str) -> None:
+    """Named as the operator gave it: the flag (it blamed TIERGATE_PORT), or the variable."""
     (tmp_path / "broken.yaml").write_text("tiers: [\n")  # without the check, the run ends here instead
-    refused(run(["serve", "--port", "99999", "--tiers", str(tmp_path / "broken.yaml"), "--data-dir", str(tmp_path)]),
-            "TIERGATE_PORT", "65535")
+    r = run(["serve", "--port", port, "--tiers", str(tmp_path / "broken.yaml"), "--data-dir", str(tmp_path)])
+    assert r.exit_code == 2 and "'--port'" in r.output and "65535" in r.output and "TIERGATE_PORT" not in r.output, \
+        r.output
+    refused(run(["serve", "--tiers", str(tmp_path / "broken.yaml"), "--data-dir", str(tmp_path)], TIERGATE_PORT=port),
+            "TIERGATE_PORT")
 
 
 def test_serve_refuses_a_port_in_use_before_preparing_anything(tmp_path: Path) -> None:

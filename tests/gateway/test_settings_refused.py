@@ -3,6 +3,7 @@ anything is written: an empty host (every interface), an empty path (the current
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -151,3 +152,16 @@ def test_the_core_plan_never_takes_an_unknown_core_budget_as_on(monkeypatch: pyt
         host_core_budget([0, 1, 2, 3])
     monkeypatch.setenv("TIERGATE_CORE_BUDGET", "false")
     assert host_core_budget([0, 1, 2, 3]) is None
+
+
+def test_serve_says_which_model_failed_to_prepare_in_one_line(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The `models fetch` child prints its own error; serve added a traceback of CalledProcessError under it."""
+    def failing_child(args: list[str], **_: object) -> None:
+        raise subprocess.CalledProcessError(1, args)
+
+    monkeypatch.setattr(subprocess, "run", failing_child)
+    line = refused(run(["serve", "--port", str(free_port()), "--models-dir", str(tmp_path / "models"),
+                        "--data-dir", str(tmp_path / "d")]), "preparing model", "failed (see above)")
+    assert "smollm2-135m-instruct" in line or "all-MiniLM-L6-v2" in line, line
+    assert not (tmp_path / "d").exists()
