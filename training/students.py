@@ -46,6 +46,10 @@ class StudentRequest:
 def build_student(req: StudentRequest, *, catalogue: TierCatalogue, models_dir: Path,
                   progress: bool = True) -> tuple[Path, str]:
     """Distil, measure and write the student; returns its directory and model card."""
+    try:  # before the teacher is prepared (a download of hundreds of MB)
+        keep = tuple(int(x) for x in req.keep.split(",")) if req.keep else None
+    except ValueError:
+        raise ValueError(f"--keep {req.keep!r}: give teacher layer numbers separated by commas") from None
     tier = catalogue.tiers.get(req.teacher)
     student_tier = catalogue.student_of(req.teacher) if tier else None
     if tier is not None:
@@ -67,10 +71,6 @@ def build_student(req: StudentRequest, *, catalogue: TierCatalogue, models_dir: 
     budget = req.budget or (spec.budget if spec else DEFAULT_BUDGET)
     budget_s, steps = parse_budget(budget)
     layers = req.layers or (spec.layers if spec else DEFAULT_LAYERS)
-    try:
-        keep = tuple(int(x) for x in req.keep.split(",")) if req.keep else None
-    except ValueError:
-        raise ValueError(f"--keep {req.keep!r}: give teacher layer numbers separated by commas") from None
     config = DistillConfig(layers=layers, keep=keep, frozen_prefix=req.frozen_prefix, budget_s=budget_s, steps=steps,
                            batch_size=req.batch_size, seq_len=req.seq_len, lr=req.lr, temperature=req.temperature,
                            greedy_weight=req.greedy_weight, seed=req.seed if req.seed is not None else (

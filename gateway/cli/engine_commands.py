@@ -9,7 +9,7 @@ import click
 
 from assets.engine_key import ENGINE_API_KEY_ENV
 from assets.model_source import BUILTIN_MODELS, DEFAULT_MODEL, ModelSourceError, prepare_model
-from gateway.cli.options import THREADS, FiniteFloat, data_dir_option, settings_from
+from gateway.cli.options import THREADS, FiniteFloat, check_device, data_dir_option, settings_from
 from wire.errors import MAX_BODY_BYTES
 
 
@@ -76,7 +76,8 @@ def fetch(source: str, models_dir: Path | None, data_dir: Path | None) -> None:
 @click.option("--greedy-weight", default=0.8, show_default=True, type=FiniteFloat(0, 1),
               help="Mix in cross-entropy toward the teacher's greedy next token (0: KL only, 1: greedy only).")
 @click.option("--seed", default=None, type=int, help="Data order and initialisation [default: the tier's, else 0].")
-@click.option("--device", default="cpu", show_default=True, help="cpu or cuda[:N] (bf16 autocast on CUDA).")
+@click.option("--device", default="cpu", show_default=True, callback=check_device,
+              help="cpu or cuda[:N] (bf16 autocast on CUDA).")
 @click.option("--threads", default=None, type=THREADS, help="torch threads [default: torch's choice].")
 @click.option("--restart", is_flag=True, help="Discard an earlier run's checkpoint instead of resuming it.")
 @click.option("--tiers", "tiers_file", type=click.Path(path_type=Path), default=None,
@@ -146,7 +147,7 @@ def engine() -> None:
               help="int8 weights, per-channel scales [default: none, the model's own].")
 @click.option("--dtype", type=click.Choice(["auto", "fp32", "bf16", "fp16"]), default="auto", show_default=True,
               help="auto: bf16 on CUDA and on CPUs with fast bf16, else fp32.")
-@click.option("--device", default="cpu", show_default=True, help="cpu or cuda[:N].")
+@click.option("--device", default="cpu", show_default=True, callback=check_device, help="cpu or cuda[:N].")
 @click.option("--max-num-seqs", default="auto", show_default=True, callback=_max_num_seqs,
               help="Sequences generated at once; auto: as many as the KV cache holds at 1,024 tokens each (at most "
                    "256).")

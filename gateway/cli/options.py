@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -48,3 +50,37 @@ def existing_data_dir(settings: Settings) -> Settings:
         raise click.ClickException(f"data directory {path} {what}: give the gateway's with --data-dir or "
                                    "TIERGATE_DATA_DIR")
     return settings
+
+
+def check_device(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    """cpu, or cuda[:N] where this torch sees that GPU: refused here, not as a traceback once a model loads (torch
+    imported only for cuda)."""
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", value):
+        raise click.BadParameter(f"{value!r} is neither cpu nor cuda[:N]")
+    if value != "cpu":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise click.BadParameter(f"{value!r}: this torch sees no CUDA device (a CPU-only build, or no GPU or "
+                                     "driver); give cpu")
+        count, index = torch.cuda.device_count(), int(value.partition(":")[2] or 0)
+        if index >= count:
+            raise click.BadParameter(f"{value!r}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
+    return value
+
+
+def writable_file(ctx: click.Context, param: click.Parameter, value: Path | None) -> Path | None:
+    """A file path whose directory exists and is writable, or can be made: refused before any work, not after it.
+    Nothing is made here."""
+    if value is None:
+        return None
+    if value.is_dir():
+        raise click.BadParameter(f"{value} is a directory; give a file path")
+    ancestor = value.absolute().parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise click.BadParameter(f"{value}: {ancestor} is not a directory")
+    if not os.access(ancestor, os.W_OK | os.X_OK) or (value.exists() and not os.access(value, os.W_OK)):
+        raise click.BadParameter(f"{value}: {value if value.exists() else ancestor} is not writable by this user")
+    return value

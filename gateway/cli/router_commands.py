@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from gateway.cli.options import THREADS, data_dir_option, settings_from
+from gateway.cli.options import THREADS, data_dir_option, settings_from, writable_file
 
 
 @click.group()
@@ -25,7 +25,7 @@ def router() -> None:
               help="Comma list of tiers to train on, e.g. small,mid,full [default: every local tier built]; "
                    "the reference tier (full) is always run.")
 @click.option("--reference", default=None, help="The tier fidelity is measured against [default: full].")
-@click.option("--out", type=click.Path(path_type=Path), default=None,
+@click.option("--out", type=click.Path(path_type=Path), default=None, callback=writable_file,
               help="Where the artifact goes [default <data dir>/router/difficulty.json, which the gateway loads].")
 @click.option("--seed", default=0, show_default=True, type=int, help="Which training prompts are picked.")
 @click.option("--work-dir", type=click.Path(path_type=Path), default=None,
