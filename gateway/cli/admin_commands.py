@@ -11,6 +11,7 @@ import click
 from pydantic import ValidationError
 
 from gateway.cli.options import data_dir_option, existing_data_dir, settings_from
+from gateway.cli.state_files import naming
 from gateway.config_files import ConfigFileError, load_yaml
 from gateway.errors import TiergateError
 from gateway.report_format import to_csv, to_json, to_table
@@ -31,16 +32,17 @@ def _store(data_dir: Path | None, *, create: bool = False) -> Iterator[TenantSto
     Only a command that makes something from nothing (`create`: a tenant, an admin key) may start a new data
     directory."""
     settings = settings_from(data_dir=data_dir)
-    try:
-        store = open_tenant_store(settings if create else existing_data_dir(settings))
-    except TiergateError as exc:
-        raise click.ClickException(exc.message) from exc
-    try:
-        yield store
-    except TiergateError as exc:
-        raise click.ClickException(exc.message) from exc
-    finally:
-        store.close()
+    with naming(settings.state_db, settings, data_dir):
+        try:
+            store = open_tenant_store(settings if create else existing_data_dir(settings))
+        except TiergateError as exc:
+            raise click.ClickException(exc.message) from exc
+        try:
+            yield store
+        except TiergateError as exc:
+            raise click.ClickException(exc.message) from exc
+        finally:
+            store.close()
 
 
 def _echo_key(public: dict[str, object], plaintext: str) -> None:
@@ -300,11 +302,13 @@ def _print_report(data_dir: Path | None, *, tenant: str | None, since: str | Non
     if tenant is not None:  # a misspelt name is no tenant, not one that used nothing (as the admin API's 404)
         with _store(data_dir) as store:
             store.get_tenant(tenant)
-    ledger = open_ledger(existing_data_dir(settings_from(data_dir=data_dir)))
-    try:
-        rows = usage_report(ledger, by=groups, since=start, until=end, tenant=tenant)
-    finally:
-        ledger.close()
+    settings = existing_data_dir(settings_from(data_dir=data_dir))
+    with naming(settings.ledger_db, settings, data_dir):
+        ledger = open_ledger(settings)
+        try:
+            rows = usage_report(ledger, by=groups, since=start, until=end, tenant=tenant)
+        finally:
+            ledger.close()
     if fmt == "csv":
         click.echo(to_csv(rows, header=(*groups, *COLUMNS)), nl=False)
     else:

@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import click
 
 from gateway.cli.options import data_dir_option, existing_data_dir, settings_from
+from gateway.cli.state_files import naming
 from gateway.config_files import ConfigFileError, load_yaml
 from gateway.ladder.config import Ladder
 from gateway.ladder.controller import MIN_TTL_S, LadderController
@@ -18,13 +21,20 @@ from gateway.stores import open_ladder_store
 from gateway.tenants.keys import MAX_TTL_S
 
 
-def _controller(data_dir: Path | None, ladder_file: Path | None) -> LadderController:
+@contextmanager
+def _controller(data_dir: Path | None, ladder_file: Path | None) -> Iterator[LadderController]:
+    """The ladder over the gateway's store, closed after; a SQLite error names the file."""
     settings = existing_data_dir(settings_from(data_dir=data_dir, ladder_file=ladder_file))
     try:
         ladder = load_yaml(settings.ladder_file, Ladder)
     except ConfigFileError as exc:
         raise click.ClickException(str(exc)) from exc
-    return LadderController(ladder, open_ladder_store(settings), Signals())
+    with naming(settings.state_db, settings, data_dir):
+        store = open_ladder_store(settings)
+        try:
+            yield LadderController(ladder, store, Signals())
+        finally:
+            store.close()
 
 
 def parse_ttl(text: str | None) -> float | None:
@@ -86,21 +96,21 @@ def degrade() -> None:
 @data_dir_option
 def degrade_status(ladder_file: Path | None, data_dir: Path | None) -> None:
     """The level in force, who set it, and what it does."""
-    c = _controller(data_dir, ladder_file)
-    s = c.status()
-    click.echo(f"level {s['level']} ({s['name']}), set by {s['source']}")
-    if s["manual"]:
-        m = s["manual"]
-        until = f"until {_utc(m['until'])}" if m["until"] else "until `auto`"
-        click.echo(f"  manual: level {m['level']} by {m['by']} ({m['reason']}), {until}")
-    click.echo(f"  triggers alone would choose level {s['auto_level']}")
-    for action in s["actions"]:
-        click.echo(f"  action: {json.dumps(action)}")
-    click.echo("levels (`tiergate degrade set LEVEL --reason R` holds one):")
-    for lv in c.ladder.levels:
-        mark = "*" if lv.level == s["level"] else " "
-        about = f": {lv.description}" if lv.description else ""
-        click.echo(f" {mark} {lv.level} {lv.name}{about}")
+    with _controller(data_dir, ladder_file) as c:
+        s = c.status()
+        click.echo(f"level {s['level']} ({s['name']}), set by {s['source']}")
+        if s["manual"]:
+            m = s["manual"]
+            until = f"until {_utc(m['until'])}" if m["until"] else "until `auto`"
+            click.echo(f"  manual: level {m['level']} by {m['by']} ({m['reason']}), {until}")
+        click.echo(f"  triggers alone would choose level {s['auto_level']}")
+        for action in s["actions"]:
+            click.echo(f"  action: {json.dumps(action)}")
+        click.echo("levels (`tiergate degrade set LEVEL --reason R` holds one):")
+        for lv in c.ladder.levels:
+            mark = "*" if lv.level == s["level"] else " "
+            about = f": {lv.description}" if lv.description else ""
+            click.echo(f" {mark} {lv.level} {lv.name}{about}")
 
 
 @degrade.command("set")
@@ -114,14 +124,14 @@ def degrade_status(ladder_file: Path | None, data_dir: Path | None) -> None:
 def degrade_set(level: str, reason: str, ttl: float | None, ladder_file: Path | None, data_dir: Path | None) -> None:
     """Hold the ladder at LEVEL (its number or name: `degrade status` lists them); it outranks the triggers until
     the TTL ends or `auto` is set."""
-    c = _controller(data_dir, ladder_file)
-    number = _level(c.ladder, level)
-    try:
-        c.set_manual(number, reason=reason, who="cli", ttl_s=ttl)
-    except ValueError as exc:
-        raise click.ClickException(str(exc)) from exc
-    until = _utc(time.time() + ttl) if ttl is not None else "`tiergate degrade auto`"
-    click.echo(f"level {number} ({c.ladder.levels[number].name}) held until {until}")
+    with _controller(data_dir, ladder_file) as c:
+        number = _level(c.ladder, level)
+        try:
+            c.set_manual(number, reason=reason, who="cli", ttl_s=ttl)
+        except ValueError as exc:
+            raise click.ClickException(str(exc)) from exc
+        until = _utc(time.time() + ttl) if ttl is not None else "`tiergate degrade auto`"
+        click.echo(f"level {number} ({c.ladder.levels[number].name}) held until {until}")
 
 
 def _utc(t: float) -> str:
@@ -133,9 +143,9 @@ def _utc(t: float) -> str:
 @data_dir_option
 def degrade_auto(ladder_file: Path | None, data_dir: Path | None) -> None:
     """Hand the ladder back to its triggers."""
-    c = _controller(data_dir, ladder_file)
-    c.set_auto(who="cli")
-    click.echo(f"automatic; level {c.level}")
+    with _controller(data_dir, ladder_file) as c:
+        c.set_auto(who="cli")
+        click.echo(f"automatic; level {c.level}")
 
 
 @degrade.command("history")
@@ -145,11 +155,11 @@ def degrade_auto(ladder_file: Path | None, data_dir: Path | None) -> None:
 @data_dir_option
 def degrade_history(limit: int, ladder_file: Path | None, data_dir: Path | None) -> None:
     """Every change: when, from, to, who, why, and the metrics that triggered it."""
-    c = _controller(data_dir, ladder_file)
-    events = c.store.history(limit)
-    if not events:
-        click.echo("no level changes recorded")
-    for e in events:
-        when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(e.ts))
-        metrics = f" {json.dumps(e.metrics)}" if e.metrics else ""
-        click.echo(f"{when}  {e.from_level} -> {e.to_level}  by {e.who}: {e.reason}{metrics}")
+    with _controller(data_dir, ladder_file) as c:
+        events = c.store.history(limit)
+        if not events:
+            click.echo("no level changes recorded")
+        for e in events:
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(e.ts))
+            metrics = f" {json.dumps(e.metrics)}" if e.metrics else ""
+            click.echo(f"{when}  {e.from_level} -> {e.to_level}  by {e.who}: {e.reason}{metrics}")

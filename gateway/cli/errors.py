@@ -9,12 +9,22 @@ traceback.
 from __future__ import annotations
 
 import sqlite3
+from pathlib import Path
 from typing import Any
 
 import click
 from pydantic import ValidationError
 
 from gateway.errors import TiergateError
+
+
+class StateFileError(Exception):
+    """A SQLite error in one of the data directory's files: `path`, and `origin`, the setting that chose its
+    directory (gateway/cli/state_files.py raises it; sqlite3's own errors say neither)."""
+
+    def __init__(self, path: Path, origin: str, cause: sqlite3.Error) -> None:
+        super().__init__(f"{path}: {cause}")
+        self.path, self.origin, self.cause = path, origin, cause
 
 
 def describe(exc: BaseException) -> str | None:
@@ -31,6 +41,8 @@ def describe(exc: BaseException) -> str | None:
         text = exc.message
     elif isinstance(exc, DatabaseUnreachable):  # a store opened on the fleet database (it says which setting)
         text = f"PostgreSQL: {exc}; nothing was changed"
+    elif isinstance(exc, StateFileError):
+        text = _sqlite(exc.cause, f"{exc.path}", f" ({exc.origin})")
     elif isinstance(exc, sqlite3.Error):
         text = _sqlite(exc)
     elif isinstance(exc, PostgresError):
@@ -60,15 +72,18 @@ def settings_error(exc: ValidationError) -> str:
     return "; ".join(parts)
 
 
-def _sqlite(exc: sqlite3.Error) -> str:
+def _sqlite(exc: sqlite3.Error, where: str = "SQLite", origin: str = "") -> str:
+    """`where`: the file, when the store that failed is known; `origin`: the setting that chose it."""
     text = str(exc)
     if "locked" in text or "busy" in text:
-        return (f"SQLite: {text}: another process (a running gateway?) held it for more than 5 s; nothing was "
-                "changed: retry")
+        return (f"{where}: {text}: another process (a running gateway?) held it for more than 5 s; nothing was "
+                f"changed: retry{origin}")
     if "readonly" in text or "unable to open" in text:
-        return (f"SQLite: {text}: the data directory and its files must be writable by this user (SQLite's WAL "
-                "writes beside the database even to read)")
-    return f"SQLite: {text}"
+        return (f"{where}: {text}: the data directory and its files must be writable by this user (SQLite's WAL "
+                f"writes beside the database even to read){origin}")
+    if "not a database" in text:
+        return f"{where}: not a SQLite database{origin}: is this the gateway's data directory?"
+    return f"{where}: {text}{origin}"
 
 
 class TiergateGroup(click.Group):

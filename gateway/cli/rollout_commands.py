@@ -11,6 +11,7 @@ from pathlib import Path
 import click
 
 from gateway.cli.options import data_dir_option, existing_data_dir, settings_from
+from gateway.cli.state_files import naming
 from gateway.config_files import ConfigFileError, load_yaml
 from gateway.errors import TiergateError
 from gateway.rollout.guards import guards_from
@@ -32,13 +33,14 @@ def _service(data_dir: Path | None, tiers_file: Path | None) -> Iterator[Rollout
         catalogue = load_yaml(settings.tiers_file, TierCatalogue)
     except ConfigFileError as exc:
         raise click.ClickException(str(exc)) from exc
-    service = RolloutService(catalogue, open_rollout_store(settings))
-    try:
-        yield service
-    except TiergateError as exc:
-        raise click.ClickException(exc.message) from exc
-    finally:
-        service.store.close()
+    with naming(settings.state_db, settings, data_dir):
+        service = RolloutService(catalogue, open_rollout_store(settings))
+        try:
+            yield service
+        except TiergateError as exc:
+            raise click.ClickException(exc.message) from exc
+        finally:
+            service.store.close()
 
 
 def _say(r: Rollout) -> None:
