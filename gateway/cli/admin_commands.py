@@ -11,7 +11,7 @@ import click
 from pydantic import ValidationError
 
 from gateway.cli.options import data_dir_option, existing_data_dir, settings_from
-from gateway.cli.state_files import naming
+from gateway.cli.state_files import NO_LEDGER, NO_STATE, naming, require
 from gateway.config_files import ConfigFileError, load_yaml
 from gateway.errors import TiergateError
 from gateway.report_format import to_csv, to_json, to_table
@@ -26,15 +26,19 @@ from quotas.report import COLUMNS, usage_report
 
 
 @contextmanager
-def _store(data_dir: Path | None, *, create: bool = False) -> Iterator[TenantStore]:
+def _store(data_dir: Path | None, *, create: bool = False, reads: bool = False) -> Iterator[TenantStore]:
     """The store the gateway uses: the data directory's SQLite file, or TIERGATE_DATABASE_URL's PostgreSQL.
 
     Only a command that makes something from nothing (`create`: a tenant, an admin key) may start a new data
-    directory."""
+    directory; one that only `reads` finds no state file there and says so, making none."""
     settings = settings_from(data_dir=data_dir)
+    if not create:
+        existing_data_dir(settings)
+    if reads:
+        require(settings.state_db, settings, data_dir, NO_STATE)
     with naming(settings.state_db, settings, data_dir):
         try:
-            store = open_tenant_store(settings if create else existing_data_dir(settings))
+            store = open_tenant_store(settings)
         except TiergateError as exc:
             raise click.ClickException(exc.message) from exc
         try:
@@ -107,7 +111,7 @@ def tenants_create(name: str, plan: str | None, plans_file: Path | None, data_di
 @data_dir_option
 def tenants_list(data_dir: Path | None) -> None:
     """List tenants: name, plan and creation time (UTC), one a line, tab-separated."""
-    with _store(data_dir) as store:
+    with _store(data_dir, reads=True) as store:
         for t in store.list_tenants():
             click.echo(f"{t.name}\t{t.plan}\t{time.strftime('%Y-%m-%d %H:%M', time.gmtime(t.created_at))}")
 
@@ -224,7 +228,7 @@ def keys_issue(tenant: str | None, admin: bool, name: str, ttl_s: float | None, 
 def keys_list(tenant: str | None, data_dir: Path | None) -> None:
     """List keys, never their secrets: one a line, tab-separated: id, tenant, state, name, expiry (UTC, or never)
     and the key that replaced it (`keys rotate`; - for none)."""
-    with _store(data_dir) as store:
+    with _store(data_dir, reads=True) as store:
         if tenant is not None:  # a misspelt name is no tenant, not one without keys
             store.get_tenant(tenant)
         for k in store.list_keys(tenant):
@@ -300,9 +304,10 @@ def _print_report(data_dir: Path | None, *, tenant: str | None, since: str | Non
     if start is not None and end is not None and start >= end:  # an empty report, read as no use (end: exclusive)
         raise click.UsageError(f"--from {since} is after --to {until}")
     if tenant is not None:  # a misspelt name is no tenant, not one that used nothing (as the admin API's 404)
-        with _store(data_dir) as store:
+        with _store(data_dir, reads=True) as store:
             store.get_tenant(tenant)
     settings = existing_data_dir(settings_from(data_dir=data_dir))
+    require(settings.ledger_db, settings, data_dir, NO_LEDGER)
     with naming(settings.ledger_db, settings, data_dir):
         ledger = open_ledger(settings)
         try:

@@ -12,7 +12,7 @@ from pathlib import Path
 import click
 
 from gateway.cli.options import data_dir_option, existing_data_dir, settings_from
-from gateway.cli.state_files import naming
+from gateway.cli.state_files import NO_STATE, naming, require
 from gateway.config_files import ConfigFileError, load_yaml
 from gateway.ladder.config import Ladder
 from gateway.ladder.controller import MIN_TTL_S, LadderController
@@ -22,9 +22,14 @@ from gateway.tenants.keys import MAX_TTL_S
 
 
 @contextmanager
-def _controller(data_dir: Path | None, ladder_file: Path | None) -> Iterator[LadderController]:
-    """The ladder over the gateway's store, closed after; a SQLite error names the file."""
+def _controller(data_dir: Path | None, ladder_file: Path | None, *, reads: bool = False
+                ) -> Iterator[LadderController]:
+    """The ladder over the gateway's store, closed after; a SQLite error names the file. A command that only
+    `reads` finds no state file there and says so, making none (set and auto may: a level held before a gateway
+    starts)."""
     settings = existing_data_dir(settings_from(data_dir=data_dir, ladder_file=ladder_file))
+    if reads:
+        require(settings.state_db, settings, data_dir, NO_STATE)
     try:
         ladder = load_yaml(settings.ladder_file, Ladder)
     except ConfigFileError as exc:
@@ -96,7 +101,7 @@ def degrade() -> None:
 @data_dir_option
 def degrade_status(ladder_file: Path | None, data_dir: Path | None) -> None:
     """The level in force, who set it, and what it does."""
-    with _controller(data_dir, ladder_file) as c:
+    with _controller(data_dir, ladder_file, reads=True) as c:
         s = c.status()
         click.echo(f"level {s['level']} ({s['name']}), set by {s['source']}")
         if s["manual"]:
@@ -155,7 +160,7 @@ def degrade_auto(ladder_file: Path | None, data_dir: Path | None) -> None:
 @data_dir_option
 def degrade_history(limit: int, ladder_file: Path | None, data_dir: Path | None) -> None:
     """Every change: when, from, to, who, why, and the metrics that triggered it."""
-    with _controller(data_dir, ladder_file) as c:
+    with _controller(data_dir, ladder_file, reads=True) as c:
         events = c.store.history(limit)
         if not events:
             click.echo("no level changes recorded")

@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 
 from gateway.cli.options import data_dir_option, existing_data_dir, settings_from
-from gateway.cli.state_files import naming
+from gateway.cli.state_files import NO_STATE, naming, require
 from gateway.config_files import ConfigFileError, load_yaml
 from gateway.errors import TiergateError
 from gateway.rollout.guards import guards_from
@@ -26,9 +26,12 @@ reason_option = click.option("--reason", required=True, help="Why (kept in the a
 
 
 @contextmanager
-def _service(data_dir: Path | None, tiers_file: Path | None) -> Iterator[RolloutService]:
-    """The rollouts over the gateway's store; a refused change is the command's error, in one line."""
+def _service(data_dir: Path | None, tiers_file: Path | None, *, reads: bool = False) -> Iterator[RolloutService]:
+    """The rollouts over the gateway's store; a refused change is the command's error, in one line. A command that
+    only `reads` finds no state file there and says so, making none."""
     settings = existing_data_dir(settings_from(data_dir=data_dir, tiers_file=tiers_file))
+    if reads:
+        require(settings.state_db, settings, data_dir, NO_STATE)
     try:
         catalogue = load_yaml(settings.tiers_file, TierCatalogue)
     except ConfigFileError as exc:
@@ -102,7 +105,7 @@ def rollout_start(tier: str, version: str, share: float, tenants: tuple[str, ...
 @data_dir_option
 def rollout_status(tiers_file: Path | None, data_dir: Path | None) -> None:
     """Each tier's latest rollout: its stage and share, and who changed it last and why."""
-    with _service(data_dir, tiers_file) as s:
+    with _service(data_dir, tiers_file, reads=True) as s:
         found = s.status()
         for r in found:
             share = f" {r['share']:.2%}" if r["stage"] in ("canary", "paused") else \
@@ -160,7 +163,7 @@ def rollout_rollback(tier: str, reason: str, tiers_file: Path | None, data_dir: 
 @data_dir_option
 def rollout_history(tier: str | None, limit: int, tiers_file: Path | None, data_dir: Path | None) -> None:
     """Every change: when, which tier and version, the stage and share it left, who and why."""
-    with _service(data_dir, tiers_file) as s:
+    with _service(data_dir, tiers_file, reads=True) as s:
         events = s.history(tier, limit)
         if not events and tier is not None and tier not in s.catalogue.tiers:  # misspelt: no tier, not no changes
             raise click.ClickException(f"no tier {tier!r} in the tiers file, nor rollouts of one; tiers: "

@@ -11,6 +11,7 @@ from gateway.cli.main import cli
 from gateway.settings import Settings
 from gateway.tenants.store import TenantStore
 from gateway.tenants.store_sqlite import FOLLOW_EVERY_S
+from quotas.ledger import Ledger
 from tests.conftest import Gateway
 
 MSG = [{"role": "user", "content": "hi"}]
@@ -135,6 +136,7 @@ def test_cli_csv_report_of_no_use_has_its_header(tmp_path) -> None:  # type: ign
     runner = CliRunner()
     env = {"TIERGATE_DATA_DIR": str(tmp_path)}
     assert runner.invoke(cli, ["tenants", "create", "acme"], env=env).exit_code == 0
+    Ledger(tmp_path / "ledger.db").close()  # a gateway started here (it makes its ledger) and served nothing
     r = runner.invoke(cli, ["usage", "report", "--by", "tenant,day", "--format", "csv"], env=env)
     assert r.exit_code == 0 and r.output.startswith("tenant,day,requests,input_tokens,"), r.output
     assert r.output.count("\n") == 1, r.output

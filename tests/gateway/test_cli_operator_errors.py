@@ -13,6 +13,7 @@ from click.testing import CliRunner, Result
 
 from gateway.cli.main import cli
 from gateway.tenants.store import TenantStore
+from quotas.ledger import Ledger
 from tests.stubs import free_port
 
 
@@ -81,6 +82,7 @@ def test_a_misspelt_tenant_is_no_tenant_not_one_without_keys_or_use(tmp_path: Pa
 
 def test_a_report_from_after_to_is_refused_not_empty(tmp_path: Path) -> None:
     assert run(["tenants", "create", "acme", "--data-dir", str(tmp_path)]).exit_code == 0
+    Ledger(tmp_path / "ledger.db").close()  # a gateway started here (it makes its ledger)
     r = run(["usage", "report", "--from", "2026-12-07", "--to", "2026-12-06", "--data-dir", str(tmp_path)])
     assert r.exit_code == 2 and "after --to" in r.output, r.output
     assert run(["usage", "report", "--from", "2026-12-06", "--to", "2026-12-06",
@@ -159,6 +161,7 @@ def test_a_rule_across_settings_is_one_line_naming_them(tmp_path: Path) -> None:
 
 def test_rollout_history_says_when_it_is_empty_and_names_a_misspelt_tier(tmp_path: Path) -> None:
     """It printed nothing for no changes, and nothing for `--tier mdi`: read as "no rollout ever" either way."""
+    TenantStore(tmp_path / "state.db").close()  # a gateway started here
     out = run(["rollout", "history", "--data-dir", str(tmp_path)])
     assert out.exit_code == 0 and out.output.strip() == "no rollout changes", out.output
     out = run(["rollout", "history", "--tier", "mid", "--data-dir", str(tmp_path)])

@@ -8,11 +8,14 @@ from pathlib import Path
 from click.testing import CliRunner, Result
 
 from gateway.cli.main import cli
+from gateway.tenants.store import TenantStore
 
 LADDER = Path(__file__).resolve().parents[2] / "degrade_ladder.yaml"
 
 
 def run(tmp_path: Path, *args: str) -> Result:
+    if not (tmp_path / "state.db").exists():
+        TenantStore(tmp_path / "state.db").close()  # a gateway's data directory: one started there
     env = {"TIERGATE_DATABASE_URL": "", "TIERGATE_REDIS_URL": "", "TIERGATE_DATA_DIR": str(tmp_path),
            "TIERGATE_LADDER_FILE": str(LADDER)}
     return CliRunner().invoke(cli, ["degrade", *args], env=env)
