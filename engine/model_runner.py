@@ -124,7 +124,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, out: SchedulerOutput) -> list[int]:
-        """Compute the scheduled tokens; return one sampled token per sequence with `do_sample`, in order."""
+        """Compute the scheduled tokens; return one sampled token per sequence with `do_sample`, in order. An empty
+        schedule (the engine's loop never runs one, other callers may) computes nothing and returns []."""
+        self.last_logprobs = {}
+        self.last_errors = {}
+        self.last_error_codes = {}
+        self.last_grammar_limits = set()
+        if not out.seqs:
+            return []
         order = sorted(range(len(out.seqs)), key=lambda i: out.num_scheduled_tokens[i] != 1)  # decodes first
         seqs = [out.seqs[i] for i in order]
         counts = [out.num_scheduled_tokens[i] for i in order]
@@ -137,7 +144,7 @@ class ModelRunner:
         if not samplers:
             return []
         batch_pos = {i: k for k, i in enumerate(order)}
-        rows = torch.tensor([last_index[batch_pos[i]] for i in samplers], device=self.device)
+        rows = torch.tensor([last_index[batch_pos[i]] for i in samplers], dtype=torch.long, device=self.device)
         logits = self.model.compute_logits(hidden[rows]).float().cpu()  # [S, V]
         best = logits.argmax(dim=-1)  # [S]
         greedy = best.tolist()
@@ -148,10 +155,6 @@ class ModelRunner:
         # against 0.66 at 16 rows of SmolLM2's 49,152 on one core; 5 us this way)
         nan_rows = logits.gather(1, best.unsqueeze(1)).squeeze(1).isnan().tolist()  # [S]
         token_of = {}
-        self.last_logprobs = {}
-        self.last_errors: dict[str, str] = {}  # request id -> why its sampling failed, this step
-        self.last_error_codes = {}
-        self.last_grammar_limits = set()
         for row, i in enumerate(samplers):
             seq = out.seqs[i]
             # one sequence's failure (its sampler, its logprobs) is its own: it gets token -1 and its error in
@@ -184,18 +187,21 @@ class ModelRunner:
         decode step uses (every row's K/V are written before any row attends, layer by layer). The speculative
         decoder (engine/speculative.py) runs its drafts and its verification this way.
         """
+        if not token_ids:  # no rows: nothing to compute
+            return torch.empty(0, self.config.vocab_size)
         bs = self.block_size
         slots = [table[p // bs] * bs + p % bs for table, p in zip(block_tables, positions, strict=True)]
         meta = self._metadata(slots, [(table, [p + 1]) for table, p in zip(block_tables, positions, strict=True)])
-        ids = torch.tensor(token_ids, device=self.device)
-        pos = torch.tensor(positions, device=self.device)
+        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         if self.native_decode is not None:
             hidden = self.native_decode(ids, pos, self.kv_cache, meta)
         else:
             hidden = self.model(ids, pos, self.kv_cache, meta)
         if not wanted:
             return torch.empty(0, self.config.vocab_size)
-        return self.model.compute_logits(hidden[torch.tensor(wanted, device=self.device)]).float().cpu()
+        rows = torch.tensor(wanted, dtype=torch.long, device=self.device)
+        return self.model.compute_logits(hidden[rows]).float().cpu()
 
     def release(self, request_id: str) -> None:
         self.last_logprobs.pop(request_id, None)
@@ -219,15 +225,16 @@ class ModelRunner:
             else:
                 starts.append(len(input_ids))
                 lens.append(n)
-                tables.append(torch.tensor(seq.block_table[:-(-(start + n) // bs)], device=self.device))
+                tables.append(torch.tensor(seq.block_table[:-(-(start + n) // bs)], dtype=torch.long,
+                                           device=self.device))
                 ctxs.append(start + n)
             input_ids += tokens
             positions += range(start, start + n)
             slots += [seq.block_table[p // bs] * bs + p % bs for p in range(start, start + n)]
             last_index.append(len(input_ids) - 1)
         meta = self._metadata(slots, decodes, (starts, lens, tables, ctxs))
-        return (torch.tensor(input_ids, device=self.device), torch.tensor(positions, device=self.device), meta,
-                last_index)
+        return (torch.tensor(input_ids, dtype=torch.long, device=self.device),
+                torch.tensor(positions, dtype=torch.long, device=self.device), meta, last_index)
 
     def _metadata(self, slots: list[int], decodes: list[tuple[list[int], list[int]]],
                   prefills: tuple[list[int], list[int], list[torch.Tensor], list[int]] = ([], [], [], [])
@@ -251,7 +258,7 @@ class ModelRunner:
             mask = mask[:, None, None, :].to(self.device)
         starts, lens, tables, ctxs = prefills
         return AttentionMetadata(
-            slot_mapping=torch.tensor(slots, device=self.device), num_decode_seqs=len(context_lens),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device), num_decode_seqs=len(context_lens),
             decode_block_tables=table.to(self.device), decode_mask=mask, decode_context_len=max_ctx,
             decode_context_lens=torch.tensor(context_lens, dtype=torch.long, device=self.device),
             decode_kernel=self.decode_kernel,
