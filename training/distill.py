@@ -18,6 +18,7 @@ import contextlib
 import json
 import logging
 import math
+import re
 import shutil
 import time
 from collections.abc import Callable
@@ -76,6 +77,25 @@ class DistillError(ValueError):
     """Bad arguments or an incompatible checkpoint; nothing was written."""
 
 
+def check_device(name: str) -> Any:
+    """The torch device `name` names: cpu, or cuda[:N] where this torch sees that GPU (the CLI's rule, at its
+    option). Anything else is a DistillError naming it, before any work: torch's own error came later, from deep in
+    loading the teacher (or, for a device type it does not know, as a RuntimeError)."""
+    import torch
+
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", name):
+        raise DistillError(f"device {name!r} is neither cpu nor cuda[:N]")
+    if name != "cpu":
+        if not torch.cuda.is_available():
+            raise DistillError(f"device {name!r}: this torch sees no CUDA device (a CPU-only build, or no GPU or "
+                               "driver); give cpu")
+        count, index = torch.cuda.device_count(), int(name.partition(":")[2] or 0)
+        if index >= count:
+            raise DistillError(f"device {name!r}: this machine has {count} CUDA device(s), cuda:0 to "
+                               f"cuda:{count - 1}")
+    return torch.device(name)
+
+
 def distill(teacher_dir: Path, out_dir: Path, config: DistillConfig, *, work_dir: Path | None = None,
             progress: bool = True, restart: bool = False,
             on_step: Callable[[int, dict[str, float]], None] | None = None,
@@ -94,11 +114,11 @@ def distill(teacher_dir: Path, out_dir: Path, config: DistillConfig, *, work_dir
     from training.distill_data import TrainingWindows
     from training.student import embed, head, layer_subset, make_student, run_layers
 
+    device = check_device(config.device)
     if config.budget_s is None and config.steps is None:
         raise DistillError("give a budget: a time (--budget 10m) or a number of steps (--budget 500steps)")
     if config.threads:
         torch.set_num_threads(config.threads)
-    device = torch.device(config.device)
     work_dir = work_dir or work_dir_for(out_dir)
     ckpt_path = work_dir / "checkpoint.pt"
     if restart and ckpt_path.exists():

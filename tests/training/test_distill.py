@@ -149,3 +149,20 @@ def test_the_cli_distils_and_refuses_bad_input_cleanly(teacher_dir: Path, tmp_pa
     assert ok.returncode == 0, ok.stderr
     assert "top-1 agreement" in ok.stdout and f"ready: {tmp_path / 's'}" in ok.stdout
     assert "distilling" in ok.stderr  # the progress bar
+
+
+@pytest.mark.parametrize(("device", "cuda_count", "said"), [
+    ("tpu", 0, "neither cpu nor cuda"), ("cuda", 0, "sees no CUDA device"), ("cuda:1", 1, "cuda:0 to cuda:0")])
+def test_a_device_torch_cannot_use_is_refused_by_name_before_any_work(
+        teacher_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        device: str, cuda_count: int, said: str) -> None:
+    """Callers other than the CLI (which checks --device at the option) get a DistillError, a ValueError naming the
+    device, before the teacher loads: before, torch's RuntimeError or an error from deep in loading it."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda_count > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: cuda_count)
+    loaded: list[object] = []
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", lambda *a, **k: loaded.append(a))
+    out, work = tmp_path / "student", tmp_path / "work"
+    with pytest.raises(ValueError, match=f"device '{device}'.*{said}"):
+        distill(teacher_dir, out, tiny_config(device=device), work_dir=work, progress=False)
+    assert not loaded and not out.exists() and not work.exists()
