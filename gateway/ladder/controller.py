@@ -8,7 +8,11 @@ is set; the triggers keep tracking underneath, so handing back is immediate and 
 
 The tick and on-call's changes run in worker threads, one at a time (`_lock`): each reads the shared state, changes
 it and saves it, and a tick between another change's read and its save put back the state it had read (an override
-set in that moment was answered 200 and lost).
+set in that moment was answered 200 and lost). Across workers and replicas each save is a compare-and-set on the
+state's version (gateway/ladder/state.py): a save beaten by another worker's (which a plain save wrote over: a reload's
+ladder identity lost, every other worker kept the old ladder; an override lost under another worker's tick) writes
+nothing, and the change is made again on the state read anew, up to TRIES times; then on-call's change is a 503
+(nothing changed) and a tick is skipped, logged (the next one tries again).
 
 Workers sharing the state (`tiergate serve --workers N`, replicas on one Redis or fleet database) apply one ladder. A
 reload, which one worker answers, writes the new ladder's identity (`Ladder.sha256`) into the shared state; every
@@ -60,6 +64,10 @@ _CONTROL = re.compile(f"[{_CONTROLS}]")
 MIN_TTL_S = 1.0
 # a shared state that cannot be read: the store's 503 (Redis, the fleet database), or a local file locked
 _STORE_FAULTS = (Unavailable, *STORE_ERRORS)
+# reads, changes and saves of one change, each save beaten by another worker's, before it gives up (the docstring)
+TRIES = 3
+CONFLICT_MESSAGE = (f"the ladder's shared state was changed by other workers at each of {TRIES} tries; nothing was "
+                    "changed; retry (GET /admin/degrade shows the level in force)")
 
 
 class LadderChangeError(ValueError):
@@ -161,7 +169,8 @@ class LadderController:
         if ttl_s is not None and not MIN_TTL_S <= ttl_s <= MAX_TTL_S:  # NaN fails both
             raise LadderChangeError(f"ttl_s is from {MIN_TTL_S:g} second to {MAX_TTL_S:.0f} seconds (10 years), "
                                     f"not {ttl_s!r}", param="ttl_s", code="invalid_value")
-        with self._lock:
+
+        def attempt() -> bool:
             now = self.clock()
             state = self._read()
             self._follow(state)
@@ -170,7 +179,10 @@ class LadderController:
             state.manual_level, state.manual_by, state.manual_reason = level, who, reason
             state.manual_until = now + ttl_s if ttl_s is not None else None
             ttl = f" for {ttl_s:.0f}s" if ttl_s is not None else ""
-            self._commit(state, who, f"manual{ttl}: {reason}", {})
+            return self._commit(state, who, f"manual{ttl}: {reason}", {})
+
+        with self._lock:
+            _retried(attempt)
 
     def _no_such_level(self) -> None:
         levels = ", ".join(f"{lv.level} {lv.name}" for lv in self.ladder.levels)
@@ -179,11 +191,14 @@ class LadderController:
                                 param="level", code="level_not_found")
 
     def set_auto(self, *, who: str, reason: str = "handed back to the triggers") -> None:
-        with self._lock:
+        def attempt() -> bool:
             state = self._read()
             self._follow(state)
             state.manual_level = state.manual_until = state.manual_by = state.manual_reason = None
-            self._commit(state, who, reason, {})
+            return self._commit(state, who, reason, {})
+
+        with self._lock:
+            _retried(attempt)
 
     def reload(self, path: Path, tiers: Collection[str] | None = None) -> None:
         """Swap in a new ladder file; a bad one raises ConfigFileError and changes nothing (a remap naming a tier
@@ -193,18 +208,23 @@ class LadderController:
         written raises and the running ladder stays (it was swapped in while the answer said nothing changed, and
         the other workers would not have followed)."""
         ladder = read_ladder(path) if tiers is None else load_ladder(path, tiers)
-        with self._lock:
+
+        def attempt() -> bool:
             state = self._read()
             state.ladder_sha256 = ladder.sha256
             if state.auto_level > ladder.top or (state.manual_level is not None and state.manual_level > ladder.top):
                 state.auto_level = min(state.auto_level, ladder.top)
                 if state.manual_level is not None:
                     state.manual_level = min(state.manual_level, ladder.top)
-                self._commit(state, "reload", f"{path} has {ladder.top + 1} levels", {})
-            else:
-                self.store.save(state)
-                self.state = state
-                self._refresh(self.clock())
+                return self._commit(state, "reload", f"{path} has {ladder.top + 1} levels", {})
+            if not self.store.save(state):
+                return False
+            self.state = state
+            self._refresh(self.clock())
+            return True
+
+        with self._lock:
+            _retried(attempt)
             self._take(ladder)
             self._in_sync()
 
@@ -257,28 +277,33 @@ class LadderController:
     def tick(self) -> None:
         """Re-read the shared state, expire an override, evaluate the triggers (called about once a second)."""
         with self._lock:
-            self._tick()
+            for _ in range(TRIES):
+                if self._tick():
+                    return
+            log.warning("degrade ladder: tick skipped: the shared state was changed by other workers at each of %d "
+                        "tries", TRIES)
 
-    def _tick(self) -> None:
+    def _tick(self) -> bool:
+        """One try; False: its save was beaten by another worker's, nothing done (the module's docstring)."""
         now = self.clock()
         self.state = self._read()
         self._follow(self.state)
         s = self.state
         if s.manual_level is not None and s.manual_until is not None and now >= s.manual_until:
-            self.state.manual_level = self.state.manual_until = self.state.manual_by = self.state.manual_reason = None
-            self._commit(self.state, "auto", "manual override expired", {})
+            expired = replace(s, manual_level=None, manual_until=None, manual_by=None, manual_reason=None)
+            if not self._commit(expired, "auto", "manual override expired", {}):
+                return False
         if not self.in_sync or self.state.auto_level > self.ladder.top:
             self._held_since.clear()  # the triggers are the workers' in sync, with the ladder of that level
             self._refresh(now)
-            return
+            return True
         metrics = self.signals.read()
         target = self._target(now, metrics)
         if target is not None and target != self.state.auto_level:
             why = self._why(target, metrics)
-            self.state.auto_level, self.state.auto_since = target, now
-            self._commit(self.state, "auto", why, metrics)
-        else:
-            self._refresh(now)
+            return self._commit(replace(self.state, auto_level=target, auto_since=now), "auto", why, metrics)
+        self._refresh(now)
+        return True
 
     def _target(self, now: float, metrics: dict[str, float]) -> int | None:
         current = self.state.auto_level
@@ -314,20 +339,32 @@ class LadderController:
                 for c in trig.any if c.holds(metrics[c.metric])]
         return f"{' or '.join(held)} for {trig.for_s:.0f}s"
 
-    def _commit(self, state: LadderState, who: str, reason: str, metrics: dict[str, float]) -> None:
-        """Save `state` with its event; only then is it this controller's (a save that fails leaves it as it was)."""
+    def _commit(self, state: LadderState, who: str, reason: str, metrics: dict[str, float]) -> bool:
+        """Save `state` with its event; only then is it this controller's (a save that fails, or is beaten by another
+        worker's: False, leaves it as it was)."""
         now = self.clock()
         before = self.level
         after, source = state.effective(now)
         event = DegradeEvent(now, before, after, who, reason, metrics)
-        self.store.save(state, event)
+        if not self.store.save(state, event):
+            return False
         self.state, self.level, self.source = state, after, source
         log.warning("degrade level %d -> %d by %s: %r", before, after, who, reason)  # quoted: one line, whatever in it
         if self.on_change is not None:
             self.on_change(event)
+        return True
 
     def _refresh(self, now: float) -> None:
         """Follow changes made elsewhere (the CLI, another replica) without recording them twice."""
         level, source = self.state.effective(now)
         if (level, source) != (self.level, self.source):
             self.level, self.source = level, source
+
+
+def _retried(attempt: Callable[[], bool]) -> None:
+    """`attempt` (a read, a change, a save) again while another worker's save beats its own: TRIES times, then a 503
+    with nothing changed (the module's docstring)."""
+    for _ in range(TRIES):
+        if attempt():
+            return
+    raise Unavailable(CONFLICT_MESSAGE, code="ladder_state_conflict", retry_after=1)

@@ -14,6 +14,12 @@ shape, and the level stays as it was; the ladder's tick logs it and keeps its le
 twice first: one slow or dropped call does not fail a change. The 503 says a fixed sentence: Redis's own words (its
 host and port) are the log's, logged once a fault, never a client's, even an admin's (as gateway/admin_pool.py does for
 the fleet database).
+
+Every save is a compare-and-set on the state's `version`, a counter kept beside the state (not in its JSON: the version
+of the gateway before reads no field it does not know) and incremented by each save: a save made from a state read
+before another worker's save writes nothing and answers False (the controller reads again and makes its change anew).
+A state kept before the counter reads as version 0; a worker of the version before, in a rolling upgrade, still
+writes over the state without it (as before).
 """
 
 from __future__ import annotations
@@ -23,11 +29,13 @@ import logging
 import sqlite3
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, WatchError
 
 from gateway.admin_pool import AdminPool
 from gateway.errors import Unavailable
@@ -44,7 +52,8 @@ HISTORY_MESSAGE = "the ladder's shared history could not be read (Redis failed);
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS degrade_state (
     id INTEGER PRIMARY KEY CHECK (id = 1),
-    state TEXT NOT NULL
+    state TEXT NOT NULL,
+    version INTEGER NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS degrade_events (
     ts REAL NOT NULL,
@@ -69,6 +78,9 @@ class LadderState:
     # the ladder the last reload put in force (`Ladder.sha256`): every worker sharing the state follows it
     # (gateway/ladder/controller.py); None: none since the state began
     ladder_sha256: str | None = None
+    # the stored state's save counter when read, kept beside the JSON (the module's docstring); not part of what the
+    # state says (equal states compare equal at any version)
+    version: int = field(default=0, compare=False)
 
     def effective(self, now: float) -> tuple[int, str]:
         """The level in force and who chose it (`manual` outranks the triggers until its TTL ends)."""
@@ -81,15 +93,18 @@ def state_json(state: LadderState) -> str:
     """The state as the stores keep it; without `ladder_sha256` while there is none, as the version before wrote it
     (whose workers, in a rolling upgrade, refuse a field they do not know)."""
     fields = asdict(state)
+    del fields["version"]
     if fields["ladder_sha256"] is None:
         del fields["ladder_sha256"]
     return json.dumps(fields)
 
 
-def state_from_json(text: str | bytes) -> LadderState:
-    """The state a store kept; a field this version does not know (a later version's) is left out, not a fault."""
+def state_from_json(text: str | bytes, version: int | bytes | None = 0) -> LadderState:
+    """The state a store kept, at its `version` (None: kept before the counter, 0); a field this version does not know
+    (a later version's) is left out, not a fault."""
     known = LadderState.__dataclass_fields__
-    return LadderState(**{k: v for k, v in json.loads(text).items() if k in known})
+    fields = {k: v for k, v in json.loads(text).items() if k in known and k != "version"}
+    return LadderState(**fields, version=int(version or 0))
 
 
 @dataclass
@@ -109,7 +124,9 @@ class LadderStore(ABC):
     def load(self) -> LadderState: ...
 
     @abstractmethod
-    def save(self, state: LadderState, event: DegradeEvent | None = None) -> None: ...
+    def save(self, state: LadderState, event: DegradeEvent | None = None) -> bool:
+        """Store `state` with its event if the stored state is still at `state.version` (the one it was read at);
+        then `state.version` is the new one and True. False, and nothing written, if another save came between."""
 
     @abstractmethod
     def append(self, event: DegradeEvent) -> None:
@@ -129,21 +146,39 @@ class SqliteLadderStore(LadderStore):
         self._conn.execute("PRAGMA journal_mode=WAL")
         self._conn.executescript(SCHEMA)
         self._lock = threading.Lock()
+        with self._transaction():  # a file from before the counter: its state is at version 0
+            if "version" not in {col[1] for col in self._conn.execute("PRAGMA table_info(degrade_state)")}:
+                self._conn.execute("ALTER TABLE degrade_state ADD COLUMN version INTEGER NOT NULL DEFAULT 0")
+
+    @contextmanager
+    def _transaction(self) -> Iterator[None]:
+        """One writer's turn of the file (BEGIN IMMEDIATE), committed, or rolled back on any fault."""
+        self._conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+            self._conn.execute("COMMIT")
+        except BaseException:
+            if self._conn.in_transaction:  # (a failed COMMIT may have ended it already)
+                self._conn.execute("ROLLBACK")
+            raise
 
     def load(self) -> LadderState:
         with self._lock:
-            row = self._conn.execute("SELECT state FROM degrade_state WHERE id = 1").fetchone()
-        return state_from_json(row[0]) if row else LadderState()
+            row = self._conn.execute("SELECT state, version FROM degrade_state WHERE id = 1").fetchone()
+        return state_from_json(row[0], row[1]) if row else LadderState()
 
-    def save(self, state: LadderState, event: DegradeEvent | None = None) -> None:
-        with self._lock, self._conn:
-            self._conn.execute("INSERT INTO degrade_state(id, state) VALUES (1, ?) "
-                               "ON CONFLICT(id) DO UPDATE SET state = excluded.state", (state_json(state),))
-            if event is not None:
+    def save(self, state: LadderState, event: DegradeEvent | None = None) -> bool:
+        with self._lock, self._transaction():
+            saved = self._conn.execute(UPSERT.replace("%s", "?"), (state_json(state), state.version + 1,
+                                                                  state.version)).rowcount
+            if saved and event is not None:
                 self._append(event)
+        if saved:
+            state.version += 1
+        return bool(saved)
 
     def append(self, event: DegradeEvent) -> None:
-        with self._lock, self._conn:
+        with self._lock, self._transaction():
             self._append(event)
 
     def _append(self, e: DegradeEvent) -> None:
@@ -170,35 +205,54 @@ class RedisLadderStore(LadderStore):
         self.redis = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         self.local = local
         self.state_key, self.events_key = f"{prefix}:degrade:state", f"{prefix}:degrade:events"
+        self.version_key = f"{prefix}:degrade:version"  # the state's save counter (the module's docstring)
         self._logged: str | None = None  # the Redis fault last logged; None once a read worked again
 
     def load(self) -> LadderState:
         try:
-            raw = self._twice(lambda _: self.redis.get(self.state_key))
+            raw, version = self._twice(lambda _: self._read())
         except RedisError as exc:
             raise self._unavailable(exc, READ_MESSAGE) from exc
         self._logged = None  # read every tick: Redis answers again
-        return state_from_json(raw) if raw else LadderState()
+        return state_from_json(raw, version) if raw else LadderState(version=int(version or 0))
 
-    def save(self, state: LadderState, event: DegradeEvent | None = None) -> None:
+    def save(self, state: LadderState, event: DegradeEvent | None = None) -> bool:
         text, record = state_json(state), json.dumps(asdict(event)) if event is not None else None
 
-        def write(again: bool) -> None:
-            pipe = self.redis.pipeline()  # MULTI/EXEC: the state and its event, or neither
-            pipe.set(self.state_key, text)
-            if record is not None:
-                if again:  # a first try whose reply was lost may have pushed it: the event is kept once
-                    pipe.lrem(self.events_key, 1, record)
-                pipe.lpush(self.events_key, record)
-                pipe.ltrim(self.events_key, 0, HISTORY_KEEP - 1)
-            pipe.execute()
+        def write(again: bool) -> bool:
+            with self.redis.pipeline() as pipe:
+                pipe.watch(self.version_key)  # MULTI/EXEC: the state, its version and its event, or none of them
+                version = int(pipe.get(self.version_key) or 0)
+                if version != state.version:  # a first try whose reply was lost may have saved it: not twice
+                    return again and version == state.version + 1 and pipe.get(self.state_key) == text.encode()
+                pipe.multi()
+                pipe.set(self.state_key, text)
+                pipe.set(self.version_key, version + 1)
+                if record is not None:
+                    pipe.lpush(self.events_key, record)
+                    pipe.ltrim(self.events_key, 0, HISTORY_KEEP - 1)
+                try:
+                    pipe.execute()
+                except WatchError:  # another save came between
+                    return False
+                return True
 
         try:
-            self._twice(write)
+            saved = self._twice(write)
         except RedisError as exc:
             raise self._unavailable(exc, WRITE_MESSAGE) from exc
+        if not saved:
+            return False
+        state.version += 1
         if event is not None:
             self.local.append(event)
+        return True
+
+    def _read(self) -> tuple[bytes | None, bytes | None]:
+        """The state and its version: the version read first, so a save between the two reads makes the version
+        older than the state (the save's compare-and-set fails, and is made again), never the state older than it."""
+        version = self.redis.get(self.version_key)
+        return self.redis.get(self.state_key), version
 
     def _unavailable(self, exc: RedisError, message: str) -> Unavailable:
         """The 503 for a Redis fault: `message`, fixed; Redis's words logged, once a fault until it answers again."""
@@ -245,15 +299,17 @@ class PostgresLadderStore(LadderStore):
 
     def load(self) -> LadderState:
         with self._db.connection() as conn:
-            row = conn.execute("SELECT state FROM degrade_state WHERE id = 1").fetchone()
-        return state_from_json(row[0]) if row else LadderState()
+            row = conn.execute("SELECT state, version FROM degrade_state WHERE id = 1").fetchone()
+        return state_from_json(row[0], row[1]) if row else LadderState()
 
-    def save(self, state: LadderState, event: DegradeEvent | None = None) -> None:
+    def save(self, state: LadderState, event: DegradeEvent | None = None) -> bool:
         with self._db.connection() as conn, conn.transaction():
-            conn.execute("INSERT INTO degrade_state(id, state) VALUES (1, %s) ON CONFLICT (id) "
-                         "DO UPDATE SET state = excluded.state", (state_json(state),))
-            if event is not None:
+            saved = conn.execute(UPSERT, (state_json(state), state.version + 1, state.version)).rowcount
+            if saved and event is not None:
                 _append(conn, event)
+        if saved:
+            state.version += 1
+        return bool(saved)
 
     def append(self, event: DegradeEvent) -> None:
         with self._db.connection() as conn:
@@ -275,8 +331,13 @@ def _append(conn: Any, e: DegradeEvent) -> None:
                                                      json.dumps(e.metrics)))
 
 
+# the compare-and-set, SQLite's and PostgreSQL's (%s: SQLite's ?): the state written, and its version counted, only
+# where the stored one is still at the version it was read at (no row yet: written)
+UPSERT = ("INSERT INTO degrade_state(id, state, version) VALUES (1, %s, %s) ON CONFLICT (id) "
+          "DO UPDATE SET state = excluded.state, version = excluded.version WHERE degrade_state.version = %s")
+
 COMPONENT = "ladder"
-# 1: the ladder's tables as SQLite has them, with an id to order events of the same instant
+# 1: the ladder's tables as SQLite had them, with an id to order events of the same instant
 MIGRATIONS = ["""
     CREATE TABLE degrade_state (
         id INTEGER PRIMARY KEY CHECK (id = 1),
@@ -292,7 +353,9 @@ MIGRATIONS = ["""
         metrics TEXT NOT NULL
     );
     CREATE INDEX degrade_events_ts ON degrade_events(ts);
-"""]
+""",
+    # 2: the state's save counter, for the compare-and-set (a state kept before it is at version 0)
+    "ALTER TABLE degrade_state ADD COLUMN version BIGINT NOT NULL DEFAULT 0"]
 
 
 def open_store(data_dir: Path, redis_url: str | None, database_url: str | None = None) -> LadderStore:

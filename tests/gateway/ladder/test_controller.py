@@ -154,7 +154,7 @@ class FailingSaves(SqliteLadderStore):
     def save(self, state, event=None):  # type: ignore[no-untyped-def]
         if self.down:
             raise Unavailable("the ladder's shared state could not be written", code="ladder_state_unavailable")
-        super().save(state, event)
+        return super().save(state, event)
 
 
 def test_a_reload_whose_lowered_level_cannot_be_saved_keeps_the_running_ladder(tmp_path: Path) -> None:

@@ -30,11 +30,11 @@ class Outage(SqliteLadderStore):
             raise Unavailable(READ_MESSAGE, code="ladder_state_unavailable")
         return super().load()
 
-    def save(self, state: LadderState, event: DegradeEvent | None = None) -> None:
+    def save(self, state: LadderState, event: DegradeEvent | None = None) -> bool:
         if self.down:
             raise Unavailable("written", code="ladder_state_unavailable")
         self.saves += 1
-        super().save(state, event)
+        return super().save(state, event)
 
 
 def started(tmp_path: Path, store: Outage, *, start_unread: bool = True) -> tuple[LadderController, Clock, Signals]:
