@@ -3,7 +3,7 @@ another worker's save writes nothing, and the change is made again on the state 
 state read before: a reload's ladder identity saved between another worker's read and its save was written over (the
 other workers kept the old ladder, the reloading one counted itself out of sync), and so was an override set between
 another worker's tick's read and its save (answered 200, lost). Driven: another worker's change runs right after a
-worker's read of the shared state (SQLite, Redis, PostgreSQL)."""
+worker's read of the shared state (SQLite, Redis, PostgreSQL). A state kept before the version is at version 0."""
 
 from __future__ import annotations
 
@@ -13,12 +13,21 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
+import psycopg
 import pytest
 import redis
 
 from gateway.errors import Unavailable
 from gateway.ladder.controller import TRIES, LadderController
-from gateway.ladder.state import LadderState, RedisLadderStore, SqliteLadderStore
+from gateway.ladder.state import (
+    COMPONENT,
+    MIGRATIONS,
+    LadderState,
+    PostgresLadderStore,
+    RedisLadderStore,
+    SqliteLadderStore,
+)
+from quotas.fleet_db import migrate
 from tests.gateway.ladder.test_controller import LADDER, Clock
 from tests.gateway.ladder.test_reload_shared import FIVE, TIERS, Stores, shared, worker  # noqa: F401 (a fixture)
 
@@ -145,3 +154,21 @@ def test_a_redis_state_kept_before_the_version_is_at_version_0(tmp_path: Path, r
     assert client.get("tg:degrade:version") == b"1"
     store.close()
     client.close()
+
+
+def test_a_postgres_state_kept_before_the_version_is_at_version_0(database_url: str) -> None:
+    """A fleet database the version before made (the ladder's migration 1) is migrated and its state read at 0."""
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        migrate(conn, COMPONENT, MIGRATIONS, upto=1)
+        conn.execute("INSERT INTO degrade_state VALUES (1, %s)", (json.dumps(OLD),))
+    store = PostgresLadderStore(database_url)
+    state = store.load()
+    assert state == LadderState(**OLD) and state.version == 0
+    stale = replace(state)
+    state.auto_level = 2
+    assert store.save(state) is True and state.version == 1
+    assert store.save(stale) is False and store.load().auto_level == 2
+    with psycopg.connect(database_url) as conn:
+        text, version = conn.execute("SELECT state, version FROM degrade_state").fetchone()  # type: ignore[misc]
+    assert json.loads(text) == {**OLD, "auto_level": 2} and version == 1
+    store.close()
