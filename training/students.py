@@ -17,7 +17,7 @@ from typing import Any
 from assets.builds import build_lock, parse_budget, work_dir_for, write_progress
 from assets.model_source import ModelSourceError, is_model_dir, prepare_model, resolve_model
 from tiers.catalogue import TierCatalogue
-from training.distill import DistillConfig, distill
+from training.distill import DistillConfig, check_device, distill
 
 DEFAULT_LAYERS = 8
 DEFAULT_BUDGET = "10m"
@@ -46,7 +46,8 @@ class StudentRequest:
 def build_student(req: StudentRequest, *, catalogue: TierCatalogue, models_dir: Path,
                   progress: bool = True) -> tuple[Path, str]:
     """Distil, measure and write the student; returns its directory and model card."""
-    try:  # before the teacher is prepared (a download of hundreds of MB)
+    check_device(req.device)  # as --keep below, before the teacher is prepared (a download of hundreds of MB)
+    try:
         keep = tuple(int(x) for x in req.keep.split(",")) if req.keep else None
     except ValueError:
         raise ValueError(f"--keep {req.keep!r}: give teacher layer numbers separated by commas") from None
