@@ -93,13 +93,17 @@ def test_the_bf16_steps_are_the_fp32_ones_rounded_as_torch_rounds(rows: int) -> 
 
 
 def test_rounding_to_bf16_is_torchs_on_ties_and_near_the_top() -> None:
-    """silu(g) * 1 is g itself for large g: the rounding alone, on chosen bit patterns."""
+    """silu(g) * 1 is g itself for large g where the kernel divides exactly (AVX2, Zen 4): the rounding alone, on
+    chosen bit patterns. Under the kernels' -ffast-math the vector loop may divide by a refined reciprocal instead:
+    on an AMX Xeon every element of the fp32 silu_mul came out one ulp under g. The bf16 kernel is held to torch's
+    rounding of the fp32 kernel's own result, then, within a ulp of the chosen bits."""
     low = [0x0000, 0x7FFF, 0x8000, 0x8001, 0xFFFF]  # the bits rounded away: down, a tie, up
     bits = [(top << 16) | b for top in (0x4200, 0x4201, 0x7F7F, 0x5F3A) for b in low]  # even and odd tops; FLT_MAX
     gate = torch.tensor(bits, dtype=torch.int64).to(torch.int32).view(torch.float32)
     gate_up = torch.cat([gate, torch.ones_like(gate)])[None]
-    assert torch.equal(KERNELS.silu_mul(gate_up), gate[None])
-    assert same_bits(KERNELS.silu_mul_bf16(gate_up), gate[None].to(BF16))
+    fp32 = KERNELS.silu_mul(gate_up)
+    assert int((fp32.view(torch.int32) - gate[None].view(torch.int32)).abs().max()) <= 1
+    assert same_bits(KERNELS.silu_mul_bf16(gate_up), fp32.to(BF16))
     assert torch.isinf(KERNELS.silu_mul_bf16(gate_up)).any()  # FLT_MAX's neighbours round up to inf, as torch's do
 
 
