@@ -9,6 +9,18 @@ from quotas.backends.redis import RedisBackend
 from quotas.backends.redis_retries import CANCEL_ATTEMPTS
 from quotas.limits import WINDOW_S, ReservationRequest, ScopeLimits
 
+LIM = (ScopeLimits("t", max_concurrent=1),)
+
+
+async def taken_over(b: RedisBackend) -> tuple[ReservationRequest, ReservationRequest]:
+    """req1 billed with its slot kept (its answer being handed over), and a cascade follow-on admitted on that slot."""
+    first = ReservationRequest("req1", "acme", LIM, 10, 100)
+    assert (await b.reserve(first)).admitted
+    await b.settle(first, tokens=5, money_pico=50, keep_slot=True)
+    second = ReservationRequest("req1-cascade", "acme", LIM, 10, 100, follows="req1")
+    assert (await b.reserve(second)).admitted
+    return first, second
+
 
 async def test_a_cancelled_follow_on_gives_the_slot_it_took_over_back(redis_url: str) -> None:
     b = RedisBackend(redis_url, timeout_s=0.5)
@@ -35,12 +47,8 @@ async def test_a_cancelled_follow_on_gives_the_slot_it_took_over_back(redis_url:
 async def test_a_settled_follow_on_keeps_the_slot_it_took_over(redis_url: str) -> None:
     b = RedisBackend(redis_url, timeout_s=0.5)
     try:
-        lim = (ScopeLimits("t", max_concurrent=1),)
-        first = ReservationRequest("req1", "acme", lim, 10, 100)
-        assert (await b.reserve(first)).admitted
-        await b.settle(first, tokens=5, money_pico=50, keep_slot=True)
-        second = ReservationRequest("req1-cascade", "acme", lim, 10, 100, follows="req1")
-        assert (await b.reserve(second)).admitted
+        lim = LIM
+        _, second = await taken_over(b)
         await b.settle(second, tokens=5, money_pico=50)  # its answer is the client's: one slot, freed now
         assert await b.redis.zcard("{tg:acme}:t:inflight") == 0
         assert (await b.reserve(ReservationRequest("req2", "acme", lim, 10, 100))).admitted
@@ -55,12 +63,8 @@ async def test_a_late_cancel_gives_nothing_back_to_an_attempt_already_released(r
     of `concurrency` refusals at max_concurrent=1)."""
     b = RedisBackend(redis_url, timeout_s=0.5)
     try:
-        lim = (ScopeLimits("t", max_concurrent=1),)
-        first = ReservationRequest("req1", "acme", lim, 10, 100)
-        assert (await b.reserve(first)).admitted
-        await b.settle(first, tokens=5, money_pico=50, keep_slot=True)
-        second = ReservationRequest("req1-cascade", "acme", lim, 10, 100, follows="req1")
-        assert (await b.reserve(second)).admitted  # (its answer lost)
+        lim = LIM
+        first, second = await taken_over(b)  # (its answer lost)
         await b.release(first)  # the first answer handed over: its slot is the follow-on's, nothing freed
         await b.cancel(second)  # the background retry lands late
         assert await b.redis.zcard("{tg:acme}:t:inflight") == 0

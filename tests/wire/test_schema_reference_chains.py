@@ -10,16 +10,13 @@ inside 14 nested `allOf`s (11 KB): fewer hops than the bound, but a longer path 
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import pytest
 
 import wire.response_format
-from wire.chat_request import ChatCompletionRequest
-from wire.validation import BodyError, parse_body
+from tests.wire.test_schema_costs import SCHEMA, refusal
 
-SCHEMA = "response_format.json_schema.schema"
 TOOL = "tools.0.function.parameters"
 
 
@@ -33,20 +30,6 @@ def chain(n: int, wrap: int = 0) -> dict[str, Any]:
             link = {"allOf": [link]}
         schema[f"a{i}"] = link
     return schema | {"type": "object", "properties": {"p": {"$ref": f"#/a{n - 1}"}}, "required": ["p"]}
-
-
-def refusal(schema: dict[str, Any], *, tools: bool = False) -> BodyError | None:
-    """The 400 a chat request with `schema` as its response_format's (or its one tool's parameters) gets, or None."""
-    body: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
-    if tools:
-        body["tools"] = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
-    else:
-        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
-    try:
-        parse_body(json.dumps(body).encode(), ChatCompletionRequest)
-    except BodyError as exc:
-        return exc
-    return None
 
 
 @pytest.mark.parametrize(("schema", "words"), [

@@ -23,6 +23,7 @@ from gateway.ladder.state import (
     COMPONENT,
     MIGRATIONS,
     LadderState,
+    LadderStore,
     PostgresLadderStore,
     RedisLadderStore,
     SqliteLadderStore,
@@ -120,6 +121,17 @@ OLD = {"auto_level": 1, "auto_since": 5.0, "manual_level": 2, "manual_until": No
        "manual_reason": "incident"}
 
 
+def saved_on_from_0(store: LadderStore) -> None:
+    """`store` holds OLD as the version before wrote it: read at version 0, a change saved on it (version 1), and a
+    save from the state read before refused, the change kept."""
+    state = store.load()
+    assert state == LadderState(**OLD) and state.version == 0
+    stale = replace(state)
+    state.auto_level = 2
+    assert store.save(state) is True and state.version == 1
+    assert store.save(stale) is False and store.load().auto_level == 2
+
+
 def test_a_sqlite_state_kept_before_the_version_is_at_version_0(tmp_path: Path) -> None:
     """A data directory's file from the version before (no version column) is read at version 0 and saved on; the
     version is kept beside the state's JSON, which the version before reads (it refuses a field it does not know)."""
@@ -128,12 +140,7 @@ def test_a_sqlite_state_kept_before_the_version_is_at_version_0(tmp_path: Path) 
     conn.execute("INSERT INTO degrade_state VALUES (1, ?)", (json.dumps(OLD),))
     conn.commit()
     store = SqliteLadderStore(tmp_path / "state.db")
-    state = store.load()
-    assert state == LadderState(**OLD) and state.version == 0
-    stale = replace(state)
-    state.auto_level = 2
-    assert store.save(state) is True and state.version == 1
-    assert store.save(stale) is False and store.load().auto_level == 2  # a save from the state read before: refused
+    saved_on_from_0(store)
     text, version = conn.execute("SELECT state, version FROM degrade_state").fetchone()
     assert json.loads(text) == {**OLD, "auto_level": 2} and version == 1
     store.close()
@@ -144,12 +151,7 @@ def test_a_redis_state_kept_before_the_version_is_at_version_0(tmp_path: Path, r
     client = redis.Redis.from_url(redis_url)
     client.set("tg:degrade:state", json.dumps(OLD))
     store = RedisLadderStore(redis_url, SqliteLadderStore(tmp_path / "state.db"))
-    state = store.load()
-    assert state == LadderState(**OLD) and state.version == 0
-    stale = replace(state)
-    state.auto_level = 2
-    assert store.save(state) is True and state.version == 1
-    assert store.save(stale) is False and store.load().auto_level == 2
+    saved_on_from_0(store)
     assert json.loads(client.get("tg:degrade:state")) == {**OLD, "auto_level": 2}  # as the version before reads it
     assert client.get("tg:degrade:version") == b"1"
     store.close()
@@ -162,12 +164,7 @@ def test_a_postgres_state_kept_before_the_version_is_at_version_0(database_url: 
         migrate(conn, COMPONENT, MIGRATIONS, upto=1)
         conn.execute("INSERT INTO degrade_state VALUES (1, %s)", (json.dumps(OLD),))
     store = PostgresLadderStore(database_url)
-    state = store.load()
-    assert state == LadderState(**OLD) and state.version == 0
-    stale = replace(state)
-    state.auto_level = 2
-    assert store.save(state) is True and state.version == 1
-    assert store.save(stale) is False and store.load().auto_level == 2
+    saved_on_from_0(store)
     with psycopg.connect(database_url) as conn:
         text, version = conn.execute("SELECT state, version FROM degrade_state").fetchone()  # type: ignore[misc]
     assert json.loads(text) == {**OLD, "auto_level": 2} and version == 1
