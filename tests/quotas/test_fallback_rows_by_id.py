@@ -63,3 +63,26 @@ async def test_a_row_whose_apply_failed_is_applied_by_its_retry(redis_url: str) 
         assert await b.redis.ttl("{tg:acme}:jrow:req-1") > 86_400
     finally:
         await b.close()
+
+
+async def test_rows_and_batches_whose_apply_failed_are_applied_by_their_retry(redis_url: str) -> None:
+    """journal_rows.lua and journal.lua set their markers last, as settle.lua does: a marker set before the money
+    (SET NX first) stayed after an error partway, and the row's or batch's money was never counted."""
+    day = time.strftime("%Y%m%d", time.gmtime())
+    month_key = f"{{tg:acme}}:t:month:{day[:6]}"
+    row = FallbackRow("req-2", "acme", ("t",), day, day[:6], 1_000_000, False)
+    b = RedisBackend(redis_url, timeout_s=0.5)
+    try:
+        await b.redis.rpush(month_key, "x")  # a fault: the month counter is no number, the apply fails there
+        with pytest.raises(QuotaBackendError):
+            await b.apply_rows("acme", [row])
+        with pytest.raises(QuotaBackendError):
+            await b.apply_journal("batch-1", "acme", [("t", day, day[:6], 1_000_000)])
+        assert not await b.redis.exists("{tg:acme}:jrow:req-2", "{tg:acme}:jnl:batch-1")
+        await b.redis.delete(month_key)
+        assert await b.apply_rows("acme", [row]) == 1 and await b.apply_rows("acme", [row]) == 0
+        assert await b.apply_journal("batch-1", "acme", [("t", day, day[:6], 1_000_000)])
+        assert not await b.apply_journal("batch-1", "acme", [("t", day, day[:6], 1_000_000)])
+        assert int(await b.redis.get(month_key)) == 2_000_000  # each once
+    finally:
+        await b.close()
