@@ -35,7 +35,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, WatchError
+from redis.exceptions import TimeoutError as RedisTimeout
 
 from gateway.admin_pool import AdminPool
 from gateway.errors import Unavailable
@@ -146,9 +148,13 @@ class SqliteLadderStore(LadderStore):
         self._conn.execute("PRAGMA journal_mode=WAL")
         self._conn.executescript(SCHEMA)
         self._lock = threading.Lock()
-        with self._transaction():  # a file from before the counter: its state is at version 0
-            if "version" not in {col[1] for col in self._conn.execute("PRAGMA table_info(degrade_state)")}:
-                self._conn.execute("ALTER TABLE degrade_state ADD COLUMN version INTEGER NOT NULL DEFAULT 0")
+        if not self._has_version():  # a file from before the counter: its state is at version 0. Checked first
+            with self._transaction():  # without the write lock, which every start and CLI read would take
+                if not self._has_version():
+                    self._conn.execute("ALTER TABLE degrade_state ADD COLUMN version INTEGER NOT NULL DEFAULT 0")
+
+    def _has_version(self) -> bool:
+        return "version" in {col[1] for col in self._conn.execute("PRAGMA table_info(degrade_state)")}
 
     @contextmanager
     def _transaction(self) -> Iterator[None]:
@@ -233,8 +239,10 @@ class RedisLadderStore(LadderStore):
                     pipe.ltrim(self.events_key, 0, HISTORY_KEEP - 1)
                 try:
                     pipe.execute()
-                except WatchError:  # another save came between
-                    return False
+                except WatchError as exc:
+                    if _lost_connection(exc):  # EXEC's reply never came: Redis' fault, tried again (`again`)
+                        raise RedisConnectionError(str(exc)) from exc
+                    return False  # another save came between
                 return True
 
         try:
@@ -367,3 +375,11 @@ def open_store(data_dir: Path, redis_url: str | None, database_url: str | None =
 
 def event_dict(e: DegradeEvent) -> dict[str, Any]:
     return asdict(e)
+
+
+def _lost_connection(exc: WatchError) -> bool:
+    """redis-py answers a watched transaction whose connection failed (a timeout on EXEC: it may or may not have
+    applied) with a WatchError, as it does one another client's write aborted: that one is a Redis fault, not a
+    conflict (its 503, and a second try that finds its own save, rather than "changed by other workers")."""
+    cause = exc.__cause__ or exc.__context__
+    return isinstance(cause, RedisConnectionError | RedisTimeout) or "occurred while watching" in str(exc)

@@ -169,3 +169,18 @@ def test_a_postgres_state_kept_before_the_version_is_at_version_0(database_url: 
         text, version = conn.execute("SELECT state, version FROM degrade_state").fetchone()  # type: ignore[misc]
     assert json.loads(text) == {**OLD, "auto_level": 2} and version == 1
     store.close()
+
+
+def test_a_store_opens_while_another_writer_holds_the_file(tmp_path: Path) -> None:
+    """A file that has the version column opens without the write lock: every worker's start and every CLI read
+    (`degrade status`) took it to look for the column, and waited its 5 s out behind a writer, then failed."""
+    SqliteLadderStore(tmp_path / "state.db").close()
+    holder = sqlite3.connect(tmp_path / "state.db", isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")
+    try:
+        store = SqliteLadderStore(tmp_path / "state.db")
+        assert store.load().version == 0
+        store.close()
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
