@@ -18,7 +18,6 @@ import contextlib
 import json
 import logging
 import math
-import re
 import shutil
 import time
 from collections.abc import Callable
@@ -29,6 +28,7 @@ from typing import Any
 from assets import offline_hub
 from assets.atomic_file import replacing
 from assets.builds import work_dir_for
+from assets.torch_device import device_problem
 from training.model_card import PROVENANCE, render
 
 log = logging.getLogger("tiergate.distill")
@@ -78,21 +78,13 @@ class DistillError(ValueError):
 
 
 def check_device(name: str) -> Any:
-    """The torch device `name` names: cpu, or cuda[:N] where this torch sees that GPU (the CLI's rule, at its
-    option). Anything else is a DistillError naming it, before any work: torch's own error came later, from deep in
-    loading the teacher (or, for a device type it does not know, as a RuntimeError)."""
+    """The torch device `name` names: cpu, or cuda[:N] where this torch sees that GPU (assets/torch_device.py, the
+    CLI's rule too). Anything else is a DistillError naming it, before any work: torch's own error came later, from
+    deep in loading the teacher (or, for a device type it does not know, as a RuntimeError)."""
+    if (problem := device_problem(name)) is not None:
+        raise DistillError(f"device {name!r}: {problem}")
     import torch
 
-    if not re.fullmatch(r"cpu|cuda(:\d+)?", name):
-        raise DistillError(f"device {name!r} is neither cpu nor cuda[:N]")
-    if name != "cpu":
-        if not torch.cuda.is_available():
-            raise DistillError(f"device {name!r}: this torch sees no CUDA device (a CPU-only build, or no GPU or "
-                               "driver); give cpu")
-        count, index = torch.cuda.device_count(), int(name.partition(":")[2] or 0)
-        if index >= count:
-            raise DistillError(f"device {name!r}: this machine has {count} CUDA device(s), cuda:0 to "
-                               f"cuda:{count - 1}")
     return torch.device(name)
 
 

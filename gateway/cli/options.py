@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import click
 
+from assets.torch_device import device_problem
 from gateway.settings import Settings
 
 
@@ -53,19 +53,10 @@ def existing_data_dir(settings: Settings) -> Settings:
 
 
 def check_device(ctx: click.Context, param: click.Parameter, value: str) -> str:
-    """cpu, or cuda[:N] where this torch sees that GPU: refused here, not as a traceback once a model loads (torch
-    imported only for cuda)."""
-    if not re.fullmatch(r"cpu|cuda(:\d+)?", value):
-        raise click.BadParameter(f"{value!r} is neither cpu nor cuda[:N]")
-    if value != "cpu":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise click.BadParameter(f"{value!r}: this torch sees no CUDA device (a CPU-only build, or no GPU or "
-                                     "driver); give cpu")
-        count, index = torch.cuda.device_count(), int(value.partition(":")[2] or 0)
-        if index >= count:
-            raise click.BadParameter(f"{value!r}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
+    """cpu, or cuda[:N] where this torch sees that GPU (assets/torch_device.py): refused here, not as a traceback once
+    a model loads."""
+    if (problem := device_problem(value)) is not None:
+        raise click.BadParameter(f"{value!r}: {problem}")
     return value
 
 
