@@ -52,7 +52,8 @@ from typing import Any, Literal
 from quotas.backends.base import Billed, QuotaBackend, QuotaBackendError
 from quotas.backends.journal import FallbackRow, FallbackRows, OutageJournal, fallback_mark
 from quotas.backends.memory import MemoryBackend
-from quotas.backends.redis import QuotaScriptError, RedisBackend
+from quotas.backends.redis import RedisBackend
+from quotas.backends.redis_errors import QuotaScriptError
 from quotas.fault_log import FaultLog
 from quotas.limits import Decision, ReservationRequest, ScopeLimits, Spend, dating_instant, utc_dates
 

@@ -12,7 +12,8 @@ from redis.exceptions import BusyLoadingError, ReadOnlyError, ResponseError
 
 from quotas.backends.base import QuotaBackendError
 from quotas.backends.failover import FailoverBackend
-from quotas.backends.redis import QuotaScriptError, RedisBackend, backend_error
+from quotas.backends.redis import RedisBackend
+from quotas.backends.redis_errors import QuotaScriptError, backend_error
 from quotas.limits import ReservationRequest, ScopeLimits
 
 NEAR_END = 2**63 - 50  # picodollars: an INCRBY of 100 more fails with "increment or decrement would overflow"

@@ -8,7 +8,8 @@ import pytest
 
 from quotas.backends.base import QuotaBackendError
 from quotas.backends.failover import FailoverBackend
-from quotas.backends.redis import QuotaScriptError, RedisBackend
+from quotas.backends.redis import RedisBackend
+from quotas.backends.redis_errors import QuotaScriptError
 from quotas.limits import ReservationRequest, ScopeLimits
 from tests.conftest import RedisServer
 
