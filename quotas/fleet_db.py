@@ -223,6 +223,28 @@ def is_db_fault(exc: BaseException) -> bool:
     return isinstance(exc, psycopg.Error)
 
 
+# SQLSTATEs of a database that is not there now but may be soon: a connection failing or lost (class 08), shutting
+# down or starting up (57P01-57P03), no connection slot free (53300), a lock or statement timed out (55P03, 57014)
+_OUTAGE_STATES = frozenset({"57P01", "57P02", "57P03", "53300", "55P03", "57014"})
+# what a server answers (a FATAL, whose SQLSTATE psycopg does not keep for a failed connect) while it cannot take a
+# connection yet: "the database system is starting up" (or shutting down, in recovery, not yet accepting connections),
+# "sorry, too many clients already", "remaining connection slots are reserved ..."
+_NOT_YET = ("the database system is", "too many clients", "remaining connection slots")
+
+
+def is_outage(exc: psycopg.OperationalError) -> bool:
+    """A failure to connect (or to migrate on a connection) that waiting may mend: nothing answered (refused, timed
+    out, a host name not resolved yet, the connection cut), or the server is starting, stopping or full. Not one: the
+    server's refusal of who connects (a wrong password, a role or database that does not exist, no pg_hba.conf entry):
+    configuration, which no wait mends. A server whose messages are not in English is taken as not answering, so its
+    refusal is waited on (and then named) rather than a blip taken for a refusal."""
+    state = exc.sqlstate
+    if state is not None:
+        return state.startswith("08") or state in _OUTAGE_STATES
+    text = str(exc)
+    return "FATAL:" not in text or any(words in text for words in _NOT_YET)
+
+
 def fault_name(exc: BaseException) -> str:
     """What to call a fault in a log line or a not-ready reason: its SQLSTATE's name, else its class."""
     diag = getattr(exc, "sqlstate", None)
