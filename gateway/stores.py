@@ -58,9 +58,13 @@ def _reach(settings: Settings, what: str, open_: Callable[[], T], wait_s: float 
         except psycopg.OperationalError as exc:
             why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             if not is_outage(exc):
-                raise DatabaseUnreachable(f"the fleet database (TIERGATE_DATABASE_URL) refused the connection for "
-                                          f"{what}: {why}; check the URL's user, password and database (waiting will "
-                                          "not fix it)") from exc
+                if exc.sqlstate is None:  # the server's answer to the connect
+                    raise DatabaseUnreachable(f"the fleet database (TIERGATE_DATABASE_URL) refused the connection "
+                                              f"for {what}: {why}; check the URL's user, password and database "
+                                              "(waiting will not fix it)") from exc
+                # a fault of the database that no wait mends (its disk full), at once as before
+                raise DatabaseUnreachable(f"the fleet database (TIERGATE_DATABASE_URL) cannot be reached: "
+                                          f"{why}") from exc
             waited_s = time.monotonic() - started
             if waited_s >= budget_s:
                 tried = f" (tried for {waited_s:.0f} s, {_SETTING}={budget_s:g})" if budget_s > 0 else ""
