@@ -119,8 +119,9 @@ def build_services(settings: Settings) -> Services:
                   start_timeout_s=settings.engine_start_timeout_s, engines_file=settings.engines_file,
                   max_body_bytes=settings.max_body_bytes)
     metrics_ = gateway_metrics(fleet)  # summed over the workers of `tiergate serve --workers N`
-    ledger = open_ledger(settings)
-    store = open_tenant_store(settings)
+    wait_s = settings.database_start_wait_s  # a fleet database down at start is waited for (gateway/stores.py)
+    ledger = open_ledger(settings, wait_s=wait_s)
+    store = open_tenant_store(settings, wait_s=wait_s)
     backend = build_quota_backend(settings, ledger, metrics_)
     gate = TenantGate()
     quotas = QuotaService(backend, lease_s=settings.quota_lease_s, on_settled=gate.settled)
@@ -130,13 +131,13 @@ def build_services(settings: Settings) -> Services:
     signals = Signals(tiers_down=fleet.num_tiers_down, kv_utilisation=fleet.max_kv_utilisation,
                       redis_down=lambda: isinstance(backend, FailoverBackend) and not backend.up)
     ladder = LadderController(load_ladder(settings.ladder_file, catalogue.tiers),
-                              open_ladder_store(settings), signals,
+                              open_ladder_store(settings, wait_s=wait_s), signals,
                               on_change=metrics_.degrade_changed, start_unread=True)  # Redis down: starts at 0
     metrics_.ladder = ladder
     cache = CacheStage(cache=build_cache(settings, plans), store=store, fleet=fleet)
     if cache.cache is not None:
         metrics_.registry.register(CacheBoundCollector(cache.cache))
-    rollouts = RolloutService(catalogue, open_rollout_store(settings), metrics=metrics_)
+    rollouts = RolloutService(catalogue, open_rollout_store(settings, wait_s=wait_s), metrics=metrics_)
     metrics_.rollouts = rollouts
     caller = TierCaller(fleet=fleet, client=client, hint_secret=settings.hint_secret.get_secret_value())
     dispatch = DispatchStage(queues=queues, metrics=metrics_, signals=signals)
@@ -151,7 +152,7 @@ def build_services(settings: Settings) -> Services:
         settler=Settler(ledger=ledger, quotas=quotas, dispatch=dispatch, cache=cache, metrics=metrics_,
                         signals=signals, catalogue=catalogue, rollouts=rollouts),
         refusals=RefusalLog(ledger=ledger, metrics=metrics_),
-        idempotency=IdempotencyStage(open_idempotency(settings, ledger)),
+        idempotency=IdempotencyStage(open_idempotency(settings, ledger, wait_s=wait_s)),
         ready=lambda: ledger.not_ready_reason,
         shadow=Shadow(rollouts=rollouts, caller=caller, metrics=metrics_),
         cache_checks=None if cache.cache is None else CacheChecks(cache=cache.cache, caller=caller,
@@ -244,7 +245,7 @@ def create_app(settings: Settings | None = None, *, check_redis: bool = True) ->
     catalogue, plans = load_config(settings)  # fail fast, before anything starts
     if check_redis:
         check_redis_eviction(settings)
-    store = open_tenant_store(settings)
+    store = open_tenant_store(settings, wait_s=settings.database_start_wait_s)
     try:  # a plan taken out of the plans file while tenants are on it
         check_tenant_plans(store, plans, settings.plans_file)
     finally:

@@ -38,10 +38,10 @@ _SETTING = "TIERGATE_DATABASE_START_WAIT_S"
 T = TypeVar("T")
 
 
-def _reach(settings: Settings, what: str, open_: Callable[[], T], wait_s: float | None) -> T:
+def _reach(settings: Settings, what: str, open_: Callable[[], T], wait_s: float) -> T:
     """`open_()`, a store on the fleet database (each migrates its tables on open; libpq's connect_timeout bounds a
     try). A database that does not answer yet (fleet_db.is_outage: down, starting, full) is tried again with a growing
-    pause and a log line each try, for `wait_s` (None: the setting), so that a replica started during a database's
+    pause and a log line each try, for `wait_s` (0: one try), so that a replica started during a database's
     blip (an orchestrator's restart, the database's own) waits for it rather than exit into a restart loop; then
     `DatabaseUnreachable`. A refusal of who connects (a wrong password, no such role or database) is one at once. Its
     message has the driver's first line (host and port, never the URL's password: libpq does not repeat it)."""
@@ -49,7 +49,7 @@ def _reach(settings: Settings, what: str, open_: Callable[[], T], wait_s: float 
 
     from quotas.fleet_db import is_outage
 
-    budget_s = settings.database_start_wait_s if wait_s is None else wait_s
+    budget_s = wait_s
     started = time.monotonic()
     pause_s = FIRST_PAUSE_S
     while True:
@@ -77,8 +77,10 @@ def _reach(settings: Settings, what: str, open_: Callable[[], T], wait_s: float 
             pause_s = min(2 * pause_s, MAX_PAUSE_S)
 
 
-def open_tenant_store(settings: Settings, *, wait_s: float | None = None) -> TenantStore:
-    """`wait_s`, here and below: how long a fleet database that does not answer is waited for (None: the setting's)."""
+def open_tenant_store(settings: Settings, *, wait_s: float = 0.0) -> TenantStore:
+    """`wait_s`, here and below: how long a fleet database that does not answer is waited for; 0 (one try) unless
+    the caller is the gateway starting (`tiergate serve`, create_app: TIERGATE_DATABASE_START_WAIT_S), so that an
+    operator's CLI command answers at once rather than wait a minute for a database that is down."""
     if settings.database_url:
         from gateway.tenants.store_postgres import PostgresTenantStore
 
@@ -88,7 +90,7 @@ def open_tenant_store(settings: Settings, *, wait_s: float | None = None) -> Ten
     return TenantStore(settings.state_db)  # SQLite
 
 
-def open_ledger(settings: Settings, *, wait_s: float | None = None) -> Ledger:
+def open_ledger(settings: Settings, *, wait_s: float = 0.0) -> Ledger:
     if settings.database_url:
         from quotas.ledger_postgres import PostgresLedger
 
@@ -99,7 +101,7 @@ def open_ledger(settings: Settings, *, wait_s: float | None = None) -> Ledger:
 
 
 def open_idempotency(settings: Settings, ledger: Ledger | None = None, *,
-                     wait_s: float | None = None) -> IdempotencyStore:
+                     wait_s: float = 0.0) -> IdempotencyStore:
     """Beside the ledger when it is in a database (a `done` record commits with its ledger row), else Redis for
     replicas sharing one, else the ledger's SQLite file. `ledger`: where Redis keeps the claims, what a claim whose
     gateway died is looked up in (its row written: the retry is told it ran, never run and billed again)."""
@@ -114,11 +116,11 @@ def open_idempotency(settings: Settings, ledger: Ledger | None = None, *,
     return SQLiteIdempotency(settings.ledger_db)
 
 
-def open_ladder_store(settings: Settings, *, wait_s: float | None = None) -> LadderStore:
+def open_ladder_store(settings: Settings, *, wait_s: float = 0.0) -> LadderStore:
     return _reach(settings, "the ladder's store", lambda: open_store(
         settings.data_dir, settings.redis_url, settings.database_url), wait_s)
 
 
-def open_rollout_store(settings: Settings, *, wait_s: float | None = None) -> RolloutStore:
+def open_rollout_store(settings: Settings, *, wait_s: float = 0.0) -> RolloutStore:
     return _reach(settings, "the rollouts' store", lambda: open_rollouts(settings.data_dir, settings.database_url),
                   wait_s)

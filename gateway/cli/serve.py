@@ -81,7 +81,7 @@ def serve(host: str | None, port: int | None, tiers_file: Path | None, plans_fil
             except subprocess.CalledProcessError as exc:
                 raise click.ClickException(f"preparing model {source} failed (see above)") from exc
     try:
-        store = open_tenant_store(settings)
+        store = open_tenant_store(settings, wait_s=settings.database_start_wait_s)
     except DatabaseUnreachable as exc:
         raise click.ClickException(str(exc)) from exc
     try:

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
+import gateway.app
 from gateway.app import create_app
 from gateway.settings import Settings
 from gateway.stores import DatabaseUnreachable
@@ -48,9 +49,17 @@ def retries() -> Iterator[FirstRetry]:
 
 def test_the_gateway_waits_for_its_fleet_database_and_serves_once_it_answers(
         gateway_settings: Settings, stub: tuple[ServerThread, StubState], database_url: str, pg_proxy: PgProxy,
-        retries: FirstRetry) -> None:
-    pg_proxy.refusing = True  # the database does not answer: every connection closed at once
+        retries: FirstRetry, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The database stops answering as the started app opens its stores (build_services: the ledger first), after
+    the harness made the tenant and create_app checked the plans (each of which waits as well: the test below)."""
     settings = gateway_settings.model_copy(update={"database_url": pg_proxy.url(database_url)})
+    build = gateway.app.build_services
+
+    def down_first(settings_: Settings) -> object:
+        pg_proxy.refusing = True  # the database does not answer: every connection closed at once
+        return build(settings_)
+
+    monkeypatch.setattr(gateway.app, "build_services", down_first)
     opened = threading.Thread(target=lambda: retries.seen.wait(60) and pg_proxy.up(), daemon=True)
     opened.start()  # the database answers once the gateway has found it down and waits
     with running_gateway(settings, stub[1]) as gw:
@@ -61,7 +70,7 @@ def test_the_gateway_waits_for_its_fleet_database_and_serves_once_it_answers(
         assert [row.request_id for row in rows] == [r.headers["x-tiergate-request-id"]]
     assert retries.seen.is_set()
     first = next(line for line in retries.lines if "trying again" in line)
-    assert "cannot be reached to open the tenant store" in first and "TIERGATE_DATABASE_START_WAIT_S" in first
+    assert "cannot be reached to open the ledger" in first and "TIERGATE_DATABASE_START_WAIT_S" in first
     assert settings.database_url not in first  # host and port only
 
 
