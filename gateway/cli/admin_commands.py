@@ -26,15 +26,15 @@ from quotas.report import COLUMNS, usage_report
 
 
 @contextmanager
-def _store(data_dir: Path | None, *, create: bool = False, reads: bool = False) -> Iterator[TenantStore]:
+def _store(data_dir: Path | None, *, create: bool = False) -> Iterator[TenantStore]:
     """The store the gateway uses: the data directory's SQLite file, or TIERGATE_DATABASE_URL's PostgreSQL.
 
     Only a command that makes something from nothing (`create`: a tenant, an admin key) may start a new data
-    directory; one that only `reads` finds no state file there and says so, making none."""
+    directory or its state file. Any other reads, or changes, what is there (a tenant, a key): where there is no
+    state file it says so, making none (it made state.db, then answered "no tenant" or "no key")."""
     settings = settings_from(data_dir=data_dir)
     if not create:
         existing_data_dir(settings)
-    if reads:
         require(settings.state_db, settings, data_dir, NO_STATE)
     with naming(settings.state_db, settings, data_dir):
         try:
@@ -111,7 +111,7 @@ def tenants_create(name: str, plan: str | None, plans_file: Path | None, data_di
 @data_dir_option
 def tenants_list(data_dir: Path | None) -> None:
     """List tenants: name, plan and creation time (UTC), one a line, tab-separated."""
-    with _store(data_dir, reads=True) as store:
+    with _store(data_dir) as store:
         for t in store.list_tenants():
             click.echo(f"{t.name}\t{t.plan}\t{time.strftime('%Y-%m-%d %H:%M', time.gmtime(t.created_at))}")
 
@@ -228,7 +228,7 @@ def keys_issue(tenant: str | None, admin: bool, name: str, ttl_s: float | None, 
 def keys_list(tenant: str | None, data_dir: Path | None) -> None:
     """List keys, never their secrets: one a line, tab-separated: id, tenant, state, name, expiry (UTC, or never)
     and the key that replaced it (`keys rotate`; - for none)."""
-    with _store(data_dir, reads=True) as store:
+    with _store(data_dir) as store:
         if tenant is not None:  # a misspelt name is no tenant, not one without keys
             store.get_tenant(tenant)
         for k in store.list_keys(tenant):
@@ -304,7 +304,7 @@ def _print_report(data_dir: Path | None, *, tenant: str | None, since: str | Non
     if start is not None and end is not None and start >= end:  # an empty report, read as no use (end: exclusive)
         raise click.UsageError(f"--from {since} is after --to {until}")
     if tenant is not None:  # a misspelt name is no tenant, not one that used nothing (as the admin API's 404)
-        with _store(data_dir, reads=True) as store:
+        with _store(data_dir) as store:
             store.get_tenant(tenant)
     settings = existing_data_dir(settings_from(data_dir=data_dir))
     require(settings.ledger_db, settings, data_dir, NO_LEDGER)

@@ -15,25 +15,29 @@ from gateway.cli.options import data_dir_option, existing_data_dir, settings_fro
 from gateway.cli.state_files import NO_STATE, naming, require
 from gateway.config_files import ConfigFileError, load_yaml
 from gateway.ladder.config import Ladder
-from gateway.ladder.controller import MIN_TTL_S, LadderController
+from gateway.ladder.controller import MIN_TTL_S, LadderChangeError, LadderController, check_reason
 from gateway.ladder.signals import Signals
+from gateway.settings import Settings
 from gateway.stores import open_ladder_store
 from gateway.tenants.keys import MAX_TTL_S
 
 
-@contextmanager
-def _controller(data_dir: Path | None, ladder_file: Path | None, *, reads: bool = False
-                ) -> Iterator[LadderController]:
-    """The ladder over the gateway's store, closed after; a SQLite error names the file. A command that only
-    `reads` finds no state file there and says so, making none (set and auto may: a level held before a gateway
-    starts)."""
+def _ladder(data_dir: Path | None, ladder_file: Path | None, *, reads: bool = False) -> tuple[Settings, Ladder]:
+    """The settings and the ladder file a command works with, before any store is opened (opening one makes its
+    file). A command that only `reads` finds no state file there and says so, making none (set and auto may: a
+    level held before a gateway starts)."""
     settings = existing_data_dir(settings_from(data_dir=data_dir, ladder_file=ladder_file))
     if reads:
         require(settings.state_db, settings, data_dir, NO_STATE)
     try:
-        ladder = load_yaml(settings.ladder_file, Ladder)
+        return settings, load_yaml(settings.ladder_file, Ladder)
     except ConfigFileError as exc:
         raise click.ClickException(str(exc)) from exc
+
+
+@contextmanager
+def _controller(data_dir: Path | None, settings: Settings, ladder: Ladder) -> Iterator[LadderController]:
+    """The ladder over the gateway's store, closed after; a SQLite error names the file."""
     with naming(settings.state_db, settings, data_dir):
         store = open_ladder_store(settings)
         try:
@@ -101,7 +105,7 @@ def degrade() -> None:
 @data_dir_option
 def degrade_status(ladder_file: Path | None, data_dir: Path | None) -> None:
     """The level in force, who set it, and what it does."""
-    with _controller(data_dir, ladder_file, reads=True) as c:
+    with _controller(data_dir, *_ladder(data_dir, ladder_file, reads=True)) as c:
         s = c.status()
         click.echo(f"level {s['level']} ({s['name']}), set by {s['source']}")
         if s["manual"]:
@@ -129,8 +133,13 @@ def degrade_status(ladder_file: Path | None, data_dir: Path | None) -> None:
 def degrade_set(level: str, reason: str, ttl: float | None, ladder_file: Path | None, data_dir: Path | None) -> None:
     """Hold the ladder at LEVEL (its number or name: `degrade status` lists them); it outranks the triggers until
     the TTL ends or `auto` is set."""
-    with _controller(data_dir, ladder_file) as c:
-        number = _level(c.ladder, level)
+    settings, ladder = _ladder(data_dir, ladder_file)
+    number = _level(ladder, level)  # refused before the store is opened: a bad LEVEL or reason makes no state.db
+    try:
+        check_reason(reason)
+    except LadderChangeError as exc:
+        raise click.BadParameter(str(exc), param_hint="'--reason'") from exc
+    with _controller(data_dir, settings, ladder) as c:
         try:
             c.set_manual(number, reason=reason, who="cli", ttl_s=ttl)
         except ValueError as exc:
@@ -148,7 +157,7 @@ def _utc(t: float) -> str:
 @data_dir_option
 def degrade_auto(ladder_file: Path | None, data_dir: Path | None) -> None:
     """Hand the ladder back to its triggers."""
-    with _controller(data_dir, ladder_file) as c:
+    with _controller(data_dir, *_ladder(data_dir, ladder_file)) as c:
         c.set_auto(who="cli")
         click.echo(f"automatic; level {c.level}")
 
@@ -160,7 +169,7 @@ def degrade_auto(ladder_file: Path | None, data_dir: Path | None) -> None:
 @data_dir_option
 def degrade_history(limit: int, ladder_file: Path | None, data_dir: Path | None) -> None:
     """Every change: when, from, to, who, why, and the metrics that triggered it."""
-    with _controller(data_dir, ladder_file, reads=True) as c:
+    with _controller(data_dir, *_ladder(data_dir, ladder_file, reads=True)) as c:
         events = c.store.history(limit)
         if not events:
             click.echo("no level changes recorded")

@@ -3,6 +3,7 @@ follows (it takes effect there within seconds)."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -14,9 +15,10 @@ from gateway.cli.options import data_dir_option, existing_data_dir, settings_fro
 from gateway.cli.state_files import NO_STATE, naming, require
 from gateway.config_files import ConfigFileError, load_yaml
 from gateway.errors import TiergateError
-from gateway.rollout.guards import guards_from
+from gateway.rollout.guards import guards_from, tier_guards_error
 from gateway.rollout.service import RolloutService
-from gateway.rollout.state import Rollout
+from gateway.rollout.state import Rollout, RolloutEvent, RolloutStore
+from gateway.settings import Settings
 from gateway.stores import open_rollout_store, open_tenant_store
 from tiers.catalogue import TierCatalogue
 
@@ -25,25 +27,59 @@ tiers_option = click.option("--tiers", "tiers_file", type=click.Path(path_type=P
 reason_option = click.option("--reason", required=True, help="Why (kept in the audit trail).")
 
 
-@contextmanager
-def _service(data_dir: Path | None, tiers_file: Path | None, *, reads: bool = False) -> Iterator[RolloutService]:
-    """The rollouts over the gateway's store; a refused change is the command's error, in one line. A command that
-    only `reads` finds no state file there and says so, making none."""
+def _setup(data_dir: Path | None, tiers_file: Path | None, *, existing: bool = False
+           ) -> tuple[Settings, TierCatalogue]:
+    """The settings and the tiers file a command works with, checked before any store is opened (opening one makes
+    state.db). A command that only reads, or changes a rollout that must be there already (`existing`), finds no
+    state file there and says so, making none; `start` may make it (a rollout set before a gateway starts)."""
     settings = existing_data_dir(settings_from(data_dir=data_dir, tiers_file=tiers_file))
-    if reads:
+    if existing:
         require(settings.state_db, settings, data_dir, NO_STATE)
     try:
         catalogue = load_yaml(settings.tiers_file, TierCatalogue)
     except ConfigFileError as exc:
         raise click.ClickException(str(exc)) from exc
-    with naming(settings.state_db, settings, data_dir):
+    if (bad := tier_guards_error(catalogue)) is not None:  # RolloutService refuses it too, once the store is open
+        raise click.ClickException(f"{settings.tiers_file}: {bad}")
+    return settings, catalogue
+
+
+@contextmanager
+def _service(data_dir: Path | None, settings: Settings, catalogue: TierCatalogue) -> Iterator[RolloutService]:
+    """The rollouts over the gateway's store, closed after; a SQLite error names the file."""
+    with naming(settings.state_db, settings, data_dir), _one_line():
         service = RolloutService(catalogue, open_rollout_store(settings))
         try:
             yield service
-        except TiergateError as exc:
-            raise click.ClickException(exc.message) from exc
         finally:
             service.store.close()
+
+
+@contextmanager
+def _one_line() -> Iterator[None]:
+    """A change the rollouts refuse (a TiergateError) is the command's error, in one line."""
+    try:
+        yield
+    except TiergateError as exc:
+        raise click.ClickException(exc.message) from exc
+
+
+class _Checked(Exception):
+    """A dry run's change passed every check: it reached the store's save."""
+
+
+class _NoRollouts(RolloutStore):
+    """The state of a data directory that has none, for a dry run: no rollouts, no history, and a save that writes
+    nothing (it raises _Checked)."""
+
+    def load(self) -> dict[str, Rollout]:
+        return {}
+
+    def save(self, rollout: Rollout, event: RolloutEvent) -> bool:
+        raise _Checked
+
+    def history(self, tier: str | None = None, limit: int = 100) -> list[RolloutEvent]:
+        return []
 
 
 def _say(r: Rollout) -> None:
@@ -88,16 +124,27 @@ def rollout_start(tier: str, version: str, share: float, tenants: tuple[str, ...
                   reason: str, tiers_file: Path | None, data_dir: Path | None, **guards: float | int | None) -> None:
     """A canary of VERSION on TIER (a share of new conversations, and every named tenant), or a shadow; its guards
     roll it back by themselves."""
-    with _service(data_dir, tiers_file) as s:
+    settings, catalogue = _setup(data_dir, tiers_file, existing=bool(tenants))  # named tenants: in state.db
+    with _one_line():
+        limits = guards_from({k: v for k, v in guards.items() if v is not None})
+
+    def start(s: RolloutService) -> Rollout:
+        return s.start(tier, version, share=share, tenants=tenants, who="cli", reason=reason, shadow=shadow,
+                       guards=limits)
+
+    if not settings.database_url and not settings.state_db.exists():
+        # no state yet: the start is checked against none (a tier, version, share or reason it refuses makes no
+        # state.db), then made for real
+        with _one_line(), contextlib.suppress(_Checked):
+            start(RolloutService(catalogue, _NoRollouts()))
+    with _service(data_dir, settings, catalogue) as s:
         if tenants:  # a named tenant must exist, as the admin route checks
-            store = open_tenant_store(settings_from(data_dir=data_dir))
+            store = open_tenant_store(settings)
             try:
                 store.require_tenants(tenants, "tenants")
             finally:
                 store.close()
-        limits = guards_from({k: v for k, v in guards.items() if v is not None})
-        _say(s.start(tier, version, share=share, tenants=tenants, who="cli", reason=reason, shadow=shadow,
-                     guards=limits))
+        _say(start(s))
 
 
 @rollout.command("status")
@@ -105,7 +152,7 @@ def rollout_start(tier: str, version: str, share: float, tenants: tuple[str, ...
 @data_dir_option
 def rollout_status(tiers_file: Path | None, data_dir: Path | None) -> None:
     """Each tier's latest rollout: its stage and share, and who changed it last and why."""
-    with _service(data_dir, tiers_file, reads=True) as s:
+    with _service(data_dir, *_setup(data_dir, tiers_file, existing=True)) as s:
         found = s.status()
         for r in found:
             share = f" {r['share']:.2%}" if r["stage"] in ("canary", "paused") else \
@@ -129,7 +176,7 @@ def rollout_status(tiers_file: Path | None, data_dir: Path | None) -> None:
 def rollout_promote(tier: str, share: float | None, reason: str, tiers_file: Path | None,
                     data_dir: Path | None) -> None:
     """Everyone on the candidate (`full`), or a larger canary share; a paused canary resumes."""
-    with _service(data_dir, tiers_file) as s:
+    with _service(data_dir, *_setup(data_dir, tiers_file, existing=True)) as s:
         _say(s.promote(tier, share=share, who="cli", reason=reason))
 
 
@@ -140,7 +187,7 @@ def rollout_promote(tier: str, share: float | None, reason: str, tiers_file: Pat
 @data_dir_option
 def rollout_pause(tier: str, reason: str, tiers_file: Path | None, data_dir: Path | None) -> None:
     """Hold the canary: each conversation stays on its version; the share is not raised until promoted."""
-    with _service(data_dir, tiers_file) as s:
+    with _service(data_dir, *_setup(data_dir, tiers_file, existing=True)) as s:
         _say(s.pause(tier, who="cli", reason=reason))
 
 
@@ -151,7 +198,7 @@ def rollout_pause(tier: str, reason: str, tiers_file: Path | None, data_dir: Pat
 @data_dir_option
 def rollout_rollback(tier: str, reason: str, tiers_file: Path | None, data_dir: Path | None) -> None:
     """Everyone back on the version that answered before the rollout."""
-    with _service(data_dir, tiers_file) as s:
+    with _service(data_dir, *_setup(data_dir, tiers_file, existing=True)) as s:
         _say(s.rollback(tier, who="cli", reason=reason))
 
 
@@ -163,7 +210,7 @@ def rollout_rollback(tier: str, reason: str, tiers_file: Path | None, data_dir: 
 @data_dir_option
 def rollout_history(tier: str | None, limit: int, tiers_file: Path | None, data_dir: Path | None) -> None:
     """Every change: when, which tier and version, the stage and share it left, who and why."""
-    with _service(data_dir, tiers_file, reads=True) as s:
+    with _service(data_dir, *_setup(data_dir, tiers_file, existing=True)) as s:
         events = s.history(tier, limit)
         if not events and tier is not None and tier not in s.catalogue.tiers:  # misspelt: no tier, not no changes
             raise click.ClickException(f"no tier {tier!r} in the tiers file, nor rollouts of one; tiers: "

@@ -55,6 +55,7 @@ def test_cli_usage_errors_are_clear(tmp_path) -> None:  # type: ignore[no-untype
     env = {"TIERGATE_DATA_DIR": str(tmp_path)}
     r = runner.invoke(cli, ["keys", "issue"], env=env)
     assert r.exit_code == 2 and "--tenant" in r.output
+    TenantStore(tmp_path / "state.db").close()  # a gateway started here (on none, a key is refused before any tenant)
     r = runner.invoke(cli, ["keys", "issue", "--tenant", "ghost"], env=env)
     assert r.exit_code == 1 and "no tenant 'ghost'" in r.output
     r = runner.invoke(cli, ["tenants", "create", "x", "--plan", "gold"], env=env)
