@@ -44,7 +44,9 @@ entries in SQLite: TTL, LRU bounds overall and per tenant (entries and bytes), p
 `tenant_writes` (the one writer thread, taking tenants' writes in turns), `owner_lanes` (per-owner queues taken
 in turns, which it and the gateway's FairThreads keep), `entry_writes` (what changes the entries: writes,
 deletions, checkpoints, other processes' changes), `results` (what a lookup answers), `semantic_cache` (the
-facade: lookups).
+facade: lookups and stores), `lookup_pass` (a lookup's steps after the policy: exact, semantic, scope and meaning
+checks), `cache_start` (the change feed, index and writer at start, loaded or not), `entry_upkeep` (versions,
+purges and the index's sync, over the writer).
 
 Several processes may share one store (a SQLite file, or a Redis with `redis_url`): each one's faiss index
 applies the others' writes and deletes (the CLI's too) from the store's change log within `sync_interval_s`

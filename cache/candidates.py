@@ -38,7 +38,7 @@ def screen(candidates: Sequence[tuple[str, float]], query: str, *, threshold: fl
     """Screen `candidates` (entry id, similarity; nearest first, at least one) for the last user turn `query`, as
     sent. `floor`: the lowest similarity worth labelling as a near miss (at most `threshold`); `fetch`: an entry the
     lookup may serve (stored, alive, within the tenant's TTL) or None; `checked`: the candidate the plan's meaning
-    check would serve of those given (`SemanticCache._checked`); each guard refusal is counted in `refused`. The guards
+    check would serve of those given (`LookupPass.checked`); each guard refusal is counted in `refused`. The guards
     remember what the texts read as for `tenant` and its end user `user` (the scope's, where its plan isolates them)
     alone (cache/guards.py)."""
     best = candidates[0][1]

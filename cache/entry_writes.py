@@ -1,6 +1,6 @@
 """What changes the cache's entries: a fresh answer's write, deletions (expired, purged, of a bumped or retired
 version, reclaimed), the LRU marks of hits served from memory, other processes' changes applied to the index, and
-the store's checkpoints. The lookup side (cache/semantic_cache.py) reads the same store, index and maps, and calls
+the store's checkpoints. The lookup side (cache/lookup_pass.py) reads the same store, index and maps, and calls
 in here only to delete an expired entry, to write marks and to ask for a checkpoint or a catch-up.
 
 Writes queue per tenant for one writer thread, which takes the tenants in turns (cache/tenant_writes.py): another

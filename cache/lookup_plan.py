@@ -1,6 +1,6 @@
 """A cacheable request's lookup between its steps (`LookupPlan`), and the TTL rule every step applies.
 
-`SemanticCache` runs a lookup in steps, some on the event loop and some in worker threads (cache/semantic_cache.py):
+`SemanticCache` runs a lookup in steps, some on the event loop and some in worker threads (cache/lookup_pass.py):
 policy and the in-memory exact check, the store's exact probe, the embedding, the semantic search. The plan is what
 one step hands the next: the scope, the tenant's policy, the request, the time the lookup began (every step judges
 expiry at that one instant), and the keys, hashed once and only as far as a step needs them. A missed lookup hands

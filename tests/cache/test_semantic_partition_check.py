@@ -1,5 +1,5 @@
 """A semantic candidate is served only if the store files it under the lookup's own partition (its scope and
-history): the index's word alone is not the scope check (cache/semantic_cache.py `_servable`). No known path files
+history): the index's word alone is not the scope check (cache/lookup_pass.py `_servable`). No known path files
 an entry under the wrong partition; here one is planted in the index, and refused, counted and logged once."""
 
 from __future__ import annotations
