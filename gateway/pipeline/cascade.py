@@ -36,14 +36,16 @@ attempt's; if that one fails, or its ledger row is withdrawn (not durable within
 retry is billed nothing, and a 503 would leave the client billed for the first answer it never got), the first answer
 stands and is stored then, by itself (its ledger row is durable
 already), before the client reads it, so the SDK's retry replays it (it was not stored: the retry ran, and was billed,
-again); if the first was cut short, the client gets the second's error.
+again); if the first was cut short (by the look-ahead or a stop; one that ended within the look-ahead, whatever its
+finish, was read whole and stands), the client gets the second's error.
 
 Streams: a stream's tokens are the client's as they come, so it can be judged only before any is sent. Under a
 plan's `cascade_streams`, and only with a look-ahead in the artifact, the stream's first events are held until
 the look-ahead has judged: a kept stream then sends what was held and goes on live (its head's route reason
 carries the verdict), a failed one is cut and the dearer tier's answer streams instead. A stream shorter than the
-look-ahead is held whole and judged at its end: if its retry fails before its first byte, the whole answer held
-stands and is sent, as a JSON answer's does (the client got the retry's error, billed for an answer it never saw).
+look-ahead (whatever its finish: "length" at a small max_tokens too) is held whole and judged at its end: if its
+retry fails before its first byte, the whole answer held stands and is sent, as a JSON answer's does (the client got
+the retry's error, billed for an answer it never saw).
 The plain checks of the whole answer cannot retry a stream (it has been sent). Without a look-ahead a stream is not
 checked.
 
@@ -131,10 +133,13 @@ async def cascade(pipeline: Pipeline, ctx: RequestContext, prepared: Prepared) -
     seen = prepared.attempt  # the attempt the look-ahead judged (another version's, if a candidate fell back)
     stream = prepared.req.stream
 
-    async def look(attempt: Attempt, first: AnswerSignals | DivergenceRisk, stopped: bool) -> bool:
+    async def look(attempt: Attempt, first: AnswerSignals | DivergenceRisk, stopped: bool, ended: bool = False
+                   ) -> bool:
         """The look-ahead, or the stop at a divergence risk (`first` is then the risk so far: passed, or the whole
         answer's): True to stop reading the answer, which happens only once its retry is reserved (an answer that
-        cannot be retried is read to its end and stands, its route reason saying why)."""
+        cannot be retried is read to its end and stands, its route reason saying why). `stopped`: it ended with
+        "stop" (a signal the heads read); `ended`: it ended within the look-ahead, whatever its finish ("length" at
+        a small max_tokens, "tool_calls"), so it was read whole, never cut: if its retry fails, it stands."""
         nonlocal step, early, looked, cut, seen
         seen = attempt
         if isinstance(first, DivergenceRisk):
@@ -149,7 +154,7 @@ async def cascade(pipeline: Pipeline, ctx: RequestContext, prepared: Prepared) -
             early = note or ""
             return False
         step = await _escalate(pipeline, ctx, prepared, attempt, verdict)
-        cut = step.second is not None and not stopped
+        cut = step.second is not None and not ended
         return cut
 
     answered: Outcome | None = None  # the first answer, as judged

@@ -234,10 +234,11 @@ class Pipeline:
                       look: Any = None) -> AsyncIterator[Event]:
         """Dispatch → call → account → settle for one attempt. `judge` (the cascade's) sees an ok outcome
         before it is settled and may add to its route reason and actions. `reading`: the engine's signals the
-        judge reads (asked of the tier, gathered by the meter). `look(attempt, first_signals, stopped)` (the
+        judge reads (asked of the tier, gathered by the meter). `look(attempt, first_signals, stopped, ended)` (the
         cascade's look-ahead, or its stop at a divergence risk) is awaited once, as soon as the answer has a token
         beyond `reading.lookahead` or its risk passes `reading.stop`'s threshold (`Meter.past_lookahead`), or at its
-        end if neither came; when it returns True the answer is not read further (and is billed for what came)."""
+        end if neither came (told so: `ended`, whatever its finish); when it returns True the answer is not read
+        further (and is billed for what came)."""
         attempt, req, keep = prepared.attempt, prepared.req, prepared.keep
         meter = Meter(ctx.t0, keep_logprobs=req.logprobs, reading=reading,
                       counted_input=prepared.prompt.num_tokens if prepared.prompt is not None else 0,
@@ -270,7 +271,7 @@ class Pipeline:
                             meter.stop_reading()
                             break
                 if look is not None and meter.first is not None:  # it ended within the look-ahead
-                    await look(attempt, meter.first, meter.finish_reason == "stop")
+                    await look(attempt, meter.first, meter.finish_reason == "stop", True)
             outcome = meter.outcome("ok", 200)
             if judge is not None:
                 attempt = await judge(attempt, outcome)
