@@ -8,8 +8,15 @@ from __future__ import annotations
 
 from decimal import ROUND_CEILING, ROUND_HALF_EVEN, Decimal
 
+from pydantic_core import PydanticCustomError
+
 PICO = Decimal("1e12")
 COST_PLACES = Decimal("1e-12")  # a compute cost's precision: one picodollar, the unit money is counted in here
+# a price per 1K tokens (a tier's, the embeddings', a plan's cache hit): at most 9 decimal places, so a token's price
+# is a whole number of picodollars and every row's price, and any sum of rows, is exact in picodollars: the ledger's
+# total, the budget counter (rounded up per row at settle) and a re-seed from the ledger's sums agree. A price of 1e-15
+# USD a token was taken, and each rounded it up at a different place (a Redis re-seed lowered the counter)
+PRICE_PLACES = 9
 
 
 def to_pico(usd: Decimal) -> int:
@@ -29,3 +36,15 @@ def round_cost(usd: Decimal) -> Decimal:
     if isinstance(exponent, int) and exponent < -12:  # not NaN or infinite, and finer than a picodollar
         return usd.quantize(COST_PLACES, rounding=ROUND_HALF_EVEN)
     return usd
+
+
+def whole_picodollars_a_token(price_per_1k: Decimal) -> Decimal:
+    """A price per 1K tokens as a config file gives it, refused (naming the rule; the loader names the field) if it has
+    more than PRICE_PLACES decimal places: a token's price is then a fraction of a picodollar."""
+    exponent = price_per_1k.normalize().as_tuple().exponent  # "0.0010000000000" has 3 places, as pydantic counts
+    if isinstance(exponent, int) and exponent < -PRICE_PLACES:
+        raise PydanticCustomError(
+            "price_places", "a price per 1K tokens has at most {places} decimal places (a token's price a whole number "
+            "of picodollars, the unit budgets are counted in): {price} has {given}",
+            {"places": PRICE_PLACES, "price": format(price_per_1k, "f"), "given": -exponent})
+    return price_per_1k

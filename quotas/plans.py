@@ -18,6 +18,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from quotas.money import whole_picodollars_a_token
 from wire.fields import NoBoolNumbers, integral
 
 PriorityClass = Literal["interactive", "standard", "batch"]
@@ -137,7 +138,9 @@ class CachePlan(NoBoolNumbers):
     isolate_users: bool = False  # entries are per end user (the request's `user`), not shared in the tenant
     # a hit's price per 1K tokens, at most MAX_HIT_PRICE_PER_1K_USD: 1e300 was taken, and on Redis a request's
     # money of $100,000 or more is an error (its scripts' INCRBY), so every hit would have failed instead of billing
-    hit_price_per_1k: Annotated[Decimal, Field(ge=0, le=MAX_HIT_PRICE_PER_1K_USD)] = Decimal("0")
+    # and at most 9 decimal places, as a tier's price (quotas/money.py PRICE_PLACES)
+    hit_price_per_1k: Annotated[Decimal, Field(ge=0, le=MAX_HIT_PRICE_PER_1K_USD),
+                                AfterValidator(whole_picodollars_a_token)] = Decimal("0")
     # the share of semantic hits allowed to be wrong: the threshold is learned from the tenant's traffic to hold
     # it (cache/error_bound.py); null: the static threshold and the near-miss guards alone decide
     max_error_rate: Annotated[float, Field(gt=0, lt=1)] | None = 0.01

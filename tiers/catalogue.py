@@ -9,10 +9,13 @@ from urllib.parse import urlsplit
 from pydantic import AfterValidator, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from assets.builds import BudgetError, parse_budget
-from quotas.money import round_cost
+from quotas.money import round_cost, whole_picodollars_a_token
 from wire.fields import NoBoolNumbers
 
 Money = Annotated[Decimal, Field(ge=0, max_digits=18, decimal_places=12)]
+# a price per 1K tokens: at most 9 decimal places (quotas/money.py PRICE_PLACES: a token's price a whole number of
+# picodollars), refused by name otherwise; its digits checked after, so a finer price is told the places rule
+PricePer1K = Annotated[Decimal, Field(ge=0), AfterValidator(whole_picodollars_a_token), Field(max_digits=18)]
 # What a tier's server accepts beyond OpenAI's API (README.md, "Remote tiers"). Every dialect is asked for
 # usage (`stream_options.include_usage`, which OpenAI defines); the others add:
 #   vllm           usage in every chunk (`continuous_usage_stats`, which SGLang accepts too), so a stream the
@@ -165,8 +168,8 @@ class TierSpec(NoBoolNumbers):
     speculative: SpeculativeSpec | None = None  # local: another local tier's model drafts tokens for this one's
     tokenizer: str | None = None  # model source whose tokenizer counts prompt tokens [default: `model` if local]
     max_concurrency: Annotated[int, Field(ge=1)] | None = None  # dispatch slots per replica [default: max_num_seqs]
-    price_per_1k_input: Money
-    price_per_1k_output: Money
+    price_per_1k_input: PricePer1K
+    price_per_1k_output: PricePer1K
     hardware_cost_per_hour: Money
     context_limit: Annotated[int, Field(ge=16)]
     # versions of the tier (README.md, "Model versions and rollouts"): each inherits the fields above and changes
@@ -314,7 +317,7 @@ class EmbeddingSpec(NoBoolNumbers):
     enabled: bool = True
     model: Annotated[str, Field(min_length=1, max_length=256)] = "all-MiniLM-L6-v2"  # the name clients send
     description: str = "all-MiniLM-L6-v2 sentence embeddings (384 dimensions, normalized), batched in the gateway"
-    price_per_1k_input: Money = Decimal("0.00001")
+    price_per_1k_input: PricePer1K = Decimal("0.00001")
     hardware_cost_per_hour: Money = Decimal("0.02")  # the gateway's cores while they embed
 
     @field_validator("price_per_1k_input", "hardware_cost_per_hour", mode="before")
