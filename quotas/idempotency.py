@@ -17,7 +17,9 @@ Three stores behind one interface:
 - `RedisIdempotency` (replicas, quotas/idempotency_redis.py): the record in Redis, claimed and finished by Lua
   scripts, so a replica that did not serve the first request replays it too. Its answer is stored after its row is
   durable, not with it: a claim whose owner died in between is looked up in the gateway's ledger (`rows`) once its
-  lease ends, and a retry is told it ran and was billed (`lost()`), never run again.
+  lease ends, and a retry is told it ran and was billed (`lost()`), never run again. A claim made by a gateway that
+  writes another ledger (replicas with a SQLite file each: quotas/ledger_identity.py tells them apart) cannot be
+  looked up: its retry is told that (`unknown()`), never run again under the key either.
 
 What one tenant may hold is bounded (`Limits`), on every store: every key stores a copy of its answer for the TTL
 (24 h), and a cached answer repeated under fresh keys is free, so without a bound one tenant's records could fill
@@ -49,7 +51,7 @@ import msgspec
 from quotas.ledger import Statement
 
 if TYPE_CHECKING:
-    from quotas.ledger_reads import LedgerReads
+    from quotas.ledger import Ledger
 
 log = logging.getLogger("tiergate.idempotency")
 
@@ -120,9 +122,21 @@ NOT_KEPT = "tiergate_answer_not_kept"
 LOST = "tiergate_answer_lost"
 
 
+# what a claim whose owner died answers when that owner wrote a ledger this gateway cannot read (another host's
+# SQLite file): {NOT_KEPT: 0, LOST: True, UNKNOWN: True}, a 409 too (whether it ran and was billed is not known here;
+# it may have been, so it is not run again under the key). A gateway that knows only LOST words it as `lost()`.
+UNKNOWN = "tiergate_outcome_unknown"
+
+
 def lost() -> Replay:
     """What a retry is told of a key whose request ran and was billed, its answer lost with its gateway."""
     return Replay({NOT_KEPT: 0, LOST: True})
+
+
+def unknown() -> Replay:
+    """What a retry is told of a key whose request's gateway died and wrote its row, if any, in a ledger this gateway
+    cannot read: it may have run and been billed there, so it is not run again under the key."""
+    return Replay({NOT_KEPT: 0, LOST: True, UNKNOWN: True})
 
 
 def not_kept(answer: dict[str, Any]) -> int | None:
@@ -138,7 +152,7 @@ class IdempotencyStore(ABC):
     limits = DEFAULT_LIMITS  # what one tenant may hold (each store enforces it where a new key is claimed)
     # the gateway's ledger, set once it is open: where a store that stores an answer only after its row (Redis) looks
     # for the row of a claim whose owner died (the SQL stores commit the answer with its row: they need none)
-    rows: LedgerReads | None = None
+    rows: Ledger | None = None
 
     @abstractmethod
     async def begin(self, tenant: str, key: str, fingerprint: str, owner: str, *, lease_s: float) -> Begun:

@@ -43,7 +43,14 @@ over, ran and was billed again. Now a retry that finds a claim's lease over look
 ledger (`rows`, set once the ledger is open): a row of an answer (status ok) and the retry is told its request ran and
 was billed, its answer lost (`lost()`: the 409 of an answer not kept), and never runs; no row, or the row of a request
 that failed or whose client left (whose claim it would have given up), and the key is taken over, as before, by a
-script that takes it only from that owner. The ledger failing to say is `IdempotencyUnavailable` (a 503, nothing
+script that takes it only from that owner. That ledger must be the one the dead owner wrote: each claim records the
+id of its owner's ledger (quotas/ledger_identity.py: the workers of one data directory share one SQLite file, and so
+one id; the replicas of a fleet database would share theirs, but there the records are in PostgreSQL, committed with
+the row: gateway/stores.py). Replicas that share Redis but write a SQLite file each (hosts of their own) have ids of
+their own: a lapsed claim of another ledger's owner (or of a replica of the release before ids, whose row is not
+here) may have a row where this gateway cannot read, and the retry looked only here, found nothing, ran and was
+billed again. Now it is told that (`unknown()`: a 409 saying whether it ran is not known here; a new key runs it),
+never run again under the key, billed or not. The ledger failing to say is `IdempotencyUnavailable` (a 503, nothing
 claimed); a store without `rows` takes a lapsed claim over (tools, tests).
 Owed work is bounded (`MAX_OWED` entries, `MAX_OWED_BYTES` of answers); beyond that it is dropped: the claim then
 stays `running` until its lease ends. Work still owed when the store closes is logged and lost.
@@ -79,9 +86,11 @@ from quotas.idempotency import (
     _follow,
     _kept,
     lost,
+    unknown,
 )
 from quotas.idempotency_outage import OutageLog
 from quotas.ledger import LedgerUnavailable
+from quotas.ledger_identity import ledger_id
 
 log = logging.getLogger("tiergate.idempotency")
 
@@ -124,14 +133,15 @@ end
 """
 # a running record of the same owner is its claim (a claim whose reply was lost, tried again); one whose lease (its
 # `lease`, Redis's clock in ms; a record written before it had its key's expiry for a lease) has ended is 'lapsed',
-# with its owner and body, unless ARGV[7] names that owner (its row looked for and not found): then taken over
+# with its owner, body and the id of the ledger its owner writes ('' for a record written before it), unless ARGV[7]
+# names that owner (its row looked for and not found): then taken over. A claim records ARGV[9], its own ledger's id.
 _BEGIN = _HELD + """
 local now = now_ms()
 local found = redis.call('GET', KEYS[1])
 if found then
   local rec = cjson.decode(found)
   if rec.state == 'running' and rec.owner ~= ARGV[2] and rec.lease ~= nil and rec.lease <= now then
-    if rec.owner ~= ARGV[7] then return {'lapsed', rec.owner, rec.fp} end
+    if rec.owner ~= ARGV[7] then return {'lapsed', rec.owner, rec.fp, rec.ledger or ''} end
   else
     if rec.fp ~= ARGV[1] then return {'mismatch'} end
     if rec.state == 'done' then return {'replay', rec.answer} end
@@ -146,7 +156,7 @@ if redis.call('ZCARD', KEYS[2]) >= tonumber(ARGV[5])
   local first = redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')
   return {'full', tostring(first[2] and (tonumber(first[2]) - now) or 1000)}
 end
-redis.call('SET', KEYS[1], cjson.encode({state = 'running', fp = ARGV[1], owner = ARGV[2],
+redis.call('SET', KEYS[1], cjson.encode({state = 'running', fp = ARGV[1], owner = ARGV[2], ledger = ARGV[9],
                                          lease = now + tonumber(ARGV[3])}), 'PX', tonumber(ARGV[3]) + tonumber(ARGV[8]))
 redis.call('ZADD', KEYS[2], now + tonumber(ARGV[3]), ARGV[4])
 hold(tonumber(ARGV[3]))
@@ -232,6 +242,8 @@ class RedisIdempotency(IdempotencyStore):
         self._following_bytes = 0
         self._closed = False
         self._outage = OutageLog(log, keep_trying_s)  # an outage in the log as one, and the writes it lost
+        self._ledger_of: object = None  # the `rows` whose id `_ledger` is
+        self._ledger = ""
 
     @staticmethod
     def _keys(tenant: str, key: str) -> list[str]:
@@ -243,17 +255,23 @@ class RedisIdempotency(IdempotencyStore):
         if owed is not None and owed.answer is not None:  # answered here, not yet in Redis
             return _decoded(owed.answer) if owed.fingerprint == fingerprint else Mismatch()
         args = [fingerprint, owner, int(lease_s * 1000), key, self.limits.records, self.limits.bytes, "",
-                int(CLAIM_KEPT_S * 1000)]
+                int(CLAIM_KEPT_S * 1000), await self._ledger_id()]
         got = await self._claim(tenant, key, args, lease_s)
         kind = _text(got[0])
         if kind == "lapsed":  # its owner's lease ended, its answer not stored: did its row commit (it was billed)?
-            lapsed, fp = _text(got[1]), _text(got[2])
+            lapsed, fp, its_ledger = _text(got[1]), _text(got[2]), _text(got[3]) if len(got) > 3 else ""
             if await self._ran(lapsed):
                 log.warning("Idempotency-Key %r (tenant %s): the request that claimed it (%s) was billed, but its "
                             "answer was never stored (its gateway died); a retry is told so, never run again", key,
                             tenant, lapsed)
                 return lost() if fp == fingerprint else Mismatch()
-            args[6] = lapsed  # no row: taken over, unless its record changed meanwhile
+            if self.rows is not None and its_ledger != args[8]:  # its row, if any, is where this gateway cannot read
+                log.warning("Idempotency-Key %r (tenant %s): the request that claimed it (%s) ran on a gateway that "
+                            "died and writes another ledger (%s) than this one (%s): whether it was billed is not "
+                            "known here, so a retry is told so, never run again under the key", key, tenant, lapsed,
+                            its_ledger or "not recorded", args[8])
+                return unknown() if fp == fingerprint else Mismatch()
+            args[6] = lapsed  # no row in the ledger it wrote: taken over, unless its record changed meanwhile
             got = await self._claim(tenant, key, args, lease_s)
             kind = _text(got[0])
         if kind == "claim":
@@ -276,6 +294,20 @@ class RedisIdempotency(IdempotencyStore):
             raise IdempotencyUnavailable(f"the idempotency records (Redis) cannot be reached: {exc}") from exc
         self._outage.answered()
         return got
+
+    async def _ledger_id(self) -> str:
+        """The id of the ledger this gateway writes (`rows`: quotas/ledger_identity.py), read once; '' without one.
+        The ledger failing to say, `IdempotencyUnavailable`: nothing is claimed or run."""
+        rows = self.rows
+        if rows is None:
+            return ""
+        if self._ledger_of is not rows:
+            try:
+                self._ledger = await asyncio.to_thread(ledger_id, rows.read_source())
+            except Exception as exc:
+                raise IdempotencyUnavailable(f"the ledger cannot be read for its id: {exc}") from exc
+            self._ledger_of = rows
+        return self._ledger
 
     async def _ran(self, owner: str) -> bool:
         """Whether request `owner`'s ledger row committed as an answer (status ok: a request that failed or whose
