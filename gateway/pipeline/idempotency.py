@@ -66,7 +66,7 @@ from gateway.pipeline.idempotency_keep import keep_when_written as keep_when_wri
 from gateway.pipeline.idempotency_keep import lease_lost as lease_lost
 from gateway.pipeline.meter import Outcome
 from gateway.request_headers import check_idempotency_key
-from quotas.idempotency import LOST, Claim, Full, IdempotencyStore, Mismatch, Replay, Running, not_kept
+from quotas.idempotency import LOST, UNKNOWN, Claim, Full, IdempotencyStore, Mismatch, Replay, Running, not_kept
 from quotas.ledger import LedgerUnavailable
 from wire.chat_request import ChatCompletionRequest
 
@@ -86,6 +86,12 @@ def _replayable(replay: Replay) -> Replay:
     size = not_kept(replay.answer)
     if size is None:
         return replay
+    if replay.answer.get(UNKNOWN):  # its gateway died, and wrote its row, if any, in a ledger not readable here
+        raise Conflict("Idempotency-Key: the request with this key was taken by another gateway, which stopped before "
+                       "keeping its answer; that gateway keeps its own usage ledger, which this one cannot read, so "
+                       "whether the request ran and was billed is not known here. It is not run again under this "
+                       "key: send the request with a new key to run it", param="Idempotency-Key",
+                       code="idempotency_answer_not_kept")
     if replay.answer.get(LOST):  # its gateway stopped between the row and the answer's record (quotas/idempotency.py)
         raise Conflict("Idempotency-Key: the request with this key ran and was billed, but its answer was lost (its "
                        "gateway stopped before keeping it); send the request with a new key to run it again",
