@@ -9,17 +9,20 @@ with the row, so the same retry replays the answer (tests/gateway/test_idempoten
 
 from __future__ import annotations
 
-import time
+import json
 from pathlib import Path
 from typing import Any
 
+import redis
+
 from gateway.settings import Settings
+from gateway.stores import open_idempotency, open_ledger
+from quotas.idempotency_postgres import PostgresIdempotency
 from tests.conftest import running_gateway
 from tests.gateway.test_idempotency_redis_faults import refusing, store_of
 from tests.stubs import ServerThread, StubState
 
 BODY = {"model": "mid", "messages": [{"role": "user", "content": "hello there"}]}
-LEASE_S = 1.0
 
 
 def test_a_retry_on_a_replica_with_another_ledger_after_the_owner_died_is_not_run_again(
@@ -29,12 +32,11 @@ def test_a_retry_on_a_replica_with_another_ledger_after_the_owner_died_is_not_ru
     with running_gateway(a_settings, stub[1]) as a:
         store: Any = store_of(a)
         store._finish = refusing(store._finish)  # the answer never reaches Redis: its gateway stops first
-        a.app.state.services.pipeline.idempotency.lease_s = LEASE_S
         with a.client(a.tenant_key) as c:
             r = c.post("/v1/chat/completions", json=BODY, headers={"idempotency-key": "order-8"})
         assert r.status_code == 200, r.text
     assert len(a.stub.requests) == 1 and len(a.ledger_rows()) == 1  # ran and billed, once, in a's ledger
-    time.sleep(LEASE_S * 1.5)  # its claim's lease lapses: nobody renews it
+    lapse(redis_url, "order-8")  # its claim's lease ends: nobody renews it (at once here, not 10 minutes on)
     with running_gateway(b_settings, stub[1]) as b, b.client(b.tenant_key) as c:
         for _ in range(2):  # every retry is told, none runs
             r = c.post("/v1/chat/completions", json=BODY, headers={"idempotency-key": "order-8"})
@@ -46,3 +48,28 @@ def test_a_retry_on_a_replica_with_another_ledger_after_the_owner_died_is_not_ru
         r = c.post("/v1/chat/completions", json={**BODY, "max_tokens": 5}, headers={"idempotency-key": "order-8"})
         assert r.status_code == 422, r.text  # another body with the key: refused as ever
         assert len(b.stub.requests) == 1 and b.ledger_rows() == []  # not run, not billed again
+
+
+async def test_with_a_fleet_database_and_redis_the_records_commit_with_the_fleet_ledger(
+        gateway_settings: Settings, redis_url: str, database_url: str) -> None:
+    """Replicas sharing Redis and a PostgreSQL ledger keep their records in PostgreSQL, not Redis: an answer commits
+    with its row, so no claim of a dead owner ever has a row without its answer (the retry replays it)."""
+    settings = gateway_settings.model_copy(update={"redis_url": redis_url, "database_url": database_url})
+    ledger = open_ledger(settings)
+    store = open_idempotency(settings, ledger)
+    try:
+        assert isinstance(store, PostgresIdempotency)
+    finally:
+        await store.close()
+        ledger.close()
+
+
+def lapse(url: str, key: str) -> None:
+    """The claim of `key` as its record is once its lease has ended (Redis' clock, in ms, past its `lease`)."""
+    with redis.Redis.from_url(url) as r:
+        names = list(r.scan_iter(f"tg:idem:*:{key}"))
+        assert len(names) == 1, names
+        rec = json.loads(r.get(names[0]))
+        assert rec["state"] == "running", rec
+        rec["lease"] = 0
+        r.set(names[0], json.dumps(rec), px=r.pttl(names[0]))
