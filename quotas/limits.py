@@ -111,7 +111,9 @@ class Spend:
 @dataclass(frozen=True)
 class Decision:
     admitted: bool
-    reason: str | None = None  # rpm | tpm | concurrency | budget_day | budget_month | duplicate
+    # rpm | tpm | concurrency | budget_day | budget_month | duplicate, or overflow_tpm | overflow_day | overflow_month:
+    # a counter admitting it would carry past what it holds (quotas/backends/base.py COUNTER_MAX)
+    reason: str | None = None
     scope: str | None = None
     retry_after_s: float = 0.0
     usage: dict[str, Usage] = field(default_factory=dict)  # scope -> usage

@@ -39,13 +39,21 @@ class QuotaBackendError(Exception):
         self.back_pressure = back_pressure  # every connection was busy for the whole wait: load, not an outage
 
 
+# The most a counter (tokens per minute, a day's or a month's picodollars) is meant to hold: Redis' counters are int64
+# (quotas/backends/shared.lua COUNTER_MAX, 4,096 below 2**63 to cover a double's rounding there); the in-process store
+# keeps the same bound, so both refuse the same requests, for a reason of its own (`Decision.reason`): a scope without
+# a limit reaches it too ($9.2M spent in a month), and no budget is spent nor rate limit reached.
+COUNTER_MAX = 2**63 - 4096
+
+
 class QuotaBackend(ABC):
     name = "base"
     num_replicas = 1  # gateway replicas sharing this backend, as far as it can tell
 
     @abstractmethod
     async def reserve(self, req: ReservationRequest) -> Decision:
-        """Check every scope's limits and, if all pass, charge them all."""
+        """Check every scope's limits and, if all pass, charge them all. A charge that would carry a counter past
+        COUNTER_MAX is refused (reason `overflow_tpm`, `overflow_day` or `overflow_month`), nothing charged."""
 
     def settles_at_once(self) -> bool:
         """Whether `settle_now` does what `settle` does without ever suspending (an in-process store): a caller may

@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from quotas.backends.base import Billed, QuotaBackend
+from quotas.backends.base import COUNTER_MAX, Billed, QuotaBackend
 from quotas.limits import (
     MAX_DATING_LAG_S,
     WINDOW_S,
@@ -118,7 +118,7 @@ class MemoryBackend(QuotaBackend):
         day, month = utc_dates(req.day_number)  # (once, not at each read of `req.day`)
         for lim, st in states:
             st.expire(now)
-            refusal = _check(lim, st, req, day, month)
+            refusal = _check(lim, st, req, day, month) or _check_fits(lim, st, req, day, month)
             if refusal is not None:
                 return refusal
         usage = {}
@@ -302,6 +302,19 @@ def _check(lim: ScopeLimits, st: _ScopeState, req: ReservationRequest, day: str,
     if (lim.budget_month_pico is not None
             and st.spent_month.get(month, 0) + req.money_pico > lim.budget_month_pico):
         return Decision(False, "budget_month", lim.scope, max(0.0, seconds_to_next_month(dated) + dated - now))
+    return None
+
+
+def _check_fits(lim: ScopeLimits, st: _ScopeState, req: ReservationRequest, day: str, month: str) -> Decision | None:
+    """The refusal of a request that would carry a counter of the scope past COUNTER_MAX: Python's integers do not
+    overflow, but Redis' do (reserve.lua refuses there, for the same reasons), and both stores refuse the same."""
+    now, dated = req.now, req.now if req.dated_at is None else req.dated_at
+    if st.token_sum + req.tokens > COUNTER_MAX:
+        return Decision(False, "overflow_tpm", lim.scope, WINDOW_S)
+    if req.money_pico > 0 and st.spent_day.get(day, 0) + req.money_pico > COUNTER_MAX:
+        return Decision(False, "overflow_day", lim.scope, max(0.0, seconds_to_next_day(dated) + dated - now))
+    if req.money_pico > 0 and st.spent_month.get(month, 0) + req.money_pico > COUNTER_MAX:
+        return Decision(False, "overflow_month", lim.scope, max(0.0, seconds_to_next_month(dated) + dated - now))
     return None
 
 

@@ -110,15 +110,15 @@ for i = 0, n - 1 do
   if month >= 0 and spent_month[i] + money > month then
     return refuse('budget_month', i, math.max(0, c.next_month - now))
   end
-  -- a counter this would raise past COUNTER_MAX (shared.lua) refuses it before anything is written, as its period's
-  -- budget (a scope without one too): its INCRBY would fail after the slots taken and the day charged, with no
-  -- record to return them
-  if not fits(sum, tokens) then return refuse('tpm', i, window) end
+  -- a counter this would raise past COUNTER_MAX (shared.lua) refuses it before anything is written (a scope without
+  -- a limit too): its INCRBY would fail after the slots taken and the day charged, with no record to return them.
+  -- Its own reasons (quotas/backends/base.py COUNTER_MAX): no budget is spent, nor a rate limit reached
+  if not fits(sum, tokens) then return refuse('overflow_tpm', i, window) end
   if money > 0 and not fits(spent_day[i], money) then
-    return refuse('budget_day', i, math.max(0, c.next_day - now))
+    return refuse('overflow_day', i, math.max(0, c.next_day - now))
   end
   if money > 0 and not fits(spent_month[i], money) then
-    return refuse('budget_month', i, math.max(0, c.next_month - now))
+    return refuse('overflow_month', i, math.max(0, c.next_month - now))
   end
 end
 

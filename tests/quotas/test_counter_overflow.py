@@ -1,7 +1,7 @@
 """A money counter near int64's end (a tenant with no budget, $9.2M spent on a scope in a month): a reserve that would
-raise it past the end is refused as the month's budget before it writes anything, a settle or journal row past it
-leaves the counter at its cap instead of failing halfway, and a script's own error is that request's failure, not
-Redis down for every tenant. Real redis-servers."""
+raise it past the end is refused for its own reason (on memory too) before it writes anything, a settle or journal
+row past it leaves the counter at its cap instead of failing halfway, and a script's own error is that request's
+failure, not Redis down for every tenant. Real redis-servers."""
 
 from __future__ import annotations
 
@@ -10,14 +10,16 @@ import time
 import pytest
 from redis.exceptions import BusyLoadingError, ReadOnlyError, ResponseError
 
-from quotas.backends.base import QuotaBackendError
+from quotas.backends.base import COUNTER_MAX, QuotaBackendError
 from quotas.backends.failover import FailoverBackend
+from quotas.backends.memory import MemoryBackend
 from quotas.backends.redis import RedisBackend
 from quotas.backends.redis_errors import QuotaScriptError, backend_error
 from quotas.limits import ReservationRequest, ScopeLimits
 
 NEAR_END = 2**63 - 50  # picodollars: an INCRBY of 100 more fails with "increment or decrement would overflow"
 CAP = 2**63 - 4096  # the most a counter holds (shared.lua COUNTER_MAX)
+assert CAP == COUNTER_MAX
 
 
 def _month_key(tenant: str = "acme") -> str:
@@ -35,7 +37,8 @@ async def test_a_reserve_past_a_counters_end_is_refused_before_it_writes_anythin
         lim = (ScopeLimits("t", rpm=10, max_concurrent=3),)  # no budget
         for i in range(4):
             decision = await b.reserve(ReservationRequest(f"r{i}", "acme", lim, tokens=10, money_pico=100))
-            assert not decision.admitted and decision.reason == "budget_month"
+            # its own reason (before: budget_month, for a scope with no budget: "the monthly budget is spent")
+            assert not decision.admitted and (decision.reason, decision.scope) == ("overflow_month", "t")
             assert decision.retry_after_s > 0  # the next month's start
         assert await b.redis.zcard("{tg:acme}:t:inflight") == 0  # no orphaned slot
         assert await b.redis.zcard("{tg:acme}:t:rpm") == 0
@@ -46,6 +49,26 @@ async def test_a_reserve_past_a_counters_end_is_refused_before_it_writes_anythin
         assert (await b.reserve(ReservationRequest("free", "acme", lim, tokens=10, money_pico=0))).admitted
     finally:
         await b.close()
+
+
+@pytest.mark.parametrize("counter", ["tpm", "day", "month"])
+async def test_the_in_process_store_refuses_what_redis_would_overflow(counter: str) -> None:
+    """The same bound as Redis' (the failover's fallback and the embedded gateway answer as Redis does): Python's
+    integers never overflow, and the memory store admitted what Redis refuses."""
+    b = MemoryBackend()
+    lim = (ScopeLimits("t", rpm=10, max_concurrent=3),)
+    first = ReservationRequest("r0", "acme", lim, tokens=10, money_pico=100)
+    scope = b._scope("acme", "t")
+    if counter == "tpm":
+        scope.token_sum = CAP - 5
+    else:
+        getattr(scope, f"spent_{counter}")[first.day if counter == "day" else first.month] = CAP - 50
+    refused = await b.reserve(first)  # before: admitted (a Python integer past int64)
+    assert not refused.admitted and (refused.reason, refused.scope) == (f"overflow_{counter}", "t")
+    assert refused.retry_after_s > 0
+    assert not b._held and not scope.inflight and not scope.requests  # nothing taken
+    # one that fits passes (a token more in the window, nothing more on the money counters)
+    assert (await b.reserve(ReservationRequest("r1", "acme", lim, tokens=1, money_pico=0))).admitted
 
 
 async def test_a_settle_past_a_counters_end_applies_whole_at_the_cap(redis_url: str) -> None:
