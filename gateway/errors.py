@@ -4,15 +4,17 @@ lower layer's error (tiers, quota backend, dispatch queue, body validation, ledg
 from __future__ import annotations
 
 import logging
+import math
 import re
 from http import HTTPStatus
 from typing import Any
 
 from litestar.exceptions import HTTPException, ValidationException
 
-from quotas.backends.base import QuotaBackendError
+from quotas.backends.base import COUNTER_MAX, QuotaBackendError
 from quotas.dispatch import QueueFull
 from quotas.ledger import LedgerUnavailable
+from quotas.money import from_pico
 from tiers import errors as tier_errors
 from wire.errors import COMPILES_BUSY_RETRY_AFTER_S
 from wire.errors import RESPONSE_FORMAT_COMPILES_BUSY as COMPILES_BUSY
@@ -126,6 +128,32 @@ class QuotaExceeded(TiergateError):
     status_code = 429
     error_type = "insufficient_quota"
     code = "insufficient_quota"
+
+
+class CounterOverflowed(TiergateError):
+    """Admitting the request would overflow one of the quota store's counters (quotas/backends/base.py COUNTER_MAX;
+    `Decision.reason` overflow_*): no budget is spent and no rate limit reached; the request's tokens or cost are too
+    large to count on top of what the counter holds, until it renews. Worded by `counter_overflowed`."""
+
+    status_code = 429
+    error_type = "insufficient_quota"
+    code = "quota_counter_overflow"
+
+
+def counter_overflowed(label: str, reason: str, retry_after_s: float) -> CounterOverflowed:
+    """The refusal of a reservation for `reason` (overflow_tpm, overflow_day or overflow_month) in the scope of
+    `label` ("your tenant" or "your key"): which counter would overflow, what it holds at most, and when it renews."""
+    retry = max(1, math.ceil(retry_after_s))
+    if reason == "overflow_tpm":
+        return CounterOverflowed(
+            f"this request has too many tokens for the tokens-per-minute counter of {label}: adding them would "
+            f"overflow that counter, which holds at most {COUNTER_MAX} (the gateway's bound, not a limit); retry in "
+            f"{retry}s", retry_after=retry)
+    period = "daily" if reason == "overflow_day" else "monthly"
+    return CounterOverflowed(
+        f"this request's cost is too large for the {period} spend counter of {label}: adding it would overflow that "
+        f"counter, which holds at most ${from_pico(COUNTER_MAX).normalize():f} (the gateway's bound, not a budget); "
+        f"it renews in {retry}s", retry_after=retry)
 
 
 class Unavailable(TiergateError):
