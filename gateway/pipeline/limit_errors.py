@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from decimal import Decimal
 
-from gateway.errors import QuotaExceeded, RateLimited, TiergateError, TokensRateLimited
+from gateway.errors import QuotaExceeded, RateLimited, TiergateError, TokensRateLimited, counter_overflowed
 from quotas.money import to_pico
 from quotas.plans import Limits
 
@@ -26,7 +26,11 @@ _WHAT = {"rpm": "requests per minute", "tpm": "tokens per minute", "concurrency"
 
 def limit_refusal(label: str, reason: str, retry_after_s: float, limits: Limits | None) -> TiergateError:
     """`label` is "your tenant" or "your key"; `reason` the limit ("rpm", "tpm", "concurrency", "budget_day",
-    "budget_month"); `limits`, the refused scope's (the plan's, or the key's own), adds the headers."""
+    "budget_month"), or a counter that would overflow ("overflow_tpm", "overflow_day", "overflow_month": worded by
+    gateway/errors.py `counter_overflowed`); `limits`, the refused scope's (the plan's, or the key's own), adds the
+    headers."""
+    if reason.startswith("overflow_"):  # a counter it would overflow (quotas/backends/base.py COUNTER_MAX): no limit
+        return counter_overflowed(label, reason, retry_after_s)
     retry = max(1, math.ceil(retry_after_s))
     if reason in ("budget_day", "budget_month"):
         period = "daily" if reason == "budget_day" else "monthly"
