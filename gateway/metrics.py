@@ -6,9 +6,10 @@ import asyncio
 import logging
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
+from gateway.metrics_text import MetricsText
 from quotas.ledger import LedgerRow
 from tiers.breaker import STATE_VALUE
 from tiers.fleet import Fleet
@@ -117,6 +118,7 @@ class GatewayMetrics:
         self.registry = CollectorRegistry()
         reg = self.registry
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+        self._text = MetricsText(reg)
         self.requests = Counter("tiergate_requests", "Finished requests (after admission).",
                                 ["tenant", "tier", "status"], registry=reg)
         self.tokens = Counter("tiergate_tokens", "Tokens by kind (input, output).",
@@ -245,4 +247,5 @@ class GatewayMetrics:
         self.redis_transitions.labels("up" if up else "down").inc()
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        """The registry's text, as prometheus-client writes it (gateway/metrics_text.py: at a fraction of the cost)."""
+        return self._text.render()
