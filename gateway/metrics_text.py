@@ -8,7 +8,7 @@ _tokens, _price_usd, ...: 23 children a tenant, each a `_total` and a `_created`
 library builds a Sample and a labels dict, then sorts, validates and escapes each label at every scrape.
 
 `MetricsText` writes those counters from their children: each child's labels are escaped and joined once, when
-first seen, and kept with its `_created` line (as many entries as the counters' children, none ever removed, as
+first seen, and kept with its `_created` value written (as many entries as the counters' children, none ever removed, as
 `GatewayMetrics.child` keeps); a render formats one number a child and builds no object per series that the
 garbage collector tracks: 0.17-0.19 s of CPU for the same text, no collection after the first render. Every
 other collector (the histograms, which are per tier, and the collectors reading the gateway's state at scrape
@@ -35,8 +35,8 @@ from prometheus_client.utils import floatToGoString
 class MetricsText:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
-        # id(counter) -> label values -> [`{a="x",b="y"} `, its creation time, its _created line]
-        self._children: dict[int, dict[tuple[str, ...], list[Any]]] = {}
+        # id(counter) -> label values -> (`{a="x",b="y"} `, its creation time, that time as written)
+        self._children: dict[int, dict[tuple[str, ...], tuple[str, float, str]]] = {}
 
     def render(self) -> bytes:
         chunks: list[bytes] = []
@@ -72,14 +72,12 @@ class MetricsText:
         with_created = client_metrics._use_created
         for values, child in children.items():
             seen = known.get(values)
-            if seen is None:
-                labels = "{" + ",".join(f'{names[i]}="{_escape(values[i])}"' for i in order) + "} "
-                seen = known[values] = [labels, None, ""]
+            if seen is None or (with_created and seen[1] != child._created):  # _created: set at birth (or a reset)
+                labels = seen[0] if seen else "{" + ",".join(f'{names[i]}="{_escape(values[i])}"' for i in order) + "} "
+                seen = known[values] = (labels, child._created, _number(child._created) if with_created else "")
             out.append(f"{total}{seen[0]}{_number(child._value.get())}\n")
             if with_created:
-                if seen[1] != child._created:  # set once, at the child's birth (or a reset)
-                    seen[1], seen[2] = child._created, f"{created}{seen[0]}{_number(child._created)}\n"
-                created_lines.append(seen[2])
+                created_lines.append(f"{created}{seen[0]}{seen[2]}\n")
         if created_lines:
             out.append(f"# HELP {created} {doc}\n# TYPE {created} gauge\n")
             out += created_lines
@@ -97,8 +95,9 @@ def _escape(value: str) -> str:
 
 
 def _number(value: float) -> str:
-    # floatToGoString's answer for these is repr(); it differs only from 1e6 up (Go's exponents), inf and nan
-    return repr(value) if 0.0 <= value < 1e6 else floatToGoString(value)
+    # floatToGoString's answer for a float from 0 to 1e6 is its repr(); Go's exponents, inf, nan and an int (a reset
+    # counter's 0) go through it
+    return repr(value) if type(value) is float and 0.0 <= value < 1e6 else floatToGoString(value)
 
 
 class _One:

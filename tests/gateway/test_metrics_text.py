@@ -51,6 +51,8 @@ def test_the_text_is_generate_latests_byte_for_byte() -> None:
     metrics.child(metrics.requests, "acme", "mid", "ok").inc(5)
     metrics.child(metrics.requests, "late", "mid", "ok").inc()
     assert metrics.render() == generate_latest(metrics.registry)
+    metrics.child(metrics.price, "acme", "mid").reset()  # a new _created
+    assert metrics.render() == generate_latest(metrics.registry)
 
 
 def test_the_text_is_generate_latests_without_created_series_too(monkeypatch: pytest.MonkeyPatch) -> None:
