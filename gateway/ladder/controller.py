@@ -176,10 +176,11 @@ class LadderController:
             self._follow(state)
             if level > self.ladder.top:
                 self._no_such_level()
+            before = state.effective(now)[0]
             state.manual_level, state.manual_by, state.manual_reason = level, who, reason
             state.manual_until = now + ttl_s if ttl_s is not None else None
             ttl = f" for {ttl_s:.0f}s" if ttl_s is not None else ""
-            return self._commit(state, who, f"manual{ttl}: {reason}", {})
+            return self._commit(state, before, who, f"manual{ttl}: {reason}", {})
 
         with self._lock:
             _retried(attempt)
@@ -194,8 +195,9 @@ class LadderController:
         def attempt() -> bool:
             state = self._read()
             self._follow(state)
+            before = state.effective(self.clock())[0]
             state.manual_level = state.manual_until = state.manual_by = state.manual_reason = None
-            return self._commit(state, who, reason, {})
+            return self._commit(state, before, who, reason, {})
 
         with self._lock:
             _retried(attempt)
@@ -211,12 +213,13 @@ class LadderController:
 
         def attempt() -> bool:
             state = self._read()
+            before = state.effective(self.clock())[0]
             state.ladder_sha256 = ladder.sha256
             if state.auto_level > ladder.top or (state.manual_level is not None and state.manual_level > ladder.top):
                 state.auto_level = min(state.auto_level, ladder.top)
                 if state.manual_level is not None:
                     state.manual_level = min(state.manual_level, ladder.top)
-                return self._commit(state, "reload", f"{path} has {ladder.top + 1} levels", {})
+                return self._commit(state, before, "reload", f"{path} has {ladder.top + 1} levels", {})
             if not self.store.save(state):
                 return False
             self.state = state
@@ -291,7 +294,8 @@ class LadderController:
         s = self.state
         if s.manual_level is not None and s.manual_until is not None and now >= s.manual_until:
             expired = replace(s, manual_level=None, manual_until=None, manual_by=None, manual_reason=None)
-            if not self._commit(expired, "auto", "manual override expired", {}):
+            # from the override's level, in force until its TTL ended (the one this change ends)
+            if not self._commit(expired, s.manual_level, "auto", "manual override expired", {}):
                 return False
         if not self.in_sync or self.state.auto_level > self.ladder.top:
             self._held_since.clear()  # the triggers are the workers' in sync, with the ladder of that level
@@ -301,7 +305,8 @@ class LadderController:
         target = self._target(now, metrics)
         if target is not None and target != self.state.auto_level:
             why = self._why(target, metrics)
-            return self._commit(replace(self.state, auto_level=target, auto_since=now), "auto", why, metrics)
+            before = self.state.effective(now)[0]
+            return self._commit(replace(self.state, auto_level=target, auto_since=now), before, "auto", why, metrics)
         self._refresh(now)
         return True
 
@@ -339,11 +344,12 @@ class LadderController:
                 for c in trig.any if c.holds(metrics[c.metric])]
         return f"{' or '.join(held)} for {trig.for_s:.0f}s"
 
-    def _commit(self, state: LadderState, who: str, reason: str, metrics: dict[str, float]) -> bool:
+    def _commit(self, state: LadderState, before: int, who: str, reason: str, metrics: dict[str, float]) -> bool:
         """Save `state` with its event; only then is it this controller's (a save that fails, or is beaten by another
-        worker's: False, leaves it as it was)."""
+        worker's: False, leaves it as it was). `before`: the level in force in the shared state read, the one `state`
+        is made from (the event's from-level; this worker's own level may be older: another worker's change since its
+        last tick)."""
         now = self.clock()
-        before = self.level
         after, source = state.effective(now)
         event = DegradeEvent(now, before, after, who, reason, metrics)
         if not self.store.save(state, event):
