@@ -5,7 +5,8 @@ Which hits: those the cache marked (`Hit.shadow_rate`, a share `cache.shadow_che
 The call is the request as the tier would have got it, at batch priority, with an output cap of the cached
 answer's length plus one token: an answer that is the same stops where the cached one did, and one that goes on
 is different, so nothing more is needed to tell. It is billed to us (`tiergate_cache_check_cost_usd`), never to
-the tenant, and its answer is neither returned nor cached. A failed call labels nothing.
+the tenant, and its answer is neither returned nor cached. A failed call labels nothing. The call goes as the
+tenant's (off_path.py): its failure is that tenant's in the replica's breaker, its prompt in the tenant's namespace.
 """
 
 from __future__ import annotations
@@ -36,19 +37,20 @@ class CacheChecks:
                             ["tenant"], registry=registry)
 
     def send(self, tenant: str, tier: TierSpec, req: ChatCompletionRequest, hit: Hit,
-             policy: TenantPolicy | None) -> None:
-        """Check `hit` if it was sampled; returns at once."""
+             policy: TenantPolicy | None, end_user: str | None = None) -> None:
+        """Check `hit` if it was sampled, as `tenant`'s request (and its isolated `end_user`'s: `isolated_user`);
+        returns at once."""
         if not hit.shadow_rate or policy is None:
             return
         usage = hit.usage
         cap = max(1, int(usage.get("completion_tokens", 0)) + (usage.get("finish_reason") != "length"))
         body = upstream_body(req, tier, max_tokens=cap, priority=PRIORITY_ORDER["batch"], logprobs=False)
-        if not self.tasks.start(self._run(tenant, tier, body, hit, policy), owner=tenant):
+        if not self.tasks.start(self._run(tenant, tier, body, hit, policy, end_user), owner=tenant):
             self.checks.labels(tenant, "dropped").inc()
 
     async def _run(self, tenant: str, tier: TierSpec, body: dict, hit: Hit,  # type: ignore[type-arg]
-                   policy: TenantPolicy) -> None:
-        answer = await answer_off_path(self.caller, tier, body)
+                   policy: TenantPolicy, end_user: str | None = None) -> None:
+        answer = await answer_off_path(self.caller, tier, body, tenant=tenant, end_user=end_user)
         self.cost.labels(tenant).inc(float(answer.cost(tier)))
         if answer.failed:
             self.checks.labels(tenant, "failed").inc()

@@ -2,7 +2,11 @@
 sampled semantic cache hit (gateway/pipeline/cache_check.py).
 
 They go to the tier's replicas without a dispatch slot, a reservation, a ledger row or the cache: the tenant is
-billed nothing and sees nothing; what they cost us their callers count. `OffPathTasks` keeps at most
+billed nothing and sees nothing; what they cost us their callers count. Each is still the tenant's request it copies
+(a shadow) or checks (a cache check), and goes as one (`tenant`, `end_user`): the replica's breaker keeps its failure
+under that tenant (a tenant's inputs the tier chokes on, copied off path, open no breaker for everyone when its
+direct requests could not), and the tier gets the tenant's hashed hints and prefix-cache namespace, as the direct
+call's body has them (tier_call.py `forwarded`), not the tier's shared namespace. `OffPathTasks` keeps at most
 `max_in_flight` of them running, and at most `max_per_owner` for any one owner (a tenant) where the caller names
 one; one more is dropped (the caller counts it), so a slow tier cannot pile up work in the gateway, and one
 tenant's hits cannot take every place and leave other tenants' error bounds unchecked.
@@ -38,13 +42,15 @@ class OffPathAnswer:
         return tier.compute_cost(seconds or 0.0)
 
 
-async def answer_off_path(caller: TierCaller, tier: TierSpec, body: dict[str, Any]) -> OffPathAnswer:
-    """The tier's whole answer to `body`; a failure is returned, never raised."""
+async def answer_off_path(caller: TierCaller, tier: TierSpec, body: dict[str, Any], *, tenant: str | None,
+                          end_user: str | None = None) -> OffPathAnswer:
+    """The tier's whole answer to `body`, sent as `tenant`'s (and its isolated `end_user`'s: TierCaller.open); a
+    failure is returned, never raised."""
     meter = Meter(time.perf_counter())
     meter.upstream_started()
     failed = error = False
     try:
-        async for chunk in await caller.open(tier, body, affinity=None):
+        async for chunk in await caller.open(tier, body, affinity=None, tenant=tenant, end_user=end_user):
             meter.add(chunk)
     except Exception as exc:
         failed, error = True, client_error(exc).status_code >= 500

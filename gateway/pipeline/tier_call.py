@@ -55,8 +55,8 @@ def tenant_salt(tenant: str, end_user: str | None = None, key: bytes = b"") -> s
 
 def cache_salt(tier: TierSpec, tenant: str | None, end_user: str | None = None, key: bytes = b"") -> str | None:
     """The tenant's (or its isolated end user's) namespace in our engine's prefix cache, sent as a header to a tier
-    speaking `tiergate`; None for any other tier (a vLLM gets it in the body: `forwarded`) and for our own calls
-    (shadow and cache checks)."""
+    speaking `tiergate`; None for any other tier (a vLLM gets it in the body: `forwarded`) and for a call of no
+    tenant's (a shadow or cache check goes as the tenant it copies: off_path.py)."""
     if tenant is None or not (tier.backend == "local" or tier.dialect == "tiergate"):
         return None
     return tenant_salt(tenant, end_user, key)

@@ -71,9 +71,9 @@ class Shadow:
         return self.rollouts.shadow_of(tier, request_id) is not None
 
     def send(self, tier: TierSpec, request_id: str, req: ChatCompletionRequest, max_tokens: int,
-             served: str, tenant: str | None = None) -> None:
-        """Copy this answered request (of `tenant`) to the candidate if the tier's shadow samples it; returns at
-        once."""
+             served: str, tenant: str | None = None, end_user: str | None = None) -> None:
+        """Copy this answered request (of `tenant`, and of the `end_user` its plan isolates: `isolated_user`) to the
+        candidate if the tier's shadow samples it; returns at once. The copy goes as that tenant's (off_path.py)."""
         found = self.rollouts.shadow_of(tier, request_id)
         if found is None:
             return
@@ -83,13 +83,13 @@ class Shadow:
         body = upstream_body(req, candidate, max_tokens=max_tokens, priority=PRIORITY_ORDER["batch"],
                              logprobs=False)
         kept = " ".join(first_words(served))  # all the comparison reads, held while the candidate answers
-        if not self.tasks.start(self._run(rollout, candidate, body, kept, tenant), owner=tenant):
+        if not self.tasks.start(self._run(rollout, candidate, body, kept, tenant, end_user=end_user), owner=tenant):
             self.metrics.rollout_shadow.labels(rollout.tier, rollout.candidate, "dropped").inc()
 
     async def _run(self, rollout: Rollout, candidate: TierSpec, body: dict[str, Any], served: str,
-                   tenant: str | None = None) -> None:
+                   tenant: str | None = None, *, end_user: str | None = None) -> None:
         # the candidate's failure is what a shadow is for: recorded, never raised
-        answer = await answer_off_path(self.caller, candidate, body)
+        answer = await answer_off_path(self.caller, candidate, body, tenant=tenant, end_user=end_user)
         outcome = answer.outcome
         tpot = None
         if outcome.ttft_s is not None and outcome.upstream_s is not None and outcome.output_tokens > 1:

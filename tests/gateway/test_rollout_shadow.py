@@ -122,7 +122,7 @@ def test_shadow_calls_beyond_the_limit_are_dropped_and_counted() -> None:
             self.release = asyncio.Event()
             self.opened = 0
 
-        async def open(self, tier: Any, body: Any, affinity: Any) -> Any:
+        async def open(self, tier: Any, body: Any, affinity: Any, **kw: Any) -> Any:
             self.opened += 1
             await self.release.wait()
 
@@ -167,7 +167,7 @@ class _HeldCaller:
     def __init__(self) -> None:
         self.release = asyncio.Event()
 
-    async def open(self, tier: Any, body: Any, affinity: Any) -> Any:
+    async def open(self, tier: Any, body: Any, affinity: Any, **kw: Any) -> Any:
         await self.release.wait()
 
         async def chunks() -> Any:
@@ -201,7 +201,8 @@ def test_a_shadow_keeps_only_the_words_it_compares_of_the_served_answer() -> Non
     held: list[str] = []
 
     class Recording(Shadow):
-        async def _run(self, rollout: Any, candidate: Any, body: Any, served: str, tenant: str | None = None) -> None:
+        async def _run(self, rollout: Any, candidate: Any, body: Any, served: str, tenant: str | None = None,
+                       **kw: Any) -> None:
             held.append(served)
 
     async def scenario() -> None:
