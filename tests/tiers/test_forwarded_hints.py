@@ -81,7 +81,7 @@ def test_local_tiers_keep_the_body_and_our_own_calls_carry_no_hints() -> None:
     vllm = TierSpec(name="mid", backend="openai", model="m", urls=["http://x"], dialect="vllm", **PRICES)
     body = {"model": "mid", "messages": [], **HINTS}
     assert forwarded(body, local, "acme", hint_key("s")) is body  # our engine: the tenant's salt as a header only
-    shadow = forwarded(body, vllm, None, hint_key("s"))  # a shadow or cache check: not any tenant's request
+    shadow = forwarded(body, vllm, None, hint_key("s"))  # no tenant: no hints, no salt (off-path copies carry theirs)
     assert not set(HINTS) & set(shadow) and "cache_salt" not in shadow
     # the gateway's secret keys the hash: the same on every replica gives the same hashes
     assert forwarded(body, vllm, "acme", hint_key("s"))["user"] == forwarded(body, vllm, "acme", hint_key("s"))["user"]
