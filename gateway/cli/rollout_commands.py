@@ -175,7 +175,8 @@ def rollout_status(tiers_file: Path | None, data_dir: Path | None) -> None:
 @data_dir_option
 def rollout_promote(tier: str, share: float | None, reason: str, tiers_file: Path | None,
                     data_dir: Path | None) -> None:
-    """Everyone on the candidate (`full`), or a larger canary share; a paused canary resumes."""
+    """Everyone on the candidate (`full`), or a larger canary share; a paused canary resumes, a shadow becomes a
+    canary."""
     with _service(data_dir, *_setup(data_dir, tiers_file, existing=True)) as s:
         _say(s.promote(tier, share=share, who="cli", reason=reason))
 
@@ -186,7 +187,8 @@ def rollout_promote(tier: str, share: float | None, reason: str, tiers_file: Pat
 @tiers_option
 @data_dir_option
 def rollout_pause(tier: str, reason: str, tiers_file: Path | None, data_dir: Path | None) -> None:
-    """Hold the canary: each conversation stays on its version; the share is not raised until promoted."""
+    """Hold the canary: each conversation stays on its version; the share is not raised until promoted. A shadow
+    is not paused: roll it back, or promote it with a share."""
     with _service(data_dir, *_setup(data_dir, tiers_file, existing=True)) as s:
         _say(s.pause(tier, who="cli", reason=reason))
 

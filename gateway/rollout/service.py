@@ -238,6 +238,9 @@ class RolloutService:
         becomes a canary)."""
         reason = _reason(reason)
         current = self._running(tier, "promote")
+        if share is None and current.stage == "paused" and current.shadow:
+            # a paused shadow (stored before `pause` refused one) never answered a tenant from the candidate
+            raise _paused_shadow(tier)
         if share is None:
             return self._save("promote", current.changed(stage="full", who=who, reason=reason,
                                                          now=self.clock()), self._metrics_now(current))
@@ -250,11 +253,17 @@ class RolloutService:
                                                      now=self.clock(), share=share), self._metrics_now(current))
 
     def pause(self, tier: str, *, who: str, reason: str) -> Rollout:
-        """Hold the canary as it is: the same conversations stay on each version, and the share stays."""
+        """Hold the canary as it is: the same conversations stay on each version, and the share stays. A shadow is
+        not paused (a 409): it answers no tenant from the candidate, so there is nothing to hold; a paused one would
+        be a 0% canary that a plain promote sends to `full`, untested on any tenant."""
         reason = _reason(reason)
         current = self._running(tier, "pause")
         if current.stage == "paused":
             raise Conflict(f"the rollout on tier {tier!r} is paused already", code="rollout_paused")
+        if current.stage == "shadow":
+            raise Conflict(f"the rollout on tier {tier!r} is a shadow: it sends no tenant's traffic to the candidate, "
+                           "so there is nothing to pause; roll it back to stop its copies, or promote it with a "
+                           "share to make it a canary", code="shadow_not_pausable")
         return self._save("pause", current.changed(stage="paused", who=who, reason=reason, now=self.clock()),
                           self._metrics_now(current))
 
@@ -380,6 +389,12 @@ def _share(r: Rollout) -> str:
     if r.stage == "shadow":
         return f" {r.shadow:.2%}"
     return f" {r.share:.2%}" if r.stage in RUNNING else ""
+
+
+def _paused_shadow(tier: str) -> Conflict:
+    return Conflict(f"the rollout on tier {tier!r} is a paused shadow: no tenant has been answered by its candidate, "
+                    "so it cannot go to everyone at once; promote it with a share to make it a canary, or roll it "
+                    "back", code="paused_shadow")
 
 
 def _nothing_to(tier: str, what: str, current: Rollout | None) -> NotFound | Conflict:
