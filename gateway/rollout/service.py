@@ -29,6 +29,7 @@ for every turn that needs it, counted as the baseline's outcome and never as the
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -56,12 +57,14 @@ class RolloutService:
         if (bad := tier_guards_error(catalogue)) is not None:  # a startup error, not a surprise at the first start
             raise ValueError(bad)
         self._rollouts: dict[str, Rollout] = store.load()
+        self._merging = threading.Lock()  # held only to merge a read into `_rollouts` (no I/O under it)
         self._counts: dict[tuple[str, str], list[int]] = {}  # (rollout id, version) -> [requests, errors]
         self.watch = Watch()
 
     def follow(self) -> None:
-        """Read the store again (another process or the CLI may have changed a rollout)."""
-        self._rollouts = self.store.load()
+        """Read the store again (another process or the CLI may have changed a rollout). A change this process
+        saved after that read (an admin's rollback while the follower read) stays: see `_merge`."""
+        self._merge(self.store.load())
 
     # ---- the request path ----
 
@@ -315,8 +318,16 @@ class RolloutService:
 
     def _latest(self, tier: str) -> Rollout | None:
         """The tier's latest rollout as the store has it now (a change starts from the truth, not a cache)."""
-        self._rollouts = self.store.load()
+        self._merge(self.store.load())
         return self._rollouts.get(tier)
+
+    def _merge(self, read: dict[str, Rollout]) -> None:
+        """Take each tier's rollout in `read` unless this process holds a newer one (a higher revision: each save is
+        a compare-and-set on it, so revisions only grow). A read is a snapshot: a change saved here after it was
+        taken would otherwise be undone here until the next follow, while the store has it."""
+        with self._merging:
+            mine = self._rollouts
+            self._rollouts = mine | {t: r for t, r in read.items() if t not in mine or r.revision >= mine[t].revision}
 
     def _running(self, tier: str, what: str) -> Rollout:
         self._tier(tier)
@@ -334,7 +345,7 @@ class RolloutService:
         if not self.store.save(rollout, RolloutEvent.of(action, rollout, metrics)):
             raise Conflict(f"the rollout on tier {rollout.tier!r} was changed meanwhile; read its status and retry",
                            code="rollout_changed")
-        self._rollouts = {**self._rollouts, rollout.tier: rollout}
+        self._merge({rollout.tier: rollout})
         # the reason quoted (%r): one line, whatever an admin or the CLI gave (a newline forged a second line)
         log.warning("rollout of %s on tier %s: %s%s by %s: %r", rollout.candidate, rollout.tier, rollout.stage,
                     _share(rollout), rollout.changed_by, rollout.reason)
