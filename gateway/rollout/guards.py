@@ -32,6 +32,18 @@ tier's only tenant, a dominant one), the outcomes there are all the evidence, an
 in the rollout (the operator's chosen canary) and outcomes of no tenant (the gateway's own: a candidate it found
 down) are never left out.
 
+A candidate whose circuit breakers are all open is passed over for its baseline (gateway/rollout/service.py's
+`choose`). Such a request is no outcome of the candidate's: the failures that opened the breaker are in the window
+already, under the tenants who caused them, and counting each request passed over as an error as well would let one
+tenant that opens a quiet candidate's breaker make the others' traffic into errors no tenant is blamed for. So it
+is kept apart (`Window.passed_over`, under the tenant whose request it was) and counts only as traffic the
+candidate was due: towards `min_requests`, and towards the others' outcomes enough to judge without a tenant. The
+error rate is the candidate's errors over the requests it answered or failed (none: no error seen, where the
+requests passed over are enough to judge: all the others' traffic due to it was passed over, none of it failed).
+A candidate that fails everyone opens its breaker on everyone's failures (and fails the others' half-open probes),
+and the requests passed over after that bring its window to `min_requests`: it still rolls back; one whose failures
+are one tenant's, with the others' answers fine, is held by that tenant.
+
 Hysteresis, in the ladder's shape: a guard rolls back only once it has been breached at every evaluation for
 `breach_for_s` seconds; one healthy evaluation starts the clock again. Nothing judges before the candidate has
 `min_requests` outcomes in the window: three errors in four requests are not a verdict.
@@ -39,7 +51,7 @@ Hysteresis, in the ladder's shape: a guard rolls back only once it has been brea
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -121,6 +133,7 @@ class Reading:
     divergence: float | None  # mean over shadowed answers that both versions gave
     compared: int  # shadowed answers compared
     tenants: int = 0  # tenants with outcomes in the window
+    passed_over: int = 0  # requests due to it that went to the baseline while its breakers were open
 
     @property
     def error_rate(self) -> float:
@@ -129,13 +142,15 @@ class Reading:
     def public(self) -> dict[str, Any]:
         return {"requests": self.requests, "errors": self.errors, "error_rate": round(self.error_rate, 4),
                 "ttft_p95_s": _round(self.ttft_p95_s), "tpot_p95_s": _round(self.tpot_p95_s),
-                "divergence": _round(self.divergence), "compared": self.compared, "tenants": self.tenants}
+                "divergence": _round(self.divergence), "compared": self.compared, "tenants": self.tenants,
+                "passed_over": self.passed_over}
 
 
 EMPTY = Reading(0, 0, None, None, None, 0)
 
 Outcome = tuple[float, bool, float | None, float | None, Tenant, int]  # when, server error, TTFT, TPOT, tenant, band
 Diverged = tuple[float, float, Tenant]  # when, divergence, tenant
+Passed = tuple[float, Tenant]  # when a request due to the candidate was passed over (its breakers open), tenant
 
 
 class Window:
@@ -145,6 +160,7 @@ class Window:
     def __init__(self) -> None:
         self._outcomes: Rings[Outcome] = Rings(MAX_SAMPLES)
         self._divergence: Rings[Diverged] = Rings(MAX_SAMPLES)
+        self._passed: Rings[Passed] = Rings(MAX_SAMPLES)
 
     def add(self, now: float, *, error: bool, ttft_s: float | None, tpot_s: float | None, tenant: Tenant = None,
             prompt_tokens: int | None = None) -> None:
@@ -152,6 +168,13 @@ class Window:
 
     def add_divergence(self, now: float, divergence: float, tenant: Tenant = None) -> None:
         self._divergence.append(tenant, (now, divergence, tenant))
+
+    def add_passed(self, now: float, tenant: Tenant) -> None:
+        """A request due to this version that went to the baseline because its breakers were open (no outcome)."""
+        self._passed.append(tenant, (now, tenant))
+
+    def passed_over(self, since: float) -> list[Passed]:
+        return [p for p in self._passed.items() if p[0] >= since]
 
     def recent(self, since: float) -> tuple[list[Outcome], list[Diverged]]:
         """The outcomes and divergences from `since` on."""
@@ -162,18 +185,22 @@ class Window:
         return _reading(*self.recent(since))
 
 
-def _reading(recent: list[Outcome], diverged: list[Diverged]) -> Reading:
+def _reading(recent: list[Outcome], diverged: list[Diverged], passed: Sequence[Passed] = ()) -> Reading:
     return Reading(len(recent), sum(o[1] for o in recent), p95([o[2] for o in recent if o[2] is not None]),
                    p95([o[3] for o in recent if o[3] is not None]),
                    sum(d[1] for d in diverged) / len(diverged) if diverged else None, len(diverged),
-                   len({o[4] for o in recent if o[4] is not None}))
+                   len({o[4] for o in recent if o[4] is not None}), len(passed))
 
 
 class Side:
     """One version's window arranged for the guards: totals, and each tenant's part of them."""
 
-    def __init__(self, recent: list[Outcome], diverged: list[Diverged]) -> None:
+    def __init__(self, recent: list[Outcome], diverged: list[Diverged], passed: Iterable[Passed] = ()) -> None:
         self.requests, self.errors = len(recent), sum(o[1] for o in recent)
+        self.passed_by_tenant: dict[Tenant, int] = {}  # tenant -> requests passed over (breakers open)
+        for _, tenant in passed:
+            self.passed_by_tenant[tenant] = self.passed_by_tenant.get(tenant, 0) + 1
+        self.passed = sum(self.passed_by_tenant.values())
         self.by_tenant: dict[Tenant, list[int]] = {}  # tenant -> [requests, errors]
         latencies: tuple[dict[int, list[tuple[float, Tenant]]], ...] = ({}, {})  # TTFT, TPOT: band -> samples
         for _, error, ttft, tpot, tenant, size in recent:
@@ -195,6 +222,10 @@ class Side:
         """Requests and errors but `without`'s."""
         requests, errors = self.by_tenant.get(without, (0, 0)) if without is not None else (0, 0)
         return self.requests - requests, self.errors - errors
+
+    def due(self, without: Tenant) -> int:
+        """Requests due to it but `without`'s: those it answered or failed, and those passed over."""
+        return self.count(without)[0] + self.passed - (self.passed_by_tenant.get(without, 0) if without else 0)
 
     def divergence(self, without: Tenant) -> tuple[float | None, int]:
         """The mean divergence and the answers compared but `without`'s."""
@@ -248,12 +279,16 @@ def _findings(guards: Guards, candidate: Side, baseline: Side, without: Tenant, 
     """What each guard reads in the window but `without`'s outcomes (None: all of them), where there are at least
     `floor` outcomes to judge (the candidate's; and the baseline's for a latency ratio)."""
     requests, errors = candidate.count(without)
-    if requests < floor:
+    if candidate.due(without) < floor:
         return {}
     out: dict[str, Finding] = {}
-    if guards.max_error_rate is not None:
-        rate = errors / requests
-        out["max_error_rate"] = Finding(rate > guards.max_error_rate, f"{rate:.3f}", f"{errors} of {requests}")
+    if guards.max_error_rate is not None:  # over what it answered or failed; passed over: traffic, no errors
+        rate = errors / requests if requests else 0.0
+        passed = candidate.due(without) - requests
+        out["max_error_rate"] = Finding(rate > guards.max_error_rate, f"{rate:.3f}", f"{errors} of {requests}" + (
+            f"; {passed} more passed over, its breakers open" if passed else ""))
+    if requests < floor:
+        return out
     if baseline.count(without)[0] >= floor:
         band_min = min(CONTEST_MIN, guards.min_requests)
         for name, bound, slack, cand, base in (
@@ -285,7 +320,7 @@ def judge(guards: Guards, candidate: Side, baseline: Side, *, share: float | Non
     """Each breached guard worded with its numbers (empty: healthy, or too few requests to judge), and each breach
     one tenant holds alone (not acted on: see the module's docstring). `share` is the canary's (None: a shadow),
     `named` the rollout's named tenants."""
-    if candidate.requests < guards.min_requests:
+    if candidate.due(None) < guards.min_requests:
         return [], []
     whole = {name: f for name, f in _findings(guards, candidate, baseline, None, guards.min_requests).items()
              if f.breached}
@@ -351,9 +386,10 @@ class Watch:
         return found
 
     def _recent(self, rollout_id: str, versions: Iterable[str],
-                since: float) -> dict[str, tuple[list[Outcome], list[Diverged]]]:
+                since: float) -> dict[str, tuple[list[Outcome], list[Diverged], list[Passed]]]:
         windows = {v: self._windows.get((rollout_id, v)) for v in versions}
-        return {v: w.recent(since) if w is not None else ([], []) for v, w in windows.items()}
+        return {v: (*w.recent(since), w.passed_over(since)) if w is not None else ([], [], [])
+                for v, w in windows.items()}
 
     def read(self, rollout_id: str, versions: Iterable[str], since: float) -> dict[str, Reading]:
         """Each version's window from `since` on."""

@@ -5,7 +5,9 @@ The service keeps the rollouts it read last; a gateway follows the store every f
 CLI or another process takes effect then; one made through this process's admin routes, at once). The route
 stage asks `choose` for every request to a tier with versions: a dictionary read and, during a canary, one hash.
 A candidate that cannot take the request (no replica up) is not a 503: the baseline answers it, and it counts as
-an error of the candidate, so the guards see a dead candidate as one that fails.
+an error of the candidate, so the guards see a dead candidate as one that fails; but where what stops it is only
+its circuit breakers, open on failures already counted under the tenants who caused them, the request is counted
+as passed over (traffic due to the candidate, not an error: guards.py says why).
 
 Each version's outcomes are counted here, per process (`observe`, from settle: O(1)), in counters since the rollout
 started and in the guards' bounded windows (gateway/rollout/guards.py); `evaluate`, run about once a second off
@@ -88,8 +90,13 @@ class RolloutService:
             baseline = self._variant(tier.name, rollout.baseline) or tier
             return baseline, f"version {baseline.version_name} (candidate {version}: {why})"
         if rollout.stage in RUNNING and version == rollout.candidate and (why := down(spec)) is not None:
-            fallback = self.fall_back(tier, rollout.candidate)
+            # its breakers open: the failures that opened them are counted already, under the tenants who caused
+            # them; this request is traffic due to the candidate, no error of it or of this tenant (guards.py)
+            opened = _breakers_open(why)
+            fallback = self._variant(tier.name, rollout.baseline) if opened else self.fall_back(tier, version)
             if fallback is not None:
+                if opened:
+                    self.watch.window(rollout.id, version).add_passed(self.clock(), tenant)
                 return fallback, f"version {rollout.baseline} (candidate {version} is down: {why})"
         return spec, f"version {version} (rollout {rollout.stage}{_share(rollout)})"
 
@@ -406,6 +413,12 @@ def _paused_shadow(tier: str) -> Conflict:
     return Conflict(f"the rollout on tier {tier!r} is a paused shadow: no tenant has been answered by its candidate, "
                     "so it cannot go to everyone at once; promote it with a share to make it a canary, or roll it "
                     "back", code="paused_shadow")
+
+
+def _breakers_open(why: str) -> bool:
+    """Whether `down`'s reason is only circuit breakers open (each replica's public reason, tiers/fleet.py), not a
+    replica that is unhealthy or cannot be reached."""
+    return all(part.startswith("circuit breaker") for part in why.split("; "))
 
 
 def _nothing_to(tier: str, what: str, current: Rollout | None) -> NotFound | Conflict:
