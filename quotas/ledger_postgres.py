@@ -63,9 +63,7 @@ READ_LOCK_TIMEOUT_S = 0.5  # a lock-bounded read's wait for another session's ta
 # tenant's idempotency totals (records and stored bytes), kept by triggers and counted once for the rows there,
 # 6 the mark of rows settled on a quota fallback and which of them Redis' counters have (quotas/ledger_rows.py
 # FALLBACK_SCHEMA), 7 the index that finds the others (built concurrently), 8 the list of those still pending, kept by
-# triggers (quotas/ledger_rows.py FALLBACK_PENDING), with the marked rows not yet applied carried over, 9 the index
-# /admin/ops' window is read from alone (`LedgerReads.latencies`: an index-only scan, not a heap fetch per row; built
-# concurrently, as 7)
+# triggers (quotas/ledger_rows.py FALLBACK_PENDING), with the marked rows not yet applied carried over
 MIGRATIONS: list[Migration] = [
     """
     CREATE TABLE requests (
@@ -163,7 +161,6 @@ MIGRATIONS: list[Migration] = [
         EXECUTE FUNCTION tiergate_fallback_noted();
     {CARRY_PENDING};
     """,
-    ConcurrentIndex("requests_ts_window", "requests(ts) INCLUDE (ttft_s, total_s, http_status)"),
 ]
 INSERT = f"INSERT INTO requests({', '.join(COLUMNS)}) VALUES ({', '.join('%s' for _ in COLUMNS)})"
 UPSERT_COUNT = ("INSERT INTO refusal_counts VALUES (%s, %s, %s, %s, %s, %s) "

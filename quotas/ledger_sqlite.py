@@ -44,10 +44,6 @@ from quotas.write_turns import WriteTurns
 _NOT_THE_ROWS_FAULT = {5, 6, 7, 8, 10, 11, 13, 14, 15, 26}
 CHECKPOINT_EVERY = 100  # group commits between the writer's checkpoints (SQLite's own: every 1,000 WAL pages)
 _PARSED_MAX = 10_000  # distinct money texts kept parsed while summing (most rows repeat a few: free cache hits)
-# /admin/ops' window (`LedgerReads.latencies`: the requests from a time, their status and latencies) read from this
-# index alone, not row by row through the table (the whole of each row, 27 columns, for 4 of them). Made at every open
-# (IF NOT EXISTS): a ledger from before builds it at its first (about 2 s for 2M rows here, once)
-WINDOW_INDEX = "CREATE INDEX IF NOT EXISTS requests_ts_window ON requests(ts, ttft_s, total_s, http_status)"
 
 
 class SQLiteReads(LedgerReads):
@@ -121,7 +117,6 @@ class SQLiteLedger(SQLiteReads, Ledger):
         self._opened_lock = threading.Lock()
         self._read.execute("PRAGMA journal_mode=WAL")
         self._read.executescript(SCHEMA)
-        self._read.execute(WINDOW_INDEX)
         columns = {r[1] for r in self._read.execute("PRAGMA table_info(requests)")}
         for name, decl in (("degrade_level", "INTEGER NOT NULL DEFAULT 0"), ("degrade_actions", "TEXT"),
                            ("requested_tier", "TEXT"), ("route_saving_usd", "TEXT NOT NULL DEFAULT '0'"),

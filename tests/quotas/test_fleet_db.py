@@ -46,7 +46,7 @@ def test_a_ledger_of_the_previous_release_is_upgraded_in_place_with_its_rows(dat
 
     asyncio.run(serve_with_the_new_release())
     with connect(database_url) as conn:
-        assert version_of(conn, COMPONENT) == len(MIGRATIONS) == 9
+        assert version_of(conn, COMPONENT) == len(MIGRATIONS) == 8
 
 
 def test_replicas_starting_together_apply_each_migration_once(database_url: str) -> None:
@@ -56,18 +56,18 @@ def test_replicas_starting_together_apply_each_migration_once(database_url: str)
         t.start()
     for t in threads:
         t.join()
-    assert versions == [9] * 6
+    assert versions == [8] * 6
     with connect(database_url) as conn:
         applied = conn.execute("SELECT version FROM tiergate_migrations WHERE component = 'ledger' "
                                "ORDER BY version").fetchall()
-    assert applied == [(v,) for v in range(1, 10)]
+    assert applied == [(v,) for v in range(1, 9)]
 
 
 def test_a_database_newer_than_this_release_is_left_as_it_is(database_url: str) -> None:
     with connect(database_url) as conn:
         newer = [*MIGRATIONS, "ALTER TABLE requests ADD COLUMN region TEXT NOT NULL DEFAULT 'eu'"]
-        assert migrate(conn, COMPONENT, newer) == 10  # a replica of the next release got there first
-        assert migrate(conn, COMPONENT, MIGRATIONS) == 10  # one of this release starts: nothing undone, no error
+        assert migrate(conn, COMPONENT, newer) == 9  # a replica of the next release got there first
+        assert migrate(conn, COMPONENT, MIGRATIONS) == 9  # one of this release starts: nothing undone, no error
     ledger = PostgresLedger(database_url)
     ledger.record_now([row(1)])
     assert [r.request_id for r in ledger.rows()] == ["r1"]
@@ -161,7 +161,7 @@ def test_a_ledger_of_the_release_before_gains_the_fallback_mark_in_place(databas
         ledger.close()
         other.close()
     with connect(database_url) as conn:
-        assert version_of(conn, COMPONENT) == len(MIGRATIONS)
+        assert version_of(conn, COMPONENT) == 8
         assert index_of(conn, "requests_fallback")[0] is True  # type: ignore[index]
 
 
