@@ -100,8 +100,9 @@ from wire.embeddings import EmbeddingRequest
 
 COUNT_PIECE_CHARS = 1 << 16  # characters of a request's texts counted in one job of the counting threads
 ROUTE = "embeddings"  # what the route adds to an Idempotency-Key's fingerprint (chat's is "chat" or "completion")
-# a bound refused for these may be refused for the bound alone, where the exact count would fit (`_count_first`)
-TOKEN_REASONS = frozenset({"tpm", "budget_day", "budget_month"})
+# a bound refused for these may be refused for the bound alone, where the exact count would fit (`_count_first`): a
+# limit's, or a counter's bound (quotas/backends/base.py COUNTER_MAX) that only the bound would pass
+TOKEN_REASONS = frozenset({"tpm", "budget_day", "budget_month", "overflow_tpm", "overflow_day", "overflow_month"})
 
 log = logging.getLogger("tiergate.embeddings")
 

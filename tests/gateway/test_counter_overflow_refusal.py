@@ -18,6 +18,7 @@ from quotas.backends.base import COUNTER_MAX
 from tests.conftest import Gateway, running_gateway
 from tests.stubs import ServerThread, StubState
 
+EMBEDDER = "all-MiniLM-L6-v2"
 HI = {"model": "mid", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
 NEARLY_FULL = COUNTER_MAX - 1  # picodollars: any request that costs anything overflows it
 
@@ -60,3 +61,18 @@ def test_a_cost_that_would_overflow_a_spend_counter_is_refused_in_its_own_words(
     assert "budget of your tenant is spent" not in error["message"]  # before, on Redis, for a tenant with no budget
     assert int(r.headers["retry-after"]) >= 1  # the month's counter renews with the next month
     assert month_spent() == NEARLY_FULL  # nothing charged
+
+
+def test_an_embeddings_bound_that_would_overflow_a_counter_is_counted_before_it_is_refused(gateway: Gateway) -> None:
+    """An embeddings request reserves its texts' upper bound first; a bound refused for the tokens it would add is
+    counted exactly and reserved at its count (gateway/embeddings_service.py TOKEN_REASONS). A bound that would only
+    overflow the token counter is such a refusal too: its count may fit (refused at the bound, it never was)."""
+    with gateway.client(gateway.tenant_key) as c:  # the service is built on first use
+        assert c.post("/v1/embeddings", json={"model": EMBEDDER, "input": "warm up"}).status_code == 200
+    scope = gateway.app.state.services.quota_backend._scope("acme", "t")
+    scope.token_sum = COUNTER_MAX - 200  # room for the count (40 x 4 = 160), not the bound (40 x 13 = 520)
+    with gateway.client(gateway.tenant_key) as c:
+        r = c.post("/v1/embeddings", json={"model": EMBEDDER, "input": ["hello world"] * 40}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == 160
+    assert scope.token_sum == COUNTER_MAX - 40
