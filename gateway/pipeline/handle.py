@@ -332,9 +332,10 @@ class Pipeline:
                     and not attempt.is_cache_hit and meter.keep_text:  # (not kept: the rollout was not sampling it
                 # when the call started)
                 self.shadow.send(attempt.route.tier, attempt.request_id, req, prepared.prompt.output_cap,
-                                 outcome.text, tenant=ctx.tenant)
+                                 outcome.text, tenant=ctx.tenant, end_user=isolated_user(ctx, req))
             if self.cache_checks is not None and (hit := attempt.lookup.hit) is not None:
-                self.cache_checks.send(ctx.tenant, attempt.route.tier, req, hit, attempt.lookup.policy)
+                self.cache_checks.send(ctx.tenant, attempt.route.tier, req, hit, attempt.lookup.policy,
+                                       end_user=isolated_user(ctx, req))
         except Exception:
             log.exception("copying the answer of request %s off its path failed", attempt.request_id)
         if kept is not None:
