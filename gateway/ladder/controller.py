@@ -22,7 +22,8 @@ or another host's copy) keeps its ladder, logs why once and shows it in its stat
 and tries again each tick. Until it is in sync it moves no trigger (they are the old ladder's); a level beyond its
 ladder (one the others have) it applies as its deepest level, reported as `applied_level`, and it refuses to set one.
 A worker's start reads the file as it is, with nothing to follow until the next reload (a restart with an edited
-file is not out of sync with a reload made before it).
+file is not out of sync with a reload made before it). Sharing the state in Redis, they also judge the error rate on
+all their windows, not each its own (gateway/ladder/shared_signals.py).
 
 A gateway starts even when the shared state cannot be read (Redis down: TIERGATE_REDIS_FAILURE_MODE's `open` serves
 on local limits, and a restart in an outage must not stop serving): at level 0, its source "unknown", its status
@@ -44,6 +45,7 @@ from pathlib import Path
 from gateway.config_files import ConfigFileError
 from gateway.errors import TiergateError, Unavailable
 from gateway.ladder.config import Action, Ladder, Trigger, load_ladder, read_ladder
+from gateway.ladder.shared_signals import SharedSignals
 from gateway.ladder.signals import Signals
 from gateway.ladder.state import DegradeEvent, LadderState, LadderStore
 from gateway.tenants.keys import MAX_TTL_S
@@ -98,6 +100,8 @@ class LadderController:
         self.ladder = ladder
         self.store = store
         self.signals = signals
+        # the workers sharing the state in Redis judge the error rate on all their windows (shared_signals.py)
+        self._shared = SharedSignals.for_store(store)
         self.clock = clock
         self.on_change = on_change
         self._held_since: dict[tuple[int, str], float] = {}
@@ -301,7 +305,7 @@ class LadderController:
             self._held_since.clear()  # the triggers are the workers' in sync, with the ladder of that level
             self._refresh(now)
             return True
-        metrics = self.signals.read()
+        metrics = self.signals.read() if self._shared is None else self._shared.read(self.signals)
         target = self._target(now, metrics)
         if target is not None and target != self.state.auto_level:
             why = self._why(target, metrics)

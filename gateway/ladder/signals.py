@@ -104,16 +104,27 @@ class Signals:
             self._outcomes.append((self._clock(), bad, tenant))
             self._counts.add(tenant, bad)
 
+    def _expire(self) -> None:
+        """Drop what left the window (under the lock)."""
+        since = self._clock() - WINDOW_S
+        while self._wait_times and self._wait_times[0] < since:
+            self._wait_times.popleft()
+            self._wait_values.popleft()
+            self._waits_of.remove(self._wait_tenants.popleft())
+        while self._outcomes and self._outcomes[0][0] < since:
+            _, bad, tenant = self._outcomes.popleft()
+            self._counts.remove(tenant, bad)
+
+    def outcomes(self) -> TenantCounts:
+        """Each tenant's answers and 5xx in the window, a copy (what a worker shares with the others:
+        gateway/ladder/shared_signals.py)."""
+        with self._lock:
+            self._expire()
+            return self._counts.copy()
+
     def read(self) -> dict[str, float]:
         with self._lock:
-            since = self._clock() - WINDOW_S
-            while self._wait_times and self._wait_times[0] < since:
-                self._wait_times.popleft()
-                self._wait_values.popleft()
-                self._waits_of.remove(self._wait_tenants.popleft())
-            while self._outcomes and self._outcomes[0][0] < since:
-                _, bad, tenant = self._outcomes.popleft()
-                self._counts.remove(tenant, bad)
+            self._expire()
             waits = list(self._wait_values)
             contested = len(self._waits_of) > 1  # else no one is left out: the only tenant's waits are the window's
             waits_of = self._waits_of.copy() if contested else None  # copied here, judged unlocked

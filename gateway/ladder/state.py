@@ -210,6 +210,7 @@ class RedisLadderStore(LadderStore):
 
         self.redis = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         self.local = local
+        self.prefix = prefix  # the workers' signals are shared under it too (gateway/ladder/shared_signals.py)
         self.state_key, self.events_key = f"{prefix}:degrade:state", f"{prefix}:degrade:events"
         self.version_key = f"{prefix}:degrade:version"  # the state's save counter (the module's docstring)
         self._logged: str | None = None  # the Redis fault last logged; None once a read worked again

@@ -1,0 +1,140 @@
+"""Workers sharing the ladder's state in Redis judge the error rate on all their windows (gateway/ladder/
+shared_signals.py). Each judged its own: one tenant on one keep-alive connection landed all its 5xx on worker 0, which
+saw too few other tenants' answers to set them aside and raised the level for everyone, while one process, seeing
+them all, stayed at level 0."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from gateway.ladder.config import read_ladder
+from gateway.ladder.controller import LadderController
+from gateway.ladder.shared_signals import SharedSignals
+from gateway.ladder.signals import Signals
+from gateway.ladder.state import RedisLadderStore, SqliteLadderStore
+from tests.conftest import RedisServer
+from tests.gateway.ladder.test_controller import Clock
+
+LADDER = """
+levels:
+  - {level: 0, name: normal}
+  - level: 1
+    name: protect
+    actions: [{shed: [batch]}]
+    enter: {any: [{metric: error_rate, above: 0.2}], for_s: 10}
+    exit: {any: [{metric: error_rate, below: 0.05}], for_s: 20}
+    min_dwell_s: 60
+"""
+
+
+@pytest.fixture
+def workers(tmp_path: Path, redis_url: str) -> Iterator[tuple[Clock, list[LadderController]]]:
+    """Two workers over one Redis, each with its own Signals (its own connections) and local audit file."""
+    f = tmp_path / "ladder.yaml"
+    f.write_text(LADDER)
+    clock = Clock()
+    ws = [LadderController(read_ladder(f), RedisLadderStore(redis_url, SqliteLadderStore(tmp_path / f"{i}.db")),
+                           Signals(clock=clock), clock=clock) for i in range(2)]
+    yield clock, ws
+    for w in ws:
+        w.store.close()
+
+
+def run(clock: Clock, ws: list[LadderController], seconds: int, traffic) -> list[tuple[int, ...]]:  # type: ignore[no-untyped-def]
+    levels = []
+    for sec in range(seconds):
+        clock.t += 1
+        traffic(sec)
+        for w in ws:
+            w.tick()
+        levels.append(tuple(w.level for w in ws))
+    return levels
+
+
+def test_one_tenants_5xx_landing_on_one_worker_are_set_aside_by_the_others_answers_on_every_worker(
+        workers: tuple[Clock, list[LadderController]]) -> None:
+    clock, ws = workers
+
+    def traffic(sec: int) -> None:  # the auditor's: ladder_workers.py
+        if sec >= 60:  # one tenant, one connection: a 5xx a second, all on worker 0
+            ws[0].signals.outcome(502, "evil")
+        if sec % 4 == 0:  # six other tenants, 15 answers a minute, spread over the workers
+            ws[(sec // 4) % 2].signals.outcome(200, f"t{sec % 6}")
+
+    levels = run(clock, ws, 300, traffic)
+    assert set(levels) == {(0, 0)}  # as one process judges it: the code before raised on worker 0
+    assert ws[0].store.history() == [] and ws[1].store.history() == []
+    assert ws[0].signals.read()["error_rate"] > 0.2  # worker 0's own window alone would have raised
+
+
+def test_a_fault_failing_every_tenant_on_both_workers_still_raises(
+        workers: tuple[Clock, list[LadderController]]) -> None:
+    clock, ws = workers
+
+    def traffic(sec: int) -> None:
+        for i, w in enumerate(ws):
+            for t in range(6):
+                w.signals.outcome(502 if sec >= 30 else 200, f"t{t + 6 * i}")
+
+    levels = run(clock, ws, 60, traffic)
+    assert levels[-1] == (1, 1)
+    assert [(e.from_level, e.to_level, e.who) for e in ws[0].store.history()] == [(0, 1, "auto")]  # one raise
+
+
+def exchange(url: str, clock: Clock, **kw) -> tuple[SharedSignals, Signals]:  # type: ignore[no-untyped-def]
+    return SharedSignals(redis.Redis.from_url(url, socket_timeout=0.5, socket_connect_timeout=0.5), **kw), \
+        Signals(clock=clock)
+
+
+def attacked(signals: Signals) -> None:
+    """One tenant's 5xx, and two answers of another tenant: too few to set them aside alone."""
+    for _ in range(10):
+        signals.outcome(502, "evil")
+    for _ in range(2):
+        signals.outcome(200, "t1")
+
+
+def answers(signals: Signals) -> None:
+    for t in range(20):
+        signals.outcome(200, f"t{t % 5}")
+
+
+def test_an_expired_peer_drops_out_of_the_merge(redis_url: str) -> None:
+    clock = Clock()
+    (a, sa), (b, sb) = exchange(redis_url, clock, worker="a"), exchange(redis_url, clock, worker="b", ttl_ms=50)
+    attacked(sa)
+    answers(sb)
+    b.read(sb)
+    assert a.read(sa)["error_rate"] == 0.0  # b's answers set evil's 5xx aside
+    while a.redis.exists(b.key("b")):  # b stopped: its summary expires (50 ms)
+        time.sleep(0.01)
+    assert a.read(sa)["error_rate"] == pytest.approx(10 / 12)  # a's own window alone
+    assert a.redis.smembers(a.members_key) == {b"a"}
+
+
+def test_a_worker_alone_judges_its_own_window_as_before(redis_url: str) -> None:
+    clock = Clock()
+    a, sa = exchange(redis_url, clock, worker="a")
+    attacked(sa)
+    assert a.read(sa) == sa.read()
+
+
+def test_redis_failing_falls_back_to_the_workers_own_window_logged_once(
+        own_redis: RedisServer, caplog: pytest.LogCaptureFixture) -> None:
+    clock = Clock()
+    (a, sa), (b, sb) = exchange(own_redis.url, clock, worker="a"), exchange(own_redis.url, clock, worker="b")
+    attacked(sa)
+    answers(sb)
+    b.read(sb)
+    assert a.read(sa)["error_rate"] == 0.0
+    own_redis.stop()
+    with caplog.at_level(logging.ERROR, logger="tiergate.ladder"):
+        assert a.read(sa) == sa.read() and sa.read()["error_rate"] == pytest.approx(10 / 12)
+        assert a.read(sa) == sa.read()
+    assert len([r for r in caplog.records if "could not be shared" in r.message]) == 1
