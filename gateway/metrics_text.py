@@ -18,6 +18,8 @@ time) goes through `generate_latest` itself, one collector at a time. The text i
 
 The children are read as prometheus-client keeps them (`_metrics`, `_lock`, `_value`, `_created`, version 0.26);
 a counter that does not look so (another version, a counter with no labels) goes through `generate_latest`.
+`tiergate serve --workers N` renders the workers' summed families through prometheus-client
+(gateway/worker_metrics.py), not through this.
 """
 
 from __future__ import annotations

@@ -41,10 +41,10 @@ class Settings(BaseSettings):
     # the ladder's audit and idempotency records live in PostgreSQL, shared by replicas on any host (README,
     # "Deployment"); unset: SQLite files in the data directory
     database_url: str | None = None
-    # how long opening a store on it (each store, at start-up and in the CLI) waits for a database that does not answer
-    # yet (down, starting, full), trying again with a growing pause and a log line each try, before start-up stops with
-    # one line (gateway/stores.py); a server that refuses who connects (password, role, database name) stops it at
-    # once; 0: one try
+    # how long start-up (`tiergate serve`, create_app) waits, for each store it opens, for a database that does not
+    # answer yet (down, starting, full), trying again with a growing pause and a log line each try, before it stops
+    # with one line (gateway/stores.py); a server that refuses who connects (password, role, database name) stops it
+    # at once; 0: one try. The CLI's other commands always try once
     database_start_wait_s: float = Field(60.0, ge=0, allow_inf_nan=False)
     # per replica, for idempotency records (the ledger and tenants have their own)
     database_max_connections: int = Field(10, ge=1)

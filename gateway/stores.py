@@ -38,7 +38,7 @@ _SETTING = "TIERGATE_DATABASE_START_WAIT_S"
 T = TypeVar("T")
 
 
-def _reach(settings: Settings, what: str, open_: Callable[[], T], wait_s: float) -> T:
+def _reach(what: str, open_: Callable[[], T], wait_s: float) -> T:
     """`open_()`, a store on the fleet database (each migrates its tables on open; libpq's connect_timeout bounds a
     try). A database that does not answer yet (fleet_db.is_outage: down, starting, full) is tried again with a growing
     pause and a log line each try, for `wait_s` (0: one try), so that a replica started during a database's
@@ -85,7 +85,7 @@ def open_tenant_store(settings: Settings, *, wait_s: float = 0.0) -> TenantStore
         from gateway.tenants.store_postgres import PostgresTenantStore
 
         url = settings.database_url
-        return _reach(settings, "the tenant store", lambda: PostgresTenantStore(
+        return _reach("the tenant store", lambda: PostgresTenantStore(
             url, lock_timeout_s=settings.tenant_lookup_lock_timeout_s), wait_s)
     return TenantStore(settings.state_db)  # SQLite
 
@@ -95,7 +95,7 @@ def open_ledger(settings: Settings, *, wait_s: float = 0.0) -> Ledger:
         from quotas.ledger_postgres import PostgresLedger
 
         url = settings.database_url
-        return _reach(settings, "the ledger", lambda: PostgresLedger(
+        return _reach("the ledger", lambda: PostgresLedger(
             url, read_lock_timeout_s=settings.ledger_read_lock_timeout_s), wait_s)
     return Ledger(settings.ledger_db, sync=settings.ledger_sync)
 
@@ -107,7 +107,7 @@ def open_idempotency(settings: Settings, ledger: Ledger | None = None, *,
     gateway died is looked up in (its row written: the retry is told it ran, never run and billed again)."""
     if settings.database_url:
         url = settings.database_url
-        return _reach(settings, "the idempotency records", lambda: PostgresIdempotency(
+        return _reach("the idempotency records", lambda: PostgresIdempotency(
             url, max_connections=settings.database_max_connections), wait_s)
     if settings.redis_url:
         store = RedisIdempotency(settings.redis_url)
@@ -117,10 +117,10 @@ def open_idempotency(settings: Settings, ledger: Ledger | None = None, *,
 
 
 def open_ladder_store(settings: Settings, *, wait_s: float = 0.0) -> LadderStore:
-    return _reach(settings, "the ladder's store", lambda: open_store(
+    return _reach("the ladder's store", lambda: open_store(
         settings.data_dir, settings.redis_url, settings.database_url), wait_s)
 
 
 def open_rollout_store(settings: Settings, *, wait_s: float = 0.0) -> RolloutStore:
-    return _reach(settings, "the rollouts' store", lambda: open_rollouts(settings.data_dir, settings.database_url),
+    return _reach("the rollouts' store", lambda: open_rollouts(settings.data_dir, settings.database_url),
                   wait_s)
