@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections import deque
@@ -13,18 +12,9 @@ from tiers.tenant_counts import GAP, OUTCOMES, TenantCounts, left_out
 
 WINDOW_S = 60.0
 CONTEST_MIN = 10  # the other tenants' outcomes (or waits) in the window before one tenant's can be left out
-# a wait's log bucket, as the workers share waits (gateway/ladder/shared_signals.py): ceil(log2(wait / MIN_WAIT_S) *
-# BUCKETS_PER_DOUBLING), 0 at MIN_WAIT_S or less
-BUCKETS_PER_DOUBLING = 16
-MIN_WAIT_S = 1e-4
-_SCALE = BUCKETS_PER_DOUBLING / math.log(2)
 
 
-def wait_bucket(seconds: float) -> int:
-    return math.ceil(math.log(seconds / MIN_WAIT_S) * _SCALE) if seconds > MIN_WAIT_S else 0
-
-
-def p95_rank(n: int) -> int:
+def _rank(n: int) -> int:
     """The p95's rank (1-based) among n waits: the index int(0.95 * n) of the sorted waits, the last at most."""
     return min(n, int(0.95 * n) + 1)
 
@@ -48,7 +38,7 @@ class _WaitsStandOut:
         if not self._ordered:
             self._ordered = sorted(self._waits)
         own = self._own(left)[tenant]
-        return own[p95_rank(len(own)) - 1] > GAP * self.p95_without(left)
+        return own[_rank(len(own)) - 1] > GAP * self.p95_without(left)
 
     def _own(self, tenants: frozenset[str]) -> dict[str, list[float]]:
         missing = tenants - self._of.keys()
@@ -65,7 +55,7 @@ class _WaitsStandOut:
     def p95_without(self, left: frozenset[str]) -> float:
         """The waits' p95 but `left`'s, once a question has sorted them (else the caller filters and sorts)."""
         gone = [self._own(left)[t] for t in left]
-        return kth_without(self._ordered, gone, p95_rank(len(self._ordered) - sum(len(g) for g in gone)))
+        return kth_without(self._ordered, gone, _rank(len(self._ordered) - sum(len(g) for g in gone)))
 
 
 class Signals:
@@ -94,7 +84,6 @@ class Signals:
         self._wait_values: deque[float] = deque()  # the wait of each time above
         self._wait_tenants: deque[str] = deque()  # whose request waited
         self._waits_of = TenantCounts()  # each tenant's waits in the window
-        self._buckets_of: dict[str, dict[int, int]] = {}  # each tenant's waits in the window by `wait_bucket`
         self._outcomes: deque[tuple[float, bool, str]] = deque()  # (time, was a 5xx, tenant)
         self._counts = TenantCounts()  # each tenant's outcomes and 5xx in the window
         self._lock = threading.Lock()
@@ -108,9 +97,6 @@ class Signals:
             self._wait_values.append(seconds)
             self._wait_tenants.append(tenant)
             self._waits_of.add(tenant)
-            buckets = self._buckets_of.setdefault(tenant, {})
-            bucket = wait_bucket(seconds)
-            buckets[bucket] = buckets.get(bucket, 0) + 1
 
     def outcome(self, status: int, tenant: str = "") -> None:
         bad = status >= 500
@@ -123,24 +109,18 @@ class Signals:
         since = self._clock() - WINDOW_S
         while self._wait_times and self._wait_times[0] < since:
             self._wait_times.popleft()
-            tenant = self._wait_tenants.popleft()
-            self._waits_of.remove(tenant)
-            buckets, bucket = self._buckets_of[tenant], wait_bucket(self._wait_values.popleft())
-            buckets[bucket] -= 1
-            if not buckets[bucket]:
-                del buckets[bucket]
-                if not buckets:
-                    del self._buckets_of[tenant]
+            self._wait_values.popleft()
+            self._waits_of.remove(self._wait_tenants.popleft())
         while self._outcomes and self._outcomes[0][0] < since:
             _, bad, tenant = self._outcomes.popleft()
             self._counts.remove(tenant, bad)
 
-    def window(self) -> tuple[TenantCounts, dict[str, dict[int, int]]]:
-        """Each tenant's answers and 5xx in the window, and its waits by `wait_bucket`, copies (what a worker shares
-        with the others: gateway/ladder/shared_signals.py)."""
+    def outcomes(self) -> TenantCounts:
+        """Each tenant's answers and 5xx in the window, a copy (what a worker shares with the others:
+        gateway/ladder/shared_signals.py)."""
         with self._lock:
             self._expire()
-            return self._counts.copy(), {t: dict(b) for t, b in self._buckets_of.items()}
+            return self._counts.copy()
 
     def read(self) -> dict[str, float]:
         with self._lock:
@@ -159,7 +139,7 @@ class Signals:
             if queued:
                 waits = [w for w, t in zip(waits, tenants, strict=True) if t not in queued]
             waits.sort()
-            p95 = waits[p95_rank(len(waits)) - 1] if waits else 0.0
+            p95 = waits[_rank(len(waits)) - 1] if waits else 0.0
         return {"queue_wait_p95_s": p95, "error_rate": error_rate,
                 "tiers_down": float(self._tiers_down()), "redis_down": 1.0 if self._redis_down() else 0.0,
                 "kv_utilisation": float(self._kv_utilisation())}
