@@ -26,8 +26,11 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import math
 import os
+import secrets
 import socket
+import time
 from typing import Any
 
 from redis.exceptions import RedisError
@@ -39,7 +42,9 @@ from tiers.tenant_counts import BAD, OUTCOMES, TenantCounts, left_out
 
 log = logging.getLogger("tiergate.ladder")
 
-TTL_MS = 3_000  # a summary's life: several ticks (TIERGATE_LADDER_TICK_S, 0.5 s by default)
+TTL_MS = 3_000  # a summary's least life: several ticks (TIERGATE_LADDER_TICK_S, 0.5 s by default)...
+TICKS_ALIVE = 4  # ...and at least this many of the worker's own ticks, as far apart as its last two were...
+SLACK_MS = 1_500  # ...and this (a slow tick): a peer does not drop out between two of its ticks
 _numbers = itertools.count()  # tells apart the controllers of one process (tests build several)
 
 
@@ -48,9 +53,11 @@ class SharedSignals:
 
     def __init__(self, redis: Any, *, prefix: str = "tg", worker: str | None = None, ttl_ms: int = TTL_MS) -> None:
         self.redis = redis
-        self.worker = worker or f"{socket.gethostname()}:{os.getpid()}:{next(_numbers)}"
+        # a random part: replicas in containers sharing a host name (host networking) have the same pids
+        self.worker = worker or f"{socket.gethostname()}:{os.getpid()}:{next(_numbers)}:{secrets.token_hex(4)}"
         self.members_key = f"{prefix}:degrade:signals"
         self.ttl_ms = ttl_ms
+        self._last: float | None = None  # when this worker last published (monotonic)
         self._failed: str | None = None  # the Redis fault last logged; None while Redis answers
 
     @classmethod
@@ -82,12 +89,23 @@ class SharedSignals:
             metrics["error_rate"] = merged.rate_without(left_out(merged, CONTEST_MIN))
         return metrics
 
+    def _life_ms(self) -> int:
+        """How long this worker's summary lives: TTL_MS, or longer where its ticks are further apart (a long
+        TIERGATE_LADDER_TICK_S, a slow tick), so that it never expires before the next one replaces it (a peer
+        dropping in and out of the sum would change the numbers at each tick and restart the triggers' timers)."""
+        now = time.monotonic()
+        gap_ms = 0.0 if self._last is None else (now - self._last) * 1000
+        self._last = now
+        return max(self.ttl_ms, math.ceil(TICKS_ALIVE * gap_ms) + SLACK_MS if gap_ms else 0)
+
     def _exchange(self, own: TenantCounts) -> list[dict[str, list[int]]]:
         """Publish `own`, and the live others' summaries (each {tenant: [answers, 5xx]})."""
+        life_ms = self._life_ms()
         with self.redis.pipeline(transaction=False) as pipe:
-            pipe.set(self.key(self.worker), json.dumps(own.by_tenant), px=self.ttl_ms)
+            pipe.set(self.key(self.worker), json.dumps(own.by_tenant), px=life_ms)
             pipe.sadd(self.members_key, self.worker)
-            pipe.pexpire(self.members_key, self.ttl_ms)  # gone when every worker is
+            pipe.pexpire(self.members_key, life_ms, nx=True)  # gone when every worker is (no one publishing)...
+            pipe.pexpire(self.members_key, life_ms, gt=True)  # ...not before the longest-lived summary
             pipe.smembers(self.members_key)
             members = pipe.execute()[-1]
         others = sorted(w for w in (m.decode() for m in members) if w != self.worker)

@@ -5,6 +5,7 @@ them all, stayed at level 0."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Iterator
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from gateway.ladder import shared_signals
 from gateway.ladder.config import read_ladder
 from gateway.ladder.controller import LadderController
 from gateway.ladder.shared_signals import SharedSignals
@@ -138,3 +140,39 @@ def test_redis_failing_falls_back_to_the_workers_own_window_logged_once(
         assert a.read(sa) == sa.read() and sa.read()["error_rate"] == pytest.approx(10 / 12)
         assert a.read(sa) == sa.read()
     assert len([r for r in caplog.records if "could not be shared" in r.message]) == 1
+
+
+def test_a_worker_sums_its_own_window_once(redis_url: str) -> None:
+    """Its own window comes from its Signals, never again from the summary it published (counted twice, the other
+    tenants' 5 answers would read as 10, enough to set evil's 5xx aside)."""
+    clock = Clock()
+    (a, sa), (b, sb) = exchange(redis_url, clock, worker="a"), exchange(redis_url, clock, worker="b")
+    for _ in range(10):
+        sa.outcome(502, "evil")
+    for t in range(5):
+        sa.outcome(200, f"t{t}")
+    b.read(sb)  # a live peer with an empty window
+    a.read(sa)
+    assert a.read(sa)["error_rate"] == pytest.approx(10 / 15)
+
+
+def test_two_workers_with_one_host_name_pid_and_number_are_told_apart(redis_url: str,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Replicas in containers sharing a host name (host networking) have the same pids: their ids differ still, so
+    neither overwrites the other's summary nor skips it as its own."""
+    monkeypatch.setattr(shared_signals, "_numbers", itertools.repeat(0))
+    client = redis.Redis.from_url(redis_url)
+    assert SharedSignals(client).worker != SharedSignals(client).worker
+
+
+def test_a_summary_outlives_the_time_to_the_workers_next_tick(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker ticking every 5 s (TIERGATE_LADDER_TICK_S=5) keeps its summary alive past its next tick: with a fixed
+    3 s life it dropped out of the others' sum between two of its ticks, and in again."""
+    now = [1000.0]
+    monkeypatch.setattr(shared_signals.time, "monotonic", lambda: now[0])
+    a, sa = exchange(redis_url, Clock(), worker="a")
+    a.read(sa)
+    assert 0 < a.redis.pttl(a.key("a")) <= shared_signals.TTL_MS
+    now[0] += 5.0
+    a.read(sa)
+    assert a.redis.pttl(a.key("a")) > 4 * 5_000 and a.redis.pttl(a.members_key) > 4 * 5_000
