@@ -4,6 +4,12 @@ do: the workers of one host in one data directory (one SQLite file), the replica
 database); replicas with a SQLite file each, on hosts of their own, have ids of their own, even where their files
 have the same path.
 
+A SQLite ledger makes its row when it opens (`make_sqlite`, from quotas/ledger_sqlite.py, beside its schema), so the
+request path only reads it: made there, on the first claim, it took the database's write lock (BEGIN IMMEDIATE) outside
+the ledger's write turns and, behind a long write, answered that request 503. A file that a process of an earlier
+release opened, and no process of this one since, lacks it: `ledger_id` makes it then, as before. PostgreSQL's is
+made by `ledger_id` (a migration): the gateway claims in Redis only without a fleet database (gateway/stores.py).
+
 RedisIdempotency (quotas/idempotency_redis.py) writes it into each claim, so that a retry that finds the claim of a
 gateway that died knows whether that gateway's ledger row, if any, is one it can read. A ledger file copied to
 another host (restored from a backup) keeps its id: the two are then taken for one.
@@ -38,21 +44,28 @@ def ledger_id(source: ReadSource) -> str:
 def _sqlite_id(path: Path) -> str:
     conn = sqlite3.connect(path, isolation_level=None, timeout=5.0)
     try:
-        if (found := _read(conn)) is not None:  # the usual case: a read, no write lock taken
-            return found
-        conn.execute("BEGIN IMMEDIATE")  # two processes making it at once: the first one's stands
-        try:
-            conn.execute(_CREATE)
-            conn.execute(f"INSERT OR IGNORE INTO {TABLE} VALUES (1, ?)", (secrets.token_hex(16),))
-            conn.execute("COMMIT")
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
-        found = _read(conn)
-        assert found is not None
-        return found
+        return make_sqlite(conn)
     finally:
         conn.close()
+
+
+def make_sqlite(conn: sqlite3.Connection) -> str:
+    """The id in the SQLite database of `conn` (autocommit), made if it has none: a read first, so the usual case
+    takes no write lock; two processes making it at once, the first one's stands."""
+    if (found := _read(conn)) is not None:
+        return found
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        conn.execute(_CREATE)
+        conn.execute(f"INSERT OR IGNORE INTO {TABLE} VALUES (1, ?)", (secrets.token_hex(16),))
+        conn.execute("COMMIT")
+    except BaseException:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        raise
+    found = _read(conn)
+    assert found is not None
+    return found
 
 
 def _read(conn: sqlite3.Connection) -> str | None:

@@ -19,7 +19,7 @@ from decimal import Decimal, localcontext
 from pathlib import Path
 from typing import Any, Literal
 
-from quotas import ledger_reads
+from quotas import ledger_identity, ledger_reads
 from quotas.ledger import Ledger, Pending, Statement, log
 from quotas.ledger_reads import EXACT, LedgerReads, Reader, ReadSource
 from quotas.ledger_rows import (
@@ -136,6 +136,9 @@ class SQLiteLedger(SQLiteReads, Ledger):
                 if _has_table(self._read, "refusals"):
                     self._read.execute(FOLD_OLD_REFUSALS)
                     self._read.execute("DROP TABLE refusals")
+        # which ledger this is (quotas/ledger_identity.py), made here and not on the first claim that asks: there it
+        # took the write lock outside the write turns, and a long write behind it cost that request a 503
+        ledger_identity.make_sqlite(self._read)
 
     def record_now(self, rows: list[LedgerRow], refusals: Iterable[Refusal] = ()) -> None:
         counts = Counter(count_key(r) for r in refusals)
