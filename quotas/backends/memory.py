@@ -226,24 +226,24 @@ class MemoryBackend(QuotaBackend):
     def _release(self, rid: str, held: _Held, *, tokens: int | None, money_delta: int,
                  keep_slot: bool = False) -> None:
         """Free the slot (unless `keep_slot`: `release_now` frees it), set the window's tokens to `tokens` (None: take
-        them out) and move the money."""
+        them out) and move the money, each counter capped at COUNTER_MAX as settle.lua caps it (`_add_capped`)."""
         day, month = held.day, held.month
         for scope in held.scopes:  # (`_charge`'s work in the same pass: one lookup of each scope's state)
             st = self._scope(held.tenant, scope)
             if (was := st.tokens.get(rid)) is not None:
                 new = 0 if tokens is None else tokens
-                st.token_sum += new - was
+                st.token_sum = _add_capped(st.token_sum, new - was)
                 st.tokens[rid] = new
             if not keep_slot:
                 st.inflight.pop(rid, None)
-            st.spent_day[day] = st.spent_day.get(day, 0) + money_delta
-            st.spent_month[month] = st.spent_month.get(month, 0) + money_delta
+            st.spent_day[day] = _add_capped(st.spent_day.get(day, 0), money_delta)
+            st.spent_month[month] = _add_capped(st.spent_month.get(month, 0), money_delta)
 
     def _charge(self, tenant: str, scopes: Sequence[str], day: str, month: str, pico: int) -> None:
         for scope in scopes:
             st = self._scope(tenant, scope)
-            st.spent_day[day] = st.spent_day.get(day, 0) + pico
-            st.spent_month[month] = st.spent_month.get(month, 0) + pico
+            st.spent_day[day] = _add_capped(st.spent_day.get(day, 0), pico)
+            st.spent_month[month] = _add_capped(st.spent_month.get(month, 0), pico)
 
     def _remember_done(self, rid: str) -> None:
         self._done.add(rid)
@@ -316,6 +316,14 @@ def _check_fits(lim: ScopeLimits, st: _ScopeState, req: ReservationRequest, day:
     if req.money_pico > 0 and st.spent_month.get(month, 0) + req.money_pico > COUNTER_MAX:
         return Decision(False, "overflow_month", lim.scope, max(0.0, seconds_to_next_month(dated) + dated - now))
     return None
+
+
+def _add_capped(held: int, delta: int) -> int:
+    """`held` + `delta`, or COUNTER_MAX where an increase would carry it past it, as shared.lua's `add_capped` leaves a
+    counter that a settle or a charge adds to (a decrease is never capped): a settle applies whole, and the counter
+    refuses every later increase as Redis' does (`_check_fits`)."""
+    total = held + delta
+    return COUNTER_MAX if delta > 0 and total > COUNTER_MAX else total
 
 
 def _day_month(now: float) -> tuple[str, str]:
