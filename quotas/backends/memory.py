@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from quotas.backends.base import COUNTER_MAX, Billed, QuotaBackend
@@ -294,28 +294,31 @@ def _check(lim: ScopeLimits, st: _ScopeState, req: ReservationRequest, day: str,
     slot = 0 if req.follows is not None and req.follows in st.inflight else 1  # a slot taken over is no new one
     if lim.max_concurrent is not None and len(st.inflight) + slot > lim.max_concurrent:
         return Decision(False, "concurrency", lim.scope, 1.0)
-    # a budget's period is the one its money is dated in (the request's arrival, clamped by `_dated`), which may
-    # end before `now`: no wait then
-    dated = now if req.dated_at is None else req.dated_at
     if lim.budget_day_pico is not None and st.spent_day.get(day, 0) + req.money_pico > lim.budget_day_pico:
-        return Decision(False, "budget_day", lim.scope, max(0.0, seconds_to_next_day(dated) + dated - now))
+        return Decision(False, "budget_day", lim.scope, _period_left(req, seconds_to_next_day))
     if (lim.budget_month_pico is not None
             and st.spent_month.get(month, 0) + req.money_pico > lim.budget_month_pico):
-        return Decision(False, "budget_month", lim.scope, max(0.0, seconds_to_next_month(dated) + dated - now))
+        return Decision(False, "budget_month", lim.scope, _period_left(req, seconds_to_next_month))
     return None
 
 
 def _check_fits(lim: ScopeLimits, st: _ScopeState, req: ReservationRequest, day: str, month: str) -> Decision | None:
     """The refusal of a request that would carry a counter of the scope past COUNTER_MAX: Python's integers do not
     overflow, but Redis' do (reserve.lua refuses there, for the same reasons), and both stores refuse the same."""
-    now, dated = req.now, req.now if req.dated_at is None else req.dated_at
     if st.token_sum + req.tokens > COUNTER_MAX:
         return Decision(False, "overflow_tpm", lim.scope, WINDOW_S)
     if req.money_pico > 0 and st.spent_day.get(day, 0) + req.money_pico > COUNTER_MAX:
-        return Decision(False, "overflow_day", lim.scope, max(0.0, seconds_to_next_day(dated) + dated - now))
+        return Decision(False, "overflow_day", lim.scope, _period_left(req, seconds_to_next_day))
     if req.money_pico > 0 and st.spent_month.get(month, 0) + req.money_pico > COUNTER_MAX:
-        return Decision(False, "overflow_month", lim.scope, max(0.0, seconds_to_next_month(dated) + dated - now))
+        return Decision(False, "overflow_month", lim.scope, _period_left(req, seconds_to_next_month))
     return None
+
+
+def _period_left(req: ReservationRequest, seconds_to_next: Callable[[float], float]) -> float:
+    """The seconds from `req.now` to the end of the day or month (`seconds_to_next`) its money is dated in: its
+    arrival's (clamped by `_dated`), a period that may have ended before `now` (no wait then)."""
+    dated = req.now if req.dated_at is None else req.dated_at
+    return max(0.0, seconds_to_next(dated) + dated - req.now)
 
 
 def _add_capped(held: int, delta: int) -> int:
