@@ -25,6 +25,13 @@ A worker's start reads the file as it is, with nothing to follow until the next 
 file is not out of sync with a reload made before it). Sharing the state in Redis, they also judge the error rate on
 all their windows, not each its own (gateway/ladder/shared_signals.py).
 
+Its status shows the metrics its last tick judged (`metrics`; `metrics_judged_at`, when): every worker sharing the
+windows shows the same error rate, the one the level follows, not its own window's. Where the windows are shared it
+also shows its own window's, read then (`own_window_metrics`; null where nothing is shared): one tenant's 5xx on this
+worker's connections read high there and are set aside in the sum. Before its first tick has judged (and at the CLI,
+which does not tick) `metrics` is its own window's, read then, and `metrics_judged_at` null. A tick that judges nothing
+(out of sync, the shared state not read) leaves them as they were, with their time. No Redis call on the status path.
+
 A gateway starts even when the shared state cannot be read (Redis down: TIERGATE_REDIS_FAILURE_MODE's `open` serves
 on local limits, and a restart in an outage must not stop serving): at level 0, its source "unknown", its status
 saying so (`shared_state`), nothing saved over the state it has not read. Each tick tries again, as a running
@@ -114,6 +121,9 @@ class LadderController:
         self.level, self.source = 0, "unknown"
         self._followed: str | None = None  # the shared ladder identity this worker has dealt with
         self._unread_since_start = True
+        # (when, metrics) its last tick judged, None before it has (status: the module's docstring); one tuple, set
+        # whole, read by status() without the lock
+        self._judged: tuple[float, dict[str, float]] | None = None
         try:
             self._read()
         except _STORE_FAULTS as exc:
@@ -154,13 +164,22 @@ class LadderController:
                 "auto_level": s.auto_level,
                 "manual": None if s.manual_level is None else {
                     "level": s.manual_level, "until": s.manual_until, "by": s.manual_by, "reason": s.manual_reason},
-                "actions": [a.model_dump() for a in lv.actions], "metrics": self.signals.read(),
+                "actions": [a.model_dump() for a in lv.actions], **self._metrics_status(),
                 "levels": [{"level": x.level, "name": x.name, "description": x.description}
                            for x in self.ladder.levels],
                 "ladder": {"sha256": self._sha256, "shared_sha256": s.ladder_sha256, "in_sync": self.in_sync,
                            "error": self.ladder_error},
                 "shared_state": {"read": self.unread is None, "error": None if self.unread is None else
                                  f"not read since this worker started, level 0 applies until it is: {self.unread}"}}
+
+    def _metrics_status(self) -> dict[str, object]:
+        """`metrics` as the last tick judged them, with when, and this worker's own window's where the windows are
+        shared (the module's docstring): local reads only, no Redis call."""
+        judged = self._judged
+        own = self.signals.read() if judged is None or self._shared is not None else None
+        return {"metrics": own if judged is None else dict(judged[1]),
+                "metrics_judged_at": None if judged is None else judged[0],
+                "own_window_metrics": dict(own) if own is not None and self._shared is not None else None}
 
     # ---- on-call ----
 
@@ -306,6 +325,7 @@ class LadderController:
             self._refresh(now)
             return True
         metrics = self.signals.read() if self._shared is None else self._shared.read(self.signals)
+        self._judged = (now, metrics)
         target = self._target(now, metrics)
         if target is not None and target != self.state.auto_level:
             why = self._why(target, metrics)

@@ -75,6 +75,41 @@ def test_one_tenants_5xx_landing_on_one_worker_are_set_aside_by_the_others_answe
     assert ws[0].signals.read()["error_rate"] > 0.2  # worker 0's own window alone would have raised
 
 
+def test_status_shows_the_error_rate_the_ladder_judged_and_the_workers_own_beside_it(
+        workers: tuple[Clock, list[LadderController]]) -> None:
+    """GET /admin/degrade (and /admin/ops) showed each worker's own window: 0.8 on worker 0 while the ladder judged
+    the sum, 0, and stayed at level 0; each worker answered differently."""
+    clock, ws = workers
+    before, own_then = ws[0].status(), ws[0].signals.read()  # no tick yet: its own window, read then
+
+    def traffic(sec: int) -> None:  # as in the test above: one tenant's 5xx all on worker 0, from the second minute
+        if sec >= 60:
+            ws[0].signals.outcome(502, "evil")
+        if sec % 4 == 0:
+            ws[(sec // 4) % 2].signals.outcome(200, f"t{sec % 6}")
+
+    assert set(run(clock, ws, 120, traffic)) == {(0, 0)}
+    s0, s1 = ws[0].status(), ws[1].status()
+    assert s0["metrics"]["error_rate"] == 0.0 == s1["metrics"]["error_rate"]  # what the ladder judged, on both
+    assert s0["own_window_metrics"]["error_rate"] > 0.8  # worker 0's window alone
+    assert s0["metrics_judged_at"] == s1["metrics_judged_at"] == clock.t
+    assert s1["own_window_metrics"]["error_rate"] == 0.0
+    assert before["metrics_judged_at"] is None and before["metrics"] == own_then
+
+
+def test_status_of_a_worker_sharing_nothing_shows_what_it_judged_and_no_own_window_beside_it(tmp_path: Path) -> None:
+    f = tmp_path / "ladder.yaml"
+    f.write_text(LADDER)
+    clock = Clock()
+    c = LadderController(read_ladder(f), SqliteLadderStore(tmp_path / "state.db"), Signals(clock=clock), clock=clock)
+    c.signals.outcome(502, "t1")
+    c.tick()
+    c.signals.outcome(200, "t1")  # after the tick: not judged yet
+    s = c.status()
+    assert s["metrics"]["error_rate"] == 1.0  # what the tick judged (read now: 0.5)
+    assert (s["metrics_judged_at"], s["own_window_metrics"]) == (clock.t, None)
+
+
 def test_a_fault_failing_every_tenant_on_both_workers_still_raises(
         workers: tuple[Clock, list[LadderController]]) -> None:
     clock, ws = workers
