@@ -112,7 +112,7 @@ def test_a_copy_off_the_path_that_fails_leaves_the_answer_its_client_is_billed_f
         gw: Gateway, monkeypatch: pytest.MonkeyPatch) -> None:
     checks, sent = gw.app.state.services.pipeline.cache_checks, []  # the sampler of cache hits to check, failing
 
-    def send(*args: Any) -> None:
+    def send(*args: Any, **kw: Any) -> None:
         sent.append(1)
         raise Bug("secret detail of the broken sampler")
 

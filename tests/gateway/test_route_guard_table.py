@@ -130,12 +130,19 @@ def _path(template: str, gateway: Gateway) -> str:
     return re.sub(r"\{(\w+)(:\w+)?\}", lambda m: values.get(m.group(1), "acme"), template)
 
 
+READINGS = ("metrics", "metrics_judged_at", "own_window_metrics")  # the ladder's, read at each tick: no one's change
+
+
 def _state(gateway: Gateway) -> dict[str, Any]:
-    """What an admin route could change or reveal: tenants, keys, data versions, the ladder, rollouts."""
+    """What an admin route could change or reveal: tenants, keys, data versions, the ladder (but its readings, which
+    its ticks renew), rollouts."""
     with gateway.client(gateway.admin_key) as admin:
-        return {path: admin.get(path).json() for path in (
+        state = {path: admin.get(path).json() for path in (
             "/admin/tenants", "/admin/keys", "/admin/degrade", "/admin/degrade/history", "/admin/rollouts",
             "/admin/rollouts/history")} | {"data_version": gateway.store.data_version("acme")}
+    for reading in READINGS:
+        state["/admin/degrade"].pop(reading, None)
+    return state
 
 
 def _refusals(gateway: Gateway, dead: dict[str, str]) -> list[tuple[str, dict[str, str], int]]:
